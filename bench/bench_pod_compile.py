@@ -84,7 +84,10 @@ def compile_one(name: str, gin_file: str, topology: str, bindings: list[str], ou
             "exit": proc.returncode}
   if os.path.exists(report):
     result.update(json.load(open(report)))
-  if proc.returncode != 0:
+  if proc.returncode < 0:  # The kernel's OOM killer sends SIGKILL: say so, not a log line.
+    result["error"] = (f"killed by signal {-proc.returncode}"
+                       + (" (out of host memory?)" if proc.returncode == -9 else ""))
+  elif proc.returncode != 0:
     lines = [l for l in proc.stderr.splitlines() if "error" in l.lower()]
     lines = lines or proc.stderr.strip().splitlines() or ["?"]
     result["error"] = lines[-1]

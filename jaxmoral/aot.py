@@ -167,19 +167,31 @@ class CompileProgram:
   """What a compile target hands back.
 
   Attributes:
-    lower: `() -> jax.stages.Lowered` of the full sharded step (abstract inputs only).
+    lower: `() -> jax.stages.Lowered` of the full sharded step (abstract inputs only); or
+      give `stages` instead.
     description: One line for the report ("T5 large seq2seq, batch 512 x (512, 128)").
     num_params: Parameters of every model in the step.
     num_trainable_params: Parameters that get updates.
     tokens_per_step: Tokens the step trains on (for a 6*N*D model-FLOPs estimate), if known.
     model_flops_per_step: Analytic model FLOPs of the step (all chips), if the target knows.
+    stages: `(name, lower)` pairs for a step that runs as several compiled programs one
+      after the other (PPO: scoring, then the update), compiled one at a time; the report's
+      memory is that of the stage with the highest peak, its FLOPs the sum.
   """
-  lower: Callable[[], Any]
-  description: str
+  lower: Optional[Callable[[], Any]] = None
+  description: str = ""
   num_params: int = 0
   num_trainable_params: int = 0
   tokens_per_step: Optional[int] = None
   model_flops_per_step: Optional[float] = None
+  stages: tuple[tuple[str, Callable[[], Any]], ...] = ()
+
+  def __post_init__(self):
+    if (self.lower is None) == (not self.stages):
+      raise ValueError("CompileProgram: give exactly one of lower, stages")
+
+  def all_stages(self) -> tuple[tuple[str, Callable[[], Any]], ...]:
+    return self.stages or (("step", self.lower),)
 
 
 CompileTargetBuilder = Callable[[partitioning.PjitPartitioner], CompileProgram]
@@ -382,30 +394,38 @@ def ppo_target(partitioner: partitioning.PjitPartitioner, *, policy_config: Any 
   batch, prompt_len = ppo_config.batch_size, ppo_config.max_prompt_length
   response_len = ppo_config.max_response_length
 
-  def step(state, judge_params, prompt_tokens, response_tokens, response_mask,
-           sampler_logprobs, rng):
+  def score(state, judge_params, prompt_tokens, response_tokens, response_mask,
+            sampler_logprobs):
     # Judge reward: log-probability of one class token after reading prompt + response.
     judge_inputs = jnp.concatenate([prompt_tokens, response_tokens * response_mask], axis=1)
     logits = judge.apply({"params": judge_params}, judge_inputs,
                          jnp.zeros((judge_inputs.shape[0], 1), jnp.int32))
     scores = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32))[:, judge_config.eos_token_id]
-    rollout, score_metrics = trainer._score_fn(  # pylint: disable=protected-access
+    return trainer._score_fn(  # pylint: disable=protected-access
         state, prompt_tokens, response_tokens, response_mask, sampler_logprobs, scores)
-    state, metrics = trainer._update_fn(state, rollout, rng)  # pylint: disable=protected-access
-    return state, {**score_metrics, **metrics}
 
   d2, rep = partitioner.data_sharding(2), partitioner.replicated
-  jitted = partitioner.partition(
-      step, in_shardings=(trainer.state_shardings, judge_shardings, d2, d2, d2, d2, rep),
+  # The trainer runs scoring and the update as two compiled programs (`_score_jit`,
+  # `_update_jit`); compiling them apart, as they run, also halves the compiler's memory.
+  score_jit = partitioner.partition(
+      score, in_shardings=(trainer.state_shardings, judge_shardings, d2, d2, d2, d2),
+      out_shardings=(trainer.rollout_shardings, rep))
+  update_jit = partitioner.partition(
+      trainer._update_fn,  # pylint: disable=protected-access
+      in_shardings=(trainer.state_shardings, trainer.rollout_shardings, rep),
       out_shardings=(trainer.state_shardings, rep), donate_argnums=(0,))
 
   def tokens(length, dtype=jnp.int32):
     return jax.ShapeDtypeStruct((batch, length), dtype, sharding=d2)
 
-  args = (trainer.abstract_state(), judge_abstract, tokens(prompt_len), tokens(response_len),
-          tokens(response_len), tokens(response_len, jnp.float32),
-          jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
-  state = args[0]
+  score_args = (trainer.abstract_state(), judge_abstract, tokens(prompt_len),
+                tokens(response_len), tokens(response_len), tokens(response_len, jnp.float32))
+  rollout_shapes, _ = jax.eval_shape(score, *score_args)
+  rollout = jax.tree_util.tree_map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), rollout_shapes,
+      trainer.rollout_shardings)
+  update_args = (score_args[0], rollout, jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
+  state = score_args[0]
   policy_n, value_n = _num_params(state.policy.params), _num_params(state.value.params)
   judge_n = _num_params(judge_abstract)
   trainable = _num_trainable(trainer.policy_trainer) + _num_trainable(trainer.value_trainer)
@@ -423,7 +443,8 @@ def ppo_target(partitioner: partitioning.PjitPartitioner, *, policy_config: Any 
            + 3.0 * passes * (policy_fwd + value_fwd))
   tokens_seen = batch * (prompt_len + response_len)
   return CompileProgram(
-      lower=lambda: jitted.lower(*args),
+      stages=(("score", lambda: score_jit.lower(*score_args)),
+              ("update", lambda: update_jit.lower(*update_args))),
       description=(f"PPO step: policy {policy_n / 1e6:.1f}M + value {value_n / 1e6:.1f}M + "
                    f"frozen reference + judge {judge_n / 1e6:.1f}M; batch {batch} x (prompt "
                    f"{prompt_len}, response {response_len}), {passes} epochs x "
@@ -528,6 +549,7 @@ class CompileReport:
   model_mfu: Optional[float]
   lower_seconds: float
   compile_seconds: float
+  stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -567,6 +589,11 @@ class CompileReport:
          else f"{self.mfu:.1%} / {num(self.model_mfu, '.1%')}"),
         ("lower / compile", f"{self.lower_seconds:.1f} s / {self.compile_seconds:.1f} s"),
     ]
+    for stage in self.stages:
+      rows.append((f"stage {stage['name']}",
+                   f"peak {stage['peak_bytes'] / GiB:.3f} GiB / chip (temporaries "
+                   f"{stage['temp_bytes'] / GiB:.3f} GiB), {num(stage['flops_per_chip'])} "
+                   f"FLOPs / chip, compiled in {stage['compile_seconds']:.1f} s"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
@@ -616,6 +643,32 @@ def analyze(compiled: Any, *, topology: Topology, target: str, program: CompileP
       model_flops_per_step=program.model_flops_per_step, peak_flops_per_s=peak_flops,
       min_step_time_s=min_time, step_time_s=step_time_s, mfu=mfu, model_mfu=model_mfu,
       lower_seconds=lower_seconds, compile_seconds=compile_seconds)
+
+
+def combine_stages(reports: Sequence[tuple[str, CompileReport]]) -> CompileReport:
+  """One report for a step run as several programs in sequence (`CompileProgram.stages`).
+
+  Memory is the stage with the highest peak (the programs do not run at once; the state they
+  share is an argument of each); FLOPs, minimum step time and compile times add up.
+  """
+  if len(reports) == 1:
+    return reports[0][1]
+  worst = max((r for _, r in reports), key=lambda r: r.peak_bytes)
+  known = [r.flops_per_chip for _, r in reports if r.flops_per_chip is not None]
+  flops = sum(known) if len(known) == len(reports) else None
+  peak_flops = worst.peak_flops_per_s
+  mfu = None
+  if flops and worst.step_time_s and peak_flops:
+    mfu = flops / (worst.step_time_s * peak_flops)
+  return dataclasses.replace(
+      worst, flops_per_chip=flops,
+      bytes_accessed_per_chip=sum(r.bytes_accessed_per_chip or 0.0 for _, r in reports),
+      min_step_time_s=flops / peak_flops if flops and peak_flops else None, mfu=mfu,
+      lower_seconds=sum(r.lower_seconds for _, r in reports),
+      compile_seconds=sum(r.compile_seconds for _, r in reports),
+      stages=[dict(name=name, peak_bytes=r.peak_bytes, temp_bytes=r.temp_bytes,
+                   argument_bytes=r.argument_bytes, flops_per_chip=r.flops_per_chip,
+                   compile_seconds=r.compile_seconds) for name, r in reports])
 
 
 def check_fits(report: CompileReport) -> None:
@@ -694,16 +747,20 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
   # gin supplies num_partitions / rules; the devices are the topology's.
   partitioner = partitioning.PjitPartitioner(devices=list(topo.devices), num_slices=num_slices)
   program = _TARGETS[target](partitioner)
-  tick = time.perf_counter()
-  lowered = program.lower()
-  lower_seconds = time.perf_counter() - tick
-  tick = time.perf_counter()
-  compiled = lowered.compile()
-  compile_seconds = time.perf_counter() - tick
-  report = analyze(compiled, topology=topo, target=target, program=program,
-                   mesh=dict(partitioner.mesh.shape), hbm_bytes=hbm_bytes,
-                   step_time_s=step_time_s, lower_seconds=lower_seconds,
-                   compile_seconds=compile_seconds)
+  stage_reports = []
+  for name, lower in program.all_stages():
+    tick = time.perf_counter()
+    lowered = lower()
+    lower_seconds = time.perf_counter() - tick
+    tick = time.perf_counter()
+    compiled = lowered.compile()
+    compile_seconds = time.perf_counter() - tick
+    stage_reports.append((name, analyze(
+        compiled, topology=topo, target=target, program=program,
+        mesh=dict(partitioner.mesh.shape), hbm_bytes=hbm_bytes, step_time_s=step_time_s,
+        lower_seconds=lower_seconds, compile_seconds=compile_seconds)))
+    del lowered, compiled  # Free the compiler's memory before the next stage.
+  report = combine_stages(stage_reports)
   if print_table:
     print(f"jaxmoral compile {topology}:\n{report.table()}", flush=True)
   if report_path:

@@ -125,6 +125,36 @@ def test_mfu_only_with_a_step_time():
   assert r.mfu == pytest.approx(0.5) and r.model_mfu == pytest.approx(0.25)
 
 
+def test_stages_combine_worst_memory_and_summed_flops():
+  topo = aot.Topology(name="fake", platform="tpu", devices=tuple(range(8)),
+                      chip=aot.CHIPS["v5e"])
+
+  def fake(temp, flops):
+    class Fake:
+      def memory_analysis(self):
+        return type("M", (), dict(argument_size_in_bytes=10, output_size_in_bytes=10,
+                                  alias_size_in_bytes=10, temp_size_in_bytes=temp))()
+
+      def cost_analysis(self):
+        return {"flops": flops}
+    return Fake()
+
+  program = aot.CompileProgram(stages=(("a", lambda: None), ("b", lambda: None)))
+  a = aot.analyze(fake(5, 1e12), topology=topo, target="t", program=program, mesh={},
+                  step_time_s=0.1, compile_seconds=2.0)
+  b = aot.analyze(fake(50, 3e12), topology=topo, target="t", program=program, mesh={},
+                  step_time_s=0.1, compile_seconds=3.0)
+  r = aot.combine_stages([("a", a), ("b", b)])
+  assert r.peak_bytes == 60 and r.temp_bytes == 50  # stage b, the larger peak
+  assert r.flops_per_chip == 4e12 and r.compile_seconds == 5.0
+  assert r.min_step_time_s == pytest.approx(4e12 / 197e12)
+  assert r.mfu == pytest.approx(4e12 / (0.1 * 197e12))
+  assert [s["name"] for s in r.stages] == ["a", "b"] and r.stages[0]["peak_bytes"] == 15
+  assert aot.combine_stages([("a", a)]) is a
+  with pytest.raises(ValueError, match="exactly one of lower, stages"):
+    aot.CompileProgram(description="neither")
+
+
 @pytest.mark.parametrize("bad", ["v5e", "v9:2x2", "cpu:2x2", "8x8", "cpu:10000"])
 def test_bad_topologies_are_clear_errors(bad):
   with pytest.raises(ValueError, match="topology"):
@@ -179,6 +209,10 @@ def test_ppo_target_compiles_policy_value_reference_and_judge():
   assert report.num_trainable_params == report.num_params - 2 * tiny
   assert report.mesh == {"data": 4, "model": 2}
   assert report.peak_bytes > 0 and report.flops_per_chip > 0
+  # Scoring (judge, policy, reference, values) and the update compile as the trainer runs them.
+  assert [s["name"] for s in report.stages] == ["score", "update"]
+  assert report.peak_bytes == max(s["peak_bytes"] for s in report.stages)
+  assert report.flops_per_chip == pytest.approx(sum(s["flops_per_chip"] for s in report.stages))
   assert "PPO step" in report.description and "batch 8 x (prompt 8, response 4)" in report.description
 
 

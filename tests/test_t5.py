@@ -190,6 +190,20 @@ def test_encode_from_embeddings_equals_from_tokens():
     t5.T5(config).apply(variables, encoder_embeds=embeds, method=t5.T5.encode)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_target_logit_rows_give_the_chosen_logits(variant):
+  """hidden . target_logit_rows == PyTorch's logit of each chosen token (tied and untied)."""
+  model, config, params = hf_model(variant)
+  enc, dec = random_batch(4)
+  targets = np.random.RandomState(5).randint(0, VOCAB, dec.shape).astype(np.int32)
+  _, hidden = jitted(config, "__call__", return_hidden=True)({"params": params}, enc, dec)
+  for row in range(dec.shape[0]):
+    rows = t5.target_logit_rows(params, config, jnp.asarray(targets[row]))
+    got = np.sum(np.asarray(hidden[row]) * np.asarray(rows), axis=-1)
+    want = torch_logits(model, enc, dec)[row, np.arange(dec.shape[1]), targets[row]]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_scalar_head_shapes_and_values():
   config = t5_config(size="tiny", vocab_size=64)
   model = t5.T5(config, with_scalar_head=True)

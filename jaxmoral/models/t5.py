@@ -489,6 +489,20 @@ class T5(nn.Module):
     return (logits, hidden) if return_hidden else logits
 
 
+def target_logit_rows(params: Any, config: T5Config, tokens: Array) -> Array:
+  """Rows of the output projection for `tokens`, (len(tokens), d_model) float32.
+
+  `hidden[t] . rows[t]` is the logit of `tokens[t]` at decoder position t (the same number
+  as `logits[t, tokens[t]]`) without projecting onto the whole vocabulary, so gradients of
+  chosen logits (salience) skip the (length, vocab) projection and its transpose.
+  """
+  if config.tie_word_embeddings:  # T5 1.0: the embedding, behind the d_model ** -0.5 rescale.
+    rows = jnp.take(params["token_embedder"]["embedding"], tokens, axis=0)
+    return rows.astype(jnp.float32) * (config.d_model ** -0.5)
+  kernel = params["decoder"]["logits_dense"]["kernel"]
+  return jnp.take(kernel, tokens, axis=1).T.astype(jnp.float32)
+
+
 def shift_right(targets: Array, start_id: int = 0) -> Array:
   """Decoder inputs for teacher forcing: targets shifted right behind the start id."""
   shifted = jnp.zeros_like(targets).at[:, 1:].set(targets[:, :-1])

@@ -16,12 +16,14 @@ L2 norm (method "grad_norm", the paper's alternative). Then:
 4. hallucination = 1 - gmean(attributions); coverage = 1 - min over perspectives of
    gmean(contributions of that side's argument words). Word scores are 1 - value.
 
-Speed: output positions are processed `chunk_size` at a time as one batched forward and
-backward pass (the chunk is the batch: row c differentiates the chosen logit at position c),
-which bounds memory; one compiled program per (padded input, padded output) shape, lengths
-padded to power-of-two buckets, chunks holding only padding are skipped. (One forward pass with
-its VJP vmapped over one-hot cotangents, or a lax loop over chunks, would share work but gave
-wrong gradients on XLA:CPU at chunk x length >= 4096, found against PyTorch.)
+Speed: one forward pass per example. The encoder runs once under `jax.vjp`; the decoder's
+chosen logits (each position's hidden state dotted with that token's output row, no vocabulary
+projection) run once under a second `jax.vjp`. Output positions are then processed
+`chunk_size` at a time: the two VJPs are vmapped over the chunk's one-hot cotangents, which
+turns the backward passes into batched matmuls; the chunk bounds memory, and a device loop
+over chunks keeps one compiled program per (padded input, padded output) shape (lengths are
+padded to power-of-two buckets; chunks holding only padding are not run). This relies on the
+XLA:CPU workaround in `jaxmoral.xla_flags`: without it this program returned wrong gradients.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 
 from jaxmoral import prompt_tuning
 from jaxmoral.models.config import T5Config
-from jaxmoral.models.t5 import T5, shift_right
+from jaxmoral.models.t5 import T5, shift_right, target_logit_rows
 from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
@@ -51,32 +53,49 @@ Aggregation = Literal["max", "sum", "neg_entropy"]
 
 # --------------------------------------------------------------------------- token level ---
 @functools.lru_cache(maxsize=32)
-def _chunk_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bool) -> Any:
-  """Jitted salience of output positions [start, start + chunk_size): (chunk, L)."""
+def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bool) -> Any:
+  """Jitted (padded output, padded input) salience of one example; see the module doc."""
   model = T5(config)
 
-  def run(params: Any, encoder_tokens: Array, targets: Array, start: Array,
+  def run(params: Any, encoder_tokens: Array, targets: Array, num_chunks: Array,
           prompt: Optional[Array]) -> Array:
     mask = encoder_tokens != config.pad_token_id
     embeds = model.apply({"params": params}, encoder_tokens, method=T5.embed)
-    decoder_inputs = shift_right(targets, config.decoder_start_token_id)
-    length = targets.shape[1]
-    positions = start + jnp.arange(chunk_size)
-    rows = jnp.broadcast_to(embeds, (chunk_size,) + embeds.shape[1:])
+    full_mask = mask if not with_prompt else prompt_tuning.prepend_prompt(prompt, embeds,
+                                                                          mask)[1]
 
-    def chosen(e: Array) -> Array:
-      m = jnp.broadcast_to(mask, (chunk_size,) + mask.shape[1:])
+    def encode(e: Array) -> Array:
       if with_prompt:
-        e, m = prompt_tuning.prepend_prompt(prompt, e, m)
-      decoder = jnp.broadcast_to(decoder_inputs, (chunk_size, length))
-      logits = model.apply({"params": params}, None, decoder, encoder_embeds=e, encoder_mask=m)
-      return logits[jnp.arange(chunk_size), positions, targets[0, positions]]
+        e = prompt_tuning.prepend_prompt(prompt, e, mask)[0]
+      return model.apply({"params": params}, None, encoder_embeds=e, encoder_mask=full_mask,
+                         method=T5.encode)
 
-    _, vjp_fn = jax.vjp(chosen, rows)
-    grads = vjp_fn(jnp.ones((chunk_size,), jnp.float32))[0].astype(jnp.float32)
-    if method == "grad_x_input":
-      return jnp.sum(grads * embeds[0].astype(jnp.float32)[None], axis=-1)
-    return jnp.sqrt(jnp.sum(jnp.square(grads), axis=-1))
+    encoded, encoder_vjp = jax.vjp(encode, embeds)
+    decoder_inputs = shift_right(targets, config.decoder_start_token_id)
+    rows = target_logit_rows(params, config, targets[0])
+
+    def target_logits(h: Array) -> Array:
+      _, hidden = model.apply({"params": params}, h, full_mask, decoder_inputs,
+                              method=T5.decode)
+      return jnp.sum(hidden[0].astype(jnp.float32) * rows, axis=-1)
+
+    _, decoder_vjp = jax.vjp(target_logits, encoded)
+    length = targets.shape[1]
+    inputs = embeds[0].astype(jnp.float32)
+
+    def chunk(index: Array, out: Array) -> Array:
+      start = index * chunk_size
+      cotangents = jax.nn.one_hot(start + jnp.arange(chunk_size), length, dtype=jnp.float32)
+      to_encoded = jax.vmap(lambda c: decoder_vjp(c)[0])(cotangents)
+      grads = jax.vmap(lambda c: encoder_vjp(c)[0][0])(to_encoded).astype(jnp.float32)
+      if method == "grad_x_input":
+        values = jnp.sum(grads * inputs[None], axis=-1)
+      else:
+        values = jnp.sqrt(jnp.sum(jnp.square(grads), axis=-1))
+      return jax.lax.dynamic_update_slice(out, values, (start, 0))
+
+    out = jnp.zeros((length, encoder_tokens.shape[1]), jnp.float32)
+    return jax.lax.fori_loop(0, num_chunks, chunk, out)
 
   return jax.jit(run)
 
@@ -103,7 +122,8 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
       wanted); entry [i, t] attributes the logit of `target_ids[t]`.
     prompt: Optional soft prompt (P, d_model) of a prompt-tuned generator.
     method: "grad_x_input" (gradient . embedding) or "grad_norm" (||gradient||_2).
-    chunk_size: Output positions per batched backward pass (bounds memory).
+    chunk_size: Output positions per batched backward pass (bounds memory: the encoder's
+      backward pass holds about chunk_size x heads x input_length^2 attention values).
     input_bucket: Inputs are padded to this times a power of two (fewer compilations);
       outputs likewise to `chunk_size` times a power of two.
 
@@ -123,14 +143,10 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
   encoder[0, :n_in] = input_ids
   targets = np.zeros((1, _bucket(n_out, chunk_size)), np.int32)
   targets[0, :n_out] = target_ids
-  fn = _chunk_fn(model.config, method, chunk_size, prompt is not None)
-  args = (params, jnp.asarray(encoder), jnp.asarray(targets))
+  fn = _salience_fn(model.config, method, chunk_size, prompt is not None)
   prompt = None if prompt is None else jnp.asarray(prompt)
-  # A host loop over chunks (not lax.fori_loop / scan / vmap of the VJP): on XLA:CPU with
-  # jax 0.10.2 those returned wrong gradients once chunk_size x input length reached 4096
-  # (caught against PyTorch in bench/bench_salience.py); the per-chunk program is correct.
-  out = np.concatenate([np.asarray(fn(*args, jnp.int32(start), prompt))
-                        for start in range(0, n_out, chunk_size)])
+  num_chunks = jnp.int32(-(-n_out // chunk_size))
+  out = np.asarray(fn(params, jnp.asarray(encoder), jnp.asarray(targets), num_chunks, prompt))
   return out[:n_out, :n_in].T
 
 
