@@ -5,7 +5,7 @@ inputs, same machine, same process. Both decode exactly `--new_tokens` tokens (E
 until then: `min_length` here, `min_new_tokens` there) so they do equal work. Prints tokens/s
 for each, the ratio, and whether the greedy outputs agree.
 
-  python bench/bench_generate.py            # batch 8, 64 input tokens, 32 new tokens
+  python bench/bench_generate.py --batch 1,8,32   # 64 input tokens, 32 new tokens
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _time(fn, repeats: int) -> list[float]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--size", default="small")
-  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--batch", default="8", help="comma list of batch sizes, one row each")
   parser.add_argument("--input_length", type=int, default=64)
   parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=3)
@@ -117,48 +117,50 @@ def main() -> None:
   config = t5_config(size=args.size)
   model = T5(config)
   params = nn.unbox(init_params(model, jax.random.PRNGKey(0)))
-  rng = np.random.default_rng(0)
-  inputs = rng.integers(2, config.vocab_size, size=(args.batch, args.input_length),
-                        dtype=np.int32)
+  hf = hf_model(params, config)
   new = args.new_tokens
-  work = args.batch * new
-
   sampler = decoding.make_sampler(model, max_decode_length=new, greedy=True, min_length=new,
                                   eos_id=config.eos_token_id)
-  run_jax = lambda: jax.block_until_ready(sampler(params, inputs).tokens)  # noqa: E731
-  start = time.perf_counter()
-  ours = np.asarray(run_jax())[:, 0]
-  compile_s = time.perf_counter() - start
-  jax_times = _time(run_jax, args.repeats)
+  print(f"T5 1.1 {args.size} random weights, {args.input_length} input tokens, {new} new "
+        f"tokens, greedy; {args.repeats} timed runs each (median); jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}, torch {torch.__version__} ({args.torch_threads} "
+        f"threads), transformers {transformers.__version__}")
+  for batch in [int(b) for b in args.batch.split(",")]:
+    rng = np.random.default_rng(0)
+    inputs = rng.integers(2, config.vocab_size, size=(batch, args.input_length),
+                          dtype=np.int32)
+    work = batch * new
+    run_jax = lambda: jax.block_until_ready(sampler(params, inputs).tokens)  # noqa: E731
+    start = time.perf_counter()
+    ours = np.asarray(run_jax())[:, 0]
+    compile_s = time.perf_counter() - start
+    jax_times = _time(run_jax, args.repeats)
 
-  hf = hf_model(params, config)
-  input_ids = torch.from_numpy(inputs.astype(np.int64))
-  attention_mask = torch.ones_like(input_ids)
+    input_ids = torch.from_numpy(inputs.astype(np.int64))
+    attention_mask = torch.ones_like(input_ids)
 
-  def run_torch():
-    with torch.inference_mode():
-      return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                         num_beams=1, max_new_tokens=new, min_new_tokens=new)
+    def run_torch():
+      with torch.inference_mode():
+        return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                           num_beams=1, max_new_tokens=new, min_new_tokens=new)
 
-  theirs = run_torch()[:, 1:].numpy()  # Drop the decoder start token; also the warm-up.
-  torch_times = _time(run_torch, args.repeats)
+    theirs = run_torch()[:, 1:].numpy()  # Drop the decoder start token; also the warm-up.
+    torch_times = _time(run_torch, args.repeats)
 
-  jax_tps = work / statistics.median(jax_times)
-  torch_tps = work / statistics.median(torch_times)
-  agree = (ours == theirs).all(axis=1)
-  print(f"T5 1.1 {args.size} random weights, batch {args.batch}, {args.input_length} input "
-        f"tokens, {new} new tokens, greedy; {args.repeats} timed runs each (median); "
-        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
-        f"({args.torch_threads} threads), transformers {transformers.__version__}")
-  print(f"jaxmoral.decoding.sample : {jax_tps:8.1f} tokens/s  "
-        f"(runs {', '.join(f'{x:.3f}' for x in jax_times)} s; first call incl. compile "
-        f"{compile_s:.1f} s)")
-  print(f"HF torch generate        : {torch_tps:8.1f} tokens/s  "
-        f"(runs {', '.join(f'{x:.3f}' for x in torch_times)} s)")
-  print(f"speed-up                 : {jax_tps / torch_tps:8.2f}x")
-  first_diff = [-1 if a else int(np.argmax(o != h)) for o, h, a in zip(ours, theirs, agree)]
-  print(f"greedy outputs agree     : {int(agree.sum())}/{len(agree)} rows identical"
-        + ("" if agree.all() else f"; first differing position per row {first_diff}"))
+    jax_tps = work / statistics.median(jax_times)
+    torch_tps = work / statistics.median(torch_times)
+    agree = (ours == theirs).all(axis=1)
+    print(f"batch {batch}:")
+    print(f"  jaxmoral.decoding.sample : {jax_tps:8.1f} tokens/s  "
+          f"(runs {', '.join(f'{x:.3f}' for x in jax_times)} s; first call incl. compile "
+          f"{compile_s:.1f} s)")
+    print(f"  HF torch generate        : {torch_tps:8.1f} tokens/s  "
+          f"(runs {', '.join(f'{x:.3f}' for x in torch_times)} s)")
+    print(f"  speed-up                 : {jax_tps / torch_tps:8.2f}x")
+    first_diff = [-1 if a else int(np.argmax(o != h)) for o, h, a in zip(ours, theirs, agree)]
+    print(f"  greedy outputs agree     : {int(agree.sum())}/{len(agree)} rows identical"
+          + ("" if agree.all() else f"; first differing position per row {first_diff}"),
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 T5 1.1-small sizes (random weights, float32), AdamW, batch 8, 128 input and 64 target tokens by
 default. Prints tokens/s (input + target tokens) for both, their ratio, and the achieved FLOP/s
-against the machine's peak, estimated from /proc/cpuinfo (cores x clock x FMA width; the
-assumption is printed). FLOPs per step come from XLA's cost analysis of the compiled step (the
+against the machine's float32 peak, measured by `bench/machine.py` (cores x clock x FMA
+throughput per cycle, timed by a small C kernel). FLOPs per step come from XLA's cost analysis of the compiled step (the
 same model, so it is used for both frameworks), with the 6 * params * tokens rule alongside.
 
   python bench/bench_train_step.py [--steps 3] [--size small] [--batch 8]
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import time
 
 import jax
@@ -25,28 +24,7 @@ from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
 
-
-def cpu_peak_flops() -> tuple[float, str]:
-  """Peak float32 FLOP/s estimate and the assumption behind it."""
-  cores = len(os.sched_getaffinity(0))
-  text = open("/proc/cpuinfo").read()
-  flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split())
-  mhz = [float(x) for x in re.findall(r"^cpu MHz\s*:\s*([\d.]+)", text, re.M)]
-  model = re.search(r"^model name\s*:(.*)$", text, re.M).group(1).strip()
-  ghz = (max(mhz) / 1000.0) if mhz else 2.0
-  if "avx512f" in flags:
-    lanes, isa = 16, "AVX-512"
-  elif "avx2" in flags:
-    lanes, isa = 8, "AVX2"
-  else:
-    lanes, isa = 4, "SSE"
-  fma_units = 2 if "fma" in flags else 1
-  per_cycle = lanes * 2 * fma_units  # an FMA is 2 FLOPs
-  peak = cores * ghz * 1e9 * per_cycle
-  note = (f"{model}: {cores} cores x {ghz:.2f} GHz x {lanes} fp32 lanes ({isa}) x 2 (FMA) x "
-          f"{fma_units} FMA units = {peak / 1e9:.0f} GFLOP/s (assumes all cores at the listed "
-          "clock, no turbo/throttling, 2 FMA ports; a shared machine gets less)")
-  return peak, note
+import machine  # bench/machine.py
 
 
 def make_batch(cfg: config_lib.T5Config, batch: int, inputs: int, targets: int) -> dict:
@@ -135,7 +113,8 @@ def main() -> None:
   batch = make_batch(cfg, args.batch, args.inputs, args.targets)
   tokens = args.batch * (args.inputs + args.targets)
   n_params = cfg.num_params()
-  peak, note = cpu_peak_flops()
+  peak_info = machine.measured_peak()
+  peak, note = peak_info.flops, peak_info.note
   print(f"model T5 1.1-{args.size}: {n_params / 1e6:.1f}M params, float32, AdamW; batch "
         f"{args.batch} x (inputs {args.inputs} + targets {args.targets}) = {tokens} tokens/step")
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}; peak: {note}")

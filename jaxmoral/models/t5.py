@@ -164,9 +164,11 @@ class MultiHeadAttention(nn.Module):
   """T5 attention: no 1/sqrt(d) scaling (folded into the query init), optional KV cache.
 
   Self-attention in decode mode keeps `cached_key`/`cached_value` of shape
-  (batch, max_decode_length, heads, d_kv) and writes one position per step.
-  Cross-attention in decode mode projects the encoder outputs once, in `init_cache`,
-  and reads them back on every step.
+  (batch, heads, max_decode_length, d_kv) and writes one position per step.
+  Cross-attention in decode mode projects the encoder outputs once, in `init_cache`, into the
+  same (batch, heads, length, d_kv) layout and reads them back on every step. Heads come
+  before positions in the cache because that is the layout the per-step batched dots read:
+  a (batch, length, heads, d_kv) cache made XLA:CPU transpose every cache on every step.
   """
   config: T5Config
   deterministic: bool = True
@@ -191,36 +193,41 @@ class MultiHeadAttention(nn.Module):
       return _constrain(x.reshape(x.shape[:-1] + (heads, d_kv)),
                         ("batch", "length", "heads", "kv"))
 
+    def heads_first(x: Array) -> Array:  # (b, l, h, d) -> (b, h, l, d)
+      return _constrain(jnp.swapaxes(x, 1, 2), ("batch", "heads", "length", "kv"))
+
     query = split(query_proj(inputs_q))
     if decode and is_cross:
       if init_cache:
-        projected_k, projected_v = split(key_proj(inputs_kv)), split(value_proj(inputs_kv))
+        projected_k = heads_first(split(key_proj(inputs_kv)))
+        projected_v = heads_first(split(value_proj(inputs_kv)))
         self.variable("cache", "cached_key", lambda: projected_k)
         self.variable("cache", "cached_value", lambda: projected_v)
       key = self.get_variable("cache", "cached_key")
       value = self.get_variable("cache", "cached_value")
     elif decode:
-      shape = (batch, max_decode_length, heads, d_kv)
+      shape = (batch, heads, max_decode_length, d_kv)
       cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, dtype)
       cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, dtype)
       if init_cache:
         return jnp.zeros(inputs_q.shape[:-1] + (d_model,), dtype)
-      step_k, step_v = split(key_proj(inputs_q)), split(value_proj(inputs_q))
-      start = (0, decode_position, 0, 0)
-      cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, step_k.astype(dtype), start)
-      cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, step_v.astype(dtype),
-                                                        start)
+      step_k = heads_first(split(key_proj(inputs_q))).astype(dtype)
+      step_v = heads_first(split(value_proj(inputs_q))).astype(dtype)
+      start = (0, 0, decode_position, 0)
+      cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, step_k, start)
+      cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, step_v, start)
       key, value = cached_key.value, cached_value.value
     else:
-      key, value = split(key_proj(inputs_kv)), split(value_proj(inputs_kv))
+      key = heads_first(split(key_proj(inputs_kv)))
+      value = heads_first(split(value_proj(inputs_kv)))
 
-    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key,
+    scores = jnp.einsum("bqhd,bhkd->bhqk", query, key,
                         preferred_element_type=jnp.float32) + bias
     weights = jax.nn.softmax(scores, axis=-1)
     if cfg.dropout_rate > 0 and not self.deterministic:
       keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - cfg.dropout_rate, weights.shape)
       weights = weights * keep / (1.0 - cfg.dropout_rate)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(dtype), value)
+    out = jnp.einsum("bhqk,bhkd->bqhd", weights.astype(dtype), value)
     out = out.reshape(out.shape[:2] + (joined,))
     out_proj = DenseKernel(features=d_model, axes=("joined_kv", "embed"),
                            init_scale=joined ** -0.5, dtype=dtype, name="out")

@@ -231,7 +231,7 @@ class SalienceConfig:
   """
   method: Method = "grad_x_input"
   aggregation: Aggregation = "max"
-  chunk_size: int = 32
+  chunk_size: int = 16
   input_bucket: int = 64
   max_input_tokens: int = 1024
   max_target_tokens: int = 512
