@@ -122,6 +122,9 @@ def main() -> int:
                       help="measured/assumed step time in seconds (for MFU)")
   parser.add_argument("--out", default="/tmp/jaxmoral_pod_compile")
   parser.add_argument("--timeout", type=int, default=3600, help="seconds per config")
+  parser.add_argument("--gin", action="append", default=[],
+                      help="extra gin binding for every config, e.g. "
+                           "\"aot.compile_for_topology.stages = ('update',)\"")
   args = parser.parse_args()
   os.makedirs(args.out, exist_ok=True)
   entries = discover()
@@ -131,8 +134,8 @@ def main() -> int:
   results = []
   for name, gin_file, topology, bindings in entries:
     print(f"compiling {name}: {gin_file} for {topology} ...", flush=True)
-    results.append(compile_one(name, gin_file, topology, bindings, args.out, args.step_time,
-                               args.timeout))
+    results.append(compile_one(name, gin_file, topology, bindings + args.gin, args.out,
+                               args.step_time, args.timeout))
     print(fmt_table(results[-1:]).splitlines()[-1], flush=True)
   print()
   print(fmt_table(results))

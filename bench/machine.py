@@ -40,8 +40,9 @@ def _estimate() -> Peak:
                     f"x 2 FMA ports x 2 = {peak / 1e9:.0f} GFLOP/s")
 
 
-def measured_peak(iterations: int = 20_000_000) -> Peak:
-  """Measured all-core float32 peak (see the module doc)."""
+def measured_peak(iterations: int = 20_000_000, repeats: int = 3) -> Peak:
+  """Measured all-core float32 peak (see the module doc): the best of `repeats` runs, since
+  a noisy neighbour on a shared VM can only slow a run down."""
   compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
   if not compiler:
     return _estimate()
@@ -51,8 +52,10 @@ def measured_peak(iterations: int = 20_000_000) -> Peak:
     binary = os.path.join(tmp, "peak_flops")
     subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast", "-pthread",
                     str(HERE / "peak_flops.c"), "-o", binary], check=True)
-    out = json.loads(subprocess.run([binary, str(cores), str(iterations)], check=True,
-                                    capture_output=True, text=True).stdout)
+    runs = [json.loads(subprocess.run([binary, str(cores), str(iterations)], check=True,
+                                      capture_output=True, text=True).stdout)
+            for _ in range(repeats)]
+    out = max(runs, key=lambda r: r["gflops"])
   per_cycle = out["flops_per_cycle_per_core"]
   peak = out["gflops"] * 1e9
   name = model.group(1).strip() if model else "CPU"

@@ -705,7 +705,8 @@ def _partitioner_num_slices() -> Optional[int]:
 def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
                          target: Optional[str] = None, num_slices: Optional[int] = None,
                          hbm_bytes: Optional[int] = None, step_time_s: Optional[float] = None,
-                         check: bool = True, print_table: bool = True) -> CompileReport:
+                         stages: Optional[Sequence[str]] = None, check: bool = True,
+                         print_table: bool = True) -> CompileReport:
   """Compiles the gin config's train step for `topology` and reports per-chip memory/FLOPs.
 
   Call after the gin config is parsed (the CLI does). The partitioner is the config's
@@ -719,6 +720,8 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
     num_slices: Multi-slice count (default: `partitioning.PjitPartitioner.num_slices` or 1).
     hbm_bytes: Memory limit per chip (default: the chip's HBM; CPU has none unless given).
     step_time_s: A measured or assumed step time; only then MFU is reported.
+    stages: Compile only these stages of a multi-stage target (e.g. `("update",)` for PPO);
+      one process per stage bounds the host memory the TPU compiler needs.
     check: Raise `DoesNotFitError` when the step does not fit.
     print_table: Print the readable report.
 
@@ -747,8 +750,18 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
   # gin supplies num_partitions / rules; the devices are the topology's.
   partitioner = partitioning.PjitPartitioner(devices=list(topo.devices), num_slices=num_slices)
   program = _TARGETS[target](partitioner)
+  selected = program.all_stages()
+  if stages is not None:
+    known = [name for name, _ in selected]
+    unknown = sorted(set(stages) - set(known))
+    if unknown:
+      raise ValueError(f"compile_for_topology.stages: {unknown} not in target {target!r}'s "
+                       f"stages {known}")
+    selected = tuple((name, lower) for name, lower in selected if name in stages)
   stage_reports = []
-  for name, lower in program.all_stages():
+  for name, lower in selected:
+    logger.info("compile: lowering and compiling stage %r of %s for %s", name, target,
+                topology)
     tick = time.perf_counter()
     lowered = lower()
     lower_seconds = time.perf_counter() - tick

@@ -214,6 +214,11 @@ def test_ppo_target_compiles_policy_value_reference_and_judge():
   assert report.peak_bytes == max(s["peak_bytes"] for s in report.stages)
   assert report.flops_per_chip == pytest.approx(sum(s["flops_per_chip"] for s in report.stages))
   assert "PPO step" in report.description and "batch 8 x (prompt 8, response 4)" in report.description
+  update = aot.compile_for_topology(topology="cpu:8", target="ppo", stages=("update",),
+                                    print_table=False)
+  assert update.stages == [] and update.peak_bytes == report.stages[1]["peak_bytes"]
+  with pytest.raises(ValueError, match=r"\['nope'\] not in target 'ppo'"):
+    aot.compile_for_topology(topology="cpu:8", target="ppo", stages=("nope",))
 
 
 def test_diamante_target_compiles_the_joint_step():
