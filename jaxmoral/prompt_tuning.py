@@ -318,9 +318,8 @@ def train_prompt(*, model_dir: str | os.PathLike, config: T5Config, base_params:
                   log_every=log_every, checkpoint_every=checkpoint_every,
                   init_params=prompted_params(base_params, prompt))
   # The loop's last checkpoint holds the trained prompt; read only that leaf back.
-  manager_dir = checkpoints.run_checkpoints_dir(model_dir)
   from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
-  params = checkpoints.restore_params_from_run(manager_dir)
+  params = checkpoints.restore_params_from_run(checkpoints.run_checkpoints_dir(model_dir))
   trained = np.asarray(params["prompt"], np.float32)
   save_prompt(trained, os.path.join(os.fspath(model_dir), "prompt"),
               metadata={"prompt_config": dataclasses.asdict(prompt_config),
