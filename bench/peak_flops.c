@@ -2,7 +2,8 @@
 //
 // Each thread runs CHAINS independent vector FMA chains (enough to cover the FMA latency on
 // every port), so the loop is bound by FMA throughput alone; the clock comes from a chain of
-// dependent integer adds (one cycle each). Build: cc -O2 -march=native -pthread peak_flops.c
+// dependent integer adds (one cycle each). Build: cc -O2 -march=native -ffp-contract=fast
+// -pthread peak_flops.c (bench/machine.py does, and runs it on every core).
 // Output (one line, JSON): threads, GFLOP/s over all threads, GHz, FLOPs per cycle per core.
 #include <pthread.h>
 #include <stdint.h>
