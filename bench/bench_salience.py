@@ -134,8 +134,9 @@ def main() -> None:
   floor = cost["flops"] / peak.flops
   print(f"work per example: {cost['flops'] / 1e9:.0f} GFLOP (XLA cost analysis: one forward "
         f"pass + {n_out} input-gradient backward passes); machine peak {peak.note}; at 100% "
-        f"of peak that takes {floor:.2f} s, so no float32 implementation doing this work on this machine "
-        f"can beat inseq's {inseq_seconds:.2f} s by more than {inseq_seconds / floor:.1f}x")
+        f"of peak that takes {floor:.2f} s, so no float32 implementation doing this work on "
+        f"this machine can beat inseq's {inseq_seconds:.2f} s by more than "
+        f"{inseq_seconds / floor:.1f}x")
   if not ok:
     sys.exit("bench_salience: attributions disagree")
 

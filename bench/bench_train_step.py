@@ -3,8 +3,9 @@
 T5 1.1-small sizes (random weights, float32), AdamW, batch 8, 128 input and 64 target tokens by
 default. Prints tokens/s (input + target tokens) for both, their ratio, and the achieved FLOP/s
 against the machine's float32 peak, measured by `bench/machine.py` (cores x clock x FMA
-throughput per cycle, timed by a small C kernel). FLOPs per step come from XLA's cost analysis of the compiled step (the
-same model, so it is used for both frameworks), with the 6 * params * tokens rule alongside.
+throughput per cycle, timed by a small C kernel). FLOPs per step come from XLA's cost analysis
+of the compiled step (the same model, so it is used for both frameworks), with the
+6 * params * tokens rule alongside.
 
   python bench/bench_train_step.py [--steps 3] [--size small] [--batch 8]
 """
