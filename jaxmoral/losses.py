@@ -22,12 +22,36 @@ Array = jax.Array
 LossFn = Callable[[Any, Mapping[str, Array], Optional[Array]], tuple[Array, dict[str, Array]]]
 
 
+@jax.custom_vjp
+def _gather_last(values: Array, index: Array) -> Array:
+  """values[..., index[...]]: (..., V), (...) int -> (...)."""
+  return jnp.take_along_axis(values, index[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def _gather_last_fwd(values: Array, index: Array) -> tuple[Array, tuple[Array, Array]]:
+  # A zero-size array carries the vocabulary size and dtype into the backward pass.
+  like = jnp.zeros((0, values.shape[-1]), values.dtype)
+  return _gather_last(values, index), (index, like)
+
+
+def _gather_last_bwd(residuals: tuple[Array, Array], g: Array) -> tuple[Array, None]:
+  # The gradient as `g * one_hot(index)`, an elementwise expression that XLA fuses into the
+  # softmax gradient beside it. Autodiff's default (a scatter-add into zeros) writes and
+  # rereads the whole (B, T, V) gradient once more.
+  index, like = residuals
+  ids = jax.lax.broadcasted_iota(jnp.int32, (*index.shape, like.shape[-1]), index.ndim)
+  hit = ids == index[..., None].astype(jnp.int32)
+  return jnp.where(hit, g[..., None], 0).astype(like.dtype), None
+
+
+_gather_last.defvjp(_gather_last_fwd, _gather_last_bwd)
+
+
 def _log_softmax_parts(logits: Array, targets: Array) -> tuple[Array, Array, Array]:
   """float32 logits, their logsumexp (B, T) and the target logit (B, T)."""
   logits = logits.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logit = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-  return logits, log_z, target_logit
+  return logits, log_z, _gather_last(logits, targets)
 
 
 def token_logprobs(logits: Array, targets: Array) -> Array:
@@ -139,7 +163,7 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
     targets != 0) and optional `encoder_segment_ids` / `decoder_segment_ids` (packed
     examples). `rng` None runs deterministically; otherwise dropout uses it. Metrics (float32
     scalars): `loss`, `nll` (mean unsmoothed NLL per weighted token), `z_loss` (per token),
-    `accuracy` (argmax == target, weighted) and `num_tokens` (the weight sum).
+    `accuracy` (target logit is the largest, weighted) and `num_tokens` (the weight sum).
   """
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"seq2seq_loss_fn: label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -175,7 +199,10 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
     else:
       loss = loss_sum / loss_normalizing_factor
     nll_sum = -jnp.sum(token_logprobs(logits, targets) * weights)
-    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+    # "The target logit is the largest" rather than argmax == target: a max is a vectorised
+    # reduction, an argmax over the vocabulary is not (they differ only on exact ties).
+    logits32 = jax.lax.stop_gradient(logits.astype(jnp.float32))
+    correct = (_gather_last(logits32, targets) >= jnp.max(logits32, axis=-1)).astype(jnp.float32)
     metrics = {
         "loss": loss,
         "nll": _safe_divide(nll_sum, weight_sum),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Union
 
 import gin
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -152,3 +153,15 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
   if grad_clip_norm is not None:
     opt = optax.chain(optax.clip_by_global_norm(grad_clip_norm), opt)
   return opt
+
+
+def global_norm(tree) -> jnp.ndarray:
+  """sqrt(sum of squares) over every leaf of a pytree, float32 (the `grad_norm` metric).
+
+  Each leaf's sum of squares is a dot product of the flattened leaf with itself: XLA:CPU
+  runs that as one vectorised pass, where `optax.tree.norm`'s squared-sum reductions are
+  rewritten into slower windowed reductions (about 3 % of a T5 1.1-small train step).
+  """
+  squares = [jnp.vdot(leaf.ravel(), leaf.ravel()).astype(jnp.float32)
+             for leaf in jax.tree_util.tree_leaves(tree)]
+  return jnp.sqrt(sum(squares)) if squares else jnp.zeros((), jnp.float32)

@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmoral import partitioning
+from jaxmoral import optimizers, partitioning
 
 PyTree = Any
 Params = Mapping[str, Any]
@@ -424,7 +424,7 @@ class Trainer:
     grads, metrics = self._grads(trainable, frozen, batch, step_rng)
     updates, opt_state = self._optimizer.update(grads, state.opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
-    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["grad_norm"] = optimizers.global_norm(grads)
     if self._learning_rate_fn is not None:
       metrics["learning_rate"] = jnp.asarray(self._learning_rate_fn(state.step), jnp.float32)
     new_state = state.replace(step=state.step + 1, params=merge_params(trainable, frozen),

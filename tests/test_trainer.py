@@ -100,6 +100,16 @@ def test_adafactor_is_factored_and_clipping_applies():
 
 
 # -- trainable mask ---------------------------------------------------------------------------
+def test_global_norm_matches_numpy():
+  rs = np.random.RandomState(3)
+  tree = {"a": rs.randn(37, 5).astype(np.float32), "b": [rs.randn(1000).astype(np.float32),
+                                                        rs.randn(2, 3, 4).astype(np.float32)]}
+  ref = np.sqrt(sum(np.sum(np.square(x.astype(np.float64))) for x in
+                    jax.tree_util.tree_leaves(tree)))
+  np.testing.assert_allclose(float(jax.jit(optimizers.global_norm)(tree)), ref, rtol=1e-6)
+  assert float(optimizers.global_norm({})) == 0.0
+
+
 def test_trainable_mask_patterns_split_merge():
   params = {"encoder": {"a": {"kernel": np.ones(2)}}, "decoder": {"b": {"kernel": np.zeros(3)},
                                                                   "c": {"scale": np.ones(1)}}}

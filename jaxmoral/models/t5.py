@@ -94,6 +94,17 @@ class RMSNorm(nn.Module):
     return (x32 * scale).astype(self.dtype)
 
 
+def _matmul_last_axis(x: Array, kernel: Array, **dot_kwargs: Any) -> Array:
+  """(..., d) @ (d, f) -> (..., f), as one 2-D product over the flattened leading axes.
+
+  Written as a 3-D einsum, the weight gradient contracts over two axes (batch and length);
+  XLA:CPU then transposes the activation gradient before every such product, and a T5 1.1
+  MLP's forward + backward ran at half the speed of this 2-D form (98 vs 195 GFLOP/s).
+  """
+  rows = x.reshape(-1, x.shape[-1])
+  return jnp.dot(rows, kernel, **dot_kwargs).reshape(*x.shape[:-1], kernel.shape[-1])
+
+
 class DenseKernel(nn.Module):
   """A bias-free dense layer `x @ kernel` with logical axes on the kernel."""
   features: int
@@ -105,7 +116,7 @@ class DenseKernel(nn.Module):
   def __call__(self, x: Array) -> Array:
     init = nn.initializers.normal(stddev=self.init_scale)
     kernel = _param(self, "kernel", init, (x.shape[-1], self.features), self.axes)
-    return jnp.einsum("...d,df->...f", x, kernel.astype(self.dtype))
+    return _matmul_last_axis(x, kernel.astype(self.dtype))
 
 
 class Embed(nn.Module):
@@ -123,8 +134,8 @@ class Embed(nn.Module):
     return _constrain(out, ("batch", "length", "embed"))
 
   def attend(self, x: Array) -> Array:
-    return jnp.einsum("bld,vd->blv", x, self.embedding.astype(x.dtype),
-                      preferred_element_type=jnp.float32)
+    return _matmul_last_axis(x, self.embedding.astype(x.dtype).T,
+                             preferred_element_type=jnp.float32)
 
 
 class LogitsDense(nn.Module):
@@ -136,8 +147,8 @@ class LogitsDense(nn.Module):
     d_model = hidden.shape[-1]
     kernel = _param(self, "kernel", nn.initializers.normal(stddev=d_model ** -0.5),
                     (d_model, self.vocab_size), ("embed", "vocab"))
-    return jnp.einsum("bld,dv->blv", hidden, kernel.astype(hidden.dtype),
-                      preferred_element_type=jnp.float32)
+    return _matmul_last_axis(hidden, kernel.astype(hidden.dtype),
+                             preferred_element_type=jnp.float32)
 
 
 class RelativePositionBias(nn.Module):
@@ -196,7 +207,7 @@ class MultiHeadAttention(nn.Module):
     def heads_first(x: Array) -> Array:  # (b, l, h, d) -> (b, h, l, d)
       return _constrain(jnp.swapaxes(x, 1, 2), ("batch", "heads", "length", "kv"))
 
-    query = split(query_proj(inputs_q))
+    query = heads_first(split(query_proj(inputs_q)))
     if decode and is_cross:
       if init_cache:
         projected_k = heads_first(split(key_proj(inputs_kv)))
@@ -221,14 +232,14 @@ class MultiHeadAttention(nn.Module):
       key = heads_first(split(key_proj(inputs_kv)))
       value = heads_first(split(value_proj(inputs_kv)))
 
-    scores = jnp.einsum("bqhd,bhkd->bhqk", query, key,
+    scores = jnp.einsum("bhqd,bhkd->bhqk", query, key,
                         preferred_element_type=jnp.float32) + bias
     weights = jax.nn.softmax(scores, axis=-1)
     if cfg.dropout_rate > 0 and not self.deterministic:
       keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - cfg.dropout_rate, weights.shape)
       weights = weights * keep / (1.0 - cfg.dropout_rate)
-    out = jnp.einsum("bhqk,bhkd->bqhd", weights.astype(dtype), value)
-    out = out.reshape(out.shape[:2] + (joined,))
+    out = jnp.einsum("bhqk,bhkd->bhqd", weights.astype(dtype), value)
+    out = jnp.swapaxes(out, 1, 2).reshape(out.shape[0], out.shape[2], joined)
     out_proj = DenseKernel(features=d_model, axes=("joined_kv", "embed"),
                            init_scale=joined ** -0.5, dtype=dtype, name="out")
     return _constrain(out_proj(out), ("batch", "length", "embed"))

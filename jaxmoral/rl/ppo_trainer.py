@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmoral import checkpoints, losses, partitioning
+from jaxmoral import checkpoints, losses, optimizers, partitioning
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
 from jaxmoral.models import t5 as t5_lib
@@ -502,8 +502,8 @@ class PPOTrainer:
       p_t = optax.apply_updates(p_t, updates)
       updates, v_opt = self._value_optimizer.update(v_grads, v_opt, v_t)
       v_t = optax.apply_updates(v_t, updates)
-      metrics["policy_grad_norm"] = optax.tree.norm(p_grads)
-      metrics["value_grad_norm"] = optax.tree.norm(v_grads)
+      metrics["policy_grad_norm"] = optimizers.global_norm(p_grads)
+      metrics["value_grad_norm"] = optimizers.global_norm(v_grads)
       return (p_t, v_t, p_opt, v_opt), metrics
 
     init = (p_train, v_train, state.policy.opt_state, state.value.opt_state)
