@@ -247,19 +247,15 @@ class MultiHeadAttention(nn.Module):
       cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, dtype)
       if init_cache:
         return jnp.zeros(inputs_q.shape[:-1] + (d_model,), dtype)
-      if not fused_qkv:
-        own_key, own_value = key_proj(inputs_q), value_proj(inputs_q)
-      step_k = heads_first(split(own_key)).astype(dtype)
+      step_k = heads_first(split(own_key)).astype(dtype)  # fused_qkv holds here.
       step_v = heads_first(split(own_value)).astype(dtype)
       start = (0, 0, decode_position, 0)
       cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, step_k, start)
       cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, step_v, start)
       key, value = cached_key.value, cached_value.value
     else:
-      if not fused_qkv:
-        own_key, own_value = key_proj(inputs_kv), value_proj(inputs_kv)
-      key = heads_first(split(own_key))
-      value = heads_first(split(own_value))
+      key = heads_first(split(key_proj(inputs_kv)))
+      value = heads_first(split(value_proj(inputs_kv)))
 
     scores = jnp.einsum("bhqd,bhkd->bhqk", query, key,
                         preferred_element_type=jnp.float32) + bias
