@@ -1,5 +1,8 @@
 """Tests for jaxmoral.decoding against teacher-forced recomputation and NumPy references."""
 
+import functools
+import gc
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,7 @@ from scipy import stats
 
 from jaxmoral import decoding
 from jaxmoral.models.config import t5_config
+from jaxmoral.models import t5
 from jaxmoral.models.t5 import T5, init_params, shift_right
 
 EOS = 1
@@ -161,6 +165,22 @@ def test_sample_logits_top_k_exact_with_ties_and_greedy():
   assert int(token[0]) in (1, 2, 3) and float(logprob[0]) == 0.0  # Top token always kept.
 
 
+def test_first_max_index_is_argmax_with_ties_and_inf():
+  rng = np.random.default_rng(0)
+  x = rng.integers(-3, 4, (64, 37)).astype(np.float32)  # Many ties.
+  x[5] = -np.inf
+  x[6, 10:] = np.inf
+  np.testing.assert_array_equal(np.asarray(decoding.first_max_index(jnp.asarray(x))),
+                                x.argmax(-1))
+
+
+def test_sampling_draws_as_jax_random_categorical():
+  logits = jax.random.normal(jax.random.PRNGKey(3), (256, 50))
+  tokens, _ = decoding.sample_logits(jax.random.PRNGKey(4), logits)
+  np.testing.assert_array_equal(np.asarray(tokens),
+                                np.asarray(jax.random.categorical(jax.random.PRNGKey(4), logits)))
+
+
 def test_ngram_ban_mask_matches_python():
   rng = np.random.default_rng(0)
   vocab = 6
@@ -297,6 +317,31 @@ def test_compiles_once_and_nests_in_jit(setup):
   tokens, total = rollout(params, inputs, jax.random.PRNGKey(0))
   np.testing.assert_array_equal(np.asarray(tokens), np.asarray(first.tokens))
   np.testing.assert_allclose(np.asarray(total), np.asarray(first.logprobs.sum(-1)), atol=1e-5)
+
+
+def test_stacked_decode_kernels_are_cached_per_params(setup):
+  model, params, inputs, _ = setup
+  reference = decoding.sample(model, params, encoder_input_tokens=inputs,
+                              max_decode_length=T, greedy=True)
+  fresh = jax.tree.map(jnp.copy, params)  # New kernel arrays: a cache miss, then hits.
+  before = len(decoding._STACKED_KERNELS)
+  first = decoding.sample(model, fresh, encoder_input_tokens=inputs, max_decode_length=T,
+                          greedy=True)
+  added = len(decoding._STACKED_KERNELS) - before
+  assert added == model.config.num_decoder_layers * (2 if model.config.is_gated else 1)
+  stacked = decoding._with_stacked_kernels(fresh)
+  again = decoding._with_stacked_kernels(fresh)
+  path = next(iter(t5.decode_kernel_stacks(stacked)))
+  leaf = lambda tree: functools.reduce(lambda node, key: node[key], path, tree)  # noqa: E731
+  assert leaf(again) is leaf(stacked)  # Reused, not rebuilt.
+  np.testing.assert_array_equal(
+      np.asarray(leaf(stacked)),
+      np.stack([np.asarray(k) for k in t5.decode_kernel_stacks(fresh)[path]], axis=1))
+  # Same tokens as decoding the original arrays.
+  np.testing.assert_array_equal(np.asarray(first.tokens), np.asarray(reference.tokens))
+  del fresh, stacked, again, first
+  gc.collect()
+  assert len(decoding._STACKED_KERNELS) == before  # Dropped with the kernels they stack.
 
 
 def test_encoder_embeds_equal_tokens(setup):

@@ -175,6 +175,53 @@ def test_kv_cache_decoding_equals_teacher_forcing(variant):
   np.testing.assert_allclose(np.stack(stepped, axis=1), forced, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_one_row_decoding_with_and_without_stacked_kernels(variant):
+  """Batch 1 takes the split one-row products; pre-stacked kernels give the same logits."""
+  _, config, params = hf_model(variant)
+  model = t5.T5(config)
+  enc, dec = random_batch(7, batch=1, dec_len=6)
+  mask = enc != 0
+  forced = jitted(config)({"params": params}, enc, dec)
+  encoded = jitted(config, "encode")({"params": params}, enc)
+  stacks = t5.decode_kernel_stacks(params)
+  assert len(stacks) == config.num_decoder_layers * (2 if config.is_gated else 1)
+  with_stacks = flax.core.unfreeze(params)
+  for path, kernels in stacks.items():
+    node = with_stacks
+    for key in path[:-1]:
+      node = node[key]
+    node[path[-1]] = np.stack([np.asarray(k) for k in kernels], axis=1)
+
+  def decode_all(tree):
+    _, variables = model.apply({"params": tree}, encoded, mask, dec.shape[1],
+                               method=t5.T5.init_cache, mutable=["cache"])
+    step = jax.jit(lambda cache, token: model.apply(
+        {"params": tree, "cache": cache}, None, mask, token, decode=True,
+        max_decode_length=dec.shape[1], method=t5.T5.decode, mutable=["cache"]))
+    cache, out = variables["cache"], []
+    for i in range(dec.shape[1]):
+      (logits, _), new = step(cache, dec[:, i:i + 1])
+      cache = new["cache"]
+      out.append(logits[:, 0])
+    return np.stack(out, axis=1)
+
+  plain, stacked = decode_all(params), decode_all(with_stacks)
+  np.testing.assert_allclose(plain, forced, atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(stacked, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_shape", [(64, 40), (64, 3, 24), (33, 16)])
+def test_vector_matmul_matches_numpy(kernel_shape):
+  rng = np.random.default_rng(0)
+  row = rng.standard_normal((1, kernel_shape[0])).astype(np.float32)
+  kernel = rng.standard_normal(kernel_shape).astype(np.float32)
+  got = np.asarray(jax.jit(t5._vector_matmul)(row, kernel))
+  want = np.tensordot(row.astype(np.float64), kernel.astype(np.float64), axes=1)
+  assert got.shape == want.shape
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_encode_from_embeddings_equals_from_tokens():
   _, config, params = hf_model("t5_1_1")
   enc, dec = random_batch(1)

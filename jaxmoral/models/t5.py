@@ -27,7 +27,7 @@ method=...)`: `embed` (token ids -> input embeddings), `encode` (from ids *or* e
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -102,7 +102,28 @@ def _matmul_last_axis(x: Array, kernel: Array, **dot_kwargs: Any) -> Array:
   MLP's forward + backward ran at half the speed of this 2-D form (97–112 vs 192–199 GFLOP/s).
   """
   rows = x.reshape(-1, x.shape[-1])
+  if rows.shape[0] == 1:
+    return _vector_matmul(rows, kernel, **dot_kwargs).reshape(*x.shape[:-1], kernel.shape[-1])
   return jnp.dot(rows, kernel, **dot_kwargs).reshape(*x.shape[:-1], kernel.shape[-1])
+
+
+def _vector_matmul(row: Array, kernel: Array, **dot_kwargs: Any) -> Array:
+  """(1, d) @ (d, ...) -> (1, ...) as two half-length products, summed.
+
+  A one-row product (a decoding step at batch 1) streams the kernel once and is bound by
+  memory latency: XLA:CPU read T5 1.1-small's 0.8–2 MB kernels at 12–16 GB/s. Splitting the
+  contracted axis in two halves, one batched product over them, keeps two streams in flight:
+  17–24 GB/s on the same kernels (bench/RESULTS.md, session 4). The reshape of a row-major
+  kernel is free; the two halves are summed in float32.
+  """
+  d = row.shape[-1]
+  if d % 2:
+    return jnp.tensordot(row, kernel, axes=1, **dot_kwargs)
+  out_dtype = dot_kwargs.pop("preferred_element_type", None) or jnp.result_type(row, kernel)
+  halves = jnp.einsum("sd,sd...->s...", row.reshape(2, d // 2),
+                      kernel.reshape(2, d // 2, *kernel.shape[1:]),
+                      preferred_element_type=jnp.float32, **dot_kwargs)
+  return (halves[0] + halves[1]).astype(out_dtype)[None]
 
 
 class DenseKernel(nn.Module):
@@ -123,8 +144,8 @@ class DenseKernel(nn.Module):
     return _matmul_last_axis(x, self.kernel(x.shape[-1]))
 
 
-def _matmul_stacked(x: Array, kernels: Sequence[Array]) -> list[Array]:
-  """[x @ k for k in kernels] as one product: (..., d) @ n x (d, f) -> n x (..., f).
+def _matmul_stacked(x: Array, stacked: Array) -> list[Array]:
+  """[x @ stacked[:, i] for each i] as one product: (..., d) @ (d, n, f) -> n x (..., f).
 
   One wide product reads the kernels in a single pass; in decoding, where each token is a
   matrix-vector product bound by memory bandwidth, fusing query/key/value (and the two gated
@@ -132,8 +153,51 @@ def _matmul_stacked(x: Array, kernels: Sequence[Array]) -> list[Array]:
   middle axis, not concatenated, so a kernel sharded along `f` stays sharded the same way.
   """
   rows = x.reshape(-1, x.shape[-1])
-  out = jnp.einsum("td,dnf->tnf", rows, jnp.stack(kernels, axis=1))
-  return [out[:, i].reshape(*x.shape[:-1], out.shape[-1]) for i in range(len(kernels))]
+  if rows.shape[0] == 1:
+    out = _vector_matmul(rows, stacked)
+  else:
+    out = jnp.einsum("td,dnf->tnf", rows, stacked)
+  return [out[:, i].reshape(*x.shape[:-1], out.shape[-1]) for i in range(stacked.shape[1])]
+
+
+# Optional decoder-layer params holding the decode-step kernels already stacked (see
+# `decode_kernel_stacks`); without them a decoding step stacks the kernels itself.
+STACKED_QKV = "stacked_qkv_kernel"  # self_attention: (embed, 3, joined_kv) query, key, value.
+STACKED_WI = "stacked_wi_kernel"  # mlp (gated): (embed, 2, mlp) wi_0, wi_1.
+
+
+def decode_kernel_stacks(params: Mapping[str, Any]) -> dict[tuple[str, ...], list[Array]]:
+  """Where each optional stacked decode kernel goes in `params`, and the kernels it stacks.
+
+  A decoding step reads `stacked_qkv_kernel` / `stacked_wi_kernel` when present instead of
+  stacking the kernels itself; `jaxmoral.decoding` adds them (stacked once, cached) so that a
+  call does not copy the kernels again.
+
+  Args:
+    params: An (unboxed) T5 'params' tree.
+
+  Returns:
+    {param path: [kernels, in stacking order]} for every decoder layer.
+  """
+  stacks = {}
+  for name, layer in params["decoder"].items():
+    if not name.startswith("layers_"):
+      continue
+    attention = layer["self_attention"]
+    stacks[("decoder", name, "self_attention", STACKED_QKV)] = [
+        attention[proj]["kernel"] for proj in ("query", "key", "value")]
+    if "wi_0" in layer["mlp"]:
+      stacks[("decoder", name, "mlp", STACKED_WI)] = [
+          layer["mlp"][proj]["kernel"] for proj in ("wi_0", "wi_1")]
+  return stacks
+
+
+def _stacked_or_stack(module: nn.Module, name: str, kernels: Callable[[], list[Array]],
+                      dtype: Any) -> Array:
+  """`module`'s pre-stacked param `name` if present, else `kernels()` stacked on axis 1."""
+  if module.has_variable("params", name):
+    return module.get_variable("params", name).astype(dtype)
+  return jnp.stack(kernels(), axis=1)
 
 
 class Embed(nn.Module):
@@ -228,8 +292,10 @@ class MultiHeadAttention(nn.Module):
     # in training the split product's backward pass was slower, so it keeps three.
     fused_qkv = decode and not is_cross and not init_cache
     if fused_qkv:
-      query, own_key, own_value = _matmul_stacked(
-          inputs_q, [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)])
+      stacked = _stacked_or_stack(
+          self, STACKED_QKV,
+          lambda: [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)], dtype)
+      query, own_key, own_value = _matmul_stacked(inputs_q, stacked)
     else:
       query = query_proj(inputs_q)
     query = heads_first(split(query))
@@ -288,8 +354,10 @@ class MlpBlock(nn.Module):
     dense = functools.partial(DenseKernel, features=cfg.d_ff, axes=("embed", "mlp"),
                               init_scale=cfg.d_model ** -0.5, dtype=dtype)
     if cfg.is_gated and self.decode:
-      kernels = [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")]
-      gate, linear = _matmul_stacked(x, kernels)
+      stacked = _stacked_or_stack(
+          self, STACKED_WI,
+          lambda: [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")], dtype)
+      gate, linear = _matmul_stacked(x, stacked)
       hidden = act(gate) * linear
     elif cfg.is_gated:
       hidden = act(dense(name="wi_0")(x)) * dense(name="wi_1")(x)
