@@ -18,11 +18,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
+
+from bench_train_step import make_batch  # bench/bench_train_step.py
 
 
 def measured_matmul_tflops(size: int = 8192, repeats: int = 20) -> float:
@@ -76,13 +77,7 @@ def main() -> None:
 
   cfg = config_lib.t5_config(size=args.size, dtype=args.dtype)
   model = t5.T5(cfg)
-  rs = np.random.RandomState(0)
-  dec = rs.randint(2, cfg.vocab_size, (args.batch, args.targets)).astype(np.int32)
-  batch = {"encoder_input_tokens": rs.randint(2, cfg.vocab_size, (args.batch, args.inputs)
-                                              ).astype(np.int32),
-           "decoder_target_tokens": dec,
-           "decoder_input_tokens": np.asarray(t5.shift_right(jnp.asarray(dec))),
-           "decoder_loss_weights": np.ones_like(dec)}
+  batch = make_batch(cfg, args.batch, args.inputs, args.targets)
   tokens = args.batch * (args.inputs + args.targets)
   device = jax.devices()[0]
   print(f"T5 1.1-{args.size}: {cfg.num_params() / 1e6:.1f}M params (float32), activations "
