@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,17 @@ from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
 
 from bench_train_step import make_batch  # bench/bench_train_step.py
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """'field=value' -> (field, int | float | bool | str value) for a T5Config override."""
+  name, _, value = text.partition("=")
+  for cast in (int, float):
+    try:
+      return name, cast(value)
+    except ValueError:
+      pass
+  return name, {"true": True, "false": False}.get(value.lower(), value)
 
 
 def measured_matmul_tflops(size: int = 8192, repeats: int = 20) -> float:
@@ -73,15 +85,18 @@ def main() -> None:
                       help="also print XLA's cost analysis (one more compile)")
   parser.add_argument("--peak_tflops", type=float, default=989.4,
                       help="dense bf16 peak of the chip (H100 SXM 989.4, H200 989.4)")
+  parser.add_argument("--override", action="append", default=[],
+                      help="T5Config field=value, e.g. attention_impl=cudnn (repeatable)")
   args = parser.parse_args()
 
-  cfg = config_lib.t5_config(size=args.size, dtype=args.dtype)
+  overrides = dict(parse_override(o) for o in args.override)
+  cfg = config_lib.t5_config(size=args.size, dtype=args.dtype, **overrides)
   model = t5.T5(cfg)
   batch = make_batch(cfg, args.batch, args.inputs, args.targets)
   tokens = args.batch * (args.inputs + args.targets)
   device = jax.devices()[0]
-  print(f"T5 1.1-{args.size}: {cfg.num_params() / 1e6:.1f}M params (float32), activations "
-        f"{args.dtype}, {args.optimizer}; batch {args.batch} x ({args.inputs} + "
+  print(f"T5 1.1-{args.size} {overrides}: {cfg.num_params() / 1e6:.1f}M params (float32), "
+        f"activations {args.dtype}, {args.optimizer}; batch {args.batch} x ({args.inputs} + "
         f"{args.targets}) = {tokens} tokens/step; jax {jax.__version__} on "
         f"{device.device_kind}", flush=True)
 

@@ -8,6 +8,7 @@ states and relative-position buckets; the rest checks jaxmoral's own paths again
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax
@@ -19,6 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from jaxmoral import losses, trainer as trainer_lib  # noqa: E402
 from jaxmoral.models import hf_import  # noqa: E402
 from jaxmoral.models import t5  # noqa: E402
 from jaxmoral.models.config import T5Config, t5_config  # noqa: E402
@@ -306,3 +308,106 @@ def test_config_validation_names_the_field():
     T5Config(d_model=0)
   with pytest.raises(ValueError, match="feed_forward_proj"):
     T5Config(feed_forward_proj="swish")
+
+
+def _forced_fused_config(config: T5Config, **changes) -> T5Config:
+  """`config` with attention_impl="cudnn" even in float32.
+
+  The config refuses "cudnn" in float32 because cuDNN has no float32 kernel; these tests run
+  the fused path through JAX's reference implementation (`FUSED_ATTENTION_BACKEND="xla"`),
+  which takes float32, so that a mistake in the masks, lengths or bias shows at 1e-5.
+  """
+  fused = dataclasses.replace(config, attention_impl="einsum", **changes)
+  object.__setattr__(fused, "attention_impl", "cudnn")
+  return fused
+
+
+def _packed_batch():
+  """One packed row of two examples (encoder 5 + 6 tokens, targets 4 + 3) and padding."""
+  enc = np.array([[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 0, 0]], np.int32)
+  enc_seg = np.array([[1] * 5 + [2] * 6 + [0, 0]], np.int32)
+  dec_tokens = np.array([[21, 22, 23, 24, 31, 32, 33, 0, 0]], np.int32)
+  dec_seg = np.array([[1] * 4 + [2] * 3 + [0, 0]], np.int32)
+  dec_in = np.array([[0, 21, 22, 23, 0, 31, 32, 0, 0]], np.int32)
+  return {"encoder_input_tokens": enc, "decoder_input_tokens": dec_in,
+          "decoder_target_tokens": dec_tokens, "decoder_loss_weights": (dec_seg > 0),
+          "encoder_segment_ids": enc_seg, "decoder_segment_ids": dec_seg}
+
+
+@pytest.mark.parametrize("case", ["padding_mask", "key_lengths", "packed"])
+def test_fused_attention_path_matches_einsum(case, monkeypatch):
+  """attention_impl="cudnn" (run by JAX's reference kernel) gives einsum's logits and grads.
+
+  Covers the three ways the fused path masks: a dense padding mask, per-row key lengths
+  (`right_padded_inputs`) and packed segments with the causal flag; the gradient of the
+  relative-position embeddings goes through the fused kernel's bias.
+  """
+  monkeypatch.setattr(t5, "FUSED_ATTENTION_BACKEND", "xla")
+  _, config, params = hf_model("t5_1_1")
+  if case == "packed":
+    batch = _packed_batch()
+  else:
+    enc, dec = random_batch(21, batch=4, enc_len=12, dec_len=6)
+    enc[0] = np.where(enc[0] == 0, 3, enc[0])  # Right padding only: row 0 had a gap.
+    assert all(np.all(np.diff((row != 0).astype(int)) <= 0) for row in enc)
+    assert (enc == 0).any()
+    targets = np.concatenate([dec[:, 1:], np.full((4, 1), 1, np.int32)], axis=1)
+    batch = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+             "decoder_target_tokens": targets}
+  einsum_cfg = dataclasses.replace(config, attention_impl="einsum")
+  fused_cfg = _forced_fused_config(config, right_padded_inputs=(case == "key_lengths"))
+  outputs = {}
+  for name, cfg in (("einsum", einsum_cfg), ("fused", fused_cfg)):
+    model = t5.T5(cfg)
+    loss_fn = losses.seq2seq_loss_fn(model)
+    grads, metrics = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None), has_aux=True))(
+        params, batch)
+    logits = jax.jit(lambda p, b: model.apply(
+        {"params": p}, b["encoder_input_tokens"], b["decoder_input_tokens"],
+        encoder_segment_ids=b.get("encoder_segment_ids"),
+        decoder_segment_ids=b.get("decoder_segment_ids")))(params, batch)
+    outputs[name] = (np.asarray(logits), grads, float(metrics["loss"]))
+  valid = np.asarray(batch.get("decoder_segment_ids", np.ones((4, 6)))) > 0
+  np.testing.assert_allclose(outputs["fused"][0][valid], outputs["einsum"][0][valid],
+                             atol=2e-5, rtol=1e-5)
+  np.testing.assert_allclose(outputs["fused"][2], outputs["einsum"][2], rtol=1e-5)
+  for path, got, want in zip(
+      trainer_lib.param_paths(outputs["einsum"][1]),
+      jax.tree_util.tree_leaves(outputs["fused"][1]),
+      jax.tree_util.tree_leaves(outputs["einsum"][1])):
+    scale = float(np.abs(want).max()) + 1e-12
+    assert float(np.abs(np.asarray(got) - np.asarray(want)).max()) <= 1e-4 * scale, path
+  relpos = outputs["einsum"][1]["encoder"]["relpos_bias"]["rel_embedding"]
+  assert float(np.abs(relpos).max()) > 0  # The bias gradient is really exercised.
+
+
+def test_attention_impl_choice_and_validation():
+  cfg = t5_config(size="tiny", dtype="bfloat16")
+  # On a CPU "auto" is einsum; einsum is einsum everywhere; cudnn is cudnn.
+  assert not t5.use_fused_attention(cfg, deterministic=True, query_length=8, key_length=8)
+  assert t5.use_fused_attention(cfg.replace(attention_impl="cudnn"), deterministic=False,
+                                query_length=7, key_length=8)
+  assert not t5.use_fused_attention(cfg.replace(attention_impl="einsum"), deterministic=True,
+                                    query_length=8, key_length=8)
+  with pytest.raises(ValueError, match="attention_impl"):
+    T5Config(attention_impl="flash")
+
+
+def test_auto_attention_takes_cudnn_only_where_it_applies(monkeypatch):
+  monkeypatch.setattr(t5, "_cudnn_attention_available", lambda: True)  # As on a CUDA GPU.
+  bf16 = t5_config(size="tiny", dtype="bfloat16")
+  assert t5.use_fused_attention(bf16, deterministic=False, query_length=8, key_length=16)
+  assert not t5.use_fused_attention(bf16.replace(dtype="float32"), deterministic=True,
+                                    query_length=8, key_length=8)
+  assert not t5.use_fused_attention(bf16, deterministic=True, query_length=7, key_length=8)
+  dropout = bf16.replace(dropout_rate=0.1)
+  assert not t5.use_fused_attention(dropout, deterministic=False, query_length=8, key_length=8)
+  assert t5.use_fused_attention(dropout, deterministic=True, query_length=8, key_length=8)
+  assert not t5.use_fused_attention(bf16.replace(d_kv=12), deterministic=True,
+                                    query_length=8, key_length=8)
+  with pytest.raises(ValueError, match="bfloat16 or float16"):
+    T5Config(attention_impl="cudnn", dtype="float32")
+  with pytest.raises(ValueError, match="dropout"):
+    T5Config(attention_impl="cudnn", dtype="bfloat16", dropout_rate=0.1)
+  with pytest.raises(ValueError, match="d_kv"):
+    T5Config(attention_impl="cudnn", dtype="bfloat16", d_kv=12)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Optional
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -253,6 +254,73 @@ class RelativePositionBias(nn.Module):
     return bias[None]
 
 
+# The `jax.nn.dot_product_attention` implementation behind attention_impl="cudnn". Tests set
+# "xla" to run the same masks, lengths and biases through JAX's reference on a CPU.
+FUSED_ATTENTION_BACKEND = "cudnn"
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_attention_available() -> bool:
+  """Whether the default backend is a CUDA GPU (where cuDNN's fused attention runs)."""
+  try:
+    return (jax.default_backend() == "gpu"
+            and "cuda" in jax.extend.backend.get_backend().platform_version.lower())
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+def use_fused_attention(config: T5Config, *, deterministic: bool, query_length: int,
+                        key_length: int) -> bool:
+  """Whether teacher-forced attention of this call goes through the fused (cuDNN) kernel.
+
+  "cudnn" always does (the config has checked dtype, dropout and head width); "auto" does
+  when the backend is a CUDA GPU, activations are 16-bit, no attention dropout is applied,
+  heads are a multiple of 8 wide (at most 128) and both lengths are even (cuDNN's bias
+  gradient needs that).
+  """
+  if config.attention_impl == "cudnn":
+    return True
+  if config.attention_impl == "einsum":
+    return False
+  return (config.dtype != "float32" and (deterministic or config.dropout_rate == 0.0)
+          and config.d_kv % 8 == 0 and config.d_kv <= 128
+          and query_length % 2 == 0 and key_length % 2 == 0
+          and _cudnn_attention_available())
+
+
+@flax.struct.dataclass
+class FusedMask:
+  """The bias and mask of fused attention, kept apart (einsum attention gets them summed).
+
+  Attributes:
+    position_bias: (1, heads, q, k) float32 relative-position bias, or None.
+    mask: (batch, 1, q, k) bool, True where a query may attend to a key; None: all may.
+    key_lengths: (batch,) int32: keys at positions >= length are masked (right padding).
+    causal: Queries attend to keys at their own position or before.
+  """
+  position_bias: Optional[Array] = None
+  mask: Optional[Array] = None
+  key_lengths: Optional[Array] = None
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask) -> Array:
+  """T5 attention (no 1/sqrt(d) scale) of (batch, length, heads, d_kv) inputs in one kernel.
+
+  A boolean mask is folded into the bias in float32 before the cast to the activation dtype,
+  so the padded positions get T5's -1e10 exactly as in the einsum path.
+  """
+  bias = masking.position_bias
+  if masking.mask is not None:
+    additive = _mask_to_bias(masking.mask)
+    bias = additive if bias is None else bias + additive
+  if bias is not None:
+    bias = bias.astype(query.dtype)
+  return jax.nn.dot_product_attention(
+      query, key, value, bias=bias, scale=1.0, is_causal=masking.causal,
+      key_value_seq_lengths=masking.key_lengths, implementation=FUSED_ATTENTION_BACKEND)
+
+
 class MultiHeadAttention(nn.Module):
   """T5 attention: no 1/sqrt(d) scaling (folded into the query init), optional KV cache.
 
@@ -280,6 +348,8 @@ class MultiHeadAttention(nn.Module):
     query_proj = dense(init_scale=(d_model * d_kv) ** -0.5, name="query")
     key_proj = dense(init_scale=d_model ** -0.5, name="key")
     value_proj = dense(init_scale=d_model ** -0.5, name="value")
+    out_proj = DenseKernel(features=d_model, axes=("joined_kv", "embed"),
+                           init_scale=joined ** -0.5, dtype=dtype, name="out")
     batch = inputs_q.shape[0]
 
     def split(x: Array) -> Array:
@@ -292,6 +362,13 @@ class MultiHeadAttention(nn.Module):
     # A decoding step projects query, key and value with one product (see _matmul_stacked);
     # in training the split product's backward pass was slower, so it keeps three.
     fused_qkv = decode and not is_cross and not init_cache
+    if isinstance(bias, FusedMask):
+      if decode:
+        raise ValueError("MultiHeadAttention: fused attention is for teacher forcing only")
+      out = fused_attention(split(query_proj(inputs_q)), split(key_proj(inputs_kv)),
+                            split(value_proj(inputs_kv)), bias)
+      out = out.reshape(out.shape[0], out.shape[1], joined)
+      return _constrain(out_proj(out), ("batch", "length", "embed"))
     if fused_qkv:
       stacked = _stacked_or_stack(
           self, STACKED_QKV,
@@ -332,8 +409,6 @@ class MultiHeadAttention(nn.Module):
       weights = weights * keep / (1.0 - cfg.dropout_rate)
     out = jnp.einsum("bhqk,bhkd->bhqd", weights.astype(dtype), value)
     out = jnp.swapaxes(out, 1, 2).reshape(out.shape[0], out.shape[2], joined)
-    out_proj = DenseKernel(features=d_model, axes=("joined_kv", "embed"),
-                           init_scale=joined ** -0.5, dtype=dtype, name="out")
     return _constrain(out_proj(out), ("batch", "length", "embed"))
 
 
@@ -436,6 +511,22 @@ def _attention_mask(query_valid: Array, key_valid: Array,
   return mask
 
 
+def _fused_mask(config: T5Config, query_valid: Array, key_valid: Array,
+                query_segments: Optional[Array], key_segments: Optional[Array], *,
+                position_bias: Optional[Array] = None) -> FusedMask:
+  """Padding (and packing) masks for fused attention: per-row key lengths when the config
+  promises right padding and the batch is unpacked, else the dense boolean mask.
+
+  With lengths, padded query rows attend to the valid keys instead of to nothing; no valid
+  position reads a padded one, so every valid output is the same either way.
+  """
+  if config.right_padded_inputs and query_segments is None and key_segments is None:
+    return FusedMask(position_bias=position_bias,
+                     key_lengths=jnp.sum(key_valid, axis=-1, dtype=jnp.int32))
+  return FusedMask(position_bias=position_bias, mask=_attention_mask(
+      query_valid, key_valid, query_segments, key_segments))
+
+
 class Encoder(nn.Module):
   config: T5Config
 
@@ -448,8 +539,12 @@ class Encoder(nn.Module):
     relpos = RelativePositionBias(cfg.relative_attention_num_buckets,
                                   cfg.relative_attention_max_distance, cfg.num_heads,
                                   bidirectional=True, name="relpos_bias")
-    bias = relpos(positions, positions, span=length) + _mask_to_bias(
-        _attention_mask(mask, mask, segment_ids, segment_ids))
+    position_bias = relpos(positions, positions, span=length)
+    if use_fused_attention(cfg, deterministic=deterministic, query_length=length,
+                           key_length=length):
+      bias = _fused_mask(cfg, mask, mask, segment_ids, segment_ids, position_bias=position_bias)
+    else:
+      bias = position_bias + _mask_to_bias(_attention_mask(mask, mask, segment_ids, segment_ids))
     x = _dropout(self, embeds, cfg.dropout_rate, deterministic)
     x = _constrain(x, ("batch", "length", "embed"))
     layer_cls = nn.remat(EncoderLayer) if cfg.remat else EncoderLayer
@@ -491,16 +586,27 @@ class Decoder(nn.Module):
       query_valid = jnp.ones((batch, 1), bool)
     else:
       positions = jnp.arange(length)
-      causal = positions[None, None, :, None] >= positions[None, None, None, :]
-      mask = causal
-      if segment_ids is not None:
-        mask = mask & _attention_mask(segment_ids > 0, segment_ids > 0, segment_ids, segment_ids)
-      self_bias = relpos(positions, positions, span=length) + _mask_to_bias(mask)
+      position_bias = relpos(positions, positions, span=length)
       query_valid = (segment_ids > 0) if segment_ids is not None else jnp.ones((batch, length),
                                                                               bool)
-    cross_bias = _mask_to_bias(_attention_mask(
-        query_valid, encoder_mask,
-        None if decode else segment_ids, None if decode else encoder_segment_ids))
+      if use_fused_attention(cfg, deterministic=deterministic, query_length=length,
+                             key_length=length):
+        self_bias = FusedMask(
+            position_bias=position_bias, causal=True,
+            mask=None if segment_ids is None else _attention_mask(
+                query_valid, query_valid, segment_ids, segment_ids))
+      else:
+        mask = positions[None, None, :, None] >= positions[None, None, None, :]
+        if segment_ids is not None:
+          mask = mask & _attention_mask(query_valid, query_valid, segment_ids, segment_ids)
+        self_bias = position_bias + _mask_to_bias(mask)
+    if not decode and use_fused_attention(cfg, deterministic=deterministic, query_length=length,
+                                          key_length=encoder_mask.shape[1]):
+      cross_bias = _fused_mask(cfg, query_valid, encoder_mask, segment_ids, encoder_segment_ids)
+    else:
+      cross_bias = _mask_to_bias(_attention_mask(
+          query_valid, encoder_mask,
+          None if decode else segment_ids, None if decode else encoder_segment_ids))
     x = _dropout(self, embeds, cfg.dropout_rate, deterministic)
     x = _constrain(x, ("batch", "length", "embed"))
     use_remat = cfg.remat and not decode

@@ -1,0 +1,128 @@
+"""Where a T5 train step spends its accelerator time: a kernel-time table from `jax.profiler`.
+
+Builds the same step as `bench_train_mfu.py`, times it, then traces `--trace_steps` steps with
+`jax.profiler.trace` (a Perfetto trace is written beside the TensorBoard profile) and prints,
+per step, the device time of each kernel grouped into matrix products, attention-shaped
+element-wise work and the rest, with the largest kernels by name. The optimized HLO of the
+step is written too (`train_step.hlo.txt.gz`), so a fusion's name can be looked up.
+
+  python bench/profile_train_step.py --size large --batch 32 --out /tmp/prof
+  python bench/profile_train_step.py --size large --override attention_impl=cudnn
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import time
+
+import jax
+
+from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
+from jaxmoral.models import config as config_lib
+from jaxmoral.models import t5
+
+from bench_train_mfu import model_flops_per_step, parse_override  # bench/bench_train_mfu.py
+from bench_train_step import make_batch  # bench/bench_train_step.py
+
+_MATMUL_MARKS = ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "dot", "triton_gemm")
+
+
+def kernel_table(trace_dir: str) -> tuple[dict[str, float], int]:
+  """{kernel name: total microseconds} over the device streams of the Perfetto trace."""
+  paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+  with gzip.open(sorted(paths)[-1], "rt") as f:
+    trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  process_names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+                   if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device_pids = {pid for pid, name in process_names.items()
+                 if "/device:" in name and "CPU" not in name and "Megascale" not in name}
+  print(f"trace processes: {sorted(set(process_names.values()))}")
+  totals: dict[str, float] = collections.defaultdict(float)
+  count = 0
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in device_pids:
+      totals[e["name"]] += float(e.get("dur", 0.0))
+      count += 1
+  print(f"trace: {len(events)} events, {count} on devices {sorted(process_names[p] for p in device_pids)}")
+  return dict(totals), count
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--size", default="large")
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--optimizer", default="adafactor")
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--inputs", type=int, default=512)
+  parser.add_argument("--targets", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--trace_steps", type=int, default=2)
+  parser.add_argument("--top", type=int, default=40)
+  parser.add_argument("--override", action="append", default=[],
+                      help="T5Config field=value (repeatable)")
+  parser.add_argument("--out", default="/tmp/jaxmoral_profile")
+  parser.add_argument("--peak_tflops", type=float, default=989.4)
+  args = parser.parse_args()
+
+  overrides = dict(parse_override(o) for o in args.override)
+  cfg = config_lib.t5_config(size=args.size, dtype=args.dtype, **overrides)
+  model = t5.T5(cfg)
+  batch = make_batch(cfg, args.batch, args.inputs, args.targets)
+  trainer = trainer_lib.Trainer(
+      init_params_fn=lambda rng: t5.init_params(model, rng),
+      loss_fn=losses.seq2seq_loss_fn(model),
+      optimizer=optimizers.make_optimizer(name=args.optimizer, learning_rate=1e-3),
+      partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
+  flops = model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
+  print(f"T5 1.1-{args.size} {overrides}: {flops / 1e12:.2f} model TFLOP/step", flush=True)
+  os.makedirs(args.out, exist_ok=True)
+  start = time.perf_counter()
+  state = trainer.init_state(jax.random.PRNGKey(0))
+  jax.block_until_ready(state)
+  print(f"init_state {time.perf_counter() - start:.0f} s", flush=True)
+  start = time.perf_counter()
+  compiled = trainer.lower_train_step({k: v.shape for k, v in batch.items()}).compile()
+  print(f"compile {time.perf_counter() - start:.0f} s", flush=True)
+  with gzip.open(os.path.join(args.out, "train_step.hlo.txt.gz"), "wt") as f:
+    f.write(compiled.as_text())
+  device_batch = trainer.shard_batch(batch)
+  rng = jax.random.PRNGKey(1)
+  for _ in range(2):
+    state, metrics = trainer.train_step(state, device_batch, rng)
+  jax.block_until_ready(metrics)
+  start = time.perf_counter()
+  for _ in range(args.steps):
+    state, metrics = trainer.train_step(state, device_batch, rng)
+  jax.block_until_ready((state, metrics))
+  per_step = (time.perf_counter() - start) / args.steps
+  print(f"loss {float(metrics['loss']):.3f}; {per_step * 1e3:.1f} ms/step; "
+        f"MFU {100 * flops / per_step / 1e12 / args.peak_tflops:.1f} %", flush=True)
+
+  trace_dir = os.path.join(args.out, "trace")
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(args.trace_steps):
+      state, metrics = trainer.train_step(state, device_batch, rng)
+    jax.block_until_ready((state, metrics))
+  totals, _ = kernel_table(trace_dir)
+  per_step_us = {name: t / args.trace_steps for name, t in totals.items()}
+  busy = sum(per_step_us.values())
+  matmul = sum(t for n, t in per_step_us.items() if any(m in n.lower() for m in _MATMUL_MARKS))
+  print(f"device busy {busy / 1e3:.1f} ms/step of {per_step * 1e3:.1f} ms wall; matrix "
+        f"products {matmul / 1e3:.1f} ms; other kernels {(busy - matmul) / 1e3:.1f} ms")
+  print(f"{'ms/step':>8} {'%busy':>6}  kernel")
+  for name, t in sorted(per_step_us.items(), key=lambda kv: -kv[1])[:args.top]:
+    print(f"{t / 1e3:8.2f} {100 * t / busy:6.1f}  {name[:150]}")
+  with open(os.path.join(args.out, "kernels.json"), "w") as f:
+    json.dump(per_step_us, f)
+
+
+if __name__ == "__main__":
+  main()
