@@ -256,8 +256,7 @@ def load_any_params(path: str, model_config: config_lib.T5Config) -> Any:
   if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
     from jaxmoral.models import hf_import
     hf_config, params = hf_import.load_hf_t5(folder)
-    if hf_config.replace(dtype=model_config.dtype, dropout_rate=model_config.dropout_rate,
-                         remat=model_config.remat) != model_config:
+    if hf_config.architecture() != model_config.architecture():
       raise ValueError(f"init_checkpoint {path}: its config {hf_config} differs from "
                        f"the run's MODEL_CONFIG {model_config}")
     return params

@@ -411,3 +411,11 @@ def test_auto_attention_takes_cudnn_only_where_it_applies(monkeypatch):
     T5Config(attention_impl="cudnn", dtype="bfloat16", dropout_rate=0.1)
   with pytest.raises(ValueError, match="d_kv"):
     T5Config(attention_impl="cudnn", dtype="bfloat16", d_kv=12)
+
+
+def test_architecture_ignores_how_to_compute():
+  tiny = t5_config(size="tiny")
+  computed_differently = tiny.replace(dtype="bfloat16", attention_impl="einsum", remat=True,
+                                      right_padded_inputs=True, dropout_rate=0.1)
+  assert computed_differently.architecture() == tiny.architecture()
+  assert tiny.replace(d_ff=256).architecture() != tiny.architecture()

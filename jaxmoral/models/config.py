@@ -115,6 +115,11 @@ class T5Config:
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
 
+  def architecture(self) -> dict[str, Any]:
+    """The fields that shape the weights (all but `COMPUTE_FIELDS`): a checkpoint written
+    under one config loads under any config with the same architecture."""
+    return {k: v for k, v in self.to_dict().items() if k not in COMPUTE_FIELDS}
+
   def to_json(self) -> str:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
@@ -136,6 +141,10 @@ class T5Config:
     emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
     relpos = 2 * self.relative_attention_num_buckets * h
     return enc + dec + emb + relpos + 2 * d
+
+
+# Fields that say how to compute, not what the weights are.
+COMPUTE_FIELDS = ("dtype", "dropout_rate", "remat", "attention_impl", "right_padded_inputs")
 
 
 # T5 1.1 dimensions (Raffel et al.; google/t5-v1_1-*), vocab padded to 32128 as released.
