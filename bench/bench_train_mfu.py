@@ -85,6 +85,8 @@ def main() -> None:
                       help="also print XLA's cost analysis (one more compile)")
   parser.add_argument("--peak_tflops", type=float, default=989.4,
                       help="dense bf16 peak of the chip (H100 SXM 989.4, H200 989.4)")
+  parser.add_argument("--group_same_shapes", action="store_true",
+                      help="Adafactor over groups of same-shaped leaves (jaxmoral.adafactor)")
   parser.add_argument("--override", action="append", default=[],
                       help="T5Config field=value, e.g. attention_impl=cudnn (repeatable)")
   args = parser.parse_args()
@@ -96,14 +98,16 @@ def main() -> None:
   tokens = args.batch * (args.inputs + args.targets)
   device = jax.devices()[0]
   print(f"T5 1.1-{args.size} {overrides}: {cfg.num_params() / 1e6:.1f}M params (float32), "
-        f"activations {args.dtype}, {args.optimizer}; batch {args.batch} x ({args.inputs} + "
+        f"activations {args.dtype}, {args.optimizer}"
+        f"{' (grouped)' if args.group_same_shapes else ''}; batch {args.batch} x ({args.inputs} + "
         f"{args.targets}) = {tokens} tokens/step; jax {jax.__version__} on "
         f"{device.device_kind}", flush=True)
 
   trainer = trainer_lib.Trainer(
       init_params_fn=lambda rng: t5.init_params(model, rng),
       loss_fn=losses.seq2seq_loss_fn(model),
-      optimizer=optimizers.make_optimizer(name=args.optimizer, learning_rate=1e-3),
+      optimizer=optimizers.make_optimizer(name=args.optimizer, learning_rate=1e-3,
+                                          group_same_shapes=args.group_same_shapes),
       partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
   flops = model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
   print(f"model FLOPs {flops / 1e12:.4f} TFLOP/step (6 * params * tokens: "

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmoral import adafactor
+
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]
 LearningRate = Union[float, Schedule]
 
@@ -102,7 +104,8 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
                    momentum: Optional[float] = None, decay_rate: float = 0.8,
                    clipping_threshold: Optional[float] = 1.0,
                    multiply_by_parameter_scale: bool = True, factored: bool = True,
-                   min_dim_size_to_factor: int = 128) -> optax.GradientTransformation:
+                   min_dim_size_to_factor: int = 128,
+                   group_same_shapes: bool = False) -> optax.GradientTransformation:
   """An optax optimizer.
 
   Args:
@@ -122,6 +125,11 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
     factored: Adafactor factors second moments of matrices.
     min_dim_size_to_factor: Adafactor factors only when both of the two largest dims are at
       least this large.
+    group_same_shapes: Adafactor through `jaxmoral.adafactor.grouped_adafactor`: the same
+      updates, computed for all leaves of one shape at once, so a GPU launches a few kernels
+      per shape instead of several per leaf (a T5 has ~580 leaves of ~12 shapes). Its state
+      is one stacked array per shape and statistic (replicated: use it where parameters are
+      replicated, i.e. data parallelism), so checkpoints of the two layouts do not mix.
 
   Returns:
     The gradient transformation (apply to the *trainable* params only; see trainer.py).
@@ -137,7 +145,15 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
     raise ValueError(f"make_optimizer: weight_decay must be >= 0, got {weight_decay}")
   if grad_clip_norm is not None and not grad_clip_norm > 0:
     raise ValueError(f"make_optimizer: grad_clip_norm must be > 0 or None, got {grad_clip_norm}")
-  if name == "adafactor":
+  if group_same_shapes and name != "adafactor":
+    raise ValueError(f"make_optimizer: group_same_shapes applies to adafactor, not {name!r}")
+  if name == "adafactor" and group_same_shapes:
+    opt = adafactor.grouped_adafactor(
+        learning_rate, min_dim_size_to_factor=min_dim_size_to_factor, decay_rate=decay_rate,
+        multiply_by_parameter_scale=multiply_by_parameter_scale,
+        clipping_threshold=clipping_threshold, momentum=momentum, factored=factored,
+        weight_decay_rate=weight_decay or None)
+  elif name == "adafactor":
     opt = optax.adafactor(
         learning_rate=learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
         decay_rate=decay_rate, multiply_by_parameter_scale=multiply_by_parameter_scale,
@@ -168,6 +184,12 @@ def global_norm(tree) -> jnp.ndarray:
     squares = [jnp.vdot(leaf.ravel(), leaf.ravel(), precision=jax.lax.Precision.HIGHEST)
                .astype(jnp.float32) for leaf in leaves]
   else:
-    # A GPU runs the dot as a TF32 matrix product (inexact); a reduction is exact and fuses.
-    squares = [jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in leaves]
+    # A GPU runs the dot as a TF32 matrix product (inexact); a float32 reduction is exact.
+    # Leaves of one shape are stacked and reduced together: one kernel per shape, not per
+    # leaf (the stack is the one `grouped_adafactor` builds, so XLA computes it once).
+    by_shape: dict[tuple, list] = {}
+    for leaf in leaves:
+      by_shape.setdefault((tuple(leaf.shape), jnp.dtype(leaf.dtype)), []).append(leaf)
+    squares = [jnp.sum(jnp.square(jnp.stack(group).astype(jnp.float32)))
+               for group in by_shape.values()]
   return jnp.sqrt(sum(squares)) if squares else jnp.zeros((), jnp.float32)
