@@ -86,12 +86,20 @@ def test_schedule_and_optimizer_errors_name_the_field():
 
 def test_adafactor_is_factored_and_clipping_applies():
   params = {"w": jnp.ones((256, 128)), "b": jnp.ones((128,))}
-  opt = optimizers.make_optimizer(name="adafactor", learning_rate=1e-2)
+  opt = optimizers.make_optimizer(name="adafactor", learning_rate=1e-2,
+                                  group_same_shapes=False)
   state = opt.init(params)
   factored = [s for s in jax.tree_util.tree_leaves(state, is_leaf=lambda x: hasattr(x, "v_row"))
               if hasattr(s, "v_row")][0]
   assert {factored.v_row["w"].shape, factored.v_col["w"].shape} == {(256,), (128,)}
   assert factored.v["b"].shape == (128,)  # vectors keep a full second moment
+  # The default (no momentum) is the grouped layout: one stacked entry per shape.
+  grouped = optimizers.make_optimizer(name="adafactor", learning_rate=1e-2).init(params)
+  assert [sorted((k, v.shape) for k, v in g.items()) for g in grouped.stats] == [
+      [("v", (1, 128))], [("v_col", (1, 256)), ("v_row", (1, 128))]]
+  with_momentum = optimizers.make_optimizer(name="adafactor", learning_rate=1e-2,
+                                            momentum=0.9).init(params)
+  assert not hasattr(with_momentum, "stats")  # optax's layout: momentum stays sharded
   # Global-norm clipping: a huge gradient gives the same SGD step as the clipped one.
   sgd = optimizers.make_optimizer(name="sgd", learning_rate=1.0, grad_clip_norm=1.0)
   g = {"w": jnp.full((256, 128), 100.0), "b": jnp.zeros((128,))}
