@@ -71,45 +71,57 @@ def model_flops_per_step(cfg: config_lib.T5Config, batch: int, inputs: int,
   return 3.0 * (products + attention)
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_step_args(parser: argparse.ArgumentParser) -> None:
+  """The flags that choose the benchmarked train step (shared with profile_train_step.py)."""
   parser.add_argument("--size", default="large")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--optimizer", default="adafactor")
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--inputs", type=int, default=512)
   parser.add_argument("--targets", type=int, default=128)
-  parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up)")
-  parser.add_argument("--matmul_size", type=int, default=8192)
-  parser.add_argument("--check_flops", action="store_true",
-                      help="also print XLA's cost analysis (one more compile)")
-  parser.add_argument("--peak_tflops", type=float, default=989.4,
-                      help="dense bf16 peak of the chip (H100 SXM 989.4, H200 989.4)")
-  parser.add_argument("--group_same_shapes", action="store_true",
-                      help="Adafactor over groups of same-shaped leaves (jaxmoral.adafactor)")
+  parser.add_argument("--group_same_shapes", choices=("default", "true", "false"),
+                      default="default",
+                      help="Adafactor per group of same-shaped leaves (make_optimizer's default: "
+                           "yes without momentum) or optax's leaf by leaf")
   parser.add_argument("--override", action="append", default=[],
                       help="T5Config field=value, e.g. attention_impl=cudnn (repeatable)")
-  args = parser.parse_args()
+  parser.add_argument("--peak_tflops", type=float, default=989.4,
+                      help="dense bf16 peak of the chip (H100 SXM 989.4, H200 989.4)")
 
+
+def build_step(args: argparse.Namespace) -> tuple[config_lib.T5Config, trainer_lib.Trainer,
+                                                  dict, float]:
+  """(config, single-device trainer, batch, model FLOPs per step) from `add_step_args` flags."""
   overrides = dict(parse_override(o) for o in args.override)
   cfg = config_lib.t5_config(size=args.size, dtype=args.dtype, **overrides)
   model = t5.T5(cfg)
   batch = make_batch(cfg, args.batch, args.inputs, args.targets)
-  tokens = args.batch * (args.inputs + args.targets)
-  device = jax.devices()[0]
-  print(f"T5 1.1-{args.size} {overrides}: {cfg.num_params() / 1e6:.1f}M params (float32), "
-        f"activations {args.dtype}, {args.optimizer}"
-        f"{' (grouped)' if args.group_same_shapes else ''}; batch {args.batch} x ({args.inputs} + "
-        f"{args.targets}) = {tokens} tokens/step; jax {jax.__version__} on "
-        f"{device.device_kind}", flush=True)
-
+  grouped = {"default": None, "true": True, "false": False}[args.group_same_shapes]
+  optimizer = optimizers.make_optimizer(name=args.optimizer, learning_rate=1e-3,
+                                        group_same_shapes=grouped)
   trainer = trainer_lib.Trainer(
       init_params_fn=lambda rng: t5.init_params(model, rng),
-      loss_fn=losses.seq2seq_loss_fn(model),
-      optimizer=optimizers.make_optimizer(name=args.optimizer, learning_rate=1e-3,
-                                          group_same_shapes=args.group_same_shapes),
+      loss_fn=losses.seq2seq_loss_fn(model), optimizer=optimizer,
       partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
-  flops = model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
+  tokens = args.batch * (args.inputs + args.targets)
+  print(f"T5 1.1-{args.size} {overrides}: {cfg.num_params() / 1e6:.1f}M params (float32), "
+        f"activations {args.dtype}, {args.optimizer} (group_same_shapes: {args.group_same_shapes}); "
+        f"batch {args.batch} x ({args.inputs} + {args.targets}) = {tokens} tokens/step; "
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  return cfg, trainer, batch, model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  add_step_args(parser)
+  parser.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up)")
+  parser.add_argument("--matmul_size", type=int, default=8192)
+  parser.add_argument("--check_flops", action="store_true",
+                      help="also print XLA's cost analysis (one more compile)")
+  args = parser.parse_args()
+
+  cfg, trainer, batch, flops = build_step(args)
+  tokens = args.batch * (args.inputs + args.targets)
   print(f"model FLOPs {flops / 1e12:.4f} TFLOP/step (6 * params * tokens: "
         f"{6 * cfg.num_params() * tokens / 1e12:.2f}, over-counts an encoder-decoder)",
         flush=True)

@@ -22,12 +22,7 @@ import time
 
 import jax
 
-from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
-from jaxmoral.models import config as config_lib
-from jaxmoral.models import t5
-
-from bench_train_mfu import model_flops_per_step, parse_override  # bench/bench_train_mfu.py
-from bench_train_step import make_batch  # bench/bench_train_step.py
+from bench_train_mfu import add_step_args, build_step  # bench/bench_train_mfu.py
 
 _MATMUL_MARKS = ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "dot", "triton_gemm")
 
@@ -57,32 +52,14 @@ def kernel_table(trace_dir: str) -> tuple[dict[str, float], int]:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--size", default="large")
-  parser.add_argument("--dtype", default="bfloat16")
-  parser.add_argument("--optimizer", default="adafactor")
-  parser.add_argument("--batch", type=int, default=32)
-  parser.add_argument("--inputs", type=int, default=512)
-  parser.add_argument("--targets", type=int, default=128)
+  add_step_args(parser)
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--trace_steps", type=int, default=2)
   parser.add_argument("--top", type=int, default=40)
-  parser.add_argument("--override", action="append", default=[],
-                      help="T5Config field=value (repeatable)")
   parser.add_argument("--out", default="/tmp/jaxmoral_profile")
-  parser.add_argument("--peak_tflops", type=float, default=989.4)
   args = parser.parse_args()
 
-  overrides = dict(parse_override(o) for o in args.override)
-  cfg = config_lib.t5_config(size=args.size, dtype=args.dtype, **overrides)
-  model = t5.T5(cfg)
-  batch = make_batch(cfg, args.batch, args.inputs, args.targets)
-  trainer = trainer_lib.Trainer(
-      init_params_fn=lambda rng: t5.init_params(model, rng),
-      loss_fn=losses.seq2seq_loss_fn(model),
-      optimizer=optimizers.make_optimizer(name=args.optimizer, learning_rate=1e-3),
-      partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
-  flops = model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
-  print(f"T5 1.1-{args.size} {overrides}: {flops / 1e12:.2f} model TFLOP/step", flush=True)
+  _, trainer, batch, flops = build_step(args)
   os.makedirs(args.out, exist_ok=True)
   start = time.perf_counter()
   state = trainer.init_state(jax.random.PRNGKey(0))

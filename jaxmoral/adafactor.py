@@ -54,7 +54,7 @@ def factored_dims(shape: tuple[int, ...], factored: bool,
   return int(order[-2]), int(order[-1])
 
 
-def _groups(leaves: list[Any]) -> list[list[int]]:
+def group_by_shape(leaves: list[Any]) -> list[list[int]]:
   """Leaf indices grouped by (shape, dtype), groups in order of first appearance."""
   by_key: dict[tuple, list[int]] = {}
   for index, leaf in enumerate(leaves):
@@ -99,7 +99,7 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
   def init_fn(params: Any) -> GroupedAdafactorState:
     leaves = jax.tree_util.tree_leaves(params)
     stats = []
-    for group in _groups(leaves):
+    for group in group_by_shape(leaves):
       shape, dtype = tuple(leaves[group[0]].shape), leaves[group[0]].dtype
       size = len(group)
       dims = group_dims(shape)
@@ -120,7 +120,7 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
       raise ValueError("grouped_adafactor: update needs params (parameter scale, decay)")
     grad_leaves, treedef = jax.tree_util.tree_flatten(grads)
     param_leaves = jax.tree_util.tree_leaves(params)
-    groups = _groups(grad_leaves)
+    groups = group_by_shape(grad_leaves)
     if len(groups) != len(state.stats):
       raise ValueError(f"grouped_adafactor: {len(groups)} shape groups in the gradients, "
                        f"{len(state.stats)} in the state (built for another tree?)")

@@ -113,3 +113,14 @@ def test_group_same_shapes_is_for_adafactor_only():
   from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="group_same_shapes"):
     optimizers.make_optimizer(name="adamw", learning_rate=1e-3, group_same_shapes=True)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_global_norm_matches_numpy_on_both_paths(backend, monkeypatch):
+  """The CPU path (dot products) and the accelerator path (per-shape stacked reductions)."""
+  from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(jax, "default_backend", lambda: backend)
+  tree = _tree(4)
+  want = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
+                     for x in jax.tree_util.tree_leaves(tree)))
+  np.testing.assert_allclose(float(optimizers.global_norm(tree)), want, rtol=1e-6)
