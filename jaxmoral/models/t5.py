@@ -264,7 +264,7 @@ def _cudnn_attention_available() -> bool:
   """Whether the default backend is a CUDA GPU (where cuDNN's fused attention runs)."""
   try:
     return (jax.default_backend() == "gpu"
-            and "cuda" in jax.extend.backend.get_backend().platform_version.lower())
+            and "cuda" in jax.devices()[0].client.platform_version.lower())
   except Exception:  # pylint: disable=broad-except
     return False
 
