@@ -190,7 +190,7 @@ def global_norm(tree) -> jnp.ndarray:
   else:
     # A GPU runs the dot as a TF32 matrix product (inexact); a float32 reduction is exact.
     # Leaves of one shape are stacked and reduced together: one kernel per shape, not per
-    # leaf (the stack is the one `grouped_adafactor` builds, so XLA computes it once).
+    # leaf (the same stack `grouped_adafactor` builds, which XLA may share).
     squares = [jnp.sum(jnp.square(jnp.stack([leaves[i] for i in group]).astype(jnp.float32)))
                for group in adafactor.group_by_shape(leaves)]
   return jnp.sqrt(sum(squares)) if squares else jnp.zeros((), jnp.float32)

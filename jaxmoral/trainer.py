@@ -162,7 +162,7 @@ def _threefry_as_one_gpu_kernel():
   """Lowers threefry to JAX's single CUDA kernel (GPU only; CPU and TPU lowering unchanged).
 
   The random bits are the same. XLA:GPU compiles the default, unrolled threefry slowly: the
-  initialiser of T5 1.1-large took 253 s on an H100 before and 21-29 s with this
+  initialiser of T5 1.1-large took 253 s on an H100 before and 18-29 s with this
   (bench/RESULTS.md). Uses JAX's config state as a context manager; without it, a no-op.
   """
   from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top

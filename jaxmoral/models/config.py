@@ -18,6 +18,11 @@ AttentionImpl = Literal["auto", "einsum", "cudnn"]
 ATTENTION_IMPLS = ("auto", "einsum", "cudnn")
 
 
+def cudnn_supports_head_width(d_kv: int) -> bool:
+  """cuDNN's fused attention takes heads whose width is a multiple of 8, at most 128."""
+  return d_kv % 8 == 0 and d_kv <= 128
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class T5Config:
@@ -95,7 +100,7 @@ class T5Config:
     if self.attention_impl == "cudnn" and self.dropout_rate > 0:
       raise ValueError("T5Config.attention_impl='cudnn' cannot apply dropout_rate > 0 to the "
                        "attention weights; use 'auto' (einsum while dropout is on) or 'einsum'")
-    if self.attention_impl == "cudnn" and (self.d_kv % 8 or self.d_kv > 128):
+    if self.attention_impl == "cudnn" and not cudnn_supports_head_width(self.d_kv):
       raise ValueError(f"T5Config.attention_impl='cudnn' needs d_kv a multiple of 8 and at "
                        f"most 128, got {self.d_kv}")
     if self.pad_token_id >= self.vocab_size or self.eos_token_id >= self.vocab_size:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral.models.config import T5Config
+from jaxmoral.models.config import T5Config, cudnn_supports_head_width
 from jaxmoral.models import heads
 
 Array = jax.Array
@@ -283,7 +283,7 @@ def use_fused_attention(config: T5Config, *, deterministic: bool, query_length: 
   if config.attention_impl == "einsum":
     return False
   return (config.dtype != "float32" and (deterministic or config.dropout_rate == 0.0)
-          and config.d_kv % 8 == 0 and config.d_kv <= 128
+          and cudnn_supports_head_width(config.d_kv)
           and query_length % 2 == 0 and key_length % 2 == 0
           and _cudnn_attention_available())
 
@@ -308,7 +308,7 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask) 
   """T5 attention (no 1/sqrt(d) scale) of (batch, length, heads, d_kv) inputs in one kernel.
 
   A boolean mask is folded into the bias in float32 before the cast to the activation dtype,
-  so the padded positions get T5's -1e10 exactly as in the einsum path.
+  so padded positions get T5's -1e10 (rounded to that dtype), as in the einsum path.
   """
   bias = masking.position_bias
   if masking.mask is not None:
