@@ -12,12 +12,16 @@ static, so the whole thing compiles once per input shape and nests inside other 
 `make_sampler` / `make_beam_search` return cached jitted functions (one per model and
 static config); `sample` / `beam_search` call them.
 
-A decoding step multiplies by the self-attention query/key/value kernels (and the gated MLP's
-two input kernels) stacked into one (see `models/t5.decode_kernel_stacks`). The jitted
-decoders receive them already stacked: for concrete params on CPU the stack is built once per
-set of kernels and cached for as long as those kernel arrays live. That costs another copy
-of those kernels (52 MB, 17 % of T5 1.1-small's parameters), and saves copying them into
-fresh pages on every call (14–41 ms per call on a 2-core CPU).
+The jitted decoders receive the decoding step's kernels prepared (`models/t5.decode_kernels`).
+A step multiplies a few rows by every decoder kernel once, so it is bound by streaming the
+weights from memory. On a CPU, float32 models get every step product through
+`cpu_kernels.packed_matmul` over kernels packed into contiguous column panels: XLA's dot read
+row-major kernels at 10–15 GB/s there, the packed ones stream at up to ~29 GB/s (bench/
+RESULTS.md, session 6). Elsewhere the self-attention query/key/value kernels (and the gated
+MLP's two input kernels) are stacked into one product each. For concrete CPU params each
+prepared kernel is built once per set of kernels and cached for as long as those kernel
+arrays live: another copy of them in memory, against copying them into fresh pages on every
+call (14–41 ms per call on a 2-core CPU for the stacks alone).
 
 Rows of the flattened (batch * num_samples) and (batch * beam_size) arrays are ordered
 batch-major: row `b * n + i` is sample / beam `i` of input `b`.
@@ -36,8 +40,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from jaxmoral import losses
-from jaxmoral.models.t5 import T5, decode_kernel_stacks, shift_right
+from jaxmoral import cpu_kernels, losses
+from jaxmoral.models.t5 import T5, build_decode_kernel, decode_kernels, shift_right
 
 Array = jax.Array
 Params = Any
@@ -186,10 +190,11 @@ def _decode_step(model: T5, params: Params, cache: Any, tokens: Array, encoder_m
   return logits[:, 0, :].astype(jnp.float32), variables["cache"]
 
 
-# Stacked decode kernels of concrete CPU params, keyed by the ids of the kernels they stack;
-# an entry holds weak references to those kernels and goes when any of them is collected.
-_STACKED_KERNELS: dict[tuple[int, ...], tuple[tuple[weakref.ref, ...], Array]] = {}
-_stack_on_axis_1 = jax.jit(lambda kernels: jnp.stack(kernels, axis=1))
+# Decode-step kernels built from concrete CPU params, keyed by how they are built and the ids
+# of the kernels they come from; an entry holds weak references to those kernels and goes
+# when any of them is collected.
+_DECODE_KERNELS: dict[tuple[Any, ...], tuple[tuple[weakref.ref, ...], Array]] = {}
+_build_decode_kernel = jax.jit(build_decode_kernel, static_argnums=0)
 
 
 def _is_concrete_cpu_array(x: Any) -> bool:
@@ -197,25 +202,41 @@ def _is_concrete_cpu_array(x: Any) -> bool:
           and all(device.platform == "cpu" for device in x.devices()))
 
 
-def _stacked_kernel(kernels: list[Array]) -> Array:
-  """`jnp.stack(kernels, axis=1)`, from the cache when the kernels are concrete CPU arrays."""
+def _decode_kernel(how: str, kernels: list[Array]) -> Array:
+  """`build_decode_kernel(how, kernels)`, from the cache when the kernels are concrete CPU
+  arrays (built inside the trace otherwise, where XLA hoists it out of the decoding loop)."""
   if not all(_is_concrete_cpu_array(k) for k in kernels):
-    return jnp.stack(kernels, axis=1)
-  key = tuple(id(k) for k in kernels)
-  entry = _STACKED_KERNELS.get(key)
+    return build_decode_kernel(how, kernels)
+  key = (how,) + tuple(id(k) for k in kernels)
+  entry = _DECODE_KERNELS.get(key)
   if entry is not None and all(ref() is k for ref, k in zip(entry[0], kernels)):
     return entry[1]
-  drop = lambda _, key=key: _STACKED_KERNELS.pop(key, None)  # noqa: E731
-  _STACKED_KERNELS[key] = (tuple(weakref.ref(k, drop) for k in kernels),
-                           _stack_on_axis_1(list(kernels)))
-  return _STACKED_KERNELS[key][1]
+  drop = lambda _, key=key: _DECODE_KERNELS.pop(key, None)  # noqa: E731
+  _DECODE_KERNELS[key] = (tuple(weakref.ref(k, drop) for k in kernels),
+                          _build_decode_kernel(how, list(kernels)))
+  return _DECODE_KERNELS[key][1]
 
 
-def _with_stacked_kernels(params: Params) -> Params:
-  """`params` (unboxed) plus every decoder layer's stacked decode-step kernels."""
+def use_packed_kernels(model: T5, params: Params) -> bool:
+  """Whether decoding `params` takes `cpu_kernels.packed_matmul` for its products.
+
+  It does for float32 models whose params are concrete arrays, each on one CPU device, where
+  the kernel builds (`cpu_kernels.available()`; `JAXMORAL_CPU_KERNELS=0` turns it off).
+  Sharded or traced params, other dtypes and accelerators keep XLA's dot.
+  """
+  if model.config.dtype != "float32" or not cpu_kernels.enabled():
+    return False
+  leaves = jax.tree.leaves(nn.unbox(params))
+  if not all(_is_concrete_cpu_array(x) and len(x.devices()) == 1 for x in leaves):
+    return False
+  return cpu_kernels.available()
+
+
+def _with_decode_kernels(params: Params, *, packed: bool) -> Params:
+  """`params` (unboxed) plus the decode-step kernels of `decode_kernels(packed=packed)`."""
   params = nn.unbox(params)
-  for path, kernels in decode_kernel_stacks(params).items():
-    params = _with_leaf(params, path, _stacked_kernel(kernels))
+  for path, (how, kernels) in decode_kernels(params, packed=packed).items():
+    params = _with_leaf(params, path, _decode_kernel(how, kernels))
   return params
 
 
@@ -227,21 +248,25 @@ def _with_leaf(tree: Any, path: tuple[str, ...], value: Any) -> dict[str, Any]:
 
 
 class _Decoder:
-  """A jitted decoder `fn(params, *inputs)` that is handed the stacked decode kernels.
+  """A jitted decoder `fn(params, *inputs)` that is handed the decode-step kernels.
 
-  Calls with or without them are different pytrees (two executables), so every call goes
-  through `_with_stacked_kernels`, eager or traced alike.
+  Calls with stacked or packed kernels, or without, are different pytrees (different
+  executables), so every call goes through `_with_decode_kernels`, eager or traced alike.
   """
 
-  def __init__(self, jitted: Callable[..., Any]):
+  def __init__(self, model: T5, jitted: Callable[..., Any]):
+    self._model = model
     self._jitted = jitted
     functools.update_wrapper(self, jitted)
 
+  def _params(self, params: Params) -> Params:
+    return _with_decode_kernels(params, packed=use_packed_kernels(self._model, params))
+
   def __call__(self, params: Params, *args: Any, **kwargs: Any) -> Any:
-    return self._jitted(_with_stacked_kernels(params), *args, **kwargs)
+    return self._jitted(self._params(params), *args, **kwargs)
 
   def lower(self, params: Params, *args: Any, **kwargs: Any) -> Any:
-    return self._jitted.lower(_with_stacked_kernels(params), *args, **kwargs)
+    return self._jitted.lower(self._params(params), *args, **kwargs)
 
   def _cache_size(self) -> int:
     return self._jitted._cache_size()  # pylint: disable=protected-access
@@ -405,7 +430,7 @@ def _jitted_sampler(model: T5, config: SampleConfig) -> Callable[..., DecodeOutp
           rng: Optional[Array] = None) -> DecodeOutput:
     return _sample_impl(model, config, params, encoder_input_tokens, encoder_embeds,
                         encoder_mask, rng)
-  return _Decoder(jax.jit(run))
+  return _Decoder(model, jax.jit(run))
 
 
 def make_sampler(model: T5, *, max_decode_length: int, num_samples: int = 1,
@@ -550,7 +575,7 @@ def _jitted_beam_search(model: T5, config: BeamSearchConfig) -> Callable[..., An
           encoder_mask: Optional[Array] = None) -> tuple[Array, Array]:
     return _beam_search_impl(model, config, params, encoder_input_tokens, encoder_embeds,
                              encoder_mask)
-  return _Decoder(jax.jit(run))
+  return _Decoder(model, jax.jit(run))
 
 
 def make_beam_search(model: T5, *, beam_size: int, max_decode_length: int,

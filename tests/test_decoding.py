@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxmoral import decoding
+from jaxmoral import cpu_kernels, decoding
 from jaxmoral.models.config import t5_config
 from jaxmoral.models import t5
 from jaxmoral.models.t5 import T5, init_params, shift_right
@@ -319,29 +319,56 @@ def test_compiles_once_and_nests_in_jit(setup):
   np.testing.assert_allclose(np.asarray(total), np.asarray(first.logprobs.sum(-1)), atol=1e-5)
 
 
-def test_stacked_decode_kernels_are_cached_per_params(setup):
+def test_decode_kernels_are_cached_per_params(setup):
   model, params, inputs, _ = setup
   reference = decoding.sample(model, params, encoder_input_tokens=inputs,
                               max_decode_length=T, greedy=True)
   fresh = jax.tree.map(jnp.copy, params)  # New kernel arrays: a cache miss, then hits.
-  before = len(decoding._STACKED_KERNELS)
+  packed = decoding.use_packed_kernels(model, fresh)
+  assert packed == cpu_kernels.available()  # Float32 params on one CPU device.
+  before = len(decoding._DECODE_KERNELS)
   first = decoding.sample(model, fresh, encoder_input_tokens=inputs, max_decode_length=T,
                           greedy=True)
-  added = len(decoding._STACKED_KERNELS) - before
-  assert added == model.config.num_decoder_layers * (2 if model.config.is_gated else 1)
-  stacked = decoding._with_stacked_kernels(fresh)
-  again = decoding._with_stacked_kernels(fresh)
-  path = next(iter(t5.decode_kernel_stacks(stacked)))
-  leaf = lambda tree: functools.reduce(lambda node, key: node[key], path, tree)  # noqa: E731
-  assert leaf(again) is leaf(stacked)  # Reused, not rebuilt.
-  np.testing.assert_array_equal(
-      np.asarray(leaf(stacked)),
-      np.stack([np.asarray(k) for k in t5.decode_kernel_stacks(fresh)[path]], axis=1))
+  expected = t5.decode_kernels(fresh, packed=packed)
+  assert len(decoding._DECODE_KERNELS) - before == len(expected)
+  prepared = decoding._with_decode_kernels(fresh, packed=packed)
+  again = decoding._with_decode_kernels(fresh, packed=packed)
+  for path, (how, sources) in expected.items():
+    leaf = lambda tree: functools.reduce(lambda node, key: node[key], path, tree)  # noqa: E731
+    assert leaf(again) is leaf(prepared)  # Reused, not rebuilt.
+    np.testing.assert_array_equal(np.asarray(leaf(prepared)),
+                                  np.asarray(t5.build_decode_kernel(how, sources)))
   # Same tokens as decoding the original arrays.
   np.testing.assert_array_equal(np.asarray(first.tokens), np.asarray(reference.tokens))
-  del fresh, stacked, again, first
+  del fresh, prepared, again, first, leaf, expected, sources
   gc.collect()
-  assert len(decoding._STACKED_KERNELS) == before  # Dropped with the kernels they stack.
+  assert len(decoding._DECODE_KERNELS) == before  # Dropped with the kernels they come from.
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no packed CPU kernel here")
+def test_packed_cpu_kernels_decode_as_xla_dot(setup, monkeypatch):
+  """Sampling and beam search through `cpu_kernels.packed_matmul` against XLA's dot."""
+  model, params, inputs, _ = setup
+  kwargs = dict(encoder_input_tokens=inputs, max_decode_length=T)
+
+  def run():
+    sampled = decoding.sample(model, params, rng=jax.random.PRNGKey(5), num_samples=2,
+                              top_k=20, return_raw_logprobs=True, **kwargs)
+    beams = decoding.beam_search(model, params, beam_size=3, **kwargs)
+    return sampled, beams
+
+  sampler = decoding.make_sampler(model, max_decode_length=T, greedy=True)
+  assert "jaxmoral_packed_matmul" in sampler.lower(params, inputs).as_text()
+  packed = run()
+  monkeypatch.setenv("JAXMORAL_CPU_KERNELS", "0")
+  assert not decoding.use_packed_kernels(model, params)
+  assert "jaxmoral_packed_matmul" not in sampler.lower(params, inputs).as_text()
+  xla = run()
+  for ours, ref in zip(jax.tree.leaves(packed), jax.tree.leaves(xla)):
+    if np.issubdtype(np.asarray(ref).dtype, np.integer):
+      np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+    else:
+      np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_encoder_embeds_equal_tokens(setup):

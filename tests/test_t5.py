@@ -20,7 +20,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxmoral import losses, trainer as trainer_lib  # noqa: E402
+from jaxmoral import cpu_kernels, losses, trainer as trainer_lib  # noqa: E402
 from jaxmoral.models import hf_import  # noqa: E402
 from jaxmoral.models import t5  # noqa: E402
 from jaxmoral.models.config import T5Config, t5_config  # noqa: E402
@@ -177,23 +177,29 @@ def test_kv_cache_decoding_equals_teacher_forcing(variant):
   np.testing.assert_allclose(np.stack(stepped, axis=1), forced, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["stacked", "packed"])
+@pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_one_row_decoding_with_and_without_stacked_kernels(variant):
-  """Batch 1 takes the split one-row products; pre-stacked kernels give the same logits."""
+def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
+  """Stacked kernels (XLA's dot; batch 1 takes the split one-row products) and packed kernels
+  (`cpu_kernels.packed_matmul`, every product of a step) give the plain step's logits."""
+  if packed and not cpu_kernels.available():
+    pytest.skip("no packed CPU kernel here (no C++ compiler)")
   _, config, params = hf_model(variant)
   model = t5.T5(config)
-  enc, dec = random_batch(7, batch=1, dec_len=6)
+  enc, dec = random_batch(7, batch=batch, dec_len=6)
   mask = enc != 0
   forced = jitted(config)({"params": params}, enc, dec)
   encoded = jitted(config, "encode")({"params": params}, enc)
-  stacks = t5.decode_kernel_stacks(params)
-  assert len(stacks) == config.num_decoder_layers * (2 if config.is_gated else 1)
-  with_stacks = flax.core.unfreeze(params)
-  for path, kernels in stacks.items():
-    node = with_stacks
+  kernels = t5.decode_kernels(params, packed=packed)
+  per_layer = 6 if packed else (2 if config.is_gated else 1)  # Packed: every step product.
+  assert len(kernels) == config.num_decoder_layers * per_layer + (1 if packed else 0)
+  prepared = flax.core.unfreeze(params)
+  for path, (how, sources) in kernels.items():
+    node = prepared
     for key in path[:-1]:
       node = node[key]
-    node[path[-1]] = np.stack([np.asarray(k) for k in kernels], axis=1)
+    node[path[-1]] = t5.build_decode_kernel(how, sources)
 
   def decode_all(tree):
     _, variables = model.apply({"params": tree}, encoded, mask, dec.shape[1],
@@ -201,6 +207,8 @@ def test_one_row_decoding_with_and_without_stacked_kernels(variant):
     step = jax.jit(lambda cache, token: model.apply(
         {"params": tree, "cache": cache}, None, mask, token, decode=True,
         max_decode_length=dec.shape[1], method=t5.T5.decode, mutable=["cache"]))
+    hlo = step.lower(variables["cache"], dec[:, :1]).as_text()
+    assert ("jaxmoral_packed_matmul" in hlo) == (tree is prepared and packed)
     cache, out = variables["cache"], []
     for i in range(dec.shape[1]):
       (logits, _), new = step(cache, dec[:, i:i + 1])
@@ -208,9 +216,9 @@ def test_one_row_decoding_with_and_without_stacked_kernels(variant):
       out.append(logits[:, 0])
     return np.stack(out, axis=1)
 
-  plain, stacked = decode_all(params), decode_all(with_stacks)
+  plain, with_kernels = decode_all(params), decode_all(prepared)
   np.testing.assert_allclose(plain, forced, atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(stacked, plain, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(with_kernels, plain, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel_shape", [(64, 40), (64, 3, 24), (33, 16)])

@@ -27,6 +27,7 @@ method=...)`: `embed` (token ids -> input embeddings), `encode` (from ids *or* e
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, Mapping, Optional
 
 import flax
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import cpu_kernels
 from jaxmoral.models.config import T5Config, cudnn_supports_head_width
 from jaxmoral.models import heads
 
@@ -147,6 +149,9 @@ class DenseKernel(nn.Module):
         self.dtype)
 
   def __call__(self, x: Array) -> Array:
+    packed = _packed_product(self, PACKED_KERNEL, x, (self.features,))
+    if packed is not None:
+      return packed.astype(self.dtype)
     return _matmul_last_axis(x, self.kernel(x.shape[-1]))
 
 
@@ -162,44 +167,101 @@ def _matmul_stacked(x: Array, stacked: Array) -> list[Array]:
   return [out[..., i, :] for i in range(stacked.shape[1])]
 
 
-# Optional decoder-layer params holding the decode-step kernels already stacked (see
-# `decode_kernel_stacks`); without them a decoding step stacks the kernels itself.
+# Optional params a decoding step reads instead of multiplying by its layers' own kernels;
+# `jaxmoral.decoding` adds them, built once per set of kernels and cached (`decode_kernels`).
+# For XLA's dot: the kernels one product reads, stacked on a new axis 1.
 STACKED_QKV = "stacked_qkv_kernel"  # self_attention: (embed, 3, joined_kv) query, key, value.
 STACKED_WI = "stacked_wi_kernel"  # mlp (gated): (embed, 2, mlp) wi_0, wi_1.
+# For `cpu_kernels.packed_matmul` (float32 decoding on a CPU): every product of a step, its
+# kernel as `cpu_kernels.pack_columns` panels.
+PACKED_QKV = "packed_qkv_kernel"  # self_attention: query, key, value stacked, then packed.
+PACKED_WI = "packed_wi_kernel"  # mlp (gated): wi_0, wi_1 stacked, then packed.
+PACKED_KERNEL = "packed_kernel"  # Beside `kernel` in a decoder DenseKernel or logits_dense.
+PACKED_ATTEND = "packed_attend_kernel"  # token_embedder: the tied logits projection.
+
+# How `build_decode_kernel` makes each one from its source kernels.
+STACK, PACK, PACK_TRANSPOSED = "stack", "pack", "pack_transposed"
 
 
-def decode_kernel_stacks(params: Mapping[str, Any]) -> dict[tuple[str, ...], list[Array]]:
-  """Where each optional stacked decode kernel goes in `params`, and the kernels it stacks.
-
-  A decoding step reads `stacked_qkv_kernel` / `stacked_wi_kernel` when present instead of
-  stacking the kernels itself; `jaxmoral.decoding` adds them (stacked once, cached) so that a
-  call does not copy the kernels again.
+def decode_kernels(params: Mapping[str, Any], *, packed: bool
+                   ) -> dict[tuple[str, ...], tuple[str, list[Array]]]:
+  """Where each optional decode-step kernel goes in `params`, how, and from which kernels.
 
   Args:
     params: An (unboxed) T5 'params' tree.
+    packed: False: the stacked self-attention and gated-MLP input kernels XLA's dot reads.
+      True: every kernel of a decoding step packed for `cpu_kernels.packed_matmul`.
 
   Returns:
-    {param path: [kernels, in stacking order]} for every decoder layer.
+    {param path: (STACK | PACK | PACK_TRANSPOSED, [source kernels, in stacking order])}.
   """
-  stacks = {}
-  for name, layer in params["decoder"].items():
+  decoder = params["decoder"]
+  kernels: dict[tuple[str, ...], tuple[str, list[Array]]] = {}
+  for name, layer in decoder.items():
     if not name.startswith("layers_"):
       continue
-    attention = layer["self_attention"]
-    stacks[("decoder", name, "self_attention", STACKED_QKV)] = [
-        attention[proj]["kernel"] for proj in ("query", "key", "value")]
-    if "wi_0" in layer["mlp"]:
-      stacks[("decoder", name, "mlp", STACKED_WI)] = [
-          layer["mlp"][proj]["kernel"] for proj in ("wi_0", "wi_1")]
-  return stacks
+    attention, cross, mlp = (layer["self_attention"], layer["encoder_decoder_attention"],
+                             layer["mlp"])
+    qkv = [attention[proj]["kernel"] for proj in ("query", "key", "value")]
+    wi = [mlp[proj]["kernel"] for proj in ("wi_0", "wi_1")] if "wi_0" in mlp else None
+    where = ("decoder", name)
+    if not packed:
+      kernels[where + ("self_attention", STACKED_QKV)] = (STACK, qkv)
+      if wi:
+        kernels[where + ("mlp", STACKED_WI)] = (STACK, wi)
+      continue
+    kernels[where + ("self_attention", PACKED_QKV)] = (PACK, qkv)
+    for module, proj in (("self_attention", "out"), ("encoder_decoder_attention", "query"),
+                         ("encoder_decoder_attention", "out"), ("mlp", "wo")):
+      source = {"self_attention": attention, "encoder_decoder_attention": cross,
+                "mlp": mlp}[module][proj]["kernel"]
+      kernels[where + (module, proj, PACKED_KERNEL)] = (PACK, [source])
+    if wi:
+      kernels[where + ("mlp", PACKED_WI)] = (PACK, wi)
+    else:
+      kernels[where + ("mlp", "wi", PACKED_KERNEL)] = (PACK, [mlp["wi"]["kernel"]])
+  if packed and "logits_dense" in decoder:
+    kernels[("decoder", "logits_dense", PACKED_KERNEL)] = (
+        PACK, [decoder["logits_dense"]["kernel"]])
+  elif packed:
+    kernels[("token_embedder", PACKED_ATTEND)] = (
+        PACK_TRANSPOSED, [params["token_embedder"]["embedding"]])
+  return kernels
 
 
-def _stacked_or_stack(module: nn.Module, name: str, kernels: Callable[[], list[Array]],
-                      dtype: Any) -> Array:
-  """`module`'s pre-stacked param `name` if present, else `kernels()` stacked on axis 1."""
-  if module.has_variable("params", name):
-    return module.get_variable("params", name).astype(dtype)
-  return jnp.stack(kernels(), axis=1)
+def build_decode_kernel(how: str, kernels: list[Array]) -> Array:
+  """One `decode_kernels` entry: STACK (on axis 1), PACK (stacked, then packed) or
+  PACK_TRANSPOSED (the transpose of one kernel, packed)."""
+  if how == PACK_TRANSPOSED:
+    return cpu_kernels.pack_columns(kernels[0].T)
+  stacked = kernels[0] if len(kernels) == 1 else jnp.stack(kernels, axis=1)
+  return stacked if how == STACK else cpu_kernels.pack_columns(stacked)
+
+
+def _packed_product(module: nn.Module, name: str, x: Array,
+                    features: tuple[int, ...]) -> Optional[Array]:
+  """`x @ kernel` (float32, (..., *features)) through `cpu_kernels.packed_matmul` when
+  decoding put the packed kernel `name` in `module`'s params; None when it did not."""
+  if not module.has_variable("params", name):
+    return None
+  out = cpu_kernels.packed_matmul(x, module.get_variable("params", name), math.prod(features))
+  return out.reshape(*x.shape[:-1], *features)
+
+
+def _decode_step_products(module: nn.Module, x: Array, *, stacked_name: str, packed_name: str,
+                          kernels: Callable[[], list[Array]], features: tuple[int, int],
+                          dtype: Any) -> list[Array]:
+  """[x @ k for k in kernels()] for a decoding step as one product, `features` = (count,
+  width): through the packed kernel, the pre-stacked one, or one stacked here (see
+  `decode_kernels`)."""
+  out = _packed_product(module, packed_name, x, features)
+  if out is not None:
+    return [out[..., i, :].astype(dtype) for i in range(features[0])]
+  if module.has_variable("params", stacked_name):
+    stacked = module.get_variable("params", stacked_name).astype(dtype)
+  else:
+    stacked = jnp.stack(kernels(), axis=1)
+  return _matmul_stacked(x, stacked)
 
 
 class Embed(nn.Module):
@@ -217,6 +279,9 @@ class Embed(nn.Module):
     return _constrain(out, ("batch", "length", "embed"))
 
   def attend(self, x: Array) -> Array:
+    packed = _packed_product(self, PACKED_ATTEND, x, (self.num_embeddings,))
+    if packed is not None:
+      return packed
     return _matmul_last_axis(x, self.embedding.astype(x.dtype).T, split_one_row=False,
                              preferred_element_type=jnp.float32)
 
@@ -227,6 +292,9 @@ class LogitsDense(nn.Module):
 
   @nn.compact
   def __call__(self, hidden: Array) -> Array:
+    packed = _packed_product(self, PACKED_KERNEL, hidden, (self.vocab_size,))
+    if packed is not None:
+      return packed
     d_model = hidden.shape[-1]
     kernel = _param(self, "kernel", nn.initializers.normal(stddev=d_model ** -0.5),
                     (d_model, self.vocab_size), ("embed", "vocab"))
@@ -370,10 +438,10 @@ class MultiHeadAttention(nn.Module):
       out = out.reshape(out.shape[0], out.shape[1], joined)
       return _constrain(out_proj(out), ("batch", "length", "embed"))
     if fused_qkv:
-      stacked = _stacked_or_stack(
-          self, STACKED_QKV,
-          lambda: [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)], dtype)
-      query, own_key, own_value = _matmul_stacked(inputs_q, stacked)
+      query, own_key, own_value = _decode_step_products(
+          self, inputs_q, stacked_name=STACKED_QKV, packed_name=PACKED_QKV,
+          kernels=lambda: [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)],
+          features=(3, joined), dtype=dtype)
     else:
       query = query_proj(inputs_q)
     query = heads_first(split(query))
@@ -430,10 +498,10 @@ class MlpBlock(nn.Module):
     dense = functools.partial(DenseKernel, features=cfg.d_ff, axes=("embed", "mlp"),
                               init_scale=cfg.d_model ** -0.5, dtype=dtype)
     if cfg.is_gated and self.decode:
-      stacked = _stacked_or_stack(
-          self, STACKED_WI,
-          lambda: [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")], dtype)
-      gate, linear = _matmul_stacked(x, stacked)
+      gate, linear = _decode_step_products(
+          self, x, stacked_name=STACKED_WI, packed_name=PACKED_WI,
+          kernels=lambda: [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")],
+          features=(2, cfg.d_ff), dtype=dtype)
       hidden = act(gate) * linear
     elif cfg.is_gated:
       hidden = act(dense(name="wi_0")(x)) * dense(name="wi_1")(x)
