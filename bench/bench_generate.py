@@ -6,6 +6,11 @@ until then: `min_length` here, `min_new_tokens` there) so they do equal work. Pr
 for each, the ratio, and whether the greedy outputs agree.
 
   python bench/bench_generate.py --batch 1,8,32   # 64 input tokens, 32 new tokens
+
+On a CPU jaxmoral decodes float32 through `jaxmoral.cpu_kernels.packed_matmul` (see
+`decoding.use_packed_kernels`); `--also_xla_dot` times the same sampler with
+`JAXMORAL_CPU_KERNELS=0` (XLA's dot) in the same run. Timed calls are interleaved (ours,
+XLA's dot, PyTorch, then again), so drifts in machine load hit every side alike.
 """
 
 from __future__ import annotations
@@ -111,6 +116,8 @@ def main() -> None:
   parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--torch_threads", type=int, default=2)
+  parser.add_argument("--also_xla_dot", action="store_true",
+                      help="also time jaxmoral with JAXMORAL_CPU_KERNELS=0 (XLA's dot)")
   args = parser.parse_args()
   torch.set_num_threads(args.torch_threads)
 
@@ -130,12 +137,6 @@ def main() -> None:
     inputs = rng.integers(2, config.vocab_size, size=(batch, args.input_length),
                           dtype=np.int32)
     work = batch * new
-    run_jax = lambda: jax.block_until_ready(sampler(params, inputs).tokens)  # noqa: E731
-    start = time.perf_counter()
-    ours = np.asarray(run_jax())[:, 0]
-    compile_s = time.perf_counter() - start
-    jax_times = _time(run_jax, args.repeats)
-
     input_ids = torch.from_numpy(inputs.astype(np.int64))
     attention_mask = torch.ones_like(input_ids)
 
@@ -144,8 +145,30 @@ def main() -> None:
         return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                            num_beams=1, max_new_tokens=new, min_new_tokens=new)
 
+    def run_jax():
+      return jax.block_until_ready(sampler(params, inputs).tokens)
+
+    def run_xla_dot():
+      os.environ["JAXMORAL_CPU_KERNELS"] = "0"
+      try:
+        return run_jax()
+      finally:
+        del os.environ["JAXMORAL_CPU_KERNELS"]
+
+    packed = decoding.use_packed_kernels(model, params)
+    start = time.perf_counter()
+    ours = np.asarray(run_jax())[:, 0]
+    compile_s = time.perf_counter() - start
+    xla_tokens = np.asarray(run_xla_dot())[:, 0] if args.also_xla_dot else None
     theirs = run_torch()[:, 1:].numpy()  # Drop the decoder start token; also the warm-up.
-    torch_times = _time(run_torch, args.repeats)
+    # Interleaved (ours, XLA's dot, PyTorch; then again), so drifts in the machine's load hit
+    # every side alike.
+    jax_times, xla_times, torch_times = [], [], []
+    for _ in range(args.repeats):
+      jax_times += _time(run_jax, 1)
+      if args.also_xla_dot:
+        xla_times += _time(run_xla_dot, 1)
+      torch_times += _time(run_torch, 1)
 
     jax_tps = work / statistics.median(jax_times)
     torch_tps = work / statistics.median(torch_times)
@@ -153,7 +176,12 @@ def main() -> None:
     print(f"batch {batch}:")
     print(f"  jaxmoral.decoding.sample : {jax_tps:8.1f} tokens/s  "
           f"(runs {', '.join(f'{x:.3f}' for x in jax_times)} s; first call incl. compile "
-          f"{compile_s:.1f} s)")
+          f"{compile_s:.1f} s; packed CPU kernels: {'yes' if packed else 'no'})")
+    if args.also_xla_dot:
+      xla_tps = work / statistics.median(xla_times)
+      print(f"  same, XLA's dot          : {xla_tps:8.1f} tokens/s  "
+            f"(runs {', '.join(f'{x:.3f}' for x in xla_times)} s; packed/XLA "
+            f"{jax_tps / xla_tps:.2f}x; tokens identical: {(xla_tokens == ours).all()})")
     print(f"  HF torch generate        : {torch_tps:8.1f} tokens/s  "
           f"(runs {', '.join(f'{x:.3f}' for x in torch_times)} s)")
     print(f"  speed-up                 : {jax_tps / torch_tps:8.2f}x")
