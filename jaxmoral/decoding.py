@@ -15,13 +15,14 @@ static config); `sample` / `beam_search` call them.
 The jitted decoders receive the decoding step's kernels prepared (`models/t5.decode_kernels`).
 A step multiplies a few rows by every decoder kernel once, so it is bound by streaming the
 weights from memory. On a CPU, float32 models get every step product through
-`cpu_kernels.packed_matmul` over kernels packed into contiguous column panels: XLA's dot read
-row-major kernels at 10–15 GB/s there, the packed ones stream at up to ~29 GB/s (bench/
-RESULTS.md, session 6). Elsewhere the self-attention query/key/value kernels (and the gated
-MLP's two input kernels) are stacked into one product each. For concrete CPU params each
-prepared kernel is built once per set of kernels and cached for as long as those kernel
-arrays live: another copy of them in memory, against copying them into fresh pages on every
-call (14–41 ms per call on a 2-core CPU for the stacks alone).
+`cpu_kernels.packed_matmul` over kernels packed into contiguous column panels (XLA's dot read
+row-major kernels at 10–15 GB/s there, the packed ones stream at up to ~29 GB/s; bench/
+RESULTS.md, session 6), and the step's attention through `cpu_kernels.decode_attention`.
+Elsewhere the self-attention query/key/value kernels (and the gated MLP's two input kernels)
+are stacked into one product each. For concrete CPU params each prepared kernel is built
+once per set of kernels and cached for as long as those kernel arrays live: another copy of
+them in memory, against copying them into fresh pages on every call (14–41 ms per call on a
+2-core CPU for the stacks alone).
 
 Rows of the flattened (batch * num_samples) and (batch * beam_size) arrays are ordered
 batch-major: row `b * n + i` is sample / beam `i` of input `b`.

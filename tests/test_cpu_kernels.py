@@ -89,3 +89,34 @@ def test_switch_turns_the_kernel_off(monkeypatch):
     assert not cpu_kernels.enabled() and not cpu_kernels.available()
   monkeypatch.setenv("JAXMORAL_CPU_KERNELS", "1")
   assert cpu_kernels.enabled()
+
+
+def _np_attention(q, k, v, bias):
+  scores = np.einsum("rhd,rhld->rhl", q.astype(np.float64), k) + bias
+  weights = np.exp(scores - scores.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  return np.einsum("rhl,rhld->rhd", weights, v)
+
+
+@pytest.mark.parametrize("rows,heads,keys,depth,bias_shape", [
+    (8, 6, 64, 64, (8, 1, 64)),   # Cross-attention: a padding mask per row.
+    (3, 4, 32, 64, (1, 4, 32)),   # Self-attention: relative-position bias per head.
+    (2, 3, 7, 24, (2, 3, 7)),     # Depth not a multiple of 16, few keys.
+    (1, 1, 1, 16, (1, 1, 1))])
+def test_decode_attention_matches_numpy(kernel, rows, heads, keys, depth, bias_shape):
+  rng = np.random.default_rng(rows * 100 + keys)
+  q, k, v = (rng.standard_normal(s).astype(np.float32) for s in
+             [(rows, heads, depth), (rows, heads, keys, depth), (rows, heads, keys, depth)])
+  bias = rng.standard_normal(bias_shape).astype(np.float32)
+  if keys > 2:
+    bias[..., keys // 2:] = -1e10  # Masked positions (the model's NEG_INF) get no weight.
+  got = np.asarray(jax.jit(cpu_kernels.decode_attention)(q, k, v, bias))
+  want = _np_attention(q, k, v, np.broadcast_to(bias, (rows, heads, keys)))
+  assert got.shape == (rows, heads, depth) and got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_rejects_mismatched_shapes(kernel):
+  with pytest.raises(ValueError, match="do not fit"):
+    cpu_kernels.decode_attention(jnp.ones((2, 3, 8)), jnp.ones((2, 3, 5, 16)),
+                                 jnp.ones((2, 3, 5, 16)), jnp.zeros((2, 3, 5)))

@@ -182,7 +182,8 @@ def test_kv_cache_decoding_equals_teacher_forcing(variant):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
   """Stacked kernels (XLA's dot; batch 1 takes the split one-row products) and packed kernels
-  (`cpu_kernels.packed_matmul`, every product of a step) give the plain step's logits."""
+  (`cpu_kernels.packed_matmul` for every product of a step, `decode_attention` for its
+  attention) give the plain step's logits."""
   if packed and not cpu_kernels.available():
     pytest.skip("no packed CPU kernel here (no C++ compiler)")
   _, config, params = hf_model(variant)
@@ -208,7 +209,8 @@ def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
         {"params": tree, "cache": cache}, None, mask, token, decode=True,
         max_decode_length=dec.shape[1], method=t5.T5.decode, mutable=["cache"]))
     hlo = step.lower(variables["cache"], dec[:, :1]).as_text()
-    assert ("jaxmoral_packed_matmul" in hlo) == (tree is prepared and packed)
+    for target in (cpu_kernels.MATMUL_TARGET, cpu_kernels.ATTENTION_TARGET):
+      assert (target in hlo) == (tree is prepared and packed), target
     cache, out = variables["cache"], []
     for i in range(dec.shape[1]):
       (logits, _), new = step(cache, dec[:, i:i + 1])

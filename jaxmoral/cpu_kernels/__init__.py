@@ -1,11 +1,13 @@
-"""A CPU matrix product over column-panel-packed weights, for decoding steps.
+"""CPU kernels for decoding steps: a product over column-panel-packed weights, and attention.
 
 A decoding step multiplies a handful of rows (batch x samples) by every decoder weight matrix
 once, so it is bound by how fast the weights stream from memory. XLA:CPU's dot reads a
 row-major (K, N) kernel in strided pieces and streamed T5 1.1-small's kernels at 10–15 GB/s
 at 8 rows on a 2-core VM whose memory delivers 23–26 GB/s; stored as contiguous panels of 64
 columns (`pack_columns`) the same kernels stream at up to 29 GB/s through `packed_matmul`, an
-XLA FFI custom call (`packed_matmul.cc`) that splits the panels over XLA's intra-op threads.
+XLA FFI custom call (`kernels.cc`) that splits the panels over XLA's intra-op threads.
+`decode_attention` is a step's attention (one query per row and head) as one custom call:
+XLA:CPU ran it as batched one-row dots at ~40–60 us each, four per decoder layer.
 
 The kernel is compiled from source on first use with the machine's C++ compiler
 (`$CXX`, else `c++`/`g++`/`clang++`) against the XLA FFI headers jaxlib ships, for this
@@ -35,8 +37,9 @@ import jaxlib
 Array = jax.Array
 
 PANEL = 64  # Columns per packed panel (the kernel's J).
-TARGET = "jaxmoral_packed_matmul"
-SOURCE = os.path.join(os.path.dirname(__file__), "packed_matmul.cc")
+MATMUL_TARGET = "jaxmoral_packed_matmul"
+ATTENTION_TARGET = "jaxmoral_decode_attention"
+SOURCE = os.path.join(os.path.dirname(__file__), "kernels.cc")
 _ENV_SWITCH = "JAXMORAL_CPU_KERNELS"
 _LOG = logging.getLogger(__name__)
 
@@ -109,7 +112,7 @@ def build(*, force: bool = False) -> str:
     key = hashlib.sha256(b"\0".join([
         source, jaxlib.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
         platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:20]
-    path = os.path.join(_cache_dir(), f"packed_matmul_{key}.so")
+    path = os.path.join(_cache_dir(), f"cpu_kernels_{key}.so")
     if os.path.exists(path) and not force:
       return path
     partial = f"{path}.{os.getpid()}.tmp"
@@ -127,22 +130,30 @@ def build(*, force: bool = False) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _load() -> Optional[str]:
-  """Builds, loads and registers the FFI target once per process; None (warned) on failure."""
+  """Builds, loads and registers the FFI targets once per process; the library's path, or
+  None (warned once) on failure."""
   try:
     import ctypes  # pylint: disable=import-outside-toplevel
-    library = ctypes.cdll.LoadLibrary(build())
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.JaxmoralPackedMatmul),
-                                platform="cpu")
-    return TARGET
+    path = build()
+    library = ctypes.cdll.LoadLibrary(path)
+    for target, symbol in ((MATMUL_TARGET, library.JaxmoralPackedMatmul),
+                           (ATTENTION_TARGET, library.JaxmoralDecodeAttention)):
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+    return path
   except (BuildError, OSError, AttributeError) as e:
-    warnings.warn(f"jaxmoral.cpu_kernels: packed CPU matmul unavailable, decoding uses "
-                  f"XLA's dot instead: {e}", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"jaxmoral.cpu_kernels: CPU decoding kernels unavailable, decoding uses "
+                  f"XLA's ops instead: {e}", RuntimeWarning, stacklevel=3)
     return None
 
 
 def available() -> bool:
-  """Whether `packed_matmul` can run here: enabled, built and registered (builds once)."""
+  """Whether the kernels can run here: enabled, built and registered (builds once)."""
   return enabled() and _load() is not None
+
+
+def _require(name: str) -> None:
+  if _load() is None:
+    raise RuntimeError(f"jaxmoral.cpu_kernels.{name}: the CPU kernels are not available")
 
 
 def pack_columns(kernel: Array) -> Array:
@@ -170,13 +181,38 @@ def packed_matmul(x: Array, packed: Array, features: int) -> Array:
   Raises:
     RuntimeError: When the kernel is not `available()`.
   """
-  if _load() is None:
-    raise RuntimeError("jaxmoral.cpu_kernels.packed_matmul: the kernel is not available")
+  _require("packed_matmul")
   if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1]:
     raise ValueError(f"packed_matmul: x {x.shape} does not fit packed kernel {packed.shape}")
   rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
   out_type = jax.ShapeDtypeStruct((rows.shape[0], packed.shape[0] * PANEL), jnp.float32)
-  out = jax.ffi.ffi_call(TARGET, out_type, vmap_method="sequential")(rows, packed)
+  out = jax.ffi.ffi_call(MATMUL_TARGET, out_type, vmap_method="sequential")(rows, packed)
   if out.shape[1] != features:
     out = out[:, :features]
   return out.reshape(*x.shape[:-1], features)
+
+
+def decode_attention(query: Array, key: Array, value: Array, bias: Array) -> Array:
+  """softmax(query . key + bias) . value for one query per (row, head), float32.
+
+  Args:
+    query: (R, H, D).
+    key, value: (R, H, L, D).
+    bias: Broadcastable to (R, H, L): relative-position bias and masks (-1e10 where masked).
+
+  Returns:
+    (R, H, D) float32.
+
+  Raises:
+    RuntimeError: When the kernels are not `available()`.
+  """
+  _require("decode_attention")
+  rows, heads, keys, depth = key.shape
+  if query.shape != (rows, heads, depth) or value.shape != key.shape:
+    raise ValueError(f"decode_attention: query {query.shape}, key {key.shape} and value "
+                     f"{value.shape} do not fit (R, H, D), (R, H, L, D), (R, H, L, D)")
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  bias = jnp.broadcast_to(f32(bias), (rows, heads, keys))
+  out_type = jax.ShapeDtypeStruct((rows, heads, depth), jnp.float32)
+  return jax.ffi.ffi_call(ATTENTION_TARGET, out_type, vmap_method="sequential")(
+      f32(query), f32(key), f32(value), bias)

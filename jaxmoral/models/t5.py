@@ -148,6 +148,10 @@ class DenseKernel(nn.Module):
     return _param(self, "kernel", init, (in_features, self.features), self.axes).astype(
         self.dtype)
 
+  def is_packed(self) -> bool:
+    """Whether decoding gave this layer a packed kernel (see `decode_kernels`)."""
+    return self.has_variable("params", PACKED_KERNEL)
+
   def __call__(self, x: Array) -> Array:
     packed = _packed_product(self, PACKED_KERNEL, x, (self.features,))
     if packed is not None:
@@ -469,13 +473,19 @@ class MultiHeadAttention(nn.Module):
       key = heads_first(split(key_proj(inputs_kv)))
       value = heads_first(split(value_proj(inputs_kv)))
 
-    scores = jnp.einsum("bhqd,bhkd->bhqk", query, key,
-                        preferred_element_type=jnp.float32) + bias
-    weights = jax.nn.softmax(scores, axis=-1)
-    if cfg.dropout_rate > 0 and not self.deterministic:
-      keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - cfg.dropout_rate, weights.shape)
-      weights = weights * keep / (1.0 - cfg.dropout_rate)
-    out = jnp.einsum("bhqk,bhkd->bhqd", weights.astype(dtype), value)
+    if decode and out_proj.is_packed():
+      # Decoding through the CPU kernels (float32): the step's one query per row and head.
+      out = cpu_kernels.decode_attention(query[:, :, 0], key, value, bias[:, :, 0])
+      out = out[:, :, None].astype(dtype)
+    else:
+      scores = jnp.einsum("bhqd,bhkd->bhqk", query, key,
+                          preferred_element_type=jnp.float32) + bias
+      weights = jax.nn.softmax(scores, axis=-1)
+      if cfg.dropout_rate > 0 and not self.deterministic:
+        keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - cfg.dropout_rate,
+                                    weights.shape)
+        weights = weights * keep / (1.0 - cfg.dropout_rate)
+      out = jnp.einsum("bhqk,bhkd->bhqd", weights.astype(dtype), value)
     out = jnp.swapaxes(out, 1, 2).reshape(out.shape[0], out.shape[2], joined)
     return _constrain(out_proj(out), ("batch", "length", "embed"))
 
