@@ -2,14 +2,14 @@
 
 A decoding step multiplies a handful of rows (batch x samples) by every decoder weight matrix
 once, so it is bound by how fast the weights stream from memory. XLA:CPU's dot reads a
-row-major (K, N) kernel in strided pieces and streamed T5 1.1-small's kernels at 10–15 GB/s
-at 8 rows on a 2-core VM whose memory delivers 23–26 GB/s; stored as contiguous panels of 64
-columns (`pack_columns`) the same kernels stream at up to 29 GB/s through `packed_matmul`, an
-XLA FFI custom call (`kernels.cc`) that splits the panels over XLA's intra-op threads.
-`decode_attention` is a step's attention (one query per row and head) as one custom call:
-XLA:CPU ran it as batched one-row dots at ~40–60 us each, four per decoder layer.
+row-major (K, N) kernel in strided pieces: it streamed T5 1.1-small's cold kernels at 9–17
+GB/s at 8 rows on a 2-core VM whose memory delivers 23–26 GB/s. Stored as contiguous panels
+of 64 columns (`pack_columns`), the same kernels stream at up to 28 GB/s through
+`packed_matmul`, an XLA FFI custom call (`kernels.cc`) that splits the panels over XLA's
+intra-op threads (bench/bench_decode_products.py). `decode_attention` is a step's attention
+(one query per row and head) as one custom call, where XLA:CPU ran batched one-row dots.
 
-The kernel is compiled from source on first use with the machine's C++ compiler
+The kernels are compiled from source on first use with the machine's C++ compiler
 (`$CXX`, else `c++`/`g++`/`clang++`) against the XLA FFI headers jaxlib ships, for this
 machine's instruction set (`-march=native`), and cached under `$JAXMORAL_KERNEL_CACHE`
 (default `~/.cache/jaxmoral/kernels`), keyed by the source, jaxlib's version, the compiler and
@@ -45,11 +45,11 @@ _LOG = logging.getLogger(__name__)
 
 
 class BuildError(RuntimeError):
-  """The packed-matmul kernel could not be compiled or loaded."""
+  """The CPU kernels could not be compiled."""
 
 
 def enabled() -> bool:
-  """False when `JAXMORAL_CPU_KERNELS` is set to 0/false/off."""
+  """False when `JAXMORAL_CPU_KERNELS` is set to 0/false/off/no."""
   return os.environ.get(_ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
