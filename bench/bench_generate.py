@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+import machine  # noqa: E402  (bench/machine.py)
 from jaxmoral import decoding  # noqa: E402
 from jaxmoral.models.config import T5Config, t5_config  # noqa: E402
 from jaxmoral.models.t5 import T5, init_params  # noqa: E402
@@ -99,6 +100,22 @@ def hf_model(params, config: T5Config) -> transformers.T5ForConditionalGeneratio
   return model
 
 
+def generation_flops(config: T5Config, batch: int, input_length: int, new_tokens: int) -> float:
+  """Matrix-product FLOPs of one greedy call: encoder, cross-attention keys/values, and
+  `new_tokens` cached decoder steps (each over the whole cache, as both implementations
+  compute it), logits projection included."""
+  d, ff, inner = config.d_model, config.d_ff, config.num_heads * config.d_kv
+  mlp = (3 if config.is_gated else 2) * d * ff
+  encoder_per_token = config.num_encoder_layers * (
+      2 * (4 * d * inner + mlp) + 4 * input_length * inner)
+  cross_kv_per_token = config.num_decoder_layers * 2 * 2 * d * inner
+  step_per_row = (config.num_decoder_layers * (
+      2 * (6 * d * inner + mlp) + 4 * (new_tokens + input_length) * inner)
+                  + 2 * d * config.vocab_size)
+  return (batch * input_length * (encoder_per_token + cross_kv_per_token)
+          + batch * new_tokens * step_per_row)
+
+
 def _time(fn, repeats: int) -> list[float]:
   times = []
   for _ in range(repeats):
@@ -128,6 +145,8 @@ def main() -> None:
   new = args.new_tokens
   sampler = decoding.make_sampler(model, max_decode_length=new, greedy=True, min_length=new,
                                   eos_id=config.eos_token_id)
+  peak = machine.measured_peak()
+  print(f"machine peak: {peak.note}")
   print(f"T5 1.1 {args.size} random weights, {args.input_length} input tokens, {new} new "
         f"tokens, greedy; {args.repeats} timed runs each (median); jax {jax.__version__} on "
         f"{jax.devices()[0].platform}, torch {torch.__version__} ({args.torch_threads} "
@@ -185,6 +204,12 @@ def main() -> None:
     print(f"  HF torch generate        : {torch_tps:8.1f} tokens/s  "
           f"(runs {', '.join(f'{x:.3f}' for x in torch_times)} s)")
     print(f"  speed-up                 : {jax_tps / torch_tps:8.2f}x")
+    flops = generation_flops(config, batch, args.input_length, new)
+    rates = [flops / statistics.median(t) for t in (jax_times, torch_times)]
+    print(f"  work per call            : {flops / 1e9:.1f} GFLOP (matrix products); jaxmoral "
+          f"{rates[0] / 1e9:.1f} GFLOP/s = {rates[0] / peak.flops:.0%} of peak, PyTorch "
+          f"{rates[1] / 1e9:.1f} GFLOP/s = {rates[1] / peak.flops:.0%}; at peak a call takes "
+          f">= {flops / peak.flops:.3f} s")
     first_diff = [-1 if a else int(np.argmax(o != h)) for o, h, a in zip(ours, theirs, agree)]
     print(f"  greedy outputs agree     : {int(agree.sum())}/{len(agree)} rows identical"
           + ("" if agree.all() else f"; first differing position per row {first_diff}"),
