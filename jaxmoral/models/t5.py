@@ -204,9 +204,8 @@ def decode_kernels(params: Mapping[str, Any], *, packed: bool
   for name, layer in decoder.items():
     if not name.startswith("layers_"):
       continue
-    attention, cross, mlp = (layer["self_attention"], layer["encoder_decoder_attention"],
-                             layer["mlp"])
-    qkv = [attention[proj]["kernel"] for proj in ("query", "key", "value")]
+    mlp = layer["mlp"]
+    qkv = [layer["self_attention"][proj]["kernel"] for proj in ("query", "key", "value")]
     wi = [mlp[proj]["kernel"] for proj in ("wi_0", "wi_1")] if "wi_0" in mlp else None
     where = ("decoder", name)
     if not packed:
@@ -217,9 +216,7 @@ def decode_kernels(params: Mapping[str, Any], *, packed: bool
     kernels[where + ("self_attention", PACKED_QKV)] = (PACK, qkv)
     for module, proj in (("self_attention", "out"), ("encoder_decoder_attention", "query"),
                          ("encoder_decoder_attention", "out"), ("mlp", "wo")):
-      source = {"self_attention": attention, "encoder_decoder_attention": cross,
-                "mlp": mlp}[module][proj]["kernel"]
-      kernels[where + (module, proj, PACKED_KERNEL)] = (PACK, [source])
+      kernels[where + (module, proj, PACKED_KERNEL)] = (PACK, [layer[module][proj]["kernel"]])
     if wi:
       kernels[where + ("mlp", PACKED_WI)] = (PACK, wi)
     else:
