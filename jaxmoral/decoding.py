@@ -16,7 +16,7 @@ The jitted decoders receive the decoding step's kernels prepared (`models/t5.dec
 A step multiplies a few rows by every decoder kernel once, so it is bound by streaming the
 weights from memory. On a CPU, float32 models get every step product through
 `cpu_kernels.packed_matmul` over kernels packed into contiguous column panels (XLA's dot read
-row-major kernels at 10–15 GB/s there, the packed ones stream at up to ~29 GB/s; bench/
+cold row-major kernels at 9–17 GB/s there, the packed ones stream at up to 28 GB/s; bench/
 RESULTS.md, session 6), and the step's attention through `cpu_kernels.decode_attention`.
 Elsewhere the self-attention query/key/value kernels (and the gated MLP's two input kernels)
 are stacked into one product each. For concrete CPU params each prepared kernel is built

@@ -3,13 +3,13 @@
 // JaxmoralPackedMatmul: y[M, P*J] = x[M, K] @ W, with W stored as P contiguous column panels
 // w[P, K, J] (J = 64). A decoding step multiplies a few rows by every weight matrix once: the
 // product is bound by how fast the weights stream from memory. Row-major (K, N) weights are
-// read as K strided pieces per column block, which XLA:CPU's dot (and numpy's, and
-// PyTorch's) streamed at 10-13 GB/s on a 2-core Zen 4 VM; the same bytes read as contiguous
-// panels stream at 24 GB/s on one thread (bench/RESULTS.md, session 6).
+// read as K strided pieces per column block: XLA:CPU's dot streamed T5 1.1-small's cold
+// kernels at 9-17 GB/s at 8 rows on a 2-core Zen 4 VM, the same bytes read as contiguous
+// panels up to 28 GB/s (bench/bench_decode_products.py; bench/RESULTS.md, session 6).
 //
 // JaxmoralDecodeAttention: out[r, h] = softmax_l(q[r, h] . k[r, h, l] + bias[r, h, l])
 // v[r, h, l], one query per (row, head). XLA:CPU ran a step's attention as batched dots of
-// one row each, ~40-60 us per dot, four per layer.
+// one row each, ~50-60 us per cross-attention dot at batch 8 (bench/profile_decode.py).
 //
 // Both split their work over XLA's intra-op thread pool.
 #include <algorithm>
@@ -29,7 +29,7 @@ namespace {
 
 constexpr int64_t kPanel = 64;    // J: columns per panel, four 16-float vectors.
 // Rows per register block: 6 x 4 accumulators + 4 weights + 1 broadcast fit AVX-512's 32
-// vector registers (8 rows measured no faster at 8 rows per call).
+// vector registers (blocks of 4 or 8 rows measured no faster).
 constexpr int kMaxRows = 6;
 
 // 16 floats; aligned(4) makes every load and store an unaligned one, so no alignment is assumed.

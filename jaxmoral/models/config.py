@@ -50,7 +50,8 @@ class T5Config:
       "einsum" (two products around a float32 softmax, any device), "cudnn" (cuDNN's fused
       flash attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, bfloat16 or
       float16, no attention dropout), or "auto" (cuDNN where it applies, else einsum).
-      Decoding steps against the key/value cache always use einsum.
+      Decoding steps against the key/value cache never use cuDNN: einsum, or
+      `cpu_kernels.decode_attention` when decoding float32 on a CPU (see `jaxmoral.decoding`).
     right_padded_inputs: Promise that every unpacked encoder row is its valid tokens followed
       by padding, as seqio's feature converters write them. cuDNN attention then masks keys
       by per-row lengths instead of a dense (batch, heads, q, k) bias, which was 1.7x faster
