@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import re
 import tempfile
@@ -26,6 +23,7 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from profile_train_step import perfetto_trace  # noqa: E402  (bench/profile_train_step.py)
 from jaxmoral import decoding  # noqa: E402
 from jaxmoral.models.config import t5_config  # noqa: E402
 from jaxmoral.models.t5 import T5, init_params  # noqa: E402
@@ -59,10 +57,8 @@ def main() -> None:
   out = tempfile.mkdtemp(prefix="jaxmoral_decode_profile_")
   with jax.profiler.trace(out, create_perfetto_trace=True):
     run()
-  path = glob.glob(os.path.join(out, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-  with gzip.open(path, "rt") as f:
-    trace = json.load(f)
-  events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)
+  path, events = perfetto_trace(out)
+  events = [e for e in events
             if e.get("ph") == "X" and not e["name"].startswith(_RUNTIME_EVENTS)]
   calls = collections.Counter(e["name"] for e in events)
   per_step: dict[str, float] = collections.defaultdict(float)

@@ -27,14 +27,20 @@ from bench_train_mfu import add_step_args, build_step  # bench/bench_train_mfu.p
 _MATMUL_MARKS = ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "dot", "triton_gemm")
 
 
-def kernel_table(trace_dir: str) -> tuple[dict[str, float], int]:
-  """{kernel name: total microseconds} over the device streams of the Perfetto trace."""
+def perfetto_trace(trace_dir: str) -> tuple[str, list[dict]]:
+  """(path, events) of the newest Perfetto trace `jax.profiler.trace` wrote under trace_dir."""
   paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
   if not paths:
     raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
-  with gzip.open(sorted(paths)[-1], "rt") as f:
+  path = sorted(paths)[-1]
+  with gzip.open(path, "rt") as f:
     trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  return path, trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def kernel_table(trace_dir: str) -> tuple[dict[str, float], int]:
+  """{kernel name: total microseconds} over the device streams of the Perfetto trace."""
+  _, events = perfetto_trace(trace_dir)
   process_names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
                    if e.get("ph") == "M" and e.get("name") == "process_name"}
   device_pids = {pid for pid, name in process_names.items()
@@ -46,7 +52,8 @@ def kernel_table(trace_dir: str) -> tuple[dict[str, float], int]:
     if e.get("ph") == "X" and e.get("pid") in device_pids:
       totals[e["name"]] += float(e.get("dur", 0.0))
       count += 1
-  print(f"trace: {len(events)} events, {count} on devices {sorted(process_names[p] for p in device_pids)}")
+  print(f"trace: {len(events)} events, {count} on devices "
+        f"{sorted(process_names[p] for p in device_pids)}")
   return dict(totals), count
 
 
