@@ -105,7 +105,8 @@ def build_step(args: argparse.Namespace) -> tuple[config_lib.T5Config, trainer_l
       partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
   tokens = args.batch * (args.inputs + args.targets)
   print(f"T5 1.1-{args.size} {overrides}: {cfg.num_params() / 1e6:.1f}M params (float32), "
-        f"activations {args.dtype}, {args.optimizer} (group_same_shapes: {args.group_same_shapes}); "
+        f"activations {args.dtype}, {args.optimizer} "
+        f"(group_same_shapes: {args.group_same_shapes}); "
         f"batch {args.batch} x ({args.inputs} + {args.targets}) = {tokens} tokens/step; "
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   return cfg, trainer, batch, model_flops_per_step(cfg, args.batch, args.inputs, args.targets)

@@ -79,9 +79,10 @@ def main() -> None:
     cases = {"cudnn, dense mask": base.replace(attention_impl="cudnn")}
     if name == "padded":
       cases["cudnn, key lengths"] = base.replace(attention_impl="cudnn", right_padded_inputs=True)
+    worst = max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(bf16[1]),
+                                          jax.tree_util.tree_leaves(f32[1])))
     print(f"{name}: einsum bf16 vs f32: logits {rel(bf16[0][valid], f32[0][valid]):.1e}, "
-          f"loss {bf16[2]:.5f} vs {f32[2]:.5f}, worst gradient "
-          f"{max(rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(bf16[1]), jax.tree_util.tree_leaves(f32[1]))):.1e}")
+          f"loss {bf16[2]:.5f} vs {f32[2]:.5f}, worst gradient {worst:.1e}")
     for label, cfg in cases.items():
       out = run(cfg, params, batch)
       leaves = zip(jax.tree_util.tree_leaves(out[1]), jax.tree_util.tree_leaves(bf16[1]))
