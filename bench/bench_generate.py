@@ -6,6 +6,11 @@ until then: `min_length` here, `min_new_tokens` there) so they do equal work. Pr
 for each, the ratio, and whether the greedy outputs agree.
 
   python bench/bench_generate.py --batch 1,8,32   # 64 input tokens, 32 new tokens
+  python bench/bench_generate.py --batch 16 --top_p 0.6 --temperature 0.7   # sampled
+
+With `--top_p` below 1 or `--temperature` other than 1 both sample (`do_sample=True`,
+`top_k=0` there) instead of taking the argmax; the draws then differ, so only the rates are
+compared.
 
 On a CPU jaxmoral decodes float32 through `jaxmoral.cpu_kernels.packed_matmul` (see
 `decoding.use_packed_kernels`); `--also_xla_dot` times the same sampler with
@@ -133,6 +138,9 @@ def main() -> None:
   parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--torch_threads", type=int, default=2)
+  parser.add_argument("--top_p", type=float, default=1.0, help="< 1: sample with top-p")
+  parser.add_argument("--temperature", type=float, default=1.0,
+                      help="!= 1: sample with this temperature")
   parser.add_argument("--also_xla_dot", action="store_true",
                       help="also time jaxmoral with JAXMORAL_CPU_KERNELS=0 (XLA's dot)")
   args = parser.parse_args()
@@ -143,12 +151,16 @@ def main() -> None:
   params = nn.unbox(init_params(model, jax.random.PRNGKey(0)))
   hf = hf_model(params, config)
   new = args.new_tokens
-  sampler = decoding.make_sampler(model, max_decode_length=new, greedy=True, min_length=new,
-                                  eos_id=config.eos_token_id)
+  greedy = args.top_p == 1.0 and args.temperature == 1.0
+  sampler = decoding.make_sampler(model, max_decode_length=new, greedy=greedy,
+                                  temperature=args.temperature, top_p=args.top_p,
+                                  min_length=new, eos_id=config.eos_token_id)
+  how = ("greedy" if greedy else
+         f"sampled (top_p {args.top_p}, temperature {args.temperature})")
   peak = machine.measured_peak()
   print(f"machine peak: {peak.note}")
   print(f"T5 1.1 {args.size} random weights, {args.input_length} input tokens, {new} new "
-        f"tokens, greedy; {args.repeats} timed runs each (median); jax {jax.__version__} on "
+        f"tokens, {how}; {args.repeats} timed runs each (median); jax {jax.__version__} on "
         f"{jax.devices()[0].platform}, torch {torch.__version__} ({args.torch_threads} "
         f"threads), transformers {transformers.__version__}")
   for batch in [int(b) for b in args.batch.split(",")]:
@@ -161,11 +173,16 @@ def main() -> None:
 
     def run_torch():
       with torch.inference_mode():
-        return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+        if greedy:
+          return hf.generate(input_ids=input_ids, attention_mask=attention_mask,
+                             do_sample=False, num_beams=1, max_new_tokens=new,
+                             min_new_tokens=new)
+        return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                           top_k=0, top_p=args.top_p, temperature=args.temperature,
                            num_beams=1, max_new_tokens=new, min_new_tokens=new)
 
     def run_jax():
-      return jax.block_until_ready(sampler(params, inputs).tokens)
+      return jax.block_until_ready(sampler(params, inputs, rng=jax.random.PRNGKey(0)).tokens)
 
     def run_xla_dot():
       os.environ["JAXMORAL_CPU_KERNELS"] = "0"
@@ -211,6 +228,9 @@ def main() -> None:
           f"{rates[1] / 1e9:.1f} GFLOP/s = {rates[1] / peak.flops:.0%}; at peak a call takes "
           f">= {flops / peak.flops:.3f} s")
     first_diff = [-1 if a else int(np.argmax(o != h)) for o, h, a in zip(ours, theirs, agree)]
+    if not greedy:
+      print("  outputs                  : sampled, so not compared", flush=True)
+      continue
     print(f"  greedy outputs agree     : {int(agree.sum())}/{len(agree)} rows identical"
           + ("" if agree.all() else f"; first differing position per row {first_diff}"),
           flush=True)

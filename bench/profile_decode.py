@@ -1,12 +1,14 @@
 """Where a CPU decoding step spends its time: op time per step from a `jax.profiler` trace.
 
-Traces one greedy `decoding.sample` call (T5 1.1-small, random weights), maps every traced XLA
-op to its source (`op_name` in the compiled HLO) and prints milliseconds per decoding step by
-source (layers merged), plus the time of ops outside the decoding loop (encoder, cache set-up).
+Traces one `decoding.sample` call (T5 1.1-small, random weights; greedy unless --top_p or
+--temperature say otherwise), maps every traced XLA op to its source (`op_name` in the
+compiled HLO) and prints milliseconds per decoding step by source (layers merged), plus the
+time of ops outside the decoding loop (encoder, cache set-up).
 Ops that run concurrently on the two threads both count, so the sum can exceed the wall time.
 
   python bench/profile_decode.py --batch 8                          # packed CPU kernels
   JAXMORAL_CPU_KERNELS=0 python bench/profile_decode.py --batch 8   # XLA's dot
+  python bench/profile_decode.py --batch 16 --top_p 0.6 --temperature 0.7   # sampled
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def main() -> None:
   parser.add_argument("--input_length", type=int, default=64)
   parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--top", type=int, default=25)
+  parser.add_argument("--top_p", type=float, default=1.0, help="< 1: sample with top-p")
+  parser.add_argument("--temperature", type=float, default=1.0,
+                      help="!= 1: sample with this temperature")
   args = parser.parse_args()
   config = t5_config(size=args.size)
   model = T5(config)
@@ -47,11 +52,14 @@ def main() -> None:
   inputs = np.random.default_rng(0).integers(2, config.vocab_size,
                                              size=(args.batch, args.input_length),
                                              dtype=np.int32)
-  sampler = decoding.make_sampler(model, max_decode_length=steps, greedy=True,
+  greedy = args.top_p == 1.0 and args.temperature == 1.0
+  sampler = decoding.make_sampler(model, max_decode_length=steps, greedy=greedy,
+                                  temperature=args.temperature, top_p=args.top_p,
                                   min_length=steps, eos_id=config.eos_token_id)
-  hlo = sampler.lower(params, inputs).compile().as_text()
+  rng = jax.random.PRNGKey(0)
+  hlo = sampler.lower(params, inputs, rng=rng).compile().as_text()
   sources = dict(re.findall(r"%([\w.\-]+) = [^\n]*?metadata=\{op_name=\"([^\"]+)\"", hlo))
-  run = lambda: jax.block_until_ready(sampler(params, inputs).tokens)  # noqa: E731
+  run = lambda: jax.block_until_ready(sampler(params, inputs, rng=rng).tokens)  # noqa: E731
   run()
   run()
   out = tempfile.mkdtemp(prefix="jaxmoral_decode_profile_")
@@ -70,7 +78,8 @@ def main() -> None:
     source = sources.get(e["name"], e["name"])
     source = re.sub(r"layers_\d+", "layers_*", source.split("/while/body/")[-1])
     per_step[source] += e["dur"] / steps
-  print(f"{args.size}, batch {args.batch}, {args.input_length} input -> {steps} tokens; "
+  how = "greedy" if greedy else f"top_p {args.top_p}, temperature {args.temperature}"
+  print(f"{args.size}, batch {args.batch}, {args.input_length} input -> {steps} tokens, {how}; "
         f"packed CPU kernels: {decoding.use_packed_kernels(model, params)}; trace {path}")
   print(f"outside the decoding loop: {outside / 1e3:8.2f} ms")
   print(f"decoding step, all ops:    {sum(per_step.values()) / 1e3:8.3f} ms per step")

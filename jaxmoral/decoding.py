@@ -87,7 +87,7 @@ class SampleConfig:
     temperature: Logits are divided by it (> 0).
     top_k: Keep the k most likely tokens (0 = off).
     top_p: Keep the smallest most-likely set with mass >= top_p (1.0 = off); the most
-      likely token is always kept.
+      likely token is always kept, equally likely tokens in index order (`nucleus_mask`).
     greedy: Take the argmax of the processed distribution instead of sampling.
     no_repeat_ngram_size: Ban tokens that would complete an n-gram already generated in that
       row (0 = off).
@@ -286,12 +286,76 @@ def first_max_index(x: Array) -> Array:
   return jnp.minimum(jnp.min(jnp.where(is_max, positions, size), axis=-1), size - 1)
 
 
+def nucleus_mask(probs: Array, top_p: float) -> Array:
+  """Which tokens top-p keeps: the smallest most-likely set with mass >= `top_p`.
+
+  The same set as sorting each row and keeping a token while the mass of the ones sorted
+  before it is < `top_p` (ties in index order, the most likely token always kept), found
+  without a sort. `jax.lax.top_k` over a whole vocabulary is a full sort: 137 ms per step at
+  16 rows x 32k on a 2-core CPU, against 3 ms for this search (bench/bench_top_p.py).
+
+  The cut-off probability is found by bisection on its float32 bits (non-negative floats order
+  as their bit patterns): it is the largest value t with mass(p >= t) >= top_p, 31 masked
+  sums per row. Only where several tokens share that probability, a second bisection over
+  their indices keeps as many of them, lowest index first, as the mass needs.
+
+  Args:
+    probs: (rows, vocab) non-negative float32 probabilities (each row sums to ~1).
+    top_p: Nucleus mass in (0, 1) (`sample_logits` skips the mask at 1).
+
+  Returns:
+    (rows, vocab) bool: True for kept tokens.
+  """
+  rows, vocab = probs.shape
+  probs = probs.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
+
+  def bisect_cutoff(_, bounds):
+    lo, hi = bounds  # mass(p >= lo) >= top_p; mass(p >= hi) < top_p.
+    mid = lo + (hi - lo) // 2
+    mass = jnp.sum(jnp.where(bits >= mid[:, None], probs, 0.0), axis=-1)
+    ok = mass >= top_p
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  # 31 halvings take any positive float32 range [0, 2**31) down to one value. Unrolled: in a
+  # rolled loop XLA:CPU ran each masked sum as a select, copies and a separate reduction,
+  # ~18 ms of a 39 ms sampling step at 16 rows against ~2 ms (bench/profile_decode.py).
+  cutoff, _ = jax.lax.fori_loop(
+      0, 31, bisect_cutoff,
+      (jnp.zeros((rows,), jnp.int32), jnp.max(bits, axis=-1) + 1), unroll=True)
+  above = bits > cutoff[:, None]
+  tied = bits == cutoff[:, None]
+
+  def keep_first_ties() -> Array:
+    """Index limit per row: the first ties (by index) needed to reach `top_p`."""
+    mass_above = jnp.sum(jnp.where(above, probs, 0.0), axis=-1)
+    cutoff_prob = jax.lax.bitcast_convert_type(cutoff, jnp.float32)
+    positions = jax.lax.broadcasted_iota(jnp.int32, probs.shape, 1)
+
+    def bisect_limit(_, bounds):
+      lo, hi = bounds  # Ties below index lo are too few; below hi, enough (vocab + 1: none).
+      mid = lo + (hi - lo) // 2
+      count = jnp.sum((tied & (positions < mid[:, None])).astype(jnp.int32), axis=-1)
+      ok = mass_above + count.astype(jnp.float32) * cutoff_prob >= top_p
+      return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    _, limit = jax.lax.fori_loop(
+        0, vocab.bit_length(), bisect_limit,  # Halves the vocab + 1 candidate limits.
+        (jnp.zeros((rows,), jnp.int32), jnp.full((rows,), vocab + 1, jnp.int32)),
+        unroll=True)
+    return tied & (positions < limit[:, None])
+
+  several_tied = jnp.any(jnp.sum(tied.astype(jnp.int32), axis=-1) > 1)
+  return above | jax.lax.cond(several_tied, keep_first_ties, lambda: tied)
+
+
 def sample_logits(rng: Array, logits: Array, *, temperature: float = 1.0, top_k: int = 0,
                   top_p: float = 1.0, greedy: bool = False) -> tuple[Array, Array]:
   """Draws one token per row from processed logits; the per-step core of `sample`.
 
   Banned tokens should already be -inf in `logits`. Processing order: temperature, then top-k
-  (exactly k kept, via `jax.lax.top_k`), then top-p on the (sorted) survivors.
+  (exactly k kept, via `jax.lax.top_k`), then top-p (on the sorted top-k survivors, or with
+  `nucleus_mask` over the whole vocabulary when top-k is off).
 
   Args:
     rng: PRNG key (unused when greedy).
@@ -308,18 +372,19 @@ def sample_logits(rng: Array, logits: Array, *, temperature: float = 1.0, top_k:
   scaled = logits.astype(jnp.float32)
   if temperature != 1.0:
     scaled = scaled / temperature
-  if top_k > 0 or top_p < 1.0:
-    # Work in the sorted candidate space: top_k gives sorted values, which top-p needs anyway.
-    k = min(top_k, vocab) if top_k > 0 else vocab
-    candidates, candidate_ids = jax.lax.top_k(scaled, k)
+  candidates, candidate_ids = scaled, None
+  if top_k > 0:
+    # Sorted survivors: top-p below needs the order anyway, and k is small.
+    candidates, candidate_ids = jax.lax.top_k(scaled, min(top_k, vocab))
     if top_p < 1.0:
       probs = jax.nn.softmax(candidates, axis=-1)
       mass_before = jnp.cumsum(probs, axis=-1) - probs
       # Keep a token while the mass of the more likely ones is < p; the first always stays.
-      keep = (mass_before < top_p) | (jnp.arange(k) == 0)
+      keep = (mass_before < top_p) | (jnp.arange(candidates.shape[-1]) == 0)
       candidates = jnp.where(keep, candidates, -jnp.inf)
-  else:
-    candidates, candidate_ids = scaled, None
+  elif top_p < 1.0:
+    keep = nucleus_mask(jax.nn.softmax(scaled, axis=-1), top_p)
+    candidates = jnp.where(keep, scaled, -jnp.inf)
   logprobs = jax.nn.log_softmax(candidates, axis=-1)
   if greedy:
     choice = first_max_index(candidates)
@@ -621,6 +686,13 @@ def _score_impl(model: T5, params: Params, encoder_input_tokens: Optional[Array]
                 lengths: Optional[Array]) -> Array:
   params = nn.unbox(params)
   encoded, mask = _encode(model, params, encoder_input_tokens, encoder_embeds, encoder_mask)
+  candidates = targets.shape[1] if targets.ndim == 3 else None
+  if candidates is not None:
+    # Every candidate of an input decodes against the one encoding of that input.
+    encoded = jnp.repeat(encoded, candidates, axis=0)
+    mask = jnp.repeat(mask, candidates, axis=0)
+    targets = targets.reshape(-1, targets.shape[-1])
+    lengths = None if lengths is None else lengths.reshape(-1)
   logits, _ = model.apply({"params": params}, encoded, mask,
                           shift_right(targets, model.config.decoder_start_token_id),
                           method=T5.decode)
@@ -628,7 +700,8 @@ def _score_impl(model: T5, params: Params, encoder_input_tokens: Optional[Array]
     weights = targets != model.config.pad_token_id
   else:
     weights = jnp.arange(targets.shape[1])[None, :] < lengths[:, None]
-  return losses.sequence_logprob(logits, targets, weights)
+  scores = losses.sequence_logprob(logits, targets, weights)
+  return scores if candidates is None else scores.reshape(-1, candidates)
 
 
 @functools.lru_cache(maxsize=16)
@@ -639,11 +712,27 @@ def _jitted_scorer(model: T5) -> Callable[..., Array]:
 def score_sequences(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] = None,
                     encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
                     targets: Array, lengths: Optional[Array] = None) -> Array:
-  """Teacher-forced log-likelihood of each target sequence, (batch,) float32 (jitted).
+  """Teacher-forced log-likelihood of each target sequence (jitted).
 
   Sums log p(target_t | target_<t, input) over the target tokens: the first `lengths[b]`
   positions when given (e.g. `DecodeOutput.lengths`), else the non-pad ones (T5X convention).
   EOS counts when it is inside that span.
+
+  Args:
+    model, params: The T5 and its parameters.
+    encoder_input_tokens, encoder_embeds, encoder_mask: The inputs, (batch, input length).
+    targets: (batch, length) int32, one target per input; or (batch, candidates, length),
+      several per input (e.g. class label strings), scored against one encoding of the input.
+    lengths: Target lengths, shaped as `targets` without its last axis (None: non-pad).
+
+  Returns:
+    (batch,) or (batch, candidates) float32 log-likelihoods.
   """
+  if targets.ndim not in (2, 3):
+    raise ValueError(f"score_sequences: targets must be (batch, length) or (batch, "
+                     f"candidates, length), got shape {tuple(targets.shape)}")
+  if lengths is not None and tuple(lengths.shape) != tuple(targets.shape[:-1]):
+    raise ValueError(f"score_sequences: lengths shape {tuple(lengths.shape)} does not match "
+                     f"targets shape {tuple(targets.shape)} without its last axis")
   return _jitted_scorer(model)(params, encoder_input_tokens, encoder_embeds, encoder_mask,
                                targets, lengths)

@@ -174,6 +174,60 @@ def test_first_max_index_is_argmax_with_ties_and_inf():
                                 x.argmax(-1))
 
 
+def _np_nucleus(probs, top_p):
+  """Sort-based reference: keep while the mass sorted before a token is < p (stable order).
+
+  Also returns, per row, how close the sorted mass before the last kept and the first dropped
+  token came to p: float32 sums may decide those (only those) the other way.
+  """
+  keep = np.zeros(probs.shape, bool)
+  margin = np.zeros(len(probs))
+  for r, row in enumerate(probs.astype(np.float64)):
+    order = np.argsort(-row, kind="stable")
+    before = np.cumsum(row[order]) - row[order]
+    kept = (before < top_p) | (np.arange(len(row)) == 0)
+    keep[r, order[kept]] = True
+    n = kept.sum()
+    margin[r] = min(abs(before[i] - top_p) for i in (n - 1, n) if 0 < i < len(row))
+  return keep, margin
+
+
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "banned"])
+def test_nucleus_mask_equals_sorted_cumulative_mass(kind):
+  rng = np.random.default_rng({"peaked": 0, "flat": 1, "ties": 2, "banned": 3}[kind])
+  rows, vocab = 24, 3000
+  if kind == "peaked":
+    logits = rng.normal(size=(rows, vocab)) * 4.0
+  elif kind == "flat":
+    logits = rng.normal(size=(rows, vocab)) * 0.05
+  elif kind == "ties":
+    logits = rng.integers(-4, 3, (rows, vocab)).astype(np.float64)  # Many equal probabilities.
+  else:
+    logits = rng.normal(size=(rows, vocab))
+    logits[rng.random((rows, vocab)) < 0.9] = -np.inf  # Zero-probability tokens.
+  probs = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+  mask_fn = jax.jit(decoding.nucleus_mask, static_argnums=1)
+  for top_p in (0.01, 0.3, 0.6, 0.9, 0.99, 0.999):
+    got = np.asarray(mask_fn(jnp.asarray(probs), top_p))
+    want, margin = _np_nucleus(probs, top_p)
+    differs = (got != want).any(-1)
+    # A row may differ only where float64 and float32 sums straddle p.
+    assert (margin[differs] < 1e-6).all(), (kind, top_p, np.flatnonzero(differs))
+    assert differs.sum() <= 1, (kind, top_p, np.flatnonzero(differs))
+    # Kept sets are most-likely sets: no dropped token is more likely than a kept one.
+    lowest_kept = np.where(got, probs, np.inf).min(-1)
+    assert (np.where(got, 0, probs).max(-1) <= lowest_kept).all()
+
+
+def test_top_p_over_whole_vocab_equals_top_p_after_a_full_sort():
+  logits = jax.random.normal(jax.random.PRNGKey(5), (32, 500)) * 2.0
+  whole = decoding.sample_logits(None, logits, top_p=0.7, temperature=0.8, greedy=True)
+  sorted_path = decoding.sample_logits(None, logits, top_k=500, top_p=0.7, temperature=0.8,
+                                       greedy=True)
+  np.testing.assert_array_equal(np.asarray(whole[0]), np.asarray(sorted_path[0]))
+  np.testing.assert_allclose(np.asarray(whole[1]), np.asarray(sorted_path[1]), atol=1e-6)
+
+
 def test_sampling_draws_as_jax_random_categorical():
   logits = jax.random.normal(jax.random.PRNGKey(3), (256, 50))
   tokens, _ = decoding.sample_logits(jax.random.PRNGKey(4), logits)
@@ -295,6 +349,24 @@ def test_score_sequences_matches_numpy(setup):
   ref = [sum(lp[b, t, targets[b, t]] for t in range(T) if targets[b, t] != 0) for b in range(4)]
   got = decoding.score_sequences(model, params, encoder_input_tokens=inputs, targets=targets)
   np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_score_sequences_with_candidates_equals_one_call_per_candidate(setup):
+  model, params, inputs, _ = setup
+  rng = np.random.default_rng(4)
+  candidates = rng.integers(2, 30, (len(inputs), 3, T)).astype(np.int32)
+  lengths = rng.integers(1, T + 1, (len(inputs), 3)).astype(np.int32)
+  got = np.asarray(decoding.score_sequences(model, params, encoder_input_tokens=inputs,
+                                            targets=candidates, lengths=lengths))
+  assert got.shape == (len(inputs), 3)
+  for c in range(3):
+    one = decoding.score_sequences(model, params, encoder_input_tokens=inputs,
+                                   targets=candidates[:, c], lengths=lengths[:, c])
+    np.testing.assert_allclose(got[:, c], np.asarray(one), rtol=1e-5, atol=1e-5)
+  assert len(set(np.round(got[0], 3))) == 3  # The candidates really differ.
+  with pytest.raises(ValueError, match="lengths shape"):
+    decoding.score_sequences(model, params, encoder_input_tokens=inputs, targets=candidates,
+                             lengths=lengths[:, 0])
 
 
 def test_compiles_once_and_nests_in_jit(setup):

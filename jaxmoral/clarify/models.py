@@ -200,14 +200,13 @@ def label_distribution(cm: ClarifyModel, inputs: Sequence[str], labels: Sequence
     return np.concatenate(out).astype(np.float32)
   eos = cm.model.config.eos_token_id
   length = max(len(i) for i in ids) + 1
+  label_targets = np.zeros((len(ids), length), np.int32)
+  for c, label in enumerate(ids):
+    label_targets[c, :len(label) + 1] = label + [eos]
   for chunk, count in _chunks(cm, cm.encode(inputs)):
-    scores = []
-    for label in ids:
-      target = np.zeros((len(chunk), length), np.int32)
-      target[:, :len(label) + 1] = label + [eos]
-      scores.append(np.asarray(decoding.score_sequences(
-          cm.model, cm.params, encoder_input_tokens=chunk, targets=target)))
-    scores = np.stack(scores, axis=1)[:count]
+    targets = np.broadcast_to(label_targets, (len(chunk),) + label_targets.shape)
+    scores = np.asarray(decoding.score_sequences(
+        cm.model, cm.params, encoder_input_tokens=chunk, targets=targets))[:count]
     out.append(np.asarray(jax.nn.softmax(jnp.asarray(scores), axis=-1)))
   return np.concatenate(out).astype(np.float32)
 
