@@ -50,8 +50,9 @@ def main() -> None:
   warpers = transformers.LogitsProcessorList([
       transformers.TemperatureLogitsWarper(temp), transformers.TopPLogitsWarper(p)])
   print(f"top_p {p}, temperature {temp}, vocab {args.vocab}, logits normal x {args.scale}; "
-        f"median of {args.rounds} x {args.repeats} calls; jax {jax.__version__} on {jax.devices()[0].platform}, "
-        f"torch {torch.__version__} ({args.torch_threads} threads), transformers "
+        f"median of {args.rounds} x {args.repeats} calls; jax {jax.__version__} on "
+        f"{jax.devices()[0].platform}, torch {torch.__version__} ({args.torch_threads} "
+        f"threads), transformers "
         f"{transformers.__version__}")
   for rows in [int(r) for r in args.rows.split(",")]:
     logits_np = (np.random.default_rng(rows).normal(size=(rows, args.vocab))
