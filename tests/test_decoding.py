@@ -219,6 +219,21 @@ def test_nucleus_mask_equals_sorted_cumulative_mass(kind):
     assert (np.where(got, 0, probs).max(-1) <= lowest_kept).all()
 
 
+def test_nucleus_mask_sharded_over_rows_equals_unsharded():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
+  logits = jax.random.normal(jax.random.PRNGKey(6), (16, 300)) * 3.0
+  # Row 3: 7 equally likely tokens (1/7 each), so p = 0.5 cuts through the tie: keep 4.
+  logits = logits.at[3].set(-30.0).at[3, 10:17].set(5.0)
+  probs = jax.nn.softmax(logits, axis=-1)
+  sharded = jax.device_put(probs, jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("data", "model")))
+  mask_fn = jax.jit(decoding.nucleus_mask, static_argnums=1)
+  got = mask_fn(sharded, 0.5)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(mask_fn(probs, 0.5)))
+  np.testing.assert_array_equal(np.asarray(got), _np_nucleus(np.asarray(probs), 0.5)[0])
+  np.testing.assert_array_equal(np.flatnonzero(np.asarray(got)[3]), [10, 11, 12, 13])
+
+
 def test_top_p_over_whole_vocab_equals_top_p_after_a_full_sort():
   logits = jax.random.normal(jax.random.PRNGKey(5), (32, 500)) * 2.0
   whole = decoding.sample_logits(None, logits, top_p=0.7, temperature=0.8, greedy=True)
