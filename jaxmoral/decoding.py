@@ -40,6 +40,7 @@ import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxmoral import cpu_kernels, losses
 from jaxmoral.models.t5 import T5, build_decode_kernel, decode_kernels, shift_right
@@ -291,11 +292,12 @@ def nucleus_mask(probs: Array, top_p: float) -> Array:
 
   The same set as sorting each row and keeping a token while the mass of the ones sorted
   before it is < `top_p` (ties in index order, the most likely token always kept), found
-  without a sort. `jax.lax.top_k` over a whole vocabulary is a full sort: 137 ms per step at
-  16 rows x 32k on a 2-core CPU, against 3 ms for this search (bench/bench_top_p.py).
+  without a sort. `jax.lax.top_k` over a whole vocabulary is a full sort: a top-p draw from
+  16 rows x 32k took 107 ms with it on a 2-core CPU, 9 ms with this search
+  (bench/bench_top_p.py; bench/RESULTS.md, session 7).
 
   The cut-off probability is found by bisection on its float32 bits (non-negative floats order
-  as their bit patterns): it is the largest value t with mass(p >= t) >= top_p, 31 masked
+  as their bit patterns): it is the largest t with mass(probs >= t) >= top_p, 31 masked
   sums per row. Only where several tokens share that probability, a second bisection over
   their indices keeps as many of them, lowest index first, as the mass needs.
 
@@ -311,7 +313,7 @@ def nucleus_mask(probs: Array, top_p: float) -> Array:
   bits = jax.lax.bitcast_convert_type(probs, jnp.int32)
 
   def bisect_cutoff(_, bounds):
-    lo, hi = bounds  # mass(p >= lo) >= top_p; mass(p >= hi) < top_p.
+    lo, hi = bounds  # mass(probs >= lo) >= top_p; mass(probs >= hi) < top_p.
     mid = lo + (hi - lo) // 2
     mass = jnp.sum(jnp.where(bits >= mid[:, None], probs, 0.0), axis=-1)
     ok = mass >= top_p
@@ -728,11 +730,12 @@ def score_sequences(model: T5, params: Params, *, encoder_input_tokens: Optional
   Returns:
     (batch,) or (batch, candidates) float32 log-likelihoods.
   """
-  if targets.ndim not in (2, 3):
+  shape = np.shape(targets)
+  if len(shape) not in (2, 3):
     raise ValueError(f"score_sequences: targets must be (batch, length) or (batch, "
-                     f"candidates, length), got shape {tuple(targets.shape)}")
-  if lengths is not None and tuple(lengths.shape) != tuple(targets.shape[:-1]):
-    raise ValueError(f"score_sequences: lengths shape {tuple(lengths.shape)} does not match "
-                     f"targets shape {tuple(targets.shape)} without its last axis")
+                     f"candidates, length), got shape {shape}")
+  if lengths is not None and np.shape(lengths) != shape[:-1]:
+    raise ValueError(f"score_sequences: lengths shape {np.shape(lengths)} does not match "
+                     f"targets shape {shape} without its last axis")
   return _jitted_scorer(model)(params, encoder_input_tokens, encoder_embeds, encoder_mask,
                                targets, lengths)
