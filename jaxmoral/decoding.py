@@ -177,9 +177,10 @@ def _encode(model: T5, params: Params, encoder_input_tokens: Optional[Array],
 
 
 def _init_cache(model: T5, params: Params, encoded: Array, encoder_mask: Array,
-                max_decode_length: int) -> Any:
+                max_decode_length: int, rows_per_input: int) -> Any:
   _, variables = model.apply({"params": params}, encoded, encoder_mask, max_decode_length,
-                             method=T5.init_cache, mutable=["cache"])
+                             rows_per_input=rows_per_input, method=T5.init_cache,
+                             mutable=["cache"])
   return variables["cache"]
 
 
@@ -441,9 +442,8 @@ def _sample_impl(model: T5, config: SampleConfig, params: Params,
   encoded, mask = _encode(model, params, encoder_input_tokens, encoder_embeds, encoder_mask)
   batch, n, length = encoded.shape[0], config.num_samples, config.max_decode_length
   rows, vocab = batch * n, model.config.vocab_size
-  encoded = jnp.repeat(encoded, n, axis=0)
-  mask = jnp.repeat(mask, n, axis=0)
-  cache = _init_cache(model, params, encoded, mask, length)
+  # The n samples of an input share its cross-attention keys/values (one cache row each).
+  cache = _init_cache(model, params, encoded, mask, length, rows_per_input=n)
   del encoded  # The cross-attention keys/values now live in the cache.
 
   def body(state):
@@ -562,8 +562,8 @@ def brevity_penalty(length: Array | int, alpha: float) -> Array:
 def _reorder_cache(cache: Any, rows: Array, num_rows: int) -> Any:
   """Gathers the self-attention cache rows of the surviving beams.
 
-  Cross-attention keys/values are identical for all beams of one input and beams never move
-  across inputs, so those are left alone; the scalar decode position is shared.
+  Cross-attention keys/values have one row per input, shared by its beams, and beams never
+  move across inputs, so those are left alone; the scalar decode position is shared.
   """
   def gather(path, x):
     names = [getattr(p, "key", "") for p in path]
@@ -582,8 +582,8 @@ def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
   batch, k, length = encoded.shape[0], config.beam_size, config.max_decode_length
   vocab, eos, alpha = model.config.vocab_size, config.eos_id, config.length_penalty
   num_rows = batch * k
-  mask = jnp.repeat(mask, k, axis=0)
-  cache = _init_cache(model, params, jnp.repeat(encoded, k, axis=0), mask, length)
+  # The k beams of an input share its cross-attention keys/values (one cache row each).
+  cache = _init_cache(model, params, encoded, mask, length, rows_per_input=k)
   del encoded
   num_candidates = min(2 * k, k * vocab)  # 2k: enough that k survive even if k end in EOS.
 

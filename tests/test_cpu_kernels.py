@@ -116,7 +116,26 @@ def test_decode_attention_matches_numpy(kernel, rows, heads, keys, depth, bias_s
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("group", [2, 5])
+def test_decode_attention_groups_of_query_rows_share_a_key_row(kernel, group):
+  rng = np.random.default_rng(group)
+  rows, heads, keys, depth = 3, 4, 40, 32
+  q = rng.standard_normal((rows * group, heads, depth)).astype(np.float32)
+  k, v = (rng.standard_normal((rows, heads, keys, depth)).astype(np.float32) for _ in "kv")
+  bias = np.zeros((rows, 1, keys), np.float32)
+  bias[1, :, 25:] = -1e10  # Input 1 is shorter: every sample of it must skip those keys.
+  got = np.asarray(jax.jit(cpu_kernels.decode_attention)(q, k, v, bias))
+  kv_row = np.arange(rows * group) // group
+  want = _np_attention(q, k[kv_row], v[kv_row],
+                       np.broadcast_to(bias, (rows, heads, keys))[kv_row])
+  assert got.shape == q.shape
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_attention_rejects_mismatched_shapes(kernel):
   with pytest.raises(ValueError, match="do not fit"):
     cpu_kernels.decode_attention(jnp.ones((2, 3, 8)), jnp.ones((2, 3, 5, 16)),
+                                 jnp.ones((2, 3, 5, 16)), jnp.zeros((2, 3, 5)))
+  with pytest.raises(ValueError, match="do not fit"):  # 5 query rows over 2 key rows.
+    cpu_kernels.decode_attention(jnp.ones((5, 3, 16)), jnp.ones((2, 3, 5, 16)),
                                  jnp.ones((2, 3, 5, 16)), jnp.zeros((2, 3, 5)))

@@ -433,6 +433,26 @@ def test_decode_kernels_are_cached_per_params(setup):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no packed CPU kernel here")
+def test_samples_and_beams_share_their_inputs_cross_attention_cache(setup):
+  model, params, inputs, _ = setup
+  encoded, mask = decoding._encode(model, params, jnp.asarray(inputs), None, None)
+  cache = decoding._init_cache(model, params, encoded, mask, T, rows_per_input=3)
+  for path, x in jax.tree_util.tree_leaves_with_path(cache):
+    names = [getattr(p, "key", "") for p in path]
+    if "cached_key" in names or "cached_value" in names:
+      cross = "encoder_decoder_attention" in names
+      assert x.shape[0] == len(inputs) * (1 if cross else 3), (names, x.shape)
+  # Greedy samples of one input are identical, and equal to decoding it alone.
+  many = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=T,
+                         greedy=True, num_samples=3)
+  one = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=T,
+                        greedy=True)
+  for i in range(3):
+    np.testing.assert_array_equal(np.asarray(many.tokens[:, i]), np.asarray(one.tokens[:, 0]))
+    np.testing.assert_allclose(np.asarray(many.logprobs[:, i]), np.asarray(one.logprobs[:, 0]),
+                               atol=1e-5)
+
+
 def test_packed_cpu_kernels_decode_as_xla_dot(setup, monkeypatch):
   """Sampling and beam search through `cpu_kernels.packed_matmul` against XLA's dot."""
   model, params, inputs, _ = setup

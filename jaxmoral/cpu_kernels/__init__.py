@@ -195,24 +195,28 @@ def packed_matmul(x: Array, packed: Array, features: int) -> Array:
 def decode_attention(query: Array, key: Array, value: Array, bias: Array) -> Array:
   """softmax(query . key + bias) . value for one query per (row, head), float32.
 
+  Query rows may come in groups of G that share one key/value row (G samples or beams of one
+  input against its cross-attention keys): query row r reads key row r // G.
+
   Args:
-    query: (R, H, D).
+    query: (G * R, H, D).
     key, value: (R, H, L, D).
     bias: Broadcastable to (R, H, L): relative-position bias and masks (-1e10 where masked).
 
   Returns:
-    (R, H, D) float32.
+    (G * R, H, D) float32.
 
   Raises:
     RuntimeError: When the kernels are not `available()`.
   """
   _require("decode_attention")
   rows, heads, keys, depth = key.shape
-  if query.shape != (rows, heads, depth) or value.shape != key.shape:
+  if (query.ndim != 3 or rows == 0 or query.shape[0] % rows
+      or query.shape[1:] != (heads, depth) or value.shape != key.shape):
     raise ValueError(f"decode_attention: query {query.shape}, key {key.shape} and value "
-                     f"{value.shape} do not fit (R, H, D), (R, H, L, D), (R, H, L, D)")
+                     f"{value.shape} do not fit (G*R, H, D), (R, H, L, D), (R, H, L, D)")
   f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
   bias = jnp.broadcast_to(f32(bias), (rows, heads, keys))
-  out_type = jax.ShapeDtypeStruct((rows, heads, depth), jnp.float32)
+  out_type = jax.ShapeDtypeStruct(query.shape, jnp.float32)
   return jax.ffi.ffi_call(ATTENTION_TARGET, out_type, vmap_method="sequential")(
       f32(query), f32(key), f32(value), bias)

@@ -7,9 +7,11 @@
 // kernels at 9-17 GB/s at 8 rows on a 2-core Zen 4 VM, the same bytes read as contiguous
 // panels up to 28 GB/s (bench/bench_decode_products.py; bench/RESULTS.md, session 6).
 //
-// JaxmoralDecodeAttention: out[r, h] = softmax_l(q[r, h] . k[r, h, l] + bias[r, h, l])
-// v[r, h, l], one query per (row, head). XLA:CPU ran a step's attention as batched dots of
-// one row each, ~50-60 us per cross-attention dot at batch 8 (bench/profile_decode.py).
+// JaxmoralDecodeAttention: out[r, h] = softmax_l(q[r, h] . k[s, h, l] + bias[s, h, l])
+// v[s, h, l] with s = r / G, one query per (row, head). G = query rows / key rows: the G
+// samples (or beams) of one input share its cross-attention keys and values. XLA:CPU ran a
+// step's attention as batched dots of one row each, ~50-60 us per cross-attention dot at
+// batch 8 (bench/profile_decode.py).
 //
 // Both split their work over XLA's intra-op thread pool.
 #include <algorithm>
@@ -172,13 +174,15 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const auto v_dims = v.dimensions();
   const auto bias_dims = bias.dimensions();
   if (q_dims.size() != 3 || k_dims.size() != 4 || v_dims.size() != 4 ||
-      bias_dims.size() != 3 || k_dims[0] != q_dims[0] || k_dims[1] != q_dims[1] ||
+      bias_dims.size() != 3 || k_dims[0] == 0 || q_dims[0] % k_dims[0] != 0 ||
+      k_dims[1] != q_dims[1] ||
       k_dims[3] != q_dims[2] || !std::equal(k_dims.begin(), k_dims.end(), v_dims.begin()) ||
       !std::equal(bias_dims.begin(), bias_dims.end(), k_dims.begin())) {
     return ffi::Error::InvalidArgument(
-        "jaxmoral_decode_attention: want q (R, H, D), k and v (R, H, L, D), bias (R, H, L)");
+        "jaxmoral_decode_attention: want q (G*R, H, D), k and v (R, H, L, D), bias (R, H, L)");
   }
-  const int64_t pairs = q_dims[0] * q_dims[1], keys = k_dims[2], depth = q_dims[2];
+  const int64_t heads = q_dims[1], group = q_dims[0] / k_dims[0];
+  const int64_t pairs = q_dims[0] * heads, keys = k_dims[2], depth = q_dims[2];
   const float* qp = q.typed_data();
   const float* kp = k.typed_data();
   const float* vp = v.typed_data();
@@ -189,7 +193,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   ParallelFor(pool, (pairs + grain - 1) / grain, [=](int64_t c) {
     std::vector<float> weights(keys);
     for (int64_t i = c * grain; i < std::min(pairs, (c + 1) * grain); ++i) {
-      AttendOne(qp + i * depth, kp + i * keys * depth, vp + i * keys * depth, bp + i * keys,
+      const int64_t kv = (i / heads) / group * heads + i % heads;  // (key row, head)
+      AttendOne(qp + i * depth, kp + kv * keys * depth, vp + kv * keys * depth, bp + kv * keys,
                 keys, depth, op + i * depth, weights.data());
     }
   });

@@ -396,7 +396,9 @@ class MultiHeadAttention(nn.Module):
   Self-attention in decode mode keeps `cached_key`/`cached_value` of shape
   (batch, heads, max_decode_length, d_kv) and writes one position per step.
   Cross-attention in decode mode projects the encoder outputs once, in `init_cache`, into the
-  same (batch, heads, length, d_kv) layout and reads them back on every step. Heads come
+  same (batch, heads, length, d_kv) layout and reads them back on every step. That cache has
+  one row per input: decoding G samples (or beams) of each input runs G * batch query rows,
+  in groups of G, against it (`T5.init_cache(rows_per_input=G)`). Heads come
   before positions in the cache because that is the layout the per-step batched dots read:
   a (batch, length, heads, d_kv) cache made XLA:CPU transpose every cache on every step.
   """
@@ -470,10 +472,22 @@ class MultiHeadAttention(nn.Module):
       key = heads_first(split(key_proj(inputs_kv)))
       value = heads_first(split(value_proj(inputs_kv)))
 
+    group = batch // key.shape[0]  # Query rows per key row: > 1 for samples of one input.
+    if group * key.shape[0] != batch:
+      raise ValueError(f"MultiHeadAttention: {batch} query rows do not come in groups over "
+                       f"{key.shape[0]} key/value rows")
     if decode and out_proj.is_packed():
       # Decoding through the CPU kernels (float32): the step's one query per row and head.
       out = cpu_kernels.decode_attention(query[:, :, 0], key, value, bias[:, :, 0])
       out = out[:, :, None].astype(dtype)
+    elif group > 1:
+      # Each group of query rows attends to its input's keys once, rather than to G copies.
+      grouped = query.reshape((key.shape[0], group) + query.shape[1:])
+      scores = jnp.einsum("bghqd,bhkd->bghqk", grouped, key,
+                          preferred_element_type=jnp.float32) + bias[:, None]
+      weights = jax.nn.softmax(scores, axis=-1)
+      out = jnp.einsum("bghqk,bhkd->bghqd", weights.astype(dtype), value)
+      out = out.reshape(query.shape)
     else:
       scores = jnp.einsum("bhqd,bhkd->bhqk", query, key,
                           preferred_element_type=jnp.float32) + bias
@@ -658,7 +672,8 @@ class Decoder(nn.Module):
       self_bias = self_bias + _mask_to_bias(causal)
       if not init_cache:
         position_var.value = decode_position + 1
-      query_valid = jnp.ones((batch, 1), bool)
+      # Cross-attention: one row per input, as its cache (decoding rows may be G per input).
+      cross_bias = _mask_to_bias(encoder_mask[:, None, None, :].astype(bool))
     else:
       positions = jnp.arange(length)
       position_bias = relpos(positions, positions, span=length)
@@ -675,13 +690,13 @@ class Decoder(nn.Module):
         if segment_ids is not None:
           mask = mask & _attention_mask(query_valid, query_valid, segment_ids, segment_ids)
         self_bias = position_bias + _mask_to_bias(mask)
-    if not decode and use_fused_attention(cfg, deterministic=deterministic, query_length=length,
-                                          key_length=encoder_mask.shape[1]):
-      cross_bias = _fused_mask(cfg, query_valid, encoder_mask, segment_ids, encoder_segment_ids)
-    else:
-      cross_bias = _mask_to_bias(_attention_mask(
-          query_valid, encoder_mask,
-          None if decode else segment_ids, None if decode else encoder_segment_ids))
+      if use_fused_attention(cfg, deterministic=deterministic, query_length=length,
+                             key_length=encoder_mask.shape[1]):
+        cross_bias = _fused_mask(cfg, query_valid, encoder_mask, segment_ids,
+                                 encoder_segment_ids)
+      else:
+        cross_bias = _mask_to_bias(_attention_mask(
+            query_valid, encoder_mask, segment_ids, encoder_segment_ids))
     x = _dropout(self, embeds, cfg.dropout_rate, deterministic)
     x = _constrain(x, ("batch", "length", "embed"))
     use_remat = cfg.remat and not decode
@@ -754,12 +769,16 @@ class T5(nn.Module):
                         decode=decode, init_cache=init_cache,
                         max_decode_length=max_decode_length)
 
-  def init_cache(self, encoded: Array, encoder_mask: Array, max_decode_length: int) -> Array:
+  def init_cache(self, encoded: Array, encoder_mask: Array, max_decode_length: int, *,
+                 rows_per_input: int = 1) -> Array:
     """Creates the `cache` collection: empty self-attention caches, projected encoder K/V.
 
-    Call with `mutable=["cache"]`; the returned logits are meaningless.
+    Call with `mutable=["cache"]`; the returned logits are meaningless. With
+    `rows_per_input=G` the decoder runs G rows per input (rows `b * G + i`, samples or beams):
+    the self-attention caches get G * batch rows, the encoder keys/values stay one per input,
+    and every later step takes G * batch tokens with the same (batch, length) `encoder_mask`.
     """
-    dummy = jnp.zeros((encoded.shape[0], 1), jnp.int32)
+    dummy = jnp.zeros((encoded.shape[0] * rows_per_input, 1), jnp.int32)
     return self.decode(encoded, encoder_mask, dummy, decode=True, init_cache=True,
                        max_decode_length=max_decode_length)[0]
 
