@@ -7,10 +7,12 @@ for each, the ratio, and whether the greedy outputs agree.
 
   python bench/bench_generate.py --batch 1,8,32   # 64 input tokens, 32 new tokens
   python bench/bench_generate.py --batch 16 --top_p 0.6 --temperature 0.7   # sampled
+  python bench/bench_generate.py --batch 2 --num_samples 16 --temperature 0.7 --input_length 256
 
 With `--top_p` below 1 or `--temperature` other than 1 both sample (`do_sample=True`,
 `top_k=0` there) instead of taking the argmax; the draws then differ, so only the rates are
-compared.
+compared. `--num_samples N` (sampling only) draws N continuations per input
+(`num_return_sequences` there).
 
 On a CPU jaxmoral decodes float32 through `jaxmoral.cpu_kernels.packed_matmul` (see
 `decoding.use_packed_kernels`); `--also_xla_dot` times the same sampler with
@@ -105,10 +107,11 @@ def hf_model(params, config: T5Config) -> transformers.T5ForConditionalGeneratio
   return model
 
 
-def generation_flops(config: T5Config, batch: int, input_length: int, new_tokens: int) -> float:
-  """Matrix-product FLOPs of one greedy call: encoder, cross-attention keys/values, and
-  `new_tokens` cached decoder steps (each over the whole cache, as both implementations
-  compute it), logits projection included."""
+def generation_flops(config: T5Config, batch: int, input_length: int, new_tokens: int,
+                     samples: int = 1) -> float:
+  """Matrix-product FLOPs of one call: encoder and cross-attention keys/values once per
+  input, and `new_tokens` cached decoder steps (each over the whole cache, as both
+  implementations compute it) for each of its `samples` rows, logits projection included."""
   d, ff, inner = config.d_model, config.d_ff, config.num_heads * config.d_kv
   mlp = (3 if config.is_gated else 2) * d * ff
   encoder_per_token = config.num_encoder_layers * (
@@ -118,7 +121,7 @@ def generation_flops(config: T5Config, batch: int, input_length: int, new_tokens
       2 * (6 * d * inner + mlp) + 4 * (new_tokens + input_length) * inner)
                   + 2 * d * config.vocab_size)
   return (batch * input_length * (encoder_per_token + cross_kv_per_token)
-          + batch * new_tokens * step_per_row)
+          + batch * samples * new_tokens * step_per_row)
 
 
 def _time(fn, repeats: int) -> list[float]:
@@ -141,6 +144,8 @@ def main() -> None:
   parser.add_argument("--top_p", type=float, default=1.0, help="< 1: sample with top-p")
   parser.add_argument("--temperature", type=float, default=1.0,
                       help="!= 1: sample with this temperature")
+  parser.add_argument("--num_samples", type=int, default=1,
+                      help="continuations per input (sampling only)")
   parser.add_argument("--also_xla_dot", action="store_true",
                       help="also time jaxmoral with JAXMORAL_CPU_KERNELS=0 (XLA's dot)")
   args = parser.parse_args()
@@ -152,11 +157,15 @@ def main() -> None:
   hf = hf_model(params, config)
   new = args.new_tokens
   greedy = args.top_p == 1.0 and args.temperature == 1.0
+  samples = args.num_samples
+  if greedy and samples > 1:
+    parser.error("--num_samples > 1 needs sampling (--top_p < 1 or --temperature != 1)")
   sampler = decoding.make_sampler(model, max_decode_length=new, greedy=greedy,
+                                  num_samples=samples,
                                   temperature=args.temperature, top_p=args.top_p,
                                   min_length=new, eos_id=config.eos_token_id)
   how = ("greedy" if greedy else
-         f"sampled (top_p {args.top_p}, temperature {args.temperature})")
+         f"sampled (top_p {args.top_p}, temperature {args.temperature}, {samples} per input)")
   peak = machine.measured_peak()
   print(f"machine peak: {peak.note}")
   print(f"T5 1.1 {args.size} random weights, {args.input_length} input tokens, {new} new "
@@ -167,7 +176,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     inputs = rng.integers(2, config.vocab_size, size=(batch, args.input_length),
                           dtype=np.int32)
-    work = batch * new
+    work = batch * samples * new
     input_ids = torch.from_numpy(inputs.astype(np.int64))
     attention_mask = torch.ones_like(input_ids)
 
@@ -179,7 +188,8 @@ def main() -> None:
                              min_new_tokens=new)
         return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
                            top_k=0, top_p=args.top_p, temperature=args.temperature,
-                           num_beams=1, max_new_tokens=new, min_new_tokens=new)
+                           num_beams=1, num_return_sequences=samples, max_new_tokens=new,
+                           min_new_tokens=new)
 
     def run_jax():
       return jax.block_until_ready(sampler(params, inputs, rng=jax.random.PRNGKey(0)).tokens)
@@ -208,7 +218,6 @@ def main() -> None:
 
     jax_tps = work / statistics.median(jax_times)
     torch_tps = work / statistics.median(torch_times)
-    agree = (ours == theirs).all(axis=1)
     print(f"batch {batch}:")
     print(f"  jaxmoral.decoding.sample : {jax_tps:8.1f} tokens/s  "
           f"(runs {', '.join(f'{x:.3f}' for x in jax_times)} s; first call incl. compile "
@@ -221,16 +230,17 @@ def main() -> None:
     print(f"  HF torch generate        : {torch_tps:8.1f} tokens/s  "
           f"(runs {', '.join(f'{x:.3f}' for x in torch_times)} s)")
     print(f"  speed-up                 : {jax_tps / torch_tps:8.2f}x")
-    flops = generation_flops(config, batch, args.input_length, new)
+    flops = generation_flops(config, batch, args.input_length, new, samples)
     rates = [flops / statistics.median(t) for t in (jax_times, torch_times)]
     print(f"  work per call            : {flops / 1e9:.1f} GFLOP (matrix products); jaxmoral "
           f"{rates[0] / 1e9:.1f} GFLOP/s = {rates[0] / peak.flops:.0%} of peak, PyTorch "
           f"{rates[1] / 1e9:.1f} GFLOP/s = {rates[1] / peak.flops:.0%}; at peak a call takes "
           f">= {flops / peak.flops:.3f} s")
-    first_diff = [-1 if a else int(np.argmax(o != h)) for o, h, a in zip(ours, theirs, agree)]
     if not greedy:
       print("  outputs                  : sampled, so not compared", flush=True)
       continue
+    agree = (ours == theirs).all(axis=1)
+    first_diff = [-1 if a else int(np.argmax(o != h)) for o, h, a in zip(ours, theirs, agree)]
     print(f"  greedy outputs agree     : {int(agree.sum())}/{len(agree)} rows identical"
           + ("" if agree.all() else f"; first differing position per row {first_diff}"),
           flush=True)
