@@ -442,6 +442,8 @@ def test_samples_and_beams_share_their_inputs_cross_attention_cache(setup):
     if "cached_key" in names or "cached_value" in names:
       cross = "encoder_decoder_attention" in names
       assert x.shape[0] == len(inputs) * (1 if cross else 3), (names, x.shape)
+  with pytest.raises(ValueError, match="rows_per_input"):
+    decoding._init_cache(model, params, encoded, mask, T, rows_per_input=0)
   # Greedy samples of one input are identical, and equal to decoding it alone.
   many = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=T,
                          greedy=True, num_samples=3)

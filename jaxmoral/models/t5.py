@@ -778,6 +778,9 @@ class T5(nn.Module):
     the self-attention caches get G * batch rows, the encoder keys/values stay one per input,
     and every later step takes G * batch tokens with the same (batch, length) `encoder_mask`.
     """
+    if not isinstance(rows_per_input, int) or rows_per_input < 1:
+      raise ValueError(f"init_cache: rows_per_input must be a positive int, got "
+                       f"{rows_per_input!r}")
     dummy = jnp.zeros((encoded.shape[0] * rows_per_input, 1), jnp.int32)
     return self.decode(encoded, encoder_mask, dummy, decode=True, init_cache=True,
                        max_decode_length=max_decode_length)[0]
