@@ -432,7 +432,6 @@ def test_decode_kernels_are_cached_per_params(setup):
   assert len(decoding._DECODE_KERNELS) == before  # Dropped with the kernels they come from.
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no packed CPU kernel here")
 def test_samples_and_beams_share_their_inputs_cross_attention_cache(setup):
   model, params, inputs, _ = setup
   encoded, mask = decoding._encode(model, params, jnp.asarray(inputs), None, None)
@@ -455,6 +454,7 @@ def test_samples_and_beams_share_their_inputs_cross_attention_cache(setup):
                                atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no packed CPU kernel here")
 def test_packed_cpu_kernels_decode_as_xla_dot(setup, monkeypatch):
   """Sampling and beam search through `cpu_kernels.packed_matmul` against XLA's dot."""
   model, params, inputs, _ = setup
