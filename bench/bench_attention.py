@@ -68,6 +68,12 @@ def main() -> None:
       "cudnn, bias + key lengths": lambda q, k, v, bias: jax.nn.dot_product_attention(
           q, k, v, bias.astype(q.dtype), scale=1.0, key_value_seq_lengths=lengths,
           implementation="cudnn"),
+      "cudnn, key lengths, no bias": lambda q, k, v, bias: jax.nn.dot_product_attention(
+          q, k, v, scale=1.0, key_value_seq_lengths=lengths,
+          implementation="cudnn") + 0 * bias[0, 0, :1, :1, None].astype(q.dtype),
+      "cudnn, key lengths, bias no grad": lambda q, k, v, bias: jax.nn.dot_product_attention(
+          q, k, v, jax.lax.stop_gradient(bias).astype(q.dtype), scale=1.0,
+          key_value_seq_lengths=lengths, implementation="cudnn"),
       "xla einsum + f32 softmax, causal": lambda q, k, v, bias: reference_attention(
           q, k, v, bias, causal),
       "cudnn, bias + is_causal": lambda q, k, v, bias: jax.nn.dot_product_attention(
@@ -88,6 +94,8 @@ def main() -> None:
     if name.startswith("xla"):
       reference[kind] = grads
       note = ""
+    elif "no bias" in name or "no grad" in name:
+      note = "(timing only: no bias gradient)"
     else:
       ref = reference[kind]
       rel = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32)))

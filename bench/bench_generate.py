@@ -14,6 +14,12 @@ With `--top_p` below 1 or `--temperature` other than 1 both sample (`do_sample=T
 compared. `--num_samples N` (sampling only) draws N continuations per input
 (`num_return_sequences` there).
 
+On a GPU (`JAX_PLATFORMS=cuda`), PyTorch runs on the same GPU; `--dtype bfloat16` gives both
+sides bf16 weights and activations (ours: the params cast once, as `jaxmoral export
+--dtype bfloat16` stores them), and each row also reports the decoder's weight reads per second
+against the device's memory bandwidth measured in the same run (a large on-device copy):
+a decoding step at small batch reads every decoder weight once and little else.
+
 On a CPU jaxmoral decodes float32 through `jaxmoral.cpu_kernels.packed_matmul` (see
 `decoding.use_packed_kernels`); `--also_xla_dot` times the same sampler with
 `JAXMORAL_CPU_KERNELS=0` (XLA's dot) in the same run. Timed calls are interleaved (ours,
@@ -33,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -97,7 +104,8 @@ def hf_model(params, config: T5Config) -> transformers.T5ForConditionalGeneratio
   # `scale_decoder_outputs` and leaves the attribute at its default (True), which would tie
   # lm_head to the embedding; set it again so T5 1.1's separate head survives loading.
   hf_config.tie_word_embeddings = config.tie_word_embeddings
-  assert hf_config.scale_decoder_outputs == config.tie_word_embeddings
+  assert getattr(hf_config, "scale_decoder_outputs",
+                 config.tie_word_embeddings) == config.tie_word_embeddings
   model = transformers.T5ForConditionalGeneration(hf_config).eval()
   missing, unexpected = model.load_state_dict(to_hf_state_dict(params, config), strict=False)
   if missing or unexpected:
@@ -124,6 +132,18 @@ def generation_flops(config: T5Config, batch: int, input_length: int, new_tokens
           + batch * samples * new_tokens * step_per_row)
 
 
+def measured_copy_bandwidth(gigabytes: float = 2.0, repeats: int = 10) -> float:
+  """Bytes read + written per second by an on-device `x + 1` over a large float32 array."""
+  x = jnp.zeros(int(gigabytes * 2 ** 30) // 4, jnp.float32)
+  add = jax.jit(lambda x: x + 1)
+  add(x).block_until_ready()
+  start = time.perf_counter()
+  for _ in range(repeats):
+    y = add(x)
+  y.block_until_ready()
+  return 2 * x.size * 4 * repeats / (time.perf_counter() - start)
+
+
 def _time(fn, repeats: int) -> list[float]:
   times = []
   for _ in range(repeats):
@@ -146,15 +166,25 @@ def main() -> None:
                       help="!= 1: sample with this temperature")
   parser.add_argument("--num_samples", type=int, default=1,
                       help="continuations per input (sampling only)")
+  parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                      help="weights and activations of both sides")
   parser.add_argument("--also_xla_dot", action="store_true",
                       help="also time jaxmoral with JAXMORAL_CPU_KERNELS=0 (XLA's dot)")
   args = parser.parse_args()
   torch.set_num_threads(args.torch_threads)
 
-  config = t5_config(size=args.size)
+  config = t5_config(size=args.size, dtype=args.dtype)
   model = T5(config)
   params = nn.unbox(init_params(model, jax.random.PRNGKey(0)))
   hf = hf_model(params, config)
+  on_gpu = jax.default_backend() == "gpu"
+  torch_device = "cuda" if on_gpu else "cpu"
+  if args.dtype == "bfloat16":
+    params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params)
+    hf = hf.to(torch.bfloat16)
+  hf = hf.to(torch_device)
+  decoder_weight_bytes = sum(x.size * x.dtype.itemsize
+                             for x in jax.tree_util.tree_leaves(params["decoder"]))
   new = args.new_tokens
   greedy = args.top_p == 1.0 and args.temperature == 1.0
   samples = args.num_samples
@@ -166,7 +196,13 @@ def main() -> None:
                                   min_length=new, eos_id=config.eos_token_id)
   how = ("greedy" if greedy else
          f"sampled (top_p {args.top_p}, temperature {args.temperature}, {samples} per input)")
-  peak = machine.measured_peak()
+  if on_gpu:
+    bandwidth = measured_copy_bandwidth()
+    peak = machine.Peak(flops=float("nan"), note="GPU: FLOP/s peak not used")
+    print(f"device memory bandwidth (copy, bytes read + written): {bandwidth / 1e12:.2f} TB/s; "
+          f"decoder weights: {decoder_weight_bytes / 1e6:.0f} MB ({args.dtype})")
+  else:
+    peak = machine.measured_peak()
   print(f"machine peak: {peak.note}")
   print(f"T5 1.1 {args.size} random weights, {args.input_length} input tokens, {new} new "
         f"tokens, {how}; {args.repeats} timed runs each (median); jax {jax.__version__} on "
@@ -177,7 +213,7 @@ def main() -> None:
     inputs = rng.integers(2, config.vocab_size, size=(batch, args.input_length),
                           dtype=np.int32)
     work = batch * samples * new
-    input_ids = torch.from_numpy(inputs.astype(np.int64))
+    input_ids = torch.from_numpy(inputs.astype(np.int64)).to(torch_device)
     attention_mask = torch.ones_like(input_ids)
 
     def run_torch():
@@ -185,11 +221,11 @@ def main() -> None:
         if greedy:
           return hf.generate(input_ids=input_ids, attention_mask=attention_mask,
                              do_sample=False, num_beams=1, max_new_tokens=new,
-                             min_new_tokens=new)
+                             min_new_tokens=new).cpu()
         return hf.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
                            top_k=0, top_p=args.top_p, temperature=args.temperature,
                            num_beams=1, num_return_sequences=samples, max_new_tokens=new,
-                           min_new_tokens=new)
+                           min_new_tokens=new).cpu()  # .cpu() waits for the GPU.
 
     def run_jax():
       return jax.block_until_ready(sampler(params, inputs, rng=jax.random.PRNGKey(0)).tokens)
@@ -232,10 +268,20 @@ def main() -> None:
     print(f"  speed-up                 : {jax_tps / torch_tps:8.2f}x")
     flops = generation_flops(config, batch, args.input_length, new, samples)
     rates = [flops / statistics.median(t) for t in (jax_times, torch_times)]
-    print(f"  work per call            : {flops / 1e9:.1f} GFLOP (matrix products); jaxmoral "
-          f"{rates[0] / 1e9:.1f} GFLOP/s = {rates[0] / peak.flops:.0%} of peak, PyTorch "
-          f"{rates[1] / 1e9:.1f} GFLOP/s = {rates[1] / peak.flops:.0%}; at peak a call takes "
-          f">= {flops / peak.flops:.3f} s")
+    if on_gpu:
+      print(f"  work per call            : {flops / 1e9:.1f} GFLOP (matrix products); jaxmoral "
+            f"{rates[0] / 1e12:.2f} TFLOP/s, PyTorch {rates[1] / 1e12:.2f} TFLOP/s")
+    else:
+      print(f"  work per call            : {flops / 1e9:.1f} GFLOP (matrix products); jaxmoral "
+            f"{rates[0] / 1e9:.1f} GFLOP/s = {rates[0] / peak.flops:.0%} of peak, PyTorch "
+            f"{rates[1] / 1e9:.1f} GFLOP/s = {rates[1] / peak.flops:.0%}; at peak a call "
+            f"takes >= {flops / peak.flops:.3f} s")
+    if on_gpu:
+      # Every step reads all decoder weights (self/cross attention, MLP, logits) once.
+      reads = [decoder_weight_bytes * new / statistics.median(t) for t in (jax_times, torch_times)]
+      print(f"  decoder weight reads     : jaxmoral {reads[0] / 1e9:.0f} GB/s = "
+            f"{reads[0] / bandwidth:.0%} of the copy bandwidth, PyTorch {reads[1] / 1e9:.0f} "
+            f"GB/s = {reads[1] / bandwidth:.0%}", flush=True)
     if not greedy:
       print("  outputs                  : sampled, so not compared", flush=True)
       continue

@@ -68,12 +68,15 @@ def main() -> None:
   parser.add_argument("--iterations", type=int, default=2, help="including the compiling one")
   parser.add_argument("--no_nli", action="store_true")
   parser.add_argument("--json", default=None, help="also write the results here")
+  parser.add_argument("--spm", default=str(T5_SPM),
+                      help="the T5 SentencePiece model (the demo vocabulary if absent)")
   args = parser.parse_args()
 
-  spm = str(T5_SPM) if T5_SPM.is_file() else vocab_lib.build_demo_vocabulary(
+  t5_vocabulary = pathlib.Path(args.spm).is_file()
+  spm = args.spm if t5_vocabulary else vocab_lib.build_demo_vocabulary(
       output_dir=tempfile.mkdtemp())
   vocabulary = vocab_lib.get_vocabulary(spm)
-  classes = formats.T5_JUDGE_CLASSES if T5_SPM.is_file() else formats.DEMO_JUDGE_CLASSES
+  classes = formats.T5_JUDGE_CLASSES if t5_vocabulary else formats.DEMO_JUDGE_CLASSES
   config = config_lib.t5_config(size=args.size, vocab_size=32128)
   model = t5.T5(config)
 

@@ -1,4 +1,4 @@
-"""Salience time per example: jaxmoral vs inseq's input_x_gradient, same weights, CPU.
+"""Salience time per example: jaxmoral vs inseq's input_x_gradient, same weights, same device.
 
 T5 1.1 small (8+8 layers, d_model 512, gated GELU), random weights exported to Hugging Face
 format, an NPOV input of 256 tokens and a 64-token response (T5 vocabulary from
@@ -7,8 +7,15 @@ per-embedding-dimension scores are summed over the last axis (= gradient . embed
 is exactly `token_salience(method="grad_x_input")`. One run each; the attributions must agree.
 
   python bench/bench_salience.py [--chunk_sizes 8,16,32]
+  JAX_PLATFORMS=cuda python bench/bench_salience.py --shared DIR   # both on the GPU
 
-Needs `pip install inseq==0.7.1` (the `bench` extra) and ../shared/vocab.
+On a GPU both sides compute in exact float32 (PyTorch's default; JAX's matrix products are
+set to full precision here, not TF32), PyTorch on the same GPU. Each side is timed on a
+second call after a first one (CUDA set-up, cuBLAS plans, XLA compilation); the first is
+printed too.
+
+Needs `pip install inseq==0.7.1` (the `bench` extra), and `vocab/t5_tokenizer` and
+`data/perspectrum/perspective_pool_v1.0.json` under `--shared` (default ../shared).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from jaxmoral.npov.detectors import salience  # noqa: E402
 import flax.linen as nn  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
+SHARED = ROOT.parent / "shared"  # --shared
 
 
 def _texts(tokenizer, n_in: int, n_out: int) -> tuple[str, str]:
@@ -58,13 +65,20 @@ def _texts(tokenizer, n_in: int, n_out: int) -> tuple[str, str]:
 
 
 def main() -> None:
+  global SHARED
   parser = argparse.ArgumentParser()
   parser.add_argument("--input_tokens", type=int, default=256)
   parser.add_argument("--output_tokens", type=int, default=64)
   parser.add_argument("--chunk_sizes", default="8,16,32",
                       help="output positions per batched pass; each is timed and checked")
   parser.add_argument("--size", default="small")
+  parser.add_argument("--shared", default=str(SHARED),
+                      help="folder with vocab/t5_tokenizer and data/perspectrum")
   args = parser.parse_args()
+  SHARED = pathlib.Path(args.shared)
+  on_gpu = jax.default_backend() == "gpu"
+  if on_gpu:  # Exact float32 products, as PyTorch computes them by default.
+    jax.config.update("jax_default_matmul_precision", "highest")
   if not (SHARED / "vocab/t5_tokenizer").is_dir():
     sys.exit(f"bench_salience: {SHARED}/vocab/t5_tokenizer not found")
   import torch  # pylint: disable=g-import-not-at-top
@@ -84,11 +98,20 @@ def main() -> None:
     hf_config["bos_token_id"] = config.pad_token_id  # inseq needs it under transformers 5
     (pathlib.Path(tmp) / "config.json").write_text(json.dumps(hf_config))
     hf_model = transformers.T5ForConditionalGeneration.from_pretrained(tmp).eval()
-  attribution_model = inseq.load_model(hf_model, "input_x_gradient", tokenizer=tokenizer)
+  device = "cuda" if on_gpu else "cpu"
+  attribution_model = inseq.load_model(hf_model, "input_x_gradient", tokenizer=tokenizer,
+                                       device=device)
+
+  def attribute():
+    return attribution_model.attribute(input_texts=source, generated_texts=target,
+                                       attributed_fn="logit", show_progress=False)
 
   start = time.perf_counter()
-  out = attribution_model.attribute(input_texts=source, generated_texts=target,
-                                    attributed_fn="logit", show_progress=False)
+  out = attribute()
+  inseq_first_seconds = time.perf_counter() - start
+  if on_gpu:  # Time a warm call; on a CPU one call (the first) is timed, as before.
+    start = time.perf_counter()
+    out = attribute()
   inseq_seconds = time.perf_counter() - start
   attr = out.sequence_attributions[0]
   theirs = attr.source_attributions.float().numpy().sum(-1)  # (source, target) tokens
@@ -96,10 +119,13 @@ def main() -> None:
   target_ids = [t.id for t in attr.target][-theirs.shape[1]:]  # drop the decoder start
   theirs = theirs[:len(input_ids)]
 
+  where = (f"{torch.cuda.get_device_name()} (both sides)" if on_gpu
+           else f"{os.cpu_count()} CPU cores")
   print(f"T5 {args.size}: {len(input_ids)} input tokens, {len(target_ids)} output tokens, "
-        f"{os.cpu_count()} CPU cores; jax {jax.__version__}, torch {torch.__version__}, "
+        f"{where}; jax {jax.__version__}, torch {torch.__version__}, "
         f"inseq {importlib.metadata.version('inseq')}")
-  print(f"inseq input_x_gradient (logit):  {inseq_seconds:8.3f} s / example")
+  print(f"inseq input_x_gradient (logit):  {inseq_seconds:8.3f} s / example"
+        + (f" (first call {inseq_first_seconds:.3f} s)" if on_gpu else ""))
   scale = np.abs(theirs).max()
   ok = True
   for chunk_size in [int(c) for c in args.chunk_sizes.split(",")]:
@@ -120,6 +146,10 @@ def main() -> None:
           f"compilation); max |diff| {diff:.3g} (relative to max |attribution| "
           f"{diff / scale:.2g}), correlation {corr:.6f}")
     ok &= bool(diff <= 1e-3 * scale + 1e-5)
+  if on_gpu:  # The floor below is a CPU argument (bench/machine.py measures a CPU).
+    if not ok:
+      sys.exit("bench_salience: attributions disagree")
+    return
   # The floor: the program's FLOPs (XLA's cost analysis; one chunk spanning every output
   # position, so the loop body is the whole backward work) at this machine's measured peak.
   import machine  # pylint: disable=g-import-not-at-top  (bench/machine.py)

@@ -83,6 +83,9 @@ def add_step_args(parser: argparse.ArgumentParser) -> None:
                       default="default",
                       help="Adafactor per group of same-shaped leaves (make_optimizer's default: "
                            "yes without momentum) or optax's leaf by leaf")
+  parser.add_argument("--microbatches", type=int, default=1,
+                      help="gradient accumulation: the batch in this many microbatches, one "
+                           "optimizer update per step")
   parser.add_argument("--override", action="append", default=[],
                       help="T5Config field=value, e.g. attention_impl=cudnn (repeatable)")
   parser.add_argument("--peak_tflops", type=float, default=989.4,
@@ -102,12 +105,14 @@ def build_step(args: argparse.Namespace) -> tuple[config_lib.T5Config, trainer_l
   trainer = trainer_lib.Trainer(
       init_params_fn=lambda rng: t5.init_params(model, rng),
       loss_fn=losses.seq2seq_loss_fn(model), optimizer=optimizer,
-      partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
+      partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]),
+      num_microbatches=args.microbatches)
   tokens = args.batch * (args.inputs + args.targets)
   print(f"T5 1.1-{args.size} {overrides}: {cfg.num_params() / 1e6:.1f}M params (float32), "
         f"activations {args.dtype}, {args.optimizer} "
         f"(group_same_shapes: {args.group_same_shapes}); "
-        f"batch {args.batch} x ({args.inputs} + {args.targets}) = {tokens} tokens/step; "
+        f"batch {args.batch} x ({args.inputs} + {args.targets}) = {tokens} tokens/step "
+        f"in {args.microbatches} microbatch(es); "
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   return cfg, trainer, batch, model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
 
