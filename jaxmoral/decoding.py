@@ -690,9 +690,8 @@ def _score_impl(model: T5, params: Params, encoder_input_tokens: Optional[Array]
   encoded, mask = _encode(model, params, encoder_input_tokens, encoder_embeds, encoder_mask)
   candidates = targets.shape[1] if targets.ndim == 3 else None
   if candidates is not None:
-    # Every candidate of an input decodes against the one encoding of that input.
-    encoded = jnp.repeat(encoded, candidates, axis=0)
-    mask = jnp.repeat(mask, candidates, axis=0)
+    # Every candidate of an input decodes against the one encoding of that input, whose
+    # cross-attention keys/values are projected once (rows b * C + i share input b).
     targets = targets.reshape(-1, targets.shape[-1])
     lengths = None if lengths is None else lengths.reshape(-1)
   logits, _ = model.apply({"params": params}, encoded, mask,

@@ -429,3 +429,39 @@ def test_architecture_ignores_how_to_compute():
                                       right_padded_inputs=True, dropout_rate=0.1)
   assert computed_differently.architecture() == tiny.architecture()
   assert tiny.replace(d_ff=256).architecture() != tiny.architecture()
+
+
+def test_teacher_forced_rows_sharing_an_encoding_equal_repeated_encodings():
+  """G decoder rows per input against one encoding = the same rows against G copies of it."""
+  cfg = t5_config(size="tiny", vocab_size=64)
+  model = t5.T5(cfg)
+  params = flax.core.meta.unbox(t5.init_params(model, jax.random.PRNGKey(0)))
+  rng = np.random.default_rng(0)
+  inputs = rng.integers(2, 64, (2, 7)).astype(np.int32)
+  inputs[1, 5:] = 0  # Padding, so the shared mask matters.
+  targets = rng.integers(2, 64, (2 * 3, 5)).astype(np.int32)
+  mask = inputs != 0
+
+  def run(rows_per_input):
+    encoded = model.apply({"params": params}, inputs, encoder_mask=mask, method=t5.T5.encode)
+    enc, enc_mask = encoded, mask
+    if rows_per_input:
+      enc, enc_mask = np.repeat(encoded, 3, axis=0), np.repeat(mask, 3, axis=0)
+    logits, hidden = model.apply({"params": params}, enc, enc_mask, targets,
+                                 method=t5.T5.decode)
+    grad = jax.grad(lambda p: model.apply({"params": p}, enc, enc_mask, targets,
+                                          method=t5.T5.decode)[0].sum())(params)
+    return logits, hidden, grad
+
+  shared, repeated = run(False), run(True)
+  np.testing.assert_allclose(shared[0], repeated[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(shared[1], repeated[1], rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree_util.tree_leaves(shared[2]), jax.tree_util.tree_leaves(repeated[2])):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+  encoded = model.apply({"params": params}, inputs, encoder_mask=mask, method=t5.T5.encode)
+  with pytest.raises(ValueError, match="equal groups"):
+    model.apply({"params": params}, encoded, mask, targets[:5], method=t5.T5.decode)
+  dropout = t5.T5(dataclasses.replace(cfg, dropout_rate=0.1))
+  with pytest.raises(ValueError, match="deterministic"):
+    dropout.apply({"params": params}, encoded, mask, targets, deterministic=False,
+                  method=t5.T5.decode, rngs={"dropout": jax.random.PRNGKey(1)})

@@ -2,8 +2,9 @@
 
 The generator and the evaluator are one `T5(config, with_scalar_head=True)`. For a batch of
 contexts with K responses each (K = 3 in training: human, model, random), the context is
-encoded once, the encoder states are repeated K times along the batch, and a single decoder
-pass runs over the B*K responses. The preference score s(c, r) is the scalar head on the
+encoded once and a single decoder pass runs over the B*K responses (in training against the
+encoder states repeated K times; in deterministic calls the K rows of a context share one
+projection of its keys/values). The preference score s(c, r) is the scalar head on the
 decoder state whose *input* is the response's EOS token, i.e. the state that has read the whole
 response including its end: position `last_token_index(weights) + 1` of the teacher-forced
 decoder (targets keep that position free, see `data.FeatureConfig.response_length`).
@@ -29,9 +30,13 @@ def _forward(module: T5, encoder_input_tokens: Array, decoder_input_tokens: Arra
   encoder_mask = encoder_input_tokens != module.config.pad_token_id
   encoded = module.encode(encoder_input_tokens, encoder_mask=encoder_mask,
                           deterministic=deterministic)
-  # Row b*K + k of the decoder batch is response k of context b.
-  encoded = jnp.repeat(encoded, num_responses, axis=0)
-  encoder_mask = jnp.repeat(encoder_mask, num_responses, axis=0)
+  # Row b*K + k of the decoder batch is response k of context b. Deterministic calls
+  # (scoring, ranking candidates) let the K rows share one projection of the context's
+  # cross-attention keys/values; training repeats the encoding, so attention dropout and the
+  # fused GPU kernel apply as in any other training step.
+  if not deterministic:
+    encoded = jnp.repeat(encoded, num_responses, axis=0)
+    encoder_mask = jnp.repeat(encoder_mask, num_responses, axis=0)
   logits, hidden = module.decode(encoded, encoder_mask, decoder_input_tokens,
                                  deterministic=deterministic)
   return logits, module.score(hidden)

@@ -690,8 +690,19 @@ class Decoder(nn.Module):
         if segment_ids is not None:
           mask = mask & _attention_mask(query_valid, query_valid, segment_ids, segment_ids)
         self_bias = position_bias + _mask_to_bias(mask)
-      if use_fused_attention(cfg, deterministic=deterministic, query_length=length,
-                             key_length=encoder_mask.shape[1]):
+      inputs = encoder_mask.shape[0]
+      if inputs != batch:
+        # G = batch / inputs decoder rows per input (rows b * G + i), e.g. candidates scored
+        # against one encoding: each group attends to its input's keys/values, projected once.
+        if batch % inputs or segment_ids is not None or encoder_segment_ids is not None:
+          raise ValueError(f"Decoder: {batch} unpacked rows cannot share {inputs} inputs' "
+                           "encodings (rows must come in equal groups per input, unpacked)")
+        if not deterministic and cfg.dropout_rate > 0:
+          raise ValueError("Decoder: rows sharing an encoding are for deterministic calls "
+                           "(grouped cross-attention applies no attention dropout)")
+        cross_bias = _mask_to_bias(encoder_mask[:, None, None, :].astype(bool))
+      elif use_fused_attention(cfg, deterministic=deterministic, query_length=length,
+                               key_length=encoder_mask.shape[1]):
         cross_bias = _fused_mask(cfg, query_valid, encoder_mask, segment_ids,
                                  encoder_segment_ids)
       else:
@@ -763,6 +774,10 @@ class T5(nn.Module):
 
     Teacher forcing when `decode=False`. With `decode=True` the call takes one token per
     batch row and reads/writes the `cache` collection (make it with `init_cache`).
+
+    In teacher forcing, `encoded`/`encoder_mask` may have fewer rows than
+    `decoder_input_tokens`: G rows per input (rows `b * G + i`, deterministic and unpacked),
+    which attend to one projection of their input's keys and values instead of G copies.
     """
     return self.decoder(self.embed(decoder_input_tokens), encoded, encoder_mask,
                         decoder_segment_ids, encoder_segment_ids, deterministic=deterministic,
