@@ -198,12 +198,11 @@ def main() -> None:
          f"sampled (top_p {args.top_p}, temperature {args.temperature}, {samples} per input)")
   if on_gpu:
     bandwidth = measured_copy_bandwidth()
-    peak = machine.Peak(flops=float("nan"), note="GPU: FLOP/s peak not used")
     print(f"device memory bandwidth (copy, bytes read + written): {bandwidth / 1e12:.2f} TB/s; "
           f"decoder weights: {decoder_weight_bytes / 1e6:.0f} MB ({args.dtype})")
   else:
     peak = machine.measured_peak()
-  print(f"machine peak: {peak.note}")
+    print(f"machine peak: {peak.note}")
   print(f"T5 1.1 {args.size} random weights, {args.input_length} input tokens, {new} new "
         f"tokens, {how}; {args.repeats} timed runs each (median); jax {jax.__version__} on "
         f"{jax.devices()[0].platform}, torch {torch.__version__} ({args.torch_threads} "
@@ -271,17 +270,16 @@ def main() -> None:
     if on_gpu:
       print(f"  work per call            : {flops / 1e9:.1f} GFLOP (matrix products); jaxmoral "
             f"{rates[0] / 1e12:.2f} TFLOP/s, PyTorch {rates[1] / 1e12:.2f} TFLOP/s")
-    else:
-      print(f"  work per call            : {flops / 1e9:.1f} GFLOP (matrix products); jaxmoral "
-            f"{rates[0] / 1e9:.1f} GFLOP/s = {rates[0] / peak.flops:.0%} of peak, PyTorch "
-            f"{rates[1] / 1e9:.1f} GFLOP/s = {rates[1] / peak.flops:.0%}; at peak a call "
-            f"takes >= {flops / peak.flops:.3f} s")
-    if on_gpu:
       # Every step reads all decoder weights (self/cross attention, MLP, logits) once.
       reads = [decoder_weight_bytes * new / statistics.median(t) for t in (jax_times, torch_times)]
       print(f"  decoder weight reads     : jaxmoral {reads[0] / 1e9:.0f} GB/s = "
             f"{reads[0] / bandwidth:.0%} of the copy bandwidth, PyTorch {reads[1] / 1e9:.0f} "
             f"GB/s = {reads[1] / bandwidth:.0%}", flush=True)
+    else:
+      print(f"  work per call            : {flops / 1e9:.1f} GFLOP (matrix products); jaxmoral "
+            f"{rates[0] / 1e9:.1f} GFLOP/s = {rates[0] / peak.flops:.0%} of peak, PyTorch "
+            f"{rates[1] / 1e9:.1f} GFLOP/s = {rates[1] / peak.flops:.0%}; at peak a call "
+            f"takes >= {flops / peak.flops:.3f} s")
     if not greedy:
       print("  outputs                  : sampled, so not compared", flush=True)
       continue

@@ -42,12 +42,12 @@ from jaxmoral.npov.detectors import salience  # noqa: E402
 import flax.linen as nn  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"  # --shared
+SHARED = ROOT.parent / "shared"  # the default of --shared
 
 
-def _texts(tokenizer, n_in: int, n_out: int) -> tuple[str, str]:
+def _texts(tokenizer, n_in: int, n_out: int, shared: pathlib.Path) -> tuple[str, str]:
   """Input / response texts that tokenise to exactly n_in / n_out ids (EOS included)."""
-  data = json.loads((SHARED / "data/perspectrum/perspective_pool_v1.0.json").read_text())
+  data = json.loads((shared / "data/perspectrum/perspective_pool_v1.0.json").read_text())
   words = " ".join(p["text"] for p in data[:400]).split()
 
   def fit(prefix: str, n: int, offset: int) -> str:
@@ -65,7 +65,6 @@ def _texts(tokenizer, n_in: int, n_out: int) -> tuple[str, str]:
 
 
 def main() -> None:
-  global SHARED
   parser = argparse.ArgumentParser()
   parser.add_argument("--input_tokens", type=int, default=256)
   parser.add_argument("--output_tokens", type=int, default=64)
@@ -75,12 +74,12 @@ def main() -> None:
   parser.add_argument("--shared", default=str(SHARED),
                       help="folder with vocab/t5_tokenizer and data/perspectrum")
   args = parser.parse_args()
-  SHARED = pathlib.Path(args.shared)
+  shared = pathlib.Path(args.shared)
   on_gpu = jax.default_backend() == "gpu"
   if on_gpu:  # Exact float32 products, as PyTorch computes them by default.
     jax.config.update("jax_default_matmul_precision", "highest")
-  if not (SHARED / "vocab/t5_tokenizer").is_dir():
-    sys.exit(f"bench_salience: {SHARED}/vocab/t5_tokenizer not found")
+  if not (shared / "vocab/t5_tokenizer").is_dir():
+    sys.exit(f"bench_salience: {shared}/vocab/t5_tokenizer not found")
   import torch  # pylint: disable=g-import-not-at-top
   import inseq  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
@@ -89,8 +88,8 @@ def main() -> None:
   config = t5_config(size=args.size, vocab_size=32128)  # the T5 vocabulary's ids
   model = T5(config)
   params = nn.meta.unbox(init_params(model, jax.random.PRNGKey(0)))
-  tokenizer = transformers.T5TokenizerFast.from_pretrained(str(SHARED / "vocab/t5_tokenizer"))
-  source, target = _texts(tokenizer, args.input_tokens, args.output_tokens)
+  tokenizer = transformers.T5TokenizerFast.from_pretrained(str(shared / "vocab/t5_tokenizer"))
+  source, target = _texts(tokenizer, args.input_tokens, args.output_tokens, shared)
 
   with tempfile.TemporaryDirectory() as tmp:
     hf_import.export_hf_t5(params, config, tmp)

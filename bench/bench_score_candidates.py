@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -90,8 +91,11 @@ def main() -> None:
         f"first call incl. compile {compile_s:.1f} s)")
   print(f"  PyTorch, encoder once    : {theirs_s * 1e3:8.1f} ms ({rows / theirs_s:7.1f} "
         f"candidates/s)")
+  diff = np.abs(mine - ref).max()
   print(f"  speed-up                 : {theirs_s / ours_s:8.2f}x; max |score diff| "
-        f"{np.abs(mine - ref).max():.2e} (scores ~{np.abs(ref).mean():.0f})")
+        f"{diff:.2e} (scores ~{np.abs(ref).mean():.0f})")
+  if diff > 1e-5 * np.abs(ref).max() + 1e-4:
+    sys.exit("bench_score_candidates: scores disagree")
 
 
 if __name__ == "__main__":

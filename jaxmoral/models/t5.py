@@ -672,8 +672,6 @@ class Decoder(nn.Module):
       self_bias = self_bias + _mask_to_bias(causal)
       if not init_cache:
         position_var.value = decode_position + 1
-      # Cross-attention: one row per input, as its cache (decoding rows may be G per input).
-      cross_bias = _mask_to_bias(encoder_mask[:, None, None, :].astype(bool))
     else:
       positions = jnp.arange(length)
       position_bias = relpos(positions, positions, span=length)
@@ -690,24 +688,25 @@ class Decoder(nn.Module):
         if segment_ids is not None:
           mask = mask & _attention_mask(query_valid, query_valid, segment_ids, segment_ids)
         self_bias = position_bias + _mask_to_bias(mask)
-      inputs = encoder_mask.shape[0]
-      if inputs != batch:
-        # G = batch / inputs decoder rows per input (rows b * G + i), e.g. candidates scored
-        # against one encoding: each group attends to its input's keys/values, projected once.
-        if batch % inputs or segment_ids is not None or encoder_segment_ids is not None:
-          raise ValueError(f"Decoder: {batch} unpacked rows cannot share {inputs} inputs' "
-                           "encodings (rows must come in equal groups per input, unpacked)")
-        if not deterministic and cfg.dropout_rate > 0:
-          raise ValueError("Decoder: rows sharing an encoding are for deterministic calls "
-                           "(grouped cross-attention applies no attention dropout)")
-        cross_bias = _mask_to_bias(encoder_mask[:, None, None, :].astype(bool))
-      elif use_fused_attention(cfg, deterministic=deterministic, query_length=length,
-                               key_length=encoder_mask.shape[1]):
-        cross_bias = _fused_mask(cfg, query_valid, encoder_mask, segment_ids,
-                                 encoder_segment_ids)
-      else:
-        cross_bias = _mask_to_bias(_attention_mask(
-            query_valid, encoder_mask, segment_ids, encoder_segment_ids))
+    inputs = encoder_mask.shape[0]
+    if not decode and inputs != batch:
+      # G = batch / inputs teacher-forced rows per input (rows b * G + i), e.g. candidates
+      # scored against one encoding: each group attends to its input's keys/values once.
+      if batch % inputs or segment_ids is not None or encoder_segment_ids is not None:
+        raise ValueError(f"Decoder: {batch} unpacked rows cannot share {inputs} inputs' "
+                         "encodings (rows must come in equal groups per input, unpacked)")
+      if not deterministic and cfg.dropout_rate > 0:
+        raise ValueError("Decoder: rows sharing an encoding are for deterministic calls "
+                         "(grouped cross-attention applies no attention dropout)")
+    if decode or inputs != batch:
+      # One row per input, as the cross-attention cache or the shared projection has.
+      cross_bias = _mask_to_bias(encoder_mask[:, None, None, :].astype(bool))
+    elif use_fused_attention(cfg, deterministic=deterministic, query_length=length,
+                             key_length=encoder_mask.shape[1]):
+      cross_bias = _fused_mask(cfg, query_valid, encoder_mask, segment_ids, encoder_segment_ids)
+    else:
+      cross_bias = _mask_to_bias(_attention_mask(
+          query_valid, encoder_mask, segment_ids, encoder_segment_ids))
     x = _dropout(self, embeds, cfg.dropout_rate, deterministic)
     x = _constrain(x, ("batch", "length", "embed"))
     use_remat = cfg.remat and not decode
