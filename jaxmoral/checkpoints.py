@@ -24,6 +24,7 @@ restores onto any other (orbax reads each shard's slice from the stored global a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -319,6 +320,25 @@ def load_params(directory: str | os.PathLike, *, shardings: Any = None,
   return load_exported(directory, shardings=shardings, dtype=dtype)[0]
 
 
+class _ReadOnlyNoticeFilter(logging.Filter):
+  """Drops Orbax's 'Given directory is read only' warning: opening a run read-only to load
+  its parameters is what we asked for, not something to warn a user about."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "Given directory is read only" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_read_only_notice():
+  absl_logger = logging.getLogger("absl")
+  notice_filter = _ReadOnlyNoticeFilter()
+  absl_logger.addFilter(notice_filter)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(notice_filter)
+
+
 def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int] = None,
                             shardings: Any = None, dtype: Optional[Any] = None) -> PyTree:
   """Only the `params` of a training run's checkpoint (optimizer state is not read).
@@ -336,8 +356,9 @@ def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int]
   if not os.path.isdir(model_dir):
     raise FileNotFoundError(f"{model_dir}: no such run directory")
   options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-  with ocp.CheckpointManager(model_dir, options=options,
-                             item_handlers=_item_handlers()) as manager:
+  with _without_read_only_notice():
+    manager = ocp.CheckpointManager(model_dir, options=options, item_handlers=_item_handlers())
+  with manager:
     steps = sorted(manager.all_steps())
     if not steps:
       raise FileNotFoundError(f"{model_dir}: no checkpoints")

@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from jaxmoral import gin_utils
+from jaxmoral import compilation_cache, gin_utils
 
 # Sub-commands whose work is a gin-configured library function: (module, function).
 GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -44,6 +44,37 @@ def _quiet_logs() -> None:
     handler.addFilter(lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
 
 
+# What TensorFlow 2.21 writes to stderr on import, whatever TF_CPP_MIN_LOG_LEVEL says: about
+# oneDNN, a missing CUDA driver on a CPU machine, absl's pre-init notice, a failed cuInit.
+_TF_START_UP_NOISE = ("oneDNN custom operations are on", "Could not find cuda drivers",
+                      "All log messages before absl::InitializeLog()", "failed call to cuInit",
+                      "Logging before InitGoogle()")
+
+
+def _tensorflow_for_input_pipelines_only() -> None:
+  """Imports TensorFlow (seqio's input pipelines) with its start-up lines filtered out of
+  stderr, and hides every GPU from it, as T5X does: TensorFlow would otherwise reserve GPU
+  memory that JAX needs. Anything else TensorFlow writes meanwhile is passed on."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+b") as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+      try:
+        tf.config.set_visible_devices([], "GPU")
+      except RuntimeError:  # TensorFlow already ran in this process: leave its devices be.
+        pass
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      for line in captured.read().decode(errors="replace").splitlines(keepends=True):
+        if not any(noise in line for noise in _TF_START_UP_NOISE):
+          sys.stderr.write(line)
+
+
 def _call_with_gin(module: str, function: str, gin_args: gin_utils.GinArgs,
                    extra_bindings: Sequence[str] = ()) -> Any:
   fn: Callable[..., Any] = getattr(importlib.import_module(module), function)
@@ -56,7 +87,9 @@ def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="jaxmoral", description=__doc__.split("\n\n")[0],
       epilog="Gin flags for every command: --gin_file=F (repeatable), --gin.NAME=VALUE, "
-             "--gin_bindings='NAME = VALUE', --gin_search_paths=DIRS.")
+             "--gin_bindings='NAME = VALUE', --gin_search_paths=DIRS. "
+             f"{compilation_cache.FLAG}=DIR|none (anywhere on the line): where compiled "
+             "programs are kept between runs (default ~/.cache/jaxmoral/xla).")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (_, _, help_text) in GIN_COMMANDS.items():
     sub.add_parser(name, help=help_text)
@@ -88,9 +121,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  parser = _parser()
+  try:
+    cache_flag, argv = compilation_cache.split_flag(argv)
+  except ValueError as error:
+    parser.error(str(error))
   gin_args, rest = gin_utils.split_gin_args(argv)
-  args = _parser().parse_args(rest)
+  args = parser.parse_args(rest)
   _quiet_logs()
+  _tensorflow_for_input_pipelines_only()
+  if args.command == "compile":
+    compilation_cache.disable()  # Compile-only TPU executables cannot be loaded back.
+  else:
+    compilation_cache.enable(compilation_cache.resolve_cache_dir(cache_flag))
   if args.command not in ("compile", "vocab", "export"):
     from jaxmoral import partitioning
     # A no-op for one process; joins the job under JAX_COORDINATOR_ADDRESS, SLURM or a TPU pod.

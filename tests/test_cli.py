@@ -78,3 +78,38 @@ def test_eval_infer_export(trained_run, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jax.numpy.bfloat16)))
   assert config["d_model"] == 64
   assert (exported / "vocab" / "spiece.model").is_file()
+
+
+_FAKE_TENSORFLOW = """
+import os, sys, types
+def set_visible_devices(devices, kind):
+  os.write(2, b"I0000 port.cc:153] oneDNN custom operations are on. You may see...\\n")
+  os.write(2, b"E0000 cuda_platform.cc:52] failed call to cuInit: UNKNOWN ERROR (303)\\n")
+  os.write(2, b"a real TensorFlow warning\\n")
+  print("hidden", kind, devices)
+sys.modules["tensorflow"] = types.SimpleNamespace(
+    config=types.SimpleNamespace(set_visible_devices=set_visible_devices))
+from jaxmoral import cli
+cli._tensorflow_for_input_pipelines_only()
+print("after", file=sys.stderr)
+"""
+
+
+def test_tensorflow_start_up_noise_is_filtered_and_gpus_hidden():
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  done = subprocess.run([sys.executable, "-c", _FAKE_TENSORFLOW], capture_output=True,
+                        text=True, timeout=120, check=True)
+  assert done.stdout.strip() == "hidden GPU []"
+  assert done.stderr.splitlines() == ["a real TensorFlow warning", "after"], done.stderr
+
+
+def test_real_tensorflow_import_leaves_no_start_up_noise():
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  script = ("from jaxmoral import cli\ncli._tensorflow_for_input_pipelines_only()\n"
+            "import tensorflow as tf\nprint(tf.config.get_visible_devices('GPU'))\n")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=300, check=True)
+  assert done.stdout.strip() == "[]"
+  noise = [line for line in done.stderr.splitlines()
+           if any(n in line for n in cli._TF_START_UP_NOISE)]  # pylint: disable=protected-access
+  assert not noise, done.stderr

@@ -1,0 +1,119 @@
+"""Tests for jaxmoral.compilation_cache: flag and directory resolution, and a second process that
+loads its sampler (with the CPU kernels' custom calls) from the cache and samples the same tokens."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxmoral import cli, compilation_cache, cpu_kernels
+
+
+@pytest.mark.parametrize("argv, value, rest", [
+    (["train", "--gin_file=a.gin"], None, ["train", "--gin_file=a.gin"]),
+    (["train", "--compilation_cache_dir=/c", "--gin.X=1"], "/c", ["train", "--gin.X=1"]),
+    (["--compilation_cache_dir", "/c", "npov", "detect"], "/c", ["npov", "detect"]),
+    (["clarify", "chat", "--compilation_cache_dir=none"], "none", ["clarify", "chat"]),
+    (["x", "--compilation_cache_dir=/a", "--compilation_cache_dir=/b"], "/b", ["x"]),
+])
+def test_split_flag_takes_the_flag_from_anywhere(argv, value, rest):
+  assert compilation_cache.split_flag(argv) == (value, rest)
+
+
+def test_split_flag_without_a_value_is_an_error():
+  with pytest.raises(ValueError, match="needs a directory"):
+    compilation_cache.split_flag(["train", "--compilation_cache_dir"])
+
+
+def test_cli_reports_a_flag_without_a_value(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["export", "--compilation_cache_dir"])
+  assert exit_info.value.code == 2
+  assert "--compilation_cache_dir needs a directory" in capsys.readouterr().err
+
+
+def test_resolve_cache_dir_precedence():
+  home = {"XDG_CACHE_HOME": "/xdg"}
+  assert compilation_cache.resolve_cache_dir(None, home) == "/xdg/jaxmoral/xla"
+  assert compilation_cache.resolve_cache_dir(
+      None, {**home, "JAXMORAL_COMPILATION_CACHE_DIR": "/mine"}) == "/mine"
+  assert compilation_cache.resolve_cache_dir(
+      None, {**home, "JAXMORAL_COMPILATION_CACHE_DIR": "/mine",
+             "JAX_COMPILATION_CACHE_DIR": "/jax"}) == "/jax"
+  assert compilation_cache.resolve_cache_dir(
+      "/flag", {**home, "JAX_COMPILATION_CACHE_DIR": "/jax"}) == "/flag"
+  assert compilation_cache.resolve_cache_dir("none", home) is None
+  assert compilation_cache.resolve_cache_dir("", home) is None
+  assert compilation_cache.resolve_cache_dir(
+      None, {**home, "JAXMORAL_COMPILATION_CACHE_DIR": "None"}) is None
+  assert compilation_cache.resolve_cache_dir(None, {}).endswith(
+      os.path.join(".cache", "jaxmoral", "xla"))
+
+
+def test_enable_none_does_nothing_and_rejects_a_zero_cap(tmp_path):
+  assert compilation_cache.enable(None) is None
+  with pytest.raises(ValueError, match="max_bytes"):
+    compilation_cache.enable(str(tmp_path), max_bytes=0)
+
+
+# A fresh process: enables the cache, samples greedily from a tiny random T5 (on a CPU the
+# sampler's step runs the packed-kernel custom calls when they build) and reports the cache hits.
+_SAMPLE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    from jax import monitoring
+    from jaxmoral import compilation_cache, cpu_kernels, decoding
+    from jaxmoral.models import t5
+    from jaxmoral.models.config import t5_config
+    import flax.linen as nn
+    import numpy as np
+
+    hits = []
+    monitoring.register_event_listener(
+        lambda event, **kw: hits.append(event) if event.endswith("/cache_hits") else None)
+    compilation_cache.enable(sys.argv[1], min_compile_seconds=0.0)
+    model = t5.T5(t5_config(size="tiny"))
+    params = nn.unbox(t5.init_params(model, jax.random.PRNGKey(0)))
+    inputs = np.array(jax.random.randint(jax.random.PRNGKey(1), (3, 7), 2, 512), np.int32)
+    out = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=9,
+                          greedy=True)
+    print(json.dumps({"hits": len(hits), "tokens": np.asarray(out.tokens).tolist(),
+                      "kernels": decoding.use_packed_kernels(model, params)}))
+""")
+
+
+def _run_sampler(cache_dir):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  done = subprocess.run([sys.executable, "-c", _SAMPLE_SCRIPT, str(cache_dir)], env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_the_sampler_from_the_cache(tmp_path):
+  cache_dir = tmp_path / "xla"
+  first = _run_sampler(cache_dir)
+  entries = os.listdir(cache_dir)
+  assert first["hits"] == 0 and entries, (first["hits"], entries)
+  second = _run_sampler(cache_dir)
+  assert second["hits"] >= 1
+  assert second["tokens"] == first["tokens"]
+  # Where the kernels build, the cached executables include their custom calls.
+  assert first["kernels"] == second["kernels"] == cpu_kernels.available()
+
+
+def test_cli_enables_the_cache_except_for_topology_compiles(monkeypatch, tmp_path):
+  from jaxmoral import aot, runs  # pylint: disable=g-import-not-at-top
+  calls = []
+  monkeypatch.setattr(compilation_cache, "disable", lambda: calls.append("disable"))
+  monkeypatch.setattr(compilation_cache, "enable", lambda d: calls.append(("enable", d)))
+  monkeypatch.setattr(aot, "compile_for_topology", lambda **kwargs: None)
+  monkeypatch.setattr(runs, "export_run", lambda **kwargs: None)
+  assert cli.main(["compile", "--topology=cpu:8", f"--compilation_cache_dir={tmp_path}"]) == 0
+  assert cli.main(["export", "--model_dir=m", "--output=o",
+                   f"--compilation_cache_dir={tmp_path}"]) == 0
+  assert cli.main(["export", "--model_dir=m", "--output=o", "--compilation_cache_dir=none"]) == 0
+  assert calls == ["disable", ("enable", str(tmp_path)), ("enable", None)]
