@@ -164,6 +164,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"jaxmoral {args.command}: error: {gin_utils.explain_gin_error(error)}",
           file=sys.stderr)
     return 2
+  except TypeError as error:
+    # A type error inside a gin-bound call is a configuration error (gin adds "In call to
+    # configurable"); anywhere else it is a bug and keeps its traceback.
+    if "In call to configurable" not in str(error):
+      raise
+    print(f"jaxmoral {args.command}: error: {error}", file=sys.stderr)
+    if gin_args.read_as_strings:
+      print(f"  note: read as strings, not being Python literals: "
+            f"{', '.join(gin_args.read_as_strings)}", file=sys.stderr)
+    return 2
   return 0
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import io
 import os
 import pathlib
 import re
+import tokenize
 from typing import Sequence
 
 import gin
@@ -25,6 +27,9 @@ class GinArgs:
   files: tuple[str, ...] = ()
   bindings: tuple[str, ...] = ()
   search_paths: tuple[str, ...] = ()
+  # `--gin.NAME=VALUE` flags whose VALUE was no Python literal and so became a string; named
+  # when a configurable then fails on a type (e.g. --gin.TRAIN_STEPS=1O00).
+  read_as_strings: tuple[str, ...] = ()
 
 
 _LITERAL_START = re.compile(r"^\s*([@%\[\(\{'\"]|-?\d|True$|False$|None$)")
@@ -50,7 +55,7 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
   Returns:
     The gin arguments and the remaining arguments in order.
   """
-  files, bindings, paths, rest = [], [], [], []
+  files, bindings, paths, rest, quoted = [], [], [], [], []
   args = list(argv)
   i = 0
   while i < len(args):
@@ -67,7 +72,10 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
       name, sep, value = arg[len("--gin."):].partition("=")
       if not sep:
         raise SystemExit(f"error: {arg!r}: expected --gin.NAME=VALUE")
-      bindings.append(f"{name} = {_as_gin_value(value)}")
+      gin_value = _as_gin_value(value)
+      if gin_value != value:
+        quoted.append(arg)
+      bindings.append(f"{name} = {gin_value}")
     elif arg == "--gin_file" or arg.startswith("--gin_file="):
       files.extend(v for v in take_value("--gin_file").split(",") if v)
     elif arg == "--gin_bindings" or arg.startswith("--gin_bindings="):
@@ -77,7 +85,7 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
     else:
       rest.append(arg)
     i += 1
-  return GinArgs(tuple(files), tuple(bindings), tuple(paths)), rest
+  return GinArgs(tuple(files), tuple(bindings), tuple(paths), tuple(quoted)), rest
 
 
 def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
@@ -92,10 +100,39 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
   for name in gin_args.files:
     if not any((pathlib.Path(p) / name).is_file() for p in search_paths) and not pathlib.Path(
         name).is_file():
-      raise FileNotFoundError(f"gin file {name!r} not found in search paths {search_paths}")
-  gin.parse_config_files_and_bindings(list(gin_args.files),
-                                      [*gin_args.bindings, *extra_bindings],
-                                      finalize_config=False)
+      raise FileNotFoundError(f"gin file {name!r} not found in search paths "
+                              f"{list(dict.fromkeys(search_paths))}")
+  bindings = [*gin_args.bindings, *extra_bindings]
+  try:
+    gin.parse_config_files_and_bindings(list(gin_args.files), bindings, finalize_config=False)
+  except (SyntaxError, tokenize.TokenError) as error:
+    raise _syntax_error(error, gin_args.files, search_paths, bindings) from error
+
+
+def _syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str],
+                  search_paths: Sequence[str], bindings: Sequence[str]) -> ValueError:
+  """A ValueError naming the gin file and line, or the binding, that does not parse."""
+  if isinstance(error, SyntaxError):
+    if error.filename:
+      where = f"{error.filename}, line {error.lineno}"
+    else:
+      where = f"binding {(error.text or '').strip()!r}"
+    return ValueError(f"gin: cannot parse {where}: {error.msg}")
+  # An unclosed bracket or string: gin's tokenizer names no file, so find the culprit.
+  sources = []
+  for name in files:
+    path = next((pathlib.Path(p) / name for p in search_paths
+                 if (pathlib.Path(p) / name).is_file()), pathlib.Path(name))
+    if path.is_file():
+      sources.append((str(path), path.read_text()))
+  sources += [(f"binding {binding!r}", binding) for binding in bindings]
+  for where, text in sources:
+    try:
+      list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except tokenize.TokenError:
+      return ValueError(f"gin: cannot parse {where}: {error.args[0]} (an unclosed bracket "
+                        f"or string)")
+  return ValueError(f"gin: cannot parse an included file: {error.args[0]}")
 
 
 def _is_required(value: object) -> bool:

@@ -50,6 +50,19 @@ def test_missing_required_model_dir_is_a_clear_error(capsys):
   assert "MODEL_DIR" in err and "--gin.MODEL_DIR=" in err
 
 
+def test_a_mistyped_number_is_a_config_error_naming_the_flag(capsys, tmp_path):
+  code = cli.main(["train", *TINY, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=l0"])
+  assert code == 2
+  err = capsys.readouterr().err
+  assert "jaxmoral train: error:" in err and "make_schedule" in err
+  assert "read as strings" in err and "--gin.TRAIN_STEPS=l0" in err
+  gin.clear_config()
+  code = cli.main(["train", *TINY, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=1O"])
+  assert code == 2
+  assert ("jaxmoral train: error: gin: cannot parse binding 'TRAIN_STEPS = 1O'"
+          in capsys.readouterr().err)
+
+
 def test_eval_infer_export(trained_run, tmp_path):
   assert cli.main(["eval", *TINY, f"--gin.MODEL_DIR={trained_run}"]) == 0
   report = json.loads((trained_run / "eval_latest.json").read_text())

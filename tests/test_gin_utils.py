@@ -28,6 +28,7 @@ def test_split_gin_args_t5x_forms():
                                "NAME = 'quoted'", "REF = @foo()")
   assert gin_args.search_paths == ("/p", "/q")
   assert rest == ["--other"]
+  assert gin_args.read_as_strings == ("--gin.MODEL_DIR=/tmp/run",)
 
 
 def test_split_gin_args_rejects_binding_without_value():
@@ -61,6 +62,22 @@ def test_missing_gin_file_is_named(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   gin_args, _ = gin_utils.split_gin_args(["--gin_file=nope/missing.gin"])
   with pytest.raises(FileNotFoundError, match="missing.gin"):
+    gin_utils.parse_gin(gin_args)
+
+
+@pytest.mark.parametrize("content, binding, message", [
+    ("X = 1\nY = 1O\n", None, r"\.gin, line 2: Expected newline"),
+    ("X = 1\nY = [1, 2\n", None, r"\.gin: EOF in multi-line statement"),
+    ("X = 1\n", "TRAIN_STEPS = 1O", r"binding 'TRAIN_STEPS = 1O': Expected newline"),
+    ("X = 1\n", "Y = (1", r"binding 'Y = \(1': EOF in multi-line statement"),
+])
+def test_syntax_errors_name_the_file_line_or_binding(tmp_path, content, binding, message):
+  # gin keeps every search path it was given, so each case needs a file name of its own.
+  name = f"bad_{tmp_path.name}.gin"
+  (tmp_path / name).write_text(content)
+  gin_args = gin_utils.GinArgs(files=(name,), bindings=(binding,) if binding else (),
+                               search_paths=(str(tmp_path),))
+  with pytest.raises(ValueError, match=message):
     gin_utils.parse_gin(gin_args)
 
 
