@@ -47,8 +47,7 @@ def _quiet_logs() -> None:
 # What TensorFlow 2.21 writes to stderr on import, whatever TF_CPP_MIN_LOG_LEVEL says: about
 # oneDNN, a missing CUDA driver on a CPU machine, absl's pre-init notice, a failed cuInit.
 _TF_START_UP_NOISE = ("oneDNN custom operations are on", "Could not find cuda drivers",
-                      "All log messages before absl::InitializeLog()", "failed call to cuInit",
-                      "Logging before InitGoogle()")
+                      "All log messages before absl::InitializeLog()", "failed call to cuInit")
 
 
 def _tensorflow_for_input_pipelines_only() -> None:
@@ -61,9 +60,11 @@ def _tensorflow_for_input_pipelines_only() -> None:
   with tempfile.TemporaryFile(mode="w+b") as captured:
     os.dup2(captured.fileno(), 2)
     try:
-      import tensorflow as tf  # pylint: disable=g-import-not-at-top
       try:
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
         tf.config.set_visible_devices([], "GPU")
+      except ImportError:  # seqio's own import will say what is missing, if it is needed.
+        pass
       except RuntimeError:  # TensorFlow already ran in this process: leave its devices be.
         pass
     finally:
