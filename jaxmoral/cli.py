@@ -131,10 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(rest)
   _quiet_logs()
   _tensorflow_for_input_pipelines_only()
-  if args.command == "compile":
-    compilation_cache.disable()  # Compile-only TPU executables cannot be loaded back.
+  # `compile` goes without: compile-only TPU executables cannot be loaded back.
+  cache_dir = (None if args.command == "compile"
+               else compilation_cache.resolve_cache_dir(cache_flag))
+  if cache_dir is None:  # Also overrides a JAX_COMPILATION_CACHE_DIR that JAX read itself.
+    compilation_cache.disable()
   else:
-    compilation_cache.enable(compilation_cache.resolve_cache_dir(cache_flag))
+    compilation_cache.enable(cache_dir)
   if args.command not in ("compile", "vocab", "export"):
     from jaxmoral import partitioning
     # A no-op for one process; joins the job under JAX_COORDINATOR_ADDRESS, SLURM or a TPU pod.

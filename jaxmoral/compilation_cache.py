@@ -14,10 +14,11 @@ Where the cache goes, first match wins:
 4. `$XDG_CACHE_HOME/jaxmoral/xla`, else `~/.cache/jaxmoral/xla`.
 
 The cache is capped (least recently used entries go first) at `DEFAULT_MAX_BYTES`. Library
-users (notebooks, tests) get no cache unless they call `enable`, as with JAX itself.
-`jaxmoral compile` runs without one (`disable`): executables compiled for a compile-only TPU
-topology are written to the cache but cannot be loaded back ("PjRtCompiler must be constructed
-with a Client"), so a second compile would only warn.
+users (notebooks) get no cache unless they call `enable` or set JAX's variable, as with JAX
+itself. `none` turns off even a cache that JAX's variable set (`disable`). `jaxmoral compile`
+runs without one: executables compiled for a compile-only TPU topology are written to the
+cache but cannot be loaded back ("PjRtCompiler must be constructed with a Client"), so a
+second compile would only warn.
 """
 
 from __future__ import annotations

@@ -116,4 +116,4 @@ def test_cli_enables_the_cache_except_for_topology_compiles(monkeypatch, tmp_pat
   assert cli.main(["export", "--model_dir=m", "--output=o",
                    f"--compilation_cache_dir={tmp_path}"]) == 0
   assert cli.main(["export", "--model_dir=m", "--output=o", "--compilation_cache_dir=none"]) == 0
-  assert calls == ["disable", ("enable", str(tmp_path)), ("enable", None)]
+  assert calls == ["disable", ("enable", str(tmp_path)), "disable"]
