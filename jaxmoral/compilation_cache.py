@@ -103,6 +103,13 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
     except OSError as error:  # A read-only home: run without a cache rather than fail.
       _LOG.warning("no compilation cache: cannot create %s (%s)", cache_dir, error)
       return None
+  if max_bytes != -1:
+    try:
+      import filelock  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:  # JAX needs it to cap the cache; an uncapped cache beats none.
+      _LOG.warning("filelock is not installed: the compilation cache in %s is not capped",
+                   cache_dir)
+      max_bytes = -1
   jax.config.update("jax_compilation_cache_dir", cache_dir)
   jax.config.update("jax_compilation_cache_max_size", max_bytes)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)

@@ -117,3 +117,18 @@ def test_cli_enables_the_cache_except_for_topology_compiles(monkeypatch, tmp_pat
                    f"--compilation_cache_dir={tmp_path}"]) == 0
   assert cli.main(["export", "--model_dir=m", "--output=o", "--compilation_cache_dir=none"]) == 0
   assert calls == ["disable", ("enable", str(tmp_path)), "disable"]
+
+
+@pytest.mark.parametrize("have_filelock", [True, False])
+def test_enable_caps_the_cache_only_with_filelock(monkeypatch, tmp_path, have_filelock):
+  import jax  # pylint: disable=g-import-not-at-top
+  if not have_filelock:
+    monkeypatch.setitem(sys.modules, "filelock", None)  # `import filelock` raises ImportError.
+  updates = {}
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
+  assert compilation_cache.enable(str(tmp_path / "c")) == str(tmp_path / "c")
+  assert (tmp_path / "c").is_dir()
+  assert updates["jax_compilation_cache_dir"] == str(tmp_path / "c")
+  assert updates["jax_compilation_cache_max_size"] == (
+      compilation_cache.DEFAULT_MAX_BYTES if have_filelock else -1)
+  assert updates["jax_persistent_cache_min_compile_time_secs"] == 1.0
