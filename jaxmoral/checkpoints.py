@@ -320,18 +320,15 @@ def load_params(directory: str | os.PathLike, *, shardings: Any = None,
   return load_exported(directory, shardings=shardings, dtype=dtype)[0]
 
 
-class _ReadOnlyNoticeFilter(logging.Filter):
-  """Drops Orbax's 'Given directory is read only' warning: opening a run read-only to load
-  its parameters is what we asked for, not something to warn a user about."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return "Given directory is read only" not in record.getMessage()
-
-
 @contextlib.contextmanager
 def _without_read_only_notice():
+  """Drops Orbax's 'Given directory is read only' warning: opening a run read-only to load
+  its parameters is what we asked for, not something to warn a user about."""
   absl_logger = logging.getLogger("absl")
-  notice_filter = _ReadOnlyNoticeFilter()
+
+  def notice_filter(record: logging.LogRecord) -> bool:
+    return "Given directory is read only" not in record.getMessage()
+
   absl_logger.addFilter(notice_filter)
   try:
     yield

@@ -60,13 +60,12 @@ def _tensorflow_for_input_pipelines_only() -> None:
   with tempfile.TemporaryFile(mode="w+b") as captured:
     os.dup2(captured.fileno(), 2)
     try:
-      try:
-        import tensorflow as tf  # pylint: disable=g-import-not-at-top
-        tf.config.set_visible_devices([], "GPU")
-      except ImportError:  # seqio's own import will say what is missing, if it is needed.
-        pass
-      except RuntimeError:  # TensorFlow already ran in this process: leave its devices be.
-        pass
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+      tf.config.set_visible_devices([], "GPU")
+    except ImportError:  # seqio's own import will say what is missing, if it is needed.
+      pass
+    except RuntimeError:  # TensorFlow already ran in this process: leave its devices be.
+      pass
     finally:
       os.dup2(saved, 2)
       os.close(saved)

@@ -94,19 +94,25 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
   Raises:
     FileNotFoundError: A gin file (or an include) is in none of the search paths.
   """
-  search_paths = [*gin_args.search_paths, os.getcwd(), str(PROJECT_ROOT)]
-  for path in dict.fromkeys(search_paths):
+  search_paths = list(dict.fromkeys([*gin_args.search_paths, os.getcwd(), str(PROJECT_ROOT)]))
+  for path in search_paths:
     gin.add_config_file_search_path(path)
   for name in gin_args.files:
-    if not any((pathlib.Path(p) / name).is_file() for p in search_paths) and not pathlib.Path(
-        name).is_file():
-      raise FileNotFoundError(f"gin file {name!r} not found in search paths "
-                              f"{list(dict.fromkeys(search_paths))}")
+    if _find_gin_file(name, search_paths) is None:
+      raise FileNotFoundError(f"gin file {name!r} not found in search paths {search_paths}")
   bindings = [*gin_args.bindings, *extra_bindings]
   try:
     gin.parse_config_files_and_bindings(list(gin_args.files), bindings, finalize_config=False)
   except (SyntaxError, tokenize.TokenError) as error:
     raise _syntax_error(error, gin_args.files, search_paths, bindings) from error
+
+
+def _find_gin_file(name: str, search_paths: Sequence[str]) -> pathlib.Path | None:
+  """The first search path holding `name`, else `name` itself if it is a file, else None."""
+  for path in (*(pathlib.Path(p) / name for p in search_paths), pathlib.Path(name)):
+    if path.is_file():
+      return path
+  return None
 
 
 def _syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str],
@@ -119,12 +125,8 @@ def _syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str]
       where = f"binding {(error.text or '').strip()!r}"
     return ValueError(f"gin: cannot parse {where}: {error.msg}")
   # An unclosed bracket or string: gin's tokenizer names no file, so find the culprit.
-  sources = []
-  for name in files:
-    path = next((pathlib.Path(p) / name for p in search_paths
-                 if (pathlib.Path(p) / name).is_file()), pathlib.Path(name))
-    if path.is_file():
-      sources.append((str(path), path.read_text()))
+  paths = [_find_gin_file(name, search_paths) for name in files]
+  sources = [(str(path), path.read_text()) for path in paths if path is not None]
   sources += [(f"binding {binding!r}", binding) for binding in bindings]
   for where, text in sources:
     try:

@@ -1,6 +1,8 @@
 """`jaxmoral train | eval | infer | export` end to end on the tiny CPU config."""
 
 import json
+import subprocess
+import sys
 
 import gin
 import jax
@@ -109,7 +111,6 @@ print("after", file=sys.stderr)
 
 
 def test_tensorflow_start_up_noise_is_filtered_and_gpus_hidden():
-  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
   done = subprocess.run([sys.executable, "-c", _FAKE_TENSORFLOW], capture_output=True,
                         text=True, timeout=120, check=True)
   assert done.stdout.strip() == "hidden GPU []"
@@ -117,7 +118,6 @@ def test_tensorflow_start_up_noise_is_filtered_and_gpus_hidden():
 
 
 def test_real_tensorflow_import_leaves_no_start_up_noise():
-  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
   script = ("from jaxmoral import cli\ncli._tensorflow_for_input_pipelines_only()\n"
             "import tensorflow as tf\nprint(tf.config.get_visible_devices('GPU'))\n")
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
