@@ -32,6 +32,23 @@ GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# Flags of `jax.distributed.initialize`, under JAX's names and T5X's (`--process_count`,
+# `--process_index`), taken from anywhere on the line; the environment gives them too.
+DISTRIBUTED_FLAGS = {"--coordinator_address": "coordinator_address",
+                     "--num_processes": "num_processes", "--process_count": "num_processes",
+                     "--process_id": "process_id", "--process_index": "process_id"}
+# Commands that run in one process (no `jax.distributed.initialize`).
+SINGLE_PROCESS_COMMANDS = ("compile", "vocab", "export")
+
+# Commands configured by their own flags only: gin flags given to them are an error, since
+# they would be ignored.
+NO_GIN_COMMANDS = ("export", "vocab", "demo")
+_GIN_FLAGS_HELP = ("Gin flags (T5X's): --gin_file=F (repeatable), --gin.NAME=VALUE (e.g. "
+                   "--gin.MODEL_DIR=/tmp/run, --gin.TRAIN_STEPS=100, --gin.BATCH_SIZE=8, "
+                   "--gin.TASK_FEATURE_LENGTHS=\"{'inputs': 64, 'targets': 32}\"), "
+                   "--gin_bindings='NAME = VALUE', --gin_search_paths=DIRS.")
+
+
 def _quiet_logs() -> None:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,22 +100,74 @@ def _call_with_gin(module: str, function: str, gin_args: gin_utils.GinArgs,
   return fn()
 
 
+def split_flags(argv: Sequence[str], flags: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+  """Takes `--flag=VALUE` or `--flag VALUE` of the named flags out of argv, from anywhere.
+
+  Taken out before argparse sees them, so these flags work before or after any sub-command
+  (the method commands pass their remaining arguments on untouched). The last one wins.
+
+  Returns:
+    `{flag: value}` of the flags given, and argv without them.
+
+  Raises:
+    ValueError: A flag is the last argument and has no value.
+  """
+  values: dict[str, str] = {}
+  rest: list[str] = []
+  args = list(argv)
+  index = 0
+  while index < len(args):
+    arg = args[index]
+    flag, sep, value = arg.partition("=")
+    if flag in flags and sep:
+      values[flag] = value
+    elif arg in flags:
+      if index + 1 >= len(args):
+        raise ValueError(f"{arg} needs a value")
+      values[arg] = args[index + 1]
+      index += 1
+    else:
+      rest.append(arg)
+    index += 1
+  return values, rest
+
+
+def _distributed_arguments(flags: dict[str, str]) -> dict[str, Any]:
+  """`initialize_distributed` keyword arguments from the command line's distributed flags."""
+  kwargs: dict[str, Any] = {}
+  for flag, name in DISTRIBUTED_FLAGS.items():
+    if flag not in flags:
+      continue
+    value: Any = flags[flag]
+    if name != "coordinator_address":
+      try:
+        value = int(value)
+      except ValueError:
+        raise ValueError(f"{flag} needs an integer, got {value!r}") from None
+    kwargs[name] = value
+  return kwargs
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="jaxmoral", description=__doc__.split("\n\n")[0],
-      epilog="Gin flags for every command: --gin_file=F (repeatable), --gin.NAME=VALUE, "
-             "--gin_bindings='NAME = VALUE', --gin_search_paths=DIRS. "
+      epilog=f"{_GIN_FLAGS_HELP} They are for every command but {', '.join(NO_GIN_COMMANDS)}. "
              f"{compilation_cache.FLAG}=DIR|none (anywhere on the line): where compiled "
-             "programs are kept between runs (default ~/.cache/jaxmoral/xla).")
+             "programs are kept between runs (default ~/.cache/jaxmoral/xla). Multi-host "
+             "(anywhere on the line, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+             "JAX_PROCESS_ID): --coordinator_address=HOST:PORT --num_processes=N "
+             "--process_id=I (T5X's --process_count, --process_index work too); SLURM and "
+             "Cloud TPU pods are detected without them.")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (_, _, help_text) in GIN_COMMANDS.items():
-    sub.add_parser(name, help=help_text)
+    sub.add_parser(name, help=help_text, description=help_text, epilog=_GIN_FLAGS_HELP)
 
   export = sub.add_parser("export", help="Write a params-only Orbax checkpoint of a run.")
   export.add_argument("--model_dir", required=True)
   export.add_argument("--output", required=True)
   export.add_argument("--step", type=int, default=None)
-  export.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16"])
+  export.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                      help="cast the params (default: keep the run's float32)")
 
   compile_ = sub.add_parser("compile", help="AOT-compile a config's train step for a topology.")
   compile_.add_argument("--topology", required=True,
@@ -123,25 +192,33 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   try:
-    cache_flag, argv = compilation_cache.split_flag(argv)
+    flags, argv = split_flags(argv, [compilation_cache.FLAG, *DISTRIBUTED_FLAGS])
+    distributed = _distributed_arguments(flags)
   except ValueError as error:
     parser.error(str(error))
   gin_args, rest = gin_utils.split_gin_args(argv)
   args = parser.parse_args(rest)
+  if distributed and args.command in SINGLE_PROCESS_COMMANDS:
+    parser.error(f"{args.command} runs in one process; "
+                 f"{', '.join(DISTRIBUTED_FLAGS)} are for the other commands")
+  if args.command in NO_GIN_COMMANDS and gin_args != gin_utils.GinArgs():
+    parser.error(f"{args.command} takes no gin flags (--gin_file, --gin.NAME=VALUE, "
+                 f"--gin_bindings, --gin_search_paths); see `jaxmoral {args.command} -h`")
   _quiet_logs()
   _tensorflow_for_input_pipelines_only()
   # `compile` goes without: compile-only TPU executables cannot be loaded back.
   cache_dir = (None if args.command == "compile"
-               else compilation_cache.resolve_cache_dir(cache_flag))
+               else compilation_cache.resolve_cache_dir(flags.get(compilation_cache.FLAG)))
   if cache_dir is None:  # Also overrides a JAX_COMPILATION_CACHE_DIR that JAX read itself.
     compilation_cache.disable()
   else:
     compilation_cache.enable(cache_dir)
-  if args.command not in ("compile", "vocab", "export"):
-    from jaxmoral import partitioning
-    # A no-op for one process; joins the job under JAX_COORDINATOR_ADDRESS, SLURM or a TPU pod.
-    partitioning.initialize_distributed()
   try:
+    if args.command not in SINGLE_PROCESS_COMMANDS:
+      from jaxmoral import partitioning
+      # A no-op for one process; joins the job given by the flags, JAX_COORDINATOR_ADDRESS...,
+      # SLURM or a TPU pod. Before gin, whose configurables may touch devices.
+      partitioning.initialize_distributed(**distributed)
     if args.command in GIN_COMMANDS:
       module, function, _ = GIN_COMMANDS[args.command]
       _call_with_gin(module, function, gin_args)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Optional
 
 FLAG = "--compilation_cache_dir"
 ENV_DIR = "JAXMORAL_COMPILATION_CACHE_DIR"
@@ -37,33 +37,6 @@ DEFAULT_MAX_BYTES = 4 * 1024 ** 3
 DEFAULT_MIN_COMPILE_SECONDS = 1.0
 
 _LOG = logging.getLogger(__name__)
-
-
-def split_flag(argv: Sequence[str]) -> tuple[Optional[str], list[str]]:
-  """(value of the last `--compilation_cache_dir` in argv or None, argv without it).
-
-  Taken out of argv before argparse sees it, so the flag works before or after any
-  sub-command (the method commands pass their remaining arguments on untouched).
-
-  Raises:
-    ValueError: `--compilation_cache_dir` is the last argument and has no value.
-  """
-  value, rest = None, []
-  args = list(argv)
-  index = 0
-  while index < len(args):
-    arg = args[index]
-    if arg.startswith(FLAG + "="):
-      value = arg[len(FLAG) + 1:]
-    elif arg == FLAG:
-      if index + 1 >= len(args):
-        raise ValueError(f"{FLAG} needs a directory (or 'none')")
-      value = args[index + 1]
-      index += 1
-    else:
-      rest.append(arg)
-    index += 1
-  return value, rest
 
 
 def resolve_cache_dir(flag_value: Optional[str] = None,

@@ -78,6 +78,7 @@ class DecodeOutput:
     return (positions < self.lengths[..., None]).astype(jnp.float32)
 
 
+@gin.configurable(module="decoding")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SampleConfig:
   """Static settings of `sample` (hashable: one compiled sampler per config and shape).
@@ -128,6 +129,7 @@ class SampleConfig:
       raise ValueError(f"SampleConfig.eos_id must be an int >= 0, got {self.eos_id!r}")
 
 
+@gin.configurable(module="decoding")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BeamSearchConfig:
   """Static settings of `beam_search`.
@@ -442,6 +444,8 @@ def _sample_impl(model: T5, config: SampleConfig, params: Params,
   encoded, mask = _encode(model, params, encoder_input_tokens, encoder_embeds, encoder_mask)
   batch, n, length = encoded.shape[0], config.num_samples, config.max_decode_length
   rows, vocab = batch * n, model.config.vocab_size
+  # The first step reads the start id, as teacher forcing does; finished rows are padded.
+  start, pad = model.config.decoder_start_token_id, model.config.pad_token_id
   # The n samples of an input share its cross-attention keys/values (one cache row each).
   cache = _init_cache(model, params, encoded, mask, length, rows_per_input=n)
   del encoded  # The cross-attention keys/values now live in the cache.
@@ -460,7 +464,7 @@ def _sample_impl(model: T5, config: SampleConfig, params: Params,
     token, logprob = sample_logits(jax.random.fold_in(rng, step), processed,
                                    temperature=config.temperature, top_k=config.top_k,
                                    top_p=config.top_p, greedy=config.greedy)
-    token = jnp.where(finished, 0, token)
+    token = jnp.where(finished, pad, token)
     tokens = tokens.at[:, step].set(token)
     logprobs = logprobs.at[:, step].set(jnp.where(finished, 0.0, logprob))
     if raw is not None:
@@ -476,8 +480,8 @@ def _sample_impl(model: T5, config: SampleConfig, params: Params,
     return (step < length) & ~jnp.all(finished)
 
   zeros_f = jnp.zeros((rows, length), jnp.float32)
-  init = (jnp.zeros((), jnp.int32), jnp.zeros((rows,), jnp.int32), cache,
-          jnp.zeros((rows, length), jnp.int32), zeros_f,
+  init = (jnp.zeros((), jnp.int32), jnp.full((rows,), start, jnp.int32), cache,
+          jnp.full((rows, length), pad, jnp.int32), zeros_f,
           zeros_f if config.return_raw_logprobs else None,
           jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), bool))
   _, _, _, tokens, logprobs, raw, lengths, _ = jax.lax.while_loop(cond, body, init)
@@ -629,8 +633,9 @@ def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
     return (step < length) & ~jnp.all(settled)
 
   live_lp = jnp.full((batch, k), _NEG, jnp.float32).at[:, 0].set(0.0)  # k copies of one start.
-  seqs = jnp.zeros((batch, k, length), jnp.int32)
-  init = (jnp.zeros((), jnp.int32), jnp.zeros((num_rows,), jnp.int32), cache, seqs, live_lp,
+  seqs = jnp.full((batch, k, length), model.config.pad_token_id, jnp.int32)
+  start = jnp.full((num_rows,), model.config.decoder_start_token_id, jnp.int32)
+  init = (jnp.zeros((), jnp.int32), start, cache, seqs, live_lp,
           seqs, jnp.full((batch, k), _NEG, jnp.float32), jnp.zeros((batch, k), bool))
   final = jax.lax.while_loop(cond, body, init)
   return final[5], final[6]

@@ -157,6 +157,9 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
       tokens in the batch (per-token mean); a positive number divides it by that constant
       instead (T5X's fixed factor, which keeps microbatches and hosts consistent).
 
+  The returned fn's `microbatch_combine` attribute tells the Trainer how its microbatches
+  combine ("token_weighted" or "sum"), so accumulation equals one step over the whole batch.
+
   Returns:
     `loss_fn(params, batch, rng) -> (loss, metrics)`. The batch has `encoder_input_tokens`,
     `decoder_input_tokens`, `decoder_target_tokens`, optional `decoder_loss_weights` (default:
@@ -212,6 +215,9 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
     }
     return loss, metrics
 
+  # How the Trainer's microbatches combine into the whole batch's loss (see MICROBATCH_COMBINE):
+  # a per-token mean is weighted by tokens, a sum over a fixed factor is summed.
+  loss_fn.microbatch_combine = "token_weighted" if loss_normalizing_factor is None else "sum"
   return loss_fn
 
 

@@ -105,7 +105,7 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
                    clipping_threshold: Optional[float] = 1.0,
                    multiply_by_parameter_scale: bool = True, factored: bool = True,
                    min_dim_size_to_factor: int = 128,
-                   group_same_shapes: Optional[bool] = None) -> optax.GradientTransformation:
+                   group_same_shapes: Optional[bool] = None) -> "Optimizer":
   """An optax optimizer.
 
   Args:
@@ -134,7 +134,8 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
       parameter-sized state would then be replicated; False: `optax.adafactor`.
 
   Returns:
-    The gradient transformation (apply to the *trainable* params only; see trainer.py).
+    The gradient transformation (apply to the *trainable* params only; see trainer.py), an
+    `Optimizer` that also gives its learning rate at a step.
 
   Raises:
     ValueError: Unknown name or bad value (naming the field).
@@ -172,7 +173,25 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
     opt = optax.chain(*parts) if len(parts) > 1 else parts[0]
   if grad_clip_norm is not None:
     opt = optax.chain(optax.clip_by_global_norm(grad_clip_norm), opt)
-  return opt
+  return Optimizer(opt.init, opt.update, learning_rate)
+
+
+class Optimizer(optax.GradientTransformation):
+  """An optax transformation that also tells its learning rate at a step (for TensorBoard).
+
+  It is a `GradientTransformation` (init, update) like any other; `learning_rate(step)` is
+  the schedule's value, or the constant.
+  """
+  # A subclass without __slots__, so an instance can hold its schedule beside (init, update).
+
+  def __new__(cls, init, update, learning_rate: LearningRate):
+    self = super().__new__(cls, init, update)
+    self._learning_rate = learning_rate
+    return self
+
+  def learning_rate(self, step: jnp.ndarray) -> jnp.ndarray:
+    rate = self._learning_rate
+    return jnp.asarray(rate(step) if callable(rate) else rate, jnp.float32)
 
 
 def global_norm(tree) -> jnp.ndarray:

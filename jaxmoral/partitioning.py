@@ -393,14 +393,13 @@ def _env_int(name: str) -> Optional[int]:
                      "integer") from e
 
 
-@gin.configurable(module="partitioning")
 def initialize_distributed(*, coordinator_address: Optional[str] = None,
                            num_processes: Optional[int] = None,
                            process_id: Optional[int] = None) -> bool:
   """Connects the processes of a multi-host job (`jax.distributed.initialize`).
 
-  Values come from the arguments, else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
-  JAX_PROCESS_ID. With none of them set, a SLURM job with more than one task (SLURM_NTASKS)
+  Values come from the arguments (the CLI's --coordinator_address, --num_processes,
+  --process_id), else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. With none of them set, a SLURM job with more than one task (SLURM_NTASKS)
   or a multi-worker Cloud TPU (TPU_WORKER_HOSTNAMES) uses JAX's cluster auto-detection.
   One process (or nothing configured) is a no-op. Call before any other JAX call.
 

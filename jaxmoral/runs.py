@@ -158,14 +158,18 @@ def _check_vocab_fits(config: config_lib.T5Config, vocabulary: seqio.Vocabulary)
 def build_trainer(*, model: t5.T5, optimizer: optax.GradientTransformation,
                   partitioner: partitioning.PjitPartitioner, num_microbatches: int = 1,
                   trainable_patterns: Optional[Sequence[str]] = None,
-                  label_smoothing: float = 0.0, z_loss: float = 1e-4) -> trainer_lib.Trainer:
+                  label_smoothing: float = 0.0, z_loss: float = 1e-4,
+                  loss_normalizing_factor: Optional[float] = None) -> trainer_lib.Trainer:
   """The supervised seq2seq Trainer for `model` (loss: token NLL + z-loss)."""
   return trainer_lib.Trainer(
       init_params_fn=functools.partial(t5.init_params, model),
-      loss_fn=losses.seq2seq_loss_fn(model, label_smoothing=label_smoothing, z_loss=z_loss),
+      loss_fn=losses.seq2seq_loss_fn(model, label_smoothing=label_smoothing, z_loss=z_loss,
+                                     loss_normalizing_factor=loss_normalizing_factor),
       optimizer=optimizer, partitioner=partitioner,
       trainable_mask=list(trainable_patterns) if trainable_patterns else None,
-      num_microbatches=num_microbatches)
+      num_microbatches=num_microbatches,
+      # T5X logs the learning rate; an optimizer from `make_optimizer` knows its schedule.
+      learning_rate_fn=getattr(optimizer, "learning_rate", None))
 
 
 @gin.configurable
@@ -177,7 +181,8 @@ def train_run(*, model_dir: str, model_config: config_lib.T5Config, data: Seq2Se
               checkpoint_every: int = 1000, keep_checkpoints: int = 3, log_every: int = 50,
               seed: int = 0, init_checkpoint: Optional[str] = None,
               trainable_patterns: Optional[Sequence[str]] = None, label_smoothing: float = 0.0,
-              z_loss: float = 1e-4, pack: bool = False) -> dict[str, float]:
+              z_loss: float = 1e-4, loss_normalizing_factor: Optional[float] = None,
+              pack: bool = False) -> dict[str, float]:
   """Supervised seq2seq training (T5X's `train`): resumes MODEL_DIR if it has checkpoints.
 
   Args:
@@ -196,11 +201,14 @@ def train_run(*, model_dir: str, model_config: config_lib.T5Config, data: Seq2Se
     keep_checkpoints: Checkpoints kept.
     log_every: Progress line / TensorBoard every N steps.
     seed: Parameter init, shuffling and dropout seed.
-    init_checkpoint: Fine-tune from these params: a jaxmoral export, a run directory, or a
-      Hugging Face T5 folder (config.json + model.safetensors).
+    init_checkpoint: Fine-tune from these params: a jaxmoral export, a run directory (its
+      latest step), one step of a run (`RUN/checkpoints/STEP`), or a Hugging Face T5 folder
+      (config.json + model.safetensors).
     trainable_patterns: Regexes of trained parameter paths (others frozen, no optimizer state).
     label_smoothing: Label smoothing of the token loss.
     z_loss: T5X's auxiliary z-loss coefficient.
+    loss_normalizing_factor: None: the loss is the mean over target tokens; a number: the
+      summed loss divided by it (T5X's LOSS_NORMALIZING_FACTOR); microbatches follow either.
     pack: Pack several examples per row.
 
   Returns:
@@ -238,7 +246,8 @@ def train_run(*, model_dir: str, model_config: config_lib.T5Config, data: Seq2Se
   trainer = build_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
                           num_microbatches=num_microbatches,
                           trainable_patterns=trainable_patterns,
-                          label_smoothing=label_smoothing, z_loss=z_loss)
+                          label_smoothing=label_smoothing, z_loss=z_loss,
+                          loss_normalizing_factor=loss_normalizing_factor)
   init_params = load_any_params(init_checkpoint, model_config) if init_checkpoint else None
   logger.info("train_run: %s, %.1fM params, %d train examples, batch %d, %d steps -> %s",
               task_name, model_config.num_params() / 1e6, train_source.num_examples,
@@ -251,8 +260,12 @@ def train_run(*, model_dir: str, model_config: config_lib.T5Config, data: Seq2Se
 
 
 def load_any_params(path: str, model_config: config_lib.T5Config) -> Any:
-  """Params from a jaxmoral export, a run directory or a Hugging Face T5 folder."""
+  """Params from a jaxmoral export, a run directory (its latest step), one step of a run
+  (`RUN/checkpoints/STEP`, as T5X's `checkpoint_STEP` folders are named), or a Hugging Face
+  T5 folder."""
   folder = pathlib.Path(path)
+  if folder.parent.name == checkpoints.RUN_CHECKPOINTS_SUBDIR and folder.name.isdigit():
+    return checkpoints.restore_params_from_run(folder.parent, step=int(folder.name))
   if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
     from jaxmoral.models import hf_import
     hf_config, params = hf_import.load_hf_t5(folder)
@@ -262,6 +275,12 @@ def load_any_params(path: str, model_config: config_lib.T5Config) -> Any:
     return params
   if (folder / checkpoints.RUN_CHECKPOINTS_SUBDIR).is_dir():
     return restore_run_params(folder)
+  if not (folder / checkpoints.PARAMS_DIR).is_dir():
+    raise FileNotFoundError(
+        f"init_checkpoint {path}: not a jaxmoral export (no {checkpoints.PARAMS_DIR}/), run "
+        f"directory (no {checkpoints.RUN_CHECKPOINTS_SUBDIR}/), run step "
+        f"(RUN/{checkpoints.RUN_CHECKPOINTS_SUBDIR}/STEP) or Hugging Face T5 folder "
+        f"(no model.safetensors)")
   return checkpoints.load_params(folder)
 
 
@@ -321,7 +340,7 @@ def _strip(tokens: np.ndarray, eos_id: int = 1) -> list[int]:
 
 
 @gin.configurable
-def infer_run(*, model_dir: str, input_file: str, output_file: str,
+def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optional[str],
               input_field: Optional[str] = None, input_length: int = 128,
               batch_size: int = 16,
               sample_config: Optional[decoding.SampleConfig] = None,
@@ -331,8 +350,9 @@ def infer_run(*, model_dir: str, input_file: str, output_file: str,
 
   Args:
     model_dir: Run directory.
-    input_file: Plain text (one input a line) or JSONL (`input_field` names the key).
-    output_file: JSONL of {"input", "predictions": [...], "scores": [...]}.
+    input_file: Plain text (one input a line) or JSONL (`input_field` names the key); the
+      CLI's INFER_INPUT.
+    output_file: JSONL of {"input", "predictions": [...], "scores": [...]}; INFER_OUTPUT.
     input_field: JSONL key of the input text.
     input_length: Encoder length (inputs are truncated, EOS kept).
     batch_size: Rows per decoding call (the last batch is padded; one compile).
@@ -344,14 +364,19 @@ def infer_run(*, model_dir: str, input_file: str, output_file: str,
   Returns:
     The output path.
   """
+  for value, macro in ((input_file, "INFER_INPUT"), (output_file, "INFER_OUTPUT")):
+    if not value:
+      raise ValueError(f"infer_run: no {macro.lower().replace('infer_', '')} file: give "
+                       f"--gin.{macro}=PATH (input: plain text, one input a line, or JSONL; "
+                       f"output: JSONL)")
+  if input_file.endswith(".jsonl"):
+    field = input_field or "input"
+    texts = [r[field] for r in readers.read_jsonl(input_file, required=[field], text=[field])]
+  else:
+    texts = [r["text"] for r in readers.read_lines(input_file)]
   config, vocabulary = load_run_files(model_dir)
   model = t5.T5(config)
   params = restore_run_params(model_dir, step=step)
-  if input_file.endswith(".jsonl"):
-    rows = readers.read_jsonl(input_file, required=[input_field or "input"])
-    texts = [r[input_field or "input"] for r in rows]
-  else:
-    texts = [line.rstrip("\n") for line in open(input_file, encoding="utf-8") if line.strip()]
   sample_config = sample_config or decoding.SampleConfig(max_decode_length=64, greedy=True)
   rng = jax.random.PRNGKey(seed)
   start = time.time()

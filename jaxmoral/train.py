@@ -17,6 +17,7 @@ import datetime
 import logging
 import math
 import os
+import struct
 import time
 from typing import Any, Callable, Mapping, Optional
 
@@ -37,33 +38,75 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class MetricWriters:
-  """TensorBoard writers for train/ and eval/, on process 0 only (shared by every loop)."""
+  """TensorBoard event files in train/ and eval/, on process 0 only (shared by every loop).
+
+  A point is in its file when `scalars` or `text` returns: the event is written and flushed
+  in the caller's thread. (tensorboardX's `SummaryWriter` hands events to a background
+  thread, and its `flush` does not wait for them, so a run killed after a checkpoint lost the
+  points of that step for good: the resumed run starts after them.)
+  """
 
   def __init__(self, model_dir: str):
     self._writers = {}
     if jax.process_index() == 0:
-      import tensorboardX  # pylint: disable=g-import-not-at-top  (optional, heavy)
+      # pylint: disable=g-import-not-at-top  (optional, heavy)
+      from tensorboardX.event_file_writer import EventsWriter
+      from tensorboardX.record_writer import directory_check
       for name in ("train", "eval"):
-        self._writers[name] = tensorboardX.SummaryWriter(os.path.join(model_dir, name))
+        directory = os.path.join(model_dir, name)
+        directory_check(directory)  # Local folders and gs:// / s3:// alike.
+        # pid and object id in the name: two writers started in the same second (a run and
+        # its quick resume, or two loops of one process) must not share a file.
+        self._writers[name] = EventsWriter(os.path.join(directory, "events"),
+                                           filename_suffix=f".{os.getpid()}.{id(self)}")
+
+  def _write(self, name: str, step: int, summary: Any) -> None:
+    writer = self._writers.get(name)
+    if writer is not None:
+      from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+      writer.write_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+      writer.flush()
 
   def scalars(self, name: str, step: int, values: Mapping[str, float]) -> None:
-    writer = self._writers.get(name)
-    if writer is None:
-      return
-    for key, value in values.items():
-      writer.add_scalar(key, float(value), step)
-    writer.flush()
+    from tensorboardX.proto import summary_pb2  # pylint: disable=g-import-not-at-top
+    self._write(name, step, summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=key, simple_value=float(value))
+        for key, value in values.items()]))
 
   def text(self, name: str, step: int, tag: str, text: str) -> None:
     """Text (e.g. a markdown table of sample outputs) under `name`."""
-    writer = self._writers.get(name)
-    if writer is not None:
-      writer.add_text(tag, text, step)
-      writer.flush()
+    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
+    self._write(name, step, summary.text(tag, text))
 
   def close(self) -> None:
     for writer in self._writers.values():
       writer.close()
+
+
+def read_scalars(directory: str) -> dict[str, dict[int, float]]:
+  """`{tag: {step: value}}` of the scalars in a directory's TensorBoard event files.
+
+  For a notebook or a test, without TensorBoard: the TFRecord framing (length, its CRC,
+  data, its CRC) is read directly. Files are read in name order; a later point of a step wins
+  (a resumed run writes again the steps after its checkpoint).
+  """
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  out: dict[str, dict[int, float]] = {}
+  for name in sorted(os.listdir(directory)):
+    if "tfevents" not in name:
+      continue
+    with open(os.path.join(directory, name), "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos + 12 <= len(data):
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      record = data[pos + 12:pos + 12 + length]
+      pos += 12 + length + 4
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        if value.HasField("simple_value"):
+          out.setdefault(value.tag, {})[event.step] = value.simple_value
+  return out
 
 
 def _tokens_in(batch: Mapping[str, Any], metrics: Mapping[str, Any]) -> float:

@@ -255,8 +255,9 @@ class Trainer:
       microbatch_combine: How microbatch losses/gradients combine: "token_weighted" (weights
         = the loss fn's `num_tokens` metric; exact for per-token-mean losses), "mean" (equal
         weights; exact for per-example-mean losses of equal-size microbatches), "sum" (for
-        losses divided by a fixed normaliser), or "auto" (token_weighted if the loss reports
-        `num_tokens`, else mean).
+        losses divided by a fixed normaliser), or "auto" (the loss fn's own
+        `microbatch_combine` attribute, as `losses.seq2seq_loss_fn` sets it; else
+        token_weighted if the loss reports `num_tokens`, else mean).
       learning_rate_fn: If given, `metrics["learning_rate"] = learning_rate_fn(step)`.
     """
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
@@ -411,8 +412,9 @@ class Trainer:
         lambda b: self._grads_one(trainable, frozen, b, rng),
         jax.tree_util.tree_map(lambda x: x[0], micro))
     mode = self._combine
-    if mode == "auto":
-      mode = "token_weighted" if "num_tokens" in metrics_shape else "mean"
+    if mode == "auto":  # What the loss fn declares, else what its metrics suggest.
+      mode = getattr(self._loss_fn, "microbatch_combine", None) or (
+          "token_weighted" if "num_tokens" in metrics_shape else "mean")
     if mode == "token_weighted" and "num_tokens" not in metrics_shape:
       raise ValueError("Trainer: microbatch_combine='token_weighted' needs the loss fn to "
                        f"report 'num_tokens'; it reports {sorted(metrics_shape)}")
@@ -426,14 +428,15 @@ class Trainer:
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, trainable)
     grad_sum, (metrics, weights) = jax.lax.scan(body, zeros, (jnp.arange(m), micro))
+    # Per-token metrics (accuracy, nll) are token-weighted whatever the loss's combination.
+    combined = _combine_metrics(metrics, metrics.get("num_tokens", weights))
     if mode == "sum":
       scale = jnp.float32(1.0)
-      combined = _combine_metrics(metrics, weights)
       combined["loss"] = jnp.sum(metrics["loss"])
     else:
       total = jnp.sum(weights)
       scale = 1.0 / jnp.where(total > 0, total, 1.0)
-      combined = _combine_metrics(metrics, weights)
+      combined["loss"] = _combine_metrics({"loss": metrics["loss"]}, weights)["loss"]
     grads = jax.tree_util.tree_map(lambda g: g * scale, grad_sum)
     return grads, combined
 

@@ -12,6 +12,7 @@ import pytest
 from jaxmoral import checkpoints
 from jaxmoral import cli
 from jaxmoral import runs
+from jaxmoral import train as train_lib
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +83,17 @@ def test_eval_infer_export(trained_run, tmp_path):
                                         "lying about grades"]
   assert all(isinstance(r["predictions"][0], str) for r in rows)
 
+  # A decoding fragment from gin/decoding/: beam search, 3 hypotheses per input, best first.
+  gin.clear_config()
+  beams = tmp_path / "beams.jsonl"
+  assert cli.main(["infer", *TINY, "--gin_file=gin/decoding/beam_search.gin",
+                   "--gin.BEAM_SIZE=3", "--gin.MAX_DECODE_LENGTH=8",
+                   f"--gin.MODEL_DIR={trained_run}", f"--gin.INFER_INPUT={inputs}",
+                   f"--gin.INFER_OUTPUT={beams}"]) == 0
+  rows = [json.loads(line) for line in beams.read_text().splitlines()]
+  assert [len(r["predictions"]) for r in rows] == [3, 3]
+  assert all(r["scores"] == sorted(r["scores"], reverse=True) for r in rows)
+
   exported = tmp_path / "exported"
   assert cli.main(["export", f"--model_dir={trained_run}", f"--output={exported}",
                    "--dtype=bfloat16"]) == 0
@@ -126,3 +138,59 @@ def test_real_tensorflow_import_leaves_no_start_up_noise():
   noise = [line for line in done.stderr.splitlines()
            if any(n in line for n in cli._TF_START_UP_NOISE)]  # pylint: disable=protected-access
   assert not noise, done.stderr
+
+
+def test_train_logs_the_learning_rate(trained_run):
+  # TINY: a linear warm-up of 2 steps to the tiny config's rate, then a linear decay.
+  rates = train_lib.read_scalars(str(trained_run / "train"))["learning_rate"]
+  assert sorted(rates) == [6, 12] and rates[6] > rates[12] > 0
+
+
+def test_infer_without_its_files_names_the_flag(capsys, tmp_path):
+  assert cli.main(["infer", *TINY, f"--gin.MODEL_DIR={tmp_path}"]) == 2
+  assert "--gin.INFER_INPUT=PATH" in capsys.readouterr().err
+  gin.clear_config()
+  assert cli.main(["infer", *TINY, f"--gin.MODEL_DIR={tmp_path}",
+                   f"--gin.INFER_INPUT={tmp_path / 'in.txt'}"]) == 2
+  err = capsys.readouterr().err
+  assert "--gin.INFER_OUTPUT=PATH" in err and "read as strings" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["export", "--model_dir=a", "--output=b", "--gin_file=x.gin"], "export takes no gin flags"),
+    (["vocab", "--output_dir=a", "--gin.X=1"], "vocab takes no gin flags"),
+    (["export", "--model_dir=a", "--output=b", "--num_processes=2"], "export runs in one process"),
+    (["train", "--num_processes=two"], "--num_processes needs an integer, got 'two'"),
+])
+def test_flags_a_command_would_ignore_are_errors(capsys, argv, message):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(argv)
+  assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_distributed_flags_reach_jax_distributed(capsys, tmp_path, monkeypatch):
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  # T5X's names; the coordinator is missing, so the job is refused before anything runs.
+  assert cli.main(["train", "--process_count=2", *TINY, f"--gin.MODEL_DIR={tmp_path}",
+                   "--process_index", "1"]) == 2
+  assert "also need ['coordinator_address']" in capsys.readouterr().err
+  assert cli._distributed_arguments(cli.split_flags(
+      ["--coordinator_address=h:1", "--num_processes=4", "--process_id=3"],
+      list(cli.DISTRIBUTED_FLAGS))[0]) == {"coordinator_address": "h:1", "num_processes": 4,
+                                           "process_id": 3}
+
+
+def test_init_checkpoint_may_name_one_step_of_a_run(trained_run, tmp_path):
+  config, _ = runs.load_run_files(trained_run)
+  step6 = runs.load_any_params(str(trained_run / "checkpoints" / "6"), config)
+  for got, want in zip(jax.tree_util.tree_leaves(step6),
+                       jax.tree_util.tree_leaves(runs.restore_run_params(trained_run, step=6))):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  latest = runs.load_any_params(str(trained_run), config)
+  assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+      jax.tree_util.tree_leaves(step6), jax.tree_util.tree_leaves(latest)))
+  with pytest.raises(FileNotFoundError, match="no checkpoint for step 7"):
+    runs.load_any_params(str(trained_run / "checkpoints" / "7"), config)
+  with pytest.raises(FileNotFoundError, match="not a jaxmoral export .* run step"):
+    runs.load_any_params(str(tmp_path), config)

@@ -18,21 +18,23 @@ from jaxmoral import cli, compilation_cache, cpu_kernels
     (["--compilation_cache_dir", "/c", "npov", "detect"], "/c", ["npov", "detect"]),
     (["clarify", "chat", "--compilation_cache_dir=none"], "none", ["clarify", "chat"]),
     (["x", "--compilation_cache_dir=/a", "--compilation_cache_dir=/b"], "/b", ["x"]),
+    (["x", "--compilation_cache_dir_extra=/a"], None, ["x", "--compilation_cache_dir_extra=/a"]),
 ])
-def test_split_flag_takes_the_flag_from_anywhere(argv, value, rest):
-  assert compilation_cache.split_flag(argv) == (value, rest)
+def test_the_flag_is_taken_from_anywhere(argv, value, rest):
+  flags, left = cli.split_flags(argv, [compilation_cache.FLAG])
+  assert (flags.get(compilation_cache.FLAG), left) == (value, rest)
 
 
-def test_split_flag_without_a_value_is_an_error():
-  with pytest.raises(ValueError, match="needs a directory"):
-    compilation_cache.split_flag(["train", "--compilation_cache_dir"])
+def test_the_flag_without_a_value_is_an_error():
+  with pytest.raises(ValueError, match="--compilation_cache_dir needs a value"):
+    cli.split_flags(["train", "--compilation_cache_dir"], [compilation_cache.FLAG])
 
 
 def test_cli_reports_a_flag_without_a_value(capsys):
   with pytest.raises(SystemExit) as exit_info:
     cli.main(["export", "--compilation_cache_dir"])
   assert exit_info.value.code == 2
-  assert "--compilation_cache_dir needs a directory" in capsys.readouterr().err
+  assert "--compilation_cache_dir needs a value" in capsys.readouterr().err
 
 
 def test_resolve_cache_dir_precedence():

@@ -105,3 +105,80 @@ def test_real_shared_files(shared_dir):
                             on_error="report")
   assert len(fusion) + len(fusion.errors) == 9928
   assert all(r["input"].startswith("SITUATION: ") for r in fusion)
+
+
+def _write_bytes(tmp_path, name, data: bytes):
+  p = tmp_path / name
+  p.write_bytes(data)
+  return p
+
+
+@pytest.mark.parametrize("name,data,line", [
+    ("u.tsv", b"inputs\ttargets\na\tb\nc\xff\xfe\td\ne\tf\n", 3),
+    # The error names the line of the bad byte (4), inside the row that starts on line 3.
+    ("u.csv", b"inputs,targets\na,b\n\"multi\nline \xe9\",d\ne,f\n", 4),
+    ("u.jsonl", b'{"inputs": "a", "targets": "b"}\n{"inputs": "c\xff", "targets": "d"}\n'
+                b'{"inputs": "e", "targets": "f"}\n', 2),
+])
+def test_bytes_that_are_not_utf8_are_an_error_of_their_row(tmp_path, name, data, line):
+  p = _write_bytes(tmp_path, name, data)
+  read = {"tsv": readers.read_tsv, "csv": readers.read_csv,
+          "jsonl": readers.read_jsonl}[name.split(".")[1]]
+  with pytest.raises(DataError, match=rf"u\.{name[2:]}:{line}: not UTF-8: byte 0x(ff|e9)"):
+    read(p)
+  rows = read(p, on_error="report")
+  assert [r["inputs"] for r in rows] == ["a", "e"]
+  assert [e.line for e in rows.errors] == [line]
+
+
+def test_read_lines_skips_blank_lines_and_names_a_bad_one(tmp_path):
+  p = _write_bytes(tmp_path, "in.txt", b"\xef\xbb\xbffirst\r\n\n  \nsecond\nbad \xc3(\n")
+  with pytest.raises(DataError, match=r"in\.txt:5: not UTF-8: byte 0xc3 at byte 5"):
+    readers.read_lines(p)
+  rows = readers.read_lines(p, on_error="report")
+  assert [r["text"] for r in rows] == ["first", "second"] and rows.lines == [1, 4]
+
+
+def test_tsv_quote_errors_stay_on_their_line(tmp_path):
+  p = _write(tmp_path, "q.tsv",
+             'inputs\ttargets\n'
+             '"Stop it," she said.\tbad\n'        # 2: text after a closing quote
+             '"Hello there\tok\n'                 # 3: a quote never closed on its line
+             'second row\tgood"\n'                # 4: a quote inside an unquoted field is text
+             'last\tfine\n')
+  with pytest.raises(DataError, match=r"q\.tsv:2: text after a closing quote"):
+    readers.read_tsv(p)
+  rows = readers.read_tsv(p, on_error="report")
+  assert rows == [{"inputs": "second row", "targets": 'good"'},
+                  {"inputs": "last", "targets": "fine"}]
+  assert rows.lines == [4, 5]
+  assert [e.line for e in rows.errors] == [2, 3]
+  assert "not closed on its line" in rows.errors[1].what
+
+
+def test_csv_quote_errors(tmp_path):
+  p = _write(tmp_path, "q.csv", 'input,output\n"ab"c,x\nok,1\n"open,2\nmore,3\n')
+  rows = readers.read_csv(p, on_error="report")
+  assert rows == [{"input": "ok", "output": "1"}] and rows.lines == [3]
+  assert [(e.line, e.what.split(" (")[0]) for e in rows.errors] == [
+      (2, "text after a closing quote"),
+      (4, "a quoted field opened on this line is never closed")]
+  assert "line 5" in rows.errors[1].what
+
+
+def test_rows_know_their_lines(tmp_path):
+  p = _write(tmp_path, "l.csv", 'input,output\n\n"two\nlines",x\nthree,y\n')
+  rows = readers.read_csv(p)
+  assert rows.lines == [3, 5]
+  p = _write(tmp_path, "l.jsonl", '\n{"a": 1}\n\n{"a": 2}\n')
+  assert readers.read_jsonl(p).lines == [2, 4]
+
+
+def test_jsonl_text_fields_must_be_strings(tmp_path):
+  p = _write(tmp_path, "t.jsonl", '\ufeff{"inputs": "x", "targets": "y"}\n'
+             '{"inputs": ["x", "y"], "targets": "z"}\n{"inputs": "x", "targets": true}\n')
+  rows = readers.read_jsonl(p, required=["inputs"], text=["inputs", "targets"],
+                            on_error="report")
+  assert rows == [{"inputs": "x", "targets": "y"}]
+  assert [(e.line, e.field) for e in rows.errors] == [(2, "inputs"), (3, "targets")]
+  assert str(rows.errors[0]).endswith('expected a string, got ["x", "y"] (field \'inputs\')')

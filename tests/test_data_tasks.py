@@ -81,3 +81,45 @@ def test_bad_arguments(vocabulary, tmp_path):
   tasks.register_text_pair_task("jm_one", vocabulary=vocabulary, examples=[("a", "b")])
   with pytest.raises(ValueError, match="no split 'validation'"):
     tasks.task_examples("jm_one", "validation", feature_lengths=LENGTHS)
+
+
+def test_mixture_rates_decide_the_mix(vocabulary):
+  # Task a: 10 examples, task b: 30. Rates 3:1 of 40 examples give 30 of a (its 10 three
+  # times) and 10 of b (a seeded sample of its 30); rate 0 leaves a Task out.
+  # Letters, not digits: the demo vocabulary has no digits, so "beta 1" and "beta 2" would
+  # encode alike.
+  words = [f"{x} {y}" for x in "abc" for y in "defghijklm"]
+  a = [(f"alpha {w}", "a") for w in words[:10]]
+  b = [(f"beta {w}", "b") for w in words]
+  tasks.register_text_pair_task("jm_mix_a", vocabulary=vocabulary, examples=a)
+  tasks.register_text_pair_task("jm_mix_b", vocabulary=vocabulary, examples=b)
+  target_a = encode_pairs(["x"], ["a"], vocabulary=vocabulary,
+                          feature_lengths=LENGTHS)["decoder_target_tokens"][0]
+
+  def share_of_a(rates, seed=0):
+    seqio.MixtureRegistry.remove("jm_mix")
+    seqio.MixtureRegistry.add("jm_mix", list(zip(["jm_mix_a", "jm_mix_b"], rates)))
+    got = tasks.task_examples("jm_mix", "train", feature_lengths=LENGTHS, seed=seed)
+    is_a = (got["decoder_target_tokens"] == target_a).all(-1)
+    return int(is_a.sum()), len(is_a), got["encoder_input_tokens"]
+
+  assert share_of_a([3.0, 1.0])[:2] == (30, 40)
+  assert share_of_a([1.0, 1.0])[:2] == (20, 40)
+  assert share_of_a([1.0, 0.0])[:2] == (40, 40)
+  assert share_of_a([10.0, 30.0])[:2] == (10, 40)  # By size: every example once.
+  # The sample of b depends on the seed, deterministically.
+  np.testing.assert_array_equal(share_of_a([3.0, 1.0], seed=1)[2], share_of_a([3.0, 1.0], 1)[2])
+  assert not np.array_equal(share_of_a([3.0, 1.0], seed=1)[2], share_of_a([3.0, 1.0], 2)[2])
+  with pytest.raises(ValueError, match="positive sum"):
+    share_of_a([0.0, 0.0])
+
+
+def test_file_task_errors_name_the_file(vocabulary, tmp_path):
+  header_only = tmp_path / "empty.tsv"
+  header_only.write_text("inputs\ttargets\n")
+  with pytest.raises(ValueError, match=r"split 'train' is empty \(file .*empty\.tsv has no rows"):
+    tasks.register_text_pair_task("jm_empty", vocabulary=vocabulary, file=str(header_only))
+  typed = tmp_path / "typed.jsonl"
+  typed.write_text('{"inputs": "ok", "targets": "fine"}\n{"inputs": true, "targets": 3.5}\n')
+  with pytest.raises(ValueError, match=r"typed\.jsonl:2: expected a string, got true"):
+    tasks.read_pairs(typed, input_field="inputs", target_field="targets")

@@ -504,3 +504,27 @@ def test_bad_arguments_name_the_field(setup):
   with pytest.raises(ValueError, match="encoder_mask"):
     decoding.sample(model, params, encoder_embeds=jnp.zeros((1, 3, 64)), max_decode_length=T,
                     greedy=True)
+
+
+def test_decoding_starts_from_the_models_start_id_and_pads_with_its_pad_id():
+  # pad_token_id (= the decoder start id, as in T5) 3, not 0: sampling and beam search must
+  # decode the model that teacher forcing and scoring use.
+  model = T5(t5_config(size="tiny", vocab_size=64, pad_token_id=3))
+  params = nn.unbox(init_params(model, jax.random.PRNGKey(0)))
+  kernel = params["decoder"]["logits_dense"]["kernel"]
+  params["decoder"]["logits_dense"]["kernel"] = kernel.at[:, EOS].multiply(4.0)
+  inputs = np.array([[5, 6, 7, 1, 3, 3], [9, 8, 1, 3, 3, 3], [4, 4, 4, 4, 4, 1]], np.int32)
+  out = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=8,
+                        greedy=True, eos_id=EOS)
+  tokens, lengths = np.asarray(out.tokens[:, 0]), np.asarray(out.lengths[:, 0])
+  logits = np.asarray(model.apply({"params": params}, inputs, shift_right(tokens, 3)))
+  for row, n in enumerate(lengths):
+    np.testing.assert_array_equal(tokens[row, :n], logits[row, :n].argmax(-1))
+    assert (tokens[row, n:] == 3).all()
+  assert lengths.min() < 8  # Some row ended early, so the padding was exercised.
+  scores = decoding.score_sequences(model, params, encoder_input_tokens=inputs,
+                                    targets=out.tokens[:, 0], lengths=out.lengths[:, 0])
+  np.testing.assert_allclose(np.asarray(out.logprobs[:, 0]).sum(-1), scores, rtol=1e-5)
+  beams, _ = decoding.beam_search(model, params, encoder_input_tokens=inputs, beam_size=1,
+                                  max_decode_length=8, eos_id=EOS)
+  np.testing.assert_array_equal(np.asarray(beams[:, 0]), tokens)

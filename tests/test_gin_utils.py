@@ -86,3 +86,17 @@ def test_write_operative_config(tmp_path):
   _entry()
   path = gin_utils.write_operative_config(tmp_path)
   assert "_entry.model_dir = '/d'" in open(path).read()
+
+
+@pytest.mark.parametrize("fragment, field, expected", [
+    ("greedy", "sample_config", {"greedy": True, "max_decode_length": 64}),
+    ("sample", "sample_config", {"greedy": False, "top_p": 0.9, "num_samples": 1}),
+    ("beam_search", "beam_config", {"beam_size": 4, "length_penalty": 0.6}),
+])
+def test_decoding_fragments_configure_infer(fragment, field, expected):
+  gin_args, _ = gin_utils.split_gin_args([
+      "--gin_file=configs/core/tiny_cpu.gin", f"--gin_file=gin/decoding/{fragment}.gin",
+      "--gin.MODEL_DIR=/tmp/unused"])
+  gin_utils.parse_gin(gin_args)
+  config = gin.query_parameter(f"runs.infer_run.{field}").scoped_configurable_fn()
+  assert {key: getattr(config, key) for key in expected} == expected

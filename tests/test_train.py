@@ -7,7 +7,6 @@ the SIGKILL test: it trains the same configuration as the in-process runs.
 import functools
 import os
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -91,26 +90,6 @@ class SlowSource:
     return self.base.batch(step)
 
 
-def read_scalars(directory: str) -> dict[str, dict[int, float]]:
-  """TensorBoard scalars from every event file (TFRecord framing parsed by hand)."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  out: dict[str, dict[int, float]] = {}
-  for name in sorted(os.listdir(directory)):
-    if "tfevents" not in name:
-      continue
-    with open(os.path.join(directory, name), "rb") as f:
-      data = f.read()
-    pos = 0
-    while pos + 12 <= len(data):
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      record = data[pos + 12:pos + 12 + length]
-      pos += 12 + length + 4
-      event = event_pb2.Event.FromString(record)
-      for value in event.summary.value:
-        out.setdefault(value.tag, {})[event.step] = value.simple_value
-  return out
-
-
 @pytest.fixture(scope="module")
 def setup():
   return build_trainer()
@@ -147,20 +126,20 @@ def test_resumed_run_equals_uninterrupted_run(setup, run_a, tmp_path, caplog):
   progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 10/10")]
   assert progress and all(w in progress[0] for w in ("loss", "tokens/s", "steps/s", "ETA"))
 
-  losses_a = read_scalars(os.path.join(dir_a, "train"))["loss"]
-  losses_b = read_scalars(os.path.join(dir_b, "train"))["loss"]
+  losses_a = train_lib.read_scalars(os.path.join(dir_a, "train"))["loss"]
+  losses_b = train_lib.read_scalars(os.path.join(dir_b, "train"))["loss"]
   assert sorted(losses_a) == list(range(1, STEPS + 1)) == sorted(losses_b)
   for step in range(7, STEPS + 1):
     assert losses_b[step] == pytest.approx(losses_a[step], rel=1e-6, abs=1e-7), step
   assert losses_a[STEPS] < losses_a[1]
-  lr = read_scalars(os.path.join(dir_a, "train"))["learning_rate"]
+  lr = train_lib.read_scalars(os.path.join(dir_a, "train"))["learning_rate"]
   assert lr[1] == pytest.approx(0.0) and lr[4] == pytest.approx(1e-2)  # schedule(step - 1)
   params_a, params_b = final_params(dir_a), final_params(dir_b)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params_a,
                          params_b)
 
   # Eval: token-weighted over the padded eval pass == the loss fn on the 12 examples at once.
-  eval_scalars = read_scalars(os.path.join(dir_a, "eval"))
+  eval_scalars = train_lib.read_scalars(os.path.join(dir_a, "eval"))
   assert sorted(eval_scalars["loss"]) == [5, 10]
   whole = eval_source().features
   ref_loss, _ = losses.seq2seq_loss_fn(model)(params_a, whole, None)
@@ -218,10 +197,39 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(run_a, tmp_path):
   assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                          final_params(dir_a), final_params(model_dir))
+  # The TensorBoard curve has every step, each as in the uninterrupted run.
+  losses_a = train_lib.read_scalars(os.path.join(dir_a, "train"))["loss"]
+  losses_killed = train_lib.read_scalars(os.path.join(model_dir, "train"))["loss"]
+  assert sorted(losses_killed) == list(range(1, STEPS + 1))
+  for step, loss in losses_killed.items():
+    assert loss == pytest.approx(losses_a[step], rel=1e-6, abs=1e-7), step
+
+
+def _write_points_then_die(model_dir: str) -> None:
+  writers = train_lib.MetricWriters(model_dir)
+  for step in (1, 2, 3):
+    writers.scalars("train", step, {"loss": 1.0 / step})
+  writers.text("eval", 3, "samples", "| a | b |")
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_metric_points_are_on_disk_when_written(tmp_path):
+  """A process killed right after writing a point (as after a checkpoint) keeps it."""
+  model_dir = str(tmp_path / "metrics")
+  child = subprocess.run([sys.executable, os.path.abspath(__file__), "points", model_dir],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+  assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+  assert train_lib.read_scalars(os.path.join(model_dir, "train")) == {
+      "loss": {1: 1.0, 2: 0.5, 3: pytest.approx(1 / 3)}}
+  events = "".join(open(os.path.join(model_dir, "eval", name), "rb").read().decode(
+      errors="replace") for name in os.listdir(os.path.join(model_dir, "eval")))
+  assert "| a | b |" in events
 
 
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "child":
     _child(sys.argv[2])
+  elif len(sys.argv) == 3 and sys.argv[1] == "points":
+    _write_points_then_die(sys.argv[2])
   else:
-    raise SystemExit("usage: python tests/test_train.py child MODEL_DIR")
+    raise SystemExit("usage: python tests/test_train.py child|points MODEL_DIR")

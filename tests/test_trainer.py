@@ -33,10 +33,12 @@ def make_batch(seed: int = 0, batch: int = 8, enc_len: int = 10, dec_len: int = 
           "decoder_input_tokens": np.asarray(t5.shift_right(jnp.asarray(dec)))}
 
 
-def make_trainer(model, *, optimizer, devices=None, num_partitions=1, **kwargs) -> tr.Trainer:
+def make_trainer(model, *, optimizer, devices=None, num_partitions=1,
+                 loss_normalizing_factor=None, **kwargs) -> tr.Trainer:
   partitioner = partitioning.PjitPartitioner(num_partitions=num_partitions, devices=devices)
+  loss_fn = losses.seq2seq_loss_fn(model, loss_normalizing_factor=loss_normalizing_factor)
   return tr.Trainer(init_params_fn=functools.partial(t5.init_params, model),
-                    loss_fn=losses.seq2seq_loss_fn(model), optimizer=optimizer,
+                    loss_fn=loss_fn, optimizer=optimizer,
                     partitioner=partitioner, **kwargs)
 
 
@@ -206,14 +208,17 @@ def test_loss_decreases_frozen_params_bit_identical_and_stateless():
     trainer.train_step(restarted, make_batch(0, batch=6), rng)
 
 
-@pytest.mark.parametrize("name,steps", [("sgd", 1), ("adamw", 2)])
-def test_microbatching_equals_one_big_batch(name, steps):
-  """4 microbatches with different token counts give the full batch's (token-mean) update."""
+@pytest.mark.parametrize("name,steps,factor", [("sgd", 1, None), ("adamw", 2, None),
+                                               ("sgd", 1, 100.0)])
+def test_microbatching_equals_one_big_batch(name, steps, factor):
+  """4 microbatches with different token counts give the full batch's update, for a per-token
+  mean loss and for T5X's fixed loss-normalizing factor (whose microbatches are summed)."""
   model = small_model()
   one = jax.devices()[:1]
   opt = optimizers.make_optimizer(name=name, learning_rate=0.5 if name == "sgd" else 1e-2)
-  big = make_trainer(model, optimizer=opt, devices=one)
-  micro = make_trainer(model, optimizer=opt, devices=one, num_microbatches=4)
+  big = make_trainer(model, optimizer=opt, devices=one, loss_normalizing_factor=factor)
+  micro = make_trainer(model, optimizer=opt, devices=one, num_microbatches=4,
+                       loss_normalizing_factor=factor)
   batch, rng = make_batch(3), jax.random.PRNGKey(0)
   s_big = big.init_state(jax.random.PRNGKey(0))
   s_micro = micro.init_state(jax.random.PRNGKey(0))

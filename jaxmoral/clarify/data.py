@@ -95,10 +95,9 @@ def read_silver(path: str | os.PathLike) -> list[dict[str, str]]:
   update_type, answer, hypothesis (the judgment derived by `default_judgment`)."""
   rows = readers.read_tsv(path, columns=SILVER_COLUMNS)
   out = []
-  for i, r in enumerate(rows):
+  for r, line in zip(rows, rows.lines):
     if r["UpdateType"] not in formats.UPDATE_TYPES:
-      # Rows start at line 2 (header on line 1); silver rows hold no multi-line fields.
-      raise readers.DataError(path, i + 2, f"unknown update type {r['UpdateType']!r}",
+      raise readers.DataError(path, line, f"unknown update type {r['UpdateType']!r}",
                               "UpdateType")
     out.append({"situation": r["situation"], "judgment": default_judgment(r["Hypothesis"]),
                 "question": r["question_davinci"], "update_type": r["UpdateType"],
@@ -114,9 +113,9 @@ def read_fusion(path: str | os.PathLike) -> list[dict[str, str]]:
 def read_judgments(path: str | os.PathLike) -> list[dict[str, str]]:
   """TSV rows (situation, judgment in bad | ok | good)."""
   rows = readers.read_tsv(path, columns=["situation", "judgment"])
-  for i, r in enumerate(rows):
+  for r, line in zip(rows, rows.lines):
     if r["judgment"] not in formats.JUDGMENTS:
-      raise readers.DataError(path, i + 2, f"judgment must be one of {formats.JUDGMENTS}, "
+      raise readers.DataError(path, line, f"judgment must be one of {formats.JUDGMENTS}, "
                               f"got {r['judgment']!r}", "judgment")
   return rows
 

@@ -7,10 +7,14 @@ naming the file, the 1-based physical line and the field, e.g.::
 
 With `on_error="report"` the bad rows are logged and collected in `ReadResult.errors` instead
 (the good rows are still returned), so a caller can decide after seeing all problems at once.
-Nothing is ever dropped silently.
+Nothing is ever dropped silently. `ReadResult.lines` gives each good row's line, so a caller's
+own checks of a row's values can name it too.
 
-TSV and CSV files are parsed with the `csv` module (quoted fields with `""` escapes, as the
-δ-Clarify TSVs and the fusion CSV use); a TSV is a CSV with a tab delimiter.
+Files are UTF-8; a line that is not is a bad row (the message names its first bad byte).
+TSV and CSV fields may be quoted with `""` escapes, as the δ-Clarify TSVs and the fusion CSV
+are. A TSV row is one line, as seqio and T5X read TSVs: a quote left open at the end of a line
+is an error of that line, not the start of a field that swallows the lines after it. A CSV
+field may span lines (RFC 4180). In both, text after a closing quote is an error (`"ab"c`).
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import csv
 import json
 import logging
 import os
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Literal, Optional, Sequence
 
 OnError = Literal["raise", "report"]
 PathLike = str | os.PathLike
+Report = Callable[["DataError"], None]
+
+_BOM = "\ufeff"
 
 
 class DataError(ValueError):
@@ -45,11 +52,14 @@ class DataError(ValueError):
 
 
 class ReadResult(list):
-  """The rows read (a plain list of dicts) plus `errors`: the DataErrors in report mode."""
+  """The rows read (a plain list of dicts), plus `lines`: the 1-based line where each row
+  starts, and `errors`: the DataErrors of report mode."""
 
-  def __init__(self, rows: Sequence[dict[str, Any]] = (), errors: Sequence[DataError] = ()):
+  def __init__(self, rows: Sequence[dict[str, Any]] = (), errors: Sequence[DataError] = (),
+               lines: Optional[Sequence[int]] = None):
     super().__init__(rows)
     self.errors: list[DataError] = list(errors)
+    self.lines: list[int] = list(lines) if lines is not None else []
 
 
 class _Collector:
@@ -69,7 +79,7 @@ class _Collector:
 
 
 def _check_required(row: dict[str, Any], required: Sequence[str], path: PathLike, line: int,
-                    report: _Collector) -> bool:
+                    report: Report) -> bool:
   """True when every required field is present and non-empty; else reports the first."""
   for name in required:
     if name not in row or row[name] is None:
@@ -82,42 +92,108 @@ def _check_required(row: dict[str, Any], required: Sequence[str], path: PathLike
   return True
 
 
+def _utf8_lines(f: BinaryIO, path: PathLike) -> Iterator[tuple[int, str, Optional[DataError]]]:
+  """(line number, text, error) per physical line. A line that is not UTF-8 comes with the
+  error naming its first bad byte (and its text decoded with replacement characters)."""
+  for number, raw in enumerate(f, start=1):
+    try:
+      yield number, raw.decode("utf-8"), None
+    except UnicodeDecodeError as e:
+      yield number, raw.decode("utf-8", errors="replace"), DataError(
+          path, number, f"not UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line")
+
+
+def _quote_error(error: csv.Error) -> str:
+  message = str(error)
+  if "expected after" in message:
+    return (f"text after a closing quote ({message}): quote the whole field and double the "
+            f"quotes inside it")
+  return f"unparsable row: {message}"
+
+
+def _tsv_rows(lines: Iterator[tuple[int, str, Optional[DataError]]], path: PathLike,
+              report: Report) -> Iterator[tuple[int, list[str]]]:
+  """(line, values) of each line of a TSV; a line is one row."""
+  for number, text, bad in lines:
+    if bad is not None:
+      report(bad)
+      continue
+    try:
+      values = next(csv.reader([text], delimiter="\t", strict=True))
+    except csv.Error as e:
+      if "unexpected end of data" in str(e):
+        report(DataError(path, number, "a quoted field is not closed on its line (a TSV row "
+                                       "is one line; double a quote inside a quoted field)"))
+      else:
+        report(DataError(path, number, _quote_error(e)))
+      continue
+    yield number, values
+
+
+def _csv_rows(lines: Iterator[tuple[int, str, Optional[DataError]]], path: PathLike,
+              report: Report) -> Iterator[tuple[int, list[str]]]:
+  """(first line, values) of each row of a CSV; a quoted field may span lines."""
+  not_utf8: dict[int, DataError] = {}
+
+  def texts() -> Iterator[str]:
+    for number, text, bad in lines:
+      if bad is not None:
+        not_utf8[number] = bad
+      yield text
+
+  reader = csv.reader(texts(), delimiter=",", strict=True)
+  # `reader.line_num` counts the physical lines read so far, so a row spanning lines ends at
+  # it; remember where each row starts, for messages.
+  start = 1
+  while True:
+    try:
+      values = next(reader)
+    except StopIteration:
+      return
+    except csv.Error as e:
+      if "unexpected end of data" in str(e):
+        report(DataError(path, start, f"a quoted field opened on this line is never closed "
+                                      f"(it runs to the end of the file, line {reader.line_num})"))
+      else:
+        report(DataError(path, start, _quote_error(e)))
+      start = reader.line_num + 1
+      continue
+    first, start = start, reader.line_num + 1
+    bad = [not_utf8[n] for n in range(first, start) if n in not_utf8]
+    if bad:
+      report(bad[0])
+      continue
+    yield first, values
+
+
 def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequence[str]],
                     required: Optional[Sequence[str]], on_error: OnError) -> ReadResult:
   report = _Collector(on_error)
+
+  def report_row(error: DataError) -> None:
+    if error.line == 1:  # Whatever `on_error` says: without a header no row has names.
+      raise DataError(path, 1, f"unparsable header: {error.what}")
+    report(error)
+
   rows: list[dict[str, Any]] = []
-  with open(path, newline="", encoding="utf-8") as f:
-    reader = csv.reader(f, delimiter=delimiter)
-    # `reader.line_num` counts physical lines read so far, so a quoted field spanning lines
-    # still gives the line where its row *ends*; remember the start for messages.
-    start_line = 1
+  lines: list[int] = []
+  split_rows = _tsv_rows if delimiter == "\t" else _csv_rows
+  with open(path, "rb") as f:
+    numbered_rows = split_rows(_utf8_lines(f, path), path, report_row)
     try:
-      header = next(reader)
+      _, header = next(numbered_rows)
     except StopIteration:
       raise DataError(path, 0, "empty file (no header)") from None
-    except csv.Error as e:
-      raise DataError(path, 1, f"unparsable header: {e}") from None
     header = [h.strip() for h in header]
-    if header and header[0].startswith("\ufeff"):
+    if header and header[0].startswith(_BOM):
       header[0] = header[0][1:]
     if columns is not None:
       missing = [c for c in columns if c not in header]
       if missing:
         raise DataError(path, 1, f"header {header} lacks column(s) {missing}", missing[0])
     required = list(columns if required is None and columns is not None else required or [])
-    start_line = reader.line_num + 1
-    while True:
-      try:
-        values = next(reader)
-      except StopIteration:
-        break
-      except csv.Error as e:
-        report(DataError(path, start_line, f"unparsable row: {e}"))
-        start_line = reader.line_num + 1
-        continue
-      line = start_line
-      start_line = reader.line_num + 1
-      if not values:  # blank line
+    for line, values in numbered_rows:
+      if not values:  # A blank line.
         continue
       if len(values) != len(header):
         field = header[len(values)] if len(values) < len(header) else f"#{len(values)}"
@@ -129,7 +205,8 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
       if columns is not None:
         row = {c: row[c] for c in columns}
       rows.append(row)
-  return ReadResult(rows, report.errors)
+      lines.append(line)
+  return ReadResult(rows, report.errors, lines)
 
 
 def read_tsv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
@@ -158,47 +235,84 @@ def read_csv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
                          on_error=on_error)
 
 
+def read_lines(path: PathLike, *, on_error: OnError = "raise") -> ReadResult:
+  """Reads plain text: a row `{"text": line}` for each non-blank line, newline dropped.
+
+  Args:
+    path: The file.
+    on_error: See `read_tsv` (a line that is not UTF-8 is the only bad row there is).
+
+  Returns:
+    A `ReadResult` with `.lines` and `.errors`.
+  """
+  report = _Collector(on_error)
+  rows: list[dict[str, Any]] = []
+  lines: list[int] = []
+  with open(path, "rb") as f:
+    for number, text, bad in _utf8_lines(f, path):
+      if bad is not None:
+        report(bad)
+      elif text.strip():
+        rows.append({"text": text.rstrip("\r\n").removeprefix(_BOM if number == 1 else "")})
+        lines.append(number)
+  return ReadResult(rows, report.errors, lines)
+
+
 def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
-               on_error: OnError = "raise") -> ReadResult:
+               text: Sequence[str] = (), on_error: OnError = "raise") -> ReadResult:
   """Reads one JSON object per line (blank lines are skipped).
 
   Args:
     path: The file.
     required: Keys every object must have with a non-empty value (`""`, `[]`, `{}`, null count
       as empty).
+    text: Keys whose values, where present, must be JSON strings (a list or a number where
+      text is expected is an error of its line, not text made by `str`).
     on_error: See `read_tsv`.
 
   Returns:
-    A `ReadResult` of the decoded objects with `.errors`.
+    A `ReadResult` of the decoded objects with `.lines` and `.errors`.
   """
   report = _Collector(on_error)
   rows: list[dict[str, Any]] = []
-  with open(path, encoding="utf-8") as f:
-    for line_number, text in enumerate(f, start=1):
-      if not text.strip():
+  lines: list[int] = []
+  with open(path, "rb") as f:
+    for number, line_text, bad in _utf8_lines(f, path):
+      if bad is not None:
+        report(bad)
+        continue
+      if number == 1:
+        line_text = line_text.removeprefix(_BOM)
+      if not line_text.strip():
         continue
       try:
-        obj = json.loads(text)
+        obj = json.loads(line_text)
       except json.JSONDecodeError as e:
-        report(DataError(path, line_number, f"invalid JSON: {e.msg} at column {e.colno}"))
+        report(DataError(path, number, f"invalid JSON: {e.msg} at column {e.colno}"))
         continue
       if not isinstance(obj, dict):
-        report(DataError(path, line_number,
-                         f"expected a JSON object, got {type(obj).__name__}"))
+        report(DataError(path, number, f"expected a JSON object, got {type(obj).__name__}"))
         continue
-      ok = True
-      for name in required or ():
-        value = obj.get(name)
-        if name not in obj:
-          report(DataError(path, line_number, "missing required field", name))
-          ok = False
-        elif value is None or (isinstance(value, (str, list, dict)) and not value
-                               ) or (isinstance(value, str) and not value.strip()):
-          report(DataError(path, line_number, "empty value", name))
-          ok = False
-        if not ok:
-          break
-      if ok:
-        rows.append(obj)
-  return ReadResult(rows, report.errors)
+      error = _jsonl_field_error(obj, required or (), text, path, number)
+      if error is not None:
+        report(error)
+        continue
+      rows.append(obj)
+      lines.append(number)
+  return ReadResult(rows, report.errors, lines)
 
+
+def _jsonl_field_error(obj: dict[str, Any], required: Sequence[str], text: Sequence[str],
+                       path: PathLike, line: int) -> Optional[DataError]:
+  """The first problem of an object's fields, or None."""
+  for name in required:
+    if name not in obj:
+      return DataError(path, line, "missing required field", name)
+    value = obj[name]
+    if value is None or (isinstance(value, (str, list, dict)) and not value) or (
+        isinstance(value, str) and not value.strip()):
+      return DataError(path, line, "empty value", name)
+  for name in text:
+    if name in obj and not isinstance(obj[name], str):
+      return DataError(path, line, f"expected a string, got {json.dumps(obj[name])[:40]}", name)
+  return None

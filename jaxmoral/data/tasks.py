@@ -10,7 +10,7 @@ small here, so `task_to_source` materialises the converted examples into numpy a
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import gin
 import numpy as np
@@ -36,10 +36,10 @@ def read_pairs(path: str | os.PathLike, *, input_field: str, target_field: str,
   elif suffix == ".csv":
     rows = readers.read_csv(path, columns=fields, on_error=on_error)
   elif suffix == ".jsonl":
-    rows = readers.read_jsonl(path, required=fields, on_error=on_error)
+    rows = readers.read_jsonl(path, required=fields, text=fields, on_error=on_error)
   else:
     raise ValueError(f"{path}: unknown data file type {suffix!r} (want .tsv, .csv or .jsonl)")
-  return [(str(r[input_field]), str(r[target_field])) for r in rows]
+  return [(r[input_field], r[target_field]) for r in rows]
 
 
 def split_pairs(pairs: Pairs, *, validation_every: int = 10) -> dict[str, list[tuple[str, str]]]:
@@ -86,6 +86,7 @@ def register_text_pair_task(name: str, *, vocabulary: seqio.Vocabulary,
   """
   if (examples is None) == (file is None):
     raise ValueError(f"register_text_pair_task({name!r}): give exactly one of examples, file")
+  files: Mapping[str, str | os.PathLike] = {}
   if file is not None:
     files = file if isinstance(file, Mapping) else {"train": file}
     splits = {s: read_pairs(f, input_field=input_field, target_field=target_field)
@@ -94,7 +95,8 @@ def register_text_pair_task(name: str, *, vocabulary: seqio.Vocabulary,
     splits = dict(examples) if isinstance(examples, Mapping) else {"train": list(examples)}
   for split, pairs in splits.items():
     if not pairs:
-      raise ValueError(f"register_text_pair_task({name!r}): split {split!r} is empty")
+      where = f" (file {files[split]} has no rows)" if split in files else ""
+      raise ValueError(f"register_text_pair_task({name!r}): split {split!r} is empty{where}")
   if overwrite:
     seqio.TaskRegistry.remove(name)
   features = {k: seqio.Feature(vocabulary=vocabulary, add_eos=add_eos)
@@ -127,30 +129,60 @@ def register_demo_tasks(*, vocabulary: seqio.Vocabulary) -> seqio.Mixture:
   return seqio.MixtureRegistry.add(DEMO_MIXTURE, [(t, len(sources[t])) for t in DEMO_TASKS])
 
 
-def task_examples(task_name: str, split: str, *, feature_lengths: Mapping[str, int],
-                  pack: bool = False) -> Features:
-  """All examples of a Task or Mixture split through `EncDecFeatureConverter`, stacked.
+def _mixed_counts(sizes: Sequence[int], rates: Sequence[float]) -> list[int]:
+  """How many examples each Task gives to a materialised Mixture of sum(sizes) examples."""
+  total_rate = float(sum(rates))
+  if total_rate <= 0 or any(r < 0 for r in rates):
+    raise ValueError(f"mixture rates must be >= 0 with a positive sum, got {list(rates)}")
+  return [round(sum(sizes) * rate / total_rate) for rate in rates]
 
-  A Mixture's examples are its Tasks' examples concatenated (in Task order), so shuffling
-  them mixes the Tasks in proportion to their sizes.
+
+def _take(examples: Sequence[Any], count: int, rng: np.random.Generator) -> list[Any]:
+  """`count` of `examples`: whole passes in order, then a seeded sample of the rest (kept in
+  file order), so a count equal to the size gives every example once, in order."""
+  passes, rest = divmod(count, len(examples))
+  return list(examples) * passes + [examples[i] for i in
+                                    sorted(rng.choice(len(examples), rest, replace=False))]
+
+
+def task_examples(task_name: str, split: str, *, feature_lengths: Mapping[str, int],
+                  pack: bool = False, seed: int = 0) -> Features:
+  """All examples of a Task split, or a Mixture's, through `EncDecFeatureConverter`, stacked.
+
+  A Mixture of Tasks with n_t examples and rates r_t gives N = sum(n_t) examples, of which
+  round(N r_t / sum(r)) come from Task t: its examples repeated as often as that needs, the
+  last part a sample drawn with `seed`. Shuffled by `BatchSource`, batches then draw each Task
+  at its rate, as seqio's sampling does in expectation. A Mixture weighted by example count
+  (the demo's) gives every example once. Tasks are mixed before the converter, so packing
+  puts examples of different Tasks in one row, as seqio does.
   """
   provider = seqio.get_mixture_or_task(task_name)
   tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
-  converter = seqio.EncDecFeatureConverter(pack=pack)
-  parts: list[dict[str, list[np.ndarray]]] = []
+  per_task: list[list[dict[str, np.ndarray]]] = []
   for task in tasks:
     if split not in task.splits:
       raise ValueError(f"task {task.name!r} has no split {split!r} (has {list(task.splits)})")
     ds = task.get_dataset(sequence_length=dict(feature_lengths), split=split, shuffle=False,
                           num_epochs=1)
-    ds = converter(ds, dict(feature_lengths))
-    rows: dict[str, list[np.ndarray]] = {}
-    for ex in ds.as_numpy_iterator():
-      for k, v in ex.items():
-        rows.setdefault(k, []).append(np.asarray(v, np.int32))
-    parts.append(rows)
-  keys = parts[0].keys()
-  return {k: np.stack([row for part in parts for row in part[k]]) for k in keys}
+    per_task.append([{k: np.asarray(ex[k], np.int32) for k in task.output_features}
+                     for ex in ds.as_numpy_iterator()])
+    if not per_task[-1]:
+      raise ValueError(f"task {task.name!r}: split {split!r} has no examples")
+  if isinstance(provider, seqio.Mixture):
+    counts = _mixed_counts([len(t) for t in per_task], [provider.get_rate(t) for t in tasks])
+    rng = np.random.default_rng(seed)
+    examples = [ex for part, count in zip(per_task, counts) for ex in _take(part, count, rng)]
+  else:
+    examples = per_task[0]
+  keys = list(examples[0])
+  ds = tf.data.Dataset.from_generator(
+      lambda: iter(examples), output_signature={k: tf.TensorSpec([None], tf.int32) for k in keys})
+  ds = seqio.EncDecFeatureConverter(pack=pack)(ds, dict(feature_lengths))
+  rows: dict[str, list[np.ndarray]] = {}
+  for ex in ds.as_numpy_iterator():
+    for k, v in ex.items():
+      rows.setdefault(k, []).append(np.asarray(v, np.int32))
+  return {k: np.stack(v) for k, v in rows.items()}
 
 
 @gin.configurable
@@ -158,5 +190,6 @@ def task_to_source(task_name: str, split: str = "train", *, feature_lengths: Map
                    batch_size: int, seed: int = 0, shuffle: bool = True,
                    pack: bool = False) -> BatchSource:
   """Materialises a seqio Task / Mixture split into a deterministic `BatchSource`."""
-  features = task_examples(task_name, split, feature_lengths=feature_lengths, pack=pack)
+  features = task_examples(task_name, split, feature_lengths=feature_lengths, pack=pack,
+                           seed=seed)
   return BatchSource(features=features, batch_size=batch_size, seed=seed, shuffle=shuffle)

@@ -128,18 +128,12 @@ def read_dialogues(path: str | os.PathLike[str]) -> list[Turn]:
   """All turns of a Diamante-format JSONL file (errors name `path:line` and the field)."""
   path = str(path)
   turns: list[Turn] = []
-  line_numbers = _object_line_numbers(path)
-  for index, (obj, line) in enumerate(zip(read_jsonl(path), line_numbers)):
+  rows = read_jsonl(path)
+  for index, (obj, line) in enumerate(zip(rows, rows.lines)):
     turns.extend(parse_dialogue(obj, path=path, line=line, dialogue=index))
   if not turns:
     raise DataError(path, 0, "no dialogue with at least two utterances")
   return turns
-
-
-def _object_line_numbers(path: str) -> list[int]:
-  # read_jsonl skips blank lines; recover each object's physical line for messages.
-  with open(path, encoding="utf-8") as f:
-    return [n for n, text in enumerate(f, start=1) if text.strip()]
 
 
 def dialogue_to_json(utterances: Sequence[str],

@@ -109,9 +109,8 @@ def read_kb_jsonl(path: str | os.PathLike) -> list[Topic]:
   """
   path = str(path)
   rows = readers.read_jsonl(path, required=("query",))
-  lines = task._nonblank_lines(path)  # pylint: disable=protected-access
   topics = []
-  for row, line in zip(rows, lines):
+  for row, line in zip(rows, rows.lines):
     clusters = []
     for side in task.SIDES:
       value = row.get(side, [])

@@ -201,9 +201,8 @@ def read_examples(path: str | os.PathLike) -> list[NpovExample]:
   """
   path = str(path)
   rows = readers.read_jsonl(path, required=("query",))
-  lines = _nonblank_lines(path)
   out = []
-  for row, line in zip(rows, lines):
+  for row, line in zip(rows, rows.lines):
     kwargs: dict[str, Any] = {}
     for side in SIDES:
       kwargs[side] = _as_texts(row.get(side, []), path, line, side)
@@ -229,8 +228,3 @@ def write_examples(examples: Sequence[NpovExample], path: str | os.PathLike) -> 
   with open(path, "w", encoding="utf-8") as f:
     for example in examples:
       f.write(json.dumps(example.to_json(), ensure_ascii=False) + "\n")
-
-
-def _nonblank_lines(path: str) -> list[int]:
-  with open(path, encoding="utf-8") as f:
-    return [i for i, text in enumerate(f, start=1) if text.strip()]
