@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 from typing import Any, Mapping, Optional
 
 import flax.linen as nn
@@ -72,6 +73,23 @@ def _restore_args(target: PyTree) -> PyTree:
 
 
 RUN_CHECKPOINTS_SUBDIR = "checkpoints"
+
+
+def make_run_dir(model_dir: str | os.PathLike) -> str:
+  """Creates a run directory (MODEL_DIR) and returns it.
+
+  Raises:
+    ValueError: MODEL_DIR is a URL (gs://, s3://): run files (config, vocabulary, gin config,
+      TensorBoard events, pictures) are written with local file operations, so a bucket must
+      be mounted as a folder that every host sees (gcsfuse's /gcs/BUCKET on a Cloud TPU VM).
+  """
+  model_dir = os.fspath(model_dir)
+  if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", model_dir):
+    raise ValueError(f"MODEL_DIR {model_dir!r}: a run directory is a path, not a URL. Mount "
+                     f"the bucket (e.g. gcsfuse at /gcs/BUCKET on a Cloud TPU VM) and give the "
+                     f"folder, which every host must see.")
+  os.makedirs(model_dir, exist_ok=True)
+  return model_dir
 
 
 def run_checkpoints_dir(model_dir: str | os.PathLike) -> str:

@@ -215,7 +215,7 @@ def train_run(*, model_dir: str, model_config: config_lib.T5Config, data: Seq2Se
     Final metrics.
   """
   partitioner = partitioner or partitioning.PjitPartitioner()
-  os.makedirs(model_dir, exist_ok=True)
+  checkpoints.make_run_dir(model_dir)
   # Process 0 writes the shared run files (and builds the demo vocabulary); the others wait.
   if jax.process_index() == 0:
     vocabulary = data.vocabulary(os.path.join(model_dir, VOCAB_DIR))

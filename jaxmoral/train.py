@@ -189,7 +189,7 @@ def train(*, model_dir: str | os.PathLike[str], trainer: trainer_lib.Trainer, tr
       raise ValueError(f"train: {name} must be a positive int, got {value!r}")
   if not isinstance(eval_every, int) or eval_every < 0:
     raise ValueError(f"train: eval_every must be an int >= 0, got {eval_every!r}")
-  model_dir = os.fspath(model_dir)
+  model_dir = checkpoints.make_run_dir(model_dir)
   is_chief = jax.process_index() == 0
   ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
   manager = checkpoints.CheckpointManager(ckpt_dir, save_interval_steps=checkpoint_every,

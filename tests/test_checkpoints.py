@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -213,3 +214,10 @@ def test_bad_options_and_target(tmp_path):
                               "other": jax.ShapeDtypeStruct((1,), jnp.float32)})
     with pytest.raises(ValueError, match="no 'params' entry"):
       ck.restore_params_from_run(tmp_path)
+
+
+def test_a_run_directory_is_a_path_not_a_url(tmp_path):
+  with pytest.raises(ValueError, match="a run directory is a path, not a URL.*gcsfuse"):
+    ck.make_run_dir("gs://bucket/run")
+  made = ck.make_run_dir(tmp_path / "a" / "run")
+  assert made == str(tmp_path / "a" / "run") and os.path.isdir(made)

@@ -77,7 +77,7 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
   """
   pairs = data_lib.build_pairs(which, source, split=split, judge_classes=judge_classes,
                                nli_labels=nli_labels, relevance_labels=relevance_labels)
-  os.makedirs(model_dir, exist_ok=True)
+  checkpoints.make_run_dir(model_dir)
   seq_data = runs.Seq2SeqData(
       train_file=data_lib.write_pairs(pairs, os.path.join(model_dir, "data",
                                                           f"{which}_{split}.jsonl")),
@@ -191,7 +191,7 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
   trainer = ppo_trainer.PPOTrainer(
       policy_model=t5.T5(config), value_model=value_model, vocabulary=vocabulary,
       config=ppo_config, optimizer=optimizer, partitioner=partitioner, reward_fn=recorder)
-  os.makedirs(model_dir, exist_ok=True)
+  checkpoints.make_run_dir(model_dir)
   runs.save_run_files(model_dir, model_config=config, vocabulary=vocabulary)
   ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
   with checkpoints.CheckpointManager(ckpt_dir, async_save=False) as manager:

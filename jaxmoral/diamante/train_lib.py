@@ -119,7 +119,7 @@ def _prepare(caller: str, *, model_dir: str, train_path: Optional[str],
   if (train_path is None) == (train_turns is None):
     raise ValueError(f"{caller}: give exactly one of train_path, train_turns")
   turns = list(train_turns) if train_turns is not None else data.read_dialogues(train_path)
-  os.makedirs(model_dir, exist_ok=True)
+  checkpoints.make_run_dir(model_dir)
   vocab_path = build_vocabulary(turns, model_dir=model_dir, vocab_path=vocab_path,
                                 vocab_size=vocab_size)
   vocab = vocab_lib.get_vocabulary(vocab_path)

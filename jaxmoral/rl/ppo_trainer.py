@@ -703,7 +703,7 @@ def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
   if not isinstance(sample_every, int) or sample_every < 0:
     raise ValueError(f"train_ppo: sample_every must be an int >= 0, got {sample_every!r}")
   cfg = trainer.config
-  model_dir = os.fspath(model_dir)
+  model_dir = checkpoints.make_run_dir(model_dir)
   ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
   prompt_tokens, prompt_texts = trainer.encode_prompts(prompt_source)
   num_prompts = len(prompt_tokens)
