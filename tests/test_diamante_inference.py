@@ -140,6 +140,23 @@ def test_chat_and_self_chat_write_transcripts(saved, tmp_path):
                    transcript_path=str(tmp_path / "x.jsonl"))
 
 
+def test_rerank_bindings_given_on_the_command_line_apply(saved, tmp_path):
+  import gin  # pylint: disable=g-import-not-at-top
+  from jaxmoral import cli  # pylint: disable=g-import-not-at-top
+  root, _, _ = saved
+  gin.clear_config()
+  try:
+    assert cli.main(["diamante", "self_chat", f"--model_dir={root / 'run'}",
+                     "--opening=hello there", "--num_rounds=1",
+                     f"--transcript_path={tmp_path / 's.jsonl'}",
+                     "--gin.RerankConfig.num_candidates=3",
+                     "--gin.RerankConfig.max_decode_length=6"]) == 0
+  finally:
+    gin.clear_config()
+  (record,) = [json.loads(l) for l in (tmp_path / "s.jsonl").read_text().splitlines()[1:]]
+  assert len(record["candidates"]) == 3
+
+
 def test_candidates_are_sampled_and_stored_in_the_diamante_format(saved, tmp_path):
   from jaxmoral.diamante import candidates
   root, _, _ = saved

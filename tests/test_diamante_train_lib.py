@@ -1,5 +1,6 @@
 """Diamante training: the joint run learns to rank; the NLL-only ablation leaves the head."""
 
+import gin
 import numpy as np
 import pytest
 
@@ -14,10 +15,17 @@ COMMON = dict(model_size="tiny", model_overrides=dict(num_encoder_layers=1, num_
 
 @pytest.mark.slow
 def test_joint_training_learns_to_rank_and_exports(tmp_path):
-  result = train_lib.train_diamante(model_dir=str(tmp_path / "joint"),
-                                    train_turns=toy.toy_turns(30, seed=0), train_steps=40,
-                                    **COMMON)
+  gin.clear_config()
+  gin.parse_config("jaxmoral.diamante.train_lib.train_diamante.pe_weight = 1.0")
+  try:
+    result = train_lib.train_diamante(model_dir=str(tmp_path / "joint"),
+                                      train_turns=toy.toy_turns(30, seed=0), train_steps=40,
+                                      **COMMON)
+  finally:
+    gin.clear_config()
   assert result["step"] == 40
+  # The gin config of the run is kept beside it, as `jaxmoral train` keeps its own.
+  assert "train_diamante.pe_weight = 1.0" in (tmp_path / "joint" / "config.gin").read_text()
   for key in ("train/nll", "train/pe_loss", "train/rank_accuracy", "train/gap_human_model",
               "train/gap_human_random", "train/gap_model_random"):
     assert np.isfinite(result[key]), key

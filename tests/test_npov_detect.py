@@ -126,3 +126,48 @@ def test_classifier_score_is_softmax_of_label_logits():
       assert getattr(d, error) == pytest.approx(float(p_no), abs=1e-5)
   inputs, targets = classifier.training_pairs(examples, error="coverage")
   assert targets == ["yes", "no"] and inputs[1].endswith("{response: " + COVERAGE.response + "}")
+
+
+@pytest.mark.parametrize("change, line, field, message", [
+    ({"response": None}, 2, "response", "missing required field"),
+    ({"respnse": "typo"}, 2, "response", "missing required field"),
+    ({"id": "a"}, 2, "id", "id 'a' is also the id of line 1"),
+    ({"paraphrased": "no"}, 2, "paraphrased", "expected true/false"),
+])
+def test_detect_file_names_a_bad_example(tmp_path, change, line, field, message):
+  rows = [CLEAN.to_json(), {**HALLUCINATION.to_json(), **change}]
+  rows[1] = {k: v for k, v in rows[1].items() if not (k == "response" and v is None)}
+  if "respnse" in change:
+    del rows[1]["response"]
+  path = tmp_path / "in.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  with pytest.raises(ValueError) as error:
+    detect.detect_file(input_path=str(path), output_path=str(tmp_path / "out.jsonl"))
+  assert (error.value.line, error.value.field) == (line, field) and message in str(error.value)
+
+
+def test_heatmaps_are_for_salience_and_have_a_file_per_id(tmp_path):
+  path = tmp_path / "in.jsonl"
+  task.write_examples([CLEAN], path)
+  with pytest.raises(ValueError, match="heatmap_dir is for detector='salience'"):
+    detect.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
+                       heatmap_dir=str(tmp_path / "h"))
+  names = {detect._file_name(i) for i in ("topic 1/a", "topic 1?a", "topic_1_a", "a")}
+  assert len(names) == 4 and "a.html" in names and "topic_1_a.html" in names
+
+
+def test_npov_commands_take_gin_bindings_without_a_gin_file(tmp_path):
+  import gin  # pylint: disable=g-import-not-at-top
+  from jaxmoral import cli  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "in.jsonl"
+  task.write_examples([CLEAN, HALLUCINATION, COVERAGE], path)
+  scores = {}
+  for include_query in (False, True):
+    gin.clear_config()
+    out = tmp_path / f"out_{include_query}.jsonl"
+    assert cli.main(["npov", "detect", f"--input={path}", f"--output={out}",
+                     f"--gin.RougeDetector.include_query={include_query}"]) == 0
+    scores[include_query] = [json.loads(x)["hallucination"] for x in out.read_text().splitlines()]
+  gin.clear_config()
+  expected = rouge.RougeDetector(include_query=True).detect(HALLUCINATION).hallucination
+  assert scores[True][1] == pytest.approx(expected) and scores[True] != scores[False]

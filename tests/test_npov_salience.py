@@ -173,3 +173,20 @@ def test_word_map_and_scores_follow_the_definition(base):
     np.testing.assert_allclose([w.score for w in detection.response_words], 1 - attribution,
                                rtol=1e-6, atol=1e-6)
     assert len(detection.argument_words) == sum(len(x) for x in sides)
+
+
+def test_sentencepiece_offsets_are_characters_in_non_ascii_text(tmp_path):
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  from jaxmoral.data import vocab  # pylint: disable=g-import-not-at-top
+  model_file = vocab.build_demo_vocabulary(output_dir=tmp_path)
+  text = "Déjà vu: voters’ café prices — rise"
+  tokenized = salience.SentencePieceTokenizer(model_file)(text)
+  pieces = spm.SentencePieceProcessor(model_file=model_file).encode(text, return_type="proto").pieces
+  raw = text.encode("utf-8")
+  # Each token's character span holds the bytes SentencePiece says it came from.
+  assert [text[b:e] for b, e in tokenized.spans] == [raw[p.begin:p.end].decode() for p in pieces]
+  # So a word after the accents maps to exactly the tokens that spell it.
+  for word in ("voters", "prices", "rise"):
+    start = text.index(word)
+    (group,) = salience._token_groups(tokenized.spans, [(start, start + len(word))])
+    assert "".join(text[slice(*tokenized.spans[t])] for t in group).strip() == word

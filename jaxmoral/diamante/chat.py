@@ -38,7 +38,7 @@ def _open_transcript(path: str) -> TextIO:
 
 @gin.configurable
 def chat(*, model_dir: str, transcript_path: str,
-         rerank: inference.RerankConfig = inference.RerankConfig(), seed: int = 0,
+         rerank: Optional[inference.RerankConfig] = None, seed: int = 0,
          max_turns: int = 100, show_candidates: int = 0,
          input_fn: Callable[[str], str] = input, output: TextIO = sys.stdout) -> list[dict]:
   """Interactive conversation on the terminal; `/quit` (or end of input) ends it.
@@ -46,7 +46,8 @@ def chat(*, model_dir: str, transcript_path: str,
   Args:
     model_dir: A run directory (its `export/`) or an export directory.
     transcript_path: JSONL transcript to write.
-    rerank: Candidates, top-k, n-gram blocking, length.
+    rerank: Candidates, top-k, n-gram blocking, length (None: `RerankConfig()`, made at
+      call time so that `--gin.RerankConfig.*` bindings apply).
     seed: Sampling seed.
     max_turns: User turns at most.
     show_candidates: Also print this many top candidates with their scores.
@@ -73,7 +74,8 @@ def chat(*, model_dir: str, transcript_path: str,
       history.append(line)
       records.append(_turn_record(len(records), "user", line))
       key, sub = jax.random.split(key)
-      reply = inference.respond(bundle, [history], rng=sub, config=rerank)[0]
+      reply = inference.respond(bundle, [history], rng=sub,
+                                config=rerank or inference.RerankConfig())[0]
       history.append(reply.text)
       records.append(_turn_record(len(records), "bot", reply.text, reply))
       print(f"bot> {reply.text}  [score {reply.score:.3f}]", file=output)
@@ -87,7 +89,7 @@ def chat(*, model_dir: str, transcript_path: str,
 
 @gin.configurable
 def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path: str,
-              rerank: inference.RerankConfig = inference.RerankConfig(), seed: int = 0,
+              rerank: Optional[inference.RerankConfig] = None, seed: int = 0,
               output: Optional[TextIO] = sys.stdout) -> list[dict]:
   """The model talks to itself for `num_rounds` turns after an opening line.
 
@@ -96,7 +98,7 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
     opening: The first utterance (speaker "bot_b").
     num_rounds: Generated turns, alternating bot_a, bot_b.
     transcript_path: JSONL transcript to write.
-    rerank: Sampling/reranking settings.
+    rerank: Sampling/reranking settings (None: `RerankConfig()` at call time).
     seed: Sampling seed.
     output: Where turns are printed (None: silent).
 
@@ -115,7 +117,8 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
     print(f"bot_b> {history[0]}", file=output)
   for i in range(num_rounds):
     key, sub = jax.random.split(key)
-    reply = inference.respond(bundle, [history], rng=sub, config=rerank)[0]
+    reply = inference.respond(bundle, [history], rng=sub,
+                              config=rerank or inference.RerankConfig())[0]
     speaker = "bot_a" if i % 2 == 0 else "bot_b"
     history.append(reply.text)
     records.append(_turn_record(len(records), speaker, reply.text, reply))

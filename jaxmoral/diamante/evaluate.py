@@ -137,7 +137,7 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
 @gin.configurable
 def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = None,
              num_random: int = 5, max_candidates: int = 10, max_contexts: Optional[int] = None,
-             num_generate: int = 50, rerank: inference.RerankConfig = inference.RerankConfig(),
+             num_generate: int = 50, rerank: Optional[inference.RerankConfig] = None,
              batch_size: int = 8, seed: int = 0) -> dict[str, float]:
   """Evaluates a trained Diamante model on a Diamante-format test file.
 
@@ -149,7 +149,8 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
     max_candidates: Model candidates per context at most.
     max_contexts: Evaluate only the first this many usable contexts.
     num_generate: Contexts to generate reranked responses for (distinct-n); 0 skips.
-    rerank: Sampling/reranking settings for those generations.
+    rerank: Sampling/reranking settings for those generations (None: `RerankConfig()`,
+      made at call time so that `--gin.RerankConfig.*` bindings apply).
     batch_size: Contexts per scoring batch.
     seed: Random responses and sampling.
 
@@ -159,7 +160,8 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   bundle = bundle_lib.load_from(model_dir)
   result = evaluate_turns(bundle, data.read_dialogues(test_path), num_random=num_random,
                           max_candidates=max_candidates, max_contexts=max_contexts,
-                          num_generate=num_generate, rerank=rerank, batch_size=batch_size,
+                          num_generate=num_generate,
+                          rerank=rerank or inference.RerankConfig(), batch_size=batch_size,
                           seed=seed)
   if output_path is not None:
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxmoral import checkpoints, losses, optimizers, partitioning
+from jaxmoral import checkpoints, gin_utils, losses, optimizers, partitioning
 from jaxmoral import train as train_loop
 from jaxmoral import trainer as trainer_lib
 from jaxmoral.data import pipeline
@@ -82,7 +82,8 @@ def _run(*, model_dir: str, model: t5.T5, loss_fn: Any, train_source: Any,
   if isinstance(optimizer, str):
     optimizer = optimizers.make_optimizer(name=optimizer, learning_rate=learning_rate)
   trainer = trainer_lib.Trainer(init_params_fn=functools.partial(t5.init_params, model),
-                                loss_fn=loss_fn, optimizer=optimizer, partitioner=partitioner)
+                                loss_fn=loss_fn, optimizer=optimizer, partitioner=partitioner,
+                                learning_rate_fn=getattr(optimizer, "learning_rate", None))
   data_size = partitioner.mesh.shape[partitioning.DATA_AXIS]
   batch = train_source.batch_size
   if batch % data_size:
@@ -120,6 +121,8 @@ def _prepare(caller: str, *, model_dir: str, train_path: Optional[str],
     raise ValueError(f"{caller}: give exactly one of train_path, train_turns")
   turns = list(train_turns) if train_turns is not None else data.read_dialogues(train_path)
   checkpoints.make_run_dir(model_dir)
+  if jax.process_index() == 0 and gin.config_str():
+    gin_utils.write_operative_config(model_dir)
   vocab_path = build_vocabulary(turns, model_dir=model_dir, vocab_path=vocab_path,
                                 vocab_size=vocab_size)
   vocab = vocab_lib.get_vocabulary(vocab_path)

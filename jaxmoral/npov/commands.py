@@ -38,9 +38,13 @@ def main(action: str, rest: Sequence[str], gin_args: gin_utils.GinArgs) -> int:
   """Runs one action; returns the exit status."""
   if action not in ACTIONS:
     raise ValueError(f"npov: unknown action {action!r}; known: {list(ACTIONS)}")
+  # The action's modules first: their configurables must exist before gin binds them.
+  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov import demo, detect, evaluate
+  from jaxmoral.npov.detectors import classifier, rouge, salience  # pylint: disable=unused-import
+  # pylint: enable=g-import-not-at-top
   gin_utils.parse_gin(gin_args)
   if action == "detect":
-    from jaxmoral.npov import detect  # pylint: disable=g-import-not-at-top
     args = _detect_parser().parse_args(list(rest))
     dirs: dict[str, Any] = {k: v for k, v in (("hallucination", args.hallucination_dir),
                                                ("coverage", args.coverage_dir)) if v}
@@ -51,13 +55,11 @@ def main(action: str, rest: Sequence[str], gin_args: gin_utils.GinArgs) -> int:
         heatmap_dir=args.heatmap_dir, roc_dir=args.roc_dir)
     print(f"npov detect: scored {len(records)} responses -> {args.output}")
   elif action == "evaluate":
-    from jaxmoral.npov import evaluate  # pylint: disable=g-import-not-at-top
     if rest:
       raise ValueError(f"npov evaluate takes gin flags only, got {list(rest)}")
     gin_utils.check_required()
     evaluate.run()  # pylint: disable=missing-kwoa
   else:
-    from jaxmoral.npov import demo  # pylint: disable=g-import-not-at-top
     p = argparse.ArgumentParser(prog="jaxmoral npov demo")
     p.add_argument("--workdir", default="demo_out/npov")
     demo.run_demo(workdir=p.parse_args(list(rest)).workdir)

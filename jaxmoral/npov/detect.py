@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -40,6 +41,11 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
   from jaxmoral import prompt_tuning  # pylint: disable=g-import-not-at-top
   from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   model, params = load_base(base_dir)
+  if vocabulary_path is None:  # The base's own: `jaxmoral export` writes it beside the params.
+    vocabulary_path = os.path.join(base_dir, "vocab", "spiece.model")
+    if not os.path.isfile(vocabulary_path):
+      raise ValueError(f"detector {name!r}: {base_dir} has no vocab/spiece.model; give the "
+                       f"base model's SentencePiece model (--vocabulary)")
   vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
   if name == "salience":
     from jaxmoral.npov.detectors import salience  # pylint: disable=g-import-not-at-top
@@ -58,6 +64,14 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
       coverage_prompt=prompt_tuning.load_prompt(dirs["coverage"])[0])
 
 
+def _file_name(example_id: str) -> str:
+  """A file name of its own for each (unique) id: "topic 1/a" and "topic 1?a" must not meet."""
+  safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", example_id)
+  if safe != example_id:
+    safe += "-" + hashlib.sha1(example_id.encode("utf-8")).hexdigest()[:8]
+  return safe + ".html"
+
+
 @gin.configurable
 def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
                 base_dir: Optional[str] = None, vocabulary_path: Optional[str] = None,
@@ -73,7 +87,8 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     output_path: JSONL: id, hallucination, coverage, response_words, argument_words.
     detector: "rouge", "salience" or "classifier".
     base_dir: Exported base model (salience, classifier).
-    vocabulary_path: Its SentencePiece model.
+    vocabulary_path: Its SentencePiece model (default: `base_dir/vocab/spiece.model`, where
+      `jaxmoral export` puts it).
     generator_dir: Generator prompt directory (salience of a prompt-tuned generator).
     classifier_dirs: {"hallucination": dir, "coverage": dir} (classifier).
     heatmap_dir: Salience only: writes `<id>.html` heatmaps (input x response words).
@@ -82,7 +97,10 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
   Returns:
     The written records.
   """
-  examples = task.read_examples(input_path)
+  if heatmap_dir and detector != "salience":
+    raise ValueError(f"heatmap_dir is for detector='salience' (heatmaps of its word map), "
+                     f"not {detector!r}")
+  examples = task.read_examples(input_path, require_response=True)
   if not examples:
     raise ValueError(f"{input_path}: no examples")
   det = build_detector(detector, base_dir=base_dir, vocabulary_path=vocabulary_path,
@@ -95,8 +113,7 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     for e in examples:
       word_map = det.word_map(e)
       d = det.detect_from_map(word_map)
-      safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", e.id)
-      plots.salience_heatmap_html(word_map, d, os.path.join(heatmap_dir, f"{safe}.html"),
+      plots.salience_heatmap_html(word_map, d, os.path.join(heatmap_dir, _file_name(e.id)),
                                   title=e.query)
       detections.append(d)
   else:

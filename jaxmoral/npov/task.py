@@ -189,19 +189,27 @@ def _labels(value: Any, path: str, line: int, field: str) -> Optional[bool]:
   raise readers.DataError(path, line, f"expected 0/1/true/false/null, got {value!r}", field)
 
 
-def read_examples(path: str | os.PathLike) -> list[NpovExample]:
+def read_examples(path: str | os.PathLike, *,
+                  require_response: bool = False) -> list[NpovExample]:
   """Reads NPOV examples from JSONL.
 
   One object per line with `query` (str), `pro` and `con` (lists of str), `response` (str;
-  may be empty for generation) and optionally `id`, `topic`, `hallucination` / `coverage`
-  (0/1 labels), `removed_argument`, `added_argument`, `paraphrased`.
+  may be empty for generation) and optionally `id` (unique), `topic`, `hallucination` /
+  `coverage` (0/1 labels), `removed_argument`, `added_argument`, `paraphrased` (bool).
+
+  Args:
+    path: The file.
+    require_response: Every example must have a non-empty `response` (detection scores it;
+      a missing or misspelt key would otherwise read as an empty response).
 
   Raises:
     readers.DataError: naming the file, line and field of a malformed example.
   """
   path = str(path)
-  rows = readers.read_jsonl(path, required=("query",))
+  required = ("query", "response") if require_response else ("query",)
+  rows = readers.read_jsonl(path, required=required)
   out = []
+  first_line_of_id: dict[str, int] = {}
   for row, line in zip(rows, rows.lines):
     kwargs: dict[str, Any] = {}
     for side in SIDES:
@@ -213,10 +221,18 @@ def read_examples(path: str | os.PathLike) -> list[NpovExample]:
       if value is not None and not isinstance(value, str):
         raise readers.DataError(path, line, f"expected a string, got {type(value).__name__}", key)
       kwargs[key] = value
+    paraphrased = row.get("paraphrased", False)
+    if not isinstance(paraphrased, bool):
+      raise readers.DataError(path, line, f"expected true/false, got {paraphrased!r}",
+                              "paraphrased")
+    example_id = str(row.get("id", f"{os.path.basename(path)}:{line}"))
+    if example_id in first_line_of_id:
+      raise readers.DataError(path, line, f"id {example_id!r} is also the id of line "
+                              f"{first_line_of_id[example_id]}", "id")
+    first_line_of_id[example_id] = line
     try:
-      out.append(NpovExample(id=str(row.get("id", f"{os.path.basename(path)}:{line}")),
-                             topic=str(row.get("topic", row["query"])),
-                             paraphrased=bool(row.get("paraphrased", False)), **kwargs))
+      out.append(NpovExample(id=example_id, topic=str(row.get("topic", row["query"])),
+                             paraphrased=paraphrased, **kwargs))
     except ValueError as e:
       field = str(e).split()[0].removeprefix("NpovExample.")
       raise readers.DataError(path, line, str(e), field) from None

@@ -172,8 +172,14 @@ class SentencePieceTokenizer:
 
   def __call__(self, text: str) -> Tokenized:
     proto = self._sp.encode(text, return_type="proto")
-    return Tokenized(tuple(p.id for p in proto.pieces),
-                     tuple((p.begin, p.end) for p in proto.pieces))
+    # SentencePiece's offsets count UTF-8 bytes; words are found by character offsets, so
+    # "café", a curly quote or a dash would otherwise shift every later word's tokens.
+    char_of_byte = np.repeat(np.arange(len(text)),
+                             [len(c.encode("utf-8")) for c in text]).tolist() + [len(text)]
+    spans = tuple((char_of_byte[p.begin],
+                   char_of_byte[p.end - 1] + 1 if p.end > p.begin else char_of_byte[p.end])
+                  for p in proto.pieces)
+    return Tokenized(tuple(p.id for p in proto.pieces), spans)
 
 
 def _token_groups(spans: Sequence[tuple[int, int]], word_spans: Sequence[tuple[int, int]]
