@@ -78,3 +78,26 @@ def test_chat_file_errors(tmp_path, model_dir):
     chat.chat_from_file(input_jsonl=str(bad), output_jsonl=str(tmp_path / "o.jsonl"),
                         question_model_dir=model_dir, fusion_model_dir=model_dir,
                         judge_model_dir=model_dir, judge_classes=CLASSES)
+
+
+@pytest.mark.parametrize("rows, line, field, message", [
+    ([{"situation": "a", "answers": ["x", "y", "z"]}, {"situation": "b", "answers": "I did"}],
+     2, "answers", "expected a list of non-empty strings"),
+    ([{"situation": "a", "answers": [{"text": "because"}, "y", "z"]}],
+     1, "answers", "expected a list of non-empty strings"),
+    ([{"situation": 42, "answers": ["x", "y", "z"]}], 1, "situation", "expected a string"),
+    ([{"situation": "a", "answers": ["x", "y", "z"]}, {},
+      {"situation": "b", "answers": ["x", "y", "z"], "update_type": "weak"}],
+     3, "update_type", "expected one of"),
+    ([{"situation": "a", "answers": ["x"]}], 1, "answers", "1 answer(s) for up to 3 turns"),
+])
+def test_chat_file_rows_are_checked_before_anything_runs(tmp_path, rows, line, field, message):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text("".join(json.dumps(r) + "\n" if r else "\n" for r in rows))
+  out = tmp_path / "o.jsonl"
+  with pytest.raises(ValueError) as error:
+    # No such model directories: the rows fail first.
+    chat.chat_from_file(input_jsonl=str(bad), output_jsonl=str(out), question_model_dir="/no",
+                        fusion_model_dir="/no", judge_model_dir="/no", max_turns=3)
+  assert (error.value.line, error.value.field) == (line, field)
+  assert message in str(error.value) and not out.exists()

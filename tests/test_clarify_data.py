@@ -142,3 +142,13 @@ def test_real_silver_labels(shared_dir):
                           "sc_dev_questions_gpt.tsv")
   labels = {data.default_judgment(r["hypothesis"]) for r in rows}
   assert labels == set(formats.JUDGMENTS)
+
+
+def test_demo_splits_share_no_situation():
+  train, dev = data.situations("demo", split="train"), data.situations("demo", split="dev")
+  everything = list(dict.fromkeys(formats.clean(r["situation"])
+                                  for r in data.load_source("demo")["questions"]))
+  assert dev == everything[::data.DEMO_DEV_EVERY] and not set(train) & set(dev)
+  assert sorted(train + dev) == sorted(everything)
+  with pytest.raises(ValueError, match="split must be 'train' or 'dev', got 'nonsense'"):
+    data.situations("demo", split="nonsense")

@@ -58,21 +58,28 @@ def test_value_params_start_from_policy():
       np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.slow
-def test_train_clarify_ppo_exports_policy(tmp_path, vocab_path):
-  directory = testing.random_model_dir(tmp_path / "random", seed=1, vocabulary_path=vocab_path)
-  model_dir = str(tmp_path / "ppo")
-  result = training.train_clarify_ppo(
+def _ppo(model_dir, directory, num_iterations):
+  return training.train_clarify_ppo(
       model_dir=model_dir, question_model_dir=directory, answer_model_dir=directory,
       fusion_model_dir=directory, judge_model_dir=directory, nli_model_dir=None,
       ppo_config=ppo_trainer.PPOConfig(batch_size=8, num_ppo_epochs=1, num_minibatches=1,
                                        max_prompt_length=24, max_response_length=6,
                                        reward_norm_num_prompts=8),
-      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4), num_iterations=2,
+      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
+      num_iterations=num_iterations,
+      # Sampled answers: a resumed run must draw the same ones as an uninterrupted run.
       reward_config=reward.RewardConfig(judge_classes=formats.DEMO_JUDGE_CLASSES,
                                         input_length=32, batch_size=8, max_answer_length=4,
-                                        max_fusion_length=4, use_nli=False),
+                                        max_fusion_length=4, use_nli=False,
+                                        answer_greedy=False),
       max_prompts=12, log_every=1, sample_every=0, checkpoint_every=2, async_checkpoint=False)
+
+
+@pytest.mark.slow
+def test_train_clarify_ppo_exports_policy_and_resumes_as_one_run(tmp_path, vocab_path):
+  directory = testing.random_model_dir(tmp_path / "random", seed=1, vocabulary_path=vocab_path)
+  model_dir = str(tmp_path / "ppo")
+  result = _ppo(model_dir, directory, 2)
   assert result["iteration"] == 2
   assert len(result["reward_curve_values"]) == 2  # the mu0/sigma0 call is not in the curve
   assert os.path.isfile(result["reward_curve"])
@@ -82,4 +89,16 @@ def test_train_clarify_ppo_exports_policy(tmp_path, vocab_path):
   moved = [not np.allclose(a, b) for a, b in zip(jax.tree_util.tree_leaves(policy.params),
                                                  jax.tree_util.tree_leaves(start.params))]
   assert any(moved)  # two PPO updates changed the policy
+  # The PPO run directory itself loads as its tuned policy.
+  for a, b in zip(jax.tree_util.tree_leaves(models.load_model(model_dir).params),
+                  jax.tree_util.tree_leaves(policy.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Extended to 3 iterations, the run's curve is one curve, equal to an uninterrupted run's.
+  extended = _ppo(model_dir, directory, 3)
+  straight = _ppo(str(tmp_path / "straight"), directory, 3)
+  curve = json.loads((tmp_path / "ppo" / "reward_curve.json").read_text())
+  assert curve["iterations"] == [1, 2, 3]
+  assert curve["raw_reward_mean"][:2] == result["reward_curve_values"]
+  np.testing.assert_allclose(extended["reward_curve_values"], straight["reward_curve_values"],
+                             rtol=1e-5)
   runs.load_run_files(model_dir)  # the PPO run dir is self-describing too

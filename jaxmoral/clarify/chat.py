@@ -149,20 +149,34 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
 
   Answers come from the row (one per turn); when absent (or used up) θA answers
   (`update_type`, default "weakener", of the current judgment). Writes one JSON line per turn
-  with the row index as `conversation`.
+  with the row index as `conversation`. A malformed row (answers not a list of strings, an
+  unknown update type, fewer answers than turns without θA) fails with its line before
+  anything runs.
   """
-  rows = readers.read_jsonl(input_jsonl, required=["situation"])
+  rows = readers.read_jsonl(input_jsonl, required=["situation"],
+                            text=["situation", "update_type"])
+  # Every row is checked before any model loads or any turn is written.
+  for row, line in zip(rows, rows.lines):
+    answers = row.get("answers", [])
+    if not isinstance(answers, list) or not all(isinstance(a, str) and a.strip()
+                                                for a in answers):
+      raise readers.DataError(input_jsonl, line, "expected a list of non-empty strings, got "
+                              f"{json.dumps(answers)[:60]}", "answers")
+    if row.get("update_type", "weakener") not in formats.UPDATE_TYPES:
+      raise readers.DataError(input_jsonl, line, f"expected one of {formats.UPDATE_TYPES}, got "
+                              f"{row['update_type']!r}", "update_type")
+    if answer_model_dir is None and len(answers) < max_turns:
+      raise readers.DataError(input_jsonl, line, f"{len(answers)} answer(s) for up to "
+                              f"{max_turns} turns: give more, or answer_model_dir "
+                              f"(--answer_model_dir) to answer the rest", "answers")
   session = _session(question_model_dir=question_model_dir, fusion_model_dir=fusion_model_dir,
                      judge_model_dir=judge_model_dir, answer_model_dir=answer_model_dir,
                      judge_classes=judge_classes, top_p=top_p, seed=seed)
   records = []
   with _open_transcript(output_jsonl) as out:
     for index, row in enumerate(rows):
-      given = list(row.get("answers") or [])
+      given = row.get("answers", [])
       update_type = row.get("update_type", "weakener")
-      if update_type not in formats.UPDATE_TYPES:
-        raise ValueError(f"{input_jsonl}: row {index + 1}: update_type must be one of "
-                         f"{formats.UPDATE_TYPES}, got {update_type!r}")
       situation = formats.clean(row["situation"])
       for t in range(max_turns):
         def answer_fn(s: str, q: str, j: str, t=t) -> str:

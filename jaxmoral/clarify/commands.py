@@ -51,7 +51,8 @@ def _parser(action: str) -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=None)
     parser.add_argument("--vocabulary_path", default=None)
     parser.add_argument("--size", default=None, help="T5 size when no gin MODEL_CONFIG")
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--learning_rate", type=float, default=None,
+                        help="the gin macro LEARNING_RATE; default 1e-3 without a gin optimizer")
   elif action == "train-ppo":
     parser.add_argument("--model_dir", required=True)
     for m in models[:5]:
@@ -59,7 +60,9 @@ def _parser(action: str) -> argparse.ArgumentParser:
     parser.add_argument("--num_iterations", type=int, default=None)
     parser.add_argument("--batch_size", type=int, default=None)
     parser.add_argument("--source", default=None)
-    parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--learning_rate", type=float, default=None,
+                        help="the gin macro PPO_LEARNING_RATE; default 1e-5 without a gin "
+                             "optimizer")
   elif action == "evaluate":
     for m in models:
       parser.add_argument(f"--{m}_model_dir", default=None)
@@ -101,6 +104,13 @@ def main(action: str, rest: Sequence[str], gin_args: Any) -> int:
     raise ValueError(f"jaxmoral clarify: unknown action {action!r}; choose from {ACTIONS}")
   args = _parser(action).parse_args(list(rest))
   gin_utils.parse_gin(gin_args)
+  learning_rate = getattr(args, "learning_rate", None)
+  if action == "train-model":
+    learning_rate = _learning_rate_flag(learning_rate, "LEARNING_RATE", "train_clarify_model",
+                                        default=1e-3)
+  elif action == "train-ppo":
+    learning_rate = _learning_rate_flag(learning_rate, "PPO_LEARNING_RATE", "train_clarify_ppo",
+                                        default=1e-5)
   classes = _classes(getattr(args, "judge_classes", None))
   if action == "train-model":
     from jaxmoral import optimizers
@@ -114,7 +124,7 @@ def main(action: str, rest: Sequence[str], gin_args: Any) -> int:
     _defaults_unless_gin(kwargs, "train_clarify_model", {
         "model_config": lambda: config_lib.t5_config(size="tiny"),
         "optimizer": lambda: optimizers.make_optimizer(name="adamw",
-                                                       learning_rate=args.learning_rate),
+                                                       learning_rate=learning_rate),
         "train_steps": lambda: 1000, "batch_size": lambda: 32,
         "feature_lengths": lambda: {"inputs": 128, "targets": 32}})
     gin_utils.check_required()
@@ -135,7 +145,7 @@ def main(action: str, rest: Sequence[str], gin_args: Any) -> int:
     _defaults_unless_gin(kwargs, "train_clarify_ppo", {
         "ppo_config": ppo_trainer.PPOConfig,
         "optimizer": lambda: optimizers.make_optimizer(name="adamw",
-                                                       learning_rate=args.learning_rate),
+                                                       learning_rate=learning_rate),
         "num_iterations": lambda: 100})
     _require(kwargs, "train_clarify_ppo", [f"{m}_model_dir" for m in
                                            ("question", "answer", "fusion", "judge")])
@@ -163,6 +173,31 @@ def main(action: str, rest: Sequence[str], gin_args: Any) -> int:
     demo.run_demo(workdir=args.workdir, train_steps=args.train_steps,
                   ppo_iterations=args.ppo_iterations, separate_models=args.separate_models)
   return 0
+
+
+def _learning_rate_flag(flag: Optional[float], macro: str, function: str, *,
+                        default: float) -> float:
+  """The rate of the flag-built optimizer; a given flag also sets the gin `macro`.
+
+  A gin-bound optimizer reads its rate from `macro` (configs/clarify/*.gin do), so the flag
+  rebinds it. Raises if gin binds an optimizer that does not use the macro: the flag would
+  otherwise be ignored.
+  """
+  import gin
+  if flag is None:
+    return default
+  try:
+    gin.query_parameter(f"{function}.optimizer")
+  except ValueError:
+    return flag  # No gin optimizer: the flag-built one uses the rate.
+  try:
+    gin.query_parameter(f"%{macro}")
+  except ValueError:
+    raise ValueError(f"jaxmoral clarify: --learning_rate sets the gin macro {macro}, which "
+                     f"this config's {function}.optimizer does not use; set the rate in gin "
+                     f"or bind {macro}") from None
+  gin.parse_config(f"{macro} = {flag!r}")
+  return flag
 
 
 def _defaults_unless_gin(kwargs: dict[str, Any], function: str, defaults: dict[str, Any]) -> None:

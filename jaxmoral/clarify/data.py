@@ -313,10 +313,24 @@ def build_pairs(which: str, source: str = "demo", *, split: str = "train",
   return relevance_pairs(rows["questions"], labels=relevance_labels)
 
 
+# The bundled corpus has one file; every DEMO_DEV_EVERY-th of its distinct situations is "dev".
+DEMO_DEV_EVERY = 5
+
+
 def situations(source: str = "demo", *, split: str = "train") -> list[str]:
-  """The distinct situations of a split (PPO prompts, evaluation inputs), in file order."""
+  """The distinct situations of a split (PPO prompts, evaluation inputs), in file order.
+
+  The demo corpus's "dev" split is every 5th distinct situation and its "train" split the
+  others, so PPO on "train" and evaluation on "dev" never share a situation.
+  """
+  if split not in ("train", "dev"):
+    raise ValueError(f"clarify situations: split must be 'train' or 'dev', got {split!r}")
   rows = load_source(source, split=split)["questions"]
-  return list(dict.fromkeys(formats.clean(r["situation"]) for r in rows))
+  distinct = list(dict.fromkeys(formats.clean(r["situation"]) for r in rows))
+  if source == "demo":
+    dev = split == "dev"
+    distinct = [s for i, s in enumerate(distinct) if (i % DEMO_DEV_EVERY == 0) == dev]
+  return distinct
 
 
 def write_pairs(pairs: Sequence[Pair], path: str | os.PathLike) -> str:

@@ -91,9 +91,8 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
     dirs[which] = model_dir
   role_dir = {r: dirs.get(r, dirs.get("multitask")) for r in ROLES}
 
-  # Held-out situations for the evaluation, the rest for PPO.
-  all_situations = data_lib.situations("demo")
-  held_out = all_situations[::5][:eval_situations]
+  # Held-out situations for the evaluation; PPO trains on the others (its split "train").
+  held_out = data_lib.situations("demo", split="dev")[:eval_situations]
   reward_config = reward_lib.RewardConfig(
       judge_classes=formats.DEMO_JUDGE_CLASSES, batch_size=32, input_length=64,
       max_answer_length=24, max_fusion_length=32)

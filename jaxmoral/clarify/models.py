@@ -26,6 +26,9 @@ from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
 
+# Where a PPO run exports its tuned question generator (MODEL_DIR/policy).
+POLICY_DIR = "policy"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClarifyModel:
@@ -94,6 +97,8 @@ def _read_vocab(folder: pathlib.Path) -> Any:
 def _load_cached(path: str, step: Optional[int], dtype: Optional[str]
                  ) -> tuple[config_lib.T5Config, Any, Any]:
   folder = pathlib.Path(path)
+  if (folder / POLICY_DIR / checkpoints.PARAMS_DIR).is_dir() and step is None:
+    folder = folder / POLICY_DIR  # A PPO run: its tuned question generator.
   if (folder / runs.MODEL_CONFIG_FILE).is_file() and (folder / "checkpoints").is_dir():
     config, vocabulary = runs.load_run_files(folder)
     params = runs.restore_run_params(folder, step=step)
@@ -113,7 +118,8 @@ def _load_cached(path: str, step: Optional[int], dtype: Optional[str]
 
 def load_model(path: str | os.PathLike, *, step: Optional[int] = None, input_length: int = 128,
                batch_size: int = 32, dtype: Optional[str] = None) -> ClarifyModel:
-  """Loads a run or export directory (cached per path: one load per process)."""
+  """Loads a run or export directory (cached per path: one load per process). A PPO run
+  directory gives its tuned policy (`MODEL_DIR/policy`)."""
   config, params, vocabulary = _load_cached(os.path.abspath(os.fspath(path)), step, dtype)
   return ClarifyModel(model=t5.T5(config), params=params, vocabulary=vocabulary,
                       path=os.fspath(path), input_length=input_length, batch_size=batch_size)

@@ -138,7 +138,11 @@ class DefeasibilityReward:
       self.nli = nli_lib.NLIScorer(models.with_shapes(nli_model, **shape), config.nli_labels)
     elif config.use_nli:
       logger.warning("DefeasibilityReward: use_nli=True but no NLI model; answers unfiltered")
+    # Sampled answers draw from fold_in(seed, call index, weakener | strengthener); PPO passes
+    # its iteration as the call index, so a resumed run samples what the uninterrupted one did.
     self._calls = 0
+    self._call_index = 0
+    self._within_call = 0
 
   @classmethod
   def from_dirs(cls, *, answer_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
@@ -164,11 +168,12 @@ class DefeasibilityReward:
     cfg = self.config
     inputs = [formats.answer_input(judgment=j, situation=s, update_type=update_type, question=q)
               for s, q, j in zip(situations, questions, judgments)]
-    self._calls += 1
+    self._within_call += 1
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), self._call_index),
+                             self._within_call)
     out = models.generate(self.answer_model, inputs, max_decode_length=cfg.max_answer_length,
                           greedy=cfg.answer_greedy, top_p=cfg.answer_top_p,
-                          temperature=cfg.answer_temperature,
-                          rng=jax.random.fold_in(jax.random.PRNGKey(cfg.seed), self._calls))
+                          temperature=cfg.answer_temperature, rng=key)
     return [o[0] for o in out]
 
   def fuse(self, situations: Sequence[str], questions: Sequence[str],
@@ -181,17 +186,23 @@ class DefeasibilityReward:
 
   # -- the pipeline -----------------------------------------------------------------------------
   def score_questions(self, situations: Sequence[str], questions: Sequence[str], *,
-                      use_nli: Optional[bool] = None) -> RewardResult:
+                      use_nli: Optional[bool] = None,
+                      call_index: Optional[int] = None) -> RewardResult:
     """The whole pipeline for N (situation, question) pairs.
 
     Args:
       situations: Situations.
       questions: One question per situation.
       use_nli: Override `config.use_nli` (the pipeline baseline with / without NLI).
+      call_index: Keys the sampled answers (>= 0; default: one more than the last call).
     """
     if len(situations) != len(questions):
       raise ValueError(f"score_questions: {len(situations)} situations but {len(questions)} "
                        f"questions")
+    if call_index is None:
+      self._calls += 1
+      call_index = self._calls
+    self._call_index, self._within_call = call_index, 0
     n = len(situations)
     situations = [formats.clean(s) for s in situations]
     questions = [formats.clean(q) or "?" for q in questions]
@@ -219,10 +230,11 @@ class DefeasibilityReward:
         strengthened_distribution=p_s, weakener_filtered=filtered[:n],
         strengthener_filtered=filtered[n:])
 
-  def __call__(self, prompt_texts: Sequence[str], response_texts: Sequence[str]
-               ) -> tuple[np.ndarray, dict[str, Any]]:
+  def __call__(self, prompt_texts: Sequence[str], response_texts: Sequence[str], *,
+               call_index: Optional[int] = None) -> tuple[np.ndarray, dict[str, Any]]:
     """PPO `reward_fn`: prompts are θQ inputs, responses the sampled questions."""
-    result = self.score_questions([situation_of(p) for p in prompt_texts], response_texts)
+    result = self.score_questions([situation_of(p) for p in prompt_texts], response_texts,
+                                  call_index=call_index)
     extras = {"jsd": result.jsd, "filtered": result.filtered.astype(np.float32),
               "flips": result.flips.astype(np.float32), "weakener": result.weakener,
               "strengthener": result.strengthener,

@@ -21,7 +21,7 @@ import gin
 import jax
 import optax
 
-from jaxmoral import checkpoints, partitioning, runs
+from jaxmoral import checkpoints, gin_utils, partitioning, runs
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
@@ -32,7 +32,7 @@ from jaxmoral.models import t5
 from jaxmoral.rl import ppo_trainer
 
 logger = logging.getLogger(__name__)
-POLICY_DIR = "policy"
+POLICY_DIR = models.POLICY_DIR
 REWARD_CURVE = "reward_curve"
 
 
@@ -110,27 +110,57 @@ def value_params_from_policy(value_model: t5.T5, policy_params: Any, rng: jax.Ar
 
 
 class _RecordingReward:
-  """Wraps the reward_fn to keep the mean raw reward of every call (the reward curve)."""
+  """Wraps the reward_fn: keys its sampled answers by PPO iteration and keeps the curve.
 
-  def __init__(self, reward: reward_lib.DefeasibilityReward):
+  The calls before iteration 1 (measuring mu0/sigma0 on a fresh run) get call indices past
+  any iteration. After each iteration the mean raw reward goes into MODEL_DIR/
+  reward_curve.json, with the earlier iterations a resumed run finds there (up to its
+  checkpoint; later ones it computes again): so a killed, resumed or extended run has one
+  curve, and samples the same answers as an uninterrupted one.
+  """
+
+  def __init__(self, reward: reward_lib.DefeasibilityReward, *, model_dir: str,
+               start_iteration: int, calls_before_first_iteration: int):
     self.reward = reward
-    self.means: list[float] = []
+    self.path = pathlib.Path(model_dir) / f"{REWARD_CURVE}.json"
+    self.curve = {i: v for i, v in _read_reward_curve(self.path).items() if i <= start_iteration}
+    self._iteration = start_iteration
+    self._calls_left_before = calls_before_first_iteration
 
   def __call__(self, prompts: list[str], responses: list[str]):
-    scores, extras = self.reward(prompts, responses)
-    self.means.append(float(scores.mean()) if len(scores) else 0.0)
+    if self._calls_left_before:
+      self._calls_left_before -= 1
+      return self.reward(prompts, responses, call_index=_NORM_CALL_INDEX +
+                         self._calls_left_before)
+    self._iteration += 1
+    scores, extras = self.reward(prompts, responses, call_index=self._iteration)
+    self.curve[self._iteration] = float(scores.mean()) if len(scores) else 0.0
+    self.path.write_text(json.dumps({"iterations": sorted(self.curve),
+                                     "raw_reward_mean": [self.curve[i] for i in
+                                                         sorted(self.curve)]}))
     return scores, extras
 
 
-def _write_reward_curve(model_dir: str, means: Sequence[float], first_iteration: int) -> str:
+# Call indices of the mu0/sigma0 calls: past any iteration a run will reach.
+_NORM_CALL_INDEX = 2 ** 30
+
+
+def _read_reward_curve(path: pathlib.Path) -> dict[int, float]:
+  """{iteration: mean raw reward} of a curve file; {} when there is none."""
+  if not path.is_file():
+    return {}
+  data = json.loads(path.read_text())
+  return dict(zip(data["iterations"], data["raw_reward_mean"]))
+
+
+def _plot_reward_curve(model_dir: str, curve: dict[int, float]) -> str:
   path = pathlib.Path(model_dir) / f"{REWARD_CURVE}.json"
-  path.write_text(json.dumps({"first_iteration": first_iteration, "raw_reward_mean": means}))
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot(range(first_iteration + 1, first_iteration + 1 + len(means)), means, marker="o")
+    ax.plot(sorted(curve), [curve[i] for i in sorted(curve)], marker="o")
     ax.set_xlabel("PPO iteration")
     ax.set_ylabel("mean raw reward (JSD)")
     ax.set_title("ClarifyDelphi PPO")
@@ -149,7 +179,7 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
                       nli_model_dir: Optional[str] = None,
                       ppo_config: ppo_trainer.PPOConfig,
                       optimizer: optax.GradientTransformation, num_iterations: int,
-                      reward_config: reward_lib.RewardConfig = reward_lib.RewardConfig(),
+                      reward_config: Optional[reward_lib.RewardConfig] = None,
                       source: str = "demo", split: str = "train",
                       max_prompts: Optional[int] = None,
                       partitioner: Optional[partitioning.PjitPartitioner] = None,
@@ -167,7 +197,8 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
     ppo_config: PPO settings (batch, epochs, KL, sampling: top-p 0.6, temperature 0.7, ...).
     optimizer: Policy (and value) optimizer.
     num_iterations: Total PPO iterations.
-    reward_config: Reward-pipeline settings.
+    reward_config: Reward-pipeline settings (None: `RewardConfig()`, made at call time so
+      that gin bindings of RewardConfig apply).
     source: Situations: "demo" or a δ-Clarify folder.
     split: δ-Clarify split of the training situations.
     max_prompts: Use at most this many situations.
@@ -183,19 +214,28 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
   config, vocabulary = q_model.model.config, q_model.vocabulary
   reward = reward_lib.DefeasibilityReward.from_dirs(
       answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
-      judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir, config=reward_config)
+      judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir,
+      config=reward_config or reward_lib.RewardConfig())
   situations = data_lib.situations(source, split=split)[:max_prompts]
   prompts = [formats.question_input(s) for s in situations]
   value_model = t5.T5(value_model_config or config, with_scalar_head=True)
-  recorder = _RecordingReward(reward)
-  trainer = ppo_trainer.PPOTrainer(
-      policy_model=t5.T5(config), value_model=value_model, vocabulary=vocabulary,
-      config=ppo_config, optimizer=optimizer, partitioner=partitioner, reward_fn=recorder)
   checkpoints.make_run_dir(model_dir)
   runs.save_run_files(model_dir, model_config=config, vocabulary=vocabulary)
+  if jax.process_index() == 0 and gin.config_str():
+    gin_utils.write_operative_config(model_dir)
   ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
   with checkpoints.CheckpointManager(ckpt_dir, async_save=False) as manager:
     start = manager.latest_step() or 0
+  # A fresh run first measures mu0/sigma0 with these reward calls.
+  norm_calls = 0
+  if start == 0 and ppo_config.normalize_reward:
+    norm_calls = math.ceil(min(ppo_config.reward_norm_num_prompts, len(prompts))
+                           / ppo_config.batch_size)
+  recorder = _RecordingReward(reward, model_dir=model_dir, start_iteration=start,
+                              calls_before_first_iteration=norm_calls)
+  trainer = ppo_trainer.PPOTrainer(
+      policy_model=t5.T5(config), value_model=value_model, vocabulary=vocabulary,
+      config=ppo_config, optimizer=optimizer, partitioner=partitioner, reward_fn=recorder)
   value_params = value_params_from_policy(value_model, q_model.params,
                                           jax.random.PRNGKey(seed + 1))
   result = ppo_trainer.train_ppo(
@@ -203,12 +243,7 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
       num_iterations=num_iterations, checkpoint_every=checkpoint_every, log_every=log_every,
       sample_every=sample_every, seed=seed, async_checkpoint=async_checkpoint,
       init_policy_params=q_model.params, init_value_params=value_params)
-  # Calls before the first iteration measured mu0/sigma0 (fresh runs only).
-  norm_calls = 0
-  if start == 0 and ppo_config.normalize_reward:
-    norm_calls = math.ceil(min(ppo_config.reward_norm_num_prompts, len(prompts))
-                           / ppo_config.batch_size)
-  curve = _write_reward_curve(model_dir, recorder.means[norm_calls:], start)
+  curve = _plot_reward_curve(model_dir, recorder.curve)
   with checkpoints.CheckpointManager(ckpt_dir, async_save=False) as manager:
     state, _ = manager.restore(target=trainer.abstract_state())
   policy_dir = models.export_policy(jax.device_get(state.policy.params),
@@ -216,5 +251,5 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
                                     config=config, vocabulary=vocabulary)
   result = dict(result)
   result.update({"policy_dir": policy_dir, "reward_curve": curve,
-                 "reward_curve_values": recorder.means[norm_calls:]})
+                 "reward_curve_values": [recorder.curve[i] for i in sorted(recorder.curve)]})
   return result
