@@ -86,7 +86,10 @@ def test_learning_rate_flag_a_gin_optimizer_does_not_read_is_an_error(monkeypatc
 
 @pytest.mark.parametrize("config", ["tiny_cpu", "gpu", "tpu_pod"])
 def test_configs_give_chat_the_judge_classes_they_train(config):
+  # With Diamante's `chat` module loaded too, as in a process that runs both methods: the
+  # configs' selectors must name ClarifyDelphi's functions without ambiguity.
+  import jaxmoral.diamante.chat  # pylint: disable=g-import-not-at-top,unused-import
   gin_utils.parse_gin(gin_utils.GinArgs(files=(f"configs/clarify/{config}.gin",)))
   trained = gin.query_parameter("training.train_clarify_model.judge_classes")
-  for function in ("chat.chat", "chat.chat_from_file"):
+  for function in ("clarify.chat.chat", "clarify.chat.chat_from_file"):
     assert gin.query_parameter(f"{function}.judge_classes") == trained
