@@ -135,10 +135,16 @@ class _RecordingReward:
     self._iteration += 1
     scores, extras = self.reward(prompts, responses, call_index=self._iteration)
     self.curve[self._iteration] = float(scores.mean()) if len(scores) else 0.0
-    self.path.write_text(json.dumps({"iterations": sorted(self.curve),
-                                     "raw_reward_mean": [self.curve[i] for i in
-                                                         sorted(self.curve)]}))
+    self.path.write_text(json.dumps({"iterations": self.iterations(),
+                                     "raw_reward_mean": self.means()}))
     return scores, extras
+
+  def iterations(self) -> list[int]:
+    return sorted(self.curve)
+
+  def means(self) -> list[float]:
+    """The mean raw reward of each iteration, in iteration order."""
+    return [self.curve[i] for i in self.iterations()]
 
 
 # Call indices of the mu0/sigma0 calls: past any iteration a run will reach.
@@ -153,14 +159,15 @@ def _read_reward_curve(path: pathlib.Path) -> dict[int, float]:
   return dict(zip(data["iterations"], data["raw_reward_mean"]))
 
 
-def _plot_reward_curve(model_dir: str, curve: dict[int, float]) -> str:
-  path = pathlib.Path(model_dir) / f"{REWARD_CURVE}.json"
+def _plot_reward_curve(recorder: _RecordingReward) -> str:
+  """Draws the recorder's curve beside its JSON file; returns the picture (or the JSON)."""
+  path = recorder.path
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot(sorted(curve), [curve[i] for i in sorted(curve)], marker="o")
+    ax.plot(recorder.iterations(), recorder.means(), marker="o")
     ax.set_xlabel("PPO iteration")
     ax.set_ylabel("mean raw reward (JSD)")
     ax.set_title("ClarifyDelphi PPO")
@@ -243,7 +250,7 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
       num_iterations=num_iterations, checkpoint_every=checkpoint_every, log_every=log_every,
       sample_every=sample_every, seed=seed, async_checkpoint=async_checkpoint,
       init_policy_params=q_model.params, init_value_params=value_params)
-  curve = _plot_reward_curve(model_dir, recorder.curve)
+  curve = _plot_reward_curve(recorder)
   with checkpoints.CheckpointManager(ckpt_dir, async_save=False) as manager:
     state, _ = manager.restore(target=trainer.abstract_state())
   policy_dir = models.export_policy(jax.device_get(state.policy.params),
@@ -251,5 +258,5 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
                                     config=config, vocabulary=vocabulary)
   result = dict(result)
   result.update({"policy_dir": policy_dir, "reward_curve": curve,
-                 "reward_curve_values": [recorder.curve[i] for i in sorted(recorder.curve)]})
+                 "reward_curve_values": recorder.means()})
   return result

@@ -78,29 +78,39 @@ class _Collector:
     self.errors.append(error)
 
 
-def _check_required(row: dict[str, Any], required: Sequence[str], path: PathLike, line: int,
-                    report: Report) -> bool:
-  """True when every required field is present and non-empty; else reports the first."""
+def _required_error(row: dict[str, Any], required: Sequence[str], path: PathLike,
+                    line: int) -> Optional[DataError]:
+  """The first required field that is missing or empty (null, blank text, [] or {})."""
   for name in required:
-    if name not in row or row[name] is None:
-      report(DataError(path, line, "missing required field", name))
-      return False
+    if name not in row:
+      return DataError(path, line, "missing required field", name)
     value = row[name]
-    if isinstance(value, str) and not value.strip():
-      report(DataError(path, line, "empty value", name))
-      return False
-  return True
+    if value is None or (isinstance(value, (str, list, dict)) and not value) or (
+        isinstance(value, str) and not value.strip()):
+      return DataError(path, line, "empty value", name)
+  return None
 
 
 def _utf8_lines(f: BinaryIO, path: PathLike) -> Iterator[tuple[int, str, Optional[DataError]]]:
-  """(line number, text, error) per physical line. A line that is not UTF-8 comes with the
-  error naming its first bad byte (and its text decoded with replacement characters)."""
+  """(line number, text, error) per physical line, a byte-order mark dropped from the first.
+  A line that is not UTF-8 comes with the error naming its first bad byte (and its text
+  decoded with replacement characters)."""
   for number, raw in enumerate(f, start=1):
     try:
-      yield number, raw.decode("utf-8"), None
+      text = raw.decode("utf-8")
+      yield number, text.removeprefix(_BOM) if number == 1 else text, None
     except UnicodeDecodeError as e:
       yield number, raw.decode("utf-8", errors="replace"), DataError(
           path, number, f"not UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line")
+
+
+def _text_lines(f: BinaryIO, path: PathLike, report: Report) -> Iterator[tuple[int, str]]:
+  """(line number, text) of the non-blank lines; a line that is not UTF-8 is reported."""
+  for number, text, bad in _utf8_lines(f, path):
+    if bad is not None:
+      report(bad)
+    elif text.strip():
+      yield number, text
 
 
 def _quote_error(error: csv.Error) -> str:
@@ -185,8 +195,6 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
     except StopIteration:
       raise DataError(path, 0, "empty file (no header)") from None
     header = [h.strip() for h in header]
-    if header and header[0].startswith(_BOM):
-      header[0] = header[0][1:]
     if columns is not None:
       missing = [c for c in columns if c not in header]
       if missing:
@@ -200,7 +208,9 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
         report(DataError(path, line, f"expected {len(header)} columns, got {len(values)}", field))
         continue
       row = dict(zip(header, values))
-      if not _check_required(row, required, path, line, report):
+      error = _required_error(row, required, path, line)
+      if error is not None:
+        report(error)
         continue
       if columns is not None:
         row = {c: row[c] for c in columns}
@@ -249,12 +259,9 @@ def read_lines(path: PathLike, *, on_error: OnError = "raise") -> ReadResult:
   rows: list[dict[str, Any]] = []
   lines: list[int] = []
   with open(path, "rb") as f:
-    for number, text, bad in _utf8_lines(f, path):
-      if bad is not None:
-        report(bad)
-      elif text.strip():
-        rows.append({"text": text.rstrip("\r\n").removeprefix(_BOM if number == 1 else "")})
-        lines.append(number)
+    for number, text in _text_lines(f, path, report):
+      rows.append({"text": text.rstrip("\r\n")})
+      lines.append(number)
   return ReadResult(rows, report.errors, lines)
 
 
@@ -277,14 +284,7 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
   rows: list[dict[str, Any]] = []
   lines: list[int] = []
   with open(path, "rb") as f:
-    for number, line_text, bad in _utf8_lines(f, path):
-      if bad is not None:
-        report(bad)
-        continue
-      if number == 1:
-        line_text = line_text.removeprefix(_BOM)
-      if not line_text.strip():
-        continue
+    for number, line_text in _text_lines(f, path, report):
       try:
         obj = json.loads(line_text)
       except json.JSONDecodeError as e:
@@ -293,7 +293,8 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
       if not isinstance(obj, dict):
         report(DataError(path, number, f"expected a JSON object, got {type(obj).__name__}"))
         continue
-      error = _jsonl_field_error(obj, required or (), text, path, number)
+      error = _required_error(obj, required or (), path, number) or _text_error(
+          obj, text, path, number)
       if error is not None:
         report(error)
         continue
@@ -302,16 +303,9 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
   return ReadResult(rows, report.errors, lines)
 
 
-def _jsonl_field_error(obj: dict[str, Any], required: Sequence[str], text: Sequence[str],
-                       path: PathLike, line: int) -> Optional[DataError]:
-  """The first problem of an object's fields, or None."""
-  for name in required:
-    if name not in obj:
-      return DataError(path, line, "missing required field", name)
-    value = obj[name]
-    if value is None or (isinstance(value, (str, list, dict)) and not value) or (
-        isinstance(value, str) and not value.strip()):
-      return DataError(path, line, "empty value", name)
+def _text_error(obj: dict[str, Any], text: Sequence[str], path: PathLike,
+                line: int) -> Optional[DataError]:
+  """The first of the `text` fields present whose value is not a JSON string."""
   for name in text:
     if name in obj and not isinstance(obj[name], str):
       return DataError(path, line, f"expected a string, got {json.dumps(obj[name])[:40]}", name)
