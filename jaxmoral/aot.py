@@ -162,36 +162,65 @@ def get_topology(topology: str, *, num_slices: int = 1) -> Topology:
 
 
 # -- compile targets --------------------------------------------------------------------------
+def shard_bytes(tree: Any) -> int:
+  """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s (or arrays)."""
+  total = 0
+  for leaf in jax.tree_util.tree_leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if getattr(leaf, "sharding", None) else leaf.shape
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return int(total)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One compiled program of a step: the very jitted function the run calls, and abstract
+  arguments (`ShapeDtypeStruct`s carrying their shardings) to lower it with.
+
+  Attributes:
+    name: Its name in the report ("step", "rollout", "judge", "update", ...).
+    function: The jitted function (anything with `.lower(*args)`).
+    args: Its abstract arguments.
+    persistent: The arguments that stay on the chips between programs (parameters, state);
+      counted once for the whole step in `CompileProgram.resident`.
+  """
+  name: str
+  function: Any
+  args: tuple[Any, ...]
+  persistent: Any = ()
+
+  def lower(self) -> Any:
+    return self.function.lower(*self.args)
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileProgram:
   """What a compile target hands back.
 
   Attributes:
-    lower: `() -> jax.stages.Lowered` of the full sharded step (abstract inputs only); or
-      give `stages` instead.
+    stages: The compiled programs of one step, in the order the run calls them; compiled one
+      at a time (each frees the compiler's memory before the next).
+    resident: Everything that stays on the chips for the whole run (every model's parameters
+      and optimizer state); None: each stage's own persistent arguments.
     description: One line for the report ("T5 large seq2seq, batch 512 x (512, 128)").
     num_params: Parameters of every model in the step.
     num_trainable_params: Parameters that get updates.
     tokens_per_step: Tokens the step trains on (for a 6*N*D model-FLOPs estimate), if known.
     model_flops_per_step: Analytic model FLOPs of the step (all chips), if the target knows.
-    stages: `(name, lower)` pairs for a step that runs as several compiled programs one
-      after the other (PPO: scoring, then the update), compiled one at a time; the report's
-      memory is that of the stage with the highest peak, its FLOPs the sum.
+    program: The method's own program the stages come from (e.g. ClarifyDelphi's
+      `PPOProgram`), for notebooks and tests.
   """
-  lower: Optional[Callable[[], Any]] = None
+  stages: tuple[Stage, ...]
+  resident: Any = None
   description: str = ""
   num_params: int = 0
   num_trainable_params: int = 0
   tokens_per_step: Optional[int] = None
   model_flops_per_step: Optional[float] = None
-  stages: tuple[tuple[str, Callable[[], Any]], ...] = ()
+  program: Any = None
 
   def __post_init__(self):
-    if (self.lower is None) == (not self.stages):
-      raise ValueError("CompileProgram: give exactly one of lower, stages")
-
-  def all_stages(self) -> tuple[tuple[str, Callable[[], Any]], ...]:
-    return self.stages or (("step", self.lower),)
+    if not self.stages:
+      raise ValueError("CompileProgram: no stages")
 
 
 CompileTargetBuilder = Callable[[partitioning.PjitPartitioner], CompileProgram]
@@ -203,7 +232,8 @@ def register_compile_target(name: str, builder: CompileTargetBuilder, *,
   """Makes `builder(partitioner) -> CompileProgram` available as `target=name`.
 
   The builder reads its settings from its own gin-bound arguments (the CLI has parsed the
-  config) and must build the step on `partitioner` (whose devices are the topology's).
+  config), must build the step on `partitioner` (whose devices are the topology's) with the
+  same code the run uses, and hand back the run's own jitted functions as stages.
   """
   if not name or not isinstance(name, str):
     raise ValueError(f"register_compile_target: name must be a non-empty str, got {name!r}")
@@ -221,30 +251,23 @@ def _num_params(tree: Any) -> int:
   return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def _num_trainable(trainer: Any) -> int:
-  """Parameters of a `trainer.Trainer` that its trainable mask selects."""
-  leaves = jax.tree_util.tree_leaves(trainer.abstract_state().params)
-  mask = jax.tree_util.tree_leaves(trainer.trainable_mask)
-  return int(sum(math.prod(x.shape) for x, m in zip(leaves, mask) if m))
-
-
 def seq2seq_batch_shapes(*, batch_size: int, feature_lengths: Mapping[str, int],
-                         pack: bool = False) -> dict[str, tuple[int, ...]]:
-  """Global batch shapes of the T5X seq2seq features (int32)."""
+                         pack: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Global batch shapes and dtypes of the T5X seq2seq features."""
   for key in ("inputs", "targets"):
     if key not in feature_lengths:
       raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
-  enc, dec = (batch_size, int(feature_lengths["inputs"])), (batch_size, int(feature_lengths["targets"]))
-  shapes = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
-            "decoder_target_tokens": dec, "decoder_loss_weights": dec}
+  enc = (batch_size, int(feature_lengths["inputs"]))
+  dec = (batch_size, int(feature_lengths["targets"]))
+  names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+           "decoder_target_tokens": dec, "decoder_loss_weights": dec}
   if pack:
-    shapes.update({"encoder_segment_ids": enc, "encoder_positions": enc,
-                   "decoder_segment_ids": dec, "decoder_positions": dec})
-  return shapes
+    names.update({"encoder_segment_ids": enc, "encoder_positions": enc,
+                  "decoder_segment_ids": dec, "decoder_positions": dec})
+  return {k: (v, jnp.int32) for k, v in names.items()}
 
 
-def _t5_forward_flops(config: Any, *, batch_size: int, input_length: int,
-                      target_length: int) -> float:
+def t5_forward_flops(config: Any, *, encoder_tokens: int, decoder_tokens: int) -> float:
   """Model FLOPs of one forward pass: 2 per weight per token (dense weights only).
 
   Encoder weights see the input tokens; decoder and logits weights the target tokens.
@@ -257,7 +280,7 @@ def _t5_forward_flops(config: Any, *, batch_size: int, input_length: int,
   mlp = (3 if config.is_gated else 2) * d * f
   enc_w = config.num_encoder_layers * (attn + mlp)
   dec_w = config.num_decoder_layers * (2 * attn + mlp) + config.vocab_size * d
-  return 2.0 * batch_size * (enc_w * input_length + dec_w * target_length)
+  return 2.0 * (enc_w * encoder_tokens + dec_w * decoder_tokens)
 
 
 def _raw_bindings(selector: str) -> dict[str, Any]:
@@ -267,246 +290,54 @@ def _raw_bindings(selector: str) -> dict[str, Any]:
     return {}
 
 
-def _resolved_bindings(selector: str, keys: Sequence[str]) -> dict[str, Any]:
+def resolved_bindings(selector: str, keys: Sequence[str]) -> dict[str, Any]:
   """gin bindings `keys` of `selector`, references evaluated (unbound keys left out)."""
   raw = _raw_bindings(selector)
   return {k: copy.deepcopy(raw[k]) for k in keys if k in raw}
 
 
-def _require(bindings: Mapping[str, Any], names: Sequence[str], where: str) -> None:
+def require(bindings: Mapping[str, Any], names: Sequence[str], where: str) -> None:
   missing = [n for n in names if bindings.get(n) is None]
   if missing:
     raise ValueError(f"compile: {where} has no binding for {missing}; include a run fragment "
                      "(e.g. gin/runs/seq2seq.gin) and a model/optimizer fragment")
 
 
-def seq2seq_target(partitioner: partitioning.PjitPartitioner) -> CompileProgram:
-  """The supervised train step of `runs.train_run` as the gin config binds it."""
+def train_run_target(partitioner: partitioning.PjitPartitioner) -> CompileProgram:
+  """The train step of `runs.train_run` as the gin config binds it (any MODEL and DATA:
+  seq2seq, prompt tuning, Diamante), built by the run's own `runs.make_trainer`."""
   from jaxmoral import runs  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
-  b = _resolved_bindings("runs.train_run", (
-      "model_config", "optimizer", "batch_size", "feature_lengths", "num_microbatches",
-      "trainable_patterns", "label_smoothing", "z_loss", "pack"))
-  _require(b, ("model_config", "optimizer", "batch_size", "feature_lengths"), "runs.train_run")
-  config = b["model_config"]
-  trainer = runs.build_trainer(
-      model=t5.T5(config), optimizer=b["optimizer"], partitioner=partitioner,
-      num_microbatches=b.get("num_microbatches", 1),
-      trainable_patterns=b.get("trainable_patterns"),
-      label_smoothing=b.get("label_smoothing", 0.0), z_loss=b.get("z_loss", 1e-4))
+  b = resolved_bindings("runs.train_run", ("model", "data", "optimizer", "batch_size",
+                                           "feature_lengths", "num_microbatches"))
+  require(b, ("model", "data", "optimizer", "batch_size", "feature_lengths"), "runs.train_run")
+  model, data = b["model"], b["data"]
+  trainer = runs.make_trainer(model=model, optimizer=b["optimizer"], partitioner=partitioner,
+                              num_microbatches=b.get("num_microbatches", 1))
   batch_size, lengths = int(b["batch_size"]), b["feature_lengths"]
-  shapes = seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=lengths,
-                                pack=bool(b.get("pack", False)))
-  total = _num_params(trainer.abstract_state().params)
-  trainable = _num_trainable(trainer)
+  shapes = data.batch_shapes(batch_size=batch_size, feature_lengths=lengths)
+  args = trainer.train_step_args(shapes)
+  total, trainable = trainer.initializer.num_params()
+  encoder_tokens = math.prod(shapes["encoder_input_tokens"][0])
+  prompt = getattr(getattr(model, "prompt", None), "length", 0)
+  encoder_tokens += batch_size * prompt
+  decoder_tokens = math.prod(shapes["decoder_target_tokens"][0])
+  config = model.config
+  shown = ", ".join(f"{k.split('_')[0]} {'x'.join(map(str, v[0][1:]))}"
+                    for k, v in shapes.items() if k in ("encoder_input_tokens",
+                                                        "decoder_target_tokens"))
   return CompileProgram(
-      lower=lambda: trainer.lower_train_step(shapes),
-      description=(f"seq2seq T5 d_model={config.d_model} layers={config.num_encoder_layers}+"
-                   f"{config.num_decoder_layers} ({total / 1e6:.1f}M params, dtype "
-                   f"{config.dtype}, remat {config.remat}), batch {batch_size} x "
-                   f"({lengths['inputs']}, {lengths['targets']})"),
-      num_params=total, num_trainable_params=int(trainable),
-      tokens_per_step=batch_size * (int(lengths["inputs"]) + int(lengths["targets"])),
-      model_flops_per_step=(3.0 if trainable == total else 2.0) * _t5_forward_flops(
-          config, batch_size=batch_size, input_length=int(lengths["inputs"]),
-          target_length=int(lengths["targets"])))
-
-
-@gin.configurable(module="aot")
-def prompt_tuning_target(partitioner: partitioning.PjitPartitioner, *,
-                         model_config: Any = None, prompt_length: int = 100,
-                         optimizer: Any = None, batch_size: Optional[int] = None,
-                         feature_lengths: Optional[Mapping[str, int]] = None,
-                         num_microbatches: int = 1) -> CompileProgram:
-  """Prompt tuning's train step: a soft prompt trained on a frozen base (e.g. T5 1.1 xxl).
-
-  Bind with e.g. `aot.prompt_tuning_target.model_config = %MODEL_CONFIG` and select with
-  `aot.compile_for_topology.target = 'prompt_tuning'`.
-  """
-  from jaxmoral import prompt_tuning  # pylint: disable=g-import-not-at-top
-  for name, value in (("model_config", model_config), ("optimizer", optimizer),
-                      ("batch_size", batch_size), ("feature_lengths", feature_lengths)):
-    if value is None:
-      raise ValueError(f"aot.prompt_tuning_target.{name} is not bound in the gin config")
-  trainer, _ = prompt_tuning.make_prompt_trainer(
-      config=model_config, prompt_length=prompt_length, optimizer=optimizer,
-      partitioner=partitioner, num_microbatches=num_microbatches)
-  shapes = seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths)
-  total = _num_params(trainer.abstract_state().params)
-  trainable = _num_trainable(trainer)
-  return CompileProgram(
-      lower=lambda: trainer.lower_train_step(shapes),
-      description=(f"prompt tuning (prompt {prompt_length} x {model_config.d_model}) on frozen "
-                   f"T5 d_model={model_config.d_model} ({total / 1e6:.1f}M params), batch "
-                   f"{batch_size} x ({feature_lengths['inputs']}, "
-                   f"{feature_lengths['targets']})"),
-      num_params=total, num_trainable_params=trainable,
-      tokens_per_step=batch_size * (int(feature_lengths["inputs"]) + prompt_length
-                                    + int(feature_lengths["targets"])),
-      model_flops_per_step=2.0 * _t5_forward_flops(
-          model_config, batch_size=batch_size,
-          input_length=int(feature_lengths["inputs"]) + prompt_length,
-          target_length=int(feature_lengths["targets"])))
-
-
-@gin.configurable(module="aot")
-def ppo_target(partitioner: partitioning.PjitPartitioner, *, policy_config: Any = None,
-               value_config: Any = None, judge_config: Any = None, ppo_config: Any = None,
-               optimizer: Any = None) -> CompileProgram:
-  """One PPO training step: judge reward, scoring and the clipped update in one program.
-
-  The step takes a sampled rollout (prompt `(B, max_prompt_length)`, response, mask and
-  sampler log-probs `(B, max_response_length)`) and runs, compiled together: the judge's
-  forward pass (a T5 over prompt + response, one decoder step: the reward), the policy, frozen
-  reference and value forward passes with KL-penalised rewards and GAE
-  (`PPOTrainer`'s scoring), then `num_ppo_epochs x num_minibatches` clipped updates of policy
-  and value (`PPOTrainer`'s update). Sampling itself is a separate program (`generate`).
-
-  Args:
-    partitioner: Mesh of the topology.
-    policy_config: T5Config of the policy (and of the frozen reference).
-    value_config: T5Config of the value model (default: the policy's), with a scalar head.
-    judge_config: T5Config of the frozen judge (default: the policy's).
-    ppo_config: `rl.ppo_trainer.PPOConfig` (batch size, lengths, epochs, minibatches).
-    optimizer: Optax optimizer of policy and value.
-  """
-  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
-  from jaxmoral.rl import ppo_trainer  # pylint: disable=g-import-not-at-top
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  for name, value in (("policy_config", policy_config), ("ppo_config", ppo_config),
-                      ("optimizer", optimizer)):
-    if value is None:
-      raise ValueError(f"aot.ppo_target.{name} is not bound in the gin config")
-  value_config = value_config or policy_config
-  judge_config = judge_config or policy_config
-  trainer = ppo_trainer.PPOTrainer(
-      policy_model=t5.T5(policy_config), value_model=t5.T5(value_config, with_scalar_head=True),
-      vocabulary=None, config=ppo_config, optimizer=optimizer, partitioner=partitioner,
-      reward_fn_tokens=lambda p, r, m: jnp.zeros(p.shape[:1], jnp.float32))
-  judge = t5.T5(judge_config)
-  with partitioner.context():
-    judge_boxed = jax.eval_shape(lambda k: t5.init_params(judge, k),
-                                 jax.ShapeDtypeStruct((2,), jnp.uint32))
-  judge_shardings = partitioner.sharding_for(judge_boxed)
-  judge_abstract = jax.tree_util.tree_map(
-      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-      nn.meta.unbox(judge_boxed), judge_shardings)
-  batch, prompt_len = ppo_config.batch_size, ppo_config.max_prompt_length
-  response_len = ppo_config.max_response_length
-
-  def score(state, judge_params, prompt_tokens, response_tokens, response_mask,
-            sampler_logprobs):
-    # Judge reward: log-probability of one class token after reading prompt + response.
-    judge_inputs = jnp.concatenate([prompt_tokens, response_tokens * response_mask], axis=1)
-    logits = judge.apply({"params": judge_params}, judge_inputs,
-                         jnp.zeros((judge_inputs.shape[0], 1), jnp.int32))
-    scores = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32))[:, judge_config.eos_token_id]
-    return trainer._score_fn(  # pylint: disable=protected-access
-        state, prompt_tokens, response_tokens, response_mask, sampler_logprobs, scores)
-
-  d2, rep = partitioner.data_sharding(2), partitioner.replicated
-  # The trainer runs scoring and the update as two compiled programs (`_score_jit`,
-  # `_update_jit`); compiling them apart, as they run, also halves the compiler's memory.
-  score_jit = partitioner.partition(
-      score, in_shardings=(trainer.state_shardings, judge_shardings, d2, d2, d2, d2),
-      out_shardings=(trainer.rollout_shardings, rep))
-  update_jit = partitioner.partition(
-      trainer._update_fn,  # pylint: disable=protected-access
-      in_shardings=(trainer.state_shardings, trainer.rollout_shardings, rep),
-      out_shardings=(trainer.state_shardings, rep), donate_argnums=(0,))
-
-  def tokens(length, dtype=jnp.int32):
-    return jax.ShapeDtypeStruct((batch, length), dtype, sharding=d2)
-
-  score_args = (trainer.abstract_state(), judge_abstract, tokens(prompt_len),
-                tokens(response_len), tokens(response_len), tokens(response_len, jnp.float32))
-  rollout_shapes, _ = jax.eval_shape(score, *score_args)
-  rollout = jax.tree_util.tree_map(
-      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), rollout_shapes,
-      trainer.rollout_shardings)
-  update_args = (score_args[0], rollout, jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep))
-  state = score_args[0]
-  policy_n, value_n = _num_params(state.policy.params), _num_params(state.value.params)
-  judge_n = _num_params(judge_abstract)
-  trainable = _num_trainable(trainer.policy_trainer) + _num_trainable(trainer.value_trainer)
-  passes = ppo_config.num_ppo_epochs
-
-  def forward(config, input_length, target_length):
-    return _t5_forward_flops(config, batch_size=batch, input_length=input_length,
-                             target_length=target_length)
-
-  # Scoring: old policy, reference, old values, judge (prompt + response in, one step out);
-  # each epoch: policy and value forward + backward (3 forwards) over the whole rollout.
-  policy_fwd = forward(policy_config, prompt_len, response_len)
-  value_fwd = forward(value_config, prompt_len, response_len)
-  flops = (2 * policy_fwd + value_fwd + forward(judge_config, prompt_len + response_len, 1)
-           + 3.0 * passes * (policy_fwd + value_fwd))
-  tokens_seen = batch * (prompt_len + response_len)
-  return CompileProgram(
-      stages=(("score", lambda: score_jit.lower(*score_args)),
-              ("update", lambda: update_jit.lower(*update_args))),
-      description=(f"PPO step: policy {policy_n / 1e6:.1f}M + value {value_n / 1e6:.1f}M + "
-                   f"frozen reference + judge {judge_n / 1e6:.1f}M; batch {batch} x (prompt "
-                   f"{prompt_len}, response {response_len}), {passes} epochs x "
-                   f"{ppo_config.num_minibatches} minibatches"),
-      num_params=2 * policy_n + value_n + judge_n, num_trainable_params=int(trainable),
-      tokens_per_step=tokens_seen, model_flops_per_step=flops)
-
-
-def diamante_target(partitioner: partitioning.PjitPartitioner) -> CompileProgram:
-  """Diamante's joint (NLL + preference) train step as `train_lib.train_diamante` binds it.
-
-  One batch row is a quadruple: the context and the (human, model, random) responses, which
-  go through the network in one batched decoder pass.
-  """
-  import functools  # pylint: disable=g-import-not-at-top
-  from jaxmoral import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
-  from jaxmoral.diamante import loss as diamante_loss  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
-  from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
-  b = _resolved_bindings("train_lib.train_diamante", (
-      "model_config", "model_size", "optimizer", "learning_rate", "batch_size",
-      "context_length", "response_length", "pe_weight"))
-  _require(b, ("batch_size",), "train_lib.train_diamante")
-  # The tiny config names a size and an optimizer (the vocabulary is trained at run time);
-  # pod configs bind MODEL_CONFIG and OPTIMIZER objects.
-  config = b.get("model_config") or config_lib.t5_config(size=b.get("model_size", "tiny"))
-  optimizer = b.get("optimizer", "adamw")
-  if isinstance(optimizer, str):
-    optimizer = optimizers.make_optimizer(name=optimizer,
-                                          learning_rate=b.get("learning_rate", 1e-3))
-  model = t5.T5(config, with_scalar_head=True)
-  trainer = trainer_lib.Trainer(
-      init_params_fn=functools.partial(t5.init_params, model),
-      loss_fn=diamante_loss.diamante_loss_fn(model, pe_weight=b.get("pe_weight", 1.0)),
-      optimizer=optimizer, partitioner=partitioner)
-  batch_size = int(b["batch_size"])
-  context, response = int(b.get("context_length", 128)), int(b.get("response_length", 32))
-  shapes = {"encoder_input_tokens": ((batch_size, context), jnp.int32),
-            "decoder_input_tokens": ((batch_size, 3, response), jnp.int32),
-            "decoder_target_tokens": ((batch_size, 3, response), jnp.int32),
-            "decoder_loss_weights": ((batch_size, 3, response), jnp.int32)}
-  total = _num_params(trainer.abstract_state().params)
-  # Encoder once per context, decoder over three responses (approximated as three passes).
-  flops = 3.0 * (_t5_forward_flops(config, batch_size=batch_size, input_length=context,
-                                   target_length=response)
-                 + 2 * _t5_forward_flops(config, batch_size=batch_size, input_length=0,
-                                         target_length=response))
-  return CompileProgram(
-      lower=lambda: trainer.lower_train_step(shapes),
-      description=(f"diamante joint T5 d_model={config.d_model} layers="
+      stages=(Stage("step", trainer.train_step_function, args, persistent=args[0]),),
+      description=(f"{type(model).__name__} T5 d_model={config.d_model} layers="
                    f"{config.num_encoder_layers}+{config.num_decoder_layers} "
-                   f"({total / 1e6:.1f}M params, dtype {config.dtype}), batch {batch_size} x "
-                   f"(context {context}, 3 x response {response})"),
-      num_params=total, num_trainable_params=total,
-      tokens_per_step=batch_size * (context + 3 * response), model_flops_per_step=flops)
+                   f"({total / 1e6:.1f}M params, dtype {config.dtype}, remat {config.remat}), "
+                   f"batch {batch_size} x ({shown})"),
+      num_params=total, num_trainable_params=trainable,
+      tokens_per_step=encoder_tokens + decoder_tokens,
+      model_flops_per_step=(3.0 if trainable == total else 2.0) * t5_forward_flops(
+          config, encoder_tokens=encoder_tokens, decoder_tokens=decoder_tokens))
 
 
-register_compile_target("seq2seq", seq2seq_target)
-register_compile_target("prompt_tuning", prompt_tuning_target)
-register_compile_target("ppo", ppo_target)
-register_compile_target("diamante", diamante_target)
+register_compile_target("train_run", train_run_target)
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -550,6 +381,7 @@ class CompileReport:
   lower_seconds: float
   compile_seconds: float
   stages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+  resident_bytes: Optional[int] = None
 
   def to_json(self) -> str:
     return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -574,6 +406,8 @@ class CompileReport:
         ("aliased (donated)", gib(self.alias_bytes)),
         ("temporaries / chip", gib(self.temp_bytes)),
         ("generated code", gib(self.generated_code_bytes)),
+        ("resident / chip", gib(self.resident_bytes) + " (every model's parameters and "
+         "state, all stages)" if self.resident_bytes is not None else "-"),
         ("peak / chip", gib(self.peak_bytes)),
         ("HBM / chip", gib(self.hbm_bytes)),
         ("memory", fits),
@@ -645,15 +479,24 @@ def analyze(compiled: Any, *, topology: Topology, target: str, program: CompileP
       lower_seconds=lower_seconds, compile_seconds=compile_seconds)
 
 
-def combine_stages(reports: Sequence[tuple[str, CompileReport]]) -> CompileReport:
+def combine_stages(reports: Sequence[tuple[str, CompileReport]], *,
+                   persistent_bytes: Optional[Sequence[int]] = None,
+                   resident_bytes: Optional[int] = None) -> CompileReport:
   """One report for a step run as several programs in sequence (`CompileProgram.stages`).
 
-  Memory is the stage with the highest peak (the programs do not run at once; the state they
-  share is an argument of each); FLOPs, minimum step time and compile times add up.
+  The programs do not run at once, but every model's parameters and state stay on the chips
+  the whole time: the peak is `resident_bytes` (all of them) plus the largest of what a stage
+  needs beyond its own persistent arguments (`persistent_bytes[i]`: activations, caches,
+  outputs). Without those, the stage with the highest peak. FLOPs, minimum step time and
+  compile times add up.
   """
-  if len(reports) == 1:
+  if len(reports) == 1 and resident_bytes is None:
     return reports[0][1]
   worst = max((r for _, r in reports), key=lambda r: r.peak_bytes)
+  peak = worst.peak_bytes
+  if resident_bytes is not None and persistent_bytes is not None:
+    peak = resident_bytes + max(r.peak_bytes - own for (_, r), own in
+                                zip(reports, persistent_bytes))
   known = [r.flops_per_chip for _, r in reports if r.flops_per_chip is not None]
   flops = sum(known) if len(known) == len(reports) else None
   peak_flops = worst.peak_flops_per_s
@@ -661,14 +504,16 @@ def combine_stages(reports: Sequence[tuple[str, CompileReport]]) -> CompileRepor
   if flops and worst.step_time_s and peak_flops:
     mfu = flops / (worst.step_time_s * peak_flops)
   return dataclasses.replace(
-      worst, flops_per_chip=flops,
+      worst, peak_bytes=peak, resident_bytes=resident_bytes,
+      fits=None if worst.hbm_bytes is None else peak <= worst.hbm_bytes, flops_per_chip=flops,
       bytes_accessed_per_chip=sum(r.bytes_accessed_per_chip or 0.0 for _, r in reports),
       min_step_time_s=flops / peak_flops if flops and peak_flops else None, mfu=mfu,
       lower_seconds=sum(r.lower_seconds for _, r in reports),
       compile_seconds=sum(r.compile_seconds for _, r in reports),
       stages=[dict(name=name, peak_bytes=r.peak_bytes, temp_bytes=r.temp_bytes,
                    argument_bytes=r.argument_bytes, flops_per_chip=r.flops_per_chip,
-                   compile_seconds=r.compile_seconds) for name, r in reports])
+                   compile_seconds=r.compile_seconds) for name, r in reports]
+      if len(reports) > 1 else [])
 
 
 def check_fits(report: CompileReport) -> None:
@@ -686,9 +531,7 @@ def check_fits(report: CompileReport) -> None:
 
 def _default_target() -> str:
   if _raw_bindings("runs.train_run"):
-    return "seq2seq"
-  if _raw_bindings("train_lib.train_diamante"):
-    return "diamante"
+    return "train_run"
   raise ValueError(f"compile: the gin config binds no runs.train_run; select a target with "
                    f"--gin.aot.compile_for_topology.target=NAME (registered: "
                    f"{compile_targets()})")
@@ -716,7 +559,8 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
   Args:
     topology: "v5e:8x8", "v4:2x2x4", "v5p:4x4x4", ... (libtpu) or "cpu:N".
     report_path: Also write the report as JSON here.
-    target: Registered compile target (default: "seq2seq" when `runs.train_run` is bound).
+    target: Registered compile target (default: "train_run" when `runs.train_run` is bound;
+      methods register theirs, e.g. "clarify_ppo").
     num_slices: Multi-slice count (default: `partitioning.PjitPartitioner.num_slices` or 1).
     hbm_bytes: Memory limit per chip (default: the chip's HBM; CPU has none unless given).
     step_time_s: A measured or assumed step time; only then MFU is reported.
@@ -750,30 +594,35 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
   # gin supplies num_partitions / rules; the devices are the topology's.
   partitioner = partitioning.PjitPartitioner(devices=list(topo.devices), num_slices=num_slices)
   program = _TARGETS[target](partitioner)
-  selected = program.all_stages()
+  selected = program.stages
   if stages is not None:
-    known = [name for name, _ in selected]
+    known = [stage.name for stage in selected]
     unknown = sorted(set(stages) - set(known))
     if unknown:
       raise ValueError(f"compile_for_topology.stages: {unknown} not in target {target!r}'s "
                        f"stages {known}")
-    selected = tuple((name, lower) for name, lower in selected if name in stages)
+    selected = tuple(stage for stage in selected if stage.name in stages)
   stage_reports = []
-  for name, lower in selected:
-    logger.info("compile: lowering and compiling stage %r of %s for %s", name, target,
+  for stage in selected:
+    logger.info("compile: lowering and compiling stage %r of %s for %s", stage.name, target,
                 topology)
     tick = time.perf_counter()
-    lowered = lower()
+    lowered = stage.lower()
     lower_seconds = time.perf_counter() - tick
     tick = time.perf_counter()
     compiled = lowered.compile()
     compile_seconds = time.perf_counter() - tick
-    stage_reports.append((name, analyze(
+    stage_reports.append((stage.name, analyze(
         compiled, topology=topo, target=target, program=program,
         mesh=dict(partitioner.mesh.shape), hbm_bytes=hbm_bytes, step_time_s=step_time_s,
         lower_seconds=lower_seconds, compile_seconds=compile_seconds)))
     del lowered, compiled  # Free the compiler's memory before the next stage.
-  report = combine_stages(stage_reports)
+  resident = None
+  if program.resident is not None:
+    resident = shard_bytes(program.resident)
+  report = combine_stages(stage_reports,
+                          persistent_bytes=[shard_bytes(stage.persistent) for stage in selected],
+                          resident_bytes=resident)
   if print_table:
     print(f"jaxmoral compile {topology}:\n{report.table()}", flush=True)
   if report_path:

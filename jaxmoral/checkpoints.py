@@ -219,7 +219,7 @@ class CheckpointManager:
     self.close()
 
 
-def _default_sharding() -> Sharding:
+def default_sharding() -> Sharding:
   """Where restored params go without explicit shardings: device 0, or replicated multi-host."""
   if jax.process_count() == 1:
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -251,7 +251,7 @@ def _target_from_metadata(metadata_tree: PyTree, shardings: Any, dtype: Optional
     if not hasattr(meta, "shape"):
       raise ValueError(f"{where}: saved leaf {_path_str(path)} is not an array ({meta!r})")
     if by_path is None:
-      sharding = shardings or _default_sharding()
+      sharding = shardings or default_sharding()
     else:
       key = _path_str(path)
       if key not in by_path:
@@ -287,7 +287,8 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
   directory = os.path.abspath(os.fspath(directory))
   params_dir = os.path.join(directory, PARAMS_DIR)
   if os.path.exists(params_dir) and not overwrite:
-    raise FileExistsError(f"{params_dir} exists; pass overwrite=True to replace it")
+    raise FileExistsError(f"{params_dir} exists; export with --overwrite (overwrite=True) to "
+                          "replace it")
   params = nn.meta.unbox(params)
   if dtype is not None:
     target = jnp.dtype(dtype)
@@ -354,9 +355,57 @@ def _without_read_only_notice():
     absl_logger.removeFilter(notice_filter)
 
 
+def _run_manager(model_dir: str) -> "ocp.CheckpointManager":
+  """A read-only Orbax manager of a run's checkpoint directory."""
+  if not os.path.isdir(model_dir):
+    raise FileNotFoundError(f"{model_dir}: no such run directory")
+  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
+  with _without_read_only_notice():
+    return ocp.CheckpointManager(model_dir, options=options, item_handlers=_item_handlers())
+
+
+def _params_subtree(tree: Any, where: str) -> tuple[str, ...]:
+  """Where a saved state keeps the model parameters: `params` (a TrainState), or
+  `policy/params` (a PPO state: the tuned policy)."""
+  if isinstance(tree, Mapping) and PARAMS_DIR in tree:
+    return (PARAMS_DIR,)
+  if (isinstance(tree, Mapping) and isinstance(tree.get("policy"), Mapping)
+      and PARAMS_DIR in tree["policy"]):
+    return ("policy", PARAMS_DIR)
+  keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+  raise ValueError(f"{where}: saved state has no 'params' entry (has {keys})")
+
+
+def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
+  steps = sorted(manager.all_steps())
+  if not steps:
+    raise FileNotFoundError(f"{model_dir}: no checkpoints")
+  step = steps[-1] if step is None else int(step)
+  if step not in steps:
+    raise FileNotFoundError(f"{model_dir}: no checkpoint for step {step}; have {steps}")
+  return step
+
+
+def run_params_metadata(model_dir: str | os.PathLike, *, step: Optional[int] = None
+                        ) -> tuple[int, tuple[tuple[str, ...], PyTree]]:
+  """(step, (where the params sit in the state, their metadata tree)) of a run's checkpoint."""
+  model_dir = os.path.abspath(os.fspath(model_dir))
+  with _run_manager(model_dir) as manager:
+    step = _resolve_run_step(manager, model_dir, step)
+    metadata = manager.item_metadata(step)[STATE_ITEM]
+  tree = getattr(metadata, "tree", metadata)
+  subtree = _params_subtree(tree, f"{model_dir}/{step}/{STATE_ITEM}")
+  node = tree
+  for key in subtree:
+    node = node[key]
+  return step, (subtree, node)
+
+
 def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int] = None,
                             shardings: Any = None, dtype: Optional[Any] = None) -> PyTree:
-  """Only the `params` of a training run's checkpoint (optimizer state is not read).
+  """Only the model parameters of a training run's checkpoint (optimizer state is not read).
+
+  A `TrainState` keeps them in `params`; a PPO state in `policy/params` (the tuned policy).
 
   Args:
     model_dir: The run's checkpoint directory (a `CheckpointManager` directory).
@@ -365,29 +414,49 @@ def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int]
     dtype: As in `load_exported`.
 
   Returns:
-    The parameter tree (the `params` field / key of the saved state).
+    The parameter tree.
   """
   model_dir = os.path.abspath(os.fspath(model_dir))
-  if not os.path.isdir(model_dir):
-    raise FileNotFoundError(f"{model_dir}: no such run directory")
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-  with _without_read_only_notice():
-    manager = ocp.CheckpointManager(model_dir, options=options, item_handlers=_item_handlers())
-  with manager:
-    steps = sorted(manager.all_steps())
-    if not steps:
-      raise FileNotFoundError(f"{model_dir}: no checkpoints")
-    step = steps[-1] if step is None else int(step)
-    if step not in steps:
-      raise FileNotFoundError(f"{model_dir}: no checkpoint for step {step}; have {steps}")
+  with _run_manager(model_dir) as manager:
+    step = _resolve_run_step(manager, model_dir, step)
     metadata = manager.item_metadata(step)[STATE_ITEM]
     tree = getattr(metadata, "tree", metadata)
     where = f"{model_dir}/{step}/{STATE_ITEM}"
-    if not isinstance(tree, Mapping) or PARAMS_DIR not in tree:
-      keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
-      raise ValueError(f"{where}: saved state has no 'params' entry (has {keys})")
-    target = {PARAMS_DIR: _target_from_metadata(tree[PARAMS_DIR], shardings, dtype, where)}
+    subtree = _params_subtree(tree, where)
+    node = tree
+    for key in subtree:
+      node = node[key]
+    target: Any = _target_from_metadata(node, shardings, dtype, where)
+    for key in reversed(subtree):
+      target = {key: target}
     restored = manager.restore(step, args=ocp.args.Composite(**{
         STATE_ITEM: ocp.args.PyTreeRestore(target, restore_args=_restore_args(target),
                                            partial_restore=True)}))
-  return restored[STATE_ITEM][PARAMS_DIR]
+  out = restored[STATE_ITEM]
+  for key in subtree:
+    out = out[key]
+  return out
+
+
+def exported_metadata(directory: str | os.PathLike) -> PyTree:
+  """The saved parameter tree of an `export_params` directory, `ArrayMetadata` leaves."""
+  params_dir = os.path.join(os.path.abspath(os.fspath(directory)), PARAMS_DIR)
+  if not os.path.isdir(params_dir):
+    raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
+  metadata = ocp.PyTreeCheckpointer().metadata(params_dir).item_metadata
+  return getattr(metadata, "tree", metadata)
+
+
+def restore_subtree(item_dir: str | os.PathLike, prefix: tuple[str, ...], target: PyTree
+                    ) -> PyTree:
+  """The subtree at `prefix` of an Orbax PyTree checkpoint, read into `target`'s shardings
+  and dtypes (a tree of `ShapeDtypeStruct`s); nothing else of the checkpoint is read."""
+  wrapped: Any = target
+  for key in reversed(prefix):
+    wrapped = {key: wrapped}
+  restored = ocp.PyTreeCheckpointer().restore(
+      os.fspath(item_dir), args=ocp.args.PyTreeRestore(
+          wrapped, restore_args=_restore_args(wrapped), partial_restore=True))
+  for key in prefix:
+    restored = restored[key]
+  return restored

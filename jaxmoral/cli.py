@@ -162,12 +162,17 @@ def _parser() -> argparse.ArgumentParser:
   for name, (_, _, help_text) in GIN_COMMANDS.items():
     sub.add_parser(name, help=help_text, description=help_text, epilog=_GIN_FLAGS_HELP)
 
-  export = sub.add_parser("export", help="Write a params-only Orbax checkpoint of a run.")
-  export.add_argument("--model_dir", required=True)
+  export = sub.add_parser("export", help="Export a run (or any model directory) on its own.")
+  export.add_argument("--model_dir", required=True,
+                      help="a run, one step of it, or any model directory / Hub id")
   export.add_argument("--output", required=True)
   export.add_argument("--step", type=int, default=None)
   export.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                       help="cast the params (default: keep the run's float32)")
+  export.add_argument("--format", default="jaxmoral", choices=["jaxmoral", "hf"],
+                      help="jaxmoral (params/ + config.json + vocab/) or hf (model.safetensors "
+                           "+ config.json + spiece.model, loads in transformers)")
+  export.add_argument("--overwrite", action="store_true", help="replace an existing export")
 
   compile_ = sub.add_parser("compile", help="AOT-compile a config's train step for a topology.")
   compile_.add_argument("--topology", required=True,
@@ -225,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.command == "export":
       from jaxmoral import runs
       runs.export_run(model_dir=args.model_dir, output_dir=args.output, step=args.step,
-                      dtype=args.dtype)
+                      dtype=args.dtype, output_format=args.format, overwrite=args.overwrite)
     elif args.command == "compile":
       from jaxmoral import aot
       gin_utils.parse_gin(gin_args)
@@ -240,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
       method = importlib.import_module(f"jaxmoral.{args.command}.commands")
       return int(method.main(args.action, args.rest, gin_args) or 0)
-  except (ValueError, FileNotFoundError) as error:
+  except (ValueError, FileNotFoundError, FileExistsError) as error:
     print(f"jaxmoral {args.command}: error: {gin_utils.explain_gin_error(error)}",
           file=sys.stderr)
     return 2

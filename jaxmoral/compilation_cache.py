@@ -3,9 +3,8 @@
 JAX can keep compiled executables on disk, keyed by the program, the backend, the compile options
 and the XLA flags, and load them instead of compiling again. The command line turns that on by
 default (MaxText does the same with its `jax_cache_dir`), so a run resumed after a crash, an
-`eval` after `train`, or a second `make demo` starts from compiled steps: on the 2-core CPU VM
-the second `make demo` of a clean clone took 259.2 s against the first's 359.5 s, with the same
-metrics and outputs (bench/RESULTS.md, session 9).
+`eval` after `train`, or a second `make demo` starts from compiled steps, with the same
+metrics and outputs (measurements in bench/RESULTS.md).
 
 Where the cache goes, first match wins:
 1. `--compilation_cache_dir=DIR` on the command line (`none` or an empty value: no cache);

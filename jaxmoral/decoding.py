@@ -12,17 +12,19 @@ static, so the whole thing compiles once per input shape and nests inside other 
 `make_sampler` / `make_beam_search` return cached jitted functions (one per model and
 static config); `sample` / `beam_search` call them.
 
-The jitted decoders receive the decoding step's kernels prepared (`models/t5.decode_kernels`).
-A step multiplies a few rows by every decoder kernel once, so it is bound by streaming the
-weights from memory. On a CPU, float32 models get every step product through
-`cpu_kernels.packed_matmul` over kernels packed into contiguous column panels (XLA's dot read
-cold row-major kernels at 9–17 GB/s there, the packed ones stream at up to 28 GB/s; bench/
-RESULTS.md, session 6), and the step's attention through `cpu_kernels.decode_attention`.
-Elsewhere the self-attention query/key/value kernels (and the gated MLP's two input kernels)
-are stacked into one product each. For concrete CPU params each prepared kernel is built
-once per set of kernels and cached for as long as those kernel arrays live: another copy of
-them in memory, against copying them into fresh pages on every call (14–41 ms per call on a
-2-core CPU for the stacks alone).
+Hardware-specific work of a decoding step is a backend's (`DecodeBackend`): it prepares
+kernels once per set of parameters (`prepare_decode_weights`, kept by whoever owns the
+parameters and passed to every call as `decode_weights`) and supplies the ops the traced steps
+call (`models.t5.DecodeStepOps`). Built in is "xla": the self-attention query/key/value kernels
+and a gated MLP's two input kernels stacked, so each is one product (a step is bound by
+streaming the weights). Optional backends register themselves: `jaxmoral.cpu_kernels.backend`
+adds "cpu_packed" (float32 decoding on one CPU device through a C++ kernel over column-panel
+packed weights). `backend="auto"` takes the first registered backend that applies, else "xla".
+Without `decode_weights` a call prepares XLA's stacks inside the trace.
+
+A `partitioner` given to `make_sampler` / `make_beam_search` / `make_scorer` runs the call
+under its mesh and logical-axis rules, so a model sharded by the partitioner (FSDP, model
+parallel) decodes sharded.
 
 Rows of the flattened (batch * num_samples) and (batch * beam_size) arrays are ordered
 batch-major: row `b * n + i` is sample / beam `i` of input `b`.
@@ -30,10 +32,11 @@ batch-major: row `b * n + i` is sample / beam `i` of input `b`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import weakref
-from typing import Any, Callable, Optional
+import importlib
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax
 import flax.linen as nn
@@ -42,8 +45,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral import cpu_kernels, losses
-from jaxmoral.models.t5 import T5, build_decode_kernel, decode_kernels, shift_right
+from jaxmoral import losses
+from jaxmoral.models import t5 as t5_lib
+from jaxmoral.models.t5 import T5, shift_right
 
 Array = jax.Array
 Params = Any
@@ -195,83 +199,177 @@ def _decode_step(model: T5, params: Params, cache: Any, tokens: Array, encoder_m
   return logits[:, 0, :].astype(jnp.float32), variables["cache"]
 
 
-# Decode-step kernels built from concrete CPU params, keyed by how they are built and the ids
-# of the kernels they come from; an entry holds weak references to those kernels and goes
-# when any of them is collected.
-_DECODE_KERNELS: dict[tuple[Any, ...], tuple[tuple[weakref.ref, ...], Array]] = {}
-_build_decode_kernel = jax.jit(build_decode_kernel, static_argnums=0)
+# -- backends --------------------------------------------------------------------------------
+def kernel_key(path: Sequence[str], names: Sequence[str]) -> str:
+  """The name of a prepared kernel: the calling module's path and the kernels it multiplies
+  by, e.g. 'decoder/layers_0/self_attention:query,key,value' (see `DecodeStepOps`)."""
+  return "/".join(path) + ":" + ",".join(names)
 
 
-def _is_concrete_cpu_array(x: Any) -> bool:
-  return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-          and all(device.platform == "cpu" for device in x.devices()))
+def decoder_step_kernels(params: Mapping[str, Any]) -> dict[str, list[Array]]:
+  """Every product of a T5 decoding step: {kernel_key: [kernels, in stacking order]}."""
+  decoder = params["decoder"]
+  out: dict[str, list[Array]] = {}
+  for name, layer in decoder.items():
+    if not name.startswith("layers_"):
+      continue
+    where = ("decoder", name)
+    attention = layer["self_attention"]
+    out[kernel_key(where + ("self_attention",), ("query", "key", "value"))] = [
+        attention[p]["kernel"] for p in ("query", "key", "value")]
+    for module, proj in (("self_attention", "out"), ("encoder_decoder_attention", "query"),
+                         ("encoder_decoder_attention", "out"), ("mlp", "wo")):
+      out[kernel_key(where + (module, proj), ("kernel",))] = [layer[module][proj]["kernel"]]
+    mlp = layer["mlp"]
+    if "wi_0" in mlp:
+      out[kernel_key(where + ("mlp",), ("wi_0", "wi_1"))] = [mlp["wi_0"]["kernel"],
+                                                             mlp["wi_1"]["kernel"]]
+    else:
+      out[kernel_key(where + ("mlp", "wi"), ("kernel",))] = [mlp["wi"]["kernel"]]
+  if "logits_dense" in decoder:
+    out[kernel_key(("decoder", "logits_dense"), ("kernel",))] = [
+        decoder["logits_dense"]["kernel"]]
+  else:
+    out[kernel_key(("token_embedder",), ("attend",))] = [params["token_embedder"]["embedding"].T]
+  return out
 
 
-def _decode_kernel(how: str, kernels: list[Array]) -> Array:
-  """`build_decode_kernel(how, kernels)`, from the cache when the kernels are concrete CPU
-  arrays (built inside the trace otherwise, where XLA hoists it out of the decoding loop)."""
-  if not all(_is_concrete_cpu_array(k) for k in kernels):
-    return build_decode_kernel(how, kernels)
-  key = (how,) + tuple(id(k) for k in kernels)
-  entry = _DECODE_KERNELS.get(key)
-  if entry is not None and all(ref() is k for ref, k in zip(entry[0], kernels)):
-    return entry[1]
-  drop = lambda _, key=key: _DECODE_KERNELS.pop(key, None)  # noqa: E731
-  _DECODE_KERNELS[key] = (tuple(weakref.ref(k, drop) for k in kernels),
-                          _build_decode_kernel(how, list(kernels)))
-  return _DECODE_KERNELS[key][1]
+class DecodeBackend:
+  """How cached decoding steps multiply and attend: XLA's ops over stacked kernels.
 
-
-def use_packed_kernels(model: T5, params: Params) -> bool:
-  """Whether decoding `params` takes `cpu_kernels.packed_matmul` for its products.
-
-  It does for float32 models whose params are concrete arrays, each on one CPU device, where
-  the kernel builds (`cpu_kernels.available()`; `JAXMORAL_CPU_KERNELS=0` turns it off).
-  Sharded or traced params, other dtypes and accelerators keep XLA's dot.
+  Subclasses override `name`, `applies`, `prepare` and `step_ops` and call `register_backend`.
   """
-  if model.config.dtype != "float32" or not cpu_kernels.enabled():
-    return False
-  leaves = jax.tree.leaves(nn.unbox(params))
-  if not all(_is_concrete_cpu_array(x) and len(x.devices()) == 1 for x in leaves):
-    return False
-  return cpu_kernels.available()
+  name = "xla"
+
+  def applies(self, model: T5, params: Params) -> bool:
+    """Whether this backend can decode `model` with these (concrete) parameters."""
+    del model, params
+    return True
+
+  def prepare(self, model: T5, params: Params) -> dict[str, Array]:
+    """Kernels built once per set of parameters (traceable): here the stacked ones."""
+    del model
+    return {key: jnp.stack(kernels, axis=1)
+            for key, kernels in decoder_step_kernels(params).items() if len(kernels) > 1}
+
+  def step_ops(self, kernels: Mapping[str, Array]) -> t5_lib.DecodeStepOps:
+    """The ops the traced steps call, reading `prepare`'s kernels."""
+    return _StackedKernelOps(kernels)
 
 
-def _with_decode_kernels(params: Params, *, packed: bool) -> Params:
-  """`params` (unboxed) plus the decode-step kernels of `decode_kernels(packed=packed)`."""
-  params = nn.unbox(params)
-  for path, (how, kernels) in decode_kernels(params, packed=packed).items():
-    params = _with_leaf(params, path, _decode_kernel(how, kernels))
-  return params
+class _StackedKernelOps(t5_lib.DecodeStepOps):
+  """XLA's products, several kernels read as one prepared stack."""
+
+  def __init__(self, kernels: Mapping[str, Array]):
+    self._kernels = kernels
+
+  def products(self, path, names, x, kernels, *, preferred_element_type=None):
+    stacked = self._kernels.get(kernel_key(path, names))
+    if stacked is None:
+      return super().products(path, names, x, kernels,
+                              preferred_element_type=preferred_element_type)
+    return t5_lib.DecodeStepOps.stacked_products(x, stacked.astype(x.dtype))
 
 
-def _with_leaf(tree: Any, path: tuple[str, ...], value: Any) -> dict[str, Any]:
-  """A copy of nested mapping `tree` (only the dicts along `path` are copied) with a leaf set."""
-  node = dict(tree)
-  node[path[0]] = value if len(path) == 1 else _with_leaf(tree[path[0]], path[1:], value)
-  return node
+@flax.struct.dataclass
+class DecodeWeights:
+  """A backend's prepared kernels for one set of parameters (an argument of every call).
 
-
-class _Decoder:
-  """A jitted decoder `fn(params, *inputs)` that is handed the decode-step kernels.
-
-  Calls with stacked or packed kernels, or without, are different pytrees (different
-  executables), so every call goes through `_with_decode_kernels`, eager or traced alike.
+  Attributes:
+    backend: The `DecodeBackend` name.
+    kernels: {kernel_key: prepared kernel}.
   """
+  backend: str = flax.struct.field(pytree_node=False)
+  kernels: dict[str, Array]
 
-  def __init__(self, model: T5, jitted: Callable[..., Any]):
-    self._model = model
-    self._jitted = jitted
-    functools.update_wrapper(self, jitted)
 
-  def _params(self, params: Params) -> Params:
-    return _with_decode_kernels(params, packed=use_packed_kernels(self._model, params))
+_BACKENDS: dict[str, DecodeBackend] = {"xla": DecodeBackend()}
+# Modules that register optional backends, imported by the first automatic choice.
+OPTIONAL_BACKEND_MODULES = ("jaxmoral.cpu_kernels.backend",)
+_optional_imported = False
 
-  def __call__(self, params: Params, *args: Any, **kwargs: Any) -> Any:
-    return self._jitted(self._params(params), *args, **kwargs)
 
-  def lower(self, params: Params, *args: Any, **kwargs: Any) -> Any:
-    return self._jitted.lower(self._params(params), *args, **kwargs)
+def register_backend(backend: DecodeBackend) -> None:
+  """Makes a backend available by its `name` (later registrations are tried first)."""
+  _BACKENDS[backend.name] = backend
+
+
+def get_backend(name: str) -> DecodeBackend:
+  if name not in _BACKENDS:
+    raise ValueError(f"decoding: unknown backend {name!r}; registered: {sorted(_BACKENDS)}")
+  return _BACKENDS[name]
+
+
+def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
+  """`backend`, or for "auto" the most recently registered backend that applies, else xla."""
+  global _optional_imported
+  if backend != "auto":
+    get_backend(backend)
+    return backend
+  if not _optional_imported:
+    _optional_imported = True
+    for module in OPTIONAL_BACKEND_MODULES:
+      try:
+        importlib.import_module(module)
+      except ImportError:
+        pass
+  for name in reversed(list(_BACKENDS)):
+    if name != "xla" and _BACKENDS[name].applies(model, params):
+      return name
+  return "xla"
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_prepare(name: str, model: T5) -> Callable[[Params], dict[str, Array]]:
+  return jax.jit(lambda params: get_backend(name).prepare(model, nn.unbox(params)))
+
+
+def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
+                           partitioner: Any = None) -> DecodeWeights:
+  """Builds a backend's kernels for `params` once; pass them to every decoding call.
+
+  Args:
+    model: The T5.
+    params: Its parameters (concrete arrays, any sharding).
+    backend: A registered backend name, or "auto" (see `choose_backend`).
+    partitioner: Build under its mesh and rules (sharded parameters).
+  """
+  name = choose_backend(model, params, backend)
+  context = partitioner.context() if partitioner is not None else contextlib.nullcontext()
+  with context:
+    return DecodeWeights(backend=name, kernels=_jitted_prepare(name, model)(params))
+
+
+@contextlib.contextmanager
+def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]):
+  """Inside a trace: the decoding steps use the backend of `decode_weights` (XLA's stacks
+  built in the trace, which XLA hoists out of the loop, when there are none)."""
+  if decode_weights is None:
+    decode_weights = DecodeWeights(backend="xla", kernels=DecodeBackend().prepare(model, params))
+  ops = get_backend(decode_weights.backend).step_ops(decode_weights.kernels)
+  with t5_lib.using_decode_step_ops(ops):
+    yield
+
+
+class _Jitted:
+  """A jitted decoding function run under its partitioner's mesh and rules (if any)."""
+
+  def __init__(self, fn: Callable[..., Any], partitioner: Any = None):
+    self._jitted = jax.jit(fn)
+    self._partitioner = partitioner
+    functools.update_wrapper(self, fn)
+
+  def _context(self):
+    return (self._partitioner.context() if self._partitioner is not None
+            else contextlib.nullcontext())
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    with self._context():
+      return self._jitted(*args, **kwargs)
+
+  def lower(self, *args: Any, **kwargs: Any) -> Any:
+    with self._context():
+      return self._jitted.lower(*args, **kwargs)
 
   def _cache_size(self) -> int:
     return self._jitted._cache_size()  # pylint: disable=protected-access
@@ -281,8 +379,8 @@ def first_max_index(x: Array) -> Array:
   """`jnp.argmax(x, axis=-1)` (first index of the maximum) for rows without NaN.
 
   Written as a max, then the smallest index holding it: two reductions XLA:CPU vectorises,
-  where its argmax over a 32k vocabulary is a scalar loop (0.15 ms of a 7 ms decoding step
-  at batch 1). A row containing NaN gives an arbitrary in-range index.
+  where its argmax over a 32k vocabulary is a scalar loop (a visible share of a batch-1
+  decoding step). A row containing NaN gives an arbitrary in-range index.
   """
   size = x.shape[-1]
   positions = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
@@ -295,9 +393,8 @@ def nucleus_mask(probs: Array, top_p: float) -> Array:
 
   The same set as sorting each row and keeping a token while the mass of the ones sorted
   before it is < `top_p` (ties in index order, the most likely token always kept), found
-  without a sort. `jax.lax.top_k` over a whole vocabulary is a full sort: a top-p draw from
-  16 rows x 32k took 107 ms with it on a 2-core CPU, 9 ms with this search
-  (bench/bench_top_p.py; bench/RESULTS.md, session 7).
+  without a sort. `jax.lax.top_k` over a whole vocabulary is a full sort, an order of
+  magnitude slower on a CPU than this search (bench/bench_top_p.py).
 
   The cut-off probability is found by bisection on its float32 bits (non-negative floats order
   as their bit patterns): it is the largest t with mass(probs >= t) >= top_p, 31 masked
@@ -323,8 +420,7 @@ def nucleus_mask(probs: Array, top_p: float) -> Array:
     return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
   # 31 halvings take any positive float32 range [0, 2**31) down to one value. Unrolled: in a
-  # rolled loop XLA:CPU ran each masked sum as a select, copies and a separate reduction,
-  # ~18 ms of a 39 ms sampling step at 16 rows against ~2 ms (bench/profile_decode.py).
+  # rolled loop XLA:CPU runs each masked sum as a select, copies and a separate reduction.
   cutoff, _ = jax.lax.fori_loop(
       0, 31, bisect_cutoff,
       (jnp.zeros((rows,), jnp.int32), jnp.max(bits, axis=-1) + 1), unroll=True)
@@ -434,9 +530,18 @@ def ngram_ban_mask(generated: Array, step: Array, *, ngram_size: int, vocab_size
 # -- sampling --------------------------------------------------------------------------------
 def _sample_impl(model: T5, config: SampleConfig, params: Params,
                  encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
-                 encoder_mask: Optional[Array], rng: Optional[Array]) -> DecodeOutput:
+                 encoder_mask: Optional[Array], rng: Optional[Array],
+                 decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
   _TRACE_COUNT["sample"] += 1
   params = nn.unbox(params)
+  with _step_ops(model, params, decode_weights):
+    return _sample_loop(model, config, params, encoder_input_tokens, encoder_embeds,
+                        encoder_mask, rng)
+
+
+def _sample_loop(model: T5, config: SampleConfig, params: Params,
+                 encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
+                 encoder_mask: Optional[Array], rng: Optional[Array]) -> DecodeOutput:
   if rng is None:
     if not config.greedy:
       raise ValueError("sample: rng is required unless greedy=True")
@@ -496,33 +601,34 @@ _TRACE_COUNT = {"sample": 0, "beam_search": 0}
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_sampler(model: T5, config: SampleConfig) -> Callable[..., DecodeOutput]:
+def _jitted_sampler(model: T5, config: SampleConfig, partitioner: Any) -> _Jitted:
   def run(params: Params, encoder_input_tokens: Optional[Array] = None,
           encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
-          rng: Optional[Array] = None) -> DecodeOutput:
+          rng: Optional[Array] = None,
+          decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
     return _sample_impl(model, config, params, encoder_input_tokens, encoder_embeds,
-                        encoder_mask, rng)
-  return _Decoder(model, jax.jit(run))
+                        encoder_mask, rng, decode_weights)
+  return _Jitted(run, partitioner)
 
 
 def make_sampler(model: T5, *, max_decode_length: int, num_samples: int = 1,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  greedy: bool = False, no_repeat_ngram_size: int = 0, min_length: int = 0,
-                 eos_id: int = 1, return_raw_logprobs: bool = False
+                 eos_id: int = 1, return_raw_logprobs: bool = False, partitioner: Any = None
                  ) -> Callable[..., DecodeOutput]:
   """A jitted sampler `fn(params, encoder_input_tokens=None, encoder_embeds=None,
-  encoder_mask=None, rng=None) -> DecodeOutput` for fixed settings.
+  encoder_mask=None, rng=None, decode_weights=None) -> DecodeOutput` for fixed settings.
 
-  The same function object is returned for the same (model, settings), and `jax.jit` keeps one
-  executable per input shape, so repeated calls never recompile. See `SampleConfig` for the
-  arguments.
+  The same function object is returned for the same (model, settings, partitioner), and
+  `jax.jit` keeps one executable per input shape, so repeated calls never recompile. See
+  `SampleConfig` for the arguments; `partitioner` runs it under that mesh and rules.
   """
   config = SampleConfig(max_decode_length=max_decode_length, num_samples=num_samples,
                         temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                         greedy=greedy, no_repeat_ngram_size=no_repeat_ngram_size,
                         min_length=min_length, eos_id=eos_id,
                         return_raw_logprobs=return_raw_logprobs)
-  return _jitted_sampler(model, config)
+  return _jitted_sampler(model, config, partitioner)
 
 
 @gin.configurable(denylist=["model", "params", "encoder_input_tokens", "encoder_embeds",
@@ -532,7 +638,8 @@ def sample(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] =
            rng: Optional[Array] = None, max_decode_length: int, num_samples: int = 1,
            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
            no_repeat_ngram_size: int = 0, min_length: int = 0, eos_id: int = 1,
-           return_raw_logprobs: bool = False) -> DecodeOutput:
+           return_raw_logprobs: bool = False,
+           decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
   """Samples `num_samples` continuations per input with a KV cache.
 
   Works eagerly and inside `jax.jit` / other traced code (the compiled sampler nests).
@@ -546,6 +653,8 @@ def sample(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] =
     rng: PRNG key (may be None when greedy).
     max_decode_length, num_samples, temperature, top_k, top_p, greedy, no_repeat_ngram_size,
     min_length, eos_id, return_raw_logprobs: See `SampleConfig`.
+    decode_weights: The backend's kernels for `params` (`prepare_decode_weights`); None
+      stacks XLA's kernels inside the call.
 
   Returns:
     `DecodeOutput` with (batch, num_samples, max_decode_length) tokens and logprobs.
@@ -554,7 +663,7 @@ def sample(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] =
                     temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
                     no_repeat_ngram_size=no_repeat_ngram_size, min_length=min_length,
                     eos_id=eos_id, return_raw_logprobs=return_raw_logprobs)
-  return fn(params, encoder_input_tokens, encoder_embeds, encoder_mask, rng)
+  return fn(params, encoder_input_tokens, encoder_embeds, encoder_mask, rng, decode_weights)
 
 
 # -- beam search -----------------------------------------------------------------------------
@@ -579,9 +688,18 @@ def _reorder_cache(cache: Any, rows: Array, num_rows: int) -> Any:
 
 def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
                       encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
-                      encoder_mask: Optional[Array]) -> tuple[Array, Array]:
+                      encoder_mask: Optional[Array],
+                      decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
   _TRACE_COUNT["beam_search"] += 1
   params = nn.unbox(params)
+  with _step_ops(model, params, decode_weights):
+    return _beam_search_loop(model, config, params, encoder_input_tokens, encoder_embeds,
+                             encoder_mask)
+
+
+def _beam_search_loop(model: T5, config: BeamSearchConfig, params: Params,
+                      encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
+                      encoder_mask: Optional[Array]) -> tuple[Array, Array]:
   encoded, mask = _encode(model, params, encoder_input_tokens, encoder_embeds, encoder_mask)
   batch, k, length = encoded.shape[0], config.beam_size, config.max_decode_length
   vocab, eos, alpha = model.config.vocab_size, config.eos_id, config.length_penalty
@@ -642,22 +760,23 @@ def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_beam_search(model: T5, config: BeamSearchConfig) -> Callable[..., Any]:
+def _jitted_beam_search(model: T5, config: BeamSearchConfig, partitioner: Any) -> _Jitted:
   def run(params: Params, encoder_input_tokens: Optional[Array] = None,
-          encoder_embeds: Optional[Array] = None,
-          encoder_mask: Optional[Array] = None) -> tuple[Array, Array]:
+          encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
+          decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
     return _beam_search_impl(model, config, params, encoder_input_tokens, encoder_embeds,
-                             encoder_mask)
-  return _Decoder(model, jax.jit(run))
+                             encoder_mask, decode_weights)
+  return _Jitted(run, partitioner)
 
 
 def make_beam_search(model: T5, *, beam_size: int, max_decode_length: int,
-                     length_penalty: float = 0.6, eos_id: int = 1) -> Callable[..., Any]:
+                     length_penalty: float = 0.6, eos_id: int = 1,
+                     partitioner: Any = None) -> Callable[..., Any]:
   """A cached jitted `fn(params, encoder_input_tokens=None, encoder_embeds=None,
-  encoder_mask=None) -> (tokens, scores)`; see `BeamSearchConfig`."""
+  encoder_mask=None, decode_weights=None) -> (tokens, scores)`; see `BeamSearchConfig`."""
   config = BeamSearchConfig(beam_size=beam_size, max_decode_length=max_decode_length,
                             length_penalty=float(length_penalty), eos_id=eos_id)
-  return _jitted_beam_search(model, config)
+  return _jitted_beam_search(model, config, partitioner)
 
 
 @gin.configurable(denylist=["model", "params", "encoder_input_tokens", "encoder_embeds",
@@ -665,7 +784,8 @@ def make_beam_search(model: T5, *, beam_size: int, max_decode_length: int,
 def beam_search(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] = None,
                 encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
                 beam_size: int, max_decode_length: int, length_penalty: float = 0.6,
-                eos_id: int = 1) -> tuple[Array, Array]:
+                eos_id: int = 1,
+                decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
   """Beam search with a KV cache and the T5X brevity penalty.
 
   A hypothesis's score is sum of token log-probs (EOS included) / ((5 + len) / 6) ** alpha,
@@ -677,6 +797,7 @@ def beam_search(model: T5, params: Params, *, encoder_input_tokens: Optional[Arr
   Args:
     model, params, encoder_input_tokens, encoder_embeds, encoder_mask: As in `sample`.
     beam_size, max_decode_length, length_penalty, eos_id: See `BeamSearchConfig`.
+    decode_weights: As in `sample`.
 
   Returns:
     (tokens (batch, beam_size, max_decode_length) int32 with zeros after EOS,
@@ -684,7 +805,7 @@ def beam_search(model: T5, params: Params, *, encoder_input_tokens: Optional[Arr
   """
   fn = make_beam_search(model, beam_size=beam_size, max_decode_length=max_decode_length,
                         length_penalty=length_penalty, eos_id=eos_id)
-  return fn(params, encoder_input_tokens, encoder_embeds, encoder_mask)
+  return fn(params, encoder_input_tokens, encoder_embeds, encoder_mask, decode_weights)
 
 
 # -- scoring ---------------------------------------------------------------------------------
@@ -711,8 +832,10 @@ def _score_impl(model: T5, params: Params, encoder_input_tokens: Optional[Array]
 
 
 @functools.lru_cache(maxsize=16)
-def _jitted_scorer(model: T5) -> Callable[..., Array]:
-  return jax.jit(functools.partial(_score_impl, model))
+def make_scorer(model: T5, partitioner: Any = None) -> Callable[..., Array]:
+  """The jitted `fn(params, encoder_input_tokens, encoder_embeds, encoder_mask, targets,
+  lengths)` behind `score_sequences` (under `partitioner`'s mesh and rules when given)."""
+  return _Jitted(functools.partial(_score_impl, model), partitioner)
 
 
 def score_sequences(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] = None,
@@ -741,5 +864,5 @@ def score_sequences(model: T5, params: Params, *, encoder_input_tokens: Optional
   if lengths is not None and np.shape(lengths) != shape[:-1]:
     raise ValueError(f"score_sequences: lengths shape {np.shape(lengths)} does not match "
                      f"targets shape {shape} without its last axis")
-  return _jitted_scorer(model)(params, encoder_input_tokens, encoder_embeds, encoder_mask,
+  return make_scorer(model)(params, encoder_input_tokens, encoder_embeds, encoder_mask,
                                targets, lengths)

@@ -28,6 +28,7 @@ def run_core_demo(*, workdir: str | os.PathLike[str]) -> dict[str, Any]:
   from jaxmoral import partitioning
   from jaxmoral import runs
   from jaxmoral.models import config as config_lib
+  from jaxmoral.models import trainable
 
   workdir = pathlib.Path(workdir)
   model_dir = workdir / "run"
@@ -35,7 +36,8 @@ def run_core_demo(*, workdir: str | os.PathLike[str]) -> dict[str, Any]:
   data = runs.Seq2SeqData(mixture_or_task_name="jaxmoral_demo_clarify")
   lengths = {"inputs": 48, "targets": 24}
   metrics = runs.train_run(
-      model_dir=str(model_dir), model_config=config_lib.t5_config(size="tiny"), data=data,
+      model_dir=str(model_dir),
+      model=trainable.Seq2SeqModel(config=config_lib.t5_config(size="tiny")), data=data,
       train_steps=steps, batch_size=32, feature_lengths=lengths,
       optimizer=optimizers.make_optimizer(
           name="adamw", learning_rate=optimizers.make_schedule(
@@ -53,7 +55,7 @@ def run_core_demo(*, workdir: str | os.PathLike[str]) -> dict[str, Any]:
                  output_file=str(workdir / "predictions.jsonl"),
                  sample_config=decoding.SampleConfig(max_decode_length=24, greedy=True))
   runs.export_run(model_dir=str(model_dir), output_dir=str(workdir / "exported"),
-                  dtype="bfloat16")
+                  dtype="bfloat16", overwrite=True)
   return {"eval": report["metrics"], "final_train_loss": metrics.get("train/loss"),
           "checkpoints": str(model_dir / "checkpoints"),
           "tensorboard": str(model_dir), "predictions": str(workdir / "predictions.jsonl"),

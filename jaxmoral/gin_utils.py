@@ -3,20 +3,27 @@
 `--gin_file=PATH` (repeatable), `--gin.NAME=VALUE` (a binding, T5X's shorthand for
 `--gin_bindings='NAME = VALUE'`), `--gin_bindings=...` and `--gin_search_paths=...`.
 Library code never reads gin: only the CLI parses it, then calls gin-bound entry points.
+
+`parse_gin` also rejects what nothing could read (a misspelt `--gin.TRAIN_STEP=5` would
+otherwise be a new macro, silently ignored): macros that no binding or macro refers to,
+parameters and configurables that do not exist, and scopes that nothing enters.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
+import inspect
 import io
 import os
 import pathlib
 import re
 import tokenize
-from typing import Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import gin
+from gin import config_parser
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -30,6 +37,8 @@ class GinArgs:
   # `--gin.NAME=VALUE` flags whose VALUE was no Python literal and so became a string; named
   # when a configurable then fails on a type (e.g. --gin.TRAIN_STEPS=1O00).
   read_as_strings: tuple[str, ...] = ()
+  # The flag each of `bindings` came from (same order), to name it in errors; may be empty.
+  binding_flags: tuple[str, ...] = ()
 
 
 _LITERAL_START = re.compile(r"^\s*([@%\[\(\{'\"]|-?\d|True$|False$|None$)")
@@ -55,7 +64,7 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
   Returns:
     The gin arguments and the remaining arguments in order.
   """
-  files, bindings, paths, rest, quoted = [], [], [], [], []
+  files, bindings, paths, rest, quoted, flags = [], [], [], [], [], []
   args = list(argv)
   i = 0
   while i < len(args):
@@ -76,23 +85,36 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
       if gin_value != value:
         quoted.append(arg)
       bindings.append(f"{name} = {gin_value}")
+      flags.append(arg)
     elif arg == "--gin_file" or arg.startswith("--gin_file="):
       files.extend(v for v in take_value("--gin_file").split(",") if v)
     elif arg == "--gin_bindings" or arg.startswith("--gin_bindings="):
-      bindings.append(take_value("--gin_bindings"))
+      binding = take_value("--gin_bindings")
+      bindings.append(binding)
+      flags.append(f"--gin_bindings={binding}")
     elif arg == "--gin_search_paths" or arg.startswith("--gin_search_paths="):
       paths.extend(v for v in take_value("--gin_search_paths").split(",") if v)
     else:
       rest.append(arg)
     i += 1
-  return GinArgs(tuple(files), tuple(bindings), tuple(paths), tuple(quoted)), rest
+  return GinArgs(tuple(files), tuple(bindings), tuple(paths), tuple(quoted), tuple(flags)), rest
 
 
 def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
   """Parses gin files and bindings; files are found in the search paths and the project root.
 
+  Call it after importing the modules whose configurables the command uses. Everything bound
+  must be readable: see `check_everything_is_read`.
+
+  Args:
+    gin_args: Files, bindings and search paths from `split_gin_args`.
+    extra_bindings: Bindings made by a command's own flags, parsed after `gin_args.bindings`.
+
   Raises:
     FileNotFoundError: A gin file (or an include) is in none of the search paths.
+    ValueError: A file or binding does not parse, binds an unknown configurable or parameter,
+      or defines a macro or scope that nothing reads (one line naming it, its flag or file and
+      line, and close valid names).
   """
   search_paths = list(dict.fromkeys([*gin_args.search_paths, os.getcwd(), str(PROJECT_ROOT)]))
   for path in search_paths:
@@ -101,10 +123,14 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
     if _find_gin_file(name, search_paths) is None:
       raise FileNotFoundError(f"gin file {name!r} not found in search paths {search_paths}")
   bindings = [*gin_args.bindings, *extra_bindings]
+  sources = _BindingSources(gin_args.files, bindings, gin_args.binding_flags)
   try:
     gin.parse_config_files_and_bindings(list(gin_args.files), bindings, finalize_config=False)
   except (SyntaxError, tokenize.TokenError) as error:
     raise _syntax_error(error, gin_args.files, search_paths, bindings) from error
+  except (ValueError, KeyError) as error:
+    raise _binding_error(error, sources) from error
+  check_everything_is_read(sources)
 
 
 def _find_gin_file(name: str, search_paths: Sequence[str]) -> pathlib.Path | None:
@@ -135,6 +161,268 @@ def _syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str]
       return ValueError(f"gin: cannot parse {where}: {error.args[0]} (an unclosed bracket "
                         f"or string)")
   return ValueError(f"gin: cannot parse an included file: {error.args[0]}")
+
+
+_MACRO = "gin.macro"
+
+
+class _BindingSources:
+  """Says where a binding came from: a command-line flag, or a gin file and line."""
+
+  def __init__(self, files: Sequence[str], bindings: Sequence[str],
+               binding_flags: Sequence[str]) -> None:
+    self.files = tuple(files)
+    self.bindings = tuple(bindings)
+    # `extra_bindings` (a command's own flags) have no flag of their own here.
+    self.flags: tuple[str | None, ...] = (
+        tuple(binding_flags) + (None,) * (len(bindings) - len(binding_flags)))
+
+  def of_binding_line(self, line_num: int) -> str:
+    """The flag (or binding) on line `line_num` of the newline-joined bindings gin parsed."""
+    for binding, flag in zip(self.bindings, self.flags):
+      if line_num <= binding.count("\n") + 1:
+        return flag or f"binding {binding!r}"
+      line_num -= binding.count("\n") + 1
+    return "the command-line bindings"
+
+  def statements(self) -> Iterator[tuple[config_parser.BindingStatement, str, bool]]:
+    """Every binding statement as gin reads them (files with their includes in place, then the
+    bindings), with where it is and whether that is on the command line."""
+    for name in self.files:
+      for statement, path in _file_statements(name):
+        if isinstance(statement, config_parser.BindingStatement):
+          yield (statement, f"{_display_path(path)}, line {statement.location.line_num}",
+                 False)
+    for binding, flag in zip(self.bindings, self.flags):
+      for statement in config_parser.ConfigParser(binding, _Unresolved()):
+        if isinstance(statement, config_parser.BindingStatement):
+          yield statement, flag or f"binding {binding!r}", True
+
+  def macro_definitions(self) -> dict[str, tuple[str, bool]]:
+    """Where each macro is last defined, and whether that is on the command line."""
+    return {_macro_name(statement): (where, on_command_line)
+            for statement, where, on_command_line in self.statements()
+            if not statement.arg_name}
+
+  def binding(self, scope: str, complete_selector: str, param: str) -> str | None:
+    """Where `scope/selector.param` is last bound (the selector written in full or in part)."""
+    found = None
+    for statement, where, _ in self.statements():
+      if (statement.arg_name == param and statement.scope == scope
+          and f".{complete_selector}".endswith(f".{statement.selector}")):
+        found = where
+    return found
+
+
+class _Unresolved(config_parser.ParserDelegate):
+  """Reads gin statements without importing modules or resolving references."""
+
+  def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> None:
+    return None
+
+  def macro(self, macro_name: str) -> None:
+    return None
+
+
+def _macro_name(statement: config_parser.BindingStatement) -> str:
+  return f"{statement.scope}/{statement.selector}" if statement.scope else statement.selector
+
+
+def _file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
+  """The statements of gin file `name` and (in place) of its includes, with their file."""
+  # Found as gin finds them: in the search paths it was given, in order.
+  search_paths = gin.config._LOCATION_PREFIXES  # pylint: disable=protected-access
+  prefixes = [""] if os.path.isabs(name) else search_paths
+  path = next((p for p in (os.path.join(prefix, name) for prefix in prefixes)
+               if os.path.isfile(p)), None)
+  if path is None or depth > 64:  # gin parsed it, so neither happens; never loop.
+    return
+  with open(path) as f:
+    for statement in config_parser.ConfigParser(f, _Unresolved()):
+      if isinstance(statement, config_parser.IncludeStatement):
+        yield from _file_statements(statement.filename, depth + 1)
+      else:
+        yield statement, path
+
+
+def _display_path(path: str) -> str:
+  """`path` relative to the working directory or the project root where it is inside one."""
+  for root in (pathlib.Path.cwd(), PROJECT_ROOT):
+    try:
+      return str(pathlib.Path(path).resolve().relative_to(root))
+    except ValueError:
+      continue
+  return path
+
+
+def _references() -> Iterator[tuple[tuple[str, str], Any]]:
+  """Every configurable reference (`@name`, `%MACRO`) in the config, with the binding's key."""
+  for key, params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+    for ref in gin.config.iterate_references(params):
+      yield key, ref
+
+
+def unreferenced_macros() -> list[str]:
+  """Macros of the parsed config that no binding and no other macro refers to (`%NAME`).
+
+  References count wherever they are: in tuples, lists and dicts, in the bindings of a
+  function that another binding calls (`@fn()`), in scoped bindings, in other macros.
+  """
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  referenced = set()
+  for (scope, selector), ref in _references():
+    name = ref.config_key[0]
+    if ref.configurable.selector == _MACRO and not (selector == _MACRO and scope == name):
+      # `%X` evaluated in scope s also reads a macro bound as `s/X`: count the bare name too.
+      referenced.update((name, name.rsplit("/", 1)[-1]))
+  return sorted(scope for scope, selector in config
+                if selector == _MACRO and scope not in referenced
+                and scope.rsplit("/", 1)[-1] not in referenced)
+
+
+def _is_export(name: str) -> bool:
+  """Whether macro `name` just names an object built by a configurable (`@fn()`).
+
+  Fragments export MODEL_CONFIG, OPTIMIZER and PARTITIONER for includers; a command may
+  build the object from the configurable's own bindings instead (`jaxmoral compile` builds
+  `partitioning.PjitPartitioner` itself), and those bindings are checked on their own.
+  """
+  value = gin.config._CONFIG[(name, _MACRO)].get("value")  # pylint: disable=protected-access
+  return (isinstance(value, gin.config.ConfigurableReference)
+          and value.configurable.selector not in (_MACRO, "gin.constant"))
+
+
+def _unentered_scopes() -> list[tuple[str, str, str, str]]:
+  """(scope part, scope, selector, parameter) of scoped bindings whose scope no reference
+  (`@scope/fn()`) enters.
+
+  jaxmoral enters no scope in code (no `gin.config_scope`), so such a binding is never read.
+  """
+  entered = {part for _, ref in _references() for part in ref.scopes}
+  unread = []
+  for (scope, selector), params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+    if selector == _MACRO or not scope:
+      continue
+    missing = [part for part in scope.split("/") if part not in entered]
+    unread += [(missing[0], scope, selector, param) for param in params if missing]
+  return unread
+
+
+def _minimal_selector(selector: str) -> str:
+  try:
+    return gin.config._REGISTRY.minimal_selector(selector)  # pylint: disable=protected-access
+  except (KeyError, ValueError):
+    return selector
+
+
+def _parameters(complete_selector: str) -> list[str]:
+  """The keyword parameters of a registered configurable (empty if it has no signature)."""
+  configurable = gin.config._REGISTRY.get(complete_selector)  # pylint: disable=protected-access
+  try:
+    signature = inspect.signature(configurable.wrapped)
+  except (AttributeError, TypeError, ValueError):
+    return []
+  return [name for name, param in signature.parameters.items()
+          if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)]
+
+
+def _close(name: str, candidates: Iterable[str], *, last_part: bool = False) -> list[str]:
+  """Candidates close to `name` (case ignored), compared whole or by their last dotted part."""
+  by_key: dict[str, list[str]] = {}
+  for candidate in dict.fromkeys(candidates):
+    keys = {candidate.lower(), candidate.rsplit(".", 1)[-1].lower()} if last_part else {
+        candidate.lower()}
+    for key in keys:
+      by_key.setdefault(key, []).append(candidate)
+  matches = difflib.get_close_matches(name.lower(), list(by_key), n=3, cutoff=0.7)
+  return list(dict.fromkeys(c for match in matches for c in by_key[match]))[:4]
+
+
+def _suggest(names: Sequence[str]) -> str:
+  return f"; close valid names: {', '.join(names)}" if names else ""
+
+
+def check_everything_is_read(sources: _BindingSources | None = None) -> None:
+  """Raises if the parsed config defines a macro or scope that nothing can read.
+
+  An unread macro is one that no binding and no other macro refers to, most often a
+  misspelling on the command line (`--gin.TRAIN_STEP=5` for TRAIN_STEPS). A gin file may
+  leave unread a macro that only names what a configurable builds (`OPTIMIZER =
+  @optimizers.make_optimizer()`), for includers; the command line may not.
+
+  Args:
+    sources: Where the parsed files and bindings came from (to name them); None names
+      nothing.
+
+  Raises:
+    ValueError: One line naming each unread macro or scope, where it is set, and close names.
+  """
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  problems = []
+  unread = unreferenced_macros()
+  if unread:
+    where = sources.macro_definitions() if sources else {}
+    macros = sorted({ref.config_key[0] for _, ref in _references()
+                     if ref.configurable.selector == _MACRO} | {
+                         scope for scope, selector in config if selector == _MACRO})
+    params = [f"{_minimal_selector(selector)}.{param}" for scope, selector in config
+              if selector != _MACRO for param in _parameters(selector)]
+    for name in unread:
+      place, on_command_line = where.get(name, (None, False))
+      if not on_command_line and _is_export(name):
+        continue
+      close = _close(name, [m for m in macros if m != name] + params, last_part=True)
+      problems.append(f"macro {name}{f' ({place})' if place else ''} is never read: no "
+                      f"binding or macro refers to %{name}{_suggest(close)}")
+  scopes = sorted({part for _, ref in _references() for part in ref.scopes})
+  for part, scope, selector, param in _unentered_scopes():
+    place = sources.binding(scope, selector, param) if sources else None
+    problems.append(f"scope {part!r} of {scope}/{_minimal_selector(selector)}.{param}"
+                    f"{f' ({place})' if place else ''} is never entered: no reference "
+                    f"@{part}/... exists{_suggest(_close(part, scopes))}")
+  if problems:
+    raise ValueError("gin: " + " ".join(f"{problem}." for problem in dict.fromkeys(problems)))
+
+
+# gin's parse errors carry their place as extra lines: "\n  In file "F", line N\n    TEXT".
+_GIN_LOCATION = re.compile(r'\n  In (?:file "(?P<file>[^"]*)",|bindings string) line '
+                           r'(?P<line>\d+)\n')
+_UNKNOWN_PARAMETER = re.compile(r"^Configurable '(?P<selector>[^']+)' doesn't have a "
+                                r"parameter named '(?P<param>[^']+)'\.")
+_UNKNOWN_CONFIGURABLE = re.compile(r"^No configurable matching (?:reference )?'@?"
+                                   r"(?P<selector>[^'(]+)(?:\(\))?'\.")
+
+
+def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> ValueError:
+  """gin's error for a binding it cannot make, as one line naming the flag or file and line."""
+  text = str(error)
+  location = _GIN_LOCATION.search(text)
+  message = text[:location.start()] if location else text.split("\n", 1)[0]
+  if isinstance(error, KeyError):  # str() of a KeyError is the repr of its message.
+    message = message.strip("'\"")
+  where = ""
+  if location and location.group("file"):
+    where = f" ({_display_path(location.group('file'))}, line {location.group('line')})"
+  elif location:
+    where = f" ({sources.of_binding_line(int(location.group('line')))})"
+  unknown_param = _UNKNOWN_PARAMETER.match(message)
+  unknown = _UNKNOWN_CONFIGURABLE.match(message)
+  if unknown_param:
+    selector, param = unknown_param.group("selector", "param")
+    complete = gin.config._REGISTRY.get_match(selector)  # pylint: disable=protected-access
+    names = _parameters(complete.selector) if complete else []
+    close = [f"{selector}.{name}" for name in _close(param, names)]
+    return ValueError(f"gin: {selector} has no parameter {param!r}{where}"
+                      f"{_suggest(close)}")
+  if unknown:
+    selector = unknown.group("selector")
+    depth = selector.count(".") + 1
+    # Compared with the registered names cut to as many dotted parts as the one given.
+    suffixes = [".".join(complete.split(".")[-depth:])
+                for complete, _ in gin.config._REGISTRY.items()]  # pylint: disable=protected-access
+    return ValueError(f"gin: no configurable {selector!r} is registered (misspelt, or its "
+                      f"module not imported){where}{_suggest(_close(selector, suffixes))}")
+  return ValueError(f"gin: {' '.join(message.split())}{where}")
 
 
 def _is_required(value: object) -> bool:
@@ -188,7 +476,3 @@ def write_operative_config(model_dir: str | os.PathLike[str], *, name: str = "co
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(gin.config_str())
   return str(path)
-
-
-def summarize_gin_config() -> str:
-  return gin.config_str()

@@ -1,4 +1,5 @@
-"""Evaluation metrics shared by the methods: ROC AUC, ranking, diversity, Jensen–Shannon.
+"""Evaluation metrics shared by the methods: ROC AUC, ranking, diversity, Jensen–Shannon, and
+percentile bootstrap confidence intervals of any of them.
 
 Host-side functions take NumPy (or anything `np.asarray` accepts) and return float64 / Python
 floats; no scikit-learn. `jensen_shannon_jnp` is the one `jnp` function, for use inside jitted
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +230,155 @@ def jensen_shannon_jnp(p: jax.Array, q: jax.Array, base: float = 2.0, axis: int 
     return jnp.sum(a * (jnp.log(jnp.maximum(a, eps)) - log_m), axis=axis)
 
   return jnp.maximum(0.5 * (kl(p) + kl(q)) / jnp.log(base), 0.0)
+
+
+# -- bootstrap ------------------------------------------------------------------------------
+
+
+class BootstrapCI(tuple):
+  """`(estimate, low, high)` of `bootstrap_ci`, with how the resampling went.
+
+  Attributes:
+    estimate: The metric on the data as given.
+    low: Lower end of the interval.
+    high: Upper end of the interval.
+    confidence: The interval's nominal coverage.
+    num_resamples: Resamples drawn (skipped ones included).
+    num_skipped: Resamples on which the metric was undefined (raised ValueError or gave a
+      non-finite value, e.g. ROC AUC of a resample with one class); the interval is the
+      percentiles of the others.
+  """
+
+  def __new__(cls, estimate: float, low: float, high: float, *, confidence: float,
+              num_resamples: int, num_skipped: int) -> "BootstrapCI":
+    self = super().__new__(cls, (estimate, low, high))
+    self.confidence = confidence
+    self.num_resamples = num_resamples
+    self.num_skipped = num_skipped
+    return self
+
+  @property
+  def estimate(self) -> float:
+    return self[0]
+
+  @property
+  def low(self) -> float:
+    return self[1]
+
+  @property
+  def high(self) -> float:
+    return self[2]
+
+  def __repr__(self) -> str:
+    return (f"BootstrapCI(estimate={self[0]:.6g}, low={self[1]:.6g}, high={self[2]:.6g}, "
+            f"confidence={self.confidence}, num_resamples={self.num_resamples}, "
+            f"num_skipped={self.num_skipped})")
+
+
+def _unit_resamples(unit_of_row: np.ndarray, draws: np.ndarray) -> list[np.ndarray]:
+  """Row indices of each resample: the rows of every drawn unit, unit after unit, each
+  unit's rows in data order."""
+  num_units = draws.shape[1]
+  sizes = np.bincount(unit_of_row, minlength=num_units)
+  rows_by_unit = np.argsort(unit_of_row, kind="stable")
+  starts = np.r_[0, np.cumsum(sizes)[:-1]]
+  # All resamples at once: expand every drawn unit into the range of its rows.
+  lengths = sizes[draws].ravel()
+  offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+  flat = rows_by_unit[np.repeat(starts[draws].ravel(), lengths) + offsets]
+  return np.split(flat, np.cumsum(sizes[draws].sum(axis=1))[:-1])
+
+
+def bootstrap_ci(metric_fn: Callable[..., Any], *arrays: Any, num_resamples: int = 1000,
+                 confidence: float = 0.95, seed: int = 0, units: Any = None,
+                 vectorized: bool = False, max_batch_elements: int = 10_000_000) -> BootstrapCI:
+  """Percentile bootstrap confidence interval of `metric_fn(*arrays)`.
+
+  Each resample draws the examples (rows along axis 0 of every array), or with `units` whole
+  units (e.g. situation ids: all rows of a drawn situation come together), with replacement,
+  as many as there are. The indices come from one call, `np.random.default_rng(seed).integers(
+  0, n, size=(num_resamples, n))` with n the number of rows (or of distinct units, in sorted
+  order, a unit's rows then taken in data order), so a reference loop can redraw them.
+
+  Args:
+    metric_fn: The metric, e.g. `roc_auc` (labels, scores) or `np.mean`. It may raise
+      ValueError (or return NaN) where undefined; such resamples are skipped and counted.
+    *arrays: Arrays with the same number of rows.
+    num_resamples: Bootstrap resamples.
+    confidence: Nominal coverage; the interval is the (1 - c) / 2 and (1 + c) / 2 percentiles
+      (NumPy's linear interpolation) of the resampled metric.
+    seed: Seed of `np.random.default_rng`.
+    units: Optional (n,) group of each row; rows of a group are resampled together.
+    vectorized: `metric_fn` takes arrays with a leading resample axis, (B, n, ...) and returns
+      (B,) values (e.g. `lambda x: x.mean(axis=1)`): one call per batch instead of one per
+      resample (the estimate: a batch of one). Needs resamples of equal size (no `units`, or
+      units of equal size).
+    max_batch_elements: Rows times resamples per vectorised call (memory bound).
+
+  Returns:
+    A `BootstrapCI`: `(estimate, low, high)` with `num_skipped` and `num_resamples`.
+
+  Raises:
+    ValueError: on bad arguments, arrays of different lengths, unequal units with
+      `vectorized`, or when every resample is skipped.
+  """
+  if not arrays:
+    raise ValueError("bootstrap_ci: give at least one array")
+  if not 0.0 < confidence < 1.0:
+    raise ValueError(f"bootstrap_ci: confidence must be in (0, 1), got {confidence}")
+  if num_resamples < 1:
+    raise ValueError(f"bootstrap_ci: num_resamples must be >= 1, got {num_resamples}")
+  arrays = tuple(np.asarray(a) for a in arrays)
+  if any(a.ndim == 0 for a in arrays):
+    raise ValueError("bootstrap_ci: arrays must have a row axis (got a scalar)")
+  n = len(arrays[0])
+  if any(len(a) != n for a in arrays) or n == 0:
+    raise ValueError(f"bootstrap_ci: arrays need the same, non-zero number of rows, got "
+                     f"{[len(a) for a in arrays]}")
+  if vectorized:  # The data as given are a batch of one resample.
+    estimate = float(np.asarray(metric_fn(*(a[None] for a in arrays)), np.float64).reshape(-1)[0])
+  else:
+    estimate = float(metric_fn(*arrays))
+  rng = np.random.default_rng(seed)
+  if units is None:
+    samples: np.ndarray | list[np.ndarray] = rng.integers(0, n, size=(num_resamples, n))
+  else:
+    units = np.asarray(units)
+    if units.shape != (n,):
+      raise ValueError(f"bootstrap_ci: units must have shape ({n},), got {units.shape}")
+    _, unit_of_row = np.unique(units, return_inverse=True)
+    num_units = int(unit_of_row.max()) + 1
+    samples = _unit_resamples(unit_of_row, rng.integers(0, num_units,
+                                                        size=(num_resamples, num_units)))
+    if len({len(s) for s in samples}) == 1:
+      samples = np.stack(samples)
+
+  values = np.full(num_resamples, np.nan)
+  if vectorized:
+    if not isinstance(samples, np.ndarray):
+      raise ValueError("bootstrap_ci: vectorized needs resamples of equal size, but the units "
+                       "differ in size")
+    batch = max(1, max_batch_elements // samples.shape[1])
+    for start in range(0, num_resamples, batch):
+      rows = samples[start:start + batch]
+      out = np.asarray(metric_fn(*(a[rows] for a in arrays)), np.float64)
+      if out.shape != (len(rows),):
+        raise ValueError(f"bootstrap_ci: a vectorized metric_fn must return ({len(rows)},) "
+                         f"values, got shape {out.shape}")
+      values[start:start + len(rows)] = out
+  else:
+    for i, rows in enumerate(samples):
+      try:
+        values[i] = float(metric_fn(*(a[rows] for a in arrays)))
+      except ValueError:
+        pass  # Undefined on this resample (e.g. one class): stays NaN, counted below.
+  valid = values[np.isfinite(values)]
+  if not valid.size:
+    raise ValueError(f"bootstrap_ci: the metric is undefined on all {num_resamples} resamples")
+  tail = 100.0 * (1.0 - confidence) / 2.0
+  low, high = np.percentile(valid, [tail, 100.0 - tail])
+  return BootstrapCI(estimate, float(low), float(high), confidence=confidence,
+                     num_resamples=num_resamples, num_skipped=num_resamples - valid.size)
 
 
 # -- accumulation ---------------------------------------------------------------------------

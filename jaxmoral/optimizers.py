@@ -10,6 +10,7 @@ Steps count optimizer updates from 0 (optax's convention: the first update uses 
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Optional, Union
 
 import gin
@@ -25,6 +26,57 @@ LearningRate = Union[float, Schedule]
 SCHEDULES = ("constant", "linear_warmup", "rsqrt", "linear_decay", "warmup_linear_decay",
              "warmup_rsqrt")
 OPTIMIZERS = ("adafactor", "adamw", "sgd")
+
+# The gin macros that gin/optimizers/*.gin and configs/ bind these arguments to: errors name
+# them, since a bad value mostly comes from a flag such as --gin.TRAIN_STEPS=abc.
+GIN_MACROS = {"total_steps": "TRAIN_STEPS", "warmup_steps": "WARMUP_STEPS",
+              "base_learning_rate": "LEARNING_RATE",
+              "learning_rate": "LEARNING_RATE or PPO_LEARNING_RATE"}
+
+
+def _macro(field: str) -> str:
+  """The gin macro that usually sets `field`, as " (MACRO)" for error messages."""
+  return f" ({GIN_MACROS[field]})" if field in GIN_MACROS else ""
+
+
+def _is_int(value: object) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+  # A NumPy or JAX scalar array is a number here too; a string (--gin.NAME=abc) is not.
+  if isinstance(value, (bool, str, bytes)):
+    return False
+  return isinstance(value, numbers.Real) or (getattr(value, "shape", None) == ()
+                                             and hasattr(value, "__float__"))
+
+
+def _check_number(fn: str, field: str, value: object, *, strict: bool = False) -> None:
+  """Raises unless `value` is a number >= 0 (> 0 when `strict`), naming the field and macro.
+
+  Raises:
+    TypeError: Not a number (e.g. a string from a mistyped --gin.NAME=VALUE).
+    ValueError: Negative, zero when `strict`, or NaN.
+  """
+  bound = "> 0" if strict else ">= 0"
+  if not _is_number(value):
+    raise TypeError(f"{fn}: {field} must be a number {bound}{_macro(field)}, got {value!r}")
+  if not (value > 0 if strict else value >= 0):  # NaN fails both.
+    raise ValueError(f"{fn}: {field} must be {bound}{_macro(field)}, got {value!r}")
+
+
+def _check_int(fn: str, field: str, value: object, *, positive: bool) -> None:
+  """Raises unless `value` is an int > 0 (`positive`) or >= 0, naming the field and macro.
+
+  Raises:
+    TypeError: Not an int (e.g. 'abc' or 1e4 from a --gin.NAME=VALUE flag).
+    ValueError: Out of range.
+  """
+  kind = "a positive int" if positive else "an int >= 0"
+  if not _is_int(value):
+    raise TypeError(f"{fn}: {field} must be {kind}{_macro(field)}, got {value!r}")
+  if not (value > 0 if positive else value >= 0):
+    raise ValueError(f"{fn}: {field} must be {kind}{_macro(field)}, got {value!r}")
 
 
 @gin.configurable
@@ -52,20 +104,28 @@ def make_schedule(*, name: str = "constant", base_learning_rate: float,
     A function of the (integer) step.
 
   Raises:
-    ValueError: Unknown name or inconsistent steps (naming the field).
+    TypeError: A step count or rate of the wrong type (naming the field and its gin macro,
+      e.g. total_steps and TRAIN_STEPS).
+    ValueError: Unknown name, or steps or rates out of range or inconsistent (likewise).
   """
   if name not in SCHEDULES:
     raise ValueError(f"make_schedule: unknown name {name!r}; known: {list(SCHEDULES)}")
-  if not base_learning_rate >= 0:
-    raise ValueError(f"make_schedule: base_learning_rate must be >= 0, got {base_learning_rate}")
-  if warmup_steps < 0:
-    raise ValueError(f"make_schedule: warmup_steps must be >= 0, got {warmup_steps}")
-  if name in ("linear_warmup", "warmup_rsqrt", "warmup_linear_decay") and warmup_steps <= 0:
-    raise ValueError(f"make_schedule: {name!r} needs warmup_steps > 0, got {warmup_steps}")
-  if name in ("linear_decay", "warmup_linear_decay"):
-    if total_steps is None or total_steps <= warmup_steps:
-      raise ValueError(f"make_schedule: {name!r} needs total_steps > warmup_steps "
-                       f"({warmup_steps}), got total_steps={total_steps}")
+  _check_number("make_schedule", "base_learning_rate", base_learning_rate)
+  _check_number("make_schedule", "end_learning_rate", end_learning_rate)
+  # total_steps first: with TRAIN_STEPS=0 and WARMUP_STEPS=0 the run length is what is wrong.
+  if total_steps is not None:
+    _check_int("make_schedule", "total_steps", total_steps, positive=True)
+  _check_int("make_schedule", "warmup_steps", warmup_steps, positive=False)
+  if name in ("linear_decay", "warmup_linear_decay") and total_steps is None:
+    raise ValueError(f"make_schedule: {name!r} needs total_steps{_macro('total_steps')}, the "
+                     f"step at which the decay ends")
+  if name in ("linear_warmup", "warmup_rsqrt", "warmup_linear_decay") and warmup_steps == 0:
+    raise ValueError(f"make_schedule: {name!r} needs warmup_steps > 0"
+                     f"{_macro('warmup_steps')}, got 0")
+  if name in ("linear_decay", "warmup_linear_decay") and total_steps <= warmup_steps:
+    raise ValueError(f"make_schedule: {name!r} needs total_steps{_macro('total_steps')} > "
+                     f"warmup_steps{_macro('warmup_steps')}, got total_steps={total_steps} and "
+                     f"warmup_steps={warmup_steps}")
   base = float(base_learning_rate)
   end = float(end_learning_rate)
 
@@ -127,8 +187,8 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
       least this large.
     group_same_shapes: Adafactor through `jaxmoral.adafactor.grouped_adafactor`: optax's
       updates, computed for all leaves of one shape at once (T5 1.1-large: 558 leaves, 7
-      shapes), so a GPU launches a few kernels per shape instead of several per leaf; its
-      train step went from 152.6 to 142.0 ms on an H100 (bench/RESULTS.md). Its state is one
+      shapes), so a GPU launches a few kernels per shape instead of several per leaf (a
+      faster train step on an H100; bench/RESULTS.md). Its state is one
       stacked array per shape and statistic, replicated over the mesh, so checkpoints of the
       two layouts do not mix. None (default): grouped unless `momentum` is set, whose
       parameter-sized state would then be replicated; False: `optax.adafactor`.
@@ -138,16 +198,16 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
     `Optimizer` that also gives its learning rate at a step.
 
   Raises:
+    TypeError: A rate or other number of the wrong type (naming the field).
     ValueError: Unknown name or bad value (naming the field).
   """
   if name not in OPTIMIZERS:
     raise ValueError(f"make_optimizer: unknown name {name!r}; known: {list(OPTIMIZERS)}")
-  if isinstance(learning_rate, (int, float)) and not learning_rate >= 0:
-    raise ValueError(f"make_optimizer: learning_rate must be >= 0, got {learning_rate}")
-  if weight_decay < 0:
-    raise ValueError(f"make_optimizer: weight_decay must be >= 0, got {weight_decay}")
-  if grad_clip_norm is not None and not grad_clip_norm > 0:
-    raise ValueError(f"make_optimizer: grad_clip_norm must be > 0 or None, got {grad_clip_norm}")
+  if not callable(learning_rate):  # A schedule is checked by make_schedule.
+    _check_number("make_optimizer", "learning_rate", learning_rate)
+  _check_number("make_optimizer", "weight_decay", weight_decay)
+  if grad_clip_norm is not None:
+    _check_number("make_optimizer", "grad_clip_norm", grad_clip_norm, strict=True)
   if group_same_shapes and name != "adafactor":
     raise ValueError(f"make_optimizer: group_same_shapes applies to adafactor, not {name!r}")
   if group_same_shapes is None:

@@ -17,6 +17,7 @@ Entry points:
 - `trainable_mask(params)`: True on the prompt only (the Trainer gives the base no optimizer
   state and no updates).
 - `save_prompt` / `load_prompt`: the prompt alone (a small .npy plus JSON; optionally Orbax).
+- `PromptTuningModel`: what `jaxmoral.runs.train_run` trains (base from `init_checkpoint`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import losses
-from jaxmoral import optimizers
-from jaxmoral import partitioning
-from jaxmoral import trainer as trainer_lib
-from jaxmoral.models import t5 as t5_lib
+from jaxmoral import train as train_lib
+from jaxmoral.models import trainable
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
 
@@ -45,6 +44,7 @@ InitMethod = Literal["vocab_sample", "words", "uniform"]
 # Trainer mask: the one top-level "prompt" leaf is trained, everything under "base" is frozen.
 PROMPT_PATTERN = r"^prompt$"
 PROMPT_FILE = "prompt.npy"
+PROMPT_SUBDIR = "prompt"  # Where a prompt-tuning run saves its prompt on its own.
 META_FILE = "prompt.json"
 
 
@@ -219,9 +219,13 @@ def save_prompt(prompt: Any, directory: str | os.PathLike, *,
 def load_prompt(directory: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any]]:
   """Loads `save_prompt`'s output: (prompt (P, d_model) float32, metadata).
 
-  Reads `prompt.npy` when present, else the Orbax export under `directory/orbax`.
+  Reads `prompt.npy` when present, else the Orbax export under `directory/orbax`; a
+  prompt-tuning run directory gives the prompt it saved (`MODEL_DIR/prompt`).
   """
   directory = os.fspath(directory)
+  own = os.path.join(directory, PROMPT_SUBDIR)
+  if not os.path.exists(os.path.join(directory, PROMPT_FILE)) and os.path.isdir(own):
+    directory = own
   meta_path = os.path.join(directory, META_FILE)
   meta: dict[str, Any] = {}
   if os.path.exists(meta_path):
@@ -241,87 +245,87 @@ def load_prompt(directory: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any
   return prompt.astype(np.float32), meta
 
 
-# -- training -----------------------------------------------------------------------------------
-@gin.configurable
-def make_prompt_trainer(*, config: T5Config, prompt_length: int,
-                        optimizer: Any, partitioner: Optional[Any] = None,
-                        num_microbatches: int = 1, z_loss: float = 1e-4,
-                        learning_rate_fn: Optional[Any] = None
-                        ) -> tuple[trainer_lib.Trainer, PromptedT5]:
-  """A core `Trainer` for a prompt over a frozen base: only the prompt has optimizer state.
+# -- training ---------------------------------------------------------------------------------
+class SavePromptHook(train_lib.TrainHook):
+  """At the end of a run, saves the trained prompt on its own to `model_dir/prompt`."""
 
-  The loss is the core `losses.seq2seq_loss_fn` of `PromptedT5`. Start it with
-  `trainer.init_state_from_params(prompted_params(base_params, prompt))`.
-  """
-  model = PromptedT5(config, prompt_length)
-  partitioner = partitioner or partitioning.PjitPartitioner(num_partitions=1)
-  trainer = trainer_lib.Trainer(
-      init_params_fn=lambda rng: t5_lib.init_params(model, rng),
-      loss_fn=losses.seq2seq_loss_fn(model, z_loss=z_loss), optimizer=optimizer,
-      partitioner=partitioner, trainable_mask=PROMPT_PATTERN,
-      num_microbatches=num_microbatches, learning_rate_fn=learning_rate_fn)
-  return trainer, model
+  def __init__(self, model_dir: str | os.PathLike, metadata: dict[str, Any]):
+    self.directory = os.path.join(os.fspath(model_dir), PROMPT_SUBDIR)
+    self.metadata = metadata
+
+  def on_end(self, loop: Any, state: Any) -> None:
+    del loop
+    prompt = np.asarray(jax.device_get(state.params["prompt"]), np.float32)
+    if jax.process_index() == 0:
+      save_prompt(prompt, self.directory, metadata=self.metadata)
 
 
 @gin.configurable
-def train_prompt(*, model_dir: str | os.PathLike, config: T5Config, base_params: Any,
-                 train_source: Any, train_steps: int,
-                 prompt_config: PromptConfig = PromptConfig(),
-                 word_ids: Optional[Sequence[Sequence[int]]] = None,
-                 learning_rate: float = 0.1, warmup_steps: int = 500,
-                 optimizer_name: str = "adafactor", partitioner: Optional[Any] = None,
-                 eval_source: Any = None, seed: int = 0, log_every: int = 100,
-                 checkpoint_every: int = 1000, metadata: Optional[dict[str, Any]] = None,
-                 ) -> np.ndarray:
-  """Trains a soft prompt on a frozen base model (paper defaults: lr 0.1, 500 warm-up steps,
-  linear decay to 0; batch 16 is the `train_source`'s batch size).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptTuningModel(trainable.TrainableModel):
+  """A soft prompt trained on a frozen base T5 (the paper's defaults in `PromptConfig`).
 
-  Runs the core training loop in `model_dir` (resumable) and saves the prompt on its own to
-  `model_dir/prompt` (`save_prompt`).
+  Train it with `jaxmoral.runs.train_run` and the base as `init_checkpoint`: the base comes
+  from any model directory (placed in the run's shardings), the prompt is initialised by
+  `init_prompt` (words in the base's vocabulary), and only the prompt gets optimizer state and
+  updates. At the end the prompt is also saved on its own to `MODEL_DIR/prompt`
+  (`load_prompt`).
 
-  Args:
-    model_dir: Run directory.
-    config: Base model config.
-    base_params: Base parameters (boxed or not); never updated.
-    train_source: Batches of T5X features (`data.pipeline.BatchSource`).
-    train_steps: Steps.
-    prompt_config: Prompt length and initialiser.
-    word_ids: Token ids of `prompt_config.init_words` (init="words").
-    learning_rate: Peak learning rate.
-    warmup_steps: Linear warm-up steps (capped below `train_steps` for short runs).
-    optimizer_name: "adafactor", "adamw" or "sgd" (`optimizers.make_optimizer`).
-    partitioner: Mesh (default: data parallel over all devices).
-    eval_source: Optional evaluation batches.
-    seed: Prompt initialisation and dropout seed.
-    log_every: Progress logging interval.
-    checkpoint_every: Checkpoint interval of the loop.
-    metadata: Extra JSON metadata saved with the prompt.
-
-  Returns:
-    The trained prompt (P, d_model).
+  Attributes:
+    config: The base model's T5Config.
+    prompt: Prompt length and initialiser.
+    z_loss: T5X's z-loss coefficient.
+    metadata: Extra JSON saved with the prompt (e.g. the task, label words).
   """
-  from jaxmoral import train as train_lib  # pylint: disable=g-import-not-at-top
-  base_params = nn.meta.unbox(base_params)
+  config: T5Config
+  prompt: PromptConfig = PromptConfig()
+  z_loss: float = 1e-4
+  metadata: Optional[dict[str, Any]] = None
+
+  def module(self) -> PromptedT5:
+    return PromptedT5(self.config, self.prompt.length)
+
+  def loss_fn(self) -> Any:
+    return losses.seq2seq_loss_fn(self.module(), z_loss=self.z_loss)
+
+  @property
+  def trainable_patterns(self) -> Sequence[str]:
+    return (PROMPT_PATTERN,)
+
+  def params_from_checkpoint(self, loaded: Any, rng: Array) -> dict[str, Any]:
+    trainable.check_architecture(loaded, self.config)
+    base = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
+    if loaded.prompt is not None and tuple(loaded.prompt.shape) == (
+        self.prompt.length, self.config.d_model):
+      return prompted_params(base, loaded.prompt)  # Continues a prompt-tuning run.
+    word_ids = None
+    if self.prompt.init == "words":
+      if loaded.vocabulary is None:
+        raise ValueError(f"PromptTuningModel: init='words' needs the base's vocabulary; "
+                         f"{loaded.info.source} has none")
+      word_ids = [list(loaded.vocabulary.encode(w)) for w in self.prompt.init_words]
+    prompt = init_prompt(self.prompt, rng=rng,
+                         embedding_table=jax.device_get(base["token_embedder"]["embedding"]),
+                         word_ids=word_ids)
+    return prompted_params(base, prompt)
+
+  def settings(self) -> dict[str, Any]:
+    return {"kind": "prompt_tuning", "prompt": dataclasses.asdict(self.prompt)}
+
+  def hooks(self, model_dir: str) -> Sequence[Any]:
+    return (SavePromptHook(model_dir, {"prompt_config": dataclasses.asdict(self.prompt),
+                                       "model_config": self.config.to_dict(),
+                                       **(self.metadata or {})}),)
+
+
+def paper_optimizer(*, train_steps: int, learning_rate: float = 0.1,
+                    warmup_steps: int = 500) -> Any:
+  """The papers' prompt-tuning optimizer (as gin/optimizers/prompt_tuning.gin binds it):
+  Adafactor, `learning_rate` after a linear warm-up (capped below `train_steps` for short
+  runs), then linear decay to 0 at `train_steps`."""
+  from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
   warmup = min(warmup_steps, max(train_steps - 1, 1))
-  schedule = optimizers.make_schedule(
-      name="warmup_linear_decay", base_learning_rate=learning_rate, warmup_steps=warmup,
-      total_steps=max(train_steps, warmup + 1))
-  optimizer = optimizers.make_optimizer(name=optimizer_name, learning_rate=schedule)
-  trainer, _ = make_prompt_trainer(config=config, prompt_length=prompt_config.length,
-                                   optimizer=optimizer, partitioner=partitioner,
-                                   learning_rate_fn=schedule)
-  prompt = init_prompt(prompt_config, rng=jax.random.PRNGKey(seed),
-                       embedding_table=base_params["token_embedder"]["embedding"],
-                       word_ids=word_ids)
-  train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source,
-                  train_steps=train_steps, eval_source=eval_source, seed=seed,
-                  log_every=log_every, checkpoint_every=checkpoint_every,
-                  init_params=prompted_params(base_params, prompt))
-  # The loop's last checkpoint holds the trained prompt; read only that leaf back.
-  from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
-  params = checkpoints.restore_params_from_run(checkpoints.run_checkpoints_dir(model_dir))
-  trained = np.asarray(params["prompt"], np.float32)
-  save_prompt(trained, os.path.join(os.fspath(model_dir), "prompt"),
-              metadata={"prompt_config": dataclasses.asdict(prompt_config),
-                        "model_config": config.to_dict(), **(metadata or {})})
-  return trained
+  schedule = optimizers.make_schedule(name="warmup_linear_decay", base_learning_rate=learning_rate,
+                                      warmup_steps=warmup, total_steps=max(train_steps, warmup + 1))
+  return optimizers.make_optimizer(name="adafactor", learning_rate=schedule,
+                                   multiply_by_parameter_scale=False)

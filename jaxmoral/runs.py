@@ -1,10 +1,18 @@
 """Gin-bound entry points of the core commands: `jaxmoral train | eval | infer | export`.
 
-A run directory (MODEL_DIR) is self-describing, so `eval`, `infer`, `export` and the Python API
-(`jaxmoral.models.api.Model.from_pretrained(MODEL_DIR)`) need nothing but its path::
+`train_run` is the one training entry point of every supervised method (T5X's `train`): gin
+injects what is trained (`model`: a `jaxmoral.models.trainable.TrainableModel` such as
+`Seq2SeqModel`, `diamante.model.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
+data it reads (`data`: a `DataSpec` such as `Seq2SeqData` or `diamante.data.DialogueData`), so
+every method gets `init_checkpoint`, resume, run files and per-host data sharding from here.
+
+A run directory (MODEL_DIR) is self-describing (`jaxmoral.model_dirs`), so `eval`, `infer`,
+`export` and the Python API (`jaxmoral.api.Model.from_pretrained(MODEL_DIR)`) need nothing but
+its path::
 
   MODEL_DIR/config.gin            the operative gin config of the training run
   MODEL_DIR/model_config.json     the T5Config
+  MODEL_DIR/settings.json         what the model and data add (e.g. Diamante's lengths)
   MODEL_DIR/vocab/spiece.model    the SentencePiece model (+ vocab/extra_ids.txt)
   MODEL_DIR/checkpoints/<step>/   Orbax checkpoints (TrainState + JSON extras)
   MODEL_DIR/train, MODEL_DIR/eval TensorBoard event files
@@ -13,45 +21,58 @@ A run directory (MODEL_DIR) is self-describing, so `eval`, `infer`, `export` and
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
 import pathlib
-import shutil
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import gin
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
 import optax
-import seqio
 
 from jaxmoral import checkpoints
 from jaxmoral import decoding
 from jaxmoral import gin_utils
 from jaxmoral import losses
+from jaxmoral import model_dirs
 from jaxmoral import partitioning
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
 from jaxmoral.data import readers
 from jaxmoral.data import tasks
 from jaxmoral.data import vocab as vocab_lib
-from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
+from jaxmoral.models import trainable
 
 logger = logging.getLogger(__name__)
 
-MODEL_CONFIG_FILE = "model_config.json"
-VOCAB_DIR = "vocab"
+VOCAB_DIR = model_dirs.VOCAB_DIR
+
+
+class DataSpec(Protocol):
+  """Where a run's batches come from (gin injects one into `train_run`)."""
+
+  def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
+    """The vocabulary: the one the data names, else `fallback` (the init checkpoint's), else
+    one built into `vocab_dir`."""
+
+  def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
+              seed: int) -> tuple[Any, Any]:
+    """(train source, eval source or None); sources have `iterate(start_step)`,
+    `eval_batches()`, `shard(index, count)`, `batch_size` and `num_examples` (or None)."""
+
+  def settings(self) -> dict[str, Any]:
+    """What inference needs to know about the data (saved in settings.json["data"])."""
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Seq2SeqData:
-  """Where (input, target) text pairs come from, and their vocabulary.
+  """(input, target) text pairs: a seqio Task or Mixture, or a data file.
 
   Attributes:
     mixture_or_task_name: A registered seqio Task or Mixture (T5X's MIXTURE_OR_TASK_NAME).
@@ -61,11 +82,12 @@ class Seq2SeqData:
     eval_file: Evaluation pairs for `train_file` (default: every 10th pair is held out).
     input_field: Column / key of the inputs in the files.
     target_field: Column / key of the targets in the files.
-    vocabulary_path: A SentencePiece model (e.g. T5's spiece.model); None builds the demo
-      vocabulary from the bundled corpus (deterministic, a few seconds).
+    vocabulary_path: A SentencePiece model (e.g. T5's spiece.model); None: the init
+      checkpoint's, else the demo vocabulary built from the bundled corpus.
     extra_ids: Sentinel ids after the pieces (T5: 100).
     train_split: Split used for training.
     eval_split: Split used for evaluation.
+    pack: Pack several examples per row (T5X's `EncDecFeatureConverter(pack=True)`).
   """
   mixture_or_task_name: Optional[str] = None
   train_file: Optional[str] = None
@@ -76,26 +98,33 @@ class Seq2SeqData:
   extra_ids: int = vocab_lib.T5_EXTRA_IDS
   train_split: str = "train"
   eval_split: str = "validation"
+  pack: bool = False
 
   def __post_init__(self):
     if (self.mixture_or_task_name is None) == (self.train_file is None):
       raise ValueError("Seq2SeqData: give exactly one of mixture_or_task_name, train_file")
     if self.eval_file is not None and self.train_file is None:
       raise ValueError("Seq2SeqData.eval_file needs train_file")
+
+  def _check_files(self) -> None:
+    """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
     for name in ("train_file", "eval_file", "vocabulary_path"):
       value = getattr(self, name)
       if value is not None and not pathlib.Path(value).is_file():
         raise ValueError(f"Seq2SeqData.{name}: no such file {value!r}")
 
-  def vocabulary(self, workdir: str | os.PathLike[str]) -> seqio.SentencePieceVocabulary:
-    """The vocabulary; the demo one is built into `workdir` the first time."""
-    path = self.vocabulary_path
-    if path is None:
-      path = vocab_lib.build_demo_vocabulary(output_dir=workdir)
-    return vocab_lib.get_vocabulary(path, extra_ids=self.extra_ids)
+  def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
+    self._check_files()
+    if self.vocabulary_path is not None:
+      return vocab_lib.get_vocabulary(self.vocabulary_path, extra_ids=self.extra_ids)
+    if fallback is not None:
+      return fallback
+    return vocab_lib.get_vocabulary(vocab_lib.build_demo_vocabulary(output_dir=vocab_dir),
+                                    extra_ids=self.extra_ids)
 
-  def task_name(self, vocabulary: seqio.Vocabulary) -> str:
+  def task_name(self, vocabulary: Any) -> str:
     """Registers what is needed (demo tasks, file tasks) and returns the task/mixture name."""
+    self._check_files()
     if self.train_file is not None:
       files = {self.train_split: self.train_file}
       if self.eval_file is not None:
@@ -115,80 +144,81 @@ class Seq2SeqData:
     if name.startswith("jaxmoral_demo"):
       tasks.register_demo_tasks(vocabulary=vocabulary)
     try:
+      import seqio  # pylint: disable=g-import-not-at-top
       seqio.get_mixture_or_task(name)
     except ValueError as error:
       raise ValueError(f"Seq2SeqData.mixture_or_task_name: {name!r} is not registered; "
                        f"import the module that registers it in your gin file") from error
     return name
 
+  def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
+              seed: int) -> tuple[tasks.TaskSource, Optional[tasks.TaskSource]]:
+    name = self.task_name(vocabulary)
+    train = tasks.TaskSource(name, self.train_split, feature_lengths, batch_size, seed=seed,
+                             pack=self.pack)
+    try:
+      evaluation = tasks.TaskSource(name, self.eval_split, feature_lengths, batch_size,
+                                    seed=seed, shuffle=False)
+    except ValueError as error:
+      logger.warning("train_run: no evaluation data (%s)", error)
+      evaluation = None
+    return train, evaluation
 
-def save_run_files(model_dir: str | os.PathLike[str], *, model_config: config_lib.T5Config,
-                   vocabulary: seqio.SentencePieceVocabulary) -> None:
-  """Writes the config and vocabulary next to the checkpoints (see module docstring)."""
-  model_dir = pathlib.Path(model_dir)
-  (model_dir / VOCAB_DIR).mkdir(parents=True, exist_ok=True)
-  (model_dir / MODEL_CONFIG_FILE).write_text(model_config.to_json())
-  target = model_dir / VOCAB_DIR / "spiece.model"
-  if pathlib.Path(vocabulary.sentencepiece_model_file).resolve() != target.resolve():
-    shutil.copyfile(vocabulary.sentencepiece_model_file, target)
-  (model_dir / VOCAB_DIR / "extra_ids.txt").write_text(str(vocabulary.extra_ids))
+  def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
+                   ) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Global batch shapes (for `jaxmoral compile`)."""
+    from jaxmoral import aot  # pylint: disable=g-import-not-at-top
+    return aot.seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
+                                    pack=self.pack)
 
-
-def load_run_files(model_dir: str | os.PathLike[str]
-                   ) -> tuple[config_lib.T5Config, seqio.SentencePieceVocabulary]:
-  """The T5Config and vocabulary that `train_run` stored in MODEL_DIR."""
-  model_dir = pathlib.Path(model_dir)
-  config_path = model_dir / MODEL_CONFIG_FILE
-  if not config_path.is_file():
-    raise FileNotFoundError(f"{config_path} not found: is {model_dir} a jaxmoral run directory?")
-  config = config_lib.T5Config.from_dict(json.loads(config_path.read_text()))
-  extra_path = model_dir / VOCAB_DIR / "extra_ids.txt"
-  extra_ids = int(extra_path.read_text()) if extra_path.is_file() else vocab_lib.T5_EXTRA_IDS
-  vocabulary = vocab_lib.get_vocabulary(model_dir / VOCAB_DIR / "spiece.model",
-                                        extra_ids=extra_ids)
-  return config, vocabulary
+  def settings(self) -> dict[str, Any]:
+    return {"kind": "seq2seq"}
 
 
-def _check_vocab_fits(config: config_lib.T5Config, vocabulary: seqio.Vocabulary) -> None:
+def _check_vocab_fits(config: Any, vocabulary: Any) -> None:
   if vocabulary.vocab_size > config.vocab_size:
     raise ValueError(f"vocabulary has {vocabulary.vocab_size} ids (with extra ids) but "
                      f"T5Config.vocab_size is {config.vocab_size}")
 
 
-def build_trainer(*, model: t5.T5, optimizer: optax.GradientTransformation,
-                  partitioner: partitioning.PjitPartitioner, num_microbatches: int = 1,
-                  trainable_patterns: Optional[Sequence[str]] = None,
-                  label_smoothing: float = 0.0, z_loss: float = 1e-4,
-                  loss_normalizing_factor: Optional[float] = None) -> trainer_lib.Trainer:
-  """The supervised seq2seq Trainer for `model` (loss: token NLL + z-loss)."""
+def make_trainer(*, model: trainable.TrainableModel, optimizer: optax.GradientTransformation,
+                 partitioner: partitioning.PjitPartitioner,
+                 num_microbatches: int = 1) -> trainer_lib.Trainer:
+  """The `Trainer` of a run: the model's init, loss and trainable filter on the mesh."""
   return trainer_lib.Trainer(
-      init_params_fn=functools.partial(t5.init_params, model),
-      loss_fn=losses.seq2seq_loss_fn(model, label_smoothing=label_smoothing, z_loss=z_loss,
-                                     loss_normalizing_factor=loss_normalizing_factor),
-      optimizer=optimizer, partitioner=partitioner,
-      trainable_mask=list(trainable_patterns) if trainable_patterns else None,
+      init_params_fn=model.init_params, loss_fn=model.loss_fn(), optimizer=optimizer,
+      partitioner=partitioner, trainable_mask=model.trainable_patterns,
       num_microbatches=num_microbatches,
       # T5X logs the learning rate; an optimizer from `make_optimizer` knows its schedule.
       learning_rate_fn=getattr(optimizer, "learning_rate", None))
 
 
+def _run_vocabulary(model_dir: str, data: DataSpec, init_info: Optional[model_dirs.ModelInfo]
+                    ) -> Any:
+  """The run's vocabulary: a resumed run keeps its own; else the data's (falling back to the
+  init checkpoint's)."""
+  own = model_dirs.load_vocabulary(model_dir)
+  if own is not None:
+    return own
+  fallback = init_info.vocabulary if init_info is not None else None
+  return data.vocabulary(os.path.join(model_dir, VOCAB_DIR), fallback=fallback)
+
+
 @gin.configurable
-def train_run(*, model_dir: str, model_config: config_lib.T5Config, data: Seq2SeqData,
+def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec,
               train_steps: int, batch_size: int, feature_lengths: Mapping[str, int],
               optimizer: optax.GradientTransformation,
               partitioner: Optional[partitioning.PjitPartitioner] = None,
               num_microbatches: int = 1, eval_every: int = 0, eval_steps: Optional[int] = None,
               checkpoint_every: int = 1000, keep_checkpoints: int = 3, log_every: int = 50,
               seed: int = 0, init_checkpoint: Optional[str] = None,
-              trainable_patterns: Optional[Sequence[str]] = None, label_smoothing: float = 0.0,
-              z_loss: float = 1e-4, loss_normalizing_factor: Optional[float] = None,
-              pack: bool = False) -> dict[str, float]:
-  """Supervised seq2seq training (T5X's `train`): resumes MODEL_DIR if it has checkpoints.
+              hooks: Sequence[train_lib.TrainHook] = ()) -> dict[str, float]:
+  """Trains `model` on `data` (T5X's `train`): resumes MODEL_DIR if it has checkpoints.
 
   Args:
     model_dir: Run directory (MODEL_DIR).
-    model_config: The T5Config (MODEL_CONFIG from a gin/models fragment).
-    data: Pairs and vocabulary.
+    model: What is trained (MODEL): module, loss, trainable filter.
+    data: Where batches come from (a `DataSpec`, e.g. `Seq2SeqData`).
     train_steps: Total steps of the run (TRAIN_STEPS).
     batch_size: Global batch size (BATCH_SIZE).
     feature_lengths: `{"inputs": N, "targets": M}` (TASK_FEATURE_LENGTHS).
@@ -201,93 +231,57 @@ def train_run(*, model_dir: str, model_config: config_lib.T5Config, data: Seq2Se
     keep_checkpoints: Checkpoints kept.
     log_every: Progress line / TensorBoard every N steps.
     seed: Parameter init, shuffling and dropout seed.
-    init_checkpoint: Fine-tune from these params: a jaxmoral export, a run directory (its
-      latest step), one step of a run (`RUN/checkpoints/STEP`), or a Hugging Face T5 folder
-      (config.json + model.safetensors).
-    trainable_patterns: Regexes of trained parameter paths (others frozen, no optimizer state).
-    label_smoothing: Label smoothing of the token loss.
-    z_loss: T5X's auxiliary z-loss coefficient.
-    loss_normalizing_factor: None: the loss is the mean over target tokens; a number: the
-      summed loss divided by it (T5X's LOSS_NORMALIZING_FACTOR); microbatches follow either.
-    pack: Pack several examples per row.
+    init_checkpoint: Fine-tune from this model directory or Hub id (any format of
+      `jaxmoral.model_dirs`: Hugging Face, T5X, export, run, one step of a run); its
+      parameters are created directly in the partitioner's shardings. Ignored on resume.
+    hooks: Extra `train.TrainHook`s (the model's own come first).
 
   Returns:
     Final metrics.
   """
   partitioner = partitioner or partitioning.PjitPartitioner()
   checkpoints.make_run_dir(model_dir)
-  # Process 0 writes the shared run files (and builds the demo vocabulary); the others wait.
+  init_info = None
+  if init_checkpoint:
+    init_info = model_dirs.inspect(init_checkpoint)
+  # Process 0 writes the shared run files (and builds a vocabulary); the others wait.
   if jax.process_index() == 0:
-    vocabulary = data.vocabulary(os.path.join(model_dir, VOCAB_DIR))
-    _check_vocab_fits(model_config, vocabulary)
-    save_run_files(model_dir, model_config=model_config, vocabulary=vocabulary)
+    vocabulary = _run_vocabulary(model_dir, data, init_info)
+    _check_vocab_fits(model.config, vocabulary)
+    model_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
+                              settings={"model": model.settings(), "data": data.settings(),
+                                        "feature_lengths": dict(feature_lengths)})
     if gin.config_str():
       gin_utils.write_operative_config(model_dir)
   if jax.process_count() > 1:
     multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
     if jax.process_index() != 0:
-      vocabulary = load_run_files(model_dir)[1]
-  task_name = data.task_name(vocabulary)
-  train_source = tasks.task_to_source(task_name, data.train_split,
-                                      feature_lengths=feature_lengths, batch_size=batch_size,
-                                      seed=seed, pack=pack)
+      vocabulary = model_dirs.load_vocabulary(model_dir)
+  train_source, eval_source = data.sources(vocabulary=vocabulary, batch_size=batch_size,
+                                           feature_lengths=feature_lengths, seed=seed)
   if jax.process_count() > 1:
     train_source = train_source.shard(jax.process_index(), jax.process_count())
-  eval_source = None
-  try:
-    eval_source = tasks.task_to_source(task_name, data.eval_split,
-                                       feature_lengths=feature_lengths, batch_size=batch_size,
-                                       seed=seed, shuffle=False)
-  except ValueError as error:
-    logger.warning("train_run: no evaluation data (%s)", error)
-  if eval_source is not None and jax.process_count() > 1:
-    eval_source = eval_source.shard(jax.process_index(), jax.process_count())
-  model = t5.T5(model_config)
-  trainer = build_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
-                          num_microbatches=num_microbatches,
-                          trainable_patterns=trainable_patterns,
-                          label_smoothing=label_smoothing, z_loss=z_loss,
-                          loss_normalizing_factor=loss_normalizing_factor)
-  init_params = load_any_params(init_checkpoint, model_config) if init_checkpoint else None
-  logger.info("train_run: %s, %.1fM params, %d train examples, batch %d, %d steps -> %s",
-              task_name, model_config.num_params() / 1e6, train_source.num_examples,
-              batch_size, train_steps, model_dir)
+    if eval_source is not None:
+      eval_source = eval_source.shard(jax.process_index(), jax.process_count())
+  trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
+                         num_microbatches=num_microbatches)
+
+  def init_params() -> Any:
+    loaded = model_dirs.load(init_checkpoint, partitioner=partitioner)
+    return model.params_from_checkpoint(loaded, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
+
+  examples = train_source.num_examples
+  logger.info("train_run: %s on %s (%s train examples), batch %d, %d steps -> %s%s",
+              trainable.describe(model), type(data).__name__,
+              "?" if examples is None else examples, batch_size, train_steps, model_dir,
+              f", from {init_info.describe()}" if init_info else "")
   return train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source,
                          train_steps=train_steps, eval_source=eval_source,
                          eval_every=eval_every, eval_steps=eval_steps,
                          checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                         log_every=log_every, seed=seed, init_params=init_params)
-
-
-def load_any_params(path: str, model_config: config_lib.T5Config) -> Any:
-  """Params from a jaxmoral export, a run directory (its latest step), one step of a run
-  (`RUN/checkpoints/STEP`, as T5X's `checkpoint_STEP` folders are named), or a Hugging Face
-  T5 folder."""
-  folder = pathlib.Path(path)
-  if folder.parent.name == checkpoints.RUN_CHECKPOINTS_SUBDIR and folder.name.isdigit():
-    return checkpoints.restore_params_from_run(folder.parent, step=int(folder.name))
-  if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
-    from jaxmoral.models import hf_import
-    hf_config, params = hf_import.load_hf_t5(folder)
-    if hf_config.architecture() != model_config.architecture():
-      raise ValueError(f"init_checkpoint {path}: its config {hf_config} differs from "
-                       f"the run's MODEL_CONFIG {model_config}")
-    return params
-  if (folder / checkpoints.RUN_CHECKPOINTS_SUBDIR).is_dir():
-    return restore_run_params(folder)
-  if not (folder / checkpoints.PARAMS_DIR).is_dir():
-    raise FileNotFoundError(
-        f"init_checkpoint {path}: not a jaxmoral export (no {checkpoints.PARAMS_DIR}/), run "
-        f"directory (no {checkpoints.RUN_CHECKPOINTS_SUBDIR}/), run step "
-        f"(RUN/{checkpoints.RUN_CHECKPOINTS_SUBDIR}/STEP) or Hugging Face T5 folder "
-        f"(no model.safetensors)")
-  return checkpoints.load_params(folder)
-
-
-def restore_run_params(model_dir: str | os.PathLike[str], *, step: Optional[int] = None) -> Any:
-  """Only the params of a run's latest (or given) checkpoint."""
-  return checkpoints.restore_params_from_run(
-      checkpoints.run_checkpoints_dir(model_dir), step=step)
+                         log_every=log_every, seed=seed,
+                         init_params=init_params if init_checkpoint else None,
+                         hooks=[*model.hooks(model_dir), *hooks])
 
 
 @gin.configurable
@@ -298,16 +292,15 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
 
   Writes MODEL_DIR/eval_<step>.json and prints the metrics and a few decoded examples.
   """
-  config, vocabulary = load_run_files(model_dir)
-  model = t5.T5(config)
-  params = restore_run_params(model_dir, step=step)
-  task_name = data.task_name(vocabulary)
-  source = tasks.task_to_source(task_name, data.eval_split, feature_lengths=feature_lengths,
-                                batch_size=batch_size, shuffle=False)
+  loaded = model_dirs.load(model_dir, step=step)
+  model, params, vocabulary = t5.T5(loaded.config), loaded.params, loaded.vocabulary
+  params = {k: v for k, v in params.items() if k != "scalar_head"}
+  source = tasks.TaskSource(data.task_name(vocabulary), data.eval_split, feature_lengths,
+                            batch_size, shuffle=False)
   loss_fn = jax.jit(losses.seq2seq_loss_fn(model, z_loss=0.0))
   results = [jax.device_get(loss_fn(params, batch, None)[1]) for batch in source.eval_batches()]
   metrics = trainer_lib.average_metrics(results)
-  first = source.batch(0) if source.num_examples else None
+  first = next(source.eval_batches(), None)
   samples = []
   if first is not None and decode_examples:
     inputs = first["encoder_input_tokens"][:decode_examples]
@@ -374,9 +367,9 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
     texts = [r[field] for r in readers.read_jsonl(input_file, required=[field], text=[field])]
   else:
     texts = [r["text"] for r in readers.read_lines(input_file)]
-  config, vocabulary = load_run_files(model_dir)
-  model = t5.T5(config)
-  params = restore_run_params(model_dir, step=step)
+  loaded = model_dirs.load(model_dir, step=step)
+  model, vocabulary = t5.T5(loaded.config), loaded.vocabulary
+  params = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
   sample_config = sample_config or decoding.SampleConfig(max_decode_length=64, greedy=True)
   rng = jax.random.PRNGKey(seed)
   start = time.time()
@@ -409,14 +402,8 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
 
 
 def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
-               dtype: Optional[str] = None) -> str:
-  """`jaxmoral export`: params-only Orbax checkpoint (+ config.json, vocab) of a run."""
-  config, vocabulary = load_run_files(model_dir)
-  params = restore_run_params(model_dir, step=step)
-  checkpoints.export_params(params, output_dir, dtype=dtype, config=config.to_dict())
-  vocab_dir = pathlib.Path(output_dir) / VOCAB_DIR
-  vocab_dir.mkdir(parents=True, exist_ok=True)
-  shutil.copyfile(vocabulary.sentencepiece_model_file, vocab_dir / "spiece.model")
-  (vocab_dir / "extra_ids.txt").write_text(str(vocabulary.extra_ids))
-  print(f"exported {model_dir} -> {output_dir}" + (f" ({dtype})" if dtype else ""))
-  return output_dir
+               dtype: Optional[str] = None, output_format: str = "jaxmoral",
+               overwrite: bool = False) -> str:
+  """`jaxmoral export`: see `model_dirs.export_model`."""
+  return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
+                                 output_format=output_format, overwrite=overwrite)

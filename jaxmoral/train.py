@@ -1,8 +1,10 @@
 """The training loop: resume, train steps, progress, TensorBoard, eval, NaN stop, checkpoints.
 
-Data position is the step: `train_source.batch(step)` is deterministic, so a run resumed from
-the checkpoint of step `s` reads batch `s` next and, with the trainer's per-step rng
-(`fold_in(base_rng, step)`), reproduces the uninterrupted run exactly.
+Data position is the step: `train_source.iterate(step)` is deterministic, so a run resumed
+from the checkpoint of step `s` reads batch `s` next and, with the trainer's per-step rng
+(`fold_in(base_rng, step)`), reproduces the uninterrupted run exactly. Hooks (`TrainHook`) add
+what a method needs besides stepping (PPO's reward normalisation and curve, a soft prompt
+saved at the end) without a second loop.
 
 Layout of `model_dir`::
 
@@ -13,13 +15,15 @@ Layout of `model_dir`::
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import itertools
 import logging
 import math
 import os
 import struct
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import gin
 import jax
@@ -130,8 +134,9 @@ def evaluate(*, trainer: trainer_lib.Trainer, state: trainer_lib.TrainState, eva
   Args:
     trainer: Provides `eval_step`.
     state: The state to evaluate.
-    eval_source: A `BatchSource` (or anything with `batch(i)` / `eval_batches()`).
-    eval_steps: Number of batches; None: one pass over `eval_source.eval_batches()`.
+    eval_source: A source with `eval_batches()` (one pass) and `iterate(start_step)`.
+    eval_steps: Number of batches (the first of `iterate(0)`); None: one pass over
+      `eval_source.eval_batches()`.
 
   Returns:
     Token-weighted means (see `trainer.average_metrics`).
@@ -141,25 +146,96 @@ def evaluate(*, trainer: trainer_lib.Trainer, state: trainer_lib.TrainState, eva
       raise ValueError("evaluate: eval_steps=None needs an eval_source with eval_batches()")
     batches = eval_source.eval_batches()
   else:
-    batches = (eval_source.batch(i) for i in range(eval_steps))
+    batches = itertools.islice(eval_source.iterate(0), eval_steps)
   results = [jax.device_get(trainer.eval_step(state, trainer.shard_batch(b))) for b in batches]
   return trainer_lib.average_metrics(results)
 
 
+class TrainHook:
+  """Something a training run does besides stepping (override what you need).
+
+  `train` calls, in order: `on_start` once (it may replace the state: e.g. PPO measures its
+  reward normalisation on a fresh run), `after_step` after every step (with the step's float
+  metrics), `on_end` once after the last save. Hooks run on every process.
+  """
+
+  def on_start(self, loop: "LoopInfo", state: Any) -> Any:
+    del loop
+    return state
+
+  def after_step(self, loop: "LoopInfo", step: int, state: Any,
+                 metrics: Mapping[str, float]) -> None:
+    del loop, step, state, metrics
+
+  def on_end(self, loop: "LoopInfo", state: Any) -> None:
+    del loop, state
+
+
+@dataclasses.dataclass
+class LoopInfo:
+  """What hooks may read of the running loop.
+
+  Attributes:
+    model_dir: The run directory.
+    start_step: The step the run (re)started at.
+    fresh: True when no checkpoint existed (the state was just initialised).
+    train_steps: The run's total steps.
+    writers: TensorBoard writers (train/, eval/).
+  """
+  model_dir: str
+  start_step: int
+  fresh: bool
+  train_steps: int
+  writers: MetricWriters
+
+
+def _progress_line(trainer: Any, done: int, train_steps: int, means: Mapping[str, float],
+                   rates: Mapping[str, float]) -> str:
+  """`step 10/100 loss 2.31 [trainer's own metrics] tokens/s ... ETA 0:01:02`."""
+  parts = [f"step {done}/{train_steps}", f"loss {means.get('loss', float('nan')):.4f}"]
+  for name in getattr(trainer, "progress_metrics", ()):
+    if name in means:
+      parts.append(f"{name} {means[name]:.4g}")
+  for name in ("tokens_per_sec", "examples_per_sec", "steps_per_sec"):
+    if name in rates:
+      parts.append(f"{name.replace('_per_sec', '/s')} {rates[name]:.4g}")
+  eta = ((train_steps - done) / rates["steps_per_sec"] if rates.get("steps_per_sec")
+         else float("nan"))
+  parts.append(f"ETA {format_seconds(eta)}")
+  return " ".join(parts)
+
+
+def _batch_rows(batch: Mapping[str, Any]) -> int:
+  """Global rows of a batch (examples, or prompts for PPO)."""
+  for value in batch.values():
+    shape = np.shape(value)
+    if shape:
+      return int(shape[0]) * jax.process_count()
+  return 0
+
+
 @gin.configurable
-def train(*, model_dir: str | os.PathLike[str], trainer: trainer_lib.Trainer, train_source: Any,
+def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
           train_steps: int, eval_source: Any = None, eval_every: int = 0,
           eval_steps: Optional[int] = None, checkpoint_every: int = 1000,
           keep_checkpoints: int = 3, log_every: int = 100, seed: int = 0,
           stop_on_nan: bool = True, async_checkpoint: bool = True,
-          on_eval: Optional[OnEval] = None, init_params: Any = None) -> dict[str, float]:
+          on_eval: Optional[OnEval] = None, init_params: Any = None,
+          hooks: Sequence[TrainHook] = ()) -> dict[str, float]:
   """Trains to `train_steps`, resuming from `model_dir/checkpoints` when it has a checkpoint.
+
+  The one loop of every method: supervised steps (`jaxmoral.trainer.Trainer`) and PPO
+  iterations (`jaxmoral.rl.ppo_trainer.PPOTrainer`) alike. A trainer provides
+  `abstract_state()`, `init_state(rng)`, `init_state_from_params(params)` and
+  `train_step(state, batch, rng) -> (state, metrics)` (batch: this process's rows, host
+  arrays); its state has a `step` field. Optional: `eval_step` (for `eval_source`) and
+  `progress_metrics` (names shown on the progress line besides the loss).
 
   Args:
     model_dir: Run directory (checkpoints/, train/, eval/ inside).
-    trainer: The compiled steps (`jaxmoral.trainer.Trainer`).
-    train_source: `batch(step) -> dict of numpy arrays` (this process's rows of the global
-      batch), deterministic in `step`.
+    trainer: See above.
+    train_source: `iterate(start_step)` yields this process's rows of batch `start_step`,
+      `start_step + 1`, ..., deterministic in the step; `num_examples` (or None).
     train_steps: Total number of steps of the run (not of this call).
     eval_source: Optional evaluation batches (see `evaluate`).
     eval_every: Evaluate every this many steps (0: only at the end).
@@ -174,18 +250,22 @@ def train(*, model_dir: str | os.PathLike[str], trainer: trainer_lib.Trainer, tr
     async_checkpoint: Write checkpoints in the background.
     on_eval: `on_eval(step, metrics, state) -> extra metrics or None`, called after each
       evaluation (e.g. decoding-based metrics); extras are logged with the eval metrics.
-    init_params: Parameters for a fresh run (fine-tuning from imported/exported params);
-      ignored when resuming. None: random init from `seed`.
+    init_params: Parameters for a fresh run (fine-tuning), or a zero-argument function that
+      returns them (called only when there is no checkpoint to resume). None: random init
+      from `seed`.
+    hooks: `TrainHook`s (see there).
 
   Returns:
     `{"step": final step, "train/<metric>": last window means, "eval/<metric>": last eval}`.
 
   Raises:
     NonFiniteLossError: NaN/inf at some step (the message names it).
+    ValueError: A checkpoint of this run was written over other data (the data position
+      would not continue the same run), or bad arguments.
   """
   for name, value in (("train_steps", train_steps), ("checkpoint_every", checkpoint_every),
                       ("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
-    if not isinstance(value, int) or value <= 0:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
       raise ValueError(f"train: {name} must be a positive int, got {value!r}")
   if not isinstance(eval_every, int) or eval_every < 0:
     raise ValueError(f"train: eval_every must be an int >= 0, got {eval_every!r}")
@@ -196,26 +276,63 @@ def train(*, model_dir: str | os.PathLike[str], trainer: trainer_lib.Trainer, tr
                                           max_to_keep=keep_checkpoints,
                                           async_save=async_checkpoint)
   init_rng, step_rng = jax.random.split(jax.random.PRNGKey(seed))
-  latest = manager.latest_step()
-  if latest is not None:
-    state, _ = manager.restore(latest, target=trainer.abstract_state())
-    logger.info("train: resuming from %s at step %d", ckpt_dir, latest)
-  elif init_params is not None:
-    state = trainer.init_state_from_params(init_params)
-  else:
-    state = trainer.init_state(init_rng)
-  start = int(jax.device_get(state.step))
-  if start > train_steps:
-    raise ValueError(f"train: checkpoint in {ckpt_dir} is at step {start}, beyond "
-                     f"train_steps={train_steps}")
+  # What the data position means: a checkpoint of the same run over other data (another
+  # corpus, another seed) would not continue that run.
+  position = {"num_examples": getattr(train_source, "num_examples", None), "seed": seed}
+  writers = None
+  try:
+    latest = manager.latest_step()
+    if latest is not None:
+      state, extra = manager.restore(latest, target=trainer.abstract_state())
+      saved = {k: extra[k] for k in position if k in extra}
+      if any(saved[k] != position[k] for k in saved if position[k] is not None):
+        raise ValueError(f"train: {ckpt_dir}/{latest} was written with data position {saved}, "
+                         f"this run has {position}; the data would not continue the same run "
+                         "(use a new MODEL_DIR)")
+      logger.info("train: resuming from %s at step %d", ckpt_dir, latest)
+    elif init_params is not None:
+      state = trainer.init_state_from_params(init_params() if callable(init_params)
+                                             else init_params)
+    else:
+      state = trainer.init_state(init_rng)
+    start = int(jax.device_get(state.step))
+    if start > train_steps:
+      raise ValueError(f"train: checkpoint in {ckpt_dir} is at step {start}, beyond "
+                       f"train_steps={train_steps}")
+    writers = MetricWriters(model_dir)
+    loop = LoopInfo(model_dir=model_dir, start_step=start, fresh=latest is None,
+                    train_steps=train_steps, writers=writers)
+    for hook in hooks:
+      state = hook.on_start(loop, state)
+    result = _run_steps(
+        trainer=trainer, state=state, manager=manager, loop=loop, train_source=train_source,
+        eval_source=eval_source, eval_every=eval_every, eval_steps=eval_steps,
+        checkpoint_every=checkpoint_every, log_every=log_every, step_rng=step_rng,
+        stop_on_nan=stop_on_nan, on_eval=on_eval, hooks=hooks, last_saved=latest,
+        extra=position, is_chief=is_chief)
+    return result
+  finally:
+    manager.wait()
+    manager.close()
+    if writers is not None:
+      writers.close()
 
-  writers = MetricWriters(model_dir)
+
+def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManager,
+               loop: LoopInfo, train_source: Any, eval_source: Any, eval_every: int,
+               eval_steps: Optional[int], checkpoint_every: int, log_every: int,
+               step_rng: jax.Array, stop_on_nan: bool, on_eval: Optional[OnEval],
+               hooks: Sequence[TrainHook], last_saved: Optional[int],
+               extra: Mapping[str, Any], is_chief: bool) -> dict[str, float]:
+  """The steps of `train` from `loop.start_step`, saving, evaluating and logging."""
+  writers, train_steps, start = loop.writers, loop.train_steps, loop.start_step
+  ckpt_dir = manager.directory
   result: dict[str, float] = {}
   window: list[dict[str, float]] = []
-  window_tokens, window_time, window_steps = 0.0, 0.0, 0
-  last_saved = latest
+  window_tokens, window_rows, window_time, window_steps = 0.0, 0, 0.0, 0
   last_eval_step = None
   preempted = False
+  final_step = start
 
   def run_eval(step: int) -> None:
     nonlocal last_eval_step
@@ -230,59 +347,60 @@ def train(*, model_dir: str | os.PathLike[str], trainer: trainer_lib.Trainer, tr
     result.update({f"eval/{k}": float(v) for k, v in metrics.items()})
     last_eval_step = step
 
-  try:
-    for step in range(start, train_steps):
-      tick = time.perf_counter()
-      batch = train_source.batch(step)
-      state, metrics = trainer.train_step(state, trainer.shard_batch(batch), step_rng)
-      metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      elapsed = time.perf_counter() - tick
-      done = step + 1
-      if stop_on_nan:
-        bad = [k for k in ("loss", "grad_norm") if k in metrics and not math.isfinite(metrics[k])]
-        if bad:
-          raise NonFiniteLossError(
-              f"train: non-finite {', '.join(f'{k}={metrics[k]}' for k in bad)} at step {done} "
-              f"(batch {step}); nothing of this step was saved; last checkpoint: "
-              f"{last_saved if last_saved is not None else 'none'} in {ckpt_dir}")
-      window.append(metrics)
-      if step > start:  # the run's first step includes compilation: keep it out of throughput
-        window_tokens += _tokens_in(batch, metrics)
-        window_time += elapsed
-        window_steps += 1
-      if done % log_every == 0 or done == train_steps:
-        means = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
-        rates = {}
-        if window_steps:
-          rates = {"steps_per_sec": window_steps / window_time,
-                   "tokens_per_sec": window_tokens / window_time}
-        writers.scalars("train", done, {**means, **rates})
-        if is_chief:
-          eta = (train_steps - done) / rates["steps_per_sec"] if rates else float("nan")
-          logger.info("step %d/%d loss %.4f tokens/s %.4g steps/s %.3g ETA %s", done,
-                      train_steps, means["loss"], rates.get("tokens_per_sec", float("nan")),
-                      rates.get("steps_per_sec", float("nan")), format_seconds(eta))
-        result.update({f"train/{k}": v for k, v in means.items()})
-        window, window_tokens, window_time, window_steps = [], 0.0, 0.0, 0
-      if eval_source is not None and eval_every and done % eval_every == 0:
-        run_eval(done)
-      if done % checkpoint_every == 0 or done == train_steps:
-        manager.save(done, state, force=True)
-        last_saved = done
-      elif manager.reached_preemption(done):
-        manager.save(done, state, force=True)
-        logger.warning("train: preempted; saved step %d to %s and stopping", done, ckpt_dir)
-        last_saved = done
-        preempted = True
-        break
-    final_step = int(jax.device_get(state.step))
-    if last_saved != final_step:
-      manager.save(final_step, state, force=True)
-    if eval_source is not None and last_eval_step != final_step and not preempted:
-      run_eval(final_step)
-  finally:
-    manager.wait()
-    manager.close()
-    writers.close()
+  batches = train_source.iterate(start) if start < train_steps else iter(())
+  for step in range(start, train_steps):
+    tick = time.perf_counter()
+    batch = next(batches)
+    state, metrics = trainer.train_step(state, batch, step_rng)
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    elapsed = time.perf_counter() - tick
+    done = step + 1
+    if stop_on_nan:
+      bad = [k for k in ("loss", "grad_norm") if k in metrics and not math.isfinite(metrics[k])]
+      if bad:
+        raise NonFiniteLossError(
+            f"train: non-finite {', '.join(f'{k}={metrics[k]}' for k in bad)} at step {done} "
+            f"(batch {step}); nothing of this step was saved; last checkpoint: "
+            f"{last_saved if last_saved is not None else 'none'} in {ckpt_dir}")
+    for hook in hooks:
+      hook.after_step(loop, done, state, metrics)
+    window.append(metrics)
+    if step > start:  # the run's first step includes compilation: keep it out of throughput
+      window_tokens += _tokens_in(batch, metrics)
+      window_rows += _batch_rows(batch)
+      window_time += elapsed
+      window_steps += 1
+    if done % log_every == 0 or done == train_steps:
+      means = {k: float(np.mean([m[k] for m in window if k in m])) for k in window[0]}
+      rates = {}
+      if window_steps:
+        rates = {"steps_per_sec": window_steps / window_time,
+                 "examples_per_sec": window_rows / window_time}
+        if window_tokens:
+          rates["tokens_per_sec"] = window_tokens / window_time
+      writers.scalars("train", done, {**means, **rates})
+      if is_chief:
+        logger.info("%s", _progress_line(trainer, done, train_steps, means, rates))
+      result.update({f"train/{k}": v for k, v in means.items()})
+      window, window_tokens, window_rows, window_time, window_steps = [], 0.0, 0, 0.0, 0
+    if eval_source is not None and eval_every and done % eval_every == 0:
+      run_eval(done)
+    if done % checkpoint_every == 0 or done == train_steps:
+      manager.save(done, state, extra=extra, force=True)
+      last_saved = done
+    elif manager.reached_preemption(done):
+      manager.save(done, state, extra=extra, force=True)
+      logger.warning("train: preempted; saved step %d to %s and stopping", done, ckpt_dir)
+      last_saved = done
+      preempted = True
+      break
+  final_step = int(jax.device_get(state.step))
+  if last_saved != final_step:
+    manager.save(final_step, state, extra=extra, force=True)
+  if eval_source is not None and last_eval_step != final_step and not preempted:
+    run_eval(final_step)
+  manager.wait()
+  for hook in hooks:
+    hook.on_end(loop, state)
   result["step"] = final_step
   return result

@@ -161,9 +161,9 @@ def merge_params(trainable: Params, frozen: Params) -> dict:
 def _threefry_as_one_gpu_kernel():
   """Lowers threefry to JAX's single CUDA kernel (GPU only; CPU and TPU lowering unchanged).
 
-  The random bits are the same. XLA:GPU compiles the default, unrolled threefry slowly: the
-  initialiser of T5 1.1-large took 253 s on an H100 before and 18-29 s with this
-  (bench/RESULTS.md). Uses JAX's config state as a context manager; without it, a no-op.
+  The random bits are the same. XLA:GPU compiles the default, unrolled threefry slowly (the
+  initialiser of T5 1.1-large took minutes on an H100, seconds with this). Uses JAX's config
+  state as a context manager; without it, a no-op.
   """
   from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
   state = getattr(jax_config, "threefry_gpu_kernel_lowering", None)
@@ -219,11 +219,150 @@ def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
   return {k: float(v) for k, v in _combine_metrics(stacked, weights).items()}
 
 
+class TrainStateInitializer:
+  """Parameters and optimizer state of one model on a mesh: shardings, creation, restore.
+
+  What every trainer of a model needs before any step exists (T5X's `TrainStateInitializer`):
+  the supervised `Trainer` owns one, PPO one for the policy and one for the value model.
+
+  Attributes:
+    partitioner: The `PjitPartitioner` (mesh + logical-axis rules).
+    trainable_mask: Bool tree over the parameters (True: trained).
+    params_shardings: `NamedSharding` tree of the parameters.
+    state_shardings: `TrainState` of `NamedSharding`s.
+  """
+
+  def __init__(self, *, init_params_fn: Callable[[jax.Array], PyTree],
+               optimizer: optax.GradientTransformation,
+               partitioner: partitioning.PjitPartitioner, trainable_mask: MaskSpec = None):
+    """Builds the shardings; nothing is allocated until a state is made.
+
+    Args:
+      init_params_fn: `rng -> params`, boxed with logical axes (e.g.
+        `functools.partial(t5.init_params, model)`); plain arrays are replicated.
+      optimizer: Optax transformation; it only ever sees the trainable parameters.
+      partitioner: Mesh and rules; parameters use `partitioner.sharding_for`.
+      trainable_mask: None (all), regex(es) on '/'-joined parameter paths, a callable
+        `(path, leaf) -> bool`, or a bool tree.
+    """
+    self.partitioner = partitioner
+    self.optimizer = optimizer
+    self._init_params_fn = init_params_fn
+    # An abstract key: a concrete one made inside the mesh context would be placed on the
+    # mesh's devices, which cannot run anything when they are AOT compile-only TPU devices.
+    with partitioner.context():
+      boxed = jax.eval_shape(init_params_fn, jax.ShapeDtypeStruct((2,), jnp.uint32))
+    self.boxed_abstract_params = boxed
+    abstract_params = nn.meta.unbox(boxed)
+    _check_nested_dict(abstract_params)
+    self.trainable_mask = resolve_trainable_mask(abstract_params, trainable_mask)
+    self.params_shardings = partitioner.sharding_for(boxed)
+    abstract_trainable, _ = split_params(abstract_params, self.trainable_mask)
+    abstract_opt = jax.eval_shape(optimizer.init, abstract_trainable)
+    # Optimizer-state leaves shaped like a parameter get its logical axes (boxed, so the
+    # partitioner also fits them to the mesh exactly as it fits the parameter); others
+    # (factored statistics, counters) are replicated.
+    specs = partitioning.logical_specs_like(abstract_opt, boxed)
+    boxed_opt = jax.tree_util.tree_map(
+        lambda leaf, spec: nn.LogicallyPartitioned(
+            leaf, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))),
+        abstract_opt, specs)
+    opt_shardings = partitioner.sharding_for(boxed_opt)
+    self.replicated = NamedSharding(partitioner.mesh, PartitionSpec())
+    self.state_shardings = TrainState(step=self.replicated, params=self.params_shardings,
+                                      opt_state=opt_shardings)
+    self._abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),
+                                params=abstract_params, opt_state=abstract_opt)
+    self._init_jit = partitioner.partition(
+        self._init_fn, in_shardings=(self.replicated,), out_shardings=self.state_shardings)
+    self._from_params_jit = partitioner.partition(
+        self.state_from_params, in_shardings=(self.params_shardings,),
+        out_shardings=self.state_shardings)
+    self._init_params_jit = None
+
+  def _init_fn(self, rng: jax.Array) -> TrainState:
+    return self.state_from_params(nn.meta.unbox(self._init_params_fn(rng)))
+
+  def init_params(self, rng: jax.Array) -> PyTree:
+    """Fresh parameters only (no optimizer state), created on device with their shardings."""
+    if self._init_params_jit is None:
+      self._init_params_jit = self.partitioner.partition(
+          lambda r: nn.meta.unbox(self._init_params_fn(r)), in_shardings=(self.replicated,),
+          out_shardings=self.params_shardings)
+    with _threefry_as_one_gpu_kernel():
+      return self._init_params_jit(rng)
+
+  def state_from_params(self, params: PyTree) -> TrainState:
+    """A step-0 state around `params` (traceable; optimizer state of the trainable ones)."""
+    trainable, _ = split_params(params, self.trainable_mask)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=self.optimizer.init(trainable))
+
+  def init_state(self, rng: jax.Array) -> TrainState:
+    """Fresh parameters and optimizer state, created on device with their shardings."""
+    with _threefry_as_one_gpu_kernel():
+      return self._init_jit(rng)
+
+  def check_params(self, params: PyTree, *, where: str = "init_state_from_params") -> None:
+    """Raises ValueError naming a missing, unexpected or mis-shaped parameter."""
+    params = nn.meta.unbox(params)
+    want = dict(zip(param_paths(self._abstract.params),
+                    jax.tree_util.tree_leaves(self._abstract.params)))
+    got = dict(zip(param_paths(params), jax.tree_util.tree_leaves(params)))
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+      raise ValueError(f"{where}: missing params {missing[:5]}, unexpected params {extra[:5]}")
+    for path, spec in want.items():
+      if tuple(np.shape(got[path])) != tuple(spec.shape):
+        raise ValueError(f"{where}: {path} has shape {np.shape(got[path])}, model expects "
+                         f"{spec.shape}")
+
+  def place_params(self, params: PyTree) -> PyTree:
+    """`params` (host or device, boxed or not) checked, cast and in `params_shardings`."""
+    self.check_params(params)
+    def cast(x: Any, spec: jax.ShapeDtypeStruct) -> Any:
+      if isinstance(x, jax.Array):
+        return x if x.dtype == spec.dtype else x.astype(spec.dtype)
+      return np.asarray(x, spec.dtype)  # On the host: device_put sends each device its slice.
+    params = jax.tree_util.tree_map(cast, nn.meta.unbox(params), self._abstract.params)
+    return jax.device_put(params, self.params_shardings)
+
+  def init_state_from_params(self, params: PyTree) -> TrainState:
+    """A step-0 state around given (e.g. imported or exported) parameters.
+
+    Args:
+      params: Boxed or unboxed tree with exactly the model's paths, shapes and dtypes;
+        host (numpy) or device arrays (already sharded ones are not moved).
+
+    Raises:
+      ValueError: A path is missing/unexpected or a shape differs (naming it).
+    """
+    return self._from_params_jit(self.place_params(params))
+
+  def abstract_params(self) -> PyTree:
+    """Parameters as `ShapeDtypeStruct`s carrying their shardings."""
+    return self.abstract_state().params
+
+  def abstract_state(self) -> TrainState:
+    """`TrainState` of `ShapeDtypeStruct`s carrying their shardings (restore / AOT compile)."""
+    return jax.tree_util.tree_map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        self._abstract, self.state_shardings)
+
+  def num_params(self) -> tuple[int, int]:
+    """(all parameters, trainable ones)."""
+    leaves = jax.tree_util.tree_leaves(self._abstract.params)
+    mask = jax.tree_util.tree_leaves(self.trainable_mask)
+    total = sum(int(np.prod(x.shape)) for x in leaves)
+    return total, sum(int(np.prod(x.shape)) for x, m in zip(leaves, mask) if m)
+
+
 class Trainer:
   """Sharded, compiled train/eval steps for one loss function.
 
   Attributes:
     partitioner: The `PjitPartitioner` (mesh + logical-axis rules).
+    initializer: The `TrainStateInitializer` (shardings, state creation).
     num_microbatches: Gradient accumulation steps per `train_step`.
     trainable_mask: Bool tree over the parameters (True: trained).
     params_shardings: `NamedSharding` tree of the parameters.
@@ -267,44 +406,18 @@ class Trainer:
                        f"{microbatch_combine!r}")
     self.partitioner = partitioner
     self.num_microbatches = num_microbatches
-    self._init_params_fn = init_params_fn
+    self.initializer = TrainStateInitializer(init_params_fn=init_params_fn, optimizer=optimizer,
+                                             partitioner=partitioner,
+                                             trainable_mask=trainable_mask)
     self._loss_fn = loss_fn
     self._eval_fn = eval_fn
     self._optimizer = optimizer
     self._combine = microbatch_combine
     self._learning_rate_fn = learning_rate_fn
-
-    # An abstract key: a concrete one made inside the mesh context would be placed on the
-    # mesh's devices, which cannot run anything when they are AOT compile-only TPU devices.
-    with partitioner.context():
-      boxed = jax.eval_shape(init_params_fn, jax.ShapeDtypeStruct((2,), jnp.uint32))
-    self._boxed_abstract = boxed
-    abstract_params = nn.meta.unbox(boxed)
-    _check_nested_dict(abstract_params)
-    self.trainable_mask = resolve_trainable_mask(abstract_params, trainable_mask)
-    self.params_shardings = partitioner.sharding_for(boxed)
-    abstract_trainable, _ = split_params(abstract_params, self.trainable_mask)
-    abstract_opt = jax.eval_shape(optimizer.init, abstract_trainable)
-    # Optimizer-state leaves shaped like a parameter get its logical axes (boxed, so the
-    # partitioner also fits them to the mesh exactly as it fits the parameter); others
-    # (factored statistics, counters) are replicated.
-    specs = partitioning.logical_specs_like(abstract_opt, boxed)
-    boxed_opt = jax.tree_util.tree_map(
-        lambda leaf, spec: nn.LogicallyPartitioned(
-            leaf, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))),
-        abstract_opt, specs)
-    opt_shardings = partitioner.sharding_for(boxed_opt)
-    self._replicated = NamedSharding(partitioner.mesh, PartitionSpec())
-    self.state_shardings = TrainState(step=self._replicated, params=self.params_shardings,
-                                      opt_state=opt_shardings)
-    self._abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),
-                                params=abstract_params, opt_state=abstract_opt)
-
-    self._init_jit = partitioner.partition(
-        self._init_fn, in_shardings=(self._replicated,), out_shardings=self.state_shardings)
-    self._from_params_jit = partitioner.partition(
-        self._state_from_params_fn, in_shardings=(self.params_shardings,),
-        out_shardings=self.state_shardings)
+    self.trainable_mask = self.initializer.trainable_mask
+    self.params_shardings = self.initializer.params_shardings
+    self.state_shardings = self.initializer.state_shardings
+    self._replicated = self.initializer.replicated
     self._train_jit = partitioner.partition(
         self._train_fn, in_shardings=(self.state_shardings, None, self._replicated),
         out_shardings=(self.state_shardings, self._replicated), donate_argnums=(0,))
@@ -313,51 +426,17 @@ class Trainer:
         out_shardings=self._replicated)
 
   # -- state creation ---------------------------------------------------------------------------
-  def _init_fn(self, rng: jax.Array) -> TrainState:
-    return self._state_from_params_fn(nn.meta.unbox(self._init_params_fn(rng)))
-
-  def _state_from_params_fn(self, params: PyTree) -> TrainState:
-    trainable, _ = split_params(params, self.trainable_mask)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self._optimizer.init(trainable))
-
   def init_state(self, rng: jax.Array) -> TrainState:
     """Fresh parameters and optimizer state, created on device with their shardings."""
-    with _threefry_as_one_gpu_kernel():
-      return self._init_jit(rng)
+    return self.initializer.init_state(rng)
 
   def init_state_from_params(self, params: PyTree) -> TrainState:
-    """A step-0 state around given (e.g. imported or exported) parameters.
-
-    Args:
-      params: Boxed or unboxed tree with exactly the model's paths, shapes and dtypes;
-        host (numpy) or device arrays.
-
-    Raises:
-      ValueError: A path is missing/unexpected or a shape differs (naming it).
-    """
-    params = nn.meta.unbox(params)
-    want = dict(zip(param_paths(self._abstract.params),
-                    jax.tree_util.tree_leaves(self._abstract.params)))
-    got = dict(zip(param_paths(params), jax.tree_util.tree_leaves(params)))
-    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing or extra:
-      raise ValueError(f"init_state_from_params: missing params {missing[:5]}, unexpected "
-                       f"params {extra[:5]}")
-    for path, spec in want.items():
-      if tuple(np.shape(got[path])) != tuple(spec.shape):
-        raise ValueError(f"init_state_from_params: {path} has shape {np.shape(got[path])}, "
-                         f"model expects {spec.shape}")
-    params = jax.tree_util.tree_map(
-        lambda x, spec: jnp.asarray(x, spec.dtype), params, self._abstract.params)
-    params = jax.device_put(params, self.params_shardings)
-    return self._from_params_jit(params)
+    """A step-0 state around given parameters (see `TrainStateInitializer`)."""
+    return self.initializer.init_state_from_params(params)
 
   def abstract_state(self) -> TrainState:
     """`TrainState` of `ShapeDtypeStruct`s carrying their shardings (restore / AOT compile)."""
-    return jax.tree_util.tree_map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        self._abstract, self.state_shardings)
+    return self.initializer.abstract_state()
 
   # -- batches ----------------------------------------------------------------------------------
   def _check_batch(self, batch: Mapping[str, Any], *, processes: int = 1) -> None:
@@ -488,15 +567,17 @@ class Trainer:
     return self._eval_jit(state, dict(batch))
 
   # -- AOT ----------------------------------------------------------------------------------------
-  def lower_train_step(self, batch_shapes: Mapping[str, Any]) -> Any:
-    """Lowers `train_step` from abstract inputs only (no arrays allocated).
+  @property
+  def train_step_function(self) -> Any:
+    """The jitted, sharded function `train_step` runs (`jaxmoral compile` lowers it)."""
+    return self._train_jit
+
+  def train_step_args(self, batch_shapes: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """Abstract (state, batch, rng) of `train_step_function`, with their shardings.
 
     Args:
       batch_shapes: `{feature: ShapeDtypeStruct | (shape, dtype) | shape}` of the global
         batch (a bare shape means int32).
-
-    Returns:
-      A `jax.stages.Lowered`; `.compile()` it, `.compile().cost_analysis()` for FLOPs.
     """
     batch = {}
     for name, spec in batch_shapes.items():
@@ -510,4 +591,9 @@ class Trainer:
                                          sharding=self.partitioner.data_sharding(len(shape)))
     self._check_batch(batch)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=self._replicated)
-    return self._train_jit.lower(self.abstract_state(), batch, rng)
+    return self.abstract_state(), batch, rng
+
+  def lower_train_step(self, batch_shapes: Mapping[str, Any]) -> Any:
+    """Lowers `train_step` from abstract inputs only (no arrays allocated); a
+    `jax.stages.Lowered` (`.compile().cost_analysis()` for FLOPs)."""
+    return self._train_jit.lower(*self.train_step_args(batch_shapes))

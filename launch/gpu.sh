@@ -2,10 +2,11 @@
 # Run a jaxmoral command on GPU hosts.
 #
 # Single host (all local GPUs, one process):
-#   launch/gpu.sh -- train --gin_file=configs/npov/gpu.gin --gin.MODEL_DIR=/runs/npov
+#   launch/gpu.sh -- train --gin_file=configs/core/small_gpu.gin --gin.MODEL_DIR=/runs/small
 # Multi-host, explicit (run the same line on every host, changing JAX_PROCESS_ID):
 #   JAX_COORDINATOR_ADDRESS=host0:12355 JAX_NUM_PROCESSES=4 JAX_PROCESS_ID=$RANK launch/gpu.sh -- train ...
-# Multi-host under SLURM (one task per host; jax.distributed reads SLURM's variables):
+# Multi-host under SLURM (one task per host; jaxmoral detects SLURM_JOB_ID / SLURM_NTASKS and
+# jax.distributed reads SLURM's variables):
 #   sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --wrap "srun launch/gpu.sh -- train ..."
 #
 # `--install` first installs the project with the `gpu` extra (jax[cuda12]) into .venv.
@@ -21,7 +22,4 @@ fi
 # Let XLA use most of GPU memory up front and overlap collectives with compute.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
-if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "${JAX_COORDINATOR_ADDRESS:-}" ]; then
-  export JAXMORAL_DISTRIBUTED=slurm
-fi
 exec "$ROOT/.venv/bin/jaxmoral" "$@"

@@ -2,7 +2,7 @@
 # Start the same jaxmoral command on every worker of a Cloud TPU VM pod slice.
 #
 #   launch/tpu_pod.sh --tpu=NAME --zone=ZONE [--project=P] [--queued] [--slices=N] \
-#       -- train --gin_file=configs/clarify/tpu_pod.gin --gin.MODEL_DIR=/gcs/bucket/run
+#       -- train --gin_file=configs/core/large_tpu_pod.gin --gin.MODEL_DIR=/gcs/bucket/run
 #
 # It copies nothing by hand: every worker clones (or updates) the repository at the same commit,
 # installs `.[tpu]` into its own .venv, then runs the command. JAX discovers the pod's workers by
@@ -34,7 +34,7 @@ REMOTE="set -e
 if [ ! -d jaxmoral ]; then git clone -q '$REPO_URL' jaxmoral; fi
 cd jaxmoral && git fetch -q origin && git checkout -q '$COMMIT'
 if [ ! -x .venv/bin/jaxmoral ]; then python3 -m venv .venv && .venv/bin/pip install -q -U pip && .venv/bin/pip install -q -e '.[tpu]'; fi
-JAXMORAL_DISTRIBUTED=tpu .venv/bin/jaxmoral $CMD"
+.venv/bin/jaxmoral $CMD"
 PROJECT_FLAG=()
 [ -n "$PROJECT" ] && PROJECT_FLAG=(--project="$PROJECT")
 nodes=("$TPU")

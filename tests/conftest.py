@@ -22,6 +22,7 @@ else:
   _OWNED_CACHE_DIR = None
 
 import pathlib  # noqa: E402
+from typing import Any, Optional  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -40,3 +41,44 @@ def pytest_unconfigure(config):
   del config
   if _OWNED_CACHE_DIR:  # Only the process that made the directory removes it.
     shutil.rmtree(_OWNED_CACHE_DIR, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def demo_vocab_path(tmp_path_factory) -> str:
+  """The demo SentencePiece vocabulary (400 pieces + 100 extra ids), built once a session."""
+  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  return vocab_lib.build_demo_vocabulary(output_dir=tmp_path_factory.mktemp("demo_vocab"))
+
+
+def write_hf_t5(directory: pathlib.Path, *, seed: int = 0, vocab_path: Optional[str] = None,
+                vocab_size: int = 512, d_model: int = 32, num_layers: int = 2,
+                safe: bool = True, **config: Any) -> Any:
+  """A random tiny T5 1.1 saved by transformers (`save_pretrained`), as a user would have one;
+  returns the torch model. Weights are perturbed so that layer norms are not all ones."""
+  import shutil as _shutil  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  torch.manual_seed(seed)
+  values = dict(vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=2 * d_model,
+                num_layers=num_layers, num_heads=4, dropout_rate=0.0,
+                feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+  values.update(config)
+  model = transformers.T5ForConditionalGeneration(transformers.T5Config(**values)).eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.mul_(1.0 + 0.3 * torch.randn_like(p))
+    if not values["tie_word_embeddings"]:
+      model.lm_head.weight = torch.nn.Parameter(
+          torch.randn(vocab_size, d_model) * d_model ** -0.5)
+  model.save_pretrained(directory, safe_serialization=safe)
+  if vocab_path is not None:
+    _shutil.copyfile(vocab_path, pathlib.Path(directory) / "spiece.model")
+  return model
+
+
+@pytest.fixture(scope="session")
+def hf_t5(tmp_path_factory, demo_vocab_path) -> tuple[pathlib.Path, Any]:
+  """(folder, torch model): a tiny T5 1.1 in Hugging Face's format with the demo vocabulary."""
+  pytest.importorskip("transformers")
+  directory = tmp_path_factory.mktemp("hf_t5")
+  return directory, write_hf_t5(directory, vocab_path=demo_vocab_path)

@@ -62,7 +62,7 @@ def test_cpu_report_fields(cpu_run):
   assert r.mfu is None and r.min_step_time_s is None and r.peak_flops_per_s is None
   assert r.peak_bytes == (r.argument_bytes + r.output_bytes - r.alias_bytes + r.temp_bytes
                           + r.generated_code_bytes)
-  assert "seq2seq" in r.description and "batch 8 x (16, 8)" in r.description
+  assert "Seq2SeqModel" in r.description and "batch 8 x (encoder 16, decoder 8)" in r.description
   assert r.num_trainable_params == r.num_params
   # XLA's per-device FLOPs of the partitioned step, times 8 devices, are within a factor of
   # about two of the 6*N*D model estimate (attention scores, softmax, optimizer on top).
@@ -73,16 +73,14 @@ def test_cpu_argument_bytes_match_shard_shapes(cpu_run):
   # The compiled step's arguments are the sharded state + batch + rng: recompute their
   # per-device bytes from the shardings alone.
   from jaxmoral import partitioning, runs  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
   _, report = cpu_run
   _parse()
-  model_config = copy.deepcopy(gin.query_parameter("runs.train_run.model_config"))
+  model = copy.deepcopy(gin.query_parameter("runs.train_run.model"))
   optimizer = copy.deepcopy(gin.query_parameter("runs.train_run.optimizer"))
   partitioner = partitioning.PjitPartitioner(num_partitions=2, devices=jax.devices()[:8])
-  trainer = runs.build_trainer(model=t5.T5(model_config), optimizer=optimizer,
-                               partitioner=partitioner)
+  trainer = runs.make_trainer(model=model, optimizer=optimizer, partitioner=partitioner)
   shapes = aot.seq2seq_batch_shapes(batch_size=8, feature_lengths={"inputs": 16, "targets": 8})
-  batch = {k: jax.ShapeDtypeStruct(v, np.int32, sharding=partitioner.data_sharding(2))
+  batch = {k: jax.ShapeDtypeStruct(v[0], np.int32, sharding=partitioner.data_sharding(2))
            for k, v in shapes.items()}
   rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=partitioner.replicated)
   expected = _shard_bytes((trainer.abstract_state(), batch, rng))
@@ -114,7 +112,7 @@ def test_mfu_only_with_a_step_time():
     def cost_analysis(self):
       return {"flops": 197e12 * 0.5}
 
-  program = aot.CompileProgram(lower=lambda: None, description="fake",
+  program = aot.CompileProgram(stages=(aot.Stage("step", None, ()),), description="fake",
                                model_flops_per_step=8 * 197e12 * 0.25)
   r = aot.analyze(Fake(), topology=topo, target="fake", program=program, mesh={"data": 8})
   assert r.peak_bytes == 16 and r.fits and r.hbm_bytes == 16 * aot.GiB
@@ -139,7 +137,7 @@ def test_stages_combine_worst_memory_and_summed_flops():
         return {"flops": flops}
     return Fake()
 
-  program = aot.CompileProgram(stages=(("a", lambda: None), ("b", lambda: None)))
+  program = aot.CompileProgram(stages=(aot.Stage("a", None, ()), aot.Stage("b", None, ())))
   a = aot.analyze(fake(5, 1e12), topology=topo, target="t", program=program, mesh={},
                   step_time_s=0.1, compile_seconds=2.0)
   b = aot.analyze(fake(50, 3e12), topology=topo, target="t", program=program, mesh={},
@@ -151,8 +149,12 @@ def test_stages_combine_worst_memory_and_summed_flops():
   assert r.mfu == pytest.approx(4e12 / (0.1 * 197e12))
   assert [s["name"] for s in r.stages] == ["a", "b"] and r.stages[0]["peak_bytes"] == 15
   assert aot.combine_stages([("a", a)]) is a
-  with pytest.raises(ValueError, match="exactly one of lower, stages"):
-    aot.CompileProgram(description="neither")
+  # Every model stays on the chips: the resident bytes once, plus the largest working set of
+  # a stage beyond its own persistent arguments (a: 15 - 4, b: 60 - 8).
+  r = aot.combine_stages([("a", a), ("b", b)], persistent_bytes=[4, 8], resident_bytes=100)
+  assert r.peak_bytes == 100 + 52 and r.resident_bytes == 100
+  with pytest.raises(ValueError, match="no stages"):
+    aot.CompileProgram(stages=(), description="none")
 
 
 @pytest.mark.parametrize("bad", ["v5e", "v9:2x2", "cpu:2x2", "8x8", "cpu:10000"])
@@ -166,8 +168,8 @@ def test_unknown_target_and_duplicate_registration():
   with pytest.raises(ValueError, match="unknown target 'nope'"):
     aot.compile_for_topology(topology="cpu:8", target="nope")
   with pytest.raises(ValueError, match="already registered"):
-    aot.register_compile_target("seq2seq", lambda p: None)
-  assert {"seq2seq", "prompt_tuning"} <= set(aot.compile_targets())
+    aot.register_compile_target("train_run", lambda p: None)
+  assert "train_run" in aot.compile_targets()
 
 
 def _tpu_topology_or_skip():
@@ -187,45 +189,94 @@ def test_tiny_compiles_for_a_tpu_topology():
   assert report.min_step_time_s == pytest.approx(report.flops_per_chip / 197e12)
 
 
-def test_ppo_target_compiles_policy_value_reference_and_judge():
+def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
+  """`jaxmoral compile` of a ClarifyDelphi PPO config: every program of an iteration, the very
+  function objects train-ppo calls, with all five models on the mesh."""
+  from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
+  from jaxmoral.clarify import testing, training  # pylint: disable=g-import-not-at-top
+  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
+  vocab_path = vocab_lib.build_demo_vocabulary(output_dir=tmp_path / "vocab")
   gin_args, _ = gin_utils.split_gin_args([
-      "--gin_file=gin/optimizers/adafactor_constant.gin",
-      "--gin_file=gin/partitioning/model_parallel.gin",
-      "--gin_bindings=from jaxmoral.rl import ppo_trainer",
-      "--gin_bindings=from jaxmoral.models import config",
-      "--gin.aot.ppo_target.policy_config=@config.t5_config()",
-      "--gin.aot.ppo_target.ppo_config=@ppo_trainer.PPOConfig()",
-      "--gin.aot.ppo_target.optimizer=%OPTIMIZER",
-      "--gin.ppo_trainer.PPOConfig.batch_size=8", "--gin.ppo_trainer.PPOConfig.num_minibatches=1",
+      "--gin_file=configs/clarify/tiny_cpu.gin",
+      "--gin.aot.compile_for_topology.target='clarify_ppo'",
+      "--gin.training.ppo_compile_target.policy_config=%MODEL_CONFIG",
+      f"--gin.training.ppo_compile_target.vocabulary_path='{vocab_path}'",
+      "--gin.training.train_clarify_model.model_config=%MODEL_CONFIG",
       "--gin.ppo_trainer.PPOConfig.num_ppo_epochs=1",
-      "--gin.ppo_trainer.PPOConfig.max_prompt_length=8",
-      "--gin.ppo_trainer.PPOConfig.max_response_length=4"])
+      "--gin.ppo_trainer.PPOConfig.max_prompt_length=16",
+      "--gin.ppo_trainer.PPOConfig.max_response_length=4",
+      "--gin.reward.RewardConfig.batch_size=8", "--gin.reward.RewardConfig.input_length=16",
+      "--gin.reward.RewardConfig.max_answer_length=4",
+      "--gin.reward.RewardConfig.max_fusion_length=6",
+      "--gin.partitioning.PjitPartitioner.num_partitions=2"])
   gin_utils.parse_gin(gin_args)
-  report = aot.compile_for_topology(topology="cpu:8", target="ppo", print_table=False)
+  report = aot.compile_for_topology(topology="cpu:8", print_table=False)
+  names = [s["name"] for s in report.stages]
+  assert names == ["rollout", "answer", "nli", "fusion", "judge", "score", "update"]
   tiny = config_lib.t5_config(size="tiny").num_params()
-  # Policy, frozen reference and judge are tiny T5s; the value model adds a scalar head.
-  assert tiny <= report.num_params - 3 * tiny <= tiny + 2 * 64
-  assert report.num_trainable_params == report.num_params - 2 * tiny
+  # Policy, reference, four reward models (tiny T5s) and the value model (+ its scalar head).
+  assert 6 * tiny < report.num_params - tiny <= 6 * tiny + 2 * 64
   assert report.mesh == {"data": 4, "model": 2}
-  assert report.peak_bytes > 0 and report.flops_per_chip > 0
-  # Scoring (judge, policy, reference, values) and the update compile as the trainer runs them.
-  assert [s["name"] for s in report.stages] == ["score", "update"]
-  assert report.peak_bytes == max(s["peak_bytes"] for s in report.stages)
+  # Everything stays on the chips: the report's peak holds all of it plus the worst stage.
+  assert report.resident_bytes > 0
+  assert report.peak_bytes > report.resident_bytes
   assert report.flops_per_chip == pytest.approx(sum(s["flops_per_chip"] for s in report.stages))
-  assert "PPO step" in report.description and "batch 8 x (prompt 8, response 4)" in report.description
-  update = aot.compile_for_topology(topology="cpu:8", target="ppo", stages=("update",),
-                                    print_table=False)
-  assert update.stages == [] and update.peak_bytes == report.stages[1]["peak_bytes"]
-  with pytest.raises(ValueError, match=r"\['nope'\] not in target 'ppo'"):
-    aot.compile_for_topology(topology="cpu:8", target="ppo", stages=("nope",))
+  update = aot.compile_for_topology(topology="cpu:8", stages=("update",), print_table=False)
+  assert update.stages == [] or [s["name"] for s in update.stages] == ["update"]
+  with pytest.raises(ValueError, match=r"\['nope'\] not in target 'clarify_ppo'"):
+    aot.compile_for_topology(topology="cpu:8", stages=("nope",))
+  # The same objects: the compile target's stages are the functions a run's program calls.
+  partitioner = partitioning.PjitPartitioner(num_partitions=2)
+  target = training.ppo_compile_target(partitioner, policy_config=config_lib.t5_config(
+      size="tiny"), vocabulary_path=vocab_path)
+  by_name = {stage.name: stage.function for stage in target.stages}
+  model_dir = testing.random_model_dir(tmp_path / "model", vocabulary_path=vocab_path)
+  from jaxmoral.clarify import reward as reward_lib  # pylint: disable=g-import-not-at-top
+  reward_config = copy.deepcopy(gin.query_parameter("training.train_clarify_ppo.reward_config"))
+  run_reward = reward_lib.DefeasibilityReward.from_dirs(
+      answer_model_dir=model_dir, fusion_model_dir=model_dir, judge_model_dir=model_dir,
+      nli_model_dir=model_dir, config=reward_config, partitioner=partitioner)
+  run_program = training.PPOProgram(trainer=None, reward=run_reward)
+  for name, (function, _) in run_program.reward_functions().items():
+    assert by_name[name] is function, name  # Not rebuilt: the run's cached functions.
+  trainer = target.program.trainer
+  for name in ("rollout", "score", "update"):
+    assert by_name[name] is trainer.functions[name]
+  # ... and `PPOTrainer.iteration` runs exactly its `functions` (each is traced once).
+  assert _functions_an_iteration_runs(vocab_path) == {"rollout", "score", "update"}
 
 
-def test_diamante_target_compiles_the_joint_step():
+def _functions_an_iteration_runs(vocab_path):
+  """The names of `PPOTrainer.functions` that one iteration of a fresh trainer executes."""
+  from jaxmoral import optimizers, partitioning  # pylint: disable=g-import-not-at-top
+  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import config as config_lib, t5  # pylint: disable=g-import-not-at-top
+  from jaxmoral.rl import ppo_trainer  # pylint: disable=g-import-not-at-top
+  config = config_lib.t5_config(size="tiny")
+  trainer = ppo_trainer.PPOTrainer(
+      policy_model=t5.T5(config), value_model=t5.T5(config, with_scalar_head=True),
+      vocabulary=vocab_lib.get_vocabulary(vocab_path),
+      config=ppo_trainer.PPOConfig(batch_size=8, num_ppo_epochs=1, num_minibatches=2,
+                                   max_prompt_length=16, max_response_length=4),
+      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
+      partitioner=partitioning.PjitPartitioner(num_partitions=2),
+      reward_fn_tokens=lambda p, r, m: m.sum(-1))
+  before = {k: f._jitted._cache_size() for k, f in trainer.functions.items()}  # pylint: disable=protected-access
+  state = trainer.init_state(jax.random.PRNGKey(0))
+  tokens, texts = trainer.encode_prompts(["a situation"] * 8)
+  trainer.iteration(state, tokens, texts, jax.random.PRNGKey(1))
+  return {k for k, f in trainer.functions.items()
+          if f._jitted._cache_size() > before[k]}  # pylint: disable=protected-access
+
+
+def test_diamante_config_compiles_through_the_train_run_target():
   gin_args, _ = gin_utils.split_gin_args(["--gin_file=configs/diamante/tiny_cpu.gin",
-                                          "--gin.MODEL_DIR=/unused"])
+                                          "--gin.MODEL_DIR=/unused",
+                                          "--gin.TRAIN_PATH='/nowhere/needed.jsonl'"])
   gin_utils.parse_gin(gin_args)
   report = aot.compile_for_topology(topology="cpu:8", print_table=False)  # default target
-  assert report.target == "diamante"
+  assert report.target == "train_run" and "DiamanteModel" in report.description
   assert report.peak_bytes > 0 and report.flops_per_chip > 0
-  assert "3 x response 24" in report.description and "batch 16" in report.description
+  # One context, three responses per row (human, model, random).
+  assert "batch 16 x (encoder 64, decoder 3x24)" in report.description

@@ -154,7 +154,7 @@ def test_text_round_trip_and_input_errors(model, tmp_path):
   with pytest.raises(ValueError, match="no vocabulary"):
     bare.encode_text(["hi"])
   assert bare.generate(np.array([[5, 6, 1]]), max_decode_length=3, greedy=True).texts is None
-  with pytest.raises(FileNotFoundError, match="holds no known checkpoint"):
+  with pytest.raises(FileNotFoundError, match="no model found"):
     api.Model.from_pretrained(tmp_path)
 
 

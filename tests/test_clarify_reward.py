@@ -113,7 +113,7 @@ def test_end_to_end_from_directories(tmp_path, vocab_path):
     reward.DefeasibilityReward.from_dirs(
         answer_model_dir=directory, fusion_model_dir=directory, judge_model_dir=directory,
         config=dataclasses.replace(CONFIG, judge_classes=("bad", "ok", "good")))
-  with pytest.raises(FileNotFoundError, match="neither a jaxmoral run"):
+  with pytest.raises(FileNotFoundError, match="no model found"):
     models.load_model(tmp_path)
 
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmoral import optimizers, runs
+from jaxmoral import model_dirs, optimizers, partitioning
 from jaxmoral.clarify import formats, models, reward, testing, training
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
@@ -28,8 +28,8 @@ def test_train_clarify_model_writes_a_run_dir(tmp_path, vocab_path):
       optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-3), train_steps=2,
       batch_size=8, feature_lengths={"inputs": 32, "targets": 4}, vocabulary_path=vocab_path,
       judge_classes=formats.DEMO_JUDGE_CLASSES, log_every=1)
-  config, vocabulary = runs.load_run_files(model_dir)
-  assert config == config_lib.t5_config(size="tiny")
+  info = model_dirs.inspect(model_dir)
+  assert info.config == config_lib.t5_config(size="tiny") and info.vocabulary is not None
   rows = [json.loads(line) for line in open(os.path.join(model_dir, "data",
                                                           "judge_train.jsonl"))]
   assert {r["targets"] for r in rows} == set(formats.DEMO_JUDGE_CLASSES)
@@ -49,8 +49,13 @@ def test_train_clarify_model_writes_a_run_dir(tmp_path, vocab_path):
 def test_value_params_start_from_policy():
   config = config_lib.t5_config(size="tiny")
   policy = nn.meta.unbox(t5.init_params(t5.T5(config), jax.random.PRNGKey(0)))
-  value = training.value_params_from_policy(t5.T5(config, with_scalar_head=True), policy,
-                                            jax.random.PRNGKey(1))
+  trainer = ppo_trainer.PPOTrainer(
+      policy_model=t5.T5(config), value_model=t5.T5(config, with_scalar_head=True),
+      vocabulary=None, config=ppo_trainer.PPOConfig(batch_size=8),
+      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
+      partitioner=partitioning.PjitPartitioner(num_partitions=2),
+      reward_fn_tokens=lambda p, r, m: m.sum(-1))
+  value = training.value_params_from_policy(trainer, policy, jax.random.PRNGKey(1))
   assert "scalar_head" in value
   for key in policy:
     for a, b in zip(jax.tree_util.tree_leaves(policy[key]),
@@ -81,8 +86,8 @@ def test_train_clarify_ppo_exports_policy_and_resumes_as_one_run(tmp_path, vocab
   model_dir = str(tmp_path / "ppo")
   result = _ppo(model_dir, directory, 2)
   assert result["iteration"] == 2
-  assert len(result["reward_curve_values"]) == 2  # the mu0/sigma0 call is not in the curve
-  assert os.path.isfile(result["reward_curve"])
+  assert len(result["reward_curve_values"]) == 2  # the mu0/sigma0 calls are not in the curve
+  assert os.path.isfile(result["reward_curve"]) and result["reward_curve"].endswith(".png")
   policy = models.load_model(result["policy_dir"])
   assert policy.model.config == config_lib.t5_config(size="tiny")
   start = models.load_model(directory)
@@ -101,4 +106,4 @@ def test_train_clarify_ppo_exports_policy_and_resumes_as_one_run(tmp_path, vocab
   assert curve["raw_reward_mean"][:2] == result["reward_curve_values"]
   np.testing.assert_allclose(extended["reward_curve_values"], straight["reward_curve_values"],
                              rtol=1e-5)
-  runs.load_run_files(model_dir)  # the PPO run dir is self-describing too
+  assert model_dirs.inspect(model_dir).format == "run"  # the PPO run dir is self-describing

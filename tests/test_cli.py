@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmoral import checkpoints
+from jaxmoral import checkpoints, model_dirs
 from jaxmoral import cli
 from jaxmoral import runs
 from jaxmoral import train as train_lib
@@ -43,8 +43,8 @@ def test_train_writes_config_checkpoints_and_tensorboard(trained_run):
                 if p.name.isdigit()) == ["12", "6"]
   assert list((trained_run / "train").glob("events.out.tfevents*"))
   assert list((trained_run / "eval").glob("events.out.tfevents*"))
-  config, vocabulary = runs.load_run_files(trained_run)
-  assert config.d_model == 64 and vocabulary.vocab_size <= config.vocab_size
+  info = model_dirs.inspect(trained_run)
+  assert info.config.d_model == 64 and info.vocabulary.vocab_size <= info.config.vocab_size
 
 
 def test_missing_required_model_dir_is_a_clear_error(capsys):
@@ -98,7 +98,7 @@ def test_eval_infer_export(trained_run, tmp_path):
   assert cli.main(["export", f"--model_dir={trained_run}", f"--output={exported}",
                    "--dtype=bfloat16"]) == 0
   params, config = checkpoints.load_exported(exported)
-  original = runs.restore_run_params(trained_run)
+  original = model_dirs.load(trained_run).params
   leaves = jax.tree_util.tree_leaves(params)
   assert all(leaf.dtype == jax.numpy.bfloat16 for leaf in leaves)
   for a, b in zip(leaves, jax.tree_util.tree_leaves(original)):
@@ -182,15 +182,31 @@ def test_distributed_flags_reach_jax_distributed(capsys, tmp_path, monkeypatch):
 
 
 def test_init_checkpoint_may_name_one_step_of_a_run(trained_run, tmp_path):
-  config, _ = runs.load_run_files(trained_run)
-  step6 = runs.load_any_params(str(trained_run / "checkpoints" / "6"), config)
-  for got, want in zip(jax.tree_util.tree_leaves(step6),
-                       jax.tree_util.tree_leaves(runs.restore_run_params(trained_run, step=6))):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  latest = runs.load_any_params(str(trained_run), config)
+  """A run fine-tuned from step 6 of another starts from exactly those parameters."""
+  step6 = model_dirs.load(trained_run / "checkpoints" / "6")
+  latest = model_dirs.load(trained_run)
   assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
-      jax.tree_util.tree_leaves(step6), jax.tree_util.tree_leaves(latest)))
+      jax.tree_util.tree_leaves(step6.params), jax.tree_util.tree_leaves(latest.params)))
+  tuned = tmp_path / "tuned"
+  gin.clear_config()
+  assert cli.main(["train", *TINY, f"--gin.MODEL_DIR={tuned}", "--gin.TRAIN_STEPS=1",
+                   "--gin.OPTIMIZER=@optimizers.make_optimizer()",
+                   "--gin.optimizers.make_optimizer.learning_rate=3e-3",
+                   "--gin.optimizers.make_optimizer.weight_decay=0.0",
+                   "--gin.optimizers.make_optimizer.grad_clip_norm=None", "--gin.EVAL_EVERY=0",
+                   f"--gin.INIT_CHECKPOINT='{trained_run / 'checkpoints' / '6'}'",
+                   "--gin.CHECKPOINT_EVERY=1"]) == 0
+  gin.clear_config()
+  with checkpoints.CheckpointManager(tmp_path / "tuned" / "checkpoints") as manager:
+    assert manager.all_steps() == [1]
+  # The first Adam step (no weight decay) moves a parameter by lr * g / (|g| + eps): lr, or
+  # nothing (no gradient), bar the few with |g| ~ eps. Only a start from step 6 gives that.
+  moved = np.concatenate([np.abs(np.asarray(a) - np.asarray(b)).ravel() for a, b in zip(
+      jax.tree_util.tree_leaves(model_dirs.load(tuned).params),
+      jax.tree_util.tree_leaves(step6.params))])
+  assert moved.max() <= 3e-3 * (1 + 1e-4)
+  assert np.mean((moved < 1e-6) | (np.abs(moved - 3e-3) < 3e-5)) > 0.99
   with pytest.raises(FileNotFoundError, match="no checkpoint for step 7"):
-    runs.load_any_params(str(trained_run / "checkpoints" / "7"), config)
-  with pytest.raises(FileNotFoundError, match="not a jaxmoral export .* run step"):
-    runs.load_any_params(str(tmp_path), config)
+    model_dirs.load(trained_run / "checkpoints" / "7")
+  with pytest.raises(FileNotFoundError, match="no model found"):
+    model_dirs.load(tmp_path)

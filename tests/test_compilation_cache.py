@@ -80,10 +80,11 @@ _SAMPLE_SCRIPT = textwrap.dedent("""
     model = t5.T5(t5_config(size="tiny"))
     params = nn.unbox(t5.init_params(model, jax.random.PRNGKey(0)))
     inputs = np.array(jax.random.randint(jax.random.PRNGKey(1), (3, 7), 2, 512), np.int32)
+    weights = decoding.prepare_decode_weights(model, params)
     out = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=9,
-                          greedy=True)
+                          greedy=True, decode_weights=weights)
     print(json.dumps({"hits": len(hits), "tokens": np.asarray(out.tokens).tolist(),
-                      "kernels": decoding.use_packed_kernels(model, params)}))
+                      "kernels": weights.backend == "cpu_packed"}))
 """)
 
 

@@ -1,4 +1,5 @@
-"""Tests for jaxmoral.data.tasks: seqio Tasks materialise to the same features as encode_pairs."""
+"""Tests for jaxmoral.data.tasks: seqio Tasks stream (deterministic, resumable, sharded) the
+features encode_pairs makes, without materialising them."""
 
 import numpy as np
 import pytest
@@ -16,17 +17,28 @@ def vocabulary(tmp_path_factory):
       vocab.build_demo_vocabulary(output_dir=tmp_path_factory.mktemp("vocab")))
 
 
-def test_in_memory_task_matches_encode_pairs(vocabulary):
+def one_pass(name, split="train", **kwargs):
+  """Every example of a split, in order, through `TaskSource.eval_batches` (padding dropped)."""
+  source = tasks.TaskSource(name, split, kwargs.pop("feature_lengths", LENGTHS), 8,
+                            shuffle=False, **kwargs)
+  batches = list(source.eval_batches())
+  out = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+  keep = out["decoder_target_tokens"].any(-1)
+  return {k: v[keep] for k, v in out.items()}
+
+
+def test_in_memory_task_streams_the_features_of_encode_pairs(vocabulary):
   pairs = [(r["situation"], r["question"]) for r in demo.clarify_questions()[:40]]
   pairs.append(("a very long situation " * 10, "and an equally long question " * 5))
   tasks.register_text_pair_task("jm_test_pairs", vocabulary=vocabulary, examples=pairs)
-  got = tasks.task_examples("jm_test_pairs", "train", feature_lengths=LENGTHS)
+  got = one_pass("jm_test_pairs")
   want = encode_pairs([x for x, _ in pairs], [y for _, y in pairs], vocabulary=vocabulary,
                       feature_lengths=LENGTHS)
   assert set(got) == set(want)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
   assert got["decoder_target_tokens"][-1, -1] == 1  # Truncated, EOS kept.
+  assert tasks.TaskSource("jm_test_pairs", "train", LENGTHS, 8).num_examples == 41
 
 
 def test_file_task_and_packing_match(vocabulary):
@@ -37,7 +49,7 @@ def test_file_task_and_packing_match(vocabulary):
   lengths = {"inputs": 64, "targets": 32}
   tasks.register_text_pair_task("jm_test_fusion12", vocabulary=vocabulary,
                                 examples=[(r["input"], r["output"]) for r in rows])
-  got = tasks.task_examples("jm_test_fusion12", "train", feature_lengths=lengths, pack=True)
+  got = one_pass("jm_test_fusion12", feature_lengths=lengths, pack=True)
   want = encode_pairs([r["input"] for r in rows], [r["output"] for r in rows],
                       vocabulary=vocabulary, feature_lengths=lengths, pack=True)
   # seqio packs greedily in order (next-fit), ours is first-fit: compare per-example content.
@@ -49,26 +61,41 @@ def test_file_task_and_packing_match(vocabulary):
                    + (-1,) + tuple(f["decoder_input_tokens"][r][f["decoder_segment_ids"][r] == s]))
     return sorted(out)
   assert segments(got) == segments(want)
-  full = tasks.task_examples("jm_test_fusion", "train", feature_lengths=lengths)
+  full = one_pass("jm_test_fusion", feature_lengths=lengths)
   assert len(full["encoder_input_tokens"]) == len(demo.clarify_fusion())
 
 
-def test_task_to_source_and_demo_mixture(vocabulary):
+def test_demo_mixture_stream_is_deterministic_resumable_and_sharded(vocabulary):
   mixture = tasks.register_demo_tasks(vocabulary=vocabulary)
   assert isinstance(mixture, seqio.Mixture)
-  src = tasks.task_to_source(tasks.DEMO_MIXTURE, "train", feature_lengths=LENGTHS,
-                             batch_size=8, seed=1)
+  src = tasks.TaskSource(tasks.DEMO_MIXTURE, "train", LENGTHS, 8, seed=1)
   sizes = [seqio.get_mixture_or_task(t).num_input_examples("train") for t in tasks.DEMO_TASKS]
   assert src.num_examples == sum(sizes) == 144 + 90 + 144  # 9 in 10 of each train.
-  for v in src.batch(5).values():
+  stream = src.iterate(0)
+  first = [next(stream) for _ in range(6)]
+  for v in first[5].values():
     assert v.shape[0] == 8 and v.dtype == np.int32
-  val = tasks.task_to_source(tasks.DEMO_TASKS[2], "validation", feature_lengths=LENGTHS,
-                             batch_size=4, shuffle=False)
+  # The position is the step: a stream resumed at 5 continues exactly, a new one repeats it.
+  resumed = next(src.iterate(5))
+  for k in resumed:
+    np.testing.assert_array_equal(resumed[k], first[5][k])
+  again = next(tasks.TaskSource(tasks.DEMO_MIXTURE, "train", LENGTHS, 8, seed=1).iterate(0))
+  np.testing.assert_array_equal(again["encoder_input_tokens"], first[0]["encoder_input_tokens"])
+  other = next(tasks.TaskSource(tasks.DEMO_MIXTURE, "train", LENGTHS, 8, seed=2).iterate(0))
+  assert not np.array_equal(other["encoder_input_tokens"], first[0]["encoder_input_tokens"])
+  # Two processes' shards: half the rows each, together every example of the split once.
+  val = dict(feature_lengths=LENGTHS)
+  halves = [one_pass(tasks.DEMO_TASKS[2], "validation", shard_index=i, shard_count=2, **val)
+            for i in range(2)]
+  whole = one_pass(tasks.DEMO_TASKS[2], "validation", **val)
+  joined = sorted(map(tuple, np.concatenate([h["encoder_input_tokens"] for h in halves])))
+  assert joined == sorted(map(tuple, whole["encoder_input_tokens"]))
+  assert tasks.TaskSource(tasks.DEMO_MIXTURE, "train", LENGTHS, 8).shard(1, 2).per_shard_batch_size == 4
   judgments = demo.clarify_judgments()[::10]
-  want = encode_pairs([r["situation"] for r in judgments], [r["judgment"] for r in judgments],
-                      vocabulary=vocabulary, feature_lengths=LENGTHS)
-  np.testing.assert_array_equal(val.features["decoder_target_tokens"],
-                                want["decoder_target_tokens"])
+  want = encode_pairs(["judge: " + r["situation"] for r in judgments],
+                      [r["judgment"] for r in judgments], vocabulary=vocabulary,
+                      feature_lengths=LENGTHS)
+  np.testing.assert_array_equal(whole["decoder_target_tokens"], want["decoder_target_tokens"])
 
 
 def test_bad_arguments(vocabulary, tmp_path):
@@ -80,38 +107,77 @@ def test_bad_arguments(vocabulary, tmp_path):
     tasks.register_text_pair_task("jm_bad", vocabulary=vocabulary, file=str(bad))
   tasks.register_text_pair_task("jm_one", vocabulary=vocabulary, examples=[("a", "b")])
   with pytest.raises(ValueError, match="no split 'validation'"):
-    tasks.task_examples("jm_one", "validation", feature_lengths=LENGTHS)
+    tasks.TaskSource("jm_one", "validation", LENGTHS, 8)
+  with pytest.raises(ValueError, match="not divisible by shard_count"):
+    tasks.TaskSource("jm_one", "train", LENGTHS, 9, shard_count=2)
 
 
 def test_mixture_rates_decide_the_mix(vocabulary):
-  # Task a: 10 examples, task b: 30. Rates 3:1 of 40 examples give 30 of a (its 10 three
-  # times) and 10 of b (a seeded sample of its 30); rate 0 leaves a Task out.
-  # Letters, not digits: the demo vocabulary has no digits, so "beta 1" and "beta 2" would
-  # encode alike.
+  # Task a: 10 examples, task b: 30; seqio samples the Tasks at their rates.
+  # Letters, not digits: the demo vocabulary has no digits.
   words = [f"{x} {y}" for x in "abc" for y in "defghijklm"]
-  a = [(f"alpha {w}", "a") for w in words[:10]]
-  b = [(f"beta {w}", "b") for w in words]
-  tasks.register_text_pair_task("jm_mix_a", vocabulary=vocabulary, examples=a)
-  tasks.register_text_pair_task("jm_mix_b", vocabulary=vocabulary, examples=b)
+  tasks.register_text_pair_task("jm_mix_a", vocabulary=vocabulary,
+                                examples=[(f"alpha {w}", "a") for w in words[:10]])
+  tasks.register_text_pair_task("jm_mix_b", vocabulary=vocabulary,
+                                examples=[(f"beta {w}", "b") for w in words])
   target_a = encode_pairs(["x"], ["a"], vocabulary=vocabulary,
                           feature_lengths=LENGTHS)["decoder_target_tokens"][0]
 
-  def share_of_a(rates, seed=0):
+  def share_of_a(rates, seed=0, batches=50):
     seqio.MixtureRegistry.remove("jm_mix")
     seqio.MixtureRegistry.add("jm_mix", list(zip(["jm_mix_a", "jm_mix_b"], rates)))
-    got = tasks.task_examples("jm_mix", "train", feature_lengths=LENGTHS, seed=seed)
-    is_a = (got["decoder_target_tokens"] == target_a).all(-1)
-    return int(is_a.sum()), len(is_a), got["encoder_input_tokens"]
+    stream = tasks.TaskSource("jm_mix", "train", LENGTHS, 8, seed=seed).iterate(0)
+    targets = np.concatenate([next(stream)["decoder_target_tokens"] for _ in range(batches)])
+    return float((targets == target_a).all(-1).mean())
 
-  assert share_of_a([3.0, 1.0])[:2] == (30, 40)
-  assert share_of_a([1.0, 1.0])[:2] == (20, 40)
-  assert share_of_a([1.0, 0.0])[:2] == (40, 40)
-  assert share_of_a([10.0, 30.0])[:2] == (10, 40)  # By size: every example once.
-  # The sample of b depends on the seed, deterministically.
-  np.testing.assert_array_equal(share_of_a([3.0, 1.0], seed=1)[2], share_of_a([3.0, 1.0], 1)[2])
-  assert not np.array_equal(share_of_a([3.0, 1.0], seed=1)[2], share_of_a([3.0, 1.0], 2)[2])
-  with pytest.raises(ValueError, match="positive sum"):
-    share_of_a([0.0, 0.0])
+  # 400 draws: the binomial standard deviation of a share is at most 0.025.
+  assert share_of_a([3.0, 1.0]) == pytest.approx(0.75, abs=0.08)
+  assert share_of_a([1.0, 1.0]) == pytest.approx(0.5, abs=0.08)
+  assert share_of_a([1.0, 0.0], batches=5) == 1.0
+  assert share_of_a([10.0, 30.0]) == pytest.approx(0.25, abs=0.08)
+
+
+def test_a_ten_million_example_task_trains_in_bounded_memory(vocabulary, tmp_path):
+  """Nothing is materialised: a 10M-example Task starts training at once, in bounded memory."""
+  import resource  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from jaxmoral import optimizers, partitioning, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import config, trainable  # pylint: disable=g-import-not-at-top
+  count = 10_000_000
+  words = tf.constant(["good", "bad", "help", "friend", "lie", "okay", "why", "ask"])
+
+  def dataset_fn(split, shuffle_files, seed=None):
+    del split, shuffle_files, seed
+    def example(i):
+      pick = lambda k: tf.gather(words, (i * k) % 8)  # noqa: E731
+      return {"inputs": tf.strings.join([pick(3), pick(5), pick(7)], " "),
+              "targets": pick(11)}
+    return tf.data.Dataset.range(count).map(example)
+
+  seqio.TaskRegistry.remove("jm_ten_million")
+  features = {k: seqio.Feature(vocabulary=vocabulary) for k in ("inputs", "targets")}
+  seqio.TaskRegistry.add(
+      "jm_ten_million", source=seqio.FunctionDataSource(
+          dataset_fn, splits=["train"], num_input_examples={"train": count}),
+      output_features=features,
+      preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim])
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+  tick = time.perf_counter()
+  result = runs.train_run(
+      model_dir=str(tmp_path / "run"),
+      model=trainable.Seq2SeqModel(config=config.t5_config(
+          size="tiny", num_encoder_layers=1, num_decoder_layers=1)),
+      data=runs.Seq2SeqData(mixture_or_task_name="jm_ten_million",
+                            vocabulary_path=vocabulary.sentencepiece_model_file),
+      train_steps=3, batch_size=8, feature_lengths={"inputs": 8, "targets": 4},
+      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-3),
+      partitioner=partitioning.PjitPartitioner(), log_every=3, checkpoint_every=3)
+  seconds = time.perf_counter() - tick
+  grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # MiB
+  assert result["step"] == 3
+  # Materialising 10M examples would take many minutes and gigabytes.
+  assert seconds < 60 and grown < 600, (seconds, grown)
 
 
 def test_file_task_errors_name_the_file(vocabulary, tmp_path):

@@ -1,7 +1,5 @@
 """Tests for jaxmoral.decoding against teacher-forced recomputation and NumPy references."""
 
-import functools
-import gc
 
 import flax.linen as nn
 import jax
@@ -12,7 +10,6 @@ from scipy import stats
 
 from jaxmoral import cpu_kernels, decoding
 from jaxmoral.models.config import t5_config
-from jaxmoral.models import t5
 from jaxmoral.models.t5 import T5, init_params, shift_right
 
 EOS = 1
@@ -406,30 +403,32 @@ def test_compiles_once_and_nests_in_jit(setup):
   np.testing.assert_allclose(np.asarray(total), np.asarray(first.logprobs.sum(-1)), atol=1e-5)
 
 
-def test_decode_kernels_are_cached_per_params(setup):
+def test_decode_weights_are_prepared_once_and_decode_like_none(setup):
+  """The owner of the parameters prepares the backend's kernels once; every call reuses them,
+  and decodes exactly as a call that stacks XLA's kernels inside the trace."""
   model, params, inputs, _ = setup
   reference = decoding.sample(model, params, encoder_input_tokens=inputs,
                               max_decode_length=T, greedy=True)
-  fresh = jax.tree.map(jnp.copy, params)  # New kernel arrays: a cache miss, then hits.
-  packed = decoding.use_packed_kernels(model, fresh)
-  assert packed == cpu_kernels.available()  # Float32 params on one CPU device.
-  before = len(decoding._DECODE_KERNELS)
-  first = decoding.sample(model, fresh, encoder_input_tokens=inputs, max_decode_length=T,
-                          greedy=True)
-  expected = t5.decode_kernels(fresh, packed=packed)
-  assert len(decoding._DECODE_KERNELS) - before == len(expected)
-  prepared = decoding._with_decode_kernels(fresh, packed=packed)
-  again = decoding._with_decode_kernels(fresh, packed=packed)
-  for path, (how, sources) in expected.items():
-    leaf = lambda tree: functools.reduce(lambda node, key: node[key], path, tree)  # noqa: E731
-    assert leaf(again) is leaf(prepared)  # Reused, not rebuilt.
-    np.testing.assert_array_equal(np.asarray(leaf(prepared)),
-                                  np.asarray(t5.build_decode_kernel(how, sources)))
-  # Same tokens as decoding the original arrays.
-  np.testing.assert_array_equal(np.asarray(first.tokens), np.asarray(reference.tokens))
-  del fresh, prepared, again, first, leaf, expected, sources
-  gc.collect()
-  assert len(decoding._DECODE_KERNELS) == before  # Dropped with the kernels they come from.
+  weights = decoding.prepare_decode_weights(model, params, backend="xla")
+  assert weights.backend == "xla"
+  expected = decoding.decoder_step_kernels(params)
+  stacked = {k: v for k, v in expected.items() if len(v) > 1}
+  assert set(weights.kernels) == set(stacked)  # The query/key/value and gated-MLP stacks.
+  for key, sources in stacked.items():
+    np.testing.assert_array_equal(np.asarray(weights.kernels[key]),
+                                  np.asarray(jnp.stack(sources, axis=1)))
+  sampler = decoding.make_sampler(model, max_decode_length=T, greedy=True)
+  first = sampler(params, inputs, decode_weights=weights)
+  compiled = sampler._cache_size()
+  second = sampler(params, inputs, decode_weights=weights)
+  assert sampler._cache_size() == compiled  # Reused: nothing rebuilt or retraced.
+  for out in (first, second):
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
+  # "auto" picks the CPU kernels where they apply (float32, one CPU device), else XLA.
+  auto = decoding.prepare_decode_weights(model, params)
+  assert auto.backend == ("cpu_packed" if cpu_kernels.available() else "xla")
+  with pytest.raises(ValueError, match="unknown backend 'gpu_magic'"):
+    decoding.prepare_decode_weights(model, params, backend="gpu_magic")
 
 
 def test_samples_and_beams_share_their_inputs_cross_attention_cache(setup):
@@ -456,23 +455,29 @@ def test_samples_and_beams_share_their_inputs_cross_attention_cache(setup):
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no packed CPU kernel here")
 def test_packed_cpu_kernels_decode_as_xla_dot(setup, monkeypatch):
-  """Sampling and beam search through `cpu_kernels.packed_matmul` against XLA's dot."""
+  """Sampling and beam search through the "cpu_packed" backend against XLA's dot."""
   model, params, inputs, _ = setup
   kwargs = dict(encoder_input_tokens=inputs, max_decode_length=T)
 
-  def run():
+  def run(weights):
     sampled = decoding.sample(model, params, rng=jax.random.PRNGKey(5), num_samples=2,
-                              top_k=20, return_raw_logprobs=True, **kwargs)
-    beams = decoding.beam_search(model, params, beam_size=3, **kwargs)
+                              top_k=20, return_raw_logprobs=True, decode_weights=weights,
+                              **kwargs)
+    beams = decoding.beam_search(model, params, beam_size=3, decode_weights=weights, **kwargs)
     return sampled, beams
 
   sampler = decoding.make_sampler(model, max_decode_length=T, greedy=True)
-  assert "jaxmoral_packed_matmul" in sampler.lower(params, inputs).as_text()
-  packed = run()
+  packed_weights = decoding.prepare_decode_weights(model, params)
+  assert packed_weights.backend == "cpu_packed"
+  assert "jaxmoral_packed_matmul" in sampler.lower(
+      params, inputs, decode_weights=packed_weights).as_text()
+  packed = run(packed_weights)
   monkeypatch.setenv("JAXMORAL_CPU_KERNELS", "0")
-  assert not decoding.use_packed_kernels(model, params)
-  assert "jaxmoral_packed_matmul" not in sampler.lower(params, inputs).as_text()
-  xla = run()
+  xla_weights = decoding.prepare_decode_weights(model, params)
+  assert xla_weights.backend == "xla"
+  assert "jaxmoral_packed_matmul" not in sampler.lower(
+      params, inputs, decode_weights=xla_weights).as_text()
+  xla = run(xla_weights)
   for ours, ref in zip(jax.tree.leaves(packed), jax.tree.leaves(xla)):
     if np.issubdtype(np.asarray(ref).dtype, np.integer):
       np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxmoral import metrics as metrics_lib
+from jaxmoral import model_dirs
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import chat, data, evaluate, inference, toy
@@ -27,17 +28,19 @@ def saved(tmp_path_factory):
   params = nn.meta.unbox(jax.jit(lambda r: t5.init_params(model, r))(jax.random.PRNGKey(3)))
   params["scalar_head"]["kernel"] = params["scalar_head"]["kernel"] * 5.0
   features = data.FeatureConfig(context_length=24, response_length=10)
-  export = bundle_lib.save(root / "run" / "export", params=params, config=config,
-                           vocab_path=vocab_path, features=features)
-  in_memory = bundle_lib.Bundle(model=model, params=params,
-                                vocab=vocab_lib.get_vocabulary(vocab_path), features=features,
-                                vocab_path=vocab_path)
+  vocabulary = vocab_lib.get_vocabulary(vocab_path)
+  # What a Diamante run's settings.json says (DialogueData + the run's feature lengths).
+  settings = {"data": {"separator": data.DEFAULT_SEPARATOR},
+              "feature_lengths": {"inputs": 24, "targets": 10}}
+  export = model_dirs.export(root / "export", params=params, config=config,
+                             vocabulary=vocabulary, settings=settings)
+  in_memory = bundle_lib.Bundle(model=model, params=params, vocab=vocabulary, features=features)
   return root, export, in_memory
 
 
 def test_saved_model_reloads_and_ranks_identically(saved):
   root, export, original = saved
-  loaded = bundle_lib.load_from(root / "run")  # finds run/export
+  loaded = bundle_lib.load(root / "export")
   assert loaded.config == original.config and loaded.features == original.features
   turns = toy.toy_turns(6, seed=1)
   a = evaluate.evaluate_turns(original, turns, num_random=2, max_candidates=3, batch_size=4)
@@ -52,14 +55,14 @@ def test_saved_model_reloads_and_ranks_identically(saved):
 
 
 def test_load_errors_name_the_missing_file(tmp_path, saved):
-  with pytest.raises(FileNotFoundError, match="no Diamante export"):
-    bundle_lib.load_from(tmp_path)
+  with pytest.raises(FileNotFoundError, match="no model found"):
+    bundle_lib.load(tmp_path)
   _, export, _ = saved
-  (tmp_path / "export").mkdir()
-  (tmp_path / "export" / "diamante.json").write_text("{bad")
-  (tmp_path / "export" / "vocab.model").write_bytes(b"")
-  with pytest.raises(ValueError, match="diamante.json:1"):
-    bundle_lib.load_from(tmp_path)
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.copytree(export, tmp_path / "copy")
+  (tmp_path / "copy" / "settings.json").write_text("{bad")
+  with pytest.raises(ValueError, match="settings.json:1"):
+    bundle_lib.load(tmp_path / "copy")
 
 
 def test_sampled_candidates_are_scored_like_separate_teacher_forced_passes(saved):
@@ -120,7 +123,7 @@ def test_chat_and_self_chat_write_transcripts(saved, tmp_path):
   root, _, _ = saved
   lines = iter(["hi! do you like chess?", "", "why?", "/quit", "never read"])
   printed = io.StringIO()
-  records = chat.chat(model_dir=str(root / "run"), transcript_path=str(tmp_path / "chat.jsonl"),
+  records = chat.chat(model_dir=str(root / "export"), transcript_path=str(tmp_path / "chat.jsonl"),
                       rerank=RERANK, input_fn=lambda _: next(lines), output=printed,
                       show_candidates=2)
   assert [r["speaker"] for r in records] == ["user", "bot", "user", "bot"]
@@ -130,13 +133,13 @@ def test_chat_and_self_chat_write_transcripts(saved, tmp_path):
   assert bot["score"] == max(c[1] for c in bot["candidates"])
   assert bot["text"] == bot["candidates"][0][0] and len(bot["candidates"]) == 4
   assert printed.getvalue().count("bot>") == 2
-  self_records = chat.self_chat(model_dir=str(root / "run"), opening="hello there",
+  self_records = chat.self_chat(model_dir=str(root / "export"), opening="hello there",
                                 num_rounds=3, transcript_path=str(tmp_path / "self.jsonl"),
                                 rerank=RERANK, output=None)
   assert [r["speaker"] for r in self_records] == ["bot_b", "bot_a", "bot_b", "bot_a"]
   assert len((tmp_path / "self.jsonl").read_text().splitlines()) == 4
   with pytest.raises(ValueError, match="opening"):
-    chat.self_chat(model_dir=str(root / "run"), opening=" ", num_rounds=1,
+    chat.self_chat(model_dir=str(root / "export"), opening=" ", num_rounds=1,
                    transcript_path=str(tmp_path / "x.jsonl"))
 
 
@@ -146,7 +149,7 @@ def test_rerank_bindings_given_on_the_command_line_apply(saved, tmp_path):
   root, _, _ = saved
   gin.clear_config()
   try:
-    assert cli.main(["diamante", "self_chat", f"--model_dir={root / 'run'}",
+    assert cli.main(["diamante", "self_chat", f"--model_dir={root / 'export'}",
                      "--opening=hello there", "--num_rounds=1",
                      f"--transcript_path={tmp_path / 's.jsonl'}",
                      "--gin.RerankConfig.num_candidates=3",
@@ -162,7 +165,7 @@ def test_candidates_are_sampled_and_stored_in_the_diamante_format(saved, tmp_pat
   root, _, _ = saved
   turns = toy.toy_turns(3, seed=7)
   out = tmp_path / "with_candidates.jsonl"
-  kwargs = dict(model_dir=str(root / "run"), turns=turns, num_candidates=2, top_k=10,
+  kwargs = dict(model_dir=str(root / "export"), turns=turns, num_candidates=2, top_k=10,
                 max_decode_length=8, batch_size=4, seed=1)
   assert candidates.generate_candidates(output_path=str(out), **kwargs) == 3
   again = tmp_path / "again.jsonl"

@@ -1,4 +1,13 @@
-"""Gin command-line handling: T5X flag forms, REQUIRED detection, search paths."""
+"""Gin command-line handling: T5X flag forms, REQUIRED detection, search paths, and that
+everything bound can be read (no misspelt macro, parameter, configurable or scope)."""
+
+import glob
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import gin
 import pytest
@@ -18,6 +27,34 @@ def _entry(*, model_dir, steps=1, name="x"):
   return model_dir, steps, name
 
 
+@gin.configurable
+def _make(*, value: object = None) -> object:
+  return value
+
+
+# Two configurables that the short selector `twin` matches: binding `twin.a` is ambiguous.
+@gin.configurable("twin", module="test_gin_utils_left")
+def _left_twin(*, a: int = 0) -> int:
+  return a
+
+
+@gin.configurable("twin", module="test_gin_utils_right")
+def _right_twin(*, a: int = 0) -> int:
+  return a
+
+
+def _parse(tmp_path: pathlib.Path, content: str, *flags: str) -> str:
+  """parse_gin of gin text (a file named after the test) and command-line flags."""
+  # gin keeps every search path it was given, so each test needs a file name of its own.
+  name = f"config_{tmp_path.name}.gin"
+  (tmp_path / name).write_text(textwrap.dedent(content))
+  gin_args, rest = gin_utils.split_gin_args([f"--gin_file={name}", *flags,
+                                             f"--gin_search_paths={tmp_path}"])
+  assert not rest
+  gin_utils.parse_gin(gin_args)
+  return name
+
+
 def test_split_gin_args_t5x_forms():
   gin_args, rest = gin_utils.split_gin_args([
       "--gin_file=a.gin", "--gin_file", "b.gin,c.gin", "--gin.MODEL_DIR=/tmp/run",
@@ -29,6 +66,9 @@ def test_split_gin_args_t5x_forms():
   assert gin_args.search_paths == ("/p", "/q")
   assert rest == ["--other"]
   assert gin_args.read_as_strings == ("--gin.MODEL_DIR=/tmp/run",)
+  assert gin_args.binding_flags == ("--gin.MODEL_DIR=/tmp/run", "--gin.TRAIN_STEPS=10",
+                                    "--gin_bindings=x.y = 3", "--gin.NAME='quoted'",
+                                    "--gin.REF=@foo()")
 
 
 def test_split_gin_args_rejects_binding_without_value():
@@ -100,3 +140,172 @@ def test_decoding_fragments_configure_infer(fragment, field, expected):
   gin_utils.parse_gin(gin_args)
   config = gin.query_parameter(f"runs.infer_run.{field}").scoped_configurable_fn()
   assert {key: getattr(config, key) for key in expected} == expected
+
+
+# -- everything bound is read --------------------------------------------------------------------
+def test_misspelt_macro_on_the_command_line_is_an_error_naming_the_flag():
+  gin_args, _ = gin_utils.split_gin_args([
+      "--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR=/tmp/unused",
+      "--gin.TRAIN_STEP=5"])
+  with pytest.raises(ValueError) as info:
+    gin_utils.parse_gin(gin_args)
+  message = str(info.value)
+  assert "\n" not in message
+  assert message.startswith("gin: macro TRAIN_STEP (--gin.TRAIN_STEP=5) is never read")
+  assert "close valid names: TRAIN_STEPS" in message
+  # A macro that only another command reads (infer's INFER_INPUT) is read: no error.
+  gin.clear_config()
+  gin_args, _ = gin_utils.split_gin_args([
+      "--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR=/tmp/unused",
+      "--gin.TRAIN_STEPS=5", "--gin.INFER_INPUT=in.txt"])
+  gin_utils.parse_gin(gin_args)
+  assert gin_utils.unreferenced_macros() == []
+
+
+def test_train_with_a_misspelt_macro_stops_before_training(tmp_path, capsys):
+  from jaxmoral import cli  # pylint: disable=g-import-not-at-top
+  code = cli.main(["train", "--gin_file=configs/core/tiny_cpu.gin",
+                   f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEP=5"])
+  err = capsys.readouterr().err
+  assert code == 2 and not os.listdir(tmp_path)
+  assert len(err.strip().splitlines()) == 1
+  assert "--gin.TRAIN_STEP=5" in err and "TRAIN_STEPS" in err
+
+
+def test_unread_macro_in_a_file_names_the_file_and_line(tmp_path):
+  with pytest.raises(ValueError) as info:
+    _parse(tmp_path, """\
+        DIR = '/d'
+        test_gin_utils._entry.model_dir = %DIR
+        STEPZ = 3
+        """)
+  assert str(info.value) == (
+      f"gin: macro STEPZ ({tmp_path / f'config_{tmp_path.name}.gin'}, line 3) is never read: "
+      f"no binding or macro refers to %STEPZ; close valid names: _entry.steps.")
+
+
+def test_references_anywhere_count_as_reads(tmp_path):
+  # Macros read inside tuples, lists and dicts, by other macros, by the bindings of a function
+  # another binding calls (`@fn()`) and by scoped bindings; an export (`NAME = @fn()`) that
+  # a file defines for its includers may go unread.
+  _parse(tmp_path, """\
+      DIR = '/d'
+      A = 1
+      B = 2
+      C = %A
+      D = 4
+      INNER = 'inner'
+      SCOPED = 'scoped'
+      OBJECT = @test_gin_utils._make()
+      test_gin_utils._entry.model_dir = %DIR
+      test_gin_utils._entry.steps = (%C, [%B], {'d': %D})
+      test_gin_utils._entry.name = [@test_gin_utils._make(), @scope/test_gin_utils._make()]
+      test_gin_utils._make.value = %INNER
+      scope/test_gin_utils._make.value = %SCOPED
+      """, "--gin.B=3")
+  assert _entry() == ("/d", (1, [3], {"d": 4}), ["inner", "scoped"])
+  assert gin_utils.unreferenced_macros() == ["OBJECT"]
+
+
+def test_an_unread_export_on_the_command_line_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match=r"^gin: macro OBJECT \(--gin.OBJECT=@test_gin_utils"
+                                       r"._make\(\)\) is never read"):
+    _parse(tmp_path, "test_gin_utils._entry.model_dir = '/d'\n",
+           "--gin.OBJECT=@test_gin_utils._make()")
+
+
+def test_a_scope_nothing_enters_is_an_error(tmp_path):
+  content = """\
+      test_gin_utils._entry.model_dir = '/d'
+      test_gin_utils._entry.name = @scope/test_gin_utils._make()
+      """
+  with pytest.raises(ValueError) as info:
+    _parse(tmp_path, content, "--gin.scoep/test_gin_utils._make.value=1")
+  assert str(info.value) == (
+      "gin: scope 'scoep' of scoep/_make.value (--gin.scoep/test_gin_utils._make.value=1) is "
+      "never entered: no reference @scoep/... exists; close valid names: scope.")
+  gin.clear_config()
+  _parse(tmp_path, content, "--gin.scope/test_gin_utils._make.value=1")
+  assert _entry() == ("/d", 1, 1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gin.runs.train_run.train_step=5"],
+     "gin: runs.train_run has no parameter 'train_step' (--gin.runs.train_run.train_step=5); "
+     "close valid names: runs.train_run.train_steps"),
+    (["--gin.runs.trian_run.train_steps=5"],
+     "gin: no configurable 'runs.trian_run' is registered (misspelt, or its module not "
+     "imported) (--gin.runs.trian_run.train_steps=5); close valid names: runs.train_run"),
+    (["--gin_bindings=runs.train_run.data = @runs.Seq2SeqDta()"],
+     "gin: no configurable 'runs.Seq2SeqDta' is registered (misspelt, or its module not "
+     "imported) (--gin_bindings=runs.train_run.data = @runs.Seq2SeqDta()); close valid names: "
+     "runs.Seq2SeqData"),
+])
+def test_unknown_parameter_or_configurable_is_one_line(flags, message):
+  gin_args, _ = gin_utils.split_gin_args(["--gin_file=configs/core/tiny_cpu.gin",
+                                          "--gin.MODEL_DIR=/tmp/unused", *flags])
+  with pytest.raises(ValueError) as info:
+    gin_utils.parse_gin(gin_args)
+  assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_errors_in_files_and_ambiguous_selectors_are_one_line(tmp_path):
+  with pytest.raises(ValueError) as info:
+    _parse(tmp_path, "X = 1\ntest_gin_utils._entry.stepz = %X\n")
+  path = tmp_path / f"config_{tmp_path.name}.gin"
+  assert str(info.value) == (f"gin: test_gin_utils._entry has no parameter 'stepz' ({path}, "
+                             f"line 2); close valid names: test_gin_utils._entry.steps")
+  gin.clear_config()
+  # gin raises a KeyError for an ambiguous selector; it is a config error like the others.
+  with pytest.raises(ValueError, match=r"^gin: Ambiguous selector 'twin', matches .*\(binding "
+                                       r"'twin.a = 1'\)$"):
+    gin_utils.parse_gin(gin_utils.GinArgs(bindings=("twin.a = 1",)))
+
+
+# Configs meant to be added after another one (their header says so), parsed after it.
+ADD_ONS = {"configs/diamante/nll_only.gin": ("configs/diamante/tiny_cpu.gin",)}
+SHIPPED = sorted(glob.glob("configs/**/*.gin", root_dir=gin_utils.PROJECT_ROOT, recursive=True)
+                 + glob.glob("gin/**/*.gin", root_dir=gin_utils.PROJECT_ROOT, recursive=True))
+
+_PARSE_EACH = textwrap.dedent("""
+    import json, sys
+    import gin
+    from jaxmoral import gin_utils
+    results = {}
+    for files in json.loads(sys.argv[1]):
+      gin.clear_config()
+      try:
+        gin_utils.parse_gin(gin_utils.GinArgs(files=tuple(files)))
+      except Exception as error:  # pylint: disable=broad-except
+        results[files[-1]] = {"error": f"{type(error).__name__}: {error}"}
+        continue
+      unread = gin_utils.unreferenced_macros()
+      exports = [n for n in unread
+                 if isinstance(gin.query_parameter(f"%{n}"), gin.config.ConfigurableReference)]
+      results[files[-1]] = {"error": None, "unread": unread, "exports": exports}
+    print("RESULTS " + json.dumps(results))
+""")
+
+
+@pytest.fixture(scope="module")
+def shipped_results() -> dict[str, dict[str, object]]:
+  """parse_gin of every shipped config and fragment, each in a fresh config, in a new process.
+
+  gin's registry outlives `gin.clear_config()`: once a test has imported Diamante's `demo`,
+  configs/npov/tiny_cpu_demo.gin's `demo.run_demo` is ambiguous, which no command meets.
+  """
+  runs = [[*ADD_ONS.get(path, ()), path] for path in SHIPPED]
+  proc = subprocess.run([sys.executable, "-c", _PARSE_EACH, json.dumps(runs)],
+                        cwd=gin_utils.PROJECT_ROOT, capture_output=True, text=True, check=False)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+  assert lines, proc.stderr[-3000:]
+  return json.loads(lines[-1][len("RESULTS "):])
+
+
+@pytest.mark.parametrize("path", SHIPPED)
+def test_shipped_configs_parse_and_leave_only_exports_unread(shipped_results, path):
+  result = shipped_results[path]
+  assert result["error"] is None, result["error"]
+  # What nothing reads is only what a fragment exports for includers (e.g. PARTITIONER, which
+  # `jaxmoral compile` does not read: it builds `partitioning.PjitPartitioner` itself).
+  assert result["unread"] == result["exports"]

@@ -138,3 +138,112 @@ def test_metrics_accumulator_weights_by_tokens():
     plain.update({"x": np.ones(3)})
   acc.reset()
   assert acc.result() == {} and acc.num_batches == 0
+
+
+# -- bootstrap ------------------------------------------------------------------------------
+
+
+def _pairwise_auc(labels, scores):
+  """ROC AUC by counting (positive, negative) pairs: the reference."""
+  pos, neg = scores[labels == 1], scores[labels == 0]
+  diff = pos[:, None] - neg[None, :]
+  return float(np.mean((diff > 0) + 0.5 * (diff == 0)))
+
+
+def test_bootstrap_roc_auc_matches_reference_loop_and_counts_skips():
+  rng = np.random.default_rng(3)
+  labels = (np.arange(14) < 3).astype(int)  # 3 positives: ~10 % of resamples have none.
+  scores = np.round(rng.normal(size=14) + labels, 1)  # Rounded: ties.
+  ci = metrics.bootstrap_ci(metrics.roc_auc, labels, scores, num_resamples=500, seed=11)
+  ref_rng = np.random.default_rng(11)
+  stats, skipped = [], 0
+  for rows in ref_rng.integers(0, 14, size=(500, 14)):
+    if labels[rows].min() == labels[rows].max():
+      skipped += 1
+      continue
+    stats.append(_pairwise_auc(labels[rows], scores[rows]))
+  assert skipped > 10 and ci.num_skipped == skipped and ci.num_resamples == 500
+  np.testing.assert_allclose(ci, [_pairwise_auc(labels, scores),
+                                  *np.percentile(stats, [2.5, 97.5])], rtol=1e-12)
+  assert ci.low <= ci.estimate <= ci.high and ci.low < ci.high
+  estimate, low, high = ci  # Unpacks as a plain triple.
+  assert (estimate, low, high) == (ci.estimate, ci.low, ci.high)
+
+
+def test_bootstrap_mean_vectorized_equals_loop_and_reference():
+  x = np.random.default_rng(0).exponential(size=37)
+  loop = metrics.bootstrap_ci(np.mean, x, num_resamples=300, confidence=0.9, seed=4)
+  # A small batch bound: several vectorised calls.
+  vec = metrics.bootstrap_ci(lambda a: a.mean(axis=1), x, num_resamples=300, confidence=0.9,
+                             seed=4, vectorized=True, max_batch_elements=37 * 7)
+  draws = np.random.default_rng(4).integers(0, 37, size=(300, 37))
+  means = [float(np.sum(x[rows]) / 37) for rows in draws]
+  np.testing.assert_allclose(loop, [x.mean(), *np.percentile(means, [5, 95])], rtol=1e-12)
+  np.testing.assert_allclose(vec, loop, rtol=1e-12)
+  assert loop.num_skipped == 0
+
+
+def test_bootstrap_mean_coverage_is_near_nominal():
+  rng = np.random.default_rng(2024)
+  true_mean, covered = 1.3, 0
+  for i in range(200):
+    x = rng.normal(true_mean, 2.0, size=80)
+    ci = metrics.bootstrap_ci(lambda a: a.mean(axis=1), x, seed=i, vectorized=True)
+    covered += ci.low <= true_mean <= ci.high
+  assert 0.90 <= covered / 200 <= 0.99
+
+
+def _groups_intact(group, position, size):
+  """1.0 if the rows form whole groups, each complete and in order, else 0.0."""
+  i = 0
+  while i < len(group):
+    n = size[i]
+    if not (np.all(group[i:i + n] == group[i]) and
+            np.array_equal(position[i:i + n], np.arange(n))):
+      return 0.0
+    i += n
+  return 1.0
+
+
+def test_bootstrap_units_resample_whole_groups():
+  sizes = [1, 3, 2, 4, 2, 1, 3]
+  group = np.repeat(np.array([5, 2, 9, 0, 7, 3, 8]), sizes)
+  position = np.concatenate([np.arange(s) for s in sizes])
+  size = np.repeat(sizes, sizes)
+  # Shuffle the rows: a unit's rows need not be adjacent in the data.
+  perm = np.random.default_rng(1).permutation(group.size)
+  group, position, size = group[perm], position[perm], size[perm]
+  order = np.lexsort((position, group))  # Rows grouped, in position order: intact.
+  args = (group[order], position[order], size[order])
+  assert _groups_intact(*args) == 1.0
+  grouped = metrics.bootstrap_ci(_groups_intact, *args, units=args[0], num_resamples=200)
+  assert tuple(grouped) == (1.0, 1.0, 1.0)
+  rows_only = metrics.bootstrap_ci(_groups_intact, *args, num_resamples=200)
+  assert rows_only.low == 0.0  # Row resampling splits groups: the check can fail.
+  # Against a reference loop over the sorted unit ids.
+  value = group.astype(float) + position
+  ci = metrics.bootstrap_ci(np.mean, value, units=group, num_resamples=200, seed=5)
+  unit_ids = np.unique(group)
+  means = []
+  for draw in np.random.default_rng(5).integers(0, unit_ids.size, size=(200, unit_ids.size)):
+    rows = np.concatenate([np.flatnonzero(group == unit_ids[u]) for u in draw])
+    means.append(value[rows].mean())
+  np.testing.assert_allclose(ci, [value.mean(), *np.percentile(means, [2.5, 97.5])],
+                             rtol=1e-12)
+  with pytest.raises(ValueError, match="units differ in size"):
+    metrics.bootstrap_ci(lambda a: a.mean(axis=1), value, units=group, vectorized=True)
+  # Equal units can be vectorised, and agree with the loop.
+  pairs = np.repeat(np.arange(10), 2)
+  y = np.random.default_rng(2).normal(size=20)
+  np.testing.assert_allclose(
+      metrics.bootstrap_ci(lambda a: a.mean(axis=1), y, units=pairs, vectorized=True),
+      metrics.bootstrap_ci(np.mean, y, units=pairs), rtol=1e-12)
+
+
+def test_bootstrap_errors():
+  with pytest.raises(ValueError, match="same, non-zero number of rows"):
+    metrics.bootstrap_ci(metrics.roc_auc, [0, 1], [0.1, 0.2, 0.3])
+  with pytest.raises(ValueError, match="undefined on all"):
+    metrics.bootstrap_ci(lambda a: np.nan if a.size else 0.0, np.ones(3), num_resamples=5)
+  with pytest.raises(ValueError, match="confidence"):
+    metrics.bootstrap_ci(np.mean, np.ones(3), confidence=1.0)

@@ -2,9 +2,10 @@
 
 Two `runs.train_run` processes with 2 CPU devices each join through `jax.distributed`
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, the variables launch/local.sh
-sets); each reads only its rows of every global batch. A one-process run with 4 devices and
-the same global batches is the reference: same per-step losses, and the two-process checkpoint
-restores in a single process with the reference's parameters.
+sets); each streams only its own shard of the examples (seqio's `ShardInfo`) and contributes
+its rows of every global batch. A one-process run with 4 devices that reads both shards and
+puts their rows together the same way is the reference: same per-step losses, and the
+two-process checkpoint restores in a single process with the reference's parameters.
 """
 
 import json
@@ -20,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmoral import runs
+from jaxmoral import model_dirs
 from jaxmoral.data import vocab as vocab_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -40,6 +41,17 @@ DRIVER = textwrap.dedent("""
       losses.append(float(metrics["loss"]))
       return state, metrics
     trainer_lib.Trainer.train_step = recording_step
+    if jax.process_count() == 1:
+      # The reference reads both processes' shards and joins their rows, as two processes do.
+      class BothShards:
+        def __init__(self, source):
+          self.source, self.num_examples = source, source.num_examples
+        def iterate(self, start):
+          for parts in zip(*(self.source.shard(i, 2).iterate(start) for i in range(2))):
+            yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+      import numpy as np
+      sources = runs.Seq2SeqData.sources
+      runs.Seq2SeqData.sources = lambda self, **kw: (BothShards(sources(self, **kw)[0]), None)
     gin_args, rest = gin_utils.split_gin_args(sys.argv[2:])
     gin_utils.parse_gin(gin_args)
     runs.train_run()
@@ -121,8 +133,8 @@ def test_two_processes_match_one_process_losses(runs_done):
 
 def test_two_process_checkpoint_restores_in_one_process(runs_done):
   gin.clear_config()
-  two = runs.restore_run_params(runs_done / "two_run")
-  one = runs.restore_run_params(runs_done / "one_run")
+  two = model_dirs.load(runs_done / "two_run").params
+  one = model_dirs.load(runs_done / "one_run").params
   assert sorted(p.name for p in (runs_done / "two_run" / "checkpoints").iterdir()
                 if p.name.isdigit()) == ["3"]
   assert jax.tree_util.tree_structure(two) == jax.tree_util.tree_structure(one)

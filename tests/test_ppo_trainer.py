@@ -30,13 +30,13 @@ class WordVocab:
 
 
 class FirstWordReward:
-  """+1 when the response starts with a TARGET word; counts its calls."""
+  """+1 when the response starts with a TARGET word; records the keys of its calls."""
 
   def __init__(self):
-    self.calls = 0
+    self.keys = []
 
-  def __call__(self, prompts, responses):
-    self.calls += 1
+  def __call__(self, prompts, responses, *, key=None):
+    self.keys.append(key)
     words = [r.split() for r in responses]
     scores = np.array([1.0 if w and int(w[0][1:]) in TARGET else 0.0 for w in words])
     return scores, {"num_words": np.array([len(w) for w in words])}
@@ -72,12 +72,15 @@ def test_config_validation():
     ppo_trainer.PPOConfig(lam=1.5)
 
 
-def test_prompt_indices_are_epoch_permutations():
-  rows = np.concatenate([ppo_trainer.prompt_indices(i, batch_size=4, num_prompts=6, seed=3)
-                         for i in range(3)])
+def test_prompt_batches_are_epoch_permutations():
+  texts = [f"w{i + 2}" for i in range(6)]
+  source = ppo_trainer.PromptSource(tokens=np.arange(6)[:, None], texts=texts, batch_size=4,
+                                    seed=3)
+  rows = np.concatenate([source.indices(i) for i in range(3)])
   assert sorted(rows[:6]) == list(range(6)) and sorted(rows[6:12]) == list(range(6))
-  np.testing.assert_array_equal(
-      ppo_trainer.prompt_indices(2, batch_size=4, num_prompts=6, seed=3), rows[8:12])
+  batch = next(source.iterate(2))
+  np.testing.assert_array_equal(batch["prompt_tokens"][:, 0], rows[8:12])
+  assert batch["prompt_texts"] == [texts[i] for i in rows[8:12]]
 
 
 def test_encode_prompts_and_errors(setup):
@@ -125,11 +128,8 @@ def test_toy_reward_rises(setup, tmp_path):
   result = ppo_trainer.train_ppo(model_dir=tmp_path, trainer=trainer, prompt_source=PROMPTS,
                                  num_iterations=30, log_every=5, checkpoint_every=30,
                                  sample_every=10, seed=1)
-  mgr = checkpoints.CheckpointManager(tmp_path / "checkpoints")
-  _, extra = mgr.restore(target=trainer.abstract_state())
-  mgr.close()
   # The initial policy rarely starts with a target word (~1/8); PPO makes it (nearly) always.
-  assert extra["reward_mean"] < 0.35
+  assert result["reward_norm_mean"] < 0.35
   assert result["raw_score_mean"] > 0.8, result
   assert (tmp_path / "train").is_dir()
 
@@ -143,17 +143,34 @@ def test_kill_and_resume_continues_the_same_run(setup, tmp_path):
   trainer, reward = setup
   kwargs = dict(trainer=trainer, prompt_source=PROMPTS, checkpoint_every=2, log_every=1,
                 sample_every=0, seed=7, async_checkpoint=False)
+  reward.keys.clear()
   ppo_trainer.train_ppo(model_dir=tmp_path / "a", num_iterations=4, **kwargs)
+  # A fresh run: mu0/sigma0 measured by explicitly named calls (32 prompts, 2 batches), then
+  # one call per iteration, each named by its iteration.
+  Key = ppo_trainer.RewardKey  # noqa: N806
+  assert reward.keys == [Key("normalization", 0), Key("normalization", 1),
+                         *(Key("rollout", i) for i in range(4))]
   ppo_trainer.train_ppo(model_dir=tmp_path / "b", num_iterations=2, **kwargs)
-  calls = reward.calls
-  ppo_trainer.train_ppo(model_dir=tmp_path / "b", num_iterations=4, **kwargs)
-  assert reward.calls - calls == 2  # two iterations; mu0 / sigma0 come from the checkpoint
+  reward.keys.clear()
+  result = ppo_trainer.train_ppo(model_dir=tmp_path / "b", num_iterations=4, **kwargs)
+  # Resumed: no new normalisation; the two missing iterations, named as uninterrupted.
+  assert reward.keys == [Key("rollout", 2), Key("rollout", 3)]
   state_a, extra_a = _final(trainer, tmp_path / "a")
   state_b, extra_b = _final(trainer, tmp_path / "b")
   assert int(state_a.step) == int(state_b.step) == 4
-  assert extra_a == extra_b
-  assert extra_a["reward_std"] > 0 and extra_a["iteration"] == 4
+  assert extra_a == extra_b and extra_a["num_examples"] == len(PROMPTS)
+  assert result["reward_norm_std"] == pytest.approx(float(state_b.reward_std))
+  assert result["reward_norm_std"] > 0
   jax.tree_util.tree_map(np.testing.assert_array_equal, state_a, state_b)
+  # One reward curve over the whole run, resumes included, as JSON and as a picture.
+  curve = ppo_trainer.read_reward_curve(tmp_path / "b" / "reward_curve.json")
+  assert sorted(curve) == [1, 2, 3, 4]
+  assert curve == ppo_trainer.read_reward_curve(tmp_path / "a" / "reward_curve.json")
+  assert (tmp_path / "b" / "reward_curve.png").is_file()
+  # The same data position is required to resume.
+  with pytest.raises(ValueError, match="would not continue the same run"):
+    ppo_trainer.train_ppo(model_dir=tmp_path / "b", num_iterations=5,
+                          **{**kwargs, "prompt_source": PROMPTS[:40]})
 
 
 def test_token_reward_fn_runs_compiled(setup):
@@ -168,7 +185,8 @@ def test_token_reward_fn_runs_compiled(setup):
   responses = np.array([[3, 7, 1, 0, 0], [9, 1, 0, 0, 0]] * 8, np.int32)
   mask = (responses > 0).astype(np.float32)
   prompts, texts = tok_trainer.encode_prompts(PROMPTS[:16])
-  scores, _ = tok_trainer.rewards(prompts, texts, jnp.asarray(responses), jnp.asarray(mask))
+  scores, _ = tok_trainer.rewards(prompts, texts, jnp.asarray(responses), jnp.asarray(mask),
+                                  key=ppo_trainer.RewardKey("rollout", 0))
   host, _ = FirstWordReward()(texts, trainer.response_texts(responses, mask))
   np.testing.assert_array_equal(np.asarray(scores), host)
 
@@ -179,7 +197,8 @@ def test_sharded_update_matches_unsharded(setup):
   host_state = jax.tree_util.tree_map(np.asarray, state)
   tokens, texts = trainer.encode_prompts(PROMPTS[16:32])
   responses, sampler_lp, mask = trainer.generate(state, tokens, jax.random.PRNGKey(6))
-  raw, _ = trainer.rewards(tokens, texts, responses, mask)
+  raw, _ = trainer.rewards(tokens, texts, responses, mask,
+                           key=ppo_trainer.RewardKey("rollout", 0))
   rollout, _ = trainer.score(state, tokens, responses, mask, sampler_lp, raw)
   host_rollout = jax.tree_util.tree_map(np.asarray, rollout)
   want, want_metrics = trainer.ppo_update(state, rollout, jax.random.PRNGKey(7))

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from jaxmoral import optimizers
+from jaxmoral import partitioning
 from jaxmoral import prompt_tuning as pt
+from jaxmoral import runs
 from jaxmoral.models.config import t5_config
 from jaxmoral.models.t5 import T5, init_params
 
@@ -75,7 +77,9 @@ def _batch(seed):
 def test_training_updates_only_the_prompt(base):
   _, params = base
   optimizer = optimizers.make_optimizer(name="adafactor", learning_rate=0.3)
-  trainer, _ = pt.make_prompt_trainer(config=CFG, prompt_length=4, optimizer=optimizer)
+  trainer = runs.make_trainer(
+      model=pt.PromptTuningModel(config=CFG, prompt=pt.PromptConfig(length=4)),
+      optimizer=optimizer, partitioner=partitioning.PjitPartitioner())
   prompt = pt.init_prompt(pt.PromptConfig(length=4, vocab_sample_size=50),
                           rng=jax.random.PRNGKey(3), embedding_table=params["token_embedder"]
                           ["embedding"])
@@ -94,29 +98,6 @@ def test_training_updates_only_the_prompt(base):
                           jax.tree_util.tree_leaves(params)):
     np.testing.assert_array_equal(a, b, err_msg=str(path))  # bit-identical base
   assert not np.allclose(after["prompt"], prompt)
-
-
-def test_train_prompt_runs_the_loop_and_saves_the_trained_prompt(base, tmp_path):
-  """The gin entry point end to end: the loop's last checkpoint's prompt is what is saved
-  and returned, and the base parameters are untouched."""
-  from jaxmoral.data.pipeline import BatchSource  # pylint: disable=g-import-not-at-top
-  _, params = base
-  features = {k: np.concatenate([v, _batch(1)[k]]) for k, v in _batch(0).items()}
-  before = jax.tree_util.tree_map(np.array, params)
-  trained = pt.train_prompt(
-      model_dir=tmp_path, config=CFG, base_params=params,
-      train_source=BatchSource(features=features, batch_size=8, seed=0), train_steps=6,
-      prompt_config=pt.PromptConfig(length=4, vocab_sample_size=50), warmup_steps=2,
-      log_every=3, checkpoint_every=3)
-  loaded, meta = pt.load_prompt(tmp_path / "prompt")
-  np.testing.assert_array_equal(loaded, trained)
-  assert trained.shape == (4, 32) and meta["length"] == 4
-  initial = pt.init_prompt(pt.PromptConfig(length=4, vocab_sample_size=50),
-                           rng=jax.random.PRNGKey(0),
-                           embedding_table=params["token_embedder"]["embedding"])
-  assert not np.allclose(trained, initial)
-  for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(before)):
-    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("orbax", [False, True])

@@ -181,44 +181,50 @@ def test_kv_cache_decoding_equals_teacher_forcing(variant):
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
-  """Stacked kernels (XLA's dot; batch 1 takes the split one-row products) and packed kernels
-  (`cpu_kernels.packed_matmul` for every product of a step, `decode_attention` for its
-  attention) give the plain step's logits."""
-  if packed and not cpu_kernels.available():
-    pytest.skip("no packed CPU kernel here (no C++ compiler)")
+  """A backend's step ops (XLA over stacked kernels; batch 1 takes the split one-row
+  products; or the CPU kernels: `packed_matmul` for every product of a step,
+  `decode_attention` for its attention) give the plain step's logits. The model itself
+  knows no backend: the ops are installed around the traced steps."""
+  from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
+  if packed:
+    from jaxmoral.cpu_kernels import backend as cpu_backend  # pylint: disable=g-import-not-at-top
+    if not cpu_kernels.available():
+      pytest.skip("no packed CPU kernel here (no C++ compiler)")
+    backend = cpu_backend.PackedKernelBackend()
+  else:
+    backend = decoding.DecodeBackend()
   _, config, params = hf_model(variant)
   model = t5.T5(config)
   enc, dec = random_batch(7, batch=batch, dec_len=6)
   mask = enc != 0
   forced = jitted(config)({"params": params}, enc, dec)
   encoded = jitted(config, "encode")({"params": params}, enc)
-  kernels = t5.decode_kernels(params, packed=packed)
+  kernels = jax.jit(lambda p: backend.prepare(model, p))(params)
   per_layer = 6 if packed else (2 if config.is_gated else 1)  # Packed: every step product.
   assert len(kernels) == config.num_decoder_layers * per_layer + (1 if packed else 0)
-  prepared = flax.core.unfreeze(params)
-  for path, (how, sources) in kernels.items():
-    node = prepared
-    for key in path[:-1]:
-      node = node[key]
-    node[path[-1]] = t5.build_decode_kernel(how, sources)
 
-  def decode_all(tree):
-    _, variables = model.apply({"params": tree}, encoded, mask, dec.shape[1],
+  def decode_all(ops, with_backend):
+    _, variables = model.apply({"params": params}, encoded, mask, dec.shape[1],
                                method=t5.T5.init_cache, mutable=["cache"])
-    step = jax.jit(lambda cache, token: model.apply(
-        {"params": tree, "cache": cache}, None, mask, token, decode=True,
-        max_decode_length=dec.shape[1], method=t5.T5.decode, mutable=["cache"]))
-    hlo = step.lower(variables["cache"], dec[:, :1]).as_text()
+
+    def one_step(cache, token, prepared):
+      with t5.using_decode_step_ops(ops(prepared)):
+        return model.apply({"params": params, "cache": cache}, None, mask, token, decode=True,
+                           max_decode_length=dec.shape[1], method=t5.T5.decode,
+                           mutable=["cache"])
+    step = jax.jit(one_step)
+    hlo = step.lower(variables["cache"], dec[:, :1], kernels).as_text()
     for target in (cpu_kernels.MATMUL_TARGET, cpu_kernels.ATTENTION_TARGET):
-      assert (target in hlo) == (tree is prepared and packed), target
+      assert (target in hlo) == (with_backend and packed), target
     cache, out = variables["cache"], []
     for i in range(dec.shape[1]):
-      (logits, _), new = step(cache, dec[:, i:i + 1])
+      (logits, _), new = step(cache, dec[:, i:i + 1], kernels)
       cache = new["cache"]
       out.append(logits[:, 0])
     return np.stack(out, axis=1)
 
-  plain, with_kernels = decode_all(params), decode_all(prepared)
+  plain = decode_all(lambda prepared: t5.DecodeStepOps(), False)
+  with_kernels = decode_all(backend.step_ops, True)
   np.testing.assert_allclose(plain, forced, atol=1e-4, rtol=1e-4)
   np.testing.assert_allclose(with_kernels, plain, atol=1e-5, rtol=1e-5)
 

@@ -70,11 +70,12 @@ class PoisonedSource:
   def __init__(self, base: BatchSource, bad_step: int):
     self.base, self.bad_step = base, bad_step
 
-  def batch(self, step: int) -> dict:
-    batch = dict(self.base.batch(step))
-    if step == self.bad_step:
-      batch["decoder_loss_weights"] = np.full_like(batch["decoder_loss_weights"], np.nan)
-    return batch
+  def iterate(self, start: int):
+    for step, batch in enumerate(self.base.iterate(start), start):
+      batch = dict(batch)
+      if step == self.bad_step:
+        batch["decoder_loss_weights"] = np.full_like(batch["decoder_loss_weights"], np.nan)
+      yield batch
 
 
 class SlowSource:
@@ -83,11 +84,12 @@ class SlowSource:
   def __init__(self, base: BatchSource, progress_file: str):
     self.base, self.progress_file = base, progress_file
 
-  def batch(self, step: int) -> dict:
-    time.sleep(0.3)
-    with open(self.progress_file, "w") as f:
-      f.write(str(step))
-    return self.base.batch(step)
+  def iterate(self, start: int):
+    for step, batch in enumerate(self.base.iterate(start), start):
+      time.sleep(0.3)
+      with open(self.progress_file, "w") as f:
+        f.write(str(step))
+      yield batch
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ Silver labels (no gold judge or NLI data is available here; documented rules):
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -337,11 +336,6 @@ def write_pairs(pairs: Sequence[Pair], path: str | os.PathLike) -> str:
   """Writes pairs as JSONL {"inputs", "targets"} (what `runs.Seq2SeqData` reads)."""
   if not pairs:
     raise ValueError(f"write_pairs: no pairs for {path}")
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    for x, y in pairs:
-      f.write(json.dumps({"inputs": x, "targets": y}) + "\n")
-  return str(path)
+  return readers.write_jsonl(path, ({"inputs": x, "targets": y} for x, y in pairs))
 
 

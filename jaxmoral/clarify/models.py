@@ -1,46 +1,45 @@
-"""Loading the ClarifyDelphi models and running them in fixed-shape, jitted batches.
+"""The ClarifyDelphi models on the run's mesh, run in fixed-shape, jitted batches.
 
-A model is a run directory of `jaxmoral.runs.train_run` (model_config.json, vocab/,
-checkpoints/) or a `jaxmoral export` directory (config.json, params/, vocab/). Texts are
-encoded on the host with the model's own vocabulary (the models may differ), padded to fixed
-(batch, length) shapes so every call reuses one compiled function, and decoded back to text.
-Generation is `jaxmoral.decoding.sample`; label scoring is `judge.class_distribution` (one-token
-labels) or `decoding.score_sequences` (multi-token labels).
+A model is any model directory (`jaxmoral.model_dirs`: a run, an export, a PPO run's tuned
+policy, a Hugging Face folder or Hub id, ...). With a partitioner, its parameters are created
+in the partitioner's shardings (FSDP / model parallel by the same logical-axis rules as the
+PPO policy) and every call runs under that mesh. Texts are encoded on the host with the
+model's own vocabulary (the models may differ), padded to fixed (batch, length) shapes so every
+call reuses one compiled function, and decoded back to text. Generation is
+`jaxmoral.decoding`'s sampler (its decode weights prepared once per model); label scoring is
+`judge.class_distribution` (one-token labels) or `decoding.make_scorer` (multi-token labels).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
-import pathlib
 from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral import checkpoints, decoding, runs
+from jaxmoral import decoding, model_dirs
 from jaxmoral.clarify import judge as judge_lib
-from jaxmoral.data import vocab as vocab_lib
-from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
-
-# Where a PPO run exports its tuned question generator (MODEL_DIR/policy).
-POLICY_DIR = "policy"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClarifyModel:
-  """A loaded T5 with its vocabulary and fixed batch shapes.
+  """A loaded T5 with its vocabulary, fixed batch shapes and (optionally) its mesh.
 
   Attributes:
     model: The linen module.
-    params: Parameters (unboxed, on device).
+    params: Parameters (unboxed, on device; sharded by `partitioner` when given).
     vocabulary: seqio SentencePieceVocabulary (encode/decode, eos_id).
     path: Where it was loaded from ("" for in-memory models).
     input_length: Encoder length (inputs truncated, EOS kept).
     batch_size: Rows per compiled call (the last chunk is zero-padded).
+    partitioner: The mesh and rules the parameters and calls use (None: one device).
+    decode_weights: The decoding backend's kernels for `params` (prepared once).
   """
   model: t5.T5
   params: Any
@@ -48,6 +47,13 @@ class ClarifyModel:
   path: str = ""
   input_length: int = 128
   batch_size: int = 32
+  partitioner: Any = None
+  decode_weights: Optional[decoding.DecodeWeights] = None
+
+  def __post_init__(self):
+    if self.partitioner is not None and self.batch_size % self.partitioner.data_parallel_size:
+      raise ValueError(f"{self.path or 'ClarifyModel'}: batch_size {self.batch_size} is not "
+                       f"divisible by the mesh's data axis ({self.partitioner.data_parallel_size})")
 
   def encode(self, texts: Sequence[str]) -> np.ndarray:
     """(N, input_length) int32, EOS-terminated, 0-padded."""
@@ -61,6 +67,15 @@ class ClarifyModel:
       ids = row[:int(lengths[i])] if lengths is not None else row
       out.append(self.vocabulary.decode(strip_ids(ids, self.model.config.eos_token_id)))
     return out
+
+  def place(self, tokens: np.ndarray) -> Any:
+    """A batch of token rows on the mesh (rows over "data"), or as is without one."""
+    if self.partitioner is None:
+      return tokens
+    return jax.device_put(tokens, self.partitioner.data_sharding(tokens.ndim))
+
+  def context(self):
+    return self.partitioner.context() if self.partitioner is not None else contextlib.nullcontext()
 
 
 def encode_texts(vocabulary: Any, texts: Sequence[str], length: int) -> np.ndarray:
@@ -84,45 +99,35 @@ def strip_ids(ids: Any, eos_id: int = 1) -> list[int]:
   return out
 
 
-def _read_vocab(folder: pathlib.Path) -> Any:
-  extra = folder / runs.VOCAB_DIR / "extra_ids.txt"
-  extra_ids = int(extra.read_text()) if extra.is_file() else vocab_lib.T5_EXTRA_IDS
-  spm = folder / runs.VOCAB_DIR / "spiece.model"
-  if not spm.is_file():
-    raise FileNotFoundError(f"{spm} not found: {folder} has no vocabulary")
-  return vocab_lib.get_vocabulary(spm, extra_ids=extra_ids)
-
-
 @functools.lru_cache(maxsize=16)
-def _load_cached(path: str, step: Optional[int], dtype: Optional[str]
-                 ) -> tuple[config_lib.T5Config, Any, Any]:
-  folder = pathlib.Path(path)
-  if (folder / POLICY_DIR / checkpoints.PARAMS_DIR).is_dir() and step is None:
-    folder = folder / POLICY_DIR  # A PPO run: its tuned question generator.
-  if (folder / runs.MODEL_CONFIG_FILE).is_file() and (folder / "checkpoints").is_dir():
-    config, vocabulary = runs.load_run_files(folder)
-    params = runs.restore_run_params(folder, step=step)
-  elif (folder / checkpoints.PARAMS_DIR).is_dir():
-    params, config_dict = checkpoints.load_exported(folder)
-    if config_dict is None:
-      raise FileNotFoundError(f"{folder}: exported params without config.json")
-    config = config_lib.T5Config.from_dict(config_dict)
-    vocabulary = _read_vocab(folder)
-  else:
-    raise FileNotFoundError(f"{folder}: neither a jaxmoral run directory (model_config.json + "
-                            f"checkpoints/) nor an export (params/ + config.json)")
-  if dtype is not None:
-    config = config.replace(dtype=dtype)
-  return config, params, vocabulary
+def _load_cached(path: str, step: Optional[int], dtype: Optional[str],
+                 partitioner: Any) -> tuple[t5.T5, Any, Any, Optional[decoding.DecodeWeights]]:
+  loaded = model_dirs.load(path, partitioner=partitioner, step=step, dtype=dtype)
+  if loaded.vocabulary is None:
+    raise ValueError(f"{path}: no vocabulary (vocab/spiece.model or spiece.model); "
+                     "ClarifyDelphi models read and write text")
+  model = t5.T5(loaded.config)
+  params = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
+  # On one device the decoding backend's kernels are prepared once (the CPU kernels, or
+  # XLA's stacks); a sharded model stacks inside each call rather than keep a second copy.
+  weights = decoding.prepare_decode_weights(model, params) if partitioner is None else None
+  return model, params, loaded.vocabulary, weights
 
 
 def load_model(path: str | os.PathLike, *, step: Optional[int] = None, input_length: int = 128,
-               batch_size: int = 32, dtype: Optional[str] = None) -> ClarifyModel:
-  """Loads a run or export directory (cached per path: one load per process). A PPO run
-  directory gives its tuned policy (`MODEL_DIR/policy`)."""
-  config, params, vocabulary = _load_cached(os.path.abspath(os.fspath(path)), step, dtype)
-  return ClarifyModel(model=t5.T5(config), params=params, vocabulary=vocabulary,
-                      path=os.fspath(path), input_length=input_length, batch_size=batch_size)
+               batch_size: int = 32, dtype: Optional[str] = None,
+               partitioner: Any = None) -> ClarifyModel:
+  """Loads any model directory (cached per path and partitioner: a directory serving several
+  roles, such as a multi-task model, is loaded once). A PPO run gives its tuned policy.
+
+  Raises:
+    ValueError: The directory carries no vocabulary (ClarifyDelphi models read text).
+  """
+  key = os.path.abspath(os.fspath(path)) if os.path.exists(path) else os.fspath(path)
+  model, params, vocabulary, weights = _load_cached(key, step, dtype, partitioner)
+  return ClarifyModel(model=model, params=params, vocabulary=vocabulary, path=os.fspath(path),
+                      input_length=input_length, batch_size=batch_size,
+                      partitioner=partitioner, decode_weights=weights)
 
 
 def with_shapes(cm: ClarifyModel, *, input_length: Optional[int] = None,
@@ -158,12 +163,12 @@ def generate(cm: ClarifyModel, inputs: Sequence[str], *, max_decode_length: int 
     return ([], np.zeros((0, num_samples))) if return_logprobs else []
   if rng is None:
     rng = jax.random.PRNGKey(0)
-  fn = decoding.make_sampler(cm.model, max_decode_length=max_decode_length,
-                             num_samples=num_samples, temperature=temperature, top_k=top_k,
-                             top_p=top_p, greedy=greedy, eos_id=cm.model.config.eos_token_id)
+  fn = sampler(cm, max_decode_length=max_decode_length, num_samples=num_samples,
+               temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy)
   texts, scores = [], []
   for k, (chunk, count) in enumerate(_chunks(cm, cm.encode(inputs))):
-    out = fn(cm.params, chunk, None, None, jax.random.fold_in(rng, k))
+    out = fn(cm.params, cm.place(chunk), None, None, jax.random.fold_in(rng, k),
+             cm.decode_weights)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     logprobs = np.asarray((out.logprobs * out.mask).sum(-1))
     for i in range(count):
@@ -172,9 +177,52 @@ def generate(cm: ClarifyModel, inputs: Sequence[str], *, max_decode_length: int 
   return (texts, np.asarray(scores)) if return_logprobs else texts
 
 
+def sampler(cm: ClarifyModel, *, max_decode_length: int, num_samples: int = 1,
+            greedy: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+            top_k: int = 0) -> Any:
+  """The jitted sampler `generate` calls (on `cm`'s mesh): `jaxmoral compile` lowers it."""
+  return decoding.make_sampler(cm.model, max_decode_length=max_decode_length,
+                               num_samples=num_samples, temperature=temperature, top_k=top_k,
+                               top_p=top_p, greedy=greedy, eos_id=cm.model.config.eos_token_id,
+                               partitioner=cm.partitioner)
+
+
+class _OnMesh:
+  """A jitted function run under a partitioner's mesh and rules (if any)."""
+
+  def __init__(self, fn: Any, partitioner: Any):
+    self._jitted, self._partitioner = jax.jit(fn), partitioner
+
+  def _context(self):
+    return (self._partitioner.context() if self._partitioner is not None
+            else contextlib.nullcontext())
+
+  def __call__(self, *args: Any) -> Any:
+    with self._context():
+      return self._jitted(*args)
+
+  def lower(self, *args: Any) -> Any:
+    with self._context():
+      return self._jitted.lower(*args)
+
+
 @functools.lru_cache(maxsize=64)
-def _class_fn(model: t5.T5):
-  return jax.jit(functools.partial(judge_lib.class_distribution, model))
+def _class_fn(model: t5.T5, partitioner: Any) -> _OnMesh:
+  return _OnMesh(functools.partial(judge_lib.class_distribution, model), partitioner)
+
+
+def class_scorer(cm: ClarifyModel) -> Any:
+  """The jitted `fn(params, tokens, class_ids) -> (B, C)` of one-token labels (on `cm`'s
+  mesh): `jaxmoral compile` lowers it."""
+  return _class_fn(cm.model, cm.partitioner)
+
+
+def label_scorer(cm: ClarifyModel, labels: Sequence[str]) -> Any:
+  """The jitted function `label_distribution` runs for these labels: the one-step class
+  scorer when every label is one token, else the teacher-forced sequence scorer."""
+  if all(len(i) == 1 for i in label_ids(cm, labels)):
+    return class_scorer(cm)
+  return decoding.make_scorer(cm.model, cm.partitioner)
 
 
 def label_ids(cm: ClarifyModel, labels: Sequence[str]) -> list[list[int]]:
@@ -200,30 +248,19 @@ def label_distribution(cm: ClarifyModel, inputs: Sequence[str], labels: Sequence
   out = []
   if single:
     class_ids = jnp.asarray([i[0] for i in ids], jnp.int32)
-    fn = _class_fn(cm.model)
+    fn = class_scorer(cm)
     for chunk, count in _chunks(cm, cm.encode(inputs)):
-      out.append(np.asarray(fn(cm.params, chunk, class_ids))[:count])
+      out.append(np.asarray(fn(cm.params, cm.place(chunk), class_ids))[:count])
     return np.concatenate(out).astype(np.float32)
   eos = cm.model.config.eos_token_id
   length = max(len(i) for i in ids) + 1
   label_targets = np.zeros((len(ids), length), np.int32)
   for c, label in enumerate(ids):
     label_targets[c, :len(label) + 1] = label + [eos]
+  scorer = decoding.make_scorer(cm.model, cm.partitioner)
   for chunk, count in _chunks(cm, cm.encode(inputs)):
     targets = np.broadcast_to(label_targets, (len(chunk),) + label_targets.shape)
-    scores = np.asarray(decoding.score_sequences(
-        cm.model, cm.params, encoder_input_tokens=chunk, targets=targets))[:count]
+    scores = np.asarray(scorer(cm.params, cm.place(chunk), None, None,
+                               cm.place(np.ascontiguousarray(targets)), None))[:count]
     out.append(np.asarray(jax.nn.softmax(jnp.asarray(scores), axis=-1)))
   return np.concatenate(out).astype(np.float32)
-
-
-def export_policy(params: Any, *, output_dir: str | os.PathLike, config: config_lib.T5Config,
-                  vocabulary: Any) -> str:
-  """Writes params + config + vocab as an export directory `load_model` reads."""
-  import shutil
-  checkpoints.export_params(params, output_dir, config=config.to_dict(), overwrite=True)
-  vocab_dir = pathlib.Path(output_dir) / runs.VOCAB_DIR
-  vocab_dir.mkdir(parents=True, exist_ok=True)
-  shutil.copyfile(vocabulary.sentencepiece_model_file, vocab_dir / "spiece.model")
-  (vocab_dir / "extra_ids.txt").write_text(str(vocabulary.extra_ids))
-  return os.fspath(output_dir)

@@ -10,9 +10,11 @@ For a situation s and a question q:
 5. the judge scores both updated situations;
 6. r = JSD(P_judge(s ⊕ a_w) ‖ P_judge(s ⊕ a_s)) in base 2, in [0, 1].
 
-Every model runs jitted in fixed-shape batches (`models`); the models are loaded once.
-`DefeasibilityReward.__call__(prompt_texts, response_texts)` is the PPO `reward_fn` contract of
-`jaxmoral.rl.ppo_trainer` (which also owns the μ0/σ0 normalisation, stored in its checkpoints).
+Every model runs jitted in fixed-shape batches (`models`), on the PPO run's mesh when given a
+partitioner (the same logical-axis rules as the policy); the models are loaded once.
+`DefeasibilityReward.__call__(prompt_texts, response_texts, key=...)` is the PPO `reward_fn`
+contract of `jaxmoral.rl.ppo_trainer` (which also owns the μ0/σ0 normalisation, stored in its
+checkpoints); sampled answers are keyed by the call's `RewardKey`.
 """
 
 from __future__ import annotations
@@ -138,20 +140,20 @@ class DefeasibilityReward:
       self.nli = nli_lib.NLIScorer(models.with_shapes(nli_model, **shape), config.nli_labels)
     elif config.use_nli:
       logger.warning("DefeasibilityReward: use_nli=True but no NLI model; answers unfiltered")
-    # Sampled answers draw from fold_in(seed, call index, weakener | strengthener); PPO passes
-    # its iteration as the call index, so a resumed run samples what the uninterrupted one did.
+    # Sampled answers draw from a key of (seed, the call's RewardKey, weakener | strengthener):
+    # PPO names each call, so a resumed run samples what the uninterrupted one did.
     self._calls = 0
-    self._call_index = 0
+    self._call_key = jax.random.PRNGKey(config.seed)
     self._within_call = 0
 
   @classmethod
   def from_dirs(cls, *, answer_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
-                nli_model_dir: Optional[str] = None,
-                config: RewardConfig = RewardConfig()) -> "DefeasibilityReward":
-    """Loads each model from a run or export directory (the same directory may serve several
-    roles: a multi-task model is loaded once)."""
+                nli_model_dir: Optional[str] = None, config: RewardConfig = RewardConfig(),
+                partitioner: Any = None) -> "DefeasibilityReward":
+    """Loads each model from a model directory (the same directory may serve several roles: a
+    multi-task model is loaded once), in `partitioner`'s shardings when given."""
     load = lambda d: models.load_model(d, input_length=config.input_length,  # noqa: E731
-                                       batch_size=config.batch_size)
+                                       batch_size=config.batch_size, partitioner=partitioner)
     return cls(answer_model=load(answer_model_dir), fusion_model=load(fusion_model_dir),
                judge_model=load(judge_model_dir),
                nli_model=load(nli_model_dir) if nli_model_dir else None, config=config)
@@ -169,8 +171,7 @@ class DefeasibilityReward:
     inputs = [formats.answer_input(judgment=j, situation=s, update_type=update_type, question=q)
               for s, q, j in zip(situations, questions, judgments)]
     self._within_call += 1
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), self._call_index),
-                             self._within_call)
+    key = jax.random.fold_in(self._call_key, self._within_call)
     out = models.generate(self.answer_model, inputs, max_decode_length=cfg.max_answer_length,
                           greedy=cfg.answer_greedy, top_p=cfg.answer_top_p,
                           temperature=cfg.answer_temperature, rng=key)
@@ -187,22 +188,27 @@ class DefeasibilityReward:
   # -- the pipeline -----------------------------------------------------------------------------
   def score_questions(self, situations: Sequence[str], questions: Sequence[str], *,
                       use_nli: Optional[bool] = None,
-                      call_index: Optional[int] = None) -> RewardResult:
+                      key: Optional[tuple[str, int]] = None) -> RewardResult:
     """The whole pipeline for N (situation, question) pairs.
 
     Args:
       situations: Situations.
       questions: One question per situation.
       use_nli: Override `config.use_nli` (the pipeline baseline with / without NLI).
-      call_index: Keys the sampled answers (>= 0; default: one more than the last call).
+      key: (purpose, index) naming the call; keys the sampled answers (default: ("call", one
+        more than the last unnamed call)).
     """
     if len(situations) != len(questions):
       raise ValueError(f"score_questions: {len(situations)} situations but {len(questions)} "
                        f"questions")
-    if call_index is None:
+    if key is None:
       self._calls += 1
-      call_index = self._calls
-    self._call_index, self._within_call = call_index, 0
+      key = ("call", self._calls)
+    purpose, index = key
+    purpose_id = int.from_bytes(purpose.encode()[:4].ljust(4, b"\0"), "little") % (2 ** 31)
+    self._call_key = jax.random.fold_in(jax.random.fold_in(
+        jax.random.PRNGKey(self.config.seed), purpose_id), int(index))
+    self._within_call = 0
     n = len(situations)
     situations = [formats.clean(s) for s in situations]
     questions = [formats.clean(q) or "?" for q in questions]
@@ -231,10 +237,13 @@ class DefeasibilityReward:
         strengthener_filtered=filtered[n:])
 
   def __call__(self, prompt_texts: Sequence[str], response_texts: Sequence[str], *,
-               call_index: Optional[int] = None) -> tuple[np.ndarray, dict[str, Any]]:
-    """PPO `reward_fn`: prompts are θQ inputs, responses the sampled questions."""
+               key: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """PPO `reward_fn`: prompts are θQ inputs, responses the sampled questions; `key` is the
+    call's `ppo_trainer.RewardKey` (or a (purpose, index) pair)."""
+    if key is not None and not isinstance(key, tuple):
+      key = (key.purpose, key.index)
     result = self.score_questions([situation_of(p) for p in prompt_texts], response_texts,
-                                  call_index=call_index)
+                                  key=key)
     extras = {"jsd": result.jsd, "filtered": result.filtered.astype(np.float32),
               "flips": result.flips.astype(np.float32), "weakener": result.weakener,
               "strengthener": result.strengthener,

@@ -8,7 +8,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 
-from jaxmoral.clarify import models
+from jaxmoral import model_dirs
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
@@ -24,5 +24,5 @@ def random_model_dir(output_dir: str | os.PathLike, *, seed: int = 0,
         output_dir=os.path.join(os.fspath(output_dir), "..", "demo_vocab"))
   vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
   params = nn.meta.unbox(t5.init_params(t5.T5(config), jax.random.PRNGKey(seed)))
-  return models.export_policy(params, output_dir=output_dir, config=config,
-                              vocabulary=vocabulary)
+  return model_dirs.export(output_dir, params=params, config=config, vocabulary=vocabulary,
+                          overwrite=True)

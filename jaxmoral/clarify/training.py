@@ -2,16 +2,19 @@
 
 `train_clarify_model` trains one supervised model (or one multi-task model for every role)
 through the core's `jaxmoral.runs.train_run`, so each is an ordinary self-describing run
-directory. `train_clarify_ppo` tunes θQ with PPO (`jaxmoral.rl.ppo_trainer`) against the
-defeasibility reward, then exports the final policy to `MODEL_DIR/policy` (a directory that
-`models.load_model`, the evaluation and the chat read).
+directory. `train_clarify_ppo` tunes θQ with PPO (`jaxmoral.rl.ppo_trainer`, the core loop)
+against the defeasibility reward, with the policy, value, reference, answer, NLI, fusion and
+judge models all on the run's mesh; the PPO run directory then loads as the tuned question
+generator (`jaxmoral.model_dirs`) wherever one is asked for.
+
+`build_ppo_program` makes the trainer and the reward's jitted functions; `train-ppo` runs
+them and `jaxmoral compile` (target "clarify_ppo") lowers the very same function objects.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
-import math
 import os
 import pathlib
 from typing import Any, Mapping, Optional, Sequence
@@ -19,9 +22,10 @@ from typing import Any, Mapping, Optional, Sequence
 import flax.linen as nn
 import gin
 import jax
+import jax.numpy as jnp
 import optax
 
-from jaxmoral import checkpoints, gin_utils, partitioning, runs
+from jaxmoral import aot, checkpoints, gin_utils, model_dirs, partitioning, runs
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
@@ -29,11 +33,10 @@ from jaxmoral.clarify import models
 from jaxmoral.clarify import reward as reward_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
+from jaxmoral.models import trainable
 from jaxmoral.rl import ppo_trainer
 
 logger = logging.getLogger(__name__)
-POLICY_DIR = models.POLICY_DIR
-REWARD_CURVE = "reward_curve"
 
 
 @gin.configurable
@@ -61,7 +64,7 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
     feature_lengths: {"inputs": N, "targets": M}.
     source: "demo" or a folder laid out like ../shared/data.
     split: δ-Clarify split of the questions.
-    vocabulary_path: SentencePiece model (None: the demo vocabulary).
+    vocabulary_path: SentencePiece model (None: the init checkpoint's, else the demo one).
     judge_classes: Judge targets for bad, ok, good (each must be one vocabulary token).
     nli_labels: NLI targets for entailment, neutral, contradiction.
     relevance_labels: Discriminator targets for relevant, irrelevant.
@@ -70,7 +73,7 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
     checkpoint_every: Save every N steps.
     log_every: Log every N steps.
     seed: Seed.
-    init_checkpoint: Fine-tune from these params (export, run dir or HF T5 folder).
+    init_checkpoint: Fine-tune from this model directory or Hub id (`jaxmoral.model_dirs`).
 
   Returns:
     Final training metrics of `runs.train_run`.
@@ -83,11 +86,14 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
                                                           f"{which}_{split}.jsonl")),
       vocabulary_path=vocabulary_path)
   if which in ("judge", "multitask"):
-    judge_lib.class_token_ids(seq_data.vocabulary(os.path.join(model_dir, runs.VOCAB_DIR)),
-                              judge_classes)
+    init_vocabulary = (model_dirs.inspect(init_checkpoint).vocabulary if init_checkpoint
+                       else None)
+    judge_lib.class_token_ids(seq_data.vocabulary(os.path.join(model_dir, runs.VOCAB_DIR),
+                                                  fallback=init_vocabulary), judge_classes)
   logger.info("clarify: training %s on %d pairs from %s -> %s", which, len(pairs), source,
               model_dir)
-  return runs.train_run(model_dir=model_dir, model_config=model_config, data=seq_data,
+  return runs.train_run(model_dir=model_dir, model=trainable.Seq2SeqModel(config=model_config),
+                        data=seq_data,
                         train_steps=train_steps, batch_size=batch_size,
                         feature_lengths=feature_lengths, optimizer=optimizer,
                         partitioner=partitioner, eval_every=eval_every,
@@ -95,9 +101,11 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
                         init_checkpoint=init_checkpoint)
 
 
-def value_params_from_policy(value_model: t5.T5, policy_params: Any, rng: jax.Array) -> Any:
-  """Value-model params: the policy's T5 weights where shapes agree, and a fresh scalar head."""
-  fresh = dict(nn.meta.unbox(t5.init_params(value_model, rng)))
+def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any,
+                             rng: jax.Array) -> Any:
+  """Value-model params: the policy's T5 weights where shapes agree, and a fresh scalar head
+  (created in the value model's shardings)."""
+  fresh = dict(trainer.value_init.init_params(rng))
   policy_params = nn.meta.unbox(policy_params)
   for key, subtree in policy_params.items():
     if key not in fresh:
@@ -109,75 +117,45 @@ def value_params_from_policy(value_model: t5.T5, policy_params: Any, rng: jax.Ar
   return fresh
 
 
-class _RecordingReward:
-  """Wraps the reward_fn: keys its sampled answers by PPO iteration and keeps the curve.
+@dataclasses.dataclass(frozen=True)
+class PPOProgram:
+  """What a ClarifyDelphi PPO run executes.
 
-  The calls before iteration 1 (measuring mu0/sigma0 on a fresh run) get call indices past
-  any iteration. After each iteration the mean raw reward goes into MODEL_DIR/
-  reward_curve.json, with the earlier iterations a resumed run finds there (up to its
-  checkpoint; later ones it computes again): so a killed, resumed or extended run has one
-  curve, and samples the same answers as an uninterrupted one.
+  Attributes:
+    trainer: The `PPOTrainer` (rollout, scoring, update on the mesh).
+    reward: The `DefeasibilityReward` (its models on the same mesh).
   """
+  trainer: ppo_trainer.PPOTrainer
+  reward: reward_lib.DefeasibilityReward
 
-  def __init__(self, reward: reward_lib.DefeasibilityReward, *, model_dir: str,
-               start_iteration: int, calls_before_first_iteration: int):
-    self.reward = reward
-    self.path = pathlib.Path(model_dir) / f"{REWARD_CURVE}.json"
-    self.curve = {i: v for i, v in _read_reward_curve(self.path).items() if i <= start_iteration}
-    self._iteration = start_iteration
-    self._calls_left_before = calls_before_first_iteration
-
-  def __call__(self, prompts: list[str], responses: list[str]):
-    if self._calls_left_before:
-      self._calls_left_before -= 1
-      return self.reward(prompts, responses, call_index=_NORM_CALL_INDEX +
-                         self._calls_left_before)
-    self._iteration += 1
-    scores, extras = self.reward(prompts, responses, call_index=self._iteration)
-    self.curve[self._iteration] = float(scores.mean()) if len(scores) else 0.0
-    self.path.write_text(json.dumps({"iterations": self.iterations(),
-                                     "raw_reward_mean": self.means()}))
-    return scores, extras
-
-  def iterations(self) -> list[int]:
-    return sorted(self.curve)
-
-  def means(self) -> list[float]:
-    """The mean raw reward of each iteration, in iteration order."""
-    return [self.curve[i] for i in self.iterations()]
+  def reward_functions(self) -> dict[str, tuple[Any, models.ClarifyModel]]:
+    """{name: (the jitted function the reward calls, the model it runs)} of one iteration."""
+    r, cfg = self.reward, self.reward.config
+    out = {
+        "answer": (models.sampler(r.answer_model, max_decode_length=cfg.max_answer_length,
+                                  greedy=cfg.answer_greedy, top_p=cfg.answer_top_p,
+                                  temperature=cfg.answer_temperature), r.answer_model),
+        "fusion": (models.sampler(r.fusion_model, max_decode_length=cfg.max_fusion_length),
+                   r.fusion_model),
+        "judge": (models.class_scorer(r.judge_model), r.judge_model),
+    }
+    if r.nli is not None:
+      out["nli"] = (models.label_scorer(r.nli.model, r.nli.labels), r.nli.model)
+    return out
 
 
-# Call indices of the mu0/sigma0 calls: past any iteration a run will reach.
-_NORM_CALL_INDEX = 2 ** 30
-
-
-def _read_reward_curve(path: pathlib.Path) -> dict[int, float]:
-  """{iteration: mean raw reward} of a curve file; {} when there is none."""
-  if not path.is_file():
-    return {}
-  data = json.loads(path.read_text())
-  return dict(zip(data["iterations"], data["raw_reward_mean"]))
-
-
-def _plot_reward_curve(recorder: _RecordingReward) -> str:
-  """Draws the recorder's curve beside its JSON file; returns the picture (or the JSON)."""
-  path = recorder.path
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5, 3))
-    ax.plot(recorder.iterations(), recorder.means(), marker="o")
-    ax.set_xlabel("PPO iteration")
-    ax.set_ylabel("mean raw reward (JSD)")
-    ax.set_title("ClarifyDelphi PPO")
-    fig.tight_layout()
-    png = path.with_suffix(".png")
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return str(png)
-  except ImportError:  # matplotlib is optional
-    return str(path)
+def build_ppo_program(*, policy_config: config_lib.T5Config, vocabulary: Any,
+                      ppo_config: ppo_trainer.PPOConfig, optimizer: optax.GradientTransformation,
+                      partitioner: partitioning.PjitPartitioner,
+                      reward: reward_lib.DefeasibilityReward,
+                      value_model_config: Optional[config_lib.T5Config] = None) -> PPOProgram:
+  """The trainer of θQ against `reward` on `partitioner`'s mesh (the run's and compile's)."""
+  trainer = ppo_trainer.PPOTrainer(
+      policy_model=t5.T5(policy_config),
+      value_model=t5.T5(value_model_config or policy_config, with_scalar_head=True),
+      vocabulary=vocabulary, config=ppo_config, optimizer=optimizer, partitioner=partitioner,
+      reward_fn=reward)
+  return PPOProgram(trainer=trainer, reward=reward)
 
 
 @gin.configurable
@@ -217,46 +195,148 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
     `train_ppo`'s metrics plus "policy_dir" (the exported final policy) and "reward_curve".
   """
   partitioner = partitioner or partitioning.PjitPartitioner()
-  q_model = models.load_model(question_model_dir)
-  config, vocabulary = q_model.model.config, q_model.vocabulary
-  reward = reward_lib.DefeasibilityReward.from_dirs(
-      answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
-      judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir,
-      config=reward_config or reward_lib.RewardConfig())
+  question = model_dirs.inspect(question_model_dir)
+  config, vocabulary = question.config, question.vocabulary
+  if vocabulary is None:
+    raise ValueError(f"{question_model_dir}: the question generator has no vocabulary")
+  program = build_ppo_program(
+      policy_config=config, vocabulary=vocabulary, ppo_config=ppo_config,
+      optimizer=optimizer, partitioner=partitioner,
+      value_model_config=value_model_config,
+      reward=reward_lib.DefeasibilityReward.from_dirs(
+          answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
+          judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir,
+          config=reward_config or reward_lib.RewardConfig(), partitioner=partitioner))
   situations = data_lib.situations(source, split=split)[:max_prompts]
   prompts = [formats.question_input(s) for s in situations]
-  value_model = t5.T5(value_model_config or config, with_scalar_head=True)
   checkpoints.make_run_dir(model_dir)
-  runs.save_run_files(model_dir, model_config=config, vocabulary=vocabulary)
-  if jax.process_index() == 0 and gin.config_str():
-    gin_utils.write_operative_config(model_dir)
-  ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
-  with checkpoints.CheckpointManager(ckpt_dir, async_save=False) as manager:
-    start = manager.latest_step() or 0
-  # A fresh run first measures mu0/sigma0 with these reward calls.
-  norm_calls = 0
-  if start == 0 and ppo_config.normalize_reward:
-    norm_calls = math.ceil(min(ppo_config.reward_norm_num_prompts, len(prompts))
-                           / ppo_config.batch_size)
-  recorder = _RecordingReward(reward, model_dir=model_dir, start_iteration=start,
-                              calls_before_first_iteration=norm_calls)
-  trainer = ppo_trainer.PPOTrainer(
-      policy_model=t5.T5(config), value_model=value_model, vocabulary=vocabulary,
-      config=ppo_config, optimizer=optimizer, partitioner=partitioner, reward_fn=recorder)
-  value_params = value_params_from_policy(value_model, q_model.params,
-                                          jax.random.PRNGKey(seed + 1))
+  if jax.process_index() == 0:
+    model_dirs.save_run_files(model_dir, config=config, vocabulary=vocabulary,
+                              settings={"model": {"kind": "clarify_ppo_policy"}})
+    if gin.config_str():
+      gin_utils.write_operative_config(model_dir)
+
+  def init() -> ppo_trainer.PPOInit:
+    policy = model_dirs.load(question_model_dir, partitioner=partitioner).params
+    policy = {k: v for k, v in policy.items() if k != "scalar_head"}
+    value = value_params_from_policy(program.trainer, policy, jax.random.PRNGKey(seed + 1))
+    return ppo_trainer.PPOInit(policy=policy, value=value)
+
   result = ppo_trainer.train_ppo(
-      model_dir=model_dir, trainer=trainer, prompt_source=prompts,
+      model_dir=model_dir, trainer=program.trainer, prompt_source=prompts,
       num_iterations=num_iterations, checkpoint_every=checkpoint_every, log_every=log_every,
-      sample_every=sample_every, seed=seed, async_checkpoint=async_checkpoint,
-      init_policy_params=q_model.params, init_value_params=value_params)
-  curve = _plot_reward_curve(recorder)
-  with checkpoints.CheckpointManager(ckpt_dir, async_save=False) as manager:
-    state, _ = manager.restore(target=trainer.abstract_state())
-  policy_dir = models.export_policy(jax.device_get(state.policy.params),
-                                    output_dir=os.path.join(model_dir, POLICY_DIR),
-                                    config=config, vocabulary=vocabulary)
+      sample_every=sample_every, seed=seed, async_checkpoint=async_checkpoint, init=init)
+  curve = ppo_trainer.read_reward_curve(
+      pathlib.Path(model_dir) / f"{ppo_trainer.RewardCurveHook.NAME}.json")
   result = dict(result)
-  result.update({"policy_dir": policy_dir, "reward_curve": curve,
-                 "reward_curve_values": recorder.means()})
+  # The PPO run directory itself loads as the tuned question generator (its policy).
+  result.update({"policy_dir": os.fspath(model_dir),
+                 "reward_curve_values": [curve[i] for i in sorted(curve)]})
   return result
+
+
+# -- jaxmoral compile ---------------------------------------------------------------------------
+def _abstract_model(config: config_lib.T5Config, vocabulary: Any, reward_config: Any,
+                    partitioner: partitioning.PjitPartitioner) -> models.ClarifyModel:
+  """A reward model with abstract parameters in the partitioner's shardings."""
+  shardings = model_dirs.param_shardings(config, partitioner)
+  shapes = jax.eval_shape(lambda: nn.meta.unbox(t5.init_params(t5.T5(config),
+                                                               jax.random.PRNGKey(0))))
+  params = jax.tree_util.tree_map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
+  return models.ClarifyModel(model=t5.T5(config), params=params, vocabulary=vocabulary,
+                             input_length=reward_config.input_length,
+                             batch_size=reward_config.batch_size, partitioner=partitioner)
+
+
+def _reward_stage_args(name: str, cm: models.ClarifyModel, reward: reward_lib.DefeasibilityReward
+                       ) -> tuple[Any, ...]:
+  """Abstract arguments of a reward function as `models.generate` / `label_distribution` call it."""
+  rows = jax.ShapeDtypeStruct((cm.batch_size, cm.input_length), jnp.int32,
+                              sharding=cm.partitioner.data_sharding(2))
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=cm.partitioner.replicated)
+  if name in ("answer", "fusion"):
+    return (cm.params, rows, None, None, key, None)
+  labels = reward.config.judge_classes if name == "judge" else reward.nli.labels
+  ids = models.label_ids(cm, labels)
+  if all(len(i) == 1 for i in ids):
+    return (cm.params, rows, jax.ShapeDtypeStruct((len(ids),), jnp.int32,
+                                                  sharding=cm.partitioner.replicated))
+  targets = jax.ShapeDtypeStruct((cm.batch_size, len(ids), max(map(len, ids)) + 1), jnp.int32,
+                                 sharding=cm.partitioner.data_sharding(3))
+  return (cm.params, rows, None, None, targets, None)
+
+
+@gin.configurable(module="training")
+def ppo_compile_target(partitioner: partitioning.PjitPartitioner, *,
+                       policy_config: Optional[config_lib.T5Config] = None,
+                       reward_model_config: Optional[config_lib.T5Config] = None,
+                       vocabulary_path: Optional[str] = None) -> aot.CompileProgram:
+  """`jaxmoral compile` target "clarify_ppo": every program of a PPO iteration, as run.
+
+  Builds the program with `build_ppo_program`, exactly as `train_clarify_ppo` does, from
+  abstract parameters, and hands back its very functions: the policy's rollout, the reward's
+  answer sampler, NLI scorer, fusion sampler and judge scorer, then scoring and the update.
+  The memory report counts every model's parameters and state once (they stay on the chips)
+  plus the largest program's working memory.
+
+  Args:
+    partitioner: The topology's mesh with the config's rules.
+    policy_config: T5Config of θQ (and of the value model unless `train_clarify_ppo.
+      value_model_config` is bound).
+    reward_model_config: T5Config of the answer, NLI, fusion and judge models (default: the
+      policy's).
+    vocabulary_path: The models' SentencePiece model (the judge's classes must be one token).
+  """
+  b = aot.resolved_bindings("training.train_clarify_ppo", (
+      "ppo_config", "optimizer", "reward_config", "value_model_config"))
+  aot.require({**b, "policy_config": policy_config, "vocabulary_path": vocabulary_path},
+              ("ppo_config", "optimizer", "policy_config", "vocabulary_path"),
+              "training.train_clarify_ppo / training.ppo_compile_target")
+  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
+  reward_config = b.get("reward_config") or reward_lib.RewardConfig()
+  reward_config_t5 = reward_model_config or policy_config
+  roles = {role: _abstract_model(reward_config_t5, vocabulary, reward_config, partitioner)
+           for role in ("answer", "fusion", "judge", "nli")}
+  reward = reward_lib.DefeasibilityReward(
+      answer_model=roles["answer"], fusion_model=roles["fusion"], judge_model=roles["judge"],
+      nli_model=roles["nli"] if reward_config.use_nli else None, config=reward_config)
+  program = build_ppo_program(policy_config=policy_config, vocabulary=vocabulary,
+                              ppo_config=b["ppo_config"], optimizer=b["optimizer"],
+                              partitioner=partitioner, reward=reward,
+                              value_model_config=b.get("value_model_config"))
+  trainer, args = program.trainer, program.trainer.stage_args()
+  functions = program.reward_functions()
+  stages = [aot.Stage("rollout", trainer.functions["rollout"], args["rollout"],
+                      persistent=args["rollout"][0])]
+  for name in ("answer", "nli", "fusion", "judge"):
+    if name in functions:
+      fn, cm = functions[name]
+      stages.append(aot.Stage(name, fn, _reward_stage_args(name, cm, reward),
+                              persistent=cm.params))
+  stages += [aot.Stage("score", trainer.functions["score"], args["score"],
+                       persistent=args["score"][0]),
+             aot.Stage("update", trainer.functions["update"], args["update"],
+                       persistent=args["update"][0])]
+  state = args["update"][0]
+  resident = (state, [cm.params for _, cm in functions.values()])
+  cfg = b["ppo_config"]
+  policy_n = aot._num_params(state.policy.params)  # pylint: disable=protected-access
+  value_n = aot._num_params(state.value.params)  # pylint: disable=protected-access
+  reward_n = sum(aot._num_params(cm.params) for _, cm in functions.values())  # pylint: disable=protected-access
+  trainable = trainer.policy_init.num_params()[1] + trainer.value_init.num_params()[1]
+  return aot.CompileProgram(
+      stages=tuple(stages), resident=resident,
+      description=(f"ClarifyDelphi PPO iteration: policy {policy_n / 1e6:.1f}M + frozen "
+                   f"reference + value {value_n / 1e6:.1f}M + {len(functions)} reward models "
+                   f"{reward_n / 1e6:.1f}M; batch {cfg.batch_size} x (prompt "
+                   f"{cfg.max_prompt_length}, response {cfg.max_response_length}), reward batch "
+                   f"{reward_config.batch_size} x {reward_config.input_length}; "
+                   f"{cfg.num_ppo_epochs} epochs x {cfg.num_minibatches} minibatches"),
+      num_params=2 * policy_n + value_n + reward_n, num_trainable_params=int(trainable),
+      tokens_per_step=cfg.batch_size * (cfg.max_prompt_length + cfg.max_response_length),
+      program=program)
+
+
+aot.register_compile_target("clarify_ppo", ppo_compile_target)

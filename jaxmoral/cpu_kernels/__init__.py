@@ -2,12 +2,12 @@
 
 A decoding step multiplies a handful of rows (batch x samples) by every decoder weight matrix
 once, so it is bound by how fast the weights stream from memory. XLA:CPU's dot reads a
-row-major (K, N) kernel in strided pieces: it streamed T5 1.1-small's cold kernels at 9–17
-GB/s at 8 rows on a 2-core VM whose memory delivers 23–26 GB/s. Stored as contiguous panels
-of 64 columns (`pack_columns`), the same kernels stream at up to 28 GB/s through
+row-major (K, N) kernel in strided pieces, well below the memory's bandwidth; stored as
+contiguous panels of 64 columns (`pack_columns`), the kernels stream close to it through
 `packed_matmul`, an XLA FFI custom call (`kernels.cc`) that splits the panels over XLA's
-intra-op threads (bench/bench_decode_products.py). `decode_attention` is a step's attention
-(one query per row and head) as one custom call, where XLA:CPU ran batched one-row dots.
+intra-op threads. `decode_attention` is a step's attention (one query per row and head) as one
+custom call, where XLA:CPU runs batched one-row dots. `backend.py` makes them the "cpu_packed"
+decoding backend (`jaxmoral.decoding`); measurements are in bench/RESULTS.md.
 
 The kernels are compiled from source on first use with the machine's C++ compiler
 (`$CXX`, else `c++`/`g++`/`clang++`) against the XLA FFI headers jaxlib ships, for this
@@ -15,16 +15,25 @@ machine's instruction set (`-march=native`), and cached under `$JAXMORAL_KERNEL_
 (default `~/.cache/jaxmoral/kernels`), keyed by the source, jaxlib's version, the compiler and
 the CPU. Where it cannot be built, `available()` warns once and returns False, and decoding
 keeps XLA's dot. `JAXMORAL_CPU_KERNELS=0` turns it off.
+
+Loading a library runs its code, so the cache must be one only this user can write: a cache
+folder that another user could write to, or whose parents they could (a sticky parent such as
+/tmp is fine), is refused with a warning for a private temporary folder; a cached library (or
+its recorded SHA-256, `<name>.sha256`) that is a symlink, is owned by another user, or is
+writable by group/others, or whose bytes no longer match the SHA-256 recorded when it was
+built, is never loaded but rebuilt.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import warnings
@@ -63,16 +72,135 @@ def _compiler() -> Optional[str]:
   return None
 
 
+class _Untrusted(Exception):
+  """A cache entry another user could have written; its message says why."""
+
+
+_OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+_FALLBACK_DIRS: dict[str, str] = {}  # Refused cache folder -> this process's private one.
+
+
+def _owner_problem(st: os.stat_result) -> Optional[str]:
+  """Why another user could have written the file or folder `st` describes, or None."""
+  if st.st_uid != os.geteuid():
+    return f"is owned by uid {st.st_uid}, not this user ({os.geteuid()})"
+  if st.st_mode & _OTHERS_WRITE:
+    return f"is writable by group/others (mode {stat.S_IMODE(st.st_mode):#o})"
+  return None
+
+
+def _folder_problem(folder: str) -> Optional[str]:
+  """Why another user could replace what the real folder `folder` holds, or None.
+
+  The folder must be this user's and not writable by group/others. Each parent must be
+  root's or this user's, and group/others may write to it only when it is sticky (/tmp): a
+  parent they could write to otherwise would let them rename the folder and put theirs there.
+  """
+  st = os.stat(folder)
+  if not stat.S_ISDIR(st.st_mode):
+    return "is not a folder"
+  problem = _owner_problem(st)
+  if problem:
+    return problem
+  parent = os.path.dirname(folder)
+  while True:
+    st = os.stat(parent)
+    if st.st_uid not in (0, os.geteuid()):
+      return f"its parent {parent} is owned by uid {st.st_uid}"
+    if st.st_mode & _OTHERS_WRITE and not st.st_mode & stat.S_ISVTX:
+      return (f"its parent {parent} is writable by group/others and not sticky "
+              f"(mode {stat.S_IMODE(st.st_mode):#o})")
+    if os.path.dirname(parent) == parent:
+      return None
+    parent = os.path.dirname(parent)
+
+
 def _cache_dir() -> str:
+  """The kernel cache folder, real path; a private temporary one (warned once) where it is
+  not safe or not usable."""
   root = os.environ.get("JAXMORAL_KERNEL_CACHE") or os.path.join(
       os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxmoral", "kernels")
+  real = root
   try:
-    os.makedirs(root, exist_ok=True)
-    if os.access(root, os.W_OK):
-      return root
-  except OSError:
-    pass
-  return tempfile.mkdtemp(prefix="jaxmoral_kernels_")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    real = os.path.realpath(root)  # Check the folder a symlink leads to, and use that one.
+    problem = _folder_problem(real)
+    if problem is None and not os.access(real, os.W_OK):
+      problem = "is not writable"
+  except OSError as e:
+    problem = f"cannot be used ({e.strerror or e})"
+  if problem is None:
+    return real
+  if root not in _FALLBACK_DIRS:
+    _FALLBACK_DIRS[root] = tempfile.mkdtemp(prefix="jaxmoral_kernels_")  # Mode 0o700.
+    where = root if real == root else f"{root} ({real})"
+    warnings.warn(f"jaxmoral.cpu_kernels: not using kernel cache {where}: it {problem}; "
+                  f"building in {_FALLBACK_DIRS[root]} instead", RuntimeWarning, stacklevel=3)
+  return _FALLBACK_DIRS[root]
+
+
+def _digest_path(path: str) -> str:
+  return path + ".sha256"
+
+
+def _read_own_file(path: str, what: str) -> bytes:
+  """`path`'s bytes, where it is a regular file only this user can write (not a symlink).
+
+  Raises:
+    FileNotFoundError: It is missing.
+    _Untrusted: It is a symlink, not a regular file, another user's, or group/other-writable.
+  """
+  if os.path.islink(path):
+    raise _Untrusted(f"{what} {path} is a symlink")
+  # O_NOFOLLOW and fstat: what is checked is what is read, even if the name was swapped.
+  flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+  try:
+    fd = os.open(path, flags)
+  except OSError as e:
+    if e.errno in (errno.ELOOP, errno.EMLINK):
+      raise _Untrusted(f"{what} {path} is a symlink") from e
+    raise
+  with os.fdopen(fd, "rb") as f:
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+      raise _Untrusted(f"{what} {path} is not a regular file")
+    problem = _owner_problem(st)
+    if problem:
+      raise _Untrusted(f"{what} {path} {problem}")
+    return f.read()
+
+
+def _untrusted(path: str) -> Optional[str]:
+  """Why the library at `path` must not be loaded, or None when it may: it and its recorded
+  SHA-256 are this user's own regular files and its bytes match."""
+  try:
+    data = _read_own_file(path, "library")
+    recorded = _read_own_file(_digest_path(path), "hash file").split()
+  except _Untrusted as e:
+    return str(e)
+  except OSError as e:
+    return f"{e.filename or path} cannot be read ({e.strerror or e})"
+  digest = hashlib.sha256(data).hexdigest()
+  if not recorded or recorded[0] != digest.encode():
+    found = recorded[0][:16].decode("ascii", "replace") if recorded else "nothing"
+    return (f"its SHA-256 {digest[:16]}... does not match the {found}... recorded when it "
+            f"was built (changed since)")
+  return None
+
+
+def _write_atomically(path: str, data: bytes, mode: int) -> None:
+  """Writes `path` through an unpredictable temporary name beside it, then renames it."""
+  fd, partial = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                                 dir=os.path.dirname(path))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      os.fchmod(f.fileno(), mode)
+    os.replace(partial, path)
+  except BaseException:
+    if os.path.lexists(partial):
+      os.remove(partial)
+    raise
 
 
 def _cpu_signature() -> str:
@@ -91,6 +219,26 @@ def _flag_sets() -> list[list[str]]:
   return [base + ["-march=native"], base]
 
 
+def _install(partial: str, path: str) -> None:
+  """Records the SHA-256 of the freshly built `partial`, then renames it to `path`.
+
+  Raises:
+    BuildError: Either could not be written.
+  """
+  try:
+    # A fixed mode: mkstemp's is 0o600, and a linker's own follows the umask (group-writable
+    # under umask 002, which loading would then refuse).
+    os.chmod(partial, 0o755)
+    with open(partial, "rb") as f:
+      digest = hashlib.sha256(f.read()).hexdigest()
+    # The hash first: a reader that finds the new library finds its hash too.
+    _write_atomically(_digest_path(path), f"{digest}  {os.path.basename(path)}\n".encode(),
+                      0o644)
+    os.replace(partial, path)  # Atomic: concurrent builders (test workers) never see half.
+  except OSError as e:
+    raise BuildError(f"could not cache {path}: {e}") from e
+
+
 def build(*, force: bool = False) -> str:
   """Compiles the kernel (or finds it in the cache); returns the shared library's path.
 
@@ -107,23 +255,36 @@ def build(*, force: bool = False) -> str:
     raise BuildError(f"jaxlib {jaxlib.__version__} ships no XLA FFI headers under {include}")
   with open(SOURCE, "rb") as f:
     source = f.read()
+  cache = _cache_dir()
   errors = []
   for flags in _flag_sets():
     key = hashlib.sha256(b"\0".join([
         source, jaxlib.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
         platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:20]
-    path = os.path.join(_cache_dir(), f"cpu_kernels_{key}.so")
-    if os.path.exists(path) and not force:
-      return path
-    partial = f"{path}.{os.getpid()}.tmp"
+    path = os.path.join(cache, f"cpu_kernels_{key}.so")
+    if not force and os.path.lexists(path):
+      if not os.path.lexists(_digest_path(path)):
+        _LOG.info("rebuilding %s: no SHA-256 recorded for it (an older jaxmoral built it)", path)
+      else:
+        problem = _untrusted(path)
+        if problem is None:
+          return path
+        warnings.warn(f"jaxmoral.cpu_kernels: not loading cached {path}: {problem}; "
+                      f"rebuilding it", RuntimeWarning, stacklevel=2)
+    # An unpredictable name that mkstemp creates as ours: nobody can plant it (a symlink the
+    # compiler would write through) or load it before it is renamed into place.
+    fd, partial = tempfile.mkstemp(prefix=f"cpu_kernels_{key}.", suffix=".so.tmp", dir=cache)
+    os.close(fd)
     _LOG.info("compiling %s for this machine (once; cached as %s)", SOURCE, path)
     command = [compiler, *flags, "-I", include, SOURCE, "-o", partial]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    if result.returncode == 0:
-      os.replace(partial, path)  # Atomic: concurrent builders (test workers) never see half.
-      return path
-    if os.path.exists(partial):
-      os.remove(partial)
+    try:
+      result = subprocess.run(command, capture_output=True, text=True, check=False)
+      if result.returncode == 0:
+        _install(partial, path)
+        return path
+    finally:
+      if os.path.lexists(partial):
+        os.remove(partial)
     errors.append(f"$ {' '.join(command)}\n{result.stderr.strip()[-2000:]}")
   raise BuildError("compiling " + SOURCE + " failed:\n" + "\n".join(errors))
 
@@ -135,6 +296,14 @@ def _load() -> Optional[str]:
   try:
     import ctypes  # pylint: disable=import-outside-toplevel
     path = build()
+    problem = _untrusted(path)  # Verified right before loading: it may have changed since.
+    if problem is not None:
+      warnings.warn(f"jaxmoral.cpu_kernels: not loading {path}: {problem}; rebuilding it",
+                    RuntimeWarning, stacklevel=3)
+      path = build(force=True)
+      problem = _untrusted(path)
+      if problem is not None:
+        raise BuildError(f"not loading {path} even after rebuilding it: {problem}")
     library = ctypes.cdll.LoadLibrary(path)
     for target, symbol in ((MATMUL_TARGET, library.JaxmoralPackedMatmul),
                            (ATTENTION_TARGET, library.JaxmoralDecodeAttention)):

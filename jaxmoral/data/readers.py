@@ -23,7 +23,7 @@ import csv
 import json
 import logging
 import os
-from typing import Any, BinaryIO, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
 OnError = Literal["raise", "report"]
 PathLike = str | os.PathLike
@@ -310,3 +310,13 @@ def _text_error(obj: dict[str, Any], text: Sequence[str], path: PathLike,
     if name in obj and not isinstance(obj[name], str):
       return DataError(path, line, f"expected a string, got {json.dumps(obj[name])[:40]}", name)
   return None
+
+
+def write_jsonl(path: PathLike, rows: Iterable[Mapping[str, Any]]) -> str:
+  """Writes one JSON object a line (UTF-8, non-ASCII kept), creating the folder; returns the
+  path. The counterpart of `read_jsonl`."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    for row in rows:
+      f.write(json.dumps(dict(row), ensure_ascii=False) + "\n")
+  return os.fspath(path)

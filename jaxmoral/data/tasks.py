@@ -1,16 +1,17 @@
-"""seqio Tasks for text-pair data, the demo Tasks and Mixture, and Task -> `BatchSource`.
+"""seqio Tasks for text-pair data, the demo Tasks and Mixture, and the streaming `TaskSource`.
 
 A text-pair Task reads (input, target) strings from memory or from a TSV/CSV/JSONL file (read
-eagerly by `readers`, so a bad row fails with its line number at registration), tokenises both
-with a SentencePiece vocabulary and appends EOS after trimming, as T5 tasks do. The data are
-small here, so `task_to_source` materialises the converted examples into numpy arrays and lets
-`BatchSource` do the deterministic shuffling and batching.
+and checked by `readers` at registration, so a bad row fails with its line number before any
+training), tokenises both with a SentencePiece vocabulary and appends EOS after trimming, as T5
+tasks do. Training reads any Task or Mixture through `TaskSource`, which streams seqio's own
+pipeline with a deterministic position (resume) and per-process sharding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import gin
 import numpy as np
@@ -18,7 +19,7 @@ import seqio
 import tensorflow as tf
 
 from jaxmoral.data import readers
-from jaxmoral.data.pipeline import BatchSource, Features
+from jaxmoral.data.pipeline import Features
 
 Pairs = Sequence[tuple[str, str]]
 DEMO_MIXTURE = "jaxmoral_demo_clarify"
@@ -129,67 +130,110 @@ def register_demo_tasks(*, vocabulary: seqio.Vocabulary) -> seqio.Mixture:
   return seqio.MixtureRegistry.add(DEMO_MIXTURE, [(t, len(sources[t])) for t in DEMO_TASKS])
 
 
-def _mixed_counts(sizes: Sequence[int], rates: Sequence[float]) -> list[int]:
-  """How many examples each Task gives to a materialised Mixture of sum(sizes) examples."""
-  total_rate = float(sum(rates))
-  if total_rate <= 0 or any(r < 0 for r in rates):
-    raise ValueError(f"mixture rates must be >= 0 with a positive sum, got {list(rates)}")
-  return [round(sum(sizes) * rate / total_rate) for rate in rates]
-
-
-def _take(examples: Sequence[Any], count: int, rng: np.random.Generator) -> list[Any]:
-  """`count` of `examples`: whole passes in order, then a seeded sample of the rest (kept in
-  file order), so a count equal to the size gives every example once, in order."""
-  passes, rest = divmod(count, len(examples))
-  return list(examples) * passes + [examples[i] for i in
-                                    sorted(rng.choice(len(examples), rest, replace=False))]
-
-
-def task_examples(task_name: str, split: str, *, feature_lengths: Mapping[str, int],
-                  pack: bool = False, seed: int = 0) -> Features:
-  """All examples of a Task split, or a Mixture's, through `EncDecFeatureConverter`, stacked.
-
-  A Mixture of Tasks with n_t examples and rates r_t gives N = sum(n_t) examples, of which
-  round(N r_t / sum(r)) come from Task t: its examples repeated as often as that needs, the
-  last part a sample drawn with `seed`. Shuffled by `BatchSource`, batches then draw each Task
-  at its rate, as seqio's sampling does in expectation. A Mixture weighted by example count
-  (the demo's) gives every example once. Tasks are mixed before the converter, so packing
-  puts examples of different Tasks in one row, as seqio does.
-  """
+def num_examples(task_name: str, split: str) -> Optional[int]:
+  """Input examples of a Task split (summed over a Mixture's Tasks), when the source knows."""
   provider = seqio.get_mixture_or_task(task_name)
   tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
-  per_task: list[list[dict[str, np.ndarray]]] = []
-  for task in tasks:
-    if split not in task.splits:
-      raise ValueError(f"task {task.name!r} has no split {split!r} (has {list(task.splits)})")
-    ds = task.get_dataset(sequence_length=dict(feature_lengths), split=split, shuffle=False,
-                          num_epochs=1)
-    per_task.append([{k: np.asarray(ex[k], np.int32) for k in task.output_features}
-                     for ex in ds.as_numpy_iterator()])
-    if not per_task[-1]:
-      raise ValueError(f"task {task.name!r}: split {split!r} has no examples")
-  if isinstance(provider, seqio.Mixture):
-    counts = _mixed_counts([len(t) for t in per_task], [provider.get_rate(t) for t in tasks])
-    rng = np.random.default_rng(seed)
-    examples = [ex for part, count in zip(per_task, counts) for ex in _take(part, count, rng)]
-  else:
-    examples = per_task[0]
-  keys = list(examples[0])
-  ds = tf.data.Dataset.from_generator(
-      lambda: iter(examples), output_signature={k: tf.TensorSpec([None], tf.int32) for k in keys})
-  ds = seqio.EncDecFeatureConverter(pack=pack)(ds, dict(feature_lengths))
-  rows: dict[str, list[np.ndarray]] = {}
-  for ex in ds.as_numpy_iterator():
-    for k, v in ex.items():
-      rows.setdefault(k, []).append(np.asarray(v, np.int32))
-  return {k: np.stack(v) for k, v in rows.items()}
+  counts = [t.source.num_input_examples(split) if split in t.splits else 0 for t in tasks]
+  return None if any(c is None for c in counts) else int(sum(counts))
 
 
 @gin.configurable
-def task_to_source(task_name: str, split: str = "train", *, feature_lengths: Mapping[str, int],
-                   batch_size: int, seed: int = 0, shuffle: bool = True,
-                   pack: bool = False) -> BatchSource:
-  """Materialises a seqio Task / Mixture split into a deterministic `BatchSource`."""
-  features = task_examples(task_name, split, feature_lengths=feature_lengths, pack=pack,
-                           seed=seed)
-  return BatchSource(features=features, batch_size=batch_size, seed=seed, shuffle=shuffle)
+@dataclasses.dataclass(frozen=True, eq=False)
+class TaskSource:
+  """Batches of a seqio Task or Mixture split, streamed through tf.data (never materialised).
+
+  The stream is seqio's own: `get_dataset(shuffle, seed, shard_info, num_epochs=None)` (a
+  Mixture samples its Tasks at their rates), T5X's `EncDecFeatureConverter` (packing), then
+  batches of this process's rows. It is deterministic in (seed, shard), so batch `step` is
+  the `step`-th batch of the stream: a run resumed at step k skips k batches and continues
+  exactly as the uninterrupted run (the skipped examples are read, not kept).
+
+  Attributes:
+    task_name: A registered seqio Task or Mixture.
+    split: The split.
+    feature_lengths: `{"inputs": N, "targets": M}`.
+    batch_size: The *global* batch size.
+    seed: Shuffling (and mixing) seed.
+    shuffle: False serves the split in order (evaluation).
+    pack: Pack several examples per row.
+    shard_index: This process's shard of the examples (seqio `ShardInfo`).
+    shard_count: Number of shards (processes).
+  """
+  task_name: str
+  split: str
+  feature_lengths: Mapping[str, int]
+  batch_size: int
+  seed: int = 0
+  shuffle: bool = True
+  pack: bool = False
+  shard_index: int = 0
+  shard_count: int = 1
+
+  def __post_init__(self):
+    if not isinstance(self.batch_size, int) or self.batch_size <= 0:
+      raise ValueError(f"TaskSource.batch_size must be a positive int, got {self.batch_size!r}")
+    if self.shard_count <= 0 or not 0 <= self.shard_index < self.shard_count:
+      raise ValueError(f"TaskSource.shard_index {self.shard_index} not in [0, shard_count="
+                       f"{self.shard_count})")
+    if self.batch_size % self.shard_count:
+      raise ValueError(f"TaskSource.batch_size {self.batch_size} is not divisible by "
+                       f"shard_count {self.shard_count}")
+    for key in ("inputs", "targets"):
+      if key not in self.feature_lengths:
+        raise ValueError(f"TaskSource.feature_lengths lacks {key!r}: "
+                         f"{dict(self.feature_lengths)}")
+    provider = seqio.get_mixture_or_task(self.task_name)
+    tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
+    if not any(self.split in t.splits for t in tasks):
+      raise ValueError(f"{self.task_name!r} has no split {self.split!r} (has "
+                       f"{sorted({s for t in tasks for s in t.splits})})")
+    object.__setattr__(self, "feature_lengths", dict(self.feature_lengths))
+
+  @property
+  def num_examples(self) -> Optional[int]:
+    """Input examples of the split (all shards), when the source knows."""
+    return num_examples(self.task_name, self.split)
+
+  @property
+  def per_shard_batch_size(self) -> int:
+    return self.batch_size // self.shard_count
+
+  def shard(self, process_index: int, process_count: int) -> "TaskSource":
+    """The same stream, split over `process_count` processes: this one's examples."""
+    if self.shard_count != 1:
+      raise ValueError("TaskSource.shard: already sharded")
+    return dataclasses.replace(self, shard_index=process_index, shard_count=process_count)
+
+  def _dataset(self, *, repeat: bool) -> tf.data.Dataset:
+    provider = seqio.get_mixture_or_task(self.task_name)
+    shard_info = (seqio.ShardInfo(self.shard_index, self.shard_count)
+                  if self.shard_count > 1 else None)
+    ds = provider.get_dataset(sequence_length=self.feature_lengths, split=self.split,
+                              shuffle=self.shuffle, seed=self.seed, shard_info=shard_info,
+                              num_epochs=None if repeat else 1)
+    ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, self.feature_lengths)
+    options = tf.data.Options()
+    options.deterministic = True  # The stream must not depend on thread timing.
+    return ds.with_options(options).batch(self.per_shard_batch_size, drop_remainder=repeat)
+
+  def iterate(self, start_step: int = 0) -> Iterator[Features]:
+    """This process's rows of batch `start_step`, `start_step + 1`, ... forever."""
+    if start_step < 0:
+      raise ValueError(f"start_step must be >= 0, got {start_step}")
+    ds = self._dataset(repeat=True).skip(start_step)
+    for batch in ds.as_numpy_iterator():
+      yield {k: np.asarray(v, np.int32) for k, v in batch.items()}
+
+  def batch(self, step: int) -> Features:
+    """Batch `step` (reads the stream from its start: for tests and notebooks)."""
+    return next(self.iterate(step))
+
+  def eval_batches(self) -> Iterator[Features]:
+    """One in-order pass over this shard's examples, the last batch zero-padded (its rows
+    then have `decoder_loss_weights` 0 and add nothing to weighted sums)."""
+    per = self.per_shard_batch_size
+    for batch in self._dataset(repeat=False).as_numpy_iterator():
+      rows = next(iter(batch.values())).shape[0]
+      yield {k: np.pad(np.asarray(v, np.int32), [(0, per - rows)] + [(0, 0)] * (v.ndim - 1))
+             for k, v in batch.items()}

@@ -50,7 +50,8 @@ def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str
     for row, context in enumerate(chunk):
       encoder[row] = data.encode_context(bundle.vocab, context, bundle.features)
     key, sub = jax.random.split(key)
-    result = jax.device_get(sampler(bundle.params, encoder, rng=sub))
+    result = jax.device_get(sampler(bundle.params, encoder, rng=sub,
+                                    decode_weights=bundle.decode_weights))
     for row in range(len(chunk)):
       out.append([decode_tokens(bundle.vocab, result.tokens[row, i], int(result.lengths[row, i]))
                   for i in range(num_candidates)])
@@ -88,7 +89,7 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
   if num_candidates < 1:
     raise ValueError(f"generate_candidates: num_candidates must be >= 1, got {num_candidates}")
   turns = data.read_dialogues(input_path) if turns is None else turns
-  bundle = bundle_lib.load_from(model_dir)
+  bundle = bundle_lib.load(model_dir)
   dialogues = dialogues_of(turns)
   contexts = [d[:i] for d in dialogues for i in range(1, len(d))]
   sampled = iter(sample_candidates(bundle, contexts, num_candidates=num_candidates, top_k=top_k,

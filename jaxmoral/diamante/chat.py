@@ -57,7 +57,7 @@ def chat(*, model_dir: str, transcript_path: str,
   Returns:
     The transcript records.
   """
-  bundle = bundle_lib.load_from(model_dir)
+  bundle = bundle_lib.load(model_dir)
   key = jax.random.PRNGKey(seed)
   history: list[str] = []
   records: list[dict] = []
@@ -109,7 +109,7 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
     raise ValueError("self_chat: opening must be a non-empty line")
   if num_rounds < 1:
     raise ValueError(f"self_chat: num_rounds must be >= 1, got {num_rounds}")
-  bundle = bundle_lib.load_from(model_dir)
+  bundle = bundle_lib.load(model_dir)
   key = jax.random.PRNGKey(seed)
   history = [opening.strip()]
   records = [_turn_record(0, "bot_b", history[0])]

@@ -5,6 +5,7 @@ binds that function's argument (same as `--gin.<function>.<name>=value`), and gi
 bindings work as for every command::
 
   jaxmoral diamante train --gin_file=configs/diamante/tiny_cpu.gin --gin.MODEL_DIR=/tmp/dm
+  jaxmoral diamante train --gin_file=configs/diamante/generator_tiny_cpu.gin --gin.MODEL_DIR=/tmp/g
   jaxmoral diamante eval --model_dir=/tmp/dm --test_path=test.jsonl
   jaxmoral diamante chat --model_dir=/tmp/dm --transcript_path=/tmp/chat.jsonl
   jaxmoral diamante self_chat --model_dir=/tmp/dm --opening="Hi!" --num_rounds=6 \\
@@ -21,8 +22,8 @@ from typing import Sequence
 from jaxmoral import gin_utils
 
 ACTIONS: dict[str, tuple[str, str]] = {
-    "train": ("jaxmoral.diamante.train_lib", "train_diamante"),
-    "train_generator": ("jaxmoral.diamante.train_lib", "train_generator"),
+    # The core run with gin/runs/diamante.gin (joint model) or generator_tiny_cpu.gin.
+    "train": ("jaxmoral.runs", "train_run"),
     "candidates": ("jaxmoral.diamante.candidates", "generate_candidates"),
     "eval": ("jaxmoral.diamante.evaluate", "evaluate"),
     "chat": ("jaxmoral.diamante.chat", "chat"),

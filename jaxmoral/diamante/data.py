@@ -20,8 +20,9 @@ import collections
 import dataclasses
 import json
 import os
-from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
+import gin
 import numpy as np
 
 from jaxmoral.data.readers import DataError, read_jsonl
@@ -155,6 +156,22 @@ def write_dialogues(path: str | os.PathLike[str],
       f.write(dialogue_to_json(utterances, candidates) + "\n")
       count += 1
   return count
+
+
+def write_turns(path: str | os.PathLike[str], turns: Sequence[Turn]) -> int:
+  """Writes turns back as Diamante JSONL, one dialogue a line (e.g. a split of a corpus);
+  returns the number of dialogues."""
+  by_dialogue: dict[int, list[Turn]] = collections.defaultdict(list)
+  for t in turns:
+    by_dialogue[t.dialogue].append(t)
+  records = []
+  for dialogue in sorted(by_dialogue):
+    ordered = sorted(by_dialogue[dialogue], key=lambda t: len(t.context))
+    last = ordered[-1]
+    if [len(t.context) for t in ordered] != list(range(1, len(ordered) + 1)):
+      raise ValueError(f"write_turns: dialogue {dialogue} lacks some of its turns")
+    records.append(([*last.context, last.response], [()] + [t.candidates for t in ordered]))
+  return write_dialogues(path, records)
 
 
 # -- tokenisation ---------------------------------------------------------------------------
@@ -367,6 +384,12 @@ class QuadrupleSource:
       yield self.batch(step)
       step += 1
 
+  def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
+    """One epoch's batches (the last one wraps into the next epoch rather than padding:
+    the preference loss is a mean over every row, so padded rows would change it)."""
+    for step in range(self.steps_per_epoch):
+      yield self.batch(step)
+
   def shard(self, process_index: int, process_count: int) -> "QuadrupleSource":
     if self.shard_count != 1:
       raise ValueError("QuadrupleSource.shard: already sharded")
@@ -383,3 +406,127 @@ def split_dialogues(turns: Sequence[Turn], *, test_fraction: float,
   num_test = max(1, int(round(len(dialogues) * test_fraction)))
   test = set(rng.permutation(dialogues)[:num_test].tolist())
   return [t for t in turns if t.dialogue not in test], [t for t in turns if t.dialogue in test]
+
+
+# -- the run's data -------------------------------------------------------------------------
+def corpus_texts(turns: Sequence[Turn]) -> list[str]:
+  """Every distinct utterance and candidate (a vocabulary's training text)."""
+  seen: dict[str, None] = {}
+  for t in turns:
+    for text in (*t.context, t.response, *t.candidates):
+      seen.setdefault(text, None)
+  return list(seen)
+
+
+def pair_features(turns: Sequence[Turn], vocab: Vocabulary,
+                  features: FeatureConfig) -> dict[str, np.ndarray]:
+  """Seq2seq features (context -> human response) with Diamante's left-truncated contexts."""
+  encoder = np.stack([encode_context(vocab, t.context, features) for t in turns])
+  targets = np.stack([encode_response(vocab, t.response, features) for t in turns])
+  return {"encoder_input_tokens": encoder, **response_features(targets)}
+
+
+@gin.configurable(module="diamante")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DialogueData:
+  """Dialogue turns for `jaxmoral.runs.train_run` (DATA): Diamante quadruples, or (context,
+  human response) pairs for the generator that samples candidates (`pairs=True`).
+
+  The run's TASK_FEATURE_LENGTHS give the context ("inputs") and response ("targets") lengths;
+  they and the separator are saved in the run's settings.json for inference.
+
+  Attributes:
+    train_path: Diamante-format JSONL (with response candidates unless `pairs`).
+    eval_path: Held-out JSONL (optional).
+    vocab_path: SentencePiece model; None: the init checkpoint's, else one trained on the
+      training dialogues (`vocab_size` pieces + 100 extra ids) in MODEL_DIR/vocab.
+    vocab_size: Pieces of that trained vocabulary.
+    separator: Joins context utterances.
+    prefer_dissimilar: Draw r_M and r_R least character-F1-similar to r_H (per epoch pool).
+    pool_size: Pool for `prefer_dissimilar`.
+    pairs: Serve (context, human response) pairs instead of quadruples.
+  """
+  train_path: str
+  eval_path: Optional[str] = None
+  vocab_path: Optional[str] = None
+  vocab_size: int = 400
+  separator: str = DEFAULT_SEPARATOR
+  prefer_dissimilar: bool = False
+  pool_size: int = 5
+  pairs: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+      raise ValueError(f"DialogueData.vocab_size must be a positive int, got {self.vocab_size!r}")
+
+  def _check_files(self) -> None:
+    """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
+    for name in ("train_path", "eval_path", "vocab_path"):
+      value = getattr(self, name)
+      if value is not None and not os.path.isfile(value):
+        raise ValueError(f"DialogueData.{name}: no such file {value!r}")
+
+  def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
+    from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+    self._check_files()
+    if self.vocab_path is not None:
+      return vocab_lib.get_vocabulary(self.vocab_path)
+    if fallback is not None:
+      return fallback
+    prefix = os.path.join(vocab_dir, "spm")
+    if not os.path.isfile(prefix + ".model"):
+      vocab_lib.train_sentencepiece(corpus_texts(read_dialogues(self.train_path)),
+                                    output_prefix=prefix, vocab_size=self.vocab_size,
+                                    hard_vocab_limit=False)
+    return vocab_lib.get_vocabulary(prefix + ".model")
+
+  def features(self, feature_lengths: Mapping[str, int]) -> FeatureConfig:
+    return FeatureConfig(context_length=int(feature_lengths["inputs"]),
+                         response_length=int(feature_lengths["targets"]),
+                         separator=self.separator)
+
+  def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
+              seed: int) -> tuple[Any, Any]:
+    self._check_files()
+    features = self.features(feature_lengths)
+    train = read_dialogues(self.train_path)
+    held_out = read_dialogues(self.eval_path) if self.eval_path else None
+    if self.pairs:
+      from jaxmoral.data import pipeline  # pylint: disable=g-import-not-at-top
+      make = lambda turns, s: pipeline.BatchSource(  # noqa: E731
+          features=pair_features(turns, vocabulary, features), batch_size=batch_size, seed=s)
+    else:
+      make = lambda turns, s: QuadrupleSource(  # noqa: E731
+          turns=turns, vocab=vocabulary, batch_size=batch_size, features=features, seed=s,
+          prefer_dissimilar=self.prefer_dissimilar, pool_size=self.pool_size)
+    return make(train, seed), (make(held_out, seed + 1) if held_out else None)
+
+  def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
+                   ) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Global batch shapes (for `jaxmoral compile`)."""
+    context, response = int(feature_lengths["inputs"]), int(feature_lengths["targets"])
+    decoder = (batch_size, response) if self.pairs else (batch_size, 3, response)
+    return {"encoder_input_tokens": ((batch_size, context), np.int32),
+            **{k: (decoder, np.int32) for k in ("decoder_input_tokens", "decoder_target_tokens",
+                                                 "decoder_loss_weights")}}
+
+  def settings(self) -> dict[str, Any]:
+    return {"kind": "dialogue_pairs" if self.pairs else "dialogue_quadruples",
+            "separator": self.separator}
+
+
+def feature_config_from_settings(settings: Mapping[str, Any], *, model_config: Any,
+                                 feature_lengths: Optional[Mapping[str, int]] = None
+                                 ) -> FeatureConfig:
+  """The `FeatureConfig` a run trained with (settings.json), for inference."""
+  data = dict(settings.get("data", {}))
+  lengths = dict(settings.get("feature_lengths", {}))
+  lengths.update(feature_lengths or {})
+  kwargs: dict[str, Any] = {"eos_id": model_config.eos_token_id}
+  if "separator" in data:
+    kwargs["separator"] = data["separator"]
+  if "inputs" in lengths:
+    kwargs["context_length"] = int(lengths["inputs"])
+  if "targets" in lengths:
+    kwargs["response_length"] = int(lengths["targets"])
+  return FeatureConfig(**kwargs)

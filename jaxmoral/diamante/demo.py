@@ -15,10 +15,13 @@ from typing import Any, TextIO
 import gin
 import jax
 
+from jaxmoral import optimizers, partitioning, runs
 from jaxmoral.data import demo as demo_data
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.diamante import bundle as bundle_lib
-from jaxmoral.diamante import chat, data, evaluate, inference, train_lib
+from jaxmoral.diamante import chat, data, evaluate, inference
+from jaxmoral.diamante import model as diamante_model
+from jaxmoral.models.config import t5_config
 
 
 @gin.configurable
@@ -34,18 +37,25 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
     output: Where the report is printed.
 
   Returns:
-    `{"train": ..., "eval": ..., "export_dir": ..., "tensorboard": ..., "transcript": ...}`.
+    `{"train": ..., "eval": ..., "model_dir": ..., "tensorboard": ..., "transcript": ...}`.
   """
   turns = data.read_dialogues(demo_data.path("dialogues.jsonl"))
   train_turns, test_turns = data.split_dialogues(turns, test_fraction=0.2, seed=seed)
+  train_path, test_path = (os.path.join(workdir, f"{name}.jsonl") for name in ("train", "test"))
+  data.write_turns(train_path, train_turns)
+  data.write_turns(test_path, test_turns)
   vocab_path = vocab_lib.build_demo_vocabulary(output_dir=os.path.join(workdir, "vocab"))
   model_dir = os.path.join(workdir, "diamante_run")
-  train = train_lib.train_diamante(
-      model_dir=model_dir, train_turns=train_turns, eval_turns=test_turns,
-      vocab_path=vocab_path, model_size="tiny", context_length=64, response_length=24,
-      batch_size=batch_size, train_steps=train_steps, learning_rate=2e-3, seed=seed,
+  # The core run, as `jaxmoral diamante train --gin_file=configs/diamante/tiny_cpu.gin` does.
+  train = runs.train_run(
+      model_dir=model_dir, model=diamante_model.DiamanteModel(config=t5_config(size="tiny")),
+      data=data.DialogueData(train_path=train_path, eval_path=test_path, vocab_path=vocab_path),
+      train_steps=train_steps, batch_size=batch_size,
+      feature_lengths={"inputs": 64, "targets": 24},
+      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=2e-3),
+      partitioner=partitioning.PjitPartitioner(), seed=seed,
       log_every=max(1, train_steps // 5), checkpoint_every=train_steps)
-  bundle = bundle_lib.load(train["export_dir"])
+  bundle = bundle_lib.load(model_dir)
   rerank = inference.RerankConfig(num_candidates=8, max_decode_length=24)
   metrics = evaluate.evaluate_turns(bundle, test_turns, num_random=3, max_candidates=5,
                                     num_generate=8, rerank=rerank, seed=seed)
@@ -70,8 +80,8 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
           f"{reply.candidates[-1].score:.2f}: {reply.candidates[-1].text}]", file=output)
   print("\n== self-chat ==", file=output)
   transcript = os.path.join(workdir, "self_chat.jsonl")
-  chat.self_chat(model_dir=train["export_dir"], opening="Hi! How was your weekend?",
+  chat.self_chat(model_dir=model_dir, opening="Hi! How was your weekend?",
                  num_rounds=4, transcript_path=transcript, rerank=rerank, seed=seed,
                  output=output)
-  return {"train": train, "eval": metrics, "export_dir": train["export_dir"],
-          "tensorboard": model_dir, "transcript": transcript}
+  return {"train": train, "eval": metrics, "model_dir": model_dir, "tensorboard": model_dir,
+          "transcript": transcript}

@@ -157,7 +157,7 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   Returns:
     See `evaluate_turns`.
   """
-  bundle = bundle_lib.load_from(model_dir)
+  bundle = bundle_lib.load(model_dir)
   result = evaluate_turns(bundle, data.read_dialogues(test_path), num_random=num_random,
                           max_candidates=max_candidates, max_contexts=max_contexts,
                           num_generate=num_generate,

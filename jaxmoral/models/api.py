@@ -1,20 +1,13 @@
 """The notebook API: load any jaxmoral-readable T5 and score or generate text in three lines.
 
   from jaxmoral import api
-  model = api.Model.from_pretrained("path/to/dir")       # HF, export, run dir or T5X
+  model = api.Model.from_pretrained("path/to/dir")       # any model directory or Hub id
   model.generate(["a question"], greedy=True).texts      # [["an answer"]]
   model.score(["a question"], ["an answer"])             # log-likelihoods, (batch,)
 
-`from_pretrained` tells the formats apart by their files:
-
-* Hugging Face: `config.json` + `model.safetensors` (or a sharded index); `spiece.model`
-  next to them is the vocabulary.
-* jaxmoral export (`checkpoints.export_params`, `jaxmoral export`): `params/` + `config.json`
-  (+ `vocab/spiece.model`).
-* Training run MODEL_DIR (`runs.train_run`): `model_config.json` + `checkpoints/` (latest step
-  unless `step=` is given) + `vocab/spiece.model`.
-* T5X (Orbax) checkpoint folder: `_METADATA` with the params under `target/` (config inferred
-  from the shapes; see `t5x_import`).
+`from_pretrained` reads every format `jaxmoral.model_dirs` knows: a Hugging Face folder
+(safetensors or pytorch_model.bin) or Hub id, a T5X checkpoint, a jaxmoral export, a run (or
+one step of it), a PPO run (its policy) or a Diamante run.
 
 Inputs and targets are strings (needs a vocabulary; EOS appended, as T5 trains) or token ids
 (a 2-D array or a list of lists, used as given; trailing 0s are padding). Every call pads the
@@ -25,7 +18,6 @@ session compiles a handful of shapes, not one per call; compiled functions are k
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 from typing import Any, Optional, Sequence, Union
@@ -92,7 +84,9 @@ class Model:
                source: str = "<in memory>"):
     self.config = config
     self.module = t5.T5(config)
-    self.params = jax.device_put(nn.meta.unbox(params))
+    params = nn.meta.unbox(params)
+    self.params = params if all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)) \
+        else jax.device_put(params)
     self.vocabulary = _load_vocabulary(vocabulary)
     self.source = source
     if self.vocabulary is not None and self.vocabulary.vocab_size > config.vocab_size:
@@ -101,6 +95,9 @@ class Model:
     module = self.module
     # One jitted function each; jax keeps one executable per (bucketed) shape.
     self._logits_fn = jax.jit(lambda p, enc, dec: module.apply({"params": p}, enc, dec))
+    from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
+    # The decoding backend's kernels, prepared once for these parameters.
+    self.decode_weights = decoding.prepare_decode_weights(self.module, self.params)
 
   def __repr__(self) -> str:
     return (f"Model({self.source}: d_model={self.config.d_model}, "
@@ -112,58 +109,28 @@ class Model:
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, *, vocabulary: Any = None,
                       dtype: Optional[str] = None, step: Optional[int] = None,
-                      config: Optional[T5Config] = None) -> "Model":
-    """Loads a model directory of any supported format (see the module docstring).
+                      config: Optional[T5Config] = None, partitioner: Any = None) -> "Model":
+    """Loads any model directory or Hub id (`jaxmoral.model_dirs`).
 
     Args:
-      path: The directory.
+      path: A Hugging Face folder (safetensors or pytorch_model.bin) or Hub id, a T5X
+        checkpoint, a jaxmoral export, a run (or one step of it), a PPO or Diamante run.
       vocabulary: seqio vocabulary or path to a SentencePiece `.model`; default: the one
-        stored with the checkpoint (`spiece.model` or `vocab/spiece.model`), if any.
+        stored with the checkpoint, if any.
       dtype: Activation dtype ("float32", "bfloat16"); default: the stored config's.
       step: Checkpoint step of a training run (default: the latest).
-      config: Config for checkpoints that lack one (an export without config.json, T5X);
-        required fields are then not inferred.
+      config: Config for checkpoints that lack one (T5X, an export without config.json).
+      partitioner: Place the parameters by its logical-axis rules (default: one device).
 
     Raises:
       FileNotFoundError: `path` is missing or in no known format (the message lists what was
         looked for).
     """
-    directory = pathlib.Path(path)
-    if not directory.is_dir():
-      raise FileNotFoundError(f"Model.from_pretrained: {directory} is not a directory")
-    from jaxmoral.models import hf_import, t5x_import
-    default_vocab = None
-    if (directory / hf_import.SINGLE_FILE).is_file() or (
-        directory / hf_import.INDEX_FILE).is_file():
-      loaded_config, params = hf_import.load_hf_t5(directory)
-      default_vocab = directory / "spiece.model"
-    elif (directory / "params").is_dir():
-      from jaxmoral import checkpoints
-      params, config_dict = checkpoints.load_exported(directory)
-      if config_dict is None and config is None:
-        raise FileNotFoundError(f"{directory}/config.json not found; pass config=")
-      loaded_config = config or T5Config.from_dict(config_dict)
-      default_vocab = directory / "vocab" / "spiece.model"
-    elif (directory / "model_config.json").is_file() and (directory / "checkpoints").is_dir():
-      from jaxmoral import runs
-      loaded_config = T5Config.from_dict(
-          json.loads((directory / runs.MODEL_CONFIG_FILE).read_text()))
-      params = runs.restore_run_params(directory, step=step)
-      default_vocab = directory / runs.VOCAB_DIR / "spiece.model"
-    elif (directory / "_METADATA").is_file() or any(
-        (p / "_METADATA").is_file() for p in directory.iterdir() if p.is_dir()):
-      loaded_config, params = t5x_import.load_t5x_params(directory, config=config)
-    else:
-      raise FileNotFoundError(
-          f"Model.from_pretrained: {directory} holds no known checkpoint (looked for "
-          f"{hf_import.SINGLE_FILE} / {hf_import.INDEX_FILE} (Hugging Face), params/ "
-          "(jaxmoral export), model_config.json + checkpoints/ (training run), _METADATA "
-          "(T5X / Orbax))")
-    if dtype is not None:
-      loaded_config = loaded_config.replace(dtype=dtype)
-    if vocabulary is None and default_vocab is not None and default_vocab.is_file():
-      vocabulary = default_vocab
-    return cls(loaded_config, params, vocabulary=vocabulary, source=str(directory))
+    from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+    loaded = model_dirs.load(path, partitioner=partitioner, step=step, dtype=dtype,
+                             config=config, vocabulary=vocabulary)
+    params = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
+    return cls(loaded.config, params, vocabulary=loaded.vocabulary, source=os.fspath(path))
 
   # -- text <-> ids -------------------------------------------------------------------------
   def _require_vocabulary(self) -> Any:
@@ -301,7 +268,7 @@ class Model:
         seqs, beam_scores = decoding.beam_search(
             self.module, self.params, encoder_input_tokens=enc, beam_size=beam_size,
             max_decode_length=max_decode_length, length_penalty=length_penalty,
-            eos_id=self.config.eos_token_id)
+            eos_id=self.config.eos_token_id, decode_weights=self.decode_weights)
         seqs = np.asarray(seqs)[:n]
         tokens.append(seqs)
         scores.append(np.asarray(beam_scores)[:n])
@@ -312,7 +279,7 @@ class Model:
             rng=jax.random.fold_in(base, index), max_decode_length=max_decode_length,
             num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
             greedy=greedy, no_repeat_ngram_size=no_repeat_ngram_size,
-            eos_id=self.config.eos_token_id)
+            eos_id=self.config.eos_token_id, decode_weights=self.decode_weights)
         tokens.append(np.asarray(out.tokens)[:n])
         scores.append(np.asarray(jnp.sum(out.logprobs * out.mask, axis=-1))[:n])
         lengths.append(np.asarray(out.lengths)[:n])

@@ -14,8 +14,8 @@ import gin
 
 FeedForward = Literal["relu", "gated-gelu", "gated-relu", "gated-silu"]
 DType = Literal["float32", "bfloat16", "float16"]
-AttentionImpl = Literal["auto", "einsum", "cudnn"]
-ATTENTION_IMPLS = ("auto", "einsum", "cudnn")
+AttentionImpl = Literal["auto", "einsum", "cudnn", "pallas"]
+ATTENTION_IMPLS = ("auto", "einsum", "cudnn", "pallas")
 
 
 def cudnn_supports_head_width(d_kv: int) -> bool:
@@ -49,13 +49,18 @@ class T5Config:
     attention_impl: How teacher-forced attention (training, scoring, encoding) is computed:
       "einsum" (two products around a float32 softmax, any device), "cudnn" (cuDNN's fused
       flash attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, bfloat16 or
-      float16, no attention dropout), or "auto" (cuDNN where it applies, else einsum).
+      float16, no attention dropout), "pallas" (`flash_attention`: Pallas flash-attention
+      kernels for TPUs that also return the position bias's gradient and never materialise
+      (batch, heads, q, k) scores; any dtype, no attention dropout; off TPUs only with
+      `flash_attention.INTERPRET`, checked when attention is traced, not here: a config
+      built on a CPU host may be compiled for a TPU), or "auto" (cuDNN where it applies,
+      else einsum).
       Decoding steps against the key/value cache never use cuDNN: einsum, or
       `cpu_kernels.decode_attention` when decoding float32 on a CPU (see `jaxmoral.decoding`).
     right_padded_inputs: Promise that every unpacked encoder row is its valid tokens followed
       by padding, as seqio's feature converters write them. cuDNN attention then masks keys
-      by per-row lengths instead of a dense (batch, heads, q, k) bias, which was 1.7x faster
-      at T5 1.1-large shapes (bench/RESULTS.md); a row with padding before a valid token
+      by per-row lengths instead of a dense (batch, heads, q, k) bias, which is much faster
+      at T5 1.1-large shapes; a row with padding before a valid token
       would attend wrongly. Packed batches (segment ids) always use the dense mask.
   """
 
@@ -101,6 +106,9 @@ class T5Config:
     if self.attention_impl == "cudnn" and self.dropout_rate > 0:
       raise ValueError("T5Config.attention_impl='cudnn' cannot apply dropout_rate > 0 to the "
                        "attention weights; use 'auto' (einsum while dropout is on) or 'einsum'")
+    if self.attention_impl == "pallas" and self.dropout_rate > 0:
+      raise ValueError("T5Config.attention_impl='pallas' cannot apply dropout_rate > 0 to the "
+                       "attention weights; use 'einsum' (or 'auto') while training with dropout")
     if self.attention_impl == "cudnn" and not cudnn_supports_head_width(self.d_kv):
       raise ValueError(f"T5Config.attention_impl='cudnn' needs d_kv a multiple of 8 and at "
                        f"most 128, got {self.d_kv}")

@@ -1,24 +1,33 @@
-"""Hugging Face T5 checkpoints (safetensors + config.json) <-> jaxmoral parameters.
+"""Hugging Face T5 checkpoints <-> jaxmoral parameters: the format, read one slice at a time.
 
-Reads with `safetensors` only (no torch at runtime). Handles T5 1.0 (`DenseReluDense.wi`, logits
-through the tied `shared.weight`, rescaled by d_model**-0.5) and T5 1.1 / Flan-T5 / mT5
-(`DenseReluDense.wi_0`/`wi_1`, separate `lm_head.weight`), single-file `model.safetensors` or
-sharded `model.safetensors.index.json`. The relative attention bias lives in block 0 only.
+Reads `model.safetensors` (single or sharded through `model.safetensors.index.json`) with
+`safetensors`, and PyTorch `pytorch_model.bin` (single or sharded through its index) with
+`torch.load(weights_only=True, mmap=True)` when torch is installed. Handles T5 1.0
+(`DenseReluDense.wi`, logits through the tied `shared.weight`, rescaled by d_model**-0.5) and
+T5 1.1 / Flan-T5 / mT5 (`DenseReluDense.wi_0`/`wi_1`, separate `lm_head.weight`). The
+relative attention bias lives in block 0 only.
+
+Every parameter is a `TensorSource`: its shape in jaxmoral's layout and a function that reads
+any slice of it in that layout, so a loader can hand each device only its own shard
+(`jaxmoral.model_dirs`); nothing reads a whole checkpoint into memory at once.
 
 Transformers 5 note: its `T5Config` always ties `lm_head` to `shared` unless the checkpoint holds
 a different `lm_head.weight`, and says whether the decoder output is rescaled in
 `scale_decoder_outputs` (older configs say it through `tie_word_embeddings`). jaxmoral's
 `tie_word_embeddings` means "tied and rescaled" (T5 1.0); every other combination is written
-as an untied `decoder/logits_dense/kernel` with the same numbers.
+as an untied `decoder/logits_dense/kernel` with the same numbers. jaxmoral's T5 has one token
+embedding for encoder and decoder: a checkpoint whose `encoder.embed_tokens` or
+`decoder.embed_tokens` differs from `shared` is refused.
 """
 
 from __future__ import annotations
 
-import collections.abc
+import abc
+import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import flax
 import flax.linen as nn
@@ -29,14 +38,26 @@ from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5x_import import expected_shapes, validate_params
 
 Params = dict[str, Any]
+Index = tuple[slice, ...]
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# Tensors HF checkpoints may hold that duplicate another one (tied) or that HF never uses.
-_IGNORED = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
-            "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight")
+BIN_FILE = "pytorch_model.bin"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
+CHECKPOINT_FILES = (SINGLE_FILE, INDEX_FILE, BIN_FILE, BIN_INDEX_FILE)
+# Tensors HF never uses (cross-attention has no relative bias of its own).
+_IGNORED = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
+# Copies of `shared` that HF checkpoints may hold; a different table is refused.
+_EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 _SUPPORTED_MODEL_TYPES = ("t5", "mt5")
 
 
+def is_hf_checkpoint(directory: str | os.PathLike) -> bool:
+  """Whether `directory` holds a Hugging Face checkpoint file (safetensors or PyTorch)."""
+  directory = pathlib.Path(directory)
+  return any((directory / name).is_file() for name in CHECKPOINT_FILES)
+
+
+# -- config -------------------------------------------------------------------------------------
 def _as_int(value: Any, field: str) -> int:
   if isinstance(value, (list, tuple)):  # eos_token_id may be a list in newer configs.
     value = value[0] if value else None
@@ -106,6 +127,22 @@ def config_to_hf(config: T5Config) -> dict[str, Any]:
   }
 
 
+def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
+  """A Hugging Face folder's `config.json`, checked to describe a T5 (errors name the file)."""
+  config_path = pathlib.Path(directory) / "config.json"
+  if not config_path.is_file():
+    raise FileNotFoundError(f"{config_path} not found")
+  try:
+    hf_config = json.loads(config_path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{config_path}: invalid JSON ({e})") from e
+  try:
+    config_from_hf(hf_config)
+  except ValueError as e:
+    raise ValueError(f"{config_path}: {e}") from e
+  return hf_config
+
+
 # -- name table ---------------------------------------------------------------------------------
 # (hf name, jaxmoral path, kind); kind "linear": HF (out, in) = kernel.T, "relpos": (buckets,
 # heads) = rel_embedding.T, "copy": same layout. One table serves import and export.
@@ -152,153 +189,277 @@ def name_table(config: T5Config, *, lm_head: bool) -> list[_Entry]:
   return table
 
 
-# -- reading ------------------------------------------------------------------------------------
-class _SafetensorsReader(collections.abc.Mapping):
-  """Lazy name -> tensor mapping over one `model.safetensors` or a sharded index."""
+# -- checkpoint files ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+  """One parameter in jaxmoral's layout, read slice by slice from a checkpoint.
+
+  Attributes:
+    shape: The parameter's shape (jaxmoral layout).
+    read: `read(index) -> float32 array` of `index` (one slice per dimension, jaxmoral layout).
+    where: The file holding it, quoted in errors.
+  """
+  shape: tuple[int, ...]
+  read: Callable[[Index], np.ndarray]
+  where: str
+
+  def full(self) -> np.ndarray:
+    return self.read(tuple(slice(None) for _ in self.shape))
+
+
+class CheckpointFiles(abc.ABC):
+  """Named tensors of a checkpoint (HF layout), readable a slice at a time."""
+
+  @abc.abstractmethod
+  def names(self) -> list[str]:
+    """Every tensor name."""
+
+  @abc.abstractmethod
+  def shape(self, name: str) -> tuple[int, ...]:
+    """The tensor's shape (HF layout)."""
+
+  @abc.abstractmethod
+  def read(self, name: str, index: Index) -> np.ndarray:
+    """`index` of the tensor, as float32 (HF layout)."""
+
+  @abc.abstractmethod
+  def where(self, name: str) -> str:
+    """The file holding the tensor."""
+
+
+def _weight_map(index: pathlib.Path) -> dict[str, pathlib.Path]:
+  try:
+    weight_map = json.loads(index.read_text())["weight_map"]
+  except (json.JSONDecodeError, KeyError, TypeError) as e:
+    raise ValueError(f"{index}: not a checkpoint index with a weight_map ({e})") from e
+  files = {name: index.parent / file for name, file in weight_map.items()}
+  for file in sorted(set(files.values())):
+    if not file.is_file():
+      raise FileNotFoundError(f"{index}: lists shard {file.name}, which does not exist")
+  return files
+
+
+class SafetensorsFiles(CheckpointFiles):
+  """One `model.safetensors` or the shards of `model.safetensors.index.json`."""
 
   def __init__(self, directory: pathlib.Path):
+    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+    self._open = safe_open
     single, index = directory / SINGLE_FILE, directory / INDEX_FILE
-    if single.is_file():
-      self.files = {name: single for name in self._keys(single)}
-    elif index.is_file():
+    files = [single] if single.is_file() else sorted(set(_weight_map(index).values()))
+    self._files: dict[str, pathlib.Path] = {}
+    self._shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
       try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-      except (json.JSONDecodeError, KeyError) as e:
-        raise ValueError(f"{index}: not a safetensors index with a weight_map ({e})") from e
-      self.files = {name: directory / file for name, file in weight_map.items()}
-      for file in sorted(set(self.files.values())):
-        if not file.is_file():
-          raise FileNotFoundError(f"{index}: lists shard {file.name}, which does not exist")
-    else:
-      raise FileNotFoundError(f"{directory}: neither {SINGLE_FILE} nor {INDEX_FILE} found "
-                              "(PyTorch .bin checkpoints are not read; re-save with "
-                              "safe_serialization=True)")
+        with safe_open(str(file), framework="numpy") as f:
+          for name in f.keys():
+            self._files[name] = file
+            self._shapes[name] = tuple(f.get_slice(name).get_shape())
+      except Exception as e:  # pylint: disable=broad-except  (safetensors' own error types)
+        raise ValueError(f"{file}: not a readable safetensors file "
+                         f"({str(e).splitlines()[0]})") from e
 
-  @staticmethod
-  def _keys(path: pathlib.Path) -> list[str]:
-    from safetensors import safe_open
-    with safe_open(str(path), framework="numpy") as f:
-      return list(f.keys())
+  def names(self) -> list[str]:
+    return list(self._files)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._shapes[name]
+
+  def read(self, name: str, index: Index) -> np.ndarray:
+    with self._open(str(self._files[name]), framework="numpy") as f:
+      return np.asarray(f.get_slice(name)[index], np.float32)
 
   def where(self, name: str) -> str:
-    """The file holding `name`."""
-    return str(self.files[name])
-
-  def __getitem__(self, name: str) -> np.ndarray:
-    from safetensors import safe_open
-    with safe_open(str(self.files[name]), framework="numpy") as f:
-      return f.get_tensor(name)
-
-  def __iter__(self) -> Iterator[str]:
-    return iter(self.files)
-
-  def __len__(self) -> int:
-    return len(self.files)
+    return str(self._files[name])
 
 
-_TO_OURS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "linear": lambda w: np.ascontiguousarray(w.T), "relpos": lambda w: np.ascontiguousarray(w.T),
-    "copy": lambda w: w}
+class TorchFiles(CheckpointFiles):
+  """One `pytorch_model.bin` or the shards of its index, memory-mapped (weights only)."""
+
+  def __init__(self, directory: pathlib.Path):
+    try:
+      import torch  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise ValueError(f"{directory} holds a PyTorch checkpoint ({BIN_FILE}); reading it needs "
+                       "torch: pip install 'jaxmoral[torch]', or re-save it with "
+                       "save_pretrained(safe_serialization=True)") from None
+    self._torch = torch
+    single, index = directory / BIN_FILE, directory / BIN_INDEX_FILE
+    files = {None: single} if single.is_file() else _weight_map(index)
+    self._tensors: dict[str, Any] = {}
+    self._files: dict[str, pathlib.Path] = {}
+    for file in sorted(set(files.values())):
+      try:
+        state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+      except Exception as e:  # pylint: disable=broad-except  (torch raises many kinds)
+        raise ValueError(f"{file}: cannot read it as a weights-only PyTorch checkpoint: "
+                         f"{str(e).splitlines()[0]}") from e
+      for name, tensor in state.items():
+        self._tensors[name], self._files[name] = tensor, file
+
+  def names(self) -> list[str]:
+    return list(self._tensors)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._tensors[name].shape)
+
+  def read(self, name: str, index: Index) -> np.ndarray:
+    return self._tensors[name][index].to(self._torch.float32).numpy()
+
+  def where(self, name: str) -> str:
+    return str(self._files[name])
 
 
-def _hf_shape(ours: np.ndarray, kind: str) -> tuple[int, ...]:
-  return tuple(ours.shape[::-1]) if kind in ("linear", "relpos") else tuple(ours.shape)
+class InMemoryTensors(CheckpointFiles):
+  """A state dict already in memory (name -> array-like, e.g. torch tensors as NumPy)."""
+
+  def __init__(self, tensors: Mapping[str, Any], source: str = "<HF tensors>"):
+    self._tensors = dict(tensors)
+    self._source = source
+
+  def names(self) -> list[str]:
+    return list(self._tensors)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(np.shape(self._tensors[name]))
+
+  def read(self, name: str, index: Index) -> np.ndarray:
+    return np.asarray(self._tensors[name], np.float32)[index]
+
+  def where(self, name: str) -> str:
+    return self._source
 
 
-def params_from_hf(tensors: Mapping[str, Any], hf_config: Mapping[str, Any], *,
-                   dtype: str = "float32", source: str = "<HF tensors>",
-                   **overrides: Any) -> tuple[T5Config, Params]:
-  """Converts HF T5 tensors (name -> array, e.g. a state dict as NumPy) to jaxmoral params.
+def open_checkpoint(directory: str | os.PathLike) -> CheckpointFiles:
+  """The tensors of a Hugging Face folder: safetensors first, else PyTorch `.bin`.
+
+  Raises:
+    FileNotFoundError: No checkpoint file (the message lists what was looked for).
+    ValueError: A `.bin` checkpoint without torch installed, or an unreadable file.
+  """
+  directory = pathlib.Path(directory)
+  if (directory / SINGLE_FILE).is_file() or (directory / INDEX_FILE).is_file():
+    return SafetensorsFiles(directory)
+  if (directory / BIN_FILE).is_file() or (directory / BIN_INDEX_FILE).is_file():
+    return TorchFiles(directory)
+  raise FileNotFoundError(f"{directory}: no Hugging Face checkpoint (looked for "
+                          f"{', '.join(CHECKPOINT_FILES)})")
+
+
+# -- tensors -> parameters ----------------------------------------------------------------------
+def _linear(files: CheckpointFiles, name: str, scale: float = 1.0) -> TensorSource:
+  """A (out, in) HF matrix as its transpose; `scale` multiplies every value."""
+  hf_shape = files.shape(name)
+
+  def read(index: Index) -> np.ndarray:
+    block = files.read(name, tuple(reversed(index))).T
+    return block * np.float32(scale) if scale != 1.0 else block
+
+  return TensorSource(tuple(reversed(hf_shape)), read, files.where(name))
+
+
+def _copy(files: CheckpointFiles, name: str) -> TensorSource:
+  return TensorSource(files.shape(name), lambda index: files.read(name, index),
+                      files.where(name))
+
+
+def _same_table(files: CheckpointFiles, a: str, b: str) -> bool:
+  if files.shape(a) != files.shape(b):
+    return False
+  full = tuple(slice(None) for _ in files.shape(a))
+  return bool(np.array_equal(files.read(a, full), files.read(b, full)))
+
+
+def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
+                   source: str = "<HF tensors>", **overrides: Any
+                   ) -> tuple[T5Config, dict[tuple[str, ...], TensorSource]]:
+  """The `T5Config` and every parameter of an HF checkpoint, as lazily read sources.
 
   Args:
-    tensors: HF names to arrays; read lazily (only the needed tensors are fetched).
-    hf_config: The HF config.json dict.
-    dtype: Activation dtype of the returned config; parameters are float32 whatever the input.
+    files: The checkpoint's tensors (`open_checkpoint`).
+    hf_config: Its config.json dict.
     source: Where the tensors come from, quoted in errors.
-    **overrides: Further T5Config fields (e.g. `dropout_rate=0.0`).
+    **overrides: Further T5Config fields (e.g. `dtype="bfloat16"`, `dropout_rate=0.0`).
 
   Returns:
-    (config, params) as `load_hf_t5`.
+    (config, {jaxmoral path: TensorSource}); parameters are float32 whatever the files hold.
+
+  Raises:
+    ValueError: A missing, unexpected or mis-shaped tensor (named, with its file), or
+      embedding tables that differ from `shared`.
   """
-  where = getattr(tensors, "where", lambda name: source)
-  get = lambda name: np.asarray(tensors[name], dtype=np.float32)  # bf16/fp16 -> float32.
-  config = config_from_hf(hf_config, dtype=dtype, **overrides)
+  config = config_from_hf(hf_config, **overrides)
+  names = set(files.names())
+  for copy_name in _EMBEDDING_COPIES:
+    if copy_name in names and "shared.weight" in names and not _same_table(
+        files, copy_name, "shared.weight"):
+      raise ValueError(f"{source}: {copy_name} (in {files.where(copy_name)}) differs from "
+                       "shared.weight; jaxmoral's T5 has one token embedding for encoder and "
+                       "decoder, so this checkpoint cannot be read without changing the model")
 
   # Which head the numbers describe (see the module docstring).
-  scaled = config.tie_word_embeddings
-  head = get("lm_head.weight") if "lm_head.weight" in tensors else None
-  shared = get("shared.weight") if "shared.weight" in tensors else None
-  untie = head is not None and shared is not None and not np.array_equal(head, shared)
-  if scaled and untie:  # Rescaled but untied: fold the scale into the head.
-    config = config.replace(tie_word_embeddings=False)
-    head = head * np.float32(config.d_model ** -0.5)
-  elif not scaled and head is None:  # Tied without rescale (transformers 5 default for 1.1).
-    head = shared
+  head: Optional[TensorSource] = None
+  if "lm_head.weight" in names:
+    untied = "shared.weight" not in names or not _same_table(files, "lm_head.weight",
+                                                             "shared.weight")
+    if config.tie_word_embeddings and untied:  # Rescaled but untied: fold the scale in.
+      config = config.replace(tie_word_embeddings=False)
+      head = _linear(files, "lm_head.weight", scale=config.d_model ** -0.5)
+    elif not config.tie_word_embeddings:
+      head = _linear(files, "lm_head.weight")
+  if not config.tie_word_embeddings and head is None and "shared.weight" in names:
+    head = _linear(files, "shared.weight")  # Tied without rescale (transformers 5 for 1.1).
 
   table = name_table(config, lm_head=False)
-  missing = [name for name, _, _ in table if name not in tensors]
+  missing = [name for name, _, _ in table if name not in names]
   if missing:
-    searched = sorted({where(n) for n in tensors}) or [source]
+    searched = sorted({files.where(n) for n in names}) or [source]
     raise ValueError(f"{source}: missing tensors {missing} for a {config.feed_forward_proj} T5 "
                      f"with {config.num_encoder_layers}+{config.num_decoder_layers} layers "
                      f"(searched {searched})")
-  known = {name for name, _, _ in table} | {"lm_head.weight", *_IGNORED}
-  unexpected = sorted(set(tensors) - known)
+  known = {name for name, _, _ in table} | {"lm_head.weight", *_IGNORED, *_EMBEDDING_COPIES}
+  unexpected = sorted(names - known)
   if unexpected:
     raise ValueError(f"{source}: unexpected tensors " +
-                     ", ".join(f"{n} (in {where(n)})" for n in unexpected) +
+                     ", ".join(f"{n} (in {files.where(n)})" for n in unexpected) +
                      f" for a {config.feed_forward_proj} T5 with {config.num_encoder_layers}+"
                      f"{config.num_decoder_layers} layers")
-  flat = {path: _TO_OURS[kind](get(name)) for name, path, kind in table}
+  sources = {path: (_copy(files, name) if kind == "copy" else _linear(files, name))
+             for name, path, kind in table}
   if not config.tie_word_embeddings:
-    flat[("decoder", "logits_dense", "kernel")] = np.ascontiguousarray(head.T)
+    sources[("decoder", "logits_dense", "kernel")] = head
   shapes = expected_shapes(config)
-  bad = [f"{name} (in {where(name)}): shape {_hf_shape(flat[path], kind)}, expected "
-         f"{_hf_shape(np.empty(shapes[path]), kind)}"
-         for name, path, kind in table if flat[path].shape != shapes[path]]
+  hf_names = {path: name for name, path, _ in table}
+  hf_names[("decoder", "logits_dense", "kernel")] = "lm_head.weight"
+  bad = []
+  for path, tensor in sources.items():
+    if tensor.shape != shapes[path]:
+      flip = path[-1] in ("kernel", "rel_embedding")  # HF stores these transposed.
+      shown = (lambda s: tuple(reversed(s))) if flip else tuple
+      bad.append(f"{hf_names[path]} (in {tensor.where}): shape {shown(tensor.shape)}, "
+                 f"expected {shown(shapes[path])}")
   if bad:
     raise ValueError(f"{source}: tensors do not fit config.json: " + "; ".join(bad))
-  params = flax.traverse_util.unflatten_dict(flat)
-  validate_params(params, config, source=source)  # The whole tree, incl. the head.
-  return config, params
+  return config, sources
 
 
-def load_hf_t5(directory: str | os.PathLike, *, dtype: str = "float32",
-               **overrides: Any) -> tuple[T5Config, Params]:
-  """Loads a Hugging Face T5 checkpoint directory.
-
-  Args:
-    directory: Holds `config.json` and `model.safetensors` (or a sharded index + shards).
-    dtype: Activation dtype of the returned config; parameters are float32 whatever the file.
-    **overrides: Further T5Config fields (e.g. `dropout_rate=0.0`).
-
-  Returns:
-    (config, params): params a nested dict of float32 NumPy arrays in jaxmoral/T5X names
-    (unboxed; `model.apply({"params": params}, ...)` takes it as is).
-
-  Raises:
-    FileNotFoundError: no config.json / safetensors.
-    ValueError: a bad config field, or a missing, unexpected or mis-shaped tensor (named, with
-      its file).
-  """
-  directory = pathlib.Path(directory)
-  config_path = directory / "config.json"
-  if not config_path.is_file():
-    raise FileNotFoundError(f"{config_path} not found")
-  try:
-    hf_config = json.loads(config_path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{config_path}: invalid JSON ({e})") from e
-  try:
-    config_from_hf(hf_config, dtype=dtype, **overrides)
-  except ValueError as e:
-    raise ValueError(f"{config_path}: {e}") from e
-  return params_from_hf(_SafetensorsReader(directory), hf_config, dtype=dtype,
-                        source=str(directory), **overrides)
+def materialize(sources: Mapping[tuple[str, ...], TensorSource]) -> Params:
+  """Every source read whole into a nested dict of float32 NumPy arrays."""
+  return flax.traverse_util.unflatten_dict({path: s.full() for path, s in sources.items()})
 
 
+def params_from_hf(tensors: Mapping[str, Any], hf_config: Mapping[str, Any], *,
+                   source: str = "<HF tensors>", **overrides: Any) -> tuple[T5Config, Params]:
+  """Converts an in-memory HF T5 state dict (name -> array) to jaxmoral params (NumPy)."""
+  config, sources = tensor_sources(InMemoryTensors(tensors, source), hf_config, source=source,
+                                   **overrides)
+  return config, materialize(sources)
+
+
+# -- writing ------------------------------------------------------------------------------------
 def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | os.PathLike, *,
-                 dtype: Optional[str] = None) -> pathlib.Path:
+                 dtype: Optional[str] = None, extra_files: Sequence[str | os.PathLike] = ()
+                 ) -> pathlib.Path:
   """Writes `config.json` + `model.safetensors` that `T5ForConditionalGeneration` loads.
 
   Args:
@@ -306,11 +467,13 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
     config: Their config.
     directory: Created if needed.
     dtype: Storage dtype ("float32" default, "bfloat16", "float16").
+    extra_files: Files copied beside them (e.g. the vocabulary's `spiece.model`).
 
   Returns:
     The directory.
   """
-  from safetensors.numpy import save_file
+  import shutil  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   validate_params(params, config, source="export_hf_t5 params")
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(dict(params)))
   np_dtype = {None: np.float32, "float32": np.float32, "float16": np.float16,
@@ -318,11 +481,14 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
   tensors = {}
   for name, path, kind in name_table(config, lm_head=not config.tie_word_embeddings):
     value = np.asarray(jax.device_get(flat[path]), dtype=np.float32)
-    tensors[name] = np.ascontiguousarray(_TO_OURS[kind](value)).astype(np_dtype)
+    value = value.T if kind in ("linear", "relpos") else value
+    tensors[name] = np.ascontiguousarray(value).astype(np_dtype)
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
   hf_config = config_to_hf(config)
   hf_config["torch_dtype"] = dtype or "float32"
   (directory / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+  for extra in extra_files:
+    shutil.copyfile(extra, directory / pathlib.Path(extra).name)
   return directory

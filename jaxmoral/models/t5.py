@@ -26,9 +26,9 @@ method=...)`: `embed` (token ids -> input embeddings), `encode` (from ids *or* e
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import math
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import flax
 import flax.linen as nn
@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral import cpu_kernels
 from jaxmoral.models.config import T5Config, cudnn_supports_head_width
+from jaxmoral.models import flash_attention
 from jaxmoral.models import heads
 
 Array = jax.Array
@@ -103,7 +103,7 @@ def _matmul_last_axis(x: Array, kernel: Array, *, split_one_row: bool = True,
 
   Written as a 3-D einsum, the weight gradient contracts over two axes (batch and length);
   XLA:CPU then transposes the activation gradient before every such product, and a T5 1.1
-  MLP's forward + backward ran at half the speed of this 2-D form (97–112 vs 192–199 GFLOP/s).
+  MLP's forward + backward ran at about half the speed of this 2-D form.
   A single row goes through `_vector_matmul` unless `split_one_row` is False (a transposed
   `kernel`, whose split would be a copy).
   """
@@ -119,9 +119,9 @@ def _vector_matmul(row: Array, kernel: Array, **dot_kwargs: Any) -> Array:
   """(1, d) @ (d, ...) -> (1, ...) as two half-length products, summed.
 
   A one-row product (a decoding step at batch 1) streams the kernel once and is bound by
-  memory latency: XLA:CPU read T5 1.1-small's 0.8–2 MB kernels at 12–16 GB/s. Splitting the
-  contracted axis in two halves, one batched product over them, keeps two streams in flight:
-  17–24 GB/s on the same kernels (bench/RESULTS.md, session 4). The reshape of a row-major
+  memory latency on XLA:CPU. Splitting the contracted axis in two halves, one batched
+  product over them, keeps two streams in flight, which reads the kernel faster. The reshape
+  of a row-major
   kernel is free; the two halves are summed in float32.
   """
   d = row.shape[-1]
@@ -148,15 +148,12 @@ class DenseKernel(nn.Module):
     return _param(self, "kernel", init, (in_features, self.features), self.axes).astype(
         self.dtype)
 
-  def is_packed(self) -> bool:
-    """Whether decoding gave this layer a packed kernel (see `decode_kernels`)."""
-    return self.has_variable("params", PACKED_KERNEL)
-
-  def __call__(self, x: Array) -> Array:
-    packed = _packed_product(self, PACKED_KERNEL, x, (self.features,))
-    if packed is not None:
-      return packed.astype(self.dtype)
-    return _matmul_last_axis(x, self.kernel(x.shape[-1]))
+  def __call__(self, x: Array, *, decode_step: bool = False) -> Array:
+    kernel = self.kernel(x.shape[-1])
+    if decode_step:
+      return decode_step_ops().products(self.path, ("kernel",), x, [kernel])[0].astype(
+          self.dtype)
+    return _matmul_last_axis(x, kernel)
 
 
 def _matmul_stacked(x: Array, stacked: Array) -> list[Array]:
@@ -164,105 +161,65 @@ def _matmul_stacked(x: Array, stacked: Array) -> list[Array]:
 
   One wide product reads the kernels in a single pass; in decoding, where each token is a
   matrix-vector product bound by memory bandwidth, fusing query/key/value (and the two gated
-  MLP inputs) made those products 25–30 % faster on CPU. The kernels are stacked on a new
+  MLP inputs) made those products markedly faster on CPU. The kernels are stacked on a new
   middle axis, not concatenated, so a kernel sharded along `f` stays sharded the same way.
   """
   out = _matmul_last_axis(x, stacked)
   return [out[..., i, :] for i in range(stacked.shape[1])]
 
 
-# Optional params a decoding step reads instead of multiplying by its layers' own kernels;
-# `jaxmoral.decoding` adds them, built once per set of kernels and cached (`decode_kernels`).
-# For XLA's dot: the kernels one product reads, stacked on a new axis 1.
-STACKED_QKV = "stacked_qkv_kernel"  # self_attention: (embed, 3, joined_kv) query, key, value.
-STACKED_WI = "stacked_wi_kernel"  # mlp (gated): (embed, 2, mlp) wi_0, wi_1.
-# For `cpu_kernels.packed_matmul` (float32 decoding on a CPU): every product of a step, its
-# kernel as `cpu_kernels.pack_columns` panels.
-PACKED_QKV = "packed_qkv_kernel"  # self_attention: query, key, value stacked, then packed.
-PACKED_WI = "packed_wi_kernel"  # mlp (gated): wi_0, wi_1 stacked, then packed.
-PACKED_KERNEL = "packed_kernel"  # Beside `kernel` in a decoder DenseKernel or logits_dense.
-PACKED_ATTEND = "packed_attend_kernel"  # token_embedder: the tied logits projection.
+class DecodeStepOps:
+  """How a cached decoding step multiplies by its weights and attends (XLA by default).
 
-# How `build_decode_kernel` makes each one from its source kernels.
-STACK, PACK, PACK_TRANSPOSED = "stack", "pack", "pack_transposed"
-
-
-def decode_kernels(params: Mapping[str, Any], *, packed: bool
-                   ) -> dict[tuple[str, ...], tuple[str, list[Array]]]:
-  """Where each optional decode-step kernel goes in `params`, how, and from which kernels.
-
-  Args:
-    params: An (unboxed) T5 'params' tree.
-    packed: False: the stacked self-attention and gated-MLP input kernels XLA's dot reads.
-      True: every kernel of a decoding step packed for `cpu_kernels.packed_matmul`.
-
-  Returns:
-    {param path: (STACK | PACK | PACK_TRANSPOSED, [source kernels, in stacking order])}.
+  `jaxmoral.decoding` traces every decoder step inside `using_decode_step_ops(ops)` with the
+  ops of its backend (stacked kernels prepared once, or a CPU kernel library); the model calls
+  them in those steps only, so training and teacher forcing never see them, and the model
+  knows nothing of any backend. Keys are the calling module's path and the names of the
+  kernels it multiplies by, e.g. (("decoder", "layers_0", "self_attention"), ("query", "key",
+  "value")).
   """
-  decoder = params["decoder"]
-  kernels: dict[tuple[str, ...], tuple[str, list[Array]]] = {}
-  for name, layer in decoder.items():
-    if not name.startswith("layers_"):
-      continue
-    mlp = layer["mlp"]
-    qkv = [layer["self_attention"][proj]["kernel"] for proj in ("query", "key", "value")]
-    wi = [mlp[proj]["kernel"] for proj in ("wi_0", "wi_1")] if "wi_0" in mlp else None
-    where = ("decoder", name)
-    if not packed:
-      kernels[where + ("self_attention", STACKED_QKV)] = (STACK, qkv)
-      if wi:
-        kernels[where + ("mlp", STACKED_WI)] = (STACK, wi)
-      continue
-    kernels[where + ("self_attention", PACKED_QKV)] = (PACK, qkv)
-    for module, proj in (("self_attention", "out"), ("encoder_decoder_attention", "query"),
-                         ("encoder_decoder_attention", "out"), ("mlp", "wo")):
-      kernels[where + (module, proj, PACKED_KERNEL)] = (PACK, [layer[module][proj]["kernel"]])
-    if wi:
-      kernels[where + ("mlp", PACKED_WI)] = (PACK, wi)
-    else:
-      kernels[where + ("mlp", "wi", PACKED_KERNEL)] = (PACK, [mlp["wi"]["kernel"]])
-  if packed and "logits_dense" in decoder:
-    kernels[("decoder", "logits_dense", PACKED_KERNEL)] = (
-        PACK, [decoder["logits_dense"]["kernel"]])
-  elif packed:
-    kernels[("token_embedder", PACKED_ATTEND)] = (
-        PACK_TRANSPOSED, [params["token_embedder"]["embedding"]])
-  return kernels
 
+  def products(self, path: tuple[str, ...], names: tuple[str, ...], x: Array,
+               kernels: Sequence[Array], *, preferred_element_type: Any = None
+               ) -> list[Array]:
+    """[x @ k for k in kernels] (..., d) -> (..., f_i), as one product when there are several
+    (one pass over the weights, which bounds a decoding step)."""
+    del path, names
+    kwargs = {} if preferred_element_type is None else {
+        "preferred_element_type": preferred_element_type}
+    if len(kernels) == 1:
+      return [_matmul_last_axis(x, kernels[0], **kwargs)]
+    return self.stacked_products(x, jnp.stack(list(kernels), axis=1))
 
-def build_decode_kernel(how: str, kernels: list[Array]) -> Array:
-  """One `decode_kernels` entry: STACK (on axis 1), PACK (stacked, then packed) or
-  PACK_TRANSPOSED (the transpose of one kernel, packed)."""
-  if how == PACK_TRANSPOSED:
-    return cpu_kernels.pack_columns(kernels[0].T)
-  stacked = kernels[0] if len(kernels) == 1 else jnp.stack(kernels, axis=1)
-  return stacked if how == STACK else cpu_kernels.pack_columns(stacked)
+  @staticmethod
+  def stacked_products(x: Array, stacked: Array) -> list[Array]:
+    """[x @ stacked[:, i] for each i] as one product (see `_matmul_stacked`)."""
+    return _matmul_stacked(x, stacked)
 
-
-def _packed_product(module: nn.Module, name: str, x: Array,
-                    features: tuple[int, ...]) -> Optional[Array]:
-  """`x @ kernel` (float32, (..., *features)) through `cpu_kernels.packed_matmul` when
-  decoding put the packed kernel `name` in `module`'s params; None when it did not."""
-  if not module.has_variable("params", name):
+  def attention(self, path: tuple[str, ...], query: Array, key: Array, value: Array,
+                bias: Array) -> Optional[Array]:
+    """A step's attention, (G*R, H, D) queries against (R, H, L, D) keys/values and a bias
+    broadcastable to (R, H, L); None: the model's own einsum attention."""
+    del path, query, key, value, bias
     return None
-  out = cpu_kernels.packed_matmul(x, module.get_variable("params", name), math.prod(features))
-  return out.reshape(*x.shape[:-1], *features)
 
 
-def _decode_step_products(module: nn.Module, x: Array, *, stacked_name: str, packed_name: str,
-                          kernels: Callable[[], list[Array]], features: tuple[int, int],
-                          dtype: Any) -> list[Array]:
-  """[x @ k for k in kernels()] for a decoding step as one product, `features` = (count,
-  width): through the packed kernel, the pre-stacked one, or one stacked here (see
-  `decode_kernels`)."""
-  out = _packed_product(module, packed_name, x, features)
-  if out is not None:
-    return [out[..., i, :].astype(dtype) for i in range(features[0])]
-  if module.has_variable("params", stacked_name):
-    stacked = module.get_variable("params", stacked_name).astype(dtype)
-  else:
-    stacked = jnp.stack(kernels(), axis=1)
-  return _matmul_stacked(x, stacked)
+_DECODE_STEP_OPS: list[DecodeStepOps] = []
+
+
+def decode_step_ops() -> DecodeStepOps:
+  """The ops of the decoding step being traced (XLA's unless a backend installed its own)."""
+  return _DECODE_STEP_OPS[-1] if _DECODE_STEP_OPS else DecodeStepOps()
+
+
+@contextlib.contextmanager
+def using_decode_step_ops(ops: DecodeStepOps) -> Iterator[DecodeStepOps]:
+  """Decoding steps traced inside use `ops` (a context, like flax's logical-axis rules)."""
+  _DECODE_STEP_OPS.append(ops)
+  try:
+    yield ops
+  finally:
+    _DECODE_STEP_OPS.pop()
 
 
 class Embed(nn.Module):
@@ -279,10 +236,11 @@ class Embed(nn.Module):
     out = jnp.take(self.embedding.astype(self.dtype), tokens, axis=0)
     return _constrain(out, ("batch", "length", "embed"))
 
-  def attend(self, x: Array) -> Array:
-    packed = _packed_product(self, PACKED_ATTEND, x, (self.num_embeddings,))
-    if packed is not None:
-      return packed
+  def attend(self, x: Array, *, decode_step: bool = False) -> Array:
+    if decode_step:
+      return decode_step_ops().products(self.path, ("attend",), x,
+                                        [self.embedding.astype(x.dtype).T],
+                                        preferred_element_type=jnp.float32)[0]
     return _matmul_last_axis(x, self.embedding.astype(x.dtype).T, split_one_row=False,
                              preferred_element_type=jnp.float32)
 
@@ -292,15 +250,14 @@ class LogitsDense(nn.Module):
   vocab_size: int
 
   @nn.compact
-  def __call__(self, hidden: Array) -> Array:
-    packed = _packed_product(self, PACKED_KERNEL, hidden, (self.vocab_size,))
-    if packed is not None:
-      return packed
+  def __call__(self, hidden: Array, *, decode_step: bool = False) -> Array:
     d_model = hidden.shape[-1]
     kernel = _param(self, "kernel", nn.initializers.normal(stddev=d_model ** -0.5),
-                    (d_model, self.vocab_size), ("embed", "vocab"))
-    return _matmul_last_axis(hidden, kernel.astype(hidden.dtype),
-                             preferred_element_type=jnp.float32)
+                    (d_model, self.vocab_size), ("embed", "vocab")).astype(hidden.dtype)
+    if decode_step:
+      return decode_step_ops().products(self.path, ("kernel",), hidden, [kernel],
+                                        preferred_element_type=jnp.float32)[0]
+    return _matmul_last_axis(hidden, kernel, preferred_element_type=jnp.float32)
 
 
 class RelativePositionBias(nn.Module):
@@ -340,14 +297,15 @@ def _cudnn_attention_available() -> bool:
 
 def use_fused_attention(config: T5Config, *, deterministic: bool, query_length: int,
                         key_length: int) -> bool:
-  """Whether teacher-forced attention of this call goes through the fused (cuDNN) kernel.
+  """Whether teacher-forced attention of this call goes through a fused (cuDNN or Pallas) kernel.
 
-  "cudnn" always does (the config has checked dtype, dropout and head width); "auto" does
+  "cudnn" and "pallas" always do (the config has checked dropout and, for cuDNN, dtype and
+  head width); "auto" does
   when the backend is a CUDA GPU, activations are 16-bit, no attention dropout is applied,
   heads are a multiple of 8 wide (at most 128) and both lengths are even (cuDNN's bias
   gradient needs that).
   """
-  if config.attention_impl == "cudnn":
+  if config.attention_impl in ("cudnn", "pallas"):
     return True
   if config.attention_impl == "einsum":
     return False
@@ -365,11 +323,17 @@ class FusedMask:
     position_bias: (1, heads, q, k) float32 relative-position bias, or None.
     mask: (batch, 1, q, k) bool, True where a query may attend to a key; None: all may.
     key_lengths: (batch,) int32: keys at positions >= length are masked (right padding).
+    query_ids: (batch, q) int32 segment id of each query, 0 for padding; set (with
+      `key_ids`, instead of `mask` and `key_lengths`) only for the Pallas kernel, which takes
+      masks factored: a query attends to the keys with its id.
+    key_ids: (batch, k) int32 segment id of each key, 0 for padding.
     causal: Queries attend to keys at their own position or before.
   """
   position_bias: Optional[Array] = None
   mask: Optional[Array] = None
   key_lengths: Optional[Array] = None
+  query_ids: Optional[Array] = None
+  key_ids: Optional[Array] = None
   causal: bool = flax.struct.field(pytree_node=False, default=False)
 
 
@@ -377,8 +341,14 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask) 
   """T5 attention (no 1/sqrt(d) scale) of (batch, length, heads, d_kv) inputs in one kernel.
 
   A boolean mask is folded into the bias in float32 before the cast to the activation dtype,
-  so padded positions get T5's -1e10 (rounded to that dtype), as in the einsum path.
+  so padded positions get T5's -1e10 (rounded to that dtype), as in the einsum path. With
+  segment ids the Pallas kernel runs instead (float32 bias; padded queries output zeros).
   """
+  if masking.query_ids is not None:
+    batch_axes, head_axes = nn.logical_to_mesh_axes(("batch", "heads"))
+    return flash_attention.sharded_flash_attention(
+        query, key, value, masking.position_bias, masking.query_ids, masking.key_ids,
+        causal=masking.causal, batch_axes=batch_axes, head_axes=head_axes)
   bias = masking.position_bias
   if masking.mask is not None:
     additive = _mask_to_bias(masking.mask)
@@ -432,7 +402,8 @@ class MultiHeadAttention(nn.Module):
 
     # A decoding step projects query, key and value with one product (see _matmul_stacked);
     # in training the split product's backward pass was slower, so it keeps three.
-    fused_qkv = decode and not is_cross and not init_cache
+    step = decode and not init_cache  # A cached decoding step: its products are the backend's.
+    fused_qkv = step and not is_cross
     if isinstance(bias, FusedMask):
       if decode:
         raise ValueError("MultiHeadAttention: fused attention is for teacher forcing only")
@@ -441,12 +412,11 @@ class MultiHeadAttention(nn.Module):
       out = out.reshape(out.shape[0], out.shape[1], joined)
       return _constrain(out_proj(out), ("batch", "length", "embed"))
     if fused_qkv:
-      query, own_key, own_value = _decode_step_products(
-          self, inputs_q, stacked_name=STACKED_QKV, packed_name=PACKED_QKV,
-          kernels=lambda: [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)],
-          features=(3, joined), dtype=dtype)
+      query, own_key, own_value = [p.astype(dtype) for p in decode_step_ops().products(
+          self.path, ("query", "key", "value"), inputs_q,
+          [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)])]
     else:
-      query = query_proj(inputs_q)
+      query = query_proj(inputs_q, decode_step=step)
     query = heads_first(split(query))
     if decode and is_cross:
       if init_cache:
@@ -476,10 +446,10 @@ class MultiHeadAttention(nn.Module):
     if group * key.shape[0] != batch:
       raise ValueError(f"MultiHeadAttention: {batch} query rows do not come in groups over "
                        f"{key.shape[0]} key/value rows")
-    if decode and out_proj.is_packed():
-      # Decoding through the CPU kernels (float32): the step's one query per row and head.
-      out = cpu_kernels.decode_attention(query[:, :, 0], key, value, bias[:, :, 0])
-      out = out[:, :, None].astype(dtype)
+    step_out = (decode_step_ops().attention(self.path, query[:, :, 0], key, value, bias[:, :, 0])
+                if step else None)
+    if step_out is not None:  # The backend's attention of the step's one query per row/head.
+      out = step_out[:, :, None].astype(dtype)
     elif group > 1:
       # Each group of query rows attends to its input's keys once, rather than to G copies.
       grouped = query.reshape((key.shape[0], group) + query.shape[1:])
@@ -498,13 +468,14 @@ class MultiHeadAttention(nn.Module):
         weights = weights * keep / (1.0 - cfg.dropout_rate)
       out = jnp.einsum("bhqk,bhkd->bhqd", weights.astype(dtype), value)
     out = jnp.swapaxes(out, 1, 2).reshape(out.shape[0], out.shape[2], joined)
-    return _constrain(out_proj(out), ("batch", "length", "embed"))
+    return _constrain(out_proj(out, decode_step=step), ("batch", "length", "embed"))
 
 
 class MlpBlock(nn.Module):
   """ReLU MLP (T5 1.0) or gated MLP (T5 1.1: gelu(x wi_0) * (x wi_1)).
 
-  `decode` computes the two gated inputs with one product (see `_matmul_stacked`).
+  `decode` (a cached decoding step) computes its products through `decode_step_ops()`, the
+  two gated inputs as one product.
   """
   config: T5Config
   deterministic: bool = True
@@ -519,19 +490,18 @@ class MlpBlock(nn.Module):
     dense = functools.partial(DenseKernel, features=cfg.d_ff, axes=("embed", "mlp"),
                               init_scale=cfg.d_model ** -0.5, dtype=dtype)
     if cfg.is_gated and self.decode:
-      gate, linear = _decode_step_products(
-          self, x, stacked_name=STACKED_WI, packed_name=PACKED_WI,
-          kernels=lambda: [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")],
-          features=(2, cfg.d_ff), dtype=dtype)
+      gate, linear = [p.astype(dtype) for p in decode_step_ops().products(
+          self.path, ("wi_0", "wi_1"), x,
+          [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")])]
       hidden = act(gate) * linear
     elif cfg.is_gated:
       hidden = act(dense(name="wi_0")(x)) * dense(name="wi_1")(x)
     else:
-      hidden = act(dense(name="wi")(x))
+      hidden = act(dense(name="wi")(x, decode_step=self.decode))
     hidden = _constrain(hidden, ("batch", "length", "mlp"))
     hidden = _dropout(self, hidden, cfg.dropout_rate, self.deterministic)
     out = DenseKernel(features=cfg.d_model, axes=("mlp", "embed"), init_scale=cfg.d_ff ** -0.5,
-                      dtype=dtype, name="wo")(hidden)
+                      dtype=dtype, name="wo")(hidden, decode_step=self.decode)
     return _constrain(out, ("batch", "length", "embed"))
 
 
@@ -581,7 +551,8 @@ class DecoderLayer(nn.Module):
         h, encoded, cross_bias, is_cross=True, **cache_args)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
     h = norm(name="pre_mlp_layer_norm")(x)
-    h = MlpBlock(cfg, self.deterministic, self.decode, name="mlp")(h)
+    # Only a cached decoding step's products are the decoding backend's (see DecodeStepOps).
+    h = MlpBlock(cfg, self.deterministic, self.decode and not self.init_cache, name="mlp")(h)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
     return _constrain(x, ("batch", "length", "embed"))
 
@@ -602,13 +573,21 @@ def _attention_mask(query_valid: Array, key_valid: Array,
 
 def _fused_mask(config: T5Config, query_valid: Array, key_valid: Array,
                 query_segments: Optional[Array], key_segments: Optional[Array], *,
-                position_bias: Optional[Array] = None) -> FusedMask:
-  """Padding (and packing) masks for fused attention: per-row key lengths when the config
-  promises right padding and the batch is unpacked, else the dense boolean mask.
+                position_bias: Optional[Array] = None, causal: bool = False) -> FusedMask:
+  """Padding (and packing) masks for fused attention: per-position segment ids for the Pallas
+  kernel; for cuDNN per-row key lengths when the config promises right padding and the batch
+  is unpacked, else the dense boolean mask.
 
   With lengths, padded query rows attend to the valid keys instead of to nothing; no valid
   position reads a padded one, so every valid output is the same either way.
   """
+  if config.attention_impl == "pallas":
+    def ids(valid: Array, segments: Optional[Array]) -> Array:
+      return jnp.where(valid.astype(bool), 1 if segments is None else segments, 0).astype(
+          jnp.int32)
+    return FusedMask(position_bias=position_bias, causal=causal,
+                     query_ids=ids(query_valid, query_segments),
+                     key_ids=ids(key_valid, key_segments))
   if config.right_padded_inputs and query_segments is None and key_segments is None:
     return FusedMask(position_bias=position_bias,
                      key_lengths=jnp.sum(key_valid, axis=-1, dtype=jnp.int32))
@@ -677,8 +656,11 @@ class Decoder(nn.Module):
       position_bias = relpos(positions, positions, span=length)
       query_valid = (segment_ids > 0) if segment_ids is not None else jnp.ones((batch, length),
                                                                               bool)
-      if use_fused_attention(cfg, deterministic=deterministic, query_length=length,
-                             key_length=length):
+      if cfg.attention_impl == "pallas":
+        self_bias = _fused_mask(cfg, query_valid, query_valid, segment_ids, segment_ids,
+                                position_bias=position_bias, causal=True)
+      elif use_fused_attention(cfg, deterministic=deterministic, query_length=length,
+                               key_length=length):
         self_bias = FusedMask(
             position_bias=position_bias, causal=True,
             mask=None if segment_ids is None else _attention_mask(
@@ -717,11 +699,12 @@ class Decoder(nn.Module):
                         x, encoded, self_bias, cross_bias, decode_position)
     x = RMSNorm(cfg.layer_norm_epsilon, _dtype(cfg), name="decoder_norm")(x)
     hidden = _dropout(self, x, cfg.dropout_rate, deterministic)
+    step = decode and not init_cache
     if cfg.tie_word_embeddings:
       # T5 1.0 rescales before the tied projection (Mesh TensorFlow convention).
-      logits = self.shared_embedder.attend(hidden * (cfg.d_model ** -0.5))
+      logits = self.shared_embedder.attend(hidden * (cfg.d_model ** -0.5), decode_step=step)
     else:
-      logits = LogitsDense(cfg.vocab_size, name="logits_dense")(hidden)
+      logits = LogitsDense(cfg.vocab_size, name="logits_dense")(hidden, decode_step=step)
     return _constrain(logits, ("batch", "length", "vocab")), hidden
 
 

@@ -1,9 +1,11 @@
-"""T5X checkpoints -> jaxmoral parameters, and the parameter-tree check every importer uses.
+"""T5X checkpoints: the format (where the parameters sit, their config), and the tree check.
 
 jaxmoral's parameter names are T5X's (`models/t5.py`), so a T5X tree maps one to one once the
 wrapper is removed: T5X keeps the model parameters under `target` (legacy `optimizer/target`,
 or `params` in some Orbax exports). T5 1.0 checkpoints have no `decoder/logits_dense/kernel`
 (logits via the shared `token_embedder/embedding`); T5 1.1 ones have it as (embed, vocab).
+`locate` reads only the checkpoint's metadata; `jaxmoral.model_dirs` then restores the
+parameters straight into the shardings it wants (Orbax reads each device's slice).
 
 Not supported: T5X's *scanned* layer variant (`encoder/encoder/layers/...` with a stacked
 layer axis) and the pre-Orbax T5X format (msgpack `checkpoint` file + tensorstore folders).
@@ -12,6 +14,7 @@ Both are detected and rejected with a message saying so.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from typing import Any, Mapping, Optional
@@ -19,13 +22,17 @@ from typing import Any, Mapping, Optional
 import flax
 import flax.linen as nn
 import jax
-import numpy as np
 
 from jaxmoral.models.config import T5Config
 
 Params = dict[str, Any]
 # Heads that a jaxmoral model may carry on top of the T5 tree.
 OPTIONAL_PREFIXES = ("scalar_head",)
+_WRAPPERS = ("target", "optimizer", "params")
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+  return tuple(leaf.shape)  # Arrays and Orbax ArrayMetadata alike.
 
 
 def expected_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -43,7 +50,7 @@ def validate_params(params: Mapping[str, Any], config: T5Config, *, source: str)
   """Raises ValueError naming every missing, unexpected or mis-shaped parameter.
 
   Args:
-    params: Nested parameter dict (boxed or not).
+    params: Nested parameter dict (boxed or not; arrays or anything with a `.shape`).
     config: The config the parameters must fit.
     source: Where they came from (file or directory), quoted in the error.
   """
@@ -53,8 +60,8 @@ def validate_params(params: Mapping[str, Any], config: T5Config, *, source: str)
   for path, shape in expected.items():
     if path not in flat:
       problems.append(f"missing {'/'.join(path)} {shape}")
-    elif tuple(np.shape(flat[path])) != shape:
-      problems.append(f"{'/'.join(path)}: shape {tuple(np.shape(flat[path]))}, expected {shape}")
+    elif _shape(flat[path]) != shape:
+      problems.append(f"{'/'.join(path)}: shape {_shape(flat[path])}, expected {shape}")
   for path in flat:
     if path not in expected and path[0] not in OPTIONAL_PREFIXES:
       problems.append(f"unexpected {'/'.join(path)}")
@@ -62,15 +69,16 @@ def validate_params(params: Mapping[str, Any], config: T5Config, *, source: str)
     raise ValueError(f"{source}: parameters do not fit the T5 config: " + "; ".join(problems))
 
 
-def _find_param_tree(tree: Mapping[str, Any], source: str) -> Mapping[str, Any]:
-  """Strips T5X's wrappers (`target`, `optimizer/target`, `params`) down to the model tree."""
-  node = tree
+def find_param_tree(tree: Mapping[str, Any], source: str
+                    ) -> tuple[tuple[str, ...], Mapping[str, Any]]:
+  """(wrapper path, model tree) of a T5X tree (`target`, `optimizer/target`, `params`, root)."""
+  node, prefix = tree, ()
   for _ in range(3):
     if "token_embedder" in node:
-      return node
-    for wrapper in ("target", "optimizer", "params"):
+      break
+    for wrapper in _WRAPPERS:
       if isinstance(node.get(wrapper), Mapping):
-        node = node[wrapper]
+        node, prefix = node[wrapper], prefix + (wrapper,)
         break
     else:
       break
@@ -78,7 +86,12 @@ def _find_param_tree(tree: Mapping[str, Any], source: str) -> Mapping[str, Any]:
     raise ValueError(f"{source}: no T5X parameter tree found (looked for token_embedder under "
                      f"target/, optimizer/target/, params/ or the root; top-level keys: "
                      f"{sorted(tree)})")
-  return node
+  flat = flax.traverse_util.flatten_dict(dict(node))
+  if any(len(k) > 2 and k[1] in ("encoder", "decoder") and k[2] == "layers" for k in flat) or any(
+      len(k) > 1 and k[1] == "layers" for k in flat):
+    raise ValueError(f"{source}: scanned-layer T5X checkpoints (stacked `layers` axis) are not "
+                     "supported; use an unscanned T5X config (layers_0, layers_1, ...)")
+  return prefix, node
 
 
 def infer_config(params: Mapping[str, Any], **overrides: Any) -> T5Config:
@@ -89,11 +102,11 @@ def infer_config(params: Mapping[str, Any], **overrides: Any) -> T5Config:
   dropout_rate=0, gelu for gated MLPs (relu otherwise).
   """
   flat = {"/".join(k): v for k, v in flax.traverse_util.flatten_dict(dict(params)).items()}
-  vocab, d_model = np.shape(flat["token_embedder/embedding"])
-  heads, buckets = np.shape(flat["encoder/relpos_bias/rel_embedding"])
-  joined = np.shape(flat["encoder/layers_0/attention/query/kernel"])[1]
+  vocab, d_model = _shape(flat["token_embedder/embedding"])
+  heads, buckets = _shape(flat["encoder/relpos_bias/rel_embedding"])
+  joined = _shape(flat["encoder/layers_0/attention/query/kernel"])[1]
   gated = "encoder/layers_0/mlp/wi_0/kernel" in flat
-  d_ff = np.shape(flat[f"encoder/layers_0/mlp/{'wi_0' if gated else 'wi'}/kernel"])[1]
+  d_ff = _shape(flat[f"encoder/layers_0/mlp/{'wi_0' if gated else 'wi'}/kernel"])[1]
 
   def count(stack: str) -> int:
     return len({k.split("/")[1] for k in flat if k.startswith(f"{stack}/layers_")})
@@ -106,21 +119,11 @@ def infer_config(params: Mapping[str, Any], **overrides: Any) -> T5Config:
   return T5Config(**{**values, **overrides})
 
 
-def _restore_orbax(directory: pathlib.Path) -> Mapping[str, Any]:
-  """Restores an Orbax PyTree checkpoint as host NumPy arrays (no device/sharding needed)."""
-  import orbax.checkpoint as ocp
-  checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(directory).item_metadata
-  tree = getattr(metadata, "tree", metadata)
-  restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  return checkpointer.restore(directory, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-
-
-def _locate_checkpoint(directory: pathlib.Path) -> pathlib.Path:
+def _item_dir(directory: pathlib.Path) -> pathlib.Path:
   """The Orbax item folder: the directory itself, or its one item subfolder (e.g. `state/`)."""
   if (directory / "_METADATA").exists():
     return directory
-  if (directory / "checkpoint").is_file() and not (directory / "_METADATA").exists():
+  if (directory / "checkpoint").is_file():
     raise ValueError(f"{directory}: legacy (pre-Orbax) T5X checkpoint (msgpack `checkpoint` + "
                      "tensorstore folders) is not supported; re-save it with Orbax")
   candidates = [p for p in sorted(directory.iterdir()) if (p / "_METADATA").exists()]
@@ -130,39 +133,48 @@ def _locate_checkpoint(directory: pathlib.Path) -> pathlib.Path:
                    f"subfolder; found {[p.name for p in candidates]})")
 
 
-def load_t5x_params(checkpoint: str | os.PathLike | Mapping[str, Any], *,
-                    config: Optional[T5Config] = None) -> tuple[T5Config, Params]:
-  """Loads a T5X (Orbax) checkpoint or an already restored T5X tree.
+def is_t5x_checkpoint(directory: str | os.PathLike) -> bool:
+  """Whether `directory` looks like an Orbax checkpoint (or a legacy T5X one)."""
+  directory = pathlib.Path(directory)
+  return ((directory / "_METADATA").is_file() or (directory / "checkpoint").is_file()
+          or any((p / "_METADATA").is_file() for p in directory.iterdir() if p.is_dir()))
+
+
+@dataclasses.dataclass(frozen=True)
+class T5XCheckpoint:
+  """Where a T5X checkpoint keeps the model parameters.
+
+  Attributes:
+    item_dir: The Orbax item folder.
+    prefix: The wrapper keys above the model tree (e.g. ("target",)).
+    metadata: The model tree with Orbax `ArrayMetadata` leaves (shape, dtype).
+    config: The T5Config (given, or inferred from the shapes).
+  """
+  item_dir: pathlib.Path
+  prefix: tuple[str, ...]
+  metadata: Mapping[str, Any]
+  config: T5Config
+
+
+def locate(directory: str | os.PathLike, *, config: Optional[T5Config] = None) -> T5XCheckpoint:
+  """Finds the parameters of a T5X (Orbax) checkpoint from its metadata alone.
 
   Args:
-    checkpoint: An Orbax checkpoint directory (T5X's `checkpoint_<step>` or its item folder),
-      or a nested dict as restored from one.
+    directory: T5X's `checkpoint_<step>` folder or its item folder.
     config: The model config; inferred from the shapes (see `infer_config`) when None.
-
-  Returns:
-    (config, params): params a nested dict of float32 NumPy arrays in jaxmoral/T5X names.
 
   Raises:
     ValueError: scanned layers, legacy format, or a tree that does not fit the config (the
       message names the parameter and the checkpoint).
   """
-  if isinstance(checkpoint, Mapping):
-    source, tree = "<T5X tree>", checkpoint
-  else:
-    directory = pathlib.Path(checkpoint)
-    if not directory.is_dir():
-      raise FileNotFoundError(f"T5X checkpoint directory not found: {directory}")
-    directory = _locate_checkpoint(directory)
-    source, tree = str(directory), _restore_orbax(directory)
-  tree = _find_param_tree(tree, source)
-  flat = flax.traverse_util.flatten_dict(nn.meta.unbox(dict(tree)))
-  if any(len(k) > 2 and k[1] in ("encoder", "decoder") and k[2] == "layers" for k in flat) or any(
-      len(k) > 1 and k[1] == "layers" for k in flat):
-    raise ValueError(f"{source}: scanned-layer T5X checkpoints (stacked `layers` axis) are not "
-                     "supported; use an unscanned T5X config (layers_0, layers_1, ...)")
-  params = flax.traverse_util.unflatten_dict(
-      {k: np.asarray(v, dtype=np.float32) for k, v in flat.items()})
-  if config is None:
-    config = infer_config(params)
-  validate_params(params, config, source=source)
-  return config, params
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    raise FileNotFoundError(f"T5X checkpoint directory not found: {directory}")
+  item = _item_dir(directory)
+  metadata = ocp.PyTreeCheckpointer().metadata(item).item_metadata
+  tree = getattr(metadata, "tree", metadata)
+  prefix, node = find_param_tree(tree, str(item))
+  config = config or infer_config(node)
+  validate_params(node, config, source=str(item))
+  return T5XCheckpoint(item_dir=item, prefix=prefix, metadata=node, config=config)

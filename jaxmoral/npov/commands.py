@@ -4,7 +4,7 @@ Actions:
   detect    --input responses.jsonl --output scores.jsonl [--detector rouge|salience|classifier]
             [--base_dir D --vocabulary S.model --generator_dir P --hallucination_dir P
              --coverage_dir P --heatmap_dir H --roc_dir R]           -> detect.detect_file
-  evaluate  gin-configured (`npov.evaluate.run`), e.g. --gin_file=configs/npov/eval_rouge.gin
+  evaluate  gin-configured (`npov.evaluate.run`), e.g. --gin_file=configs/npov/eval_rouge_perspectrum.gin
   demo      [--workdir W]                                            -> demo.run_demo
 """
 

@@ -16,19 +16,14 @@ import os
 from typing import Any, Optional, Sequence
 
 import gin
-import jax
-import numpy as np
 
-from jaxmoral import checkpoints
-from jaxmoral import losses
 from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import prompt_tuning
-from jaxmoral import train as train_lib
-from jaxmoral import trainer as trainer_lib
-from jaxmoral.data import pipeline
+from jaxmoral import runs
+from jaxmoral.data import readers
 from jaxmoral.data import vocab as vocab_lib
-from jaxmoral.models import t5 as t5_lib
+from jaxmoral.models import trainable
 from jaxmoral.models.config import t5_config
 from jaxmoral.npov import detect
 from jaxmoral.npov import evaluate
@@ -41,12 +36,10 @@ DEMO_KB = vocab_lib.DEMO_DIR / "npov_kb.jsonl"
 DEMO_EXAMPLES = vocab_lib.DEMO_DIR / "npov_examples.jsonl"
 
 
-def _generator_source(examples: Sequence[task.NpovExample], vocabulary: Any, *,
-                      batch_size: int, lengths: dict[str, int], seed: int) -> Any:
-  features = pipeline.encode_pairs([task.format_input(e) for e in examples],
-                                   [e.response for e in examples], vocabulary=vocabulary,
-                                   feature_lengths=lengths)
-  return pipeline.BatchSource(features=features, batch_size=batch_size, seed=seed)
+def _write_generator_pairs(examples: Sequence[task.NpovExample], path: str) -> str:
+  """The generator's (formatted input, response) pairs as JSONL for `runs.Seq2SeqData`."""
+  return readers.write_jsonl(path, ({"inputs": task.format_input(e), "targets": e.response}
+                                    for e in examples))
 
 
 @gin.configurable
@@ -65,14 +58,13 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
     A summary: output paths (str values) and every ROC AUC as
     `"auc/<slice>/<detector>/<error>/<example|word>"` (None where undefined).
 
-  Everything goes under `workdir`: vocab/, base_run/, base/ (exported), generator/,
-  classifier_{hallucination,coverage}/ (each with prompt/), eval/ (table, JSON, ROC PNGs),
-  detect/ (scores.jsonl, heatmaps/). Reruns resume or reuse finished steps.
+  Everything goes under `workdir`: vocab/, data/, base_run/, generator/,
+  classifier_{hallucination,coverage}/ (prompt-tuning runs, each with prompt/), eval/ (table,
+  JSON, ROC PNGs), detect/ (scores.jsonl, heatmaps/). Every model is trained by the core run
+  (`runs.train_run`); a rerun resumes or finds its runs finished.
   """
   workdir = os.fspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  vocabulary = vocab_lib.get_vocabulary(
-      vocab_lib.build_demo_vocabulary(output_dir=os.path.join(workdir, "vocab")))
   topics = kb_lib.split_topics(kb_lib.read_kb_jsonl(kb_path), dev_fraction=0.0,
                                test_fraction=test_fraction)
   split_of = {t.id: t.split for t in topics}
@@ -87,64 +79,48 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
   config = t5_config(size="tiny")
   lengths = {"inputs": max_input_length, "targets": max_target_length}
   partitioner = partitioning.PjitPartitioner(num_partitions=1)
+  pairs = _write_generator_pairs(train_examples, os.path.join(workdir, "data", "generator.jsonl"))
+  run = functools.partial(runs.train_run, batch_size=batch_size, partitioner=partitioner,
+                          seed=seed, log_every=50)
 
   # 2. Base model: full training on the generator task (stands in for a pretrained LM).
-  base_dir = os.path.join(workdir, "base")
-  if not os.path.isdir(os.path.join(base_dir, checkpoints.PARAMS_DIR)):
-    model = t5_lib.T5(config)
-    schedule = optimizers.make_schedule(name="warmup_linear_decay",
-                                        base_learning_rate=base_learning_rate,
-                                        warmup_steps=warmup_steps, total_steps=base_steps)
-    trainer = trainer_lib.Trainer(
-        init_params_fn=functools.partial(t5_lib.init_params, model),
-        loss_fn=losses.seq2seq_loss_fn(model),
-        optimizer=optimizers.make_optimizer(name="adamw", learning_rate=schedule),
-        partitioner=partitioner)
-    run_dir = os.path.join(workdir, "base_run")
-    train_lib.train(model_dir=run_dir, trainer=trainer, seed=seed, train_steps=base_steps,
-                    train_source=_generator_source(train_examples, vocabulary,
-                                                   batch_size=batch_size, lengths=lengths,
-                                                   seed=seed),
-                    log_every=50, checkpoint_every=base_steps, async_checkpoint=False)
-    checkpoints.export_params(checkpoints.restore_params_from_run(
-        checkpoints.run_checkpoints_dir(run_dir)), base_dir, config=config.to_dict(),
-        overwrite=True)
-  _, base_params = detect.load_base(base_dir)
+  base_dir = os.path.join(workdir, "base_run")
+  vocab_path = vocab_lib.build_demo_vocabulary(output_dir=os.path.join(workdir, "vocab"))
+  run(model_dir=base_dir, model=trainable.Seq2SeqModel(config=config),
+      data=runs.Seq2SeqData(train_file=pairs, vocabulary_path=vocab_path),
+      train_steps=base_steps, feature_lengths=lengths, checkpoint_every=base_steps,
+      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=optimizers.make_schedule(
+          name="warmup_linear_decay", base_learning_rate=base_learning_rate,
+          warmup_steps=warmup_steps, total_steps=base_steps)))
 
-  prompt_kwargs = dict(learning_rate=prompt_learning_rate, warmup_steps=warmup_steps,
-                       partitioner=partitioner, log_every=50)
-  # 3a. Generator prompt.
+  # 3a. Generator prompt on the frozen base (the core run, base as init_checkpoint).
   generator_dir = os.path.join(workdir, "generator")
-  if not os.path.exists(os.path.join(generator_dir, "prompt", prompt_tuning.PROMPT_FILE)):
-    prompt_tuning.train_prompt(
-        model_dir=generator_dir, config=config, base_params=base_params,
-        train_source=_generator_source(train_examples, vocabulary, batch_size=batch_size,
-                                       lengths=lengths, seed=seed),
-        train_steps=prompt_steps, seed=seed,
-        prompt_config=prompt_tuning.PromptConfig(vocab_sample_size=config.vocab_size),
-        checkpoint_every=prompt_steps, metadata={"task": "npov_generator"}, **prompt_kwargs)
+  prompt_optimizer = lambda steps: prompt_tuning.paper_optimizer(  # noqa: E731
+      train_steps=steps, learning_rate=prompt_learning_rate, warmup_steps=warmup_steps)
+  run(model_dir=generator_dir, model=prompt_tuning.PromptTuningModel(
+          config=config, prompt=prompt_tuning.PromptConfig(vocab_sample_size=config.vocab_size),
+          metadata={"task": "npov_generator"}),
+      data=runs.Seq2SeqData(train_file=pairs), train_steps=prompt_steps, feature_lengths=lengths,
+      checkpoint_every=prompt_steps, optimizer=prompt_optimizer(prompt_steps),
+      init_checkpoint=base_dir)
   # 3b. Classifier prompts, trained on synthetic errors of the training topics.
   train_slices = synthetic.make_test_slices(train_examples, topics, seed=seed + 1)
   train_synthetic = train_slices["unparaphrased"] + train_slices["paraphrased"]
   classifier_dirs = {}
   for error in classifier.ERROR_TYPES:
-    run_dir = os.path.join(workdir, f"classifier_{error}")
-    classifier_dirs[error] = os.path.join(run_dir, "prompt")
-    if not os.path.exists(os.path.join(classifier_dirs[error], prompt_tuning.PROMPT_FILE)):
-      classifier.train_classifier(
-          model_dir=run_dir, config=config, base_params=base_params, vocabulary=vocabulary,
-          examples=train_synthetic, error=error, train_steps=classifier_steps,
-          batch_size=batch_size, max_input_length=max_input_length + max_target_length,
-          seed=seed, checkpoint_every=classifier_steps, **prompt_kwargs)
+    classifier_dirs[error] = classifier.train_classifier(
+        model_dir=os.path.join(workdir, f"classifier_{error}"), base_dir=base_dir,
+        examples=train_synthetic, error=error, train_steps=classifier_steps,
+        optimizer=prompt_optimizer(classifier_steps), batch_size=batch_size,
+        max_input_length=max_input_length + max_target_length, partitioner=partitioner,
+        seed=seed, checkpoint_every=classifier_steps, log_every=50)
 
   # 4. Detectors on the synthetic test slices (the first `max_test_examples` held-out
   # examples: salience is a backward pass per output chunk, the demo keeps it to minutes).
   test_slices = synthetic.make_test_slices(test_examples[:max_test_examples], topics,
                                            seed=seed + 2)
-  vocab_path = vocab_lib.build_demo_vocabulary(output_dir=os.path.join(workdir, "vocab"))
   built = {name: detect.build_detector(
-      name, base_dir=base_dir, vocabulary_path=vocab_path,
-      generator_dir=os.path.join(generator_dir, "prompt"), classifier_dirs=classifier_dirs)
+      name, base_dir=base_dir, generator_dir=generator_dir, classifier_dirs=classifier_dirs)
            for name in detectors}
   logging.info("npov demo: evaluating %s on %s examples", list(built),
                {k: len(v) for k, v in test_slices.items()})
@@ -158,8 +134,7 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
   if "salience" in detectors:
     detect.detect_file(input_path=responses,
                        output_path=os.path.join(workdir, "detect", "scores.jsonl"),
-                       detector="salience", base_dir=base_dir, vocabulary_path=vocab_path,
-                       generator_dir=os.path.join(generator_dir, "prompt"),
+                       detector="salience", base_dir=base_dir, generator_dir=generator_dir,
                        heatmap_dir=os.path.join(workdir, "detect", "heatmaps"),
                        roc_dir=os.path.join(workdir, "detect"))
     paths["scores"] = os.path.join(workdir, "detect", "scores.jsonl")

@@ -16,42 +16,38 @@ from jaxmoral.npov.detectors import rouge
 DETECTORS = ("rouge", "salience", "classifier")
 
 
-def load_base(base_dir: str) -> tuple[Any, Any]:
-  """(T5 model, params) from an `export_params` directory with config.json."""
-  from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models.config import T5Config  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models.t5 import T5  # pylint: disable=g-import-not-at-top
-  params, config = checkpoints.load_exported(base_dir)
-  if config is None:
-    raise FileNotFoundError(f"{base_dir}: no config.json next to the exported params")
-  return T5(T5Config.from_dict(config)), params
+def load_base(base_dir: str, *, vocabulary_path: Optional[str] = None) -> Any:
+  """The base model: a `model_dirs.LoadedModel` of any model directory (or Hub id), with its
+  vocabulary (or `vocabulary_path`'s)."""
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+  return model_dirs.load(base_dir, vocabulary=vocabulary_path)
 
 
 def build_detector(name: str, *, base_dir: Optional[str] = None,
                    vocabulary_path: Optional[str] = None, generator_dir: Optional[str] = None,
                    classifier_dirs: Optional[Mapping[str, str]] = None,
                    salience_config: Any = None) -> Any:
-  """A detector by name; model-based ones need `base_dir` (and their prompt directories)."""
+  """A detector by name; model-based ones need `base_dir` (and their prompt directories:
+  prompt folders or the prompt-tuning runs that saved them)."""
   if name not in DETECTORS:
     raise ValueError(f"unknown detector {name!r}; known: {DETECTORS}")
   if name == "rouge":
     return rouge.RougeDetector()
   if base_dir is None:
-    raise ValueError(f"detector {name!r} needs base_dir (exported base model)")
+    raise ValueError(f"detector {name!r} needs base_dir (the base model's directory)")
   from jaxmoral import prompt_tuning  # pylint: disable=g-import-not-at-top
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
-  model, params = load_base(base_dir)
-  if vocabulary_path is None:  # The base's own: `jaxmoral export` writes it beside the params.
-    vocabulary_path = os.path.join(base_dir, "vocab", "spiece.model")
-    if not os.path.isfile(vocabulary_path):
-      raise ValueError(f"detector {name!r}: {base_dir} has no vocab/spiece.model; give the "
-                       f"base model's SentencePiece model (--vocabulary)")
-  vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
+  from jaxmoral.models.t5 import T5  # pylint: disable=g-import-not-at-top
+  base = load_base(base_dir, vocabulary_path=vocabulary_path)
+  if base.vocabulary is None:
+    raise ValueError(f"detector {name!r}: {base_dir} has no vocabulary (vocab/spiece.model); "
+                     f"give the base model's SentencePiece model (--vocabulary)")
+  model = T5(base.config)
+  params = {k: v for k, v in base.params.items() if k != "scalar_head"}
   if name == "salience":
     from jaxmoral.npov.detectors import salience  # pylint: disable=g-import-not-at-top
     prompt = prompt_tuning.load_prompt(generator_dir)[0] if generator_dir else None
     return salience.SalienceDetector(
-        model=model, params=params, tokenizer=salience.SentencePieceTokenizer(vocabulary),
+        model=model, params=params, tokenizer=salience.SentencePieceTokenizer(base.vocabulary),
         prompt=prompt, config=salience_config or salience.SalienceConfig())
   from jaxmoral.npov.detectors import classifier  # pylint: disable=g-import-not-at-top
   dirs = dict(classifier_dirs or {})
@@ -59,7 +55,7 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
   if missing:
     raise ValueError(f"classifier detector needs classifier_dirs for {missing}")
   return classifier.ClassifierDetector(
-      model=model, params=params, vocabulary=vocabulary,
+      model=model, params=params, vocabulary=base.vocabulary,
       hallucination_prompt=prompt_tuning.load_prompt(dirs["hallucination"])[0],
       coverage_prompt=prompt_tuning.load_prompt(dirs["coverage"])[0])
 
@@ -86,9 +82,8 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
       "id", and "hallucination" / "coverage" 0/1 labels for ROC curves).
     output_path: JSONL: id, hallucination, coverage, response_words, argument_words.
     detector: "rouge", "salience" or "classifier".
-    base_dir: Exported base model (salience, classifier).
-    vocabulary_path: Its SentencePiece model (default: `base_dir/vocab/spiece.model`, where
-      `jaxmoral export` puts it).
+    base_dir: The base model's directory, any format (salience, classifier).
+    vocabulary_path: Its SentencePiece model (default: the one the directory carries).
     generator_dir: Generator prompt directory (salience of a prompt-tuned generator).
     classifier_dirs: {"hallucination": dir, "coverage": dir} (classifier).
     heatmap_dir: Salience only: writes `<id>.html` heatmaps (input x response words).

@@ -3,33 +3,40 @@
 One PPO iteration (`PPOTrainer.iteration`):
 
 1. rollout  -- the policy samples one response per prompt (`decoding.sample`, jitted, sharded);
-2. reward   -- `reward_fn(prompt_texts, response_texts)` on the host (it may run its own jitted
-               models, loaded once by its owner), or a jittable `reward_fn_tokens`;
+2. reward   -- `reward_fn(prompt_texts, response_texts, key=RewardKey)` on the host (it may run
+               its own jitted models on the same mesh, loaded once by its owner), or a jittable
+               `reward_fn_tokens`;
 3. score    -- one jitted pass: old/reference log-probs, values, KL-penalised rewards, GAE;
 4. update   -- one jitted `ppo_update`: `num_ppo_epochs` x `num_minibatches` clipped updates of
                policy and value (a `lax.scan` over minibatch permutations), then the KL
                controller step.
 
 State (`PPOState`): the policy and value `jaxmoral.trainer.TrainState`s (parameters, optimizer
-state of the trainable parameters only -- created by `jaxmoral.trainer.Trainer`, so trainable
-masks and optimizer-state shardings work as for supervised training), the frozen reference
-parameters (no optimizer state), the KL coefficient, the reward normalisation (mu0, sigma0) and
-the iteration count. `train_ppo` is the loop: TensorBoard, progress line with ETA, Orbax
-checkpoints (state + `extra` JSON with mu0, sigma0, kl_coef and the data position) and resume.
+state of the trainable parameters only -- created by `jaxmoral.trainer.TrainStateInitializer`,
+so trainable masks and optimizer-state shardings work as for supervised training), the frozen
+reference parameters (no optimizer state), the KL coefficient, the reward normalisation (mu0,
+sigma0) and the iteration count. `PPOTrainer` speaks the trainer protocol of the core loop
+(`train_step(state, batch, rng)`), so `train_ppo` is a caller of `jaxmoral.train.train` (resume,
+TensorBoard, progress line, NaN stop, preemption) with three hooks: the reward normalisation
+measured on a fresh run (`RewardNormalizationHook`), sample texts in TensorBoard, and the
+reward curve (`RewardCurveHook`: JSON + PNG).
 
-Determinism: iteration i uses prompts `prompt_indices(i, ...)` and the key
-`fold_in(loop_key, i)`, so a resumed run continues exactly like an uninterrupted one.
+Determinism: iteration i reads the prompts of batch i of a `PromptSource` and draws from
+`fold_in(base_key, i)`; the reward is told which call it serves (`RewardKey`), so a resumed run
+continues exactly like an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
+import pathlib
 import time
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
 import flax
 import flax.linen as nn
@@ -39,7 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmoral import checkpoints, losses, optimizers, partitioning
+from jaxmoral import losses, optimizers, partitioning
+from jaxmoral.data import pipeline
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
 from jaxmoral.models import t5 as t5_lib
@@ -50,8 +58,19 @@ logger = logging.getLogger(__name__)
 
 Array = jax.Array
 PyTree = Any
-# reward_fn(prompt_texts, response_texts) -> (scores (B,), {name: (B,) array or scalar}).
-RewardFn = Callable[[list[str], list[str]], tuple[np.ndarray, Mapping[str, Any]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardKey:
+  """Which reward call this is: one of the `normalization` batches measuring mu0/sigma0 on a
+  fresh run, or the `rollout` of an iteration. A reward that samples (e.g. imagined answers)
+  keys its randomness by it, so a resumed run draws what the uninterrupted one drew."""
+  purpose: str  # "normalization" | "rollout"
+  index: int
+
+
+# reward_fn(prompt_texts, response_texts, *, key) -> (scores (B,), {name: (B,) array or scalar}).
+RewardFn = Callable[..., tuple[np.ndarray, Mapping[str, Any]]]
 # reward_fn_tokens(prompt_tokens (B, L), response_tokens (B, T), response_mask (B, T)) -> (B,).
 TokenRewardFn = Callable[[Array, Array, Array], Array]
 KL_CONTROLS = ("adaptive", "fixed")
@@ -186,11 +205,6 @@ class PPOState:
   reward_std: Array
 
 
-def _unused_loss_fn(params: Any, batch: Any, rng: Any) -> tuple[Array, dict]:
-  del params, batch, rng
-  raise NotImplementedError("PPOTrainer builds its own update step; use PPOTrainer.ppo_update")
-
-
 def _without_encoder(init_params_fn: Callable[[Array], PyTree]) -> Callable[[Array], PyTree]:
   """Value-model init without the `encoder` subtree (it reads the policy's encoder)."""
   def init(rng: Array) -> PyTree:
@@ -200,20 +214,60 @@ def _without_encoder(init_params_fn: Callable[[Array], PyTree]) -> Callable[[Arr
   return init
 
 
-def prompt_indices(iteration: int, *, batch_size: int, num_prompts: int,
-                   seed: int = 0) -> np.ndarray:
-  """Prompt rows of an iteration: consecutive slices of per-epoch seeded permutations.
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptSource:
+  """PPO's data: batches of prompts (tokens and texts), deterministic in (seed, iteration).
 
-  Deterministic in (iteration, seed), so a resumed run reads the same prompts.
+  Batch i is stream positions [i*B, (i+1)*B) of per-epoch seeded permutations of the prompts
+  (`jaxmoral.data.pipeline.BatchSource`), so a resumed run reads the same prompts.
+
+  Attributes:
+    tokens: (N, max_prompt_length) int32 encoded prompts.
+    texts: The N prompts as text (for the reward).
+    batch_size: Prompts per iteration.
+    seed: Order seed.
   """
-  positions = iteration * batch_size + np.arange(batch_size)
-  epochs = positions // num_prompts
-  out = np.empty(batch_size, np.int64)
-  for epoch in np.unique(epochs):
-    perm = np.random.default_rng([seed, int(epoch)]).permutation(num_prompts)
-    sel = epochs == epoch
-    out[sel] = perm[positions[sel] % num_prompts]
-  return out
+  tokens: np.ndarray
+  texts: Sequence[str]
+  batch_size: int
+  seed: int = 0
+
+  def __post_init__(self):
+    if len(self.tokens) != len(self.texts):
+      raise ValueError(f"PromptSource: {len(self.tokens)} token rows but {len(self.texts)} texts")
+    rows = pipeline.BatchSource(features={"row": np.arange(len(self.texts))},
+                                batch_size=self.batch_size, seed=self.seed)
+    object.__setattr__(self, "_rows", rows)
+
+  @property
+  def num_examples(self) -> int:
+    return len(self.texts)
+
+  def indices(self, iteration: int) -> np.ndarray:
+    return self._rows.indices(iteration)
+
+  def batch(self, iteration: int) -> dict[str, Any]:
+    """{"prompt_tokens": (B, L) int32, "prompt_texts": [B texts]} of an iteration."""
+    rows = self.indices(iteration)
+    return {"prompt_tokens": self.tokens[rows], "prompt_texts": [self.texts[i] for i in rows]}
+
+  def iterate(self, start_step: int = 0) -> Iterator[dict[str, Any]]:
+    step = start_step
+    while True:
+      yield self.batch(step)
+      step += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PPOInit:
+  """Initial parameters of a fresh PPO run (`PPOTrainer.init_state_from_params`).
+
+  Attributes:
+    policy: The policy's (and the frozen reference's) parameters.
+    value: The value model's (with its scalar head), or None for a random value model.
+  """
+  policy: PyTree
+  value: PyTree = None
 
 
 # -- trainer ------------------------------------------------------------------------------------
@@ -223,11 +277,14 @@ class PPOTrainer:
   Attributes:
     config: The `PPOConfig`.
     partitioner: Mesh and rules.
-    policy_trainer: `jaxmoral.trainer.Trainer` that owns the policy's state creation,
-      trainable mask and shardings (its own train step is not used).
-    value_trainer: The same for the value model.
+    policy_init: `jaxmoral.trainer.TrainStateInitializer` of the policy (state creation,
+      trainable mask, shardings).
+    value_init: The same for the value model.
     state_shardings: `PPOState` of `NamedSharding`s.
+    last_samples: (prompt, response, raw score) rows of the last iteration, for logs.
   """
+  # Shown on the core loop's progress line besides the loss.
+  progress_metrics = ("reward_mean", "raw_score_mean", "kl", "entropy")
 
   def __init__(self, *, policy_model: t5_lib.T5, value_model: t5_lib.T5,
                vocabulary: Vocabulary, config: PPOConfig,
@@ -247,9 +304,9 @@ class PPOTrainer:
       optimizer: Optax optimizer of the policy (and of the value model unless
         `value_optimizer` is given).
       partitioner: Mesh and logical-axis rules.
-      reward_fn: Host reward `reward_fn(prompt_texts, response_texts) -> (scores (B,),
-        extra)`; `extra` maps names to (B,) arrays or scalars (logged as means). Response
-        texts exclude EOS.
+      reward_fn: Host reward `reward_fn(prompt_texts, response_texts, *, key) -> (scores
+        (B,), extra)`; `key` is the call's `RewardKey`; `extra` maps names to (B,) arrays or
+        scalars (logged as means). Response texts exclude EOS.
       reward_fn_tokens: Alternatively a jittable `fn(prompt_tokens, response_tokens,
         response_mask) -> scores (B,)`, run compiled on the mesh.
       value_optimizer: Optimizer of the value model (default: `optimizer`).
@@ -280,27 +337,27 @@ class PPOTrainer:
     self._value_optimizer = value_optimizer if value_optimizer is not None else optimizer
     self._kl_controller = config.kl_controller()
 
-    self.policy_trainer = trainer_lib.Trainer(
+    self.last_samples: list[dict[str, Any]] = []
+    self.policy_init = trainer_lib.TrainStateInitializer(
         init_params_fn=functools.partial(t5_lib.init_params, policy_model),
-        loss_fn=_unused_loss_fn, optimizer=optimizer, partitioner=partitioner,
-        trainable_mask=policy_trainable_mask)
+        optimizer=optimizer, partitioner=partitioner, trainable_mask=policy_trainable_mask)
     value_init = functools.partial(t5_lib.init_params, value_model)
     if config.share_value_encoder:
       value_init = _without_encoder(value_init)
-    self.value_trainer = trainer_lib.Trainer(
-        init_params_fn=value_init, loss_fn=_unused_loss_fn, optimizer=self._value_optimizer,
-        partitioner=partitioner, trainable_mask=value_trainable_mask)
+    self.value_init = trainer_lib.TrainStateInitializer(
+        init_params_fn=value_init, optimizer=self._value_optimizer, partitioner=partitioner,
+        trainable_mask=value_trainable_mask)
 
     rep = partitioner.replicated
     d1, d2 = partitioner.data_sharding(1), partitioner.data_sharding(2)
     self.state_shardings = PPOState(
-        step=rep, policy=self.policy_trainer.state_shardings,
-        value=self.value_trainer.state_shardings,
-        ref_params=self.policy_trainer.params_shardings, kl_coef=rep, reward_mean=rep,
+        step=rep, policy=self.policy_init.state_shardings,
+        value=self.value_init.state_shardings,
+        ref_params=self.policy_init.params_shardings, kl_coef=rep, reward_mean=rep,
         reward_std=rep)
     self.rollout_shardings = jax.tree_util.tree_map(partitioner.data_sharding,
                                                     rollout_lib.ROLLOUT_NDIMS)
-    params_sh = self.policy_trainer.params_shardings
+    params_sh = self.policy_init.params_shardings
     self._copy_jit = partitioner.partition(
         lambda p: jax.tree_util.tree_map(jnp.copy, p), in_shardings=(params_sh,),
         out_shardings=params_sh)
@@ -318,6 +375,36 @@ class PPOTrainer:
           lambda p, r, m: jnp.asarray(reward_fn_tokens(p, r, m), jnp.float32),
           in_shardings=(d2, d2, d2), out_shardings=d1)
 
+  @property
+  def functions(self) -> dict[str, Any]:
+    """The jitted, sharded functions of an iteration besides the reward, by stage name:
+    rollout (sampling), score (old/reference log-probs, values, GAE), update."""
+    return {"rollout": self._generate_jit, "score": self._score_jit,
+            "update": self._update_jit}
+
+  def stage_args(self) -> dict[str, tuple[Any, ...]]:
+    """Abstract arguments (shapes, dtypes, shardings) of each of `functions` (AOT compile)."""
+    cfg = self.config
+    state = self.abstract_state()
+    rep, d1, d2 = (self.partitioner.replicated, self.partitioner.data_sharding(1),
+                   self.partitioner.data_sharding(2))
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
+    prompts = jax.ShapeDtypeStruct((cfg.batch_size, cfg.max_prompt_length), jnp.int32,
+                                   sharding=d2)
+    with self.partitioner.context():
+      sampled = jax.eval_shape(self._generate_fn, state.policy.params, prompts, key)
+    tokens, logprobs, mask = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=d2)
+                              for x in sampled)
+    scores = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.float32, sharding=d1)
+    score_args = (state, prompts, tokens, mask, logprobs, scores)
+    with self.partitioner.context():
+      rollout, _ = jax.eval_shape(self._score_fn, *score_args)
+    rollout = jax.tree_util.tree_map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), rollout,
+        self.rollout_shardings)
+    return {"rollout": (state.policy.params, prompts, key), "score": score_args,
+            "update": (state, rollout, key)}
+
   # -- state ------------------------------------------------------------------------------------
   def init_state(self, rng: Array, *, policy_params: PyTree = None,
                  value_params: PyTree = None) -> PPOState:
@@ -332,16 +419,16 @@ class PPOTrainer:
     """
     policy_rng, value_rng = jax.random.split(rng)
     if policy_params is None:
-      policy = self.policy_trainer.init_state(policy_rng)
+      policy = self.policy_init.init_state(policy_rng)
     else:
-      policy = self.policy_trainer.init_state_from_params(policy_params)
+      policy = self.policy_init.init_state_from_params(policy_params)
     if value_params is None:
-      value = self.value_trainer.init_state(value_rng)
+      value = self.value_init.init_state(value_rng)
     else:
       value_params = dict(nn.meta.unbox(value_params))
       if self.config.share_value_encoder:
         value_params.pop("encoder", None)
-      value = self.value_trainer.init_state_from_params(value_params)
+      value = self.value_init.init_state_from_params(value_params)
     rep = self.partitioner.replicated
 
     def scalar(x, dtype=jnp.float32):
@@ -352,16 +439,25 @@ class PPOTrainer:
                     kl_coef=scalar(self.config.init_kl_coef), reward_mean=scalar(0.0),
                     reward_std=scalar(1.0))
 
+  def init_state_from_params(self, params: PPOInit) -> PPOState:
+    """A fresh state from given policy (and value) parameters (the core loop's fine-tuning
+    start); `rng` of any missing part is fixed (PRNGKey(0))."""
+    if not isinstance(params, PPOInit):
+      raise TypeError(f"PPOTrainer.init_state_from_params takes a PPOInit, got "
+                      f"{type(params).__name__}")
+    return self.init_state(jax.random.PRNGKey(0), policy_params=params.policy,
+                           value_params=params.value)
+
   def abstract_state(self) -> PPOState:
     """`PPOState` of `ShapeDtypeStruct`s with shardings (checkpoint restore target)."""
     rep = self.partitioner.replicated
-    policy = self.policy_trainer.abstract_state()
+    policy = self.policy_init.abstract_state()
 
     def scalar(dtype):
       return jax.ShapeDtypeStruct((), dtype, sharding=rep)
 
     return PPOState(step=scalar(jnp.int32), policy=policy,
-                    value=self.value_trainer.abstract_state(), ref_params=policy.params,
+                    value=self.value_init.abstract_state(), ref_params=policy.params,
                     kl_coef=scalar(jnp.float32), reward_mean=scalar(jnp.float32),
                     reward_std=scalar(jnp.float32))
 
@@ -463,8 +559,8 @@ class PPOTrainer:
     keys = jax.random.split(rng, epochs)
     perms = jax.vmap(lambda k: jax.random.permutation(k, batch))(keys)
     perms = perms.reshape(epochs * num_mb, cfg.minibatch_size)
-    policy_mask = self.policy_trainer.trainable_mask
-    value_mask = self.value_trainer.trainable_mask
+    policy_mask = self.policy_init.trainable_mask
+    value_mask = self.value_init.trainable_mask
     p_train, p_frozen = trainer_lib.split_params(state.policy.params, policy_mask)
     v_train, v_frozen = trainer_lib.split_params(state.value.params, value_mask)
     mesh = self.partitioner.mesh
@@ -538,8 +634,8 @@ class PPOTrainer:
 
   # -- rewards ------------------------------------------------------------------------------------
   def rewards(self, prompt_tokens: Any, prompt_texts: Sequence[str], response_tokens: Array,
-              response_mask: Array, response_texts: Optional[list[str]] = None
-              ) -> tuple[Any, dict[str, float]]:
+              response_mask: Array, response_texts: Optional[list[str]] = None, *,
+              key: RewardKey) -> tuple[Any, dict[str, float]]:
     """Raw scores (B,) of the responses (host array or device array) and reward metrics."""
     if self._token_reward_jit is not None:
       scores = self._token_reward_jit(self._shard(prompt_tokens), response_tokens,
@@ -547,7 +643,7 @@ class PPOTrainer:
       return scores, {}
     if response_texts is None:
       response_texts = self.response_texts(response_tokens, response_mask)
-    out = self.reward_fn(list(prompt_texts), response_texts)
+    out = self.reward_fn(list(prompt_texts), response_texts, key=key)
     scores, extra = out if isinstance(out, tuple) else (out, {})
     scores = np.asarray(scores, np.float32)
     batch = len(response_texts)
@@ -563,20 +659,21 @@ class PPOTrainer:
         metrics[f"reward/{name}"] = float(np.mean(value))
     return scores, metrics
 
-  def measure_reward_stats(self, state: PPOState, prompt_tokens: np.ndarray,
-                           prompt_texts: Sequence[str], rng: Array) -> tuple[float, float]:
+  def measure_reward_stats(self, state: PPOState, prompts: PromptSource,
+                           rng: Array) -> tuple[float, float]:
     """(mu0, sigma0) of the raw scores of the current policy on up to
-    `reward_norm_num_prompts` prompts (one sample each, in rollout-sized batches)."""
+    `reward_norm_num_prompts` prompts (one sample each, in rollout-sized batches); the reward
+    is called with `RewardKey("normalization", batch)`."""
     cfg = self.config
-    count = min(cfg.reward_norm_num_prompts, len(prompt_tokens))
+    count = min(cfg.reward_norm_num_prompts, prompts.num_examples)
     scores = []
     for chunk, start in enumerate(range(0, count, cfg.batch_size)):
       # Full-size batches (wrapping around) so the compiled rollout is reused.
-      rows = np.arange(start, start + cfg.batch_size) % len(prompt_tokens)
-      responses, _, mask = self.generate(state, prompt_tokens[rows],
+      rows = np.arange(start, start + cfg.batch_size) % prompts.num_examples
+      responses, _, mask = self.generate(state, prompts.tokens[rows],
                                          jax.random.fold_in(rng, chunk))
-      raw, _ = self.rewards(prompt_tokens[rows], [prompt_texts[i] for i in rows], responses,
-                            mask)
+      raw, _ = self.rewards(prompts.tokens[rows], [prompts.texts[i] for i in rows], responses,
+                            mask, key=RewardKey("normalization", chunk))
       scores.append(np.asarray(jax.device_get(raw))[:min(cfg.batch_size, count - start)])
     scores = np.concatenate(scores).astype(np.float64)
     mean, std = float(scores.mean()), float(scores.std())
@@ -588,7 +685,7 @@ class PPOTrainer:
 
   # -- one iteration ------------------------------------------------------------------------------
   def iteration(self, state: PPOState, prompt_tokens: np.ndarray, prompt_texts: Sequence[str],
-                rng: Array, *, num_samples: int = 0
+                rng: Array, *, iteration: Optional[int] = None, num_samples: int = 0
                 ) -> tuple[PPOState, dict[str, float], list[dict[str, Any]]]:
     """Rollout, reward, score and update on one batch of prompts.
 
@@ -597,6 +694,7 @@ class PPOTrainer:
       prompt_tokens: (batch_size, max_prompt_length) int32.
       prompt_texts: The prompts as text (for the reward).
       rng: This iteration's key (split into sampling and minibatch-permutation keys).
+      iteration: The iteration's index, for the reward's key (default: `state.step`).
       num_samples: Also return this many (prompt, response, score) samples.
 
     Returns:
@@ -606,6 +704,8 @@ class PPOTrainer:
     if len(prompt_tokens) != self.config.batch_size:
       raise ValueError(f"PPOTrainer.iteration: got {len(prompt_tokens)} prompts, "
                        f"batch_size is {self.config.batch_size}")
+    if iteration is None:
+      iteration = int(jax.device_get(state.step))
     gen_rng, update_rng = jax.random.split(rng)
     times = {}
     tick = time.perf_counter()
@@ -618,7 +718,7 @@ class PPOTrainer:
     if self.reward_fn is not None or num_samples:
       texts = self.response_texts(responses, mask)
     raw_scores, reward_metrics = self.rewards(prompt_tokens, prompt_texts, responses, mask,
-                                              texts)
+                                              texts, key=RewardKey("rollout", iteration))
     jax.block_until_ready(raw_scores)
     times["reward"] = time.perf_counter() - tick
 
@@ -643,11 +743,22 @@ class PPOTrainer:
     metrics.update({f"time/{k}": v for k, v in times.items()})
     metrics["episodes_per_sec"] = self.config.batch_size / total if total > 0 else float("nan")
     samples = []
-    if num_samples:
+    if num_samples and texts is not None:
       raw = np.asarray(jax.device_get(raw_scores))
       for i in range(min(num_samples, len(texts))):
         samples.append({"prompt": prompt_texts[i], "response": texts[i], "score": float(raw[i])})
     return state, metrics, samples
+
+  def train_step(self, state: PPOState, batch: Mapping[str, Any],
+                 rng: Array) -> tuple[PPOState, dict[str, float]]:
+    """One iteration in the core loop's contract: `batch` is a `PromptSource` batch, `rng`
+    the run's base key (the iteration draws from `fold_in(rng, iteration)`). Keeps a few
+    samples of the iteration in `last_samples`."""
+    iteration = int(jax.device_get(state.step))
+    state, metrics, self.last_samples = self.iteration(
+        state, batch["prompt_tokens"], batch["prompt_texts"], jax.random.fold_in(rng, iteration),
+        iteration=iteration, num_samples=self.config.batch_size)
+    return state, metrics
 
   def _shard(self, x: Any, ndim: int = 2) -> Array:
     if isinstance(x, jax.Array):
@@ -655,7 +766,27 @@ class PPOTrainer:
     return jax.device_put(np.asarray(x), self.partitioner.data_sharding(ndim))
 
 
-# -- the loop -----------------------------------------------------------------------------------
+# -- the loop's hooks ---------------------------------------------------------------------------
+class RewardNormalizationHook(train_lib.TrainHook):
+  """On a fresh run, measures mu0/sigma0 of the initial policy's rewards (an explicit call of
+  the reward with `RewardKey("normalization", ...)`) and stores them in the state."""
+
+  def __init__(self, trainer: PPOTrainer, prompts: PromptSource, rng: Array):
+    self.trainer, self.prompts, self.rng = trainer, prompts, rng
+
+  mean: float = 0.0
+  std: float = 1.0
+
+  def on_start(self, loop: train_lib.LoopInfo, state: PPOState) -> PPOState:
+    if loop.fresh and self.trainer.config.normalize_reward:
+      mean, std = self.trainer.measure_reward_stats(state, self.prompts, self.rng)
+      logger.info("train_ppo: reward normalisation mu0 %.4g sigma0 %.4g", mean, std)
+      state = self.trainer.with_reward_stats(state, mean, std)
+    self.mean = float(jax.device_get(state.reward_mean))
+    self.std = float(jax.device_get(state.reward_std))
+    return state
+
+
 def _samples_markdown(samples: Sequence[Mapping[str, Any]]) -> str:
   rows = ["| prompt | response | score |", "|---|---|---|"]
   for s in samples:
@@ -665,17 +796,87 @@ def _samples_markdown(samples: Sequence[Mapping[str, Any]]) -> str:
   return "\n".join(rows)
 
 
+class SampleLogHook(train_lib.TrainHook):
+  """Every `every` iterations, writes `count` of the iteration's samples to TensorBoard."""
+
+  def __init__(self, trainer: PPOTrainer, *, every: int, count: int):
+    self.trainer, self.every, self.count = trainer, every, count
+
+  def after_step(self, loop: train_lib.LoopInfo, step: int, state: Any,
+                 metrics: Mapping[str, float]) -> None:
+    if self.every and step % self.every == 0 and self.trainer.last_samples:
+      loop.writers.text("train", step, "samples",
+                        _samples_markdown(self.trainer.last_samples[:self.count]))
+
+
+class RewardCurveHook(train_lib.TrainHook):
+  """The mean raw reward of every iteration in `MODEL_DIR/reward_curve.json` (written as the
+  run goes, kept across resumes up to the restored iteration) and `reward_curve.png`."""
+  NAME = "reward_curve"
+
+  def __init__(self, model_dir: str):
+    self.path = pathlib.Path(model_dir) / f"{self.NAME}.json"
+    self.curve: dict[int, float] = {}
+
+  def on_start(self, loop: train_lib.LoopInfo, state: Any) -> Any:
+    self.curve = {i: v for i, v in read_reward_curve(self.path).items()
+                  if i <= loop.start_step}
+    return state
+
+  def after_step(self, loop: train_lib.LoopInfo, step: int, state: Any,
+                 metrics: Mapping[str, float]) -> None:
+    self.curve[step] = float(metrics["raw_score_mean"])
+    if jax.process_index() == 0:
+      steps = sorted(self.curve)
+      self.path.write_text(json.dumps({"iterations": steps,
+                                       "raw_reward_mean": [self.curve[i] for i in steps]}))
+
+  def on_end(self, loop: train_lib.LoopInfo, state: Any) -> None:
+    if jax.process_index() == 0 and self.curve:
+      self.picture = plot_reward_curve(self.path)
+
+  picture: Optional[str] = None
+
+
+def read_reward_curve(path: pathlib.Path) -> dict[int, float]:
+  """{iteration: mean raw reward} of a curve file; {} when there is none."""
+  if not path.is_file():
+    return {}
+  data = json.loads(path.read_text())
+  return dict(zip(data["iterations"], data["raw_reward_mean"]))
+
+
+def plot_reward_curve(path: pathlib.Path) -> str:
+  """Draws a curve file beside it (`.png`); returns the picture's path."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  curve = read_reward_curve(path)
+  fig, ax = plt.subplots(figsize=(5, 3))
+  ax.plot(sorted(curve), [curve[i] for i in sorted(curve)], marker="o")
+  ax.set_xlabel("PPO iteration")
+  ax.set_ylabel("mean raw reward")
+  ax.set_title("PPO reward")
+  fig.tight_layout()
+  png = path.with_suffix(".png")
+  fig.savefig(png, dpi=100)
+  plt.close(fig)
+  return str(png)
+
+
+# -- the run ------------------------------------------------------------------------------------
 @gin.configurable
 def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
               prompt_source: Sequence[str] | np.ndarray, num_iterations: int,
               checkpoint_every: int = 100, keep_checkpoints: int = 3, log_every: int = 10,
               sample_every: int = 100, num_logged_samples: int = 4, seed: int = 0,
-              async_checkpoint: bool = True, init_policy_params: PyTree = None,
-              init_value_params: PyTree = None) -> dict[str, float]:
-  """Runs PPO to `num_iterations`, resuming from `model_dir/checkpoints` when possible.
+              async_checkpoint: bool = True,
+              init: Optional[PPOInit | Callable[[], PPOInit]] = None,
+              hooks: Sequence[train_lib.TrainHook] = ()) -> dict[str, float]:
+  """Runs PPO to `num_iterations` through the core loop (`jaxmoral.train.train`).
 
   Args:
-    model_dir: Run directory (checkpoints/, train/ TensorBoard events).
+    model_dir: Run directory (checkpoints/, train/ TensorBoard events, reward_curve.*).
     trainer: The `PPOTrainer`.
     prompt_source: Training prompts: texts, or token rows (N, L).
     num_iterations: Total PPO iterations of the run (not of this call).
@@ -686,8 +887,9 @@ def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
     num_logged_samples: Samples per log.
     seed: Base seed: initialisation, prompt order, sampling and minibatch keys.
     async_checkpoint: Write checkpoints in the background.
-    init_policy_params: Initial policy (and reference) parameters for a fresh run.
-    init_value_params: Initial value-model parameters for a fresh run.
+    init: Initial policy (and reference) and value parameters of a fresh run, or a function
+      returning them (called only when there is no checkpoint to resume); None: random.
+    hooks: More `train.TrainHook`s.
 
   Returns:
     `{"iteration": final iteration, <metric>: last window mean, ..., "reward_norm_mean",
@@ -696,99 +898,23 @@ def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
   Raises:
     train.NonFiniteLossError: a NaN/inf loss (nothing of that iteration is saved).
   """
-  for name, value in (("num_iterations", num_iterations), ("checkpoint_every", checkpoint_every),
-                      ("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
-    if not isinstance(value, int) or value <= 0:
-      raise ValueError(f"train_ppo: {name} must be a positive int, got {value!r}")
   if not isinstance(sample_every, int) or sample_every < 0:
     raise ValueError(f"train_ppo: sample_every must be an int >= 0, got {sample_every!r}")
-  cfg = trainer.config
-  model_dir = checkpoints.make_run_dir(model_dir)
-  ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
-  prompt_tokens, prompt_texts = trainer.encode_prompts(prompt_source)
-  num_prompts = len(prompt_tokens)
-  init_rng, norm_rng, loop_rng = jax.random.split(jax.random.PRNGKey(seed), 3)
-  manager = checkpoints.CheckpointManager(ckpt_dir, save_interval_steps=checkpoint_every,
-                                          max_to_keep=keep_checkpoints,
-                                          async_save=async_checkpoint)
-  writers = None
-  try:
-    latest = manager.latest_step()
-    if latest is not None:
-      state, extra = manager.restore(latest, target=trainer.abstract_state())
-      if extra.get("num_prompts", num_prompts) != num_prompts:
-        raise ValueError(f"train_ppo: {ckpt_dir}/{latest} was trained on "
-                         f"{extra['num_prompts']} prompts, prompt_source has {num_prompts}; "
-                         "the data position would not continue the same run")
-      if "reward_mean" in extra:
-        state = trainer.with_reward_stats(state, extra["reward_mean"], extra["reward_std"])
-      logger.info("train_ppo: resuming from %s at iteration %d", ckpt_dir, latest)
-    else:
-      state = trainer.init_state(init_rng, policy_params=init_policy_params,
-                                 value_params=init_value_params)
-      if cfg.normalize_reward:
-        mean, std = trainer.measure_reward_stats(state, prompt_tokens, prompt_texts, norm_rng)
-        state = trainer.with_reward_stats(state, mean, std)
-        logger.info("train_ppo: reward normalisation mu0 %.4g sigma0 %.4g", mean, std)
-    start = int(jax.device_get(state.step))
-    if start > num_iterations:
-      raise ValueError(f"train_ppo: checkpoint in {ckpt_dir} is at iteration {start}, beyond "
-                       f"num_iterations={num_iterations}")
-    reward_mean = float(jax.device_get(state.reward_mean))
-    reward_std = float(jax.device_get(state.reward_std))
-
-    def extra_of(state: PPOState, iteration: int) -> dict[str, Any]:
-      return {"reward_mean": reward_mean, "reward_std": reward_std,
-              "kl_coef": float(jax.device_get(state.kl_coef)), "iteration": iteration,
-              "num_prompts": num_prompts, "seed": seed}
-
-    writers = train_lib.MetricWriters(model_dir)
-    result: dict[str, float] = {}
-    window: list[dict[str, float]] = []
-    timed_seconds, timed_iterations = 0.0, 0
-    last_saved = latest
-    for it in range(start, num_iterations):
-      tick = time.perf_counter()
-      rows = prompt_indices(it, batch_size=cfg.batch_size, num_prompts=num_prompts, seed=seed)
-      want_samples = sample_every and (it + 1) % sample_every == 0
-      state, metrics, samples = trainer.iteration(
-          state, prompt_tokens[rows], [prompt_texts[i] for i in rows],
-          jax.random.fold_in(loop_rng, it), num_samples=num_logged_samples if want_samples else 0)
-      done = it + 1
-      if not math.isfinite(metrics["loss"]):
-        raise train_lib.NonFiniteLossError(
-            f"train_ppo: non-finite loss {metrics['loss']} at iteration {done}; nothing of it "
-            f"was saved; last checkpoint: {last_saved} in {ckpt_dir}")
-      if it > start:  # the first iteration compiles: keep it out of the ETA
-        timed_seconds += time.perf_counter() - tick
-        timed_iterations += 1
-      window.append(metrics)
-      if samples:
-        writers.text("train", done, "samples", _samples_markdown(samples))
-      if done % log_every == 0 or done == num_iterations:
-        means = {k: float(np.mean([m[k] for m in window])) for k in window[0]}
-        writers.scalars("train", done, means)
-        per_iter = timed_seconds / timed_iterations if timed_iterations else float("nan")
-        eta = train_lib.format_seconds((num_iterations - done) * per_iter)
-        logger.info("ppo %d/%d reward %.4f raw_score %.4f kl %.4f entropy %.3f episodes/s "
-                    "%.3g ETA %s", done, num_iterations, means["reward_mean"],
-                    means["raw_score_mean"], means["kl"], means.get("entropy", float("nan")),
-                    means["episodes_per_sec"], eta)
-        result.update(means)
-        window = []
-      if done % checkpoint_every == 0 or done == num_iterations:
-        manager.save(done, state, extra=extra_of(state, done), force=True)
-        last_saved = done
-      elif manager.reached_preemption(done):
-        manager.save(done, state, extra=extra_of(state, done), force=True)
-        logger.warning("train_ppo: preempted; saved iteration %d to %s", done, ckpt_dir)
-        break
-    result["iteration"] = int(jax.device_get(state.step))
-    result["reward_norm_mean"] = reward_mean
-    result["reward_norm_std"] = reward_std
-    return result
-  finally:
-    manager.wait()
-    manager.close()
-    if writers is not None:
-      writers.close()
+  tokens, texts = trainer.encode_prompts(prompt_source)
+  prompts = PromptSource(tokens=tokens, texts=texts, batch_size=trainer.config.batch_size,
+                         seed=seed)
+  # The keys of the core loop (init, steps) and of the normalisation are apart.
+  norm_rng = jax.random.fold_in(jax.random.PRNGKey(seed), 2 ** 20)
+  curve = RewardCurveHook(os.fspath(model_dir))
+  normalization = RewardNormalizationHook(trainer, prompts, norm_rng)
+  result = train_lib.train(
+      model_dir=model_dir, trainer=trainer, train_source=prompts, train_steps=num_iterations,
+      checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+      log_every=log_every, seed=seed, async_checkpoint=async_checkpoint, init_params=init,
+      hooks=[normalization, curve,
+             SampleLogHook(trainer, every=sample_every, count=num_logged_samples), *hooks])
+  out = {k.removeprefix("train/"): v for k, v in result.items()}
+  out["iteration"] = out.pop("step")
+  out["reward_norm_mean"], out["reward_norm_std"] = normalization.mean, normalization.std
+  out["reward_curve"] = curve.picture or str(curve.path)
+  return out

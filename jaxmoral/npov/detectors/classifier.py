@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import prompt_tuning
-from jaxmoral.data import pipeline
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
 from jaxmoral.npov import task
@@ -55,33 +54,40 @@ def training_pairs(examples: Sequence[task.NpovExample], *, error: ErrorType
 
 
 @gin.configurable
-def train_classifier(*, model_dir: str | os.PathLike, config: T5Config, base_params: Any,
-                     vocabulary: Any, examples: Sequence[task.NpovExample], error: ErrorType,
-                     train_steps: int, batch_size: int = 16, max_input_length: int = 512,
+def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
+                     examples: Sequence[task.NpovExample], error: ErrorType, train_steps: int,
+                     optimizer: Any, batch_size: int = 16, max_input_length: int = 512,
                      prompt_config: Optional[prompt_tuning.PromptConfig] = None,
-                     seed: int = 0, **train_kwargs: Any) -> np.ndarray:
-  """Prompt-tunes one classifier; returns its prompt (also saved in `model_dir/prompt`).
+                     partitioner: Any = None, seed: int = 0, **run_kwargs: Any) -> str:
+  """Prompt-tunes one classifier on a frozen base through the core run; returns the run dir
+  (its prompt is also saved on its own in `model_dir/prompt`).
 
   The prompt starts from the embeddings of the label words (paper), padded with vocabulary
-  samples. `train_kwargs` go to `prompt_tuning.train_prompt` (learning_rate, warmup_steps...).
+  samples. The training pairs are written to `model_dir/data/train.jsonl`; `run_kwargs` go to
+  `runs.train_run` (log_every, checkpoint_every, ...).
   """
+  from jaxmoral import model_dirs, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral.data import readers  # pylint: disable=g-import-not-at-top
   inputs, targets = training_pairs(examples, error=error)
   if not inputs or len(set(targets)) < 2:
     raise ValueError(f"train_classifier({error}): need examples of both labels, got "
                      f"{len(inputs)} pairs with labels {sorted(set(targets))}")
-  features = pipeline.encode_pairs(inputs, targets, vocabulary=vocabulary,
-                                   feature_lengths={"inputs": max_input_length, "targets": 4})
-  source = pipeline.BatchSource(features=features, batch_size=batch_size, seed=seed)
+  base = model_dirs.inspect(base_dir)
   if prompt_config is None:
     prompt_config = prompt_tuning.PromptConfig(
-        init="words", init_words=LABELS,
-        vocab_sample_size=min(5000, config.vocab_size))
-  word_ids = [list(vocabulary.encode(w)) for w in prompt_config.init_words]
-  return prompt_tuning.train_prompt(
-      model_dir=model_dir, config=config, base_params=base_params, train_source=source,
-      train_steps=train_steps, prompt_config=prompt_config,
-      word_ids=word_ids if prompt_config.init == "words" else None, seed=seed,
-      metadata={"task": f"npov_{error}_classifier", "labels": list(LABELS)}, **train_kwargs)
+        init="words", init_words=LABELS, vocab_sample_size=min(5000, base.config.vocab_size))
+  pairs = os.path.join(os.fspath(model_dir), "data", "train.jsonl")
+  readers.write_jsonl(pairs, [{"inputs": x, "targets": y} for x, y in zip(inputs, targets)])
+  model = prompt_tuning.PromptTuningModel(
+      config=base.config, prompt=prompt_config,
+      metadata={"task": f"npov_{error}_classifier", "labels": list(LABELS)})
+  runs.train_run(model_dir=os.fspath(model_dir), model=model,
+                 data=runs.Seq2SeqData(train_file=pairs), train_steps=train_steps,
+                 batch_size=batch_size,
+                 feature_lengths={"inputs": max_input_length, "targets": 4},
+                 optimizer=optimizer, partitioner=partitioner, seed=seed,
+                 init_checkpoint=base_dir, **run_kwargs)
+  return os.fspath(model_dir)
 
 
 @functools.lru_cache(maxsize=8)

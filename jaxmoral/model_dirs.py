@@ -1,0 +1,547 @@
+"""Every model directory jaxmoral reads or writes, in one place: find, inspect, load, save.
+
+Formats a path may hold (`inspect` tells which):
+
+  hf        Hugging Face folder: config.json + model.safetensors (or a sharded index), or
+            pytorch_model.bin (or its index; read with torch, weights only); spiece.model
+  hub       a Hugging Face Hub id (`google/t5-v1_1-base`): resolved through huggingface_hub's
+            cache (HF_HUB_CACHE / HF_HOME honoured); with HF_HUB_OFFLINE=1 only the cache
+  t5x       an Orbax T5X checkpoint (`checkpoint_<step>`; parameters under target/)
+  export    a jaxmoral export: params/ + config.json + vocab/ (+ settings.json)
+  run       a run directory (MODEL_DIR): model_config.json + vocab/ + checkpoints/<step>/;
+            its latest step, or `step`; a PPO run gives its policy; a Diamante run its joint
+            model (scalar head) and data settings
+  run_step  one step of a run: RUN/checkpoints/STEP (T5X's checkpoint_STEP)
+
+Run and export layout (written by `save_run_files` / `export`)::
+
+  model_config.json | config.json   the T5Config
+  vocab/spiece.model                the SentencePiece model (+ vocab/extra_ids.txt)
+  settings.json                     method settings (e.g. Diamante's feature lengths)
+  checkpoints/<step>/ | params/     Orbax state / parameters
+
+`load` creates every parameter directly in the sharding a partitioner asks for: Orbax formats
+read each device's slice, Hugging Face files are read slice by slice per device
+(`hf_import.TensorSource`), so no device ever holds a full copy it does not own. A loaded
+model's parameter tree is the T5's (plus `scalar_head` when the checkpoint has one); a prompt-
+tuning run also gives its soft prompt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import re
+import shutil
+from typing import Any, Mapping, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Sharding
+
+from jaxmoral import checkpoints
+from jaxmoral.models import hf_import
+from jaxmoral.models import t5x_import
+from jaxmoral.models.config import T5Config
+
+logger = logging.getLogger(__name__)
+
+PyTree = Any
+MODEL_CONFIG_FILE = "model_config.json"  # In a run directory.
+CONFIG_FILE = checkpoints.CONFIG_FILE  # In an export (config.json, as Hugging Face names it).
+VOCAB_DIR = "vocab"
+SPIECE_FILE = "spiece.model"
+EXTRA_IDS_FILE = "extra_ids.txt"
+SETTINGS_FILE = "settings.json"
+FORMATS = ("hf", "hub", "t5x", "export", "run", "run_step")
+# Hub ids: "name" or "org/name" (letters, digits, '-', '_', '.').
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_HUB_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+              "pytorch_model.bin.index.json", "spiece.model", "tokenizer_config.json")
+
+
+# -- vocabulary ---------------------------------------------------------------------------------
+def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Path:
+  """Copies a SentencePiece vocabulary into `directory/vocab/` (model + extra ids)."""
+  vocab_dir = pathlib.Path(directory) / VOCAB_DIR
+  vocab_dir.mkdir(parents=True, exist_ok=True)
+  target = vocab_dir / SPIECE_FILE
+  if pathlib.Path(vocabulary.sentencepiece_model_file).resolve() != target.resolve():
+    shutil.copyfile(vocabulary.sentencepiece_model_file, target)
+  (vocab_dir / EXTRA_IDS_FILE).write_text(str(vocabulary.extra_ids))
+  return target
+
+
+def vocabulary_path(directory: str | os.PathLike) -> Optional[pathlib.Path]:
+  """The SentencePiece model a model directory carries (vocab/spiece.model or HF's
+  spiece.model), or None."""
+  directory = pathlib.Path(directory)
+  for path in (directory / VOCAB_DIR / SPIECE_FILE, directory / SPIECE_FILE):
+    if path.is_file():
+      return path
+  return None
+
+
+def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
+  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  extra = spm.parent / EXTRA_IDS_FILE
+  if extra.is_file():
+    return int(extra.read_text())
+  tokenizer_config = directory / "tokenizer_config.json"  # Hugging Face's T5 tokenizers.
+  if tokenizer_config.is_file():
+    try:
+      return int(json.loads(tokenizer_config.read_text()).get("extra_ids", vocab_lib.T5_EXTRA_IDS))
+    except (json.JSONDecodeError, TypeError, ValueError):
+      pass
+  return vocab_lib.T5_EXTRA_IDS
+
+
+def load_vocabulary(directory: str | os.PathLike) -> Any:
+  """The seqio vocabulary a model directory carries, or None when it has none."""
+  directory = pathlib.Path(directory)
+  spm = vocabulary_path(directory)
+  if spm is None:
+    return None
+  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  return vocab_lib.get_vocabulary(spm, extra_ids=_extra_ids(directory, spm))
+
+
+# -- run files ----------------------------------------------------------------------------------
+def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary: Any,
+                   settings: Optional[Mapping[str, Any]] = None) -> None:
+  """Writes what makes a run directory self-describing (see the module docstring)."""
+  model_dir = pathlib.Path(model_dir)
+  model_dir.mkdir(parents=True, exist_ok=True)
+  (model_dir / MODEL_CONFIG_FILE).write_text(config.to_json())
+  save_vocabulary(model_dir, vocabulary)
+  if settings:
+    write_settings(model_dir, settings)
+
+
+def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) -> None:
+  (pathlib.Path(directory) / SETTINGS_FILE).write_text(
+      json.dumps(dict(settings), indent=2, sort_keys=True) + "\n")
+
+
+def read_settings(directory: str | os.PathLike) -> dict[str, Any]:
+  path = pathlib.Path(directory) / SETTINGS_FILE
+  if not path.is_file():
+    return {}
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+
+
+def _read_config_json(path: pathlib.Path) -> T5Config:
+  try:
+    return T5Config.from_dict(json.loads(path.read_text()))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{path}: {e}") from e
+
+
+# -- finding ------------------------------------------------------------------------------------
+def _hub_cache_hint() -> str:
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  return constants.HF_HUB_CACHE
+
+
+def _offline() -> bool:
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+  return bool(constants.HF_HUB_OFFLINE) or env
+
+
+def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.Path:
+  """The local snapshot folder of a Hub model (downloaded unless HF_HUB_OFFLINE is set).
+
+  Raises:
+    FileNotFoundError: Offline (or unreachable) and not in the cache; one line saying how to
+      get it there.
+  """
+  try:
+    from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
+    from huggingface_hub import errors as hub_errors  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise FileNotFoundError(f"{repo_id!r} is neither a local folder nor loadable as a Hub id: "
+                            "huggingface_hub is not installed") from None
+  offline = _offline()
+  try:
+    folder = snapshot_download(repo_id, revision=revision, allow_patterns=list(_HUB_FILES),
+                               local_files_only=offline)
+  except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled) as e:
+    del e
+    raise FileNotFoundError(
+        f"{repo_id!r}: no such local folder, and the Hub model is not in the cache "
+        f"({_hub_cache_hint()}) while {'HF_HUB_OFFLINE is set' if offline else 'the Hub is unreachable'}"
+        f"; download it where the Hub is reachable (`hf download {repo_id}`) and copy the "
+        f"cache, or give a local folder") from None
+  except (hub_errors.RepositoryNotFoundError, hub_errors.RevisionNotFoundError) as e:
+    raise FileNotFoundError(f"{repo_id!r}: no such local folder or Hub model "
+                            f"({type(e).__name__})") from None
+  except hub_errors.HfHubHTTPError as e:
+    raise FileNotFoundError(f"{repo_id!r}: the Hub refused the download: "
+                            f"{str(e).splitlines()[0]}") from None
+  return pathlib.Path(folder)
+
+
+def _run_checkpoint(path: pathlib.Path) -> Optional[tuple[pathlib.Path, Optional[int]]]:
+  """(run directory, step) when `path` is a run or one of its steps; else None."""
+  if (path / MODEL_CONFIG_FILE).is_file() and (path / checkpoints.RUN_CHECKPOINTS_SUBDIR).is_dir():
+    return path, None
+  if (path.parent.name == checkpoints.RUN_CHECKPOINTS_SUBDIR and path.name.isdigit()
+      and (path.parent.parent / MODEL_CONFIG_FILE).is_file()):
+    return path.parent.parent, int(path.name)
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+  """What a model directory holds, read without loading its parameters.
+
+  Attributes:
+    source: The path (or Hub id) as given.
+    path: The local folder.
+    format: One of `FORMATS`.
+    config: Its T5Config.
+    vocabulary: Its seqio vocabulary, or None.
+    settings: Method settings (settings.json), or {}.
+    param_shapes: {'/'-joined path: shape} of the stored parameters (incl. heads, prompt).
+    step: The checkpoint step (runs), else None.
+  """
+  source: str
+  path: pathlib.Path
+  format: str
+  config: T5Config
+  vocabulary: Any
+  settings: Mapping[str, Any]
+  param_shapes: Mapping[str, tuple[int, ...]]
+  step: Optional[int] = None
+  # Hugging Face formats: the parameters' lazily read sources (`hf_import.tensor_sources`).
+  hf_sources: Optional[Mapping[tuple[str, ...], Any]] = dataclasses.field(
+      default=None, repr=False, compare=False)
+
+  @property
+  def has_scalar_head(self) -> bool:
+    return any(p.startswith("scalar_head/") for p in self.param_shapes)
+
+  @property
+  def prompt_shape(self) -> Optional[tuple[int, ...]]:
+    """The soft prompt's (P, d_model) of a prompt-tuning run, else None."""
+    return self.param_shapes.get("prompt")
+
+  def describe(self) -> str:
+    c = self.config
+    extras = [x for x, on in (("scalar head", self.has_scalar_head),
+                              ("soft prompt", self.prompt_shape is not None)) if on]
+    step = f" step {self.step}" if self.step is not None else ""
+    return (f"{self.source} ({self.format}{step}): T5 d_model={c.d_model} layers="
+            f"{c.num_encoder_layers}+{c.num_decoder_layers} vocab={c.vocab_size}"
+            + (f", {', '.join(extras)}" if extras else ""))
+
+
+def _flat_shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+  return {"/".join(k): tuple(v.shape)
+          for k, v in flax.traverse_util.flatten_dict(dict(tree)).items()}
+
+
+def _local(source: str | os.PathLike) -> tuple[pathlib.Path, bool]:
+  """(local folder, whether it came from the Hub)."""
+  text = os.fspath(source)
+  path = pathlib.Path(text).expanduser()
+  if path.exists():
+    if not path.is_dir():
+      raise FileNotFoundError(f"{text}: a model is a directory, not a file")
+    return path, False
+  if (path.name.isdigit() and path.parent.name == checkpoints.RUN_CHECKPOINTS_SUBDIR
+      and (path.parent.parent / MODEL_CONFIG_FILE).is_file()):
+    steps = sorted(int(p.name) for p in path.parent.iterdir() if p.name.isdigit())
+    raise FileNotFoundError(f"{text}: no checkpoint for step {path.name}; have {steps}")
+  if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
+    return resolve_hub_id(text), True
+  raise FileNotFoundError(f"{text}: no such model directory")
+
+
+def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
+            config: Optional[T5Config] = None, vocabulary: Any = None) -> ModelInfo:
+  """Finds the format, config, vocabulary and parameter shapes of a model directory.
+
+  Args:
+    source: A folder of any format in `FORMATS`, or a Hub id.
+    step: A run's checkpoint step (default: the latest).
+    config: The T5Config for formats that carry none (T5X; an export without config.json).
+    vocabulary: Overrides the directory's own vocabulary (a seqio vocabulary or a path).
+
+  Raises:
+    FileNotFoundError: Nothing there, or no known format (the message lists what was looked
+      for).
+    ValueError: A damaged or inconsistent directory (named).
+  """
+  path, from_hub = _local(source)
+  source = os.fspath(source)
+  if isinstance(vocabulary, (str, os.PathLike)):
+    from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+    vocabulary = vocab_lib.get_vocabulary(vocabulary, extra_ids=_extra_ids(
+        path, pathlib.Path(vocabulary)))
+  run = _run_checkpoint(path)
+  if run is not None:
+    run_dir, run_step = run
+    if step is not None and run_step is not None and step != run_step:
+      raise ValueError(f"{source}: is step {run_step}, but step={step} was asked for")
+    step = run_step if run_step is not None else step
+    run_config = _read_config_json(run_dir / MODEL_CONFIG_FILE)
+    step, (_, tree) = checkpoints.run_params_metadata(
+        checkpoints.run_checkpoints_dir(run_dir), step=step)
+    return ModelInfo(source=source, path=run_dir, format="run_step" if run_step is not None
+                     else "run", config=config or run_config,
+                     vocabulary=vocabulary or load_vocabulary(run_dir),
+                     settings=read_settings(run_dir), param_shapes=_flat_shapes(tree), step=step)
+  if hf_import.is_hf_checkpoint(path):
+    # The tensors decide the head (tied / untied / rescaled), so their table is read too.
+    hf_config = hf_import.read_hf_config(path)  # Its errors first: they name config.json.
+    hf_config_used, sources = hf_import.tensor_sources(
+        hf_import.open_checkpoint(path), hf_config, source=str(path))
+    if config is not None and config.architecture() != hf_config_used.architecture():
+      raise ValueError(f"{source}: its config.json describes {hf_config_used}, not the given "
+                       f"{config}")
+    return ModelInfo(source=source, path=path, format="hub" if from_hub else "hf",
+                     config=config or hf_config_used,
+                     vocabulary=vocabulary or load_vocabulary(path), settings={},
+                     param_shapes={"/".join(k): v.shape for k, v in sources.items()},
+                     hf_sources=sources)
+  if (path / checkpoints.PARAMS_DIR).is_dir():
+    tree = checkpoints.exported_metadata(path)
+    if config is None:
+      if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path}/{CONFIG_FILE} not found: give the model's config")
+      config = _read_config_json(path / CONFIG_FILE)
+    return ModelInfo(source=source, path=path, format="export", config=config,
+                     vocabulary=vocabulary or load_vocabulary(path), settings=read_settings(path),
+                     param_shapes=_flat_shapes(tree))
+  if t5x_import.is_t5x_checkpoint(path):
+    located = t5x_import.locate(path, config=config)
+    return ModelInfo(source=source, path=path, format="t5x", config=located.config,
+                     vocabulary=vocabulary or load_vocabulary(path), settings={},
+                     param_shapes=_flat_shapes(located.metadata))
+  raise FileNotFoundError(
+      f"{source}: no model found (looked for {', '.join(hf_import.CHECKPOINT_FILES)} "
+      f"(Hugging Face), {checkpoints.PARAMS_DIR}/ (jaxmoral export), {MODEL_CONFIG_FILE} + "
+      f"{checkpoints.RUN_CHECKPOINTS_SUBDIR}/ (run), RUN/{checkpoints.RUN_CHECKPOINTS_SUBDIR}/"
+      "STEP (one step of a run), _METADATA (T5X / Orbax))")
+
+
+# -- loading ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+  """A model directory's parameters, placed, with everything needed to use them.
+
+  Attributes:
+    info: What the directory holds (format, config, vocabulary, settings).
+    config: The T5Config in use (the stored one, maybe with another activation dtype).
+    params: The T5 parameter tree (plus `scalar_head` when stored), unboxed, on device.
+    prompt: The soft prompt (P, d_model) of a prompt-tuning run, else None.
+  """
+  info: ModelInfo
+  config: T5Config
+  params: PyTree
+  prompt: Optional[jax.Array] = None
+
+  @property
+  def vocabulary(self) -> Any:
+    return self.info.vocabulary
+
+  @property
+  def has_scalar_head(self) -> bool:
+    return "scalar_head" in self.params
+
+  @property
+  def settings(self) -> Mapping[str, Any]:
+    return self.info.settings
+
+  def module(self) -> Any:
+    """The linen T5 these parameters belong to."""
+    from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
+    return t5.T5(self.config, with_scalar_head=self.has_scalar_head)
+
+
+def param_shardings(config: T5Config, partitioner: Any, *,
+                    with_scalar_head: bool = False) -> PyTree:
+  """The partitioner's `NamedSharding` tree for a T5's parameters (logical-axis rules)."""
+  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
+  model = t5.T5(config, with_scalar_head=with_scalar_head)
+  with partitioner.context():
+    boxed = jax.eval_shape(lambda rng: t5.init_params(model, rng),
+                           jax.ShapeDtypeStruct((2,), jnp.uint32))
+  return partitioner.sharding_for(boxed)
+
+
+def _target(shapes: Mapping[str, tuple[int, ...]], shardings: PyTree, dtype: Any,
+            where: str) -> PyTree:
+  """A ShapeDtypeStruct tree for the stored shapes, shardings matched by path."""
+  if isinstance(shardings, Sharding):
+    by_path = None
+  else:
+    by_path = {"/".join(k): s for k, s in flax.traverse_util.flatten_dict(
+        shardings, is_leaf=lambda _, x: isinstance(x, Sharding)).items()}
+    extra = sorted(set(by_path) - set(shapes))
+    missing = sorted(set(shapes) - set(by_path))
+    if missing or extra:
+      raise ValueError(f"{where}: stored parameters do not match the model: missing from the "
+                       f"model {missing[:5]}, missing from the checkpoint {extra[:5]}")
+  flat = {tuple(path.split("/")): jax.ShapeDtypeStruct(
+      shape, dtype, sharding=shardings if by_path is None else by_path[path])
+          for path, shape in shapes.items()}
+  return flax.traverse_util.unflatten_dict(flat)
+
+
+def _place(sources: Mapping[tuple[str, ...], hf_import.TensorSource], target: PyTree) -> PyTree:
+  """Arrays in `target`'s shardings, each device filled with its own slice of a source."""
+  flat = flax.traverse_util.flatten_dict(target)
+
+  def one(path: tuple[str, ...], spec: jax.ShapeDtypeStruct) -> jax.Array:
+    source = sources[path]
+    return jax.make_array_from_callback(
+        spec.shape, spec.sharding,
+        lambda index: np.asarray(source.read(index), dtype=spec.dtype))
+
+  return flax.traverse_util.unflatten_dict({path: one(path, spec) for path, spec in flat.items()})
+
+
+def load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTree = None,
+         step: Optional[int] = None, dtype: Optional[str] = None,
+         param_dtype: Optional[str] = "float32", config: Optional[T5Config] = None,
+         vocabulary: Any = None) -> LoadedModel:
+  """Loads a model directory of any format into the shardings a partitioner asks for.
+
+  Args:
+    source: A folder of any format in `FORMATS`, or a Hub id.
+    partitioner: Places every parameter by the partitioner's logical-axis rules (FSDP, model
+      parallel); None and no `shardings`: one device (replicated over the processes of a
+      multi-host job).
+    shardings: Explicit `Sharding`s instead: one for all, or a tree with the T5 parameters'
+      structure (plus `scalar_head` where stored).
+    step: A run's checkpoint step (default: the latest).
+    dtype: Activation dtype of the returned config ("float32", "bfloat16"); default: stored.
+    param_dtype: Floating-point parameters are cast to this while read ("float32"); None
+      keeps what is stored (e.g. a bfloat16 export).
+    config: The T5Config for formats that carry none (see `inspect`).
+    vocabulary: Overrides the directory's own vocabulary.
+
+  Raises:
+    FileNotFoundError / ValueError: See `inspect`; also parameters that do not fit the model.
+  """
+  info = inspect(source, step=step, config=config, vocabulary=vocabulary)
+  model_config = info.config.replace(dtype=dtype) if dtype else info.config
+  where = str(info.path)
+  prompted = info.prompt_shape is not None
+  t5_shapes = {p[len("base/"):] if prompted else p: s for p, s in info.param_shapes.items()
+               if p != "prompt"}
+  t5x_import.validate_params(
+      flax.traverse_util.unflatten_dict({tuple(p.split("/")): jax.ShapeDtypeStruct(s, jnp.float32)
+                                         for p, s in t5_shapes.items()}),
+      info.config, source=where)
+  if shardings is None:
+    shardings = (param_shardings(info.config, partitioner, with_scalar_head=info.has_scalar_head)
+                 if partitioner is not None else checkpoints.default_sharding())
+  read_dtype = jnp.dtype(param_dtype) if param_dtype else None
+  prompt = None
+  if info.format in ("hf", "hub"):
+    params = _place(info.hf_sources, _target(t5_shapes, shardings, read_dtype or jnp.float32,
+                                             where))
+  elif info.format == "t5x":
+    located = t5x_import.locate(info.path, config=info.config)
+    target = _target(_flat_shapes(located.metadata), shardings, read_dtype or jnp.float32, where)
+    params = checkpoints.restore_subtree(located.item_dir, located.prefix, target)
+  else:
+    tree_shardings = shardings
+    if prompted and not isinstance(shardings, Sharding):
+      # The prompt is small: every device keeps all of it.
+      replicated = (partitioner.replicated if partitioner is not None
+                    else checkpoints.default_sharding())
+      tree_shardings = {"base": shardings, "prompt": replicated}
+    if info.format == "export":
+      params = checkpoints.load_params(info.path, shardings=tree_shardings, dtype=read_dtype)
+    else:
+      params = checkpoints.restore_params_from_run(
+          checkpoints.run_checkpoints_dir(info.path), step=info.step, shardings=tree_shardings,
+          dtype=read_dtype)
+    if prompted:
+      params, prompt = params["base"], params["prompt"]
+  logger.info("loaded %s", info.describe())
+  return LoadedModel(info=info, config=model_config, params=params, prompt=prompt)
+
+
+# -- saving -------------------------------------------------------------------------------------
+def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
+           vocabulary: Any = None, settings: Optional[Mapping[str, Any]] = None,
+           dtype: Optional[str] = None, overwrite: bool = False) -> str:
+  """Writes a self-contained jaxmoral export (params/, config.json, vocab/, settings.json).
+
+  Args:
+    directory: The export folder.
+    params: Parameters (boxed or not, any sharding); a `scalar_head` is kept.
+    config: Their T5Config.
+    vocabulary: Copied into vocab/ when given.
+    settings: Method settings written as settings.json.
+    dtype: Cast floating-point parameters (e.g. "bfloat16") before writing.
+    overwrite: Replace an existing export; otherwise an existing one is an error.
+
+  Raises:
+    FileExistsError: The export exists and `overwrite` is False.
+  """
+  directory = checkpoints.export_params(params, directory, dtype=dtype, config=config.to_dict(),
+                                        overwrite=overwrite)
+  if jax.process_index() == 0:
+    if vocabulary is not None:
+      save_vocabulary(directory, vocabulary)
+    if settings:
+      write_settings(directory, settings)
+  return directory
+
+
+def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
+                 step: Optional[int] = None, dtype: Optional[str] = None,
+                 output_format: str = "jaxmoral", overwrite: bool = False) -> str:
+  """`jaxmoral export`: a run (or any model directory) as a jaxmoral or Hugging Face export.
+
+  Args:
+    source: The model directory (usually a run).
+    output_dir: Where to write.
+    step: A run's checkpoint step (default: the latest).
+    dtype: Storage dtype of floating-point parameters.
+    output_format: "jaxmoral" (params/ + config.json + vocab/) or "hf" (config.json +
+      model.safetensors + spiece.model: loads in transformers).
+    overwrite: Replace an existing export.
+
+  Raises:
+    FileExistsError: `output_dir` holds an export and `overwrite` is False.
+  """
+  if output_format not in ("jaxmoral", "hf"):
+    raise ValueError(f"export: format must be 'jaxmoral' or 'hf', got {output_format!r}")
+  loaded = load(source, step=step)
+  output = pathlib.Path(output_dir)
+  if output_format == "hf":
+    if (output / hf_import.SINGLE_FILE).exists() and not overwrite:
+      raise FileExistsError(f"{output}/{hf_import.SINGLE_FILE} exists; pass --overwrite to "
+                            "replace it")
+    if loaded.has_scalar_head or loaded.prompt is not None:
+      raise ValueError(f"export: {source} has a scalar head or a soft prompt, which Hugging "
+                       "Face's T5ForConditionalGeneration cannot hold; export format 'jaxmoral'")
+    extra = [loaded.vocabulary.sentencepiece_model_file] if loaded.vocabulary else []
+    hf_import.export_hf_t5(loaded.params, loaded.config, output, dtype=dtype,
+                           extra_files=extra)
+  else:
+    params = loaded.params
+    if loaded.prompt is not None:
+      params = {"base": params, "prompt": loaded.prompt}
+    export(output, params=params, config=loaded.config, vocabulary=loaded.vocabulary,
+           settings=loaded.settings, dtype=dtype, overwrite=overwrite)
+  print(f"exported {loaded.info.describe()} -> {output}" + (f" ({dtype})" if dtype else ""))
+  return str(output)

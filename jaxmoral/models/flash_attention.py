@@ -1,0 +1,668 @@
+"""T5 flash attention for TPUs in Pallas (Mosaic), with the gradient of the position bias.
+
+T5 attention is `softmax(q k^T + bias) v` with no 1/sqrt(d) scale, where `bias` is the learned
+relative-position bias (1, heads, q_len, k_len), float32, shared by the batch. The einsum path
+materialises (batch, heads, q_len, k_len) scores, weights and their gradients; here three
+kernels stream over (block_q, block_k) tiles and keep only per-row statistics:
+
+  forward   grid (batch, heads, q blocks, k blocks): online softmax; out and the row
+            log-sum-exp (the backward's only residual besides q, k, v, bias and out).
+  dk/dv     grid (heads, k blocks, batch, q blocks): recomputes the probabilities of a tile,
+            accumulates dk and dv over q blocks and the bias gradient over the batch.
+  dq        grid (batch, heads, q blocks, k blocks): accumulates dq over k blocks.
+
+The bias gradient is the batch sum of dScores. It is reduced inside the dk/dv kernel: with the
+batch as the second-innermost grid axis, the (q_len, block_k) float32 column of the bias
+gradient of one head and k block stays in VMEM while the kernel walks every batch row and q
+block, and is written to HBM once. So the only quadratic tensor in HBM is the
+(1, heads, q_len, k_len) bias gradient itself (what the bias parameter's gather needs anyway),
+never a (batch, heads, q_len, k_len) one; the price is VMEM proportional to q_len
+(4 * q_len * block_k bytes, double-buffered: 1 MiB each at 2,048 x 128). Reducing in the dq
+kernel instead would need the same column along the lane axis (dynamic lane offsets), and a
+separate reduction kernel would recompute two more products per tile. JAX's own
+`pallas.ops.tpu.flash_attention` returns `dab = ds` of shape (batch, heads, q, k) and needs
+the bias broadcast to the batch, which is the memory this module exists to avoid.
+
+Masking is factored, never dense: per-position segment ids (0 = padding) for queries and keys
+(a query sees the keys of its own segment, which also covers plain padding) and a causal flag.
+A query that sees no key at all (padding) gets a zero output and passes no gradient; the
+einsum path gives such rows the mean of the values instead, and neither reaches a valid
+position. Lengths are padded to multiples of 128 (padded keys get their own segment id, so
+nothing attends to them); the head width stays as it is (a block equal to the whole last
+dimension is a legal Mosaic block, so d_kv = 64 needs no padding to 128).
+
+On a CPU the kernels run in Pallas interpret mode (`INTERPRET = True`, or the environment
+variable JAXMORAL_PALLAS_INTERPRET=1), which is how the tests check them against
+`reference_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any, Optional, Sequence, Union
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec
+
+Array = jax.Array
+MeshAxes = Union[None, str, Sequence[str]]
+
+# Run the kernels through the Pallas interpreter (any backend, slow): for CPU tests.
+INTERPRET: bool = os.environ.get("JAXMORAL_PALLAS_INTERPRET", "") not in ("", "0")
+
+NUM_LANES = 128
+NUM_SUBLANES = 8
+# Finite stand-in for -inf: exp(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
+MASK_VALUE = -1e30
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Largest tile sizes (multiples of 128); each kernel takes the largest multiple of 128 up to
+  its maximum that divides the (128-padded) length.
+
+  Attributes:
+    block_q: Query rows per tile of the forward and dq kernels.
+    block_k: Key rows per tile of the forward and dq kernels.
+    block_q_dkv: Query rows per tile of the dk/dv kernel.
+    block_k_dkv: Key rows per tile of the dk/dv kernel; also the width of the bias-gradient
+      column the kernel keeps in VMEM (4 * q_len * block_k_dkv bytes).
+  """
+  block_q: int = 512
+  block_k: int = 512
+  block_q_dkv: int = 512
+  block_k_dkv: int = 128
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value <= 0 or value % NUM_LANES:
+        raise ValueError(f"BlockSizes.{name} must be a positive multiple of {NUM_LANES}, "
+                         f"got {value!r}")
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def _fit_block(block: int, length: int) -> int:
+  """The largest multiple of 128 that is <= `block` and divides `length` (a multiple of 128)."""
+  for size in range(min(block, length), 0, -NUM_LANES):
+    if length % size == 0:
+      return size
+  raise AssertionError(f"{length} is not a multiple of {NUM_LANES}")
+
+
+def _lanes(x: Array, width: int) -> Array:
+  """(rows, 128) lane-replicated values -> (rows, width)."""
+  return jnp.tile(x, (1, pl.cdiv(width, NUM_LANES)))[:, :width]
+
+
+def _tile_mask(q_ids: Array, k_ids: Array, q_start: Any, k_start: Any, causal: bool,
+               shape: tuple[int, int]) -> Array:
+  """(block_q, block_k) bool: same segment id and, if causal, key position <= query position.
+
+  Args:
+    q_ids: (block_q, 128) int32, each row one query's id replicated over the lanes.
+    k_ids: (1, block_k) int32.
+  """
+  mask = jnp.tile(q_ids, (1, shape[1] // NUM_LANES)) == k_ids
+  if causal:
+    rows = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    mask = jnp.logical_and(mask, cols <= rows)
+  return mask
+
+
+def _last_k_block(q_index: Any, block_q: int, block_k: int) -> Any:
+  """Index of the last k block a causal q block sees."""
+  return (q_index * block_q + block_q - 1) // block_k
+
+
+def _first_q_block(k_index: Any, block_q: int, block_k: int) -> Any:
+  """Index of the first q block that sees a causal k block."""
+  return (k_index * block_k) // block_q
+
+
+# -- kernels --------------------------------------------------------------------------------------
+def _forward_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int,
+                    block_k: int) -> None:
+  """One (q block, k block) tile of the online softmax; k blocks are the innermost axis."""
+  if has_bias:
+    q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+  else:
+    q_ref, k_ref, v_ref, qid_ref, kid_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    bias_ref = None
+  i, j = pl.program_id(2), pl.program_id(3)
+  width = acc_ref.shape[-1]
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def _tile():
+    s = lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
+    if bias_ref is not None:
+      s = s + bias_ref[...]
+    mask = _tile_mask(qid_ref[...], kid_ref[:1, :], i * block_q, j * block_k, causal, s.shape)
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_prev, l_prev = m_ref[...], l_ref[...]  # (block_q, 128), lanes equal
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1)[:, None])
+    # Masked entries are zeroed explicitly: in a row that has seen no key yet m_next is
+    # MASK_VALUE itself and exp(s - m_next) would be 1.
+    p = jnp.where(mask, jnp.exp(s - jnp.tile(m_next, (1, block_k // NUM_LANES))), 0.0)
+    alpha = jnp.exp(m_prev - m_next)
+    l_ref[...] = alpha * l_prev + lax.broadcast_in_dim(jnp.sum(p, axis=-1), l_prev.shape, (0,))
+    m_ref[...] = m_next
+    pv = lax.dot_general(p.astype(v_ref.dtype), v_ref[...], _NN,
+                         preferred_element_type=jnp.float32)
+    acc_ref[...] = _lanes(alpha, width) * acc_ref[...] + pv
+
+  if causal:
+    pl.when(j <= _last_k_block(i, block_q, block_k))(_tile)
+  else:
+    _tile()
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    l = l_ref[...]
+    l = jnp.where(l > 0.0, l, 1.0)  # Rows that saw no key: acc is 0, so the output is 0.
+    o_ref[...] = (acc_ref[...] * _lanes(1.0 / l, width)).astype(o_ref.dtype)
+    lse_ref[...] = m_ref[...] + jnp.log(l)
+
+
+def _probabilities_and_ds(q: Array, k: Array, v: Array, bias: Optional[Array], mask: Array,
+                          lse: Array, do: Array, di: Array) -> tuple[Array, Array]:
+  """Recomputed probabilities p and dScores = p * (dO v^T - rowsum(dO * O)) of a tile."""
+  s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32)
+  if bias is not None:
+    s = s + bias
+  p = jnp.where(mask, jnp.exp(s - lse), 0.0)
+  dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
+  return p, p * (dp - di)
+
+
+def _dkv_kernel(*refs: Any, has_bias: bool, per_row_bias: bool, causal: bool, block_q: int,
+                block_k: int) -> None:
+  """dk, dv (accumulated over q blocks, the innermost axis) and the bias gradient (over the
+  batch, the next axis: its (q_len, block_k) column stays in VMEM across both)."""
+  if has_bias:
+    (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref,
+     dk_ref, dv_ref, dbias_ref, dk_acc, dv_acc) = refs
+  else:
+    (q_ref, k_ref, v_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref,
+     dk_ref, dv_ref, dk_acc, dv_acc) = refs
+    bias_ref = dbias_ref = None
+  j, b, i = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+
+  @pl.when(i == 0)
+  def _init():
+    dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+    dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+  rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+
+  def _store_dbias(ds: Array) -> None:
+    # A per-row bias has its own gradient per batch row; a shared one is written by batch row 0
+    # and added to by the others (the block stays in VMEM across the batch axis).
+    if per_row_bias:
+      dbias_ref[rows, :] = ds
+      return
+
+    @pl.when(b == 0)
+    def _write():
+      dbias_ref[rows, :] = ds
+
+    @pl.when(b > 0)
+    def _add():
+      dbias_ref[rows, :] += ds
+
+  def _tile():
+    q, do = q_ref[...], do_ref[...]
+    mask = _tile_mask(qid_ref[...], kid_ref[:1, :], i * block_q, j * block_k, causal,
+                      (block_q, block_k))
+    p, ds = _probabilities_and_ds(
+        q, k_ref[...], v_ref[...], None if bias_ref is None else bias_ref[...], mask,
+        lse_ref[0][:, None], do, di_ref[0][:, None])
+    dv_acc[...] += lax.dot_general(p.T.astype(do.dtype), do, _NN,
+                                   preferred_element_type=jnp.float32)
+    dk_acc[...] += lax.dot_general(ds.T.astype(q.dtype), q, _NN,
+                                   preferred_element_type=jnp.float32)
+    if dbias_ref is not None:
+      _store_dbias(ds)
+
+  if causal:
+    visible = i >= _first_q_block(j, block_q, block_k)
+    pl.when(visible)(_tile)
+    if dbias_ref is not None:
+      # Tiles above the diagonal have no gradient, but their block must still be written.
+      pl.when(jnp.logical_not(visible))(
+          lambda: _store_dbias(jnp.zeros((block_q, block_k), jnp.float32)))
+  else:
+    _tile()
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _finish():
+    dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int, block_k: int) -> None:
+  """dq of one q block, accumulated over k blocks (the innermost axis)."""
+  if has_bias:
+    (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref,
+     dq_ref, dq_acc) = refs
+  else:
+    q_ref, k_ref, v_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref, dq_ref, dq_acc = refs
+    bias_ref = None
+  i, j = pl.program_id(2), pl.program_id(3)
+
+  @pl.when(j == 0)
+  def _init():
+    dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+  def _tile():
+    k = k_ref[...]
+    mask = _tile_mask(qid_ref[...], kid_ref[:1, :], i * block_q, j * block_k, causal,
+                      (block_q, block_k))
+    _, ds = _probabilities_and_ds(
+        q_ref[...], k, v_ref[...], None if bias_ref is None else bias_ref[...], mask,
+        lse_ref[0][:, None], do_ref[...], di_ref[0][:, None])
+    dq_acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN,
+                                   preferred_element_type=jnp.float32)
+
+  if causal:
+    pl.when(j <= _last_k_block(i, block_q, block_k))(_tile)
+  else:
+    _tile()
+
+  @pl.when(j == pl.num_programs(3) - 1)
+  def _finish():
+    dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
+# -- pallas_call wrappers (padded, heads-first arrays) ------------------------------------------
+_SQ = pl.Squeezed()
+
+
+def _compiler_params(*semantics: str) -> Any:
+  return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+def _cost(flops: int, transcendentals: int, arrays: Sequence[Any]) -> pl.CostEstimate:
+  """For XLA's scheduler: a kernel's FLOPs, exps, and the bytes of its inputs and outputs."""
+  return pl.CostEstimate(
+      flops=int(flops), transcendentals=int(transcendentals),
+      bytes_accessed=int(sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in arrays)))
+
+
+def _lane_ids(ids: Array) -> Array:
+  """(batch, q) -> (batch, q, 128): a query's id along the lanes, read as a column in tiles."""
+  return lax.broadcast_in_dim(ids, ids.shape + (NUM_LANES,), (0, 1))
+
+
+def _sublane_ids(ids: Array) -> Array:
+  """(batch, k) -> (batch, 8, k): a key's id down the sublanes, read as a row in tiles."""
+  return lax.broadcast_in_dim(ids, (ids.shape[0], NUM_SUBLANES, ids.shape[1]), (0, 2))
+
+
+def _bias_row(b: Any, per_row_bias: bool) -> Any:
+  return b if per_row_bias else 0
+
+
+def _forward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
+             causal: bool, blocks: BlockSizes, interpret: bool) -> tuple[Array, Array]:
+  """Padded (batch, heads, len, d) inputs -> out (batch, heads, q_len, d) and the row
+  log-sum-exp (batch, heads, q_len) float32."""
+  batch, heads, q_len, width = q.shape
+  k_len = k.shape[2]
+  bq, bk = _fit_block(blocks.block_q, q_len), _fit_block(blocks.block_k, k_len)
+  per_row_bias = bias is not None and bias.shape[0] > 1
+
+  def kv_index(b, h, i, j):
+    if causal:  # Tiles past the diagonal are skipped: keep the last block, copy nothing.
+      j = jnp.minimum(j, _last_k_block(i, bq, bk))
+    return b, h, j, 0
+
+  def bias_index(b, h, i, j):
+    return _bias_row(b, per_row_bias), h, i, kv_index(b, h, i, j)[2]
+
+  in_specs = [pl.BlockSpec((_SQ, _SQ, bq, width), lambda b, h, i, j: (b, h, i, 0)),
+              pl.BlockSpec((_SQ, _SQ, bk, width), kv_index),
+              pl.BlockSpec((_SQ, _SQ, bk, width), kv_index)]
+  args = [q, k, v]
+  if bias is not None:
+    in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), bias_index))
+    args.append(bias)
+  in_specs += [pl.BlockSpec((_SQ, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
+               pl.BlockSpec((_SQ, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_index(
+                   b, h, i, j)[2]))]
+  args += [_lane_ids(q_ids), _sublane_ids(k_ids)]
+  kernel = functools.partial(_forward_kernel, has_bias=bias is not None, causal=causal,
+                             block_q=bq, block_k=bk)
+  flops = 4 * batch * heads * q_len * k_len * width
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(batch, heads, q_len // bq, k_len // bk),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((_SQ, _SQ, bq, width), lambda b, h, i, j: (b, h, i, 0)),
+                 pl.BlockSpec((_SQ, _SQ, bq, NUM_LANES), lambda b, h, i, j: (b, h, i, 0))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, q_len, NUM_LANES), jnp.float32)],
+      scratch_shapes=[pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+                      pltpu.VMEM((bq, NUM_LANES), jnp.float32),
+                      pltpu.VMEM((bq, width), jnp.float32)],
+      compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+      cost_estimate=_cost(flops // (2 if causal else 1),
+                          batch * heads * q_len * k_len // (2 if causal else 1), args + [q]),
+      interpret=interpret,
+      name="t5_flash_attention_fwd",
+  )(*args)
+  return out, lse[..., 0]
+
+
+def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
+              out: Array, lse: Array, do: Array, causal: bool, blocks: BlockSizes,
+              interpret: bool) -> tuple[Array, Array, Array, Optional[Array]]:
+  """dq, dk, dv and (with a bias) the bias gradient, in the inputs' padded shapes."""
+  batch, heads, q_len, width = q.shape
+  k_len = k.shape[2]
+  has_bias = bias is not None
+  per_row_bias = has_bias and bias.shape[0] > 1
+  # rowsum(dO * O), the softmax backward's per-row term; (batch, heads, 1, q_len) like lse.
+  di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)[:, :, None, :]
+  lse = lse[:, :, None, :]
+  lane_q_ids, sublane_k_ids = _lane_ids(q_ids), _sublane_ids(k_ids)
+  flops = 4 * batch * heads * q_len * k_len * width // (2 if causal else 1)
+  transcendentals = batch * heads * q_len * k_len // (2 if causal else 1)
+
+  # dk, dv and the bias gradient: grid (heads, k blocks, batch, q blocks).
+  bq, bk = _fit_block(blocks.block_q_dkv, q_len), _fit_block(blocks.block_k_dkv, k_len)
+
+  def q_index(h, j, b, i):
+    if causal:  # Tiles above the diagonal are skipped: keep the first visible q block.
+      i = jnp.maximum(i, _first_q_block(j, bq, bk))
+    return i
+
+  qd_spec = pl.BlockSpec((_SQ, _SQ, bq, width), lambda h, j, b, i: (b, h, q_index(h, j, b, i), 0))
+  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, width), lambda h, j, b, i: (b, h, j, 0))
+  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda h, j, b, i: (b, h, 0, q_index(h, j, b, i)))
+  in_specs, args = [qd_spec, kv_spec, kv_spec], [q, k, v]
+  if has_bias:
+    in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda h, j, b, i: (
+        _bias_row(b, per_row_bias), h, q_index(h, j, b, i), j)))
+    args.append(bias)
+  in_specs += [
+      pl.BlockSpec((_SQ, bq, NUM_LANES), lambda h, j, b, i: (b, q_index(h, j, b, i), 0)),
+      pl.BlockSpec((_SQ, NUM_SUBLANES, bk), lambda h, j, b, i: (b, 0, j)),
+      row_spec, qd_spec, row_spec]
+  args += [lane_q_ids, sublane_k_ids, lse, do, di]
+  out_specs = [kv_spec, kv_spec]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  if has_bias:
+    out_specs.append(pl.BlockSpec((_SQ, _SQ, q_len, bk), lambda h, j, b, i: (
+        _bias_row(b, per_row_bias), h, 0, j)))
+    out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
+  kernel = functools.partial(_dkv_kernel, has_bias=has_bias, per_row_bias=per_row_bias,
+                             causal=causal, block_q=bq, block_k=bk)
+  dkv = pl.pallas_call(
+      kernel,
+      grid=(heads, k_len // bk, batch, q_len // bq),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      scratch_shapes=[pltpu.VMEM((bk, width), jnp.float32), pltpu.VMEM((bk, width), jnp.float32)],
+      compiler_params=_compiler_params("parallel", "parallel", "arbitrary", "arbitrary"),
+      cost_estimate=_cost(flops * 2, transcendentals, args + out_shape),
+      interpret=interpret,
+      name="t5_flash_attention_dkv",
+  )(*args)
+  dk, dv = dkv[0], dkv[1]
+  dbias = dkv[2] if has_bias else None
+
+  # dq: grid (batch, heads, q blocks, k blocks).
+  bq, bk = _fit_block(blocks.block_q, q_len), _fit_block(blocks.block_k, k_len)
+
+  def k_index(b, h, i, j):
+    if causal:
+      j = jnp.minimum(j, _last_k_block(i, bq, bk))
+    return j
+
+  qd_spec = pl.BlockSpec((_SQ, _SQ, bq, width), lambda b, h, i, j: (b, h, i, 0))
+  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, width), lambda b, h, i, j: (b, h, k_index(b, h, i, j), 0))
+  row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j: (b, h, 0, i))
+  in_specs, args = [qd_spec, kv_spec, kv_spec], [q, k, v]
+  if has_bias:
+    in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda b, h, i, j: (
+        _bias_row(b, per_row_bias), h, i, k_index(b, h, i, j))))
+    args.append(bias)
+  in_specs += [
+      pl.BlockSpec((_SQ, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
+      pl.BlockSpec((_SQ, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, k_index(b, h, i, j))),
+      row_spec, qd_spec, row_spec]
+  args += [lane_q_ids, sublane_k_ids, lse, do, di]
+  kernel = functools.partial(_dq_kernel, has_bias=has_bias, causal=causal, block_q=bq,
+                             block_k=bk)
+  dq = pl.pallas_call(
+      kernel,
+      grid=(batch, heads, q_len // bq, k_len // bk),
+      in_specs=in_specs,
+      out_specs=qd_spec,
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_shapes=[pltpu.VMEM((bq, width), jnp.float32)],
+      compiler_params=_compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+      cost_estimate=_cost(flops * 3 // 2, transcendentals, args + [q]),
+      interpret=interpret,
+      name="t5_flash_attention_dq",
+  )(*args)
+  return dq, dk, dv, dbias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _attention(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
+               causal: bool, blocks: BlockSizes, interpret: bool) -> Array:
+  return _forward(q, k, v, bias, q_ids, k_ids, causal, blocks, interpret)[0]
+
+
+def _attention_fwd(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
+                   k_ids: Array, causal: bool, blocks: BlockSizes,
+                   interpret: bool) -> tuple[Array, tuple[Any, ...]]:
+  out, lse = _forward(q, k, v, bias, q_ids, k_ids, causal, blocks, interpret)
+  return out, (q, k, v, bias, q_ids, k_ids, out, lse)
+
+
+def _attention_bwd(causal: bool, blocks: BlockSizes, interpret: bool, residuals: tuple[Any, ...],
+                   do: Array) -> tuple[Any, ...]:
+  q, k, v, bias, q_ids, k_ids, out, lse = residuals
+  dq, dk, dv, dbias = _backward(q, k, v, bias, q_ids, k_ids, out, lse, do, causal, blocks,
+                                interpret)
+  return dq, dk, dv, dbias, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# -- public API -----------------------------------------------------------------------------------
+def _kernel_ids(ids: Optional[Array], batch: int, length: int, padded: int,
+                fill: int) -> Array:
+  """(batch, padded) int32 ids for the kernels: padding (id <= 0, or past `length`) -> `fill`.
+
+  Queries and keys get different fills, so a padded query matches no key, not even a padded one.
+  """
+  if ids is None:
+    ids = jnp.ones((batch, length), jnp.int32)
+  ids = jnp.where(ids > 0, ids.astype(jnp.int32), fill)
+  return jnp.pad(ids, ((0, 0), (0, padded - length)), constant_values=fill)
+
+
+def _check_shapes(query: Array, key: Array, value: Array, bias: Optional[Array],
+                  query_segment_ids: Optional[Array], key_segment_ids: Optional[Array]) -> None:
+  batch, q_len, heads, width = query.shape
+  k_len = key.shape[1]
+  if key.shape != (batch, k_len, heads, width) or value.shape != key.shape:
+    raise ValueError(f"flash_attention: query {query.shape}, key {key.shape} and value "
+                     f"{value.shape} must be (batch, length, heads, d_kv) alike")
+  if bias is not None and (bias.ndim != 4 or bias.shape[0] not in (1, batch)
+                           or bias.shape[1:] != (heads, q_len, k_len)):
+    raise ValueError(f"flash_attention: bias {bias.shape} must be (1 or {batch}, {heads}, "
+                     f"{q_len}, {k_len})")
+  for name, ids, length in (("query_segment_ids", query_segment_ids, q_len),
+                            ("key_segment_ids", key_segment_ids, k_len)):
+    if ids is not None and ids.shape != (batch, length):
+      raise ValueError(f"flash_attention: {name} {ids.shape} must be ({batch}, {length})")
+
+
+def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                    query_segment_ids: Optional[Array] = None,
+                    key_segment_ids: Optional[Array] = None, *, causal: bool = False,
+                    block_sizes: BlockSizes = BlockSizes(),
+                    interpret: Optional[bool] = None) -> Array:
+  """T5 attention, `softmax(q k^T + bias) v` without scaling, through the Pallas kernels.
+
+  Differentiable in query, key, value and bias (`jax.custom_vjp`).
+
+  Args:
+    query: (batch, q_len, heads, d_kv).
+    key: (batch, k_len, heads, d_kv).
+    value: (batch, k_len, heads, d_kv).
+    bias: (1 or batch, heads, q_len, k_len) additive bias (computed in float32), or None.
+    query_segment_ids: (batch, q_len) int: a query attends to the keys with its id; ids <= 0
+      are padding. None: every query is valid, one segment.
+    key_segment_ids: (batch, k_len) int, likewise for keys.
+    causal: Queries attend only to keys at their own position or before.
+    block_sizes: Tile sizes.
+    interpret: Run in Pallas interpret mode; None: `INTERPRET`.
+
+  Returns:
+    (batch, q_len, heads, d_kv) in query's dtype; zero for queries that attend to no key.
+  """
+  _check_shapes(query, key, value, bias, query_segment_ids, key_segment_ids)
+  interpret = INTERPRET if interpret is None else interpret
+  batch, q_len, _, _ = query.shape
+  k_len = key.shape[1]
+  q_pad, k_pad = _round_up(q_len, NUM_LANES), _round_up(k_len, NUM_LANES)
+
+  def heads_first(x: Array, padded: int) -> Array:  # (b, l, h, d) -> (b, h, padded, d)
+    x = jnp.swapaxes(x, 1, 2)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, padded - x.shape[2]), (0, 0)))
+
+  if bias is not None:
+    bias = jnp.pad(bias.astype(jnp.float32),
+                   ((0, 0), (0, 0), (0, q_pad - q_len), (0, k_pad - k_len)))
+  out = _attention(heads_first(query, q_pad), heads_first(key, k_pad),
+                   heads_first(value.astype(query.dtype), k_pad), bias,
+                   _kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
+                   _kernel_ids(key_segment_ids, batch, k_len, k_pad, -2),
+                   causal, block_sizes, interpret)
+  return jnp.swapaxes(out[:, :, :q_len], 1, 2)
+
+
+def _mesh_axes_for(axes: MeshAxes, size: int, mesh: Any) -> MeshAxes:
+  """`axes` if they divide a dimension of `size`, else None (that dimension is replicated)."""
+  if axes is None:
+    return None
+  names = (axes,) if isinstance(axes, str) else tuple(axes)
+  shards = 1
+  for name in names:
+    shards *= mesh.shape[name]
+  return axes if size % shards == 0 else None
+
+
+def _target_platform(mesh: Any) -> str:
+  return mesh.abstract_device.platform if not mesh.empty else jax.default_backend()
+
+
+def sharded_flash_attention(query: Array, key: Array, value: Array,
+                            bias: Optional[Array] = None,
+                            query_segment_ids: Optional[Array] = None,
+                            key_segment_ids: Optional[Array] = None, *, causal: bool = False,
+                            batch_axes: MeshAxes = None, head_axes: MeshAxes = None,
+                            block_sizes: BlockSizes = BlockSizes(),
+                            interpret: Optional[bool] = None) -> Array:
+  """`flash_attention` on every device of the current mesh (`jax.set_mesh`), each on its shard.
+
+  A Pallas call is opaque to the SPMD partitioner (it would gather its inputs to every device),
+  so under a mesh of more than one device the kernels run in a `jax.shard_map` with the batch
+  split over `batch_axes` and heads over `head_axes`. The bias, split over heads only, is the
+  same on every batch shard: the shard_map's transpose sums its gradient over `batch_axes`.
+
+  Args:
+    query, key, value, bias, query_segment_ids, key_segment_ids, causal, block_sizes,
+      interpret: As `flash_attention`.
+    batch_axes: Mesh axes of the batch dimension (T5X rules: "data"); None: replicated.
+    head_axes: Mesh axes of the heads dimension (T5X rules: "model"); None: replicated.
+
+  Raises:
+    ValueError: The mesh (or default backend) is not a TPU and interpret mode is off.
+  """
+  interpret = INTERPRET if interpret is None else interpret
+  mesh = jax.sharding.get_abstract_mesh()
+  platform = _target_platform(mesh)
+  if not interpret and platform != "tpu":
+    raise ValueError(f"attention_impl='pallas' runs Mosaic kernels on TPUs only (this "
+                     f"computation is for {platform!r}); set jaxmoral.models.flash_attention."
+                     f"INTERPRET = True (or JAXMORAL_PALLAS_INTERPRET=1) to interpret them")
+  attend = functools.partial(flash_attention, causal=causal, block_sizes=block_sizes,
+                             interpret=interpret)
+  if mesh.empty or mesh.size == 1:
+    return attend(query, key, value, bias, query_segment_ids, key_segment_ids)
+  batch, heads = query.shape[0], query.shape[2]
+  batch_axes = _mesh_axes_for(batch_axes, batch, mesh)
+  head_axes = _mesh_axes_for(head_axes, heads, mesh)
+  qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)
+  ids_spec = PartitionSpec(batch_axes, None)
+  # shard_map takes arrays only: the optional ones travel in a list with their specs.
+  optional = [(bias, PartitionSpec(batch_axes if bias is not None and bias.shape[0] > 1
+                                   else None, head_axes, None, None)),
+              (query_segment_ids, ids_spec), (key_segment_ids, ids_spec)]
+  present = [x for x, _ in optional if x is not None]
+
+  def local(q: Array, k: Array, v: Array, extras: list[Array]) -> Array:
+    it = iter(extras)
+    bias_, q_ids, k_ids = (next(it) if x is not None else None for x, _ in optional)
+    return attend(q, k, v, bias_, q_ids, k_ids)
+
+  # check_vma=False: Pallas outputs carry no varying-axes type. The transpose still sums the
+  # gradient of an input not split over an axis (the bias, over the batch axes) across it.
+  return jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(qkv_spec, qkv_spec, qkv_spec, [s for x, s in optional if x is not None]),
+      out_specs=qkv_spec, check_vma=False)(query, key, value, present)
+
+
+def reference_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                        query_segment_ids: Optional[Array] = None,
+                        key_segment_ids: Optional[Array] = None, *,
+                        causal: bool = False) -> Array:
+  """`flash_attention`'s semantics in plain jnp (materialises the scores): for tests.
+
+  Same arguments and result as `flash_attention`, including zero rows for queries that see no
+  key; differentiable by JAX's autodiff.
+  """
+  _check_shapes(query, key, value, bias, query_segment_ids, key_segment_ids)
+  batch, q_len, _, _ = query.shape
+  k_len = key.shape[1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  if bias is not None:
+    scores = scores + bias.astype(jnp.float32)
+  q_ids = _kernel_ids(query_segment_ids, batch, q_len, q_len, -1)
+  k_ids = _kernel_ids(key_segment_ids, batch, k_len, k_len, -2)
+  mask = (q_ids[:, None, :, None] == k_ids[:, None, None, :])
+  if causal:
+    mask = mask & (jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None])
+  scores = jnp.where(mask, scores, MASK_VALUE)
+  p = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
+  total = jnp.sum(p, axis=-1, keepdims=True)
+  weights = p / jnp.where(total > 0.0, total, 1.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value).astype(query.dtype)

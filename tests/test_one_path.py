@@ -1,0 +1,142 @@
+"""One path from pretrained weights to a sharded run, for every method.
+
+Each method starts from the same Hugging Face checkpoint (written by `transformers` in
+conftest.py), runs a few steps through its ordinary entry point with every model on a
+(data 2, model 4) mesh of the 8 fake CPU devices, and must equal the same run on one device:
+the core seq2seq run, prompt tuning, Diamante (a fresh scalar head on the pretrained T5), and
+ClarifyDelphi PPO with all five models (question, answer, NLI, fusion, judge) sharded.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmoral import model_dirs
+from jaxmoral import optimizers
+from jaxmoral import partitioning
+from jaxmoral import prompt_tuning
+from jaxmoral import runs
+from jaxmoral.data import demo as demo_data
+from jaxmoral.data import readers
+from jaxmoral.diamante import data as diamante_data
+from jaxmoral.diamante import model as diamante_model
+from jaxmoral.models import trainable
+
+STEPS = 3
+
+
+def mesh() -> partitioning.PjitPartitioner:
+  return partitioning.PjitPartitioner(num_partitions=4)  # data 2 x model 4
+
+
+def one_device() -> partitioning.PjitPartitioner:
+  return partitioning.PjitPartitioner(devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+  rows = [{"inputs": f"question: {r['situation']}", "targets": r["question"]}
+          for r in demo_data.clarify_questions()[:64]]
+  return readers.write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", rows)
+
+
+def _assert_runs_equal(a, b, *, rtol=2e-4, atol=2e-5):
+  """The two runs' final parameters (model_dirs reads them back, any format)."""
+  pa, pb = model_dirs.load(a).params, model_dirs.load(b).params
+  leaves_a = jax.tree_util.tree_leaves_with_path(jax.device_get(pa))
+  leaves_b = jax.tree.leaves(jax.device_get(pb))
+  assert len(leaves_a) == len(leaves_b)
+  for (path, x), y in zip(leaves_a, leaves_b):
+    name = jax.tree_util.keystr(path)
+    if "scalar_head" in name and "bias" in name:
+      # The preference loss sees only score differences: the head's bias has no gradient in
+      # exact arithmetic, and Adam turns its float noise into +-lr steps of either sign.
+      continue
+    np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=name)
+
+
+def _check_sharded(run_dir):
+  """Every parameter of the run's checkpoint is split over the mesh where its rules say so."""
+  loaded = model_dirs.load(run_dir, partitioner=mesh())
+  kernel = loaded.params["decoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+  assert kernel.sharding.spec[1] == "model" and len(kernel.sharding.device_set) == 8
+
+
+def _train(model_dir, *, model, data, partitioner, init_checkpoint, feature_lengths):
+  return runs.train_run(
+      model_dir=str(model_dir), model=model, data=data, train_steps=STEPS, batch_size=8,
+      feature_lengths=feature_lengths,
+      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-3),
+      partitioner=partitioner, init_checkpoint=str(init_checkpoint), log_every=STEPS,
+      checkpoint_every=STEPS, seed=0)
+
+
+@pytest.mark.parametrize("method", ["seq2seq", "prompt_tuning"])
+def test_seq2seq_and_prompt_tuning_from_hf_sharded_equal_one_device(method, tmp_path, hf_t5,
+                                                                    pairs):
+  hf_dir, _ = hf_t5
+  config = model_dirs.inspect(hf_dir).config
+  model = (trainable.Seq2SeqModel(config=config) if method == "seq2seq" else
+           prompt_tuning.PromptTuningModel(config=config,
+                                           prompt=prompt_tuning.PromptConfig(length=3)))
+  lengths = {"inputs": 32, "targets": 16}
+  for name, partitioner in (("mesh", mesh()), ("one", one_device())):
+    result = _train(tmp_path / name, model=model, data=runs.Seq2SeqData(train_file=pairs),
+                    partitioner=partitioner, init_checkpoint=hf_dir, feature_lengths=lengths)
+    assert result["step"] == STEPS and np.isfinite(result["train/loss"])
+  _assert_runs_equal(tmp_path / "mesh", tmp_path / "one")
+  if method == "prompt_tuning":
+    base = jax.device_get(model_dirs.load(hf_dir).params)
+    tuned = model_dirs.load(tmp_path / "mesh")
+    # Only the prompt moved; the base is the checkpoint's, bit for bit.
+    for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(jax.device_get(tuned.params))):
+      np.testing.assert_array_equal(x, y)
+    assert tuned.prompt.shape == (3, config.d_model)
+    assert np.allclose(prompt_tuning.load_prompt(tmp_path / "mesh")[0], tuned.prompt)
+  else:
+    _check_sharded(tmp_path / "mesh")
+
+
+def test_diamante_from_hf_sharded_equals_one_device(tmp_path, hf_t5):
+  hf_dir, _ = hf_t5
+  config = model_dirs.inspect(hf_dir).config
+  data = diamante_data.DialogueData(train_path=str(demo_data.path("dialogues.jsonl")))
+  for name, partitioner in (("mesh", mesh()), ("one", one_device())):
+    _train(tmp_path / name, model=diamante_model.DiamanteModel(config=config), data=data,
+           partitioner=partitioner, init_checkpoint=hf_dir,
+           feature_lengths={"inputs": 32, "targets": 12})
+  _assert_runs_equal(tmp_path / "mesh", tmp_path / "one")
+  run = model_dirs.load(tmp_path / "mesh")
+  assert run.has_scalar_head and run.vocabulary is not None  # The checkpoint's vocabulary.
+  # The T5 moved from the pretrained weights; the head was added fresh.
+  pretrained = jax.device_get(model_dirs.load(hf_dir).params)
+  moved = jax.device_get(run.params)["decoder"]["layers_0"]["mlp"]["wo"]["kernel"]
+  assert not np.allclose(moved, pretrained["decoder"]["layers_0"]["mlp"]["wo"]["kernel"])
+
+
+def test_clarify_ppo_with_five_models_from_hf_sharded_equals_one_device(tmp_path, hf_t5):
+  from jaxmoral.clarify import reward as reward_lib  # pylint: disable=g-import-not-at-top
+  from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
+  from jaxmoral.rl import ppo_trainer  # pylint: disable=g-import-not-at-top
+  hf_dir, _ = hf_t5
+  ppo_config = ppo_trainer.PPOConfig(batch_size=8, num_ppo_epochs=1, num_minibatches=2,
+                                     max_prompt_length=32, max_response_length=8,
+                                     reward_norm_num_prompts=8)
+  reward_config = reward_lib.RewardConfig(judge_classes=("wrong", "okay", "good"),
+                                          input_length=32, max_answer_length=8,
+                                          max_fusion_length=16, batch_size=8)
+  results = {}
+  for name, partitioner in (("mesh", mesh()), ("one", one_device())):
+    results[name] = training.train_clarify_ppo(
+        model_dir=str(tmp_path / name), question_model_dir=str(hf_dir),
+        answer_model_dir=str(hf_dir), fusion_model_dir=str(hf_dir),
+        judge_model_dir=str(hf_dir), nli_model_dir=str(hf_dir), ppo_config=ppo_config,
+        optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
+        num_iterations=2, reward_config=reward_config, max_prompts=16,
+        partitioner=partitioner, log_every=1, checkpoint_every=2, sample_every=0)
+  np.testing.assert_allclose(results["mesh"]["reward_curve_values"],
+                             results["one"]["reward_curve_values"], rtol=1e-4, atol=1e-5)
+  _assert_runs_equal(tmp_path / "mesh", tmp_path / "one")
+  _check_sharded(tmp_path / "mesh")
