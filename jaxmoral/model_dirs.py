@@ -101,6 +101,13 @@ def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
   return vocab_lib.T5_EXTRA_IDS
 
 
+def vocabulary_from_file(path: str | os.PathLike) -> Any:
+  """The seqio vocabulary of a SentencePiece `.model` file (extra ids read beside it)."""
+  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
+  path = pathlib.Path(path)
+  return vocab_lib.get_vocabulary(path, extra_ids=_extra_ids(path.parent, path))
+
+
 def load_vocabulary(directory: str | os.PathLike) -> Any:
   """The seqio vocabulary a model directory carries, or None when it has none."""
   directory = pathlib.Path(directory)
@@ -287,9 +294,7 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
   path, from_hub = _local(source)
   source = os.fspath(source)
   if isinstance(vocabulary, (str, os.PathLike)):
-    from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
-    vocabulary = vocab_lib.get_vocabulary(vocabulary, extra_ids=_extra_ids(
-        path, pathlib.Path(vocabulary)))
+    vocabulary = vocabulary_from_file(vocabulary)
   run = _run_checkpoint(path)
   if run is not None:
     run_dir, run_step = run

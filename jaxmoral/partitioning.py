@@ -149,10 +149,17 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
     mesh_devices = mesh_utils.create_hybrid_device_mesh(
         (data_per_slice, num_partitions), (num_slices, 1), devices)
   elif num_slices == 1 and devices[0].platform != "cpu":
+    shape = (data_per_slice, num_partitions)
     try:
-      mesh_devices = mesh_utils.create_device_mesh((data_per_slice, num_partitions), devices)
-    except (ValueError, NotImplementedError, AssertionError) as e:
-      logging.warning("get_mesh: create_device_mesh failed (%s); using device order", e)
+      mesh_devices = mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+      # A model axis smaller than a physical axis (4 on an 8x8 slice) needs that axis split;
+      # the model axis still lands on neighbouring chips.
+      try:
+        mesh_devices = mesh_utils.create_device_mesh(shape, devices,
+                                                     allow_split_physical_axes=True)
+      except (ValueError, NotImplementedError, AssertionError) as e:
+        logging.warning("get_mesh: create_device_mesh failed (%s); using device order", e)
   if mesh_devices is None:
     # CPU (or no slice information): keep each slice contiguous so `model` stays inside one.
     order = sorted(devices, key=lambda d: (getattr(d, "slice_index", 0) or 0,

@@ -241,8 +241,10 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
   """
   partitioner = partitioner or partitioning.PjitPartitioner()
   checkpoints.make_run_dir(model_dir)
+  ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
+  resuming = os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
   init_info = None
-  if init_checkpoint:
+  if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
     init_info = model_dirs.inspect(init_checkpoint)
   # Process 0 writes the shared run files (and builds a vocabulary); the others wait.
   if jax.process_index() == 0:
@@ -280,7 +282,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                          eval_every=eval_every, eval_steps=eval_steps,
                          checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                          log_every=log_every, seed=seed,
-                         init_params=init_params if init_checkpoint else None,
+                         init_params=init_params if init_info is not None else None,
                          hooks=[*model.hooks(model_dir), *hooks])
 
 

@@ -81,4 +81,4 @@ def hf_t5(tmp_path_factory, demo_vocab_path) -> tuple[pathlib.Path, Any]:
   """(folder, torch model): a tiny T5 1.1 in Hugging Face's format with the demo vocabulary."""
   pytest.importorskip("transformers")
   directory = tmp_path_factory.mktemp("hf_t5")
-  return directory, write_hf_t5(directory, vocab_path=demo_vocab_path)
+  return directory, write_hf_t5(directory, vocab_path=demo_vocab_path, num_layers=1)

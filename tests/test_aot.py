@@ -209,12 +209,16 @@ def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
       "--gin.reward.RewardConfig.batch_size=8", "--gin.reward.RewardConfig.input_length=16",
       "--gin.reward.RewardConfig.max_answer_length=4",
       "--gin.reward.RewardConfig.max_fusion_length=6",
-      "--gin.partitioning.PjitPartitioner.num_partitions=2"])
+      "--gin.partitioning.PjitPartitioner.num_partitions=2",
+      # One layer each: the shapes matter here, not the depth (compiles in half the time).
+      "--gin.config.t5_config.num_encoder_layers=1",
+      "--gin.config.t5_config.num_decoder_layers=1"])
   gin_utils.parse_gin(gin_args)
   report = aot.compile_for_topology(topology="cpu:8", print_table=False)
   names = [s["name"] for s in report.stages]
   assert names == ["rollout", "answer", "nli", "fusion", "judge", "score", "update"]
-  tiny = config_lib.t5_config(size="tiny").num_params()
+  tiny = config_lib.t5_config(size="tiny", num_encoder_layers=1,
+                              num_decoder_layers=1).num_params()
   # Policy, reference, four reward models (tiny T5s) and the value model (+ its scalar head).
   assert 6 * tiny < report.num_params - tiny <= 6 * tiny + 2 * 64
   assert report.mesh == {"data": 4, "model": 2}
@@ -222,14 +226,12 @@ def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
   assert report.resident_bytes > 0
   assert report.peak_bytes > report.resident_bytes
   assert report.flops_per_chip == pytest.approx(sum(s["flops_per_chip"] for s in report.stages))
-  update = aot.compile_for_topology(topology="cpu:8", stages=("update",), print_table=False)
-  assert update.stages == [] or [s["name"] for s in update.stages] == ["update"]
   with pytest.raises(ValueError, match=r"\['nope'\] not in target 'clarify_ppo'"):
     aot.compile_for_topology(topology="cpu:8", stages=("nope",))
   # The same objects: the compile target's stages are the functions a run's program calls.
   partitioner = partitioning.PjitPartitioner(num_partitions=2)
   target = training.ppo_compile_target(partitioner, policy_config=config_lib.t5_config(
-      size="tiny"), vocabulary_path=vocab_path)
+      size="tiny", num_encoder_layers=1, num_decoder_layers=1), vocabulary_path=vocab_path)
   by_name = {stage.name: stage.function for stage in target.stages}
   model_dir = testing.random_model_dir(tmp_path / "model", vocabulary_path=vocab_path)
   from jaxmoral.clarify import reward as reward_lib  # pylint: disable=g-import-not-at-top
@@ -242,32 +244,8 @@ def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
     assert by_name[name] is function, name  # Not rebuilt: the run's cached functions.
   trainer = target.program.trainer
   for name in ("rollout", "score", "update"):
+    # The trainer's own functions; test_ppo_trainer checks an iteration runs exactly these.
     assert by_name[name] is trainer.functions[name]
-  # ... and `PPOTrainer.iteration` runs exactly its `functions` (each is traced once).
-  assert _functions_an_iteration_runs(vocab_path) == {"rollout", "score", "update"}
-
-
-def _functions_an_iteration_runs(vocab_path):
-  """The names of `PPOTrainer.functions` that one iteration of a fresh trainer executes."""
-  from jaxmoral import optimizers, partitioning  # pylint: disable=g-import-not-at-top
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models import config as config_lib, t5  # pylint: disable=g-import-not-at-top
-  from jaxmoral.rl import ppo_trainer  # pylint: disable=g-import-not-at-top
-  config = config_lib.t5_config(size="tiny")
-  trainer = ppo_trainer.PPOTrainer(
-      policy_model=t5.T5(config), value_model=t5.T5(config, with_scalar_head=True),
-      vocabulary=vocab_lib.get_vocabulary(vocab_path),
-      config=ppo_trainer.PPOConfig(batch_size=8, num_ppo_epochs=1, num_minibatches=2,
-                                   max_prompt_length=16, max_response_length=4),
-      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
-      partitioner=partitioning.PjitPartitioner(num_partitions=2),
-      reward_fn_tokens=lambda p, r, m: m.sum(-1))
-  before = {k: f._jitted._cache_size() for k, f in trainer.functions.items()}  # pylint: disable=protected-access
-  state = trainer.init_state(jax.random.PRNGKey(0))
-  tokens, texts = trainer.encode_prompts(["a situation"] * 8)
-  trainer.iteration(state, tokens, texts, jax.random.PRNGKey(1))
-  return {k for k, f in trainer.functions.items()
-          if f._jitted._cache_size() > before[k]}  # pylint: disable=protected-access
 
 
 def test_diamante_config_compiles_through_the_train_run_target():

@@ -19,7 +19,7 @@ from jaxmoral import partitioning as pt
 from jaxmoral.models import t5
 from jaxmoral.models.config import t5_config
 
-CFG = t5_config(size="tiny")
+CFG = t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)
 
 
 class TrainState(struct.PyTreeNode):

@@ -16,7 +16,7 @@ from jaxmoral.models import t5
 def tiny(tmp_path_factory):
   vocabulary = vocab_lib.get_vocabulary(vocab_lib.build_demo_vocabulary(
       output_dir=tmp_path_factory.mktemp("vocab")))
-  model = t5.T5(config_lib.t5_config(size="tiny"))
+  model = t5.T5(config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1))
   params = nn.meta.unbox(t5.init_params(model, jax.random.PRNGKey(3)))
   return models.ClarifyModel(model=model, params=params, vocabulary=vocabulary,
                              input_length=24, batch_size=4)

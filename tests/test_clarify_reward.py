@@ -27,7 +27,7 @@ def vocab_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipeline(vocab_path):
   vocabulary = vocab_lib.get_vocabulary(vocab_path)
-  model = t5.T5(config_lib.t5_config(size="tiny"))
+  model = t5.T5(config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1))
 
   def make(seed):
     params = nn.meta.unbox(t5.init_params(model, jax.random.PRNGKey(seed)))

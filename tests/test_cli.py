@@ -11,7 +11,6 @@ import pytest
 
 from jaxmoral import checkpoints, model_dirs
 from jaxmoral import cli
-from jaxmoral import runs
 from jaxmoral import train as train_lib
 
 
@@ -24,7 +23,10 @@ def _clean_gin():
 
 TINY = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.TRAIN_STEPS=12",
         "--gin.CHECKPOINT_EVERY=6", "--gin.EVAL_EVERY=6", "--gin.BATCH_SIZE=8",
-        "--gin.runs.train_run.log_every=6", "--gin.WARMUP_STEPS=2"]
+        "--gin.runs.train_run.log_every=6", "--gin.WARMUP_STEPS=2",
+        # One layer each: what is tested is the command line, not the depth.
+        "--gin.config.t5_config.num_encoder_layers=1",
+        "--gin.config.t5_config.num_decoder_layers=1"]
 
 
 @pytest.fixture(scope="module")

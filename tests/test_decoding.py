@@ -18,7 +18,7 @@ T = 12
 
 @pytest.fixture(scope="module")
 def setup():
-  model = T5(t5_config(size="tiny"))
+  model = T5(t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1))
   params = nn.unbox(init_params(model, jax.random.PRNGKey(0)))
   # Scale the EOS column of the output layer so that some rows stop early and some do not:
   # exercises the after-EOS zeros and the per-row lengths.

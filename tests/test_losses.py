@@ -115,7 +115,8 @@ def _tiny_batch(rng):
 
 
 def test_seq2seq_loss_fn_matches_manual_numpy():
-  cfg = config_lib.t5_config(size="tiny", dropout_rate=0.1)
+  cfg = config_lib.t5_config(size="tiny", dropout_rate=0.1, num_encoder_layers=1,
+                            num_decoder_layers=1)
   model = t5_lib.T5(cfg)
   params = nn.meta.unbox(t5_lib.init_params(model, jax.random.PRNGKey(0)))
   batch = _tiny_batch(np.random.default_rng(1))

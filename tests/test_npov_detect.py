@@ -105,7 +105,8 @@ class WordVocab:
 
 
 def test_classifier_score_is_softmax_of_label_logits():
-  config = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64)
+  config = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
+                     num_encoder_layers=1, num_decoder_layers=1)
   model = T5(config)
   params = nn.meta.unbox(init_params(model, jax.random.PRNGKey(0)))
   prompts = {e: np.random.default_rng(i).normal(size=(3, 32)).astype(np.float32)

@@ -16,7 +16,8 @@ from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import salience
 
-CFG = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64)
+CFG = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
+                num_encoder_layers=1, num_decoder_layers=1)
 RNG = np.random.default_rng(0)
 INPUT = [int(x) for x in RNG.integers(2, 128, 13)]
 TARGET = [int(x) for x in RNG.integers(2, 128, 7)]

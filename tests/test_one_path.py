@@ -116,7 +116,12 @@ def test_diamante_from_hf_sharded_equals_one_device(tmp_path, hf_t5):
   assert not np.allclose(moved, pretrained["decoder"]["layers_0"]["mlp"]["wo"]["kernel"])
 
 
-def test_clarify_ppo_with_five_models_from_hf_sharded_equals_one_device(tmp_path, hf_t5):
+def test_clarify_ppo_with_five_models_from_hf_sharded_resumed_equals_one_device(tmp_path,
+                                                                              hf_t5):
+  """PPO from the HF checkpoint with the question, answer, NLI, fusion and judge models all
+  sharded, stopped after 2 iterations and resumed to 3, equals 3 straight iterations on one
+  device: the same parameters, the same reward curve (sampled answers are keyed by iteration,
+  so the resumed run draws what the uninterrupted one drew)."""
   from jaxmoral.clarify import reward as reward_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
   from jaxmoral.rl import ppo_trainer  # pylint: disable=g-import-not-at-top
@@ -126,17 +131,33 @@ def test_clarify_ppo_with_five_models_from_hf_sharded_equals_one_device(tmp_path
                                      reward_norm_num_prompts=8)
   reward_config = reward_lib.RewardConfig(judge_classes=("wrong", "okay", "good"),
                                           input_length=32, max_answer_length=8,
-                                          max_fusion_length=16, batch_size=8)
-  results = {}
-  for name, partitioner in (("mesh", mesh()), ("one", one_device())):
-    results[name] = training.train_clarify_ppo(
+                                          max_fusion_length=16, batch_size=8,
+                                          answer_greedy=False)
+
+  def ppo(name, partitioner, iterations):
+    return training.train_clarify_ppo(
         model_dir=str(tmp_path / name), question_model_dir=str(hf_dir),
         answer_model_dir=str(hf_dir), fusion_model_dir=str(hf_dir),
         judge_model_dir=str(hf_dir), nli_model_dir=str(hf_dir), ppo_config=ppo_config,
         optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
-        num_iterations=2, reward_config=reward_config, max_prompts=16,
-        partitioner=partitioner, log_every=1, checkpoint_every=2, sample_every=0)
-  np.testing.assert_allclose(results["mesh"]["reward_curve_values"],
-                             results["one"]["reward_curve_values"], rtol=1e-4, atol=1e-5)
+        num_iterations=iterations, reward_config=reward_config, max_prompts=16,
+        partitioner=partitioner, log_every=1, checkpoint_every=2, sample_every=0,
+        async_checkpoint=False)
+
+  sharded = mesh()
+  first = ppo("mesh", sharded, 2)
+  resumed = ppo("mesh", sharded, 3)
+  straight = ppo("one", one_device(), 3)
+  assert first["iteration"] == 2 and resumed["iteration"] == straight["iteration"] == 3
+  assert resumed["reward_curve_values"][:2] == first["reward_curve_values"]
+  np.testing.assert_allclose(resumed["reward_curve_values"], straight["reward_curve_values"],
+                             rtol=1e-4, atol=1e-5)
+  assert resumed["reward_curve"].endswith(".png")
   _assert_runs_equal(tmp_path / "mesh", tmp_path / "one")
   _check_sharded(tmp_path / "mesh")
+  # The PPO run directory is the tuned question generator, and it moved from the checkpoint.
+  tuned, pretrained = model_dirs.load(tmp_path / "mesh"), model_dirs.load(hf_dir)
+  assert tuned.info.format == "run" and tuned.vocabulary is not None
+  assert any(not np.allclose(a, b) for a, b in zip(
+      jax.tree.leaves(jax.device_get(tuned.params)),
+      jax.tree.leaves(jax.device_get(pretrained.params))))

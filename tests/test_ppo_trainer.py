@@ -103,6 +103,11 @@ def test_first_epoch_ratio_is_one_and_update_changes_policy(setup):
   ref_before = jax.tree_util.tree_map(np.asarray, state.ref_params)
   state, metrics, samples = trainer.iteration(state, tokens, texts, jax.random.PRNGKey(1),
                                               num_samples=2)
+  # An iteration runs `trainer.functions` (what `jaxmoral compile` lowers): each has been
+  # traced and compiled by it.
+  assert sorted(trainer.functions) == ["rollout", "score", "update"]
+  assert all(f._jitted._cache_size() >= 1  # pylint: disable=protected-access
+             for f in trainer.functions.values())
   # Nothing has moved before the first minibatch: pi / pi_old == 1, approx KL == 0.
   assert abs(metrics["first_minibatch/ratio_mean"] - 1.0) < 1e-5
   assert metrics["first_minibatch/approx_kl"] < 1e-10

@@ -13,7 +13,8 @@ from jaxmoral import runs
 from jaxmoral.models.config import t5_config
 from jaxmoral.models.t5 import T5, init_params
 
-CFG = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64)
+CFG = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
+                num_encoder_layers=1, num_decoder_layers=1)
 
 
 @pytest.fixture(scope="module")

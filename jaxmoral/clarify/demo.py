@@ -144,8 +144,8 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
     print(f"  {s['situation']!r} -> {s['question']!r} (JSD {s['jsd']:.4f})")
   print(f"PPO raw reward per iteration: {[round(x, 4) for x in ppo['reward_curve_values']]}")
   print(f"models: {sorted(set(role_dir.values()))}")
-  print(f"PPO run (checkpoints, TensorBoard train/): {ppo_dir}; policy export: "
-        f"{ppo['policy_dir']}")
+  print(f"PPO run (checkpoints, TensorBoard train/; loads as the tuned question generator): "
+        f"{ppo_dir}")
   print(f"reward curve: {ppo['reward_curve']}; table: {table_path}; transcript: {transcript}")
   print(f"done in {seconds:.0f}s ({', '.join(f'{k} {v:.0f}s' for k, v in timings.items())})")
   return {"model_dirs": role_dir, "ppo": {k: v for k, v in ppo.items()},

@@ -10,6 +10,7 @@ pipeline with a deterministic position (resume) and per-process sharding.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Iterator, Mapping, Optional, Sequence
 
@@ -22,6 +23,16 @@ from jaxmoral.data import readers
 from jaxmoral.data.pipeline import Features
 
 Pairs = Sequence[tuple[str, str]]
+
+
+def _without_function_source_notice(record: logging.LogRecord) -> bool:
+  """seqio warns that an uncached FunctionDataSource shuffles poorly after a restart; a
+  `TaskSource` restarts by skipping to its step in the same seeded stream, so that does not
+  apply to it."""
+  return "uncached FunctionDataset" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_without_function_source_notice)
 DEMO_MIXTURE = "jaxmoral_demo_clarify"
 DEMO_TASKS = ("jaxmoral_demo_clarify_question", "jaxmoral_demo_clarify_fusion",
               "jaxmoral_demo_clarify_judgment")

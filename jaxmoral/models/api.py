@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pathlib
 from typing import Any, Optional, Sequence, Union
 
 import flax.linen as nn
@@ -62,11 +61,8 @@ def _load_vocabulary(vocabulary: Any) -> Any:
   """A seqio vocabulary from an object, a `.model` path (extra ids read beside it) or None."""
   if vocabulary is None or not isinstance(vocabulary, (str, os.PathLike)):
     return vocabulary
-  from jaxmoral.data import vocab as vocab_lib  # seqio/TF import only when text is used.
-  path = pathlib.Path(vocabulary)
-  extra = path.parent / "extra_ids.txt"
-  extra_ids = int(extra.read_text()) if extra.is_file() else vocab_lib.T5_EXTRA_IDS
-  return vocab_lib.get_vocabulary(path, extra_ids=extra_ids)
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+  return model_dirs.vocabulary_from_file(vocabulary)
 
 
 class Model:
