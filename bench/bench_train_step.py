@@ -1,13 +1,32 @@
-"""Train-step throughput: jaxmoral (JAX/XLA) vs transformers' PyTorch T5, same shapes, same CPU.
+"""Train-step throughput: jaxmoral (JAX/XLA) vs transformers' PyTorch T5, same weights, same CPU.
 
-T5 1.1-small sizes (random weights, float32), AdamW, batch 8, 128 input and 64 target tokens by
-default. Prints tokens/s (input + target tokens) for both, their ratio, and the achieved FLOP/s
-against the machine's float32 peak, measured by `bench/machine.py` (cores x clock x FMA
-throughput per cycle, timed by a small C kernel). FLOPs per step come from XLA's cost analysis
-of the compiled step (the same model, so it is used for both frameworks), with the
-6 * params * tokens rule alongside.
+T5 1.1-small (float32, dropout 0), AdamW with the same hyperparameters on both sides, batch 8,
+128 input and 64 target tokens by default, under `bench/fair.py`'s rules: PyTorch flushes
+denormals as XLA:CPU does and runs as many threads as XLA's pool; both sides start from the
+same weights (jaxmoral's initialisation, converted to a HF state dict); the first two steps of
+each side are compared (loss of step 1 = same forward; gradient norm of step 1 = same backward;
+loss of step 2 and every parameter after step 2 = same AdamW update) before anything is timed;
+then `--rounds` interleaved rounds of `--steps` steps each (ours, theirs, ours, ...), every
+round printed, and the ratio of the best rounds -- or no ratio if the checks failed.
 
-  python bench/bench_train_step.py [--steps 3] [--size small] [--batch 8]
+Optimizer equivalence: `optax.adamw` (what `optimizers.make_optimizer(name="adamw")` builds)
+and `torch.optim.AdamW` compute the same update. Both bias-correct m and v, add `eps` outside
+the square root (optax's `eps_root` is 0), and decay weights decoupled from the gradient,
+scaled by the learning rate, from the parameter before the step: optax adds `wd * p` to the
+Adam direction and multiplies the sum by `-lr`; torch first multiplies `p` by `1 - lr * wd`.
+Both decay every parameter (no mask). Their defaults differ (optax `weight_decay=1e-4`,
+torch `0.01`), so every hyperparameter is passed explicitly to both from one dict, and torch's
+parameter group is read back and compared with it. (The parameter check catches an L2 penalty
+in the gradient instead of decoupled decay; a decay that differs only in size moves weights
+by lr x wd = 1e-6 relative per step, below what two steps resolve, hence the read-back.)
+
+Also prints the achieved FLOP/s against the machine's float32 peak, measured by
+`bench/machine.py`. FLOPs per step come from XLA's cost analysis of the compiled step (the
+same model, so it is used for both frameworks), with the 6 * params * tokens rule alongside.
+
+  python bench/bench_train_step.py                  # the record: small, 8 x (128 + 64)
+  python bench/bench_train_step.py --tiny           # smoke test, seconds
+  python bench/bench_train_step.py --tiny --perturb_torch 1e-3   # the check must fail
 """
 
 from __future__ import annotations
@@ -15,17 +34,31 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import time
+import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+if __name__ == "__main__":  # A CPU benchmark; bench_train_mfu.py imports make_batch from here.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
-from jaxmoral.models import config as config_lib
-from jaxmoral.models import t5
+import flax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-import machine  # bench/machine.py
+import fair  # noqa: E402  (bench/fair.py)
+import machine  # noqa: E402  (bench/machine.py)
+from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib  # noqa: E402
+from jaxmoral.models import config as config_lib  # noqa: E402
+from jaxmoral.models import t5  # noqa: E402
+
+CHECK_STEPS = 2  # untimed steps per side whose results are compared (and warm up)
+# Parameters after CHECK_STEPS AdamW steps: ||ours - theirs|| over ||ours - initial||. Adam's
+# first steps move each weight by about lr * sign(gradient); where a gradient is at float32
+# noise level its sign can differ between the two programs, so the updates agree to a small
+# fraction, not to rounding (T5 1.1-small and tiny: a few 1e-4). A weight that differs by
+# 1e-3 relative (`--perturb_torch 1e-3`) moves this to O(1).
+UPDATE_TOL = 5e-3
 
 
 def make_batch(cfg: config_lib.T5Config, batch: int, inputs: int, targets: int) -> dict:
@@ -37,66 +70,60 @@ def make_batch(cfg: config_lib.T5Config, batch: int, inputs: int, targets: int) 
           "decoder_loss_weights": np.ones_like(dec)}
 
 
-def bench_jax(cfg, batch, steps: int, lr: float) -> tuple[float, float]:
-  """(seconds per step, XLA FLOPs per step)."""
-  model = t5.T5(cfg)
-  trainer = trainer_lib.Trainer(
-      init_params_fn=functools.partial(t5.init_params, model),
-      loss_fn=losses.seq2seq_loss_fn(model, z_loss=0.0),
-      optimizer=optimizers.make_optimizer(name="adamw", learning_rate=lr),
-      partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
-  compiled = trainer.lower_train_step({k: v.shape for k, v in batch.items()}).compile()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  flops = float(cost["flops"])
-  state = trainer.init_state(jax.random.PRNGKey(0))
-  rng = jax.random.PRNGKey(1)
-  device_batch = trainer.shard_batch(batch)
-  state, metrics = trainer.train_step(state, device_batch, rng)  # compile + warm-up
-  jax.block_until_ready(metrics)
-  start = time.perf_counter()
-  for _ in range(steps):
-    state, metrics = trainer.train_step(state, device_batch, rng)
-  jax.block_until_ready((state, metrics))
-  per_step = (time.perf_counter() - start) / steps
-  print(f"jax   loss after {steps + 1} steps: {float(metrics['loss']):.4f}")
-  return per_step, flops
+class JaxSide:
+  """jaxmoral's Trainer: seq2seq loss (no z-loss, no label smoothing), AdamW."""
+
+  def __init__(self, cfg, batch, params0, hp: dict):
+    model = t5.T5(cfg)
+    self.trainer = trainer_lib.Trainer(
+        init_params_fn=functools.partial(t5.init_params, model),
+        loss_fn=losses.seq2seq_loss_fn(model, z_loss=0.0),
+        optimizer=optimizers.make_optimizer(name="adamw", **hp),
+        partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
+    self.shapes = {k: v.shape for k, v in batch.items()}
+    self.batch = self.trainer.shard_batch(batch)
+    self.state = self.trainer.init_state_from_params(params0)
+    self.rng = jax.random.PRNGKey(1)  # dropout is 0: unused
+
+  def flops(self) -> float:
+    cost = self.trainer.lower_train_step(self.shapes).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+  def step(self) -> dict:
+    self.state, metrics = self.trainer.train_step(self.state, self.batch, self.rng)
+    jax.block_until_ready((self.state, metrics))
+    return metrics
+
+  def params(self) -> dict:
+    return flax.traverse_util.flatten_dict(jax.device_get(self.state.params))
 
 
-def bench_torch(cfg, batch, steps: int, lr: float, threads: int) -> float:
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  torch.set_num_threads(threads)
-  torch.manual_seed(0)
-  hf_cfg = transformers.T5Config(
-      vocab_size=cfg.vocab_size, d_model=cfg.d_model, d_kv=cfg.d_kv, d_ff=cfg.d_ff,
-      num_layers=cfg.num_encoder_layers, num_decoder_layers=cfg.num_decoder_layers,
-      num_heads=cfg.num_heads, relative_attention_num_buckets=cfg.relative_attention_num_buckets,
-      relative_attention_max_distance=cfg.relative_attention_max_distance, dropout_rate=0.0,
-      feed_forward_proj=cfg.feed_forward_proj, tie_word_embeddings=cfg.tie_word_embeddings,
-      decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-  model = transformers.T5ForConditionalGeneration(hf_cfg).train()
-  opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-  inputs, labels, dec_in = (torch.tensor(np.array(batch[k]), dtype=torch.long) for k in (
-      "encoder_input_tokens", "decoder_target_tokens", "decoder_input_tokens"))
+class TorchSide:
+  """transformers' T5ForConditionalGeneration (train mode, dropout 0), torch.optim.AdamW."""
 
-  def step():
-    opt.zero_grad(set_to_none=True)
-    out = model(input_ids=inputs, attention_mask=inputs != 0, decoder_input_ids=dec_in,
-                labels=labels)
+  def __init__(self, cfg, batch, params0, hp: dict, perturb: float):
+    import torch  # pylint: disable=g-import-not-at-top
+    self.torch = torch
+    self.model = fair.hf_model(params0, cfg, perturb=perturb).train()
+    self.opt = torch.optim.AdamW(self.model.parameters(), lr=hp["learning_rate"],
+                                 betas=(hp["b1"], hp["b2"]), eps=hp["eps"],
+                                 weight_decay=hp["weight_decay"])
+    self.inputs, self.labels, self.dec_in = (
+        torch.tensor(np.array(batch[k]), dtype=torch.long)
+        for k in ("encoder_input_tokens", "decoder_target_tokens", "decoder_input_tokens"))
+
+  def step(self, grad_norm: bool = False) -> dict:
+    self.opt.zero_grad(set_to_none=True)
+    out = self.model(input_ids=self.inputs, attention_mask=self.inputs != 0,
+                     decoder_input_ids=self.dec_in, labels=self.labels)
     out.loss.backward()
-    opt.step()
-    return out.loss.detach()
-
-  step()  # warm-up
-  start = time.perf_counter()
-  for _ in range(steps):
-    loss = step()
-  per_step = (time.perf_counter() - start) / steps
-  # HF initialises the untied lm_head with std 1 (jaxmoral: d_model**-0.5), hence a larger
-  # starting loss; the work per step is the same.
-  print(f"torch loss after {steps + 1} steps: {float(loss):.4f}")
-  return per_step
+    metrics = {"loss": out.loss.detach()}
+    if grad_norm:  # only in the untimed check steps
+      metrics["grad_norm"] = self.torch.sqrt(sum(
+          (p.grad.double() ** 2).sum() for p in self.model.parameters() if p.grad is not None))
+    self.opt.step()
+    return metrics
 
 
 def main() -> None:
@@ -105,37 +132,100 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--inputs", type=int, default=128)
   parser.add_argument("--targets", type=int, default=64)
-  parser.add_argument("--steps", type=int, default=3, help="timed steps (after 1 warm-up)")
-  parser.add_argument("--torch_threads", type=int, default=2)
-  parser.add_argument("--skip_torch", action="store_true")
+  parser.add_argument("--steps", type=int, default=2, help="timed steps per round and side")
+  parser.add_argument("--learning_rate", type=float, default=1e-4)
+  parser.add_argument("--weight_decay", type=float, default=0.01)
+  parser.add_argument("--skip_torch", action="store_true",
+                      help="time jaxmoral alone (no comparison, no ratio)")
+  parser.add_argument("--tiny", action="store_true",
+                      help="smoke test: size tiny, batch 2 x (16 + 8), 1 step x 2 rounds")
+  fair.add_arguments(parser, rounds=3)
   args = parser.parse_args()
+  if args.tiny:
+    args.size, args.batch, args.inputs, args.targets, args.steps, args.rounds = (
+        "tiny", 2, 16, 8, 1, 2)
 
-  cfg = config_lib.t5_config(size=args.size)
+  setup = fair.prepare(args.torch_threads)
+  cfg = config_lib.t5_config(size=args.size, dropout_rate=0.0)
   batch = make_batch(cfg, args.batch, args.inputs, args.targets)
   tokens = args.batch * (args.inputs + args.targets)
-  n_params = cfg.num_params()
-  peak_info = machine.measured_peak()
-  peak, note = peak_info.flops, peak_info.note
-  print(f"model T5 1.1-{args.size}: {n_params / 1e6:.1f}M params, float32, AdamW; batch "
-        f"{args.batch} x (inputs {args.inputs} + targets {args.targets}) = {tokens} tokens/step")
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; peak: {note}")
-  print(f"load average before: {os.getloadavg()}")
+  hp = dict(learning_rate=args.learning_rate, b1=0.9, b2=0.999, eps=1e-8,
+            weight_decay=args.weight_decay)
+  peak = machine.measured_peak()
+  fair.print_header(
+      "train step: jaxmoral Trainer vs transformers T5ForConditionalGeneration + "
+      "torch.optim.AdamW", setup,
+      [f"model     : T5 {args.size} ({cfg.num_params() / 1e6:.1f}M params), float32, dropout "
+       f"0, same initial weights (jaxmoral's init -> HF state dict)",
+       f"batch     : {args.batch} x (inputs {args.inputs} + targets {args.targets}) = {tokens} "
+       f"tokens/step",
+       f"optimizer : AdamW lr {hp['learning_rate']:g}, betas ({hp['b1']}, {hp['b2']}), eps "
+       f"{hp['eps']:g}, decoupled weight decay {hp['weight_decay']:g} (optax.adamw / "
+       "torch.optim.AdamW)",
+       f"timing    : {CHECK_STEPS} untimed check steps per side, then {args.rounds} interleaved "
+       f"rounds x {args.steps} steps per side",
+       f"peak      : {peak.note}"])
 
-  jax_s, flops = bench_jax(cfg, batch, args.steps, 1e-4)
-  rule = 6.0 * n_params * tokens
+  params0 = jax.device_get(nn.meta.unbox(t5.init_params(t5.T5(cfg), jax.random.PRNGKey(0))))
+  ours = JaxSide(cfg, batch, params0, hp)
+  flops = ours.flops()
+  rule = 6.0 * cfg.num_params() * tokens
   # 6 * params * tokens over-counts an encoder-decoder: encoder weights see only input tokens,
   # decoder weights only target tokens, and the embedding lookup costs no FLOPs.
-  print(f"FLOPs/step: XLA cost analysis {flops / 1e9:.1f} G (used below); 6*params*tokens "
-        f"{rule / 1e9:.1f} G (over-counts enc-dec)")
-  print(f"jaxmoral : {jax_s:.2f} s/step  {tokens / jax_s:8.1f} tokens/s  "
-        f"{flops / jax_s / 1e9:6.1f} GFLOP/s ({100 * flops / jax_s / peak:.1f}% of peak)")
-  if not args.skip_torch:
-    torch_s = bench_torch(cfg, batch, args.steps, 1e-4, args.torch_threads)
-    print(f"pytorch  : {torch_s:.2f} s/step  {tokens / torch_s:8.1f} tokens/s  "
-          f"{flops / torch_s / 1e9:6.1f} GFLOP/s ({100 * flops / torch_s / peak:.1f}% of peak)"
-          f"  [torch.set_num_threads({args.torch_threads})]")
-    print(f"ratio jaxmoral/pytorch tokens/s: {torch_s / jax_s:.2f}x")
-  print(f"load average after: {os.getloadavg()}  (shared machine: other jobs were running)")
+  print(f"FLOPs/step: XLA cost analysis {flops / 1e9:.2f} G (used below); 6*params*tokens "
+        f"{rule / 1e9:.2f} G (over-counts enc-dec)", flush=True)
+
+  if args.skip_torch:
+    for _ in range(CHECK_STEPS):
+      ours.step()
+    times = fair.interleave({"jaxmoral": ours.step}, args.rounds, calls_per_round=args.steps,
+                            label="s/step")
+    best = min(times["jaxmoral"])
+    print(f"jaxmoral best {best:.4f} s/step  {tokens / best:.1f} tokens/s  "
+          f"{flops / best / 1e9:.1f} GFLOP/s ({100 * flops / best / peak.flops:.1f}% of peak); "
+          "no PyTorch side, no ratio")
+    return
+
+  theirs = TorchSide(cfg, batch, params0, hp, args.perturb_torch)
+  ours_m = [jax.device_get(ours.step()) for _ in range(CHECK_STEPS)]
+  theirs_m = [{k: float(v) for k, v in theirs.step(grad_norm=True).items()}
+              for _ in range(CHECK_STEPS)]
+  p_ours = ours.params()
+  p_theirs = fair.hf_params_as_ours(theirs.model, cfg)
+  p0 = flax.traverse_util.flatten_dict(params0)
+  paths = sorted(p0)
+  group = theirs.opt.param_groups[0]
+  got = dict(learning_rate=group["lr"], b1=group["betas"][0], b2=group["betas"][1],
+             eps=group["eps"], weight_decay=group["weight_decay"])
+  odd = {k: v for k, v in (("amsgrad", group["amsgrad"]), ("maximize", group["maximize"]))
+         if v}
+  checks = [
+      fair.Agreement("AdamW hyperparameters (torch's param group vs the ones optax got)",
+                     got == hp and not odd, f"torch {got}{odd or ''}, optax {hp}"),
+      fair.compare("loss of step 1 (same weights, same forward)", ours_m[0]["loss"],
+                   theirs_m[0]["loss"]),
+      fair.compare("gradient norm of step 1 (same backward)", ours_m[0]["grad_norm"],
+                   theirs_m[0]["grad_norm"]),
+      fair.compare("loss of step 2 (after one AdamW update)", ours_m[1]["loss"],
+                   theirs_m[1]["loss"]),
+      fair.compare_relative_norm(
+          f"all parameters after {CHECK_STEPS} steps, relative to the update",
+          [p_ours[k] for k in paths], [p_theirs[k] for k in paths],
+          [p_ours[k] - p0[k] for k in paths], tol=UPDATE_TOL),
+  ]
+  del p_ours, p_theirs
+
+  print(f"timed rounds ({args.steps} steps each; interleaved):", flush=True)
+  times = fair.interleave({"jaxmoral": ours.step, "pytorch": theirs.step}, args.rounds,
+                          calls_per_round=args.steps, label="s/step")
+  ok = fair.report(times, checks, ours="jaxmoral", theirs="pytorch", work=tokens,
+                   unit="tokens")
+  for name, t in times.items():
+    best = min(t)
+    print(f"  {name:<9} best round: {flops / best / 1e9:7.1f} GFLOP/s = "
+          f"{100 * flops / best / peak.flops:.1f}% of the measured peak")
+  if not ok:
+    sys.exit(1)
 
 
 if __name__ == "__main__":

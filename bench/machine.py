@@ -47,11 +47,17 @@ def measured_peak(iterations: int = 20_000_000, repeats: int = 3) -> Peak:
   if not compiler:
     return _estimate()
   cores = len(os.sched_getaffinity(0))
-  model = re.search(r"^model name\s*:(.*)$", open("/proc/cpuinfo").read(), re.M)
+  cpuinfo = open("/proc/cpuinfo").read()
+  model = re.search(r"^model name\s*:(.*)$", cpuinfo, re.M)
+  flags = re.search(r"^flags\s*:(.*)$", cpuinfo, re.M)
+  # The widest vector the CPU has: 64-byte vectors on a CPU without AVX-512 would need twice
+  # the 16 registers the FMA chains can live in (gcc: "impossible constraint in asm").
+  vector_bytes = 64 if flags and "avx512f" in flags.group(1).split() else 32
   with tempfile.TemporaryDirectory() as tmp:
     binary = os.path.join(tmp, "peak_flops")
     subprocess.run([compiler, "-O2", "-march=native", "-ffp-contract=fast", "-pthread",
-                    str(HERE / "peak_flops.c"), "-o", binary], check=True)
+                    f"-DVECTOR_BYTES={vector_bytes}", str(HERE / "peak_flops.c"), "-o",
+                    binary], check=True)
     runs = [json.loads(subprocess.run([binary, str(cores), str(iterations)], check=True,
                                       capture_output=True, text=True).stdout)
             for _ in range(repeats)]
