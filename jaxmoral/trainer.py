@@ -417,6 +417,7 @@ class Trainer:
     self.trainable_mask = self.initializer.trainable_mask
     self.params_shardings = self.initializer.params_shardings
     self.state_shardings = self.initializer.state_shardings
+    self._trainable_shardings, _ = split_params(self.params_shardings, self.trainable_mask)
     self._replicated = self.initializer.replicated
     self._train_jit = partitioner.partition(
         self._train_fn, in_shardings=(self.state_shardings, None, self._replicated),
@@ -468,6 +469,9 @@ class Trainer:
       loss, metrics = self._loss_fn(merge_params(t, frozen), batch, rng)
       return loss, metrics
     (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+    # Gradients keep the parameters' shardings (FSDP included), also inside the microbatch
+    # loop, where propagation alone may leave them sharded over the model axis only.
+    grads = jax.lax.with_sharding_constraint(grads, self._trainable_shardings)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     metrics["loss"] = jnp.asarray(loss, jnp.float32)
     return grads, metrics
@@ -503,7 +507,8 @@ class Trainer:
       grads, metrics = self._grads_one(trainable, frozen, mb, jax.random.fold_in(rng, index))
       weight = metrics["num_tokens"] if mode == "token_weighted" else jnp.float32(1.0)
       grad_sum = jax.tree_util.tree_map(lambda a, g: a + weight * g, grad_sum, grads)
-      return grad_sum, (metrics, weight)
+      return jax.lax.with_sharding_constraint(grad_sum, self._trainable_shardings), (
+          metrics, weight)
 
     zeros = jax.tree_util.tree_map(jnp.zeros_like, trainable)
     grad_sum, (metrics, weights) = jax.lax.scan(body, zeros, (jnp.arange(m), micro))

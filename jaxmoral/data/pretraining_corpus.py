@@ -7,11 +7,13 @@ Texts (each once, whitespace normalised, one per line of the corpus file):
   (`delta_clarify_silver/*.tsv`);
 * `fusion`: both sides of the fusion pairs (`fusion/*.csv`);
 * `perspectrum`: PERSPECTRUM claims and their perspectives (`perspectrum/`);
-* `demo`: every text of the bundled demo corpus (`jaxmoral.data.demo`).
+* `demo`: every text of the bundled demo corpus (`jaxmoral.data.demo`);
+* `chitchat`: the utterances of the chitchat dialogue corpus's train conversations
+  (`jaxmoral.diamante.chitchat`; needs the `dialogue` extra, so it is not a default source).
 
 Held-out data stay out by default: only δ-Clarify's train split and PERSPECTRUM's train claims
-are read (`clarify_splits`, `perspectrum_splits`), so pretraining never sees what the
-ClarifyDelphi and NPOV evaluations test on.
+are read (`clarify_splits`, `perspectrum_splits`), and chitchat's test conversations never
+are, so pretraining never sees what the ClarifyDelphi, NPOV and Diamante evaluations test on.
 
 `register_pretraining_mixture` writes `pretraining_corpus_{train,validation}.txt` (every
 `validation_every`-th text validates) and a manifest into `output_dir`, rebuilding only when the
@@ -35,9 +37,12 @@ import seqio
 from jaxmoral.data import readers
 from jaxmoral.data import span_corruption
 from jaxmoral.data import vocab as vocab_lib
+from jaxmoral.diamante import chitchat
 
 PRETRAIN_TASK = "jaxmoral_pretrain_span_corruption"
-SOURCES = ("clarify", "silver", "fusion", "perspectrum", "demo")
+SOURCES = ("clarify", "silver", "fusion", "perspectrum", "demo", "chitchat")
+# Sources that need no optional dependency.
+DEFAULT_SOURCES = ("clarify", "silver", "fusion", "perspectrum", "demo")
 SPLITS = ("train", "validation")
 MANIFEST = "pretraining_corpus.json"
 
@@ -102,7 +107,8 @@ def perspectrum_texts(data_dir: str | os.PathLike, *,
       yield from cluster.texts
 
 
-def corpus_texts(data_dir: Optional[str | os.PathLike], *, sources: Sequence[str] = SOURCES,
+def corpus_texts(data_dir: Optional[str | os.PathLike], *,
+                 sources: Sequence[str] = DEFAULT_SOURCES,
                  clarify_splits: Sequence[str] = ("train",),
                  perspectrum_splits: Optional[Sequence[str]] = ("train",)) -> list[str]:
   """The distinct, whitespace-normalised, non-empty texts of `sources`, in source order.
@@ -120,7 +126,7 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *, sources: Sequence[str
   unknown = [s for s in sources if s not in SOURCES]
   if unknown:
     raise ValueError(f"unknown corpus source(s) {unknown}; known: {SOURCES}")
-  needs_dir = [s for s in sources if s != "demo"]
+  needs_dir = [s for s in sources if s not in ("demo", "chitchat")]
   if needs_dir and data_dir is None:
     raise ValueError(f"corpus sources {needs_dir} need data_dir (e.g. ../shared/data)")
   if data_dir is not None and needs_dir and not pathlib.Path(data_dir).is_dir():
@@ -131,6 +137,7 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *, sources: Sequence[str
       "fusion": lambda: fusion_texts(data_dir),
       "perspectrum": lambda: perspectrum_texts(data_dir, splits=perspectrum_splits),
       "demo": vocab_lib.demo_texts,
+      "chitchat": lambda: chitchat.texts(split="train"),
   }
   texts: dict[str, None] = {}
   for source in sources:
@@ -164,7 +171,8 @@ def corpus_paths(output_dir: str | os.PathLike) -> dict[str, str]:
 
 
 def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.PathLike,
-                 sources: Sequence[str] = SOURCES, clarify_splits: Sequence[str] = ("train",),
+                 sources: Sequence[str] = DEFAULT_SOURCES,
+                 clarify_splits: Sequence[str] = ("train",),
                  perspectrum_splits: Optional[Sequence[str]] = ("train",),
                  validation_every: int = 100) -> dict[str, str]:
   """Writes the train / validation corpus files unless a build with the same settings exists.
@@ -208,7 +216,7 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
 def register_pretraining_mixture(
     *, data_dir: Optional[str | os.PathLike], vocabulary_path: Optional[str | os.PathLike],
     output_dir: str | os.PathLike, task_name: str = PRETRAIN_TASK,
-    sources: Sequence[str] = SOURCES, clarify_splits: Sequence[str] = ("train",),
+    sources: Sequence[str] = DEFAULT_SOURCES, clarify_splits: Sequence[str] = ("train",),
     perspectrum_splits: Optional[Sequence[str]] = ("train",), validation_every: int = 100,
     extra_ids: int = vocab_lib.T5_EXTRA_IDS, noise_density: float = 0.15,
     mean_noise_span_length: float = 3.0,

@@ -168,6 +168,9 @@ SIZES: dict[str, dict[str, Any]] = {
                  num_encoder_layers=2, num_decoder_layers=2,
                  relative_attention_num_buckets=32, relative_attention_max_distance=128,
                  feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+    # A CPU-scale T5 1.1 (t5-efficient-tiny's width and depth): pretrains on two cores.
+    "mini": dict(_T5_1_1, d_model=256, d_kv=64, d_ff=1024, num_heads=4,
+                 num_encoder_layers=4, num_decoder_layers=4),
     "small": dict(_T5_1_1, d_model=512, d_kv=64, d_ff=1024, num_heads=6,
                   num_encoder_layers=8, num_decoder_layers=8),
     "base": dict(_T5_1_1, d_model=768, d_kv=64, d_ff=2048, num_heads=12,

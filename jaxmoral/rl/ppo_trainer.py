@@ -590,17 +590,27 @@ class PPOTrainer:
       spec = jax.sharding.PartitionSpec(partitioning.DATA_AXIS, *([None] * (x.ndim - 1)))
       return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
 
+    # The scan carry and the gradients keep the state's shardings: left to propagation
+    # inside the loop, XLA may drop the parameters' data-axis (FSDP) sharding and hold whole
+    # model-parallel shards of every parameter, gradient and optimizer slot per chip.
+    p_sh, _ = trainer_lib.split_params(self.policy_init.params_shardings, policy_mask)
+    v_sh, _ = trainer_lib.split_params(self.value_init.params_shardings, value_mask)
+    carry_sh = (p_sh, v_sh, self.policy_init.state_shardings.opt_state,
+                self.value_init.state_shardings.opt_state)
+    constrain = jax.lax.with_sharding_constraint
+
     def body(carry, index):
-      p_t, v_t, p_opt, v_opt = carry
+      p_t, v_t, p_opt, v_opt = constrain(carry, carry_sh)
       mb = jax.tree_util.tree_map(lambda x: take(x, index), rollout)
       (_, metrics), (p_grads, v_grads) = grad_fn((p_t, v_t), mb)
+      p_grads, v_grads = constrain((p_grads, v_grads), (p_sh, v_sh))
       updates, p_opt = self._optimizer.update(p_grads, p_opt, p_t)
       p_t = optax.apply_updates(p_t, updates)
       updates, v_opt = self._value_optimizer.update(v_grads, v_opt, v_t)
       v_t = optax.apply_updates(v_t, updates)
       metrics["policy_grad_norm"] = optimizers.global_norm(p_grads)
       metrics["value_grad_norm"] = optimizers.global_norm(v_grads)
-      return (p_t, v_t, p_opt, v_opt), metrics
+      return constrain((p_t, v_t, p_opt, v_opt), carry_sh), metrics
 
     init = (p_train, v_train, state.policy.opt_state, state.value.opt_state)
     (p_train, v_train, p_opt, v_opt), stacked = jax.lax.scan(body, init, perms)

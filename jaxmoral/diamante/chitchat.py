@@ -1,0 +1,71 @@
+"""The chitchat dialogue corpus (BYU PCC, `pip install jaxmoral[dialogue]`), split by dialogue.
+
+chitchat-dataset holds 7,168 human–human conversations. A conversation is a list of turns,
+each a speaker's consecutive messages; a turn's messages are joined into one utterance.
+
+The split is a stable function of the conversation id (`is_test`), not of file order or a
+random seed, so span-corruption pretraining (`jaxmoral.data.pretraining_corpus`, source
+"chitchat") never reads a conversation that the Diamante experiment tests on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator, Optional, Sequence
+
+from jaxmoral.diamante import data as data_lib
+
+SPLITS = ("train", "test")
+TEST_EVERY = 10
+
+
+def _dataset() -> dict:
+  try:
+    import chitchat_dataset  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError("the chitchat corpus needs the dialogue extra: "
+                      "pip install 'jaxmoral[dialogue]'") from e
+  return chitchat_dataset.Dataset()
+
+
+def is_test(conversation_id: str, *, test_every: int = TEST_EVERY) -> bool:
+  """Whether a conversation is held out: 1 in `test_every`, by a hash of its id."""
+  digest = hashlib.sha256(conversation_id.encode("utf-8")).digest()
+  return int.from_bytes(digest[:8], "big") % test_every == 0
+
+
+def dialogues(*, split: str, min_turns: int = 2, max_turns: Optional[int] = None,
+              test_every: int = TEST_EVERY) -> list[list[str]]:
+  """Utterance lists of the conversations of `split` ("train" | "test"), in id order.
+
+  Args:
+    split: Which side of the split.
+    min_turns: Conversations with fewer non-empty turns are dropped.
+    max_turns: Keep the first `max_turns` turns of a conversation (None: all).
+    test_every: One conversation in `test_every` is a test conversation.
+  """
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  out = []
+  for conversation_id, conversation in sorted(_dataset().items()):
+    if is_test(conversation_id, test_every=test_every) != (split == "test"):
+      continue
+    utterances = [" ".join(m["text"].strip() for m in turn if m["text"].strip())
+                  for turn in conversation["messages"]]
+    utterances = [u for u in utterances if u][:max_turns]
+    if len(utterances) >= min_turns:
+      out.append(utterances)
+  return out
+
+
+def turns(conversations: Sequence[Sequence[str]]) -> list[data_lib.Turn]:
+  """Every response position of each conversation as a Diamante turn (no candidates)."""
+  return [data_lib.Turn(tuple(utterances[:i]), utterances[i], (), d)
+          for d, utterances in enumerate(conversations)
+          for i in range(1, len(utterances))]
+
+
+def texts(*, split: str = "train") -> Iterator[str]:
+  """Every utterance of the conversations of `split`, for a pretraining corpus."""
+  for utterances in dialogues(split=split, min_turns=1):
+    yield from utterances
