@@ -20,16 +20,31 @@ Exported params (`export_params`)::
 
 Every restore takes the target shardings from the caller, so a checkpoint written from one mesh
 restores onto any other (orbax reads each shard's slice from the stored global arrays).
+
+Integrity: every step (and every export) carries `_INTEGRITY.json`, the size and sha256 of each
+of its files, written once Orbax has finalised the files (temp name, then rename). Every
+restore, export and load checks it before reading any array, so a damaged or incomplete
+checkpoint is a `CheckpointIntegrityError` naming the step and the file, never NaN parameters
+or a TensorStore traceback. Checkpoints written before the manifest existed load with a warning.
+
+A training run holds `MODEL_DIR/train.lock` (`RunDirLock`) while it runs, so two runs never
+write into one folder.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import datetime
+import hashlib
 import json
 import logging
 import os
 import re
-from typing import Any, Mapping, Optional
+import socket
+import threading
+import uuid
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import gin
@@ -44,6 +59,179 @@ STATE_ITEM = "state"
 EXTRA_ITEM = "extra"
 PARAMS_DIR = "params"
 CONFIG_FILE = "config.json"
+
+
+# -- integrity ----------------------------------------------------------------------------------
+INTEGRITY_FILE = "_INTEGRITY.json"
+_HASH_CHUNK = 1 << 20  # Streamed: a file is never read into memory whole.
+_HASH_THREADS = 8  # hashlib releases the GIL on large buffers: files hash in parallel.
+logger = logging.getLogger(__name__)
+_warned_unverified: set[str] = set()
+
+
+class CheckpointIntegrityError(ValueError):
+  """A checkpoint is damaged or incomplete; nothing of it was loaded.
+
+  A ValueError, so the CLI prints it as one line.
+
+  Attributes:
+    step: The damaged step (None for an export).
+    files: The damaged or missing files, relative to the step (or export) directory.
+  """
+
+  def __init__(self, message: str, *, step: Optional[int] = None,
+               files: Sequence[str] = ()):
+    super().__init__(message)
+    self.step = step
+    self.files = tuple(files)
+
+
+def _sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+      digest.update(chunk)
+  return digest.hexdigest()
+
+
+def _hash_all(root: str, relative: Sequence[str]) -> dict[str, str]:
+  if len(relative) <= 1:
+    return {rel: _sha256(os.path.join(root, rel)) for rel in relative}
+  with concurrent.futures.ThreadPoolExecutor(min(_HASH_THREADS, len(relative))) as pool:
+    digests = pool.map(lambda rel: _sha256(os.path.join(root, rel)), relative)
+    return dict(zip(relative, digests))
+
+
+def _files_of(root: str, entries: Iterable[str]) -> list[str]:
+  """Files (relative '/'-joined paths, sorted) of `entries` (files or folders) under root."""
+  out = []
+  for entry in entries:
+    path = os.path.join(root, entry)
+    if os.path.isfile(path):
+      out.append(entry)
+      continue
+    for folder, _, names in os.walk(path):
+      for name in names:
+        rel = os.path.relpath(os.path.join(folder, name), root)
+        out.append(rel.replace(os.sep, "/"))
+  return sorted(rel for rel in out if rel != INTEGRITY_FILE)
+
+
+def write_integrity_manifest(root: str | os.PathLike, entries: Optional[Iterable[str]] = None
+                             ) -> str:
+  """Writes `root/_INTEGRITY.json`: size and sha256 of every file under `root` (or `entries`).
+
+  Written under a temporary name and renamed, so a manifest is complete or absent.
+
+  Args:
+    root: A finished checkpoint step or export directory.
+    entries: Files or folders (relative to `root`) to cover; default: everything in `root`.
+
+  Returns:
+    The manifest's path.
+  """
+  root = os.fspath(root)
+  relative = _files_of(root, sorted(os.listdir(root)) if entries is None else entries)
+  digests = _hash_all(root, relative)
+  manifest = {"version": 1, "algorithm": "sha256",
+              "files": {rel: {"size": os.path.getsize(os.path.join(root, rel)),
+                              "sha256": digests[rel]} for rel in relative}}
+  path = os.path.join(root, INTEGRITY_FILE)
+  temporary = f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+  with open(temporary, "w") as f:
+    json.dump(manifest, f, indent=1, sort_keys=True)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(temporary, path)
+  return path
+
+
+def _listing(files: Sequence[str]) -> str:
+  shown = ", ".join(files[:3])
+  return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+
+
+def verify_integrity(root: str | os.PathLike, *, what: str, full: bool = True,
+                     step: Optional[int] = None, required: Sequence[str] = ()) -> bool:
+  """Checks a checkpoint directory against its `_INTEGRITY.json` before anything is read.
+
+  Args:
+    root: A checkpoint step or export directory.
+    what: How messages name it (e.g. "/run/checkpoints: checkpoint step 7").
+    full: Also compare sha256 digests (streamed); False checks presence and sizes only (for
+      metadata reads, which touch no array data).
+    step: The step, for the error's attribute.
+    required: Files that must exist even without a manifest (older checkpoints).
+
+  Returns:
+    True if verified against a manifest; False if there is none (a checkpoint written before
+    manifests existed: a warning is logged, once per directory).
+
+  Raises:
+    CheckpointIntegrityError: A file is missing, has another size, or another digest.
+  """
+  root = os.fspath(root)
+  missing_required = [rel for rel in required if not os.path.isfile(os.path.join(root, rel))]
+  if missing_required:
+    raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing_required)})"
+                                   "; nothing was loaded", step=step, files=missing_required)
+  path = os.path.join(root, INTEGRITY_FILE)
+  if not os.path.isfile(path):
+    if root not in _warned_unverified:
+      _warned_unverified.add(root)
+      logger.warning("%s has no %s (saved before checkpoints carried checksums, or killed "
+                     "before it was written): loading it unverified", what, INTEGRITY_FILE)
+    return False
+  try:
+    with open(path) as f:
+      files = json.load(f)["files"]
+    saved_sizes = {rel: int(entry["size"]) for rel, entry in files.items()}
+    saved_digests = {rel: str(entry["sha256"]) for rel, entry in files.items()}
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} is unreadable "
+                                   f"({type(e).__name__}); nothing was loaded", step=step,
+                                   files=[INTEGRITY_FILE]) from None
+  missing = [rel for rel in sorted(files) if not os.path.isfile(os.path.join(root, rel))]
+  if missing:
+    raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing)}); "
+                                   "nothing was loaded", step=step, files=missing)
+  sizes = {rel: os.path.getsize(os.path.join(root, rel)) for rel in sorted(files)}
+  resized = [(rel, sizes[rel], saved_sizes[rel]) for rel in sizes
+             if sizes[rel] != saved_sizes[rel]]
+  if resized:
+    rel, size, saved = resized[0]
+    more = f" (and {len(resized) - 1} more files)" if len(resized) > 1 else ""
+    raise CheckpointIntegrityError(
+        f"{what} is damaged: {rel} is {size} bytes, {saved} when saved (truncated or "
+        f"overwritten){more}; nothing was loaded", step=step, files=[r[0] for r in resized])
+  if full:
+    try:
+      digests = _hash_all(root, sorted(files))
+    except OSError as e:  # Gone or unreadable while being read.
+      rel = os.path.relpath(e.filename or root, root).replace(os.sep, "/")
+      raise CheckpointIntegrityError(f"{what} is damaged: {rel} cannot be read ({e.strerror})"
+                                     "; nothing was loaded", step=step, files=[rel]) from None
+    changed = [rel for rel in sorted(files) if digests[rel] != saved_digests[rel]]
+    if changed:
+      more = f" (and {len(changed) - 1} more files)" if len(changed) > 1 else ""
+      raise CheckpointIntegrityError(
+          f"{what} is damaged: {changed[0]} differs from its checksum at save time{more}; "
+          "nothing was loaded", step=step, files=changed)
+  return True
+
+
+def _state_required() -> tuple[str, ...]:
+  """What a step needs whatever wrote it: the state's tree metadata (Orbax lists a step
+  whose _METADATA is gone, and then finds 'no params' in it)."""
+  return (f"{STATE_ITEM}/_METADATA",)
+
+
+def verify_step(directory: str | os.PathLike, step: int, *, full: bool = True) -> bool:
+  """`verify_integrity` of `directory/<step>` (a `CheckpointManager` directory's step)."""
+  directory = os.fspath(directory)
+  return verify_integrity(os.path.join(directory, str(int(step))),
+                          what=f"{directory}: checkpoint step {int(step)}", full=full,
+                          step=int(step), required=_state_required())
 
 
 def _item_handlers() -> dict[str, Any]:
@@ -97,6 +285,207 @@ def run_checkpoints_dir(model_dir: str | os.PathLike) -> str:
   return os.path.join(os.fspath(model_dir), RUN_CHECKPOINTS_SUBDIR)
 
 
+# -- run directory lock -------------------------------------------------------------------------
+LOCK_FILE = "train.lock"
+# A holder refreshes its lock's time this often; a lock of another host left unrefreshed for
+# LOCK_STALE_AFTER_S is stale (its pid cannot be checked from here: a preempted VM's job
+# restarted elsewhere would otherwise be locked out for good).
+LOCK_HEARTBEAT_S = 60.0
+LOCK_STALE_AFTER_S = 900.0
+_held_locks: dict[str, "_HeldLock"] = {}
+_held_locks_guard = threading.Lock()
+
+
+class RunDirLockedError(ValueError):
+  """Another run holds MODEL_DIR's lock (a ValueError: the CLI prints it as one line)."""
+
+
+class _HeldLock:
+  """A lock file this process holds: its token, nesting depth and heartbeat."""
+
+  def __init__(self, path: str, token: str):
+    self.path, self.token, self.depth = path, token, 1
+    self.stop = threading.Event()
+    threading.Thread(target=self._beat, daemon=True, name="jaxmoral-lock-heartbeat").start()
+
+  def _beat(self) -> None:
+    while not self.stop.wait(LOCK_HEARTBEAT_S):
+      try:
+        os.utime(self.path)  # Tells other hosts the holder is alive.
+      except OSError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # Someone else's live process.
+    return True
+  except (OverflowError, ValueError):
+    return False
+  return True
+
+
+class RunDirLock:
+  """`MODEL_DIR/train.lock`: one training run at a time in a run directory.
+
+  The file (JSON: host, pid, start time) is created with O_CREAT | O_EXCL, so of two runs
+  starting together exactly one gets it. A lock whose holder is gone is taken over with a
+  warning: same host and a dead pid (or this very pid, left by an earlier process that had it,
+  as in a restarted container), or another host's lock not refreshed for
+  `LOCK_STALE_AFTER_S`. Re-entrant within a process (a run's setup and its loop may both take
+  it). Multi-host: only process 0 takes it; all processes learn whether it got it.
+
+  Use as a context manager, or `acquire()` / `release()`.
+  """
+
+  def __init__(self, model_dir: str | os.PathLike):
+    self.path = os.path.join(os.path.abspath(os.fspath(model_dir)), LOCK_FILE)
+    self._token = uuid.uuid4().hex
+    self._depth = 0  # acquire() calls of this object not yet released.
+
+  def _content(self) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "token": self._token,
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+  def _create(self) -> bool:
+    try:
+      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(fd, "w") as f:
+      json.dump(self._content(), f)
+      f.flush()
+      os.fsync(f.fileno())
+    return True
+
+  def _read(self) -> Optional[dict[str, Any]]:
+    try:
+      with open(self.path) as f:
+        holder = json.load(f)
+      return holder if isinstance(holder, dict) else {}
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError):
+      return {}
+
+  @staticmethod
+  def _describe(holder: Mapping[str, Any]) -> str:
+    if not holder.get("host"):
+      return "an unknown process (unreadable lock file)"
+    return (f"pid {holder.get('pid')} on {holder.get('host')}, started "
+            f"{holder.get('started', '?')}")
+
+  def _stale_reason(self, holder: Mapping[str, Any]) -> Optional[str]:
+    """Why the holder is gone, or None while it may be alive."""
+    host, pid = holder.get("host"), holder.get("pid")
+    if host == socket.gethostname() and isinstance(pid, int):
+      if pid == os.getpid():
+        return "this process's pid, left by an earlier process"  # Not held here (see acquire).
+      if not _pid_alive(pid):
+        return f"pid {pid} is not running"
+      return None
+    try:
+      age = datetime.datetime.now().timestamp() - os.path.getmtime(self.path)
+    except OSError:
+      return None
+    if age > LOCK_STALE_AFTER_S:
+      return f"not refreshed for {age:.0f} s"
+    return None
+
+  def _take_over(self, holder: Mapping[str, Any]) -> bool:
+    """Removes the stale lock `holder` read; False if someone else replaced it meanwhile."""
+    aside = f"{self.path}.stale.{self._token}"
+    try:
+      os.rename(self.path, aside)  # Atomic: of two takers, one gets the stale file.
+    except FileNotFoundError:
+      return self._create()
+    with open(aside) as f:
+      text = f.read()
+    try:
+      now = json.loads(text)
+    except ValueError:
+      now = {}
+    if isinstance(now, dict) and now.get("token") != holder.get("token"):
+      os.rename(aside, self.path)  # A fresh lock taken in between: give it back.
+      return False
+    os.remove(aside)
+    return self._create()
+
+  def _acquire_file(self) -> Optional[str]:
+    """Takes the file; returns None, or the refusal message."""
+    for _ in range(3):  # A lock released or replaced between our reads: look again.
+      if self._create():
+        return None
+      holder = self._read()
+      if holder is None:
+        continue
+      reason = self._stale_reason(holder)
+      if reason is None:
+        return (f"{os.path.dirname(self.path)} is in use by another training run "
+                f"({self._describe(holder)}; lock {self.path}); wait for it to end, or delete "
+                "the lock if that run is gone")
+      logger.warning("taking over the stale lock %s of %s (%s)", self.path,
+                     self._describe(holder), reason)
+      if self._take_over(holder):
+        return None
+    return f"{self.path}: could not take the lock (it keeps changing); another run is starting"
+
+  def acquire(self) -> "RunDirLock":
+    """Takes the lock (or raises `RunDirLockedError` naming the holder)."""
+    error = None
+    if jax.process_index() == 0:
+      with _held_locks_guard:
+        held = _held_locks.get(self.path)
+        if held is not None:  # This process holds it already (an outer call).
+          held.depth += 1
+        else:
+          error = self._acquire_file()
+          if error is None:
+            held = _HeldLock(self.path, self._token)
+            _held_locks[self.path] = held
+    if jax.process_count() > 1:  # Every process refuses together; none waits in a collective.
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+      if refused and error is None:
+        error = f"{os.path.dirname(self.path)} is in use by another training run (see process 0)"
+    if error is not None:
+      raise RunDirLockedError(error)
+    self._depth += 1
+    return self
+
+  def release(self) -> None:
+    """Gives the lock back; the file goes when this process's outermost holder releases."""
+    if not self._depth:
+      return
+    self._depth -= 1
+    if jax.process_index() != 0:
+      return
+    with _held_locks_guard:
+      held = _held_locks.get(self.path)
+      if held is None:
+        return
+      held.depth -= 1
+      if held.depth:
+        return
+      del _held_locks[self.path]
+      held.stop.set()
+      holder = self._read()
+      if holder and holder.get("token") == held.token:  # Never remove someone else's lock.
+        try:
+          os.remove(self.path)
+        except FileNotFoundError:
+          pass
+
+  def __enter__(self) -> "RunDirLock":
+    return self.acquire()
+
+  def __exit__(self, *exc: Any) -> None:
+    self.release()
+
+
 @gin.configurable(module="checkpoints")
 class CheckpointManager:
   """Saves and restores a training state (any pytree) plus a JSON `extra` dict.
@@ -129,6 +518,9 @@ class CheckpointManager:
         save_decision_policy=policy)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=_item_handlers())
+    # The integrity manifest of the latest save is written once Orbax has finalised the step:
+    # in this thread (sync saves) or in `_manifest_thread` (async saves).
+    self._manifest_thread: Optional[threading.Thread] = None
 
   def save(self, step: int, state: PyTree, *, extra: Optional[Mapping[str, Any]] = None,
            force: bool = False) -> bool:
@@ -152,7 +544,42 @@ class CheckpointManager:
         STATE_ITEM: ocp.args.PyTreeSave(state),
         EXTRA_ITEM: ocp.args.JsonSave(_to_json(dict(extra or {}), "")),
     })
-    return bool(self._manager.save(step, args=args, force=force))
+    # Orbax waits for the previous save anyway; its manifest must be on disk before this
+    # save's finalisation may delete old steps (max_to_keep).
+    self._join_manifest()
+    saved = bool(self._manager.save(step, args=args, force=force))
+    if saved:
+      if self._manager.is_saving_in_progress():
+        self._manifest_thread = threading.Thread(
+            target=self._manifest_after_finalize, args=(step,), daemon=True,
+            name=f"jaxmoral-integrity-{step}")
+        self._manifest_thread.start()
+      else:
+        self._write_manifest(step)
+    return saved
+
+  def _manifest_after_finalize(self, step: int) -> None:
+    try:
+      self._manager.wait_until_finished()
+    except BaseException:  # pylint: disable=broad-except  (the caller's wait() re-raises it)
+      return
+    self._write_manifest(step)
+
+  def _write_manifest(self, step: int) -> None:
+    """`_INTEGRITY.json` of a finalised step (process 0; the step folder is shared)."""
+    if jax.process_index() != 0:
+      return
+    step_dir = os.path.join(self.directory, str(step))
+    try:
+      write_integrity_manifest(step_dir)
+    except OSError as e:  # The step is still good; it just loads unverified.
+      logger.warning("%s: could not write the integrity manifest of step %d: %s",
+                     self.directory, step, e)
+
+  def _join_manifest(self) -> None:
+    thread, self._manifest_thread = self._manifest_thread, None
+    if thread is not None:
+      thread.join()
 
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
@@ -176,8 +603,12 @@ class CheckpointManager:
 
     Returns:
       The state (structure of `target`, static fields from `target`) and the extra dict.
+
+    Raises:
+      CheckpointIntegrityError: The step is damaged or incomplete (checked before any read).
     """
     step = self._resolve_step(step)
+    self.verify(step)
     args = ocp.args.Composite(**{
         STATE_ITEM: ocp.args.PyTreeRestore(target, restore_args=_restore_args(target)),
         EXTRA_ITEM: ocp.args.JsonRestore(),
@@ -192,8 +623,47 @@ class CheckpointManager:
   def state_metadata(self, step: Optional[int] = None) -> PyTree:
     """Saved state tree with `ArrayMetadata` leaves (shape, dtype) at `step` (default latest)."""
     step = self._resolve_step(step)
+    self.verify(step, full=False)  # Sizes only: no array is read here.
     metadata = self._manager.item_metadata(step)[STATE_ITEM]
     return getattr(metadata, "tree", metadata)
+
+  def verify(self, step: int, *, full: bool = True) -> bool:
+    """Checks step `step` against its integrity manifest (see `verify_integrity`).
+
+    Returns:
+      True if verified, False for a step saved without a manifest (a warning is logged).
+
+    Raises:
+      CheckpointIntegrityError: The step is damaged or incomplete.
+    """
+    self._join_manifest()
+    return verify_step(self.directory, step, full=full)
+
+  def move_aside(self, step: int) -> str:
+    """Renames a (damaged) step to `<step>.damaged` so it is no step any more.
+
+    Its data is kept for a post-mortem, and the run can save that step again. Process 0
+    renames; every process then sees the step gone.
+
+    Returns:
+      The new path.
+    """
+    self._join_manifest()
+    source = os.path.join(self.directory, str(int(step)))
+    target = f"{source}.damaged"
+    index = 1
+    while os.path.exists(target):
+      index += 1
+      target = f"{source}.damaged.{index}"
+    if jax.process_count() > 1:  # No process may still be checking the step's files.
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices(f"jaxmoral_move_aside_{step}_start")
+    if jax.process_index() == 0:
+      os.rename(source, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxmoral_move_aside_{step}_done")
+    self._manager.reload()
+    return target
 
   def _resolve_step(self, step: Optional[int]) -> int:
     steps = self.all_steps()
@@ -206,11 +676,15 @@ class CheckpointManager:
     return int(step)
 
   def wait(self) -> None:
-    """Blocks until pending async saves are on disk."""
+    """Blocks until pending async saves (and their integrity manifests) are on disk."""
     self._manager.wait_until_finished()
+    self._join_manifest()
 
   def close(self) -> None:
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
 
   def __enter__(self) -> "CheckpointManager":
     return self
@@ -294,11 +768,25 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
     target = jnp.dtype(dtype)
     params = jax.tree_util.tree_map(
         lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+  manifest = os.path.join(directory, INTEGRITY_FILE)
+  if jax.process_index() == 0 and os.path.exists(manifest):
+    os.remove(manifest)  # The old export's: it would describe files about to be replaced.
   ocp.PyTreeCheckpointer().save(params_dir, params, force=overwrite)
-  if config is not None and jax.process_index() == 0:
-    with open(os.path.join(directory, CONFIG_FILE), "w") as f:
-      json.dump(_to_json(dict(config), "(config)"), f, indent=2, sort_keys=True)
+  if jax.process_index() == 0:
+    if config is not None:
+      with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+        json.dump(_to_json(dict(config), "(config)"), f, indent=2, sort_keys=True)
+    covered = [PARAMS_DIR] + ([CONFIG_FILE] if os.path.isfile(
+        os.path.join(directory, CONFIG_FILE)) else [])
+    write_integrity_manifest(directory, covered)
   return directory
+
+
+def verify_export(directory: str | os.PathLike, *, full: bool = True) -> bool:
+  """`verify_integrity` of an `export_params` directory (params/ and config.json)."""
+  directory = os.path.abspath(os.fspath(directory))
+  return verify_integrity(directory, what=f"{directory}: the export", full=full,
+                          required=(f"{PARAMS_DIR}/_METADATA",))
 
 
 def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
@@ -311,11 +799,15 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
       `partitioner.sharding_for(boxed_params)`), one `Sharding` for all, or None (device 0;
       replicated on multi-host).
     dtype: Cast floating-point params to this dtype while reading; None keeps the saved one.
+
+  Raises:
+    CheckpointIntegrityError: The export is damaged or incomplete (checked before any read).
   """
   directory = os.path.abspath(os.fspath(directory))
   params_dir = os.path.join(directory, PARAMS_DIR)
   if not os.path.isdir(params_dir):
     raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
+  verify_export(directory)
   checkpointer = ocp.PyTreeCheckpointer()
   metadata = checkpointer.metadata(params_dir).item_metadata
   target = _target_from_metadata(getattr(metadata, "tree", metadata), shardings, dtype,
@@ -392,6 +884,7 @@ def run_params_metadata(model_dir: str | os.PathLike, *, step: Optional[int] = N
   model_dir = os.path.abspath(os.fspath(model_dir))
   with _run_manager(model_dir) as manager:
     step = _resolve_run_step(manager, model_dir, step)
+    verify_step(model_dir, step, full=False)  # Sizes only: no array is read here.
     metadata = manager.item_metadata(step)[STATE_ITEM]
   tree = getattr(metadata, "tree", metadata)
   subtree = _params_subtree(tree, f"{model_dir}/{step}/{STATE_ITEM}")
@@ -415,10 +908,14 @@ def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int]
 
   Returns:
     The parameter tree.
+
+  Raises:
+    CheckpointIntegrityError: The step is damaged or incomplete (checked before any read).
   """
   model_dir = os.path.abspath(os.fspath(model_dir))
   with _run_manager(model_dir) as manager:
     step = _resolve_run_step(manager, model_dir, step)
+    verify_step(model_dir, step)
     metadata = manager.item_metadata(step)[STATE_ITEM]
     tree = getattr(metadata, "tree", metadata)
     where = f"{model_dir}/{step}/{STATE_ITEM}"
@@ -443,6 +940,7 @@ def exported_metadata(directory: str | os.PathLike) -> PyTree:
   params_dir = os.path.join(os.path.abspath(os.fspath(directory)), PARAMS_DIR)
   if not os.path.isdir(params_dir):
     raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
+  verify_export(directory, full=False)
   metadata = ocp.PyTreeCheckpointer().metadata(params_dir).item_metadata
   return getattr(metadata, "tree", metadata)
 

@@ -11,16 +11,22 @@ Core commands take T5X's gin conventions::
 Method commands: `jaxmoral npov ...`, `jaxmoral diamante ...`, `jaxmoral clarify ...`; and
 `jaxmoral demo` runs every method end to end on the bundled sample data.
 Every command's work is one library call that a notebook can make too.
+
+`jaxmoral --help` and `jaxmoral <command> [<action>] --help` answer without importing JAX,
+TensorFlow or seqio: this module and the methods' `commands` modules import them only where
+a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
+import importlib.util
 import logging
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, MutableMapping, Optional, Sequence
 
 from jaxmoral import compilation_cache, gin_utils
 
@@ -30,6 +36,18 @@ GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("jaxmoral.runs", "eval_run", "Evaluate the latest checkpoint of MODEL_DIR."),
     "infer": ("jaxmoral.runs", "infer_run", "Decode inputs with the latest checkpoint."),
 }
+# What a gin command's help adds to its description.
+_GIN_COMMAND_NOTES = {
+    "infer": "INFER_INPUT: plain text, one input a line, or JSONL (runs.infer_run.input_field "
+             "names the key, default 'input'). INFER_OUTPUT: JSONL, one record {\"input\", "
+             "\"predictions\", \"scores\"} per input line, in order; a blank input line gives a "
+             "record with empty input and no predictions, so line N of the output always "
+             "answers line N of the input. Inputs longer than runs.infer_run.input_length "
+             "tokens (default 128, EOS included) are truncated; stderr says how many.",
+}
+# Commands whose action's work lives in jaxmoral.<command>.commands.
+METHOD_COMMANDS = ("npov", "diamante", "clarify")
+HELP_FLAGS = ("-h", "--help")
 
 
 # Flags of `jax.distributed.initialize`, under JAX's names and T5X's (`--process_count`,
@@ -47,6 +65,80 @@ _GIN_FLAGS_HELP = ("Gin flags (T5X's): --gin_file=F (repeatable), --gin.NAME=VAL
                    "--gin.MODEL_DIR=/tmp/run, --gin.TRAIN_STEPS=100, --gin.BATCH_SIZE=8, "
                    "--gin.TASK_FEATURE_LENGTHS=\"{'inputs': 64, 'targets': 32}\"), "
                    "--gin_bindings='NAME = VALUE', --gin_search_paths=DIRS.")
+
+
+# Device nodes of TPU chips (v4 and older: /dev/accel*; v5e and newer: VFIO) and of GPUs
+# (JAX's own list for NVIDIA: jax._src.hardware_utils).
+_TPU_DEVICES = ("/dev/accel*", "/dev/vfio")
+_NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
+_CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+def _installed(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except (ImportError, ValueError):
+    return False
+
+
+def platforms_without_absent_tpu(environ: MutableMapping[str, str] = os.environ
+                                 ) -> Optional[str]:
+  """Sets JAX_PLATFORMS without "tpu" where libtpu is installed but no TPU is attached.
+
+  A venv built with the `tpu` extra has libtpu, and JAX then starts the TPU runtime on every
+  machine: on one without a TPU it prints TPU_WORKER_HOSTNAMES / accelerator-type errors to
+  stderr before falling back. JAX reads JAX_PLATFORMS when it is imported, so this runs
+  first. Left alone: a JAX_PLATFORMS the user set (even empty), JAX_FORCE_TPU_INIT, a
+  machine with a TPU device node, and one with an NVIDIA GPU but no CUDA plugin for JAX
+  (JAX's own choice then).
+
+  Args:
+    environ: The environment to read and update.
+
+  Returns:
+    The JAX_PLATFORMS value set, or None when nothing was set.
+  """
+  if "JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ:
+    return None
+  if any(glob.glob(pattern) for pattern in _TPU_DEVICES) or not _installed("libtpu"):
+    return None
+  platforms = ["cpu"]
+  if any(os.path.exists(device) for device in _NVIDIA_DEVICES):
+    if not any(_installed(plugin) for plugin in _CUDA_PLUGINS):
+      return None
+    platforms.insert(0, "cuda")
+  environ["JAX_PLATFORMS"] = ",".join(platforms)
+  return environ["JAX_PLATFORMS"]
+
+
+def _original(error: BaseException) -> BaseException:
+  """The exception gin wrapped: gin re-raises an error from inside a configurable as a proxy
+  whose OSError fields (errno, strerror, filename) read None."""
+  for _ in range(64):
+    getattr_fn = type(error).__dict__.get("__getattr__")
+    cells = getattr(getattr_fn, "__closure__", None) or ()
+    inner = [c.cell_contents for c in cells if isinstance(c.cell_contents, BaseException)]
+    if not inner:
+      break
+    error = inner[0]
+  return error
+
+
+def error_message(error: BaseException) -> str:
+  """The one-paragraph message of an error a command reports (no traceback).
+
+  An OSError with a path reads `<strerror>: <path>` (e.g. "Read-only file system:
+  /data/run"), however deep in gin-bound calls it was raised.
+  """
+  original = _original(error)
+  if isinstance(original, OSError) and original.strerror and original.filename is not None:
+    message = f"{original.strerror}: {os.fsdecode(original.filename)}"
+    if original.filename2 is not None:
+      message += f" -> {os.fsdecode(original.filename2)}"
+    return message
+  # The message the library raised: gin's "In call to configurable ..." suffix would make a
+  # user's one-line error two lines and name an internal function.
+  return gin_utils.explain_gin_error(original)
 
 
 def _quiet_logs() -> None:
@@ -160,7 +252,8 @@ def _parser() -> argparse.ArgumentParser:
              "Cloud TPU pods are detected without them.")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (_, _, help_text) in GIN_COMMANDS.items():
-    sub.add_parser(name, help=help_text, description=help_text, epilog=_GIN_FLAGS_HELP)
+    description = " ".join(filter(None, (help_text, _GIN_COMMAND_NOTES.get(name))))
+    sub.add_parser(name, help=help_text, description=description, epilog=_GIN_FLAGS_HELP)
 
   export = sub.add_parser("export", help="Export a run (or any model directory) on its own.")
   export.add_argument("--model_dir", required=True,
@@ -186,14 +279,26 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--workdir", default="demo_out")
   demo.add_argument("--only", default=None, help="comma list: core,npov,diamante,clarify")
 
-  for method in ("npov", "diamante", "clarify"):
-    method_parser = sub.add_parser(method, help=f"{method} commands (see `jaxmoral {method} -h`).")
-    method_parser.add_argument("action", help="see the method's documentation in README.md")
-    method_parser.add_argument("rest", nargs=argparse.REMAINDER)
+  for method in METHOD_COMMANDS:
+    # The commands modules import gin_utils only (their actions' modules load when run).
+    actions = list(importlib.import_module(f"jaxmoral.{method}.commands").ACTIONS)
+    method_parser = sub.add_parser(
+        method, help=f"{method} commands (see `jaxmoral {method} -h`).",
+        epilog=f"`jaxmoral {method} ACTION --help` describes an action's flags.")
+    method_parser.add_argument("action", help=f"one of: {', '.join(actions)}")
+    method_parser.add_argument("rest", nargs=argparse.REMAINDER,
+                               help="the action's flags and gin flags")
   return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Runs one command; returns its exit status (2: a usage, configuration or file error).
+
+  Errors a user can fix (ValueError, OSError such as a read-only output folder) are one
+  message on stderr, `jaxmoral <command>: error: ...`, not a traceback.
+  """
+  # Before anything imports JAX (the commands below do).
+  platforms_without_absent_tpu()
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   try:
@@ -209,45 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.command in NO_GIN_COMMANDS and gin_args != gin_utils.GinArgs():
     parser.error(f"{args.command} takes no gin flags (--gin_file, --gin.NAME=VALUE, "
                  f"--gin_bindings, --gin_search_paths); see `jaxmoral {args.command} -h`")
-  _quiet_logs()
-  _tensorflow_for_input_pipelines_only()
-  # `compile` goes without: compile-only TPU executables cannot be loaded back.
-  cache_dir = (None if args.command == "compile"
-               else compilation_cache.resolve_cache_dir(flags.get(compilation_cache.FLAG)))
-  if cache_dir is None:  # Also overrides a JAX_COMPILATION_CACHE_DIR that JAX read itself.
-    compilation_cache.disable()
-  else:
-    compilation_cache.enable(cache_dir)
   try:
-    if args.command not in SINGLE_PROCESS_COMMANDS:
-      from jaxmoral import partitioning
-      # A no-op for one process; joins the job given by the flags, JAX_COORDINATOR_ADDRESS...,
-      # SLURM or a TPU pod. Before gin, whose configurables may touch devices.
-      partitioning.initialize_distributed(**distributed)
-    if args.command in GIN_COMMANDS:
-      module, function, _ = GIN_COMMANDS[args.command]
-      _call_with_gin(module, function, gin_args)
-    elif args.command == "export":
-      from jaxmoral import runs
-      runs.export_run(model_dir=args.model_dir, output_dir=args.output, step=args.step,
-                      dtype=args.dtype, output_format=args.format, overwrite=args.overwrite)
-    elif args.command == "compile":
-      from jaxmoral import aot
-      gin_utils.parse_gin(gin_args)
-      aot.compile_for_topology(topology=args.topology, report_path=args.report)
-    elif args.command == "vocab":
-      from jaxmoral.data import vocab
-      print(vocab.build_demo_vocabulary(output_dir=args.output_dir))
-    elif args.command == "demo":
-      from jaxmoral import demo
-      only = tuple(args.only.split(",")) if args.only else None
-      demo.run_all(workdir=args.workdir, only=only)
-    else:
+    if args.command in METHOD_COMMANDS and any(arg in HELP_FLAGS for arg in args.rest):
+      # An action's usage: before TensorFlow, JAX and the distributed runtime start.
       method = importlib.import_module(f"jaxmoral.{args.command}.commands")
       return int(method.main(args.action, args.rest, gin_args) or 0)
-  except (ValueError, FileNotFoundError, FileExistsError) as error:
-    print(f"jaxmoral {args.command}: error: {gin_utils.explain_gin_error(error)}",
-          file=sys.stderr)
+    return _run(args, gin_args, flags, distributed)
+  except (ValueError, OSError) as error:
+    print(f"jaxmoral {args.command}: error: {error_message(error)}", file=sys.stderr)
     return 2
   except TypeError as error:
     # A type error inside a gin-bound call is a configuration error (gin adds "In call to
@@ -259,6 +333,50 @@ def main(argv: Sequence[str] | None = None) -> int:
       print(f"  note: read as strings, not being Python literals: "
             f"{', '.join(gin_args.read_as_strings)}", file=sys.stderr)
     return 2
+
+
+def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str, str],
+         distributed: dict[str, Any]) -> int:
+  """The work of `main` once the command line is parsed."""
+  _quiet_logs()
+  _tensorflow_for_input_pipelines_only()
+  # `compile` goes without: compile-only TPU executables cannot be loaded back.
+  cache_dir = (None if args.command == "compile"
+               else compilation_cache.resolve_cache_dir(flags.get(compilation_cache.FLAG)))
+  if cache_dir is None:  # Also overrides a JAX_COMPILATION_CACHE_DIR that JAX read itself.
+    compilation_cache.disable()
+  else:
+    compilation_cache.enable(cache_dir)
+  if args.command not in SINGLE_PROCESS_COMMANDS:
+    from jaxmoral import partitioning
+    # A no-op for one process; joins the job given by the flags, JAX_COORDINATOR_ADDRESS...,
+    # SLURM or a TPU pod. Before gin, whose configurables may touch devices.
+    partitioning.initialize_distributed(**distributed)
+  if args.command in GIN_COMMANDS:
+    module, function, _ = GIN_COMMANDS[args.command]
+    _call_with_gin(module, function, gin_args)
+  elif args.command == "export":
+    from jaxmoral import runs
+    runs.export_run(model_dir=args.model_dir, output_dir=args.output, step=args.step,
+                    dtype=args.dtype, output_format=args.format, overwrite=args.overwrite)
+  elif args.command == "compile":
+    from jaxmoral import aot
+    gin_utils.parse_gin(gin_args)
+    if args.report:
+      gin_utils.check_writable(args.report)
+    aot.compile_for_topology(topology=args.topology, report_path=args.report)
+  elif args.command == "vocab":
+    from jaxmoral.data import vocab
+    gin_utils.check_writable(args.output_dir, directory=True)
+    print(vocab.build_demo_vocabulary(output_dir=args.output_dir))
+  elif args.command == "demo":
+    from jaxmoral import demo
+    gin_utils.check_writable(args.workdir, directory=True)
+    only = tuple(args.only.split(",")) if args.only else None
+    demo.run_all(workdir=args.workdir, only=only)
+  else:
+    method = importlib.import_module(f"jaxmoral.{args.command}.commands")
+    return int(method.main(args.action, args.rest, gin_args) or 0)
   return 0
 
 

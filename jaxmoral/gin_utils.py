@@ -6,7 +6,12 @@ Library code never reads gin: only the CLI parses it, then calls gin-bound entry
 
 `parse_gin` also rejects what nothing could read (a misspelt `--gin.TRAIN_STEP=5` would
 otherwise be a new macro, silently ignored): macros that no binding or macro refers to,
-parameters and configurables that do not exist, and scopes that nothing enters.
+parameters and configurables that do not exist, and scopes that nothing enters. A relative
+path written in a gin file that names nothing in the working directory is looked up next to
+the gin file, then in the project root, where shipped configs write them from.
+
+`check_writable` is the one check, shared by every command that writes, that an output
+location can be written, made before any work starts.
 """
 
 from __future__ import annotations
@@ -14,11 +19,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import errno
+import importlib.util
 import inspect
 import io
+import logging
 import os
 import pathlib
 import re
+import tempfile
+import textwrap
 import tokenize
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -26,6 +36,8 @@ import gin
 from gin import config_parser
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +116,8 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
   """Parses gin files and bindings; files are found in the search paths and the project root.
 
   Call it after importing the modules whose configurables the command uses. Everything bound
-  must be readable: see `check_everything_is_read`.
+  must be readable: see `check_everything_is_read`. Relative paths written in the gin files
+  are resolved as `resolve_relative_paths` says.
 
   Args:
     gin_args: Files, bindings and search paths from `split_gin_args`.
@@ -131,6 +144,68 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
   except (ValueError, KeyError) as error:
     raise _binding_error(error, sources) from error
   check_everything_is_read(sources)
+  resolve_relative_paths(gin_args.files)
+
+
+def _is_relative_path(value: object) -> bool:
+  """Whether `value` reads as a relative path with a folder part ('data/x.jsonl'); a bare
+  word ('adamw', 'demo') is a name, not a path, and a URL ('gs://...') is not local."""
+  return (isinstance(value, str) and "/" in value.replace(os.sep, "/") and "://" not in value
+          and not os.path.isabs(value) and not value.startswith("~"))
+
+
+def _binding_key(statement: config_parser.BindingStatement) -> tuple[str, str, str]:
+  """The `gin.bind_parameter` key of a statement (a macro binds `gin.macro.value`)."""
+  if not statement.arg_name:
+    return _macro_name(statement), _MACRO, "value"
+  return statement.scope, statement.selector, statement.arg_name
+
+
+def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
+  """Rebinds relative paths written in gin `files` that name nothing in the working directory.
+
+  A shipped config (e.g. configs/diamante/tiny_cpu.gin's `TRAIN_PATH =
+  'jaxmoral/data/demo/dialogues.jsonl'`) is written relative to the project root, so it
+  worked only from there. A string value of a file's binding or macro that reads as a
+  relative path with a folder part and does not exist relative to the working directory is
+  looked up, in order, relative to the folder of the gin file that binds it and relative to
+  the project root; the first that exists is bound instead (absolute). What exists relative
+  to the working directory, a path that exists nowhere (an output not yet written), and a
+  value the command line overrode are left alone.
+
+  Call after the files are parsed (`parse_gin` does).
+
+  Args:
+    files: The gin files given (their includes are followed).
+
+  Returns:
+    `{binding: resolved path}` of what was rebound.
+  """
+  last: dict[tuple[str, str, str], tuple[Any, str]] = {}
+  for name in files:
+    for statement, path in _file_statements(name):
+      if isinstance(statement, config_parser.BindingStatement):
+        last[_binding_key(statement)] = (statement.value, path)
+  resolved = {}
+  for key, (value, path) in last.items():
+    if not _is_relative_path(value) or os.path.exists(value):
+      continue
+    try:
+      parsed = gin.config.ParsedBindingKey.parse(key)
+    except ValueError:  # Not a binding gin kept (it parsed every file already): leave it.
+      continue
+    current = gin.config._CONFIG.get(parsed.config_key, {}).get(parsed.arg_name)  # pylint: disable=protected-access
+    if current != value:  # Another file or the command line bound something else since.
+      continue
+    for base in dict.fromkeys((pathlib.Path(path).resolve().parent, PROJECT_ROOT)):
+      candidate = base / value
+      if candidate.exists():
+        gin.bind_parameter(key, str(candidate))
+        shown = key[0] if key[1] == _MACRO else f"{key[1]}.{key[2]}"
+        resolved[shown] = str(candidate)
+        logger.info("gin: %s = %r (%s) is %s", shown, value, _display_path(path), candidate)
+        break
+  return resolved
 
 
 def _find_gin_file(name: str, search_paths: Sequence[str]) -> pathlib.Path | None:
@@ -468,6 +543,173 @@ def explain_gin_error(error: BaseException) -> str:
     return (f"gin: {fn} needs {params}, marked %gin.REQUIRED and never given. Bind it in a "
             f"gin file or on the command line, e.g. --gin.MODEL_DIR=/path/to/run.")
   return text
+
+
+def _docstring_args(doc: str) -> dict[str, str]:
+  """`{name: description}` of a Google-style docstring's Args section."""
+  described: dict[str, str] = {}
+  lines = iter(doc.splitlines())
+  for line in lines:
+    if line.strip() in ("Args:", "Arguments:"):
+      break
+  base, name = None, None
+  for line in lines:
+    if not line.strip():
+      continue
+    indent = len(line) - len(line.lstrip())
+    if indent == 0:  # The next section (Returns:, Raises:).
+      break
+    match = re.match(r"(\*{0,2}\w+)(?: \([^)]*\))?:\s*(.*)", line.strip())
+    if match and (base is None or indent == base):
+      base, name = indent, match.group(1)
+      described[name] = match.group(2)
+    elif name is not None:
+      described[name] += " " + line.strip()
+  return described
+
+
+# Parameters no --NAME=VALUE flag can give (a function or a stream: tests and notebooks).
+_NOT_FLAGS = re.compile(r"\b(Callable|TextIO|IO)\b")
+
+
+def function_usage(module: str, function: str, *, prog: str, gin_only: bool = False) -> str:
+  """The usage of a gin-bound function whose `--NAME=VALUE` flags bind its parameters.
+
+  Read from the module's source (its signature and Google-style docstring), not by importing
+  it: `jaxmoral <method> <action> --help` must not wait for JAX.
+
+  Args:
+    module: The function's module, e.g. "jaxmoral.diamante.chat".
+    function: The function's name in it.
+    prog: The command line shown, e.g. "jaxmoral diamante chat".
+    gin_only: The command takes gin flags only: parameters are shown as
+      `--gin.<function>.NAME=VALUE`.
+
+  Returns:
+    Text for the terminal: usage line, summary, and each flag with its type, default and
+    description.
+  """
+  spec = importlib.util.find_spec(module)
+  if spec is None or not spec.origin:
+    raise ValueError(f"no module {module!r}")
+  tree = ast.parse(pathlib.Path(spec.origin).read_text(encoding="utf-8"))
+  node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and n.name == function), None)
+  if node is None:
+    raise ValueError(f"{module} has no function {function!r}")
+  doc = ast.get_docstring(node) or ""
+  described = _docstring_args(doc)
+  args = node.args
+  positional = args.posonlyargs + args.args
+  defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
+  params = list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults))
+  width = 78
+  short = f"{module.rsplit('.', 1)[-1]}.{function}"
+  flag = f"--gin.{short}." if gin_only else "--"
+  text = [f"usage: {prog} {'--gin_file=F ' if gin_only else ''}[{flag}NAME=VALUE ...] "
+          f"[gin flags]", ""]
+  summary = doc.split("\n\n")[0].strip()
+  if summary:
+    text += [textwrap.fill(" ".join(summary.split()), width), ""]
+  if gin_only:
+    intro = (f"parameters (bound in a gin file or by {flag}NAME=VALUE; other gin flags work "
+             f"as for every command):")
+  else:
+    intro = (f"flags (--NAME=VALUE binds {module}.{function}.NAME, a bare word as a string; "
+             f"gin files and --gin.NAME=VALUE work as for every command):")
+  text.append(textwrap.fill(intro, width))
+  for arg, default in params:
+    annotation = ast.unparse(arg.annotation) if arg.annotation else ""
+    if arg.arg == "self" or _NOT_FLAGS.search(annotation):
+      continue
+    state = "required" if default is None else f"default {ast.unparse(default)}"
+    head = f"  {flag}{arg.arg}=VALUE  ({annotation + '; ' if annotation else ''}{state})"
+    text.append(head)
+    if described.get(arg.arg):
+      text.append(textwrap.fill(described[arg.arg], width, initial_indent=" " * 6,
+                                subsequent_indent=" " * 6))
+  return "\n".join(text)
+
+
+def bound_value(selector: str, param: str) -> Any:
+  """The value gin binds to `param` of configurable `selector`, macros followed.
+
+  For checks made before a gin-bound function is called (e.g. that its output is writable).
+  Only macro references are followed: a reference to a configurable (`@fn()`) is returned
+  as it is, never called.
+
+  Args:
+    selector: The configurable, e.g. "jaxmoral.diamante.chat.chat" (its module imported).
+    param: One of its parameters.
+
+  Returns:
+    The bound value; None when nothing binds it (the function's default applies).
+  """
+  try:
+    value = gin.query_parameter(f"{selector}.{param}")
+  except ValueError:
+    return None
+  for _ in range(64):  # A macro of a macro...; gin refuses cycles, never loop anyway.
+    if not (isinstance(value, gin.config.ConfigurableReference)
+            and value.configurable.selector == _MACRO):
+      break
+    value = gin.config._CONFIG.get(value.config_key, {}).get("value")  # pylint: disable=protected-access
+  return value
+
+
+def _raise_as(error: OSError, path: str) -> None:
+  """Raises `error`'s kind (PermissionError, ...) naming `path`, what the user gave."""
+  raise OSError(error.errno, error.strerror, path) from None
+
+
+def check_writable(path: str | os.PathLike[str], *, directory: bool = False) -> None:
+  """Raises the OSError that writing `path` would meet, before any work is done.
+
+  `eval` or `npov detect` would otherwise compute everything and then lose it to a read-only
+  disk or a mistyped folder. Nothing is created: a missing path needs its nearest existing
+  ancestor to be a directory that accepts a new file (probed with a temporary file, so a
+  read-only file system, permissions and quotas all count, for root too).
+
+  Args:
+    path: The file (or, with `directory`, the folder) a command will write; a URL
+      (`gs://...`) is left to its client.
+    directory: `path` is a folder the command writes files into.
+
+  Raises:
+    OSError: `errno`, `strerror` and `filename` (= `path`) of what writing would raise:
+      PermissionError (also a read-only file system), IsADirectoryError,
+      NotADirectoryError...
+  """
+  shown = os.fspath(path)
+  if "://" in shown:
+    return
+  target = pathlib.Path(shown)
+  if target.exists():
+    if directory != target.is_dir():
+      code = errno.ENOTDIR if directory else errno.EISDIR
+      raise OSError(code, os.strerror(code), shown)
+    if directory:
+      _probe_directory(target, shown)
+    elif target.is_file():  # Opened for writing, not truncated; a device or FIFO is left be.
+      try:
+        os.close(os.open(target, os.O_WRONLY))
+      except OSError as error:
+        _raise_as(error, shown)
+    return
+  ancestor = target.absolute().parent
+  while not ancestor.exists() and ancestor != ancestor.parent:
+    ancestor = ancestor.parent
+  if not ancestor.is_dir():
+    raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), shown)
+  _probe_directory(ancestor, shown)
+
+
+def _probe_directory(directory: pathlib.Path, shown: str) -> None:
+  try:
+    with tempfile.TemporaryFile(dir=directory):
+      pass
+  except OSError as error:
+    _raise_as(error, shown)
 
 
 def write_operative_config(model_dir: str | os.PathLike[str], *, name: str = "config.gin") -> str:

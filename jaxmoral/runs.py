@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import numbers
 import os
 import pathlib
+import sys
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
@@ -204,6 +206,38 @@ def _run_vocabulary(model_dir: str, data: DataSpec, init_info: Optional[model_di
   return data.vocabulary(os.path.join(model_dir, VOCAB_DIR), fallback=fallback)
 
 
+# train_run's counts: (parameter, the gin macro gin/runs/*.gin binds it to, least value).
+_RUN_COUNTS = (("train_steps", "TRAIN_STEPS", 1), ("batch_size", "BATCH_SIZE", 1),
+               ("checkpoint_every", "CHECKPOINT_EVERY", 1), ("eval_every", "EVAL_EVERY", 0),
+               ("eval_steps", "EVAL_STEPS", 1), ("num_microbatches", None, 1),
+               ("keep_checkpoints", None, 1), ("log_every", None, 1))
+
+
+def _is_int(value: object) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_run_arguments(**values: Any) -> None:
+  """Raises a ValueError naming the parameter and its macro for a count out of type or range.
+
+  A mistyped flag (--gin.TRAIN_STEPS=abc reaches here as the string 'abc') would otherwise
+  fail deep inside the loop, or after the run files and vocabulary were written.
+  """
+  for name, macro, least in _RUN_COUNTS:
+    value = values[name]
+    if name == "eval_steps" and value is None:
+      continue
+    if not _is_int(value) or value < least:
+      kind = "a positive integer" if least else "an integer >= 0"
+      where = f" ({macro})" if macro else ""
+      raise ValueError(f"train_run: {name}{where} must be {kind}, got {value!r}")
+  lengths = values["feature_lengths"]
+  if not isinstance(lengths, Mapping) or not all(_is_int(v) and v > 0
+                                                 for v in lengths.values()):
+    raise ValueError(f"train_run: feature_lengths (TASK_FEATURE_LENGTHS) must map feature "
+                     f"names to positive integers, got {lengths!r}")
+
+
 @gin.configurable
 def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec,
               train_steps: int, batch_size: int, feature_lengths: Mapping[str, int],
@@ -238,52 +272,66 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
 
   Returns:
     Final metrics.
+
+  Raises:
+    ValueError: A count is not an integer in range (naming its gin macro, e.g. TRAIN_STEPS),
+      before anything is written.
+    OSError: MODEL_DIR cannot be written (before anything is done).
   """
+  _check_run_arguments(train_steps=train_steps, batch_size=batch_size,
+                       feature_lengths=feature_lengths, num_microbatches=num_microbatches,
+                       eval_every=eval_every, eval_steps=eval_steps,
+                       checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                       log_every=log_every)
+  gin_utils.check_writable(model_dir, directory=True)
   partitioner = partitioner or partitioning.PjitPartitioner()
   checkpoints.make_run_dir(model_dir)
-  ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
-  resuming = os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
-  init_info = None
-  if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
-    init_info = model_dirs.inspect(init_checkpoint)
-  # Process 0 writes the shared run files (and builds a vocabulary); the others wait.
-  if jax.process_index() == 0:
-    vocabulary = _run_vocabulary(model_dir, data, init_info)
-    _check_vocab_fits(model.config, vocabulary)
-    model_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
-                              settings={"model": model.settings(), "data": data.settings(),
-                                        "feature_lengths": dict(feature_lengths)})
-    if gin.config_str():
-      gin_utils.write_operative_config(model_dir)
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
-    if jax.process_index() != 0:
-      vocabulary = model_dirs.load_vocabulary(model_dir)
-  train_source, eval_source = data.sources(vocabulary=vocabulary, batch_size=batch_size,
-                                           feature_lengths=feature_lengths, seed=seed)
-  if jax.process_count() > 1:
-    train_source = train_source.shard(jax.process_index(), jax.process_count())
-    if eval_source is not None:
-      eval_source = eval_source.shard(jax.process_index(), jax.process_count())
-  trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
-                         num_microbatches=num_microbatches)
+  # Held from before the run files are written: a second run into this folder is refused
+  # before it changes anything (`train.train` takes the same lock again, re-entrantly).
+  with checkpoints.RunDirLock(model_dir):
+    ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
+    resuming = os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
+    init_info = None
+    if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
+      init_info = model_dirs.inspect(init_checkpoint)
+    # Process 0 writes the shared run files (and builds a vocabulary); the others wait.
+    if jax.process_index() == 0:
+      vocabulary = _run_vocabulary(model_dir, data, init_info)
+      _check_vocab_fits(model.config, vocabulary)
+      model_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
+                                settings={"model": model.settings(), "data": data.settings(),
+                                          "feature_lengths": dict(feature_lengths)})
+      if gin.config_str():
+        gin_utils.write_operative_config(model_dir)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
+      if jax.process_index() != 0:
+        vocabulary = model_dirs.load_vocabulary(model_dir)
+    train_source, eval_source = data.sources(vocabulary=vocabulary, batch_size=batch_size,
+                                             feature_lengths=feature_lengths, seed=seed)
+    if jax.process_count() > 1:
+      train_source = train_source.shard(jax.process_index(), jax.process_count())
+      if eval_source is not None:
+        eval_source = eval_source.shard(jax.process_index(), jax.process_count())
+    trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
+                           num_microbatches=num_microbatches)
 
-  def init_params() -> Any:
-    loaded = model_dirs.load(init_checkpoint, partitioner=partitioner)
-    return model.params_from_checkpoint(loaded, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
+    def init_params() -> Any:
+      loaded = model_dirs.load(init_checkpoint, partitioner=partitioner)
+      return model.params_from_checkpoint(loaded, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
 
-  examples = train_source.num_examples
-  logger.info("train_run: %s on %s (%s train examples), batch %d, %d steps -> %s%s",
-              trainable.describe(model), type(data).__name__,
-              "?" if examples is None else examples, batch_size, train_steps, model_dir,
-              f", from {init_info.describe()}" if init_info else "")
-  return train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source,
-                         train_steps=train_steps, eval_source=eval_source,
-                         eval_every=eval_every, eval_steps=eval_steps,
-                         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                         log_every=log_every, seed=seed,
-                         init_params=init_params if init_info is not None else None,
-                         hooks=[*model.hooks(model_dir), *hooks])
+    examples = train_source.num_examples
+    logger.info("train_run: %s on %s (%s train examples), batch %d, %d steps -> %s%s",
+                trainable.describe(model), type(data).__name__,
+                "?" if examples is None else examples, batch_size, train_steps, model_dir,
+                f", from {init_info.describe()}" if init_info else "")
+    return train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source,
+                           train_steps=train_steps, eval_source=eval_source,
+                           eval_every=eval_every, eval_steps=eval_steps,
+                           checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                           log_every=log_every, seed=seed,
+                           init_params=init_params if init_info is not None else None,
+                           hooks=[*model.hooks(model_dir), *hooks])
 
 
 @gin.configurable
@@ -293,7 +341,13 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   """Evaluates a run's checkpoint: loss/accuracy on the eval split and greedy decodes.
 
   Writes MODEL_DIR/eval_<step>.json and prints the metrics and a few decoded examples.
+
+  Raises:
+    OSError: The report cannot be written (checked before anything is loaded or computed).
   """
+  out_path = pathlib.Path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
+  if pathlib.Path(model_dir).is_dir():  # A missing model dir: model_dirs.load says so.
+    gin_utils.check_writable(out_path)
   loaded = model_dirs.load(model_dir, step=step)
   model, params, vocabulary = t5.T5(loaded.config), loaded.params, loaded.vocabulary
   params = {k: v for k, v in params.items() if k != "scalar_head"}
@@ -315,7 +369,6 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
           "target": vocabulary.decode(_strip(first["decoder_target_tokens"][i])),
           "prediction": vocabulary.decode(_strip(np.asarray(out.tokens[i, 0])))})
   report = {"metrics": metrics, "samples": samples}
-  out_path = pathlib.Path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
   out_path.write_text(json.dumps(report, indent=2))
   print(json.dumps(metrics, indent=2))
   for s in samples:
@@ -334,6 +387,22 @@ def _strip(tokens: np.ndarray, eos_id: int = 1) -> list[int]:
   return out
 
 
+def _read_infer_inputs(input_file: str, input_field: Optional[str]) -> list[str]:
+  """The inputs of `infer_run`: one per line of a text file (a blank line gives ""), or one
+  per object of a JSONL file."""
+  if input_file.endswith(".jsonl"):
+    field = input_field or "input"
+    return [r[field] for r in readers.read_jsonl(input_file, required=[field], text=[field])]
+  rows = readers.read_lines(input_file)
+  # read_lines keeps the non-blank lines with their numbers; the blank ones are put back so
+  # that output line N answers input line N.
+  with open(input_file, "rb") as f:
+    texts = [""] * sum(1 for _ in f)
+  for row, line in zip(rows, rows.lines):
+    texts[line - 1] = row["text"]
+  return texts
+
+
 @gin.configurable
 def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optional[str],
               input_field: Optional[str] = None, input_length: int = 128,
@@ -347,9 +416,13 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
     model_dir: Run directory.
     input_file: Plain text (one input a line) or JSONL (`input_field` names the key); the
       CLI's INFER_INPUT.
-    output_file: JSONL of {"input", "predictions": [...], "scores": [...]}; INFER_OUTPUT.
+    output_file: JSONL of {"input", "predictions": [...], "scores": [...]}, one record per
+      input, in order; INFER_OUTPUT. A blank line of a text input gives a record with an
+      empty input and no predictions (nothing is decoded for it), so that output line N
+      answers input line N.
     input_field: JSONL key of the input text.
-    input_length: Encoder length (inputs are truncated, EOS kept).
+    input_length: Encoder length: longer inputs are truncated to it (EOS kept); stderr says
+      how many were.
     batch_size: Rows per decoding call (the last batch is padded; one compile).
     sample_config: Sampling settings (default greedy, 64 tokens).
     beam_config: Use beam search instead of sampling.
@@ -358,29 +431,43 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
 
   Returns:
     The output path.
+
+  Raises:
+    OSError: `output_file` cannot be written (checked before the model is loaded).
   """
   for value, macro in ((input_file, "INFER_INPUT"), (output_file, "INFER_OUTPUT")):
     if not value:
       raise ValueError(f"infer_run: no {macro.lower().replace('infer_', '')} file: give "
                        f"--gin.{macro}=PATH (input: plain text, one input a line, or JSONL; "
                        f"output: JSONL)")
-  if input_file.endswith(".jsonl"):
-    field = input_field or "input"
-    texts = [r[field] for r in readers.read_jsonl(input_file, required=[field], text=[field])]
-  else:
-    texts = [r["text"] for r in readers.read_lines(input_file)]
+  texts = _read_infer_inputs(input_file, input_field)
+  gin_utils.check_writable(output_file)
   loaded = model_dirs.load(model_dir, step=step)
   model, vocabulary = t5.T5(loaded.config), loaded.vocabulary
   params = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
   sample_config = sample_config or decoding.SampleConfig(max_decode_length=64, greedy=True)
+  # (line index, token ids) of the inputs to decode; blank lines have none.
+  todo = [(i, list(vocabulary.encode(text))) for i, text in enumerate(texts) if text.strip()]
+  long = [len(ids) + 1 for _, ids in todo if len(ids) + 1 > input_length]  # + 1: EOS.
+  if long:
+    # Said before decoding starts: a long run can be stopped and rerun with more room.
+    print(f"infer_run: {len(long)} of {len(todo)} inputs are longer than input_length="
+          f"{input_length} tokens (the longest: {max(long)}, EOS included) and are truncated "
+          f"to {input_length}; set --gin.runs.infer_run.input_length=N to keep more",
+          file=sys.stderr)
   rng = jax.random.PRNGKey(seed)
   start = time.time()
+
+  def blank_record(text: str) -> str:
+    return json.dumps({"input": text, "predictions": [], "scores": []}) + "\n"
+
   with open(output_file, "w", encoding="utf-8") as out:
-    for begin in range(0, len(texts), batch_size):
-      chunk = texts[begin:begin + batch_size]
+    written = 0  # Records written: the next input line to answer.
+    for begin in range(0, len(todo), batch_size):
+      chunk = todo[begin:begin + batch_size]
       tokens = np.zeros((batch_size, input_length), np.int32)
-      for i, text in enumerate(chunk):
-        ids = list(vocabulary.encode(text))[:input_length - 1] + [1]
+      for i, (_, ids) in enumerate(chunk):
+        ids = ids[:input_length - 1] + [1]
         tokens[i, :len(ids)] = ids
       if beam_config is not None:
         seqs, scores = decoding.beam_search(model, params, encoder_input_tokens=tokens,
@@ -392,20 +479,28 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
                                  **dataclasses.asdict(sample_config))
         seqs = np.asarray(result.tokens)
         scores = np.asarray((result.logprobs * result.mask).sum(-1))
-      for i, text in enumerate(chunk):
+      for i, (index, _) in enumerate(chunk):
+        for blank in range(written, index):
+          out.write(blank_record(texts[blank]))
         out.write(json.dumps({
-            "input": text,
+            "input": texts[index],
             "predictions": [vocabulary.decode(_strip(s)) for s in seqs[i]],
             "scores": [float(x) for x in scores[i]]}) + "\n")
-      logger.info("infer_run: %d/%d inputs (%.1f/s)", begin + len(chunk), len(texts),
+        written = index + 1
+      logger.info("infer_run: %d/%d inputs (%.1f/s)", begin + len(chunk), len(todo),
                   (begin + len(chunk)) / max(time.time() - start, 1e-9))
-  print(f"wrote {len(texts)} predictions to {output_file}")
+    for blank in range(written, len(texts)):
+      out.write(blank_record(texts[blank]))
+  blanks = len(texts) - len(todo)
+  print(f"wrote {len(texts)} predictions to {output_file}"
+        + (f" ({blanks} blank input lines have none)" if blanks else ""))
   return output_file
 
 
 def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
                dtype: Optional[str] = None, output_format: str = "jaxmoral",
                overwrite: bool = False) -> str:
-  """`jaxmoral export`: see `model_dirs.export_model`."""
+  """`jaxmoral export`: see `model_dirs.export_model` (its output checked writable first)."""
+  gin_utils.check_writable(output_dir, directory=True)
   return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
                                  output_format=output_format, overwrite=overwrite)

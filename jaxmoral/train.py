@@ -8,7 +8,8 @@ saved at the end) without a second loop.
 
 Layout of `model_dir`::
 
-  checkpoints/<step>/   Orbax checkpoints of the `TrainState`
+  train.lock            held while a run trains here (`checkpoints.RunDirLock`)
+  checkpoints/<step>/   Orbax checkpoints of the `TrainState` (+ `_INTEGRITY.json` checksums)
   train/                TensorBoard events (train metrics, tokens/s, steps/s)
   eval/                 TensorBoard events (eval metrics)
 """
@@ -92,7 +93,7 @@ def read_scalars(directory: str) -> dict[str, dict[int, float]]:
 
   For a notebook or a test, without TensorBoard: the TFRecord framing (length, its CRC,
   data, its CRC) is read directly. Files are read in name order; a later point of a step wins
-  (a resumed run writes again the steps after its checkpoint).
+  (a resumed run drops the points after its checkpoint first: `purge_events_after`).
   """
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   out: dict[str, dict[int, float]] = {}
@@ -224,6 +225,11 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
           hooks: Sequence[TrainHook] = ()) -> dict[str, float]:
   """Trains to `train_steps`, resuming from `model_dir/checkpoints` when it has a checkpoint.
 
+  The run holds `model_dir/train.lock` while it runs. It resumes from the newest intact
+  checkpoint: damaged or incomplete steps (checked against their checksums before anything is
+  read) are skipped with a warning and moved aside. TensorBoard points past the resumed step
+  (written before a kill) are dropped, so every step appears once.
+
   The one loop of every method: supervised steps (`jaxmoral.trainer.Trainer`) and PPO
   iterations (`jaxmoral.rl.ppo_trainer.PPOTrainer`) alike. A trainer provides
   `abstract_state()`, `init_state(rng)`, `init_state_from_params(params)` and
@@ -262,6 +268,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     NonFiniteLossError: NaN/inf at some step (the message names it).
     ValueError: A checkpoint of this run was written over other data (the data position
       would not continue the same run), or bad arguments.
+    checkpoints.RunDirLockedError: Another run trains in `model_dir` (a ValueError).
+    checkpoints.CheckpointIntegrityError: Every checkpoint is damaged (a ValueError).
   """
   for name, value in (("train_steps", train_steps), ("checkpoint_every", checkpoint_every),
                       ("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
@@ -272,18 +280,20 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
   model_dir = checkpoints.make_run_dir(model_dir)
   is_chief = jax.process_index() == 0
   ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
-  manager = checkpoints.CheckpointManager(ckpt_dir, save_interval_steps=checkpoint_every,
-                                          max_to_keep=keep_checkpoints,
-                                          async_save=async_checkpoint)
-  init_rng, step_rng = jax.random.split(jax.random.PRNGKey(seed))
-  # What the data position means: a checkpoint of the same run over other data (another
-  # corpus, another seed) would not continue that run.
-  position = {"num_examples": getattr(train_source, "num_examples", None), "seed": seed}
+  # Two runs writing one MODEL_DIR would interleave checkpoints and curves: refused here.
+  lock = checkpoints.RunDirLock(model_dir).acquire()
+  manager = None
   writers = None
   try:
-    latest = manager.latest_step()
+    manager = checkpoints.CheckpointManager(ckpt_dir, save_interval_steps=checkpoint_every,
+                                            max_to_keep=keep_checkpoints,
+                                            async_save=async_checkpoint)
+    init_rng, step_rng = jax.random.split(jax.random.PRNGKey(seed))
+    # What the data position means: a checkpoint of the same run over other data (another
+    # corpus, another seed) would not continue that run.
+    position = {"num_examples": getattr(train_source, "num_examples", None), "seed": seed}
+    latest, state, extra = _restore_newest_intact(manager, trainer)
     if latest is not None:
-      state, extra = manager.restore(latest, target=trainer.abstract_state())
       saved = {k: extra[k] for k in position if k in extra}
       if any(saved[k] != position[k] for k in saved if position[k] is not None):
         raise ValueError(f"train: {ckpt_dir}/{latest} was written with data position {saved}, "
@@ -299,6 +309,13 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     if start > train_steps:
       raise ValueError(f"train: checkpoint in {ckpt_dir} is at step {start}, beyond "
                        f"train_steps={train_steps}")
+    if is_chief:
+      # Points a killed run wrote after this step are written again from here on; a run
+      # resumed at its last step evaluates that step again.
+      purge_events_after(os.path.join(model_dir, "train"), start)
+      purge_events_after(os.path.join(model_dir, "eval"),
+                         start - 1 if eval_source is not None and start >= train_steps
+                         else start)
     writers = MetricWriters(model_dir)
     loop = LoopInfo(model_dir=model_dir, start_step=start, fresh=latest is None,
                     train_steps=train_steps, writers=writers)
@@ -312,10 +329,110 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
         extra=position, is_chief=is_chief)
     return result
   finally:
-    manager.wait()
-    manager.close()
-    if writers is not None:
-      writers.close()
+    try:
+      if manager is not None:
+        manager.wait()
+        manager.close()
+      if writers is not None:
+        writers.close()
+    finally:
+      lock.release()
+
+
+def _restore_newest_intact(manager: checkpoints.CheckpointManager, trainer: Any
+                           ) -> tuple[Optional[int], Any, dict[str, Any]]:
+  """`(step, state, extra)` of the newest intact checkpoint, or `(None, None, {})` if none.
+
+  Damaged or incomplete steps (`CheckpointIntegrityError`, found before anything of them is
+  read) are skipped with a warning and moved aside (`<step>.damaged`), so the run saves those
+  steps again.
+
+  Raises:
+    CheckpointIntegrityError: Every checkpoint is damaged (the run would start over).
+  """
+  skipped: list[tuple[int, checkpoints.CheckpointIntegrityError]] = []
+  found: Optional[tuple[int, Any, dict[str, Any]]] = None
+  for step in reversed(manager.all_steps()):
+    try:
+      state, extra = manager.restore(step, target=trainer.abstract_state())
+    except checkpoints.CheckpointIntegrityError as e:
+      skipped.append((step, e))
+      continue
+    found = (step, state, extra)
+    break
+  if skipped and found is None:
+    raise checkpoints.CheckpointIntegrityError(
+        f"train: no intact checkpoint in {manager.directory} (damaged: "
+        f"{', '.join(str(step) for step, _ in skipped)}): {skipped[0][1]}; move the damaged "
+        "steps away to start over, or use a new MODEL_DIR", step=skipped[0][0],
+        files=skipped[0][1].files)
+  for step, error in skipped:
+    aside = manager.move_aside(step)
+    logger.warning("train: skipping damaged checkpoint step %d (%s); moved to %s", step,
+                   error, aside)
+  if found is None:
+    return None, None, {}
+  if skipped:
+    logger.warning("train: resuming from step %d, the newest intact checkpoint (skipped "
+                   "step%s %s)", found[0], "s" if len(skipped) > 1 else "",
+                   ", ".join(str(step) for step, _ in skipped))
+  return found
+
+
+def purge_events_after(directory: str, step: int) -> int:
+  """Drops the TensorBoard events of steps after `step` from a directory's event files.
+
+  A run killed after its last checkpoint had already written points past it; the resumed run
+  writes those steps again, and TensorBoard would show both. Each file that loses events is
+  rewritten under a temporary name and renamed over the old one (the records are copied
+  byte for byte, CRCs included). A record cut short by the kill is dropped too.
+
+  Args:
+    directory: A folder of event files (train/ or eval/); absent is fine.
+    step: The last step to keep.
+
+  Returns:
+    The number of events dropped.
+  """
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(directory):
+    return 0
+  dropped = 0
+  for name in sorted(os.listdir(directory)):
+    path = os.path.join(directory, name)
+    if "tfevents" not in name or not os.path.isfile(path):
+      continue
+    with open(path, "rb") as f:
+      data = f.read()
+    kept, pos, changed = [], 0, False
+    while pos < len(data):
+      if pos + 12 > len(data):
+        changed = True  # A torn header.
+        break
+      (length,) = struct.unpack("<Q", data[pos:pos + 8])
+      end = pos + 12 + length + 4
+      if end > len(data):
+        changed = True  # A torn record.
+        break
+      try:
+        event_step = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length]).step
+      except Exception:  # pylint: disable=broad-except  (a garbled record: drop it)
+        event_step = step + 1
+      if event_step > step:
+        dropped += 1
+        changed = True
+      else:
+        kept.append(data[pos:end])
+      pos = end
+    if changed:
+      temporary = f"{path}.purge.{os.getpid()}"
+      with open(temporary, "wb") as f:
+        f.write(b"".join(kept))
+      os.replace(temporary, path)
+  if dropped:
+    logger.info("train: dropped %d TensorBoard events after step %d in %s", dropped, step,
+                directory)
+  return dropped
 
 
 def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManager,

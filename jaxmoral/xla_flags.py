@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import MutableMapping
 
 YNN_REDUCE_WORKAROUND = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
@@ -23,6 +24,8 @@ YNN_REDUCE_WORKAROUND = "--xla_cpu_experimental_ynn_fusion_type=-reduce"
 
 def _backend_started() -> bool:
   """Whether JAX has already created a backend (then new XLA_FLAGS have no effect)."""
+  if "jax" not in sys.modules:  # Not imported, so not started; importing it costs ~2 s.
+    return False
   try:
     from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
     return bool(getattr(xla_bridge, "_backends", {}))

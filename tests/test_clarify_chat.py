@@ -90,6 +90,8 @@ def test_chat_file_errors(tmp_path, model_dir):
       {"situation": "b", "answers": ["x", "y", "z"], "update_type": "weak"}],
      3, "update_type", "expected one of"),
     ([{"situation": "a", "answers": ["x"]}], 1, "answers", "1 answer(s) for up to 3 turns"),
+    ([{"situation": "a", "answer": ["x", "y", "z"]}], 1, "answer",
+     "unknown field 'answer' (did you mean 'answers'?)"),
 ])
 def test_chat_file_rows_are_checked_before_anything_runs(tmp_path, rows, line, field, message):
   bad = tmp_path / "bad.jsonl"

@@ -131,7 +131,8 @@ def test_classifier_score_is_softmax_of_label_logits():
 
 @pytest.mark.parametrize("change, line, field, message", [
     ({"response": None}, 2, "response", "missing required field"),
-    ({"respnse": "typo"}, 2, "response", "missing required field"),
+    # A misspelt key is named, with the key it likely stands for (issue 19 item 8).
+    ({"respnse": "typo"}, 2, "respnse", "unknown field 'respnse' (did you mean 'response'?)"),
     ({"id": "a"}, 2, "id", "id 'a' is also the id of line 1"),
     ({"paraphrased": "no"}, 2, "paraphrased", "expected true/false"),
 ])

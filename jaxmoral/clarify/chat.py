@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import gin
@@ -102,20 +103,34 @@ def _open_transcript(path: str | os.PathLike):
 @gin.configurable
 def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
          max_turns: int = 3, transcript_path: str = "clarify_chat.jsonl",
-         input_fn: Callable[[str], str] = input, output_fn: Callable[[str], None] = print,
+         input_fn: Optional[Callable[[str], str]] = None,
+         output_fn: Callable[[str], None] = print,
          judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES, top_p: float = 0.6,
          seed: int = 0) -> list[dict[str, Any]]:
-  """Interactive loop; returns the transcript records (also written as JSONL)."""
+  """Interactive loop; returns the transcript records (also written as JSONL).
+
+  `input_fn` reads a line (None: standard input, as Diamante's chat reads it); a line that
+  is not UTF-8 is skipped with a note on stderr and asked for again.
+  """
+  # Imported here, not at the top: loaded while gin parses, Diamante's `chat` would make
+  # `chat.chat` bindings of user configs ambiguous.
+  from jaxmoral.diamante.chat import NOT_UTF8, read_line  # pylint: disable=g-import-not-at-top
+  input_fn = input_fn or read_line
   if max_turns <= 0:
     raise ValueError(f"chat: max_turns must be positive, got {max_turns}")
   session = _session(question_model_dir=question_model_dir, fusion_model_dir=fusion_model_dir,
                      judge_model_dir=judge_model_dir, answer_model_dir=None,
                      judge_classes=judge_classes, top_p=top_p, seed=seed)
   def read(prompt: str) -> str:
-    try:
-      return input_fn(prompt).strip()
-    except EOFError:  # end of piped input ends the conversation
-      return ""
+    while True:
+      try:
+        line = input_fn(prompt).strip()
+        line.encode("utf-8")  # A scripted input_fn may hand surrogates too.
+        return line
+      except EOFError:  # end of piped input ends the conversation
+        return ""
+      except UnicodeError:  # The models' SentencePiece would fail on it: ask again.
+        print(NOT_UTF8, file=sys.stderr)
 
   situation = read("Describe a situation> ")
   if not situation:
@@ -154,6 +169,7 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
   anything runs.
   """
   rows = readers.read_jsonl(input_jsonl, required=["situation"],
+                            optional=["answers", "update_type"],
                             text=["situation", "update_type"])
   # Every row is checked before any model loads or any turn is written.
   for row, line in zip(rows, rows.lines):

@@ -67,7 +67,8 @@ def _parser(action: str) -> argparse.ArgumentParser:
     for m in models:
       parser.add_argument(f"--{m}_model_dir", default=None)
     parser.add_argument("--source", default="demo")
-    parser.add_argument("--split", default="dev")
+    parser.add_argument("--split", default="dev",
+                        help="demo: train|dev; a folder: any delta_clarify/<split>.tsv it has")
     parser.add_argument("--max_situations", type=int, default=100)
     parser.add_argument("--output", default="clarify_evaluation.json")
     parser.add_argument("--no_nli", action="store_true", help="disable the NLI filter")
@@ -92,6 +93,25 @@ def _parser(action: str) -> argparse.ArgumentParser:
   return parser
 
 
+# The flags naming what an action writes: {action: {flag: is a directory}}.
+OUTPUTS: dict[str, dict[str, bool]] = {
+    "train-model": {"model_dir": True},
+    "train-ppo": {"model_dir": True},
+    "evaluate": {"output": False},
+    "chat": {"transcript": False},
+    "chat-file": {"output": False},
+    "demo": {"workdir": True},
+}
+
+
+def _check_outputs(action: str, args: argparse.Namespace) -> None:
+  """Raises the OSError writing an output would meet, before any model loads or trains."""
+  for flag, directory in OUTPUTS.get(action, {}).items():
+    path = getattr(args, flag, None)
+    if path:
+      gin_utils.check_writable(path, directory=directory)
+
+
 def _set(kwargs: dict[str, Any], **values: Any) -> dict[str, Any]:
   """Adds the flags that were given (None = leave it to gin / the default)."""
   kwargs.update({k: v for k, v in values.items() if v is not None})
@@ -103,6 +123,7 @@ def main(action: str, rest: Sequence[str], gin_args: Any) -> int:
   if action not in ACTIONS:
     raise ValueError(f"jaxmoral clarify: unknown action {action!r}; choose from {ACTIONS}")
   args = _parser(action).parse_args(list(rest))
+  _check_outputs(action, args)
   gin_utils.parse_gin(gin_args)
   learning_rate = getattr(args, "learning_rate", None)
   if action == "train-model":
@@ -233,6 +254,9 @@ def _evaluate(args: argparse.Namespace, classes: Optional[tuple[str, ...]]) -> N
   for name in ("question", "answer", "fusion", "judge"):
     if not getattr(args, f"{name}_model_dir"):
       raise ValueError(f"jaxmoral clarify evaluate: --{name}_model_dir is required")
+  # --source / --split first: any split whose file the folder has; a missing one fails
+  # (listing those present) before any model loads.
+  situations = data_lib.situations(args.source, split=args.split)[:args.max_situations]
   config = reward_lib.RewardConfig(use_nli=not args.no_nli,
                                    **({"judge_classes": classes} if classes else {}))
   reward = reward_lib.DefeasibilityReward.from_dirs(
@@ -242,6 +266,5 @@ def _evaluate(args: argparse.Namespace, classes: Optional[tuple[str, ...]]) -> N
   systems = baselines.all_generators(
       question_model=models.load_model(args.question_model_dir), reward=reward,
       relevance_model=optional(args.relevance_model_dir), ppo_model=optional(args.ppo_model_dir))
-  situations = data_lib.situations(args.source, split=args.split)[:args.max_situations]
   evaluate.compare(systems, situations, reward, output_json=args.output)
   print(f"wrote {args.output}")

@@ -1,9 +1,11 @@
 """Training pairs of the ClarifyDelphi models from δ-Clarify files or the bundled demo corpus.
 
 Sources (`source="demo"` = `jaxmoral.data.demo`; `source=<folder>` = a folder laid out like
-`../shared/data`: `delta_clarify/{train,dev}.tsv`, `delta_clarify_silver/*.tsv`,
+`../shared/data`: `delta_clarify/<split>.tsv`, `delta_clarify_silver/*.tsv`,
 `fusion/*.csv`). All files are read with `jaxmoral.data.readers`, so a malformed row fails with
-its file and line.
+its file and line; an unknown header column, and a file without rows, fail naming the file.
+A folder's splits are the `delta_clarify/*.tsv` files present (train, dev, test, ...); every
+model's inputs (`INPUTS`) must be present, or the error lists what is missing.
 
 Silver labels (no gold judge or NLI data is available here; documented rules):
 
@@ -36,6 +38,16 @@ Pair = tuple[str, str]
 WHICH = ("question", "answer", "fusion", "judge", "nli", "relevance")
 QUESTION_COLUMNS = ["id", "source", "situation", "question"]
 SILVER_COLUMNS = ["Hypothesis", "Update", "UpdateType", "question_davinci", "situation"]
+# Known but unused: the released silver TSV's provenance column.
+SILVER_OPTIONAL_COLUMNS = ["DataSource"]
+# The row kinds each model trains on ("judgments" exist in the demo corpus only).
+INPUTS = {"question": ("questions",), "answer": ("answers",), "fusion": ("fusion",),
+          "judge": ("answers",), "nli": ("answers", "fusion"), "relevance": ("questions",)}
+# Where a data folder keeps each row kind.
+_FOLDERS = {"questions": ("delta_clarify", "{split}.tsv", "the δ-Clarify folder"),
+            "answers": ("delta_clarify_silver", "*.tsv", "the silver folder"),
+            "fusion": ("fusion", "*.csv", "the fusion folder")}
+DEMO_SPLITS = ("train", "dev")
 
 _GOOD = re.compile(r"^(you should(?! not)(?!n't)|you must(?! not)|you ought to|people should|"
                    r"it's (good|nice|kind|polite|important|right|great|admirable|responsible|"
@@ -84,15 +96,18 @@ def shifted_judgment(judgment: str, update_type: str) -> str:
 
 
 # -- readers ------------------------------------------------------------------------------------
+# Every reader rejects unknown header columns (a misspelt one would read as missing) and a
+# file without rows (it would train on nothing without saying which file was empty).
 def read_questions(path: str | os.PathLike) -> list[dict[str, str]]:
   """δ-Clarify TSV rows (id, source, situation, question)."""
-  return readers.read_tsv(path, columns=QUESTION_COLUMNS)
+  return readers.read_tsv(path, columns=QUESTION_COLUMNS, optional=(), allow_empty=False)
 
 
 def read_silver(path: str | os.PathLike) -> list[dict[str, str]]:
   """δ-Clarify silver rows in the demo answers' keys: situation, judgment, question,
   update_type, answer, hypothesis (the judgment derived by `default_judgment`)."""
-  rows = readers.read_tsv(path, columns=SILVER_COLUMNS)
+  rows = readers.read_tsv(path, columns=SILVER_COLUMNS, optional=SILVER_OPTIONAL_COLUMNS,
+                          allow_empty=False)
   out = []
   for r, line in zip(rows, rows.lines):
     if r["UpdateType"] not in formats.UPDATE_TYPES:
@@ -106,12 +121,13 @@ def read_silver(path: str | os.PathLike) -> list[dict[str, str]]:
 
 def read_fusion(path: str | os.PathLike) -> list[dict[str, str]]:
   """Fusion CSV rows (input, output)."""
-  return readers.read_csv(path, columns=["input", "output"])
+  return readers.read_csv(path, columns=["input", "output"], optional=(), allow_empty=False)
 
 
 def read_judgments(path: str | os.PathLike) -> list[dict[str, str]]:
   """TSV rows (situation, judgment in bad | ok | good)."""
-  rows = readers.read_tsv(path, columns=["situation", "judgment"])
+  rows = readers.read_tsv(path, columns=["situation", "judgment"], optional=(),
+                          allow_empty=False)
   for r, line in zip(rows, rows.lines):
     if r["judgment"] not in formats.JUDGMENTS:
       raise readers.DataError(path, line, f"judgment must be one of {formats.JUDGMENTS}, "
@@ -260,43 +276,139 @@ def relevance_pairs(rows: Iterable[dict[str, str]], *,
 
 
 # -- sources ------------------------------------------------------------------------------------
-def load_source(source: str, *, split: str = "train") -> dict[str, list[dict[str, str]]]:
-  """Rows of every kind: {"questions", "answers", "fusion", "judgments"}.
+def _check_split(split: str) -> None:
+  # A split names a file in delta_clarify/; a path would read outside the folder.
+  if not isinstance(split, str) or not split or split.startswith(".") or any(
+      c in split for c in "/\\*?["):
+    raise ValueError(f"clarify data: split must be a file name without extension like 'train' "
+                     f"or 'dev', got {split!r}")
+
+
+def folder_splits(source: str | os.PathLike) -> list[str]:
+  """The splits of a data folder: the names of its `delta_clarify/*.tsv` files, sorted."""
+  return sorted(p.stem for p in (pathlib.Path(source) / "delta_clarify").glob("*.tsv")
+                if p.is_file())
+
+
+def _kind_files(root: pathlib.Path, kind: str, split: str
+                ) -> tuple[list[pathlib.Path], Optional[str]]:
+  """(files of one row kind, None) or ([], what is missing) in a data folder."""
+  folder, pattern, name = _FOLDERS[kind]
+  directory = root / folder
+  if not directory.is_dir():
+    return [], f"{name} {folder}/ is missing"
+  if kind == "questions":
+    path = directory / pattern.format(split=split)
+    if path.is_file():
+      return [path], None
+    present = folder_splits(root)
+    return [], (f"{folder}/{path.name} is missing (splits present: "
+                f"{', '.join(present) or 'none'})")
+  files = sorted(p for p in directory.glob(pattern) if p.is_file())
+  return (files, None) if files else ([], f"{name} {folder}/ has no {pattern} file")
+
+
+def source_files(source: str, which: str, *, split: str = "train",
+                 purpose: Optional[str] = None) -> dict[str, list[pathlib.Path]]:
+  """The files a data folder gives the model(s) `which` (one of `WHICH` or "multitask").
+
+  Checks everything before any file is read (and before a caller writes anything).
 
   Args:
-    source: "demo" (bundled corpus) or a folder laid out like `../shared/data`.
-    split: δ-Clarify split for the questions ("train" or "dev"); the silver answers and the
-      fusion data exist as one (dev) file each and are used for every split.
+    source: The folder.
+    which: The model(s) whose inputs are wanted.
+    split: δ-Clarify split of the questions.
+    purpose: What the files are for, in messages (default "--which=<which>").
+
+  Returns:
+    {row kind: files} for the kinds `INPUTS` lists for `which`.
+
+  Raises:
+    FileNotFoundError: `source` is not a folder, or inputs are missing; one line listing every
+      missing input and the models that need it.
+    ValueError: an unknown `which`, or a split that is not a file name.
   """
-  if source == "demo":
-    from jaxmoral.data import demo
-    return {"questions": demo.clarify_questions(), "answers": demo.clarify_answers(),
-            "fusion": demo.clarify_fusion(), "judgments": demo.clarify_judgments()}
+  names = _which_models(which)
+  _check_split(split)
   root = pathlib.Path(source)
   if not root.is_dir():
     raise FileNotFoundError(f"clarify data source {source!r}: not 'demo' and not a folder")
-  questions = root / "delta_clarify" / f"{split}.tsv"
-  if not questions.is_file():
-    raise FileNotFoundError(f"{questions} not found (expected the δ-Clarify layout)")
-  silver = sorted((root / "delta_clarify_silver").glob("*.tsv"))
-  fusion = sorted((root / "fusion").glob("*.csv"))
-  return {"questions": read_questions(questions),
-          "answers": [r for f in silver for r in read_silver(f)],
-          "fusion": [r for f in fusion for r in read_fusion(f)], "judgments": []}
+  kinds = list(dict.fromkeys(k for w in names for k in INPUTS[w]))
+  files, missing = {}, []
+  for kind in kinds:
+    files[kind], problem = _kind_files(root, kind, split)
+    if problem:
+      needed_by = ", ".join(w for w in names if kind in INPUTS[w])
+      missing.append(problem if purpose else f"{problem} (needed by {needed_by})")
+  if missing:
+    raise FileNotFoundError(f"clarify data {root}: {purpose or f'--which={which}'} (split "
+                            f"{split!r}) lacks inputs: {'; '.join(missing)}")
+  return files
+
+
+def _which_models(which: str) -> tuple[str, ...]:
+  if which == "multitask":
+    return WHICH
+  if which not in WHICH:
+    raise ValueError(f"which must be one of {WHICH + ('multitask',)}, got {which!r}")
+  return (which,)
+
+
+def load_source(source: str, *, split: str = "train", which: str = "multitask",
+                purpose: Optional[str] = None) -> dict[str, list[dict[str, str]]]:
+  """Rows of every kind the model(s) `which` need: {"questions", "answers", "fusion",
+  "judgments"} (kinds not needed are empty).
+
+  Args:
+    source: "demo" (bundled corpus) or a folder laid out like `../shared/data`.
+    split: δ-Clarify split for the questions (a folder's: any `delta_clarify/<split>.tsv`
+      present; the demo's: "train" or "dev", which only `situations` tells apart); the silver
+      answers and the fusion data exist as one (dev) file each and are used for every split.
+    which: The model (`WHICH`) or "multitask" whose inputs to load; all must be present.
+    purpose: What the rows are for, in messages (see `source_files`).
+
+  Raises:
+    FileNotFoundError: missing inputs (all listed), see `source_files`.
+    readers.DataError: a malformed, empty or header-only file, or an unknown column.
+  """
+  if source == "demo":
+    _which_models(which)
+    if split not in DEMO_SPLITS:
+      raise ValueError(f"clarify data 'demo': split must be 'train' or 'dev', got {split!r}")
+    from jaxmoral.data import demo
+    return {"questions": demo.clarify_questions(), "answers": demo.clarify_answers(),
+            "fusion": demo.clarify_fusion(), "judgments": demo.clarify_judgments()}
+  files = source_files(source, which, split=split, purpose=purpose)
+  read = {"questions": read_questions, "answers": read_silver, "fusion": read_fusion}
+  rows = {kind: [r for f in files.get(kind, ()) for r in read[kind](f)] for kind in read}
+  return {**rows, "judgments": []}
 
 
 def build_pairs(which: str, source: str = "demo", *, split: str = "train",
                 judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES,
                 nli_labels: Sequence[str] = formats.NLI_LABELS,
                 relevance_labels: Sequence[str] = formats.RELEVANCE_LABELS) -> list[Pair]:
-  """Training pairs of one model (`which` in WHICH) or of all ("multitask")."""
-  if which == "multitask":
-    return [p for w in WHICH for p in build_pairs(
-        w, source, split=split, judge_classes=judge_classes, nli_labels=nli_labels,
-        relevance_labels=relevance_labels)]
-  if which not in WHICH:
-    raise ValueError(f"which must be one of {WHICH + ('multitask',)}, got {which!r}")
-  rows = load_source(source, split=split)
+  """Training pairs of one model (`which` in WHICH) or of all ("multitask").
+
+  Raises:
+    FileNotFoundError: an input of a requested model is missing (all are listed).
+    ValueError: an unknown `which`, or no pairs for a requested model.
+  """
+  names = _which_models(which)
+  rows = load_source(source, split=split, which=which)  # Every input checked up front.
+  pairs = []
+  for name in names:
+    built = _pairs_of(name, rows, judge_classes=judge_classes, nli_labels=nli_labels,
+                      relevance_labels=relevance_labels)
+    if not built:
+      raise ValueError(f"clarify data {source}: no {name} pairs (split {split!r})")
+    pairs += built
+  return pairs
+
+
+def _pairs_of(which: str, rows: dict[str, list[dict[str, str]]], *,
+              judge_classes: Sequence[str], nli_labels: Sequence[str],
+              relevance_labels: Sequence[str]) -> list[Pair]:
   if which == "question":
     return question_pairs(rows["questions"])
   if which == "answer":
@@ -319,12 +431,15 @@ DEMO_DEV_EVERY = 5
 def situations(source: str = "demo", *, split: str = "train") -> list[str]:
   """The distinct situations of a split (PPO prompts, evaluation inputs), in file order.
 
-  The demo corpus's "dev" split is every 5th distinct situation and its "train" split the
-  others, so PPO on "train" and evaluation on "dev" never share a situation.
+  A folder's splits are its `delta_clarify/<split>.tsv` files (any present; a missing one is
+  an error listing those present). The demo corpus's "dev" split is every 5th distinct
+  situation and its "train" split the others, so PPO on "train" and evaluation on "dev"
+  never share a situation.
   """
-  if split not in ("train", "dev"):
+  if source == "demo" and split not in DEMO_SPLITS:
     raise ValueError(f"clarify situations: split must be 'train' or 'dev', got {split!r}")
-  rows = load_source(source, split=split)["questions"]
+  rows = load_source(source, split=split, which="question",
+                     purpose="situations")["questions"]
   distinct = list(dict.fromkeys(formats.clean(r["situation"]) for r in rows))
   if source == "demo":
     dev = split == "dev"

@@ -62,8 +62,9 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
     train_steps: Steps.
     batch_size: Global batch size.
     feature_lengths: {"inputs": N, "targets": M}.
-    source: "demo" or a folder laid out like ../shared/data.
-    split: δ-Clarify split of the questions.
+    source: "demo" or a folder laid out like ../shared/data (every input of `which` must be
+      there: `data.INPUTS`).
+    split: δ-Clarify split of the questions (any `delta_clarify/<split>.tsv` of the folder).
     vocabulary_path: SentencePiece model (None: the init checkpoint's, else the demo one).
     judge_classes: Judge targets for bad, ok, good (each must be one vocabulary token).
     nli_labels: NLI targets for entailment, neutral, contradiction.
@@ -78,6 +79,7 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
   Returns:
     Final training metrics of `runs.train_run`.
   """
+  # Every input of every requested model is checked (and read) before MODEL_DIR is made.
   pairs = data_lib.build_pairs(which, source, split=split, judge_classes=judge_classes,
                                nli_labels=nli_labels, relevance_labels=relevance_labels)
   checkpoints.make_run_dir(model_dir)
@@ -194,6 +196,8 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
   Returns:
     `train_ppo`'s metrics plus "policy_dir" (the exported final policy) and "reward_curve".
   """
+  # The data first: a missing split or a bad file fails before any model loads.
+  situations = data_lib.situations(source, split=split)[:max_prompts]
   partitioner = partitioner or partitioning.PjitPartitioner()
   question = model_dirs.inspect(question_model_dir)
   config, vocabulary = question.config, question.vocabulary
@@ -207,7 +211,6 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
           answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
           judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir,
           config=reward_config or reward_lib.RewardConfig(), partitioner=partitioner))
-  situations = data_lib.situations(source, split=split)[:max_prompts]
   prompts = [formats.question_input(s) for s in situations]
   checkpoints.make_run_dir(model_dir)
   if jax.process_index() == 0:

@@ -10,6 +10,18 @@ With `on_error="report"` the bad rows are logged and collected in `ReadResult.er
 Nothing is ever dropped silently. `ReadResult.lines` gives each good row's line, so a caller's
 own checks of a row's values can name it too.
 
+Unknown fields are errors where a caller says which fields it knows (`optional=`, on top of
+the required / kept ones): a misspelt key (`"pros"` for `"pro"`) or header column would
+otherwise read as an absent one. The message names the key and the closest known name::
+
+  data/responses.jsonl:3: unknown field 'pros' (did you mean 'pro'?); known fields: con, pro,
+  query
+
+Without `optional=` a reader passes unknown fields through (JSONL) or drops them (header
+columns not asked for): the documented passthrough of the generic callers (`data.tasks`, the
+inference input). `allow_empty=False` makes a file with no rows an error naming the file and
+whether it is empty, has only a header or only blank lines.
+
 Files are UTF-8; a line that is not is a bad row (the message names its first bad byte).
 TSV and CSV fields may be quoted with `""` escapes, as the δ-Clarify TSVs and the fusion CSV
 are. A TSV row is one line, as seqio and T5X read TSVs: a quote left open at the end of a line
@@ -20,6 +32,7 @@ field may span lines (RFC 4180). In both, text after a closing quote is an error
 from __future__ import annotations
 
 import csv
+import difflib
 import json
 import logging
 import os
@@ -33,7 +46,8 @@ _BOM = "\ufeff"
 
 
 class DataError(ValueError):
-  """A malformed row: message `"{path}:{line}: {what} (field '{field}')"`.
+  """A malformed row: message `"{path}:{line}: {what} (field '{field}')"` (`"{path}: ..."` for
+  a whole-file problem).
 
   Attributes:
     path: The file.
@@ -48,7 +62,60 @@ class DataError(ValueError):
     self.field = field
     self.what = what
     where = f" (field '{field}')" if field else ""
-    super().__init__(f"{self.path}:{line}: {what}{where}")
+    super().__init__(f"{_location(self.path, line)}: {what}{where}")
+
+
+def _location(path: str, line: int) -> str:
+  # Line 0 means the whole file; "file:0:" would read as a line number.
+  return f"{path}:{line}" if line else path
+
+
+class UnknownFieldError(DataError):
+  """A key or header column the reader does not know, e.g.
+  `"f.jsonl:3: unknown field 'pros' (did you mean 'pro'?); known fields: con, pro, query"`.
+
+  Attributes:
+    known: The known names (sorted).
+    suggestion: The closest known name, or None when none is close.
+  """
+
+  def __init__(self, path: PathLike, line: int, field: str, known: Iterable[str], *,
+               kind: str = "field"):
+    self.known = tuple(sorted(set(known)))
+    leaf = field.rsplit(".", 1)[-1]  # Nested keys ("conversation[1].x") match on the last part.
+    close = difflib.get_close_matches(leaf, self.known, n=1, cutoff=0.6)
+    self.suggestion = close[0] if close else None
+    hint = f" (did you mean '{self.suggestion}'?)" if self.suggestion else ""
+    super().__init__(path, line, f"unknown {kind} '{field}'{hint}; known {kind}s: "
+                     f"{', '.join(self.known)}")
+    self.field = field
+
+
+def check_fields(obj: Mapping[str, Any], known: Iterable[str], path: PathLike, line: int, *,
+                 prefix: str = "") -> None:
+  """Raises `UnknownFieldError` for the first key of `obj` not in `known`.
+
+  For nested objects of a reader (e.g. the turns of a dialogue); `prefix` is prepended to the
+  key in the message (`"conversation[1]."`).
+  """
+  error = unknown_field(obj, known, path, line, prefix=prefix)
+  if error is not None:
+    raise error
+
+
+def unknown_field(obj: Mapping[str, Any], known: Iterable[str], path: PathLike, line: int, *,
+                  prefix: str = "") -> Optional[UnknownFieldError]:
+  """The error of the first key of `obj` not in `known` (None when all are known).
+
+  A caller that also checks required keys reports an unknown key with a `suggestion` first
+  (the likely typo of a required one), then a missing required key, then any other unknown
+  key, as `read_jsonl` does.
+  """
+  known = set(known)
+  for key in obj:
+    if key not in known:
+      return UnknownFieldError(path, line, f"{prefix}{key}", known)
+  return None
 
 
 class ReadResult(list):
@@ -176,8 +243,16 @@ def _csv_rows(lines: Iterator[tuple[int, str, Optional[DataError]]], path: PathL
     yield first, values
 
 
+def _no_rows_error(path: PathLike, what: str, bad: int) -> DataError:
+  """The error of a file without good rows (`allow_empty=False`)."""
+  if bad:
+    return DataError(path, 0, f"no good rows: all {bad} rows are bad (each logged above)")
+  return DataError(path, 0, what)
+
+
 def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequence[str]],
-                    required: Optional[Sequence[str]], on_error: OnError) -> ReadResult:
+                    required: Optional[Sequence[str]], optional: Optional[Sequence[str]],
+                    allow_empty: bool, on_error: OnError) -> ReadResult:
   report = _Collector(on_error)
 
   def report_row(error: DataError) -> None:
@@ -191,14 +266,27 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
   with open(path, "rb") as f:
     numbered_rows = split_rows(_utf8_lines(f, path), path, report_row)
     try:
-      _, header = next(numbered_rows)
+      header_line, header = next(numbered_rows)
     except StopIteration:
-      raise DataError(path, 0, "empty file (no header)") from None
+      raise DataError(path, 0, "empty file (no header, no rows)") from None
     header = [h.strip() for h in header]
+    unknown = None
+    if optional is not None:
+      # A misspelt column would otherwise be dropped (or read as a missing optional one).
+      known = [*(columns or ()), *(required or ()), *optional]
+      unknown = next((UnknownFieldError(path, header_line, name, known, kind="column")
+                      for name in header if name not in known), None)
+      if unknown is not None and unknown.suggestion:  # The typo before the column it misses.
+        raise unknown
     if columns is not None:
       missing = [c for c in columns if c not in header]
       if missing:
-        raise DataError(path, 1, f"header {header} lacks column(s) {missing}", missing[0])
+        raise DataError(path, header_line, f"header {header} lacks column(s) {missing}",
+                        missing[0])
+    if unknown is not None:
+      raise unknown
+    keep = None if columns is None else [
+        *columns, *(c for c in optional or () if c in header and c not in columns)]
     required = list(columns if required is None and columns is not None else required or [])
     for line, values in numbered_rows:
       if not values:  # A blank line.
@@ -212,15 +300,20 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
       if error is not None:
         report(error)
         continue
-      if columns is not None:
-        row = {c: row[c] for c in columns}
+      if keep is not None:
+        row = {c: row[c] for c in keep}
       rows.append(row)
       lines.append(line)
+  if not rows and not allow_empty:
+    raise _no_rows_error(path, f"has a header (line {header_line}) but no data rows",
+                         len(report.errors))
   return ReadResult(rows, report.errors, lines)
 
 
 def read_tsv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
-             required: Optional[Sequence[str]] = None, on_error: OnError = "raise") -> ReadResult:
+             required: Optional[Sequence[str]] = None,
+             optional: Optional[Sequence[str]] = None, allow_empty: bool = True,
+             on_error: OnError = "raise") -> ReadResult:
   """Reads a tab-separated file with a header row.
 
   Args:
@@ -228,28 +321,41 @@ def read_tsv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
     columns: Columns to keep (in this order); the header must contain them. They are also the
       required (non-empty) fields unless `required` is given.
     required: Fields that must be non-empty (default: `columns`, or none).
+    optional: Other columns the header may have (kept after `columns` when present). Given
+      (even `()`), any other header column is an `UnknownFieldError`; None (the default)
+      passes them through (dropped when `columns` is given).
+    allow_empty: False: a file without data rows is a `DataError` naming the file.
     on_error: "raise" (first bad row raises `DataError`) or "report" (bad rows are logged and
-      collected in the result's `errors`).
+      collected in the result's `errors`). Header problems always raise.
 
   Returns:
     A `ReadResult` (a list of `{column: str}` dicts) with `.errors`.
   """
   return _read_delimited(path, delimiter="\t", columns=columns, required=required,
-                         on_error=on_error)
+                         optional=optional, allow_empty=allow_empty, on_error=on_error)
 
 
 def read_csv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
-             required: Optional[Sequence[str]] = None, on_error: OnError = "raise") -> ReadResult:
+             required: Optional[Sequence[str]] = None,
+             optional: Optional[Sequence[str]] = None, allow_empty: bool = True,
+             on_error: OnError = "raise") -> ReadResult:
   """Reads a comma-separated file with a header row (RFC 4180 quoting). See `read_tsv`."""
   return _read_delimited(path, delimiter=",", columns=columns, required=required,
-                         on_error=on_error)
+                         optional=optional, allow_empty=allow_empty, on_error=on_error)
 
 
-def read_lines(path: PathLike, *, on_error: OnError = "raise") -> ReadResult:
+def _empty_what(path: PathLike) -> str:
+  """Why a line-based file has no rows: it is empty, or has only blank lines."""
+  return "empty file (no rows)" if os.path.getsize(path) == 0 else "no rows (only blank lines)"
+
+
+def read_lines(path: PathLike, *, allow_empty: bool = True,
+               on_error: OnError = "raise") -> ReadResult:
   """Reads plain text: a row `{"text": line}` for each non-blank line, newline dropped.
 
   Args:
     path: The file.
+    allow_empty: False: a file without a non-blank line is a `DataError` naming the file.
     on_error: See `read_tsv` (a line that is not UTF-8 is the only bad row there is).
 
   Returns:
@@ -262,11 +368,14 @@ def read_lines(path: PathLike, *, on_error: OnError = "raise") -> ReadResult:
     for number, text in _text_lines(f, path, report):
       rows.append({"text": text.rstrip("\r\n")})
       lines.append(number)
+  if not rows and not allow_empty:
+    raise _no_rows_error(path, _empty_what(path), len(report.errors))
   return ReadResult(rows, report.errors, lines)
 
 
 def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
-               text: Sequence[str] = (), on_error: OnError = "raise") -> ReadResult:
+               text: Sequence[str] = (), optional: Optional[Sequence[str]] = None,
+               allow_empty: bool = True, on_error: OnError = "raise") -> ReadResult:
   """Reads one JSON object per line (blank lines are skipped).
 
   Args:
@@ -275,12 +384,18 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
       as empty).
     text: Keys whose values, where present, must be JSON strings (a list or a number where
       text is expected is an error of its line, not text made by `str`).
+    optional: The other keys an object may have. Given (even `()`), a key outside `required`,
+      `text` and `optional` is an `UnknownFieldError` of its line (one close to a known key is
+      reported before a missing required key, as the typo it likely is); None (the default)
+      passes unknown keys through.
+    allow_empty: False: a file without objects is a `DataError` naming the file.
     on_error: See `read_tsv`.
 
   Returns:
     A `ReadResult` of the decoded objects with `.lines` and `.errors`.
   """
   report = _Collector(on_error)
+  known = None if optional is None else [*(required or ()), *text, *optional]
   rows: list[dict[str, Any]] = []
   lines: list[int] = []
   with open(path, "rb") as f:
@@ -293,14 +408,20 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
       if not isinstance(obj, dict):
         report(DataError(path, number, f"expected a JSON object, got {type(obj).__name__}"))
         continue
-      error = _required_error(obj, required or (), path, number) or _text_error(
-          obj, text, path, number)
+      unknown = unknown_field(obj, known, path, number) if known is not None else None
+      # A misspelt key is reported as the typo, before the missing key it stands for.
+      typo = unknown if unknown is not None and unknown.suggestion else None
+      error = typo or _required_error(obj, required or (), path, number) or unknown or (
+          _text_error(obj, text, path, number))
       if error is not None:
         report(error)
         continue
       rows.append(obj)
       lines.append(number)
+  if not rows and not allow_empty:
+    raise _no_rows_error(path, _empty_what(path), len(report.errors))
   return ReadResult(rows, report.errors, lines)
+
 
 
 def _text_error(obj: dict[str, Any], text: Sequence[str], path: PathLike,

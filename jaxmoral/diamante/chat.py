@@ -20,6 +20,36 @@ from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import inference
 
 QUIT_WORDS = ("/quit", "/exit")
+NOT_UTF8 = "input is not valid UTF-8; skipped"
+
+
+def read_line(prompt: str) -> str:
+  """`input(prompt)` for chats: a line that is not UTF-8 raises UnicodeError for that line
+  alone, and the next line reads as usual (clarify's chat reads its answers with it too).
+
+  Piped input is read as bytes and decoded line by line: `input()` would give undecodable
+  bytes as surrogates (SentencePiece then fails), or, with strict decoding, lose the whole
+  buffered chunk. A terminal keeps `input()` (line editing); its surrogates are caught here.
+
+  Raises:
+    EOFError: End of input.
+    UnicodeError: The line is not UTF-8.
+  """
+  stdin = sys.stdin
+  if stdin is None:
+    raise EOFError
+  raw_stdin = getattr(stdin, "buffer", None)
+  if raw_stdin is None or stdin.isatty():
+    line = input(prompt)
+  else:
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    raw = raw_stdin.readline()
+    if not raw:
+      raise EOFError
+    line = raw.decode("utf-8").rstrip("\r\n")
+  line.encode("utf-8")  # Surrogates (undecodable bytes) raise here.
+  return line
 
 
 def _turn_record(turn: int, speaker: str, text: str,
@@ -40,7 +70,8 @@ def _open_transcript(path: str) -> TextIO:
 def chat(*, model_dir: str, transcript_path: str,
          rerank: Optional[inference.RerankConfig] = None, seed: int = 0,
          max_turns: int = 100, show_candidates: int = 0,
-         input_fn: Callable[[str], str] = input, output: TextIO = sys.stdout) -> list[dict]:
+         input_fn: Callable[[str], str] = read_line,
+         output: Optional[TextIO] = None) -> list[dict]:
   """Interactive conversation on the terminal; `/quit` (or end of input) ends it.
 
   Args:
@@ -51,12 +82,14 @@ def chat(*, model_dir: str, transcript_path: str,
     seed: Sampling seed.
     max_turns: User turns at most.
     show_candidates: Also print this many top candidates with their scores.
-    input_fn: Reads a user line (tests pass a scripted one).
-    output: Where replies are printed.
+    input_fn: Reads a user line (tests pass a scripted one); a line that is not UTF-8
+      (UnicodeError, or undecodable bytes as surrogates) is skipped with a note on stderr.
+    output: Where replies are printed (None: standard output as it is at call time).
 
   Returns:
     The transcript records.
   """
+  output = sys.stdout if output is None else output
   bundle = bundle_lib.load(model_dir)
   key = jax.random.PRNGKey(seed)
   history: list[str] = []
@@ -65,8 +98,12 @@ def chat(*, model_dir: str, transcript_path: str,
     for _ in range(max_turns):
       try:
         line = input_fn("you> ").strip()
+        line.encode("utf-8")  # A scripted input_fn may hand surrogates too.
       except EOFError:
         break
+      except UnicodeError:  # SentencePiece would fail on it: say so, keep the conversation.
+        print(NOT_UTF8, file=sys.stderr)
+        continue
       if line in QUIT_WORDS:
         break
       if not line:

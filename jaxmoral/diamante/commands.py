@@ -11,12 +11,17 @@ bindings work as for every command::
   jaxmoral diamante self_chat --model_dir=/tmp/dm --opening="Hi!" --num_rounds=6 \\
       --transcript_path=/tmp/self.jsonl
   jaxmoral diamante demo --workdir=demo_out/diamante
+
+`jaxmoral diamante <action> --help` lists the action's flags (read from its function's
+signature and docstring). What an action will write is checked to be writable before it
+starts (`OUTPUTS`).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 from typing import Sequence
 
 from jaxmoral import gin_utils
@@ -30,6 +35,22 @@ ACTIONS: dict[str, tuple[str, str]] = {
     "self_chat": ("jaxmoral.diamante.chat", "self_chat"),
     "demo": ("jaxmoral.diamante.demo", "run_demo"),
 }
+# Parameters of an action's function that name what it writes: {name: is a directory}.
+# `train` is left out: runs.train_run checks its own MODEL_DIR.
+OUTPUTS: dict[str, dict[str, bool]] = {
+    "candidates": {"output_path": False},
+    "eval": {"output_path": False},
+    "chat": {"transcript_path": False},
+    "self_chat": {"transcript_path": False},
+    "demo": {"workdir": True},
+}
+HELP_FLAGS = ("-h", "--help")
+
+
+def usage(action: str) -> str:
+  """The `--help` text of an action: its function's flags."""
+  module, function = ACTIONS[action]
+  return gin_utils.function_usage(module, function, prog=f"jaxmoral diamante {action}")
 
 
 def flag_bindings(function: str, flags: Sequence[str]) -> list[str]:
@@ -47,9 +68,16 @@ def main(action: str, rest: Sequence[str], gin_args: gin_utils.GinArgs) -> int:
   if action not in ACTIONS:
     raise ValueError(f"diamante: unknown action {action!r}; known: {sorted(ACTIONS)}")
   module, function = ACTIONS[action]
+  if any(arg in HELP_FLAGS for arg in rest):
+    print(usage(action))
+    return 0
   fn = getattr(importlib.import_module(module), function)
   gin_utils.parse_gin(gin_args, extra_bindings=flag_bindings(f"{module}.{function}", rest))
   gin_utils.check_required()
+  for name, directory in OUTPUTS.get(action, {}).items():
+    path = gin_utils.bound_value(f"{module}.{function}", name)
+    if isinstance(path, (str, os.PathLike)):
+      gin_utils.check_writable(path, directory=directory)
   result = fn()
   if action not in ("chat", "self_chat"):
     print(json.dumps(result, indent=2, sort_keys=True, default=str))

@@ -25,12 +25,16 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequenc
 import gin
 import numpy as np
 
-from jaxmoral.data.readers import DataError, read_jsonl
+from jaxmoral.data.readers import DataError, read_jsonl, unknown_field
 from jaxmoral.models.t5 import shift_right
 
 DEFAULT_SEPARATOR = " [SEP] "
 # Index of the three responses along a quadruple batch's response axis.
 HUMAN, MODEL, RANDOM = 0, 1, 2
+# The keys of a dialogue object and of one of its utterances: anything else is an error (a
+# misspelt "response_candidates" would otherwise train without candidates).
+DIALOGUE_FIELDS = ("conversation",)
+UTTERANCE_FIELDS = ("utterance", "response_candidates")
 
 
 class Vocabulary(Protocol):
@@ -96,18 +100,30 @@ def parse_dialogue(obj: dict[str, Any], *, path: str = "<memory>", line: int = 0
     One `Turn` per utterance after the first.
 
   Raises:
-    DataError: naming `path:line` and the bad field.
+    DataError: naming `path:line` and the bad field; `readers.UnknownFieldError` for a key
+      outside `DIALOGUE_FIELDS` / `UTTERANCE_FIELDS` (naming the closest known one).
   """
+  # As `readers.read_jsonl` orders them: a likely typo, a missing key, another unknown key.
+  unknown = unknown_field(obj, DIALOGUE_FIELDS, path, line)
+  if unknown is not None and unknown.suggestion:
+    raise unknown
   conversation = obj.get("conversation")
   if not isinstance(conversation, list) or not conversation:
     raise DataError(path, line, "expected a non-empty list", "conversation")
+  if unknown is not None:
+    raise unknown
   utterances, candidates = [], []
   for i, entry in enumerate(conversation):
     field = f"conversation[{i}]"
     if not isinstance(entry, dict):
       raise DataError(path, line, f"expected an object, got {type(entry).__name__}", field)
+    unknown = unknown_field(entry, UTTERANCE_FIELDS, path, line, prefix=f"{field}.")
+    if unknown is not None and unknown.suggestion:  # A typo ("response_candidate").
+      raise unknown
     if "utterance" not in entry:
       raise DataError(path, line, "missing required field", f"{field}.utterance")
+    if unknown is not None:
+      raise unknown
     text = _check_str(entry["utterance"], path, line, f"{field}.utterance")
     if not text.strip():
       raise DataError(path, line, "empty value", f"{field}.utterance")
@@ -126,10 +142,11 @@ def parse_dialogue(obj: dict[str, Any], *, path: str = "<memory>", line: int = 0
 
 
 def read_dialogues(path: str | os.PathLike[str]) -> list[Turn]:
-  """All turns of a Diamante-format JSONL file (errors name `path:line` and the field)."""
+  """All turns of a Diamante-format JSONL file (errors name `path:line` and the field; an
+  unknown key, and an empty file, are errors too)."""
   path = str(path)
   turns: list[Turn] = []
-  rows = read_jsonl(path)
+  rows = read_jsonl(path, required=DIALOGUE_FIELDS, optional=(), allow_empty=False)
   for index, (obj, line) in enumerate(zip(rows, rows.lines)):
     turns.extend(parse_dialogue(obj, path=path, line=line, dialogue=index))
   if not turns:

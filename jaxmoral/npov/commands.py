@@ -6,6 +6,9 @@ Actions:
              --coverage_dir P --heatmap_dir H --roc_dir R]           -> detect.detect_file
   evaluate  gin-configured (`npov.evaluate.run`), e.g. --gin_file=configs/npov/eval_rouge_perspectrum.gin
   demo      [--workdir W]                                            -> demo.run_demo
+
+`jaxmoral npov <action> --help` prints the action's usage without loading any model code;
+what an action writes is checked to be writable before any work starts.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from typing import Any, Sequence
 from jaxmoral import gin_utils
 
 ACTIONS = ("detect", "evaluate", "demo")
+HELP_FLAGS = ("-h", "--help")
+# The gin-configured function of `evaluate` (flags: gin only).
+EVALUATE = ("jaxmoral.npov.evaluate", "run")
 
 
 def _detect_parser() -> argparse.ArgumentParser:
@@ -34,10 +40,35 @@ def _detect_parser() -> argparse.ArgumentParser:
   return p
 
 
+def _demo_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="jaxmoral npov demo",
+                              description="Train and evaluate every NPOV detector on the "
+                                          "bundled sample data.")
+  p.add_argument("--workdir", default="demo_out/npov")
+  return p
+
+
 def main(action: str, rest: Sequence[str], gin_args: gin_utils.GinArgs) -> int:
   """Runs one action; returns the exit status."""
   if action not in ACTIONS:
     raise ValueError(f"npov: unknown action {action!r}; known: {list(ACTIONS)}")
+  if action == "evaluate" and any(arg in HELP_FLAGS for arg in rest):
+    print(gin_utils.function_usage(*EVALUATE, prog="jaxmoral npov evaluate", gin_only=True))
+    return 0
+  # Flags first (--help exits here), and what they name to write checked, before any
+  # model code loads.
+  args = None
+  if action == "detect":
+    args = _detect_parser().parse_args(list(rest))
+    gin_utils.check_writable(args.output)
+    for directory in (args.heatmap_dir, args.roc_dir):
+      if directory:
+        gin_utils.check_writable(directory, directory=True)
+  elif action == "demo":
+    args = _demo_parser().parse_args(list(rest))
+    gin_utils.check_writable(args.workdir, directory=True)
+  elif rest:
+    raise ValueError(f"npov evaluate takes gin flags only, got {list(rest)}")
   # The action's modules first: their configurables must exist before gin binds them.
   # pylint: disable=g-import-not-at-top
   from jaxmoral.npov import demo, detect, evaluate
@@ -45,7 +76,6 @@ def main(action: str, rest: Sequence[str], gin_args: gin_utils.GinArgs) -> int:
   # pylint: enable=g-import-not-at-top
   gin_utils.parse_gin(gin_args)
   if action == "detect":
-    args = _detect_parser().parse_args(list(rest))
     dirs: dict[str, Any] = {k: v for k, v in (("hallucination", args.hallucination_dir),
                                                ("coverage", args.coverage_dir)) if v}
     records = detect.detect_file(
@@ -55,12 +85,11 @@ def main(action: str, rest: Sequence[str], gin_args: gin_utils.GinArgs) -> int:
         heatmap_dir=args.heatmap_dir, roc_dir=args.roc_dir)
     print(f"npov detect: scored {len(records)} responses -> {args.output}")
   elif action == "evaluate":
-    if rest:
-      raise ValueError(f"npov evaluate takes gin flags only, got {list(rest)}")
     gin_utils.check_required()
+    output_dir = gin_utils.bound_value(".".join(EVALUATE), "output_dir")
+    if isinstance(output_dir, str):
+      gin_utils.check_writable(output_dir, directory=True)
     evaluate.run()  # pylint: disable=missing-kwoa
   else:
-    p = argparse.ArgumentParser(prog="jaxmoral npov demo")
-    p.add_argument("--workdir", default="demo_out/npov")
-    demo.run_demo(workdir=p.parse_args(list(rest)).workdir)
+    demo.run_demo(workdir=args.workdir)
   return 0

@@ -71,7 +71,7 @@ def _clean(text: str) -> str:
 def read_perspectrum(directory: str | os.PathLike) -> list[Topic]:
   """Reads PERSPECTRUM (`perspectrum_with_answers_v1.0.json`, `perspective_pool_v1.0.json`,
   `dataset_split_v1.0.json`) into topics; claims without a pro and a con cluster are kept
-  (sampling skips them)."""
+  (sampling skips them). A released dataset: keys other than those read pass through."""
   directory = str(directory)
   def load(name: str) -> Any:
     path = os.path.join(directory, name)
@@ -101,14 +101,19 @@ def read_perspectrum(directory: str | os.PathLike) -> list[Topic]:
   return topics
 
 
+# The keys of a topic line; any other is an error ("pros" would read as a topic without pros).
+KB_FIELDS = ("id", "query", "pro", "con", "split")
+
+
 def read_kb_jsonl(path: str | os.PathLike) -> list[Topic]:
   """Reads the plain JSONL knowledge base format (module docstring).
 
   Raises:
-    readers.DataError: naming the file, line and field of a malformed topic.
+    readers.DataError: naming the file, line and field of a malformed topic, an unknown key
+      (`readers.UnknownFieldError`, naming the closest of `KB_FIELDS`), or an empty file.
   """
   path = str(path)
-  rows = readers.read_jsonl(path, required=("query",))
+  rows = readers.read_jsonl(path, required=("query",), optional=KB_FIELDS, allow_empty=False)
   topics = []
   for row, line in zip(rows, rows.lines):
     clusters = []

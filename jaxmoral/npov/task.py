@@ -189,13 +189,27 @@ def _labels(value: Any, path: str, line: int, field: str) -> Optional[bool]:
   raise readers.DataError(path, line, f"expected 0/1/true/false/null, got {value!r}", field)
 
 
+def _as_cluster_ids(value: Any, path: str, line: int, field: str) -> tuple[int, ...]:
+  if not isinstance(value, list) or not all(
+      isinstance(v, int) and not isinstance(v, bool) for v in value):
+    raise readers.DataError(path, line, "expected a list of integers", field)
+  return tuple(value)
+
+
+# Every key `read_examples` reads (what `write_examples` writes): any other is an error, so a
+# misspelt "pros" cannot read as an example without pro arguments.
+EXAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(NpovExample))
+
+
 def read_examples(path: str | os.PathLike, *,
                   require_response: bool = False) -> list[NpovExample]:
   """Reads NPOV examples from JSONL.
 
   One object per line with `query` (str), `pro` and `con` (lists of str), `response` (str;
-  may be empty for generation) and optionally `id` (unique), `topic`, `hallucination` /
-  `coverage` (0/1 labels), `removed_argument`, `added_argument`, `paraphrased` (bool).
+  may be empty for generation) and optionally `id` (unique), `topic`, `pro_clusters` /
+  `con_clusters` (knowledge-base cluster ids, one per argument), `hallucination` /
+  `coverage` (0/1 labels), `removed_argument`, `added_argument`, `paraphrased` (bool). Any
+  other key is an error naming the closest of these (`EXAMPLE_FIELDS`).
 
   Args:
     path: The file.
@@ -203,17 +217,21 @@ def read_examples(path: str | os.PathLike, *,
       a missing or misspelt key would otherwise read as an empty response).
 
   Raises:
-    readers.DataError: naming the file, line and field of a malformed example.
+    readers.DataError: naming the file, line and field of a malformed example, an unknown key
+      (`readers.UnknownFieldError`), or a file without examples.
   """
   path = str(path)
   required = ("query", "response") if require_response else ("query",)
-  rows = readers.read_jsonl(path, required=required)
+  rows = readers.read_jsonl(path, required=required, optional=EXAMPLE_FIELDS,
+                            allow_empty=False)
   out = []
   first_line_of_id: dict[str, int] = {}
   for row, line in zip(rows, rows.lines):
     kwargs: dict[str, Any] = {}
     for side in SIDES:
       kwargs[side] = _as_texts(row.get(side, []), path, line, side)
+      key = f"{side}_clusters"
+      kwargs[key] = _as_cluster_ids(row.get(key, []), path, line, key)
     for key in ("hallucination", "coverage"):
       kwargs[key] = _labels(row.get(key), path, line, key)
     for key in ("query", "response", "removed_argument", "added_argument"):
