@@ -9,11 +9,22 @@ analysis leaves out the cuBLAS products, so it cannot be used there (on CPU the 
 measured in the same run (an 8192^3 `jnp.dot`), which is what this GPU really delivers.
 
   python bench/bench_train_mfu.py --size large --batch 32 --inputs 512 --targets 128
+
+`--compare cudnn,pallas_gpu` builds one train step per attention_impl in the same process,
+starts each from the same initial state (same key, same weights) on the same batch, checks
+that their first-step losses agree, and times `--rounds` interleaved rounds of `--steps` steps
+(impl A, impl B, impl A, ...), reporting each impl's median round and the ratio. An entry
+`pallas_gpu:opt+opt` sets options of the Triton kernels while that step is traced: `diagonals`
+(`t5.GPU_BIAS_AS_DIAGONALS`) and `field=value` (`flash_attention_gpu.DEFAULT_BLOCK_SIZES`),
+e.g. `--compare cudnn,pallas_gpu,pallas_gpu:dkv_rows=2+block_k_dkv=32`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import statistics
 import time
 from typing import Any
 
@@ -22,6 +33,7 @@ import jax.numpy as jnp
 
 from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
 from jaxmoral.models import config as config_lib
+from jaxmoral.models import flash_attention_gpu
 from jaxmoral.models import t5
 
 from bench_train_step import make_batch  # bench/bench_train_step.py
@@ -88,6 +100,9 @@ def add_step_args(parser: argparse.ArgumentParser) -> None:
                            "optimizer update per step")
   parser.add_argument("--override", action="append", default=[],
                       help="T5Config field=value, e.g. attention_impl=cudnn (repeatable)")
+  parser.add_argument("--pallas_gpu_options", default="",
+                      help="options of attention_impl=pallas_gpu's kernels: 'diagonals' and "
+                           "BlockSizes field=value, separated by ',' or '+'")
   parser.add_argument("--peak_tflops", type=float, default=989.4,
                       help="dense bf16 peak of the chip (H100 SXM 989.4, H200 989.4)")
 
@@ -96,6 +111,7 @@ def build_step(args: argparse.Namespace) -> tuple[config_lib.T5Config, trainer_l
                                                   dict, float]:
   """(config, single-device trainer, batch, model FLOPs per step) from `add_step_args` flags."""
   overrides = dict(parse_override(o) for o in args.override)
+  apply_kernel_options(args.pallas_gpu_options)
   cfg = config_lib.t5_config(size=args.size, dtype=args.dtype, **overrides)
   model = t5.T5(cfg)
   batch = make_batch(cfg, args.batch, args.inputs, args.targets)
@@ -117,6 +133,85 @@ def build_step(args: argparse.Namespace) -> tuple[config_lib.T5Config, trainer_l
   return cfg, trainer, batch, model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
 
 
+def apply_kernel_options(options: str) -> None:
+  """Sets `diagonals` (t5.GPU_BIAS_AS_DIAGONALS) and BlockSizes `field=value` options of the
+  Triton kernels (attention_impl="pallas_gpu") for the steps traced from now on."""
+  fields = {}
+  for option in filter(None, options.replace("+", ",").split(",")):
+    if option == "diagonals":
+      t5.GPU_BIAS_AS_DIAGONALS = True
+    else:
+      name, _, value = option.partition("=")
+      fields[name] = int(value)
+  flash_attention_gpu.DEFAULT_BLOCK_SIZES = dataclasses.replace(
+      flash_attention_gpu.DEFAULT_BLOCK_SIZES, **fields)
+
+
+@contextlib.contextmanager
+def kernel_options(options: str):
+  """`apply_kernel_options` while the with-block runs (a step is traced by its first call)."""
+  saved = (t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES)
+  apply_kernel_options(options)
+  try:
+    yield
+  finally:
+    t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES = saved
+
+
+def compare(args: argparse.Namespace) -> None:
+  """`--compare`: interleaved rounds of train steps, one attention_impl per train step."""
+  impls = args.compare.split(",")
+  runs = {}
+  for spec in impls:
+    impl, _, options = spec.partition(":")
+    impl_args = argparse.Namespace(**vars(args))
+    impl_args.override = list(args.override) + [f"attention_impl={impl}"]
+    _, trainer, batch, flops = build_step(impl_args)
+    start = time.perf_counter()
+    state = trainer.init_state(jax.random.PRNGKey(0))
+    device_batch = trainer.shard_batch(batch)
+    rng = jax.random.PRNGKey(1)
+    with kernel_options(options):  # The step is traced and compiled by its first call.
+      state, metrics = trainer.train_step(state, device_batch, rng)
+    first_loss = float(metrics["loss"])
+    state, metrics = trainer.train_step(state, device_batch, rng)
+    jax.block_until_ready(metrics)
+    impl = spec
+    print(f"{impl}: init + compile + 2 warm-up steps {time.perf_counter() - start:.0f} s; "
+          f"first-step loss {first_loss:.6f}, second {float(metrics['loss']):.6f}", flush=True)
+    runs[impl] = dict(trainer=trainer, state=state, batch=device_batch, rng=rng,
+                      first_loss=first_loss, rounds=[])
+  tokens = args.batch * (args.inputs + args.targets)
+  for r in range(args.rounds):
+    for impl in impls:
+      run = runs[impl]
+      state = run["state"]
+      start = time.perf_counter()
+      for _ in range(args.steps):
+        state, metrics = run["trainer"].train_step(state, run["batch"], run["rng"])
+      jax.block_until_ready((state, metrics))
+      per_step = (time.perf_counter() - start) / args.steps
+      run["state"] = state
+      run["rounds"].append(per_step)
+      print(f"round {r} {impl:16s} {per_step * 1e3:7.1f} ms/step  MFU "
+            f"{100 * flops / per_step / 1e12 / args.peak_tflops:5.1f} %  loss "
+            f"{float(metrics['loss']):.4f}", flush=True)
+  measured = measured_matmul_tflops(args.matmul_size)
+  base = impls[0]
+  base_ms = statistics.median(runs[base]["rounds"])
+  print(f"\n{args.matmul_size}^3 bf16 product: {measured:.0f} TFLOP/s; model FLOPs "
+        f"{flops / 1e12:.4f} TFLOP/step; median of {args.rounds} rounds x {args.steps} steps")
+  for impl in impls:
+    run = runs[impl]
+    ms = statistics.median(run["rounds"])
+    achieved = flops / ms / 1e12
+    loss_diff = run["first_loss"] - runs[base]["first_loss"]
+    print(f"{impl:16s} {ms * 1e3:7.1f} ms/step  {tokens / ms:9,.0f} tokens/s  MFU "
+          f"{100 * achieved / args.peak_tflops:5.1f} % ({100 * achieved / measured:.1f} % of "
+          f"the product)  vs {base}: {base_ms / ms:.3f}x faster; first-step loss "
+          f"{run['first_loss']:.6f} ({loss_diff:+.2e} vs {base})")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_step_args(parser)
@@ -124,7 +219,13 @@ def main() -> None:
   parser.add_argument("--matmul_size", type=int, default=8192)
   parser.add_argument("--check_flops", action="store_true",
                       help="also print XLA's cost analysis (one more compile)")
+  parser.add_argument("--compare", default="",
+                      help="comma-separated attention_impl values to time against each other")
+  parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--compare)")
   args = parser.parse_args()
+  if args.compare:
+    compare(args)
+    return
 
   cfg, trainer, batch, flops = build_step(args)
   tokens = args.batch * (args.inputs + args.targets)

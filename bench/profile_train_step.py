@@ -25,6 +25,9 @@ import jax
 from bench_train_mfu import add_step_args, build_step  # bench/bench_train_mfu.py
 
 _MATMUL_MARKS = ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "dot", "triton_gemm")
+# Attention kernels: cuDNN's fused attention and the Pallas Triton ones (attention_impl
+# "cudnn" / "pallas_gpu").
+_ATTENTION_MARKS = ("fmha", "cudnn", "flash_attention", "sdpa")
 
 
 def perfetto_trace(trace_dir: str) -> tuple[str, list[dict]]:
@@ -73,18 +76,20 @@ def main() -> None:
   jax.block_until_ready(state)
   print(f"init_state {time.perf_counter() - start:.0f} s", flush=True)
   start = time.perf_counter()
-  compiled = trainer.lower_train_step({k: v.shape for k, v in batch.items()}).compile()
+  compiled = trainer.lower_train_step(
+      {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}).compile()
   print(f"compile {time.perf_counter() - start:.0f} s", flush=True)
   with gzip.open(os.path.join(args.out, "train_step.hlo.txt.gz"), "wt") as f:
     f.write(compiled.as_text())
-  device_batch = trainer.shard_batch(batch)
+  device_batch = dict(trainer.shard_batch(batch))
   rng = jax.random.PRNGKey(1)
+  step = compiled  # The step compiled above (trainer.train_step would compile it again).
   for _ in range(2):
-    state, metrics = trainer.train_step(state, device_batch, rng)
+    state, metrics = step(state, device_batch, rng)
   jax.block_until_ready(metrics)
   start = time.perf_counter()
   for _ in range(args.steps):
-    state, metrics = trainer.train_step(state, device_batch, rng)
+    state, metrics = step(state, device_batch, rng)
   jax.block_until_ready((state, metrics))
   per_step = (time.perf_counter() - start) / args.steps
   print(f"loss {float(metrics['loss']):.3f}; {per_step * 1e3:.1f} ms/step; "
@@ -93,14 +98,22 @@ def main() -> None:
   trace_dir = os.path.join(args.out, "trace")
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     for _ in range(args.trace_steps):
-      state, metrics = trainer.train_step(state, device_batch, rng)
+      state, metrics = step(state, device_batch, rng)
     jax.block_until_ready((state, metrics))
   totals, _ = kernel_table(trace_dir)
   per_step_us = {name: t / args.trace_steps for name, t in totals.items()}
   busy = sum(per_step_us.values())
   matmul = sum(t for n, t in per_step_us.items() if any(m in n.lower() for m in _MATMUL_MARKS))
+  attention = {n: t for n, t in per_step_us.items()
+               if any(m in n.lower() for m in _ATTENTION_MARKS)}
+  matmul -= sum(t for n, t in attention.items()
+                if any(m in n.lower() for m in _MATMUL_MARKS))
   print(f"device busy {busy / 1e3:.1f} ms/step of {per_step * 1e3:.1f} ms wall; matrix "
-        f"products {matmul / 1e3:.1f} ms; other kernels {(busy - matmul) / 1e3:.1f} ms")
+        f"products {matmul / 1e3:.1f} ms; attention kernels "
+        f"{sum(attention.values()) / 1e3:.1f} ms; other kernels "
+        f"{(busy - matmul - sum(attention.values())) / 1e3:.1f} ms")
+  for name, t in sorted(attention.items(), key=lambda kv: -kv[1]):
+    print(f"  attention {t / 1e3:8.2f} ms/step  {name[:120]}")
   print(f"{'ms/step':>8} {'%busy':>6}  kernel")
   for name, t in sorted(per_step_us.items(), key=lambda kv: -kv[1])[:args.top]:
     print(f"{t / 1e3:8.2f} {100 * t / busy:6.1f}  {name[:150]}")

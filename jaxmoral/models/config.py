@@ -14,8 +14,8 @@ import gin
 
 FeedForward = Literal["relu", "gated-gelu", "gated-relu", "gated-silu"]
 DType = Literal["float32", "bfloat16", "float16"]
-AttentionImpl = Literal["auto", "einsum", "cudnn", "pallas"]
-ATTENTION_IMPLS = ("auto", "einsum", "cudnn", "pallas")
+AttentionImpl = Literal["auto", "einsum", "cudnn", "pallas", "pallas_gpu"]
+ATTENTION_IMPLS = ("auto", "einsum", "cudnn", "pallas", "pallas_gpu")
 
 
 def cudnn_supports_head_width(d_kv: int) -> bool:
@@ -53,8 +53,10 @@ class T5Config:
       kernels for TPUs that also return the position bias's gradient and never materialise
       (batch, heads, q, k) scores; any dtype, no attention dropout; off TPUs only with
       `flash_attention.INTERPRET`, checked when attention is traced, not here: a config
-      built on a CPU host may be compiled for a TPU), or "auto" (cuDNN where it applies,
-      else einsum).
+      built on a CPU host may be compiled for a TPU), "pallas_gpu" (`flash_attention_gpu`:
+      the same contract as "pallas" in Pallas Triton kernels for GPUs, with the position
+      bias's gradient summed over the batch inside the kernels; off GPUs only with
+      `flash_attention_gpu.INTERPRET`), or "auto" (cuDNN where it applies, else einsum).
       Decoding steps against the key/value cache never use cuDNN: einsum, or
       `cpu_kernels.decode_attention` when decoding float32 on a CPU (see `jaxmoral.decoding`).
     right_padded_inputs: Promise that every unpacked encoder row is its valid tokens followed
@@ -106,9 +108,10 @@ class T5Config:
     if self.attention_impl == "cudnn" and self.dropout_rate > 0:
       raise ValueError("T5Config.attention_impl='cudnn' cannot apply dropout_rate > 0 to the "
                        "attention weights; use 'auto' (einsum while dropout is on) or 'einsum'")
-    if self.attention_impl == "pallas" and self.dropout_rate > 0:
-      raise ValueError("T5Config.attention_impl='pallas' cannot apply dropout_rate > 0 to the "
-                       "attention weights; use 'einsum' (or 'auto') while training with dropout")
+    if self.attention_impl in ("pallas", "pallas_gpu") and self.dropout_rate > 0:
+      raise ValueError(f"T5Config.attention_impl={self.attention_impl!r} cannot apply "
+                       "dropout_rate > 0 to the attention weights; use 'einsum' (or 'auto') "
+                       "while training with dropout")
     if self.attention_impl == "cudnn" and not cudnn_supports_head_width(self.d_kv):
       raise ValueError(f"T5Config.attention_impl='cudnn' needs d_kv a multiple of 8 and at "
                        f"most 128, got {self.d_kv}")

@@ -38,6 +38,7 @@ import numpy as np
 
 from jaxmoral.models.config import T5Config, cudnn_supports_head_width
 from jaxmoral.models import flash_attention
+from jaxmoral.models import flash_attention_gpu
 from jaxmoral.models import heads
 
 Array = jax.Array
@@ -283,6 +284,9 @@ class RelativePositionBias(nn.Module):
 # The `jax.nn.dot_product_attention` implementation behind attention_impl="cudnn". Tests set
 # "xla" to run the same masks, lengths and biases through JAX's reference on a CPU.
 FUSED_ATTENTION_BACKEND = "cudnn"
+# attention_impl="pallas_gpu": hand the Triton kernels T5's position bias as its diagonals
+# (`flash_attention_gpu.bias_diagonals`; the bias depends on k - q alone) rather than whole.
+GPU_BIAS_AS_DIAGONALS = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -299,13 +303,13 @@ def use_fused_attention(config: T5Config, *, deterministic: bool, query_length: 
                         key_length: int) -> bool:
   """Whether teacher-forced attention of this call goes through a fused (cuDNN or Pallas) kernel.
 
-  "cudnn" and "pallas" always do (the config has checked dropout and, for cuDNN, dtype and
-  head width); "auto" does
+  "cudnn", "pallas" and "pallas_gpu" always do (the config has checked dropout and, for
+  cuDNN, dtype and head width); "auto" does
   when the backend is a CUDA GPU, activations are 16-bit, no attention dropout is applied,
   heads are a multiple of 8 wide (at most 128) and both lengths are even (cuDNN's bias
   gradient needs that).
   """
-  if config.attention_impl in ("cudnn", "pallas"):
+  if config.attention_impl in ("cudnn", "pallas", "pallas_gpu"):
     return True
   if config.attention_impl == "einsum":
     return False
@@ -324,10 +328,12 @@ class FusedMask:
     mask: (batch, 1, q, k) bool, True where a query may attend to a key; None: all may.
     key_lengths: (batch,) int32: keys at positions >= length are masked (right padding).
     query_ids: (batch, q) int32 segment id of each query, 0 for padding; set (with
-      `key_ids`, instead of `mask` and `key_lengths`) only for the Pallas kernel, which takes
+      `key_ids`, instead of `mask` and `key_lengths`) only for the Pallas kernels, which take
       masks factored: a query attends to the keys with its id.
     key_ids: (batch, k) int32 segment id of each key, 0 for padding.
     causal: Queries attend to keys at their own position or before.
+    gpu_kernel: With segment ids, run `flash_attention_gpu` (Triton) instead of
+      `flash_attention` (Mosaic, TPUs): attention_impl="pallas_gpu".
   """
   position_bias: Optional[Array] = None
   mask: Optional[Array] = None
@@ -335,6 +341,7 @@ class FusedMask:
   query_ids: Optional[Array] = None
   key_ids: Optional[Array] = None
   causal: bool = flax.struct.field(pytree_node=False, default=False)
+  gpu_kernel: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask) -> Array:
@@ -342,10 +349,21 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask) 
 
   A boolean mask is folded into the bias in float32 before the cast to the activation dtype,
   so padded positions get T5's -1e10 (rounded to that dtype), as in the einsum path. With
-  segment ids the Pallas kernel runs instead (float32 bias; padded queries output zeros).
+  segment ids a Pallas kernel runs instead (float32 bias; padded queries output zeros): the
+  Triton one for attention_impl="pallas_gpu", else the TPU one.
   """
   if masking.query_ids is not None:
     batch_axes, head_axes = nn.logical_to_mesh_axes(("batch", "heads"))
+    if masking.gpu_kernel:
+      bias, diagonals = masking.position_bias, None
+      if GPU_BIAS_AS_DIAGONALS and bias is not None:
+        # T5's position bias (relative positions of 0, 1, ..., see RelativePositionBias)
+        # depends on k - q alone, so its diagonals carry all of it.
+        bias, diagonals = None, flash_attention_gpu.bias_diagonals(bias)
+      return flash_attention_gpu.sharded_flash_attention(
+          query, key, value, bias, masking.query_ids, masking.key_ids,
+          bias_diagonals=diagonals, causal=masking.causal, batch_axes=batch_axes,
+          head_axes=head_axes)
     return flash_attention.sharded_flash_attention(
         query, key, value, masking.position_bias, masking.query_ids, masking.key_ids,
         causal=masking.causal, batch_axes=batch_axes, head_axes=head_axes)
@@ -575,19 +593,20 @@ def _fused_mask(config: T5Config, query_valid: Array, key_valid: Array,
                 query_segments: Optional[Array], key_segments: Optional[Array], *,
                 position_bias: Optional[Array] = None, causal: bool = False) -> FusedMask:
   """Padding (and packing) masks for fused attention: per-position segment ids for the Pallas
-  kernel; for cuDNN per-row key lengths when the config promises right padding and the batch
+  kernels; for cuDNN per-row key lengths when the config promises right padding and the batch
   is unpacked, else the dense boolean mask.
 
   With lengths, padded query rows attend to the valid keys instead of to nothing; no valid
   position reads a padded one, so every valid output is the same either way.
   """
-  if config.attention_impl == "pallas":
+  if config.attention_impl in ("pallas", "pallas_gpu"):
     def ids(valid: Array, segments: Optional[Array]) -> Array:
       return jnp.where(valid.astype(bool), 1 if segments is None else segments, 0).astype(
           jnp.int32)
     return FusedMask(position_bias=position_bias, causal=causal,
                      query_ids=ids(query_valid, query_segments),
-                     key_ids=ids(key_valid, key_segments))
+                     key_ids=ids(key_valid, key_segments),
+                     gpu_kernel=config.attention_impl == "pallas_gpu")
   if config.right_padded_inputs and query_segments is None and key_segments is None:
     return FusedMask(position_bias=position_bias,
                      key_lengths=jnp.sum(key_valid, axis=-1, dtype=jnp.int32))
@@ -656,7 +675,7 @@ class Decoder(nn.Module):
       position_bias = relpos(positions, positions, span=length)
       query_valid = (segment_ids > 0) if segment_ids is not None else jnp.ones((batch, length),
                                                                               bool)
-      if cfg.attention_impl == "pallas":
+      if cfg.attention_impl in ("pallas", "pallas_gpu"):
         self_bias = _fused_mask(cfg, query_valid, query_valid, segment_ids, segment_ids,
                                 position_bias=position_bias, causal=True)
       elif use_fused_attention(cfg, deterministic=deterministic, query_length=length,

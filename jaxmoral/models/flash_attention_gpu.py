@@ -1,0 +1,691 @@
+"""T5 flash attention for GPUs in Pallas (Triton), with the batch-summed gradient of the bias.
+
+T5 attention is `softmax(q k^T + bias) v` with no 1/sqrt(d) scale, where `bias` is the learned
+relative-position bias (1, heads, q_len, k_len), float32, shared by the batch. cuDNN's fused
+attention (attention_impl="cudnn") takes the bias but, through JAX, always returns its gradient
+per batch row and leaves the batch sum to XLA, which costs about as much as the attention
+itself at T5 1.1-large shapes (bench/RESULTS.md, 2026-11-23). These three Triton kernels
+stream over (block_q, block_k) tiles and keep only per-row statistics, like flash_attention.py
+does for TPUs:
+
+  forward  grid (batch, q blocks, heads): online softmax over the k blocks; out and the
+           base-2 row log-sum-exp.
+  dq       grid (batch, q blocks, heads): dq over the k blocks, and the softmax backward's row
+           term di = rowsum(dO * O), written for the dk/dv kernel (no separate pass over O).
+  dk/dv    grid (k blocks, heads, batch groups): each program walks the batch rows of its
+           group, `dkv_rows` at a time, and for each step the q blocks: dk and dv of those
+           rows accumulate in registers, and their summed dScores tile is added into the
+           group's (q_len, block_k) column of the bias gradient. The column belongs to that
+           program alone, so it is a plain read-add-write of a tile that sits in L2, never an
+           atomic; the first step of the group writes it. XLA then sums the few group
+           partials (groups, heads, q_len, k_len).
+
+So no (batch, heads, q, k) tensor reaches HBM: the largest is the partial bias gradient, a few
+groups times the bias. Batch rows are split into groups only so that the grid has enough
+programs to fill the GPU (`BlockSizes.dkv_programs`); without a bias every row is its own
+group. The bias can also come as its diagonals (`bias_diagonals`, for a bias that depends on
+k - q alone, as T5's does): tiles are then gathered from a (q_len + k_len) vector per head.
+
+Speed (bench/RESULTS.md, 2026-11-24, one H100, jax 0.11.2): at T5 1.1-large's encoder shape
+(batch 32, 16 heads x 64, 512 x 512) the gradient of q, k, v and bias took 1.24 ms against
+cuDNN's 0.89 ms. With 64-wide dk/dv tiles and one row per step it took 1.27 ms with the bias
+and 0.69 ms without one (cuDNN: 0.55 ms): the bias cost these kernels 0.58 ms, cuDNN 0.34 ms.
+For the bias they read float32 bias tiles in all three kernels and read, add and write the
+bias-gradient column (8 bytes per score, through L2; dkv_rows=2 does that once per two rows).
+The diagonals form was slower (1.43 ms against 1.27 ms for the whole bias, same call), so T5
+hands the kernels the whole bias. attention_impl="auto" keeps cuDNN.
+
+The inputs stay in the model's (batch, length, heads, d_kv) layout: tiles are read with the
+heads' stride, so no transposes run around the kernels. Masking is the TPU kernel's contract:
+per-position segment ids (a query sees the keys with its own id; ids <= 0 are padding) and a
+causal flag. A query that sees no key gets a zero output and passes no gradient. Lengths are
+padded to the tile sizes (padded queries and keys get ids -1 and -2, so they see nothing and
+nothing sees them); the head width is padded to a power of two (Triton tiles need one).
+
+On a CPU the kernels run in Pallas interpret mode (`INTERPRET = True`, the environment variable
+JAXMORAL_PALLAS_INTERPRET=1, or `interpret=True`); tests/test_flash_attention_gpu.py checks them
+that way against `flash_attention.reference_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any, Optional, Sequence, Union
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec
+
+Array = jax.Array
+MeshAxes = Union[None, str, Sequence[str]]
+
+# Run the kernels through the Pallas interpreter (any backend, slow): for CPU tests.
+INTERPRET: bool = os.environ.get("JAXMORAL_PALLAS_INTERPRET", "") not in ("", "0")
+
+# Finite stand-in for -inf: exp2(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
+MASK_VALUE = -1e30
+LOG2E = math.log2(math.e)
+MIN_BLOCK = 16  # Triton's smallest tile side for a matrix product.
+
+_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu,
+                                                                   "TritonCompilerParams")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes (powers of two) and Triton launch parameters of the three kernels.
+
+  Each block is capped at the (power-of-two rounded) length, so short sequences take smaller
+  tiles; lengths are padded to a multiple of every block that applies to them.
+
+  Attributes:
+    block_q, block_k: Tile of the forward kernel (queries per program, keys per step).
+    block_q_dq, block_k_dq: Tile of the dq kernel.
+    block_q_dkv, block_k_dkv: Tile of the dk/dv kernel (keys per program, queries per step);
+      block_k_dkv is also the width of the bias-gradient column a program owns.
+    num_warps, num_stages: Forward kernel launch parameters.
+    num_warps_bwd, num_stages_bwd: Both backward kernels' launch parameters.
+    dkv_programs: With a bias, the batch is split into the fewest groups (a divisor of the
+      batch) that give the dk/dv kernel at least this many programs.
+    dkv_rows: With a bias, the dk/dv kernel steps through this many batch rows at a time and
+      adds their summed dScores tiles to the bias-gradient column: 1/dkv_rows of the
+      read-add-writes, for dkv_rows times the dk/dv accumulators in registers. Taken only
+      where it divides the rows of a group.
+  """
+  block_q: int = 64
+  block_k: int = 64
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  block_q_dkv: int = 64
+  block_k_dkv: int = 32
+  num_warps: int = 4
+  num_stages: int = 2
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+  dkv_programs: int = 512
+  dkv_rows: int = 2
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"BlockSizes.{field.name} must be a positive int, got {value!r}")
+      if field.name.startswith("block_") and (value & (value - 1) or value < MIN_BLOCK):
+        raise ValueError(f"BlockSizes.{field.name} must be a power of two >= {MIN_BLOCK}, "
+                         f"got {value}")
+
+
+# What `flash_attention` (and so attention_impl="pallas_gpu") uses when given no block sizes.
+DEFAULT_BLOCK_SIZES = BlockSizes()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static parameters of one attention call (hashable: the custom_vjp's nondiff argument)."""
+  causal: bool
+  bq: int
+  bk: int
+  bq_dq: int
+  bk_dq: int
+  bq_dkv: int
+  bk_dkv: int
+  groups: int
+  num_warps: int
+  num_stages: int
+  num_warps_bwd: int
+  num_stages_bwd: int
+  interpret: bool
+  diagonals: bool = False  # The bias comes as its diagonals (see `flash_attention`).
+  q_pad: int = 0  # Padded query length (indexes the diagonals).
+  dkv_rows: int = 1  # Batch rows per step of the dk/dv kernel.
+
+
+def _next_power_of_2(x: int) -> int:
+  return 1 << max(0, (x - 1).bit_length())
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def _fit(block: int, length: int) -> int:
+  """`block`, capped at `length` rounded up to a power of two (at least MIN_BLOCK)."""
+  return min(block, max(MIN_BLOCK, _next_power_of_2(length)))
+
+
+def _batch_groups(batch: int, programs_per_group: int, target: int) -> int:
+  """The fewest groups (a divisor of `batch`) giving at least `target` programs, else `batch`."""
+  for groups in range(1, batch + 1):
+    if batch % groups == 0 and groups * programs_per_group >= target:
+      return groups
+  return batch
+
+
+def _params(plan: _Plan, backward: bool) -> Any:
+  if backward:
+    return _CompilerParams(num_warps=plan.num_warps_bwd, num_stages=plan.num_stages_bwd)
+  return _CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+
+def _tile_mask(q_ids: Array, k_ids: Array, q_start: Any, k_start: Any, causal: bool) -> Array:
+  """(block_q, block_k) bool: same segment id and, if causal, key position <= query position."""
+  mask = q_ids[:, None] == k_ids[None, :]
+  if causal:
+    rows = q_start + jnp.arange(q_ids.shape[0], dtype=jnp.int32)
+    cols = k_start + jnp.arange(k_ids.shape[0], dtype=jnp.int32)
+    mask = jnp.logical_and(mask, cols[None, :] <= rows[:, None])
+  return mask
+
+
+def _scores(q: Array, k: Array, bias: Optional[Array], mask: Array) -> Array:
+  """Masked base-2 scores (q k^T + bias) * log2(e) of a tile, float32."""
+  s = plgpu.dot(q, k, trans_b=True)
+  if bias is not None:
+    s = s + bias
+  return jnp.where(mask, s * LOG2E, MASK_VALUE)
+
+
+def _slice(start: Any, size: int) -> Any:
+  return pl.ds(pl.multiple_of(start * size, size), size)
+
+
+def _bias_tile(bias_ref: Any, rows: Any, cols: Any, q_start: Any, k_start: Any,
+               shape: tuple[int, int], plan: _Plan) -> Array:
+  """The (block_q, block_k) float32 bias tile at (q_start, k_start).
+
+  A full bias ref (q_len, k_len) is sliced; a diagonals ref (q_len + k_len,) is gathered:
+  bias[q, k] = diagonals[k - q + q_len - 1]. That gather reads bq + bk - 1 distinct values
+  of a vector that stays in L1, instead of bq * bk values through L2.
+  """
+  if not plan.diagonals:
+    return bias_ref[rows, cols]
+  offset = k_start - q_start + plan.q_pad - 1
+  index = (offset + jnp.arange(shape[1], dtype=jnp.int32)[None, :]
+           - jnp.arange(shape[0], dtype=jnp.int32)[:, None])
+  return bias_ref[index]
+
+
+# -- kernels --------------------------------------------------------------------------------------
+def _forward_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
+  """One (batch row, q block, head): the online softmax over the k blocks."""
+  if has_bias:
+    q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, lse_ref = refs
+  else:
+    q_ref, k_ref, v_ref, qid_ref, kid_ref, o_ref, lse_ref = refs
+    bias_ref = None
+  bq, bk = plan.bq, plan.bk
+  i = pl.program_id(1)
+  q, q_ids = q_ref[...], qid_ref[...]
+
+  def body(j, carry):
+    acc, m_prev, l_prev = carry
+    ks = _slice(j, bk)
+    mask = _tile_mask(q_ids, kid_ref[ks], i * bq, j * bk, plan.causal)
+    bias = None if bias_ref is None else _bias_tile(bias_ref, slice(None), ks, i * bq, j * bk,
+                                                    (bq, bk), plan)
+    s = _scores(q, k_ref[ks, :], bias, mask)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    # Masked entries are zeroed explicitly: in a row that has seen no key yet m_next is
+    # MASK_VALUE itself and exp2(s - m_next) would be 1.
+    p = jnp.where(mask, jnp.exp2(s - m_next[:, None]), 0.0)
+    alpha = jnp.exp2(m_prev - m_next)
+    l_next = alpha * l_prev + jnp.sum(p, axis=1)
+    v = v_ref[ks, :]
+    acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
+    return acc, m_next, l_next
+
+  num_k = k_ref.shape[0] // bk
+  if plan.causal:
+    num_k = jnp.minimum(num_k, lax.div((i + 1) * bq + bk - 1, bk))
+  acc, m, l = lax.fori_loop(
+      0, num_k, body,
+      (jnp.zeros((bq, q.shape[1]), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
+       jnp.zeros((bq,), jnp.float32)))
+  l = jnp.where(l > 0.0, l, 1.0)  # Rows that saw no key: acc is 0, so the output is 0.
+  o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = m + jnp.log2(l)
+
+
+def _dq_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
+  """One (batch row, q block, head): dq over the k blocks, and di = rowsum(dO * O)."""
+  if has_bias:
+    (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, do_ref, lse_ref,
+     dq_ref, di_ref) = refs
+  else:
+    q_ref, k_ref, v_ref, qid_ref, kid_ref, o_ref, do_ref, lse_ref, dq_ref, di_ref = refs
+    bias_ref = None
+  bq, bk = plan.bq_dq, plan.bk_dq
+  i = pl.program_id(1)
+  q, q_ids, do = q_ref[...], qid_ref[...], do_ref[...]
+  di = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+  di_ref[...] = di
+  lse = lse_ref[...]
+
+  def body(j, dq):
+    ks = _slice(j, bk)
+    mask = _tile_mask(q_ids, kid_ref[ks], i * bq, j * bk, plan.causal)
+    bias = None if bias_ref is None else _bias_tile(bias_ref, slice(None), ks, i * bq, j * bk,
+                                                    (bq, bk), plan)
+    s = _scores(q, k_ref[ks, :], bias, mask)
+    p = jnp.where(mask, jnp.exp2(s - lse[:, None]), 0.0)
+    dp = plgpu.dot(do, v_ref[ks, :], trans_b=True)
+    ds = p * (dp - di[:, None])
+    k = k_ref[ks, :]
+    return dq + plgpu.dot(ds.astype(k.dtype), k)
+
+  num_k = k_ref.shape[0] // bk
+  if plan.causal:
+    num_k = jnp.minimum(num_k, lax.div((i + 1) * bq + bk - 1, bk))
+  dq = lax.fori_loop(0, num_k, body, jnp.zeros((bq, q.shape[1]), jnp.float32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
+  """One (k block, head, batch group): dk and dv of each row of the group, and the group's
+  (q_len, block_k) column of the bias gradient."""
+  if has_bias:
+    (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, do_ref, lse_ref, di_ref,
+     dk_ref, dv_ref, dbias_ref) = refs
+  else:
+    (q_ref, k_ref, v_ref, qid_ref, kid_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref) = refs
+    bias_ref = dbias_ref = None
+  bq, bk = plan.bq_dkv, plan.bk_dkv
+  rows_per_group, q_len, width = q_ref.shape
+  num_q = q_len // bq
+  j = pl.program_id(0)
+  first_q = lax.div(j * bk, bq) if plan.causal else 0  # Causal: q blocks before see nothing.
+
+  step_rows = plan.dkv_rows
+
+  def batch_rows(step, first: bool):
+    """Rows step * step_rows, ...: their dScores tiles are summed before the bias-gradient
+    column is read and written, once per step."""
+    rows = [step * step_rows + r for r in range(step_rows)]
+    kvs = [(k_ref[b, :, :], v_ref[b, :, :], kid_ref[b, :]) for b in rows]
+
+    def body(i, carry):
+      qs = _slice(i, bq)
+      bias = None if bias_ref is None else _bias_tile(bias_ref, qs, slice(None), i * bq,
+                                                      j * bk, (bq, bk), plan)
+      out, ds_sum = [], None
+      for b, (k, v, k_ids), (dk, dv) in zip(rows, kvs, carry):
+        q, do = q_ref[b, qs, :], do_ref[b, qs, :]
+        mask = _tile_mask(qid_ref[b, qs], k_ids, i * bq, j * bk, plan.causal)
+        s = _scores(q, k, bias, mask)
+        p = jnp.where(mask, jnp.exp2(s - lse_ref[b, qs][:, None]), 0.0)
+        dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+        dp = plgpu.dot(do, v, trans_b=True)
+        ds = p * (dp - di_ref[b, qs][:, None])
+        dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
+        out.append((dk, dv))
+        ds_sum = ds if ds_sum is None else ds_sum + ds
+      if dbias_ref is not None:
+        if first:
+          dbias_ref[qs, :] = ds_sum
+        else:
+          dbias_ref[qs, :] = dbias_ref[qs, :] + ds_sum
+      return tuple(out)
+
+    zeros = jnp.zeros((bk, width), jnp.float32)
+    carry = lax.fori_loop(first_q, num_q, body, tuple((zeros, zeros) for _ in rows))
+    for b, (dk, dv) in zip(rows, carry):
+      dk_ref[b, :, :] = dk.astype(dk_ref.dtype)
+      dv_ref[b, :, :] = dv.astype(dv_ref.dtype)
+
+  if dbias_ref is not None and plan.causal:
+    # Tiles above the diagonal have no gradient, but the column must still be written.
+    def zero(i, carry):
+      dbias_ref[_slice(i, bq), :] = jnp.zeros((bq, bk), jnp.float32)
+      return carry
+    lax.fori_loop(0, first_q, zero, 0)
+  batch_rows(0, first=True)
+
+  def other_rows(step, carry):
+    if dbias_ref is not None and not plan.interpret:
+      # Orders the previous step's bias-gradient stores before this step's loads of the same
+      # tiles, which other threads of the program may hold.
+      plgpu.debug_barrier()
+    batch_rows(step, first=False)
+    return carry
+
+  lax.fori_loop(1, rows_per_group // step_rows, other_rows, 0)
+
+
+# -- pallas_call wrappers (padded arrays, (batch, length, heads, d) layout) ----------------------
+def _bias_spec(bias: Array, plan: _Plan, block: tuple[Any, ...], index_map: Any,
+               diagonals_index_map: Any) -> pl.BlockSpec:
+  """A full bias's tile, or one head's whole diagonals vector."""
+  if plan.diagonals:
+    return pl.BlockSpec((None, None, bias.shape[-1]), diagonals_index_map)
+  return pl.BlockSpec(block, index_map)
+
+
+def _diagonal_sums(x: Array) -> Array:
+  """(..., q, k) -> (..., q + k): out[..., k - i + q - 1] = sum of x[..., i, k] (last one 0).
+
+  The transpose of the diagonals-to-bias gather: rows reversed, then sheared (row r moved r
+  columns right by a reshape of the zero-padded rows), then summed.
+  """
+  *lead, q, k = x.shape
+  x = jnp.pad(x[..., ::-1, :], [(0, 0)] * len(lead) + [(0, 0), (0, q)])
+  x = x.reshape(*lead, q * (k + q))[..., :q * (k + q - 1)].reshape(*lead, q, k + q - 1)
+  return jnp.pad(jnp.sum(x, axis=-2), [(0, 0)] * len(lead) + [(0, 1)])
+
+
+def _forward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
+             plan: _Plan) -> tuple[Array, Array]:
+  """out (batch, q_len, heads, d) and the base-2 log-sum-exp (batch, heads, q_len) float32."""
+  batch, q_len, heads, width = q.shape
+  k_len = k.shape[1]
+  bq = plan.bq
+  in_specs = [pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0)),
+              pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0)),
+              pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0))]
+  args = [q, k, v]
+  if bias is not None:
+    in_specs.append(_bias_spec(bias, plan, (None, None, bq, k_len), lambda b, i, h: (0, h, i, 0),
+                               lambda b, i, h: (0, h, 0)))
+    args.append(bias)
+  in_specs += [pl.BlockSpec((None, bq), lambda b, i, h: (b, i)),
+               pl.BlockSpec((None, k_len), lambda b, i, h: (b, 0))]
+  args += [q_ids, k_ids]
+  # Batch is the fastest grid axis, so the programs running together share a bias tile in L2.
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, has_bias=bias is not None, plan=plan),
+      grid=(batch, q_len // bq, heads),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0)),
+                 pl.BlockSpec((None, None, bq), lambda b, i, h: (b, h, i))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
+      compiler_params=_params(plan, backward=False),
+      interpret=plan.interpret,
+      name="t5_flash_attention_gpu_fwd",
+  )(*args)
+
+
+def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
+              out: Array, lse: Array, do: Array,
+              plan: _Plan) -> tuple[Array, Array, Array, Optional[Array]]:
+  """dq, dk, dv and (with a bias) the batch-summed bias gradient, in the padded shapes."""
+  batch, q_len, heads, width = q.shape
+  k_len = k.shape[1]
+  has_bias = bias is not None
+
+  # dq and di: grid (batch, q blocks, heads).
+  bq = plan.bq_dq
+  row_spec = pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0))
+  kv_spec = pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0))
+  in_specs, args = [row_spec, kv_spec, kv_spec], [q, k, v]
+  if has_bias:
+    in_specs.append(_bias_spec(bias, plan, (None, None, bq, k_len), lambda b, i, h: (0, h, i, 0),
+                               lambda b, i, h: (0, h, 0)))
+    args.append(bias)
+  stat_spec = pl.BlockSpec((None, None, bq), lambda b, i, h: (b, h, i))
+  in_specs += [pl.BlockSpec((None, bq), lambda b, i, h: (b, i)),
+               pl.BlockSpec((None, k_len), lambda b, i, h: (b, 0)),
+               row_spec, row_spec, stat_spec]
+  args += [q_ids, k_ids, out, do, lse]
+  dq, di = pl.pallas_call(
+      functools.partial(_dq_kernel, has_bias=has_bias, plan=plan),
+      grid=(batch, q_len // bq, heads),
+      in_specs=in_specs,
+      out_specs=[row_spec, stat_spec],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
+      compiler_params=_params(plan, backward=True),
+      interpret=plan.interpret,
+      name="t5_flash_attention_gpu_dq",
+  )(*args)
+
+  # dk, dv and the bias gradient: grid (k blocks, heads, batch groups).
+  bk, groups = plan.bk_dkv, plan.groups
+  rows = batch // groups
+  q_spec = pl.BlockSpec((rows, q_len, None, width), lambda j, h, g: (g, 0, h, 0))
+  kv_spec = pl.BlockSpec((rows, bk, None, width), lambda j, h, g: (g, j, h, 0))
+  stat_spec = pl.BlockSpec((rows, None, q_len), lambda j, h, g: (g, h, 0))
+  in_specs, args = [q_spec, kv_spec, kv_spec], [q, k, v]
+  if has_bias:
+    in_specs.append(_bias_spec(bias, plan, (None, None, q_len, bk), lambda j, h, g: (0, h, 0, j),
+                               lambda j, h, g: (0, h, 0)))
+    args.append(bias)
+  in_specs += [pl.BlockSpec((rows, q_len), lambda j, h, g: (g, 0)),
+               pl.BlockSpec((rows, bk), lambda j, h, g: (g, j)),
+               q_spec, stat_spec, stat_spec]
+  args += [q_ids, k_ids, do, lse, di]
+  out_specs = [kv_spec, kv_spec]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  if has_bias:
+    out_specs.append(pl.BlockSpec((None, None, q_len, bk), lambda j, h, g: (g, h, 0, j)))
+    out_shape.append(jax.ShapeDtypeStruct((groups, heads, q_len, k_len), jnp.float32))
+  # k blocks are the fastest grid axis: the programs running together read the same q rows.
+  results = pl.pallas_call(
+      functools.partial(_dkv_kernel, has_bias=has_bias, plan=plan),
+      grid=(k_len // bk, heads, groups),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=_params(plan, backward=True),
+      interpret=plan.interpret,
+      name="t5_flash_attention_gpu_dkv",
+  )(*args)
+  dbias = None
+  if has_bias:
+    dbias = jnp.sum(results[2], axis=0, keepdims=True)
+    if plan.diagonals:
+      dbias = _diagonal_sums(dbias)
+  return dq, results[0], results[1], dbias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
+               plan: _Plan) -> Array:
+  return _forward(q, k, v, bias, q_ids, k_ids, plan)[0]
+
+
+def _attention_fwd(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
+                   k_ids: Array, plan: _Plan) -> tuple[Array, tuple[Any, ...]]:
+  out, lse = _forward(q, k, v, bias, q_ids, k_ids, plan)
+  return out, (q, k, v, bias, q_ids, k_ids, out, lse)
+
+
+def _attention_bwd(plan: _Plan, residuals: tuple[Any, ...], do: Array) -> tuple[Any, ...]:
+  q, k, v, bias, q_ids, k_ids, out, lse = residuals
+  dq, dk, dv, dbias = _backward(q, k, v, bias, q_ids, k_ids, out, lse, do, plan)
+  return dq, dk, dv, dbias, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# -- public API -----------------------------------------------------------------------------------
+def _kernel_ids(ids: Optional[Array], batch: int, length: int, padded: int,
+                fill: int) -> Array:
+  """(batch, padded) int32 ids for the kernels: padding (id <= 0, or past `length`) -> `fill`.
+
+  Queries and keys get different fills, so a padded query matches no key, not even a padded one.
+  """
+  if ids is None:
+    ids = jnp.ones((batch, length), jnp.int32)
+  ids = jnp.where(ids > 0, ids.astype(jnp.int32), fill)
+  return jnp.pad(ids, ((0, 0), (0, padded - length)), constant_values=fill)
+
+
+def bias_diagonals(bias: Array) -> Array:
+  """The diagonals (1, heads, q_len + k_len - 1) of a Toeplitz bias (1, heads, q_len, k_len):
+  out[..., k - q + q_len - 1] = bias[..., q, k], read off the first column and row.
+
+  For `flash_attention(bias_diagonals=...)`. Only a bias that is constant along its diagonals
+  (one that depends on k - q alone, as T5's relative-position bias over positions 0, 1, ...)
+  is represented exactly, and only then is the gradient that flows back through this slicing
+  (the diagonal sums, on the first row and column) the right one for what computed the bias.
+  """
+  return jnp.concatenate([bias[:, :, ::-1, 0], bias[:, :, 0, 1:]], axis=-1)
+
+
+def _check_shapes(query: Array, key: Array, value: Array, bias: Optional[Array],
+                  query_segment_ids: Optional[Array], key_segment_ids: Optional[Array],
+                  diagonals: Optional[Array] = None) -> None:
+  batch, q_len, heads, width = query.shape
+  k_len = key.shape[1]
+  if diagonals is not None and (bias is not None
+                                or diagonals.shape != (1, heads, q_len + k_len - 1)):
+    raise ValueError(f"flash_attention_gpu: bias_diagonals {diagonals.shape} must be (1, "
+                     f"{heads}, {q_len + k_len - 1}), and given instead of bias")
+  if key.shape != (batch, k_len, heads, width) or value.shape != key.shape:
+    raise ValueError(f"flash_attention_gpu: query {query.shape}, key {key.shape} and value "
+                     f"{value.shape} must be (batch, length, heads, d_kv) alike")
+  if bias is not None and bias.shape != (1, heads, q_len, k_len):
+    raise ValueError(f"flash_attention_gpu: bias {bias.shape} must be (1, {heads}, {q_len}, "
+                     f"{k_len}): one bias shared by the batch")
+  for name, ids, length in (("query_segment_ids", query_segment_ids, q_len),
+                            ("key_segment_ids", key_segment_ids, k_len)):
+    if ids is not None and ids.shape != (batch, length):
+      raise ValueError(f"flash_attention_gpu: {name} {ids.shape} must be ({batch}, {length})")
+
+
+def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                    query_segment_ids: Optional[Array] = None,
+                    key_segment_ids: Optional[Array] = None, *,
+                    bias_diagonals: Optional[Array] = None, causal: bool = False,
+                    block_sizes: Optional[BlockSizes] = None,
+                    interpret: Optional[bool] = None) -> Array:
+  """T5 attention, `softmax(q k^T + bias) v` without scaling, through the Triton kernels.
+
+  Differentiable in query, key, value and bias (`jax.custom_vjp`); the bias gradient is summed
+  over the batch inside the kernels.
+
+  Args:
+    query: (batch, q_len, heads, d_kv).
+    key: (batch, k_len, heads, d_kv).
+    value: (batch, k_len, heads, d_kv).
+    bias: (1, heads, q_len, k_len) additive bias shared by the batch (computed in float32),
+      or None.
+    query_segment_ids: (batch, q_len) int: a query attends to the keys with its id; ids <= 0
+      are padding. None: every query is valid, one segment.
+    key_segment_ids: (batch, k_len) int, likewise for keys.
+    bias_diagonals: Instead of `bias`, a Toeplitz bias given by its diagonals,
+      (1, heads, q_len + k_len - 1) with bias[:, h, q, k] = bias_diagonals[:, h, k - q + q_len
+      - 1] (`bias_diagonals(bias)`; T5's relative-position bias is one). The kernels gather
+      its tiles from this vector, and its gradient is the bias gradient summed along each
+      diagonal. The fast form for T5.
+    causal: Queries attend only to keys at their own position or before.
+    block_sizes: Tile sizes and launch parameters; None: `DEFAULT_BLOCK_SIZES` (read when
+      traced).
+    interpret: Run in Pallas interpret mode; None: `INTERPRET`.
+
+  Returns:
+    (batch, q_len, heads, d_kv) in query's dtype; zero for queries that attend to no key.
+  """
+  _check_shapes(query, key, value, bias, query_segment_ids, key_segment_ids, bias_diagonals)
+  interpret = INTERPRET if interpret is None else interpret
+  batch, q_len, heads, width = query.shape
+  k_len = key.shape[1]
+  blocks = DEFAULT_BLOCK_SIZES if block_sizes is None else block_sizes
+  bq, bq_dq, bq_dkv = (_fit(b, q_len) for b in (blocks.block_q, blocks.block_q_dq,
+                                                 blocks.block_q_dkv))
+  bk, bk_dq, bk_dkv = (_fit(b, k_len) for b in (blocks.block_k, blocks.block_k_dq,
+                                                 blocks.block_k_dkv))
+  q_pad = _round_up(q_len, max(bq, bq_dq, bq_dkv))
+  k_pad = _round_up(k_len, max(bk, bk_dq, bk_dkv))
+  width_pad = max(MIN_BLOCK, _next_power_of_2(width))
+  has_bias = bias is not None or bias_diagonals is not None
+  groups = (_batch_groups(batch, (k_pad // bk_dkv) * heads, blocks.dkv_programs)
+            if has_bias else batch)
+  plan = _Plan(causal=causal, bq=bq, bk=bk, bq_dq=bq_dq, bk_dq=bk_dq, bq_dkv=bq_dkv,
+               bk_dkv=bk_dkv, groups=groups, num_warps=blocks.num_warps,
+               num_stages=blocks.num_stages, num_warps_bwd=blocks.num_warps_bwd,
+               num_stages_bwd=blocks.num_stages_bwd, interpret=bool(interpret),
+               diagonals=bias_diagonals is not None, q_pad=q_pad,
+               dkv_rows=blocks.dkv_rows if has_bias and (batch // groups) % blocks.dkv_rows == 0
+               else 1)
+
+  def pad(x: Array, length: int) -> Array:
+    return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, width_pad - width)))
+
+  if bias is not None:
+    bias = jnp.pad(bias.astype(jnp.float32),
+                   ((0, 0), (0, 0), (0, q_pad - q_len), (0, k_pad - k_len)))
+  elif bias_diagonals is not None:  # Padded to q_pad + k_pad, indexed by k - q + q_pad - 1.
+    bias = jnp.pad(bias_diagonals.astype(jnp.float32),
+                   ((0, 0), (0, 0), (q_pad - q_len, k_pad - k_len + 1)))
+  out = _attention(pad(query, q_pad), pad(key.astype(query.dtype), k_pad),
+                   pad(value.astype(query.dtype), k_pad), bias,
+                   _kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
+                   _kernel_ids(key_segment_ids, batch, k_len, k_pad, -2), plan)
+  return out[:, :q_len, :, :width]
+
+
+def _mesh_axes_for(axes: MeshAxes, size: int, mesh: Any) -> MeshAxes:
+  """`axes` if they divide a dimension of `size`, else None (that dimension is replicated)."""
+  if axes is None:
+    return None
+  names = (axes,) if isinstance(axes, str) else tuple(axes)
+  shards = 1
+  for name in names:
+    shards *= mesh.shape[name]
+  return axes if size % shards == 0 else None
+
+
+def _target_platform(mesh: Any) -> str:
+  return mesh.abstract_device.platform if not mesh.empty else jax.default_backend()
+
+
+def sharded_flash_attention(query: Array, key: Array, value: Array,
+                            bias: Optional[Array] = None,
+                            query_segment_ids: Optional[Array] = None,
+                            key_segment_ids: Optional[Array] = None, *,
+                            bias_diagonals: Optional[Array] = None, causal: bool = False,
+                            batch_axes: MeshAxes = None, head_axes: MeshAxes = None,
+                            block_sizes: Optional[BlockSizes] = None,
+                            interpret: Optional[bool] = None) -> Array:
+  """`flash_attention` on every device of the current mesh (`jax.set_mesh`), each on its shard.
+
+  As `flash_attention.sharded_flash_attention` (the TPU kernels' wrapper): a Pallas call is
+  opaque to the SPMD partitioner, so under a mesh of more than one device the kernels run in a
+  `jax.shard_map` with the batch split over `batch_axes` and heads over `head_axes`; the
+  shard_map's transpose sums the bias gradient over `batch_axes`.
+
+  Raises:
+    ValueError: The mesh (or default backend) is not a GPU and interpret mode is off.
+  """
+  interpret = INTERPRET if interpret is None else interpret
+  mesh = jax.sharding.get_abstract_mesh()
+  platform = _target_platform(mesh)
+  if not interpret and platform not in ("gpu", "cuda", "rocm"):
+    raise ValueError(f"attention_impl='pallas_gpu' runs Triton kernels on GPUs only (this "
+                     f"computation is for {platform!r}); set jaxmoral.models."
+                     f"flash_attention_gpu.INTERPRET = True (or JAXMORAL_PALLAS_INTERPRET=1) "
+                     f"to interpret them")
+  attend = functools.partial(flash_attention, causal=causal, block_sizes=block_sizes,
+                             interpret=interpret)
+  if mesh.empty or mesh.size == 1:
+    return attend(query, key, value, bias, query_segment_ids, key_segment_ids,
+                  bias_diagonals=bias_diagonals)
+  batch, heads = query.shape[0], query.shape[2]
+  batch_axes = _mesh_axes_for(batch_axes, batch, mesh)
+  head_axes = _mesh_axes_for(head_axes, heads, mesh)
+  qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)
+  ids_spec = PartitionSpec(batch_axes, None)
+  optional = [(bias, PartitionSpec(None, head_axes, None, None)),
+              (query_segment_ids, ids_spec), (key_segment_ids, ids_spec),
+              (bias_diagonals, PartitionSpec(None, head_axes, None))]
+  present = [x for x, _ in optional if x is not None]
+
+  def local(q: Array, k: Array, v: Array, extras: list[Array]) -> Array:
+    it = iter(extras)
+    bias_, q_ids, k_ids, diagonals = (next(it) if x is not None else None for x, _ in optional)
+    return attend(q, k, v, bias_, q_ids, k_ids, bias_diagonals=diagonals)
+
+  # check_vma=False: Pallas outputs carry no varying-axes type. The transpose still sums the
+  # gradient of an input not split over an axis (the bias, over the batch axes) across it.
+  return jax.shard_map(
+      local, mesh=mesh,
+      in_specs=(qkv_spec, qkv_spec, qkv_spec, [s for x, s in optional if x is not None]),
+      out_specs=qkv_spec, check_vma=False)(query, key, value, present)
