@@ -25,6 +25,7 @@ from typing import Any
 
 import gin
 
+from jaxmoral import demo as demo_lib
 from jaxmoral import optimizers
 from jaxmoral.clarify import baselines
 from jaxmoral.clarify import chat as chat_lib
@@ -143,6 +144,9 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   for s in evaluation.get("ppo", {}).get("samples", [])[:3]:
     print(f"  {s['situation']!r} -> {s['question']!r} (JSD {s['jsd']:.4f})")
   print(f"PPO raw reward per iteration: {[round(x, 4) for x in ppo['reward_curve_values']]}")
+  truth = demo_lib.clarify_truth_lines(evaluation)
+  for line in truth:
+    print(line)
   print(f"models: {sorted(set(role_dir.values()))}")
   print(f"PPO run (checkpoints, TensorBoard train/; loads as the tuned question generator): "
         f"{ppo_dir}")
@@ -151,7 +155,7 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   return {"model_dirs": role_dir, "ppo": {k: v for k, v in ppo.items()},
           "evaluation": evaluation, "evaluation_json": str(table_path),
           "transcript": str(transcript), "reward_curve": ppo["reward_curve"],
-          "timings": timings, "seconds": seconds}
+          "timings": timings, "seconds": seconds, "truth": truth}
 
 
 if __name__ == "__main__":

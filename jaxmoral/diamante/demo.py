@@ -15,6 +15,7 @@ from typing import Any, TextIO
 import gin
 import jax
 
+from jaxmoral import demo as demo_lib
 from jaxmoral import optimizers, partitioning, runs
 from jaxmoral.data import demo as demo_data
 from jaxmoral.data import vocab as vocab_lib
@@ -70,6 +71,9 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   print(f"  train: nll {train.get('train/nll', float('nan')):.3f}  pe_loss "
         f"{train.get('train/pe_loss', float('nan')):.3f}  rank_accuracy "
         f"{train.get('train/rank_accuracy', float('nan')):.3f}", file=output)
+  truth = demo_lib.diamante_truth_lines(metrics)
+  for line in truth:
+    print(line, file=output)
   print("\n== sample replies (best of 8 by preference score) ==", file=output)
   contexts = [t.context for t in test_turns[:3]]
   for context, reply in zip(contexts, inference.respond(bundle, contexts,
@@ -84,4 +88,4 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
                  num_rounds=4, transcript_path=transcript, rerank=rerank, seed=seed,
                  output=output)
   return {"train": train, "eval": metrics, "model_dir": model_dir, "tensorboard": model_dir,
-          "transcript": transcript}
+          "transcript": transcript, "truth": truth}

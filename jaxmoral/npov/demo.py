@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 import gin
 
+from jaxmoral import demo as demo_lib
 from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import prompt_tuning
@@ -127,6 +128,13 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
   results = evaluate.evaluate_detectors(built, test_slices)
   paths = evaluate.write_results(results, os.path.join(workdir, "eval"))
   print(evaluate.format_table(results))
+  aucs = {f"auc/{slice_name}/{det}/{error}/{level}": by_error[error][f"{level}_auc"]
+          for slice_name, by_detector in results.items()
+          for det, by_error in by_detector.items()
+          for error in evaluate.ERRORS for level in ("example", "word")}
+  truth = demo_lib.npov_truth_lines(aucs)
+  for line in truth:
+    print(line)
   # The user-facing path: a responses file in, scores and heatmaps out.
   responses = os.path.join(workdir, "detect", "responses.jsonl")
   os.makedirs(os.path.dirname(responses), exist_ok=True)
@@ -139,10 +147,5 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
                        roc_dir=os.path.join(workdir, "detect"))
     paths["scores"] = os.path.join(workdir, "detect", "scores.jsonl")
     paths["heatmaps"] = os.path.join(workdir, "detect", "heatmaps")
-  summary: dict[str, Any] = dict(paths)
-  for slice_name, by_detector in results.items():
-    for det, by_error in by_detector.items():
-      for error in evaluate.ERRORS:
-        for level in ("example", "word"):
-          summary[f"auc/{slice_name}/{det}/{error}/{level}"] = by_error[error][f"{level}_auc"]
+  summary: dict[str, Any] = {**paths, **aucs, "truth": truth}
   return summary

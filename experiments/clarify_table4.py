@@ -1,0 +1,302 @@
+"""ClarifyDelphi, Table 4 shape: does PPO on the defeasibility reward beat the supervised model?
+
+Pyatkin et al. (ACL 2023), Table 4: the question generator tuned with PPO against the
+defeasibility reward (JSD of the judge's verdicts for the situation updated by an imagined
+weakener and strengthener answer) asks questions with a higher average JSD and more judgment
+flips than the supervised generator and the baselines. Checked here on the shared δ-Clarify
+data (train situations for the models and PPO, held-out `dev` situations for the table), from
+a span-corruption-pretrained T5 (INIT_CHECKPOINT), with the library's own commands (what
+`jaxmoral clarify demo` runs on the bundled corpus):
+
+1. question, answer, fusion, judge, NLI and relevance models fine-tuned from INIT_CHECKPOINT
+   (`training.train_clarify_model`; one multi-task model or one per role);
+2. PPO of the question generator against the reward (`training.train_clarify_ppo`);
+3. every system of the paper's comparison (`baselines.all_generators`: why, fine-tuned,
+   pipeline with and without NLI, discriminator, PPO), plus the supervised and PPO generators
+   decoded as PPO's rollouts decode (temperature and top-p of the PPOConfig) and greedily, on
+   `max_eval_situations` held-out situations, all scored by the same reward pipeline: average
+   JSD (0 for NLI-filtered answers, as the reward pays), JSD without the filter, % judgment
+   flips, % filtered, distinct-1/2/3 and wh-word shares, with 95 % bootstrap intervals over
+   situations and paired intervals of PPO minus the supervised generator.
+
+  python experiments/clarify_table4.py --gin_file=configs/experiments/clarify_table4_cpu.gin \
+      --gin.INIT_CHECKPOINT="'/work/runs/pretrain_mini'"
+
+Writes `<RESULTS_DIR>/<NAME>.md`, `.json` and `.png`; runs go under WORKDIR (a rerun resumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import gin
+import numpy as np
+
+import experiment_lib as common  # puts the project root on sys.path
+
+logger = logging.getLogger("clarify_table4")
+
+ROLES = ("question", "answer", "fusion", "judge", "nli", "relevance")
+MEAN_METRICS = (("jsd", "avg JSD"), ("jsd_unfiltered", "JSD unfiltered"),
+                ("flips_pct", "% flips"), ("filtered_pct", "% filtered"))
+WH_SHOWN = ("what", "why", "how", "who", "other")
+PAPER = ("paper (Pyatkin et al. 2023, Table 4): PPO raises the average JSD and the % of "
+         "judgment flips over the supervised question generator")
+
+
+def system_metrics(situations: Sequence[str], questions: Sequence[str], result: Any, *,
+                   num_resamples: int, seed: int) -> dict[str, Any]:
+  """Per-situation arrays and their intervals for one system's questions."""
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  per = {"jsd": np.asarray(result.scores, np.float64),
+         "jsd_unfiltered": np.asarray(result.jsd, np.float64),
+         "flips_pct": 100.0 * np.asarray(result.flips, np.float64),
+         "filtered_pct": 100.0 * np.asarray(result.filtered, np.float64)}
+  ci = lambda v: common.ci_dict(common.mean_ci(v, num_resamples=num_resamples,  # noqa: E731
+                                               seed=seed))
+  out: dict[str, Any] = {"per_situation": {k: v.tolist() for k, v in per.items()},
+                         "questions": list(questions)}
+  for key, _ in MEAN_METRICS:
+    out[key] = ci(per[key])
+  # No interval for distinct-n: a resample with replacement repeats questions, which lowers
+  # distinct-n by construction (its percentile interval would miss the estimate).
+  for n in (1, 2, 3):
+    out[f"distinct_{n}"] = metrics.distinct_n(list(questions), n)
+  first = [next(iter(k for k, v in metrics.wh_word_distribution([q]).items() if v), "other")
+           for q in questions]
+  out["wh_pct"] = {w: ci(100.0 * np.asarray([f == w for f in first], np.float64))
+                   for w in metrics.WH_WORDS + ("other",)}
+  del situations
+  return out
+
+
+@gin.configurable(module="clarify_table4")
+def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint: str,
+                   model_config: Any, optimizer: Any, ppo_optimizer: Any, ppo_config: Any,
+                   reward_config: Any, data_dir: str = "../shared/data",
+                   separate_models: bool = False, train_steps: int = 1000,
+                   batch_size: int = 32, feature_lengths: Optional[Mapping[str, int]] = None,
+                   ppo_iterations: int = 40, max_ppo_prompts: Optional[int] = None,
+                   eval_split: str = "dev", max_eval_situations: int = 300,
+                   question_length: int = 32, num_resamples: int = 1000,
+                   log_every: int = 50, seed: int = 0, command: str = "") -> dict[str, Any]:
+  """Runs the whole experiment; writes and returns the results.
+
+  Args:
+    workdir: Runs (WORKDIR).
+    results_dir: Where `<name>.md/.json/.png` go (RESULTS_DIR).
+    name: Name of the result files (NAME).
+    init_checkpoint: The pretrained base (INIT_CHECKPOINT).
+    model_config: Its T5Config (MODEL_CONFIG).
+    optimizer: Supervised optimizer (OPTIMIZER).
+    ppo_optimizer: PPO's policy and value optimizer.
+    ppo_config: `ppo_trainer.PPOConfig` (rollout decoding too).
+    reward_config: `reward.RewardConfig` (training reward and evaluation alike).
+    data_dir: A folder laid out like ../shared/data (δ-Clarify, silver, fusion).
+    separate_models: One run per role instead of one multi-task model.
+    train_steps: Supervised steps (per model with `separate_models`).
+    batch_size: Supervised batch size.
+    feature_lengths: Supervised input / target tokens (default 128 / 32).
+    ppo_iterations: PPO iterations.
+    max_ppo_prompts: PPO's train situations at most (None: all).
+    eval_split: δ-Clarify split of the held-out situations.
+    max_eval_situations: Held-out situations evaluated (the paper's table: its test set).
+    question_length: Question tokens at most at evaluation.
+    num_resamples: Bootstrap resamples.
+    log_every: Training progress lines.
+    seed: Seed of everything.
+    command: The command line (written into the report).
+
+  Returns:
+    Every number of the report (also in `<results_dir>/<name>.json`).
+  """
+  # pylint: disable=import-outside-toplevel
+  from jaxmoral.clarify import baselines
+  from jaxmoral.clarify import data as data_lib
+  from jaxmoral.clarify import models
+  from jaxmoral.clarify import reward as reward_lib
+  from jaxmoral.clarify import training
+  # pylint: enable=import-outside-toplevel
+  started = time.time()
+  os.makedirs(workdir, exist_ok=True)
+  timings: dict[str, float] = {}
+  lengths = dict(feature_lengths or {"inputs": 128, "targets": 32})
+  eval_situations = data_lib.situations(data_dir, split=eval_split)[:max_eval_situations]
+  if len(eval_situations) < max_eval_situations:
+    logger.warning("only %d %s situations", len(eval_situations), eval_split)
+
+  # 1. Supervised models.
+  dirs: dict[str, str] = {}
+  for which in (ROLES if separate_models else ("multitask",)):
+    dirs[which] = os.path.join(workdir, f"{which}_model")
+    if os.path.isdir(os.path.join(dirs[which], "checkpoints", str(train_steps))):
+      continue
+    tick = time.time()
+    training.train_clarify_model(
+        which=which, model_dir=dirs[which], model_config=model_config, optimizer=optimizer,
+        train_steps=train_steps, batch_size=batch_size, feature_lengths=lengths,
+        source=data_dir, split="train", judge_classes=reward_config.judge_classes,
+        nli_labels=reward_config.nli_labels, checkpoint_every=train_steps,
+        log_every=log_every, seed=seed, init_checkpoint=init_checkpoint)
+    timings[f"train_{which}_s"] = time.time() - tick
+  role_dir = {r: dirs.get(r, dirs.get("multitask")) for r in ROLES}
+
+  # 2. PPO on train situations.
+  tick = time.time()
+  ppo_dir = os.path.join(workdir, "ppo")
+  ppo = training.train_clarify_ppo(
+      model_dir=ppo_dir, question_model_dir=role_dir["question"],
+      answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],
+      judge_model_dir=role_dir["judge"], nli_model_dir=role_dir["nli"], ppo_config=ppo_config,
+      optimizer=ppo_optimizer, num_iterations=ppo_iterations, reward_config=reward_config,
+      source=data_dir, split="train", max_prompts=max_ppo_prompts,
+      log_every=max(1, min(log_every, ppo_iterations // 10 or 1)),
+      sample_every=ppo_iterations, checkpoint_every=ppo_iterations, seed=seed,
+      async_checkpoint=False)
+  timings["ppo_s"] = time.time() - tick
+
+  # 3. Every system on the held-out situations, one reward pipeline.
+  tick = time.time()
+  reward = reward_lib.DefeasibilityReward.from_dirs(
+      answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],
+      judge_model_dir=role_dir["judge"], nli_model_dir=role_dir["nli"], config=reward_config)
+  load = lambda d: models.load_model(d, input_length=lengths["inputs"],  # noqa: E731
+                                     batch_size=reward_config.batch_size)
+  sft_model, ppo_model = load(role_dir["question"]), load(ppo["policy_dir"])
+  systems = dict(baselines.all_generators(
+      question_model=sft_model, reward=reward, relevance_model=load(role_dir["relevance"]),
+      ppo_model=ppo_model))
+  # Diagnostics: the two generators decoded as PPO's rollouts decode, and greedily.
+  rollout = dict(top_p=ppo_config.top_p, temperature=ppo_config.temperature,
+                 max_length=question_length, seed=seed)
+  systems["finetuned@rollout"] = baselines.sampled_generator(sft_model, **rollout)
+  systems["ppo@rollout"] = baselines.sampled_generator(ppo_model, **rollout)
+  systems["finetuned@greedy"] = baselines.sampled_generator(sft_model, greedy=True,
+                                                            max_length=question_length)
+  systems["ppo@greedy"] = baselines.sampled_generator(ppo_model, greedy=True,
+                                                      max_length=question_length)
+  table: dict[str, Any] = {}
+  for system, generate in systems.items():
+    questions = generate(list(eval_situations))
+    result = reward.score_questions(list(eval_situations), questions)
+    table[system] = system_metrics(eval_situations, questions, result,
+                                   num_resamples=num_resamples, seed=seed)
+    logger.info("%s: avg JSD %.4f, flips %.1f %%", system, table[system]["jsd"]["estimate"],
+                table[system]["flips_pct"]["estimate"])
+  timings["evaluate_s"] = time.time() - tick
+  differences = {}
+  for a, b in (("ppo", "finetuned"), ("ppo@rollout", "finetuned@rollout"),
+               ("ppo@greedy", "finetuned@greedy"), ("ppo@rollout", "ppo")):
+    if a in table and b in table:
+      differences[f"{a} - {b}"] = {key: common.ci_dict(common.paired_diff_ci(
+          table[a]["per_situation"][key], table[b]["per_situation"][key],
+          num_resamples=num_resamples, seed=seed)) for key in ("jsd", "flips_pct")}
+  timings["total_s"] = time.time() - started
+  results: dict[str, Any] = {
+      "table": table, "differences": differences, "command": command,
+      "machine": common.machine(), "timings": timings,
+      "ppo_reward_curve": ppo.get("reward_curve_values", []),
+      "setup": {"init_checkpoint": init_checkpoint, "data_dir": data_dir,
+                "separate_models": separate_models, "train_steps": train_steps,
+                "batch_size": batch_size, "feature_lengths": lengths,
+                "ppo_iterations": ppo_iterations, "ppo_batch_size": ppo_config.batch_size,
+                "ppo_top_p": ppo_config.top_p, "ppo_temperature": ppo_config.temperature,
+                "eval_split": eval_split, "eval_situations": len(eval_situations),
+                "num_resamples": num_resamples, "seed": seed}}
+  results["verdict"], results["verdict_why"] = verdict(differences)
+  os.makedirs(results_dir, exist_ok=True)
+  results["plot"] = plot(results, os.path.join(results_dir, f"{name}.png"),
+                         title=f"ClarifyDelphi Table 4 shape ({name})")
+  markdown = report(results, name=name)
+  paths = common.write_results(results_dir, name, markdown=markdown, results=results)
+  print(markdown)
+  print(f"\nwrote {paths['markdown']}, {paths['json']}, {results['plot']}")
+  return results
+
+
+def verdict(differences: Mapping[str, Any]) -> tuple[str, str]:
+  """From the paired intervals of PPO minus the supervised generator (as the table decodes)."""
+  d = differences.get("ppo - finetuned")
+  if d is None:
+    return "inconclusive", "no PPO row"
+  jsd, flips = d["jsd"], d["flips_pct"]
+  why = (f"PPO minus SFT: avg JSD {jsd['estimate']:+.4f} [{jsd['low']:+.4f}, "
+         f"{jsd['high']:+.4f}], % flips {flips['estimate']:+.1f} [{flips['low']:+.1f}, "
+         f"{flips['high']:+.1f}]")
+  if jsd["low"] > 0 and flips["low"] > 0:
+    return "agrees", why
+  if jsd["high"] < 0 or flips["high"] < 0:
+    return "disagrees", why
+  return "inconclusive", why
+
+
+def report(results: Mapping[str, Any], *, name: str) -> str:
+  """The Markdown section for bench/RESULTS.md."""
+  s, m, t = results["setup"], results["machine"], results["timings"]
+  curve = results["ppo_reward_curve"]
+  lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
+           "Command:", "", f"    {results['command']}", "",
+           f"Setup: base `{s['init_checkpoint']}`; "
+           f"{'one model per role' if s['separate_models'] else 'one multi-task model'} "
+           f"({s['train_steps']} steps, batch {s['batch_size']}) on `{s['data_dir']}` train; "
+           f"PPO {s['ppo_iterations']} iterations of {s['ppo_batch_size']} train situations "
+           f"(rollouts: top-p {s['ppo_top_p']}, temperature {s['ppo_temperature']}); "
+           f"evaluation on {s['eval_situations']} `{s['eval_split']}` situations, one question "
+           f"each. 95 % bootstrap intervals over situations ({s['num_resamples']} resamples; "
+           "none for distinct-n, which resampling with replacement lowers by repeating "
+           "questions).",
+           "", "| system | " + " | ".join(label for _, label in MEAN_METRICS)
+           + " | distinct-1 | distinct-2 | distinct-3 | "
+           + " | ".join(f"% {w}" for w in WH_SHOWN) + " |",
+           "|---|" + "---|" * (len(MEAN_METRICS) + 3 + len(WH_SHOWN))]
+  for system, row in results["table"].items():
+    cells = [common.fmt(row[k], 4 if k.startswith("jsd") else 1) for k, _ in MEAN_METRICS]
+    cells += [f"{row[f'distinct_{n}']:.3f}" for n in (1, 2, 3)]
+    cells += [common.fmt(row["wh_pct"][w], 1) for w in WH_SHOWN]
+    lines.append(f"| {system} | " + " | ".join(cells) + " |")
+  lines += ["", "Paired differences (same situations):", "", "| difference | avg JSD | % flips |",
+            "|---|---|---|"]
+  for label, d in results["differences"].items():
+    lines.append(f"| {label} | {common.fmt(d['jsd'], 4)} | {common.fmt(d['flips_pct'], 1)} |")
+  if curve:
+    lines += ["", f"PPO training reward (raw JSD of rollouts) per iteration: first "
+              f"{curve[0]:.4f}, last {curve[-1]:.4f}, max {max(curve):.4f}."]
+  lines += ["", f"Claim: {PAPER}. This run **{results['verdict']}** ({results['verdict_why']}).",
+            "", "Seconds: " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in t.items()) + ".", "",
+            f"Plot: `{results['plot']}`."]
+  return "\n".join(lines)
+
+
+def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
+  """Average JSD and % flips per system with their intervals."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  table = results["table"]
+  systems = list(table)
+  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+  for ax, (key, label) in zip(axes, (("jsd", "average JSD"), ("flips_pct", "% judgment flips"))):
+    est = np.array([table[s][key]["estimate"] for s in systems])
+    err = np.array([[table[s][key]["estimate"] - table[s][key]["low"] for s in systems],
+                    [table[s][key]["high"] - table[s][key]["estimate"] for s in systems]])
+    colors = ["tab:red" if s.startswith("ppo") else "tab:blue" if s.startswith("finetuned")
+              else "tab:gray" for s in systems]
+    ax.bar(np.arange(len(systems)), est, yerr=err, capsize=3, color=colors)
+    ax.set_xticks(np.arange(len(systems)))
+    ax.set_xticklabels(systems, rotation=35, ha="right", fontsize=8)
+    ax.set_title(f"{label} (95 % CI)")
+    ax.grid(axis="y", alpha=0.3)
+  fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+if __name__ == "__main__":
+  sys.exit(common.main(run_experiment))

@@ -1,0 +1,166 @@
+"""What the fidelity experiments share: gin flags, bootstrap intervals, the machine, reports.
+
+Each experiment (`experiments/<name>.py`) is one keyword-only `@gin.configurable` function run
+by `main(...)` below with T5X's flags (`--gin_file=`, `--gin.NAME=VALUE`), as the `jaxmoral`
+command line runs library functions. It writes `<results_dir>/<name>.md` (the table),
+`<name>.json` (every number) and `<name>.png` (the plot).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pathlib
+import platform
+import re
+import shlex
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(PROJECT_ROOT) not in sys.path:  # `python experiments/x.py` from a clone, not installed
+  sys.path.insert(0, str(PROJECT_ROOT))
+
+from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
+
+logger = logging.getLogger(__name__)
+
+
+def _quote(arg: str) -> str:
+  """A shell word, `--gin.X="'value'"` style for gin string values."""
+  name, sep, value = arg.partition("=")
+  if sep and name.startswith("--") and re.fullmatch(r"[\w./:,'{} -]*", value) and \
+      shlex.quote(value) != value:
+    return f'{name}="{value}"'
+  return shlex.quote(arg)
+
+
+def command_line(argv: Sequence[str]) -> str:
+  """The command as a user would type it again (from the project root)."""
+  script = os.path.relpath(os.path.abspath(sys.argv[0]), os.getcwd())
+  return " ".join(["python", shlex.quote(script), *(_quote(a) for a in argv)])
+
+
+def setup_logging() -> None:
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                      datefmt="%H:%M:%S", force=True)
+  for noisy in ("absl", "jax._src", "orbax", "tensorflow", "etils"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = None) -> int:
+  """Parses gin flags, then calls the experiment's gin-bound `run(command=...)`.
+
+  Args:
+    run: The experiment's `@gin.configurable` entry function (takes `command`).
+    argv: Arguments without the program name (default `sys.argv[1:]`).
+
+  Returns:
+    The exit status.
+  """
+  from jaxmoral import compilation_cache, gin_utils  # pylint: disable=import-outside-toplevel
+  argv = list(sys.argv[1:] if argv is None else argv)
+  gin_args, rest = gin_utils.split_gin_args(argv)
+  if rest or not gin_args.files:
+    problem = f"unexpected arguments: {rest}" if rest else "no --gin_file given"
+    print(f"usage: {command_line([])} --gin_file=configs/experiments/<name>.gin "
+          f"[--gin.NAME=VALUE ...]\nerror: {problem}", file=sys.stderr)
+    return 2
+  setup_logging()
+  cache_dir = compilation_cache.resolve_cache_dir(None)
+  if cache_dir is not None:
+    compilation_cache.enable(cache_dir)
+  try:
+    gin_utils.parse_gin(gin_args)
+    gin_utils.check_required()
+  except (ValueError, FileNotFoundError) as error:
+    print(f"error: {gin_utils.explain_gin_error(error)}", file=sys.stderr)
+    return 2
+  command = command_line(argv)
+  print(f"command: {command}", flush=True)
+  run(command=command)
+  print(f"command: {command}", flush=True)
+  return 0
+
+
+# -- intervals ------------------------------------------------------------------------------
+
+
+def mean_ci(values: Any, *, num_resamples: int = 1000, seed: int = 0
+            ) -> metrics_lib.BootstrapCI:
+  """95 % percentile bootstrap interval of the mean of per-unit values (resampling units)."""
+  values = np.asarray(values, np.float64)
+  return metrics_lib.bootstrap_ci(lambda x: x.mean(axis=1), values, vectorized=True,
+                                  num_resamples=num_resamples, seed=seed)
+
+
+def paired_diff_ci(a: Any, b: Any, *, num_resamples: int = 1000, seed: int = 0
+                   ) -> metrics_lib.BootstrapCI:
+  """Interval of mean(a) - mean(b) over the same units, resampled together (paired)."""
+  diff = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+  return mean_ci(diff, num_resamples=num_resamples, seed=seed)
+
+
+def fmt_ci(ci: Any, digits: int = 3) -> str:
+  """`0.113 [0.080, 0.150]`."""
+  estimate, low, high = ci
+  return f"{estimate:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
+
+
+def fmt(ci: Optional[dict[str, float]], digits: int = 3) -> str:
+  """`fmt_ci` of a `ci_dict` ("—" for None)."""
+  if ci is None:
+    return "—"
+  return fmt_ci((ci["estimate"], ci["low"], ci["high"]), digits)
+
+
+def ci_dict(ci: metrics_lib.BootstrapCI) -> dict[str, float]:
+  return {"estimate": ci.estimate, "low": ci.low, "high": ci.high,
+          "num_resamples": ci.num_resamples, "num_skipped": ci.num_skipped}
+
+
+# -- the machine and the report -------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+  """Date, CPU, cores, load and JAX devices: where the numbers were measured."""
+  import jax  # pylint: disable=import-outside-toplevel
+  cpu = platform.processor() or platform.machine()
+  try:
+    text = pathlib.Path("/proc/cpuinfo").read_text()
+    found = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    cpu = found.group(1).strip() if found else cpu
+  except OSError:
+    pass
+  try:
+    load = tuple(round(x, 2) for x in os.getloadavg())
+  except OSError:
+    load = None
+  device = jax.devices()[0]
+  return {"date": datetime.datetime.now().astimezone().strftime("%a %Y-%m-%d %H:%M:%S %Z"),
+          "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "load_average": load,
+          "jax": jax.__version__, "devices": f"{jax.device_count()} x {device.device_kind}",
+          "platform": device.platform}
+
+
+def machine_line(info: dict[str, Any]) -> str:
+  return (f"{info['date']}; {info['cpu']}, {info['cores']} cores (load average at the end "
+          f"{info['load_average']}); JAX {info['jax']} on {info['devices']}")
+
+
+def write_results(results_dir: str, name: str, *, markdown: str, results: dict[str, Any]
+                  ) -> dict[str, str]:
+  """Writes `<name>.md` and `<name>.json`; returns their paths."""
+  os.makedirs(results_dir, exist_ok=True)
+  md_path = os.path.join(results_dir, f"{name}.md")
+  json_path = os.path.join(results_dir, f"{name}.json")
+  pathlib.Path(md_path).write_text(markdown + "\n", encoding="utf-8")
+  pathlib.Path(json_path).write_text(json.dumps(results, indent=2, sort_keys=True, default=str)
+                                     + "\n", encoding="utf-8")
+  return {"markdown": md_path, "json": json_path}

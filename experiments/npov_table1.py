@@ -1,0 +1,363 @@
+"""NPOV error detection, Table 1 shape: do ROUGE-1, salience and the classifiers detect errors?
+
+Chang et al. (LREC-COLING 2024), Table 1: on synthetic hallucinations (an argument removed from
+the input, still verbalised) and coverage errors (an argument added to the input, not
+verbalised), unparaphrased and paraphrased, ROUGE-1, gradient x input salience of the
+generator and prompt-tuned YES/NO classifiers detect both kinds above chance (hallucination,
+example level: salience ROC AUC .808, classifier .953). Checked here on PERSPECTRUM (907
+claims, split train/dev/test by its own `dataset_split_v1.0.json`), from a span-corruption-
+pretrained T5 (INIT_CHECKPOINT), with the library's own pieces (as `jaxmoral npov demo` runs
+them on the bundled corpus):
+
+1. verbalisation examples of the train claims (`knowledge_base.sample_examples`, several
+   argument subsets per claim, template responses); the base fine-tuned on them
+   (`runs.train_run`), then a generator soft prompt and one YES/NO classifier prompt per error
+   type over that frozen base (`prompt_tuning.PromptTuningModel`,
+   `detectors.classifier.train_classifier`; the classifiers learn from synthetic errors of the
+   train claims);
+2. error-free examples of the held-out (test) claims and their synthetic errors
+   (`synthetic.make_test_slices`: per source example the clean one, a hallucination and a
+   coverage error, each also paraphrased);
+3. every detector (`detect.build_detector`) on both slices: ROC AUC at example and word level
+   (`evaluate.evaluate_slice`) with 95 % bootstrap intervals (examples resampled; at word
+   level whole examples, their words together).
+
+  python experiments/npov_table1.py --gin_file=configs/experiments/npov_table1_cpu.gin \
+      --gin.INIT_CHECKPOINT="'/work/runs/pretrain_mini'"
+
+Writes `<RESULTS_DIR>/<NAME>.md`, `.json` and `.png`; runs go under WORKDIR (a rerun resumes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+import gin
+import numpy as np
+
+import experiment_lib as common  # puts the project root on sys.path
+
+logger = logging.getLogger("npov_table1")
+
+ERRORS = ("hallucination", "coverage")
+LEVELS = ("example", "word")
+PAPER = {"rouge": "ROUGE-1 detects both error types above chance",
+         "salience": "salience detects both above chance (hallucination, example level: .808)",
+         "classifier": "the YES/NO classifiers detect both above chance (hallucination, example "
+                       "level: .953)"}
+
+
+def word_arrays(examples: Sequence[Any], detections: Sequence[Any], error: str
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(labels, scores, example index) of the words `evaluate.evaluate_slice` scores."""
+  from jaxmoral.npov import evaluate  # pylint: disable=import-outside-toplevel
+  other = ERRORS[1 - ERRORS.index(error)]
+  labels_fn = (evaluate.hallucination_word_labels if error == "hallucination"
+               else evaluate.coverage_word_labels)
+  labels, scores, units = [], [], []
+  for i, (e, d) in enumerate(zip(examples, detections)):
+    if getattr(e, error) is None or getattr(e, other):
+      continue
+    words = d.response_words if error == "hallucination" else d.argument_words
+    word_labels = labels_fn(e, words) if words else None
+    if word_labels is None:
+      continue
+    labels.extend(word_labels)
+    scores.extend(w.score for w in words)
+    units.extend([i] * len(words))
+  return np.asarray(labels, int), np.asarray(scores, np.float64), np.asarray(units, int)
+
+
+def auc_intervals(examples: Sequence[Any], detections: Sequence[Any], *, num_resamples: int,
+                  seed: int) -> dict[str, dict[str, Any]]:
+  """{error: {level: {estimate, low, high, n, positives} or None}} for one detector, slice."""
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import evaluate  # pylint: disable=import-outside-toplevel
+  evaluated = evaluate.evaluate_slice(examples, detections)
+  out: dict[str, dict[str, Any]] = {}
+  for error in ERRORS:
+    out[error] = {}
+    labels = np.asarray(evaluated[error]["labels"], int)
+    scores = np.asarray(evaluated[error]["scores"], np.float64)
+    w_labels, w_scores, w_units = word_arrays(examples, detections, error)
+    for level, arrays, units in (("example", (labels, scores), None),
+                                 ("word", (w_labels, w_scores), w_units)):
+      if arrays[0].size == 0 or len(set(arrays[0].tolist())) < 2:
+        out[error][level] = None
+        continue
+      ci = metrics.bootstrap_ci(metrics.roc_auc, *arrays, units=units,
+                                num_resamples=num_resamples, seed=seed)
+      out[error][level] = {**common.ci_dict(ci), "n": int(arrays[0].size),
+                           "positives": int(arrays[0].sum())}
+    # The library's own number, for the check that both agree.
+    out[error]["library_example_auc"] = evaluated[error]["example_auc"]
+  return out
+
+
+def _distinct(examples: Sequence[Any]) -> list[Any]:
+  """Each (claim, pro, con) once: several argument subsets of a claim may coincide."""
+  seen: dict[tuple[Any, ...], Any] = {}
+  for e in examples:
+    seen.setdefault((e.topic, e.pro, e.con), e)
+  return list(seen.values())
+
+
+def _train(model_dir: str, steps: int, train: Any) -> float:
+  """Runs `train()` unless the run already has its final checkpoint; returns seconds."""
+  ckpt = os.path.join(model_dir, "checkpoints", str(steps))
+  if os.path.isdir(ckpt):
+    return 0.0
+  tick = time.time()
+  train()
+  return time.time() - tick
+
+
+@gin.configurable(module="npov_table1")
+def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint: str,
+                   model_config: Any, optimizer: Any, perspectrum_dir: str,
+                   train_examples_per_claim: int = 4, test_examples_per_claim: int = 1,
+                   max_per_side: int = 3, max_test_sources: Optional[int] = None,
+                   base_steps: int = 600, prompt_steps: int = 300, classifier_steps: int = 300,
+                   prompt_learning_rate: float = 0.3, warmup_steps: int = 50,
+                   batch_size: int = 16,
+                   feature_lengths: Optional[Mapping[str, int]] = None,
+                   detectors: Sequence[str] = ("rouge", "salience", "classifier"),
+                   max_salience_examples: Optional[int] = None, num_resamples: int = 1000,
+                   log_every: int = 50, seed: int = 0, command: str = "") -> dict[str, Any]:
+  """Runs the whole experiment; writes and returns the results.
+
+  Args:
+    workdir: Runs and data files (WORKDIR).
+    results_dir: Where `<name>.md/.json/.png` go (RESULTS_DIR).
+    name: Name of the result files (NAME).
+    init_checkpoint: The pretrained base (INIT_CHECKPOINT).
+    model_config: Its T5Config (MODEL_CONFIG).
+    optimizer: Optimizer of the base fine-tuning (OPTIMIZER).
+    perspectrum_dir: PERSPECTRUM's folder (claims, perspectives, split file).
+    train_examples_per_claim: Verbalisation examples (argument subsets) per train claim.
+    test_examples_per_claim: Error-free source examples per test claim (each gives a clean,
+      a hallucination and a coverage example per slice).
+    max_per_side: Arguments per side at most.
+    max_test_sources: Cap on test source examples (None: all).
+    base_steps: Fine-tuning steps of the base on the verbalisation task.
+    prompt_steps: Generator soft-prompt steps.
+    classifier_steps: Steps of each classifier prompt.
+    prompt_learning_rate: Peak learning rate of the prompts (paper's optimizer).
+    warmup_steps: Prompt warm-up steps.
+    batch_size: Batch size of every run.
+    feature_lengths: Generator input / response tokens (classifiers read both); default
+      256 / 256.
+    detectors: Any of "rouge", "salience", "classifier".
+    max_salience_examples: Salience (a backward pass per chunk of response tokens) runs on
+      this many examples of each slice at most, a seeded sample, the same source examples in
+      both slices (None: all).
+    num_resamples: Bootstrap resamples.
+    log_every: Training progress lines.
+    seed: Sampling, training and bootstrap seed.
+    command: The command line (written into the report).
+
+  Returns:
+    Every number of the report (also in `<results_dir>/<name>.json`).
+  """
+  # pylint: disable=import-outside-toplevel
+  from jaxmoral import prompt_tuning
+  from jaxmoral import runs
+  from jaxmoral.data import readers
+  from jaxmoral.models import trainable
+  from jaxmoral.npov import detect
+  from jaxmoral.npov import knowledge_base as kb_lib
+  from jaxmoral.npov import synthetic
+  from jaxmoral.npov import task
+  from jaxmoral.npov.detectors import classifier
+  # pylint: enable=import-outside-toplevel
+  started = time.time()
+  os.makedirs(workdir, exist_ok=True)
+  timings: dict[str, float] = {}
+  topics = kb_lib.read_perspectrum(perspectrum_dir)
+  by_split = {s: sum(t.split == s for t in topics) for s in ("train", "dev", "test")}
+  train_examples = kb_lib.sample_examples(topics, seed=seed, split="train",
+                                          examples_per_topic=train_examples_per_claim,
+                                          max_per_side=max_per_side)
+  train_examples = _distinct(train_examples)
+  test_sources = _distinct(kb_lib.sample_examples(topics, seed=seed + 1, split="test",
+                                                  examples_per_topic=test_examples_per_claim,
+                                                  max_per_side=max_per_side))
+  test_sources = test_sources[:max_test_sources] if max_test_sources else test_sources
+  logger.info("perspectrum: %s claims by split; %d train verbalisation examples; %d test "
+              "source examples", by_split, len(train_examples), len(test_sources))
+  pairs = readers.write_jsonl(os.path.join(workdir, "data", "generator.jsonl"),
+                              ({"inputs": task.format_input(e), "targets": e.response}
+                               for e in train_examples))
+  feature_lengths = feature_lengths or {"inputs": 256, "targets": 256}
+  lengths = {"inputs": int(feature_lengths["inputs"]), "targets": int(feature_lengths["targets"])}
+  common_run = dict(batch_size=batch_size, seed=seed, log_every=log_every)
+  prompt_optimizer = lambda steps: prompt_tuning.paper_optimizer(  # noqa: E731
+      train_steps=steps, learning_rate=prompt_learning_rate, warmup_steps=warmup_steps)
+
+  # 1. The base fine-tuned on verbalisation, then the generator and classifier prompts on it.
+  base_dir = os.path.join(workdir, "base")
+  timings["base_train_s"] = _train(base_dir, base_steps, lambda: runs.train_run(
+      model_dir=base_dir, model=trainable.Seq2SeqModel(config=model_config),
+      data=runs.Seq2SeqData(train_file=pairs), train_steps=base_steps, feature_lengths=lengths,
+      checkpoint_every=base_steps, optimizer=optimizer, init_checkpoint=init_checkpoint,
+      **common_run))
+  generator_dir = os.path.join(workdir, "generator")
+  timings["generator_prompt_s"] = _train(generator_dir, prompt_steps, lambda: runs.train_run(
+      model_dir=generator_dir, model=prompt_tuning.PromptTuningModel(
+          config=model_config,
+          prompt=prompt_tuning.PromptConfig(vocab_sample_size=min(5000, model_config.vocab_size)),
+          metadata={"task": "npov_generator"}),
+      data=runs.Seq2SeqData(train_file=pairs), train_steps=prompt_steps, feature_lengths=lengths,
+      checkpoint_every=prompt_steps, optimizer=prompt_optimizer(prompt_steps),
+      init_checkpoint=base_dir, **common_run))
+  train_slices = synthetic.make_test_slices(train_examples, topics, seed=seed + 2)
+  train_synthetic = train_slices["unparaphrased"] + train_slices["paraphrased"]
+  classifier_dirs = {}
+  for error in classifier.ERROR_TYPES:
+    classifier_dirs[error] = os.path.join(workdir, f"classifier_{error}")
+    timings[f"classifier_{error}_s"] = _train(
+        classifier_dirs[error], classifier_steps, lambda e=error: classifier.train_classifier(
+            model_dir=classifier_dirs[e], base_dir=base_dir, examples=train_synthetic, error=e,
+            train_steps=classifier_steps, optimizer=prompt_optimizer(classifier_steps),
+            max_input_length=lengths["inputs"] + lengths["targets"],
+            checkpoint_every=classifier_steps, **common_run))
+
+  # 2. Synthetic errors of the held-out claims; 3. every detector on both slices.
+  test_slices = synthetic.make_test_slices(test_sources, topics, seed=seed + 3)
+  results: dict[str, Any] = {"auc": {}, "slices": {k: len(v) for k, v in test_slices.items()}}
+  # Slices are aligned (example i of "paraphrased" paraphrases example i of "unparaphrased").
+  size = len(test_slices["unparaphrased"])
+  salience_sample = np.sort(np.random.default_rng(seed + 4).choice(
+      size, size=min(size, max_salience_examples or size), replace=False))
+  for det_name in detectors:
+    tick = time.time()
+    det = detect.build_detector(
+        det_name, base_dir=base_dir,
+        generator_dir=generator_dir if det_name == "salience" else None,
+        classifier_dirs=classifier_dirs)
+    results["auc"][det_name] = {}
+    for slice_name, examples in test_slices.items():
+      if det_name == "salience" and max_salience_examples:
+        examples = [examples[i] for i in salience_sample]
+      detections = det.detect_batch(examples)
+      results["auc"][det_name][slice_name] = auc_intervals(
+          examples, detections, num_resamples=num_resamples, seed=seed)
+      logger.info("%s on %s: %s", det_name, slice_name, {
+          e: v["example"]["estimate"] if v["example"] else None
+          for e, v in results["auc"][det_name][slice_name].items()})
+    timings[f"detect_{det_name}_s"] = time.time() - tick
+  timings["total_s"] = time.time() - started
+  results["verdicts"] = verdicts(results["auc"])
+  results.update({
+      "command": command, "machine": common.machine(), "timings": timings,
+      "setup": {"init_checkpoint": init_checkpoint, "claims_by_split": by_split,
+                "train_examples": len(train_examples),
+                "classifier_train_examples": len(train_synthetic),
+                "test_sources": len(test_sources), "base_steps": base_steps,
+                "salience_examples_per_slice": int(len(salience_sample)),
+                "prompt_steps": prompt_steps, "classifier_steps": classifier_steps,
+                "batch_size": batch_size, "feature_lengths": lengths, "seed": seed,
+                "num_resamples": num_resamples}})
+  os.makedirs(results_dir, exist_ok=True)
+  results["plot"] = plot(results, os.path.join(results_dir, f"{name}.png"),
+                         title=f"NPOV Table 1 shape ({name})")
+  markdown = report(results, name=name)
+  paths = common.write_results(results_dir, name, markdown=markdown, results=results)
+  print(markdown)
+  print(f"\nwrote {paths['markdown']}, {paths['json']}, {results['plot']}")
+  return results
+
+
+def verdicts(auc: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+  """Per detector and error: "above chance" (interval above 0.5 on both slices at example
+  level), "below chance" (below on either), else "not shown"."""
+  out: dict[str, dict[str, str]] = {}
+  for det, by_slice in auc.items():
+    out[det] = {}
+    for error in ERRORS:
+      cis = [s[error]["example"] for s in by_slice.values() if s[error]["example"]]
+      if cis and all(c["low"] > 0.5 for c in cis):
+        out[det][error] = "above chance"
+      elif any(c["high"] < 0.5 for c in cis):
+        out[det][error] = "below chance"
+      else:
+        out[det][error] = "not shown"
+  return out
+
+
+def report(results: Mapping[str, Any], *, name: str) -> str:
+  """The Markdown section for bench/RESULTS.md."""
+  s, m, t = results["setup"], results["machine"], results["timings"]
+  slices = list(results["slices"])
+  lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
+           "Command:", "", f"    {results['command']}", "",
+           f"Setup: base `{s['init_checkpoint']}`; PERSPECTRUM claims by split "
+           f"{s['claims_by_split']}; {s['train_examples']} verbalisation examples of the train "
+           f"claims (base fine-tuned {s['base_steps']} steps, generator prompt "
+           f"{s['prompt_steps']} steps, classifier prompts {s['classifier_steps']} steps each on "
+           f"{s['classifier_train_examples']} synthetic train examples); test: "
+           f"{s['test_sources']} source examples of the test claims -> "
+           + ", ".join(f"{k} {v}" for k, v in results["slices"].items())
+           + f" examples (salience: a seeded sample of {s['salience_examples_per_slice']} "
+           "per slice). ROC AUC with 95 % bootstrap intervals "
+           f"({s['num_resamples']} "
+           "resamples; word level: examples resampled whole).", "",
+           "| detector | " + " | ".join(f"{sl} {e} {lv}" for sl in slices for e in ERRORS
+                                      for lv in LEVELS) + " |",
+           "|---|" + "---|" * (len(slices) * len(ERRORS) * len(LEVELS))]
+  for det, by_slice in results["auc"].items():
+    cells = []
+    for sl in slices:
+      for e in ERRORS:
+        for lv in LEVELS:
+          cells.append(common.fmt(by_slice[sl][e][lv]))
+    lines.append(f"| {det} | " + " | ".join(cells) + " |")
+  lines.append("")
+  for det, by_error in results["verdicts"].items():
+    lines.append(f"- {det}: paper: {PAPER.get(det, '')}; this run: " + ", ".join(
+        f"{e} {v}" for e, v in by_error.items()) + ".")
+  lines += ["", "Seconds: " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in t.items()) + ".", "",
+            f"Plot: `{results['plot']}`."]
+  return "\n".join(lines)
+
+
+def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
+  """Example-level ROC AUC bars with intervals: detector x (slice, error)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  auc = results["auc"]
+  dets = list(auc)
+  groups = [(sl, e) for sl in results["slices"] for e in ERRORS]
+  fig, axes = plt.subplots(1, len(LEVELS), figsize=(11, 4), sharey=True)
+  width = 0.8 / max(len(dets), 1)
+  for ax, level in zip(axes, LEVELS):
+    for k, det in enumerate(dets):
+      xs = np.arange(len(groups)) + (k - (len(dets) - 1) / 2) * width
+      cis = [auc[det][sl][e][level] for sl, e in groups]
+      est = np.array([c["estimate"] if c else np.nan for c in cis])
+      err = np.array([[c["estimate"] - c["low"] if c else 0 for c in cis],
+                      [c["high"] - c["estimate"] if c else 0 for c in cis]])
+      ax.bar(xs, est, width, yerr=err, capsize=3, label=det)
+    ax.axhline(0.5, color="gray", linestyle="--", label="chance")
+    ax.set_xticks(np.arange(len(groups)))
+    ax.set_xticklabels([f"{sl[:6]}\n{e[:5]}" for sl, e in groups], fontsize=8)
+    ax.set_title(f"{level} level")
+    ax.set_ylim(0, 1)
+    ax.grid(axis="y", alpha=0.3)
+  axes[0].set_ylabel("ROC AUC (95 % CI)")
+  axes[-1].legend(fontsize=8)
+  fig.suptitle(title)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+if __name__ == "__main__":
+  sys.exit(common.main(run_experiment))

@@ -1,0 +1,170 @@
+"""The fidelity experiments' configs and report logic, and the demos' truth lines (no training:
+a few seconds)."""
+
+import pathlib
+import sys
+
+import gin
+import numpy as np
+import pytest
+
+from jaxmoral import demo
+from jaxmoral import gin_utils
+from jaxmoral import metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import clarify_table4  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import diamante_fig3  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import experiment_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import npov_table1  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture(autouse=True)
+def _clean_gin(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
+def _parse(*flags: str) -> None:
+  gin_args, rest = gin_utils.split_gin_args(list(flags))
+  assert not rest
+  gin_utils.parse_gin(gin_args)
+  gin_utils.check_required()
+
+
+@pytest.mark.parametrize("files, steps, size", [
+    (("diamante_fig3_cpu.gin",), 500, "mini"),
+    (("diamante_fig3_cpu.gin", "diamante_fig3_smoke.gin"), 3, "mini"),
+    (("diamante_fig3_gpu.gin",), 5000, "small"),
+])
+def test_diamante_configs_parse(files, steps, size):
+  _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
+         "--gin.INIT_CHECKPOINT='/base'")
+  assert gin.query_parameter("%TRAIN_STEPS") == steps
+  assert gin.query_parameter("%INIT_CHECKPOINT") == "/base"
+  assert gin.query_parameter("config.t5_config.size") == size
+
+
+@pytest.mark.parametrize("files, macro, value", [
+    (("npov_table1_cpu.gin",), "%BASE_STEPS", 600),
+    (("npov_table1_cpu.gin", "npov_table1_smoke.gin"), "%BASE_STEPS", 2),
+    (("npov_table1_gpu.gin",), "%BASE_STEPS", 3000),
+    (("clarify_table4_cpu.gin",), "%PPO_ITERATIONS", 40),
+    (("clarify_table4_cpu.gin", "clarify_table4_smoke.gin"), "%PPO_ITERATIONS", 1),
+    (("clarify_table4_gpu.gin",), "%PPO_ITERATIONS", 300),
+])
+def test_npov_and_clarify_configs_parse(files, macro, value):
+  _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
+         "--gin.INIT_CHECKPOINT='/base'")
+  assert gin.query_parameter(macro) == value
+
+
+def test_diamante_config_needs_the_base():
+  with pytest.raises(ValueError, match="INIT_CHECKPOINT"):
+    _parse("--gin_file=configs/experiments/diamante_fig3_cpu.gin")
+
+
+def test_command_line_quotes_gin_strings_readably():
+  assert experiment_lib._quote("--gin.INIT_CHECKPOINT='/runs/pt'") == \
+      "--gin.INIT_CHECKPOINT=\"'/runs/pt'\""
+  assert experiment_lib._quote("--gin_file=configs/x.gin") == "--gin_file=configs/x.gin"
+
+
+def test_mean_ci_is_the_bootstrap_of_the_mean():
+  values = np.random.default_rng(0).random(50)
+  ours = experiment_lib.mean_ci(values, num_resamples=300, seed=3)
+  reference = metrics.bootstrap_ci(np.mean, values, num_resamples=300, seed=3)
+  np.testing.assert_allclose(tuple(ours), tuple(reference), rtol=1e-12)
+  diff = experiment_lib.paired_diff_ci(values, values * 0.5, num_resamples=300, seed=3)
+  np.testing.assert_allclose(tuple(diff),
+                             tuple(metrics.bootstrap_ci(np.mean, values * 0.5,
+                                                        num_resamples=300, seed=3)), rtol=1e-12)
+
+
+def _per_context(pref_hits, gen_hits, n=200):
+  rng = np.random.default_rng(1)
+  out = {"turn": np.arange(n, dtype=float), "random/p@1": np.full(n, 1 / 15),
+         "pe_accuracy": rng.random(n)}
+  for ranker, rate in (("preference", pref_hits), ("generation", gen_hits),
+                       ("generation_per_token", gen_hits)):
+    hits = (rng.random(n) < rate).astype(float)
+    for key in ("map", "mrr", "p@1"):
+      out[f"{ranker}/{key}"] = hits
+  return out
+
+
+@pytest.mark.parametrize("pref, gen, expected", [(0.6, 0.05, "agrees"),
+                                                  (0.02, 0.5, "disagrees"),
+                                                  (0.1, 0.1, "inconclusive")])
+def test_diamante_verdict_follows_the_paired_intervals(pref, gen, expected):
+  per = {"joint": _per_context(pref, gen), "nll_only": _per_context(0.07, gen)}
+  results = diamante_fig3.summarize(per, num_resamples=200, seed=0)
+  assert results["verdict"] == expected
+  table = results["table"]["joint"]["preference"]["p@1"]
+  assert table["low"] <= table["estimate"] <= table["high"]
+
+
+def _words(lines):
+  return [("agrees" if " — agrees" in line else "disagrees" if " — disagrees" in line else None)
+          for line in lines]
+
+
+def test_clarify_truth_lines_agree_with_the_numbers():
+  low = {"jsd": 0.065, "flips_pct": 10.0}
+  high = {"jsd": 0.135, "flips_pct": 20.0}
+  lines = demo.clarify_truth_lines({"ppo": low, "finetuned": high})
+  assert _words(lines) == ["disagrees", "disagrees"]
+  assert "0.065 vs SFT 0.135" in lines[0] and "Table 4" in lines[0]
+  assert "experiments/clarify_table4.py" in lines[0] and "Fidelity experiments" in lines[0]
+  assert _words(demo.clarify_truth_lines({"ppo": high, "finetuned": low})) == ["agrees"] * 2
+  assert all(len(line.splitlines()) <= 2 for line in lines)
+
+
+def test_npov_truth_lines_agree_with_the_numbers():
+  summary = {}
+  for slice_name in ("unparaphrased", "paraphrased"):
+    for det, auc in (("rouge", 0.9), ("salience", 0.379), ("classifier", 0.64)):
+      summary[f"auc/{slice_name}/{det}/hallucination/example"] = auc
+      summary[f"auc/{slice_name}/{det}/coverage/example"] = 0.7
+      summary[f"auc/{slice_name}/{det}/coverage/word"] = None
+  lines = demo.npov_truth_lines(summary)
+  assert _words(lines) == ["agrees", "disagrees", "agrees"]
+  assert ".808" in lines[1] and "0.379" in lines[1]
+
+
+def test_diamante_truth_line_agrees_with_the_numbers():
+  bad = {"preference/p@1": 0.22, "generation/p@1": 0.3, "generation_per_token/p@1": 0.56}
+  line, = demo.diamante_truth_lines(bad)
+  assert _words([line]) == ["disagrees"] and "0.220 by preference" in line
+  good = {"preference/p@1": 0.4, "generation/p@1": 0.1, "generation_per_token/p@1": 0.2}
+  assert _words(demo.diamante_truth_lines(good)) == ["agrees"]
+
+
+def _ci(estimate, low, high):
+  return {"estimate": estimate, "low": low, "high": high}
+
+
+def test_npov_verdicts_need_the_interval_above_chance_on_both_slices():
+  good, bad, unsure = _ci(0.8, 0.7, 0.9), _ci(0.3, 0.2, 0.4), _ci(0.55, 0.45, 0.65)
+  auc = {"salience": {sl: {"hallucination": {"example": good}, "coverage": {"example": unsure}}
+                      for sl in ("unparaphrased", "paraphrased")},
+         "classifier": {"unparaphrased": {"hallucination": {"example": good},
+                                          "coverage": {"example": good}},
+                        "paraphrased": {"hallucination": {"example": bad},
+                                        "coverage": {"example": None}}}}
+  assert npov_table1.verdicts(auc) == {
+      "salience": {"hallucination": "above chance", "coverage": "not shown"},
+      "classifier": {"hallucination": "below chance", "coverage": "above chance"}}
+
+
+@pytest.mark.parametrize("jsd, flips, expected", [
+    (_ci(0.02, 0.01, 0.03), _ci(5.0, 1.0, 9.0), "agrees"),
+    (_ci(-0.07, -0.09, -0.05), _ci(-3.0, -6.0, 1.0), "disagrees"),
+    (_ci(0.01, -0.01, 0.03), _ci(2.0, 1.0, 3.0), "inconclusive")])
+def test_clarify_verdict_follows_the_paired_intervals(jsd, flips, expected):
+  word, why = clarify_table4.verdict({"ppo - finetuned": {"jsd": jsd, "flips_pct": flips}})
+  assert word == expected and "PPO minus SFT" in why
