@@ -24,11 +24,13 @@ $(STAMP): setup.cfg pyproject.toml
 demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/jaxmoral demo --workdir=$(DEMO_DIR)
 
+# --dist loadscope: a module's tests share one worker, so its module-scoped fixtures (trained
+# runs, saved models) are built once, not once per worker.
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=15 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) -m "not slow" tests
+	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadscope -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build *.egg-info .pytest_cache

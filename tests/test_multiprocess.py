@@ -82,6 +82,9 @@ def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_proc
           "--gin.TRAIN_STEPS=3", "--gin.CHECKPOINT_EVERY=3", "--gin.BATCH_SIZE=8",
           "--gin.WARMUP_STEPS=1", "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 16}",
           "--gin.runs.train_run.log_every=1",
+          # One layer each side: what is compared is the data and gradient flow, not depth.
+          "--gin.config.t5_config.num_encoder_layers=1",
+          "--gin.config.t5_config.num_decoder_layers=1",
           "--gin.runs.Seq2SeqData.eval_split='none'"]  # no eval: only training is compared
   return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
