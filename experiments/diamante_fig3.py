@@ -86,38 +86,23 @@ def rank_contexts(bundle: Any, turns: Sequence[Any], *, num_random: int, max_can
   from jaxmoral import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
   from jaxmoral.diamante import data as data_lib  # pylint: disable=import-outside-toplevel
   from jaxmoral.diamante import evaluate as evaluate_lib  # pylint: disable=import-outside-toplevel
-  from jaxmoral.diamante import inference  # pylint: disable=import-outside-toplevel
   items = evaluate_lib.ranking_items(turns, num_random=num_random,
                                      max_candidates=max_candidates, seed=seed)
   if not items:
     raise ValueError("rank_contexts: no test turn has a candidate different from r_H")
-  width = 1 + max_candidates + num_random
-  feats = bundle.features
   out: dict[str, list[float]] = {"pe_accuracy": [], "random/p@1": [], "turn": []}
-  for start in range(0, len(items), batch_size):
-    chunk = items[start:start + batch_size]
-    # Fixed (batch_size, width) shapes: one compilation for the whole test set.
-    encoder = np.zeros((batch_size, feats.context_length), np.int32)
-    targets = np.zeros((batch_size, width, feats.response_length), np.int32)
-    targets[:, :, 0] = feats.eos_id
-    for row, (i, responses, _) in enumerate(chunk):
-      encoder[row] = data_lib.encode_context(bundle.vocab, turns[i].context, feats)
-      for k, text in enumerate(responses):
-        targets[row, k] = data_lib.encode_response(bundle.vocab, text, feats)
-    scores, logprobs = inference.score_batch(bundle, encoder, targets)
-    lengths = np.sum(targets > 0, axis=-1)
-    for row, (i, responses, kinds) in enumerate(chunk):
-      n, kinds = len(responses), np.asarray(kinds)
-      labels = kinds == data_lib.HUMAN
-      by = {"preference": scores[row, :n], "generation": logprobs[row, :n],
-            "generation_per_token": logprobs[row, :n] / lengths[row, :n]}
-      for ranker, values in by.items():
-        ranked = metrics_lib.ranking_metrics([values], [labels])
-        for key, _ in METRICS:
-          out.setdefault(f"{ranker}/{key}", []).append(ranked[key])
-      out["pe_accuracy"].append(evaluate_lib.pe_accuracy(scores[row, :n], kinds))
-      out["random/p@1"].append(1.0 / n)
-      out["turn"].append(i)
+  for scored in evaluate_lib.score_ranking_items(
+      bundle, turns, items, width=1 + max_candidates + num_random, batch_size=batch_size):
+    labels = scored.kinds == data_lib.HUMAN
+    by = {"preference": scored.scores, "generation": scored.logprobs,
+          "generation_per_token": scored.logprobs / scored.lengths}
+    for ranker, values in by.items():
+      ranked = metrics_lib.ranking_metrics([values], [labels])
+      for key, _ in METRICS:
+        out.setdefault(f"{ranker}/{key}", []).append(ranked[key])
+    out["pe_accuracy"].append(evaluate_lib.pe_accuracy(scored.scores, scored.kinds))
+    out["random/p@1"].append(1.0 / len(scored.kinds))
+    out["turn"].append(scored.turn)
   return {k: np.asarray(v, np.float64) for k, v in out.items()}
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import gin
 import jax
@@ -66,6 +66,38 @@ def pe_accuracy(scores: np.ndarray, kinds: np.ndarray) -> float:
   return good / total if total else float("nan")
 
 
+class ScoredItem(NamedTuple):
+  """One ranking item's responses as the model scores them (each array (n,), n responses)."""
+  turn: int  # Index of the turn in `turns`.
+  kinds: np.ndarray  # data.HUMAN / MODEL / RANDOM of each response.
+  scores: np.ndarray  # Preference scores s(c, r).
+  logprobs: np.ndarray  # Summed generation log-probabilities.
+  lengths: np.ndarray  # Response tokens (EOS included).
+
+
+def score_ranking_items(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn],
+                        items: Sequence[tuple[int, Sequence[str], Sequence[int]]], *,
+                        width: int, batch_size: int) -> Iterator[ScoredItem]:
+  """Scores `ranking_items` in batches of fixed shape (batch_size, width): one compilation for
+  the whole test set; yields the items in order."""
+  feats = bundle.features
+  for start in range(0, len(items), batch_size):
+    chunk = items[start:start + batch_size]
+    encoder = np.zeros((batch_size, feats.context_length), np.int32)
+    targets = np.zeros((batch_size, width, feats.response_length), np.int32)
+    targets[:, :, 0] = feats.eos_id
+    for row, (i, responses, _) in enumerate(chunk):
+      encoder[row] = data.encode_context(bundle.vocab, turns[i].context, feats)
+      for k, text in enumerate(responses):
+        targets[row, k] = data.encode_response(bundle.vocab, text, feats)
+    scores, logprobs = inference.score_batch(bundle, encoder, targets)
+    lengths = np.sum(targets > 0, axis=-1)
+    for row, (i, responses, kinds) in enumerate(chunk):
+      n = len(responses)
+      yield ScoredItem(turn=i, kinds=np.asarray(kinds), scores=scores[row, :n],
+                       logprobs=logprobs[row, :n], lengths=lengths[row, :n])
+
+
 def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_random: int = 5,
                    max_candidates: int = 10, max_contexts: Optional[int] = None,
                    num_generate: int = 0,
@@ -86,30 +118,15 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
     items = items[:max_contexts]
   if not items:
     raise ValueError("evaluate_turns: no test turn has a model candidate different from r_H")
-  width = 1 + max_candidates + num_random
-  feats = bundle.features
   pref, gen, gen_tok, labels, kinds_all, pe_accs = [], [], [], [], [], []
-  for start in range(0, len(items), batch_size):
-    chunk = items[start:start + batch_size]
-    # Fixed (batch_size, width) shapes: one compilation for the whole test set.
-    encoder = np.zeros((batch_size, feats.context_length), np.int32)
-    targets = np.zeros((batch_size, width, feats.response_length), np.int32)
-    targets[:, :, 0] = feats.eos_id
-    for row, (i, responses, _) in enumerate(chunk):
-      encoder[row] = data.encode_context(bundle.vocab, turns[i].context, feats)
-      for k, text in enumerate(responses):
-        targets[row, k] = data.encode_response(bundle.vocab, text, feats)
-    scores, logprobs = inference.score_batch(bundle, encoder, targets)
-    lengths = np.sum(targets > 0, axis=-1)
-    for row, (_, responses, kinds) in enumerate(chunk):
-      n = len(responses)
-      kinds = np.asarray(kinds)
-      pref.append(scores[row, :n])
-      gen.append(logprobs[row, :n])
-      gen_tok.append(logprobs[row, :n] / lengths[row, :n])
-      labels.append(kinds == data.HUMAN)
-      kinds_all.append(kinds)
-      pe_accs.append(pe_accuracy(scores[row, :n], kinds))
+  for scored in score_ranking_items(bundle, turns, items, width=1 + max_candidates + num_random,
+                                    batch_size=batch_size):
+    pref.append(scored.scores)
+    gen.append(scored.logprobs)
+    gen_tok.append(scored.logprobs / scored.lengths)
+    labels.append(scored.kinds == data.HUMAN)
+    kinds_all.append(scored.kinds)
+    pe_accs.append(pe_accuracy(scored.scores, scored.kinds))
   result: dict[str, float] = {"num_contexts": float(len(items))}
   for name, values in (("preference", pref), ("generation", gen),
                        ("generation_per_token", gen_tok)):

@@ -62,6 +62,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
+# The TPU kernels' padding, segment-id and mesh helpers apply unchanged.
+from jaxmoral.models.flash_attention import (  # pylint: disable=g-importing-member
+    _kernel_ids, _mesh_axes_for, _round_up, _target_platform)
+
 Array = jax.Array
 MeshAxes = Union[None, str, Sequence[str]]
 
@@ -148,10 +152,6 @@ class _Plan:
 
 def _next_power_of_2(x: int) -> int:
   return 1 << max(0, (x - 1).bit_length())
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
 
 
 def _fit(block: int, length: int) -> int:
@@ -505,18 +505,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # -- public API -----------------------------------------------------------------------------------
-def _kernel_ids(ids: Optional[Array], batch: int, length: int, padded: int,
-                fill: int) -> Array:
-  """(batch, padded) int32 ids for the kernels: padding (id <= 0, or past `length`) -> `fill`.
-
-  Queries and keys get different fills, so a padded query matches no key, not even a padded one.
-  """
-  if ids is None:
-    ids = jnp.ones((batch, length), jnp.int32)
-  ids = jnp.where(ids > 0, ids.astype(jnp.int32), fill)
-  return jnp.pad(ids, ((0, 0), (0, padded - length)), constant_values=fill)
-
-
 def bias_diagonals(bias: Array) -> Array:
   """The diagonals (1, heads, q_len + k_len - 1) of a Toeplitz bias (1, heads, q_len, k_len):
   out[..., k - q + q_len - 1] = bias[..., q, k], read off the first column and row.
@@ -620,21 +608,6 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
                    _kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
                    _kernel_ids(key_segment_ids, batch, k_len, k_pad, -2), plan)
   return out[:, :q_len, :, :width]
-
-
-def _mesh_axes_for(axes: MeshAxes, size: int, mesh: Any) -> MeshAxes:
-  """`axes` if they divide a dimension of `size`, else None (that dimension is replicated)."""
-  if axes is None:
-    return None
-  names = (axes,) if isinstance(axes, str) else tuple(axes)
-  shards = 1
-  for name in names:
-    shards *= mesh.shape[name]
-  return axes if size % shards == 0 else None
-
-
-def _target_platform(mesh: Any) -> str:
-  return mesh.abstract_device.platform if not mesh.empty else jax.default_backend()
 
 
 def sharded_flash_attention(query: Array, key: Array, value: Array,
