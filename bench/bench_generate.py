@@ -31,10 +31,9 @@ against the device's memory bandwidth measured in the same run (a large on-devic
 a decoding step at small batch reads every decoder weight once and little else. There (and
 with bf16) the agreement tolerance is `fair.REDUCED_RTOL`.
 
-On a CPU jaxmoral decodes float32 through the "cpu_packed" backend
-(`jaxmoral.cpu_kernels.backend`, chosen by `decoding.prepare_decode_weights`, kernels prepared
-once outside the timing); `--also_xla_dot` times the same sampler with the "xla" backend's
-kernels (XLA's dot) in the same rounds.
+jaxmoral decodes through the backend `--backend` names ("auto": XLA's ops; "cpu_packed": the
+C++ kernels of `jaxmoral.cpu_kernels.backend`), its kernels prepared once outside the timing;
+`--also_xla_dot` times the same sampler with the "xla" backend's kernels in the same rounds.
 """
 
 from __future__ import annotations
@@ -105,6 +104,8 @@ def main() -> None:
                       help="continuations per input (sampling only)")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                       help="weights and activations of both sides")
+  parser.add_argument("--backend", default="auto",
+                      help='decoding backend: "auto", "xla" or "cpu_packed"')
   parser.add_argument("--also_xla_dot", action="store_true",
                       help="also time jaxmoral with the 'xla' decoding backend (XLA's dot)")
   parser.add_argument("--tiny", action="store_true",
@@ -156,8 +157,8 @@ def main() -> None:
     lines.append(f"peak      : {peak.note}")
   fair.print_header("generation: jaxmoral.decoding vs transformers generate", setup, lines)
   # The backend's kernels, prepared once per set of parameters as their owner does (outside
-  # the timing, like loading the PyTorch model): "auto" picks the packed CPU kernels on a CPU.
-  decode_weights = decoding.prepare_decode_weights(model, params)
+  # the timing, like loading the PyTorch model).
+  decode_weights = decoding.prepare_decode_weights(model, params, backend=args.backend)
   xla_weights = (decoding.prepare_decode_weights(model, params, backend="xla")
                  if args.also_xla_dot else None)
   packed = decode_weights.backend

@@ -19,7 +19,8 @@ call (`models.t5.DecodeStepOps`). Built in is "xla": the self-attention query/ke
 and a gated MLP's two input kernels stacked, so each is one product (a step is bound by
 streaming the weights). Optional backends register themselves: `jaxmoral.cpu_kernels.backend`
 adds "cpu_packed" (float32 decoding on one CPU device through a C++ kernel over column-panel
-packed weights). `backend="auto"` takes the first registered backend that applies, else "xla".
+packed weights), chosen by name only: it is not faster than XLA on every CPU.
+`backend="auto"` takes the last registered automatic backend that applies, else "xla".
 Without `decode_weights` a call prepares XLA's stacks inside the trace.
 
 A `partitioner` given to `make_sampler` / `make_beam_search` / `make_scorer` runs the call
@@ -238,8 +239,11 @@ class DecodeBackend:
   """How cached decoding steps multiply and attend: XLA's ops over stacked kernels.
 
   Subclasses override `name`, `applies`, `prepare` and `step_ops` and call `register_backend`.
+  `automatic` says whether "auto" may pick the backend; one that is faster than XLA only on
+  some machines sets it False and is chosen by name.
   """
   name = "xla"
+  automatic = True
 
   def applies(self, model: T5, params: Params) -> bool:
     """Whether this backend can decode `model` with these (concrete) parameters."""
@@ -294,18 +298,8 @@ def register_backend(backend: DecodeBackend) -> None:
   _BACKENDS[backend.name] = backend
 
 
-def get_backend(name: str) -> DecodeBackend:
-  if name not in _BACKENDS:
-    raise ValueError(f"decoding: unknown backend {name!r}; registered: {sorted(_BACKENDS)}")
-  return _BACKENDS[name]
-
-
-def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
-  """`backend`, or for "auto" the most recently registered backend that applies, else xla."""
+def _import_optional_backends() -> None:
   global _optional_imported
-  if backend != "auto":
-    get_backend(backend)
-    return backend
   if not _optional_imported:
     _optional_imported = True
     for module in OPTIONAL_BACKEND_MODULES:
@@ -313,8 +307,28 @@ def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
         importlib.import_module(module)
       except ImportError:
         pass
+
+
+def get_backend(name: str) -> DecodeBackend:
+  if name not in _BACKENDS:
+    _import_optional_backends()
+  if name not in _BACKENDS:
+    raise ValueError(f"decoding: unknown backend {name!r}; registered: {sorted(_BACKENDS)}")
+  return _BACKENDS[name]
+
+
+def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
+  """`backend` if it applies to `params` (else a ValueError), or for "auto" the most recently
+  registered automatic backend that applies, else xla."""
+  if backend != "auto":
+    if not get_backend(backend).applies(model, params):
+      raise ValueError(f"decoding: backend {backend!r} does not apply to this model and its "
+                       "parameters (see its `applies`); use 'auto' or 'xla'")
+    return backend
+  _import_optional_backends()
   for name in reversed(list(_BACKENDS)):
-    if name != "xla" and _BACKENDS[name].applies(model, params):
+    if (name != "xla" and _BACKENDS[name].automatic
+        and _BACKENDS[name].applies(model, params)):
       return name
   return "xla"
 
@@ -324,6 +338,7 @@ def _jitted_prepare(name: str, model: T5) -> Callable[[Params], dict[str, Array]
   return jax.jit(lambda params: get_backend(name).prepare(model, nn.unbox(params)))
 
 
+@gin.configurable(module="decoding", allowlist=["backend"])
 def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
                            partitioner: Any = None) -> DecodeWeights:
   """Builds a backend's kernels for `params` once; pass them to every decoding call.
@@ -331,7 +346,8 @@ def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
   Args:
     model: The T5.
     params: Its parameters (concrete arrays, any sharding).
-    backend: A registered backend name, or "auto" (see `choose_backend`).
+    backend: A registered backend name, or "auto" (see `choose_backend`); gin binds it
+      (`decoding.prepare_decode_weights.backend = 'cpu_packed'`).
     partitioner: Build under its mesh and rules (sharded parameters).
   """
   name = choose_backend(model, params, backend)

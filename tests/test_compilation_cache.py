@@ -80,7 +80,8 @@ _SAMPLE_SCRIPT = textwrap.dedent("""
     model = t5.T5(t5_config(size="tiny"))
     params = nn.unbox(t5.init_params(model, jax.random.PRNGKey(0)))
     inputs = np.array(jax.random.randint(jax.random.PRNGKey(1), (3, 7), 2, 512), np.int32)
-    weights = decoding.prepare_decode_weights(model, params)
+    weights = decoding.prepare_decode_weights(
+        model, params, backend="cpu_packed" if cpu_kernels.available() else "xla")
     out = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=9,
                           greedy=True, decode_weights=weights)
     print(json.dumps({"hits": len(hits), "tokens": np.asarray(out.tokens).tolist(),

@@ -2,6 +2,7 @@
 
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -424,9 +425,16 @@ def test_decode_weights_are_prepared_once_and_decode_like_none(setup):
   assert sampler._cache_size() == compiled  # Reused: nothing rebuilt or retraced.
   for out in (first, second):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
-  # "auto" picks the CPU kernels where they apply (float32, one CPU device), else XLA.
+  # "auto" keeps XLA's ops: the CPU kernels are not automatic (they lose to XLA on some CPUs).
   auto = decoding.prepare_decode_weights(model, params)
-  assert auto.backend == ("cpu_packed" if cpu_kernels.available() else "xla")
+  assert auto.backend == "xla"
+  with gin.unlock_config():
+    gin.bind_parameter("decoding.prepare_decode_weights.backend", "gpu_magic")
+  try:  # The gin binding reaches the callers that pass no backend.
+    with pytest.raises(ValueError, match="unknown backend 'gpu_magic'"):
+      decoding.prepare_decode_weights(model, params)
+  finally:
+    gin.clear_config()
   with pytest.raises(ValueError, match="unknown backend 'gpu_magic'"):
     decoding.prepare_decode_weights(model, params, backend="gpu_magic")
 
@@ -467,12 +475,14 @@ def test_packed_cpu_kernels_decode_as_xla_dot(setup, monkeypatch):
     return sampled, beams
 
   sampler = decoding.make_sampler(model, max_decode_length=T, greedy=True)
-  packed_weights = decoding.prepare_decode_weights(model, params)
+  packed_weights = decoding.prepare_decode_weights(model, params, backend="cpu_packed")
   assert packed_weights.backend == "cpu_packed"
   assert "jaxmoral_packed_matmul" in sampler.lower(
       params, inputs, decode_weights=packed_weights).as_text()
   packed = run(packed_weights)
   monkeypatch.setenv("JAXMORAL_CPU_KERNELS", "0")
+  with pytest.raises(ValueError, match="'cpu_packed' does not apply"):
+    decoding.prepare_decode_weights(model, params, backend="cpu_packed")
   xla_weights = decoding.prepare_decode_weights(model, params)
   assert xla_weights.backend == "xla"
   assert "jaxmoral_packed_matmul" not in sampler.lower(
