@@ -133,16 +133,13 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   dirs: dict[str, str] = {}
   for which in (ROLES if separate_models else ("multitask",)):
     dirs[which] = os.path.join(workdir, f"{which}_model")
-    if os.path.isdir(os.path.join(dirs[which], "checkpoints", str(train_steps))):
-      continue
-    tick = time.time()
-    training.train_clarify_model(
-        which=which, model_dir=dirs[which], model_config=model_config, optimizer=optimizer,
-        train_steps=train_steps, batch_size=batch_size, feature_lengths=lengths,
-        source=data_dir, split="train", judge_classes=reward_config.judge_classes,
-        nli_labels=reward_config.nli_labels, checkpoint_every=train_steps,
-        log_every=log_every, seed=seed, init_checkpoint=init_checkpoint)
-    timings[f"train_{which}_s"] = time.time() - tick
+    timings[f"train_{which}_s"] = common.train_stage(
+        dirs[which], train_steps, lambda w=which: training.train_clarify_model(
+            which=w, model_dir=dirs[w], model_config=model_config, optimizer=optimizer,
+            train_steps=train_steps, batch_size=batch_size, feature_lengths=lengths,
+            source=data_dir, split="train", judge_classes=reward_config.judge_classes,
+            nli_labels=reward_config.nli_labels, checkpoint_every=train_steps,
+            log_every=log_every, seed=seed, init_checkpoint=init_checkpoint))["seconds"]
   role_dir = {r: dirs.get(r, dirs.get("multitask")) for r in ROLES}
 
   # 2. PPO on train situations.

@@ -29,7 +29,6 @@ go under WORKDIR, and a rerun resumes or reuses every finished stage.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -107,20 +106,10 @@ def rank_contexts(bundle: Any, turns: Sequence[Any], *, num_random: int, max_can
 
 
 def _train(model_dir: str, **kwargs: Any) -> dict[str, Any]:
-  """`runs.train_run`, its final metrics kept beside the run (a finished run is reused)."""
+  """`runs.train_run` as a stage (`common.train_stage`)."""
   from jaxmoral import runs  # pylint: disable=import-outside-toplevel
-  done = os.path.join(model_dir, "experiment_train_metrics.json")
-  if os.path.isfile(done):
-    with open(done) as f:
-      result = json.load(f)
-    if result.get("step") == kwargs["train_steps"]:
-      return {**result, "reused": True}
-  tick = time.time()
-  result = runs.train_run(model_dir=model_dir, **kwargs)
-  result = {**result, "seconds": time.time() - tick}
-  with open(done, "w") as f:
-    json.dump(result, f, indent=2)
-  return result
+  return common.train_stage(model_dir, kwargs["train_steps"],
+                            lambda: runs.train_run(model_dir=model_dir, **kwargs))
 
 
 @gin.configurable(module="diamante_fig3")
@@ -249,8 +238,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
              if t.get("reused")]
   results.update({
       "command": command, "machine": common.machine(), "timings": timings, "reused": reused,
-      "train": {k: {m: v for m, v in t.items() if isinstance(v, (int, float))}
-                for k, t in {"generator": gen_train, **trained}.items()},
+      "train": {k: t["result"] for k, t in {"generator": gen_train, **trained}.items()},
       "setup": {"init_checkpoint": init_checkpoint, "model": trainable.describe(
                     diamante_model.DiamanteModel(config=model_config)),
                 "train_conversations": len(train_convs), "train_turns": len(train_turns),

@@ -17,6 +17,7 @@ import platform
 import re
 import shlex
 import sys
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(PROJECT_ROOT) not in sys.path:  # `python experiments/x.py` from a clone, not installed
   sys.path.insert(0, str(PROJECT_ROOT))
 
+from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,42 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
 
 
 # -- intervals ------------------------------------------------------------------------------
+
+
+STAGE_FILE = "experiment_stage.json"
+
+
+def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[str, Any]:
+  """Runs `train()`, which trains the run `model_dir` to `steps`, unless that run already has
+  an intact checkpoint at `steps` (a rerun reuses finished stages; an unfinished one resumes
+  from its last checkpoint inside `train`).
+
+  Returns:
+    {"seconds": the training's time (now, or when it first ran), "reused": whether it was
+    reused, "result": the numbers of `train()`'s result mapping}, kept in `STAGE_FILE`.
+  """
+  record_path = os.path.join(model_dir, STAGE_FILE)
+  final = os.path.join(checkpoints.run_checkpoints_dir(model_dir), str(int(steps)))
+  if os.path.isdir(final):
+    try:
+      checkpoints.verify_step(os.path.dirname(final), int(steps), full=False)
+    except checkpoints.CheckpointIntegrityError as e:
+      logger.warning("%s; training again", e)
+    else:
+      logger.info("%s: reusing its finished run (step %d)", model_dir, steps)
+      try:
+        with open(record_path) as f:
+          return {**json.load(f), "reused": True}
+      except (OSError, ValueError):
+        return {"seconds": float("nan"), "reused": True, "result": {}}
+  tick = time.time()
+  result = train()
+  record = {"seconds": time.time() - tick, "reused": False,
+            "result": {k: v for k, v in (result or {}).items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+  with open(record_path, "w") as f:
+    json.dump(record, f, indent=2)
+  return record
 
 
 def mean_ci(values: Any, *, num_resamples: int = 1000, seed: int = 0

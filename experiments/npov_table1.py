@@ -106,16 +106,6 @@ def _distinct(examples: Sequence[Any]) -> list[Any]:
   return list(seen.values())
 
 
-def _train(model_dir: str, steps: int, train: Any) -> float:
-  """Runs `train()` unless the run already has its final checkpoint; returns seconds."""
-  ckpt = os.path.join(model_dir, "checkpoints", str(steps))
-  if os.path.isdir(ckpt):
-    return 0.0
-  tick = time.time()
-  train()
-  return time.time() - tick
-
-
 @gin.configurable(module="npov_table1")
 def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint: str,
                    model_config: Any, optimizer: Any, perspectrum_dir: str,
@@ -200,31 +190,34 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
 
   # 1. The base fine-tuned on verbalisation, then the generator and classifier prompts on it.
   base_dir = os.path.join(workdir, "base")
-  timings["base_train_s"] = _train(base_dir, base_steps, lambda: runs.train_run(
+  timings["base_train_s"] = common.train_stage(base_dir, base_steps, lambda: runs.train_run(
       model_dir=base_dir, model=trainable.Seq2SeqModel(config=model_config),
       data=runs.Seq2SeqData(train_file=pairs), train_steps=base_steps, feature_lengths=lengths,
       checkpoint_every=base_steps, optimizer=optimizer, init_checkpoint=init_checkpoint,
-      **common_run))
+      **common_run))["seconds"]
   generator_dir = os.path.join(workdir, "generator")
-  timings["generator_prompt_s"] = _train(generator_dir, prompt_steps, lambda: runs.train_run(
-      model_dir=generator_dir, model=prompt_tuning.PromptTuningModel(
-          config=model_config,
-          prompt=prompt_tuning.PromptConfig(vocab_sample_size=min(5000, model_config.vocab_size)),
-          metadata={"task": "npov_generator"}),
-      data=runs.Seq2SeqData(train_file=pairs), train_steps=prompt_steps, feature_lengths=lengths,
-      checkpoint_every=prompt_steps, optimizer=prompt_optimizer(prompt_steps),
-      init_checkpoint=base_dir, **common_run))
+  timings["generator_prompt_s"] = common.train_stage(
+      generator_dir, prompt_steps, lambda: runs.train_run(
+          model_dir=generator_dir, model=prompt_tuning.PromptTuningModel(
+              config=model_config,
+              prompt=prompt_tuning.PromptConfig(
+                  vocab_sample_size=min(5000, model_config.vocab_size)),
+              metadata={"task": "npov_generator"}),
+          data=runs.Seq2SeqData(train_file=pairs), train_steps=prompt_steps,
+          feature_lengths=lengths, checkpoint_every=prompt_steps,
+          optimizer=prompt_optimizer(prompt_steps), init_checkpoint=base_dir,
+          **common_run))["seconds"]
   train_slices = synthetic.make_test_slices(train_examples, topics, seed=seed + 2)
   train_synthetic = train_slices["unparaphrased"] + train_slices["paraphrased"]
   classifier_dirs = {}
   for error in classifier.ERROR_TYPES:
     classifier_dirs[error] = os.path.join(workdir, f"classifier_{error}")
-    timings[f"classifier_{error}_s"] = _train(
+    timings[f"classifier_{error}_s"] = common.train_stage(
         classifier_dirs[error], classifier_steps, lambda e=error: classifier.train_classifier(
             model_dir=classifier_dirs[e], base_dir=base_dir, examples=train_synthetic, error=e,
             train_steps=classifier_steps, optimizer=prompt_optimizer(classifier_steps),
             max_input_length=lengths["inputs"] + lengths["targets"],
-            checkpoint_every=classifier_steps, **common_run))
+            checkpoint_every=classifier_steps, **common_run))["seconds"]
 
   # 2. Synthetic errors of the held-out claims; 3. every detector on both slices.
   test_slices = synthetic.make_test_slices(test_sources, topics, seed=seed + 3)

@@ -168,3 +168,26 @@ def test_npov_verdicts_need_the_interval_above_chance_on_both_slices():
 def test_clarify_verdict_follows_the_paired_intervals(jsd, flips, expected):
   word, why = clarify_table4.verdict({"ppo - finetuned": {"jsd": jsd, "flips_pct": flips}})
   assert word == expected and "PPO minus SFT" in why
+
+
+def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
+  from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
+  run_dir, calls = tmp_path / "run", []
+
+  def train():  # Stands in for a run: its final checkpoint (step 3) with a manifest.
+    calls.append(1)
+    step = run_dir / "checkpoints" / "3"
+    (step / checkpoints.STATE_ITEM).mkdir(parents=True, exist_ok=True)
+    (step / checkpoints.STATE_ITEM / "_METADATA").write_text("{}")
+    checkpoints.write_integrity_manifest(step)
+    return {"step": 3, "train/loss": 1.5, "done": True, "name": "x"}
+
+  first = experiment_lib.train_stage(str(run_dir), 3, train)
+  assert calls == [1] and not first["reused"]
+  assert first["result"] == {"step": 3, "train/loss": 1.5}  # the numbers only
+  again = experiment_lib.train_stage(str(run_dir), 3, train)
+  assert calls == [1] and again["reused"] and again["seconds"] == first["seconds"]
+  # Another final step is another stage; a damaged final checkpoint is trained again.
+  assert experiment_lib.train_stage(str(run_dir), 4, lambda: calls.append(2)) and calls == [1, 2]
+  (run_dir / "checkpoints" / "3" / checkpoints.STATE_ITEM / "_METADATA").write_text("{ }")
+  assert not experiment_lib.train_stage(str(run_dir), 3, train)["reused"] and calls == [1, 2, 1]
