@@ -26,6 +26,7 @@ import logging
 import numbers
 import os
 import pathlib
+import shutil
 import sys
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
@@ -285,53 +286,63 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                        log_every=log_every)
   gin_utils.check_writable(model_dir, directory=True)
   partitioner = partitioner or partitioning.PjitPartitioner()
+  created = not os.path.exists(model_dir)
   checkpoints.make_run_dir(model_dir)
-  # Held from before the run files are written: a second run into this folder is refused
-  # before it changes anything (`train.train` takes the same lock again, re-entrantly).
-  with checkpoints.RunDirLock(model_dir):
-    ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
-    resuming = os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
-    init_info = None
-    if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
-      init_info = model_dirs.inspect(init_checkpoint)
-    # Process 0 writes the shared run files (and builds a vocabulary); the others wait.
-    if jax.process_index() == 0:
-      vocabulary = _run_vocabulary(model_dir, data, init_info)
-      _check_vocab_fits(model.config, vocabulary)
-      model_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
-                                settings={"model": model.settings(), "data": data.settings(),
-                                          "feature_lengths": dict(feature_lengths)})
-      if gin.config_str():
-        gin_utils.write_operative_config(model_dir)
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
-      if jax.process_index() != 0:
-        vocabulary = model_dirs.load_vocabulary(model_dir)
-    train_source, eval_source = data.sources(vocabulary=vocabulary, batch_size=batch_size,
-                                             feature_lengths=feature_lengths, seed=seed)
-    if jax.process_count() > 1:
-      train_source = train_source.shard(jax.process_index(), jax.process_count())
-      if eval_source is not None:
-        eval_source = eval_source.shard(jax.process_index(), jax.process_count())
-    trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
-                           num_microbatches=num_microbatches)
+  training = False
+  try:
+    # Held from before the run files are written: a second run into this folder is refused
+    # before it changes anything (`train.train` takes the same lock again, re-entrantly).
+    with checkpoints.RunDirLock(model_dir):
+      ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
+      resuming = os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
+      init_info = None
+      if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
+        init_info = model_dirs.inspect(init_checkpoint)
+      # Process 0 writes the shared run files (and builds a vocabulary); the others wait.
+      if jax.process_index() == 0:
+        vocabulary = _run_vocabulary(model_dir, data, init_info)
+        _check_vocab_fits(model.config, vocabulary)
+        model_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
+                                  settings={"model": model.settings(), "data": data.settings(),
+                                            "feature_lengths": dict(feature_lengths)})
+        if gin.config_str():
+          gin_utils.write_operative_config(model_dir)
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
+        if jax.process_index() != 0:
+          vocabulary = model_dirs.load_vocabulary(model_dir)
+      train_source, eval_source = data.sources(vocabulary=vocabulary, batch_size=batch_size,
+                                               feature_lengths=feature_lengths, seed=seed)
+      if jax.process_count() > 1:
+        train_source = train_source.shard(jax.process_index(), jax.process_count())
+        if eval_source is not None:
+          eval_source = eval_source.shard(jax.process_index(), jax.process_count())
+      trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
+                             num_microbatches=num_microbatches)
 
-    def init_params() -> Any:
-      loaded = model_dirs.load(init_checkpoint, partitioner=partitioner)
-      return model.params_from_checkpoint(loaded, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
+      def init_params() -> Any:
+        loaded = model_dirs.load(init_checkpoint, partitioner=partitioner)
+        return model.params_from_checkpoint(loaded, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
 
-    examples = train_source.num_examples
-    logger.info("train_run: %s on %s (%s train examples), batch %d, %d steps -> %s%s",
-                trainable.describe(model), type(data).__name__,
-                "?" if examples is None else examples, batch_size, train_steps, model_dir,
-                f", from {init_info.describe()}" if init_info else "")
-    return train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source,
-                           train_steps=train_steps, eval_source=eval_source,
-                           eval_every=eval_every, eval_steps=eval_steps,
-                           checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                           log_every=log_every, seed=seed,
-                           init_params=init_params if init_info is not None else None,
-                           hooks=[*model.hooks(model_dir), *hooks])
+      examples = train_source.num_examples
+      logger.info("train_run: %s on %s (%s train examples), batch %d, %d steps -> %s%s",
+                  trainable.describe(model), type(data).__name__,
+                  "?" if examples is None else examples, batch_size, train_steps, model_dir,
+                  f", from {init_info.describe()}" if init_info else "")
+      training = True
+      return train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source,
+                             train_steps=train_steps, eval_source=eval_source,
+                             eval_every=eval_every, eval_steps=eval_steps,
+                             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                             log_every=log_every, seed=seed,
+                             init_params=init_params if init_info is not None else None,
+                             hooks=[*model.hooks(model_dir), *hooks])
+  except BaseException:
+    # A run that failed before its first step (bad data, a vocabulary that does not fit, an
+    # unreadable init_checkpoint) leaves no folder it created behind.
+    if created and not training and jax.process_index() == 0:
+      shutil.rmtree(model_dir, ignore_errors=True)
+    raise
 
 
 @gin.configurable

@@ -69,6 +69,27 @@ def test_bad_arguments_are_named(tmp_path):
         vocabulary=None, batch_size=8, feature_lengths=LENGTHS, seed=0)
 
 
+def test_a_bad_data_file_fails_before_training_and_leaves_no_run_dir(tmp_path):
+  """The error names the file and line; the run folder this call made is gone again, and a
+  folder that existed before is left alone."""
+  bad = tmp_path / "bad.jsonl"
+  data.write_turns(bad, toy.toy_turns(2))
+  lines = len(bad.read_text().splitlines())
+  with open(bad, "a") as f:
+    f.write('{"context": 3}\n')
+  for model_dir, existed in ((tmp_path / "new_run", False), (tmp_path / "old_run", True)):
+    if existed:
+      model_dir.mkdir()
+      (model_dir / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:{lines + 1}: missing required field"):
+      runs.train_run(model_dir=str(model_dir), model=diamante_model.DiamanteModel(config=CONFIG),
+                     data=data.DialogueData(train_path=str(bad), vocab_size=120),
+                     train_steps=2, batch_size=8, feature_lengths=LENGTHS,
+                     optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-3))
+    assert model_dir.exists() == existed
+  assert (tmp_path / "old_run" / "notes.txt").read_text() == "mine"
+
+
 def test_diamante_train_command_is_the_core_run_with_its_gin(tmp_path):
   from jaxmoral import cli  # pylint: disable=g-import-not-at-top
   gin.clear_config()
