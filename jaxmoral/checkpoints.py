@@ -151,7 +151,7 @@ def _listing(files: Sequence[str]) -> str:
   return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
-def verify_integrity(root: str | os.PathLike, *, what: str, full: bool = True,
+def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequence[str] = True,
                      step: Optional[int] = None, required: Sequence[str] = ()) -> bool:
   """Checks a checkpoint directory against its `_INTEGRITY.json` before anything is read.
 
@@ -159,7 +159,8 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool = True,
     root: A checkpoint step or export directory.
     what: How messages name it (e.g. "/run/checkpoints: checkpoint step 7").
     full: Also compare sha256 digests (streamed); False checks presence and sizes only (for
-      metadata reads, which touch no array data).
+      metadata reads, which touch no array data); a sequence of files or folders (relative
+      to `root`) compares the digests of those only (the small files a metadata read parses).
     step: The step, for the error's attribute.
     required: Files that must exist even without a manifest (older checkpoints).
 
@@ -205,13 +206,16 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool = True,
         f"{what} is damaged: {rel} is {size} bytes, {saved} when saved (truncated or "
         f"overwritten){more}; nothing was loaded", step=step, files=[r[0] for r in resized])
   if full:
+    hashed = sorted(files) if full is True else [
+        rel for rel in sorted(files)
+        if any(rel == entry or rel.startswith(entry.rstrip("/") + "/") for entry in full)]
     try:
-      digests = _hash_all(root, sorted(files))
+      digests = _hash_all(root, hashed)
     except OSError as e:  # Gone or unreadable while being read.
       rel = os.path.relpath(e.filename or root, root).replace(os.sep, "/")
       raise CheckpointIntegrityError(f"{what} is damaged: {rel} cannot be read ({e.strerror})"
                                      "; nothing was loaded", step=step, files=[rel]) from None
-    changed = [rel for rel in sorted(files) if digests[rel] != saved_digests[rel]]
+    changed = [rel for rel in hashed if digests[rel] != saved_digests[rel]]
     if changed:
       more = f" (and {len(changed) - 1} more files)" if len(changed) > 1 else ""
       raise CheckpointIntegrityError(
@@ -782,8 +786,9 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
   return directory
 
 
-def verify_export(directory: str | os.PathLike, *, full: bool = True) -> bool:
-  """`verify_integrity` of an `export_params` directory (params/ and config.json)."""
+def verify_export(directory: str | os.PathLike, *, full: bool | Sequence[str] = True) -> bool:
+  """`verify_integrity` of an `export_params` directory (params/, config.json and what else
+  its manifest covers)."""
   directory = os.path.abspath(os.fspath(directory))
   return verify_integrity(directory, what=f"{directory}: the export", full=full,
                           required=(f"{PARAMS_DIR}/_METADATA",))
@@ -940,7 +945,8 @@ def exported_metadata(directory: str | os.PathLike) -> PyTree:
   params_dir = os.path.join(os.path.abspath(os.fspath(directory)), PARAMS_DIR)
   if not os.path.isdir(params_dir):
     raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
-  verify_export(directory, full=False)
+  # Sizes of everything; digests of the small files read next (config, vocabulary, settings).
+  verify_export(directory, full=[name for name in os.listdir(directory) if name != PARAMS_DIR])
   metadata = ocp.PyTreeCheckpointer().metadata(params_dir).item_metadata
   return getattr(metadata, "tree", metadata)
 

@@ -508,6 +508,10 @@ def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
       save_vocabulary(directory, vocabulary)
     if settings:
       write_settings(directory, settings)
+    # The manifest covers everything a load reads: a damaged vocabulary is refused too.
+    checkpoints.write_integrity_manifest(directory, [
+        entry for entry in (checkpoints.PARAMS_DIR, CONFIG_FILE, VOCAB_DIR, SETTINGS_FILE)
+        if os.path.exists(os.path.join(directory, entry))])
   return directory
 
 

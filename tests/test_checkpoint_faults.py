@@ -26,6 +26,7 @@ from jaxmoral import checkpoints as ck
 from jaxmoral import model_dirs, partitioning
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as tr
+from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.pipeline import BatchSource
 from jaxmoral.models import t5
 from jaxmoral.models.config import t5_config
@@ -153,7 +154,7 @@ def test_step_without_manifest_loads_with_a_warning(t5_run, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_damaged_export_is_refused(t5_run, tmp_path, damage):
+def test_damaged_export_is_refused(t5_run, tmp_path, damage, demo_vocab_path):
   run, params = t5_run
   out = str(tmp_path / "export")
   model_dirs.export_model(run, out)
@@ -182,6 +183,22 @@ def test_damaged_export_is_refused(t5_run, tmp_path, damage):
     f.write(" ")
   with pytest.raises(Error, match="the export is damaged: config.json"):
     ck.load_exported(out2)
+  # So is a changed vocabulary or settings file: the manifest covers all a load reads.
+  if damage == "truncate":
+    return
+  with_files = _copy(run, tmp_path)
+  model_dirs.save_vocabulary(with_files, vocab_lib.get_vocabulary(demo_vocab_path))
+  model_dirs.write_settings(with_files, {"feature_lengths": {"inputs": 8, "targets": 4}})
+  out3 = str(tmp_path / "export3")
+  model_dirs.export_model(with_files, out3)
+  manifest = json.loads(open(os.path.join(out3, ck.INTEGRITY_FILE)).read())["files"]
+  assert {"vocab/spiece.model", "settings.json"} <= set(manifest)
+  with open(os.path.join(out3, "vocab", "spiece.model"), "r+b") as f:
+    first = f.read(1)
+    f.seek(0)
+    f.write(bytes([first[0] ^ 1]))
+  with pytest.raises(Error, match="the export is damaged: vocab/spiece.model"):
+    model_dirs.load(out3)
 
 
 # -- a tiny training run (resume, lock, TensorBoard) ----------------------------------------------
