@@ -72,8 +72,10 @@ def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_proc
             port=None):
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_", "XLA_", "SLURM_", "TPU_"))}
+  # The suite's compile settings (conftest.py) carry over; the device count is this process's.
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" in f]
   env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}", *kept]))
   if num_processes > 1:
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
                JAX_PROCESS_ID=str(process_id))
