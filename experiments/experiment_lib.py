@@ -26,6 +26,9 @@ PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(PROJECT_ROOT) not in sys.path:  # `python experiments/x.py` from a clone, not installed
   sys.path.insert(0, str(PROJECT_ROOT))
 
+# Before JAX is imported: no TPU runtime start-up noise where libtpu is installed without a TPU.
+from jaxmoral import cli  # noqa: E402  pylint: disable=wrong-import-position
+cli.platforms_without_absent_tpu()
 from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 
