@@ -532,7 +532,7 @@ def test_decoding_starts_from_the_models_start_id_and_pads_with_its_pad_id():
   out = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=8,
                         greedy=True, eos_id=EOS)
   tokens, lengths = np.asarray(out.tokens[:, 0]), np.asarray(out.lengths[:, 0])
-  logits = np.asarray(model.apply({"params": params}, inputs, shift_right(tokens, 3)))
+  logits = np.asarray(jax.jit(model.apply)({"params": params}, inputs, shift_right(tokens, 3)))
   for row, n in enumerate(lengths):
     np.testing.assert_array_equal(tokens[row, :n], logits[row, :n].argmax(-1))
     assert (tokens[row, n:] == 3).all()

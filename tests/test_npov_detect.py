@@ -118,11 +118,13 @@ def test_classifier_score_is_softmax_of_label_logits():
   got = detector.detect_batch(examples)
   yes, no = classifier.label_token_ids(WordVocab())
   prompted = pt.PromptedT5(config, 3)
+  # One compiled forward per input length (op-by-op it compiles every op of the model).
+  first_logits = jax.jit(lambda p, tokens: prompted.apply(
+      {"params": p}, tokens, jnp.zeros((1, 1), jnp.int32))[0, 0])
   for e, d in zip(examples, got):
     tokens = jnp.array([WordVocab().encode(task.format_classifier_input(e)) + [1]])
     for error in classifier.ERROR_TYPES:
-      logits = prompted.apply({"params": pt.prompted_params(params, prompts[error])}, tokens,
-                              jnp.zeros((1, 1), jnp.int32))[0, 0]
+      logits = first_logits(pt.prompted_params(params, prompts[error]), tokens)
       p_no = np.exp(logits[no]) / (np.exp(logits[no]) + np.exp(logits[yes]))
       assert getattr(d, error) == pytest.approx(float(p_no), abs=1e-5)
   inputs, targets = classifier.training_pairs(examples, error="coverage")

@@ -31,14 +31,14 @@ def test_prompt_equals_prefix_tokens_with_those_embeddings(base):
   prompt = params["token_embedder"]["embedding"][prefix]
   tokens = jnp.array([[5, 6, 7, 8, 1, 0, 0], [20, 21, 1, 0, 0, 0, 0]])
   decoder = jnp.array([[0, 3, 4, 5], [0, 6, 7, 8]])
-  prompted = pt.PromptedT5(CFG, 3).apply({"params": pt.prompted_params(params, prompt)},
-                                          tokens, decoder)
+  prompted = jax.jit(pt.PromptedT5(CFG, 3).apply)(
+      {"params": pt.prompted_params(params, prompt)}, tokens, decoder)
   # Reference: real tokens in front, padding moved to the end so no prompt row is masked.
   lengths = (tokens != 0).sum(1)
   ref_tokens = np.zeros((2, 10), np.int32)
   for b in range(2):
     ref_tokens[b, :3 + lengths[b]] = np.concatenate([prefix, np.asarray(tokens[b, :lengths[b]])])
-  reference = model.apply({"params": params}, jnp.asarray(ref_tokens), decoder)
+  reference = jax.jit(model.apply)({"params": params}, jnp.asarray(ref_tokens), decoder)
   np.testing.assert_allclose(prompted, reference, atol=2e-5)
 
 
@@ -115,14 +115,16 @@ def test_saved_prompt_reloads_to_identical_outputs(base, tmp_path, orbax):
   prompted = pt.PromptedT5(CFG, 5)
   combined = pt.prompted_params(params, loaded)
   assert combined["base"] is params  # one base serves every prompt, no copy
+  apply = jax.jit(prompted.apply)  # Compiled once: op by op, every op compiles on its own.
   np.testing.assert_array_equal(
-      prompted.apply({"params": combined}, tokens, decoder),
-      prompted.apply({"params": pt.prompted_params(params, prompt)}, tokens, decoder))
+      apply({"params": combined}, tokens, decoder),
+      apply({"params": pt.prompted_params(params, prompt)}, tokens, decoder))
   # The prompted inputs drive the base model directly too (decoding uses this path).
   embeds, mask = pt.prompted_encoder_inputs(model, params, loaded, tokens)
   np.testing.assert_array_equal(
-      model.apply({"params": params}, None, decoder, encoder_embeds=embeds, encoder_mask=mask),
-      prompted.apply({"params": combined}, tokens, decoder))
+      jax.jit(model.apply)({"params": params}, None, decoder, encoder_embeds=embeds,
+                           encoder_mask=mask),
+      apply({"params": combined}, tokens, decoder))
 
 
 def test_load_prompt_errors(tmp_path):

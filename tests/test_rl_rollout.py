@@ -45,7 +45,14 @@ def models():
 
 def teacher_forced(model, params, prompts, responses):
   """(logits, hidden) of the plain model call (independent of rollout.py)."""
-  return model.apply({"params": params}, prompts, shift_right(responses), return_hidden=True)
+  return _teacher_forced(model)(params, prompts, responses)
+
+
+@functools.lru_cache(maxsize=None)
+def _teacher_forced(model):
+  # Compiled once per model: op by op, every op of the model would compile on its own.
+  return jax.jit(lambda params, prompts, responses: model.apply(
+      {"params": params}, prompts, shift_right(responses), return_hidden=True))
 
 
 def test_generate_rollout_masks_and_logprobs(models):
@@ -111,9 +118,9 @@ def test_score_rollout_matches_independent_forward(models, share):
   # Values: the scalar head on the value model's decoder states, the encoder being the
   # policy's when shared.
   if share:
-    encoded = policy.apply({"params": params}, prompts, method=T5.encode)
-    _, hidden = value.apply({"params": vparams}, encoded, prompts != 0, shift_right(tokens),
-                            method=T5.decode)
+    encoded = jax.jit(lambda p: policy.apply({"params": p}, prompts, method=T5.encode))(params)
+    _, hidden = jax.jit(lambda p: value.apply({"params": p}, encoded, prompts != 0,
+                                              shift_right(tokens), method=T5.decode))(vparams)
   else:
     _, hidden = teacher_forced(value, vparams, prompts, tokens)
   head = vparams["scalar_head"]

@@ -448,23 +448,27 @@ def test_teacher_forced_rows_sharing_an_encoding_equal_repeated_encodings():
   targets = rng.integers(2, 64, (2 * 3, 5)).astype(np.int32)
   mask = inputs != 0
 
+  # Compiled: op by op, every op of the model and its gradient would compile on its own.
+  encode = jax.jit(lambda p: model.apply({"params": p}, inputs, encoder_mask=mask,
+                                         method=t5.T5.encode))
+  decode = jax.jit(lambda p, enc, enc_mask: model.apply({"params": p}, enc, enc_mask, targets,
+                                                        method=t5.T5.decode))
+  decode_grad = jax.jit(jax.grad(lambda p, enc, enc_mask: decode(p, enc, enc_mask)[0].sum()))
+
   def run(rows_per_input):
-    encoded = model.apply({"params": params}, inputs, encoder_mask=mask, method=t5.T5.encode)
+    encoded = encode(params)
     enc, enc_mask = encoded, mask
     if rows_per_input:
       enc, enc_mask = np.repeat(encoded, 3, axis=0), np.repeat(mask, 3, axis=0)
-    logits, hidden = model.apply({"params": params}, enc, enc_mask, targets,
-                                 method=t5.T5.decode)
-    grad = jax.grad(lambda p: model.apply({"params": p}, enc, enc_mask, targets,
-                                          method=t5.T5.decode)[0].sum())(params)
-    return logits, hidden, grad
+    logits, hidden = decode(params, enc, enc_mask)
+    return logits, hidden, decode_grad(params, enc, enc_mask)
 
   shared, repeated = run(False), run(True)
   np.testing.assert_allclose(shared[0], repeated[0], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(shared[1], repeated[1], rtol=1e-5, atol=1e-5)
   for a, b in zip(jax.tree_util.tree_leaves(shared[2]), jax.tree_util.tree_leaves(repeated[2])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-  encoded = model.apply({"params": params}, inputs, encoder_mask=mask, method=t5.T5.encode)
+  encoded = encode(params)
   with pytest.raises(ValueError, match="equal groups"):
     model.apply({"params": params}, encoded, mask, targets[:5], method=t5.T5.decode)
   dropout = t5.T5(dataclasses.replace(cfg, dropout_rate=0.1))
