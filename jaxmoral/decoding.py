@@ -19,7 +19,7 @@ call (`models.t5.DecodeStepOps`). Built in is "xla": the self-attention query/ke
 and a gated MLP's two input kernels stacked, so each is one product (a step is bound by
 streaming the weights). Optional backends register themselves: `jaxmoral.cpu_kernels.backend`
 adds "cpu_packed" (float32 decoding on one CPU device through a C++ kernel over column-panel
-packed weights), chosen by name only: it is not faster than XLA on every CPU.
+packed weights), automatic only where it beats XLA (CPUs with AVX-512), else chosen by name.
 `backend="auto"` takes the last registered automatic backend that applies, else "xla".
 Without `decode_weights` a call prepares XLA's stacks inside the trace.
 

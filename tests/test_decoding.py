@@ -1,5 +1,6 @@
 """Tests for jaxmoral.decoding against teacher-forced recomputation and NumPy references."""
 
+from unittest import mock
 
 import flax.linen as nn
 import gin
@@ -425,9 +426,12 @@ def test_decode_weights_are_prepared_once_and_decode_like_none(setup):
   assert sampler._cache_size() == compiled  # Reused: nothing rebuilt or retraced.
   for out in (first, second):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
-  # "auto" keeps XLA's ops: the CPU kernels are not automatic (they lose to XLA on some CPUs).
+  # "auto" picks the CPU kernels only where they beat XLA's dots (AVX-512), else XLA's ops.
   auto = decoding.prepare_decode_weights(model, params)
-  assert auto.backend == "xla"
+  assert auto.backend == ("cpu_packed" if cpu_kernels.available() and cpu_kernels.has_avx512()
+                          else "xla")
+  with mock.patch.object(cpu_kernels, "has_avx512", lambda: False):
+    assert decoding.prepare_decode_weights(model, params).backend == "xla"
   with gin.unlock_config():
     gin.bind_parameter("decoding.prepare_decode_weights.backend", "gpu_magic")
   try:  # The gin binding reaches the callers that pass no backend.

@@ -315,6 +315,23 @@ def _load() -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def has_avx512() -> bool:
+  """Whether this CPU has AVX-512 (Linux's /proc/cpuinfo flags; False where unreadable).
+
+  Where the packed kernels beat XLA's dots has followed this flag (bench/RESULTS.md): with
+  AVX-512 they decode batches several times faster, without it they lose at every batch.
+  """
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return "avx512f" in line.split()
+  except OSError:
+    pass
+  return False
+
+
 def available() -> bool:
   """Whether the kernels can run here: enabled, built and registered (builds once)."""
   return enabled() and _load() is not None

@@ -2,10 +2,10 @@
 
 Float32 decoding on one CPU device: every product of a step multiplies by a kernel packed into
 contiguous column panels (`pack_columns`) through `packed_matmul`, and the step's attention is
-one `decode_attention` call. Chosen by name only
-(`decoding.prepare_decode_weights.backend = 'cpu_packed'` in gin, or `backend="cpu_packed"`):
-whether it beats XLA's dots depends on the CPU (bench/bench_generate.py measures both), so
-"auto" keeps XLA's ops.
+one `decode_attention` call. "auto" picks it only on a CPU with AVX-512, where it has beaten
+XLA's dots (bench/RESULTS.md); elsewhere it is chosen by name
+(`decoding.prepare_decode_weights.backend = 'cpu_packed'` in gin, or `backend="cpu_packed"`),
+and `bench/bench_generate.py --backend cpu_packed --also_xla_dot` measures both.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ def _is_concrete_on_one_cpu(x: Any) -> bool:
 class PackedKernelBackend(decoding.DecodeBackend):
   """Products over column-panel packed kernels and a fused step attention (C++, XLA FFI)."""
   name = "cpu_packed"
-  automatic = False
+
+  @property
+  def automatic(self) -> bool:  # type: ignore[override]
+    return cpu_kernels.has_avx512()
 
   def applies(self, model: t5.T5, params: Any) -> bool:
     """Float32 models whose parameters are concrete arrays on one CPU device, where the
