@@ -18,7 +18,7 @@ import re
 import shlex
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -125,8 +125,9 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
         return {"seconds": float("nan"), "reused": True, "result": {}}
   tick = time.time()
   result = train()
+  numbers = result if isinstance(result, Mapping) else {}  # Some stages return a path.
   record = {"seconds": time.time() - tick, "reused": False,
-            "result": {k: v for k, v in (result or {}).items()
+            "result": {k: v for k, v in numbers.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)}}
   with open(record_path, "w") as f:
     json.dump(record, f, indent=2)

@@ -61,6 +61,11 @@ def test_load_errors_name_the_missing_file(tmp_path, saved):
   import shutil  # pylint: disable=g-import-not-at-top
   shutil.copytree(export, tmp_path / "copy")
   (tmp_path / "copy" / "settings.json").write_text("{bad")
+  # The export's manifest covers settings.json: a changed one is refused as damage ...
+  with pytest.raises(ValueError, match="the export is damaged: settings.json is 4 bytes"):
+    bundle_lib.load(tmp_path / "copy")
+  # ... and without a manifest (an older export) its bad JSON is named by file and line.
+  (tmp_path / "copy" / "_INTEGRITY.json").unlink()
   with pytest.raises(ValueError, match="settings.json:1"):
     bundle_lib.load(tmp_path / "copy")
 
