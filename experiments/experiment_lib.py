@@ -110,10 +110,10 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
     reused, "result": the numbers of `train()`'s result mapping}, kept in `STAGE_FILE`.
   """
   record_path = os.path.join(model_dir, STAGE_FILE)
-  final = os.path.join(checkpoints.run_checkpoints_dir(model_dir), str(int(steps)))
-  if os.path.isdir(final):
+  checkpoint_dir = checkpoints.run_checkpoints_dir(model_dir)
+  if os.path.isdir(os.path.join(checkpoint_dir, str(int(steps)))):
     try:
-      checkpoints.verify_step(os.path.dirname(final), int(steps), full=False)
+      checkpoints.verify_step(checkpoint_dir, int(steps), full=False)
     except checkpoints.CheckpointIntegrityError as e:
       logger.warning("%s; training again", e)
     else:

@@ -44,7 +44,7 @@ import re
 import socket
 import threading
 import uuid
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import gin
@@ -749,7 +749,8 @@ def _target_from_metadata(metadata_tree: PyTree, shardings: Any, dtype: Optional
 
 @gin.configurable(module="checkpoints")
 def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Optional[Any] = None,
-                  config: Optional[Mapping[str, Any]] = None, overwrite: bool = False) -> str:
+                  config: Optional[Mapping[str, Any]] = None, overwrite: bool = False,
+                  write_extra: Optional[Callable[[str], Sequence[str]]] = None) -> str:
   """Writes a params-only checkpoint (`<directory>/params`) and `<directory>/config.json`.
 
   Args:
@@ -758,6 +759,8 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
     dtype: Cast floating-point leaves to this dtype first (e.g. "bfloat16"); None keeps them.
     config: Model config dict (e.g. `T5Config.to_dict()`), written as config.json.
     overwrite: Replace an existing export; otherwise an existing one is an error.
+    write_extra: Called (process 0) with the directory once the parameters are saved; writes
+      further files and returns their names, which the integrity manifest covers too.
 
   Returns:
     The absolute export directory.
@@ -782,6 +785,8 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
         json.dump(_to_json(dict(config), "(config)"), f, indent=2, sort_keys=True)
     covered = [PARAMS_DIR] + ([CONFIG_FILE] if os.path.isfile(
         os.path.join(directory, CONFIG_FILE)) else [])
+    if write_extra is not None:
+      covered += list(write_extra(directory))
     write_integrity_manifest(directory, covered)
   return directory
 

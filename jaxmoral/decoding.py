@@ -240,7 +240,7 @@ class DecodeBackend:
 
   Subclasses override `name`, `applies`, `prepare` and `step_ops` and call `register_backend`.
   `automatic` says whether "auto" may pick the backend; one that is faster than XLA only on
-  some machines sets it False and is chosen by name.
+  some machines says False on the others (a property) and is chosen there by name.
   """
   name = "xla"
   automatic = True

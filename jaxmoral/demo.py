@@ -28,7 +28,7 @@ EXPERIMENTS = {"clarify": "python experiments/clarify_table4.py",
 # What each experiment measured at its scale (bench/RESULTS.md), quoted beside a demo's verdict.
 MEASURED = {"diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
                         "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
-                        "difference +0.057 [+0.017, +0.097] (session 11)"}
+                        "difference +0.057 [+0.017, +0.097]"}
 
 
 def truth_line(*, method: str, paper: str, this_run: str, agrees: bool) -> str:

@@ -501,18 +501,20 @@ def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
   Raises:
     FileExistsError: The export exists and `overwrite` is False.
   """
-  directory = checkpoints.export_params(params, directory, dtype=dtype, config=config.to_dict(),
-                                        overwrite=overwrite)
-  if jax.process_index() == 0:
+
+  def write_extra(directory: str) -> list[str]:
+    # In the manifest too: a load reads them, so a damaged vocabulary is refused as well.
+    written = []
     if vocabulary is not None:
       save_vocabulary(directory, vocabulary)
+      written.append(VOCAB_DIR)
     if settings:
       write_settings(directory, settings)
-    # The manifest covers everything a load reads: a damaged vocabulary is refused too.
-    checkpoints.write_integrity_manifest(directory, [
-        entry for entry in (checkpoints.PARAMS_DIR, CONFIG_FILE, VOCAB_DIR, SETTINGS_FILE)
-        if os.path.exists(os.path.join(directory, entry))])
-  return directory
+      written.append(SETTINGS_FILE)
+    return written
+
+  return checkpoints.export_params(params, directory, dtype=dtype, config=config.to_dict(),
+                                   overwrite=overwrite, write_extra=write_extra)
 
 
 def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
