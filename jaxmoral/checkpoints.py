@@ -152,7 +152,8 @@ def _listing(files: Sequence[str]) -> str:
 
 
 def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequence[str] = True,
-                     step: Optional[int] = None, required: Sequence[str] = ()) -> bool:
+                     step: Optional[int] = None, required: Sequence[str] = (),
+                     shared: bool = False) -> bool:
   """Checks a checkpoint directory against its `_INTEGRITY.json` before anything is read.
 
   Args:
@@ -163,6 +164,9 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
       to `root`) compares the digests of those only (the small files a metadata read parses).
     step: The step, for the error's attribute.
     required: Files that must exist even without a manifest (older checkpoints).
+    shared: Every process of a multi-process job calls this for the same files (a
+      collective): each hashes its share of them and all learn every share's result, so a
+      pod restore reads each file once, not once per host.
 
   Returns:
     True if verified against a manifest; False if there is none (a checkpoint written before
@@ -209,13 +213,11 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     hashed = sorted(files) if full is True else [
         rel for rel in sorted(files)
         if any(rel == entry or rel.startswith(entry.rstrip("/") + "/") for entry in full)]
-    try:
-      digests = _hash_all(root, hashed)
-    except OSError as e:  # Gone or unreadable while being read.
-      rel = os.path.relpath(e.filename or root, root).replace(os.sep, "/")
-      raise CheckpointIntegrityError(f"{what} is damaged: {rel} cannot be read ({e.strerror})"
-                                     "; nothing was loaded", step=step, files=[rel]) from None
-    changed = [rel for rel in hashed if digests[rel] != saved_digests[rel]]
+    changed, unreadable = _compare_digests(root, hashed, saved_digests, shared=shared)
+    if unreadable:
+      rel, reason = unreadable
+      raise CheckpointIntegrityError(f"{what} is damaged: {rel} cannot be read ({reason})"
+                                     "; nothing was loaded", step=step, files=[rel])
     if changed:
       more = f" (and {len(changed) - 1} more files)" if len(changed) > 1 else ""
       raise CheckpointIntegrityError(
@@ -224,18 +226,53 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
   return True
 
 
+def _compare_digests(root: str, hashed: Sequence[str], saved: Mapping[str, str], *,
+                     shared: bool) -> tuple[list[str], Optional[tuple[str, str]]]:
+  """(files whose digest differs, (first unreadable file, why) or None).
+
+  With `shared` in a multi-process job, process i hashes files i, i + n, ... and the
+  per-file verdicts are gathered from all processes (every process must call this).
+  """
+  count = jax.process_count() if shared else 1
+  mine = list(hashed)[jax.process_index()::count] if count > 1 else list(hashed)
+  changed, unreadable = [], None
+  try:
+    digests = _hash_all(root, mine)
+    changed = [rel for rel in mine if digests[rel] != saved[rel]]
+  except OSError as e:  # Gone or unreadable while being read.
+    unreadable = (os.path.relpath(e.filename or root, root).replace(os.sep, "/"),
+                  e.strerror or type(e).__name__)
+  if count == 1:
+    return changed, unreadable
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  index = {rel: k for k, rel in enumerate(hashed)}
+  verdict = np.zeros(len(hashed) + 1, np.int32)  # 1: differs, 2: unreadable; last: unknown
+  for rel in changed:
+    verdict[index[rel]] = 1
+  if unreadable:
+    verdict[index.get(unreadable[0], len(hashed))] = 2
+  everywhere = np.asarray(multihost_utils.process_allgather(verdict)).reshape(
+      count, -1).max(axis=0)
+  changed = [hashed[k] for k in np.flatnonzero(everywhere[:-1] == 1)]
+  if unreadable is None and (everywhere == 2).any():
+    k = int(np.flatnonzero(everywhere == 2)[0])
+    unreadable = (hashed[k] if k < len(hashed) else "a file", "unreadable on another process")
+  return changed, unreadable
+
+
 def _state_required() -> tuple[str, ...]:
   """What a step needs whatever wrote it: the state's tree metadata (Orbax lists a step
   whose _METADATA is gone, and then finds 'no params' in it)."""
   return (f"{STATE_ITEM}/_METADATA",)
 
 
-def verify_step(directory: str | os.PathLike, step: int, *, full: bool = True) -> bool:
+def verify_step(directory: str | os.PathLike, step: int, *, full: bool = True,
+                shared: bool = False) -> bool:
   """`verify_integrity` of `directory/<step>` (a `CheckpointManager` directory's step)."""
   directory = os.fspath(directory)
   return verify_integrity(os.path.join(directory, str(int(step))),
                           what=f"{directory}: checkpoint step {int(step)}", full=full,
-                          step=int(step), required=_state_required())
+                          step=int(step), required=_state_required(), shared=shared)
 
 
 def _item_handlers() -> dict[str, Any]:
@@ -612,7 +649,7 @@ class CheckpointManager:
       CheckpointIntegrityError: The step is damaged or incomplete (checked before any read).
     """
     step = self._resolve_step(step)
-    self.verify(step)
+    self.verify(step, shared=True)  # Every process restores: each hashes its share.
     args = ocp.args.Composite(**{
         STATE_ITEM: ocp.args.PyTreeRestore(target, restore_args=_restore_args(target)),
         EXTRA_ITEM: ocp.args.JsonRestore(),
@@ -631,8 +668,9 @@ class CheckpointManager:
     metadata = self._manager.item_metadata(step)[STATE_ITEM]
     return getattr(metadata, "tree", metadata)
 
-  def verify(self, step: int, *, full: bool = True) -> bool:
-    """Checks step `step` against its integrity manifest (see `verify_integrity`).
+  def verify(self, step: int, *, full: bool = True, shared: bool = False) -> bool:
+    """Checks step `step` against its integrity manifest (see `verify_integrity`, `shared`
+    included: then every process must call it).
 
     Returns:
       True if verified, False for a step saved without a manifest (a warning is logged).
@@ -641,7 +679,7 @@ class CheckpointManager:
       CheckpointIntegrityError: The step is damaged or incomplete.
     """
     self._join_manifest()
-    return verify_step(self.directory, step, full=full)
+    return verify_step(self.directory, step, full=full, shared=shared)
 
   def move_aside(self, step: int) -> str:
     """Renames a (damaged) step to `<step>.damaged` so it is no step any more.
@@ -791,12 +829,13 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
   return directory
 
 
-def verify_export(directory: str | os.PathLike, *, full: bool | Sequence[str] = True) -> bool:
+def verify_export(directory: str | os.PathLike, *, full: bool | Sequence[str] = True,
+                  shared: bool = False) -> bool:
   """`verify_integrity` of an `export_params` directory (params/, config.json and what else
   its manifest covers)."""
   directory = os.path.abspath(os.fspath(directory))
   return verify_integrity(directory, what=f"{directory}: the export", full=full,
-                          required=(f"{PARAMS_DIR}/_METADATA",))
+                          required=(f"{PARAMS_DIR}/_METADATA",), shared=shared)
 
 
 def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
@@ -817,7 +856,7 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
   params_dir = os.path.join(directory, PARAMS_DIR)
   if not os.path.isdir(params_dir):
     raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
-  verify_export(directory)
+  verify_export(directory, shared=True)  # Every process loads: each hashes its share.
   checkpointer = ocp.PyTreeCheckpointer()
   metadata = checkpointer.metadata(params_dir).item_metadata
   target = _target_from_metadata(getattr(metadata, "tree", metadata), shardings, dtype,
@@ -925,7 +964,7 @@ def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int]
   model_dir = os.path.abspath(os.fspath(model_dir))
   with _run_manager(model_dir) as manager:
     step = _resolve_run_step(manager, model_dir, step)
-    verify_step(model_dir, step)
+    verify_step(model_dir, step, shared=True)  # Every process loads: each hashes its share.
     metadata = manager.item_metadata(step)[STATE_ITEM]
     tree = getattr(metadata, "tree", metadata)
     where = f"{model_dir}/{step}/{STATE_ITEM}"

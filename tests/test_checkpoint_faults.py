@@ -378,3 +378,64 @@ def test_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
   with ck.RunDirLock(model_dir):
     assert json.load(open(path))["pid"] == os.getpid()
   assert not os.path.exists(path)
+
+
+def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, monkeypatch):
+  """Two processes (threads standing in for hosts, the collective a barrier): each hashes
+  half of the files, and both refuse a file only the other one read."""
+  import threading  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  root = tmp_path / "step"
+  root.mkdir()
+  for k in range(6):
+    (root / f"f{k}").write_bytes(bytes([k]) * (100 + k))
+  ck.write_integrity_manifest(root)
+  me, barrier, slots = threading.local(), threading.Barrier(2), [None, None]
+  hashed: dict[int, list[str]] = {0: [], 1: []}
+  real_hash_all = ck._hash_all
+
+  def allgather(x):
+    slots[me.index] = np.asarray(x)
+    barrier.wait()
+    out = np.stack(slots)
+    barrier.wait()
+    return out
+
+  def hash_all(root, relative):
+    hashed[me.index].extend(relative)
+    return real_hash_all(root, relative)
+
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: me.index)
+  monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  monkeypatch.setattr(ck, "_hash_all", hash_all)
+
+  def verify_as_both() -> list:
+    results = [None, None]
+
+    def process(index):
+      me.index = index
+      try:
+        results[index] = ck.verify_integrity(root, what="step", shared=True)
+      except Error as e:
+        results[index] = e
+    threads = [threading.Thread(target=process, args=(i,)) for i in (0, 1)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(timeout=60)
+    return results
+
+  assert verify_as_both() == [True, True]
+  assert sorted(hashed[0] + hashed[1]) == [f"f{k}" for k in range(6)]  # each file once
+  assert hashed[0] and hashed[1] and not set(hashed[0]) & set(hashed[1])
+  victim = hashed[1][0]
+  flip(str(root / victim))  # same size, other bytes: only a digest finds it
+  results = verify_as_both()
+  assert all(isinstance(r, Error) and r.files == (victim,) for r in results), results
+  # Unshared, one process hashes everything (what single-process callers get).
+  hashed[0].clear()
+  me.index = 0
+  with pytest.raises(Error, match=victim):
+    ck.verify_integrity(root, what="step")
+  assert sorted(hashed[0]) == [f"f{k}" for k in range(6)]

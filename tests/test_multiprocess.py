@@ -55,10 +55,42 @@ DRIVER = textwrap.dedent("""
     gin_args, rest = gin_utils.split_gin_args(sys.argv[2:])
     gin_utils.parse_gin(gin_args)
     runs.train_run()
+    check = {}
+    if jax.process_count() > 1:
+      # The final step verified as a multi-host restore does it: each process hashes its
+      # share; then a byte flipped in a file that only process 1 hashes is refused by both.
+      import gin, os
+      from jax.experimental import multihost_utils
+      from jaxmoral import checkpoints as ck
+      shares, hash_all = [], ck._hash_all
+      ck._hash_all = lambda root, rel: (shares.extend(rel), hash_all(root, rel))[1]
+      ckpt_dir = ck.run_checkpoints_dir(gin.query_parameter("%MODEL_DIR"))
+      check["verified"] = ck.verify_step(ckpt_dir, 3, shared=True)
+      check["share"] = list(shares)
+      files = sorted(json.load(open(os.path.join(ckpt_dir, "3", ck.INTEGRITY_FILE)))["files"])
+      victim = os.path.join(ckpt_dir, "3", files[1])  # process 1's share: files[1::2]
+      def flip():
+        with open(victim, "r+b") as f:
+          f.seek(os.path.getsize(victim) // 2)
+          byte = f.read(1)
+          f.seek(-1, 1)
+          f.write(bytes([byte[0] ^ 0xFF]))
+      multihost_utils.sync_global_devices("verified")
+      if jax.process_index() == 0:
+        flip()
+      multihost_utils.sync_global_devices("flipped")
+      try:
+        ck.verify_step(ckpt_dir, 3, shared=True)
+      except ck.CheckpointIntegrityError as e:
+        check["refused"] = list(e.files)
+      multihost_utils.sync_global_devices("refused")
+      if jax.process_index() == 0:
+        flip()  # back: the next test restores this checkpoint
+      check["files"], check["victim"] = files, files[1]
     with open(f"{sys.argv[1]}.{jax.process_index()}.json", "w") as f:
       json.dump({"losses": losses, "process_count": jax.process_count(),
                  "device_count": jax.device_count(),
-                 "local_device_count": jax.local_device_count()}, f)
+                 "local_device_count": jax.local_device_count(), "check": check}, f)
 """)
 
 
@@ -134,6 +166,17 @@ def test_two_processes_match_one_process_losses(runs_done):
   # Both processes see the same (replicated) loss, equal to the one-process run's.
   np.testing.assert_array_equal(two[0]["losses"], two[1]["losses"])
   np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_processes_share_checkpoint_hashing_and_refuse_together(runs_done):
+  checks = [_result(runs_done, "two", i)["check"] for i in range(2)]
+  files = checks[0]["files"]
+  assert all(c["verified"] for c in checks)
+  # Each file hashed once, by one process; process i hashed files i, i + 2, ...
+  assert checks[0]["share"] == files[0::2] and checks[1]["share"] == files[1::2]
+  # A file only process 1 read, damaged: both processes refuse it.
+  assert checks[0]["victim"] in checks[1]["share"]
+  assert [c.get("refused") for c in checks] == [[checks[0]["victim"]]] * 2
 
 
 def test_two_process_checkpoint_restores_in_one_process(runs_done):
