@@ -50,15 +50,6 @@ def command_line(argv: Sequence[str]) -> str:
   return " ".join(["python", shlex.quote(script), *(_quote(a) for a in argv)])
 
 
-def setup_logging() -> None:
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  os.environ.setdefault("HF_HUB_OFFLINE", "1")
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                      datefmt="%H:%M:%S", force=True)
-  for noisy in ("absl", "jax._src", "orbax", "tensorflow", "etils"):
-    logging.getLogger(noisy).setLevel(logging.WARNING)
-
-
 def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = None) -> int:
   """Parses gin flags, then calls the experiment's gin-bound `run(command=...)`.
 
@@ -77,7 +68,8 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
     print(f"usage: {command_line([])} --gin_file=configs/experiments/<name>.gin "
           f"[--gin.NAME=VALUE ...]\nerror: {problem}", file=sys.stderr)
     return 2
-  setup_logging()
+  cli.quiet_logs(force=True)
+  cli.tensorflow_for_input_pipelines_only()
   cache_dir = compilation_cache.resolve_cache_dir(None)
   if cache_dir is not None:
     compilation_cache.enable(cache_dir)

@@ -141,11 +141,18 @@ def error_message(error: BaseException) -> str:
   return gin_utils.explain_gin_error(original)
 
 
-def _quiet_logs() -> None:
+def quiet_logs(*, force: bool = False) -> None:
+  """Start-up of a jaxmoral process (the command line, the experiments): INFO lines with the
+  time, libraries' chatter at WARNING, the Hub offline unless the user says otherwise.
+
+  Args:
+    force: Replace handlers that imports installed on the root logger (a script whose
+      imports log before it starts); the command line leaves them (a test's capture).
+  """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                      datefmt="%H:%M:%S")
+                      datefmt="%H:%M:%S", force=force)
   for noisy in ("absl", "jax._src", "orbax", "tensorflow", "etils"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
   # gin logs every search-path miss (at ERROR) while resolving includes; those are not errors.
@@ -159,7 +166,7 @@ _TF_START_UP_NOISE = ("oneDNN custom operations are on", "Could not find cuda dr
                       "All log messages before absl::InitializeLog()", "failed call to cuInit")
 
 
-def _tensorflow_for_input_pipelines_only() -> None:
+def tensorflow_for_input_pipelines_only() -> None:
   """Imports TensorFlow (seqio's input pipelines) with its start-up lines filtered out of
   stderr, and hides every GPU from it, as T5X does: TensorFlow would otherwise reserve GPU
   memory that JAX needs. Anything else TensorFlow writes meanwhile is passed on."""
@@ -338,8 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str, str],
          distributed: dict[str, Any]) -> int:
   """The work of `main` once the command line is parsed."""
-  _quiet_logs()
-  _tensorflow_for_input_pipelines_only()
+  quiet_logs()
+  tensorflow_for_input_pipelines_only()
   # `compile` goes without: compile-only TPU executables cannot be loaded back.
   cache_dir = (None if args.command == "compile"
                else compilation_cache.resolve_cache_dir(flags.get(compilation_cache.FLAG)))
