@@ -45,10 +45,15 @@ logger = logging.getLogger("npov_table1")
 
 ERRORS = ("hallucination", "coverage")
 LEVELS = ("example", "word")
+# The confound control: the synthetic errors change the input's length, so a score that
+# follows length separates them without detecting anything.
+CONTROL = "input_length"
 PAPER = {"rouge": "ROUGE-1 detects both error types above chance",
          "salience": "salience detects both above chance (hallucination, example level: .808)",
          "classifier": "the YES/NO classifiers detect both above chance (hallucination, example "
-                       "level: .953)"}
+                       "level: .953)",
+         CONTROL: "not a detector: what the input's length alone gives (a synthetic "
+                  "hallucination removes an argument, a coverage error adds one)"}
 
 
 def word_arrays(examples: Sequence[Any], detections: Sequence[Any], error: str
@@ -95,6 +100,67 @@ def auc_intervals(examples: Sequence[Any], detections: Sequence[Any], *, num_res
                            "positives": int(arrays[0].sum())}
     # The library's own number, for the check that both agree.
     out[error]["library_example_auc"] = evaluated[error]["example_auc"]
+  return out
+
+
+def input_words(example: Any) -> int:
+  """Content words of the generator's input (query and arguments)."""
+  from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import text as text_lib  # pylint: disable=import-outside-toplevel
+  return sum(not w.is_stopword for w in text_lib.words(task.format_input(example)))
+
+
+def length_detections(examples: Sequence[Any]) -> list[Any]:
+  """The control's scores: hallucination = shorter input, coverage error = longer input."""
+  from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
+  return [base.Detection(-float(n), float(n)) for n in map(input_words, examples)]
+
+
+def length_matched_auc(labels: Any, scores: Any, lengths: Any) -> float:
+  """ROC AUC over the (error, clean) pairs whose inputs have the same length: what a score
+  tells beyond length (one that only follows length gets exactly 0.5).
+
+  Raises:
+    ValueError: No length holds both an error and a clean example.
+  """
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  labels, scores, lengths = (np.asarray(a) for a in (labels, scores, lengths))
+  total, weight = 0.0, 0
+  for length in np.unique(lengths):
+    at = lengths == length
+    pairs = int(labels[at].sum()) * int((1 - labels[at]).sum())
+    if pairs:
+      total += pairs * metrics.roc_auc(labels[at], scores[at])
+      weight += pairs
+  if not weight:
+    raise ValueError("length_matched_auc: no length has both labels")
+  return total / weight
+
+
+def length_dependence(examples: Sequence[Any], detections: Sequence[Any], *,
+                      num_resamples: int, seed: int) -> dict[str, Optional[dict[str, Any]]]:
+  """Per error, on the examples its ROC AUC uses: the Spearman correlation of the example
+  score with the input's length (content words), and `length_matched_auc` with its interval."""
+  import scipy.stats  # pylint: disable=import-outside-toplevel
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  out: dict[str, Optional[dict[str, Any]]] = {}
+  for error in ERRORS:
+    other = ERRORS[1 - ERRORS.index(error)]
+    chosen = [(e, d) for e, d in zip(examples, detections)
+              if getattr(e, error) is not None and not getattr(e, other)]
+    labels = np.asarray([int(getattr(e, error)) for e, _ in chosen])
+    scores = np.asarray([getattr(d, error) for _, d in chosen], np.float64)
+    lengths = np.asarray([input_words(e) for e, _ in chosen])
+    try:
+      ci = metrics.bootstrap_ci(length_matched_auc, labels, scores, lengths,
+                                num_resamples=num_resamples, seed=seed)
+    except ValueError:  # One label only, or no length with both.
+      out[error] = None
+      continue
+    constant = np.ptp(scores) == 0 or np.ptp(lengths) == 0  # no correlation defined
+    out[error] = {"spearman": None if constant else float(
+                      scipy.stats.spearmanr(scores, lengths)[0]),
+                  "length_matched_auc": common.ci_dict(ci)}
   return out
 
 
@@ -190,13 +256,13 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
 
   # 1. The base fine-tuned on verbalisation, then the generator and classifier prompts on it.
   base_dir = os.path.join(workdir, "base")
-  timings["base_train_s"] = common.train_stage(base_dir, base_steps, lambda: runs.train_run(
+  stages = {"base": common.train_stage(base_dir, base_steps, lambda: runs.train_run(
       model_dir=base_dir, model=trainable.Seq2SeqModel(config=model_config),
       data=runs.Seq2SeqData(train_file=pairs), train_steps=base_steps, feature_lengths=lengths,
       checkpoint_every=base_steps, optimizer=optimizer, init_checkpoint=init_checkpoint,
-      **common_run))["seconds"]
+      **common_run))}
   generator_dir = os.path.join(workdir, "generator")
-  timings["generator_prompt_s"] = common.train_stage(
+  stages["generator"] = common.train_stage(
       generator_dir, prompt_steps, lambda: runs.train_run(
           model_dir=generator_dir, model=prompt_tuning.PromptTuningModel(
               config=model_config,
@@ -206,7 +272,12 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
           data=runs.Seq2SeqData(train_file=pairs), train_steps=prompt_steps,
           feature_lengths=lengths, checkpoint_every=prompt_steps,
           optimizer=prompt_optimizer(prompt_steps), init_checkpoint=base_dir,
-          **common_run))["seconds"]
+          **common_run))
+  timings["base_train_s"] = stages["base"]["seconds"]
+  timings["generator_prompt_s"] = stages["generator"]["seconds"]
+  # How well the generator copies its arguments (the task is nearly verbatim copying):
+  # salience can only point at sources a generator actually uses.
+  token_accuracy = {k: v["result"].get("eval/accuracy") for k, v in stages.items()}
   train_slices = synthetic.make_test_slices(train_examples, topics, seed=seed + 2)
   train_synthetic = train_slices["unparaphrased"] + train_slices["paraphrased"]
   classifier_dirs = {}
@@ -221,28 +292,32 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
 
   # 2. Synthetic errors of the held-out claims; 3. every detector on both slices.
   test_slices = synthetic.make_test_slices(test_sources, topics, seed=seed + 3)
-  results: dict[str, Any] = {"auc": {}, "slices": {k: len(v) for k, v in test_slices.items()}}
+  results: dict[str, Any] = {"auc": {}, "length": {},
+                             "slices": {k: len(v) for k, v in test_slices.items()}}
   # Slices are aligned (example i of "paraphrased" paraphrases example i of "unparaphrased").
   size = len(test_slices["unparaphrased"])
   salience_sample = np.sort(np.random.default_rng(seed + 4).choice(
       size, size=min(size, max_salience_examples or size), replace=False))
-  for det_name in detectors:
+  for det_name in (*detectors, CONTROL):
     tick = time.time()
-    det = detect.build_detector(
+    detect_batch = length_detections if det_name == CONTROL else detect.build_detector(
         det_name, base_dir=base_dir,
         generator_dir=generator_dir if det_name == "salience" else None,
-        classifier_dirs=classifier_dirs)
-    results["auc"][det_name] = {}
+        classifier_dirs=classifier_dirs).detect_batch
+    results["auc"][det_name], results["length"][det_name] = {}, {}
     for slice_name, examples in test_slices.items():
       if det_name == "salience" and max_salience_examples:
         examples = [examples[i] for i in salience_sample]
-      detections = det.detect_batch(examples)
+      detections = detect_batch(examples)
       results["auc"][det_name][slice_name] = auc_intervals(
+          examples, detections, num_resamples=num_resamples, seed=seed)
+      results["length"][det_name][slice_name] = length_dependence(
           examples, detections, num_resamples=num_resamples, seed=seed)
       logger.info("%s on %s: %s", det_name, slice_name, {
           e: v["example"]["estimate"] if v["example"] else None
           for e, v in results["auc"][det_name][slice_name].items()})
-    timings[f"detect_{det_name}_s"] = time.time() - tick
+    if det_name != CONTROL:
+      timings[f"detect_{det_name}_s"] = time.time() - tick
   timings["total_s"] = time.time() - started
   results["verdicts"] = verdicts(results["auc"])
   results.update({
@@ -252,6 +327,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "classifier_train_examples": len(train_synthetic),
                 "test_sources": len(test_sources), "base_steps": base_steps,
                 "salience_examples_per_slice": int(len(salience_sample)),
+                "heldout_token_accuracy": token_accuracy,
                 "prompt_steps": prompt_steps, "classifier_steps": classifier_steps,
                 "batch_size": batch_size, "feature_lengths": lengths, "seed": seed,
                 "num_resamples": num_resamples}})
@@ -309,6 +385,28 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
         for lv in LEVELS:
           cells.append(common.fmt(by_slice[sl][e][lv]))
     lines.append(f"| {det} | " + " | ".join(cells) + " |")
+  length = results.get("length", {})
+  if length:
+    lines += ["", "Length control (example level, on the examples each AUC uses): Spearman "
+              "correlation of the score with the input's length (content words), and the ROC "
+              "AUC over the (error, clean) pairs whose inputs have the same length (what the "
+              "score tells beyond length: one that only follows length gets 0.5).", "",
+              "| detector | " + " | ".join(f"{sl} {e}" for sl in slices for e in ERRORS) + " |",
+              "|---|" + "---|" * (len(slices) * len(ERRORS))]
+    for det, by_slice in length.items():
+      cells = []
+      for sl in slices:
+        for e in ERRORS:
+          d = by_slice[sl][e]
+          rho = "—" if d is None or d["spearman"] is None else f"{d['spearman']:+.2f}"
+          cells.append("—" if d is None else f"ρ {rho}; matched "
+                       f"{common.fmt(d['length_matched_auc'])}")
+      lines.append(f"| {det} | " + " | ".join(cells) + " |")
+  accuracy = s.get("heldout_token_accuracy") or {}
+  if accuracy:
+    lines += ["", "Held-out token accuracy on the verbalisation task (nearly verbatim copying "
+              "of the arguments): " + ", ".join(
+                  f"{k} {v:.3f}" for k, v in accuracy.items() if v is not None) + "."]
   lines.append("")
   for det, by_error in results["verdicts"].items():
     lines.append(f"- {det}: paper: {PAPER.get(det, '')}; this run: " + ", ".join(

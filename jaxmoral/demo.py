@@ -28,7 +28,11 @@ EXPERIMENTS = {"clarify": "python experiments/clarify_table4.py",
 # What each experiment measured at its scale (bench/RESULTS.md), quoted beside a demo's verdict.
 MEASURED = {"diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
                         "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
-                        "difference +0.057 [+0.017, +0.097]"}
+                        "difference +0.057 [+0.017, +0.097]",
+            "npov": "at half its CPU training ROUGE-1 agrees; salience's hallucination AUC "
+                    "(0.309) is inverted by a length confound of the synthetic errors and "
+                    "shows nothing over same-length pairs, its generator not yet copying "
+                    "(token accuracy 0.50); the classifiers stayed at chance"}
 
 
 def truth_line(*, method: str, paper: str, this_run: str, agrees: bool) -> str:

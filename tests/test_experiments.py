@@ -192,3 +192,48 @@ def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
   assert other["result"] == {} and calls == [1, 2]  # A stage may return a path, not numbers.
   (run_dir / "checkpoints" / "3" / checkpoints.STATE_ITEM / "_METADATA").write_text("{ }")
   assert not experiment_lib.train_stage(str(run_dir), 3, train)["reused"] and calls == [1, 2, 1]
+
+
+def test_npov_length_control_against_scipy():
+  from jaxmoral.npov import task  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov.detectors import base  # pylint: disable=g-import-not-at-top
+  import scipy.stats  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma".split()
+  examples = []
+  for i in range(40):
+    n = int(rng.integers(1, 5))
+    pro = tuple(" ".join(rng.choice(words, size=int(rng.integers(2, 6)))) for _ in range(n))
+    kind = i % 3  # clean, hallucination, coverage
+    examples.append(task.NpovExample(id=str(i), topic="t", query="Is it so?", pro=pro, con=(),
+                                     response="r", hallucination=kind == 1, coverage=kind == 2))
+  # The control scores shorter inputs as hallucinations and longer ones as coverage errors;
+  # a synthetic hallucination (an argument removed) is always shorter than its source.
+  from jaxmoral.npov import synthetic  # pylint: disable=g-import-not-at-top
+  counts = [npov_table1.input_words(e) for e in examples]
+  control = npov_table1.length_detections(examples)
+  assert [d.coverage for d in control] == counts
+  assert [d.hallucination for d in control] == [-c for c in counts]
+  for e in examples:
+    if len(e.pro) > 1:
+      shorter = synthetic.make_hallucination(e, np.random.default_rng(1))
+      assert npov_table1.input_words(shorter) < npov_table1.input_words(e)
+  # A score made of length plus a signal: the length-matched AUC sees the signal only.
+  signal = rng.normal(size=len(examples))
+  detections = [base.Detection(2.0 * c + s + (1.5 if e.hallucination else 0.0), 0.0)
+                for e, c, s in zip(examples, counts, signal)]
+  out = npov_table1.length_dependence(examples, detections, num_resamples=200, seed=0)
+  chosen = [k for k, e in enumerate(examples) if not e.coverage]
+  scores = np.array([detections[k].hallucination for k in chosen])
+  lengths = np.array(counts)[chosen]
+  labels = np.array([int(examples[k].hallucination) for k in chosen])
+  assert out["hallucination"]["spearman"] == pytest.approx(
+      scipy.stats.spearmanr(scores, lengths).statistic)
+  pairs = [float(scores[a] > scores[b]) + 0.5 * float(scores[a] == scores[b])
+           for a in np.flatnonzero(labels == 1) for b in np.flatnonzero(labels == 0)
+           if lengths[a] == lengths[b]]
+  assert pairs and out["hallucination"]["length_matched_auc"]["estimate"] == pytest.approx(
+      np.mean(pairs))
+  assert out["coverage"]["spearman"] is None  # a constant score has no correlation
+  # The control itself tells nothing beyond length.
+  assert npov_table1.length_matched_auc(labels, -lengths, lengths) == 0.5
