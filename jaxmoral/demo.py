@@ -26,7 +26,10 @@ EXPERIMENTS = {"clarify": "python experiments/clarify_table4.py",
                "npov": "python experiments/npov_table1.py",
                "diamante": "python experiments/diamante_fig3.py"}
 # What each experiment measured at its scale (bench/RESULTS.md), quoted beside a demo's verdict.
-MEASURED = {"diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
+MEASURED = {"clarify": "at CPU scale it is inconclusive (PPO minus SFT avg JSD -0.0001 [-0.0003, "
+                       "+0.0002]): the reward is near zero for every system because the small "
+                       "multi-task model's answer and fusion roles ask questions instead",
+            "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
                         "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
                         "difference +0.057 [+0.017, +0.097]",
             "npov": "at half its CPU training ROUGE-1 agrees; salience's hallucination AUC "

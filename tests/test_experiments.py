@@ -237,3 +237,39 @@ def test_npov_length_control_against_scipy():
   assert out["coverage"]["spearman"] is None  # a constant score has no correlation
   # The control itself tells nothing beyond length.
   assert npov_table1.length_matched_auc(labels, -lengths, lengths) == 0.5
+
+
+def test_clarify_reward_probe_stage_summary():
+  import clarify_reward_probe  # pylint: disable=g-import-not-at-top
+  from jaxmoral.clarify import reward  # pylint: disable=g-import-not-at-top
+  base = np.array([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
+  p_w = np.array([[0.5, 0.4, 0.1], [0.2, 0.2, 0.6]])
+  p_s = np.array([[0.1, 0.4, 0.5], [0.2, 0.2, 0.6]])
+  result = reward.RewardResult(
+      scores=np.array([0.2, 0.0]), jsd=np.array([0.2, 0.0]), filtered=np.array([False, True]),
+      flips=np.array([True, False]), judgment=["ok", "good"], base_distribution=base,
+      weakener=["a", "b "], strengthener=["c", "b"], weakened_situation=["x", "y"],
+      strengthened_situation=["z", "y"], weakened_distribution=p_w,
+      strengthened_distribution=p_s, weakener_filtered=np.array([False, True]),
+      strengthener_filtered=np.array([False, False]))
+  got = clarify_reward_probe.stage_summary(result)
+  assert got["answers_weakener_equals_strengthener"] == 0.5  # "b " and "b" are the same answer
+  assert got["fusions_weakened_equals_strengthened"] == 0.5
+  assert got["weakener_filtered_pct"] == 50.0 and got["strengthener_filtered_pct"] == 0.0
+  assert got["judge_base_verdicts"] == {"good": 0.5, "ok": 0.5}
+  assert got["judge_base_max_prob"] == pytest.approx(0.6)
+  assert got["judge_base_entropy_nats"] == pytest.approx(
+      np.mean([-(r * np.log(r)).sum() for r in base]))
+  assert got["judge_total_variation_w_vs_s"] == pytest.approx((0.4 + 0.0) / 2)
+  assert got["judge_total_variation_base_vs_w"] == pytest.approx((0.4 + 0.0) / 2)
+  assert got["reward_mean"] == pytest.approx(0.1) and got["jsd_unfiltered_mean"] == pytest.approx(0.1)
+
+
+def test_clarify_reward_probe_reads_the_experiment_config():
+  import clarify_reward_probe  # pylint: disable=g-import-not-at-top
+  _parse("--gin_file=configs/experiments/clarify_table4_cpu.gin", "--gin.INIT_CHECKPOINT='/b'")
+  assert clarify_reward_probe._bound("workdir") == "/tmp/jaxmoral_experiments/clarify_table4_cpu"
+  config = clarify_reward_probe._bound("reward_config")
+  assert config.input_length == 96 and config.batch_size == 64
+  assert clarify_reward_probe._bound("max_eval_situations") == 300
+  assert clarify_reward_probe._bound("question_length", 32) == 32  # unbound: the default
