@@ -83,7 +83,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    ppo_iterations: int = 40, max_ppo_prompts: Optional[int] = None,
                    eval_split: str = "dev", max_eval_situations: int = 300,
                    question_length: int = 32, num_resamples: int = 1000,
-                   log_every: int = 50, seed: int = 0, command: str = "") -> dict[str, Any]:
+                   mixing_cap: Optional[int] = None, log_every: int = 50, seed: int = 0,
+                   command: str = "") -> dict[str, Any]:
   """Runs the whole experiment; writes and returns the results.
 
   Args:
@@ -107,6 +108,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     max_eval_situations: Held-out situations evaluated (the paper's table: its test set).
     question_length: Question tokens at most at evaluation.
     num_resamples: Bootstrap resamples.
+    mixing_cap: Pairs per model at most in the multi-task mixture (T5's examples-proportional
+      mixing with a limit; None: all pairs, question generation then about 87 % of them).
     log_every: Training progress lines.
     seed: Seed of everything.
     command: The command line (written into the report).
@@ -139,7 +142,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
             train_steps=train_steps, batch_size=batch_size, feature_lengths=lengths,
             source=data_dir, split="train", judge_classes=reward_config.judge_classes,
             nli_labels=reward_config.nli_labels, checkpoint_every=train_steps,
-            log_every=log_every, seed=seed, init_checkpoint=init_checkpoint))["seconds"]
+            log_every=log_every, seed=seed, init_checkpoint=init_checkpoint,
+            mixing_cap=mixing_cap))["seconds"]
   role_dir = {r: dirs.get(r, dirs.get("multitask")) for r in ROLES}
 
   # 2. PPO on train situations.
@@ -198,7 +202,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       "machine": common.machine(), "timings": timings,
       "ppo_reward_curve": ppo.get("reward_curve_values", []),
       "setup": {"init_checkpoint": init_checkpoint, "data_dir": data_dir,
-                "separate_models": separate_models, "train_steps": train_steps,
+                "separate_models": separate_models, "mixing_cap": mixing_cap,
+                "train_steps": train_steps,
                 "batch_size": batch_size, "feature_lengths": lengths,
                 "ppo_iterations": ppo_iterations, "ppo_batch_size": ppo_config.batch_size,
                 "ppo_top_p": ppo_config.top_p, "ppo_temperature": ppo_config.temperature,
@@ -238,7 +243,8 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
   lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
            "Command:", "", f"    {results['command']}", "",
            f"Setup: base `{s['init_checkpoint']}`; "
-           f"{'one model per role' if s['separate_models'] else 'one multi-task model'} "
+           f"{'one model per role' if s['separate_models'] else 'one multi-task model'}"
+           f"{' (at most %d pairs per role)' % s['mixing_cap'] if s.get('mixing_cap') else ''} "
            f"({s['train_steps']} steps, batch {s['batch_size']}) on `{s['data_dir']}` train; "
            f"PPO {s['ppo_iterations']} iterations of {s['ppo_batch_size']} train situations "
            f"(rollouts: top-p {s['ppo_top_p']}, temperature {s['ppo_temperature']}); "

@@ -152,3 +152,22 @@ def test_demo_splits_share_no_situation():
   assert sorted(train + dev) == sorted(everything)
   with pytest.raises(ValueError, match="split must be 'train' or 'dev', got 'nonsense'"):
     data.situations("demo", split="nonsense")
+
+
+def test_mixing_cap_subsamples_only_the_large_models():
+  every = {w: data.build_pairs(w, "demo") for w in data.WHICH}
+  cap = sorted(len(p) for p in every.values())[2]  # some models above it, some at or below
+  mixed = data.build_pairs("multitask", "demo", mixing_cap=cap, seed=3)
+  assert len(mixed) == sum(min(len(p), cap) for p in every.values())
+  start = 0
+  for which in data.WHICH:  # models in WHICH order; each a subset of its own pairs
+    n = min(len(every[which]), cap)
+    part = mixed[start:start + n]
+    start += n
+    assert set(part) <= set(every[which])
+    if len(every[which]) <= cap:
+      assert part == every[which]
+  assert mixed == data.build_pairs("multitask", "demo", mixing_cap=cap, seed=3)  # seeded
+  assert mixed != data.build_pairs("multitask", "demo", mixing_cap=cap, seed=4)
+  with pytest.raises(ValueError, match="mixing_cap"):
+    data.build_pairs("multitask", "demo", mixing_cap=0)

@@ -31,6 +31,8 @@ import pathlib
 import re
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
+
 from jaxmoral.clarify import formats
 from jaxmoral.data import readers
 
@@ -387,13 +389,29 @@ def load_source(source: str, *, split: str = "train", which: str = "multitask",
 def build_pairs(which: str, source: str = "demo", *, split: str = "train",
                 judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES,
                 nli_labels: Sequence[str] = formats.NLI_LABELS,
-                relevance_labels: Sequence[str] = formats.RELEVANCE_LABELS) -> list[Pair]:
+                relevance_labels: Sequence[str] = formats.RELEVANCE_LABELS,
+                mixing_cap: Optional[int] = None, seed: int = 0) -> list[Pair]:
   """Training pairs of one model (`which` in WHICH) or of all ("multitask").
+
+  Args:
+    which: A model of WHICH, or "multitask".
+    source: "demo" or a data folder.
+    split: δ-Clarify split of the questions.
+    judge_classes: Judge targets.
+    nli_labels: NLI targets.
+    relevance_labels: Relevance targets.
+    mixing_cap: T5's examples-proportional mixing with an artificial limit: a model with
+      more pairs than this contributes a seeded random `mixing_cap` of them, so small tasks
+      (answers: about 1 % of the shared data's pairs) are not drowned by question
+      generation. None: every pair.
+    seed: Seed of that subsample.
 
   Raises:
     FileNotFoundError: an input of a requested model is missing (all are listed).
     ValueError: an unknown `which`, or no pairs for a requested model.
   """
+  if mixing_cap is not None and mixing_cap <= 0:
+    raise ValueError(f"mixing_cap must be > 0 (or None), got {mixing_cap}")
   names = _which_models(which)
   rows = load_source(source, split=split, which=which)  # Every input checked up front.
   pairs = []
@@ -402,6 +420,10 @@ def build_pairs(which: str, source: str = "demo", *, split: str = "train",
                       relevance_labels=relevance_labels)
     if not built:
       raise ValueError(f"clarify data {source}: no {name} pairs (split {split!r})")
+    if mixing_cap is not None and len(built) > mixing_cap:
+      keep = np.random.default_rng([seed, WHICH.index(name)]).choice(
+          len(built), size=mixing_cap, replace=False)
+      built = [built[i] for i in np.sort(keep)]
     pairs += built
   return pairs
 

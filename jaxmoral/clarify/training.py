@@ -51,7 +51,8 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
                         partitioner: Optional[partitioning.PjitPartitioner] = None,
                         eval_every: int = 0, checkpoint_every: int = 1000,
                         log_every: int = 50, seed: int = 0,
-                        init_checkpoint: Optional[str] = None) -> dict[str, float]:
+                        init_checkpoint: Optional[str] = None,
+                        mixing_cap: Optional[int] = None) -> dict[str, float]:
   """Trains θQ, θA, fusion, judge, NLI or relevance (or "multitask": all in one model).
 
   Args:
@@ -75,13 +76,16 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
     log_every: Log every N steps.
     seed: Seed.
     init_checkpoint: Fine-tune from this model directory or Hub id (`jaxmoral.model_dirs`).
+    mixing_cap: At most this many pairs of each model ("multitask": T5's examples-proportional
+      mixing with a limit; `data.build_pairs`); None: all.
 
   Returns:
     Final training metrics of `runs.train_run`.
   """
   # Every input of every requested model is checked (and read) before MODEL_DIR is made.
   pairs = data_lib.build_pairs(which, source, split=split, judge_classes=judge_classes,
-                               nli_labels=nli_labels, relevance_labels=relevance_labels)
+                               nli_labels=nli_labels, relevance_labels=relevance_labels,
+                               mixing_cap=mixing_cap, seed=seed)
   checkpoints.make_run_dir(model_dir)
   seq_data = runs.Seq2SeqData(
       train_file=data_lib.write_pairs(pairs, os.path.join(model_dir, "data",
