@@ -176,6 +176,12 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     CheckpointIntegrityError: A file is missing, has another size, or another digest.
   """
   root = os.fspath(root)
+  if shared and jax.process_count() > 1:
+    # Every process must take the same path into the gathering below: none may look before
+    # process 0 has finished writing a manifest it saved a moment ago (it joins its writer
+    # before verifying), or one would find no manifest and skip the collective.
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices("jaxmoral_verify_integrity")
   missing_required = [rel for rel in required if not os.path.isfile(os.path.join(root, rel))]
   if missing_required:
     raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing_required)})"

@@ -408,6 +408,7 @@ def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, mon
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: me.index)
   monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: barrier.wait())
   monkeypatch.setattr(ck, "_hash_all", hash_all)
 
   def verify_as_both() -> list:
