@@ -48,6 +48,30 @@ PAPER = ("paper (Pyatkin et al. 2023, Table 4): PPO raises the average JSD and t
          "judgment flips over the supervised question generator")
 
 
+def supervised_models(*, separate_models: bool,
+                      dedicated_roles: Optional[Mapping[str, int]],
+                      train_steps: int) -> dict[str, int]:
+  """{supervised model ("multitask" or a role): its training steps}.
+
+  Raises:
+    ValueError: an unknown role, a step count below 1, or both `separate_models` and
+      `dedicated_roles`.
+  """
+  dedicated = dict(dedicated_roles or {})
+  if separate_models and dedicated:
+    raise ValueError("separate_models already trains every role alone; drop dedicated_roles")
+  unknown = sorted(set(dedicated) - set(ROLES))
+  if unknown:
+    raise ValueError(f"dedicated_roles: unknown role(s) {unknown}; roles are {list(ROLES)}")
+  if any(int(n) < 1 for n in dedicated.values()):
+    raise ValueError(f"dedicated_roles: steps must be >= 1, got {dedicated}")
+  if separate_models:
+    return {role: train_steps for role in ROLES}
+  # The multi-task model is trained whenever a role is left to it.
+  shared = {"multitask": train_steps} if set(ROLES) - set(dedicated) else {}
+  return {**shared, **{role: int(dedicated[role]) for role in ROLES if role in dedicated}}
+
+
 def system_metrics(situations: Sequence[str], questions: Sequence[str], result: Any, *,
                    num_resamples: int, seed: int) -> dict[str, Any]:
   """Per-situation arrays and their intervals for one system's questions."""
@@ -78,7 +102,9 @@ def system_metrics(situations: Sequence[str], questions: Sequence[str], result: 
 def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint: str,
                    model_config: Any, optimizer: Any, ppo_optimizer: Any, ppo_config: Any,
                    reward_config: Any, data_dir: str = "../shared/data",
-                   separate_models: bool = False, train_steps: int = 1000,
+                   separate_models: bool = False,
+                   dedicated_roles: Optional[Mapping[str, int]] = None,
+                   train_steps: int = 1000,
                    batch_size: int = 32, feature_lengths: Optional[Mapping[str, int]] = None,
                    ppo_iterations: int = 40, max_ppo_prompts: Optional[int] = None,
                    eval_split: str = "dev", max_eval_situations: int = 300,
@@ -99,6 +125,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     reward_config: `reward.RewardConfig` (training reward and evaluation alike).
     data_dir: A folder laid out like ../shared/data (δ-Clarify, silver, fusion).
     separate_models: One run per role instead of one multi-task model.
+    dedicated_roles: {role: supervised steps} of roles trained as a model of their own (from
+      the same base); every other role comes from the multi-task model. For roles a small
+      multi-task model confuses (the answer generator answering with a question).
     train_steps: Supervised steps (per model with `separate_models`).
     batch_size: Supervised batch size.
     feature_lengths: Supervised input / target tokens (default 128 / 32).
@@ -133,15 +162,17 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     logger.warning("only %d %s situations", len(eval_situations), eval_split)
 
   # 1. Supervised models.
+  models_steps = supervised_models(separate_models=separate_models,
+                                   dedicated_roles=dedicated_roles, train_steps=train_steps)
   dirs: dict[str, str] = {}
-  for which in (ROLES if separate_models else ("multitask",)):
+  for which, steps in models_steps.items():
     dirs[which] = os.path.join(workdir, f"{which}_model")
     timings[f"train_{which}_s"] = common.train_stage(
-        dirs[which], train_steps, lambda w=which: training.train_clarify_model(
+        dirs[which], steps, lambda w=which, n=steps: training.train_clarify_model(
             which=w, model_dir=dirs[w], model_config=model_config, optimizer=optimizer,
-            train_steps=train_steps, batch_size=batch_size, feature_lengths=lengths,
+            train_steps=n, batch_size=batch_size, feature_lengths=lengths,
             source=data_dir, split="train", judge_classes=reward_config.judge_classes,
-            nli_labels=reward_config.nli_labels, checkpoint_every=train_steps,
+            nli_labels=reward_config.nli_labels, checkpoint_every=n,
             log_every=log_every, seed=seed, init_checkpoint=init_checkpoint,
             mixing_cap=mixing_cap))["seconds"]
   role_dir = {r: dirs.get(r, dirs.get("multitask")) for r in ROLES}
@@ -203,6 +234,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       "ppo_reward_curve": ppo.get("reward_curve_values", []),
       "setup": {"init_checkpoint": init_checkpoint, "data_dir": data_dir,
                 "separate_models": separate_models, "mixing_cap": mixing_cap,
+                "supervised_models": models_steps,
                 "train_steps": train_steps,
                 "batch_size": batch_size, "feature_lengths": lengths,
                 "ppo_iterations": ppo_iterations, "ppo_batch_size": ppo_config.batch_size,
@@ -236,6 +268,24 @@ def verdict(differences: Mapping[str, Any]) -> tuple[str, str]:
   return "inconclusive", why
 
 
+def models_line(setup: Mapping[str, Any]) -> str:
+  """How the supervised models were trained, in words."""
+  models = setup.get("supervised_models") or (
+      {role: setup["train_steps"] for role in ROLES} if setup["separate_models"]
+      else {"multitask": setup["train_steps"]})
+  cap = setup.get("mixing_cap")
+  parts = []
+  if "multitask" in models:
+    alone = [r for r in ROLES if r in models]
+    parts.append(f"one multi-task model{' (at most %d pairs per role)' % cap if cap else ''}"
+                 f" ({models['multitask']} steps)"
+                 f"{'' if not alone else ' for ' + ', '.join(r for r in ROLES if r not in models)}")
+  article = {role: "an" if role[0] in "aeiou" else "a" for role in ROLES}
+  parts += [f"{article[role]} {role} model of its own ({models[role]} steps)" for role in ROLES
+            if role in models]
+  return "; ".join(parts)
+
+
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
   s, m, t = results["setup"], results["machine"], results["timings"]
@@ -243,9 +293,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
   lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
            "Command:", "", f"    {results['command']}", "",
            f"Setup: base `{s['init_checkpoint']}`; "
-           f"{'one model per role' if s['separate_models'] else 'one multi-task model'}"
-           f"{' (at most %d pairs per role)' % s['mixing_cap'] if s.get('mixing_cap') else ''} "
-           f"({s['train_steps']} steps, batch {s['batch_size']}) on `{s['data_dir']}` train; "
+           f"{models_line(s)}, batch {s['batch_size']}, on `{s['data_dir']}` train; "
            f"PPO {s['ppo_iterations']} iterations of {s['ppo_batch_size']} train situations "
            f"(rollouts: top-p {s['ppo_top_p']}, temperature {s['ppo_temperature']}); "
            f"evaluation on {s['eval_situations']} `{s['eval_split']}` situations, one question "

@@ -56,6 +56,8 @@ def test_diamante_configs_parse(files, steps, size):
     (("clarify_table4_cpu.gin",), "%PPO_ITERATIONS", 40),
     (("clarify_table4_cpu.gin", "clarify_table4_smoke.gin"), "%PPO_ITERATIONS", 1),
     (("clarify_table4_gpu.gin",), "%PPO_ITERATIONS", 300),
+    (("clarify_table4_cpu_dedicated.gin",), "clarify_table4.run_experiment.dedicated_roles",
+     {"answer": 400, "fusion": 600}),
 ])
 def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
@@ -168,6 +170,35 @@ def test_npov_verdicts_need_the_interval_above_chance_on_both_slices():
 def test_clarify_verdict_follows_the_paired_intervals(jsd, flips, expected):
   word, why = clarify_table4.verdict({"ppo - finetuned": {"jsd": jsd, "flips_pct": flips}})
   assert word == expected and "PPO minus SFT" in why
+
+
+def test_clarify_supervised_models_per_role():
+  one = clarify_table4.supervised_models(separate_models=False, dedicated_roles=None,
+                                         train_steps=100)
+  assert one == {"multitask": 100}
+  alone = clarify_table4.supervised_models(separate_models=True, dedicated_roles=None,
+                                           train_steps=100)
+  assert alone == {role: 100 for role in clarify_table4.ROLES}
+  mixed = clarify_table4.supervised_models(
+      separate_models=False, dedicated_roles={"fusion": 30, "answer": 20}, train_steps=100)
+  assert mixed == {"multitask": 100, "answer": 20, "fusion": 30}
+  every = clarify_table4.supervised_models(
+      separate_models=False, dedicated_roles={r: 5 for r in clarify_table4.ROLES},
+      train_steps=100)
+  assert "multitask" not in every  # No role is left to it.
+  setup = {"supervised_models": mixed, "mixing_cap": 4000, "separate_models": False,
+           "train_steps": 100}
+  assert clarify_table4.models_line(setup) == (
+      "one multi-task model (at most 4000 pairs per role) (100 steps) for question, judge, "
+      "nli, relevance; an answer model of its own (20 steps); a fusion model of its own "
+      "(30 steps)")
+  for bad, match in (({"answr": 5}, "unknown role"), ({"answer": 0}, ">= 1")):
+    with pytest.raises(ValueError, match=match):
+      clarify_table4.supervised_models(separate_models=False, dedicated_roles=bad,
+                                       train_steps=1)
+  with pytest.raises(ValueError, match="drop dedicated_roles"):
+    clarify_table4.supervised_models(separate_models=True, dedicated_roles={"answer": 5},
+                                     train_steps=1)
 
 
 def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
