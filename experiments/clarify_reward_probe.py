@@ -9,7 +9,8 @@ reports each stage, with a few examples:
   python experiments/clarify_reward_probe.py --gin_file=configs/experiments/clarify_table4_cpu.gin \\
       --gin.INIT_CHECKPOINT="'/work/runs/pretrain_mini'"
 
-It reads the runs under the config's WORKDIR (one multi-task model, as the CPU config trains).
+It reads the runs under the config's WORKDIR: the multi-task model and any role the config
+trains alone (`separate_models`, `dedicated_roles`), as experiments/clarify_table4.py lays them out.
 """
 
 from __future__ import annotations
@@ -61,23 +62,29 @@ def probe(*, command: str = "") -> dict[str, Any]:
   from jaxmoral.clarify import data as data_lib
   from jaxmoral.clarify import models
   from jaxmoral.clarify import reward as reward_lib
+  import clarify_table4
   # pylint: enable=import-outside-toplevel
-  model_dir = os.path.join(workdir, "multitask_model")
-  if not os.path.isdir(model_dir):
-    raise FileNotFoundError(f"{model_dir}: run experiments/clarify_table4.py with this config "
-                            "first (the probe reads its multi-task model)")
+  role_dir = clarify_table4.role_model_dirs(workdir, clarify_table4.supervised_models(
+      separate_models=_bound("separate_models", False),
+      dedicated_roles=_bound("dedicated_roles"), train_steps=_bound("train_steps", 1000)))
+  missing = sorted({d for d in role_dir.values() if not os.path.isdir(d)})
+  if missing:
+    raise FileNotFoundError(f"{', '.join(missing)}: run experiments/clarify_table4.py with "
+                            "this config first (the probe reads its models)")
   reward = reward_lib.DefeasibilityReward.from_dirs(
-      answer_model_dir=model_dir, fusion_model_dir=model_dir, judge_model_dir=model_dir,
-      nli_model_dir=model_dir, config=reward_config)
+      answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],
+      judge_model_dir=role_dir["judge"], nli_model_dir=role_dir["nli"], config=reward_config)
   situations = data_lib.situations(data_dir, split=eval_split)[:max_eval_situations]
-  question_model = models.load_model(model_dir, input_length=reward_config.input_length,
+  question_model = models.load_model(role_dir["question"],
+                                     input_length=reward_config.input_length,
                                      batch_size=reward_config.batch_size)
   questions = baselines.sampled_generator(question_model, max_length=question_length,
                                           seed=seed)(situations)
   result = reward.score_questions(situations, questions)
   summary = stage_summary(result)
   examples = [result.row(i) for i in range(min(5, len(situations)))]
-  out = {"command": command, "machine": common.machine(), "summary": summary,
+  out = {"command": command, "machine": common.machine(), "model_dirs": role_dir,
+         "summary": summary,
          "examples": examples}
   print(json.dumps(out, indent=1, default=str))
   return out

@@ -72,6 +72,12 @@ def supervised_models(*, separate_models: bool,
   return {**shared, **{role: int(dedicated[role]) for role in ROLES if role in dedicated}}
 
 
+def role_model_dirs(workdir: str, models_steps: Mapping[str, int]) -> dict[str, str]:
+  """{role: the run directory that plays it} for the models of `supervised_models`."""
+  return {role: os.path.join(workdir, f"{role if role in models_steps else 'multitask'}_model")
+          for role in ROLES}
+
+
 def system_metrics(situations: Sequence[str], questions: Sequence[str], result: Any, *,
                    num_resamples: int, seed: int) -> dict[str, Any]:
   """Per-situation arrays and their intervals for one system's questions."""
@@ -164,18 +170,17 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # 1. Supervised models.
   models_steps = supervised_models(separate_models=separate_models,
                                    dedicated_roles=dedicated_roles, train_steps=train_steps)
-  dirs: dict[str, str] = {}
+  role_dir = role_model_dirs(workdir, models_steps)
   for which, steps in models_steps.items():
-    dirs[which] = os.path.join(workdir, f"{which}_model")
+    model_dir = os.path.join(workdir, f"{which}_model")
     timings[f"train_{which}_s"] = common.train_stage(
-        dirs[which], steps, lambda w=which, n=steps: training.train_clarify_model(
-            which=w, model_dir=dirs[w], model_config=model_config, optimizer=optimizer,
+        model_dir, steps, lambda w=which, d=model_dir, n=steps: training.train_clarify_model(
+            which=w, model_dir=d, model_config=model_config, optimizer=optimizer,
             train_steps=n, batch_size=batch_size, feature_lengths=lengths,
             source=data_dir, split="train", judge_classes=reward_config.judge_classes,
             nli_labels=reward_config.nli_labels, checkpoint_every=n,
             log_every=log_every, seed=seed, init_checkpoint=init_checkpoint,
             mixing_cap=mixing_cap))["seconds"]
-  role_dir = {r: dirs.get(r, dirs.get("multitask")) for r in ROLES}
 
   # 2. PPO on train situations.
   tick = time.time()

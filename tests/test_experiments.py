@@ -186,6 +186,9 @@ def test_clarify_supervised_models_per_role():
       separate_models=False, dedicated_roles={r: 5 for r in clarify_table4.ROLES},
       train_steps=100)
   assert "multitask" not in every  # No role is left to it.
+  dirs = clarify_table4.role_model_dirs("/w", mixed)
+  assert dirs["answer"] == "/w/answer_model" and dirs["fusion"] == "/w/fusion_model"
+  assert {dirs[r] for r in ("question", "judge", "nli", "relevance")} == {"/w/multitask_model"}
   setup = {"supervised_models": mixed, "mixing_cap": 4000, "separate_models": False,
            "train_steps": 100}
   assert clarify_table4.models_line(setup) == (
@@ -304,3 +307,13 @@ def test_clarify_reward_probe_reads_the_experiment_config():
   assert config.input_length == 96 and config.batch_size == 64
   assert clarify_reward_probe._bound("max_eval_situations") == 300
   assert clarify_reward_probe._bound("question_length", 32) == 32  # unbound: the default
+
+
+def test_clarify_reward_probe_finds_the_dedicated_models(tmp_path):
+  import clarify_reward_probe  # pylint: disable=g-import-not-at-top
+  _parse("--gin_file=configs/experiments/clarify_table4_cpu_dedicated.gin",
+         "--gin.INIT_CHECKPOINT='/b'", f"--gin.WORKDIR='{tmp_path}'")
+  assert clarify_reward_probe._bound("dedicated_roles") == {"answer": 400, "fusion": 600}
+  (tmp_path / "multitask_model").mkdir()
+  with pytest.raises(FileNotFoundError, match="answer_model, .*fusion_model: run"):
+    clarify_reward_probe.probe()
