@@ -143,8 +143,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     max_eval_situations: Held-out situations evaluated (the paper's table: its test set).
     question_length: Question tokens at most at evaluation.
     num_resamples: Bootstrap resamples.
-    mixing_cap: Pairs per model at most in the multi-task mixture (T5's examples-proportional
+    mixing_cap: Pairs per role at most in the multi-task mixture (T5's examples-proportional
       mixing with a limit; None: all pairs, question generation then about 87 % of them).
+      Models of one role (`separate_models`, `dedicated_roles`) always train on all pairs.
     log_every: Training progress lines.
     seed: Seed of everything.
     command: The command line (written into the report).
@@ -180,7 +181,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
             source=data_dir, split="train", judge_classes=reward_config.judge_classes,
             nli_labels=reward_config.nli_labels, checkpoint_every=n,
             log_every=log_every, seed=seed, init_checkpoint=init_checkpoint,
-            mixing_cap=mixing_cap))["seconds"]
+            # The cap balances a mixture; a model of one role keeps all its pairs.
+            mixing_cap=mixing_cap if w == "multitask" else None))["seconds"]
 
   # 2. PPO on train situations.
   tick = time.time()
