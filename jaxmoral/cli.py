@@ -8,7 +8,9 @@ Core commands take T5X's gin conventions::
   jaxmoral export --model_dir=/tmp/run --output=/tmp/exported [--dtype=bfloat16]
   jaxmoral compile --gin_file=configs/... --topology=v5e:8x8
 
-Method commands: `jaxmoral npov ...`, `jaxmoral diamante ...`, `jaxmoral clarify ...`; and
+Method commands: `jaxmoral npov ...`, `jaxmoral diamante ...`, `jaxmoral clarify ...`, each
+`jaxmoral <method> <action> --NAME=VALUE ...`: an action is one gin-configurable library
+function and its flags bind that function's arguments (`jaxmoral.action_commands`); and
 `jaxmoral demo` runs every method end to end on the bundled sample data.
 Every command's work is one library call that a notebook can make too.
 
@@ -287,14 +289,16 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--only", default=None, help="comma list: core,npov,diamante,clarify")
 
   for method in METHOD_COMMANDS:
-    # The commands modules import gin_utils only (their actions' modules load when run).
+    # The commands modules import action_commands and gin_utils only (their actions'
+    # modules load when run).
     actions = list(importlib.import_module(f"jaxmoral.{method}.commands").ACTIONS)
     method_parser = sub.add_parser(
         method, help=f"{method} commands (see `jaxmoral {method} -h`).",
-        epilog=f"`jaxmoral {method} ACTION --help` describes an action's flags.")
+        epilog=f"`jaxmoral {method} ACTION --help` lists an action's flags: each --NAME=VALUE "
+               f"binds an argument of the action's gin-configurable function.")
     method_parser.add_argument("action", help=f"one of: {', '.join(actions)}")
     method_parser.add_argument("rest", nargs=argparse.REMAINDER,
-                               help="the action's flags and gin flags")
+                               help="the action's --NAME=VALUE flags and gin flags")
   return parser
 
 

@@ -30,7 +30,7 @@ import re
 import tempfile
 import textwrap
 import tokenize
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
 import gin
 from gin import config_parser
@@ -112,7 +112,8 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
   return GinArgs(tuple(files), tuple(bindings), tuple(paths), tuple(quoted), tuple(flags)), rest
 
 
-def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
+def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
+              extra_binding_flags: Sequence[str] = ()) -> None:
   """Parses gin files and bindings; files are found in the search paths and the project root.
 
   Call it after importing the modules whose configurables the command uses. Everything bound
@@ -122,6 +123,9 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
   Args:
     gin_args: Files, bindings and search paths from `split_gin_args`.
     extra_bindings: Bindings made by a command's own flags, parsed after `gin_args.bindings`.
+      A macro of a gin file that only the bindings they override read (`--init_checkpoint=X`
+      over `train.init_checkpoint = %INIT_CHECKPOINT`) is left unread by choice: no error.
+    extra_binding_flags: The flag each of `extra_bindings` came from, to name it in errors.
 
   Raises:
     FileNotFoundError: A gin file (or an include) is in none of the search paths.
@@ -135,7 +139,7 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
   for name in gin_args.files:
     if _find_gin_file(name, search_paths) is None:
       raise FileNotFoundError(f"gin file {name!r} not found in search paths {search_paths}")
-  bindings = [*gin_args.bindings, *extra_bindings]
+  bindings = list(gin_args.bindings)
   sources = _BindingSources(gin_args.files, bindings, gin_args.binding_flags)
   try:
     gin.parse_config_files_and_bindings(list(gin_args.files), bindings, finalize_config=False)
@@ -143,7 +147,22 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = ()) -> None:
     raise _syntax_error(error, gin_args.files, search_paths, bindings) from error
   except (ValueError, KeyError) as error:
     raise _binding_error(error, sources) from error
-  check_everything_is_read(sources)
+  read_before_flags: set[str] = set()
+  if extra_bindings:
+    read_before_flags = set(_macros()) - set(unreferenced_macros())
+    flag_sources = _BindingSources((), extra_bindings, extra_binding_flags)
+    try:
+      gin.parse_config(list(extra_bindings))
+    except (SyntaxError, tokenize.TokenError) as error:
+      raise _syntax_error(error, (), search_paths, extra_bindings,
+                          extra_binding_flags) from error
+    except (ValueError, KeyError) as error:
+      raise _binding_error(error, flag_sources) from error
+    flags = [*sources.flags, *extra_binding_flags,
+             *[None] * (len(extra_bindings) - len(extra_binding_flags))]
+    sources = _BindingSources(gin_args.files, [*bindings, *extra_bindings],
+                              [flag or "" for flag in flags])
+  check_everything_is_read(sources, read_before_flags=read_before_flags)
   resolve_relative_paths(gin_args.files)
 
 
@@ -217,18 +236,24 @@ def _find_gin_file(name: str, search_paths: Sequence[str]) -> pathlib.Path | Non
 
 
 def _syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str],
-                  search_paths: Sequence[str], bindings: Sequence[str]) -> ValueError:
-  """A ValueError naming the gin file and line, or the binding, that does not parse."""
+                  search_paths: Sequence[str], bindings: Sequence[str],
+                  flags: Sequence[str | None] = ()) -> ValueError:
+  """A ValueError naming the gin file and line, or the binding (its flag if `flags` gives
+  one, in the order of `bindings`), that does not parse."""
+  flag_of = {binding: flag for binding, flag in zip(bindings, flags) if flag}
+
+  def shown(binding: str) -> str:
+    return f"binding {binding!r}" + (f" ({flag_of[binding]})" if binding in flag_of else "")
   if isinstance(error, SyntaxError):
     if error.filename:
       where = f"{error.filename}, line {error.lineno}"
     else:
-      where = f"binding {(error.text or '').strip()!r}"
+      where = shown((error.text or "").strip())
     return ValueError(f"gin: cannot parse {where}: {error.msg}")
   # An unclosed bracket or string: gin's tokenizer names no file, so find the culprit.
   paths = [_find_gin_file(name, search_paths) for name in files]
   sources = [(str(path), path.read_text()) for path in paths if path is not None]
-  sources += [(f"binding {binding!r}", binding) for binding in bindings]
+  sources += [(shown(binding), binding) for binding in bindings]
   for where, text in sources:
     try:
       list(tokenize.generate_tokens(io.StringIO(text).readline))
@@ -417,7 +442,14 @@ def _suggest(names: Sequence[str]) -> str:
   return f"; close valid names: {', '.join(names)}" if names else ""
 
 
-def check_everything_is_read(sources: _BindingSources | None = None) -> None:
+def _macros() -> list[str]:
+  """Every macro of the parsed config."""
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  return [scope for scope, selector in config if selector == _MACRO]
+
+
+def check_everything_is_read(sources: _BindingSources | None = None, *,
+                             read_before_flags: Collection[str] = ()) -> None:
   """Raises if the parsed config defines a macro or scope that nothing can read.
 
   An unread macro is one that no binding and no other macro refers to, most often a
@@ -428,6 +460,8 @@ def check_everything_is_read(sources: _BindingSources | None = None) -> None:
   Args:
     sources: Where the parsed files and bindings came from (to name them); None names
       nothing.
+    read_before_flags: Macros read before a command's own flags overrode bindings; one of
+      them defined in a file is no error (the flag replaced what read it).
 
   Raises:
     ValueError: One line naming each unread macro or scope, where it is set, and close names.
@@ -444,7 +478,7 @@ def check_everything_is_read(sources: _BindingSources | None = None) -> None:
               if selector != _MACRO for param in _parameters(selector)]
     for name in unread:
       place, on_command_line = where.get(name, (None, False))
-      if not on_command_line and _is_export(name):
+      if not on_command_line and (_is_export(name) or name in read_before_flags):
         continue
       close = _close(name, [m for m in macros if m != name] + params, last_part=True)
       problems.append(f"macro {name}{f' ({place})' if place else ''} is never read: no "

@@ -85,14 +85,18 @@ def read_only_dir(tmp_path):
 
 
 def _no_work(monkeypatch):
-  """Fails the test if a model is loaded or a detector runs: the check must come first."""
-  from jaxmoral.npov import detect  # pylint: disable=g-import-not-at-top
+  """Fails the test if a model is loaded or an input read: the check must come first."""
+  from jaxmoral.data import readers  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov import task  # pylint: disable=g-import-not-at-top
 
   def work_started(*args, **kwargs):
     raise AssertionError("work started before the output was checked")
   monkeypatch.setattr(model_dirs, "load", work_started)
   monkeypatch.setattr(bundle_lib, "load", work_started)
-  monkeypatch.setattr(detect, "detect_file", work_started)
+  # What `npov detect` and `clarify chat-file` do first (the action's function is the
+  # gin-registered one, so it is its first step that stands in for it).
+  monkeypatch.setattr(task, "read_examples", work_started)
+  monkeypatch.setattr(readers, "read_jsonl", work_started)
 
 
 def _one_error_line(capsys) -> str:
@@ -124,10 +128,10 @@ def _unwritable_cases(tmp: pathlib.Path, read_only: pathlib.Path):
                  f"--gin.INFER_OUTPUT={busy}"], busy, is_dir),
       "export": (["export", f"--model_dir={export}", f"--output={under_file}"], under_file,
                  not_dir),
-      "npov detect": (["npov", "detect", f"--input={a_file}", f"--output={busy}"], busy,
-                      is_dir),
-      "clarify chat-file": (["clarify", "chat-file", f"--input={a_file}",
-                             f"--output={under_file}", "--question_model_dir=q",
+      "npov detect": (["npov", "detect", f"--input_path={a_file}", f"--output_path={busy}"],
+                      busy, is_dir),
+      "clarify chat-file": (["clarify", "chat-file", f"--input_jsonl={a_file}",
+                             f"--output_jsonl={under_file}", "--question_model_dir=q",
                              "--fusion_model_dir=f", "--judge_model_dir=j"], under_file,
                             not_dir),
       "diamante chat": (["diamante", "chat", f"--model_dir={export}",
@@ -217,7 +221,7 @@ def test_chat_skips_input_that_is_not_utf8(method, tmp_path, demo_vocab_path, mo
     monkeypatch.setattr(chat, "_session", lambda **kwargs: _FakeClarifySession())
     _stdin(monkeypatch, b"lying\n\xc3\x28 bad\nto a friend\n\n")
     argv = ["clarify", "chat", "--question_model_dir=q", "--fusion_model_dir=f",
-            "--judge_model_dir=j", f"--transcript={transcript}"]
+            "--judge_model_dir=j", f"--transcript_path={transcript}"]
   assert cli.main(argv) == 0
   assert "input is not valid UTF-8; skipped" in capsys.readouterr().err
   records = [json.loads(line) for line in transcript.read_text().splitlines()]
@@ -272,7 +276,9 @@ def test_shipped_config_reads_its_data_from_another_directory(tmp_path, monkeypa
 @pytest.mark.parametrize("argv", [
     ["diamante", action, "--help"] for action in
     ("train", "candidates", "eval", "chat", "self_chat", "demo")] + [
-        ["npov", "evaluate", "--help"]])
+        ["npov", action, "--help"] for action in ("detect", "evaluate", "demo")] + [
+            ["clarify", action, "--help"] for action in
+            ("train-model", "train-ppo", "evaluate", "chat", "chat-file", "demo")])
 def test_every_action_prints_its_usage(argv, capsys):
   try:
     code = cli.main(argv)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import gin
 import pytest
 
+from jaxmoral import cli
 from jaxmoral import gin_utils
 from jaxmoral.clarify import commands
 from jaxmoral.clarify import data as clarify_data
@@ -177,7 +178,7 @@ def clarify_evaluate_missing_split(tmp: pathlib.Path):
   # The models need not exist: --source / --split are checked before any loads.
   flags = [f"--{m}_model_dir={tmp / 'no_model'}" for m in ("question", "answer", "fusion",
                                                            "judge")]
-  flags += [f"--source={root}", "--split=test", f"--output={tmp / 'out' / 'eval.json'}"]
+  flags += [f"--source={root}", "--split=test", f"--output_path={tmp / 'out' / 'eval.json'}"]
   return (lambda: commands.main("evaluate", flags, gin_utils.GinArgs()), FileNotFoundError,
           [f"{root}", "split 'test'", "delta_clarify/test.tsv is missing",
            "splits present: dev, train"])
@@ -209,7 +210,7 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(tmp_path, case):
   before = _files(tmp_path)
   with pytest.raises(error_type) as error:
     call()
-  message = str(error.value)
+  message = cli.error_message(error.value)  # What the command line prints.
   assert isinstance(error.value, (ValueError, FileNotFoundError))  # The CLI's one-line errors.
   assert "\n" not in message
   for text in texts:

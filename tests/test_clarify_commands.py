@@ -1,10 +1,18 @@
-"""`jaxmoral clarify <action>` flag handling (the work itself is tested per module)."""
+"""`jaxmoral clarify <action>`: flags bind the action's function (the work itself is tested per
+module); the defaults that make `train-model` run without a gin file."""
+
+import json
+import types
 
 import gin
 import pytest
 
+from jaxmoral import action_commands
 from jaxmoral import gin_utils
 from jaxmoral.clarify import commands
+
+PPO_MODEL_DIRS = ["--question_model_dir=q", "--answer_model_dir=a", "--fusion_model_dir=f",
+                  "--judge_model_dir=j"]
 
 
 @pytest.fixture(autouse=True)
@@ -19,69 +27,125 @@ def test_unknown_action():
     commands.main("bogus", [], gin_utils.GinArgs())
 
 
-def test_train_ppo_names_missing_model_dir():
-  with pytest.raises(ValueError, match="--question_model_dir is required"):
-    commands.main("train-ppo", ["--model_dir", "/tmp/unused"], gin_utils.GinArgs())
+def test_train_ppo_names_missing_model_dirs():
+  with pytest.raises(ValueError, match=r"^train-ppo: --question_model_dir, --answer_model_dir, "
+                                       r"--fusion_model_dir, --judge_model_dir are required"):
+    commands.main("train-ppo", ["--model_dir=/tmp/unused"], gin_utils.GinArgs())
 
 
-def test_bad_flag_exits_with_usage():
-  with pytest.raises(SystemExit):
-    commands.main("train-model", ["--which", "oracle", "--model_dir", "x"], gin_utils.GinArgs())
+def test_bad_flags_are_one_line_errors(tmp_path):
+  # The argparse form `--which question` is no `--name=value` flag.
+  with pytest.raises(ValueError, match=r"^train-model: expected --name=value flags, got "
+                                       r"'--which'"):
+    commands.main("train-model", ["--which", "judge", "--model_dir", "x"], gin_utils.GinArgs())
+  gin.clear_config()
+  with pytest.raises(ValueError, match=r"which must be one of .*got 'oracle'"):
+    commands.main("train-model", ["--which=oracle", f"--model_dir={tmp_path / 'run'}"],
+                  gin_utils.GinArgs())
+  assert not (tmp_path / "run").exists()
 
 
-def test_gin_config_parses_and_binds_entry_points():
-  commands._parser("evaluate").parse_args(["--question_model_dir", "q"])
-  gin_utils.parse_gin(gin_utils.GinArgs(files=("configs/clarify/tiny_cpu.gin",)))
+def test_judge_classes_comma_list_is_a_tuple_and_configs_parse():
+  from jaxmoral.clarify import chat  # pylint: disable=g-import-not-at-top
+  parameters = action_commands._parameters(chat.chat)  # pylint: disable=protected-access
+  bindings = action_commands.flag_bindings("jaxmoral.clarify.chat.chat",
+                                           ["--judge_classes=wrong, okay,good"], parameters)
+  assert bindings == ["jaxmoral.clarify.chat.chat.judge_classes = ('wrong', 'okay', 'good')"]
+  gin_utils.parse_gin(gin_utils.GinArgs(files=("configs/clarify/tiny_cpu.gin",),
+                                        bindings=tuple(bindings)))
+  assert gin.query_parameter("clarify.chat.chat.judge_classes") == ("wrong", "okay", "good")
   assert gin.query_parameter("reward.RewardConfig.judge_classes") is not None
-  assert commands._classes("wrong, okay,good") == ("wrong", "okay", "good")
 
 
-@pytest.mark.parametrize("action, extra, macro, fragment", [
-    ("train-model", ["--which", "judge"], "LEARNING_RATE", "tiny_cpu"),
-    ("train-ppo", ["--question_model_dir=q", "--answer_model_dir=a", "--fusion_model_dir=f",
-                   "--judge_model_dir=j"], "PPO_LEARNING_RATE", "tiny_cpu"),
+def _record_train_run(monkeypatch) -> dict:
+  """Stands in for the core run: records what train_clarify_model hands it."""
+  from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
+  seen = {}
+
+  def train_run(**kwargs):
+    seen.update(kwargs)
+    return {"loss": 1.5}
+  monkeypatch.setattr(training.runs, "train_run", train_run)
+  return seen
+
+
+def test_train_model_runs_without_a_gin_file(monkeypatch, tmp_path, capsys):
+  from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
+  seen = _record_train_run(monkeypatch)
+  model_dir = tmp_path / "q"
+  assert commands.main("train-model", ["--which=question", f"--model_dir={model_dir}",
+                                       "--source=demo"], gin_utils.GinArgs()) == 0
+  assert seen["model"].config == config_lib.t5_config(size="tiny")
+  assert float(seen["optimizer"].learning_rate(0)) == pytest.approx(1e-3)
+  assert (seen["train_steps"], seen["batch_size"]) == (1000, 32)
+  assert seen["feature_lengths"] == {"inputs": 128, "targets": 32}
+  assert (model_dir / "data" / "question_train.jsonl").exists()
+  assert json.loads(capsys.readouterr().out) == {"loss": 1.5}
+
+
+def test_train_model_flags_override_the_defaults(monkeypatch, tmp_path):
+  from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
+  seen = _record_train_run(monkeypatch)
+  assert commands.main("train-model", ["--which=question", f"--model_dir={tmp_path / 'q'}",
+                                       "--learning_rate=0.25", "--model_size=small",
+                                       "--train_steps=7",
+                                       "--feature_lengths={'inputs': 16, 'targets': 8}"],
+                       gin_utils.GinArgs()) == 0
+  assert float(seen["optimizer"].learning_rate(0)) == 0.25
+  assert seen["model"].config == config_lib.t5_config(size="small")
+  assert seen["train_steps"] == 7 and seen["feature_lengths"] == {"inputs": 16, "targets": 8}
+
+
+@pytest.mark.parametrize("action, extra, macro", [
+    ("train-model", ["--which=judge"], "LEARNING_RATE"),
+    ("train-ppo", PPO_MODEL_DIRS, "PPO_LEARNING_RATE"),
 ])
-def test_learning_rate_flag_sets_the_gin_optimizers_rate(monkeypatch, action, extra, macro,
-                                                         fragment):
+def test_learning_rate_with_a_gin_optimizer_is_an_error(monkeypatch, tmp_path, action, extra,
+                                                        macro):
+  from jaxmoral.clarify import data as data_lib  # pylint: disable=g-import-not-at-top
+
+  def read_data(*args, **kwargs):
+    raise AssertionError("data read although the flag is ignored")
+  monkeypatch.setattr(data_lib, "build_pairs", read_data)
+  monkeypatch.setattr(data_lib, "situations", read_data)
+  with pytest.raises(ValueError, match=rf"learning_rate=0.25 is the rate of the default AdamW.*"
+                                       rf"--gin.{macro}=0.25"):
+    commands.main(action, [f"--model_dir={tmp_path / 'run'}", "--learning_rate=0.25", *extra],
+                  gin_utils.GinArgs(files=("configs/clarify/tiny_cpu.gin",)))
+
+
+def test_train_ppo_defaults_apply_gin_bindings_of_ppo_config(monkeypatch, tmp_path):
   from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
   seen = {}
 
-  def fake(**kwargs):
-    seen["rate"] = gin.query_parameter(f"%{macro}")
-    seen["optimizer_rate"] = float(kwargs["optimizer"].learning_rate(0)) if "optimizer" in \
-        kwargs else None
-    return {}
+  class Stop(Exception):
+    pass
 
-  target = "train_clarify_model" if action == "train-model" else "train_clarify_ppo"
-  monkeypatch.setattr(training, target, fake)
-  gin_args = gin_utils.GinArgs(files=(f"configs/clarify/{fragment}.gin",))
-  commands.main(action, ["--model_dir", "/tmp/unused", "--learning_rate", "0.25", *extra],
-                gin_args)
-  assert seen["rate"] == 0.25
-
-
-def test_learning_rate_flag_without_a_gin_optimizer_builds_one(monkeypatch):
-  from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
-  seen = {}
-  monkeypatch.setattr(training, "train_clarify_model",
-                      lambda **kw: seen.update(rate=float(kw["optimizer"].learning_rate(0))))
-  commands.main("train-model", ["--which", "judge", "--model_dir", "/tmp/unused",
-                                "--learning_rate", "0.25"], gin_utils.GinArgs())
-  assert seen["rate"] == 0.25
+  def build_ppo_program(**kwargs):
+    seen.update(kwargs)
+    raise Stop
+  monkeypatch.setattr(training.model_dirs, "inspect",
+                      lambda path: types.SimpleNamespace(config="config", vocabulary="vocab"))
+  monkeypatch.setattr(training.reward_lib.DefeasibilityReward, "from_dirs",
+                      lambda **kwargs: "reward")
+  monkeypatch.setattr(training, "build_ppo_program", build_ppo_program)
+  with pytest.raises(Stop):
+    commands.main("train-ppo", [f"--model_dir={tmp_path / 'ppo'}", *PPO_MODEL_DIRS,
+                                "--learning_rate=0.5"],
+                  gin_utils.GinArgs(bindings=("ppo_trainer.PPOConfig.batch_size = 8",)))
+  assert seen["ppo_config"].batch_size == 8
+  assert float(seen["optimizer"].learning_rate(0)) == 0.5
 
 
-def test_learning_rate_flag_a_gin_optimizer_does_not_read_is_an_error(monkeypatch, tmp_path):
-  from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr(training, "train_clarify_model", lambda **kw: pytest.fail("trained"))
-  config = tmp_path / "own_rate.gin"
-  config.write_text("from jaxmoral import optimizers\n"
-                    "from jaxmoral.clarify import training\n"
-                    "training.train_clarify_model.optimizer = @optimizers.make_optimizer()\n"
-                    "optimizers.make_optimizer.learning_rate = 0.1\n")
-  with pytest.raises(ValueError, match="sets the gin macro LEARNING_RATE, which"):
-    commands.main("train-model", ["--which", "judge", "--model_dir", "/tmp/unused",
-                                  "--learning_rate", "0.25"],
-                  gin_utils.GinArgs(files=(str(config),)))
+def test_evaluate_checks_its_output_before_loading_a_model(monkeypatch, tmp_path):
+  from jaxmoral.clarify import models  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(models, "load_model",
+                      lambda *a, **k: pytest.fail("a model loaded before the output check"))
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  with pytest.raises(NotADirectoryError):
+    commands.main("evaluate", [*PPO_MODEL_DIRS, f"--output_path={a_file / 'eval.json'}"],
+                  gin_utils.GinArgs())
 
 
 @pytest.mark.parametrize("config", ["tiny_cpu", "gpu", "tpu_pod"])

@@ -212,3 +212,30 @@ def test_init_checkpoint_may_name_one_step_of_a_run(trained_run, tmp_path):
     model_dirs.load(trained_run / "checkpoints" / "7")
   with pytest.raises(FileNotFoundError, match="no model found"):
     model_dirs.load(tmp_path)
+
+@pytest.mark.parametrize("method", cli.METHOD_COMMANDS)
+def test_method_help_lists_the_actions_of_its_table(method, capsys):
+  import importlib  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main([method, "-h"])
+  assert exit_info.value.code == 0
+  out = " ".join(capsys.readouterr().out.split())
+  actions = importlib.import_module(f"jaxmoral.{method}.commands").ACTIONS
+  assert f"one of: {', '.join(actions)}" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["npov", "detect", "--output_path=o.jsonl"],
+     "jaxmoral npov: error: detect: --input_path is required (or bind "
+     "jaxmoral.npov.detect.detect_file.input_path in gin)"),
+    (["clarify", "train-model", "--which=judge", "--model_dir=/tmp/unused", "--steps=3"],
+     "jaxmoral clarify: error: train-model: unknown flag --steps; close: --train_steps (see "
+     "`jaxmoral clarify train-model --help`)"),
+    (["npov", "classify"], "jaxmoral npov: error: unknown action 'classify' of `jaxmoral npov`; "
+                           "known: detect, evaluate, demo"),
+])
+def test_method_flag_errors_are_one_line(argv, message, capsys):
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err
+  errors = [line for line in err.splitlines() if line.startswith("jaxmoral")]
+  assert errors == [message] and "Traceback" not in err, err

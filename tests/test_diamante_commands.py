@@ -3,17 +3,27 @@
 import gin
 import pytest
 
+from jaxmoral import action_commands
 from jaxmoral import gin_utils
 from jaxmoral.diamante import commands
 
 
 def test_flags_bind_the_action_function():
-  bindings = commands.flag_bindings("jaxmoral.diamante.evaluate.evaluate",
-                                    ["--model_dir=/tmp/run", "--num_random=3"])
+  bindings = action_commands.flag_bindings("jaxmoral.diamante.evaluate.evaluate",
+                                           ["--model_dir=/tmp/run", "--num_random=3"])
   assert bindings == ["jaxmoral.diamante.evaluate.evaluate.model_dir = '/tmp/run'",
                       "jaxmoral.diamante.evaluate.evaluate.num_random = 3"]
   with pytest.raises(ValueError, match="--name=value"):
-    commands.flag_bindings("f", ["positional"])
+    action_commands.flag_bindings("f", ["positional"])
+
+
+def test_unknown_flag_names_the_flag_and_the_action():
+  try:
+    with pytest.raises(ValueError, match=r"^eval: unknown flag --num_randm; close: "
+                                         r"--num_random"):
+      commands.main("eval", ["--model_dir=/tmp/run", "--num_randm=3"], gin_utils.GinArgs())
+  finally:
+    gin.clear_config()
 
 
 def test_every_action_names_a_gin_configurable_with_keyword_only_arguments():

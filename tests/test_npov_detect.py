@@ -169,9 +169,52 @@ def test_npov_commands_take_gin_bindings_without_a_gin_file(tmp_path):
   for include_query in (False, True):
     gin.clear_config()
     out = tmp_path / f"out_{include_query}.jsonl"
-    assert cli.main(["npov", "detect", f"--input={path}", f"--output={out}",
+    assert cli.main(["npov", "detect", f"--input_path={path}", f"--output_path={out}",
                      f"--gin.RougeDetector.include_query={include_query}"]) == 0
     scores[include_query] = [json.loads(x)["hallucination"] for x in out.read_text().splitlines()]
   gin.clear_config()
   expected = rouge.RougeDetector(include_query=True).detect(HALLUCINATION).hallucination
   assert scores[True][1] == pytest.approx(expected) and scores[True] != scores[False]
+
+
+def test_detect_file_gives_the_classifier_its_two_prompt_dirs(tmp_path, monkeypatch):
+  path = tmp_path / "in.jsonl"
+  task.write_examples([CLEAN], path)
+  seen = {}
+
+  def build(name, **kwargs):
+    seen.update(name=name, **kwargs)
+    return rouge.RougeDetector()
+  monkeypatch.setattr(detect, "build_detector", build)
+  detect.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
+                     detector="classifier", base_dir="base", hallucination_dir="h",
+                     coverage_dir="c")
+  assert seen["name"] == "classifier" and seen["base_dir"] == "base"
+  assert seen["classifier_dirs"] == {"hallucination": "h", "coverage": "c"}
+  # Only the one given: build_detector then names the missing error type.
+  detect.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
+                     detector="classifier", base_dir="base", coverage_dir="c")
+  assert seen["classifier_dirs"] == {"coverage": "c"}
+
+
+def test_npov_detect_flags_are_the_functions_arguments(tmp_path, capsys):
+  import gin  # pylint: disable=g-import-not-at-top
+  from jaxmoral import cli  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "in.jsonl"
+  task.write_examples([CLEAN, HALLUCINATION], path)
+  out = tmp_path / "out.jsonl"
+  gin.clear_config()
+  try:
+    # The old argparse names are no flags of detect_file: one line, naming the flag.
+    assert cli.main(["npov", "detect", f"--input={path}", f"--output_path={out}"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("jaxmoral")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "detect: unknown flag --input;" in errors[0] and "--input_path" in errors[0]
+    assert not out.exists()
+    gin.clear_config()
+    assert cli.main(["npov", "detect", f"--input_path={path}", f"--output_path={out}",
+                     "--detector=rouge"]) == 0
+  finally:
+    gin.clear_config()
+  assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "h"]

@@ -4,6 +4,9 @@ A turn: the judge judges the current situation, θQ asks a clarification questio
 answers, the fusion model folds the answer into the situation, and the judge judges the updated
 situation, which the next turn starts from. Up to `max_turns` turns; an empty answer ends the
 conversation. Every turn is one JSON line of the transcript.
+
+`jaxmoral clarify chat` calls `chat`, `jaxmoral clarify chat-file` calls `chat_from_file`;
+their flags are these functions' arguments (`--transcript_path=`, `--input_jsonl=`, ...).
 """
 
 from __future__ import annotations
@@ -111,6 +114,21 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
 
   `input_fn` reads a line (None: standard input, as Diamante's chat reads it); a line that
   is not UTF-8 is skipped with a note on stderr and asked for again.
+
+  Args:
+    question_model_dir: The question generator θQ (a run, export or PPO run directory).
+    fusion_model_dir: The fusion model.
+    judge_model_dir: The judge.
+    max_turns: Turns at most (an empty answer ends the conversation sooner).
+    transcript_path: JSONL transcript to write, one line per turn.
+    input_fn: Reads the user's line given a prompt (None: standard input).
+    output_fn: Shows a line to the user.
+    judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token).
+    top_p: Nucleus mass of the sampled questions.
+    seed: Seed of the sampled questions.
+
+  Returns:
+    The transcript records.
   """
   # Imported here, not at the top: loaded while gin parses, Diamante's `chat` would make
   # `chat.chat` bindings of user configs ambiguous.
@@ -167,6 +185,22 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
   with the row index as `conversation`. A malformed row (answers not a list of strings, an
   unknown update type, fewer answers than turns without θA) fails with its line before
   anything runs.
+
+  Args:
+    input_jsonl: The rows (JSONL).
+    output_jsonl: JSONL transcript to write, one line per turn.
+    question_model_dir: The question generator θQ (a run, export or PPO run directory).
+    fusion_model_dir: The fusion model.
+    judge_model_dir: The judge.
+    answer_model_dir: The answer generator θA, answering where a row has no answer left
+      (None: every row must give one answer per turn).
+    max_turns: Turns per row at most.
+    judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token).
+    top_p: Nucleus mass of the sampled questions.
+    seed: Seed of the sampled questions.
+
+  Returns:
+    The transcript records.
   """
   rows = readers.read_jsonl(input_jsonl, required=["situation"],
                             optional=["answers", "update_type"],

@@ -4,7 +4,9 @@ Per system on a split: average JSD of the defeasibility reward (0 for filtered q
 reward pays), the JSD without the filter, % judgment flips (argmax of the weakened and the
 strengthened judge distributions differ; filtered questions count as no flip), % filtered,
 distinct-1/2/3 and % of questions per starting word (first word, lower-cased) and per
-wh-word (`jaxmoral.metrics.wh_word_distribution`). `compare` builds the table across systems.
+wh-word (`jaxmoral.metrics.wh_word_distribution`). `compare` builds the table across systems;
+`evaluate_model_dirs` (`jaxmoral clarify evaluate`) loads the models and compares every system
+they allow.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import os
 import pathlib
 from typing import Any, Mapping, Optional, Sequence
 
+import gin
 import numpy as np
 
 from jaxmoral import metrics
 from jaxmoral.clarify import baselines
+from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
+from jaxmoral.clarify import models
 from jaxmoral.clarify import reward as reward_lib
 
 
@@ -87,4 +92,57 @@ def compare(generators: Mapping[str, baselines.Generator], situations: Sequence[
     path = pathlib.Path(output_json)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2))
+  return results
+
+
+@gin.configurable
+def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
+                        fusion_model_dir: str, judge_model_dir: str,
+                        nli_model_dir: Optional[str] = None,
+                        relevance_model_dir: Optional[str] = None,
+                        ppo_model_dir: Optional[str] = None, source: str = "demo",
+                        split: str = "dev", max_situations: Optional[int] = 100,
+                        output_path: Optional[str] = "clarify_evaluation.json",
+                        use_nli: bool = True,
+                        judge_classes: Optional[Sequence[str]] = None
+                        ) -> dict[str, dict[str, Any]]:
+  """Compares every question generator the given models allow (`compare`), from directories.
+
+  The systems: "why", "finetuned" and "pipeline" always; "pipeline_no_nli" with an NLI model;
+  "discriminator" with a relevance model; "ppo" with a PPO run.
+
+  Args:
+    question_model_dir: The supervised question generator θQ.
+    answer_model_dir: The answer generator θA (reward).
+    fusion_model_dir: The fusion model (reward).
+    judge_model_dir: The judge (reward).
+    nli_model_dir: The NLI filter of answers (None: no filter).
+    relevance_model_dir: The relevance discriminator (None: no "discriminator" system).
+    ppo_model_dir: A PPO run, the tuned θQ (None: no "ppo" system).
+    source: Situations: "demo" or a δ-Clarify data folder.
+    split: demo: train|dev; a folder: any delta_clarify/<split>.tsv it has.
+    max_situations: Evaluate on at most this many situations (None: all).
+    output_path: JSON of every system's metrics (None: not written).
+    use_nli: Apply the NLI filter in the reward.
+    judge_classes: The judge's class strings for bad, ok, good (None: `RewardConfig`'s, as
+      gin binds it).
+
+  Returns:
+    `{system: metrics}`, as `compare` returns.
+  """
+  # The data first: any split whose file the folder has; a missing one fails (listing those
+  # present) before any model loads.
+  situations = data_lib.situations(source, split=split)[:max_situations]
+  config = reward_lib.RewardConfig(use_nli=use_nli,
+                                   **({"judge_classes": judge_classes} if judge_classes else {}))
+  reward = reward_lib.DefeasibilityReward.from_dirs(
+      answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
+      judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir, config=config)
+  optional = lambda d: models.load_model(d) if d else None  # noqa: E731
+  systems = baselines.all_generators(
+      question_model=models.load_model(question_model_dir), reward=reward,
+      relevance_model=optional(relevance_model_dir), ppo_model=optional(ppo_model_dir))
+  results = compare(systems, situations, reward, output_json=output_path)
+  if output_path:
+    print(f"wrote {output_path}")
   return results

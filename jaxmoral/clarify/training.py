@@ -40,9 +40,12 @@ logger = logging.getLogger(__name__)
 
 
 @gin.configurable
-def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.T5Config,
-                        optimizer: optax.GradientTransformation, train_steps: int,
-                        batch_size: int, feature_lengths: Mapping[str, int],
+def train_clarify_model(*, which: str, model_dir: str,
+                        model_config: Optional[config_lib.T5Config] = None,
+                        model_size: Optional[str] = None,
+                        optimizer: Optional[optax.GradientTransformation] = None,
+                        learning_rate: Optional[float] = None, train_steps: int = 1000,
+                        batch_size: int = 32, feature_lengths: Optional[Mapping[str, int]] = None,
                         source: str = "demo", split: str = "train",
                         vocabulary_path: Optional[str] = None,
                         judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES,
@@ -58,11 +61,14 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
   Args:
     which: One of `data.WHICH` or "multitask".
     model_dir: Run directory.
-    model_config: T5Config.
-    optimizer: Optax optimizer.
+    model_config: T5Config (None: `config.t5_config(size=model_size)`).
+    model_size: T5 size of the model when no `model_config` is given (default "tiny").
+    optimizer: Optax optimizer (None: AdamW at `learning_rate`).
+    learning_rate: Rate of the default AdamW (default 1e-3); an error with `optimizer`, which
+      has its own (the configs' gin macro LEARNING_RATE).
     train_steps: Steps.
     batch_size: Global batch size.
-    feature_lengths: {"inputs": N, "targets": M}.
+    feature_lengths: {"inputs": N, "targets": M} (None: inputs 128, targets 32).
     source: "demo" or a folder laid out like ../shared/data (every input of `which` must be
       there: `data.INPUTS`).
     split: δ-Clarify split of the questions (any `delta_clarify/<split>.tsv` of the folder).
@@ -82,6 +88,14 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
   Returns:
     Final training metrics of `runs.train_run`.
   """
+  # Defaults settled (and contradictions refused) before any data is read.
+  if model_config is not None and model_size is not None:
+    raise ValueError(f"train_clarify_model: model_size={model_size!r} is for the default "
+                     f"model_config; one is given (gin binds it): drop model_size")
+  model_config = model_config or config_lib.t5_config(size=model_size or "tiny")
+  optimizer = _optimizer_or_default(optimizer, learning_rate, default_rate=1e-3,
+                                    function="train_clarify_model", macro="LEARNING_RATE")
+  feature_lengths = feature_lengths or {"inputs": 128, "targets": 32}
   # Every input of every requested model is checked (and read) before MODEL_DIR is made.
   pairs = data_lib.build_pairs(which, source, split=split, judge_classes=judge_classes,
                                nli_labels=nli_labels, relevance_labels=relevance_labels,
@@ -105,6 +119,26 @@ def train_clarify_model(*, which: str, model_dir: str, model_config: config_lib.
                         partitioner=partitioner, eval_every=eval_every,
                         checkpoint_every=checkpoint_every, log_every=log_every, seed=seed,
                         init_checkpoint=init_checkpoint)
+
+
+def _optimizer_or_default(optimizer: Optional[optax.GradientTransformation],
+                          learning_rate: Optional[float], *, default_rate: float,
+                          function: str, macro: str) -> optax.GradientTransformation:
+  """`optimizer`, else AdamW at `learning_rate` (or `default_rate`).
+
+  A rate given with an optimizer would be ignored, so it is an error that says where the
+  optimizer's own rate is set.
+  """
+  if optimizer is None:
+    from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
+    return optimizers.make_optimizer(
+        name="adamw", learning_rate=default_rate if learning_rate is None else learning_rate)
+  if learning_rate is not None:
+    raise ValueError(f"{function}: learning_rate={learning_rate!r} is the rate of the default "
+                     f"AdamW, but an optimizer is given (gin binds {function}.optimizer): set "
+                     f"its rate instead, e.g. --gin.{macro}={learning_rate!r} with "
+                     f"configs/clarify/*.gin")
+  return optimizer
 
 
 def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any,
@@ -168,8 +202,9 @@ def build_ppo_program(*, policy_config: config_lib.T5Config, vocabulary: Any,
 def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_dir: str,
                       fusion_model_dir: str, judge_model_dir: str,
                       nli_model_dir: Optional[str] = None,
-                      ppo_config: ppo_trainer.PPOConfig,
-                      optimizer: optax.GradientTransformation, num_iterations: int,
+                      ppo_config: Optional[ppo_trainer.PPOConfig] = None,
+                      optimizer: Optional[optax.GradientTransformation] = None,
+                      learning_rate: Optional[float] = None, num_iterations: int = 100,
                       reward_config: Optional[reward_lib.RewardConfig] = None,
                       source: str = "demo", split: str = "train",
                       max_prompts: Optional[int] = None,
@@ -183,10 +218,15 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
   Args:
     model_dir: PPO run directory.
     question_model_dir: The supervised θQ (initial policy and reference).
-    answer_model_dir, fusion_model_dir, judge_model_dir, nli_model_dir: Reward models (run or
-      export directories; None for NLI: no filter).
-    ppo_config: PPO settings (batch, epochs, KL, sampling: top-p 0.6, temperature 0.7, ...).
-    optimizer: Policy (and value) optimizer.
+    answer_model_dir: The answer generator θA of the reward (a run or export directory).
+    fusion_model_dir: The fusion model of the reward.
+    judge_model_dir: The judge of the reward.
+    nli_model_dir: The NLI filter of the reward's answers (None: no filter).
+    ppo_config: PPO settings (batch, epochs, KL, sampling: top-p 0.6, temperature 0.7, ...);
+      None: `PPOConfig()`, made at call time so that gin bindings of PPOConfig apply.
+    optimizer: Policy (and value) optimizer (None: AdamW at `learning_rate`).
+    learning_rate: Rate of the default AdamW (default 1e-5); an error with `optimizer`, which
+      has its own (the configs' gin macro PPO_LEARNING_RATE).
     num_iterations: Total PPO iterations.
     reward_config: Reward-pipeline settings (None: `RewardConfig()`, made at call time so
       that gin bindings of RewardConfig apply).
@@ -195,11 +235,18 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
     max_prompts: Use at most this many situations.
     partitioner: Mesh and rules (default data parallel).
     value_model_config: Value-model T5Config (default θQ's; then it starts from θQ's weights).
-    checkpoint_every, log_every, sample_every, seed, async_checkpoint: See `train_ppo`.
+    checkpoint_every: Save every N iterations (and at the end).
+    log_every: Log every N iterations.
+    sample_every: Log sample questions to TensorBoard every N iterations (0: never).
+    seed: Seed.
+    async_checkpoint: Save checkpoints in the background.
 
   Returns:
     `train_ppo`'s metrics plus "policy_dir" (the exported final policy) and "reward_curve".
   """
+  optimizer = _optimizer_or_default(optimizer, learning_rate, default_rate=1e-5,
+                                    function="train_clarify_ppo", macro="PPO_LEARNING_RATE")
+  ppo_config = ppo_config or ppo_trainer.PPOConfig()
   # The data first: a missing split or a bad file fails before any model loads.
   situations = data_lib.situations(source, split=split)[:max_prompts]
   partitioner = partitioner or partitioning.PjitPartitioner()

@@ -55,14 +55,32 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
              seed: int = 0) -> dict[str, Any]:
   """Runs the whole NPOV pipeline on the bundled corpus.
 
-  Returns:
-    A summary: output paths (str values) and every ROC AUC as
-    `"auc/<slice>/<detector>/<error>/<example|word>"` (None where undefined).
-
   Everything goes under `workdir`: vocab/, data/, base_run/, generator/,
   classifier_{hallucination,coverage}/ (prompt-tuning runs, each with prompt/), eval/ (table,
   JSON, ROC PNGs), detect/ (scores.jsonl, heatmaps/). Every model is trained by the core run
   (`runs.train_run`); a rerun resumes or finds its runs finished.
+
+  Args:
+    workdir: Output folder of every run, table and score file.
+    kb_path: JSONL knowledge base (default: the bundled demo one).
+    examples_path: Error-free examples (JSONL) of its topics (default: the bundled ones).
+    base_steps: Training steps of the tiny base T5.
+    prompt_steps: Training steps of the generator prompt.
+    classifier_steps: Training steps of each classifier prompt.
+    batch_size: Batch size of every run.
+    base_learning_rate: Peak learning rate of the base model.
+    prompt_learning_rate: Peak learning rate of the prompts.
+    warmup_steps: Warm-up steps of every schedule.
+    test_fraction: Fraction of the topics held out for the test slices.
+    max_input_length: Encoder length (tokens).
+    max_target_length: Decoder length (tokens).
+    max_test_examples: Held-out source examples the detectors are evaluated on (None: all).
+    detectors: Any of "rouge", "salience", "classifier".
+    seed: Seed of sampling, synthetic errors and training.
+
+  Returns:
+    A summary: output paths (str values) and every ROC AUC as
+    `"auc/<slice>/<detector>/<error>/<example|word>"` (None where undefined).
   """
   workdir = os.fspath(workdir)
   os.makedirs(workdir, exist_ok=True)

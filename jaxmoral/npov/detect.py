@@ -1,9 +1,14 @@
-"""Run a detector on a user's own responses: `jaxmoral npov detect` as a library call."""
+"""Run a detector on a user's own responses: `jaxmoral npov detect` as a library call.
+
+`jaxmoral npov detect --input_path=... --output_path=... [--detector=...]` calls
+`detect_file`; its flags are that function's arguments.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from typing import Any, Mapping, Optional
@@ -14,6 +19,8 @@ from jaxmoral.npov import task
 from jaxmoral.npov.detectors import rouge
 
 DETECTORS = ("rouge", "salience", "classifier")
+
+logger = logging.getLogger(__name__)
 
 
 def load_base(base_dir: str, *, vocabulary_path: Optional[str] = None) -> Any:
@@ -40,7 +47,7 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
   base = load_base(base_dir, vocabulary_path=vocabulary_path)
   if base.vocabulary is None:
     raise ValueError(f"detector {name!r}: {base_dir} has no vocabulary (vocab/spiece.model); "
-                     f"give the base model's SentencePiece model (--vocabulary)")
+                     f"give the base model's SentencePiece model (--vocabulary_path)")
   model = T5(base.config)
   params = {k: v for k, v in base.params.items() if k != "scalar_head"}
   if name == "salience":
@@ -71,10 +78,9 @@ def _file_name(example_id: str) -> str:
 @gin.configurable
 def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
                 base_dir: Optional[str] = None, vocabulary_path: Optional[str] = None,
-                generator_dir: Optional[str] = None,
-                classifier_dirs: Optional[Mapping[str, str]] = None,
-                heatmap_dir: Optional[str] = None, roc_dir: Optional[str] = None
-                ) -> list[dict[str, Any]]:
+                generator_dir: Optional[str] = None, hallucination_dir: Optional[str] = None,
+                coverage_dir: Optional[str] = None, heatmap_dir: Optional[str] = None,
+                roc_dir: Optional[str] = None) -> list[dict[str, Any]]:
   """Scores every response of a JSONL file and writes one JSON line per example.
 
   Args:
@@ -85,7 +91,8 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     base_dir: The base model's directory, any format (salience, classifier).
     vocabulary_path: Its SentencePiece model (default: the one the directory carries).
     generator_dir: Generator prompt directory (salience of a prompt-tuned generator).
-    classifier_dirs: {"hallucination": dir, "coverage": dir} (classifier).
+    hallucination_dir: Prompt directory of the hallucination classifier (classifier).
+    coverage_dir: Prompt directory of the coverage classifier (classifier).
     heatmap_dir: Salience only: writes `<id>.html` heatmaps (input x response words).
     roc_dir: With labelled input: writes results.json, table.txt and roc_input.png here.
 
@@ -98,6 +105,8 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
   examples = task.read_examples(input_path, require_response=True)
   if not examples:
     raise ValueError(f"{input_path}: no examples")
+  classifier_dirs = {error: directory for error, directory in (
+      ("hallucination", hallucination_dir), ("coverage", coverage_dir)) if directory}
   det = build_detector(detector, base_dir=base_dir, vocabulary_path=vocabulary_path,
                        generator_dir=generator_dir, classifier_dirs=classifier_dirs)
   records = []
@@ -123,4 +132,5 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     from jaxmoral.npov import evaluate  # pylint: disable=g-import-not-at-top
     results = {"input": {detector: evaluate.evaluate_slice(examples, detections)}}
     evaluate.write_results(results, roc_dir)
+  logger.info("npov detect: scored %d responses -> %s", len(records), output_path)
   return records

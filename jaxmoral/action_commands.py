@@ -1,0 +1,222 @@
+"""`jaxmoral <method> <action> [--name=value ...]`: one gin-bound library call per action.
+
+The method command lines (`jaxmoral.diamante.commands`, `jaxmoral.npov.commands`,
+`jaxmoral.clarify.commands`) are tables: `ACTIONS` names each action's keyword-only
+`@gin.configurable` function, `OUTPUTS` the parameters naming what it writes. `run_action`
+does the rest, the same for all of them:
+
+* `--help` (or `-h`) prints the function's flags, read from its signature and docstring
+  without importing it (`gin_utils.function_usage`), so no JAX start-up;
+* `--name=value` is the gin binding `<module>.<function>.name = value`, exactly as
+  `--gin.<module>.<function>.name=value`; a value that is no Python literal is a string
+  (`--model_dir=/tmp/run`); for a parameter typed as a sequence, a bare word or comma list
+  is a tuple of strings (`--judge_classes=bad,ok,good` is `('bad', 'ok', 'good')`); a bare
+  `--name` of a `bool` parameter is `--name=True`;
+* a flag that names no parameter, and a parameter without a default that neither a flag nor
+  gin gives, are one-line errors naming the flag;
+* what the action writes is checked to be writable before any work (`check_writable`);
+* the function is called, and its result printed as JSON (unless the action prints its own).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib
+import inspect
+import json
+import os
+import re
+import textwrap
+from typing import Any, Callable, Collection, Mapping, Sequence
+
+from jaxmoral import gin_utils
+
+HELP_FLAGS = ("-h", "--help")
+# Annotations of parameters that take several strings: a comma list given to one is a tuple.
+_SEQUENCE_TYPE = re.compile(r"^(Optional\[)?(Sequence|tuple|list|Tuple|List|Collection)\b")
+_FLAG = re.compile(r"^--(?P<name>[A-Za-z_]\w*)(?:=(?P<value>.*))?$", re.DOTALL)
+_VALUES_NOTE = ("A flag's value that is no Python literal is a string; for a sequence "
+                "parameter a comma list (a,b,c) is a tuple of strings; a bare --NAME of a bool "
+                "parameter means True.")
+
+
+def usage(method: str, actions: Mapping[str, tuple[str, str]], action: str) -> str:
+  """The `--help` text of an action: its function's flags and how values are read."""
+  module, function = actions[action]
+  text = gin_utils.function_usage(module, function, prog=f"jaxmoral {method} {action}")
+  return f"{text}\n\n{textwrap.fill(_VALUES_NOTE, 78)}"
+
+
+def _as_tuple_of_words(value: str) -> str | None:
+  """`a,b,c` (bare words) as the gin tuple `('a', 'b', 'c')`; None if `value` is a literal."""
+  try:
+    ast.literal_eval(value)
+    return None
+  except (ValueError, SyntaxError):
+    pass
+  if value.lstrip()[:1] in ("@", "%", "(", "[", "{", "'", '"'):  # Gin syntax: left alone.
+    return None
+  return repr(tuple(word.strip() for word in value.split(",") if word.strip()))
+
+
+def flag_bindings(selector: str, flags: Sequence[str],
+                  parameters: Mapping[str, inspect.Parameter] | None = None) -> list[str]:
+  """`--name=value` flags as gin bindings of `selector.name` (bare words become strings).
+
+  Args:
+    selector: The configurable the flags bind, e.g. "jaxmoral.diamante.evaluate.evaluate".
+    flags: The action's flags, each `--name=value` (or `--name` for a bool parameter).
+    parameters: The function's parameters: their annotations make a comma list a tuple and
+      a bare `--name` True; None reads every value as `--gin.` does.
+
+  Returns:
+    One gin binding per flag, in order.
+
+  Raises:
+    ValueError: A flag is not of the form `--name=value`.
+  """
+  parameters = parameters or {}
+  bindings = []
+  for flag in flags:
+    match = _FLAG.match(flag)
+    parameter = parameters.get(match.group("name")) if match else None
+    annotation = _annotation_text(parameter)
+    if match and match.group("value") is None and annotation == "bool":
+      flag = f"{flag}=True"
+    elif not match or match.group("value") is None:
+      raise ValueError(f"expected --name=value flags, got {flag!r}")
+    name, value = flag[2:].split("=", 1)
+    if annotation in ("bool", "Optional[bool]") and value.lower() in ("true", "false"):
+      value = value.capitalize()  # A string 'false' would be a true value.
+    words = _as_tuple_of_words(value) if _SEQUENCE_TYPE.match(annotation) else None
+    if words is not None:
+      bindings.append(f"{selector}.{name} = {words}")
+      continue
+    gin_args, _ = gin_utils.split_gin_args([f"--gin.{selector}.{name}={value}"])
+    bindings.extend(gin_args.bindings)
+  return bindings
+
+
+def _annotation_text(parameter: inspect.Parameter | None) -> str:
+  """A parameter's annotation as written ("Optional[Sequence[str]]", "bool"); "" if none."""
+  if parameter is None or parameter.annotation is inspect.Parameter.empty:
+    return ""
+  annotation = parameter.annotation
+  if isinstance(annotation, str):  # Modules with `from __future__ import annotations`.
+    return annotation
+  if isinstance(annotation, type):
+    return annotation.__name__
+  return str(annotation).replace("typing.", "")
+
+
+def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
+  """The parameters a flag may bind (gin's wrapper keeps the wrapped signature)."""
+  return {name: p for name, p in inspect.signature(fn).parameters.items()
+          if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def _check_flag_names(action: str, prog: str, flags: Sequence[str],
+                      parameters: Mapping[str, inspect.Parameter]) -> None:
+  """Raises a one-line error naming each flag that binds no parameter of the action."""
+  names = [match.group("name") for match in map(_FLAG.match, flags) if match]
+  unknown = [f"--{name}" for name in names if name not in parameters]
+  if not unknown:
+    return
+  close = {f"--{name}" for flag in unknown
+           for name in difflib.get_close_matches(flag[2:], list(parameters), n=2, cutoff=0.6)}
+  hint = f"; close: {', '.join(sorted(close))}" if close else ""
+  raise ValueError(f"{action}: unknown flag{'s' if len(unknown) > 1 else ''} "
+                   f"{', '.join(unknown)}{hint} (see `{prog} --help`)")
+
+
+def _check_given(action: str, selector: str,
+                 parameters: Mapping[str, inspect.Parameter]) -> None:
+  """Raises a one-line error naming the flags of required parameters nothing binds."""
+  missing = [name for name, p in parameters.items()
+             if p.default is inspect.Parameter.empty and not _is_bound(selector, name)]
+  if missing:
+    flags = ", ".join(f"--{name}" for name in missing)
+    raise ValueError(f"{action}: {flags} {'is' if len(missing) == 1 else 'are'} required "
+                     f"(or bind {selector}.{missing[0]} in gin)")
+
+
+def _is_bound(selector: str, name: str) -> bool:
+  import gin  # pylint: disable=g-import-not-at-top
+  try:
+    gin.query_parameter(f"{selector}.{name}")
+    return True
+  except ValueError:
+    return False
+
+
+def check_outputs(selector: str, outputs: Mapping[str, bool],
+                  parameters: Mapping[str, inspect.Parameter]) -> None:
+  """Raises the OSError writing an action's outputs would meet, before any work.
+
+  Args:
+    selector: The action's configurable.
+    outputs: `{parameter: is a directory}` of what the action writes.
+    parameters: The function's parameters (an unbound output is checked at its default).
+  """
+  for name, directory in outputs.items():
+    path = gin_utils.bound_value(selector, name)
+    if path is None and name in parameters:
+      path = parameters[name].default
+    if isinstance(path, (str, os.PathLike)):
+      gin_utils.check_writable(path, directory=directory)
+
+
+def run_action(method: str, actions: Mapping[str, tuple[str, str]],
+               outputs: Mapping[str, Mapping[str, bool]], action: str, rest: Sequence[str],
+               gin_args: gin_utils.GinArgs, *, prints_own_result: Collection[str] = (),
+               configurable_modules: Sequence[str] = ()) -> int:
+  """Runs one action of a method's command line: flags bound, outputs checked, call, result.
+
+  Args:
+    method: The command, e.g. "npov" (named in usage and errors).
+    actions: `{action: (module, function)}`: each a keyword-only gin configurable.
+    outputs: `{action: {parameter: is a directory}}` of what each action writes.
+    action: The action asked for.
+    rest: Its flags (`--name=value`, or `--help`).
+    gin_args: Gin files and bindings of the command line.
+    prints_own_result: Actions whose function reports for itself (a chat): no JSON printed.
+    configurable_modules: Modules to import before gin parses, besides the action's own:
+      those whose configurables a config of these actions may bind (e.g. detectors that the
+      action's module imports only when used).
+
+  Returns:
+    The exit status, 0.
+
+  Raises:
+    ValueError: Unknown action or flag, a flag not `--name=value`, a required flag missing,
+      or a gin error (one line each).
+    OSError: An output cannot be written.
+  """
+  if action not in actions:
+    raise ValueError(f"unknown action {action!r} of `jaxmoral {method}`; known: "
+                     f"{', '.join(actions)}")
+  prog = f"jaxmoral {method} {action}"
+  if any(arg in HELP_FLAGS for arg in rest):
+    print(usage(method, actions, action))
+    return 0
+  module, function = actions[action]
+  selector = f"{module}.{function}"
+  for name in configurable_modules:
+    importlib.import_module(name)
+  fn = getattr(importlib.import_module(module), function)
+  parameters = _parameters(fn)
+  _check_flag_names(action, prog, rest, parameters)
+  try:
+    bindings = flag_bindings(selector, rest, parameters)
+  except ValueError as error:
+    raise ValueError(f"{action}: {error} (see `{prog} --help`)") from None
+  # After the gin files and --gin. bindings, which the flags override.
+  gin_utils.parse_gin(gin_args, extra_bindings=bindings, extra_binding_flags=rest)
+  gin_utils.check_required()
+  _check_given(action, selector, parameters)
+  check_outputs(selector, outputs.get(action, {}), parameters)
+  result = fn()
+  if action not in prints_own_result:
+    print(json.dumps(result, indent=2, sort_keys=True, default=str))
+  return 0
