@@ -42,8 +42,13 @@ logger = logging.getLogger("clarify_table4")
 
 ROLES = ("question", "answer", "fusion", "judge", "nli", "relevance")
 MEAN_METRICS = (("jsd", "avg JSD"), ("jsd_unfiltered", "JSD unfiltered"),
-                ("flips_pct", "% flips"), ("filtered_pct", "% filtered"))
+                ("flips_pct", "% flips"), ("filtered_pct", "% filtered"),
+                # Questions that end in "?": a policy that games the reward stops asking.
+                ("question_pct", "% questions"))
 WH_SHOWN = ("what", "why", "how", "who", "other")
+# A PPO policy whose share of questions falls by more than this (the whole interval) has
+# gamed the reward; its JSD is then no evidence about clarification questions.
+QUESTION_DROP_POINTS = 10.0
 PAPER = ("paper (Pyatkin et al. 2023, Table 4): PPO raises the average JSD and the % of "
          "judgment flips over the supervised question generator")
 
@@ -85,7 +90,9 @@ def system_metrics(situations: Sequence[str], questions: Sequence[str], result: 
   per = {"jsd": np.asarray(result.scores, np.float64),
          "jsd_unfiltered": np.asarray(result.jsd, np.float64),
          "flips_pct": 100.0 * np.asarray(result.flips, np.float64),
-         "filtered_pct": 100.0 * np.asarray(result.filtered, np.float64)}
+         "filtered_pct": 100.0 * np.asarray(result.filtered, np.float64),
+         "question_pct": 100.0 * np.asarray([q.strip().endswith("?") for q in questions],
+                                            np.float64)}
   ci = lambda v: common.ci_dict(common.mean_ci(v, num_resamples=num_resamples,  # noqa: E731
                                                seed=seed))
   out: dict[str, Any] = {"per_situation": {k: v.tolist() for k, v in per.items()},
@@ -233,7 +240,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     if a in table and b in table:
       differences[f"{a} - {b}"] = {key: common.ci_dict(common.paired_diff_ci(
           table[a]["per_situation"][key], table[b]["per_situation"][key],
-          num_resamples=num_resamples, seed=seed)) for key in ("jsd", "flips_pct")}
+          num_resamples=num_resamples, seed=seed))
+          for key in ("jsd", "flips_pct", "question_pct")}
   timings["total_s"] = time.time() - started
   results: dict[str, Any] = {
       "table": table, "differences": differences, "command": command,
@@ -268,6 +276,13 @@ def verdict(differences: Mapping[str, Any]) -> tuple[str, str]:
   why = (f"PPO minus SFT: avg JSD {jsd['estimate']:+.4f} [{jsd['low']:+.4f}, "
          f"{jsd['high']:+.4f}], % flips {flips['estimate']:+.1f} [{flips['low']:+.1f}, "
          f"{flips['high']:+.1f}]")
+  asked = d.get("question_pct")
+  if asked is not None and asked["high"] < -QUESTION_DROP_POINTS:
+    # The reward was gamed: what PPO emits is no longer a question, so the table does not
+    # compare question generators (seen at 120 iterations with KL coefficient 0.05).
+    return "not shown", (f"{why}; but PPO's outputs ending in '?' fell by "
+                         f"{-asked['estimate']:.1f} points [{-asked['high']:.1f}, "
+                         f"{-asked['low']:.1f}]: the policy stopped asking questions")
   if jsd["low"] > 0 and flips["low"] > 0:
     return "agrees", why
   if jsd["high"] < 0 or flips["high"] < 0:
@@ -316,10 +331,12 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
     cells += [f"{row[f'distinct_{n}']:.3f}" for n in (1, 2, 3)]
     cells += [common.fmt(row["wh_pct"][w], 1) for w in WH_SHOWN]
     lines.append(f"| {system} | " + " | ".join(cells) + " |")
-  lines += ["", "Paired differences (same situations):", "", "| difference | avg JSD | % flips |",
-            "|---|---|---|"]
+  lines += ["", "Paired differences (same situations):", "",
+            "| difference | avg JSD | % flips | % questions |", "|---|---|---|---|"]
   for label, d in results["differences"].items():
-    lines.append(f"| {label} | {common.fmt(d['jsd'], 4)} | {common.fmt(d['flips_pct'], 1)} |")
+    asked = common.fmt(d["question_pct"], 1) if "question_pct" in d else "—"
+    lines.append(f"| {label} | {common.fmt(d['jsd'], 4)} | {common.fmt(d['flips_pct'], 1)} "
+                 f"| {asked} |")
   if curve:
     lines += ["", f"PPO training reward (raw JSD of rollouts) per iteration: first "
               f"{curve[0]:.4f}, last {curve[-1]:.4f}, max {max(curve):.4f}."]

@@ -26,9 +26,11 @@ EXPERIMENTS = {"clarify": "python experiments/clarify_table4.py",
                "npov": "python experiments/npov_table1.py",
                "diamante": "python experiments/diamante_fig3.py"}
 # What each experiment measured at its scale (bench/RESULTS.md), quoted beside a demo's verdict.
-MEASURED = {"clarify": "at CPU scale it is inconclusive (PPO minus SFT avg JSD -0.0001 [-0.0003, "
-                       "+0.0002]): the reward is near zero for every system because the small "
-                       "multi-task model's answer and fusion roles ask questions instead",
+MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained alone, PPO (40 "
+                       "iterations) is above SFT on every decoding but not significantly (avg "
+                       "JSD +0.0053 [-0.0025, +0.0130], flips +5.0 [-0.7, +10.7] points); at 120 "
+                       "iterations the flips gain is significant but the policy has gamed the "
+                       "reward (16 % of its outputs are questions, SFT 80 %)",
             "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
                         "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
                         "difference +0.057 [+0.017, +0.097]",

@@ -204,6 +204,30 @@ def test_clarify_supervised_models_per_role():
                                      train_steps=1)
 
 
+def test_clarify_verdict_refuses_a_policy_that_stopped_asking():
+  gains = {"jsd": _ci(0.02, 0.01, 0.03), "flips_pct": _ci(9.0, 4.0, 15.0)}
+  word, why = clarify_table4.verdict({"ppo - finetuned": {
+      **gains, "question_pct": _ci(-64.0, -70.0, -58.0)}})
+  assert word == "not shown" and "fell by 64.0 points [58.0, 70.0]" in why
+  word, _ = clarify_table4.verdict({"ppo - finetuned": {
+      **gains, "question_pct": _ci(-5.0, -12.0, 2.0)}})  # Within the tolerance: judged.
+  assert word == "agrees"
+
+
+def test_clarify_system_metrics_count_questions():
+  class Result:  # The fields of reward.RewardResult that system_metrics reads.
+    scores = [0.1, 0.0, 0.2, 0.0]
+    jsd = [0.1, 0.0, 0.3, 0.0]
+    flips = [True, False, True, False]
+    filtered = [False, True, False, True]
+  questions = ["Why?", "bed", "Who was there? ", "relevant"]
+  got = clarify_table4.system_metrics(["s"] * 4, questions, Result(), num_resamples=200, seed=0)
+  assert got["per_situation"]["question_pct"] == [100.0, 0.0, 100.0, 0.0]
+  assert got["question_pct"]["estimate"] == pytest.approx(50.0)
+  assert got["flips_pct"]["estimate"] == pytest.approx(50.0)
+  assert got["jsd"]["estimate"] == pytest.approx(np.mean(Result.scores))
+
+
 def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
   from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
   run_dir, calls = tmp_path / "run", []
