@@ -77,9 +77,14 @@ def supervised_models(*, separate_models: bool,
   return {**shared, **{role: int(dedicated[role]) for role in ROLES if role in dedicated}}
 
 
+def model_dir(workdir: str, which: str) -> str:
+  """The run directory of a supervised model ("multitask" or a role)."""
+  return os.path.join(workdir, f"{which}_model")
+
+
 def role_model_dirs(workdir: str, models_steps: Mapping[str, int]) -> dict[str, str]:
   """{role: the run directory that plays it} for the models of `supervised_models`."""
-  return {role: os.path.join(workdir, f"{role if role in models_steps else 'multitask'}_model")
+  return {role: model_dir(workdir, role if role in models_steps else "multitask")
           for role in ROLES}
 
 
@@ -180,9 +185,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                                    dedicated_roles=dedicated_roles, train_steps=train_steps)
   role_dir = role_model_dirs(workdir, models_steps)
   for which, steps in models_steps.items():
-    model_dir = os.path.join(workdir, f"{which}_model")
+    run_dir = model_dir(workdir, which)
     timings[f"train_{which}_s"] = common.train_stage(
-        model_dir, steps, lambda w=which, d=model_dir, n=steps: training.train_clarify_model(
+        run_dir, steps, lambda w=which, d=run_dir, n=steps: training.train_clarify_model(
             which=w, model_dir=d, model_config=model_config, optimizer=optimizer,
             train_steps=n, batch_size=batch_size, feature_lengths=lengths,
             source=data_dir, split="train", judge_classes=reward_config.judge_classes,
@@ -292,16 +297,17 @@ def verdict(differences: Mapping[str, Any]) -> tuple[str, str]:
 
 def models_line(setup: Mapping[str, Any]) -> str:
   """How the supervised models were trained, in words."""
-  models = setup.get("supervised_models") or (
-      {role: setup["train_steps"] for role in ROLES} if setup["separate_models"]
-      else {"multitask": setup["train_steps"]})
+  # Results written before `supervised_models` was recorded: derive it from the setup.
+  models = setup.get("supervised_models") or supervised_models(
+      separate_models=setup["separate_models"], dedicated_roles=None,
+      train_steps=setup["train_steps"])
   cap = setup.get("mixing_cap")
   parts = []
   if "multitask" in models:
-    alone = [r for r in ROLES if r in models]
+    shared = [r for r in ROLES if r not in models]
     parts.append(f"one multi-task model{' (at most %d pairs per role)' % cap if cap else ''}"
                  f" ({models['multitask']} steps)"
-                 f"{'' if not alone else ' for ' + ', '.join(r for r in ROLES if r not in models)}")
+                 f"{' for ' + ', '.join(shared) if len(shared) < len(ROLES) else ''}")
   article = {role: "an" if role[0] in "aeiou" else "a" for role in ROLES}
   parts += [f"{article[role]} {role} model of its own ({models[role]} steps)" for role in ROLES
             if role in models]
