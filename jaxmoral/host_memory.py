@@ -26,7 +26,6 @@ allocations of an accelerator host's many input-pipeline threads), `reuse` (alwa
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import glob
 import logging
 import os
@@ -71,8 +70,9 @@ def _glibc_mallopt() -> Optional[Callable[[int, int], int]]:
   if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
     return None
   try:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    mallopt = libc.mallopt
+    # The process's own symbols (glibc's among them): no `find_library`, which runs
+    # `ldconfig` in a subprocess on every `import jaxmoral`.
+    mallopt = ctypes.CDLL(None).mallopt
   except (OSError, AttributeError):
     return None
   mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
