@@ -86,7 +86,8 @@ def rank_contexts(bundle: Any, turns: Sequence[Any], *, num_random: int, max_can
   from jaxmoral.diamante import data as data_lib  # pylint: disable=import-outside-toplevel
   from jaxmoral.diamante import evaluate as evaluate_lib  # pylint: disable=import-outside-toplevel
   items = evaluate_lib.ranking_items(turns, num_random=num_random,
-                                     max_candidates=max_candidates, seed=seed)
+                                     max_candidates=max_candidates, seed=seed,
+                                     encode=evaluate_lib.model_view(bundle))
   if not items:
     raise ValueError("rank_contexts: no test turn has a candidate different from r_H")
   out: dict[str, list[float]] = {"pe_accuracy": [], "random/p@1": [], "turn": []}

@@ -95,12 +95,33 @@ def test_sampled_candidates_are_scored_like_separate_teacher_forced_passes(saved
       np.testing.assert_allclose(out.logprobs[b, i], want_logprob, rtol=1e-4, atol=1e-4)
 
 
+def test_ranking_items_drop_what_the_scorer_reads_as_the_human_response():
+  turns = [data.Turn(context=("hi",), response="I like chess a lot", dialogue=0,
+                     candidates=("I like chess too", "i like CHESS a lot", "I like cats",
+                                 "I like cats!", "no")),
+           data.Turn(context=("yo",), response="I like chess very much", dialogue=1,
+                     candidates=("sure",))]
+  # Without an encoder only the normalised text counts ...
+  items = evaluate.ranking_items(turns, num_random=1, max_candidates=5, seed=0)
+  assert items[0][1][1:4] == ["I like chess too", "I like cats", "I like cats!"]
+  # ... with one, a response truncated to r_H's tokens (here: its first three words) is r_H,
+  # and two candidates with the same tokens are one candidate.
+  three_words = lambda text: [hash(w.strip("!")) for w in text.lower().split()[:3]]  # noqa: E731
+  items = evaluate.ranking_items(turns, num_random=1, max_candidates=5, seed=0,
+                                 encode=three_words)
+  (_, responses, kinds), (_, other, _) = items
+  assert responses == ["I like chess a lot", "I like cats", "no"]
+  assert kinds == [data.HUMAN, data.MODEL, data.MODEL]
+  assert other == ["I like chess very much", "sure"]  # the only random one reads as r_H
+
+
 def test_evaluation_matches_per_context_ranking(saved):
   _, _, bundle = saved
   turns = toy.toy_turns(5, seed=2)
   result = evaluate.evaluate_turns(bundle, turns, num_random=2, max_candidates=3, batch_size=3,
                                    seed=4)
-  items = evaluate.ranking_items(turns, num_random=2, max_candidates=3, seed=4)
+  items = evaluate.ranking_items(turns, num_random=2, max_candidates=3, seed=4,
+                                 encode=evaluate.model_view(bundle))
   prefs, gens, labels, accs = [], [], [], []
   for i, responses, kinds in items:
     s, lp = inference.rank_texts(bundle, turns[i].context, responses)
@@ -122,6 +143,10 @@ def test_evaluation_matches_per_context_ranking(saved):
   for _, responses, kinds in items:
     assert kinds[0] == data.HUMAN and kinds.count(data.HUMAN) == 1
     assert all(data.normalize(r) != data.normalize(responses[0]) for r in responses[1:])
+    # Nothing the scorer reads as r_H (the same tokens after truncation) competes with it.
+    human = data.encode_response(bundle.vocab, responses[0], bundle.features)
+    assert not any(np.array_equal(data.encode_response(bundle.vocab, r, bundle.features), human)
+                   for r in responses[1:])
 
 
 def test_chat_and_self_chat_write_transcripts(saved, tmp_path):

@@ -53,6 +53,7 @@ def test_diamante_configs_parse(files, steps, size):
     (("npov_table1_cpu.gin",), "%BASE_STEPS", 600),
     (("npov_table1_cpu.gin", "npov_table1_smoke.gin"), "%BASE_STEPS", 2),
     (("npov_table1_gpu.gin",), "%BASE_STEPS", 3000),
+    (("npov_table1_gpu.gin",), "npov_table1.run_experiment.pack_base", True),
     (("clarify_table4_cpu.gin",), "%PPO_ITERATIONS", 40),
     (("clarify_table4_cpu.gin", "clarify_table4_smoke.gin"), "%PPO_ITERATIONS", 1),
     (("clarify_table4_gpu.gin",), "%PPO_ITERATIONS", 300),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import gin
 import jax
@@ -28,18 +28,42 @@ logger = logging.getLogger(__name__)
 
 
 def ranking_items(turns: Sequence[data.Turn], *, num_random: int, max_candidates: int,
-                  seed: int) -> list[tuple[int, list[str], list[int]]]:
+                  seed: int, encode: Optional[Callable[[str], Sequence[int]]] = None
+                  ) -> list[tuple[int, list[str], list[int]]]:
   """Per usable turn: (turn index, responses, kinds) with r_H first.
 
   kinds: 0 human, 1 model candidate, 2 random. Candidates equal to r_H are dropped (they
   would be a second correct answer); turns without a remaining candidate are skipped.
+
+  Args:
+    turns: The test turns.
+    num_random: Human responses of other dialogues per turn.
+    max_candidates: Model candidates per turn at most.
+    seed: Picks the random responses.
+    encode: What the scorer reads of a response (`model_view`). With it, "equal" also means
+      the same tokens: two texts truncated to the same tokens are one response to the
+      scorer, and their tie would be broken by float summation order, which changes with
+      the batch shape and the CPU.
   """
+  def key(text: str) -> tuple[str, tuple[int, ...]]:
+    return data.normalize(text), tuple(encode(text)) if encode else ()
+
+  def same(a: tuple[str, tuple[int, ...]], b: tuple[str, tuple[int, ...]]) -> bool:
+    return a[0] == b[0] or (encode is not None and a[1] == b[1])
+
   rng = np.random.default_rng(seed)
   out = []
   for i, turn in enumerate(turns):
-    human = data.normalize(turn.response)
-    cands = list(dict.fromkeys(c for c in turn.candidates if data.normalize(c) != human))
-    cands = cands[:max_candidates]
+    human = key(turn.response)
+    cands: list[str] = []
+    kept = [human]
+    for c in turn.candidates:
+      if len(cands) == max_candidates:
+        break
+      k = key(c)
+      if not any(same(k, other) for other in kept):
+        cands.append(c)
+        kept.append(k)
     if not cands:
       continue
     randoms: list[str] = []
@@ -47,11 +71,16 @@ def ranking_items(turns: Sequence[data.Turn], *, num_random: int, max_candidates
       if len(randoms) == num_random:
         break
       other = turns[int(rng.integers(len(turns)))]
-      if other.dialogue != turn.dialogue and data.normalize(other.response) != human:
+      if other.dialogue != turn.dialogue and not same(key(other.response), human):
         randoms.append(other.response)
     out.append((i, [turn.response, *cands, *randoms],
                 [data.HUMAN] + [data.MODEL] * len(cands) + [data.RANDOM] * len(randoms)))
   return out
+
+
+def model_view(bundle: bundle_lib.Bundle) -> Callable[[str], Sequence[int]]:
+  """The response tokens the bundle's scorer reads (truncated, EOS): `ranking_items`' encode."""
+  return lambda text: data.encode_response(bundle.vocab, text, bundle.features).tolist()
 
 
 def pe_accuracy(scores: np.ndarray, kinds: np.ndarray) -> float:
@@ -113,7 +142,8 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
   """
   if num_random < 0 or max_candidates < 1 or batch_size < 1:
     raise ValueError("evaluate_turns: need num_random >= 0, max_candidates >= 1, batch_size >= 1")
-  items = ranking_items(turns, num_random=num_random, max_candidates=max_candidates, seed=seed)
+  items = ranking_items(turns, num_random=num_random, max_candidates=max_candidates, seed=seed,
+                       encode=model_view(bundle))
   if max_contexts is not None:
     items = items[:max_contexts]
   if not items:
