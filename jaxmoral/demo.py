@@ -34,10 +34,10 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
             "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
                         "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
                         "difference +0.057 [+0.017, +0.097]",
-            "npov": "at half its CPU training ROUGE-1 agrees; salience's hallucination AUC "
-                    "(0.309) is inverted by a length confound of the synthetic errors and "
-                    "shows nothing over same-length pairs, its generator not yet copying "
-                    "(token accuracy 0.50); the classifiers stayed at chance"}
+            "npov": "at its full CPU config ROUGE-1 agrees; with a base that copies (token "
+                    "accuracy 0.71) salience detects coverage errors (0.725) but mostly by "
+                    "the input's length, and hallucinations not above chance (0.530); the "
+                    "prompt-tuned classifiers stay at chance"}
 
 
 def truth_line(*, method: str, paper: str, this_run: str, agrees: bool) -> str:
