@@ -206,8 +206,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     warmup_steps: Prompt warm-up steps.
     batch_size: Batch size of every run.
     pack_base: Pack several verbalisation examples per row when fine-tuning the base (T5X's
-      packing): the median example fills a third of a 192-token row, so packing reads about
-      three times as many examples per step at the same cost. The prompt stages cannot pack
+      packing): the median example fills a third of a 192-token row; packed rows of 192 hold
+      1.8 examples on average, read at the same cost per step. The prompt stages cannot pack
       (one soft prompt per row).
     feature_lengths: Generator input / response tokens (classifiers read both); default
       256 / 256.
