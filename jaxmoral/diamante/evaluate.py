@@ -45,25 +45,26 @@ def ranking_items(turns: Sequence[data.Turn], *, num_random: int, max_candidates
       scorer, and their tie would be broken by float summation order, which changes with
       the batch shape and the CPU.
   """
-  def key(text: str) -> tuple[str, tuple[int, ...]]:
-    return data.normalize(text), tuple(encode(text)) if encode else ()
-
-  def same(a: tuple[str, tuple[int, ...]], b: tuple[str, tuple[int, ...]]) -> bool:
-    return a[0] == b[0] or (encode is not None and a[1] == b[1])
+  def identities(text: str) -> set[tuple[str, object]]:
+    """What makes two responses the same: the normalised text and, with `encode`, the tokens."""
+    ids: set[tuple[str, object]] = {("text", data.normalize(text))}
+    if encode is not None:
+      ids.add(("tokens", tuple(encode(text))))
+    return ids
 
   rng = np.random.default_rng(seed)
   out = []
   for i, turn in enumerate(turns):
-    human = key(turn.response)
+    human = identities(turn.response)
     cands: list[str] = []
-    kept = [human]
+    seen = set(human)
     for c in turn.candidates:
       if len(cands) == max_candidates:
         break
-      k = key(c)
-      if not any(same(k, other) for other in kept):
+      ids = identities(c)
+      if seen.isdisjoint(ids):
         cands.append(c)
-        kept.append(k)
+        seen |= ids
     if not cands:
       continue
     randoms: list[str] = []
@@ -71,7 +72,7 @@ def ranking_items(turns: Sequence[data.Turn], *, num_random: int, max_candidates
       if len(randoms) == num_random:
         break
       other = turns[int(rng.integers(len(turns)))]
-      if other.dialogue != turn.dialogue and not same(key(other.response), human):
+      if other.dialogue != turn.dialogue and human.isdisjoint(identities(other.response)):
         randoms.append(other.response)
     out.append((i, [turn.response, *cands, *randoms],
                 [data.HUMAN] + [data.MODEL] * len(cands) + [data.RANDOM] * len(randoms)))
