@@ -25,12 +25,15 @@ demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/jaxmoral demo --workdir=$(DEMO_DIR)
 
 # --dist loadscope: a module's tests share one worker, so its module-scoped fixtures (trained
-# runs, saved models) are built once, not once per worker.
+# runs, saved models) are built once, not once per worker. --no-loadscope-reorder: files go out
+# in the order conftest.py sorts them (slowest first).
 test: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope --durations=15 tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope \
+	  --no-loadscope-reorder --durations=15 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadscope -m "not slow" tests
+	$(PY) -m pytest -q -x -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+	  -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR) build *.egg-info .pytest_cache

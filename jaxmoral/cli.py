@@ -352,12 +352,10 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
   quiet_logs()
   tensorflow_for_input_pipelines_only()
   # `compile` goes without: compile-only TPU executables cannot be loaded back.
-  cache_dir = (None if args.command == "compile"
-               else compilation_cache.resolve_cache_dir(flags.get(compilation_cache.FLAG)))
-  if cache_dir is None:  # Also overrides a JAX_COMPILATION_CACHE_DIR that JAX read itself.
+  if args.command == "compile":
     compilation_cache.disable()
   else:
-    compilation_cache.enable(cache_dir)
+    compilation_cache.configure(flags.get(compilation_cache.FLAG))
   if args.command not in SINGLE_PROCESS_COMMANDS:
     from jaxmoral import partitioning
     # A no-op for one process; joins the job given by the flags, JAX_COORDINATOR_ADDRESS...,

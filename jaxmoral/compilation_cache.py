@@ -12,7 +12,12 @@ Where the cache goes, first match wins:
 3. `$JAXMORAL_COMPILATION_CACHE_DIR` (`none`: no cache);
 4. `$XDG_CACHE_HOME/jaxmoral/xla`, else `~/.cache/jaxmoral/xla`.
 
-The cache is capped (least recently used entries go first) at `DEFAULT_MAX_BYTES`. Library
+jaxmoral's own directories (1, 3, 4) are capped (least recently used entries go first) at
+`DEFAULT_MAX_BYTES`. A directory JAX's variable names keeps JAX's own settings
+(`JAX_COMPILATION_CACHE_MAX_SIZE`, `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`): other JAX
+programs write there, and JAX's capped cache cannot share a directory with uncapped writers (it
+needs an access-time file beside every entry; one entry without it makes every later write
+fail). For the same reason a directory that already holds uncapped entries is not capped. Library
 users (notebooks) get no cache unless they call `enable` or set JAX's variable, as with JAX
 itself. `none` turns off even a cache that JAX's variable set (`disable`). `jaxmoral compile`
 runs without one: executables compiled for a compile-only TPU topology are written to the
@@ -34,6 +39,10 @@ DEFAULT_MAX_BYTES = 4 * 1024 ** 3
 # JAX's default: programs that compile faster than this are not written (loading one costs
 # about as much as compiling it).
 DEFAULT_MIN_COMPILE_SECONDS = 1.0
+# File names of JAX's cache (jax._src.lru_cache): an entry, and the access time a capped cache
+# keeps beside it.
+_CACHE_SUFFIX = "-cache"
+_ATIME_SUFFIX = "-atime"
 
 _LOG = logging.getLogger(__name__)
 
@@ -48,6 +57,38 @@ def resolve_cache_dir(flag_value: Optional[str] = None,
   return os.path.join(base, "jaxmoral", "xla")
 
 
+def configure(flag_value: Optional[str] = None,
+              environ: Mapping[str, str] = os.environ) -> Optional[str]:
+  """Turns the cache on or off for a command, by the precedence in the module docstring.
+
+  Call before the first compilation.
+
+  Args:
+    flag_value: The value of `--compilation_cache_dir`, if given.
+    environ: Where the variables are read.
+
+  Returns:
+    The directory in use, or None.
+  """
+  cache_dir = resolve_cache_dir(flag_value, environ)
+  if cache_dir is None:  # Also overrides a JAX_COMPILATION_CACHE_DIR that JAX read itself.
+    disable()
+    return None
+  if flag_value is None and environ.get(JAX_ENV_DIR) is not None:
+    return cache_dir  # JAX configured it from its own variables when it was imported.
+  return enable(cache_dir)
+
+
+def uncapped_entries(cache_dir: str) -> list[str]:
+  """Entries of a local cache directory that an uncapped JAX wrote (no access-time file)."""
+  try:
+    names = set(os.listdir(cache_dir))
+  except OSError:
+    return []
+  return sorted(name for name in names if name.endswith(_CACHE_SUFFIX)
+                and name[:-len(_CACHE_SUFFIX)] + _ATIME_SUFFIX not in names)
+
+
 def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
            min_compile_seconds: float = DEFAULT_MIN_COMPILE_SECONDS) -> Optional[str]:
   """Points JAX's persistent compilation cache at `cache_dir` (None: leaves it off).
@@ -57,7 +98,8 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
   Args:
     cache_dir: A local directory (created if missing) or any path JAX's cache accepts
       (e.g. `gs://...`); None does nothing.
-    max_bytes: Size cap; least recently used entries are deleted beyond it (-1: no cap).
+    max_bytes: Size cap; least recently used entries are deleted beyond it (-1: no cap; also
+      what a local directory that holds uncapped entries gets).
     min_compile_seconds: Programs that compiled faster than this are not written.
 
   Returns:
@@ -75,6 +117,10 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
     except OSError as error:  # A read-only home: run without a cache rather than fail.
       _LOG.warning("no compilation cache: cannot create %s (%s)", cache_dir, error)
       return None
+  if max_bytes != -1 and "://" not in cache_dir and uncapped_entries(cache_dir):
+    _LOG.info("compilation cache %s holds entries written without a cap; leaving it uncapped",
+              cache_dir)
+    max_bytes = -1
   if max_bytes != -1:
     try:
       import filelock  # pylint: disable=g-import-not-at-top,unused-import

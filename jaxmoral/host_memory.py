@@ -13,6 +13,9 @@ package calls itself; no environment variable is needed):
 - never give the arena's top back (`M_TRIM_THRESHOLD`), and grow it in 64 MiB steps
   (`M_TOP_PAD`).
 
+The heap takes some calls to settle: XLA's aligned requests are a little larger than the block
+the previous call freed, and small allocations land between freed blocks, so the first calls
+(tens of them, for one large temporary) still grow the heap until freed neighbours have merged.
 The price is that the process keeps its peak heap until it exits, as a T5X trainer does anyway.
 Arena limits only affect threads that have not allocated yet, so this runs when `jaxmoral` is
 imported, before the backend starts its threads.

@@ -17,6 +17,10 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # microbatching tests: 24 -> 15 s without them); the classic emitters compute the same values.
 if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_cpu_use_fusion_emitters=false"
+# Two pytest workers share two cores: Eigen's own thread pool inside each tiny matmul only adds
+# switching (tests/test_trainer.py 54 -> 47 s, test_one_path.py 104 -> 95 s, alone).
+if "xla_cpu_multi_thread_eigen" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_cpu_multi_thread_eigen=false"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,6 +51,28 @@ def shared_dir() -> pathlib.Path:
   if not (SHARED_DATA / "data").is_dir():
     pytest.skip(f"{SHARED_DATA}/data not present (only developers and CI have it)")
   return SHARED_DATA
+
+
+# Seconds each of the slowest test files took (summed test durations, 2-core VM, 2026-11-26).
+# `make test` hands whole files to its two workers (pytest-xdist, --dist loadscope,
+# --no-loadscope-reorder) in collection order: longest first, so no long file is left to run
+# alone at the end (xdist's default order, by test count, ran the two slowest files last).
+# Only the order matters; a file not listed goes after these, in its usual order.
+MODULE_SECONDS = {
+    "test_one_path": 102, "test_t5": 56, "test_multiprocess": 54, "test_decoding": 46,
+    "test_trainer": 46, "test_train": 44, "test_aot": 42, "test_cli": 35,
+    "test_diamante_model": 35, "test_ppo_trainer": 33, "test_data_tasks": 27,
+    "test_adafactor": 24, "test_flash_attention": 21, "test_host_memory": 20,
+    "test_model_dirs": 19, "test_partitioning": 19, "test_rl_rollout": 19,
+    "test_clarify_training": 18, "test_api": 18, "test_diamante_inference": 17,
+    "test_clarify_chat": 16, "test_compilation_cache": 15, "test_checkpoints": 15,
+    "test_npov_salience": 15, "test_data_span_corruption": 13,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  items.sort(key=lambda item: -MODULE_SECONDS.get(item.path.stem, 0))  # stable: ties keep order
 
 
 def pytest_unconfigure(config):

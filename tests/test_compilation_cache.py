@@ -61,6 +61,41 @@ def test_enable_none_does_nothing_and_rejects_a_zero_cap(tmp_path):
     compilation_cache.enable(str(tmp_path), max_bytes=0)
 
 
+def test_configure_leaves_a_directory_named_by_jax_to_jax(monkeypatch, tmp_path):
+  calls = []
+  monkeypatch.setattr(compilation_cache, "disable", lambda: calls.append("disable"))
+  monkeypatch.setattr(compilation_cache, "enable", lambda d: calls.append(("enable", d)) or d)
+  jax_env = {"JAX_COMPILATION_CACHE_DIR": "/jax"}
+  assert compilation_cache.configure(None, jax_env) == "/jax"
+  assert calls == []  # JAX already read its variables: dir, cap and minimum compile time.
+  assert compilation_cache.configure("/flag", jax_env) == "/flag"
+  assert compilation_cache.configure(None, {"JAX_COMPILATION_CACHE_DIR": "none"}) is None
+  assert compilation_cache.configure(None, {"JAXMORAL_COMPILATION_CACHE_DIR": "/mine"}) == "/mine"
+  assert calls == [("enable", "/flag"), "disable", ("enable", "/mine")]
+
+
+def test_enable_leaves_a_directory_with_uncapped_entries_uncapped(monkeypatch, tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  updates = {}
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.__setitem__(name, value))
+  (tmp_path / "jit_f-1-cache").write_bytes(b"x")
+  (tmp_path / "jit_f-1-atime").write_bytes(b"t")
+  compilation_cache.enable(str(tmp_path))
+  assert updates["jax_compilation_cache_max_size"] == compilation_cache.DEFAULT_MAX_BYTES
+  (tmp_path / "jit_g-2-cache").write_bytes(b"y")  # Written by a JAX without a cap.
+  assert compilation_cache.uncapped_entries(str(tmp_path)) == ["jit_g-2-cache"]
+  compilation_cache.enable(str(tmp_path))
+  assert updates["jax_compilation_cache_max_size"] == -1
+
+
+def test_a_capped_cache_cannot_write_beside_an_uncapped_entry(tmp_path):
+  """Why the two rules above: JAX's capped cache reads every entry's access time to evict."""
+  from jax._src import lru_cache  # pylint: disable=g-import-not-at-top
+  lru_cache.LRUCache(str(tmp_path), max_size=-1).put("jit_g-2", b"y")
+  with pytest.raises(FileNotFoundError, match="atime"):
+    lru_cache.LRUCache(str(tmp_path), max_size=1 << 20).put("jit_f-1", b"x")
+
+
 # A fresh process: enables the cache, samples greedily from a tiny random T5 (on a CPU the
 # sampler's step runs the packed-kernel custom calls when they build) and reports the cache hits.
 _SAMPLE_SCRIPT = textwrap.dedent("""

@@ -105,7 +105,7 @@ def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_proc
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_", "XLA_", "SLURM_", "TPU_"))}
   # The suite's compile settings (conftest.py) carry over; the device count is this process's.
-  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "optimization_level" in f]
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
   env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}", *kept]))
   if num_processes > 1:
