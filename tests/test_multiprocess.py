@@ -3,9 +3,10 @@
 Two `runs.train_run` processes with 2 CPU devices each join through `jax.distributed`
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, the variables launch/local.sh
 sets); each streams only its own shard of the examples (seqio's `ShardInfo`) and contributes
-its rows of every global batch. A one-process run with 4 devices that reads both shards and
-puts their rows together the same way is the reference: same per-step losses, and the
-two-process checkpoint restores in a single process with the reference's parameters.
+its rows of every global batch. A one-process run on 4 devices that reads both shards and
+puts their rows together the same way is the reference (run by the test's own process, on 4
+of its 8, while the two train): same per-step losses, and the two-process checkpoint restores
+in a single process with the reference's parameters.
 """
 
 import json
@@ -26,8 +27,9 @@ from jaxmoral.data import vocab as vocab_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# The driver is `jaxmoral train` plus a hook that records every step's loss: it connects the
-# processes first (what the CLI must do before any JAX call), then runs the gin config.
+# The driver of each of the two processes is `jaxmoral train` plus a hook that records every
+# step's loss: it connects the processes first (what the CLI must do before any JAX call), then
+# runs the gin config, then checks the final checkpoint as a multi-host restore does.
 DRIVER = textwrap.dedent("""
     import json, sys
     from jaxmoral import partitioning
@@ -41,52 +43,40 @@ DRIVER = textwrap.dedent("""
       losses.append(float(metrics["loss"]))
       return state, metrics
     trainer_lib.Trainer.train_step = recording_step
-    if jax.process_count() == 1:
-      # The reference reads both processes' shards and joins their rows, as two processes do.
-      class BothShards:
-        def __init__(self, source):
-          self.source, self.num_examples = source, source.num_examples
-        def iterate(self, start):
-          for parts in zip(*(self.source.shard(i, 2).iterate(start) for i in range(2))):
-            yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-      import numpy as np
-      sources = runs.Seq2SeqData.sources
-      runs.Seq2SeqData.sources = lambda self, **kw: (BothShards(sources(self, **kw)[0]), None)
     gin_args, rest = gin_utils.split_gin_args(sys.argv[2:])
     gin_utils.parse_gin(gin_args)
     runs.train_run()
     check = {}
-    if jax.process_count() > 1:
-      # The final step verified as a multi-host restore does it: each process hashes its
-      # share; then a byte flipped in a file that only process 1 hashes is refused by both.
-      import gin, os
-      from jax.experimental import multihost_utils
-      from jaxmoral import checkpoints as ck
-      shares, hash_all = [], ck._hash_all
-      ck._hash_all = lambda root, rel: (shares.extend(rel), hash_all(root, rel))[1]
-      ckpt_dir = ck.run_checkpoints_dir(gin.query_parameter("%MODEL_DIR"))
-      check["verified"] = ck.verify_step(ckpt_dir, 3, shared=True)
-      check["share"] = list(shares)
-      files = sorted(json.load(open(os.path.join(ckpt_dir, "3", ck.INTEGRITY_FILE)))["files"])
-      victim = os.path.join(ckpt_dir, "3", files[1])  # process 1's share: files[1::2]
-      def flip():
-        with open(victim, "r+b") as f:
-          f.seek(os.path.getsize(victim) // 2)
-          byte = f.read(1)
-          f.seek(-1, 1)
-          f.write(bytes([byte[0] ^ 0xFF]))
-      multihost_utils.sync_global_devices("verified")
-      if jax.process_index() == 0:
-        flip()
-      multihost_utils.sync_global_devices("flipped")
-      try:
-        ck.verify_step(ckpt_dir, 3, shared=True)
-      except ck.CheckpointIntegrityError as e:
-        check["refused"] = list(e.files)
-      multihost_utils.sync_global_devices("refused")
-      if jax.process_index() == 0:
-        flip()  # back: the next test restores this checkpoint
-      check["files"], check["victim"] = files, files[1]
+    # The final step verified as a multi-host restore does it: each process hashes its
+    # share; then a byte flipped in a file that only process 1 hashes is refused by both.
+    import gin, os
+    from jax.experimental import multihost_utils
+    from jaxmoral import checkpoints as ck
+    shares, hash_all = [], ck._hash_all
+    ck._hash_all = lambda root, rel: (shares.extend(rel), hash_all(root, rel))[1]
+    ckpt_dir = ck.run_checkpoints_dir(gin.query_parameter("%MODEL_DIR"))
+    check["verified"] = ck.verify_step(ckpt_dir, 3, shared=True)
+    check["share"] = list(shares)
+    files = sorted(json.load(open(os.path.join(ckpt_dir, "3", ck.INTEGRITY_FILE)))["files"])
+    victim = os.path.join(ckpt_dir, "3", files[1])  # process 1's share: files[1::2]
+    def flip():
+      with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    multihost_utils.sync_global_devices("verified")
+    if jax.process_index() == 0:
+      flip()
+    multihost_utils.sync_global_devices("flipped")
+    try:
+      ck.verify_step(ckpt_dir, 3, shared=True)
+    except ck.CheckpointIntegrityError as e:
+      check["refused"] = list(e.files)
+    multihost_utils.sync_global_devices("refused")
+    if jax.process_index() == 0:
+      flip()  # back: the next test restores this checkpoint
+    check["files"], check["victim"] = files, files[1]
     with open(f"{sys.argv[1]}.{jax.process_index()}.json", "w") as f:
       json.dump({"losses": losses, "process_count": jax.process_count(),
                  "device_count": jax.device_count(),
@@ -111,7 +101,13 @@ def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_proc
   if num_processes > 1:
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
                JAX_PROCESS_ID=str(process_id))
-  args = [sys.executable, str(driver), str(out), "--gin_file=configs/core/tiny_cpu.gin",
+  args = [sys.executable, str(driver), str(out), *_train_args(model_dir, vocab)]
+  return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def _train_args(model_dir, vocab):
+  return ["--gin_file=configs/core/tiny_cpu.gin",
           f"--gin.MODEL_DIR='{model_dir}'", f"--gin.VOCABULARY_PATH='{vocab}'",
           "--gin.TRAIN_STEPS=3", "--gin.CHECKPOINT_EVERY=3", "--gin.BATCH_SIZE=8",
           "--gin.WARMUP_STEPS=1", "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 16}",
@@ -120,8 +116,46 @@ def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_proc
           "--gin.config.t5_config.num_encoder_layers=1",
           "--gin.config.t5_config.num_decoder_layers=1",
           "--gin.runs.Seq2SeqData.eval_split='none'"]  # no eval: only training is compared
-  return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+
+
+class _BothShards:
+  """The reference's data: both processes' shards, their rows joined as two processes do."""
+
+  def __init__(self, source):
+    self.source, self.num_examples = source, source.num_examples
+
+  def iterate(self, start):
+    for parts in zip(*(self.source.shard(i, 2).iterate(start) for i in range(2))):
+      yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _train_reference(model_dir, vocab, *, num_devices=4):
+  """The one-process run, in this process on `num_devices` of its devices (while the two
+  processes run): {"losses", "process_count", "device_count"}."""
+  from jaxmoral import gin_utils, partitioning, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  losses = []
+  step, sources = trainer_lib.Trainer.train_step, runs.Seq2SeqData.sources
+
+  def recording_step(self, state, batch, rng):
+    state, metrics = step(self, state, batch, rng)
+    losses.append(float(metrics["loss"]))
+    return state, metrics
+
+  gin.clear_config()
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(trainer_lib.Trainer, "train_step", recording_step)
+    patch.setattr(runs.Seq2SeqData, "sources",
+                  lambda self, **kw: (_BothShards(sources(self, **kw)[0]), None))
+    gin_args, rest = gin_utils.split_gin_args(_train_args(model_dir, vocab))
+    assert not rest
+    gin_utils.parse_gin(gin_args)
+    try:
+      runs.train_run(partitioner=partitioning.PjitPartitioner(
+          devices=jax.devices()[:num_devices]))
+    finally:
+      gin.clear_config()
+  return {"losses": losses, "process_count": 1, "device_count": num_devices}
 
 
 def _wait(procs, timeout=240):
@@ -142,12 +176,13 @@ def runs_done(tmp_path_factory):
   driver = tmp / "driver.py"
   driver.write_text(DRIVER)
   port = _free_port()
-  # All three processes at once: the two-process job and the one-process reference.
   procs = [(f"process {i} of 2", _launch(driver, tmp / "two", tmp / "two_run", vocab, devices=2,
                                          process_id=i, num_processes=2, port=port))
            for i in range(2)]
-  procs.append(("one process", _launch(driver, tmp / "one", tmp / "one_run", vocab, devices=4)))
-  _wait(procs)
+  try:  # The one-process reference meanwhile, here.
+    (tmp / "one.0.json").write_text(json.dumps(_train_reference(tmp / "one_run", vocab)))
+  finally:
+    _wait(procs)
   return tmp
 
 
