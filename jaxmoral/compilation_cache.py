@@ -111,13 +111,14 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
     raise ValueError(f"compilation_cache.enable: max_bytes must be positive or -1 (no cap), "
                      f"got {max_bytes}")
   import jax  # pylint: disable=g-import-not-at-top  (the CLI resolves flags before JAX loads)
-  if "://" not in cache_dir:
+  local = "://" not in cache_dir
+  if local:
     try:
       os.makedirs(cache_dir, exist_ok=True)
     except OSError as error:  # A read-only home: run without a cache rather than fail.
       _LOG.warning("no compilation cache: cannot create %s (%s)", cache_dir, error)
       return None
-  if max_bytes != -1 and "://" not in cache_dir and uncapped_entries(cache_dir):
+  if max_bytes != -1 and local and uncapped_entries(cache_dir):
     _LOG.info("compilation cache %s holds entries written without a cap; leaving it uncapped",
               cache_dir)
     max_bytes = -1

@@ -97,7 +97,7 @@ def test_importing_jaxmoral_stops_temporaries_faulting_in_again():
     env = dict(os.environ, JAXMORAL_HOST_MALLOC=choice, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", _FAULTS_PER_CALL, str(warm_up_calls)], env=env,
                          capture_output=True, text=True, check=True)
-    faults = json.loads(out.stdout.split("\n")[-2])
+    faults = json.loads(out.stdout.splitlines()[-1])
     faulting_calls[choice] = sum(count >= pages // 2 for count in faults)
   assert faulting_calls["system"] >= 18, faulting_calls  # glibc maps it fresh on each call ...
   assert faulting_calls["reuse"] <= 2, faulting_calls  # ... and keeps it with jaxmoral's settings.

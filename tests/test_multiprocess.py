@@ -150,12 +150,13 @@ def _train_reference(model_dir, vocab, *, num_devices=4):
     gin_args, rest = gin_utils.split_gin_args(_train_args(model_dir, vocab))
     assert not rest
     gin_utils.parse_gin(gin_args)
+    partitioner = partitioning.PjitPartitioner(devices=jax.devices()[:num_devices])
     try:
-      runs.train_run(partitioner=partitioning.PjitPartitioner(
-          devices=jax.devices()[:num_devices]))
+      runs.train_run(partitioner=partitioner)
     finally:
       gin.clear_config()
-  return {"losses": losses, "process_count": 1, "device_count": num_devices}
+  return {"losses": losses, "process_count": jax.process_count(),
+          "device_count": partitioner.mesh.devices.size}
 
 
 def _wait(procs, timeout=240):
