@@ -45,15 +45,24 @@ logger = logging.getLogger("npov_table1")
 
 ERRORS = ("hallucination", "coverage")
 LEVELS = ("example", "word")
-# The confound control: the synthetic errors change the input's length, so a score that
-# follows length separates them without detecting anything.
+# Confound controls, scored like detectors: the synthetic errors change the input's length;
+# with balanced error-free examples (as many arguments per side) they always unbalance the
+# sides; and they leave the template response one point more or fewer than the input has
+# arguments. A score that follows any of these separates errors without reading content.
 CONTROL = "input_length"
+IMBALANCE_CONTROL = "side_imbalance"
+COUNT_CONTROL = "point_count"
+CONTROLS = (CONTROL, IMBALANCE_CONTROL, COUNT_CONTROL)
 PAPER = {"rouge": "ROUGE-1 detects both error types above chance",
          "salience": "salience detects both above chance (hallucination, example level: .808)",
          "classifier": "the YES/NO classifiers detect both above chance (hallucination, example "
                        "level: .953)",
          CONTROL: "not a detector: what the input's length alone gives (a synthetic "
-                  "hallucination removes an argument, a coverage error adds one)"}
+                  "hallucination removes an argument, a coverage error adds one)",
+         IMBALANCE_CONTROL: "not a detector: what |#pro - #con| alone gives (1.0 when every "
+                            "error-free example is balanced: see balanced_sides)",
+         COUNT_CONTROL: "not a detector: the template response's points per side (counted "
+                        "from its lead phrases) against the input's arguments per side"}
 
 
 def word_arrays(examples: Sequence[Any], detections: Sequence[Any], error: str
@@ -114,6 +123,36 @@ def length_detections(examples: Sequence[Any]) -> list[Any]:
   """The control's scores: hallucination = shorter input, coverage error = longer input."""
   from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
   return [base.Detection(-float(n), float(n)) for n in map(input_words, examples)]
+
+
+def imbalance_detections(examples: Sequence[Any]) -> list[Any]:
+  """The side-balance control: |#pro - #con| as the score of both error types."""
+  from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
+  return [base.Detection(float(abs(len(e.pro) - len(e.con))),
+                         float(abs(len(e.pro) - len(e.con)))) for e in examples]
+
+
+def count_detections(examples: Sequence[Any]) -> list[Any]:
+  """The point-count control: per side, the response's points beyond the input's arguments
+  (hallucination) and the arguments beyond its points (coverage), summed over the sides.
+
+  The synthetic errors keep the template response and remove or add one argument, so on
+  template responses this count tells every error apart without reading a word of content.
+  """
+  from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
+  out = []
+  for e in examples:
+    points = task.template_points(e.response)
+    given = {side: len(getattr(e, side)) for side in task.SIDES}
+    out.append(base.Detection(
+        float(sum(max(0, points[s] - given[s]) for s in task.SIDES)),
+        float(sum(max(0, given[s] - points[s]) for s in task.SIDES))))
+  return out
+
+
+CONTROL_DETECTIONS = {CONTROL: length_detections, IMBALANCE_CONTROL: imbalance_detections,
+                      COUNT_CONTROL: count_detections}
 
 
 def length_matched_auc(labels: Any, scores: Any, lengths: Any) -> float:
@@ -178,6 +217,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    train_examples_per_claim: int = 4, test_examples_per_claim: int = 1,
                    max_per_side: int = 3, max_test_sources: Optional[int] = None,
                    base_steps: int = 600, prompt_steps: int = 300, classifier_steps: int = 300,
+                   classifier_tuning: str = "prompt", balanced_sides: bool = True,
                    prompt_learning_rate: float = 0.3, warmup_steps: int = 50,
                    batch_size: int = 16, pack_base: bool = False,
                    feature_lengths: Optional[Mapping[str, int]] = None,
@@ -201,7 +241,16 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     max_test_sources: Cap on test source examples (None: all).
     base_steps: Fine-tuning steps of the base on the verbalisation task.
     prompt_steps: Generator soft-prompt steps.
-    classifier_steps: Steps of each classifier prompt.
+    classifier_steps: Training steps of each classifier.
+    classifier_tuning: "prompt" (the paper: a soft prompt on the frozen base, at the prompts'
+      learning rate) or "full" (ablation: every weight fine-tuned, with `optimizer`); runs go to
+      `classifier_<error>` or `classifier_full_<error>`, so both kinds share a workdir.
+    balanced_sides: Error-free test and classifier-training sources have as many arguments on
+      each side (sessions 11-14). A synthetic error then always unbalances the sides, a cue
+      that tells every error apart (the `side_imbalance` control scores 1.0). False samples
+      each side's count on its own for those sources (classifier runs then go to
+      `classifier_[full_]unbalanced_<error>`); the generator's verbalisation examples stay
+      balanced either way, so the base and generator runs are shared.
     prompt_learning_rate: Peak learning rate of the prompts (paper's optimizer).
     warmup_steps: Prompt warm-up steps.
     batch_size: Batch size of every run.
@@ -234,6 +283,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   from jaxmoral.npov import task
   from jaxmoral.npov.detectors import classifier
   # pylint: enable=import-outside-toplevel
+  if classifier_tuning not in classifier.TUNINGS:  # Before hours of training, not after.
+    raise ValueError(f"npov_table1.run_experiment.classifier_tuning must be one of "
+                     f"{classifier.TUNINGS}, got {classifier_tuning!r}")
   started = time.time()
   os.makedirs(workdir, exist_ok=True)
   timings: dict[str, float] = {}
@@ -245,7 +297,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   train_examples = _distinct(train_examples)
   test_sources = _distinct(kb_lib.sample_examples(topics, seed=seed + 1, split="test",
                                                   examples_per_topic=test_examples_per_claim,
-                                                  max_per_side=max_per_side))
+                                                  max_per_side=max_per_side,
+                                                  same_count_per_side=balanced_sides))
   test_sources = test_sources[:max_test_sources] if max_test_sources else test_sources
   logger.info("perspectrum: %s claims by split; %d train verbalisation examples; %d test "
               "source examples", by_split, len(train_examples), len(test_sources))
@@ -283,16 +336,23 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # How well the generator copies its arguments (the task is nearly verbatim copying):
   # salience can only point at sources a generator actually uses.
   token_accuracy = {k: v["result"].get("eval/accuracy") for k, v in stages.items()}
-  train_slices = synthetic.make_test_slices(train_examples, topics, seed=seed + 2)
+  classifier_sources = train_examples if balanced_sides else _distinct(kb_lib.sample_examples(
+      topics, seed=seed, split="train", examples_per_topic=train_examples_per_claim,
+      max_per_side=max_per_side, same_count_per_side=False))
+  train_slices = synthetic.make_test_slices(classifier_sources, topics, seed=seed + 2)
   train_synthetic = train_slices["unparaphrased"] + train_slices["paraphrased"]
   classifier_dirs = {}
+  classifier_optimizer = (optimizer if classifier_tuning == "full"
+                          else prompt_optimizer(classifier_steps))
   for error in classifier.ERROR_TYPES:
-    classifier_dirs[error] = os.path.join(workdir, f"classifier_{error}")
+    classifier_dirs[error] = os.path.join(
+        workdir, f"classifier_{'full_' if classifier_tuning == 'full' else ''}"
+                 f"{'' if balanced_sides else 'unbalanced_'}{error}")
     timings[f"classifier_{error}_s"] = common.train_stage(
         classifier_dirs[error], classifier_steps, lambda e=error: classifier.train_classifier(
             model_dir=classifier_dirs[e], base_dir=base_dir, examples=train_synthetic, error=e,
-            train_steps=classifier_steps, optimizer=prompt_optimizer(classifier_steps),
-            max_input_length=lengths["inputs"] + lengths["targets"],
+            train_steps=classifier_steps, optimizer=classifier_optimizer,
+            tuning=classifier_tuning, max_input_length=lengths["inputs"] + lengths["targets"],
             checkpoint_every=classifier_steps, **common_run))["seconds"]
 
   # 2. Synthetic errors of the held-out claims; 3. every detector on both slices.
@@ -303,9 +363,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   size = len(test_slices["unparaphrased"])
   salience_sample = np.sort(np.random.default_rng(seed + 4).choice(
       size, size=min(size, max_salience_examples or size), replace=False))
-  for det_name in (*detectors, CONTROL):
+  for det_name in (*detectors, *CONTROLS):
     tick = time.time()
-    detect_batch = length_detections if det_name == CONTROL else detect.build_detector(
+    detect_batch = CONTROL_DETECTIONS.get(det_name) or detect.build_detector(
         det_name, base_dir=base_dir,
         generator_dir=generator_dir if det_name == "salience" else None,
         classifier_dirs=classifier_dirs).detect_batch
@@ -321,7 +381,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       logger.info("%s on %s: %s", det_name, slice_name, {
           e: v["example"]["estimate"] if v["example"] else None
           for e, v in results["auc"][det_name][slice_name].items()})
-    if det_name != CONTROL:
+    if det_name not in CONTROLS:
       timings[f"detect_{det_name}_s"] = time.time() - tick
   timings["total_s"] = time.time() - started
   results["verdicts"] = verdicts(results["auc"])
@@ -334,6 +394,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "salience_examples_per_slice": int(len(salience_sample)),
                 "heldout_token_accuracy": token_accuracy,
                 "prompt_steps": prompt_steps, "classifier_steps": classifier_steps,
+                "classifier_tuning": classifier_tuning, "balanced_sides": balanced_sides,
                 "batch_size": batch_size, "pack_base": pack_base, "feature_lengths": lengths,
                 "seed": seed,
                 "num_resamples": num_resamples}})
@@ -374,8 +435,13 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
            f"{s['claims_by_split']}; {s['train_examples']} verbalisation examples of the train "
            f"claims (base fine-tuned {s['base_steps']} steps"
            f"{' of packed rows' if s.get('pack_base') else ''}, generator prompt "
-           f"{s['prompt_steps']} steps, classifier prompts {s['classifier_steps']} steps each on "
-           f"{s['classifier_train_examples']} synthetic train examples); test: "
+           f"{s['prompt_steps']} steps, classifiers "
+           f"{'fine-tuned' if s.get('classifier_tuning') == 'full' else 'prompt-tuned'} "
+           f"{s['classifier_steps']} steps each on "
+           f"{s['classifier_train_examples']} synthetic train examples); error-free sources "
+           + ("with as many arguments on each side" if s.get("balanced_sides", True) else
+              "with each side's argument count drawn on its own (classifier training and test)")
+           + "; test: "
            f"{s['test_sources']} source examples of the test claims -> "
            + ", ".join(f"{k} {v}" for k, v in results["slices"].items())
            + f" examples (salience: a seeded sample of {s['salience_examples_per_slice']} "

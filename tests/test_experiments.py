@@ -54,6 +54,12 @@ def test_diamante_configs_parse(files, steps, size):
     (("npov_table1_cpu.gin", "npov_table1_smoke.gin"), "%BASE_STEPS", 2),
     (("npov_table1_gpu.gin",), "%BASE_STEPS", 3000),
     (("npov_table1_gpu.gin",), "npov_table1.run_experiment.pack_base", True),
+    (("npov_table1_cpu.gin", "npov_table1_cpu_finetuned_classifiers.gin"),
+     "npov_table1.run_experiment.classifier_tuning", "full"),
+    (("npov_table1_cpu.gin", "npov_table1_cpu_unbalanced.gin"),
+     "npov_table1.run_experiment.balanced_sides", False),
+    (("npov_table1_cpu.gin", "npov_table1_cpu_salience_all.gin"),
+     "npov_table1.run_experiment.max_salience_examples", None),
     (("clarify_table4_cpu.gin",), "%PPO_ITERATIONS", 40),
     (("clarify_table4_cpu.gin", "clarify_table4_smoke.gin"), "%PPO_ITERATIONS", 1),
     (("clarify_table4_gpu.gin",), "%PPO_ITERATIONS", 300),
@@ -296,6 +302,26 @@ def test_npov_length_control_against_scipy():
   assert out["coverage"]["spearman"] is None  # a constant score has no correlation
   # The control itself tells nothing beyond length.
   assert npov_table1.length_matched_auc(labels, -lengths, lengths) == 0.5
+  # The side-balance control: |#pro - #con| for both errors; on balanced sources it separates
+  # every synthetic error (which always unbalances the sides) from every clean example.
+  balanced = [e.replace(con=e.pro) for e in examples if not (e.hallucination or e.coverage)]
+  errors = [synthetic.make_hallucination(e, np.random.default_rng(2)) for e in balanced]
+  scores = npov_table1.imbalance_detections(balanced + errors)
+  assert [d.hallucination for d in scores] == [d.coverage for d in scores] == [
+      abs(len(e.pro) - len(e.con)) for e in balanced + errors]
+  assert all(d.hallucination == 0 for d in scores[:len(balanced)])
+  assert all(d.hallucination == 1 for d in scores[len(balanced):])
+  # The point-count control reads the template's lead phrases: every synthetic error of a
+  # template response is told apart, clean ones score 0.
+  source = task.NpovExample(id="s", topic="t", query="Is it so?", pro=("a b", "c d"),
+                            con=("e f",), response=task.template_response(
+                                "Is it so?", ("a b", "c d"), ("e f",)))
+  assert task.template_points(source.response) == {"pro": 2, "con": 1}
+  assert task.template_points("A free answer.") == {"pro": 0, "con": 0}
+  variants = [source, source.replace(pro=("a b",), hallucination=True),
+              source.replace(con=("e f", "g h"), coverage=True)]
+  assert [(d.hallucination, d.coverage) for d in npov_table1.count_detections(variants)] == [
+      (0.0, 0.0), (1.0, 0.0), (0.0, 1.0)]
 
 
 def test_clarify_reward_probe_stage_summary():

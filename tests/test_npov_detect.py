@@ -112,8 +112,8 @@ def test_classifier_score_is_softmax_of_label_logits():
   prompts = {e: np.random.default_rng(i).normal(size=(3, 32)).astype(np.float32)
              for i, e in enumerate(classifier.ERROR_TYPES)}
   detector = classifier.ClassifierDetector(
-      model=model, params=params, vocabulary=WordVocab(), batch_size=2,
-      hallucination_prompt=prompts["hallucination"], coverage_prompt=prompts["coverage"])
+      model=model, vocabulary=WordVocab(), batch_size=2,
+      classifiers={e: (params, prompts[e]) for e in classifier.ERROR_TYPES})
   examples = [CLEAN, HALLUCINATION, COVERAGE]
   got = detector.detect_batch(examples)
   yes, no = classifier.label_token_ids(WordVocab())
@@ -129,6 +129,79 @@ def test_classifier_score_is_softmax_of_label_logits():
       assert getattr(d, error) == pytest.approx(float(p_no), abs=1e-5)
   inputs, targets = classifier.training_pairs(examples, error="coverage")
   assert targets == ["yes", "no"] and inputs[1].endswith("{response: " + COVERAGE.response + "}")
+
+
+def test_a_fine_tuned_classifier_scores_with_its_own_weights(tmp_path):
+  """`tuning="full"` classifiers are model directories: scored by their own weights, no prompt;
+  a prompt directory beside one still runs on the base's weights."""
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+  config = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
+                     num_encoder_layers=1, num_decoder_layers=1)
+  model = T5(config)
+  base_params, tuned_params = (nn.meta.unbox(init_params(model, jax.random.PRNGKey(seed)))
+                               for seed in (0, 1))
+  model_dirs.export(tmp_path / "base", params=base_params, config=config)
+  model_dirs.export(tmp_path / "tuned", params=tuned_params, config=config)
+  prompt = np.random.default_rng(0).normal(size=(3, 32)).astype(np.float32)
+  pt.save_prompt(prompt, tmp_path / "prompt")
+  base = model_dirs.load(tmp_path / "base")
+  loaded = {"hallucination": classifier.load_classifier(tmp_path / "tuned", base),
+            "coverage": classifier.load_classifier(tmp_path / "prompt", base)}
+  assert loaded["hallucination"][1] is None and np.array_equal(loaded["coverage"][1], prompt)
+  detector = classifier.ClassifierDetector(model=model, vocabulary=WordVocab(), batch_size=2,
+                                           classifiers=loaded)
+  examples = [CLEAN, HALLUCINATION, COVERAGE]
+  got = detector.detect_batch(examples)
+  yes, no = classifier.label_token_ids(WordVocab())
+  first_logits = jax.jit(lambda p, tokens: model.apply(
+      {"params": p}, tokens, jnp.zeros((1, 1), jnp.int32))[0, 0])
+  prompted = pt.PromptedT5(config, 3)
+  prompted_logits = jax.jit(lambda p, tokens: prompted.apply(
+      {"params": p}, tokens, jnp.zeros((1, 1), jnp.int32))[0, 0])
+  for e, d in zip(examples, got):
+    tokens = jnp.array([WordVocab().encode(task.format_classifier_input(e)) + [1]])
+    for error, logits in (("hallucination", first_logits(tuned_params, tokens)),
+                          ("coverage", prompted_logits(pt.prompted_params(base_params, prompt),
+                                                       tokens))):
+      p_no = np.exp(logits[no]) / (np.exp(logits[no]) + np.exp(logits[yes]))
+      assert getattr(d, error) == pytest.approx(float(p_no), abs=1e-5)
+  # The fine-tuned weights are what scores: the base's weights give other numbers.
+  base_logits = first_logits(base_params, jnp.array(
+      [WordVocab().encode(task.format_classifier_input(CLEAN)) + [1]]))
+  assert got[0].hallucination != pytest.approx(float(jax.nn.softmax(
+      base_logits[jnp.array([yes, no])])[1]), abs=1e-3)
+  wider = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
+                    num_encoder_layers=2, num_decoder_layers=1)
+  model_dirs.export(tmp_path / "wider", params=nn.meta.unbox(
+      init_params(T5(wider), jax.random.PRNGKey(2))), config=wider)
+  with pytest.raises(ValueError, match="architecture differs from the base"):
+    classifier.load_classifier(tmp_path / "wider", base)
+  with pytest.raises(ValueError, match="tuning must be one of"):
+    classifier.train_classifier(model_dir=tmp_path / "x", base_dir=str(tmp_path / "base"),
+                                examples=examples, error="coverage", train_steps=1,
+                                optimizer=None, tuning="lora")
+
+
+def test_train_classifier_trains_the_kind_asked_on_shuffled_pairs(tmp_path, monkeypatch):
+  """`tuning` picks the trained model; the run's held-out pairs (every 10th) hold both labels
+  (in `training_pairs`' order they alternate, so every 10th would be a clean example)."""
+  from jaxmoral import model_dirs, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
+  config = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
+                     num_encoder_layers=1, num_decoder_layers=1)
+  model_dirs.export(tmp_path / "base", params=nn.meta.unbox(
+      init_params(T5(config), jax.random.PRNGKey(0))), config=config)
+  runs_seen = []
+  monkeypatch.setattr(runs, "train_run", lambda **kwargs: runs_seen.append(kwargs))
+  examples = [e.replace(id=f"{e.id}{i}") for i in range(100) for e in (CLEAN, HALLUCINATION)]
+  for tuning in classifier.TUNINGS:
+    classifier.train_classifier(model_dir=tmp_path / tuning, base_dir=str(tmp_path / "base"),
+                                examples=examples, error="hallucination", train_steps=1,
+                                optimizer=None, tuning=tuning)
+  assert [type(r["model"]) for r in runs_seen] == [pt.PromptTuningModel, trainable.Seq2SeqModel]
+  rows = [json.loads(line) for line in (tmp_path / "full" / "data" / "train.jsonl").open()]
+  assert sorted(r["targets"] for r in rows) == ["no"] * 100 + ["yes"] * 100
+  assert {r["targets"] for r in rows[::10]} == {"yes", "no"}
 
 
 @pytest.mark.parametrize("change, line, field, message", [

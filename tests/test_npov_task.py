@@ -65,6 +65,10 @@ def test_sampling_same_number_per_side_and_topic_disjoint_splits(kb_path):
       assert text.rstrip(".")[1:] in e.response  # every argument is verbalised
   test_only = kb_lib.sample_examples(topics, seed=3, split="test")
   assert {e.topic for e in test_only} == {"uniforms"}
+  # Independent counts per side: unbalanced examples too, every pair of counts reached.
+  free = kb_lib.sample_examples(topics, seed=3, examples_per_topic=40, same_count_per_side=False)
+  assert {(len(e.pro), len(e.con)) for e in free if e.topic == "uniforms"} == {
+      (p, c) for p in (1, 2, 3) for c in (1, 2, 3)}
 
 
 def test_synthetic_errors_keep_the_response(kb_path):

@@ -34,8 +34,8 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
                    vocabulary_path: Optional[str] = None, generator_dir: Optional[str] = None,
                    classifier_dirs: Optional[Mapping[str, str]] = None,
                    salience_config: Any = None) -> Any:
-  """A detector by name; model-based ones need `base_dir` (and their prompt directories:
-  prompt folders or the prompt-tuning runs that saved them)."""
+  """A detector by name; model-based ones need `base_dir` (and the generator's prompt, the
+  classifiers' prompts or fine-tuned model directories: `classifier.load_classifier`)."""
   if name not in DETECTORS:
     raise ValueError(f"unknown detector {name!r}; known: {DETECTORS}")
   if name == "rouge":
@@ -62,9 +62,8 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
   if missing:
     raise ValueError(f"classifier detector needs classifier_dirs for {missing}")
   return classifier.ClassifierDetector(
-      model=model, params=params, vocabulary=base.vocabulary,
-      hallucination_prompt=prompt_tuning.load_prompt(dirs["hallucination"])[0],
-      coverage_prompt=prompt_tuning.load_prompt(dirs["coverage"])[0])
+      model=model, vocabulary=base.vocabulary,
+      classifiers={e: classifier.load_classifier(dirs[e], base) for e in classifier.ERROR_TYPES})
 
 
 def _file_name(example_id: str) -> str:
@@ -91,8 +90,9 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     base_dir: The base model's directory, any format (salience, classifier).
     vocabulary_path: Its SentencePiece model (default: the one the directory carries).
     generator_dir: Generator prompt directory (salience of a prompt-tuned generator).
-    hallucination_dir: Prompt directory of the hallucination classifier (classifier).
-    coverage_dir: Prompt directory of the coverage classifier (classifier).
+    hallucination_dir: The hallucination classifier: its prompt directory, or its fine-tuned
+      model directory (`classifier.load_classifier`).
+    coverage_dir: The coverage classifier, likewise.
     heatmap_dir: Salience only: writes `<id>.html` heatmaps (input x response words).
     roc_dir: With labelled input: writes results.json, table.txt and roc_input.png here.
 

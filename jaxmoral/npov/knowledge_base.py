@@ -162,11 +162,23 @@ def split_topics(topics: Sequence[Topic], *, dev_fraction: float = 0.1,
 
 
 def sample_examples(topics: Sequence[Topic], *, seed: int, split: Optional[str] = None,
-                    examples_per_topic: int = 1, max_per_side: int = 3) -> list[task.NpovExample]:
-  """Error-free examples: 1..`max_per_side` arguments per side, the same number on each side.
+                    examples_per_topic: int = 1, max_per_side: int = 3,
+                    same_count_per_side: bool = True) -> list[task.NpovExample]:
+  """Error-free examples: 1..`max_per_side` arguments per side.
 
   The response is `task.template_response` of the chosen (canonical) argument texts. Topics
   with no pro or no con cluster are skipped.
+
+  Args:
+    topics: The knowledge base.
+    seed: Sampling seed.
+    split: Only topics of this split (None: all).
+    examples_per_topic: Examples drawn per topic.
+    max_per_side: Arguments per side at most.
+    same_count_per_side: As many arguments on each side (a balanced answer). Note that a
+      synthetic error then always unbalances the sides, so a detector can tell every error
+      from every error-free example by the counts alone; False draws each side's count on its
+      own (1..`max_per_side`), which leaves no such cue.
   """
   if max_per_side < 1:
     raise ValueError(f"sample_examples: max_per_side must be >= 1, got {max_per_side}")
@@ -180,8 +192,13 @@ def sample_examples(topics: Sequence[Topic], *, seed: int, split: Optional[str] 
     if limit == 0:
       continue
     for k in range(examples_per_topic):
-      n = int(rng.integers(1, limit + 1))
-      chosen = {side: sorted(rng.choice(ids, size=n, replace=False).tolist())
+      if same_count_per_side:
+        n = int(rng.integers(1, limit + 1))
+        counts = {"pro": n, "con": n}
+      else:
+        counts = {side: int(rng.integers(1, min(len(ids), max_per_side) + 1))
+                  for side, ids in (("pro", pro_ids), ("con", con_ids))}
+      chosen = {side: sorted(rng.choice(ids, size=counts[side], replace=False).tolist())
                 for side, ids in (("pro", pro_ids), ("con", con_ids))}
       texts = {side: tuple(topic.clusters[i].texts[0] for i in chosen[side])
                for side in task.SIDES}

@@ -166,13 +166,27 @@ def template_response(query: str, pro: Sequence[str], con: Sequence[str]) -> str
   """
   topic = query.strip().rstrip(".?!")
   sentences = [f"People disagree about the claim that {topic[:1].lower() + topic[1:]}."]
-  lead = {"pro": ("Supporters argue that", "They also point out that"),
-          "con": ("Critics argue that", "They also point out that")}
   for side in SIDES:
     for i, text in enumerate({"pro": pro, "con": con}[side]):
       arg = text.strip().rstrip(".")
-      sentences.append(f"{lead[side][min(i, 1)]} {arg[:1].lower() + arg[1:]}.")
+      sentences.append(f"{TEMPLATE_LEADS[side][min(i, 1)]} {arg[:1].lower() + arg[1:]}.")
   return " ".join(sentences)
+
+
+# The template's lead phrases: (first argument of the side, each further one).
+TEMPLATE_LEADS = {"pro": ("Supporters argue that", "They also point out that"),
+                  "con": ("Critics argue that", "They also point out that")}
+
+
+def template_points(response: str) -> dict[str, int]:
+  """Arguments per side that a `template_response` verbalises, counted from its lead phrases
+  (0 and 0 for a response not in the template's form)."""
+  first = {side: response.find(TEMPLATE_LEADS[side][0]) for side in SIDES}
+  if min(first.values()) < 0:
+    return {side: 0 for side in SIDES}
+  pro_text, con_text = response[first["pro"]:first["con"]], response[first["con"]:]
+  return {side: 1 + text.count(TEMPLATE_LEADS[side][1])
+          for side, text in (("pro", pro_text), ("con", con_text))}
 
 
 def _as_texts(value: Any, path: str, line: int, field: str) -> tuple[str, ...]:

@@ -1,8 +1,11 @@
-"""Prompt-tuned classifiers: answer "yes" (no error) or "no" (error) for (query, arguments,
-response). One soft prompt per error type (hallucination, coverage) over the same base model.
+"""YES/NO classifiers: answer "yes" (no error) or "no" (error) for (query, arguments, response),
+one per error type (hallucination, coverage).
 
-Score = softmax over the two label tokens' logits at the first decoder step, taking "no".
-Training pairs come from error-free examples and their synthetic errors (`synthetic.py`).
+The paper's classifiers are soft prompts over one frozen base model (`tuning="prompt"`); the
+ablation `tuning="full"` fine-tunes every weight of a copy of the base instead (for bases too
+small to be steered by a prompt). Score = softmax over the two label tokens' logits at the first
+decoder step, taking "no". Training pairs come from error-free examples and their synthetic
+errors (`synthetic.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from jaxmoral.npov.detectors import base
 
 ErrorType = Literal["hallucination", "coverage"]
 ERROR_TYPES = ("hallucination", "coverage")
+Tuning = Literal["prompt", "full"]
+TUNINGS = ("prompt", "full")
 LABELS = ("yes", "no")  # "yes" = the response is fine, "no" = it has the error
 
 
@@ -57,30 +62,41 @@ def training_pairs(examples: Sequence[task.NpovExample], *, error: ErrorType
 def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
                      examples: Sequence[task.NpovExample], error: ErrorType, train_steps: int,
                      optimizer: Any, batch_size: int = 16, max_input_length: int = 512,
+                     tuning: Tuning = "prompt",
                      prompt_config: Optional[prompt_tuning.PromptConfig] = None,
                      partitioner: Any = None, seed: int = 0, **run_kwargs: Any) -> str:
-  """Prompt-tunes one classifier on a frozen base through the core run; returns the run dir
-  (its prompt is also saved on its own in `model_dir/prompt`).
+  """Trains one classifier from the base through the core run; returns the run dir.
 
-  The prompt starts from the embeddings of the label words (paper), padded with vocabulary
-  samples. The training pairs are written to `model_dir/data/train.jsonl`; `run_kwargs` go to
-  `runs.train_run` (log_every, checkpoint_every, ...).
+  `tuning="prompt"` (the paper) trains a soft prompt on the frozen base, starting from the
+  embeddings of the label words padded with vocabulary samples; the prompt is also saved on its
+  own in `model_dir/prompt`. `tuning="full"` fine-tunes all of the base's weights (the run dir
+  is then a model of its own). The training pairs are written to `model_dir/data/train.jsonl`;
+  `run_kwargs` go to `runs.train_run` (log_every, checkpoint_every, ...).
   """
   from jaxmoral import model_dirs, runs  # pylint: disable=g-import-not-at-top
   from jaxmoral.data import readers  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
+  if tuning not in TUNINGS:
+    raise ValueError(f"train_classifier: tuning must be one of {TUNINGS}, got {tuning!r}")
   inputs, targets = training_pairs(examples, error=error)
   if not inputs or len(set(targets)) < 2:
     raise ValueError(f"train_classifier({error}): need examples of both labels, got "
                      f"{len(inputs)} pairs with labels {sorted(set(targets))}")
   base = model_dirs.inspect(base_dir)
-  if prompt_config is None:
-    prompt_config = prompt_tuning.PromptConfig(
-        init="words", init_words=LABELS, vocab_sample_size=min(5000, base.config.vocab_size))
   pairs = os.path.join(os.fspath(model_dir), "data", "train.jsonl")
-  readers.write_jsonl(pairs, [{"inputs": x, "targets": y} for x, y in zip(inputs, targets)])
-  model = prompt_tuning.PromptTuningModel(
-      config=base.config, prompt=prompt_config,
-      metadata={"task": f"npov_{error}_classifier", "labels": list(LABELS)})
+  # Shuffled: the run holds out every 10th pair, and `training_pairs` alternates clean and
+  # erroneous examples, so in order every held-out pair would be a clean one.
+  order = np.random.default_rng(seed).permutation(len(inputs))
+  readers.write_jsonl(pairs, [{"inputs": inputs[i], "targets": targets[i]} for i in order])
+  if tuning == "full":
+    model: Any = trainable.Seq2SeqModel(config=base.config)
+  else:
+    if prompt_config is None:
+      prompt_config = prompt_tuning.PromptConfig(
+          init="words", init_words=LABELS, vocab_sample_size=min(5000, base.config.vocab_size))
+    model = prompt_tuning.PromptTuningModel(
+        config=base.config, prompt=prompt_config,
+        metadata={"task": f"npov_{error}_classifier", "labels": list(LABELS)})
   runs.train_run(model_dir=os.fspath(model_dir), model=model,
                  data=runs.Seq2SeqData(train_file=pairs), train_steps=train_steps,
                  batch_size=batch_size,
@@ -90,13 +106,45 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
   return os.fspath(model_dir)
 
 
+def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optional[np.ndarray]]:
+  """(params, prompt) of one trained classifier.
+
+  Args:
+    directory: A prompt (folder or the prompt-tuning run that saved it), or a fine-tuned
+      model directory of any `model_dirs` format (`tuning="full"`).
+    base: The base model (`model_dirs.LoadedModel`): a prompt runs on its parameters.
+
+  Returns:
+    The base's parameters and the prompt, or the fine-tuned parameters and None.
+
+  Raises:
+    ValueError: A fine-tuned classifier's architecture differs from the base's (both are read
+      with the base's vocabulary and label tokens).
+  """
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+  base_params = {k: v for k, v in base.params.items() if k != "scalar_head"}
+  directory = os.fspath(directory)
+  if any(os.path.exists(os.path.join(d, prompt_tuning.PROMPT_FILE)) for d in (
+      directory, os.path.join(directory, prompt_tuning.PROMPT_SUBDIR))):
+    return base_params, prompt_tuning.load_prompt(directory)[0]
+  tuned = model_dirs.load(directory)
+  if tuned.prompt is not None:  # A prompt-tuning run that never saved its prompt alone.
+    return base_params, np.asarray(tuned.prompt, np.float32)
+  if tuned.config.architecture() != base.config.architecture():
+    raise ValueError(f"classifier {directory}: its architecture differs from the base's "
+                     f"({tuned.config.architecture()} vs {base.config.architecture()})")
+  return {k: v for k, v in tuned.params.items() if k != "scalar_head"}, None
+
+
 @functools.lru_cache(maxsize=8)
 def _label_logits_fn(config: T5Config) -> Any:
   model = T5(config)
 
-  def run(params: Any, prompt: Any, tokens: jax.Array) -> jax.Array:
-    embeds, mask = prompt_tuning.prompted_encoder_inputs(model, params, prompt, tokens)
+  def run(params: Any, prompt: Optional[jax.Array], tokens: jax.Array) -> jax.Array:
     decoder = jnp.full((tokens.shape[0], 1), config.decoder_start_token_id, jnp.int32)
+    if prompt is None:  # A fine-tuned classifier (None is an empty pytree: its own trace).
+      return model.apply({"params": params}, tokens, decoder)[:, 0]
+    embeds, mask = prompt_tuning.prompted_encoder_inputs(model, params, prompt, tokens)
     logits = model.apply({"params": params}, None, decoder, encoder_embeds=embeds,
                          encoder_mask=mask)
     return logits[:, 0]
@@ -105,14 +153,22 @@ def _label_logits_fn(config: T5Config) -> Any:
 
 
 class ClassifierDetector:
-  """Both classifiers over one base model; no word-level scores."""
+  """Both classifiers (prompted or fine-tuned, see `load_classifier`); no word-level scores.
 
-  def __init__(self, *, model: T5, params: Any, vocabulary: Any,
-               hallucination_prompt: Any, coverage_prompt: Any, batch_size: int = 16,
+  Attributes:
+    model: The T5 every classifier shares the architecture of.
+    classifiers: `{error: (params, prompt or None)}` for both error types.
+  """
+
+  def __init__(self, *, model: T5, vocabulary: Any,
+               classifiers: dict[str, tuple[Any, Optional[Any]]], batch_size: int = 16,
                max_input_length: int = 512, length_bucket: int = 64):
-    self.model, self.params, self.vocabulary = model, nn.meta.unbox(params), vocabulary
-    self.prompts = {"hallucination": jnp.asarray(hallucination_prompt),
-                    "coverage": jnp.asarray(coverage_prompt)}
+    missing = [e for e in ERROR_TYPES if e not in classifiers]
+    if missing:
+      raise ValueError(f"ClassifierDetector needs a classifier for {missing}")
+    self.model, self.vocabulary = model, vocabulary
+    self.classifiers = {e: (nn.meta.unbox(params), None if prompt is None else jnp.asarray(prompt))
+                        for e, (params, prompt) in classifiers.items()}
     self.batch_size, self.max_input_length = batch_size, max_input_length
     self.length_bucket = length_bucket
     self.label_ids = np.asarray(label_token_ids(vocabulary))
@@ -121,6 +177,7 @@ class ClassifierDetector:
                           ) -> np.ndarray:
     """P("no") under the `error` classifier, per example."""
     fn = _label_logits_fn(self.model.config)
+    params, prompt = self.classifiers[error]
     eos = self.model.config.eos_token_id
     out = []
     for start in range(0, len(examples), self.batch_size):
@@ -132,7 +189,7 @@ class ClassifierDetector:
       tokens[:, 0] = eos  # filler rows stay valid (never all padding)
       for row, row_ids in enumerate(ids):
         tokens[row, :len(row_ids)] = row_ids
-      logits = np.asarray(fn(self.params, self.prompts[error], jnp.asarray(tokens)))
+      logits = np.asarray(fn(params, prompt, jnp.asarray(tokens)))
       pair = logits[:len(chunk)][:, self.label_ids]
       out.append(jax.nn.softmax(pair, axis=-1)[:, 1])
     return np.concatenate(out) if out else np.zeros((0,))
