@@ -155,6 +155,37 @@ CONTROL_DETECTIONS = {CONTROL: length_detections, IMBALANCE_CONTROL: imbalance_d
                       COUNT_CONTROL: count_detections}
 
 
+def substitution_examples(sources: Sequence[Any], topics: Sequence[Any], *, seed: int
+                          ) -> list[Any]:
+  """Pairs (error-free source, its substitution variant), flattened, for sources that have
+  one: the probe's examples."""
+  from jaxmoral.npov import synthetic  # pylint: disable=import-outside-toplevel
+  by_id = {t.id: t for t in topics}
+  rng = np.random.default_rng(seed)
+  out = []
+  for e in sources:
+    swapped = synthetic.make_substitution(e, by_id[e.topic], rng)
+    if swapped is not None:
+      out += [e.replace(hallucination=False, coverage=False), swapped]
+  return out
+
+
+def substitution_auc(examples: Sequence[Any], detections: Sequence[Any], *,
+                     num_resamples: int, seed: int) -> dict[str, dict[str, Any]]:
+  """{error: interval}: ROC AUC of that error's score, substituted (positive) vs clean; pairs
+  are resampled whole."""
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  labels = np.array([int(e.hallucination) for e in examples])
+  units = np.arange(len(examples)) // 2
+  out = {}
+  for error in ERRORS:
+    scores = np.array([getattr(d, error) for d in detections], np.float64)
+    ci = metrics.bootstrap_ci(metrics.roc_auc, labels, scores, units=units,
+                              num_resamples=num_resamples, seed=seed)
+    out[error] = {**common.ci_dict(ci), "n": int(labels.size), "positives": int(labels.sum())}
+  return out
+
+
 def length_matched_auc(labels: Any, scores: Any, lengths: Any) -> float:
   """ROC AUC over the (error, clean) pairs whose inputs have the same length: what a score
   tells beyond length (one that only follows length gets exactly 0.5).
@@ -218,6 +249,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    max_per_side: int = 3, max_test_sources: Optional[int] = None,
                    base_steps: int = 600, prompt_steps: int = 300, classifier_steps: int = 300,
                    classifier_tuning: str = "prompt", balanced_sides: bool = True,
+                   substitution_probe: bool = False,
                    prompt_learning_rate: float = 0.3, warmup_steps: int = 50,
                    batch_size: int = 16, pack_base: bool = False,
                    feature_lengths: Optional[Mapping[str, int]] = None,
@@ -251,6 +283,11 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       each side's count on its own for those sources (classifier runs then go to
       `classifier_[full_]unbalanced_<error>`); the generator's verbalisation examples stay
       balanced either way, so the base and generator runs are shared.
+    substitution_probe: Also score each unparaphrased error-free test example against its
+      `synthetic.make_substitution` variant (one argument swapped for an unused one: both
+      errors, the counts unchanged): ROC AUC of each detector's hallucination and coverage
+      scores, substituted vs clean, in `results["substitution"]`. A detector that only counts
+      arguments against the response's points scores 0.5 here.
     prompt_learning_rate: Peak learning rate of the prompts (paper's optimizer).
     warmup_steps: Prompt warm-up steps.
     batch_size: Batch size of every run.
@@ -363,12 +400,23 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   size = len(test_slices["unparaphrased"])
   salience_sample = np.sort(np.random.default_rng(seed + 4).choice(
       size, size=min(size, max_salience_examples or size), replace=False))
+  probe_examples = substitution_examples(test_sources, topics, seed=seed + 5) if (
+      substitution_probe) else []
+  if probe_examples:
+    results["substitution"] = {}
   for det_name in (*detectors, *CONTROLS):
     tick = time.time()
     detect_batch = CONTROL_DETECTIONS.get(det_name) or detect.build_detector(
         det_name, base_dir=base_dir,
         generator_dir=generator_dir if det_name == "salience" else None,
         classifier_dirs=classifier_dirs).detect_batch
+    if probe_examples:
+      examples = (probe_examples if det_name != "salience" or not max_salience_examples else
+                  probe_examples[:2 * max_salience_examples])
+      results["substitution"][det_name] = substitution_auc(
+          examples, detect_batch(examples), num_resamples=num_resamples, seed=seed)
+      logger.info("%s on substitutions: %s", det_name, {
+          e: v["estimate"] for e, v in results["substitution"][det_name].items()})
     results["auc"][det_name], results["length"][det_name] = {}, {}
     for slice_name, examples in test_slices.items():
       if det_name == "salience" and max_salience_examples:
@@ -475,6 +523,13 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
           cells.append("—" if d is None else f"ρ {rho}; matched "
                        f"{common.fmt(d['length_matched_auc'])}")
       lines.append(f"| {det} | " + " | ".join(cells) + " |")
+  if results.get("substitution"):
+    lines += ["", "Substitution probe (one argument of each unparaphrased error-free test example "
+              "swapped for an unused one of its side: both errors, the counts unchanged; ROC AUC "
+              "of each score, substituted vs clean; a score that only counts gets 0.5):", "",
+              "| detector | hallucination score | coverage score |", "|---|---|---|"]
+    for det, by_error in results["substitution"].items():
+      lines.append(f"| {det} | " + " | ".join(common.fmt(by_error[e]) for e in ERRORS) + " |")
   accuracy = s.get("heldout_token_accuracy") or {}
   if accuracy:
     lines += ["", "Held-out token accuracy on the verbalisation task (nearly verbatim copying "

@@ -38,8 +38,8 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
                     "accuracy 0.71) salience detects coverage errors (0.725) but mostly by "
                     "the input's length, and hallucinations not above chance (0.530); the "
                     "prompt-tuned classifiers stay at chance; fine-tuned ones (an ablation) "
-                    "reach 0.99-1.00, but so does counting the template response's points "
-                    "against the input's arguments, so that does not show they read content"}
+                    "reach 0.99-1.00 by counting the response's points against the input's "
+                    "arguments: on errors that keep the counts they are at chance (0.506)"}
 
 
 def truth_line(*, method: str, paper: str, this_run: str, agrees: bool) -> str:

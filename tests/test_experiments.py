@@ -324,6 +324,37 @@ def test_npov_length_control_against_scipy():
       (0.0, 0.0), (1.0, 0.0), (0.0, 1.0)]
 
 
+
+def test_npov_substitution_probe_auc_against_scipy():
+  """Clean/substituted pairs; the probe's AUC is Mann-Whitney's; counting gets 0.5."""
+  from jaxmoral.npov import knowledge_base as kb_lib  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov.detectors import base  # pylint: disable=g-import-not-at-top
+  import scipy.stats  # pylint: disable=g-import-not-at-top
+  topics = [kb_lib.Topic(id=f"t{k}", query=f"Is {k} so?", split="test", clusters=tuple(
+      kb_lib.Cluster(texts=(f"argument {k} {i} text",), stance="pro" if i % 2 else "con")
+      for i in range(8))) for k in range(30)]
+  sources = kb_lib.sample_examples(topics, seed=0, max_per_side=2)
+  examples = npov_table1.substitution_examples(sources, topics, seed=1)
+  assert len(examples) == 2 * len(sources) and [e.hallucination for e in examples[:4]] == [
+      False, True, False, True]
+  assert [e.replace(hallucination=True) for e in examples[::2]] == [
+      e.replace(hallucination=True, coverage=False) for e in sources]
+  rng = np.random.default_rng(0)
+  scores = rng.normal(size=len(examples)) + 0.8 * np.arange(len(examples)) % 2
+  detections = [base.Detection(float(x), float(-x)) for x in scores]
+  got = npov_table1.substitution_auc(examples, detections, num_resamples=200, seed=0)
+  labels = np.arange(len(examples)) % 2
+  u = scipy.stats.mannwhitneyu(scores[labels == 1], scores[labels == 0]).statistic
+  assert got["hallucination"]["estimate"] == pytest.approx(u / (labels.sum() ** 2))
+  assert got["coverage"]["estimate"] == pytest.approx(1 - u / (labels.sum() ** 2))
+  assert got["hallucination"]["low"] < got["hallucination"]["estimate"] < got[
+      "hallucination"]["high"]
+  counted = npov_table1.substitution_auc(examples, npov_table1.count_detections(examples),
+                                         num_resamples=200, seed=0)
+  assert {e: v["estimate"] for e, v in counted.items()} == {"hallucination": 0.5,
+                                                            "coverage": 0.5}
+
+
 def test_clarify_reward_probe_stage_summary():
   import clarify_reward_probe  # pylint: disable=g-import-not-at-top
   from jaxmoral.clarify import reward  # pylint: disable=g-import-not-at-top

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from jaxmoral.data import readers
@@ -103,6 +104,34 @@ def test_synthetic_errors_keep_the_response(kb_path):
   assert sum(v.coverage for v in unpar) == can_add > 0
   changed = sum(a.arguments != b.arguments for a, b in zip(unpar, slices["paraphrased"]))
   assert changed > len(unpar) // 2
+
+
+
+def test_a_substitution_swaps_one_argument_and_keeps_the_counts(kb_path):
+  topics = kb_lib.read_kb_jsonl(kb_path)
+  by_topic = {t.id: t for t in topics}
+  examples = kb_lib.sample_examples(topics, seed=0, examples_per_topic=5)
+  rng = np.random.default_rng(0)
+  made = 0
+  for e in examples:
+    v = synthetic.make_substitution(e, by_topic[e.topic], rng)
+    spare = {s: len(by_topic[e.topic].cluster_ids(s)) - len(getattr(e, s)) for s in task.SIDES}
+    if v is None:  # only when a side has no unused argument (the chosen one)
+      assert min(spare.values()) == 0
+      continue
+    made += 1
+    assert v.hallucination and v.coverage and v.response == e.response
+    assert {s: len(getattr(v, s)) for s in task.SIDES} == {s: len(getattr(e, s))
+                                                           for s in task.SIDES}
+    assert set(e.arguments) - set(v.arguments) == {v.removed_argument}
+    assert set(v.arguments) - set(e.arguments) == {v.added_argument}
+    side = "pro" if v.added_argument in v.pro else "con"
+    assert v.removed_argument in getattr(e, side)  # swapped within its side
+    for s in task.SIDES:
+      for text, cid in zip(getattr(v, s), v.clusters(s)):
+        assert text in by_topic[v.topic].clusters[cid].texts and (
+            by_topic[v.topic].clusters[cid].stance == s)
+  assert made >= 3
 
 
 def test_read_examples_errors(tmp_path):

@@ -56,6 +56,35 @@ def make_coverage(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random
       **{side: tuple(texts), f"{side}_clusters": tuple(clusters)})
 
 
+def make_substitution(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random.Generator
+                      ) -> Optional[task.NpovExample]:
+  """Replaces one given argument (uniformly chosen) by an unused one of the same side.
+
+  Both errors at once: the unchanged response states the removed argument (hallucination)
+  and misses the added one (coverage). Unlike `make_hallucination` and `make_coverage`, the
+  number of arguments per side stays that of the response's points, so a detector that only
+  counts them cannot tell this from the error-free example. None when the example has no
+  argument, or its side no unused argument.
+  """
+  used = set(example.clusters("pro")) | set(example.clusters("con"))
+  slots = [(side, i) for side in task.SIDES for i in range(len(getattr(example, side)))]
+  if not slots:
+    return None
+  side, i = slots[int(rng.integers(len(slots)))]
+  unused = [c for c in range(len(topic.clusters))
+            if c not in used and topic.clusters[c].stance == side]
+  if not unused:
+    return None
+  cluster_id = unused[int(rng.integers(len(unused)))]
+  texts, clusters = list(getattr(example, side)), list(example.clusters(side))
+  removed = texts[i]
+  texts[i], clusters[i] = topic.clusters[cluster_id].texts[0], cluster_id
+  return example.replace(
+      id=f"{example.id}/substitution", hallucination=True, coverage=True,
+      removed_argument=removed, added_argument=texts[i],
+      **{side: tuple(texts), f"{side}_clusters": tuple(clusters)})
+
+
 def paraphrase(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random.Generator
                ) -> task.NpovExample:
   """Replaces each input argument by another member of its cluster (kept if it has none)."""
