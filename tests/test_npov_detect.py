@@ -111,75 +111,68 @@ def test_classifier_score_is_softmax_of_label_logits():
   params = nn.meta.unbox(init_params(model, jax.random.PRNGKey(0)))
   prompts = {e: np.random.default_rng(i).normal(size=(3, 32)).astype(np.float32)
              for i, e in enumerate(classifier.ERROR_TYPES)}
+  # Coverage: a prompt over the base; hallucination: fine-tuned weights of its own, no prompt
+  # (`tuning="full"`).
+  tuned = jax.tree.map(lambda x: 1.5 * x + 0.01, params)
   detector = classifier.ClassifierDetector(
       model=model, vocabulary=WordVocab(), batch_size=2,
-      classifiers={e: (params, prompts[e]) for e in classifier.ERROR_TYPES})
+      classifiers={"hallucination": (tuned, None), "coverage": (params, prompts["coverage"])})
   examples = [CLEAN, HALLUCINATION, COVERAGE]
   got = detector.detect_batch(examples)
   yes, no = classifier.label_token_ids(WordVocab())
   prompted = pt.PromptedT5(config, 3)
   # One compiled forward per input length (op-by-op it compiles every op of the model).
-  first_logits = jax.jit(lambda p, tokens: prompted.apply(
+  prompted_logits = jax.jit(lambda p, tokens: prompted.apply(
+      {"params": p}, tokens, jnp.zeros((1, 1), jnp.int32))[0, 0])
+  plain_logits = jax.jit(lambda p, tokens: model.apply(
       {"params": p}, tokens, jnp.zeros((1, 1), jnp.int32))[0, 0])
   for e, d in zip(examples, got):
     tokens = jnp.array([WordVocab().encode(task.format_classifier_input(e)) + [1]])
-    for error in classifier.ERROR_TYPES:
-      logits = first_logits(pt.prompted_params(params, prompts[error]), tokens)
+    for error, logits in (
+        ("hallucination", plain_logits(tuned, tokens)),
+        ("coverage", prompted_logits(pt.prompted_params(params, prompts["coverage"]), tokens))):
       p_no = np.exp(logits[no]) / (np.exp(logits[no]) + np.exp(logits[yes]))
       assert getattr(d, error) == pytest.approx(float(p_no), abs=1e-5)
+  # The fine-tuned weights are what scores: the base's give another number.
+  base_logits = plain_logits(params, jnp.array(
+      [WordVocab().encode(task.format_classifier_input(CLEAN)) + [1]]))
+  assert got[0].hallucination != pytest.approx(float(jax.nn.softmax(
+      base_logits[jnp.array([yes, no])])[1]), abs=1e-3)
   inputs, targets = classifier.training_pairs(examples, error="coverage")
   assert targets == ["yes", "no"] and inputs[1].endswith("{response: " + COVERAGE.response + "}")
 
 
-def test_a_fine_tuned_classifier_scores_with_its_own_weights(tmp_path):
-  """`tuning="full"` classifiers are model directories: scored by their own weights, no prompt;
-  a prompt directory beside one still runs on the base's weights."""
+def test_load_classifier_reads_a_fine_tuned_model_or_a_prompt(tmp_path):
+  """`tuning="full"` classifiers are model directories (their own weights, no prompt); a
+  prompt directory runs on the base's weights; another architecture is refused unread."""
   from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   config = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
                      num_encoder_layers=1, num_decoder_layers=1)
-  model = T5(config)
-  base_params, tuned_params = (nn.meta.unbox(init_params(model, jax.random.PRNGKey(seed)))
-                               for seed in (0, 1))
+  rng = np.random.default_rng(0)  # Any numbers do: shapes traced, nothing compiled.
+  base_params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), nn.meta.unbox(
+      jax.eval_shape(lambda: init_params(T5(config), jax.random.PRNGKey(0)))))
+  tuned_params = jax.tree.map(lambda x: x + 1.0, base_params)
   model_dirs.export(tmp_path / "base", params=base_params, config=config)
   model_dirs.export(tmp_path / "tuned", params=tuned_params, config=config)
   prompt = np.random.default_rng(0).normal(size=(3, 32)).astype(np.float32)
   pt.save_prompt(prompt, tmp_path / "prompt")
   base = model_dirs.load(tmp_path / "base")
-  loaded = {"hallucination": classifier.load_classifier(tmp_path / "tuned", base),
-            "coverage": classifier.load_classifier(tmp_path / "prompt", base)}
-  assert loaded["hallucination"][1] is None and np.array_equal(loaded["coverage"][1], prompt)
-  detector = classifier.ClassifierDetector(model=model, vocabulary=WordVocab(), batch_size=2,
-                                           classifiers=loaded)
-  examples = [CLEAN, HALLUCINATION, COVERAGE]
-  got = detector.detect_batch(examples)
-  yes, no = classifier.label_token_ids(WordVocab())
-  first_logits = jax.jit(lambda p, tokens: model.apply(
-      {"params": p}, tokens, jnp.zeros((1, 1), jnp.int32))[0, 0])
-  prompted = pt.PromptedT5(config, 3)
-  prompted_logits = jax.jit(lambda p, tokens: prompted.apply(
-      {"params": p}, tokens, jnp.zeros((1, 1), jnp.int32))[0, 0])
-  for e, d in zip(examples, got):
-    tokens = jnp.array([WordVocab().encode(task.format_classifier_input(e)) + [1]])
-    for error, logits in (("hallucination", first_logits(tuned_params, tokens)),
-                          ("coverage", prompted_logits(pt.prompted_params(base_params, prompt),
-                                                       tokens))):
-      p_no = np.exp(logits[no]) / (np.exp(logits[no]) + np.exp(logits[yes]))
-      assert getattr(d, error) == pytest.approx(float(p_no), abs=1e-5)
-  # The fine-tuned weights are what scores: the base's weights give other numbers.
-  base_logits = first_logits(base_params, jnp.array(
-      [WordVocab().encode(task.format_classifier_input(CLEAN)) + [1]]))
-  assert got[0].hallucination != pytest.approx(float(jax.nn.softmax(
-      base_logits[jnp.array([yes, no])])[1]), abs=1e-3)
-  wider = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
-                    num_encoder_layers=2, num_decoder_layers=1)
-  model_dirs.export(tmp_path / "wider", params=nn.meta.unbox(
-      init_params(T5(wider), jax.random.PRNGKey(2))), config=wider)
+  params, no_prompt = classifier.load_classifier(tmp_path / "tuned", base)
+  assert no_prompt is None
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(tuned_params)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+  params, got_prompt = classifier.load_classifier(tmp_path / "prompt", base)
+  np.testing.assert_array_equal(got_prompt, prompt)
+  for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(base_params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  deeper = config.replace(num_encoder_layers=2)
+  model_dirs.export(tmp_path / "deeper", params=base_params, config=deeper)
   with pytest.raises(ValueError, match="architecture differs from the base"):
-    classifier.load_classifier(tmp_path / "wider", base)
+    classifier.load_classifier(tmp_path / "deeper", base)
   with pytest.raises(ValueError, match="tuning must be one of"):
     classifier.train_classifier(model_dir=tmp_path / "x", base_dir=str(tmp_path / "base"),
-                                examples=examples, error="coverage", train_steps=1,
-                                optimizer=None, tuning="lora")
+                                examples=[CLEAN, HALLUCINATION], error="hallucination",
+                                train_steps=1, optimizer=None, tuning="lora")
 
 
 def test_train_classifier_trains_the_kind_asked_on_shuffled_pairs(tmp_path, monkeypatch):

@@ -73,11 +73,11 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
   is then a model of its own). The training pairs are written to `model_dir/data/train.jsonl`;
   `run_kwargs` go to `runs.train_run` (log_every, checkpoint_every, ...).
   """
+  if tuning not in TUNINGS:
+    raise ValueError(f"train_classifier: tuning must be one of {TUNINGS}, got {tuning!r}")
   from jaxmoral import model_dirs, runs  # pylint: disable=g-import-not-at-top
   from jaxmoral.data import readers  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
-  if tuning not in TUNINGS:
-    raise ValueError(f"train_classifier: tuning must be one of {TUNINGS}, got {tuning!r}")
   inputs, targets = training_pairs(examples, error=error)
   if not inputs or len(set(targets)) < 2:
     raise ValueError(f"train_classifier({error}): need examples of both labels, got "
@@ -127,12 +127,13 @@ def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optio
   if any(os.path.exists(os.path.join(d, prompt_tuning.PROMPT_FILE)) for d in (
       directory, os.path.join(directory, prompt_tuning.PROMPT_SUBDIR))):
     return base_params, prompt_tuning.load_prompt(directory)[0]
+  info = model_dirs.inspect(directory)  # Checked before its weights are read.
+  if info.config.architecture() != base.config.architecture():
+    raise ValueError(f"classifier {directory}: its architecture differs from the base's "
+                     f"({info.config.architecture()} vs {base.config.architecture()})")
   tuned = model_dirs.load(directory)
   if tuned.prompt is not None:  # A prompt-tuning run that never saved its prompt alone.
     return base_params, np.asarray(tuned.prompt, np.float32)
-  if tuned.config.architecture() != base.config.architecture():
-    raise ValueError(f"classifier {directory}: its architecture differs from the base's "
-                     f"({tuned.config.architecture()} vs {base.config.architecture()})")
   return {k: v for k, v in tuned.params.items() if k != "scalar_head"}, None
 
 
