@@ -287,7 +287,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       `synthetic.make_substitution` variant (one argument swapped for an unused one: both
       errors, the counts unchanged): ROC AUC of each detector's hallucination and coverage
       scores, substituted vs clean, in `results["substitution"]`. A detector that only counts
-      arguments against the response's points scores 0.5 here.
+      arguments against the response's points scores 0.5 here. Salience (a backward pass per
+      chunk) scores the first `max_salience_examples` pairs of them.
     prompt_learning_rate: Peak learning rate of the prompts (paper's optimizer).
     warmup_steps: Prompt warm-up steps.
     batch_size: Batch size of every run.
