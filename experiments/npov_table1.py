@@ -52,7 +52,6 @@ LEVELS = ("example", "word")
 CONTROL = "input_length"
 IMBALANCE_CONTROL = "side_imbalance"
 COUNT_CONTROL = "point_count"
-CONTROLS = (CONTROL, IMBALANCE_CONTROL, COUNT_CONTROL)
 PAPER = {"rouge": "ROUGE-1 detects both error types above chance",
          "salience": "salience detects both above chance (hallucination, example level: .808)",
          "classifier": "the YES/NO classifiers detect both above chance (hallucination, example "
@@ -128,8 +127,8 @@ def length_detections(examples: Sequence[Any]) -> list[Any]:
 def imbalance_detections(examples: Sequence[Any]) -> list[Any]:
   """The side-balance control: |#pro - #con| as the score of both error types."""
   from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
-  return [base.Detection(float(abs(len(e.pro) - len(e.con))),
-                         float(abs(len(e.pro) - len(e.con)))) for e in examples]
+  gaps = [float(abs(len(e.pro) - len(e.con))) for e in examples]
+  return [base.Detection(gap, gap) for gap in gaps]
 
 
 def count_detections(examples: Sequence[Any]) -> list[Any]:
@@ -153,6 +152,7 @@ def count_detections(examples: Sequence[Any]) -> list[Any]:
 
 CONTROL_DETECTIONS = {CONTROL: length_detections, IMBALANCE_CONTROL: imbalance_detections,
                       COUNT_CONTROL: count_detections}
+CONTROLS = tuple(CONTROL_DETECTIONS)
 
 
 def substitution_examples(sources: Sequence[Any], topics: Sequence[Any], *, seed: int

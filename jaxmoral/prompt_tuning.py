@@ -216,16 +216,24 @@ def save_prompt(prompt: Any, directory: str | os.PathLike, *,
   return directory
 
 
+def prompt_directory(directory: str | os.PathLike) -> Optional[str]:
+  """The folder holding a saved prompt (`prompt.npy` or `orbax/`): `directory` itself, or a
+  prompt-tuning run's `MODEL_DIR/prompt`; None when neither holds one."""
+  directory = os.fspath(directory)
+  for candidate in (directory, os.path.join(directory, PROMPT_SUBDIR)):
+    if os.path.exists(os.path.join(candidate, PROMPT_FILE)) or os.path.isdir(
+        os.path.join(candidate, "orbax")):
+      return candidate
+  return None
+
+
 def load_prompt(directory: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any]]:
   """Loads `save_prompt`'s output: (prompt (P, d_model) float32, metadata).
 
   Reads `prompt.npy` when present, else the Orbax export under `directory/orbax`; a
   prompt-tuning run directory gives the prompt it saved (`MODEL_DIR/prompt`).
   """
-  directory = os.fspath(directory)
-  own = os.path.join(directory, PROMPT_SUBDIR)
-  if not os.path.exists(os.path.join(directory, PROMPT_FILE)) and os.path.isdir(own):
-    directory = own
+  directory = prompt_directory(directory) or os.fspath(directory)
   meta_path = os.path.join(directory, META_FILE)
   meta: dict[str, Any] = {}
   if os.path.exists(meta_path):

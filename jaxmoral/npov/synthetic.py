@@ -18,10 +18,21 @@ from jaxmoral.npov import knowledge_base as kb_lib
 from jaxmoral.npov import task
 
 
+def _given_slots(example: task.NpovExample) -> list[tuple[str, int]]:
+  """(side, index) of every given argument, pro first."""
+  return [(side, i) for side in task.SIDES for i in range(len(getattr(example, side)))]
+
+
+def _unused_clusters(example: task.NpovExample, topic: kb_lib.Topic) -> list[int]:
+  """Ids of the topic's clusters that the example does not use, in order."""
+  used = set(example.clusters("pro")) | set(example.clusters("con"))
+  return [i for i in range(len(topic.clusters)) if i not in used]
+
+
 def make_hallucination(example: task.NpovExample, rng: np.random.Generator
                        ) -> Optional[task.NpovExample]:
   """Removes one given argument (uniformly chosen); None if the example has none."""
-  slots = [(side, i) for side in task.SIDES for i in range(len(getattr(example, side)))]
+  slots = _given_slots(example)
   if not slots:
     return None
   side, i = slots[int(rng.integers(len(slots)))]
@@ -39,8 +50,7 @@ def make_coverage(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random
 
   Returns None when the topic has no unused argument.
   """
-  used = set(example.clusters("pro")) | set(example.clusters("con"))
-  unused = [i for i in range(len(topic.clusters)) if i not in used]
+  unused = _unused_clusters(example, topic)
   if not unused:
     return None
   cluster_id = unused[int(rng.integers(len(unused)))]
@@ -66,13 +76,11 @@ def make_substitution(example: task.NpovExample, topic: kb_lib.Topic, rng: np.ra
   counts them cannot tell this from the error-free example. None when the example has no
   argument, or its side no unused argument.
   """
-  used = set(example.clusters("pro")) | set(example.clusters("con"))
-  slots = [(side, i) for side in task.SIDES for i in range(len(getattr(example, side)))]
+  slots = _given_slots(example)
   if not slots:
     return None
   side, i = slots[int(rng.integers(len(slots)))]
-  unused = [c for c in range(len(topic.clusters))
-            if c not in used and topic.clusters[c].stance == side]
+  unused = [c for c in _unused_clusters(example, topic) if topic.clusters[c].stance == side]
   if not unused:
     return None
   cluster_id = unused[int(rng.integers(len(unused)))]

@@ -124,8 +124,7 @@ def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optio
   from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   base_params = {k: v for k, v in base.params.items() if k != "scalar_head"}
   directory = os.fspath(directory)
-  if any(os.path.exists(os.path.join(d, prompt_tuning.PROMPT_FILE)) for d in (
-      directory, os.path.join(directory, prompt_tuning.PROMPT_SUBDIR))):
+  if prompt_tuning.prompt_directory(directory):
     return base_params, prompt_tuning.load_prompt(directory)[0]
   info = model_dirs.inspect(directory)  # Checked before its weights are read.
   if info.config.architecture() != base.config.architecture():
