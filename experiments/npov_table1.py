@@ -234,6 +234,15 @@ def length_dependence(examples: Sequence[Any], detections: Sequence[Any], *,
   return out
 
 
+def classifier_run_name(error: str, *, tuning: str, balanced_sides: bool,
+                        substitutions: bool) -> str:
+  """The workdir folder of one classifier run: each training setting has its own, so runs of
+  several settings share a workdir (and its base and generator) without resuming each other."""
+  return "_".join(["classifier", *(["full"] if tuning == "full" else []),
+                   *([] if balanced_sides else ["unbalanced"]),
+                   *(["substituted"] if substitutions else []), error])
+
+
 def _distinct(examples: Sequence[Any]) -> list[Any]:
   """Each (claim, pro, con) once: several argument subsets of a claim may coincide."""
   seen: dict[tuple[Any, ...], Any] = {}
@@ -249,7 +258,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    max_per_side: int = 3, max_test_sources: Optional[int] = None,
                    base_steps: int = 600, prompt_steps: int = 300, classifier_steps: int = 300,
                    classifier_tuning: str = "prompt", balanced_sides: bool = True,
-                   substitution_probe: bool = False,
+                   classifier_substitutions: bool = False, substitution_probe: bool = False,
                    prompt_learning_rate: float = 0.3, warmup_steps: int = 50,
                    batch_size: int = 16, pack_base: bool = False,
                    feature_lengths: Optional[Mapping[str, int]] = None,
@@ -283,6 +292,12 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       each side's count on its own for those sources (classifier runs then go to
       `classifier_[full_]unbalanced_<error>`); the generator's verbalisation examples stay
       balanced either way, so the base and generator runs are shared.
+    classifier_substitutions: Add each classifier-training source's
+      `synthetic.make_substitution` variant (unparaphrased and paraphrased) to the classifiers'
+      training mix, a positive example for both: with clean, hallucinated and covered examples
+      only, counting the response's points against the input's arguments tells every label
+      (the `point_count` control scores 1.0), and substitutions are where it does not. Runs
+      then go to `classifier_..._substituted_<error>` (see `classifier_run_name`).
     substitution_probe: Also score each unparaphrased error-free test example against its
       `synthetic.make_substitution` variant (one argument swapped for an unused one: both
       errors, the counts unchanged): ROC AUC of each detector's hallucination and coverage
@@ -379,13 +394,17 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       max_per_side=max_per_side, same_count_per_side=False))
   train_slices = synthetic.make_test_slices(classifier_sources, topics, seed=seed + 2)
   train_synthetic = train_slices["unparaphrased"] + train_slices["paraphrased"]
+  if classifier_substitutions:
+    swapped = substitution_examples(classifier_sources, topics, seed=seed + 6)[1::2]
+    rng, by_id = np.random.default_rng(seed + 7), {t.id: t for t in topics}
+    train_synthetic += swapped + [synthetic.paraphrase(e, by_id[e.topic], rng) for e in swapped]
   classifier_dirs = {}
   classifier_optimizer = (optimizer if classifier_tuning == "full"
                           else prompt_optimizer(classifier_steps))
   for error in classifier.ERROR_TYPES:
-    classifier_dirs[error] = os.path.join(
-        workdir, f"classifier_{'full_' if classifier_tuning == 'full' else ''}"
-                 f"{'' if balanced_sides else 'unbalanced_'}{error}")
+    classifier_dirs[error] = os.path.join(workdir, classifier_run_name(
+        error, tuning=classifier_tuning, balanced_sides=balanced_sides,
+        substitutions=classifier_substitutions))
     timings[f"classifier_{error}_s"] = common.train_stage(
         classifier_dirs[error], classifier_steps, lambda e=error: classifier.train_classifier(
             model_dir=classifier_dirs[e], base_dir=base_dir, examples=train_synthetic, error=e,
@@ -444,6 +463,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "heldout_token_accuracy": token_accuracy,
                 "prompt_steps": prompt_steps, "classifier_steps": classifier_steps,
                 "classifier_tuning": classifier_tuning, "balanced_sides": balanced_sides,
+                "classifier_substitutions": classifier_substitutions,
                 "batch_size": batch_size, "pack_base": pack_base, "feature_lengths": lengths,
                 "seed": seed,
                 "num_resamples": num_resamples}})
@@ -487,7 +507,9 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
            f"{s['prompt_steps']} steps, classifiers "
            f"{'fine-tuned' if s.get('classifier_tuning') == 'full' else 'prompt-tuned'} "
            f"{s['classifier_steps']} steps each on "
-           f"{s['classifier_train_examples']} synthetic train examples); error-free sources "
+           f"{s['classifier_train_examples']} synthetic train examples"
+           f"{', substitutions included' if s.get('classifier_substitutions') else ''}); "
+           "error-free sources "
            + ("with as many arguments on each side" if s.get("balanced_sides", True) else
               "with each side's argument count drawn on its own (classifier training and test)")
            + "; test: "

@@ -355,6 +355,19 @@ def test_npov_substitution_probe_auc_against_scipy():
                                                             "coverage": 0.5}
 
 
+def test_npov_classifier_run_names_keep_earlier_workdirs():
+  """Each training setting has its own run folder; the names of sessions 14-16's runs stay the
+  same, so their workdirs are reused rather than retrained."""
+  names = {(t, b, s): npov_table1.classifier_run_name("coverage", tuning=t, balanced_sides=b,
+                                                      substitutions=s)
+           for t in ("prompt", "full") for b in (True, False) for s in (False, True)}
+  assert len(set(names.values())) == len(names)
+  assert names["prompt", True, False] == "classifier_coverage"
+  assert names["full", True, False] == "classifier_full_coverage"
+  assert names["full", False, False] == "classifier_full_unbalanced_coverage"
+  assert names["full", False, True] == "classifier_full_unbalanced_substituted_coverage"
+
+
 def test_clarify_reward_probe_stage_summary():
   import clarify_reward_probe  # pylint: disable=g-import-not-at-top
   from jaxmoral.clarify import reward  # pylint: disable=g-import-not-at-top
