@@ -138,8 +138,22 @@ def test_classifier_score_is_softmax_of_label_logits():
       [WordVocab().encode(task.format_classifier_input(CLEAN)) + [1]]))
   assert got[0].hallucination != pytest.approx(float(jax.nn.softmax(
       base_logits[jnp.array([yes, no])])[1]), abs=1e-3)
-  inputs, targets = classifier.training_pairs(examples, error="coverage")
-  assert targets == ["yes", "no"] and inputs[1].endswith("{response: " + COVERAGE.response + "}")
+
+
+def test_training_pairs_keep_examples_with_both_errors_and_skip_the_other_error():
+  """Each classifier learns from error-free examples ("yes") and every example with its error
+  ("no"), a substitution (both errors) included; an example with only the other error is
+  neither and is left out."""
+  substitution = CLEAN.replace(id="s", pro=("Zoos cost taxpayers money",), hallucination=True,
+                               coverage=True, removed_argument=CLEAN.pro[0],
+                               added_argument="Zoos cost taxpayers money")
+  examples = [CLEAN, HALLUCINATION, COVERAGE, substitution]
+  for error, kept in (("hallucination", [CLEAN, HALLUCINATION, substitution]),
+                      ("coverage", [CLEAN, COVERAGE, substitution])):
+    inputs, targets = classifier.training_pairs(examples, error=error)
+    assert inputs == [task.format_classifier_input(e) for e in kept]
+    assert targets == ["yes", "no", "no"]
+  assert task.format_classifier_input(COVERAGE).endswith("{response: " + COVERAGE.response + "}")
 
 
 def test_load_classifier_reads_a_fine_tuned_model_or_a_prompt(tmp_path):
@@ -176,8 +190,9 @@ def test_load_classifier_reads_a_fine_tuned_model_or_a_prompt(tmp_path):
 
 
 def test_train_classifier_trains_the_kind_asked_on_shuffled_pairs(tmp_path, monkeypatch):
-  """`tuning` picks the trained model; the run's held-out pairs (every 10th) hold both labels
-  (in `training_pairs`' order they alternate, so every 10th would be a clean example)."""
+  """`tuning` picks the trained model; the pairs are shuffled, so even a run holding out every
+  10th pair (`heldout="position"`) holds out both labels (in `training_pairs`' order they
+  alternate, so every 10th would be a clean example)."""
   from jaxmoral import model_dirs, runs  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
   config = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,

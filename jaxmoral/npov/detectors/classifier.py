@@ -43,15 +43,19 @@ def label_token_ids(vocabulary: Any) -> tuple[int, int]:
 
 def training_pairs(examples: Sequence[task.NpovExample], *, error: ErrorType
                    ) -> tuple[list[str], list[str]]:
-  """(inputs, targets) for one classifier: labelled examples of that error type (clean ones
-  and those with the error; examples with the other error are skipped)."""
+  """(inputs, targets) for one classifier: labelled examples of that error type.
+
+  Kept: error-free examples ("yes") and every example with the error ("no"), also when it
+  has the other error too (a substitution has both). Skipped: examples with only the other
+  error, which are neither error-free nor examples of this one.
+  """
   if error not in ERROR_TYPES:
     raise ValueError(f"training_pairs: error must be one of {ERROR_TYPES}, got {error!r}")
   other = "coverage" if error == "hallucination" else "hallucination"
   inputs, targets = [], []
   for e in examples:
     label = getattr(e, error)
-    if label is None or getattr(e, other):
+    if label is None or (not label and getattr(e, other)):
       continue
     inputs.append(task.format_classifier_input(e))
     targets.append(LABELS[int(label)])
@@ -84,8 +88,8 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
                      f"{len(inputs)} pairs with labels {sorted(set(targets))}")
   base = model_dirs.inspect(base_dir)
   pairs = os.path.join(os.fspath(model_dir), "data", "train.jsonl")
-  # Shuffled: the run holds out every 10th pair, and `training_pairs` alternates clean and
-  # erroneous examples, so in order every held-out pair would be a clean one.
+  # Shuffled: `training_pairs` alternates clean and erroneous examples, and a run resumed
+  # from before `Seq2SeqData.heldout="hash"` holds out every 10th pair (all clean, in order).
   order = np.random.default_rng(seed).permutation(len(inputs))
   readers.write_jsonl(pairs, [{"inputs": inputs[i], "targets": targets[i]} for i in order])
   if tuning == "full":
@@ -122,7 +126,7 @@ def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optio
       with the base's vocabulary and label tokens).
   """
   from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
-  base_params = {k: v for k, v in base.params.items() if k != "scalar_head"}
+  base_params = base.lm_params
   directory = os.fspath(directory)
   if prompt_tuning.prompt_directory(directory):
     return base_params, prompt_tuning.load_prompt(directory)[0]
@@ -133,7 +137,7 @@ def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optio
   tuned = model_dirs.load(directory)
   if tuned.prompt is not None:  # A prompt-tuning run that never saved its prompt alone.
     return base_params, np.asarray(tuned.prompt, np.float32)
-  return {k: v for k, v in tuned.params.items() if k != "scalar_head"}, None
+  return tuned.lm_params, None
 
 
 @functools.lru_cache(maxsize=8)
