@@ -71,6 +71,10 @@ class DataSpec(Protocol):
   def settings(self) -> dict[str, Any]:
     """What inference needs to know about the data (saved in settings.json["data"])."""
 
+  def resumed(self, saved: Mapping[str, Any]) -> "DataSpec":
+    """This data as a resumed run reads it, given the run's saved `settings()` ({} when it
+    saved none): what fixes a run's examples (its held-out split) stays the run's own."""
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,7 +86,8 @@ class Seq2SeqData:
       Names starting with "jaxmoral_demo" are the bundled demo tasks, registered on demand.
       Your own tasks: `import my_tasks` at the top of the gin file, as in T5X.
     train_file: Instead of a task: a TSV/CSV/JSONL file of pairs (a bad row fails with its line).
-    eval_file: Evaluation pairs for `train_file` (default: every 10th pair is held out).
+    eval_file: Evaluation pairs for `train_file` (default: one pair in 10 is held out, see
+      `heldout`).
     input_field: Column / key of the inputs in the files.
     target_field: Column / key of the targets in the files.
     vocabulary_path: A SentencePiece model (e.g. T5's spiece.model); None: the init
@@ -91,6 +96,10 @@ class Seq2SeqData:
     train_split: Split used for training.
     eval_split: Split used for evaluation.
     pack: Pack several examples per row (T5X's `EncDecFeatureConverter(pack=True)`).
+    heldout: Which pairs of `train_file` are held out when there is no `eval_file`
+      (`tasks.HELDOUT_RULES`): "hash" (by the pair's text, whatever the file's order) or
+      "position" (every 10th; runs started before "hash" existed). A resumed run keeps the
+      rule it started with (`resumed`), so it goes on training on the same pairs.
   """
   mixture_or_task_name: Optional[str] = None
   train_file: Optional[str] = None
@@ -102,12 +111,30 @@ class Seq2SeqData:
   train_split: str = "train"
   eval_split: str = "validation"
   pack: bool = False
+  heldout: str = "hash"
 
   def __post_init__(self):
     if (self.mixture_or_task_name is None) == (self.train_file is None):
       raise ValueError("Seq2SeqData: give exactly one of mixture_or_task_name, train_file")
     if self.eval_file is not None and self.train_file is None:
       raise ValueError("Seq2SeqData.eval_file needs train_file")
+    if self.heldout not in tasks.HELDOUT_RULES:
+      raise ValueError(f"Seq2SeqData.heldout must be one of {tasks.HELDOUT_RULES}, got "
+                       f"{self.heldout!r}")
+
+  @property
+  def _splits_file(self) -> bool:
+    """Whether the held-out pairs come out of `train_file` (no `eval_file`)."""
+    return self.train_file is not None and self.eval_file is None
+
+  def resumed(self, saved: Mapping[str, Any]) -> "Seq2SeqData":
+    """Keeps the run's held-out rule; a run that saved none held out by position."""
+    rule = saved.get("heldout", "position")
+    if not self._splits_file or rule == self.heldout:
+      return self
+    logger.warning("Seq2SeqData: the resumed run holds out %r pairs of %s (it started so); "
+                   "keeping that, not %r", rule, self.train_file, self.heldout)
+    return dataclasses.replace(self, heldout=rule)
 
   def _check_files(self) -> None:
     """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
@@ -138,7 +165,7 @@ class Seq2SeqData:
       else:
         pairs = tasks.read_pairs(self.train_file, input_field=self.input_field,
                                  target_field=self.target_field)
-        split = tasks.split_pairs(pairs)
+        split = tasks.split_pairs(pairs, rule=self.heldout)
         tasks.register_text_pair_task(
             "jaxmoral_files", vocabulary=vocabulary,
             examples={self.train_split: split["train"], self.eval_split: split["validation"]})
@@ -175,7 +202,7 @@ class Seq2SeqData:
                                     pack=self.pack)
 
   def settings(self) -> dict[str, Any]:
-    return {"kind": "seq2seq"}
+    return {"kind": "seq2seq", **({"heldout": self.heldout} if self._splits_file else {})}
 
 
 def _check_vocab_fits(config: Any, vocabulary: Any) -> None:
@@ -298,6 +325,10 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
       init_info = None
       if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
         init_info = model_dirs.inspect(init_checkpoint)
+      if resuming:  # Read by every process before process 0 rewrites the run files below.
+        data = data.resumed(model_dirs.read_settings(model_dir).get("data", {}))
+        if jax.process_count() > 1:
+          multihost_utils.sync_global_devices("jaxmoral.runs.train_run: settings read")
       # Process 0 writes the shared run files (and builds a vocabulary); the others wait.
       if jax.process_index() == 0:
         vocabulary = _run_vocabulary(model_dir, data, init_info)
@@ -360,8 +391,7 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   if pathlib.Path(model_dir).is_dir():  # A missing model dir: model_dirs.load says so.
     gin_utils.check_writable(out_path)
   loaded = model_dirs.load(model_dir, step=step)
-  model, params, vocabulary = t5.T5(loaded.config), loaded.params, loaded.vocabulary
-  params = {k: v for k, v in params.items() if k != "scalar_head"}
+  model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
   source = tasks.TaskSource(data.task_name(vocabulary), data.eval_split, feature_lengths,
                             batch_size, shuffle=False)
   loss_fn = jax.jit(losses.seq2seq_loss_fn(model, z_loss=0.0))
@@ -455,7 +485,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
   gin_utils.check_writable(output_file)
   loaded = model_dirs.load(model_dir, step=step)
   model, vocabulary = t5.T5(loaded.config), loaded.vocabulary
-  params = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
+  params = loaded.lm_params
   sample_config = sample_config or decoding.SampleConfig(max_decode_length=64, greedy=True)
   # (line index, token ids) of the inputs to decode; blank lines have none.
   todo = [(i, list(vocabulary.encode(text))) for i, text in enumerate(texts) if text.strip()]

@@ -12,9 +12,13 @@ LENGTHS = {"inputs": 24, "targets": 12}
 
 
 @pytest.fixture(scope="module")
-def vocabulary(tmp_path_factory):
-  return vocab.get_vocabulary(
-      vocab.build_demo_vocabulary(output_dir=tmp_path_factory.mktemp("vocab")))
+def vocab_path(tmp_path_factory):
+  return vocab.build_demo_vocabulary(output_dir=tmp_path_factory.mktemp("vocab"))
+
+
+@pytest.fixture(scope="module")
+def vocabulary(vocab_path):
+  return vocab.get_vocabulary(vocab_path)
 
 
 def one_pass(name, split="train", **kwargs):
@@ -189,3 +193,68 @@ def test_file_task_errors_name_the_file(vocabulary, tmp_path):
   typed.write_text('{"inputs": "ok", "targets": "fine"}\n{"inputs": true, "targets": 3.5}\n')
   with pytest.raises(ValueError, match=r"typed\.jsonl:2: expected a string, got true"):
     tasks.read_pairs(typed, input_field="inputs", target_field="targets")
+
+
+def test_split_pairs_holds_out_by_hash_whatever_the_order():
+  """"hash" holds out the pairs whose crc32 is 0 mod 10 (zlib reference), the same pairs in
+  any order; a file alternating labels gets both in its held-out set (by position: one only);
+  "position" is every 10th pair from the first."""
+  import zlib  # pylint: disable=g-import-not-at-top
+  pairs = [(f"input {i}", "yes" if i % 2 else "no") for i in range(2000)]
+  split = tasks.split_pairs(pairs)
+  want = [p for p in pairs if zlib.crc32(f"{p[0]}\t{p[1]}".encode()) % 10 == 0]
+  assert split["validation"] == want and 150 < len(want) < 250  # 200 +- 3.5 sigma
+  assert split["train"] == [p for p in pairs if p not in set(want)]
+  shuffled = [pairs[i] for i in np.random.default_rng(0).permutation(len(pairs))]
+  assert set(tasks.split_pairs(shuffled)["validation"]) == set(want)
+  assert {t for _, t in want} == {"yes", "no"}
+  by_position = tasks.split_pairs(pairs, rule="position")
+  assert by_position["validation"] == pairs[::10] and {t for _, t in pairs[::10]} == {"no"}
+  # A pair keeps its side when pairs are added.
+  more = tasks.split_pairs(pairs + [(f"extra {i}", "yes") for i in range(100)])
+  assert set(want) <= set(more["validation"])
+  # Two or more pairs always hold one out.
+  for n in range(2, 12):
+    few = tasks.split_pairs(pairs[:n])
+    assert few["validation"] and len(few["train"]) + len(few["validation"]) == n
+  with pytest.raises(ValueError, match="rule must be one of"):
+    tasks.split_pairs(pairs, rule="random")
+
+
+def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, tmp_path, monkeypatch):
+  """A run without the setting (saved before "hash") resumes holding out by position; a
+  new run holds out by hash; the setting is saved; an eval file makes it moot."""
+  from jaxmoral import model_dirs, optimizers, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import config as config_lib, trainable  # pylint: disable=g-import-not-at-top
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("inputs\ttargets\n" + "".join(f"in {i}\tout {i}\n" for i in range(30)))
+  data = runs.Seq2SeqData(train_file=str(pairs), vocabulary_path=vocab_path)
+  assert data.heldout == "hash" and data.settings() == {"kind": "seq2seq", "heldout": "hash"}
+  assert data.resumed({"kind": "seq2seq"}).heldout == "position"
+  assert data.resumed({"kind": "seq2seq", "heldout": "hash"}) is data
+  with_eval = runs.Seq2SeqData(train_file=str(pairs), eval_file=str(pairs))
+  assert with_eval.resumed({}) is with_eval and "heldout" not in with_eval.settings()
+  with pytest.raises(ValueError, match="Seq2SeqData.heldout must be one of"):
+    runs.Seq2SeqData(train_file=str(pairs), heldout="every_10th")
+
+  class Seen(Exception):
+    pass
+
+  def sources(self, **kwargs):
+    raise Seen(self.heldout)
+
+  monkeypatch.setattr(runs.Seq2SeqData, "sources", sources)
+  config = config_lib.t5_config(size="tiny", vocab_size=vocab.get_vocabulary(vocab_path).vocab_size,
+                        d_model=16, d_kv=4, d_ff=32, num_encoder_layers=1, num_decoder_layers=1)
+  run = dict(model=trainable.Seq2SeqModel(config=config), data=data, train_steps=2,
+             batch_size=2, feature_lengths={"inputs": 8, "targets": 8},
+             optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-3))
+  old = tmp_path / "old"
+  (old / "checkpoints" / "1").mkdir(parents=True)  # a run to resume (read after `sources`)
+  (old / "settings.json").write_text('{"data": {"kind": "seq2seq"}}')
+  for run_dir, want in ((old, "position"), (tmp_path / "new", "hash")):
+    with pytest.raises(Seen, match=want):
+      runs.train_run(model_dir=str(run_dir), **run)
+  # The resumed run's rewritten settings say what it holds out (a new run that failed before
+  # its first step leaves no folder).
+  assert model_dirs.read_settings(old)["data"] == {"kind": "seq2seq", "heldout": "position"}

@@ -77,7 +77,7 @@ def train_clarify_model(*, which: str, model_dir: str,
     nli_labels: NLI targets for entailment, neutral, contradiction.
     relevance_labels: Discriminator targets for relevant, irrelevant.
     partitioner: Mesh and rules (default data parallel).
-    eval_every: Evaluate every N steps (0: at the end; every 10th pair is held out).
+    eval_every: Evaluate every N steps (0: at the end; one pair in 10 is held out).
     checkpoint_every: Save every N steps.
     log_every: Log every N steps.
     seed: Seed.
@@ -271,8 +271,7 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
       gin_utils.write_operative_config(model_dir)
 
   def init() -> ppo_trainer.PPOInit:
-    policy = model_dirs.load(question_model_dir, partitioner=partitioner).params
-    policy = {k: v for k, v in policy.items() if k != "scalar_head"}
+    policy = model_dirs.load(question_model_dir, partitioner=partitioner).lm_params
     value = value_params_from_policy(program.trainer, policy, jax.random.PRNGKey(seed + 1))
     return ppo_trainer.PPOInit(policy=policy, value=value)
 

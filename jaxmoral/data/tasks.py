@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import zlib
 from typing import Iterator, Mapping, Optional, Sequence
 
 import gin
@@ -54,12 +55,46 @@ def read_pairs(path: str | os.PathLike, *, input_field: str, target_field: str,
   return [(r[input_field], r[target_field]) for r in rows]
 
 
-def split_pairs(pairs: Pairs, *, validation_every: int = 10) -> dict[str, list[tuple[str, str]]]:
-  """A deterministic train/validation split: every `validation_every`-th pair validates."""
+# How `split_pairs` picks the held-out pairs. "hash": by a hash of the pair's text, so the
+# file's order cannot skew the held-out set (a file that alternates labels would put one label
+# only at every 10th position) and a pair keeps its side when pairs are added. "position":
+# every n-th pair from the first (runs started before "hash" existed; the demo Tasks).
+HELDOUT_RULES = ("hash", "position")
+
+
+def pair_hash(pair: tuple[str, str]) -> int:
+  """A stable hash of a pair's text (the same on every machine and Python run)."""
+  return zlib.crc32("\t".join(pair).encode("utf-8"))
+
+
+def split_pairs(pairs: Pairs, *, validation_every: int = 10, rule: str = "hash"
+                ) -> dict[str, list[tuple[str, str]]]:
+  """A deterministic train/validation split holding out one pair in `validation_every`.
+
+  Args:
+    pairs: (input, target) pairs.
+    validation_every: One pair in this many validates.
+    rule: One of HELDOUT_RULES. "hash" holds out the pairs whose `pair_hash` is 0 modulo
+      `validation_every` (about one in that many; at least one of two or more pairs, the
+      one of smallest hash remainder); "position" every `validation_every`-th pair from the
+      first.
+
+  Returns:
+    {"train": [...], "validation": [...]}, each in the pairs' order.
+  """
   if validation_every < 2:
     raise ValueError(f"validation_every must be >= 2, got {validation_every}")
-  return {"train": [p for i, p in enumerate(pairs) if i % validation_every],
-          "validation": [p for i, p in enumerate(pairs) if not i % validation_every]}
+  if rule not in HELDOUT_RULES:
+    raise ValueError(f"split_pairs: rule must be one of {HELDOUT_RULES}, got {rule!r}")
+  if rule == "position":
+    held = [not i % validation_every for i in range(len(pairs))]
+  else:
+    remainders = [pair_hash(p) % validation_every for p in pairs]
+    held = [r == 0 for r in remainders]
+    if len(pairs) >= 2 and not any(held):
+      held[int(np.argmin(remainders))] = True
+  return {"train": [p for p, h in zip(pairs, held) if not h],
+          "validation": [p for p, h in zip(pairs, held) if h]}
 
 
 def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
@@ -136,7 +171,9 @@ def register_demo_tasks(*, vocabulary: seqio.Vocabulary) -> seqio.Mixture:
                       for r in demo.clarify_judgments()],
   }
   for name, pairs in sources.items():
-    register_text_pair_task(name, vocabulary=vocabulary, examples=split_pairs(pairs))
+    # A registered Task's splits are part of its definition: they never change.
+    register_text_pair_task(name, vocabulary=vocabulary,
+                            examples=split_pairs(pairs, rule="position"))
   seqio.MixtureRegistry.remove(DEMO_MIXTURE)
   return seqio.MixtureRegistry.add(DEMO_MIXTURE, [(t, len(sources[t])) for t in DEMO_TASKS])
 
