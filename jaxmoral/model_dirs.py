@@ -367,6 +367,11 @@ class LoadedModel:
     return "scalar_head" in self.params
 
   @property
+  def lm_params(self) -> PyTree:
+    """`params` without Diamante's scalar head: what a plain `t5.T5(config)` applies."""
+    return {k: v for k, v in self.params.items() if k != "scalar_head"}
+
+  @property
   def settings(self) -> Mapping[str, Any]:
     return self.info.settings
 

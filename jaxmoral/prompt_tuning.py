@@ -302,7 +302,7 @@ class PromptTuningModel(trainable.TrainableModel):
 
   def params_from_checkpoint(self, loaded: Any, rng: Array) -> dict[str, Any]:
     trainable.check_architecture(loaded, self.config)
-    base = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
+    base = loaded.lm_params
     if loaded.prompt is not None and tuple(loaded.prompt.shape) == (
         self.prompt.length, self.config.d_model):
       return prompted_params(base, loaded.prompt)  # Continues a prompt-tuning run.

@@ -312,9 +312,8 @@ def tiny(hf_t5):
 
 def _same_params(a, b):
   """The same T5 parameters (bit for bit: loading computes nothing)."""
-  strip = lambda p: {k: v for k, v in p.items() if k != "scalar_head"}  # noqa: E731
-  for x, y in zip(jax.tree.leaves(jax.device_get(strip(a.params))),
-                  jax.tree.leaves(jax.device_get(strip(b.params)))):
+  for x, y in zip(jax.tree.leaves(jax.device_get(a.lm_params)),
+                  jax.tree.leaves(jax.device_get(b.lm_params))):
     np.testing.assert_array_equal(x, y)
 
 
@@ -326,6 +325,8 @@ def test_export_run_step_ppo_and_prompt_runs(tmp_path, tiny, mesh):
                     vocabulary=vocabulary, settings={"data": {"separator": " | "}})
   exported = model_dirs.load(tmp_path / "export", partitioner=mesh)
   assert exported.info.format == "export" and exported.has_scalar_head
+  # The language model's parameters: the stored tree without the head, what a T5 applies.
+  assert set(exported.lm_params) == set(params) and "scalar_head" in exported.params
   assert exported.settings["data"]["separator"] == " | " and exported.vocabulary is not None
   with pytest.raises(FileExistsError, match="--overwrite"):
     model_dirs.export(tmp_path / "export", params=params, config=config)

@@ -107,7 +107,7 @@ def _load_cached(path: str, step: Optional[int], dtype: Optional[str],
     raise ValueError(f"{path}: no vocabulary (vocab/spiece.model or spiece.model); "
                      "ClarifyDelphi models read and write text")
   model = t5.T5(loaded.config)
-  params = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
+  params = loaded.lm_params
   # On one device the decoding backend's kernels are prepared once (the CPU kernels, or
   # XLA's stacks); a sharded model stacks inside each call rather than keep a second copy.
   weights = decoding.prepare_decode_weights(model, params) if partitioner is None else None

@@ -125,8 +125,7 @@ class Model:
     from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
     loaded = model_dirs.load(path, partitioner=partitioner, step=step, dtype=dtype,
                              config=config, vocabulary=vocabulary)
-    params = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
-    return cls(loaded.config, params, vocabulary=loaded.vocabulary, source=os.fspath(path))
+    return cls(loaded.config, loaded.lm_params, vocabulary=loaded.vocabulary, source=os.fspath(path))
 
   # -- text <-> ids -------------------------------------------------------------------------
   def _require_vocabulary(self) -> Any:

@@ -49,7 +49,7 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
     raise ValueError(f"detector {name!r}: {base_dir} has no vocabulary (vocab/spiece.model); "
                      f"give the base model's SentencePiece model (--vocabulary_path)")
   model = T5(base.config)
-  params = {k: v for k, v in base.params.items() if k != "scalar_head"}
+  params = base.lm_params
   if name == "salience":
     from jaxmoral.npov.detectors import salience  # pylint: disable=g-import-not-at-top
     prompt = prompt_tuning.load_prompt(generator_dir)[0] if generator_dir else None
