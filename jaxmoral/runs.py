@@ -128,9 +128,12 @@ class Seq2SeqData:
     return self.train_file is not None and self.eval_file is None
 
   def resumed(self, saved: Mapping[str, Any]) -> "Seq2SeqData":
-    """Keeps the run's held-out rule; a run that saved none held out by position."""
+    """Keeps the run's held-out rule; a seq2seq run that saved none held out by position (a
+    model directory with no record of its data, e.g. a Hub checkpoint, changes nothing)."""
+    if not self._splits_file or saved.get("kind") != "seq2seq":
+      return self
     rule = saved.get("heldout", "position")
-    if not self._splits_file or rule == self.heldout:
+    if rule == self.heldout:
       return self
     logger.warning("Seq2SeqData: the resumed run holds out %r pairs of %s (it started so); "
                    "keeping that, not %r", rule, self.train_file, self.heldout)
@@ -382,6 +385,8 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
              decode_examples: int = 8, max_decode_length: Optional[int] = None) -> dict[str, Any]:
   """Evaluates a run's checkpoint: loss/accuracy on the eval split and greedy decodes.
 
+  A run trained on a pairs file is evaluated on the pairs it held out (`Seq2SeqData.resumed`).
+
   Writes MODEL_DIR/eval_<step>.json and prints the metrics and a few decoded examples.
 
   Raises:
@@ -392,6 +397,7 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
     gin_utils.check_writable(out_path)
   loaded = model_dirs.load(model_dir, step=step)
   model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
+  data = data.resumed(loaded.settings.get("data", {}))  # The pairs the run held out.
   source = tasks.TaskSource(data.task_name(vocabulary), data.eval_split, feature_lengths,
                             batch_size, shuffle=False)
   loss_fn = jax.jit(losses.seq2seq_loss_fn(model, z_loss=0.0))

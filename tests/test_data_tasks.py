@@ -231,6 +231,7 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, tmp_path, monkeypatch)
   data = runs.Seq2SeqData(train_file=str(pairs), vocabulary_path=vocab_path)
   assert data.heldout == "hash" and data.settings() == {"kind": "seq2seq", "heldout": "hash"}
   assert data.resumed({"kind": "seq2seq"}).heldout == "position"
+  assert data.resumed({}) is data  # no record of its data (a Hub checkpoint): the setting
   assert data.resumed({"kind": "seq2seq", "heldout": "hash"}) is data
   with_eval = runs.Seq2SeqData(train_file=str(pairs), eval_file=str(pairs))
   assert with_eval.resumed({}) is with_eval and "heldout" not in with_eval.settings()
@@ -240,10 +241,11 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, tmp_path, monkeypatch)
   class Seen(Exception):
     pass
 
-  def sources(self, **kwargs):
+  def seen(self, *args, **kwargs):  # Where a run or eval first reads the pairs.
+    del args, kwargs
     raise Seen(self.heldout)
 
-  monkeypatch.setattr(runs.Seq2SeqData, "sources", sources)
+  monkeypatch.setattr(runs.Seq2SeqData, "sources", seen)
   config = config_lib.t5_config(size="tiny", vocab_size=vocab.get_vocabulary(vocab_path).vocab_size,
                         d_model=16, d_kv=4, d_ff=32, num_encoder_layers=1, num_decoder_layers=1)
   run = dict(model=trainable.Seq2SeqModel(config=config), data=data, train_steps=2,
@@ -258,3 +260,18 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, tmp_path, monkeypatch)
   # The resumed run's rewritten settings say what it holds out (a new run that failed before
   # its first step leaves no folder).
   assert model_dirs.read_settings(old)["data"] == {"kind": "seq2seq", "heldout": "position"}
+  # `eval_run` evaluates a run on the pairs it held out.
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
+  params = nn.meta.unbox(jax.eval_shape(lambda: t5.init_params(t5.T5(config),
+                                                               jax.random.PRNGKey(0))))
+  params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), params)
+  monkeypatch.setattr(runs.Seq2SeqData, "task_name", seen)
+  for saved, want in (({"kind": "seq2seq"}, "position"), ({}, "hash")):
+    export = tmp_path / f"export_{want}"
+    model_dirs.export(export, params=params, config=config,
+                      vocabulary=vocab.get_vocabulary(vocab_path),
+                      settings={"data": saved} if saved else None)
+    with pytest.raises(Seen, match=want):
+      runs.eval_run(model_dir=str(export), data=data, feature_lengths=run["feature_lengths"])

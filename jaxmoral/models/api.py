@@ -125,7 +125,8 @@ class Model:
     from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
     loaded = model_dirs.load(path, partitioner=partitioner, step=step, dtype=dtype,
                              config=config, vocabulary=vocabulary)
-    return cls(loaded.config, loaded.lm_params, vocabulary=loaded.vocabulary, source=os.fspath(path))
+    return cls(loaded.config, loaded.lm_params, vocabulary=loaded.vocabulary,
+               source=os.fspath(path))
 
   # -- text <-> ids -------------------------------------------------------------------------
   def _require_vocabulary(self) -> Any:

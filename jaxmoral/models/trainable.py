@@ -62,7 +62,7 @@ class TrainableModel(abc.ABC):
     """
     del rng
     check_architecture(loaded, self.config)
-    return dict(loaded.lm_params)
+    return loaded.lm_params
 
   def settings(self) -> dict[str, Any]:
     """What inference needs to know beyond the T5Config (saved as settings.json["model"])."""
