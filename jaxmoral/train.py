@@ -17,7 +17,6 @@ Layout of `model_dir`::
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import itertools
 import logging
 import math
@@ -31,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxmoral import checkpoints
+from jaxmoral import progress
 from jaxmoral import trainer as trainer_lib
 
 logger = logging.getLogger(__name__)
@@ -122,12 +122,6 @@ def _tokens_in(batch: Mapping[str, Any], metrics: Mapping[str, Any]) -> float:
   return float(np.size(targets)) * jax.process_count() if targets is not None else 0.0
 
 
-def format_seconds(seconds: float) -> str:
-  if not math.isfinite(seconds):
-    return "?"
-  return str(datetime.timedelta(seconds=int(seconds)))
-
-
 def evaluate(*, trainer: trainer_lib.Trainer, state: trainer_lib.TrainState, eval_source: Any,
              eval_steps: Optional[int] = None) -> dict[str, float]:
   """Metrics over `eval_steps` batches (`eval_source.batch(i)`), or one full pass.
@@ -202,7 +196,7 @@ def _progress_line(trainer: Any, done: int, train_steps: int, means: Mapping[str
       parts.append(f"{name.replace('_per_sec', '/s')} {rates[name]:.4g}")
   eta = ((train_steps - done) / rates["steps_per_sec"] if rates.get("steps_per_sec")
          else float("nan"))
-  parts.append(f"ETA {format_seconds(eta)}")
+  parts.append(f"ETA {progress.format_seconds(eta)}")
   return " ".join(parts)
 
 

@@ -8,7 +8,6 @@ from these stored candidates every epoch.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Sequence
 
 import gin
@@ -16,11 +15,10 @@ import jax
 import numpy as np
 
 from jaxmoral import decoding
+from jaxmoral import progress
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data
 from jaxmoral.diamante.inference import decode_tokens
-
-logger = logging.getLogger(__name__)
 
 
 def dialogues_of(turns: Sequence[data.Turn]) -> list[list[str]]:
@@ -44,6 +42,7 @@ def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str
                                   eos_id=bundle.config.eos_token_id)
   key = jax.random.PRNGKey(seed)
   out: list[list[str]] = []
+  shown = progress.ProgressLog("candidate contexts", len(contexts))
   for start in range(0, len(contexts), batch_size):
     chunk = list(contexts[start:start + batch_size])
     encoder = np.zeros((batch_size, bundle.features.context_length), np.int32)
@@ -55,8 +54,7 @@ def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str
     for row in range(len(chunk)):
       out.append([decode_tokens(bundle.vocab, result.tokens[row, i], int(result.lengths[row, i]))
                   for i in range(num_candidates)])
-    if (start // batch_size) % 20 == 0:
-      logger.info("candidates: %d/%d contexts", start + len(chunk), len(contexts))
+    shown.update(len(out))
   return out
 
 

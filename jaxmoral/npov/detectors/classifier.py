@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import progress
 from jaxmoral import prompt_tuning
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
@@ -183,6 +184,7 @@ class ClassifierDetector:
     fn = _label_logits_fn(self.model.config)
     params, prompt = self.classifiers[error]
     eos = self.model.config.eos_token_id
+    shown = progress.ProgressLog(f"{error} classifier examples", len(examples))
     out = []
     for start in range(0, len(examples), self.batch_size):
       chunk = examples[start:start + self.batch_size]
@@ -196,6 +198,7 @@ class ClassifierDetector:
       logits = np.asarray(fn(params, prompt, jnp.asarray(tokens)))
       pair = logits[:len(chunk)][:, self.label_ids]
       out.append(jax.nn.softmax(pair, axis=-1)[:, 1])
+      shown.update(start + len(chunk))
     return np.concatenate(out) if out else np.zeros((0,))
 
   def detect_batch(self, examples: Sequence[task.NpovExample]) -> list[base.Detection]:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import progress
 from jaxmoral import prompt_tuning
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5, shift_right, target_logit_rows
@@ -339,4 +340,9 @@ class SalienceDetector:
     return self.detect_from_map(self.word_map(example))
 
   def detect_batch(self, examples: Sequence[task.NpovExample]) -> list[base.Detection]:
-    return [self.detect(e) for e in examples]
+    shown = progress.ProgressLog("salience examples", len(examples))
+    out = []
+    for e in examples:
+      out.append(self.detect(e))
+      shown.update(len(out))
+    return out
