@@ -284,20 +284,19 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     prompt_steps: Generator soft-prompt steps.
     classifier_steps: Training steps of each classifier.
     classifier_tuning: "prompt" (the paper: a soft prompt on the frozen base, at the prompts'
-      learning rate) or "full" (ablation: every weight fine-tuned, with `optimizer`); runs go to
-      `classifier_<error>` or `classifier_full_<error>`, so both kinds share a workdir.
+      learning rate) or "full" (ablation: every weight fine-tuned, with `optimizer`). Each
+      classifier setting (this, `balanced_sides`, `classifier_substitutions`) trains into a
+      folder of its own (`classifier_run_name`), so all share the workdir's base and generator.
     balanced_sides: Error-free test and classifier-training sources have as many arguments on
       each side (sessions 11-14). A synthetic error then always unbalances the sides, a cue
       that tells every error apart (the `side_imbalance` control scores 1.0). False samples
-      each side's count on its own for those sources (classifier runs then go to
-      `classifier_[full_]unbalanced_<error>`); the generator's verbalisation examples stay
-      balanced either way, so the base and generator runs are shared.
+      each side's count on its own for those sources; the generator's verbalisation examples
+      stay balanced either way, so the base and generator runs are shared.
     classifier_substitutions: Add each classifier-training source's
       `synthetic.make_substitution` variant (unparaphrased and paraphrased) to the classifiers'
       training mix, a positive example for both: with clean, hallucinated and covered examples
       only, counting the response's points against the input's arguments tells every label
-      (the `point_count` control scores 1.0), and substitutions are where it does not. Runs
-      then go to `classifier_..._substituted_<error>` (see `classifier_run_name`).
+      (the `point_count` control scores 1.0), and substitutions are where it does not.
     substitution_probe: Also score each unparaphrased error-free test example against its
       `synthetic.make_substitution` variant (one argument swapped for an unused one: both
       errors, the counts unchanged): ROC AUC of each detector's hallucination and coverage

@@ -221,11 +221,12 @@ def test_split_pairs_holds_out_by_hash_whatever_the_order():
     tasks.split_pairs(pairs, rule="random")
 
 
-def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, tmp_path, monkeypatch):
+def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, vocabulary, tmp_path, monkeypatch):
   """A run without the setting (saved before "hash") resumes holding out by position; a
   new run holds out by hash; the setting is saved; an eval file makes it moot."""
   from jaxmoral import model_dirs, optimizers, runs  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models import config as config_lib, trainable  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
   pairs = tmp_path / "pairs.tsv"
   pairs.write_text("inputs\ttargets\n" + "".join(f"in {i}\tout {i}\n" for i in range(30)))
   data = runs.Seq2SeqData(train_file=str(pairs), vocabulary_path=vocab_path)
@@ -246,8 +247,8 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, tmp_path, monkeypatch)
     raise Seen(self.heldout)
 
   monkeypatch.setattr(runs.Seq2SeqData, "sources", seen)
-  config = config_lib.t5_config(size="tiny", vocab_size=vocab.get_vocabulary(vocab_path).vocab_size,
-                        d_model=16, d_kv=4, d_ff=32, num_encoder_layers=1, num_decoder_layers=1)
+  config = config_lib.t5_config(size="tiny", vocab_size=vocabulary.vocab_size, d_model=16,
+                                d_kv=4, d_ff=32, num_encoder_layers=1, num_decoder_layers=1)
   run = dict(model=trainable.Seq2SeqModel(config=config), data=data, train_steps=2,
              batch_size=2, feature_lengths={"inputs": 8, "targets": 8},
              optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-3))
@@ -270,8 +271,7 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, tmp_path, monkeypatch)
   monkeypatch.setattr(runs.Seq2SeqData, "task_name", seen)
   for saved, want in (({"kind": "seq2seq"}, "position"), ({}, "hash")):
     export = tmp_path / f"export_{want}"
-    model_dirs.export(export, params=params, config=config,
-                      vocabulary=vocab.get_vocabulary(vocab_path),
+    model_dirs.export(export, params=params, config=config, vocabulary=vocabulary,
                       settings={"data": saved} if saved else None)
     with pytest.raises(Seen, match=want):
       runs.eval_run(model_dir=str(export), data=data, feature_lengths=run["feature_lengths"])
