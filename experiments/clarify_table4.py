@@ -49,6 +49,10 @@ WH_SHOWN = ("what", "why", "how", "who", "other")
 # A PPO policy whose share of questions falls by more than this (the whole interval) has
 # gamed the reward; its JSD is then no evidence about clarification questions.
 QUESTION_DROP_POINTS = 10.0
+# Every system the table can hold: the paper's comparison, then the supervised and PPO
+# generators decoded as the rollouts decode and greedily (diagnostics).
+SYSTEMS = ("why", "finetuned", "pipeline", "pipeline_no_nli", "discriminator", "ppo",
+           "finetuned@rollout", "ppo@rollout", "finetuned@greedy", "ppo@greedy")
 PAPER = ("paper (Pyatkin et al. 2023, Table 4): PPO raises the average JSD and the % of "
          "judgment flips over the supervised question generator")
 
@@ -75,6 +79,23 @@ def supervised_models(*, separate_models: bool,
   # The multi-task model is trained whenever a role is left to it.
   shared = {"multitask": train_steps} if set(ROLES) - set(dedicated) else {}
   return {**shared, **{role: int(dedicated[role]) for role in ROLES if role in dedicated}}
+
+
+def evaluated_systems(systems: Optional[Sequence[str]]) -> tuple[str, ...]:
+  """The systems to evaluate, in `SYSTEMS` order (checked before any training).
+
+  Raises:
+    ValueError: an unknown or repeated name, or none.
+  """
+  if systems is None:
+    return SYSTEMS
+  if isinstance(systems, str):
+    systems = (systems,)
+  unknown = sorted(set(systems) - set(SYSTEMS))
+  if unknown or not systems or len(set(systems)) != len(systems):
+    raise ValueError(f"clarify_table4.run_experiment.systems: {list(systems)} (unknown: "
+                     f"{unknown}); give distinct names of {list(SYSTEMS)}")
+  return tuple(s for s in SYSTEMS if s in systems)
 
 
 def model_dir(workdir: str, which: str) -> str:
@@ -127,8 +148,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    ppo_iterations: int = 40, max_ppo_prompts: Optional[int] = None,
                    eval_split: str = "dev", max_eval_situations: int = 300,
                    question_length: int = 32, num_resamples: int = 1000,
-                   mixing_cap: Optional[int] = None, log_every: int = 50, seed: int = 0,
-                   command: str = "") -> dict[str, Any]:
+                   mixing_cap: Optional[int] = None, ppo_run: str = "ppo",
+                   systems: Optional[Sequence[str]] = None, log_every: int = 50,
+                   seed: int = 0, command: str = "") -> dict[str, Any]:
   """Runs the whole experiment; writes and returns the results.
 
   Args:
@@ -158,6 +180,10 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     mixing_cap: Pairs per role at most in the multi-task mixture (T5's examples-proportional
       mixing with a limit; None: all pairs, question generation then about 87 % of them).
       Models of one role (`separate_models`, `dedicated_roles`) always train on all pairs.
+    ppo_run: PPO's folder under `workdir`: PPO settings of their own reuse the supervised
+      models of the same workdir (a rerun with the same folder resumes it).
+    systems: The systems evaluated, of `SYSTEMS` (None: all). The pipeline baselines score
+      14 questions per situation, most of the evaluation's time.
     log_every: Training progress lines.
     seed: Seed of everything.
     command: The command line (written into the report).
@@ -172,6 +198,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   from jaxmoral.clarify import reward as reward_lib
   from jaxmoral.clarify import training
   # pylint: enable=import-outside-toplevel
+  evaluated = evaluated_systems(systems)
   started = time.time()
   os.makedirs(workdir, exist_ok=True)
   timings: dict[str, float] = {}
@@ -198,7 +225,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
 
   # 2. PPO on train situations.
   tick = time.time()
-  ppo_dir = os.path.join(workdir, "ppo")
+  ppo_dir = os.path.join(workdir, ppo_run)
   ppo = training.train_clarify_ppo(
       model_dir=ppo_dir, question_model_dir=role_dir["question"],
       answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],
@@ -218,20 +245,21 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   load = lambda d: models.load_model(d, input_length=lengths["inputs"],  # noqa: E731
                                      batch_size=reward_config.batch_size)
   sft_model, ppo_model = load(role_dir["question"]), load(ppo["policy_dir"])
-  systems = dict(baselines.all_generators(
+  generators = dict(baselines.all_generators(
       question_model=sft_model, reward=reward, relevance_model=load(role_dir["relevance"]),
       ppo_model=ppo_model))
   # Diagnostics: the two generators decoded as PPO's rollouts decode, and greedily.
   rollout = dict(top_p=ppo_config.top_p, temperature=ppo_config.temperature,
                  max_length=question_length, seed=seed)
-  systems["finetuned@rollout"] = baselines.sampled_generator(sft_model, **rollout)
-  systems["ppo@rollout"] = baselines.sampled_generator(ppo_model, **rollout)
-  systems["finetuned@greedy"] = baselines.sampled_generator(sft_model, greedy=True,
-                                                            max_length=question_length)
-  systems["ppo@greedy"] = baselines.sampled_generator(ppo_model, greedy=True,
-                                                      max_length=question_length)
+  generators["finetuned@rollout"] = baselines.sampled_generator(sft_model, **rollout)
+  generators["ppo@rollout"] = baselines.sampled_generator(ppo_model, **rollout)
+  greedy = dict(greedy=True, max_length=question_length)
+  generators["finetuned@greedy"] = baselines.sampled_generator(sft_model, **greedy)
+  generators["ppo@greedy"] = baselines.sampled_generator(ppo_model, **greedy)
   table: dict[str, Any] = {}
-  for system, generate in systems.items():
+  # The models given build every system (the reward has its NLI model, relevance is loaded).
+  for system in evaluated:
+    generate = generators[system]
     questions = generate(list(eval_situations))
     result = reward.score_questions(list(eval_situations), questions)
     table[system] = system_metrics(eval_situations, questions, result,
@@ -252,12 +280,18 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       "table": table, "differences": differences, "command": command,
       "machine": common.machine(), "timings": timings,
       "ppo_reward_curve": ppo.get("reward_curve_values", []),
+      # The last iteration's KL, its coefficient and the like: did the penalty hold?
+      "ppo_final_metrics": {k: float(v) for k, v in ppo.items()
+                            if isinstance(v, (int, float, np.number))},
       "setup": {"init_checkpoint": init_checkpoint, "data_dir": data_dir,
                 "separate_models": separate_models, "mixing_cap": mixing_cap,
                 "supervised_models": models_steps,
                 "train_steps": train_steps,
                 "batch_size": batch_size, "feature_lengths": lengths,
                 "ppo_iterations": ppo_iterations, "ppo_batch_size": ppo_config.batch_size,
+                "ppo_run": ppo_run, "kl_control": ppo_config.kl_control,
+                "init_kl_coef": ppo_config.init_kl_coef, "kl_target": ppo_config.kl_target,
+                "kl_horizon": ppo_config.kl_horizon,
                 "ppo_top_p": ppo_config.top_p, "ppo_temperature": ppo_config.temperature,
                 "eval_split": eval_split, "eval_situations": len(eval_situations),
                 "num_resamples": num_resamples, "seed": seed}}
@@ -314,6 +348,16 @@ def models_line(setup: Mapping[str, Any]) -> str:
   return "; ".join(parts)
 
 
+def kl_line(setup: Mapping[str, Any]) -> str:
+  """PPO's KL penalty in words (results written before it was recorded: "KL as configured")."""
+  if "kl_control" not in setup:
+    return "KL penalty as configured"
+  if setup["kl_control"] == "fixed":
+    return f"fixed KL coefficient {setup['init_kl_coef']}"
+  return (f"adaptive KL coefficient from {setup['init_kl_coef']}, target {setup['kl_target']} "
+          f"nats, horizon {setup['kl_horizon']:g} episodes")
+
+
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
   s, m, t = results["setup"], results["machine"], results["timings"]
@@ -323,7 +367,8 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
            f"Setup: base `{s['init_checkpoint']}`; "
            f"{models_line(s)}, batch {s['batch_size']}, on `{s['data_dir']}` train; "
            f"PPO {s['ppo_iterations']} iterations of {s['ppo_batch_size']} train situations "
-           f"(rollouts: top-p {s['ppo_top_p']}, temperature {s['ppo_temperature']}); "
+           f"(rollouts: top-p {s['ppo_top_p']}, temperature {s['ppo_temperature']}; "
+           f"{kl_line(s)}); "
            f"evaluation on {s['eval_situations']} `{s['eval_split']}` situations, one question "
            f"each. 95 % bootstrap intervals over situations ({s['num_resamples']} resamples; "
            "none for distinct-n, which resampling with replacement lowers by repeating "
