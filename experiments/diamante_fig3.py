@@ -74,38 +74,6 @@ def choose_test_turns(turns: Sequence[Any], *, max_contexts: int,
   return sorted(int(rng.choice(by_dialogue[int(d)])) for d in dialogues)
 
 
-def rank_contexts(bundle: Any, turns: Sequence[Any], *, num_random: int, max_candidates: int,
-                  batch_size: int, seed: int) -> dict[str, np.ndarray]:
-  """Per-context ranking metrics of the human response (`evaluate.evaluate_turns`' items and
-  scores, kept per context for the bootstrap).
-
-  Returns:
-    `{"<ranker>/<metric>": (C,), "pe_accuracy": (C,), "random/p@1": (C,), "turn": (C,)}`.
-  """
-  from jaxmoral import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
-  from jaxmoral.diamante import data as data_lib  # pylint: disable=import-outside-toplevel
-  from jaxmoral.diamante import evaluate as evaluate_lib  # pylint: disable=import-outside-toplevel
-  items = evaluate_lib.ranking_items(turns, num_random=num_random,
-                                     max_candidates=max_candidates, seed=seed,
-                                     encode=evaluate_lib.model_view(bundle))
-  if not items:
-    raise ValueError("rank_contexts: no test turn has a candidate different from r_H")
-  out: dict[str, list[float]] = {"pe_accuracy": [], "random/p@1": [], "turn": []}
-  for scored in evaluate_lib.score_ranking_items(
-      bundle, turns, items, width=1 + max_candidates + num_random, batch_size=batch_size):
-    labels = scored.kinds == data_lib.HUMAN
-    by = {"preference": scored.scores, "generation": scored.logprobs,
-          "generation_per_token": scored.logprobs / scored.lengths}
-    for ranker, values in by.items():
-      ranked = metrics_lib.ranking_metrics([values], [labels])
-      for key, _ in METRICS:
-        out.setdefault(f"{ranker}/{key}", []).append(ranked[key])
-    out["pe_accuracy"].append(evaluate_lib.pe_accuracy(scored.scores, scored.kinds))
-    out["random/p@1"].append(1.0 / len(scored.kinds))
-    out["turn"].append(scored.turn)
-  return {k: np.asarray(v, np.float64) for k, v in out.items()}
-
-
 def _train(model_dir: str, **kwargs: Any) -> dict[str, Any]:
   """`runs.train_run` as a stage (`common.train_stage`)."""
   from jaxmoral import runs  # pylint: disable=import-outside-toplevel
@@ -161,6 +129,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   from jaxmoral.diamante import candidates as candidates_lib
   from jaxmoral.diamante import chitchat
   from jaxmoral.diamante import data as data_lib
+  from jaxmoral.diamante import evaluate as evaluate_lib
   from jaxmoral.diamante import model as diamante_model
   from jaxmoral.models import trainable
   # pylint: enable=import-outside-toplevel
@@ -228,7 +197,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
         checkpoint_every=train_steps, optimizer=optimizer, **common_run)
     timings[f"{model_name}_train_s"] = trained[model_name]["seconds"]
     tick = time.time()
-    per_context[model_name] = rank_contexts(
+    per_context[model_name] = evaluate_lib.rank_contexts(
         bundle_lib.load(run_dir), test_eval_turns, num_random=num_random,
         max_candidates=test_candidates, batch_size=eval_batch_size, seed=seed)
     timings[f"{model_name}_eval_s"] = time.time() - tick

@@ -14,6 +14,8 @@ import pathlib
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import numpy as np
+
 PARTS = ("core", "npov", "diamante", "clarify")
 
 # -- what the papers found, and whether a demo run agrees ------------------------------------
@@ -44,41 +46,66 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
                     "are at chance (0.506), even when trained on such errors too (0.509)"}
 
 
-def truth_line(*, method: str, paper: str, this_run: str, agrees: bool) -> str:
-  """Two lines: the paper's finding; this run's numbers, agrees/disagrees, where to look.
+VERDICTS = ("agrees", "disagrees", "cannot tell")
+
+
+def interval_verdict(low: float, high: float, *, null: float = 0.0) -> str:
+  """"agrees" when a 95 % interval lies above `null` (the paper's side), "disagrees" when it
+  lies below, "cannot tell" when it holds `null` (too few examples to say)."""
+  if low > null:
+    return "agrees"
+  if high < null:
+    return "disagrees"
+  return "cannot tell"
+
+
+def _interval(ci: Any) -> str:
+  return f"{ci.estimate:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]"
+
+
+def truth_line(*, method: str, paper: str, this_run: str, verdict: str) -> str:
+  """Two lines: the paper's finding; this run's numbers, the verdict, where to look.
 
   Args:
     method: "clarify" | "npov" | "diamante" (names the experiment to point to).
     paper: The claim and where the paper makes it.
-    this_run: This run's numbers for it.
-    agrees: Whether the numbers go the paper's way (computed by the caller from them).
+    this_run: This run's numbers for it, with their 95 % interval.
+    verdict: One of `VERDICTS`, from the interval (`interval_verdict`).
   """
+  if verdict not in VERDICTS:
+    raise ValueError(f"truth_line: verdict must be one of {VERDICTS}, got {verdict!r}")
   where = f"see `{EXPERIMENTS[method]}` and {FIDELITY_SECTION}"
   if method in MEASURED:
     where += f"; {MEASURED[method]}"
-  if agrees:
-    verdict = f"agrees (a run this small shows at most the direction; {where})"
-  else:
-    verdict = f"disagrees; the demo's scale cannot show it: {where}"
-  return f"paper: {paper}\n  this run: {this_run} — {verdict}"
+  text = {"agrees": f"agrees (the 95 % interval is on the paper's side; {where})",
+          "disagrees": f"disagrees (the 95 % interval is on the other side); the demo's "
+                       f"scale cannot show it: {where}",
+          "cannot tell": f"cannot tell (the 95 % interval holds no effect: too few examples "
+                         f"at the demo's scale; {where})"}[verdict]
+  return f"paper: {paper}\n  this run: {this_run} — {text}"
 
 
 def clarify_truth_lines(evaluation: Mapping[str, Mapping[str, Any]]) -> list[str]:
-  """ClarifyDelphi (Pyatkin et al. 2023, Table 4): PPO over the supervised generator."""
+  """ClarifyDelphi (Pyatkin et al. 2023, Table 4): PPO over the supervised generator, by the
+  paired bootstrap interval over situations (`clarify.evaluate.compare`'s `per_situation`)."""
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   if "ppo" not in evaluation or "finetuned" not in evaluation:
     return []
-  ppo, sft = evaluation["ppo"], evaluation["finetuned"]
-  return [
-      truth_line(method="clarify",
-                 paper="PPO raises the average JSD of the judge's verdicts over the supervised "
-                       "question generator (Table 4)",
-                 this_run=f"PPO {ppo['jsd']:.3f} vs SFT {sft['jsd']:.3f}",
-                 agrees=ppo["jsd"] > sft["jsd"]),
-      truth_line(method="clarify",
-                 paper="PPO raises the % of judgment flips over the supervised generator "
-                       "(Table 4)",
-                 this_run=f"PPO {ppo['flips_pct']:.1f} % vs SFT {sft['flips_pct']:.1f} %",
-                 agrees=ppo["flips_pct"] > sft["flips_pct"])]
+  ppo, sft = evaluation["ppo"]["per_situation"], evaluation["finetuned"]["per_situation"]
+  lines = []
+  for key, paper, fmt in (
+      ("jsd", "PPO raises the average JSD of the judge's verdicts over the supervised question "
+              "generator (Table 4)", "avg JSD PPO {a:.3f} vs SFT {b:.3f}"),
+      ("flips", "PPO raises the % of judgment flips over the supervised generator (Table 4)",
+       "flips PPO {a:.1%} vs SFT {b:.1%}")):
+    a, b = np.asarray(ppo[key], np.float64), np.asarray(sft[key], np.float64)
+    diff = metrics.bootstrap_ci(np.mean, a - b)
+    lines.append(truth_line(
+        method="clarify", paper=paper,
+        this_run=(fmt.format(a=a.mean(), b=b.mean()) + f", paired difference "
+                  f"{_interval(diff)} over {len(a)} situations"),
+        verdict=interval_verdict(diff.low, diff.high)))
+  return lines
 
 
 NPOV_PAPER = {  # Chang et al. 2024, Table 1 (hallucination, example level, where quoted)
@@ -89,42 +116,59 @@ NPOV_PAPER = {  # Chang et al. 2024, Table 1 (hallucination, example level, wher
                   "(hallucination ROC AUC .953)"}
 
 
-def npov_truth_lines(summary: Mapping[str, Any]) -> list[str]:
-  """NPOV (Chang et al. 2024, Table 1): each detector's example-level ROC AUC above 0.5, the
-  mean over the test slices, per error type (from `npov.demo.run_demo`'s summary keys
-  `auc/<slice>/<detector>/<error>/example`)."""
+def npov_truth_lines(results: Mapping[str, Any]) -> list[str]:
+  """NPOV (Chang et al. 2024, Table 1): each detector's example-level ROC AUC, the test slices
+  pooled, with its bootstrap interval against 0.5, per error type (`npov.evaluate.
+  evaluate_detectors`' results: {slice: {detector: {error: {"labels", "scores", ...}}}})."""
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   lines = []
+  slices = list(results.values())
   for detector, paper in NPOV_PAPER.items():
-    means = {}
-    for error in ("hallucination", "coverage"):
-      values = [v for k, v in summary.items()
-                if k.startswith("auc/") and k.endswith(f"/{detector}/{error}/example")
-                and v is not None]
-      if values:
-        means[error] = sum(values) / len(values)
-    if len(means) < 2:
+    if not slices or any(detector not in s for s in slices):
       continue
+    found, verdicts = [], []
+    for error in ("hallucination", "coverage"):
+      labels = np.concatenate([np.asarray(s[detector][error]["labels"], np.int32)
+                               for s in slices])
+      scores = np.concatenate([np.asarray(s[detector][error]["scores"], np.float64)
+                               for s in slices])
+      if len(set(labels.tolist())) < 2:
+        continue
+      auc = metrics.bootstrap_ci(metrics.roc_auc, labels, scores)
+      found.append(f"{error} {auc.estimate:.3f} [{auc.low:.3f}, {auc.high:.3f}]")
+      verdicts.append(interval_verdict(auc.low, auc.high, null=0.5))
+    if len(found) < 2:
+      continue
+    verdict = ("agrees" if all(v == "agrees" for v in verdicts) else
+               "disagrees" if "disagrees" in verdicts else "cannot tell")
     lines.append(truth_line(
         method="npov", paper=f"{paper} (Table 1)",
-        this_run=(f"ROC AUC hallucination {means['hallucination']:.3f}, coverage "
-                  f"{means['coverage']:.3f} (example level, mean of the test slices)"),
-        agrees=all(v > 0.5 for v in means.values())))
+        this_run=(f"ROC AUC {', '.join(found)} (example level, {len(labels)} examples of the "
+                  f"test slices pooled)"),
+        verdict=verdict))
   return lines
 
 
-def diamante_truth_lines(metrics: Mapping[str, float]) -> list[str]:
+def diamante_truth_lines(per_context: Mapping[str, Any]) -> list[str]:
   """Diamante (Lu, Bao et al. 2023, Fig. 3): the preference score ranks the human response
-  first more often than the generation probability does (summed or per token)."""
-  pref = metrics["preference/p@1"]
-  gen = max(metrics["generation/p@1"], metrics["generation_per_token/p@1"])
+  first more often than the generation probability does, by the paired interval over
+  contexts against the better of the two generation rankers (summed, per token)
+  (`diamante.evaluate.rank_contexts`' arrays)."""
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  p1 = {r: np.asarray(per_context[f"{r}/p@1"], np.float64)
+        for r in ("preference", "generation", "generation_per_token")}
+  rival = max(("generation", "generation_per_token"), key=lambda r: p1[r].mean())
+  diff = metrics.bootstrap_ci(np.mean, p1["preference"] - p1[rival])
   return [truth_line(
       method="diamante",
       paper="ranked by the jointly trained preference score, the human response comes first "
             "far more often than ranked by generation probability (Fig. 3)",
-      this_run=(f"P@1 {pref:.3f} by preference vs {metrics['generation/p@1']:.3f} by "
-                f"log-prob, {metrics['generation_per_token/p@1']:.3f} per token"),
-      agrees=pref > gen)]
-
+      this_run=(f"P@1 {p1['preference'].mean():.3f} by preference vs "
+                f"{p1['generation'].mean():.3f} by log-prob, "
+                f"{p1['generation_per_token'].mean():.3f} per token; preference minus "
+                f"{rival.replace('_', ' ')} {_interval(diff)} over {len(p1['preference'])} "
+                f"contexts"),
+      verdict=interval_verdict(diff.low, diff.high))]
 
 
 def _banner(text: str) -> None:

@@ -68,6 +68,9 @@ def test_diamante_configs_parse(files, steps, size):
     (("clarify_table4_gpu.gin",), "%PPO_ITERATIONS", 300),
     (("clarify_table4_cpu_dedicated.gin",), "clarify_table4.run_experiment.dedicated_roles",
      {"answer": 400, "fusion": 600}),
+    (("clarify_table4_cpu_dedicated_kl.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
+    (("clarify_table4_cpu_dedicated_kl.gin",), "clarify_table4.run_experiment.ppo_run",
+     "ppo_kl2"),
 ])
 def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
@@ -121,39 +124,91 @@ def test_diamante_verdict_follows_the_paired_intervals(pref, gen, expected):
 
 
 def _words(lines):
-  return [("agrees" if " — agrees" in line else "disagrees" if " — disagrees" in line else None)
-          for line in lines]
+  return [next((w for w in demo.VERDICTS if f" — {w}" in line), None) for line in lines]
 
 
-def test_clarify_truth_lines_agree_with_the_numbers():
-  low = {"jsd": 0.065, "flips_pct": 10.0}
-  high = {"jsd": 0.135, "flips_pct": 20.0}
-  lines = demo.clarify_truth_lines({"ppo": low, "finetuned": high})
-  assert _words(lines) == ["disagrees", "disagrees"]
-  assert "0.065 vs SFT 0.135" in lines[0] and "Table 4" in lines[0]
-  assert "experiments/clarify_table4.py" in lines[0] and "Fidelity experiments" in lines[0]
-  assert _words(demo.clarify_truth_lines({"ppo": high, "finetuned": low})) == ["agrees"] * 2
+def test_interval_verdict_needs_the_whole_interval_on_one_side():
+  assert demo.interval_verdict(0.01, 0.2) == "agrees"
+  assert demo.interval_verdict(-0.2, -0.01) == "disagrees"
+  assert demo.interval_verdict(-0.01, 0.2) == "cannot tell"
+  assert demo.interval_verdict(0.45, 0.62, null=0.5) == "cannot tell"
+  assert demo.interval_verdict(0.55, 0.62, null=0.5) == "agrees"
+  with pytest.raises(ValueError, match="verdict must be one of"):
+    demo.truth_line(method="npov", paper="p", this_run="r", verdict="maybe")
+
+
+def _situations(jsd, flips):
+  return {"per_situation": {"jsd": list(jsd), "flips": list(flips)}}
+
+
+def test_clarify_truth_lines_use_the_paired_interval_over_situations():
+  rng = np.random.default_rng(0)
+  n = 60
+  sft = _situations(rng.random(n) * 0.1, rng.random(n) < 0.2)
+  better = _situations(np.asarray(sft["per_situation"]["jsd"]) + 0.05 + 0.01 * rng.random(n),
+                       np.ones(n, bool))
+  lines = demo.clarify_truth_lines({"ppo": better, "finetuned": sft})
+  assert _words(lines) == ["agrees", "agrees"]
+  assert _words(demo.clarify_truth_lines({"ppo": sft, "finetuned": better})) == \
+      ["disagrees", "disagrees"]
+  # Same questions' numbers in another order: no paired difference to speak of.
+  shuffled = _situations(rng.permutation(sft["per_situation"]["jsd"]),
+                         rng.permutation(sft["per_situation"]["flips"]))
+  assert _words(demo.clarify_truth_lines({"ppo": shuffled, "finetuned": sft})) == \
+      ["cannot tell"] * 2
+  # The quoted interval: a NumPy percentile bootstrap of the per-situation differences.
+  diff = np.asarray(better["per_situation"]["jsd"]) - np.asarray(sft["per_situation"]["jsd"])
+  idx = np.random.default_rng(0).integers(0, n, size=(1000, n))
+  low, high = np.percentile(diff[idx].mean(axis=1), [2.5, 97.5])
+  assert f"[{low:+.3f}, {high:+.3f}] over {n} situations" in lines[0]
+  assert "Table 4" in lines[0] and "experiments/clarify_table4.py" in lines[0]
   assert all(len(line.splitlines()) <= 2 for line in lines)
 
 
-def test_npov_truth_lines_agree_with_the_numbers():
-  summary = {}
+def _npov_results(auc_like):
+  """Two slices; per detector a score that separates the labels as well as `auc_like` says."""
+  rng = np.random.default_rng(1)
+  out = {}
   for slice_name in ("unparaphrased", "paraphrased"):
-    for det, auc in (("rouge", 0.9), ("salience", 0.379), ("classifier", 0.64)):
-      summary[f"auc/{slice_name}/{det}/hallucination/example"] = auc
-      summary[f"auc/{slice_name}/{det}/coverage/example"] = 0.7
-      summary[f"auc/{slice_name}/{det}/coverage/word"] = None
-  lines = demo.npov_truth_lines(summary)
-  assert _words(lines) == ["agrees", "disagrees", "agrees"]
-  assert ".808" in lines[1] and "0.379" in lines[1]
+    out[slice_name] = {}
+    for det, quality in auc_like.items():
+      out[slice_name][det] = {}
+      for error in ("hallucination", "coverage"):
+        labels = np.arange(80) % 2
+        noise = rng.random(80)
+        scores = {"good": labels + 0.5 * noise, "bad": -labels - 0.5 * noise,
+                  "none": noise}[quality[error]]
+        out[slice_name][det][error] = {"labels": labels.tolist(), "scores": scores.tolist()}
+  return out
 
 
-def test_diamante_truth_line_agrees_with_the_numbers():
-  bad = {"preference/p@1": 0.22, "generation/p@1": 0.3, "generation_per_token/p@1": 0.56}
-  line, = demo.diamante_truth_lines(bad)
-  assert _words([line]) == ["disagrees"] and "0.220 by preference" in line
-  good = {"preference/p@1": 0.4, "generation/p@1": 0.1, "generation_per_token/p@1": 0.2}
-  assert _words(demo.diamante_truth_lines(good)) == ["agrees"]
+def test_npov_truth_lines_judge_each_detector_by_its_interval_against_chance():
+  results = _npov_results({"rouge": {"hallucination": "good", "coverage": "good"},
+                           "salience": {"hallucination": "bad", "coverage": "good"},
+                           "classifier": {"hallucination": "none", "coverage": "good"}})
+  lines = demo.npov_truth_lines(results)
+  assert _words(lines) == ["agrees", "disagrees", "cannot tell"]
+  assert ".808" in lines[1] and "hallucination 0.000" in lines[1]
+  assert "160 examples" in lines[0]
+  pooled = results["unparaphrased"]["classifier"]["hallucination"]
+  other = results["paraphrased"]["classifier"]["hallucination"]
+  expected = metrics.roc_auc(pooled["labels"] + other["labels"],
+                             pooled["scores"] + other["scores"])
+  assert f"hallucination {expected:.3f}" in lines[2]
+
+
+def test_diamante_truth_line_uses_the_paired_interval_against_the_better_rival():
+  n = 40
+  hits = (np.arange(n) % 2).astype(float)
+  per = {"preference/p@1": hits, "generation/p@1": np.zeros(n),
+         "generation_per_token/p@1": hits * (np.arange(n) % 4 == 1)}
+  line, = demo.diamante_truth_lines(per)
+  assert _words([line]) == ["agrees"] and "minus generation per token" in line
+  assert "0.500 by preference" in line and f"over {n} contexts" in line
+  per["generation_per_token/p@1"] = np.ones(n)
+  assert _words(demo.diamante_truth_lines(per)) == ["disagrees"]
+  per["generation_per_token/p@1"] = hits[::-1].copy()
+  assert _words(demo.diamante_truth_lines(per)) == ["cannot tell"]
 
 
 def _ci(estimate, low, high):
@@ -405,6 +460,22 @@ def test_clarify_reward_probe_reads_the_experiment_config():
   assert config.input_length == 96 and config.batch_size == 64
   assert clarify_reward_probe._bound("max_eval_situations") == 300
   assert clarify_reward_probe._bound("question_length", 32) == 32  # unbound: the default
+
+
+def test_clarify_systems_subset_keeps_table_order_and_refuses_unknown_names():
+  assert clarify_table4.evaluated_systems(None) == clarify_table4.SYSTEMS
+  assert clarify_table4.evaluated_systems(["ppo@greedy", "why", "ppo"]) == \
+      ("why", "ppo", "ppo@greedy")
+  for bad in (["ppo", "sft"], [], ["ppo", "ppo"]):
+    with pytest.raises(ValueError, match="run_experiment.systems"):
+      clarify_table4.evaluated_systems(bad)
+
+
+def test_clarify_kl_config_evaluates_known_systems():
+  _parse("--gin_file=configs/experiments/clarify_table4_cpu_dedicated_kl.gin",
+         "--gin.INIT_CHECKPOINT='/base'")
+  systems = gin.query_parameter("clarify_table4.run_experiment.systems")
+  assert set(clarify_table4.evaluated_systems(systems)) >= {"finetuned", "ppo"}
 
 
 def test_clarify_reward_probe_finds_the_dedicated_models(tmp_path):

@@ -59,6 +59,9 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
   questions = generator(list(situations))
   result = reward.score_questions(list(situations), questions)
   out = question_metrics(questions, result)
+  # Per situation, in order: paired comparisons of two systems on the same situations.
+  out["per_situation"] = {"jsd": [float(v) for v in result.scores],
+                          "flips": [bool(v) for v in result.flips]}
   out["samples"] = [{"situation": s, "question": q, "jsd": float(j)}
                     for s, q, j in list(zip(situations, questions, result.scores))[:5]]
   return out

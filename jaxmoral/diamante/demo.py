@@ -58,8 +58,13 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
       log_every=max(1, train_steps // 5), checkpoint_every=train_steps)
   bundle = bundle_lib.load(model_dir)
   rerank = inference.RerankConfig(num_candidates=8, max_decode_length=24)
-  metrics = evaluate.evaluate_turns(bundle, test_turns, num_random=3, max_candidates=5,
-                                    num_generate=8, rerank=rerank, seed=seed)
+  # Per context, for the paired interval of the truth line; then its means.
+  per_context = evaluate.rank_contexts(bundle, test_turns, num_random=3, max_candidates=5,
+                                       seed=seed)
+  metrics = evaluate.ranking_summary(per_context)
+  metrics.update(evaluate.generation_metrics(
+      bundle, [test_turns[int(i)].context for i in per_context["turn"][:8]], rerank=rerank,
+      seed=seed))
   print("\n== Diamante demo: held-out ranking of the human response ==", file=output)
   print(f"contexts: {int(metrics['num_contexts'])}   random-ranker P@1: "
         f"{metrics['random/p@1']:.3f}", file=output)
@@ -71,7 +76,7 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   print(f"  train: nll {train.get('train/nll', float('nan')):.3f}  pe_loss "
         f"{train.get('train/pe_loss', float('nan')):.3f}  rank_accuracy "
         f"{train.get('train/rank_accuracy', float('nan')):.3f}", file=output)
-  truth = demo_lib.diamante_truth_lines(metrics)
+  truth = demo_lib.diamante_truth_lines(per_context)
   for line in truth:
     print(line, file=output)
   print("\n== sample replies (best of 8 by preference score) ==", file=output)

@@ -128,6 +128,76 @@ def score_ranking_items(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn],
                        logprobs=logprobs[row, :n], lengths=lengths[row, :n])
 
 
+RANKERS = ("preference", "generation", "generation_per_token")
+RANKING_METRICS = ("map", "mrr", "p@1")
+
+
+def rank_contexts(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_random: int = 5,
+                  max_candidates: int = 10, max_contexts: Optional[int] = None,
+                  batch_size: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
+  """Ranking metrics of the human response, per context (for means and bootstrap intervals).
+
+  Returns:
+    `{"<ranker>/<metric>": (C,), "pe_accuracy": (C,) (NaN where undefined), "random/p@1":
+    (C,) (a random ranker's expected P@1), "turn": (C,) (index into `turns`)}` over the C
+    usable contexts, rankers `RANKERS` (preference score, summed and per-token generation
+    log-prob), metrics `RANKING_METRICS`.
+
+  Raises:
+    ValueError: on bad counts, or when no turn has a model candidate different from r_H.
+  """
+  if num_random < 0 or max_candidates < 1 or batch_size < 1:
+    raise ValueError("rank_contexts: need num_random >= 0, max_candidates >= 1, batch_size >= 1")
+  items = ranking_items(turns, num_random=num_random, max_candidates=max_candidates, seed=seed,
+                        encode=model_view(bundle))
+  if max_contexts is not None:
+    items = items[:max_contexts]
+  if not items:
+    raise ValueError("rank_contexts: no test turn has a model candidate different from r_H")
+  out: dict[str, list[float]] = {"pe_accuracy": [], "random/p@1": [], "turn": []}
+  for scored in score_ranking_items(bundle, turns, items, width=1 + max_candidates + num_random,
+                                    batch_size=batch_size):
+    labels = scored.kinds == data.HUMAN
+    by_ranker = {"preference": scored.scores, "generation": scored.logprobs,
+                 "generation_per_token": scored.logprobs / scored.lengths}
+    for ranker, values in by_ranker.items():
+      ranked = metrics_lib.ranking_metrics([values], [labels])
+      for key in RANKING_METRICS:
+        out.setdefault(f"{ranker}/{key}", []).append(ranked[key])
+    out["pe_accuracy"].append(pe_accuracy(scored.scores, scored.kinds))
+    out["random/p@1"].append(1.0 / len(scored.kinds))
+    out["turn"].append(scored.turn)
+  return {k: np.asarray(v, np.float64) for k, v in out.items()}
+
+
+def ranking_summary(per_context: dict[str, np.ndarray]) -> dict[str, float]:
+  """Means over contexts of `rank_contexts`' arrays (MAP, MRR and P@1 are such means)."""
+  result = {"num_contexts": float(len(per_context["turn"]))}
+  for ranker in RANKERS:
+    for key in RANKING_METRICS:
+      result[f"{ranker}/{key}"] = float(np.mean(per_context[f"{ranker}/{key}"]))
+  result["random/p@1"] = float(np.mean(per_context["random/p@1"]))
+  result["pe_accuracy"] = float(np.nanmean(per_context["pe_accuracy"]))
+  return result
+
+
+def generation_metrics(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str]], *,
+                       rerank: inference.RerankConfig, batch_size: int = 8,
+                       seed: int = 0) -> dict[str, float]:
+  """distinct-1/2 and the mean preference score of reranked responses to `contexts`."""
+  key = jax.random.PRNGKey(seed)
+  replies = []
+  for start in range(0, len(contexts), batch_size):
+    key, sub = jax.random.split(key)
+    chunk = list(contexts[start:start + batch_size])
+    padded = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape
+    replies.extend(inference.respond(bundle, padded, rng=sub, config=rerank)[:len(chunk)])
+  texts = [r.text for r in replies]
+  return {"distinct-1": metrics_lib.distinct_n(texts, 1),
+          "distinct-2": metrics_lib.distinct_n(texts, 2),
+          "generated/mean_score": float(np.mean([r.score for r in replies]))}
+
+
 def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_random: int = 5,
                    max_candidates: int = 10, max_contexts: Optional[int] = None,
                    num_generate: int = 0,
@@ -141,44 +211,14 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
     `pe_accuracy`, `num_contexts`, and with `num_generate > 0` `distinct-1`, `distinct-2`,
     `generated/mean_score`.
   """
-  if num_random < 0 or max_candidates < 1 or batch_size < 1:
-    raise ValueError("evaluate_turns: need num_random >= 0, max_candidates >= 1, batch_size >= 1")
-  items = ranking_items(turns, num_random=num_random, max_candidates=max_candidates, seed=seed,
-                       encode=model_view(bundle))
-  if max_contexts is not None:
-    items = items[:max_contexts]
-  if not items:
-    raise ValueError("evaluate_turns: no test turn has a model candidate different from r_H")
-  pref, gen, gen_tok, labels, kinds_all, pe_accs = [], [], [], [], [], []
-  for scored in score_ranking_items(bundle, turns, items, width=1 + max_candidates + num_random,
-                                    batch_size=batch_size):
-    pref.append(scored.scores)
-    gen.append(scored.logprobs)
-    gen_tok.append(scored.logprobs / scored.lengths)
-    labels.append(scored.kinds == data.HUMAN)
-    kinds_all.append(scored.kinds)
-    pe_accs.append(pe_accuracy(scored.scores, scored.kinds))
-  result: dict[str, float] = {"num_contexts": float(len(items))}
-  for name, values in (("preference", pref), ("generation", gen),
-                       ("generation_per_token", gen_tok)):
-    ranked = metrics_lib.ranking_metrics(values, labels)
-    for key in ("map", "mrr", "p@1"):
-      result[f"{name}/{key}"] = ranked[key]
-  result["random/p@1"] = float(np.mean([1.0 / len(k) for k in kinds_all]))
-  result["pe_accuracy"] = float(np.nanmean(pe_accs))
+  per_context = rank_contexts(bundle, turns, num_random=num_random,
+                              max_candidates=max_candidates, max_contexts=max_contexts,
+                              batch_size=batch_size, seed=seed)
+  result = ranking_summary(per_context)
   if num_generate > 0:
-    contexts = [turns[i].context for i, _, _ in items[:num_generate]]
-    key = jax.random.PRNGKey(seed)
-    replies = []
-    for start in range(0, len(contexts), batch_size):
-      key, sub = jax.random.split(key)
-      chunk = list(contexts[start:start + batch_size])
-      padded = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape
-      replies.extend(inference.respond(bundle, padded, rng=sub, config=rerank)[:len(chunk)])
-    texts = [r.text for r in replies]
-    result["distinct-1"] = metrics_lib.distinct_n(texts, 1)
-    result["distinct-2"] = metrics_lib.distinct_n(texts, 2)
-    result["generated/mean_score"] = float(np.mean([r.score for r in replies]))
+    contexts = [turns[int(i)].context for i in per_context["turn"][:num_generate]]
+    result.update(generation_metrics(bundle, contexts, rerank=rerank, batch_size=batch_size,
+                                     seed=seed))
   return result
 
 

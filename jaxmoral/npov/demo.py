@@ -150,7 +150,7 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
           for slice_name, by_detector in results.items()
           for det, by_error in by_detector.items()
           for error in evaluate.ERRORS for level in ("example", "word")}
-  truth = demo_lib.npov_truth_lines(aucs)
+  truth = demo_lib.npov_truth_lines(results)
   for line in truth:
     print(line)
   # The user-facing path: a responses file in, scores and heatmaps out.
