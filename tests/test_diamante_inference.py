@@ -138,6 +138,14 @@ def test_evaluation_matches_per_context_ranking(saved):
   for key in ("map", "mrr", "p@1"):
     assert result[f"preference/{key}"] == pytest.approx(want_pref[key], abs=1e-6)
     assert result[f"generation/{key}"] == pytest.approx(want_gen[key], abs=1e-6)
+  # Per context (the demo's and the experiment's paired intervals): each item's own ranking.
+  per = evaluate.rank_contexts(bundle, turns, num_random=2, max_candidates=3, batch_size=3,
+                               seed=4)
+  assert per["turn"].tolist() == [i for i, _, _ in items]
+  for key in ("map", "p@1"):
+    np.testing.assert_allclose(
+        per[f"preference/{key}"],
+        [metrics_lib.ranking_metrics([p], [l])[key] for p, l in zip(prefs, labels)], atol=1e-6)
   assert result["pe_accuracy"] == pytest.approx(np.mean(accs), abs=1e-6)
   assert result["random/p@1"] == pytest.approx(np.mean([1 / len(r) for _, r, _ in items]))
   for _, responses, kinds in items:
