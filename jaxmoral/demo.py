@@ -135,7 +135,8 @@ def npov_truth_lines(results: Mapping[str, Any]) -> list[str]:
       if len(set(labels.tolist())) < 2:
         continue
       auc = metrics.bootstrap_ci(metrics.roc_auc, labels, scores)
-      found.append(f"{error} {auc.estimate:.3f} [{auc.low:.3f}, {auc.high:.3f}]")
+      found.append(f"{error} {auc.estimate:.3f} [{auc.low:.3f}, {auc.high:.3f}] "
+                   f"({len(labels)} examples)")
       verdicts.append(interval_verdict(auc.low, auc.high, null=0.5))
     if len(found) < 2:
       continue
@@ -143,8 +144,7 @@ def npov_truth_lines(results: Mapping[str, Any]) -> list[str]:
                "disagrees" if "disagrees" in verdicts else "cannot tell")
     lines.append(truth_line(
         method="npov", paper=f"{paper} (Table 1)",
-        this_run=(f"ROC AUC {', '.join(found)} (example level, {len(labels)} examples of the "
-                  f"test slices pooled)"),
+        this_run=f"ROC AUC {', '.join(found)} (example level, the test slices pooled)",
         verdict=verdict))
   return lines
 

@@ -189,7 +189,7 @@ def test_npov_truth_lines_judge_each_detector_by_its_interval_against_chance():
   lines = demo.npov_truth_lines(results)
   assert _words(lines) == ["agrees", "disagrees", "cannot tell"]
   assert ".808" in lines[1] and "hallucination 0.000" in lines[1]
-  assert "160 examples" in lines[0]
+  assert "(160 examples)" in lines[0]
   pooled = results["unparaphrased"]["classifier"]["hallucination"]
   other = results["paraphrased"]["classifier"]["hallucination"]
   expected = metrics.roc_auc(pooled["labels"] + other["labels"],
