@@ -32,7 +32,9 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
                        "iterations) is above SFT on every decoding but not significantly (avg "
                        "JSD +0.0053 [-0.0025, +0.0130], flips +5.0 [-0.7, +10.7] points); at 120 "
                        "iterations the flips gain is significant but the policy has gamed the "
-                       "reward (16 % of its outputs are questions, SFT 80 %)",
+                       "reward (16 % of its outputs are questions, SFT 80 %); with a KL penalty "
+                       "held at about 2 nats it keeps asking (90 %) and is level with SFT (avg "
+                       "JSD +0.0000 [-0.0039, +0.0038]): not shown at this scale",
             "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
                         "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
                         "difference +0.057 [+0.017, +0.097]",

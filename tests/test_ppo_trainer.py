@@ -72,6 +72,19 @@ def test_config_validation():
     ppo_trainer.PPOConfig(lam=1.5)
 
 
+def test_adaptive_kl_reach_is_where_the_controller_can_get():
+  for horizon, iterations in ((10000.0, 120), (320.0, 120), (320.0, 7)):
+    config = ppo_trainer.PPOConfig(batch_size=32, num_minibatches=4, init_kl_coef=0.05,
+                                   kl_target=2.0, kl_horizon=horizon)
+    controller, coef = config.kl_controller(), 0.05
+    for _ in range(iterations):  # KL far above target every iteration: the fastest growth
+      coef = float(controller.update(coef, 100.0, config.batch_size))
+    assert config.adaptive_kl_reach(iterations) == pytest.approx(coef / 0.05, rel=1e-4)
+  # The defaults at 32 episodes per iteration: under 8 % in 120 iterations (session 13's run).
+  assert ppo_trainer.PPOConfig(batch_size=32).adaptive_kl_reach(120) < 1.08
+  assert ppo_trainer.PPOConfig(kl_control="fixed").adaptive_kl_reach(120) == 1.0
+
+
 def test_prompt_batches_are_epoch_permutations():
   texts = [f"w{i + 2}" for i in range(6)]
   source = ppo_trainer.PromptSource(tokens=np.arange(6)[:, None], texts=texts, batch_size=4,
