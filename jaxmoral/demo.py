@@ -61,8 +61,8 @@ def interval_verdict(low: float, high: float, *, null: float = 0.0) -> str:
   return "cannot tell"
 
 
-def _interval(ci: Any) -> str:
-  return f"{ci.estimate:+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]"
+def _interval(ci: Any, digits: int = 3) -> str:
+  return f"{ci.estimate:+.{digits}f} [{ci.low:+.{digits}f}, {ci.high:+.{digits}f}]"
 
 
 def truth_line(*, method: str, paper: str, this_run: str, verdict: str) -> str:
@@ -95,17 +95,17 @@ def clarify_truth_lines(evaluation: Mapping[str, Mapping[str, Any]]) -> list[str
     return []
   ppo, sft = evaluation["ppo"]["per_situation"], evaluation["finetuned"]["per_situation"]
   lines = []
-  for key, paper, fmt in (
+  for key, paper, fmt, scale, digits in (
       ("jsd", "PPO raises the average JSD of the judge's verdicts over the supervised question "
-              "generator (Table 4)", "avg JSD PPO {a:.3f} vs SFT {b:.3f}"),
+              "generator (Table 4)", "avg JSD PPO {a:.3f} vs SFT {b:.3f}", 1.0, 3),
       ("flips", "PPO raises the % of judgment flips over the supervised generator (Table 4)",
-       "flips PPO {a:.1%} vs SFT {b:.1%}")):
-    a, b = np.asarray(ppo[key], np.float64), np.asarray(sft[key], np.float64)
+       "flips PPO {a:.1f} % vs SFT {b:.1f} %", 100.0, 1)):
+    a, b = (scale * np.asarray(x[key], np.float64) for x in (ppo, sft))
     diff = metrics.bootstrap_ci(np.mean, a - b)
     lines.append(truth_line(
         method="clarify", paper=paper,
         this_run=(fmt.format(a=a.mean(), b=b.mean()) + f", paired difference "
-                  f"{_interval(diff)} over {len(a)} situations"),
+                  f"{_interval(diff, digits)} over {len(a)} situations"),
         verdict=interval_verdict(diff.low, diff.high)))
   return lines
 

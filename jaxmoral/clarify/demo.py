@@ -100,7 +100,9 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   tick = time.time()
   ppo_config = ppo_trainer.PPOConfig(
       batch_size=ppo_batch_size, num_ppo_epochs=2, num_minibatches=2, max_prompt_length=48,
-      max_response_length=16, reward_norm_num_prompts=ppo_batch_size, init_kl_coef=0.05)
+      max_response_length=16, reward_norm_num_prompts=ppo_batch_size,
+      # A few iterations: no controller could adapt the coefficient, so it is fixed.
+      kl_control="fixed", init_kl_coef=0.05)
   ppo_dir = str(work / "ppo")
   ppo = training.train_clarify_ppo(
       model_dir=ppo_dir, question_model_dir=role_dir["question"],

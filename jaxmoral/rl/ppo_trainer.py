@@ -922,7 +922,7 @@ def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
     raise ValueError(f"train_ppo: sample_every must be an int >= 0, got {sample_every!r}")
   reach = trainer.config.adaptive_kl_reach(num_iterations)
   if 1.0 < reach < 1.5:
-    # Silent otherwise: an "adaptive" penalty that cannot adapt is a fixed one.
+    # An "adaptive" penalty that cannot move is a fixed one: say so instead of letting it pass.
     logger.warning("train_ppo: the adaptive KL coefficient can change at most %.3fx in %d "
                    "iterations (PPOConfig.kl_horizon %g for %d episodes per iteration): in "
                    "effect a fixed coefficient; lower kl_horizon to let it follow kl_target",
