@@ -16,9 +16,8 @@ that their first-step losses agree, and times `--rounds` interleaved rounds of `
 (impl A, impl B, impl A, ...), reporting each impl's median round and the ratio. An entry
 `pallas_gpu:opt+opt` sets options of the Triton kernels while that step is traced: `diagonals`
 (`t5.GPU_BIAS_AS_DIAGONALS`) and `field=value` (`flash_attention_gpu.DEFAULT_BLOCK_SIZES`),
-e.g. `--compare cudnn,pallas_gpu,pallas_gpu:dkv_rows=2+block_k_dkv=32`. Options named
-`norm_FIELD=value` set `rms_norm_gpu.DEFAULT_BLOCK_SIZES.FIELD` (norm_impl="pallas_gpu"), and
-T5Config overrides of one entry follow it after '/': `--compare cudnn,cudnn/norm_impl=pallas_gpu`.
+e.g. `--compare cudnn,pallas_gpu,pallas_gpu:dkv_rows=2+block_k_dkv=32`. T5Config overrides
+of one entry follow it after '/': `--compare cudnn,cudnn/dtype=float16`.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ import jax.numpy as jnp
 from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import flash_attention_gpu
-from jaxmoral.models import rms_norm_gpu
 from jaxmoral.models import t5
 
 from bench_train_step import make_batch  # bench/bench_train_step.py
@@ -137,36 +135,28 @@ def build_step(args: argparse.Namespace) -> tuple[config_lib.T5Config, trainer_l
 
 
 def apply_kernel_options(options: str) -> None:
-  """Sets `diagonals` (t5.GPU_BIAS_AS_DIAGONALS), BlockSizes `field=value` options of the
-  attention kernels (attention_impl="pallas_gpu") and NormBlockSizes `norm_field=value`
-  options of the norm kernels (norm_impl="pallas_gpu") for the steps traced from now on."""
-  fields, norm_fields = {}, {}
+  """Sets `diagonals` (t5.GPU_BIAS_AS_DIAGONALS) and BlockSizes `field=value` options of the
+  Triton kernels (attention_impl="pallas_gpu") for the steps traced from now on."""
+  fields = {}
   for option in filter(None, options.replace("+", ",").split(",")):
     if option == "diagonals":
       t5.GPU_BIAS_AS_DIAGONALS = True
     else:
       name, _, value = option.partition("=")
-      if name.startswith("norm_"):
-        norm_fields[name[len("norm_"):]] = int(value)
-      else:
-        fields[name] = int(value)
+      fields[name] = int(value)
   flash_attention_gpu.DEFAULT_BLOCK_SIZES = dataclasses.replace(
       flash_attention_gpu.DEFAULT_BLOCK_SIZES, **fields)
-  rms_norm_gpu.DEFAULT_BLOCK_SIZES = dataclasses.replace(
-      rms_norm_gpu.DEFAULT_BLOCK_SIZES, **norm_fields)
 
 
 @contextlib.contextmanager
 def kernel_options(options: str):
   """`apply_kernel_options` while the with-block runs (a step is traced by its first call)."""
-  saved = (t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES,
-           rms_norm_gpu.DEFAULT_BLOCK_SIZES)
+  saved = (t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES)
   apply_kernel_options(options)
   try:
     yield
   finally:
-    (t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES,
-     rms_norm_gpu.DEFAULT_BLOCK_SIZES) = saved
+    t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES = saved
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -234,8 +224,8 @@ def main() -> None:
   parser.add_argument("--check_flops", action="store_true",
                       help="also print XLA's cost analysis (one more compile)")
   parser.add_argument("--compare", default="",
-                      help="comma-separated attention_impl[:options][/field=value...] entries to time "
-                           "against each other")
+                      help="comma-separated attention_impl[:options][/field=value...] "
+                           "entries to time against each other")
   parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (--compare)")
   args = parser.parse_args()
   if args.compare:

@@ -16,8 +16,6 @@ FeedForward = Literal["relu", "gated-gelu", "gated-relu", "gated-silu"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["auto", "einsum", "cudnn", "pallas", "pallas_gpu"]
 ATTENTION_IMPLS = ("auto", "einsum", "cudnn", "pallas", "pallas_gpu")
-NormImpl = Literal["xla", "pallas_gpu"]
-NORM_IMPLS = ("xla", "pallas_gpu")
 
 
 def cudnn_supports_head_width(d_kv: int) -> bool:
@@ -66,9 +64,6 @@ class T5Config:
       by per-row lengths instead of a dense (batch, heads, q, k) bias, which is much faster
       at T5 1.1-large shapes; a row with padding before a valid token
       would attend wrongly. Packed batches (segment ids) always use the dense mask.
-    norm_impl: How the RMS norms are computed: "xla" (XLA's fusions, any device) or
-      "pallas_gpu" (`rms_norm_gpu`: one Triton kernel forward and one backward, the same
-      numbers; off GPUs only with `flash_attention_gpu.INTERPRET`, checked when traced).
   """
 
   vocab_size: int = 32128
@@ -90,7 +85,6 @@ class T5Config:
   eos_token_id: int = 1
   attention_impl: AttentionImpl = "auto"
   right_padded_inputs: bool = False
-  norm_impl: NormImpl = "xla"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads",
@@ -121,9 +115,6 @@ class T5Config:
     if self.attention_impl == "cudnn" and not cudnn_supports_head_width(self.d_kv):
       raise ValueError(f"T5Config.attention_impl='cudnn' needs d_kv a multiple of 8 and at "
                        f"most 128, got {self.d_kv}")
-    if self.norm_impl not in NORM_IMPLS:
-      raise ValueError(f"T5Config.norm_impl must be one of {NORM_IMPLS}, got "
-                       f"{self.norm_impl!r}")
     if self.pad_token_id >= self.vocab_size or self.eos_token_id >= self.vocab_size:
       raise ValueError("T5Config: pad/eos ids must be < vocab_size")
 
@@ -170,8 +161,7 @@ class T5Config:
 
 
 # Fields that say how to compute, not what the weights are.
-COMPUTE_FIELDS = ("dtype", "dropout_rate", "remat", "attention_impl", "right_padded_inputs",
-                  "norm_impl")
+COMPUTE_FIELDS = ("dtype", "dropout_rate", "remat", "attention_impl", "right_padded_inputs")
 
 
 # T5 1.1 dimensions (Raffel et al.; google/t5-v1_1-*), vocab padded to 32128 as released.

@@ -40,7 +40,6 @@ from jaxmoral.models.config import T5Config, cudnn_supports_head_width
 from jaxmoral.models import flash_attention
 from jaxmoral.models import flash_attention_gpu
 from jaxmoral.models import heads
-from jaxmoral.models import rms_norm_gpu
 
 Array = jax.Array
 NEG_INF = -1e10  # Large negative bias for masked attention (T5X uses the same order).
@@ -87,27 +86,16 @@ def relative_position_bucket_table(max_distance_span: int, bidirectional: bool,
 
 
 class RMSNorm(nn.Module):
-  """T5 layer norm: scale only, no mean subtraction, statistics in float32.
-
-  `impl` is `T5Config.norm_impl`: "xla" (XLA fuses it) or "pallas_gpu" (`rms_norm_gpu`'s
-  Triton kernels, the same numbers).
-  """
+  """T5 layer norm: scale only, no mean subtraction, statistics in float32."""
   epsilon: float
   dtype: Any
-  impl: str = "xla"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",))
-    if self.impl == "pallas_gpu":
-      batch_axes = nn.logical_to_mesh_axes(("batch",))[0]
-      return rms_norm_gpu.sharded_rms_norm(x, scale, epsilon=self.epsilon, out_dtype=self.dtype,
-                                           batch_axes=batch_axes)
-    return rms_norm_gpu.reference_rms_norm(x, scale, epsilon=self.epsilon, out_dtype=self.dtype)
-
-
-def _norm(config: T5Config, name: str) -> RMSNorm:
-  return RMSNorm(config.layer_norm_epsilon, _dtype(config), config.norm_impl, name=name)
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    return (x32 * scale).astype(self.dtype)
 
 
 def _matmul_last_axis(x: Array, kernel: Array, *, split_one_row: bool = True,
@@ -548,10 +536,11 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x: Array, bias: Array) -> Array:
     cfg = self.config
-    h = _norm(cfg, "pre_attention_layer_norm")(x)
+    norm = functools.partial(RMSNorm, epsilon=cfg.layer_norm_epsilon, dtype=_dtype(cfg))
+    h = norm(name="pre_attention_layer_norm")(x)
     h = MultiHeadAttention(cfg, self.deterministic, name="attention")(h, h, bias)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
-    h = _norm(cfg, "pre_mlp_layer_norm")(x)
+    h = norm(name="pre_mlp_layer_norm")(x)
     h = MlpBlock(cfg, self.deterministic, name="mlp")(h)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
     return _constrain(x, ("batch", "length", "embed"))
@@ -568,17 +557,18 @@ class DecoderLayer(nn.Module):
   def __call__(self, x: Array, encoded: Optional[Array], self_bias: Array, cross_bias: Array,
                decode_position: Optional[Array]) -> Array:
     cfg = self.config
+    norm = functools.partial(RMSNorm, epsilon=cfg.layer_norm_epsilon, dtype=_dtype(cfg))
     cache_args = dict(decode=self.decode, init_cache=self.init_cache,
                       decode_position=decode_position, max_decode_length=self.max_decode_length)
-    h = _norm(cfg, "pre_self_attention_layer_norm")(x)
+    h = norm(name="pre_self_attention_layer_norm")(x)
     h = MultiHeadAttention(cfg, self.deterministic, name="self_attention")(
         h, h, self_bias, **cache_args)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
-    h = _norm(cfg, "pre_cross_attention_layer_norm")(x)
+    h = norm(name="pre_cross_attention_layer_norm")(x)
     h = MultiHeadAttention(cfg, self.deterministic, name="encoder_decoder_attention")(
         h, encoded, cross_bias, is_cross=True, **cache_args)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
-    h = _norm(cfg, "pre_mlp_layer_norm")(x)
+    h = norm(name="pre_mlp_layer_norm")(x)
     # Only a cached decoding step's products are the decoding backend's (see DecodeStepOps).
     h = MlpBlock(cfg, self.deterministic, self.decode and not self.init_cache, name="mlp")(h)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
@@ -647,7 +637,7 @@ class Encoder(nn.Module):
     layer_cls = nn.remat(EncoderLayer) if cfg.remat else EncoderLayer
     for i in range(cfg.num_encoder_layers):
       x = layer_cls(cfg, deterministic, name=f"layers_{i}")(x, bias)
-    x = _norm(cfg, "encoder_norm")(x)
+    x = RMSNorm(cfg.layer_norm_epsilon, _dtype(cfg), name="encoder_norm")(x)
     return _dropout(self, x, cfg.dropout_rate, deterministic)
 
 
@@ -726,7 +716,7 @@ class Decoder(nn.Module):
       x = layer_cls(cfg, deterministic, decode, init_cache,
                     max_decode_length, name=f"layers_{i}")(
                         x, encoded, self_bias, cross_bias, decode_position)
-    x = _norm(cfg, "decoder_norm")(x)
+    x = RMSNorm(cfg.layer_norm_epsilon, _dtype(cfg), name="decoder_norm")(x)
     hidden = _dropout(self, x, cfg.dropout_rate, deterministic)
     step = decode and not init_cache
     if cfg.tie_word_embeddings:
