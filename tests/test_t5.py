@@ -475,3 +475,34 @@ def test_teacher_forced_rows_sharing_an_encoding_equal_repeated_encodings():
   with pytest.raises(ValueError, match="deterministic"):
     dropout.apply({"params": params}, encoded, mask, targets, deterministic=False,
                   method=t5.T5.decode, rngs={"dropout": jax.random.PRNGKey(1)})
+
+
+def test_init_params_draws_once_per_shape_at_each_parameters_scale():
+  """One RNG call per distinct (shape, logical axes), not per parameter; each parameter keeps
+  the scale flax's own initializer gives it (its std within 15 % of the per-parameter draw's),
+  and parameters of one shape get independent rows."""
+  model = t5.T5(t5_config(size="tiny"))
+  key = jax.random.PRNGKey(3)
+  pooled = flax.traverse_util.flatten_dict(flax.core.meta.unbox(t5.init_params(model, key)))
+  enc = jnp.ones((1, 8), jnp.int32)
+  per_parameter = flax.traverse_util.flatten_dict(flax.core.meta.unbox(
+      model.init({"params": key, "dropout": key}, enc, enc)["params"]))
+  assert pooled.keys() == per_parameter.keys()
+  random_leaves = 0
+  for path, want in per_parameter.items():
+    got, want = np.asarray(pooled[path]), np.asarray(want)
+    assert got.shape == want.shape, path
+    if np.all(want == want.flat[0]):  # ones (norm scales): not drawn.
+      np.testing.assert_array_equal(got, want)
+      continue
+    random_leaves += 1
+    assert not np.allclose(got, want), path
+    assert abs(got.std() / want.std() - 1) < 0.15, path
+    assert abs(got.mean()) < 4 * want.std() / np.sqrt(got.size), path
+  assert random_leaves >= 40
+  kernels = [np.asarray(v).ravel() for k, v in pooled.items()
+             if k[-1] == "kernel" and k[-2] == "wi_0"]
+  assert len(kernels) == 4 and abs(np.corrcoef(kernels[0], kernels[1])[0, 1]) < 0.05
+  jaxpr = str(jax.make_jaxpr(lambda r: t5.init_params(model, r))(key))
+  groups = {(tuple(np.shape(v)),) for v in pooled.values()}
+  assert 0 < jaxpr.count("random_bits") <= 2 * len(groups) < random_leaves

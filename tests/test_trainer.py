@@ -233,19 +233,29 @@ def test_microbatching_equals_one_big_batch(name, steps, factor):
   scale = max(float(np.max(np.abs(x))) for x in jax.tree_util.tree_leaves(delta_big))
   assert scale > 1e-4  # the step did move the parameters
   # The optimizer's state is linear (Adam's mu) or quadratic (nu) in the accumulated
-  # gradients: a tight check, per leaf relative to its largest entry.
+  # gradients: a tight check, per leaf relative to its largest entry (summation order moved
+  # a few entries of Adam's mu by 1.5e-5 of the peak after 2 steps; a wrong microbatch
+  # weighting moves them by percents).
   for a, b in zip(jax.tree_util.tree_leaves(host(s_micro.opt_state)),
                   jax.tree_util.tree_leaves(host(s_big.opt_state))):
     peak = float(np.max(np.abs(b))) if np.size(b) else 0.0
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * peak)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-5 * peak)
   # SGD's update is the gradient itself: tight. Adam's mu / sqrt(nu) is a ratio of near-zero
   # numbers where a gradient entry changed sign between the steps, which magnifies float32
-  # summation-order noise (seen: 1.5e-3 relative, 1.3e-4 of the largest update, on 1 of 8192
-  # entries with an Intel AVX-512 CPU), so its update gets tolerances of that order.
-  rtol, atol = (1e-7, 1e-5 * scale) if name == "sgd" else (1e-3, 1e-3 * scale)
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=atol), delta_micro,
-      delta_big)
+  # summation-order noise on single entries (seen: 1.5e-3 relative on 1 of 8192 entries with
+  # an Intel AVX-512 CPU; 2.2e-2 relative, 1.7e-2 of the largest update, on 1 of 8192 with
+  # other initial weights), so Adam's update must hold to 1e-3 on all but 1 in 1,000 entries
+  # and to 5e-2 of the largest update on every one.
+  if name == "sgd":
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-5 * scale),
+        delta_micro, delta_big)
+  else:
+    got = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(delta_micro)])
+    want = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(delta_big)])
+    off = np.abs(got - want)
+    assert np.mean(off > 1e-3 * scale + 1e-3 * np.abs(want)) <= 1e-3
+    assert np.max(off) <= 5e-2 * scale
   # Plain mean over microbatches would differ: token counts per microbatch are unequal.
   counts = [int((batch["decoder_target_tokens"][i::4] > 0).sum()) for i in range(4)]
   assert len(set(counts)) > 1

@@ -27,6 +27,7 @@ method=...)`: `embed` (token ids -> input embeddings), `encode` (from ids *or* e
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import Any, Iterator, Optional, Sequence
 
@@ -53,6 +54,52 @@ def _param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...],
            axes: tuple[Optional[str], ...]) -> Array:
   """A float32 parameter boxed with its T5X logical axis names."""
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+class _NormalDraws:
+  """The standard normals of every random parameter of one `init_params`, drawn in a few calls.
+
+  Flax draws each parameter with its own threefry call, and XLA:CPU compiles each call into a
+  loop of its own: a tiny T5's 52 made its init compile in about 2 s (one call for the same
+  numbers: 0.3 s), the largest compile of most tests. `init_params` traces the model once
+  abstractly to list the random parameters, then draws one (count, *shape) block per distinct
+  (shape, logical axes), constrained to those axes so a sharded init stays sharded, and each
+  parameter takes its row.
+  """
+
+  def __init__(self):
+    self.recorded: list[tuple[tuple[str, ...], tuple[int, ...], tuple[Optional[str], ...]]] = []
+    self.rows: Optional[dict[tuple[str, ...], Array]] = None
+
+  def draw(self, rng: Array) -> None:
+    groups: dict[tuple[Any, Any], list[tuple[str, ...]]] = {}
+    for path, shape, axes in self.recorded:
+      groups.setdefault((shape, axes), []).append(path)
+    self.rows = {}
+    for index, ((shape, axes), paths) in enumerate(groups.items()):
+      block = jax.random.normal(jax.random.fold_in(rng, index), (len(paths),) + shape,
+                                jnp.float32)
+      block = _constrain(block, (None,) + axes)
+      self.rows.update((path, block[i]) for i, path in enumerate(paths))
+
+
+_NORMAL_DRAWS: contextvars.ContextVar[Optional[_NormalDraws]] = contextvars.ContextVar(
+    "jaxmoral_t5_normal_draws", default=None)
+
+
+def _normal_param(module: nn.Module, name: str, stddev: float, shape: tuple[int, ...],
+                  axes: tuple[Optional[str], ...]) -> Array:
+  """`_param` drawn from N(0, stddev^2): a row of `init_params`' draws where it has one."""
+  draws, path = _NORMAL_DRAWS.get(), tuple(module.path) + (name,)
+
+  def init(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:
+    if draws is not None and draws.rows is None:  # Listing them (an abstract trace).
+      draws.recorded.append((path, tuple(shape), tuple(axes)))
+    if draws is not None and draws.rows is not None and path in draws.rows:
+      return (draws.rows[path] * stddev).astype(dtype)
+    return nn.initializers.normal(stddev=stddev)(key, shape, dtype)
+
+  return _param(module, name, init, shape, axes)
 
 
 def _constrain(x: Array, axes: tuple[Optional[str], ...]) -> Array:
@@ -145,9 +192,8 @@ class DenseKernel(nn.Module):
   @nn.compact
   def kernel(self, in_features: int) -> Array:
     """The (in_features, features) kernel in the compute dtype (created on first use)."""
-    init = nn.initializers.normal(stddev=self.init_scale)
-    return _param(self, "kernel", init, (in_features, self.features), self.axes).astype(
-        self.dtype)
+    return _normal_param(self, "kernel", self.init_scale, (in_features, self.features),
+                         self.axes).astype(self.dtype)
 
   def __call__(self, x: Array, *, decode_step: bool = False) -> Array:
     kernel = self.kernel(x.shape[-1])
@@ -230,8 +276,8 @@ class Embed(nn.Module):
   dtype: Any
 
   def setup(self):
-    self.embedding = _param(self, "embedding", nn.initializers.normal(stddev=1.0),
-                            (self.num_embeddings, self.features), ("vocab", "embed"))
+    self.embedding = _normal_param(self, "embedding", 1.0, (self.num_embeddings, self.features),
+                                   ("vocab", "embed"))
 
   def __call__(self, tokens: Array) -> Array:
     out = jnp.take(self.embedding.astype(self.dtype), tokens, axis=0)
@@ -253,8 +299,8 @@ class LogitsDense(nn.Module):
   @nn.compact
   def __call__(self, hidden: Array, *, decode_step: bool = False) -> Array:
     d_model = hidden.shape[-1]
-    kernel = _param(self, "kernel", nn.initializers.normal(stddev=d_model ** -0.5),
-                    (d_model, self.vocab_size), ("embed", "vocab")).astype(hidden.dtype)
+    kernel = _normal_param(self, "kernel", d_model ** -0.5, (d_model, self.vocab_size),
+                           ("embed", "vocab")).astype(hidden.dtype)
     if decode_step:
       return decode_step_ops().products(self.path, ("kernel",), hidden, [kernel],
                                         preferred_element_type=jnp.float32)[0]
@@ -275,8 +321,8 @@ class RelativePositionBias(nn.Module):
         span, self.bidirectional, self.num_buckets, self.max_distance))
     rel = key_positions[None, :] - query_positions[:, None]
     buckets = table[rel + span]
-    embedding = _param(self, "rel_embedding", nn.initializers.normal(stddev=1.0),
-                       (self.num_heads, self.num_buckets), ("heads", "relpos_buckets"))
+    embedding = _normal_param(self, "rel_embedding", 1.0, (self.num_heads, self.num_buckets),
+                              ("heads", "relpos_buckets"))
     bias = jnp.take(embedding, buckets, axis=1)  # (heads, q, k)
     return bias[None]
 
@@ -851,7 +897,38 @@ def shift_right(targets: Array, start_id: int = 0) -> Array:
 
 def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: int = 8,
                 decoder_length: int = 8) -> Any:
-  """Randomly initialised (boxed, logically partitioned) parameters."""
+  """Randomly initialised (boxed, logically partitioned) parameters.
+
+  The normals come from `_NormalDraws` (a few RNG calls, not one per parameter), so the
+  values are this function's own: `model.init` alone draws others from the same key.
+  """
+  lengths = (batch_size, encoder_length, decoder_length)
+  draws = _NormalDraws()
+  draws.recorded = list(_random_parameters(model, lengths,
+                                           jax.ShapeDtypeStruct(rng.shape, rng.dtype)))
+  token = _NORMAL_DRAWS.set(draws)
+  try:
+    draws.draw(rng)
+    return _init(model, lengths, rng)
+  finally:
+    _NORMAL_DRAWS.reset(token)
+
+
+def _init(model: T5, lengths: tuple[int, int, int], rng: Array) -> Any:
+  batch_size, encoder_length, decoder_length = lengths
   enc = jnp.ones((batch_size, encoder_length), jnp.int32)
   dec = jnp.ones((batch_size, decoder_length), jnp.int32)
   return model.init({"params": rng, "dropout": rng}, enc, dec)["params"]
+
+
+@functools.lru_cache(maxsize=64)
+def _random_parameters(model: T5, lengths: tuple[int, int, int],
+                       rng: jax.ShapeDtypeStruct) -> tuple[Any, ...]:
+  """(path, shape, axes) of each random parameter, in creation order (an abstract init)."""
+  draws = _NormalDraws()
+  token = _NORMAL_DRAWS.set(draws)
+  try:
+    jax.eval_shape(functools.partial(_init, model, lengths), rng)
+  finally:
+    _NORMAL_DRAWS.reset(token)
+  return tuple(draws.recorded)
