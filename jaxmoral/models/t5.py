@@ -60,11 +60,10 @@ class _NormalDraws:
   """The standard normals of every random parameter of one `init_params`, drawn in a few calls.
 
   Flax draws each parameter with its own threefry call, and XLA:CPU compiles each call into a
-  loop of its own: a tiny T5's 52 made its init compile in about 2 s (one call for the same
-  numbers: 0.3 s), the largest compile of most tests. `init_params` traces the model once
-  abstractly to list the random parameters, then draws one (count, *shape) block per distinct
-  (shape, logical axes), constrained to those axes so a sharded init stays sharded, and each
-  parameter takes its row.
+  loop of its own, which made init the costliest compile of a small model (bench/RESULTS.md,
+  "Test suite time", session 19). `init_params` lists the random parameters once per model
+  (an abstract init), then draws one (count, *shape) block per distinct (shape, logical axes),
+  constrained to those axes so a sharded init stays sharded, and each parameter takes its row.
   """
 
   def __init__(self):
