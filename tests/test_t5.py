@@ -14,6 +14,7 @@ import functools
 import flax
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 import numpy as np
 import pytest
 
@@ -503,6 +504,27 @@ def test_init_params_draws_once_per_shape_at_each_parameters_scale():
   kernels = [np.asarray(v).ravel() for k, v in pooled.items()
              if k[-1] == "kernel" and k[-2] == "wi_0"]
   assert len(kernels) == 4 and abs(np.corrcoef(kernels[0], kernels[1])[0, 1]) < 0.05
-  jaxpr = str(jax.make_jaxpr(lambda r: t5.init_params(model, r))(key))
-  groups = {(tuple(np.shape(v)),) for v in pooled.values()}
-  assert 0 < jaxpr.count("random_bits") <= 2 * len(groups) < random_leaves
+  # One random_bits per (shape, logical axes) of the drawn parameters; flax: one per parameter.
+  boxed = jax.tree.leaves(t5.init_params(model, key),
+                          is_leaf=lambda x: isinstance(x, flax.core.meta.Partitioned))
+  groups = {(x.value.shape, x.names) for x in boxed if not np.all(np.asarray(x.value) == 1)}
+  pooled_calls = _count_primitive(jax.make_jaxpr(lambda r: t5.init_params(model, r))(key),
+                                  "random_bits")
+  flax_calls = _count_primitive(jax.make_jaxpr(
+      lambda r: model.init({"params": r, "dropout": r}, enc, enc))(key), "random_bits")
+  assert flax_calls == random_leaves
+  assert pooled_calls == len(groups) < random_leaves / 5
+
+
+def _count_primitive(closed_jaxpr, name):
+  """Equations of primitive `name`, nested jaxprs (each call of one) included."""
+  count = 0
+  for eqn in closed_jaxpr.jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else (param,):
+        if isinstance(sub, jax_core.ClosedJaxpr):
+          count += _count_primitive(sub, name)
+        elif isinstance(sub, jax_core.Jaxpr):
+          count += _count_primitive(jax_core.ClosedJaxpr(sub, ()), name)
+  return count
