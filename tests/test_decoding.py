@@ -531,7 +531,7 @@ def test_decoding_starts_from_the_models_start_id_and_pads_with_its_pad_id():
   model = T5(t5_config(size="tiny", vocab_size=64, pad_token_id=3))
   params = nn.unbox(init_params(model, jax.random.PRNGKey(0)))
   kernel = params["decoder"]["logits_dense"]["kernel"]
-  params["decoder"]["logits_dense"]["kernel"] = kernel.at[:, EOS].multiply(3.0)
+  params["decoder"]["logits_dense"]["kernel"] = kernel.at[:, EOS].multiply(4.0)
   inputs = np.array([[5, 6, 7, 1, 3, 3], [9, 8, 1, 3, 3, 3], [4, 4, 4, 4, 4, 1]], np.int32)
   out = decoding.sample(model, params, encoder_input_tokens=inputs, max_decode_length=8,
                         greedy=True, eos_id=EOS)
