@@ -484,7 +484,8 @@ def test_init_params_draws_once_per_shape_at_each_parameters_scale():
   and parameters of one shape get independent rows."""
   model = t5.T5(t5_config(size="tiny"))
   key = jax.random.PRNGKey(3)
-  pooled = flax.traverse_util.flatten_dict(flax.core.meta.unbox(t5.init_params(model, key)))
+  boxed = t5.init_params(model, key)
+  pooled = flax.traverse_util.flatten_dict(flax.core.meta.unbox(boxed))
   enc = jnp.ones((1, 8), jnp.int32)
   per_parameter = flax.traverse_util.flatten_dict(flax.core.meta.unbox(
       model.init({"params": key, "dropout": key}, enc, enc)["params"]))
@@ -505,9 +506,8 @@ def test_init_params_draws_once_per_shape_at_each_parameters_scale():
              if k[-1] == "kernel" and k[-2] == "wi_0"]
   assert len(kernels) == 4 and abs(np.corrcoef(kernels[0], kernels[1])[0, 1]) < 0.05
   # One random_bits per (shape, logical axes) of the drawn parameters; flax: one per parameter.
-  boxed = jax.tree.leaves(t5.init_params(model, key),
-                          is_leaf=lambda x: isinstance(x, flax.core.meta.Partitioned))
-  groups = {(x.value.shape, x.names) for x in boxed if not np.all(np.asarray(x.value) == 1)}
+  leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, flax.core.meta.Partitioned))
+  groups = {(x.value.shape, x.names) for x in leaves if not np.all(np.asarray(x.value) == 1)}
   pooled_calls = _count_primitive(jax.make_jaxpr(lambda r: t5.init_params(model, r))(key),
                                   "random_bits")
   flax_calls = _count_primitive(jax.make_jaxpr(

@@ -56,34 +56,12 @@ def _param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...],
   return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
-class _NormalDraws:
-  """The standard normals of every random parameter of one `init_params`, drawn in a few calls.
-
-  Flax draws each parameter with its own threefry call, and XLA:CPU compiles each call into a
-  loop of its own, which made init the costliest compile of a small model (bench/RESULTS.md,
-  "Test suite time", session 19). `init_params` lists the random parameters once per model
-  (an abstract init), then draws one (count, *shape) block per distinct (shape, logical axes),
-  constrained to those axes so a sharded init stays sharded, and each parameter takes its row.
-  """
-
-  def __init__(self):
-    self.recorded: list[tuple[tuple[str, ...], tuple[int, ...], tuple[Optional[str], ...]]] = []
-    self.rows: Optional[dict[tuple[str, ...], Array]] = None
-
-  def draw(self, rng: Array) -> None:
-    groups: dict[tuple[Any, Any], list[tuple[str, ...]]] = {}
-    for path, shape, axes in self.recorded:
-      groups.setdefault((shape, axes), []).append(path)
-    self.rows = {}
-    for index, ((shape, axes), paths) in enumerate(groups.items()):
-      block = jax.random.normal(jax.random.fold_in(rng, index), (len(paths),) + shape,
-                                jnp.float32)
-      block = _constrain(block, (None,) + axes)
-      self.rows.update((path, block[i]) for i, path in enumerate(paths))
-
-
-_NORMAL_DRAWS: contextvars.ContextVar[Optional[_NormalDraws]] = contextvars.ContextVar(
-    "jaxmoral_t5_normal_draws", default=None)
+# While `init_params` runs: a list (listing the random parameters, in an abstract init), then
+# {path: standard normals} (the real init). Flax draws each parameter with its own threefry
+# call, and XLA:CPU compiles each call into a loop of its own, which made init the costliest
+# compile of a small model (bench/RESULTS.md, "Test suite time", session 19).
+_NORMAL_DRAWS: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxmoral_t5_normal_draws",
+                                                                    default=None)
 
 
 def _normal_param(module: nn.Module, name: str, stddev: float, shape: tuple[int, ...],
@@ -92,13 +70,28 @@ def _normal_param(module: nn.Module, name: str, stddev: float, shape: tuple[int,
   draws, path = _NORMAL_DRAWS.get(), tuple(module.path) + (name,)
 
   def init(key: Array, shape: tuple[int, ...], dtype: Any) -> Array:
-    if draws is not None and draws.rows is None:  # Listing them (an abstract trace).
-      draws.recorded.append((path, tuple(shape), tuple(axes)))
-    if draws is not None and draws.rows is not None and path in draws.rows:
-      return (draws.rows[path] * stddev).astype(dtype)
+    if isinstance(draws, list):
+      draws.append((path, tuple(shape), tuple(axes)))
+    elif draws is not None:
+      return (draws[path] * stddev).astype(dtype)
     return nn.initializers.normal(stddev=stddev)(key, shape, dtype)
 
   return _param(module, name, init, shape, axes)
+
+
+def _draw_normals(random_parameters: Sequence[Any], rng: Array) -> dict[tuple[str, ...], Array]:
+  """One (count, *shape) block of standard normals per distinct (shape, logical axes),
+  constrained to those axes so a sharded init stays sharded; each parameter takes its row."""
+  groups: dict[tuple[Any, Any], list[tuple[str, ...]]] = {}
+  for path, shape, axes in random_parameters:
+    groups.setdefault((shape, axes), []).append(path)
+  rows = {}
+  for index, ((shape, axes), paths) in enumerate(groups.items()):
+    block = jax.random.normal(jax.random.fold_in(rng, index), (len(paths),) + shape,
+                              jnp.float32)
+    block = _constrain(block, (None,) + axes)
+    rows.update((path, block[i]) for i, path in enumerate(paths))
+  return rows
 
 
 def _constrain(x: Array, axes: tuple[Optional[str], ...]) -> Array:
@@ -898,16 +891,14 @@ def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: i
                 decoder_length: int = 8) -> Any:
   """Randomly initialised (boxed, logically partitioned) parameters.
 
-  The normals come from `_NormalDraws` (a few RNG calls, not one per parameter), so the
+  The normals are drawn a few at a time (`_draw_normals`), not one call per parameter, so the
   values are this function's own: `model.init` alone draws others from the same key.
   """
   lengths = (batch_size, encoder_length, decoder_length)
-  draws = _NormalDraws()
-  draws.recorded = list(_random_parameters(model, lengths,
-                                           jax.ShapeDtypeStruct(rng.shape, rng.dtype)))
-  token = _NORMAL_DRAWS.set(draws)
+  random_parameters = _random_parameters(model, lengths,
+                                         jax.ShapeDtypeStruct(rng.shape, rng.dtype))
+  token = _NORMAL_DRAWS.set(_draw_normals(random_parameters, rng))
   try:
-    draws.draw(rng)
     return _init(model, lengths, rng)
   finally:
     _NORMAL_DRAWS.reset(token)
@@ -924,10 +915,10 @@ def _init(model: T5, lengths: tuple[int, int, int], rng: Array) -> Any:
 def _random_parameters(model: T5, lengths: tuple[int, int, int],
                        rng: jax.ShapeDtypeStruct) -> tuple[Any, ...]:
   """(path, shape, axes) of each random parameter, in creation order (an abstract init)."""
-  draws = _NormalDraws()
-  token = _NORMAL_DRAWS.set(draws)
+  listed: list[Any] = []
+  token = _NORMAL_DRAWS.set(listed)
   try:
     jax.eval_shape(functools.partial(_init, model, lengths), rng)
   finally:
     _NORMAL_DRAWS.reset(token)
-  return tuple(draws.recorded)
+  return tuple(listed)
