@@ -109,31 +109,24 @@ def role_model_dirs(workdir: str, models_steps: Mapping[str, int]) -> dict[str, 
           for role in ROLES}
 
 
-def system_metrics(situations: Sequence[str], questions: Sequence[str], result: Any, *,
-                   num_resamples: int, seed: int) -> dict[str, Any]:
-  """Per-situation arrays and their intervals for one system's questions."""
+def system_metrics(evaluated: Mapping[str, Any], *, num_resamples: int,
+                   seed: int) -> dict[str, Any]:
+  """One system's `clarify.evaluate.evaluate_generator` result with 95 % bootstrap intervals
+  over situations for its means and wh-word shares."""
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
-  per = {"jsd": np.asarray(result.scores, np.float64),
-         "jsd_unfiltered": np.asarray(result.jsd, np.float64),
-         "flips_pct": 100.0 * np.asarray(result.flips, np.float64),
-         "filtered_pct": 100.0 * np.asarray(result.filtered, np.float64),
-         "question_pct": 100.0 * np.asarray([q.strip().endswith("?") for q in questions],
-                                            np.float64)}
-  ci = lambda v: common.ci_dict(common.mean_ci(v, num_resamples=num_resamples,  # noqa: E731
-                                               seed=seed))
-  out: dict[str, Any] = {"per_situation": {k: v.tolist() for k, v in per.items()},
-                         "questions": list(questions)}
+  per = evaluated["per_situation"]
+  ci = lambda v: common.ci_dict(common.mean_ci(np.asarray(v, np.float64),  # noqa: E731
+                                               num_resamples=num_resamples, seed=seed))
+  out: dict[str, Any] = {"per_situation": {key: list(per[key]) for key, _ in MEAN_METRICS},
+                         "questions": list(evaluated["questions"])}
   for key, _ in MEAN_METRICS:
     out[key] = ci(per[key])
   # No interval for distinct-n: a resample with replacement repeats questions, which lowers
   # distinct-n by construction (its percentile interval would miss the estimate).
   for n in (1, 2, 3):
-    out[f"distinct_{n}"] = metrics.distinct_n(list(questions), n)
-  first = [next(iter(k for k, v in metrics.wh_word_distribution([q]).items() if v), "other")
-           for q in questions]
-  out["wh_pct"] = {w: ci(100.0 * np.asarray([f == w for f in first], np.float64))
+    out[f"distinct_{n}"] = evaluated[f"distinct_{n}"]
+  out["wh_pct"] = {w: ci([100.0 * (first == w) for first in per["wh_word"]])
                    for w in metrics.WH_WORDS + ("other",)}
-  del situations
   return out
 
 
@@ -194,6 +187,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # pylint: disable=import-outside-toplevel
   from jaxmoral.clarify import baselines
   from jaxmoral.clarify import data as data_lib
+  from jaxmoral.clarify import evaluate as evaluate_lib
   from jaxmoral.clarify import models
   from jaxmoral.clarify import reward as reward_lib
   from jaxmoral.clarify import training
@@ -259,11 +253,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   table: dict[str, Any] = {}
   # The models given build every system (the reward has its NLI model, relevance is loaded).
   for system in evaluated:
-    generate = generators[system]
-    questions = generate(list(eval_situations))
-    result = reward.score_questions(list(eval_situations), questions)
-    table[system] = system_metrics(eval_situations, questions, result,
-                                   num_resamples=num_resamples, seed=seed)
+    table[system] = system_metrics(
+        evaluate_lib.evaluate_generator(generators[system], eval_situations, reward),
+        num_resamples=num_resamples, seed=seed)
     logger.info("%s: avg JSD %.4f, flips %.1f %%", system, table[system]["jsd"]["estimate"],
                 table[system]["flips_pct"]["estimate"])
   timings["evaluate_s"] = time.time() - tick

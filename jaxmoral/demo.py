@@ -98,8 +98,8 @@ def clarify_truth_lines(evaluation: Mapping[str, Mapping[str, Any]]) -> list[str
   for key, paper, fmt, scale, digits in (
       ("jsd", "PPO raises the average JSD of the judge's verdicts over the supervised question "
               "generator (Table 4)", "avg JSD PPO {a:.3f} vs SFT {b:.3f}", 1.0, 3),
-      ("flips", "PPO raises the % of judgment flips over the supervised generator (Table 4)",
-       "flips PPO {a:.1f} % vs SFT {b:.1f} %", 100.0, 1)):
+      ("flips_pct", "PPO raises the % of judgment flips over the supervised generator (Table 4)",
+       "flips PPO {a:.1f} % vs SFT {b:.1f} %", 1.0, 1)):
     a, b = (scale * np.asarray(x[key], np.float64) for x in (ppo, sft))
     diff = metrics.bootstrap_ci(np.mean, a - b)
     lines.append(truth_line(

@@ -162,6 +162,12 @@ WH_WORDS = ("what", "why", "how", "who", "whom", "whose", "which", "when", "wher
 _WORD = re.compile(r"[a-z']+")
 
 
+def first_wh_word(question: str) -> str:
+  """The question's first wh-word (case-insensitive, anywhere in it), or "other"."""
+  wh = set(WH_WORDS)
+  return next((w for w in _WORD.findall(question.lower()) if w in wh), "other")
+
+
 def wh_word_distribution(questions: Iterable[str]) -> dict[str, float]:
   """Fraction of questions by their first wh-word (case-insensitive, anywhere in the question).
 
@@ -173,11 +179,7 @@ def wh_word_distribution(questions: Iterable[str]) -> dict[str, float]:
   Raises:
     ValueError: for an empty list.
   """
-  counts: collections.Counter[str] = collections.Counter()
-  wh = set(WH_WORDS)
-  for question in questions:
-    first = next((w for w in _WORD.findall(question.lower()) if w in wh), "other")
-    counts[first] += 1
+  counts = collections.Counter(first_wh_word(q) for q in questions)
   total = sum(counts.values())
   if not total:
     raise ValueError("wh_word_distribution: no questions given")

@@ -11,6 +11,7 @@ import pytest
 from jaxmoral import demo
 from jaxmoral import gin_utils
 from jaxmoral import metrics
+from jaxmoral.clarify import evaluate as clarify_evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
@@ -138,7 +139,7 @@ def test_interval_verdict_needs_the_whole_interval_on_one_side():
 
 
 def _situations(jsd, flips):
-  return {"per_situation": {"jsd": list(jsd), "flips": list(flips)}}
+  return {"per_situation": {"jsd": list(jsd), "flips_pct": list(100.0 * np.asarray(flips))}}
 
 
 def test_clarify_truth_lines_use_the_paired_interval_over_situations():
@@ -153,7 +154,7 @@ def test_clarify_truth_lines_use_the_paired_interval_over_situations():
       ["disagrees", "disagrees"]
   # Same questions' numbers in another order: no paired difference to speak of.
   shuffled = _situations(rng.permutation(sft["per_situation"]["jsd"]),
-                         rng.permutation(sft["per_situation"]["flips"]))
+                         rng.permutation(sft["per_situation"]["flips_pct"]) > 0)
   assert _words(demo.clarify_truth_lines({"ppo": shuffled, "finetuned": sft})) == \
       ["cannot tell"] * 2
   # The quoted interval: a NumPy percentile bootstrap of the per-situation differences.
@@ -280,17 +281,32 @@ def test_clarify_verdict_refuses_a_policy_that_stopped_asking():
 
 
 def test_clarify_system_metrics_count_questions():
-  class Result:  # The fields of reward.RewardResult that system_metrics reads.
+  class Result:  # The fields of reward.RewardResult that per_situation_metrics reads.
     scores = [0.1, 0.0, 0.2, 0.0]
     jsd = [0.1, 0.0, 0.3, 0.0]
     flips = [True, False, True, False]
     filtered = [False, True, False, True]
   questions = ["Why?", "bed", "Who was there? ", "relevant"]
-  got = clarify_table4.system_metrics(["s"] * 4, questions, Result(), num_resamples=200, seed=0)
+
+  class Reward:
+    def score_questions(self, situations, asked):
+      assert asked == questions and len(situations) == 4
+      return Result()
+
+  evaluated = clarify_evaluate.evaluate_generator(lambda s: list(questions), ["s"] * 4,
+                                                  Reward())
+  got = clarify_table4.system_metrics(evaluated, num_resamples=200, seed=0)
   assert got["per_situation"]["question_pct"] == [100.0, 0.0, 100.0, 0.0]
   assert got["question_pct"]["estimate"] == pytest.approx(50.0)
   assert got["flips_pct"]["estimate"] == pytest.approx(50.0)
   assert got["jsd"]["estimate"] == pytest.approx(np.mean(Result.scores))
+  assert got["questions"] == questions
+  # The same numbers as the library's means (one computation, two reports).
+  assert got["jsd"]["estimate"] == pytest.approx(evaluated["jsd"])
+  assert got["question_pct"]["estimate"] == pytest.approx(evaluated["question_pct"])
+  assert got["wh_pct"]["why"]["estimate"] == pytest.approx(25.0)
+  assert got["wh_pct"]["other"]["estimate"] == pytest.approx(50.0)
+  assert got["distinct_1"] == evaluated["distinct_1"]
 
 
 def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):

@@ -3,7 +3,7 @@
 Per system on a split: average JSD of the defeasibility reward (0 for filtered questions, as the
 reward pays), the JSD without the filter, % judgment flips (argmax of the weakened and the
 strengthened judge distributions differ; filtered questions count as no flip), % filtered,
-distinct-1/2/3 and % of questions per starting word (first word, lower-cased) and per
+% of outputs that are questions (end in "?"), distinct-1/2/3 and % of questions per starting word (first word, lower-cased) and per
 wh-word (`jaxmoral.metrics.wh_word_distribution`). `compare` builds the table across systems;
 `evaluate_model_dirs` (`jaxmoral clarify evaluate`) loads the models and compares every system
 they allow.
@@ -36,15 +36,38 @@ def first_word_distribution(questions: Sequence[str]) -> dict[str, float]:
   return {w: c / len(questions) for w, c in counts.most_common()}
 
 
+def per_situation_metrics(questions: Sequence[str], result: reward_lib.RewardResult
+                          ) -> dict[str, np.ndarray]:
+  """One system's measures per situation, in order: what means, bootstrap intervals and paired
+  differences between systems (same situations) are computed from.
+
+  Returns:
+    `{"jsd": JSD after the NLI filter (the reward), "jsd_unfiltered", "flips_pct" and
+    "filtered_pct" (0 or 100), "question_pct" (100 where the output ends in "?": a policy that
+    games the reward stops asking), "wh_word" (first wh-word or "other", str)}`, each (N,).
+  """
+  return {
+      "jsd": np.asarray(result.scores, np.float64),
+      "jsd_unfiltered": np.asarray(result.jsd, np.float64),
+      "flips_pct": 100.0 * np.asarray(result.flips, np.float64),
+      "filtered_pct": 100.0 * np.asarray(result.filtered, np.float64),
+      "question_pct": 100.0 * np.asarray([q.strip().endswith("?") for q in questions],
+                                         np.float64),
+      "wh_word": np.asarray([metrics.first_wh_word(q) for q in questions], dtype=object),
+  }
+
+
+MEAN_KEYS = ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct", "question_pct")
+
+
 def question_metrics(questions: Sequence[str], result: reward_lib.RewardResult
                      ) -> dict[str, Any]:
-  """Metrics of one system's questions and their reward-pipeline result."""
+  """Metrics of one system's questions and their reward-pipeline result: the means of
+  `per_situation_metrics`, distinct-1/2/3 and the first-word and wh-word shares."""
+  per = per_situation_metrics(questions, result)
   return {
       "num_questions": len(questions),
-      "jsd": float(np.mean(result.scores)) if len(questions) else 0.0,
-      "jsd_unfiltered": float(np.mean(result.jsd)) if len(questions) else 0.0,
-      "flips_pct": 100.0 * float(np.mean(result.flips)) if len(questions) else 0.0,
-      "filtered_pct": 100.0 * float(np.mean(result.filtered)) if len(questions) else 0.0,
+      **{key: float(np.mean(per[key])) if len(questions) else 0.0 for key in MEAN_KEYS},
       "distinct_1": metrics.distinct_n(questions, 1),
       "distinct_2": metrics.distinct_n(questions, 2),
       "distinct_3": metrics.distinct_n(questions, 3),
@@ -55,20 +78,21 @@ def question_metrics(questions: Sequence[str], result: reward_lib.RewardResult
 
 def evaluate_generator(generator: baselines.Generator, situations: Sequence[str],
                        reward: reward_lib.DefeasibilityReward) -> dict[str, Any]:
-  """Generates one question per situation and scores it."""
+  """Generates one question per situation and scores it: `question_metrics`, plus every
+  question and `per_situation_metrics` as lists (JSON)."""
   questions = generator(list(situations))
   result = reward.score_questions(list(situations), questions)
   out = question_metrics(questions, result)
-  # Per situation, in order: paired comparisons of two systems on the same situations.
-  out["per_situation"] = {"jsd": [float(v) for v in result.scores],
-                          "flips": [bool(v) for v in result.flips]}
+  out["questions"] = list(questions)
+  out["per_situation"] = {k: v.tolist() for k, v in
+                          per_situation_metrics(questions, result).items()}
   out["samples"] = [{"situation": s, "question": q, "jsd": float(j)}
                     for s, q, j in list(zip(situations, questions, result.scores))[:5]]
   return out
 
 
-TABLE_COLUMNS = ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct", "distinct_1",
-                 "distinct_2", "distinct_3")
+TABLE_COLUMNS = ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct", "question_pct",
+                 "distinct_1", "distinct_2", "distinct_3")
 
 
 def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
