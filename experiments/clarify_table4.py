@@ -189,7 +189,6 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   from jaxmoral.clarify import data as data_lib
   from jaxmoral.clarify import evaluate as evaluate_lib
   from jaxmoral.clarify import models
-  from jaxmoral.clarify import reward as reward_lib
   from jaxmoral.clarify import training
   # pylint: enable=import-outside-toplevel
   evaluated = evaluated_systems(systems)
@@ -233,16 +232,16 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
 
   # 3. Every system on the held-out situations, one reward pipeline.
   tick = time.time()
-  reward = reward_lib.DefeasibilityReward.from_dirs(
-      answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],
-      judge_model_dir=role_dir["judge"], nli_model_dir=role_dir["nli"], config=reward_config)
-  load = lambda d: models.load_model(d, input_length=lengths["inputs"],  # noqa: E731
-                                     batch_size=reward_config.batch_size)
-  sft_model, ppo_model = load(role_dir["question"]), load(ppo["policy_dir"])
-  generators = dict(baselines.all_generators(
-      question_model=sft_model, reward=reward, relevance_model=load(role_dir["relevance"]),
-      ppo_model=ppo_model))
-  # Diagnostics: the two generators decoded as PPO's rollouts decode, and greedily.
+  shapes = dict(input_length=lengths["inputs"], batch_size=reward_config.batch_size)
+  generators, reward = evaluate_lib.systems_from_dirs(
+      question_model_dir=role_dir["question"], answer_model_dir=role_dir["answer"],
+      fusion_model_dir=role_dir["fusion"], judge_model_dir=role_dir["judge"],
+      nli_model_dir=role_dir["nli"], relevance_model_dir=role_dir["relevance"],
+      ppo_model_dir=ppo["policy_dir"], reward_config=reward_config, **shapes)
+  # Diagnostics: the two generators decoded as PPO's rollouts decode, and greedily (the same
+  # cached models as the systems above).
+  sft_model = models.load_model(role_dir["question"], **shapes)
+  ppo_model = models.load_model(ppo["policy_dir"], **shapes)
   rollout = dict(top_p=ppo_config.top_p, temperature=ppo_config.temperature,
                  max_length=question_length, seed=seed)
   generators["finetuned@rollout"] = baselines.sampled_generator(sft_model, **rollout)
@@ -391,9 +390,8 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
 
 def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
   """Average JSD and % flips per system with their intervals."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from jaxmoral import pictures  # pylint: disable=import-outside-toplevel
+  plt = pictures.pyplot()
   table = results["table"]
   systems = list(table)
   fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -409,11 +407,7 @@ def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
     ax.set_title(f"{label} (95 % CI)")
     ax.grid(axis="y", alpha=0.3)
   fig.suptitle(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return pictures.save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

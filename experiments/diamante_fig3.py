@@ -348,9 +348,8 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
 
 def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
   """MAP / MRR / P@1 bars with their intervals, per model and ranker."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from jaxmoral import pictures  # pylint: disable=import-outside-toplevel
+  plt = pictures.pyplot()
   table = results["table"]
   models = [m for m, _ in MODELS if m in table]
   fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 3.8), sharey=True)
@@ -374,11 +373,7 @@ def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
   np.atleast_1d(axes)[0].set_ylabel("human response ranked (95 % CI)")
   np.atleast_1d(axes)[-1].legend(fontsize=8, loc="upper right")
   fig.suptitle(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return pictures.save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

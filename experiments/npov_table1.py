@@ -568,9 +568,8 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
 
 def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
   """Example-level ROC AUC bars with intervals: detector x (slice, error)."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  from jaxmoral import pictures  # pylint: disable=import-outside-toplevel
+  plt = pictures.pyplot()
   auc = results["auc"]
   dets = list(auc)
   groups = [(sl, e) for sl in results["slices"] for e in ERRORS]
@@ -593,11 +592,7 @@ def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
   axes[0].set_ylabel("ROC AUC (95 % CI)")
   axes[-1].legend(fontsize=8)
   fig.suptitle(title)
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return pictures.save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

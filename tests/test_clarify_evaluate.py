@@ -81,3 +81,37 @@ def test_compare_table_and_json(tmp_path):
   assert (tmp_path / "t.json").is_file()
   assert formats.PIPELINE_WH_WORDS[:3] == ("what", "how", "who")
   assert len(formats.PIPELINE_WH_WORDS) == 14
+
+
+def test_systems_from_dirs_builds_what_the_directories_allow(monkeypatch):
+  """Every system needs its model: no NLI model, no "pipeline_no_nli"; no relevance model, no
+  "discriminator"; no PPO run, no "ppo". Question models load with the shapes asked for."""
+  loaded, built = [], []
+
+  class Reward:
+    def __init__(self, nli):
+      self.nli = nli
+
+  def from_dirs(**kw):
+    built.append(kw)
+    return Reward(kw["nli_model_dir"])
+
+  monkeypatch.setattr(reward.DefeasibilityReward, "from_dirs", staticmethod(from_dirs))
+  monkeypatch.setattr(evaluate.models, "load_model",
+                      lambda d, **kw: loaded.append((d, kw)) or f"model:{d}")
+  config = reward.RewardConfig(batch_size=4)
+  dirs = dict(question_model_dir="q", answer_model_dir="a", fusion_model_dir="f",
+              judge_model_dir="j")
+  systems, got = evaluate.systems_from_dirs(**dirs, reward_config=config)
+  assert sorted(systems) == ["finetuned", "pipeline", "why"] and got.nli is None
+  assert built[-1] == dict(answer_model_dir="a", fusion_model_dir="f", judge_model_dir="j",
+                           nli_model_dir=None, config=config)
+  assert loaded == [("q", {"input_length": 128, "batch_size": 32})]
+  loaded.clear()
+  systems, _ = evaluate.systems_from_dirs(
+      **dirs, nli_model_dir="n", relevance_model_dir="r", ppo_model_dir="p",
+      reward_config=config, input_length=64, batch_size=8)
+  assert sorted(systems) == ["discriminator", "finetuned", "pipeline", "pipeline_no_nli",
+                             "ppo", "why"]
+  assert sorted(d for d, _ in loaded) == ["p", "q", "r"]
+  assert all(kw == {"input_length": 64, "batch_size": 8} for _, kw in loaded)

@@ -27,12 +27,10 @@ import gin
 
 from jaxmoral import demo as demo_lib
 from jaxmoral import optimizers
-from jaxmoral.clarify import baselines
 from jaxmoral.clarify import chat as chat_lib
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import evaluate as evaluate_lib
 from jaxmoral.clarify import formats
-from jaxmoral.clarify import models
 from jaxmoral.clarify import reward as reward_lib
 from jaxmoral.clarify import training
 from jaxmoral.data import vocab as vocab_lib
@@ -115,13 +113,12 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   timings["ppo"] = time.time() - tick
 
   tick = time.time()
-  reward = reward_lib.DefeasibilityReward.from_dirs(
-      answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],
-      judge_model_dir=role_dir["judge"], nli_model_dir=role_dir["nli"], config=reward_config)
-  load = lambda d: models.load_model(d, input_length=64, batch_size=32)  # noqa: E731
-  systems = baselines.all_generators(
-      question_model=load(role_dir["question"]), reward=reward,
-      relevance_model=load(role_dir["relevance"]), ppo_model=load(ppo["policy_dir"]))
+  systems, reward = evaluate_lib.systems_from_dirs(
+      question_model_dir=role_dir["question"], answer_model_dir=role_dir["answer"],
+      fusion_model_dir=role_dir["fusion"], judge_model_dir=role_dir["judge"],
+      nli_model_dir=role_dir["nli"], relevance_model_dir=role_dir["relevance"],
+      ppo_model_dir=ppo["policy_dir"], reward_config=reward_config, input_length=64,
+      batch_size=32)
   table_path = work / "evaluation.json"
   evaluation = evaluate_lib.compare(systems, held_out, reward, output_json=table_path)
   timings["evaluate"] = time.time() - tick

@@ -122,6 +122,32 @@ def compare(generators: Mapping[str, baselines.Generator], situations: Sequence[
   return results
 
 
+def systems_from_dirs(*, question_model_dir: str, answer_model_dir: str,
+                      fusion_model_dir: str, judge_model_dir: str,
+                      nli_model_dir: Optional[str] = None,
+                      relevance_model_dir: Optional[str] = None,
+                      ppo_model_dir: Optional[str] = None,
+                      reward_config: reward_lib.RewardConfig, input_length: int = 128,
+                      batch_size: int = 32
+                      ) -> tuple[dict[str, baselines.Generator], reward_lib.DefeasibilityReward]:
+  """The reward pipeline and every system the given model directories allow.
+
+  The systems (`baselines.all_generators`): "why", "finetuned" and "pipeline" always;
+  "pipeline_no_nli" with an NLI model; "discriminator" with a relevance model; "ppo" with a
+  PPO run. Question models are read with `input_length` tokens in batches of `batch_size`
+  (`models.load_model`, cached per directory: the same call gives the same model objects).
+  """
+  reward = reward_lib.DefeasibilityReward.from_dirs(
+      answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
+      judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir, config=reward_config)
+  load = lambda d: (models.load_model(d, input_length=input_length,  # noqa: E731
+                                      batch_size=batch_size) if d else None)
+  systems = baselines.all_generators(
+      question_model=load(question_model_dir), reward=reward,
+      relevance_model=load(relevance_model_dir), ppo_model=load(ppo_model_dir))
+  return systems, reward
+
+
 @gin.configurable
 def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
                         fusion_model_dir: str, judge_model_dir: str,
@@ -133,10 +159,8 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
                         use_nli: bool = True,
                         judge_classes: Optional[Sequence[str]] = None
                         ) -> dict[str, dict[str, Any]]:
-  """Compares every question generator the given models allow (`compare`), from directories.
-
-  The systems: "why", "finetuned" and "pipeline" always; "pipeline_no_nli" with an NLI model;
-  "discriminator" with a relevance model; "ppo" with a PPO run.
+  """Compares every question generator the given models allow (`systems_from_dirs`,
+  `compare`), from directories.
 
   Args:
     question_model_dir: The supervised question generator θQ.
@@ -162,13 +186,11 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
   situations = data_lib.situations(source, split=split)[:max_situations]
   config = reward_lib.RewardConfig(use_nli=use_nli,
                                    **({"judge_classes": judge_classes} if judge_classes else {}))
-  reward = reward_lib.DefeasibilityReward.from_dirs(
-      answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
-      judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir, config=config)
-  optional = lambda d: models.load_model(d) if d else None  # noqa: E731
-  systems = baselines.all_generators(
-      question_model=models.load_model(question_model_dir), reward=reward,
-      relevance_model=optional(relevance_model_dir), ppo_model=optional(ppo_model_dir))
+  systems, reward = systems_from_dirs(
+      question_model_dir=question_model_dir, answer_model_dir=answer_model_dir,
+      fusion_model_dir=fusion_model_dir, judge_model_dir=judge_model_dir,
+      nli_model_dir=nli_model_dir, relevance_model_dir=relevance_model_dir,
+      ppo_model_dir=ppo_model_dir, reward_config=config)
   results = compare(systems, situations, reward, output_json=output_path)
   if output_path:
     print(f"wrote {output_path}")

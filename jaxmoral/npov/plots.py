@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from jaxmoral import metrics
+from jaxmoral import metrics, pictures
 from jaxmoral.npov.detectors import base
 
 
@@ -57,9 +57,7 @@ def roc_curves_png(by_detector: Mapping[str, Any], path: str | os.PathLike, *,
                    title: str = "") -> bool:
   """ROC curves (one panel per error type, one line per detector) from `evaluate_slice`
   results; returns False (and writes nothing) when no curve has both classes."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  plt = pictures.pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(9, 4))
   drawn = False
   for ax, error in zip(axes, ("hallucination", "coverage")):
@@ -76,7 +74,7 @@ def roc_curves_png(by_detector: Mapping[str, Any], path: str | os.PathLike, *,
     ax.set_ylabel("true positive rate")
     ax.legend(loc="lower right", fontsize=8)
   if drawn:
-    fig.tight_layout()
-    fig.savefig(os.fspath(path), dpi=100)
-  plt.close(fig)
+    pictures.save_figure(fig, path)
+  else:
+    plt.close(fig)
   return drawn

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmoral import losses, optimizers, partitioning
+from jaxmoral import losses, optimizers, partitioning, pictures
 from jaxmoral.data import pipeline
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
@@ -868,20 +868,13 @@ def read_reward_curve(path: pathlib.Path) -> dict[int, float]:
 
 def plot_reward_curve(path: pathlib.Path) -> str:
   """Draws a curve file beside it (`.png`); returns the picture's path."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   curve = read_reward_curve(path)
-  fig, ax = plt.subplots(figsize=(5, 3))
+  fig, ax = pictures.pyplot().subplots(figsize=(5, 3))
   ax.plot(sorted(curve), [curve[i] for i in sorted(curve)], marker="o")
   ax.set_xlabel("PPO iteration")
   ax.set_ylabel("mean raw reward")
   ax.set_title("PPO reward")
-  fig.tight_layout()
-  png = path.with_suffix(".png")
-  fig.savefig(png, dpi=100)
-  plt.close(fig)
-  return str(png)
+  return pictures.save_figure(fig, path.with_suffix(".png"))
 
 
 # -- the run ------------------------------------------------------------------------------------
