@@ -125,7 +125,10 @@ _SAMPLE_SCRIPT = textwrap.dedent("""
 
 
 def _run_sampler(cache_dir):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  # The suite's compile settings (conftest.py: unoptimised code, quick to compile) carry over;
+  # one device, as a user's process has. Both processes share them, so the cache keys match.
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(kept)}
   done = subprocess.run([sys.executable, "-c", _SAMPLE_SCRIPT, str(cache_dir)], env=env,
                         capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]
