@@ -1,13 +1,13 @@
 """XLA:CPU compiler options A/B on the train step, in one process, rounds interleaved.
 
 `XLA_FLAGS` is read once per process, so comparing flags across processes mixes them with
-the VM's speed changes between processes (bench/RESULTS.md, session 20). Here the step of `bench_train_step.py` is lowered once and compiled
-once per option set (`Lowered.compile(compiler_options=...)`, XLA's DebugOptions by name);
-a variant whose optimized HLO is the default's is marked (an option that acts on the HLO,
-such as a library rewrite of the dots, did nothing then; code-generation options such as
-`xla_backend_optimization_level` change the machine code, not the HLO); every
-variant takes one step from the same state (losses printed) and the variants' timed rounds
-alternate.
+the VM's speed changes between processes (bench/RESULTS.md, session 20). Here the step of
+`bench_train_step.py` is lowered once and compiled once per option set
+(`Lowered.compile(compiler_options=...)`, XLA's DebugOptions by name). A variant whose
+optimized HLO is the default's is marked: an option that acts on the HLO, such as a library
+rewrite of the dots, did nothing then (code-generation options such as
+`xla_backend_optimization_level` change the machine code, not the HLO). Every variant takes
+one step from the same state (losses printed), then the variants' timed rounds alternate.
 
   python bench/bench_xla_cpu_options.py \
       --variant "onednn=xla_cpu_use_onednn:true" \
@@ -90,8 +90,9 @@ def main() -> None:
   if "default" not in compiled:
     raise SystemExit("the default compile failed")
 
-  state = side.state  # donated by every call: each call hands its output to the next
-  fresh = lambda: jax.tree.map(lambda x: x.copy(), state)  # noqa: E731
+  # The state is donated by every call: each step hands its output to the next (`current`).
+  current = [side.state]
+  fresh = lambda: jax.tree.map(lambda x: x.copy(), current[0])  # noqa: E731
   first = {}
   for name, fn in compiled.items():  # one step each from the same state: same program?
     _, metrics = fn(fresh(), side.batch, side.rng)
@@ -103,11 +104,10 @@ def main() -> None:
 
   def stepper(fn):
     def step():
-      nonlocal_state[0], metrics = fn(nonlocal_state[0], side.batch, side.rng)
-      jax.block_until_ready((nonlocal_state[0], metrics))
+      current[0], metrics = fn(current[0], side.batch, side.rng)
+      jax.block_until_ready((current[0], metrics))
     return step
 
-  nonlocal_state = [state]
   times = fair.interleave({n: stepper(fn) for n, fn in compiled.items()}, args.rounds,
                           calls_per_round=args.steps, label="s/step")
   base = min(times["default"])

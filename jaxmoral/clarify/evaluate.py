@@ -3,10 +3,10 @@
 Per system on a split: average JSD of the defeasibility reward (0 for filtered questions, as the
 reward pays), the JSD without the filter, % judgment flips (argmax of the weakened and the
 strengthened judge distributions differ; filtered questions count as no flip), % filtered,
-% of outputs that are questions (end in "?"), distinct-1/2/3 and % of questions per starting word (first word, lower-cased) and per
-wh-word (`jaxmoral.metrics.wh_word_distribution`). `compare` builds the table across systems;
-`evaluate_model_dirs` (`jaxmoral clarify evaluate`) loads the models and compares every system
-they allow.
+% of outputs that are questions (end in "?"), distinct-1/2/3 and % of questions per starting
+word (first word, lower-cased) and per wh-word (`jaxmoral.metrics.wh_word_distribution`).
+`systems_from_dirs` builds the systems from model directories, `compare` the table across
+systems; `evaluate_model_dirs` (`jaxmoral clarify evaluate`) does both on a split.
 """
 
 from __future__ import annotations
