@@ -36,13 +36,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmoral_tests_xla_")
   _OWNED_CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"]
-  # Programs that took 0.3 s or more to compile: a resumed run, a second CLI process or the
-  # other worker then loads what an earlier one compiled. Writing every program (the suite's
-  # thousands of one-op eager programs too) cost more waiting on the disk than its hits saved:
-  # test_decoding + test_trainer + test_cli, one process, 164.5 / 163.7 s with every program
-  # against 145.7 / 150.3 s with this threshold (user CPU 139-147 against 134-139 s; 2-core
-  # VM, 2026-11-26).
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+  # Every program, however quick to compile: a resumed run, a second CLI process or the other
+  # worker then loads what an earlier one compiled.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 else:
   _OWNED_CACHE_DIR = None
 
