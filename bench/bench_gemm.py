@@ -28,19 +28,26 @@ import numpy as np  # noqa: E402
 import fair  # noqa: E402  (bench/fair.py)
 import machine  # noqa: E402  (bench/machine.py)
 
-# (name, m, k, n): out (m, n) = a (m, k) @ b (k, n). Forward products of T5 1.1-small's step
-# and the gradient products of the largest ones (dA = dOut b^T: (m, n) x (n, k); dB = a^T dOut:
-# (k, m) x (m, n)).
+# (name, m, k, n, layout): out (m, n) = a (m, k) @ b (k, n), with a stored transposed ("tn":
+# a is (k, m)) or b stored transposed ("nt": b is (n, k)) as the step's gradient products
+# read them. Forward products of T5 1.1-small's step and the gradient products of the
+# largest (dW = a^T dOut, dX = dOut W^T).
 SHAPES = (
-    ("logits fwd (dec 512 x d 512 -> vocab 32128)", 512, 512, 32128),
-    ("logits dW (d 512 x dec 512 -> vocab 32128)", 512, 512, 32128),
-    ("logits dX (dec 512 x vocab 32128 -> d 512)", 512, 32128, 512),
-    ("enc ffn wi fwd (1024 x 512 -> 1024)", 1024, 512, 1024),
-    ("enc ffn wo fwd (1024 x 1024 -> 512)", 1024, 1024, 512),
-    ("enc attn q fwd (1024 x 512 -> 384)", 1024, 512, 384),
-    ("dec ffn wi fwd (512 x 512 -> 1024)", 512, 512, 1024),
+    ("logits fwd (dec 512 x d 512 -> vocab 32128)", 512, 512, 32128, "nn"),
+    ("logits dW (d 512 x dec 512 -> vocab 32128)", 512, 512, 32128, "tn"),
+    ("logits dX (dec 512 x vocab 32128 -> d 512)", 512, 32128, 512, "nt"),
+    ("enc ffn wi fwd (1024 x 512 -> 1024)", 1024, 512, 1024, "nn"),
+    ("enc ffn wo fwd (1024 x 1024 -> 512)", 1024, 1024, 512, "nn"),
+    ("enc attn q fwd (1024 x 512 -> 384)", 1024, 512, 384, "nn"),
+    ("dec ffn wi fwd (512 x 512 -> 1024)", 512, 512, 1024, "nn"),
 )
-
+# layout: (a's stored shape, b's stored shape, the product; `@` and `.T` read the same on
+# jax arrays and torch tensors).
+LAYOUTS = {
+    "nn": (lambda m, k, n: (m, k), lambda m, k, n: (k, n), lambda a, b: a @ b),
+    "tn": (lambda m, k, n: (k, m), lambda m, k, n: (k, n), lambda a, b: a.T @ b),
+    "nt": (lambda m, k, n: (m, k), lambda m, k, n: (n, k), lambda a, b: a @ b.T),
+}
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,25 +61,14 @@ def main() -> None:
   fair.print_header("matrix products: XLA:CPU dot vs torch.matmul (float32)", setup,
                     [f"peak      : {peak.note}",
                      f"timing    : {args.rounds} interleaved rounds x {args.calls} products"])
-  shapes = SHAPES if not args.tiny else (("tiny", 64, 32, 48),)
+  shapes = SHAPES if not args.tiny else (("tiny", 64, 32, 48, "nn"),)
   rng = np.random.default_rng(0)
   ok = True
-  for name, m, k, n in shapes:
-    if "dW" in name:  # a^T @ dOut: a (dec, d) transposed
-      a_np = rng.standard_normal((k, m), np.float32)
-      b_np = rng.standard_normal((k, n), np.float32)
-      ours = jax.jit(lambda a, b: jnp.dot(a.T, b))
-      theirs = lambda a, b: torch.matmul(a.T, b)  # noqa: E731
-    elif "dX" in name:  # dOut @ W^T: W stored (d, vocab)
-      a_np = rng.standard_normal((m, k), np.float32)
-      b_np = rng.standard_normal((n, k), np.float32)
-      ours = jax.jit(lambda a, b: jnp.dot(a, b.T))
-      theirs = lambda a, b: torch.matmul(a, b.T)  # noqa: E731
-    else:
-      a_np = rng.standard_normal((m, k), np.float32)
-      b_np = rng.standard_normal((k, n), np.float32)
-      ours = jax.jit(jnp.dot)
-      theirs = torch.matmul
+  for name, m, k, n, layout in shapes:
+    a_shape, b_shape, product = LAYOUTS[layout]
+    a_np = rng.standard_normal(a_shape(m, k, n), np.float32)
+    b_np = rng.standard_normal(b_shape(m, k, n), np.float32)
+    ours, theirs = jax.jit(product), product
     a_j, b_j = jnp.asarray(a_np), jnp.asarray(b_np)
     a_t, b_t = torch.from_numpy(a_np), torch.from_numpy(b_np)
     out_j = np.asarray(ours(a_j, b_j))

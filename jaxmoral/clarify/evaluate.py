@@ -64,7 +64,11 @@ def question_metrics(questions: Sequence[str], result: reward_lib.RewardResult
                      ) -> dict[str, Any]:
   """Metrics of one system's questions and their reward-pipeline result: the means of
   `per_situation_metrics`, distinct-1/2/3 and the first-word and wh-word shares."""
-  per = per_situation_metrics(questions, result)
+  return _summary(questions, per_situation_metrics(questions, result))
+
+
+def _summary(questions: Sequence[str], per: Mapping[str, np.ndarray]) -> dict[str, Any]:
+  """`question_metrics` from the per-situation arrays."""
   return {
       "num_questions": len(questions),
       **{key: float(np.mean(per[key])) if len(questions) else 0.0 for key in MEAN_KEYS},
@@ -82,10 +86,10 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
   question and `per_situation_metrics` as lists (JSON)."""
   questions = generator(list(situations))
   result = reward.score_questions(list(situations), questions)
-  out = question_metrics(questions, result)
+  per = per_situation_metrics(questions, result)
+  out = _summary(questions, per)
   out["questions"] = list(questions)
-  out["per_situation"] = {k: v.tolist() for k, v in
-                          per_situation_metrics(questions, result).items()}
+  out["per_situation"] = {k: v.tolist() for k, v in per.items()}
   out["samples"] = [{"situation": s, "question": q, "jsd": float(j)}
                     for s, q, j in list(zip(situations, questions, result.scores))[:5]]
   return out
