@@ -143,7 +143,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    question_length: int = 32, num_resamples: int = 1000,
                    mixing_cap: Optional[int] = None, ppo_run: str = "ppo",
                    systems: Optional[Sequence[str]] = None, log_every: int = 50,
-                   seed: int = 0, command: str = "") -> dict[str, Any]:
+                   checkpoints_per_stage: int = 10, seed: int = 0,
+                   command: str = "") -> dict[str, Any]:
   """Runs the whole experiment; writes and returns the results.
 
   Args:
@@ -178,6 +179,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     systems: The systems evaluated, of `SYSTEMS` (None: all). The pipeline baselines score
       14 questions per situation, most of the evaluation's time.
     log_every: Training progress lines.
+    checkpoints_per_stage: Checkpoints of each training stage, the last at its end (a
+      stopped experiment resumes from the newest).
     seed: Seed of everything.
     command: The command line (written into the report).
 
@@ -211,7 +214,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
             which=w, model_dir=d, model_config=model_config, optimizer=optimizer,
             train_steps=n, batch_size=batch_size, feature_lengths=lengths,
             source=data_dir, split="train", judge_classes=reward_config.judge_classes,
-            nli_labels=reward_config.nli_labels, checkpoint_every=n,
+            nli_labels=reward_config.nli_labels,
+            checkpoint_every=common.checkpoint_every(n, saves=checkpoints_per_stage),
             log_every=log_every, seed=seed, init_checkpoint=init_checkpoint,
             # The cap balances a mixture; a model of one role keeps all its pairs.
             mixing_cap=mixing_cap if w == "multitask" else None))["seconds"]
@@ -226,7 +230,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       optimizer=ppo_optimizer, num_iterations=ppo_iterations, reward_config=reward_config,
       source=data_dir, split="train", max_prompts=max_ppo_prompts,
       log_every=max(1, min(log_every, ppo_iterations // 10 or 1)),
-      sample_every=ppo_iterations, checkpoint_every=ppo_iterations, seed=seed,
+      sample_every=ppo_iterations, seed=seed,
+      checkpoint_every=common.checkpoint_every(ppo_iterations, saves=checkpoints_per_stage),
       async_checkpoint=False)
   timings["ppo_s"] = time.time() - tick
 

@@ -90,7 +90,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    max_test_contexts: int = 300, min_turns: int = 4, max_turns: int = 8,
                    train_candidates: int = 3, test_candidates: int = 9, num_random: int = 5,
                    top_k: int = 10, candidate_batch_size: int = 64, eval_batch_size: int = 16,
-                   num_resamples: int = 1000, log_every: int = 50, seed: int = 0,
+                   num_resamples: int = 1000, log_every: int = 50,
+                   checkpoints_per_stage: int = 10, seed: int = 0,
                    command: str = "") -> dict[str, Any]:
   """Runs the whole experiment; writes and returns the results.
 
@@ -118,6 +119,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     eval_batch_size: Contexts per scoring call.
     num_resamples: Bootstrap resamples.
     log_every: Training progress lines.
+    checkpoints_per_stage: Checkpoints of each training stage, the last at its end (a
+      stopped experiment resumes from the newest).
     seed: One seed for the split, the runs, the sampling and the bootstrap.
     command: The command line (written into the report).
 
@@ -160,7 +163,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   gen_train = _train(
       gen_dir, model=trainable.Seq2SeqModel(config=model_config, z_loss=0.0),
       data=data_lib.DialogueData(train_path=plain_train, pairs=True),
-      train_steps=generator_steps, checkpoint_every=generator_steps,
+      train_steps=generator_steps,
+      checkpoint_every=common.checkpoint_every(generator_steps, saves=checkpoints_per_stage),
       optimizer=generator_optimizer or optimizer, **common_run)
   timings["generator_train_s"] = gen_train["seconds"]
   tick = time.time()
@@ -194,7 +198,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     trained[model_name] = _train(
         run_dir, model=diamante_model.DiamanteModel(config=model_config, pe_weight=pe_weight),
         data=data_lib.DialogueData(train_path=with_candidates), train_steps=train_steps,
-        checkpoint_every=train_steps, optimizer=optimizer, **common_run)
+        checkpoint_every=common.checkpoint_every(train_steps, saves=checkpoints_per_stage),
+        optimizer=optimizer, **common_run)
     timings[f"{model_name}_train_s"] = trained[model_name]["seconds"]
     tick = time.time()
     per_context[model_name] = evaluate_lib.rank_contexts(

@@ -92,17 +92,39 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
 STAGE_FILE = "experiment_stage.json"
 
 
+def checkpoint_every(steps: int, *, saves: int) -> int:
+  """The save period that gives a stage of `steps` steps `saves` checkpoints, the last at its
+  end: a stopped experiment resumes near where it stopped, not from the stage's start.
+
+  Raises:
+    ValueError: `steps` or `saves` below 1.
+  """
+  if int(steps) < 1 or int(saves) < 1:
+    raise ValueError(f"checkpoint_every: steps and saves must be >= 1, got {steps}, {saves}")
+  return -(-int(steps) // int(saves))
+
+
+def _saved_steps(checkpoint_dir: str) -> list[int]:
+  try:
+    return sorted(int(n) for n in os.listdir(checkpoint_dir) if n.isdigit())
+  except OSError:
+    return []
+
+
 def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[str, Any]:
   """Runs `train()`, which trains the run `model_dir` to `steps`, unless that run already has
   an intact checkpoint at `steps` (a rerun reuses finished stages; an unfinished one resumes
   from its last checkpoint inside `train`).
 
   Returns:
-    {"seconds": the training's time (now, or when it first ran), "reused": whether it was
-    reused, "result": the numbers of `train()`'s result mapping}, kept in `STAGE_FILE`.
+    {"seconds": the training's time (now, or when it first ran; of this invocation only when
+    it resumed), "reused": whether it was reused, "resumed_from_step": the step an unfinished
+    earlier invocation had saved (absent for a fresh start), "result": the numbers of
+    `train()`'s result mapping}, kept in `STAGE_FILE`.
   """
   record_path = os.path.join(model_dir, STAGE_FILE)
   checkpoint_dir = checkpoints.run_checkpoints_dir(model_dir)
+  earlier = [s for s in _saved_steps(checkpoint_dir) if s < int(steps)]
   if os.path.isdir(os.path.join(checkpoint_dir, str(int(steps)))):
     try:
       checkpoints.verify_step(checkpoint_dir, int(steps), full=False)
@@ -119,6 +141,7 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
   result = train()
   numbers = result if isinstance(result, Mapping) else {}  # Some stages return a path.
   record = {"seconds": time.time() - tick, "reused": False,
+            **({"resumed_from_step": earlier[-1]} if earlier else {}),
             "result": {k: v for k, v in numbers.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)}}
   with open(record_path, "w") as f:

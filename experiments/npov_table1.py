@@ -264,7 +264,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    feature_lengths: Optional[Mapping[str, int]] = None,
                    detectors: Sequence[str] = ("rouge", "salience", "classifier"),
                    max_salience_examples: Optional[int] = None, num_resamples: int = 1000,
-                   log_every: int = 50, seed: int = 0, command: str = "") -> dict[str, Any]:
+                   log_every: int = 50, checkpoints_per_stage: int = 10, seed: int = 0,
+                   command: str = "") -> dict[str, Any]:
   """Runs the whole experiment; writes and returns the results.
 
   Args:
@@ -318,6 +319,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       both slices (None: all).
     num_resamples: Bootstrap resamples.
     log_every: Training progress lines.
+    checkpoints_per_stage: Checkpoints of each training stage, the last at its end (a
+      stopped experiment resumes from the newest).
     seed: Sampling, training and bootstrap seed.
     command: The command line (written into the report).
 
@@ -369,7 +372,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       model_dir=base_dir, model=trainable.Seq2SeqModel(config=model_config),
       data=runs.Seq2SeqData(train_file=pairs, pack=pack_base), train_steps=base_steps,
       feature_lengths=lengths,
-      checkpoint_every=base_steps, optimizer=optimizer, init_checkpoint=init_checkpoint,
+      checkpoint_every=common.checkpoint_every(base_steps, saves=checkpoints_per_stage),
+      optimizer=optimizer, init_checkpoint=init_checkpoint,
       **common_run))}
   generator_dir = os.path.join(workdir, "generator")
   stages["generator"] = common.train_stage(
@@ -380,7 +384,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                   vocab_sample_size=min(5000, model_config.vocab_size)),
               metadata={"task": "npov_generator"}),
           data=runs.Seq2SeqData(train_file=pairs), train_steps=prompt_steps,
-          feature_lengths=lengths, checkpoint_every=prompt_steps,
+          feature_lengths=lengths,
+          checkpoint_every=common.checkpoint_every(prompt_steps, saves=checkpoints_per_stage),
           optimizer=prompt_optimizer(prompt_steps), init_checkpoint=base_dir,
           **common_run))
   timings["base_train_s"] = stages["base"]["seconds"]
@@ -409,7 +414,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
             model_dir=classifier_dirs[e], base_dir=base_dir, examples=train_synthetic, error=e,
             train_steps=classifier_steps, optimizer=classifier_optimizer,
             tuning=classifier_tuning, max_input_length=lengths["inputs"] + lengths["targets"],
-            checkpoint_every=classifier_steps, **common_run))["seconds"]
+            checkpoint_every=common.checkpoint_every(classifier_steps,
+                                                     saves=checkpoints_per_stage),
+            **common_run))["seconds"]
 
   # 2. Synthetic errors of the held-out claims; 3. every detector on both slices.
   test_slices = synthetic.make_test_slices(test_sources, topics, seed=seed + 3)

@@ -326,15 +326,30 @@ def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
     return {"step": 3, "train/loss": 1.5, "done": True, "name": "x"}
 
   first = experiment_lib.train_stage(str(run_dir), 3, train)
-  assert calls == [1] and not first["reused"]
+  assert calls == [1] and not first["reused"] and "resumed_from_step" not in first
   assert first["result"] == {"step": 3, "train/loss": 1.5}  # the numbers only
   again = experiment_lib.train_stage(str(run_dir), 3, train)
   assert calls == [1] and again["reused"] and again["seconds"] == first["seconds"]
   # Another final step is another stage; a damaged final checkpoint is trained again.
   other = experiment_lib.train_stage(str(run_dir), 4, lambda: calls.append(2) or "/a/path")
   assert other["result"] == {} and calls == [1, 2]  # A stage may return a path, not numbers.
+  assert other["resumed_from_step"] == 3  # Its run resumed from the save an earlier one left.
   (run_dir / "checkpoints" / "3" / checkpoints.STATE_ITEM / "_METADATA").write_text("{ }")
   assert not experiment_lib.train_stage(str(run_dir), 3, train)["reused"] and calls == [1, 2, 1]
+
+
+@pytest.mark.parametrize("steps,saves,every", [(120, 10, 12), (125, 10, 13), (7, 10, 1),
+                                                (1, 1, 1), (1500, 10, 150)])
+def test_stage_checkpoint_period_gives_at_most_the_saves_asked(steps, saves, every):
+  got = experiment_lib.checkpoint_every(steps, saves=saves)
+  assert got == every
+  # Saves at multiples of the period and at the end: never more than asked, the end included.
+  assert len(set(range(got, steps + 1, got)) | {steps}) <= saves
+
+
+def test_stage_checkpoint_period_refuses_no_saves():
+  with pytest.raises(ValueError, match="saves must be >= 1"):
+    experiment_lib.checkpoint_every(10, saves=0)
 
 
 def test_npov_length_control_against_scipy():
