@@ -292,14 +292,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "eval_split": eval_split, "eval_situations": len(eval_situations),
                 "num_resamples": num_resamples, "seed": seed}}
   results["verdict"], results["verdict_why"] = verdict(differences)
-  os.makedirs(results_dir, exist_ok=True)
-  results["plot"] = plot(results, os.path.join(results_dir, f"{name}.png"),
-                         title=f"ClarifyDelphi Table 4 shape ({name})")
-  markdown = report(results, name=name)
-  paths = common.write_results(results_dir, name, markdown=markdown, results=results)
-  print(markdown)
-  print(f"\nwrote {paths['markdown']}, {paths['json']}, {results['plot']}")
-  return results
+  return common.write_results(results, results_dir=results_dir, name=name,
+                              title=f"ClarifyDelphi Table 4 shape ({name})", plot=plot,
+                              report=report)
 
 
 def verdict(differences: Mapping[str, Any]) -> tuple[str, str]:

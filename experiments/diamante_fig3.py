@@ -226,15 +226,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "num_resamples": num_resamples},
       "per_context": {m: {k: v.tolist() for k, v in pc.items()}
                       for m, pc in per_context.items()}})
-  os.makedirs(results_dir, exist_ok=True)
-  plot_path = os.path.join(results_dir, f"{name}.png")
-  plot(results, plot_path, title=f"Diamante Fig. 3 shape ({name})")
-  results["plot"] = plot_path
-  markdown = report(results, name=name)
-  paths = common.write_results(results_dir, name, markdown=markdown, results=results)
-  print(markdown)
-  print(f"\nwrote {paths['markdown']}, {paths['json']}, {plot_path}")
-  return results
+  return common.write_results(results, results_dir=results_dir, name=name,
+                              title=f"Diamante Fig. 3 shape ({name})", plot=plot, report=report)
 
 
 def verdict(results: Mapping[str, Any]) -> tuple[str, str]:

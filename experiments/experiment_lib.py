@@ -211,13 +211,23 @@ def machine_line(info: dict[str, Any]) -> str:
           f"{info['load_average']}); JAX {info['jax']} on {info['devices']}")
 
 
-def write_results(results_dir: str, name: str, *, markdown: str, results: dict[str, Any]
-                  ) -> dict[str, str]:
-  """Writes `<name>.md` and `<name>.json`; returns their paths."""
+def write_results(results: dict[str, Any], *, results_dir: str, name: str, title: str,
+                  plot: Callable[..., str], report: Callable[..., str]) -> dict[str, Any]:
+  """An experiment's outputs: `plot(results, path, title=title)` drawn into `<name>.png` (its
+  path kept in `results["plot"]`), `report(results, name=name)` written to `<name>.md` and
+  printed, every number in `<name>.json`.
+
+  Returns:
+    `results`, with "plot".
+  """
   os.makedirs(results_dir, exist_ok=True)
+  results["plot"] = plot(results, os.path.join(results_dir, f"{name}.png"), title=title)
+  markdown = report(results, name=name)
   md_path = os.path.join(results_dir, f"{name}.md")
   json_path = os.path.join(results_dir, f"{name}.json")
   pathlib.Path(md_path).write_text(markdown + "\n", encoding="utf-8")
   pathlib.Path(json_path).write_text(json.dumps(results, indent=2, sort_keys=True, default=str)
                                      + "\n", encoding="utf-8")
-  return {"markdown": md_path, "json": json_path}
+  print(markdown)
+  print(f"\nwrote {md_path}, {json_path}, {results['plot']}")
+  return results

@@ -473,14 +473,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "batch_size": batch_size, "pack_base": pack_base, "feature_lengths": lengths,
                 "seed": seed,
                 "num_resamples": num_resamples}})
-  os.makedirs(results_dir, exist_ok=True)
-  results["plot"] = plot(results, os.path.join(results_dir, f"{name}.png"),
-                         title=f"NPOV Table 1 shape ({name})")
-  markdown = report(results, name=name)
-  paths = common.write_results(results_dir, name, markdown=markdown, results=results)
-  print(markdown)
-  print(f"\nwrote {paths['markdown']}, {paths['json']}, {results['plot']}")
-  return results
+  return common.write_results(results, results_dir=results_dir, name=name,
+                              title=f"NPOV Table 1 shape ({name})", plot=plot, report=report)
 
 
 def verdicts(auc: Mapping[str, Any]) -> dict[str, dict[str, str]]:

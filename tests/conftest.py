@@ -119,6 +119,16 @@ def write_hf_t5(directory: pathlib.Path, *, seed: int = 0, vocab_path: Optional[
   return model
 
 
+def hf_logits(model: Any, enc: Any, dec: Any) -> Any:
+  """The torch model's logits (numpy) for encoder ids `enc` (0: padding) and decoder inputs
+  `dec`: the reference the JAX forward passes are checked against."""
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    return model(input_ids=torch.tensor(enc, dtype=torch.long),
+                 attention_mask=torch.tensor(enc != 0, dtype=torch.long),
+                 decoder_input_ids=torch.tensor(dec, dtype=torch.long)).logits.numpy()
+
+
 @pytest.fixture(scope="session")
 def hf_t5(tmp_path_factory, demo_vocab_path) -> tuple[pathlib.Path, Any]:
   """(folder, torch model): a tiny T5 1.1 in Hugging Face's format with the demo vocabulary."""

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import hf_logits  # noqa: E402
 from jaxmoral import api  # noqa: E402
 from jaxmoral import checkpoints  # noqa: E402
 from jaxmoral import decoding  # noqa: E402
@@ -58,10 +59,7 @@ def _padded(rows):
 def _torch_logits(torch_model, enc, targets):
   dec = np.zeros_like(targets)
   dec[:, 1:] = targets[:, :-1]
-  with torch.no_grad():
-    return torch_model(input_ids=torch.tensor(enc, dtype=torch.long),
-                       attention_mask=torch.tensor(enc != 0, dtype=torch.long),
-                       decoder_input_ids=torch.tensor(dec, dtype=torch.long)).logits.numpy()
+  return hf_logits(torch_model, enc, dec)
 
 
 def test_hf_dir_logits_match_torch(model, hf_dir):

@@ -1,6 +1,7 @@
 """The fidelity experiments' configs and report logic, and the demos' truth lines (no training:
 a few seconds)."""
 
+import json
 import pathlib
 import sys
 
@@ -350,6 +351,23 @@ def test_stage_checkpoint_period_gives_at_most_the_saves_asked(steps, saves, eve
 def test_stage_checkpoint_period_refuses_no_saves():
   with pytest.raises(ValueError, match="saves must be >= 1"):
     experiment_lib.checkpoint_every(10, saves=0)
+
+
+def test_write_results_draws_the_plot_before_the_report_names_it(tmp_path, capsys):
+  def plot(results, path, *, title):
+    pathlib.Path(path).write_text(title)
+    return path
+
+  def report(results, *, name):
+    return f"# {name}\nplot: {results['plot']}, x {results['x']}"
+
+  out = experiment_lib.write_results({"x": 1.5}, results_dir=str(tmp_path / "r"), name="n",
+                                     title="T", plot=plot, report=report)
+  png, md = tmp_path / "r" / "n.png", tmp_path / "r" / "n.md"
+  assert out["plot"] == str(png) and png.read_text() == "T"
+  assert md.read_text() == f"# n\nplot: {png}, x 1.5\n"
+  assert json.loads((tmp_path / "r" / "n.json").read_text()) == {"plot": str(png), "x": 1.5}
+  assert f"plot: {png}, x 1.5" in capsys.readouterr().out
 
 
 def test_npov_length_control_against_scipy():

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import write_hf_t5  # noqa: E402
+from conftest import hf_logits, write_hf_t5  # noqa: E402
 from jaxmoral import checkpoints  # noqa: E402
 from jaxmoral import model_dirs  # noqa: E402
 from jaxmoral import partitioning  # noqa: E402
@@ -41,13 +41,6 @@ def _batch():
   dec = rng.randint(2, VOCAB, (2, 6)).astype(np.int32)
   dec[:, 0] = 0
   return enc, dec
-
-
-def torch_logits(model, enc, dec) -> np.ndarray:
-  with torch.no_grad():
-    return model(input_ids=torch.tensor(enc, dtype=torch.long),
-                 attention_mask=torch.tensor(enc != 0, dtype=torch.long),
-                 decoder_input_ids=torch.tensor(dec, dtype=torch.long)).logits.numpy()
 
 
 def jax_logits(loaded, enc, dec) -> np.ndarray:
@@ -84,7 +77,7 @@ def test_safetensors_loads_sharded_and_matches_torch(variant, tmp_path, mesh):
   kernel = loaded.params["encoder"]["layers_0"]["attention"]["query"]["kernel"]
   assert kernel.addressable_shards[0].data.shape == (32, 32 // 4)  # joined_kv over "model".
   enc, dec = _batch()
-  assert_close(jax_logits(loaded, enc, dec), torch_logits(model, enc, dec))
+  assert_close(jax_logits(loaded, enc, dec), hf_logits(model, enc, dec))
 
 
 def _as_pytorch_bin(directory, model, *, shards: int = 1) -> None:
@@ -115,7 +108,7 @@ def test_pytorch_bin_single_and_sharded(tmp_path):
     _as_pytorch_bin(directory, model, shards=shards)
     loaded = model_dirs.load(directory)
     assert loaded.info.format == "hf"
-    assert_close(jax_logits(loaded, enc, dec), torch_logits(model, enc, dec))
+    assert_close(jax_logits(loaded, enc, dec), hf_logits(model, enc, dec))
 
 
 def test_pytorch_bin_without_torch_is_one_clear_error(tmp_path, monkeypatch):
@@ -131,8 +124,8 @@ def test_export_hf_round_trip_through_transformers(tmp_path):
   hf_import.export_hf_t5(loaded.params, loaded.config, tmp_path / "export")
   reloaded = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "export").eval()
   enc, dec = _batch()
-  ref = torch_logits(model, enc, dec)
-  assert_close(torch_logits(reloaded, enc, dec), ref)
+  ref = hf_logits(model, enc, dec)
+  assert_close(hf_logits(reloaded, enc, dec), ref)
   again = model_dirs.load(tmp_path / "export")
   assert again.config == loaded.config
   assert_close(jax_logits(again, enc, dec), ref)
@@ -153,7 +146,7 @@ def test_tied_unscaled_head_of_transformers5_configs(tmp_path):
   np.testing.assert_array_equal(loaded.params["decoder"]["logits_dense"]["kernel"],
                                 np.asarray(loaded.params["token_embedder"]["embedding"]).T)
   enc, dec = _batch()
-  assert_close(jax_logits(loaded, enc, dec), torch_logits(model, enc, dec))
+  assert_close(jax_logits(loaded, enc, dec), hf_logits(model, enc, dec))
 
 
 def test_sharded_index_and_bfloat16_files(tmp_path):
@@ -259,7 +252,7 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(tmp_path, monkeypatch, d
   loaded = model_dirs.load("jaxmoral-test/t5-tiny")
   assert loaded.info.format == "hub" and loaded.vocabulary is not None
   enc, dec = _batch()
-  assert_close(jax_logits(loaded, enc, dec), torch_logits(model, enc, dec))
+  assert_close(jax_logits(loaded, enc, dec), hf_logits(model, enc, dec))
   with pytest.raises(FileNotFoundError) as info:
     model_dirs.load("jaxmoral-test/not-cached")
   message = str(info.value)
@@ -286,7 +279,7 @@ def test_t5x_orbax_checkpoint_loads_into_shardings(variant, tmp_path, mesh):
     np.testing.assert_array_equal(np.asarray(flat[key]), value)
   assert flat[("decoder", "layers_0", "mlp", "wo", "kernel")].sharding.spec[0] == "model"
   enc, dec = _batch()
-  assert_close(jax_logits(loaded, enc, dec), torch_logits(model, enc, dec))
+  assert_close(jax_logits(loaded, enc, dec), hf_logits(model, enc, dec))
 
 
 def test_t5x_scanned_and_legacy_checkpoints_are_refused(tmp_path):
@@ -381,7 +374,7 @@ def test_export_command_to_jaxmoral_and_hf(tmp_path, tiny, hf_t5):
   assert (tmp_path / "hf" / "spiece.model").is_file()
   reloaded = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
   enc, dec = _batch()
-  assert_close(torch_logits(reloaded, enc, dec), torch_logits(hf_t5[1], enc, dec))
+  assert_close(hf_logits(reloaded, enc, dec), hf_logits(hf_t5[1], enc, dec))
   # An existing export is refused without --overwrite, with one line.
   assert cli.main(["export", f"--model_dir={run}", f"--output={tmp_path / 'hf'}",
                    "--format=hf"]) == 2

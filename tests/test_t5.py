@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import hf_logits  # noqa: E402
 from jaxmoral import cpu_kernels, losses, trainer as trainer_lib  # noqa: E402
 from jaxmoral.models import hf_import  # noqa: E402
 from jaxmoral.models import t5  # noqa: E402
@@ -73,20 +74,13 @@ def random_batch(seed: int, batch: int = 3, enc_len: int = 11, dec_len: int = 7)
   return enc, dec
 
 
-def torch_logits(model, enc, dec) -> np.ndarray:
-  with torch.no_grad():
-    return model(input_ids=torch.tensor(enc, dtype=torch.long),
-                 attention_mask=torch.tensor(enc != 0, dtype=torch.long),
-                 decoder_input_ids=torch.tensor(dec, dtype=torch.long)).logits.numpy()
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_match_transformers(variant):
   model, config, params = hf_model(variant)
   assert config.tie_word_embeddings == (variant == "t5_1_0")
   enc, dec = random_batch(1)
   ours = np.asarray(jitted(config)({"params": params}, enc, dec))
-  ref = torch_logits(model, enc, dec)
+  ref = hf_logits(model, enc, dec)
   assert ours.dtype == np.float32 and ours.shape == ref.shape
   np.testing.assert_allclose(ours, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=1e-4)
 
@@ -121,7 +115,7 @@ def test_long_sequence_logits_match_transformers():
   enc, dec = random_batch(3, batch=1, enc_len=300, dec_len=200)
   enc[0] = np.random.RandomState(3).randint(2, VOCAB, 300)
   ours = np.asarray(jitted(config)({"params": params}, enc, dec))
-  ref = torch_logits(model, enc, dec)
+  ref = hf_logits(model, enc, dec)
   np.testing.assert_allclose(ours, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=1e-4)
 
 
@@ -266,7 +260,7 @@ def test_target_logit_rows_give_the_chosen_logits(variant):
   for row in range(dec.shape[0]):
     rows = t5.target_logit_rows(params, config, jnp.asarray(targets[row]))
     got = np.sum(np.asarray(hidden[row]) * np.asarray(rows), axis=-1)
-    want = torch_logits(model, enc, dec)[row, np.arange(dec.shape[1]), targets[row]]
+    want = hf_logits(model, enc, dec)[row, np.arange(dec.shape[1]), targets[row]]
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
