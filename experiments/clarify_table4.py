@@ -223,6 +223,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # 2. PPO on train situations.
   tick = time.time()
   ppo_dir = os.path.join(workdir, ppo_run)
+  if common.saved_steps(ppo_dir):
+    common.warn_changed_bindings(ppo_dir, "PPO goes on from (or reuses) a run trained")
   ppo = training.train_clarify_ppo(
       model_dir=ppo_dir, question_model_dir=role_dir["question"],
       answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],

@@ -104,9 +104,48 @@ def checkpoint_every(steps: int, *, saves: int) -> int:
   return -(-int(steps) // int(saves))
 
 
-def _saved_steps(checkpoint_dir: str) -> list[int]:
+def _bindings(config: str) -> set[str]:
+  """The bindings of a gin config text, one entry each (continued values joined)."""
+  entries: list[str] = []
+  for line in config.replace("\\\n", " ").splitlines():
+    if not line.strip() or line.lstrip().startswith(("#", "import ", "from ")):
+      continue
+    if line[:1].isspace() and entries:
+      entries[-1] += " " + line.strip()
+    else:
+      entries.append(line.strip())
+  return {" ".join(entry.split()) for entry in entries}
+
+
+def changed_bindings(model_dir: str) -> list[str]:
+  """The gin bindings that differ between the run `model_dir` was trained under (its
+  config.gin) and this process's: "- saved" and "+ now" lines ([] without a config.gin)."""
+  import gin  # pylint: disable=import-outside-toplevel
+  path = os.path.join(model_dir, "config.gin")
+  if not os.path.isfile(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    saved = _bindings(f.read())
+  now = _bindings(gin.config_str())
+  return [f"- {b}" for b in sorted(saved - now)] + [f"+ {b}" for b in sorted(now - saved)]
+
+
+def warn_changed_bindings(model_dir: str, what: str) -> None:
+  """Says which bindings a reused or resumed run was trained under otherwise: a changed
+  OPTIMIZER does not retrain a finished stage of the same WORKDIR, and must not pass
+  unnoticed. (A warning, not an error: a new PPO setting or evaluation binding reuses the
+  supervised stages by design.)"""
+  changed = changed_bindings(model_dir)
+  if changed:
+    logger.warning("%s: %s under other gin bindings than this run's (another WORKDIR trains "
+                   "it anew):\n  %s", model_dir, what, "\n  ".join(changed))
+
+
+def saved_steps(model_dir: str) -> list[int]:
+  """The steps the run `model_dir` has checkpoint folders of, ascending."""
   try:
-    return sorted(int(n) for n in os.listdir(checkpoint_dir) if n.isdigit())
+    return sorted(int(n) for n in os.listdir(checkpoints.run_checkpoints_dir(model_dir))
+                  if n.isdigit())
   except OSError:
     return []
 
@@ -124,7 +163,7 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
   """
   record_path = os.path.join(model_dir, STAGE_FILE)
   checkpoint_dir = checkpoints.run_checkpoints_dir(model_dir)
-  earlier = [s for s in _saved_steps(checkpoint_dir) if s < int(steps)]
+  earlier = [s for s in saved_steps(model_dir) if s < int(steps)]
   if os.path.isdir(os.path.join(checkpoint_dir, str(int(steps)))):
     try:
       checkpoints.verify_step(checkpoint_dir, int(steps), full=False)
@@ -132,11 +171,14 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
       logger.warning("%s; training again", e)
     else:
       logger.info("%s: reusing its finished run (step %d)", model_dir, steps)
+      warn_changed_bindings(model_dir, "reused as it was trained")
       try:
         with open(record_path) as f:
           return {**json.load(f), "reused": True}
       except (OSError, ValueError):
         return {"seconds": float("nan"), "reused": True, "result": {}}
+  if earlier:
+    warn_changed_bindings(model_dir, f"resumed from step {earlier[-1]}, which was trained")
   tick = time.time()
   result = train()
   numbers = result if isinstance(result, Mapping) else {}  # Some stages return a path.

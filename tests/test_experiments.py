@@ -339,6 +339,35 @@ def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
   assert not experiment_lib.train_stage(str(run_dir), 3, train)["reused"] and calls == [1, 2, 1]
 
 
+def test_changed_bindings_name_what_a_run_was_trained_under_otherwise(tmp_path, caplog):
+  from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
+  long = repr(["x" * 30] * 4)  # Printed by gin over several lines.
+  gin.clear_config()
+  try:
+    gin.parse_config(["NAME = 'a'", f"LONG = {long}", "clarify_table4.run_experiment.seed = 3"])
+    run_dir = tmp_path / "run"
+    assert experiment_lib.changed_bindings(str(run_dir)) == []  # No config.gin: nothing known.
+    run_dir.mkdir()
+    (run_dir / "config.gin").write_text(gin.config_str())
+    assert experiment_lib.changed_bindings(str(run_dir)) == []
+    gin.clear_config()
+    gin.parse_config(["NAME = 'a'", f"LONG = {long}", "clarify_table4.run_experiment.seed = 4"])
+    assert experiment_lib.changed_bindings(str(run_dir)) == [
+        "- clarify_table4.run_experiment.seed = 3", "+ clarify_table4.run_experiment.seed = 4"]
+    # A finished stage reused under other bindings says so (and is still reused).
+    step = run_dir / "checkpoints" / "2"
+    (step / checkpoints.STATE_ITEM).mkdir(parents=True)
+    (step / checkpoints.STATE_ITEM / "_METADATA").write_text("{}")
+    checkpoints.write_integrity_manifest(step)
+    with caplog.at_level("WARNING", logger=experiment_lib.logger.name):
+      assert experiment_lib.train_stage(str(run_dir), 2, lambda: pytest.fail("retrained"))[
+          "reused"]
+    assert "reused as it was trained under other gin bindings" in caplog.text
+    assert "+ clarify_table4.run_experiment.seed = 4" in caplog.text
+  finally:
+    gin.clear_config()
+
+
 @pytest.mark.parametrize("steps,saves,every", [(120, 10, 12), (125, 10, 13), (7, 10, 1),
                                                 (1, 1, 1), (1500, 10, 150)])
 def test_stage_checkpoint_period_gives_at_most_the_saves_asked(steps, saves, every):
