@@ -29,14 +29,18 @@ class ProgressLog:
   Attributes:
     label: What is counted (the line's first word).
     total: Units of work in all.
-    every_s: Least seconds between two lines (the last line is always written).
+    every_s: Least seconds between two lines (the last line is always written, unless the
+      whole work took less than `min_total_s`).
+    min_total_s: Work done sooner than this logs nothing at all: for a loop that is long
+      only sometimes (a reward over 4,000 questions, not over one PPO batch).
   """
 
   def __init__(self, label: str, total: int, *, every_s: float = 30.0,
-               log: Optional[logging.Logger] = None):
+               min_total_s: float = 0.0, log: Optional[logging.Logger] = None):
     if total < 0:
       raise ValueError(f"ProgressLog({label!r}): total must be >= 0, got {total}")
     self.label, self.total, self.every_s = label, int(total), float(every_s)
+    self.min_total_s = float(min_total_s)
     self._log = log or logger
     self._start = self._last = time.monotonic()
 
@@ -44,6 +48,8 @@ class ProgressLog:
     """Records that `done` units are finished; returns the line when one was logged."""
     now = time.monotonic()
     if done < self.total and now - self._last < self.every_s:
+      return None
+    if now - self._start < self.min_total_s:
       return None
     self._last = now
     elapsed = now - self._start

@@ -33,3 +33,18 @@ def test_progress_without_a_rate_and_bad_total(monkeypatch):
   assert progress.format_seconds(3725.9) == "1:02:05"
   with pytest.raises(ValueError, match="total must be >= 0"):
     progress.ProgressLog("x", -1)
+
+
+def test_work_shorter_than_min_total_logs_nothing(monkeypatch, caplog):
+  clock = [0.0]
+  monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+  with caplog.at_level(logging.INFO, logger="jaxmoral.progress"):
+    quick = progress.ProgressLog("stages", 3, every_s=30, min_total_s=30)
+    clock[0] = 29.0
+    assert quick.update(3) is None  # Done in 29 s: silent, the end included.
+    slow = progress.ProgressLog("stages", 3, every_s=30, min_total_s=30)
+    clock[0] = 70.0
+    assert slow.update(1) == "stages: 1/3 (33 %) 0.0244/s ETA 0:01:22"
+    clock[0] = 75.0
+    assert slow.update(3) == "stages: 3/3 (100 %) 0.0652/s ETA 0:00:00"
+  assert len(caplog.records) == 2

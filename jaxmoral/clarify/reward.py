@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxmoral import metrics
+from jaxmoral import progress
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.clarify import models
@@ -212,16 +213,24 @@ class DefeasibilityReward:
     n = len(situations)
     situations = [formats.clean(s) for s in situations]
     questions = [formats.clean(q) or "?" for q in questions]
+    # An evaluation scores thousands of questions (minutes a stage), a PPO batch dozens.
+    shown = progress.ProgressLog(f"reward stages ({n} questions)", 6, min_total_s=30.0)
     base = self.judge(situations)
     judgment = [formats.JUDGMENTS[i] for i in np.argmax(base, axis=-1)] if n else []
+    shown.update(1)
     both_s = situations + situations
     both_q = questions + questions
-    answers = (self.answers(situations, questions, judgment, "weakener")
-               + self.answers(situations, questions, judgment, "strengthener"))
+    answers = self.answers(situations, questions, judgment, "weakener")
+    shown.update(2)
+    answers += self.answers(situations, questions, judgment, "strengthener")
+    shown.update(3)
     enabled = self.config.use_nli if use_nli is None else use_nli
     filtered = nli_lib.filter_answers(self.nli, both_s, answers, enabled=enabled)
+    shown.update(4)
     fused = self.fuse(both_s, both_q, answers)
+    shown.update(5)
     dists = self.judge(fused)
+    shown.update(6)
     p_w, p_s = dists[:n], dists[n:]
     jsd = (np.asarray(metrics.jensen_shannon(p_w, p_s), np.float64).reshape(n) if n
            else np.zeros(0))
