@@ -54,6 +54,25 @@ def test_jsd_equals_scipy_on_judge_outputs(pipeline):
   assert result.judgment == [formats.JUDGMENTS[i] for i in result.base_distribution.argmax(1)]
 
 
+def test_questions_only_zeroes_the_ppo_reward_of_non_questions(pipeline, monkeypatch):
+  prompts = [formats.question_input(s) for s in SITUATIONS]
+  responses = ["Why are you skipping it?", "Did they find out", "what are you ?  "]
+  gated = reward.DefeasibilityReward(
+      answer_model=pipeline.answer_model, fusion_model=pipeline.fusion_model,
+      judge_model=pipeline.judge_model, nli_model=None,
+      config=dataclasses.replace(pipeline.config, questions_only=True))
+  # The random tiny models fuse both answers alike (JSD 0): known scores stand in for theirs.
+  scored = gated.score_questions(SITUATIONS, responses)
+  known = dataclasses.replace(scored, scores=np.float32([0.1, 0.2, 0.3]))
+  monkeypatch.setattr(gated, "score_questions", lambda *a, **k: known)
+  scores, extras = gated(prompts, responses, key=("test", 0))
+  np.testing.assert_allclose(scores, [0.1, 0.0, 0.3])  # The fragment earns nothing.
+  np.testing.assert_array_equal(extras["jsd"], scored.jsd)  # Diagnostics as the pipeline's.
+  monkeypatch.setattr(pipeline, "score_questions", lambda *a, **k: known)
+  np.testing.assert_allclose(pipeline(prompts, responses, key=("test", 0))[0], [0.1, 0.2, 0.3])
+  assert [formats.is_question(r) for r in responses] == [True, False, True]
+
+
 class _StubNLI:
   """Entailment for the weakener answer of situation 0 and the strengthener of situation 2."""
 

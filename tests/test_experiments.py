@@ -77,6 +77,10 @@ def test_diamante_configs_parse(files, steps, size):
     (("clarify_table4_cpu_dedicated_explore.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
     (("clarify_table4_cpu_dedicated_explore.gin",), "clarify_table4.run_experiment.ppo_run",
      "ppo_kl2_explore"),
+    (("clarify_table4_cpu_dedicated_explore_questions.gin",),
+     "reward.RewardConfig.questions_only", True),
+    (("clarify_table4_cpu_dedicated_explore_questions.gin",),
+     "clarify_table4.run_experiment.ppo_run", "ppo_kl2_explore_questions"),
 ])
 def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),

@@ -51,7 +51,7 @@ def per_situation_metrics(questions: Sequence[str], result: reward_lib.RewardRes
       "jsd_unfiltered": np.asarray(result.jsd, np.float64),
       "flips_pct": 100.0 * np.asarray(result.flips, np.float64),
       "filtered_pct": 100.0 * np.asarray(result.filtered, np.float64),
-      "question_pct": 100.0 * np.asarray([q.strip().endswith("?") for q in questions],
+      "question_pct": 100.0 * np.asarray([formats.is_question(q) for q in questions],
                                          np.float64),
       "wh_word": np.asarray([metrics.first_wh_word(q) for q in questions], dtype=object),
   }

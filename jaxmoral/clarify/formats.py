@@ -36,6 +36,12 @@ def clean(text: str) -> str:
   return re.sub(r"\s+", " ", str(text)).strip()
 
 
+def is_question(text: str) -> bool:
+  """Whether an output is a question: it ends in "?" (what the evaluation's % questions and
+  `RewardConfig.questions_only` count)."""
+  return text.strip().endswith("?")
+
+
 def question_input(situation: str, wh_word: str | None = None) -> str:
   """θQ input; with `wh_word` the wh-conditioned variant."""
   text = f"question: {clean(situation)}"

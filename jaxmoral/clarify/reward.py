@@ -55,6 +55,10 @@ class RewardConfig:
     input_length: Encoder length of every auxiliary model.
     batch_size: Rows per compiled call.
     seed: Seed of sampled answers.
+    questions_only: PPO's reward (`__call__`) is 0 for an output that is not a question
+      (`formats.is_question`): a guard against a policy that games small reward models with
+      fragments (bench/RESULTS.md, session 21). Not in the paper; evaluation
+      (`score_questions`) scores every output either way.
   """
   judge_classes: tuple[str, ...] = formats.T5_JUDGE_CLASSES
   nli_labels: tuple[str, ...] = formats.NLI_LABELS
@@ -67,6 +71,7 @@ class RewardConfig:
   input_length: int = 128
   batch_size: int = 32
   seed: int = 0
+  questions_only: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "judge_classes", tuple(self.judge_classes))
@@ -253,6 +258,10 @@ class DefeasibilityReward:
       key = (key.purpose, key.index)
     result = self.score_questions([situation_of(p) for p in prompt_texts], response_texts,
                                   key=key)
+    scores = result.scores
+    if self.config.questions_only:
+      asked = np.asarray([formats.is_question(r) for r in response_texts], bool)
+      scores = np.where(asked, scores, 0.0).astype(np.float32)
     extras = {"jsd": result.jsd, "filtered": result.filtered.astype(np.float32),
               "flips": result.flips.astype(np.float32), "weakener": result.weakener,
               "strengthener": result.strengthener,
@@ -260,4 +269,4 @@ class DefeasibilityReward:
               "strengthened_situation": result.strengthened_situation,
               "weakened_distribution": result.weakened_distribution,
               "strengthened_distribution": result.strengthened_distribution}
-    return result.scores, extras
+    return scores, extras
