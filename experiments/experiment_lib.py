@@ -141,15 +141,6 @@ def warn_changed_bindings(model_dir: str, what: str) -> None:
                    "it anew):\n  %s", model_dir, what, "\n  ".join(changed))
 
 
-def saved_steps(model_dir: str) -> list[int]:
-  """The steps the run `model_dir` has checkpoint folders of, ascending."""
-  try:
-    return sorted(int(n) for n in os.listdir(checkpoints.run_checkpoints_dir(model_dir))
-                  if n.isdigit())
-  except OSError:
-    return []
-
-
 def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[str, Any]:
   """Runs `train()`, which trains the run `model_dir` to `steps`, unless that run already has
   an intact checkpoint at `steps` (a rerun reuses finished stages; an unfinished one resumes
@@ -163,7 +154,7 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
   """
   record_path = os.path.join(model_dir, STAGE_FILE)
   checkpoint_dir = checkpoints.run_checkpoints_dir(model_dir)
-  earlier = [s for s in saved_steps(model_dir) if s < int(steps)]
+  earlier = [s for s in checkpoints.saved_steps(model_dir) if s < int(steps)]
   if os.path.isdir(os.path.join(checkpoint_dir, str(int(steps)))):
     try:
       checkpoints.verify_step(checkpoint_dir, int(steps), full=False)

@@ -332,6 +332,16 @@ def run_checkpoints_dir(model_dir: str | os.PathLike) -> str:
   return os.path.join(os.fspath(model_dir), RUN_CHECKPOINTS_SUBDIR)
 
 
+def saved_steps(model_dir: str | os.PathLike) -> list[int]:
+  """The steps a run directory has checkpoint folders of, ascending ([] for none), without
+  opening a CheckpointManager: whether a run would resume, and from where."""
+  try:
+    names = os.listdir(run_checkpoints_dir(model_dir))
+  except OSError:
+    return []
+  return sorted(int(name) for name in names if name.isdigit())
+
+
 # -- run directory lock -------------------------------------------------------------------------
 LOCK_FILE = "train.lock"
 # A holder refreshes its lock's time this often; a lock of another host left unrefreshed for

@@ -323,8 +323,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     # Held from before the run files are written: a second run into this folder is refused
     # before it changes anything (`train.train` takes the same lock again, re-entrantly).
     with checkpoints.RunDirLock(model_dir):
-      ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
-      resuming = os.path.isdir(ckpt_dir) and any(name.isdigit() for name in os.listdir(ckpt_dir))
+      resuming = bool(checkpoints.saved_steps(model_dir))
       init_info = None
       if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
         init_info = model_dirs.inspect(init_checkpoint)

@@ -221,3 +221,11 @@ def test_a_run_directory_is_a_path_not_a_url(tmp_path):
     ck.make_run_dir("gs://bucket/run")
   made = ck.make_run_dir(tmp_path / "a" / "run")
   assert made == str(tmp_path / "a" / "run") and os.path.isdir(made)
+
+
+def test_saved_steps_lists_step_folders_in_order(tmp_path):
+  assert ck.saved_steps(tmp_path / "none") == []
+  ckpt = ck.run_checkpoints_dir(tmp_path)
+  for name in ("10", "2", "3.orbax-checkpoint-tmp-1"):  # an unfinished save is not a step
+    os.makedirs(os.path.join(ckpt, name))
+  assert ck.saved_steps(tmp_path) == [2, 10]
