@@ -118,6 +118,15 @@ def write_hf_t5(directory: pathlib.Path, *, seed: int = 0, vocab_path: Optional[
   return model
 
 
+def child_xla_flags(*, device_count: Optional[int] = None) -> str:
+  """XLA_FLAGS for a Python process a test starts: the suite's compile settings (above), and
+  `device_count` fake CPU devices (None: one, as a user's process has)."""
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  if device_count is not None:
+    kept.insert(0, f"--xla_force_host_platform_device_count={device_count}")
+  return " ".join(kept)
+
+
 def hf_logits(model: Any, enc: Any, dec: Any) -> Any:
   """The torch model's logits (numpy) for encoder ids `enc` (0: padding) and decoder inputs
   `dec`: the reference the JAX forward passes are checked against."""

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from conftest import child_xla_flags
 from jaxmoral import cli, compilation_cache, cpu_kernels
 
 
@@ -127,8 +128,7 @@ _SAMPLE_SCRIPT = textwrap.dedent("""
 def _run_sampler(cache_dir):
   # The suite's compile settings (conftest.py: unoptimised code, quick to compile) carry over;
   # one device, as a user's process has. Both processes share them, so the cache keys match.
-  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(kept)}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags()}
   done = subprocess.run([sys.executable, "-c", _SAMPLE_SCRIPT, str(cache_dir)], env=env,
                         capture_output=True, text=True, timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-3000:]

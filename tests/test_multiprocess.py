@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import child_xla_flags
 from jaxmoral import model_dirs
 from jaxmoral.data import vocab as vocab_lib
 
@@ -95,9 +96,8 @@ def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_proc
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_", "XLA_", "SLURM_", "TPU_"))}
   # The suite's compile settings (conftest.py) carry over; the device count is this process's.
-  kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
   env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
-             XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}", *kept]))
+             XLA_FLAGS=child_xla_flags(device_count=devices))
   if num_processes > 1:
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
                JAX_PROCESS_ID=str(process_id))
