@@ -192,6 +192,21 @@ def test_task_is_deterministic_by_seed(vocabulary, texts):
   assert {len(ex["inputs"]) for ex in a} <= set(range(41))
 
 
+def test_in_memory_texts_are_shuffled_as_a_whole(vocabulary):
+  # 2,000 texts of one kind, then 2,000 of another: seqio's 1,000-example window alone would
+  # serve the first kind only for the first 1,000 examples.
+  words = ("good friend help", "bad lie okay")
+  texts = [words[i >= 2000] for i in range(4000)]
+  task = sc.register_span_corruption_task("test_sc_order", vocabulary=vocabulary,
+                                          texts={"train": texts}, concat_batch_size=1)
+  ds = task.get_dataset({"inputs": 16, "targets": 16}, split="train", shuffle=True, seed=1,
+                        num_epochs=1)
+  second_kind = set(vocabulary.encode(words[1])) - set(vocabulary.encode(words[0]))
+  first_200 = [bool(second_kind & {*ex["inputs"], *ex["targets"]})
+               for ex, _ in zip(ds.as_numpy_iterator(), range(200))]
+  assert np.mean(first_200) == pytest.approx(0.5, abs=0.15)
+
+
 def test_iterate_texts_formats(tmp_path):
   (tmp_path / "a.jsonl").write_text('{"t": "one"}\n\n{"t": ["two", "three"]}\n{"t": " "}\n')
   assert list(sc.iterate_texts(tmp_path / "a.jsonl", text_field="t")) == ["one", "two", "three"]
@@ -249,7 +264,11 @@ def test_pretraining_mixture_demo_corpus(vocab_path, tmp_path):
   paths = pretraining_corpus.corpus_paths(out)
   train = pathlib.Path(paths["train"]).read_text().splitlines()
   valid = pathlib.Path(paths["validation"]).read_text().splitlines()
-  expected = list(dict.fromkeys(" ".join(t.split()) for t in vocab_lib.demo_texts()))
+  texts = list(dict.fromkeys(" ".join(t.split()) for t in vocab_lib.demo_texts()))
+  # The files hold every text once, in a seeded random order (not the sources' order).
+  expected = [texts[i] for i in np.random.default_rng(
+      pretraining_corpus.CORPUS_ORDER_SEED).permutation(len(texts))]
+  assert expected != texts
   assert valid == expected[::10]
   assert train == [t for i, t in enumerate(expected) if i % 10]
   assert set(task.splits) == {"train", "validation"}

@@ -32,6 +32,7 @@ import pathlib
 from typing import Iterable, Iterator, Optional, Sequence
 
 import gin
+import numpy as np
 import seqio
 
 from jaxmoral.data import readers
@@ -149,6 +150,8 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
 
 # -- the corpus files -----------------------------------------------------------------------
 
+CORPUS_ORDER_SEED = 0  # The order of the corpus files' texts (`build_corpus`).
+
 
 def write_lines(path: str | os.PathLike, texts: Iterable[str]) -> int:
   """Writes one text per line, atomically (a reader never sees half a file); returns the
@@ -177,7 +180,11 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
                  validation_every: int = 100) -> dict[str, str]:
   """Writes the train / validation corpus files unless a build with the same settings exists.
 
-  Every `validation_every`-th text (the first included) goes to validation.
+  The texts are written in a seeded random order (`CORPUS_ORDER_SEED`), of which every
+  `validation_every`-th (the first included) goes to validation. The train file is streamed
+  and seqio shuffles within a window of 1,000 texts, so a file in source order would serve
+  one source at a time (the 30,000 δ-Clarify texts, then silver, ..., the 116,000 chitchat
+  turns last): as T5's corpora, the file itself is shuffled.
 
   Returns:
     {split: corpus file}.
@@ -188,7 +195,8 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
   settings = {"data_dir": None if data_dir is None else str(pathlib.Path(data_dir).resolve()),
               "sources": list(sources), "clarify_splits": list(clarify_splits),
               "perspectrum_splits": None if perspectrum_splits is None
-              else list(perspectrum_splits), "validation_every": validation_every}
+              else list(perspectrum_splits), "validation_every": validation_every,
+              "order_seed": CORPUS_ORDER_SEED}
   manifest = pathlib.Path(output_dir) / MANIFEST
   if manifest.is_file() and all(os.path.isfile(p) for p in paths.values()):
     try:
@@ -198,6 +206,7 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
       pass  # An unreadable manifest: rebuild.
   texts = corpus_texts(data_dir, sources=sources, clarify_splits=clarify_splits,
                        perspectrum_splits=perspectrum_splits)
+  texts = [texts[i] for i in np.random.default_rng(CORPUS_ORDER_SEED).permutation(len(texts))]
   counts = {
       "train": write_lines(paths["train"], (t for i, t in enumerate(texts)
                                             if i % validation_every)),

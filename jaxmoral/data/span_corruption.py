@@ -361,8 +361,10 @@ def _text_source(*, files: Mapping[str, Sequence[str]], texts: Mapping[str, Sequ
   def dataset_fn(split: str, shuffle_files: bool, seed: Optional[int] = None) -> tf.data.Dataset:
     if split in texts:
       dataset = tf.data.Dataset.from_tensor_slices(tf.constant(list(texts[split]), tf.string))
+      if shuffle_files:  # In memory: the whole split, a new order each epoch (as text pairs).
+        dataset = dataset.shuffle(len(texts[split]), seed=seed, reshuffle_each_iteration=True)
       dataset = dataset.filter(_nonblank)
-    else:
+    else:  # Streamed: the files' order, then seqio's window (`build_corpus` shuffles a corpus).
       split_files = list(files[split])
       if shuffle_files:
         np.random.default_rng(seed).shuffle(split_files)

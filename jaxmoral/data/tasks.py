@@ -3,8 +3,9 @@
 A text-pair Task reads (input, target) strings from memory or from a TSV/CSV/JSONL file (read
 and checked by `readers` at registration, so a bad row fails with its line number before any
 training), tokenises both with a SentencePiece vocabulary and appends EOS after trimming, as T5
-tasks do. Training reads any Task or Mixture through `TaskSource`, which streams seqio's own
-pipeline with a deterministic position (resume) and per-process sharding.
+tasks do. Shuffled, it serves a new permutation of its whole split every epoch, whatever the
+file's order. Training reads any Task or Mixture through `TaskSource`, which streams seqio's
+own pipeline with a deterministic position (resume) and per-process sharding.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ Pairs = Sequence[tuple[str, str]]
 
 
 def _without_function_source_notice(record: logging.LogRecord) -> bool:
-  """seqio warns that an uncached FunctionDataSource shuffles poorly after a restart; a
-  `TaskSource` restarts by skipping to its step in the same seeded stream, so that does not
-  apply to it."""
+  """seqio warns that an uncached FunctionDataSource shuffles poorly after a restart; the
+  text-pair source shuffles its whole split itself and a `TaskSource` restarts by skipping to
+  its step in the same seeded stream, so that does not apply to it."""
   return "uncached FunctionDataset" not in record.getMessage()
 
 
@@ -98,13 +99,20 @@ def split_pairs(pairs: Pairs, *, validation_every: int = 10, rule: str = "hash"
 
 
 def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
+  """The pairs of each split; shuffled, a new permutation of the whole split every epoch.
+
+  seqio's own shuffle, after the source, is a window of 1,000 examples: pairs stored in
+  blocks (a multi-task file written task by task, a classifier file sorted by label) would
+  reach training in blocks, one task or label per batch for hundreds of steps.
+  """
   data = {split: ([x for x, _ in pairs], [y for _, y in pairs]) for split, pairs in splits.items()}
 
   def dataset_fn(split: str, shuffle_files: bool, seed: Optional[int] = None) -> tf.data.Dataset:
-    del shuffle_files, seed  # One in-memory "file"; BatchSource shuffles.
-    inputs, targets = data[split]
-    return tf.data.Dataset.from_tensor_slices(
-        {"inputs": tf.constant(inputs, tf.string), "targets": tf.constant(targets, tf.string)})
+    inputs, targets = (tf.constant(texts, tf.string) for texts in data[split])
+    order = tf.data.Dataset.range(len(data[split][0]))
+    if shuffle_files:  # seqio passes `shuffle` here; the permutation is of indices only.
+      order = order.shuffle(len(data[split][0]), seed=seed, reshuffle_each_iteration=True)
+    return order.map(lambda i: {"inputs": tf.gather(inputs, i), "targets": tf.gather(targets, i)})
 
   return seqio.FunctionDataSource(dataset_fn, splits=list(data),
                                   num_input_examples={s: len(p) for s, p in splits.items()})
@@ -259,7 +267,9 @@ class TaskSource:
                   if self.shard_count > 1 else None)
     ds = provider.get_dataset(sequence_length=self.feature_lengths, split=self.split,
                               shuffle=self.shuffle, seed=self.seed, shard_info=shard_info,
-                              num_epochs=None if repeat else 1)
+                              num_epochs=None if repeat else 1,
+                              # A cached epoch would replay the source's first permutation.
+                              try_in_mem_cache=not self.shuffle)
     ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, self.feature_lengths)
     options = tf.data.Options()
     options.deterministic = True  # The stream must not depend on thread timing.

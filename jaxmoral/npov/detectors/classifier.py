@@ -89,8 +89,8 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
                      f"{len(inputs)} pairs with labels {sorted(set(targets))}")
   base = model_dirs.inspect(base_dir)
   pairs = os.path.join(os.fspath(model_dir), "data", "train.jsonl")
-  # Shuffled: `training_pairs` alternates clean and erroneous examples, and a run resumed
-  # from before `Seq2SeqData.heldout="hash"` holds out every 10th pair (all clean, in order).
+  # Shuffled (training shuffles anyway): a run resumed from before `Seq2SeqData.heldout=
+  # "hash"` holds out every 10th pair, all clean in `training_pairs`' alternating order.
   order = np.random.default_rng(seed).permutation(len(inputs))
   readers.write_jsonl(pairs, [{"inputs": inputs[i], "targets": targets[i]} for i in order])
   if tuning == "full":
