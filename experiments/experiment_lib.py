@@ -30,6 +30,7 @@ if str(PROJECT_ROOT) not in sys.path:  # `python experiments/x.py` from a clone,
 from jaxmoral import cli  # noqa: E402  pylint: disable=wrong-import-position
 cli.platforms_without_absent_tpu()
 from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-position
+from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
   Returns:
     The exit status.
   """
-  from jaxmoral import compilation_cache, gin_utils  # pylint: disable=import-outside-toplevel
+  from jaxmoral import compilation_cache  # pylint: disable=import-outside-toplevel
   argv = list(sys.argv[1:] if argv is None else argv)
   gin_args, rest = gin_utils.split_gin_args(argv)
   if rest or not gin_args.files:
@@ -104,19 +105,6 @@ def checkpoint_every(steps: int, *, saves: int) -> int:
   return -(-int(steps) // int(saves))
 
 
-def _bindings(config: str) -> set[str]:
-  """The bindings of a gin config text, one entry each (continued values joined)."""
-  entries: list[str] = []
-  for line in config.replace("\\\n", " ").splitlines():
-    if not line.strip() or line.lstrip().startswith(("#", "import ", "from ")):
-      continue
-    if line[:1].isspace() and entries:
-      entries[-1] += " " + line.strip()
-    else:
-      entries.append(line.strip())
-  return {" ".join(entry.split()) for entry in entries}
-
-
 def changed_bindings(model_dir: str) -> list[str]:
   """The gin bindings that differ between the run `model_dir` was trained under (its
   config.gin) and this process's: "- saved" and "+ now" lines ([] without a config.gin)."""
@@ -125,9 +113,11 @@ def changed_bindings(model_dir: str) -> list[str]:
   if not os.path.isfile(path):
     return []
   with open(path, encoding="utf-8") as f:
-    saved = _bindings(f.read())
-  now = _bindings(gin.config_str())
-  return [f"- {b}" for b in sorted(saved - now)] + [f"+ {b}" for b in sorted(now - saved)]
+    saved = f.read()
+  try:
+    return gin_utils.binding_changes(saved, gin.config_str())
+  except ValueError as error:
+    return [f"? {path}: {error}"]
 
 
 def warn_changed_bindings(model_dir: str, what: str) -> None:

@@ -746,6 +746,74 @@ def _probe_directory(directory: pathlib.Path, shown: str) -> None:
     _raise_as(error, shown)
 
 
+class _Written:
+  """A reference or macro in a parsed value, kept as written (`@name()`, `%NAME`)."""
+
+  def __init__(self, text: str) -> None:
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+class _Symbolic(config_parser.ParserDelegate):
+  """Reads gin statements with references and macros kept symbolic (nothing imported)."""
+
+  def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> _Written:
+    return _Written(f"@{_complete(scoped_configurable_name)}{'()' if evaluate else ''}")
+
+  def macro(self, macro_name: str) -> _Written:
+    return _Written(f"%{macro_name}")
+
+
+def _complete(selector: str) -> str:
+  """`selector` completed through gin's registry ('runs.train_run' ->
+  'jaxmoral.runs.train_run') when it names one configurable; else as written (a module this
+  process has not imported). A scope prefix ('ppo/...') is kept."""
+  scope, _, name = selector.rpartition("/")
+  matches = gin.config._REGISTRY.matching_selectors(name)  # pylint: disable=protected-access
+  complete = matches[0] if len(matches) == 1 else name
+  return f"{scope}/{complete}" if scope else complete
+
+
+def config_bindings(text: str) -> dict[str, str]:
+  """`{binding: value}` of a gin config text (a config.gin, `gin.config_str()`), read by gin's
+  own parser: continued lines, comments and a value's layout do not matter, selectors are
+  completed through gin's registry (gin prints one minimally or in full depending on what is
+  imported), references and macros are compared as written.
+
+  Raises:
+    ValueError: `text` is not gin (the parser's message, with its line).
+  """
+  bindings = {}
+  try:
+    for statement in config_parser.ConfigParser(text, _Symbolic()):
+      if not isinstance(statement, config_parser.BindingStatement):
+        continue  # import / include statements bind nothing.
+      if statement.arg_name:
+        selector = _complete(statement.selector)
+        name = (f"{statement.scope}/{selector}" if statement.scope else selector)
+        name = f"{name}.{statement.arg_name}"
+      else:
+        name = _macro_name(statement)
+      bindings[name] = repr(statement.value)
+  except (SyntaxError, tokenize.TokenError) as error:
+    raise ValueError(f"not a gin config: {error}") from error
+  return bindings
+
+
+def binding_changes(before: str, after: str) -> list[str]:
+  """The bindings that differ between two gin config texts (`config_bindings`): "- binding =
+  value" as `before` has it, "+ binding = value" as `after` has it, sorted by binding."""
+  old, new = config_bindings(before), config_bindings(after)
+  changes = []
+  for name in sorted(old.keys() | new.keys()):
+    if old.get(name) != new.get(name):
+      changes += [f"- {name} = {old[name]}"] if name in old else []
+      changes += [f"+ {name} = {new[name]}"] if name in new else []
+  return changes
+
+
 def write_operative_config(model_dir: str | os.PathLike[str], *, name: str = "config.gin") -> str:
   """Writes the final gin config (every bound value) to MODEL_DIR/config.gin."""
   path = pathlib.Path(model_dir) / name

@@ -128,6 +128,41 @@ def test_write_operative_config(tmp_path):
   assert "_entry.model_dir = '/d'" in open(path).read()
 
 
+def test_config_bindings_read_values_as_gin_does_and_complete_selectors():
+  # The module of `_entry` is this file's: gin prints its selector minimally or in full.
+  module = _entry.__module__
+  written = textwrap.dedent(f"""\
+      from jaxmoral import runs
+      # A comment, then a value gin continues over lines.
+      {module}._entry.name = ['a long string', 'another',
+          'and more']
+      _make.value = @{module}._entry()
+      scope/_entry.steps = %STEPS
+      STEPS = 1e-05
+      twin.a = 3
+      """)
+  bindings = gin_utils.config_bindings(written)
+  assert bindings == {
+      f"{module}._entry.name": "['a long string', 'another', 'and more']",
+      f"{module}._make.value": f"@{module}._entry()",
+      f"scope/{module}._entry.steps": "%STEPS",
+      "STEPS": "1e-05",
+      "twin.a": "3",  # Ambiguous in the registry: kept as written.
+  }
+  # The same config printed otherwise: minimal selectors, one line, 0.00001.
+  printed = ("_entry.name = ['a long string', 'another', 'and more']\n"
+             "_make.value = @_entry()\nscope/_entry.steps = %STEPS\nSTEPS = 0.00001\n"
+             "twin.a = 3\n")
+  assert gin_utils.config_bindings(printed) == bindings
+  assert gin_utils.binding_changes(written, printed) == []
+  changed = printed.replace("STEPS = 0.00001", "STEPS = 2").replace("twin.a = 3\n", "") + (
+      "_entry.model_dir = '/d'\n")
+  assert gin_utils.binding_changes(written, changed) == [
+      "- STEPS = 1e-05", "+ STEPS = 2", f"+ {module}._entry.model_dir = '/d'", "- twin.a = 3"]
+  with pytest.raises(ValueError, match="not a gin config"):
+    gin_utils.config_bindings("_entry.name = [unclosed\n")
+
+
 @pytest.mark.parametrize("fragment, field, expected", [
     ("greedy", "sample_config", {"greedy": True, "max_decode_length": 64}),
     ("sample", "sample_config", {"greedy": False, "top_p": 0.9, "num_samples": 1}),
