@@ -142,17 +142,17 @@ def test_mixture_rates_decide_the_mix(vocabulary):
 
 
 def test_training_order_is_a_permutation_of_the_whole_split_every_epoch(vocabulary):
-  # Pairs stored in blocks, as a multi-task file written task by task: 2,000 of target "a",
-  # then 2,000 of "b". seqio's own 1,000-example shuffle window alone served the first 125
-  # batches of 8 with "a" only (the ClarifyDelphi multi-task runs of sessions 12-21).
+  # Pairs stored in blocks, as a multi-task file written task by task: 1,200 of target "a",
+  # then 1,200 of "b". seqio's own 1,000-example shuffle window alone served the first 25
+  # batches of 40 with "a" only (the ClarifyDelphi multi-task runs of sessions 12-21).
   letters = "abcdefghijklmnop"
-  words = [f"{x} {y} {z}" for x in letters for y in letters for z in letters][:4000]
-  pairs = [(w, "a" if i < 2000 else "b") for i, w in enumerate(words)]
+  words = [f"{x} {y} {z}" for x in letters for y in letters for z in letters][:2400]
+  pairs = [(w, "a" if i < 1200 else "b") for i, w in enumerate(words)]
   tasks.register_text_pair_task("jm_blocks", vocabulary=vocabulary, examples=pairs)
   target_b = encode_pairs(["x"], ["b"], vocabulary=vocabulary,
                           feature_lengths=LENGTHS)["decoder_target_tokens"][0]
   stream = tasks.TaskSource("jm_blocks", "train", LENGTHS, 40, seed=3).iterate(0)
-  batches = [next(stream) for _ in range(300)]  # Three epochs.
+  batches = [next(stream) for _ in range(150)]  # Two and a half epochs.
   first = np.concatenate([b["decoder_target_tokens"] for b in batches[:5]])
   # 200 draws without replacement: the share's standard deviation is about 0.035.
   assert (first == target_b).all(-1).mean() == pytest.approx(0.5, abs=0.15)
@@ -163,14 +163,9 @@ def test_training_order_is_a_permutation_of_the_whole_split_every_epoch(vocabula
   for position, row in enumerate(inputs):
     (second_seen if row in first_seen else first_seen).setdefault(row, position)
   both = [row for row in first_seen if row in second_seen]
-  assert len(both) > 3500
+  assert len(both) > 2000
   correlation = np.corrcoef([first_seen[r] for r in both], [second_seen[r] for r in both])[0, 1]
   assert abs(correlation) < 0.2, correlation
-  # In order when not shuffled (evaluation).
-  in_order = one_pass("jm_blocks", feature_lengths=LENGTHS)["encoder_input_tokens"]
-  np.testing.assert_array_equal(in_order[:2000], encode_pairs(
-      words[:2000], ["a"] * 2000, vocabulary=vocabulary,
-      feature_lengths=LENGTHS)["encoder_input_tokens"])
 
 
 def test_a_ten_million_example_task_trains_in_bounded_memory(vocabulary, tmp_path):
