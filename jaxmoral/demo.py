@@ -36,7 +36,11 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
                        "held at about 2 nats it keeps asking (90 %) and is level with SFT (avg "
                        "JSD +0.0000 [-0.0039, +0.0038]); with rollouts sampled from the whole "
                        "policy it drifts to question fragments (53 % questions) and is level "
-                       "again (+0.0023 [-0.0020, +0.0067]): not shown at this scale",
+                       "again (+0.0023 [-0.0020, +0.0067]); with the multi-task model's "
+                       "batches shuffled (they came in role blocks before), the KL run raises "
+                       "JSD at the rollouts' decoding (+0.0054 [+0.0008, +0.0106]) but not the "
+                       "flips (-6.7 [-11.3, -2.0] points at the table's decoding): not shown at "
+                       "this scale",
             "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
                         "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
                         "difference +0.057 [+0.017, +0.097]",
