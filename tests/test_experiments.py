@@ -368,6 +368,10 @@ def test_changed_bindings_name_what_a_run_was_trained_under_otherwise(tmp_path, 
           "reused"]
     assert "reused as it was trained under other gin bindings" in caplog.text
     assert "+ clarify_table4.run_experiment.seed = 4" in caplog.text
+    # A config.gin gin cannot read is named, not taken for "no change".
+    (run_dir / "config.gin").write_text("seed = [unclosed\n")
+    changed = experiment_lib.changed_bindings(str(run_dir))
+    assert len(changed) == 1 and changed[0].startswith(f"? {run_dir / 'config.gin'}: not a gin")
   finally:
     gin.clear_config()
 
