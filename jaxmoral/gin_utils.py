@@ -790,12 +790,9 @@ def config_bindings(text: str) -> dict[str, str]:
     for statement in config_parser.ConfigParser(text, _Symbolic()):
       if not isinstance(statement, config_parser.BindingStatement):
         continue  # import / include statements bind nothing.
+      name = _macro_name(statement)  # scope/selector; a macro's name when no arg_name.
       if statement.arg_name:
-        selector = _complete(statement.selector)
-        name = (f"{statement.scope}/{selector}" if statement.scope else selector)
-        name = f"{name}.{statement.arg_name}"
-      else:
-        name = _macro_name(statement)
+        name = f"{_complete(name)}.{statement.arg_name}"
       bindings[name] = repr(statement.value)
   except (SyntaxError, tokenize.TokenError) as error:
     raise ValueError(f"not a gin config: {error}") from error

@@ -109,9 +109,10 @@ def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
 
   def dataset_fn(split: str, shuffle_files: bool, seed: Optional[int] = None) -> tf.data.Dataset:
     inputs, targets = (tf.constant(texts, tf.string) for texts in data[split])
-    order = tf.data.Dataset.range(len(data[split][0]))
+    count = len(data[split][0])
+    order = tf.data.Dataset.range(count)
     if shuffle_files:  # seqio passes `shuffle` here; the permutation is of indices only.
-      order = order.shuffle(len(data[split][0]), seed=seed, reshuffle_each_iteration=True)
+      order = order.shuffle(count, seed=seed, reshuffle_each_iteration=True)
     return order.map(lambda i: {"inputs": tf.gather(inputs, i), "targets": tf.gather(targets, i)})
 
   return seqio.FunctionDataSource(dataset_fn, splits=list(data),
