@@ -24,13 +24,16 @@ def vocab_path(tmp_path_factory):
   return vocab_lib.build_demo_vocabulary(output_dir=tmp_path_factory.mktemp("vocab"))
 
 
-def test_train_clarify_model_writes_a_run_dir(tmp_path, vocab_path):
+def test_train_clarify_model_writes_a_run_dir_and_packs_rows(tmp_path, vocab_path):
   model_dir = str(tmp_path / "judge")
-  training.train_clarify_model(
+  metrics = training.train_clarify_model(
       which="judge", model_dir=model_dir, model_config=TINY,
       optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-3), train_steps=2,
-      batch_size=8, feature_lengths={"inputs": 32, "targets": 4}, vocabulary_path=vocab_path,
-      judge_classes=formats.DEMO_JUDGE_CLASSES, log_every=1)
+      batch_size=8, feature_lengths={"inputs": 96, "targets": 8}, vocabulary_path=vocab_path,
+      judge_classes=formats.DEMO_JUDGE_CLASSES, log_every=1, pack=True)
+  # A judge target is its class and EOS: 8 rows of one pair each would weigh 16 tokens (a demo
+  # judge input is about 30 tokens, so packed rows of 96 + 8 hold about three).
+  assert metrics["train/num_tokens"] > 8 * 2 * 1.5
   info = model_dirs.inspect(model_dir)
   assert info.config == TINY and info.vocabulary is not None
   rows = [json.loads(line) for line in open(os.path.join(model_dir, "data",

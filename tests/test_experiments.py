@@ -81,6 +81,10 @@ def test_diamante_configs_parse(files, steps, size):
      "reward.RewardConfig.questions_only", True),
     (("clarify_table4_cpu_dedicated_explore_questions.gin",),
      "clarify_table4.run_experiment.ppo_run", "ppo_kl2_explore_questions"),
+    (("clarify_table4_cpu_packed.gin",), "clarify_table4.run_experiment.pack", True),
+    (("clarify_table4_cpu_packed.gin",), "clarify_table4.run_experiment.dedicated_roles",
+     {"answer": 180, "fusion": 430}),
+    (("clarify_table4_cpu_packed.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
 ])
 def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
@@ -270,6 +274,8 @@ def test_clarify_supervised_models_per_role():
       "one multi-task model (at most 4000 pairs per role) (100 steps) for question, judge, "
       "nli, relevance; an answer model of its own (20 steps); a fusion model of its own "
       "(30 steps)")
+  assert clarify_table4.models_line({**setup, "pack": True}).endswith(
+      "(30 steps), every one on packed rows")
   for bad, match in (({"answr": 5}, "unknown role"), ({"answer": 0}, ">= 1")):
     with pytest.raises(ValueError, match=match):
       clarify_table4.supervised_models(separate_models=False, dedicated_roles=bad,
