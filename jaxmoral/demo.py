@@ -39,8 +39,11 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
                        "again (+0.0023 [-0.0020, +0.0067]); with the multi-task model's "
                        "batches shuffled (they came in role blocks before), the KL run raises "
                        "JSD at the rollouts' decoding (+0.0054 [+0.0008, +0.0106]) but not the "
-                       "flips (-6.7 [-11.3, -2.0] points at the table's decoding): not shown at "
-                       "this scale",
+                       "flips (-6.7 [-11.3, -2.0] points at the table's decoding); the config of "
+                       "record, its supervised stages on packed rows, agrees at every decoding "
+                       "(+0.0093 [+0.0037, +0.0150], flips +6.3 [+2.7, +10.0] points) but "
+                       "against a weaker supervised generator, with part of PPO's output word "
+                       "salad: not cleanly shown at this scale",
             "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
                         "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
                         "difference +0.057 [+0.017, +0.097]",
