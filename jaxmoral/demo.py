@@ -44,9 +44,11 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
                        "(+0.0093 [+0.0037, +0.0150], flips +6.3 [+2.7, +10.0] points) but "
                        "against a weaker supervised generator, with part of PPO's output word "
                        "salad: not cleanly shown at this scale",
-            "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.103 by "
-                        "preference vs 0.047 by log-prob over 300 held-out contexts, paired "
-                        "difference +0.057 [+0.017, +0.097]",
+            "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.093 by "
+                        "preference vs 0.043 by log-prob over 300 held-out contexts, paired "
+                        "difference +0.050 [+0.010, +0.090]; an untrained scalar head ranks "
+                        "the human response as well there, so joint training's part in it is "
+                        "not shown",
             "npov": "at its full CPU config ROUGE-1 agrees; with a base that copies (token "
                     "accuracy 0.71) salience detects coverage errors (0.730 on all 834 "
                     "unparaphrased test examples; 0.653 between inputs of the same length) but "
