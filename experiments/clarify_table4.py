@@ -176,7 +176,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       mixing with a limit; None: all pairs, question generation then about 87 % of them).
       Models of one role (`separate_models`, `dedicated_roles`) always train on all pairs.
     pack: Pack several pairs per row in every supervised stage (T5X's fine-tuning default;
-      `training.train_clarify_model`): a step reads 1.4-2.7 times the pairs at the same cost.
+      `training.train_clarify_model`); clarify_table4_cpu_packed.gin says how many per row.
     ppo_run: PPO's folder under `workdir`: PPO settings of their own reuse the supervised
       models of the same workdir (a rerun with the same folder resumes it).
     systems: The systems evaluated, of `SYSTEMS` (None: all). The pipeline baselines score

@@ -85,9 +85,8 @@ def train_clarify_model(*, which: str, model_dir: str,
     init_checkpoint: Fine-tune from this model directory or Hub id (`jaxmoral.model_dirs`).
     mixing_cap: At most this many pairs of each model ("multitask": T5's examples-proportional
       mixing with a limit; `data.build_pairs`); None: all.
-    pack: Pack several pairs per row (T5X's fine-tuning default): δ-Clarify's pairs fill a
-      fifth to a half of the experiments' 96 + 32 token rows, so packed steps read 2-3 times
-      the pairs at the same cost.
+    pack: Pack several pairs per row (`runs.Seq2SeqData.pack`, T5X's fine-tuning default):
+      short pairs fill the rows padding would, so a step reads more pairs at the same cost.
 
   Returns:
     Final training metrics of `runs.train_run`.
