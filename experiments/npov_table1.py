@@ -568,13 +568,15 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
 
 
 def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
-  """Example-level ROC AUC bars with intervals: detector x (slice, error)."""
+  """ROC AUC bars with intervals, one panel per level: detector x (slice, error)."""
   from jaxmoral import pictures  # pylint: disable=import-outside-toplevel
   plt = pictures.pyplot()
+  from jaxmoral.npov import synthetic  # pylint: disable=import-outside-toplevel
   auc = results["auc"]
-  dets = list(auc)
-  groups = [(sl, e) for sl in results["slices"] for e in ERRORS]
-  fig, axes = plt.subplots(1, len(LEVELS), figsize=(11, 4), sharey=True)
+  # The report's order, also when `results` was read back from its (key-sorted) JSON.
+  dets = sorted(auc, key=lambda d: list(PAPER).index(d) if d in PAPER else len(PAPER))
+  groups = [(sl, e) for sl in synthetic.SLICES if sl in results["slices"] for e in ERRORS]
+  fig, axes = plt.subplots(1, len(LEVELS), figsize=(12.5, 4), sharey=True)
   width = 0.8 / max(len(dets), 1)
   for ax, level in zip(axes, LEVELS):
     for k, det in enumerate(dets):
@@ -591,7 +593,8 @@ def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
     ax.set_ylim(0, 1)
     ax.grid(axis="y", alpha=0.3)
   axes[0].set_ylabel("ROC AUC (95 % CI)")
-  axes[-1].legend(fontsize=8)
+  # Beside the panels: inside, it hid the last group's word-level bars.
+  axes[-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.suptitle(title)
   return pictures.save_figure(fig, path, dpi=110)
 

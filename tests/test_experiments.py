@@ -242,6 +242,26 @@ def test_npov_verdicts_need_the_interval_above_chance_on_both_slices():
       "classifier": {"hallucination": "below chance", "coverage": "above chance"}}
 
 
+def test_npov_plot_keeps_the_report_order_when_read_back_from_json(monkeypatch, tmp_path):
+  from jaxmoral import pictures
+  drawn = {}
+  monkeypatch.setattr(pictures, "save_figure",
+                      lambda fig, path, dpi: drawn.setdefault("fig", fig) and path)
+  ci = {"example": _ci(0.6, 0.55, 0.65), "word": None}
+  auc = {det: {sl: {e: ci for e in npov_table1.ERRORS} for sl in ("unparaphrased", "paraphrased")}
+         for det in ("rouge", "salience", npov_table1.CONTROL)}
+  # As write_results stores it: keys sorted ("input_length" < "rouge", "paraphrased" first).
+  results = json.loads(json.dumps({"auc": auc, "slices": {"unparaphrased": 3,
+                                                          "paraphrased": 3}}, sort_keys=True))
+  npov_table1.plot(results, str(tmp_path / "p.png"), title="t")
+  example_panel = drawn["fig"].axes[0]
+  assert [t.get_text().split()[0] for t in example_panel.get_xticklabels()] == [
+      "unpara", "unpara", "paraph", "paraph"]
+  legend = drawn["fig"].axes[-1].get_legend()
+  assert [t.get_text() for t in legend.get_texts() if t.get_text() != "chance"] == [
+      "rouge", "salience", npov_table1.CONTROL]
+
+
 @pytest.mark.parametrize("jsd, flips, expected", [
     (_ci(0.02, 0.01, 0.03), _ci(5.0, 1.0, 9.0), "agrees"),
     (_ci(-0.07, -0.09, -0.05), _ci(-3.0, -6.0, 1.0), "disagrees"),

@@ -112,6 +112,10 @@ def paraphrase(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random.Ge
                          added_argument=added, **changes)
 
 
+# The paper's two test slices, in the order its Table 1 reports them.
+SLICES = ("unparaphrased", "paraphrased")
+
+
 def make_test_slices(examples: Sequence[task.NpovExample],
                      topics: Sequence[kb_lib.Topic] | Mapping[str, kb_lib.Topic], *,
                      seed: int) -> dict[str, list[task.NpovExample]]:
@@ -123,7 +127,7 @@ def make_test_slices(examples: Sequence[task.NpovExample],
   """
   by_id = topics if isinstance(topics, Mapping) else {t.id: t for t in topics}
   rng = np.random.default_rng(seed)
-  slices: dict[str, list[task.NpovExample]] = {"unparaphrased": [], "paraphrased": []}
+  slices: dict[str, list[task.NpovExample]] = {name: [] for name in SLICES}
   for example in examples:
     if example.topic not in by_id:
       raise KeyError(f"make_test_slices: example {example.id!r} has topic {example.topic!r} "
