@@ -570,8 +570,8 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
 def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
   """ROC AUC bars with intervals, one panel per level: detector x (slice, error)."""
   from jaxmoral import pictures  # pylint: disable=import-outside-toplevel
-  plt = pictures.pyplot()
   from jaxmoral.npov import synthetic  # pylint: disable=import-outside-toplevel
+  plt = pictures.pyplot()
   auc = results["auc"]
   # The report's order, also when `results` was read back from its (key-sorted) JSON.
   dets = sorted(auc, key=lambda d: list(PAPER).index(d) if d in PAPER else len(PAPER))
