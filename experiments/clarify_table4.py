@@ -81,6 +81,23 @@ def supervised_models(*, separate_models: bool,
   return {**shared, **{role: int(dedicated[role]) for role in ROLES if role in dedicated}}
 
 
+def packed_stages(pack: bool | Sequence[str], models_steps: Mapping[str, int]
+                  ) -> frozenset[str]:
+  """The supervised stages `run_experiment(pack=...)` packs: all, none, or those named.
+
+  Raises:
+    ValueError: a named stage that this experiment does not train.
+  """
+  if isinstance(pack, bool):
+    return frozenset(models_steps) if pack else frozenset()
+  names = [pack] if isinstance(pack, str) else list(pack)
+  unknown = sorted(set(names) - set(models_steps))
+  if unknown:
+    raise ValueError(f"clarify_table4.run_experiment.pack: {unknown} not among the supervised "
+                     f"stages {list(models_steps)}; give True, False or some of them")
+  return frozenset(names)
+
+
 def evaluated_systems(systems: Optional[Sequence[str]]) -> tuple[str, ...]:
   """The systems to evaluate, in `SYSTEMS` order (checked before any training).
 
@@ -141,7 +158,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    ppo_iterations: int = 40, max_ppo_prompts: Optional[int] = None,
                    eval_split: str = "dev", max_eval_situations: int = 300,
                    question_length: int = 32, num_resamples: int = 1000,
-                   mixing_cap: Optional[int] = None, pack: bool = False,
+                   mixing_cap: Optional[int] = None, pack: bool | Sequence[str] = False,
                    ppo_run: str = "ppo",
                    systems: Optional[Sequence[str]] = None, log_every: int = 50,
                    checkpoints_per_stage: int = 10, seed: int = 0,
@@ -175,8 +192,10 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     mixing_cap: Pairs per role at most in the multi-task mixture (T5's examples-proportional
       mixing with a limit; None: all pairs, question generation then about 87 % of them).
       Models of one role (`separate_models`, `dedicated_roles`) always train on all pairs.
-    pack: Pack several pairs per row in every supervised stage (T5X's fine-tuning default;
-      `training.train_clarify_model`); clarify_table4_cpu_packed.gin says how many per row.
+    pack: Pack several pairs per row (T5X's fine-tuning default;
+      `training.train_clarify_model`): True for every supervised stage, or the stages to pack
+      by name ("multitask" or a role, of `supervised_models`); clarify_table4_cpu_packed.gin
+      says how many pairs a row holds.
     ppo_run: PPO's folder under `workdir`: PPO settings of their own reuse the supervised
       models of the same workdir (a rerun with the same folder resumes it).
     systems: The systems evaluated, of `SYSTEMS` (None: all). The pipeline baselines score
@@ -211,6 +230,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   models_steps = supervised_models(separate_models=separate_models,
                                    dedicated_roles=dedicated_roles, train_steps=train_steps)
   role_dir = role_model_dirs(workdir, models_steps)
+  packed = packed_stages(pack, models_steps)
   for which, steps in models_steps.items():
     run_dir = model_dir(workdir, which)
     timings[f"train_{which}_s"] = common.train_stage(
@@ -222,7 +242,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
             checkpoint_every=common.checkpoint_every(n, saves=checkpoints_per_stage),
             log_every=log_every, seed=seed, init_checkpoint=init_checkpoint,
             # The cap balances a mixture; a model of one role keeps all its pairs.
-            mixing_cap=mixing_cap if w == "multitask" else None, pack=pack))["seconds"]
+            mixing_cap=mixing_cap if w == "multitask" else None,
+            pack=w in packed))["seconds"]
 
   # 2. PPO on train situations.
   tick = time.time()
@@ -286,7 +307,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       "ppo_final_metrics": {k: float(v) for k, v in ppo.items()
                             if isinstance(v, (int, float, np.number))},
       "setup": {"init_checkpoint": init_checkpoint, "data_dir": data_dir,
-                "separate_models": separate_models, "mixing_cap": mixing_cap, "pack": pack,
+                "separate_models": separate_models, "mixing_cap": mixing_cap, "pack": sorted(packed),
                 "supervised_models": models_steps,
                 "train_steps": train_steps,
                 "batch_size": batch_size, "feature_lengths": lengths,
@@ -333,16 +354,21 @@ def models_line(setup: Mapping[str, Any]) -> str:
       separate_models=setup["separate_models"], dedicated_roles=None,
       train_steps=setup["train_steps"])
   cap = setup.get("mixing_cap")
+  # "pack" is a bool in results written before stages could be packed one by one.
+  packed = set(models) if setup.get("pack") is True else set(setup.get("pack") or ())
+  every = packed == set(models)
+  steps = {m: f"({n} steps{', packed' if m in packed and not every else ''})"
+           for m, n in models.items()}
   parts = []
   if "multitask" in models:
     shared = [r for r in ROLES if r not in models]
     parts.append(f"one multi-task model{' (at most %d pairs per role)' % cap if cap else ''}"
-                 f" ({models['multitask']} steps)"
+                 f" {steps['multitask']}"
                  f"{' for ' + ', '.join(shared) if len(shared) < len(ROLES) else ''}")
   article = {role: "an" if role[0] in "aeiou" else "a" for role in ROLES}
-  parts += [f"{article[role]} {role} model of its own ({models[role]} steps)" for role in ROLES
+  parts += [f"{article[role]} {role} model of its own {steps[role]}" for role in ROLES
             if role in models]
-  return "; ".join(parts) + (", every one on packed rows" if setup.get("pack") else "")
+  return "; ".join(parts) + (", every one on packed rows" if every else "")
 
 
 def kl_line(setup: Mapping[str, Any]) -> str:

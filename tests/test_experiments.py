@@ -296,6 +296,22 @@ def test_clarify_supervised_models_per_role():
       "(30 steps)")
   assert clarify_table4.models_line({**setup, "pack": True}).endswith(
       "(30 steps), every one on packed rows")
+  assert clarify_table4.models_line({**setup, "pack": sorted(mixed)}).endswith(
+      "(30 steps), every one on packed rows")
+  assert clarify_table4.models_line({**setup, "pack": ["multitask"]}) == (
+      "one multi-task model (at most 4000 pairs per role) (100 steps, packed) for question, "
+      "judge, nli, relevance; an answer model of its own (20 steps); a fusion model of its "
+      "own (30 steps)")
+
+
+def test_clarify_packs_the_stages_named():
+  stages = {"multitask": 100, "answer": 20, "fusion": 30}
+  assert clarify_table4.packed_stages(True, stages) == set(stages)
+  assert clarify_table4.packed_stages(False, stages) == set()
+  assert clarify_table4.packed_stages(["multitask"], stages) == {"multitask"}
+  assert clarify_table4.packed_stages("fusion", stages) == {"fusion"}
+  with pytest.raises(ValueError, match=r"run_experiment.pack: \['judge'\] not among"):
+    clarify_table4.packed_stages(["multitask", "judge"], stages)  # judge is in multitask
   for bad, match in (({"answr": 5}, "unknown role"), ({"answer": 0}, ">= 1")):
     with pytest.raises(ValueError, match=match):
       clarify_table4.supervised_models(separate_models=False, dedicated_roles=bad,
