@@ -42,12 +42,14 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
                        "flips (-6.7 [-11.3, -2.0] points at the table's decoding); the config of "
                        "record, its supervised stages on packed rows, agrees at every decoding "
                        "(+0.0093 [+0.0037, +0.0150], flips +6.3 [+2.7, +10.0] points) but "
-                       "against a supervised generator that its base makes weak (trained "
-                       "unpacked, it is as weak), with part of PPO's output word salad: not "
-                       "cleanly shown at this scale",
+                       "through a reward whose answer and fusion models degenerate (the same "
+                       "answer for weakener and strengthener, repeated-word fusions), with "
+                       "part of PPO's output word salad; from a base pretrained twice as long "
+                       "it is inconclusive: not cleanly shown at this scale",
             "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.093 by "
                         "preference vs 0.043 by log-prob over 300 held-out contexts, paired "
-                        "difference +0.050 [+0.010, +0.090]; an untrained scalar head ranks "
+                        "difference +0.050 [+0.010, +0.090] (from a base pretrained twice as "
+                        "long: +0.037 [+0.003, +0.070]); an untrained scalar head ranks "
                         "the human response as well there, so joint training's part in it is "
                         "not shown",
             "npov": "at its full CPU config ROUGE-1 agrees; salience detects coverage errors "
