@@ -307,7 +307,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       "ppo_final_metrics": {k: float(v) for k, v in ppo.items()
                             if isinstance(v, (int, float, np.number))},
       "setup": {"init_checkpoint": init_checkpoint, "data_dir": data_dir,
-                "separate_models": separate_models, "mixing_cap": mixing_cap, "pack": sorted(packed),
+                "separate_models": separate_models, "mixing_cap": mixing_cap,
+                "pack": sorted(packed),
                 "supervised_models": models_steps,
                 "train_steps": train_steps,
                 "batch_size": batch_size, "feature_lengths": lengths,

@@ -302,6 +302,13 @@ def test_clarify_supervised_models_per_role():
       "one multi-task model (at most 4000 pairs per role) (100 steps, packed) for question, "
       "judge, nli, relevance; an answer model of its own (20 steps); a fusion model of its "
       "own (30 steps)")
+  for bad, match in (({"answr": 5}, "unknown role"), ({"answer": 0}, ">= 1")):
+    with pytest.raises(ValueError, match=match):
+      clarify_table4.supervised_models(separate_models=False, dedicated_roles=bad,
+                                       train_steps=1)
+  with pytest.raises(ValueError, match="drop dedicated_roles"):
+    clarify_table4.supervised_models(separate_models=True, dedicated_roles={"answer": 5},
+                                     train_steps=1)
 
 
 def test_clarify_packs_the_stages_named():
@@ -312,13 +319,6 @@ def test_clarify_packs_the_stages_named():
   assert clarify_table4.packed_stages("fusion", stages) == {"fusion"}
   with pytest.raises(ValueError, match=r"run_experiment.pack: \['judge'\] not among"):
     clarify_table4.packed_stages(["multitask", "judge"], stages)  # judge is in multitask
-  for bad, match in (({"answr": 5}, "unknown role"), ({"answer": 0}, ">= 1")):
-    with pytest.raises(ValueError, match=match):
-      clarify_table4.supervised_models(separate_models=False, dedicated_roles=bad,
-                                       train_steps=1)
-  with pytest.raises(ValueError, match="drop dedicated_roles"):
-    clarify_table4.supervised_models(separate_models=True, dedicated_roles={"answer": 5},
-                                     train_steps=1)
 
 
 def test_clarify_verdict_refuses_a_policy_that_stopped_asking():
