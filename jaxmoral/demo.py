@@ -45,7 +45,9 @@ MEASURED = {"clarify": "at CPU scale, with the answer and fusion models trained 
                        "through a reward whose answer and fusion models degenerate (the same "
                        "answer for weakener and strengthener, repeated-word fusions), with "
                        "part of PPO's output word salad; from a base pretrained twice as long "
-                       "it is inconclusive: not cleanly shown at this scale",
+                       "it is inconclusive; an answer model trained 2.5 times longer makes "
+                       "the reward see questions (SFT flips 16.7 %), PPO against it not yet "
+                       "run: not cleanly shown at this scale",
             "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.093 by "
                         "preference vs 0.043 by log-prob over 300 held-out contexts, paired "
                         "difference +0.050 [+0.010, +0.090] (from a base pretrained twice as "
