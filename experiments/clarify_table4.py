@@ -356,7 +356,7 @@ def models_line(setup: Mapping[str, Any]) -> str:
       train_steps=setup["train_steps"])
   cap = setup.get("mixing_cap")
   # "pack" is a bool in results written before stages could be packed one by one.
-  packed = set(models) if setup.get("pack") is True else set(setup.get("pack") or ())
+  packed = packed_stages(setup.get("pack", False), models)
   every = packed == set(models)
   steps = {m: f"({n} steps{', packed' if m in packed and not every else ''})"
            for m, n in models.items()}
