@@ -18,6 +18,11 @@ that their first-step losses agree, and times `--rounds` interleaved rounds of `
 (`t5.GPU_BIAS_AS_DIAGONALS`) and `field=value` (`flash_attention_gpu.DEFAULT_BLOCK_SIZES`),
 e.g. `--compare cudnn,pallas_gpu,pallas_gpu:dkv_rows=2+block_k_dkv=32`. T5Config overrides
 of one entry follow it after '/': `--compare cudnn,cudnn/dtype=float16`.
+
+Two options measure what the position bias costs, and so bound what any kernel for its path
+can gain; they change the gradient (not a way to train): `nobiasgrad` keeps the bias in the
+forward pass but holds it constant, so cuDNN need not return its gradient (the
+relative-position embeddings then get none), `nobias` drops the bias from fused attention.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from typing import Any
 
 import jax
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 import jax.numpy as jnp
 
 from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
@@ -141,6 +147,14 @@ def apply_kernel_options(options: str) -> None:
   for option in filter(None, options.replace("+", ",").split(",")):
     if option == "diagonals":
       t5.GPU_BIAS_AS_DIAGONALS = True
+    elif option == "nobiasgrad":
+      # jax 0.10 asks cuDNN for the bias gradient whenever there is a bias (patched here);
+      # jax 0.11 only when the bias is differentiated (so it is held constant).
+      if hasattr(cudnn_attention, "should_export_dbias"):
+        cudnn_attention.should_export_dbias = lambda *args: False
+      t5.fused_attention = _with_constant_position_bias
+    elif option == "nobias":
+      t5.fused_attention = _without_position_bias
     else:
       name, _, value = option.partition("=")
       fields[name] = int(value)
@@ -148,15 +162,31 @@ def apply_kernel_options(options: str) -> None:
       flash_attention_gpu.DEFAULT_BLOCK_SIZES, **fields)
 
 
+def _without_position_bias(query, key, value, masking, _fused=t5.fused_attention):
+  """t5.fused_attention with the relative-position bias dropped (option `nobias`)."""
+  return _fused(query, key, value, masking.replace(position_bias=None))
+
+
+def _with_constant_position_bias(query, key, value, masking, _fused=t5.fused_attention):
+  """t5.fused_attention with no gradient into the position bias (option `nobiasgrad`)."""
+  bias = masking.position_bias
+  return _fused(query, key, value, masking.replace(
+      position_bias=None if bias is None else jax.lax.stop_gradient(bias)))
+
+
 @contextlib.contextmanager
 def kernel_options(options: str):
   """`apply_kernel_options` while the with-block runs (a step is traced by its first call)."""
-  saved = (t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES)
+  saved = (t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES,
+           t5.fused_attention, getattr(cudnn_attention, "should_export_dbias", None))
   apply_kernel_options(options)
   try:
     yield
   finally:
-    t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES = saved
+    t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES, t5.fused_attention = (
+        saved[:3])
+    if saved[3] is not None:
+      cudnn_attention.should_export_dbias = saved[3]
 
 
 def compare(args: argparse.Namespace) -> None:
