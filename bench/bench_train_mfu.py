@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from typing import Any
 
 import jax
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
@@ -43,18 +42,7 @@ from jaxmoral.models import config as config_lib
 from jaxmoral.models import flash_attention_gpu
 from jaxmoral.models import t5
 
-from bench_train_step import make_batch  # bench/bench_train_step.py
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-  """'field=value' -> (field, int | float | bool | str value) for a T5Config override."""
-  name, _, value = text.partition("=")
-  for cast in (int, float):
-    try:
-      return name, cast(value)
-    except ValueError:
-      pass
-  return name, {"true": True, "false": False}.get(value.lower(), value)
+from bench_train_step import make_batch, parse_override  # bench/bench_train_step.py
 
 
 def measured_matmul_tflops(size: int = 8192, repeats: int = 20) -> float:

@@ -61,6 +61,17 @@ CHECK_STEPS = 2  # untimed steps per side whose results are compared (and warm u
 UPDATE_TOL = 5e-3
 
 
+def parse_override(text: str) -> tuple[str, object]:
+  """'field=value' -> (field, int | float | bool | str value) for a T5Config override."""
+  name, _, value = text.partition("=")
+  for cast in (int, float):
+    try:
+      return name, cast(value)
+    except ValueError:
+      pass
+  return name, {"true": True, "false": False}.get(value.lower(), value)
+
+
 def make_batch(cfg: config_lib.T5Config, batch: int, inputs: int, targets: int) -> dict:
   rs = np.random.RandomState(0)
   enc = rs.randint(2, cfg.vocab_size, (batch, inputs)).astype(np.int32)
@@ -139,6 +150,9 @@ def main() -> None:
                       help="time jaxmoral alone (no comparison, no ratio)")
   parser.add_argument("--tiny", action="store_true",
                       help="smoke test: size tiny, batch 2 x (16 + 8), 1 step x 2 rounds")
+  parser.add_argument("--override", action="append", default=[],
+                      help="T5Config field=value of jaxmoral's side, a compute option such as "
+                           "stack_gated_inputs=true (repeatable; the weights stay the same)")
   fair.add_arguments(parser, rounds=3)
   args = parser.parse_args()
   if args.tiny:
@@ -146,7 +160,12 @@ def main() -> None:
         "tiny", 2, 16, 8, 1, 2)
 
   setup = fair.prepare(args.torch_threads)
-  cfg = config_lib.t5_config(size=args.size, dropout_rate=0.0)
+  overrides = dict(parse_override(o) for o in args.override)
+  unknown = sorted(set(overrides) - set(config_lib.COMPUTE_FIELDS))
+  if unknown:
+    parser.error(f"--override: {unknown} are not T5Config compute fields "
+                 f"{config_lib.COMPUTE_FIELDS}")
+  cfg = config_lib.t5_config(size=args.size, dropout_rate=0.0, **overrides)
   batch = make_batch(cfg, args.batch, args.inputs, args.targets)
   tokens = args.batch * (args.inputs + args.targets)
   hp = dict(learning_rate=args.learning_rate, b1=0.9, b2=0.999, eps=1e-8,
@@ -156,7 +175,8 @@ def main() -> None:
       "train step: jaxmoral Trainer vs transformers T5ForConditionalGeneration + "
       "torch.optim.AdamW", setup,
       [f"model     : T5 {args.size} ({cfg.num_params() / 1e6:.1f}M params), float32, dropout "
-       f"0, same initial weights (jaxmoral's init -> HF state dict)",
+       f"0, same initial weights (jaxmoral's init -> HF state dict)"
+       + (f"; jaxmoral's compute options {overrides}" if overrides else ""),
        f"batch     : {args.batch} x (inputs {args.inputs} + targets {args.targets}) = {tokens} "
        f"tokens/step",
        f"optimizer : AdamW lr {hp['learning_rate']:g}, betas ({hp['b1']}, {hp['b2']}), eps "
