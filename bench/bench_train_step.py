@@ -152,7 +152,7 @@ def main() -> None:
                       help="smoke test: size tiny, batch 2 x (16 + 8), 1 step x 2 rounds")
   parser.add_argument("--override", action="append", default=[],
                       help="T5Config field=value of jaxmoral's side, a compute option such as "
-                           "stack_gated_inputs=true (repeatable; the weights stay the same)")
+                           "remat=true (repeatable; the weights stay the same)")
   fair.add_arguments(parser, rounds=3)
   args = parser.parse_args()
   if args.tiny:

@@ -97,32 +97,6 @@ def test_encoder_outputs_match_transformers(variant):
   np.testing.assert_allclose(np.asarray(ours)[valid], ref[valid], atol=1e-4, rtol=1e-4)
 
 
-def test_stacked_gated_inputs_match_transformers_and_split_gradients():
-  """stack_gated_inputs: the gated MLP's two input products as one give transformers' logits,
-  and the same loss gradients as two separate products."""
-  model, config, params = hf_model("t5_1_1")
-  stacked_cfg = dataclasses.replace(config, stack_gated_inputs=True)
-  enc, dec = random_batch(5)
-  ours = np.asarray(jitted(stacked_cfg)({"params": params}, enc, dec))
-  ref = hf_logits(model, enc, dec)
-  np.testing.assert_allclose(ours, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=1e-4)
-  targets = np.concatenate([dec[:, 1:], np.full((dec.shape[0], 1), 1, np.int32)], axis=1)
-  batch = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
-           "decoder_target_tokens": targets}
-  grads = {}
-  for name, cfg in (("split", config), ("stacked", stacked_cfg)):
-    loss_fn = losses.seq2seq_loss_fn(t5.T5(cfg))
-    grads[name] = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None)[0]))(params, batch)
-  assert (jax.tree_util.tree_structure(grads["stacked"])
-          == jax.tree_util.tree_structure(grads["split"]))
-  for path, got, want in zip(trainer_lib.param_paths(grads["split"]),
-                             jax.tree_util.tree_leaves(grads["stacked"]),
-                             jax.tree_util.tree_leaves(grads["split"])):
-    scale = float(np.abs(want).max())
-    assert scale > 0, path
-    np.testing.assert_allclose(got, want, atol=1e-5 * scale, err_msg=path)
-
-
 @pytest.mark.parametrize("bidirectional", [True, False])
 @pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (16, 40), (64, 256)])
 def test_relative_position_buckets_match_transformers(bidirectional, num_buckets, max_distance):

@@ -64,10 +64,6 @@ class T5Config:
       by per-row lengths instead of a dense (batch, heads, q, k) bias, which is much faster
       at T5 1.1-large shapes; a row with padding before a valid token
       would attend wrongly. Packed batches (segment ids) always use the dense mask.
-    stack_gated_inputs: Teacher-forced passes multiply by a gated MLP's two input kernels as
-      one (d_model, 2, d_ff) product, as decoding steps always do: the activations are read
-      once and, in the backward pass, their gradient is one product instead of two summed.
-      Same weights and math; which is faster depends on the backend (bench_train_mfu.py).
   """
 
   vocab_size: int = 32128
@@ -89,7 +85,6 @@ class T5Config:
   eos_token_id: int = 1
   attention_impl: AttentionImpl = "auto"
   right_padded_inputs: bool = False
-  stack_gated_inputs: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads",
@@ -166,8 +161,7 @@ class T5Config:
 
 
 # Fields that say how to compute, not what the weights are.
-COMPUTE_FIELDS = ("dtype", "dropout_rate", "remat", "attention_impl", "right_padded_inputs",
-                  "stack_gated_inputs")
+COMPUTE_FIELDS = ("dtype", "dropout_rate", "remat", "attention_impl", "right_padded_inputs")
 
 
 # T5 1.1 dimensions (Raffel et al.; google/t5-v1_1-*), vocab padded to 32128 as released.

@@ -531,7 +531,7 @@ class MlpBlock(nn.Module):
   """ReLU MLP (T5 1.0) or gated MLP (T5 1.1: gelu(x wi_0) * (x wi_1)).
 
   `decode` (a cached decoding step) computes its products through `decode_step_ops()`, the
-  two gated inputs as one product; teacher-forced passes do so with `stack_gated_inputs`.
+  two gated inputs as one product.
   """
   config: T5Config
   deterministic: bool = True
@@ -549,10 +549,6 @@ class MlpBlock(nn.Module):
       gate, linear = [p.astype(dtype) for p in decode_step_ops().products(
           self.path, ("wi_0", "wi_1"), x,
           [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")])]
-      hidden = act(gate) * linear
-    elif cfg.is_gated and cfg.stack_gated_inputs:
-      gate, linear = _matmul_stacked(x, jnp.stack(
-          [dense(name=name).kernel(x.shape[-1]) for name in ("wi_0", "wi_1")], axis=1))
       hidden = act(gate) * linear
     elif cfg.is_gated:
       hidden = act(dense(name="wi_0")(x)) * dense(name="wi_1")(x)
