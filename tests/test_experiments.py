@@ -85,6 +85,12 @@ def test_diamante_configs_parse(files, steps, size):
     (("clarify_table4_cpu_packed.gin",), "clarify_table4.run_experiment.dedicated_roles",
      {"answer": 180, "fusion": 430}),
     (("clarify_table4_cpu_packed.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
+    (("clarify_table4_cpu_answer1000.gin",), "clarify_table4.run_experiment.pack",
+     ["multitask"]),
+    (("clarify_table4_cpu_answer1000.gin",), "clarify_table4.run_experiment.dedicated_roles",
+     {"answer": 1000, "fusion": 600}),
+    (("clarify_table4_cpu_answer1000.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
+    (("clarify_table4_cpu_answer1000.gin",), "%PPO_ITERATIONS", 120),
 ])
 def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
