@@ -21,8 +21,9 @@ of one entry follow it after '/': `--compare cudnn,cudnn/dtype=float16`.
 
 Two options measure what the position bias costs, and so bound what any kernel for its path
 can gain; they change the gradient (not a way to train): `nobiasgrad` keeps the bias in the
-forward pass but holds it constant, so cuDNN need not return its gradient (the
-relative-position embeddings then get none), `nobias` drops the bias from fused attention.
+forward pass but holds it constant (the relative-position embeddings get no gradient; whether
+cuDNN then skips computing it depends on the jax version, see the option's code), `nobias`
+drops the bias from fused attention.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ import statistics
 import time
 
 import jax
-from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 import jax.numpy as jnp
+try:  # A private module; only the `nobiasgrad` diagnostic patches it.
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+except ImportError:
+  cudnn_attention = None
 
 from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
 from jaxmoral.models import config as config_lib
@@ -137,7 +141,8 @@ def apply_kernel_options(options: str) -> None:
       t5.GPU_BIAS_AS_DIAGONALS = True
     elif option == "nobiasgrad":
       # jax 0.10 asks cuDNN for the bias gradient whenever there is a bias (patched here);
-      # jax 0.11 only when the bias is differentiated (so it is held constant).
+      # jax 0.11.2 has no such hook, and holding the bias constant did not make its step
+      # faster (bench/RESULTS.md, session 26).
       if hasattr(cudnn_attention, "should_export_dbias"):
         cudnn_attention.should_export_dbias = lambda *args: False
       t5.fused_attention = _with_constant_position_bias
