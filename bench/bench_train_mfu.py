@@ -167,19 +167,24 @@ def _with_constant_position_bias(query, key, value, masking, _fused=t5.fused_att
       position_bias=None if bias is None else jax.lax.stop_gradient(bias)))
 
 
+# What `apply_kernel_options` may set: (module, attribute), restored by `kernel_options`.
+_KERNEL_OPTION_ATTRIBUTES = ((t5, "GPU_BIAS_AS_DIAGONALS"),
+                             (flash_attention_gpu, "DEFAULT_BLOCK_SIZES"),
+                             (t5, "fused_attention"),
+                             (cudnn_attention, "should_export_dbias"))
+
+
 @contextlib.contextmanager
 def kernel_options(options: str):
   """`apply_kernel_options` while the with-block runs (a step is traced by its first call)."""
-  saved = (t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES,
-           t5.fused_attention, getattr(cudnn_attention, "should_export_dbias", None))
+  saved = [(module, name, getattr(module, name))
+           for module, name in _KERNEL_OPTION_ATTRIBUTES if hasattr(module, name)]
   apply_kernel_options(options)
   try:
     yield
   finally:
-    t5.GPU_BIAS_AS_DIAGONALS, flash_attention_gpu.DEFAULT_BLOCK_SIZES, t5.fused_attention = (
-        saved[:3])
-    if saved[3] is not None:
-      cudnn_attention.should_export_dbias = saved[3]
+    for module, name, value in saved:
+      setattr(module, name, value)
 
 
 def compare(args: argparse.Namespace) -> None:
