@@ -68,6 +68,8 @@ def test_diamante_configs_parse(files, steps, size):
     (("clarify_table4_cpu.gin",), "%PPO_ITERATIONS", 40),
     (("clarify_table4_cpu.gin", "clarify_table4_smoke.gin"), "%PPO_ITERATIONS", 1),
     (("clarify_table4_gpu.gin",), "%PPO_ITERATIONS", 300),
+    (("clarify_table4_gpu.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
+    (("clarify_table4_gpu.gin",), "clarify_table4.run_experiment.systems", None),
     (("clarify_table4_cpu_dedicated.gin",), "clarify_table4.run_experiment.dedicated_roles",
      {"answer": 400, "fusion": 600}),
     (("clarify_table4_cpu_dedicated_kl.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
@@ -91,6 +93,7 @@ def test_diamante_configs_parse(files, steps, size):
      {"answer": 1000, "fusion": 600}),
     (("clarify_table4_cpu_answer1000.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
     (("clarify_table4_cpu_answer1000.gin",), "%PPO_ITERATIONS", 120),
+    (("clarify_table4_cpu_answer1000.gin",), "clarify_table4.run_experiment.systems", None),
 ])
 def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
