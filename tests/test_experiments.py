@@ -69,7 +69,6 @@ def test_diamante_configs_parse(files, steps, size):
     (("clarify_table4_cpu.gin", "clarify_table4_smoke.gin"), "%PPO_ITERATIONS", 1),
     (("clarify_table4_gpu.gin",), "%PPO_ITERATIONS", 300),
     (("clarify_table4_gpu.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
-    (("clarify_table4_gpu.gin",), "clarify_table4.run_experiment.systems", None),
     (("clarify_table4_cpu_dedicated.gin",), "clarify_table4.run_experiment.dedicated_roles",
      {"answer": 400, "fusion": 600}),
     (("clarify_table4_cpu_dedicated_kl.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
@@ -99,6 +98,13 @@ def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
          "--gin.INIT_CHECKPOINT='/base'")
   assert gin.query_parameter(macro) == value
+
+
+def test_clarify_gpu_config_scores_every_system():
+  # Unbound means run_experiment's default, None: every system of the table.
+  _parse("--gin_file=configs/experiments/clarify_table4_gpu.gin", "--gin.INIT_CHECKPOINT='/base'")
+  with pytest.raises(ValueError, match="no value bound"):
+    gin.query_parameter("clarify_table4.run_experiment.systems")
 
 
 def test_diamante_config_needs_the_base():
