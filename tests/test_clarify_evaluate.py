@@ -63,7 +63,15 @@ def test_pipeline_ranks_wh_candidates(monkeypatch):
   without = baselines.pipeline_generator(None, fake, use_nli=False, wh_words=("a", "b", "c"))
   assert with_nli(["s1", "s2"]) == ["Why x?", "What is it?"]
   assert without(["s1", "s2"]) == ["Is it very very long?", "What is it?"]
-  assert fake.use_nli == [True, False]
+  # Built together, the two pipelines rank one scoring (the NLI one: its unfiltered JSD is the
+  # no-NLI reward); other situations are scored anew.
+  fake = _FakeReward()
+  both = baselines.pipeline_generators(None, fake, wh_words=("a", "b", "c"))
+  assert both["pipeline"](["s1", "s2"]) == ["Why x?", "What is it?"]
+  assert both["pipeline_no_nli"](["s1", "s2"]) == ["Is it very very long?", "What is it?"]
+  assert fake.use_nli == [True]
+  both["pipeline_no_nli"](["s3", "s4"])
+  assert fake.use_nli == [True, True]
   assert baselines.why_generator()(["Lying to a friend"]) == ["Why are you lying to a friend?"]
 
 

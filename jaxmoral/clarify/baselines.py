@@ -5,7 +5,8 @@ A generator maps situations to one question each: `fn(situations) -> list[str]`.
 * `sampled_generator`: θQ alone with nucleus sampling (top-p 0.6) -- the fine-tuned baseline,
   and the PPO policy evaluated the same way.
 * `pipeline_generator`: 14 wh-word-conditioned questions per situation (θQ with `wh: <word>`),
-  ranked by the same defeasibility divergence (with or without the NLI filter).
+  ranked by the same defeasibility divergence (with or without the NLI filter);
+  `pipeline_generators` builds both variants from one scoring.
 * `why_generator`: "Why are you <situation>?".
 * `discriminator_generator`: sampled candidates ranked by a relevance classifier (a T5 scoring
   `relevant` / `irrelevant` for `relevance situation: s question: q`; see `data.relevance_pairs`).
@@ -53,20 +54,46 @@ def wh_candidates(question_model: models.ClarifyModel, situations: Sequence[str]
   return [[o[0] for o in out[i * k:(i + 1) * k]] for i in range(len(situations))]
 
 
+def pipeline_generators(question_model: models.ClarifyModel,
+                        reward: reward_lib.DefeasibilityReward, *,
+                        wh_words: Sequence[str] = formats.PIPELINE_WH_WORDS,
+                        max_length: int = 32) -> dict[str, Generator]:
+  """"pipeline" and "pipeline_no_nli" from one candidate set and one scoring.
+
+  The filter zeroes a filtered question's reward but changes neither its answers nor its
+  fusions, so the unfiltered JSD (`RewardResult.jsd`) of the NLI pipeline's scoring is the
+  no-NLI pipeline's reward: one pass serves both (half of the two baselines' time, most of an
+  evaluation's). The scoring of the last situations asked for is kept for the other system.
+  """
+  last: dict[str, object] = {}
+
+  def scored(situations: Sequence[str]):
+    if last.get("situations") != list(situations):
+      candidates = wh_candidates(question_model, situations, wh_words=wh_words,
+                                 max_length=max_length)
+      flat_s = [s for s, c in zip(situations, candidates) for _ in c]
+      flat_q = [q for c in candidates for q in c]
+      result = reward.score_questions(flat_s, flat_q, use_nli=True)
+      last.update(situations=list(situations), candidates=candidates, result=result)
+    return last["candidates"], last["result"]
+
+  def ranked_by(field: str) -> Generator:
+    def generate(situations: Sequence[str]) -> list[str]:
+      candidates, result = scored(situations)
+      scores = np.asarray(getattr(result, field)).reshape(len(situations), len(wh_words))
+      return select_best(candidates, scores)
+    return generate
+
+  return {"pipeline": ranked_by("scores"), "pipeline_no_nli": ranked_by("jsd")}
+
+
 def pipeline_generator(question_model: models.ClarifyModel,
                        reward: reward_lib.DefeasibilityReward, *, use_nli: bool = True,
                        wh_words: Sequence[str] = formats.PIPELINE_WH_WORDS,
                        max_length: int = 32) -> Generator:
   """14 wh-conditioned questions ranked by the defeasibility reward (JSD, NLI on/off)."""
-  def generate(situations: Sequence[str]) -> list[str]:
-    candidates = wh_candidates(question_model, situations, wh_words=wh_words,
-                               max_length=max_length)
-    flat_s = [s for s, c in zip(situations, candidates) for _ in c]
-    flat_q = [q for c in candidates for q in c]
-    result = reward.score_questions(flat_s, flat_q, use_nli=use_nli)
-    scores = result.scores.reshape(len(situations), len(wh_words))
-    return select_best(candidates, scores)
-  return generate
+  return pipeline_generators(question_model, reward, wh_words=wh_words, max_length=max_length
+                             )["pipeline" if use_nli else "pipeline_no_nli"]
 
 
 def why_generator() -> Generator:
@@ -105,13 +132,10 @@ def all_generators(*, question_model: models.ClarifyModel,
                    ppo_model: Optional[models.ClarifyModel] = None,
                    wh_words: Sequence[str] = formats.PIPELINE_WH_WORDS) -> dict[str, Generator]:
   """The systems of the paper's comparison that the given models allow."""
-  systems = {"why": why_generator(),
-             "finetuned": sampled_generator(question_model),
-             "pipeline": pipeline_generator(question_model, reward, use_nli=True,
-                                            wh_words=wh_words)}
-  if reward.nli is not None:
-    systems["pipeline_no_nli"] = pipeline_generator(question_model, reward, use_nli=False,
-                                                    wh_words=wh_words)
+  systems = {"why": why_generator(), "finetuned": sampled_generator(question_model),
+             **pipeline_generators(question_model, reward, wh_words=wh_words)}
+  if reward.nli is None:  # Without a filter the two pipelines are one system.
+    del systems["pipeline_no_nli"]
   if relevance_model is not None:
     systems["discriminator"] = discriminator_generator(question_model, relevance_model)
   if ppo_model is not None:
