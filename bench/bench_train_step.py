@@ -8,9 +8,9 @@ each side are compared (loss of step 1 = same forward; gradient norm of step 1 =
 loss of step 2 and every parameter after step 2 = same AdamW update) before anything is timed;
 then `--rounds` interleaved rounds of `--steps` steps each (ours, theirs, ours, ...), every
 round printed, and the ratio of the best rounds -- or no ratio if the checks failed.
-The peer runs at its best: each of torch.optim.AdamW's implementations (`--torch_adamw`; on
-CPU its default is the per-parameter loop) is a side of its own, checked and timed, and the
-ratio is taken against the fastest.
+The peer runs at its best: torch.optim.AdamW's fused implementation (its CPU default is the
+slower per-parameter loop); `--torch_adamw for_loop,foreach,fused` makes each implementation a
+side of its own, checked and timed, and takes the ratio against the fastest.
 
 Optimizer equivalence: `optax.adamw` (what `optimizers.make_optimizer(name="adamw")` builds)
 and `torch.optim.AdamW` compute the same update. Both bias-correct m and v, add `eps` outside
@@ -192,10 +192,11 @@ def main() -> None:
   parser.add_argument("--override", action="append", default=[],
                       help="T5Config field=value of jaxmoral's side, a compute option such as "
                            "remat=true (repeatable; the weights stay the same)")
-  parser.add_argument("--torch_adamw", default="for_loop,foreach,fused",
+  parser.add_argument("--torch_adamw", default="fused",
                       help="torch.optim.AdamW's implementations timed on PyTorch's side "
                            f"(comma-separated, of {sorted(TORCH_ADAMW)}); the ratio is taken "
-                           "against the fastest")
+                           "against the fastest. Default: fused, the fastest on CPU "
+                           "(bench/RESULTS.md, session 27)")
   fair.add_arguments(parser, rounds=3)
   args = parser.parse_args()
   if args.tiny:
