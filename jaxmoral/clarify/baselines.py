@@ -62,8 +62,9 @@ def pipeline_generators(question_model: models.ClarifyModel,
 
   The filter zeroes a filtered question's reward but changes neither its answers nor its
   fusions, so the unfiltered JSD (`RewardResult.jsd`) of the NLI pipeline's scoring is the
-  no-NLI pipeline's reward: one pass serves both (half of the two baselines' time, most of an
-  evaluation's). The scoring of the last situations asked for is kept for the other system.
+  no-NLI pipeline's reward: one pass serves both. The scoring of the last situations asked
+  for is kept for the other system (answers are greedy by default, so a fresh scoring of the
+  same situations would repeat it).
   """
   last: dict[str, object] = {}
 
