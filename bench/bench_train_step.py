@@ -86,14 +86,15 @@ def make_batch(cfg: config_lib.T5Config, batch: int, inputs: int, targets: int) 
 
 
 class JaxSide:
-  """jaxmoral's Trainer: seq2seq loss (no z-loss, no label smoothing), AdamW."""
+  """jaxmoral's Trainer: seq2seq loss (no z-loss, no label smoothing), AdamW with `hp` (or the
+  optimizer given, for `bench_optimizer_cost.py`)."""
 
-  def __init__(self, cfg, batch, params0, hp: dict):
+  def __init__(self, cfg, batch, params0, hp: dict, optimizer=None):
     model = t5.T5(cfg)
     self.trainer = trainer_lib.Trainer(
         init_params_fn=functools.partial(t5.init_params, model),
         loss_fn=losses.seq2seq_loss_fn(model, z_loss=0.0),
-        optimizer=optimizers.make_optimizer(name="adamw", **hp),
+        optimizer=optimizer or optimizers.make_optimizer(name="adamw", **hp),
         partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
     self.shapes = {k: v.shape for k, v in batch.items()}
     self.batch = self.trainer.shard_batch(batch)
