@@ -340,8 +340,10 @@ def compare_greedy_ids(what: str, ours: np.ndarray, theirs: np.ndarray,
 
 # -- timing ---------------------------------------------------------------------------------------
 def interleave(sides: Mapping[str, Callable[[], Any]], rounds: int, *,
-               calls_per_round: int = 1, label: str = "s/call") -> dict[str, list[float]]:
-  """Round r of every side (in order), then round r + 1, ...; prints each round.
+               calls_per_round: int = 1, label: str = "s/call",
+               quiet: bool = False) -> dict[str, list[float]]:
+  """Round r of every side (in order), then round r + 1, ...; prints each round (unless
+  `quiet`: then the caller prints the rounds it returns).
 
   Each round times `calls_per_round` back-to-back calls of one side (the function must wait
   for its own result) and records the seconds per call.
@@ -355,7 +357,8 @@ def interleave(sides: Mapping[str, Callable[[], Any]], rounds: int, *,
         fn()
       per_call = (time.perf_counter() - start) / calls_per_round
       times[name].append(per_call)
-      print(f"  round {r + 1}/{rounds}  {name:<{width}} {per_call:10.4f} {label}", flush=True)
+      if not quiet:
+        print(f"  round {r + 1}/{rounds}  {name:<{width}} {per_call:10.4f} {label}", flush=True)
   return times
 
 

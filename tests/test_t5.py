@@ -235,6 +235,74 @@ def test_vector_matmul_matches_numpy(kernel_shape):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel_shape,preferred", [((5, 7), None), ((5, 3, 4), jnp.float32)])
+def test_cpu_rows_matmul_gradients_match_numpy(kernel_shape, preferred):
+  """The CPU product's own backward pass: d_rows = g k^T, d_kernel = rows^T g (float64 NumPy)."""
+  rng = np.random.default_rng(0)
+  rows = rng.standard_normal((6, 5)).astype(np.float32)
+  kernel = rng.standard_normal(kernel_shape).astype(np.float32)
+  cot = rng.standard_normal((6, *kernel_shape[1:])).astype(np.float32)
+  out, vjp = jax.vjp(lambda r, k: t5._cpu_rows_matmul(r, k, preferred), rows, kernel)
+  d_rows, d_kernel = vjp(jnp.asarray(cot))
+  r64, k64, g64 = (a.astype(np.float64).reshape(a.shape[0], -1) for a in (rows, kernel, cot))
+  np.testing.assert_allclose(np.asarray(out).reshape(6, -1), r64 @ k64, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(d_rows), g64 @ k64.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(d_kernel).reshape(5, -1), r64.T @ g64, rtol=1e-5,
+                             atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_loss_gradients_match_transformers_backward(variant):
+  """Every parameter's gradient of the teacher-forced loss against PyTorch's backward pass
+  on the same weights (on CPU, where the dense layers take `_cpu_rows_matmul`'s backward)."""
+  model, config, params = hf_model(variant)
+  enc, _ = random_batch(4)
+  targets = np.random.RandomState(5).randint(2, VOCAB, (3, 7)).astype(np.int32)
+  batch = {"encoder_input_tokens": enc, "decoder_target_tokens": targets,
+           "decoder_input_tokens": np.asarray(t5.shift_right(jnp.asarray(targets))),
+           "decoder_loss_weights": np.ones_like(targets)}
+  assert t5._tracing_for_cpu()
+  loss_fn = losses.seq2seq_loss_fn(t5.T5(config), z_loss=0.0)
+  loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, None)[0]))(params)
+  model.zero_grad(set_to_none=True)
+  out = model(input_ids=torch.tensor(enc, dtype=torch.long),
+              attention_mask=torch.tensor(enc != 0),
+              decoder_input_ids=torch.tensor(batch["decoder_input_tokens"], dtype=torch.long),
+              labels=torch.tensor(targets, dtype=torch.long))
+  out.loss.backward()
+  # The import is linear (copies, transposes, reshapes), so it maps gradients as it maps
+  # weights; tied names share one gradient, as they share one weight.
+  torch_grads = {name: p.grad.numpy().copy()
+                 for name, p in model.named_parameters(remove_duplicate=False)}
+  model.zero_grad(set_to_none=True)
+  _, want = hf_import.params_from_hf(torch_grads, model.config.to_dict())
+  np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
+  got = flax.traverse_util.flatten_dict(jax.device_get(grads))
+  want = flax.traverse_util.flatten_dict(want)
+  assert sorted(got) == sorted(want)
+  for path in got:
+    scale = float(np.abs(want[path]).max())
+    np.testing.assert_allclose(got[path], want[path], rtol=1e-4, atol=1e-5 * scale,
+                               err_msg="/".join(path))
+
+
+def test_cpu_weight_gradients_are_plain_products():
+  """On CPU no product of the train step's backward contracts both operands' first axis (a
+  weight gradient as rows^T @ g, which XLA:CPU runs outside YNNPACK, bench/RESULTS.md)."""
+  _, config, params = hf_model("t5_1_1")
+  enc, dec = random_batch(6)
+  batch = {"encoder_input_tokens": enc, "decoder_target_tokens": dec,
+           "decoder_input_tokens": np.asarray(t5.shift_right(jnp.asarray(dec)))}
+  loss_fn = losses.seq2seq_loss_fn(t5.T5(config), z_loss=0.0)
+  grad_fn = jax.jit(jax.grad(lambda p: loss_fn(p, batch, None)[0]))
+  hlo = grad_fn.lower(params).compile().as_text()
+  dots = [line for line in hlo.splitlines() if " dot(" in line]
+  assert dots
+  first_axis_both = [line for line in dots if "lhs_contracting_dims={0}" in line
+                     and "rhs_contracting_dims={0}" in line and "batch_dims" not in line]
+  assert not first_axis_both, first_axis_both[0]
+
+
 def test_encode_from_embeddings_equals_from_tokens():
   _, config, params = hf_model("t5_1_1")
   enc, dec = random_batch(1)

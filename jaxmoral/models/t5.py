@@ -145,14 +145,61 @@ def _matmul_last_axis(x: Array, kernel: Array, *, split_one_row: bool = True,
   XLA:CPU then transposes the activation gradient before every such product, and a T5 1.1
   MLP's forward + backward ran at about half the speed of this 2-D form.
   A single row goes through `_vector_matmul` unless `split_one_row` is False (a transposed
-  `kernel`, whose split would be a copy).
+  `kernel`, whose split would be a copy); float32 rows traced for CPUs through
+  `_cpu_rows_matmul` (its weight gradient runs as a plain product there).
   """
   rows = x.reshape(-1, x.shape[-1])
   if rows.shape[0] == 1 and split_one_row:
     out = _vector_matmul(rows, kernel, **dot_kwargs)
+  elif (CPU_PLAIN_WEIGHT_GRADIENTS and rows.dtype == kernel.dtype == jnp.float32
+        and _tracing_for_cpu()):
+    out = _cpu_rows_matmul(rows, kernel, dot_kwargs.get("preferred_element_type"))
   else:
     out = jnp.tensordot(rows, kernel, axes=1, **dot_kwargs)
   return out.reshape(*x.shape[:-1], *kernel.shape[1:])
+
+
+def _tracing_for_cpu() -> bool:
+  """Whether the program being traced runs on CPUs: the platform of the mesh it is traced
+  under (a TPU topology compiled ahead of time from a CPU host is not), else the default
+  backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    return mesh.abstract_device.platform == "cpu"
+  return jax.default_backend() == "cpu"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cpu_rows_matmul(rows: Array, kernel: Array, preferred_element_type: Any) -> Array:
+  """(R, d) @ (d, *f) in float32, whose weight gradient XLA:CPU runs as a plain product.
+
+  Autodiff writes the weight gradient as rows^T @ g, a product contracting both operands'
+  first axis; XLA:CPU leaves such products to its own slower dot emitter instead of YNNPACK.
+  The backward pass here transposes `rows` into a buffer of its own (the barrier stops XLA
+  from folding the transpose back into the product), so YNNPACK gets (d, R) @ (R, f). The
+  copy is a small fraction of the product; the values are the same sums.
+  """
+  return jnp.tensordot(rows, kernel, axes=1, preferred_element_type=preferred_element_type)
+
+
+def _cpu_rows_matmul_fwd(rows: Array, kernel: Array, preferred_element_type: Any
+                         ) -> tuple[Array, tuple[Array, Array]]:
+  return _cpu_rows_matmul(rows, kernel, preferred_element_type), (rows, kernel)
+
+
+def _cpu_rows_matmul_bwd(preferred_element_type: Any, residuals: tuple[Array, Array],
+                         grad: Array) -> tuple[Array, Array]:
+  del preferred_element_type  # float32 operands: the gradients are float32 either way
+  rows, kernel = residuals
+  grad = grad.reshape(grad.shape[0], -1).astype(jnp.float32)
+  kernel_2d = kernel.reshape(kernel.shape[0], -1)
+  d_rows = jax.lax.dot_general(grad, kernel_2d, (((1,), (1,)), ((), ())))
+  rows_t = jax.lax.optimization_barrier(rows.T)
+  d_kernel = jax.lax.dot_general(rows_t, grad, (((1,), (0,)), ((), ())))
+  return d_rows, d_kernel.reshape(kernel.shape)
+
+
+_cpu_rows_matmul.defvjp(_cpu_rows_matmul_fwd, _cpu_rows_matmul_bwd)
 
 
 def _vector_matmul(row: Array, kernel: Array, **dot_kwargs: Any) -> Array:
@@ -322,6 +369,9 @@ class RelativePositionBias(nn.Module):
 # The `jax.nn.dot_product_attention` implementation behind attention_impl="cudnn". Tests set
 # "xla" to run the same masks, lengths and biases through JAX's reference on a CPU.
 FUSED_ATTENTION_BACKEND = "cudnn"
+# Dense layers traced for CPUs take `_cpu_rows_matmul`'s backward (weight gradients as plain
+# products); `bench/bench_weight_gradients.py` turns it off to time autodiff's form against it.
+CPU_PLAIN_WEIGHT_GRADIENTS = True
 # attention_impl="pallas_gpu": hand the Triton kernels T5's position bias as its diagonals
 # (`flash_attention_gpu.bias_diagonals`; the bias depends on k - q alone) rather than whole.
 GPU_BIAS_AS_DIAGONALS = False
