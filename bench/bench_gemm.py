@@ -187,8 +187,8 @@ def time_step_products(args, torch, peak) -> bool:
   # a step at `speedup` x PyTorch's must fit its products in PyTorch's step / speedup.
   cfg = config_lib.t5_config(size=size, dropout_rate=0.0)
   feats = bench_train_step.make_batch(cfg, batch, inputs, targets)
-  hp = dict(learning_rate=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
-  params0 = jax.device_get(nn.meta.unbox(t5.init_params(t5.T5(cfg), jax.random.PRNGKey(0))))
+  hp = bench_train_step.adamw_hyperparameters()
+  params0 = bench_train_step.initial_params(cfg)
   sides = {"jaxmoral step": bench_train_step.JaxSide(cfg, feats, params0, hp).step,
            "pytorch step (fused AdamW)": bench_train_step.TorchSide(
                cfg, feats, params0, hp, 0.0, "fused").step}

@@ -16,14 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
 
 import bench_train_step  # noqa: E402  (bench/bench_train_step.py)
 import fair  # noqa: E402  (bench/fair.py)
 from jaxmoral import optimizers  # noqa: E402
 from jaxmoral.models import config as config_lib  # noqa: E402
-from jaxmoral.models import t5  # noqa: E402
 
 
 def main() -> None:
@@ -33,8 +30,8 @@ def main() -> None:
   args = parser.parse_args()
   cfg = config_lib.t5_config(size="small", dropout_rate=0.0)
   batch = bench_train_step.make_batch(cfg, 8, 128, 64)
-  params0 = jax.device_get(nn.meta.unbox(t5.init_params(t5.T5(cfg), jax.random.PRNGKey(0))))
-  hp = dict(learning_rate=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+  params0 = bench_train_step.initial_params(cfg)
+  hp = bench_train_step.adamw_hyperparameters()
   sides = {"adamw": bench_train_step.JaxSide(cfg, batch, params0, hp),
            "sgd": bench_train_step.JaxSide(
                cfg, batch, params0, hp,

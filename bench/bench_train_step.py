@@ -85,6 +85,17 @@ def make_batch(cfg: config_lib.T5Config, batch: int, inputs: int, targets: int) 
           "decoder_loss_weights": np.ones_like(dec)}
 
 
+def adamw_hyperparameters(learning_rate: float = 1e-4, weight_decay: float = 0.01) -> dict:
+  """The AdamW settings every train-step benchmark passes to both optax and torch."""
+  return dict(learning_rate=learning_rate, b1=0.9, b2=0.999, eps=1e-8,
+              weight_decay=weight_decay)
+
+
+def initial_params(cfg: config_lib.T5Config) -> dict:
+  """jaxmoral's initialisation (seed 0) on the host: every side starts from these weights."""
+  return jax.device_get(nn.meta.unbox(t5.init_params(t5.T5(cfg), jax.random.PRNGKey(0))))
+
+
 class JaxSide:
   """jaxmoral's Trainer: seq2seq loss (no z-loss, no label smoothing), AdamW with `hp` (or the
   optimizer given, for `bench_optimizer_cost.py`)."""
@@ -219,8 +230,7 @@ def main() -> None:
   cfg = config_lib.t5_config(size=args.size, dropout_rate=0.0, **overrides)
   batch = make_batch(cfg, args.batch, args.inputs, args.targets)
   tokens = args.batch * (args.inputs + args.targets)
-  hp = dict(learning_rate=args.learning_rate, b1=0.9, b2=0.999, eps=1e-8,
-            weight_decay=args.weight_decay)
+  hp = adamw_hyperparameters(args.learning_rate, args.weight_decay)
   peak = machine.measured_peak()
   fair.print_header(
       "train step: jaxmoral Trainer vs transformers T5ForConditionalGeneration + "
@@ -237,7 +247,7 @@ def main() -> None:
        f"rounds x {args.steps} steps per side",
        f"peak      : {peak.note}"])
 
-  params0 = jax.device_get(nn.meta.unbox(t5.init_params(t5.T5(cfg), jax.random.PRNGKey(0))))
+  params0 = initial_params(cfg)
   ours = JaxSide(cfg, batch, params0, hp)
   flops = ours.flops()
   rule = 6.0 * cfg.num_params() * tokens

@@ -18,7 +18,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 
 import bench_train_step  # noqa: E402  (bench/bench_train_step.py)
@@ -36,8 +35,8 @@ def main() -> None:
   size, batch, inputs, targets = ("tiny", 2, 16, 8) if args.tiny else ("small", 8, 128, 64)
   cfg = config_lib.t5_config(size=size, dropout_rate=0.0)
   feats = bench_train_step.make_batch(cfg, batch, inputs, targets)
-  params0 = jax.device_get(nn.meta.unbox(t5.init_params(t5.T5(cfg), jax.random.PRNGKey(0))))
-  hp = dict(learning_rate=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+  params0 = bench_train_step.initial_params(cfg)
+  hp = bench_train_step.adamw_hyperparameters()
   print(f"T5 {size}, batch {batch} x ({inputs} + {targets}), float32, AdamW; "
         f"{fair.machine_line()}")
   sides, first = {}, {}

@@ -25,14 +25,12 @@ if __name__ == "__main__":
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_train_step  # noqa: E402  (bench/bench_train_step.py)
 import fair  # noqa: E402  (bench/fair.py)
 from jaxmoral.models import config as config_lib  # noqa: E402
-from jaxmoral.models import t5  # noqa: E402
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, object]]:
@@ -69,13 +67,13 @@ def main() -> None:
 
   cfg = config_lib.t5_config(size=args.size, dropout_rate=0.0)
   batch = bench_train_step.make_batch(cfg, args.batch, args.inputs, args.targets)
-  hp = dict(learning_rate=1e-4, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+  hp = bench_train_step.adamw_hyperparameters()
   print(f"== XLA:CPU compiler options, train step (bench_train_step.py's), T5 {args.size}, "
         f"batch {args.batch} x ({args.inputs} + {args.targets}), AdamW ==")
   print(f"machine   : {fair.machine_line()}")
   print(f"command   : python {' '.join(sys.argv)}")
   print(f"software  : jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-  params0 = jax.device_get(nn.meta.unbox(t5.init_params(t5.T5(cfg), jax.random.PRNGKey(0))))
+  params0 = bench_train_step.initial_params(cfg)
   side = bench_train_step.JaxSide(cfg, batch, params0, hp)
   lowered = side.trainer.lower_train_step(side.shapes)
   compiled = {}

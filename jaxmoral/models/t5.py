@@ -177,7 +177,9 @@ def _cpu_rows_matmul(rows: Array, kernel: Array, preferred_element_type: Any) ->
   first axis; XLA:CPU leaves such products to its own slower dot emitter instead of YNNPACK.
   The backward pass here transposes `rows` into a buffer of its own (the barrier stops XLA
   from folding the transpose back into the product), so YNNPACK gets (d, R) @ (R, f). The
-  copy is a small fraction of the product; the values are the same sums.
+  copy is a small fraction of the product; the values are the same sums. Reverse mode only,
+  as any `custom_vjp`: forward-mode differentiation (`jax.jvp`) of a model traced for CPUs
+  needs `CPU_PLAIN_WEIGHT_GRADIENTS` off.
   """
   return jnp.tensordot(rows, kernel, axes=1, preferred_element_type=preferred_element_type)
 
