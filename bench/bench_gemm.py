@@ -33,7 +33,6 @@ import collections  # noqa: E402
 import string  # noqa: E402
 from typing import Any, Iterator  # noqa: E402
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -94,13 +93,9 @@ def _dots(jaxpr: Any, times: int = 1) -> Iterator[tuple[Product, int]]:
           yield from _dots(sub, repeat)
 
 
-def step_products(size: str, batch: int, inputs: int, targets: int) -> dict[Product, int]:
+def step_products(cfg: config_lib.T5Config, feats: dict, params: dict) -> dict[Product, int]:
   """{product: executions per step} of the train step's loss and gradient (jaxmoral's T5)."""
-  cfg = config_lib.t5_config(size=size, dropout_rate=0.0)
-  model = t5.T5(cfg)
-  params = jax.eval_shape(lambda: nn.meta.unbox(t5.init_params(model, jax.random.PRNGKey(0))))
-  loss_fn = losses.seq2seq_loss_fn(model, z_loss=0.0)
-  feats = bench_train_step.make_batch(cfg, batch, inputs, targets)
+  loss_fn = losses.seq2seq_loss_fn(t5.T5(cfg), z_loss=0.0)
   jaxpr = jax.make_jaxpr(jax.value_and_grad(lambda p: loss_fn(p, feats, None), has_aux=True))(
       params)
   counts: dict[Product, int] = collections.Counter()
@@ -134,7 +129,8 @@ def time_step_products(args, torch, peak) -> bool:
   """Times every product of the step on both sides; prints the per-step sums."""
   size, batch, inputs, targets = (("tiny", 2, 16, 8) if args.tiny
                                   else ("small", args.batch, args.inputs, args.targets))
-  counts = step_products(size, batch, inputs, targets)
+  cfg, feats, params0, hp = bench_train_step.step_inputs(size, batch, inputs, targets)
+  counts = step_products(cfg, feats, params0)
   total_flops = sum(n * product_flops(p) for p, n in counts.items())
   print(f"step: T5 {size}, batch {batch} x ({inputs} + {targets}); {sum(counts.values())} "
         f"products of {len(counts)} kinds, {total_flops / 1e9:.2f} GFLOP per step", flush=True)
@@ -185,10 +181,6 @@ def time_step_products(args, torch, peak) -> bool:
         else "(no ratio: some results differ)")
   # The whole steps of bench_train_step.py (its checks and ratio are its own), for the floor:
   # a step at `speedup` x PyTorch's must fit its products in PyTorch's step / speedup.
-  cfg = config_lib.t5_config(size=size, dropout_rate=0.0)
-  feats = bench_train_step.make_batch(cfg, batch, inputs, targets)
-  hp = bench_train_step.adamw_hyperparameters()
-  params0 = bench_train_step.initial_params(cfg)
   sides = {"jaxmoral step": bench_train_step.JaxSide(cfg, feats, params0, hp).step,
            "pytorch step (fused AdamW)": bench_train_step.TorchSide(
                cfg, feats, params0, hp, 0.0, "fused").step}

@@ -16,11 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
 import bench_train_step  # noqa: E402  (bench/bench_train_step.py)
 import fair  # noqa: E402  (bench/fair.py)
 from jaxmoral import optimizers  # noqa: E402
-from jaxmoral.models import config as config_lib  # noqa: E402
 
 
 def main() -> None:
@@ -28,10 +26,7 @@ def main() -> None:
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=2, help="timed steps per round and side")
   args = parser.parse_args()
-  cfg = config_lib.t5_config(size="small", dropout_rate=0.0)
-  batch = bench_train_step.make_batch(cfg, 8, 128, 64)
-  params0 = bench_train_step.initial_params(cfg)
-  hp = bench_train_step.adamw_hyperparameters()
+  cfg, batch, params0, hp = bench_train_step.step_inputs()
   sides = {"adamw": bench_train_step.JaxSide(cfg, batch, params0, hp),
            "sgd": bench_train_step.JaxSide(
                cfg, batch, params0, hp,

@@ -96,6 +96,15 @@ def initial_params(cfg: config_lib.T5Config) -> dict:
   return jax.device_get(nn.meta.unbox(t5.init_params(t5.T5(cfg), jax.random.PRNGKey(0))))
 
 
+def step_inputs(size: str = "small", batch: int = 8, inputs: int = 128, targets: int = 64
+                ) -> tuple[config_lib.T5Config, dict, dict, dict]:
+  """(config, batch, initial weights, AdamW settings) of a train-step benchmark: the step every
+  CPU train-step script times, T5 1.1-small, 8 x (128 + 64), by default."""
+  cfg = config_lib.t5_config(size=size, dropout_rate=0.0)
+  return (cfg, make_batch(cfg, batch, inputs, targets), initial_params(cfg),
+          adamw_hyperparameters())
+
+
 class JaxSide:
   """jaxmoral's Trainer: seq2seq loss (no z-loss, no label smoothing), AdamW with `hp` (or the
   optimizer given, for `bench_optimizer_cost.py`)."""

@@ -22,7 +22,6 @@ import jax  # noqa: E402
 
 import bench_train_step  # noqa: E402  (bench/bench_train_step.py)
 import fair  # noqa: E402  (bench/fair.py)
-from jaxmoral.models import config as config_lib  # noqa: E402
 from jaxmoral.models import t5  # noqa: E402
 
 
@@ -33,10 +32,7 @@ def main() -> None:
   parser.add_argument("--tiny", action="store_true", help="smoke test: tiny model, seconds")
   args = parser.parse_args()
   size, batch, inputs, targets = ("tiny", 2, 16, 8) if args.tiny else ("small", 8, 128, 64)
-  cfg = config_lib.t5_config(size=size, dropout_rate=0.0)
-  feats = bench_train_step.make_batch(cfg, batch, inputs, targets)
-  params0 = bench_train_step.initial_params(cfg)
-  hp = bench_train_step.adamw_hyperparameters()
+  cfg, feats, params0, hp = bench_train_step.step_inputs(size, batch, inputs, targets)
   print(f"T5 {size}, batch {batch} x ({inputs} + {targets}), float32, AdamW; "
         f"{fair.machine_line()}")
   sides, first = {}, {}

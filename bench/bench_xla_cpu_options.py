@@ -30,7 +30,6 @@ import numpy as np  # noqa: E402
 
 import bench_train_step  # noqa: E402  (bench/bench_train_step.py)
 import fair  # noqa: E402  (bench/fair.py)
-from jaxmoral.models import config as config_lib  # noqa: E402
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, object]]:
@@ -65,15 +64,13 @@ def main() -> None:
         "tiny", 2, 16, 8, 1, 2)
   variants = dict([("default", {})] + [parse_variant(v) for v in args.variant])
 
-  cfg = config_lib.t5_config(size=args.size, dropout_rate=0.0)
-  batch = bench_train_step.make_batch(cfg, args.batch, args.inputs, args.targets)
-  hp = bench_train_step.adamw_hyperparameters()
+  cfg, batch, params0, hp = bench_train_step.step_inputs(args.size, args.batch, args.inputs,
+                                                         args.targets)
   print(f"== XLA:CPU compiler options, train step (bench_train_step.py's), T5 {args.size}, "
         f"batch {args.batch} x ({args.inputs} + {args.targets}), AdamW ==")
   print(f"machine   : {fair.machine_line()}")
   print(f"command   : python {' '.join(sys.argv)}")
   print(f"software  : jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-  params0 = bench_train_step.initial_params(cfg)
   side = bench_train_step.JaxSide(cfg, batch, params0, hp)
   lowered = side.trainer.lower_train_step(side.shapes)
   compiled = {}

@@ -193,7 +193,7 @@ def _cpu_rows_matmul_bwd(preferred_element_type: Any, residuals: tuple[Array, Ar
                          grad: Array) -> tuple[Array, Array]:
   del preferred_element_type  # float32 operands: the gradients are float32 either way
   rows, kernel = residuals
-  grad = grad.reshape(grad.shape[0], -1).astype(jnp.float32)
+  grad = grad.reshape(grad.shape[0], -1)
   kernel_2d = kernel.reshape(kernel.shape[0], -1)
   d_rows = jax.lax.dot_general(grad, kernel_2d, (((1,), (1,)), ((), ())))
   rows_t = jax.lax.optimization_barrier(rows.T)
