@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
@@ -141,6 +142,18 @@ def error_message(error: BaseException) -> str:
   # The message the library raised: gin's "In call to configurable ..." suffix would make a
   # user's one-line error two lines and name an internal function.
   return gin_utils.explain_gin_error(original)
+
+
+def _configurable_error_message(error: TypeError) -> str:
+  """One line for a type error gin raised from a configurable: the library's message, with the
+  configurable gin named (`in OPTIMIZER/make_schedule`) unless the message starts with it."""
+  message = error_message(error)
+  match = re.search(r"In call to configurable '([\w.]+)'.*?(?: in scope '([\w./]+)')?$",
+                    str(error), re.MULTILINE)
+  if match and not message.startswith(match.group(1)):
+    name = f"{match.group(2)}/{match.group(1)}" if match.group(2) else match.group(1)
+    message += f" (in {name})"
+  return message
 
 
 def quiet_logs(*, force: bool = False) -> None:
@@ -339,7 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # configurable"); anywhere else it is a bug and keeps its traceback.
     if "In call to configurable" not in str(error):
       raise
-    print(f"jaxmoral {args.command}: error: {error}", file=sys.stderr)
+    print(f"jaxmoral {args.command}: error: {_configurable_error_message(error)}",
+          file=sys.stderr)
     if gin_args.read_as_strings:
       print(f"  note: read as strings, not being Python literals: "
             f"{', '.join(gin_args.read_as_strings)}", file=sys.stderr)

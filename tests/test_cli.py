@@ -59,13 +59,35 @@ def test_a_mistyped_number_is_a_config_error_naming_the_flag(capsys, tmp_path):
   code = cli.main(["train", *TINY, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=l0"])
   assert code == 2
   err = capsys.readouterr().err
-  assert "jaxmoral train: error:" in err and "make_schedule" in err
+  assert "jaxmoral train: error: make_schedule: total_steps must be a positive int" in err
+  assert "In call to configurable" not in err  # gin's suffix: a second line naming internals
   assert "read as strings" in err and "--gin.TRAIN_STEPS=l0" in err
   gin.clear_config()
   code = cli.main(["train", *TINY, f"--gin.MODEL_DIR={tmp_path}", "--gin.TRAIN_STEPS=1O"])
   assert code == 2
   assert ("jaxmoral train: error: gin: cannot parse binding 'TRAIN_STEPS = 1O'"
           in capsys.readouterr().err)
+
+
+@gin.configurable
+def _takes_a_count(count: int = 1) -> int:
+  return count + 1  # a str count: Python's own TypeError, which names no function
+
+
+def test_a_type_error_in_a_configurable_is_one_line_naming_it(capsys, monkeypatch):
+  gin.clear_config()
+  gin.parse_config("test_scope/_takes_a_count.count = 'x'")
+  monkeypatch.setattr(cli, "_run", lambda *args: _takes_a_count_in_scope())
+  assert cli.main(["train", "--gin_file=configs/core/tiny_cpu.gin"]) == 2
+  err = capsys.readouterr().err
+  assert err == ('jaxmoral train: error: can only concatenate str (not "int") to str '
+                 "(in test_scope/_takes_a_count)\n")
+  gin.clear_config()
+
+
+def _takes_a_count_in_scope() -> int:
+  with gin.config_scope("test_scope"):
+    return _takes_a_count()
 
 
 def test_eval_infer_export(trained_run, tmp_path):
