@@ -19,7 +19,13 @@ if [ "${1:-}" = "--install" ]; then
   "$ROOT/.venv/bin/pip" install --quiet -e "$ROOT[gpu]"
 fi
 [ "${1:-}" = "--" ] && shift
-# Let XLA use most of GPU memory up front and overlap collectives with compute.
+JAXMORAL="$ROOT/.venv/bin/jaxmoral"
+[ -x "$JAXMORAL" ] || { echo "no $JAXMORAL: run $0 --install -- COMMAND once" >&2; exit 2; }
+# Let XLA use most of GPU memory up front and overlap collectives with compute, unless the
+# caller chose otherwise.
 export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
-export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true"
-exec "$ROOT/.venv/bin/jaxmoral" "$@"
+case "${XLA_FLAGS:-}" in
+  *xla_gpu_enable_latency_hiding_scheduler*) ;;
+  *) export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true" ;;
+esac
+exec "$JAXMORAL" "$@"
