@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_out
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast clean
 
 venv: $(STAMP)
 

@@ -163,7 +163,29 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
     sources = _BindingSources(gin_args.files, [*bindings, *extra_bindings],
                               [flag or "" for flag in flags])
   check_everything_is_read(sources, read_before_flags=read_before_flags)
+  check_same_config_on_every_process()
   resolve_relative_paths(gin_args.files)
+
+
+def check_same_config_on_every_process() -> None:
+  """Refuses a multi-process job whose processes parsed different gin configurations.
+
+  Their programs would differ (a learning rate, a step count), and collectives between
+  different programs hang or compute nonsense without an error. Compared before relative
+  paths are resolved, which may legitimately differ from host to host. A no-op for one process.
+
+  Raises:
+    ValueError: Naming the processes that differ from process 0.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  if not jax.distributed.is_initialized():
+    return
+  from jaxmoral import partitioning  # pylint: disable=import-outside-toplevel
+  differing = partitioning.processes_that_differ(gin.config_str())
+  if differing:
+    raise ValueError(f"gin: process {', '.join(map(str, differing))} of {jax.process_count()} "
+                     "parsed another configuration than process 0 (gin files, bindings or "
+                     "flags): every process of a job must be started with the same ones")
 
 
 def _is_relative_path(value: object) -> bool:

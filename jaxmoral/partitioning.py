@@ -19,6 +19,7 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -437,3 +438,16 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
     jax.distributed.initialize()  # cluster auto-detection (SLURM / Cloud TPU)
     return True
   return False
+
+
+def processes_that_differ(text: str) -> list[int]:
+  """The indices of the processes whose `text` differs from process 0's (every process calls
+  this with its own; a collective). Empty for one process or when the job was not connected
+  by `initialize_distributed`, which it does not start."""
+  if not jax.distributed.is_initialized() or jax.process_count() == 1:
+    return []
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int32)
+  everywhere = np.asarray(multihost_utils.process_allgather(digest))
+  everywhere = everywhere.reshape(jax.process_count(), -1)
+  return [i for i in range(1, len(everywhere)) if not np.array_equal(everywhere[i], everywhere[0])]

@@ -224,3 +224,44 @@ def test_two_process_checkpoint_restores_in_one_process(runs_done):
   assert jax.tree_util.tree_structure(two) == jax.tree_util.tree_structure(one)
   for a, b in zip(jax.tree_util.tree_leaves(two), jax.tree_util.tree_leaves(one)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# Each process parses the tiny config with its own bindings (argv) and prints what parse_gin said.
+CONFIG_DRIVER = textwrap.dedent("""
+    import sys
+    from jaxmoral import partitioning
+    partitioning.initialize_distributed()
+    from jaxmoral import gin_utils, runs  # noqa: F401  (runs: the config's configurables)
+    gin_args, _ = gin_utils.split_gin_args(
+        ["--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR='/tmp/unused'", *sys.argv[2:]])
+    try:
+      gin_utils.parse_gin(gin_args)
+      print("parsed")
+    except ValueError as error:
+      print(f"refused: {error}")
+""")
+
+
+def test_processes_started_with_different_configs_are_refused(tmp_path):
+  # Before: each went on with its own step count, and the job hung at its first collective
+  # after the shorter one ended (or, with another learning rate, trained nonsense silently).
+  driver = tmp_path / "config_driver.py"
+  driver.write_text(CONFIG_DRIVER)
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_", "XLA_", "SLURM_", "TPU_"))}
+  env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS=child_xla_flags(),
+             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
+  procs = [(f"process {i} of 2",
+            subprocess.Popen([sys.executable, str(driver), "-", f"--gin.TRAIN_STEPS={steps}"],
+                             cwd=ROOT, env={**env, "JAX_PROCESS_ID": str(i)},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+           for i, steps in enumerate((3, 4))]
+  outputs = []
+  for name, proc in procs:
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"{name} failed:\n{output[-4000:]}"
+    outputs.append(output.strip().splitlines()[-1])
+  assert outputs == ["refused: gin: process 1 of 2 parsed another configuration than process 0 "
+                     "(gin files, bindings or flags): every process of a job must be started "
+                     "with the same ones"] * 2
