@@ -265,3 +265,34 @@ def test_processes_started_with_different_configs_are_refused(tmp_path):
   assert outputs == ["refused: gin: process 1 of 2 parsed another configuration than process 0 "
                      "(gin files, bindings or flags): every process of a job must be started "
                      "with the same ones"] * 2
+
+
+SOFTWARE_DRIVER = textwrap.dedent("""
+    import os
+    from jaxmoral import partitioning
+    if os.environ["JAX_PROCESS_ID"] == "1":  # as a host with another commit or jax installed
+      fingerprint = partitioning._software_fingerprint
+      partitioning._software_fingerprint = lambda: fingerprint().replace("jax==", "jax==9")
+    try:
+      partitioning.initialize_distributed()
+      print("connected")
+    except ValueError as error:
+      print(f"refused: {error}")
+""")
+
+
+def test_processes_running_other_software_are_refused(tmp_path):
+  driver = tmp_path / "software_driver.py"
+  driver.write_text(SOFTWARE_DRIVER)
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_", "XLA_", "SLURM_", "TPU_"))}
+  env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS=child_xla_flags(),
+             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
+  procs = [subprocess.Popen([sys.executable, str(driver)], cwd=ROOT,
+                            env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outputs = [proc.communicate(timeout=120)[0].strip().splitlines()[-1] for proc in procs]
+  assert outputs == ["refused: initialize_distributed: process 1 of 2 runs other software than "
+                     "process 0 (jaxmoral's sources or jax, jaxlib, flax, optax, "
+                     "orbax-checkpoint): install the same commit and versions on every host"] * 2
