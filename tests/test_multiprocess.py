@@ -91,19 +91,25 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_processes=1,
-            port=None):
+def _child_env(*, devices=None, process_id=None, num_processes=1, port=None) -> dict:
+  """The environment of a Python process a test starts: the suite's compile settings
+  (conftest.py), `devices` CPU devices, and the job's variables when there are several."""
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_", "XLA_", "SLURM_", "TPU_"))}
-  # The suite's compile settings (conftest.py) carry over; the device count is this process's.
   env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3",
              XLA_FLAGS=child_xla_flags(device_count=devices))
   if num_processes > 1:
     env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num_processes),
                JAX_PROCESS_ID=str(process_id))
+  return env
+
+
+def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_processes=1,
+            port=None):
   args = [sys.executable, str(driver), str(out), *_train_args(model_dir, vocab)]
-  return subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=_child_env(devices=devices, process_id=process_id,
+                                                    num_processes=num_processes, port=port))
 
 
 def _train_args(model_dir, vocab):
@@ -226,6 +232,24 @@ def test_two_process_checkpoint_restores_in_one_process(runs_done):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def _last_lines_of_two(tmp_path, driver_text, args_of=lambda i: ()) -> list[str]:
+  """Runs `driver_text` in two connected processes (process i with `args_of(i)`): the last
+  line each printed."""
+  driver = tmp_path / "driver.py"
+  driver.write_text(driver_text)
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, str(driver), *args_of(i)], cwd=ROOT,
+                            env=_child_env(process_id=i, num_processes=2, port=port),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  lines = []
+  for i, proc in enumerate(procs):
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, f"process {i} failed:\n{output[-4000:]}"
+    lines.append(output.strip().splitlines()[-1])
+  return lines
+
+
 # Each process parses the tiny config with its own bindings (argv) and prints what parse_gin said.
 CONFIG_DRIVER = textwrap.dedent("""
     import sys
@@ -233,7 +257,7 @@ CONFIG_DRIVER = textwrap.dedent("""
     partitioning.initialize_distributed()
     from jaxmoral import gin_utils, runs  # noqa: F401  (runs: the config's configurables)
     gin_args, _ = gin_utils.split_gin_args(
-        ["--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR='/tmp/unused'", *sys.argv[2:]])
+        ["--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR='/tmp/unused'", *sys.argv[1:]])
     try:
       gin_utils.parse_gin(gin_args)
       print("parsed")
@@ -245,26 +269,10 @@ CONFIG_DRIVER = textwrap.dedent("""
 def test_processes_started_with_different_configs_are_refused(tmp_path):
   # Before: each went on with its own step count, and the job hung at its first collective
   # after the shorter one ended (or, with another learning rate, trained nonsense silently).
-  driver = tmp_path / "config_driver.py"
-  driver.write_text(CONFIG_DRIVER)
-  port = _free_port()
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JAX_", "XLA_", "SLURM_", "TPU_"))}
-  env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS=child_xla_flags(),
-             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
-  procs = [(f"process {i} of 2",
-            subprocess.Popen([sys.executable, str(driver), "-", f"--gin.TRAIN_STEPS={steps}"],
-                             cwd=ROOT, env={**env, "JAX_PROCESS_ID": str(i)},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-           for i, steps in enumerate((3, 4))]
-  outputs = []
-  for name, proc in procs:
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, f"{name} failed:\n{output[-4000:]}"
-    outputs.append(output.strip().splitlines()[-1])
-  assert outputs == ["refused: gin: process 1 of 2 parsed another configuration than process 0 "
-                     "(gin files, bindings or flags): every process of a job must be started "
-                     "with the same ones"] * 2
+  lines = _last_lines_of_two(tmp_path, CONFIG_DRIVER, lambda i: [f"--gin.TRAIN_STEPS={3 + i}"])
+  assert lines == ["refused: gin: process 1 of 2 parsed another configuration than process 0 "
+                   "(gin files, bindings or flags): every process of a job must be started "
+                   "with the same ones"] * 2
 
 
 SOFTWARE_DRIVER = textwrap.dedent("""
@@ -282,17 +290,7 @@ SOFTWARE_DRIVER = textwrap.dedent("""
 
 
 def test_processes_running_other_software_are_refused(tmp_path):
-  driver = tmp_path / "software_driver.py"
-  driver.write_text(SOFTWARE_DRIVER)
-  port = _free_port()
-  env = {k: v for k, v in os.environ.items()
-         if not k.startswith(("JAX_", "XLA_", "SLURM_", "TPU_"))}
-  env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS=child_xla_flags(),
-             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
-  procs = [subprocess.Popen([sys.executable, str(driver)], cwd=ROOT,
-                            env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outputs = [proc.communicate(timeout=120)[0].strip().splitlines()[-1] for proc in procs]
-  assert outputs == ["refused: initialize_distributed: process 1 of 2 runs other software than "
-                     "process 0 (jaxmoral's sources or jax, jaxlib, flax, optax, "
-                     "orbax-checkpoint): install the same commit and versions on every host"] * 2
+  assert _last_lines_of_two(tmp_path, SOFTWARE_DRIVER) == [
+      "refused: initialize_distributed: process 1 of 2 runs other software than process 0 "
+      "(jaxmoral's sources or jax, jaxlib, flax, optax, orbax-checkpoint): install the same "
+      "commit and versions on every host"] * 2
