@@ -74,15 +74,20 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
   cache_dir = compilation_cache.resolve_cache_dir(None)
   if cache_dir is not None:
     compilation_cache.enable(cache_dir)
+  command = command_line(argv)
   try:
     gin_utils.parse_gin(gin_args)
     gin_utils.check_required()
-  except (ValueError, FileNotFoundError) as error:
-    print(f"error: {gin_utils.explain_gin_error(error)}", file=sys.stderr)
+    print(f"command: {command}", flush=True)
+    run(command=command)
+  except (ValueError, OSError, TypeError) as error:
+    # A user's mistake (a data folder that is not there, a bad value) is one line, as on the
+    # command line; a bug keeps its traceback.
+    message = cli.user_error_message(error)
+    if message is None:
+      raise
+    print(f"error: {message}", file=sys.stderr)
     return 2
-  command = command_line(argv)
-  print(f"command: {command}", flush=True)
-  run(command=command)
   print(f"command: {command}", flush=True)
   return 0
 

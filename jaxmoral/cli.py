@@ -144,6 +144,20 @@ def error_message(error: BaseException) -> str:
   return gin_utils.explain_gin_error(original)
 
 
+def user_error_message(error: BaseException) -> Optional[str]:
+  """The one-line message of a user's mistake, or None for a bug (which keeps its traceback).
+
+  A mistake is a ValueError or OSError from anywhere (a bad value, a missing file), or a type
+  error raised inside a gin-bound call (gin adds "In call to configurable": a value of the wrong
+  type in the configuration); any other type error is a bug.
+  """
+  if isinstance(error, (ValueError, OSError)):
+    return error_message(error)
+  if isinstance(error, TypeError) and "In call to configurable" in str(error):
+    return _configurable_error_message(error)
+  return None
+
+
 def _configurable_error_message(error: TypeError) -> str:
   """One line for a type error gin raised from a configurable: the library's message, with the
   configurable gin named (`in OPTIMIZER/make_schedule`) unless the message starts with it."""
@@ -344,17 +358,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       method = importlib.import_module(f"jaxmoral.{args.command}.commands")
       return int(method.main(args.action, args.rest, gin_args) or 0)
     return _run(args, gin_args, flags, distributed)
-  except (ValueError, OSError) as error:
-    print(f"jaxmoral {args.command}: error: {error_message(error)}", file=sys.stderr)
-    return 2
-  except TypeError as error:
-    # A type error inside a gin-bound call is a configuration error (gin adds "In call to
-    # configurable"); anywhere else it is a bug and keeps its traceback.
-    if "In call to configurable" not in str(error):
+  except (ValueError, OSError, TypeError) as error:
+    message = user_error_message(error)
+    if message is None:
       raise
-    print(f"jaxmoral {args.command}: error: {_configurable_error_message(error)}",
-          file=sys.stderr)
-    if gin_args.read_as_strings:
+    print(f"jaxmoral {args.command}: error: {message}", file=sys.stderr)
+    if isinstance(error, TypeError) and gin_args.read_as_strings:
       print(f"  note: read as strings, not being Python literals: "
             f"{', '.join(gin_args.read_as_strings)}", file=sys.stderr)
     return 2

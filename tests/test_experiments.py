@@ -118,6 +118,29 @@ def test_command_line_quotes_gin_strings_readably():
   assert experiment_lib._quote("--gin_file=configs/x.gin") == "--gin_file=configs/x.gin"
 
 
+@gin.configurable
+def _experiment_needing_data(*, command: str, data_dir: str = "/nonexistent/perspectrum",
+                             bug: bool = False) -> dict:
+  del command
+  if bug:
+    return {}["missing key"]  # a bug: keeps its traceback
+  raise FileNotFoundError(2, "No such file or directory", f"{data_dir}/arguments.json")
+
+
+def test_an_experiments_missing_data_is_one_line_and_a_bug_keeps_its_traceback(
+    tmp_path, capsys):
+  config = tmp_path / "exp.gin"
+  config.write_text("_experiment_needing_data.data_dir = '/data/missing'\n")
+  assert experiment_lib.main(_experiment_needing_data, [f"--gin_file={config}"]) == 2
+  err = capsys.readouterr().err
+  assert err.splitlines()[-1] == "error: No such file or directory: /data/missing/arguments.json"
+  assert "Traceback" not in err
+  gin.clear_config()
+  with pytest.raises(KeyError):
+    experiment_lib.main(_experiment_needing_data,
+                        [f"--gin_file={config}", "--gin._experiment_needing_data.bug=True"])
+
+
 def test_mean_ci_is_the_bootstrap_of_the_mean():
   values = np.random.default_rng(0).random(50)
   ours = experiment_lib.mean_ci(values, num_resamples=300, seed=3)
