@@ -276,6 +276,18 @@ def _distributed_arguments(flags: dict[str, str]) -> dict[str, Any]:
   return kwargs
 
 
+class _VersionAction(argparse.Action):
+  """`--version`: `software.describe()`, looked up only when asked (it runs git)."""
+
+  def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any):
+    super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+  def __call__(self, parser, namespace, values, option_string=None):
+    from jaxmoral import software  # pylint: disable=import-outside-toplevel
+    print(software.describe())
+    parser.exit()
+
+
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="jaxmoral", description=__doc__.split("\n\n")[0],
@@ -286,6 +298,8 @@ def _parser() -> argparse.ArgumentParser:
              "JAX_PROCESS_ID): --coordinator_address=HOST:PORT --num_processes=N "
              "--process_id=I (T5X's --process_count, --process_index work too); SLURM and "
              "Cloud TPU pods are detected without them.")
+  parser.add_argument("--version", action=_VersionAction,
+                      help="print jaxmoral's version and commit and the libraries' versions")
   sub = parser.add_subparsers(dest="command", required=True)
   for name, (_, _, help_text) in GIN_COMMANDS.items():
     description = " ".join(filter(None, (help_text, _GIN_COMMAND_NOTES.get(name))))

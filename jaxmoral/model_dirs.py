@@ -19,6 +19,7 @@ Run and export layout (written by `save_run_files` / `export`)::
   vocab/spiece.model                the SentencePiece model (+ vocab/extra_ids.txt)
   settings.json                     method settings (e.g. Diamante's feature lengths)
   checkpoints/<step>/ | params/     Orbax state / parameters
+  software.jsonl (runs)             which code trained from which step (`software.record_start`)
 
 `load` creates every parameter directly in the sharding a partitioner asks for: Orbax formats
 read each device's slice, Hugging Face files are read slice by slice per device

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.metadata
 import logging
 import math
 import os
-import pathlib
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import flax.linen as nn
@@ -33,6 +31,8 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmoral import software
 
 PyTree = Any
 LogicalRules = Sequence[tuple[str, Optional[str | tuple[str, ...]]]]
@@ -444,34 +444,15 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
   return False
 
 
-_FINGERPRINTED_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
-
-
-def _software_fingerprint() -> str:
-  """What every process of a job must share: jaxmoral's own sources (a host at another commit)
-  and the versions of the libraries its programs are built with."""
-  versions = []
-  for name in _FINGERPRINTED_LIBRARIES:
-    try:
-      versions.append(f"{name}=={importlib.metadata.version(name)}")
-    except importlib.metadata.PackageNotFoundError:
-      versions.append(f"{name} missing")
-  sources = hashlib.sha256()
-  package = pathlib.Path(__file__).resolve().parent
-  for path in sorted([*package.rglob("*.py"), *package.rglob("*.cc")]):
-    sources.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
-  return " ".join([*versions, f"jaxmoral sources {sources.hexdigest()}"])
-
-
 def _check_same_software() -> None:
   """Refuses a job whose processes run other software than process 0: their programs would
   differ, and collectives between different programs hang or compute nonsense silently."""
-  differing = processes_that_differ(_software_fingerprint())
+  differing = processes_that_differ(software.fingerprint())
   if differing:
     raise ValueError(
         f"initialize_distributed: process {', '.join(map(str, differing))} of "
         f"{jax.process_count()} runs other software than process 0 (jaxmoral's sources or "
-        f"{', '.join(_FINGERPRINTED_LIBRARIES)}): install the same commit and versions on "
+        f"{', '.join(software.LIBRARIES)}): install the same commit and versions on "
         "every host")
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxmoral import checkpoints
 from jaxmoral import progress
+from jaxmoral import software
 from jaxmoral import trainer as trainer_lib
 
 logger = logging.getLogger(__name__)
@@ -304,6 +305,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
       raise ValueError(f"train: checkpoint in {ckpt_dir} is at step {start}, beyond "
                        f"train_steps={train_steps}")
     if is_chief:
+      # Which code trains from this step on: a checkpoint can be traced to it across resumes.
+      logger.info("train: %s", software.describe(software.record_start(model_dir, step=start)))
       # Points a killed run wrote after this step are written again from here on; a run
       # resumed at its last step evaluates that step again.
       purge_events_after(os.path.join(model_dir, "train"), start)

@@ -277,10 +277,10 @@ def test_processes_started_with_different_configs_are_refused(tmp_path):
 
 SOFTWARE_DRIVER = textwrap.dedent("""
     import os
-    from jaxmoral import partitioning
+    from jaxmoral import partitioning, software
     if os.environ["JAX_PROCESS_ID"] == "1":  # as a host with another commit or jax installed
-      fingerprint = partitioning._software_fingerprint
-      partitioning._software_fingerprint = lambda: fingerprint().replace("jax==", "jax==9")
+      fingerprint = software.fingerprint
+      software.fingerprint = lambda: fingerprint().replace("jax==", "jax==9")
     try:
       partitioning.initialize_distributed()
       print("connected")

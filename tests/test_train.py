@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoral import checkpoints, losses, optimizers, partitioning
+from jaxmoral import checkpoints, losses, optimizers, partitioning, software
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as tr
 from jaxmoral.data.pipeline import BatchSource
@@ -125,6 +125,11 @@ def test_resumed_run_equals_uninterrupted_run(setup, run_a, tmp_path, caplog):
     second = train_lib.train(model_dir=dir_b, train_steps=STEPS, **common)  # a new call resumes
   assert second["step"] == STEPS
   assert any("resuming" in r.getMessage() and "step 6" in r.getMessage() for r in caplog.records)
+  # Each start recorded which code trained from there on, and said it.
+  records = software.read_records(dir_b)
+  assert [r["step"] for r in records] == [0, 6]
+  assert all(r["versions"]["jax"] == jax.__version__ for r in records)
+  assert any(r.getMessage() == f"train: {software.describe(records[1])}" for r in caplog.records)
   progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 10/10")]
   assert progress and all(w in progress[0] for w in ("loss", "tokens/s", "steps/s", "ETA"))
 
