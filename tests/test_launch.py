@@ -212,7 +212,8 @@ def test_gpu_launch_without_an_install_says_how(gpu_root):
 
 # --- tpu_pod.sh -----------------------------------------------------------------------------
 
-_GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "init.defaultBranch=main"]
+_GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
+        "-c", "init.defaultBranch=main"]
 
 
 def _git(cwd: pathlib.Path, *args: str) -> str:
@@ -312,7 +313,8 @@ def test_pod_launch_refuses_a_commit_that_is_not_on_origin(tmp_path):
   head = pod.commit("local", push=False)
   result = pod.launch()
   assert result.returncode == 2
-  assert f"commit {head} is on no branch of origin: push it, or set JAXMORAL_COMMIT" in result.stderr
+  assert (f"commit {head} is on no branch of origin: push it, or set JAXMORAL_COMMIT"
+          in result.stderr)
   assert pod.gcloud_calls() == []
 
 

@@ -12,7 +12,8 @@ import pytest
 from jaxmoral import cli
 from jaxmoral import software
 
-_GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "init.defaultBranch=main"]
+_GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
+        "-c", "init.defaultBranch=main"]
 
 
 def _git(cwd, *args):
