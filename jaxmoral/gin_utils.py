@@ -833,7 +833,12 @@ def binding_changes(before: str, after: str) -> list[str]:
   return changes
 
 
-def write_operative_config(model_dir: str | os.PathLike[str], *, name: str = "config.gin") -> str:
+# Where a run keeps its final gin config (T5X's name).
+OPERATIVE_CONFIG_FILE = "config.gin"
+
+
+def write_operative_config(model_dir: str | os.PathLike[str], *,
+                           name: str = OPERATIVE_CONFIG_FILE) -> str:
   """Writes the final gin config (every bound value) to MODEL_DIR/config.gin."""
   path = pathlib.Path(model_dir) / name
   path.parent.mkdir(parents=True, exist_ok=True)

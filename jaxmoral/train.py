@@ -23,13 +23,14 @@ import math
 import os
 import struct
 import time
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import gin
 import jax
 import numpy as np
 
 from jaxmoral import checkpoints
+from jaxmoral import gin_utils
 from jaxmoral import progress
 from jaxmoral import software
 from jaxmoral import trainer as trainer_lib
@@ -37,6 +38,11 @@ from jaxmoral import trainer as trainer_lib
 logger = logging.getLogger(__name__)
 
 OnEval = Callable[[int, dict[str, float], trainer_lib.TrainState], Optional[Mapping[str, float]]]
+
+
+def _markdown_code(text: str) -> str:
+  """Text shown as written in TensorBoard's markdown (an indented code block)."""
+  return "\n".join("    " + line for line in text.splitlines())
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -89,15 +95,12 @@ class MetricWriters:
       writer.close()
 
 
-def read_scalars(directory: str) -> dict[str, dict[int, float]]:
-  """`{tag: {step: value}}` of the scalars in a directory's TensorBoard event files.
+def _events(directory: str) -> Iterator[Any]:
+  """The TensorBoard events of a directory's event files, files in name order.
 
-  For a notebook or a test, without TensorBoard: the TFRecord framing (length, its CRC,
-  data, its CRC) is read directly. Files are read in name order; a later point of a step wins
-  (a resumed run drops the points after its checkpoint first: `purge_events_after`).
+  Without TensorBoard: the TFRecord framing (length, its CRC, data, its CRC) is read directly.
   """
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  out: dict[str, dict[int, float]] = {}
   for name in sorted(os.listdir(directory)):
     if "tfevents" not in name:
       continue
@@ -108,10 +111,32 @@ def read_scalars(directory: str) -> dict[str, dict[int, float]]:
       (length,) = struct.unpack("<Q", data[pos:pos + 8])
       record = data[pos + 12:pos + 12 + length]
       pos += 12 + length + 4
-      event = event_pb2.Event.FromString(record)
-      for value in event.summary.value:
-        if value.HasField("simple_value"):
-          out.setdefault(value.tag, {})[event.step] = value.simple_value
+      yield event_pb2.Event.FromString(record)
+
+
+def read_scalars(directory: str) -> dict[str, dict[int, float]]:
+  """`{tag: {step: value}}` of the scalars in a directory's TensorBoard event files.
+
+  For a notebook or a test, without TensorBoard. A later point of a step wins (a resumed run
+  drops the points after its checkpoint first: `purge_events_after`).
+  """
+  out: dict[str, dict[int, float]] = {}
+  for event in _events(directory):
+    for value in event.summary.value:
+      if value.HasField("simple_value"):
+        out.setdefault(value.tag, {})[event.step] = value.simple_value
+  return out
+
+
+def read_texts(directory: str) -> dict[str, dict[int, str]]:
+  """`{tag: {step: text}}` of the text summaries (`MetricWriters.text`) in a directory's
+  event files; tags as written (`config`, not TensorBoard's `config/text_summary`)."""
+  out: dict[str, dict[int, str]] = {}
+  for event in _events(directory):
+    for value in event.summary.value:
+      if value.tag.endswith("/text_summary") and value.tensor.string_val:
+        tag = value.tag[:-len("/text_summary")]
+        out.setdefault(tag, {})[event.step] = value.tensor.string_val[0].decode()
   return out
 
 
@@ -306,7 +331,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
                        f"train_steps={train_steps}")
     if is_chief:
       # Which code trains from this step on: a checkpoint can be traced to it across resumes.
-      logger.info("train: %s", software.describe(software.record_start(model_dir, step=start)))
+      record = software.record_start(model_dir, step=start)
+      logger.info("train: %s", software.describe(record))
       # Points a killed run wrote after this step are written again from here on; a run
       # resumed at its last step evaluates that step again.
       purge_events_after(os.path.join(model_dir, "train"), start)
@@ -314,6 +340,12 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
                          start - 1 if eval_source is not None and start >= train_steps
                          else start)
     writers = MetricWriters(model_dir)
+    if is_chief:  # As T5X: what this stretch of the run trains under, in TensorBoard's Text tab.
+      writers.text("train", start, "software", software.describe(record))
+      config_path = os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
+      if os.path.isfile(config_path):
+        with open(config_path, encoding="utf-8") as f:
+          writers.text("train", start, "config", _markdown_code(f.read()))
     loop = LoopInfo(model_dir=model_dir, start_step=start, fresh=latest is None,
                     train_steps=train_steps, writers=writers)
     for hook in hooks:

@@ -45,6 +45,10 @@ def test_train_writes_config_checkpoints_and_tensorboard(trained_run):
                 if p.name.isdigit()) == ["12", "6"]
   assert list((trained_run / "train").glob("events.out.tfevents*"))
   assert list((trained_run / "eval").glob("events.out.tfevents*"))
+  # As in T5X, the config in TensorBoard's Text tab (an indented markdown code block).
+  config_text = train_lib.read_texts(str(trained_run / "train"))["config"][0]
+  assert config_text.splitlines() == [
+      "    " + line for line in (trained_run / "config.gin").read_text().splitlines()]
   info = model_dirs.inspect(trained_run)
   assert info.config.d_model == 64 and info.vocabulary.vocab_size <= info.config.vocab_size
 

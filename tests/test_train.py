@@ -130,6 +130,10 @@ def test_resumed_run_equals_uninterrupted_run(setup, run_a, tmp_path, caplog):
   assert [r["step"] for r in records] == [0, 6]
   assert all(r["versions"]["jax"] == jax.__version__ for r in records)
   assert any(r.getMessage() == f"train: {software.describe(records[1])}" for r in caplog.records)
+  texts = train_lib.read_texts(os.path.join(dir_b, "train"))
+  assert texts["software"] == {0: software.describe(records[0]),
+                               6: software.describe(records[1])}
+  assert "config" not in texts  # no config.gin: this run was not started from gin
   progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 10/10")]
   assert progress and all(w in progress[0] for w in ("loss", "tokens/s", "steps/s", "ETA"))
 
