@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxmoral import checkpoints
 from jaxmoral import gin_utils
+from jaxmoral import partitioning
 from jaxmoral import progress
 from jaxmoral import software
 from jaxmoral import trainer as trainer_lib
@@ -312,6 +313,13 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     # What the data position means: a checkpoint of the same run over other data (another
     # corpus, another seed) would not continue that run.
     position = {"num_examples": getattr(train_source, "num_examples", None), "seed": seed}
+    # Each host reads its own copy of the data: a stale copy would shift every shard silently.
+    differing = partitioning.processes_that_differ(repr(sorted(position.items())))
+    if differing:
+      raise ValueError(f"train: process {', '.join(map(str, differing))} of "
+                       f"{jax.process_count()} has another data position than process 0 "
+                       f"(here {position}): every host must read the same data with the same "
+                       "seed")
     latest, state, extra = _restore_newest_intact(manager, trainer)
     if latest is not None:
       saved = {k: extra[k] for k in position if k in extra}

@@ -294,3 +294,29 @@ def test_processes_running_other_software_are_refused(tmp_path):
       "refused: initialize_distributed: process 1 of 2 runs other software than process 0 "
       "(jaxmoral's sources or jax, jaxlib, flax, optax, orbax-checkpoint): install the same "
       "commit and versions on every host"] * 2
+
+
+DATA_DRIVER = textwrap.dedent("""
+    import os, sys
+    from jaxmoral import partitioning
+    partitioning.initialize_distributed()
+    from jaxmoral import cli, train
+
+    class StaleCopyOnProcess1:  # as a host whose copy of the data file lacks a row
+      num_examples = 100 - int(os.environ["JAX_PROCESS_ID"])
+
+    try:
+      train.train(model_dir=sys.argv[1], trainer=None, train_source=StaleCopyOnProcess1(),
+                  train_steps=1)
+      print("trained")
+    except ValueError as error:
+      print(f"refused: {cli.user_error_message(error)}")  # one line, as the CLI prints it
+""")
+
+
+def test_processes_reading_other_data_are_refused(tmp_path):
+  lines = _last_lines_of_two(tmp_path, DATA_DRIVER, lambda i: [str(tmp_path / "run")])
+  assert lines == [
+      f"refused: train: process 1 of 2 has another data position than process 0 (here "
+      f"{{'num_examples': {100 - i}, 'seed': 0}}): every host must read the same data with the "
+      "same seed" for i in range(2)]
