@@ -31,6 +31,10 @@ fi
 if [ "$NUM_PROCESSES" -eq 1 ]; then
   exec "$JAXMORAL" "$@"
 fi
+if ((BASH_VERSINFO[0] < 4 || (BASH_VERSINFO[0] == 4 && BASH_VERSINFO[1] < 3))); then
+  echo "launch/local.sh: -n $NUM_PROCESSES needs bash 4.3 or later (wait -n); this is $BASH_VERSION" >&2
+  exit 2
+fi
 # Each process and its output filter in a process group of its own (job control), so that one
 # signal reaches all of it. Stopping is SIGTERM first (jaxmoral takes it as a preemption notice:
 # the processes agree on a step, save it and exit), then SIGKILL after a grace period: a
