@@ -96,23 +96,35 @@ class MetricWriters:
       writer.close()
 
 
-def _events(directory: str) -> Iterator[Any]:
-  """The TensorBoard events of a directory's event files, files in name order.
+def _event_files(directory: str) -> list[str]:
+  """The paths of a directory's TensorBoard event files, in name order."""
+  paths = [os.path.join(directory, name) for name in sorted(os.listdir(directory))
+           if "tfevents" in name]
+  return [path for path in paths if os.path.isfile(path)]
 
-  Without TensorBoard: the TFRecord framing (length, its CRC, data, its CRC) is read directly.
-  """
+
+def _records(data: bytes) -> Iterator[tuple[int, int]]:
+  """`(start, end)` of each whole TFRecord in an event file's bytes (length, its CRC, the
+  event, its CRC); stops at a record a kill cut short."""
+  pos = 0
+  while pos + 12 <= len(data):
+    (length,) = struct.unpack("<Q", data[pos:pos + 8])
+    end = pos + 12 + length + 4
+    if end > len(data):
+      return
+    yield pos, end
+    pos = end
+
+
+def _events(directory: str) -> Iterator[Any]:
+  """The TensorBoard events of a directory's event files, files in name order; read without
+  TensorBoard."""
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  for name in sorted(os.listdir(directory)):
-    if "tfevents" not in name:
-      continue
-    with open(os.path.join(directory, name), "rb") as f:
+  for path in _event_files(directory):
+    with open(path, "rb") as f:
       data = f.read()
-    pos = 0
-    while pos + 12 <= len(data):
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      record = data[pos + 12:pos + 12 + length]
-      pos += 12 + length + 4
-      yield event_pb2.Event.FromString(record)
+    for start, end in _records(data):
+      yield event_pb2.Event.FromString(data[start + 12:end - 4])
 
 
 def read_scalars(directory: str) -> dict[str, dict[int, float]]:
@@ -339,8 +351,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
                        f"train_steps={train_steps}")
     if is_chief:
       # Which code trains from this step on: a checkpoint can be traced to it across resumes.
-      record = software.record_start(model_dir, step=start)
-      logger.info("train: %s", software.describe(record))
+      software_line = software.describe(software.record_start(model_dir, step=start))
+      logger.info("train: %s", software_line)
       # Points a killed run wrote after this step are written again from here on; a run
       # resumed at its last step evaluates that step again.
       purge_events_after(os.path.join(model_dir, "train"), start)
@@ -349,7 +361,7 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
                          else start)
     writers = MetricWriters(model_dir)
     if is_chief:  # As T5X: what this stretch of the run trains under, in TensorBoard's Text tab.
-      writers.text("train", start, "software", software.describe(record))
+      writers.text("train", start, "software", software_line)
       config_path = os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
       if os.path.isfile(config_path):
         with open(config_path, encoding="utf-8") as f:
@@ -435,32 +447,22 @@ def purge_events_after(directory: str, step: int) -> int:
   if not os.path.isdir(directory):
     return 0
   dropped = 0
-  for name in sorted(os.listdir(directory)):
-    path = os.path.join(directory, name)
-    if "tfevents" not in name or not os.path.isfile(path):
-      continue
+  for path in _event_files(directory):
     with open(path, "rb") as f:
       data = f.read()
-    kept, pos, changed = [], 0, False
-    while pos < len(data):
-      if pos + 12 > len(data):
-        changed = True  # A torn header.
-        break
-      (length,) = struct.unpack("<Q", data[pos:pos + 8])
-      end = pos + 12 + length + 4
-      if end > len(data):
-        changed = True  # A torn record.
-        break
+    kept, whole_end, changed = [], 0, False
+    for start, end in _records(data):
       try:
-        event_step = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length]).step
+        event_step = event_pb2.Event.FromString(data[start + 12:end - 4]).step
       except Exception:  # pylint: disable=broad-except  (a garbled record: drop it)
         event_step = step + 1
       if event_step > step:
         dropped += 1
         changed = True
       else:
-        kept.append(data[pos:end])
-      pos = end
+        kept.append(data[start:end])
+      whole_end = end
+    changed = changed or whole_end != len(data)  # a record (or header) torn by a kill
     if changed:
       temporary = f"{path}.purge.{os.getpid()}"
       with open(temporary, "wb") as f:
