@@ -58,11 +58,16 @@ def versions() -> dict[str, Optional[str]]:
   return {name: _version(name) for name in ("jaxmoral", *LIBRARIES)}
 
 
+def _this_process() -> dict[str, Any]:
+  """The commit, whether its checkout is modified, and the versions this process runs."""
+  commit, modified = source_commit()
+  return {"commit": commit, "modified": modified, "versions": versions()}
+
+
 def describe(record: Optional[dict[str, Any]] = None) -> str:
   """One line: 'jaxmoral 0.1.0 (commit 1a2b3c4d5e6f, modified), jax 0.10.2, ...', of this
   process or of a `record_start` record."""
-  if record is None:
-    record = {"versions": versions(), **dict(zip(("commit", "modified"), source_commit()))}
+  record = record or _this_process()
   found, commit, modified = record["versions"], record["commit"], record["modified"]
   where = f" (commit {commit[:12]}{', modified' if modified else ''})" if commit else ""
   parts = [f"jaxmoral {found.get('jaxmoral') or 'unknown'}{where}"]
@@ -85,10 +90,9 @@ def record_start(model_dir: str | os.PathLike[str], *, step: int) -> dict[str, A
   """Appends one line to `model_dir/software.jsonl` for a start of training at `step`: the
   time, jaxmoral's version, commit and whether the checkout was modified, and the libraries'
   versions. Returns the record."""
-  commit, modified = source_commit()
   record = {"step": step,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit, "modified": modified, "versions": versions()}
+            **_this_process()}
   with open(pathlib.Path(model_dir) / RECORD_FILE, "a", encoding="utf-8") as f:
     f.write(json.dumps(record, sort_keys=True) + "\n")
   return record

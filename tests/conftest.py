@@ -43,6 +43,7 @@ else:
   _OWNED_CACHE_DIR = None
 
 import pathlib  # noqa: E402
+import subprocess  # noqa: E402
 from typing import Any, Optional  # noqa: E402
 
 import pytest  # noqa: E402
@@ -116,6 +117,13 @@ def write_hf_t5(directory: pathlib.Path, *, seed: int = 0, vocab_path: Optional[
   if vocab_path is not None:
     _shutil.copyfile(vocab_path, pathlib.Path(directory) / "spiece.model")
   return model
+
+
+def git(cwd: Any, *args: str) -> str:
+  """Runs git in `cwd` as a test identity ("main" as a new repository's branch): its output."""
+  return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
+                         "-c", "init.defaultBranch=main", *args], cwd=cwd, check=True,
+                        capture_output=True, text=True).stdout.strip()
 
 
 def child_xla_flags(*, device_count: Optional[int] = None) -> str:

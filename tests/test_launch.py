@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+from conftest import git
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUOTED = "--gin.MODEL_DIR='/gcs/bucket/run 1'"  # quotes and a space must reach jaxmoral intact
 
@@ -212,15 +214,6 @@ def test_gpu_launch_without_an_install_says_how(gpu_root):
 
 # --- tpu_pod.sh -----------------------------------------------------------------------------
 
-_GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
-        "-c", "init.defaultBranch=main"]
-
-
-def _git(cwd: pathlib.Path, *args: str) -> str:
-  return subprocess.run([*_GIT, *args], cwd=cwd, check=True, capture_output=True,
-                        text=True).stdout.strip()
-
-
 class Pod:
   """A git origin, a developer's checkout holding launch/tpu_pod.sh, and stand-ins for the
   pod: `gcloud` runs the ssh command in workers/<node> (one home per node), `python3 -m venv`
@@ -230,10 +223,9 @@ class Pod:
     self.tmp = tmp_path
     self.log = tmp_path / "calls.jsonl"
     self.origin = tmp_path / "origin.git"
-    subprocess.run([*_GIT, "init", "-q", "--bare", str(self.origin)], check=True)
+    git(tmp_path, "init", "-q", "--bare", str(self.origin))
     self.dev = tmp_path / "dev"
-    subprocess.run([*_GIT, "clone", "-q", str(self.origin), str(self.dev)], check=True,
-                   capture_output=True)
+    git(tmp_path, "clone", "-q", str(self.origin), str(self.dev))
     shutil.copy(ROOT / "launch/tpu_pod.sh", _executable(self.dev / "launch/tpu_pod.sh", ""))
     (self.dev / "setup.cfg").write_text("[metadata]\nname = jaxmoral\n")
     (self.dev / ".gitignore").write_text(".venv\n")
@@ -266,11 +258,11 @@ class Pod:
       self.env.pop(name, None)
 
   def commit(self, message: str, push: bool) -> str:
-    _git(self.dev, "add", "-A")
-    _git(self.dev, "commit", "-q", "-m", message)
+    git(self.dev, "add", "-A")
+    git(self.dev, "commit", "-q", "-m", message)
     if push:
-      _git(self.dev, "push", "-q", "origin", "main")
-    return _git(self.dev, "rev-parse", "HEAD")
+      git(self.dev, "push", "-q", "origin", "main")
+    return git(self.dev, "rev-parse", "HEAD")
 
   def launch(self, *flags: str, command=("train", QUOTED)) -> subprocess.CompletedProcess:
     return subprocess.run([self.dev / "launch/tpu_pod.sh", "--tpu=pod", "--zone=z", *flags,
@@ -288,7 +280,7 @@ class Pod:
 
 def test_pod_workers_run_the_pushed_commit_and_install_once_per_metadata(tmp_path):
   pod = Pod(tmp_path)
-  head = _git(pod.dev, "rev-parse", "HEAD")
+  head = git(pod.dev, "rev-parse", "HEAD")
   result = pod.launch()
   assert result.returncode == 0, result.stderr
   (gcloud,) = pod.gcloud_calls()

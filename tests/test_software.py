@@ -3,23 +3,14 @@
 
 import importlib.metadata
 import shutil
-import subprocess
 
 import flax
 import jax
 import pytest
 
+from conftest import git
 from jaxmoral import cli
 from jaxmoral import software
-
-_GIT = ["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
-        "-c", "init.defaultBranch=main"]
-
-
-def _git(cwd, *args):
-  return subprocess.run([*_GIT, *args], cwd=cwd, check=True, capture_output=True,
-                        text=True).stdout.strip()
-
 
 def test_versions_are_the_installed_ones():
   found = software.versions()
@@ -33,12 +24,12 @@ def test_source_commit_of_a_checkout_clean_and_modified(tmp_path):
   package.mkdir(parents=True)
   (package / "__init__.py").write_text("x = 1\n")
   assert software.source_commit(package) == (None, False)  # no checkout: an installed copy
-  _git(tmp_path / "repo", "init", "-q")
+  git(tmp_path / "repo", "init", "-q")
   # A checkout that does not track the package (a project whose venv holds it): not ours.
   assert software.source_commit(package) == (None, False)
-  _git(tmp_path / "repo", "add", "-A")
-  _git(tmp_path / "repo", "commit", "-q", "-m", "one")
-  head = _git(tmp_path / "repo", "rev-parse", "HEAD")
+  git(tmp_path / "repo", "add", "-A")
+  git(tmp_path / "repo", "commit", "-q", "-m", "one")
+  head = git(tmp_path / "repo", "rev-parse", "HEAD")
   assert software.source_commit(package) == (head, False)
   (package / "__init__.py").write_text("x = 2\n")
   assert software.source_commit(package) == (head, True)
