@@ -59,11 +59,11 @@ DISTRIBUTED_FLAGS = {"--coordinator_address": "coordinator_address",
                      "--num_processes": "num_processes", "--process_count": "num_processes",
                      "--process_id": "process_id", "--process_index": "process_id"}
 # Commands that run in one process (no `jax.distributed.initialize`).
-SINGLE_PROCESS_COMMANDS = ("compile", "vocab", "export")
+SINGLE_PROCESS_COMMANDS = ("compile", "vocab", "export", "explore")
 
 # Commands configured by their own flags only: gin flags given to them are an error, since
 # they would be ignored.
-NO_GIN_COMMANDS = ("export", "vocab", "demo")
+NO_GIN_COMMANDS = ("export", "vocab", "demo", "explore")
 _GIN_FLAGS_HELP = ("Gin flags (T5X's): --gin_file=F (repeatable), --gin.NAME=VALUE (e.g. "
                    "--gin.MODEL_DIR=/tmp/run, --gin.TRAIN_STEPS=100, --gin.BATCH_SIZE=8, "
                    "--gin.TASK_FEATURE_LENGTHS=\"{'inputs': 64, 'targets': 32}\"), "
@@ -329,6 +329,16 @@ def _parser() -> argparse.ArgumentParser:
   demo.add_argument("--workdir", default="demo_out")
   demo.add_argument("--only", default=None, help="comma list: core,npov,diamante,clarify")
 
+  explore = sub.add_parser(
+      "explore", help="Browse results folders in a local web page (read-only).",
+      description="Serves a read-only web page of what the folders hold (demo_out, runs, "
+                  "experiment results, NPOV / ClarifyDelphi / Diamante outputs); with a model "
+                  "folder among them, live-input boxes call the library.")
+  explore.add_argument("dirs", nargs="+", metavar="DIR")
+  explore.add_argument("--port", type=int, default=8765)
+  explore.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: this machine only)")
+
   for method in METHOD_COMMANDS:
     # The commands modules import action_commands and gin_utils only (their actions'
     # modules load when run).
@@ -387,6 +397,9 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
          distributed: dict[str, Any]) -> int:
   """The work of `main` once the command line is parsed."""
   quiet_logs()
+  if args.command == "explore":  # A web server: no TensorFlow start-up, no compilation cache.
+    from jaxmoral.explore import server
+    return server.serve(dirs=args.dirs, port=args.port, host=args.host)
   tensorflow_for_input_pipelines_only()
   # `compile` goes without: compile-only TPU executables cannot be loaded back.
   if args.command == "compile":

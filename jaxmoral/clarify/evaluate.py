@@ -90,6 +90,10 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
   out = _summary(questions, per)
   out["questions"] = list(questions)
   out["per_situation"] = {k: v.tolist() for k, v in per.items()}
+  # Each question's whole reward pipeline (answers, NLI filter, fused situations, judge
+  # distributions), for reading examples (`jaxmoral explore`).
+  out["per_question"] = [{"situation": s, "question": q, **result.row(i)}
+                         for i, (s, q) in enumerate(zip(situations, questions))]
   out["samples"] = [{"situation": s, "question": q, "jsd": float(j)}
                     for s, q, j in list(zip(situations, questions, result.scores))[:5]]
   return out

@@ -1,0 +1,196 @@
+"""The folders the explorer shows: paths confined to them, and what each folder holds.
+
+Every path the browser sends is relative to one of the given folders (by index); an absolute
+path, a `..` component or a link leading outside the folder is refused (`Forbidden`, HTTP
+403). Discovery walks the folders once per page and classifies files by name and by their
+first bytes, never by loading a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Iterator, Optional, Sequence
+
+# Folders never worth walking into: an Orbax step's array shards, vocabularies, caches.
+_SKIP_DIRS = frozenset({"checkpoints", "params", "vocab", "state", "__pycache__", ".git",
+                        "heatmaps", "prompt"})
+_MAX_DEPTH = 6
+_MAX_FILES = 20000
+
+
+class Forbidden(ValueError):
+  """A path from the browser outside the given folders."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+  """One thing the explorer can show.
+
+  Attributes:
+    kind: "npov_scores", "npov_results", "clarify_evaluation", "clarify_chat",
+      "reward_curve", "diamante_dialogues", "diamante_metrics", "diamante_chat", "run",
+      "experiment", "model".
+    root: Index of the given folder it is in.
+    path: Its path relative to that folder ("" for the folder itself), with "/".
+  """
+  kind: str
+  root: int
+  path: str
+
+  @property
+  def name(self) -> str:
+    return self.path or "."
+
+
+class Roots:
+  """The given folders, and the one way a browser path becomes a file path (`resolve`)."""
+
+  def __init__(self, folders: Sequence[str | os.PathLike[str]]):
+    if not folders:
+      raise ValueError("explore: give at least one folder")
+    resolved = []
+    for folder in folders:
+      path = pathlib.Path(folder).expanduser()
+      if not path.is_dir():
+        raise ValueError(f"explore: {folder} is not a folder")
+      resolved.append(path.resolve())
+    self.folders: tuple[pathlib.Path, ...] = tuple(resolved)
+
+  def label(self, root: int) -> str:
+    """How pages name a given folder: its name, with its index where names repeat."""
+    name = self.folders[root].name or str(self.folders[root])
+    same = [i for i, f in enumerate(self.folders) if f.name == self.folders[root].name]
+    return name if len(same) == 1 else f"{name} [{root}]"
+
+  def resolve(self, root: Any, relative: Optional[str]) -> pathlib.Path:
+    """The file a browser's (root index, relative path) names.
+
+    Raises:
+      Forbidden: A bad root index, an absolute path, a `..` component, or a path whose
+        real location (links followed) is outside the folder.
+    """
+    try:
+      index = int(root)
+    except (TypeError, ValueError):
+      raise Forbidden(f"no folder {root!r}") from None
+    if not 0 <= index < len(self.folders):
+      raise Forbidden(f"no folder {root!r}")
+    relative = relative or ""
+    if "\x00" in relative or relative.startswith(("/", "\\")) or os.path.isabs(relative) or (
+        len(relative) > 1 and relative[1] == ":"):
+      raise Forbidden(f"absolute path {relative!r}")
+    parts = relative.replace("\\", "/").split("/")
+    if ".." in parts:
+      raise Forbidden(f"'..' in path {relative!r}")
+    base = self.folders[index]
+    path = (base / relative).resolve()
+    if path != base and base not in path.parents:
+      raise Forbidden(f"{relative!r} leads outside {self.label(index)}")
+    return path
+
+  def relative(self, root: int, path: pathlib.Path) -> str:
+    return path.relative_to(self.folders[root]).as_posix() if path != self.folders[root] else ""
+
+  def walk(self) -> Iterator[tuple[int, pathlib.Path, list[str], list[str]]]:
+    """(root index, folder, sub-folder names, file names) of every folder, bounded."""
+    seen = 0
+    for index, base in enumerate(self.folders):
+      for folder, dirs, files in os.walk(base):
+        depth = len(pathlib.Path(folder).relative_to(base).parts)
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")
+                         and depth < _MAX_DEPTH)
+        seen += len(files)
+        yield index, pathlib.Path(folder), dirs, sorted(files)
+        if seen > _MAX_FILES:
+          break
+
+
+def _first_json(path: pathlib.Path, limit: int = 1 << 16) -> Any:
+  """The first JSON line of a JSONL file (None when it is not one)."""
+  try:
+    with open(path, "rb") as f:
+      line = f.readline(limit)
+    return json.loads(line)
+  except (OSError, ValueError):
+    return None
+
+
+def _json_keys(path: pathlib.Path, limit: int = 1 << 22) -> Any:
+  """A JSON file's top object (None when too large or not JSON)."""
+  try:
+    if path.stat().st_size > limit:
+      return None
+    return json.loads(path.read_text(encoding="utf-8"))
+  except (OSError, ValueError):
+    return None
+
+
+def classify_file(path: pathlib.Path) -> Optional[str]:
+  """The kind of one file, from its name and first bytes (None: nothing to show)."""
+  name = path.name
+  if name.endswith(".jsonl"):
+    if name == "software.jsonl":
+      return None
+    first = _first_json(path)
+    if name.startswith("scores"):
+      # A detector's output; one that is not JSON still gets a page (that says so).
+      return "npov_scores"
+    if not isinstance(first, dict):
+      return None
+    if "conversation" in first:
+      return "diamante_dialogues"
+    if "fused_situation" in first or ("situation" in first and "question" in first):
+      return "clarify_chat"
+    if "speaker" in first and "text" in first:
+      return "diamante_chat"
+    return None
+  if not name.endswith(".json"):
+    return None
+  if name == "reward_curve.json":
+    return "reward_curve"
+  data = _json_keys(path)
+  if not isinstance(data, dict) or not data:
+    return "npov_results" if name == "results.json" else None
+  if "machine" in data and "command" in data:
+    return "experiment"
+  if "preference/p@1" in data:
+    return "diamante_metrics"
+  values = list(data.values())
+  if all(isinstance(v, dict) and "per_situation" in v for v in values):
+    return "clarify_evaluation"
+  if name == "results.json" or all(
+      isinstance(v, dict) and all(isinstance(d, dict) and "hallucination" in d
+                                  for d in v.values()) for v in values):
+    return "npov_results"
+  return None
+
+
+def is_run(files: Sequence[str], dirs: Sequence[str], folder: pathlib.Path) -> bool:
+  """A training run: checkpoints, its operative config or TensorBoard events."""
+  if "checkpoints" in dirs or (folder / "checkpoints").is_dir() or "config.gin" in files:
+    return True
+  return any("tfevents" in f for f in files) and folder.name not in ("train", "eval")
+
+
+def is_model(files: Sequence[str], folder: pathlib.Path) -> bool:
+  """A folder `model_dirs.load` reads: an export or Hugging Face folder, or a run."""
+  return "config.json" in files or (folder / "checkpoints").is_dir()
+
+
+def discover(roots: Roots) -> list[Found]:
+  """Everything the folders hold that a view shows, in folder order."""
+  found: list[Found] = []
+  for index, folder, dirs, files in roots.walk():
+    rel = roots.relative(index, folder)
+    if is_run(files, dirs, folder):
+      found.append(Found("run", index, rel))
+    if is_model(files, folder):
+      found.append(Found("model", index, rel))
+    for name in files:
+      kind = classify_file(folder / name)
+      if kind:
+        found.append(Found(kind, index, f"{rel}/{name}" if rel else name))
+  return found

@@ -1,0 +1,287 @@
+"""The explorer's web app (Flask, served by waitress) and `serve`, what `jaxmoral explore` runs.
+
+Why this stack: Flask is small, synchronous and long maintained, and its handlers can call the
+library's blocking JAX functions directly; waitress is a pure-Python production WSGI server
+with a thread pool and no C extension, so `jaxmoral explore` runs wherever jaxmoral does.
+Pages are rendered on the server (Jinja2, already a dependency of Flask and of the library's
+stack); charts are inline SVG (`charts`); the one script (sorting, filtering) and the style
+sheet ship in the package. Nothing is fetched from the network.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import mimetypes
+import pathlib
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+import flask
+import markupsafe
+import werkzeug.exceptions
+
+from jaxmoral.explore import charts
+from jaxmoral.explore import folders
+from jaxmoral.explore import live
+from jaxmoral.explore import sources
+
+logger = logging.getLogger(__name__)
+
+# Files the browser may fetch from the folders: pictures, and the library's heatmap pages
+# (shown in a sandboxed frame, scripts off).
+_SERVED_TYPES = {".png": "image/png", ".svg": "image/svg+xml", ".html": "text/html",
+                 ".txt": "text/plain", ".gin": "text/plain", ".md": "text/plain"}
+VIEW_TITLES = {"npov": "NPOV", "clarify": "ClarifyDelphi", "diamante": "Diamante",
+               "runs": "Runs", "experiments": "Experiments"}
+_KIND_VIEW = {"npov": "npov", "npov_scores": "npov", "npov_results": "npov", "clarify_evaluation": "clarify",
+              "clarify_chat": "clarify", "reward_curve": "clarify",
+              "diamante_dialogues": "diamante", "diamante_metrics": "diamante",
+              "diamante_chat": "diamante", "run": "runs", "experiment": "experiments",
+              "model": "models"}
+
+
+def _message(error: BaseException) -> str:
+  return str(error) or type(error).__name__
+
+
+def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
+  """{"value": fn()} or {"error": one-line message}: one part of a page that may fail."""
+  try:
+    return {"value": fn()}
+  except folders.Forbidden:
+    raise
+  except Exception as error:  # pylint: disable=broad-except
+    logger.info("explore: %s", "".join(traceback.format_exception_only(error)).strip())
+    return {"error": _message(error)}
+
+
+def create_app(roots: folders.Roots) -> flask.Flask:
+  """The app over `roots` (read-only)."""
+  here = pathlib.Path(__file__).parent
+  app = flask.Flask("jaxmoral.explore", template_folder=str(here / "templates"),
+                    static_folder=str(here / "static"))
+  app.jinja_env.globals.update(charts=charts, sources=sources, roots=roots,
+                               VIEW_TITLES=VIEW_TITLES, markup=markupsafe.Markup)
+  app.jinja_env.filters["fmt"] = _fmt
+
+  def arg_path(name: str = "path", root_name: str = "root") -> tuple[int, pathlib.Path]:
+    root = flask.request.values.get(root_name, "0")
+    path = roots.resolve(root, flask.request.values.get(name, ""))
+    return int(root), path
+
+  def found_by_view() -> dict[str, list[folders.Found]]:
+    grouped: dict[str, list[folders.Found]] = collections.defaultdict(list)
+    seen = set()
+    for item in folders.discover(roots):
+      view = _KIND_VIEW[item.kind]
+      if view == "npov":  # one NPOV page per folder (its score files and ROC results)
+        item = folders.Found("npov", item.root, item.path.rpartition("/")[0])
+      key = (view, item.root, item.path)
+      if key not in seen:
+        seen.add(key)
+        grouped[view].append(item)
+    return grouped
+
+  def model_choices() -> list[dict[str, str]]:
+    return [{"value": f"{m.root}:{m.path}", "label": f"{roots.label(m.root)}/{m.path}"}
+            for m in found_by_view().get("models", [])]
+
+  def model_dir(value: Optional[str]) -> Optional[str]:
+    if not value:
+      return None
+    root, _, path = value.partition(":")
+    return str(roots.resolve(root, path))
+
+  def render(template: str, **context: Any) -> str:
+    return flask.render_template(template, **context)
+
+  @app.errorhandler(folders.Forbidden)
+  def forbidden(error):
+    return render("message.html", title="Forbidden", message=_message(error)), 403
+
+  @app.errorhandler(404)
+  def not_found(error):
+    return render("message.html", title="Not found", message=str(error)), 404
+
+  @app.errorhandler(Exception)
+  def failed(error):
+    if isinstance(error, werkzeug.exceptions.HTTPException):
+      return error
+    logger.exception("explore: %s failed", flask.request.path)
+    return render("message.html", title="Error", message=_message(error)), 500
+
+  @app.route("/favicon.ico")
+  def favicon():
+    return flask.Response(status=204)
+
+  @app.route("/")
+  def index():
+    return render("index.html", grouped=attempt(found_by_view))
+
+  @app.route("/file")
+  def file():
+    _, path = arg_path()
+    kind = _SERVED_TYPES.get(path.suffix.lower())
+    if kind is None:
+      return render("message.html", title="Not shown",
+                    message=f"{path.name}: only pictures and text are served"), 404
+    if not path.is_file():
+      return render("message.html", title="Not found", message=f"no file {path.name}"), 404
+    response = flask.send_file(path, mimetype=kind, conditional=True)
+    response.headers["Content-Security-Policy"] = (
+        "sandbox; default-src 'none'; style-src 'unsafe-inline'; img-src 'self'")
+    return response
+
+  @app.route("/npov")
+  def npov():
+    root, folder = arg_path()
+    data = attempt(lambda: sources.npov_folder(folder)) if any(
+        folder.glob("scores*.jsonl")) else None
+    rocs = []
+    for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/results.json")):
+      if folders.classify_file(path) == "npov_results":
+        rocs.append((roots.relative(root, path), attempt(lambda p=path: sources.npov_results(p))))
+    return render("npov.html", root=root, path=roots.relative(root, folder), data=data,
+                  rocs=rocs, models=model_choices())
+
+  @app.route("/npov/example")
+  def npov_example():
+    root, folder = arg_path()
+    data = sources.npov_folder(folder)
+    wanted = flask.request.values.get("id", "")
+    example = next((e for e in data["examples"] if e["id"] == wanted), None)
+    if example is None:
+      return render("message.html", title="Not found",
+                    message=f"no example {wanted!r} in {folder.name}"), 404
+    heatmap = None
+    from jaxmoral.npov import detect  # pylint: disable=import-outside-toplevel
+    candidate = folder / "heatmaps" / detect._file_name(wanted)  # pylint: disable=protected-access
+    if candidate.is_file():
+      heatmap = roots.relative(root, candidate)
+    return render("npov_example.html", root=root, path=roots.relative(root, folder),
+                  example=example, detectors=data["detectors"], heatmap=heatmap)
+
+  @app.route("/live/npov", methods=["POST"])
+  def live_npov():
+    form = flask.request.form
+    result = attempt(lambda: live.npov_salience(
+        base_dir=model_dir(form.get("model")), query=form.get("query", ""),
+        pro=form.get("pro", ""), con=form.get("con", ""), response=form.get("response", ""),
+        generator_dir=model_dir(form.get("generator"))))
+    return render("live_npov.html", form=form, result=result, models=model_choices())
+
+  @app.route("/clarify")
+  def clarify():
+    root, path = arg_path()
+    kind = folders.classify_file(path) if path.is_file() else None
+    if kind == "clarify_chat":
+      return render("clarify_chat.html", root=root, path=roots.relative(root, path),
+                    chat=attempt(lambda: sources.clarify_chat(path)))
+    if kind == "reward_curve":
+      return render("clarify_curve.html", root=root, path=roots.relative(root, path),
+                    curve=attempt(lambda: sources.reward_curve(path)))
+    return render("clarify.html", root=root, path=roots.relative(root, path),
+                  data=attempt(lambda: sources.clarify_evaluation(path)),
+                  selected=flask.request.values.get("i"))
+
+  @app.route("/live/clarify", methods=["POST"])
+  def live_clarify():
+    form = flask.request.form
+    classes = tuple(c.strip() for c in form.get("judge_classes", "bad,okay,good").split(","))
+    result = attempt(lambda: live.clarify_question(
+        situation=form.get("situation", ""), question=form.get("question", ""),
+        question_dir=model_dir(form.get("question_model")),
+        answer_dir=model_dir(form.get("model")), fusion_dir=model_dir(form.get("model")),
+        judge_dir=model_dir(form.get("model")), nli_dir=model_dir(form.get("nli_model")),
+        judge_classes=classes))
+    return render("live_clarify.html", form=form, result=result, models=model_choices())
+
+  @app.route("/diamante")
+  def diamante():
+    root, path = arg_path()
+    kind = folders.classify_file(path) if path.is_file() else None
+    if kind == "diamante_metrics":
+      return render("diamante_metrics.html", root=root, path=roots.relative(root, path),
+                    metrics=attempt(lambda: sources.diamante_metrics(path)))
+    if kind == "diamante_chat":
+      return render("diamante_chat.html", root=root, path=roots.relative(root, path),
+                    chat=attempt(lambda: sources.read_jsonl(path)))
+    contexts = attempt(lambda: sources.diamante_dialogues(path))
+    chosen = flask.request.values.get("model")
+    rankings = {}
+    if chosen and "value" in contexts:
+      def rank_all():
+        out = {}
+        for c in contexts["value"][:int(flask.request.values.get("max", 20))]:
+          if c["candidates"]:
+            out[c["index"]] = live.diamante_rank(
+                model_dir=model_dir(chosen), context=c["context"],
+                responses=[c["response"], *c["candidates"]], human=c["response"])
+        return out
+      rankings = attempt(rank_all)
+    return render("diamante.html", root=root, path=roots.relative(root, path),
+                  contexts=contexts, rankings=rankings, chosen=chosen, models=model_choices())
+
+  @app.route("/live/diamante", methods=["POST"])
+  def live_diamante():
+    form = flask.request.form
+    responses = [line for line in form.get("responses", "").splitlines() if line.strip()]
+    result = attempt(lambda: live.diamante_rank(
+        model_dir=model_dir(form.get("model")), context=form.get("context", "").splitlines(),
+        responses=responses, human=responses[0].strip() if responses else None))
+    return render("live_diamante.html", form=form, result=result, models=model_choices())
+
+  @app.route("/runs")
+  def runs():
+    root, path = arg_path()
+    config = path / "config.gin"
+    return render(
+        "runs.html", root=root, path=roots.relative(root, path),
+        scalars=attempt(lambda: sources.run_scalars(path)),
+        config=attempt(lambda: config.read_text(encoding="utf-8")) if config.is_file() else None,
+        software=attempt(lambda: sources.run_software(path)),
+        checkpoints=attempt(lambda: sources.run_checkpoints(path)))
+
+  @app.route("/experiments")
+  def experiments():
+    root, path = arg_path()
+    return render("experiments.html", root=root, path=roots.relative(root, path),
+                  result=attempt(lambda: sources.experiment(path)),
+                  folder=roots.relative(root, path.parent))
+
+  return app
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+  if isinstance(value, bool) or value is None:
+    return "—" if value is None else str(value).lower()
+  if isinstance(value, (int, float)):
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+  return str(value)
+
+
+def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1") -> int:
+  """Serves the explorer until interrupted (Ctrl-C); returns 0.
+
+  Raises:
+    ValueError: A folder is missing, or the port is taken.
+  """
+  import waitress  # pylint: disable=import-outside-toplevel
+  roots = folders.Roots(dirs)
+  app = create_app(roots)
+  mimetypes.add_type("image/svg+xml", ".svg")
+  try:
+    server = waitress.create_server(app, host=host, port=port, threads=4)
+  except OSError as error:
+    raise ValueError(f"explore: cannot listen on {host}:{port} ({error.strerror}); "
+                     f"choose another --port") from None
+  print(f"jaxmoral explore: http://{host}:{server.effective_port}/ "
+        f"({', '.join(str(f) for f in roots.folders)}; read-only; Ctrl-C stops)", flush=True)
+  try:
+    server.run()
+  except KeyboardInterrupt:
+    pass
+  finally:
+    server.close()
+  return 0

@@ -1,0 +1,394 @@
+"""Reading each output the library writes into what a page shows (plain dicts and lists).
+
+Every reader takes a confined path (`folders.Roots.resolve`) and reads with the library's own
+reader where there is one (`npov.task.read_examples`, `diamante.data.read_dialogues`,
+`train.read_scalars`, `software.read_records`, `checkpoints.verify_step`,
+`rl.ppo_trainer.read_reward_curve`). A bad file raises (ValueError, OSError); the page shows
+the message in place of that part.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+from typing import Any, Optional
+
+ERROR_TYPES = ("hallucination", "coverage")
+JUDGMENTS = ("bad", "ok", "good")
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+  """Objects of a JSONL file; a bad line raises naming `path:line`."""
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except ValueError as error:
+        raise ValueError(f"{path.name}:{number}: not JSON ({error})") from None
+      if not isinstance(row, dict):
+        raise ValueError(f"{path.name}:{number}: expected a JSON object")
+      rows.append(row)
+  return rows
+
+
+def read_json(path: pathlib.Path) -> Any:
+  try:
+    return json.loads(path.read_text(encoding="utf-8"))
+  except ValueError as error:
+    raise ValueError(f"{path.name}: not JSON ({error})") from None
+
+
+# -- NPOV ---------------------------------------------------------------------------------------
+
+
+def detector_name(path: pathlib.Path, records: list[dict[str, Any]]) -> str:
+  """A score file's detector: `scores_<detector>.jsonl` names it; else a file without word
+  scores is the classifiers' (they score examples only), one beside heatmaps/ salience's."""
+  match = re.fullmatch(r"scores[_-](\w+)\.jsonl", path.name)
+  if match:
+    return match.group(1)
+  if records and not any(r.get("response_words") or r.get("argument_words") for r in records):
+    return "classifier"
+  if (path.parent / "heatmaps").is_dir():
+    return "salience"
+  return path.stem
+
+
+def error_type(example: Any) -> str:
+  if example.hallucination:
+    return "hallucination"
+  if example.coverage:
+    return "coverage"
+  if example.hallucination is None and example.coverage is None:
+    return "unlabelled"
+  return "clean"
+
+
+def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
+  """The examples of a `npov detect` output folder and every detector's scores of them.
+
+  The examples are the folder's input JSONL (`responses.jsonl`, else the JSONL whose ids the
+  scores name); each `scores*.jsonl` is one detector. ROUGE-1 overlaps are computed here by
+  the library's `RougeDetector` (no model).
+
+  Returns:
+    {"examples": [...], "detectors": [names], "problems": [messages of unreadable files]}.
+  """
+  from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov.detectors import rouge  # pylint: disable=import-outside-toplevel
+  problems: list[str] = []
+  scores: dict[str, dict[str, dict[str, Any]]] = {}
+  for path in sorted(folder.glob("scores*.jsonl")):
+    try:
+      records = read_jsonl(path)
+      for number, record in enumerate(records, 1):
+        for key in ("id", "hallucination", "coverage"):
+          if key not in record:
+            raise ValueError(f"{path.name}:{number}: no {key!r}")
+      scores[detector_name(path, records)] = {str(r["id"]): r for r in records}
+    except (OSError, ValueError) as error:
+      problems.append(str(error))
+  ids = {i for by_id in scores.values() for i in by_id}
+  candidates = [folder / "responses.jsonl"] + sorted(
+      p for p in folder.glob("*.jsonl") if not p.name.startswith("scores")
+      and p.name != "responses.jsonl")
+  examples = None
+  for path in candidates:
+    if not path.is_file():
+      continue
+    try:
+      read = task.read_examples(path, require_response=True)
+    except (OSError, ValueError) as error:
+      if path.name == "responses.jsonl":
+        problems.append(str(error))
+      continue
+    if path.name == "responses.jsonl" or ids & {e.id for e in read}:
+      examples = read
+      break
+  if examples is None:
+    raise ValueError(f"{folder.name}: no input examples (responses.jsonl) beside the scores")
+  detector = rouge.RougeDetector()
+  rows = []
+  for position, example in enumerate(examples):
+    overlap = detector.detect(example)
+    row = {"position": position, "id": example.id, "query": example.query,
+           "pro": list(example.pro), "con": list(example.con), "response": example.response,
+           "error_type": error_type(example), "paraphrased": bool(example.paraphrased),
+           "removed_argument": example.removed_argument,
+           "added_argument": example.added_argument,
+           "rouge": {"hallucination": overlap.hallucination, "coverage": overlap.coverage},
+           "rouge_response": [w.to_json() for w in overlap.response_words],
+           "rouge_arguments": [w.to_json() for w in overlap.argument_words],
+           "scores": {}}
+    for name, by_id in scores.items():
+      if example.id in by_id:
+        row["scores"][name] = by_id[example.id]
+    rows.append(row)
+  return {"examples": rows, "detectors": list(scores), "problems": problems}
+
+
+def npov_results(path: pathlib.Path) -> dict[str, Any]:
+  """`npov evaluate`'s results.json: {slice: {detector: {error: {labels, scores, aucs}}}},
+  checked enough to draw from."""
+  data = read_json(path)
+  if not isinstance(data, dict):
+    raise ValueError(f"{path.name}: expected {{slice: {{detector: ...}}}}")
+  for slice_name, by_detector in data.items():
+    if not isinstance(by_detector, dict):
+      raise ValueError(f"{path.name}: slice {slice_name!r} is not an object")
+    for det, by_error in by_detector.items():
+      for error in ERROR_TYPES:
+        entry = by_error.get(error) if isinstance(by_error, dict) else None
+        if not isinstance(entry, dict) or len(entry.get("labels", ())) != len(
+            entry.get("scores", ())):
+          raise ValueError(f"{path.name}: {slice_name}/{det}/{error} has no matching "
+                           "labels and scores")
+  return data
+
+
+def roc_points(labels: list[int], scores: list[float]) -> Optional[list[tuple[float, float]]]:
+  """The ROC curve's (FPR, TPR) points by the library's `metrics.roc_curve` (None: one class)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  if len(set(labels)) < 2:
+    return None
+  fpr, tpr, _ = metrics.roc_curve(np.asarray(labels), np.asarray(scores, np.float64))
+  return list(zip(fpr.tolist(), tpr.tolist()))
+
+
+# -- ClarifyDelphi ------------------------------------------------------------------------------
+
+
+def clarify_evaluation(path: pathlib.Path) -> dict[str, Any]:
+  """`clarify evaluate`'s JSON, per situation: {"systems", "situations": [{"situation",
+  "by_system": {system: row}}], "summary": {system: means}}.
+
+  A row has the question and its reward pipeline (`RewardResult.row`: answers, NLI filter,
+  fused situations, judge distributions, JSD) where the file has them (`per_question`),
+  else what `per_situation` keeps (JSD, flip, filtered).
+  """
+  data = read_json(path)
+  if not isinstance(data, dict) or not data:
+    raise ValueError(f"{path.name}: expected {{system: metrics}}")
+  systems = list(data)
+  count = max(len(v.get("questions", ())) for v in data.values())
+  situations: list[dict[str, Any]] = []
+  for i in range(count):
+    entry: dict[str, Any] = {"index": i, "situation": None, "by_system": {}}
+    for name in systems:
+      result = data[name]
+      rows = result.get("per_question") or []
+      per = result.get("per_situation") or {}
+      if i < len(rows):
+        row = dict(rows[i])
+      else:
+        questions = result.get("questions") or []
+        if i >= len(questions):
+          continue
+        row = {"question": questions[i]}
+        for key in ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct"):
+          if i < len(per.get(key, ())):
+            row[key] = per[key][i]
+        if "jsd" in row:
+          row["scores"] = row.pop("jsd")
+        if "jsd_unfiltered" in row:
+          row["jsd"] = row.pop("jsd_unfiltered")
+        if "flips_pct" in row:
+          row["flips"] = bool(row.pop("flips_pct"))
+        if "filtered_pct" in row:
+          row["filtered"] = bool(row.pop("filtered_pct"))
+      samples = result.get("samples") or []
+      situation = row.get("situation") or (samples[i]["situation"] if i < len(samples) and
+                                           isinstance(samples[i], dict) else None)
+      entry["situation"] = entry["situation"] or situation
+      entry["by_system"][name] = row
+    situations.append(entry)
+  summary = {name: {k: v for k, v in data[name].items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
+             for name in systems}
+  return {"systems": systems, "situations": situations, "summary": summary}
+
+
+def clarify_chat(path: pathlib.Path) -> list[list[dict[str, Any]]]:
+  """A chat transcript's turns, one list per conversation (a conversation restarts at turn 1)."""
+  conversations: list[list[dict[str, Any]]] = []
+  for row in read_jsonl(path):
+    if not conversations or int(row.get("turn", 0) or 0) <= 1:
+      conversations.append([])
+    conversations[-1].append(row)
+  return conversations
+
+
+def reward_curve(path: pathlib.Path) -> list[tuple[float, float]]:
+  """(iteration, mean raw reward) of a PPO run's reward_curve.json."""
+  from jaxmoral.rl import ppo_trainer  # pylint: disable=import-outside-toplevel
+  try:
+    curve = ppo_trainer.read_reward_curve(path)
+  except (KeyError, TypeError) as error:
+    raise ValueError(f"{path.name}: not a reward curve (no {error})") from None
+  return sorted((float(k), float(v)) for k, v in curve.items())
+
+
+def distribution(value: Any) -> list[float]:
+  """A judge distribution as [bad, ok, good] (a list, or a {judgment: p} dict)."""
+  if isinstance(value, dict):
+    return [float(value.get(k, float("nan"))) for k in JUDGMENTS]
+  return [float(v) for v in value]
+
+
+# -- Diamante -----------------------------------------------------------------------------------
+
+
+def diamante_dialogues(path: pathlib.Path, *, limit: int = 200) -> list[dict[str, Any]]:
+  """The response positions of a Diamante JSONL (context, human response, candidates)."""
+  from jaxmoral.diamante import data  # pylint: disable=import-outside-toplevel
+  turns = data.read_dialogues(path)
+  return [{"index": i, "context": list(t.context), "response": t.response,
+           "candidates": list(t.candidates), "dialogue": t.dialogue}
+          for i, t in enumerate(turns[:limit])]
+
+
+def diamante_metrics(path: pathlib.Path) -> dict[str, dict[str, float]]:
+  """`diamante evaluate`'s metrics: {ranker: {map, mrr, p@1}} plus "other" values."""
+  data = read_json(path)
+  if not isinstance(data, dict):
+    raise ValueError(f"{path.name}: expected an object of metrics")
+  out: dict[str, dict[str, float]] = {}
+  for key, value in data.items():
+    ranker, _, metric = key.rpartition("/")
+    out.setdefault(ranker or "other", {})[metric] = value
+  return out
+
+
+def ranked(responses: list[str], scores: list[float], logprobs: list[float],
+           lengths: list[int], human: Optional[str]) -> dict[str, Any]:
+  """Responses best first by preference score, with the human response marked, and the
+  ranking metrics of the human response (the library's `metrics.ranking_metrics`)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  rows = [{"text": t, "score": float(s), "logprob": float(lp), "tokens": int(n),
+           "per_token": float(lp) / max(int(n), 1), "human": t == human}
+          for t, s, lp, n in zip(responses, scores, logprobs, lengths)]
+  rows.sort(key=lambda r: -r["score"])
+  result: dict[str, Any] = {"rows": rows}
+  labels = np.asarray([r["human"] for r in rows])
+  if labels.any():
+    for ranker, key in (("preference", "score"), ("generation", "logprob"),
+                        ("generation_per_token", "per_token")):
+      values = np.asarray([r[key] for r in rows], np.float64)
+      result[ranker] = metrics.ranking_metrics([values], [labels])
+  return result
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+
+def run_scalars(run: pathlib.Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
+  """{subfolder ("" for the run itself, "train", "eval"): {tag: [(step, value)]}} from the
+  TensorBoard events (`train.read_scalars`)."""
+  from jaxmoral import train  # pylint: disable=import-outside-toplevel
+  out = {}
+  for folder in [run] + sorted(p for p in run.iterdir() if p.is_dir()):
+    if not any("tfevents" in p.name for p in folder.iterdir() if p.is_file()):
+      continue
+    scalars = train.read_scalars(str(folder))
+    if scalars:
+      out[folder.name if folder != run else ""] = {
+          tag: sorted(points.items()) for tag, points in sorted(scalars.items())}
+  return out
+
+
+def run_checkpoints(run: pathlib.Path) -> list[dict[str, Any]]:
+  """Each saved step with its integrity status (`checkpoints.verify_step`, digests compared;
+  reads only)."""
+  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  out = []
+  directory = checkpoints.run_checkpoints_dir(run)
+  for step in checkpoints.saved_steps(run):
+    try:
+      verified = checkpoints.verify_step(directory, step, full=True)
+      status = "verified" if verified else "no manifest (written before manifests)"
+      ok = True
+    except (OSError, ValueError) as error:
+      status, ok = str(error), False
+    out.append({"step": step, "status": status, "ok": ok})
+  return out
+
+
+def run_software(run: pathlib.Path) -> list[dict[str, Any]]:
+  from jaxmoral import software  # pylint: disable=import-outside-toplevel
+  try:
+    return software.read_records(run)
+  except ValueError as error:
+    raise ValueError(f"software.jsonl: not JSON lines ({error})") from None
+
+
+# -- experiments --------------------------------------------------------------------------------
+
+
+def _is_interval(value: Any) -> bool:
+  return isinstance(value, dict) and {"estimate", "low", "high"} <= set(value) and all(
+      isinstance(value[k], (int, float)) for k in ("estimate", "low", "high"))
+
+
+def intervals(data: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
+  """Every (key path, {estimate, low, high}) in a results object, in file order."""
+  if _is_interval(data):
+    return [(prefix, data)]
+  out = []
+  if isinstance(data, dict):
+    for key, value in data.items():
+      out.extend(intervals(value, prefix + (str(key),)))
+  return out
+
+
+def experiment(path: pathlib.Path) -> dict[str, Any]:
+  """An experiment's results: its command, machine, verdicts, every interval (grouped by
+  the first key below "table"/"differences"...), its plot and its markdown report."""
+  data = read_json(path)
+  if not isinstance(data, dict):
+    raise ValueError(f"{path.name}: expected an object")
+  groups: dict[str, list[dict[str, Any]]] = {}
+  for keys, ci in intervals(data):
+    if keys[0] in ("setup", "machine", "timings"):
+      continue
+    groups.setdefault(keys[0], []).append({"name": " / ".join(keys[1:]) or keys[0], **ci})
+  for rows in groups.values():
+    finite = [v for r in rows for v in (r["low"], r["high"], r["estimate"]) if
+              isinstance(v, (int, float)) and math.isfinite(v)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    for r in rows:
+      r["axis"] = (min(lo, 0.0) if lo >= 0 or hi <= 0 else lo, hi if hi > lo else lo + 1)
+  plot = path.with_suffix(".png")
+  report = path.with_suffix(".md")
+  return {"command": data.get("command"), "machine": data.get("machine"),
+          "verdicts": {k: v for k, v in data.items() if k.startswith("verdict")},
+          "groups": groups, "plot": plot.name if plot.is_file() else None,
+          "report": report.read_text(encoding="utf-8") if report.is_file() else None}
+
+
+def markdown_tables(text: str) -> list[dict[str, Any]]:
+  """The pipe tables of a markdown report, each {"header", "rows"}, with the heading above."""
+  tables, heading, lines = [], None, text.splitlines()
+  i = 0
+  while i < len(lines):
+    line = lines[i].strip()
+    if line.startswith("#"):
+      heading = line.lstrip("#").strip()
+    if line.startswith("|") and i + 1 < len(lines) and re.match(r"^\|[\s:|-]+\|$",
+                                                                   lines[i + 1].strip()):
+      cells = lambda row: [c.strip() for c in row.strip().strip("|").split("|")]  # noqa: E731
+      table = {"heading": heading, "header": cells(line), "rows": []}
+      i += 2
+      while i < len(lines) and lines[i].strip().startswith("|"):
+        table["rows"].append(cells(lines[i]))
+        i += 1
+      tables.append(table)
+      continue
+    i += 1
+  return tables

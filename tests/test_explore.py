@@ -1,0 +1,521 @@
+"""`jaxmoral explore` in a real browser: headless Chromium (Selenium, the system's
+chromedriver) against the command started on a free port, over folders this module writes
+with the library's own writers and tiny random models.
+
+One server and one browser serve the whole module. Without Chromium the browser tests skip
+(with the reason), except in CI (`CI=true`), where they fail. `JAXMORAL_EXPLORE_SCREENSHOT=PATH`
+also saves the README's screenshot there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from jaxmoral.explore import folders
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+CHROMEDRIVER = ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver")
+SITUATIONS = ("lying to a friend to protect their feelings", "skipping a family dinner",
+              "borrowing a bike without asking")
+
+
+def _first(paths):
+  return next((p for p in paths if os.path.exists(p)), None) or shutil.which(
+      os.path.basename(paths[0]))
+
+
+def _browser_or_skip() -> tuple[str, str]:
+  browser, driver = _first(CHROMIUM), _first(CHROMEDRIVER)
+  missing = [n for n, p in (("chromium", browser), ("chromium-driver", driver)) if not p]
+  try:
+    import selenium  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    missing.append("selenium (pip)")
+  if missing:
+    reason = f"browser tests need {', '.join(missing)} (apt-get install chromium chromium-driver)"
+    if os.environ.get("CI") == "true":
+      pytest.fail(reason + "; CI must run them")
+    pytest.skip(reason)
+  return browser, driver
+
+
+# -- the folders --------------------------------------------------------------------------------
+
+
+def _npov_examples():
+  from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
+  base = dict(topic="t1", query="Should school uniforms be compulsory?",
+              pro=("Uniforms reduce bullying about clothes.", "Uniforms save families money."),
+              con=("Uniforms limit self expression.",))
+  response = ("Opinions differ. Supporters say uniforms reduce bullying and save money, "
+              "while critics say they limit self expression.")
+  return [
+      task.NpovExample(id="clean-1", response=response, hallucination=False, coverage=False,
+                       **base),
+      task.NpovExample(id="hall-1", response=response + " Uniforms also improve grades.",
+                       hallucination=True, coverage=False,
+                       removed_argument="Uniforms improve grades.", **base),
+      task.NpovExample(id="cov-1", response="Opinions differ. Supporters say uniforms save "
+                       "money.", hallucination=False, coverage=True,
+                       added_argument="Uniforms limit self expression.", **base),
+      task.NpovExample(id="para-1", response=response, hallucination=False, coverage=False,
+                       paraphrased=True, **base),
+      task.NpovExample(id="para-hall", response=response + " Teachers prefer them too.",
+                       hallucination=True, coverage=False, paraphrased=True,
+                       removed_argument="Teachers prefer uniforms.", **base),
+  ]
+
+
+class _StubReward:
+  """A reward pipeline's result without models: `evaluate.compare` writes the real file."""
+
+  def score_questions(self, situations, questions):
+    from jaxmoral.clarify import reward as reward_lib  # pylint: disable=import-outside-toplevel
+    n = len(situations)
+    rng = np.random.default_rng(len(questions[0]))
+    weak = rng.dirichlet(np.ones(3), n)
+    strong = rng.dirichlet(np.ones(3), n)
+    from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+    jsd = np.asarray(metrics.jensen_shannon(weak, strong), np.float64).reshape(n)
+    filtered = np.asarray([i == 1 for i in range(n)])
+    return reward_lib.RewardResult(
+        scores=np.where(filtered, 0.0, jsd), jsd=jsd, filtered=filtered,
+        flips=(weak.argmax(1) != strong.argmax(1)) & ~filtered, judgment=["bad"] * n,
+        base_distribution=rng.dirichlet(np.ones(3), n),
+        weakener=[f"because {s} was kind" for s in situations],
+        strengthener=[f"because {s} hurt someone" for s in situations],
+        weakened_situation=[f"{s}, to be kind" for s in situations],
+        strengthened_situation=[f"{s}, to hurt someone" for s in situations],
+        weakened_distribution=weak, strengthened_distribution=strong,
+        weakener_filtered=filtered, strengthener_filtered=np.zeros(n, bool))
+
+
+def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
+  """Demo-like output folders (the library's writers, tiny random models); returns what the
+  pages must show."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  from jaxmoral import model_dirs  # pylint: disable=import-outside-toplevel
+  from jaxmoral import train  # pylint: disable=import-outside-toplevel
+  from jaxmoral.clarify import baselines  # pylint: disable=import-outside-toplevel
+  from jaxmoral.clarify import evaluate as clarify_eval  # pylint: disable=import-outside-toplevel
+  from jaxmoral.clarify import testing  # pylint: disable=import-outside-toplevel
+  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=import-outside-toplevel
+  from jaxmoral.diamante import data as diamante_data  # pylint: disable=import-outside-toplevel
+  from jaxmoral.models import config as config_lib  # pylint: disable=import-outside-toplevel
+  from jaxmoral.models import t5  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import detect  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
+
+  demo = root / "demo_out"
+  models = root / "models"
+  tiny = config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)
+  # A random base model (NPOV salience, live box).
+  base_dir = testing.random_model_dir(models / "npov_base", vocabulary_path=vocab_path,
+                                      config=tiny)
+  # NPOV: a responses file, the ROUGE detector's scores and ROC results, classifier scores.
+  detect_dir = demo / "npov" / "detect"
+  detect_dir.mkdir(parents=True)
+  examples = _npov_examples()
+  task.write_examples(examples, detect_dir / "responses.jsonl")
+  detect.detect_file(input_path=str(detect_dir / "responses.jsonl"),
+                     output_path=str(detect_dir / "scores_rouge.jsonl"), detector="rouge",
+                     roc_dir=str(detect_dir))
+  classifier = {e.id: base.Detection(hallucination=0.1 + 0.15 * i, coverage=0.8 - 0.1 * i)
+                for i, e in enumerate(examples)}
+  with open(detect_dir / "scores_classifier.jsonl", "w", encoding="utf-8") as f:
+    for e in examples:
+      f.write(json.dumps({"id": e.id, **classifier[e.id].to_json()}) + "\n")
+  bad = demo / "npov" / "bad"
+  bad.mkdir(parents=True)
+  shutil.copy(detect_dir / "responses.jsonl", bad / "responses.jsonl")
+  (bad / "scores.jsonl").write_text('{"id": "clean-1", "hallucination": 0.5\nnot json\n')
+
+  # ClarifyDelphi: `evaluate.compare`'s file (two systems), a chat transcript, a PPO curve.
+  clarify = demo / "clarify"
+  clarify.mkdir(parents=True)
+  systems = {"why": baselines.why_generator(),
+             "finetuned": lambda s: [f"What did you mean by {x.split()[0]}?" for x in s]}
+  evaluation = clarify_eval.compare(systems, list(SITUATIONS), _StubReward(),
+                                    output_json=clarify / "evaluation.json", print_table=False)
+  turns = [{"turn": 1, "situation": SITUATIONS[0], "judgment": "bad",
+            "distribution": {"bad": 0.6, "ok": 0.3, "good": 0.1}, "question": "Why?",
+            "answer": "I had a good reason.", "fused_situation": SITUATIONS[0] + " for a reason",
+            "new_judgment": "ok", "new_distribution": {"bad": 0.2, "ok": 0.5, "good": 0.3}},
+           {"turn": 2, "situation": SITUATIONS[0] + " for a reason", "judgment": "ok",
+            "distribution": {"bad": 0.2, "ok": 0.5, "good": 0.3}, "question": "Who was hurt?",
+            "answer": "Nobody was hurt.", "fused_situation": "nobody was hurt",
+            "new_judgment": "good", "new_distribution": {"bad": 0.1, "ok": 0.3, "good": 0.6}}]
+  (clarify / "chat_transcript.jsonl").write_text("".join(json.dumps(t) + "\n" for t in turns))
+  ppo = clarify / "ppo"
+  ppo.mkdir()
+  curve = {"iterations": [1, 2, 3, 4], "raw_reward_mean": [0.01, 0.015, 0.02, 0.031]}
+  (ppo / "reward_curve.json").write_text(json.dumps(curve))
+
+  # Diamante: a dialogue file with candidates, metrics, a self-chat; a random joint model.
+  diamante = demo / "diamante"
+  dialogues = [(["Hi! How was your weekend?", "Great, I went hiking.", "Where did you go?"],
+                [[], ["It was fine.", "I stayed home."], ["Nowhere.", "To the hills."]]),
+               (["Do you like music?", "Yes, mostly jazz."],
+                [[], ["No.", "I like rock."]])]
+  diamante_data.write_dialogues(diamante / "test.jsonl", dialogues)
+  metrics = {"preference/p@1": 0.5, "preference/mrr": 0.7, "preference/map": 0.7,
+             "generation/p@1": 0.25, "generation/mrr": 0.5, "generation/map": 0.5,
+             "generation_per_token/p@1": 0.25, "generation_per_token/mrr": 0.55,
+             "generation_per_token/map": 0.55, "random/p@1": 0.2, "pe_accuracy": 0.6,
+             "num_contexts": 4.0}
+  (diamante / "eval.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+  chat = [{"turn": 1, "speaker": "user", "text": "Hi! How was your weekend?"},
+          {"turn": 2, "speaker": "bot", "text": "Great, thanks!", "score": 0.9,
+           "candidates": [["Great, thanks!", 0.9], ["Bad.", -0.3], ["It rained.", 0.2]]}]
+  (diamante / "self_chat.jsonl").write_text("".join(json.dumps(t) + "\n" for t in chat))
+  joint = t5.T5(tiny, with_scalar_head=True)
+  params = nn.meta.unbox(jax.jit(lambda r: t5.init_params(joint, r))(jax.random.PRNGKey(3)))
+  params["scalar_head"]["kernel"] = params["scalar_head"]["kernel"] * 5.0
+  model_dirs.export(models / "diamante", params=params, config=tiny,
+                    vocabulary=vocab_lib.get_vocabulary(vocab_path),
+                    settings={"data": {"separator": diamante_data.DEFAULT_SEPARATOR},
+                              "feature_lengths": {"inputs": 32, "targets": 12}})
+
+  # A run: TensorBoard scalars (the trainer's writer), config.gin, software.jsonl, two
+  # checkpoint steps, the second damaged after its manifest was written.
+  run = demo / "core" / "run"
+  writers = train.MetricWriters(str(run))
+  loss = {step: 4.0 / (1 + step / 50) for step in (10, 20, 30, 40, 50)}
+  for step, value in loss.items():
+    writers.scalars("train", step, {"loss": value})
+  writers.scalars("eval", 50, {"loss": 3.1})
+  writers.close()
+  (run / "config.gin").write_text("train.train_steps = 50\nBATCH_SIZE = 8\n")
+  (run / "software.jsonl").write_text(json.dumps({"step": 0, "time": "2026-11-27T20:00:00+00:00",
+                                                  "jaxmoral": "0.1.0", "commit": "abc1234"})
+                                      + "\n")
+  for step in (25, 50):
+    state = run / "checkpoints" / str(step) / checkpoints.STATE_ITEM
+    state.mkdir(parents=True)
+    (state / "_METADATA").write_text("{}")
+    (state / "data.bin").write_bytes(bytes(range(64)) * 4)
+    checkpoints.write_integrity_manifest(state.parent)
+  (run / "checkpoints" / "50" / checkpoints.STATE_ITEM / "data.bin").write_bytes(b"x" * 256)
+
+  # An experiment's results, as committed.
+  results = root / "experiments"
+  results.mkdir()
+  for suffix in (".json", ".md", ".png"):
+    shutil.copy(REPO / "experiments" / "results" / f"diamante_fig3_cpu{suffix}", results)
+  return {"demo": demo, "models": models, "examples": examples, "classifier": classifier,
+          "evaluation": evaluation, "curve": curve, "metrics": metrics, "loss": loss,
+          "base_dir": base_dir, "diamante_dir": models / "diamante", "dialogues": dialogues,
+          "results": results}
+
+
+# -- the server and the browser -----------------------------------------------------------------
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _snapshot(root: pathlib.Path) -> dict[str, tuple[int, int]]:
+  """(size, mtime) of every file: the explorer must change none."""
+  return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+          if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory, demo_vocab_path):
+  """The folders, and `jaxmoral explore` serving them on a free port."""
+  root = tmp_path_factory.mktemp("explore")
+  made = make_folders(root, demo_vocab_path)
+  made["before"] = _snapshot(root)
+  port = _free_port()
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+  log = open(root / "server.log", "w")  # pylint: disable=consider-using-with
+  process = subprocess.Popen(  # pylint: disable=consider-using-with
+      [sys.executable, "-m", "jaxmoral.cli", "explore", str(made["demo"]), str(made["models"]),
+       str(made["results"]), f"--port={port}"], stdout=log, stderr=subprocess.STDOUT, env=env)
+  url = f"http://127.0.0.1:{port}"
+  deadline = time.time() + 60
+  while True:
+    try:
+      urllib.request.urlopen(url + "/favicon.ico", timeout=2)  # pylint: disable=consider-using-with
+      break
+    except (urllib.error.URLError, ConnectionError):
+      if process.poll() is not None or time.time() > deadline:
+        process.kill()
+        pytest.fail(f"jaxmoral explore did not start: {(root / 'server.log').read_text()}")
+      time.sleep(0.2)
+  made.update(url=url, root=root, process=process)
+  yield made
+  process.terminate()
+  process.wait(timeout=20)
+  log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(site):
+  chromium, chromedriver = _browser_or_skip()
+  from selenium import webdriver  # pylint: disable=import-outside-toplevel
+  from selenium.webdriver.chrome.service import Service  # pylint: disable=import-outside-toplevel
+  options = webdriver.ChromeOptions()
+  options.binary_location = chromium
+  for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+               "--window-size=1400,1000", "--disable-extensions"):
+    options.add_argument(flag)
+  options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+  driver = webdriver.Chrome(service=Service(chromedriver), options=options)
+  driver.set_page_load_timeout(120)
+  shots = site["root"] / "screenshots"
+  shots.mkdir()
+
+  def open_page(path: str, shot: str):
+    driver.get(site["url"] + path)
+    driver.save_screenshot(str(shots / f"{shot}.png"))
+    errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, f"{path}: console errors {errors}"
+    return driver
+
+  driver.open_page = open_page
+  driver.shots = shots
+  yield driver
+  driver.quit()
+
+
+def _texts(driver, css: str) -> list[str]:
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  return [e.text for e in driver.find_elements(By.CSS_SELECTOR, css)]
+
+
+def _visible_ids(driver) -> list[str]:
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  return [r.get_attribute("data-id") for r in driver.find_elements(
+      By.CSS_SELECTOR, "#examples tbody tr") if r.is_displayed()]
+
+
+def test_index_links_every_view(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  driver = browser.open_page("/", "index")
+  kinds = {e.get_attribute("data-kind") for e in driver.find_elements(By.CSS_SELECTOR,
+                                                                       "a.view-link")}
+  assert kinds == {"npov", "clarify_evaluation", "clarify_chat", "reward_curve",
+                   "diamante_dialogues", "diamante_metrics", "diamante_chat", "run",
+                   "experiment"}
+  for link in [e.get_attribute("href") for e in driver.find_elements(By.CSS_SELECTOR,
+                                                                       "a.view-link")]:
+    browser.open_page(link[len(site["url"]):], "view-" + str(abs(hash(link)) % 10 ** 6))
+    assert not driver.find_elements(By.CSS_SELECTOR, ".problem") or "bad" in link, link
+
+
+def test_npov_table_sorts_filters_and_opens_an_example(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  from selenium.webdriver.support.ui import Select  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov.detectors import rouge  # pylint: disable=import-outside-toplevel
+  driver = browser.open_page("/npov?root=0&path=npov/detect", "npov")
+  examples = site["examples"]
+  assert _visible_ids(driver) == [e.id for e in examples]
+  # Scores as the files hold them; ROUGE-1 as the library computes it.
+  for e in examples:
+    row = driver.find_element(By.CSS_SELECTOR, f'tr[data-id="{e.id}"]')
+    cells = {(c.get_attribute("data-detector"), c.get_attribute("data-error-type")): c.text
+             for c in row.find_elements(By.CSS_SELECTOR, "td[data-detector]")}
+    assert cells[("classifier", "hallucination")] == f"{site['classifier'][e.id].hallucination:.4f}"
+    assert cells[("rouge", "coverage")] == f"{rouge.RougeDetector().detect(e).coverage:.4f}"
+  # Sorting: by the classifier's hallucination score, then descending.
+  header = driver.find_element(By.XPATH, "//table[@id='examples']//th[.='classifier hall.']")
+  header.click()
+  by_score = sorted(examples, key=lambda e: site["classifier"][e.id].hallucination)
+  assert _visible_ids(driver) == [e.id for e in by_score]
+  header.click()
+  assert _visible_ids(driver) == [e.id for e in reversed(by_score)]
+  # Filtering by error type and paraphrase.
+  Select(driver.find_element(By.CSS_SELECTOR, 'select[data-filter="error"]')).select_by_value(
+      "hallucination")
+  assert sorted(_visible_ids(driver)) == sorted(e.id for e in examples if e.hallucination)
+  Select(driver.find_element(By.CSS_SELECTOR, 'select[data-filter="paraphrased"]')
+         ).select_by_value("yes")
+  assert _visible_ids(driver) == ["para-hall"]
+  driver.save_screenshot(str(browser.shots / "npov-filtered.png"))
+  # ROC curves: one per slice and error type, the detector's AUC from results.json.
+  results = json.loads((site["demo"] / "npov" / "detect" / "results.json").read_text())
+  auc = results["input"]["rouge"]["hallucination"]["example_auc"]
+  series = [e.get_attribute("data-series") for e in driver.find_elements(
+      By.CSS_SELECTOR, 'figure[data-error="hallucination"] polyline')]
+  assert series == [f"rouge (AUC {auc:.3f})"]
+  # An example: its arguments, response, ROUGE overlaps and classifier probabilities.
+  driver.find_element(By.CSS_SELECTOR, 'tr[data-id="para-hall"] a.example-link').click()
+  browser.save_screenshot(str(browser.shots / "npov-example.png"))
+  assert driver.find_element(By.ID, "example-id").text == "para-hall"
+  example = examples[-1]
+  assert driver.find_element(By.ID, "response").text.split() == example.response.split()
+  overlaps = {w.text for w in rouge.RougeDetector().detect(example).response_words
+              if w.score == 0.0}
+  assert set(_texts(driver, "#response .overlap")) == overlaps
+  p_no = site["classifier"]["para-hall"].hallucination
+  assert f"P(YES) {1 - p_no:.3f}, P(NO) {p_no:.3f}" in driver.find_element(
+      By.CSS_SELECTOR, 'tr[data-detector="classifier"]').text
+  assert not driver.get_log("browser")  # nothing logged on the way
+
+
+def test_clarify_views_match_the_files(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  evaluation = site["evaluation"]
+  driver = browser.open_page("/clarify?root=0&path=clarify/evaluation.json", "clarify")
+  for name, result in evaluation.items():
+    cells = _texts(driver, f'#situations td.jsd[data-system="{name}"]')
+    assert cells == [f"{v:.4f}" for v in result["per_situation"]["jsd"]]
+  driver.find_element(By.CSS_SELECTOR, 'tr[data-index="0"] a.situation-link').click()
+  driver.save_screenshot(str(browser.shots / "clarify-situation.png"))
+  for name, result in evaluation.items():
+    row = result["per_question"][0]
+    system = driver.find_element(By.CSS_SELECTOR, f'#detail .system[data-system="{name}"]')
+    text = system.text
+    for key in ("question", "weakener", "strengthener", "weakened_situation",
+                "strengthened_situation"):
+      assert row[key] in text
+    assert system.find_element(By.CSS_SELECTOR, ".jsd").text == f"{row['jsd']:.6f}"
+    bars = system.find_elements(By.CSS_SELECTOR, "svg.bars text.value")
+    shown = [float(b.text) for b in bars]
+    expected = (row["base_distribution"] + row["weakened_distribution"]
+                + row["strengthened_distribution"])
+    np.testing.assert_allclose(shown, expected, atol=6e-4)
+  driver = browser.open_page("/clarify?root=0&path=clarify/chat_transcript.jsonl", "chat")
+  assert _texts(driver, ".question") == ["Why?", "Who was hurt?"]
+  driver = browser.open_page("/clarify?root=0&path=clarify/ppo/reward_curve.json", "curve")
+  rows = [r.split() for r in _texts(driver, "table.curve tbody tr")]
+  assert rows == [[str(i), f"{v:.6f}"] for i, v in zip(site["curve"]["iterations"],
+                                                     site["curve"]["raw_reward_mean"])]
+
+
+def test_diamante_views_rank_as_the_library(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  from selenium.webdriver.support.ui import Select  # pylint: disable=import-outside-toplevel
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  from jaxmoral.diamante import bundle as bundle_lib  # pylint: disable=import-outside-toplevel
+  from jaxmoral.diamante import inference  # pylint: disable=import-outside-toplevel
+  driver = browser.open_page("/diamante?root=0&path=diamante/eval.json", "diamante-metrics")
+  assert driver.find_element(By.CSS_SELECTOR, 'tr[data-ranker="preference"]').text.split()[1:] \
+      == [f"{site['metrics'][f'preference/{k}']:.4f}" for k in ("p@1", "mrr", "map")]
+  driver = browser.open_page("/diamante?root=0&path=diamante/self_chat.jsonl", "self-chat")
+  assert "Great, thanks!" in driver.find_element(By.CSS_SELECTOR, "tr.chosen").get_attribute(
+      "textContent")
+  driver = browser.open_page("/diamante?root=0&path=diamante/test.jsonl", "diamante")
+  Select(driver.find_element(By.NAME, "model")).select_by_value("1:diamante")
+  driver.find_element(By.CSS_SELECTOR, "#rank-form button").click()
+  driver.save_screenshot(str(browser.shots / "diamante-ranked.png"))
+  bundle = bundle_lib.load(str(site["diamante_dir"]))
+  p_at_1 = []
+  contexts = [(d[:i], d[i], cs[i]) for d, cs in site["dialogues"] for i in range(1, len(d))]
+  sections = driver.find_elements(By.CSS_SELECTOR, "section.context")
+  assert len(sections) == len(contexts)
+  for section, (context, human, candidates) in zip(sections, contexts):
+    responses = [human, *candidates]
+    scores, _ = inference.rank_texts(bundle, context, responses)
+    order = np.argsort(-np.asarray(scores), kind="stable")
+    rows = section.find_elements(By.CSS_SELECTOR, "table.ranking tbody tr")
+    assert [r.find_element(By.CSS_SELECTOR, "td.text").text.replace(" human", "")
+            for r in rows] == [responses[i] for i in order]
+    np.testing.assert_allclose([float(r.find_element(By.CSS_SELECTOR, "td.score").text)
+                                for r in rows], np.asarray(scores)[order], atol=2e-6)
+    assert "human" in rows[list(order).index(0)].get_attribute("class")
+    p_at_1.append(metrics.ranking_metrics([np.asarray(scores)],
+                                          [np.arange(len(responses)) == 0])["p@1"])
+  assert driver.find_element(By.ID, "p-at-1").text == f"{np.mean(p_at_1):.4f}"
+
+
+def test_run_and_experiment_views(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  driver = browser.open_page("/runs?root=0&path=core/run", "run")
+  points = driver.find_elements(By.CSS_SELECTOR, 'figure[data-tag="train/loss"] circle title')
+  assert [t.get_attribute("textContent") for t in points] == [
+      f"loss: {s}, {v:.4g}" for s, v in site["loss"].items()]
+  steps = {r.get_attribute("data-step"): r.get_attribute("class") for r in
+           driver.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")}
+  assert steps == {"25": "ok", "50": "damaged"}
+  assert "state/data.bin" in driver.find_element(By.CSS_SELECTOR, "tr.damaged").text
+  assert "BATCH_SIZE = 8" in driver.find_element(By.CSS_SELECTOR, "pre.config").text
+  assert "abc1234" in driver.find_element(By.ID, "software").text
+  driver = browser.open_page("/experiments?root=2&path=diamante_fig3_cpu.json", "experiment")
+  data = json.loads((site["results"] / "diamante_fig3_cpu.json").read_text())
+  ci = data["differences"]
+  first = next(iter(ci.values()))
+  first_metric = next(iter(first.values()))
+  row = driver.find_element(By.CSS_SELECTOR, 'table[data-group="differences"] tbody tr').text
+  assert f"{first_metric['estimate']:.4f}" in row and f"{first_metric['low']:.4f}" in row
+  assert driver.execute_script(
+      "const i = document.querySelector('img.plot'); return i.complete && i.naturalWidth") > 0
+
+
+def test_live_npov_salience_is_the_library_result(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  from selenium.webdriver.support.ui import Select  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import detect  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
+  driver = browser.open_page("/npov?root=0&path=npov/detect", "npov-live")
+  form = driver.find_element(By.ID, "live-npov")
+  Select(form.find_element(By.NAME, "model")).select_by_value("1:npov_base")
+  typed = {"query": "Should school uniforms be compulsory?",
+           "pro": "Uniforms reduce bullying.\nUniforms save money.",
+           "con": "Uniforms limit self expression.",
+           "response": "Uniforms reduce bullying but limit expression and improve grades."}
+  for name, value in typed.items():
+    form.find_element(By.NAME, name).send_keys(value)
+  form.find_element(By.CSS_SELECTOR, "button").click()
+  driver.save_screenshot(str(browser.shots / "npov-live.png"))
+  assert not driver.find_elements(By.CSS_SELECTOR, ".problem"), driver.page_source[:2000]
+  detector = detect.build_detector("salience", base_dir=str(site["base_dir"]))
+  example = task.NpovExample(id="live", topic="live", query=typed["query"],
+                             pro=tuple(typed["pro"].split("\n")), con=(typed["con"],),
+                             response=typed["response"])
+  expected = detector.detect_from_map(detector.word_map(example))
+  assert driver.find_element(By.ID, "live-hallucination").text == f"{expected.hallucination:.6f}"
+  assert driver.find_element(By.ID, "live-coverage").text == f"{expected.coverage:.6f}"
+  shown = [float(c.text) for c in driver.find_elements(By.CSS_SELECTOR, "tr.live-word td.num")]
+  np.testing.assert_allclose(shown, [w.score for w in expected.response_words], atol=2e-6)
+  assert len(driver.find_elements(By.CSS_SELECTOR, "#live-result .response .sal")) == len(shown)
+
+
+def test_confinement_bad_files_and_read_only(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  for path in ("/npov?root=0&path=../models", "/npov?root=0&path=" + str(site["models"]),
+               "/file?root=1&path=npov_base/../../demo_out/summary.png",
+               "/runs?root=0&path=%2Fetc", "/runs?root=7&path=", "/file?root=0&path=..%2F"):
+    with pytest.raises(urllib.error.HTTPError) as raised:
+      urllib.request.urlopen(site["url"] + path, timeout=30)  # pylint: disable=consider-using-with
+    assert raised.value.code == 403, path
+  # A link inside a folder that leads outside it.
+  with pytest.raises(folders.Forbidden):
+    link_root = site["root"] / "linked"
+    link_root.mkdir(exist_ok=True)
+    link = link_root / "out"
+    if not link.exists():
+      link.symlink_to(site["models"])
+    folders.Roots([link_root]).resolve(0, "out/npov_base")
+  driver = browser.open_page("/npov?root=0&path=npov/bad", "bad-file")
+  problem = driver.find_element(By.CSS_SELECTOR, ".problem").text
+  assert problem.startswith("scores.jsonl:1: not JSON"), problem
+  assert _visible_ids(driver) == [e.id for e in site["examples"]]  # the rest still shows
+  driver = browser.open_page("/clarify?root=0&path=npov/bad/scores.jsonl", "bad-clarify")
+  assert "not JSON" in driver.find_element(By.CSS_SELECTOR, ".problem").text
+  assert site["process"].poll() is None  # the server is still up
+  after = _snapshot(site["root"])
+  assert {k: v for k, v in after.items() if k in site["before"]} == site["before"]
+  assert not [k for k in after if k not in site["before"] and "/screenshots/" not in k
+              and "/linked/" not in k and not k.endswith("server.log")]
