@@ -335,7 +335,7 @@ def _parser() -> argparse.ArgumentParser:
                   "experiment results, NPOV / ClarifyDelphi / Diamante outputs); with a model "
                   "folder among them, live-input boxes call the library.")
   explore.add_argument("dirs", nargs="+", metavar="DIR")
-  explore.add_argument("--port", type=int, default=8765)
+  explore.add_argument("--port", type=int, default=8765, help="default 8765")
   explore.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: this machine only)")
 

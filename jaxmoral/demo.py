@@ -268,4 +268,5 @@ def run_all(*, workdir: str | os.PathLike[str] = "demo_out",
     print("\nWhat the papers found, and whether this demo agrees:")
     for part, line in truths:
       print(f"[{part}] {line}")
+  print(f"\nLook at the examples in a browser: jaxmoral explore {workdir}")
   return summary

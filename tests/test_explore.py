@@ -113,7 +113,6 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   from jaxmoral import train  # pylint: disable=import-outside-toplevel
   from jaxmoral.clarify import baselines  # pylint: disable=import-outside-toplevel
   from jaxmoral.clarify import evaluate as clarify_eval  # pylint: disable=import-outside-toplevel
-  from jaxmoral.clarify import testing  # pylint: disable=import-outside-toplevel
   from jaxmoral.data import vocab as vocab_lib  # pylint: disable=import-outside-toplevel
   from jaxmoral.diamante import data as diamante_data  # pylint: disable=import-outside-toplevel
   from jaxmoral.models import config as config_lib  # pylint: disable=import-outside-toplevel
@@ -124,13 +123,20 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
 
   demo = root / "demo_out"
   models = root / "models"
+  # One random tiny T5 with Diamante's scalar head serves every live box: the NPOV base, the
+  # ClarifyDelphi reward's models (they read it without the head) and the Diamante ranker.
   tiny = config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)
-  # A random base model (NPOV salience, live box).
-  base_dir = testing.random_model_dir(models / "npov_base", vocabulary_path=vocab_path,
-                                      config=tiny)
+  joint = t5.T5(tiny, with_scalar_head=True)
+  params = nn.meta.unbox(jax.jit(lambda r: t5.init_params(joint, r))(jax.random.PRNGKey(3)))
+  params["scalar_head"]["kernel"] = params["scalar_head"]["kernel"] * 5.0
+  model_dir = models / "t5_joint"
+  model_dirs.export(model_dir, params=params, config=tiny,
+                    vocabulary=vocab_lib.get_vocabulary(vocab_path),
+                    settings={"data": {"separator": diamante_data.DEFAULT_SEPARATOR},
+                              "feature_lengths": {"inputs": 32, "targets": 12}})
   # NPOV: a responses file, the ROUGE detector's scores and ROC results, classifier scores.
   detect_dir = demo / "npov" / "detect"
-  detect_dir.mkdir(parents=True)
+  detect_dir.mkdir(parents=True, exist_ok=True)
   examples = _npov_examples()
   task.write_examples(examples, detect_dir / "responses.jsonl")
   detect.detect_file(input_path=str(detect_dir / "responses.jsonl"),
@@ -184,13 +190,6 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
           {"turn": 2, "speaker": "bot", "text": "Great, thanks!", "score": 0.9,
            "candidates": [["Great, thanks!", 0.9], ["Bad.", -0.3], ["It rained.", 0.2]]}]
   (diamante / "self_chat.jsonl").write_text("".join(json.dumps(t) + "\n" for t in chat))
-  joint = t5.T5(tiny, with_scalar_head=True)
-  params = nn.meta.unbox(jax.jit(lambda r: t5.init_params(joint, r))(jax.random.PRNGKey(3)))
-  params["scalar_head"]["kernel"] = params["scalar_head"]["kernel"] * 5.0
-  model_dirs.export(models / "diamante", params=params, config=tiny,
-                    vocabulary=vocab_lib.get_vocabulary(vocab_path),
-                    settings={"data": {"separator": diamante_data.DEFAULT_SEPARATOR},
-                              "feature_lengths": {"inputs": 32, "targets": 12}})
 
   # A run: TensorBoard scalars (the trainer's writer), config.gin, software.jsonl, two
   # checkpoint steps, the second damaged after its manifest was written.
@@ -202,9 +201,9 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   writers.scalars("eval", 50, {"loss": 3.1})
   writers.close()
   (run / "config.gin").write_text("train.train_steps = 50\nBATCH_SIZE = 8\n")
-  (run / "software.jsonl").write_text(json.dumps({"step": 0, "time": "2026-11-27T20:00:00+00:00",
-                                                  "jaxmoral": "0.1.0", "commit": "abc1234"})
-                                      + "\n")
+  software = {"step": 0, "time": "2026-11-27T20:00:00+00:00", "commit": "abc1234def567",
+              "modified": True, "versions": {"jaxmoral": "0.1.0", "jax": "0.10.2"}}
+  (run / "software.jsonl").write_text(json.dumps(software) + "\n")
   for step in (25, 50):
     state = run / "checkpoints" / str(step) / checkpoints.STATE_ITEM
     state.mkdir(parents=True)
@@ -215,12 +214,12 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
 
   # An experiment's results, as committed.
   results = root / "experiments"
-  results.mkdir()
+  results.mkdir(exist_ok=True)
   for suffix in (".json", ".md", ".png"):
     shutil.copy(REPO / "experiments" / "results" / f"diamante_fig3_cpu{suffix}", results)
   return {"demo": demo, "models": models, "examples": examples, "classifier": classifier,
           "evaluation": evaluation, "curve": curve, "metrics": metrics, "loss": loss,
-          "base_dir": base_dir, "diamante_dir": models / "diamante", "dialogues": dialogues,
+          "model_dir": model_dir, "dialogues": dialogues,
           "results": results}
 
 
@@ -243,15 +242,21 @@ def _snapshot(root: pathlib.Path) -> dict[str, tuple[int, int]]:
 def site(tmp_path_factory, demo_vocab_path):
   """The folders, and `jaxmoral explore` serving them on a free port."""
   root = tmp_path_factory.mktemp("explore")
-  made = make_folders(root, demo_vocab_path)
-  made["before"] = _snapshot(root)
+  demo, models, results = (root / name for name in ("demo_out", "models", "experiments"))
+  for folder in (demo, models, results):
+    folder.mkdir()
+  # The server starts first: it reads the folders on each request, and its start-up overlaps
+  # the writing of the files.
   port = _free_port()
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-  log = open(root / "server.log", "w")  # pylint: disable=consider-using-with
+  log_path = tmp_path_factory.mktemp("explore_server") / "server.log"
+  log = open(log_path, "w")  # pylint: disable=consider-using-with
   process = subprocess.Popen(  # pylint: disable=consider-using-with
-      [sys.executable, "-m", "jaxmoral.cli", "explore", str(made["demo"]), str(made["models"]),
-       str(made["results"]), f"--port={port}"], stdout=log, stderr=subprocess.STDOUT, env=env)
+      [sys.executable, "-m", "jaxmoral.cli", "explore", str(demo), str(models), str(results),
+       f"--port={port}"], stdout=log, stderr=subprocess.STDOUT, env=env)
+  made = make_folders(root, demo_vocab_path)
+  made["before"] = _snapshot(root)
   url = f"http://127.0.0.1:{port}"
   deadline = time.time() + 60
   while True:
@@ -261,7 +266,7 @@ def site(tmp_path_factory, demo_vocab_path):
     except (urllib.error.URLError, ConnectionError):
       if process.poll() is not None or time.time() > deadline:
         process.kill()
-        pytest.fail(f"jaxmoral explore did not start: {(root / 'server.log').read_text()}")
+        pytest.fail(f"jaxmoral explore did not start: {log_path.read_text()}")
       time.sleep(0.2)
   made.update(url=url, root=root, process=process)
   yield made
@@ -286,9 +291,10 @@ def browser(site):
   shots = site["root"] / "screenshots"
   shots.mkdir()
 
-  def open_page(path: str, shot: str):
+  def open_page(path: str, shot: str | None = None):
     driver.get(site["url"] + path)
-    driver.save_screenshot(str(shots / f"{shot}.png"))
+    if shot:
+      driver.save_screenshot(str(shots / f"{shot}.png"))
     errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
     assert not errors, f"{path}: console errors {errors}"
     return driver
@@ -320,7 +326,7 @@ def test_index_links_every_view(site, browser):
                    "experiment"}
   for link in [e.get_attribute("href") for e in driver.find_elements(By.CSS_SELECTOR,
                                                                        "a.view-link")]:
-    browser.open_page(link[len(site["url"]):], "view-" + str(abs(hash(link)) % 10 ** 6))
+    browser.open_page(link[len(site["url"]):])
     assert not driver.find_elements(By.CSS_SELECTOR, ".problem") or "bad" in link, link
 
 
@@ -383,6 +389,8 @@ def test_clarify_views_match_the_files(site, browser):
     assert cells == [f"{v:.4f}" for v in result["per_situation"]["jsd"]]
   driver.find_element(By.CSS_SELECTOR, 'tr[data-index="0"] a.situation-link').click()
   driver.save_screenshot(str(browser.shots / "clarify-situation.png"))
+  if os.environ.get("JAXMORAL_EXPLORE_SCREENSHOT"):  # the README's picture (docs/explore.png)
+    driver.save_screenshot(os.environ["JAXMORAL_EXPLORE_SCREENSHOT"])
   for name, result in evaluation.items():
     row = result["per_question"][0]
     system = driver.find_element(By.CSS_SELECTOR, f'#detail .system[data-system="{name}"]')
@@ -417,10 +425,10 @@ def test_diamante_views_rank_as_the_library(site, browser):
   assert "Great, thanks!" in driver.find_element(By.CSS_SELECTOR, "tr.chosen").get_attribute(
       "textContent")
   driver = browser.open_page("/diamante?root=0&path=diamante/test.jsonl", "diamante")
-  Select(driver.find_element(By.NAME, "model")).select_by_value("1:diamante")
+  Select(driver.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
   driver.find_element(By.CSS_SELECTOR, "#rank-form button").click()
   driver.save_screenshot(str(browser.shots / "diamante-ranked.png"))
-  bundle = bundle_lib.load(str(site["diamante_dir"]))
+  bundle = bundle_lib.load(str(site["model_dir"]))
   p_at_1 = []
   contexts = [(d[:i], d[i], cs[i]) for d, cs in site["dialogues"] for i in range(1, len(d))]
   sections = driver.find_elements(By.CSS_SELECTOR, "section.context")
@@ -443,15 +451,16 @@ def test_diamante_views_rank_as_the_library(site, browser):
 def test_run_and_experiment_views(site, browser):
   from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
   driver = browser.open_page("/runs?root=0&path=core/run", "run")
-  points = driver.find_elements(By.CSS_SELECTOR, 'figure[data-tag="train/loss"] circle title')
+  points = driver.find_elements(By.CSS_SELECTOR, 'figure[data-tag="loss"] circle title')
   assert [t.get_attribute("textContent") for t in points] == [
-      f"loss: {s}, {v:.4g}" for s, v in site["loss"].items()]
+      "eval: 50, 3.1", *(f"train: {s}, {v:.4g}" for s, v in site["loss"].items())]
   steps = {r.get_attribute("data-step"): r.get_attribute("class") for r in
            driver.find_elements(By.CSS_SELECTOR, "#checkpoints tbody tr")}
   assert steps == {"25": "ok", "50": "damaged"}
   assert "state/data.bin" in driver.find_element(By.CSS_SELECTOR, "tr.damaged").text
   assert "BATCH_SIZE = 8" in driver.find_element(By.CSS_SELECTOR, "pre.config").text
-  assert "abc1234" in driver.find_element(By.ID, "software").text
+  assert "jaxmoral 0.1.0 (commit abc1234def56, modified), jax 0.10.2" in driver.find_element(
+      By.ID, "software").text
   driver = browser.open_page("/experiments?root=2&path=diamante_fig3_cpu.json", "experiment")
   data = json.loads((site["results"] / "diamante_fig3_cpu.json").read_text())
   ci = data["differences"]
@@ -470,7 +479,7 @@ def test_live_npov_salience_is_the_library_result(site, browser):
   from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
   driver = browser.open_page("/npov?root=0&path=npov/detect", "npov-live")
   form = driver.find_element(By.ID, "live-npov")
-  Select(form.find_element(By.NAME, "model")).select_by_value("1:npov_base")
+  Select(form.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
   typed = {"query": "Should school uniforms be compulsory?",
            "pro": "Uniforms reduce bullying.\nUniforms save money.",
            "con": "Uniforms limit self expression.",
@@ -480,7 +489,7 @@ def test_live_npov_salience_is_the_library_result(site, browser):
   form.find_element(By.CSS_SELECTOR, "button").click()
   driver.save_screenshot(str(browser.shots / "npov-live.png"))
   assert not driver.find_elements(By.CSS_SELECTOR, ".problem"), driver.page_source[:2000]
-  detector = detect.build_detector("salience", base_dir=str(site["base_dir"]))
+  detector = detect.build_detector("salience", base_dir=str(site["model_dir"]))
   example = task.NpovExample(id="live", topic="live", query=typed["query"],
                              pro=tuple(typed["pro"].split("\n")), con=(typed["con"],),
                              response=typed["response"])
@@ -492,10 +501,67 @@ def test_live_npov_salience_is_the_library_result(site, browser):
   assert len(driver.find_elements(By.CSS_SELECTOR, "#live-result .response .sal")) == len(shown)
 
 
+def test_live_clarify_question_is_the_library_reward(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  from selenium.webdriver.support.ui import Select  # pylint: disable=import-outside-toplevel
+  from jaxmoral.clarify import reward as reward_lib  # pylint: disable=import-outside-toplevel
+  driver = browser.open_page("/", "clarify-live-form")
+  form = driver.find_element(By.ID, "live-clarify")
+  Select(form.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
+  classes = form.find_element(By.NAME, "judge_classes")
+  classes.clear()
+  classes.send_keys("wrong,okay,good")
+  situation, question = SITUATIONS[1], "Why did you skip it?"
+  form.find_element(By.NAME, "situation").send_keys(situation)
+  form.find_element(By.NAME, "question").send_keys(question)
+  form.find_element(By.CSS_SELECTOR, "button").click()
+  driver.save_screenshot(str(browser.shots / "clarify-live.png"))
+  assert not driver.find_elements(By.CSS_SELECTOR, ".problem"), driver.page_source[:2000]
+  model = str(site["model_dir"])
+  reward = reward_lib.DefeasibilityReward.from_dirs(
+      answer_model_dir=model, fusion_model_dir=model, judge_model_dir=model,
+      config=reward_lib.RewardConfig(judge_classes=("wrong", "okay", "good"), use_nli=False,
+                                     batch_size=1))
+  expected = reward.score_questions([situation], [question]).row(0)
+  result = driver.find_element(By.ID, "live-result")
+  assert result.find_element(By.CSS_SELECTOR, ".jsd").text == f"{expected['jsd']:.6f}"
+  shown_text = " ".join(result.text.split())  # the browser collapses runs of spaces
+  for key in ("weakener", "strengthener", "weakened_situation", "strengthened_situation"):
+    assert " ".join(expected[key].split()) in shown_text
+  shown = [float(b.text) for b in result.find_elements(By.CSS_SELECTOR, "svg.bars text.value")]
+  np.testing.assert_allclose(shown, expected["base_distribution"] + expected[
+      "weakened_distribution"] + expected["strengthened_distribution"], atol=6e-4)
+
+
+def test_live_diamante_ranking_is_the_library_ranking(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  from selenium.webdriver.support.ui import Select  # pylint: disable=import-outside-toplevel
+  from jaxmoral.diamante import bundle as bundle_lib  # pylint: disable=import-outside-toplevel
+  from jaxmoral.diamante import inference  # pylint: disable=import-outside-toplevel
+  driver = browser.open_page("/", "diamante-live-form")
+  form = driver.find_element(By.ID, "live-diamante")
+  Select(form.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
+  context = ["Hi! How was your weekend?"]
+  responses = ["Great, I went hiking.", "It was fine.", "I stayed home."]
+  form.find_element(By.NAME, "context").send_keys("\n".join(context))
+  form.find_element(By.NAME, "responses").send_keys("\n".join(responses))
+  form.find_element(By.CSS_SELECTOR, "button").click()
+  driver.save_screenshot(str(browser.shots / "diamante-live.png"))
+  scores, logprobs = inference.rank_texts(bundle_lib.load(str(site["model_dir"])), context,
+                                          responses)
+  order = np.argsort(-scores, kind="stable")
+  rows = driver.find_elements(By.CSS_SELECTOR, "#live-result table.ranking tbody tr")
+  assert [r.find_element(By.CSS_SELECTOR, "td.text").text.replace(" human", "")
+          for r in rows] == [responses[i] for i in order]
+  np.testing.assert_allclose(
+      [[float(c.text) for c in r.find_elements(By.CSS_SELECTOR, "td.num")[:2]] for r in rows],
+      np.stack([scores, logprobs], 1)[order], atol=2e-4)
+
+
 def test_confinement_bad_files_and_read_only(site, browser):
   from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
   for path in ("/npov?root=0&path=../models", "/npov?root=0&path=" + str(site["models"]),
-               "/file?root=1&path=npov_base/../../demo_out/summary.png",
+               "/file?root=1&path=t5_joint/../../demo_out/summary.png",
                "/runs?root=0&path=%2Fetc", "/runs?root=7&path=", "/file?root=0&path=..%2F"):
     with pytest.raises(urllib.error.HTTPError) as raised:
       urllib.request.urlopen(site["url"] + path, timeout=30)  # pylint: disable=consider-using-with
@@ -507,7 +573,7 @@ def test_confinement_bad_files_and_read_only(site, browser):
     link = link_root / "out"
     if not link.exists():
       link.symlink_to(site["models"])
-    folders.Roots([link_root]).resolve(0, "out/npov_base")
+    folders.Roots([link_root]).resolve(0, "out/t5_joint")
   driver = browser.open_page("/npov?root=0&path=npov/bad", "bad-file")
   problem = driver.find_element(By.CSS_SELECTOR, ".problem").text
   assert problem.startswith("scores.jsonl:1: not JSON"), problem
@@ -518,4 +584,4 @@ def test_confinement_bad_files_and_read_only(site, browser):
   after = _snapshot(site["root"])
   assert {k: v for k, v in after.items() if k in site["before"]} == site["before"]
   assert not [k for k in after if k not in site["before"] and "/screenshots/" not in k
-              and "/linked/" not in k and not k.endswith("server.log")]
+              and "/linked/" not in k]

@@ -50,12 +50,12 @@ class Roots:
 
   def __init__(self, folders: Sequence[str | os.PathLike[str]]):
     if not folders:
-      raise ValueError("explore: give at least one folder")
+      raise ValueError("give at least one folder")
     resolved = []
     for folder in folders:
       path = pathlib.Path(folder).expanduser()
       if not path.is_dir():
-        raise ValueError(f"explore: {folder} is not a folder")
+        raise ValueError(f"{folder} is not a folder")
       resolved.append(path.resolve())
     self.folders: tuple[pathlib.Path, ...] = tuple(resolved)
 

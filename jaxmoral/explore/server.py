@@ -274,7 +274,7 @@ def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1") -> 
   try:
     server = waitress.create_server(app, host=host, port=port, threads=4)
   except OSError as error:
-    raise ValueError(f"explore: cannot listen on {host}:{port} ({error.strerror}); "
+    raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); "
                      f"choose another --port") from None
   print(f"jaxmoral explore: http://{host}:{server.effective_port}/ "
         f"({', '.join(str(f) for f in roots.folders)}; read-only; Ctrl-C stops)", flush=True)

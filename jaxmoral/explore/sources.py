@@ -289,17 +289,16 @@ def ranked(responses: list[str], scores: list[float], logprobs: list[float],
 
 
 def run_scalars(run: pathlib.Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
-  """{subfolder ("" for the run itself, "train", "eval"): {tag: [(step, value)]}} from the
-  TensorBoard events (`train.read_scalars`)."""
+  """{tag: {subfolder ("train", "eval"; "." for the run itself): [(step, value)]}} from the
+  TensorBoard events (`train.read_scalars`): one chart per tag, a line per subfolder, as
+  TensorBoard draws them."""
   from jaxmoral import train  # pylint: disable=import-outside-toplevel
-  out = {}
+  out: dict[str, dict[str, list[tuple[int, float]]]] = {}
   for folder in [run] + sorted(p for p in run.iterdir() if p.is_dir()):
     if not any("tfevents" in p.name for p in folder.iterdir() if p.is_file()):
       continue
-    scalars = train.read_scalars(str(folder))
-    if scalars:
-      out[folder.name if folder != run else ""] = {
-          tag: sorted(points.items()) for tag, points in sorted(scalars.items())}
+    for tag, points in sorted(train.read_scalars(str(folder)).items()):
+      out.setdefault(tag, {})[folder.name if folder != run else "."] = sorted(points.items())
   return out
 
 
@@ -321,11 +320,21 @@ def run_checkpoints(run: pathlib.Path) -> list[dict[str, Any]]:
 
 
 def run_software(run: pathlib.Path) -> list[dict[str, Any]]:
+  """software.jsonl's records, each with its one-line `software.describe`."""
   from jaxmoral import software  # pylint: disable=import-outside-toplevel
   try:
-    return software.read_records(run)
+    records = software.read_records(run)
   except ValueError as error:
     raise ValueError(f"software.jsonl: not JSON lines ({error})") from None
+  out = []
+  for record in records:
+    try:
+      description = software.describe(record)
+    except (KeyError, TypeError, AttributeError):
+      description = json.dumps(record, sort_keys=True)
+    out.append({"step": record.get("step"), "time": record.get("time"),
+                "description": description})
+  return out
 
 
 # -- experiments --------------------------------------------------------------------------------
