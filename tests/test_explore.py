@@ -390,7 +390,11 @@ def test_clarify_views_match_the_files(site, browser):
   driver.find_element(By.CSS_SELECTOR, 'tr[data-index="0"] a.situation-link').click()
   driver.save_screenshot(str(browser.shots / "clarify-situation.png"))
   if os.environ.get("JAXMORAL_EXPLORE_SCREENSHOT"):  # the README's picture (docs/explore.png)
+    height = driver.execute_script("return document.documentElement.scrollHeight")
+    driver.set_window_size(1400, height + 140)  # the whole page, header to last verdict
+    driver.execute_script("window.scrollTo(0, 0)")
     driver.save_screenshot(os.environ["JAXMORAL_EXPLORE_SCREENSHOT"])
+    driver.set_window_size(1400, 1000)
   for name, result in evaluation.items():
     row = result["per_question"][0]
     system = driver.find_element(By.CSS_SELECTOR, f'#detail .system[data-system="{name}"]')
