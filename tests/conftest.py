@@ -71,7 +71,7 @@ MODULE_SECONDS = {
     "test_partitioning": 21, "test_flash_attention": 17, "test_diamante_inference": 17,
     "test_adafactor": 17, "test_clarify_training": 17, "test_host_memory": 16,
     "test_data_span_corruption": 15, "test_clarify_chat": 15, "test_npov_salience": 15,
-    "test_rl_rollout": 14, "test_api": 14, "test_checkpoints": 13, "test_gin_utils": 12,
+    "test_explore": 40, "test_rl_rollout": 14, "test_api": 14, "test_checkpoints": 13, "test_gin_utils": 12,
 }
 
 

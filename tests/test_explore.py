@@ -177,8 +177,8 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   diamante = demo / "diamante"
   dialogues = [(["Hi! How was your weekend?", "Great, I went hiking.", "Where did you go?"],
                 [[], ["It was fine.", "I stayed home."], ["Nowhere.", "To the hills."]]),
-               (["Do you like music?", "Yes, mostly jazz."],
-                [[], ["No.", "I like rock."]])]
+               (["Do you like music?", "Yes, mostly jazz."],  # a candidate that is r_H
+                [[], ["No.", "Yes, mostly jazz.", "I like rock."]])]
   diamante_data.write_dialogues(diamante / "test.jsonl", dialogues)
   metrics = {"preference/p@1": 0.5, "preference/mrr": 0.7, "preference/map": 0.7,
              "generation/p@1": 0.25, "generation/mrr": 0.5, "generation/map": 0.5,
@@ -438,7 +438,7 @@ def test_diamante_views_rank_as_the_library(site, browser):
   sections = driver.find_elements(By.CSS_SELECTOR, "section.context")
   assert len(sections) == len(contexts)
   for section, (context, human, candidates) in zip(sections, contexts):
-    responses = [human, *candidates]
+    responses = [human, *(c for c in candidates if c != human)]  # as evaluation ranks them
     scores, _ = inference.rank_texts(bundle, context, responses)
     order = np.argsort(-np.asarray(scores), kind="stable")
     rows = section.find_elements(By.CSS_SELECTOR, "table.ranking tbody tr")

@@ -96,14 +96,19 @@ def _bundle(model_dir: str) -> Any:
 
 
 def diamante_rank(*, model_dir: str, context: Sequence[str], responses: Sequence[str],
-                  human: Optional[str] = None) -> dict[str, Any]:
+                  human_first: bool = True) -> dict[str, Any]:
   """Responses to a context ranked by the preference score (`inference.rank_texts`), beside
   their generation log-probabilities, total and per token (EOS included, as evaluation's
   `generation_per_token` ranker divides).
 
+  Args:
+    model_dir: A Diamante run or export.
+    context: The earlier utterances, oldest first.
+    responses: The responses to rank.
+    human_first: The first response is the human one (marked, and its ranking measured).
+
   Returns:
-    `sources.ranked(...)`: rows best first; with `human` among the responses, its ranking
-    metrics by each ranker.
+    `sources.ranked(...)`: rows best first, and the human response's ranking metrics.
   """
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jaxmoral.diamante import data  # pylint: disable=import-outside-toplevel
@@ -118,4 +123,5 @@ def diamante_rank(*, model_dir: str, context: Sequence[str], responses: Sequence
     scores, logprobs = inference.rank_texts(bundle, context, responses)
   lengths = [int(np.sum(data.encode_response(bundle.vocab, r, bundle.features) > 0))
              for r in responses]
-  return sources.ranked(list(responses), scores.tolist(), logprobs.tolist(), lengths, human)
+  return sources.ranked(list(responses), scores.tolist(), logprobs.tolist(), lengths,
+                        0 if human_first else None)

@@ -42,6 +42,9 @@ _KIND_VIEW = {"npov": "npov", "npov_scores": "npov", "npov_results": "npov", "cl
 
 
 def _message(error: BaseException) -> str:
+  """One line for the page: "No such file or directory: PATH" for a file error."""
+  if isinstance(error, OSError) and error.strerror and error.filename is not None:
+    return f"{error.strerror}: {error.filename}"
   return str(error) or type(error).__name__
 
 
@@ -212,13 +215,17 @@ def create_app(roots: folders.Roots) -> flask.Flask:
     rankings = {}
     if chosen and "value" in contexts:
       def rank_all():
-        out = {}
-        for c in contexts["value"][:int(flask.request.values.get("max", 20))]:
-          if c["candidates"]:
-            out[c["index"]] = live.diamante_rank(
-                model_dir=model_dir(chosen), context=c["context"],
-                responses=[c["response"], *c["candidates"]], human=c["response"])
-        return out
+        # The contexts as evaluation ranks them (`diamante.evaluate.ranking_items`: the human
+        # response first, candidates equal to it dropped), without random responses.
+        from jaxmoral.diamante import data  # pylint: disable=import-outside-toplevel
+        from jaxmoral.diamante import evaluate  # pylint: disable=import-outside-toplevel
+        turns = data.read_dialogues(path)[:len(contexts["value"])]
+        items = evaluate.ranking_items(turns, num_random=0, max_candidates=10, seed=0)
+        limit = int(flask.request.values.get("max", 20))
+        return {index: live.diamante_rank(model_dir=model_dir(chosen),
+                                          context=turns[index].context,
+                                          responses=responses)
+                for index, responses, _ in items[:limit]}
       rankings = attempt(rank_all)
     return render("diamante.html", root=root, path=roots.relative(root, path),
                   contexts=contexts, rankings=rankings, chosen=chosen, models=model_choices())
@@ -229,7 +236,7 @@ def create_app(roots: folders.Roots) -> flask.Flask:
     responses = [line for line in form.get("responses", "").splitlines() if line.strip()]
     result = attempt(lambda: live.diamante_rank(
         model_dir=model_dir(form.get("model")), context=form.get("context", "").splitlines(),
-        responses=responses, human=responses[0].strip() if responses else None))
+        responses=responses))
     return render("live_diamante.html", form=form, result=result, models=model_choices())
 
   @app.route("/runs")

@@ -266,14 +266,14 @@ def diamante_metrics(path: pathlib.Path) -> dict[str, dict[str, float]]:
 
 
 def ranked(responses: list[str], scores: list[float], logprobs: list[float],
-           lengths: list[int], human: Optional[str]) -> dict[str, Any]:
-  """Responses best first by preference score, with the human response marked, and the
-  ranking metrics of the human response (the library's `metrics.ranking_metrics`)."""
+           lengths: list[int], human: Optional[int]) -> dict[str, Any]:
+  """Responses best first by preference score, with the human response (index `human`, None
+  for none) marked, and its ranking metrics (the library's `metrics.ranking_metrics`)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   rows = [{"text": t, "score": float(s), "logprob": float(lp), "tokens": int(n),
-           "per_token": float(lp) / max(int(n), 1), "human": t == human}
-          for t, s, lp, n in zip(responses, scores, logprobs, lengths)]
+           "per_token": float(lp) / max(int(n), 1), "human": i == human}
+          for i, (t, s, lp, n) in enumerate(zip(responses, scores, logprobs, lengths))]
   rows.sort(key=lambda r: -r["score"])
   result: dict[str, Any] = {"rows": rows}
   labels = np.asarray([r["human"] for r in rows])
