@@ -142,6 +142,10 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   detect.detect_file(input_path=str(detect_dir / "responses.jsonl"),
                      output_path=str(detect_dir / "scores_rouge.jsonl"), detector="rouge",
                      roc_dir=str(detect_dir))
+  # The salience detector over the random model, with its heatmaps, as `make demo` runs it.
+  detect.detect_file(input_path=str(detect_dir / "responses.jsonl"),
+                     output_path=str(detect_dir / "scores.jsonl"), detector="salience",
+                     base_dir=str(model_dir), heatmap_dir=str(detect_dir / "heatmaps"))
   classifier = {e.id: base.Detection(hallucination=0.1 + 0.15 * i, coverage=0.8 - 0.1 * i)
                 for i, e in enumerate(examples)}
   with open(detect_dir / "scores_classifier.jsonl", "w", encoding="utf-8") as f:
@@ -337,6 +341,9 @@ def test_npov_table_sorts_filters_and_opens_an_example(site, browser):
   driver = browser.open_page("/npov?root=0&path=npov/detect", "npov")
   examples = site["examples"]
   assert _visible_ids(driver) == [e.id for e in examples]
+  detect_dir = site["demo"] / "npov" / "detect"
+  salience = {r["id"]: r for r in map(json.loads, (detect_dir / "scores.jsonl").read_text(
+      ).splitlines())}
   # Scores as the files hold them; ROUGE-1 as the library computes it.
   for e in examples:
     row = driver.find_element(By.CSS_SELECTOR, f'tr[data-id="{e.id}"]')
@@ -344,6 +351,7 @@ def test_npov_table_sorts_filters_and_opens_an_example(site, browser):
              for c in row.find_elements(By.CSS_SELECTOR, "td[data-detector]")}
     assert cells[("classifier", "hallucination")] == f"{site['classifier'][e.id].hallucination:.4f}"
     assert cells[("rouge", "coverage")] == f"{rouge.RougeDetector().detect(e).coverage:.4f}"
+    assert cells[("salience", "hallucination")] == f"{salience[e.id]['hallucination']:.4f}"
   # Sorting: by the classifier's hallucination score, then descending.
   header = driver.find_element(By.XPATH, "//table[@id='examples']//th[.='classifier hall.']")
   header.click()
@@ -371,9 +379,19 @@ def test_npov_table_sorts_filters_and_opens_an_example(site, browser):
   assert driver.find_element(By.ID, "example-id").text == "para-hall"
   example = examples[-1]
   assert driver.find_element(By.ID, "response").text.split() == example.response.split()
+  # The response shaded by the salience detector's word scores, as scores.jsonl has them.
+  spans = driver.find_elements(By.CSS_SELECTOR, "#response .sal")
+  words = salience["para-hall"]["response_words"]
+  assert [s.text for s in spans] == [w["text"] for w in words]
+  np.testing.assert_allclose([float(s.get_attribute("data-score")) for s in spans],
+                             [w["score"] for w in words], atol=1e-6)
   overlaps = {w.text for w in rouge.RougeDetector().detect(example).response_words
               if w.score == 0.0}
-  assert set(_texts(driver, "#response .overlap")) == overlaps
+  assert {s.text for s in spans if "overlap" in s.get_attribute("class")} == overlaps
+  driver.switch_to.frame(driver.find_element(By.CSS_SELECTOR, "iframe.heatmap"))
+  assert driver.find_element(By.TAG_NAME, "h3").text == example.query  # the library's page
+  assert len(driver.find_elements(By.CSS_SELECTOR, "tr:first-child th")) == len(words) + 2
+  driver.switch_to.default_content()
   p_no = site["classifier"]["para-hall"].hallucination
   assert f"P(YES) {1 - p_no:.3f}, P(NO) {p_no:.3f}" in driver.find_element(
       By.CSS_SELECTOR, 'tr[data-detector="classifier"]').text
