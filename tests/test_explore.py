@@ -242,9 +242,16 @@ def _snapshot(root: pathlib.Path) -> dict[str, tuple[int, int]]:
           if p.is_file()}
 
 
+@pytest.fixture(scope="session")
+def chromium_paths() -> tuple[str, str]:
+  """(browser, driver): asked first, so a machine without them skips before any work."""
+  return _browser_or_skip()
+
+
 @pytest.fixture(scope="module")
-def site(tmp_path_factory, demo_vocab_path):
+def site(tmp_path_factory, chromium_paths, demo_vocab_path):
   """The folders, and `jaxmoral explore` serving them on a free port."""
+  del chromium_paths
   root = tmp_path_factory.mktemp("explore")
   demo, models, results = (root / name for name in ("demo_out", "models", "experiments"))
   for folder in (demo, models, results):
@@ -280,8 +287,8 @@ def site(tmp_path_factory, demo_vocab_path):
 
 
 @pytest.fixture(scope="module")
-def browser(site):
-  chromium, chromedriver = _browser_or_skip()
+def browser(site, chromium_paths):
+  chromium, chromedriver = chromium_paths
   from selenium import webdriver  # pylint: disable=import-outside-toplevel
   from selenium.webdriver.chrome.service import Service  # pylint: disable=import-outside-toplevel
   options = webdriver.ChromeOptions()
@@ -307,6 +314,11 @@ def browser(site):
   driver.shots = shots
   yield driver
   driver.quit()
+
+
+def _no_console_errors(driver) -> None:
+  errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+  assert not errors, f"console errors: {errors}"
 
 
 def _texts(driver, css: str) -> list[str]:
@@ -395,7 +407,7 @@ def test_npov_table_sorts_filters_and_opens_an_example(site, browser):
   p_no = site["classifier"]["para-hall"].hallucination
   assert f"P(YES) {1 - p_no:.3f}, P(NO) {p_no:.3f}" in driver.find_element(
       By.CSS_SELECTOR, 'tr[data-detector="classifier"]').text
-  assert not driver.get_log("browser")  # nothing logged on the way
+  _no_console_errors(driver)
 
 
 def test_clarify_views_match_the_files(site, browser):
@@ -406,6 +418,7 @@ def test_clarify_views_match_the_files(site, browser):
     cells = _texts(driver, f'#situations td.jsd[data-system="{name}"]')
     assert cells == [f"{v:.4f}" for v in result["per_situation"]["jsd"]]
   driver.find_element(By.CSS_SELECTOR, 'tr[data-index="0"] a.situation-link').click()
+  _no_console_errors(driver)
   driver.save_screenshot(str(browser.shots / "clarify-situation.png"))
   if os.environ.get("JAXMORAL_EXPLORE_SCREENSHOT"):  # the README's picture (docs/explore.png)
     height = driver.execute_script("return document.documentElement.scrollHeight")
@@ -468,6 +481,7 @@ def test_diamante_views_rank_as_the_library(site, browser):
     p_at_1.append(metrics.ranking_metrics([np.asarray(scores)],
                                           [np.arange(len(responses)) == 0])["p@1"])
   assert driver.find_element(By.ID, "p-at-1").text == f"{np.mean(p_at_1):.4f}"
+  _no_console_errors(driver)
 
 
 def test_run_and_experiment_views(site, browser):
@@ -521,6 +535,7 @@ def test_live_npov_salience_is_the_library_result(site, browser):
   shown = [float(c.text) for c in driver.find_elements(By.CSS_SELECTOR, "tr.live-word td.num")]
   np.testing.assert_allclose(shown, [w.score for w in expected.response_words], atol=2e-6)
   assert len(driver.find_elements(By.CSS_SELECTOR, "#live-result .response .sal")) == len(shown)
+  _no_console_errors(driver)
 
 
 def test_live_clarify_question_is_the_library_reward(site, browser):
@@ -553,6 +568,7 @@ def test_live_clarify_question_is_the_library_reward(site, browser):
   shown = [float(b.text) for b in result.find_elements(By.CSS_SELECTOR, "svg.bars text.value")]
   np.testing.assert_allclose(shown, expected["base_distribution"] + expected[
       "weakened_distribution"] + expected["strengthened_distribution"], atol=6e-4)
+  _no_console_errors(driver)
 
 
 def test_live_diamante_ranking_is_the_library_ranking(site, browser):
@@ -578,6 +594,7 @@ def test_live_diamante_ranking_is_the_library_ranking(site, browser):
   np.testing.assert_allclose(
       [[float(c.text) for c in r.find_elements(By.CSS_SELECTOR, "td.num")[:2]] for r in rows],
       np.stack([scores, logprobs], 1)[order], atol=2e-4)
+  _no_console_errors(driver)
 
 
 def test_confinement_bad_files_and_read_only(site, browser):
