@@ -605,6 +605,11 @@ def test_confinement_bad_files_and_read_only(site, browser):
     with pytest.raises(urllib.error.HTTPError) as raised:
       urllib.request.urlopen(site["url"] + path, timeout=30)  # pylint: disable=consider-using-with
     assert raised.value.code == 403, path
+  # A page of another site whose name was re-pointed at 127.0.0.1 (DNS rebinding).
+  request = urllib.request.Request(site["url"] + "/", headers={"Host": "attacker.example"})
+  with pytest.raises(urllib.error.HTTPError) as raised:
+    urllib.request.urlopen(request, timeout=30)  # pylint: disable=consider-using-with
+  assert raised.value.code == 403
   # A link inside a folder that leads outside it.
   with pytest.raises(folders.Forbidden):
     link_root = site["root"] / "linked"

@@ -59,8 +59,19 @@ def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"error": _message(error)}
 
 
-def create_app(roots: folders.Roots) -> flask.Flask:
-  """The app over `roots` (read-only)."""
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+
+
+def create_app(roots: folders.Roots, *,
+               allowed_hosts: Optional[frozenset[str]] = LOOPBACK_NAMES) -> flask.Flask:
+  """The app over `roots` (read-only).
+
+  Args:
+    roots: The folders it shows.
+    allowed_hosts: Host names a request may address (None: any). Served on the loopback
+      address, a page of another site that re-points its own name at 127.0.0.1 (DNS
+      rebinding) must not read the folders: its requests carry that name.
+  """
   here = pathlib.Path(__file__).parent
   app = flask.Flask("jaxmoral.explore", template_folder=str(here / "templates"),
                     static_folder=str(here / "static"))
@@ -98,6 +109,14 @@ def create_app(roots: folders.Roots) -> flask.Flask:
 
   def render(template: str, **context: Any) -> str:
     return flask.render_template(template, **context)
+
+  @app.before_request
+  def check_host():
+    if allowed_hosts is not None:
+      name = flask.request.host.rsplit(":", 1)[0] if not flask.request.host.endswith("]") \
+          else flask.request.host
+      if name.lower() not in allowed_hosts:
+        raise folders.Forbidden(f"host {flask.request.host!r} is not this machine's address")
 
   @app.errorhandler(folders.Forbidden)
   def forbidden(error):
@@ -276,7 +295,7 @@ def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1") -> 
   """
   import waitress  # pylint: disable=import-outside-toplevel
   roots = folders.Roots(dirs)
-  app = create_app(roots)
+  app = create_app(roots, allowed_hosts=LOOPBACK_NAMES if host in LOOPBACK_NAMES else None)
   mimetypes.add_type("image/svg+xml", ".svg")
   try:
     server = waitress.create_server(app, host=host, port=port, threads=4)
