@@ -460,6 +460,8 @@ def test_diamante_views_rank_as_the_library(site, browser):
   assert "Great, thanks!" in driver.find_element(By.CSS_SELECTOR, "tr.chosen").get_attribute(
       "textContent")
   driver = browser.open_page("/diamante?root=0&path=diamante/test.jsonl", "diamante")
+  assert f"P@1 {site['metrics']['preference/p@1']:.4f}" in driver.find_element(
+      By.CSS_SELECTOR, ".metrics.evaluation").text
   Select(driver.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
   driver.find_element(By.CSS_SELECTOR, "#rank-form button").click()
   driver.save_screenshot(str(browser.shots / "diamante-ranked.png"))

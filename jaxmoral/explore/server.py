@@ -246,8 +246,12 @@ def create_app(roots: folders.Roots, *,
                                           responses=responses)
                 for index, responses, _ in items[:limit]}
       rankings = attempt(rank_all)
+    evaluations = [(roots.relative(root, p), attempt(lambda p=p: sources.diamante_metrics(p)))
+                   for p in sorted(path.parent.glob("*.json"))
+                   if folders.classify_file(p) == "diamante_metrics"]
     return render("diamante.html", root=root, path=roots.relative(root, path),
-                  contexts=contexts, rankings=rankings, chosen=chosen, models=model_choices())
+                  contexts=contexts, rankings=rankings, chosen=chosen, models=model_choices(),
+                  evaluations=evaluations)
 
   @app.route("/live/diamante", methods=["POST"])
   def live_diamante():
