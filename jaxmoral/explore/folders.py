@@ -30,7 +30,8 @@ class Found:
   """One thing the explorer can show.
 
   Attributes:
-    kind: "npov_scores", "npov_results", "clarify_evaluation", "clarify_chat",
+    kind: "npov" (a folder of score files or results), "npov_scores", "npov_results",
+      "clarify_evaluation", "clarify_chat",
       "reward_curve", "diamante_dialogues", "diamante_metrics", "diamante_chat", "run",
       "experiment", "model".
     root: Index of the given folder it is in.
