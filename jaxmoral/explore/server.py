@@ -11,9 +11,11 @@ sheet ship in the package. Nothing is fetched from the network.
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 import mimetypes
 import pathlib
+import threading
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
@@ -291,6 +293,20 @@ def _fmt(value: Any, digits: int = 4) -> str:
   return str(value)
 
 
+# What the first page of each view imports (NLTK, JAX, Orbax, TensorBoard's protos): loaded in
+# the background as the server starts, so that first page does not wait for them.
+_VIEW_MODULES = ("jaxmoral.npov.detectors.rouge", "jaxmoral.npov.task", "jaxmoral.metrics",
+                 "jaxmoral.train", "jaxmoral.checkpoints", "jaxmoral.diamante.data")
+
+
+def _preload() -> None:
+  for module in _VIEW_MODULES:
+    try:
+      importlib.import_module(module)
+    except Exception:  # pylint: disable=broad-except  (the page that needs it will say why)
+      logger.debug("explore: preloading %s failed", module, exc_info=True)
+
+
 def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1") -> int:
   """Serves the explorer until interrupted (Ctrl-C); returns 0.
 
@@ -306,6 +322,7 @@ def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1") -> 
   except OSError as error:
     raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); "
                      f"choose another --port") from None
+  threading.Thread(target=_preload, name="explore-preload", daemon=True).start()
   print(f"jaxmoral explore: http://{host}:{server.effective_port}/ "
         f"({', '.join(str(f) for f in roots.folders)}; read-only; Ctrl-C stops)", flush=True)
   try:
