@@ -227,6 +227,41 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
           "results": results}
 
 
+# -- without a browser: confinement and bad files (run everywhere) -------------------------------
+
+
+def test_paths_outside_the_folders_are_refused(tmp_path):
+  from jaxmoral.explore import server  # pylint: disable=import-outside-toplevel
+  shown, outside = tmp_path / "shown", tmp_path / "outside"
+  (shown / "sub").mkdir(parents=True)
+  outside.mkdir()
+  (outside / "secret.txt").write_text("the-secret-content")
+  (shown / "sub" / "notes.txt").write_text("notes")
+  (shown / "link").symlink_to(outside)
+  roots = folders.Roots([shown])
+  assert roots.resolve(0, "sub/notes.txt") == (shown / "sub" / "notes.txt").resolve()
+  for root, path in ((0, "../outside/secret.txt"), (0, "sub/../../outside"), (0, "/etc/passwd"),
+                     (0, str(outside / "secret.txt")), (0, "link/secret.txt"), (1, ""),
+                     ("x", ""), (0, "sub\\..\\..\\outside")):
+    with pytest.raises(folders.Forbidden):
+      roots.resolve(root, path)
+  client = server.create_app(roots).test_client()
+  assert client.get("/file?root=0&path=sub/notes.txt").data == b"notes"
+  for url in ("/file?root=0&path=../outside/secret.txt", "/file?root=0&path=link/secret.txt",
+              "/runs?root=0&path=/etc", "/npov?root=3&path="):
+    response = client.get(url)
+    assert response.status_code == 403 and b"the-secret-content" not in response.data, url
+  bad = shown / "detect"
+  bad.mkdir()
+  (bad / "responses.jsonl").write_text("{\"query\": \"q\", \"pro\": [\"a\"], \"con\": [],"
+                                       " \"response\": \"r\"}\n")
+  (bad / "scores.jsonl").write_text("{not json\n")
+  page = client.get("/npov?root=0&path=detect")
+  assert page.status_code == 200
+  assert b'class="problem" role="alert">scores.jsonl:1: not JSON' in page.data
+  assert client.get("/clarify?root=0&path=missing.json").status_code == 200  # said on the page
+
+
 # -- the server and the browser -----------------------------------------------------------------
 
 
