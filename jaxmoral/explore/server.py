@@ -36,7 +36,8 @@ _SERVED_TYPES = {".png": "image/png", ".svg": "image/svg+xml", ".html": "text/ht
                  ".txt": "text/plain", ".gin": "text/plain", ".md": "text/plain"}
 VIEW_TITLES = {"npov": "NPOV", "clarify": "ClarifyDelphi", "diamante": "Diamante",
                "runs": "Runs", "experiments": "Experiments"}
-_KIND_VIEW = {"npov": "npov", "npov_scores": "npov", "npov_results": "npov", "clarify_evaluation": "clarify",
+_KIND_VIEW = {"npov": "npov", "npov_scores": "npov", "npov_results": "npov",
+              "clarify_evaluation": "clarify",
               "clarify_chat": "clarify", "reward_curve": "clarify",
               "diamante_dialogues": "diamante", "diamante_metrics": "diamante",
               "diamante_chat": "diamante", "run": "runs", "experiment": "experiments",
