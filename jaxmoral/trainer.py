@@ -210,14 +210,43 @@ def _combine_metrics(per_micro: dict[str, jax.Array], weights: jax.Array) -> dic
   return out
 
 
+# `Trainer.eval_step` reports each term's count and each loss weight under these prefixes, so
+# that `average_metrics` combines eval batches as `train_step` combines microbatches.
+_COUNT, _LOSS_WEIGHT = "count/", "loss_weight/"
+
+
+def _average_terms(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+  """Eval batches' term values and counts -> the terms of all of them; loss recombined."""
+  stacked = {k: np.stack([np.asarray(m[k], np.float64) for m in metrics]) for k in metrics[0]}
+  out = {}
+  for name, values in stacked.items():
+    if name.startswith((_COUNT, _LOSS_WEIGHT)) or (name == "loss"
+                                                   and _LOSS_WEIGHT + name not in stacked):
+      continue  # Bookkeeping, or the weighted sum (recombined below) rather than a term.
+    counts = stacked.get(_COUNT + name)
+    if counts is None:  # a "sum" term
+      out[name] = float(np.sum(values))
+    else:
+      total = float(np.sum(counts))
+      out[name] = float(np.sum(values * counts)) / total if total else 0.0
+  out["loss"] = sum(float(weights[0]) * out[name[len(_LOSS_WEIGHT):]]
+                    for name, weights in stacked.items() if name.startswith(_LOSS_WEIGHT))
+  return out
+
+
 def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
   """Combines per-batch (eval) metrics.
 
-  Counts (`num_*`) are summed; other metrics are averaged, weighted by `num_tokens` when
-  every batch reports it (so padded eval batches count by their real tokens), else equally.
+  From `Trainer.eval_step` (no `eval_fn`): each term as `train_step` combines microbatches
+  (per-token and per-example terms weighted by their counts, sums added) and the loss
+  recombined from them. Other metric dicts: counts (`num_*`) are summed; other metrics are
+  averaged, weighted by `num_tokens` when every batch reports it (so padded eval batches count
+  by their real tokens), else equally.
   """
   if not metrics:
     return {}
+  if any(k.startswith(_LOSS_WEIGHT) for k in metrics[0]):
+    return _average_terms(metrics)
   stacked = {k: jnp.asarray(np.stack([np.asarray(m[k], np.float32) for m in metrics]))
              for k in metrics[0]}
   if "num_tokens" in stacked:
@@ -595,12 +624,18 @@ class Trainer:
     if self._eval_fn is not None:
       metrics = dict(self._eval_fn(state.params, batch))
     else:
-      loss, metrics = self._loss_fn(state.params, batch, None)
-      metrics = {**metrics, "loss": loss}
+      terms = self._terms_loss.terms(state.params, batch, None)
+      _, metrics = self._terms_loss.loss_and_metrics(terms)
+      metrics.update({_COUNT + k: t.count for k, t in terms.items() if t.weighting != "sum"})
+      metrics.update({_LOSS_WEIGHT + k: w for k, w in self._terms_loss.weights.items()})
     return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
   def eval_step(self, state: TrainState, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Metrics of one batch, deterministic (no dropout); the state is not donated."""
+    """Metrics of one batch, deterministic (no dropout); the state is not donated.
+
+    Without an `eval_fn`, also each term's count (`count/<term>`) and loss weight
+    (`loss_weight/<term>`), which `average_metrics` uses to combine batches exactly and drops.
+    """
     if not all(isinstance(v, jax.Array) for v in batch.values()):
       batch = self.shard_batch(batch)
     return self._eval_jit(state, dict(batch))

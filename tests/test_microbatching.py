@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxmoral import optimizers, partitioning, prompt_tuning, runs
+from jaxmoral import trainer as tr
 from jaxmoral.diamante import model as dmodel
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5, trainable
@@ -45,7 +46,8 @@ def _seq2seq_batch(rs, target_lengths, input_lengths):
 
 
 def _method(name):
-  """(model, batch) of one method, rows alternating long and short."""
+  """(model, batch) of one method, rows alternating long and short (models built alike for
+  the same name, so the fixture's trainers can be shared)."""
   rs = np.random.RandomState(0)
   long_short = [9, 2] * (ROWS // 2)
   inputs = [12, 3] * (ROWS // 2)
@@ -81,10 +83,22 @@ def _method(name):
 
 
 @pytest.fixture(scope="module")
-def one_device():
-  """A one-device partitioner and SGD: the update is -LEARNING_RATE * gradient."""
-  return (partitioning.PjitPartitioner(devices=jax.devices()[:1]),
-          optimizers.make_optimizer(name="sgd", learning_rate=LEARNING_RATE))
+def trainers():
+  """`get(model, k)`: the run's Trainer of a model with k microbatches, on one device, with SGD
+  (the update is -LEARNING_RATE * gradient); cached, so equal models share compiled steps."""
+  partitioner = partitioning.PjitPartitioner(devices=jax.devices()[:1])
+  sgd = optimizers.make_optimizer(name="sgd", learning_rate=LEARNING_RATE)
+  cache = {}
+
+  def get(model, k):
+    key = (repr(model), k)
+    if key not in cache:
+      cache[key] = runs.make_trainer(model=model, optimizer=sgd, partitioner=partitioner,
+                                     num_microbatches=k)
+    return cache[key]
+
+  get.partitioner, get.optimizer = partitioner, sgd
+  return get
 
 
 def _host(tree):
@@ -104,14 +118,12 @@ def _assert_same_update(start, one, micro, what):
 
 # (T5X's fixed loss-normalizing factor, a "sum" term: tests/test_trainer.py.)
 @pytest.mark.parametrize("name", ["seq2seq", "prompt_tuning", "npov_classifier", "diamante"])
-def test_update_and_metrics_equal_one_batch(one_device, name):
-  partitioner, sgd = one_device
+def test_update_and_metrics_equal_one_batch(trainers, name):
   model, batch = _method(name)
   rng = jax.random.PRNGKey(1)
   results = {}
   for k in (1, 2, 4):
-    trainer = runs.make_trainer(model=model, optimizer=sgd, partitioner=partitioner,
-                                num_microbatches=k)
+    trainer = trainers(model, k)
     state = trainer.init_state(jax.random.PRNGKey(0))
     start = _host(state.params)
     state, metrics = trainer.train_step(state, batch, rng)
@@ -134,12 +146,11 @@ def test_update_and_metrics_equal_one_batch(one_device, name):
     assert [int((human[i::2] > 0).sum()) for i in range(2)] == [36, 8]
 
 
-def test_diamante_pe_loss_is_per_example_not_per_token(one_device):
-  """The preference term is a mean over examples: NumPy, from the one-batch step's scores."""
-  partitioner, sgd = one_device
+def test_diamante_pe_loss_is_per_example_not_per_token(trainers):
+  """The preference term is a mean over examples (NumPy, from the scores), in a microbatched
+  step and in evaluation over batches of very different token counts."""
   model, batch = _method("diamante")
-  trainer = runs.make_trainer(model=model, optimizer=sgd, partitioner=partitioner,
-                              num_microbatches=2)
+  trainer = trainers(model, 2)
   params = nn.meta.unbox(jax.jit(model.init_params)(jax.random.PRNGKey(0)))
   scores = np.asarray(jax.jit(lambda p: dmodel.forward_responses(
       model.module(), p, batch["encoder_input_tokens"], batch["decoder_input_tokens"],
@@ -150,21 +161,27 @@ def test_diamante_pe_loss_is_per_example_not_per_token(one_device):
 
   h, m, r = scores[:, 0], scores[:, 1], scores[:, 2]
   per_example = (softplus(m - h) + softplus(r - h) + softplus(r - m)) / 3
-  _, metrics = trainer.train_step(trainer.init_state_from_params(params), batch,
-                                  jax.random.PRNGKey(1))
+  state = trainer.init_state_from_params(params)
+  # Evaluation: the long rows' and the short rows' batches combine as the whole batch.
+  whole = _host(trainer.eval_step(state, batch))
+  halves = [_host(trainer.eval_step(state, {k: v[i::2] for k, v in batch.items()}))
+            for i in range(2)]
+  combined = tr.average_metrics(halves)
+  assert set(combined) == {k for k in whole if "/" not in k}
+  for key, value in combined.items():
+    np.testing.assert_allclose(value, whole[key], rtol=1e-5, atol=1e-6, err_msg=key)
+  np.testing.assert_allclose(combined["pe_loss"], per_example.mean(), rtol=1e-5)
+  _, metrics = trainer.train_step(state, batch, jax.random.PRNGKey(1))
   np.testing.assert_allclose(float(metrics["pe_loss"]), per_example.mean(), rtol=1e-5)
 
 
-def test_microbatched_step_costs_no_extra_forward_pass(one_device):
+def test_microbatched_step_costs_no_extra_forward_pass(trainers):
   """The whole batch's counts come from a forward pass of which XLA keeps only the counts:
   the microbatched step's FLOPs stay those of the one-batch step."""
-  partitioner, sgd = one_device
   model, batch = _method("diamante")
   flops = {}
   for k in (1, 4):
-    trainer = runs.make_trainer(model=model, optimizer=sgd, partitioner=partitioner,
-                                num_microbatches=k)
-    cost = trainer.lower_train_step({n: v.shape for n, v in batch.items()}).compile()
+    cost = trainers(model, k).lower_train_step({n: v.shape for n, v in batch.items()}).compile()
     cost = cost.cost_analysis()
     flops[k] = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
   # XLA's cost analysis counts a loop body once: 4 microbatches cost a quarter of the batch.
@@ -200,8 +217,7 @@ class _Vocab:
     return " ".join(f"w{i}" for i in ids)
 
 
-def test_ppo_update_equals_one_minibatch(one_device):
-  partitioner, sgd = one_device
+def test_ppo_update_equals_one_minibatch(trainers):
   rollout = _rollout(np.random.RandomState(0), ROWS)
   results = {}
   for k in (1, 2, 4):
@@ -210,8 +226,8 @@ def test_ppo_update_equals_one_minibatch(one_device):
                                    value_coef=0.5)
     trainer = ppo_trainer.PPOTrainer(
         policy_model=t5.T5(CONFIG), value_model=t5.T5(CONFIG, with_scalar_head=True),
-        vocabulary=_Vocab(), reward_fn=lambda *a, **kw: None, config=config, optimizer=sgd,
-        partitioner=partitioner)
+        vocabulary=_Vocab(), reward_fn=lambda *a, **kw: None, config=config,
+        optimizer=trainers.optimizer, partitioner=trainers.partitioner)
     state = trainer.init_state(jax.random.PRNGKey(0))
     start = _host((state.policy.params, state.value.params))
     state, metrics = trainer.ppo_update(state, rollout, jax.random.PRNGKey(2))
