@@ -7,6 +7,12 @@ log-softmax, which is `sum(logits) - vocab * logsumexp(logits)`.
 
 `seq2seq_loss_fn` is the supervised loss of a `jaxmoral.models.t5.T5` on T5X batch features, in
 the loss-fn contract every trainer uses: `loss_fn(params, batch, rng) -> (loss, metrics)`.
+
+Losses declared as terms (`Term`, `TermsLoss`): every quantity a loss reports is a ratio
+`total / count` whose `count` (tokens or examples in the batch) does not depend on the
+parameters, and the loss is a fixed weighted sum of some of them. The trainer then combines
+microbatches exactly: it adds totals and counts over the microbatches and divides once, so each
+term (and each metric) is its one-batch value, whatever the microbatches' token counts.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional
 
+import flax
 import gin
 import jax
 import jax.numpy as jnp
@@ -141,12 +148,170 @@ def _safe_divide(num: Array, den: Array) -> Array:
   return jnp.where(den == 0, 0.0, num / safe)
 
 
+# -- losses declared as terms -------------------------------------------------------------------
+WEIGHTINGS = ("tokens", "examples", "sum")
+
+
+@flax.struct.dataclass
+class Term:
+  """One quantity of a batch, `total / count`, and how it combines across microbatches.
+
+  Attributes:
+    total: float32 scalar, the sum over the batch's tokens or examples (e.g. the summed NLL).
+    count: float32 scalar, what `total` is divided by: the batch's weighted tokens
+      ("tokens") or examples ("examples"); 1 for "sum". It must not depend on the parameters
+      (it is a count of the batch), so the trainer can take it as a constant of the gradient.
+    weighting: "tokens" (a per-token mean), "examples" (a per-example mean) or "sum" (a sum,
+      e.g. divided by a fixed normaliser, or a count such as `num_tokens`). Microbatches
+      combine as sum(totals) / sum(counts); "sum" terms as sum(totals).
+  """
+  total: jax.Array
+  count: jax.Array
+  weighting: str = flax.struct.field(pytree_node=False, default="tokens")
+
+  @classmethod
+  def tokens(cls, total: Array, count: Array) -> Term:
+    """A per-token mean: `total` summed over tokens, `count` the (weighted) token count."""
+    return cls(_f32(total), _f32(count), "tokens")
+
+  @classmethod
+  def examples(cls, total: Array, count: Array) -> Term:
+    """A per-example mean: `total` summed over examples, `count` the example count."""
+    return cls(_f32(total), _f32(count), "examples")
+
+  @classmethod
+  def sum(cls, total: Array) -> Term:
+    """A sum that microbatches add up (a fixed-normaliser loss, a count)."""
+    return cls(_f32(total), jnp.ones((), jnp.float32), "sum")
+
+  @property
+  def value(self) -> Array:
+    """The term's value on its batch: total / count (0 for a zero count), or total."""
+    if self.weighting == "sum":
+      return self.total
+    return _safe_divide(self.total, self.count)
+
+
+def _f32(x: Any) -> Array:
+  return jnp.asarray(x, jnp.float32)
+
+
+def combine_terms(stacked: Mapping[str, Term]) -> dict[str, Term]:
+  """Terms with a leading microbatch dim -> the whole batch's terms (totals and counts added).
+
+  A "sum" term keeps count 1; the others' counts add, so `value` is the one-batch value.
+  """
+  out = {}
+  for name, term in stacked.items():
+    count = (jnp.ones((), jnp.float32) if term.weighting == "sum"
+             else jnp.sum(term.count, axis=0))
+    out[name] = Term(jnp.sum(term.total, axis=0), count, term.weighting)
+  return out
+
+
+def weighted_loss(terms: Mapping[str, Term], weights: Mapping[str, float],
+                  counts: Optional[Mapping[str, Array]] = None) -> Array:
+  """sum_j weights[j] * terms[j].total / count_j, the loss of a `TermsLoss`.
+
+  Args:
+    terms: The terms of a batch or microbatch.
+    weights: Loss coefficient per term name.
+    counts: The whole batch's count per term; None uses each term's own. A microbatch's
+      loss over the whole batch's counts, summed over the microbatches, is the batch's loss,
+      and so is its gradient (the counts do not depend on the parameters).
+  """
+  loss = jnp.zeros((), jnp.float32)
+  for name, weight in weights.items():
+    term = terms[name]
+    if term.weighting == "sum":
+      value = term.total
+    else:
+      count = jax.lax.stop_gradient(term.count if counts is None else counts[name])
+      value = _safe_divide(term.total, count)
+    loss = loss + weight * value
+  return loss
+
+
+class TermsLoss:
+  """A loss declared as terms: `terms(params, batch, rng) -> {name: Term}` and fixed weights.
+
+  The loss is `sum_j weights[j] * value_j`; every term is also a metric. Calling the object
+  gives the plain contract `(loss, metrics)` (metrics: each term's value and `loss`, the
+  weighted sum, which a loss of one term may also name its term), so it works wherever a loss
+  fn does; the `Trainer` uses `terms` to combine microbatches exactly.
+
+  Attributes:
+    weights: `{term name: loss coefficient}` (a 0 coefficient keeps the term as a metric and
+      gives it no gradient).
+  """
+
+  def __init__(self, terms_fn: Callable[[Any, Mapping[str, Array], Optional[Array]],
+                                        Mapping[str, Term]],
+               *, weights: Mapping[str, float], name: str = "loss"):
+    """Wraps a terms function.
+
+    Args:
+      terms_fn: `(params, batch, rng) -> {name: Term}`; must return every name in `weights`.
+      weights: Loss coefficient per term name (non-empty).
+      name: Shown in errors.
+    """
+    if not weights:
+      raise ValueError(f"{name}: a TermsLoss needs at least one weighted term")
+    self._terms_fn = terms_fn
+    self.weights = {k: float(v) for k, v in weights.items()}
+    self.name = name
+
+  def terms(self, params: Any, batch: Mapping[str, Array],
+            rng: Optional[Array]) -> dict[str, Term]:
+    """The batch's terms (every metric included)."""
+    terms = dict(self._terms_fn(params, batch, rng))
+    missing = sorted(set(self.weights) - set(terms))
+    if missing:
+      raise ValueError(f"{self.name}: terms {sorted(terms)} lack weighted term(s) {missing}")
+    for key, term in terms.items():
+      if not isinstance(term, Term) or term.weighting not in WEIGHTINGS:
+        raise TypeError(f"{self.name}: term {key!r} must be a losses.Term with weighting in "
+                        f"{WEIGHTINGS}, got {term!r}")
+    return terms
+
+  def __call__(self, params: Any, batch: Mapping[str, Array],
+               rng: Optional[Array]) -> tuple[Array, dict[str, Array]]:
+    return self.loss_and_metrics(self.terms(params, batch, rng))
+
+  def loss_and_metrics(self, terms: Mapping[str, Term]) -> tuple[Array, dict[str, Array]]:
+    """(loss, metrics) of a batch's (or combined microbatches') terms."""
+    loss = weighted_loss(terms, self.weights)
+    return loss, {**{k: t.value for k, t in terms.items()}, "loss": loss}
+
+
+def terms_of_plain_loss(loss: Array, metrics: Mapping[str, Array], rows: int) -> dict[str, Term]:
+  """A plain `(loss, metrics)` loss fn's output as terms (the compatibility mapping).
+
+  With a `num_tokens` metric the loss and every metric are per-token means; without one,
+  per-example means over the `rows` of the batch. `num_*` metrics are counts ("sum"). Exact
+  for a loss that is a per-token (or per-example) mean and nothing else; declare a
+  `TermsLoss` for anything with several kinds of terms.
+  """
+  if "num_tokens" in metrics:
+    count, weighting = _f32(metrics["num_tokens"]), "tokens"
+  else:
+    count, weighting = jnp.asarray(rows, jnp.float32), "examples"
+  count = jax.lax.stop_gradient(count)
+  out = {}
+  for name, value in {**metrics, "loss": loss}.items():
+    if name.startswith("num_"):
+      out[name] = Term.sum(value)
+    else:
+      out[name] = Term(_f32(value) * count, count, weighting)
+  return out
+
+
 _REQUIRED_FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens")
 
 
 @gin.configurable
 def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float = 1e-4,
-                    loss_normalizing_factor: Optional[float] = None) -> LossFn:
+                    loss_normalizing_factor: Optional[float] = None) -> TermsLoss:
   """The supervised teacher-forced loss of a T5 on T5X batch features.
 
   Args:
@@ -157,16 +322,15 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
       tokens in the batch (per-token mean); a positive number divides it by that constant
       instead (T5X's fixed factor, which keeps microbatches and hosts consistent).
 
-  The returned fn's `microbatch_combine` attribute tells the Trainer how its microbatches
-  combine ("token_weighted" or "sum"), so accumulation equals one step over the whole batch.
-
   Returns:
-    `loss_fn(params, batch, rng) -> (loss, metrics)`. The batch has `encoder_input_tokens`,
-    `decoder_input_tokens`, `decoder_target_tokens`, optional `decoder_loss_weights` (default:
-    targets != 0) and optional `encoder_segment_ids` / `decoder_segment_ids` (packed
-    examples). `rng` None runs deterministically; otherwise dropout uses it. Metrics (float32
-    scalars): `loss`, `nll` (mean unsmoothed NLL per weighted token), `z_loss` (per token),
-    `accuracy` (target logit is the largest, weighted) and `num_tokens` (the weight sum).
+    A `TermsLoss`: called, `loss_fn(params, batch, rng) -> (loss, metrics)`. The batch has
+    `encoder_input_tokens`, `decoder_input_tokens`, `decoder_target_tokens`, optional
+    `decoder_loss_weights` (default: targets != 0) and optional `encoder_segment_ids` /
+    `decoder_segment_ids` (packed examples). `rng` None runs deterministically; otherwise
+    dropout uses it. Metrics (float32 scalars): `loss`, `nll` (mean unsmoothed NLL per weighted
+    token), `z_loss` (per token), `accuracy` (target logit is the largest, weighted) and
+    `num_tokens` (the weight sum). Terms: `loss` per token (a sum for a fixed normaliser), the
+    per-token metrics per token and `num_tokens` a sum, so microbatches combine exactly.
   """
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"seq2seq_loss_fn: label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -176,8 +340,7 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
     raise ValueError("seq2seq_loss_fn: loss_normalizing_factor must be None or > 0, got "
                      f"{loss_normalizing_factor}")
 
-  def loss_fn(params: Any, batch: Mapping[str, Array],
-              rng: Optional[Array]) -> tuple[Array, dict[str, Array]]:
+  def terms_fn(params: Any, batch: Mapping[str, Array], rng: Optional[Array]) -> dict[str, Term]:
     missing = [name for name in _REQUIRED_FEATURES if name not in batch]
     if missing:
       raise KeyError(f"seq2seq_loss_fn: batch lacks feature(s) {missing}; has {sorted(batch)}")
@@ -198,27 +361,23 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
     loss_sum, weight_sum, z_sum = token_nll(logits, targets, weights,
                                             label_smoothing=label_smoothing, z_loss=z_loss)
     if loss_normalizing_factor is None:
-      loss = _safe_divide(loss_sum, weight_sum)
+      loss = Term.tokens(loss_sum, weight_sum)
     else:
-      loss = loss_sum / loss_normalizing_factor
+      loss = Term.sum(loss_sum / loss_normalizing_factor)
     nll_sum = -jnp.sum(token_logprobs(logits, targets) * weights)
     # "The target logit is the largest" rather than argmax == target: a max is a vectorised
     # reduction, an argmax over the vocabulary is not (they differ only on exact ties).
     logits32 = jax.lax.stop_gradient(logits.astype(jnp.float32))
     correct = (_gather_last(logits32, targets) >= jnp.max(logits32, axis=-1)).astype(jnp.float32)
-    metrics = {
+    return {
         "loss": loss,
-        "nll": _safe_divide(nll_sum, weight_sum),
-        "z_loss": _safe_divide(z_sum, weight_sum),
-        "accuracy": _safe_divide(jnp.sum(correct * weights), weight_sum),
-        "num_tokens": weight_sum,
+        "nll": Term.tokens(nll_sum, weight_sum),
+        "z_loss": Term.tokens(z_sum, weight_sum),
+        "accuracy": Term.tokens(jnp.sum(correct * weights), weight_sum),
+        "num_tokens": Term.sum(weight_sum),
     }
-    return loss, metrics
 
-  # How the Trainer's microbatches combine into the whole batch's loss (see MICROBATCH_COMBINE):
-  # a per-token mean is weighted by tokens, a sum over a fixed factor is summed.
-  loss_fn.microbatch_combine = "token_weighted" if loss_normalizing_factor is None else "sum"
-  return loss_fn
+  return TermsLoss(terms_fn, weights={"loss": 1.0}, name="seq2seq_loss_fn")
 
 
 def pairwise_logistic(better: Array, worse: Array) -> Array:

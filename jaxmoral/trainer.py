@@ -13,6 +13,14 @@ Trainable mask (a "trainable filter"): parameters are split into two pruned nest
 `trainable` and `frozen`. The optimizer is built on `trainable` only, so frozen parameters have
 no optimizer state at all, no gradient is computed for them (they are closed over) and they
 pass through every step bit for bit.
+
+Microbatches (`num_microbatches`) give the one-batch update and metrics, exactly: the loss is
+declared as terms (`losses.TermsLoss`: per-token means, per-example means, sums), the batch's
+token and example counts are taken first (they do not depend on the parameters), each
+microbatch contributes the gradient of its terms' totals over the *whole batch's* counts, and
+the reported terms add their totals and counts over the microbatches and divide once. A plain
+`(loss, metrics)` loss fn is mapped onto terms by `losses.terms_of_plain_loss` (a per-token mean
+when it reports `num_tokens`, else a per-example mean).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmoral import optimizers, partitioning
+from jaxmoral import losses, optimizers, partitioning
 
 PyTree = Any
 Params = Mapping[str, Any]
@@ -38,7 +46,7 @@ LossFn = Callable[[Params, Mapping[str, jax.Array], Optional[jax.Array]],
 EvalFn = Callable[[Params, Mapping[str, jax.Array]], dict[str, jax.Array]]
 MaskSpec = Union[None, str, Sequence[str], Callable[[str, Any], bool], PyTree]
 
-MICROBATCH_COMBINE = ("auto", "token_weighted", "mean", "sum")
+TermsFn = Callable[[PyTree, Any, Optional[jax.Array]], Mapping[str, losses.Term]]
 
 
 # -- trainable mask ---------------------------------------------------------------------------
@@ -202,14 +210,43 @@ def _combine_metrics(per_micro: dict[str, jax.Array], weights: jax.Array) -> dic
   return out
 
 
-def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-  """Combines per-batch metrics the way `train_step` combines microbatches.
+# `Trainer.eval_step` reports each term's count and each loss weight under these prefixes, so
+# that `average_metrics` combines eval batches as `train_step` combines microbatches.
+_COUNT, _LOSS_WEIGHT = "count/", "loss_weight/"
 
-  Counts (`num_*`) are summed; other metrics are averaged, weighted by `num_tokens` when
-  every batch reports it (so padded eval batches count by their real tokens), else equally.
+
+def _average_terms(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+  """Eval batches' term values and counts -> the terms of all of them; loss recombined."""
+  stacked = {k: np.stack([np.asarray(m[k], np.float64) for m in metrics]) for k in metrics[0]}
+  out = {}
+  for name, values in stacked.items():
+    if name.startswith((_COUNT, _LOSS_WEIGHT)) or (name == "loss"
+                                                   and _LOSS_WEIGHT + name not in stacked):
+      continue  # Bookkeeping, or the weighted sum (recombined below) rather than a term.
+    counts = stacked.get(_COUNT + name)
+    if counts is None:  # a "sum" term
+      out[name] = float(np.sum(values))
+    else:
+      total = float(np.sum(counts))
+      out[name] = float(np.sum(values * counts)) / total if total else 0.0
+  out["loss"] = sum(float(weights[0]) * out[name[len(_LOSS_WEIGHT):]]
+                    for name, weights in stacked.items() if name.startswith(_LOSS_WEIGHT))
+  return out
+
+
+def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+  """Combines per-batch (eval) metrics.
+
+  From `Trainer.eval_step` (no `eval_fn`): each term as `train_step` combines microbatches
+  (per-token and per-example terms weighted by their counts, sums added) and the loss
+  recombined from them. Other metric dicts: counts (`num_*`) are summed; other metrics are
+  averaged, weighted by `num_tokens` when every batch reports it (so padded eval batches count
+  by their real tokens), else equally.
   """
   if not metrics:
     return {}
+  if any(k.startswith(_LOSS_WEIGHT) for k in metrics[0]):
+    return _average_terms(metrics)
   stacked = {k: jnp.asarray(np.stack([np.asarray(m[k], np.float32) for m in metrics]))
              for k in metrics[0]}
   if "num_tokens" in stacked:
@@ -217,6 +254,87 @@ def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
   else:
     weights = jnp.ones((len(metrics),), jnp.float32)
   return {k: float(v) for k, v in _combine_metrics(stacked, weights).items()}
+
+
+def as_terms_loss(loss_fn: Union[LossFn, losses.TermsLoss]) -> losses.TermsLoss:
+  """`loss_fn` as a `losses.TermsLoss` (a plain loss fn through `losses.terms_of_plain_loss`)."""
+  if isinstance(loss_fn, losses.TermsLoss):
+    return loss_fn
+
+  def terms_fn(params: Params, batch: Any, rng: Optional[jax.Array]) -> dict[str, losses.Term]:
+    loss, metrics = loss_fn(params, batch, rng)
+    rows = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    return losses.terms_of_plain_loss(loss, metrics, rows)
+
+  return losses.TermsLoss(terms_fn, weights={"loss": 1.0},
+                          name=getattr(loss_fn, "__name__", "loss_fn"))
+
+
+def microbatch_gradients(terms_fn: TermsFn, weights: Mapping[str, float], params: PyTree,
+                         batch: PyTree, rng: Optional[jax.Array], *, num_microbatches: int,
+                         mesh: Optional[jax.sharding.Mesh] = None,
+                         grad_shardings: Optional[PyTree] = None
+                         ) -> tuple[PyTree, dict[str, losses.Term]]:
+  """Exact gradients and terms of a terms-declared loss over a batch, in microbatches.
+
+  The loss is `losses.weighted_loss(terms, weights)` of the whole batch. With m > 1
+  microbatches (rows i, i + m, i + 2m, ... form microbatch i, so each draws equally from every
+  data shard), the whole batch's counts are taken first (`terms_fn` on the whole batch, of which
+  only the counts are used: XLA removes the rest of that forward pass), then a `lax.scan`
+  accumulates the gradient of `weighted_loss(microbatch terms, weights, counts=whole batch's)`.
+  Those microbatch losses sum to the batch's loss, so the summed gradient is its gradient.
+
+  Args:
+    terms_fn: `(params, batch, rng) -> {name: losses.Term}`; counts must not depend on params.
+    weights: `{term name: loss coefficient}`.
+    params: The differentiated tree.
+    batch: A pytree whose leaves share a leading batch dim B, divisible by `num_microbatches`.
+    rng: The step's key (microbatch i uses `fold_in(rng, i)` when m > 1), or None.
+    num_microbatches: m.
+    mesh: If given, microbatches are constrained to shard their rows over its data axis.
+    grad_shardings: If given, gradients and their accumulator keep these shardings.
+
+  Returns:
+    (gradients like `params`, the whole batch's terms: totals and counts over all rows).
+  """
+  def constrain(grads):
+    if grad_shardings is None:
+      return grads
+    return jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+  def grads_of(p, mb, key, counts):
+    def loss_of(q):
+      terms = terms_fn(q, mb, key)
+      return losses.weighted_loss(terms, weights, counts), terms
+    (_, terms), grads = jax.value_and_grad(loss_of, has_aux=True)(p)
+    return constrain(grads), jax.lax.stop_gradient(terms)
+
+  m = num_microbatches
+  if m == 1:
+    return grads_of(params, batch, rng, None)
+
+  def split(x):
+    x = x.reshape((x.shape[0] // m, m) + x.shape[1:])
+    x = jnp.swapaxes(x, 0, 1)
+    if mesh is None:
+      return x
+    spec = PartitionSpec(None, partitioning.DATA_AXIS, *([None] * (x.ndim - 2)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  # Counts of the whole batch: tokens and examples, independent of the parameters.
+  counts = {name: jax.lax.stop_gradient(term.count)
+            for name, term in terms_fn(params, batch, rng).items()}
+  micro = jax.tree_util.tree_map(split, batch)
+
+  def body(grad_sum, xs):
+    index, mb = xs
+    key = None if rng is None else jax.random.fold_in(rng, index)
+    grads, terms = grads_of(params, mb, key, counts)
+    return constrain(jax.tree_util.tree_map(jnp.add, grad_sum, grads)), terms
+
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  grads, stacked = jax.lax.scan(body, constrain(zeros), (jnp.arange(m), micro))
+  return grads, losses.combine_terms(stacked)
 
 
 class TrainStateInitializer:
@@ -373,46 +491,39 @@ class Trainer:
                optimizer: optax.GradientTransformation,
                partitioner: partitioning.PjitPartitioner, trainable_mask: MaskSpec = None,
                num_microbatches: int = 1, eval_fn: Optional[EvalFn] = None,
-               microbatch_combine: str = "auto",
                learning_rate_fn: Optional[Callable[[jax.Array], jax.Array]] = None):
     """Builds shardings and the compiled steps (compilation happens on first use).
 
     Args:
       init_params_fn: `rng -> params`, boxed with logical axes (e.g.
         `functools.partial(t5.init_params, model)`); plain arrays are replicated.
-      loss_fn: `loss_fn(params, batch, rng) -> (scalar loss, dict of scalar metrics)`; `rng`
-        None means deterministic (used by `eval_step`).
+      loss_fn: A `losses.TermsLoss` (terms that combine exactly across microbatches), or a
+        plain `loss_fn(params, batch, rng) -> (scalar loss, dict of scalar metrics)`, taken as
+        a per-token mean if it reports `num_tokens`, else a per-example mean (see
+        `losses.terms_of_plain_loss`); `rng` None means deterministic (used by `eval_step`).
       optimizer: Optax transformation; it only ever sees the trainable parameters.
       partitioner: Mesh and rules; parameters use `partitioner.sharding_for`, batches are
         sharded over "data".
       trainable_mask: None (all), regex(es) on '/'-joined parameter paths, a callable
         `(path, leaf) -> bool`, or a bool tree.
       num_microbatches: Split each global batch into this many microbatches along the batch
-        dim and accumulate gradients (same update as one big batch, less activation memory).
+        dim and accumulate gradients: the same update and metrics as one big batch (each
+        term combined as it declares, see `microbatch_gradients`), less activation memory.
       eval_fn: `eval_fn(params, batch) -> metrics` for `eval_step`; default: `loss_fn` with
         rng None.
-      microbatch_combine: How microbatch losses/gradients combine: "token_weighted" (weights
-        = the loss fn's `num_tokens` metric; exact for per-token-mean losses), "mean" (equal
-        weights; exact for per-example-mean losses of equal-size microbatches), "sum" (for
-        losses divided by a fixed normaliser), or "auto" (the loss fn's own
-        `microbatch_combine` attribute, as `losses.seq2seq_loss_fn` sets it; else
-        token_weighted if the loss reports `num_tokens`, else mean).
       learning_rate_fn: If given, `metrics["learning_rate"] = learning_rate_fn(step)`.
     """
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
       raise ValueError(f"Trainer.num_microbatches must be a positive int, got {num_microbatches!r}")
-    if microbatch_combine not in MICROBATCH_COMBINE:
-      raise ValueError(f"Trainer.microbatch_combine must be one of {MICROBATCH_COMBINE}, got "
-                       f"{microbatch_combine!r}")
     self.partitioner = partitioner
     self.num_microbatches = num_microbatches
     self.initializer = TrainStateInitializer(init_params_fn=init_params_fn, optimizer=optimizer,
                                              partitioner=partitioner,
                                              trainable_mask=trainable_mask)
     self._loss_fn = loss_fn
+    self._terms_loss = as_terms_loss(loss_fn)
     self._eval_fn = eval_fn
     self._optimizer = optimizer
-    self._combine = microbatch_combine
     self._learning_rate_fn = learning_rate_fn
     self.trainable_mask = self.initializer.trainable_mask
     self.params_shardings = self.initializer.params_shardings
@@ -464,65 +575,17 @@ class Trainer:
     return self.partitioner.host_local_to_global(local)
 
   # -- steps ------------------------------------------------------------------------------------
-  def _grads_one(self, trainable, frozen, batch, rng):
-    def loss_of(t):
-      loss, metrics = self._loss_fn(merge_params(t, frozen), batch, rng)
-      return loss, metrics
-    (loss, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+  def _grads(self, trainable, frozen, batch, rng):
+    """Gradients and metrics of the whole batch, accumulated exactly over microbatches."""
     # Gradients keep the parameters' shardings (FSDP included), also inside the microbatch
     # loop, where propagation alone may leave them sharded over the model axis only.
-    grads = jax.lax.with_sharding_constraint(grads, self._trainable_shardings)
-    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-    metrics["loss"] = jnp.asarray(loss, jnp.float32)
-    return grads, metrics
-
-  def _grads(self, trainable, frozen, batch, rng):
-    """Gradients and metrics of the whole batch, accumulated over microbatches."""
-    m = self.num_microbatches
-    if m == 1:
-      return self._grads_one(trainable, frozen, batch, rng)
-
-    def split(x):
-      # Microbatch i takes rows i, i + m, i + 2m, ...: each microbatch then draws equally
-      # from every data shard, so no device idles during accumulation.
-      x = x.reshape((x.shape[0] // m, m) + x.shape[1:])
-      x = jnp.swapaxes(x, 0, 1)
-      spec = PartitionSpec(None, partitioning.DATA_AXIS, *([None] * (x.ndim - 2)))
-      return jax.lax.with_sharding_constraint(x, NamedSharding(self.partitioner.mesh, spec))
-
-    micro = jax.tree_util.tree_map(split, batch)
-    _, metrics_shape = jax.eval_shape(
-        lambda b: self._grads_one(trainable, frozen, b, rng),
-        jax.tree_util.tree_map(lambda x: x[0], micro))
-    mode = self._combine
-    if mode == "auto":  # What the loss fn declares, else what its metrics suggest.
-      mode = getattr(self._loss_fn, "microbatch_combine", None) or (
-          "token_weighted" if "num_tokens" in metrics_shape else "mean")
-    if mode == "token_weighted" and "num_tokens" not in metrics_shape:
-      raise ValueError("Trainer: microbatch_combine='token_weighted' needs the loss fn to "
-                       f"report 'num_tokens'; it reports {sorted(metrics_shape)}")
-
-    def body(grad_sum, xs):
-      index, mb = xs
-      grads, metrics = self._grads_one(trainable, frozen, mb, jax.random.fold_in(rng, index))
-      weight = metrics["num_tokens"] if mode == "token_weighted" else jnp.float32(1.0)
-      grad_sum = jax.tree_util.tree_map(lambda a, g: a + weight * g, grad_sum, grads)
-      return jax.lax.with_sharding_constraint(grad_sum, self._trainable_shardings), (
-          metrics, weight)
-
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, trainable)
-    grad_sum, (metrics, weights) = jax.lax.scan(body, zeros, (jnp.arange(m), micro))
-    # Per-token metrics (accuracy, nll) are token-weighted whatever the loss's combination.
-    combined = _combine_metrics(metrics, metrics.get("num_tokens", weights))
-    if mode == "sum":
-      scale = jnp.float32(1.0)
-      combined["loss"] = jnp.sum(metrics["loss"])
-    else:
-      total = jnp.sum(weights)
-      scale = 1.0 / jnp.where(total > 0, total, 1.0)
-      combined["loss"] = _combine_metrics({"loss": metrics["loss"]}, weights)["loss"]
-    grads = jax.tree_util.tree_map(lambda g: g * scale, grad_sum)
-    return grads, combined
+    grads, terms = microbatch_gradients(
+        lambda t, b, r: self._terms_loss.terms(merge_params(t, frozen), b, r),
+        self._terms_loss.weights, trainable, batch, rng,
+        num_microbatches=self.num_microbatches, mesh=self.partitioner.mesh,
+        grad_shardings=self._trainable_shardings)
+    _, metrics = self._terms_loss.loss_and_metrics(terms)
+    return grads, {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
   def _train_fn(self, state: TrainState, batch, rng):
     step_rng = jax.random.fold_in(rng, state.step)
@@ -561,12 +624,18 @@ class Trainer:
     if self._eval_fn is not None:
       metrics = dict(self._eval_fn(state.params, batch))
     else:
-      loss, metrics = self._loss_fn(state.params, batch, None)
-      metrics = {**metrics, "loss": loss}
+      terms = self._terms_loss.terms(state.params, batch, None)
+      _, metrics = self._terms_loss.loss_and_metrics(terms)
+      metrics.update({_COUNT + k: t.count for k, t in terms.items() if t.weighting != "sum"})
+      metrics.update({_LOSS_WEIGHT + k: w for k, w in self._terms_loss.weights.items()})
     return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
   def eval_step(self, state: TrainState, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Metrics of one batch, deterministic (no dropout); the state is not donated."""
+    """Metrics of one batch, deterministic (no dropout); the state is not donated.
+
+    Without an `eval_fn`, also each term's count (`count/<term>`) and loss weight
+    (`loss_weight/<term>`), which `average_metrics` uses to combine batches exactly and drops.
+    """
     if not all(isinstance(v, jax.Array) for v in batch.values()):
       batch = self.shard_batch(batch)
     return self._eval_jit(state, dict(batch))

@@ -29,26 +29,36 @@ def pe_loss(human: Array, model: Array, random: Array) -> Array:
           + losses.pairwise_logistic(model, random)) / 3.0
 
 
-def preference_metrics(scores: Array) -> dict[str, Array]:
-  """Ranking accuracy and mean score gaps of (B, 3) scores ordered human, model, random.
+def preference_terms(scores: Array) -> dict[str, losses.Term]:
+  """Ranking accuracies and score gaps of (B, 3) scores ordered human, model, random, as
+  per-example terms.
 
   `rank_accuracy` is the fraction of the three pairs in the right order; `order_accuracy`
-  the fraction of examples with all three in the right order.
+  the fraction of examples with all three in the right order; `gap_*` mean score gaps.
   """
+  scores = jax.lax.stop_gradient(scores.astype(jnp.float32))
   h, m, r = scores[:, data.HUMAN], scores[:, data.MODEL], scores[:, data.RANDOM]
   pairs = jnp.stack([h > m, h > r, m > r], axis=-1).astype(jnp.float32)
-  return {
-      "rank_accuracy": jnp.mean(pairs),
-      "order_accuracy": jnp.mean(jnp.all(pairs > 0, axis=-1).astype(jnp.float32)),
-      "gap_human_model": jnp.mean(h - m),
-      "gap_human_random": jnp.mean(h - r),
-      "gap_model_random": jnp.mean(m - r),
+  examples = scores.shape[0]
+  per_example = {
+      "rank_accuracy": jnp.mean(pairs, axis=-1),
+      "order_accuracy": jnp.all(pairs > 0, axis=-1).astype(jnp.float32),
+      "gap_human_model": h - m,
+      "gap_human_random": h - r,
+      "gap_model_random": m - r,
   }
+  return {k: losses.Term.examples(jnp.sum(v), examples) for k, v in per_example.items()}
+
+
+def preference_metrics(scores: Array) -> dict[str, Array]:
+  """`preference_terms`' values: the batch means."""
+  return {k: term.value for k, term in preference_terms(scores).items()}
 
 
 @gin.configurable
-def diamante_loss_fn(model: Any, *, pe_weight: float = 1.0, z_loss: float = 0.0):
-  """The joint loss in the trainer contract `loss_fn(params, batch, rng) -> (loss, metrics)`.
+def diamante_loss_fn(model: Any, *, pe_weight: float = 1.0,
+                     z_loss: float = 0.0) -> losses.TermsLoss:
+  """The joint loss, declared as terms: NLL per human-response token, PE per example.
 
   Args:
     model: `T5(config, with_scalar_head=True)`.
@@ -56,20 +66,23 @@ def diamante_loss_fn(model: Any, *, pe_weight: float = 1.0, z_loss: float = 0.0)
     z_loss: T5X z-loss coefficient on the NLL.
 
   Returns:
-    The loss fn. Its batch (see `data.quadruple_features`) has `encoder_input_tokens` (B, Lc)
-    and `decoder_input_tokens`, `decoder_target_tokens`, `decoder_loss_weights` (B, 3, T) with
+    A `losses.TermsLoss`; called, `loss_fn(params, batch, rng) -> (loss, metrics)`. Its batch
+    (see `data.quadruple_features`) has `encoder_input_tokens` (B, Lc) and
+    `decoder_input_tokens`, `decoder_target_tokens`, `decoder_loss_weights` (B, 3, T) with
     responses ordered human, model, random. The three responses go through one batched
-    forward pass; NLL is over the human rows only. Metrics: `loss`, `nll`, `pe_loss`,
-    `rank_accuracy`, `order_accuracy`, `gap_human_model`, `gap_human_random`,
-    `gap_model_random`, `num_tokens`.
+    forward pass; NLL is over the human rows only. Terms (and metrics): `nll` (per human
+    token), `pe_loss`, `rank_accuracy`, `order_accuracy`, `gap_human_model`,
+    `gap_human_random`, `gap_model_random` (per example), `num_tokens` (a sum); metric
+    `loss` = nll + pe_weight * pe_loss. Microbatches thus combine exactly: the PE term is
+    weighted by examples, not by the microbatches' human-response tokens.
   """
   if pe_weight < 0:
     raise ValueError(f"diamante_loss_fn: pe_weight must be >= 0, got {pe_weight}")
   if not getattr(model, "with_scalar_head", False):
     raise ValueError("diamante_loss_fn: the model needs with_scalar_head=True")
 
-  def loss_fn(params: Any, batch: Mapping[str, Array],
-              rng: Optional[Array]) -> tuple[Array, dict[str, Array]]:
+  def terms_fn(params: Any, batch: Mapping[str, Array],
+               rng: Optional[Array]) -> dict[str, losses.Term]:
     targets = batch["decoder_target_tokens"]
     if targets.ndim != 3 or targets.shape[1] != 3:
       raise ValueError("diamante_loss_fn: decoder_target_tokens must be (batch, 3, length) "
@@ -81,11 +94,11 @@ def diamante_loss_fn(model: Any, *, pe_weight: float = 1.0, z_loss: float = 0.0)
     human_weights = weights[:, data.HUMAN].astype(jnp.float32)
     loss_sum, weight_sum, _ = losses.token_nll(logits[:, data.HUMAN], targets[:, data.HUMAN],
                                                human_weights, z_loss=z_loss)
-    nll = loss_sum / jnp.maximum(weight_sum, 1.0)
-    pe = jnp.mean(pe_loss(scores[:, data.HUMAN], scores[:, data.MODEL], scores[:, data.RANDOM]))
-    loss = nll + pe_weight * pe
-    metrics = {"loss": loss, "nll": nll, "pe_loss": pe, "num_tokens": weight_sum,
-               **preference_metrics(scores)}
-    return loss, metrics
+    pe = pe_loss(scores[:, data.HUMAN], scores[:, data.MODEL], scores[:, data.RANDOM])
+    return {"nll": losses.Term.tokens(loss_sum, weight_sum),
+            "pe_loss": losses.Term.examples(jnp.sum(pe), targets.shape[0]),
+            "num_tokens": losses.Term.sum(weight_sum),
+            **preference_terms(scores)}
 
-  return loss_fn
+  return losses.TermsLoss(terms_fn, weights={"nll": 1.0, "pe_loss": pe_weight},
+                          name="diamante_loss_fn")

@@ -40,7 +40,7 @@ class TrainableModel(abc.ABC):
 
   @abc.abstractmethod
   def loss_fn(self) -> Any:
-    """The loss in the trainer's contract (it may declare `microbatch_combine`)."""
+    """The loss in the trainer's contract (a `losses.TermsLoss` combines microbatches exactly)."""
 
   def init_params(self, rng: jax.Array) -> PyTree:
     """Randomly initialised, logically partitioned (boxed) parameters."""

@@ -138,9 +138,9 @@ class FixedKLController:
     return jnp.asarray(kl_coef, jnp.float32)
 
 
-def ppo_policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Array, *,
-                    clip_ratio: float = 0.2) -> tuple[Array, dict[str, Array]]:
-  """PPO clipped surrogate: masked mean of max(-A r, -A clip(r, 1 - c, 1 + c)).
+def ppo_policy_terms(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Array, *,
+                     clip_ratio: float = 0.2) -> dict[str, losses.Term]:
+  """PPO's clipped surrogate and its diagnostics as per-token terms (sums over `mask`).
 
   Args:
     logprobs: (B, T) log-probs of the taken tokens under the current policy (differentiated).
@@ -150,47 +150,82 @@ def ppo_policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mas
     clip_ratio: c.
 
   Returns:
-    (loss, metrics) with `policy_loss`, `ratio_mean`, `clipfrac` (fraction of tokens where the
-    clipped term is active) and `approx_kl` (masked mean of 0.5 (log r)^2).
+    `policy_loss` (max(-A r, -A clip(r, 1 - c, 1 + c)) per token), and, gradient-stopped,
+    `ratio_mean`, `clipfrac` (tokens where the clipped term is active) and `approx_kl`
+    (0.5 (log r)^2 per token); each a `losses.Term.tokens` over the valid tokens.
   """
   if not clip_ratio > 0:
     raise ValueError(f"ppo_policy_loss: clip_ratio must be > 0, got {clip_ratio}")
+  mask = mask.astype(jnp.float32)
+  tokens = jnp.sum(mask)
   log_ratio = logprobs.astype(jnp.float32) - old_logprobs.astype(jnp.float32)
   ratio = jnp.exp(log_ratio)
   advantages = advantages.astype(jnp.float32)
   unclipped = -advantages * ratio
   clipped = -advantages * jnp.clip(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-  loss = losses.masked_mean(jnp.maximum(unclipped, clipped), mask)
-  metrics = {
-      "policy_loss": loss,
-      "ratio_mean": losses.masked_mean(ratio, mask),
-      "clipfrac": losses.masked_mean((clipped > unclipped).astype(jnp.float32), mask),
-      "approx_kl": losses.masked_mean(0.5 * jnp.square(log_ratio), mask),
+  stop = jax.lax.stop_gradient
+  return {
+      "policy_loss": losses.Term.tokens(jnp.sum(jnp.maximum(unclipped, clipped) * mask), tokens),
+      "ratio_mean": losses.Term.tokens(stop(jnp.sum(ratio * mask)), tokens),
+      "clipfrac": losses.Term.tokens(
+          stop(jnp.sum((clipped > unclipped).astype(jnp.float32) * mask)), tokens),
+      "approx_kl": losses.Term.tokens(stop(jnp.sum(0.5 * jnp.square(log_ratio) * mask)), tokens),
   }
-  return loss, jax.lax.stop_gradient(metrics)
 
 
-def ppo_value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
-                   clip_value: float = 0.2) -> tuple[Array, dict[str, Array]]:
-  """PPO2 clipped value loss: 0.5 * masked mean of max((v - R)^2, (v_clipped - R)^2).
+def ppo_policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Array, *,
+                    clip_ratio: float = 0.2) -> tuple[Array, dict[str, Array]]:
+  """PPO clipped surrogate: masked mean of max(-A r, -A clip(r, 1 - c, 1 + c)).
 
-  `v_clipped = old_v + clip(v - old_v, -clip_value, clip_value)`.
+  The values of `ppo_policy_terms` (see there for the arguments).
 
   Returns:
-    (loss, metrics) with `value_loss` and `vf_clipfrac` (fraction of tokens where the clipped
-    error is the larger one).
+    (loss, metrics) with `policy_loss`, `ratio_mean`, `clipfrac` (fraction of tokens where the
+    clipped term is active) and `approx_kl` (masked mean of 0.5 (log r)^2).
+  """
+  terms = ppo_policy_terms(logprobs, old_logprobs, advantages, mask, clip_ratio=clip_ratio)
+  loss = terms["policy_loss"].value
+  return loss, jax.lax.stop_gradient({k: t.value for k, t in terms.items()})
+
+
+def ppo_value_terms(values: Array, old_values: Array, returns: Array, mask: Array, *,
+                    clip_value: float = 0.2) -> dict[str, losses.Term]:
+  """PPO2's clipped value loss and its clip fraction as per-token terms.
+
+  `value_loss` is 0.5 * max((v - R)^2, (v_clipped - R)^2) per valid token, with
+  `v_clipped = old_v + clip(v - old_v, -clip_value, clip_value)`; `vf_clipfrac` (gradient-
+  stopped) the tokens where the clipped error is the larger one.
   """
   if not clip_value > 0:
     raise ValueError(f"ppo_value_loss: clip_value must be > 0, got {clip_value}")
+  mask = mask.astype(jnp.float32)
+  tokens = jnp.sum(mask)
   values = values.astype(jnp.float32)
   old_values = old_values.astype(jnp.float32)
   returns = returns.astype(jnp.float32)
   clipped_values = old_values + jnp.clip(values - old_values, -clip_value, clip_value)
   error = jnp.square(values - returns)
   clipped_error = jnp.square(clipped_values - returns)
-  loss = 0.5 * losses.masked_mean(jnp.maximum(error, clipped_error), mask)
-  metrics = {
-      "value_loss": loss,
-      "vf_clipfrac": losses.masked_mean((clipped_error > error).astype(jnp.float32), mask),
+  clipped_more = (clipped_error > error).astype(jnp.float32)
+  return {
+      "value_loss": losses.Term.tokens(0.5 * jnp.sum(jnp.maximum(error, clipped_error) * mask),
+                                       tokens),
+      "vf_clipfrac": losses.Term.tokens(jax.lax.stop_gradient(jnp.sum(clipped_more * mask)),
+                                        tokens),
   }
-  return loss, jax.lax.stop_gradient(metrics)
+
+
+def ppo_value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
+                   clip_value: float = 0.2) -> tuple[Array, dict[str, Array]]:
+  """PPO2 clipped value loss: 0.5 * masked mean of max((v - R)^2, (v_clipped - R)^2).
+
+  `v_clipped = old_v + clip(v - old_v, -clip_value, clip_value)`; the values of
+  `ppo_value_terms`.
+
+  Returns:
+    (loss, metrics) with `value_loss` and `vf_clipfrac` (fraction of tokens where the clipped
+    error is the larger one).
+  """
+  terms = ppo_value_terms(values, old_values, returns, mask, clip_value=clip_value)
+  loss = terms["value_loss"].value
+  return loss, jax.lax.stop_gradient({k: t.value for k, t in terms.items()})

@@ -8,7 +8,8 @@ One PPO iteration (`PPOTrainer.iteration`):
                `reward_fn_tokens`;
 3. score    -- one jitted pass: old/reference log-probs, values, KL-penalised rewards, GAE;
 4. update   -- one jitted `ppo_update`: `num_ppo_epochs` x `num_minibatches` clipped updates of
-               policy and value (a `lax.scan` over minibatch permutations), then the KL
+               policy and value (a `lax.scan` over minibatch permutations; each minibatch's
+               gradient optionally accumulated exactly over `num_microbatches`), then the KL
                controller step.
 
 State (`PPOState`): the policy and value `jaxmoral.trainer.TrainState`s (parameters, optimizer
@@ -97,6 +98,9 @@ class PPOConfig:
       mesh's data axis.
     num_ppo_epochs: Passes over each rollout.
     num_minibatches: Minibatches per pass (a fresh permutation per pass).
+    num_microbatches: Gradient accumulation steps per minibatch (less activation memory; the
+      same update as the whole minibatch: every loss term is a per-token mean combined exactly,
+      see `trainer.microbatch_gradients`). Divides the minibatch size.
     clip_ratio: Policy-ratio clip c of the surrogate.
     value_clip: Clip of the value change in the clipped value loss.
     value_coef: alpha in loss = policy_loss + alpha * value_loss.
@@ -127,6 +131,7 @@ class PPOConfig:
   batch_size: int = 64
   num_ppo_epochs: int = 4
   num_minibatches: int = 4
+  num_microbatches: int = 1
   clip_ratio: float = 0.2
   value_clip: float = 0.2
   value_coef: float = 0.1
@@ -149,14 +154,18 @@ class PPOConfig:
   reward_norm_num_prompts: int = 256
 
   def __post_init__(self):
-    for name in ("batch_size", "num_ppo_epochs", "num_minibatches", "max_prompt_length",
-                 "max_response_length", "reward_norm_num_prompts"):
+    for name in ("batch_size", "num_ppo_epochs", "num_minibatches", "num_microbatches",
+                 "max_prompt_length", "max_response_length", "reward_norm_num_prompts"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
     if self.batch_size % self.num_minibatches:
       raise ValueError(f"PPOConfig.batch_size={self.batch_size} must be divisible by "
                        f"num_minibatches={self.num_minibatches}")
+    if self.minibatch_size % self.num_microbatches:
+      raise ValueError(f"PPOConfig: the minibatch size {self.minibatch_size} (batch_size / "
+                       f"num_minibatches) must be divisible by "
+                       f"num_microbatches={self.num_microbatches}")
     for name in ("clip_ratio", "value_clip", "temperature", "kl_target", "kl_horizon"):
       if not getattr(self, name) > 0:
         raise ValueError(f"PPOConfig.{name} must be > 0, got {getattr(self, name)!r}")
@@ -575,7 +584,8 @@ class PPOTrainer:
     v_train, v_frozen = trainer_lib.split_params(state.value.params, value_mask)
     mesh = self.partitioner.mesh
 
-    def loss_fn(trainables, mb: rollout_lib.Rollout):
+    def terms_fn(trainables, mb: rollout_lib.Rollout, rng) -> dict[str, losses.Term]:
+      del rng  # The update runs without dropout.
       policy_params = trainer_lib.merge_params(trainables[0], p_frozen)
       value_params = trainer_lib.merge_params(trainables[1], v_frozen)
       logprobs, entropy, values = rollout_lib.policy_and_values(
@@ -583,17 +593,19 @@ class PPOTrainer:
           mb.response_tokens, temperature=cfg.temperature,
           share_value_encoder=cfg.share_value_encoder, with_entropy=cfg.compute_entropy)
       mask = mb.response_mask
-      pg_loss, metrics = ppo.ppo_policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask,
-                                             clip_ratio=cfg.clip_ratio)
-      vf_loss, vf_metrics = ppo.ppo_value_loss(values, mb.old_values, mb.returns, mask,
-                                               clip_value=cfg.value_clip)
-      loss = pg_loss + cfg.value_coef * vf_loss
-      metrics = {**metrics, **vf_metrics, "loss": jax.lax.stop_gradient(loss)}
+      terms = {**ppo.ppo_policy_terms(logprobs, mb.old_logprobs, mb.advantages, mask,
+                                      clip_ratio=cfg.clip_ratio),
+               **ppo.ppo_value_terms(values, mb.old_values, mb.returns, mask,
+                                     clip_value=cfg.value_clip)}
       if entropy is not None:
-        metrics["entropy"] = jax.lax.stop_gradient(losses.masked_mean(entropy, mask))
-      return loss, metrics
+        terms["entropy"] = losses.Term.tokens(
+            jax.lax.stop_gradient(jnp.sum(entropy * mask)), jnp.sum(mask))
+      return terms
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # loss = policy_loss + value_coef * value_loss, both per-token means over the minibatch.
+    update_loss = losses.TermsLoss(terms_fn, weights={"policy_loss": 1.0,
+                                                      "value_loss": cfg.value_coef},
+                                   name="ppo_update")
 
     def take(x, index):
       x = jnp.take(x, index, axis=0)
@@ -612,8 +624,10 @@ class PPOTrainer:
     def body(carry, index):
       p_t, v_t, p_opt, v_opt = constrain(carry, carry_sh)
       mb = jax.tree_util.tree_map(lambda x: take(x, index), rollout)
-      (_, metrics), (p_grads, v_grads) = grad_fn((p_t, v_t), mb)
-      p_grads, v_grads = constrain((p_grads, v_grads), (p_sh, v_sh))
+      (p_grads, v_grads), terms = trainer_lib.microbatch_gradients(
+          update_loss.terms, update_loss.weights, (p_t, v_t), mb, None,
+          num_microbatches=cfg.num_microbatches, mesh=mesh, grad_shardings=(p_sh, v_sh))
+      _, metrics = update_loss.loss_and_metrics(terms)
       updates, p_opt = self._optimizer.update(p_grads, p_opt, p_t)
       p_t = optax.apply_updates(p_t, updates)
       updates, v_opt = self._value_optimizer.update(v_grads, v_opt, v_t)
