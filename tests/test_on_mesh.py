@@ -15,7 +15,6 @@ from jaxmoral import prompt_tuning
 from jaxmoral import runs
 from jaxmoral.clarify import chat as clarify_chat
 from jaxmoral.clarify import evaluate as clarify_evaluate
-from jaxmoral.clarify import testing as clarify_testing
 from jaxmoral.data import readers
 from jaxmoral.data import demo as demo_data
 from jaxmoral.data import vocab as vocab_lib
@@ -60,32 +59,36 @@ def dirs(tmp_path_factory, demo_vocab_path):
   (scalar head, its run settings) and data files for them."""
   root = tmp_path_factory.mktemp("on_mesh")
   vocabulary = vocab_lib.get_vocabulary(demo_vocab_path)
-  lm = clarify_testing.random_model_dir(root / "lm", seed=1, vocabulary_path=demo_vocab_path,
-                                        config=CONFIG)
-  tuned = clarify_testing.random_model_dir(root / "tuned", seed=2,
-                                           vocabulary_path=demo_vocab_path, config=CONFIG)
+
+  def random_params(seed: int, with_scalar_head: bool = False):
+    model = t5.T5(CONFIG, with_scalar_head=with_scalar_head)
+    return jax.device_get(nn.meta.unbox(
+        jax.jit(lambda r: t5.init_params(model, r))(jax.random.PRNGKey(seed))))
+
+  lm = model_dirs.export(root / "lm", params=random_params(1), config=CONFIG,
+                         vocabulary=vocabulary)
+  tuned = model_dirs.export(root / "tuned", params=random_params(2), config=CONFIG,
+                            vocabulary=vocabulary)
   prompt = np.random.default_rng(0).normal(size=(3, CONFIG.d_model)).astype(np.float32)
   prompt_tuning.save_prompt(prompt, root / "prompt")
-  model = t5.T5(CONFIG, with_scalar_head=True)
-  params = jax.device_get(nn.meta.unbox(
-      jax.jit(lambda r: t5.init_params(model, r))(jax.random.PRNGKey(3))))
+  params = random_params(3, with_scalar_head=True)
   params["scalar_head"]["kernel"] = params["scalar_head"]["kernel"] * 5.0
   settings = {"data": {"separator": diamante_data.DEFAULT_SEPARATOR},
               "feature_lengths": {"inputs": 24, "targets": 8}}
   diamante = model_dirs.export(root / "diamante", params=params, config=CONFIG,
                                vocabulary=vocabulary, settings=settings)
-  pairs = readers.write_jsonl(
-      root / "pairs.jsonl",
-      [{"inputs": f"question: {r['situation']}", "targets": r["question"]}
-       for r in demo_data.clarify_questions()[:40]])
+  rows = [{"inputs": f"question: {r['situation']}", "targets": r["question"]}
+          for r in demo_data.clarify_questions()[:16]]
+  pairs = readers.write_jsonl(root / "pairs.jsonl", rows[:8])
+  eval_pairs = readers.write_jsonl(root / "eval_pairs.jsonl", rows[8:])  # One batch of 8.
   inputs = root / "inputs.txt"
   inputs.write_text("why would someone skip a party\n\nlying to a friend\nhelping a stranger\n")
   turns = toy.toy_turns(4, seed=1)
   test_path = root / "test.jsonl"
   readers.write_jsonl(test_path, [toy.toy_dialogue(np.random.default_rng(i)) for i in range(4)])
   return {"root": root, "lm": lm, "tuned": tuned, "prompt": str(root / "prompt"),
-          "diamante": diamante, "pairs": str(pairs), "inputs": str(inputs),
-          "test": str(test_path), "turns": turns}
+          "diamante": diamante, "pairs": str(pairs), "eval_pairs": str(eval_pairs),
+          "inputs": str(inputs), "test": str(test_path), "turns": turns}
 
 
 def _assert_close(a, b, *, rtol=1e-4, atol=1e-5):
@@ -121,7 +124,7 @@ def test_parameters_are_read_into_the_partitioners_shardings(dirs, mesh):
 
 
 def test_eval_and_infer_match_one_device(dirs, mesh):
-  data = runs.Seq2SeqData(train_file=dirs["pairs"])
+  data = runs.Seq2SeqData(train_file=dirs["pairs"], eval_file=dirs["eval_pairs"])
   lengths = {"inputs": 32, "targets": 8}
   reports = [runs.eval_run(model_dir=dirs["lm"], data=data, feature_lengths=lengths,
                            batch_size=8, decode_examples=4, partitioner=p)
@@ -131,9 +134,10 @@ def test_eval_and_infer_match_one_device(dirs, mesh):
   outputs = []
   for name, p in (("one", None), ("mesh", mesh)):
     path = dirs["root"] / f"infer_{name}.jsonl"
+    # The shapes and settings of eval's decodes: the same compiled sampler.
     runs.infer_run(model_dir=dirs["lm"], input_file=dirs["inputs"], output_file=str(path),
-                   input_length=16, batch_size=4, partitioner=p,
-                   sample_config=runs.decoding.SampleConfig(max_decode_length=6, greedy=True))
+                   input_length=32, batch_size=4, partitioner=p,
+                   sample_config=runs.decoding.SampleConfig(max_decode_length=8, greedy=True))
     outputs.append([json.loads(line) for line in path.read_text().splitlines()])
   assert len(outputs[0]) == 4 and outputs[0][1]["predictions"] == []
   assert any(r["predictions"] and r["predictions"][0] for r in outputs[0])
@@ -145,7 +149,7 @@ def test_npov_detectors_match_one_device(dirs, mesh):
   for p in (None, mesh):
     salience = detect.build_detector("salience", base_dir=dirs["lm"],
                                      generator_dir=dirs["prompt"], partitioner=p)
-    maps = [salience.word_map(e) for e in EXAMPLES]
+    maps = [salience.word_map(EXAMPLES[0])]  # One example: one compiled shape.
     classifier = detect.build_detector(
         "classifier", base_dir=dirs["lm"], partitioner=p,
         classifier_dirs={"hallucination": dirs["tuned"], "coverage": dirs["prompt"]})
@@ -164,9 +168,10 @@ def test_npov_detectors_match_one_device(dirs, mesh):
 def test_diamante_evaluate_candidates_and_chat_match_one_device(dirs, mesh):
   results = []
   for name, p in (("one", None), ("mesh", mesh)):
+    # Its reranked generations are the chat's (`inference.respond`), tested below.
     metrics = diamante_evaluate.evaluate(model_dir=dirs["diamante"], test_path=dirs["test"],
-                                         num_random=2, max_candidates=3, num_generate=3,
-                                         rerank=RERANK, batch_size=4, partitioner=p)
+                                         num_random=2, max_candidates=3, num_generate=0,
+                                         batch_size=4, partitioner=p)
     out = dirs["root"] / f"candidates_{name}.jsonl"
     diamante_candidates.generate_candidates(
         model_dir=dirs["diamante"], turns=dirs["turns"], output_path=str(out),
