@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from jaxmoral import api
+from jaxmoral import cli
 from jaxmoral import model_dirs
 from jaxmoral import partitioning
 from jaxmoral import prompt_tuning
@@ -121,6 +123,24 @@ def test_parameters_are_read_into_the_partitioners_shardings(dirs, mesh):
   assert len(one.params["token_embedder"]["embedding"].sharding.device_set) == 1
   np.testing.assert_array_equal(np.asarray(embedding),
                                 np.asarray(one.params["token_embedder"]["embedding"]))
+  # An export read and written from the mesh (`jaxmoral export --num_partitions=2`) holds
+  # the same numbers.
+  exported = dirs["root"] / "exported"
+  assert cli.main(["export", f"--model_dir={dirs['lm']}", f"--output={exported}",
+                   "--num_partitions=2"]) == 0
+  again = model_dirs.load(exported)
+  for got, want in zip(jax.tree.leaves(again.params), jax.tree.leaves(one.params)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_api_model_scores_on_the_mesh_as_on_one_device(dirs, mesh):
+  sharded = api.Model.from_pretrained(dirs["lm"], partitioner=mesh)
+  assert sharded.params["token_embedder"]["embedding"].sharding.spec == PartitionSpec("model",
+                                                                                      None)
+  inputs, targets = ["skipping a party", "lying to a friend"], ["why?", "to protect her"]
+  np.testing.assert_allclose(sharded.score(inputs, targets),
+                             api.Model.from_pretrained(dirs["lm"]).score(inputs, targets),
+                             rtol=1e-5)
 
 
 def test_eval_and_infer_match_one_device(dirs, mesh):
