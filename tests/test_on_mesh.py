@@ -206,17 +206,20 @@ def test_diamante_evaluate_candidates_and_chat_match_one_device(dirs, mesh):
 
 def test_clarify_evaluate_and_chat_match_one_device(dirs, mesh):
   lm = dirs["lm"]
-  source = dirs["root"] / "clarify_in.jsonl"
-  source.write_text(json.dumps({"situation": "skipping a party", "answers": ["I was sick."]})
-                    + "\n")
   results = []
-  for name, p in (("one", None), ("mesh", mesh)):
+  for p in (None, mesh):
     evaluation = clarify_evaluate.evaluate_model_dirs(
         question_model_dir=lm, answer_model_dir=lm, fusion_model_dir=lm, judge_model_dir=lm,
         max_situations=2, output_path=None, judge_classes=JUDGE_CLASSES, partitioner=p)
-    records = clarify_chat.chat_from_file(
-        input_jsonl=str(source), output_jsonl=str(dirs["root"] / f"clarify_{name}.jsonl"),
-        question_model_dir=lm, fusion_model_dir=lm, judge_model_dir=lm, max_turns=1,
-        judge_classes=JUDGE_CLASSES, partitioner=p)
-    results.append({"evaluate": evaluation, "chat": records})
+    # The chat's models: loaded as `chat` and `chat_from_file` load them, judging with the
+    # program the evaluation compiled (its turns call the same `models` functions).
+    session = clarify_chat._session(  # pylint: disable=protected-access
+        question_model_dir=lm, fusion_model_dir=lm, judge_model_dir=lm, answer_model_dir=lm,
+        judge_classes=JUDGE_CLASSES, top_p=0.6, seed=0, partitioner=p)
+    if p is not None:
+      params = session.question_model.params
+      assert session.judge_model.partitioner is mesh
+      assert params["token_embedder"]["embedding"].sharding.spec == PartitionSpec("model", None)
+    results.append({"evaluate": evaluation, "judge": session.judge("skipping a party")})
+  assert results[0]["evaluate"]["pipeline"]["question_pct"] >= 0
   _assert_close(results[1], results[0])
