@@ -316,6 +316,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="jaxmoral (params/ + config.json + vocab/) or hf (model.safetensors "
                            "+ config.json + spiece.model, loads in transformers)")
   export.add_argument("--overwrite", action="store_true", help="replace an existing export")
+  export.add_argument("--num_partitions", type=int, default=None,
+                      help="read and write the parameters sharded over a model axis of this "
+                           "many devices (the run's MODEL_PARALLEL; default: one device)")
 
   compile_ = sub.add_parser("compile", help="AOT-compile a config's train step for a topology.")
   compile_.add_argument("--topology", required=True,
@@ -415,9 +418,12 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
     module, function, _ = GIN_COMMANDS[args.command]
     _call_with_gin(module, function, gin_args)
   elif args.command == "export":
-    from jaxmoral import runs
+    from jaxmoral import partitioning, runs
+    partitioner = (partitioning.PjitPartitioner(num_partitions=args.num_partitions)
+                   if args.num_partitions else None)
     runs.export_run(model_dir=args.model_dir, output_dir=args.output, step=args.step,
-                    dtype=args.dtype, output_format=args.format, overwrite=args.overwrite)
+                    dtype=args.dtype, output_format=args.format, overwrite=args.overwrite,
+                    partitioner=partitioner)
   elif args.command == "compile":
     from jaxmoral import aot
     gin_utils.parse_gin(gin_args)

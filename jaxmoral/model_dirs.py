@@ -31,6 +31,7 @@ tuning run also gives its soft prompt.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -353,11 +354,14 @@ class LoadedModel:
     config: The T5Config in use (the stored one, maybe with another activation dtype).
     params: The T5 parameter tree (plus `scalar_head` when stored), unboxed, on device.
     prompt: The soft prompt (P, d_model) of a prompt-tuning run, else None.
+    partitioner: The partitioner whose shardings hold `params` (None: placed without one);
+      what uses the model runs its jitted functions on its mesh.
   """
   info: ModelInfo
   config: T5Config
   params: PyTree
   prompt: Optional[jax.Array] = None
+  partitioner: Any = None
 
   @property
   def vocabulary(self) -> Any:
@@ -385,12 +389,31 @@ class LoadedModel:
 def param_shardings(config: T5Config, partitioner: Any, *,
                     with_scalar_head: bool = False) -> PyTree:
   """The partitioner's `NamedSharding` tree for a T5's parameters (logical-axis rules)."""
+  return _param_shardings(config, partitioner, with_scalar_head)
+
+
+@functools.lru_cache(maxsize=32)
+def _param_shardings(config: T5Config, partitioner: Any, with_scalar_head: bool) -> PyTree:
+  # Cached: the jitted functions of a loaded model take it as their parameters' in_shardings.
   from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
   model = t5.T5(config, with_scalar_head=with_scalar_head)
   with partitioner.context():
     boxed = jax.eval_shape(lambda rng: t5.init_params(model, rng),
                            jax.ShapeDtypeStruct((2,), jnp.uint32))
   return partitioner.sharding_for(boxed)
+
+
+def decode_weights(model: Any, params: PyTree, partitioner: Any = None) -> Any:
+  """The decoding backend's kernels of loaded parameters, prepared once, or None.
+
+  Prepared where the parameters sit on one device (no partitioner, or a one-device mesh: the
+  CPU kernels or XLA's stacks); a model sharded over a larger mesh stacks XLA's kernels inside
+  each call rather than keep a second copy of its decoder weights.
+  """
+  from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
+  if partitioner is not None and partitioner.mesh.size > 1:
+    return None
+  return decoding.prepare_decode_weights(model, params, partitioner=partitioner)
 
 
 def _target(shapes: Mapping[str, tuple[int, ...]], shardings: PyTree, dtype: Any,
@@ -486,7 +509,24 @@ def load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTre
     if prompted:
       params, prompt = params["base"], params["prompt"]
   logger.info("loaded %s", info.describe())
-  return LoadedModel(info=info, config=model_config, params=params, prompt=prompt)
+  return LoadedModel(info=info, config=model_config, params=params, prompt=prompt,
+                     partitioner=partitioner)
+
+
+def load_on_mesh(source: str | os.PathLike, *, partitioner: Any = None,
+                 **kwargs: Any) -> LoadedModel:
+  """`load` for the commands that use a model (eval, infer, export, the methods' detectors,
+  evaluations and chats): into the shardings of `partitioner` (the run's PARTITIONER, as gin
+  binds it), else of `partitioning.inference_partitioner`'s default. The result keeps the
+  partitioner (`LoadedModel.partitioner`): the calls that use the model run on its mesh.
+
+  Args:
+    source: See `load`.
+    partitioner: The mesh and logical-axis rules (None: the default).
+    **kwargs: `load`'s other arguments (step, dtype, config, vocabulary, ...).
+  """
+  from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
+  return load(source, partitioner=partitioning.inference_partitioner(partitioner), **kwargs)
 
 
 # -- saving -------------------------------------------------------------------------------------
@@ -525,7 +565,8 @@ def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
 
 def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
                  step: Optional[int] = None, dtype: Optional[str] = None,
-                 output_format: str = "jaxmoral", overwrite: bool = False) -> str:
+                 output_format: str = "jaxmoral", overwrite: bool = False,
+                 partitioner: Any = None) -> str:
   """`jaxmoral export`: a run (or any model directory) as a jaxmoral or Hugging Face export.
 
   Args:
@@ -536,13 +577,15 @@ def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
     output_format: "jaxmoral" (params/ + config.json + vocab/) or "hf" (config.json +
       model.safetensors + spiece.model: loads in transformers).
     overwrite: Replace an existing export.
+    partitioner: The mesh the parameters are read onto and written from, each device its own
+      slice (`partitioning.inference_partitioner`: default one device).
 
   Raises:
     FileExistsError: `output_dir` holds an export and `overwrite` is False.
   """
   if output_format not in ("jaxmoral", "hf"):
     raise ValueError(f"export: format must be 'jaxmoral' or 'hf', got {output_format!r}")
-  loaded = load(source, step=step)
+  loaded = load_on_mesh(source, step=step, partitioner=partitioner)
   output = pathlib.Path(output_dir)
   if output_format == "hf":
     if (output / hf_import.SINGLE_FILE).exists() and not overwrite:

@@ -19,6 +19,7 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -260,6 +261,29 @@ def global_batch_from_process_local(batch: PyTree, *, mesh: Mesh) -> PyTree:
   return jax.tree_util.tree_map(one, batch)
 
 
+def global_batch_from_global(batch: PyTree, *, mesh: Mesh) -> PyTree:
+  """Global `jax.Array`s from a batch every process holds whole (inference inputs).
+
+  Rows are sharded over `data` where their count divides that axis (as a training batch is,
+  `global_batch_from_process_local`); a batch that does not divide it (one chat context, a
+  salience example, the last short batch of a file) is replicated, so any batch runs on any
+  mesh. Each device receives only its own slice.
+
+  Args:
+    batch: Pytree of host arrays, the same on every process; scalars are replicated.
+    mesh: The device mesh.
+
+  Returns:
+    The same tree of global arrays.
+  """
+  def one(x: Any) -> jax.Array:
+    x = np.asarray(x)
+    spec = PartitionSpec(DATA_AXIS, *([None] * (x.ndim - 1))) if x.ndim else PartitionSpec()
+    sharding = NamedSharding(mesh, _fit_spec(spec, x.shape, mesh))
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return jax.tree_util.tree_map(one, batch)
+
+
 @gin.configurable(module="partitioning")
 class PjitPartitioner:
   """Mesh + logical-axis rules; builds shardings and compiles sharded functions.
@@ -363,6 +387,10 @@ class PjitPartitioner:
     """See `global_batch_from_process_local` (this partitioner's mesh)."""
     return global_batch_from_process_local(batch, mesh=self.mesh)
 
+  def shard_inputs(self, batch: PyTree) -> PyTree:
+    """See `global_batch_from_global` (this partitioner's mesh): inference batches."""
+    return global_batch_from_global(batch, mesh=self.mesh)
+
   def partition(self, fn: Callable[..., Any], *, in_shardings: Any, out_shardings: Any,
                 donate_argnums: int | Sequence[int] = (),
                 static_argnums: int | Sequence[int] = ()) -> "PartitionedFunction":
@@ -374,6 +402,30 @@ class PjitPartitioner:
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                      donate_argnums=donate_argnums, static_argnums=static_argnums)
     return PartitionedFunction(jitted, self)
+
+
+@functools.lru_cache(maxsize=1)
+def _one_device_partitioner() -> "PjitPartitioner":
+  return PjitPartitioner(devices=jax.local_devices()[:1])
+
+
+@functools.lru_cache(maxsize=1)
+def _all_devices_partitioner() -> "PjitPartitioner":
+  return PjitPartitioner()
+
+
+def inference_partitioner(partitioner: Optional["PjitPartitioner"] = None) -> "PjitPartitioner":
+  """The mesh a command that loads a model runs on (eval, infer, export, the methods' models).
+
+  The given partitioner (the run's PARTITIONER, as gin binds it); else one device in a
+  one-process job (what a model that fits one device runs fastest on, with the decoding
+  backend's prepared kernels), or data parallelism over every device of a multi-process job
+  (every process takes part in each call). The default is made once per process, so the
+  compiled functions cached per partitioner are reused by later calls.
+  """
+  if partitioner is not None:
+    return partitioner
+  return _one_device_partitioner() if jax.process_count() == 1 else _all_devices_partitioner()
 
 
 class PartitionedFunction:

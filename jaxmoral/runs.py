@@ -381,10 +381,13 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
 @gin.configurable
 def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str, int],
              batch_size: int = 16, step: Optional[int] = None,
-             decode_examples: int = 8, max_decode_length: Optional[int] = None) -> dict[str, Any]:
+             decode_examples: int = 8, max_decode_length: Optional[int] = None,
+             partitioner: Optional[partitioning.PjitPartitioner] = None) -> dict[str, Any]:
   """Evaluates a run's checkpoint: loss/accuracy on the eval split and greedy decodes.
 
   A run trained on a pairs file is evaluated on the pairs it held out (`Seq2SeqData.resumed`).
+  The parameters are read into `partitioner`'s shardings and every batch is sharded over its
+  "data" axis, as in training (gin binds the run's PARTITIONER; None: one device).
 
   Writes MODEL_DIR/eval_<step>.json and prints the metrics and a few decoded examples.
 
@@ -394,21 +397,29 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   out_path = pathlib.Path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
   if pathlib.Path(model_dir).is_dir():  # A missing model dir: model_dirs.load says so.
     gin_utils.check_writable(out_path)
-  loaded = model_dirs.load(model_dir, step=step)
+  loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
+  partitioner = loaded.partitioner
   model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
   data = data.resumed(loaded.settings.get("data", {}))  # The pairs the run held out.
   source = tasks.TaskSource(data.task_name(vocabulary), data.eval_split, feature_lengths,
                             batch_size, shuffle=False)
-  loss_fn = jax.jit(losses.seq2seq_loss_fn(model, z_loss=0.0))
-  results = [jax.device_get(loss_fn(params, batch, None)[1]) for batch in source.eval_batches()]
+  loss_fn = losses.seq2seq_loss_fn(model, z_loss=0.0)
+  eval_step = partitioner.partition(
+      lambda p, batch: loss_fn(p, batch, None)[1],
+      in_shardings=(model_dirs.param_shardings(loaded.config, partitioner), None),
+      out_shardings=partitioner.replicated)
+  results = [jax.device_get(eval_step(params, partitioner.shard_inputs(batch)))
+             for batch in source.eval_batches()]
   metrics = trainer_lib.average_metrics(results)
   first = next(source.eval_batches(), None)
   samples = []
   if first is not None and decode_examples:
     inputs = first["encoder_input_tokens"][:decode_examples]
-    out = decoding.sample(model, params, encoder_input_tokens=inputs, rng=jax.random.PRNGKey(0),
-                          max_decode_length=max_decode_length or feature_lengths["targets"],
-                          greedy=True)
+    sampler = decoding.make_sampler(
+        model, max_decode_length=max_decode_length or feature_lengths["targets"], greedy=True,
+        eos_id=loaded.config.eos_token_id, partitioner=partitioner)
+    out = sampler(params, partitioner.shard_inputs(inputs), rng=jax.random.PRNGKey(0),
+                  decode_weights=model_dirs.decode_weights(model, params, partitioner))
     for i in range(len(inputs)):
       samples.append({
           "input": vocabulary.decode(_strip(inputs[i])),
@@ -455,7 +466,8 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
               batch_size: int = 16,
               sample_config: Optional[decoding.SampleConfig] = None,
               beam_config: Optional[decoding.BeamSearchConfig] = None,
-              step: Optional[int] = None, seed: int = 0) -> str:
+              step: Optional[int] = None, seed: int = 0,
+              partitioner: Optional[partitioning.PjitPartitioner] = None) -> str:
   """Decodes every input of a file with a run's checkpoint; writes JSONL predictions.
 
   Args:
@@ -474,6 +486,8 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
     beam_config: Use beam search instead of sampling.
     step: Checkpoint step (default latest).
     seed: Sampling seed.
+    partitioner: The mesh the parameters are read onto and decoded on, batches sharded over
+      its "data" axis (gin binds the run's PARTITIONER; None: one device).
 
   Returns:
     The output path.
@@ -488,10 +502,18 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
                        f"output: JSONL)")
   texts = _read_infer_inputs(input_file, input_field)
   gin_utils.check_writable(output_file)
-  loaded = model_dirs.load(model_dir, step=step)
+  loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
+  partitioner = loaded.partitioner
   model, vocabulary = t5.T5(loaded.config), loaded.vocabulary
   params = loaded.lm_params
+  weights = model_dirs.decode_weights(model, params, partitioner)
   sample_config = sample_config or decoding.SampleConfig(max_decode_length=64, greedy=True)
+  if beam_config is not None:
+    beam_search = decoding.make_beam_search(model, **dataclasses.asdict(beam_config),
+                                            partitioner=partitioner)
+  else:
+    sampler = decoding.make_sampler(model, **dataclasses.asdict(sample_config),
+                                    partitioner=partitioner)
   # (line index, token ids) of the inputs to decode; blank lines have none.
   todo = [(i, list(vocabulary.encode(text))) for i, text in enumerate(texts) if text.strip()]
   long = [len(ids) + 1 for _, ids in todo if len(ids) + 1 > input_length]  # + 1: EOS.
@@ -515,14 +537,13 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
       for i, (_, ids) in enumerate(chunk):
         ids = ids[:input_length - 1] + [1]
         tokens[i, :len(ids)] = ids
+      tokens = partitioner.shard_inputs(tokens)
       if beam_config is not None:
-        seqs, scores = decoding.beam_search(model, params, encoder_input_tokens=tokens,
-                                            **dataclasses.asdict(beam_config))
+        seqs, scores = beam_search(params, tokens, decode_weights=weights)
         seqs, scores = np.asarray(seqs), np.asarray(scores)
       else:
         rng, key = jax.random.split(rng)
-        result = decoding.sample(model, params, encoder_input_tokens=tokens, rng=key,
-                                 **dataclasses.asdict(sample_config))
+        result = sampler(params, tokens, rng=key, decode_weights=weights)
         seqs = np.asarray(result.tokens)
         scores = np.asarray((result.logprobs * result.mask).sum(-1))
       for i, (index, _) in enumerate(chunk):
@@ -545,8 +566,10 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
 
 def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
                dtype: Optional[str] = None, output_format: str = "jaxmoral",
-               overwrite: bool = False) -> str:
+               overwrite: bool = False,
+               partitioner: Optional[partitioning.PjitPartitioner] = None) -> str:
   """`jaxmoral export`: see `model_dirs.export_model` (its output checked writable first)."""
   gin_utils.check_writable(output_dir, directory=True)
   return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
-                                 output_format=output_format, overwrite=overwrite)
+                                 output_format=output_format, overwrite=overwrite,
+                                 partitioner=partitioner)

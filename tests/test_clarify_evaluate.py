@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jaxmoral import partitioning
 from jaxmoral.clarify import baselines, evaluate, formats, reward
 
 
@@ -112,9 +113,11 @@ def test_systems_from_dirs_builds_what_the_directories_allow(monkeypatch):
               judge_model_dir="j")
   systems, got = evaluate.systems_from_dirs(**dirs, reward_config=config)
   assert sorted(systems) == ["finetuned", "pipeline", "why"] and got.nli is None
+  # Every model on one mesh: the default one (one device) when none is given.
+  one_device = partitioning.inference_partitioner()
   assert built[-1] == dict(answer_model_dir="a", fusion_model_dir="f", judge_model_dir="j",
-                           nli_model_dir=None, config=config)
-  assert loaded == [("q", {"input_length": 128, "batch_size": 32})]
+                           nli_model_dir=None, config=config, partitioner=one_device)
+  assert loaded == [("q", {"input_length": 128, "batch_size": 32, "partitioner": one_device})]
   loaded.clear()
   systems, _ = evaluate.systems_from_dirs(
       **dirs, nli_model_dir="n", relevance_model_dir="r", ppo_model_dir="p",
@@ -122,4 +125,5 @@ def test_systems_from_dirs_builds_what_the_directories_allow(monkeypatch):
   assert sorted(systems) == ["discriminator", "finetuned", "pipeline", "pipeline_no_nli",
                              "ppo", "why"]
   assert sorted(d for d, _ in loaded) == ["p", "q", "r"]
-  assert all(kw == {"input_length": 64, "batch_size": 8} for _, kw in loaded)
+  assert all(kw == {"input_length": 64, "batch_size": 8, "partitioner": one_device}
+             for _, kw in loaded)

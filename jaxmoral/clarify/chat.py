@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 import gin
 import jax
 
+from jaxmoral import partitioning
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.clarify import models
@@ -88,12 +89,14 @@ class ClarifySession:
 
 def _session(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
              answer_model_dir: Optional[str], judge_classes: Sequence[str], top_p: float,
-             seed: int) -> ClarifySession:
+             seed: int, partitioner: Any) -> ClarifySession:
+  partitioner = partitioning.inference_partitioner(partitioner)
+  load = lambda d: models.load_model(d, partitioner=partitioner)  # noqa: E731
   return ClarifySession(
-      question_model=models.load_model(question_model_dir),
-      fusion_model=models.load_model(fusion_model_dir),
-      judge_model=models.load_model(judge_model_dir),
-      answer_model=models.load_model(answer_model_dir) if answer_model_dir else None,
+      question_model=load(question_model_dir),
+      fusion_model=load(fusion_model_dir),
+      judge_model=load(judge_model_dir),
+      answer_model=load(answer_model_dir) if answer_model_dir else None,
       judge_classes=judge_classes, top_p=top_p, seed=seed)
 
 
@@ -109,7 +112,7 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
          input_fn: Optional[Callable[[str], str]] = None,
          output_fn: Callable[[str], None] = print,
          judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES, top_p: float = 0.6,
-         seed: int = 0) -> list[dict[str, Any]]:
+         seed: int = 0, partitioner: Any = None) -> list[dict[str, Any]]:
   """Interactive loop; returns the transcript records (also written as JSONL).
 
   `input_fn` reads a line (None: standard input, as Diamante's chat reads it); a line that
@@ -126,6 +129,8 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
     judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token).
     top_p: Nucleus mass of the sampled questions.
     seed: Seed of the sampled questions.
+    partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     The transcript records.
@@ -138,7 +143,8 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
     raise ValueError(f"chat: max_turns must be positive, got {max_turns}")
   session = _session(question_model_dir=question_model_dir, fusion_model_dir=fusion_model_dir,
                      judge_model_dir=judge_model_dir, answer_model_dir=None,
-                     judge_classes=judge_classes, top_p=top_p, seed=seed)
+                     judge_classes=judge_classes, top_p=top_p, seed=seed,
+                     partitioner=partitioner)
   def read(prompt: str) -> str:
     while True:
       try:
@@ -177,7 +183,7 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
                    fusion_model_dir: str, judge_model_dir: str,
                    answer_model_dir: Optional[str] = None, max_turns: int = 3,
                    judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES, top_p: float = 0.6,
-                   seed: int = 0) -> list[dict[str, Any]]:
+                   seed: int = 0, partitioner: Any = None) -> list[dict[str, Any]]:
   """Non-interactive chat: rows `{"situation", "answers": [...]?, "update_type"?}`.
 
   Answers come from the row (one per turn); when absent (or used up) θA answers
@@ -198,6 +204,8 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
     judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token).
     top_p: Nucleus mass of the sampled questions.
     seed: Seed of the sampled questions.
+    partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     The transcript records.
@@ -221,7 +229,8 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
                               f"(--answer_model_dir) to answer the rest", "answers")
   session = _session(question_model_dir=question_model_dir, fusion_model_dir=fusion_model_dir,
                      judge_model_dir=judge_model_dir, answer_model_dir=answer_model_dir,
-                     judge_classes=judge_classes, top_p=top_p, seed=seed)
+                     judge_classes=judge_classes, top_p=top_p, seed=seed,
+                     partitioner=partitioner)
   records = []
   with _open_transcript(output_jsonl) as out:
     for index, row in enumerate(rows):

@@ -21,6 +21,7 @@ import gin
 import numpy as np
 
 from jaxmoral import metrics
+from jaxmoral import partitioning
 from jaxmoral.clarify import baselines
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
@@ -136,7 +137,7 @@ def systems_from_dirs(*, question_model_dir: str, answer_model_dir: str,
                       relevance_model_dir: Optional[str] = None,
                       ppo_model_dir: Optional[str] = None,
                       reward_config: reward_lib.RewardConfig, input_length: int = 128,
-                      batch_size: int = 32
+                      batch_size: int = 32, partitioner: Any = None
                       ) -> tuple[dict[str, baselines.Generator], reward_lib.DefeasibilityReward]:
   """The reward pipeline and every system the given model directories allow.
 
@@ -144,12 +145,17 @@ def systems_from_dirs(*, question_model_dir: str, answer_model_dir: str,
   "pipeline_no_nli" with an NLI model; "discriminator" with a relevance model; "ppo" with a
   PPO run. Question models are read with `input_length` tokens in batches of `batch_size`
   (`models.load_model`, cached per directory: the same call gives the same model objects).
+  Every model is read into the shardings of `partitioner` and runs on its mesh
+  (`partitioning.inference_partitioner`: default one device).
   """
+  partitioner = partitioning.inference_partitioner(partitioner)
   reward = reward_lib.DefeasibilityReward.from_dirs(
       answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
-      judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir, config=reward_config)
+      judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir, config=reward_config,
+      partitioner=partitioner)
   load = lambda d: (models.load_model(d, input_length=input_length,  # noqa: E731
-                                      batch_size=batch_size) if d else None)
+                                      batch_size=batch_size, partitioner=partitioner)
+                    if d else None)
   systems = baselines.all_generators(
       question_model=load(question_model_dir), reward=reward,
       relevance_model=load(relevance_model_dir), ppo_model=load(ppo_model_dir))
@@ -165,8 +171,8 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
                         split: str = "dev", max_situations: Optional[int] = 100,
                         output_path: Optional[str] = "clarify_evaluation.json",
                         use_nli: bool = True,
-                        judge_classes: Optional[Sequence[str]] = None
-                        ) -> dict[str, dict[str, Any]]:
+                        judge_classes: Optional[Sequence[str]] = None,
+                        partitioner: Any = None) -> dict[str, dict[str, Any]]:
   """Compares every question generator the given models allow (`systems_from_dirs`,
   `compare`), from directories.
 
@@ -185,6 +191,8 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
     use_nli: Apply the NLI filter in the reward.
     judge_classes: The judge's class strings for bad, ok, good (None: `RewardConfig`'s, as
       gin binds it).
+    partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     `{system: metrics}`, as `compare` returns.
@@ -198,7 +206,7 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
       question_model_dir=question_model_dir, answer_model_dir=answer_model_dir,
       fusion_model_dir=fusion_model_dir, judge_model_dir=judge_model_dir,
       nli_model_dir=nli_model_dir, relevance_model_dir=relevance_model_dir,
-      ppo_model_dir=ppo_model_dir, reward_config=config)
+      ppo_model_dir=ppo_model_dir, reward_config=config, partitioner=partitioner)
   results = compare(systems, situations, reward, output_json=output_path)
   if output_path:
     print(f"wrote {output_path}")

@@ -72,7 +72,7 @@ class ClarifyModel:
     """A batch of token rows on the mesh (rows over "data"), or as is without one."""
     if self.partitioner is None:
       return tokens
-    return jax.device_put(tokens, self.partitioner.data_sharding(tokens.ndim))
+    return self.partitioner.shard_inputs(tokens)
 
   def context(self):
     return self.partitioner.context() if self.partitioner is not None else contextlib.nullcontext()
@@ -108,10 +108,7 @@ def _load_cached(path: str, step: Optional[int], dtype: Optional[str],
                      "ClarifyDelphi models read and write text")
   model = t5.T5(loaded.config)
   params = loaded.lm_params
-  # On one device the decoding backend's kernels are prepared once (the CPU kernels, or
-  # XLA's stacks); a sharded model stacks inside each call rather than keep a second copy.
-  weights = decoding.prepare_decode_weights(model, params) if partitioner is None else None
-  return model, params, loaded.vocabulary, weights
+  return model, params, loaded.vocabulary, model_dirs.decode_weights(model, params, partitioner)
 
 
 def load_model(path: str | os.PathLike, *, step: Optional[int] = None, input_length: int = 128,

@@ -27,16 +27,24 @@ class Bundle:
     vocab: seqio vocabulary (`encode` / `decode`).
     features: Context/response lengths and separator used in training.
     decode_weights: The decoding backend's kernels for `params` (prepared once), or None.
+    partitioner: The mesh `params` are sharded over and every call runs on (None: one
+      device, no partitioner).
   """
   model: T5
   params: Any
   vocab: Any
   features: data.FeatureConfig
   decode_weights: Optional[decoding.DecodeWeights] = None
+  partitioner: Any = None
 
   @property
   def config(self) -> T5Config:
     return self.model.config
+
+  def place(self, batch: Any) -> Any:
+    """Host arrays on the bundle's mesh (rows over "data" where they divide it); as they
+    are without a partitioner."""
+    return batch if self.partitioner is None else self.partitioner.shard_inputs(batch)
 
 
 def load(model_dir: str | os.PathLike, *, partitioner: Any = None,
@@ -45,7 +53,9 @@ def load(model_dir: str | os.PathLike, *, partitioner: Any = None,
 
   Args:
     model_dir: Any model directory or Hub id (usually a Diamante run).
-    partitioner: Place the parameters by its rules (default: one device).
+    partitioner: Read the parameters into its shardings; every call of the bundle then runs
+      on its mesh (`partitioning.inference_partitioner` gives the commands' default); None:
+      one device without a mesh.
     feature_lengths: Override the trained `{"inputs": context, "targets": response}` lengths.
 
   Raises:
@@ -57,7 +67,6 @@ def load(model_dir: str | os.PathLike, *, partitioner: Any = None,
   model = T5(loaded.config, with_scalar_head=loaded.has_scalar_head)
   features = data.feature_config_from_settings(loaded.settings, model_config=loaded.config,
                                                feature_lengths=feature_lengths)
-  weights = (decoding.prepare_decode_weights(model, loaded.params) if partitioner is None
-             else None)
   return Bundle(model=model, params=loaded.params, vocab=loaded.vocabulary, features=features,
-                decode_weights=weights)
+                decode_weights=model_dirs.decode_weights(model, loaded.params, partitioner),
+                partitioner=partitioner)

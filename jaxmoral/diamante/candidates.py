@@ -8,13 +8,14 @@ from these stored candidates every epoch.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import gin
 import jax
 import numpy as np
 
 from jaxmoral import decoding
+from jaxmoral import partitioning
 from jaxmoral import progress
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data
@@ -39,7 +40,8 @@ def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str
   sampler = decoding.make_sampler(bundle.model, max_decode_length=max_decode_length,
                                   num_samples=num_candidates, temperature=temperature,
                                   top_k=top_k, no_repeat_ngram_size=no_repeat_ngram_size,
-                                  eos_id=bundle.config.eos_token_id)
+                                  eos_id=bundle.config.eos_token_id,
+                                  partitioner=bundle.partitioner)
   key = jax.random.PRNGKey(seed)
   out: list[list[str]] = []
   shown = progress.ProgressLog("candidate contexts", len(contexts))
@@ -49,7 +51,7 @@ def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str
     for row, context in enumerate(chunk):
       encoder[row] = data.encode_context(bundle.vocab, context, bundle.features)
     key, sub = jax.random.split(key)
-    result = jax.device_get(sampler(bundle.params, encoder, rng=sub,
+    result = jax.device_get(sampler(bundle.params, bundle.place(encoder), rng=sub,
                                     decode_weights=bundle.decode_weights))
     for row in range(len(chunk)):
       out.append([decode_tokens(bundle.vocab, result.tokens[row, i], int(result.lengths[row, i]))
@@ -63,7 +65,7 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
                         turns: Optional[Sequence[data.Turn]] = None, output_path: str,
                         num_candidates: int = 5, top_k: int = 10, temperature: float = 1.0,
                         no_repeat_ngram_size: int = 3, max_decode_length: int = 32,
-                        batch_size: int = 32, seed: int = 0) -> int:
+                        batch_size: int = 32, seed: int = 0, partitioner: Any = None) -> int:
   """Samples candidates for every response position and writes a Diamante JSONL.
 
   Args:
@@ -78,6 +80,8 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
     max_decode_length: Tokens per candidate at most.
     batch_size: Contexts per sampler call.
     seed: Sampling seed.
+    partitioner: The mesh the model is read onto and run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     The number of dialogues written.
@@ -87,7 +91,7 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
   if num_candidates < 1:
     raise ValueError(f"generate_candidates: num_candidates must be >= 1, got {num_candidates}")
   turns = data.read_dialogues(input_path) if turns is None else turns
-  bundle = bundle_lib.load(model_dir)
+  bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   dialogues = dialogues_of(turns)
   contexts = [d[:i] for d in dialogues for i in range(1, len(d))]
   sampled = iter(sample_candidates(bundle, contexts, num_candidates=num_candidates, top_k=top_k,

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 import gin
 import jax
 
+from jaxmoral import partitioning
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import inference
 
@@ -71,7 +72,7 @@ def chat(*, model_dir: str, transcript_path: str,
          rerank: Optional[inference.RerankConfig] = None, seed: int = 0,
          max_turns: int = 100, show_candidates: int = 0,
          input_fn: Callable[[str], str] = read_line,
-         output: Optional[TextIO] = None) -> list[dict]:
+         output: Optional[TextIO] = None, partitioner: Any = None) -> list[dict]:
   """Interactive conversation on the terminal; `/quit` (or end of input) ends it.
 
   Args:
@@ -85,12 +86,14 @@ def chat(*, model_dir: str, transcript_path: str,
     input_fn: Reads a user line (tests pass a scripted one); a line that is not UTF-8
       (UnicodeError, or undecodable bytes as surrogates) is skipped with a note on stderr.
     output: Where replies are printed (None: standard output as it is at call time).
+    partitioner: The mesh the model is read onto and run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     The transcript records.
   """
   output = sys.stdout if output is None else output
-  bundle = bundle_lib.load(model_dir)
+  bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   key = jax.random.PRNGKey(seed)
   history: list[str] = []
   records: list[dict] = []
@@ -127,7 +130,7 @@ def chat(*, model_dir: str, transcript_path: str,
 @gin.configurable
 def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path: str,
               rerank: Optional[inference.RerankConfig] = None, seed: int = 0,
-              output: Optional[TextIO] = sys.stdout) -> list[dict]:
+              output: Optional[TextIO] = sys.stdout, partitioner: Any = None) -> list[dict]:
   """The model talks to itself for `num_rounds` turns after an opening line.
 
   Args:
@@ -138,6 +141,8 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
     rerank: Sampling/reranking settings (None: `RerankConfig()` at call time).
     seed: Sampling seed.
     output: Where turns are printed (None: silent).
+    partitioner: The mesh the model is read onto and run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     The transcript records.
@@ -146,7 +151,7 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
     raise ValueError("self_chat: opening must be a non-empty line")
   if num_rounds < 1:
     raise ValueError(f"self_chat: num_rounds must be >= 1, got {num_rounds}")
-  bundle = bundle_lib.load(model_dir)
+  bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   key = jax.random.PRNGKey(seed)
   history = [opening.strip()]
   records = [_turn_record(0, "bot_b", history[0])]

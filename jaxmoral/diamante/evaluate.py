@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import gin
 import jax
 import numpy as np
 
 from jaxmoral import metrics as metrics_lib
+from jaxmoral import partitioning
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data, inference
 
@@ -226,7 +227,8 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
 def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = None,
              num_random: int = 5, max_candidates: int = 10, max_contexts: Optional[int] = None,
              num_generate: int = 50, rerank: Optional[inference.RerankConfig] = None,
-             batch_size: int = 8, seed: int = 0) -> dict[str, float]:
+             batch_size: int = 8, seed: int = 0,
+             partitioner: Any = None) -> dict[str, float]:
   """Evaluates a trained Diamante model on a Diamante-format test file.
 
   Args:
@@ -241,11 +243,13 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
       made at call time so that `--gin.RerankConfig.*` bindings apply).
     batch_size: Contexts per scoring batch.
     seed: Random responses and sampling.
+    partitioner: The mesh the model is read onto and run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     See `evaluate_turns`.
   """
-  bundle = bundle_lib.load(model_dir)
+  bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   result = evaluate_turns(bundle, data.read_dialogues(test_path), num_random=num_random,
                           max_candidates=max_candidates, max_contexts=max_contexts,
                           num_generate=num_generate,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import decoding
+from jaxmoral import model_dirs
 from jaxmoral.diamante import data
 from jaxmoral.diamante.bundle import Bundle
 from jaxmoral.diamante.model import score_responses
@@ -94,9 +95,23 @@ def generate_and_rank(model: T5, params: Any, *, encoder_input_tokens: Array, rn
                       best=jnp.argmax(scores, axis=-1))
 
 
+def _on_mesh(fn: Any, model: T5, partitioner: Any, num_inputs: int) -> Any:
+  """`fn(params, *inputs)` jitted; with a partitioner compiled for its mesh: the parameters
+  in its shardings, the inputs as placed (`Bundle.place`), the outputs replicated."""
+  if partitioner is None:
+    return jax.jit(fn)
+  shardings = model_dirs.param_shardings(model.config, partitioner,
+                                         with_scalar_head=model.with_scalar_head)
+  return partitioner.partition(fn, in_shardings=(shardings,) + (None,) * num_inputs,
+                               out_shardings=partitioner.replicated)
+
+
 @functools.lru_cache(maxsize=16)
-def _jitted(model: T5, config: RerankConfig):
-  return jax.jit(functools.partial(generate_and_rank, model, config=config))
+def _jitted(model: T5, config: RerankConfig, partitioner: Any = None):
+  def run(params: Any, encoder_input_tokens: Array, rng: Array) -> RerankOutput:
+    return generate_and_rank(model, params, encoder_input_tokens=encoder_input_tokens,
+                             rng=rng, config=config)
+  return _on_mesh(run, model, partitioner, 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +141,9 @@ def respond(bundle: Bundle, contexts: Sequence[Sequence[str]], *, rng: Array,
   if not contexts:
     return []
   encoder = np.stack([data.encode_context(bundle.vocab, c, bundle.features) for c in contexts])
-  out = jax.device_get(_jitted(bundle.model, config)(bundle.params,
-                                                     encoder_input_tokens=encoder, rng=rng))
+  encoder, rng = bundle.place((encoder, np.asarray(rng)))
+  out = jax.device_get(_jitted(bundle.model, config, bundle.partitioner)(
+      bundle.params, encoder, rng))
   replies = []
   for b in range(len(contexts)):
     cands = [Candidate(decode_tokens(bundle.vocab, out.tokens[b, i], int(out.lengths[b, i])),
@@ -144,17 +160,18 @@ def rank_texts(bundle: Bundle, context: Sequence[str], responses: Sequence[str],
   encoder = data.encode_context(bundle.vocab, context, bundle.features)[None]
   targets = np.stack([data.encode_response(bundle.vocab, r, bundle.features)
                       for r in responses])[None]
-  scores, logprobs, _ = _score_jit(bundle.model)(bundle.params, encoder, targets)
-  return np.asarray(scores[0]), np.asarray(logprobs[0])
+  scores, logprobs = score_batch(bundle, encoder, targets)
+  return scores[0], logprobs[0]
 
 
 @functools.lru_cache(maxsize=16)
-def _score_jit(model: T5):
-  return jax.jit(functools.partial(score_responses, model))
+def _score_jit(model: T5, partitioner: Any = None):
+  return _on_mesh(functools.partial(score_responses, model), model, partitioner, 3)
 
 
 def score_batch(bundle: Bundle, encoder: np.ndarray, targets: np.ndarray,
                 lengths: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
   """Jitted `score_responses` on host arrays: (scores (B, N), logprobs (B, N))."""
-  scores, logprobs, _ = _score_jit(bundle.model)(bundle.params, encoder, targets, lengths)
+  scores, logprobs, _ = _score_jit(bundle.model, bundle.partitioner)(
+      bundle.params, *bundle.place((encoder, targets, lengths)))
   return np.asarray(scores), np.asarray(logprobs)

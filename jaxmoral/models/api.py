@@ -74,15 +74,24 @@ class Model:
     module: The `T5` linen module.
     vocabulary: seqio vocabulary or None (then only token ids are accepted/returned).
     source: Where it was loaded from.
+    partitioner: The mesh the parameters are sharded over and every call runs on (None: one
+      device).
   """
 
   def __init__(self, config: T5Config, params: Params, *, vocabulary: Any = None,
-               source: str = "<in memory>"):
+               source: str = "<in memory>", partitioner: Any = None):
     self.config = config
     self.module = t5.T5(config)
+    self.partitioner = partitioner
     params = nn.meta.unbox(params)
-    self.params = params if all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)) \
-        else jax.device_put(params)
+    if partitioner is not None:
+      from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+      # No copy when `model_dirs.load` read them into these shardings.
+      self.params = jax.device_put(params, model_dirs.param_shardings(config, partitioner))
+    elif all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
+      self.params = params
+    else:
+      self.params = jax.device_put(params)
     self.vocabulary = _load_vocabulary(vocabulary)
     self.source = source
     if self.vocabulary is not None and self.vocabulary.vocab_size > config.vocab_size:
@@ -90,10 +99,16 @@ class Model:
                        f"model's vocab_size is {config.vocab_size}")
     module = self.module
     # One jitted function each; jax keeps one executable per (bucketed) shape.
-    self._logits_fn = jax.jit(lambda p, enc, dec: module.apply({"params": p}, enc, dec))
-    from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
-    # The decoding backend's kernels, prepared once for these parameters.
-    self.decode_weights = decoding.prepare_decode_weights(self.module, self.params)
+    logits = lambda p, enc, dec: module.apply({"params": p}, enc, dec)  # noqa: E731
+    from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+    if partitioner is None:
+      self._logits_fn = jax.jit(logits)
+    else:
+      self._logits_fn = partitioner.partition(
+          logits, in_shardings=(model_dirs.param_shardings(config, partitioner), None, None),
+          out_shardings=partitioner.replicated)
+    # The decoding backend's kernels, prepared once for these parameters (on one device).
+    self.decode_weights = model_dirs.decode_weights(self.module, self.params, partitioner)
 
   def __repr__(self) -> str:
     return (f"Model({self.source}: d_model={self.config.d_model}, "
@@ -126,7 +141,7 @@ class Model:
     loaded = model_dirs.load(path, partitioner=partitioner, step=step, dtype=dtype,
                              config=config, vocabulary=vocabulary)
     return cls(loaded.config, loaded.lm_params, vocabulary=loaded.vocabulary,
-               source=os.fspath(path))
+               source=os.fspath(path), partitioner=partitioner)
 
   # -- text <-> ids -------------------------------------------------------------------------
   def _require_vocabulary(self) -> Any:
@@ -183,6 +198,10 @@ class Model:
       rows.append(row)
     return rows
 
+  def _place(self, *arrays: Optional[np.ndarray]) -> tuple[Any, ...]:
+    """Host arrays on the model's mesh (rows over "data" where they divide it)."""
+    return arrays if self.partitioner is None else self.partitioner.shard_inputs(arrays)
+
   @staticmethod
   def _pad(rows: list[list[int]], batch: int, length: int) -> np.ndarray:
     out = np.zeros((batch, length), np.int32)
@@ -221,7 +240,8 @@ class Model:
     outputs, longest = [], 0
     for _, n, enc, dec, lengths in self._batches(inputs, targets, batch_size):
       decoder_inputs = np.asarray(t5.shift_right(dec, self.config.decoder_start_token_id))
-      outputs.append(np.asarray(self._logits_fn(self.params, enc, decoder_inputs))[:n])
+      outputs.append(np.asarray(self._logits_fn(self.params,
+                                                *self._place(enc, decoder_inputs)))[:n])
       longest = max(longest, int(lengths.max()))
     return np.concatenate(outputs)[:, :longest]
 
@@ -230,10 +250,10 @@ class Model:
     """log p(target | input) of each pair, (batch,) float32 (EOS included for text targets)."""
     from jaxmoral import decoding
     scores = []
+    scorer = decoding.make_scorer(self.module, self.partitioner)
     for _, n, enc, dec, lengths in self._batches(inputs, targets, batch_size):
-      scores.append(np.asarray(decoding.score_sequences(
-          self.module, self.params, encoder_input_tokens=enc, targets=dec,
-          lengths=lengths))[:n])
+      enc, dec, lengths = self._place(enc, dec, lengths)
+      scores.append(np.asarray(scorer(self.params, enc, None, None, dec, lengths))[:n])
     return np.concatenate(scores)
 
   def generate(self, inputs: TextOrTokens, *, max_decode_length: int = 64,
@@ -259,23 +279,28 @@ class Model:
     from jaxmoral import decoding
     tokens, scores, lengths = [], [], []
     base = jax.random.PRNGKey(seed)
+    if beam_size:
+      beam_search = decoding.make_beam_search(
+          self.module, beam_size=beam_size, max_decode_length=max_decode_length,
+          length_penalty=length_penalty, eos_id=self.config.eos_token_id,
+          partitioner=self.partitioner)
+    else:
+      sampler = decoding.make_sampler(
+          self.module, max_decode_length=max_decode_length, num_samples=num_samples,
+          temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+          no_repeat_ngram_size=no_repeat_ngram_size, eos_id=self.config.eos_token_id,
+          partitioner=self.partitioner)
     for index, (_, n, enc, _, _) in enumerate(self._batches(inputs, None, batch_size)):
+      (enc,) = self._place(enc)
       if beam_size:
-        seqs, beam_scores = decoding.beam_search(
-            self.module, self.params, encoder_input_tokens=enc, beam_size=beam_size,
-            max_decode_length=max_decode_length, length_penalty=length_penalty,
-            eos_id=self.config.eos_token_id, decode_weights=self.decode_weights)
+        seqs, beam_scores = beam_search(self.params, enc, decode_weights=self.decode_weights)
         seqs = np.asarray(seqs)[:n]
         tokens.append(seqs)
         scores.append(np.asarray(beam_scores)[:n])
         lengths.append(_lengths(seqs, self.config.eos_token_id))
       else:
-        out = decoding.sample(
-            self.module, self.params, encoder_input_tokens=enc,
-            rng=jax.random.fold_in(base, index), max_decode_length=max_decode_length,
-            num_samples=num_samples, temperature=temperature, top_k=top_k, top_p=top_p,
-            greedy=greedy, no_repeat_ngram_size=no_repeat_ngram_size,
-            eos_id=self.config.eos_token_id, decode_weights=self.decode_weights)
+        out = sampler(self.params, enc, rng=jax.random.fold_in(base, index),
+                      decode_weights=self.decode_weights)
         tokens.append(np.asarray(out.tokens)[:n])
         scores.append(np.asarray(jnp.sum(out.logprobs * out.mask, axis=-1))[:n])
         lengths.append(np.asarray(out.lengths)[:n])

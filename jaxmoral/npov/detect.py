@@ -23,19 +23,22 @@ DETECTORS = ("rouge", "salience", "classifier")
 logger = logging.getLogger(__name__)
 
 
-def load_base(base_dir: str, *, vocabulary_path: Optional[str] = None) -> Any:
+def load_base(base_dir: str, *, vocabulary_path: Optional[str] = None,
+              partitioner: Any = None) -> Any:
   """The base model: a `model_dirs.LoadedModel` of any model directory (or Hub id), with its
-  vocabulary (or `vocabulary_path`'s)."""
+  vocabulary (or `vocabulary_path`'s), in the shardings of `partitioner`
+  (`partitioning.inference_partitioner`: default one device)."""
   from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
-  return model_dirs.load(base_dir, vocabulary=vocabulary_path)
+  return model_dirs.load_on_mesh(base_dir, vocabulary=vocabulary_path, partitioner=partitioner)
 
 
 def build_detector(name: str, *, base_dir: Optional[str] = None,
                    vocabulary_path: Optional[str] = None, generator_dir: Optional[str] = None,
                    classifier_dirs: Optional[Mapping[str, str]] = None,
-                   salience_config: Any = None) -> Any:
+                   salience_config: Any = None, partitioner: Any = None) -> Any:
   """A detector by name; model-based ones need `base_dir` (and the generator's prompt, the
-  classifiers' prompts or fine-tuned model directories: `classifier.load_classifier`)."""
+  classifiers' prompts or fine-tuned model directories: `classifier.load_classifier`).
+  Their models are read into `partitioner`'s shardings and run on its mesh (`load_base`)."""
   if name not in DETECTORS:
     raise ValueError(f"unknown detector {name!r}; known: {DETECTORS}")
   if name == "rouge":
@@ -44,7 +47,7 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
     raise ValueError(f"detector {name!r} needs base_dir (the base model's directory)")
   from jaxmoral import prompt_tuning  # pylint: disable=g-import-not-at-top
   from jaxmoral.models.t5 import T5  # pylint: disable=g-import-not-at-top
-  base = load_base(base_dir, vocabulary_path=vocabulary_path)
+  base = load_base(base_dir, vocabulary_path=vocabulary_path, partitioner=partitioner)
   if base.vocabulary is None:
     raise ValueError(f"detector {name!r}: {base_dir} has no vocabulary (vocab/spiece.model); "
                      f"give the base model's SentencePiece model (--vocabulary_path)")
@@ -55,7 +58,8 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
     prompt = prompt_tuning.load_prompt(generator_dir)[0] if generator_dir else None
     return salience.SalienceDetector(
         model=model, params=params, tokenizer=salience.SentencePieceTokenizer(base.vocabulary),
-        prompt=prompt, config=salience_config or salience.SalienceConfig())
+        prompt=prompt, config=salience_config or salience.SalienceConfig(),
+        partitioner=base.partitioner)
   from jaxmoral.npov.detectors import classifier  # pylint: disable=g-import-not-at-top
   dirs = dict(classifier_dirs or {})
   missing = [e for e in classifier.ERROR_TYPES if e not in dirs]
@@ -63,7 +67,8 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
     raise ValueError(f"classifier detector needs classifier_dirs for {missing}")
   return classifier.ClassifierDetector(
       model=model, vocabulary=base.vocabulary,
-      classifiers={e: classifier.load_classifier(dirs[e], base) for e in classifier.ERROR_TYPES})
+      classifiers={e: classifier.load_classifier(dirs[e], base) for e in classifier.ERROR_TYPES},
+      partitioner=base.partitioner)
 
 
 def _file_name(example_id: str) -> str:
@@ -79,7 +84,7 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
                 base_dir: Optional[str] = None, vocabulary_path: Optional[str] = None,
                 generator_dir: Optional[str] = None, hallucination_dir: Optional[str] = None,
                 coverage_dir: Optional[str] = None, heatmap_dir: Optional[str] = None,
-                roc_dir: Optional[str] = None) -> list[dict[str, Any]]:
+                roc_dir: Optional[str] = None, partitioner: Any = None) -> list[dict[str, Any]]:
   """Scores every response of a JSONL file and writes one JSON line per example.
 
   Args:
@@ -95,6 +100,8 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     coverage_dir: The coverage classifier, likewise.
     heatmap_dir: Salience only: writes `<id>.html` heatmaps (input x response words).
     roc_dir: With labelled input: writes results.json, table.txt and roc_input.png here.
+    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     The written records.
@@ -108,7 +115,8 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
   classifier_dirs = {error: directory for error, directory in (
       ("hallucination", hallucination_dir), ("coverage", coverage_dir)) if directory}
   det = build_detector(detector, base_dir=base_dir, vocabulary_path=vocabulary_path,
-                       generator_dir=generator_dir, classifier_dirs=classifier_dirs)
+                       generator_dir=generator_dir, classifier_dirs=classifier_dirs,
+                       partitioner=partitioner)
   records = []
   detections = []
   if heatmap_dir and detector == "salience":

@@ -152,7 +152,7 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
         classifier_dirs: Optional[Mapping[str, str]] = None, prompts_dir: Optional[str] = None,
         base_dir: Optional[str] = None,
         vocabulary_path: Optional[str] = None, split: str = "test", seed: int = 0,
-        max_examples: Optional[int] = None) -> dict[str, Any]:
+        max_examples: Optional[int] = None, partitioner: Any = None) -> dict[str, Any]:
   """Builds the test slices, runs the detectors and writes the table, JSON and ROC curves.
 
   Args:
@@ -172,6 +172,8 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     split: Topics to evaluate on ("test").
     seed: Sampling / synthetic-error seed.
     max_examples: Cap on source examples (quick runs).
+    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
   Returns:
     The results dict (also written to `output_dir`).
@@ -203,7 +205,7 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     slices["organic"] = task.read_examples(organic_path)
   built = {name: detect_lib.build_detector(
       name, base_dir=base_dir, vocabulary_path=vocabulary_path, generator_dir=generator_dir,
-      classifier_dirs=classifier_dirs) for name in detectors}
+      classifier_dirs=classifier_dirs, partitioner=partitioner) for name in detectors}
   results = evaluate_detectors(built, slices)
   write_results(results, output_dir)
   print(format_table(results))

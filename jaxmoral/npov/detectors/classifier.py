@@ -117,7 +117,8 @@ def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optio
   Args:
     directory: A prompt (folder or the prompt-tuning run that saved it), or a fine-tuned
       model directory of any `model_dirs` format (`tuning="full"`).
-    base: The base model (`model_dirs.LoadedModel`): a prompt runs on its parameters.
+    base: The base model (`model_dirs.LoadedModel`): a prompt runs on its parameters; a
+      fine-tuned classifier is read into the shardings of the base's partitioner.
 
   Returns:
     The base's parameters and the prompt, or the fine-tuned parameters and None.
@@ -135,14 +136,16 @@ def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optio
   if info.config.architecture() != base.config.architecture():
     raise ValueError(f"classifier {directory}: its architecture differs from the base's "
                      f"({info.config.architecture()} vs {base.config.architecture()})")
-  tuned = model_dirs.load(directory)
+  tuned = model_dirs.load(directory, partitioner=base.partitioner)
   if tuned.prompt is not None:  # A prompt-tuning run that never saved its prompt alone.
     return base_params, np.asarray(tuned.prompt, np.float32)
   return tuned.lm_params, None
 
 
 @functools.lru_cache(maxsize=8)
-def _label_logits_fn(config: T5Config) -> Any:
+def _label_logits_fn(config: T5Config, with_prompt: bool, partitioner: Any = None) -> Any:
+  """Jitted first-step logits `fn(params, prompt, tokens) -> (batch, vocab)`; with a
+  partitioner compiled for its mesh (parameters in its shardings, rows over "data")."""
   model = T5(config)
 
   def run(params: Any, prompt: Optional[jax.Array], tokens: jax.Array) -> jax.Array:
@@ -154,7 +157,13 @@ def _label_logits_fn(config: T5Config) -> Any:
                          encoder_mask=mask)
     return logits[:, 0]
 
-  return jax.jit(run)
+  if partitioner is None:
+    return jax.jit(run)
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+  return partitioner.partition(
+      run, in_shardings=(model_dirs.param_shardings(config, partitioner),
+                         partitioner.replicated if with_prompt else None, None),
+      out_shardings=partitioner.replicated)
 
 
 class ClassifierDetector:
@@ -167,13 +176,34 @@ class ClassifierDetector:
 
   def __init__(self, *, model: T5, vocabulary: Any,
                classifiers: dict[str, tuple[Any, Optional[Any]]], batch_size: int = 16,
-               max_input_length: int = 512, length_bucket: int = 64):
+               max_input_length: int = 512, length_bucket: int = 64, partitioner: Any = None):
+    """
+    Args:
+      model: The T5 every classifier shares the architecture of.
+      vocabulary: The base's vocabulary (inputs and label tokens).
+      classifiers: `{error: (params, prompt or None)}` (`load_classifier`).
+      batch_size: Rows per compiled call (the last batch is padded).
+      max_input_length: Longer inputs are truncated (EOS kept).
+      length_bucket: Inputs are padded to a multiple of this.
+      partitioner: The mesh the classifiers run on: parameters in its shardings (no copy
+        when `model_dirs.load` read them there), rows over its "data" axis.
+    """
     missing = [e for e in ERROR_TYPES if e not in classifiers]
     if missing:
       raise ValueError(f"ClassifierDetector needs a classifier for {missing}")
     self.model, self.vocabulary = model, vocabulary
-    self.classifiers = {e: (nn.meta.unbox(params), None if prompt is None else jnp.asarray(prompt))
-                        for e, (params, prompt) in classifiers.items()}
+    self.partitioner = partitioner
+
+    def place(params: Any, prompt: Optional[Any]) -> tuple[Any, Optional[jax.Array]]:
+      params = nn.meta.unbox(params)
+      if partitioner is None:
+        return params, None if prompt is None else jnp.asarray(prompt)
+      from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+      params = jax.device_put(params, model_dirs.param_shardings(model.config, partitioner))
+      return params, None if prompt is None else jax.device_put(np.asarray(prompt),
+                                                                partitioner.replicated)
+
+    self.classifiers = {e: place(params, prompt) for e, (params, prompt) in classifiers.items()}
     self.batch_size, self.max_input_length = batch_size, max_input_length
     self.length_bucket = length_bucket
     self.label_ids = np.asarray(label_token_ids(vocabulary))
@@ -181,8 +211,8 @@ class ClassifierDetector:
   def error_probabilities(self, examples: Sequence[task.NpovExample], error: ErrorType
                           ) -> np.ndarray:
     """P("no") under the `error` classifier, per example."""
-    fn = _label_logits_fn(self.model.config)
     params, prompt = self.classifiers[error]
+    fn = _label_logits_fn(self.model.config, prompt is not None, self.partitioner)
     eos = self.model.config.eos_token_id
     shown = progress.ProgressLog(f"{error} classifier examples", len(examples))
     out = []
@@ -195,7 +225,9 @@ class ClassifierDetector:
       tokens[:, 0] = eos  # filler rows stay valid (never all padding)
       for row, row_ids in enumerate(ids):
         tokens[row, :len(row_ids)] = row_ids
-      logits = np.asarray(fn(params, prompt, jnp.asarray(tokens)))
+      tokens = (partitioner.shard_inputs(tokens) if (partitioner := self.partitioner)
+                else jnp.asarray(tokens))
+      logits = np.asarray(fn(params, prompt, tokens))
       pair = logits[:len(chunk)][:, self.label_ids]
       out.append(jax.nn.softmax(pair, axis=-1)[:, 1])
       shown.update(start + len(chunk))

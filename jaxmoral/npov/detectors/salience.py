@@ -54,8 +54,13 @@ Aggregation = Literal["max", "sum", "neg_entropy"]
 
 # --------------------------------------------------------------------------- token level ---
 @functools.lru_cache(maxsize=32)
-def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bool) -> Any:
-  """Jitted (padded output, padded input) salience of one example; see the module doc."""
+def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bool,
+                 partitioner: Any = None) -> Any:
+  """Jitted (padded output, padded input) salience of one example; see the module doc.
+
+  With a partitioner: compiled for its mesh, the parameters in its shardings (the two VJPs
+  run model parallel), the example and the salience matrix replicated.
+  """
   model = T5(config)
 
   def run(params: Any, encoder_tokens: Array, targets: Array, num_chunks: Array,
@@ -98,7 +103,14 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
     out = jnp.zeros((length, encoder_tokens.shape[1]), jnp.float32)
     return jax.lax.fori_loop(0, num_chunks, chunk, out)
 
-  return jax.jit(run)
+  if partitioner is None:
+    return jax.jit(run)
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+  replicated = partitioner.replicated
+  return partitioner.partition(
+      run, in_shardings=(model_dirs.param_shardings(config, partitioner), replicated,
+                         replicated, replicated, replicated if with_prompt else None),
+      out_shardings=replicated)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -112,7 +124,7 @@ def _bucket(n: int, minimum: int) -> int:
 def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
                    target_ids: Sequence[int], prompt: Optional[Any] = None,
                    method: Method = "grad_x_input", chunk_size: int = 16,
-                   input_bucket: int = 64) -> np.ndarray:
+                   input_bucket: int = 64, partitioner: Any = None) -> np.ndarray:
   """Raw token salience (input tokens x output tokens) of one example.
 
   Args:
@@ -127,6 +139,7 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
       backward pass holds about chunk_size x heads x input_length^2 attention values).
     input_bucket: Inputs are padded to this times a power of two (fewer compilations);
       outputs likewise to `chunk_size` times a power of two.
+    partitioner: Run on its mesh, `params` in its shardings (`model_dirs.load` with it).
 
   Returns:
     float32 array (len(input_ids), len(target_ids)).
@@ -144,10 +157,13 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
   encoder[0, :n_in] = input_ids
   targets = np.zeros((1, _bucket(n_out, chunk_size)), np.int32)
   targets[0, :n_out] = target_ids
-  fn = _salience_fn(model.config, method, chunk_size, prompt is not None)
-  prompt = None if prompt is None else jnp.asarray(prompt)
-  num_chunks = jnp.int32(-(-n_out // chunk_size))
-  out = np.asarray(fn(params, jnp.asarray(encoder), jnp.asarray(targets), num_chunks, prompt))
+  fn = _salience_fn(model.config, method, chunk_size, prompt is not None, partitioner)
+  prompt = None if prompt is None else np.asarray(prompt)
+  num_chunks = np.int32(-(-n_out // chunk_size))
+  inputs = (encoder, targets, num_chunks, prompt)
+  if partitioner is not None:
+    inputs = partitioner.shard_inputs(inputs)  # Batch 1: replicated.
+  out = np.asarray(fn(params, *inputs))
   return out[:n_out, :n_in].T
 
 
@@ -257,7 +273,8 @@ class SalienceDetector:
   """Salience detector over a (possibly prompt-tuned) generator."""
 
   def __init__(self, *, model: T5, params: Any, tokenizer: Any,
-               prompt: Optional[Any] = None, config: SalienceConfig = SalienceConfig()):
+               prompt: Optional[Any] = None, config: SalienceConfig = SalienceConfig(),
+               partitioner: Any = None):
     """
     Args:
       model: The generator network.
@@ -265,10 +282,18 @@ class SalienceDetector:
       tokenizer: Callable text -> `Tokenized` (e.g. `SentencePieceTokenizer(vocab)`).
       prompt: The generator's soft prompt, if prompt-tuned.
       config: Options.
+      partitioner: The mesh the VJPs run on; `params` are placed in its shardings (no copy
+        when `model_dirs.load` read them there).
     """
-    self.model, self.params, self.tokenizer = model, nn.meta.unbox(params), tokenizer
+    self.model, self.tokenizer = model, tokenizer
+    self.params = nn.meta.unbox(params)
+    if partitioner is not None:
+      from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+      self.params = jax.device_put(self.params,
+                                   model_dirs.param_shardings(model.config, partitioner))
     self.prompt = prompt
     self.config = config
+    self.partitioner = partitioner
 
   def word_map(self, example: task.NpovExample) -> WordMap:
     """Token salience of `example.response` given its input, merged into content words."""
@@ -292,7 +317,7 @@ class SalienceDetector:
     raw = token_salience(self.model, self.params, input_ids=input_ids + [eos],
                          target_ids=target_ids + [eos], prompt=self.prompt,
                          method=cfg.method, chunk_size=cfg.chunk_size,
-                         input_bucket=cfg.input_bucket)
+                         input_bucket=cfg.input_bucket, partitioner=self.partitioner)
     values = np.square(raw) if cfg.method == "grad_x_input" else np.abs(raw)
     column_sums = values.sum(axis=0, keepdims=True)
     values = values / np.where(column_sums > 0, column_sums, 1.0)
