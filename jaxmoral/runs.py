@@ -20,13 +20,12 @@ its path::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import numbers
 import os
-import pathlib
-import shutil
 import sys
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
@@ -39,6 +38,7 @@ import optax
 
 from jaxmoral import checkpoints
 from jaxmoral import decoding
+from jaxmoral import fileio
 from jaxmoral import gin_utils
 from jaxmoral import losses
 from jaxmoral import model_dirs
@@ -143,7 +143,7 @@ class Seq2SeqData:
     """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
     for name in ("train_file", "eval_file", "vocabulary_path"):
       value = getattr(self, name)
-      if value is not None and not pathlib.Path(value).is_file():
+      if value is not None and not fileio.isfile(value):
         raise ValueError(f"Seq2SeqData.{name}: no such file {value!r}")
 
   def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
@@ -316,7 +316,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                        log_every=log_every)
   gin_utils.check_writable(model_dir, directory=True)
   partitioner = partitioner or partitioning.PjitPartitioner()
-  created = not os.path.exists(model_dir)
+  created = not fileio.exists(model_dir)
   checkpoints.make_run_dir(model_dir)
   training = False
   try:
@@ -374,7 +374,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     # A run that failed before its first step (bad data, a vocabulary that does not fit, an
     # unreadable init_checkpoint) leaves no folder it created behind.
     if created and not training and jax.process_index() == 0:
-      shutil.rmtree(model_dir, ignore_errors=True)
+      with contextlib.suppress(OSError):
+        fileio.rmtree(model_dir)
     raise
 
 
@@ -391,8 +392,8 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   Raises:
     OSError: The report cannot be written (checked before anything is loaded or computed).
   """
-  out_path = pathlib.Path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
-  if pathlib.Path(model_dir).is_dir():  # A missing model dir: model_dirs.load says so.
+  out_path = fileio.path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
+  if fileio.isdir(model_dir):  # A missing model dir: model_dirs.load says so.
     gin_utils.check_writable(out_path)
   loaded = model_dirs.load(model_dir, step=step)
   model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
@@ -442,7 +443,7 @@ def _read_infer_inputs(input_file: str, input_field: Optional[str]) -> list[str]
   rows = readers.read_lines(input_file)
   # read_lines keeps the non-blank lines with their numbers; the blank ones are put back so
   # that output line N answers input line N.
-  with open(input_file, "rb") as f:
+  with fileio.open(input_file, "rb") as f:
     texts = [""] * sum(1 for _ in f)
   for row, line in zip(rows, rows.lines):
     texts[line - 1] = row["text"]
@@ -507,7 +508,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
   def blank_record(text: str) -> str:
     return json.dumps({"input": text, "predictions": [], "scores": []}) + "\n"
 
-  with open(output_file, "w", encoding="utf-8") as out:
+  with fileio.open(output_file, "w", encoding="utf-8") as out:
     written = 0  # Records written: the next input line to answer.
     for begin in range(0, len(todo), batch_size):
       chunk = todo[begin:begin + batch_size]

@@ -17,6 +17,8 @@ import pathlib
 import subprocess
 from typing import Any, Optional
 
+from jaxmoral import fileio
+
 # The libraries whose versions decide what programs jaxmoral builds and how it saves them.
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -93,8 +95,7 @@ def record_start(model_dir: str | os.PathLike[str], *, step: int) -> dict[str, A
   record = {"step": step,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **_this_process()}
-  with open(pathlib.Path(model_dir) / RECORD_FILE, "a", encoding="utf-8") as f:
-    f.write(json.dumps(record, sort_keys=True) + "\n")
+  fileio.append_text(fileio.join(model_dir, RECORD_FILE), json.dumps(record, sort_keys=True) + "\n")
   return record
 
 
