@@ -72,6 +72,9 @@ def filesystem(location: str | os.PathLike) -> tuple[Any, str]:
   import fsspec  # pylint: disable=g-import-not-at-top
   location = os.fspath(location)
   fs, stripped = fsspec.core.url_to_fs(location)
+  # Other writers (TensorStore, tensorboardX, other hosts) change the store behind this
+  # process's back: listings are never served from fsspec's cache.
+  fs.invalidate_cache()
   return fs, stripped
 
 
@@ -97,7 +100,8 @@ def abspath(location: str | os.PathLike) -> str:
 def exists(location: str | os.PathLike) -> bool:
   if not is_url(location):
     return os.path.exists(location)
-  return path(location).exists()
+  fs, stripped = filesystem(location)
+  return fs.exists(stripped)
 
 
 def isfile(location: str | os.PathLike) -> bool:
@@ -110,7 +114,8 @@ def isfile(location: str | os.PathLike) -> bool:
 def isdir(location: str | os.PathLike) -> bool:
   if not is_url(location):
     return os.path.isdir(location)
-  return path(location).is_dir()
+  fs, stripped = filesystem(location)
+  return fs.isdir(stripped)
 
 
 def listdir(location: str | os.PathLike) -> list[str]:
@@ -118,7 +123,13 @@ def listdir(location: str | os.PathLike) -> list[str]:
   prefix with no objects under it is a missing folder too)."""
   if not is_url(location):
     return os.listdir(location)
-  names = [p.name for p in path(location).iterdir()]
+  fs, stripped = filesystem(location)
+  prefix = stripped.rstrip("/")
+  try:
+    entries = fs.ls(prefix, detail=False)
+  except FileNotFoundError:
+    entries = []
+  names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix]
   if not names and not isdir(location):
     raise FileNotFoundError(f"{location}: no such folder")
   return names

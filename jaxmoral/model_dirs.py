@@ -545,7 +545,7 @@ def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
   if output_format not in ("jaxmoral", "hf"):
     raise ValueError(f"export: format must be 'jaxmoral' or 'hf', got {output_format!r}")
   loaded = load(source, step=step)
-  output = pathlib.Path(output_dir)
+  output = fileio.path(output_dir)
   if output_format == "hf":
     if (output / hf_import.SINGLE_FILE).exists() and not overwrite:
       raise FileExistsError(f"{output}/{hf_import.SINGLE_FILE} exists; pass --overwrite to "

@@ -27,6 +27,7 @@ import logging
 import numbers
 import os
 import sys
+import tempfile
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
@@ -234,7 +235,15 @@ def _run_vocabulary(model_dir: str, data: DataSpec, init_info: Optional[model_di
   if own is not None:
     return own
   fallback = init_info.vocabulary if init_info is not None else None
-  return data.vocabulary(os.path.join(model_dir, VOCAB_DIR), fallback=fallback)
+  return data.vocabulary(vocabulary_build_dir(model_dir), fallback=fallback)
+
+
+def vocabulary_build_dir(model_dir: str) -> str:
+  """Where a run's vocabulary is built: MODEL_DIR/vocab, or a local folder for a bucket run
+  (SentencePiece writes local files; `save_run_files` copies the model into the bucket)."""
+  if fileio.is_url(model_dir):
+    return os.path.join(tempfile.gettempdir(), "jaxmoral_run_vocab")
+  return os.path.join(model_dir, VOCAB_DIR)
 
 
 # train_run's counts: (parameter, the gin macro gin/runs/*.gin binds it to, least value).

@@ -101,7 +101,7 @@ def record_start(model_dir: str | os.PathLike[str], *, step: int) -> dict[str, A
 
 def read_records(model_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
   """The records `record_start` wrote, oldest first ([] when there are none)."""
-  path = pathlib.Path(model_dir) / RECORD_FILE
-  if not path.is_file():
+  path = fileio.join(model_dir, RECORD_FILE)
+  if not fileio.isfile(path):
     return []
-  return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+  return [json.loads(line) for line in fileio.read_text(path).splitlines() if line]
