@@ -196,11 +196,12 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} is unreadable "
                                    f"({type(e).__name__}); nothing was loaded", step=step,
                                    files=[INTEGRITY_FILE]) from None
-  missing = [rel for rel in sorted(files) if not fileio.isfile(fileio.join(root, rel))]
+  present = fileio.file_sizes(root, files)  # A bucket: one listing, not a request per file.
+  missing = [rel for rel in sorted(files) if rel not in present]
   if missing:
     raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing)}); "
                                    "nothing was loaded", step=step, files=missing)
-  sizes = {rel: fileio.getsize(fileio.join(root, rel)) for rel in sorted(files)}
+  sizes = {rel: present[rel] for rel in sorted(files)}
   resized = [(rel, sizes[rel], saved_sizes[rel]) for rel in sizes
              if sizes[rel] != saved_sizes[rel]]
   if resized:

@@ -18,7 +18,7 @@ import os
 import re
 import threading
 import uuid
-from typing import IO, Any, Optional
+from typing import IO, Any, Iterable, Optional
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _configured = False
@@ -62,7 +62,12 @@ def path(location: str | os.PathLike) -> Any:
   """An `etils.epath.Path` for `location` (clients configured first)."""
   _configure_clients()
   from etils import epath  # pylint: disable=g-import-not-at-top
-  return epath.Path(os.fspath(location))
+  location = os.fspath(location)
+  if is_url(location):
+    # epath keeps its own fsspec instance: its listings must not go stale either.
+    from etils.epath import backend  # pylint: disable=g-import-not-at-top
+    backend.fsspec_backend.fs(location).invalidate_cache()
+  return epath.Path(location)
 
 
 def filesystem(location: str | os.PathLike) -> tuple[Any, str]:
@@ -147,6 +152,20 @@ def walk_files(root: str | os.PathLike) -> list[str]:
   fs, stripped = filesystem(root)
   prefix = stripped.rstrip("/") + "/"
   return sorted(p[len(prefix):] for p in fs.find(stripped) if p.startswith(prefix))
+
+
+def file_sizes(root: str | os.PathLike, names: Iterable[str]) -> dict[str, int]:
+  """{name: size} of those of `names` ('/'-joined, relative to `root`) that are files; on an
+  object store from one listing of the prefix, not one request per file."""
+  root = os.fspath(root)
+  if not is_url(root):
+    paths = {name: os.path.join(root, name) for name in names}
+    return {name: os.path.getsize(p) for name, p in paths.items() if os.path.isfile(p)}
+  fs, stripped = filesystem(root)
+  prefix = stripped.rstrip("/") + "/"
+  listed = {name[len(prefix):]: int(info.get("size") or 0)
+            for name, info in fs.find(stripped, detail=True).items() if name.startswith(prefix)}
+  return {name: listed[name] for name in names if name in listed}
 
 
 def makedirs(location: str | os.PathLike) -> None:
@@ -386,3 +405,22 @@ def local_copy(location: str | os.PathLike) -> str:
   target = os.path.join(folder, location.rstrip("/").rsplit("/", 1)[-1])
   write_bytes(target, read_bytes(location))
   return target
+
+
+def local_folder(location: str | os.PathLike) -> str:
+  """A local folder with the files directly in `location`: itself when local; for a URL a
+  copy in a per-process cache (for formats whose readers open local files only, e.g.
+  safetensors and PyTorch checkpoints)."""
+  location = os.fspath(location)
+  if not is_url(location):
+    return location
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(tempfile.gettempdir(), f"jaxmoral_objects_{os.getpid()}",
+                        hashlib.sha256(location.encode()).hexdigest()[:16] + "_dir")
+  os.makedirs(folder, exist_ok=True)
+  for name in listdir(location):
+    source = join(location, name)
+    if isfile(source):
+      write_bytes(os.path.join(folder, name), read_bytes(source))
+  return folder

@@ -265,7 +265,15 @@ def _flat_shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 def _local(source: str | os.PathLike) -> tuple[pathlib.Path, bool]:
   """(local folder, whether it came from the Hub)."""
   text = os.fspath(source)
-  path = fileio.path(fileio.abspath(text) if fileio.is_url(text) else os.path.expanduser(text))
+  if fileio.is_url(text):
+    path = fileio.path(fileio.abspath(text))
+    if any((path / name).is_file() for name in hf_import.CHECKPOINT_FILES):
+      # safetensors and torch read local files: a Hugging Face folder is read from a copy.
+      return pathlib.Path(fileio.local_folder(text)), False
+    if not path.is_dir():
+      raise FileNotFoundError(f"{text}: no such model directory")
+    return path, False
+  path = pathlib.Path(os.path.expanduser(text))
   if path.exists():
     if not path.is_dir():
       raise FileNotFoundError(f"{text}: a model is a directory, not a file")

@@ -91,7 +91,23 @@ def _objects(prefix: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def run(gcs, tmp_path_factory):
+def unreachable_train(gcs):
+  """`train` into a bucket behind an endpoint nobody listens on, started first: gcsfs retries
+  a refused connection for about 30 s (mostly asleep), so it runs beside the training below."""
+  endpoint = f"http://127.0.0.1:{_free_port()}"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", STORAGE_EMULATOR_HOST=endpoint,
+             TENSORSTORE_GCS_HTTP_URL=endpoint)
+  child = subprocess.Popen([sys.executable, "-m", "jaxmoral.cli", "train", *TINY,
+                            "--gin.MODEL_DIR='gs://bucket/unreachable'"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  yield child, endpoint
+  if child.poll() is None:
+    child.kill()
+  child.communicate()
+
+
+@pytest.fixture(scope="module")
+def run(gcs, unreachable_train, tmp_path_factory):
   """gs://bucket/run: trained in a subprocess that is killed (SIGKILL) once step 6 is saved
   and verified, then resumed here to the end; and a local uninterrupted reference run."""
   model_dir = f"{BUCKET}/run"
@@ -180,7 +196,8 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(run):
     with pytest.raises(checkpoints.CheckpointIntegrityError, match="differs from its checksum"
                        ) as error:
       model_dirs.load(model_dir)
-    assert victim in str(error.value) and step_dir in str(error.value)
+    assert victim in str(error.value) and f"{model_dir}/checkpoints: checkpoint step {STEPS}" in str(
+        error.value)
   finally:
     fileio.write_bytes(f"{step_dir}/{victim}", original)
   metadata = "state/_METADATA"
@@ -230,21 +247,18 @@ def test_the_lock_is_a_conditional_create_and_a_stale_one_is_taken_over(gcs, mon
   assert not fileio.exists(path)  # Released.
 
 
-def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_any_work(gcs):
+def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_any_work(
+    gcs, unreachable_train):
   with pytest.raises(OSError, match=r"^MODEL_DIR gs://no-such-bucket/run: bucket "
                      r"no-such-bucket does not exist"):
     checkpoints.make_run_dir("gs://no-such-bucket/run")
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{_free_port()}",
-             TENSORSTORE_GCS_HTTP_URL=f"http://127.0.0.1:{_free_port()}")
-  result = subprocess.run([sys.executable, "-m", "jaxmoral.cli", "train", *TINY,
-                           "--gin.MODEL_DIR='gs://bucket/unreachable'"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-  assert result.returncode == 2
-  last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith("jaxmoral train: error: MODEL_DIR gs://bucket/unreachable: the "
-                         "storage endpoint") and "unreachable" in last
-  assert "Traceback" not in result.stderr
+  child, endpoint = unreachable_train
+  _, stderr = child.communicate(timeout=300)
+  assert child.returncode == 2
+  errors = [line for line in stderr.splitlines() if line.startswith("jaxmoral train: error:")]
+  assert errors == ["jaxmoral train: error: MODEL_DIR gs://bucket/unreachable: the storage "
+                    f"endpoint {endpoint} is unreachable (ClientConnectorError)"], stderr[-2000:]
+  assert "Traceback" not in stderr
 
 
 def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path):
@@ -291,3 +305,27 @@ def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path)
   assert [r["id"] for r in records] == ["a", "h"]
   assert records[1]["hallucination"] > records[0]["hallucination"]
   assert fileio.getsize(f"{BUCKET}/npov/roc/roc_input.png") > 1000
+
+
+def test_hugging_face_and_t5x_folders_load_from_the_bucket(gcs, tmp_path):
+  import flax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from conftest import write_hf_t5  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import hf_import  # pylint: disable=g-import-not-at-top
+  model = write_hf_t5(tmp_path / "hf", d_model=16, num_layers=1, vocab_size=64)
+  for name in os.listdir(tmp_path / "hf"):
+    fileio.write_bytes(f"{BUCKET}/hf/{name}", (tmp_path / "hf" / name).read_bytes())
+  tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+  config, params = hf_import.params_from_hf(tensors, model.config.to_dict())
+  expected = flax.traverse_util.flatten_dict(params)
+  from_hf = model_dirs.load(f"{BUCKET}/hf")
+  assert from_hf.info.format == "hf"
+  # T5X's layout (params under target/), written by Orbax straight into the bucket.
+  ocp.PyTreeCheckpointer().save(f"{BUCKET}/t5x/checkpoint_100",
+                                {"target": params, "state": {"step": np.int32(100)}})
+  from_t5x = model_dirs.load(f"{BUCKET}/t5x/checkpoint_100")
+  assert from_t5x.info.format == "t5x" and from_t5x.config == from_hf.config
+  for loaded in (from_hf, from_t5x):
+    flat = flax.traverse_util.flatten_dict(loaded.params)
+    for key, value in expected.items():
+      np.testing.assert_array_equal(np.asarray(flat[key]), value)
