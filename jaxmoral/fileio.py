@@ -344,12 +344,18 @@ def check_writable(folder: str | os.PathLike, *, what: str) -> None:
     if not os.access(folder, os.W_OK):
       raise PermissionError(f"{what} {folder}: not writable")
     return
+  import logging  # pylint: disable=g-import-not-at-top
   probe = join(folder, f".write_probe.{uuid.uuid4().hex[:12]}")
+  client_log = logging.getLogger("gcsfs")
+  level = client_log.level
+  client_log.setLevel(logging.CRITICAL)  # Its traceback of the last retry: the line below says it.
   try:
     write_bytes(probe, b"")
     remove(probe)
   except Exception as e:  # pylint: disable=broad-except
     raise OSError(f"{what} {folder}: {describe_storage_error(e, folder)}") from None
+  finally:
+    client_log.setLevel(level)
 
 
 def describe_storage_error(error: BaseException, location: str) -> str:

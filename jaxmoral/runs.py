@@ -325,8 +325,12 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                        log_every=log_every)
   gin_utils.check_writable(model_dir, directory=True)
   partitioner = partitioner or partitioning.PjitPartitioner()
-  created = not fileio.exists(model_dir)
-  checkpoints.make_run_dir(model_dir)
+  if fileio.is_url(model_dir):
+    checkpoints.make_run_dir(model_dir)  # Bucket, credentials, endpoint: checked first.
+    created = not fileio.exists(model_dir)  # (It leaves no object behind.)
+  else:
+    created = not fileio.exists(model_dir)
+    checkpoints.make_run_dir(model_dir)
   training = False
   try:
     # Held from before the run files are written: a second run into this folder is refused
