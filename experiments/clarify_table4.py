@@ -219,7 +219,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # pylint: enable=import-outside-toplevel
   evaluated = evaluated_systems(systems)
   started = time.time()
-  os.makedirs(workdir, exist_ok=True)
+  common.fileio.makedirs(workdir)  # A local folder or a bucket URL.
   timings: dict[str, float] = {}
   lengths = dict(feature_lengths or {"inputs": 128, "targets": 32})
   eval_situations = data_lib.situations(data_dir, split=eval_split)[:max_eval_situations]

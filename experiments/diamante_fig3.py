@@ -137,7 +137,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   from jaxmoral.models import trainable
   # pylint: enable=import-outside-toplevel
   started = time.time()
-  os.makedirs(workdir, exist_ok=True)
+  common.fileio.makedirs(workdir)  # A local folder or a bucket URL.
   timings: dict[str, float] = {}
   context_length, response_length = (int(feature_lengths["inputs"]),
                                      int(feature_lengths["targets"]))

@@ -30,6 +30,7 @@ if str(PROJECT_ROOT) not in sys.path:  # `python experiments/x.py` from a clone,
 from jaxmoral import cli  # noqa: E402  pylint: disable=wrong-import-position
 cli.platforms_without_absent_tpu()
 from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-position
+from jaxmoral import fileio  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -150,7 +151,7 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
   record_path = os.path.join(model_dir, STAGE_FILE)
   checkpoint_dir = checkpoints.run_checkpoints_dir(model_dir)
   earlier = [s for s in checkpoints.saved_steps(model_dir) if s < int(steps)]
-  if os.path.isdir(os.path.join(checkpoint_dir, str(int(steps)))):
+  if fileio.isdir(os.path.join(checkpoint_dir, str(int(steps)))):
     try:
       checkpoints.verify_step(checkpoint_dir, int(steps), full=False)
     except checkpoints.CheckpointIntegrityError as e:
@@ -159,7 +160,7 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
       logger.info("%s: reusing its finished run (step %d)", model_dir, steps)
       warn_changed_bindings(model_dir, "reused as it was trained")
       try:
-        with open(record_path) as f:
+        with fileio.open(record_path) as f:
           return {**json.load(f), "reused": True}
       except (OSError, ValueError):
         return {"seconds": float("nan"), "reused": True, "result": {}}
@@ -172,8 +173,7 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
             **({"resumed_from_step": earlier[-1]} if earlier else {}),
             "result": {k: v for k, v in numbers.items()
                        if isinstance(v, (int, float)) and not isinstance(v, bool)}}
-  with open(record_path, "w") as f:
-    json.dump(record, f, indent=2)
+  fileio.write_text(record_path, json.dumps(record, indent=2))
   return record
 
 
@@ -248,14 +248,13 @@ def write_results(results: dict[str, Any], *, results_dir: str, name: str, title
   Returns:
     `results`, with "plot".
   """
-  os.makedirs(results_dir, exist_ok=True)
+  fileio.makedirs(results_dir)
   results["plot"] = plot(results, os.path.join(results_dir, f"{name}.png"), title=title)
   markdown = report(results, name=name)
   md_path = os.path.join(results_dir, f"{name}.md")
   json_path = os.path.join(results_dir, f"{name}.json")
-  pathlib.Path(md_path).write_text(markdown + "\n", encoding="utf-8")
-  pathlib.Path(json_path).write_text(json.dumps(results, indent=2, sort_keys=True, default=str)
-                                     + "\n", encoding="utf-8")
+  fileio.write_text(md_path, markdown + "\n")
+  fileio.write_text(json_path, json.dumps(results, indent=2, sort_keys=True, default=str) + "\n")
   print(markdown)
   print(f"\nwrote {md_path}, {json_path}, {results['plot']}")
   return results

@@ -342,7 +342,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     raise ValueError(f"npov_table1.run_experiment.classifier_tuning must be one of "
                      f"{classifier.TUNINGS}, got {classifier_tuning!r}")
   started = time.time()
-  os.makedirs(workdir, exist_ok=True)
+  common.fileio.makedirs(workdir)  # A local folder or a bucket URL.
   timings: dict[str, float] = {}
   topics = kb_lib.read_perspectrum(perspectrum_dir)
   by_split = {s: sum(t.split == s for t in topics) for s in ("train", "dev", "test")}

@@ -40,7 +40,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import socket
 import threading
 import uuid
@@ -53,6 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+
+from jaxmoral import fileio
 
 PyTree = Any
 STATE_ITEM = "state"
@@ -88,7 +89,7 @@ class CheckpointIntegrityError(ValueError):
 
 def _sha256(path: str) -> str:
   digest = hashlib.sha256()
-  with open(path, "rb") as f:
+  with fileio.open(path, "rb") as f:
     for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
       digest.update(chunk)
   return digest.hexdigest()
@@ -96,9 +97,9 @@ def _sha256(path: str) -> str:
 
 def _hash_all(root: str, relative: Sequence[str]) -> dict[str, str]:
   if len(relative) <= 1:
-    return {rel: _sha256(os.path.join(root, rel)) for rel in relative}
+    return {rel: _sha256(fileio.join(root, rel)) for rel in relative}
   with concurrent.futures.ThreadPoolExecutor(min(_HASH_THREADS, len(relative))) as pool:
-    digests = pool.map(lambda rel: _sha256(os.path.join(root, rel)), relative)
+    digests = pool.map(lambda rel: _sha256(fileio.join(root, rel)), relative)
     return dict(zip(relative, digests))
 
 
@@ -106,14 +107,11 @@ def _files_of(root: str, entries: Iterable[str]) -> list[str]:
   """Files (relative '/'-joined paths, sorted) of `entries` (files or folders) under root."""
   out = []
   for entry in entries:
-    path = os.path.join(root, entry)
-    if os.path.isfile(path):
+    path = fileio.join(root, entry)
+    if fileio.isfile(path):
       out.append(entry)
       continue
-    for folder, _, names in os.walk(path):
-      for name in names:
-        rel = os.path.relpath(os.path.join(folder, name), root)
-        out.append(rel.replace(os.sep, "/"))
+    out.extend(f"{entry.rstrip('/')}/{rel}" for rel in fileio.walk_files(path))
   return sorted(rel for rel in out if rel != INTEGRITY_FILE)
 
 
@@ -121,7 +119,8 @@ def write_integrity_manifest(root: str | os.PathLike, entries: Optional[Iterable
                              ) -> str:
   """Writes `root/_INTEGRITY.json`: size and sha256 of every file under `root` (or `entries`).
 
-  Written under a temporary name and renamed, so a manifest is complete or absent.
+  Written whole (a local temporary file renamed over; one object upload on a store), so a
+  manifest is complete or absent.
 
   Args:
     root: A finished checkpoint step or export directory.
@@ -131,18 +130,13 @@ def write_integrity_manifest(root: str | os.PathLike, entries: Optional[Iterable
     The manifest's path.
   """
   root = os.fspath(root)
-  relative = _files_of(root, sorted(os.listdir(root)) if entries is None else entries)
+  relative = _files_of(root, sorted(fileio.listdir(root)) if entries is None else entries)
   digests = _hash_all(root, relative)
   manifest = {"version": 1, "algorithm": "sha256",
-              "files": {rel: {"size": os.path.getsize(os.path.join(root, rel)),
+              "files": {rel: {"size": fileio.getsize(fileio.join(root, rel)),
                               "sha256": digests[rel]} for rel in relative}}
-  path = os.path.join(root, INTEGRITY_FILE)
-  temporary = f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-  with open(temporary, "w") as f:
-    json.dump(manifest, f, indent=1, sort_keys=True)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(temporary, path)
+  path = fileio.join(root, INTEGRITY_FILE)
+  fileio.write_text(path, json.dumps(manifest, indent=1, sort_keys=True), durable=True)
   return path
 
 
@@ -182,19 +176,19 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     # before verifying), or one would find no manifest and skip the collective.
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("jaxmoral_verify_integrity")
-  missing_required = [rel for rel in required if not os.path.isfile(os.path.join(root, rel))]
+  missing_required = [rel for rel in required if not fileio.isfile(fileio.join(root, rel))]
   if missing_required:
     raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing_required)})"
                                    "; nothing was loaded", step=step, files=missing_required)
-  path = os.path.join(root, INTEGRITY_FILE)
-  if not os.path.isfile(path):
+  path = fileio.join(root, INTEGRITY_FILE)
+  if not fileio.isfile(path):
     if root not in _warned_unverified:
       _warned_unverified.add(root)
       logger.warning("%s has no %s (saved before checkpoints carried checksums, or killed "
                      "before it was written): loading it unverified", what, INTEGRITY_FILE)
     return False
   try:
-    with open(path) as f:
+    with fileio.open(path) as f:
       files = json.load(f)["files"]
     saved_sizes = {rel: int(entry["size"]) for rel, entry in files.items()}
     saved_digests = {rel: str(entry["sha256"]) for rel, entry in files.items()}
@@ -202,11 +196,12 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} is unreadable "
                                    f"({type(e).__name__}); nothing was loaded", step=step,
                                    files=[INTEGRITY_FILE]) from None
-  missing = [rel for rel in sorted(files) if not os.path.isfile(os.path.join(root, rel))]
+  present = fileio.file_sizes(root, files)  # A bucket: one listing, not a request per file.
+  missing = [rel for rel in sorted(files) if rel not in present]
   if missing:
     raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing)}); "
                                    "nothing was loaded", step=step, files=missing)
-  sizes = {rel: os.path.getsize(os.path.join(root, rel)) for rel in sorted(files)}
+  sizes = {rel: present[rel] for rel in sorted(files)}
   resized = [(rel, sizes[rel], saved_sizes[rel]) for rel in sizes
              if sizes[rel] != saved_sizes[rel]]
   if resized:
@@ -276,7 +271,7 @@ def verify_step(directory: str | os.PathLike, step: int, *, full: bool = True,
                 shared: bool = False) -> bool:
   """`verify_integrity` of `directory/<step>` (a `CheckpointManager` directory's step)."""
   directory = os.fspath(directory)
-  return verify_integrity(os.path.join(directory, str(int(step))),
+  return verify_integrity(fileio.join(directory, str(int(step))),
                           what=f"{directory}: checkpoint step {int(step)}", full=full,
                           step=int(step), required=_state_required(), shared=shared)
 
@@ -311,32 +306,28 @@ RUN_CHECKPOINTS_SUBDIR = "checkpoints"
 
 
 def make_run_dir(model_dir: str | os.PathLike) -> str:
-  """Creates a run directory (MODEL_DIR) and returns it.
+  """Creates a run directory (MODEL_DIR: a local path or gs://bucket/run) and returns it.
 
   Raises:
-    ValueError: MODEL_DIR is a URL (gs://, s3://): run files (config, vocabulary, gin config,
-      TensorBoard events, pictures) are written with local file operations, so a bucket must
-      be mounted as a folder that every host sees (gcsfuse's /gcs/BUCKET on a Cloud TPU VM).
+    OSError: Nothing can be written there, in one line naming MODEL_DIR and the cause (for a
+      bucket URL: no bucket, no permission, no credentials or an unreachable endpoint), told
+      before any work starts.
   """
   model_dir = os.fspath(model_dir)
-  if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", model_dir):
-    raise ValueError(f"MODEL_DIR {model_dir!r}: a run directory is a path, not a URL. Mount "
-                     f"the bucket (e.g. gcsfuse at /gcs/BUCKET on a Cloud TPU VM) and give the "
-                     f"folder, which every host must see.")
-  os.makedirs(model_dir, exist_ok=True)
+  fileio.check_writable(model_dir, what="MODEL_DIR")
   return model_dir
 
 
 def run_checkpoints_dir(model_dir: str | os.PathLike) -> str:
   """The CheckpointManager directory of a run directory (MODEL_DIR/checkpoints)."""
-  return os.path.join(os.fspath(model_dir), RUN_CHECKPOINTS_SUBDIR)
+  return fileio.join(os.fspath(model_dir), RUN_CHECKPOINTS_SUBDIR)
 
 
 def saved_steps(model_dir: str | os.PathLike) -> list[int]:
   """The steps a run directory has checkpoint folders of, ascending ([] for none), without
   opening a CheckpointManager: whether a run would resume, and from where."""
   try:
-    names = os.listdir(run_checkpoints_dir(model_dir))
+    names = fileio.listdir(run_checkpoints_dir(model_dir))
   except OSError:
     return []
   return sorted(int(name) for name in names if name.isdigit())
@@ -368,8 +359,13 @@ class _HeldLock:
   def _beat(self) -> None:
     while not self.stop.wait(LOCK_HEARTBEAT_S):
       try:
-        os.utime(self.path)  # Tells other hosts the holder is alive.
-      except OSError:
+        if fileio.is_url(self.path):  # An object's time changes only when it is rewritten.
+          content = fileio.read_bytes(self.path)
+          if json.loads(content).get("token") == self.token:
+            fileio.write_bytes(self.path, content)
+        else:
+          os.utime(self.path)  # Tells other hosts the holder is alive.
+      except (OSError, ValueError, AttributeError):
         pass
 
 
@@ -388,18 +384,25 @@ def _pid_alive(pid: int) -> bool:
 class RunDirLock:
   """`MODEL_DIR/train.lock`: one training run at a time in a run directory.
 
-  The file (JSON: host, pid, start time) is created with O_CREAT | O_EXCL, so of two runs
-  starting together exactly one gets it. A lock whose holder is gone is taken over with a
+  The file (JSON: host, pid, start time) is created with O_CREAT | O_EXCL (on gs://, an
+  upload with the precondition ifGenerationMatch=0), so of two runs starting together exactly
+  one gets it. A lock whose holder is gone is taken over with a
   warning: same host and a dead pid (or this very pid, left by an earlier process that had it,
   as in a restarted container), or another host's lock not refreshed for
   `LOCK_STALE_AFTER_S`. Re-entrant within a process (a run's setup and its loop may both take
   it). Multi-host: only process 0 takes it; all processes learn whether it got it.
 
+  On gs:// a holder's liveness is the object's update time (the heartbeat rewrites it); a
+  stale lock is deleted with the precondition ifGenerationMatch=<the generation judged
+  stale>, so of two takers only one deletes it, and a lock refreshed or retaken meanwhile is
+  kept; the taker then creates its own lock as above. (s3:// and other stores have no such
+  precondition here: check then write.)
+
   Use as a context manager, or `acquire()` / `release()`.
   """
 
   def __init__(self, model_dir: str | os.PathLike):
-    self.path = os.path.join(os.path.abspath(os.fspath(model_dir)), LOCK_FILE)
+    self.path = fileio.join(fileio.abspath(model_dir), LOCK_FILE)
     self._token = uuid.uuid4().hex
     self._depth = 0  # acquire() calls of this object not yet released.
 
@@ -408,19 +411,11 @@ class RunDirLock:
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
   def _create(self) -> bool:
-    try:
-      fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-      return False
-    with os.fdopen(fd, "w") as f:
-      json.dump(self._content(), f)
-      f.flush()
-      os.fsync(f.fileno())
-    return True
+    return fileio.create_exclusive(self.path, json.dumps(self._content()).encode())
 
   def _read(self) -> Optional[dict[str, Any]]:
     try:
-      with open(self.path) as f:
+      with fileio.open(self.path) as f:
         holder = json.load(f)
       return holder if isinstance(holder, dict) else {}
     except FileNotFoundError:
@@ -445,7 +440,7 @@ class RunDirLock:
         return f"pid {pid} is not running"
       return None
     try:
-      age = datetime.datetime.now().timestamp() - os.path.getmtime(self.path)
+      age = datetime.datetime.now().timestamp() - fileio.getmtime(self.path)
     except OSError:
       return None
     if age > LOCK_STALE_AFTER_S:
@@ -454,6 +449,15 @@ class RunDirLock:
 
   def _take_over(self, holder: Mapping[str, Any]) -> bool:
     """Removes the stale lock `holder` read; False if someone else replaced it meanwhile."""
+    if fileio.is_url(self.path):
+      stale_generation = fileio.generation(self.path)
+      if (self._read() or {}).get("token") != holder.get("token"):
+        return False  # Refreshed or retaken since it was judged stale.
+      try:
+        fileio.remove(self.path, if_generation=stale_generation)
+      except FileNotFoundError:
+        return False  # Another taker was first, or the holder rewrote it: look again.
+      return self._create()
     aside = f"{self.path}.stale.{self._token}"
     try:
       os.rename(self.path, aside)  # Atomic: of two takers, one gets the stale file.
@@ -532,7 +536,7 @@ class RunDirLock:
       holder = self._read()
       if holder and holder.get("token") == held.token:  # Never remove someone else's lock.
         try:
-          os.remove(self.path)
+          fileio.remove(self.path)
         except FileNotFoundError:
           pass
 
@@ -564,7 +568,7 @@ class CheckpointManager:
     if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep <= 0):
       raise ValueError(f"CheckpointManager: max_to_keep must be a positive int or None, got "
                        f"{max_to_keep!r}")
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = fileio.abspath(directory)
     # Explicit policy: orbax's default also saves the first step offered, whatever it is.
     policy = ocp.checkpoint_managers.AnySavePolicy([
         ocp.checkpoint_managers.FixedIntervalPolicy(save_interval_steps),
@@ -626,7 +630,7 @@ class CheckpointManager:
     """`_INTEGRITY.json` of a finalised step (process 0; the step folder is shared)."""
     if jax.process_index() != 0:
       return
-    step_dir = os.path.join(self.directory, str(step))
+    step_dir = fileio.join(self.directory, str(step))
     try:
       write_integrity_manifest(step_dir)
     except OSError as e:  # The step is still good; it just loads unverified.
@@ -707,17 +711,17 @@ class CheckpointManager:
       The new path.
     """
     self._join_manifest()
-    source = os.path.join(self.directory, str(int(step)))
+    source = fileio.join(self.directory, str(int(step)))
     target = f"{source}.damaged"
     index = 1
-    while os.path.exists(target):
+    while fileio.exists(target):
       index += 1
       target = f"{source}.damaged.{index}"
     if jax.process_count() > 1:  # No process may still be checking the step's files.
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices(f"jaxmoral_move_aside_{step}_start")
     if jax.process_index() == 0:
-      os.rename(source, target)
+      fileio.rename(source, target)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"jaxmoral_move_aside_{step}_done")
     self._manager.reload()
@@ -819,9 +823,9 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
   Returns:
     The absolute export directory.
   """
-  directory = os.path.abspath(os.fspath(directory))
-  params_dir = os.path.join(directory, PARAMS_DIR)
-  if os.path.exists(params_dir) and not overwrite:
+  directory = fileio.abspath(directory)
+  params_dir = fileio.join(directory, PARAMS_DIR)
+  if fileio.exists(params_dir) and not overwrite:
     raise FileExistsError(f"{params_dir} exists; export with --overwrite (overwrite=True) to "
                           "replace it")
   params = nn.meta.unbox(params)
@@ -829,16 +833,16 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
     target = jnp.dtype(dtype)
     params = jax.tree_util.tree_map(
         lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-  manifest = os.path.join(directory, INTEGRITY_FILE)
-  if jax.process_index() == 0 and os.path.exists(manifest):
-    os.remove(manifest)  # The old export's: it would describe files about to be replaced.
+  manifest = fileio.join(directory, INTEGRITY_FILE)
+  if jax.process_index() == 0 and fileio.exists(manifest):
+    fileio.remove(manifest)  # The old export's: it would describe files about to be replaced.
   ocp.PyTreeCheckpointer().save(params_dir, params, force=overwrite)
   if jax.process_index() == 0:
     if config is not None:
-      with open(os.path.join(directory, CONFIG_FILE), "w") as f:
+      with fileio.open(fileio.join(directory, CONFIG_FILE), "w") as f:
         json.dump(_to_json(dict(config), "(config)"), f, indent=2, sort_keys=True)
-    covered = [PARAMS_DIR] + ([CONFIG_FILE] if os.path.isfile(
-        os.path.join(directory, CONFIG_FILE)) else [])
+    covered = [PARAMS_DIR] + ([CONFIG_FILE] if fileio.isfile(
+        fileio.join(directory, CONFIG_FILE)) else [])
     if write_extra is not None:
       covered += list(write_extra(directory))
     write_integrity_manifest(directory, covered)
@@ -849,7 +853,7 @@ def verify_export(directory: str | os.PathLike, *, full: bool | Sequence[str] = 
                   shared: bool = False) -> bool:
   """`verify_integrity` of an `export_params` directory (params/, config.json and what else
   its manifest covers)."""
-  directory = os.path.abspath(os.fspath(directory))
+  directory = fileio.abspath(directory)
   return verify_integrity(directory, what=f"{directory}: the export", full=full,
                           required=(f"{PARAMS_DIR}/_METADATA",), shared=shared)
 
@@ -868,9 +872,9 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
   Raises:
     CheckpointIntegrityError: The export is damaged or incomplete (checked before any read).
   """
-  directory = os.path.abspath(os.fspath(directory))
-  params_dir = os.path.join(directory, PARAMS_DIR)
-  if not os.path.isdir(params_dir):
+  directory = fileio.abspath(directory)
+  params_dir = fileio.join(directory, PARAMS_DIR)
+  if not fileio.isdir(params_dir):
     raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
   verify_export(directory, shared=True)  # Every process loads: each hashes its share.
   checkpointer = ocp.PyTreeCheckpointer()
@@ -880,9 +884,9 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
   params = checkpointer.restore(
       params_dir, args=ocp.args.PyTreeRestore(target, restore_args=_restore_args(target)))
   config = None
-  config_path = os.path.join(directory, CONFIG_FILE)
-  if os.path.exists(config_path):
-    with open(config_path) as f:
+  config_path = fileio.join(directory, CONFIG_FILE)
+  if fileio.exists(config_path):
+    with fileio.open(config_path) as f:
       try:
         config = json.load(f)
       except json.JSONDecodeError as e:
@@ -914,7 +918,7 @@ def _without_read_only_notice():
 
 def _run_manager(model_dir: str) -> "ocp.CheckpointManager":
   """A read-only Orbax manager of a run's checkpoint directory."""
-  if not os.path.isdir(model_dir):
+  if not fileio.isdir(model_dir):
     raise FileNotFoundError(f"{model_dir}: no such run directory")
   options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
   with _without_read_only_notice():
@@ -946,7 +950,7 @@ def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
 def run_params_metadata(model_dir: str | os.PathLike, *, step: Optional[int] = None
                         ) -> tuple[int, tuple[tuple[str, ...], PyTree]]:
   """(step, (where the params sit in the state, their metadata tree)) of a run's checkpoint."""
-  model_dir = os.path.abspath(os.fspath(model_dir))
+  model_dir = fileio.abspath(model_dir)
   with _run_manager(model_dir) as manager:
     step = _resolve_run_step(manager, model_dir, step)
     verify_step(model_dir, step, full=False)  # Sizes only: no array is read here.
@@ -977,7 +981,7 @@ def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int]
   Raises:
     CheckpointIntegrityError: The step is damaged or incomplete (checked before any read).
   """
-  model_dir = os.path.abspath(os.fspath(model_dir))
+  model_dir = fileio.abspath(model_dir)
   with _run_manager(model_dir) as manager:
     step = _resolve_run_step(manager, model_dir, step)
     verify_step(model_dir, step, shared=True)  # Every process loads: each hashes its share.
@@ -1002,11 +1006,11 @@ def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int]
 
 def exported_metadata(directory: str | os.PathLike) -> PyTree:
   """The saved parameter tree of an `export_params` directory, `ArrayMetadata` leaves."""
-  params_dir = os.path.join(os.path.abspath(os.fspath(directory)), PARAMS_DIR)
-  if not os.path.isdir(params_dir):
+  params_dir = fileio.join(fileio.abspath(directory), PARAMS_DIR)
+  if not fileio.isdir(params_dir):
     raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
   # Sizes of everything; digests of the small files read next (config, vocabulary, settings).
-  verify_export(directory, full=[name for name in os.listdir(directory) if name != PARAMS_DIR])
+  verify_export(directory, full=[name for name in fileio.listdir(directory) if name != PARAMS_DIR])
   metadata = ocp.PyTreeCheckpointer().metadata(params_dir).item_metadata
   return getattr(metadata, "tree", metadata)
 

@@ -840,7 +840,8 @@ OPERATIVE_CONFIG_FILE = "config.gin"
 def write_operative_config(model_dir: str | os.PathLike[str], *,
                            name: str = OPERATIVE_CONFIG_FILE) -> str:
   """Writes the final gin config (every bound value) to MODEL_DIR/config.gin."""
-  path = pathlib.Path(model_dir) / name
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(gin.config_str())
-  return str(path)
+  from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
+  path = fileio.join(model_dir, name)
+  fileio.makedirs(model_dir)
+  fileio.write_text(path, gin.config_str())
+  return path

@@ -37,7 +37,6 @@ import logging
 import os
 import pathlib
 import re
-import shutil
 from typing import Any, Mapping, Optional
 
 import flax
@@ -47,6 +46,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jaxmoral import checkpoints
+from jaxmoral import fileio
 from jaxmoral.models import hf_import
 from jaxmoral.models import t5x_import
 from jaxmoral.models.config import T5Config
@@ -70,11 +70,12 @@ _HUB_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytor
 # -- vocabulary ---------------------------------------------------------------------------------
 def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Path:
   """Copies a SentencePiece vocabulary into `directory/vocab/` (model + extra ids)."""
-  vocab_dir = pathlib.Path(directory) / VOCAB_DIR
+  vocab_dir = fileio.path(directory) / VOCAB_DIR
   vocab_dir.mkdir(parents=True, exist_ok=True)
   target = vocab_dir / SPIECE_FILE
-  if pathlib.Path(vocabulary.sentencepiece_model_file).resolve() != target.resolve():
-    shutil.copyfile(vocabulary.sentencepiece_model_file, target)
+  source = vocabulary.sentencepiece_model_file
+  if fileio.is_url(target) or pathlib.Path(source).resolve() != pathlib.Path(target).resolve():
+    fileio.write_bytes(target, fileio.read_bytes(source))
   (vocab_dir / EXTRA_IDS_FILE).write_text(str(vocabulary.extra_ids))
   return target
 
@@ -82,7 +83,7 @@ def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Pa
 def vocabulary_path(directory: str | os.PathLike) -> Optional[pathlib.Path]:
   """The SentencePiece model a model directory carries (vocab/spiece.model or HF's
   spiece.model), or None."""
-  directory = pathlib.Path(directory)
+  directory = fileio.path(directory)
   for path in (directory / VOCAB_DIR / SPIECE_FILE, directory / SPIECE_FILE):
     if path.is_file():
       return path
@@ -106,25 +107,26 @@ def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
 def vocabulary_from_file(path: str | os.PathLike) -> Any:
   """The seqio vocabulary of a SentencePiece `.model` file (extra ids read beside it)."""
   from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
-  path = pathlib.Path(path)
-  return vocab_lib.get_vocabulary(path, extra_ids=_extra_ids(path.parent, path))
+  path = fileio.path(path)
+  return vocab_lib.get_vocabulary(fileio.local_copy(path),
+                                  extra_ids=_extra_ids(path.parent, path))
 
 
 def load_vocabulary(directory: str | os.PathLike) -> Any:
   """The seqio vocabulary a model directory carries, or None when it has none."""
-  directory = pathlib.Path(directory)
+  directory = fileio.path(directory)
   spm = vocabulary_path(directory)
   if spm is None:
     return None
   from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
-  return vocab_lib.get_vocabulary(spm, extra_ids=_extra_ids(directory, spm))
+  return vocab_lib.get_vocabulary(fileio.local_copy(spm), extra_ids=_extra_ids(directory, spm))
 
 
 # -- run files ----------------------------------------------------------------------------------
 def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary: Any,
                    settings: Optional[Mapping[str, Any]] = None) -> None:
   """Writes what makes a run directory self-describing (see the module docstring)."""
-  model_dir = pathlib.Path(model_dir)
+  model_dir = fileio.path(model_dir)
   model_dir.mkdir(parents=True, exist_ok=True)
   (model_dir / MODEL_CONFIG_FILE).write_text(config.to_json())
   save_vocabulary(model_dir, vocabulary)
@@ -133,12 +135,12 @@ def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary
 
 
 def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) -> None:
-  (pathlib.Path(directory) / SETTINGS_FILE).write_text(
+  (fileio.path(directory) / SETTINGS_FILE).write_text(
       json.dumps(dict(settings), indent=2, sort_keys=True) + "\n")
 
 
 def read_settings(directory: str | os.PathLike) -> dict[str, Any]:
-  path = pathlib.Path(directory) / SETTINGS_FILE
+  path = fileio.path(directory) / SETTINGS_FILE
   if not path.is_file():
     return {}
   try:
@@ -264,7 +266,15 @@ def _flat_shapes(tree: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 def _local(source: str | os.PathLike) -> tuple[pathlib.Path, bool]:
   """(local folder, whether it came from the Hub)."""
   text = os.fspath(source)
-  path = pathlib.Path(text).expanduser()
+  if fileio.is_url(text):
+    path = fileio.path(fileio.abspath(text))
+    if any((path / name).is_file() for name in hf_import.CHECKPOINT_FILES):
+      # safetensors and torch read local files: a Hugging Face folder is read from a copy.
+      return pathlib.Path(fileio.local_folder(text)), False
+    if not path.is_dir():
+      raise FileNotFoundError(f"{text}: no such model directory")
+    return path, False
+  path = pathlib.Path(os.path.expanduser(text))
   if path.exists():
     if not path.is_dir():
       raise FileNotFoundError(f"{text}: a model is a directory, not a file")
@@ -586,7 +596,7 @@ def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
   if output_format not in ("jaxmoral", "hf"):
     raise ValueError(f"export: format must be 'jaxmoral' or 'hf', got {output_format!r}")
   loaded = load_on_mesh(source, step=step, partitioner=partitioner)
-  output = pathlib.Path(output_dir)
+  output = fileio.path(output_dir)
   if output_format == "hf":
     if (output / hf_import.SINGLE_FILE).exists() and not overwrite:
       raise FileExistsError(f"{output}/{hf_import.SINGLE_FILE} exists; pass --overwrite to "

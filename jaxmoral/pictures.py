@@ -22,9 +22,11 @@ def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100) -> st
   Returns:
     The path written, as a string.
   """
+  from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
   path = os.fspath(path)
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fileio.makedirs(os.path.dirname(fileio.abspath(path)))
   fig.tight_layout()
-  fig.savefig(path, dpi=dpi)
+  with fileio.open(path, "wb") as f:  # A bucket object is uploaded whole on close.
+    fig.savefig(f, dpi=dpi, format=os.path.splitext(path)[1][1:] or "png")
   pyplot().close(fig)
   return path

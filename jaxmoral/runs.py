@@ -20,14 +20,14 @@ its path::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import numbers
 import os
-import pathlib
-import shutil
 import sys
+import tempfile
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
@@ -39,6 +39,7 @@ import optax
 
 from jaxmoral import checkpoints
 from jaxmoral import decoding
+from jaxmoral import fileio
 from jaxmoral import gin_utils
 from jaxmoral import losses
 from jaxmoral import model_dirs
@@ -143,7 +144,7 @@ class Seq2SeqData:
     """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
     for name in ("train_file", "eval_file", "vocabulary_path"):
       value = getattr(self, name)
-      if value is not None and not pathlib.Path(value).is_file():
+      if value is not None and not fileio.isfile(value):
         raise ValueError(f"Seq2SeqData.{name}: no such file {value!r}")
 
   def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
@@ -234,7 +235,15 @@ def _run_vocabulary(model_dir: str, data: DataSpec, init_info: Optional[model_di
   if own is not None:
     return own
   fallback = init_info.vocabulary if init_info is not None else None
-  return data.vocabulary(os.path.join(model_dir, VOCAB_DIR), fallback=fallback)
+  return data.vocabulary(vocabulary_build_dir(model_dir), fallback=fallback)
+
+
+def vocabulary_build_dir(model_dir: str) -> str:
+  """Where a run's vocabulary is built: MODEL_DIR/vocab, or a local folder for a bucket run
+  (SentencePiece writes local files; `save_run_files` copies the model into the bucket)."""
+  if fileio.is_url(model_dir):
+    return os.path.join(tempfile.gettempdir(), "jaxmoral_run_vocab")
+  return os.path.join(model_dir, VOCAB_DIR)
 
 
 # train_run's counts: (parameter, the gin macro gin/runs/*.gin binds it to, least value).
@@ -316,8 +325,12 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                        log_every=log_every)
   gin_utils.check_writable(model_dir, directory=True)
   partitioner = partitioner or partitioning.PjitPartitioner()
-  created = not os.path.exists(model_dir)
-  checkpoints.make_run_dir(model_dir)
+  if fileio.is_url(model_dir):
+    checkpoints.make_run_dir(model_dir)  # Bucket, credentials, endpoint: checked first.
+    created = not fileio.exists(model_dir)  # (It leaves no object behind.)
+  else:
+    created = not fileio.exists(model_dir)
+    checkpoints.make_run_dir(model_dir)
   training = False
   try:
     # Held from before the run files are written: a second run into this folder is refused
@@ -374,7 +387,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     # A run that failed before its first step (bad data, a vocabulary that does not fit, an
     # unreadable init_checkpoint) leaves no folder it created behind.
     if created and not training and jax.process_index() == 0:
-      shutil.rmtree(model_dir, ignore_errors=True)
+      with contextlib.suppress(OSError):
+        fileio.rmtree(model_dir)
     raise
 
 
@@ -394,8 +408,8 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   Raises:
     OSError: The report cannot be written (checked before anything is loaded or computed).
   """
-  out_path = pathlib.Path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
-  if pathlib.Path(model_dir).is_dir():  # A missing model dir: model_dirs.load says so.
+  out_path = fileio.path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
+  if fileio.isdir(model_dir):  # A missing model dir: model_dirs.load says so.
     gin_utils.check_writable(out_path)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
   partitioner = loaded.partitioner
@@ -453,7 +467,7 @@ def _read_infer_inputs(input_file: str, input_field: Optional[str]) -> list[str]
   rows = readers.read_lines(input_file)
   # read_lines keeps the non-blank lines with their numbers; the blank ones are put back so
   # that output line N answers input line N.
-  with open(input_file, "rb") as f:
+  with fileio.open(input_file, "rb") as f:
     texts = [""] * sum(1 for _ in f)
   for row, line in zip(rows, rows.lines):
     texts[line - 1] = row["text"]
@@ -529,7 +543,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
   def blank_record(text: str) -> str:
     return json.dumps({"input": text, "predictions": [], "scores": []}) + "\n"
 
-  with open(output_file, "w", encoding="utf-8") as out:
+  with fileio.open(output_file, "w", encoding="utf-8") as out:
     written = 0  # Records written: the next input line to answer.
     for begin in range(0, len(todo), batch_size):
       chunk = todo[begin:begin + batch_size]

@@ -17,6 +17,8 @@ import pathlib
 import subprocess
 from typing import Any, Optional
 
+from jaxmoral import fileio
+
 # The libraries whose versions decide what programs jaxmoral builds and how it saves them.
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -93,14 +95,13 @@ def record_start(model_dir: str | os.PathLike[str], *, step: int) -> dict[str, A
   record = {"step": step,
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **_this_process()}
-  with open(pathlib.Path(model_dir) / RECORD_FILE, "a", encoding="utf-8") as f:
-    f.write(json.dumps(record, sort_keys=True) + "\n")
+  fileio.append_text(fileio.join(model_dir, RECORD_FILE), json.dumps(record, sort_keys=True) + "\n")
   return record
 
 
 def read_records(model_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
   """The records `record_start` wrote, oldest first ([] when there are none)."""
-  path = pathlib.Path(model_dir) / RECORD_FILE
-  if not path.is_file():
+  path = fileio.join(model_dir, RECORD_FILE)
+  if not fileio.isfile(path):
     return []
-  return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+  return [json.loads(line) for line in fileio.read_text(path).splitlines() if line]

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from jaxmoral import checkpoints
+from jaxmoral import fileio
 from jaxmoral import gin_utils
 from jaxmoral import partitioning
 from jaxmoral import progress
@@ -66,11 +67,11 @@ class MetricWriters:
       from tensorboardX.event_file_writer import EventsWriter
       from tensorboardX.record_writer import directory_check
       for name in ("train", "eval"):
-        directory = os.path.join(model_dir, name)
+        directory = fileio.join(model_dir, name)
         directory_check(directory)  # Local folders and gs:// / s3:// alike.
         # pid and object id in the name: two writers started in the same second (a run and
         # its quick resume, or two loops of one process) must not share a file.
-        self._writers[name] = EventsWriter(os.path.join(directory, "events"),
+        self._writers[name] = EventsWriter(fileio.join(directory, "events"),
                                            filename_suffix=f".{os.getpid()}.{id(self)}")
 
   def _write(self, name: str, step: int, summary: Any) -> None:
@@ -98,9 +99,9 @@ class MetricWriters:
 
 def _event_files(directory: str) -> list[str]:
   """The paths of a directory's TensorBoard event files, in name order."""
-  paths = [os.path.join(directory, name) for name in sorted(os.listdir(directory))
+  paths = [fileio.join(directory, name) for name in sorted(fileio.listdir(directory))
            if "tfevents" in name]
-  return [path for path in paths if os.path.isfile(path)]
+  return [path for path in paths if fileio.isfile(path)]
 
 
 def _records(data: bytes) -> Iterator[tuple[int, int]]:
@@ -121,8 +122,7 @@ def _events(directory: str) -> Iterator[Any]:
   TensorBoard."""
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   for path in _event_files(directory):
-    with open(path, "rb") as f:
-      data = f.read()
+    data = fileio.read_bytes(path)
     for start, end in _records(data):
       yield event_pb2.Event.FromString(data[start + 12:end - 4])
 
@@ -362,10 +362,9 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     writers = MetricWriters(model_dir)
     if is_chief:  # As T5X: what this stretch of the run trains under, in TensorBoard's Text tab.
       writers.text("train", start, "software", software_line)
-      config_path = os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
-      if os.path.isfile(config_path):
-        with open(config_path, encoding="utf-8") as f:
-          writers.text("train", start, "config", _markdown_code(f.read()))
+      config_path = fileio.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
+      if fileio.isfile(config_path):
+        writers.text("train", start, "config", _markdown_code(fileio.read_text(config_path)))
     loop = LoopInfo(model_dir=model_dir, start_step=start, fresh=latest is None,
                     train_steps=train_steps, writers=writers)
     for hook in hooks:
@@ -433,7 +432,7 @@ def purge_events_after(directory: str, step: int) -> int:
 
   A run killed after its last checkpoint had already written points past it; the resumed run
   writes those steps again, and TensorBoard would show both. Each file that loses events is
-  rewritten under a temporary name and renamed over the old one (the records are copied
+  rewritten whole, under a temporary name renamed over the old one (the records are copied
   byte for byte, CRCs included). A record cut short by the kill is dropped too.
 
   Args:
@@ -444,12 +443,11 @@ def purge_events_after(directory: str, step: int) -> int:
     The number of events dropped.
   """
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  if not os.path.isdir(directory):
+  if not fileio.isdir(directory):
     return 0
   dropped = 0
   for path in _event_files(directory):
-    with open(path, "rb") as f:
-      data = f.read()
+    data = fileio.read_bytes(path)
     kept, whole_end, changed = [], 0, False
     for start, end in _records(data):
       try:
@@ -464,10 +462,7 @@ def purge_events_after(directory: str, step: int) -> int:
       whole_end = end
     changed = changed or whole_end != len(data)  # a record (or header) torn by a kill
     if changed:
-      temporary = f"{path}.purge.{os.getpid()}"
-      with open(temporary, "wb") as f:
-        f.write(b"".join(kept))
-      os.replace(temporary, path)
+      fileio.write_bytes(path, b"".join(kept))  # Whole: a temporary renamed over, or one object.
   if dropped:
     logger.info("train: dropped %d TensorBoard events after step %d in %s", dropped, step,
                 directory)

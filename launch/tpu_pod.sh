@@ -2,14 +2,14 @@
 # Start the same jaxmoral command on every worker of a Cloud TPU VM pod slice.
 #
 #   launch/tpu_pod.sh --tpu=NAME --zone=ZONE [--project=P] [--queued] [--slices=N] \
-#       -- train --gin_file=configs/core/large_tpu_pod.gin --gin.MODEL_DIR=/gcs/bucket/run
+#       -- train --gin_file=configs/core/large_tpu_pod.gin --gin.MODEL_DIR="'gs://bucket/run'"
 #
 # It copies nothing by hand: every worker clones (or updates) the repository at the same commit
 # (this checkout's HEAD, which must be on origin, or JAXMORAL_COMMIT), installs `.[tpu]` into its
 # own .venv (again when setup.cfg or pyproject.toml changed), then runs the command. JAX
 # discovers the pod's workers by itself on TPU VMs (jax.distributed.initialize() needs no
-# arguments there). MODEL_DIR must be a folder every worker sees, e.g. the bucket mounted with
-# gcsfuse at /gcs/BUCKET (not gs://).
+# arguments there). MODEL_DIR is a bucket URL (gs://BUCKET/run, written with the
+# workers' service account) or a folder every worker sees (NFS, gcsfuse).
 #   --queued   : the slice was made with `gcloud compute tpus queued-resources create`; the
 #                nodes are named NAME-0 .. NAME-(slices-1) (multi-slice: one command per slice,
 #                MEGASCALE variables set by the runtime).

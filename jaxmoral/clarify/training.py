@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmoral import aot, checkpoints, gin_utils, model_dirs, partitioning, runs
+from jaxmoral import aot, checkpoints, fileio, gin_utils, model_dirs, partitioning, runs
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
@@ -105,13 +105,13 @@ def train_clarify_model(*, which: str, model_dir: str,
                                mixing_cap=mixing_cap, seed=seed)
   checkpoints.make_run_dir(model_dir)
   seq_data = runs.Seq2SeqData(
-      train_file=data_lib.write_pairs(pairs, os.path.join(model_dir, "data",
+      train_file=data_lib.write_pairs(pairs, fileio.join(model_dir, "data",
                                                           f"{which}_{split}.jsonl")),
       vocabulary_path=vocabulary_path, pack=pack)
   if which in ("judge", "multitask"):
     init_vocabulary = (model_dirs.inspect(init_checkpoint).vocabulary if init_checkpoint
                        else None)
-    judge_lib.class_token_ids(seq_data.vocabulary(os.path.join(model_dir, runs.VOCAB_DIR),
+    judge_lib.class_token_ids(seq_data.vocabulary(runs.vocabulary_build_dir(model_dir),
                                                   fallback=init_vocabulary), judge_classes)
   logger.info("clarify: training %s on %d pairs from %s -> %s", which, len(pairs), source,
               model_dir)

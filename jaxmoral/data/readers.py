@@ -38,6 +38,8 @@ import logging
 import os
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
+from jaxmoral import fileio
+
 OnError = Literal["raise", "report"]
 PathLike = str | os.PathLike
 Report = Callable[["DataError"], None]
@@ -263,7 +265,7 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
   rows: list[dict[str, Any]] = []
   lines: list[int] = []
   split_rows = _tsv_rows if delimiter == "\t" else _csv_rows
-  with open(path, "rb") as f:
+  with fileio.open(path, "rb") as f:
     numbered_rows = split_rows(_utf8_lines(f, path), path, report_row)
     try:
       header_line, header = next(numbered_rows)
@@ -346,7 +348,7 @@ def read_csv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
 
 def _empty_what(path: PathLike) -> str:
   """Why a line-based file has no rows: it is empty, or has only blank lines."""
-  return "empty file (no rows)" if os.path.getsize(path) == 0 else "no rows (only blank lines)"
+  return "empty file (no rows)" if fileio.getsize(path) == 0 else "no rows (only blank lines)"
 
 
 def read_lines(path: PathLike, *, allow_empty: bool = True,
@@ -364,7 +366,7 @@ def read_lines(path: PathLike, *, allow_empty: bool = True,
   report = _Collector(on_error)
   rows: list[dict[str, Any]] = []
   lines: list[int] = []
-  with open(path, "rb") as f:
+  with fileio.open(path, "rb") as f:
     for number, text in _text_lines(f, path, report):
       rows.append({"text": text.rstrip("\r\n")})
       lines.append(number)
@@ -398,7 +400,7 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
   known = None if optional is None else [*(required or ()), *text, *optional]
   rows: list[dict[str, Any]] = []
   lines: list[int] = []
-  with open(path, "rb") as f:
+  with fileio.open(path, "rb") as f:
     for number, line_text in _text_lines(f, path, report):
       try:
         obj = json.loads(line_text)
@@ -436,8 +438,8 @@ def _text_error(obj: dict[str, Any], text: Sequence[str], path: PathLike,
 def write_jsonl(path: PathLike, rows: Iterable[Mapping[str, Any]]) -> str:
   """Writes one JSON object a line (UTF-8, non-ASCII kept), creating the folder; returns the
   path. The counterpart of `read_jsonl`."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
+  fileio.makedirs(os.path.dirname(fileio.abspath(path)) or ".")
+  with fileio.open(path, "w", encoding="utf-8") as f:
     for row in rows:
       f.write(json.dumps(dict(row), ensure_ascii=False) + "\n")
   return os.fspath(path)

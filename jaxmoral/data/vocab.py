@@ -17,6 +17,8 @@ import gin
 import seqio
 import sentencepiece as spm
 
+from jaxmoral import fileio
+
 DEMO_DIR = pathlib.Path(__file__).resolve().parent / "demo"
 DEMO_VOCAB_SIZE = 400  # + 100 extra ids = 500 <= the tiny model's 512 rows.
 T5_EXTRA_IDS = 100
@@ -93,9 +95,10 @@ def get_vocabulary(path: Optional[str | os.PathLike], *,
     import tempfile
     path = build_demo_vocabulary(output_dir=os.path.join(tempfile.gettempdir(),
                                                          "jaxmoral_demo_vocab"))
-  if not os.path.isfile(path):
+  if not fileio.isfile(path):
     raise FileNotFoundError(f"SentencePiece model not found: {path}")
-  vocab = seqio.SentencePieceVocabulary(str(path), extra_ids=extra_ids)
+  # SentencePiece reads local files only: a model in a bucket is read through a local copy.
+  vocab = seqio.SentencePieceVocabulary(fileio.local_copy(path), extra_ids=extra_ids)
   if vocab.pad_id != 0 or vocab.eos_id != 1:
     raise ValueError(f"{path}: not a T5-style model (pad={vocab.pad_id}, eos={vocab.eos_id}; "
                      "expected 0 and 1)")

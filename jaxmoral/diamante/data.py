@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequenc
 import gin
 import numpy as np
 
+from jaxmoral import fileio
 from jaxmoral.data.readers import DataError, read_jsonl, unknown_field
 from jaxmoral.models.t5 import shift_right
 
@@ -167,8 +168,8 @@ def write_dialogues(path: str | os.PathLike[str],
                     dialogues: Iterable[tuple[Sequence[str], Sequence[Sequence[str]]]]) -> int:
   """Writes (utterances, candidates per utterance) pairs as Diamante JSONL; returns the count."""
   count = 0
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
+  fileio.makedirs(os.path.dirname(fileio.abspath(path)))
+  with fileio.open(path, "w", encoding="utf-8") as f:
     for utterances, candidates in dialogues:
       f.write(dialogue_to_json(utterances, candidates) + "\n")
       count += 1
@@ -480,7 +481,7 @@ class DialogueData:
     """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
     for name in ("train_path", "eval_path", "vocab_path"):
       value = getattr(self, name)
-      if value is not None and not os.path.isfile(value):
+      if value is not None and not fileio.isfile(value):
         raise ValueError(f"DialogueData.{name}: no such file {value!r}")
 
   def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:

@@ -20,6 +20,7 @@ import gin
 import jax
 import numpy as np
 
+from jaxmoral import fileio
 from jaxmoral import metrics as metrics_lib
 from jaxmoral import partitioning
 from jaxmoral.diamante import bundle as bundle_lib
@@ -256,8 +257,8 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
                           rerank=rerank or inference.RerankConfig(), batch_size=batch_size,
                           seed=seed)
   if output_path is not None:
-    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    with open(output_path, "w") as f:
+    fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
+    with fileio.open(output_path, "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)
   logger.info("diamante eval: %s", " ".join(f"{k} {v:.4g}" for k, v in sorted(result.items())))
   return result

@@ -23,6 +23,7 @@ import flax
 import flax.linen as nn
 import jax
 
+from jaxmoral import fileio
 from jaxmoral.models.config import T5Config
 
 Params = dict[str, Any]
@@ -135,7 +136,7 @@ def _item_dir(directory: pathlib.Path) -> pathlib.Path:
 
 def is_t5x_checkpoint(directory: str | os.PathLike) -> bool:
   """Whether `directory` looks like an Orbax checkpoint (or a legacy T5X one)."""
-  directory = pathlib.Path(directory)
+  directory = fileio.path(directory)
   return ((directory / "_METADATA").is_file() or (directory / "checkpoint").is_file()
           or any((p / "_METADATA").is_file() for p in directory.iterdir() if p.is_dir()))
 
@@ -168,7 +169,7 @@ def locate(directory: str | os.PathLike, *, config: Optional[T5Config] = None) -
       message names the parameter and the checkpoint).
   """
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  directory = pathlib.Path(directory)
+  directory = fileio.path(directory)  # gs://: Orbax reads the bucket itself.
   if not directory.is_dir():
     raise FileNotFoundError(f"T5X checkpoint directory not found: {directory}")
   item = _item_dir(directory)

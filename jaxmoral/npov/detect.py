@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 
 import gin
 
+from jaxmoral import fileio
 from jaxmoral.npov import task
 from jaxmoral.npov.detectors import rouge
 
@@ -121,17 +122,17 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
   detections = []
   if heatmap_dir and detector == "salience":
     from jaxmoral.npov import plots  # pylint: disable=g-import-not-at-top
-    os.makedirs(heatmap_dir, exist_ok=True)
+    fileio.makedirs(heatmap_dir)
     for e in examples:
       word_map = det.word_map(e)
       d = det.detect_from_map(word_map)
-      plots.salience_heatmap_html(word_map, d, os.path.join(heatmap_dir, _file_name(e.id)),
+      plots.salience_heatmap_html(word_map, d, fileio.join(heatmap_dir, _file_name(e.id)),
                                   title=e.query)
       detections.append(d)
   else:
     detections = det.detect_batch(examples)
-  os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-  with open(output_path, "w", encoding="utf-8") as f:
+  fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
+  with fileio.open(output_path, "w", encoding="utf-8") as f:
     for e, d in zip(examples, detections):
       record = {"id": e.id, **d.to_json()}
       records.append(record)

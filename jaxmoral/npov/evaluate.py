@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional, Sequence
 import gin
 import numpy as np
 
+from jaxmoral import fileio
 from jaxmoral import metrics
 from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
@@ -129,17 +130,15 @@ def write_results(results: Mapping[str, Any], output_dir: str | os.PathLike, *,
                   plot: bool = True) -> dict[str, str]:
   """Writes results.json, table.txt and (plot=True) one ROC-curve PNG per slice."""
   output_dir = os.fspath(output_dir)
-  os.makedirs(output_dir, exist_ok=True)
-  paths = {"json": os.path.join(output_dir, "results.json"),
-           "table": os.path.join(output_dir, "table.txt")}
-  with open(paths["json"], "w", encoding="utf-8") as f:
-    json.dump(results, f, indent=1)
-  with open(paths["table"], "w", encoding="utf-8") as f:
-    f.write(format_table(results) + "\n")
+  fileio.makedirs(output_dir)
+  paths = {"json": fileio.join(output_dir, "results.json"),
+           "table": fileio.join(output_dir, "table.txt")}
+  fileio.write_text(paths["json"], json.dumps(results, indent=1))
+  fileio.write_text(paths["table"], format_table(results) + "\n")
   if plot:
     from jaxmoral.npov import plots  # pylint: disable=g-import-not-at-top
     for name, by_detector in results.items():
-      path = os.path.join(output_dir, f"roc_{name}.png")
+      path = fileio.join(output_dir, f"roc_{name}.png")
       if plots.roc_curves_png(by_detector, path, title=name):
         paths[f"roc_{name}"] = path
   return paths

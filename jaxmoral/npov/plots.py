@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from jaxmoral import metrics, pictures
+from jaxmoral import fileio, metrics, pictures
 from jaxmoral.npov.detectors import base
 
 
@@ -48,7 +48,7 @@ def salience_heatmap_html(word_map: Any, detection: base.Detection, path: str | 
          f"<table style='border-collapse:collapse;font:11px sans-serif'>"
          f"<tr><th></th><th></th>{head}</tr>{''.join(rows)}</table></body></html>")
   path = os.fspath(path)
-  with open(path, "w", encoding="utf-8") as f:
+  with fileio.open(path, "w", encoding="utf-8") as f:
     f.write(doc)
   return path
 

@@ -17,6 +17,7 @@ import os
 import re
 from typing import Any, Optional, Sequence
 
+from jaxmoral import fileio
 from jaxmoral.data import readers
 
 SIDES = ("pro", "con")
@@ -273,6 +274,6 @@ def read_examples(path: str | os.PathLike, *,
 
 def write_examples(examples: Sequence[NpovExample], path: str | os.PathLike) -> None:
   """Writes examples as JSONL (the format `read_examples` reads)."""
-  with open(path, "w", encoding="utf-8") as f:
+  with fileio.open(path, "w", encoding="utf-8") as f:
     for example in examples:
       f.write(json.dumps(example.to_json(), ensure_ascii=False) + "\n")

@@ -1,0 +1,432 @@
+"""The one file layer: every path a run touches may be local or an object-store URL.
+
+Local paths go through `os` and `open` as before (atomic renames, fsync). URLs (gs://, s3://)
+go through `etils.epath` on fsspec (gcsfs, s3fs), the layer Orbax itself writes checkpoints
+with, so a run directory's small files and its checkpoints share one client, one set of
+credentials and one endpoint. Object stores have no rename: a single object is written whole
+or not at all, which is what the atomic writes here need; folders are copied then deleted.
+
+Endpoints: `STORAGE_EMULATOR_HOST` (a local GCS-API server, as the Google clients read it) also
+points TensorStore's gcs driver (`TENSORSTORE_GCS_HTTP_URL`) at the same server.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import os
+import re
+import threading
+import uuid
+from typing import IO, Any, Iterable, Optional
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_configured = False
+_configure_guard = threading.Lock()
+
+
+def is_url(path: str | os.PathLike) -> bool:
+  """True for an object-store URL (gs://bucket/..., s3://...), False for a local path."""
+  return bool(_URL.match(os.fspath(path)))
+
+
+def scheme(path: str | os.PathLike) -> Optional[str]:
+  """'gs', 's3', ... for a URL; None for a local path."""
+  match = _URL.match(os.fspath(path))
+  return match.group(1).lower() if match else None
+
+
+def _configure_clients() -> None:
+  """Points every client at the same store before any of them is first used.
+
+  epath picks tf.io.gfile for gs:// when TensorFlow is installed; fsspec (gcsfs) is chosen
+  instead so that Orbax's metadata, this module and the endpoint settings agree (tf.io.gfile
+  has no endpoint setting for a GCS-API server). gcsfs's experimental bucket-type probe
+  (gRPC) is switched off against a local server, which only speaks JSON over HTTP.
+  """
+  global _configured
+  with _configure_guard:
+    if _configured:
+      return
+    os.environ.setdefault("EPATH_USE_TF", "false")
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    if emulator:
+      if not emulator.startswith(("http://", "https://")):
+        emulator = f"http://{emulator}"
+      os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator)
+      os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    _configured = True
+
+
+def path(location: str | os.PathLike) -> Any:
+  """An `etils.epath.Path` for `location` (clients configured first)."""
+  _configure_clients()
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  location = os.fspath(location)
+  if is_url(location):
+    # epath keeps its own fsspec instance: its listings must not go stale either.
+    from etils.epath import backend  # pylint: disable=g-import-not-at-top
+    backend.fsspec_backend.fs(location).invalidate_cache()
+  return epath.Path(location)
+
+
+def filesystem(location: str | os.PathLike) -> tuple[Any, str]:
+  """(fsspec filesystem, path without the scheme) of a URL: for what epath does not expose
+  (conditional creates, generations, recursive listings)."""
+  _configure_clients()
+  import fsspec  # pylint: disable=g-import-not-at-top
+  location = os.fspath(location)
+  fs, stripped = fsspec.core.url_to_fs(location)
+  # Other writers (TensorStore, tensorboardX, other hosts) change the store behind this
+  # process's back: listings are never served from fsspec's cache.
+  fs.invalidate_cache()
+  return fs, stripped
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+  """`os.path.join` for local paths; '/'-joined for URLs."""
+  base = os.fspath(base)
+  if not is_url(base):
+    return os.path.join(base, *parts)
+  out = base.rstrip("/")
+  for part in parts:
+    out = f"{out}/{part.strip('/')}" if part else out
+  return out
+
+
+def abspath(location: str | os.PathLike) -> str:
+  """An absolute local path (user expanded); a URL as given, without a trailing '/'."""
+  location = os.fspath(location)
+  if is_url(location):
+    return location.rstrip("/") if location.rstrip("/") != f"{scheme(location)}:/" else location
+  return os.path.abspath(os.path.expanduser(location))
+
+
+def exists(location: str | os.PathLike) -> bool:
+  if not is_url(location):
+    return os.path.exists(location)
+  fs, stripped = filesystem(location)
+  return fs.exists(stripped)
+
+
+def isfile(location: str | os.PathLike) -> bool:
+  if not is_url(location):
+    return os.path.isfile(location)
+  fs, stripped = filesystem(location)
+  return fs.isfile(stripped)
+
+
+def isdir(location: str | os.PathLike) -> bool:
+  if not is_url(location):
+    return os.path.isdir(location)
+  fs, stripped = filesystem(location)
+  return fs.isdir(stripped)
+
+
+def listdir(location: str | os.PathLike) -> list[str]:
+  """Names in a folder (raises FileNotFoundError for a missing local folder; for a URL, a
+  prefix with no objects under it is a missing folder too)."""
+  if not is_url(location):
+    return os.listdir(location)
+  fs, stripped = filesystem(location)
+  prefix = stripped.rstrip("/")
+  try:
+    entries = fs.ls(prefix, detail=False)
+  except FileNotFoundError:
+    entries = []
+  names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix]
+  if not names and not isdir(location):
+    raise FileNotFoundError(f"{location}: no such folder")
+  return names
+
+
+def walk_files(root: str | os.PathLike) -> list[str]:
+  """Every file under `root`, as sorted '/'-joined paths relative to it."""
+  root = os.fspath(root)
+  if not is_url(root):
+    out = []
+    for folder, _, names in os.walk(root):
+      for name in names:
+        out.append(os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/"))
+    return sorted(out)
+  fs, stripped = filesystem(root)
+  prefix = stripped.rstrip("/") + "/"
+  return sorted(p[len(prefix):] for p in fs.find(stripped) if p.startswith(prefix))
+
+
+def file_sizes(root: str | os.PathLike, names: Iterable[str]) -> dict[str, int]:
+  """{name: size} of those of `names` ('/'-joined, relative to `root`) that are files; on an
+  object store from one listing of the prefix, not one request per file."""
+  root = os.fspath(root)
+  if not is_url(root):
+    paths = {name: os.path.join(root, name) for name in names}
+    return {name: os.path.getsize(p) for name, p in paths.items() if os.path.isfile(p)}
+  fs, stripped = filesystem(root)
+  prefix = stripped.rstrip("/") + "/"
+  listed = {name[len(prefix):]: int(info.get("size") or 0)
+            for name, info in fs.find(stripped, detail=True).items() if name.startswith(prefix)}
+  return {name: listed[name] for name in names if name in listed}
+
+
+def makedirs(location: str | os.PathLike) -> None:
+  """Creates a folder and its parents (object stores have no folders: nothing to do there)."""
+  if not is_url(location):
+    os.makedirs(location, exist_ok=True)
+
+
+def getsize(location: str | os.PathLike) -> int:
+  if not is_url(location):
+    return os.path.getsize(location)
+  fs, stripped = filesystem(location)
+  try:
+    return int(fs.size(stripped))
+  except FileNotFoundError:
+    raise FileNotFoundError(2, "No such file", os.fspath(location)) from None
+
+
+def getmtime(location: str | os.PathLike) -> float:
+  """Seconds since the epoch of the last write (an object's `updated` time)."""
+  if not is_url(location):
+    return os.path.getmtime(location)
+  fs, stripped = filesystem(location)
+  fs.invalidate_cache(stripped)
+  modified = fs.modified(stripped)
+  if modified.tzinfo is None:
+    modified = modified.replace(tzinfo=datetime.timezone.utc)
+  return modified.timestamp()
+
+
+def open(location: str | os.PathLike, mode: str = "r", *,  # pylint: disable=redefined-builtin
+         encoding: Optional[str] = None, newline: Optional[str] = None) -> IO[Any]:
+  """`open` for local paths; the object store's file object for URLs (written on close)."""
+  if not is_url(location):
+    return builtins.open(location, mode, encoding=encoding, newline=newline)
+  if "b" in mode:
+    return path(location).open(mode)
+  import io  # pylint: disable=g-import-not-at-top
+  binary = path(location).open(mode.replace("t", "") + "b")
+  return io.TextIOWrapper(binary, encoding=encoding or "utf-8", newline=newline)
+
+
+def read_bytes(location: str | os.PathLike) -> bytes:
+  with open(location, "rb") as f:
+    return f.read()
+
+
+def read_text(location: str | os.PathLike, encoding: str = "utf-8") -> str:
+  with open(location, "r", encoding=encoding) as f:
+    return f.read()
+
+
+def write_bytes(location: str | os.PathLike, data: bytes, *, durable: bool = False) -> None:
+  """Writes a whole file atomically: readers see the old content or the new, never a part.
+
+  Local files go under a temporary name and are renamed over (fsynced first with `durable`);
+  an object is stored whole by one upload.
+  """
+  location = os.fspath(location)
+  if is_url(location):
+    fs, stripped = filesystem(location)
+    fs.pipe_file(stripped, data)
+    return
+  temporary = f"{location}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+  try:
+    with builtins.open(temporary, "wb") as f:
+      f.write(data)
+      if durable:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, location)
+  except BaseException:
+    if os.path.exists(temporary):
+      os.remove(temporary)
+    raise
+
+
+def write_text(location: str | os.PathLike, text: str, *, durable: bool = False) -> None:
+  write_bytes(location, text.encode("utf-8"), durable=durable)
+
+
+def create_exclusive(location: str | os.PathLike, data: bytes) -> bool:
+  """Creates a file only if none exists; False if one does. Of two callers exactly one wins.
+
+  Local: O_CREAT | O_EXCL. gs://: an upload with the precondition `ifGenerationMatch=0`, which
+  the store refuses (HTTP 412) when the object exists. Other stores: check, then write (not
+  race-free; said in the README).
+  """
+  location = os.fspath(location)
+  if not is_url(location):
+    try:
+      fd = os.open(location, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return False
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    return True
+  fs, stripped = filesystem(location)
+  if scheme(location) == "gs":
+    try:
+      fs.pipe_file(stripped, data, mode="create")
+    except FileExistsError:
+      return False
+    return True
+  if fs.exists(stripped):
+    return False
+  fs.pipe_file(stripped, data)
+  return True
+
+
+def generation(location: str | os.PathLike) -> Optional[str]:
+  """A gs:// object's generation (None for other paths, or a missing object)."""
+  if scheme(location) != "gs":
+    return None
+  fs, stripped = filesystem(location)
+  fs.invalidate_cache(stripped)
+  try:
+    return str(fs.info(stripped).get("generation") or "") or None
+  except FileNotFoundError:
+    return None
+
+
+def remove(location: str | os.PathLike, *, if_generation: Optional[str] = None) -> None:
+  """Deletes a file (FileNotFoundError if absent). `if_generation` (gs://): only that
+  generation of the object; FileNotFoundError if it has been replaced since."""
+  location = os.fspath(location)
+  if not is_url(location):
+    os.remove(location)
+    return
+  fs, stripped = filesystem(location)
+  if if_generation is not None and scheme(location) == "gs":
+    bucket, key, _ = fs.split_path(stripped)
+    try:
+      fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=if_generation)
+    except FileExistsError:  # gcsfs maps 412 (precondition failed) to FileExistsError.
+      raise FileNotFoundError(2, "replaced since it was read", location) from None
+    fs.invalidate_cache(stripped)
+    return
+  fs.rm_file(stripped)
+
+
+def rmtree(location: str | os.PathLike) -> None:
+  location = os.fspath(location)
+  if not is_url(location):
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(location)
+    return
+  fs, stripped = filesystem(location)
+  fs.rm(stripped, recursive=True)
+
+
+def rename(source: str | os.PathLike, target: str | os.PathLike) -> None:
+  """Renames a file or folder: atomic locally; on an object store a copy then a delete (the
+  stores have no rename), so callers must not rely on atomicity there."""
+  source, target = os.fspath(source), os.fspath(target)
+  if not is_url(source) and not is_url(target):
+    os.replace(source, target)
+    return
+  fs, stripped = filesystem(source)
+  _, stripped_target = filesystem(target)
+  fs.mv(stripped, stripped_target, recursive=True)
+  fs.invalidate_cache()
+
+
+def check_writable(folder: str | os.PathLike, *, what: str) -> None:
+  """Raises a one-line OSError naming `folder` and why nothing can be written there.
+
+  For a URL: writes and deletes a small probe object, so a missing bucket, missing
+  credentials, a refused permission or an unreachable endpoint are told before any work.
+  """
+  folder = os.fspath(folder)
+  if not is_url(folder):
+    makedirs(folder)
+    if not os.access(folder, os.W_OK):
+      raise PermissionError(f"{what} {folder}: not writable")
+    return
+  import logging  # pylint: disable=g-import-not-at-top
+  probe = join(folder, f".write_probe.{uuid.uuid4().hex[:12]}")
+  client_log = logging.getLogger("gcsfs")
+  level = client_log.level
+  client_log.setLevel(logging.CRITICAL)  # Its traceback of the last retry: the line below says it.
+  try:
+    write_bytes(probe, b"")
+    remove(probe)
+  except Exception as e:  # pylint: disable=broad-except
+    raise OSError(f"{what} {folder}: {describe_storage_error(e, folder)}") from None
+  finally:
+    client_log.setLevel(level)
+
+
+def describe_storage_error(error: BaseException, location: str) -> str:
+  """The cause of an object-store failure in a few words (no traceback)."""
+  text = f"{type(error).__name__}: {error}"
+  lowered = text.lower()
+  bucket = location.split("://", 1)[-1].split("/", 1)[0]
+  endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
+  if isinstance(error, ImportError):
+    return (f"the client for {scheme(location)}:// is not installed ({error.name}); "
+            "pip install gcsfs (gs://) or s3fs (s3://)")
+  if any(word in lowered for word in ("cannot connect", "connection refused", "name or service",
+                                      "timeout", "timed out", "clientconnector", "unreachable")):
+    where = f" {endpoint}" if endpoint else ""
+    return f"the storage endpoint{where} is unreachable ({type(error).__name__})"
+  if ("credential" in lowered or "defaultcredentialserror" in lowered or "401" in lowered
+      or "anonymous" in lowered or "login required" in lowered):
+    return ("no credentials: run `gcloud auth application-default login`, or set "
+            "GOOGLE_APPLICATION_CREDENTIALS (on a Cloud TPU VM the VM's service account is used)")
+  if "403" in lowered or "forbidden" in lowered or "permission" in lowered or isinstance(
+      error, PermissionError):
+    return (f"permission denied: the credentials may not write to bucket {bucket} "
+            "(needs roles/storage.objectAdmin)")
+  if ("404" in lowered or "not found" in lowered or "nosuchbucket" in lowered
+      or isinstance(error, FileNotFoundError)):
+    return f"bucket {bucket} does not exist (create it: gcloud storage buckets create gs://{bucket})"
+  return text.splitlines()[0] if text else type(error).__name__
+
+
+def append_text(location: str | os.PathLike, text: str) -> None:
+  """Appends to a text file. Objects cannot be appended to: the object is rewritten whole
+  (fine for the small record files this is for)."""
+  location = os.fspath(location)
+  if not is_url(location):
+    with builtins.open(location, "a", encoding="utf-8") as f:
+      f.write(text)
+    return
+  old = read_bytes(location) if isfile(location) else b""
+  write_bytes(location, old + text.encode("utf-8"))
+
+
+def local_copy(location: str | os.PathLike) -> str:
+  """A local path with `location`'s content: the path itself when local; for a URL a copy in
+  a per-process cache folder (for readers that only open local files, e.g. SentencePiece)."""
+  location = os.fspath(location)
+  if not is_url(location):
+    return location
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(tempfile.gettempdir(), f"jaxmoral_objects_{os.getpid()}",
+                        hashlib.sha256(location.encode()).hexdigest()[:16])
+  os.makedirs(folder, exist_ok=True)
+  target = os.path.join(folder, location.rstrip("/").rsplit("/", 1)[-1])
+  write_bytes(target, read_bytes(location))
+  return target
+
+
+def local_folder(location: str | os.PathLike) -> str:
+  """A local folder with the files directly in `location`: itself when local; for a URL a
+  copy in a per-process cache (for formats whose readers open local files only, e.g.
+  safetensors and PyTorch checkpoints)."""
+  location = os.fspath(location)
+  if not is_url(location):
+    return location
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(tempfile.gettempdir(), f"jaxmoral_objects_{os.getpid()}",
+                        hashlib.sha256(location.encode()).hexdigest()[:16] + "_dir")
+  os.makedirs(folder, exist_ok=True)
+  for name in listdir(location):
+    source = join(location, name)
+    if isfile(source):
+      write_bytes(os.path.join(folder, name), read_bytes(source))
+  return folder

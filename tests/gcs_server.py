@@ -1,0 +1,73 @@
+"""A local GCS-API server for the object-storage tests: `python tests/gcs_server.py PORT`.
+
+It is `gcp-storage-emulator` (from the package index) with two behaviours of the real service
+it leaves out, which the clients under test rely on:
+- downloads carry `x-goog-generation` (TensorStore's gcs driver, hence Orbax's OCDBT
+  checkpoints, reads an object's generation from it to make its conditional writes);
+- the preconditions `ifGenerationMatch` on uploads and deletes are enforced (HTTP 412 when
+  the object's generation differs; 0: the object must not exist), which the run lock's
+  conditional create and stale-lock takeover use.
+"""
+
+import http
+import sys
+
+from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import objects
+
+
+def _generation(storage, bucket: str, name: str) -> str:
+  try:
+    return str(storage.get_file_obj(bucket, name).get("generation") or "0")
+  except NotFound:
+    return "0"
+
+
+def _precondition_failed(request, response, storage, name) -> bool:
+  wanted = request.query.get("ifGenerationMatch")
+  if not wanted or name is None:
+    return False
+  if _generation(storage, request.params["bucket_name"], name) == wanted[0]:
+    return False
+  response.status = http.HTTPStatus.PRECONDITION_FAILED
+  response.json({"error": {"code": 412, "message": "Precondition Failed"}})
+  return True
+
+
+def _upload_name(request):
+  if "name" in request.query:
+    return request.query["name"][0]
+  data = request.data
+  if isinstance(data, dict):
+    return (data.get("meta") or {}).get("name") or data.get("name")
+  return None
+
+
+_insert, _delete, _download = objects.insert, objects.delete, objects.download
+
+
+def insert(request, response, storage, *args, **kwargs):
+  if _precondition_failed(request, response, storage, _upload_name(request)):
+    return None
+  return _insert(request, response, storage, *args, **kwargs)
+
+
+def delete(request, response, storage, *args, **kwargs):
+  if _precondition_failed(request, response, storage, request.params.get("object_id")):
+    return None
+  return _delete(request, response, storage, *args, **kwargs)
+
+
+def download(request, response, storage, *args, **kwargs):
+  response["x-goog-generation"] = _generation(storage, request.params["bucket_name"],
+                                              request.params["object_id"])
+  response["x-goog-metageneration"] = "1"
+  return _download(request, response, storage, *args, **kwargs)
+
+
+objects.insert, objects.delete, objects.download = insert, delete, download
+
+if __name__ == "__main__":
+  from gcp_storage_emulator.__main__ import main  # Imported after the handlers are replaced.
+  main(["start", "--host", "127.0.0.1", "--port", sys.argv[1], "--default-bucket", "bucket",
+        "--in-memory", "-q"])

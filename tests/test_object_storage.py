@@ -1,0 +1,331 @@
+"""Runs on object storage: every path of a pod job as gs://bucket/..., against a GCS-API server.
+
+The server is `gcp-storage-emulator` from the package index, started on localhost for this
+module (tests/gcs_server.py adds the generation header and preconditions it leaves out). Every
+client is pointed at it the way it is pointed at a real endpoint: gcsfs (through etils.epath,
+as jaxmoral's file layer and Orbax use it) and google-cloud-storage (tensorboardX) read
+STORAGE_EMULATOR_HOST; TensorStore (Orbax's array data) reads TENSORSTORE_GCS_HTTP_URL.
+What the server cannot show: credentials and permissions (it accepts any request), so the
+"no credentials" / "permission denied" lines are not exercised here; a missing bucket and an
+unreachable endpoint are.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import gin
+import numpy as np
+import pytest
+
+from jaxmoral import checkpoints, cli, fileio, model_dirs
+from jaxmoral import train as train_lib
+from jaxmoral.data import vocab as vocab_lib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BUCKET = "gs://bucket"
+STEPS = 18
+TINY = ["--gin_file=configs/core/tiny_cpu.gin", f"--gin.TRAIN_STEPS={STEPS}",
+        "--gin.CHECKPOINT_EVERY=6", "--gin.EVAL_EVERY=0", "--gin.BATCH_SIZE=8",
+        "--gin.runs.train_run.log_every=3", "--gin.WARMUP_STEPS=2",
+        "--gin.config.t5_config.num_encoder_layers=1",
+        "--gin.config.t5_config.num_decoder_layers=1"]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gcs():
+  """A GCS-API server with one bucket, `bucket`; every client configured for it."""
+  port = _free_port()
+  server = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_server.py"), str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  url = f"http://127.0.0.1:{port}"
+  deadline = time.time() + 30
+  while True:
+    try:
+      urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).read()
+      break
+    except OSError:
+      if time.time() > deadline or server.poll() is not None:
+        server.kill()
+        raise RuntimeError("the GCS-API server did not start")
+      time.sleep(0.1)
+  env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
+         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "EPATH_USE_TF": "false",
+         "NO_GCE_CHECK": "true", "GOOGLE_CLOUD_PROJECT": "test"}
+  saved = {key: os.environ.get(key) for key in env}
+  os.environ.update(env)  # Before any client is first used; subprocesses inherit it.
+  try:
+    yield url
+  finally:
+    server.kill()
+    server.wait()
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+
+
+def _cli(*args: str) -> int:
+  gin.clear_config()
+  try:
+    return cli.main(list(args))
+  finally:
+    gin.clear_config()
+
+
+def _objects(prefix: str) -> list[str]:
+  return fileio.walk_files(prefix)
+
+
+@pytest.fixture(scope="module")
+def unreachable_train(gcs):
+  """`train` into a bucket behind an endpoint nobody listens on, started first: gcsfs retries
+  a refused connection for about 30 s (mostly asleep), so it runs beside the training below."""
+  endpoint = f"http://127.0.0.1:{_free_port()}"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", STORAGE_EMULATOR_HOST=endpoint,
+             TENSORSTORE_GCS_HTTP_URL=endpoint)
+  child = subprocess.Popen([sys.executable, "-m", "jaxmoral.cli", "train", *TINY,
+                            "--gin.MODEL_DIR='gs://bucket/unreachable'"], cwd=ROOT, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  yield child, endpoint
+  if child.poll() is None:
+    child.kill()
+  child.communicate()
+
+
+@pytest.fixture(scope="module")
+def run(gcs, unreachable_train, tmp_path_factory):
+  """gs://bucket/run: trained in a subprocess that is killed (SIGKILL) once step 6 is saved
+  and verified, then resumed here to the end; and a local uninterrupted reference run."""
+  model_dir = f"{BUCKET}/run"
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_PLATFORMS="cpu")
+  child = subprocess.Popen([sys.executable, "-m", "jaxmoral.cli", "train", *TINY,
+                            f"--gin.MODEL_DIR='{model_dir}'"], cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  manifest = f"{model_dir}/checkpoints/6/{checkpoints.INTEGRITY_FILE}"
+  deadline = time.time() + 240
+  while not fileio.exists(manifest):
+    assert child.poll() is None, child.stderr.read().decode()[-3000:]
+    assert time.time() < deadline, "step 6 was never saved"
+    time.sleep(0.05)
+  child.send_signal(signal.SIGKILL)
+  child.wait()
+  child.stderr.close()
+  killed_at = checkpoints.saved_steps(model_dir)
+  assert _cli("train", *TINY, f"--gin.MODEL_DIR={model_dir}") == 0
+  reference = str(tmp_path_factory.mktemp("reference"))
+  assert _cli("train", *TINY, f"--gin.MODEL_DIR={reference}") == 0
+  return model_dir, reference, killed_at
+
+
+def test_killed_run_resumes_to_the_uninterrupted_loss_curve(run):
+  model_dir, reference, killed_at = run
+  assert 6 in killed_at and STEPS not in killed_at  # Killed mid-run, not after its end.
+  resumed = train_lib.read_scalars(f"{model_dir}/train")["loss"]
+  uninterrupted = train_lib.read_scalars(os.path.join(reference, "train"))["loss"]
+  assert sorted(resumed) == [3, 6, 9, 12, 15, 18]
+  assert resumed == pytest.approx(uninterrupted, rel=1e-6)
+  # The two starts (0 and the resume) are recorded in the bucket, and every run file is there.
+  steps = [json.loads(line)["step"]
+           for line in fileio.read_text(f"{model_dir}/software.jsonl").splitlines()]
+  assert steps[0] == 0 and steps[-1] in killed_at and len(steps) == 2
+  names = set(_objects(model_dir))
+  assert {"config.gin", "model_config.json", "settings.json", "vocab/spiece.model",
+          "checkpoints/18/_INTEGRITY.json"} <= names
+  assert not os.path.exists(os.path.join(ROOT, "gs:"))  # Nothing went to a local "gs:" folder.
+
+
+def test_eval_infer_export_and_init_from_the_bucket(run, tmp_path):
+  model_dir, reference, _ = run
+  assert _cli("eval", *TINY, f"--gin.MODEL_DIR={model_dir}") == 0
+  report = json.loads(fileio.read_text(f"{model_dir}/eval_latest.json"))
+  assert np.isfinite(report["metrics"]["loss"])
+
+  fileio.write_text(f"{BUCKET}/inputs.txt", "lying about grades\n\nhelping a friend move\n")
+  assert _cli("infer", *TINY, f"--gin.MODEL_DIR={model_dir}",
+              f"--gin.INFER_INPUT='{BUCKET}/inputs.txt'",
+              f"--gin.INFER_OUTPUT='{BUCKET}/out.jsonl'") == 0
+  rows = [json.loads(line) for line in fileio.read_text(f"{BUCKET}/out.jsonl").splitlines()]
+  assert [r["input"] for r in rows] == ["lying about grades", "", "helping a friend move"]
+
+  export = f"{BUCKET}/export"
+  assert _cli("export", f"--model_dir={model_dir}", f"--output={export}") == 0
+  from_bucket = model_dirs.load(export)
+  local = model_dirs.load(reference)  # Same parameters as the uninterrupted run's.
+  for a, b in zip(_leaves(from_bucket.params), _leaves(local.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+  # A second run fine-tuned from the first one's bucket folder.
+  second = f"{BUCKET}/second"
+  assert _cli("train", *TINY, "--gin.TRAIN_STEPS=3", f"--gin.MODEL_DIR={second}",
+              f"--gin.INIT_CHECKPOINT='{model_dir}'") == 0
+  first_loss = train_lib.read_scalars(f"{model_dir}/train")["loss"]
+  second_loss = train_lib.read_scalars(f"{second}/train")["loss"]
+  assert second_loss[3] < first_loss[3] - 0.5  # Started from the trained parameters.
+
+
+def _leaves(tree):
+  import jax  # pylint: disable=g-import-not-at-top
+  return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def test_a_damaged_or_missing_object_is_refused_naming_it(run):
+  model_dir, _, _ = run
+  step_dir = f"{model_dir}/checkpoints/{STEPS}"
+  data = [name for name in _objects(step_dir) if "/ocdbt.process_0/d/" in name]
+  victim = max(data, key=lambda name: fileio.getsize(f"{step_dir}/{name}"))
+  original = fileio.read_bytes(f"{step_dir}/{victim}")
+  flipped = bytearray(original)
+  flipped[len(flipped) // 2] ^= 0xFF
+  fileio.write_bytes(f"{step_dir}/{victim}", bytes(flipped))
+  try:
+    with pytest.raises(checkpoints.CheckpointIntegrityError, match="differs from its checksum"
+                       ) as error:
+      model_dirs.load(model_dir)
+    assert victim in str(error.value) and f"{model_dir}/checkpoints: checkpoint step {STEPS}" in str(
+        error.value)
+  finally:
+    fileio.write_bytes(f"{step_dir}/{victim}", original)
+  metadata = "state/_METADATA"
+  saved = fileio.read_bytes(f"{step_dir}/{metadata}")
+  fileio.remove(f"{step_dir}/{metadata}")
+  try:
+    with pytest.raises(checkpoints.CheckpointIntegrityError, match="missing") as error:
+      model_dirs.load(model_dir)
+    assert metadata in str(error.value)
+  finally:
+    fileio.write_bytes(f"{step_dir}/{metadata}", saved)
+
+
+def test_a_second_train_into_the_same_bucket_folder_is_refused_naming_the_holder(run, capsys):
+  model_dir, _, _ = run
+  lock = f"{model_dir}/{checkpoints.LOCK_FILE}"
+  holder = {"host": "tpu-vm-7", "pid": 4242, "token": "other", "started": "2026-11-27T10:00"}
+  assert fileio.create_exclusive(lock, json.dumps(holder).encode())
+  try:
+    assert _cli("train", *TINY, f"--gin.MODEL_DIR={model_dir}") == 2
+    err = capsys.readouterr().err
+    assert "in use by another training run (pid 4242 on tpu-vm-7" in err and lock in err
+  finally:
+    fileio.remove(lock)
+
+
+def test_the_lock_is_a_conditional_create_and_a_stale_one_is_taken_over(gcs, monkeypatch,
+                                                                         caplog):
+  folder = f"{BUCKET}/locked"
+  path = f"{folder}/{checkpoints.LOCK_FILE}"
+  # The store refuses the second create (ifGenerationMatch=0): no check-then-write race.
+  assert fileio.create_exclusive(path, b'{"host": "a", "pid": 1, "token": "a"}')
+  assert not fileio.create_exclusive(path, b'{"host": "b", "pid": 2, "token": "b"}')
+  assert json.loads(fileio.read_bytes(path))["token"] == "a"
+  # A delete on the generation judged stale misses a lock rewritten since.
+  stale = fileio.generation(path)
+  fileio.write_bytes(path, b'{"host": "a", "pid": 1, "token": "a2"}')
+  with pytest.raises(FileNotFoundError):
+    fileio.remove(path, if_generation=stale)
+  assert fileio.exists(path)
+  with pytest.raises(checkpoints.RunDirLockedError, match="pid 1 on a"):
+    checkpoints.RunDirLock(folder).acquire()
+  monkeypatch.setattr(checkpoints, "LOCK_STALE_AFTER_S", 0.0)  # Any other host's lock is stale.
+  with caplog.at_level("WARNING"), checkpoints.RunDirLock(folder) as taken:
+    assert json.loads(fileio.read_bytes(path))["token"] == taken._token  # pylint: disable=protected-access
+  assert "taking over the stale lock" in caplog.text
+  assert not fileio.exists(path)  # Released.
+
+
+def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_any_work(
+    gcs, unreachable_train):
+  with pytest.raises(OSError, match=r"^MODEL_DIR gs://no-such-bucket/run: bucket "
+                     r"no-such-bucket does not exist"):
+    checkpoints.make_run_dir("gs://no-such-bucket/run")
+  child, endpoint = unreachable_train
+  _, stderr = child.communicate(timeout=300)
+  assert child.returncode == 2
+  errors = [line for line in stderr.splitlines() if line.startswith("jaxmoral train: error:")]
+  assert errors == ["jaxmoral train: error: MODEL_DIR gs://bucket/unreachable: the storage "
+                    f"endpoint {endpoint} is unreachable (ClientConnectorError)"], stderr[-2000:]
+  assert "Traceback" not in stderr
+
+
+def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path):
+  # ClarifyDelphi: a judge trained into the bucket, its vocabulary read from the bucket.
+  vocab = f"{BUCKET}/spm/demo.model"
+  fileio.write_bytes(vocab, fileio.read_bytes(demo_vocab_path))
+  judge = f"{BUCKET}/clarify/judge"
+  assert _cli("clarify", "train-model", "--which=judge", f"--model_dir={judge}",
+              "--train_steps=2", "--batch_size=8", f"--vocabulary_path={vocab}",
+              "--judge_classes=wrong,okay,good",
+              "--feature_lengths={'inputs': 64, 'targets': 8}") == 0
+  assert fileio.isfile(f"{judge}/data/judge_train.jsonl")
+  info = model_dirs.inspect(judge)
+  assert info.step == 2 and info.vocabulary.vocab_size == vocab_lib.get_vocabulary(
+      demo_vocab_path).vocab_size
+
+  # Diamante: the joint model trained into the bucket, evaluated from there on a test file
+  # in the bucket, its report written there.
+  dialogues = f"{BUCKET}/diamante/dialogues.jsonl"
+  fileio.write_bytes(dialogues, fileio.read_bytes(
+      os.path.join(ROOT, "jaxmoral", "data", "demo", "dialogues.jsonl")))
+  diamante = f"{BUCKET}/diamante/run"
+  assert _cli("diamante", "train", "--gin_file=configs/diamante/tiny_cpu.gin",
+              f"--gin.MODEL_DIR={diamante}", "--gin.TRAIN_STEPS=2", "--gin.CHECKPOINT_EVERY=2",
+              f"--gin.TRAIN_PATH='{dialogues}'") == 0
+  report = f"{BUCKET}/diamante/eval.json"
+  assert _cli("diamante", "eval", f"--model_dir={diamante}", f"--test_path={dialogues}",
+              f"--output_path={report}", "--max_contexts=2", "--num_generate=0") == 0
+  assert json.loads(fileio.read_text(report))["num_contexts"] == 2
+
+  # NPOV: detect reads its input from the bucket and writes its records and ROC there.
+  from jaxmoral.npov import task  # pylint: disable=g-import-not-at-top
+  clean = task.NpovExample(
+      id="a", topic="t", query="Should zoos be banned?",
+      pro=("Animals suffer in small cages",), con=("Zoos protect endangered species",),
+      response="Some say animals suffer in small cages. Others say zoos protect endangered "
+               "species.", hallucination=False, coverage=False)
+  dropped = clean.replace(id="h", con=(), hallucination=True,
+                          removed_argument="Zoos protect endangered species")
+  task.write_examples([clean, dropped], f"{BUCKET}/npov/in.jsonl")
+  assert _cli("npov", "detect", f"--input_path={BUCKET}/npov/in.jsonl",
+              f"--output_path={BUCKET}/npov/out.jsonl", f"--roc_dir={BUCKET}/npov/roc") == 0
+  records = [json.loads(x) for x in fileio.read_text(f"{BUCKET}/npov/out.jsonl").splitlines()]
+  assert [r["id"] for r in records] == ["a", "h"]
+  assert records[1]["hallucination"] > records[0]["hallucination"]
+  assert fileio.getsize(f"{BUCKET}/npov/roc/roc_input.png") > 1000
+
+
+def test_hugging_face_and_t5x_folders_load_from_the_bucket(gcs, tmp_path):
+  import flax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from conftest import write_hf_t5  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import hf_import  # pylint: disable=g-import-not-at-top
+  model = write_hf_t5(tmp_path / "hf", d_model=16, num_layers=1, vocab_size=64)
+  for name in os.listdir(tmp_path / "hf"):
+    fileio.write_bytes(f"{BUCKET}/hf/{name}", (tmp_path / "hf" / name).read_bytes())
+  tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+  config, params = hf_import.params_from_hf(tensors, model.config.to_dict())
+  expected = flax.traverse_util.flatten_dict(params)
+  from_hf = model_dirs.load(f"{BUCKET}/hf")
+  assert from_hf.info.format == "hf"
+  # T5X's layout (params under target/), written by Orbax straight into the bucket.
+  ocp.PyTreeCheckpointer().save(f"{BUCKET}/t5x/checkpoint_100",
+                                {"target": params, "state": {"step": np.int32(100)}})
+  from_t5x = model_dirs.load(f"{BUCKET}/t5x/checkpoint_100")
+  assert from_t5x.info.format == "t5x" and from_t5x.config == from_hf.config
+  for loaded in (from_hf, from_t5x):
+    flat = flax.traverse_util.flatten_dict(loaded.params)
+    for key, value in expected.items():
+      np.testing.assert_array_equal(np.asarray(flat[key]), value)
