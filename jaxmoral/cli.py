@@ -31,7 +31,7 @@ import re
 import sys
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
-from jaxmoral import compilation_cache, gin_utils
+from jaxmoral import compilation_cache, gin_utils, preemption
 
 # Sub-commands whose work is a gin-configured library function: (module, function).
 GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -153,6 +153,8 @@ def user_error_message(error: BaseException) -> Optional[str]:
   """
   if isinstance(error, (ValueError, OSError)):
     return error_message(error)
+  if isinstance(error, FloatingPointError):  # train's NonFiniteLossError: a setting, mostly.
+    return error_message(error)
   if isinstance(error, TypeError) and "In call to configurable" in str(error):
     return _configurable_error_message(error)
   return None
@@ -187,6 +189,20 @@ def quiet_logs(*, force: bool = False) -> None:
   # gin logs every search-path miss (at ERROR) while resolving includes; those are not errors.
   for handler in logging.getLogger().handlers:
     handler.addFilter(lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
+    handler.addFilter(_not_disk_full_report)
+
+
+def _not_disk_full_report(record: logging.LogRecord) -> bool:
+  """False for a checkpoint writer thread's report of a full disk: the command reports it
+  itself, in one line naming the folder (`checkpoints.CheckpointManager`)."""
+  if record.levelno < logging.ERROR or "jaxmoral" in record.name:
+    return True
+  checkpoints = sys.modules.get("jaxmoral.checkpoints")
+  if checkpoints is None:
+    return True
+  error = record.exc_info[1] if record.exc_info else None
+  return (checkpoints.disk_full_errno(RuntimeError(record.getMessage())) is None
+          and (error is None or checkpoints.disk_full_errno(error) is None))
 
 
 # What TensorFlow 2.21 writes to stderr on import, whatever TF_CPP_MIN_LOG_LEVEL says: about
@@ -344,7 +360,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs one command; returns its exit status (2: a usage, configuration or file error).
+  """Runs one command; returns its exit status (2: a usage, configuration or file error;
+  143 / 130: training stopped by SIGTERM / SIGINT after saving its step, see
+  `jaxmoral.preemption`; 130 also for Ctrl-C elsewhere).
 
   Errors a user can fix (ValueError, OSError such as a read-only output folder) are one
   message on stderr, `jaxmoral <command>: error: ...`, not a traceback.
@@ -372,7 +390,13 @@ def main(argv: Sequence[str] | None = None) -> int:
       method = importlib.import_module(f"jaxmoral.{args.command}.commands")
       return int(method.main(args.action, args.rest, gin_args) or 0)
     return _run(args, gin_args, flags, distributed)
-  except (ValueError, OSError, TypeError) as error:
+  except preemption.Stopped as stopped:  # SIGTERM / SIGINT while training: saved, no error.
+    print(f"jaxmoral {args.command}: {error_message(stopped)}", file=sys.stderr)
+    return stopped.exit_status
+  except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and stops instead).
+    print(f"jaxmoral {args.command}: interrupted", file=sys.stderr)
+    return 130
+  except (ValueError, OSError, TypeError, FloatingPointError) as error:
     message = user_error_message(error)
     if message is None:
       raise
