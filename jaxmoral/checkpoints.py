@@ -294,18 +294,33 @@ def _state_required() -> tuple[str, ...]:
 CHECKSUMMED_FILE = "_CHECKSUMMED.json"
 
 
-def unverified_steps(directory: str | os.PathLike) -> Optional[set[int]]:
-  """Steps of a checkpoint directory that may load without a manifest: None (all of them)
-  for a directory written before manifests existed, else those its record lists."""
+def _checksummed_record(directory: str | os.PathLike) -> Optional[dict[str, Any]]:
   path = os.path.join(os.fspath(directory), CHECKSUMMED_FILE)
   try:
     with open(path) as f:
-      return {int(step) for step in json.load(f)["unverified_steps"]}
+      record = json.load(f)
+    record["unverified_steps"] = {int(step) for step in record["unverified_steps"]}
+    record["run_files"] = bool(record.get("run_files", False))
+    return record
   except FileNotFoundError:
     return None
-  except (OSError, ValueError, KeyError, TypeError) as e:
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointIntegrityError(f"{path} is unreadable ({type(e).__name__}); nothing was "
                                    "loaded", files=[CHECKSUMMED_FILE]) from None
+
+
+def unverified_steps(directory: str | os.PathLike) -> Optional[set[int]]:
+  """Steps of a checkpoint directory that may load without a manifest: None (all of them)
+  for a directory written before manifests existed, else those its record lists."""
+  record = _checksummed_record(directory)
+  return None if record is None else record["unverified_steps"]
+
+
+def run_files_checksummed(directory: str | os.PathLike) -> bool:
+  """Whether the run whose checkpoint directory this is wrote a manifest of its own files
+  (`record_checksummed(run_files=True)`), which then may not go missing."""
+  record = _checksummed_record(directory)
+  return record is not None and record["run_files"]
 
 
 def _write_json_atomically(path: str, value: Any) -> None:
@@ -317,17 +332,26 @@ def _write_json_atomically(path: str, value: Any) -> None:
   os.replace(temporary, path)
 
 
-def record_checksummed(directory: str | os.PathLike) -> None:
+def record_checksummed(directory: str | os.PathLike, *, run_files: bool = False) -> None:
   """Writes `CHECKSUMMED_FILE` into a checkpoint directory unless it has one: steps saved from
-  now on carry manifests; the steps already there without one stay loadable (with a warning)."""
+  now on carry manifests; the steps already there without one stay loadable (with a warning).
+
+  Args:
+    directory: A `CheckpointManager` directory (MODEL_DIR/checkpoints of a run).
+    run_files: Also record that the run's own files have a manifest from now on.
+  """
   directory = os.fspath(directory)
-  if os.path.exists(os.path.join(directory, CHECKSUMMED_FILE)):
+  record = _checksummed_record(directory)
+  if record is not None and (record["run_files"] or not run_files):
     return
-  os.makedirs(directory, exist_ok=True)
-  older = [step for step in _step_folders(directory)
-           if not os.path.isfile(os.path.join(directory, str(step), INTEGRITY_FILE))]
+  if record is None:
+    os.makedirs(directory, exist_ok=True)
+    older = [step for step in _step_folders(directory)
+             if not os.path.isfile(os.path.join(directory, str(step), INTEGRITY_FILE))]
+  else:
+    older = sorted(record["unverified_steps"])
   _write_json_atomically(os.path.join(directory, CHECKSUMMED_FILE),
-                         {"version": 1, "unverified_steps": older})
+                         {"version": 1, "unverified_steps": older, "run_files": run_files})
 
 
 def _step_folders(directory: str) -> list[int]:

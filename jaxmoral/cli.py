@@ -160,6 +160,23 @@ def user_error_message(error: BaseException) -> Optional[str]:
   return None
 
 
+def peer_failure_message(error: BaseException) -> Optional[str]:
+  """One line for a collective that failed because another process of the job died (Gloo's
+  "Connection closed by peer", the coordination service's "Task N heartbeat timeout"), naming
+  that process as far as the error does; None for any other error."""
+  text = str(_original(error))
+  task = re.search(r"Task (\d+) heartbeat timeout|tasks are unhealthy[^\n]*\n(\d+)", text)
+  peer = re.search(r"(?:Connection closed by peer|Connection reset by peer|Connection refused)"
+                   r"[^\[]*\[([^\]]+)\]:(\d+)", text)
+  if task is None and peer is None:
+    return None
+  who = (f"process {task.group(1) or task.group(2)}" if task is not None
+         else f"the process at {peer.group(1)} (port {peer.group(2)})")
+  return (f"{who} of this job stopped (crashed, killed or preempted), so this process stops "
+          "too; see that process's log, then restart every process to resume from the last "
+          "checkpoint")
+
+
 def _configurable_error_message(error: TypeError) -> str:
   """One line for a type error gin raised from a configurable: the library's message, with the
   configurable gin named (`in OPTIMIZER/make_schedule`) unless the message starts with it."""
@@ -396,6 +413,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and stops instead).
     print(f"jaxmoral {args.command}: interrupted", file=sys.stderr)
     return 130
+  except RuntimeError as error:
+    message = peer_failure_message(error)
+    if message is None:
+      raise
+    print(f"jaxmoral {args.command}: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not through exit handlers: JAX's distributed shutdown would wait for the dead process
+    # and then abort with a C++ stack trace.
+    os._exit(1)
   except (ValueError, OSError, TypeError, FloatingPointError) as error:
     message = user_error_message(error)
     if message is None:

@@ -214,7 +214,7 @@ def configure(flag_value: Optional[str] = None,
   if flag_value is None and environ.get(JAX_ENV_DIR) is not None:
     # JAX configured it from its own variables when it was imported; trusted on jaxmoral's
     # terms all the same.
-    if "://" not in cache_dir and (not os.path.isdir(cache_dir) or not _trusted(cache_dir)):
+    if "://" not in cache_dir and os.path.isdir(cache_dir) and not _trusted(cache_dir):
       disable()
       return None
     return cache_dir

@@ -132,9 +132,11 @@ def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary
   save_vocabulary(model_dir, vocabulary)
   if settings:
     write_settings(model_dir, settings)
-  # Under the integrity manifest like an export's: every load checks them first.
+  # Under the integrity manifest like an export's: every load checks them first; the run
+  # records that it has one, so a deleted manifest is refused, not loaded unverified.
   checkpoints.write_integrity_manifest(
       model_dir, [name for name in RUN_FILES if (model_dir / name).exists()])
+  checkpoints.record_checksummed(checkpoints.run_checkpoints_dir(model_dir), run_files=True)
 
 
 # What a run's manifest (MODEL_DIR/_INTEGRITY.json) covers: what loading the run reads.
@@ -145,8 +147,8 @@ def verify_run_files(model_dir: str | os.PathLike) -> bool:
   """Checks a run's model config, settings and vocabulary against its manifest (sizes and
   sha256) before any of them is read.
 
-  A run without the manifest loads with a warning only if it was written before manifests
-  existed (its checkpoints carry no record that they are checksummed).
+  A run without the manifest loads with a warning only if it never wrote one (written before
+  manifests existed, or put together by hand): `checkpoints.run_files_checksummed`.
 
   Returns:
     True if verified; False for an older run (a warning is logged).
@@ -155,12 +157,12 @@ def verify_run_files(model_dir: str | os.PathLike) -> bool:
     checkpoints.CheckpointIntegrityError: A file differs, is missing or the manifest is.
   """
   model_dir = os.path.abspath(os.fspath(model_dir))
-  checksummed = checkpoints.unverified_steps(checkpoints.run_checkpoints_dir(model_dir))
+  checksummed = checkpoints.run_files_checksummed(checkpoints.run_checkpoints_dir(model_dir))
   present = [name for name in RUN_FILES if os.path.exists(os.path.join(model_dir, name))]
   return checkpoints.verify_integrity(
       model_dir, what=f"{model_dir}: the run's files", full=True,
       required=[name for name in present if name != VOCAB_DIR],
-      unverified_ok=checksummed is None)
+      unverified_ok=not checksummed)
 
 
 def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) -> None:

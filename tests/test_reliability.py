@@ -297,3 +297,41 @@ def test_infer_uses_the_decoding_backend_gin_names(trained, tmp_path, capsys):
           "--gin.decoding.prepare_decode_weights.backend='no_such_backend'"]
   assert cli.main(argv) == 2
   assert "unknown backend 'no_such_backend'" in error_line(capsys)
+
+
+# -- 13: a peer that dies ------------------------------------------------------------------------
+PEER_DRIVER = textwrap.dedent("""
+    import os
+    from jaxmoral import partitioning
+    partitioning.initialize_distributed()
+    import jax, numpy as np
+    from jax.experimental import multihost_utils
+    from jaxmoral import cli
+    multihost_utils.sync_global_devices("connected")
+    if jax.process_index() == 1:
+      os._exit(3)  # as a host that crashed or was preempted
+    try:
+      multihost_utils.process_allgather(np.ones(3))
+      print("gathered")
+    except RuntimeError as error:
+      print(f"message: {cli.peer_failure_message(error)}", flush=True)
+    os._exit(0)
+""")
+
+
+def test_a_dead_peer_is_named_in_one_line(tmp_path):
+  import socket  # pylint: disable=g-import-not-at-top
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), JAX_NUM_PROCESSES="2",
+             JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
+  procs = [subprocess.Popen([sys.executable, "-c", PEER_DRIVER], cwd=ROOT,
+                            env={**env, "JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True) for i in range(2)]
+  output = procs[0].communicate(timeout=120)[0]
+  procs[1].wait(timeout=30)
+  line = output.strip().splitlines()[-1]
+  assert line.startswith("message: ") and "of this job stopped" in line, output
+  assert "process 1" in line or "the process at 127.0.0.1" in line
