@@ -25,7 +25,11 @@ Integrity: every step (and every export) carries `_INTEGRITY.json`, the size and
 of its files, written once Orbax has finalised the files (temp name, then rename). Every
 restore, export and load checks it before reading any array, so a damaged or incomplete
 checkpoint is a `CheckpointIntegrityError` naming the step and the file, never NaN parameters
-or a TensorStore traceback. Checkpoints written before the manifest existed load with a warning.
+or a TensorStore traceback. `<directory>/_CHECKSUMMED.json`, written before the first save,
+records that every later step carries a manifest: a step without one (still being finalised,
+or its manifest deleted) is never loaded, and readers take the newest finalised step. Only
+checkpoints written before manifests existed load without one, with a warning. A full disk
+while saving is one OSError naming the directory and the last complete step.
 
 A training run holds `MODEL_DIR/train.lock` (`RunDirLock`) while it runs, so two runs never
 write into one folder.
@@ -781,9 +785,9 @@ class CheckpointManager:
     step_dir = os.path.join(self.directory, str(step))
     try:
       write_integrity_manifest(step_dir)
-    except OSError as e:  # The step is still good; it just loads unverified.
-      logger.warning("%s: could not write the integrity manifest of step %d: %s",
-                     self.directory, step, e)
+    except OSError as e:  # Without it the step is never loaded (see record_checksummed).
+      logger.warning("%s: could not write the integrity manifest of step %d (%s); that step "
+                     "will not be loaded", self.directory, step, e)
 
   def _join_manifest(self) -> None:
     thread, self._manifest_thread = self._manifest_thread, None

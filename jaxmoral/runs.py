@@ -14,6 +14,7 @@ its path::
   MODEL_DIR/model_config.json     the T5Config
   MODEL_DIR/settings.json         what the model and data add (e.g. Diamante's lengths)
   MODEL_DIR/vocab/spiece.model    the SentencePiece model (+ vocab/extra_ids.txt)
+  MODEL_DIR/_INTEGRITY.json       sizes and sha256 of model_config.json, settings.json, vocab/
   MODEL_DIR/checkpoints/<step>/   Orbax checkpoints (TrainState + JSON extras)
   MODEL_DIR/train, MODEL_DIR/eval TensorBoard event files
 """
@@ -310,7 +311,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
 
   Raises:
     ValueError: A count is not an integer in range (naming its gin macro, e.g. TRAIN_STEPS),
-      before anything is written.
+      or a resume that does not continue the run (another model shape, data, SEED,
+      BATCH_SIZE, or TRAIN_STEPS behind it), before anything is written.
     OSError: MODEL_DIR cannot be written (before anything is done).
   """
   _check_run_arguments(train_steps=train_steps, batch_size=batch_size,
