@@ -166,12 +166,17 @@ def peer_failure_message(error: BaseException) -> Optional[str]:
   that process as far as the error does; None for any other error."""
   text = str(_original(error))
   task = re.search(r"Task (\d+) heartbeat timeout|tasks are unhealthy[^\n]*\n(\d+)", text)
-  peer = re.search(r"(?:Connection closed by peer|Connection reset by peer|Connection refused)"
-                   r"[^\[]*\[([^\]]+)\]:(\d+)", text)
-  if task is None and peer is None:
+  lost = re.search(r"Connection (?:closed|reset) by peer|Connection refused|Broken pipe", text)
+  if task is None and lost is None:
     return None
-  who = (f"process {task.group(1) or task.group(2)}" if task is not None
-         else f"the process at {peer.group(1)} (port {peer.group(2)})")
+  # Gloo names the peer's address: "... [127.0.0.1]:25514" (before or after the reason).
+  address = re.search(r"\[([^\]]+)\]:(\d+)", text)
+  if task is not None:
+    who = f"process {task.group(1) or task.group(2)}"
+  elif address is not None:
+    who = f"the process at {address.group(1)} (port {address.group(2)})"
+  else:
+    who = "another process"
   return (f"{who} of this job stopped (crashed, killed or preempted), so this process stops "
           "too; see that process's log, then restart every process to resume from the last "
           "checkpoint")

@@ -316,6 +316,7 @@ PEER_DRIVER = textwrap.dedent("""
       multihost_utils.process_allgather(np.ones(3))
       print("gathered")
     except RuntimeError as error:
+      print(f"error: {error}", flush=True)
       print(f"message: {cli.peer_failure_message(error)}", flush=True)
     os._exit(0)
 """)
@@ -335,5 +336,20 @@ def test_a_dead_peer_is_named_in_one_line(tmp_path):
   output = procs[0].communicate(timeout=120)[0]
   procs[1].wait(timeout=30)
   line = output.strip().splitlines()[-1]
-  assert line.startswith("message: ") and "of this job stopped" in line, output
+  assert line.startswith("message: ") and "of this job stopped" in line, output[-3000:]
   assert "process 1" in line or "the process at 127.0.0.1" in line
+
+
+@pytest.mark.parametrize("text, who", [
+    ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] "
+     "Connection closed by peer [127.0.0.1]:25514", "the process at 127.0.0.1 (port 25514)"),
+    ("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:538] "
+     "Read error [10.0.0.7]:33196: Connection reset by peer",
+     "the process at 10.0.0.7 (port 33196)"),
+    ("UNAVAILABLE: Task 3 heartbeat timeout. This indicates that the remote task has failed",
+     "process 3"),
+    ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.2GiB", None),
+])
+def test_what_names_a_dead_peer(text, who):
+  message = cli.peer_failure_message(RuntimeError(text))
+  assert message is None if who is None else message.startswith(f"{who} of this job stopped")
