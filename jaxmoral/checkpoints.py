@@ -25,7 +25,11 @@ Integrity: every step (and every export) carries `_INTEGRITY.json`, the size and
 of its files, written once Orbax has finalised the files (temp name, then rename). Every
 restore, export and load checks it before reading any array, so a damaged or incomplete
 checkpoint is a `CheckpointIntegrityError` naming the step and the file, never NaN parameters
-or a TensorStore traceback. Checkpoints written before the manifest existed load with a warning.
+or a TensorStore traceback. `<directory>/_CHECKSUMMED.json`, written before the first save,
+records that every later step carries a manifest: a step without one (still being finalised,
+or its manifest deleted) is never loaded, and readers take the newest finalised step. Only
+checkpoints written before manifests existed load without one, with a warning. A full disk
+while saving is one OSError naming the directory and the last complete step.
 
 A training run holds `MODEL_DIR/train.lock` (`RunDirLock`) while it runs, so two runs never
 write into one folder.
@@ -36,10 +40,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import datetime
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import socket
 import threading
 import uuid
@@ -147,7 +154,7 @@ def _listing(files: Sequence[str]) -> str:
 
 def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequence[str] = True,
                      step: Optional[int] = None, required: Sequence[str] = (),
-                     shared: bool = False) -> bool:
+                     shared: bool = False, unverified_ok: bool = True) -> bool:
   """Checks a checkpoint directory against its `_INTEGRITY.json` before anything is read.
 
   Args:
@@ -161,6 +168,10 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     shared: Every process of a multi-process job calls this for the same files (a
       collective): each hashes its share of them and all learn every share's result, so a
       pod restore reads each file once, not once per host.
+    unverified_ok: Whether a missing manifest means "written before manifests existed"
+      (loaded with a warning); False where the writer is known to write one (a step of a run
+      that records it checksums every step), so a missing manifest is a step still being
+      finalised or a deleted manifest: refused.
 
   Returns:
     True if verified against a manifest; False if there is none (a checkpoint written before
@@ -182,6 +193,11 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
                                    "; nothing was loaded", step=step, files=missing_required)
   path = fileio.join(root, INTEGRITY_FILE)
   if not fileio.isfile(path):
+    if not unverified_ok:
+      raise CheckpointIntegrityError(
+          f"{what} has no {INTEGRITY_FILE} although its writer checksums everything it writes "
+          "(still being written, or the manifest was deleted); nothing was loaded", step=step,
+          files=[INTEGRITY_FILE])
     if root not in _warned_unverified:
       _warned_unverified.add(root)
       logger.warning("%s has no %s (saved before checkpoints carried checksums, or killed "
@@ -196,6 +212,11 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} is unreadable "
                                    f"({type(e).__name__}); nothing was loaded", step=step,
                                    files=[INTEGRITY_FILE]) from None
+  uncovered = [rel for rel in required if rel not in files]
+  if uncovered:  # An emptied or edited manifest would otherwise vouch for nothing.
+    raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} does not cover "
+                                   f"{_listing(uncovered)}; nothing was loaded", step=step,
+                                   files=[INTEGRITY_FILE])
   present = fileio.file_sizes(root, files)  # A bucket: one listing, not a request per file.
   missing = [rel for rel in sorted(files) if rel not in present]
   if missing:
@@ -267,13 +288,114 @@ def _state_required() -> tuple[str, ...]:
   return (f"{STATE_ITEM}/_METADATA",)
 
 
+# In a `CheckpointManager` directory: written before its first save, it records that every
+# step saved from then on carries a manifest (and which older steps do not), so a step whose
+# manifest is missing is refused, not loaded unverified.
+CHECKSUMMED_FILE = "_CHECKSUMMED.json"
+
+
+def _checksummed_record(directory: str | os.PathLike) -> Optional[dict[str, Any]]:
+  path = fileio.join(os.fspath(directory), CHECKSUMMED_FILE)
+  try:
+    record = json.loads(fileio.read_text(path))
+    record["unverified_steps"] = {int(step) for step in record["unverified_steps"]}
+    record["run_files"] = bool(record.get("run_files", False))
+    return record
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    raise CheckpointIntegrityError(f"{path} is unreadable ({type(e).__name__}); nothing was "
+                                   "loaded", files=[CHECKSUMMED_FILE]) from None
+
+
+def unverified_steps(directory: str | os.PathLike) -> Optional[set[int]]:
+  """Steps of a checkpoint directory that may load without a manifest: None (all of them)
+  for a directory written before manifests existed, else those its record lists."""
+  record = _checksummed_record(directory)
+  return None if record is None else record["unverified_steps"]
+
+
+def run_files_checksummed(directory: str | os.PathLike) -> bool:
+  """Whether the run whose checkpoint directory this is wrote a manifest of its own files
+  (`record_checksummed(run_files=True)`), which then may not go missing."""
+  record = _checksummed_record(directory)
+  return record is not None and record["run_files"]
+
+
+def _write_json_atomically(path: str, value: Any) -> None:
+  fileio.write_text(path, json.dumps(value, indent=1, sort_keys=True), durable=True)
+
+
+def record_checksummed(directory: str | os.PathLike, *, run_files: bool = False) -> None:
+  """Writes `CHECKSUMMED_FILE` into a checkpoint directory unless it has one: steps saved from
+  now on carry manifests; the steps already there without one stay loadable (with a warning).
+
+  Args:
+    directory: A `CheckpointManager` directory (MODEL_DIR/checkpoints of a run).
+    run_files: Also record that the run's own files have a manifest from now on.
+  """
+  directory = os.fspath(directory)
+  record = _checksummed_record(directory)
+  if record is not None and (record["run_files"] or not run_files):
+    return
+  if record is None:
+    fileio.makedirs(directory)
+    older = [step for step in _step_folders(directory)
+             if not fileio.isfile(fileio.join(directory, str(step), INTEGRITY_FILE))]
+  else:
+    older = sorted(record["unverified_steps"])
+  _write_json_atomically(fileio.join(directory, CHECKSUMMED_FILE),
+                         {"version": 1, "unverified_steps": older, "run_files": run_files})
+
+
+def _step_folders(directory: str) -> list[int]:
+  try:
+    names = fileio.listdir(directory)
+  except OSError:
+    return []
+  return sorted(int(name) for name in names if name.isdigit())
+
+
+def is_finalised(directory: str | os.PathLike, step: int) -> bool:
+  """Whether a step is complete for readers: its manifest is written (the last thing a save
+  writes), or it is a step saved before manifests existed."""
+  directory = os.fspath(directory)
+  if fileio.isfile(fileio.join(directory, str(int(step)), INTEGRITY_FILE)):
+    return True
+  allowed = unverified_steps(directory)
+  return allowed is None or int(step) in allowed
+
+
 def verify_step(directory: str | os.PathLike, step: int, *, full: bool = True,
                 shared: bool = False) -> bool:
   """`verify_integrity` of `directory/<step>` (a `CheckpointManager` directory's step)."""
   directory = os.fspath(directory)
+  allowed = unverified_steps(directory)
   return verify_integrity(fileio.join(directory, str(int(step))),
                           what=f"{directory}: checkpoint step {int(step)}", full=full,
-                          step=int(step), required=_state_required(), shared=shared)
+                          step=int(step), required=_state_required(), shared=shared,
+                          unverified_ok=allowed is None or int(step) in allowed)
+
+
+_DISK_FULL = {errno.ENOSPC: ("No space left on device", "os_error_code='28'"),
+              errno.EFBIG: ("File too large", "os_error_code='27'"),
+              errno.EDQUOT: ("Disk quota exceeded", "os_error_code='122'")}
+
+
+def disk_full_errno(error: BaseException) -> Optional[int]:
+  """ENOSPC, EFBIG or EDQUOT where `error` (or what it wraps: TensorStore's messages, Orbax's
+  thread errors) is a full disk, a file size limit or a quota; else None."""
+  seen = 0
+  while error is not None and seen < 16:
+    if isinstance(error, OSError) and error.errno in _DISK_FULL:
+      return error.errno
+    text = str(error)
+    for code, markers in _DISK_FULL.items():
+      if any(marker in text for marker in markers):
+        return code
+    error = error.__cause__ or error.__context__
+    seen += 1
+  return None
 
 
 def _item_handlers() -> dict[str, Any]:
@@ -326,11 +448,7 @@ def run_checkpoints_dir(model_dir: str | os.PathLike) -> str:
 def saved_steps(model_dir: str | os.PathLike) -> list[int]:
   """The steps a run directory has checkpoint folders of, ascending ([] for none), without
   opening a CheckpointManager: whether a run would resume, and from where."""
-  try:
-    names = fileio.listdir(run_checkpoints_dir(model_dir))
-  except OSError:
-    return []
-  return sorted(int(name) for name in names if name.isdigit())
+  return _step_folders(run_checkpoints_dir(model_dir))
 
 
 # -- run directory lock -------------------------------------------------------------------------
@@ -477,6 +595,10 @@ class RunDirLock:
 
   def _acquire_file(self) -> Optional[str]:
     """Takes the file; returns None, or the refusal message."""
+    if os.path.isdir(self.path) or (os.path.lexists(self.path) and not os.path.isfile(self.path)):
+      kind = "a folder" if os.path.isdir(self.path) else "not a regular file"
+      return (f"{self.path}: the run's lock path is {kind}, not a lock file; move it away "
+              "(no run removes it for you)")
     for _ in range(3):  # A lock released or replaced between our reads: look again.
       if self._create():
         return None
@@ -582,6 +704,29 @@ class CheckpointManager:
     # The integrity manifest of the latest save is written once Orbax has finalised the step:
     # in this thread (sync saves) or in `_manifest_thread` (async saves).
     self._manifest_thread: Optional[threading.Thread] = None
+    self._recorded = False
+    self._pending_step: Optional[int] = None  # The step an async save may still be writing.
+
+  @contextlib.contextmanager
+  def _disk_full_is_one_line(self):
+    """A full disk (or file size limit) while saving is an OSError naming the folder and the
+    last complete step, whatever Orbax's threads wrapped it in; the partial step goes."""
+    try:
+      yield
+    except Exception as error:  # pylint: disable=broad-except
+      code = disk_full_errno(error)
+      if code is None:
+        raise
+      step = self._pending_step
+      if jax.process_index() == 0 and step is not None:
+        for name in os.listdir(self.directory):  # Orbax's temporary folder of that step.
+          if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+      complete = [s for s in self.all_steps() if is_finalised(self.directory, s)]
+      raise OSError(code, os.strerror(code), (
+          f"{self.directory} (step {step} was not saved; the last complete checkpoint is "
+          f"{complete[-1] if complete else 'none'}; free space and run again to resume)")
+      ) from None
 
   def save(self, step: int, state: PyTree, *, extra: Optional[Mapping[str, Any]] = None,
            force: bool = False) -> bool:
@@ -608,7 +753,13 @@ class CheckpointManager:
     # Orbax waits for the previous save anyway; its manifest must be on disk before this
     # save's finalisation may delete old steps (max_to_keep).
     self._join_manifest()
-    saved = bool(self._manager.save(step, args=args, force=force))
+    if jax.process_index() == 0 and not self._recorded:
+      record_checksummed(self.directory)  # Before the step: a reader must never trust its absence.
+      self._recorded = True
+    with self._disk_full_is_one_line():
+      saved = bool(self._manager.save(step, args=args, force=force))
+    if saved:
+      self._pending_step = step
     if saved:
       if self._manager.is_saving_in_progress():
         self._manifest_thread = threading.Thread(
@@ -633,9 +784,9 @@ class CheckpointManager:
     step_dir = fileio.join(self.directory, str(step))
     try:
       write_integrity_manifest(step_dir)
-    except OSError as e:  # The step is still good; it just loads unverified.
-      logger.warning("%s: could not write the integrity manifest of step %d: %s",
-                     self.directory, step, e)
+    except OSError as e:  # Without it the step is never loaded (see record_checksummed).
+      logger.warning("%s: could not write the integrity manifest of step %d (%s); that step "
+                     "will not be loaded", self.directory, step, e)
 
   def _join_manifest(self) -> None:
     thread, self._manifest_thread = self._manifest_thread, None
@@ -738,8 +889,13 @@ class CheckpointManager:
     return int(step)
 
   def wait(self) -> None:
-    """Blocks until pending async saves (and their integrity manifests) are on disk."""
-    self._manager.wait_until_finished()
+    """Blocks until pending async saves (and their integrity manifests) are on disk.
+
+    Raises:
+      OSError: ENOSPC or EFBIG: the disk is full (see `_disk_full_is_one_line`).
+    """
+    with self._disk_full_is_one_line():
+      self._manager.wait_until_finished()
     self._join_manifest()
 
   def close(self) -> None:
@@ -941,7 +1097,12 @@ def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
   steps = sorted(manager.all_steps())
   if not steps:
     raise FileNotFoundError(f"{model_dir}: no checkpoints")
-  step = steps[-1] if step is None else int(step)
+  if step is None:
+    # The newest finalised step: one a running `train` is still finalising (no manifest yet)
+    # is not read.
+    finalised = [s for s in steps if is_finalised(model_dir, s)]
+    return finalised[-1] if finalised else steps[-1]  # None: verify says why.
+  step = int(step)
   if step not in steps:
     raise FileNotFoundError(f"{model_dir}: no checkpoint for step {step}; have {steps}")
   return step

@@ -31,7 +31,7 @@ import re
 import sys
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
-from jaxmoral import compilation_cache, gin_utils
+from jaxmoral import compilation_cache, gin_utils, preemption
 
 # Sub-commands whose work is a gin-configured library function: (module, function).
 GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -153,9 +153,33 @@ def user_error_message(error: BaseException) -> Optional[str]:
   """
   if isinstance(error, (ValueError, OSError)):
     return error_message(error)
+  if isinstance(error, FloatingPointError):  # train's NonFiniteLossError: a setting, mostly.
+    return error_message(error)
   if isinstance(error, TypeError) and "In call to configurable" in str(error):
     return _configurable_error_message(error)
   return None
+
+
+def peer_failure_message(error: BaseException) -> Optional[str]:
+  """One line for a collective that failed because another process of the job died (Gloo's
+  "Connection closed by peer", the coordination service's "Task N heartbeat timeout"), naming
+  that process as far as the error does; None for any other error."""
+  text = str(_original(error))
+  task = re.search(r"Task (\d+) heartbeat timeout|tasks are unhealthy[^\n]*\n(\d+)", text)
+  lost = re.search(r"Connection (?:closed|reset) by peer|Connection refused|Broken pipe", text)
+  if task is None and lost is None:
+    return None
+  # Gloo names the peer's address: "... [127.0.0.1]:25514" (before or after the reason).
+  address = re.search(r"\[([^\]]+)\]:(\d+)", text)
+  if task is not None:
+    who = f"process {task.group(1) or task.group(2)}"
+  elif address is not None:
+    who = f"the process at {address.group(1)} (port {address.group(2)})"
+  else:
+    who = "another process"
+  return (f"{who} of this job stopped (crashed, killed or preempted), so this process stops "
+          "too; see that process's log, then restart every process to resume from the last "
+          "checkpoint")
 
 
 def _configurable_error_message(error: TypeError) -> str:
@@ -187,6 +211,20 @@ def quiet_logs(*, force: bool = False) -> None:
   # gin logs every search-path miss (at ERROR) while resolving includes; those are not errors.
   for handler in logging.getLogger().handlers:
     handler.addFilter(lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
+    handler.addFilter(_not_disk_full_report)
+
+
+def _not_disk_full_report(record: logging.LogRecord) -> bool:
+  """False for a checkpoint writer thread's report of a full disk: the command reports it
+  itself, in one line naming the folder (`checkpoints.CheckpointManager`)."""
+  if record.levelno < logging.ERROR or "jaxmoral" in record.name:
+    return True
+  checkpoints = sys.modules.get("jaxmoral.checkpoints")
+  if checkpoints is None:
+    return True
+  error = record.exc_info[1] if record.exc_info else None
+  return (checkpoints.disk_full_errno(RuntimeError(record.getMessage())) is None
+          and (error is None or checkpoints.disk_full_errno(error) is None))
 
 
 # What TensorFlow 2.21 writes to stderr on import, whatever TF_CPP_MIN_LOG_LEVEL says: about
@@ -357,7 +395,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Runs one command; returns its exit status (2: a usage, configuration or file error).
+  """Runs one command; returns its exit status (2: a usage, configuration or file error;
+  143 / 130: training stopped by SIGTERM / SIGINT after saving its step, see
+  `jaxmoral.preemption`; 130 also for Ctrl-C elsewhere).
 
   Errors a user can fix (ValueError, OSError such as a read-only output folder) are one
   message on stderr, `jaxmoral <command>: error: ...`, not a traceback.
@@ -385,7 +425,23 @@ def main(argv: Sequence[str] | None = None) -> int:
       method = importlib.import_module(f"jaxmoral.{args.command}.commands")
       return int(method.main(args.action, args.rest, gin_args) or 0)
     return _run(args, gin_args, flags, distributed)
-  except (ValueError, OSError, TypeError) as error:
+  except preemption.Stopped as stopped:  # SIGTERM / SIGINT while training: saved, no error.
+    print(f"jaxmoral {args.command}: {error_message(stopped)}", file=sys.stderr)
+    return stopped.exit_status
+  except KeyboardInterrupt:  # Ctrl-C outside a training loop (which saves and stops instead).
+    print(f"jaxmoral {args.command}: interrupted", file=sys.stderr)
+    return 130
+  except RuntimeError as error:
+    message = peer_failure_message(error)
+    if message is None:
+      raise
+    print(f"jaxmoral {args.command}: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not through exit handlers: JAX's distributed shutdown would wait for the dead process
+    # and then abort with a C++ stack trace.
+    os._exit(1)
+  except (ValueError, OSError, TypeError, FloatingPointError) as error:
     message = user_error_message(error)
     if message is None:
       raise

@@ -23,13 +23,28 @@ itself. `none` turns off even a cache that JAX's variable set (`disable`). `jaxm
 runs without one: executables compiled for a compile-only TPU topology are written to the
 cache but cannot be loaded back ("PjRtCompiler must be constructed with a Client"), so a
 second compile would only warn.
+
+What is trusted (JAX runs whatever executable the cache hands it): a local cache directory
+must be this user's own, not writable by group or others, under parents only root or this user
+can rename it in (the kernel cache's rule, `jaxmoral.cpu_kernels`); another one is refused
+with one warning line and the command compiles without a cache. A directory jaxmoral creates
+is made 0700. Every entry jaxmoral writes gets an HMAC-SHA256 of its key and bytes, made with
+a secret kept in the directory (`KEY_FILE`, mode 0600) and stored beside the entry: an entry
+that was changed, truncated, copied over another key's entry, or written by anyone without the
+secret (another JAX program) fails the check and is compiled again, never run. A remote cache
+(`gs://...`) is trusted as far as the bucket's permissions go.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
-from typing import Mapping, Optional
+import secrets
+import stat
+import tempfile
+from typing import Any, Mapping, Optional
 
 FLAG = "--compilation_cache_dir"
 ENV_DIR = "JAXMORAL_COMPILATION_CACHE_DIR"
@@ -45,6 +60,128 @@ _CACHE_SUFFIX = "-cache"
 _ATIME_SUFFIX = "-atime"
 
 _LOG = logging.getLogger(__name__)
+# The secret that signs a local cache's entries, and the suffix of an entry's signature file.
+KEY_FILE = "jaxmoral-cache-key"
+_SIGNATURE_SUFFIX = "-jaxmoral-hmac"
+_OTHERS_ACCESS = stat.S_IRWXG | stat.S_IRWXO
+
+
+def untrusted_reason(cache_dir: str) -> Optional[str]:
+  """Why another user could put an entry into local `cache_dir` (a real folder), or None."""
+  # One rule for both caches of compiled code: the kernel cache's.
+  from jaxmoral.cpu_kernels import _folder_problem  # pylint: disable=g-import-not-at-top
+  try:
+    return _folder_problem(os.path.realpath(cache_dir))
+  except OSError as error:
+    return f"cannot be checked ({error.strerror or error})"
+
+
+def _secret(cache_dir: str) -> bytes:
+  """The directory's signing secret (made on first use), read only from this user's own
+  regular file that no one else can read or write."""
+  path = os.path.join(cache_dir, KEY_FILE)
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                 0o600)
+  except FileExistsError:
+    pass
+  else:
+    with os.fdopen(fd, "wb") as f:
+      f.write(secrets.token_bytes(32))
+  fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+  with os.fdopen(fd, "rb") as f:
+    st = os.fstat(f.fileno())
+    if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
+        or st.st_mode & _OTHERS_ACCESS):
+      raise PermissionError(f"{path} is not this user's private file "
+                            f"(mode {stat.S_IMODE(st.st_mode):#o}, uid {st.st_uid})")
+    secret = f.read()
+  if len(secret) < 32:
+    raise PermissionError(f"{path} is too short to be a signing key")
+  return secret
+
+
+class SignedCache:
+  """JAX's file cache with each entry's HMAC beside it: `get` returns only entries this
+  directory's secret signed for that very key (anything else is compiled again)."""
+
+  def __init__(self, base: Any, cache_dir: str, secret: bytes):
+    self._base, self._dir, self._secret = base, cache_dir, secret
+    self._warned = False
+
+  def __getattr__(self, name: str) -> Any:  # `_path` and whatever else JAX reads.
+    return getattr(self._base, name)
+
+  def _tag(self, key: str, value: bytes) -> bytes:
+    return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+  def _signature_path(self, key: str) -> str:
+    return os.path.join(self._dir, key + _SIGNATURE_SUFFIX)
+
+  def get(self, key: str) -> Optional[bytes]:
+    value = self._base.get(key)
+    if value is None:
+      return None
+    try:
+      fd = os.open(self._signature_path(key), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+      with os.fdopen(fd, "rb") as f:
+        signature = f.read()
+    except OSError:
+      signature = b""
+    if hmac.compare_digest(signature, self._tag(key, value)):
+      return value
+    if not self._warned:
+      self._warned = True
+      _LOG.warning("compilation cache %s: entry %s fails its signature check (changed, or "
+                   "not written by jaxmoral): compiling it again", self._dir, key)
+    return None
+
+  def put(self, key: str, value: bytes) -> None:
+    self._base.put(key, value)
+    fd, partial = tempfile.mkstemp(prefix=key + ".", suffix=".tmp", dir=self._dir)
+    try:
+      with os.fdopen(fd, "wb") as f:
+        f.write(self._tag(key, value))
+      os.replace(partial, self._signature_path(key))
+    except BaseException:
+      if os.path.lexists(partial):
+        os.remove(partial)
+      raise
+
+
+_SIGNING: dict[str, bytes] = {}  # Local cache directory (real path) -> its secret.
+
+
+def _sign_entries(cache_dir: str) -> None:
+  """Makes JAX open local `cache_dir` as a `SignedCache` (JAX opens it at its first compile)."""
+  from jax._src import compilation_cache as jax_cache  # pylint: disable=g-import-not-at-top
+  _SIGNING[os.path.realpath(cache_dir)] = _secret(cache_dir)
+  original = getattr(jax_cache.get_file_cache, "__wrapped__", jax_cache.get_file_cache)
+
+  def get_file_cache(path: str) -> Any:
+    opened = original(path)
+    secret = _SIGNING.get(os.path.realpath(path)) if "://" not in path else None
+    if opened is None or secret is None:
+      return opened
+    return SignedCache(opened[0], os.path.realpath(path), secret), opened[1]
+
+  get_file_cache.__wrapped__ = original  # type: ignore[attr-defined]
+  jax_cache.get_file_cache = get_file_cache
+
+
+def _trusted(cache_dir: str) -> bool:
+  """Checks local `cache_dir` and signs its entries; False (one warning) where it is not
+  safe to run code from."""
+  problem = untrusted_reason(cache_dir)
+  if problem is None:
+    try:
+      _sign_entries(cache_dir)
+    except OSError as error:
+      problem = f"has an unusable signing key ({error.strerror or error})"
+  if problem is not None:
+    _LOG.warning("not using compilation cache %s: it %s; compiling without a cache", cache_dir,
+                 problem)
+  return problem is None
 
 
 def resolve_cache_dir(flag_value: Optional[str] = None,
@@ -75,7 +212,12 @@ def configure(flag_value: Optional[str] = None,
     disable()
     return None
   if flag_value is None and environ.get(JAX_ENV_DIR) is not None:
-    return cache_dir  # JAX configured it from its own variables when it was imported.
+    # JAX configured it from its own variables when it was imported; trusted on jaxmoral's
+    # terms all the same.
+    if "://" not in cache_dir and os.path.isdir(cache_dir) and not _trusted(cache_dir):
+      disable()
+      return None
+    return cache_dir
   return enable(cache_dir)
 
 
@@ -114,9 +256,11 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
   local = "://" not in cache_dir
   if local:
     try:
-      os.makedirs(cache_dir, exist_ok=True)
+      os.makedirs(cache_dir, mode=0o700, exist_ok=True)
     except OSError as error:  # A read-only home: run without a cache rather than fail.
       _LOG.warning("no compilation cache: cannot create %s (%s)", cache_dir, error)
+      return None
+    if not _trusted(cache_dir):
       return None
   if max_bytes != -1 and local and uncapped_entries(cache_dir):
     _LOG.info("compilation cache %s holds entries written without a cap; leaving it uncapped",

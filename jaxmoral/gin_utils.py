@@ -139,10 +139,13 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
   for name in gin_args.files:
     if _find_gin_file(name, search_paths) is None:
       raise FileNotFoundError(f"gin file {name!r} not found in search paths {search_paths}")
+  _warn_shadowing(gin_args.files, search_paths)
   bindings = list(gin_args.bindings)
   sources = _BindingSources(gin_args.files, bindings, gin_args.binding_flags)
   try:
     gin.parse_config_files_and_bindings(list(gin_args.files), bindings, finalize_config=False)
+  except ImportError as error:
+    raise _import_error(error) from None
   except (SyntaxError, tokenize.TokenError) as error:
     raise _syntax_error(error, gin_args.files, search_paths, bindings) from error
   except (ValueError, KeyError) as error:
@@ -153,6 +156,8 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
     flag_sources = _BindingSources((), extra_bindings, extra_binding_flags)
     try:
       gin.parse_config(list(extra_bindings))
+    except ImportError as error:
+      raise _import_error(error) from None
     except (SyntaxError, tokenize.TokenError) as error:
       raise _syntax_error(error, (), search_paths, extra_bindings,
                           extra_binding_flags) from error
@@ -249,6 +254,51 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
   return resolved
 
 
+def _import_error(error: ImportError) -> ValueError:
+  """One line for a gin `import` that fails: the file and line, and the module."""
+  text = str(error)
+  match = re.search(r'In file "([^"]+)", line (\d+)', text)
+  where = f"{_display_path(match.group(1))}:{match.group(2)}: " if match else "gin: "
+  first = text.splitlines()[0].strip('"') if text else repr(error)
+  return ValueError(f"{where}import failed: {first} "
+                    "(install the module, or fix the name in the gin file)")
+
+
+_INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+def _shadowed_project_file(path: pathlib.Path) -> pathlib.Path | None:
+  """The project config that `path`, a file under the working directory of the same relative
+  name, hides from the search path (None if it hides none)."""
+  resolved = path.resolve()
+  try:
+    relative = resolved.relative_to(pathlib.Path.cwd().resolve())
+  except ValueError:
+    return None
+  project = PROJECT_ROOT / relative
+  return project if project.is_file() and project.resolve() != resolved else None
+
+
+def _warn_shadowing(files: Sequence[str], search_paths: Sequence[str]) -> None:
+  """Logs each gin file (or include) read from the working directory in place of the project
+  config of the same name, with its absolute path (errors in it name that path too)."""
+  todo, seen = list(files), set()
+  while todo:
+    name = todo.pop()
+    path = _find_gin_file(name, search_paths)
+    if path is None or path.resolve() in seen:
+      continue
+    seen.add(path.resolve())
+    hidden = _shadowed_project_file(path)
+    if hidden is not None:
+      logger.warning("gin file %r is read from %s, which shadows the project's %s", name,
+                     path.resolve(), hidden)
+    try:
+      todo.extend(_INCLUDE.findall(path.read_text(encoding="utf-8", errors="replace")))
+    except OSError:
+      continue
+
+
 def _find_gin_file(name: str, search_paths: Sequence[str]) -> pathlib.Path | None:
   """The first search path holding `name`, else `name` itself if it is a file, else None."""
   for path in (*(pathlib.Path(p) / name for p in search_paths), pathlib.Path(name)):
@@ -268,13 +318,13 @@ def _syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str]
     return f"binding {binding!r}" + (f" ({flag_of[binding]})" if binding in flag_of else "")
   if isinstance(error, SyntaxError):
     if error.filename:
-      where = f"{error.filename}, line {error.lineno}"
+      where = f"{_display_path(error.filename)}, line {error.lineno}"
     else:
       where = shown((error.text or "").strip())
     return ValueError(f"gin: cannot parse {where}: {error.msg}")
   # An unclosed bracket or string: gin's tokenizer names no file, so find the culprit.
   paths = [_find_gin_file(name, search_paths) for name in files]
-  sources = [(str(path), path.read_text()) for path in paths if path is not None]
+  sources = [(_display_path(str(path)), path.read_text()) for path in paths if path is not None]
   sources += [(shown(binding), binding) for binding in bindings]
   for where, text in sources:
     try:
@@ -368,7 +418,10 @@ def _file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
 
 
 def _display_path(path: str) -> str:
-  """`path` relative to the working directory or the project root where it is inside one."""
+  """`path` relative to the working directory or the project root where it is inside one;
+  absolute where a file of the working directory shadows the project's of the same name."""
+  if _shadowed_project_file(pathlib.Path(path)) is not None:
+    return str(pathlib.Path(path).resolve())
   for root in (pathlib.Path.cwd(), PROJECT_ROOT):
     try:
       return str(pathlib.Path(path).resolve().relative_to(root))
@@ -740,6 +793,9 @@ def check_writable(path: str | os.PathLike[str], *, directory: bool = False) -> 
   if "://" in shown:
     return
   target = pathlib.Path(shown)
+  if target.is_symlink() and not target.exists():
+    raise ValueError(f"{shown} is a symbolic link to {os.readlink(shown)}, which does not "
+                     "exist; create the target or give another path")
   if target.exists():
     if directory != target.is_dir():
       code = errno.ENOTDIR if directory else errno.EISDIR

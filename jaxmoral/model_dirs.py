@@ -128,10 +128,44 @@ def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary
   """Writes what makes a run directory self-describing (see the module docstring)."""
   model_dir = fileio.path(model_dir)
   model_dir.mkdir(parents=True, exist_ok=True)
+  manifest = model_dir / checkpoints.INTEGRITY_FILE
+  if manifest.exists():
+    manifest.unlink()  # It would describe the files about to be replaced.
   (model_dir / MODEL_CONFIG_FILE).write_text(config.to_json())
   save_vocabulary(model_dir, vocabulary)
   if settings:
     write_settings(model_dir, settings)
+  # Under the integrity manifest like an export's: every load checks them first; the run
+  # records that it has one, so a deleted manifest is refused, not loaded unverified.
+  checkpoints.write_integrity_manifest(
+      model_dir, [name for name in RUN_FILES if (model_dir / name).exists()])
+  checkpoints.record_checksummed(checkpoints.run_checkpoints_dir(model_dir), run_files=True)
+
+
+# What a run's manifest (MODEL_DIR/_INTEGRITY.json) covers: what loading the run reads.
+RUN_FILES = (MODEL_CONFIG_FILE, SETTINGS_FILE, VOCAB_DIR)
+
+
+def verify_run_files(model_dir: str | os.PathLike) -> bool:
+  """Checks a run's model config, settings and vocabulary against its manifest (sizes and
+  sha256) before any of them is read.
+
+  A run without the manifest loads with a warning only if it never wrote one (written before
+  manifests existed, or put together by hand): `checkpoints.run_files_checksummed`.
+
+  Returns:
+    True if verified; False for an older run (a warning is logged).
+
+  Raises:
+    checkpoints.CheckpointIntegrityError: A file differs, is missing or the manifest is.
+  """
+  model_dir = os.path.abspath(os.fspath(model_dir))
+  checksummed = checkpoints.run_files_checksummed(checkpoints.run_checkpoints_dir(model_dir))
+  present = [name for name in RUN_FILES if os.path.exists(os.path.join(model_dir, name))]
+  return checkpoints.verify_integrity(
+      model_dir, what=f"{model_dir}: the run's files", full=True,
+      required=[name for name in present if name != VOCAB_DIR],
+      unverified_ok=not checksummed)
 
 
 def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) -> None:
@@ -313,6 +347,7 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
     if step is not None and run_step is not None and step != run_step:
       raise ValueError(f"{source}: is step {run_step}, but step={step} was asked for")
     step = run_step if run_step is not None else step
+    verify_run_files(run_dir)
     run_config = _read_config_json(run_dir / MODEL_CONFIG_FILE)
     step, (_, tree) = checkpoints.run_params_metadata(
         checkpoints.run_checkpoints_dir(run_dir), step=step)

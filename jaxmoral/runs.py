@@ -14,6 +14,7 @@ its path::
   MODEL_DIR/model_config.json     the T5Config
   MODEL_DIR/settings.json         what the model and data add (e.g. Diamante's lengths)
   MODEL_DIR/vocab/spiece.model    the SentencePiece model (+ vocab/extra_ids.txt)
+  MODEL_DIR/_INTEGRITY.json       sizes and sha256 of model_config.json, settings.json, vocab/
   MODEL_DIR/checkpoints/<step>/   Orbax checkpoints (TrainState + JSON extras)
   MODEL_DIR/train, MODEL_DIR/eval TensorBoard event files
 """
@@ -170,6 +171,10 @@ class Seq2SeqData:
         pairs = tasks.read_pairs(self.train_file, input_field=self.input_field,
                                  target_field=self.target_field)
         split = tasks.split_pairs(pairs, rule=self.heldout)
+        for part, what in (("train", "training"), ("validation", "held-out evaluation")):
+          if not split[part]:  # Named here: the task only sees the pairs, not the file.
+            raise ValueError(f"Seq2SeqData.train_file: {self.train_file} has {len(pairs)} "
+                             f"pairs, none for {what} (add pairs, or give eval_file)")
         tasks.register_text_pair_task(
             "jaxmoral_files", vocabulary=vocabulary,
             examples={self.train_split: split["train"], self.eval_split: split["validation"]})
@@ -315,7 +320,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
 
   Raises:
     ValueError: A count is not an integer in range (naming its gin macro, e.g. TRAIN_STEPS),
-      before anything is written.
+      or a resume that does not continue the run (another model shape, data, SEED,
+      BATCH_SIZE, or TRAIN_STEPS behind it), before anything is written.
     OSError: MODEL_DIR cannot be written (before anything is done).
   """
   _check_run_arguments(train_steps=train_steps, batch_size=batch_size,
@@ -340,23 +346,32 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
       init_info = None
       if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
         init_info = model_dirs.inspect(init_checkpoint)
-      if resuming:  # Read by every process before process 0 rewrites the run files below.
+      if resuming:  # Its files are checked and read only; written once the resume is accepted.
+        model_dirs.verify_run_files(model_dir)
         data = data.resumed(model_dirs.read_settings(model_dir).get("data", {}))
-        if jax.process_count() > 1:
-          multihost_utils.sync_global_devices("jaxmoral.runs.train_run: settings read")
-      # Process 0 writes the shared run files (and builds a vocabulary); the others wait.
+      # Process 0 builds a vocabulary where one is built (a fresh run's demo vocabulary); the
+      # others then find it in the run directory.
       if jax.process_index() == 0:
         vocabulary = _run_vocabulary(model_dir, data, init_info)
-        _check_vocab_fits(model.config, vocabulary)
-        model_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
-                                  settings={"model": model.settings(), "data": data.settings(),
-                                            "feature_lengths": dict(feature_lengths)})
-        if gin.config_str():
-          gin_utils.write_operative_config(model_dir)
       if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
+        multihost_utils.sync_global_devices("jaxmoral.runs.train_run: vocabulary ready")
         if jax.process_index() != 0:
-          vocabulary = model_dirs.load_vocabulary(model_dir)
+          vocabulary = _run_vocabulary(model_dir, data, init_info)
+      _check_vocab_fits(model.config, vocabulary)
+
+      def write_run_files(resumed_step: Optional[int]) -> None:
+        """After every check of `train.train` passed: a refused resume changes nothing."""
+        del resumed_step
+        if jax.process_index() == 0:
+          if gin.config_str():
+            gin_utils.write_operative_config(model_dir)
+          model_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
+                                    settings={"model": model.settings(),
+                                              "data": data.settings(),
+                                              "feature_lengths": dict(feature_lengths)})
+        if jax.process_count() > 1:
+          multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
+
       train_source, eval_source = data.sources(vocabulary=vocabulary, batch_size=batch_size,
                                                feature_lengths=feature_lengths, seed=seed)
       if jax.process_count() > 1:
@@ -382,7 +397,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                              checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                              log_every=log_every, seed=seed,
                              init_params=init_params if init_info is not None else None,
-                             hooks=[*model.hooks(model_dir), *hooks])
+                             hooks=[*model.hooks(model_dir), *hooks],
+                             on_checked=write_run_files)
   except BaseException:
     # A run that failed before its first step (bad data, a vocabulary that does not fit, an
     # unreadable init_checkpoint) leaves no folder it created behind.

@@ -33,6 +33,7 @@ from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import gin_utils
 from jaxmoral import partitioning
+from jaxmoral import preemption
 from jaxmoral import progress
 from jaxmoral import software
 from jaxmoral import trainer as trainer_lib
@@ -48,7 +49,14 @@ def _markdown_code(text: str) -> str:
 
 
 class NonFiniteLossError(FloatingPointError):
-  """Training produced a NaN/inf loss or gradient norm; nothing from that step was saved."""
+  """Training produced a NaN/inf loss or gradient norm; nothing from that step was saved.
+
+  A user's setting more often than a bug (the command line prints it as one line)."""
+
+
+NON_FINITE_CAUSES = ("a learning rate too high for the model (LEARNING_RATE; warmup too short), "
+                     "float16/bfloat16 overflow (try float32), or broken data (empty targets, "
+                     "ids beyond the vocabulary)")
 
 
 class MetricWriters:
@@ -255,7 +263,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
           keep_checkpoints: int = 3, log_every: int = 100, seed: int = 0,
           stop_on_nan: bool = True, async_checkpoint: bool = True,
           on_eval: Optional[OnEval] = None, init_params: Any = None,
-          hooks: Sequence[TrainHook] = ()) -> dict[str, float]:
+          hooks: Sequence[TrainHook] = (),
+          on_checked: Optional[Callable[[Optional[int]], None]] = None) -> dict[str, float]:
   """Trains to `train_steps`, resuming from `model_dir/checkpoints` when it has a checkpoint.
 
   The run holds `model_dir/train.lock` while it runs. It resumes from the newest intact
@@ -293,14 +302,19 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
       returns them (called only when there is no checkpoint to resume). None: random init
       from `seed`.
     hooks: `TrainHook`s (see there).
+    on_checked: Called with the resumed step (None: a fresh run) once every check of the
+      resume has passed (the checkpoint restored into this model, the same data, seed and
+      batch size, `train_steps` not behind it) and before this function writes anything;
+      `runs.train_run` writes the run's files there, so a refused resume changes nothing.
 
   Returns:
     `{"step": final step, "train/<metric>": last window means, "eval/<metric>": last eval}`.
 
   Raises:
     NonFiniteLossError: NaN/inf at some step (the message names it).
-    ValueError: A checkpoint of this run was written over other data (the data position
-      would not continue the same run), or bad arguments.
+    ValueError: A checkpoint of this run was written over other data, seed or batch size
+      (the data position would not continue the same run), or bad arguments.
+    preemption.Stopped: SIGTERM or SIGINT (one process): the step it came in was saved.
     checkpoints.RunDirLockedError: Another run trains in `model_dir` (a ValueError).
     checkpoints.CheckpointIntegrityError: Every checkpoint is damaged (a ValueError).
   """
@@ -324,7 +338,10 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     init_rng, step_rng = jax.random.split(jax.random.PRNGKey(seed))
     # What the data position means: a checkpoint of the same run over other data (another
     # corpus, another seed) would not continue that run.
-    position = {"num_examples": getattr(train_source, "num_examples", None), "seed": seed}
+    # The batch size too: the step is the position, so another batch size would continue at
+    # another example (refused: T5X's and MaxText's data iterators assume it fixed as well).
+    position = {"num_examples": getattr(train_source, "num_examples", None), "seed": seed,
+                "batch_size": getattr(train_source, "batch_size", None)}
     # Each host reads its own copy of the data: a stale copy would shift every shard silently.
     differing = partitioning.processes_that_differ(repr(sorted(position.items())))
     if differing:
@@ -332,13 +349,16 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
                        f"{jax.process_count()} has another data position than process 0 "
                        f"(here {position}): every host must read the same data with the same "
                        "seed")
-    latest, state, extra = _restore_newest_intact(manager, trainer)
+    latest, state, extra, damaged = _restore_newest_intact(manager, trainer)
     if latest is not None:
       saved = {k: extra[k] for k in position if k in extra}
-      if any(saved[k] != position[k] for k in saved if position[k] is not None):
-        raise ValueError(f"train: {ckpt_dir}/{latest} was written with data position {saved}, "
-                         f"this run has {position}; the data would not continue the same run "
-                         "(use a new MODEL_DIR)")
+      differ = [k for k in saved if position[k] is not None and saved[k] != position[k]]
+      if differ:
+        raise ValueError(
+            f"train: {ckpt_dir}/{latest} was written with "
+            f"{', '.join(f'{k}={saved[k]!r}' for k in differ)}, this run has "
+            f"{', '.join(f'{k}={position[k]!r}' for k in differ)}; the data would not continue "
+            "the same run (use the run's settings, or a new MODEL_DIR); nothing was changed")
       logger.info("train: resuming from %s at step %d", ckpt_dir, latest)
     elif init_params is not None:
       state = trainer.init_state_from_params(init_params() if callable(init_params)
@@ -348,7 +368,11 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     start = int(jax.device_get(state.step))
     if start > train_steps:
       raise ValueError(f"train: checkpoint in {ckpt_dir} is at step {start}, beyond "
-                       f"train_steps={train_steps}")
+                       f"train_steps={train_steps}; nothing was changed")
+    # Every check passed: from here on the run writes.
+    if on_checked is not None:
+      on_checked(latest)
+    _move_aside_damaged(manager, damaged, latest)
     if is_chief:
       # Which code trains from this step on: a checkpoint can be traced to it across resumes.
       software_line = software.describe(software.record_start(model_dir, step=start))
@@ -369,12 +393,15 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
                     train_steps=train_steps, writers=writers)
     for hook in hooks:
       state = hook.on_start(loop, state)
-    result = _run_steps(
-        trainer=trainer, state=state, manager=manager, loop=loop, train_source=train_source,
-        eval_source=eval_source, eval_every=eval_every, eval_steps=eval_steps,
-        checkpoint_every=checkpoint_every, log_every=log_every, step_rng=step_rng,
-        stop_on_nan=stop_on_nan, on_eval=on_eval, hooks=hooks, last_saved=latest,
-        extra=position, is_chief=is_chief)
+    with preemption.StopRequests() as stop_requests:
+      result = _run_steps(
+          trainer=trainer, state=state, manager=manager, loop=loop, train_source=train_source,
+          eval_source=eval_source, eval_every=eval_every, eval_steps=eval_steps,
+          checkpoint_every=checkpoint_every, log_every=log_every, step_rng=step_rng,
+          stop_on_nan=stop_on_nan, on_eval=on_eval, hooks=hooks, last_saved=latest,
+          extra=position, is_chief=is_chief)
+    if stop_requests.signum is not None:  # Raised once the finally below saved and unlocked.
+      raise preemption.Stopped(stop_requests.signum, step=int(result["step"]), where=ckpt_dir)
     return result
   finally:
     try:
@@ -388,12 +415,14 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
 
 
 def _restore_newest_intact(manager: checkpoints.CheckpointManager, trainer: Any
-                           ) -> tuple[Optional[int], Any, dict[str, Any]]:
-  """`(step, state, extra)` of the newest intact checkpoint, or `(None, None, {})` if none.
+                           ) -> tuple[Optional[int], Any, dict[str, Any],
+                                      list[tuple[int, checkpoints.CheckpointIntegrityError]]]:
+  """`(step, state, extra, damaged)` of the newest intact checkpoint (`(None, None, {}, [])`
+  if none).
 
   Damaged or incomplete steps (`CheckpointIntegrityError`, found before anything of them is
-  read) are skipped with a warning and moved aside (`<step>.damaged`), so the run saves those
-  steps again.
+  read) are skipped; `_move_aside_damaged` moves them aside (`<step>.damaged`) once the resume
+  is accepted, so the run saves those steps again.
 
   Raises:
     CheckpointIntegrityError: Every checkpoint is damaged (the run would start over).
@@ -414,17 +443,23 @@ def _restore_newest_intact(manager: checkpoints.CheckpointManager, trainer: Any
         f"{', '.join(str(step) for step, _ in skipped)}): {skipped[0][1]}; move the damaged "
         "steps away to start over, or use a new MODEL_DIR", step=skipped[0][0],
         files=skipped[0][1].files)
-  for step, error in skipped:
+  if found is None:
+    return None, None, {}, skipped
+  return (*found, skipped)
+
+
+def _move_aside_damaged(manager: checkpoints.CheckpointManager,
+                        damaged: Sequence[tuple[int, checkpoints.CheckpointIntegrityError]],
+                        resumed: Optional[int]) -> None:
+  """Moves the damaged steps `_restore_newest_intact` skipped aside, with a warning each."""
+  for step, error in damaged:
     aside = manager.move_aside(step)
     logger.warning("train: skipping damaged checkpoint step %d (%s); moved to %s", step,
                    error, aside)
-  if found is None:
-    return None, None, {}
-  if skipped:
+  if damaged and resumed is not None:
     logger.warning("train: resuming from step %d, the newest intact checkpoint (skipped "
-                   "step%s %s)", found[0], "s" if len(skipped) > 1 else "",
-                   ", ".join(str(step) for step, _ in skipped))
-  return found
+                   "step%s %s)", resumed, "s" if len(damaged) > 1 else "",
+                   ", ".join(str(step) for step, _ in damaged))
 
 
 def purge_events_after(directory: str, step: int) -> int:
@@ -512,7 +547,8 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
         raise NonFiniteLossError(
             f"train: non-finite {', '.join(f'{k}={metrics[k]}' for k in bad)} at step {done} "
             f"(batch {step}); nothing of this step was saved; last checkpoint: "
-            f"{last_saved if last_saved is not None else 'none'} in {ckpt_dir}")
+            f"{last_saved if last_saved is not None else 'none'} in {ckpt_dir}. Likely causes: "
+            f"{NON_FINITE_CAUSES}")
     for hook in hooks:
       hook.after_step(loop, done, state, metrics)
     window.append(metrics)
@@ -536,13 +572,17 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
       window, window_tokens, window_rows, window_time, window_steps = [], 0.0, 0, 0.0, 0
     if eval_source is not None and eval_every and done % eval_every == 0:
       run_eval(done)
+    # A signal (one process) or JAX's preemption notice (every process at the same step).
+    stop = preemption.requested() and done < train_steps
     if done % checkpoint_every == 0 or done == train_steps:
       manager.save(done, state, extra=extra, force=True)
       last_saved = done
-    elif manager.reached_preemption(done):
+    elif stop or manager.reached_preemption(done):
       manager.save(done, state, extra=extra, force=True)
-      logger.warning("train: preempted; saved step %d to %s and stopping", done, ckpt_dir)
       last_saved = done
+      stop = True
+    if stop:
+      logger.warning("train: preempted; saved step %d to %s and stopping", done, ckpt_dir)
       preempted = True
       break
   final_step = int(jax.device_get(state.step))

@@ -285,9 +285,9 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, vocabulary, tmp_path, 
   for run_dir, want in ((old, "position"), (tmp_path / "new", "hash")):
     with pytest.raises(Seen, match=want):
       runs.train_run(model_dir=str(run_dir), **run)
-  # The resumed run's rewritten settings say what it holds out (a new run that failed before
-  # its first step leaves no folder).
-  assert model_dirs.read_settings(old)["data"] == {"kind": "seq2seq", "heldout": "position"}
+  # A run refused before its first step changes nothing (its settings are rewritten only once
+  # the resume is accepted; a new run that failed leaves no folder).
+  assert model_dirs.read_settings(old)["data"] == {"kind": "seq2seq"}
   # `eval_run` evaluates a run on the pairs it held out.
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top

@@ -229,7 +229,8 @@ def read_examples(path: str | os.PathLike, *,
   Args:
     path: The file.
     require_response: Every example must have a non-empty `response` (detection scores it;
-      a missing or misspelt key would otherwise read as an empty response).
+      a missing or misspelt key would otherwise read as an empty response) and at least one
+      argument (without any, every response word would read as a hallucination).
 
   Raises:
     readers.DataError: naming the file, line and field of a malformed example, an unknown key
@@ -254,6 +255,11 @@ def read_examples(path: str | os.PathLike, *,
       if value is not None and not isinstance(value, str):
         raise readers.DataError(path, line, f"expected a string, got {type(value).__name__}", key)
       kwargs[key] = value
+    if require_response and not kwargs["pro"] and not kwargs["con"]:
+      # Every response word would count as unsupported: a hallucination score of 1.0 that
+      # says nothing about the response.
+      raise readers.DataError(path, line, "no arguments (pro and con are both empty): there "
+                              "is nothing to check the response against", "pro")
     paraphrased = row.get("paraphrased", False)
     if not isinstance(paraphrased, bool):
       raise readers.DataError(path, line, f"expected true/false, got {paraphrased!r}",
