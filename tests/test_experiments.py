@@ -181,6 +181,21 @@ def test_interval_verdict_needs_the_whole_interval_on_one_side():
     demo.truth_line(method="npov", paper="p", this_run="r", verdict="maybe")
 
 
+def test_demo_prints_each_verdict_once_short_with_one_pointer_to_the_results(
+    tmp_path, monkeypatch, capsys):
+  lines = {part: [demo.truth_line(method=part, paper=f"{part} claim", this_run="x 0.5",
+                                  verdict=verdict)]
+           for part, verdict in (("npov", "agrees"), ("clarify", "cannot tell"))}
+  monkeypatch.setattr(demo, "_method_demo",
+                      lambda part: lambda workdir: {"truth": lines[part]})
+  demo.run_all(workdir=tmp_path, only=("npov", "clarify"))
+  out = capsys.readouterr().out
+  for (line,) in lines.values():
+    assert out.count(line) == 1
+    assert len(line.splitlines()) <= 2 and len(line) < 300  # no quoted results
+  assert out.count("experiments/results/") == 1
+
+
 def _situations(jsd, flips):
   return {"per_situation": {"jsd": list(jsd), "flips_pct": list(100.0 * np.asarray(flips))}}
 
@@ -576,8 +591,8 @@ def test_npov_substitution_probe_auc_against_scipy():
 
 
 def test_npov_classifier_run_names_keep_earlier_workdirs():
-  """Each training setting has its own run folder; the names of sessions 14-16's runs stay the
-  same, so their workdirs are reused rather than retrained."""
+  """Each training setting has its own run folder; a new setting adds a suffix and
+  the existing names stay, so existing workdirs are reused rather than retrained."""
   names = {(t, b, s): npov_table1.classifier_run_name("coverage", tuning=t, balanced_sides=b,
                                                       substitutions=s)
            for t in ("prompt", "full") for b in (True, False) for s in (False, True)}
