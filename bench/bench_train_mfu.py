@@ -1,4 +1,4 @@
-"""Train-step model FLOP utilisation (MFU) of T5 1.1 on one accelerator (issue 2: T5 1.1-large,
+"""Train-step model FLOP utilisation (MFU) of T5 1.1 on one accelerator (the goal: T5 1.1-large,
 bf16 activations, float32 params, one H100; goal >= 45 %).
 
 Model FLOPs per step are counted analytically (`model_flops_per_step`: every matrix product
@@ -142,7 +142,7 @@ def apply_kernel_options(options: str) -> None:
     elif option == "nobiasgrad":
       # jax 0.10 asks cuDNN for the bias gradient whenever there is a bias (patched here);
       # jax 0.11.2 has no such hook, and holding the bias constant did not make its step
-      # faster (bench/RESULTS.md, session 26).
+      # faster.
       if hasattr(cudnn_attention, "should_export_dbias"):
         cudnn_attention.should_export_dbias = lambda *args: False
       t5.fused_attention = _with_constant_position_bias

@@ -216,8 +216,7 @@ def main() -> None:
   parser.add_argument("--torch_adamw", default="fused",
                       help="torch.optim.AdamW's implementations timed on PyTorch's side "
                            f"(comma-separated, of {sorted(TORCH_ADAMW)}); the ratio is taken "
-                           "against the fastest. Default: fused, the fastest on CPU "
-                           "(bench/RESULTS.md, session 27)")
+                           "against the fastest. Default: fused, the fastest on CPU")
   fair.add_arguments(parser, rounds=3)
   args = parser.parse_args()
   if args.tiny:

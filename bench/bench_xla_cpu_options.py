@@ -1,7 +1,7 @@
 """XLA:CPU compiler options A/B on the train step, in one process, rounds interleaved.
 
 `XLA_FLAGS` is read once per process, so comparing flags across processes mixes them with
-the VM's speed changes between processes (bench/RESULTS.md, session 20). Here the step of
+the VM's speed changes between processes. Here the step of
 `bench_train_step.py` is lowered once and compiled once per option set
 (`Lowered.compile(compiler_options=...)`, XLA's DebugOptions by name). A variant whose
 optimized HLO is the default's is marked: an option that acts on the HLO, such as a library

@@ -1,4 +1,4 @@
-"""The rules every CPU benchmark against PyTorch follows (issue 21, item 1).
+"""The rules every CPU benchmark against PyTorch follows.
 
 A side-by-side number means something only when both sides do the same work on the same
 footing. Each benchmark that times jaxmoral against PyTorch goes through this module:
@@ -7,7 +7,7 @@ footing. Each benchmark that times jaxmoral against PyTorch goes through this mo
    (the `tsl` thread pool, `tf_XLAEigen`) set FTZ/DAZ, and `prepare()` checks it by running a
    jitted product whose exact result is denormal. PyTorch keeps denormals by default, and a
    training step whose values decay into the denormal range can then run many times slower
-   (issue 21: the same PyTorch train step's time varied by an order of magnitude with this
+   (the same PyTorch train step's time varied by an order of magnitude with this
    alone), so `prepare()` calls `torch.set_flush_denormal(True)` and checks that it took.
 2. **Same threads.** `torch.set_num_threads` is set to the size of XLA:CPU's intra-op pool,
    counted from its live `tf_XLAEigen` threads after a first computation (it sizes itself to

@@ -19,40 +19,16 @@ import numpy as np
 PARTS = ("core", "npov", "diamante", "clarify")
 
 # -- what the papers found, and whether a demo run agrees ------------------------------------
-# Each method's demo prints `truth_lines(...)` beside its numbers: the paper's claim, this run's
-# numbers, "agrees" or "disagrees" computed from them, and where the claim is tested at a scale
-# that can show it (the demo's tiny models trained for seconds mostly cannot).
+# Each method's demo returns `truth_lines(...)`: the paper's claim, this run's numbers, "agrees"
+# or "disagrees" computed from them, and the experiment that tests the claim at a scale that
+# can show it (the demo's tiny models trained for seconds mostly cannot). What the experiments
+# found lives in their result files, never here: `run_all` prints one pointer to them.
 
-FIDELITY_SECTION = "bench/RESULTS.md 'Fidelity experiments'"
+FIDELITY_RESULTS = ("bench/RESULTS.md, \"Fidelity experiments\" (reports in "
+                    "experiments/results/)")
 EXPERIMENTS = {"clarify": "python experiments/clarify_table4.py",
                "npov": "python experiments/npov_table1.py",
                "diamante": "python experiments/diamante_fig3.py"}
-# What each experiment measured at its scale (bench/RESULTS.md), quoted beside a demo's verdict.
-MEASURED = {"clarify": "at CPU scale PPO is not shown above SFT: against the config of "
-                       "record's reward (answer and fusion models trained alone, the answer "
-                       "model long enough to answer weakener and strengthener differently) "
-                       "PPO is level with SFT at 120 iterations (avg JSD -0.0000 [-0.0021, "
-                       "+0.0022], flips +1.7 [-3.7, +7.0] points) and at 240 (+0.0010 "
-                       "[-0.0015, +0.0034]); an earlier config's 'agrees' (+0.0093 [+0.0037, "
-                       "+0.0150]) came through a reward whose answer and fusion models had "
-                       "degenerated; without a KL penalty PPO games the reward (16 % of its "
-                       "outputs are questions, SFT 80 %)",
-            "diamante": "at CPU scale from the pretrained base it agrees: P@1 0.093 by "
-                        "preference vs 0.043 by log-prob over 300 held-out contexts, paired "
-                        "difference +0.050 [+0.010, +0.090] (from a base pretrained twice as "
-                        "long: +0.037 [+0.003, +0.070]); an untrained scalar head ranks "
-                        "the human response as well there, so joint training's part in it is "
-                        "not shown",
-            "npov": "at its full CPU config ROUGE-1 agrees; salience detects coverage errors "
-                    "(on all 834 unparaphrased test examples of the first base: 0.730, 0.653 "
-                    "between inputs of the same length) but not hallucinations (0.412: below "
-                    "chance, by the input's length); from the current base the prompt-tuned "
-                    "classifiers detect coverage errors (0.59-0.61) and rank hallucinations "
-                    "below chance (0.36) at 300 and 1,000 steps alike, their prompts not yet "
-                    "answering in one word; fine-tuned ones (an ablation) reach 0.99-1.00 by "
-                    "counting the response's points against the input's arguments: on errors "
-                    "that keep the counts they are at chance (0.506), even when trained on such "
-                    "errors too (0.509)"}
 
 
 VERDICTS = ("agrees", "disagrees", "cannot tell")
@@ -83,9 +59,7 @@ def truth_line(*, method: str, paper: str, this_run: str, verdict: str) -> str:
   """
   if verdict not in VERDICTS:
     raise ValueError(f"truth_line: verdict must be one of {VERDICTS}, got {verdict!r}")
-  where = f"see `{EXPERIMENTS[method]}` and {FIDELITY_SECTION}"
-  if method in MEASURED:
-    where += f"; {MEASURED[method]}"
+  where = f"tested at scale by `{EXPERIMENTS[method]}`"
   text = {"agrees": f"agrees (the 95 % interval is on the paper's side; {where})",
           "disagrees": f"disagrees (the 95 % interval is on the other side); the demo's "
                        f"scale cannot show it: {where}",
@@ -268,5 +242,6 @@ def run_all(*, workdir: str | os.PathLike[str] = "demo_out",
     print("\nWhat the papers found, and whether this demo agrees:")
     for part, line in truths:
       print(f"[{part}] {line}")
+    print(f"What the experiments found at scale: {FIDELITY_RESULTS}.")
   print(f"\nLook at the examples in a browser: jaxmoral explore {workdir}")
   return summary

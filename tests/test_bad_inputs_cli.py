@@ -1,4 +1,4 @@
-"""Issue 19: bad inputs to the command line fail early, in one line, and lose nothing.
+"""Bad inputs to the command line fail early, in one line, and lose nothing.
 
 One case per item: unwritable outputs (6), infer's line alignment and truncation report (10),
 non-UTF-8 chat input (11), mistyped run counts (12), a shipped config's data paths from

@@ -1,4 +1,4 @@
-"""Data inputs are never silently wrong (issue 19 items 8, 9, 12, 14).
+"""Data inputs are never silently wrong.
 
 Each case writes a small bad input, calls the library function a command calls first, and
 checks the one-line message (file, line, key and the close valid name where there are such)

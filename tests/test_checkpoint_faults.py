@@ -1,4 +1,4 @@
-"""Checkpoint faults (issue 19): damaged and incomplete steps, the MODEL_DIR lock, TensorBoard
+"""Checkpoint faults: damaged and incomplete steps, the MODEL_DIR lock, TensorBoard
 points after a resume.
 
 Damage is what a disk or a copy does: 16 bytes flipped in (or the end cut off) the largest data

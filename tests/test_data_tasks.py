@@ -144,7 +144,7 @@ def test_mixture_rates_decide_the_mix(vocabulary):
 def test_training_order_is_a_permutation_of_the_whole_split_every_epoch(vocabulary):
   # Pairs stored in blocks, as a multi-task file written task by task: 1,200 of target "a",
   # then 1,200 of "b". seqio's own 1,000-example shuffle window alone served the first 25
-  # batches of 40 with "a" only (the ClarifyDelphi multi-task runs of sessions 12-21).
+  # batches of 40 with "a" only, which a multi-task model then learns as role blocks.
   letters = "abcdefghijklmnop"
   words = [f"{x} {y} {z}" for x in letters for y in letters for z in letters][:2400]
   pairs = [(w, "a" if i < 1200 else "b") for i, w in enumerate(words)]

@@ -74,14 +74,6 @@ def test_diamante_configs_parse(files, steps, size):
     (("clarify_table4_cpu_dedicated_kl.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
     (("clarify_table4_cpu_dedicated_kl.gin",), "clarify_table4.run_experiment.ppo_run",
      "ppo_kl2"),
-    (("clarify_table4_cpu_dedicated_explore.gin",), "ppo_trainer.PPOConfig.top_p", 1.0),
-    (("clarify_table4_cpu_dedicated_explore.gin",), "ppo_trainer.PPOConfig.kl_target", 2.0),
-    (("clarify_table4_cpu_dedicated_explore.gin",), "clarify_table4.run_experiment.ppo_run",
-     "ppo_kl2_explore"),
-    (("clarify_table4_cpu_dedicated_explore_questions.gin",),
-     "reward.RewardConfig.questions_only", True),
-    (("clarify_table4_cpu_dedicated_explore_questions.gin",),
-     "clarify_table4.run_experiment.ppo_run", "ppo_kl2_explore_questions"),
     (("clarify_table4_cpu_packed.gin",), "clarify_table4.run_experiment.pack", True),
     (("clarify_table4_cpu_packed.gin",), "clarify_table4.run_experiment.dedicated_roles",
      {"answer": 180, "fusion": 430}),
@@ -187,6 +179,21 @@ def test_interval_verdict_needs_the_whole_interval_on_one_side():
   assert demo.interval_verdict(0.55, 0.62, null=0.5) == "agrees"
   with pytest.raises(ValueError, match="verdict must be one of"):
     demo.truth_line(method="npov", paper="p", this_run="r", verdict="maybe")
+
+
+def test_demo_prints_each_verdict_once_short_with_one_pointer_to_the_results(
+    tmp_path, monkeypatch, capsys):
+  lines = {part: [demo.truth_line(method=part, paper=f"{part} claim", this_run="x 0.5",
+                                  verdict=verdict)]
+           for part, verdict in (("npov", "agrees"), ("clarify", "cannot tell"))}
+  monkeypatch.setattr(demo, "_method_demo",
+                      lambda part: lambda workdir: {"truth": lines[part]})
+  demo.run_all(workdir=tmp_path, only=("npov", "clarify"))
+  out = capsys.readouterr().out
+  for (line,) in lines.values():
+    assert out.count(line) == 1
+    assert len(line.splitlines()) <= 2 and len(line) < 300  # no quoted results
+  assert out.count("experiments/results/") == 1
 
 
 def _situations(jsd, flips):
@@ -584,8 +591,8 @@ def test_npov_substitution_probe_auc_against_scipy():
 
 
 def test_npov_classifier_run_names_keep_earlier_workdirs():
-  """Each training setting has its own run folder; the names of sessions 14-16's runs stay the
-  same, so their workdirs are reused rather than retrained."""
+  """Each training setting has its own run folder; a new setting adds a suffix and
+  the existing names stay, so existing workdirs are reused rather than retrained."""
   names = {(t, b, s): npov_table1.classifier_run_name("coverage", tuning=t, balanced_sides=b,
                                                       substitutions=s)
            for t in ("prompt", "full") for b in (True, False) for s in (False, True)}

@@ -214,7 +214,7 @@ def test_train_classifier_trains_the_kind_asked_on_shuffled_pairs(tmp_path, monk
 
 @pytest.mark.parametrize("change, line, field, message", [
     ({"response": None}, 2, "response", "missing required field"),
-    # A misspelt key is named, with the key it likely stands for (issue 19 item 8).
+    # A misspelt key is named, with the key it likely stands for.
     ({"respnse": "typo"}, 2, "respnse", "unknown field 'respnse' (did you mean 'response'?)"),
     ({"id": "a"}, 2, "id", "id 'a' is also the id of line 1"),
     ({"paraphrased": "no"}, 2, "paraphrased", "expected true/false"),

@@ -80,7 +80,8 @@ def test_adaptive_kl_reach_is_where_the_controller_can_get():
     for _ in range(iterations):  # KL far above target every iteration: the fastest growth
       coef = float(controller.update(coef, 100.0, config.batch_size))
     assert config.adaptive_kl_reach(iterations) == pytest.approx(coef / 0.05, rel=1e-4)
-  # The defaults at 32 episodes per iteration: under 8 % in 120 iterations (session 13's run).
+  # The defaults at 32 episodes per iteration: under 8 % in 120 iterations, too
+  # little to hold a drifting policy.
   assert ppo_trainer.PPOConfig(batch_size=32).adaptive_kl_reach(120) < 1.08
   assert ppo_trainer.PPOConfig(kl_control="fixed").adaptive_kl_reach(120) == 1.0
 

@@ -143,9 +143,7 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   for s in evaluation.get("ppo", {}).get("samples", [])[:3]:
     print(f"  {s['situation']!r} -> {s['question']!r} (JSD {s['jsd']:.4f})")
   print(f"PPO raw reward per iteration: {[round(x, 4) for x in ppo['reward_curve_values']]}")
-  truth = demo_lib.clarify_truth_lines(evaluation)
-  for line in truth:
-    print(line)
+  truth = demo_lib.clarify_truth_lines(evaluation)  # printed once, by demo.run_all
   print(f"models: {sorted(set(role_dir.values()))}")
   print(f"PPO run (checkpoints, TensorBoard train/; loads as the tuned question generator): "
         f"{ppo_dir}")

@@ -57,7 +57,7 @@ class RewardConfig:
     seed: Seed of sampled answers.
     questions_only: PPO's reward (`__call__`) is 0 for an output that is not a question
       (`formats.is_question`): a guard against a policy that games small reward models with
-      fragments (bench/RESULTS.md, session 21). Not in the paper; evaluation
+      fragments. Not in the paper; evaluation
       (`score_questions`) scores every output either way.
   """
   judge_classes: tuple[str, ...] = formats.T5_JUDGE_CLASSES

@@ -5,7 +5,7 @@
 // product is bound by how fast the weights stream from memory. Row-major (K, N) weights are
 // read as K strided pieces per column block: XLA:CPU's dot streamed T5 1.1-small's cold
 // kernels at 9-17 GB/s at 8 rows on a 2-core Zen 4 VM, the same bytes read as contiguous
-// panels up to 28 GB/s (bench/bench_decode_products.py; bench/RESULTS.md, session 6).
+// panels up to 28 GB/s (bench/bench_decode_products.py measures both).
 //
 // JaxmoralDecodeAttention: out[r, h] = softmax_l(q[r, h] . k[s, h, l] + bias[s, h, l])
 // v[s, h, l] with s = r / G, one query per (row, head). G = query rows / key rows: the G

@@ -76,9 +76,7 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   print(f"  train: nll {train.get('train/nll', float('nan')):.3f}  pe_loss "
         f"{train.get('train/pe_loss', float('nan')):.3f}  rank_accuracy "
         f"{train.get('train/rank_accuracy', float('nan')):.3f}", file=output)
-  truth = demo_lib.diamante_truth_lines(per_context)
-  for line in truth:
-    print(line, file=output)
+  truth = demo_lib.diamante_truth_lines(per_context)  # printed once, by demo.run_all
   print("\n== sample replies (best of 8 by preference score) ==", file=output)
   contexts = [t.context for t in test_turns[:3]]
   for context, reply in zip(contexts, inference.respond(bundle, contexts,

@@ -4,7 +4,7 @@ T5 attention is `softmax(q k^T + bias) v` with no 1/sqrt(d) scale, where `bias` 
 relative-position bias (1, heads, q_len, k_len), float32, shared by the batch. cuDNN's fused
 attention (attention_impl="cudnn") takes the bias but, through JAX, always returns its gradient
 per batch row and leaves the batch sum to XLA, which costs about as much as the attention
-itself at T5 1.1-large shapes (bench/RESULTS.md, 2026-11-23). These three Triton kernels
+itself at T5 1.1-large shapes. These three Triton kernels
 stream over (block_q, block_k) tiles and keep only per-row statistics, like flash_attention.py
 does for TPUs:
 
@@ -26,14 +26,11 @@ programs to fill the GPU (`BlockSizes.dkv_programs`); without a bias every row i
 group. The bias can also come as its diagonals (`bias_diagonals`, for a bias that depends on
 k - q alone, as T5's does): tiles are then gathered from a (q_len + k_len) vector per head.
 
-Speed (bench/RESULTS.md, 2026-11-24, one H100, jax 0.11.2): at T5 1.1-large's encoder shape
-(batch 32, 16 heads x 64, 512 x 512) the gradient of q, k, v and bias took 1.24 ms against
-cuDNN's 0.89 ms. With 64-wide dk/dv tiles and one row per step it took 1.27 ms with the bias
-and 0.69 ms without one (cuDNN: 0.55 ms): the bias cost these kernels 0.58 ms, cuDNN 0.34 ms.
-For the bias they read float32 bias tiles in all three kernels and read, add and write the
-bias-gradient column (8 bytes per score, through L2; dkv_rows=2 does that once per two rows).
-The diagonals form was slower (1.43 ms against 1.27 ms for the whole bias, same call), so T5
-hands the kernels the whole bias. attention_impl="auto" keeps cuDNN.
+Speed: on an H100 at T5 1.1-large's encoder shape these kernels are slower than cuDNN's fused
+attention, because the bias costs them more: they read float32 bias tiles in all three kernels
+and read, add and write the bias-gradient column (8 bytes per score, through L2; dkv_rows=2 does
+that once per two rows). The diagonals form is slower still, so T5 hands the kernels the whole
+bias, and attention_impl="auto" keeps cuDNN (`bench/bench_attention.py` times both).
 
 The inputs stay in the model's (batch, length, heads, d_kv) layout: tiles are read with the
 heads' stride, so no transposes run around the kernels. Masking is the TPU kernel's contract:

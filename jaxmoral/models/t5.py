@@ -59,7 +59,7 @@ def _param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...],
 # While `init_params` runs: a list (listing the random parameters, in an abstract init), then
 # {path: standard normals} (the real init). Flax draws each parameter with its own threefry
 # call, and XLA:CPU compiles each call into a loop of its own, which made init the costliest
-# compile of a small model (bench/RESULTS.md, "Test suite time", session 19).
+# compile of a small model.
 _NORMAL_DRAWS: contextvars.ContextVar[Any] = contextvars.ContextVar("jaxmoral_t5_normal_draws",
                                                                     default=None)
 
