@@ -8,6 +8,7 @@ command line runs library functions. It writes `<results_dir>/<name>.md` (the ta
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -32,6 +33,18 @@ cli.platforms_without_absent_tpu()
 from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
+
+# jaxmoral is imported (its submodules load through its own path): the project root leaves
+# sys.path again, because there `configs/` is a namespace package without a file, on which
+# gin's package-path reader fails (a TypeError) for `configs/...` gin files from any other
+# folder than the root.
+while str(PROJECT_ROOT) in sys.path:
+  sys.path.remove(str(PROJECT_ROOT))
+
+# Where the report goes unless the command line binds RESULTS_DIR: the run's own WORKDIR,
+# not the checked-in experiments/results/ (a record is written there on purpose, with
+# --gin.RESULTS_DIR="'experiments/results'").
+DEFAULT_RESULTS_BINDING = "RESULTS_DIR = %WORKDIR"
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +77,11 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
   from jaxmoral import compilation_cache  # pylint: disable=import-outside-toplevel
   argv = list(sys.argv[1:] if argv is None else argv)
   gin_args, rest = gin_utils.split_gin_args(argv)
+  if not any(re.match(r"\s*RESULTS_DIR\s*=", b) for b in gin_args.bindings):
+    gin_args = dataclasses.replace(
+        gin_args, bindings=(DEFAULT_RESULTS_BINDING, *gin_args.bindings),
+        binding_flags=(("--gin.RESULTS_DIR=%WORKDIR",) + gin_args.binding_flags
+                       if gin_args.binding_flags else ()))
   if rest or not gin_args.files:
     problem = f"unexpected arguments: {rest}" if rest else "no --gin_file given"
     print(f"usage: {command_line([])} --gin_file=configs/experiments/<name>.gin "

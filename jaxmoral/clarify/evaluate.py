@@ -12,6 +12,7 @@ systems; `evaluate_model_dirs` (`jaxmoral clarify evaluate`) does both on a spli
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pathlib
@@ -21,9 +22,11 @@ import gin
 import numpy as np
 
 from jaxmoral import metrics
+from jaxmoral import model_dirs
 from jaxmoral.clarify import baselines
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
+from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.clarify import models
 from jaxmoral.clarify import reward as reward_lib
 
@@ -180,7 +183,8 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
     output_path: JSON of every system's metrics (None: not written).
     use_nli: Apply the NLI filter in the reward.
     judge_classes: The judge's class strings for bad, ok, good (None: `RewardConfig`'s, as
-      gin binds it).
+      gin binds it, or the demo vocabulary's when the judge's vocabulary does not fit those:
+      `judge.fitting_classes`).
 
   Returns:
     `{system: metrics}`, as `compare` returns.
@@ -190,6 +194,10 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
   situations = data_lib.situations(source, split=split)[:max_situations]
   config = reward_lib.RewardConfig(use_nli=use_nli,
                                    **({"judge_classes": judge_classes} if judge_classes else {}))
+  if not judge_classes:
+    # The configured classes, or the demo vocabulary's where the judge was trained on it.
+    config = dataclasses.replace(config, judge_classes=judge_lib.fitting_classes(
+        model_dirs.inspect(judge_model_dir).vocabulary, preferred=config.judge_classes))
   systems, reward = systems_from_dirs(
       question_model_dir=question_model_dir, answer_model_dir=answer_model_dir,
       fusion_model_dir=fusion_model_dir, judge_model_dir=judge_model_dir,
