@@ -218,5 +218,57 @@ def run_action(method: str, actions: Mapping[str, tuple[str, str]],
   check_outputs(selector, outputs.get(action, {}), parameters)
   result = fn()
   if action not in prints_own_result:
-    print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    print(result_summary(result, written=_written(selector, outputs.get(action, {}),
+                                                  parameters)))
   return 0
+
+
+SUMMARY_LINES = 20  # At most this many result lines on stdout; the files hold everything.
+
+
+def _written(selector: str, outputs: Mapping[str, bool],
+             parameters: Mapping[str, inspect.Parameter]) -> list[str]:
+  """The output paths an action was given (or defaults to), as `check_outputs` reads them."""
+  paths = []
+  for name in outputs:
+    path = gin_utils.bound_value(selector, name)
+    if path is None and name in parameters:
+      path = parameters[name].default
+    if isinstance(path, (str, os.PathLike)) and path != inspect.Parameter.empty:
+      paths.append(os.fspath(path))
+  return paths
+
+
+def _scalar(value: Any) -> str:
+  if isinstance(value, float):
+    return f"{value:.4g}"
+  text = str(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def result_summary(result: Any, *, written: Sequence[str] = ()) -> str:
+  """What an action prints: its result as JSON when that is short (`SUMMARY_LINES` lines at
+  most), else a summary for a person, `name: value` lines (nested mappings dotted, one level;
+  a list or deeper mapping as its size), at most `SUMMARY_LINES`, then where the full result
+  was written."""
+  dump = json.dumps(result, indent=2, sort_keys=True, default=str)
+  if dump.count("\n") < SUMMARY_LINES:
+    return dump
+  lines: list[str] = []
+  if isinstance(result, Mapping):
+    for key, value in result.items():
+      if isinstance(value, Mapping) and all(not isinstance(v, (Mapping, list, tuple))
+                                            for v in value.values()):
+        lines += [f"{key}.{k}: {_scalar(v)}" for k, v in value.items()]
+      elif isinstance(value, Mapping):
+        lines.append(f"{key}: {{{len(value)} entries}}")
+      elif isinstance(value, (list, tuple)):
+        lines.append(f"{key}: [{len(value)} items]")
+      else:
+        lines.append(f"{key}: {_scalar(value)}")
+  elif result is not None:
+    lines.append(_scalar(result))
+  if len(lines) > SUMMARY_LINES:
+    lines = lines[:SUMMARY_LINES] + [f"... ({len(lines) - SUMMARY_LINES} more)"]
+  lines += [f"wrote {path}" for path in written]
+  return "\n".join(lines)

@@ -202,3 +202,17 @@ def test_a_flag_may_override_what_reads_a_gin_files_macro(tmp_path):
 def test_a_bad_flag_value_is_named_by_its_flag():
   with pytest.raises(ValueError, match=r"cannot parse binding .*--count=\[1"):
     _run(["--name=n", "--count=[1,"])
+
+
+def test_a_long_result_prints_as_a_short_summary_and_its_path():
+  result = {"auc": {"rouge": 0.81234567, "salience": 0.5}, "n": 40,
+            "per_example": [{"score": i} for i in range(2000)],
+            "tables": {"a": {"b": 1}}, **{f"m{i}": i for i in range(30)}}
+  text = action_commands.result_summary(result, written=["/tmp/eval/results.json"])
+  lines = text.splitlines()
+  assert len(lines) == action_commands.SUMMARY_LINES + 2
+  assert lines[:5] == ["auc.rouge: 0.8123", "auc.salience: 0.5", "n: 40",
+                       "per_example: [2000 items]", "tables: {1 entries}"]
+  assert lines[-2] == "... (15 more)" and lines[-1] == "wrote /tmp/eval/results.json"
+  short = {"loss": 1.5}
+  assert json.loads(action_commands.result_summary(short, written=["x"])) == short
