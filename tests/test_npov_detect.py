@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
+from jaxmoral import metrics
 from jaxmoral import prompt_tuning as pt
 from jaxmoral.models.config import t5_config
 from jaxmoral.models.t5 import T5, init_params
@@ -64,7 +65,11 @@ def test_evaluate_slice_auc_matches_mann_whitney():
     assert result[error]["example_auc"] == pytest.approx(_mann_whitney_auc(labels, scores))
     assert result[error]["num_examples"] == len(keep)
   table = evaluate.format_table({"unparaphrased": {"x": result}})
-  assert "x" in table and f"{100 * result['coverage']['example_auc']:.1f}" in table
+  assert "x" in table and f"{100 * result['coverage']['example_auc']:.1f} [" in table
+  assert "unparaphrased/hallucination/example" in table.splitlines()[0]  # Not clipped.
+  ci = metrics.bootstrap_ci(metrics.roc_auc, np.asarray(labels), np.asarray(scores, float))
+  assert result["coverage"]["example_auc_ci"] == pytest.approx([ci.low, ci.high])
+  assert f"{len(keep)} ({sum(labels)} pos)" in table.splitlines()[-2]
 
 
 def test_detect_file_rouge_round_trip(tmp_path):
