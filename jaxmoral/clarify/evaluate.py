@@ -91,6 +91,7 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
   result = reward.score_questions(list(situations), questions)
   per = per_situation_metrics(questions, result)
   out = _summary(questions, per)
+  out["ci95"] = {key: _mean_ci(per[key]) for key in CI_KEYS}
   out["questions"] = list(questions)
   out["per_situation"] = {k: v.tolist() for k, v in per.items()}
   out["samples"] = [{"situation": s, "question": q, "jsd": float(j)}
@@ -100,16 +101,38 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
 
 TABLE_COLUMNS = ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct", "question_pct",
                  "distinct_1", "distinct_2", "distinct_3")
+# Columns shown with a 95 % bootstrap interval of the mean over situations (the experiments'
+# intervals, `metrics.bootstrap_ci`).
+CI_KEYS = ("jsd", "flips_pct")
+
+
+def _mean_ci(values: np.ndarray) -> Optional[list[float]]:
+  """95 % percentile-bootstrap interval of the mean (None for fewer than 2 values)."""
+  if len(values) < 2:
+    return None
+  ci = metrics.bootstrap_ci(lambda x: x.mean(axis=1), np.asarray(values, np.float64),
+                            vectorized=True)
+  return [float(ci.low), float(ci.high)]
 
 
 def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
-  """A plain-text table: one row per system, plus its three most common first words."""
-  header = f"{'system':<18}" + "".join(f"{c:>15}" for c in TABLE_COLUMNS) + "  top first words"
-  lines = [header, "-" * len(header)]
+  """A plain-text table: one row per system with its n (situations), each column's mean (with
+  its 95 % bootstrap interval for `CI_KEYS`), and its three most common first words."""
+  def cell(r: Mapping[str, Any], column: str) -> str:
+    digits = 1 if column.endswith("_pct") else 4
+    text = f"{r[column]:.{digits}f}"
+    ci = (r.get("ci95") or {}).get(column)
+    return text + (f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]" if ci else "")
+
+  rows = [["system", "n", *TABLE_COLUMNS, "top first words"]]
   for name, r in results.items():
     top = ", ".join(f"{w} {p:.0f}%" for w, p in list(r["first_word_pct"].items())[:3])
-    lines.append(f"{name:<18}" + "".join(f"{r[c]:>15.4f}" for c in TABLE_COLUMNS) + f"  {top}")
-  return "\n".join(lines)
+    rows.append([name, str(r["num_questions"]), *(cell(r, c) for c in TABLE_COLUMNS), top])
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  return "\n".join(lines) + "\n(means over n situations; [95 % bootstrap interval])"
 
 
 def compare(generators: Mapping[str, baselines.Generator], situations: Sequence[str],
