@@ -268,4 +268,13 @@ def run_all(*, workdir: str | os.PathLike[str] = "demo_out",
     print("\nWhat the papers found, and whether this demo agrees:")
     for part, line in truths:
       print(f"[{part}] {line}")
+  print(f"\nEvery run's curves: tensorboard --logdir {tensorboard_logdir(workdir)}")
   return summary
+
+
+def tensorboard_logdir(workdir: pathlib.Path) -> str:
+  """The demo folder as the user would type it: relative to where they are, when inside."""
+  try:
+    return str(workdir.relative_to(pathlib.Path.cwd()))
+  except ValueError:
+    return str(workdir)

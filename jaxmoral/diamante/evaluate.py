@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import gin
 import jax
@@ -245,8 +245,9 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   Returns:
     See `evaluate_turns`.
   """
+  turns = data.read_dialogues(test_path)  # A bad test file fails before the model loads.
   bundle = bundle_lib.load(model_dir)
-  result = evaluate_turns(bundle, data.read_dialogues(test_path), num_random=num_random,
+  result = evaluate_turns(bundle, turns, num_random=num_random,
                           max_candidates=max_candidates, max_contexts=max_contexts,
                           num_generate=num_generate,
                           rerank=rerank or inference.RerankConfig(), batch_size=batch_size,
@@ -255,5 +256,25 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     with open(output_path, "w") as f:
       json.dump(result, f, indent=2, sort_keys=True)
-  logger.info("diamante eval: %s", " ".join(f"{k} {v:.4g}" for k, v in sorted(result.items())))
+  print(format_summary(result))
+  if output_path is not None:
+    print(f"wrote {output_path}")
   return result
+
+
+def format_summary(result: Mapping[str, float]) -> str:
+  """`evaluate_turns`' numbers as a table for a person: one row per ranker (MAP, MRR, P@1 of
+  the human response among the candidates), then the other measures, with n."""
+  lines = [f"{'ranker':<22}" + "".join(f"{m:>8}" for m in RANKING_METRICS),
+           "-" * (22 + 8 * len(RANKING_METRICS))]
+  for ranker in RANKERS:
+    lines.append(f"{ranker:<22}" + "".join(f"{result[f'{ranker}/{m}']:>8.3f}"
+                                           for m in RANKING_METRICS))
+  lines.append(f"{'random (expected)':<22}{'':>8}{'':>8}{result['random/p@1']:>8.3f}")
+  lines.append(f"n = {int(result['num_contexts'])} contexts; preference accuracy "
+               f"{result['pe_accuracy']:.3f}")
+  extra = {k: v for k, v in result.items() if k in ("distinct-1", "distinct-2",
+                                                    "generated/mean_score")}
+  if extra:
+    lines.append("generated responses: " + ", ".join(f"{k} {v:.3f}" for k, v in extra.items()))
+  return "\n".join(lines)
