@@ -34,13 +34,6 @@ from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-pos
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 
-# jaxmoral is imported (its submodules load through its own path): the project root leaves
-# sys.path again, because there `configs/` is a namespace package without a file, on which
-# gin's package-path reader fails (a TypeError) for `configs/...` gin files from any other
-# folder than the root.
-while str(PROJECT_ROOT) in sys.path:
-  sys.path.remove(str(PROJECT_ROOT))
-
 # Where the report goes unless the command line binds RESULTS_DIR: the run's own WORKDIR,
 # not the checked-in experiments/results/ (a record is written there on purpose, with
 # --gin.RESULTS_DIR="'experiments/results'").

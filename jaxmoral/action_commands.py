@@ -200,6 +200,27 @@ def run_action(method: str, actions: Mapping[str, tuple[str, str]],
   if any(arg in HELP_FLAGS for arg in rest):
     print(usage(method, actions, action))
     return 0
+  fn = bind_action(actions, outputs, action, rest, gin_args, prog=prog,
+                   configurable_modules=configurable_modules)
+  result = fn()
+  if action not in prints_own_result:
+    module, function = actions[action]
+    print(result_summary(result, written=_written(f"{module}.{function}",
+                                                  outputs.get(action, {}), _parameters(fn))))
+  return 0
+
+
+def bind_action(actions: Mapping[str, tuple[str, str]],
+                outputs: Mapping[str, Mapping[str, bool]], action: str, rest: Sequence[str],
+                gin_args: gin_utils.GinArgs, *, prog: str,
+                configurable_modules: Sequence[str] = ()) -> Callable[[], Any]:
+  """Everything `run_action` checks before any work, done: the action's flags and gin
+  configuration bound and checked, its outputs writable. Returns the action's function,
+  which gin now calls with them (a dry run stops here).
+
+  Raises:
+    ValueError, OSError: as `run_action`.
+  """
   module, function = actions[action]
   selector = f"{module}.{function}"
   for name in configurable_modules:
@@ -216,11 +237,7 @@ def run_action(method: str, actions: Mapping[str, tuple[str, str]],
   gin_utils.check_required()
   _check_given(action, selector, parameters)
   check_outputs(selector, outputs.get(action, {}), parameters)
-  result = fn()
-  if action not in prints_own_result:
-    print(result_summary(result, written=_written(selector, outputs.get(action, {}),
-                                                  parameters)))
-  return 0
+  return fn
 
 
 SUMMARY_LINES = 20  # At most this many result lines on stdout; the files hold everything.
