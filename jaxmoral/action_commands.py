@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import errno
 import importlib
 import inspect
 import json
@@ -29,6 +30,8 @@ import os
 import re
 import textwrap
 from typing import Any, Callable, Collection, Mapping, Sequence
+
+import gin
 
 from jaxmoral import gin_utils
 
@@ -202,6 +205,8 @@ def run_action(method: str, actions: Mapping[str, tuple[str, str]],
     return 0
   fn = bind_action(actions, outputs, action, rest, gin_args, prog=prog,
                    configurable_modules=configurable_modules)
+  module, function = actions[action]
+  check_inputs(f"{module}.{function}", rest, outputs.get(action, {}))
   result = fn()
   if action not in prints_own_result:
     module, function = actions[action]
@@ -236,8 +241,47 @@ def bind_action(actions: Mapping[str, tuple[str, str]],
   gin_utils.parse_gin(gin_args, extra_bindings=bindings, extra_binding_flags=rest)
   gin_utils.check_required()
   _check_given(action, selector, parameters)
+  resolve_input_flags(selector, rest, outputs.get(action, {}))
   check_outputs(selector, outputs.get(action, {}), parameters)
   return fn
+
+
+# Flags that name something an action reads (an output is in the action's OUTPUTS instead).
+_INPUT_FLAG = re.compile(r"(^|_)(path|dir|jsonl|file)$")
+# A Hugging Face Hub id ("google/t5-v1_1-base"): a model directory that is not a local path.
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def _input_flags(rest: Sequence[str], outputs: Mapping[str, bool]) -> list[str]:
+  names = [arg[2:].partition("=")[0] for arg in rest if arg.startswith("--")]
+  return [name for name in names if _INPUT_FLAG.search(name) and name not in outputs]
+
+
+def resolve_input_flags(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]) -> None:
+  """Input flags find relative paths as gin files do (`gin_utils.resolve_relative_paths`): a
+  relative path that names nothing in the working directory but something in the project
+  root (`--test_path=jaxmoral/data/demo/dialogues.jsonl`) is bound as that absolute path."""
+  for name in _input_flags(rest, outputs):
+    value = gin_utils.bound_value(selector, name)
+    if (isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value
+        and not os.path.exists(value)):
+      candidate = gin_utils.PROJECT_ROOT / value
+      if candidate.exists():
+        gin.bind_parameter(f"{selector}.{name}", str(candidate))
+
+
+def check_inputs(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]) -> None:
+  """Raises FileNotFoundError naming the flag when an input flag names nothing, before any
+  work (a model that loads first would make a typo cost minutes). A model directory flag may
+  also be a Hub id."""
+  for name in _input_flags(rest, outputs):
+    value = gin_utils.bound_value(selector, name)
+    if not isinstance(value, str) or not value or "://" in value or os.path.exists(value):
+      continue
+    if name.endswith("dir") and _HUB_ID.match(value):
+      continue
+    raise FileNotFoundError(errno.ENOENT, f"--{name}: no such file or folder (looked in "
+                            f"{os.getcwd()} and {gin_utils.PROJECT_ROOT})", value)
 
 
 SUMMARY_LINES = 20  # At most this many result lines on stdout; the files hold everything.

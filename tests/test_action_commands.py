@@ -216,3 +216,35 @@ def test_a_long_result_prints_as_a_short_summary_and_its_path():
   assert lines[-2] == "... (15 more)" and lines[-1] == "wrote /tmp/eval/results.json"
   short = {"loss": 1.5}
   assert json.loads(action_commands.result_summary(short, written=["x"])) == short
+
+
+@gin.configurable(module=PROBE_MODULE)
+def reader(*, test_path: str, model_dir: str = "google/t5-v1_1-small") -> dict:
+  """A stand-in action that reads a file and a model directory."""
+  CALLS.append(dict(test_path=test_path, model_dir=model_dir))
+  return {}
+
+
+def test_input_flags_resolve_as_gin_paths_and_are_checked_before_the_action(
+    tmp_path, monkeypatch):
+  sys.modules[PROBE_MODULE].reader = reader
+  monkeypatch.chdir(tmp_path)
+  actions = {"reader": (PROBE_MODULE, "reader")}
+  run = lambda flags: action_commands.run_action(  # noqa: E731
+      "probe_method", actions, {}, "reader", flags, gin_utils.GinArgs())
+  # Relative to the project root, as a gin file's path, when the working folder has nothing.
+  run(["--test_path=jaxmoral/data/demo/dialogues.jsonl", "--model_dir=google/t5-v1_1-small"])
+  assert CALLS[-1] == {"test_path": str(ROOT / "jaxmoral/data/demo/dialogues.jsonl"),
+                       "model_dir": "google/t5-v1_1-small"}  # A Hub id stays.
+  gin.clear_config()
+  (tmp_path / "jaxmoral/data/demo").mkdir(parents=True)
+  (tmp_path / "jaxmoral/data/demo/dialogues.jsonl").write_text("")
+  run(["--test_path=jaxmoral/data/demo/dialogues.jsonl"])  # The working folder's comes first.
+  assert CALLS[-1]["test_path"] == "jaxmoral/data/demo/dialogues.jsonl"
+  gin.clear_config()
+  calls = len(CALLS)
+  with pytest.raises(FileNotFoundError, match="--test_path: no such file"):
+    run(["--test_path=no/such.jsonl"])
+  with pytest.raises(FileNotFoundError, match="--model_dir: no such file"):
+    run([f"--test_path={tmp_path}", "--model_dir=/no/such/run"])
+  assert len(CALLS) == calls  # Nothing ran.
