@@ -129,6 +129,7 @@ def score_ranking_items(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn],
 
 
 RANKERS = ("preference", "generation", "generation_per_token")
+NUM_SAMPLES = 5  # Generated responses kept in the evaluation JSON, for a person to read.
 RANKING_METRICS = ("map", "mrr", "p@1")
 
 
@@ -183,8 +184,9 @@ def ranking_summary(per_context: dict[str, np.ndarray]) -> dict[str, float]:
 
 def generation_metrics(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str]], *,
                        rerank: inference.RerankConfig, batch_size: int = 8,
-                       seed: int = 0) -> dict[str, float]:
-  """distinct-1/2 and the mean preference score of reranked responses to `contexts`."""
+                       seed: int = 0, samples: Optional[list] = None) -> dict[str, float]:
+  """distinct-1/2 and the mean preference score of reranked responses to `contexts`; with a
+  `samples` list, the first `NUM_SAMPLES` (context, response, score) are appended to it."""
   key = jax.random.PRNGKey(seed)
   replies = []
   for start in range(0, len(contexts), batch_size):
@@ -193,6 +195,9 @@ def generation_metrics(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[st
     padded = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape
     replies.extend(inference.respond(bundle, padded, rng=sub, config=rerank)[:len(chunk)])
   texts = [r.text for r in replies]
+  if samples is not None:
+    samples.extend({"context": list(c), "response": r.text, "score": float(r.score)}
+                   for c, r in list(zip(contexts, replies))[:NUM_SAMPLES])
   return {"distinct-1": metrics_lib.distinct_n(texts, 1),
           "distinct-2": metrics_lib.distinct_n(texts, 2),
           "generated/mean_score": float(np.mean([r.score for r in replies]))}
@@ -202,8 +207,10 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
                    max_candidates: int = 10, max_contexts: Optional[int] = None,
                    num_generate: int = 0,
                    rerank: inference.RerankConfig = inference.RerankConfig(),
-                   batch_size: int = 8, seed: int = 0) -> dict[str, float]:
-  """The evaluation of a loaded bundle on in-memory turns (see module docstring).
+                   batch_size: int = 8, seed: int = 0,
+                   samples: Optional[list] = None) -> dict[str, float]:
+  """The evaluation of a loaded bundle on in-memory turns (see module docstring); a
+  `samples` list receives a few generated responses (`generation_metrics`).
 
   Returns:
     Flat dict: `preference/{map,mrr,p@1}`, `generation/{...}` (summed log-prob),
@@ -218,7 +225,7 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
   if num_generate > 0:
     contexts = [turns[int(i)].context for i in per_context["turn"][:num_generate]]
     result.update(generation_metrics(bundle, contexts, rerank=rerank, batch_size=batch_size,
-                                     seed=seed))
+                                     seed=seed, samples=samples))
   return result
 
 
@@ -247,7 +254,8 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   """
   turns = data.read_dialogues(test_path)  # A bad test file fails before the model loads.
   bundle = bundle_lib.load(model_dir)
-  result = evaluate_turns(bundle, turns, num_random=num_random,
+  samples: list = []
+  result = evaluate_turns(bundle, turns, samples=samples, num_random=num_random,
                           max_candidates=max_candidates, max_contexts=max_contexts,
                           num_generate=num_generate,
                           rerank=rerank or inference.RerankConfig(), batch_size=batch_size,
@@ -255,7 +263,7 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   if output_path is not None:
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
     with open(output_path, "w") as f:
-      json.dump(result, f, indent=2, sort_keys=True)
+      json.dump({**result, "samples": samples}, f, indent=2, sort_keys=True)
   print(format_summary(result))
   if output_path is not None:
     print(f"wrote {output_path}")
