@@ -8,7 +8,6 @@ command line runs library functions. It writes `<results_dir>/<name>.md` (the ta
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -21,6 +20,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import gin
 import numpy as np
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,10 +34,16 @@ from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-pos
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 
-# Where the report goes unless the command line binds RESULTS_DIR: the run's own WORKDIR,
-# not the checked-in experiments/results/ (a record is written there on purpose, with
-# --gin.RESULTS_DIR="'experiments/results'").
-DEFAULT_RESULTS_BINDING = "RESULTS_DIR = %WORKDIR"
+
+
+def _results_in_workdir() -> None:
+  """Where the report goes unless the command line binds RESULTS_DIR: the run's own WORKDIR,
+  not the checked-in experiments/results/ (a record is written there on purpose, with
+  --gin.RESULTS_DIR="'experiments/results'"). A config without both macros is left alone."""
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  workdir = config.get(("WORKDIR", "gin.macro"), {}).get("value")
+  if workdir is not None and ("RESULTS_DIR", "gin.macro") in config:
+    gin.bind_parameter(("RESULTS_DIR", "gin.macro", "value"), workdir)
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +76,6 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
   from jaxmoral import compilation_cache  # pylint: disable=import-outside-toplevel
   argv = list(sys.argv[1:] if argv is None else argv)
   gin_args, rest = gin_utils.split_gin_args(argv)
-  if not any(re.match(r"\s*RESULTS_DIR\s*=", b) for b in gin_args.bindings):
-    gin_args = dataclasses.replace(
-        gin_args, bindings=(DEFAULT_RESULTS_BINDING, *gin_args.bindings),
-        binding_flags=(("--gin.RESULTS_DIR=%WORKDIR",) + gin_args.binding_flags
-                       if gin_args.binding_flags else ()))
   if rest or not gin_args.files:
     problem = f"unexpected arguments: {rest}" if rest else "no --gin_file given"
     print(f"usage: {command_line([])} --gin_file=configs/experiments/<name>.gin "
@@ -88,6 +89,8 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
   command = command_line(argv)
   try:
     gin_utils.parse_gin(gin_args)
+    if not any(re.match(r"\s*RESULTS_DIR\s*=", b) for b in gin_args.bindings):
+      _results_in_workdir()
     gin_utils.check_required()
     print(f"command: {command}", flush=True)
     run(command=command)
