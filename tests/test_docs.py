@@ -316,3 +316,23 @@ def test_import_jaxmoral_is_quiet():
        "from jaxmoral.data import vocab; jax.devices()"],
       env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
   assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_experiments_write_their_results_to_workdir_unless_told():
+  sys.path.insert(0, str(ROOT / "experiments"))
+  try:
+    experiment_lib = importlib.import_module("experiment_lib")
+    importlib.import_module("diamante_fig3")
+  finally:
+    sys.path.remove(str(ROOT / "experiments"))
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  for extra, want in (([], "WORKDIR"), (["--gin.RESULTS_DIR='/r'"], "/r")):
+    gin.clear_config()
+    gin_args, _ = gin_utils.split_gin_args(
+        ["--gin_file=configs/experiments/diamante_fig3_cpu.gin", "--gin.INIT_CHECKPOINT='/x'",
+         *extra])
+    gin_utils.parse_gin(gin_args)
+    experiment_lib._results_in_workdir(gin_args)  # pylint: disable=protected-access
+    if not extra:
+      want = config[("WORKDIR", "gin.macro")]["value"]
+    assert config[("RESULTS_DIR", "gin.macro")]["value"] == want != "experiments/results"
