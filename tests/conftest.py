@@ -65,7 +65,8 @@ def shared_dir() -> pathlib.Path:
 # alone at the end (xdist's default order, by test count, ran the two slowest files last).
 # Only the order matters; a file not listed goes after these, in its usual order.
 MODULE_SECONDS = {
-    "test_one_path": 75, "test_docs": 45, "test_t5": 40, "test_aot": 36, "test_decoding": 34, "test_cli": 34,
+    "test_one_path": 75, "test_docs": 45, "test_t5": 40, "test_aot": 36, "test_decoding": 34,
+    "test_cli": 34,
     "test_train": 33, "test_trainer": 29, "test_model_dirs": 29, "test_multiprocess": 28,
     "test_data_tasks": 26, "test_diamante_model": 25, "test_ppo_trainer": 23,
     "test_partitioning": 21, "test_flash_attention": 17, "test_diamante_inference": 17,
