@@ -208,7 +208,8 @@ def test_the_extractor_finds_the_documented_commands():
   texts = [c for _, c in COMMANDS]
   assert len(COMMANDS) > 60
   assert any(w.startswith("README.md") for w in where)
-  assert any(w.startswith("configs/") for w in where) and any(w.startswith("gin/") for w in where)
+  assert any(w.startswith("configs/") for w in where)
+  assert any(w.startswith("gin/") for w in where)
   # A continued line is one command; a comment after a command is not part of it.
   assert ("jaxmoral clarify train-ppo --gin_file=configs/clarify/tiny_cpu.gin --model_dir=/tmp/ppo "
           "--question_model_dir=/tmp/q --answer_model_dir=/tmp/a --fusion_model_dir=/tmp/f "
@@ -278,7 +279,8 @@ def test_the_quickstart_runs_in_full(tmp_path, capsys):
   modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in exported.iterdir() if p.is_file()}
   assert "model.safetensors" in modes and len(set(modes.values())) == 1, modes
   # TensorBoard reads the run's event files.
-  from tensorboard.backend.event_processing import event_multiplexer  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from tensorboard.backend.event_processing import event_multiplexer
   logdir = tensorboard[tensorboard.index("--logdir") + 1]
   multiplexer = event_multiplexer.EventMultiplexer().AddRunsFromDirectory(logdir)
   multiplexer.Reload()
@@ -309,7 +311,8 @@ def test_clarify_judge_defaults_fit_the_demo_vocabulary(tmp_path, capsys):
 
 
 def test_import_jaxmoral_is_quiet():
-  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")}
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")}
   env["PYTHONPATH"] = str(ROOT)
   result = subprocess.run(
       [sys.executable, "-c", "import jaxmoral, jax; from jaxmoral import api; "
