@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import gin
 import numpy as np
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,6 +34,19 @@ from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-pos
 from jaxmoral import fileio  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
+
+
+
+def _results_in_workdir(gin_args: gin_utils.GinArgs) -> None:
+  """Where the report goes unless the command line binds RESULTS_DIR: the run's own WORKDIR,
+  not the checked-in experiments/results/ (a record is written there on purpose, with
+  --gin.RESULTS_DIR="'experiments/results'"). A config without both macros is left alone."""
+  if any(re.match(r"\s*RESULTS_DIR\s*=", b) for b in gin_args.bindings):
+    return
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  workdir = config.get(("WORKDIR", "gin.macro"), {}).get("value")
+  if workdir is not None and ("RESULTS_DIR", "gin.macro") in config:
+    gin.bind_parameter(("RESULTS_DIR", "gin.macro", "value"), workdir)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +92,7 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
   command = command_line(argv)
   try:
     gin_utils.parse_gin(gin_args)
+    _results_in_workdir(gin_args)
     gin_utils.check_required()
     print(f"command: {command}", flush=True)
     run(command=command)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import errno
 import importlib
 import inspect
 import json
@@ -29,6 +30,8 @@ import os
 import re
 import textwrap
 from typing import Any, Callable, Collection, Mapping, Sequence
+
+import gin
 
 from jaxmoral import gin_utils
 
@@ -200,6 +203,29 @@ def run_action(method: str, actions: Mapping[str, tuple[str, str]],
   if any(arg in HELP_FLAGS for arg in rest):
     print(usage(method, actions, action))
     return 0
+  fn = bind_action(actions, outputs, action, rest, gin_args, prog=prog,
+                   configurable_modules=configurable_modules)
+  module, function = actions[action]
+  check_inputs(f"{module}.{function}", rest, outputs.get(action, {}))
+  result = fn()
+  if action not in prints_own_result:
+    module, function = actions[action]
+    print(result_summary(result, written=_written(f"{module}.{function}",
+                                                  outputs.get(action, {}), _parameters(fn))))
+  return 0
+
+
+def bind_action(actions: Mapping[str, tuple[str, str]],
+                outputs: Mapping[str, Mapping[str, bool]], action: str, rest: Sequence[str],
+                gin_args: gin_utils.GinArgs, *, prog: str,
+                configurable_modules: Sequence[str] = ()) -> Callable[[], Any]:
+  """Everything `run_action` checks before any work, done: the action's flags and gin
+  configuration bound and checked, its outputs writable. Returns the action's function,
+  which gin now calls with them (a dry run stops here).
+
+  Raises:
+    ValueError, OSError: as `run_action`.
+  """
   module, function = actions[action]
   selector = f"{module}.{function}"
   for name in configurable_modules:
@@ -215,8 +241,95 @@ def run_action(method: str, actions: Mapping[str, tuple[str, str]],
   gin_utils.parse_gin(gin_args, extra_bindings=bindings, extra_binding_flags=rest)
   gin_utils.check_required()
   _check_given(action, selector, parameters)
+  resolve_input_flags(selector, rest, outputs.get(action, {}))
   check_outputs(selector, outputs.get(action, {}), parameters)
-  result = fn()
-  if action not in prints_own_result:
-    print(json.dumps(result, indent=2, sort_keys=True, default=str))
-  return 0
+  return fn
+
+
+# Flags that name something an action reads (an output is in the action's OUTPUTS instead).
+_INPUT_FLAG = re.compile(r"(^|_)(path|dir|jsonl|file)$")
+# A Hugging Face Hub id ("google/t5-v1_1-base"): a model directory that is not a local path.
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def _input_flags(rest: Sequence[str], outputs: Mapping[str, bool]) -> list[str]:
+  names = [arg[2:].partition("=")[0] for arg in rest if arg.startswith("--")]
+  return [name for name in names if _INPUT_FLAG.search(name) and name not in outputs]
+
+
+def resolve_input_flags(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]) -> None:
+  """Input flags find relative paths as gin files do (`gin_utils.resolve_relative_paths`): a
+  relative path that names nothing in the working directory but something in the project
+  root (`--test_path=jaxmoral/data/demo/dialogues.jsonl`) is bound as that absolute path."""
+  for name in _input_flags(rest, outputs):
+    value = gin_utils.bound_value(selector, name)
+    if (isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value
+        and not os.path.exists(value)):
+      candidate = gin_utils.PROJECT_ROOT / value
+      if candidate.exists():
+        gin.bind_parameter(f"{selector}.{name}", str(candidate))
+
+
+def check_inputs(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]) -> None:
+  """Raises FileNotFoundError naming the flag when an input flag names nothing, before any
+  work (a model that loads first would make a typo cost minutes). A model directory flag may
+  also be a Hub id."""
+  for name in _input_flags(rest, outputs):
+    value = gin_utils.bound_value(selector, name)
+    if not isinstance(value, str) or not value or "://" in value or os.path.exists(value):
+      continue
+    if name.endswith("dir") and _HUB_ID.match(value):
+      continue
+    raise FileNotFoundError(errno.ENOENT, f"--{name}: no such file or folder (looked in "
+                            f"{os.getcwd()} and {gin_utils.PROJECT_ROOT})", value)
+
+
+SUMMARY_LINES = 20  # At most this many result lines on stdout; the files hold everything.
+
+
+def _written(selector: str, outputs: Mapping[str, bool],
+             parameters: Mapping[str, inspect.Parameter]) -> list[str]:
+  """The output paths an action was given (or defaults to), as `check_outputs` reads them."""
+  paths = []
+  for name in outputs:
+    path = gin_utils.bound_value(selector, name)
+    if path is None and name in parameters:
+      path = parameters[name].default
+    if isinstance(path, (str, os.PathLike)) and path != inspect.Parameter.empty:
+      paths.append(os.fspath(path))
+  return paths
+
+
+def _scalar(value: Any) -> str:
+  if isinstance(value, float):
+    return f"{value:.4g}"
+  text = str(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def result_summary(result: Any, *, written: Sequence[str] = ()) -> str:
+  """What an action prints: its result as JSON when that is short (`SUMMARY_LINES` lines at
+  most), else a summary for a person, `name: value` lines (nested mappings dotted, one level;
+  a list or deeper mapping as its size), at most `SUMMARY_LINES`, then where the full result
+  was written."""
+  dump = json.dumps(result, indent=2, sort_keys=True, default=str)
+  if dump.count("\n") < SUMMARY_LINES:
+    return dump
+  lines: list[str] = []
+  if isinstance(result, Mapping):
+    for key, value in result.items():
+      if isinstance(value, Mapping) and all(not isinstance(v, (Mapping, list, tuple))
+                                            for v in value.values()):
+        lines += [f"{key}.{k}: {_scalar(v)}" for k, v in value.items()]
+      elif isinstance(value, Mapping):
+        lines.append(f"{key}: {{{len(value)} entries}}")
+      elif isinstance(value, (list, tuple)):
+        lines.append(f"{key}: [{len(value)} items]")
+      else:
+        lines.append(f"{key}: {_scalar(value)}")
+  elif result is not None:
+    lines.append(_scalar(result))
+  if len(lines) > SUMMARY_LINES:
+    lines = lines[:SUMMARY_LINES] + [f"... ({len(lines) - SUMMARY_LINES} more)"]
+  lines += [f"wrote {path}" for path in written]
+  return "\n".join(lines)

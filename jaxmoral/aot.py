@@ -27,6 +27,8 @@ import logging
 import math
 import os
 import re
+import sys
+import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -544,6 +546,79 @@ def _partitioner_num_slices() -> Optional[int]:
     return None
 
 
+# Chips from which the TPU compiler's host memory and time are worth a warning (v5e:8x8 took
+# more than 5 minutes and 10 GB of host memory for configs/core/large_tpu_pod.gin).
+LARGE_TOPOLOGY_CHIPS = 32
+HEARTBEAT_SECONDS = 30.0
+
+
+def progress(line: str) -> None:
+  """One progress line on stderr (the report goes to stdout)."""
+  print(line, file=sys.stderr, flush=True)
+
+
+def available_host_bytes() -> Optional[int]:
+  """Host memory available now (Linux: MemAvailable), or None where unknown."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
+
+
+def warn_host_memory(topology: Topology, stages: Sequence[str]) -> None:
+  """Says, before a large topology, what the compiler will need and how to bound it."""
+  chips = len(topology.devices)
+  if chips < LARGE_TOPOLOGY_CHIPS:
+    return
+  available = available_host_bytes()
+  have = f"; {available / 2**30:.1f} GiB available here" if available else ""
+  split = (f"; compile one program per process to bound it: "
+           f"--gin.aot.compile_for_topology.stages=\"('{stages[0]}',)\"" if len(stages) > 1
+           else "")
+  progress(f"compile: {chips} chips: the TPU compiler may need 10 GB or more of host memory "
+           f"and minutes per program{have}{split}")
+
+
+def interruptible(fn: Callable[[], Any], *, what: str,
+                  heartbeat_seconds: float = HEARTBEAT_SECONDS) -> Any:
+  """`fn()` in a worker thread, so that Ctrl-C stops the process at once and a long call
+  says it is alive.
+
+  XLA's compiler runs in C++, where Python sees a SIGINT only when the call returns (minutes
+  for a pod program); here the main thread waits and takes it. Nothing of a compile is kept,
+  so the process ends right there (status 130), the compiler thread with it.
+  """
+  outcome: dict[str, Any] = {}
+
+  def work() -> None:
+    try:
+      outcome["value"] = fn()
+    except BaseException as error:  # pylint: disable=broad-except
+      outcome["error"] = error
+
+  thread = threading.Thread(target=work, name=f"jaxmoral {what}", daemon=True)
+  start = time.perf_counter()
+  thread.start()
+  try:
+    while thread.is_alive():
+      thread.join(timeout=heartbeat_seconds)
+      if thread.is_alive():
+        available = available_host_bytes()
+        memory = f", {available / 2**30:.1f} GiB host memory available" if available else ""
+        progress(f"compile: still {what}: {time.perf_counter() - start:.0f} s{memory}")
+  except KeyboardInterrupt:
+    progress(f"compile: interrupted while {what}; stopped")
+    sys.stdout.flush()
+    os._exit(130)  # pylint: disable=protected-access
+  if "error" in outcome:
+    raise outcome["error"]
+  return outcome["value"]
+
+
 @gin.configurable(module="aot")
 def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
                          target: Optional[str] = None, num_slices: Optional[int] = None,
@@ -602,16 +677,19 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
       raise ValueError(f"compile_for_topology.stages: {unknown} not in target {target!r}'s "
                        f"stages {known}")
     selected = tuple(stage for stage in selected if stage.name in stages)
+  warn_host_memory(topo, [stage.name for stage in selected])
   stage_reports = []
-  for stage in selected:
-    logger.info("compile: lowering and compiling stage %r of %s for %s", stage.name, target,
-                topology)
+  for number, stage in enumerate(selected, 1):
+    what = f"[{number}/{len(selected)}] {stage.name} ({target} for {topology})"
+    progress(f"compile {what}: lowering")
     tick = time.perf_counter()
-    lowered = stage.lower()
+    lowered = interruptible(stage.lower, what=f"lowering {what}")
     lower_seconds = time.perf_counter() - tick
+    progress(f"compile {what}: lowered in {lower_seconds:.1f} s; compiling")
     tick = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = interruptible(lowered.compile, what=f"compiling {what}")
     compile_seconds = time.perf_counter() - tick
+    progress(f"compile {what}: compiled in {compile_seconds:.1f} s")
     stage_reports.append((stage.name, analyze(
         compiled, topology=topo, target=target, program=program,
         mesh=dict(partitioner.mesh.shape), hbm_bytes=hbm_bytes, step_time_s=step_time_s,

@@ -233,10 +233,15 @@ _TF_START_UP_NOISE = ("oneDNN custom operations are on", "Could not find cuda dr
                       "All log messages before absl::InitializeLog()", "failed call to cuInit")
 
 
-def tensorflow_for_input_pipelines_only() -> None:
+def tensorflow_for_input_pipelines_only(*, hide_gpus: bool = True) -> None:
   """Imports TensorFlow (seqio's input pipelines) with its start-up lines filtered out of
   stderr, and hides every GPU from it, as T5X does: TensorFlow would otherwise reserve GPU
-  memory that JAX needs. Anything else TensorFlow writes meanwhile is passed on."""
+  memory that JAX needs. Anything else TensorFlow writes meanwhile is passed on.
+
+  Args:
+    hide_gpus: False leaves TensorFlow's devices alone (a library import: the process is the
+      user's).
+  """
   import tempfile  # pylint: disable=g-import-not-at-top
   sys.stderr.flush()
   saved = os.dup(2)
@@ -244,7 +249,8 @@ def tensorflow_for_input_pipelines_only() -> None:
     os.dup2(captured.fileno(), 2)
     try:
       import tensorflow as tf  # pylint: disable=g-import-not-at-top
-      tf.config.set_visible_devices([], "GPU")
+      if hide_gpus:
+        tf.config.set_visible_devices([], "GPU")
     except ImportError:  # seqio's own import will say what is missing, if it is needed.
       pass
     except RuntimeError:  # TensorFlow already ran in this process: leave its devices be.

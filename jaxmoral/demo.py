@@ -243,5 +243,14 @@ def run_all(*, workdir: str | os.PathLike[str] = "demo_out",
     for part, line in truths:
       print(f"[{part}] {line}")
     print(f"What the experiments found at scale: {FIDELITY_RESULTS}.")
-  print(f"\nLook at the examples in a browser: jaxmoral explore {workdir}")
+  print(f"\nEvery run's curves: tensorboard --logdir {tensorboard_logdir(workdir)}")
+  print(f"Look at the examples in a browser: jaxmoral explore {workdir}")
   return summary
+
+
+def tensorboard_logdir(workdir: pathlib.Path) -> str:
+  """The demo folder as the user would type it: relative to where they are, when inside."""
+  try:
+    return str(workdir.relative_to(pathlib.Path.cwd()))
+  except ValueError:
+    return str(workdir)

@@ -112,6 +112,23 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
   return GinArgs(tuple(files), tuple(bindings), tuple(paths), tuple(quoted), tuple(flags)), rest
 
 
+def _package_file_exists(path: str) -> bool:
+  """gin's check for a gin file inside an importable package, without its TypeError on a
+  namespace package (a folder without `__init__.py`, e.g. the project's `configs/` whenever
+  the project root is on sys.path): such a package holds no gin file of its own."""
+  try:
+    return gin.resource_reader.system_path_file_exists(path)
+  except TypeError:
+    return False
+
+
+# Replaces gin's own check in its file readers (same reader, same answers but for that crash),
+# so that `configs/...` gin files are found from any folder.
+gin.config._FILE_READERS[:] = [  # pylint: disable=protected-access
+    (reader, _package_file_exists if exists is gin.resource_reader.system_path_file_exists
+     else exists) for reader, exists in gin.config._FILE_READERS]  # pylint: disable=protected-access
+
+
 def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
               extra_binding_flags: Sequence[str] = ()) -> None:
   """Parses gin files and bindings; files are found in the search paths and the project root.

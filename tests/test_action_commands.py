@@ -202,3 +202,49 @@ def test_a_flag_may_override_what_reads_a_gin_files_macro(tmp_path):
 def test_a_bad_flag_value_is_named_by_its_flag():
   with pytest.raises(ValueError, match=r"cannot parse binding .*--count=\[1"):
     _run(["--name=n", "--count=[1,"])
+
+
+def test_a_long_result_prints_as_a_short_summary_and_its_path():
+  result = {"auc": {"rouge": 0.81234567, "salience": 0.5}, "n": 40,
+            "per_example": [{"score": i} for i in range(2000)],
+            "tables": {"a": {"b": 1}}, **{f"m{i}": i for i in range(30)}}
+  text = action_commands.result_summary(result, written=["/tmp/eval/results.json"])
+  lines = text.splitlines()
+  assert len(lines) == action_commands.SUMMARY_LINES + 2
+  assert lines[:5] == ["auc.rouge: 0.8123", "auc.salience: 0.5", "n: 40",
+                       "per_example: [2000 items]", "tables: {1 entries}"]
+  assert lines[-2] == "... (15 more)" and lines[-1] == "wrote /tmp/eval/results.json"
+  short = {"loss": 1.5}
+  assert json.loads(action_commands.result_summary(short, written=["x"])) == short
+
+
+@gin.configurable(module=PROBE_MODULE)
+def reader(*, test_path: str, model_dir: str = "google/t5-v1_1-small") -> dict:
+  """A stand-in action that reads a file and a model directory."""
+  CALLS.append(dict(test_path=test_path, model_dir=model_dir))
+  return {}
+
+
+def test_input_flags_resolve_as_gin_paths_and_are_checked_before_the_action(
+    tmp_path, monkeypatch):
+  sys.modules[PROBE_MODULE].reader = reader
+  monkeypatch.chdir(tmp_path)
+  actions = {"reader": (PROBE_MODULE, "reader")}
+  run = lambda flags: action_commands.run_action(  # noqa: E731
+      "probe_method", actions, {}, "reader", flags, gin_utils.GinArgs())
+  # Relative to the project root, as a gin file's path, when the working folder has nothing.
+  run(["--test_path=jaxmoral/data/demo/dialogues.jsonl", "--model_dir=google/t5-v1_1-small"])
+  assert CALLS[-1] == {"test_path": str(ROOT / "jaxmoral/data/demo/dialogues.jsonl"),
+                       "model_dir": "google/t5-v1_1-small"}  # A Hub id stays.
+  gin.clear_config()
+  (tmp_path / "jaxmoral/data/demo").mkdir(parents=True)
+  (tmp_path / "jaxmoral/data/demo/dialogues.jsonl").write_text("")
+  run(["--test_path=jaxmoral/data/demo/dialogues.jsonl"])  # The working folder's comes first.
+  assert CALLS[-1]["test_path"] == "jaxmoral/data/demo/dialogues.jsonl"
+  gin.clear_config()
+  calls = len(CALLS)
+  with pytest.raises(FileNotFoundError, match="--test_path: no such file"):
+    run(["--test_path=no/such.jsonl"])
+  with pytest.raises(FileNotFoundError, match="--model_dir: no such file"):
+    run([f"--test_path={tmp_path}", "--model_dir=/no/such/run"])
+  assert len(CALLS) == calls  # Nothing ran.

@@ -3,6 +3,10 @@
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import gin
 import jax
@@ -274,3 +278,20 @@ def test_cpu_only_weight_gradient_form_is_off_for_a_tpu_topology():
     assert not t5._tracing_for_cpu()
   with jax.set_mesh(cpu_mesh):
     assert t5._tracing_for_cpu()
+
+
+def test_ctrl_c_stops_a_long_compile_at_once():
+  """The compiler runs in C++, where a SIGINT waits for the call to return; `interruptible`
+  takes it in the main thread and ends the process (130) while the call still runs."""
+  code = ("import os, signal, threading, time\n"
+          "from jaxmoral import aot\n"
+          "threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+          "aot.interruptible(lambda: time.sleep(60), what='compiling x', heartbeat_seconds=0.2)\n")
+  start = time.time()
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 130 and time.time() - start < 30, result.stderr
+  assert "still compiling x" in result.stderr and "interrupted while compiling x" in result.stderr
+  assert aot.interruptible(lambda: 7, what="x") == 7
+  with pytest.raises(ValueError, match="inner"):
+    aot.interruptible(lambda: (_ for _ in ()).throw(ValueError("inner")), what="x")

@@ -129,6 +129,17 @@ def test_generate_greedy_equals_decoding_sample(model):
   np.testing.assert_array_equal(beam.tokens, out.tokens)
 
 
+def test_generate_defaults_to_greedy_with_a_short_repr(model):
+  default = model.generate(INPUTS, max_decode_length=12)
+  greedy = model.generate(INPUTS, max_decode_length=12, greedy=True)
+  np.testing.assert_array_equal(default.tokens, greedy.tokens)
+  sampled = model.generate(INPUTS, max_decode_length=12, temperature=0.7, seed=3)
+  assert not np.array_equal(sampled.tokens, greedy.tokens)
+  shown = repr(default)
+  assert repr(default.texts) in shown and "tokens=<" in shown
+  assert str(default.tokens[0, 0].tolist()) not in shown and len(shown) < 2000
+
+
 def test_sampling_options_and_seeds(model):
   a = model.generate(INPUTS[:2], max_decode_length=6, num_samples=3, top_k=20, seed=1)
   b = model.generate(INPUTS[:2], max_decode_length=6, num_samples=3, top_k=20, seed=1)

@@ -103,6 +103,7 @@ def test_train_model_flags_override_the_defaults(monkeypatch, tmp_path):
 def test_learning_rate_with_a_gin_optimizer_is_an_error(monkeypatch, tmp_path, action, extra,
                                                         macro):
   from jaxmoral.clarify import data as data_lib  # pylint: disable=g-import-not-at-top
+  _model_dirs_in(tmp_path, monkeypatch)
 
   def read_data(*args, **kwargs):
     raise AssertionError("data read although the flag is ignored")
@@ -114,8 +115,16 @@ def test_learning_rate_with_a_gin_optimizer_is_an_error(monkeypatch, tmp_path, a
                   gin_utils.GinArgs(files=("configs/clarify/tiny_cpu.gin",)))
 
 
+def _model_dirs_in(folder, monkeypatch):
+  """PPO_MODEL_DIRS exist (input folders are checked before an action runs), in `folder`."""
+  for arg in PPO_MODEL_DIRS:
+    (folder / arg.split("=", 1)[1]).mkdir(exist_ok=True)
+  monkeypatch.chdir(folder)
+
+
 def test_train_ppo_defaults_apply_gin_bindings_of_ppo_config(monkeypatch, tmp_path):
   from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
+  _model_dirs_in(tmp_path, monkeypatch)
   seen = {}
 
   class Stop(Exception):

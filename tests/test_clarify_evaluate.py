@@ -1,8 +1,11 @@
 """Evaluation metrics and baseline selection on hand-made examples."""
 
+import json
+
 import numpy as np
 import pytest
 
+from jaxmoral import metrics
 from jaxmoral import partitioning
 from jaxmoral.clarify import baselines, evaluate, formats, reward
 
@@ -87,7 +90,13 @@ def test_compare_table_and_json(tmp_path):
                                                          len("Why are you cheating?")]) / 100)
   table = evaluate.format_table(results)
   assert "why" in table.splitlines()[2] and "fixed" in table.splitlines()[3]
-  assert (tmp_path / "t.json").is_file()
+  jsd = np.asarray(results["why"]["per_situation"]["jsd"])
+  ci = metrics.bootstrap_ci(np.mean, jsd)  # The unvectorised reference draws the same rows.
+  assert results["why"]["ci95"]["jsd"] == pytest.approx([ci.low, ci.high])
+  row = table.splitlines()[2].split()
+  assert row[1] == "2" and f"[{ci.low:.4f}," in table.splitlines()[2]
+  written = json.loads((tmp_path / "t.json").read_text())
+  assert written["why"]["questions"] == ["Why are you lying?", "Why are you cheating?"]
   assert formats.PIPELINE_WH_WORDS[:3] == ("what", "how", "who")
   assert len(formats.PIPELINE_WH_WORDS) == 14
 

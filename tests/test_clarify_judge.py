@@ -88,3 +88,22 @@ def test_multi_token_labels_use_sequence_likelihood(tiny):
   np.testing.assert_array_equal(
       nli.filtered_from_probabilities(np.array([[.6, .3, .1], [.2, .5, .3], [.1, .2, .7]])),
       [True, False, True])
+
+
+def test_fitting_classes_pick_the_classes_the_judges_vocabulary_has_as_one_token():
+  class Vocabulary:
+    def __init__(self, single):
+      self.single = set(single)
+
+    def encode(self, text):
+      return [1] if text in self.single else [1, 2]
+
+  t5_like = Vocabulary({"bad", "okay", "good", "wrong"})
+  demo_like = Vocabulary({"wrong", "okay", "good"})
+  assert judge.fitting_classes(t5_like) == formats.T5_JUDGE_CLASSES
+  assert judge.fitting_classes(demo_like) == formats.DEMO_JUDGE_CLASSES
+  # Neither fits: the preferred ones, whose use then names the flag.
+  neither = Vocabulary(set())
+  assert judge.fitting_classes(neither, preferred=("a", "b", "c")) == ("a", "b", "c")
+  with pytest.raises(ValueError, match="--judge_classes"):
+    judge.class_token_ids(neither, ("a", "b", "c"))

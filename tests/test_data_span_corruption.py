@@ -332,3 +332,19 @@ def test_gin_config_registers_the_task(shared_dir, tmp_path):
     assert os.path.isfile(pretraining_corpus.corpus_paths(tmp_path)["train"])
   finally:
     gin.clear_config()
+
+
+def test_the_chitchat_source_is_skipped_with_a_notice_without_the_dialogue_extra(
+    monkeypatch, caplog):
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "chitchat_dataset" else real(name, *a))
+  with caplog.at_level("WARNING"):
+    assert pretraining_corpus.installed_sources(["demo", "chitchat"]) == ["demo"]
+  notices = [r.getMessage() for r in caplog.records if "chitchat" in r.getMessage()]
+  assert len(notices) == 1 and "dialogue extra" in notices[0]
+  assert pretraining_corpus.installed_sources(["demo"]) == ["demo"]
+  monkeypatch.setattr(importlib.util, "find_spec", real)
+  if real("chitchat_dataset") is not None:
+    assert pretraining_corpus.installed_sources(["chitchat"]) == ["chitchat"]

@@ -42,7 +42,7 @@ def test_every_action_names_a_gin_configurable_with_keyword_only_arguments():
     commands.main("nope", [], gin_utils.GinArgs())
 
 
-def test_main_calls_the_function_with_flag_values(monkeypatch, capsys):
+def test_main_calls_the_function_with_flag_values(monkeypatch, capsys, tmp_path):
   seen = {}
   from jaxmoral.diamante import chat
 
@@ -54,8 +54,9 @@ def test_main_calls_the_function_with_flag_values(monkeypatch, capsys):
   monkeypatch.setitem(commands.ACTIONS, "probe", ("jaxmoral.diamante.chat", "self_chat_probe"))
   monkeypatch.setattr(chat, "self_chat_probe", probe, raising=False)
   try:
-    assert commands.main("probe", ["--model_dir=/m", "--num_rounds=2"], gin_utils.GinArgs()) == 0
+    assert commands.main("probe", [f"--model_dir={tmp_path}", "--num_rounds=2"],
+                         gin_utils.GinArgs()) == 0
   finally:
     gin.clear_config()
-  assert seen == {"model_dir": "/m", "num_rounds": 2}
+  assert seen == {"model_dir": str(tmp_path), "num_rounds": 2}
   assert "[]" in capsys.readouterr().out

@@ -215,3 +215,14 @@ def test_candidates_are_sampled_and_stored_in_the_diamante_format(saved, tmp_pat
   first = [json.loads(l) for l in out.read_text().splitlines()][0]["conversation"]
   assert first[0]["response_candidates"] == []
   assert all(len(u["response_candidates"]) == 2 for u in first[1:])
+
+
+def test_eval_summary_is_a_ranker_table_with_n():
+  result = {f"{r}/{m}": 0.5 for r in evaluate.RANKERS for m in evaluate.RANKING_METRICS}
+  result.update({"random/p@1": 0.1, "pe_accuracy": 0.75, "num_contexts": 26.0,
+                 "distinct-1": 0.3})
+  lines = evaluate.format_summary(result).splitlines()
+  assert lines[0].split() == ["ranker", "map", "mrr", "p@1"]
+  assert lines[2].split() == ["preference", "0.500", "0.500", "0.500"]
+  assert "n = 26 contexts" in evaluate.format_summary(result)
+  assert lines[-1] == "generated responses: distinct-1 0.300"

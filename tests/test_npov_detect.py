@@ -1,6 +1,7 @@
 """NPOV evaluation (ROC AUC, word labels), the detect_file entry point and the classifier score."""
 
 import json
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
+from jaxmoral import metrics
 from jaxmoral import prompt_tuning as pt
 from jaxmoral.models.config import t5_config
 from jaxmoral.models.t5 import T5, init_params
@@ -64,7 +66,11 @@ def test_evaluate_slice_auc_matches_mann_whitney():
     assert result[error]["example_auc"] == pytest.approx(_mann_whitney_auc(labels, scores))
     assert result[error]["num_examples"] == len(keep)
   table = evaluate.format_table({"unparaphrased": {"x": result}})
-  assert "x" in table and f"{100 * result['coverage']['example_auc']:.1f}" in table
+  assert "x" in table and f"{100 * result['coverage']['example_auc']:.1f} [" in table
+  assert "unparaphrased/hallucination/example" in table.splitlines()[0]  # Not clipped.
+  ci = metrics.bootstrap_ci(metrics.roc_auc, np.asarray(labels), np.asarray(scores, float))
+  assert result["coverage"]["example_auc_ci"] == pytest.approx([ci.low, ci.high])
+  assert f"{len(keep)} ({sum(labels)} pos)" in table.splitlines()[-2]
 
 
 def test_detect_file_rouge_round_trip(tmp_path):
@@ -299,3 +305,31 @@ def test_npov_detect_flags_are_the_functions_arguments(tmp_path, capsys):
   finally:
     gin.clear_config()
   assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "h"]
+
+
+def test_salience_heatmap_colours_words_in_place_and_flags_only_outliers(tmp_path):
+  import re  # pylint: disable=g-import-not-at-top
+  import types  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov import plots  # pylint: disable=g-import-not-at-top
+  words = [(m.group(), m.start(), m.end()) for m in re.finditer(r"\w+", CLEAN.response)]
+  scores = [0.6] * len(words)
+  scores[3] = 0.95  # One word stands out of a uniformly high background.
+  response = tuple(base.WordScore("response", 0, t, s, e, v)
+                   for (t, s, e), v in zip(words, scores))
+  argument = tuple(base.WordScore("pro", 0, m.group(), m.start(), m.end(), 0.1)
+                   for m in re.finditer(r"\w+", CLEAN.pro[0]))
+  detection = base.Detection(0.7, 0.2, response, argument)
+  word_map = types.SimpleNamespace(
+      matrix=np.zeros((len(argument), len(words))), response_words=response,
+      input_words=tuple(("pro", 0, w) for w in argument))
+  page = pathlib.Path(plots.salience_heatmap_html(word_map, detection, tmp_path / "x.html",
+                                                  title="q", example=CLEAN)).read_text()
+  # Reference: mean + 1 sd of the response scores; only the outlier is above it.
+  cutoff = np.mean(scores) + np.std(scores)
+  assert sum(s > cutoff for s in scores) == 1
+  assert page.count("text-decoration:underline") == 1
+  assert f"(1 of {len(words)} words flagged)" in page
+  # In place: the response's own text, each word in a span with its colour and value.
+  assert f'title="0.950">{words[3][0]}</span>' in page
+  assert "</span>. <span" in page  # The text between scored words is kept.
+  assert "Scale (word error score)" in page

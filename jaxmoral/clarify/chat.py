@@ -33,13 +33,14 @@ class ClarifySession:
   def __init__(self, *, question_model: models.ClarifyModel,
                fusion_model: models.ClarifyModel, judge_model: models.ClarifyModel,
                answer_model: Optional[models.ClarifyModel] = None,
-               judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES, top_p: float = 0.6,
+               judge_classes: Optional[Sequence[str]] = None, top_p: float = 0.6,
                max_length: int = 48, seed: int = 0):
     self.question_model = question_model
     self.fusion_model = fusion_model
     self.judge_model = judge_model
     self.answer_model = answer_model
-    self.judge_classes = tuple(judge_classes)
+    self.judge_classes = (tuple(judge_classes) if judge_classes
+                          else judge_lib.fitting_classes(judge_model.vocabulary))
     judge_lib.class_token_ids(judge_model.vocabulary, self.judge_classes)
     self.top_p = top_p
     self.max_length = max_length
@@ -88,8 +89,8 @@ class ClarifySession:
 
 
 def _session(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
-             answer_model_dir: Optional[str], judge_classes: Sequence[str], top_p: float,
-             seed: int, partitioner: Any) -> ClarifySession:
+             answer_model_dir: Optional[str], judge_classes: Optional[Sequence[str]],
+             top_p: float, seed: int, partitioner: Any) -> ClarifySession:
   partitioner = partitioning.inference_partitioner(partitioner)
   load = lambda d: models.load_model(d, partitioner=partitioner)  # noqa: E731
   return ClarifySession(
@@ -111,7 +112,7 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
          max_turns: int = 3, transcript_path: str = "clarify_chat.jsonl",
          input_fn: Optional[Callable[[str], str]] = None,
          output_fn: Callable[[str], None] = print,
-         judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES, top_p: float = 0.6,
+         judge_classes: Optional[Sequence[str]] = None, top_p: float = 0.6,
          seed: int = 0, partitioner: Any = None) -> list[dict[str, Any]]:
   """Interactive loop; returns the transcript records (also written as JSONL).
 
@@ -126,7 +127,8 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
     transcript_path: JSONL transcript to write, one line per turn.
     input_fn: Reads the user's line given a prompt (None: standard input).
     output_fn: Shows a line to the user.
-    judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token).
+    judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token;
+      None: `judge.fitting_classes` of the judge's vocabulary).
     top_p: Nucleus mass of the sampled questions.
     seed: Seed of the sampled questions.
     partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.
@@ -182,7 +184,7 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
 def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: str,
                    fusion_model_dir: str, judge_model_dir: str,
                    answer_model_dir: Optional[str] = None, max_turns: int = 3,
-                   judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES, top_p: float = 0.6,
+                   judge_classes: Optional[Sequence[str]] = None, top_p: float = 0.6,
                    seed: int = 0, partitioner: Any = None) -> list[dict[str, Any]]:
   """Non-interactive chat: rows `{"situation", "answers": [...]?, "update_type"?}`.
 
@@ -201,7 +203,8 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
     answer_model_dir: The answer generator θA, answering where a row has no answer left
       (None: every row must give one answer per turn).
     max_turns: Turns per row at most.
-    judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token).
+    judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token;
+      None: `judge.fitting_classes` of the judge's vocabulary).
     top_p: Nucleus mass of the sampled questions.
     seed: Seed of the sampled questions.
     partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.

@@ -12,6 +12,7 @@ systems; `evaluate_model_dirs` (`jaxmoral clarify evaluate`) does both on a spli
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pathlib
@@ -21,10 +22,12 @@ import gin
 import numpy as np
 
 from jaxmoral import metrics
+from jaxmoral import model_dirs
 from jaxmoral import partitioning
 from jaxmoral.clarify import baselines
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
+from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.clarify import models
 from jaxmoral.clarify import reward as reward_lib
 
@@ -89,6 +92,7 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
   result = reward.score_questions(list(situations), questions)
   per = per_situation_metrics(questions, result)
   out = _summary(questions, per)
+  out["ci95"] = {key: _mean_ci(per[key]) for key in CI_KEYS}
   out["questions"] = list(questions)
   out["per_situation"] = {k: v.tolist() for k, v in per.items()}
   # Each question's whole reward pipeline (answers, NLI filter, fused situations, judge
@@ -102,16 +106,38 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
 
 TABLE_COLUMNS = ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct", "question_pct",
                  "distinct_1", "distinct_2", "distinct_3")
+# Columns shown with a 95 % bootstrap interval of the mean over situations (the experiments'
+# intervals, `metrics.bootstrap_ci`).
+CI_KEYS = ("jsd", "flips_pct")
+
+
+def _mean_ci(values: np.ndarray) -> Optional[list[float]]:
+  """95 % percentile-bootstrap interval of the mean (None for fewer than 2 values)."""
+  if len(values) < 2:
+    return None
+  ci = metrics.bootstrap_ci(lambda x: x.mean(axis=1), np.asarray(values, np.float64),
+                            vectorized=True)
+  return [float(ci.low), float(ci.high)]
 
 
 def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
-  """A plain-text table: one row per system, plus its three most common first words."""
-  header = f"{'system':<18}" + "".join(f"{c:>15}" for c in TABLE_COLUMNS) + "  top first words"
-  lines = [header, "-" * len(header)]
+  """A plain-text table: one row per system with its n (situations), each column's mean (with
+  its 95 % bootstrap interval for `CI_KEYS`), and its three most common first words."""
+  def cell(r: Mapping[str, Any], column: str) -> str:
+    digits = 1 if column.endswith("_pct") else 4
+    text = f"{r[column]:.{digits}f}"
+    ci = (r.get("ci95") or {}).get(column)
+    return text + (f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]" if ci else "")
+
+  rows = [["system", "n", *TABLE_COLUMNS, "top first words"]]
   for name, r in results.items():
     top = ", ".join(f"{w} {p:.0f}%" for w, p in list(r["first_word_pct"].items())[:3])
-    lines.append(f"{name:<18}" + "".join(f"{r[c]:>15.4f}" for c in TABLE_COLUMNS) + f"  {top}")
-  return "\n".join(lines)
+    rows.append([name, str(r["num_questions"]), *(cell(r, c) for c in TABLE_COLUMNS), top])
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  return "\n".join(lines) + "\n(means over n situations; [95 % bootstrap interval])"
 
 
 def compare(generators: Mapping[str, baselines.Generator], situations: Sequence[str],
@@ -190,7 +216,8 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
     output_path: JSON of every system's metrics (None: not written).
     use_nli: Apply the NLI filter in the reward.
     judge_classes: The judge's class strings for bad, ok, good (None: `RewardConfig`'s, as
-      gin binds it).
+      gin binds it, or the demo vocabulary's when the judge's vocabulary does not fit those:
+      `judge.fitting_classes`).
     partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.
       `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
 
@@ -202,6 +229,10 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
   situations = data_lib.situations(source, split=split)[:max_situations]
   config = reward_lib.RewardConfig(use_nli=use_nli,
                                    **({"judge_classes": judge_classes} if judge_classes else {}))
+  if not judge_classes:
+    # The configured classes, or the demo vocabulary's where the judge was trained on it.
+    config = dataclasses.replace(config, judge_classes=judge_lib.fitting_classes(
+        model_dirs.inspect(judge_model_dir).vocabulary, preferred=config.judge_classes))
   systems, reward = systems_from_dirs(
       question_model_dir=question_model_dir, answer_model_dir=answer_model_dir,
       fusion_model_dir=fusion_model_dir, judge_model_dir=judge_model_dir,

@@ -51,9 +51,22 @@ def class_token_ids(vocabulary: Any, classes: Sequence[str]) -> np.ndarray:
     pieces = list(vocabulary.encode(c))
     if len(pieces) != 1:
       raise ValueError(f"judge class {c!r} is {len(pieces)} tokens {pieces} in this vocabulary; "
-                       f"each class must be ONE token (configure other class strings)")
+                       f"each class must be ONE token: give the judge's class strings with "
+                       f"--judge_classes=BAD,OK,GOOD (train-ppo and gin files: "
+                       f"reward.RewardConfig.judge_classes)")
     ids.append(pieces[0])
   return np.asarray(ids, np.int32)
+
+
+def fitting_classes(vocabulary: Any,
+                    preferred: Sequence[str] = formats.T5_JUDGE_CLASSES) -> tuple[str, ...]:
+  """The judge's class strings when none are given: `preferred` if each is one token of the
+  vocabulary, else the demo vocabulary's (`formats.DEMO_JUDGE_CLASSES`) if they are, else
+  `preferred` (whose use then fails naming the class and `--judge_classes`)."""
+  for classes in (tuple(preferred), formats.DEMO_JUDGE_CLASSES):
+    if all(len(list(vocabulary.encode(c))) == 1 for c in classes):
+      return classes
+  return tuple(preferred)
 
 
 def judgments(distributions: Any, classes: Sequence[str] = formats.JUDGMENTS) -> list[str]:

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import shutil
 from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
@@ -48,7 +49,7 @@ def train_clarify_model(*, which: str, model_dir: str,
                         batch_size: int = 32, feature_lengths: Optional[Mapping[str, int]] = None,
                         source: str = "demo", split: str = "train",
                         vocabulary_path: Optional[str] = None,
-                        judge_classes: Sequence[str] = formats.T5_JUDGE_CLASSES,
+                        judge_classes: Optional[Sequence[str]] = None,
                         nli_labels: Sequence[str] = formats.NLI_LABELS,
                         relevance_labels: Sequence[str] = formats.RELEVANCE_LABELS,
                         partitioner: Optional[partitioning.PjitPartitioner] = None,
@@ -74,7 +75,9 @@ def train_clarify_model(*, which: str, model_dir: str,
       there: `data.INPUTS`).
     split: δ-Clarify split of the questions (any `delta_clarify/<split>.tsv` of the folder).
     vocabulary_path: SentencePiece model (None: the init checkpoint's, else the demo one).
-    judge_classes: Judge targets for bad, ok, good (each must be one vocabulary token).
+    judge_classes: Judge targets for bad, ok, good (each must be one vocabulary token; None:
+      `formats.DEMO_JUDGE_CLASSES` with the demo vocabulary, i.e. without `vocabulary_path`
+      and `init_checkpoint`, else `formats.T5_JUDGE_CLASSES`).
     nli_labels: NLI targets for entailment, neutral, contradiction.
     relevance_labels: Discriminator targets for relevant, irrelevant.
     partitioner: Mesh and rules (default data parallel).
@@ -99,20 +102,34 @@ def train_clarify_model(*, which: str, model_dir: str,
   optimizer = _optimizer_or_default(optimizer, learning_rate, default_rate=1e-3,
                                     function="train_clarify_model", macro="LEARNING_RATE")
   feature_lengths = feature_lengths or {"inputs": 128, "targets": 32}
+  if judge_classes is None:
+    judge_classes = (formats.T5_JUDGE_CLASSES if vocabulary_path or init_checkpoint
+                     else formats.DEMO_JUDGE_CLASSES)
   # Every input of every requested model is checked (and read) before MODEL_DIR is made.
   pairs = data_lib.build_pairs(which, source, split=split, judge_classes=judge_classes,
                                nli_labels=nli_labels, relevance_labels=relevance_labels,
                                mixing_cap=mixing_cap, seed=seed)
+  new_run = not fileio.exists(model_dir)
   checkpoints.make_run_dir(model_dir)
-  seq_data = runs.Seq2SeqData(
-      train_file=data_lib.write_pairs(pairs, fileio.join(model_dir, "data",
-                                                          f"{which}_{split}.jsonl")),
-      vocabulary_path=vocabulary_path, pack=pack)
-  if which in ("judge", "multitask"):
-    init_vocabulary = (model_dirs.inspect(init_checkpoint).vocabulary if init_checkpoint
-                       else None)
-    judge_lib.class_token_ids(seq_data.vocabulary(runs.vocabulary_build_dir(model_dir),
-                                                  fallback=init_vocabulary), judge_classes)
+  try:
+    seq_data = runs.Seq2SeqData(
+        train_file=data_lib.write_pairs(pairs, fileio.join(model_dir, "data",
+                                                            f"{which}_{split}.jsonl")),
+        vocabulary_path=vocabulary_path, pack=pack)
+    if which in ("judge", "multitask"):
+      init_vocabulary = (model_dirs.inspect(init_checkpoint).vocabulary if init_checkpoint
+                         else None)
+      judge_lib.class_token_ids(seq_data.vocabulary(runs.vocabulary_build_dir(model_dir),
+                                                    fallback=init_vocabulary), judge_classes)
+  except BaseException:
+    # A run refused before training leaves nothing behind (a rerun with other flags starts
+    # clean); a folder that was there before is the user's and stays.
+    if new_run:
+      try:
+        fileio.rmtree(model_dir)
+      except OSError:
+        pass
+    raise
   logger.info("clarify: training %s on %d pairs from %s -> %s", which, len(pairs), source,
               model_dir)
   return runs.train_run(model_dir=model_dir, model=trainable.Seq2SeqModel(config=model_config),

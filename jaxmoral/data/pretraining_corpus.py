@@ -25,6 +25,7 @@ configs/core/pretrain_span_corruption.gin).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -173,6 +174,17 @@ def corpus_paths(output_dir: str | os.PathLike) -> dict[str, str]:
   return {s: str(pathlib.Path(output_dir) / f"pretraining_corpus_{s}.txt") for s in SPLITS}
 
 
+def installed_sources(sources: Sequence[str]) -> list[str]:
+  """`sources` without "chitchat" when its package (the `dialogue` extra) is not installed,
+  saying so in one line: a corpus without it is still a corpus, and the manifest records the
+  sources actually read (installing the extra later rebuilds the corpus with it)."""
+  if "chitchat" in sources and importlib.util.find_spec("chitchat_dataset") is None:
+    logging.warning("pretraining corpus: skipping the chitchat source, which needs the "
+                    "dialogue extra (pip install -e '.[dialogue]')")
+    return [s for s in sources if s != "chitchat"]
+  return list(sources)
+
+
 def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.PathLike,
                  sources: Sequence[str] = DEFAULT_SOURCES,
                  clarify_splits: Sequence[str] = ("train",),
@@ -191,6 +203,7 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
   """
   if validation_every < 2:
     raise ValueError(f"validation_every must be >= 2, got {validation_every}")
+  sources = installed_sources(sources)
   paths = corpus_paths(output_dir)
   settings = {"data_dir": None if data_dir is None else str(pathlib.Path(data_dir).resolve()),
               "sources": list(sources), "clarify_splits": list(clarify_splits),

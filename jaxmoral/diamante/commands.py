@@ -42,7 +42,7 @@ OUTPUTS: dict[str, dict[str, bool]] = {
     "demo": {"workdir": True},
 }
 # Actions that show their own output (a conversation) instead of a JSON result.
-PRINTS_OWN_RESULT = ("chat", "self_chat")
+PRINTS_OWN_RESULT = ("chat", "self_chat", "candidates", "eval")
 
 
 def main(action: str, rest: Sequence[str], gin_args: gin_utils.GinArgs) -> int:

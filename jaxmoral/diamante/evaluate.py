@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import gin
 import jax
@@ -131,6 +131,7 @@ def score_ranking_items(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn],
 
 
 RANKERS = ("preference", "generation", "generation_per_token")
+NUM_SAMPLES = 5  # Generated responses kept in the evaluation JSON, for a person to read.
 RANKING_METRICS = ("map", "mrr", "p@1")
 
 
@@ -185,8 +186,9 @@ def ranking_summary(per_context: dict[str, np.ndarray]) -> dict[str, float]:
 
 def generation_metrics(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str]], *,
                        rerank: inference.RerankConfig, batch_size: int = 8,
-                       seed: int = 0) -> dict[str, float]:
-  """distinct-1/2 and the mean preference score of reranked responses to `contexts`."""
+                       seed: int = 0, samples: Optional[list] = None) -> dict[str, float]:
+  """distinct-1/2 and the mean preference score of reranked responses to `contexts`; with a
+  `samples` list, the first `NUM_SAMPLES` (context, response, score) are appended to it."""
   key = jax.random.PRNGKey(seed)
   replies = []
   for start in range(0, len(contexts), batch_size):
@@ -195,6 +197,9 @@ def generation_metrics(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[st
     padded = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed shape
     replies.extend(inference.respond(bundle, padded, rng=sub, config=rerank)[:len(chunk)])
   texts = [r.text for r in replies]
+  if samples is not None:
+    samples.extend({"context": list(c), "response": r.text, "score": float(r.score)}
+                   for c, r in list(zip(contexts, replies))[:NUM_SAMPLES])
   return {"distinct-1": metrics_lib.distinct_n(texts, 1),
           "distinct-2": metrics_lib.distinct_n(texts, 2),
           "generated/mean_score": float(np.mean([r.score for r in replies]))}
@@ -204,8 +209,10 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
                    max_candidates: int = 10, max_contexts: Optional[int] = None,
                    num_generate: int = 0,
                    rerank: inference.RerankConfig = inference.RerankConfig(),
-                   batch_size: int = 8, seed: int = 0) -> dict[str, float]:
-  """The evaluation of a loaded bundle on in-memory turns (see module docstring).
+                   batch_size: int = 8, seed: int = 0,
+                   samples: Optional[list] = None) -> dict[str, float]:
+  """The evaluation of a loaded bundle on in-memory turns (see module docstring); a
+  `samples` list receives a few generated responses (`generation_metrics`).
 
   Returns:
     Flat dict: `preference/{map,mrr,p@1}`, `generation/{...}` (summed log-prob),
@@ -220,7 +227,7 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
   if num_generate > 0:
     contexts = [turns[int(i)].context for i in per_context["turn"][:num_generate]]
     result.update(generation_metrics(bundle, contexts, rerank=rerank, batch_size=batch_size,
-                                     seed=seed))
+                                     seed=seed, samples=samples))
   return result
 
 
@@ -250,8 +257,10 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   Returns:
     See `evaluate_turns`.
   """
+  turns = data.read_dialogues(test_path)  # A bad test file fails before the model loads.
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
-  result = evaluate_turns(bundle, data.read_dialogues(test_path), num_random=num_random,
+  samples: list = []
+  result = evaluate_turns(bundle, turns, samples=samples, num_random=num_random,
                           max_candidates=max_candidates, max_contexts=max_contexts,
                           num_generate=num_generate,
                           rerank=rerank or inference.RerankConfig(), batch_size=batch_size,
@@ -259,6 +268,26 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   if output_path is not None:
     fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
     with fileio.open(output_path, "w") as f:
-      json.dump(result, f, indent=2, sort_keys=True)
-  logger.info("diamante eval: %s", " ".join(f"{k} {v:.4g}" for k, v in sorted(result.items())))
+      json.dump({**result, "samples": samples}, f, indent=2, sort_keys=True)
+  print(format_summary(result))
+  if output_path is not None:
+    print(f"wrote {output_path}")
   return result
+
+
+def format_summary(result: Mapping[str, float]) -> str:
+  """`evaluate_turns`' numbers as a table for a person: one row per ranker (MAP, MRR, P@1 of
+  the human response among the candidates), then the other measures, with n."""
+  lines = [f"{'ranker':<22}" + "".join(f"{m:>8}" for m in RANKING_METRICS),
+           "-" * (22 + 8 * len(RANKING_METRICS))]
+  for ranker in RANKERS:
+    lines.append(f"{ranker:<22}" + "".join(f"{result[f'{ranker}/{m}']:>8.3f}"
+                                           for m in RANKING_METRICS))
+  lines.append(f"{'random (expected)':<22}{'':>8}{'':>8}{result['random/p@1']:>8.3f}")
+  lines.append(f"n = {int(result['num_contexts'])} contexts; preference accuracy "
+               f"{result['pe_accuracy']:.3f}")
+  extra = {k: v for k, v in result.items() if k in ("distinct-1", "distinct-2",
+                                                    "generated/mean_score")}
+  if extra:
+    lines.append("generated responses: " + ", ".join(f"{k} {v:.3f}" for k, v in extra.items()))
+  return "\n".join(lines)

@@ -56,6 +56,15 @@ class GenerateOutput:
   lengths: np.ndarray
   texts: Optional[list[list[str]]]
 
+  def __repr__(self) -> str:
+    # The texts and one score per output; the padded token arrays are in `.tokens`.
+    batch, n = self.scores.shape
+    shown = ([[t for t in row] for row in self.texts] if self.texts is not None
+             else [[f"<{int(length)} tokens>" for length in row] for row in self.lengths])
+    scores = np.array2string(self.scores, precision=3, separator=", ", threshold=20)
+    return (f"GenerateOutput(texts={shown!r}, scores={scores}, "
+            f"tokens=<{batch}x{n}x{self.tokens.shape[-1]} int32>)")
+
 
 def _load_vocabulary(vocabulary: Any) -> Any:
   """A seqio vocabulary from an object, a `.model` path (extra ids read beside it) or None."""
@@ -258,16 +267,21 @@ class Model:
 
   def generate(self, inputs: TextOrTokens, *, max_decode_length: int = 64,
                num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
-               top_p: float = 1.0, greedy: bool = False, beam_size: int = 0,
+               top_p: float = 1.0, greedy: Optional[bool] = None, beam_size: int = 0,
                length_penalty: float = 0.6, no_repeat_ngram_size: int = 0, seed: int = 0,
                batch_size: int = 32) -> GenerateOutput:
-    """Samples (or beam-searches) continuations with `jaxmoral.decoding`.
+    """Greedy, sampled or beam-searched continuations with `jaxmoral.decoding`.
+
+    Greedy by default, as `jaxmoral infer`, T5X's predict and Hugging Face's `generate`:
+    it samples when asked to (`greedy=False`, or any of `temperature`, `top_k`, `top_p`,
+    `num_samples` set away from its default).
 
     Args:
       inputs: Strings or token ids.
       max_decode_length: Tokens generated at most (EOS included).
       num_samples: Samples per input (sampling).
-      temperature, top_k, top_p, greedy, no_repeat_ngram_size: See `decoding.SampleConfig`.
+      temperature, top_k, top_p, no_repeat_ngram_size: See `decoding.SampleConfig`.
+      greedy: Argmax decoding (None: unless a sampling option above is set).
       beam_size: > 0 switches to beam search with this many beams (sampling options unused).
       length_penalty: Beam search brevity penalty alpha.
       seed: Sampling seed (batch i uses fold_in(PRNGKey(seed), i)).
@@ -277,6 +291,8 @@ class Model:
       `GenerateOutput` (texts when a vocabulary is present).
     """
     from jaxmoral import decoding
+    if greedy is None:
+      greedy = (num_samples == 1 and temperature == 1.0 and top_k == 0 and top_p == 1.0)
     tokens, scores, lengths = [], [], []
     base = jax.random.PRNGKey(seed)
     if beam_size:

@@ -485,10 +485,13 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
     tensors[name] = np.ascontiguousarray(value).astype(np_dtype)
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
-  save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
   hf_config = config_to_hf(config)
   hf_config["torch_dtype"] = dtype or "float32"
   (directory / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+  save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
+  # safetensors writes through a private temporary file (mode 0600): give the weights the mode
+  # every other file of the folder gets (the umask's), so whoever reads the export can.
+  os.chmod(directory / SINGLE_FILE, (directory / "config.json").stat().st_mode & 0o777)
   for extra in extra_files:
     shutil.copyfile(extra, directory / pathlib.Path(extra).name)
   return directory

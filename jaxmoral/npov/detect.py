@@ -127,7 +127,7 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
       word_map = det.word_map(e)
       d = det.detect_from_map(word_map)
       plots.salience_heatmap_html(word_map, d, fileio.join(heatmap_dir, _file_name(e.id)),
-                                  title=e.query)
+                                  title=e.query, example=e)
       detections.append(d)
   else:
     detections = det.detect_batch(examples)

@@ -62,6 +62,16 @@ def _auc(labels: Sequence[int], scores: Sequence[float]) -> Optional[float]:
   return float(metrics.roc_auc(np.asarray(labels), np.asarray(scores, np.float64)))
 
 
+def _auc_ci(labels: Sequence[int], scores: Sequence[float]) -> Optional[list[float]]:
+  """95 % percentile-bootstrap interval of the example-level ROC AUC over the examples
+  (`metrics.bootstrap_ci`, as the experiments report), or None where the AUC is undefined."""
+  if len(set(labels)) < 2:
+    return None
+  ci = metrics.bootstrap_ci(metrics.roc_auc, np.asarray(labels),
+                            np.asarray(scores, np.float64))
+  return [float(ci.low), float(ci.high)]
+
+
 def evaluate_slice(examples: Sequence[task.NpovExample],
                    detections: Sequence[base.Detection]) -> dict[str, Any]:
   """ROC AUCs and the label/score arrays (for curves) of one detector on one slice."""
@@ -85,8 +95,10 @@ def evaluate_slice(examples: Sequence[task.NpovExample],
         w_labels.extend(word_labels)
         w_scores.extend(w.score for w in words)
     out[error] = {"example_auc": _auc(ex_labels, ex_scores),
+                  "example_auc_ci": _auc_ci(ex_labels, ex_scores),
                   "word_auc": _auc(w_labels, w_scores) if w_labels else None,
                   "num_examples": len(ex_labels), "num_positive": int(sum(ex_labels)),
+                  "num_words": len(w_labels),
                   "labels": ex_labels, "scores": [float(s) for s in ex_scores]}
   return out
 
@@ -106,24 +118,38 @@ def evaluate_detectors(detectors: Mapping[str, Any],
 
 
 def format_table(results: Mapping[str, Any]) -> str:
-  """A Table-1-like text table: rows = detectors, columns = slice x error x level."""
+  """A Table-1-like text table: rows = detectors, columns = slice / error / level, each cell
+  the ROC AUC x 100 with its 95 % bootstrap interval (example level), and the row "n": the
+  examples (positives) and words each column is measured on."""
   slices = list(results)
   detectors = list(next(iter(results.values()))) if results else []
-  header = ["detector"] + [f"{s[:8]}/{e[:4]}/{lvl}" for s in slices for e in ERRORS
-                           for lvl in ("ex", "word")]
+  columns = [(s, e, lvl) for s in slices for e in ERRORS for lvl in ("example", "word")]
+  header = ["detector"] + [f"{s}/{e}/{lvl}" for s, e, lvl in columns]
   rows = [header]
   for det in detectors:
     row = [det]
-    for s in slices:
-      for e in ERRORS:
-        r = results[s][det][e]
-        for key in ("example_auc", "word_auc"):
-          row.append("-" if r[key] is None else f"{100 * r[key]:.1f}")
+    for s, e, lvl in columns:
+      r = results[s][det][e]
+      auc = r[f"{lvl}_auc"]
+      cell = "-" if auc is None else f"{100 * auc:.1f}"
+      ci = r.get("example_auc_ci") if lvl == "example" else None
+      if auc is not None and ci:
+        cell += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+      row.append(cell)
     rows.append(row)
+  if detectors:
+    first = detectors[0]
+    counts = ["n"]
+    for s, e, lvl in columns:
+      r = results[s][first][e]
+      counts.append(f"{r['num_examples']} ({r['num_positive']} pos)" if lvl == "example"
+                    else f"{r.get('num_words', '?')} words")
+    rows.append(counts)
   widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
   lines.insert(1, "-" * len(lines[0]))
-  return "\n".join(lines) + "\n(ROC AUC x 100; ex = example level, word = word level)"
+  return "\n".join(lines) + ("\n(ROC AUC x 100 [95 % bootstrap interval over the examples]; "
+                             "example = example level, word = word level)")
 
 
 def write_results(results: Mapping[str, Any], output_dir: str | os.PathLike, *,

@@ -12,41 +12,116 @@ from jaxmoral import fileio, metrics, pictures
 from jaxmoral.npov.detectors import base
 
 
+# A word is flagged (bold, underlined) when its score is this many standard deviations above
+# the mean score of the words of its kind in the same example: the words that stand out, not
+# every word over a fixed value (salience scores are relative: most response words of a short
+# model score above 0.5).
+SUSPECT_Z = 1.0
+
+
+def _colour(score: float, vmax: float) -> str:
+  """White (0) to red (vmax): the heatmap's one scale."""
+  fraction = min(1.0, max(0.0, score / vmax)) if vmax > 0 else 0.0
+  other = int(round(255 - 200 * fraction))
+  return f"rgb(255,{other},{other})"
+
+
+def suspect_cutoff(scores: Any, z: float = SUSPECT_Z) -> float:
+  """The score above which a word is flagged: mean + z standard deviations (inf for fewer than
+  two words: nothing stands out of one)."""
+  scores = np.asarray(scores, np.float64)
+  if scores.size < 2:
+    return float("inf")
+  return float(scores.mean() + z * scores.std())
+
+
+def _marked_text(text: str, words: Any, vmax: float, cutoff: float) -> str:
+  """`text` with each scored word coloured in place by its score (title: the value)."""
+  out, position = [], 0
+  for w in sorted(words, key=lambda w: w.start):
+    out.append(html.escape(text[position:w.start]))
+    flag = ";font-weight:bold;text-decoration:underline" if w.score > cutoff else ""
+    out.append(f'<span style="background:{_colour(w.score, vmax)}{flag}" '
+               f'title="{w.score:.3f}">{html.escape(text[w.start:w.end])}</span>')
+    position = w.end
+  out.append(html.escape(text[position:]))
+  return "".join(out)
+
+
 def _cell(value: float, vmax: float) -> str:
-  shade = int(255 - 200 * min(1.0, value / vmax)) if vmax > 0 else 255
-  return f'<td style="background:rgb({shade},{shade},255)" title="{value:.4f}"></td>'
+  return (f'<td style="background:{_colour(value, vmax)};min-width:14px;text-align:center" '
+          f'title="{value:.4f}">{value:.1f}</td>')
 
 
 def salience_heatmap_html(word_map: Any, detection: base.Detection, path: str | os.PathLike, *,
-                          title: str = "", suspect_threshold: float = 0.5) -> str:
-  """Writes an HTML heatmap: input words (rows) x response words (columns).
+                          title: str = "", example: Any = None, z: float = SUSPECT_Z) -> str:
+  """Writes an HTML page that reads at a glance.
 
-  Response words whose hallucination score and argument words whose coverage score exceed
-  `suspect_threshold` are highlighted in red.
+  On top, the response and the input arguments as text, each scored word coloured in place
+  on one white-to-red scale (the legend gives its values; hover for a word's value): the
+  response by hallucination score, the arguments by coverage score. Flagged words (bold,
+  underlined) are those more than `z` standard deviations above the mean of their kind in
+  this example (`suspect_cutoff`). Below, folded, the input x response word salience matrix.
+
+  Args:
+    word_map: The salience detector's `WordMap` of the example.
+    detection: Its `Detection` (word scores).
+    path: The .html file.
+    title: Heading (the query).
+    example: The `NpovExample`, for the full texts (without it, the scored words alone).
+    z: Flagging threshold in standard deviations.
   """
+  response_words = list(detection.response_words)
+  argument_words = list(detection.argument_words)
+  scores = [w.score for w in response_words + argument_words]
+  vmax = max(scores) if scores else 1.0
+  response_cutoff = suspect_cutoff([w.score for w in response_words], z)
+  argument_cutoff = suspect_cutoff([w.score for w in argument_words], z)
+
+  def text_of(field: str, index: int, words: list) -> str:
+    if example is not None:
+      return example.response if field == "response" else getattr(example, field)[index]
+    return " ".join(w.text for w in words)  # Offsets then index this joined text.
+
+  def block(field: str, index: int, words: list, cutoff: float) -> str:
+    if example is None:
+      shifted, position = [], 0
+      for w in words:
+        shifted.append(base.WordScore(w.field, w.index, w.text, position,
+                                      position + len(w.text), w.score))
+        position += len(w.text) + 1
+      words = shifted
+    return _marked_text(text_of(field, index, words), words, vmax, cutoff)
+
+  flagged = sum(w.score > response_cutoff for w in response_words)
+  parts = [f"<h4>Response: hallucination score {detection.hallucination:.3f} "
+           f"({flagged} of {len(response_words)} words flagged)</h4>",
+           f"<p>{block('response', 0, response_words, response_cutoff)}</p>",
+           f"<h4>Arguments: coverage score {detection.coverage:.3f}</h4><ul>"]
+  arguments: dict[tuple[str, int], list] = {}
+  for w in argument_words:
+    arguments.setdefault((w.field, w.index), []).append(w)
+  for (field, index), words in sorted(arguments.items()):
+    parts.append(f"<li><b>{html.escape(field)} {index + 1}</b>: "
+                 f"{block(field, index, words, argument_cutoff)}</li>")
+  parts.append("</ul>")
+  stops = np.linspace(0.0, vmax, 5)
+  legend = "".join(f'<span style="background:{_colour(v, vmax)};padding:2px 8px">{v:.2f}'
+                   f"</span>" for v in stops)
   matrix = np.asarray(word_map.matrix)
-  vmax = float(matrix.max()) if matrix.size else 1.0
-  response_scores = [w.score for w in detection.response_words]
-  argument_scores = {(w.field, w.index, w.start): w.score for w in detection.argument_words}
-  def label(text: str, score: Optional[float]) -> str:
-    style = ' style="color:#c00;font-weight:bold"' if score is not None and (
-        score > suspect_threshold) else ""
-    return f"<span{style}>{html.escape(text)}</span>"
-  head = "".join(
-      f'<th style="writing-mode:vertical-rl">{label(w.text, s)}</th>'
-      for w, s in zip(word_map.response_words, response_scores + [None] * len(
-          word_map.response_words)))
-  rows = []
-  for r, (field, index, w) in enumerate(word_map.input_words):
-    score = argument_scores.get((field, index, w.start))
-    cells = "".join(_cell(float(v), vmax) for v in matrix[r])
-    rows.append(f"<tr><th>{html.escape(field)} {index + 1 if field in ('pro', 'con') else ''}"
-                f"</th><th>{label(w.text, score)}</th>{cells}</tr>")
-  doc = (f"<html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head><body>"
-         f"<h3>{html.escape(title)}</h3><p>hallucination score {detection.hallucination:.3f}, "
-         f"coverage score {detection.coverage:.3f}; red = suspect word</p>"
-         f"<table style='border-collapse:collapse;font:11px sans-serif'>"
-         f"<tr><th></th><th></th>{head}</tr>{''.join(rows)}</table></body></html>")
+  mmax = float(matrix.max()) if matrix.size else 1.0
+  head = "".join(f'<th style="writing-mode:vertical-rl">{html.escape(w.text)}</th>'
+                 for w in word_map.response_words)
+  rows = [f"<tr><th>{html.escape(field)} {index + 1 if field in ('pro', 'con') else ''}</th>"
+          f"<th>{html.escape(w.text)}</th>{''.join(_cell(float(v), mmax) for v in matrix[r])}"
+          f"</tr>" for r, (field, index, w) in enumerate(word_map.input_words)]
+  doc = (f"<html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
+         f"<body style='font:14px sans-serif;max-width:60em'><h3>{html.escape(title)}</h3>"
+         f"<p>Scale (word error score): {legend}. <b><u>Flagged</u></b>: more than {z:g} "
+         f"standard deviation(s) above the mean of its kind in this example.</p>"
+         f"{''.join(parts)}<details><summary>Input x response word salience (0 to "
+         f"{mmax:.2f})</summary><table style='border-collapse:collapse;font:10px sans-serif'>"
+         f"<tr><th></th><th></th>{head}</tr>{''.join(rows)}</table></details></body></html>")
   path = os.fspath(path)
   with fileio.open(path, "w", encoding="utf-8") as f:
     f.write(doc)

@@ -1,0 +1,341 @@
+"""Every documented command runs as written.
+
+Where commands are found, and how they are marked (what `documented_commands` relies on):
+
+- Markdown (README.md, docs/*.md): every line of a fenced block whose info string is `sh`
+  (```sh). A trailing `\\` continues a line; `  # ...` after a command is a comment. Other
+  blocks (```python, a plain ``` layout block) hold no commands.
+- gin files (configs/**/*.gin, gin/**/*.gin): the comment lines of the header (those before
+  the first line that is not a comment) whose text after `#` and spaces starts with
+  `jaxmoral `, `python ` or `launch/`; a trailing `\\` continues it on the next comment line.
+
+Placeholders (`PLACEHOLDERS`, filled in before a command runs): `BASE`, `PROMPT`, `PROMPT_H`,
+`PROMPT_C`, `RUN`, `NAME`, `ZONE`, `BUCKET`, `responses.jsonl`, `kb.jsonl`, `dialogues.jsonl`,
+`test.jsonl`, `situations.jsonl`, a value `...` (any value), `configs/...` (a config: the tiny
+one) and a bare `...` argument (the rest of a command: the tiny config and a MODEL_DIR).
+
+What runs, within the test budget (about a minute on 2 cores):
+
+- In full, in-process through `cli.main` and on one shared tiny run, the quickstart of the
+  README's first screen: train (`SHORTER`: a few steps instead of 300, same flags otherwise),
+  infer on the shipped examples/inputs.txt, export for transformers (and its files' modes),
+  TensorBoard reading the run; and the commands the docs once broke that need no trained
+  model (a gin-less `clarify train-model --which=judge`, in `test_clarify_judge_defaults_*`).
+- Every other command is dry-run, exactly as written but for the placeholders: parsed as the
+  command line parses it, its gin files and bindings parsed and checked (files found from
+  another folder than the project root, `%gin.REQUIRED` values given, no unread macro), an
+  action's flags bound and its outputs checked writable (`action_commands.bind_action`, all
+  that `run_action` does before the work). This is where long commands (pretraining, the
+  experiments, a pod compile) are checked: their configuration, not their hours.
+  `python experiments/X.py`: the script's gin files and bindings as `experiment_lib.main`
+  parses them, after its configurables are imported. `launch/*.sh ... -- CMD`: CMD, as the
+  launcher runs it on each host (the launchers themselves reach hardware; tests/test_launch.py
+  runs them with stand-ins). `make`, `. .venv/bin/activate` and `tensorboard`: the tool is
+  there (`make test` is this suite).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pathlib
+import re
+import shlex
+import stat
+import subprocess
+import sys
+
+import gin
+import pytest
+
+from jaxmoral import action_commands, cli, gin_utils
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMMAND_START = re.compile(r"^(jaxmoral|python|launch/|make|tensorboard|\. )")
+
+# Values of the documented placeholders: {placeholder word: value}; PATH-like ones are files the
+# package ships, the others any value the dry run accepts.
+PLACEHOLDERS = {
+    "responses.jsonl": "jaxmoral/data/demo/npov_examples.jsonl",
+    "kb.jsonl": "jaxmoral/data/demo/npov_kb.jsonl",
+    "dialogues.jsonl": "jaxmoral/data/demo/dialogues.jsonl",
+    "test.jsonl": "jaxmoral/data/demo/dialogues.jsonl",
+    "situations.jsonl": "situations.jsonl",
+    "BASE": "/tmp/base_run", "PROMPT": "/tmp/prompt", "PROMPT_H": "/tmp/prompt_h",
+    "PROMPT_C": "/tmp/prompt_c", "RUN": "/tmp/npov_run", "NAME": "pod", "ZONE": "zone",
+    "BUCKET": "bucket", "configs/...": "configs/core/tiny_cpu.gin",
+}
+REST_OF_COMMAND = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR=/tmp/docs_run"]
+# Flags appended to a command run in full, to make it short (the rest is as written).
+SHORTER = {"train": ["--gin.TRAIN_STEPS=4", "--gin.EVAL_EVERY=4", "--gin.CHECKPOINT_EVERY=4",
+                     "--gin.BATCH_SIZE=8", "--gin.WARMUP_STEPS=1",
+                     "--gin.config.t5_config.num_encoder_layers=1",
+                     "--gin.config.t5_config.num_decoder_layers=1"]}
+
+
+def _markdown_commands(path: pathlib.Path) -> list[tuple[str, str]]:
+  commands, in_sh, pending, start = [], False, "", 0
+  for number, line in enumerate(path.read_text().splitlines(), 1):
+    if line.startswith("```"):
+      in_sh = not in_sh and line.strip() == "```sh"
+      continue
+    if not in_sh:
+      continue
+    text = re.sub(r"\s+#\s.*$", "", line).rstrip()
+    if not pending:
+      start = number
+    if text.endswith("\\"):
+      pending += text[:-1] + " "
+      continue
+    text = re.sub(r"\s+", " ", pending + text).strip()
+    pending = ""
+    if text and not text.startswith("#"):
+      commands.append((f"{path.relative_to(ROOT)}:{start}", text))
+  return commands
+
+
+def _gin_header_commands(path: pathlib.Path) -> list[tuple[str, str]]:
+  commands, pending, start = [], "", 0
+  for number, line in enumerate(path.read_text().splitlines(), 1):
+    if not line.startswith("#"):
+      break
+    text = line[1:].strip()
+    if pending:
+      text = pending + text
+    elif COMMAND_START.match(text) and not text.startswith(("make", ". ")):
+      start = number
+    else:
+      continue
+    if text.endswith("\\"):
+      pending = text[:-1].rstrip() + " "
+      continue
+    pending = ""
+    commands.append((f"{path.relative_to(ROOT)}:{start}", text))
+  return commands
+
+
+def documented_commands() -> list[tuple[str, str]]:
+  """(where, command line) of every documented command, in file order."""
+  commands = []
+  for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    commands += _markdown_commands(path)
+  for folder in ("configs", "gin"):
+    for path in sorted((ROOT / folder).rglob("*.gin")):
+      commands += _gin_header_commands(path)
+  return commands
+
+
+def _words(command: str) -> list[str]:
+  """The command's words with the placeholders filled in."""
+  words = []
+  for word in shlex.split(command):
+    if word == "...":
+      words += REST_OF_COMMAND
+      continue
+    name, sep, value = word.partition("=") if word.startswith("-") else ("", "", word)
+    if sep and value == "...":
+      value = "/tmp/docs_placeholder"
+    for placeholder, filled in PLACEHOLDERS.items():
+      value = re.sub(rf"(?<![\w/.]){re.escape(placeholder)}(?![\w.])", filled, value)
+    words.append(f"{name}{sep}{value}" if sep else (value or word))
+  return words
+
+
+def _dry_run_jaxmoral(argv: list[str]) -> None:
+  """What `cli.main` checks before any work, for one jaxmoral command line."""
+  flags, argv = cli.split_flags(argv, ["--compilation_cache_dir", *cli.DISTRIBUTED_FLAGS])
+  gin_args, rest = gin_utils.split_gin_args(argv)
+  args = cli._parser().parse_args(rest)  # pylint: disable=protected-access
+  gin.clear_config()
+  if args.command in cli.GIN_COMMANDS:
+    module, function, _ = cli.GIN_COMMANDS[args.command]
+    importlib.import_module(module)
+    gin_utils.parse_gin(gin_args)
+    gin_utils.check_required()
+  elif args.command == "compile":
+    importlib.import_module("jaxmoral.aot")
+    gin_utils.parse_gin(gin_args)
+  elif args.command in cli.METHOD_COMMANDS:
+    method = importlib.import_module(f"jaxmoral.{args.command}.commands")
+    action_commands.bind_action(
+        method.ACTIONS, method.OUTPUTS, args.action, args.rest, gin_args,
+        prog=f"jaxmoral {args.command} {args.action}",
+        configurable_modules=getattr(method, "CONFIGURABLE_MODULES", ()))
+  gin.clear_config()
+
+
+def _dry_run_experiment(script: str, argv: list[str]) -> None:
+  sys.path.insert(0, str(ROOT / "experiments"))
+  try:
+    importlib.import_module(pathlib.Path(script).stem)
+  finally:
+    sys.path.remove(str(ROOT / "experiments"))
+  gin_args, rest = gin_utils.split_gin_args(argv)
+  assert not rest and gin_args.files, f"not an experiment command line: {argv}"
+  gin.clear_config()
+  gin_utils.parse_gin(gin_args)
+  gin_utils.check_required()
+  gin.clear_config()
+
+
+def dry_run(command: str) -> None:
+  """Checks one documented command up to the point where it would start work."""
+  words = _words(command)
+  if words[0] == "jaxmoral":
+    _dry_run_jaxmoral(words[1:])
+  elif words[0] == "python" and words[1].startswith("experiments/"):
+    assert (ROOT / words[1]).is_file(), words[1]
+    _dry_run_experiment(words[1], words[2:])
+  elif words[0].startswith("launch/"):
+    assert os.access(ROOT / words[0], os.X_OK), f"{words[0]} is not an executable launcher"
+    _dry_run_jaxmoral(words[words.index("--") + 1:])
+  elif words[0] == "make":
+    targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert all(w in targets for w in words[1:]), f"no make target {words[1:]}"
+  elif words[0] == ".":
+    assert words[1] == ".venv/bin/activate"  # What `make` creates.
+  elif words[0] == "tensorboard":
+    assert importlib.util.find_spec("tensorboard") is not None, "tensorboard is not installed"
+  else:
+    raise AssertionError(f"no rule to check {command!r}")
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_extractor_finds_the_documented_commands():
+  where = [w for w, _ in COMMANDS]
+  texts = [c for _, c in COMMANDS]
+  assert len(COMMANDS) > 60
+  assert any(w.startswith("README.md") for w in where)
+  assert any(w.startswith("configs/") for w in where)
+  assert any(w.startswith("gin/") for w in where)
+  # A continued line is one command; a comment after a command is not part of it.
+  assert ("jaxmoral clarify train-ppo --gin_file=configs/clarify/tiny_cpu.gin --model_dir=/tmp/ppo "
+          "--question_model_dir=/tmp/q --answer_model_dir=/tmp/a --fusion_model_dir=/tmp/f "
+          "--judge_model_dir=/tmp/j") in texts
+  assert all("#" not in c.split("'")[0] for c in texts)
+
+
+@pytest.fixture(autouse=True)
+def _from_another_folder(tmp_path, monkeypatch):
+  """Documented commands work from any folder: they run in an empty one."""
+  monkeypatch.chdir(tmp_path)
+  yield
+  gin.clear_config()
+
+
+def test_every_documented_command_passes_its_dry_run():
+  failures = []
+  for where, command in COMMANDS:
+    try:
+      dry_run(command)
+    except (Exception, SystemExit) as error:  # pylint: disable=broad-except
+      failures.append(f"{where}: {command}\n    {type(error).__name__}: "
+                      f"{cli.user_error_message(error) or error}")
+  assert not failures, "\n".join(failures)
+
+
+def test_a_broken_command_fails_its_dry_run():
+  with pytest.raises(ValueError, match="never read"):
+    dry_run("jaxmoral train --gin_file=configs/core/tiny_cpu.gin --gin.MODEL_DIR=/tmp/x "
+            "--gin.TRAIN_STEP=5")
+  with pytest.raises(ValueError, match="num_randm"):
+    dry_run("jaxmoral diamante eval --model_dir=/tmp/dm --test_path=test.jsonl --num_randm=3")
+  with pytest.raises(FileNotFoundError):
+    dry_run("jaxmoral train --gin_file=configs/core/no_such.gin --gin.MODEL_DIR=/tmp/x")
+
+
+def _quickstart() -> list[list[str]]:
+  """The README's first-screen jaxmoral commands, MODEL_DIR and outputs under `tmp`."""
+  lines = (ROOT / "README.md").read_text().splitlines()
+  first_screen = next(i for i, line in enumerate(lines, 1) if line.startswith("## "))
+  return [_words(c) for w, c in COMMANDS if w.startswith("README.md:")
+          and int(w.split(":")[1]) < first_screen and c.startswith(("jaxmoral", "tensorboard"))]
+
+
+def test_the_quickstart_runs_in_full(tmp_path, capsys):
+  commands = _quickstart()
+  assert [c[:2] for c in commands] == [["jaxmoral", "train"], ["jaxmoral", "infer"],
+                                       ["jaxmoral", "export"], ["tensorboard", "--logdir"]]
+  run_dir = str(tmp_path / "tiny")
+
+  def here(words: list[str]) -> list[str]:
+    # /tmp/tiny... -> this test's folder; examples/inputs.txt from the project root (the
+    # README's commands run there), the rest exactly as written.
+    return [w.replace("/tmp/tiny", run_dir).replace("examples/", f"{ROOT}/examples/")
+            for w in words]
+
+  train, infer, export, tensorboard = (here(c) for c in commands)
+  assert cli.main(train[1:] + SHORTER["train"]) == 0
+  gin.clear_config()
+  assert cli.main(infer[1:]) == 0
+  gin.clear_config()
+  lines = pathlib.Path(run_dir, "predictions.jsonl").read_text().splitlines()
+  assert len(lines) == len((ROOT / "examples/inputs.txt").read_text().splitlines())
+  assert cli.main(export[1:]) == 0
+  exported = pathlib.Path(export[export.index("--output") + 1] if "--output" in export else
+                          next(w.split("=", 1)[1] for w in export if w.startswith("--output=")))
+  modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in exported.iterdir() if p.is_file()}
+  assert "model.safetensors" in modes and len(set(modes.values())) == 1, modes
+  # TensorBoard reads the run's event files.
+  # pylint: disable-next=g-import-not-at-top
+  from tensorboard.backend.event_processing import event_multiplexer
+  logdir = tensorboard[tensorboard.index("--logdir") + 1]
+  multiplexer = event_multiplexer.EventMultiplexer().AddRunsFromDirectory(logdir)
+  multiplexer.Reload()
+  assert any("loss" in tag for run in multiplexer.Runs().values() for tag in run["scalars"])
+
+
+def test_clarify_judge_defaults_fit_the_demo_vocabulary(tmp_path, capsys):
+  """`clarify train-model --which=judge --source=demo` without a gin file (as the README has
+  it) picks judge classes of the demo vocabulary; classes that do not fit fail naming
+  --judge_classes and leave no run directory behind."""
+  from jaxmoral.clarify import formats, training  # pylint: disable=g-import-not-at-top
+  bad = tmp_path / "bad"
+  code = cli.main(["clarify", "train-model", "--which=judge", "--source=demo",
+                   f"--model_dir={bad}", "--judge_classes=bad,ok,good"])
+  assert code == 2 and "--judge_classes" in capsys.readouterr().err
+  assert not bad.exists()
+  gin.clear_config()
+  written = {}
+  original = training.runs.train_run
+  try:
+    training.runs.train_run = lambda **kwargs: written.update(kwargs) or {"loss": 0.0}
+    assert cli.main(["clarify", "train-model", "--which=judge", "--source=demo",
+                     f"--model_dir={tmp_path / 'judge'}"]) == 0
+  finally:
+    training.runs.train_run = original
+  rows = (tmp_path / "judge" / "data" / "judge_train.jsonl").read_text()
+  assert all(f'"{c}"' in rows for c in formats.DEMO_JUDGE_CLASSES)
+
+
+def test_import_jaxmoral_is_quiet():
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL")}
+  env["PYTHONPATH"] = str(ROOT)
+  result = subprocess.run(
+      [sys.executable, "-c", "import jaxmoral, jax; from jaxmoral import api; "
+       "from jaxmoral.data import vocab; jax.devices()"],
+      env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+  assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_experiments_write_their_results_to_workdir_unless_told():
+  sys.path.insert(0, str(ROOT / "experiments"))
+  try:
+    experiment_lib = importlib.import_module("experiment_lib")
+    importlib.import_module("diamante_fig3")
+  finally:
+    sys.path.remove(str(ROOT / "experiments"))
+  config = gin.config._CONFIG  # pylint: disable=protected-access
+  for extra, want in (([], "WORKDIR"), (["--gin.RESULTS_DIR='/r'"], "/r")):
+    gin.clear_config()
+    gin_args, _ = gin_utils.split_gin_args(
+        ["--gin_file=configs/experiments/diamante_fig3_cpu.gin", "--gin.INIT_CHECKPOINT='/x'",
+         *extra])
+    gin_utils.parse_gin(gin_args)
+    experiment_lib._results_in_workdir(gin_args)  # pylint: disable=protected-access
+    if not extra:
+      want = config[("WORKDIR", "gin.macro")]["value"]
+    assert config[("RESULTS_DIR", "gin.macro")]["value"] == want != "experiments/results"
