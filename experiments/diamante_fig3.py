@@ -50,8 +50,8 @@ RANKERS = (("preference", "preference score"), ("generation", "generation log-pr
 METRICS = (("map", "MAP"), ("mrr", "MRR"), ("p@1", "P@1"))
 MODELS = (("joint", 1.0), ("nll_only", 0.0))
 PAPER = ("paper (Lu, Bao et al. 2023, Fig. 3): ranked by the jointly trained preference score "
-         "the human response comes first far more often than ranked by generation probability, "
-         "which is close to random")
+         "the human response comes first far more often than by chance and than ranked by "
+         "generation probability, which is close to random")
 
 
 def _subsample(conversations: Sequence[Sequence[str]], limit: Optional[int],
@@ -230,18 +230,28 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                               title=f"Diamante Fig. 3 shape ({name})", plot=plot, report=report)
 
 
+def claim_parts(results: Mapping[str, Any]) -> list[Any]:
+  """The paper's claim as parts (`common.ClaimPart`), each a paired interval of P@1 over the
+  same test contexts: the joint model's preference score ranks the human response first more
+  often than a random ranker (chance: 1 / the context's items), than the NLL-only model's
+  untrained head (what joint training adds), and than generation log-prob, summed and per
+  token. A missing NLL-only run leaves its part unmeasured, which the claim requires."""
+  diffs = results["differences"]
+  p1 = lambda key: diffs[key]["p@1"] if key in diffs else None  # noqa: E731
+  return [
+      common.ClaimPart("joint P@1 by preference minus a random ranker's (chance)",
+                       p1("joint: preference - random")),
+      common.ClaimPart("joint minus NLL-only (untrained head) P@1 by preference",
+                       p1("preference: joint - nll_only")),
+      common.ClaimPart("joint P@1 by preference minus by generation log-prob",
+                       p1("joint: preference - generation")),
+      common.ClaimPart("joint P@1 by preference minus by log-prob per token",
+                       p1("joint: preference - generation_per_token"))]
+
+
 def verdict(results: Mapping[str, Any]) -> tuple[str, str]:
-  """("agrees" | "disagrees" | "inconclusive", why) for the paper's claim, from the paired
-  intervals of the joint model's P@1 by preference score minus by each generation ranker."""
-  diffs = [results["differences"][f"joint: preference - {r}"]["p@1"]
-           for r in ("generation", "generation_per_token")]
-  text = ", ".join(f"{d['estimate']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" for d in diffs)
-  why = f"joint P@1 by preference minus by log-prob, minus by log-prob per token: {text}"
-  if all(d["low"] > 0 for d in diffs):
-    return "agrees", why
-  if any(d["high"] < 0 for d in diffs):
-    return "disagrees", why
-  return "inconclusive", why
+  """(AGREES | DISAGREES | NOT_SHOWN, why) by `common.claim_verdict` on `claim_parts`."""
+  return common.claim_verdict(claim_parts(results))
 
 
 def summarize(per_context: Mapping[str, Mapping[str, np.ndarray]], *, num_resamples: int,
@@ -260,6 +270,9 @@ def summarize(per_context: Mapping[str, Mapping[str, np.ndarray]], *, num_resamp
     table[model_name]["num_contexts"] = int(len(pc["turn"]))
   differences: dict[str, Any] = {}
   for model_name, pc in per_context.items():
+    # Chance: a random ranker's expected P@1 in each context (1 / its items), paired.
+    differences[f"{model_name}: preference - random"] = {
+        "p@1": diff(pc["preference/p@1"], pc["random/p@1"])}
     for other in ("generation", "generation_per_token"):
       differences[f"{model_name}: preference - {other}"] = {
           key: diff(pc[f"preference/{key}"], pc[f"{other}/{key}"]) for key, _ in METRICS}
@@ -274,6 +287,15 @@ def summarize(per_context: Mapping[str, Mapping[str, np.ndarray]], *, num_resamp
   if "joint" in per_context:
     results["verdict"], results["verdict_why"] = verdict(results)
   return results
+
+
+def verdict_lines(results: Mapping[str, Any]) -> list[str]:
+  """The claim, the rule and this run's verdict (Markdown lines)."""
+  return [f"Claim: {PAPER}; and joint training is what makes the score work. Tested as four "
+          "parts, each a paired interval of P@1 over the same contexts: joint by preference "
+          "above a random ranker, above the NLL-only model's untrained head, above generation "
+          "log-prob and above log-prob per token.", "", common.VERDICT_RULE, "",
+          f"This run: **{results['verdict']}** ({results['verdict_why']})."]
 
 
 def report(results: Mapping[str, Any], *, name: str) -> str:
@@ -318,7 +340,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
             "Paired differences (same contexts), 95 % intervals:", "",
             "| difference | ΔMAP | ΔMRR | ΔP@1 |", "|---|---|---|---|"]
   for label, by_key in results["differences"].items():
-    cells = " | ".join(common.fmt(by_key[k]) for k, _ in METRICS)
+    cells = " | ".join(common.fmt(by_key.get(k)) for k, _ in METRICS)
     lines.append(f"| {label} | {cells} |")
   lines += ["", "| model | PE ranking accuracy (H>M, H>R, M>R pairs) | final train nll | "
             "final train pe_loss | train s | eval s |", "|---|---|---|---|---|---|"]
@@ -339,7 +361,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
                  + ", ".join(f"`{p}`" for p in results["reused"]) + ".")
   lines.append("")
   if "verdict" in results:
-    lines.append(f"Claim: {PAPER}. This run **{results['verdict']}** ({results['verdict_why']}).")
+    lines += verdict_lines(results)
   lines += ["", f"Plot: `{results['plot']}`."]
   return "\n".join(lines)
 
