@@ -89,7 +89,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    max_train_dialogues: Optional[int] = 1000,
                    max_test_contexts: int = 300, min_turns: int = 4, max_turns: int = 8,
                    train_candidates: int = 3, test_candidates: int = 9, num_random: int = 5,
-                   top_k: int = 10, candidate_batch_size: int = 64, eval_batch_size: int = 16,
+                   top_k: int = 10, pe_weight: float = 1.0,
+                   candidate_batch_size: int = 64, eval_batch_size: int = 16,
                    num_resamples: int = 1000, log_every: int = 50,
                    checkpoints_per_stage: int = 10, seed: int = 0,
                    command: str = "") -> dict[str, Any]:
@@ -115,6 +116,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     test_candidates: Sampled candidates per test context (ranked with r_H).
     num_random: Human responses of other test conversations added to each ranking.
     top_k: Top-k of the candidate sampling (the paper: 10).
+    pe_weight: The joint model's weight of the preference loss (the paper: 1); the NLL-only
+      ablation's is 0.
     candidate_batch_size: Contexts per sampling call.
     eval_batch_size: Contexts per scoring call.
     num_resamples: Bootstrap resamples.
@@ -193,10 +196,11 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # 2. Joint and NLL-only from the same base, same data, steps and seed; 3. ranking.
   per_context: dict[str, dict[str, np.ndarray]] = {}
   trained: dict[str, dict[str, Any]] = {}
-  for model_name, pe_weight in MODELS:
+  for model_name, weight in MODELS:
     run_dir = os.path.join(workdir, model_name)
     trained[model_name] = _train(
-        run_dir, model=diamante_model.DiamanteModel(config=model_config, pe_weight=pe_weight),
+        run_dir, model=diamante_model.DiamanteModel(config=model_config,
+                                                    pe_weight=weight * pe_weight),
         data=data_lib.DialogueData(train_path=with_candidates), train_steps=train_steps,
         checkpoint_every=common.checkpoint_every(train_steps, saves=checkpoints_per_stage),
         optimizer=optimizer, **common_run)
@@ -222,6 +226,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "batch_size": batch_size, "generator_steps": generator_steps,
                 "train_steps": train_steps, "train_candidates": train_candidates,
                 "test_candidates": test_candidates, "num_random": num_random, "top_k": top_k,
+                "pe_weight": pe_weight,
                 "min_turns": min_turns, "max_turns": max_turns, "seed": seed,
                 "num_resamples": num_resamples},
       "per_context": {m: {k: v.tolist() for k, v in pc.items()}
@@ -302,6 +307,8 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
   s, m = results["setup"], results["machine"]
   t = results["timings"]
+  weight = ("" if s.get("pe_weight", 1.0) == 1.0 else
+            f" (the joint model's preference-loss weight {s['pe_weight']:g})")
   lines = [
       f"#### {name}: {m['date']}",
       "",
@@ -316,7 +323,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
       f"{s['train_conversations']} conversations (first {s['max_turns']} turns, >= "
       f"{s['min_turns']}), {s['train_turns']} turns; generator {s['generator_steps']} steps, "
       f"{s['train_candidates']} top-{s['top_k']} candidates per train turn; joint and nll_only "
-      f"{s['train_steps']} steps each, batch {s['batch_size']}, context/response "
+      f"{s['train_steps']} steps each{weight}, batch {s['batch_size']}, context/response "
       f"{s['context_length']}/{s['response_length']} tokens, seed {s['seed']}. Test: "
       f"{s['test_contexts']} contexts, one from each of as many held-out conversations (of "
       f"{s['test_conversations']}); r_H among {s['test_candidates']} sampled candidates + "

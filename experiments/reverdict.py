@@ -3,7 +3,8 @@
 Each experiment's `<name>.json` keeps the numbers its verdict needs (Diamante: every context's
 ranks; NPOV: every interval; ClarifyDelphi: the paired differences). This reads them, applies
 the experiment's verdict (`experiment_lib.claim_verdict` under each), and rewrites `<name>.json`
-and the verdict lines of `<name>.md` in place; its tables and plot stay as the run wrote them. From the project root:
+and the verdict lines of `<name>.md` in place; its tables and plot stay as the run wrote them.
+From the project root:
 
   python experiments/reverdict.py experiments/results/*.json
 """

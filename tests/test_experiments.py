@@ -42,6 +42,7 @@ def _parse(*flags: str) -> None:
 @pytest.mark.parametrize("files, steps, size", [
     (("diamante_fig3_cpu.gin",), 500, "mini"),
     (("diamante_fig3_cpu.gin", "diamante_fig3_smoke.gin"), 3, "mini"),
+    (("diamante_fig3_cpu.gin", "diamante_fig3_cpu_short.gin"), 300, "mini"),
     (("diamante_fig3_gpu.gin",), 5000, "small"),
 ])
 def test_diamante_configs_parse(files, steps, size):
