@@ -74,6 +74,27 @@ def choose_test_turns(turns: Sequence[Any], *, max_contexts: int,
   return sorted(int(rng.choice(by_dialogue[int(d)])) for d in dialogues)
 
 
+@gin.configurable(module="diamante_fig3")
+def with_head_optimizer(*, optimizer: Any, head_optimizer: Any) -> Any:
+  """`optimizer` for every parameter but the preference score's head (`scalar_head`), which
+  `head_optimizer` updates: e.g. Adafactor without parameter scaling, whose steps do not
+  shrink with the head's small initial weights. The optimizer's reported learning rate is
+  `optimizer`'s."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import optax
+  from jaxmoral import optimizers
+  # pylint: enable=import-outside-toplevel
+
+  def labels(params: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "head" if any(getattr(k, "key", None) == "scalar_head" for k in path)
+        else "rest", params)
+
+  both = optax.multi_transform({"rest": optimizer, "head": head_optimizer}, labels)
+  return optimizers.Optimizer(both.init, both.update, optimizer.learning_rate)
+
+
 def _train(model_dir: str, **kwargs: Any) -> dict[str, Any]:
   """`runs.train_run` as a stage (`common.train_stage`)."""
   from jaxmoral import runs  # pylint: disable=import-outside-toplevel
@@ -90,6 +111,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    max_test_contexts: int = 300, min_turns: int = 4, max_turns: int = 8,
                    train_candidates: int = 3, test_candidates: int = 9, num_random: int = 5,
                    top_k: int = 10, pe_weight: float = 1.0,
+                   models: Sequence[str] = ("joint", "nll_only"),
                    candidate_batch_size: int = 64, eval_batch_size: int = 16,
                    num_resamples: int = 1000, log_every: int = 50,
                    checkpoints_per_stage: int = 10, seed: int = 0,
@@ -118,6 +140,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     top_k: Top-k of the candidate sampling (the paper: 10).
     pe_weight: The joint model's weight of the preference loss (the paper: 1); the NLL-only
       ablation's is 0.
+    models: Which of "joint" and "nll_only" to train and rank (both for a verdict; one
+      alone trains it beside another invocation that shares its WORKDIR's other runs).
     candidate_batch_size: Contexts per sampling call.
     eval_batch_size: Contexts per scoring call.
     num_resamples: Bootstrap resamples.
@@ -196,7 +220,13 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # 2. Joint and NLL-only from the same base, same data, steps and seed; 3. ranking.
   per_context: dict[str, dict[str, np.ndarray]] = {}
   trained: dict[str, dict[str, Any]] = {}
+  unknown = sorted(set(models) - {m for m, _ in MODELS})
+  if unknown or not models:
+    raise ValueError(f"diamante_fig3.run_experiment.models: {unknown or 'none'} not among "
+                     f"{[m for m, _ in MODELS]}")
   for model_name, weight in MODELS:
+    if model_name not in models:
+      continue
     run_dir = os.path.join(workdir, model_name)
     trained[model_name] = _train(
         run_dir, model=diamante_model.DiamanteModel(config=model_config,

@@ -42,7 +42,9 @@ def _parse(*flags: str) -> None:
 @pytest.mark.parametrize("files, steps, size", [
     (("diamante_fig3_cpu.gin",), 500, "mini"),
     (("diamante_fig3_cpu.gin", "diamante_fig3_smoke.gin"), 3, "mini"),
-    (("diamante_fig3_cpu.gin", "diamante_fig3_cpu_short.gin"), 300, "mini"),
+    (("diamante_fig3_cpu.gin", "diamante_fig3_cpu_short.gin"), 200, "mini"),
+    (("diamante_fig3_cpu.gin", "diamante_fig3_cpu_short.gin", "diamante_fig3_cpu_head_lr.gin"),
+     200, "mini"),
     (("diamante_fig3_gpu.gin",), 5000, "small"),
 ])
 def test_diamante_configs_parse(files, steps, size):
@@ -180,6 +182,23 @@ def test_diamante_verdict_follows_the_paired_intervals(pref, gen, head, expected
   # The chance part is paired with each context's random-ranker P@1 (here 1/15).
   chance = results["differences"]["joint: preference - random"]["p@1"]
   assert chance["estimate"] == pytest.approx(table["estimate"] - 1 / 15)
+
+
+def test_diamante_head_optimizer_updates_only_the_scalar_head():
+  import jax.numpy as jnp
+  from jaxmoral import optimizers
+  params = {"decoder": {"kernel": jnp.ones((2, 3))},
+            "scalar_head": {"kernel": jnp.ones((3, 1)), "bias": jnp.zeros((1,))}}
+  grads = {"decoder": {"kernel": jnp.full((2, 3), 2.0)},
+           "scalar_head": {"kernel": jnp.full((3, 1), 2.0), "bias": jnp.full((1,), 2.0)}}
+  rest = optimizers.make_optimizer(name="sgd", learning_rate=0.25)
+  both = diamante_fig3.with_head_optimizer(
+      optimizer=rest, head_optimizer=optimizers.make_optimizer(name="sgd", learning_rate=1.5))
+  updates, _ = both.update(grads, both.init(params), params)
+  np.testing.assert_allclose(updates["decoder"]["kernel"], -0.5)  # rest: -0.25 * 2
+  np.testing.assert_allclose(updates["scalar_head"]["kernel"], -3.0)  # head: -1.5 * 2
+  np.testing.assert_allclose(updates["scalar_head"]["bias"], -3.0)
+  assert float(both.learning_rate(0)) == 0.25
 
 
 @pytest.mark.parametrize("intervals, baselines, required, expected", [
