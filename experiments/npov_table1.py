@@ -151,6 +151,36 @@ def ordering_intervals(examples: Sequence[Any], better: Sequence[Any], worse: Se
   return out
 
 
+def paper_ordering(slices: Mapping[str, Sequence[Any]],
+                   kept: Mapping[str, Mapping[str, tuple[Any, Sequence[Any]]]], *,
+                   num_resamples: int, seed: int) -> dict[str, Any]:
+  """{"better - worse": {slice: `ordering_intervals`}} for the pairs of `PAPER_ORDER` whose
+  detectors both ran.
+
+  Args:
+    slices: {slice: its examples}.
+    kept: {detector: {slice: (sorted indices of the examples it scored, its detections of
+      them)}}; salience scores a sample, and each pair is compared on the examples both
+      scored.
+    num_resamples: Bootstrap resamples.
+    seed: Bootstrap seed.
+  """
+  out: dict[str, Any] = {}
+  for better, worse in PAPER_ORDER:
+    if better not in kept or worse not in kept:
+      continue
+    out[f"{better} - {worse}"] = {}
+    for slice_name, examples in slices.items():
+      (idx_a, det_a), (idx_b, det_b) = kept[better][slice_name], kept[worse][slice_name]
+      both = np.intersect1d(idx_a, idx_b)
+      pick = lambda idx, dets: [dets[int(np.searchsorted(idx, i))]  # noqa: E731
+                                for i in both]
+      out[f"{better} - {worse}"][slice_name] = ordering_intervals(
+          [examples[int(i)] for i in both], pick(idx_a, det_a), pick(idx_b, det_b),
+          num_resamples=num_resamples, seed=seed)
+  return out
+
+
 def input_words(example: Any) -> int:
   """Content words of the generator's input (query and arguments)."""
   from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
@@ -504,19 +534,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     if det_name not in CONTROLS:
       timings[f"detect_{det_name}_s"] = time.time() - tick
   timings["total_s"] = time.time() - started
-  results["ordering"] = {}
-  for better, worse in PAPER_ORDER:
-    if better not in kept or worse not in kept:
-      continue
-    results["ordering"][f"{better} - {worse}"] = {}
-    for slice_name, examples in test_slices.items():
-      (idx_a, det_a), (idx_b, det_b) = kept[better][slice_name], kept[worse][slice_name]
-      common_idx = np.intersect1d(idx_a, idx_b)  # The salience sample where one is salience.
-      pick = lambda idx, dets: [dets[int(np.searchsorted(idx, i))]  # noqa: E731
-                                for i in common_idx]
-      results["ordering"][f"{better} - {worse}"][slice_name] = ordering_intervals(
-          [examples[int(i)] for i in common_idx], pick(idx_a, det_a), pick(idx_b, det_b),
-          num_resamples=num_resamples, seed=seed)
+  results["ordering"] = paper_ordering(test_slices, kept, num_resamples=num_resamples,
+                                       seed=seed)
   results["verdicts"] = verdicts(results["auc"])
   results["ordering_verdicts"] = ordering_verdicts(results["ordering"])
   results.update({

@@ -405,6 +405,19 @@ def test_npov_ordering_is_the_paired_bootstrap_of_the_auc_difference():
   assert h["estimate"] == pytest.approx(metrics.roc_auc(labels, better)
                                         - metrics.roc_auc(labels, worse))
   np.testing.assert_allclose([h["low"], h["high"]], np.percentile(diffs, [2.5, 97.5]))
+  # The pipeline's pairing: salience scored a third of the examples; each pair on what both
+  # scored.
+  sample = np.arange(0, n, 3)
+  kept = {"classifier": {"s": (np.arange(n), det(better))},
+          "rouge": {"s": (np.arange(n), det(worse))},
+          "salience": {"s": (sample, det(worse[sample]))}}
+  paired = npov_table1.paper_ordering({"s": examples}, kept, num_resamples=100, seed=4)
+  assert paired["classifier - rouge"]["s"]["hallucination"] == h
+  on_sample = npov_table1.ordering_intervals(
+      [examples[i] for i in sample], det(better[sample]), det(worse[sample]),
+      num_resamples=100, seed=4)
+  assert paired["classifier - salience"]["s"] == on_sample
+  assert on_sample["hallucination"]["n"] == len(sample)
   order = {"classifier - rouge": {"unparaphrased": got},
            "classifier - salience": {"unparaphrased": {"hallucination": _ci(-0.1, -0.2, 0.0),
                                                        "coverage": None}}}
