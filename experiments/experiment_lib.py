@@ -1,4 +1,5 @@
-"""What the fidelity experiments share: gin flags, bootstrap intervals, the machine, reports.
+"""What the fidelity experiments share: gin flags, bootstrap intervals, the verdict rule, the
+machine, reports.
 
 Each experiment (`experiments/<name>.py`) is one keyword-only `@gin.configurable` function run
 by `main(...)` below with T5X's flags (`--gin_file=`, `--gin.NAME=VALUE`), as the `jaxmoral`
@@ -265,7 +266,7 @@ class ClaimPart:
     return NOT_SHOWN
 
   def describe(self) -> str:
-    """`name: 0.077 [0.050, 0.107] vs 0.067: not shown`."""
+    """`name: +0.077 [+0.050, +0.107] vs 0.067: not shown`."""
     if self.interval is None:
       return f"{self.name}: {NOT_MEASURED}"
     i, d = self.interval, self.digits
@@ -292,10 +293,11 @@ def claim_verdict(parts: Sequence[ClaimPart]) -> tuple[str, str]:
     verdict = AGREES
   else:
     verdict = NOT_SHOWN
-  failing = [p for p, s in zip(parts, statuses)
-             if s in (CONTRADICTED, NOT_SHOWN) or (s == NOT_MEASURED and p.required)]
-  rest = [p for p in parts if p not in failing]
-  why = "; ".join(p.describe() for p in failing + rest)
+  failing = [s in (CONTRADICTED, NOT_SHOWN) or (s == NOT_MEASURED and p.required)
+             for p, s in zip(parts, statuses)]
+  ordered = ([p for p, f in zip(parts, failing) if f] +
+             [p for p, f in zip(parts, failing) if not f])
+  why = "; ".join(p.describe() for p in ordered)
   if not measured:
     why = f"no part measured{': ' if why else ''}{why}"
   return verdict, why
