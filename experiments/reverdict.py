@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-import experiment_lib as common  # puts the project root on sys.path
+import experiment_lib  # noqa: F401  pylint: disable=unused-import  (the project root on sys.path)
 import clarify_table4  # pylint: disable=g-import-not-at-top,wrong-import-order
 import diamante_fig3  # pylint: disable=g-import-not-at-top,wrong-import-order
 import npov_table1  # pylint: disable=g-import-not-at-top,wrong-import-order
