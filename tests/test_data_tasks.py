@@ -355,3 +355,28 @@ def test_changed_data_files_change_the_fingerprint(vocabulary, tmp_path):
   tasks.register_text_pair_task("jm_changing", vocabulary=vocabulary, file=str(path))
   after = tasks.TaskSource("jm_changing", "train", LENGTHS, 2, cache_dir=str(tmp_path))
   assert after.data_fingerprint != before.data_fingerprint
+
+
+def test_a_task_without_a_data_fingerprint_is_cached_per_process(vocabulary):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  words = tf.constant(["good", "bad", "help", "friend", "lie"])
+
+  def dataset_fn(split, shuffle_files, seed=None):
+    del split, shuffle_files, seed
+    return tf.data.Dataset.range(20).map(
+        lambda i: {"inputs": tf.gather(words, i % 5), "targets": tf.gather(words, i // 5)})
+
+  seqio.TaskRegistry.remove("jm_foreign")
+  seqio.TaskRegistry.add(
+      "jm_foreign", source=seqio.FunctionDataSource(dataset_fn, splits=["train"]),
+      output_features={k: seqio.Feature(vocabulary=vocabulary) for k in ("inputs", "targets")},
+      preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim])
+  source = tasks.TaskSource("jm_foreign", "train", LENGTHS, 4, seed=2)
+  stream = source.iterate(0)
+  uninterrupted = [next(stream) for _ in range(8)]  # 5 batches an epoch
+  again = tasks.TaskSource("jm_foreign", "train", LENGTHS, 4, seed=2)
+  np.testing.assert_array_equal(again.batch(6)["encoder_input_tokens"],
+                                uninterrupted[6]["encoder_input_tokens"])
+  assert again.data_fingerprint == source.data_fingerprint is not None
+  assert again._cached_rows()[0]["encoder_input_tokens"].filename == (
+      source._cached_rows()[0]["encoder_input_tokens"].filename)

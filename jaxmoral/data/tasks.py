@@ -11,11 +11,14 @@ without replay) with per-process sharding.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import zlib
 from typing import Any, Iterator, Mapping, Optional, Sequence
@@ -211,6 +214,15 @@ def num_examples(task_name: str, split: str) -> Optional[int]:
   return None if any(c is None for c in counts) else int(sum(counts))
 
 
+@functools.lru_cache(maxsize=None)
+def _process_cache_root() -> str:
+  """A folder for the index caches of Tasks whose data has no fingerprint: this process's
+  own, removed when it exits (another process cannot know the data did not change)."""
+  root = tempfile.mkdtemp(prefix="jaxmoral-data-")
+  atexit.register(shutil.rmtree, root, ignore_errors=True)
+  return root
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True, eq=False)
 class TaskSource:
@@ -364,7 +376,7 @@ class TaskSource:
     if data is not None:
       root = self.cache_dir or index_cache.default_root()
     else:  # No fingerprint of the data: this process's own copy, built anew.
-      root = tempfile.mkdtemp(prefix="jaxmoral-data-")
+      root = _process_cache_root()
     directory = os.path.join(os.fspath(root), f"{self.task_name}.{index_cache.key_of(identity)}")
     found = index_cache.read(directory)
     if found is None:
