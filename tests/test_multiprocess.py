@@ -2,8 +2,8 @@
 
 Two `runs.train_run` processes with 2 CPU devices each join through `jax.distributed`
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, the variables launch/local.sh
-sets); each streams only its own shard of the examples (seqio's `ShardInfo`) and contributes
-its rows of every global batch. A one-process run on 4 devices that reads both shards and
+sets); each reads only its own rows of every global batch (`tasks.TaskSource`'s index cache)
+and contributes them. A one-process run on 4 devices that reads both shards and
 puts their rows together the same way is the reference (run by the test's own process, on 4
 of its 8, while the two train): same per-step losses, and the two-process checkpoint restores
 in a single process with the reference's parameters.
