@@ -9,9 +9,6 @@ otherwise be a new macro, silently ignored): macros that no binding or macro ref
 parameters and configurables that do not exist, and scopes that nothing enters. A relative
 path written in a gin file that names nothing in the working directory is looked up next to
 the gin file, then in the project root, where shipped configs write them from.
-
-`check_writable` is the one check, shared by every command that writes, that an output
-location can be written, made before any work starts.
 """
 
 from __future__ import annotations
@@ -19,16 +16,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import errno
-import importlib.util
 import inspect
 import io
 import logging
 import os
 import pathlib
 import re
-import tempfile
-import textwrap
 import tokenize
 from typing import Any, Collection, Iterable, Iterator, Sequence
 
@@ -168,29 +161,10 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
     sources = _BindingSources(gin_args.files, [*bindings, *extra_bindings],
                               [flag or "" for flag in flags])
   check_everything_is_read(sources, read_before_flags=read_before_flags)
-  check_same_config_on_every_process()
-  resolve_relative_paths(gin_args.files)
-
-
-def check_same_config_on_every_process() -> None:
-  """Refuses a multi-process job whose processes parsed different gin configurations.
-
-  Their programs would differ (a learning rate, a step count), and collectives between
-  different programs hang or compute nonsense without an error. Compared before relative
-  paths are resolved, which may legitimately differ from host to host. A no-op for one process.
-
-  Raises:
-    ValueError: Naming the processes that differ from process 0.
-  """
-  import jax  # pylint: disable=import-outside-toplevel
-  if not jax.distributed.is_initialized():
-    return
+  # Imports JAX: not at module level, which `--help` reads.
   from jaxmoral import partitioning  # pylint: disable=import-outside-toplevel
-  differing = partitioning.processes_that_differ(gin.config_str())
-  if differing:
-    raise ValueError(f"gin: process {', '.join(map(str, differing))} of {jax.process_count()} "
-                     "parsed another configuration than process 0 (gin files, bindings or "
-                     "flags): every process of a job must be started with the same ones")
+  partitioning.check_same_config_on_every_process()
+  resolve_relative_paths(gin_args.files)
 
 
 def _is_relative_path(value: object) -> bool:
@@ -654,92 +628,6 @@ def explain_gin_error(error: BaseException) -> str:
   return text
 
 
-def _docstring_args(doc: str) -> dict[str, str]:
-  """`{name: description}` of a Google-style docstring's Args section."""
-  described: dict[str, str] = {}
-  lines = iter(doc.splitlines())
-  for line in lines:
-    if line.strip() in ("Args:", "Arguments:"):
-      break
-  base, name = None, None
-  for line in lines:
-    if not line.strip():
-      continue
-    indent = len(line) - len(line.lstrip())
-    if indent == 0:  # The next section (Returns:, Raises:).
-      break
-    match = re.match(r"(\*{0,2}\w+)(?: \([^)]*\))?:\s*(.*)", line.strip())
-    if match and (base is None or indent == base):
-      base, name = indent, match.group(1)
-      described[name] = match.group(2)
-    elif name is not None:
-      described[name] += " " + line.strip()
-  return described
-
-
-# Parameters no --NAME=VALUE flag can give (a function or a stream: tests and notebooks).
-_NOT_FLAGS = re.compile(r"\b(Callable|TextIO|IO)\b")
-
-
-def function_usage(module: str, function: str, *, prog: str, gin_only: bool = False) -> str:
-  """The usage of a gin-bound function whose `--NAME=VALUE` flags bind its parameters.
-
-  Read from the module's source (its signature and Google-style docstring), not by importing
-  it: `jaxmoral <method> <action> --help` must not wait for JAX.
-
-  Args:
-    module: The function's module, e.g. "jaxmoral.diamante.chat".
-    function: The function's name in it.
-    prog: The command line shown, e.g. "jaxmoral diamante chat".
-    gin_only: The command takes gin flags only: parameters are shown as
-      `--gin.<function>.NAME=VALUE`.
-
-  Returns:
-    Text for the terminal: usage line, summary, and each flag with its type, default and
-    description.
-  """
-  spec = importlib.util.find_spec(module)
-  if spec is None or not spec.origin:
-    raise ValueError(f"no module {module!r}")
-  tree = ast.parse(pathlib.Path(spec.origin).read_text(encoding="utf-8"))
-  node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-               and n.name == function), None)
-  if node is None:
-    raise ValueError(f"{module} has no function {function!r}")
-  doc = ast.get_docstring(node) or ""
-  described = _docstring_args(doc)
-  args = node.args
-  positional = args.posonlyargs + args.args
-  defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-  params = list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults))
-  width = 78
-  short = f"{module.rsplit('.', 1)[-1]}.{function}"
-  flag = f"--gin.{short}." if gin_only else "--"
-  text = [f"usage: {prog} {'--gin_file=F ' if gin_only else ''}[{flag}NAME=VALUE ...] "
-          f"[gin flags]", ""]
-  summary = doc.split("\n\n")[0].strip()
-  if summary:
-    text += [textwrap.fill(" ".join(summary.split()), width), ""]
-  if gin_only:
-    intro = (f"parameters (bound in a gin file or by {flag}NAME=VALUE; other gin flags work "
-             f"as for every command):")
-  else:
-    intro = (f"flags (--NAME=VALUE binds {module}.{function}.NAME, a bare word as a string; "
-             f"gin files and --gin.NAME=VALUE work as for every command):")
-  text.append(textwrap.fill(intro, width))
-  for arg, default in params:
-    annotation = ast.unparse(arg.annotation) if arg.annotation else ""
-    if arg.arg == "self" or _NOT_FLAGS.search(annotation):
-      continue
-    state = "required" if default is None else f"default {ast.unparse(default)}"
-    head = f"  {flag}{arg.arg}=VALUE  ({annotation + '; ' if annotation else ''}{state})"
-    text.append(head)
-    if described.get(arg.arg):
-      text.append(textwrap.fill(described[arg.arg], width, initial_indent=" " * 6,
-                                subsequent_indent=" " * 6))
-  return "\n".join(text)
-
-
 def bound_value(selector: str, param: str) -> Any:
   """The value gin binds to `param` of configurable `selector`, macros followed.
 
@@ -764,64 +652,6 @@ def bound_value(selector: str, param: str) -> Any:
       break
     value = gin.config._CONFIG.get(value.config_key, {}).get("value")  # pylint: disable=protected-access
   return value
-
-
-def _raise_as(error: OSError, path: str) -> None:
-  """Raises `error`'s kind (PermissionError, ...) naming `path`, what the user gave."""
-  raise OSError(error.errno, error.strerror, path) from None
-
-
-def check_writable(path: str | os.PathLike[str], *, directory: bool = False) -> None:
-  """Raises the OSError that writing `path` would meet, before any work is done.
-
-  `eval` or `npov detect` would otherwise compute everything and then lose it to a read-only
-  disk or a mistyped folder. Nothing is created: a missing path needs its nearest existing
-  ancestor to be a directory that accepts a new file (probed with a temporary file, so a
-  read-only file system, permissions and quotas all count, for root too).
-
-  Args:
-    path: The file (or, with `directory`, the folder) a command will write; a URL
-      (`gs://...`) is left to its client.
-    directory: `path` is a folder the command writes files into.
-
-  Raises:
-    OSError: `errno`, `strerror` and `filename` (= `path`) of what writing would raise:
-      PermissionError (also a read-only file system), IsADirectoryError,
-      NotADirectoryError...
-  """
-  shown = os.fspath(path)
-  if "://" in shown:
-    return
-  target = pathlib.Path(shown)
-  if target.is_symlink() and not target.exists():
-    raise ValueError(f"{shown} is a symbolic link to {os.readlink(shown)}, which does not "
-                     "exist; create the target or give another path")
-  if target.exists():
-    if directory != target.is_dir():
-      code = errno.ENOTDIR if directory else errno.EISDIR
-      raise OSError(code, os.strerror(code), shown)
-    if directory:
-      _probe_directory(target, shown)
-    elif target.is_file():  # Opened for writing, not truncated; a device or FIFO is left be.
-      try:
-        os.close(os.open(target, os.O_WRONLY))
-      except OSError as error:
-        _raise_as(error, shown)
-    return
-  ancestor = target.absolute().parent
-  while not ancestor.exists() and ancestor != ancestor.parent:
-    ancestor = ancestor.parent
-  if not ancestor.is_dir():
-    raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), shown)
-  _probe_directory(ancestor, shown)
-
-
-def _probe_directory(directory: pathlib.Path, shown: str) -> None:
-  try:
-    with tempfile.TemporaryFile(dir=directory):
-      pass
-  except OSError as error:
-    _raise_as(error, shown)
 
 
 class _Written:
