@@ -23,7 +23,8 @@ import os
 import pathlib
 import re
 import tokenize
-from typing import Any, Collection, Iterable, Iterator, Sequence
+import types
+from typing import Any, Collection, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import gin
 from gin import config_parser
@@ -214,7 +215,7 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
       parsed = gin.config.ParsedBindingKey.parse(key)
     except ValueError:  # Not a binding gin kept (it parsed every file already): leave it.
       continue
-    current = gin.config._CONFIG.get(parsed.config_key, {}).get(parsed.arg_name)  # pylint: disable=protected-access
+    current = _bound(parsed)
     if current != value:  # Another file or the command line bound something else since.
       continue
     for base in dict.fromkeys((pathlib.Path(path).resolve().parent, PROJECT_ROOT)):
@@ -226,6 +227,25 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
         logger.info("gin: %s = %r (%s) is %s", shown, value, _display_path(path), candidate)
         break
   return resolved
+
+
+def _bound(key: gin.config.ParsedBindingKey) -> Any:
+  """The value bound to `key` (macros unresolved); None when nothing binds it."""
+  scope, selector = key.config_key
+  try:
+    return gin.query_parameter(f"{scope}/{selector}.{key.arg_name}" if scope
+                               else f"{selector}.{key.arg_name}")
+  except ValueError:
+    return None
+
+
+def _macro_value(name: str) -> Any:
+  """The value macro `name` (scoped: 'scope/NAME') is bound to, references unresolved; None
+  when it is not defined."""
+  try:
+    return gin.query_parameter(f"{name}/{_MACRO}.value")
+  except ValueError:
+    return None
 
 
 def _import_error(error: ImportError) -> ValueError:
@@ -377,7 +397,7 @@ def _macro_name(statement: config_parser.BindingStatement) -> str:
 def _file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
   """The statements of gin file `name` and (in place) of its includes, with their file."""
   # Found as gin finds them: in the search paths it was given, in order.
-  search_paths = gin.config._LOCATION_PREFIXES  # pylint: disable=protected-access
+  search_paths = _gin_state().search_paths
   prefixes = [""] if os.path.isabs(name) else search_paths
   path = next((p for p in (os.path.join(prefix, name) for prefix in prefixes)
                if os.path.isfile(p)), None)
@@ -404,9 +424,39 @@ def _display_path(path: str) -> str:
   return path
 
 
+class _GinState(NamedTuple):
+  """What gin holds that its public API cannot list (see `_gin_state`)."""
+  # Every binding: {(scope, selector): {parameter: value}}, values as parsed (references and
+  # macros unresolved).
+  config: Mapping[tuple[str, str], Mapping[str, Any]]
+  # The registered configurables (a gin SelectorMap: `items()`, `matching_selectors(partial)`,
+  # `minimal_selector(complete)`, `get(complete)` of a `gin.config.Configurable`).
+  registry: Any
+  # Where gin looks for a gin file, in order ('' first: as given).
+  search_paths: Sequence[str]
+
+
+def _gin_state() -> _GinState:
+  """gin's bindings, registry and file search paths, read only: the one reach into gin's
+  private module state.
+
+  Why: gin's public API answers for one named binding (`gin.query_parameter`,
+  `gin.get_bindings`) or one exact configurable (`gin.get_configurable`), and prints the whole
+  config only as text (`gin.config_str`). The checks that everything bound is read (unread
+  macros, unentered scopes, `%gin.REQUIRED` left unbound), the close-name suggestions and
+  finding the file gin read for a name need to list every binding with its references as
+  objects, every registered selector and the search paths in gin's order. Nothing here
+  changes gin's state.
+  """
+  return _GinState(
+      config=types.MappingProxyType(gin.config._CONFIG),  # pylint: disable=protected-access
+      registry=gin.config._REGISTRY,  # pylint: disable=protected-access
+      search_paths=tuple(gin.config._LOCATION_PREFIXES))  # pylint: disable=protected-access
+
+
 def _references() -> Iterator[tuple[tuple[str, str], Any]]:
   """Every configurable reference (`@name`, `%MACRO`) in the config, with the binding's key."""
-  for key, params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+  for key, params in _gin_state().config.items():
     for ref in gin.config.iterate_references(params):
       yield key, ref
 
@@ -417,7 +467,7 @@ def unreferenced_macros() -> list[str]:
   References count wherever they are: in tuples, lists and dicts, in the bindings of a
   function that another binding calls (`@fn()`), in scoped bindings, in other macros.
   """
-  config = gin.config._CONFIG  # pylint: disable=protected-access
+  config = _gin_state().config
   referenced = set()
   for (scope, selector), ref in _references():
     name = ref.config_key[0]
@@ -436,7 +486,7 @@ def _is_export(name: str) -> bool:
   build the object from the configurable's own bindings instead (`jaxmoral compile` builds
   `partitioning.PjitPartitioner` itself), and those bindings are checked on their own.
   """
-  value = gin.config._CONFIG[(name, _MACRO)].get("value")  # pylint: disable=protected-access
+  value = _macro_value(name)
   return (isinstance(value, gin.config.ConfigurableReference)
           and value.configurable.selector not in (_MACRO, "gin.constant"))
 
@@ -449,7 +499,7 @@ def _unentered_scopes() -> list[tuple[str, str, str, str]]:
   """
   entered = {part for _, ref in _references() for part in ref.scopes}
   unread = []
-  for (scope, selector), params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+  for (scope, selector), params in _gin_state().config.items():
     if selector == _MACRO or not scope:
       continue
     missing = [part for part in scope.split("/") if part not in entered]
@@ -459,14 +509,14 @@ def _unentered_scopes() -> list[tuple[str, str, str, str]]:
 
 def _minimal_selector(selector: str) -> str:
   try:
-    return gin.config._REGISTRY.minimal_selector(selector)  # pylint: disable=protected-access
+    return _gin_state().registry.minimal_selector(selector)
   except (KeyError, ValueError):
     return selector
 
 
 def _parameters(complete_selector: str) -> list[str]:
   """The keyword parameters of a registered configurable (empty if it has no signature)."""
-  configurable = gin.config._REGISTRY.get(complete_selector)  # pylint: disable=protected-access
+  configurable = _gin_state().registry.get(complete_selector)
   try:
     signature = inspect.signature(configurable.wrapped)
   except (AttributeError, TypeError, ValueError):
@@ -493,7 +543,7 @@ def _suggest(names: Sequence[str]) -> str:
 
 def _macros() -> list[str]:
   """Every macro of the parsed config."""
-  config = gin.config._CONFIG  # pylint: disable=protected-access
+  config = _gin_state().config
   return [scope for scope, selector in config if selector == _MACRO]
 
 
@@ -515,7 +565,7 @@ def check_everything_is_read(sources: _BindingSources | None = None, *,
   Raises:
     ValueError: One line naming each unread macro or scope, where it is set, and close names.
   """
-  config = gin.config._CONFIG  # pylint: disable=protected-access
+  config = _gin_state().config
   problems = []
   unread = unreferenced_macros()
   if unread:
@@ -567,7 +617,7 @@ def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> Va
   unknown = _UNKNOWN_CONFIGURABLE.match(message)
   if unknown_param:
     selector, param = unknown_param.group("selector", "param")
-    complete = gin.config._REGISTRY.get_match(selector)  # pylint: disable=protected-access
+    complete = _gin_state().registry.get_match(selector)
     names = _parameters(complete.selector) if complete else []
     close = [f"{selector}.{name}" for name in _close(param, names)]
     return ValueError(f"gin: {selector} has no parameter {param!r}{where}"
@@ -577,7 +627,7 @@ def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> Va
     depth = selector.count(".") + 1
     # Compared with the registered names cut to as many dotted parts as the one given.
     suffixes = [".".join(complete.split(".")[-depth:])
-                for complete, _ in gin.config._REGISTRY.items()]  # pylint: disable=protected-access
+                for complete, _ in _gin_state().registry.items()]
     return ValueError(f"gin: no configurable {selector!r} is registered (misspelt, or its "
                       f"module not imported){where}{_suggest(_close(selector, suffixes))}")
   return ValueError(f"gin: {' '.join(message.split())}{where}")
@@ -596,7 +646,7 @@ def unbound_required() -> list[str]:
   before calling anything and names what is missing.
   """
   missing = []
-  for (scope, selector), params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+  for (scope, selector), params in _gin_state().config.items():
     for param, value in params.items():
       if _is_required(value):
         missing.append(scope if selector == "gin.macro" else f"{selector}.{param}")
@@ -650,7 +700,7 @@ def bound_value(selector: str, param: str) -> Any:
     if not (isinstance(value, gin.config.ConfigurableReference)
             and value.configurable.selector == _MACRO):
       break
-    value = gin.config._CONFIG.get(value.config_key, {}).get("value")  # pylint: disable=protected-access
+    value = _macro_value(value.config_key[0])
   return value
 
 
@@ -679,7 +729,7 @@ def _complete(selector: str) -> str:
   'jaxmoral.runs.train_run') when it names one configurable; else as written (a module this
   process has not imported). A scope prefix ('ppo/...') is kept."""
   scope, _, name = selector.rpartition("/")
-  matches = gin.config._REGISTRY.matching_selectors(name)  # pylint: disable=protected-access
+  matches = _gin_state().registry.matching_selectors(name)
   complete = matches[0] if len(matches) == 1 else name
   return f"{scope}/{complete}" if scope else complete
 
