@@ -31,7 +31,7 @@ import re
 import sys
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
-from jaxmoral import compilation_cache, gin_utils, preemption
+from jaxmoral import compilation_cache, fileio, gin_utils, preemption
 
 # Sub-commands whose work is a gin-configured library function: (module, function).
 GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -490,15 +490,15 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
     from jaxmoral import aot
     gin_utils.parse_gin(gin_args)
     if args.report:
-      gin_utils.check_writable(args.report)
+      fileio.check_writable(args.report)
     aot.compile_for_topology(topology=args.topology, report_path=args.report)
   elif args.command == "vocab":
     from jaxmoral.data import vocab
-    gin_utils.check_writable(args.output_dir, directory=True)
+    fileio.check_writable(args.output_dir, directory=True)
     print(vocab.build_demo_vocabulary(output_dir=args.output_dir))
   elif args.command == "demo":
     from jaxmoral import demo
-    gin_utils.check_writable(args.workdir, directory=True)
+    fileio.check_writable(args.workdir, directory=True)
     only = tuple(args.only.split(",")) if args.only else None
     demo.run_all(workdir=args.workdir, only=only)
   else:

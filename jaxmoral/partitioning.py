@@ -519,3 +519,22 @@ def processes_that_differ(text: str) -> list[int]:
   everywhere = np.asarray(multihost_utils.process_allgather(digest))
   everywhere = everywhere.reshape(jax.process_count(), -1)
   return [i for i in range(1, len(everywhere)) if not np.array_equal(everywhere[i], everywhere[0])]
+
+
+def check_same_config_on_every_process() -> None:
+  """Refuses a multi-process job whose processes parsed different gin configurations.
+
+  Their programs would differ (a learning rate, a step count), and collectives between
+  different programs hang or compute nonsense without an error. Compared before relative
+  paths are resolved, which may legitimately differ from host to host. A no-op for one process.
+
+  Raises:
+    ValueError: Naming the processes that differ from process 0.
+  """
+  if not jax.distributed.is_initialized():
+    return
+  differing = processes_that_differ(gin.config_str())
+  if differing:
+    raise ValueError(f"gin: process {', '.join(map(str, differing))} of {jax.process_count()} "
+                     "parsed another configuration than process 0 (gin files, bindings or "
+                     "flags): every process of a job must be started with the same ones")

@@ -329,7 +329,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                        eval_every=eval_every, eval_steps=eval_steps,
                        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                        log_every=log_every)
-  gin_utils.check_writable(model_dir, directory=True)
+  fileio.check_writable(model_dir, directory=True)
   partitioner = partitioner or partitioning.PjitPartitioner()
   if fileio.is_url(model_dir):
     checkpoints.make_run_dir(model_dir)  # Bucket, credentials, endpoint: checked first.
@@ -426,7 +426,7 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   """
   out_path = fileio.path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
   if fileio.isdir(model_dir):  # A missing model dir: model_dirs.load says so.
-    gin_utils.check_writable(out_path)
+    fileio.check_writable(out_path)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
   partitioner = loaded.partitioner
   model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
@@ -531,7 +531,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
                        f"--gin.{macro}=PATH (input: plain text, one input a line, or JSONL; "
                        f"output: JSONL)")
   texts = _read_infer_inputs(input_file, input_field)
-  gin_utils.check_writable(output_file)
+  fileio.check_writable(output_file)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
   partitioner = loaded.partitioner
   model, vocabulary = t5.T5(loaded.config), loaded.vocabulary
@@ -599,7 +599,7 @@ def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
                overwrite: bool = False,
                partitioner: Optional[partitioning.PjitPartitioner] = None) -> str:
   """`jaxmoral export`: see `model_dirs.export_model` (its output checked writable first)."""
-  gin_utils.check_writable(output_dir, directory=True)
+  fileio.check_writable(output_dir, directory=True)
   return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
                                  output_format=output_format, overwrite=overwrite,
                                  partitioner=partitioner)
