@@ -40,6 +40,7 @@ import re
 from typing import Any, Mapping, Optional
 
 import flax
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -457,6 +458,14 @@ def decode_weights(model: Any, params: PyTree, partitioner: Any = None) -> Any:
   """
   from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
   if partitioner is not None and partitioner.mesh.size > 1:
+    try:  # A backend named in gin is used, or refused: never accepted and ignored.
+      named = gin.query_parameter("decoding.prepare_decode_weights.backend")
+    except ValueError:
+      named = "auto"
+    if named not in ("auto", "xla"):
+      decoding.get_backend(named)  # An unknown name is the same error as on one device.
+      raise ValueError(f"decoding backend {named!r} prepares weights on one device; this model "
+                       f"is sharded over {partitioner.mesh.size} devices (use 'auto' or 'xla')")
     return None
   return decoding.prepare_decode_weights(model, params, partitioner=partitioner)
 
