@@ -31,7 +31,7 @@ import re
 import sys
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
-from jaxmoral import compilation_cache, fileio, gin_utils, preemption
+from jaxmoral import compilation_cache, fileio, gin_utils, preemption, runtime
 
 # Sub-commands whose work is a gin-configured library function: (module, function).
 GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -410,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   # Before anything imports JAX (the commands below do).
   platforms_without_absent_tpu()
+  runtime.configure()
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   try:
