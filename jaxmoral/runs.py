@@ -33,6 +33,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import gin
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 import optax
@@ -74,6 +75,22 @@ class DataSpec(Protocol):
   def resumed(self, saved: Mapping[str, Any]) -> "DataSpec":
     """This data as a resumed run reads it, given the run's saved `settings()` ({} when it
     saved none): what fixes a run's examples (its held-out split) stays the run's own."""
+
+
+def seq2seq_batch_shapes(*, batch_size: int, feature_lengths: Mapping[str, int],
+                         pack: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Global batch shapes and dtypes of the T5X seq2seq features."""
+  for key in ("inputs", "targets"):
+    if key not in feature_lengths:
+      raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
+  enc = (batch_size, int(feature_lengths["inputs"]))
+  dec = (batch_size, int(feature_lengths["targets"]))
+  names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+           "decoder_target_tokens": dec, "decoder_loss_weights": dec}
+  if pack:
+    names.update({"encoder_segment_ids": enc, "encoder_positions": enc,
+                  "decoder_segment_ids": dec, "decoder_positions": dec})
+  return {k: (v, jnp.int32) for k, v in names.items()}
 
 
 @gin.configurable
@@ -200,9 +217,8 @@ class Seq2SeqData:
   def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, tuple[tuple[int, ...], Any]]:
     """Global batch shapes (for `jaxmoral compile`)."""
-    from jaxmoral import aot  # pylint: disable=g-import-not-at-top
-    return aot.seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
-                                    pack=self.pack)
+    return seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
+                                pack=self.pack)
 
   def settings(self) -> dict[str, Any]:
     return {"kind": "seq2seq", **({"heldout": self.heldout} if self._splits_file else {})}
