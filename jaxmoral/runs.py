@@ -2,7 +2,7 @@
 
 `train_run` is the one training entry point of every supervised method (T5X's `train`): gin
 injects what is trained (`model`: a `jaxmoral.models.trainable.TrainableModel` such as
-`Seq2SeqModel`, `diamante.model.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
+`Seq2SeqModel`, `diamante.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
 data it reads (`data`: a `DataSpec` such as `Seq2SeqData` or `diamante.data.DialogueData`), so
 every method gets `init_checkpoint`, resume, run files and per-host data sharding from here.
 
