@@ -16,6 +16,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxmoral import decoding
+from jaxmoral import optimizers
+from jaxmoral import partitioning
+from jaxmoral import runs
+from jaxmoral.models import config as config_lib
+from jaxmoral.models import trainable
+
 PARTS = ("core", "npov", "diamante", "clarify")
 
 # -- what the papers found, and whether a demo run agrees ------------------------------------
@@ -186,12 +193,6 @@ def _banner(text: str) -> None:
 
 def run_core_demo(*, workdir: str | os.PathLike[str]) -> dict[str, Any]:
   """The T5X-style core: train a tiny T5 1.1 on the demo mixture, evaluate, infer, export."""
-  from jaxmoral import decoding
-  from jaxmoral import optimizers
-  from jaxmoral import partitioning
-  from jaxmoral import runs
-  from jaxmoral.models import config as config_lib
-  from jaxmoral.models import trainable
 
   workdir = pathlib.Path(workdir)
   model_dir = workdir / "run"

@@ -180,7 +180,7 @@ def check_same_config_on_every_process() -> None:
   import jax  # pylint: disable=import-outside-toplevel
   if not jax.distributed.is_initialized():
     return
-  from jaxmoral import partitioning  # pylint: disable=import-outside-toplevel
+  from jaxmoral import partitioning  # Imported here: keeps --help fast (jax).
   differing = partitioning.processes_that_differ(gin.config_str())
   if differing:
     raise ValueError(f"gin: process {', '.join(map(str, differing))} of {jax.process_count()} "

@@ -47,7 +47,11 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jaxmoral import checkpoints
+from jaxmoral import decoding
+from jaxmoral import partitioning
+from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import hf_import
+from jaxmoral.models import t5
 from jaxmoral.models import t5x_import
 from jaxmoral.models.config import T5Config
 
@@ -90,7 +94,6 @@ def vocabulary_path(directory: str | os.PathLike) -> Optional[pathlib.Path]:
 
 
 def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   extra = spm.parent / EXTRA_IDS_FILE
   if extra.is_file():
     return int(extra.read_text())
@@ -105,7 +108,6 @@ def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
 
 def vocabulary_from_file(path: str | os.PathLike) -> Any:
   """The seqio vocabulary of a SentencePiece `.model` file (extra ids read beside it)."""
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   path = pathlib.Path(path)
   return vocab_lib.get_vocabulary(path, extra_ids=_extra_ids(path.parent, path))
 
@@ -116,7 +118,6 @@ def load_vocabulary(directory: str | os.PathLike) -> Any:
   spm = vocabulary_path(directory)
   if spm is None:
     return None
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   return vocab_lib.get_vocabulary(spm, extra_ids=_extra_ids(directory, spm))
 
 
@@ -382,7 +383,6 @@ class LoadedModel:
 
   def module(self) -> Any:
     """The linen T5 these parameters belong to."""
-    from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
     return t5.T5(self.config, with_scalar_head=self.has_scalar_head)
 
 
@@ -395,7 +395,6 @@ def param_shardings(config: T5Config, partitioner: Any, *,
 @functools.lru_cache(maxsize=32)
 def _param_shardings(config: T5Config, partitioner: Any, with_scalar_head: bool) -> PyTree:
   # Cached: the jitted functions of a loaded model take it as their parameters' in_shardings.
-  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
   model = t5.T5(config, with_scalar_head=with_scalar_head)
   with partitioner.context():
     boxed = jax.eval_shape(lambda rng: t5.init_params(model, rng),
@@ -410,7 +409,6 @@ def decode_weights(model: Any, params: PyTree, partitioner: Any = None) -> Any:
   CPU kernels or XLA's stacks); a model sharded over a larger mesh stacks XLA's kernels inside
   each call rather than keep a second copy of its decoder weights.
   """
-  from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
   if partitioner is not None and partitioner.mesh.size > 1:
     return None
   return decoding.prepare_decode_weights(model, params, partitioner=partitioner)
@@ -525,7 +523,6 @@ def load_on_mesh(source: str | os.PathLike, *, partitioner: Any = None,
     partitioner: The mesh and logical-axis rules (None: the default).
     **kwargs: `load`'s other arguments (step, dtype, config, vocabulary, ...).
   """
-  from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
   return load(source, partitioner=partitioning.inference_partitioner(partitioner), **kwargs)
 
 

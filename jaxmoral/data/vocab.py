@@ -17,6 +17,8 @@ import gin
 import seqio
 import sentencepiece as spm
 
+from jaxmoral.data import demo
+
 DEMO_DIR = pathlib.Path(__file__).resolve().parent / "demo"
 DEMO_VOCAB_SIZE = 400  # + 100 extra ids = 500 <= the tiny model's 512 rows.
 T5_EXTRA_IDS = 100
@@ -104,7 +106,6 @@ def get_vocabulary(path: Optional[str | os.PathLike], *,
 
 def demo_texts() -> list[str]:
   """Every text field of the bundled demo corpus (the vocabulary's training data)."""
-  from jaxmoral.data import demo  # Local import: demo imports readers, not vocab.
   return demo.all_texts()
 
 

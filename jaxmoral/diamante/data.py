@@ -25,6 +25,8 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequenc
 import gin
 import numpy as np
 
+from jaxmoral.data import pipeline
+from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.readers import DataError, read_jsonl, unknown_field
 from jaxmoral.models.t5 import shift_right
 
@@ -484,7 +486,6 @@ class DialogueData:
         raise ValueError(f"DialogueData.{name}: no such file {value!r}")
 
   def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
-    from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
     self._check_files()
     if self.vocab_path is not None:
       return vocab_lib.get_vocabulary(self.vocab_path)
@@ -509,7 +510,6 @@ class DialogueData:
     train = read_dialogues(self.train_path)
     held_out = read_dialogues(self.eval_path) if self.eval_path else None
     if self.pairs:
-      from jaxmoral.data import pipeline  # pylint: disable=g-import-not-at-top
       make = lambda turns, s: pipeline.BatchSource(  # noqa: E731
           features=pair_features(turns, vocabulary, features), batch_size=batch_size, seed=s)
     else:

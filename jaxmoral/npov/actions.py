@@ -19,6 +19,7 @@ import gin
 from jaxmoral.npov import detect
 from jaxmoral.npov import evaluate
 from jaxmoral.npov import knowledge_base as kb_lib
+from jaxmoral.npov import plots
 from jaxmoral.npov import synthetic
 from jaxmoral.npov import task
 
@@ -74,7 +75,6 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
   records = []
   detections = []
   if heatmap_dir and detector == "salience":
-    from jaxmoral.npov import plots  # pylint: disable=g-import-not-at-top  # matplotlib: heavy
     os.makedirs(heatmap_dir, exist_ok=True)
     for e in examples:
       word_map = det.word_map(e)

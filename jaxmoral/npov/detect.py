@@ -8,7 +8,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional
 
+from jaxmoral import model_dirs
+from jaxmoral import prompt_tuning
+from jaxmoral.models.t5 import T5
+from jaxmoral.npov.detectors import classifier
 from jaxmoral.npov.detectors import rouge
+from jaxmoral.npov.detectors import salience
 
 DETECTORS = ("rouge", "salience", "classifier")
 
@@ -20,7 +25,6 @@ def load_base(base_dir: str, *, vocabulary_path: Optional[str] = None,
   """The base model: a `model_dirs.LoadedModel` of any model directory (or Hub id), with its
   vocabulary (or `vocabulary_path`'s), in the shardings of `partitioner`
   (`partitioning.inference_partitioner`: default one device)."""
-  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   return model_dirs.load_on_mesh(base_dir, vocabulary=vocabulary_path, partitioner=partitioner)
 
 
@@ -37,8 +41,6 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
     return rouge.RougeDetector()
   if base_dir is None:
     raise ValueError(f"detector {name!r} needs base_dir (the base model's directory)")
-  from jaxmoral import prompt_tuning  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models.t5 import T5  # pylint: disable=g-import-not-at-top
   base = load_base(base_dir, vocabulary_path=vocabulary_path, partitioner=partitioner)
   if base.vocabulary is None:
     raise ValueError(f"detector {name!r}: {base_dir} has no vocabulary (vocab/spiece.model); "
@@ -46,13 +48,11 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
   model = T5(base.config)
   params = base.lm_params
   if name == "salience":
-    from jaxmoral.npov.detectors import salience  # pylint: disable=g-import-not-at-top
     prompt = prompt_tuning.load_prompt(generator_dir)[0] if generator_dir else None
     return salience.SalienceDetector(
         model=model, params=params, tokenizer=salience.SentencePieceTokenizer(base.vocabulary),
         prompt=prompt, config=salience_config or salience.SalienceConfig(),
         partitioner=base.partitioner)
-  from jaxmoral.npov.detectors import classifier  # pylint: disable=g-import-not-at-top
   dirs = dict(classifier_dirs or {})
   missing = [e for e in classifier.ERROR_TYPES if e not in dirs]
   if missing:

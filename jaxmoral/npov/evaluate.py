@@ -22,6 +22,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from jaxmoral import metrics
+from jaxmoral.npov import plots
 from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
@@ -136,7 +137,6 @@ def write_results(results: Mapping[str, Any], output_dir: str | os.PathLike, *,
   with open(paths["table"], "w", encoding="utf-8") as f:
     f.write(format_table(results) + "\n")
   if plot:
-    from jaxmoral.npov import plots  # pylint: disable=g-import-not-at-top
     for name, by_detector in results.items():
       path = os.path.join(output_dir, f"roc_{name}.png")
       if plots.roc_curves_png(by_detector, path, title=name):

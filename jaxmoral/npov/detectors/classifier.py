@@ -20,8 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import model_dirs, runs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
+from jaxmoral.data import readers
+from jaxmoral.models import trainable
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
 from jaxmoral.npov import task
@@ -80,9 +83,6 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
   """
   if tuning not in TUNINGS:
     raise ValueError(f"train_classifier: tuning must be one of {TUNINGS}, got {tuning!r}")
-  from jaxmoral import model_dirs, runs  # pylint: disable=g-import-not-at-top
-  from jaxmoral.data import readers  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
   inputs, targets = training_pairs(examples, error=error)
   if not inputs or len(set(targets)) < 2:
     raise ValueError(f"train_classifier({error}): need examples of both labels, got "
