@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from jaxmoral import partitioning
 from jaxmoral import runs
+from jaxmoral import validation
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +119,7 @@ def get_topology(topology: str, *, num_slices: int = 1) -> Topology:
   Raises:
     ValueError: Malformed or unknown topology, too few CPU devices, or libtpu missing.
   """
-  if not isinstance(num_slices, int) or num_slices < 1:
-    raise ValueError(f"get_topology: num_slices must be a positive int, got {num_slices!r}")
+  validation.positive_int(num_slices, "get_topology: num_slices")
   match = _TOPOLOGY_RE.match(topology.strip().lower()) if isinstance(topology, str) else None
   if match is None:
     raise ValueError(f"topology {topology!r}: expected '<chip>:<shape>' such as 'v5e:8x8', "

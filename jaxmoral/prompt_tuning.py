@@ -37,6 +37,7 @@ from jaxmoral import checkpoints
 from jaxmoral import losses
 from jaxmoral import optimizers
 from jaxmoral import train as train_lib
+from jaxmoral import validation
 from jaxmoral.models import trainable
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
@@ -72,8 +73,7 @@ class PromptConfig:
   uniform_scale: float = 0.5
 
   def __post_init__(self):
-    if not isinstance(self.length, int) or self.length <= 0:
-      raise ValueError(f"PromptConfig.length must be a positive int, got {self.length!r}")
+    validation.positive_int(self.length, "PromptConfig.length")
     if self.init not in ("vocab_sample", "words", "uniform"):
       raise ValueError(f"PromptConfig.init: unknown {self.init!r}; use vocab_sample, words, "
                        "uniform")

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequenc
 import gin
 import numpy as np
 
+from jaxmoral import validation
 from jaxmoral.data import pipeline
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.readers import DataError, read_jsonl, unknown_field
@@ -349,8 +350,7 @@ class QuadrupleSource:
   shard_count: int = 1
 
   def __post_init__(self):
-    if not isinstance(self.batch_size, int) or self.batch_size < 1:
-      raise ValueError(f"QuadrupleSource.batch_size must be a positive int, got {self.batch_size}")
+    validation.positive_int(self.batch_size, "QuadrupleSource.batch_size")
     if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
       raise ValueError(f"QuadrupleSource.shard_index {self.shard_index} not in "
                        f"[0, shard_count={self.shard_count})")
@@ -475,8 +475,7 @@ class DialogueData:
   pairs: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
-      raise ValueError(f"DialogueData.vocab_size must be a positive int, got {self.vocab_size!r}")
+    validation.positive_int(self.vocab_size, "DialogueData.vocab_size")
 
   def _check_files(self) -> None:
     """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
