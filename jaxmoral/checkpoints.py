@@ -45,7 +45,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import threading

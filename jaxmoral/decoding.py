@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import losses
+from jaxmoral import validation
 from jaxmoral.models.ops import DecodeStepOps
 from jaxmoral.models.t5 import T5, shift_right
 
@@ -115,8 +116,8 @@ class SampleConfig:
   return_raw_logprobs: bool = False
 
   def __post_init__(self):
-    _check_positive_int("max_decode_length", self.max_decode_length)
-    _check_positive_int("num_samples", self.num_samples)
+    validation.positive_int(self.max_decode_length, "SampleConfig.max_decode_length")
+    validation.positive_int(self.num_samples, "SampleConfig.num_samples")
     if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
       raise ValueError(f"SampleConfig.temperature must be > 0 (use greedy=True for argmax), "
                        f"got {self.temperature!r}")
@@ -152,18 +153,13 @@ class BeamSearchConfig:
   eos_id: int = 1
 
   def __post_init__(self):
-    _check_positive_int("beam_size", self.beam_size, owner="BeamSearchConfig")
-    _check_positive_int("max_decode_length", self.max_decode_length, owner="BeamSearchConfig")
+    validation.positive_int(self.beam_size, "BeamSearchConfig.beam_size")
+    validation.positive_int(self.max_decode_length, "BeamSearchConfig.max_decode_length")
     if not isinstance(self.length_penalty, (int, float)):
       raise ValueError(f"BeamSearchConfig.length_penalty must be a number, "
                        f"got {self.length_penalty!r}")
     if not isinstance(self.eos_id, int) or self.eos_id < 0:
       raise ValueError(f"BeamSearchConfig.eos_id must be an int >= 0, got {self.eos_id!r}")
-
-
-def _check_positive_int(name: str, value: Any, owner: str = "SampleConfig") -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-    raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
 
 
 # -- shared pieces ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoral import software
+from jaxmoral import validation
 
 PyTree = Any
 LogicalRules = Sequence[tuple[str, Optional[str | tuple[str, ...]]]]
@@ -139,10 +140,8 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
       raise ValueError(f"get_mesh: num_partitions={num_partitions} disagrees with "
                        f"model_parallel_submesh={submesh} (product {math.prod(submesh)})")
     num_partitions = math.prod(submesh)
-  if not isinstance(num_partitions, int) or num_partitions <= 0:
-    raise ValueError(f"get_mesh: num_partitions must be a positive int, got {num_partitions!r}")
-  if not isinstance(num_slices, int) or num_slices <= 0:
-    raise ValueError(f"get_mesh: num_slices must be a positive int, got {num_slices!r}")
+  validation.positive_int(num_partitions, "get_mesh: num_partitions")
+  validation.positive_int(num_slices, "get_mesh: num_slices")
   if len(devices) % (num_partitions * num_slices):
     raise ValueError(f"get_mesh: {len(devices)} devices cannot be split into num_slices="
                      f"{num_slices} x num_partitions={num_partitions}")

@@ -2,7 +2,7 @@
 
 `train_run` is the one training entry point of every supervised method (T5X's `train`): gin
 injects what is trained (`model`: a `jaxmoral.models.trainable.TrainableModel` such as
-`Seq2SeqModel`, `diamante.model.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
+`Seq2SeqModel`, `diamante.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
 data it reads (`data`: a `DataSpec` such as `Seq2SeqData` or `diamante.data.DialogueData`), so
 every method gets `init_checkpoint`, resume, run files and per-host data sharding from here.
 
@@ -34,6 +34,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import gin
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 import optax
@@ -76,6 +77,22 @@ class DataSpec(Protocol):
   def resumed(self, saved: Mapping[str, Any]) -> "DataSpec":
     """This data as a resumed run reads it, given the run's saved `settings()` ({} when it
     saved none): what fixes a run's examples (its held-out split) stays the run's own."""
+
+
+def seq2seq_batch_shapes(*, batch_size: int, feature_lengths: Mapping[str, int],
+                         pack: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Global batch shapes and dtypes of the T5X seq2seq features."""
+  for key in ("inputs", "targets"):
+    if key not in feature_lengths:
+      raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
+  enc = (batch_size, int(feature_lengths["inputs"]))
+  dec = (batch_size, int(feature_lengths["targets"]))
+  names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+           "decoder_target_tokens": dec, "decoder_loss_weights": dec}
+  if pack:
+    names.update({"encoder_segment_ids": enc, "encoder_positions": enc,
+                  "decoder_segment_ids": dec, "decoder_positions": dec})
+  return {k: (v, jnp.int32) for k, v in names.items()}
 
 
 @gin.configurable
@@ -206,9 +223,8 @@ class Seq2SeqData:
   def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, tuple[tuple[int, ...], Any]]:
     """Global batch shapes (for `jaxmoral compile`)."""
-    from jaxmoral import aot  # pylint: disable=g-import-not-at-top
-    return aot.seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
-                                    pack=self.pack)
+    return seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
+                                pack=self.pack)
 
   def settings(self) -> dict[str, Any]:
     return {"kind": "seq2seq", **({"heldout": self.heldout} if self._splits_file else {})}

@@ -20,7 +20,7 @@ class _Recording(ctypes.CDLL):
     return super().__getattr__(name)
 ctypes.CDLL = _Recording
 before = os.environ.get("XLA_FLAGS")
-import jaxmoral, jaxmoral.decoding, jaxmoral.models.api, jaxmoral.models.t5
+import jaxmoral, jaxmoral.decoding, jaxmoral.api, jaxmoral.models.t5
 from jaxmoral import runtime
 imported = {"flags": os.environ.get("XLA_FLAGS"), "mallopt": list(looked_up)}
 first = runtime.configure()

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import gin
 
+from jaxmoral import validation
+
 FeedForward = Literal["relu", "gated-gelu", "gated-relu", "gated-silu"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["auto", "einsum", "cudnn", "pallas", "pallas_gpu"]
@@ -105,8 +107,7 @@ class T5Config:
                  "num_encoder_layers", "num_decoder_layers",
                  "relative_attention_num_buckets", "relative_attention_max_distance"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"T5Config.{name} must be a positive int, got {value!r}")
+      validation.positive_int(value, f"T5Config.{name}")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"T5Config.dropout_rate must be in [0, 1), got {self.dropout_rate}")
     if self.feed_forward_proj not in ("relu", "gated-gelu", "gated-relu", "gated-silu"):
