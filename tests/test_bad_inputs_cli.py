@@ -301,8 +301,9 @@ def test_jax_platforms_leave_out_an_absent_tpu(monkeypatch):
   assert runtime.platforms_without_absent_tpu(environ) == "cpu" and environ == {
       "JAX_PLATFORMS": "cpu"}
   environ = {"JAX_PLATFORMS": ""}  # The user's choice (here: JAX's automatic one) stays.
-  assert runtime.platforms_without_absent_tpu(environ) is None and environ == {"JAX_PLATFORMS": ""}
-  monkeypatch.setattr(cli, "_TPU_DEVICES", (str(ROOT / "README*"),))  # "A TPU is here."
+  assert (runtime.platforms_without_absent_tpu(environ) is None
+          and environ == {"JAX_PLATFORMS": ""})
+  monkeypatch.setattr(runtime, "_TPU_DEVICES", (str(ROOT / "README*"),))  # "A TPU is here."
   assert runtime.platforms_without_absent_tpu({}) is None
 
 
