@@ -32,7 +32,6 @@ import textwrap
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import gin
-
 from jaxmoral import gin_utils
 
 HELP_FLAGS = ("-h", "--help")

@@ -32,10 +32,10 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-import gin
 import jax
 import jax.numpy as jnp
 
+import gin
 from jaxmoral import partitioning
 
 logger = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ GiB = 1024 ** 3
 class DoesNotFitError(ValueError):
   """The compiled step needs more memory per chip than the chip has."""
 
-  def __init__(self, message: str, report: "CompileReport"):
+  def __init__(self, message: str, report: CompileReport):
     super().__init__(message)
     self.report = report
 

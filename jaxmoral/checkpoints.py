@@ -45,7 +45,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import threading
@@ -53,13 +52,16 @@ import uuid
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+from jax.sharding import Sharding
 
+import gin
 from jaxmoral import fileio
 
 PyTree = Any
@@ -458,7 +460,7 @@ LOCK_FILE = "train.lock"
 # restarted elsewhere would otherwise be locked out for good).
 LOCK_HEARTBEAT_S = 60.0
 LOCK_STALE_AFTER_S = 900.0
-_held_locks: dict[str, "_HeldLock"] = {}
+_held_locks: dict[str, _HeldLock] = {}
 _held_locks_guard = threading.Lock()
 
 
@@ -616,7 +618,7 @@ class RunDirLock:
         return None
     return f"{self.path}: could not take the lock (it keeps changing); another run is starting"
 
-  def acquire(self) -> "RunDirLock":
+  def acquire(self) -> RunDirLock:
     """Takes the lock (or raises `RunDirLockedError` naming the holder)."""
     error = None
     if jax.process_index() == 0:
@@ -662,7 +664,7 @@ class RunDirLock:
         except FileNotFoundError:
           pass
 
-  def __enter__(self) -> "RunDirLock":
+  def __enter__(self) -> RunDirLock:
     return self.acquire()
 
   def __exit__(self, *exc: Any) -> None:
@@ -904,7 +906,7 @@ class CheckpointManager:
     finally:
       self._manager.close()
 
-  def __enter__(self) -> "CheckpointManager":
+  def __enter__(self) -> CheckpointManager:
     return self
 
   def __exit__(self, *exc: Any) -> None:
@@ -1072,7 +1074,7 @@ def _without_read_only_notice():
     absl_logger.removeFilter(notice_filter)
 
 
-def _run_manager(model_dir: str) -> "ocp.CheckpointManager":
+def _run_manager(model_dir: str) -> ocp.CheckpointManager:
   """A read-only Orbax manager of a run's checkpoint directory."""
   if not fileio.isdir(model_dir):
     raise FileNotFoundError(f"{model_dir}: no such run directory")

@@ -31,7 +31,9 @@ import re
 import sys
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
-from jaxmoral import compilation_cache, gin_utils, preemption
+from jaxmoral import compilation_cache
+from jaxmoral import gin_utils
+from jaxmoral import preemption
 
 # Sub-commands whose work is a gin-configured library function: (module, function).
 GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -480,7 +482,8 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
     module, function, _ = GIN_COMMANDS[args.command]
     _call_with_gin(module, function, gin_args)
   elif args.command == "export":
-    from jaxmoral import partitioning, runs
+    from jaxmoral import partitioning
+    from jaxmoral import runs
     partitioner = (partitioning.PjitPartitioner(num_partitions=args.num_partitions)
                    if args.num_partitions else None)
     runs.export_run(model_dir=args.model_dir, output_dir=args.output, step=args.step,

@@ -41,14 +41,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gin
 from jaxmoral import losses
 from jaxmoral.models import t5 as t5_lib
-from jaxmoral.models.t5 import T5, shift_right
+from jaxmoral.models.t5 import T5
+from jaxmoral.models.t5 import shift_right
 
 Array = jax.Array
 Params = Any

@@ -252,7 +252,7 @@ class BootstrapCI(tuple):
   """
 
   def __new__(cls, estimate: float, low: float, high: float, *, confidence: float,
-              num_resamples: int, num_skipped: int) -> "BootstrapCI":
+              num_resamples: int, num_skipped: int) -> BootstrapCI:
     self = super().__new__(cls, (estimate, low, high))
     self.confidence = confidence
     self.num_resamples = num_resamples

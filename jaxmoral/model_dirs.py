@@ -212,8 +212,8 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
       get it there.
   """
   try:
-    from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
     from huggingface_hub import errors as hub_errors  # pylint: disable=g-import-not-at-top
+    from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise FileNotFoundError(f"{repo_id!r} is neither a local folder nor loadable as a Hub id: "
                             "huggingface_hub is not installed") from None

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numbers
 from typing import Callable, Optional, Union
 
-import gin
 import jax
 import jax.numpy as jnp
 import optax
 
+import gin
 from jaxmoral import adafactor
 
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]
@@ -165,7 +165,7 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
                    clipping_threshold: Optional[float] = 1.0,
                    multiply_by_parameter_scale: bool = True, factored: bool = True,
                    min_dim_size_to_factor: int = 128,
-                   group_same_shapes: Optional[bool] = None) -> "Optimizer":
+                   group_same_shapes: Optional[bool] = None) -> Optimizer:
   """An optax optimizer.
 
   Args:

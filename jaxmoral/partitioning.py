@@ -27,12 +27,14 @@ import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
+import gin
 from jaxmoral import software
 
 PyTree = Any
@@ -315,7 +317,7 @@ class PjitPartitioner:
     return self.mesh.shape[DATA_AXIS]
 
   @contextlib.contextmanager
-  def context(self) -> Iterator["PjitPartitioner"]:
+  def context(self) -> Iterator[PjitPartitioner]:
     """Mesh and axis rules active: the model's logical constraints apply inside."""
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       yield self
@@ -393,7 +395,7 @@ class PjitPartitioner:
 
   def partition(self, fn: Callable[..., Any], *, in_shardings: Any, out_shardings: Any,
                 donate_argnums: int | Sequence[int] = (),
-                static_argnums: int | Sequence[int] = ()) -> "PartitionedFunction":
+                static_argnums: int | Sequence[int] = ()) -> PartitionedFunction:
     """`jax.jit` with shardings; traced and run inside `context()` (model constraints apply).
 
     Returns:
@@ -405,16 +407,16 @@ class PjitPartitioner:
 
 
 @functools.lru_cache(maxsize=1)
-def _one_device_partitioner() -> "PjitPartitioner":
+def _one_device_partitioner() -> PjitPartitioner:
   return PjitPartitioner(devices=jax.local_devices()[:1])
 
 
 @functools.lru_cache(maxsize=1)
-def _all_devices_partitioner() -> "PjitPartitioner":
+def _all_devices_partitioner() -> PjitPartitioner:
   return PjitPartitioner()
 
 
-def inference_partitioner(partitioner: Optional["PjitPartitioner"] = None) -> "PjitPartitioner":
+def inference_partitioner(partitioner: Optional[PjitPartitioner] = None) -> PjitPartitioner:
   """The mesh a command that loads a model runs on (eval, infer, export, the methods' models).
 
   The given partitioner (the run's PARTITIONER, as gin binds it); else one device in a

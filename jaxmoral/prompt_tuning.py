@@ -28,11 +28,11 @@ import os
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gin
 from jaxmoral import losses
 from jaxmoral import train as train_lib
 from jaxmoral.models import trainable

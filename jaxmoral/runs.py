@@ -32,12 +32,12 @@ import tempfile
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
-import gin
 import jax
-from jax.experimental import multihost_utils
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
+import gin
 from jaxmoral import checkpoints
 from jaxmoral import decoding
 from jaxmoral import fileio
@@ -73,7 +73,7 @@ class DataSpec(Protocol):
   def settings(self) -> dict[str, Any]:
     """What inference needs to know about the data (saved in settings.json["data"])."""
 
-  def resumed(self, saved: Mapping[str, Any]) -> "DataSpec":
+  def resumed(self, saved: Mapping[str, Any]) -> DataSpec:
     """This data as a resumed run reads it, given the run's saved `settings()` ({} when it
     saved none): what fixes a run's examples (its held-out split) stays the run's own."""
 
@@ -129,7 +129,7 @@ class Seq2SeqData:
     """Whether the held-out pairs come out of `train_file` (no `eval_file`)."""
     return self.train_file is not None and self.eval_file is None
 
-  def resumed(self, saved: Mapping[str, Any]) -> "Seq2SeqData":
+  def resumed(self, saved: Mapping[str, Any]) -> Seq2SeqData:
     """Keeps the run's held-out rule; a seq2seq run that saved none held out by position (a
     model directory with no record of its data, e.g. a Hub checkpoint, changes nothing)."""
     if not self._splits_file or saved.get("kind") != "seq2seq":

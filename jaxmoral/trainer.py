@@ -35,9 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
-from jaxmoral import losses, optimizers, partitioning
+from jaxmoral import losses
+from jaxmoral import optimizers
+from jaxmoral import partitioning
 
 PyTree = Any
 Params = Mapping[str, Any]

@@ -17,9 +17,9 @@ import pathlib
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-import gin
 import jax
 
+import gin
 from jaxmoral import partitioning
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
@@ -139,7 +139,8 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
   """
   # Imported here, not at the top: loaded while gin parses, Diamante's `chat` would make
   # `chat.chat` bindings of user configs ambiguous.
-  from jaxmoral.diamante.chat import NOT_UTF8, read_line  # pylint: disable=g-import-not-at-top
+  from jaxmoral.diamante.chat import NOT_UTF8  # pylint: disable=g-import-not-at-top
+  from jaxmoral.diamante.chat import read_line  # pylint: disable=g-import-not-at-top
   input_fn = input_fn or read_line
   if max_turns <= 0:
     raise ValueError(f"chat: max_turns must be positive, got {max_turns}")

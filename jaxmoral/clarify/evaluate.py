@@ -18,9 +18,9 @@ import os
 import pathlib
 from typing import Any, Mapping, Optional, Sequence
 
-import gin
 import numpy as np
 
+import gin
 from jaxmoral import metrics
 from jaxmoral import model_dirs
 from jaxmoral import partitioning

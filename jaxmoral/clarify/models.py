@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral import decoding, model_dirs
+from jaxmoral import decoding
+from jaxmoral import model_dirs
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.models import t5
 

@@ -24,10 +24,10 @@ import logging
 import re
 from typing import Any, Optional, Sequence
 
-import gin
 import jax
 import numpy as np
 
+import gin
 from jaxmoral import metrics
 from jaxmoral import progress
 from jaxmoral.clarify import formats
@@ -155,7 +155,7 @@ class DefeasibilityReward:
   @classmethod
   def from_dirs(cls, *, answer_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
                 nli_model_dir: Optional[str] = None, config: RewardConfig = RewardConfig(),
-                partitioner: Any = None) -> "DefeasibilityReward":
+                partitioner: Any = None) -> DefeasibilityReward:
     """Loads each model from a model directory (the same directory may serve several roles: a
     multi-task model is loaded once), in `partitioner`'s shardings when given."""
     load = lambda d: models.load_model(d, input_length=config.input_length,  # noqa: E731

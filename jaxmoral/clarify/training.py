@@ -17,16 +17,21 @@ import dataclasses
 import logging
 import os
 import pathlib
-import shutil
 from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmoral import aot, checkpoints, fileio, gin_utils, model_dirs, partitioning, runs
+import gin
+from jaxmoral import aot
+from jaxmoral import checkpoints
+from jaxmoral import fileio
+from jaxmoral import gin_utils
+from jaxmoral import model_dirs
+from jaxmoral import partitioning
+from jaxmoral import runs
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib

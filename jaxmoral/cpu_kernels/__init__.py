@@ -289,7 +289,7 @@ def build(*, force: bool = False) -> str:
   raise BuildError("compiling " + SOURCE + " failed:\n" + "\n".join(errors))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load() -> Optional[str]:
   """Builds, loads and registers the FFI targets once per process; the library's path, or
   None (warned once) on failure."""

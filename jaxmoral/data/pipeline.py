@@ -230,7 +230,7 @@ class BatchSource:
       yield self.batch(step)
       step += 1
 
-  def shard(self, process_index: int, process_count: int) -> "BatchSource":
+  def shard(self, process_index: int, process_count: int) -> BatchSource:
     """The same stream, serving host `process_index`'s contiguous slice of every batch."""
     if self.shard_count != 1:
       raise ValueError("BatchSource.shard: already sharded")

@@ -29,11 +29,11 @@ import os
 import zlib
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-import gin
 import numpy as np
 import seqio
 import tensorflow as tf
 
+import gin
 from jaxmoral.data import readers
 
 # A row of a .jsonl / .tsv / .csv file -> its text(s); None or "" skips the row.
@@ -441,12 +441,7 @@ def register_span_corruption_task(
   source = _text_source(files=files, texts=split_texts, text_field=text_field, text_fn=text_fn)
   # What the rows depend on, for `tasks.TaskSource`'s index cache: the files as they are now
   # (a changed file gets a new cache), the texts, how they are read and corrupted.
-  setattr(source, "jaxmoral_fingerprint", json.dumps({
-      "files": {s: [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
-                for s, paths in sorted(files.items())},
-      "texts": zlib.crc32(json.dumps(split_texts, sort_keys=True).encode("utf-8")),
-      "read": [text_field, getattr(text_fn, "__qualname__", None)],
-      "objective": objective, "concat_batch_size": concat_batch_size}))
+  source.jaxmoral_fingerprint = json.dumps({"files": {s: [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths] for s, paths in sorted(files.items())}, "texts": zlib.crc32(json.dumps(split_texts, sort_keys=True).encode("utf-8")), "read": [text_field, getattr(text_fn, "__qualname__", None)], "objective": objective, "concat_batch_size": concat_batch_size})
   features = {k: seqio.Feature(vocabulary=vocabulary, add_eos=True)
               for k in ("inputs", "targets")}
   return seqio.TaskRegistry.add(

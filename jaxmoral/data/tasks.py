@@ -23,14 +23,15 @@ import tempfile
 import zlib
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-import gin
 import numpy as np
 import seqio
 import tensorflow as tf
 
+import gin
 from jaxmoral.data import index_cache
 from jaxmoral.data import readers
-from jaxmoral.data.pipeline import BatchSource, Features
+from jaxmoral.data.pipeline import BatchSource
+from jaxmoral.data.pipeline import Features
 
 logger = logging.getLogger(__name__)
 # The attribute of a seqio DataSource that fingerprints its data (set by this package's
@@ -214,7 +215,7 @@ def num_examples(task_name: str, split: str) -> Optional[int]:
   return None if any(c is None for c in counts) else int(sum(counts))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _process_cache_root() -> str:
   """A folder for the index caches of Tasks whose data has no fingerprint: this process's
   own, removed when it exits (another process cannot know the data did not change)."""
@@ -305,7 +306,7 @@ class TaskSource:
   def per_shard_batch_size(self) -> int:
     return self.batch_size // self.shard_count
 
-  def shard(self, process_index: int, process_count: int) -> "TaskSource":
+  def shard(self, process_index: int, process_count: int) -> TaskSource:
     """The same stream, split over `process_count` processes: this one's rows."""
     if self.shard_count != 1:
       raise ValueError("TaskSource.shard: already sharded")

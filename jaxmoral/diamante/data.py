@@ -22,11 +22,13 @@ import json
 import os
 from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
-import gin
 import numpy as np
 
+import gin
 from jaxmoral import fileio
-from jaxmoral.data.readers import DataError, read_jsonl, unknown_field
+from jaxmoral.data.readers import DataError
+from jaxmoral.data.readers import read_jsonl
+from jaxmoral.data.readers import unknown_field
 from jaxmoral.models.t5 import shift_right
 
 DEFAULT_SEPARATOR = " [SEP] "
@@ -408,7 +410,7 @@ class QuadrupleSource:
     for step in range(self.steps_per_epoch):
       yield self.batch(step)
 
-  def shard(self, process_index: int, process_count: int) -> "QuadrupleSource":
+  def shard(self, process_index: int, process_count: int) -> QuadrupleSource:
     if self.shard_count != 1:
       raise ValueError("QuadrupleSource.shard: already sharded")
     return dataclasses.replace(self, shard_index=process_index, shard_count=process_count)
@@ -532,7 +534,7 @@ class DialogueData:
     return {"kind": "dialogue_pairs" if self.pairs else "dialogue_quadruples",
             "separator": self.separator}
 
-  def resumed(self, saved: Mapping[str, Any]) -> "DialogueData":
+  def resumed(self, saved: Mapping[str, Any]) -> DialogueData:
     """Unchanged: its held-out dialogues are a file of their own (`eval_path`)."""
     del saved
     return self

@@ -12,15 +12,20 @@ import os
 import sys
 from typing import Any, TextIO
 
-import gin
 import jax
 
+import gin
 from jaxmoral import demo as demo_lib
-from jaxmoral import optimizers, partitioning, runs
+from jaxmoral import optimizers
+from jaxmoral import partitioning
+from jaxmoral import runs
 from jaxmoral.data import demo as demo_data
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.diamante import bundle as bundle_lib
-from jaxmoral.diamante import chat, data, evaluate, inference
+from jaxmoral.diamante import chat
+from jaxmoral.diamante import data
+from jaxmoral.diamante import evaluate
+from jaxmoral.diamante import inference
 from jaxmoral.diamante import model as diamante_model
 from jaxmoral.models.config import t5_config
 

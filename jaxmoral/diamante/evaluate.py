@@ -16,15 +16,16 @@ import logging
 import os
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
-import gin
 import jax
 import numpy as np
 
+import gin
 from jaxmoral import fileio
 from jaxmoral import metrics as metrics_lib
 from jaxmoral import partitioning
 from jaxmoral.diamante import bundle as bundle_lib
-from jaxmoral.diamante import data, inference
+from jaxmoral.diamante import data
+from jaxmoral.diamante import inference
 
 logger = logging.getLogger(__name__)
 

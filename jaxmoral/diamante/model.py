@@ -16,10 +16,10 @@ import dataclasses
 from typing import Any, Optional
 
 import flax
-import gin
 import jax
 import jax.numpy as jnp
 
+import gin
 from jaxmoral import losses
 from jaxmoral.models import heads
 from jaxmoral.models import trainable

@@ -154,6 +154,7 @@ def npov_results(path: pathlib.Path) -> dict[str, Any]:
 def roc_points(labels: list[int], scores: list[float]) -> Optional[list[tuple[float, float]]]:
   """The ROC curve's (FPR, TPR) points by the library's `metrics.roc_curve` (None: one class)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   if len(set(labels)) < 2:
     return None
@@ -270,6 +271,7 @@ def ranked(responses: list[str], scores: list[float], logprobs: list[float],
   """Responses best first by preference score, with the human response (index `human`, None
   for none) marked, and its ranking metrics (the library's `metrics.ranking_metrics`)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   rows = [{"text": t, "score": float(s), "logprob": float(lp), "tokens": int(n),
            "per_token": float(lp) / max(int(n), 1), "human": i == human}

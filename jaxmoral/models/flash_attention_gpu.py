@@ -53,15 +53,17 @@ import os
 from typing import Any, Optional, Sequence, Union
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
 # The TPU kernels' padding, segment-id and mesh helpers apply unchanged.
-from jaxmoral.models.flash_attention import (  # pylint: disable=g-importing-member
-    _kernel_ids, _mesh_axes_for, _round_up, _target_platform)
+from jaxmoral.models.flash_attention import _kernel_ids  # pylint: disable=g-importing-member
+from jaxmoral.models.flash_attention import _mesh_axes_for  # pylint: disable=g-importing-member
+from jaxmoral.models.flash_attention import _round_up  # pylint: disable=g-importing-member
+from jaxmoral.models.flash_attention import _target_platform  # pylint: disable=g-importing-member
 
 Array = jax.Array
 MeshAxes = Union[None, str, Sequence[str]]
@@ -74,8 +76,7 @@ MASK_VALUE = -1e30
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # Triton's smallest tile side for a matrix product.
 
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu,
-                                                                   "TritonCompilerParams")
+_CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from jaxmoral.models.config import T5Config
-from jaxmoral.models.t5x_import import expected_shapes, validate_params
+from jaxmoral.models.t5x_import import expected_shapes
+from jaxmoral.models.t5x_import import validate_params
 
 Params = dict[str, Any]
 Index = tuple[slice, ...]
@@ -473,6 +474,7 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
     The directory.
   """
   import shutil  # pylint: disable=g-import-not-at-top
+
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   validate_params(params, config, source="export_hf_t5 params")
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(dict(params)))

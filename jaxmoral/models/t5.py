@@ -37,10 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral.models.config import T5Config, cudnn_supports_head_width
 from jaxmoral.models import flash_attention
 from jaxmoral.models import flash_attention_gpu
 from jaxmoral.models import heads
+from jaxmoral.models.config import T5Config
+from jaxmoral.models.config import cudnn_supports_head_width
 
 Array = jax.Array
 NEG_INF = -1e10  # Large negative bias for masked attention (T5X uses the same order).
@@ -379,7 +380,7 @@ CPU_PLAIN_WEIGHT_GRADIENTS = True
 GPU_BIAS_AS_DIAGONALS = False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cudnn_attention_available() -> bool:
   """Whether the default backend is a CUDA GPU (where cuDNN's fused attention runs)."""
   try:

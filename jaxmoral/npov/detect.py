@@ -14,7 +14,6 @@ import re
 from typing import Any, Mapping, Optional
 
 import gin
-
 from jaxmoral import fileio
 from jaxmoral.npov import task
 from jaxmoral.npov.detectors import rouge

@@ -19,9 +19,9 @@ import os
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-import gin
 import numpy as np
 
+import gin
 from jaxmoral import fileio
 from jaxmoral import metrics
 from jaxmoral.npov import task

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import html
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import numpy as np
 
-from jaxmoral import fileio, metrics, pictures
+from jaxmoral import fileio
+from jaxmoral import metrics
+from jaxmoral import pictures
 from jaxmoral.npov.detectors import base
-
 
 # A word is flagged (bold, underlined) when its score is this many standard deviations above
 # the mean score of the words of its kind in the same example: the words that stand out, not

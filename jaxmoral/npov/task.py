@@ -84,7 +84,7 @@ class NpovExample:
   def arguments(self) -> tuple[str, ...]:
     return self.pro + self.con
 
-  def replace(self, **changes: Any) -> "NpovExample":
+  def replace(self, **changes: Any) -> NpovExample:
     return dataclasses.replace(self, **changes)
 
   def to_json(self) -> dict[str, Any]:

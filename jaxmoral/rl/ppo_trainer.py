@@ -41,16 +41,19 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequenc
 
 import flax
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmoral import losses, optimizers, partitioning, pictures
-from jaxmoral.data import pipeline
+import gin
+from jaxmoral import losses
+from jaxmoral import optimizers
+from jaxmoral import partitioning
+from jaxmoral import pictures
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
+from jaxmoral.data import pipeline
 from jaxmoral.models import t5 as t5_lib
 from jaxmoral.rl import ppo
 from jaxmoral.rl import rollout as rollout_lib

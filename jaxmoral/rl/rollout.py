@@ -28,8 +28,10 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from jaxmoral import decoding, losses
-from jaxmoral.models.t5 import T5, shift_right
+from jaxmoral import decoding
+from jaxmoral import losses
+from jaxmoral.models.t5 import T5
+from jaxmoral.models.t5 import shift_right
 from jaxmoral.rl import ppo
 
 Array = jax.Array

@@ -9,7 +9,9 @@ import csv
 import json
 import pathlib
 
-from jaxmoral.data.demo import _clarify_source, _dialogue_source, _npov_source
+from jaxmoral.data.demo import _clarify_source
+from jaxmoral.data.demo import _dialogue_source
+from jaxmoral.data.demo import _npov_source
 
 OUT_DIR = pathlib.Path(__file__).resolve().parent
 JUDGMENT = {"b": "bad", "o": "ok", "g": "good"}

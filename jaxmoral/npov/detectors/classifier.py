@@ -15,11 +15,11 @@ import os
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gin
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
 from jaxmoral.models.config import T5Config
@@ -80,7 +80,8 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
   """
   if tuning not in TUNINGS:
     raise ValueError(f"train_classifier: tuning must be one of {TUNINGS}, got {tuning!r}")
-  from jaxmoral import model_dirs, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+  from jaxmoral import runs  # pylint: disable=g-import-not-at-top
   from jaxmoral.data import readers  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
   inputs, targets = training_pairs(examples, error=error)

@@ -34,15 +34,17 @@ import logging
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gin
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
 from jaxmoral.models.config import T5Config
-from jaxmoral.models.t5 import T5, shift_right, target_logit_rows
+from jaxmoral.models.t5 import T5
+from jaxmoral.models.t5 import shift_right
+from jaxmoral.models.t5 import target_logit_rows
 from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
