@@ -127,7 +127,7 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
     lr = learning_rate(step) if callable(learning_rate) else learning_rate
     out: list[Any] = [None] * len(grad_leaves)
     new_stats = []
-    for group, stats in zip(groups, state.stats):
+    for group, stats in zip(groups, state.stats, strict=True):
       shape = tuple(grad_leaves[group[0]].shape)
       dtype = grad_leaves[group[0]].dtype
       g = jnp.stack([grad_leaves[i] for i in group])

@@ -415,7 +415,8 @@ class CompileReport:
         ("memory", fits),
         ("FLOPs / step / chip", num(self.flops_per_chip) + " (XLA cost analysis; loop bodies "
          "counted once)"),
-        ("model FLOPs / step", num(self.model_flops_per_step) + " (all chips, analytic model FLOPs)"),
+        ("model FLOPs / step",
+         num(self.model_flops_per_step) + " (all chips, analytic model FLOPs)"),
         ("peak FLOP/s / chip", num(self.peak_flops_per_s)),
         ("min step time", "-" if self.min_step_time_s is None
          else f"{self.min_step_time_s * 1e3:.1f} ms (at 100% of peak)"),
@@ -498,7 +499,7 @@ def combine_stages(reports: Sequence[tuple[str, CompileReport]], *,
   peak = worst.peak_bytes
   if resident_bytes is not None and persistent_bytes is not None:
     peak = resident_bytes + max(r.peak_bytes - own for (_, r), own in
-                                zip(reports, persistent_bytes))
+                                zip(reports, persistent_bytes, strict=True))
   known = [r.flops_per_chip for _, r in reports if r.flops_per_chip is not None]
   flops = sum(known) if len(known) == len(reports) else None
   peak_flops = worst.peak_flops_per_s

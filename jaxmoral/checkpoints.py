@@ -109,7 +109,7 @@ def _hash_all(root: str, relative: Sequence[str]) -> dict[str, str]:
     return {rel: _sha256(fileio.join(root, rel)) for rel in relative}
   with concurrent.futures.ThreadPoolExecutor(min(_HASH_THREADS, len(relative))) as pool:
     digests = pool.map(lambda rel: _sha256(fileio.join(root, rel)), relative)
-    return dict(zip(relative, digests))
+    return dict(zip(relative, digests, strict=True))
 
 
 def _files_of(root: str, entries: Iterable[str]) -> list[str]:

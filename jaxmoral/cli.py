@@ -212,7 +212,8 @@ def quiet_logs(*, force: bool = False) -> None:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   # gin logs every search-path miss (at ERROR) while resolving includes; those are not errors.
   for handler in logging.getLogger().handlers:
-    handler.addFilter(lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
+    handler.addFilter(
+        lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
     handler.addFilter(_not_disk_full_report)
 
 

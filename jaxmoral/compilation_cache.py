@@ -1,4 +1,4 @@
-"""A persistent XLA compilation cache for `jaxmoral` commands: reruns and resumed runs skip compiling.
+"""A persistent XLA compilation cache: reruns and resumed `jaxmoral` commands skip compiling.
 
 JAX can keep compiled executables on disk, keyed by the program, the backend, the compile options
 and the XLA flags, and load them instead of compiling again. The command line turns that on by
@@ -268,7 +268,7 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
     max_bytes = -1
   if max_bytes != -1:
     try:
-      import filelock  # pylint: disable=g-import-not-at-top,unused-import
+      import filelock  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
     except ImportError:  # JAX needs it to cap the cache; an uncapped cache beats none.
       _LOG.warning("filelock is not installed: the compilation cache in %s is not capped",
                    cache_dir)

@@ -81,7 +81,7 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
   i = 0
   while i < len(args):
     arg = args[i]
-    def take_value(flag: str) -> str:
+    def take_value(flag: str, arg: str = arg) -> str:
       nonlocal i
       if arg.startswith(flag + "="):
         return arg[len(flag) + 1:]
@@ -329,7 +329,7 @@ def _syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str]
                   flags: Sequence[str | None] = ()) -> ValueError:
   """A ValueError naming the gin file and line, or the binding (its flag if `flags` gives
   one, in the order of `bindings`), that does not parse."""
-  flag_of = {binding: flag for binding, flag in zip(bindings, flags) if flag}
+  flag_of = {binding: flag for binding, flag in zip(bindings, flags, strict=False) if flag}
 
   def shown(binding: str) -> str:
     return f"binding {binding!r}" + (f" ({flag_of[binding]})" if binding in flag_of else "")
@@ -368,7 +368,7 @@ class _BindingSources:
 
   def of_binding_line(self, line_num: int) -> str:
     """The flag (or binding) on line `line_num` of the newline-joined bindings gin parsed."""
-    for binding, flag in zip(self.bindings, self.flags):
+    for binding, flag in zip(self.bindings, self.flags, strict=False):
       if line_num <= binding.count("\n") + 1:
         return flag or f"binding {binding!r}"
       line_num -= binding.count("\n") + 1
@@ -382,7 +382,7 @@ class _BindingSources:
         if isinstance(statement, config_parser.BindingStatement):
           yield (statement, f"{_display_path(path)}, line {statement.location.line_num}",
                  False)
-    for binding, flag in zip(self.bindings, self.flags):
+    for binding, flag in zip(self.bindings, self.flags, strict=False):
       for statement in config_parser.ConfigParser(binding, _Unresolved()):
         if isinstance(statement, config_parser.BindingStatement):
           yield statement, flag or f"binding {binding!r}", True
@@ -629,7 +629,8 @@ def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> Va
 def _is_required(value: object) -> bool:
   # `%gin.REQUIRED` parses to a reference to the constant named "gin.REQUIRED".
   return value is gin.REQUIRED or (type(value).__name__ == "ConfigurableReference"
-                                   and getattr(value, "_scoped_selector", "").startswith("gin.REQUIRED"))
+                                   and getattr(value, "_scoped_selector", "").startswith(
+                                       "gin.REQUIRED"))
 
 
 def unbound_required() -> list[str]:
@@ -728,7 +729,8 @@ def function_usage(module: str, function: str, *, prog: str, gin_only: bool = Fa
   args = node.args
   positional = args.posonlyargs + args.args
   defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-  params = list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults))
+  params = (list(zip(positional, defaults, strict=True))
+            + list(zip(args.kwonlyargs, args.kw_defaults, strict=True)))
   width = 78
   short = f"{module.rsplit('.', 1)[-1]}.{function}"
   flag = f"--gin.{short}." if gin_only else "--"

@@ -121,7 +121,7 @@ def ranking_metrics(scores_per_query: Sequence[Any],
     raise ValueError(f"ranking_metrics: {len(scores_per_query)} score arrays but "
                      f"{len(relevant_per_query)} relevance arrays")
   aps, rrs, p1s = [], [], []
-  for i, (scores, relevant) in enumerate(zip(scores_per_query, relevant_per_query)):
+  for i, (scores, relevant) in enumerate(zip(scores_per_query, relevant_per_query, strict=True)):
     scores = np.asarray(scores, np.float64).reshape(-1)
     relevant = np.asarray(relevant).reshape(-1).astype(bool)
     if scores.shape != relevant.shape:

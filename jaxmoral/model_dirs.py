@@ -223,9 +223,10 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
                                local_files_only=offline)
   except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled) as e:
     del e
+    why = "HF_HUB_OFFLINE is set" if offline else "the Hub is unreachable"
     raise FileNotFoundError(
         f"{repo_id!r}: no such local folder, and the Hub model is not in the cache "
-        f"({_hub_cache_hint()}) while {'HF_HUB_OFFLINE is set' if offline else 'the Hub is unreachable'}"
+        f"({_hub_cache_hint()}) while {why}"
         f"; download it where the Hub is reachable (`hf download {repo_id}`) and copy the "
         f"cache, or give a local folder") from None
   except (hub_errors.RepositoryNotFoundError, hub_errors.RevisionNotFoundError) as e:

@@ -233,7 +233,7 @@ def _fit_spec(spec: PartitionSpec, shape: Optional[Sequence[int]], mesh: Mesh) -
     return spec
   dims = list(spec) + [None] * (len(shape) - len(spec))
   fitted = []
-  for dim, axes in zip(shape, dims):
+  for dim, axes in zip(shape, dims, strict=False):
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
     size = math.prod(mesh.shape[n] for n in names) if names else 1
     fitted.append(axes if dim % size == 0 else None)
@@ -463,8 +463,9 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
   """Connects the processes of a multi-host job (`jax.distributed.initialize`).
 
   Values come from the arguments (the CLI's --coordinator_address, --num_processes,
-  --process_id), else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. With none of them set, a SLURM job with more than one task (SLURM_NTASKS)
-  or a multi-worker Cloud TPU (TPU_WORKER_HOSTNAMES) uses JAX's cluster auto-detection.
+  --process_id), else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. With
+  none of them set, a SLURM job with more than one task (SLURM_NTASKS) or a multi-worker Cloud
+  TPU (TPU_WORKER_HOSTNAMES) uses JAX's cluster auto-detection.
   One process (or nothing configured) is a no-op. Call before any other JAX call.
 
   Returns:
@@ -478,7 +479,7 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
     if num_processes == 1:
       return False
     missing = [n for n, v in zip(("coordinator_address", "num_processes", "process_id"),
-                                 explicit) if v is None]
+                                 explicit, strict=True) if v is None]
     if missing:
       raise ValueError(f"initialize_distributed: also need {missing} (arguments or "
                        "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)")

@@ -485,7 +485,7 @@ def _read_infer_inputs(input_file: str, input_field: Optional[str]) -> list[str]
   # that output line N answers input line N.
   with fileio.open(input_file, "rb") as f:
     texts = [""] * sum(1 for _ in f)
-  for row, line in zip(rows, rows.lines):
+  for row, line in zip(rows, rows.lines, strict=False):
     texts[line - 1] = row["text"]
   return texts
 

@@ -594,7 +594,7 @@ class _Window:
     order = sorted(self.pending)
     fetched = jax.device_get([self.pending[s] for s in order])
     self.pending.clear()
-    for step, metrics in zip(order, fetched):
+    for step, metrics in zip(order, fetched, strict=True):
       metrics = {k: float(v) for k, v in metrics.items()}
       self.host[step] = metrics
       if self.stop_on_nan:

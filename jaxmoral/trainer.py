@@ -94,7 +94,7 @@ def trainable_mask_from_patterns(params: Params, patterns: Sequence[str]) -> PyT
       raise ValueError(f"trainable_mask_from_patterns: bad regex {pattern!r}: {e}") from e
   params = nn.meta.unbox(params)
   paths = param_paths(params)
-  for pattern, regex in zip(patterns, compiled):
+  for pattern, regex in zip(patterns, compiled, strict=True):
     if not any(regex.search(p) for p in paths):
       raise ValueError(f"trainable_mask_from_patterns: pattern {pattern!r} matches no "
                        f"parameter; paths look like {paths[:3]}")
@@ -428,8 +428,8 @@ class TrainStateInitializer:
     """Raises ValueError naming a missing, unexpected or mis-shaped parameter."""
     params = nn.meta.unbox(params)
     want = dict(zip(param_paths(self._abstract.params),
-                    jax.tree_util.tree_leaves(self._abstract.params)))
-    got = dict(zip(param_paths(params), jax.tree_util.tree_leaves(params)))
+                    jax.tree_util.tree_leaves(self._abstract.params), strict=True))
+    got = dict(zip(param_paths(params), jax.tree_util.tree_leaves(params), strict=True))
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
       raise ValueError(f"{where}: missing params {missing[:5]}, unexpected params {extra[:5]}")
@@ -475,7 +475,7 @@ class TrainStateInitializer:
     leaves = jax.tree_util.tree_leaves(self._abstract.params)
     mask = jax.tree_util.tree_leaves(self.trainable_mask)
     total = sum(int(np.prod(x.shape)) for x in leaves)
-    return total, sum(int(np.prod(x.shape)) for x, m in zip(leaves, mask) if m)
+    return total, sum(int(np.prod(x.shape)) for x, m in zip(leaves, mask, strict=True) if m)
 
 
 class Trainer:

@@ -78,13 +78,13 @@ class ClarifySession:
     question = self.question(situation)
     answer = answer_fn(situation, question, judgment)
     record = {"turn": turn, "situation": situation, "judgment": judgment,
-              "distribution": dict(zip(formats.JUDGMENTS, dist)), "question": question}
+              "distribution": dict(zip(formats.JUDGMENTS, dist, strict=True)), "question": question}
     if not answer:
       return None
     fused = self.fuse(situation, question, answer)
     new_judgment, new_dist = self.judge(fused)
     record.update({"answer": answer, "fused_situation": fused, "new_judgment": new_judgment,
-                   "new_distribution": dict(zip(formats.JUDGMENTS, new_dist))})
+                   "new_distribution": dict(zip(formats.JUDGMENTS, new_dist, strict=True))})
     return record
 
 
@@ -218,7 +218,7 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
                             optional=["answers", "update_type"],
                             text=["situation", "update_type"])
   # Every row is checked before any model loads or any turn is written.
-  for row, line in zip(rows, rows.lines):
+  for row, line in zip(rows, rows.lines, strict=False):
     answers = row.get("answers", [])
     if not isinstance(answers, list) or not all(isinstance(a, str) and a.strip()
                                                 for a in answers):
@@ -242,7 +242,8 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
       update_type = row.get("update_type", "weakener")
       situation = formats.clean(row["situation"])
       for t in range(max_turns):
-        def answer_fn(s: str, q: str, j: str, t=t) -> str:
+        def answer_fn(s: str, q: str, j: str, t=t, given=given,
+                      update_type=update_type) -> str:
           return given[t] if t < len(given) else session.answer(s, q, j, update_type)
         record = session.turn(situation, answer_fn, t + 1)
         if record is None:

@@ -98,9 +98,9 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
   # Each question's whole reward pipeline (answers, NLI filter, fused situations, judge
   # distributions), for reading examples (`jaxmoral explore`).
   out["per_question"] = [{"situation": s, "question": q, **result.row(i)}
-                         for i, (s, q) in enumerate(zip(situations, questions))]
+                         for i, (s, q) in enumerate(zip(situations, questions, strict=True))]
   out["samples"] = [{"situation": s, "question": q, "jsd": float(j)}
-                    for s, q, j in list(zip(situations, questions, result.scores))[:5]]
+                    for s, q, j in list(zip(situations, questions, result.scores, strict=True))[:5]]
   return out
 
 
@@ -135,7 +135,8 @@ def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     rows.append([name, str(r["num_questions"]), *(cell(r, c) for c in TABLE_COLUMNS), top])
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+                     for i, (c, w) in enumerate(zip(row, widths, strict=False))).rstrip()
+           for row in rows]
   lines.insert(1, "-" * len(lines[0]))
   return "\n".join(lines) + "\n(means over n situations; [95 % bootstrap interval])"
 

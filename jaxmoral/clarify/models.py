@@ -238,7 +238,7 @@ def label_distribution(cm: ClarifyModel, inputs: Sequence[str], labels: Sequence
   ids = label_ids(cm, labels)
   single = all(len(i) == 1 for i in ids)
   if require_single_token and not single:
-    bad = [f"{label!r} -> {i}" for label, i in zip(labels, ids) if len(i) != 1]
+    bad = [f"{label!r} -> {i}" for label, i in zip(labels, ids, strict=True) if len(i) != 1]
     raise ValueError(f"class strings must each be ONE token of {cm.path or 'the'} vocabulary; "
                      f"got {', '.join(bad)}")
   if not inputs:

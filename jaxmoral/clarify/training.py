@@ -177,7 +177,8 @@ def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any
       continue
     same = jax.tree_util.tree_structure(fresh[key]) == jax.tree_util.tree_structure(subtree)
     if same and all(a.shape == b.shape for a, b in zip(jax.tree_util.tree_leaves(fresh[key]),
-                                                       jax.tree_util.tree_leaves(subtree))):
+                                                       jax.tree_util.tree_leaves(subtree),
+                                                       strict=True)):
       fresh[key] = subtree
   return fresh
 

@@ -297,7 +297,7 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
         field = header[len(values)] if len(values) < len(header) else f"#{len(values)}"
         report(DataError(path, line, f"expected {len(header)} columns, got {len(values)}", field))
         continue
-      row = dict(zip(header, values))
+      row = dict(zip(header, values, strict=True))
       error = _required_error(row, required, path, line)
       if error is not None:
         report(error)

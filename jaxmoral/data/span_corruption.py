@@ -322,7 +322,7 @@ def iterate_texts(path: str | os.PathLike, *, text_field: Optional[str] = None,
         if len(item) != len(header):
           raise readers.DataError(path, number,
                                   f"expected {len(header)} columns, got {len(item)}")
-        row = dict(zip(header, item))
+        row = dict(zip(header, item, strict=True))
       else:
         row = item
       for text in _row_texts(row, path, number, text_field, text_fn):
@@ -441,7 +441,12 @@ def register_span_corruption_task(
   source = _text_source(files=files, texts=split_texts, text_field=text_field, text_fn=text_fn)
   # What the rows depend on, for `tasks.TaskSource`'s index cache: the files as they are now
   # (a changed file gets a new cache), the texts, how they are read and corrupted.
-  source.jaxmoral_fingerprint = json.dumps({"files": {s: [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths] for s, paths in sorted(files.items())}, "texts": zlib.crc32(json.dumps(split_texts, sort_keys=True).encode("utf-8")), "read": [text_field, getattr(text_fn, "__qualname__", None)], "objective": objective, "concat_batch_size": concat_batch_size})
+  source.jaxmoral_fingerprint = json.dumps({
+      "files": {s: [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
+                for s, paths in sorted(files.items())},
+      "texts": zlib.crc32(json.dumps(split_texts, sort_keys=True).encode("utf-8")),
+      "read": [text_field, getattr(text_fn, "__qualname__", None)],
+      "objective": objective, "concat_batch_size": concat_batch_size})
   features = {k: seqio.Feature(vocabulary=vocabulary, add_eos=True)
               for k in ("inputs", "targets")}
   return seqio.TaskRegistry.add(

@@ -110,8 +110,8 @@ def split_pairs(pairs: Pairs, *, validation_every: int = 10, rule: str = "hash"
     held = [r == 0 for r in remainders]
     if len(pairs) >= 2 and not any(held):
       held[int(np.argmin(remainders))] = True
-  return {"train": [p for p, h in zip(pairs, held) if not h],
-          "validation": [p for p, h in zip(pairs, held) if h]}
+  return {"train": [p for p, h in zip(pairs, held, strict=True) if not h],
+          "validation": [p for p, h in zip(pairs, held, strict=True) if h]}
 
 
 def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:

@@ -150,7 +150,7 @@ def read_dialogues(path: str | os.PathLike[str]) -> list[Turn]:
   path = str(path)
   turns: list[Turn] = []
   rows = read_jsonl(path, required=DIALOGUE_FIELDS, optional=(), allow_empty=False)
-  for index, (obj, line) in enumerate(zip(rows, rows.lines)):
+  for index, (obj, line) in enumerate(zip(rows, rows.lines, strict=False)):
     turns.extend(parse_dialogue(obj, path=path, line=line, dialogue=index))
   if not turns:
     raise DataError(path, 0, "no dialogue with at least two utterances")
@@ -162,7 +162,8 @@ def dialogue_to_json(utterances: Sequence[str],
   """One Diamante JSONL line (the inverse of `parse_dialogue`)."""
   candidates = candidates or [[] for _ in utterances]
   return json.dumps({"conversation": [
-      {"utterance": u, "response_candidates": list(c)} for u, c in zip(utterances, candidates)]},
+      {"utterance": u, "response_candidates": list(c)}
+      for u, c in zip(utterances, candidates, strict=True)]},
       ensure_ascii=False)
 
 

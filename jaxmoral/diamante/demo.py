@@ -86,7 +86,7 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   contexts = [t.context for t in test_turns[:3]]
   for context, reply in zip(contexts, inference.respond(bundle, contexts,
                                                         rng=jax.random.PRNGKey(seed),
-                                                        config=rerank)):
+                                                        config=rerank), strict=True):
     print(f"  context: {' | '.join(context[-2:])}", file=output)
     print(f"  reply:   {reply.text}   [score {reply.score:.2f}; worst candidate "
           f"{reply.candidates[-1].score:.2f}: {reply.candidates[-1].text}]", file=output)

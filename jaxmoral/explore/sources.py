@@ -159,7 +159,7 @@ def roc_points(labels: list[int], scores: list[float]) -> Optional[list[tuple[fl
   if len(set(labels)) < 2:
     return None
   fpr, tpr, _ = metrics.roc_curve(np.asarray(labels), np.asarray(scores, np.float64))
-  return list(zip(fpr.tolist(), tpr.tolist()))
+  return list(zip(fpr.tolist(), tpr.tolist(), strict=True))
 
 
 # -- ClarifyDelphi ------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def ranked(responses: list[str], scores: list[float], logprobs: list[float],
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   rows = [{"text": t, "score": float(s), "logprob": float(lp), "tokens": int(n),
            "per_token": float(lp) / max(int(n), 1), "human": i == human}
-          for i, (t, s, lp, n) in enumerate(zip(responses, scores, logprobs, lengths))]
+          for i, (t, s, lp, n) in enumerate(zip(responses, scores, logprobs, lengths, strict=True))]
   rows.sort(key=lambda r: -r["score"])
   result: dict[str, Any] = {"rows": rows}
   labels = np.asarray([r["human"] for r in rows])

@@ -312,7 +312,7 @@ def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
       bias = None if bias_ref is None else _bias_tile(bias_ref, qs, slice(None), i * bq,
                                                       j * bk, (bq, bk), plan)
       out, ds_sum = [], None
-      for b, (k, v, k_ids), (dk, dv) in zip(rows, kvs, carry):
+      for b, (k, v, k_ids), (dk, dv) in zip(rows, kvs, carry, strict=True):
         q, do = q_ref[b, qs, :], do_ref[b, qs, :]
         mask = _tile_mask(qid_ref[b, qs], k_ids, i * bq, j * bk, plan.causal)
         s = _scores(q, k, bias, mask)
@@ -332,7 +332,7 @@ def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
 
     zeros = jnp.zeros((bk, width), jnp.float32)
     carry = lax.fori_loop(first_q, num_q, body, tuple((zeros, zeros) for _ in rows))
-    for b, (dk, dv) in zip(rows, carry):
+    for b, (dk, dv) in zip(rows, carry, strict=True):
       dk_ref[b, :, :] = dk.astype(dk_ref.dtype)
       dv_ref[b, :, :] = dv.astype(dv_ref.dtype)
 

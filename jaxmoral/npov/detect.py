@@ -132,7 +132,7 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     detections = det.detect_batch(examples)
   fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
   with fileio.open(output_path, "w", encoding="utf-8") as f:
-    for e, d in zip(examples, detections):
+    for e, d in zip(examples, detections, strict=True):
       record = {"id": e.id, **d.to_json()}
       records.append(record)
       f.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -527,7 +527,7 @@ class PPOTrainer:
     lengths = np.asarray(jax.device_get(response_mask)).sum(axis=1).astype(int)
     eos = self.policy_model.config.eos_token_id
     out = []
-    for row, n in zip(tokens, lengths):
+    for row, n in zip(tokens, lengths, strict=True):
       ids = [int(t) for t in row[:n]]
       if ids and ids[-1] == eos:
         ids = ids[:-1]
@@ -880,7 +880,7 @@ def read_reward_curve(path: pathlib.Path) -> dict[int, float]:
   if not path.is_file():
     return {}
   data = json.loads(path.read_text())
-  return dict(zip(data["iterations"], data["raw_reward_mean"]))
+  return dict(zip(data["iterations"], data["raw_reward_mean"], strict=False))
 
 
 def plot_reward_curve(path: pathlib.Path) -> str:

@@ -93,7 +93,8 @@ def npov() -> None:
   kb, examples = [], []
   for t, (query, issue, pro, con) in enumerate(_npov_source.TOPICS):
     kb.append({"query": query, "pro": pro, "con": con})
-    pick = lambda clusters, j0: [c[(t + j0 + j) % len(c)] for j, c in enumerate(clusters)]
+    def pick(clusters, j0, t=t):
+      return [c[(t + j0 + j) % len(c)] for j, c in enumerate(clusters)]
     selections = [(pick(pro, 0), pick(con, 0), True),
                   (pick(pro[:2], 1), pick(con[-2:], 1), False)]
     if t < 10:

@@ -237,7 +237,7 @@ class ClassifierDetector:
   def detect_batch(self, examples: Sequence[task.NpovExample]) -> list[base.Detection]:
     h = self.error_probabilities(examples, "hallucination")
     c = self.error_probabilities(examples, "coverage")
-    return [base.Detection(float(a), float(b)) for a, b in zip(h, c)]
+    return [base.Detection(float(a), float(b)) for a, b in zip(h, c, strict=True)]
 
   def detect(self, example: task.NpovExample) -> base.Detection:
     return self.detect_batch([example])[0]

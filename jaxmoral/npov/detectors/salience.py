@@ -351,15 +351,16 @@ class SalienceDetector:
     hallucination = 1.0 - base.gmean(attribution)
     side_means = []
     for side in task.SIDES:
-      values = [c for (field, _, _), c in zip(word_map.input_words, contribution)
+      values = [c for (field, _, _), c in zip(word_map.input_words, contribution, strict=False)
                 if field == side]
       if values:
         side_means.append(base.gmean(values))
     coverage = 1.0 - min(side_means) if side_means else 0.0
     response_words = tuple(base.WordScore("response", 0, w.text, w.start, w.end, 1.0 - float(a))
-                           for w, a in zip(word_map.response_words, attribution))
+                           for w, a in zip(word_map.response_words, attribution, strict=False))
     argument_words = tuple(base.WordScore(field, index, w.text, w.start, w.end, 1.0 - float(c))
-                           for (field, index, w), c in zip(word_map.input_words, contribution)
+                           for (field, index, w), c in zip(word_map.input_words, contribution,
+                                                           strict=False)
                            if field in task.SIDES)
     return base.Detection(hallucination, coverage, response_words, argument_words)
 
