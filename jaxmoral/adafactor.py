@@ -37,7 +37,7 @@ class GroupedAdafactorState(NamedTuple):
     stats: One dict per group: `v_row` / `v_col` (factored) or `v` (unfactored), each with the
       group size as leading axis; plus `momentum` when momentum is on.
   """
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # Shadows tuple.count, as optax's states do.
   stats: tuple[dict[str, jax.Array], ...]
 
 

@@ -277,7 +277,7 @@ def _compare_digests(root: str, hashed: Sequence[str], saved: Mapping[str, str],
     verdict[index.get(unreadable[0], len(hashed))] = 2
   everywhere = np.asarray(multihost_utils.process_allgather(verdict)).reshape(
       count, -1).max(axis=0)
-  changed = [hashed[k] for k in np.flatnonzero(everywhere[:-1] == 1)]
+  changed = [hashed[int(k)] for k in np.flatnonzero(everywhere[:-1] == 1)]
   if unreadable is None and (everywhere == 2).any():
     k = int(np.flatnonzero(everywhere == 2)[0])
     unreadable = (hashed[k] if k < len(hashed) else "a file", "unreadable on another process")

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import typing
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax
@@ -181,7 +182,7 @@ def _encode(model: T5, params: Params, encoder_input_tokens: Optional[Array],
   encoder_mask = encoder_mask.astype(bool)
   encoded = model.apply({"params": params}, encoder_input_tokens, encoder_embeds=encoder_embeds,
                         encoder_mask=encoder_mask, method=T5.encode)
-  return encoded, encoder_mask
+  return typing.cast(jax.Array, encoded), encoder_mask
 
 
 def _init_cache(model: T5, params: Params, encoded: Array, encoder_mask: Array,
@@ -389,7 +390,8 @@ class _Jitted:
       return self._jitted.lower(*args, **kwargs)
 
   def _cache_size(self) -> int:
-    return self._jitted._cache_size()  # pylint: disable=protected-access
+    # Private in jax's stubs.
+    return self._jitted._cache_size()  # type: ignore[attr-defined]  # pylint: disable=protected-access
 
 
 def first_max_index(x: Array) -> Array:

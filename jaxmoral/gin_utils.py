@@ -76,7 +76,9 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
   Returns:
     The gin arguments and the remaining arguments in order.
   """
-  files, bindings, paths, rest, quoted, flags = [], [], [], [], [], []
+  files: list[str] = []
+  paths: list[str] = []
+  bindings, rest, quoted, flags = [], [], [], []
   args = list(argv)
   i = 0
   while i < len(args):
@@ -461,7 +463,7 @@ def unreferenced_macros() -> list[str]:
   function that another binding calls (`@fn()`), in scoped bindings, in other macros.
   """
   config = gin.config._CONFIG  # pylint: disable=protected-access
-  referenced = set()
+  referenced: set[str] = set()
   for (scope, selector), ref in _references():
     name = ref.config_key[0]
     if ref.configurable.selector == _MACRO and not (selector == _MACRO and scope == name):

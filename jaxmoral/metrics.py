@@ -250,6 +250,9 @@ class BootstrapCI(tuple):
       non-finite value, e.g. ROC AUC of a resample with one class); the interval is the
       percentiles of the others.
   """
+  confidence: float
+  num_resamples: int
+  num_skipped: int
 
   def __new__(cls, estimate: float, low: float, high: float, *, confidence: float,
               num_resamples: int, num_skipped: int) -> BootstrapCI:

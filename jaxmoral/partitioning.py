@@ -105,7 +105,7 @@ def standard_logical_axis_rules(
       if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
         raise ValueError(f"standard_logical_axis_rules: additional_rules[{i}] must be a "
                          f"(logical_name, mesh_axis) pair, got {rule!r}")
-    rules = [tuple(r) for r in additional_rules] + rules
+    rules = [(r[0], r[1]) for r in additional_rules] + rules
   return rules
 
 
@@ -339,9 +339,12 @@ class PjitPartitioner:
         return None
       if isinstance(leaf, nn.LogicallyPartitioned):
         spec = nn.logical_to_mesh_axes(leaf.names, self.rules)
+        assert spec is not None  # flax gives None only for names=None.
         return _fit_spec(spec, getattr(leaf.value, "shape", shape), self.mesh)
       if isinstance(leaf, PartitionSpec):
-        return _fit_spec(nn.logical_to_mesh_axes(tuple(leaf), self.rules), shape, self.mesh)
+        spec = nn.logical_to_mesh_axes(tuple(leaf), self.rules)
+        assert spec is not None
+        return _fit_spec(spec, shape, self.mesh)
       if hasattr(leaf, "shape"):
         return PartitionSpec()
       raise TypeError(f"logical_to_mesh: unsupported leaf {type(leaf).__name__}; expected a "
@@ -483,6 +486,7 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
     if missing:
       raise ValueError(f"initialize_distributed: also need {missing} (arguments or "
                        "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)")
+    assert process_id is not None and num_processes is not None
     if not 0 <= process_id < num_processes:
       raise ValueError(f"initialize_distributed: process_id={process_id} not in "
                        f"[0, num_processes={num_processes})")

@@ -24,7 +24,8 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-EXIT_STATUS = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
+EXIT_STATUS: dict[int, int] = {signal.SIGTERM: 128 + signal.SIGTERM,
+                               signal.SIGINT: 128 + signal.SIGINT}
 
 
 class Stopped(Exception):
