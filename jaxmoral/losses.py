@@ -246,8 +246,7 @@ class TermsLoss:
       gives it no gradient).
   """
 
-  def __init__(self, terms_fn: Callable[[Any, Mapping[str, Array], Optional[Array]],
-                                        Mapping[str, Term]],
+  def __init__(self, terms_fn: Callable[[Any, Any, Optional[Array]], Mapping[str, Term]],
                *, weights: Mapping[str, float], name: str = "loss"):
     """Wraps a terms function.
 

@@ -489,7 +489,9 @@ def _place(sources: Mapping[tuple[str, ...], hf_import.TensorSource], target: Py
     source = sources[path]
     return jax.make_array_from_callback(
         spec.shape, spec.sharding,
-        lambda index: np.asarray(source.read(index), dtype=spec.dtype))
+        # jax types the callback's index as optional; it passes one for every shard.
+        lambda index: np.asarray(source.read(index),  # type: ignore[arg-type]
+                                 dtype=spec.dtype))
 
   return flax.traverse_util.unflatten_dict({path: one(path, spec) for path, spec in flat.items()})
 
@@ -533,6 +535,7 @@ def load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTre
   read_dtype = jnp.dtype(param_dtype) if param_dtype else None
   prompt = None
   if info.format in ("hf", "hub"):
+    assert info.hf_sources is not None  # Set for every HF model directory.
     params = _place(info.hf_sources, _target(t5_shapes, shardings, read_dtype or jnp.float32,
                                              where))
   elif info.format == "t5x":

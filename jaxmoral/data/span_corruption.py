@@ -263,7 +263,7 @@ def _row_texts(row: Mapping[str, Any], path: str, line: int, text_field: Optiona
   if text_fn is not None:
     value = text_fn(row)
   else:
-    if text_field not in row:
+    if text_field is None or text_field not in row:
       raise readers.DataError(path, line, "no such field", str(text_field))
     value = row[text_field]
   if value is None:
@@ -429,6 +429,7 @@ def register_span_corruption_task(
           raise ValueError(f"{path}: give text_field or text_fn to choose the text of a "
                            f"{suffix} row")
   else:
+    assert texts is not None  # Exactly one of text_files, texts (checked above).
     by_split = texts if isinstance(texts, Mapping) else {"train": texts}
     split_texts = {s: list(t) for s, t in by_split.items()}
     for split, values in split_texts.items():
@@ -437,7 +438,8 @@ def register_span_corruption_task(
                          "texts")
   if overwrite:
     seqio.TaskRegistry.remove(name)
-  objective = dict(noise_density=noise_density, mean_noise_span_length=mean_noise_span_length)
+  objective: dict[str, Any] = dict(noise_density=noise_density,
+                                   mean_noise_span_length=mean_noise_span_length)
   source = _text_source(files=files, texts=split_texts, text_field=text_field, text_fn=text_fn)
   # What the rows depend on, for `tasks.TaskSource`'s index cache: the files as they are now
   # (a changed file gets a new cache), the texts, how they are read and corrupted.

@@ -168,6 +168,7 @@ def register_text_pair_task(name: str, *, vocabulary: seqio.Vocabulary,
     splits = {s: read_pairs(f, input_field=input_field, target_field=target_field)
               for s, f in files.items()}
   else:
+    assert examples is not None  # Exactly one of examples, file (checked above).
     splits = dict(examples) if isinstance(examples, Mapping) else {"train": list(examples)}
   for split, pairs in splits.items():
     if not pairs:
@@ -275,6 +276,9 @@ class TaskSource:
   shard_count: int = 1
   cache_dir: Optional[str] = None
   max_cached_examples: int = 5_000_000
+  # Built on first use (`_cached_rows`).
+  _rows: Optional[tuple[dict[str, np.ndarray], dict[str, Any]]] = dataclasses.field(
+      default=None, init=False, repr=False)
 
   def __post_init__(self):
     if not isinstance(self.batch_size, int) or self.batch_size <= 0:

@@ -428,6 +428,7 @@ def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
   sources = {path: (_copy(files, name) if kind == "copy" else _linear(files, name))
              for name, path, kind in table}
   if not config.tie_word_embeddings:
+    assert head is not None  # Untied: lm_head.weight or shared.weight (checked above) gives it.
     sources[("decoder", "logits_dense", "kernel")] = head
   shapes = expected_shapes(config)
   hf_names = {path: name for name, path, _ in table}
