@@ -522,6 +522,7 @@ def combine_stages(reports: Sequence[tuple[str, CompileReport]], *,
 def check_fits(report: CompileReport) -> None:
   """Raises `DoesNotFitError` when the report's peak exceeds its HBM limit."""
   if report.fits is False:
+    assert report.hbm_bytes is not None  # `fits` is known only with the chip's HBM.
     raise DoesNotFitError(
         f"compile: {report.target} on {report.topology} needs {report.peak_bytes / GiB:.2f} GiB "
         f"per chip (arguments {report.argument_bytes / GiB:.2f} + outputs "

@@ -176,7 +176,7 @@ class Term:
     return cls(_f32(total), _f32(count), "tokens")
 
   @classmethod
-  def examples(cls, total: Array, count: Array) -> Term:
+  def examples(cls, total: Array, count: Array | int) -> Term:
     """A per-example mean: `total` summed over examples, `count` the example count."""
     return cls(_f32(total), _f32(count), "examples")
 

@@ -382,6 +382,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                              num_microbatches=num_microbatches)
 
       def init_params() -> Any:
+        assert init_checkpoint is not None  # Called only with init_info.
         loaded = model_dirs.load(init_checkpoint, partitioner=partitioner)
         return model.params_from_checkpoint(loaded, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
 
@@ -530,6 +531,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
       raise ValueError(f"infer_run: no {macro.lower().replace('infer_', '')} file: give "
                        f"--gin.{macro}=PATH (input: plain text, one input a line, or JSONL; "
                        f"output: JSONL)")
+  assert input_file is not None and output_file is not None  # Checked just above.
   texts = _read_infer_inputs(input_file, input_field)
   gin_utils.check_writable(output_file)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)

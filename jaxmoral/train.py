@@ -625,7 +625,8 @@ class _StepMetrics(Mapping[str, float]):
   (a hook that never reads them costs the loop no wait)."""
 
   def __init__(self, window: _Window, step: int):
-    self._window, self._step, self._values = window, step, None
+    self._window, self._step = window, step
+    self._values: Optional[dict[str, float]] = None
 
   def _get(self) -> dict[str, float]:
     if self._values is None:

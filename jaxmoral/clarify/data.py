@@ -414,7 +414,7 @@ def build_pairs(which: str, source: str = "demo", *, split: str = "train",
     raise ValueError(f"mixing_cap must be > 0 (or None), got {mixing_cap}")
   names = _which_models(which)
   rows = load_source(source, split=split, which=which)  # Every input checked up front.
-  pairs = []
+  pairs: list[Pair] = []
   for name in names:
     built = _pairs_of(name, rows, judge_classes=judge_classes, nli_labels=nli_labels,
                       relevance_labels=relevance_labels)

@@ -16,7 +16,8 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Any, Optional, Sequence
+import typing
+from typing import Any, Literal, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -145,6 +146,20 @@ def _chunks(cm: ClarifyModel, tokens: np.ndarray):
       pad[:, 0] = cm.model.config.eos_token_id  # a valid (empty) input, no NaN from masking
       chunk = np.concatenate([chunk, pad])
     yield chunk, count
+
+
+@typing.overload
+def generate(cm: ClarifyModel, inputs: Sequence[str], *, max_decode_length: int = 32,
+             num_samples: int = 1, greedy: bool = True, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, rng: Optional[jax.Array] = None,
+             return_logprobs: Literal[False] = False) -> list[list[str]]: ...
+
+
+@typing.overload
+def generate(cm: ClarifyModel, inputs: Sequence[str], *, max_decode_length: int = 32,
+             num_samples: int = 1, greedy: bool = True, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, rng: Optional[jax.Array] = None,
+             return_logprobs: Literal[True]) -> tuple[list[list[str]], np.ndarray]: ...
 
 
 def generate(cm: ClarifyModel, inputs: Sequence[str], *, max_decode_length: int = 32,

@@ -90,7 +90,9 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
     raise ValueError("generate_candidates: give exactly one of input_path, turns")
   if num_candidates < 1:
     raise ValueError(f"generate_candidates: num_candidates must be >= 1, got {num_candidates}")
-  turns = data.read_dialogues(input_path) if turns is None else turns
+  if turns is None:
+    assert input_path is not None  # Exactly one of input_path, turns (checked above).
+    turns = data.read_dialogues(input_path)
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   dialogues = dialogues_of(turns)
   contexts = [d[:i] for d in dialogues for i in range(1, len(d))]

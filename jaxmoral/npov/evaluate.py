@@ -80,7 +80,8 @@ def evaluate_slice(examples: Sequence[task.NpovExample],
   out: dict[str, Any] = {}
   for error in ERRORS:
     other = ERRORS[1 - ERRORS.index(error)]
-    ex_labels, ex_scores, w_labels, w_scores = [], [], [], []
+    ex_labels, ex_scores, w_labels = [], [], []
+    w_scores: list[float] = []
     for e, d in zip(examples, detections, strict=True):
       label = getattr(e, error)
       if label is None or getattr(e, other):
@@ -212,8 +213,11 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
         e: os.path.join(prompts_dir, f"classifier_{e}", "prompt") for e in ERRORS}
   if (kb_path is None) == (perspectrum_dir is None):
     raise ValueError("npov evaluate: give exactly one of kb_path, perspectrum_dir")
-  topics = (kb_lib.read_kb_jsonl(kb_path) if kb_path else
-            kb_lib.read_perspectrum(perspectrum_dir))
+  if kb_path:
+    topics = kb_lib.read_kb_jsonl(kb_path)
+  else:
+    assert perspectrum_dir is not None  # Exactly one of the two (checked above).
+    topics = kb_lib.read_perspectrum(perspectrum_dir)
   topics = kb_lib.split_topics(topics)
   if examples_path:
     source = kb_lib.attach_clusters(task.read_examples(examples_path), topics)
