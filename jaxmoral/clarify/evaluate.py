@@ -183,8 +183,10 @@ def systems_from_dirs(*, question_model_dir: str, answer_model_dir: str,
   load = lambda d: (models.load_model(d, input_length=input_length,  # noqa: E731
                                       batch_size=batch_size, partitioner=partitioner)
                     if d else None)
+  question_model = load(question_model_dir)
+  assert question_model is not None  # question_model_dir is required.
   systems = baselines.all_generators(
-      question_model=load(question_model_dir), reward=reward,
+      question_model=question_model, reward=reward,
       relevance_model=load(relevance_model_dir), ppo_model=load(ppo_model_dir))
   return systems, reward
 
@@ -228,8 +230,8 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
   # The data first: any split whose file the folder has; a missing one fails (listing those
   # present) before any model loads.
   situations = data_lib.situations(source, split=split)[:max_situations]
-  config = reward_lib.RewardConfig(use_nli=use_nli,
-                                   **({"judge_classes": judge_classes} if judge_classes else {}))
+  classes: dict[str, Any] = {"judge_classes": judge_classes} if judge_classes else {}
+  config = reward_lib.RewardConfig(use_nli=use_nli, **classes)
   if not judge_classes:
     # The configured classes, or the demo vocabulary's where the judge was trained on it.
     config = dataclasses.replace(config, judge_classes=judge_lib.fitting_classes(

@@ -349,6 +349,9 @@ class QuadrupleSource:
   pool_size: int = 5
   shard_index: int = 0
   shard_count: int = 1
+  # Set in __post_init__: the trainable turns, and the last epochs' orders.
+  _indices: list[int] = dataclasses.field(init=False, repr=False)
+  _epochs: dict[int, list[Quadruple]] = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     if not isinstance(self.batch_size, int) or self.batch_size < 1:
