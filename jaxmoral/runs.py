@@ -180,6 +180,7 @@ class Seq2SeqData:
             examples={self.train_split: split["train"], self.eval_split: split["validation"]})
       return "jaxmoral_files"
     name = self.mixture_or_task_name
+    assert name is not None  # A task name or train_file (checked in __post_init__).
     if name.startswith("jaxmoral_demo"):
       tasks.register_demo_tasks(vocabulary=vocabulary)
     try:

@@ -629,8 +629,9 @@ class Trainer:
     return self._train_jit(state, dict(batch), rng)
 
   def _eval_step_fn(self, state: TrainState, batch):
+    metrics: dict[str, Any]
     if self._eval_fn is not None:
-      metrics: dict[str, Any] = dict(self._eval_fn(state.params, batch))
+      metrics = dict(self._eval_fn(state.params, batch))
     else:
       terms = self._terms_loss.terms(state.params, batch, None)
       _, metrics = self._terms_loss.loss_and_metrics(terms)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import typing
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
@@ -152,10 +153,10 @@ def _label_logits_fn(config: T5Config, with_prompt: bool, partitioner: Any = Non
   def run(params: Any, prompt: Optional[jax.Array], tokens: jax.Array) -> jax.Array:
     decoder = jnp.full((tokens.shape[0], 1), config.decoder_start_token_id, jnp.int32)
     if prompt is None:  # A fine-tuned classifier (None is an empty pytree: its own trace).
-      return model.apply({"params": params}, tokens, decoder)[:, 0]
+      return typing.cast(jax.Array, model.apply({"params": params}, tokens, decoder))[:, 0]
     embeds, mask = prompt_tuning.prompted_encoder_inputs(model, params, prompt, tokens)
-    logits = model.apply({"params": params}, None, decoder, encoder_embeds=embeds,
-                         encoder_mask=mask)
+    logits = typing.cast(jax.Array, model.apply({"params": params}, None, decoder,
+                                                encoder_embeds=embeds, encoder_mask=mask))
     return logits[:, 0]
 
   if partitioner is None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import typing
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
@@ -68,23 +69,25 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
   def run(params: Any, encoder_tokens: Array, targets: Array, num_chunks: Array,
           prompt: Optional[Array]) -> Array:
     mask = encoder_tokens != config.pad_token_id
-    embeds = model.apply({"params": params}, encoder_tokens, method=T5.embed)
+    embeds = typing.cast(Array, model.apply({"params": params}, encoder_tokens, method=T5.embed))
+    assert prompt is not None or not with_prompt
     full_mask = mask if not with_prompt else prompt_tuning.prepend_prompt(prompt, embeds,
                                                                           mask)[1]
 
     def encode(e: Array) -> Array:
       if with_prompt:
+        assert prompt is not None
         e = prompt_tuning.prepend_prompt(prompt, e, mask)[0]
-      return model.apply({"params": params}, None, encoder_embeds=e, encoder_mask=full_mask,
-                         method=T5.encode)
+      return typing.cast(Array, model.apply({"params": params}, None, encoder_embeds=e,
+                                            encoder_mask=full_mask, method=T5.encode))
 
     encoded, encoder_vjp = jax.vjp(encode, embeds)
     decoder_inputs = shift_right(targets, config.decoder_start_token_id)
     rows = target_logit_rows(params, config, targets[0])
 
     def target_logits(h: Array) -> Array:
-      _, hidden = model.apply({"params": params}, h, full_mask, decoder_inputs,
-                              method=T5.decode)
+      _, hidden = typing.cast(tuple[Array, Array], model.apply(
+          {"params": params}, h, full_mask, decoder_inputs, method=T5.decode))
       return jnp.sum(hidden[0].astype(jnp.float32) * rows, axis=-1)
 
     _, decoder_vjp = jax.vjp(target_logits, encoded)
