@@ -636,7 +636,8 @@ class Trainer:
       terms = self._terms_loss.terms(state.params, batch, None)
       _, metrics = self._terms_loss.loss_and_metrics(terms)
       metrics.update({_COUNT + k: t.count for k, t in terms.items() if t.weighting != "sum"})
-      metrics.update({_LOSS_WEIGHT + k: w for k, w in self._terms_loss.weights.items()})
+      weights: dict[str, Any] = {_LOSS_WEIGHT + k: w for k, w in self._terms_loss.weights.items()}
+      metrics.update(weights)
     return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
   def eval_step(self, state: TrainState, batch: Mapping[str, Any]) -> dict[str, jax.Array]:

@@ -101,7 +101,8 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
                                    no_repeat_ngram_size=no_repeat_ngram_size,
                                    max_decode_length=max_decode_length, batch_size=batch_size,
                                    seed=seed))
-  records = [(d, [[]] + [next(sampled) for _ in range(1, len(d))]) for d in dialogues]
+  records: list[tuple[Any, list[Any]]] = [
+      (d, [[]] + [next(sampled) for _ in range(1, len(d))]) for d in dialogues]
   written = data.write_dialogues(output_path, records)
   print(f"wrote {written} dialogues ({len(contexts)} responses, {num_candidates} candidates "
         f"each) to {output_path}")

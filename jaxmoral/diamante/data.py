@@ -22,6 +22,7 @@ import json
 import os
 from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 import gin
@@ -244,7 +245,7 @@ def response_features(targets: np.ndarray) -> dict[str, np.ndarray]:
   """Decoder features of (..., T) targets: inputs (shifted right, start 0) and loss weights."""
   targets = np.asarray(targets, np.int32)
   flat = targets.reshape(-1, targets.shape[-1])
-  inputs = np.asarray(shift_right(flat, 0)).reshape(targets.shape).astype(np.int32)
+  inputs = np.asarray(shift_right(jnp.asarray(flat), 0)).reshape(targets.shape).astype(np.int32)
   return {"decoder_input_tokens": inputs, "decoder_target_tokens": targets,
           "decoder_loss_weights": (targets > 0).astype(np.int32)}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+from typing import Any
 
 from jaxmoral.data.demo import _clarify_source
 from jaxmoral.data.demo import _dialogue_source
@@ -33,7 +34,10 @@ def _write_jsonl(name: str, objects: list[dict]) -> None:
 
 
 def clarify() -> None:
-  questions, answers, fusion, judgments = [], [], [], []
+  questions: list[list[str]] = []
+  answers: list[list[str]] = []
+  fusion: list[list[str]] = []
+  judgments: list[list[str]] = []
   for situation, judgment, rot, qs, ans in _clarify_source.SITUATIONS:
     judgments.append([situation, JUDGMENT[judgment]])
     for q in qs:
@@ -53,7 +57,7 @@ def clarify() -> None:
 
 def dialogues() -> None:
   generic = _dialogue_source.GENERIC_CANDIDATES
-  out = []
+  out: list[dict[str, Any]] = []
   for turns, fills in _dialogue_source.TEMPLATES:
     for fill in fills:
       d = len(out)
@@ -90,7 +94,8 @@ def npov_response(issue: str, sides: list[tuple[str, list[str]]], k: int) -> str
 
 
 def npov() -> None:
-  kb, examples = [], []
+  kb: list[dict[str, Any]] = []
+  examples: list[dict[str, Any]] = []
   for t, (query, issue, pro, con) in enumerate(_npov_source.TOPICS):
     kb.append({"query": query, "pro": pro, "con": con})
     def pick(clusters, j0, t=t):

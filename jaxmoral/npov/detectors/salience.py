@@ -70,9 +70,11 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
           prompt: Optional[Array]) -> Array:
     mask = encoder_tokens != config.pad_token_id
     embeds = typing.cast(Array, model.apply({"params": params}, encoder_tokens, method=T5.embed))
-    assert prompt is not None or not with_prompt
-    full_mask = mask if not with_prompt else prompt_tuning.prepend_prompt(prompt, embeds,
-                                                                          mask)[1]
+    if with_prompt:
+      assert prompt is not None  # Given whenever the detector is prompt-tuned.
+      full_mask = prompt_tuning.prepend_prompt(prompt, embeds, mask)[1]
+    else:
+      full_mask = mask
 
     def encode(e: Array) -> Array:
       if with_prompt:
