@@ -76,7 +76,9 @@ MASK_VALUE = -1e30
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # Triton's smallest tile side for a matrix product.
 
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+# Older JAX names it TritonCompilerParams.
+_CompilerParams = (getattr(plgpu, "CompilerParams", None)
+                   or plgpu.TritonCompilerParams)  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +423,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   row_spec = pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0))
   kv_spec = pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0))
   in_specs, args = [row_spec, kv_spec, kv_spec], [q, k, v]
-  if has_bias:
+  if bias is not None:
     in_specs.append(_bias_spec(bias, plan, (None, None, bq, k_len), lambda b, i, h: (0, h, i, 0),
                                lambda b, i, h: (0, h, 0)))
     args.append(bias)
@@ -449,7 +451,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   kv_spec = pl.BlockSpec((rows, bk, None, width), lambda j, h, g: (g, j, h, 0))
   stat_spec = pl.BlockSpec((rows, None, q_len), lambda j, h, g: (g, h, 0))
   in_specs, args = [q_spec, kv_spec, kv_spec], [q, k, v]
-  if has_bias:
+  if bias is not None:
     in_specs.append(_bias_spec(bias, plan, (None, None, q_len, bk), lambda j, h, g: (0, h, 0, j),
                                lambda j, h, g: (0, h, 0)))
     args.append(bias)
