@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEMO_DIR ?= demo_out
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv demo test test-fast clean
+.PHONY: venv demo lint test test-fast clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): setup.cfg pyproject.toml
 
 demo: $(STAMP)
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/jaxmoral demo --workdir=$(DEMO_DIR)
+
+# Style (ruff) and types (mypy) of the package; settings in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check jaxmoral
+	$(VENV)/bin/mypy jaxmoral
 
 # --dist loadscope: a module's tests share one worker, so its module-scoped fixtures (trained
 # runs, saved models) are built once, not once per worker. --no-loadscope-reorder: files go out

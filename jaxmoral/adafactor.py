@@ -37,7 +37,7 @@ class GroupedAdafactorState(NamedTuple):
     stats: One dict per group: `v_row` / `v_col` (factored) or `v` (unfactored), each with the
       group size as leading axis; plus `momentum` when momentum is on.
   """
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # Shadows tuple.count, as optax's states do.
   stats: tuple[dict[str, jax.Array], ...]
 
 
@@ -127,7 +127,7 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
     lr = learning_rate(step) if callable(learning_rate) else learning_rate
     out: list[Any] = [None] * len(grad_leaves)
     new_stats = []
-    for group, stats in zip(groups, state.stats):
+    for group, stats in zip(groups, state.stats, strict=True):
       shape = tuple(grad_leaves[group[0]].shape)
       dtype = grad_leaves[group[0]].dtype
       g = jnp.stack([grad_leaves[i] for i in group])

@@ -32,10 +32,10 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-import gin
 import jax
 import jax.numpy as jnp
 
+import gin
 from jaxmoral import partitioning
 from jaxmoral import runs
 from jaxmoral import validation
@@ -48,7 +48,7 @@ GiB = 1024 ** 3
 class DoesNotFitError(ValueError):
   """The compiled step needs more memory per chip than the chip has."""
 
-  def __init__(self, message: str, report: "CompileReport"):
+  def __init__(self, message: str, report: CompileReport):
     super().__init__(message)
     self.report = report
 
@@ -399,7 +399,8 @@ class CompileReport:
         ("memory", fits),
         ("FLOPs / step / chip", num(self.flops_per_chip) + " (XLA cost analysis; loop bodies "
          "counted once)"),
-        ("model FLOPs / step", num(self.model_flops_per_step) + " (all chips, analytic model FLOPs)"),
+        ("model FLOPs / step",
+         num(self.model_flops_per_step) + " (all chips, analytic model FLOPs)"),
         ("peak FLOP/s / chip", num(self.peak_flops_per_s)),
         ("min step time", "-" if self.min_step_time_s is None
          else f"{self.min_step_time_s * 1e3:.1f} ms (at 100% of peak)"),
@@ -482,7 +483,7 @@ def combine_stages(reports: Sequence[tuple[str, CompileReport]], *,
   peak = worst.peak_bytes
   if resident_bytes is not None and persistent_bytes is not None:
     peak = resident_bytes + max(r.peak_bytes - own for (_, r), own in
-                                zip(reports, persistent_bytes))
+                                zip(reports, persistent_bytes, strict=True))
   known = [r.flops_per_chip for _, r in reports if r.flops_per_chip is not None]
   flops = sum(known) if len(known) == len(reports) else None
   peak_flops = worst.peak_flops_per_s
@@ -505,6 +506,7 @@ def combine_stages(reports: Sequence[tuple[str, CompileReport]], *,
 def check_fits(report: CompileReport) -> None:
   """Raises `DoesNotFitError` when the report's peak exceeds its HBM limit."""
   if report.fits is False:
+    assert report.hbm_bytes is not None  # `fits` is known only with the chip's HBM.
     raise DoesNotFitError(
         f"compile: {report.target} on {report.topology} needs {report.peak_bytes / GiB:.2f} GiB "
         f"per chip (arguments {report.argument_bytes / GiB:.2f} + outputs "

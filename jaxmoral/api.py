@@ -128,7 +128,7 @@ class Model:
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, *, vocabulary: Any = None,
                       dtype: Optional[str] = None, step: Optional[int] = None,
-                      config: Optional[T5Config] = None, partitioner: Any = None) -> "Model":
+                      config: Optional[T5Config] = None, partitioner: Any = None) -> Model:
     """Loads any model directory or Hub id (`jaxmoral.model_dirs`).
 
     Args:

@@ -52,13 +52,16 @@ import uuid
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+from jax.sharding import Sharding
 
+import gin
 from jaxmoral import fileio
 
 PyTree = Any
@@ -106,7 +109,7 @@ def _hash_all(root: str, relative: Sequence[str]) -> dict[str, str]:
     return {rel: _sha256(fileio.join(root, rel)) for rel in relative}
   with concurrent.futures.ThreadPoolExecutor(min(_HASH_THREADS, len(relative))) as pool:
     digests = pool.map(lambda rel: _sha256(fileio.join(root, rel)), relative)
-    return dict(zip(relative, digests))
+    return dict(zip(relative, digests, strict=True))
 
 
 def _files_of(root: str, entries: Iterable[str]) -> list[str]:
@@ -274,7 +277,7 @@ def _compare_digests(root: str, hashed: Sequence[str], saved: Mapping[str, str],
     verdict[index.get(unreadable[0], len(hashed))] = 2
   everywhere = np.asarray(multihost_utils.process_allgather(verdict)).reshape(
       count, -1).max(axis=0)
-  changed = [hashed[k] for k in np.flatnonzero(everywhere[:-1] == 1)]
+  changed = [hashed[int(k)] for k in np.flatnonzero(everywhere[:-1] == 1)]
   if unreadable is None and (everywhere == 2).any():
     k = int(np.flatnonzero(everywhere == 2)[0])
     unreadable = (hashed[k] if k < len(hashed) else "a file", "unreadable on another process")
@@ -458,7 +461,7 @@ LOCK_FILE = "train.lock"
 # restarted elsewhere would otherwise be locked out for good).
 LOCK_HEARTBEAT_S = 60.0
 LOCK_STALE_AFTER_S = 900.0
-_held_locks: dict[str, "_HeldLock"] = {}
+_held_locks: dict[str, _HeldLock] = {}
 _held_locks_guard = threading.Lock()
 
 
@@ -616,7 +619,7 @@ class RunDirLock:
         return None
     return f"{self.path}: could not take the lock (it keeps changing); another run is starting"
 
-  def acquire(self) -> "RunDirLock":
+  def acquire(self) -> RunDirLock:
     """Takes the lock (or raises `RunDirLockedError` naming the holder)."""
     error = None
     if jax.process_index() == 0:
@@ -662,7 +665,7 @@ class RunDirLock:
         except FileNotFoundError:
           pass
 
-  def __enter__(self) -> "RunDirLock":
+  def __enter__(self) -> RunDirLock:
     return self.acquire()
 
   def __exit__(self, *exc: Any) -> None:
@@ -904,7 +907,7 @@ class CheckpointManager:
     finally:
       self._manager.close()
 
-  def __enter__(self) -> "CheckpointManager":
+  def __enter__(self) -> CheckpointManager:
     return self
 
   def __exit__(self, *exc: Any) -> None:
@@ -1072,7 +1075,7 @@ def _without_read_only_notice():
     absl_logger.removeFilter(notice_filter)
 
 
-def _run_manager(model_dir: str) -> "ocp.CheckpointManager":
+def _run_manager(model_dir: str) -> ocp.CheckpointManager:
   """A read-only Orbax manager of a run's checkpoint directory."""
   if not fileio.isdir(model_dir):
     raise FileNotFoundError(f"{model_dir}: no such run directory")

@@ -30,7 +30,11 @@ import re
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from jaxmoral import compilation_cache, fileio, gin_utils, preemption, runtime
+from jaxmoral import compilation_cache
+from jaxmoral import fileio
+from jaxmoral import gin_utils
+from jaxmoral import preemption
+from jaxmoral import runtime
 
 # Sub-commands whose work is a gin-configured library function: (module, function).
 GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -165,7 +169,8 @@ def quiet_logs(*, force: bool = False) -> None:
     logging.getLogger(noisy).setLevel(logging.WARNING)
   # gin logs every search-path miss (at ERROR) while resolving includes; those are not errors.
   for handler in logging.getLogger().handlers:
-    handler.addFilter(lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
+    handler.addFilter(
+        lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
     handler.addFilter(_not_disk_full_report)
 
 
@@ -399,7 +404,8 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
     module, function, _ = GIN_COMMANDS[args.command]
     _call_with_gin(module, function, gin_args)
   elif args.command == "export":
-    from jaxmoral import partitioning, runs  # Imported when run: keeps --help fast.
+    from jaxmoral import partitioning  # Imported when run: keeps --help fast.
+    from jaxmoral import runs  # Imported when run: keeps --help fast.
     partitioner = (partitioning.PjitPartitioner(num_partitions=args.num_partitions)
                    if args.num_partitions else None)
     runs.export_run(model_dir=args.model_dir, output_dir=args.output, step=args.step,

@@ -71,7 +71,8 @@ def function_usage(module: str, function: str, *, prog: str, gin_only: bool = Fa
   args = node.args
   positional = args.posonlyargs + args.args
   defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-  params = list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults))
+  params = (list(zip(positional, defaults, strict=True))
+            + list(zip(args.kwonlyargs, args.kw_defaults, strict=True)))
   width = 78
   short = f"{module.rsplit('.', 1)[-1]}.{function}"
   flag = f"--gin.{short}." if gin_only else "--"

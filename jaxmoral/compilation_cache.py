@@ -1,4 +1,4 @@
-"""A persistent XLA compilation cache for `jaxmoral` commands: reruns and resumed runs skip compiling.
+"""A persistent XLA compilation cache: reruns and resumed `jaxmoral` commands skip compiling.
 
 JAX can keep compiled executables on disk, keyed by the program, the backend, the compile options
 and the XLA flags, and load them instead of compiling again. The command line turns that on by

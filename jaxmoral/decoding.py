@@ -17,9 +17,10 @@ kernels once per set of parameters (`prepare_decode_weights`, kept by whoever ow
 parameters and passed to every call as `decode_weights`) and supplies the ops the traced steps
 call (`models.ops.DecodeStepOps`, an argument of every `T5.decode` step). Built in is "xla":
 the self-attention query/key/value kernels and a gated MLP's two input kernels stacked, so
-each is one product (a step is bound by streaming the weights). Optional backends register themselves: `jaxmoral.cpu_kernels.backend`
-adds "cpu_packed" (float32 decoding on one CPU device through a C++ kernel over column-panel
-packed weights), automatic only where it beats XLA (CPUs with AVX-512), else chosen by name.
+each is one product (a step is bound by streaming the weights). Optional backends register
+themselves: `jaxmoral.cpu_kernels.backend` adds "cpu_packed" (float32 decoding on one CPU
+device through a C++ kernel over column-panel packed weights), automatic only where it beats
+XLA (CPUs with AVX-512), else chosen by name.
 `backend="auto"` takes the last registered automatic backend that applies, else "xla".
 Without `decode_weights` a call prepares XLA's stacks inside the trace.
 
@@ -37,19 +38,21 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import typing
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gin
 from jaxmoral import losses
 from jaxmoral import validation
 from jaxmoral.models.ops import DecodeStepOps
-from jaxmoral.models.t5 import T5, shift_right
+from jaxmoral.models.t5 import T5
+from jaxmoral.models.t5 import shift_right
 
 Array = jax.Array
 Params = Any
@@ -176,7 +179,7 @@ def _encode(model: T5, params: Params, encoder_input_tokens: Optional[Array],
   encoder_mask = encoder_mask.astype(bool)
   encoded = model.apply({"params": params}, encoder_input_tokens, encoder_embeds=encoder_embeds,
                         encoder_mask=encoder_mask, method=T5.encode)
-  return encoded, encoder_mask
+  return typing.cast(jax.Array, encoded), encoder_mask
 
 
 def _init_cache(model: T5, params: Params, encoded: Array, encoder_mask: Array,
@@ -383,7 +386,8 @@ class _Jitted:
       return self._jitted.lower(*args, **kwargs)
 
   def _cache_size(self) -> int:
-    return self._jitted._cache_size()  # pylint: disable=protected-access
+    # Private in jax's stubs.
+    return self._jitted._cache_size()  # type: ignore[attr-defined]  # pylint: disable=protected-access
 
 
 def first_max_index(x: Array) -> Array:

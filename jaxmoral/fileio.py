@@ -192,7 +192,7 @@ def getmtime(location: str | os.PathLike) -> float:
   fs.invalidate_cache(stripped)
   modified = fs.modified(stripped)
   if modified.tzinfo is None:
-    modified = modified.replace(tzinfo=datetime.timezone.utc)
+    modified = modified.replace(tzinfo=datetime.UTC)
   return modified.timestamp()
 
 

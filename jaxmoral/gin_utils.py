@@ -70,12 +70,14 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
   Returns:
     The gin arguments and the remaining arguments in order.
   """
-  files, bindings, paths, rest, quoted, flags = [], [], [], [], [], []
+  files: list[str] = []
+  paths: list[str] = []
+  bindings, rest, quoted, flags = [], [], [], []
   args = list(argv)
   i = 0
   while i < len(args):
     arg = args[i]
-    def take_value(flag: str) -> str:
+    def take_value(flag: str, arg: str = arg) -> str:
       nonlocal i
       if arg.startswith(flag + "="):
         return arg[len(flag) + 1:]
@@ -323,7 +325,7 @@ def _syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str]
                   flags: Sequence[str | None] = ()) -> ValueError:
   """A ValueError naming the gin file and line, or the binding (its flag if `flags` gives
   one, in the order of `bindings`), that does not parse."""
-  flag_of = {binding: flag for binding, flag in zip(bindings, flags) if flag}
+  flag_of = {binding: flag for binding, flag in zip(bindings, flags, strict=False) if flag}
 
   def shown(binding: str) -> str:
     return f"binding {binding!r}" + (f" ({flag_of[binding]})" if binding in flag_of else "")
@@ -362,7 +364,7 @@ class _BindingSources:
 
   def of_binding_line(self, line_num: int) -> str:
     """The flag (or binding) on line `line_num` of the newline-joined bindings gin parsed."""
-    for binding, flag in zip(self.bindings, self.flags):
+    for binding, flag in zip(self.bindings, self.flags, strict=False):
       if line_num <= binding.count("\n") + 1:
         return flag or f"binding {binding!r}"
       line_num -= binding.count("\n") + 1
@@ -376,7 +378,7 @@ class _BindingSources:
         if isinstance(statement, config_parser.BindingStatement):
           yield (statement, f"{_display_path(path)}, line {statement.location.line_num}",
                  False)
-    for binding, flag in zip(self.bindings, self.flags):
+    for binding, flag in zip(self.bindings, self.flags, strict=False):
       for statement in config_parser.ConfigParser(binding, _Unresolved()):
         if isinstance(statement, config_parser.BindingStatement):
           yield statement, flag or f"binding {binding!r}", True
@@ -485,7 +487,7 @@ def unreferenced_macros() -> list[str]:
   function that another binding calls (`@fn()`), in scoped bindings, in other macros.
   """
   config = _gin_state().config
-  referenced = set()
+  referenced: set[str] = set()
   for (scope, selector), ref in _references():
     name = ref.config_key[0]
     if ref.configurable.selector == _MACRO and not (selector == _MACRO and scope == name):
@@ -653,7 +655,8 @@ def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> Va
 def _is_required(value: object) -> bool:
   # `%gin.REQUIRED` parses to a reference to the constant named "gin.REQUIRED".
   return value is gin.REQUIRED or (type(value).__name__ == "ConfigurableReference"
-                                   and getattr(value, "_scoped_selector", "").startswith("gin.REQUIRED"))
+                                   and getattr(value, "_scoped_selector", "").startswith(
+                                       "gin.REQUIRED"))
 
 
 def unbound_required() -> list[str]:

@@ -21,9 +21,10 @@ import math
 from typing import Any, Callable, Mapping, Optional
 
 import flax
-import gin
 import jax
 import jax.numpy as jnp
+
+import gin
 
 Array = jax.Array
 LossFn = Callable[[Any, Mapping[str, Array], Optional[Array]], tuple[Array, dict[str, Array]]]
@@ -175,7 +176,7 @@ class Term:
     return cls(_f32(total), _f32(count), "tokens")
 
   @classmethod
-  def examples(cls, total: Array, count: Array) -> Term:
+  def examples(cls, total: Array, count: Array | int) -> Term:
     """A per-example mean: `total` summed over examples, `count` the example count."""
     return cls(_f32(total), _f32(count), "examples")
 
@@ -245,8 +246,7 @@ class TermsLoss:
       gives it no gradient).
   """
 
-  def __init__(self, terms_fn: Callable[[Any, Mapping[str, Array], Optional[Array]],
-                                        Mapping[str, Term]],
+  def __init__(self, terms_fn: Callable[[Any, Any, Optional[Array]], Mapping[str, Term]],
                *, weights: Mapping[str, float], name: str = "loss"):
     """Wraps a terms function.
 

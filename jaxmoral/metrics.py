@@ -123,7 +123,7 @@ def ranking_metrics(scores_per_query: Sequence[Any],
     raise ValueError(f"ranking_metrics: {len(scores_per_query)} score arrays but "
                      f"{len(relevant_per_query)} relevance arrays")
   aps, rrs, p1s = [], [], []
-  for i, (scores, relevant) in enumerate(zip(scores_per_query, relevant_per_query)):
+  for i, (scores, relevant) in enumerate(zip(scores_per_query, relevant_per_query, strict=True)):
     scores = np.asarray(scores, np.float64).reshape(-1)
     relevant = np.asarray(relevant).reshape(-1).astype(bool)
     if scores.shape != relevant.shape:
@@ -251,9 +251,12 @@ class BootstrapCI(tuple):
       non-finite value, e.g. ROC AUC of a resample with one class); the interval is the
       percentiles of the others.
   """
+  confidence: float
+  num_resamples: int
+  num_skipped: int
 
   def __new__(cls, estimate: float, low: float, high: float, *, confidence: float,
-              num_resamples: int, num_skipped: int) -> "BootstrapCI":
+              num_resamples: int, num_skipped: int) -> BootstrapCI:
     self = super().__new__(cls, (estimate, low, high))
     self.confidence = confidence
     self.num_resamples = num_resamples

@@ -40,12 +40,12 @@ import re
 from typing import Any, Mapping, Optional
 
 import flax
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+import gin
 from jaxmoral import checkpoints
 from jaxmoral import decoding
 from jaxmoral import fileio
@@ -214,8 +214,8 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
       get it there.
   """
   try:
-    from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
     from huggingface_hub import errors as hub_errors  # pylint: disable=g-import-not-at-top
+    from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise FileNotFoundError(f"{repo_id!r} is neither a local folder nor loadable as a Hub id: "
                             "huggingface_hub is not installed") from None
@@ -225,9 +225,10 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
                                local_files_only=offline)
   except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled) as e:
     del e
+    why = "HF_HUB_OFFLINE is set" if offline else "the Hub is unreachable"
     raise FileNotFoundError(
         f"{repo_id!r}: no such local folder, and the Hub model is not in the cache "
-        f"({_hub_cache_hint()}) while {'HF_HUB_OFFLINE is set' if offline else 'the Hub is unreachable'}"
+        f"({_hub_cache_hint()}) while {why}"
         f"; download it where the Hub is reachable (`hf download {repo_id}`) and copy the "
         f"cache, or give a local folder") from None
   except (hub_errors.RepositoryNotFoundError, hub_errors.RevisionNotFoundError) as e:
@@ -495,7 +496,9 @@ def _place(sources: Mapping[tuple[str, ...], hf_import.TensorSource], target: Py
     source = sources[path]
     return jax.make_array_from_callback(
         spec.shape, spec.sharding,
-        lambda index: np.asarray(source.read(index), dtype=spec.dtype))
+        # jax types the callback's index as optional; it passes one for every shard.
+        lambda index: np.asarray(source.read(index),  # type: ignore[arg-type]
+                                 dtype=spec.dtype))
 
   return flax.traverse_util.unflatten_dict({path: one(path, spec) for path, spec in flat.items()})
 
@@ -539,6 +542,7 @@ def load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTre
   read_dtype = jnp.dtype(param_dtype) if param_dtype else None
   prompt = None
   if info.format in ("hf", "hub"):
+    assert info.hf_sources is not None  # Set for every HF model directory.
     params = _place(info.hf_sources, _target(t5_shapes, shardings, read_dtype or jnp.float32,
                                              where))
   elif info.format == "t5x":

@@ -11,13 +11,13 @@ Steps count optimizer updates from 0 (optax's convention: the first update uses 
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, TypeGuard, Union
 
-import gin
 import jax
 import jax.numpy as jnp
 import optax
 
+import gin
 from jaxmoral import adafactor
 
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]
@@ -39,11 +39,11 @@ def _macro(field: str) -> str:
   return f" ({GIN_MACROS[field]})" if field in GIN_MACROS else ""
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[float]:
   # A NumPy or JAX scalar array is a number here too; a string (--gin.NAME=abc) is not.
   if isinstance(value, (bool, str, bytes)):
     return False
@@ -122,7 +122,8 @@ def make_schedule(*, name: str = "constant", base_learning_rate: float,
   if name in ("linear_warmup", "warmup_rsqrt", "warmup_linear_decay") and warmup_steps == 0:
     raise ValueError(f"make_schedule: {name!r} needs warmup_steps > 0"
                      f"{_macro('warmup_steps')}, got 0")
-  if name in ("linear_decay", "warmup_linear_decay") and total_steps <= warmup_steps:
+  if (name in ("linear_decay", "warmup_linear_decay") and total_steps is not None
+      and total_steps <= warmup_steps):
     raise ValueError(f"make_schedule: {name!r} needs total_steps{_macro('total_steps')} > "
                      f"warmup_steps{_macro('warmup_steps')}, got total_steps={total_steps} and "
                      f"warmup_steps={warmup_steps}")
@@ -165,7 +166,7 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
                    clipping_threshold: Optional[float] = 1.0,
                    multiply_by_parameter_scale: bool = True, factored: bool = True,
                    min_dim_size_to_factor: int = 128,
-                   group_same_shapes: Optional[bool] = None) -> "Optimizer":
+                   group_same_shapes: Optional[bool] = None) -> Optimizer:
   """An optax optimizer.
 
   Args:

@@ -27,12 +27,14 @@ import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
+import gin
 from jaxmoral import software
 from jaxmoral import validation
 
@@ -104,7 +106,7 @@ def standard_logical_axis_rules(
       if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
         raise ValueError(f"standard_logical_axis_rules: additional_rules[{i}] must be a "
                          f"(logical_name, mesh_axis) pair, got {rule!r}")
-    rules = [tuple(r) for r in additional_rules] + rules
+    rules = [(r[0], r[1]) for r in additional_rules] + rules
   return rules
 
 
@@ -230,7 +232,7 @@ def _fit_spec(spec: PartitionSpec, shape: Optional[Sequence[int]], mesh: Mesh) -
     return spec
   dims = list(spec) + [None] * (len(shape) - len(spec))
   fitted = []
-  for dim, axes in zip(shape, dims):
+  for dim, axes in zip(shape, dims, strict=False):
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
     size = math.prod(mesh.shape[n] for n in names) if names else 1
     fitted.append(axes if dim % size == 0 else None)
@@ -314,7 +316,7 @@ class PjitPartitioner:
     return self.mesh.shape[DATA_AXIS]
 
   @contextlib.contextmanager
-  def context(self) -> Iterator["PjitPartitioner"]:
+  def context(self) -> Iterator[PjitPartitioner]:
     """Mesh and axis rules active: the model's logical constraints apply inside."""
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       yield self
@@ -336,9 +338,12 @@ class PjitPartitioner:
         return None
       if isinstance(leaf, nn.LogicallyPartitioned):
         spec = nn.logical_to_mesh_axes(leaf.names, self.rules)
+        assert spec is not None  # flax gives None only for names=None.
         return _fit_spec(spec, getattr(leaf.value, "shape", shape), self.mesh)
       if isinstance(leaf, PartitionSpec):
-        return _fit_spec(nn.logical_to_mesh_axes(tuple(leaf), self.rules), shape, self.mesh)
+        spec = nn.logical_to_mesh_axes(tuple(leaf), self.rules)
+        assert spec is not None
+        return _fit_spec(spec, shape, self.mesh)
       if hasattr(leaf, "shape"):
         return PartitionSpec()
       raise TypeError(f"logical_to_mesh: unsupported leaf {type(leaf).__name__}; expected a "
@@ -392,7 +397,7 @@ class PjitPartitioner:
 
   def partition(self, fn: Callable[..., Any], *, in_shardings: Any, out_shardings: Any,
                 donate_argnums: int | Sequence[int] = (),
-                static_argnums: int | Sequence[int] = ()) -> "PartitionedFunction":
+                static_argnums: int | Sequence[int] = ()) -> PartitionedFunction:
     """`jax.jit` with shardings; traced and run inside `context()` (model constraints apply).
 
     Returns:
@@ -404,16 +409,16 @@ class PjitPartitioner:
 
 
 @functools.lru_cache(maxsize=1)
-def _one_device_partitioner() -> "PjitPartitioner":
+def _one_device_partitioner() -> PjitPartitioner:
   return PjitPartitioner(devices=jax.local_devices()[:1])
 
 
 @functools.lru_cache(maxsize=1)
-def _all_devices_partitioner() -> "PjitPartitioner":
+def _all_devices_partitioner() -> PjitPartitioner:
   return PjitPartitioner()
 
 
-def inference_partitioner(partitioner: Optional["PjitPartitioner"] = None) -> "PjitPartitioner":
+def inference_partitioner(partitioner: Optional[PjitPartitioner] = None) -> PjitPartitioner:
   """The mesh a command that loads a model runs on (eval, infer, export, the methods' models).
 
   The given partitioner (the run's PARTITIONER, as gin binds it); else one device in a
@@ -460,8 +465,9 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
   """Connects the processes of a multi-host job (`jax.distributed.initialize`).
 
   Values come from the arguments (the CLI's --coordinator_address, --num_processes,
-  --process_id), else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. With none of them set, a SLURM job with more than one task (SLURM_NTASKS)
-  or a multi-worker Cloud TPU (TPU_WORKER_HOSTNAMES) uses JAX's cluster auto-detection.
+  --process_id), else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. With
+  none of them set, a SLURM job with more than one task (SLURM_NTASKS) or a multi-worker Cloud
+  TPU (TPU_WORKER_HOSTNAMES) uses JAX's cluster auto-detection.
   One process (or nothing configured) is a no-op. Call before any other JAX call.
 
   Returns:
@@ -475,10 +481,11 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
     if num_processes == 1:
       return False
     missing = [n for n, v in zip(("coordinator_address", "num_processes", "process_id"),
-                                 explicit) if v is None]
+                                 explicit, strict=True) if v is None]
     if missing:
       raise ValueError(f"initialize_distributed: also need {missing} (arguments or "
                        "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)")
+    assert process_id is not None and num_processes is not None
     if not 0 <= process_id < num_processes:
       raise ValueError(f"initialize_distributed: process_id={process_id} not in "
                        f"[0, num_processes={num_processes})")

@@ -24,7 +24,8 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-EXIT_STATUS = {signal.SIGTERM: 128 + signal.SIGTERM, signal.SIGINT: 128 + signal.SIGINT}
+EXIT_STATUS: dict[int, int] = {signal.SIGTERM: 128 + signal.SIGTERM,
+                               signal.SIGINT: 128 + signal.SIGINT}
 
 
 class Stopped(Exception):
@@ -44,7 +45,7 @@ class Stopped(Exception):
                      f"again to resume (exit status {self.exit_status})")
 
 
-_active: list["StopRequests"] = []  # The innermost `with StopRequests()` last.
+_active: list[StopRequests] = []  # The innermost `with StopRequests()` last.
 
 
 def requested() -> bool:
@@ -73,7 +74,7 @@ class StopRequests:
       logger.warning("%s received: saving at the end of this step, then stopping (send it "
                      "again to stop at once, unsaved)", signal.Signals(signum).name)
 
-  def __enter__(self) -> "StopRequests":
+  def __enter__(self) -> StopRequests:
     import jax  # pylint: disable=g-import-not-at-top
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
       for number in SIGNALS:

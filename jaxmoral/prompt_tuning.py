@@ -25,14 +25,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gin
 from jaxmoral import checkpoints
 from jaxmoral import losses
 from jaxmoral import optimizers
@@ -186,7 +187,7 @@ def prompted_encoder_inputs(model: T5, base_params: Any, prompt: Array,
   """(embeds, mask) with the prompt prefixed, for the base model's encode / decoding.sample."""
   mask = encoder_input_tokens != model.config.pad_token_id
   embeds = model.apply({"params": base_params}, encoder_input_tokens, method=T5.embed)
-  return prepend_prompt(jnp.asarray(prompt), embeds, mask)
+  return prepend_prompt(jnp.asarray(prompt), typing.cast(jax.Array, embeds), mask)
 
 
 def save_prompt(prompt: Any, directory: str | os.PathLike, *,

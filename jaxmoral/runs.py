@@ -32,13 +32,13 @@ import tempfile
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
-import gin
 import jax
 import jax.numpy as jnp
-from jax.experimental import multihost_utils
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
+import gin
 from jaxmoral import checkpoints
 from jaxmoral import decoding
 from jaxmoral import fileio
@@ -74,7 +74,7 @@ class DataSpec(Protocol):
   def settings(self) -> dict[str, Any]:
     """What inference needs to know about the data (saved in settings.json["data"])."""
 
-  def resumed(self, saved: Mapping[str, Any]) -> "DataSpec":
+  def resumed(self, saved: Mapping[str, Any]) -> DataSpec:
     """This data as a resumed run reads it, given the run's saved `settings()` ({} when it
     saved none): what fixes a run's examples (its held-out split) stays the run's own."""
 
@@ -146,7 +146,7 @@ class Seq2SeqData:
     """Whether the held-out pairs come out of `train_file` (no `eval_file`)."""
     return self.train_file is not None and self.eval_file is None
 
-  def resumed(self, saved: Mapping[str, Any]) -> "Seq2SeqData":
+  def resumed(self, saved: Mapping[str, Any]) -> Seq2SeqData:
     """Keeps the run's held-out rule; a seq2seq run that saved none held out by position (a
     model directory with no record of its data, e.g. a Hub checkpoint, changes nothing)."""
     if not self._splits_file or saved.get("kind") != "seq2seq":
@@ -197,6 +197,7 @@ class Seq2SeqData:
             examples={self.train_split: split["train"], self.eval_split: split["validation"]})
       return "jaxmoral_files"
     name = self.mixture_or_task_name
+    assert name is not None  # A task name or train_file (checked in __post_init__).
     if name.startswith("jaxmoral_demo"):
       tasks.register_demo_tasks(vocabulary=vocabulary)
     try:
@@ -398,6 +399,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                              num_microbatches=num_microbatches)
 
       def init_params() -> Any:
+        assert init_checkpoint is not None  # Called only with init_info.
         loaded = model_dirs.load(init_checkpoint, partitioner=partitioner)
         return model.params_from_checkpoint(loaded, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
 
@@ -501,7 +503,7 @@ def _read_infer_inputs(input_file: str, input_field: Optional[str]) -> list[str]
   # that output line N answers input line N.
   with fileio.open(input_file, "rb") as f:
     texts = [""] * sum(1 for _ in f)
-  for row, line in zip(rows, rows.lines):
+  for row, line in zip(rows, rows.lines, strict=False):
     texts[line - 1] = row["text"]
   return texts
 
@@ -546,6 +548,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
       raise ValueError(f"infer_run: no {macro.lower().replace('infer_', '')} file: give "
                        f"--gin.{macro}=PATH (input: plain text, one input a line, or JSONL; "
                        f"output: JSONL)")
+  assert input_file is not None and output_file is not None  # Checked just above.
   texts = _read_infer_inputs(input_file, input_field)
   fileio.check_writable(output_file)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)

@@ -93,7 +93,7 @@ def record_start(model_dir: str | os.PathLike[str], *, step: int) -> dict[str, A
   time, jaxmoral's version, commit and whether the checkout was modified, and the libraries'
   versions. Returns the record."""
   record = {"step": step,
-            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             **_this_process()}
   fileio.append_text(fileio.join(model_dir, RECORD_FILE), json.dumps(record, sort_keys=True) + "\n")
   return record

@@ -29,10 +29,10 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-import gin
 import jax
 import numpy as np
 
+import gin
 from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import gin_utils
@@ -199,15 +199,15 @@ class TrainHook:
   last save. Hooks run on every process.
   """
 
-  def on_start(self, loop: "LoopInfo", state: Any) -> Any:
+  def on_start(self, loop: LoopInfo, state: Any) -> Any:
     del loop
     return state
 
-  def after_step(self, loop: "LoopInfo", step: int, state: Any,
+  def after_step(self, loop: LoopInfo, step: int, state: Any,
                  metrics: Mapping[str, float]) -> None:
     del loop, step, state, metrics
 
-  def on_end(self, loop: "LoopInfo", state: Any) -> None:
+  def on_end(self, loop: LoopInfo, state: Any) -> None:
     del loop, state
 
 
@@ -553,7 +553,7 @@ class _Prefetcher:
     except BaseException as error:  # pylint: disable=broad-except  (raised in the loop)
       self._put(error)
 
-  def __iter__(self) -> "_Prefetcher":
+  def __iter__(self) -> _Prefetcher:
     return self
 
   def __next__(self) -> tuple[Any, int, float]:
@@ -594,7 +594,7 @@ class _Window:
     order = sorted(self.pending)
     fetched = jax.device_get([self.pending[s] for s in order])
     self.pending.clear()
-    for step, metrics in zip(order, fetched):
+    for step, metrics in zip(order, fetched, strict=True):
       metrics = {k: float(v) for k, v in metrics.items()}
       self.host[step] = metrics
       if self.stop_on_nan:
@@ -625,7 +625,8 @@ class _StepMetrics(Mapping[str, float]):
   (a hook that never reads them costs the loop no wait)."""
 
   def __init__(self, window: _Window, step: int):
-    self._window, self._step, self._values = window, step, None
+    self._window, self._step = window, step
+    self._values: Optional[dict[str, float]] = None
 
   def _get(self) -> dict[str, float]:
     if self._values is None:

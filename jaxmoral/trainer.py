@@ -26,6 +26,7 @@ when it reports `num_tokens`, else a per-example mean).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -35,9 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
-from jaxmoral import losses, optimizers, partitioning
+from jaxmoral import losses
+from jaxmoral import optimizers
+from jaxmoral import partitioning
 
 PyTree = Any
 Params = Mapping[str, Any]
@@ -91,7 +95,7 @@ def trainable_mask_from_patterns(params: Params, patterns: Sequence[str]) -> PyT
       raise ValueError(f"trainable_mask_from_patterns: bad regex {pattern!r}: {e}") from e
   params = nn.meta.unbox(params)
   paths = param_paths(params)
-  for pattern, regex in zip(patterns, compiled):
+  for pattern, regex in zip(patterns, compiled, strict=True):
     if not any(regex.search(p) for p in paths):
       raise ValueError(f"trainable_mask_from_patterns: pattern {pattern!r} matches no "
                        f"parameter; paths look like {paths[:3]}")
@@ -122,7 +126,7 @@ def resolve_trainable_mask(params: Params, mask: MaskSpec) -> PyTree:
   else:
     want = jax.tree_util.tree_structure(params)
     got = jax.tree_util.tree_structure(mask)
-    if want != got:
+    if want != got:  # type: ignore[operator]  # jax's stubs lack PyTreeDef.__ne__.
       raise ValueError(f"trainable_mask: bool tree structure {got} differs from params {want}")
     out = jax.tree_util.tree_map(bool, mask)
   if not any(jax.tree_util.tree_leaves(out)):
@@ -387,16 +391,18 @@ class TrainStateInitializer:
         abstract_opt, specs)
     opt_shardings = partitioner.sharding_for(boxed_opt)
     self.replicated = NamedSharding(partitioner.mesh, PartitionSpec())
-    self.state_shardings = TrainState(step=self.replicated, params=self.params_shardings,
+    # TrainStates of shardings and of abstract values: the same tree, other leaves.
+    self.state_shardings = TrainState(step=self.replicated,  # type: ignore[arg-type]
+                                      params=self.params_shardings,
                                       opt_state=opt_shardings)
-    self._abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),
+    self._abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),  # type: ignore[arg-type]
                                 params=abstract_params, opt_state=abstract_opt)
     self._init_jit = partitioner.partition(
         self._init_fn, in_shardings=(self.replicated,), out_shardings=self.state_shardings)
     self._from_params_jit = partitioner.partition(
         self.state_from_params, in_shardings=(self.params_shardings,),
         out_shardings=self.state_shardings)
-    self._init_params_jit = None
+    self._init_params_jit: Optional[Callable[[jax.Array], PyTree]] = None
 
   def _init_fn(self, rng: jax.Array) -> TrainState:
     return self.state_from_params(nn.meta.unbox(self._init_params_fn(rng)))
@@ -425,8 +431,8 @@ class TrainStateInitializer:
     """Raises ValueError naming a missing, unexpected or mis-shaped parameter."""
     params = nn.meta.unbox(params)
     want = dict(zip(param_paths(self._abstract.params),
-                    jax.tree_util.tree_leaves(self._abstract.params)))
-    got = dict(zip(param_paths(params), jax.tree_util.tree_leaves(params)))
+                    jax.tree_util.tree_leaves(self._abstract.params), strict=True))
+    got = dict(zip(param_paths(params), jax.tree_util.tree_leaves(params), strict=True))
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
       raise ValueError(f"{where}: missing params {missing[:5]}, unexpected params {extra[:5]}")
@@ -472,7 +478,7 @@ class TrainStateInitializer:
     leaves = jax.tree_util.tree_leaves(self._abstract.params)
     mask = jax.tree_util.tree_leaves(self.trainable_mask)
     total = sum(int(np.prod(x.shape)) for x in leaves)
-    return total, sum(int(np.prod(x.shape)) for x, m in zip(leaves, mask) if m)
+    return total, sum(int(np.prod(x.shape)) for x, m in zip(leaves, mask, strict=True) if m)
 
 
 class Trainer:
@@ -559,7 +565,9 @@ class Trainer:
     sizes = {k: (v.shape[0] if len(v.shape) else None) for k, v in batch.items()}
     if len(set(sizes.values())) != 1 or None in sizes.values():
       raise ValueError(f"Trainer: batch features need one common leading batch dim, got {sizes}")
-    size = next(iter(sizes.values())) * processes
+    local_size = next(iter(sizes.values()))
+    assert local_size is not None  # No None in sizes (checked above).
+    size = local_size * processes
     data = self.partitioner.mesh.shape[partitioning.DATA_AXIS]
     if size % self.num_microbatches:
       raise ValueError(f"Trainer: global batch size {size} is not divisible by "
@@ -596,8 +604,8 @@ class Trainer:
     metrics["grad_norm"] = optimizers.global_norm(grads)
     if self._learning_rate_fn is not None:
       metrics["learning_rate"] = jnp.asarray(self._learning_rate_fn(state.step), jnp.float32)
-    new_state = state.replace(step=state.step + 1, params=merge_params(trainable, frozen),
-                              opt_state=opt_state)
+    new_state = dataclasses.replace(state, step=state.step + 1,
+                                    params=merge_params(trainable, frozen), opt_state=opt_state)
     return new_state, metrics
 
   def train_step(self, state: TrainState, batch: Mapping[str, Any],
@@ -621,13 +629,15 @@ class Trainer:
     return self._train_jit(state, dict(batch), rng)
 
   def _eval_step_fn(self, state: TrainState, batch):
+    metrics: dict[str, Any]
     if self._eval_fn is not None:
       metrics = dict(self._eval_fn(state.params, batch))
     else:
       terms = self._terms_loss.terms(state.params, batch, None)
       _, metrics = self._terms_loss.loss_and_metrics(terms)
       metrics.update({_COUNT + k: t.count for k, t in terms.items() if t.weighting != "sum"})
-      metrics.update({_LOSS_WEIGHT + k: w for k, w in self._terms_loss.weights.items()})
+      weights: dict[str, Any] = {_LOSS_WEIGHT + k: w for k, w in self._terms_loss.weights.items()}
+      metrics.update(weights)
     return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
   def eval_step(self, state: TrainState, batch: Mapping[str, Any]) -> dict[str, jax.Array]:

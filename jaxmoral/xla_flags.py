@@ -8,8 +8,8 @@ back from YNNPACK; the same program then matches per-token `jax.grad` to 1e-7
 (tests/test_npov_salience.py holds that case). Dots and element-wise fusions keep YNNPACK.
 
 `XLA_FLAGS` is read once, when the first computation starts the backend, so the flag is added
-by `jaxmoral.runtime.configure()` (the CLI calls it first thing). A user who sets `xla_cpu_experimental_ynn_fusion_type` in
-`XLA_FLAGS` keeps their value.
+by `jaxmoral.runtime.configure()` (the CLI calls it first thing). A user who sets
+`xla_cpu_experimental_ynn_fusion_type` in `XLA_FLAGS` keeps their value.
 """
 
 from __future__ import annotations

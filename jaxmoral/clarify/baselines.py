@@ -29,7 +29,7 @@ Generator = Callable[[Sequence[str]], list[str]]
 def select_best(candidates: Sequence[Sequence[str]], scores: np.ndarray) -> list[str]:
   """Per situation the candidate with the highest score (first one on ties)."""
   scores = np.asarray(scores)
-  return [list(c)[int(np.argmax(s))] for c, s in zip(candidates, scores)]
+  return [list(c)[int(np.argmax(s))] for c, s in zip(candidates, scores, strict=True)]
 
 
 def sampled_generator(question_model: models.ClarifyModel, *, top_p: float = 0.6,
@@ -72,7 +72,7 @@ def pipeline_generators(question_model: models.ClarifyModel,
     if last.get("situations") != list(situations):
       candidates = wh_candidates(question_model, situations, wh_words=wh_words,
                                  max_length=max_length)
-      flat_s = [s for s, c in zip(situations, candidates) for _ in c]
+      flat_s = [s for s, c in zip(situations, candidates, strict=True) for _ in c]
       flat_q = [q for c in candidates for q in c]
       result = reward.score_questions(flat_s, flat_q, use_nli=True)
       last.update(situations=list(situations), candidates=candidates, result=result)
@@ -106,7 +106,7 @@ def relevance_scores(relevance_model: models.ClarifyModel, situations: Sequence[
                      labels: Sequence[str] = formats.RELEVANCE_LABELS) -> np.ndarray:
   """(N,) P(relevant) of each (situation, question)."""
   inputs = [formats.relevance_input(situation=s, question=q)
-            for s, q in zip(situations, questions)]
+            for s, q in zip(situations, questions, strict=True)]
   return models.label_distribution(relevance_model, inputs, labels)[:, 0]
 
 

@@ -17,9 +17,9 @@ import pathlib
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-import gin
 import jax
 
+import gin
 from jaxmoral import partitioning
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
@@ -78,13 +78,13 @@ class ClarifySession:
     question = self.question(situation)
     answer = answer_fn(situation, question, judgment)
     record = {"turn": turn, "situation": situation, "judgment": judgment,
-              "distribution": dict(zip(formats.JUDGMENTS, dist)), "question": question}
+              "distribution": dict(zip(formats.JUDGMENTS, dist, strict=True)), "question": question}
     if not answer:
       return None
     fused = self.fuse(situation, question, answer)
     new_judgment, new_dist = self.judge(fused)
     record.update({"answer": answer, "fused_situation": fused, "new_judgment": new_judgment,
-                   "new_distribution": dict(zip(formats.JUDGMENTS, new_dist))})
+                   "new_distribution": dict(zip(formats.JUDGMENTS, new_dist, strict=True))})
     return record
 
 
@@ -139,7 +139,8 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
   """
   # Imported here, not at the top: loaded while gin parses, Diamante's `chat` would make
   # `chat.chat` bindings of user configs ambiguous.
-  from jaxmoral.diamante.chat import NOT_UTF8, read_line  # pylint: disable=g-import-not-at-top
+  from jaxmoral.diamante.chat import NOT_UTF8  # pylint: disable=g-import-not-at-top
+  from jaxmoral.diamante.chat import read_line  # pylint: disable=g-import-not-at-top
   input_fn = input_fn or read_line
   if max_turns <= 0:
     raise ValueError(f"chat: max_turns must be positive, got {max_turns}")
@@ -217,7 +218,7 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
                             optional=["answers", "update_type"],
                             text=["situation", "update_type"])
   # Every row is checked before any model loads or any turn is written.
-  for row, line in zip(rows, rows.lines):
+  for row, line in zip(rows, rows.lines, strict=False):
     answers = row.get("answers", [])
     if not isinstance(answers, list) or not all(isinstance(a, str) and a.strip()
                                                 for a in answers):
@@ -241,7 +242,8 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
       update_type = row.get("update_type", "weakener")
       situation = formats.clean(row["situation"])
       for t in range(max_turns):
-        def answer_fn(s: str, q: str, j: str, t=t) -> str:
+        def answer_fn(s: str, q: str, j: str, t=t, given=given,
+                      update_type=update_type) -> str:
           return given[t] if t < len(given) else session.answer(s, q, j, update_type)
         record = session.turn(situation, answer_fn, t + 1)
         if record is None:

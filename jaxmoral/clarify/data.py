@@ -112,7 +112,7 @@ def read_silver(path: str | os.PathLike) -> list[dict[str, str]]:
   rows = readers.read_tsv(path, columns=SILVER_COLUMNS, optional=SILVER_OPTIONAL_COLUMNS,
                           allow_empty=False)
   out = []
-  for r, line in zip(rows, rows.lines):
+  for r, line in zip(rows, rows.lines, strict=False):
     if r["UpdateType"] not in formats.UPDATE_TYPES:
       raise readers.DataError(path, line, f"unknown update type {r['UpdateType']!r}",
                               "UpdateType")
@@ -131,7 +131,7 @@ def read_judgments(path: str | os.PathLike) -> list[dict[str, str]]:
   """TSV rows (situation, judgment in bad | ok | good)."""
   rows = readers.read_tsv(path, columns=["situation", "judgment"], optional=(),
                           allow_empty=False)
-  for r, line in zip(rows, rows.lines):
+  for r, line in zip(rows, rows.lines, strict=False):
     if r["judgment"] not in formats.JUDGMENTS:
       raise readers.DataError(path, line, f"judgment must be one of {formats.JUDGMENTS}, "
                               f"got {r['judgment']!r}", "judgment")
@@ -189,7 +189,7 @@ def judge_pairs(examples: Iterable[tuple[str, str]], *,
   classes = formats.check_classes(classes, field="classes")
   if len(classes) != len(formats.JUDGMENTS):
     raise ValueError(f"classes must map {formats.JUDGMENTS} (3 strings), got {classes!r}")
-  mapping = dict(zip(formats.JUDGMENTS, classes))
+  mapping = dict(zip(formats.JUDGMENTS, classes, strict=True))
   return [(formats.judge_input(s), mapping[j]) for s, j in examples]
 
 
@@ -227,7 +227,7 @@ def nli_examples(*, answers: Iterable[dict[str, str]],
 def nli_pairs(examples: Iterable[tuple[str, str, str]], *,
               labels: Sequence[str] = formats.NLI_LABELS) -> list[Pair]:
   labels = formats.check_classes(labels, field="labels")
-  mapping = dict(zip(formats.NLI_LABELS, labels))
+  mapping = dict(zip(formats.NLI_LABELS, labels, strict=False))
   return [(formats.nli_input(premise=p, hypothesis=h), mapping[y]) for p, h, y in examples]
 
 
@@ -414,7 +414,7 @@ def build_pairs(which: str, source: str = "demo", *, split: str = "train",
     raise ValueError(f"mixing_cap must be > 0 (or None), got {mixing_cap}")
   names = _which_models(which)
   rows = load_source(source, split=split, which=which)  # Every input checked up front.
-  pairs = []
+  pairs: list[Pair] = []
   for name in names:
     built = _pairs_of(name, rows, judge_classes=judge_classes, nli_labels=nli_labels,
                       relevance_labels=relevance_labels)

@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import gin
-
 from jaxmoral import demo as demo_lib
 from jaxmoral import optimizers
 from jaxmoral.clarify import chat as chat_lib
@@ -88,7 +87,7 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
                                  optimizer=_optimizer(train_steps, learning_rate), **common)
     timings[f"train_{which}"] = time.time() - tick
     dirs[which] = model_dir
-  role_dir = {r: dirs.get(r, dirs.get("multitask")) for r in ROLES}
+  role_dir = {r: dirs[r] if r in dirs else dirs["multitask"] for r in ROLES}
 
   # Held-out situations for the evaluation; PPO trains on the others (its split "train").
   held_out = data_lib.situations("demo", split="dev")[:eval_situations]

@@ -18,9 +18,9 @@ import os
 import pathlib
 from typing import Any, Mapping, Optional, Sequence
 
-import gin
 import numpy as np
 
+import gin
 from jaxmoral import metrics
 from jaxmoral import model_dirs
 from jaxmoral import partitioning
@@ -98,9 +98,9 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
   # Each question's whole reward pipeline (answers, NLI filter, fused situations, judge
   # distributions), for reading examples (`jaxmoral explore`).
   out["per_question"] = [{"situation": s, "question": q, **result.row(i)}
-                         for i, (s, q) in enumerate(zip(situations, questions))]
+                         for i, (s, q) in enumerate(zip(situations, questions, strict=True))]
   out["samples"] = [{"situation": s, "question": q, "jsd": float(j)}
-                    for s, q, j in list(zip(situations, questions, result.scores))[:5]]
+                    for s, q, j in list(zip(situations, questions, result.scores, strict=True))[:5]]
   return out
 
 
@@ -135,7 +135,8 @@ def format_table(results: Mapping[str, Mapping[str, Any]]) -> str:
     rows.append([name, str(r["num_questions"]), *(cell(r, c) for c in TABLE_COLUMNS), top])
   widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) if i in (0, len(row) - 1) else c.rjust(w)
-                     for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+                     for i, (c, w) in enumerate(zip(row, widths, strict=False))).rstrip()
+           for row in rows]
   lines.insert(1, "-" * len(lines[0]))
   return "\n".join(lines) + "\n(means over n situations; [95 % bootstrap interval])"
 
@@ -182,8 +183,10 @@ def systems_from_dirs(*, question_model_dir: str, answer_model_dir: str,
   load = lambda d: (models.load_model(d, input_length=input_length,  # noqa: E731
                                       batch_size=batch_size, partitioner=partitioner)
                     if d else None)
+  question_model = load(question_model_dir)
+  assert question_model is not None  # question_model_dir is required.
   systems = baselines.all_generators(
-      question_model=load(question_model_dir), reward=reward,
+      question_model=question_model, reward=reward,
       relevance_model=load(relevance_model_dir), ppo_model=load(ppo_model_dir))
   return systems, reward
 
@@ -227,8 +230,8 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
   # The data first: any split whose file the folder has; a missing one fails (listing those
   # present) before any model loads.
   situations = data_lib.situations(source, split=split)[:max_situations]
-  config = reward_lib.RewardConfig(use_nli=use_nli,
-                                   **({"judge_classes": judge_classes} if judge_classes else {}))
+  classes: dict[str, Any] = {"judge_classes": judge_classes} if judge_classes else {}
+  config = reward_lib.RewardConfig(use_nli=use_nli, **classes)
   if not judge_classes:
     # The configured classes, or the demo vocabulary's where the judge was trained on it.
     config = dataclasses.replace(config, judge_classes=judge_lib.fitting_classes(

@@ -11,7 +11,7 @@ Every model is a T5 text-to-text model; these functions build its input and targ
 | judge | `judge: <situation>` | class text (one token each, e.g. `bad`/`okay`/`good`) |
 | NLI filter | `nli premise: <s> hypothesis: <a>` | `entailment`/`neutral`/`contradiction` |
 | relevance (discriminator) | `relevance situation: <s> question: <q>` | `relevant`/`irrelevant` |
-"""
+"""  # noqa: E501 (a Markdown table row)
 
 from __future__ import annotations
 

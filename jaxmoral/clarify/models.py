@@ -16,13 +16,15 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Any, Optional, Sequence
+import typing
+from typing import Any, Literal, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral import decoding, model_dirs
+from jaxmoral import decoding
+from jaxmoral import model_dirs
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.models import t5
 
@@ -146,6 +148,20 @@ def _chunks(cm: ClarifyModel, tokens: np.ndarray):
     yield chunk, count
 
 
+@typing.overload
+def generate(cm: ClarifyModel, inputs: Sequence[str], *, max_decode_length: int = 32,
+             num_samples: int = 1, greedy: bool = True, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, rng: Optional[jax.Array] = None,
+             return_logprobs: Literal[False] = False) -> list[list[str]]: ...
+
+
+@typing.overload
+def generate(cm: ClarifyModel, inputs: Sequence[str], *, max_decode_length: int = 32,
+             num_samples: int = 1, greedy: bool = True, temperature: float = 1.0,
+             top_p: float = 1.0, top_k: int = 0, rng: Optional[jax.Array] = None,
+             return_logprobs: Literal[True]) -> tuple[list[list[str]], np.ndarray]: ...
+
+
 def generate(cm: ClarifyModel, inputs: Sequence[str], *, max_decode_length: int = 32,
              num_samples: int = 1, greedy: bool = True, temperature: float = 1.0,
              top_p: float = 1.0, top_k: int = 0, rng: Optional[jax.Array] = None,
@@ -237,7 +253,7 @@ def label_distribution(cm: ClarifyModel, inputs: Sequence[str], labels: Sequence
   ids = label_ids(cm, labels)
   single = all(len(i) == 1 for i in ids)
   if require_single_token and not single:
-    bad = [f"{label!r} -> {i}" for label, i in zip(labels, ids) if len(i) != 1]
+    bad = [f"{label!r} -> {i}" for label, i in zip(labels, ids, strict=True) if len(i) != 1]
     raise ValueError(f"class strings must each be ONE token of {cm.path or 'the'} vocabulary; "
                      f"got {', '.join(bad)}")
   if not inputs:

@@ -32,7 +32,8 @@ class NLIScorer:
     """(N, 3) label probabilities."""
     if len(premises) != len(hypotheses):
       raise ValueError(f"NLIScorer: {len(premises)} premises but {len(hypotheses)} hypotheses")
-    inputs = [formats.nli_input(premise=p, hypothesis=h) for p, h in zip(premises, hypotheses)]
+    inputs = [formats.nli_input(premise=p, hypothesis=h)
+              for p, h in zip(premises, hypotheses, strict=True)]
     return models.label_distribution(self.model, inputs, self.labels)
 
 

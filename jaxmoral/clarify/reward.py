@@ -24,10 +24,10 @@ import logging
 import re
 from typing import Any, Optional, Sequence
 
-import gin
 import jax
 import numpy as np
 
+import gin
 from jaxmoral import metrics
 from jaxmoral import progress
 from jaxmoral import validation
@@ -155,7 +155,7 @@ class DefeasibilityReward:
   @classmethod
   def from_dirs(cls, *, answer_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
                 nli_model_dir: Optional[str] = None, config: RewardConfig = RewardConfig(),
-                partitioner: Any = None) -> "DefeasibilityReward":
+                partitioner: Any = None) -> DefeasibilityReward:
     """Loads each model from a model directory (the same directory may serve several roles: a
     multi-task model is loaded once), in `partitioner`'s shardings when given."""
     load = lambda d: models.load_model(d, input_length=config.input_length,  # noqa: E731
@@ -175,7 +175,7 @@ class DefeasibilityReward:
               judgments: Sequence[str], update_type: str) -> list[str]:
     cfg = self.config
     inputs = [formats.answer_input(judgment=j, situation=s, update_type=update_type, question=q)
-              for s, q, j in zip(situations, questions, judgments)]
+              for s, q, j in zip(situations, questions, judgments, strict=True)]
     self._within_call += 1
     key = jax.random.fold_in(self._call_key, self._within_call)
     out = models.generate(self.answer_model, inputs, max_decode_length=cfg.max_answer_length,
@@ -186,7 +186,7 @@ class DefeasibilityReward:
   def fuse(self, situations: Sequence[str], questions: Sequence[str],
            answers: Sequence[str]) -> list[str]:
     inputs = [formats.fusion_input(situation=s, question=q, answer=a)
-              for s, q, a in zip(situations, questions, answers)]
+              for s, q, a in zip(situations, questions, answers, strict=True)]
     out = models.generate(self.fusion_model, inputs,
                           max_decode_length=self.config.max_fusion_length, greedy=True)
     return [o[0] for o in out]

@@ -20,13 +20,19 @@ import pathlib
 from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmoral import aot, checkpoints, fileio, gin_utils, model_dirs, partitioning, runs
+import gin
+from jaxmoral import aot
+from jaxmoral import checkpoints
+from jaxmoral import fileio
+from jaxmoral import gin_utils
+from jaxmoral import model_dirs
 from jaxmoral import optimizers
+from jaxmoral import partitioning
+from jaxmoral import runs
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
@@ -170,9 +176,11 @@ def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any
   for key, subtree in policy_params.items():
     if key not in fresh:
       continue
-    same = jax.tree_util.tree_structure(fresh[key]) == jax.tree_util.tree_structure(subtree)
+    same = (jax.tree_util.tree_structure(fresh[key])  # type: ignore[operator]  # jax's stubs.
+            == jax.tree_util.tree_structure(subtree))
     if same and all(a.shape == b.shape for a, b in zip(jax.tree_util.tree_leaves(fresh[key]),
-                                                       jax.tree_util.tree_leaves(subtree))):
+                                                       jax.tree_util.tree_leaves(subtree),
+                                                       strict=True)):
       fresh[key] = subtree
   return fresh
 
@@ -330,7 +338,11 @@ def _reward_stage_args(name: str, cm: models.ClarifyModel, reward: reward_lib.De
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=cm.partitioner.replicated)
   if name in ("answer", "fusion"):
     return (cm.params, rows, None, None, key, None)
-  labels = reward.config.judge_classes if name == "judge" else reward.nli.labels
+  if name == "judge":
+    labels = reward.config.judge_classes
+  else:
+    assert reward.nli is not None  # The NLI role exists only with an NLI scorer.
+    labels = reward.nli.labels
   ids = models.label_ids(cm, labels)
   if all(len(i) == 1 for i in ids):
     return (cm.params, rows, jax.ShapeDtypeStruct((len(ids),), jnp.int32,
@@ -368,6 +380,7 @@ def ppo_compile_target(partitioner: partitioning.PjitPartitioner, *,
               "training.train_clarify_ppo / training.ppo_compile_target")
   vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
   reward_config = b.get("reward_config") or reward_lib.RewardConfig()
+  assert policy_config is not None  # Required (aot.require above).
   reward_config_t5 = reward_model_config or policy_config
   roles = {role: _abstract_model(reward_config_t5, vocabulary, reward_config, partitioner)
            for role in ("answer", "fusion", "judge", "nli")}

@@ -207,7 +207,8 @@ def _cpu_signature() -> str:
   """What `-march=native` depends on: the CPU's model and feature flags, where readable."""
   try:
     with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-      lines = [l for l in f if l.startswith(("model name", "flags", "Features", "CPU part"))]
+      lines = [line for line in f
+               if line.startswith(("model name", "flags", "Features", "CPU part"))]
     return "".join(sorted(set(lines)))
   except OSError:
     return platform.processor()
@@ -289,7 +290,7 @@ def build(*, force: bool = False) -> str:
   raise BuildError("compiling " + SOURCE + " failed:\n" + "\n".join(errors))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load() -> Optional[str]:
   """Builds, loads and registers the FFI targets once per process; the library's path, or
   None (warned once) on failure."""

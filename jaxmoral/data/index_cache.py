@@ -43,7 +43,7 @@ def _digest(features: Mapping[str, np.ndarray]) -> str:
   for name in sorted(features):
     array = np.ascontiguousarray(features[name])
     sha.update(f"{name}{array.dtype.str}{array.shape}".encode())
-    sha.update(memoryview(array).cast("B"))
+    sha.update(array.data.cast("B"))
   return sha.hexdigest()
 
 

@@ -67,7 +67,7 @@ def _pack(inputs: list[list[int]], targets: list[list[int]],
   """Greedy first-fit packing: each example goes into the first row where both parts fit."""
   bins: list[list[int]] = []  # Example indices per packed row.
   used: list[tuple[int, int]] = []
-  for i, (x, y) in enumerate(zip(inputs, targets)):
+  for i, (x, y) in enumerate(zip(inputs, targets, strict=True)):
     for b, (ux, uy) in enumerate(used):
       if ux + len(x) <= lengths["inputs"] and uy + len(y) <= lengths["targets"]:
         bins[b].append(i)
@@ -230,7 +230,7 @@ class BatchSource:
       yield self.batch(step)
       step += 1
 
-  def shard(self, process_index: int, process_count: int) -> "BatchSource":
+  def shard(self, process_index: int, process_count: int) -> BatchSource:
     """The same stream, serving host `process_index`'s contiguous slice of every batch."""
     if self.shard_count != 1:
       raise ValueError("BatchSource.shard: already sharded")

@@ -36,10 +36,10 @@ import os
 import pathlib
 from typing import Iterable, Iterator, Optional, Sequence
 
-import gin
 import numpy as np
 import seqio
 
+import gin
 from jaxmoral.data import corpus_sources
 from jaxmoral.data import readers
 from jaxmoral.data import span_corruption

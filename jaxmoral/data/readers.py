@@ -36,7 +36,7 @@ import difflib
 import json
 import logging
 import os
-from typing import Any, BinaryIO, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence
+from typing import IO, Any, Callable, Iterable, Iterator, Literal, Mapping, Optional, Sequence
 
 from jaxmoral import fileio
 
@@ -160,7 +160,7 @@ def _required_error(row: dict[str, Any], required: Sequence[str], path: PathLike
   return None
 
 
-def _utf8_lines(f: BinaryIO, path: PathLike) -> Iterator[tuple[int, str, Optional[DataError]]]:
+def _utf8_lines(f: IO[bytes], path: PathLike) -> Iterator[tuple[int, str, Optional[DataError]]]:
   """(line number, text, error) per physical line, a byte-order mark dropped from the first.
   A line that is not UTF-8 comes with the error naming its first bad byte (and its text
   decoded with replacement characters)."""
@@ -173,7 +173,7 @@ def _utf8_lines(f: BinaryIO, path: PathLike) -> Iterator[tuple[int, str, Optiona
           path, number, f"not UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line")
 
 
-def _text_lines(f: BinaryIO, path: PathLike, report: Report) -> Iterator[tuple[int, str]]:
+def _text_lines(f: IO[bytes], path: PathLike, report: Report) -> Iterator[tuple[int, str]]:
   """(line number, text) of the non-blank lines; a line that is not UTF-8 is reported."""
   for number, text, bad in _utf8_lines(f, path):
     if bad is not None:
@@ -297,7 +297,7 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
         field = header[len(values)] if len(values) < len(header) else f"#{len(values)}"
         report(DataError(path, line, f"expected {len(header)} columns, got {len(values)}", field))
         continue
-      row = dict(zip(header, values))
+      row = dict(zip(header, values, strict=True))
       error = _required_error(row, required, path, line)
       if error is not None:
         report(error)

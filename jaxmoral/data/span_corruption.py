@@ -29,11 +29,11 @@ import os
 import zlib
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-import gin
 import numpy as np
 import seqio
 import tensorflow as tf
 
+import gin
 from jaxmoral.data import readers
 
 # A row of a .jsonl / .tsv / .csv file -> its text(s); None or "" skips the row.
@@ -263,7 +263,7 @@ def _row_texts(row: Mapping[str, Any], path: str, line: int, text_field: Optiona
   if text_fn is not None:
     value = text_fn(row)
   else:
-    if text_field not in row:
+    if text_field is None or text_field not in row:
       raise readers.DataError(path, line, "no such field", str(text_field))
     value = row[text_field]
   if value is None:
@@ -322,7 +322,7 @@ def iterate_texts(path: str | os.PathLike, *, text_field: Optional[str] = None,
         if len(item) != len(header):
           raise readers.DataError(path, number,
                                   f"expected {len(header)} columns, got {len(item)}")
-        row = dict(zip(header, item))
+        row = dict(zip(header, item, strict=True))
       else:
         row = item
       for text in _row_texts(row, path, number, text_field, text_fn):
@@ -429,6 +429,7 @@ def register_span_corruption_task(
           raise ValueError(f"{path}: give text_field or text_fn to choose the text of a "
                            f"{suffix} row")
   else:
+    assert texts is not None  # Exactly one of text_files, texts (checked above).
     by_split = texts if isinstance(texts, Mapping) else {"train": texts}
     split_texts = {s: list(t) for s, t in by_split.items()}
     for split, values in split_texts.items():
@@ -437,16 +438,17 @@ def register_span_corruption_task(
                          "texts")
   if overwrite:
     seqio.TaskRegistry.remove(name)
-  objective = dict(noise_density=noise_density, mean_noise_span_length=mean_noise_span_length)
+  objective: dict[str, Any] = dict(noise_density=noise_density,
+                                   mean_noise_span_length=mean_noise_span_length)
   source = _text_source(files=files, texts=split_texts, text_field=text_field, text_fn=text_fn)
   # What the rows depend on, for `tasks.TaskSource`'s index cache: the files as they are now
   # (a changed file gets a new cache), the texts, how they are read and corrupted.
-  setattr(source, "jaxmoral_fingerprint", json.dumps({
+  source.jaxmoral_fingerprint = json.dumps({
       "files": {s: [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
                 for s, paths in sorted(files.items())},
       "texts": zlib.crc32(json.dumps(split_texts, sort_keys=True).encode("utf-8")),
       "read": [text_field, getattr(text_fn, "__qualname__", None)],
-      "objective": objective, "concat_batch_size": concat_batch_size}))
+      "objective": objective, "concat_batch_size": concat_batch_size})
   features = {k: seqio.Feature(vocabulary=vocabulary, add_eos=True)
               for k in ("inputs", "targets")}
   return seqio.TaskRegistry.add(

@@ -23,15 +23,16 @@ import tempfile
 import zlib
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
-import gin
 import numpy as np
 import seqio
 import tensorflow as tf
 
+import gin
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
 from jaxmoral.data import readers
-from jaxmoral.data.pipeline import BatchSource, Features
+from jaxmoral.data.pipeline import BatchSource
+from jaxmoral.data.pipeline import Features
 
 logger = logging.getLogger(__name__)
 # The attribute of a seqio DataSource that fingerprints its data (set by this package's
@@ -110,8 +111,8 @@ def split_pairs(pairs: Pairs, *, validation_every: int = 10, rule: str = "hash"
     held = [r == 0 for r in remainders]
     if len(pairs) >= 2 and not any(held):
       held[int(np.argmin(remainders))] = True
-  return {"train": [p for p, h in zip(pairs, held) if not h],
-          "validation": [p for p, h in zip(pairs, held) if h]}
+  return {"train": [p for p, h in zip(pairs, held, strict=True) if not h],
+          "validation": [p for p, h in zip(pairs, held, strict=True) if h]}
 
 
 def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
@@ -168,6 +169,7 @@ def register_text_pair_task(name: str, *, vocabulary: seqio.Vocabulary,
     splits = {s: read_pairs(f, input_field=input_field, target_field=target_field)
               for s, f in files.items()}
   else:
+    assert examples is not None  # Exactly one of examples, file (checked above).
     splits = dict(examples) if isinstance(examples, Mapping) else {"train": list(examples)}
   for split, pairs in splits.items():
     if not pairs:
@@ -214,7 +216,7 @@ def num_examples(task_name: str, split: str) -> Optional[int]:
   return None if any(c is None for c in counts) else int(sum(counts))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _process_cache_root() -> str:
   """A folder for the index caches of Tasks whose data has no fingerprint: this process's
   own, removed when it exits (another process cannot know the data did not change)."""
@@ -274,6 +276,9 @@ class TaskSource:
   shard_count: int = 1
   cache_dir: Optional[str] = None
   max_cached_examples: int = 5_000_000
+  # Built on first use (`_cached_rows`).
+  _rows: Optional[tuple[dict[str, np.ndarray], dict[str, Any]]] = dataclasses.field(
+      default=None, init=False, repr=False)
 
   def __post_init__(self):
     if not isinstance(self.batch_size, int) or self.batch_size <= 0:
@@ -305,7 +310,7 @@ class TaskSource:
   def per_shard_batch_size(self) -> int:
     return self.batch_size // self.shard_count
 
-  def shard(self, process_index: int, process_count: int) -> "TaskSource":
+  def shard(self, process_index: int, process_count: int) -> TaskSource:
     """The same stream, split over `process_count` processes: this one's rows."""
     if self.shard_count != 1:
       raise ValueError("TaskSource.shard: already sharded")

@@ -13,10 +13,10 @@ import os
 import pathlib
 from typing import Iterable, Iterator, Optional
 
-import gin
-import seqio
 import sentencepiece as spm
+import seqio
 
+import gin
 from jaxmoral import fileio
 from jaxmoral.data import demo
 

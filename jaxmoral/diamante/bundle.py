@@ -11,7 +11,8 @@ import dataclasses
 import os
 from typing import Any, Mapping, Optional
 
-from jaxmoral import decoding, model_dirs
+from jaxmoral import decoding
+from jaxmoral import model_dirs
 from jaxmoral.diamante import data
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import gin
 import jax
 import numpy as np
 
+import gin
 from jaxmoral import decoding
 from jaxmoral import partitioning
 from jaxmoral import progress
@@ -90,7 +90,9 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
     raise ValueError("generate_candidates: give exactly one of input_path, turns")
   if num_candidates < 1:
     raise ValueError(f"generate_candidates: num_candidates must be >= 1, got {num_candidates}")
-  turns = data.read_dialogues(input_path) if turns is None else turns
+  if turns is None:
+    assert input_path is not None  # Exactly one of input_path, turns (checked above).
+    turns = data.read_dialogues(input_path)
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   dialogues = dialogues_of(turns)
   contexts = [d[:i] for d in dialogues for i in range(1, len(d))]
@@ -99,7 +101,8 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
                                    no_repeat_ngram_size=no_repeat_ngram_size,
                                    max_decode_length=max_decode_length, batch_size=batch_size,
                                    seed=seed))
-  records = [(d, [[]] + [next(sampled) for _ in range(1, len(d))]) for d in dialogues]
+  records: list[tuple[Any, list[Any]]] = [
+      (d, [[]] + [next(sampled) for _ in range(1, len(d))]) for d in dialogues]
   written = data.write_dialogues(output_path, records)
   print(f"wrote {written} dialogues ({len(contexts)} responses, {num_candidates} candidates "
         f"each) to {output_path}")

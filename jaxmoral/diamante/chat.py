@@ -13,9 +13,9 @@ import os
 import sys
 from typing import Any, Callable, Optional, TextIO
 
-import gin
 import jax
 
+import gin
 from jaxmoral import partitioning
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import inference

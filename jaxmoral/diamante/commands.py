@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxmoral import action_commands, gin_utils
+from jaxmoral import action_commands
+from jaxmoral import gin_utils
 
 ACTIONS: dict[str, tuple[str, str]] = {
     # The core run with gin/runs/diamante.gin (joint model) or generator_tiny_cpu.gin.

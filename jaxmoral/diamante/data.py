@@ -22,14 +22,17 @@ import json
 import os
 from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
-import gin
+import jax.numpy as jnp
 import numpy as np
 
+import gin
 from jaxmoral import fileio
 from jaxmoral import validation
 from jaxmoral.data import pipeline
 from jaxmoral.data import vocab as vocab_lib
-from jaxmoral.data.readers import DataError, read_jsonl, unknown_field
+from jaxmoral.data.readers import DataError
+from jaxmoral.data.readers import read_jsonl
+from jaxmoral.data.readers import unknown_field
 from jaxmoral.models.t5 import shift_right
 
 DEFAULT_SEPARATOR = " [SEP] "
@@ -151,7 +154,7 @@ def read_dialogues(path: str | os.PathLike[str]) -> list[Turn]:
   path = str(path)
   turns: list[Turn] = []
   rows = read_jsonl(path, required=DIALOGUE_FIELDS, optional=(), allow_empty=False)
-  for index, (obj, line) in enumerate(zip(rows, rows.lines)):
+  for index, (obj, line) in enumerate(zip(rows, rows.lines, strict=False)):
     turns.extend(parse_dialogue(obj, path=path, line=line, dialogue=index))
   if not turns:
     raise DataError(path, 0, "no dialogue with at least two utterances")
@@ -163,7 +166,8 @@ def dialogue_to_json(utterances: Sequence[str],
   """One Diamante JSONL line (the inverse of `parse_dialogue`)."""
   candidates = candidates or [[] for _ in utterances]
   return json.dumps({"conversation": [
-      {"utterance": u, "response_candidates": list(c)} for u, c in zip(utterances, candidates)]},
+      {"utterance": u, "response_candidates": list(c)}
+      for u, c in zip(utterances, candidates, strict=True)]},
       ensure_ascii=False)
 
 
@@ -244,7 +248,7 @@ def response_features(targets: np.ndarray) -> dict[str, np.ndarray]:
   """Decoder features of (..., T) targets: inputs (shifted right, start 0) and loss weights."""
   targets = np.asarray(targets, np.int32)
   flat = targets.reshape(-1, targets.shape[-1])
-  inputs = np.asarray(shift_right(flat, 0)).reshape(targets.shape).astype(np.int32)
+  inputs = np.asarray(shift_right(jnp.asarray(flat), 0)).reshape(targets.shape).astype(np.int32)
   return {"decoder_input_tokens": inputs, "decoder_target_tokens": targets,
           "decoder_loss_weights": (targets > 0).astype(np.int32)}
 
@@ -349,6 +353,9 @@ class QuadrupleSource:
   pool_size: int = 5
   shard_index: int = 0
   shard_count: int = 1
+  # Set in __post_init__: the trainable turns, and the last epochs' orders.
+  _indices: list[int] = dataclasses.field(init=False, repr=False)
+  _epochs: dict[int, list[Quadruple]] = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     validation.positive_int(self.batch_size, "QuadrupleSource.batch_size")
@@ -410,7 +417,7 @@ class QuadrupleSource:
     for step in range(self.steps_per_epoch):
       yield self.batch(step)
 
-  def shard(self, process_index: int, process_count: int) -> "QuadrupleSource":
+  def shard(self, process_index: int, process_count: int) -> QuadrupleSource:
     if self.shard_count != 1:
       raise ValueError("QuadrupleSource.shard: already sharded")
     return dataclasses.replace(self, shard_index=process_index, shard_count=process_count)
@@ -531,7 +538,7 @@ class DialogueData:
     return {"kind": "dialogue_pairs" if self.pairs else "dialogue_quadruples",
             "separator": self.separator}
 
-  def resumed(self, saved: Mapping[str, Any]) -> "DialogueData":
+  def resumed(self, saved: Mapping[str, Any]) -> DialogueData:
     """Unchanged: its held-out dialogues are a file of their own (`eval_path`)."""
     del saved
     return self

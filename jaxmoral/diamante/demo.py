@@ -12,16 +12,21 @@ import os
 import sys
 from typing import Any, TextIO
 
-import gin
 import jax
 
+import gin
 from jaxmoral import demo as demo_lib
-from jaxmoral import optimizers, partitioning, runs
+from jaxmoral import optimizers
+from jaxmoral import partitioning
+from jaxmoral import runs
 from jaxmoral.data import demo as demo_data
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.diamante import bundle as bundle_lib
-from jaxmoral.diamante import chat, data, evaluate, inference
+from jaxmoral.diamante import chat
+from jaxmoral.diamante import data
 from jaxmoral.diamante import diamante_model
+from jaxmoral.diamante import evaluate
+from jaxmoral.diamante import inference
 from jaxmoral.models.config import t5_config
 
 
@@ -81,7 +86,7 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   contexts = [t.context for t in test_turns[:3]]
   for context, reply in zip(contexts, inference.respond(bundle, contexts,
                                                         rng=jax.random.PRNGKey(seed),
-                                                        config=rerank)):
+                                                        config=rerank), strict=True):
     print(f"  context: {' | '.join(context[-2:])}", file=output)
     print(f"  reply:   {reply.text}   [score {reply.score:.2f}; worst candidate "
           f"{reply.candidates[-1].score:.2f}: {reply.candidates[-1].text}]", file=output)

@@ -16,15 +16,16 @@ import logging
 import os
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
-import gin
 import jax
 import numpy as np
 
+import gin
 from jaxmoral import fileio
 from jaxmoral import metrics as metrics_lib
 from jaxmoral import partitioning
 from jaxmoral.diamante import bundle as bundle_lib
-from jaxmoral.diamante import data, inference
+from jaxmoral.diamante import data
+from jaxmoral.diamante import inference
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ def generation_metrics(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[st
   texts = [r.text for r in replies]
   if samples is not None:
     samples.extend({"context": list(c), "response": r.text, "score": float(r.score)}
-                   for c, r in list(zip(contexts, replies))[:NUM_SAMPLES])
+                   for c, r in list(zip(contexts, replies, strict=True))[:NUM_SAMPLES])
   return {"distinct-1": metrics_lib.distinct_n(texts, 1),
           "distinct-2": metrics_lib.distinct_n(texts, 2),
           "generated/mean_score": float(np.mean([r.score for r in replies]))}

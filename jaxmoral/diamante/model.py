@@ -12,6 +12,7 @@ decoder (targets keep that position free, see `data.FeatureConfig.response_lengt
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Optional
 
 import jax
@@ -61,10 +62,10 @@ def forward_responses(model: T5, params: Any, encoder_input_tokens: Array,
   """
   batch, num_responses, length = decoder_input_tokens.shape
   flat_inputs = decoder_input_tokens.reshape(batch * num_responses, length)
-  kwargs = dict(num_responses=num_responses, deterministic=rng is None)
   rngs = {} if rng is None else {"dropout": rng}
-  logits, position_scores = model.apply({"params": params}, encoder_input_tokens, flat_inputs,
-                                        method=_forward, rngs=rngs, **kwargs)
+  logits, position_scores = typing.cast(tuple[Array, Array], model.apply(
+      {"params": params}, encoder_input_tokens, flat_inputs, method=_forward, rngs=rngs,
+      num_responses=num_responses, deterministic=rng is None))
   flat_weights = decoder_loss_weights.reshape(batch * num_responses, length)
   index = jnp.minimum(heads.last_token_index(flat_weights) + 1, length - 1)
   scores = heads.gather_at(position_scores, index)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmoral.diamante.data import Turn, parse_dialogue
+from jaxmoral.diamante.data import Turn
+from jaxmoral.diamante.data import parse_dialogue
 
 _THINGS = ["pizza", "jazz", "hiking", "cats", "football", "chess", "coffee", "rain", "paris",
            "guitars", "movies", "gardens", "trains", "the ocean", "winter", "books"]

@@ -124,7 +124,7 @@ def distribution_bars(probabilities: Sequence[float], labels: Sequence[str], *,
   row = 14
   out = [f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" width="{width}" '
          f'height="{row * len(labels)}">']
-  for i, (label, p) in enumerate(zip(labels, probabilities)):
+  for i, (label, p) in enumerate(zip(labels, probabilities, strict=True)):
     p = float(p) if math.isfinite(float(p)) else 0.0
     bar = max(0.0, min(1.0, p)) * (width - 80)
     out.append(f'<text x="0" y="{row * i + 10}">{html.escape(label)}</text>'

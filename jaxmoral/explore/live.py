@@ -111,6 +111,7 @@ def diamante_rank(*, model_dir: str, context: Sequence[str], responses: Sequence
     `sources.ranked(...)`: rows best first, and the human response's ranking metrics.
   """
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   from jaxmoral.diamante import data  # pylint: disable=import-outside-toplevel
   from jaxmoral.diamante import inference  # pylint: disable=import-outside-toplevel
   from jaxmoral.explore import sources  # pylint: disable=import-outside-toplevel

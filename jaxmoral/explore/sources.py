@@ -116,7 +116,7 @@ def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
   rows = []
   for position, example in enumerate(examples):
     overlap = detector.detect(example)
-    row = {"position": position, "id": example.id, "query": example.query,
+    row: dict[str, Any] = {"position": position, "id": example.id, "query": example.query,
            "pro": list(example.pro), "con": list(example.con), "response": example.response,
            "error_type": error_type(example), "paraphrased": bool(example.paraphrased),
            "removed_argument": example.removed_argument,
@@ -154,11 +154,12 @@ def npov_results(path: pathlib.Path) -> dict[str, Any]:
 def roc_points(labels: list[int], scores: list[float]) -> Optional[list[tuple[float, float]]]:
   """The ROC curve's (FPR, TPR) points by the library's `metrics.roc_curve` (None: one class)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   if len(set(labels)) < 2:
     return None
   fpr, tpr, _ = metrics.roc_curve(np.asarray(labels), np.asarray(scores, np.float64))
-  return list(zip(fpr.tolist(), tpr.tolist()))
+  return list(zip(fpr.tolist(), tpr.tolist(), strict=True))
 
 
 # -- ClarifyDelphi ------------------------------------------------------------------------------
@@ -270,10 +271,12 @@ def ranked(responses: list[str], scores: list[float], logprobs: list[float],
   """Responses best first by preference score, with the human response (index `human`, None
   for none) marked, and its ranking metrics (the library's `metrics.ranking_metrics`)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
-  rows = [{"text": t, "score": float(s), "logprob": float(lp), "tokens": int(n),
-           "per_token": float(lp) / max(int(n), 1), "human": i == human}
-          for i, (t, s, lp, n) in enumerate(zip(responses, scores, logprobs, lengths))]
+  rows: list[dict[str, Any]] = [
+      {"text": t, "score": float(s), "logprob": float(lp), "tokens": int(n),
+       "per_token": float(lp) / max(int(n), 1), "human": i == human}
+      for i, (t, s, lp, n) in enumerate(zip(responses, scores, logprobs, lengths, strict=True))]
   rows.sort(key=lambda r: -r["score"])
   result: dict[str, Any] = {"rows": rows}
   labels = np.asarray([r["human"] for r in rows])
@@ -392,7 +395,7 @@ def markdown_tables(text: str) -> list[dict[str, Any]]:
     if line.startswith("|") and i + 1 < len(lines) and re.match(r"^\|[\s:|-]+\|$",
                                                                    lines[i + 1].strip()):
       cells = lambda row: [c.strip() for c in row.strip().strip("|").split("|")]  # noqa: E731
-      table = {"heading": heading, "header": cells(line), "rows": []}
+      table: dict[str, Any] = {"heading": heading, "header": cells(line), "rows": []}
       i += 2
       while i < len(lines) and lines[i].strip().startswith("|"):
         table["rows"].append(cells(lines[i]))

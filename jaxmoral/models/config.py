@@ -11,7 +11,6 @@ import json
 from typing import Any, Literal
 
 import gin
-
 from jaxmoral import validation
 
 FeedForward = Literal["relu", "gated-gelu", "gated-relu", "gated-silu"]
@@ -147,7 +146,7 @@ class T5Config:
   def decoder_start_token_id(self) -> int:
     return self.pad_token_id
 
-  def replace(self, **changes: Any) -> "T5Config":
+  def replace(self, **changes: Any) -> T5Config:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
@@ -162,7 +161,7 @@ class T5Config:
     return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
   @classmethod
-  def from_dict(cls, values: dict[str, Any]) -> "T5Config":
+  def from_dict(cls, values: dict[str, Any]) -> T5Config:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:

@@ -42,11 +42,11 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec
@@ -214,6 +214,7 @@ def _dkv_kernel(*refs: Any, has_bias: bool, per_row_bias: bool, causal: bool, bl
   rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
 
   def _store_dbias(ds: Array) -> None:
+    assert dbias_ref is not None  # Called only with a bias.
     # A per-row bias has its own gradient per batch row; a shared one is written by batch row 0
     # and added to by the others (the block stays in VMEM across the batch axis).
     if per_row_bias:
@@ -296,7 +297,7 @@ def _dq_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int, block_k: 
 _SQ = pl.Squeezed()
 
 
-def _compiler_params(*semantics: str) -> Any:
+def _compiler_params(*semantics: Literal["parallel", "arbitrary"]) -> Any:
   return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
@@ -379,7 +380,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   batch, heads, q_len, width = q.shape
   k_len = k.shape[2]
   has_bias = bias is not None
-  per_row_bias = has_bias and bias.shape[0] > 1
+  per_row_bias = bias is not None and bias.shape[0] > 1
   # rowsum(dO * O), the softmax backward's per-row term; (batch, heads, 1, q_len) like lse.
   di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)[:, :, None, :]
   lse = lse[:, :, None, :]
@@ -399,7 +400,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   kv_spec = pl.BlockSpec((_SQ, _SQ, bk, width), lambda h, j, b, i: (b, h, j, 0))
   row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda h, j, b, i: (b, h, 0, q_index(h, j, b, i)))
   in_specs, args = [qd_spec, kv_spec, kv_spec], [q, k, v]
-  if has_bias:
+  if bias is not None:
     in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda h, j, b, i: (
         _bias_row(b, per_row_bias), h, q_index(h, j, b, i), j)))
     args.append(bias)
@@ -410,7 +411,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   args += [lane_q_ids, sublane_k_ids, lse, do, di]
   out_specs = [kv_spec, kv_spec]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-  if has_bias:
+  if bias is not None:
     out_specs.append(pl.BlockSpec((_SQ, _SQ, q_len, bk), lambda h, j, b, i: (
         _bias_row(b, per_row_bias), h, 0, j)))
     out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
@@ -443,7 +444,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   kv_spec = pl.BlockSpec((_SQ, _SQ, bk, width), lambda b, h, i, j: (b, h, k_index(b, h, i, j), 0))
   row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j: (b, h, 0, i))
   in_specs, args = [qd_spec, kv_spec, kv_spec], [q, k, v]
-  if has_bias:
+  if bias is not None:
     in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda b, h, i, j: (
         _bias_row(b, per_row_bias), h, i, k_index(b, h, i, j))))
     args.append(bias)

@@ -53,15 +53,17 @@ import os
 from typing import Any, Optional, Sequence, Union
 
 import jax
-from jax import lax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
 # The TPU kernels' padding, segment-id and mesh helpers apply unchanged.
-from jaxmoral.models.flash_attention import (  # pylint: disable=g-importing-member
-    _kernel_ids, _mesh_axes_for, _round_up, _target_platform)
+from jaxmoral.models.flash_attention import _kernel_ids  # pylint: disable=g-importing-member
+from jaxmoral.models.flash_attention import _mesh_axes_for  # pylint: disable=g-importing-member
+from jaxmoral.models.flash_attention import _round_up  # pylint: disable=g-importing-member
+from jaxmoral.models.flash_attention import _target_platform  # pylint: disable=g-importing-member
 
 Array = jax.Array
 MeshAxes = Union[None, str, Sequence[str]]
@@ -74,8 +76,9 @@ MASK_VALUE = -1e30
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # Triton's smallest tile side for a matrix product.
 
-_CompilerParams = getattr(plgpu, "CompilerParams", None) or getattr(plgpu,
-                                                                   "TritonCompilerParams")
+# Older JAX names it TritonCompilerParams.
+_CompilerParams = (getattr(plgpu, "CompilerParams", None)
+                   or plgpu.TritonCompilerParams)  # type: ignore[attr-defined]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +314,7 @@ def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
       bias = None if bias_ref is None else _bias_tile(bias_ref, qs, slice(None), i * bq,
                                                       j * bk, (bq, bk), plan)
       out, ds_sum = [], None
-      for b, (k, v, k_ids), (dk, dv) in zip(rows, kvs, carry):
+      for b, (k, v, k_ids), (dk, dv) in zip(rows, kvs, carry, strict=True):
         q, do = q_ref[b, qs, :], do_ref[b, qs, :]
         mask = _tile_mask(qid_ref[b, qs], k_ids, i * bq, j * bk, plan.causal)
         s = _scores(q, k, bias, mask)
@@ -331,7 +334,7 @@ def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
 
     zeros = jnp.zeros((bk, width), jnp.float32)
     carry = lax.fori_loop(first_q, num_q, body, tuple((zeros, zeros) for _ in rows))
-    for b, (dk, dv) in zip(rows, carry):
+    for b, (dk, dv) in zip(rows, carry, strict=True):
       dk_ref[b, :, :] = dk.astype(dk_ref.dtype)
       dv_ref[b, :, :] = dv.astype(dv_ref.dtype)
 
@@ -420,7 +423,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   row_spec = pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0))
   kv_spec = pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0))
   in_specs, args = [row_spec, kv_spec, kv_spec], [q, k, v]
-  if has_bias:
+  if bias is not None:
     in_specs.append(_bias_spec(bias, plan, (None, None, bq, k_len), lambda b, i, h: (0, h, i, 0),
                                lambda b, i, h: (0, h, 0)))
     args.append(bias)
@@ -448,7 +451,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   kv_spec = pl.BlockSpec((rows, bk, None, width), lambda j, h, g: (g, j, h, 0))
   stat_spec = pl.BlockSpec((rows, None, q_len), lambda j, h, g: (g, h, 0))
   in_specs, args = [q_spec, kv_spec, kv_spec], [q, k, v]
-  if has_bias:
+  if bias is not None:
     in_specs.append(_bias_spec(bias, plan, (None, None, q_len, bk), lambda j, h, g: (0, h, 0, j),
                                lambda j, h, g: (0, h, 0)))
     args.append(bias)

@@ -21,7 +21,9 @@ class ScalarHead(nn.Module):
         (hidden.shape[-1], 1), jnp.float32)
     bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                       (1,), jnp.float32)
-    return jnp.einsum("bld,dk->blk", hidden.astype(jnp.float32), kernel)[..., 0] + bias[0]
+    # flax's stubs type a boxed param's value as the box; `param` returns it unboxed.
+    return (jnp.einsum("bld,dk->blk", hidden.astype(jnp.float32), kernel)[..., 0]
+            + bias[0])  # type: ignore[index]
 
 
 def gather_at(values: jax.Array, index: jax.Array) -> jax.Array:

@@ -35,7 +35,8 @@ import jax
 import numpy as np
 
 from jaxmoral.models.config import T5Config
-from jaxmoral.models.t5x_import import expected_shapes, validate_params
+from jaxmoral.models.t5x_import import expected_shapes
+from jaxmoral.models.t5x_import import validate_params
 
 Params = dict[str, Any]
 Index = tuple[slice, ...]
@@ -427,6 +428,7 @@ def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
   sources = {path: (_copy(files, name) if kind == "copy" else _linear(files, name))
              for name, path, kind in table}
   if not config.tie_word_embeddings:
+    assert head is not None  # Untied: lm_head.weight or shared.weight (checked above) gives it.
     sources[("decoder", "logits_dense", "kernel")] = head
   shapes = expected_shapes(config)
   hf_names = {path: name for name, path, _ in table}
@@ -473,6 +475,7 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
     The directory.
   """
   import shutil  # pylint: disable=g-import-not-at-top
+
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   validate_params(params, config, source="export_hf_t5 params")
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(dict(params)))

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+import typing
+from typing import Any, Literal, Optional, Sequence
 
 import flax
 import flax.linen as nn
@@ -30,7 +31,8 @@ import jax.numpy as jnp
 
 from jaxmoral.models import flash_attention
 from jaxmoral.models import flash_attention_gpu
-from jaxmoral.models.config import T5Config, cudnn_supports_head_width
+from jaxmoral.models.config import T5Config
+from jaxmoral.models.config import cudnn_supports_head_width
 
 Array = jax.Array
 NEG_INF = -1e10  # Large negative bias for masked attention (T5X uses the same order).
@@ -151,7 +153,7 @@ def attention_mask(query_valid: Array, key_valid: Array,
   return mask
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cudnn_attention_available() -> bool:
   """Whether the default backend is a CUDA GPU (where cuDNN's fused attention runs)."""
   try:
@@ -198,13 +200,16 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, 
   `jax.nn.dot_product_attention` otherwise.
   """
   if masking.query_ids is not None:
-    batch_axes, head_axes = nn.logical_to_mesh_axes(("batch", "heads"))
+    batch_axes, head_axes = typing.cast(tuple[Any, Any],
+                                        nn.logical_to_mesh_axes(("batch", "heads")))
     if masking.gpu_kernel:
-      bias, diagonals = masking.position_bias, None
+      bias: Optional[Array] = masking.position_bias
+      diagonals: Optional[Array] = None
       if bias_as_diagonals and bias is not None:
         # T5's position bias (relative positions of 0, 1, ..., see RelativePositionBias)
         # depends on k - q alone, so its diagonals carry all of it.
-        bias, diagonals = None, flash_attention_gpu.bias_diagonals(bias)
+        diagonals = flash_attention_gpu.bias_diagonals(bias)
+        bias = None
       return flash_attention_gpu.sharded_flash_attention(
           query, key, value, bias, masking.query_ids, masking.key_ids,
           bias_diagonals=diagonals, causal=masking.causal, batch_axes=batch_axes,
@@ -220,7 +225,8 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, 
     bias = bias.astype(query.dtype)
   return jax.nn.dot_product_attention(
       query, key, value, bias=bias, scale=1.0, is_causal=masking.causal,
-      key_value_seq_lengths=masking.key_lengths, implementation=implementation)
+      key_value_seq_lengths=masking.key_lengths,
+      implementation=typing.cast(Literal["xla", "cudnn"], implementation))
 
 
 # -- the interface the model calls ---------------------------------------------------------------
@@ -236,7 +242,7 @@ class ModelOps:
   config: T5Config
 
   @classmethod
-  def for_config(cls, config: T5Config) -> "ModelOps":
+  def for_config(cls, config: T5Config) -> ModelOps:
     """The ops `config` selects."""
     return cls(config)
 

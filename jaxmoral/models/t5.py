@@ -40,7 +40,9 @@ import numpy as np
 from jaxmoral.models import heads
 from jaxmoral.models import ops as ops_lib
 from jaxmoral.models.config import T5Config
-from jaxmoral.models.ops import DecodeStepOps, FusedMask, ModelOps
+from jaxmoral.models.ops import DecodeStepOps
+from jaxmoral.models.ops import FusedMask
+from jaxmoral.models.ops import ModelOps
 
 Array = jax.Array
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import typing
 from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 
+import gin
 from jaxmoral import losses
 from jaxmoral.models import t5
 from jaxmoral.models.config import T5Config
@@ -44,7 +45,8 @@ class TrainableModel(abc.ABC):
 
   def init_params(self, rng: jax.Array) -> PyTree:
     """Randomly initialised, logically partitioned (boxed) parameters."""
-    return t5.init_params(self.module(), rng)
+    # A T5, or a module with a T5's inputs (`init_params` only calls `init` on it).
+    return t5.init_params(typing.cast(t5.T5, self.module()), rng)
 
   @property
   def trainable_patterns(self) -> Optional[Sequence[str]]:

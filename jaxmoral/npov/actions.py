@@ -15,7 +15,6 @@ import re
 from typing import Any, Mapping, Optional, Sequence
 
 import gin
-
 from jaxmoral import fileio
 from jaxmoral.npov import detect
 from jaxmoral.npov import evaluate
@@ -87,7 +86,7 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     detections = det.detect_batch(examples)
   fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
   with fileio.open(output_path, "w", encoding="utf-8") as f:
-    for e, d in zip(examples, detections):
+    for e, d in zip(examples, detections, strict=True):
       record = {"id": e.id, **d.to_json()}
       records.append(record)
       f.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -137,8 +136,11 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
         e: os.path.join(prompts_dir, f"classifier_{e}", "prompt") for e in evaluate.ERRORS}
   if (kb_path is None) == (perspectrum_dir is None):
     raise ValueError("npov evaluate: give exactly one of kb_path, perspectrum_dir")
-  topics = (kb_lib.read_kb_jsonl(kb_path) if kb_path else
-            kb_lib.read_perspectrum(perspectrum_dir))
+  if kb_path is not None:
+    topics = kb_lib.read_kb_jsonl(kb_path)
+  else:
+    assert perspectrum_dir is not None  # Exactly one of the two (checked above).
+    topics = kb_lib.read_perspectrum(perspectrum_dir)
   topics = kb_lib.split_topics(topics)
   if examples_path:
     source = kb_lib.attach_clusters(task.read_examples(examples_path), topics)

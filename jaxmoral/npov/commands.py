@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from jaxmoral import action_commands, gin_utils
+from jaxmoral import action_commands
+from jaxmoral import gin_utils
 
 ACTIONS: dict[str, tuple[str, str]] = {
     "detect": ("jaxmoral.npov.actions", "detect_file"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional
 
-
 from jaxmoral import model_dirs
 from jaxmoral import prompt_tuning
 from jaxmoral.models.t5 import T5

@@ -80,8 +80,9 @@ def evaluate_slice(examples: Sequence[task.NpovExample],
   out: dict[str, Any] = {}
   for error in ERRORS:
     other = ERRORS[1 - ERRORS.index(error)]
-    ex_labels, ex_scores, w_labels, w_scores = [], [], [], []
-    for e, d in zip(examples, detections):
+    ex_labels, ex_scores, w_labels = [], [], []
+    w_scores: list[float] = []
+    for e, d in zip(examples, detections, strict=True):
       label = getattr(e, error)
       if label is None or getattr(e, other):
         continue
@@ -146,7 +147,7 @@ def format_table(results: Mapping[str, Any]) -> str:
                     else f"{r.get('num_words', '?')} words")
     rows.append(counts)
   widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows]
   lines.insert(1, "-" * len(lines[0]))
   return "\n".join(lines) + ("\n(ROC AUC x 100 [95 % bootstrap interval over the examples]; "
                              "example = example level, word = word level)")

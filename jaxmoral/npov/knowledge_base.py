@@ -117,7 +117,7 @@ def read_kb_jsonl(path: str | os.PathLike) -> list[Topic]:
   path = str(path)
   rows = readers.read_jsonl(path, required=("query",), optional=KB_FIELDS, allow_empty=False)
   topics = []
-  for row, line in zip(rows, rows.lines):
+  for row, line in zip(rows, rows.lines, strict=False):
     clusters = []
     for side in task.SIDES:
       value = row.get(side, [])

@@ -8,9 +8,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxmoral import fileio, metrics, pictures
+from jaxmoral import fileio
+from jaxmoral import metrics
+from jaxmoral import pictures
 from jaxmoral.npov.detectors import base
-
 
 # A word is flagged (bold, underlined) when its score is this many standard deviations above
 # the mean score of the words of its kind in the same example: the words that stand out, not
@@ -135,7 +136,7 @@ def roc_curves_png(by_detector: Mapping[str, Any], path: str | os.PathLike, *,
   plt = pictures.pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(9, 4))
   drawn = False
-  for ax, error in zip(axes, ("hallucination", "coverage")):
+  for ax, error in zip(axes, ("hallucination", "coverage"), strict=True):
     for name, result in by_detector.items():
       labels, scores = result[error]["labels"], result[error]["scores"]
       if len(set(labels)) < 2:

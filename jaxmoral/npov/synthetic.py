@@ -100,7 +100,7 @@ def paraphrase(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random.Ge
   added = example.added_argument
   for side in task.SIDES:
     texts = []
-    for text, cluster_id in zip(getattr(example, side), example.clusters(side)):
+    for text, cluster_id in zip(getattr(example, side), example.clusters(side), strict=True):
       others = [] if cluster_id < 0 else [
           t for t in topic.clusters[cluster_id].texts if t != text]
       new = others[int(rng.integers(len(others)))] if others else text

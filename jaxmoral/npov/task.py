@@ -84,7 +84,7 @@ class NpovExample:
   def arguments(self) -> tuple[str, ...]:
     return self.pro + self.con
 
-  def replace(self, **changes: Any) -> "NpovExample":
+  def replace(self, **changes: Any) -> NpovExample:
     return dataclasses.replace(self, **changes)
 
   def to_json(self) -> dict[str, Any]:
@@ -242,7 +242,7 @@ def read_examples(path: str | os.PathLike, *,
                             allow_empty=False)
   out = []
   first_line_of_id: dict[str, int] = {}
-  for row, line in zip(rows, rows.lines):
+  for row, line in zip(rows, rows.lines, strict=False):
     kwargs: dict[str, Any] = {}
     for side in SIDES:
       kwargs[side] = _as_texts(row.get(side, []), path, line, side)

@@ -41,17 +41,20 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequenc
 
 import flax
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmoral import losses, optimizers, partitioning, pictures
-from jaxmoral import validation
-from jaxmoral.data import pipeline
+import gin
+from jaxmoral import losses
+from jaxmoral import optimizers
+from jaxmoral import partitioning
+from jaxmoral import pictures
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
+from jaxmoral import validation
+from jaxmoral.data import pipeline
 from jaxmoral.models import t5 as t5_lib
 from jaxmoral.rl import ppo
 from jaxmoral.rl import rollout as rollout_lib
@@ -250,6 +253,7 @@ class PromptSource:
   texts: Sequence[str]
   batch_size: int
   seed: int = 0
+  _rows: pipeline.BatchSource = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
     if len(self.tokens) != len(self.texts):
@@ -369,11 +373,11 @@ class PPOTrainer:
 
     rep = partitioner.replicated
     d1, d2 = partitioner.data_sharding(1), partitioner.data_sharding(2)
+    # A PPOState of shardings: the same tree, other leaves.
     self.state_shardings = PPOState(
-        step=rep, policy=self.policy_init.state_shardings,
-        value=self.value_init.state_shardings,
-        ref_params=self.policy_init.params_shardings, kl_coef=rep, reward_mean=rep,
-        reward_std=rep)
+        step=rep, kl_coef=rep, reward_mean=rep, reward_std=rep,  # type: ignore[arg-type]
+        policy=self.policy_init.state_shardings, value=self.value_init.state_shardings,
+        ref_params=self.policy_init.params_shardings)
     self.rollout_shardings = jax.tree_util.tree_map(partitioner.data_sharding,
                                                     rollout_lib.ROLLOUT_NDIMS)
     params_sh = self.policy_init.params_shardings
@@ -486,8 +490,8 @@ class PPOTrainer:
       raise ValueError(f"PPOTrainer: reward normalisation needs finite mean and std > 0, got "
                        f"mean={mean}, std={std}")
     rep = self.partitioner.replicated
-    return state.replace(reward_mean=jax.device_put(jnp.float32(mean), rep),
-                         reward_std=jax.device_put(jnp.float32(std), rep))
+    return dataclasses.replace(state, reward_mean=jax.device_put(jnp.float32(mean), rep),
+                               reward_std=jax.device_put(jnp.float32(std), rep))
 
   # -- host-side text -----------------------------------------------------------------------------
   def encode_prompts(self, prompts: Sequence[str] | np.ndarray) -> tuple[np.ndarray, list[str]]:
@@ -524,7 +528,7 @@ class PPOTrainer:
     lengths = np.asarray(jax.device_get(response_mask)).sum(axis=1).astype(int)
     eos = self.policy_model.config.eos_token_id
     out = []
-    for row, n in zip(tokens, lengths):
+    for row, n in zip(tokens, lengths, strict=True):
       ids = [int(t) for t in row[:n]]
       if ids and ids[-1] == eos:
         ids = ids[:-1]
@@ -639,10 +643,10 @@ class PPOTrainer:
     init = (p_train, v_train, state.policy.opt_state, state.value.opt_state)
     (p_train, v_train, p_opt, v_opt), stacked = jax.lax.scan(body, init, perms)
     num_updates = epochs * num_mb
-    policy = state.policy.replace(step=state.policy.step + num_updates,
-                                  params=trainer_lib.merge_params(p_train, p_frozen),
-                                  opt_state=p_opt)
-    value = state.value.replace(step=state.value.step + num_updates,
+    policy = dataclasses.replace(state.policy, step=state.policy.step + num_updates,
+                                 params=trainer_lib.merge_params(p_train, p_frozen),
+                                 opt_state=p_opt)
+    value = dataclasses.replace(state.value, step=state.value.step + num_updates,
                                 params=trainer_lib.merge_params(v_train, v_frozen),
                                 opt_state=v_opt)
     # The controller sees the KL of the rollout policy (Ziegler et al.), per sequence.
@@ -651,8 +655,8 @@ class PPOTrainer:
     metrics = {k: jnp.mean(v) for k, v in stacked.items()}
     for name in ("ratio_mean", "approx_kl", "clipfrac", "policy_loss"):
       metrics[f"first_minibatch/{name}"] = stacked[name][0]
-    new_state = state.replace(step=state.step + 1, policy=policy, value=value,
-                              kl_coef=kl_coef.astype(jnp.float32))
+    new_state = dataclasses.replace(state, step=state.step + 1, policy=policy, value=value,
+                                    kl_coef=kl_coef.astype(jnp.float32))
     return new_state, metrics
 
   def ppo_update(self, state: PPOState, rollout: rollout_lib.Rollout,
@@ -677,6 +681,7 @@ class PPOTrainer:
       return scores, {}
     if response_texts is None:
       response_texts = self.response_texts(response_tokens, response_mask)
+    assert self.reward_fn is not None  # A reward function or a token reward model is given.
     out = self.reward_fn(list(prompt_texts), response_texts, key=key)
     scores, extra = out if isinstance(out, tuple) else (out, {})
     scores = np.asarray(scores, np.float32)
@@ -706,7 +711,7 @@ class PPOTrainer:
       rows = np.arange(start, start + cfg.batch_size) % prompts.num_examples
       responses, _, mask = self.generate(state, prompts.tokens[rows],
                                          jax.random.fold_in(rng, chunk))
-      raw, _ = self.rewards(prompts.tokens[rows], [prompts.texts[i] for i in rows], responses,
+      raw, _ = self.rewards(prompts.tokens[rows], [prompts.texts[int(i)] for i in rows], responses,
                             mask, key=RewardKey("normalization", chunk))
       scores.append(np.asarray(jax.device_get(raw))[:min(cfg.batch_size, count - start)])
     scores = np.concatenate(scores).astype(np.float64)
@@ -877,7 +882,7 @@ def read_reward_curve(path: pathlib.Path) -> dict[int, float]:
   if not path.is_file():
     return {}
   data = json.loads(path.read_text())
-  return dict(zip(data["iterations"], data["raw_reward_mean"]))
+  return dict(zip(data["iterations"], data["raw_reward_mean"], strict=False))
 
 
 def plot_reward_curve(path: pathlib.Path) -> str:

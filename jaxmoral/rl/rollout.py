@@ -22,14 +22,17 @@ chosen, as GAE expects.
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Optional
 
 import flax
 import jax
 import jax.numpy as jnp
 
-from jaxmoral import decoding, losses
-from jaxmoral.models.t5 import T5, shift_right
+from jaxmoral import decoding
+from jaxmoral import losses
+from jaxmoral.models.t5 import T5
+from jaxmoral.models.t5 import shift_right
 from jaxmoral.rl import ppo
 
 Array = jax.Array
@@ -69,9 +72,11 @@ class Rollout:
 
 
 # Rank of every `Rollout` field (for building its batch shardings).
-ROLLOUT_NDIMS = Rollout(prompt_tokens=2, response_tokens=2, response_mask=2, sampler_logprobs=2,
-                        old_logprobs=2, ref_logprobs=2, old_values=2, scores=1, rewards=2, kl=2,
-                        advantages=2, returns=2)
+# (A Rollout of ints: the same tree, other leaves.)
+ROLLOUT_NDIMS = Rollout(
+    prompt_tokens=2, response_tokens=2, response_mask=2,  # type: ignore[arg-type]
+    sampler_logprobs=2, old_logprobs=2, ref_logprobs=2,  # type: ignore[arg-type]
+    old_values=2, scores=1, rewards=2, kl=2, advantages=2, returns=2)  # type: ignore[arg-type]
 
 
 def generate_rollout(model: T5, params: Params, prompt_tokens: Array, rng: Array, *,
@@ -108,7 +113,7 @@ def _decode_and_score(module: T5, encoded: Array, encoder_mask: Array,
 def _encode(model: T5, params: Params, prompt_tokens: Array) -> tuple[Array, Array]:
   mask = prompt_tokens != model.config.pad_token_id
   encoded = model.apply({"params": params}, prompt_tokens, encoder_mask=mask, method=T5.encode)
-  return encoded, mask
+  return typing.cast(Array, encoded), mask
 
 
 def policy_logprobs(model: T5, params: Params, prompt_tokens: Array, response_tokens: Array, *,
@@ -153,8 +158,8 @@ def values_of(value_model: T5, value_params: Params, prompt_tokens: Array,
   if encoded is None:
     encoded = _encode(value_model, value_params, prompt_tokens)
   decoder_inputs = shift_right(response_tokens, value_model.config.decoder_start_token_id)
-  return value_model.apply({"params": value_params}, encoded[0], encoded[1], decoder_inputs,
-                           method=_decode_and_score)
+  return typing.cast(Array, value_model.apply({"params": value_params}, encoded[0], encoded[1],
+                                              decoder_inputs, method=_decode_and_score))
 
 
 def policy_and_values(policy_model: T5, value_model: T5, policy_params: Params,
@@ -199,6 +204,7 @@ def score_rollout(*, policy_model: T5, value_model: T5, policy_params: Params,
   logprobs, entropy, values = policy_and_values(
       policy_model, value_model, policy_params, value_params, prompt_tokens, response_tokens,
       temperature=temperature, share_value_encoder=share_value_encoder, with_entropy=True)
+  assert entropy is not None  # with_entropy=True.
   ref_logprobs, _ = policy_logprobs(policy_model, ref_params, prompt_tokens, response_tokens,
                                     temperature=temperature)
   values = values * mask

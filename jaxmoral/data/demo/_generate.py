@@ -8,8 +8,11 @@ from __future__ import annotations
 import csv
 import json
 import pathlib
+from typing import Any
 
-from jaxmoral.data.demo import _clarify_source, _dialogue_source, _npov_source
+from jaxmoral.data.demo import _clarify_source
+from jaxmoral.data.demo import _dialogue_source
+from jaxmoral.data.demo import _npov_source
 
 OUT_DIR = pathlib.Path(__file__).resolve().parent
 JUDGMENT = {"b": "bad", "o": "ok", "g": "good"}
@@ -31,7 +34,10 @@ def _write_jsonl(name: str, objects: list[dict]) -> None:
 
 
 def clarify() -> None:
-  questions, answers, fusion, judgments = [], [], [], []
+  questions: list[list[str]] = []
+  answers: list[list[str]] = []
+  fusion: list[list[str]] = []
+  judgments: list[list[str]] = []
   for situation, judgment, rot, qs, ans in _clarify_source.SITUATIONS:
     judgments.append([situation, JUDGMENT[judgment]])
     for q in qs:
@@ -51,7 +57,7 @@ def clarify() -> None:
 
 def dialogues() -> None:
   generic = _dialogue_source.GENERIC_CANDIDATES
-  out = []
+  out: list[dict[str, Any]] = []
   for turns, fills in _dialogue_source.TEMPLATES:
     for fill in fills:
       d = len(out)
@@ -88,10 +94,12 @@ def npov_response(issue: str, sides: list[tuple[str, list[str]]], k: int) -> str
 
 
 def npov() -> None:
-  kb, examples = [], []
+  kb: list[dict[str, Any]] = []
+  examples: list[dict[str, Any]] = []
   for t, (query, issue, pro, con) in enumerate(_npov_source.TOPICS):
     kb.append({"query": query, "pro": pro, "con": con})
-    pick = lambda clusters, j0: [c[(t + j0 + j) % len(c)] for j, c in enumerate(clusters)]
+    def pick(clusters, j0, t=t):
+      return [c[(t + j0 + j) % len(c)] for j, c in enumerate(clusters)]
     selections = [(pick(pro, 0), pick(con, 0), True),
                   (pick(pro[:2], 1), pick(con[-2:], 1), False)]
     if t < 10:

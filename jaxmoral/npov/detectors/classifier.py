@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import functools
 import os
+import typing
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral import model_dirs, runs
+import gin
+from jaxmoral import model_dirs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
+from jaxmoral import runs
 from jaxmoral.data import readers
 from jaxmoral.models import trainable
 from jaxmoral.models.config import T5Config
@@ -150,10 +152,10 @@ def _label_logits_fn(config: T5Config, with_prompt: bool, partitioner: Any = Non
   def run(params: Any, prompt: Optional[jax.Array], tokens: jax.Array) -> jax.Array:
     decoder = jnp.full((tokens.shape[0], 1), config.decoder_start_token_id, jnp.int32)
     if prompt is None:  # A fine-tuned classifier (None is an empty pytree: its own trace).
-      return model.apply({"params": params}, tokens, decoder)[:, 0]
+      return typing.cast(jax.Array, model.apply({"params": params}, tokens, decoder))[:, 0]
     embeds, mask = prompt_tuning.prompted_encoder_inputs(model, params, prompt, tokens)
-    logits = model.apply({"params": params}, None, decoder, encoder_embeds=embeds,
-                         encoder_mask=mask)
+    logits = typing.cast(jax.Array, model.apply({"params": params}, None, decoder,
+                                                encoder_embeds=embeds, encoder_mask=mask))
     return logits[:, 0]
 
   if partitioner is None:
@@ -233,7 +235,7 @@ class ClassifierDetector:
   def detect_batch(self, examples: Sequence[task.NpovExample]) -> list[base.Detection]:
     h = self.error_probabilities(examples, "hallucination")
     c = self.error_probabilities(examples, "coverage")
-    return [base.Detection(float(a), float(b)) for a, b in zip(h, c)]
+    return [base.Detection(float(a), float(b)) for a, b in zip(h, c, strict=True)]
 
   def detect(self, example: task.NpovExample) -> base.Detection:
     return self.detect_batch([example])[0]

@@ -31,19 +31,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import typing
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
-import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gin
 from jaxmoral import model_dirs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
 from jaxmoral.models.config import T5Config
-from jaxmoral.models.t5 import T5, shift_right, target_logit_rows
+from jaxmoral.models.t5 import T5
+from jaxmoral.models.t5 import shift_right
+from jaxmoral.models.t5 import target_logit_rows
 from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
@@ -67,23 +70,27 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
   def run(params: Any, encoder_tokens: Array, targets: Array, num_chunks: Array,
           prompt: Optional[Array]) -> Array:
     mask = encoder_tokens != config.pad_token_id
-    embeds = model.apply({"params": params}, encoder_tokens, method=T5.embed)
-    full_mask = mask if not with_prompt else prompt_tuning.prepend_prompt(prompt, embeds,
-                                                                          mask)[1]
+    embeds = typing.cast(Array, model.apply({"params": params}, encoder_tokens, method=T5.embed))
+    if with_prompt:
+      assert prompt is not None  # Given whenever the detector is prompt-tuned.
+      full_mask = prompt_tuning.prepend_prompt(prompt, embeds, mask)[1]
+    else:
+      full_mask = mask
 
     def encode(e: Array) -> Array:
       if with_prompt:
+        assert prompt is not None
         e = prompt_tuning.prepend_prompt(prompt, e, mask)[0]
-      return model.apply({"params": params}, None, encoder_embeds=e, encoder_mask=full_mask,
-                         method=T5.encode)
+      return typing.cast(Array, model.apply({"params": params}, None, encoder_embeds=e,
+                                            encoder_mask=full_mask, method=T5.encode))
 
     encoded, encoder_vjp = jax.vjp(encode, embeds)
     decoder_inputs = shift_right(targets, config.decoder_start_token_id)
     rows = target_logit_rows(params, config, targets[0])
 
     def target_logits(h: Array) -> Array:
-      _, hidden = model.apply({"params": params}, h, full_mask, decoder_inputs,
-                              method=T5.decode)
+      _, hidden = typing.cast(tuple[Array, Array], model.apply(
+          {"params": params}, h, full_mask, decoder_inputs, method=T5.decode))
       return jnp.sum(hidden[0].astype(jnp.float32) * rows, axis=-1)
 
     _, decoder_vjp = jax.vjp(target_logits, encoded)
@@ -348,15 +355,16 @@ class SalienceDetector:
     hallucination = 1.0 - base.gmean(attribution)
     side_means = []
     for side in task.SIDES:
-      values = [c for (field, _, _), c in zip(word_map.input_words, contribution)
+      values = [c for (field, _, _), c in zip(word_map.input_words, contribution, strict=False)
                 if field == side]
       if values:
         side_means.append(base.gmean(values))
     coverage = 1.0 - min(side_means) if side_means else 0.0
     response_words = tuple(base.WordScore("response", 0, w.text, w.start, w.end, 1.0 - float(a))
-                           for w, a in zip(word_map.response_words, attribution))
+                           for w, a in zip(word_map.response_words, attribution, strict=False))
     argument_words = tuple(base.WordScore(field, index, w.text, w.start, w.end, 1.0 - float(c))
-                           for (field, index, w), c in zip(word_map.input_words, contribution)
+                           for (field, index, w), c in zip(word_map.input_words, contribution,
+                                                           strict=False)
                            if field in task.SIDES)
     return base.Detection(hallucination, coverage, response_words, argument_words)
 
