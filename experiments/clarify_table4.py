@@ -325,27 +325,26 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                               report=report)
 
 
+def claim_parts(differences: Mapping[str, Any]) -> list[Any]:
+  """The paper's claim as parts (`common.ClaimPart`): PPO minus the supervised generator, as
+  the table decodes, paired over the same situations: avg JSD above 0 and % flips above 0."""
+  d = differences.get("ppo - finetuned") or {}
+  return [common.ClaimPart("PPO minus SFT avg JSD", d.get("jsd"), digits=4),
+          common.ClaimPart("PPO minus SFT % flips", d.get("flips_pct"), digits=1)]
+
+
 def verdict(differences: Mapping[str, Any]) -> tuple[str, str]:
-  """From the paired intervals of PPO minus the supervised generator (as the table decodes)."""
-  d = differences.get("ppo - finetuned")
-  if d is None:
-    return "inconclusive", "no PPO row"
-  jsd, flips = d["jsd"], d["flips_pct"]
-  why = (f"PPO minus SFT: avg JSD {jsd['estimate']:+.4f} [{jsd['low']:+.4f}, "
-         f"{jsd['high']:+.4f}], % flips {flips['estimate']:+.1f} [{flips['low']:+.1f}, "
-         f"{flips['high']:+.1f}]")
-  asked = d.get("question_pct")
+  """By `common.claim_verdict` on `claim_parts`; but NOT_SHOWN whatever the intervals when
+  PPO stopped asking questions (then the table does not compare question generators)."""
+  word, why = common.claim_verdict(claim_parts(differences))
+  asked = (differences.get("ppo - finetuned") or {}).get("question_pct")
   if asked is not None and asked["high"] < -QUESTION_DROP_POINTS:
     # The reward was gamed: what PPO emits is no longer a question, so the table does not
     # compare question generators (seen at 120 iterations with KL coefficient 0.05).
-    return "not shown", (f"{why}; but PPO's outputs ending in '?' fell by "
-                         f"{-asked['estimate']:.1f} points [{-asked['high']:.1f}, "
-                         f"{-asked['low']:.1f}]: the policy stopped asking questions")
-  if jsd["low"] > 0 and flips["low"] > 0:
-    return "agrees", why
-  if jsd["high"] < 0 or flips["high"] < 0:
-    return "disagrees", why
-  return "inconclusive", why
+    return common.NOT_SHOWN, (f"{why}; but PPO's outputs ending in '?' fell by "
+                              f"{-asked['estimate']:.1f} points [{-asked['high']:.1f}, "
+                              f"{-asked['low']:.1f}]: the policy stopped asking questions")
+  return word, why
 
 
 def models_line(setup: Mapping[str, Any]) -> str:
@@ -382,6 +381,14 @@ def kl_line(setup: Mapping[str, Any]) -> str:
           f"nats, horizon {setup['kl_horizon']:g} episodes")
 
 
+def verdict_lines(results: Mapping[str, Any]) -> list[str]:
+  """The claim, the rule and this run's verdict (Markdown lines)."""
+  return [f"Claim: {PAPER}.", "", common.VERDICT_RULE + " A policy whose share of questions "
+          f"fell by more than {QUESTION_DROP_POINTS:g} points (the whole interval) is not shown "
+          "whatever its intervals.", "",
+          f"This run: **{results['verdict']}** ({results['verdict_why']})."]
+
+
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
   s, m, t = results["setup"], results["machine"], results["timings"]
@@ -415,7 +422,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
   if curve:
     lines += ["", f"PPO training reward (raw JSD of rollouts) per iteration: first "
               f"{curve[0]:.4f}, last {curve[-1]:.4f}, max {max(curve):.4f}."]
-  lines += ["", f"Claim: {PAPER}. This run **{results['verdict']}** ({results['verdict_why']}).",
+  lines += ["", *verdict_lines(results),
             "", "Seconds: " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in t.items()) + ".", "",
             f"Plot: `{results['plot']}`."]
   return "\n".join(lines)

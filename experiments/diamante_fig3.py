@@ -50,8 +50,8 @@ RANKERS = (("preference", "preference score"), ("generation", "generation log-pr
 METRICS = (("map", "MAP"), ("mrr", "MRR"), ("p@1", "P@1"))
 MODELS = (("joint", 1.0), ("nll_only", 0.0))
 PAPER = ("paper (Lu, Bao et al. 2023, Fig. 3): ranked by the jointly trained preference score "
-         "the human response comes first far more often than ranked by generation probability, "
-         "which is close to random")
+         "the human response comes first far more often than by chance and than ranked by "
+         "generation probability, which is close to random")
 
 
 def _subsample(conversations: Sequence[Sequence[str]], limit: Optional[int],
@@ -74,6 +74,27 @@ def choose_test_turns(turns: Sequence[Any], *, max_contexts: int,
   return sorted(int(rng.choice(by_dialogue[int(d)])) for d in dialogues)
 
 
+@gin.configurable(module="diamante_fig3")
+def with_head_optimizer(*, optimizer: Any, head_optimizer: Any) -> Any:
+  """`optimizer` for every parameter but the preference score's head (`scalar_head`), which
+  `head_optimizer` updates: e.g. Adafactor without parameter scaling, whose steps do not
+  shrink with the head's small initial weights. The optimizer's reported learning rate is
+  `optimizer`'s."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import optax
+  from jaxmoral import optimizers
+  # pylint: enable=import-outside-toplevel
+
+  def labels(params: Any) -> Any:
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "head" if any(getattr(k, "key", None) == "scalar_head" for k in path)
+        else "rest", params)
+
+  both = optax.multi_transform({"rest": optimizer, "head": head_optimizer}, labels)
+  return optimizers.Optimizer(both.init, both.update, optimizer.learning_rate)
+
+
 def _train(model_dir: str, **kwargs: Any) -> dict[str, Any]:
   """`runs.train_run` as a stage (`common.train_stage`)."""
   from jaxmoral import runs  # pylint: disable=import-outside-toplevel
@@ -89,7 +110,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    max_train_dialogues: Optional[int] = 1000,
                    max_test_contexts: int = 300, min_turns: int = 4, max_turns: int = 8,
                    train_candidates: int = 3, test_candidates: int = 9, num_random: int = 5,
-                   top_k: int = 10, candidate_batch_size: int = 64, eval_batch_size: int = 16,
+                   top_k: int = 10, pe_weight: float = 1.0,
+                   models: Sequence[str] = ("joint", "nll_only"),
+                   candidate_batch_size: int = 64, eval_batch_size: int = 16,
                    num_resamples: int = 1000, log_every: int = 50,
                    checkpoints_per_stage: int = 10, seed: int = 0,
                    command: str = "") -> dict[str, Any]:
@@ -115,6 +138,10 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     test_candidates: Sampled candidates per test context (ranked with r_H).
     num_random: Human responses of other test conversations added to each ranking.
     top_k: Top-k of the candidate sampling (the paper: 10).
+    pe_weight: The joint model's weight of the preference loss (the paper: 1); the NLL-only
+      ablation's is 0.
+    models: Which of "joint" and "nll_only" to train and rank (both for a verdict; one
+      alone trains it beside another invocation that shares its WORKDIR's other runs).
     candidate_batch_size: Contexts per sampling call.
     eval_batch_size: Contexts per scoring call.
     num_resamples: Bootstrap resamples.
@@ -193,10 +220,17 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # 2. Joint and NLL-only from the same base, same data, steps and seed; 3. ranking.
   per_context: dict[str, dict[str, np.ndarray]] = {}
   trained: dict[str, dict[str, Any]] = {}
-  for model_name, pe_weight in MODELS:
+  unknown = sorted(set(models) - {m for m, _ in MODELS})
+  if unknown or not models:
+    raise ValueError(f"diamante_fig3.run_experiment.models: {unknown or 'none'} not among "
+                     f"{[m for m, _ in MODELS]}")
+  for model_name, weight in MODELS:
+    if model_name not in models:
+      continue
     run_dir = os.path.join(workdir, model_name)
     trained[model_name] = _train(
-        run_dir, model=diamante_model.DiamanteModel(config=model_config, pe_weight=pe_weight),
+        run_dir, model=diamante_model.DiamanteModel(config=model_config,
+                                                    pe_weight=weight * pe_weight),
         data=data_lib.DialogueData(train_path=with_candidates), train_steps=train_steps,
         checkpoint_every=common.checkpoint_every(train_steps, saves=checkpoints_per_stage),
         optimizer=optimizer, **common_run)
@@ -222,6 +256,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "batch_size": batch_size, "generator_steps": generator_steps,
                 "train_steps": train_steps, "train_candidates": train_candidates,
                 "test_candidates": test_candidates, "num_random": num_random, "top_k": top_k,
+                "pe_weight": pe_weight,
                 "min_turns": min_turns, "max_turns": max_turns, "seed": seed,
                 "num_resamples": num_resamples},
       "per_context": {m: {k: v.tolist() for k, v in pc.items()}
@@ -230,18 +265,28 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                               title=f"Diamante Fig. 3 shape ({name})", plot=plot, report=report)
 
 
+def claim_parts(results: Mapping[str, Any]) -> list[Any]:
+  """The paper's claim as parts (`common.ClaimPart`), each a paired interval of P@1 over the
+  same test contexts: the joint model's preference score ranks the human response first more
+  often than a random ranker (chance: 1 / the context's items), than the NLL-only model's
+  untrained head (what joint training adds), and than generation log-prob, summed and per
+  token. A missing NLL-only run leaves its part unmeasured, which the claim requires."""
+  diffs = results["differences"]
+  p1 = lambda key: diffs[key]["p@1"] if key in diffs else None  # noqa: E731
+  return [
+      common.ClaimPart("joint P@1 by preference minus a random ranker's (chance)",
+                       p1("joint: preference - random")),
+      common.ClaimPart("joint minus NLL-only (untrained head) P@1 by preference",
+                       p1("preference: joint - nll_only")),
+      common.ClaimPart("joint P@1 by preference minus by generation log-prob",
+                       p1("joint: preference - generation")),
+      common.ClaimPart("joint P@1 by preference minus by log-prob per token",
+                       p1("joint: preference - generation_per_token"))]
+
+
 def verdict(results: Mapping[str, Any]) -> tuple[str, str]:
-  """("agrees" | "disagrees" | "inconclusive", why) for the paper's claim, from the paired
-  intervals of the joint model's P@1 by preference score minus by each generation ranker."""
-  diffs = [results["differences"][f"joint: preference - {r}"]["p@1"]
-           for r in ("generation", "generation_per_token")]
-  text = ", ".join(f"{d['estimate']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" for d in diffs)
-  why = f"joint P@1 by preference minus by log-prob, minus by log-prob per token: {text}"
-  if all(d["low"] > 0 for d in diffs):
-    return "agrees", why
-  if any(d["high"] < 0 for d in diffs):
-    return "disagrees", why
-  return "inconclusive", why
+  """(AGREES | DISAGREES | NOT_SHOWN, why) by `common.claim_verdict` on `claim_parts`."""
+  return common.claim_verdict(claim_parts(results))
 
 
 def summarize(per_context: Mapping[str, Mapping[str, np.ndarray]], *, num_resamples: int,
@@ -260,6 +305,9 @@ def summarize(per_context: Mapping[str, Mapping[str, np.ndarray]], *, num_resamp
     table[model_name]["num_contexts"] = int(len(pc["turn"]))
   differences: dict[str, Any] = {}
   for model_name, pc in per_context.items():
+    # Chance: a random ranker's expected P@1 in each context (1 / its items), paired.
+    differences[f"{model_name}: preference - random"] = {
+        "p@1": diff(pc["preference/p@1"], pc["random/p@1"])}
     for other in ("generation", "generation_per_token"):
       differences[f"{model_name}: preference - {other}"] = {
           key: diff(pc[f"preference/{key}"], pc[f"{other}/{key}"]) for key, _ in METRICS}
@@ -276,10 +324,21 @@ def summarize(per_context: Mapping[str, Mapping[str, np.ndarray]], *, num_resamp
   return results
 
 
+def verdict_lines(results: Mapping[str, Any]) -> list[str]:
+  """The claim, the rule and this run's verdict (Markdown lines)."""
+  return [f"Claim: {PAPER}; and joint training is what makes the score work. Tested as four "
+          "parts, each a paired interval of P@1 over the same contexts: joint by preference "
+          "above a random ranker, above the NLL-only model's untrained head, above generation "
+          "log-prob and above log-prob per token.", "", common.VERDICT_RULE, "",
+          f"This run: **{results['verdict']}** ({results['verdict_why']})."]
+
+
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
   s, m = results["setup"], results["machine"]
   t = results["timings"]
+  weight = ("" if s.get("pe_weight", 1.0) == 1.0 else
+            f" (the joint model's preference-loss weight {s['pe_weight']:g})")
   lines = [
       f"#### {name}: {m['date']}",
       "",
@@ -294,7 +353,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
       f"{s['train_conversations']} conversations (first {s['max_turns']} turns, >= "
       f"{s['min_turns']}), {s['train_turns']} turns; generator {s['generator_steps']} steps, "
       f"{s['train_candidates']} top-{s['top_k']} candidates per train turn; joint and nll_only "
-      f"{s['train_steps']} steps each, batch {s['batch_size']}, context/response "
+      f"{s['train_steps']} steps each{weight}, batch {s['batch_size']}, context/response "
       f"{s['context_length']}/{s['response_length']} tokens, seed {s['seed']}. Test: "
       f"{s['test_contexts']} contexts, one from each of as many held-out conversations (of "
       f"{s['test_conversations']}); r_H among {s['test_candidates']} sampled candidates + "
@@ -318,7 +377,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
             "Paired differences (same contexts), 95 % intervals:", "",
             "| difference | ΔMAP | ΔMRR | ΔP@1 |", "|---|---|---|---|"]
   for label, by_key in results["differences"].items():
-    cells = " | ".join(common.fmt(by_key[k]) for k, _ in METRICS)
+    cells = " | ".join(common.fmt(by_key.get(k)) for k, _ in METRICS)
     lines.append(f"| {label} | {cells} |")
   lines += ["", "| model | PE ranking accuracy (H>M, H>R, M>R pairs) | final train nll | "
             "final train pe_loss | train s | eval s |", "|---|---|---|---|---|---|"]
@@ -339,7 +398,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
                  + ", ".join(f"`{p}`" for p in results["reused"]) + ".")
   lines.append("")
   if "verdict" in results:
-    lines.append(f"Claim: {PAPER}. This run **{results['verdict']}** ({results['verdict_why']}).")
+    lines += verdict_lines(results)
   lines += ["", f"Plot: `{results['plot']}`."]
   return "\n".join(lines)
 

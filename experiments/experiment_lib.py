@@ -1,4 +1,5 @@
-"""What the fidelity experiments share: gin flags, bootstrap intervals, the machine, reports.
+"""What the fidelity experiments share: gin flags, bootstrap intervals, the verdict rule, the
+machine, reports.
 
 Each experiment (`experiments/<name>.py`) is one keyword-only `@gin.configurable` function run
 by `main(...)` below with T5X's flags (`--gin_file=`, `--gin.NAME=VALUE`), as the `jaxmoral`
@@ -8,6 +9,7 @@ command line runs library functions. It writes `<results_dir>/<name>.md` (the ta
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -223,6 +225,97 @@ def fmt(ci: Optional[dict[str, float]], digits: int = 3) -> str:
 def ci_dict(ci: metrics_lib.BootstrapCI) -> dict[str, float]:
   return {"estimate": ci.estimate, "low": ci.low, "high": ci.high,
           "num_resamples": ci.num_resamples, "num_skipped": ci.num_skipped}
+
+
+# -- the verdict rule -----------------------------------------------------------------------
+
+# Printed under every experiment's verdict: the one rule `claim_verdict` applies.
+VERDICT_RULE = (
+    "Rule: each part of the claim is a 95 % interval that must lie wholly above its baseline "
+    "(chance, or 0 for a paired difference). A part is shown when the interval's low end is "
+    "above the baseline, contradicted when its high end is below it, and not shown otherwise; "
+    "a part this run has no interval for (a slice it did not measure, a model it did not "
+    "train) is not measured. The verdict is \"agrees\" only when every measured part is "
+    "shown, none is missing that the claim requires, and at least one was measured; "
+    "\"disagrees\" when any part is contradicted; otherwise \"not shown\", naming the parts "
+    "that are not.")
+
+AGREES, DISAGREES, NOT_SHOWN = "agrees", "disagrees", "not shown"
+SHOWN, CONTRADICTED, NOT_MEASURED = "shown", "contradicted", "not measured"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimPart:
+  """One part of a paper's claim: a 95 % interval that must lie wholly above `baseline`.
+
+  Attributes:
+    name: What the part asserts, e.g. "joint P@1 by preference above chance".
+    interval: {"estimate", "low", "high"} (a `ci_dict`), or None where this run has none.
+    baseline: The value the whole interval must exceed: chance (0.5 for a ROC AUC, 1/items
+      for P@1) or 0 for a paired difference against another system.
+    required: Whether the claim fails without it. False for parts a run may leave out by
+      design (a test slice it did not build): unmeasured, they are named and skipped.
+    digits: Decimals when the part is written out.
+  """
+  name: str
+  interval: Optional[Mapping[str, float]]
+  baseline: float = 0.0
+  required: bool = True
+  digits: int = 3
+
+  def __post_init__(self):
+    if self.interval is not None:
+      low, high = float(self.interval["low"]), float(self.interval["high"])
+      if not low <= high:
+        raise ValueError(f"ClaimPart {self.name!r}: interval low {low} > high {high}")
+
+  @property
+  def status(self) -> str:
+    """SHOWN | CONTRADICTED | NOT_SHOWN | NOT_MEASURED, by the rule (`VERDICT_RULE`)."""
+    if self.interval is None:
+      return NOT_MEASURED
+    if float(self.interval["low"]) > self.baseline:
+      return SHOWN
+    if float(self.interval["high"]) < self.baseline:
+      return CONTRADICTED
+    return NOT_SHOWN
+
+  def describe(self) -> str:
+    """`name: +0.077 [+0.050, +0.107] vs 0.067: not shown`."""
+    if self.interval is None:
+      return f"{self.name}: {NOT_MEASURED}"
+    i, d = self.interval, self.digits
+    return (f"{self.name}: {i['estimate']:+.{d}f} [{i['low']:+.{d}f}, {i['high']:+.{d}f}] vs "
+            f"{self.baseline:g}: {self.status}")
+
+
+def claim_verdict(parts: Sequence[ClaimPart]) -> tuple[str, str]:
+  """The verdict on a claim made of `parts`, by `VERDICT_RULE`.
+
+  Args:
+    parts: (P,) the claim's parts, each an interval against its baseline.
+
+  Returns:
+    (verdict, why): verdict AGREES | DISAGREES | NOT_SHOWN; why names every part with its
+    interval and status, the parts that keep it from agreeing first.
+  """
+  statuses = [p.status for p in parts]
+  measured = [s for s in statuses if s != NOT_MEASURED]
+  missing = [p for p, s in zip(parts, statuses) if s == NOT_MEASURED and p.required]
+  if any(s == CONTRADICTED for s in statuses):
+    verdict = DISAGREES
+  elif measured and all(s == SHOWN for s in measured) and not missing:
+    verdict = AGREES
+  else:
+    verdict = NOT_SHOWN
+  failing = [s in (CONTRADICTED, NOT_SHOWN) or (s == NOT_MEASURED and p.required)
+             for p, s in zip(parts, statuses)]
+  ordered = ([p for p, f in zip(parts, failing) if f] +
+             [p for p, f in zip(parts, failing) if not f])
+  why = "; ".join(p.describe() for p in ordered)
+  if not measured:
+    why = f"no part measured{': ' if why else ''}{why}"
+  return verdict, why
 
 
 # -- the machine and the report -------------------------------------------------------------

@@ -63,6 +63,25 @@ PAPER = {"rouge": "ROUGE-1 detects both error types above chance",
          COUNT_CONTROL: "not a detector: the template response's points per side (counted "
                         "from its lead phrases) against the input's arguments per side"}
 
+# The paper's ordering (its abstract): classifiers trained on synthetic errors detect both
+# error types best (ROC AUC .953 hallucination, .905 coverage); the training-free methods,
+# ROUGE-1 and salience, reach at most .840 and .852. Each pair: (better, worse).
+PAPER_ORDER = (("classifier", "rouge"), ("classifier", "salience"))
+PAPER_ORDER_DETECTORS = ("rouge", "salience", "classifier")
+SLICE_ORDER = ("unparaphrased", "paraphrased")  # synthetic.SLICES, without importing it
+ORDER_CLAIM = ("the trained classifiers detect both error types better than ROUGE-1 and "
+               "salience (.953 / .905 against at most .840 / .852)")
+
+
+def _slice_rank(name: str) -> tuple[int, str]:
+  """The report's slice order, also for results read back from their key-sorted JSON."""
+  return (SLICE_ORDER.index(name) if name in SLICE_ORDER else len(SLICE_ORDER), name)
+
+
+def _detector_rank(name: str) -> tuple[int, str]:
+  """The report's detector order: the paper's detectors, then the controls."""
+  return (list(PAPER).index(name) if name in PAPER else len(PAPER), name)
+
 
 def word_arrays(examples: Sequence[Any], detections: Sequence[Any], error: str
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -108,6 +127,57 @@ def auc_intervals(examples: Sequence[Any], detections: Sequence[Any], *, num_res
                            "positives": int(arrays[0].sum())}
     # The library's own number, for the check that both agree.
     out[error]["library_example_auc"] = evaluated[error]["example_auc"]
+  return out
+
+
+def ordering_intervals(examples: Sequence[Any], better: Sequence[Any], worse: Sequence[Any],
+                       *, num_resamples: int, seed: int) -> dict[str, Optional[dict[str, Any]]]:
+  """{error: paired interval of ROC AUC(better) - ROC AUC(worse) at example level, or None}:
+  two detectors' detections of the same `examples`, resampled together."""
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import evaluate  # pylint: disable=import-outside-toplevel
+  a, b = evaluate.evaluate_slice(examples, better), evaluate.evaluate_slice(examples, worse)
+  out: dict[str, Optional[dict[str, Any]]] = {}
+  for error in ERRORS:
+    labels = np.asarray(a[error]["labels"], int)
+    if labels.size == 0 or len(set(labels.tolist())) < 2:
+      out[error] = None
+      continue
+    ci = metrics.bootstrap_ci(
+        lambda y, s, t: metrics.roc_auc(y, s) - metrics.roc_auc(y, t), labels,
+        np.asarray(a[error]["scores"], np.float64), np.asarray(b[error]["scores"], np.float64),
+        num_resamples=num_resamples, seed=seed)
+    out[error] = {**common.ci_dict(ci), "n": int(labels.size)}
+  return out
+
+
+def paper_ordering(slices: Mapping[str, Sequence[Any]],
+                   kept: Mapping[str, Mapping[str, tuple[Any, Sequence[Any]]]], *,
+                   num_resamples: int, seed: int) -> dict[str, Any]:
+  """{"better - worse": {slice: `ordering_intervals`}} for the pairs of `PAPER_ORDER` whose
+  detectors both ran.
+
+  Args:
+    slices: {slice: its examples}.
+    kept: {detector: {slice: (sorted indices of the examples it scored, its detections of
+      them)}}; salience scores a sample, and each pair is compared on the examples both
+      scored.
+    num_resamples: Bootstrap resamples.
+    seed: Bootstrap seed.
+  """
+  out: dict[str, Any] = {}
+  for better, worse in PAPER_ORDER:
+    if better not in kept or worse not in kept:
+      continue
+    out[f"{better} - {worse}"] = {}
+    for slice_name, examples in slices.items():
+      (idx_a, det_a), (idx_b, det_b) = kept[better][slice_name], kept[worse][slice_name]
+      both = np.intersect1d(idx_a, idx_b)
+      pick = lambda idx, dets: [dets[int(np.searchsorted(idx, i))]  # noqa: E731
+                                for i in both]
+      out[f"{better} - {worse}"][slice_name] = ordering_intervals(
+          [examples[int(i)] for i in both], pick(idx_a, det_a), pick(idx_b, det_b),
+          num_resamples=num_resamples, seed=seed)
   return out
 
 
@@ -430,6 +500,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       substitution_probe) else []
   if probe_examples:
     results["substitution"] = {}
+  # {detector: {slice: (example indices of the slice, their detections)}}, for the ordering.
+  kept: dict[str, dict[str, tuple[Any, list[Any]]]] = {}
   for det_name in (*detectors, *CONTROLS):
     tick = time.time()
     detect_batch = CONTROL_DETECTIONS.get(det_name) or detect.build_detector(
@@ -445,9 +517,13 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
           e: v["estimate"] for e, v in results["substitution"][det_name].items()})
     results["auc"][det_name], results["length"][det_name] = {}, {}
     for slice_name, examples in test_slices.items():
+      indices = np.arange(len(examples))
       if det_name == "salience" and max_salience_examples:
+        indices = salience_sample
         examples = [examples[i] for i in salience_sample]
       detections = detect_batch(examples)
+      if det_name not in CONTROLS:
+        kept.setdefault(det_name, {})[slice_name] = (indices, detections)
       results["auc"][det_name][slice_name] = auc_intervals(
           examples, detections, num_resamples=num_resamples, seed=seed)
       results["length"][det_name][slice_name] = length_dependence(
@@ -458,7 +534,10 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     if det_name not in CONTROLS:
       timings[f"detect_{det_name}_s"] = time.time() - tick
   timings["total_s"] = time.time() - started
+  results["ordering"] = paper_ordering(test_slices, kept, num_resamples=num_resamples,
+                                       seed=seed)
   results["verdicts"] = verdicts(results["auc"])
+  results["ordering_verdicts"] = ordering_verdicts(results["ordering"])
   results.update({
       "command": command, "machine": common.machine(), "timings": timings,
       "setup": {"init_checkpoint": init_checkpoint, "claims_by_split": by_split,
@@ -477,21 +556,63 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                               title=f"NPOV Table 1 shape ({name})", plot=plot, report=report)
 
 
-def verdicts(auc: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-  """Per detector and error: "above chance" (interval above 0.5 on both slices at example
-  level), "below chance" (below on either), else "not shown"."""
-  out: dict[str, dict[str, str]] = {}
+def verdicts(auc: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+  """{detector: {error: {"verdict", "why", "slices": {slice: status}}}} by
+  `common.claim_verdict`: the claim "detects `error` above chance" is one part per test
+  slice, the example-level ROC AUC's interval above 0.5. The slices the paper reports
+  (unparaphrased, paraphrased) are each a part; one this run has no interval for (not built,
+  or one class only) is named as not measured and left out, so a detector above chance on
+  the slices measured agrees. Each slice's own status is kept (`"slices"`)."""
+  out: dict[str, dict[str, dict[str, Any]]] = {}
   for det, by_slice in auc.items():
     out[det] = {}
+    slices = sorted(by_slice, key=_slice_rank)
     for error in ERRORS:
-      cis = [s[error]["example"] for s in by_slice.values() if s[error]["example"]]
-      if cis and all(c["low"] > 0.5 for c in cis):
-        out[det][error] = "above chance"
-      elif any(c["high"] < 0.5 for c in cis):
-        out[det][error] = "below chance"
-      else:
-        out[det][error] = "not shown"
+      parts = [common.ClaimPart(f"{sl} ROC AUC", by_slice[sl][error]["example"], baseline=0.5,
+                                required=False) for sl in slices]
+      word, why = common.claim_verdict(parts)
+      out[det][error] = {"verdict": word, "why": why,
+                         "slices": {sl: p.status for sl, p in zip(slices, parts)}}
   return out
+
+
+def ordering_verdicts(ordering: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+  """{error: {"verdict", "why"}} for `ORDER_CLAIM` by `common.claim_verdict`: one part per
+  pair of `PAPER_ORDER` and test slice, the paired ROC AUC difference's interval above 0
+  (same examples). A pair or slice this run did not measure is named and left out; with
+  none measured (e.g. results written before the ordering was computed) it is not shown."""
+  out = {}
+  for error in ERRORS:
+    parts = []
+    for pair in (f"{a} - {b}" for a, b in PAPER_ORDER):
+      by_slice = ordering.get(pair) or {"every slice": None}
+      parts += [common.ClaimPart(f"{pair} ROC AUC ({sl})", (by_slice[sl] or {}).get(error),
+                                 required=False) for sl in sorted(by_slice, key=_slice_rank)]
+    word, why = common.claim_verdict(parts)
+    out[error] = {"verdict": word, "why": why}
+  return out
+
+
+def verdict_lines(results: Mapping[str, Any]) -> list[str]:
+  """The claims, the rule and this run's verdicts (Markdown lines)."""
+  lines = ["Claims, each tested by the rule below: every detector above chance (ROC AUC 0.5) "
+           "on each test slice, per error type, at example level; and the paper's ordering: "
+           f"{ORDER_CLAIM} (paired intervals of the AUC difference over the same examples).",
+           "", common.VERDICT_RULE, ""]
+  for det in sorted(results["verdicts"], key=_detector_rank):
+    by_error = results["verdicts"][det]
+    if det in PAPER_ORDER_DETECTORS:
+      found = "; ".join(f"{e} **{v['verdict']}** ({v['why']})" for e, v in by_error.items())
+    else:  # A confound control: how far it separates errors, no claim of the paper's.
+      words = {common.SHOWN: "above chance", common.CONTRADICTED: "below chance",
+               common.NOT_SHOWN: "not above chance", common.NOT_MEASURED: "not measured"}
+      found = "; ".join(f"{e}: " + ", ".join(f"{sl} {words[status]}" for sl, status in
+                                             v["slices"].items()) for e, v in by_error.items())
+    lines.append(f"- {det}: paper: {PAPER.get(det, '')}; this run: {found}.")
+  ordering = results.get("ordering_verdicts") or ordering_verdicts(results.get("ordering", {}))
+  lines.append(f"- ordering: paper: {ORDER_CLAIM}; this run: " + "; ".join(
+      f"{e} **{v['verdict']}** ({v['why']})" for e, v in ordering.items()) + ".")
+  return lines
 
 
 def report(results: Mapping[str, Any], *, name: str) -> str:
@@ -558,10 +679,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
     lines += ["", "Held-out token accuracy on the verbalisation task (nearly verbatim copying "
               "of the arguments): " + ", ".join(
                   f"{k} {v:.3f}" for k, v in accuracy.items() if v is not None) + "."]
-  lines.append("")
-  for det, by_error in results["verdicts"].items():
-    lines.append(f"- {det}: paper: {PAPER.get(det, '')}; this run: " + ", ".join(
-        f"{e} {v}" for e, v in by_error.items()) + ".")
+  lines += ["", *verdict_lines(results)]
   lines += ["", "Seconds: " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in t.items()) + ".", "",
             f"Plot: `{results['plot']}`."]
   return "\n".join(lines)
@@ -574,7 +692,7 @@ def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
   plt = pictures.pyplot()
   auc = results["auc"]
   # The report's order, also when `results` was read back from its (key-sorted) JSON.
-  dets = sorted(auc, key=lambda d: list(PAPER).index(d) if d in PAPER else len(PAPER))
+  dets = sorted(auc, key=_detector_rank)
   groups = [(sl, e) for sl in synthetic.SLICES if sl in results["slices"] for e in ERRORS]
   fig, axes = plt.subplots(1, len(LEVELS), figsize=(12.5, 4), sharey=True)
   width = 0.8 / max(len(dets), 1)

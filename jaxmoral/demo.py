@@ -134,24 +134,31 @@ def npov_truth_lines(results: Mapping[str, Any]) -> list[str]:
 
 def diamante_truth_lines(per_context: Mapping[str, Any]) -> list[str]:
   """Diamante (Lu, Bao et al. 2023, Fig. 3): the preference score ranks the human response
-  first more often than the generation probability does, by the paired interval over
-  contexts against the better of the two generation rankers (summed, per token)
-  (`diamante.evaluate.rank_contexts`' arrays)."""
+  first more often than chance (a random ranker's P@1, 1 / each context's items) and than the
+  generation probability (the better of its two rankers, summed and per token), by paired
+  intervals over contexts (`diamante.evaluate.rank_contexts`' arrays). "agrees" needs both;
+  whether joint training is what makes the score work (against the NLL-only model's untrained
+  head) only the experiment tests."""
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   p1 = {r: np.asarray(per_context[f"{r}/p@1"], np.float64)
-        for r in ("preference", "generation", "generation_per_token")}
+        for r in ("preference", "generation", "generation_per_token", "random")}
   rival = max(("generation", "generation_per_token"), key=lambda r: p1[r].mean())
-  diff = metrics.bootstrap_ci(np.mean, p1["preference"] - p1[rival])
+  over_chance = metrics.bootstrap_ci(np.mean, p1["preference"] - p1["random"])
+  over_rival = metrics.bootstrap_ci(np.mean, p1["preference"] - p1[rival])
+  words = [interval_verdict(d.low, d.high) for d in (over_chance, over_rival)]
+  verdict = ("agrees" if all(w == "agrees" for w in words) else
+             "disagrees" if "disagrees" in words else "cannot tell")
   return [truth_line(
       method="diamante",
       paper="ranked by the jointly trained preference score, the human response comes first "
-            "far more often than ranked by generation probability (Fig. 3)",
+            "far more often than by chance and than ranked by generation probability (Fig. 3)",
       this_run=(f"P@1 {p1['preference'].mean():.3f} by preference vs "
-                f"{p1['generation'].mean():.3f} by log-prob, "
-                f"{p1['generation_per_token'].mean():.3f} per token; preference minus "
-                f"{rival.replace('_', ' ')} {_interval(diff)} over {len(p1['preference'])} "
-                f"contexts"),
-      verdict=interval_verdict(diff.low, diff.high))]
+                f"{p1['random'].mean():.3f} by chance, {p1['generation'].mean():.3f} by "
+                f"log-prob, {p1['generation_per_token'].mean():.3f} per token; preference "
+                f"minus chance {_interval(over_chance)}, minus "
+                f"{rival.replace('_', ' ')} {_interval(over_rival)} over "
+                f"{len(p1['preference'])} contexts"),
+      verdict=verdict)]
 
 
 def _banner(text: str) -> None:

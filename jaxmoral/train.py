@@ -2,9 +2,11 @@
 
 Data position is the step: `train_source.iterate(step)` is deterministic, so a run resumed
 from the checkpoint of step `s` reads batch `s` next and, with the trainer's per-step rng
-(`fold_in(base_rng, step)`), reproduces the uninterrupted run exactly. Hooks (`TrainHook`) add
-what a method needs besides stepping (PPO's reward normalisation and curve, a soft prompt
-saved at the end) without a second loop.
+(`fold_in(base_rng, step)`), reproduces the uninterrupted run exactly. The loop never waits
+for a step: metrics stay on the devices until a log, evaluation or checkpoint step, and the
+next batches are read and placed on the devices by a thread while a step runs. Hooks
+(`TrainHook`) add what a method needs besides stepping (PPO's reward normalisation and curve,
+a soft prompt saved at the end) without a second loop.
 
 Layout of `model_dir`::
 
@@ -21,7 +23,9 @@ import itertools
 import logging
 import math
 import os
+import queue
 import struct
+import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
@@ -161,14 +165,6 @@ def read_texts(directory: str) -> dict[str, dict[int, str]]:
   return out
 
 
-def _tokens_in(batch: Mapping[str, Any], metrics: Mapping[str, Any]) -> float:
-  """Target tokens of a step: the loss fn's `num_tokens`, else the target array's size."""
-  if "num_tokens" in metrics:
-    return float(metrics["num_tokens"])
-  targets = batch.get("decoder_target_tokens")
-  return float(np.size(targets)) * jax.process_count() if targets is not None else 0.0
-
-
 def evaluate(*, trainer: trainer_lib.Trainer, state: trainer_lib.TrainState, eval_source: Any,
              eval_steps: Optional[int] = None) -> dict[str, float]:
   """Metrics over `eval_steps` batches (`eval_source.batch(i)`), or one full pass.
@@ -198,7 +194,9 @@ class TrainHook:
 
   `train` calls, in order: `on_start` once (it may replace the state: e.g. PPO measures its
   reward normalisation on a fresh run), `after_step` after every step (with the step's float
-  metrics), `on_end` once after the last save. Hooks run on every process.
+  metrics, fetched from the devices when the hook first reads them: a hook that does not
+  read them lets the loop run ahead; read them within the call), `on_end` once after the
+  last save. Hooks run on every process.
   """
 
   def on_start(self, loop: "LoopInfo", state: Any) -> Any:
@@ -264,7 +262,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
           stop_on_nan: bool = True, async_checkpoint: bool = True,
           on_eval: Optional[OnEval] = None, init_params: Any = None,
           hooks: Sequence[TrainHook] = (),
-          on_checked: Optional[Callable[[Optional[int]], None]] = None) -> dict[str, float]:
+          on_checked: Optional[Callable[[Optional[int]], None]] = None,
+          prefetch_batches: int = 2) -> dict[str, float]:
   """Trains to `train_steps`, resuming from `model_dir/checkpoints` when it has a checkpoint.
 
   The run holds `model_dir/train.lock` while it runs. It resumes from the newest intact
@@ -291,10 +290,13 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     checkpoint_every: Save every this many steps (and always at the end).
     keep_checkpoints: Keep this many most recent checkpoints.
     log_every: Progress line and TensorBoard train scalars every this many steps (window
-      averages).
+      averages). The metrics stay on the devices until then (the loop does not wait for
+      each step), fetched in one transfer.
     seed: Base rng seed (parameter init and the per-step dropout keys).
-    stop_on_nan: Raise `NonFiniteLossError` on a NaN/inf loss or gradient norm, before
-      anything of that step is saved.
+    stop_on_nan: Raise `NonFiniteLossError` on a NaN/inf loss or gradient norm, naming the
+      step it happened at, before anything of that step is saved. It is found when the
+      step's metrics are fetched: at the next log, evaluation or checkpoint step (at most
+      `log_every` steps late), or at once for a hook that reads its step's metrics.
     async_checkpoint: Write checkpoints in the background.
     on_eval: `on_eval(step, metrics, state) -> extra metrics or None`, called after each
       evaluation (e.g. decoding-based metrics); extras are logged with the eval metrics.
@@ -306,6 +308,7 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
       resume has passed (the checkpoint restored into this model, the same data, seed and
       batch size, `train_steps` not behind it) and before this function writes anything;
       `runs.train_run` writes the run's files there, so a refused resume changes nothing.
+    prefetch_batches: Batches read and placed on the devices ahead of the running step.
 
   Returns:
     `{"step": final step, "train/<metric>": last window means, "eval/<metric>": last eval}`.
@@ -319,7 +322,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     checkpoints.CheckpointIntegrityError: Every checkpoint is damaged (a ValueError).
   """
   for name, value in (("train_steps", train_steps), ("checkpoint_every", checkpoint_every),
-                      ("log_every", log_every), ("keep_checkpoints", keep_checkpoints)):
+                      ("log_every", log_every), ("keep_checkpoints", keep_checkpoints),
+                      ("prefetch_batches", prefetch_batches)):
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
       raise ValueError(f"train: {name} must be a positive int, got {value!r}")
   if not isinstance(eval_every, int) or eval_every < 0:
@@ -337,11 +341,13 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
                                             async_save=async_checkpoint)
     init_rng, step_rng = jax.random.split(jax.random.PRNGKey(seed))
     # What the data position means: a checkpoint of the same run over other data (another
-    # corpus, another seed) would not continue that run.
+    # corpus, another seed, changed data files: an index-cached source's fingerprint of its
+    # rows) would not continue that run; it is refused instead of shifting silently.
     # The batch size too: the step is the position, so another batch size would continue at
     # another example (refused: T5X's and MaxText's data iterators assume it fixed as well).
     position = {"num_examples": getattr(train_source, "num_examples", None), "seed": seed,
-                "batch_size": getattr(train_source, "batch_size", None)}
+                "batch_size": getattr(train_source, "batch_size", None),
+                "data": getattr(train_source, "data_fingerprint", None)}
     # Each host reads its own copy of the data: a stale copy would shift every shard silently.
     differing = partitioning.processes_that_differ(repr(sorted(position.items())))
     if differing:
@@ -352,7 +358,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     latest, state, extra, damaged = _restore_newest_intact(manager, trainer)
     if latest is not None:
       saved = {k: extra[k] for k in position if k in extra}
-      differ = [k for k in saved if position[k] is not None and saved[k] != position[k]]
+      differ = [k for k in saved
+                if position[k] is not None and saved[k] is not None and saved[k] != position[k]]
       if differ:
         raise ValueError(
             f"train: {ckpt_dir}/{latest} was written with "
@@ -399,7 +406,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
           eval_source=eval_source, eval_every=eval_every, eval_steps=eval_steps,
           checkpoint_every=checkpoint_every, log_every=log_every, step_rng=step_rng,
           stop_on_nan=stop_on_nan, on_eval=on_eval, hooks=hooks, last_saved=latest,
-          extra=position, is_chief=is_chief)
+          extra=position, is_chief=is_chief,
+          prefetch_batches=prefetch_batches)
     if stop_requests.signum is not None:  # Raised once the finally below saved and unlocked.
       raise preemption.Stopped(stop_requests.signum, step=int(result["step"]), where=ckpt_dir)
     return result
@@ -504,21 +512,162 @@ def purge_events_after(directory: str, step: int) -> int:
   return dropped
 
 
+class _Prefetcher:
+  """`source.iterate(start)`'s batches, read and placed on the devices ahead by a thread.
+
+  While step s runs, batches s + 1 ... s + `depth` are prepared on the host (read, tokenised,
+  packed) and placed (`place`: the trainer's `shard_batch`, which puts each process's rows of
+  the global batch on its devices), as flax's `prefetch_to_device` and T5X's input pipeline
+  do. Items are `(placed batch, global rows, target tokens of the batch)` (the last two for
+  the throughput; tokens from the batch's shape). An error of the source is raised by the
+  `next` that reaches it.
+  """
+
+  _END = object()
+
+  def __init__(self, batches: Iterator[Any], place: Callable[[Any], Any], depth: int):
+    self._queue: queue.Queue = queue.Queue(maxsize=depth)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._produce, args=(batches, place), daemon=True,
+                                    name="jaxmoral-prefetch")
+    self._thread.start()
+
+  def _put(self, item: Any) -> bool:
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def _produce(self, batches: Iterator[Any], place: Callable[[Any], Any]) -> None:
+    try:
+      for batch in batches:
+        targets = batch.get("decoder_target_tokens") if isinstance(batch, Mapping) else None
+        tokens = (float(np.size(targets)) * jax.process_count() if targets is not None
+                  else 0.0)
+        if not self._put((place(batch), _batch_rows(batch), tokens)):
+          return
+      self._put(self._END)
+    except BaseException as error:  # pylint: disable=broad-except  (raised in the loop)
+      self._put(error)
+
+  def __iter__(self) -> "_Prefetcher":
+    return self
+
+  def __next__(self) -> tuple[Any, int, float]:
+    item = self._queue.get()
+    if item is self._END:
+      self._queue.put(item)
+      raise StopIteration
+    if isinstance(item, BaseException):
+      raise item
+    return item
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=10)
+
+
+class _Window:
+  """The metrics of the steps since the last log, kept on the devices until fetched.
+
+  `fetch` brings every pending step's metrics to the host in one transfer and checks them in
+  step order, so a NaN/inf is reported at the step it happened, however late it is fetched.
+  """
+
+  def __init__(self, *, stop_on_nan: bool, describe_last_save: Callable[[], str]):
+    self.stop_on_nan = stop_on_nan
+    self.describe_last_save = describe_last_save
+    self.steps: list[int] = []
+    self.pending: dict[int, Any] = {}
+    self.host: dict[int, dict[str, float]] = {}
+
+  def add(self, step: int, metrics: Any) -> None:
+    self.steps.append(step)
+    self.pending[step] = metrics
+
+  def fetch(self) -> None:
+    if not self.pending:
+      return
+    order = sorted(self.pending)
+    fetched = jax.device_get([self.pending[s] for s in order])
+    self.pending.clear()
+    for step, metrics in zip(order, fetched):
+      metrics = {k: float(v) for k, v in metrics.items()}
+      self.host[step] = metrics
+      if self.stop_on_nan:
+        bad = [k for k in ("loss", "grad_norm")
+               if k in metrics and not math.isfinite(metrics[k])]
+        if bad:
+          raise NonFiniteLossError(
+              f"train: non-finite {', '.join(f'{k}={metrics[k]}' for k in bad)} at step "
+              f"{step} (batch {step - 1}); nothing of this step was saved; last checkpoint: "
+              f"{self.describe_last_save()}. Likely causes: {NON_FINITE_CAUSES}")
+
+  def metrics_of(self, step: int) -> dict[str, float]:
+    if step in self.pending:
+      self.fetch()
+    return self.host[step]
+
+  def clear(self) -> list[tuple[int, dict[str, float]]]:
+    """`(step, host metrics)` of the window in step order (fetching what is pending);
+    starts a new window."""
+    self.fetch()
+    out = [(s, self.host[s]) for s in self.steps]
+    self.steps, self.host = [], {}
+    return out
+
+
+class _StepMetrics(Mapping[str, float]):
+  """A step's metrics for `TrainHook.after_step`, fetched from the devices when first read
+  (a hook that never reads them costs the loop no wait)."""
+
+  def __init__(self, window: _Window, step: int):
+    self._window, self._step, self._values = window, step, None
+
+  def _get(self) -> dict[str, float]:
+    if self._values is None:
+      self._values = self._window.metrics_of(self._step)
+    return self._values
+
+  def __getitem__(self, key: str) -> float:
+    return self._get()[key]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._get())
+
+  def __len__(self) -> int:
+    return len(self._get())
+
+
 def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManager,
                loop: LoopInfo, train_source: Any, eval_source: Any, eval_every: int,
                eval_steps: Optional[int], checkpoint_every: int, log_every: int,
                step_rng: jax.Array, stop_on_nan: bool, on_eval: Optional[OnEval],
                hooks: Sequence[TrainHook], last_saved: Optional[int],
-               extra: Mapping[str, Any], is_chief: bool) -> dict[str, float]:
-  """The steps of `train` from `loop.start_step`, saving, evaluating and logging."""
+               extra: Mapping[str, Any], is_chief: bool,
+               prefetch_batches: int = 2) -> dict[str, float]:
+  """The steps of `train` from `loop.start_step`, saving, evaluating and logging.
+
+  The host never waits for a step: each step is dispatched as soon as the previous one is,
+  its metrics stay on the devices, and batches are prepared ahead (`_Prefetcher`). The host
+  waits only where it needs the step's results: a log step (the window's metrics, one
+  transfer), an evaluation or checkpoint step (the window is checked for NaN/inf first, so
+  nothing of a non-finite step is saved), and a hook that reads its step's metrics.
+  """
   writers, train_steps, start = loop.writers, loop.train_steps, loop.start_step
   ckpt_dir = manager.directory
   result: dict[str, float] = {}
-  window: list[dict[str, float]] = []
-  window_tokens, window_rows, window_time, window_steps = 0.0, 0, 0.0, 0
+  window = _Window(stop_on_nan=stop_on_nan,
+                   describe_last_save=lambda: f"{last_saved if last_saved is not None else 'none'}"
+                                              f" in {ckpt_dir}")
+  # Throughput of the steps since the last log: the time between fetches, less evaluation
+  # and checkpoint time; the run's first step (compilation) is kept out.
+  window_rows, window_tokens, window_steps, window_start, paused = 0, {}, 0, 0.0, 0.0
   last_eval_step = None
   preempted = False
-  final_step = start
 
   def run_eval(step: int) -> None:
     nonlocal last_eval_step
@@ -533,61 +682,75 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
     result.update({f"eval/{k}": float(v) for k, v in metrics.items()})
     last_eval_step = step
 
-  batches = train_source.iterate(start) if start < train_steps else iter(())
-  for step in range(start, train_steps):
-    tick = time.perf_counter()
-    batch = next(batches)
-    state, metrics = trainer.train_step(state, batch, step_rng)
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    elapsed = time.perf_counter() - tick
-    done = step + 1
-    if stop_on_nan:
-      bad = [k for k in ("loss", "grad_norm") if k in metrics and not math.isfinite(metrics[k])]
-      if bad:
-        raise NonFiniteLossError(
-            f"train: non-finite {', '.join(f'{k}={metrics[k]}' for k in bad)} at step {done} "
-            f"(batch {step}); nothing of this step was saved; last checkpoint: "
-            f"{last_saved if last_saved is not None else 'none'} in {ckpt_dir}. Likely causes: "
-            f"{NON_FINITE_CAUSES}")
-    for hook in hooks:
-      hook.after_step(loop, done, state, metrics)
-    window.append(metrics)
-    if step > start:  # the run's first step includes compilation: keep it out of throughput
-      window_tokens += _tokens_in(batch, metrics)
-      window_rows += _batch_rows(batch)
-      window_time += elapsed
-      window_steps += 1
-    if done % log_every == 0 or done == train_steps:
-      means = {k: float(np.mean([m[k] for m in window if k in m])) for k in window[0]}
-      rates = {}
-      if window_steps:
-        rates = {"steps_per_sec": window_steps / window_time,
-                 "examples_per_sec": window_rows / window_time}
-        if window_tokens:
-          rates["tokens_per_sec"] = window_tokens / window_time
-      writers.scalars("train", done, {**means, **rates})
-      if is_chief:
-        logger.info("%s", _progress_line(trainer, done, train_steps, means, rates))
-      result.update({f"train/{k}": v for k, v in means.items()})
-      window, window_tokens, window_rows, window_time, window_steps = [], 0.0, 0, 0.0, 0
-    if eval_source is not None and eval_every and done % eval_every == 0:
-      run_eval(done)
-    # A signal (one process) or JAX's preemption notice (every process at the same step).
-    stop = preemption.requested() and done < train_steps
-    if done % checkpoint_every == 0 or done == train_steps:
-      manager.save(done, state, extra=extra, force=True)
-      last_saved = done
-    elif stop or manager.reached_preemption(done):
-      manager.save(done, state, extra=extra, force=True)
-      last_saved = done
-      stop = True
-    if stop:
-      logger.warning("train: preempted; saved step %d to %s and stopping", done, ckpt_dir)
-      preempted = True
-      break
+  def save(step: int) -> None:
+    nonlocal last_saved
+    window.fetch()  # Raises before anything of a non-finite step is written.
+    manager.save(step, state, extra=extra, force=True)
+    last_saved = step
+
+  place = getattr(trainer, "shard_batch", lambda batch: batch)
+  batches = _Prefetcher(train_source.iterate(start) if start < train_steps else iter(()),
+                        place, prefetch_batches)
+  try:
+    for step in range(start, train_steps):
+      batch, rows, shape_tokens = next(batches)
+      state, metrics = trainer.train_step(state, batch, step_rng)
+      del batch
+      done = step + 1
+      window.add(done, metrics)
+      for hook in hooks:
+        hook.after_step(loop, done, state, _StepMetrics(window, done))
+      if step == start:
+        window.fetch()  # Compilation ends here: the throughput counts from now on.
+        window_start, paused = time.perf_counter(), 0.0
+      else:
+        window_rows += rows
+        window_tokens[done] = shape_tokens
+        window_steps += 1
+      if done % log_every == 0 or done == train_steps:
+        fetched = window.clear()
+        now = time.perf_counter()
+        means = {k: float(np.mean([m[k] for _, m in fetched if k in m])) for k in fetched[0][1]}
+        rates = {}
+        elapsed = now - window_start - paused
+        if window_steps and elapsed > 0:
+          # The loss fn's `num_tokens` where it reports them, else the target array's size.
+          tokens = sum(m["num_tokens"] if "num_tokens" in m else window_tokens[s]
+                       for s, m in fetched if s in window_tokens)
+          rates = {"steps_per_sec": window_steps / elapsed,
+                   "examples_per_sec": window_rows / elapsed}
+          if tokens:
+            rates["tokens_per_sec"] = tokens / elapsed
+        writers.scalars("train", done, {**means, **rates})
+        if is_chief:
+          logger.info("%s", _progress_line(trainer, done, train_steps, means, rates))
+        result.update({f"train/{k}": v for k, v in means.items()})
+        window_rows, window_tokens, window_steps = 0, {}, 0
+        window_start, paused = time.perf_counter(), 0.0
+      if eval_source is not None and eval_every and done % eval_every == 0:
+        tick = time.perf_counter()
+        window.fetch()
+        run_eval(done)
+        paused += time.perf_counter() - tick
+      # A signal (one process) or JAX's preemption notice (every process at the same step).
+      stop = preemption.requested() and done < train_steps
+      if done % checkpoint_every == 0 or done == train_steps:
+        tick = time.perf_counter()
+        save(done)
+        paused += time.perf_counter() - tick
+      elif stop or manager.reached_preemption(done):
+        save(done)
+        stop = True
+      if stop:
+        logger.warning("train: preempted; saved step %d to %s and stopping", done, ckpt_dir)
+        preempted = True
+        break
+  finally:
+    batches.close()
+  window.fetch()
   final_step = int(jax.device_get(state.step))
   if last_saved != final_step:
-    manager.save(final_step, state, extra=extra, force=True)
+    save(final_step)
   if eval_source is not None and last_eval_step != final_step and not preempted:
     run_eval(final_step)
   manager.wait()

@@ -302,3 +302,81 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, vocabulary, tmp_path, 
                       settings={"data": saved} if saved else None)
     with pytest.raises(Seen, match=want):
       runs.eval_run(model_dir=str(export), data=data, feature_lengths=run["feature_lengths"])
+
+
+@pytest.fixture(scope="module")
+def indexed(vocabulary, tmp_path_factory):
+  """A 41-pair Task (5 batches of 8 an epoch) and its index cache folder."""
+  pairs = [(f"question {a} {b}", f"answer {b}") for a in "abcdefg" for b in "hijklm"][:41]
+  tasks.register_text_pair_task("jm_indexed", vocabulary=vocabulary, examples=pairs)
+  return tmp_path_factory.mktemp("data_cache")
+
+
+def test_resume_at_any_step_costs_the_same_and_continues_exactly(indexed):
+  import time  # pylint: disable=g-import-not-at-top
+  source = tasks.TaskSource("jm_indexed", "train", LENGTHS, 8, seed=4, cache_dir=str(indexed))
+  stream = source.iterate(0)
+  uninterrupted = [next(stream) for _ in range(13)]  # two and a half epochs
+  # A resumed run (a new source: another process) reads batch k directly, equal to the
+  # uninterrupted run's batch k, across epoch boundaries.
+  resumed = tasks.TaskSource("jm_indexed", "train", LENGTHS, 8, seed=4,
+                             cache_dir=str(indexed)).iterate(7)
+  for want in uninterrupted[7:]:
+    got = next(resumed)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])
+
+  def seconds_to_first_batch(step):
+    best = float("inf")
+    for _ in range(3):
+      tick = time.perf_counter()
+      next(source.iterate(step))
+      best = min(best, time.perf_counter() - tick)
+    return best
+
+  near, far = seconds_to_first_batch(10), seconds_to_first_batch(10_000)
+  # Skipping 10,000 batches of a stream would take seconds; by index it is a gather.
+  assert far <= 2 * near + 1e-3, (near, far)
+  # Two processes' shards: the halves of every global batch.
+  halves = [source.shard(i, 2).batch(10_000) for i in range(2)]
+  whole = source.batch(10_000)
+  for k in whole:
+    np.testing.assert_array_equal(np.concatenate([h[k] for h in halves]), whole[k])
+
+
+def test_changed_data_files_change_the_fingerprint(vocabulary, tmp_path):
+  path = tmp_path / "pairs.tsv"
+  path.write_text("inputs\ttargets\nhelp a friend\tgood\ntell a lie\tbad\n")
+  tasks.register_text_pair_task("jm_changing", vocabulary=vocabulary, file=str(path))
+  before = tasks.TaskSource("jm_changing", "train", LENGTHS, 2, cache_dir=str(tmp_path))
+  same = tasks.TaskSource("jm_changing", "train", LENGTHS, 2, cache_dir=str(tmp_path))
+  assert before.data_fingerprint == same.data_fingerprint
+  path.write_text("inputs\ttargets\nhelp a friend\tbad\ntell a lie\tgood\n")
+  tasks.register_text_pair_task("jm_changing", vocabulary=vocabulary, file=str(path))
+  after = tasks.TaskSource("jm_changing", "train", LENGTHS, 2, cache_dir=str(tmp_path))
+  assert after.data_fingerprint != before.data_fingerprint
+
+
+def test_a_task_without_a_data_fingerprint_is_cached_per_process(vocabulary):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  words = tf.constant(["good", "bad", "help", "friend", "lie"])
+
+  def dataset_fn(split, shuffle_files, seed=None):
+    del split, shuffle_files, seed
+    return tf.data.Dataset.range(20).map(
+        lambda i: {"inputs": tf.gather(words, i % 5), "targets": tf.gather(words, i // 5)})
+
+  seqio.TaskRegistry.remove("jm_foreign")
+  seqio.TaskRegistry.add(
+      "jm_foreign", source=seqio.FunctionDataSource(dataset_fn, splits=["train"]),
+      output_features={k: seqio.Feature(vocabulary=vocabulary) for k in ("inputs", "targets")},
+      preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim])
+  source = tasks.TaskSource("jm_foreign", "train", LENGTHS, 4, seed=2)
+  stream = source.iterate(0)
+  uninterrupted = [next(stream) for _ in range(8)]  # 5 batches an epoch
+  again = tasks.TaskSource("jm_foreign", "train", LENGTHS, 4, seed=2)
+  np.testing.assert_array_equal(again.batch(6)["encoder_input_tokens"],
+                                uninterrupted[6]["encoder_input_tokens"])
+  assert again.data_fingerprint == source.data_fingerprint is not None
+  assert again._cached_rows()[0]["encoder_input_tokens"].filename == (
+      source._cached_rows()[0]["encoder_input_tokens"].filename)

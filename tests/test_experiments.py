@@ -21,6 +21,7 @@ import clarify_table4  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-i
 import diamante_fig3  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import experiment_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import npov_table1  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import reverdict  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +42,9 @@ def _parse(*flags: str) -> None:
 @pytest.mark.parametrize("files, steps, size", [
     (("diamante_fig3_cpu.gin",), 500, "mini"),
     (("diamante_fig3_cpu.gin", "diamante_fig3_smoke.gin"), 3, "mini"),
+    (("diamante_fig3_cpu.gin", "diamante_fig3_cpu_short.gin"), 200, "mini"),
+    (("diamante_fig3_cpu.gin", "diamante_fig3_cpu_short.gin", "diamante_fig3_cpu_head_lr.gin"),
+     200, "mini"),
     (("diamante_fig3_gpu.gin",), 5000, "small"),
 ])
 def test_diamante_configs_parse(files, steps, size):
@@ -156,15 +160,97 @@ def _per_context(pref_hits, gen_hits, n=200):
   return out
 
 
-@pytest.mark.parametrize("pref, gen, expected", [(0.6, 0.05, "agrees"),
-                                                  (0.02, 0.5, "disagrees"),
-                                                  (0.1, 0.1, "inconclusive")])
-def test_diamante_verdict_follows_the_paired_intervals(pref, gen, expected):
-  per = {"joint": _per_context(pref, gen), "nll_only": _per_context(0.07, gen)}
+@pytest.mark.parametrize("pref, gen, head, expected", [
+    (0.6, 0.05, 0.07, "agrees"), (0.02, 0.5, 0.07, "disagrees"),
+    (0.1, 0.1, 0.07, "not shown"),
+    # Far above generation and chance, but an untrained head ranks as well: not shown.
+    (0.6, 0.05, 0.6, "not shown")])
+def test_diamante_verdict_follows_the_paired_intervals(pref, gen, head, expected):
+  per = {"joint": _per_context(pref, gen), "nll_only": _per_context(head, gen)}
   results = diamante_fig3.summarize(per, num_resamples=200, seed=0)
   assert results["verdict"] == expected
   table = results["table"]["joint"]["preference"]["p@1"]
   assert table["low"] <= table["estimate"] <= table["high"]
+  # The chance part is paired with each context's random-ranker P@1 (here 1/15).
+  chance = results["differences"]["joint: preference - random"]["p@1"]
+  assert chance["estimate"] == pytest.approx(table["estimate"] - 1 / 15)
+
+
+def test_diamante_head_optimizer_updates_only_the_scalar_head():
+  import jax.numpy as jnp
+  from jaxmoral import optimizers
+  params = {"decoder": {"kernel": jnp.ones((2, 3))},
+            "scalar_head": {"kernel": jnp.ones((3, 1)), "bias": jnp.zeros((1,))}}
+  grads = {"decoder": {"kernel": jnp.full((2, 3), 2.0)},
+           "scalar_head": {"kernel": jnp.full((3, 1), 2.0), "bias": jnp.full((1,), 2.0)}}
+  rest = optimizers.make_optimizer(name="sgd", learning_rate=0.25)
+  both = diamante_fig3.with_head_optimizer(
+      optimizer=rest, head_optimizer=optimizers.make_optimizer(name="sgd", learning_rate=1.5))
+  updates, _ = both.update(grads, both.init(params), params)
+  np.testing.assert_allclose(updates["decoder"]["kernel"], -0.5)  # rest: -0.25 * 2
+  np.testing.assert_allclose(updates["scalar_head"]["kernel"], -3.0)  # head: -1.5 * 2
+  np.testing.assert_allclose(updates["scalar_head"]["bias"], -3.0)
+  assert float(both.learning_rate(0)) == 0.25
+
+
+@pytest.mark.parametrize("intervals, baselines, required, expected", [
+    ([(0.2, 0.1, 0.3), (0.05, 0.01, 0.09)], [0.0, 0.0], [True, True], "agrees"),
+    ([(0.2, 0.1, 0.3), (0.05, -0.01, 0.09)], [0.0, 0.0], [True, True], "not shown"),
+    ([(0.2, 0.1, 0.3), (-0.05, -0.09, -0.01)], [0.0, 0.0], [True, True], "disagrees"),
+    ([(0.8, 0.7, 0.9), (0.8, 0.7, 0.9)], [0.5, 0.75], [True, True], "not shown"),
+    ([(0.2, 0.1, 0.3), None], [0.0, 0.0], [True, True], "not shown"),   # a required part absent
+    ([(0.2, 0.1, 0.3), None], [0.0, 0.0], [True, False], "agrees"),     # an optional one
+    ([None, None], [0.0, 0.0], [False, False], "not shown"),            # nothing measured
+    ([], [], [], "not shown")])
+def test_claim_verdict_needs_every_part_above_its_baseline(intervals, baselines, required,
+                                                           expected):
+  parts = [experiment_lib.ClaimPart(f"part {i}", _ci(*c) if c else None, baseline=b,
+                                    required=r)
+           for i, (c, b, r) in enumerate(zip(intervals, baselines, required))]
+  word, why = experiment_lib.claim_verdict(parts)
+  assert word == expected
+  if not any(c for c in intervals):
+    assert why.startswith("no part measured")
+  elif expected != "agrees":  # The why names first what keeps it from agreeing.
+    first = next(p for p in parts if p.status != "shown" and (p.required or p.interval))
+    assert why.startswith(first.name)
+
+
+def test_the_diamante_table_of_record_is_not_shown():
+  # The CPU config's table, reproduced: P@1 by preference 0.077 [0.050, 0.107] against a
+  # random ranker's 1/15 (15 items in every context, so the paired difference is the interval
+  # shifted by 1/15), the NLL-only model's untrained head 0.070 [0.040, 0.100].
+  chance = 1 / 15
+  assert experiment_lib.claim_verdict([experiment_lib.ClaimPart(
+      "P@1 above chance", _ci(0.077, 0.050, 0.107), baseline=chance)])[0] == "not shown"
+  differences = {
+      "joint: preference - random": {"p@1": _ci(0.077 - chance, 0.050 - chance,
+                                                0.107 - chance)},
+      "preference: joint - nll_only": {"p@1": _ci(0.007, -0.033, 0.050),
+                                       "map": _ci(-0.004, -0.043, 0.036)},
+      "joint: preference - generation": {"p@1": _ci(0.037, 0.003, 0.070)},
+      "joint: preference - generation_per_token": {"p@1": _ci(0.060, 0.027, 0.093)}}
+  word, why = diamante_fig3.verdict({"differences": differences})
+  assert word == "not shown"
+  assert why.startswith("joint P@1 by preference minus a random ranker's (chance): +0.010 "
+                        "[-0.017, +0.040] vs 0: not shown; joint minus NLL-only (untrained "
+                        "head) P@1 by preference: +0.007 [-0.033, +0.050] vs 0: not shown; ")
+  # Without the NLL-only run the claim's part about joint training is missing: not shown.
+  del differences["preference: joint - nll_only"]
+  differences["joint: preference - random"]["p@1"] = _ci(0.1, 0.05, 0.15)
+  word, why = diamante_fig3.verdict({"differences": differences})
+  assert word == "not shown" and "NLL-only (untrained head) P@1 by preference: not measured" in why
+
+
+@pytest.mark.parametrize("old", [
+    ["Claim: paper: X. This run **agrees** (+0.1 [+0.0, +0.2])."],
+    ["- rouge: paper: R; this run: hallucination above chance.",
+     "- salience: paper: S; this run: hallucination not shown."]])
+def test_reverdict_replaces_only_the_verdict_lines(old):
+  table = ["#### run", "", "| a | b |", "|---|---|", "| 1 | 2 |", ""]
+  tail = ["", "Seconds: total 5.", "", "Plot: `p.png`."]
+  got = reverdict.splice("\n".join(table + old + tail) + "\n", ["Rule.", "", "**new**"])
+  assert got == "\n".join(table + ["Rule.", "", "**new**"] + tail) + "\n"
 
 
 def _words(lines):
@@ -256,14 +342,19 @@ def test_npov_truth_lines_judge_each_detector_by_its_interval_against_chance():
   assert f"hallucination {expected:.3f}" in lines[2]
 
 
-def test_diamante_truth_line_uses_the_paired_interval_against_the_better_rival():
+def test_diamante_truth_line_needs_chance_and_the_better_rival():
   n = 40
   hits = (np.arange(n) % 2).astype(float)
   per = {"preference/p@1": hits, "generation/p@1": np.zeros(n),
-         "generation_per_token/p@1": hits * (np.arange(n) % 4 == 1)}
+         "generation_per_token/p@1": hits * (np.arange(n) % 4 == 1),
+         "random/p@1": np.full(n, 0.125)}
   line, = demo.diamante_truth_lines(per)
   assert _words([line]) == ["agrees"] and "minus generation per token" in line
-  assert "0.500 by preference" in line and f"over {n} contexts" in line
+  assert "0.500 by preference vs 0.125 by chance" in line and f"over {n} contexts" in line
+  # Above both generation rankers, but a random ranker does as well: cannot tell.
+  per["random/p@1"] = np.full(n, 0.45)
+  assert _words(demo.diamante_truth_lines(per)) == ["cannot tell"]
+  per["random/p@1"] = np.full(n, 0.125)
   per["generation_per_token/p@1"] = np.ones(n)
   assert _words(demo.diamante_truth_lines(per)) == ["disagrees"]
   per["generation_per_token/p@1"] = hits[::-1].copy()
@@ -274,17 +365,75 @@ def _ci(estimate, low, high):
   return {"estimate": estimate, "low": low, "high": high}
 
 
-def test_npov_verdicts_need_the_interval_above_chance_on_both_slices():
+def test_npov_verdicts_need_each_measured_slice_above_chance():
   good, bad, unsure = _ci(0.8, 0.7, 0.9), _ci(0.3, 0.2, 0.4), _ci(0.55, 0.45, 0.65)
+  perfect = _ci(1.0, 1.0, 1.0)
   auc = {"salience": {sl: {"hallucination": {"example": good}, "coverage": {"example": unsure}}
-                      for sl in ("unparaphrased", "paraphrased")},
+                      for sl in ("paraphrased", "unparaphrased")},  # as read back from JSON
          "classifier": {"unparaphrased": {"hallucination": {"example": good},
                                           "coverage": {"example": good}},
                         "paraphrased": {"hallucination": {"example": bad},
-                                        "coverage": {"example": None}}}}
-  assert npov_table1.verdicts(auc) == {
-      "salience": {"hallucination": "above chance", "coverage": "not shown"},
-      "classifier": {"hallucination": "below chance", "coverage": "above chance"}}
+                                        "coverage": {"example": None}}},
+         # The smoke run's ROUGE coverage: perfect on one slice, the other not measured.
+         "rouge": {"unparaphrased": {"hallucination": {"example": unsure},
+                                     "coverage": {"example": perfect}},
+                   "paraphrased": {"hallucination": {"example": good},
+                                   "coverage": {"example": None}}}}
+  got = {d: {e: (v["verdict"], v["slices"]) for e, v in by_e.items()}
+         for d, by_e in npov_table1.verdicts(auc).items()}
+  both = lambda a, b: {"unparaphrased": a, "paraphrased": b}  # noqa: E731
+  assert got == {
+      "salience": {"hallucination": ("agrees", both("shown", "shown")),
+                   "coverage": ("not shown", both("not shown", "not shown"))},
+      "classifier": {"hallucination": ("disagrees", both("shown", "contradicted")),
+                     "coverage": ("agrees", both("shown", "not measured"))},
+      "rouge": {"hallucination": ("not shown", both("not shown", "shown")),
+                "coverage": ("agrees", both("shown", "not measured"))}}
+  assert list(got["salience"]["hallucination"][1]) == ["unparaphrased", "paraphrased"]
+
+
+def test_npov_ordering_is_the_paired_bootstrap_of_the_auc_difference():
+  from types import SimpleNamespace
+  rng = np.random.default_rng(2)
+  n = 40
+  labels = np.arange(n) % 2
+  examples = [SimpleNamespace(hallucination=bool(y), coverage=False) for y in labels]
+  det = lambda scores: [SimpleNamespace(hallucination=float(x), coverage=0.0,  # noqa: E731
+                                        response_words=[], argument_words=[]) for x in scores]
+  better, worse = labels + rng.random(n), labels + 3 * rng.random(n)
+  got = npov_table1.ordering_intervals(examples, det(better), det(worse), num_resamples=100,
+                                       seed=4)
+  assert got["coverage"] is None  # One class only.
+  # Reference: the same resampled examples for both detectors, a NumPy percentile interval.
+  idx = np.random.default_rng(4).integers(0, n, size=(100, n))
+  diffs = [metrics.roc_auc(labels[i], better[i]) - metrics.roc_auc(labels[i], worse[i])
+           for i in idx if len(set(labels[i])) == 2]
+  h = got["hallucination"]
+  assert h["estimate"] == pytest.approx(metrics.roc_auc(labels, better)
+                                        - metrics.roc_auc(labels, worse))
+  np.testing.assert_allclose([h["low"], h["high"]], np.percentile(diffs, [2.5, 97.5]))
+  # The pipeline's pairing: salience scored a third of the examples; each pair on what both
+  # scored.
+  sample = np.arange(0, n, 3)
+  kept = {"classifier": {"s": (np.arange(n), det(better))},
+          "rouge": {"s": (np.arange(n), det(worse))},
+          "salience": {"s": (sample, det(worse[sample]))}}
+  paired = npov_table1.paper_ordering({"s": examples}, kept, num_resamples=100, seed=4)
+  assert paired["classifier - rouge"]["s"]["hallucination"] == h
+  on_sample = npov_table1.ordering_intervals(
+      [examples[i] for i in sample], det(better[sample]), det(worse[sample]),
+      num_resamples=100, seed=4)
+  assert paired["classifier - salience"]["s"] == on_sample
+  assert on_sample["hallucination"]["n"] == len(sample)
+  order = {"classifier - rouge": {"unparaphrased": got},
+           "classifier - salience": {"unparaphrased": {"hallucination": _ci(-0.1, -0.2, 0.0),
+                                                       "coverage": None}}}
+  verdicts = npov_table1.ordering_verdicts(order)
+  assert h["low"] > 0  # Shown against ROUGE-1, not against salience (its interval holds 0).
+  assert verdicts["hallucination"]["verdict"] == "not shown"
+  assert verdicts["hallucination"]["why"].startswith("classifier - salience ROC AUC")
+  assert verdicts["coverage"]["verdict"] == "not shown"  # Nothing measured.
+  assert npov_table1.ordering_verdicts({})["hallucination"]["verdict"] == "not shown"
 
 
 def test_npov_plot_keeps_the_report_order_when_read_back_from_json(monkeypatch, tmp_path):
@@ -310,7 +459,7 @@ def test_npov_plot_keeps_the_report_order_when_read_back_from_json(monkeypatch, 
 @pytest.mark.parametrize("jsd, flips, expected", [
     (_ci(0.02, 0.01, 0.03), _ci(5.0, 1.0, 9.0), "agrees"),
     (_ci(-0.07, -0.09, -0.05), _ci(-3.0, -6.0, 1.0), "disagrees"),
-    (_ci(0.01, -0.01, 0.03), _ci(2.0, 1.0, 3.0), "inconclusive")])
+    (_ci(0.01, -0.01, 0.03), _ci(2.0, 1.0, 3.0), "not shown")])
 def test_clarify_verdict_follows_the_paired_intervals(jsd, flips, expected):
   word, why = clarify_table4.verdict({"ppo - finetuned": {"jsd": jsd, "flips_pct": flips}})
   assert word == expected and "PPO minus SFT" in why

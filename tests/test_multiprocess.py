@@ -2,8 +2,8 @@
 
 Two `runs.train_run` processes with 2 CPU devices each join through `jax.distributed`
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, the variables launch/local.sh
-sets); each streams only its own shard of the examples (seqio's `ShardInfo`) and contributes
-its rows of every global batch. A one-process run on 4 devices that reads both shards and
+sets); each reads only its own rows of every global batch (`tasks.TaskSource`'s index cache)
+and contributes them. A one-process run on 4 devices that reads both shards and
 puts their rows together the same way is the reference (run by the test's own process, on 4
 of its 8, while the two train): same per-step losses, and the two-process checkpoint restores
 in a single process with the reference's parameters.
@@ -44,10 +44,26 @@ DRIVER = textwrap.dedent("""
       losses.append(float(metrics["loss"]))
       return state, metrics
     trainer_lib.Trainer.train_step = recording_step
+    import numpy as np
+    from jaxmoral.data import tasks
+    read, sources, iterate = [], [], tasks.TaskSource.iterate
+    def recording_iterate(self, start_step=0):
+      sources.append(self)
+      for batch in iterate(self, start_step):
+        read.append(batch)
+        yield batch
+    tasks.TaskSource.iterate = recording_iterate
     gin_args, rest = gin_utils.split_gin_args(sys.argv[2:])
     gin_utils.parse_gin(gin_args)
     runs.train_run()
     check = {}
+    # This process's shard resumed at step 2 (a new source, as a restarted process builds)
+    # reads the rows it read at step 2 without stopping.
+    import dataclasses
+    resumed = next(iterate(dataclasses.replace(sources[0]), 2))
+    check["shard"] = [sources[0].shard_index, sources[0].shard_count]
+    check["resumed_shard_equal"] = all(np.array_equal(resumed[k], read[2][k]) for k in resumed)
+    check["shard_rows"] = read[2]["encoder_input_tokens"].tolist()
     # The final step verified as a multi-host restore does it: each process hashes its
     # share; then a byte flipped in a file that only process 1 hashes is refused by both.
     import gin, os
@@ -208,6 +224,13 @@ def test_two_processes_match_one_process_losses(runs_done):
   # Both processes see the same (replicated) loss, equal to the one-process run's.
   np.testing.assert_array_equal(two[0]["losses"], two[1]["losses"])
   np.testing.assert_allclose(two[0]["losses"], one["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_each_process_resumes_its_own_shard(runs_done):
+  checks = [_result(runs_done, "two", i)["check"] for i in range(2)]
+  assert [c["shard"] for c in checks] == [[0, 2], [1, 2]]
+  assert all(c["resumed_shard_equal"] for c in checks)
+  assert checks[0]["shard_rows"] != checks[1]["shard_rows"]
 
 
 def test_processes_share_checkpoint_hashing_and_refuse_together(runs_done):

@@ -172,6 +172,99 @@ def test_nan_loss_stops_naming_the_step_and_saves_nothing_bad(setup, tmp_path):
   assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(params))
 
 
+def test_nan_found_at_a_later_log_or_checkpoint_still_names_its_step(setup, tmp_path):
+  # Metrics are fetched every 8 steps: the NaN of step 4 is found at step 6's checkpoint,
+  # which is not written.
+  trainer, _ = setup
+  model_dir = str(tmp_path / "late_nan_run")
+  with pytest.raises(train_lib.NonFiniteLossError,
+                     match=r"non-finite loss=nan.* at step 4 \(batch 3\).*last checkpoint: none"):
+    train_lib.train(model_dir=model_dir, trainer=trainer,
+                    train_source=PoisonedSource(train_source(), bad_step=3),
+                    train_steps=STEPS, checkpoint_every=6, log_every=8)
+  assert checkpoints.CheckpointManager(os.path.join(model_dir, "checkpoints")).all_steps() == []
+
+
+class RecordingHook(train_lib.TrainHook):
+  """Records the loss of every step, as a hook that needs its step's metrics does."""
+
+  def __init__(self):
+    self.losses = {}
+
+  def after_step(self, loop, step, state, metrics):
+    self.losses[step] = metrics["loss"]
+
+
+def test_the_loop_fetches_metrics_once_per_log_window(setup, run_a, tmp_path, monkeypatch):
+  """No per-step host sync: 10 steps logged every 5 fetch metrics a handful of times, not
+  once a step; a hook that reads its step's metrics gets exactly that step's values."""
+  trainer, _ = setup
+  fetches = []
+  device_get = jax.device_get
+  monkeypatch.setattr(jax, "device_get", lambda x: (fetches.append(1), device_get(x))[1])
+  train_lib.train(model_dir=str(tmp_path / "quiet"), trainer=trainer,
+                  train_source=train_source(), train_steps=STEPS, checkpoint_every=STEPS,
+                  log_every=5, async_checkpoint=False)
+  # The first step (compilation), two logs, the final step count; not 10.
+  assert len(fetches) <= 5, len(fetches)
+  monkeypatch.setattr(jax, "device_get", device_get)
+  hook = RecordingHook()
+  train_lib.train(model_dir=str(tmp_path / "hooked"), trainer=trainer,
+                  train_source=train_source(), train_steps=STEPS, checkpoint_every=STEPS,
+                  log_every=5, async_checkpoint=False, hooks=[hook])
+  reference = train_lib.read_scalars(os.path.join(run_a[0], "train"))["loss"]  # log_every=1
+  assert sorted(hook.losses) == list(range(1, STEPS + 1))
+  for step, loss in hook.losses.items():
+    assert loss == pytest.approx(reference[step], rel=1e-6)
+
+
+def test_prefetcher_prepares_batches_ahead_and_passes_errors_on():
+  produced = []
+
+  def batches():
+    for i in range(5):
+      produced.append(i)
+      yield {"x": np.full((2, 3), i)}
+    raise ValueError("bad row 5")
+
+  placed = train_lib._Prefetcher(batches(), lambda b: {k: v + 100 for k, v in b.items()},
+                                 depth=2)
+  try:
+    batch, rows, tokens = next(placed)
+    assert batch["x"][0, 0] == 100 and rows == 2 * jax.process_count() and tokens == 0.0
+    deadline = time.time() + 10
+    while len(produced) < 3 and time.time() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.1)
+    # The one taken, two queued ahead and at most one waiting to be queued.
+    assert 3 <= len(produced) <= 4, produced
+    assert [next(placed)[0]["x"][0, 0] for _ in range(4)] == [101, 102, 103, 104]
+    with pytest.raises(ValueError, match="bad row 5"):
+      next(placed)
+  finally:
+    placed.close()
+
+
+class FingerprintedSource(BatchSource):
+  """A source whose data has a fingerprint (as an index-cached `TaskSource`)."""
+  data_fingerprint = "rows-of-version-1"
+
+
+def test_resume_over_changed_data_is_refused_in_one_line(setup, tmp_path):
+  trainer, _ = setup
+  model_dir = str(tmp_path / "fingerprinted")
+  first = FingerprintedSource(features=make_features(40, 0), batch_size=8, seed=3)
+  train_lib.train(model_dir=model_dir, trainer=trainer, train_source=first, train_steps=2,
+                  checkpoint_every=2, log_every=2, async_checkpoint=False)
+  changed = FingerprintedSource(features=make_features(40, 5), batch_size=8, seed=3)
+  object.__setattr__(changed, "data_fingerprint", "rows-of-version-2")
+  with pytest.raises(ValueError, match="data would not continue the same run") as error:
+    train_lib.train(model_dir=model_dir, trainer=trainer, train_source=changed, train_steps=4,
+                    checkpoint_every=2, log_every=2, async_checkpoint=False)
+  line = str(error.value).splitlines()[0]  # gin adds its "In call to configurable" below
+  assert "rows-of-version-1" in line and "rows-of-version-2" in line and "MODEL_DIR" in line
+
+
 def _child(model_dir: str) -> None:
   trainer, _ = build_trainer()
   source = SlowSource(train_source(), os.path.join(model_dir, "progress"))

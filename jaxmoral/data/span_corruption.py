@@ -26,6 +26,7 @@ import csv
 import functools
 import json
 import os
+import zlib
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import gin
@@ -437,12 +438,19 @@ def register_span_corruption_task(
   if overwrite:
     seqio.TaskRegistry.remove(name)
   objective = dict(noise_density=noise_density, mean_noise_span_length=mean_noise_span_length)
+  source = _text_source(files=files, texts=split_texts, text_field=text_field, text_fn=text_fn)
+  # What the rows depend on, for `tasks.TaskSource`'s index cache: the files as they are now
+  # (a changed file gets a new cache), the texts, how they are read and corrupted.
+  setattr(source, "jaxmoral_fingerprint", json.dumps({
+      "files": {s: [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
+                for s, paths in sorted(files.items())},
+      "texts": zlib.crc32(json.dumps(split_texts, sort_keys=True).encode("utf-8")),
+      "read": [text_field, getattr(text_fn, "__qualname__", None)],
+      "objective": objective, "concat_batch_size": concat_batch_size}))
   features = {k: seqio.Feature(vocabulary=vocabulary, add_eos=True)
               for k in ("inputs", "targets")}
   return seqio.TaskRegistry.add(
-      name, source=_text_source(files=files, texts=split_texts, text_field=text_field,
-                                text_fn=text_fn),
-      output_features=features,
+      name, source=source, output_features=features,
       preprocessors=[
           functools.partial(seqio.preprocessors.tokenize, copy_pretokenized=False),
           functools.partial(concatenate_texts, batch_size=concat_batch_size),

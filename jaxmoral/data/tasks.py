@@ -1,36 +1,51 @@
-"""seqio Tasks for text-pair data, the demo Tasks and Mixture, and the streaming `TaskSource`.
+"""seqio Tasks for text-pair data, the demo Tasks and Mixture, and the indexed `TaskSource`.
 
 A text-pair Task reads (input, target) strings from memory or from a TSV/CSV/JSONL file (read
 and checked by `readers` at registration, so a bad row fails with its line number before any
 training), tokenises both with a SentencePiece vocabulary and appends EOS after trimming, as T5
 tasks do. Shuffled, it serves a new permutation of its whole split every epoch, whatever the
-file's order. Training reads any Task or Mixture through `TaskSource`, which streams seqio's
-own pipeline with a deterministic position (resume) and per-process sharding.
+file's order. Training reads any Task or Mixture through `TaskSource`: seqio's own pipeline
+runs once into an index cache, and batch `step` is read from it directly (resume at any step
+without replay) with per-process sharding.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
+import hashlib
+import json
 import logging
 import os
+import shutil
+import tempfile
 import zlib
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import gin
 import numpy as np
 import seqio
 import tensorflow as tf
 
+from jaxmoral.data import index_cache
 from jaxmoral.data import readers
-from jaxmoral.data.pipeline import Features
+from jaxmoral.data.pipeline import BatchSource, Features
+
+logger = logging.getLogger(__name__)
+# The attribute of a seqio DataSource that fingerprints its data (set by this package's
+# sources): a Task whose source has one keeps its index cache across runs.
+FINGERPRINT_ATTRIBUTE = "jaxmoral_fingerprint"
+# A Mixture's cache holds at least this many rows (its rates are then well sampled).
+MIN_MIXTURE_ROWS = 2048
 
 Pairs = Sequence[tuple[str, str]]
 
 
 def _without_function_source_notice(record: logging.LogRecord) -> bool:
   """seqio warns that an uncached FunctionDataSource shuffles poorly after a restart; the
-  text-pair source shuffles its whole split itself and a `TaskSource` restarts by skipping to
-  its step in the same seeded stream, so that does not apply to it."""
+  text-pair source shuffles its whole split itself and a `TaskSource` reads a restarted run's
+  batches by index from the rows of one seeded pass, so that does not apply to it."""
   return "uncached FunctionDataset" not in record.getMessage()
 
 
@@ -115,8 +130,12 @@ def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
       order = order.shuffle(count, seed=seed, reshuffle_each_iteration=True)
     return order.map(lambda i: {"inputs": tf.gather(inputs, i), "targets": tf.gather(targets, i)})
 
-  return seqio.FunctionDataSource(dataset_fn, splits=list(data),
-                                  num_input_examples={s: len(p) for s, p in splits.items()})
+  source = seqio.FunctionDataSource(dataset_fn, splits=list(data),
+                                    num_input_examples={s: len(p) for s, p in splits.items()})
+  setattr(source, FINGERPRINT_ATTRIBUTE, hashlib.sha256(
+      json.dumps({s: list(map(list, p)) for s, p in sorted(splits.items())}).encode("utf-8")
+  ).hexdigest())
+  return source
 
 
 @gin.configurable
@@ -195,16 +214,40 @@ def num_examples(task_name: str, split: str) -> Optional[int]:
   return None if any(c is None for c in counts) else int(sum(counts))
 
 
+@functools.lru_cache(maxsize=None)
+def _process_cache_root() -> str:
+  """A folder for the index caches of Tasks whose data has no fingerprint: this process's
+  own, removed when it exits (another process cannot know the data did not change)."""
+  root = tempfile.mkdtemp(prefix="jaxmoral-data-")
+  atexit.register(shutil.rmtree, root, ignore_errors=True)
+  return root
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True, eq=False)
 class TaskSource:
-  """Batches of a seqio Task or Mixture split, streamed through tf.data (never materialised).
+  """Batches of a seqio Task or Mixture split, read by index from a cache seqio writes once.
 
-  The stream is seqio's own: `get_dataset(shuffle, seed, shard_info, num_epochs=None)` (a
-  Mixture samples its Tasks at their rates), T5X's `EncDecFeatureConverter` (packing), then
-  batches of this process's rows. It is deterministic in (seed, shard), so batch `step` is
-  the `step`-th batch of the stream: a run resumed at step k skips k batches and continues
-  exactly as the uninterrupted run (the skipped examples are read, not kept).
+  seqio's own pipeline (`get_dataset(shuffle, seed)`: a Mixture samples its Tasks at their
+  rates; T5X's `EncDecFeatureConverter`: packing) runs once over the split, and its rows are
+  written to an index cache (`index_cache`: one `.npy` per feature, memory-mapped). Batch
+  `step` is then a gather of rows (`pipeline.BatchSource`): epoch after epoch, each a new
+  seeded permutation of the rows, every process its contiguous part of each global batch. A
+  run resumed at step k reads batch k directly, at the same cost whatever k is, and the data
+  position stays the step (no iterator state in checkpoints). Reading the cache needs NumPy
+  only.
+
+  What one pass is: a Task's split once, in seqio's seeded order (so the packing, and
+  randomness such as span corruption's noise, is drawn once and kept in later epochs, which
+  serve the same rows in another order); a Mixture's stream at its rates for as many examples
+  as its Tasks have (at least `MIN_MIXTURE_ROWS` rows). A Task of this package (text pairs,
+  span corruption) fingerprints its data, so its cache is kept under `cache_dir` and reused
+  by every run of the same data; another Task's cache is built once per process in a
+  temporary folder. `data_fingerprint` (a hash of the cached rows) goes into every
+  checkpoint: a run resumed over other data stops with a one-line error.
+
+  A Task of more than `max_cached_examples` examples (or a Mixture of Tasks of unknown size)
+  is streamed instead, as before: resuming at step k then reads k batches (logged).
 
   Attributes:
     task_name: A registered seqio Task or Mixture.
@@ -214,8 +257,11 @@ class TaskSource:
     seed: Shuffling (and mixing) seed.
     shuffle: False serves the split in order (evaluation).
     pack: Pack several examples per row.
-    shard_index: This process's shard of the examples (seqio `ShardInfo`).
+    shard_index: This process's shard of every global batch.
     shard_count: Number of shards (processes).
+    cache_dir: Where index caches are kept (None: `index_cache.default_root()`,
+      `$JAXMORAL_DATA_CACHE` or `~/.cache/jaxmoral/data`).
+    max_cached_examples: Larger splits are streamed (see above).
   """
   task_name: str
   split: str
@@ -226,6 +272,8 @@ class TaskSource:
   pack: bool = False
   shard_index: int = 0
   shard_count: int = 1
+  cache_dir: Optional[str] = None
+  max_cached_examples: int = 5_000_000
 
   def __post_init__(self):
     if not isinstance(self.batch_size, int) or self.batch_size <= 0:
@@ -246,6 +294,7 @@ class TaskSource:
       raise ValueError(f"{self.task_name!r} has no split {self.split!r} (has "
                        f"{sorted({s for t in tasks for s in t.splits})})")
     object.__setattr__(self, "feature_lengths", dict(self.feature_lengths))
+    object.__setattr__(self, "_rows", None)
 
   @property
   def num_examples(self) -> Optional[int]:
@@ -257,11 +306,101 @@ class TaskSource:
     return self.batch_size // self.shard_count
 
   def shard(self, process_index: int, process_count: int) -> "TaskSource":
-    """The same stream, split over `process_count` processes: this one's examples."""
+    """The same stream, split over `process_count` processes: this one's rows."""
     if self.shard_count != 1:
       raise ValueError("TaskSource.shard: already sharded")
     return dataclasses.replace(self, shard_index=process_index, shard_count=process_count)
 
+  # -- the index cache --------------------------------------------------------------------------
+  def _data_identity(self) -> Optional[dict[str, Any]]:
+    """What the rows depend on, or None when a Task's data has no fingerprint."""
+    provider = seqio.get_mixture_or_task(self.task_name)
+    is_mixture = isinstance(provider, seqio.Mixture)
+    tasks = provider.tasks if is_mixture else [provider]
+    parts = []
+    for task in tasks:
+      if self.split not in task.splits:
+        continue
+      fingerprint = getattr(task.source, FINGERPRINT_ATTRIBUTE, None)
+      if fingerprint is None:
+        return None
+      vocabularies = {name: [type(f.vocabulary).__name__,
+                             getattr(f.vocabulary, "sentencepiece_model_file", None),
+                             f.vocabulary.vocab_size, f.add_eos]
+                      for name, f in sorted(task.output_features.items())}
+      parts.append({"task": task.name, "data": fingerprint, "features": vocabularies,
+                    "rate": provider.get_rate(task) if is_mixture else None})
+    return {"tasks": parts}
+
+  def _cacheable(self) -> bool:
+    count = self.num_examples
+    if isinstance(seqio.get_mixture_or_task(self.task_name), seqio.Mixture) and count is None:
+      return False
+    return count is None or count <= self.max_cached_examples
+
+  def _pass_rows(self) -> Iterator[Features]:
+    """One pass of seqio's stream (class docstring), in chunks of rows."""
+    provider = seqio.get_mixture_or_task(self.task_name)
+    is_mixture = isinstance(provider, seqio.Mixture)
+    ds = provider.get_dataset(sequence_length=self.feature_lengths, split=self.split,
+                              shuffle=self.shuffle, seed=self.seed,
+                              num_epochs=None if is_mixture else 1, try_in_mem_cache=False)
+    ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, self.feature_lengths)
+    options = tf.data.Options()
+    options.deterministic = True  # The rows must not depend on thread timing.
+    want = max(self.num_examples or 0, 1)
+    rows = examples = 0
+    for batch in ds.with_options(options).batch(1024).as_numpy_iterator():
+      chunk = {k: np.asarray(v, np.int32) for k, v in batch.items()}
+      if is_mixture:  # Until the Tasks' examples are drawn (and enough rows for the rates).
+        segments = chunk.get("decoder_segment_ids")
+        per_row = (segments.max(-1) if segments is not None
+                   else np.ones(len(chunk["decoder_target_tokens"]), np.int64))
+        total = examples + np.cumsum(per_row)
+        enough = (total >= want) & (rows + np.arange(1, len(per_row) + 1) >= MIN_MIXTURE_ROWS)
+        if enough.any():
+          cut = int(np.argmax(enough)) + 1
+          yield {k: v[:cut] for k, v in chunk.items()}
+          return
+        examples, rows = int(total[-1]), rows + len(per_row)
+      yield chunk
+
+  def _cached_rows(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The split's rows (memory-mapped) and the cache's meta, built on first use."""
+    if self._rows is not None:
+      return self._rows
+    data = self._data_identity()
+    identity = {"version": 1, "task": self.task_name, "split": self.split,
+                "lengths": self.feature_lengths, "pack": self.pack, "shuffle": self.shuffle,
+                "seed": self.seed if self.shuffle else None, "data": data}
+    if data is not None:
+      root = self.cache_dir or index_cache.default_root()
+    else:  # No fingerprint of the data: this process's own copy, built anew.
+      root = _process_cache_root()
+    directory = os.path.join(os.fspath(root), f"{self.task_name}.{index_cache.key_of(identity)}")
+    found = index_cache.read(directory)
+    if found is None:
+      logger.info("TaskSource: caching the rows of %s:%s in %s", self.task_name, self.split,
+                  directory)
+      found = index_cache.write(directory, self._pass_rows(), identity)
+    object.__setattr__(self, "_rows", found)
+    return found
+
+  @property
+  def data_fingerprint(self) -> Optional[str]:
+    """A hash of the rows the batches are drawn from (None for a streamed split); a
+    checkpoint records it, so a run resumed over other data is refused."""
+    if not self._cacheable():
+      return None
+    return self._cached_rows()[1]["sha256"][:16]
+
+  def _index_source(self) -> BatchSource:
+    features, _ = self._cached_rows()
+    return BatchSource(features=features, batch_size=self.batch_size, seed=self.seed,
+                       shuffle=self.shuffle, shard_index=self.shard_index,
+                       shard_count=self.shard_count)
+
+  # -- batches ----------------------------------------------------------------------------------
   def _dataset(self, *, repeat: bool) -> tf.data.Dataset:
     provider = seqio.get_mixture_or_task(self.task_name)
     shard_info = (seqio.ShardInfo(self.shard_index, self.shard_count)
@@ -280,12 +419,19 @@ class TaskSource:
     """This process's rows of batch `start_step`, `start_step + 1`, ... forever."""
     if start_step < 0:
       raise ValueError(f"start_step must be >= 0, got {start_step}")
+    if self._cacheable():
+      yield from self._index_source().iterate(start_step)
+      return
+    if start_step:
+      logger.warning("TaskSource: %s:%s is streamed (more than max_cached_examples=%d "
+                     "examples): resuming reads the %d batches before step %d", self.task_name,
+                     self.split, self.max_cached_examples, start_step, start_step)
     ds = self._dataset(repeat=True).skip(start_step)
     for batch in ds.as_numpy_iterator():
       yield {k: np.asarray(v, np.int32) for k, v in batch.items()}
 
   def batch(self, step: int) -> Features:
-    """Batch `step` (reads the stream from its start: for tests and notebooks)."""
+    """Batch `step`."""
     return next(self.iterate(step))
 
   def eval_batches(self) -> Iterator[Features]:
