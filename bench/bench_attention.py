@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import runtime
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral.models import flash_attention_gpu
 
 

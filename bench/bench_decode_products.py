@@ -21,6 +21,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import cpu_kernels  # noqa: E402
 
 # (K, N) of T5 1.1-small's decode-step products: stacked q/k/v, stacked wi_0/wi_1, wo,

@@ -55,6 +55,8 @@ import torch  # noqa: E402
 
 import fair  # noqa: E402  (bench/fair.py)
 import machine  # noqa: E402  (bench/machine.py)
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import decoding  # noqa: E402
 from jaxmoral.models.config import T5Config, t5_config  # noqa: E402
 from jaxmoral.models.t5 import T5, init_params  # noqa: E402

@@ -12,6 +12,8 @@ import time
 
 import jax
 
+from jaxmoral import runtime
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import aot, losses, optimizers, partitioning, trainer as trainer_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5

@@ -1,4 +1,4 @@
-"""One-row (batch-1 decoding) products on CPU: plain `x @ kernel` vs `models.t5._vector_matmul`.
+"""One-row (batch-1 decoding) products on CPU: plain `x @ kernel` vs `models.ops.vector_matmul`.
 
 Each shape is timed on cold kernels: enough distinct kernels (~160 MB) are cycled through that
 none is in cache when it is read again, as in a decoding step, which reads every decoder
@@ -19,7 +19,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxmoral.models import t5  # noqa: E402
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
+from jaxmoral.models import ops  # noqa: E402
 
 # T5 1.1-small decoder kernels: cross-attention query, attention out, MLP wo, the stacked q/k/v
 # as one (512, 1152) kernel, the stacked wi_0/wi_1 as (512, 2048), and the logits projection.
@@ -32,7 +34,7 @@ def time_products(k: int, n: int, split: bool) -> float:
   count = max(4, int(160e6 // (k * n * 4)))
   rng = np.random.default_rng(0)
   kernels = [jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02) for _ in range(count)]
-  product = t5._vector_matmul if split else jnp.dot  # pylint: disable=protected-access
+  product = ops.vector_matmul if split else jnp.dot
 
   @jax.jit
   def run(row, kernels):

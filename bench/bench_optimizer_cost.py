@@ -18,6 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_train_step  # noqa: E402  (bench/bench_train_step.py)
 import fair  # noqa: E402  (bench/fair.py)
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import optimizers  # noqa: E402
 
 

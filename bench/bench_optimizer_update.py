@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmoral import runtime
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import optimizers
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5

@@ -28,6 +28,8 @@ import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import optimizers, partitioning  # noqa: E402
 from jaxmoral.clarify import data as data_lib  # noqa: E402
 from jaxmoral.clarify import formats, models, reward  # noqa: E402

@@ -41,6 +41,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral.models.config import t5_config  # noqa: E402
 from jaxmoral.models.t5 import T5, init_params  # noqa: E402
 from jaxmoral.npov.detectors import salience  # noqa: E402

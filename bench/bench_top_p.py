@@ -38,6 +38,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import fair  # noqa: E402  (bench/fair.py)
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import decoding  # noqa: E402
 
 # Float32 sums of a 32k-entry distribution are good to ~1e-6; a token whose preceding mass is

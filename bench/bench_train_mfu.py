@@ -15,7 +15,7 @@ starts each from the same initial state (same key, same weights) on the same bat
 that their first-step losses agree, and times `--rounds` interleaved rounds of `--steps` steps
 (impl A, impl B, impl A, ...), reporting each impl's median round and the ratio. An entry
 `pallas_gpu:opt+opt` sets options of the Triton kernels while that step is traced: `diagonals`
-(`t5.GPU_BIAS_AS_DIAGONALS`) and `field=value` (`flash_attention_gpu.DEFAULT_BLOCK_SIZES`),
+(the T5Config field `gpu_bias_as_diagonals`) and `field=value` (`flash_attention_gpu.DEFAULT_BLOCK_SIZES`),
 e.g. `--compare cudnn,pallas_gpu,pallas_gpu:dkv_rows=2+block_k_dkv=32`. T5Config overrides
 of one entry follow it after '/': `--compare cudnn,cudnn/dtype=float16`.
 
@@ -41,9 +41,12 @@ try:  # A private module; only the `nobiasgrad` diagnostic patches it.
 except ImportError:
   cudnn_attention = None
 
+from jaxmoral import runtime
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import flash_attention_gpu
+from jaxmoral.models import ops as ops_lib
 from jaxmoral.models import t5
 
 from bench_train_step import make_batch, parse_override  # bench/bench_train_step.py
@@ -110,6 +113,7 @@ def build_step(args: argparse.Namespace) -> tuple[config_lib.T5Config, trainer_l
                                                   dict, float]:
   """(config, single-device trainer, batch, model FLOPs per step) from `add_step_args` flags."""
   overrides = dict(parse_override(o) for o in args.override)
+  overrides.update(kernel_option_overrides(args.pallas_gpu_options))
   apply_kernel_options(args.pallas_gpu_options)
   cfg = config_lib.t5_config(size=args.size, dtype=args.dtype, **overrides)
   model = t5.T5(cfg)
@@ -132,22 +136,32 @@ def build_step(args: argparse.Namespace) -> tuple[config_lib.T5Config, trainer_l
   return cfg, trainer, batch, model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
 
 
+def _kernel_options(options: str) -> list[str]:
+  return list(filter(None, options.replace("+", ",").split(",")))
+
+
+def kernel_option_overrides(options: str) -> dict[str, object]:
+  """The T5Config overrides among kernel options: `diagonals` (`gpu_bias_as_diagonals`)."""
+  return {"gpu_bias_as_diagonals": True} if "diagonals" in _kernel_options(options) else {}
+
+
 def apply_kernel_options(options: str) -> None:
-  """Sets `diagonals` (t5.GPU_BIAS_AS_DIAGONALS) and BlockSizes `field=value` options of the
-  Triton kernels (attention_impl="pallas_gpu") for the steps traced from now on."""
+  """Sets BlockSizes `field=value` options of the Triton kernels (attention_impl="pallas_gpu")
+  and the `nobias`/`nobiasgrad` patches for the steps traced from now on (`diagonals` is a
+  config field: `kernel_option_overrides`)."""
   fields = {}
-  for option in filter(None, options.replace("+", ",").split(",")):
+  for option in _kernel_options(options):
     if option == "diagonals":
-      t5.GPU_BIAS_AS_DIAGONALS = True
+      continue
     elif option == "nobiasgrad":
       # jax 0.10 asks cuDNN for the bias gradient whenever there is a bias (patched here);
       # jax 0.11.2 has no such hook, and holding the bias constant did not make its step
       # faster.
       if hasattr(cudnn_attention, "should_export_dbias"):
         cudnn_attention.should_export_dbias = lambda *args: False
-      t5.fused_attention = _with_constant_position_bias
+      ops_lib.fused_attention = _with_constant_position_bias
     elif option == "nobias":
-      t5.fused_attention = _without_position_bias
+      ops_lib.fused_attention = _without_position_bias
     else:
       name, _, value = option.partition("=")
       fields[name] = int(value)
@@ -155,22 +169,23 @@ def apply_kernel_options(options: str) -> None:
       flash_attention_gpu.DEFAULT_BLOCK_SIZES, **fields)
 
 
-def _without_position_bias(query, key, value, masking, _fused=t5.fused_attention):
-  """t5.fused_attention with the relative-position bias dropped (option `nobias`)."""
-  return _fused(query, key, value, masking.replace(position_bias=None))
+def _without_position_bias(query, key, value, masking, _fused=ops_lib.fused_attention,
+                           **kernel):
+  """ops.fused_attention with the relative-position bias dropped (option `nobias`)."""
+  return _fused(query, key, value, masking.replace(position_bias=None), **kernel)
 
 
-def _with_constant_position_bias(query, key, value, masking, _fused=t5.fused_attention):
-  """t5.fused_attention with no gradient into the position bias (option `nobiasgrad`)."""
+def _with_constant_position_bias(query, key, value, masking, _fused=ops_lib.fused_attention,
+                                 **kernel):
+  """ops.fused_attention with no gradient into the position bias (option `nobiasgrad`)."""
   bias = masking.position_bias
   return _fused(query, key, value, masking.replace(
-      position_bias=None if bias is None else jax.lax.stop_gradient(bias)))
+      position_bias=None if bias is None else jax.lax.stop_gradient(bias)), **kernel)
 
 
 # What `apply_kernel_options` may set: (module, attribute), restored by `kernel_options`.
-_KERNEL_OPTION_ATTRIBUTES = ((t5, "GPU_BIAS_AS_DIAGONALS"),
-                             (flash_attention_gpu, "DEFAULT_BLOCK_SIZES"),
-                             (t5, "fused_attention"),
+_KERNEL_OPTION_ATTRIBUTES = ((flash_attention_gpu, "DEFAULT_BLOCK_SIZES"),
+                             (ops_lib, "fused_attention"),
                              (cudnn_attention, "should_export_dbias"))
 
 
@@ -197,6 +212,7 @@ def compare(args: argparse.Namespace) -> None:
     impl, _, options = head.partition(":")
     impl_args = argparse.Namespace(**vars(args))
     impl_args.override = (list(args.override) + [f"attention_impl={impl}"]
+                          + [f"{k}={v}" for k, v in kernel_option_overrides(options).items()]
                           + list(entry_overrides))
     _, trainer, batch, flops = build_step(impl_args)
     start = time.perf_counter()

@@ -52,6 +52,8 @@ import numpy as np  # noqa: E402
 
 import fair  # noqa: E402  (bench/fair.py)
 import machine  # noqa: E402  (bench/machine.py)
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib  # noqa: E402
 from jaxmoral.models import config as config_lib  # noqa: E402
 from jaxmoral.models import t5  # noqa: E402

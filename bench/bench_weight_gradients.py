@@ -1,10 +1,10 @@
 """The CPU train step with and without the model's plain-product weight gradients.
 
-On CPU, `t5._cpu_rows_matmul` gives every dense layer a backward pass whose weight gradient
+On CPU, `ops.cpu_rows_matmul` gives every dense layer a backward pass whose weight gradient
 is a plain product that XLA:CPU hands to YNNPACK, where autodiff's form (rows^T @ g)
 goes to XLA's own dot emitter. This times the same Trainer, weights and batch as
 `bench_train_step.py` (T5 1.1-small float32, AdamW, batch 8 x (128 + 64)) traced both ways
-(`t5.CPU_PLAIN_WEIGHT_GRADIENTS` off, then on), checks that the two steps agree (loss and
+(`T5Config.cpu_weight_gradients` "autodiff", then "plain"), checks that the two steps agree (loss and
 gradient norm of step 1 at float32 tolerance), and interleaves their rounds; no PyTorch side.
 
   python bench/bench_weight_gradients.py --rounds 6
@@ -22,7 +22,6 @@ import jax  # noqa: E402
 
 import bench_train_step  # noqa: E402  (bench/bench_train_step.py)
 import fair  # noqa: E402  (bench/fair.py)
-from jaxmoral.models import t5  # noqa: E402
 
 
 def main() -> None:
@@ -36,14 +35,12 @@ def main() -> None:
   print(f"T5 {size}, batch {batch} x ({inputs} + {targets}), float32, AdamW; "
         f"{fair.machine_line()}")
   sides, first = {}, {}
-  for name, plain in (("autodiff weight gradients", False),
-                      ("plain-product weight gradients", True)):
-    t5.CPU_PLAIN_WEIGHT_GRADIENTS = plain  # read when the step is traced: its first call
-    side = bench_train_step.JaxSide(cfg, feats, params0, hp)
+  for name, form in (("autodiff weight gradients", "autodiff"),
+                     ("plain-product weight gradients", "plain")):
+    side = bench_train_step.JaxSide(cfg.replace(cpu_weight_gradients=form), feats, params0, hp)
     first[name] = jax.device_get(side.step())
     side.step()
     sides[name] = side.step
-  t5.CPU_PLAIN_WEIGHT_GRADIENTS = True
   (a_name, a), (b_name, b) = first.items()
   checks = [fair.compare(f"{key} of step 1", a[key], b[key]) for key in ("loss", "grad_norm")]
   times = fair.interleave(sides, args.rounds, calls_per_round=args.steps, label="s/step")

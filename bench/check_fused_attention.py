@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import runtime
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import losses
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
@@ -67,8 +69,8 @@ def main() -> None:
   parser.add_argument("--backend", default="cudnn",
                       help="jax.nn.dot_product_attention implementation (xla: a CPU smoke test)")
   args = parser.parse_args()
-  base = config_lib.t5_config(size=args.size, dtype="bfloat16", attention_impl="einsum")
-  t5.FUSED_ATTENTION_BACKEND = args.backend
+  base = config_lib.t5_config(size=args.size, dtype="bfloat16", attention_impl="einsum",
+                              fused_attention_backend=args.backend)
   params = nn.meta.unbox(jax.jit(lambda r: t5.init_params(t5.T5(base), r))(
       jax.random.PRNGKey(0)))
   print(f"T5 1.1-{args.size}, jax {jax.__version__} on {jax.devices()[0].device_kind}")

@@ -25,6 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import runs  # noqa: E402
 from jaxmoral.data import vocab  # noqa: E402
 

@@ -26,6 +26,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from profile_train_step import perfetto_trace  # noqa: E402  (bench/profile_train_step.py)
+from jaxmoral import runtime  # noqa: E402
+runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import decoding  # noqa: E402
 from jaxmoral.models.config import t5_config  # noqa: E402
 from jaxmoral.models.t5 import T5, init_params  # noqa: E402

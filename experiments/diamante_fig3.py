@@ -160,7 +160,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   from jaxmoral.diamante import chitchat
   from jaxmoral.diamante import data as data_lib
   from jaxmoral.diamante import evaluate as evaluate_lib
-  from jaxmoral.diamante import model as diamante_model
+  from jaxmoral.diamante import diamante_model
   from jaxmoral.models import trainable
   # pylint: enable=import-outside-toplevel
   started = time.time()

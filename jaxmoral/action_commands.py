@@ -6,7 +6,7 @@ The method command lines (`jaxmoral.diamante.commands`, `jaxmoral.npov.commands`
 does the rest, the same for all of them:
 
 * `--help` (or `-h`) prints the function's flags, read from its signature and docstring
-  without importing it (`gin_utils.function_usage`), so no JAX start-up;
+  without importing it (`cli_help.function_usage`), so no JAX start-up;
 * `--name=value` is the gin binding `<module>.<function>.name = value`, exactly as
   `--gin.<module>.<function>.name=value`; a value that is no Python literal is a string
   (`--model_dir=/tmp/run`); for a parameter typed as a sequence, a bare word or comma list
@@ -33,6 +33,8 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 import gin
 
+from jaxmoral import cli_help
+from jaxmoral import fileio
 from jaxmoral import gin_utils
 
 HELP_FLAGS = ("-h", "--help")
@@ -47,7 +49,7 @@ _VALUES_NOTE = ("A flag's value that is no Python literal is a string; for a seq
 def usage(method: str, actions: Mapping[str, tuple[str, str]], action: str) -> str:
   """The `--help` text of an action: its function's flags and how values are read."""
   module, function = actions[action]
-  text = gin_utils.function_usage(module, function, prog=f"jaxmoral {method} {action}")
+  text = cli_help.function_usage(module, function, prog=f"jaxmoral {method} {action}")
   return f"{text}\n\n{textwrap.fill(_VALUES_NOTE, 78)}"
 
 
@@ -167,7 +169,7 @@ def check_outputs(selector: str, outputs: Mapping[str, bool],
     if path is None and name in parameters:
       path = parameters[name].default
     if isinstance(path, (str, os.PathLike)):
-      gin_utils.check_writable(path, directory=directory)
+      fileio.check_writable(path, directory=directory)
 
 
 def run_action(method: str, actions: Mapping[str, tuple[str, str]],

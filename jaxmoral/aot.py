@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoral import partitioning
+from jaxmoral import runs
+from jaxmoral import validation
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +121,7 @@ def get_topology(topology: str, *, num_slices: int = 1) -> Topology:
   Raises:
     ValueError: Malformed or unknown topology, too few CPU devices, or libtpu missing.
   """
-  if not isinstance(num_slices, int) or num_slices < 1:
-    raise ValueError(f"get_topology: num_slices must be a positive int, got {num_slices!r}")
+  validation.positive_int(num_slices, "get_topology: num_slices")
   match = _TOPOLOGY_RE.match(topology.strip().lower()) if isinstance(topology, str) else None
   if match is None:
     raise ValueError(f"topology {topology!r}: expected '<chip>:<shape>' such as 'v5e:8x8', "
@@ -253,22 +254,6 @@ def _num_params(tree: Any) -> int:
   return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tree)))
 
 
-def seq2seq_batch_shapes(*, batch_size: int, feature_lengths: Mapping[str, int],
-                         pack: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """Global batch shapes and dtypes of the T5X seq2seq features."""
-  for key in ("inputs", "targets"):
-    if key not in feature_lengths:
-      raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
-  enc = (batch_size, int(feature_lengths["inputs"]))
-  dec = (batch_size, int(feature_lengths["targets"]))
-  names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
-           "decoder_target_tokens": dec, "decoder_loss_weights": dec}
-  if pack:
-    names.update({"encoder_segment_ids": enc, "encoder_positions": enc,
-                  "decoder_segment_ids": dec, "decoder_positions": dec})
-  return {k: (v, jnp.int32) for k, v in names.items()}
-
-
 def t5_forward_flops(config: Any, *, encoder_tokens: int, decoder_tokens: int) -> float:
   """Model FLOPs of one forward pass: 2 per weight per token (dense weights only).
 
@@ -308,7 +293,6 @@ def require(bindings: Mapping[str, Any], names: Sequence[str], where: str) -> No
 def train_run_target(partitioner: partitioning.PjitPartitioner) -> CompileProgram:
   """The train step of `runs.train_run` as the gin config binds it (any MODEL and DATA:
   seq2seq, prompt tuning, Diamante), built by the run's own `runs.make_trainer`."""
-  from jaxmoral import runs  # pylint: disable=g-import-not-at-top
   b = resolved_bindings("runs.train_run", ("model", "data", "optimizer", "batch_size",
                                            "feature_lengths", "num_microbatches"))
   require(b, ("model", "data", "optimizer", "batch_size", "feature_lengths"), "runs.train_run")

@@ -45,7 +45,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import threading
@@ -436,7 +435,8 @@ def make_run_dir(model_dir: str | os.PathLike) -> str:
       before any work starts.
   """
   model_dir = os.fspath(model_dir)
-  fileio.check_writable(model_dir, what="MODEL_DIR")
+  fileio.check_writable(model_dir, directory=True, what="MODEL_DIR")
+  fileio.makedirs(model_dir)
   return model_dir
 
 

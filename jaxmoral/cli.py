@@ -31,7 +31,7 @@ import re
 import sys
 from typing import Any, Callable, MutableMapping, Optional, Sequence
 
-from jaxmoral import compilation_cache, gin_utils, preemption
+from jaxmoral import compilation_cache, fileio, gin_utils, preemption, runtime
 
 # Sub-commands whose work is a gin-configured library function: (module, function).
 GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -410,6 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   """
   # Before anything imports JAX (the commands below do).
   platforms_without_absent_tpu()
+  runtime.configure()
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   try:
@@ -463,7 +464,7 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
   """The work of `main` once the command line is parsed."""
   quiet_logs()
   if args.command == "explore":  # A web server: no TensorFlow start-up, no compilation cache.
-    from jaxmoral.explore import server
+    from jaxmoral.explore import server  # Imported when run: keeps --help fast.
     return server.serve(dirs=args.dirs, port=args.port, host=args.host)
   tensorflow_for_input_pipelines_only()
   # `compile` goes without: compile-only TPU executables cannot be loaded back.
@@ -472,7 +473,7 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
   else:
     compilation_cache.configure(flags.get(compilation_cache.FLAG))
   if args.command not in SINGLE_PROCESS_COMMANDS:
-    from jaxmoral import partitioning
+    from jaxmoral import partitioning  # Imported when run: keeps --help fast.
     # A no-op for one process; joins the job given by the flags, JAX_COORDINATOR_ADDRESS...,
     # SLURM or a TPU pod. Before gin, whose configurables may touch devices.
     partitioning.initialize_distributed(**distributed)
@@ -480,25 +481,25 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
     module, function, _ = GIN_COMMANDS[args.command]
     _call_with_gin(module, function, gin_args)
   elif args.command == "export":
-    from jaxmoral import partitioning, runs
+    from jaxmoral import partitioning, runs  # Imported when run: keeps --help fast.
     partitioner = (partitioning.PjitPartitioner(num_partitions=args.num_partitions)
                    if args.num_partitions else None)
     runs.export_run(model_dir=args.model_dir, output_dir=args.output, step=args.step,
                     dtype=args.dtype, output_format=args.format, overwrite=args.overwrite,
                     partitioner=partitioner)
   elif args.command == "compile":
-    from jaxmoral import aot
+    from jaxmoral import aot  # Imported when run: keeps --help fast.
     gin_utils.parse_gin(gin_args)
     if args.report:
-      gin_utils.check_writable(args.report)
+      fileio.check_writable(args.report)
     aot.compile_for_topology(topology=args.topology, report_path=args.report)
   elif args.command == "vocab":
-    from jaxmoral.data import vocab
-    gin_utils.check_writable(args.output_dir, directory=True)
+    from jaxmoral.data import vocab  # Imported when run: keeps --help fast.
+    fileio.check_writable(args.output_dir, directory=True)
     print(vocab.build_demo_vocabulary(output_dir=args.output_dir))
   elif args.command == "demo":
-    from jaxmoral import demo
-    gin_utils.check_writable(args.workdir, directory=True)
+    from jaxmoral import demo  # Imported when run: keeps --help fast.
+    fileio.check_writable(args.workdir, directory=True)
     only = tuple(args.only.split(",")) if args.only else None
     demo.run_all(workdir=args.workdir, only=only)
   else:

@@ -268,7 +268,7 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
     max_bytes = -1
   if max_bytes != -1:
     try:
-      import filelock  # pylint: disable=g-import-not-at-top,unused-import
+      import filelock  # noqa: F401  (only whether it is installed)
     except ImportError:  # JAX needs it to cap the cache; an uncapped cache beats none.
       _LOG.warning("filelock is not installed: the compilation cache in %s is not capped",
                    cache_dir)

@@ -15,9 +15,9 @@ static config); `sample` / `beam_search` call them.
 Hardware-specific work of a decoding step is a backend's (`DecodeBackend`): it prepares
 kernels once per set of parameters (`prepare_decode_weights`, kept by whoever owns the
 parameters and passed to every call as `decode_weights`) and supplies the ops the traced steps
-call (`models.t5.DecodeStepOps`). Built in is "xla": the self-attention query/key/value kernels
-and a gated MLP's two input kernels stacked, so each is one product (a step is bound by
-streaming the weights). Optional backends register themselves: `jaxmoral.cpu_kernels.backend`
+call (`models.ops.DecodeStepOps`, an argument of every `T5.decode` step). Built in is "xla":
+the self-attention query/key/value kernels and a gated MLP's two input kernels stacked, so
+each is one product (a step is bound by streaming the weights). Optional backends register themselves: `jaxmoral.cpu_kernels.backend`
 adds "cpu_packed" (float32 decoding on one CPU device through a C++ kernel over column-panel
 packed weights), automatic only where it beats XLA (CPUs with AVX-512), else chosen by name.
 `backend="auto"` takes the last registered automatic backend that applies, else "xla".
@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import losses
-from jaxmoral.models import t5 as t5_lib
+from jaxmoral import validation
+from jaxmoral.models.ops import DecodeStepOps
 from jaxmoral.models.t5 import T5, shift_right
 
 Array = jax.Array
@@ -115,8 +116,8 @@ class SampleConfig:
   return_raw_logprobs: bool = False
 
   def __post_init__(self):
-    _check_positive_int("max_decode_length", self.max_decode_length)
-    _check_positive_int("num_samples", self.num_samples)
+    validation.positive_int(self.max_decode_length, "SampleConfig.max_decode_length")
+    validation.positive_int(self.num_samples, "SampleConfig.num_samples")
     if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
       raise ValueError(f"SampleConfig.temperature must be > 0 (use greedy=True for argmax), "
                        f"got {self.temperature!r}")
@@ -152,18 +153,13 @@ class BeamSearchConfig:
   eos_id: int = 1
 
   def __post_init__(self):
-    _check_positive_int("beam_size", self.beam_size, owner="BeamSearchConfig")
-    _check_positive_int("max_decode_length", self.max_decode_length, owner="BeamSearchConfig")
+    validation.positive_int(self.beam_size, "BeamSearchConfig.beam_size")
+    validation.positive_int(self.max_decode_length, "BeamSearchConfig.max_decode_length")
     if not isinstance(self.length_penalty, (int, float)):
       raise ValueError(f"BeamSearchConfig.length_penalty must be a number, "
                        f"got {self.length_penalty!r}")
     if not isinstance(self.eos_id, int) or self.eos_id < 0:
       raise ValueError(f"BeamSearchConfig.eos_id must be an int >= 0, got {self.eos_id!r}")
-
-
-def _check_positive_int(name: str, value: Any, owner: str = "SampleConfig") -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-    raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
 
 
 # -- shared pieces ---------------------------------------------------------------------------
@@ -192,11 +188,12 @@ def _init_cache(model: T5, params: Params, encoded: Array, encoder_mask: Array,
 
 
 def _decode_step(model: T5, params: Params, cache: Any, tokens: Array, encoder_mask: Array,
-                 max_decode_length: int) -> tuple[Array, Any]:
+                 max_decode_length: int, step_ops: DecodeStepOps) -> tuple[Array, Any]:
   """One cached decoder step: (rows,) input ids -> (rows, vocab) float32 logits, new cache."""
   (logits, _), variables = model.apply(
       {"params": params, "cache": cache}, None, encoder_mask, tokens[:, None], decode=True,
-      max_decode_length=max_decode_length, method=T5.decode, mutable=["cache"])
+      max_decode_length=max_decode_length, step_ops=step_ops, method=T5.decode,
+      mutable=["cache"])
   return logits[:, 0, :].astype(jnp.float32), variables["cache"]
 
 
@@ -256,12 +253,12 @@ class DecodeBackend:
     return {key: jnp.stack(kernels, axis=1)
             for key, kernels in decoder_step_kernels(params).items() if len(kernels) > 1}
 
-  def step_ops(self, kernels: Mapping[str, Array]) -> t5_lib.DecodeStepOps:
+  def step_ops(self, kernels: Mapping[str, Array]) -> DecodeStepOps:
     """The ops the traced steps call, reading `prepare`'s kernels."""
     return _StackedKernelOps(kernels)
 
 
-class _StackedKernelOps(t5_lib.DecodeStepOps):
+class _StackedKernelOps(DecodeStepOps):
   """XLA's products, several kernels read as one prepared stack."""
 
   def __init__(self, kernels: Mapping[str, Array]):
@@ -272,7 +269,7 @@ class _StackedKernelOps(t5_lib.DecodeStepOps):
     if stacked is None:
       return super().products(path, names, x, kernels,
                               preferred_element_type=preferred_element_type)
-    return t5_lib.DecodeStepOps.stacked_products(x, stacked.astype(x.dtype))
+    return DecodeStepOps.stacked_products(x, stacked.astype(x.dtype))
 
 
 @flax.struct.dataclass
@@ -356,15 +353,13 @@ def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
     return DecodeWeights(backend=name, kernels=_jitted_prepare(name, model)(params))
 
 
-@contextlib.contextmanager
-def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]):
-  """Inside a trace: the decoding steps use the backend of `decode_weights` (XLA's stacks
-  built in the trace, which XLA hoists out of the loop, when there are none)."""
+def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]
+              ) -> DecodeStepOps:
+  """Inside a trace: the ops of the decoding steps, the backend of `decode_weights`' (XLA's
+  stacks built in the trace, which XLA hoists out of the loop, when there are none)."""
   if decode_weights is None:
     decode_weights = DecodeWeights(backend="xla", kernels=DecodeBackend().prepare(model, params))
-  ops = get_backend(decode_weights.backend).step_ops(decode_weights.kernels)
-  with t5_lib.using_decode_step_ops(ops):
-    yield
+  return get_backend(decode_weights.backend).step_ops(decode_weights.kernels)
 
 
 class _Jitted:
@@ -550,14 +545,14 @@ def _sample_impl(model: T5, config: SampleConfig, params: Params,
                  decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
   _TRACE_COUNT["sample"] += 1
   params = nn.unbox(params)
-  with _step_ops(model, params, decode_weights):
-    return _sample_loop(model, config, params, encoder_input_tokens, encoder_embeds,
-                        encoder_mask, rng)
+  return _sample_loop(model, config, params, encoder_input_tokens, encoder_embeds,
+                      encoder_mask, rng, _step_ops(model, params, decode_weights))
 
 
 def _sample_loop(model: T5, config: SampleConfig, params: Params,
                  encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
-                 encoder_mask: Optional[Array], rng: Optional[Array]) -> DecodeOutput:
+                 encoder_mask: Optional[Array], rng: Optional[Array],
+                 step_ops: DecodeStepOps) -> DecodeOutput:
   if rng is None:
     if not config.greedy:
       raise ValueError("sample: rng is required unless greedy=True")
@@ -573,7 +568,7 @@ def _sample_loop(model: T5, config: SampleConfig, params: Params,
 
   def body(state):
     step, inputs, cache, tokens, logprobs, raw, lengths, finished = state
-    logits, cache = _decode_step(model, params, cache, inputs, mask, length)
+    logits, cache = _decode_step(model, params, cache, inputs, mask, length, step_ops)
     processed = logits
     if config.no_repeat_ngram_size > 0:
       banned = ngram_ban_mask(tokens, step, ngram_size=config.no_repeat_ngram_size,
@@ -708,14 +703,14 @@ def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
                       decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
   _TRACE_COUNT["beam_search"] += 1
   params = nn.unbox(params)
-  with _step_ops(model, params, decode_weights):
-    return _beam_search_loop(model, config, params, encoder_input_tokens, encoder_embeds,
-                             encoder_mask)
+  return _beam_search_loop(model, config, params, encoder_input_tokens, encoder_embeds,
+                           encoder_mask, _step_ops(model, params, decode_weights))
 
 
 def _beam_search_loop(model: T5, config: BeamSearchConfig, params: Params,
                       encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
-                      encoder_mask: Optional[Array]) -> tuple[Array, Array]:
+                      encoder_mask: Optional[Array],
+                      step_ops: DecodeStepOps) -> tuple[Array, Array]:
   encoded, mask = _encode(model, params, encoder_input_tokens, encoder_embeds, encoder_mask)
   batch, k, length = encoded.shape[0], config.beam_size, config.max_decode_length
   vocab, eos, alpha = model.config.vocab_size, config.eos_id, config.length_penalty
@@ -727,7 +722,7 @@ def _beam_search_loop(model: T5, config: BeamSearchConfig, params: Params,
 
   def body(state):
     (step, inputs, cache, live_seqs, live_lp, done_seqs, done_scores, done_flags) = state
-    logits, cache = _decode_step(model, params, cache, inputs, mask, length)
+    logits, cache = _decode_step(model, params, cache, inputs, mask, length, step_ops)
     token_lp = jax.nn.log_softmax(logits, axis=-1).reshape(batch, k, vocab)
     totals = (live_lp[:, :, None] + token_lp).reshape(batch, k * vocab)
     cand_lp, cand_index = jax.lax.top_k(totals, num_candidates)

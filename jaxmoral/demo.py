@@ -16,6 +16,14 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxmoral import decoding
+from jaxmoral import metrics
+from jaxmoral import optimizers
+from jaxmoral import partitioning
+from jaxmoral import runs
+from jaxmoral.models import config as config_lib
+from jaxmoral.models import trainable
+
 PARTS = ("core", "npov", "diamante", "clarify")
 
 # -- what the papers found, and whether a demo run agrees ------------------------------------
@@ -71,7 +79,6 @@ def truth_line(*, method: str, paper: str, this_run: str, verdict: str) -> str:
 def clarify_truth_lines(evaluation: Mapping[str, Mapping[str, Any]]) -> list[str]:
   """ClarifyDelphi (Pyatkin et al. 2023, Table 4): PPO over the supervised generator, by the
   paired bootstrap interval over situations (`clarify.evaluate.compare`'s `per_situation`)."""
-  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   if "ppo" not in evaluation or "finetuned" not in evaluation:
     return []
   ppo, sft = evaluation["ppo"]["per_situation"], evaluation["finetuned"]["per_situation"]
@@ -103,7 +110,6 @@ def npov_truth_lines(results: Mapping[str, Any]) -> list[str]:
   """NPOV (Chang et al. 2024, Table 1): each detector's example-level ROC AUC, the test slices
   pooled, with its bootstrap interval against 0.5, per error type (`npov.evaluate.
   evaluate_detectors`' results: {slice: {detector: {error: {"labels", "scores", ...}}}})."""
-  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   lines = []
   slices = list(results.values())
   for detector, paper in NPOV_PAPER.items():
@@ -139,7 +145,6 @@ def diamante_truth_lines(per_context: Mapping[str, Any]) -> list[str]:
   intervals over contexts (`diamante.evaluate.rank_contexts`' arrays). "agrees" needs both;
   whether joint training is what makes the score work (against the NLL-only model's untrained
   head) only the experiment tests."""
-  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   p1 = {r: np.asarray(per_context[f"{r}/p@1"], np.float64)
         for r in ("preference", "generation", "generation_per_token", "random")}
   rival = max(("generation", "generation_per_token"), key=lambda r: p1[r].mean())
@@ -167,12 +172,6 @@ def _banner(text: str) -> None:
 
 def run_core_demo(*, workdir: str | os.PathLike[str]) -> dict[str, Any]:
   """The T5X-style core: train a tiny T5 1.1 on the demo mixture, evaluate, infer, export."""
-  from jaxmoral import decoding
-  from jaxmoral import optimizers
-  from jaxmoral import partitioning
-  from jaxmoral import runs
-  from jaxmoral.models import config as config_lib
-  from jaxmoral.models import trainable
 
   workdir = pathlib.Path(workdir)
   model_dir = workdir / "run"

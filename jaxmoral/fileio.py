@@ -332,18 +332,78 @@ def rename(source: str | os.PathLike, target: str | os.PathLike) -> None:
   fs.invalidate_cache()
 
 
-def check_writable(folder: str | os.PathLike, *, what: str) -> None:
-  """Raises a one-line OSError naming `folder` and why nothing can be written there.
+def check_writable(path: str | os.PathLike, *, directory: bool = False,
+                   what: Optional[str] = None) -> None:
+  """Raises the OSError that writing `path` would meet, before any work is done.
 
-  For a URL: writes and deletes a small probe object, so a missing bucket, missing
-  credentials, a refused permission or an unreachable endpoint are told before any work.
+  `eval` or `npov detect` would otherwise compute everything and then lose it to a read-only
+  disk, a mistyped folder or a missing bucket. Nothing is created: a missing local path needs
+  its nearest existing ancestor to be a directory that accepts a new file (probed with a
+  temporary file, so a read-only file system, permissions and quotas all count, for root too).
+
+  Args:
+    path: The file (or, with `directory`, the folder) a command will write.
+    directory: `path` is a folder the command writes files into.
+    what: What `path` is (e.g. "MODEL_DIR"), for a one-line message naming it. A URL is
+      probed only when it is given (a small object written then deleted in the folder, so a
+      missing bucket, missing credentials, a refused permission or an unreachable endpoint
+      are told); otherwise a URL is left to its client.
+
+  Raises:
+    OSError: For a local path without `what`: `errno`, `strerror` and `filename` (= `path`)
+      of what writing would raise: PermissionError (also a read-only file system),
+      IsADirectoryError, NotADirectoryError... With `what`: one line "WHAT PATH: cause".
+    ValueError: `path` is a symbolic link to nothing.
   """
-  folder = os.fspath(folder)
-  if not is_url(folder):
-    makedirs(folder)
-    if not os.access(folder, os.W_OK):
-      raise PermissionError(f"{what} {folder}: not writable")
+  shown = os.fspath(path)
+  if is_url(shown):
+    if what is not None:
+      _probe_bucket_folder(shown if directory else shown.rsplit("/", 1)[0], what)
     return
+  import errno  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  target = pathlib.Path(shown)
+  if target.is_symlink() and not target.exists():
+    raise ValueError(f"{shown} is a symbolic link to {os.readlink(shown)}, which does not "
+                     "exist; create the target or give another path")
+  if target.exists():
+    if directory != target.is_dir():
+      code = errno.ENOTDIR if directory else errno.EISDIR
+      raise OSError(code, os.strerror(code), shown)
+    if directory:
+      _probe_directory(target, shown, what)
+    elif target.is_file():  # Opened for writing, not truncated; a device or FIFO is left be.
+      try:
+        os.close(os.open(target, os.O_WRONLY))
+      except OSError as error:
+        _raise_as(error, shown, what)
+    return
+  ancestor = target.absolute().parent
+  while not ancestor.exists() and ancestor != ancestor.parent:
+    ancestor = ancestor.parent
+  if not ancestor.is_dir():
+    raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), shown)
+  _probe_directory(ancestor, shown, what)
+
+
+def _raise_as(error: OSError, path: str, what: Optional[str]) -> None:
+  """Raises `error`'s kind (PermissionError, ...) naming `path`, what the user gave."""
+  if what is not None:
+    raise PermissionError(f"{what} {path}: not writable") from None
+  raise OSError(error.errno, error.strerror, path) from None
+
+
+def _probe_directory(directory: Any, shown: str, what: Optional[str]) -> None:
+  import tempfile  # pylint: disable=g-import-not-at-top
+  try:
+    with tempfile.TemporaryFile(dir=directory):
+      pass
+  except OSError as error:
+    _raise_as(error, shown, what)
+
+
+def _probe_bucket_folder(folder: str, what: str) -> None:
+  """Writes and deletes a small probe object in `folder`; one line naming `what` if refused."""
   import logging  # pylint: disable=g-import-not-at-top
   probe = join(folder, f".write_probe.{uuid.uuid4().hex[:12]}")
   client_log = logging.getLogger("gcsfs")

@@ -9,9 +9,6 @@ otherwise be a new macro, silently ignored): macros that no binding or macro ref
 parameters and configurables that do not exist, and scopes that nothing enters. A relative
 path written in a gin file that names nothing in the working directory is looked up next to
 the gin file, then in the project root, where shipped configs write them from.
-
-`check_writable` is the one check, shared by every command that writes, that an output
-location can be written, made before any work starts.
 """
 
 from __future__ import annotations
@@ -19,18 +16,15 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import errno
-import importlib.util
 import inspect
 import io
 import logging
 import os
 import pathlib
 import re
-import tempfile
-import textwrap
 import tokenize
-from typing import Any, Collection, Iterable, Iterator, Sequence
+import types
+from typing import Any, Collection, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import gin
 from gin import config_parser
@@ -185,29 +179,10 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
     sources = _BindingSources(gin_args.files, [*bindings, *extra_bindings],
                               [flag or "" for flag in flags])
   check_everything_is_read(sources, read_before_flags=read_before_flags)
-  check_same_config_on_every_process()
-  resolve_relative_paths(gin_args.files)
-
-
-def check_same_config_on_every_process() -> None:
-  """Refuses a multi-process job whose processes parsed different gin configurations.
-
-  Their programs would differ (a learning rate, a step count), and collectives between
-  different programs hang or compute nonsense without an error. Compared before relative
-  paths are resolved, which may legitimately differ from host to host. A no-op for one process.
-
-  Raises:
-    ValueError: Naming the processes that differ from process 0.
-  """
-  import jax  # pylint: disable=import-outside-toplevel
-  if not jax.distributed.is_initialized():
-    return
+  # Imports JAX: not at module level, which `--help` reads.
   from jaxmoral import partitioning  # pylint: disable=import-outside-toplevel
-  differing = partitioning.processes_that_differ(gin.config_str())
-  if differing:
-    raise ValueError(f"gin: process {', '.join(map(str, differing))} of {jax.process_count()} "
-                     "parsed another configuration than process 0 (gin files, bindings or "
-                     "flags): every process of a job must be started with the same ones")
+  partitioning.check_same_config_on_every_process()
+  resolve_relative_paths(gin_args.files)
 
 
 def _is_relative_path(value: object) -> bool:
@@ -257,7 +232,7 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
       parsed = gin.config.ParsedBindingKey.parse(key)
     except ValueError:  # Not a binding gin kept (it parsed every file already): leave it.
       continue
-    current = gin.config._CONFIG.get(parsed.config_key, {}).get(parsed.arg_name)  # pylint: disable=protected-access
+    current = _bound(parsed)
     if current != value:  # Another file or the command line bound something else since.
       continue
     for base in dict.fromkeys((pathlib.Path(path).resolve().parent, PROJECT_ROOT)):
@@ -269,6 +244,25 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
         logger.info("gin: %s = %r (%s) is %s", shown, value, _display_path(path), candidate)
         break
   return resolved
+
+
+def _bound(key: gin.config.ParsedBindingKey) -> Any:
+  """The value bound to `key` (macros unresolved); None when nothing binds it."""
+  scope, selector = key.config_key
+  try:
+    return gin.query_parameter(f"{scope}/{selector}.{key.arg_name}" if scope
+                               else f"{selector}.{key.arg_name}")
+  except ValueError:
+    return None
+
+
+def _macro_value(name: str) -> Any:
+  """The value macro `name` (scoped: 'scope/NAME') is bound to, references unresolved; None
+  when it is not defined."""
+  try:
+    return gin.query_parameter(f"{name}/{_MACRO}.value")
+  except ValueError:
+    return None
 
 
 def _import_error(error: ImportError) -> ValueError:
@@ -420,7 +414,7 @@ def _macro_name(statement: config_parser.BindingStatement) -> str:
 def _file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
   """The statements of gin file `name` and (in place) of its includes, with their file."""
   # Found as gin finds them: in the search paths it was given, in order.
-  search_paths = gin.config._LOCATION_PREFIXES  # pylint: disable=protected-access
+  search_paths = _gin_state().search_paths
   prefixes = [""] if os.path.isabs(name) else search_paths
   path = next((p for p in (os.path.join(prefix, name) for prefix in prefixes)
                if os.path.isfile(p)), None)
@@ -447,9 +441,39 @@ def _display_path(path: str) -> str:
   return path
 
 
+class _GinState(NamedTuple):
+  """What gin holds that its public API cannot list (see `_gin_state`)."""
+  # Every binding: {(scope, selector): {parameter: value}}, values as parsed (references and
+  # macros unresolved).
+  config: Mapping[tuple[str, str], Mapping[str, Any]]
+  # The registered configurables (a gin SelectorMap: `items()`, `matching_selectors(partial)`,
+  # `minimal_selector(complete)`, `get(complete)` of a `gin.config.Configurable`).
+  registry: Any
+  # Where gin looks for a gin file, in order ('' first: as given).
+  search_paths: Sequence[str]
+
+
+def _gin_state() -> _GinState:
+  """gin's bindings, registry and file search paths, read only: the one reach into gin's
+  private module state.
+
+  Why: gin's public API answers for one named binding (`gin.query_parameter`,
+  `gin.get_bindings`) or one exact configurable (`gin.get_configurable`), and prints the whole
+  config only as text (`gin.config_str`). The checks that everything bound is read (unread
+  macros, unentered scopes, `%gin.REQUIRED` left unbound), the close-name suggestions and
+  finding the file gin read for a name need to list every binding with its references as
+  objects, every registered selector and the search paths in gin's order. Nothing here
+  changes gin's state.
+  """
+  return _GinState(
+      config=types.MappingProxyType(gin.config._CONFIG),  # pylint: disable=protected-access
+      registry=gin.config._REGISTRY,  # pylint: disable=protected-access
+      search_paths=tuple(gin.config._LOCATION_PREFIXES))  # pylint: disable=protected-access
+
+
 def _references() -> Iterator[tuple[tuple[str, str], Any]]:
   """Every configurable reference (`@name`, `%MACRO`) in the config, with the binding's key."""
-  for key, params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+  for key, params in _gin_state().config.items():
     for ref in gin.config.iterate_references(params):
       yield key, ref
 
@@ -460,7 +484,7 @@ def unreferenced_macros() -> list[str]:
   References count wherever they are: in tuples, lists and dicts, in the bindings of a
   function that another binding calls (`@fn()`), in scoped bindings, in other macros.
   """
-  config = gin.config._CONFIG  # pylint: disable=protected-access
+  config = _gin_state().config
   referenced = set()
   for (scope, selector), ref in _references():
     name = ref.config_key[0]
@@ -479,7 +503,7 @@ def _is_export(name: str) -> bool:
   build the object from the configurable's own bindings instead (`jaxmoral compile` builds
   `partitioning.PjitPartitioner` itself), and those bindings are checked on their own.
   """
-  value = gin.config._CONFIG[(name, _MACRO)].get("value")  # pylint: disable=protected-access
+  value = _macro_value(name)
   return (isinstance(value, gin.config.ConfigurableReference)
           and value.configurable.selector not in (_MACRO, "gin.constant"))
 
@@ -492,7 +516,7 @@ def _unentered_scopes() -> list[tuple[str, str, str, str]]:
   """
   entered = {part for _, ref in _references() for part in ref.scopes}
   unread = []
-  for (scope, selector), params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+  for (scope, selector), params in _gin_state().config.items():
     if selector == _MACRO or not scope:
       continue
     missing = [part for part in scope.split("/") if part not in entered]
@@ -502,14 +526,14 @@ def _unentered_scopes() -> list[tuple[str, str, str, str]]:
 
 def _minimal_selector(selector: str) -> str:
   try:
-    return gin.config._REGISTRY.minimal_selector(selector)  # pylint: disable=protected-access
+    return _gin_state().registry.minimal_selector(selector)
   except (KeyError, ValueError):
     return selector
 
 
 def _parameters(complete_selector: str) -> list[str]:
   """The keyword parameters of a registered configurable (empty if it has no signature)."""
-  configurable = gin.config._REGISTRY.get(complete_selector)  # pylint: disable=protected-access
+  configurable = _gin_state().registry.get(complete_selector)
   try:
     signature = inspect.signature(configurable.wrapped)
   except (AttributeError, TypeError, ValueError):
@@ -536,7 +560,7 @@ def _suggest(names: Sequence[str]) -> str:
 
 def _macros() -> list[str]:
   """Every macro of the parsed config."""
-  config = gin.config._CONFIG  # pylint: disable=protected-access
+  config = _gin_state().config
   return [scope for scope, selector in config if selector == _MACRO]
 
 
@@ -558,7 +582,7 @@ def check_everything_is_read(sources: _BindingSources | None = None, *,
   Raises:
     ValueError: One line naming each unread macro or scope, where it is set, and close names.
   """
-  config = gin.config._CONFIG  # pylint: disable=protected-access
+  config = _gin_state().config
   problems = []
   unread = unreferenced_macros()
   if unread:
@@ -610,7 +634,7 @@ def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> Va
   unknown = _UNKNOWN_CONFIGURABLE.match(message)
   if unknown_param:
     selector, param = unknown_param.group("selector", "param")
-    complete = gin.config._REGISTRY.get_match(selector)  # pylint: disable=protected-access
+    complete = _gin_state().registry.get_match(selector)
     names = _parameters(complete.selector) if complete else []
     close = [f"{selector}.{name}" for name in _close(param, names)]
     return ValueError(f"gin: {selector} has no parameter {param!r}{where}"
@@ -620,7 +644,7 @@ def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> Va
     depth = selector.count(".") + 1
     # Compared with the registered names cut to as many dotted parts as the one given.
     suffixes = [".".join(complete.split(".")[-depth:])
-                for complete, _ in gin.config._REGISTRY.items()]  # pylint: disable=protected-access
+                for complete, _ in _gin_state().registry.items()]
     return ValueError(f"gin: no configurable {selector!r} is registered (misspelt, or its "
                       f"module not imported){where}{_suggest(_close(selector, suffixes))}")
   return ValueError(f"gin: {' '.join(message.split())}{where}")
@@ -639,7 +663,7 @@ def unbound_required() -> list[str]:
   before calling anything and names what is missing.
   """
   missing = []
-  for (scope, selector), params in gin.config._CONFIG.items():  # pylint: disable=protected-access
+  for (scope, selector), params in _gin_state().config.items():
     for param, value in params.items():
       if _is_required(value):
         missing.append(scope if selector == "gin.macro" else f"{selector}.{param}")
@@ -671,92 +695,6 @@ def explain_gin_error(error: BaseException) -> str:
   return text
 
 
-def _docstring_args(doc: str) -> dict[str, str]:
-  """`{name: description}` of a Google-style docstring's Args section."""
-  described: dict[str, str] = {}
-  lines = iter(doc.splitlines())
-  for line in lines:
-    if line.strip() in ("Args:", "Arguments:"):
-      break
-  base, name = None, None
-  for line in lines:
-    if not line.strip():
-      continue
-    indent = len(line) - len(line.lstrip())
-    if indent == 0:  # The next section (Returns:, Raises:).
-      break
-    match = re.match(r"(\*{0,2}\w+)(?: \([^)]*\))?:\s*(.*)", line.strip())
-    if match and (base is None or indent == base):
-      base, name = indent, match.group(1)
-      described[name] = match.group(2)
-    elif name is not None:
-      described[name] += " " + line.strip()
-  return described
-
-
-# Parameters no --NAME=VALUE flag can give (a function or a stream: tests and notebooks).
-_NOT_FLAGS = re.compile(r"\b(Callable|TextIO|IO)\b")
-
-
-def function_usage(module: str, function: str, *, prog: str, gin_only: bool = False) -> str:
-  """The usage of a gin-bound function whose `--NAME=VALUE` flags bind its parameters.
-
-  Read from the module's source (its signature and Google-style docstring), not by importing
-  it: `jaxmoral <method> <action> --help` must not wait for JAX.
-
-  Args:
-    module: The function's module, e.g. "jaxmoral.diamante.chat".
-    function: The function's name in it.
-    prog: The command line shown, e.g. "jaxmoral diamante chat".
-    gin_only: The command takes gin flags only: parameters are shown as
-      `--gin.<function>.NAME=VALUE`.
-
-  Returns:
-    Text for the terminal: usage line, summary, and each flag with its type, default and
-    description.
-  """
-  spec = importlib.util.find_spec(module)
-  if spec is None or not spec.origin:
-    raise ValueError(f"no module {module!r}")
-  tree = ast.parse(pathlib.Path(spec.origin).read_text(encoding="utf-8"))
-  node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-               and n.name == function), None)
-  if node is None:
-    raise ValueError(f"{module} has no function {function!r}")
-  doc = ast.get_docstring(node) or ""
-  described = _docstring_args(doc)
-  args = node.args
-  positional = args.posonlyargs + args.args
-  defaults = [None] * (len(positional) - len(args.defaults)) + list(args.defaults)
-  params = list(zip(positional, defaults)) + list(zip(args.kwonlyargs, args.kw_defaults))
-  width = 78
-  short = f"{module.rsplit('.', 1)[-1]}.{function}"
-  flag = f"--gin.{short}." if gin_only else "--"
-  text = [f"usage: {prog} {'--gin_file=F ' if gin_only else ''}[{flag}NAME=VALUE ...] "
-          f"[gin flags]", ""]
-  summary = doc.split("\n\n")[0].strip()
-  if summary:
-    text += [textwrap.fill(" ".join(summary.split()), width), ""]
-  if gin_only:
-    intro = (f"parameters (bound in a gin file or by {flag}NAME=VALUE; other gin flags work "
-             f"as for every command):")
-  else:
-    intro = (f"flags (--NAME=VALUE binds {module}.{function}.NAME, a bare word as a string; "
-             f"gin files and --gin.NAME=VALUE work as for every command):")
-  text.append(textwrap.fill(intro, width))
-  for arg, default in params:
-    annotation = ast.unparse(arg.annotation) if arg.annotation else ""
-    if arg.arg == "self" or _NOT_FLAGS.search(annotation):
-      continue
-    state = "required" if default is None else f"default {ast.unparse(default)}"
-    head = f"  {flag}{arg.arg}=VALUE  ({annotation + '; ' if annotation else ''}{state})"
-    text.append(head)
-    if described.get(arg.arg):
-      text.append(textwrap.fill(described[arg.arg], width, initial_indent=" " * 6,
-                                subsequent_indent=" " * 6))
-  return "\n".join(text)
-
-
 def bound_value(selector: str, param: str) -> Any:
   """The value gin binds to `param` of configurable `selector`, macros followed.
 
@@ -779,66 +717,8 @@ def bound_value(selector: str, param: str) -> Any:
     if not (isinstance(value, gin.config.ConfigurableReference)
             and value.configurable.selector == _MACRO):
       break
-    value = gin.config._CONFIG.get(value.config_key, {}).get("value")  # pylint: disable=protected-access
+    value = _macro_value(value.config_key[0])
   return value
-
-
-def _raise_as(error: OSError, path: str) -> None:
-  """Raises `error`'s kind (PermissionError, ...) naming `path`, what the user gave."""
-  raise OSError(error.errno, error.strerror, path) from None
-
-
-def check_writable(path: str | os.PathLike[str], *, directory: bool = False) -> None:
-  """Raises the OSError that writing `path` would meet, before any work is done.
-
-  `eval` or `npov detect` would otherwise compute everything and then lose it to a read-only
-  disk or a mistyped folder. Nothing is created: a missing path needs its nearest existing
-  ancestor to be a directory that accepts a new file (probed with a temporary file, so a
-  read-only file system, permissions and quotas all count, for root too).
-
-  Args:
-    path: The file (or, with `directory`, the folder) a command will write; a URL
-      (`gs://...`) is left to its client.
-    directory: `path` is a folder the command writes files into.
-
-  Raises:
-    OSError: `errno`, `strerror` and `filename` (= `path`) of what writing would raise:
-      PermissionError (also a read-only file system), IsADirectoryError,
-      NotADirectoryError...
-  """
-  shown = os.fspath(path)
-  if "://" in shown:
-    return
-  target = pathlib.Path(shown)
-  if target.is_symlink() and not target.exists():
-    raise ValueError(f"{shown} is a symbolic link to {os.readlink(shown)}, which does not "
-                     "exist; create the target or give another path")
-  if target.exists():
-    if directory != target.is_dir():
-      code = errno.ENOTDIR if directory else errno.EISDIR
-      raise OSError(code, os.strerror(code), shown)
-    if directory:
-      _probe_directory(target, shown)
-    elif target.is_file():  # Opened for writing, not truncated; a device or FIFO is left be.
-      try:
-        os.close(os.open(target, os.O_WRONLY))
-      except OSError as error:
-        _raise_as(error, shown)
-    return
-  ancestor = target.absolute().parent
-  while not ancestor.exists() and ancestor != ancestor.parent:
-    ancestor = ancestor.parent
-  if not ancestor.is_dir():
-    raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), shown)
-  _probe_directory(ancestor, shown)
-
-
-def _probe_directory(directory: pathlib.Path, shown: str) -> None:
-  try:
-    with tempfile.TemporaryFile(dir=directory):
-      pass
-  except OSError as error:
-    _raise_as(error, shown)
 
 
 class _Written:
@@ -866,7 +746,7 @@ def _complete(selector: str) -> str:
   'jaxmoral.runs.train_run') when it names one configurable; else as written (a module this
   process has not imported). A scope prefix ('ppo/...') is kept."""
   scope, _, name = selector.rpartition("/")
-  matches = gin.config._REGISTRY.matching_selectors(name)  # pylint: disable=protected-access
+  matches = _gin_state().registry.matching_selectors(name)
   complete = matches[0] if len(matches) == 1 else name
   return f"{scope}/{complete}" if scope else complete
 

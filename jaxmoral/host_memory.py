@@ -17,8 +17,8 @@ The heap takes some calls to settle: XLA's aligned requests are a little larger 
 the previous call freed, and small allocations land between freed blocks, so the first calls
 (tens of them, for one large temporary) still grow the heap until freed neighbours have merged.
 The price is that the process keeps its peak heap until it exits, as a T5X trainer does anyway.
-Arena limits only affect threads that have not allocated yet, so this runs when `jaxmoral` is
-imported, before the backend starts its threads.
+Arena limits only affect threads that have not allocated yet, so `jaxmoral.runtime.configure()`
+(which the CLI calls first thing) runs this before the backend starts its threads.
 
 `JAXMORAL_HOST_MALLOC` chooses: `auto` (the default: on where JAX computes on the CPU, i.e.
 `JAX_PLATFORMS=cpu` or no GPU/TPU device node on the host; one arena would serialise the

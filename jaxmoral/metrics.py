@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import validation
+
 # -- ROC ------------------------------------------------------------------------------------
 
 
@@ -146,8 +148,7 @@ def ranking_metrics(scores_per_query: Sequence[Any],
 
 def distinct_n(texts: Iterable[str], n: int) -> float:
   """Distinct-n: unique n-grams / all n-grams over the corpus (whitespace tokens; 0 if none)."""
-  if not isinstance(n, int) or n < 1:
-    raise ValueError(f"distinct_n: n must be a positive int, got {n!r}")
+  validation.positive_int(n, "distinct_n: n")
   total = 0
   unique: set[tuple[str, ...]] = set()
   for text in texts:

@@ -40,14 +40,19 @@ import re
 from typing import Any, Mapping, Optional
 
 import flax
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
 from jaxmoral import checkpoints
+from jaxmoral import decoding
 from jaxmoral import fileio
+from jaxmoral import partitioning
+from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import hf_import
+from jaxmoral.models import t5
 from jaxmoral.models import t5x_import
 from jaxmoral.models.config import T5Config
 
@@ -91,7 +96,6 @@ def vocabulary_path(directory: str | os.PathLike) -> Optional[pathlib.Path]:
 
 
 def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   extra = spm.parent / EXTRA_IDS_FILE
   if extra.is_file():
     return int(extra.read_text())
@@ -106,7 +110,6 @@ def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
 
 def vocabulary_from_file(path: str | os.PathLike) -> Any:
   """The seqio vocabulary of a SentencePiece `.model` file (extra ids read beside it)."""
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   path = fileio.path(path)
   return vocab_lib.get_vocabulary(fileio.local_copy(path),
                                   extra_ids=_extra_ids(path.parent, path))
@@ -118,7 +121,6 @@ def load_vocabulary(directory: str | os.PathLike) -> Any:
   spm = vocabulary_path(directory)
   if spm is None:
     return None
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   return vocab_lib.get_vocabulary(fileio.local_copy(spm), extra_ids=_extra_ids(directory, spm))
 
 
@@ -427,7 +429,6 @@ class LoadedModel:
 
   def module(self) -> Any:
     """The linen T5 these parameters belong to."""
-    from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
     return t5.T5(self.config, with_scalar_head=self.has_scalar_head)
 
 
@@ -440,7 +441,6 @@ def param_shardings(config: T5Config, partitioner: Any, *,
 @functools.lru_cache(maxsize=32)
 def _param_shardings(config: T5Config, partitioner: Any, with_scalar_head: bool) -> PyTree:
   # Cached: the jitted functions of a loaded model take it as their parameters' in_shardings.
-  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
   model = t5.T5(config, with_scalar_head=with_scalar_head)
   with partitioner.context():
     boxed = jax.eval_shape(lambda rng: t5.init_params(model, rng),
@@ -455,8 +455,15 @@ def decode_weights(model: Any, params: PyTree, partitioner: Any = None) -> Any:
   CPU kernels or XLA's stacks); a model sharded over a larger mesh stacks XLA's kernels inside
   each call rather than keep a second copy of its decoder weights.
   """
-  from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
   if partitioner is not None and partitioner.mesh.size > 1:
+    try:  # A backend named in gin is used, or refused: never accepted and ignored.
+      named = gin.query_parameter("decoding.prepare_decode_weights.backend")
+    except ValueError:
+      named = "auto"
+    if named not in ("auto", "xla"):
+      decoding.get_backend(named)  # An unknown name is the same error as on one device.
+      raise ValueError(f"decoding backend {named!r} prepares weights on one device; this model "
+                       f"is sharded over {partitioner.mesh.size} devices (use 'auto' or 'xla')")
     return None
   return decoding.prepare_decode_weights(model, params, partitioner=partitioner)
 
@@ -570,7 +577,6 @@ def load_on_mesh(source: str | os.PathLike, *, partitioner: Any = None,
     partitioner: The mesh and logical-axis rules (None: the default).
     **kwargs: `load`'s other arguments (step, dtype, config, vocabulary, ...).
   """
-  from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
   return load(source, partitioner=partitioning.inference_partitioner(partitioner), **kwargs)
 
 

@@ -34,6 +34,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoral import software
+from jaxmoral import validation
 
 PyTree = Any
 LogicalRules = Sequence[tuple[str, Optional[str | tuple[str, ...]]]]
@@ -139,10 +140,8 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
       raise ValueError(f"get_mesh: num_partitions={num_partitions} disagrees with "
                        f"model_parallel_submesh={submesh} (product {math.prod(submesh)})")
     num_partitions = math.prod(submesh)
-  if not isinstance(num_partitions, int) or num_partitions <= 0:
-    raise ValueError(f"get_mesh: num_partitions must be a positive int, got {num_partitions!r}")
-  if not isinstance(num_slices, int) or num_slices <= 0:
-    raise ValueError(f"get_mesh: num_slices must be a positive int, got {num_slices!r}")
+  validation.positive_int(num_partitions, "get_mesh: num_partitions")
+  validation.positive_int(num_slices, "get_mesh: num_slices")
   if len(devices) % (num_partitions * num_slices):
     raise ValueError(f"get_mesh: {len(devices)} devices cannot be split into num_slices="
                      f"{num_slices} x num_partitions={num_partitions}")
@@ -519,3 +518,22 @@ def processes_that_differ(text: str) -> list[int]:
   everywhere = np.asarray(multihost_utils.process_allgather(digest))
   everywhere = everywhere.reshape(jax.process_count(), -1)
   return [i for i in range(1, len(everywhere)) if not np.array_equal(everywhere[i], everywhere[0])]
+
+
+def check_same_config_on_every_process() -> None:
+  """Refuses a multi-process job whose processes parsed different gin configurations.
+
+  Their programs would differ (a learning rate, a step count), and collectives between
+  different programs hang or compute nonsense without an error. Compared before relative
+  paths are resolved, which may legitimately differ from host to host. A no-op for one process.
+
+  Raises:
+    ValueError: Naming the processes that differ from process 0.
+  """
+  if not jax.distributed.is_initialized():
+    return
+  differing = processes_that_differ(gin.config_str())
+  if differing:
+    raise ValueError(f"gin: process {', '.join(map(str, differing))} of {jax.process_count()} "
+                     "parsed another configuration than process 0 (gin files, bindings or "
+                     "flags): every process of a job must be started with the same ones")

@@ -33,8 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import checkpoints
 from jaxmoral import losses
+from jaxmoral import optimizers
 from jaxmoral import train as train_lib
+from jaxmoral import validation
 from jaxmoral.models import trainable
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
@@ -70,8 +73,7 @@ class PromptConfig:
   uniform_scale: float = 0.5
 
   def __post_init__(self):
-    if not isinstance(self.length, int) or self.length <= 0:
-      raise ValueError(f"PromptConfig.length must be a positive int, got {self.length!r}")
+    validation.positive_int(self.length, "PromptConfig.length")
     if self.init not in ("vocab_sample", "words", "uniform"):
       raise ValueError(f"PromptConfig.init: unknown {self.init!r}; use vocab_sample, words, "
                        "uniform")
@@ -211,7 +213,6 @@ def save_prompt(prompt: Any, directory: str | os.PathLike, *,
   with open(os.path.join(directory, META_FILE), "w", encoding="utf-8") as f:
     json.dump(meta, f, indent=2, sort_keys=True)
   if orbax:
-    from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
     checkpoints.export_params({"prompt": array}, os.path.join(directory, "orbax"))
   return directory
 
@@ -243,7 +244,6 @@ def load_prompt(directory: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any
   if os.path.exists(npy):
     prompt = np.load(npy)
   elif os.path.isdir(os.path.join(directory, "orbax")):
-    from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
     prompt = np.asarray(checkpoints.load_params(os.path.join(directory, "orbax"))["prompt"])
   else:
     raise FileNotFoundError(f"load_prompt: no {PROMPT_FILE} or orbax/ in {directory}")
@@ -331,7 +331,6 @@ def paper_optimizer(*, train_steps: int, learning_rate: float = 0.1,
   """The papers' prompt-tuning optimizer (as gin/optimizers/prompt_tuning.gin binds it):
   Adafactor, `learning_rate` after a linear warm-up (capped below `train_steps` for short
   runs), then linear decay to 0 at `train_steps`."""
-  from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
   warmup = min(warmup_steps, max(train_steps - 1, 1))
   schedule = optimizers.make_schedule(name="warmup_linear_decay", base_learning_rate=learning_rate,
                                       warmup_steps=warmup, total_steps=max(train_steps, warmup + 1))

@@ -2,7 +2,7 @@
 
 `train_run` is the one training entry point of every supervised method (T5X's `train`): gin
 injects what is trained (`model`: a `jaxmoral.models.trainable.TrainableModel` such as
-`Seq2SeqModel`, `diamante.model.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
+`Seq2SeqModel`, `diamante.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
 data it reads (`data`: a `DataSpec` such as `Seq2SeqData` or `diamante.data.DialogueData`), so
 every method gets `init_checkpoint`, resume, run files and per-host data sharding from here.
 
@@ -34,6 +34,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import gin
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 import optax
@@ -76,6 +77,22 @@ class DataSpec(Protocol):
   def resumed(self, saved: Mapping[str, Any]) -> "DataSpec":
     """This data as a resumed run reads it, given the run's saved `settings()` ({} when it
     saved none): what fixes a run's examples (its held-out split) stays the run's own."""
+
+
+def seq2seq_batch_shapes(*, batch_size: int, feature_lengths: Mapping[str, int],
+                         pack: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """Global batch shapes and dtypes of the T5X seq2seq features."""
+  for key in ("inputs", "targets"):
+    if key not in feature_lengths:
+      raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
+  enc = (batch_size, int(feature_lengths["inputs"]))
+  dec = (batch_size, int(feature_lengths["targets"]))
+  names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+           "decoder_target_tokens": dec, "decoder_loss_weights": dec}
+  if pack:
+    names.update({"encoder_segment_ids": enc, "encoder_positions": enc,
+                  "decoder_segment_ids": dec, "decoder_positions": dec})
+  return {k: (v, jnp.int32) for k, v in names.items()}
 
 
 @gin.configurable
@@ -206,9 +223,8 @@ class Seq2SeqData:
   def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, tuple[tuple[int, ...], Any]]:
     """Global batch shapes (for `jaxmoral compile`)."""
-    from jaxmoral import aot  # pylint: disable=g-import-not-at-top
-    return aot.seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
-                                    pack=self.pack)
+    return seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
+                                pack=self.pack)
 
   def settings(self) -> dict[str, Any]:
     return {"kind": "seq2seq", **({"heldout": self.heldout} if self._splits_file else {})}
@@ -329,7 +345,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                        eval_every=eval_every, eval_steps=eval_steps,
                        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                        log_every=log_every)
-  gin_utils.check_writable(model_dir, directory=True)
+  fileio.check_writable(model_dir, directory=True)
   partitioner = partitioner or partitioning.PjitPartitioner()
   if fileio.is_url(model_dir):
     checkpoints.make_run_dir(model_dir)  # Bucket, credentials, endpoint: checked first.
@@ -426,7 +442,7 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   """
   out_path = fileio.path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
   if fileio.isdir(model_dir):  # A missing model dir: model_dirs.load says so.
-    gin_utils.check_writable(out_path)
+    fileio.check_writable(out_path)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
   partitioner = loaded.partitioner
   model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
@@ -531,7 +547,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
                        f"--gin.{macro}=PATH (input: plain text, one input a line, or JSONL; "
                        f"output: JSONL)")
   texts = _read_infer_inputs(input_file, input_field)
-  gin_utils.check_writable(output_file)
+  fileio.check_writable(output_file)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
   partitioner = loaded.partitioner
   model, vocabulary = t5.T5(loaded.config), loaded.vocabulary
@@ -599,7 +615,7 @@ def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
                overwrite: bool = False,
                partitioner: Optional[partitioning.PjitPartitioner] = None) -> str:
   """`jaxmoral export`: see `model_dirs.export_model` (its output checked writable first)."""
-  gin_utils.check_writable(output_dir, directory=True)
+  fileio.check_writable(output_dir, directory=True)
   return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
                                  output_format=output_format, overwrite=overwrite,
                                  partitioner=partitioner)

@@ -8,7 +8,7 @@ back from YNNPACK; the same program then matches per-token `jax.grad` to 1e-7
 (tests/test_npov_salience.py holds that case). Dots and element-wise fusions keep YNNPACK.
 
 `XLA_FLAGS` is read once, when the first computation starts the backend, so the flag is added
-when `jaxmoral` is imported. A user who sets `xla_cpu_experimental_ynn_fusion_type` in
+by `jaxmoral.runtime.configure()` (the CLI calls it first thing). A user who sets `xla_cpu_experimental_ynn_fusion_type` in
 `XLA_FLAGS` keeps their value.
 """
 
@@ -44,7 +44,8 @@ def apply_workarounds(environ: MutableMapping[str, str] = os.environ) -> bool:
     return False
   environ["XLA_FLAGS"] = f"{flags} {YNN_REDUCE_WORKAROUND}".strip()
   if environ is os.environ and _backend_started():
-    logging.warning("jaxmoral was imported after JAX started its backend, so %s cannot take "
-                    "effect in this process; import jaxmoral first (some XLA:CPU reductions "
-                    "may compute wrong values without it)", YNN_REDUCE_WORKAROUND)
+    logging.warning("jaxmoral.runtime.configure() ran after JAX started its backend, so %s "
+                    "cannot take effect in this process; call it before the first JAX "
+                    "computation (some XLA:CPU reductions may compute wrong values without "
+                    "it)", YNN_REDUCE_WORKAROUND)
   return True

@@ -48,6 +48,12 @@ from typing import Any, Optional  # noqa: E402
 
 import pytest  # noqa: E402
 
+from jaxmoral import runtime  # noqa: E402
+
+# The suite runs jaxmoral's programs as the CLI does (XLA:CPU workaround, malloc settings);
+# the processes it starts inherit the flags.
+runtime.configure()
+
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
 
 

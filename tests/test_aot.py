@@ -16,6 +16,7 @@ import pytest
 from jaxmoral import aot
 from jaxmoral import cli
 from jaxmoral import gin_utils
+from jaxmoral import runs
 
 # The tiny seq2seq config on a 4 x 2 (data x model) mesh, small batch: compiles in seconds.
 TINY = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.BATCH_SIZE=8",
@@ -79,14 +80,14 @@ def test_cpu_report_fields(cpu_run):
 def test_cpu_argument_bytes_match_shard_shapes(cpu_run):
   # The compiled step's arguments are the sharded state + batch + rng: recompute their
   # per-device bytes from the shardings alone.
-  from jaxmoral import partitioning, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
   _, report = cpu_run
   _parse()
   model = copy.deepcopy(gin.query_parameter("runs.train_run.model"))
   optimizer = copy.deepcopy(gin.query_parameter("runs.train_run.optimizer"))
   partitioner = partitioning.PjitPartitioner(num_partitions=2, devices=jax.devices()[:8])
   trainer = runs.make_trainer(model=model, optimizer=optimizer, partitioner=partitioner)
-  shapes = aot.seq2seq_batch_shapes(batch_size=8, feature_lengths={"inputs": 16, "targets": 8})
+  shapes = runs.seq2seq_batch_shapes(batch_size=8, feature_lengths={"inputs": 16, "targets": 8})
   batch = {k: jax.ShapeDtypeStruct(v[0], np.int32, sharding=partitioner.data_sharding(2))
            for k, v in shapes.items()}
   rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=partitioner.replicated)
@@ -268,16 +269,16 @@ def test_diamante_config_compiles_through_the_train_run_target():
 
 
 def test_cpu_only_weight_gradient_form_is_off_for_a_tpu_topology():
-  """The model's CPU backward form (`t5._cpu_rows_matmul`) follows the traced program's
+  """The model's CPU backward form (`ops.cpu_rows_matmul`) follows the traced program's
   devices, not the host's: off under a TPU topology's mesh compiled from this CPU host."""
-  from jaxmoral.models import t5  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import ops  # pylint: disable=g-import-not-at-top
   topo = _tpu_topology_or_skip()
   tpu_mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "model"))
   cpu_mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
   with jax.set_mesh(tpu_mesh):
-    assert not t5._tracing_for_cpu()
+    assert not ops.tracing_for_cpu()
   with jax.set_mesh(cpu_mesh):
-    assert t5._tracing_for_cpu()
+    assert ops.tracing_for_cpu()
 
 
 def test_ctrl_c_stops_a_long_compile_at_once():

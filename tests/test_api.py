@@ -1,4 +1,4 @@
-"""models/api.py: the notebook `Model`, checked against torch (same weights) and decoding.py."""
+"""api.py: the notebook `Model`, checked against torch (same weights) and decoding.py."""
 
 from __future__ import annotations
 

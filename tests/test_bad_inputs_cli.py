@@ -205,7 +205,8 @@ def test_chat_skips_input_that_is_not_utf8(method, tmp_path, demo_vocab_path, mo
     # The model is not what is tested: a reply made after the real SentencePiece encoding
     # (which failed on the bad line).
     vocabulary = vocab_lib.get_vocabulary(demo_vocab_path)
-    monkeypatch.setattr(bundle_lib, "load", lambda _: types.SimpleNamespace(vocab=vocabulary))
+    monkeypatch.setattr(bundle_lib, "load",
+                        lambda _, **kwargs: types.SimpleNamespace(vocab=vocabulary))
 
     def respond(bundle, contexts, **kwargs):
       del kwargs
@@ -220,8 +221,10 @@ def test_chat_skips_input_that_is_not_utf8(method, tmp_path, demo_vocab_path, mo
     from jaxmoral.clarify import chat  # pylint: disable=g-import-not-at-top
     monkeypatch.setattr(chat, "_session", lambda **kwargs: _FakeClarifySession())
     _stdin(monkeypatch, b"lying\n\xc3\x28 bad\nto a friend\n\n")
-    argv = ["clarify", "chat", "--question_model_dir=q", "--fusion_model_dir=f",
-            "--judge_model_dir=j", f"--transcript_path={transcript}"]
+    # Folders that exist: input paths are checked before any model loads.
+    argv = ["clarify", "chat", f"--question_model_dir={tmp_path}",
+            f"--fusion_model_dir={tmp_path}", f"--judge_model_dir={tmp_path}",
+            f"--transcript_path={transcript}"]
   assert cli.main(argv) == 0
   assert "input is not valid UTF-8; skipped" in capsys.readouterr().err
   records = [json.loads(line) for line in transcript.read_text().splitlines()]

@@ -68,7 +68,7 @@ Case = Callable[[pathlib.Path], tuple[Callable[[], Any], type, list[str]]]
 
 # -- item 8: unknown fields -------------------------------------------------------------------
 def npov_pros(tmp: pathlib.Path):
-  # What `npov detect` reads first (detect.detect_file -> task.read_examples).
+  # What `npov detect` reads first (actions.detect_file -> task.read_examples).
   p = _jsonl(tmp / "responses.jsonl", _npov_example(),
              {**{k: v for k, v in _npov_example().items() if k != "pro"}, "pros": ["x"]})
   return (lambda: task.read_examples(p, require_response=True), readers.DataError,

@@ -161,7 +161,7 @@ def test_evaluate_checks_its_output_before_loading_a_model(monkeypatch, tmp_path
 def test_configs_give_chat_the_judge_classes_they_train(config):
   # With Diamante's `chat` module loaded too, as in a process that runs both methods: the
   # configs' selectors must name ClarifyDelphi's functions without ambiguity.
-  import jaxmoral.diamante.chat  # pylint: disable=g-import-not-at-top,unused-import
+  import jaxmoral.diamante.chat  # noqa: F401  (loaded for its gin names)
   gin_utils.parse_gin(gin_utils.GinArgs(files=(f"configs/clarify/{config}.gin",)))
   trained = gin.query_parameter("training.train_clarify_model.judge_classes")
   for function in ("clarify.chat.chat", "clarify.chat.chat_from_file"):

@@ -253,7 +253,7 @@ def test_method_help_lists_the_actions_of_its_table(method, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["npov", "detect", "--output_path=o.jsonl"],
      "jaxmoral npov: error: detect: --input_path is required (or bind "
-     "jaxmoral.npov.detect.detect_file.input_path in gin)"),
+     "jaxmoral.npov.actions.detect_file.input_path in gin)"),
     (["clarify", "train-model", "--which=judge", "--model_dir=/tmp/unused", "--steps=3"],
      "jaxmoral clarify: error: train-model: unknown flag --steps; close: --train_steps (see "
      "`jaxmoral clarify train-model --help`)"),

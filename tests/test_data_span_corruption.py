@@ -14,6 +14,7 @@ import tensorflow as tf
 from jaxmoral.data import pretraining_corpus
 from jaxmoral.data import span_corruption as sc
 from jaxmoral.data import vocab as vocab_lib
+from jaxmoral.npov import knowledge_base  # noqa: F401  (registers the perspectrum source)
 
 EXTRA_IDS = 100
 

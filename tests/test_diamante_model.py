@@ -8,7 +8,7 @@ import pytest
 from jaxmoral import checkpoints, optimizers, partitioning, runs
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data, toy
-from jaxmoral.diamante import model as diamante_model
+from jaxmoral.diamante import diamante_model
 from jaxmoral.models.config import t5_config
 
 CONFIG = t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)

@@ -117,7 +117,7 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   from jaxmoral.diamante import data as diamante_data  # pylint: disable=import-outside-toplevel
   from jaxmoral.models import config as config_lib  # pylint: disable=import-outside-toplevel
   from jaxmoral.models import t5  # pylint: disable=import-outside-toplevel
-  from jaxmoral.npov import detect  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import actions  # pylint: disable=import-outside-toplevel
   from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
   from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
 
@@ -139,13 +139,13 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   detect_dir.mkdir(parents=True, exist_ok=True)
   examples = _npov_examples()
   task.write_examples(examples, detect_dir / "responses.jsonl")
-  detect.detect_file(input_path=str(detect_dir / "responses.jsonl"),
-                     output_path=str(detect_dir / "scores_rouge.jsonl"), detector="rouge",
-                     roc_dir=str(detect_dir))
+  actions.detect_file(input_path=str(detect_dir / "responses.jsonl"),
+                      output_path=str(detect_dir / "scores_rouge.jsonl"), detector="rouge",
+                      roc_dir=str(detect_dir))
   # The salience detector over the random model, with its heatmaps, as `make demo` runs it.
-  detect.detect_file(input_path=str(detect_dir / "responses.jsonl"),
-                     output_path=str(detect_dir / "scores.jsonl"), detector="salience",
-                     base_dir=str(model_dir), heatmap_dir=str(detect_dir / "heatmaps"))
+  actions.detect_file(input_path=str(detect_dir / "responses.jsonl"),
+                      output_path=str(detect_dir / "scores.jsonl"), detector="salience",
+                      base_dir=str(model_dir), heatmap_dir=str(detect_dir / "heatmaps"))
   classifier = {e.id: base.Detection(hallucination=0.1 + 0.15 * i, coverage=0.8 - 0.1 * i)
                 for i, e in enumerate(examples)}
   with open(detect_dir / "scores_classifier.jsonl", "w", encoding="utf-8") as f:

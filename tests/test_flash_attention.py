@@ -10,6 +10,7 @@ import pytest
 
 from jaxmoral import losses
 from jaxmoral.models import flash_attention as fa
+from jaxmoral.models import ops
 from jaxmoral.models import t5
 from jaxmoral.models.config import T5Config, t5_config
 
@@ -25,7 +26,7 @@ def _einsum_attention(query, key, value, bias, query_ids, key_ids, causal):
   if causal:
     mask = mask & (jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None])
   scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-  weights = jax.nn.softmax(scores + bias + t5._mask_to_bias(mask), axis=-1)
+  weights = jax.nn.softmax(scores + bias + ops.mask_to_bias(mask), axis=-1)
   return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
 
 
@@ -164,7 +165,8 @@ def test_tiny_t5_with_pallas_attention_matches_einsum(monkeypatch):
 
 def test_pallas_selection_and_validation(monkeypatch):
   cfg = t5_config(size="tiny", attention_impl="pallas", dtype="bfloat16")
-  assert t5.use_fused_attention(cfg, deterministic=False, query_length=7, key_length=9)
+  assert ops.ModelOps.for_config(cfg).use_fused_attention(deterministic=False, query_length=7,
+                                                          key_length=9)
   with pytest.raises(ValueError, match="dropout"):
     T5Config(attention_impl="pallas", dropout_rate=0.1)
   # Off a TPU the Mosaic kernels need interpret mode; the error says how to get it.

@@ -1,7 +1,7 @@
 """The Pallas Triton flash-attention kernels (interpret mode on CPU) against the einsum
 reference: forward and gradients of query, key, value and the batch-shared position bias (whole,
 or as the diagonals of a Toeplitz bias), with padding segment ids, lengths off the tile sizes,
-a causal mask, and attention_impl="pallas_gpu" wiring in T5Config and t5.py."""
+a causal mask, and attention_impl="pallas_gpu" wiring in T5Config and models/ops.py."""
 
 import dataclasses
 
@@ -12,7 +12,7 @@ import pytest
 
 from jaxmoral.models import flash_attention as fa
 from jaxmoral.models import flash_attention_gpu as fg
-from jaxmoral.models import t5
+from jaxmoral.models import ops
 from jaxmoral.models.config import T5Config, t5_config
 
 # 16-row tiles and a 32-wide dk/dv column, so the lengths below span several tiles and a
@@ -106,11 +106,12 @@ def test_batch_groups_and_block_fitting():
 
 def test_pallas_gpu_selection_and_validation(monkeypatch):
   cfg = t5_config(size="tiny", attention_impl="pallas_gpu", dtype="bfloat16")
-  assert t5.use_fused_attention(cfg, deterministic=False, query_length=7, key_length=9)
-  mask = t5._fused_mask(cfg, jnp.ones((1, 4), bool), jnp.ones((1, 4), bool), None, None)
+  model_ops = ops.ModelOps.for_config(cfg)
+  assert model_ops.use_fused_attention(deterministic=False, query_length=7, key_length=9)
+  mask = model_ops.attention_masking(jnp.ones((1, 4), bool), jnp.ones((1, 4), bool), None, None)
   assert mask.gpu_kernel and mask.query_ids is not None
-  assert not t5._fused_mask(cfg.replace(attention_impl="pallas"), jnp.ones((1, 4), bool),
-                            jnp.ones((1, 4), bool), None, None).gpu_kernel
+  assert not ops.ModelOps.for_config(cfg.replace(attention_impl="pallas")).attention_masking(
+      jnp.ones((1, 4), bool), jnp.ones((1, 4), bool), None, None).gpu_kernel
   with pytest.raises(ValueError, match="dropout"):
     T5Config(attention_impl="pallas_gpu", dropout_rate=0.1)
   # Off a GPU the Triton kernels need interpret mode; the error says how to get it.

@@ -75,7 +75,8 @@ def test_a_refused_setting_is_reported(caplog):
 # CI's median over calls 9-17 once still faulted). So calls 41-60 are counted; without the
 # settings every call faults, from the first.
 _FAULTS_PER_CALL = textwrap.dedent("""
-    import json, resource, sys, jaxmoral, jax, jax.numpy as jnp
+    import json, resource, sys, jaxmoral.runtime, jax, jax.numpy as jnp
+    jaxmoral.runtime.configure()
     x = jnp.ones((4096, 4096), jnp.float32)
     f = jax.jit(lambda x: jnp.tanh(x) @ x[0])
     for _ in range(int(sys.argv[1])):
@@ -90,7 +91,7 @@ _FAULTS_PER_CALL = textwrap.dedent("""
 
 
 @needs_glibc
-def test_importing_jaxmoral_stops_temporaries_faulting_in_again():
+def test_configuring_jaxmoral_stops_temporaries_faulting_in_again():
   pages = 4096 * 4096 * 4 // 4096  # the temporary, in 4 KiB pages
   faulting_calls = {}
   for choice, warm_up_calls in (("system", 2), ("reuse", 40)):

@@ -15,6 +15,7 @@ import pytest
 
 from jaxmoral import optimizers, partitioning, prompt_tuning, runs
 from jaxmoral import trainer as tr
+from jaxmoral.diamante import diamante_model
 from jaxmoral.diamante import model as dmodel
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5, trainable
@@ -69,7 +70,7 @@ def _method(name):
         t5.shift_right(jnp.asarray(batch["decoder_target_tokens"])))
     return model, batch
   if name == "diamante":  # Human responses of 9 and 2 tokens; the others of any length.
-    model = dmodel.DiamanteModel(config=CONFIG, pe_weight=1.0)
+    model = diamante_model.DiamanteModel(config=CONFIG, pe_weight=1.0)
     targets = np.stack([_tokens(rs, long_short, 10),
                         _tokens(rs, rs.randint(1, 10, ROWS), 10),
                         _tokens(rs, rs.randint(1, 10, ROWS), 10)], axis=1)

@@ -14,6 +14,7 @@ from jaxmoral import metrics
 from jaxmoral import prompt_tuning as pt
 from jaxmoral.models.config import t5_config
 from jaxmoral.models.t5 import T5, init_params
+from jaxmoral.npov import actions
 from jaxmoral.npov import detect
 from jaxmoral.npov import evaluate
 from jaxmoral.npov import task
@@ -76,8 +77,8 @@ def test_evaluate_slice_auc_matches_mann_whitney():
 def test_detect_file_rouge_round_trip(tmp_path):
   path = tmp_path / "responses.jsonl"
   task.write_examples([CLEAN, HALLUCINATION, COVERAGE], path)
-  records = detect.detect_file(input_path=str(path), output_path=str(tmp_path / "out.jsonl"),
-                               detector="rouge", roc_dir=str(tmp_path / "roc"))
+  records = actions.detect_file(input_path=str(path), output_path=str(tmp_path / "out.jsonl"),
+                                detector="rouge", roc_dir=str(tmp_path / "roc"))
   lines = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
   assert lines == records and [r["id"] for r in lines] == ["a", "h", "c"]
   expected = rouge.RougeDetector().detect(HALLUCINATION)
@@ -98,7 +99,7 @@ def test_evaluate_run_on_a_jsonl_kb(tmp_path):
               "Zoos cost taxpayers money"],
       "con": [["Zoos protect endangered species", "Endangered species survive thanks to zoos"],
               "Children learn about nature"]}) + "\n")
-  results = evaluate.run(output_dir=str(tmp_path / "eval"), kb_path=str(kb), seed=1)
+  results = actions.run(output_dir=str(tmp_path / "eval"), kb_path=str(kb), seed=1)
   assert set(results) == {"unparaphrased", "paraphrased"}
   assert (tmp_path / "eval" / "table.txt").read_text().startswith("detector")
 
@@ -233,7 +234,7 @@ def test_detect_file_names_a_bad_example(tmp_path, change, line, field, message)
   path = tmp_path / "in.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
   with pytest.raises(ValueError) as error:
-    detect.detect_file(input_path=str(path), output_path=str(tmp_path / "out.jsonl"))
+    actions.detect_file(input_path=str(path), output_path=str(tmp_path / "out.jsonl"))
   assert (error.value.line, error.value.field) == (line, field) and message in str(error.value)
 
 
@@ -241,9 +242,9 @@ def test_heatmaps_are_for_salience_and_have_a_file_per_id(tmp_path):
   path = tmp_path / "in.jsonl"
   task.write_examples([CLEAN], path)
   with pytest.raises(ValueError, match="heatmap_dir is for detector='salience'"):
-    detect.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
-                       heatmap_dir=str(tmp_path / "h"))
-  names = {detect._file_name(i) for i in ("topic 1/a", "topic 1?a", "topic_1_a", "a")}
+    actions.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
+                        heatmap_dir=str(tmp_path / "h"))
+  names = {actions._file_name(i) for i in ("topic 1/a", "topic 1?a", "topic_1_a", "a")}
   assert len(names) == 4 and "a.html" in names and "topic_1_a.html" in names
 
 
@@ -273,14 +274,14 @@ def test_detect_file_gives_the_classifier_its_two_prompt_dirs(tmp_path, monkeypa
     seen.update(name=name, **kwargs)
     return rouge.RougeDetector()
   monkeypatch.setattr(detect, "build_detector", build)
-  detect.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
-                     detector="classifier", base_dir="base", hallucination_dir="h",
-                     coverage_dir="c")
+  actions.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
+                      detector="classifier", base_dir="base", hallucination_dir="h",
+                      coverage_dir="c")
   assert seen["name"] == "classifier" and seen["base_dir"] == "base"
   assert seen["classifier_dirs"] == {"hallucination": "h", "coverage": "c"}
   # Only the one given: build_detector then names the missing error type.
-  detect.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
-                     detector="classifier", base_dir="base", coverage_dir="c")
+  actions.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
+                      detector="classifier", base_dir="base", coverage_dir="c")
   assert seen["classifier_dirs"] == {"coverage": "c"}
 
 

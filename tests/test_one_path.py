@@ -21,7 +21,7 @@ from jaxmoral import runs
 from jaxmoral.data import demo as demo_data
 from jaxmoral.data import readers
 from jaxmoral.diamante import data as diamante_data
-from jaxmoral.diamante import model as diamante_model
+from jaxmoral.diamante import diamante_model
 from jaxmoral.models import trainable
 
 STEPS = 3

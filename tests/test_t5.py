@@ -14,7 +14,6 @@ import functools
 import flax
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jax_core
 import numpy as np
 import pytest
 
@@ -24,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 from conftest import hf_logits  # noqa: E402
 from jaxmoral import cpu_kernels, losses, trainer as trainer_lib  # noqa: E402
 from jaxmoral.models import hf_import  # noqa: E402
+from jaxmoral.models import ops as ops_lib  # noqa: E402
 from jaxmoral.models import t5  # noqa: E402
 from jaxmoral.models.config import T5Config, t5_config  # noqa: E402
 
@@ -179,7 +179,7 @@ def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
   """A backend's step ops (XLA over stacked kernels; batch 1 takes the split one-row
   products; or the CPU kernels: `packed_matmul` for every product of a step,
   `decode_attention` for its attention) give the plain step's logits. The model itself
-  knows no backend: the ops are installed around the traced steps."""
+  knows no backend: the ops are an argument of each traced step."""
   from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
   if packed:
     from jaxmoral.cpu_kernels import backend as cpu_backend  # pylint: disable=g-import-not-at-top
@@ -203,10 +203,9 @@ def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
                                method=t5.T5.init_cache, mutable=["cache"])
 
     def one_step(cache, token, prepared):
-      with t5.using_decode_step_ops(ops(prepared)):
-        return model.apply({"params": params, "cache": cache}, None, mask, token, decode=True,
-                           max_decode_length=dec.shape[1], method=t5.T5.decode,
-                           mutable=["cache"])
+      return model.apply({"params": params, "cache": cache}, None, mask, token, decode=True,
+                         max_decode_length=dec.shape[1], step_ops=ops(prepared),
+                         method=t5.T5.decode, mutable=["cache"])
     step = jax.jit(one_step)
     hlo = step.lower(variables["cache"], dec[:, :1], kernels).as_text()
     for target in (cpu_kernels.MATMUL_TARGET, cpu_kernels.ATTENTION_TARGET):
@@ -218,7 +217,7 @@ def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
       out.append(logits[:, 0])
     return np.stack(out, axis=1)
 
-  plain = decode_all(lambda prepared: t5.DecodeStepOps(), False)
+  plain = decode_all(lambda prepared: ops_lib.DecodeStepOps(), False)
   with_kernels = decode_all(backend.step_ops, True)
   np.testing.assert_allclose(plain, forced, atol=1e-4, rtol=1e-4)
   np.testing.assert_allclose(with_kernels, plain, atol=1e-5, rtol=1e-5)
@@ -229,7 +228,7 @@ def test_vector_matmul_matches_numpy(kernel_shape):
   rng = np.random.default_rng(0)
   row = rng.standard_normal((1, kernel_shape[0])).astype(np.float32)
   kernel = rng.standard_normal(kernel_shape).astype(np.float32)
-  got = np.asarray(jax.jit(t5._vector_matmul)(row, kernel))
+  got = np.asarray(jax.jit(ops_lib.vector_matmul)(row, kernel))
   want = np.tensordot(row.astype(np.float64), kernel.astype(np.float64), axes=1)
   assert got.shape == want.shape
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -242,7 +241,7 @@ def test_cpu_rows_matmul_gradients_match_numpy(kernel_shape, preferred):
   rows = rng.standard_normal((6, 5)).astype(np.float32)
   kernel = rng.standard_normal(kernel_shape).astype(np.float32)
   cot = rng.standard_normal((6, *kernel_shape[1:])).astype(np.float32)
-  out, vjp = jax.vjp(lambda r, k: t5._cpu_rows_matmul(r, k, preferred), rows, kernel)
+  out, vjp = jax.vjp(lambda r, k: ops_lib.cpu_rows_matmul(r, k, preferred), rows, kernel)
   d_rows, d_kernel = vjp(jnp.asarray(cot))
   r64, k64, g64 = (a.astype(np.float64).reshape(a.shape[0], -1) for a in (rows, kernel, cot))
   np.testing.assert_allclose(np.asarray(out).reshape(6, -1), r64 @ k64, rtol=1e-5, atol=1e-5)
@@ -254,14 +253,14 @@ def test_cpu_rows_matmul_gradients_match_numpy(kernel_shape, preferred):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_loss_gradients_match_transformers_backward(variant):
   """Every parameter's gradient of the teacher-forced loss against PyTorch's backward pass
-  on the same weights (on CPU, where the dense layers take `_cpu_rows_matmul`'s backward)."""
+  on the same weights (on CPU, where the dense layers take `cpu_rows_matmul`'s backward)."""
   model, config, params = hf_model(variant)
   enc, _ = random_batch(4)
   targets = np.random.RandomState(5).randint(2, VOCAB, (3, 7)).astype(np.int32)
   batch = {"encoder_input_tokens": enc, "decoder_target_tokens": targets,
            "decoder_input_tokens": np.asarray(t5.shift_right(jnp.asarray(targets))),
            "decoder_loss_weights": np.ones_like(targets)}
-  assert t5._tracing_for_cpu()
+  assert ops_lib.tracing_for_cpu()
   loss_fn = losses.seq2seq_loss_fn(t5.T5(config), z_loss=0.0)
   loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, None)[0]))(params)
   model.zero_grad(set_to_none=True)
@@ -393,10 +392,11 @@ def _forced_fused_config(config: T5Config, **changes) -> T5Config:
   """`config` with attention_impl="cudnn" even in float32.
 
   The config refuses "cudnn" in float32 because cuDNN has no float32 kernel; these tests run
-  the fused path through JAX's reference implementation (`FUSED_ATTENTION_BACKEND="xla"`),
+  the fused path through JAX's reference implementation (`fused_attention_backend="xla"`),
   which takes float32, so that a mistake in the masks, lengths or bias shows at 1e-5.
   """
-  fused = dataclasses.replace(config, attention_impl="einsum", **changes)
+  fused = dataclasses.replace(config, attention_impl="einsum", fused_attention_backend="xla",
+                              **changes)
   object.__setattr__(fused, "attention_impl", "cudnn")
   return fused
 
@@ -414,14 +414,13 @@ def _packed_batch():
 
 
 @pytest.mark.parametrize("case", ["padding_mask", "key_lengths", "packed"])
-def test_fused_attention_path_matches_einsum(case, monkeypatch):
+def test_fused_attention_path_matches_einsum(case):
   """attention_impl="cudnn" (run by JAX's reference kernel) gives einsum's logits and grads.
 
   Covers the three ways the fused path masks: a dense padding mask, per-row key lengths
   (`right_padded_inputs`) and packed segments with the causal flag; the gradient of the
   relative-position embeddings goes through the fused kernel's bias.
   """
-  monkeypatch.setattr(t5, "FUSED_ATTENTION_BACKEND", "xla")
   _, config, params = hf_model("t5_1_1")
   if case == "packed":
     batch = _packed_batch()
@@ -460,30 +459,34 @@ def test_fused_attention_path_matches_einsum(case, monkeypatch):
   assert float(np.abs(relpos).max()) > 0  # The bias gradient is really exercised.
 
 
+def _uses_fused(config: T5Config, **call) -> bool:
+  return ops_lib.ModelOps.for_config(config).use_fused_attention(**call)
+
+
 def test_attention_impl_choice_and_validation():
   cfg = t5_config(size="tiny", dtype="bfloat16")
   # On a CPU "auto" is einsum; einsum is einsum everywhere; cudnn is cudnn.
-  assert not t5.use_fused_attention(cfg, deterministic=True, query_length=8, key_length=8)
-  assert t5.use_fused_attention(cfg.replace(attention_impl="cudnn"), deterministic=False,
-                                query_length=7, key_length=8)
-  assert not t5.use_fused_attention(cfg.replace(attention_impl="einsum"), deterministic=True,
-                                    query_length=8, key_length=8)
+  assert not _uses_fused(cfg, deterministic=True, query_length=8, key_length=8)
+  assert _uses_fused(cfg.replace(attention_impl="cudnn"), deterministic=False,
+                         query_length=7, key_length=8)
+  assert not _uses_fused(cfg.replace(attention_impl="einsum"), deterministic=True,
+                         query_length=8, key_length=8)
   with pytest.raises(ValueError, match="attention_impl"):
     T5Config(attention_impl="flash")
 
 
 def test_auto_attention_takes_cudnn_only_where_it_applies(monkeypatch):
-  monkeypatch.setattr(t5, "_cudnn_attention_available", lambda: True)  # As on a CUDA GPU.
+  monkeypatch.setattr(ops_lib, "cudnn_attention_available", lambda: True)  # As on a CUDA GPU.
   bf16 = t5_config(size="tiny", dtype="bfloat16")
-  assert t5.use_fused_attention(bf16, deterministic=False, query_length=8, key_length=16)
-  assert not t5.use_fused_attention(bf16.replace(dtype="float32"), deterministic=True,
-                                    query_length=8, key_length=8)
-  assert not t5.use_fused_attention(bf16, deterministic=True, query_length=7, key_length=8)
+  assert _uses_fused(bf16, deterministic=False, query_length=8, key_length=16)
+  assert not _uses_fused(bf16.replace(dtype="float32"), deterministic=True,
+                         query_length=8, key_length=8)
+  assert not _uses_fused(bf16, deterministic=True, query_length=7, key_length=8)
   dropout = bf16.replace(dropout_rate=0.1)
-  assert not t5.use_fused_attention(dropout, deterministic=False, query_length=8, key_length=8)
-  assert t5.use_fused_attention(dropout, deterministic=True, query_length=8, key_length=8)
-  assert not t5.use_fused_attention(bf16.replace(d_kv=12), deterministic=True,
-                                    query_length=8, key_length=8)
+  assert not _uses_fused(dropout, deterministic=False, query_length=8, key_length=8)
+  assert _uses_fused(dropout, deterministic=True, query_length=8, key_length=8)
+  assert not _uses_fused(bf16.replace(d_kv=12), deterministic=True,
+                         query_length=8, key_length=8)
   with pytest.raises(ValueError, match="bfloat16 or float16"):
     T5Config(attention_impl="cudnn", dtype="float32")
   with pytest.raises(ValueError, match="dropout"):
@@ -495,7 +498,9 @@ def test_auto_attention_takes_cudnn_only_where_it_applies(monkeypatch):
 def test_architecture_ignores_how_to_compute():
   tiny = t5_config(size="tiny")
   computed_differently = tiny.replace(dtype="bfloat16", attention_impl="einsum", remat=True,
-                                      right_padded_inputs=True, dropout_rate=0.1)
+                                      right_padded_inputs=True, dropout_rate=0.1,
+                                      fused_attention_backend="xla", gpu_bias_as_diagonals=True,
+                                      cpu_weight_gradients="autodiff")
   assert computed_differently.architecture() == tiny.architecture()
   assert tiny.replace(d_ff=256).architecture() != tiny.architecture()
 
@@ -540,53 +545,44 @@ def test_teacher_forced_rows_sharing_an_encoding_equal_repeated_encodings():
                   method=t5.T5.decode, rngs={"dropout": jax.random.PRNGKey(1)})
 
 
-def test_init_params_draws_once_per_shape_at_each_parameters_scale():
-  """One RNG call per distinct (shape, logical axes), not per parameter; each parameter keeps
-  the scale flax's own initializer gives it (its std within 15 % of the per-parameter draw's),
-  and parameters of one shape get independent rows."""
-  model = t5.T5(t5_config(size="tiny"))
-  key = jax.random.PRNGKey(3)
-  boxed = t5.init_params(model, key)
-  pooled = flax.traverse_util.flatten_dict(flax.core.meta.unbox(boxed))
-  enc = jnp.ones((1, 8), jnp.int32)
-  per_parameter = flax.traverse_util.flatten_dict(flax.core.meta.unbox(
-      model.init({"params": key, "dropout": key}, enc, enc)["params"]))
-  assert pooled.keys() == per_parameter.keys()
-  random_leaves = 0
-  for path, want in per_parameter.items():
-    got, want = np.asarray(pooled[path]), np.asarray(want)
-    assert got.shape == want.shape, path
-    if np.all(want == want.flat[0]):  # ones (norm scales): not drawn.
-      np.testing.assert_array_equal(got, want)
-      continue
-    random_leaves += 1
-    assert not np.allclose(got, want), path
-    assert abs(got.std() / want.std() - 1) < 0.15, path
-    assert abs(got.mean()) < 4 * want.std() / np.sqrt(got.size), path
-  assert random_leaves >= 40
-  kernels = [np.asarray(v).ravel() for k, v in pooled.items()
-             if k[-1] == "kernel" and k[-2] == "wi_0"]
-  assert len(kernels) == 4 and abs(np.corrcoef(kernels[0], kernels[1])[0, 1]) < 0.05
-  # One random_bits per (shape, logical axes) of the drawn parameters; flax: one per parameter.
-  leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, flax.core.meta.Partitioned))
-  groups = {(x.value.shape, x.names) for x in leaves if not np.all(np.asarray(x.value) == 1)}
-  pooled_calls = _count_primitive(jax.make_jaxpr(lambda r: t5.init_params(model, r))(key),
-                                  "random_bits")
-  flax_calls = _count_primitive(jax.make_jaxpr(
-      lambda r: model.init({"params": r, "dropout": r}, enc, enc))(key), "random_bits")
-  assert flax_calls == random_leaves
-  assert pooled_calls == len(groups) < random_leaves / 5
+def test_decode_step_ops_are_explicit_arguments_of_cached_steps_only():
+  """A cached decoding step multiplies and attends through the `step_ops` it is given (every
+  product of the step, keyed by module path); teacher forcing and building the cache take
+  none, and refuse them."""
+  cfg = t5_config(size="tiny", vocab_size=64, num_decoder_layers=2)
+  model = t5.T5(cfg)
+  params = jax.eval_shape(lambda r: flax.core.meta.unbox(t5.init_params(model, r)),
+                          jax.random.PRNGKey(0))
+  encoded = jax.ShapeDtypeStruct((2, 5, cfg.d_model), jnp.float32)
+  mask = jnp.ones((2, 5), bool)
+  cache = jax.eval_shape(lambda p, e: model.apply(
+      {"params": p}, e, mask, 4, method=t5.T5.init_cache, mutable=["cache"])[1]["cache"],
+      params, encoded)
 
+  class Recording(ops_lib.DecodeStepOps):
+    def __init__(self):
+      self.calls = []
 
-def _count_primitive(closed_jaxpr, name):
-  """Equations of primitive `name`, nested jaxprs (each call of one) included."""
-  count = 0
-  for eqn in closed_jaxpr.jaxpr.eqns:
-    count += eqn.primitive.name == name
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else (param,):
-        if isinstance(sub, jax_core.ClosedJaxpr):
-          count += _count_primitive(sub, name)
-        elif isinstance(sub, jax_core.Jaxpr):
-          count += _count_primitive(jax_core.ClosedJaxpr(sub, ()), name)
-  return count
+    def products(self, path, names, x, kernels, **kwargs):
+      self.calls.append(("/".join(path), names))
+      return super().products(path, names, x, kernels, **kwargs)
+
+    def attention(self, path, query, key, value, bias):
+      self.calls.append(("/".join(path), "attention"))
+      return None
+
+  recording = Recording()
+  jax.eval_shape(lambda p, c: model.apply(
+      {"params": p, "cache": c}, None, mask, jnp.zeros((2, 1), jnp.int32), decode=True,
+      max_decode_length=4, step_ops=recording, method=t5.T5.decode, mutable=["cache"]),
+      params, cache)
+  from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
+  expected = {tuple(key.split(":")[0].split("/")) for key in decoding.decoder_step_kernels(
+      flax.core.meta.unbox(params))}
+  products = [tuple(path.split("/")) for path, names in recording.calls if names != "attention"]
+  assert sorted(products) == sorted(expected)  # One call per product the backends prepare.
+  assert sum(names == "attention" for _, names in recording.calls) == 2 * cfg.num_decoder_layers
+  with pytest.raises(ValueError, match="cached decoding steps"):
+    jax.eval_shape(lambda p: model.apply(
+        {"params": p}, encoded, mask, jnp.zeros((2, 3), jnp.int32),
+        step_ops=ops_lib.DecodeStepOps(), method=t5.T5.decode), params)

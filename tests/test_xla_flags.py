@@ -29,9 +29,9 @@ def test_keeps_the_users_setting():
   assert env["XLA_FLAGS"] == xla_flags.YNN_REDUCE_WORKAROUND
 
 
-def test_importing_jaxmoral_sets_it_before_the_backend_starts():
-  code = ("import os, jaxmoral, jax; jax.numpy.zeros(1).block_until_ready(); "
-          "print(os.environ['XLA_FLAGS'])")
+def test_configuring_jaxmoral_sets_it_before_the_backend_starts():
+  code = ("import os, jaxmoral.runtime, jax; jaxmoral.runtime.configure(); "
+          "jax.numpy.zeros(1).block_until_ready(); print(os.environ['XLA_FLAGS'])")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        check=True)

@@ -34,6 +34,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 from jaxmoral.clarify import formats
+from jaxmoral.data import demo
 from jaxmoral.data import readers
 
 Pair = tuple[str, str]
@@ -377,7 +378,6 @@ def load_source(source: str, *, split: str = "train", which: str = "multitask",
     _which_models(which)
     if split not in DEMO_SPLITS:
       raise ValueError(f"clarify data 'demo': split must be 'train' or 'dev', got {split!r}")
-    from jaxmoral.data import demo
     return {"questions": demo.clarify_questions(), "answers": demo.clarify_answers(),
             "fusion": demo.clarify_fusion(), "judgments": demo.clarify_judgments()}
   files = source_files(source, which, split=split, purpose=purpose)

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxmoral import metrics
 from jaxmoral import progress
+from jaxmoral import validation
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.clarify import models
@@ -81,8 +82,7 @@ class RewardConfig:
                        f"{self.judge_classes!r}")
     for name in ("max_answer_length", "max_fusion_length", "input_length", "batch_size"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"RewardConfig.{name} must be a positive int, got {value!r}")
+      validation.positive_int(value, f"RewardConfig.{name}")
     if not 0 < self.answer_top_p <= 1:
       raise ValueError(f"RewardConfig.answer_top_p must be in (0, 1], got {self.answer_top_p}")
     if not self.answer_temperature > 0:

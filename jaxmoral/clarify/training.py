@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import os
 import pathlib
-import shutil
 from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
@@ -27,11 +26,13 @@ import jax.numpy as jnp
 import optax
 
 from jaxmoral import aot, checkpoints, fileio, gin_utils, model_dirs, partitioning, runs
+from jaxmoral import optimizers
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.clarify import models
 from jaxmoral.clarify import reward as reward_lib
+from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
 from jaxmoral.models import trainable
@@ -150,7 +151,6 @@ def _optimizer_or_default(optimizer: Optional[optax.GradientTransformation],
   optimizer's own rate is set.
   """
   if optimizer is None:
-    from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
     return optimizers.make_optimizer(
         name="adamw", learning_rate=default_rate if learning_rate is None else learning_rate)
   if learning_rate is not None:
@@ -366,7 +366,6 @@ def ppo_compile_target(partitioner: partitioning.PjitPartitioner, *,
   aot.require({**b, "policy_config": policy_config, "vocabulary_path": vocabulary_path},
               ("ppo_config", "optimizer", "policy_config", "vocabulary_path"),
               "training.train_clarify_ppo / training.ppo_compile_target")
-  from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
   reward_config = b.get("reward_config") or reward_lib.RewardConfig()
   reward_config_t5 = reward_model_config or policy_config

@@ -17,6 +17,7 @@ import jax
 
 from jaxmoral import cpu_kernels
 from jaxmoral import decoding
+from jaxmoral.models import ops as ops_lib
 from jaxmoral.models import t5
 
 Array = jax.Array
@@ -50,11 +51,11 @@ class PackedKernelBackend(decoding.DecodeBackend):
                                           else jax.numpy.stack(kernels, axis=1))
             for key, kernels in decoding.decoder_step_kernels(params).items()}
 
-  def step_ops(self, kernels: Mapping[str, Array]) -> t5.DecodeStepOps:
+  def step_ops(self, kernels: Mapping[str, Array]) -> ops_lib.DecodeStepOps:
     return _PackedOps(kernels)
 
 
-class _PackedOps(t5.DecodeStepOps):
+class _PackedOps(ops_lib.DecodeStepOps):
   """A decoding step through `packed_matmul` and `decode_attention` (float32)."""
 
   def __init__(self, kernels: Mapping[str, Array]):

@@ -6,8 +6,12 @@ Texts (each once, whitespace normalised, one per line of the corpus file):
 * `silver`: the silver defeasible updates: rules of thumb, updates, questions, situations
   (`delta_clarify_silver/*.tsv`);
 * `fusion`: both sides of the fusion pairs (`fusion/*.csv`);
-* `perspectrum`: PERSPECTRUM claims and their perspectives (`perspectrum/`);
 * `demo`: every text of the bundled demo corpus (`jaxmoral.data.demo`);
+
+and those the method packages register (`corpus_sources`) when imported:
+
+* `perspectrum`: PERSPECTRUM claims and their perspectives (`perspectrum/`;
+  `jaxmoral.npov.knowledge_base`);
 * `chitchat`: the utterances of the chitchat dialogue corpus's train conversations
   (`jaxmoral.diamante.chitchat`; needs the `dialogue` extra, so it is not a default source).
 
@@ -36,13 +40,13 @@ import gin
 import numpy as np
 import seqio
 
+from jaxmoral.data import corpus_sources
 from jaxmoral.data import readers
 from jaxmoral.data import span_corruption
 from jaxmoral.data import vocab as vocab_lib
-from jaxmoral.diamante import chitchat
 
 PRETRAIN_TASK = "jaxmoral_pretrain_span_corruption"
-SOURCES = ("clarify", "silver", "fusion", "perspectrum", "demo", "chitchat")
+SOURCES = ("clarify", "silver", "fusion", "demo")  # Built in; method packages add theirs.
 # Sources that need no optional dependency.
 DEFAULT_SOURCES = ("clarify", "silver", "fusion", "perspectrum", "demo")
 SPLITS = ("train", "validation")
@@ -96,19 +100,6 @@ def fusion_texts(data_dir: str | os.PathLike) -> Iterator[str]:
       yield row["output"]
 
 
-def perspectrum_texts(data_dir: str | os.PathLike, *,
-                      splits: Optional[Sequence[str]] = ("train",)) -> Iterator[str]:
-  """PERSPECTRUM claims and the perspectives of their clusters, for claims in `splits`
-  (None: all claims)."""
-  from jaxmoral.npov import knowledge_base  # Local import: only this source needs it.
-  for topic in knowledge_base.read_perspectrum(pathlib.Path(data_dir) / "perspectrum"):
-    if splits is not None and topic.split not in splits:
-      continue
-    yield topic.query
-    for cluster in topic.clusters:
-      yield from cluster.texts
-
-
 def corpus_texts(data_dir: Optional[str | os.PathLike], *,
                  sources: Sequence[str] = DEFAULT_SOURCES,
                  clarify_splits: Sequence[str] = ("train",),
@@ -125,10 +116,15 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
     ValueError: an unknown source, or a data source without `data_dir`.
     FileNotFoundError: a source's files are missing.
   """
-  unknown = [s for s in sources if s not in SOURCES]
+  registered = corpus_sources.registered()
+  known = (*SOURCES, *registered)
+  unknown = [s for s in sources if s not in known]
   if unknown:
-    raise ValueError(f"unknown corpus source(s) {unknown}; known: {SOURCES}")
-  needs_dir = [s for s in sources if s not in ("demo", "chitchat")]
+    raise ValueError(f"unknown corpus source(s) {unknown}; known: {known} (perspectrum and "
+                     f"chitchat register when jaxmoral.npov.knowledge_base and "
+                     f"jaxmoral.diamante.chitchat are imported)")
+  needs_dir = [s for s in sources
+               if s != "demo" and (s not in registered or registered[s][1])]
   if needs_dir and data_dir is None:
     raise ValueError(f"corpus sources {needs_dir} need data_dir (e.g. ../shared/data)")
   if data_dir is not None and needs_dir and not pathlib.Path(data_dir).is_dir():
@@ -137,10 +133,12 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
       "clarify": lambda: clarify_texts(data_dir, splits=clarify_splits),
       "silver": lambda: silver_texts(data_dir),
       "fusion": lambda: fusion_texts(data_dir),
-      "perspectrum": lambda: perspectrum_texts(data_dir, splits=perspectrum_splits),
       "demo": vocab_lib.demo_texts,
-      "chitchat": lambda: chitchat.texts(split="train"),
   }
+  splits_of = {"perspectrum": perspectrum_splits}
+  for name in registered:
+    readers_by_source[name] = (lambda name=name: corpus_sources.read(
+        name, data_dir, splits=splits_of.get(name)))
   texts: dict[str, None] = {}
   for source in sources:
     before = len(texts)

@@ -28,6 +28,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from jaxmoral.data import demo
 from jaxmoral.data import index_cache
 from jaxmoral.data import readers
 from jaxmoral.data.pipeline import BatchSource, Features
@@ -189,7 +190,6 @@ def register_demo_tasks(*, vocabulary: seqio.Vocabulary) -> seqio.Mixture:
   `..._fusion` (situation + question + answer -> updated situation), `..._judgment`
   (situation -> bad | ok | good). The Mixture mixes them by example count.
   """
-  from jaxmoral.data import demo
   sources = {
       # Task prefixes tell the one model which task a mixed example is (T5 convention).
       DEMO_TASKS[0]: [("question: " + r["situation"], r["question"])

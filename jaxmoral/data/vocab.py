@@ -18,6 +18,7 @@ import seqio
 import sentencepiece as spm
 
 from jaxmoral import fileio
+from jaxmoral.data import demo
 
 DEMO_DIR = pathlib.Path(__file__).resolve().parent / "demo"
 DEMO_VOCAB_SIZE = 400  # + 100 extra ids = 500 <= the tiny model's 512 rows.
@@ -107,7 +108,6 @@ def get_vocabulary(path: Optional[str | os.PathLike], *,
 
 def demo_texts() -> list[str]:
   """Every text field of the bundled demo corpus (the vocabulary's training data)."""
-  from jaxmoral.data import demo  # Local import: demo imports readers, not vocab.
   return demo.all_texts()
 
 

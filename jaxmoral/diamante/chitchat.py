@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Iterator, Optional, Sequence
 
+from jaxmoral.data import corpus_sources
 from jaxmoral.diamante import data as data_lib
 
 SPLITS = ("train", "test")
@@ -69,3 +70,8 @@ def texts(*, split: str = "train") -> Iterator[str]:
   """Every utterance of the conversations of `split`, for a pretraining corpus."""
   for utterances in dialogues(split=split, min_turns=1):
     yield from utterances
+
+
+# The pretraining corpus reads the train conversations only (the test ones stay held out).
+corpus_sources.register("chitchat", lambda data_dir, splits: texts(split="train"),
+                        needs_data_dir=False)

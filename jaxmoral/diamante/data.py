@@ -26,6 +26,9 @@ import gin
 import numpy as np
 
 from jaxmoral import fileio
+from jaxmoral import validation
+from jaxmoral.data import pipeline
+from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.readers import DataError, read_jsonl, unknown_field
 from jaxmoral.models.t5 import shift_right
 
@@ -348,8 +351,7 @@ class QuadrupleSource:
   shard_count: int = 1
 
   def __post_init__(self):
-    if not isinstance(self.batch_size, int) or self.batch_size < 1:
-      raise ValueError(f"QuadrupleSource.batch_size must be a positive int, got {self.batch_size}")
+    validation.positive_int(self.batch_size, "QuadrupleSource.batch_size")
     if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
       raise ValueError(f"QuadrupleSource.shard_index {self.shard_index} not in "
                        f"[0, shard_count={self.shard_count})")
@@ -474,8 +476,7 @@ class DialogueData:
   pairs: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
-      raise ValueError(f"DialogueData.vocab_size must be a positive int, got {self.vocab_size!r}")
+    validation.positive_int(self.vocab_size, "DialogueData.vocab_size")
 
   def _check_files(self) -> None:
     """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
@@ -485,7 +486,6 @@ class DialogueData:
         raise ValueError(f"DialogueData.{name}: no such file {value!r}")
 
   def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
-    from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
     self._check_files()
     if self.vocab_path is not None:
       return vocab_lib.get_vocabulary(self.vocab_path)
@@ -510,7 +510,6 @@ class DialogueData:
     train = read_dialogues(self.train_path)
     held_out = read_dialogues(self.eval_path) if self.eval_path else None
     if self.pairs:
-      from jaxmoral.data import pipeline  # pylint: disable=g-import-not-at-top
       make = lambda turns, s: pipeline.BatchSource(  # noqa: E731
           features=pair_features(turns, vocabulary, features), batch_size=batch_size, seed=s)
     else:

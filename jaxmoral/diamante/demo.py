@@ -21,7 +21,7 @@ from jaxmoral.data import demo as demo_data
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import chat, data, evaluate, inference
-from jaxmoral.diamante import model as diamante_model
+from jaxmoral.diamante import diamante_model
 from jaxmoral.models.config import t5_config
 
 

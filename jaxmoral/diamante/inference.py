@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxmoral import decoding
 from jaxmoral import model_dirs
+from jaxmoral import validation
 from jaxmoral.diamante import data
 from jaxmoral.diamante.bundle import Bundle
 from jaxmoral.diamante.model import score_responses
@@ -51,8 +52,7 @@ class RerankConfig:
   def __post_init__(self):
     for name in ("num_candidates", "max_decode_length"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"RerankConfig.{name} must be a positive int, got {value!r}")
+      validation.positive_int(value, f"RerankConfig.{name}")
     if not isinstance(self.top_k, int) or self.top_k < 0:
       raise ValueError(f"RerankConfig.top_k must be an int >= 0, got {self.top_k!r}")
     if not self.temperature > 0:

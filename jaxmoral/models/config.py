@@ -12,10 +12,14 @@ from typing import Any, Literal
 
 import gin
 
+from jaxmoral import validation
+
 FeedForward = Literal["relu", "gated-gelu", "gated-relu", "gated-silu"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["auto", "einsum", "cudnn", "pallas", "pallas_gpu"]
 ATTENTION_IMPLS = ("auto", "einsum", "cudnn", "pallas", "pallas_gpu")
+FUSED_ATTENTION_BACKENDS = ("cudnn", "xla")
+CPU_WEIGHT_GRADIENTS = ("plain", "autodiff")
 
 
 def cudnn_supports_head_width(d_kv: int) -> bool:
@@ -64,6 +68,15 @@ class T5Config:
       by per-row lengths instead of a dense (batch, heads, q, k) bias, which is much faster
       at T5 1.1-large shapes; a row with padding before a valid token
       would attend wrongly. Packed batches (segment ids) always use the dense mask.
+    fused_attention_backend: The `jax.nn.dot_product_attention` implementation behind fused
+      attention ("cudnn" and "auto" on a GPU): "cudnn", or "xla" (JAX's reference, on any
+      device: the same masks, lengths and biases checked on a CPU).
+    gpu_bias_as_diagonals: attention_impl="pallas_gpu" hands the Triton kernels T5's position
+      bias as its diagonals (`flash_attention_gpu.bias_diagonals`; the bias depends on k - q
+      alone) rather than whole.
+    cpu_weight_gradients: How float32 dense layers traced for CPUs compute weight gradients:
+      "plain" (`ops.cpu_rows_matmul`: as a plain product, which XLA:CPU runs faster; reverse
+      mode only) or "autodiff" (JAX's own transpose; `jax.jvp` needs it).
   """
 
   vocab_size: int = 32128
@@ -85,14 +98,16 @@ class T5Config:
   eos_token_id: int = 1
   attention_impl: AttentionImpl = "auto"
   right_padded_inputs: bool = False
+  fused_attention_backend: Literal["cudnn", "xla"] = "cudnn"
+  gpu_bias_as_diagonals: bool = False
+  cpu_weight_gradients: Literal["plain", "autodiff"] = "plain"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads",
                  "num_encoder_layers", "num_decoder_layers",
                  "relative_attention_num_buckets", "relative_attention_max_distance"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"T5Config.{name} must be a positive int, got {value!r}")
+      validation.positive_int(value, f"T5Config.{name}")
     if not 0.0 <= self.dropout_rate < 1.0:
       raise ValueError(f"T5Config.dropout_rate must be in [0, 1), got {self.dropout_rate}")
     if self.feed_forward_proj not in ("relu", "gated-gelu", "gated-relu", "gated-silu"):
@@ -115,6 +130,12 @@ class T5Config:
     if self.attention_impl == "cudnn" and not cudnn_supports_head_width(self.d_kv):
       raise ValueError(f"T5Config.attention_impl='cudnn' needs d_kv a multiple of 8 and at "
                        f"most 128, got {self.d_kv}")
+    if self.fused_attention_backend not in FUSED_ATTENTION_BACKENDS:
+      raise ValueError(f"T5Config.fused_attention_backend must be one of "
+                       f"{FUSED_ATTENTION_BACKENDS}, got {self.fused_attention_backend!r}")
+    if self.cpu_weight_gradients not in CPU_WEIGHT_GRADIENTS:
+      raise ValueError(f"T5Config.cpu_weight_gradients must be one of {CPU_WEIGHT_GRADIENTS}, "
+                       f"got {self.cpu_weight_gradients!r}")
     if self.pad_token_id >= self.vocab_size or self.eos_token_id >= self.vocab_size:
       raise ValueError("T5Config: pad/eos ids must be < vocab_size")
 
@@ -161,7 +182,8 @@ class T5Config:
 
 
 # Fields that say how to compute, not what the weights are.
-COMPUTE_FIELDS = ("dtype", "dropout_rate", "remat", "attention_impl", "right_padded_inputs")
+COMPUTE_FIELDS = ("dtype", "dropout_rate", "remat", "attention_impl", "right_padded_inputs",
+                  "fused_attention_backend", "gpu_bias_as_diagonals", "cpu_weight_gradients")
 
 
 # T5 1.1 dimensions (Raffel et al.; google/t5-v1_1-*), vocab padded to 32128 as released.

@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 
 from jaxmoral import fileio
+from jaxmoral.models import t5
 from jaxmoral.models.config import T5Config
 
 Params = dict[str, Any]
@@ -38,7 +39,6 @@ def _shape(leaf: Any) -> tuple[int, ...]:
 
 def expected_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
   """Flat {path: shape} of the parameters `T5(config)` creates (no heads), from an eval_shape."""
-  from jaxmoral.models import t5  # Imported here: t5 imports nothing from this module.
   model = t5.T5(config)
   abstract = jax.eval_shape(lambda: t5.init_params(model, jax.random.PRNGKey(0),
                                                    encoder_length=2, decoder_length=2))

@@ -6,7 +6,7 @@ and how a fine-tuning run starts from a checkpoint of another shape (a plain T5 
 with a scalar head, a base model for a soft prompt). `jaxmoral.runs.train_run` takes one:
 
   MODEL = @trainable.Seq2SeqModel()           # supervised seq2seq (this module)
-  MODEL = @diamante.model.DiamanteModel()      # NLL + preference estimation
+  MODEL = @diamante.DiamanteModel()           # NLL + preference estimation
   MODEL = @prompt_tuning.PromptTuningModel()   # a soft prompt on a frozen base
 """
 

@@ -27,8 +27,8 @@ from typing import Sequence
 from jaxmoral import action_commands, gin_utils
 
 ACTIONS: dict[str, tuple[str, str]] = {
-    "detect": ("jaxmoral.npov.detect", "detect_file"),
-    "evaluate": ("jaxmoral.npov.evaluate", "run"),
+    "detect": ("jaxmoral.npov.actions", "detect_file"),
+    "evaluate": ("jaxmoral.npov.actions", "run"),
     "demo": ("jaxmoral.npov.demo", "run_demo"),
 }
 # Parameters of an action's function that name what it writes: {name: is a directory}.

@@ -26,6 +26,7 @@ from jaxmoral.data import readers
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import trainable
 from jaxmoral.models.config import t5_config
+from jaxmoral.npov import actions
 from jaxmoral.npov import detect
 from jaxmoral.npov import evaluate
 from jaxmoral.npov import knowledge_base as kb_lib
@@ -156,11 +157,11 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
   os.makedirs(os.path.dirname(responses), exist_ok=True)
   task.write_examples(test_slices["unparaphrased"][:6], responses)
   if "salience" in detectors:
-    detect.detect_file(input_path=responses,
-                       output_path=os.path.join(workdir, "detect", "scores.jsonl"),
-                       detector="salience", base_dir=base_dir, generator_dir=generator_dir,
-                       heatmap_dir=os.path.join(workdir, "detect", "heatmaps"),
-                       roc_dir=os.path.join(workdir, "detect"))
+    actions.detect_file(input_path=responses,
+                        output_path=os.path.join(workdir, "detect", "scores.jsonl"),
+                        detector="salience", base_dir=base_dir, generator_dir=generator_dir,
+                        heatmap_dir=os.path.join(workdir, "detect", "heatmaps"),
+                        roc_dir=os.path.join(workdir, "detect"))
     paths["scores"] = os.path.join(workdir, "detect", "scores.jsonl")
     paths["heatmaps"] = os.path.join(workdir, "detect", "heatmaps")
   summary: dict[str, Any] = {**paths, **aucs, "truth": truth}

@@ -19,11 +19,11 @@ import os
 import time
 from typing import Any, Mapping, Optional, Sequence
 
-import gin
 import numpy as np
 
 from jaxmoral import fileio
 from jaxmoral import metrics
+from jaxmoral.npov import plots
 from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
@@ -162,76 +162,8 @@ def write_results(results: Mapping[str, Any], output_dir: str | os.PathLike, *,
   fileio.write_text(paths["json"], json.dumps(results, indent=1))
   fileio.write_text(paths["table"], format_table(results) + "\n")
   if plot:
-    from jaxmoral.npov import plots  # pylint: disable=g-import-not-at-top
     for name, by_detector in results.items():
       path = fileio.join(output_dir, f"roc_{name}.png")
       if plots.roc_curves_png(by_detector, path, title=name):
         paths[f"roc_{name}"] = path
   return paths
-
-
-@gin.configurable
-def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Optional[str] = None,
-        examples_path: Optional[str] = None, organic_path: Optional[str] = None,
-        detectors: Sequence[str] = ("rouge",), generator_dir: Optional[str] = None,
-        classifier_dirs: Optional[Mapping[str, str]] = None, prompts_dir: Optional[str] = None,
-        base_dir: Optional[str] = None,
-        vocabulary_path: Optional[str] = None, split: str = "test", seed: int = 0,
-        max_examples: Optional[int] = None, partitioner: Any = None) -> dict[str, Any]:
-  """Builds the test slices, runs the detectors and writes the table, JSON and ROC curves.
-
-  Args:
-    output_dir: Where results.json, table.txt, roc_*.png go.
-    kb_path: A JSONL knowledge base (`knowledge_base.read_kb_jsonl`); or
-    perspectrum_dir: PERSPECTRUM's folder (`knowledge_base.read_perspectrum`).
-    examples_path: Error-free examples (JSONL, `task.read_examples`) to derive the synthetic
-      slices from; default: sampled from the knowledge base's `split` topics.
-    organic_path: Labelled organic examples (JSONL with hallucination / coverage labels).
-    detectors: Any of "rouge", "salience", "classifier".
-    generator_dir: Prompt directory of the generator (salience); None: the base model alone.
-    classifier_dirs: {"hallucination": dir, "coverage": dir} prompt directories.
-    prompts_dir: Shortcut for a run folder laid out like `demo.run_demo`'s: generator/prompt,
-      classifier_hallucination/prompt, classifier_coverage/prompt (explicit dirs win).
-    base_dir: Exported base parameters (`checkpoints.export_params` with config.json).
-    vocabulary_path: SentencePiece model of the base model.
-    split: Topics to evaluate on ("test").
-    seed: Sampling / synthetic-error seed.
-    max_examples: Cap on source examples (quick runs).
-    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER, e.g.
-      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
-
-  Returns:
-    The results dict (also written to `output_dir`).
-  """
-  from jaxmoral.npov import detect as detect_lib  # pylint: disable=g-import-not-at-top
-  from jaxmoral.npov import knowledge_base as kb_lib  # pylint: disable=g-import-not-at-top
-  from jaxmoral.npov import synthetic  # pylint: disable=g-import-not-at-top
-  if prompts_dir:
-    generator_dir = generator_dir or os.path.join(prompts_dir, "generator", "prompt")
-    classifier_dirs = classifier_dirs or {
-        e: os.path.join(prompts_dir, f"classifier_{e}", "prompt") for e in ERRORS}
-  if (kb_path is None) == (perspectrum_dir is None):
-    raise ValueError("npov evaluate: give exactly one of kb_path, perspectrum_dir")
-  topics = (kb_lib.read_kb_jsonl(kb_path) if kb_path else
-            kb_lib.read_perspectrum(perspectrum_dir))
-  topics = kb_lib.split_topics(topics)
-  if examples_path:
-    source = kb_lib.attach_clusters(task.read_examples(examples_path), topics)
-    split_of = {t.id: t.split for t in topics}
-    source = [e for e in source if split_of[e.topic] == split]
-  else:
-    source = kb_lib.sample_examples(topics, seed=seed, split=split)
-  source = source[:max_examples] if max_examples else source
-  if not source:
-    raise ValueError(f"npov evaluate: no examples in split {split!r}")
-  slices: dict[str, Sequence[task.NpovExample]] = dict(
-      synthetic.make_test_slices(source, topics, seed=seed))
-  if organic_path:
-    slices["organic"] = task.read_examples(organic_path)
-  built = {name: detect_lib.build_detector(
-      name, base_dir=base_dir, vocabulary_path=vocabulary_path, generator_dir=generator_dir,
-      classifier_dirs=classifier_dirs, partitioner=partitioner) for name in detectors}
-  results = evaluate_detectors(built, slices)
-  write_results(results, output_dir)
-  print(format_table(results))
-  return results

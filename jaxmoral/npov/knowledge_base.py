@@ -21,10 +21,12 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Optional, Sequence
+import pathlib
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
+from jaxmoral.data import corpus_sources
 from jaxmoral.data import readers
 from jaxmoral.npov import task
 
@@ -243,3 +245,18 @@ def attach_clusters(examples: Sequence[task.NpovExample], topics: Sequence[Topic
       changes[f"{side}_clusters"] = tuple(ids)
     out.append(e.replace(**changes))
   return out
+
+
+def perspectrum_texts(data_dir: str | os.PathLike, *,
+                      splits: Optional[Sequence[str]] = ("train",)) -> Iterator[str]:
+  """PERSPECTRUM claims and the perspectives of their clusters, for claims in `splits`
+  (None: all claims)."""
+  for topic in read_perspectrum(pathlib.Path(data_dir) / "perspectrum"):
+    if splits is not None and topic.split not in splits:
+      continue
+    yield topic.query
+    for cluster in topic.clusters:
+      yield from cluster.texts
+
+
+corpus_sources.register("perspectrum", perspectrum_texts)

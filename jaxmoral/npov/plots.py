@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import numpy as np
 

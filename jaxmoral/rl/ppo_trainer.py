@@ -48,6 +48,7 @@ import numpy as np
 import optax
 
 from jaxmoral import losses, optimizers, partitioning, pictures
+from jaxmoral import validation
 from jaxmoral.data import pipeline
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
@@ -157,8 +158,7 @@ class PPOConfig:
     for name in ("batch_size", "num_ppo_epochs", "num_minibatches", "num_microbatches",
                  "max_prompt_length", "max_response_length", "reward_norm_num_prompts"):
       value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"PPOConfig.{name} must be a positive int, got {value!r}")
+      validation.positive_int(value, f"PPOConfig.{name}")
     if self.batch_size % self.num_minibatches:
       raise ValueError(f"PPOConfig.batch_size={self.batch_size} must be divisible by "
                        f"num_minibatches={self.num_minibatches}")

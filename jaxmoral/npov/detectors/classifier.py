@@ -20,8 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import model_dirs, runs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
+from jaxmoral.data import readers
+from jaxmoral.models import trainable
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
 from jaxmoral.npov import task
@@ -80,9 +83,6 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
   """
   if tuning not in TUNINGS:
     raise ValueError(f"train_classifier: tuning must be one of {TUNINGS}, got {tuning!r}")
-  from jaxmoral import model_dirs, runs  # pylint: disable=g-import-not-at-top
-  from jaxmoral.data import readers  # pylint: disable=g-import-not-at-top
-  from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
   inputs, targets = training_pairs(examples, error=error)
   if not inputs or len(set(targets)) < 2:
     raise ValueError(f"train_classifier({error}): need examples of both labels, got "
@@ -127,7 +127,6 @@ def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optio
     ValueError: A fine-tuned classifier's architecture differs from the base's (both are read
       with the base's vocabulary and label tokens).
   """
-  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   base_params = base.lm_params
   directory = os.fspath(directory)
   if prompt_tuning.prompt_directory(directory):
@@ -159,7 +158,6 @@ def _label_logits_fn(config: T5Config, with_prompt: bool, partitioner: Any = Non
 
   if partitioner is None:
     return jax.jit(run)
-  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   return partitioner.partition(
       run, in_shardings=(model_dirs.param_shardings(config, partitioner),
                          partitioner.replicated if with_prompt else None, None),
@@ -198,7 +196,6 @@ class ClassifierDetector:
       params = nn.meta.unbox(params)
       if partitioner is None:
         return params, None if prompt is None else jnp.asarray(prompt)
-      from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
       params = jax.device_put(params, model_dirs.param_shardings(model.config, partitioner))
       return params, None if prompt is None else jax.device_put(np.asarray(prompt),
                                                                 partitioner.replicated)

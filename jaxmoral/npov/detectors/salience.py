@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import model_dirs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
 from jaxmoral.models.config import T5Config
@@ -105,7 +106,6 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
 
   if partitioner is None:
     return jax.jit(run)
-  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   replicated = partitioner.replicated
   return partitioner.partition(
       run, in_shardings=(model_dirs.param_shardings(config, partitioner), replicated,
@@ -288,7 +288,6 @@ class SalienceDetector:
     self.model, self.tokenizer = model, tokenizer
     self.params = nn.meta.unbox(params)
     if partitioner is not None:
-      from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
       self.params = jax.device_put(self.params,
                                    model_dirs.param_shardings(model.config, partitioner))
     self.prompt = prompt

@@ -1,0 +1,337 @@
+"""The hardware-specific operations of the T5 network, behind one interface: `ModelOps`.
+
+`models/t5.py` is the network; every product by a weight and every fused-attention call goes
+through the `ModelOps` its `T5Config` selects (`ModelOps.for_config`):
+
+- dense products (`ModelOps.dense`): one 2-D product over the flattened leading axes; a single
+  row split in two half-length products (`vector_matmul`, XLA:CPU reads the kernel faster);
+  float32 rows traced for CPUs through `cpu_rows_matmul`, whose weight gradient runs as a
+  plain product (`T5Config.cpu_weight_gradients`);
+- teacher-forced attention (`ModelOps.use_fused_attention`, `ModelOps.attention_masking`,
+  `ModelOps.fused_attention`): cuDNN's fused kernel through `jax.nn.dot_product_attention`
+  (`T5Config.fused_attention_backend` picks JAX's implementation), or the Pallas flash-attention
+  kernels for TPUs (`flash_attention`) and GPUs (`flash_attention_gpu`), chosen by
+  `T5Config.attention_impl`; the model's own einsum attention otherwise.
+
+A cached decoding step's products and attention are a decoding backend's: `DecodeStepOps`,
+which `jaxmoral.decoding` passes to `T5.decode(step_ops=...)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Sequence
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxmoral.models import flash_attention
+from jaxmoral.models import flash_attention_gpu
+from jaxmoral.models.config import T5Config, cudnn_supports_head_width
+
+Array = jax.Array
+NEG_INF = -1e10  # Large negative bias for masked attention (T5X uses the same order).
+
+
+# -- dense products ----------------------------------------------------------------------------
+def matmul_last_axis(x: Array, kernel: Array, *, split_one_row: bool = True,
+                     cpu_plain_weight_gradients: bool = True, **dot_kwargs: Any) -> Array:
+  """(..., d) @ (d, *f) -> (..., *f), as one product over the flattened leading axes.
+
+  Written as a 3-D einsum, the weight gradient contracts over two axes (batch and length);
+  XLA:CPU then transposes the activation gradient before every such product, and a T5 1.1
+  MLP's forward + backward ran at about half the speed of this 2-D form.
+  A single row goes through `vector_matmul` unless `split_one_row` is False (a transposed
+  `kernel`, whose split would be a copy); float32 rows traced for CPUs through
+  `cpu_rows_matmul` when `cpu_plain_weight_gradients` (its weight gradient runs as a plain
+  product there).
+  """
+  rows = x.reshape(-1, x.shape[-1])
+  if rows.shape[0] == 1 and split_one_row:
+    out = vector_matmul(rows, kernel, **dot_kwargs)
+  elif (cpu_plain_weight_gradients and rows.dtype == kernel.dtype == jnp.float32
+        and tracing_for_cpu()):
+    out = cpu_rows_matmul(rows, kernel, dot_kwargs.get("preferred_element_type"))
+  else:
+    out = jnp.tensordot(rows, kernel, axes=1, **dot_kwargs)
+  return out.reshape(*x.shape[:-1], *kernel.shape[1:])
+
+
+def tracing_for_cpu() -> bool:
+  """Whether the program being traced runs on CPUs: the platform of the mesh it is traced
+  under (a TPU topology compiled ahead of time from a CPU host is not), else the default
+  backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    return mesh.abstract_device.platform == "cpu"
+  return jax.default_backend() == "cpu"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def cpu_rows_matmul(rows: Array, kernel: Array, preferred_element_type: Any) -> Array:
+  """(R, d) @ (d, *f) in float32, whose weight gradient XLA:CPU runs as a plain product.
+
+  Autodiff writes the weight gradient as rows^T @ g, a product contracting both operands'
+  first axis; XLA:CPU leaves such products to its own slower dot emitter instead of YNNPACK.
+  The backward pass here transposes `rows` into a buffer of its own (the barrier stops XLA
+  from folding the transpose back into the product), so YNNPACK gets (d, R) @ (R, f). The
+  copy is a small fraction of the product; the values are the same sums. Reverse mode only,
+  as any `custom_vjp`: forward-mode differentiation (`jax.jvp`) of a model traced for CPUs
+  needs `T5Config.cpu_weight_gradients="autodiff"`.
+  """
+  return jnp.tensordot(rows, kernel, axes=1, preferred_element_type=preferred_element_type)
+
+
+def _cpu_rows_matmul_fwd(rows: Array, kernel: Array, preferred_element_type: Any
+                         ) -> tuple[Array, tuple[Array, Array]]:
+  return cpu_rows_matmul(rows, kernel, preferred_element_type), (rows, kernel)
+
+
+def _cpu_rows_matmul_bwd(preferred_element_type: Any, residuals: tuple[Array, Array],
+                         grad: Array) -> tuple[Array, Array]:
+  del preferred_element_type  # float32 operands: the gradients are float32 either way
+  rows, kernel = residuals
+  grad = grad.reshape(grad.shape[0], -1)
+  kernel_2d = kernel.reshape(kernel.shape[0], -1)
+  d_rows = jax.lax.dot_general(grad, kernel_2d, (((1,), (1,)), ((), ())))
+  rows_t = jax.lax.optimization_barrier(rows.T)
+  d_kernel = jax.lax.dot_general(rows_t, grad, (((1,), (0,)), ((), ())))
+  return d_rows, d_kernel.reshape(kernel.shape)
+
+
+cpu_rows_matmul.defvjp(_cpu_rows_matmul_fwd, _cpu_rows_matmul_bwd)
+
+
+def vector_matmul(row: Array, kernel: Array, **dot_kwargs: Any) -> Array:
+  """(1, d) @ (d, ...) -> (1, ...) as two half-length products, summed.
+
+  A one-row product (a decoding step at batch 1) streams the kernel once and is bound by
+  memory latency on XLA:CPU. Splitting the contracted axis in two halves, one batched
+  product over them, keeps two streams in flight, which reads the kernel faster. The reshape
+  of a row-major kernel is free; the two halves are summed in float32.
+  """
+  d = row.shape[-1]
+  if d % 2:
+    return jnp.tensordot(row, kernel, axes=1, **dot_kwargs)
+  out_dtype = dot_kwargs.pop("preferred_element_type", None) or jnp.result_type(row, kernel)
+  halves = jnp.einsum("sd,sd...->s...", row.reshape(2, d // 2),
+                      kernel.reshape(2, d // 2, *kernel.shape[1:]),
+                      preferred_element_type=jnp.float32, **dot_kwargs)
+  return (halves[0] + halves[1]).astype(out_dtype)[None]
+
+
+def stacked_matmul(x: Array, stacked: Array) -> list[Array]:
+  """[x @ stacked[:, i] for each i] as one product: (..., d) @ (d, n, f) -> n x (..., f).
+
+  One wide product reads the kernels in a single pass; in decoding, where each token is a
+  matrix-vector product bound by memory bandwidth, fusing query/key/value (and the two gated
+  MLP inputs) made those products markedly faster on CPU. The kernels are stacked on a new
+  middle axis, not concatenated, so a kernel sharded along `f` stays sharded the same way.
+  """
+  out = matmul_last_axis(x, stacked)
+  return [out[..., i, :] for i in range(stacked.shape[1])]
+
+
+# -- attention -----------------------------------------------------------------------------------
+def mask_to_bias(mask: Array) -> Array:
+  """An additive float32 bias: 0 where `mask` holds, T5's large negative number elsewhere."""
+  return jnp.where(mask, 0.0, NEG_INF).astype(jnp.float32)
+
+
+def attention_mask(query_valid: Array, key_valid: Array,
+                   query_segments: Optional[Array] = None,
+                   key_segments: Optional[Array] = None) -> Array:
+  """(batch, 1, q, k) bool mask: both positions valid and (if packed) in the same segment."""
+  mask = query_valid[:, None, :, None].astype(bool) & key_valid[:, None, None, :].astype(bool)
+  if query_segments is not None and key_segments is not None:
+    mask &= query_segments[:, None, :, None] == key_segments[:, None, None, :]
+  return mask
+
+
+@functools.lru_cache(maxsize=None)
+def cudnn_attention_available() -> bool:
+  """Whether the default backend is a CUDA GPU (where cuDNN's fused attention runs)."""
+  try:
+    return (jax.default_backend() == "gpu"
+            and "cuda" in jax.devices()[0].client.platform_version.lower())
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
+@flax.struct.dataclass
+class FusedMask:
+  """The bias and mask of fused attention, kept apart (einsum attention gets them summed).
+
+  Attributes:
+    position_bias: (1, heads, q, k) float32 relative-position bias, or None.
+    mask: (batch, 1, q, k) bool, True where a query may attend to a key; None: all may.
+    key_lengths: (batch,) int32: keys at positions >= length are masked (right padding).
+    query_ids: (batch, q) int32 segment id of each query, 0 for padding; set (with
+      `key_ids`, instead of `mask` and `key_lengths`) only for the Pallas kernels, which take
+      masks factored: a query attends to the keys with its id.
+    key_ids: (batch, k) int32 segment id of each key, 0 for padding.
+    causal: Queries attend to keys at their own position or before.
+    gpu_kernel: With segment ids, run `flash_attention_gpu` (Triton) instead of
+      `flash_attention` (Mosaic, TPUs): attention_impl="pallas_gpu".
+  """
+  position_bias: Optional[Array] = None
+  mask: Optional[Array] = None
+  key_lengths: Optional[Array] = None
+  query_ids: Optional[Array] = None
+  key_ids: Optional[Array] = None
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+  gpu_kernel: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, *,
+                    implementation: str = "cudnn", bias_as_diagonals: bool = False) -> Array:
+  """T5 attention (no 1/sqrt(d) scale) of (batch, length, heads, d_kv) inputs in one kernel.
+
+  A boolean mask is folded into the bias in float32 before the cast to the activation dtype,
+  so padded positions get T5's -1e10 (rounded to that dtype), as in the einsum path. With
+  segment ids a Pallas kernel runs instead (float32 bias; padded queries output zeros): the
+  Triton one for attention_impl="pallas_gpu" (given the position bias as its diagonals when
+  `bias_as_diagonals`), else the TPU one. `implementation` is that of
+  `jax.nn.dot_product_attention` otherwise.
+  """
+  if masking.query_ids is not None:
+    batch_axes, head_axes = nn.logical_to_mesh_axes(("batch", "heads"))
+    if masking.gpu_kernel:
+      bias, diagonals = masking.position_bias, None
+      if bias_as_diagonals and bias is not None:
+        # T5's position bias (relative positions of 0, 1, ..., see RelativePositionBias)
+        # depends on k - q alone, so its diagonals carry all of it.
+        bias, diagonals = None, flash_attention_gpu.bias_diagonals(bias)
+      return flash_attention_gpu.sharded_flash_attention(
+          query, key, value, bias, masking.query_ids, masking.key_ids,
+          bias_diagonals=diagonals, causal=masking.causal, batch_axes=batch_axes,
+          head_axes=head_axes)
+    return flash_attention.sharded_flash_attention(
+        query, key, value, masking.position_bias, masking.query_ids, masking.key_ids,
+        causal=masking.causal, batch_axes=batch_axes, head_axes=head_axes)
+  bias = masking.position_bias
+  if masking.mask is not None:
+    additive = mask_to_bias(masking.mask)
+    bias = additive if bias is None else bias + additive
+  if bias is not None:
+    bias = bias.astype(query.dtype)
+  return jax.nn.dot_product_attention(
+      query, key, value, bias=bias, scale=1.0, is_causal=masking.causal,
+      key_value_seq_lengths=masking.key_lengths, implementation=implementation)
+
+
+# -- the interface the model calls ---------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ModelOps:
+  """The dense products and teacher-forced attention of one `T5Config` (see the module doc).
+
+  Attributes:
+    config: The config whose compute fields (`attention_impl`, `fused_attention_backend`,
+      `gpu_bias_as_diagonals`, `cpu_weight_gradients`, `right_padded_inputs`, `dtype`,
+      `dropout_rate`) choose the ops.
+  """
+  config: T5Config
+
+  @classmethod
+  def for_config(cls, config: T5Config) -> "ModelOps":
+    """The ops `config` selects."""
+    return cls(config)
+
+  def dense(self, x: Array, kernel: Array, *, split_one_row: bool = True,
+            **dot_kwargs: Any) -> Array:
+    """(..., d) @ (d, *f) -> (..., *f) (`matmul_last_axis`)."""
+    return matmul_last_axis(
+        x, kernel, split_one_row=split_one_row,
+        cpu_plain_weight_gradients=self.config.cpu_weight_gradients == "plain", **dot_kwargs)
+
+  def use_fused_attention(self, *, deterministic: bool, query_length: int,
+                          key_length: int) -> bool:
+    """Whether teacher-forced attention of this call goes through a fused (cuDNN or Pallas)
+    kernel.
+
+    "cudnn", "pallas" and "pallas_gpu" always do (the config has checked dropout and, for
+    cuDNN, dtype and head width); "auto" does when the backend is a CUDA GPU, activations are
+    16-bit, no attention dropout is applied, heads are a multiple of 8 wide (at most 128) and
+    both lengths are even (cuDNN's bias gradient needs that).
+    """
+    config = self.config
+    if config.attention_impl in ("cudnn", "pallas", "pallas_gpu"):
+      return True
+    if config.attention_impl == "einsum":
+      return False
+    return (config.dtype != "float32" and (deterministic or config.dropout_rate == 0.0)
+            and cudnn_supports_head_width(config.d_kv)
+            and query_length % 2 == 0 and key_length % 2 == 0
+            and cudnn_attention_available())
+
+  def attention_masking(self, query_valid: Array, key_valid: Array,
+                        query_segments: Optional[Array], key_segments: Optional[Array], *,
+                        position_bias: Optional[Array] = None,
+                        causal: bool = False) -> FusedMask:
+    """Padding (and packing) masks for fused attention: per-position segment ids for the
+    Pallas kernels; for cuDNN per-row key lengths when the config promises right padding and
+    the batch is unpacked, else the dense boolean mask.
+
+    With lengths, padded query rows attend to the valid keys instead of to nothing; no valid
+    position reads a padded one, so every valid output is the same either way.
+    """
+    config = self.config
+    if config.attention_impl in ("pallas", "pallas_gpu"):
+      def ids(valid: Array, segments: Optional[Array]) -> Array:
+        return jnp.where(valid.astype(bool), 1 if segments is None else segments, 0).astype(
+            jnp.int32)
+      return FusedMask(position_bias=position_bias, causal=causal,
+                       query_ids=ids(query_valid, query_segments),
+                       key_ids=ids(key_valid, key_segments),
+                       gpu_kernel=config.attention_impl == "pallas_gpu")
+    if config.right_padded_inputs and query_segments is None and key_segments is None:
+      return FusedMask(position_bias=position_bias,
+                       key_lengths=jnp.sum(key_valid, axis=-1, dtype=jnp.int32))
+    return FusedMask(position_bias=position_bias, mask=attention_mask(
+        query_valid, key_valid, query_segments, key_segments))
+
+  def fused_attention(self, query: Array, key: Array, value: Array,
+                      masking: FusedMask) -> Array:
+    """`fused_attention` with this config's kernel choices."""
+    return fused_attention(query, key, value, masking,
+                           implementation=self.config.fused_attention_backend,
+                           bias_as_diagonals=self.config.gpu_bias_as_diagonals)
+
+
+class DecodeStepOps:
+  """How a cached decoding step multiplies by its weights and attends (XLA by default).
+
+  `jaxmoral.decoding` passes the ops of its backend (stacked kernels prepared once, or a CPU
+  kernel library) to every decoder step it traces (`T5.decode(step_ops=...)`); the model
+  calls them in those steps only, so training and teacher forcing never see them, and the
+  model knows nothing of any backend. Keys are the calling module's path and the names of the
+  kernels it multiplies by, e.g. (("decoder", "layers_0", "self_attention"), ("query", "key",
+  "value")).
+  """
+
+  def products(self, path: tuple[str, ...], names: tuple[str, ...], x: Array,
+               kernels: Sequence[Array], *, preferred_element_type: Any = None
+               ) -> list[Array]:
+    """[x @ k for k in kernels] (..., d) -> (..., f_i), as one product when there are several
+    (one pass over the weights, which bounds a decoding step)."""
+    del path, names
+    kwargs = {} if preferred_element_type is None else {
+        "preferred_element_type": preferred_element_type}
+    if len(kernels) == 1:
+      return [matmul_last_axis(x, kernels[0], **kwargs)]
+    return self.stacked_products(x, jnp.stack(list(kernels), axis=1))
+
+  @staticmethod
+  def stacked_products(x: Array, stacked: Array) -> list[Array]:
+    """[x @ stacked[:, i] for each i] as one product (see `stacked_matmul`)."""
+    return stacked_matmul(x, stacked)
+
+  def attention(self, path: tuple[str, ...], query: Array, key: Array, value: Array,
+                bias: Array) -> Optional[Array]:
+    """A step's attention, (G*R, H, D) queries against (R, H, L, D) keys/values and a bias
+    broadcastable to (R, H, L); None: the model's own einsum attention."""
+    del path, query, key, value, bias
+    return None

@@ -1,0 +1,162 @@
+"""The `jaxmoral npov` actions as library calls: `detect_file` and `run` (evaluate).
+
+`jaxmoral npov detect --input_path=... --output_path=... [--detector=...]` calls
+`detect_file`, `jaxmoral npov evaluate ...` calls `run`; their flags are these functions'
+arguments. The detectors are built by `detect`, the metrics computed by `evaluate`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+import gin
+
+from jaxmoral import fileio
+from jaxmoral.npov import detect
+from jaxmoral.npov import evaluate
+from jaxmoral.npov import knowledge_base as kb_lib
+from jaxmoral.npov import plots
+from jaxmoral.npov import synthetic
+from jaxmoral.npov import task
+
+logger = logging.getLogger(__name__)
+
+
+def _file_name(example_id: str) -> str:
+  """A file name of its own for each (unique) id: "topic 1/a" and "topic 1?a" must not meet."""
+  safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", example_id)
+  if safe != example_id:
+    safe += "-" + hashlib.sha1(example_id.encode("utf-8")).hexdigest()[:8]
+  return safe + ".html"
+
+
+@gin.configurable
+def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
+                base_dir: Optional[str] = None, vocabulary_path: Optional[str] = None,
+                generator_dir: Optional[str] = None, hallucination_dir: Optional[str] = None,
+                coverage_dir: Optional[str] = None, heatmap_dir: Optional[str] = None,
+                roc_dir: Optional[str] = None, partitioner: Any = None) -> list[dict[str, Any]]:
+  """Scores every response of a JSONL file and writes one JSON line per example.
+
+  Args:
+    input_path: JSONL of `{"query", "pro": [...], "con": [...], "response"}` (+ optional
+      "id", and "hallucination" / "coverage" 0/1 labels for ROC curves).
+    output_path: JSONL: id, hallucination, coverage, response_words, argument_words.
+    detector: "rouge", "salience" or "classifier".
+    base_dir: The base model's directory, any format (salience, classifier).
+    vocabulary_path: Its SentencePiece model (default: the one the directory carries).
+    generator_dir: Generator prompt directory (salience of a prompt-tuned generator).
+    hallucination_dir: The hallucination classifier: its prompt directory, or its fine-tuned
+      model directory (`classifier.load_classifier`).
+    coverage_dir: The coverage classifier, likewise.
+    heatmap_dir: Salience only: writes `<id>.html` heatmaps (input x response words).
+    roc_dir: With labelled input: writes results.json, table.txt and roc_input.png here.
+    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
+
+  Returns:
+    The written records.
+  """
+  if heatmap_dir and detector != "salience":
+    raise ValueError(f"heatmap_dir is for detector='salience' (heatmaps of its word map), "
+                     f"not {detector!r}")
+  examples = task.read_examples(input_path, require_response=True)
+  if not examples:
+    raise ValueError(f"{input_path}: no examples")
+  classifier_dirs = {error: directory for error, directory in (
+      ("hallucination", hallucination_dir), ("coverage", coverage_dir)) if directory}
+  det = detect.build_detector(detector, base_dir=base_dir, vocabulary_path=vocabulary_path,
+                       generator_dir=generator_dir, classifier_dirs=classifier_dirs,
+                       partitioner=partitioner)
+  records = []
+  detections = []
+  if heatmap_dir and detector == "salience":
+    fileio.makedirs(heatmap_dir)
+    for e in examples:
+      word_map = det.word_map(e)
+      d = det.detect_from_map(word_map)
+      plots.salience_heatmap_html(word_map, d, fileio.join(heatmap_dir, _file_name(e.id)),
+                                  title=e.query, example=e)
+      detections.append(d)
+  else:
+    detections = det.detect_batch(examples)
+  fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
+  with fileio.open(output_path, "w", encoding="utf-8") as f:
+    for e, d in zip(examples, detections):
+      record = {"id": e.id, **d.to_json()}
+      records.append(record)
+      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+  if roc_dir and any(e.hallucination is not None or e.coverage is not None for e in examples):
+    results = {"input": {detector: evaluate.evaluate_slice(examples, detections)}}
+    evaluate.write_results(results, roc_dir)
+  logger.info("npov detect: scored %d responses -> %s", len(records), output_path)
+  return records
+
+
+@gin.configurable
+def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Optional[str] = None,
+        examples_path: Optional[str] = None, organic_path: Optional[str] = None,
+        detectors: Sequence[str] = ("rouge",), generator_dir: Optional[str] = None,
+        classifier_dirs: Optional[Mapping[str, str]] = None, prompts_dir: Optional[str] = None,
+        base_dir: Optional[str] = None,
+        vocabulary_path: Optional[str] = None, split: str = "test", seed: int = 0,
+        max_examples: Optional[int] = None, partitioner: Any = None) -> dict[str, Any]:
+  """Builds the test slices, runs the detectors and writes the table, JSON and ROC curves.
+
+  Args:
+    output_dir: Where results.json, table.txt, roc_*.png go.
+    kb_path: A JSONL knowledge base (`knowledge_base.read_kb_jsonl`); or
+    perspectrum_dir: PERSPECTRUM's folder (`knowledge_base.read_perspectrum`).
+    examples_path: Error-free examples (JSONL, `task.read_examples`) to derive the synthetic
+      slices from; default: sampled from the knowledge base's `split` topics.
+    organic_path: Labelled organic examples (JSONL with hallucination / coverage labels).
+    detectors: Any of "rouge", "salience", "classifier".
+    generator_dir: Prompt directory of the generator (salience); None: the base model alone.
+    classifier_dirs: {"hallucination": dir, "coverage": dir} prompt directories.
+    prompts_dir: Shortcut for a run folder laid out like `demo.run_demo`'s: generator/prompt,
+      classifier_hallucination/prompt, classifier_coverage/prompt (explicit dirs win).
+    base_dir: Exported base parameters (`checkpoints.export_params` with config.json).
+    vocabulary_path: SentencePiece model of the base model.
+    split: Topics to evaluate on ("test").
+    seed: Sampling / synthetic-error seed.
+    max_examples: Cap on source examples (quick runs).
+    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER, e.g.
+      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
+
+  Returns:
+    The results dict (also written to `output_dir`).
+  """
+  if prompts_dir:
+    generator_dir = generator_dir or os.path.join(prompts_dir, "generator", "prompt")
+    classifier_dirs = classifier_dirs or {
+        e: os.path.join(prompts_dir, f"classifier_{e}", "prompt") for e in evaluate.ERRORS}
+  if (kb_path is None) == (perspectrum_dir is None):
+    raise ValueError("npov evaluate: give exactly one of kb_path, perspectrum_dir")
+  topics = (kb_lib.read_kb_jsonl(kb_path) if kb_path else
+            kb_lib.read_perspectrum(perspectrum_dir))
+  topics = kb_lib.split_topics(topics)
+  if examples_path:
+    source = kb_lib.attach_clusters(task.read_examples(examples_path), topics)
+    split_of = {t.id: t.split for t in topics}
+    source = [e for e in source if split_of[e.topic] == split]
+  else:
+    source = kb_lib.sample_examples(topics, seed=seed, split=split)
+  source = source[:max_examples] if max_examples else source
+  if not source:
+    raise ValueError(f"npov evaluate: no examples in split {split!r}")
+  slices: dict[str, Sequence[task.NpovExample]] = dict(
+      synthetic.make_test_slices(source, topics, seed=seed))
+  if organic_path:
+    slices["organic"] = task.read_examples(organic_path)
+  built = {name: detect.build_detector(
+      name, base_dir=base_dir, vocabulary_path=vocabulary_path, generator_dir=generator_dir,
+      classifier_dirs=classifier_dirs, partitioner=partitioner) for name in detectors}
+  results = evaluate.evaluate_detectors(built, slices)
+  evaluate.write_results(results, output_dir)
+  print(evaluate.format_table(results))
+  return results

@@ -1,0 +1,12 @@
+"""Argument checks shared by the configs' `__post_init__` and the entry functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def positive_int(value: Any, name: str) -> None:
+  """Raises ValueError("{name} must be a positive int, got {value!r}") unless `value` is an
+  int > 0 (a bool is not one); `name` says whose field, e.g. "T5Config.d_model"."""
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")

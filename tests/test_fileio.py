@@ -1,0 +1,66 @@
+"""fileio.check_writable: the one check that a local path or bucket URL can be written."""
+
+import errno
+import os
+import tempfile
+
+import pytest
+
+from jaxmoral import checkpoints, fileio
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path):
+  """A folder no new file can be made in (root ignores permissions: then /sys)."""
+  folder = tmp_path / "read_only"
+  folder.mkdir()
+  folder.chmod(0o555)
+  try:
+    for candidate in (folder, "/sys"):
+      try:
+        with tempfile.TemporaryFile(dir=candidate):
+          pass
+      except OSError:
+        yield str(candidate)
+        return
+  finally:
+    folder.chmod(0o755)
+  pytest.skip("no read-only folder on this machine")
+
+
+def test_an_unwritable_output_raises_what_writing_would_naming_the_path(unwritable_folder):
+  path = os.path.join(unwritable_folder, "new", "out.jsonl")
+  with pytest.raises(OSError) as raised:
+    fileio.check_writable(path)
+  assert raised.value.filename == path and raised.value.errno in (errno.EACCES, errno.EROFS)
+  assert not os.path.exists(os.path.dirname(path))  # Nothing created.
+  with pytest.raises(PermissionError, match=rf"^MODEL_DIR {path}: not writable$"):
+    fileio.check_writable(path, directory=True, what="MODEL_DIR")
+  with pytest.raises(PermissionError, match=r"^MODEL_DIR .*/run: not writable$"):
+    checkpoints.make_run_dir(os.path.join(unwritable_folder, "run"))
+
+
+def test_a_file_for_a_folder_and_a_folder_for_a_file_are_refused(tmp_path):
+  a_file = tmp_path / "file"
+  a_file.write_text("")
+  with pytest.raises(NotADirectoryError):
+    fileio.check_writable(a_file, directory=True)
+  with pytest.raises(IsADirectoryError):
+    fileio.check_writable(tmp_path)
+  fileio.check_writable(a_file)  # An existing writable file, left as it is.
+  assert a_file.read_text() == ""
+  fileio.check_writable(tmp_path / "a" / "b" / "c.txt")
+  assert not (tmp_path / "a").exists()
+  run = tmp_path / "run"
+  assert checkpoints.make_run_dir(run) == str(run) and run.is_dir()
+
+
+def test_a_url_is_probed_only_when_named(monkeypatch):
+  written = []
+  monkeypatch.setattr(fileio, "write_bytes", lambda path, data: written.append(path))
+  monkeypatch.setattr(fileio, "remove", lambda path: None)
+  fileio.check_writable("gs://bucket/run/out.jsonl")  # Left to its client.
+  assert written == []
+  fileio.check_writable("gs://bucket/run/out.jsonl", what="output")
+  fileio.check_writable("gs://bucket/run", directory=True, what="MODEL_DIR")
+  assert [path.rsplit("/", 1)[0] for path in written] == ["gs://bucket/run"] * 2
