@@ -30,8 +30,9 @@ if str(PROJECT_ROOT) not in sys.path:  # `python experiments/x.py` from a clone,
   sys.path.insert(0, str(PROJECT_ROOT))
 
 # Before JAX is imported: no TPU runtime start-up noise where libtpu is installed without a TPU.
+from jaxmoral import runtime  # noqa: E402  pylint: disable=wrong-import-position
+runtime.platforms_without_absent_tpu()
 from jaxmoral import cli  # noqa: E402  pylint: disable=wrong-import-position
-cli.platforms_without_absent_tpu()
 from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import fileio  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
@@ -87,7 +88,7 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
           f"[--gin.NAME=VALUE ...]\nerror: {problem}", file=sys.stderr)
     return 2
   cli.quiet_logs(force=True)
-  cli.tensorflow_for_input_pipelines_only()
+  runtime.tensorflow_for_input_pipelines_only()
   cache_dir = compilation_cache.resolve_cache_dir(None)
   if cache_dir is not None:
     compilation_cache.enable(cache_dir)

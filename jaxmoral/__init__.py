@@ -8,10 +8,10 @@ command line, through environment defaults a user's own setting overrides.
 import os as _os
 
 # Before JAX or TensorFlow is imported: where libtpu is installed but no TPU is attached, JAX
-# would start the TPU runtime and print its failure (cli.platforms_without_absent_tpu), and
+# would start the TPU runtime and print its failure (runtime.platforms_without_absent_tpu), and
 # TensorFlow (seqio's input pipelines) logs only errors. A JAX_PLATFORMS or
 # TF_CPP_MIN_LOG_LEVEL the user set is kept.
-from jaxmoral import cli as _cli
+from jaxmoral import runtime as _runtime
 
-_cli.platforms_without_absent_tpu()
+_runtime.platforms_without_absent_tpu()
 _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

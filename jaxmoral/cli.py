@@ -22,14 +22,13 @@ a command runs.
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib
 import importlib.util
 import logging
 import os
 import re
 import sys
-from typing import Any, Callable, MutableMapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from jaxmoral import compilation_cache, fileio, gin_utils, preemption, runtime
 
@@ -68,50 +67,6 @@ _GIN_FLAGS_HELP = ("Gin flags (T5X's): --gin_file=F (repeatable), --gin.NAME=VAL
                    "--gin.MODEL_DIR=/tmp/run, --gin.TRAIN_STEPS=100, --gin.BATCH_SIZE=8, "
                    "--gin.TASK_FEATURE_LENGTHS=\"{'inputs': 64, 'targets': 32}\"), "
                    "--gin_bindings='NAME = VALUE', --gin_search_paths=DIRS.")
-
-
-# Device nodes of TPU chips (v4 and older: /dev/accel*; v5e and newer: VFIO) and of GPUs
-# (JAX's own list for NVIDIA: jax._src.hardware_utils).
-_TPU_DEVICES = ("/dev/accel*", "/dev/vfio")
-_NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
-_CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
-
-
-def _installed(module: str) -> bool:
-  try:
-    return importlib.util.find_spec(module) is not None
-  except (ImportError, ValueError):
-    return False
-
-
-def platforms_without_absent_tpu(environ: MutableMapping[str, str] = os.environ
-                                 ) -> Optional[str]:
-  """Sets JAX_PLATFORMS without "tpu" where libtpu is installed but no TPU is attached.
-
-  A venv built with the `tpu` extra has libtpu, and JAX then starts the TPU runtime on every
-  machine: on one without a TPU it prints TPU_WORKER_HOSTNAMES / accelerator-type errors to
-  stderr before falling back. JAX reads JAX_PLATFORMS when it is imported, so this runs
-  first. Left alone: a JAX_PLATFORMS the user set (even empty), JAX_FORCE_TPU_INIT, a
-  machine with a TPU device node, and one with an NVIDIA GPU but no CUDA plugin for JAX
-  (JAX's own choice then).
-
-  Args:
-    environ: The environment to read and update.
-
-  Returns:
-    The JAX_PLATFORMS value set, or None when nothing was set.
-  """
-  if "JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ:
-    return None
-  if any(glob.glob(pattern) for pattern in _TPU_DEVICES) or not _installed("libtpu"):
-    return None
-  platforms = ["cpu"]
-  if any(os.path.exists(device) for device in _NVIDIA_DEVICES):
-    if not any(_installed(plugin) for plugin in _CUDA_PLUGINS):
-      return None
-    platforms.insert(0, "cuda")
-  environ["JAX_PLATFORMS"] = ",".join(platforms)
-  return environ["JAX_PLATFORMS"]
 
 
 def _original(error: BaseException) -> BaseException:
@@ -225,43 +180,6 @@ def _not_disk_full_report(record: logging.LogRecord) -> bool:
   error = record.exc_info[1] if record.exc_info else None
   return (checkpoints.disk_full_errno(RuntimeError(record.getMessage())) is None
           and (error is None or checkpoints.disk_full_errno(error) is None))
-
-
-# What TensorFlow 2.21 writes to stderr on import, whatever TF_CPP_MIN_LOG_LEVEL says: about
-# oneDNN, a missing CUDA driver on a CPU machine, absl's pre-init notice, a failed cuInit.
-_TF_START_UP_NOISE = ("oneDNN custom operations are on", "Could not find cuda drivers",
-                      "All log messages before absl::InitializeLog()", "failed call to cuInit")
-
-
-def tensorflow_for_input_pipelines_only(*, hide_gpus: bool = True) -> None:
-  """Imports TensorFlow (seqio's input pipelines) with its start-up lines filtered out of
-  stderr, and hides every GPU from it, as T5X does: TensorFlow would otherwise reserve GPU
-  memory that JAX needs. Anything else TensorFlow writes meanwhile is passed on.
-
-  Args:
-    hide_gpus: False leaves TensorFlow's devices alone (a library import: the process is the
-      user's).
-  """
-  import tempfile  # pylint: disable=g-import-not-at-top
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile(mode="w+b") as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      import tensorflow as tf  # pylint: disable=g-import-not-at-top
-      if hide_gpus:
-        tf.config.set_visible_devices([], "GPU")
-    except ImportError:  # seqio's own import will say what is missing, if it is needed.
-      pass
-    except RuntimeError:  # TensorFlow already ran in this process: leave its devices be.
-      pass
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      for line in captured.read().decode(errors="replace").splitlines(keepends=True):
-        if not any(noise in line for noise in _TF_START_UP_NOISE):
-          sys.stderr.write(line)
 
 
 def _call_with_gin(module: str, function: str, gin_args: gin_utils.GinArgs,
@@ -409,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   message on stderr, `jaxmoral <command>: error: ...`, not a traceback.
   """
   # Before anything imports JAX (the commands below do).
-  platforms_without_absent_tpu()
+  runtime.platforms_without_absent_tpu()
   runtime.configure()
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = _parser()
@@ -466,7 +384,7 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
   if args.command == "explore":  # A web server: no TensorFlow start-up, no compilation cache.
     from jaxmoral.explore import server  # Imported when run: keeps --help fast.
     return server.serve(dirs=args.dirs, port=args.port, host=args.host)
-  tensorflow_for_input_pipelines_only()
+  runtime.tensorflow_for_input_pipelines_only()
   # `compile` goes without: compile-only TPU executables cannot be loaded back.
   if args.command == "compile":
     compilation_cache.disable()

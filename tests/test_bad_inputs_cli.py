@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from jaxmoral import cli
+from jaxmoral import runtime
 from jaxmoral import gin_utils
 from jaxmoral import model_dirs
 from jaxmoral.data import vocab as vocab_lib
@@ -293,16 +294,17 @@ def test_every_action_prints_its_usage(argv, capsys):
 
 
 def test_jax_platforms_leave_out_an_absent_tpu(monkeypatch):
-  monkeypatch.setattr(cli, "_TPU_DEVICES", (str(ROOT / "no_such_device*"),))
-  monkeypatch.setattr(cli, "_NVIDIA_DEVICES", (str(ROOT / "no_such_gpu"),))
-  monkeypatch.setattr(cli, "_installed", lambda module: module == "libtpu")
+  monkeypatch.setattr(runtime, "_TPU_DEVICES", (str(ROOT / "no_such_device*"),))
+  monkeypatch.setattr(runtime, "_NVIDIA_DEVICES", (str(ROOT / "no_such_gpu"),))
+  monkeypatch.setattr(runtime, "_installed", lambda module: module == "libtpu")
   environ = {}
-  assert cli.platforms_without_absent_tpu(environ) == "cpu" and environ == {
+  assert runtime.platforms_without_absent_tpu(environ) == "cpu" and environ == {
       "JAX_PLATFORMS": "cpu"}
   environ = {"JAX_PLATFORMS": ""}  # The user's choice (here: JAX's automatic one) stays.
-  assert cli.platforms_without_absent_tpu(environ) is None and environ == {"JAX_PLATFORMS": ""}
-  monkeypatch.setattr(cli, "_TPU_DEVICES", (str(ROOT / "README*"),))  # "A TPU is here."
-  assert cli.platforms_without_absent_tpu({}) is None
+  assert (runtime.platforms_without_absent_tpu(environ) is None
+          and environ == {"JAX_PLATFORMS": ""})
+  monkeypatch.setattr(runtime, "_TPU_DEVICES", (str(ROOT / "README*"),))  # "A TPU is here."
+  assert runtime.platforms_without_absent_tpu({}) is None
 
 
 def test_help_starts_without_the_tpu_runtime():

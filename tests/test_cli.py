@@ -144,8 +144,8 @@ def set_visible_devices(devices, kind):
   print("hidden", kind, devices)
 sys.modules["tensorflow"] = types.SimpleNamespace(
     config=types.SimpleNamespace(set_visible_devices=set_visible_devices))
-from jaxmoral import cli
-cli.tensorflow_for_input_pipelines_only()
+from jaxmoral import runtime
+runtime.tensorflow_for_input_pipelines_only()
 print("after", file=sys.stderr)
 """
 
@@ -158,7 +158,7 @@ def test_tensorflow_start_up_noise_is_filtered_and_gpus_hidden():
 
 
 def test_real_tensorflow_import_leaves_no_start_up_noise():
-  script = ("from jaxmoral import cli\ncli.tensorflow_for_input_pipelines_only()\n"
+  script = ("from jaxmoral import runtime\nruntime.tensorflow_for_input_pipelines_only()\n"
             "import tensorflow as tf\nprint(tf.config.get_visible_devices('GPU'))\n")
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         timeout=300, check=True)

@@ -5,7 +5,7 @@ T5X feature conversion with deterministic batching, and seqio Tasks."""
 # user's stderr: import it once here with them filtered, as the command line does.
 import sys as _sys  # noqa: E402
 
-from jaxmoral import cli as _cli  # noqa: E402
+from jaxmoral import runtime as _runtime  # noqa: E402
 
 if "tensorflow" not in _sys.modules:
-  _cli.tensorflow_for_input_pipelines_only(hide_gpus=False)
+  _runtime.tensorflow_for_input_pipelines_only(hide_gpus=False)
