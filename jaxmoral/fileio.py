@@ -252,7 +252,7 @@ def create_exclusive(location: str | os.PathLike, data: bytes) -> bool:
 
   Local: O_CREAT | O_EXCL. gs://: an upload with the precondition `ifGenerationMatch=0`, which
   the store refuses (HTTP 412) when the object exists. Other stores: check, then write (not
-  race-free; said in the README).
+  race-free; said in docs/reliability.md).
   """
   location = os.fspath(location)
   if not is_url(location):

@@ -288,7 +288,7 @@ def test_the_quickstart_runs_in_full(tmp_path, capsys):
 
 
 def test_clarify_judge_defaults_fit_the_demo_vocabulary(tmp_path, capsys):
-  """`clarify train-model --which=judge --source=demo` without a gin file (as the README has
+  """`clarify train-model --which=judge --source=demo` without a gin file (as docs/methods.md has
   it) picks judge classes of the demo vocabulary; classes that do not fit fail naming
   --judge_classes and leave no run directory behind."""
   from jaxmoral.clarify import formats, training  # pylint: disable=g-import-not-at-top
