@@ -363,9 +363,9 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
       if differ:
         raise ValueError(
             f"train: {ckpt_dir}/{latest} was written with "
-            f"{', '.join(f'{k}={saved[k]!r}' for k in differ)}, this run has "
-            f"{', '.join(f'{k}={position[k]!r}' for k in differ)}; the data would not continue "
-            "the same run (use the run's settings, or a new MODEL_DIR); nothing was changed")
+            f"{', '.join(f'{k}={saved[k]!r} (this run: {position[k]!r})' for k in differ)}; "
+            "the data would not continue the same run (use the run's settings, or a new "
+            "MODEL_DIR); nothing was changed")
       logger.info("train: resuming from %s at step %d", ckpt_dir, latest)
     elif init_params is not None:
       state = trainer.init_state_from_params(init_params() if callable(init_params)

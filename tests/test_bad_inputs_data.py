@@ -175,7 +175,9 @@ def npov_blank_lines_only(tmp: pathlib.Path):
 # -- item 14: any split whose file is present ---------------------------------------------------
 def clarify_evaluate_missing_split(tmp: pathlib.Path):
   root = _clarify_folder(tmp / "data", questions={"train": QUESTIONS, "dev": QUESTIONS})
-  # The models need not exist: --source / --split are checked before any loads.
+  # The model folders exist (input paths are checked first) but hold no model: --source /
+  # --split are checked before any loads.
+  (tmp / "no_model").mkdir()
   flags = [f"--{m}_model_dir={tmp / 'no_model'}" for m in ("question", "answer", "fusion",
                                                            "judge")]
   flags += [f"--source={root}", "--split=test", f"--output_path={tmp / 'out' / 'eval.json'}"]

@@ -531,6 +531,9 @@ def test_clarify_system_metrics_count_questions():
     jsd = [0.1, 0.0, 0.3, 0.0]
     flips = [True, False, True, False]
     filtered = [False, True, False, True]
+
+    def row(self, i):  # One question's pipeline, kept for reading examples.
+      return {"jsd": self.jsd[i]}
   questions = ["Why?", "bed", "Who was there? ", "relevant"]
 
   class Reward:

@@ -220,7 +220,7 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   results = root / "experiments"
   results.mkdir(exist_ok=True)
   for suffix in (".json", ".md", ".png"):
-    shutil.copy(REPO / "experiments" / "results" / f"diamante_fig3_cpu{suffix}", results)
+    shutil.copy(REPO / "experiments" / "results" / f"diamante_fig3_cpu_shuffled_base{suffix}", results)
   return {"demo": demo, "models": models, "examples": examples, "classifier": classifier,
           "evaluation": evaluation, "curve": curve, "metrics": metrics, "loss": loss,
           "model_dir": model_dir, "dialogues": dialogues,
@@ -534,8 +534,9 @@ def test_run_and_experiment_views(site, browser):
   assert "BATCH_SIZE = 8" in driver.find_element(By.CSS_SELECTOR, "pre.config").text
   assert "jaxmoral 0.1.0 (commit abc1234def56, modified), jax 0.10.2" in driver.find_element(
       By.ID, "software").text
-  driver = browser.open_page("/experiments?root=2&path=diamante_fig3_cpu.json", "experiment")
-  data = json.loads((site["results"] / "diamante_fig3_cpu.json").read_text())
+  driver = browser.open_page("/experiments?root=2&path=diamante_fig3_cpu_shuffled_base.json",
+                             "experiment")
+  data = json.loads((site["results"] / "diamante_fig3_cpu_shuffled_base.json").read_text())
   ci = data["differences"]
   first = next(iter(ci.values()))
   first_metric = next(iter(first.values()))

@@ -341,6 +341,7 @@ def test_processes_reading_other_data_are_refused(tmp_path):
   lines = _last_lines_of_two(tmp_path, DATA_DRIVER, lambda i: [str(tmp_path / "run")])
   assert lines == [
       f"refused: train: process 1 of 2 has another data position than process 0 (here "
-      f"{{'num_examples': {100 - i}, 'seed': 0, 'batch_size': None}}): every host must read the "
+      f"{{'num_examples': {100 - i}, 'seed': 0, 'batch_size': None, 'data': None}}): every host "
+      "must read the "
       "same data with the "
       "same seed" for i in range(2)]

@@ -77,8 +77,8 @@ def error_line(capsys) -> str:
 @pytest.mark.parametrize("flags, message", [
     (["--gin.config.t5_config.d_model=96", "--gin.TRAIN_STEPS=4"], "cannot restore"),
     (["--gin.TRAIN_STEPS=2"], "beyond train_steps=2"),
-    (["--gin.SEED=1", "--gin.TRAIN_STEPS=4"], "seed=0, this run has seed=1"),
-    (["--gin.BATCH_SIZE=16", "--gin.TRAIN_STEPS=4"], "batch_size=8, this run has batch_size=16"),
+    (["--gin.SEED=1", "--gin.TRAIN_STEPS=4"], "seed=0 (this run: 1)"),
+    (["--gin.BATCH_SIZE=16", "--gin.TRAIN_STEPS=4"], "batch_size=8 (this run: 16)"),
 ])
 def test_a_refused_resume_changes_nothing(run, flags, message, capsys):
   before = snapshot(run)

@@ -286,7 +286,9 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(run_a, tmp_path):
   while time.time() < deadline and child.poll() is None:
     if os.path.exists(progress):
       text = open(progress).read().strip()
-      if text and int(text) >= 6:  # checkpoints at 2 and 4 requested; mid-run
+      # Mid-run: batch 6 read (the loop reads ahead) and step 2's checkpoint complete.
+      step_2 = os.path.join(model_dir, "checkpoints", "2", checkpoints.INTEGRITY_FILE)
+      if text and int(text) >= 6 and os.path.isfile(step_2):
         killed_at = int(text)
         child.send_signal(signal.SIGKILL)
         break
