@@ -84,10 +84,14 @@ def write(directory: str, chunks: Iterable[Mapping[str, np.ndarray]],
   os.makedirs(parent, exist_ok=True)
   temporary = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp.", dir=parent)
   try:
-    for name, array in features.items():
-      np.save(os.path.join(temporary, f"{name}.npy"), array)
-    with open(os.path.join(temporary, META), "w", encoding="utf-8") as f:
-      json.dump(meta, f, default=str)
+    try:
+      for name, array in features.items():
+        np.save(os.path.join(temporary, f"{name}.npy"), array)
+      with open(os.path.join(temporary, META), "w", encoding="utf-8") as f:
+        json.dump(meta, f, default=str)
+    except OSError as e:  # A full disk or a file size limit: one line naming the folder.
+      raise OSError(e.errno, f"data cache {directory} could not be written "
+                             f"({e.strerror or e}); free space in that folder") from None
     try:
       os.rename(temporary, directory)
     except OSError:
