@@ -8,6 +8,7 @@ uses. This module imports nothing heavy: the method modules register at import t
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterator, Optional, Sequence
 
 # reader(data_dir, *, splits) -> texts; `splits` is None where the corpus gives no splits.
@@ -27,7 +28,7 @@ def registered() -> dict[str, tuple[TextReader, bool]]:
   return dict(_READERS)
 
 
-def read(name: str, data_dir: Optional[str], *,
+def read(name: str, data_dir: Optional[str | os.PathLike], *,
          splits: Optional[Sequence[str]] = None) -> Iterator[str]:
   """The texts of registered source `name`."""
   reader, _ = _READERS[name]

@@ -29,12 +29,13 @@ configs/core/pretrain_span_corruption.gin).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
 import os
 import pathlib
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import seqio
@@ -129,16 +130,17 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
     raise ValueError(f"corpus sources {needs_dir} need data_dir (e.g. ../shared/data)")
   if data_dir is not None and needs_dir and not pathlib.Path(data_dir).is_dir():
     raise FileNotFoundError(f"data_dir {data_dir} is not a folder")
-  readers_by_source = {
-      "clarify": lambda: clarify_texts(data_dir, splits=clarify_splits),
-      "silver": lambda: silver_texts(data_dir),
-      "fusion": lambda: fusion_texts(data_dir),
-      "demo": vocab_lib.demo_texts,
-  }
+  readers_by_source: dict[str, Callable[[], Iterable[str]]] = {"demo": vocab_lib.demo_texts}
+  if data_dir is not None:  # Without it, no source asked for reads these (checked above).
+    readers_by_source.update({
+        "clarify": lambda: clarify_texts(data_dir, splits=clarify_splits),
+        "silver": lambda: silver_texts(data_dir),
+        "fusion": lambda: fusion_texts(data_dir),
+    })
   splits_of = {"perspectrum": perspectrum_splits}
   for name in registered:
-    readers_by_source[name] = (lambda name=name: corpus_sources.read(
-        name, data_dir, splits=splits_of.get(name)))
+    readers_by_source[name] = functools.partial(corpus_sources.read, name, data_dir,
+                                                splits=splits_of.get(name))
   texts: dict[str, None] = {}
   for source in sources:
     before = len(texts)

@@ -30,7 +30,7 @@ cached decoding step's are the `ops.DecodeStepOps` given to `decode(step_ops=...
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Callable, Optional, cast
 
 import flax.linen as nn
 import jax
@@ -54,7 +54,10 @@ def _dtype(config: T5Config) -> Any:
 def _param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...],
            axes: tuple[Optional[str], ...]) -> Array:
   """A float32 parameter boxed with its T5X logical axis names."""
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+  # `param` unboxes the LogicallyPartitioned the initializer returns (unbox=True); flax's
+  # annotation gives the boxed type.
+  return cast(Array, module.param(name, nn.with_logical_partitioning(init, axes), shape,
+                                  jnp.float32))
 
 
 def _normal_param(module: nn.Module, name: str, stddev: float, shape: tuple[int, ...],
@@ -203,7 +206,7 @@ class MultiHeadAttention(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, inputs_q: Array, inputs_kv: Optional[Array], bias: Array, *,
+  def __call__(self, inputs_q: Array, inputs_kv: Optional[Array], bias: Array | FusedMask, *,
                decode: bool = False, init_cache: bool = False, is_cross: bool = False,
                decode_position: Optional[Array] = None,
                max_decode_length: Optional[int] = None,
@@ -242,11 +245,13 @@ class MultiHeadAttention(nn.Module):
     if isinstance(bias, FusedMask):
       if decode:
         raise ValueError("MultiHeadAttention: fused attention is for teacher forcing only")
+      assert inputs_kv is not None  # Teacher forcing: T5.decode's caller gives `encoded`.
       out = ops.fused_attention(split(query_proj(inputs_q)), split(key_proj(inputs_kv)),
                                 split(value_proj(inputs_kv)), bias)
       out = out.reshape(out.shape[0], out.shape[1], joined)
       return _constrain(out_proj(out), ("batch", "length", "embed"))
     if fused_qkv:
+      assert step_ops is not None  # `step` holds (checked above).
       query, own_key, own_value = [p.astype(dtype) for p in step_ops.products(
           self.path, ("query", "key", "value"), inputs_q,
           [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)])]
@@ -255,12 +260,13 @@ class MultiHeadAttention(nn.Module):
     query = heads_first(split(query))
     if decode and is_cross:
       if init_cache:
+        assert inputs_kv is not None  # T5.init_cache passes the encoder outputs.
         projected_k = heads_first(split(key_proj(inputs_kv)))
         projected_v = heads_first(split(value_proj(inputs_kv)))
         self.variable("cache", "cached_key", lambda: projected_k)
         self.variable("cache", "cached_value", lambda: projected_v)
-      key = self.get_variable("cache", "cached_key")
-      value = self.get_variable("cache", "cached_value")
+      key: Array = self.get_variable("cache", "cached_key")
+      value: Array = self.get_variable("cache", "cached_value")
     elif decode:
       shape = (batch, heads, max_decode_length, d_kv)
       cached_key = self.variable("cache", "cached_key", jnp.zeros, shape, dtype)
@@ -269,11 +275,13 @@ class MultiHeadAttention(nn.Module):
         return jnp.zeros(inputs_q.shape[:-1] + (d_model,), dtype)
       step_k = heads_first(split(own_key)).astype(dtype)  # fused_qkv holds here.
       step_v = heads_first(split(own_value)).astype(dtype)
+      assert decode_position is not None  # Decoder passes it in decode mode.
       start = (0, 0, decode_position, 0)
       cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, step_k, start)
       cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, step_v, start)
       key, value = cached_key.value, cached_value.value
     else:
+      assert inputs_kv is not None  # Teacher forcing: T5.decode's caller gives `encoded`.
       key = heads_first(split(key_proj(inputs_kv)))
       value = heads_first(split(value_proj(inputs_kv)))
 
@@ -281,8 +289,9 @@ class MultiHeadAttention(nn.Module):
     if group * key.shape[0] != batch:
       raise ValueError(f"MultiHeadAttention: {batch} query rows do not come in groups over "
                        f"{key.shape[0]} key/value rows")
+    # step_ops are given exactly in cached decoding steps (checked above).
     step_out = (step_ops.attention(self.path, query[:, :, 0], key, value, bias[:, :, 0])
-                if step else None)
+                if step_ops is not None else None)
     if step_out is not None:  # The backend's attention of the step's one query per row/head.
       out = step_out[:, :, None].astype(dtype)
     elif group > 1:
@@ -320,8 +329,10 @@ class MlpBlock(nn.Module):
     cfg = self.config
     ops = ModelOps.for_config(cfg)
     dtype = _dtype(cfg)
-    act = {"relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=True),
-           "silu": jax.nn.silu}[cfg.feed_forward_proj.split("-")[-1]]
+    activations: dict[str, Callable[[Array], Array]] = {
+        "relu": jax.nn.relu, "gelu": functools.partial(jax.nn.gelu, approximate=True),
+        "silu": jax.nn.silu}
+    act = activations[cfg.feed_forward_proj.split("-")[-1]]
     dense = functools.partial(DenseKernel, features=cfg.d_ff, axes=("embed", "mlp"),
                               init_scale=cfg.d_model ** -0.5, dtype=dtype, ops=ops)
     if cfg.is_gated and step_ops is not None:
@@ -351,7 +362,7 @@ class EncoderLayer(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x: Array, bias: Array) -> Array:
+  def __call__(self, x: Array, bias: Array | FusedMask) -> Array:
     cfg = self.config
     norm = functools.partial(RMSNorm, epsilon=cfg.layer_norm_epsilon, dtype=_dtype(cfg))
     h = norm(name="pre_attention_layer_norm")(x)
@@ -371,14 +382,14 @@ class DecoderLayer(nn.Module):
   max_decode_length: Optional[int] = None
 
   @nn.compact
-  def __call__(self, x: Array, encoded: Optional[Array], self_bias: Array, cross_bias: Array,
-               decode_position: Optional[Array], *,
+  def __call__(self, x: Array, encoded: Optional[Array], self_bias: Array | FusedMask,
+               cross_bias: Array | FusedMask, decode_position: Optional[Array], *,
                step_ops: Optional[DecodeStepOps] = None) -> Array:
     cfg = self.config
     norm = functools.partial(RMSNorm, epsilon=cfg.layer_norm_epsilon, dtype=_dtype(cfg))
-    cache_args = dict(decode=self.decode, init_cache=self.init_cache,
-                      decode_position=decode_position, max_decode_length=self.max_decode_length,
-                      step_ops=step_ops)
+    cache_args: dict[str, Any] = dict(
+        decode=self.decode, init_cache=self.init_cache, decode_position=decode_position,
+        max_decode_length=self.max_decode_length, step_ops=step_ops)
     h = norm(name="pre_self_attention_layer_norm")(x)
     h = MultiHeadAttention(cfg, self.deterministic, name="self_attention")(
         h, h, self_bias, **cache_args)
@@ -448,6 +459,7 @@ class Decoder(nn.Module):
         raise ValueError(f"decode mode takes one token per step, got length {length}")
       position_var = self.variable("cache", "decode_position", lambda: jnp.zeros((), jnp.int32))
       decode_position = position_var.value
+      assert max_decode_length is not None  # T5.decode's callers give it with decode=True.
       key_positions = jnp.arange(max_decode_length)
       query_positions = decode_position[None]
       causal = key_positions[None, None, None, :] <= decode_position
@@ -551,6 +563,7 @@ class T5(nn.Module):
     if (encoder_input_tokens is None) == (encoder_embeds is None):
       raise ValueError("encode: give exactly one of encoder_input_tokens, encoder_embeds")
     if encoder_embeds is None:
+      assert encoder_input_tokens is not None  # Exactly one is given (checked above).
       encoder_embeds = self.embed(encoder_input_tokens)
     if encoder_mask is None:
       if encoder_input_tokens is None:
@@ -614,6 +627,7 @@ class T5(nn.Module):
     encoded = self.encode(encoder_input_tokens, encoder_embeds=encoder_embeds,
                           encoder_mask=encoder_mask, encoder_segment_ids=encoder_segment_ids,
                           deterministic=deterministic)
+    assert encoder_mask is not None  # `encode` requires it with encoder_embeds.
     logits, hidden = self.decode(encoded, encoder_mask, decoder_input_tokens,
                                  decoder_segment_ids=decoder_segment_ids,
                                  encoder_segment_ids=encoder_segment_ids,
