@@ -180,8 +180,8 @@ def create_app(roots: folders.Roots, *,
       return render("message.html", title="Not found",
                     message=f"no example {wanted!r} in {folder.name}"), 404
     heatmap = None
-    from jaxmoral.npov import detect  # pylint: disable=import-outside-toplevel
-    candidate = folder / "heatmaps" / detect._file_name(wanted)  # pylint: disable=protected-access
+    from jaxmoral.npov import actions  # Imported when used: keeps the server's start light.
+    candidate = folder / "heatmaps" / actions.heatmap_file_name(wanted)
     if candidate.is_file():
       heatmap = roots.relative(root, candidate)
     return render("npov_example.html", root=root, path=roots.relative(root, folder),

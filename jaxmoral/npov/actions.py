@@ -26,7 +26,7 @@ from jaxmoral.npov import task
 logger = logging.getLogger(__name__)
 
 
-def _file_name(example_id: str) -> str:
+def heatmap_file_name(example_id: str) -> str:
   """A file name of its own for each (unique) id: "topic 1/a" and "topic 1?a" must not meet."""
   safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", example_id)
   if safe != example_id:
@@ -79,7 +79,7 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     for e in examples:
       word_map = det.word_map(e)
       d = det.detect_from_map(word_map)
-      plots.salience_heatmap_html(word_map, d, fileio.join(heatmap_dir, _file_name(e.id)),
+      plots.salience_heatmap_html(word_map, d, fileio.join(heatmap_dir, heatmap_file_name(e.id)),
                                   title=e.query, example=e)
       detections.append(d)
   else:
