@@ -244,7 +244,7 @@ def test_heatmaps_are_for_salience_and_have_a_file_per_id(tmp_path):
   with pytest.raises(ValueError, match="heatmap_dir is for detector='salience'"):
     actions.detect_file(input_path=str(path), output_path=str(tmp_path / "o.jsonl"),
                         heatmap_dir=str(tmp_path / "h"))
-  names = {actions._file_name(i) for i in ("topic 1/a", "topic 1?a", "topic_1_a", "a")}
+  names = {actions.heatmap_file_name(i) for i in ("topic 1/a", "topic 1?a", "topic_1_a", "a")}
   assert len(names) == 4 and "a.html" in names and "topic_1_a.html" in names
 
 
