@@ -340,7 +340,7 @@ def _jitted_prepare(name: str, model: T5) -> Callable[[Params], dict[str, Array]
 
 @gin.configurable(module="decoding", allowlist=["backend"])
 def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
-                           partitioner: Any = None) -> DecodeWeights:
+                           partitioner: Any = None) -> Optional[DecodeWeights]:
   """Builds a backend's kernels for `params` once; pass them to every decoding call.
 
   Args:
@@ -349,7 +349,22 @@ def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
     backend: A registered backend name, or "auto" (see `choose_backend`); gin binds it
       (`decoding.prepare_decode_weights.backend = 'cpu_packed'`).
     partitioner: Build under its mesh and rules (sharded parameters).
+
+  Returns:
+    The kernels, or None for a model sharded over more than one device with "auto" or "xla":
+    each call then stacks XLA's kernels inside its trace rather than keep a second copy of
+    the decoder weights.
+
+  Raises:
+    ValueError: An unknown backend, or a named one-device backend on a larger mesh (a
+      backend gin names is used or refused, never accepted and ignored).
   """
+  if partitioner is not None and partitioner.mesh.size > 1:
+    if backend in ("auto", "xla"):
+      return None
+    get_backend(backend)  # An unknown name is the same error as on one device.
+    raise ValueError(f"decoding backend {backend!r} prepares weights on one device; this model "
+                     f"is sharded over {partitioner.mesh.size} devices (use 'auto' or 'xla')")
   name = choose_backend(model, params, backend)
   context = partitioner.context() if partitioner is not None else contextlib.nullcontext()
   with context:

@@ -45,7 +45,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
-import gin
 from jaxmoral import checkpoints
 from jaxmoral import decoding
 from jaxmoral import fileio
@@ -450,22 +449,8 @@ def _param_shardings(config: T5Config, partitioner: Any, with_scalar_head: bool)
 
 
 def decode_weights(model: Any, params: PyTree, partitioner: Any = None) -> Any:
-  """The decoding backend's kernels of loaded parameters, prepared once, or None.
-
-  Prepared where the parameters sit on one device (no partitioner, or a one-device mesh: the
-  CPU kernels or XLA's stacks); a model sharded over a larger mesh stacks XLA's kernels inside
-  each call rather than keep a second copy of its decoder weights.
-  """
-  if partitioner is not None and partitioner.mesh.size > 1:
-    try:  # A backend named in gin is used, or refused: never accepted and ignored.
-      named = gin.query_parameter("decoding.prepare_decode_weights.backend")
-    except ValueError:
-      named = "auto"
-    if named not in ("auto", "xla"):
-      decoding.get_backend(named)  # An unknown name is the same error as on one device.
-      raise ValueError(f"decoding backend {named!r} prepares weights on one device; this model "
-                       f"is sharded over {partitioner.mesh.size} devices (use 'auto' or 'xla')")
-    return None
+  """The decoding backend's kernels of loaded parameters, prepared once, or None
+  (`decoding.prepare_decode_weights`, its backend as gin binds it)."""
   return decoding.prepare_decode_weights(model, params, partitioner=partitioner)
 
 
