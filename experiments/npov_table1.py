@@ -359,8 +359,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       classifier setting (this, `balanced_sides`, `classifier_substitutions`) trains into a
       folder of its own (`classifier_run_name`), so all share the workdir's base and generator.
     balanced_sides: Error-free test and classifier-training sources have as many arguments on
-      each side (as the configs of record use). A synthetic error then always unbalances the sides, a cue
-      that tells every error apart (the `side_imbalance` control scores 1.0). False samples
+      each side (as the configs of record use). A synthetic error then always unbalances the
+      sides, a cue that tells every error apart (the `side_imbalance` control scores 1.0). False samples
       each side's count on its own for those sources; the generator's verbalisation examples
       stay balanced either way, so the base and generator runs are shared.
     classifier_substitutions: Add each classifier-training source's
