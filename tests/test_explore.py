@@ -304,17 +304,17 @@ def site(tmp_path_factory, chromium_paths, demo_vocab_path):
   made = make_folders(root, demo_vocab_path)
   made["before"] = _snapshot(root)
   url = f"http://127.0.0.1:{port}"
-  deadline = time.time() + 60
+  deadline = time.time() + 180  # it imports what its pages use before it serves
   while True:
     try:
       urllib.request.urlopen(url + "/favicon.ico", timeout=2)  # pylint: disable=consider-using-with
       break
-    except (urllib.error.URLError, ConnectionError):
+    except OSError:  # refused, or not answered yet (URLError, TimeoutError)
       if process.poll() is not None or time.time() > deadline:
         process.kill()
         pytest.fail(f"jaxmoral explore did not start: {log_path.read_text()}")
       time.sleep(0.2)
-  made.update(url=url, root=root, process=process)
+  made.update(url=url, root=root, process=process, log_path=log_path)
   yield made
   process.terminate()
   process.wait(timeout=20)
@@ -342,7 +342,9 @@ def browser(site, chromium_paths):
     if shot:
       driver.save_screenshot(str(shots / f"{shot}.png"))
     errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
-    assert not errors, f"{path}: console errors {errors}"
+    # A server error's traceback is in the server's log, not the browser's.
+    assert not errors, f"{path}: console errors {errors}; server log ends: " \
+        f"{site['log_path'].read_text()[-3000:]}"
     return driver
 
   driver.open_page = open_page

@@ -15,7 +15,6 @@ import importlib
 import logging
 import mimetypes
 import pathlib
-import threading
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
@@ -294,18 +293,26 @@ def _fmt(value: Any, digits: int = 4) -> str:
   return str(value)
 
 
-# What the first page of each view imports (NLTK, JAX, Orbax, TensorBoard's protos): loaded in
-# the background as the server starts, so that first page does not wait for them.
-_VIEW_MODULES = ("jaxmoral.npov.detectors.rouge", "jaxmoral.npov.task", "jaxmoral.metrics",
-                 "jaxmoral.train", "jaxmoral.checkpoints", "jaxmoral.diamante.data")
+# Every module a page or a live form imports (NLTK, JAX, Orbax, TensorFlow, TensorBoard's
+# protos), imported before the server accepts a request. Importing them while requests are
+# served is unsafe, not just slow: some libraries (TFDS through etils) swap
+# `builtins.__import__` for the whole process while they load, and a request thread importing
+# anything meanwhile (werkzeug does, inside `send_file`) fails with a 500.
+_SERVED_MODULES = ("jaxmoral.npov.detectors.rouge", "jaxmoral.npov.task", "jaxmoral.npov.detect",
+                   "jaxmoral.npov.actions", "jaxmoral.metrics", "jaxmoral.train",
+                   "jaxmoral.checkpoints", "jaxmoral.software", "jaxmoral.rl.ppo_trainer",
+                   "jaxmoral.clarify.reward", "jaxmoral.clarify.formats",
+                   "jaxmoral.clarify.models", "jaxmoral.diamante.data",
+                   "jaxmoral.diamante.evaluate", "jaxmoral.diamante.bundle",
+                   "jaxmoral.diamante.inference")
 
 
-def _preload() -> None:
-  for module in _VIEW_MODULES:
+def _import_served_modules() -> None:
+  for module in _SERVED_MODULES:
     try:
       importlib.import_module(module)
     except Exception:  # pylint: disable=broad-except  (the page that needs it will say why)
-      logger.debug("explore: preloading %s failed", module, exc_info=True)
+      logger.debug("explore: importing %s failed", module, exc_info=True)
 
 
 def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1") -> int:
@@ -323,7 +330,8 @@ def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1") -> 
   except OSError as error:
     raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); "
                      f"choose another --port") from None
-  threading.Thread(target=_preload, name="explore-preload", daemon=True).start()
+  # The port is bound: a browser that connects now waits in the listen queue.
+  _import_served_modules()
   print(f"jaxmoral explore: http://{host}:{server.effective_port}/ "
         f"({', '.join(str(f) for f in roots.folders)}; read-only; Ctrl-C stops)", flush=True)
   try:
