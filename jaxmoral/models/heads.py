@@ -10,15 +10,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxmoral.models import param_init
+
 
 class ScalarHead(nn.Module):
   """Linear map (d_model -> 1) with float32 output; kernel axes ("embed", None)."""
 
   @nn.compact
   def __call__(self, hidden: jax.Array) -> jax.Array:
-    kernel = self.param("kernel", nn.with_logical_partitioning(
-        nn.initializers.normal(stddev=hidden.shape[-1] ** -0.5), ("embed", None)),
-        (hidden.shape[-1], 1), jnp.float32)
+    kernel = param_init.normal_param(self, "kernel", hidden.shape[-1] ** -0.5,
+                                     (hidden.shape[-1], 1), ("embed", None))
     bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
                       (1,), jnp.float32)
     # flax's stubs type a boxed param's value as the box; `param` returns it unboxed.

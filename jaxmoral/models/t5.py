@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxmoral.models import heads
 from jaxmoral.models import ops as ops_lib
+from jaxmoral.models import param_init
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.ops import DecodeStepOps
 from jaxmoral.models.ops import FusedMask
@@ -60,10 +61,7 @@ def _param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...],
                                   jnp.float32))
 
 
-def _normal_param(module: nn.Module, name: str, stddev: float, shape: tuple[int, ...],
-                  axes: tuple[Optional[str], ...]) -> Array:
-  """`_param` drawn from N(0, stddev^2)."""
-  return _param(module, name, nn.initializers.normal(stddev=stddev), shape, axes)
+_normal_param = param_init.normal_param
 
 
 def _constrain(x: Array, axes: tuple[Optional[str], ...]) -> Array:
@@ -661,7 +659,21 @@ def shift_right(targets: Array, start_id: int = 0) -> Array:
 
 def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: int = 8,
                 decoder_length: int = 8) -> Any:
-  """Randomly initialised (boxed, logically partitioned) parameters."""
+  """Randomly initialised (boxed, logically partitioned) parameters.
+
+  The normal parameters are drawn a few at a time (`param_init`), which compiles many times
+  faster than one draw per parameter; the values are therefore this function's own, and
+  `model.init` alone draws others from the same key.
+  """
   enc = jnp.ones((batch_size, encoder_length), jnp.int32)
   dec = jnp.ones((batch_size, decoder_length), jnp.int32)
-  return model.init({"params": rng, "dropout": rng}, enc, dec)["params"]
+
+  def init(key: Array) -> Any:
+    return model.init({"params": key, "dropout": key}, enc, dec)["params"]
+
+  def init_missing(params: Any, key: Array) -> Any:
+    _, variables = model.apply({"params": params}, enc, dec, mutable=["params"],
+                               rngs={"params": key, "dropout": key})
+    return variables["params"]
+
+  return param_init.init_params(init, init_missing, rng)
