@@ -1,0 +1,58 @@
+"""models.param_init: grouped normal draws give a model's parameters their declared
+distributions, the structure `model.init` gives, and a few random draws in all."""
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from jaxmoral.models import config as config_lib
+from jaxmoral.models import param_init
+from jaxmoral.models import t5
+
+
+def _model() -> t5.T5:
+  return t5.T5(config_lib.t5_config(size="tiny"), with_scalar_head=True)
+
+
+def test_parameters_have_their_declared_distribution_and_model_inits_structure():
+  model = _model()
+  params = jax.jit(lambda r: t5.init_params(model, r))(jax.random.PRNGKey(0))
+  reference = jax.eval_shape(lambda r: t5.init_params(model, r), jax.random.PRNGKey(0))
+  direct = jax.eval_shape(
+      lambda r: model.init({"params": r, "dropout": r}, np.ones((1, 8), np.int32),
+                           np.ones((1, 8), np.int32))["params"], jax.random.PRNGKey(0))
+  assert jax.tree.structure(params) == jax.tree.structure(direct) == jax.tree.structure(reference)
+  flat = jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))[0]
+  normals = 0
+  seen = []
+  for path, box in flat:
+    value = np.asarray(box.value)
+    name = jax.tree_util.keystr(path)
+    if isinstance(box, param_init.NormalParam):
+      normals += 1
+      # Standard error of a sample std over n >= 64 values is under 10 %; 35 % bounds it.
+      assert abs(value.std() / box.stddev - 1) < 0.35, name
+      assert abs(value.mean()) < 0.5 * box.stddev, name
+      assert not any(value.shape == other.shape and np.allclose(value, other) for other in seen), (
+          f"{name} repeats another parameter's draw")
+      seen.append(value)
+    elif name.endswith("['scale']"):
+      np.testing.assert_array_equal(value, 1.0)
+    else:
+      np.testing.assert_array_equal(value, 0.0)  # the scalar head's bias
+  assert normals > 20
+
+
+def test_one_random_draw_per_shape_and_axes():
+  model = _model()
+  jaxpr = jax.make_jaxpr(lambda r: t5.init_params(model, r))(jax.random.PRNGKey(0))
+  text = str(jaxpr)
+  draws = text.count("random_bits") + text.count("threefry2x32")
+  abstract = jax.eval_shape(lambda r: t5.init_params(model, r), jax.random.PRNGKey(0))
+  groups = {(box.value.shape, tuple(box.names)) for box in jax.tree.leaves(
+      abstract, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+            if isinstance(box, param_init.NormalParam)}
+  normals = sum(isinstance(box, param_init.NormalParam) for box in jax.tree.leaves(
+      abstract, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)))
+  assert 0 < draws <= len(groups) < normals
