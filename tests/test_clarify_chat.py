@@ -45,12 +45,14 @@ def test_chat_from_file_three_turns(tmp_path, model_dir):
   # The second conversation ran out of given answers: θA answered turns 2 and 3.
   second = [r for r in lines if r["conversation"] == 1]
   assert second[0]["answer"] == "To protect her."
-  for r in lines:
+  # The shown judgment is the argmax of the judge's distribution on that situation: every
+  # record's situation scored again in one batch (rows are scored independently).
+  judge = models.load_model(model_dir)
+  dists = models.label_distribution(
+      judge, [formats.judge_input(r["situation"]) for r in lines], CLASSES)
+  for r, dist in zip(lines, dists, strict=True):
     assert r["judgment"] in formats.JUDGMENTS and r["new_judgment"] in formats.JUDGMENTS
     assert sum(r["distribution"].values()) == pytest.approx(1.0, abs=1e-5)
-    # The shown judgment is the argmax of the judge's distribution on that situation.
-    judge = models.load_model(model_dir)
-    dist = models.label_distribution(judge, [formats.judge_input(r["situation"])], CLASSES)[0]
     np.testing.assert_allclose(list(r["distribution"].values()), dist, rtol=1e-5)
     assert r["judgment"] == formats.JUDGMENTS[int(dist.argmax())]
 

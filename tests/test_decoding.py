@@ -21,7 +21,7 @@ T = 12
 @pytest.fixture(scope="module")
 def setup():
   model = T5(t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1))
-  params = nn.unbox(init_params(model, jax.random.PRNGKey(0)))
+  params = _init(model, 0)
   # Scale the EOS column of the output layer so that some rows stop early and some do not:
   # exercises the after-EOS zeros and the per-row lengths.
   kernel = params["decoder"]["logits_dense"]["kernel"]
@@ -36,6 +36,12 @@ def setup():
     return model.apply({"params": params}, inputs, shift_right(targets))
 
   return model, params, inputs, teacher_forced
+
+
+def _init(model, seed):
+  """The model's parameters, initialised in one compiled program (op by op, every op of the
+  initialisation would compile on its own); the same values as an eager init."""
+  return nn.unbox(jax.jit(lambda rng: init_params(model, rng))(jax.random.PRNGKey(seed)))
 
 
 def _lengths_from_eos(tokens):
@@ -157,10 +163,11 @@ def test_sample_logits_frequencies(temperature, top_k, top_p):
 
 def test_sample_logits_top_k_exact_with_ties_and_greedy():
   logits = jnp.array([[0.0, 1.0, 1.0, 1.0, -1.0]])
-  tokens, _ = decoding.sample_logits(jax.random.PRNGKey(0), jnp.repeat(logits, 2000, 0),
-                                     top_k=2)
+  tokens, _ = jax.jit(lambda rng, x: decoding.sample_logits(rng, x, top_k=2))(
+      jax.random.PRNGKey(0), jnp.repeat(logits, 2000, 0))
   assert len(set(np.asarray(tokens).tolist())) == 2  # Exactly k survive a tie at the cutoff.
-  token, logprob = decoding.sample_logits(None, logits, greedy=True, top_p=0.01)
+  token, logprob = jax.jit(lambda x: decoding.sample_logits(None, x, greedy=True, top_p=0.01))(
+      logits)
   assert int(token[0]) in (1, 2, 3) and float(logprob[0]) == 0.0  # Top token always kept.
 
 
@@ -169,7 +176,7 @@ def test_first_max_index_is_argmax_with_ties_and_inf():
   x = rng.integers(-3, 4, (64, 37)).astype(np.float32)  # Many ties.
   x[5] = -np.inf
   x[6, 10:] = np.inf
-  np.testing.assert_array_equal(np.asarray(decoding.first_max_index(jnp.asarray(x))),
+  np.testing.assert_array_equal(np.asarray(jax.jit(decoding.first_max_index)(x)),
                                 x.argmax(-1))
 
 
@@ -191,10 +198,18 @@ def _np_nucleus(probs, top_p):
   return keep, margin
 
 
+# One compiled mask for every case of this file: the mask is 2 x 31 unrolled masked sums, and
+# compiling it once per top_p (a static argument) cost more than the rest of these tests. A
+# traced top_p takes the same code; only the comparisons' operand is a value, not a constant.
+_NUCLEUS_MASK = jax.jit(decoding.nucleus_mask)
+_SOFTMAX = jax.jit(lambda x: jax.nn.softmax(x, axis=-1))
+NUCLEUS_ROWS, NUCLEUS_VOCAB = 24, 3000
+
+
 @pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "banned"])
 def test_nucleus_mask_equals_sorted_cumulative_mass(kind):
   rng = np.random.default_rng({"peaked": 0, "flat": 1, "ties": 2, "banned": 3}[kind])
-  rows, vocab = 24, 3000
+  rows, vocab = NUCLEUS_ROWS, NUCLEUS_VOCAB
   if kind == "peaked":
     logits = rng.normal(size=(rows, vocab)) * 4.0
   elif kind == "flat":
@@ -204,10 +219,9 @@ def test_nucleus_mask_equals_sorted_cumulative_mass(kind):
   else:
     logits = rng.normal(size=(rows, vocab))
     logits[rng.random((rows, vocab)) < 0.9] = -np.inf  # Zero-probability tokens.
-  probs = np.asarray(jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1))
-  mask_fn = jax.jit(decoding.nucleus_mask, static_argnums=1)
+  probs = np.asarray(_SOFTMAX(jnp.asarray(logits, jnp.float32)))
   for top_p in (0.01, 0.3, 0.6, 0.9, 0.99, 0.999):
-    got = np.asarray(mask_fn(jnp.asarray(probs), top_p))
+    got = np.asarray(_NUCLEUS_MASK(jnp.asarray(probs), np.float32(top_p)))
     want, margin = _np_nucleus(probs, top_p)
     differs = (got != want).any(-1)
     # A row may differ only where float64 and float32 sums straddle p.
@@ -220,31 +234,35 @@ def test_nucleus_mask_equals_sorted_cumulative_mass(kind):
 
 def test_nucleus_mask_sharded_over_rows_equals_unsharded():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
-  logits = jax.random.normal(jax.random.PRNGKey(6), (16, 300)) * 3.0
+  # The shape of the unsharded cases above: the unsharded mask reuses their compiled program.
+  logits = np.random.default_rng(6).normal(size=(NUCLEUS_ROWS, NUCLEUS_VOCAB)) * 3.0
   # Row 3: 7 equally likely tokens (1/7 each), so p = 0.5 cuts through the tie: keep 4.
-  logits = logits.at[3].set(-30.0).at[3, 10:17].set(5.0)
-  probs = jax.nn.softmax(logits, axis=-1)
+  logits[3] = -30.0
+  logits[3, 10:17] = 5.0
+  probs = _SOFTMAX(jnp.asarray(logits, jnp.float32))
   sharded = jax.device_put(probs, jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec("data", "model")))
-  mask_fn = jax.jit(decoding.nucleus_mask, static_argnums=1)
-  got = mask_fn(sharded, 0.5)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(mask_fn(probs, 0.5)))
+  top_p = np.float32(0.5)
+  got = _NUCLEUS_MASK(sharded, top_p)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(_NUCLEUS_MASK(probs, top_p)))
   np.testing.assert_array_equal(np.asarray(got), _np_nucleus(np.asarray(probs), 0.5)[0])
   np.testing.assert_array_equal(np.flatnonzero(np.asarray(got)[3]), [10, 11, 12, 13])
 
 
 def test_top_p_over_whole_vocab_equals_top_p_after_a_full_sort():
   logits = jax.random.normal(jax.random.PRNGKey(5), (32, 500)) * 2.0
-  whole = decoding.sample_logits(None, logits, top_p=0.7, temperature=0.8, greedy=True)
-  sorted_path = decoding.sample_logits(None, logits, top_k=500, top_p=0.7, temperature=0.8,
-                                       greedy=True)
+  # Compiled: op by op, each step of the search would compile on its own.
+  whole = jax.jit(lambda x: decoding.sample_logits(None, x, top_p=0.7, temperature=0.8,
+                                                   greedy=True))(logits)
+  sorted_path = jax.jit(lambda x: decoding.sample_logits(None, x, top_k=500, top_p=0.7,
+                                                         temperature=0.8, greedy=True))(logits)
   np.testing.assert_array_equal(np.asarray(whole[0]), np.asarray(sorted_path[0]))
   np.testing.assert_allclose(np.asarray(whole[1]), np.asarray(sorted_path[1]), atol=1e-6)
 
 
 def test_sampling_draws_as_jax_random_categorical():
   logits = jax.random.normal(jax.random.PRNGKey(3), (256, 50))
-  tokens, _ = decoding.sample_logits(jax.random.PRNGKey(4), logits)
+  tokens, _ = jax.jit(decoding.sample_logits)(jax.random.PRNGKey(4), logits)
   np.testing.assert_array_equal(np.asarray(tokens),
                                 np.asarray(jax.random.categorical(jax.random.PRNGKey(4), logits)))
 
@@ -445,8 +463,10 @@ def test_decode_weights_are_prepared_once_and_decode_like_none(setup):
 
 def test_samples_and_beams_share_their_inputs_cross_attention_cache(setup):
   model, params, inputs, _ = setup
-  encoded, mask = decoding._encode(model, params, jnp.asarray(inputs), None, None)
-  cache = decoding._init_cache(model, params, encoded, mask, T, rows_per_input=3)
+  # Compiled: op by op, every op of the encoder and the cache would compile on its own.
+  encoded, mask = jax.jit(lambda p, x: decoding._encode(model, p, x, None, None))(params, inputs)
+  cache = jax.jit(lambda p, e, m: decoding._init_cache(model, p, e, m, T, rows_per_input=3))(
+      params, encoded, mask)
   for path, x in jax.tree_util.tree_leaves_with_path(cache):
     names = [getattr(p, "key", "") for p in path]
     if "cached_key" in names or "cached_value" in names:
@@ -528,8 +548,9 @@ def test_bad_arguments_name_the_field(setup):
 def test_decoding_starts_from_the_models_start_id_and_pads_with_its_pad_id():
   # pad_token_id (= the decoder start id, as in T5) 3, not 0: sampling and beam search must
   # decode the model that teacher forcing and scoring use.
-  model = T5(t5_config(size="tiny", vocab_size=64, pad_token_id=3))
-  params = nn.unbox(init_params(model, jax.random.PRNGKey(0)))
+  model = T5(t5_config(size="tiny", vocab_size=64, pad_token_id=3, num_encoder_layers=1,
+                       num_decoder_layers=1))
+  params = _init(model, 0)
   kernel = params["decoder"]["logits_dense"]["kernel"]
   params["decoder"]["logits_dense"]["kernel"] = kernel.at[:, EOS].multiply(4.0)
   inputs = np.array([[5, 6, 7, 1, 3, 3], [9, 8, 1, 3, 3, 3], [4, 4, 4, 4, 4, 1]], np.int32)

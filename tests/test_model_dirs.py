@@ -8,6 +8,7 @@ resolved from a local Hub cache with networking off.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -43,9 +44,16 @@ def _batch():
   return enc, dec
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_apply(config):
+  # One jitted forward per config: the tests loading the same tiny T5 from several formats
+  # trace it once (a fresh jax.jit per call traced the model again each time).
+  return jax.jit(t5.T5(config).apply)
+
+
 def jax_logits(loaded, enc, dec) -> np.ndarray:
   params = {k: v for k, v in loaded.params.items() if k != "scalar_head"}
-  return np.asarray(jax.jit(t5.T5(loaded.config).apply)({"params": params}, enc, dec))
+  return np.asarray(_jitted_apply(loaded.config)({"params": params}, enc, dec))
 
 
 def assert_close(ours, ref):

@@ -222,9 +222,11 @@ def test_sharded_update_matches_unsharded(setup):
   host_rollout = jax.tree_util.tree_map(np.asarray, rollout)
   want, want_metrics = trainer.ppo_update(state, rollout, jax.random.PRNGKey(7))
 
-  sharded = make_trainer(partitioning.PjitPartitioner(num_partitions=2),
+  # A 2 x 2 mesh splits the batch and the model as a 4 x 2 one does, in less compile time.
+  sharded = make_trainer(partitioning.PjitPartitioner(num_partitions=2,
+                                                      devices=jax.devices()[:4]),
                          reward_fn=FirstWordReward())
-  assert dict(sharded.partitioner.mesh.shape) == {"data": 4, "model": 2}
+  assert dict(sharded.partitioner.mesh.shape) == {"data": 2, "model": 2}
   state2 = jax.device_put(host_state, sharded.state_shardings)
   rollout2 = jax.device_put(host_rollout, sharded.rollout_shardings)
   got, got_metrics = sharded.ppo_update(state2, rollout2, jax.random.PRNGKey(7))

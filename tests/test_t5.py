@@ -62,6 +62,20 @@ def jitted(config: T5Config, method: str = "__call__", **static):
   return jax.jit(functools.partial(model.apply, method=getattr(t5.T5, method), **static))
 
 
+@functools.lru_cache(maxsize=None)
+def jitted_init_cache(config: T5Config, max_decode_length: int):
+  """One compiled cache initialisation per (config, length): op by op, every op of the
+  encoder-decoder cache would compile on its own."""
+  model = t5.T5(config)
+
+  @jax.jit
+  def init_cache(params, encoded, mask):
+    _, variables = model.apply({"params": params}, encoded, mask, max_decode_length,
+                               method=t5.T5.init_cache, mutable=["cache"])
+    return variables["cache"]
+  return init_cache
+
+
 def random_batch(seed: int, batch: int = 3, enc_len: int = 11, dec_len: int = 7):
   """Encoder ids with right padding of varying length, decoder inputs starting with 0."""
   rng = np.random.RandomState(seed)
@@ -149,14 +163,12 @@ def test_dropout_differs_and_is_reproducible():
 def test_kv_cache_decoding_equals_teacher_forcing(variant):
   _, config, params = hf_model(variant)
   model = t5.T5(config)
-  enc, dec = random_batch(6, dec_len=9)
+  enc, dec = random_batch(6)  # The shapes of the tests above: reuses their compiles.
   mask = enc != 0
   forced = jitted(config)({"params": params}, enc, dec)
   encoded = jitted(config, "encode")({"params": params}, enc)
   max_len = dec.shape[1] + 3  # Cache longer than the decoded prefix, as in sampling.
-  _, variables = model.apply({"params": params}, encoded, mask, max_len,
-                             method=t5.T5.init_cache, mutable=["cache"])
-  cache = variables["cache"]
+  cache = jitted_init_cache(config, max_len)(params, encoded, mask)
 
   @jax.jit
   def step(cache, token):
@@ -190,7 +202,7 @@ def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
     backend = decoding.DecodeBackend()
   _, config, params = hf_model(variant)
   model = t5.T5(config)
-  enc, dec = random_batch(7, batch=batch, dec_len=6)
+  enc, dec = random_batch(7, batch=batch)  # Batch 3: the shapes of the tests above.
   mask = enc != 0
   forced = jitted(config)({"params": params}, enc, dec)
   encoded = jitted(config, "encode")({"params": params}, enc)
@@ -199,8 +211,7 @@ def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
   assert len(kernels) == config.num_decoder_layers * per_layer + (1 if packed else 0)
 
   def decode_all(ops, with_backend):
-    _, variables = model.apply({"params": params}, encoded, mask, dec.shape[1],
-                               method=t5.T5.init_cache, mutable=["cache"])
+    variables = {"cache": jitted_init_cache(config, dec.shape[1])(params, encoded, mask)}
 
     def one_step(cache, token, prepared):
       return model.apply({"params": params, "cache": cache}, None, mask, token, decode=True,
@@ -334,7 +345,8 @@ def test_target_logit_rows_give_the_chosen_logits(variant):
 def test_scalar_head_shapes_and_values():
   config = t5_config(size="tiny", vocab_size=64)
   model = t5.T5(config, with_scalar_head=True)
-  params = flax.linen.meta.unbox(t5.init_params(model, jax.random.PRNGKey(0)))
+  params = flax.linen.meta.unbox(jax.jit(lambda r: t5.init_params(model, r))(
+      jax.random.PRNGKey(0)))
   enc, dec = np.ones((2, 5), np.int32), np.zeros((2, 4), np.int32)
   logits, hidden = jax.jit(functools.partial(model.apply, return_hidden=True))(
       {"params": params}, enc, dec)
@@ -509,7 +521,8 @@ def test_teacher_forced_rows_sharing_an_encoding_equal_repeated_encodings():
   """G decoder rows per input against one encoding = the same rows against G copies of it."""
   cfg = t5_config(size="tiny", vocab_size=64)
   model = t5.T5(cfg)
-  params = flax.core.meta.unbox(t5.init_params(model, jax.random.PRNGKey(0)))
+  params = flax.core.meta.unbox(jax.jit(lambda r: t5.init_params(model, r))(
+      jax.random.PRNGKey(0)))
   rng = np.random.default_rng(0)
   inputs = rng.integers(2, 64, (2, 7)).astype(np.int32)
   inputs[1, 5:] = 0  # Padding, so the shared mask matters.

@@ -15,6 +15,7 @@ Both are detected and rejected with a message saying so.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 from typing import Any, Mapping, Optional
@@ -39,12 +40,18 @@ def _shape(leaf: Any) -> tuple[int, ...]:
 
 def expected_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
   """Flat {path: shape} of the parameters `T5(config)` creates (no heads), from an eval_shape."""
+  return dict(_expected_shapes(config))
+
+
+# Every load validates against it, and tracing a model's init costs about a second.
+@functools.lru_cache(maxsize=32)
+def _expected_shapes(config: T5Config) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
   model = t5.T5(config)
   abstract = jax.eval_shape(lambda: t5.init_params(model, jax.random.PRNGKey(0),
                                                    encoder_length=2, decoder_length=2))
   abstract = nn.meta.unbox(abstract)
-  return {path: tuple(leaf.shape)
-          for path, leaf in flax.traverse_util.flatten_dict(abstract).items()}
+  return tuple((path, tuple(leaf.shape))
+               for path, leaf in flax.traverse_util.flatten_dict(abstract).items())
 
 
 def validate_params(params: Mapping[str, Any], config: T5Config, *, source: str) -> None:
