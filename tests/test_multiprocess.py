@@ -32,9 +32,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # step's loss: it connects the processes first (what the CLI must do before any JAX call), then
 # runs the gin config, then checks the final checkpoint as a multi-host restore does.
 DRIVER = textwrap.dedent("""
-    import json, sys
-    from jaxmoral import partitioning
-    partitioning.initialize_distributed()
+    import json, os, sys
+    from jaxmoral import cli, partitioning, software
+    # Process 1 connects as a host with another commit or jax installed: both are refused (the
+    # job is connected by then); then it trains with the same software as process 0.
+    fingerprint = software.fingerprint
+    if os.environ["JAX_PROCESS_ID"] == "1":
+      software.fingerprint = lambda: fingerprint().replace("jax==", "jax==9")
+    try:
+      partitioning.initialize_distributed()
+      software_line = "connected"
+    except ValueError as error:
+      software_line = f"refused: {error}"
+    software.fingerprint = fingerprint
     import jax
     from jaxmoral import gin_utils, runs, trainer as trainer_lib
     losses = []
@@ -94,10 +104,32 @@ DRIVER = textwrap.dedent("""
     if jax.process_index() == 0:
       flip()  # back: the next test restores this checkpoint
     check["files"], check["victim"] = files, files[1]
+    # Each process parses the tiny config with its own bindings: a different step count.
+    gin.clear_config()
+    gin_args, _ = gin_utils.split_gin_args(
+        ["--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR='/tmp/unused'",
+         f"--gin.TRAIN_STEPS={3 + jax.process_index()}"])
+    try:
+      gin_utils.parse_gin(gin_args)
+      config_line = "parsed"
+    except ValueError as error:
+      config_line = f"refused: {error}"
+    # A host whose copy of the data file lacks a row.
+    from jaxmoral import train as train_lib
+    class StaleCopyOnProcess1:
+      num_examples = 100 - jax.process_index()
+    try:
+      train_lib.train(model_dir=sys.argv[1] + ".stale", trainer=None,
+                      train_source=StaleCopyOnProcess1(), train_steps=1)
+      data_line = "trained"
+    except ValueError as error:
+      data_line = f"refused: {cli.user_error_message(error)}"  # one line, as the CLI prints it
     with open(f"{sys.argv[1]}.{jax.process_index()}.json", "w") as f:
       json.dump({"losses": losses, "process_count": jax.process_count(),
                  "device_count": jax.device_count(),
-                 "local_device_count": jax.local_device_count(), "check": check}, f)
+                 "local_device_count": jax.local_device_count(), "check": check,
+                 "refusals": {"software": software_line, "config": config_line,
+                              "data": data_line}}, f)
 """)
 
 
@@ -255,91 +287,30 @@ def test_two_process_checkpoint_restores_in_one_process(runs_done):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def _last_lines_of_two(tmp_path, driver_text, args_of=lambda i: ()) -> list[str]:
-  """Runs `driver_text` in two connected processes (process i with `args_of(i)`): the last
-  line each printed."""
-  driver = tmp_path / "driver.py"
-  driver.write_text(driver_text)
-  port = _free_port()
-  procs = [subprocess.Popen([sys.executable, str(driver), *args_of(i)], cwd=ROOT,
-                            env=_child_env(process_id=i, num_processes=2, port=port),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  lines = []
-  for i, proc in enumerate(procs):
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, f"process {i} failed:\n{output[-4000:]}"
-    lines.append(output.strip().splitlines()[-1])
-  return lines
+# The refusals below run in the two training processes (DRIVER) once they are connected,
+# rather than in three more pairs of processes: each pair costs two interpreter starts.
+def _refusals(tmp, which):
+  return [_result(tmp, "two", i)["refusals"][which] for i in range(2)]
 
 
-# Each process parses the tiny config with its own bindings (argv) and prints what parse_gin said.
-CONFIG_DRIVER = textwrap.dedent("""
-    import sys
-    from jaxmoral import partitioning
-    partitioning.initialize_distributed()
-    from jaxmoral import gin_utils, runs  # noqa: F401  (runs: the config's configurables)
-    gin_args, _ = gin_utils.split_gin_args(
-        ["--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR='/tmp/unused'", *sys.argv[1:]])
-    try:
-      gin_utils.parse_gin(gin_args)
-      print("parsed")
-    except ValueError as error:
-      print(f"refused: {error}")
-""")
-
-
-def test_processes_started_with_different_configs_are_refused(tmp_path):
+def test_processes_started_with_different_configs_are_refused(runs_done):
   # Before: each went on with its own step count, and the job hung at its first collective
   # after the shorter one ended (or, with another learning rate, trained nonsense silently).
-  lines = _last_lines_of_two(tmp_path, CONFIG_DRIVER, lambda i: [f"--gin.TRAIN_STEPS={3 + i}"])
-  assert lines == ["refused: gin: process 1 of 2 parsed another configuration than process 0 "
-                   "(gin files, bindings or flags): every process of a job must be started "
-                   "with the same ones"] * 2
+  assert _refusals(runs_done, "config") == [
+      "refused: gin: process 1 of 2 parsed another configuration than process 0 "
+      "(gin files, bindings or flags): every process of a job must be started "
+      "with the same ones"] * 2
 
 
-SOFTWARE_DRIVER = textwrap.dedent("""
-    import os
-    from jaxmoral import partitioning, software
-    if os.environ["JAX_PROCESS_ID"] == "1":  # as a host with another commit or jax installed
-      fingerprint = software.fingerprint
-      software.fingerprint = lambda: fingerprint().replace("jax==", "jax==9")
-    try:
-      partitioning.initialize_distributed()
-      print("connected")
-    except ValueError as error:
-      print(f"refused: {error}")
-""")
-
-
-def test_processes_running_other_software_are_refused(tmp_path):
-  assert _last_lines_of_two(tmp_path, SOFTWARE_DRIVER) == [
+def test_processes_running_other_software_are_refused(runs_done):
+  assert _refusals(runs_done, "software") == [
       "refused: initialize_distributed: process 1 of 2 runs other software than process 0 "
       "(jaxmoral's sources or jax, jaxlib, flax, optax, orbax-checkpoint): install the same "
       "commit and versions on every host"] * 2
 
 
-DATA_DRIVER = textwrap.dedent("""
-    import os, sys
-    from jaxmoral import partitioning
-    partitioning.initialize_distributed()
-    from jaxmoral import cli, train
-
-    class StaleCopyOnProcess1:  # as a host whose copy of the data file lacks a row
-      num_examples = 100 - int(os.environ["JAX_PROCESS_ID"])
-
-    try:
-      train.train(model_dir=sys.argv[1], trainer=None, train_source=StaleCopyOnProcess1(),
-                  train_steps=1)
-      print("trained")
-    except ValueError as error:
-      print(f"refused: {cli.user_error_message(error)}")  # one line, as the CLI prints it
-""")
-
-
-def test_processes_reading_other_data_are_refused(tmp_path):
-  lines = _last_lines_of_two(tmp_path, DATA_DRIVER, lambda i: [str(tmp_path / "run")])
-  assert lines == [
+def test_processes_reading_other_data_are_refused(runs_done):
+  assert _refusals(runs_done, "data") == [
       f"refused: train: process 1 of 2 has another data position than process 0 (here "
       f"{{'num_examples': {100 - i}, 'seed': 0, 'batch_size': None, 'data': None}}): every host "
       "must read the "

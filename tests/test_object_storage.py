@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 
@@ -30,12 +31,26 @@ from jaxmoral.data import vocab as vocab_lib
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BUCKET = "gs://bucket"
-STEPS = 18
+STEPS = 6
+ONE_LAYER = ["--gin.config.t5_config.num_encoder_layers=1",
+             "--gin.config.t5_config.num_decoder_layers=1"]
 TINY = ["--gin_file=configs/core/tiny_cpu.gin", f"--gin.TRAIN_STEPS={STEPS}",
-        "--gin.CHECKPOINT_EVERY=6", "--gin.EVAL_EVERY=0", "--gin.BATCH_SIZE=8",
-        "--gin.runs.train_run.log_every=3", "--gin.WARMUP_STEPS=2",
-        "--gin.config.t5_config.num_encoder_layers=1",
-        "--gin.config.t5_config.num_decoder_layers=1"]
+        "--gin.CHECKPOINT_EVERY=3", "--gin.EVAL_EVERY=0", "--gin.BATCH_SIZE=8",
+        "--gin.runs.train_run.log_every=1", "--gin.WARMUP_STEPS=2", *ONE_LAYER]
+
+# `jaxmoral train` with a hook that holds the loop after step 5 (step 3 saved, step 6 not),
+# so that the kill below always lands mid-run, however slowly the machine runs.
+KILLED_DRIVER = textwrap.dedent("""
+    import sys, time
+    import gin
+    from jaxmoral import cli, train
+    class HoldAfterStep5(train.TrainHook):
+      def after_step(self, loop, step, state, metrics):
+        if step == 5:
+          time.sleep(600)  # until killed
+    gin.external_configurable(HoldAfterStep5, module="killed")
+    sys.exit(cli.main(sys.argv[1:]))
+""")
 
 
 def _free_port() -> int:
@@ -108,24 +123,29 @@ def unreachable_train(gcs):
 
 @pytest.fixture(scope="module")
 def run(gcs, unreachable_train, tmp_path_factory):
-  """gs://bucket/run: trained in a subprocess that is killed (SIGKILL) once step 6 is saved
+  """gs://bucket/run: trained in a subprocess that is killed (SIGKILL) once step 3 is saved
   and verified, then resumed here to the end; and a local uninterrupted reference run."""
   model_dir = f"{BUCKET}/run"
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              JAX_PLATFORMS="cpu")
-  child = subprocess.Popen([sys.executable, "-m", "jaxmoral.cli", "train", *TINY,
-                            f"--gin.MODEL_DIR='{model_dir}'"], cwd=ROOT, env=env,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  manifest = f"{model_dir}/checkpoints/6/{checkpoints.INTEGRITY_FILE}"
-  deadline = time.time() + 240
-  while not fileio.exists(manifest):
-    assert child.poll() is None, child.stderr.read().decode()[-3000:]
-    assert time.time() < deadline, "step 6 was never saved"
-    time.sleep(0.05)
-  child.send_signal(signal.SIGKILL)
-  child.wait()
-  child.stderr.close()
+  child = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, "train", *TINY,
+                            f"--gin.MODEL_DIR='{model_dir}'",
+                            "--gin.runs.train_run.hooks=[@killed.HoldAfterStep5()]"],
+                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  try:
+    manifest = f"{model_dir}/checkpoints/3/{checkpoints.INTEGRITY_FILE}"
+    deadline = time.time() + 240
+    while not fileio.exists(manifest):
+      assert child.poll() is None, child.stderr.read().decode()[-3000:]
+      assert time.time() < deadline, "step 3 was never saved"
+      time.sleep(0.05)
+  finally:
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stderr.close()
+  assert child.returncode == -signal.SIGKILL
   killed_at = checkpoints.saved_steps(model_dir)
+  # After the child, not beside it: both runs here load the programs it compiled.
   assert _cli("train", *TINY, f"--gin.MODEL_DIR={model_dir}") == 0
   reference = str(tmp_path_factory.mktemp("reference"))
   assert _cli("train", *TINY, f"--gin.MODEL_DIR={reference}") == 0
@@ -134,10 +154,10 @@ def run(gcs, unreachable_train, tmp_path_factory):
 
 def test_killed_run_resumes_to_the_uninterrupted_loss_curve(run):
   model_dir, reference, killed_at = run
-  assert 6 in killed_at and STEPS not in killed_at  # Killed mid-run, not after its end.
+  assert killed_at == [3]  # Killed mid-run, not after its end.
   resumed = train_lib.read_scalars(f"{model_dir}/train")["loss"]
   uninterrupted = train_lib.read_scalars(os.path.join(reference, "train"))["loss"]
-  assert sorted(resumed) == [3, 6, 9, 12, 15, 18]
+  assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
   assert resumed == pytest.approx(uninterrupted, rel=1e-6)
   # The two starts (0 and the resume) are recorded in the bucket, and every run file is there.
   steps = [json.loads(line)["step"]
@@ -145,7 +165,7 @@ def test_killed_run_resumes_to_the_uninterrupted_loss_curve(run):
   assert steps[0] == 0 and steps[-1] in killed_at and len(steps) == 2
   names = set(_objects(model_dir))
   assert {"config.gin", "model_config.json", "settings.json", "vocab/spiece.model",
-          "checkpoints/18/_INTEGRITY.json"} <= names
+          f"checkpoints/{STEPS}/_INTEGRITY.json"} <= names
   assert not os.path.exists(os.path.join(ROOT, "gs:"))  # Nothing went to a local "gs:" folder.
 
 
@@ -268,7 +288,7 @@ def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path)
   judge = f"{BUCKET}/clarify/judge"
   assert _cli("clarify", "train-model", "--which=judge", f"--model_dir={judge}",
               "--train_steps=2", "--batch_size=8", f"--vocabulary_path={vocab}",
-              "--judge_classes=wrong,okay,good",
+              "--judge_classes=wrong,okay,good", *ONE_LAYER,
               "--feature_lengths={'inputs': 64, 'targets': 8}") == 0
   assert fileio.isfile(f"{judge}/data/judge_train.jsonl")
   info = model_dirs.inspect(judge)
@@ -283,7 +303,7 @@ def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path)
   diamante = f"{BUCKET}/diamante/run"
   assert _cli("diamante", "train", "--gin_file=configs/diamante/tiny_cpu.gin",
               f"--gin.MODEL_DIR={diamante}", "--gin.TRAIN_STEPS=2", "--gin.CHECKPOINT_EVERY=2",
-              f"--gin.TRAIN_PATH='{dialogues}'") == 0
+              f"--gin.TRAIN_PATH='{dialogues}'", *ONE_LAYER) == 0
   report = f"{BUCKET}/diamante/eval.json"
   assert _cli("diamante", "eval", f"--model_dir={diamante}", f"--test_path={dialogues}",
               f"--output_path={report}", "--max_contexts=2", "--num_generate=0") == 0

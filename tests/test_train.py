@@ -1,7 +1,7 @@
 """The training loop: resumed runs equal uninterrupted ones, NaN stop, TensorBoard, progress.
 
-Run as a script (`python tests/test_train.py child MODEL_DIR`) this file is the child process of
-the SIGKILL test: it trains the same configuration as the in-process runs.
+Run as a script (`python tests/test_train.py child MODEL_DIR POINTS_DIR`) this file is the child
+process of the SIGKILL tests: it trains the same configuration as the in-process runs.
 """
 
 import functools
@@ -78,17 +78,23 @@ class PoisonedSource:
       yield batch
 
 
-class SlowSource:
-  """Sleeps per batch and records the step, so the parent can kill mid-run."""
+class KillingSource:
+  """Reads batches on until batch `kill_at` is asked for (mid-run: the loop reads ahead), and
+  once step 2's checkpoint is complete, writes metric points into `points_dir` and kills its
+  own process (SIGKILL) right after: a kill -9 with checkpoints and points just written."""
 
-  def __init__(self, base: BatchSource, progress_file: str):
-    self.base, self.progress_file = base, progress_file
+  def __init__(self, base: BatchSource, model_dir: str, points_dir: str, kill_at: int = 6):
+    self.base, self.model_dir, self.points_dir = base, model_dir, points_dir
+    self.kill_at = kill_at
 
   def iterate(self, start: int):
     for step, batch in enumerate(self.base.iterate(start), start):
-      time.sleep(0.3)
-      with open(self.progress_file, "w") as f:
-        f.write(str(step))
+      if step == self.kill_at:
+        step_2 = os.path.join(self.model_dir, "checkpoints", "2", checkpoints.INTEGRITY_FILE)
+        deadline = time.time() + 240
+        while not os.path.isfile(step_2) and time.time() < deadline:
+          time.sleep(0.02)
+        _write_points_then_die(self.points_dir)
       yield batch
 
 
@@ -98,7 +104,7 @@ def setup():
 
 
 @pytest.fixture(scope="module")
-def run_a(setup, tmp_path_factory):
+def run_a(setup, killed_child, tmp_path_factory):
   """The uninterrupted reference: 10 steps straight, eval every 5."""
   trainer, _ = setup
   model_dir = str(tmp_path_factory.mktemp("run_a"))
@@ -265,42 +271,49 @@ def test_resume_over_changed_data_is_refused_in_one_line(setup, tmp_path):
   assert "rows-of-version-1" in line and "rows-of-version-2" in line and "MODEL_DIR" in line
 
 
-def _child(model_dir: str) -> None:
+def _child(model_dir: str, points_dir: str) -> None:
   trainer, _ = build_trainer()
-  source = SlowSource(train_source(), os.path.join(model_dir, "progress"))
+  source = KillingSource(train_source(), model_dir, points_dir)
   train_lib.train(model_dir=model_dir, trainer=trainer, train_source=source, train_steps=STEPS,
                   checkpoint_every=2, log_every=1, async_checkpoint=True)
 
 
-@pytest.mark.slow
-def test_sigkill_mid_run_then_resume_matches_uninterrupted(run_a, tmp_path):
-  dir_a, _ = run_a
-  model_dir = str(tmp_path / "killed")
+@pytest.fixture(scope="module")
+def killed_child(tmp_path_factory):
+  """The child of the kill -9 tests, started before the reference run (`run_a`), so that its
+  start (imports, compilation) overlaps the training in this process."""
+  tmp = tmp_path_factory.mktemp("killed")
+  model_dir, points_dir = str(tmp / "run"), str(tmp / "points")
   os.makedirs(model_dir)
-  progress = os.path.join(model_dir, "progress")
-  cmd = [sys.executable, os.path.abspath(__file__), "child", model_dir]
+  cmd = [sys.executable, os.path.abspath(__file__), "child", model_dir, points_dir]
   env = dict(os.environ)  # conftest's XLA_FLAGS (8 devices) and JAX_PLATFORMS carry over
   child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  deadline = time.time() + 240
-  killed_at = None
-  while time.time() < deadline and child.poll() is None:
-    if os.path.exists(progress):
-      text = open(progress).read().strip()
-      # Mid-run: batch 6 read (the loop reads ahead) and step 2's checkpoint complete.
-      step_2 = os.path.join(model_dir, "checkpoints", "2", checkpoints.INTEGRITY_FILE)
-      if text and int(text) >= 6 and os.path.isfile(step_2):
-        killed_at = int(text)
-        child.send_signal(signal.SIGKILL)
-        break
-    time.sleep(0.05)
-  child.wait()
-  assert killed_at is not None, f"child never reached step 6: {child.stderr.read()[-2000:]!r}"
-  assert child.returncode == -signal.SIGKILL
+  yield child, model_dir, points_dir
+  if child.poll() is None:
+    child.kill()
+  child.communicate()
+
+
+@pytest.fixture(scope="module")
+def killed(killed_child):
+  """A run killed (SIGKILL) mid-run in a child process, once step 2 is saved and right after
+  writing metric points: (model_dir, points_dir). One child serves both kill -9 tests."""
+  child, model_dir, points_dir = killed_child
+  _, stderr = child.communicate(timeout=300)
+  assert child.returncode == -signal.SIGKILL, stderr.decode()[-3000:]
+  return model_dir, points_dir
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(setup, run_a, killed):
+  dir_a, _ = run_a
+  model_dir, _ = killed
   saved = checkpoints.CheckpointManager(os.path.join(model_dir, "checkpoints")).all_steps()
-  assert saved and max(saved) < STEPS
-  resumed = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           timeout=240)
-  assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
+  assert saved and 2 <= max(saved) < STEPS  # killed mid-run, after a checkpoint
+  # The resume runs here: the kill is what needs its own process, not the restart.
+  trainer, _ = setup
+  train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source(),
+                  train_steps=STEPS, checkpoint_every=2, log_every=1, async_checkpoint=True)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                          final_params(dir_a), final_params(model_dir))
   # The TensorBoard curve has every step, each as in the uninterrupted run.
@@ -319,12 +332,9 @@ def _write_points_then_die(model_dir: str) -> None:
   os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_metric_points_are_on_disk_when_written(tmp_path):
+def test_metric_points_are_on_disk_when_written(killed):
   """A process killed right after writing a point (as after a checkpoint) keeps it."""
-  model_dir = str(tmp_path / "metrics")
-  child = subprocess.run([sys.executable, os.path.abspath(__file__), "points", model_dir],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
-  assert child.returncode == -signal.SIGKILL, child.stderr.decode()[-2000:]
+  _, model_dir = killed
   assert train_lib.read_scalars(os.path.join(model_dir, "train")) == {
       "loss": {1: 1.0, 2: 0.5, 3: pytest.approx(1 / 3)}}
   events = "".join(open(os.path.join(model_dir, "eval", name), "rb").read().decode(
@@ -333,9 +343,7 @@ def test_metric_points_are_on_disk_when_written(tmp_path):
 
 
 if __name__ == "__main__":
-  if len(sys.argv) == 3 and sys.argv[1] == "child":
-    _child(sys.argv[2])
-  elif len(sys.argv) == 3 and sys.argv[1] == "points":
-    _write_points_then_die(sys.argv[2])
+  if len(sys.argv) == 4 and sys.argv[1] == "child":
+    _child(sys.argv[2], sys.argv[3])
   else:
-    raise SystemExit("usage: python tests/test_train.py child|points MODEL_DIR")
+    raise SystemExit("usage: python tests/test_train.py child MODEL_DIR POINTS_DIR")
