@@ -61,16 +61,15 @@ def draw_normals(abstract_params: PyTree, rng: Array) -> dict[str, Any]:
   return traverse_util.unflatten_dict(drawn)
 
 
-def init_params(init: Callable[[Array], PyTree],
-                init_missing: Callable[[PyTree, Array], PyTree], rng: Array) -> PyTree:
+def init_params(abstract_params: PyTree, init_missing: Callable[[PyTree, Array], PyTree],
+                rng: Array) -> PyTree:
   """Boxed parameters: the `NormalParam`s drawn together (`draw_normals`), the rest made by
   the module.
 
   Args:
-    init: rng -> the module's boxed params (`module.init(...)["params"]`), traced abstractly.
+    abstract_params: The module's boxed params as `jax.eval_shape` of its init gives them.
     init_missing: (params holding the drawn ones, rng) -> all params: the module applied with
       a mutable "params" collection, so it creates only those it is not given.
     rng: The key every draw derives from.
   """
-  abstract = jax.eval_shape(init, rng)
-  return init_missing(draw_normals(abstract, rng), rng)
+  return init_missing(draw_normals(abstract_params, rng), rng)

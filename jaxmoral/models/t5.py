@@ -668,12 +668,26 @@ def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: i
   enc = jnp.ones((batch_size, encoder_length), jnp.int32)
   dec = jnp.ones((batch_size, decoder_length), jnp.int32)
 
-  def init(key: Array) -> Any:
-    return model.init({"params": key, "dropout": key}, enc, dec)["params"]
-
   def init_missing(params: Any, key: Array) -> Any:
     _, variables = model.apply({"params": params}, enc, dec, mutable=["params"],
                                rngs={"params": key, "dropout": key})
     return variables["params"]
 
-  return param_init.init_params(init, init_missing, rng)
+  key = jax.ShapeDtypeStruct(jnp.shape(rng), rng.dtype)
+  try:
+    abstract = _abstract_params(model, (batch_size, encoder_length, decoder_length), key)
+  except TypeError:  # A module that cannot be a cache key (unhashable fields).
+    abstract = _abstract_params.__wrapped__(
+        model, (batch_size, encoder_length, decoder_length), key)
+  return param_init.init_params(abstract, init_missing, rng)
+
+
+# Each initialisation would otherwise trace the whole model once more just for its shapes.
+@functools.lru_cache(maxsize=64)
+def _abstract_params(model: T5, lengths: tuple[int, int, int], key: Any) -> Any:
+  """`model.init`'s boxed params as `jax.eval_shape` gives them (shapes, axes, distributions)."""
+  batch_size, encoder_length, decoder_length = lengths
+  enc = jnp.ones((batch_size, encoder_length), jnp.int32)
+  dec = jnp.ones((batch_size, decoder_length), jnp.int32)
+  return jax.eval_shape(lambda r: model.init({"params": r, "dropout": r}, enc, dec)["params"],
+                        key)
