@@ -4,6 +4,7 @@ compilation cache per test run."""
 import os
 import shutil
 import tempfile
+from typing import Optional
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -41,10 +42,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 else:
   _OWNED_CACHE_DIR = None
+# The same for the data index caches (`jaxmoral.data.index_cache`): shared by the run's tests
+# and processes (runs of the same Task and vocabulary read one copy), never the user's.
+if "JAXMORAL_DATA_CACHE" not in os.environ:
+  os.environ["JAXMORAL_DATA_CACHE"] = tempfile.mkdtemp(prefix="jaxmoral_tests_data_")
+  _OWNED_DATA_CACHE_DIR: Optional[str] = os.environ["JAXMORAL_DATA_CACHE"]
+else:
+  _OWNED_DATA_CACHE_DIR = None
 
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
-from typing import Any, Optional  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -90,8 +98,9 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_unconfigure(config):
   del config
-  if _OWNED_CACHE_DIR:  # Only the process that made the directory removes it.
-    shutil.rmtree(_OWNED_CACHE_DIR, ignore_errors=True)
+  for owned in (_OWNED_CACHE_DIR, _OWNED_DATA_CACHE_DIR):
+    if owned:  # Only the process that made the directory removes it.
+      shutil.rmtree(owned, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

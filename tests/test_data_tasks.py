@@ -380,3 +380,14 @@ def test_a_task_without_a_data_fingerprint_is_cached_per_process(vocabulary):
   assert again.data_fingerprint == source.data_fingerprint is not None
   assert again._cached_rows()[0]["encoder_input_tokens"].filename == (
       source._cached_rows()[0]["encoder_input_tokens"].filename)
+
+
+def test_a_vocabulary_is_known_by_its_pieces_not_its_path(demo_vocab_path, tmp_path):
+  """Two builds of the demo vocabulary (each records where it was trained) share data caches;
+  a vocabulary with other pieces does not."""
+  again = vocab.build_demo_vocabulary(output_dir=tmp_path / "again")
+  other = vocab.build_demo_vocabulary(output_dir=tmp_path / "other", vocab_size=300)
+  assert open(again, "rb").read() != open(demo_vocab_path, "rb").read()
+  digest = [tasks._vocabulary_digest(vocab.get_vocabulary(p))  # pylint: disable=protected-access
+            for p in (demo_vocab_path, again, other)]
+  assert digest[0] == digest[1] != digest[2]

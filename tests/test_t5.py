@@ -343,7 +343,8 @@ def test_target_logit_rows_give_the_chosen_logits(variant):
 
 
 def test_scalar_head_shapes_and_values():
-  config = t5_config(size="tiny", vocab_size=64)
+  # One layer each side: the head reads the final hidden state, whatever the depth.
+  config = t5_config(size="tiny", vocab_size=64, num_encoder_layers=1, num_decoder_layers=1)
   model = t5.T5(config, with_scalar_head=True)
   params = flax.linen.meta.unbox(jax.jit(lambda r: t5.init_params(model, r))(
       jax.random.PRNGKey(0)))
@@ -425,6 +426,33 @@ def _packed_batch():
           "encoder_segment_ids": enc_seg, "decoder_segment_ids": dec_seg}
 
 
+def _padded_batch():
+  """Four right-padded rows (encoder 12, decoder 6)."""
+  enc, dec = random_batch(21, batch=4, enc_len=12, dec_len=6)
+  enc[0] = np.where(enc[0] == 0, 3, enc[0])  # Right padding only: row 0 had a gap.
+  assert all(np.all(np.diff((row != 0).astype(int)) <= 0) for row in enc)
+  assert (enc == 0).any()
+  targets = np.concatenate([dec[:, 1:], np.full((4, 1), 1, np.int32)], axis=1)
+  return {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+          "decoder_target_tokens": targets}
+
+
+@functools.lru_cache(maxsize=None)
+def _logits_grads_loss(cfg: T5Config, packed: bool):
+  """(logits, grads, loss) of `cfg` on the packed or the padded batch; cached, so the einsum
+  reference of the padded batch is computed once for both of its fused cases."""
+  batch = _packed_batch() if packed else _padded_batch()
+  model = t5.T5(cfg)
+  loss_fn = losses.seq2seq_loss_fn(model)
+  grads, metrics = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None), has_aux=True))(
+      hf_model("t5_1_1")[2], batch)
+  logits = jax.jit(lambda p, b: model.apply(
+      {"params": p}, b["encoder_input_tokens"], b["decoder_input_tokens"],
+      encoder_segment_ids=b.get("encoder_segment_ids"),
+      decoder_segment_ids=b.get("decoder_segment_ids")))(hf_model("t5_1_1")[2], batch)
+  return np.asarray(logits), grads, float(metrics["loss"])
+
+
 @pytest.mark.parametrize("case", ["padding_mask", "key_lengths", "packed"])
 def test_fused_attention_path_matches_einsum(case):
   """attention_impl="cudnn" (run by JAX's reference kernel) gives einsum's logits and grads.
@@ -433,30 +461,13 @@ def test_fused_attention_path_matches_einsum(case):
   (`right_padded_inputs`) and packed segments with the causal flag; the gradient of the
   relative-position embeddings goes through the fused kernel's bias.
   """
-  _, config, params = hf_model("t5_1_1")
-  if case == "packed":
-    batch = _packed_batch()
-  else:
-    enc, dec = random_batch(21, batch=4, enc_len=12, dec_len=6)
-    enc[0] = np.where(enc[0] == 0, 3, enc[0])  # Right padding only: row 0 had a gap.
-    assert all(np.all(np.diff((row != 0).astype(int)) <= 0) for row in enc)
-    assert (enc == 0).any()
-    targets = np.concatenate([dec[:, 1:], np.full((4, 1), 1, np.int32)], axis=1)
-    batch = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
-             "decoder_target_tokens": targets}
+  _, config, _ = hf_model("t5_1_1")
+  packed = case == "packed"
+  batch = _packed_batch() if packed else _padded_batch()
   einsum_cfg = dataclasses.replace(config, attention_impl="einsum")
   fused_cfg = _forced_fused_config(config, right_padded_inputs=(case == "key_lengths"))
-  outputs = {}
-  for name, cfg in (("einsum", einsum_cfg), ("fused", fused_cfg)):
-    model = t5.T5(cfg)
-    loss_fn = losses.seq2seq_loss_fn(model)
-    grads, metrics = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None), has_aux=True))(
-        params, batch)
-    logits = jax.jit(lambda p, b: model.apply(
-        {"params": p}, b["encoder_input_tokens"], b["decoder_input_tokens"],
-        encoder_segment_ids=b.get("encoder_segment_ids"),
-        decoder_segment_ids=b.get("decoder_segment_ids")))(params, batch)
-    outputs[name] = (np.asarray(logits), grads, float(metrics["loss"]))
+  outputs = {"einsum": _logits_grads_loss(einsum_cfg, packed),
+             "fused": _logits_grads_loss(fused_cfg, packed)}
   valid = np.asarray(batch.get("decoder_segment_ids", np.ones((4, 6)))) > 0
   np.testing.assert_allclose(outputs["fused"][0][valid], outputs["einsum"][0][valid],
                              atol=2e-5, rtol=1e-5)
@@ -519,7 +530,8 @@ def test_architecture_ignores_how_to_compute():
 
 def test_teacher_forced_rows_sharing_an_encoding_equal_repeated_encodings():
   """G decoder rows per input against one encoding = the same rows against G copies of it."""
-  cfg = t5_config(size="tiny", vocab_size=64)
+  # One layer each side: the grouping is in the cross-attention every decoder layer shares.
+  cfg = t5_config(size="tiny", vocab_size=64, num_encoder_layers=1, num_decoder_layers=1)
   model = t5.T5(cfg)
   params = flax.core.meta.unbox(jax.jit(lambda r: t5.init_params(model, r))(
       jax.random.PRNGKey(0)))

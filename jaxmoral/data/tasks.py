@@ -28,6 +28,7 @@ import seqio
 import tensorflow as tf
 
 import gin
+from jaxmoral import fileio
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
 from jaxmoral.data import readers
@@ -216,6 +217,20 @@ def num_examples(task_name: str, split: str) -> Optional[int]:
   return None if any(c is None for c in counts) else int(sum(counts))
 
 
+def _vocabulary_digest(vocabulary: seqio.Vocabulary) -> Optional[str]:
+  """A SentencePiece vocabulary by what tokenises (pieces, scores, normalisation), not by its
+  path or how it was trained (the model records its training paths): runs that each build or
+  copy the same vocabulary (the demo's, into every MODEL_DIR) share one data cache."""
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
+  path = getattr(vocabulary, "sentencepiece_model_file", None)
+  if path is None:
+    return None
+  proto = sentencepiece_model_pb2.ModelProto  # type: ignore[attr-defined]
+  model = proto.FromString(fileio.read_bytes(path))
+  model.ClearField("trainer_spec")
+  return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+
+
 @functools.cache
 def _process_cache_root() -> str:
   """A folder for the index caches of Tasks whose data has no fingerprint: this process's
@@ -329,8 +344,7 @@ class TaskSource:
       fingerprint = getattr(task.source, FINGERPRINT_ATTRIBUTE, None)
       if fingerprint is None:
         return None
-      vocabularies = {name: [type(f.vocabulary).__name__,
-                             getattr(f.vocabulary, "sentencepiece_model_file", None),
+      vocabularies = {name: [type(f.vocabulary).__name__, _vocabulary_digest(f.vocabulary),
                              f.vocabulary.vocab_size, f.add_eos]
                       for name, f in sorted(task.output_features.items())}
       parts.append({"task": task.name, "data": fingerprint, "features": vocabularies,
