@@ -73,21 +73,20 @@ def shared_dir() -> pathlib.Path:
   return SHARED_DATA
 
 
-# Seconds each of the slowest test files took (summed test durations, 2-core VM, 2026-11-26).
+# Seconds each of the slowest test files took (summed test durations, 2-core VM, 2026-11-28).
 # `make test` hands whole files to its two workers (pytest-xdist, --dist loadscope,
 # --no-loadscope-reorder) in collection order: longest first, so no long file is left to run
 # alone at the end (xdist's default order, by test count, ran the two slowest files last).
 # Only the order matters; a file not listed goes after these, in its usual order.
 MODULE_SECONDS = {
-    "test_object_storage": 140, "test_one_path": 75, "test_on_mesh": 60, "test_reliability": 60,
-    "test_docs": 45, "test_t5": 40, "test_explore": 40, "test_aot": 36, "test_decoding": 34,
-    "test_cli": 34,
-    "test_train": 33, "test_trainer": 29, "test_model_dirs": 29, "test_multiprocess": 28,
-    "test_data_tasks": 26, "test_diamante_model": 25, "test_ppo_trainer": 23,
-    "test_partitioning": 21, "test_flash_attention": 17, "test_diamante_inference": 17,
-    "test_adafactor": 17, "test_clarify_training": 17, "test_host_memory": 16,
-    "test_data_span_corruption": 15, "test_clarify_chat": 15, "test_npov_salience": 15,
-    "test_rl_rollout": 14, "test_api": 14, "test_checkpoints": 13, "test_gin_utils": 12,
+    "test_object_storage": 99, "test_one_path": 93, "test_reliability": 62, "test_t5": 60,
+    "test_on_mesh": 50, "test_aot": 45, "test_decoding": 42, "test_trainer": 40,
+    "test_microbatching": 36, "test_cli": 35, "test_explore": 34, "test_multiprocess": 31,
+    "test_ppo_trainer": 31, "test_train": 30, "test_data_tasks": 30, "test_flash_attention": 26,
+    "test_partitioning": 26, "test_docs": 24, "test_clarify_chat": 21, "test_diamante_model": 19,
+    "test_adafactor": 19, "test_host_memory": 18, "test_data_span_corruption": 18,
+    "test_diamante_inference": 14, "test_rl_rollout": 14, "test_model_dirs": 13, "test_api": 13,
+    "test_npov_salience": 13, "test_npov_detect": 12, "test_compilation_cache": 12,
 }
 
 
