@@ -2,9 +2,9 @@
 
 Each method starts from the same Hugging Face checkpoint (written by `transformers` in
 conftest.py), runs a few steps through its ordinary entry point with every model on a
-(data 2, model 4) mesh of the 8 fake CPU devices, and must equal the same run on one device:
-the core seq2seq run, prompt tuning, Diamante (a fresh scalar head on the pretrained T5), and
-ClarifyDelphi PPO with all five models (question, answer, NLI, fusion, judge) sharded.
+(data 2, model 2) mesh of 4 of the 8 fake CPU devices, and must equal the same run on one
+device: the core seq2seq run, prompt tuning, Diamante (a fresh scalar head on the pretrained
+T5), and ClarifyDelphi PPO with all five models (question, answer, NLI, fusion, judge) sharded.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ STEPS = 3
 
 
 def mesh() -> partitioning.PjitPartitioner:
-  return partitioning.PjitPartitioner(num_partitions=4)  # data 2 x model 4
+  # Data 2 x model 2: both axes split (every sharded dimension of the tiny T5 divides 2) as on
+  # 8 devices, and programs over 4 devices compile and run faster on a 2-core machine.
+  return partitioning.PjitPartitioner(num_partitions=2, devices=jax.devices()[:4])
 
 
 def one_device() -> partitioning.PjitPartitioner:
@@ -61,7 +63,7 @@ def _check_sharded(run_dir):
   """Every parameter of the run's checkpoint is split over the mesh where its rules say so."""
   loaded = model_dirs.load(run_dir, partitioner=mesh())
   kernel = loaded.params["decoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
-  assert kernel.sharding.spec[1] == "model" and len(kernel.sharding.device_set) == 8
+  assert kernel.sharding.spec[1] == "model" and len(kernel.sharding.device_set) == 4
 
 
 def _train(model_dir, *, model, data, partitioner, init_checkpoint, feature_lengths):
@@ -126,12 +128,16 @@ def test_clarify_ppo_with_five_models_from_hf_sharded_resumed_equals_one_device(
   from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
   from jaxmoral.rl import ppo_trainer  # pylint: disable=g-import-not-at-top
   hf_dir, _ = hf_t5
-  ppo_config = ppo_trainer.PPOConfig(batch_size=8, num_ppo_epochs=1, num_minibatches=2,
+  # Rollouts of 4 prompts (2 per data shard), 2 minibatches of 2: the fewest that still split
+  # every batch over the data axis; 2 iterations x 4 = the 8 prompts. The reward scale is
+  # measured on all 8 (two rollout batches): over 4 the rewards can all be equal, and the run
+  # would use the sigma0 = 1 fallback instead of a measured scale.
+  ppo_config = ppo_trainer.PPOConfig(batch_size=4, num_ppo_epochs=1, num_minibatches=2,
                                      max_prompt_length=32, max_response_length=8,
                                      reward_norm_num_prompts=8)
   reward_config = reward_lib.RewardConfig(judge_classes=("wrong", "okay", "good"),
                                           input_length=32, max_answer_length=8,
-                                          max_fusion_length=16, batch_size=8,
+                                          max_fusion_length=16, batch_size=4,
                                           answer_greedy=False)
 
   def ppo(name, partitioner, iterations):
@@ -140,7 +146,7 @@ def test_clarify_ppo_with_five_models_from_hf_sharded_resumed_equals_one_device(
         answer_model_dir=str(hf_dir), fusion_model_dir=str(hf_dir),
         judge_model_dir=str(hf_dir), nli_model_dir=str(hf_dir), ppo_config=ppo_config,
         optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
-        num_iterations=iterations, reward_config=reward_config, max_prompts=16,
+        num_iterations=iterations, reward_config=reward_config, max_prompts=8,
         partitioner=partitioner, log_every=1, checkpoint_every=1, sample_every=0,
         async_checkpoint=False)
 
