@@ -338,13 +338,18 @@ class TaskSource:
     is_mixture = isinstance(provider, seqio.Mixture)
     tasks = provider.tasks if is_mixture else [provider]
     parts = []
+    # The Tasks and their features share a vocabulary: each one is read once.
+    digests: dict[int, Optional[str]] = {}
     for task in tasks:
       if self.split not in task.splits:
         continue
       fingerprint = getattr(task.source, FINGERPRINT_ATTRIBUTE, None)
       if fingerprint is None:
         return None
-      vocabularies = {name: [type(f.vocabulary).__name__, _vocabulary_digest(f.vocabulary),
+      for f in task.output_features.values():
+        if id(f.vocabulary) not in digests:
+          digests[id(f.vocabulary)] = _vocabulary_digest(f.vocabulary)
+      vocabularies = {name: [type(f.vocabulary).__name__, digests[id(f.vocabulary)],
                              f.vocabulary.vocab_size, f.add_eos]
                       for name, f in sorted(task.output_features.items())}
       parts.append({"task": task.name, "data": fingerprint, "features": vocabularies,
