@@ -102,6 +102,16 @@ def pytest_unconfigure(config):
       shutil.rmtree(owned, ignore_errors=True)
 
 
+@pytest.fixture
+def clean_gin():
+  """An empty gin config before and after the test (gin's config is process-wide): files that
+  parse configs use it for every test, `pytestmark = pytest.mark.usefixtures("clean_gin")`."""
+  import gin  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  yield
+  gin.clear_config()
+
+
 @pytest.fixture(scope="session")
 def demo_vocab_path(tmp_path_factory) -> str:
   """The demo SentencePiece vocabulary (400 pieces + 100 extra ids), built once a session."""

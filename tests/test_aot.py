@@ -27,11 +27,7 @@ TINY = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.BATCH_SIZE=8",
         "--gin.config.t5_config.num_decoder_layers=1"]
 
 
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 def _parse(extra=()):

@@ -38,11 +38,7 @@ CORE = "--gin_file=configs/core/tiny_cpu.gin"
 DIAMANTE = "--gin_file=configs/diamante/tiny_cpu.gin"
 
 
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,7 @@ from jaxmoral import cli
 from jaxmoral import train as train_lib
 
 
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 TINY = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.TRAIN_STEPS=12",

@@ -15,11 +15,7 @@ import pytest
 from jaxmoral import gin_utils
 
 
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 @gin.configurable

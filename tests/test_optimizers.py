@@ -12,11 +12,7 @@ def _first_line(error: pytest.ExceptionInfo) -> str:
   return str(error.value).splitlines()[0]
 
 
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 @pytest.mark.parametrize("kwargs, error, message", [

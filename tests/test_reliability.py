@@ -35,11 +35,7 @@ RUN = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.WARMUP_STEPS=1", "--gin.BA
        "--gin.config.t5_config.num_decoder_layers=1"]
 
 
-@pytest.fixture(autouse=True)
-def _clean_gin():
-  gin.clear_config()
-  yield
-  gin.clear_config()
+pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
 @pytest.fixture(scope="module")
