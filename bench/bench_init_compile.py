@@ -46,6 +46,8 @@ def main() -> None:
       times["ours"].append(_compile_seconds(lambda r: t5.init_params(model, r), rng))
       times["flax"].append(_compile_seconds(
           lambda r: model.init({"params": r, "dropout": r}, tokens, tokens)["params"], rng))
+      print(f"<!-- {size} round {len(times['ours'])}: init_params {times['ours'][-1]:.2f} s, "
+            f"model.init {times['flax'][-1]:.2f} s -->", flush=True)
     count = len(jax.tree.leaves(jax.eval_shape(lambda r: t5.init_params(model, r), rng)))
     ours, flax = statistics.median(times["ours"]), statistics.median(times["flax"])
     print(f"| {size} | {count} | {ours:.2f} | {flax:.2f} | {flax / ours:.1f}x |", flush=True)
