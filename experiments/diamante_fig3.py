@@ -41,7 +41,7 @@ import numpy as np
 import experiment_lib as common  # puts the project root on sys.path
 
 # The library is imported where it is used, so that reading the configs (tests, --help) does
-# not load TensorFlow (seqio's input pipelines, imported by `jaxmoral.runs`).
+# not load JAX and the models.
 
 logger = logging.getLogger("diamante_fig3")
 

@@ -41,6 +41,8 @@ GIN_COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("jaxmoral.runs", "train_run", "Train a model from a gin config (T5X style)."),
     "eval": ("jaxmoral.runs", "eval_run", "Evaluate the latest checkpoint of MODEL_DIR."),
     "infer": ("jaxmoral.runs", "infer_run", "Decode inputs with the latest checkpoint."),
+    "cache": ("jaxmoral.runs", "cache_run",
+              "Write a config's data into DATA_CACHE (then train there without TensorFlow)."),
 }
 # What a gin command's help adds to its description.
 _GIN_COMMAND_NOTES = {

@@ -27,6 +27,7 @@ import json
 import logging
 import numbers
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -48,8 +49,10 @@ from jaxmoral import model_dirs
 from jaxmoral import partitioning
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
+from jaxmoral.data import index_cache
+from jaxmoral.data import pairs as pairs_lib
+from jaxmoral.data import pipeline
 from jaxmoral.data import readers
-from jaxmoral.data import tasks
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import t5
 from jaxmoral.models import trainable
@@ -57,6 +60,24 @@ from jaxmoral.models import trainable
 logger = logging.getLogger(__name__)
 
 VOCAB_DIR = model_dirs.VOCAB_DIR
+# A data cache folder (`Seq2SeqData.cache_dir`): what it holds, and its vocabulary.
+CACHE_SPEC = "spec.json"
+CACHE_VOCABULARY = "vocabulary.model"
+
+
+def _copy_folder(source: str, target: str) -> None:
+  """Copies the files of local folder `source` to `target` (local or a bucket URL), whole:
+  locally under a temporary name renamed into place."""
+  if fileio.is_url(target):
+    for name in sorted(os.listdir(source)):
+      fileio.write_bytes(fileio.join(target, name), open(os.path.join(source, name), "rb").read())
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+  partial = f"{target}.tmp.{os.getpid()}"
+  shutil.rmtree(partial, ignore_errors=True)
+  shutil.copytree(source, partial)
+  shutil.rmtree(target, ignore_errors=True)
+  os.rename(partial, target)
 
 
 class DataSpec(Protocol):
@@ -116,9 +137,14 @@ class Seq2SeqData:
     eval_split: Split used for evaluation.
     pack: Pack several examples per row (T5X's `EncDecFeatureConverter(pack=True)`).
     heldout: Which pairs of `train_file` are held out when there is no `eval_file`
-      (`tasks.HELDOUT_RULES`): "hash" (by the pair's text, whatever the file's order) or
+      (`pairs.HELDOUT_RULES`): "hash" (by the pair's text, whatever the file's order) or
       "position" (every 10th; runs started before "hash" existed). A resumed run keeps the
       rule it started with (`resumed`), so it goes on training on the same pairs.
+    cache_dir: A folder (local or a bucket URL) holding this data's rows as index caches
+      (DATA_CACHE): read from there when it has them, with no seqio or TensorFlow import (an
+      accelerator host that has no TensorFlow trains and evaluates from it); written there
+      first when it has none (`jaxmoral cache` writes it without training). It is for one
+      TASK_FEATURE_LENGTHS and SEED: another is refused in one line.
   """
   mixture_or_task_name: Optional[str] = None
   train_file: Optional[str] = None
@@ -131,14 +157,15 @@ class Seq2SeqData:
   eval_split: str = "validation"
   pack: bool = False
   heldout: str = "hash"
+  cache_dir: Optional[str] = None
 
   def __post_init__(self):
     if (self.mixture_or_task_name is None) == (self.train_file is None):
       raise ValueError("Seq2SeqData: give exactly one of mixture_or_task_name, train_file")
     if self.eval_file is not None and self.train_file is None:
       raise ValueError("Seq2SeqData.eval_file needs train_file")
-    if self.heldout not in tasks.HELDOUT_RULES:
-      raise ValueError(f"Seq2SeqData.heldout must be one of {tasks.HELDOUT_RULES}, got "
+    if self.heldout not in pairs_lib.HELDOUT_RULES:
+      raise ValueError(f"Seq2SeqData.heldout must be one of {pairs_lib.HELDOUT_RULES}, got "
                        f"{self.heldout!r}")
 
   @property
@@ -166,6 +193,9 @@ class Seq2SeqData:
         raise ValueError(f"Seq2SeqData.{name}: no such file {value!r}")
 
   def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
+    if self.cache_dir is not None and self._cache_written():  # Its rows' vocabulary.
+      return vocab_lib.get_vocabulary(fileio.join(self.cache_dir, CACHE_VOCABULARY),
+                                      extra_ids=self.extra_ids)
     self._check_files()
     if self.vocabulary_path is not None:
       return vocab_lib.get_vocabulary(self.vocabulary_path, extra_ids=self.extra_ids)
@@ -176,6 +206,7 @@ class Seq2SeqData:
 
   def task_name(self, vocabulary: Any) -> str:
     """Registers what is needed (demo tasks, file tasks) and returns the task/mixture name."""
+    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top  (seqio, TensorFlow)
     self._check_files()
     if self.train_file is not None:
       files = {self.train_split: self.train_file}
@@ -185,9 +216,9 @@ class Seq2SeqData:
                                       input_field=self.input_field,
                                       target_field=self.target_field)
       else:
-        pairs = tasks.read_pairs(self.train_file, input_field=self.input_field,
-                                 target_field=self.target_field)
-        split = tasks.split_pairs(pairs, rule=self.heldout)
+        pairs = pairs_lib.read_pairs(self.train_file, input_field=self.input_field,
+                                     target_field=self.target_field)
+        split = pairs_lib.split_pairs(pairs, rule=self.heldout)
         for part, what in (("train", "training"), ("validation", "held-out evaluation")):
           if not split[part]:  # Named here: the task only sees the pairs, not the file.
             raise ValueError(f"Seq2SeqData.train_file: {self.train_file} has {len(pairs)} "
@@ -209,17 +240,122 @@ class Seq2SeqData:
     return name
 
   def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
-              seed: int) -> tuple[tasks.TaskSource, Optional[tasks.TaskSource]]:
+              seed: int) -> tuple[Any, Optional[Any]]:
+    if self.cache_dir is not None:
+      return self._cached_sources(vocabulary=vocabulary, batch_size=batch_size,
+                                  feature_lengths=feature_lengths, seed=seed)
+    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top  (seqio, TensorFlow)
     name = self.task_name(vocabulary)
     train = tasks.TaskSource(name, self.train_split, feature_lengths, batch_size, seed=seed,
                              pack=self.pack)
+    return train, self.eval_source(vocabulary=vocabulary, batch_size=batch_size,
+                                   feature_lengths=feature_lengths)
+
+  def eval_source(self, *, vocabulary: Any, batch_size: int,
+                  feature_lengths: Mapping[str, int]) -> Optional[Any]:
+    """The evaluation split in order (None when the data has none)."""
+    if self.cache_dir is not None:
+      return self._cached_sources(vocabulary=vocabulary, batch_size=batch_size,
+                                  feature_lengths=feature_lengths, seed=None)[1]
+    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top  (seqio, TensorFlow)
     try:
-      evaluation = tasks.TaskSource(name, self.eval_split, feature_lengths, batch_size,
-                                    seed=seed, shuffle=False)
+      return tasks.TaskSource(self.task_name(vocabulary), self.eval_split, feature_lengths,
+                              batch_size, shuffle=False)
     except ValueError as error:
-      logger.warning("train_run: no evaluation data (%s)", error)
-      evaluation = None
-    return train, evaluation
+      logger.warning("Seq2SeqData: no evaluation data (%s)", error)
+      return None
+
+  # -- the index cache in cache_dir ---------------------------------------------------------
+  def _cache_spec(self, feature_lengths: Mapping[str, int], seed: int) -> dict[str, Any]:
+    """What the cached rows are of. Files by name only: the host that reads the cache need
+    not have them."""
+    return {"task": self.mixture_or_task_name,
+            "files": [None if f is None else os.path.basename(f)
+                      for f in (self.train_file, self.eval_file)],
+            "fields": [self.input_field, self.target_field],
+            "splits": [self.train_split, self.eval_split], "heldout": self.heldout,
+            "pack": self.pack, "extra_ids": self.extra_ids,
+            "feature_lengths": {k: int(v) for k, v in sorted(feature_lengths.items())},
+            "seed": seed}
+
+  def _cache_written(self) -> bool:
+    return self.cache_dir is not None and fileio.isfile(fileio.join(self.cache_dir, CACHE_SPEC))
+
+  def write_cache(self, *, vocabulary: Any, feature_lengths: Mapping[str, int],
+                  seed: int) -> dict[str, Any]:
+    """Writes this data's rows into `cache_dir` through seqio (TensorFlow): `train/` (one
+    seeded pass, as `tasks.TaskSource` caches it), `eval/` (the evaluation split in order,
+    when there is one), the vocabulary, and `spec.json` last (a cache without it is
+    incomplete and written again). Returns the spec."""
+    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top  (seqio, TensorFlow)
+    assert self.cache_dir is not None
+    name = self.task_name(vocabulary)
+    with tempfile.TemporaryDirectory(prefix="jaxmoral-cache-") as scratch:
+      train = tasks.TaskSource(name, self.train_split, feature_lengths, 1, seed=seed,
+                               pack=self.pack, cache_dir=scratch)
+      folders = {"train": train.cache_directory()}
+      evaluation = dataclasses.replace(self, cache_dir=None).eval_source(
+          vocabulary=vocabulary, batch_size=256, feature_lengths=feature_lengths)
+      if evaluation is not None:
+        # The rows `eval_batches` streams, in order (a Mixture's too), their padding dropped.
+        folders["eval"] = os.path.join(scratch, "eval")
+        index_cache.write(folders["eval"], (
+            {k: v[b["decoder_target_tokens"].any(-1)] for k, v in b.items()}
+            for b in evaluation.eval_batches()), {"task": name, "split": self.eval_split})
+      rows = {}
+      for part, folder in folders.items():
+        rows[part] = index_cache.read(folder)[1]["rows"]  # type: ignore[index]
+        _copy_folder(folder, fileio.join(self.cache_dir, part))
+    fileio.write_bytes(fileio.join(self.cache_dir, CACHE_VOCABULARY),
+                       fileio.read_bytes(vocabulary.sentencepiece_model_file))
+    spec = {**self._cache_spec(feature_lengths, seed), "rows": rows}
+    fileio.write_text(fileio.join(self.cache_dir, CACHE_SPEC), json.dumps(spec, indent=1),
+                      durable=True)
+    return spec
+
+  def _cached_sources(self, *, vocabulary: Any, batch_size: int,
+                      feature_lengths: Mapping[str, int], seed: Optional[int]
+                      ) -> tuple[Optional[pipeline.BatchSource], Optional[pipeline.BatchSource]]:
+    """(train, eval) read from `cache_dir` (written first when it has no cache, by process 0
+    of a multi-process job); `seed` None: the evaluation split only."""
+    assert self.cache_dir is not None
+    if not self._cache_written():
+      if seed is None:
+        raise ValueError(f"Seq2SeqData.cache_dir: {self.cache_dir} holds no data cache; write "
+                         "it with `jaxmoral cache` and the run's gin flags")
+      if jax.process_index() == 0:
+        self.write_cache(vocabulary=vocabulary, feature_lengths=feature_lengths, seed=seed)
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("jaxmoral.runs: data cache written")
+    spec = json.loads(fileio.read_text(fileio.join(self.cache_dir, CACHE_SPEC)))
+    want = self._cache_spec(feature_lengths, spec["seed"] if seed is None else seed)
+    for key, value in want.items():
+      if spec.get(key) != value:
+        raise ValueError(f"Seq2SeqData.cache_dir: {self.cache_dir} holds rows for {key}="
+                         f"{spec.get(key)!r}, this run has {value!r} (another DATA_CACHE, or "
+                         "write this one anew with `jaxmoral cache`)")
+    if vocab_lib.model_digest(vocabulary) != vocab_lib.model_digest(
+        vocab_lib.get_vocabulary(fileio.join(self.cache_dir, CACHE_VOCABULARY))):
+      raise ValueError(f"Seq2SeqData.cache_dir: {self.cache_dir} was tokenised with another "
+                       "vocabulary than this run's")
+
+    cache_dir = self.cache_dir
+
+    def read(part: str, *, shuffle: bool) -> Optional[pipeline.BatchSource]:
+      folder = fileio.join(cache_dir, part)
+      if part not in spec["rows"]:
+        return None
+      found = index_cache.read(fileio.local_folder(folder))
+      if found is None:
+        raise ValueError(f"Seq2SeqData.cache_dir: {folder} is incomplete; write the cache "
+                         "anew with `jaxmoral cache`")
+      features, meta = found
+      return pipeline.BatchSource(features=features, batch_size=batch_size,
+                                  seed=spec["seed"], shuffle=shuffle,
+                                  data_fingerprint=meta["sha256"][:16])
+
+    evaluation = read("eval", shuffle=False)
+    return (None if seed is None else read("train", shuffle=True)), evaluation
 
   def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -427,6 +563,41 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
 
 
 @gin.configurable
+def cache_run(*, data: Seq2SeqData, feature_lengths: Mapping[str, int], seed: int = 0,
+              init_checkpoint: Optional[str] = None) -> dict[str, Any]:
+  """Writes a config's data into its DATA_CACHE folder, without training (`jaxmoral cache`).
+
+  Run it where seqio and TensorFlow are installed, with the flags the training run will
+  have (TASK_FEATURE_LENGTHS, SEED, the data): a run given the same DATA_CACHE then reads
+  its batches from there and imports neither (an accelerator host without TensorFlow).
+
+  Args:
+    data: The run's data; its `cache_dir` (DATA_CACHE) is where the rows go.
+    feature_lengths: TASK_FEATURE_LENGTHS.
+    seed: SEED (the one seeded pass of the training split depends on it).
+    init_checkpoint: INIT_CHECKPOINT: its vocabulary is the data's when the data names none.
+
+  Returns:
+    The cache's spec (what it holds, and its rows per part).
+
+  Raises:
+    ValueError: No DATA_CACHE was given.
+  """
+  if data.cache_dir is None:
+    raise ValueError("cache: give the folder to write as --gin.DATA_CACHE=\"'/path'\" "
+                     "(runs.Seq2SeqData.cache_dir)")
+  fileio.check_writable(data.cache_dir, directory=True)
+  fallback = model_dirs.inspect(init_checkpoint).vocabulary if init_checkpoint else None
+  with tempfile.TemporaryDirectory(prefix="jaxmoral-vocab-") as build_dir:
+    vocabulary = dataclasses.replace(data, cache_dir=None).vocabulary(build_dir,
+                                                                      fallback=fallback)
+    spec = data.write_cache(vocabulary=vocabulary, feature_lengths=feature_lengths, seed=seed)
+  print(f"cache: {spec['rows']} rows written to {data.cache_dir}; train from it with "
+        f"--gin.DATA_CACHE=\"'{data.cache_dir}'\" (no TensorFlow needed)", flush=True)
+  return spec
+
+
+@gin.configurable
 def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str, int],
              batch_size: int = 16, step: Optional[int] = None,
              decode_examples: int = 8, max_decode_length: Optional[int] = None,
@@ -449,8 +620,10 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   partitioner = loaded.partitioner
   model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
   data = data.resumed(loaded.settings.get("data", {}))  # The pairs the run held out.
-  source = tasks.TaskSource(data.task_name(vocabulary), data.eval_split, feature_lengths,
-                            batch_size, shuffle=False)
+  source = data.eval_source(vocabulary=vocabulary, batch_size=batch_size,
+                            feature_lengths=feature_lengths)
+  if source is None:
+    raise ValueError(f"eval: the data has no evaluation split {data.eval_split!r}")
   loss_fn = losses.seq2seq_loss_fn(model, z_loss=0.0)
   eval_step = partitioner.partition(
       lambda p, batch: loss_fn(p, batch, None)[1],

@@ -1,11 +1,14 @@
 """Tests for jaxmoral.data.tasks: seqio Tasks stream (deterministic, resumable, sharded) the
 features encode_pairs makes, without materialising them."""
 
+import os
+
 import numpy as np
 import pytest
 import seqio
 
 from jaxmoral.data import demo, tasks, vocab
+from jaxmoral.data import pairs as pairs_lib
 from jaxmoral.data.pipeline import encode_pairs
 
 LENGTHS = {"inputs": 24, "targets": 12}
@@ -187,7 +190,7 @@ def test_a_ten_million_example_task_trains_in_bounded_memory(vocabulary, tmp_pat
     return tf.data.Dataset.range(count).map(example)
 
   seqio.TaskRegistry.remove("jm_ten_million")
-  features = {k: seqio.Feature(vocabulary=vocabulary) for k in ("inputs", "targets")}
+  features = {k: seqio.Feature(vocabulary=vocab.as_seqio(vocabulary)) for k in ("inputs", "targets")}
   seqio.TaskRegistry.add(
       "jm_ten_million", source=seqio.FunctionDataSource(
           dataset_fn, splits=["train"], num_input_examples={"train": count}),
@@ -219,33 +222,7 @@ def test_file_task_errors_name_the_file(vocabulary, tmp_path):
   typed = tmp_path / "typed.jsonl"
   typed.write_text('{"inputs": "ok", "targets": "fine"}\n{"inputs": true, "targets": 3.5}\n')
   with pytest.raises(ValueError, match=r"typed\.jsonl:2: expected a string, got true"):
-    tasks.read_pairs(typed, input_field="inputs", target_field="targets")
-
-
-def test_split_pairs_holds_out_by_hash_whatever_the_order():
-  """"hash" holds out the pairs whose crc32 is 0 mod 10 (zlib reference), the same pairs in
-  any order; a file alternating labels gets both in its held-out set (by position: one only);
-  "position" is every 10th pair from the first."""
-  import zlib  # pylint: disable=g-import-not-at-top
-  pairs = [(f"input {i}", "yes" if i % 2 else "no") for i in range(2000)]
-  split = tasks.split_pairs(pairs)
-  want = [p for p in pairs if zlib.crc32(f"{p[0]}\t{p[1]}".encode()) % 10 == 0]
-  assert split["validation"] == want and 150 < len(want) < 250  # 200 +- 3.5 sigma
-  assert split["train"] == [p for p in pairs if p not in set(want)]
-  shuffled = [pairs[i] for i in np.random.default_rng(0).permutation(len(pairs))]
-  assert set(tasks.split_pairs(shuffled)["validation"]) == set(want)
-  assert {t for _, t in want} == {"yes", "no"}
-  by_position = tasks.split_pairs(pairs, rule="position")
-  assert by_position["validation"] == pairs[::10] and {t for _, t in pairs[::10]} == {"no"}
-  # A pair keeps its side when pairs are added.
-  more = tasks.split_pairs(pairs + [(f"extra {i}", "yes") for i in range(100)])
-  assert set(want) <= set(more["validation"])
-  # Two or more pairs always hold one out.
-  for n in range(2, 12):
-    few = tasks.split_pairs(pairs[:n])
-    assert few["validation"] and len(few["train"]) + len(few["validation"]) == n
-  with pytest.raises(ValueError, match="rule must be one of"):
-    tasks.split_pairs(pairs, rule="random")
+    pairs_lib.read_pairs(typed, input_field="inputs", target_field="targets")
 
 
 def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, vocabulary, tmp_path, monkeypatch):
@@ -369,7 +346,7 @@ def test_a_task_without_a_data_fingerprint_is_cached_per_process(vocabulary):
   seqio.TaskRegistry.remove("jm_foreign")
   seqio.TaskRegistry.add(
       "jm_foreign", source=seqio.FunctionDataSource(dataset_fn, splits=["train"]),
-      output_features={k: seqio.Feature(vocabulary=vocabulary) for k in ("inputs", "targets")},
+      output_features={k: seqio.Feature(vocabulary=vocab.as_seqio(vocabulary)) for k in ("inputs", "targets")},
       preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim])
   source = tasks.TaskSource("jm_foreign", "train", LENGTHS, 4, seed=2)
   stream = source.iterate(0)
@@ -388,6 +365,60 @@ def test_a_vocabulary_is_known_by_its_pieces_not_its_path(demo_vocab_path, tmp_p
   again = vocab.build_demo_vocabulary(output_dir=tmp_path / "again")
   other = vocab.build_demo_vocabulary(output_dir=tmp_path / "other", vocab_size=300)
   assert open(again, "rb").read() != open(demo_vocab_path, "rb").read()
-  digest = [tasks._vocabulary_digest(vocab.get_vocabulary(p))  # pylint: disable=protected-access
+  digest = [vocab.model_digest(vocab.get_vocabulary(p))
             for p in (demo_vocab_path, again, other)]
   assert digest[0] == digest[1] != digest[2]
+
+
+def test_a_data_cache_serves_the_seqio_batches_without_tensorflow(vocab_path, vocabulary,
+                                                                  tmp_path):
+  """`cache_run` writes a config's rows to DATA_CACHE; read from there the batches, the
+  evaluation pass and the fingerprint are the seqio path's, in a process that cannot import
+  TensorFlow or seqio; another SEED or TASK_FEATURE_LENGTHS is refused in one line."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from jaxmoral import runs  # pylint: disable=g-import-not-at-top
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("inputs\ttargets\n" + "".join(f"help friend {i}\tanswer {i % 7}\n"
+                                                 for i in range(90)))
+  data = runs.Seq2SeqData(train_file=str(pairs), vocabulary_path=vocab_path, pack=True)
+  cached = dataclasses.replace(data, cache_dir=str(tmp_path / "cache"))
+  spec = runs.cache_run(data=cached, feature_lengths=LENGTHS, seed=3)
+  assert spec["rows"]["eval"] == len(pairs_lib.split_pairs(
+      pairs_lib.read_pairs(pairs, input_field="inputs", target_field="targets"))["validation"])
+  kwargs = dict(vocabulary=vocabulary, batch_size=8, feature_lengths=LENGTHS, seed=3)
+  (train, evaluation), (from_cache, eval_from_cache) = data.sources(**kwargs), cached.sources(
+      **kwargs)
+  assert from_cache.data_fingerprint == train.data_fingerprint is not None
+  for step in (0, 9):
+    for k, v in train.batch(step).items():
+      np.testing.assert_array_equal(from_cache.batch(step)[k], v)
+  for want, got in zip(evaluation.eval_batches(), eval_from_cache.eval_batches(), strict=True):
+    for k, v in want.items():
+      np.testing.assert_array_equal(got[k], v)
+  child = f"""
+import importlib.abc, sys
+class Blocked(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path=None, target=None):
+    if name.split(".")[0] in ("tensorflow", "seqio", "tensorflow_datasets"):
+      raise ModuleNotFoundError(name)
+sys.meta_path.insert(0, Blocked())
+import os
+
+import numpy as np
+from jaxmoral import runs
+data = runs.Seq2SeqData(train_file="elsewhere/pairs.tsv", pack=True, cache_dir={str(cached.cache_dir)!r})
+vocabulary = data.vocabulary("unused")
+train, _ = data.sources(vocabulary=vocabulary, batch_size=8, feature_lengths={LENGTHS!r}, seed=3)
+np.save({str(tmp_path / "child.npy")!r}, train.batch(9)["encoder_input_tokens"])
+"""
+  done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                        check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert done.returncode == 0, done.stderr[-3000:]
+  np.testing.assert_array_equal(np.load(tmp_path / "child.npy"),
+                                train.batch(9)["encoder_input_tokens"])
+  with pytest.raises(ValueError, match=r"cache_dir: .* holds rows for seed=3, this run has 4"):
+    cached.sources(**{**kwargs, "seed": 4})
+  with pytest.raises(ValueError, match=r"holds rows for feature_lengths="):
+    cached.sources(**{**kwargs, "feature_lengths": {"inputs": 32, "targets": 12}})

@@ -65,3 +65,26 @@ def test_real_t5_vocabulary(shared_dir):
   v = vocab.get_vocabulary(path)
   assert v.encode("translate English to German: That is good.") == [
       13959, 1566, 12, 2968, 10, 466, 19, 207, 5]
+
+
+def test_the_vocabulary_is_seqios_without_tensorflow(demo_model):
+  """The same ids, texts and sizes as seqio's SentencePieceVocabulary on the same model
+  (sentinels, unknown characters, ids past the vocabulary, text after EOS); `as_seqio`
+  gives seqio's own object for Task features; it pickles."""
+  import pickle  # pylint: disable=g-import-not-at-top
+  import seqio  # pylint: disable=g-import-not-at-top
+  ours = vocab.get_vocabulary(demo_model)
+  theirs = seqio.SentencePieceVocabulary(demo_model, extra_ids=100)
+  for name in ("vocab_size", "pad_id", "eos_id", "unk_id", "extra_ids"):
+    assert getattr(ours, name) == getattr(theirs, name), name
+  texts = demo.all_texts()[::23] + ["I like <extra_id_0> and <extra_id_7> sandwiches.",
+                                    "\u65e5\u672c", ""]
+  for text in texts:
+    assert ours.encode(text) == list(theirs.encode(text)), text
+  for ids in ([5, 9, 1, 7], [ours.vocab_size - 1, 3, 600, 2, 0], [], [1]):
+    assert ours.decode(ids) == theirs.decode(ids), ids
+  converted = vocab.as_seqio(ours)
+  assert isinstance(converted, seqio.SentencePieceVocabulary) and converted == theirs
+  assert vocab.as_seqio(theirs) is theirs
+  again = pickle.loads(pickle.dumps(ours))
+  assert again == ours and again.encode(texts[0]) == ours.encode(texts[0])

@@ -251,19 +251,15 @@ def test_prefetcher_prepares_batches_ahead_and_passes_errors_on():
     placed.close()
 
 
-class FingerprintedSource(BatchSource):
-  """A source whose data has a fingerprint (as an index-cached `TaskSource`)."""
-  data_fingerprint = "rows-of-version-1"
-
-
 def test_resume_over_changed_data_is_refused_in_one_line(setup, tmp_path):
   trainer, _ = setup
   model_dir = str(tmp_path / "fingerprinted")
-  first = FingerprintedSource(features=make_features(40, 0), batch_size=8, seed=3)
+  first = BatchSource(features=make_features(40, 0), batch_size=8, seed=3,
+                      data_fingerprint="rows-of-version-1")
   train_lib.train(model_dir=model_dir, trainer=trainer, train_source=first, train_steps=2,
                   checkpoint_every=2, log_every=2, async_checkpoint=False)
-  changed = FingerprintedSource(features=make_features(40, 5), batch_size=8, seed=3)
-  object.__setattr__(changed, "data_fingerprint", "rows-of-version-2")
+  changed = BatchSource(features=make_features(40, 5), batch_size=8, seed=3,
+                        data_fingerprint="rows-of-version-2")
   with pytest.raises(ValueError, match="data would not continue the same run") as error:
     train_lib.train(model_dir=model_dir, trainer=trainer, train_source=changed, train_steps=4,
                     checkpoint_every=2, log_every=2, async_checkpoint=False)

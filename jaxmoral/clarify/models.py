@@ -36,7 +36,7 @@ class ClarifyModel:
   Attributes:
     model: The linen module.
     params: Parameters (unboxed, on device; sharded by `partitioner` when given).
-    vocabulary: seqio SentencePieceVocabulary (encode/decode, eos_id).
+    vocabulary: A `vocab.SentencePieceVocabulary` (encode/decode, eos_id).
     path: Where it was loaded from ("" for in-memory models).
     input_length: Encoder length (inputs truncated, EOS kept).
     batch_size: Rows per compiled call (the last chunk is zero-padded).

@@ -162,6 +162,8 @@ class BatchSource:
     shuffle: False serves examples in order (epoch after epoch).
     shard_index: This host's slice of every global batch (see `shard`).
     shard_count: Number of slices (hosts).
+    data_fingerprint: A hash of the rows when they come from an index cache (checkpoints
+      record it, so a resume over other rows is refused); None otherwise.
   """
 
   features: Mapping[str, np.ndarray]
@@ -170,6 +172,7 @@ class BatchSource:
   shuffle: bool = True
   shard_index: int = 0
   shard_count: int = 1
+  data_fingerprint: Optional[str] = None
 
   def __post_init__(self):
     if not self.features:

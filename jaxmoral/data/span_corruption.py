@@ -35,6 +35,7 @@ import tensorflow as tf
 
 import gin
 from jaxmoral.data import readers
+from jaxmoral.data import vocab as vocab_lib
 
 # A row of a .jsonl / .tsv / .csv file -> its text(s); None or "" skips the row.
 TextFn = Callable[[Mapping[str, Any]], Optional[str | Sequence[str]]]
@@ -379,7 +380,7 @@ def _text_source(*, files: Mapping[str, Sequence[str]], texts: Mapping[str, Sequ
 
 @gin.configurable
 def register_span_corruption_task(
-    name: str, *, vocabulary: seqio.Vocabulary,
+    name: str, *, vocabulary: Any,
     text_files: Optional[Sequence[str | os.PathLike] | Mapping[str, Sequence[str]]] = None,
     texts: Optional[Mapping[str, Sequence[str]] | Sequence[str]] = None,
     text_field: Optional[str] = None, text_fn: Optional[TextFn] = None,
@@ -449,7 +450,7 @@ def register_span_corruption_task(
       "texts": zlib.crc32(json.dumps(split_texts, sort_keys=True).encode("utf-8")),
       "read": [text_field, getattr(text_fn, "__qualname__", None)],
       "objective": objective, "concat_batch_size": concat_batch_size})
-  features = {k: seqio.Feature(vocabulary=vocabulary, add_eos=True)
+  features = {k: seqio.Feature(vocabulary=vocab_lib.as_seqio(vocabulary), add_eos=True)
               for k in ("inputs", "targets")}
   return seqio.TaskRegistry.add(
       name, source=source, output_features=features,

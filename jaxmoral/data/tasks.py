@@ -20,18 +20,18 @@ import logging
 import os
 import shutil
 import tempfile
-import zlib
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 import seqio
 import tensorflow as tf
 
 import gin
-from jaxmoral import fileio
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
-from jaxmoral.data import readers
+from jaxmoral.data import pairs as pairs_lib
+from jaxmoral.data import vocab as vocab_lib
+from jaxmoral.data.pairs import Pairs
 from jaxmoral.data.pipeline import BatchSource
 from jaxmoral.data.pipeline import Features
 
@@ -42,7 +42,6 @@ FINGERPRINT_ATTRIBUTE = "jaxmoral_fingerprint"
 # A Mixture's cache holds at least this many rows (its rates are then well sampled).
 MIN_MIXTURE_ROWS = 2048
 
-Pairs = Sequence[tuple[str, str]]
 
 
 def _without_function_source_notice(record: logging.LogRecord) -> bool:
@@ -56,64 +55,6 @@ logging.getLogger("absl").addFilter(_without_function_source_notice)
 DEMO_MIXTURE = "jaxmoral_demo_clarify"
 DEMO_TASKS = ("jaxmoral_demo_clarify_question", "jaxmoral_demo_clarify_fusion",
               "jaxmoral_demo_clarify_judgment")
-
-
-def read_pairs(path: str | os.PathLike, *, input_field: str, target_field: str,
-               on_error: readers.OnError = "raise") -> list[tuple[str, str]]:
-  """(input, target) pairs from a .tsv, .csv or .jsonl file with those columns / keys."""
-  suffix = os.path.splitext(str(path))[1].lower()
-  fields = [input_field, target_field]
-  if suffix == ".tsv":
-    rows = readers.read_tsv(path, columns=fields, on_error=on_error)
-  elif suffix == ".csv":
-    rows = readers.read_csv(path, columns=fields, on_error=on_error)
-  elif suffix == ".jsonl":
-    rows = readers.read_jsonl(path, required=fields, text=fields, on_error=on_error)
-  else:
-    raise ValueError(f"{path}: unknown data file type {suffix!r} (want .tsv, .csv or .jsonl)")
-  return [(r[input_field], r[target_field]) for r in rows]
-
-
-# How `split_pairs` picks the held-out pairs. "hash": by a hash of the pair's text, so the
-# file's order cannot skew the held-out set (a file that alternates labels would put one label
-# only at every 10th position) and a pair keeps its side when pairs are added. "position":
-# every n-th pair from the first (runs started before "hash" existed; the demo Tasks).
-HELDOUT_RULES = ("hash", "position")
-
-
-def pair_hash(pair: tuple[str, str]) -> int:
-  """A stable hash of a pair's text (the same on every machine and Python run)."""
-  return zlib.crc32("\t".join(pair).encode("utf-8"))
-
-
-def split_pairs(pairs: Pairs, *, validation_every: int = 10, rule: str = "hash"
-                ) -> dict[str, list[tuple[str, str]]]:
-  """A deterministic train/validation split holding out one pair in `validation_every`.
-
-  Args:
-    pairs: (input, target) pairs.
-    validation_every: One pair in this many validates.
-    rule: One of HELDOUT_RULES. "hash" holds out the pairs whose `pair_hash` is 0 modulo
-      `validation_every` (about one in that many; at least one of two or more pairs, the
-      one of smallest hash remainder); "position" every `validation_every`-th pair from the
-      first.
-
-  Returns:
-    {"train": [...], "validation": [...]}, each in the pairs' order.
-  """
-  if validation_every < 2:
-    raise ValueError(f"validation_every must be >= 2, got {validation_every}")
-  if rule not in HELDOUT_RULES:
-    raise ValueError(f"split_pairs: rule must be one of {HELDOUT_RULES}, got {rule!r}")
-  if rule == "position":
-    held = [not i % validation_every for i in range(len(pairs))]
-  else:
-    remainders = [pair_hash(p) % validation_every for p in pairs]
-    held = [r == 0 for r in remainders]
-    if len(pairs) >= 2 and not any(held):
-      held[int(np.argmin(remainders))] = True
-  return {"train": [p for p, h in zip(pairs, held, strict=True) if not h],
-          "validation": [p for p, h in zip(pairs, held, strict=True) if h]}
 
 
 def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
@@ -142,7 +83,7 @@ def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
 
 
 @gin.configurable
-def register_text_pair_task(name: str, *, vocabulary: seqio.Vocabulary,
+def register_text_pair_task(name: str, *, vocabulary: Any,
                             examples: Optional[Pairs | Mapping[str, Pairs]] = None,
                             file: Optional[str | os.PathLike | Mapping[str, str]] = None,
                             input_field: str = "inputs", target_field: str = "targets",
@@ -167,7 +108,7 @@ def register_text_pair_task(name: str, *, vocabulary: seqio.Vocabulary,
   files: Mapping[str, str | os.PathLike] = {}
   if file is not None:
     files = file if isinstance(file, Mapping) else {"train": file}
-    splits = {s: read_pairs(f, input_field=input_field, target_field=target_field)
+    splits = {s: pairs_lib.read_pairs(f, input_field=input_field, target_field=target_field)
               for s, f in files.items()}
   else:
     assert examples is not None  # Exactly one of examples, file (checked above).
@@ -178,7 +119,7 @@ def register_text_pair_task(name: str, *, vocabulary: seqio.Vocabulary,
       raise ValueError(f"register_text_pair_task({name!r}): split {split!r} is empty{where}")
   if overwrite:
     seqio.TaskRegistry.remove(name)
-  features = {k: seqio.Feature(vocabulary=vocabulary, add_eos=add_eos)
+  features = {k: seqio.Feature(vocabulary=vocab_lib.as_seqio(vocabulary), add_eos=add_eos)
               for k in ("inputs", "targets")}
   return seqio.TaskRegistry.add(
       name, source=_function_source(splits), output_features=features,
@@ -186,7 +127,7 @@ def register_text_pair_task(name: str, *, vocabulary: seqio.Vocabulary,
 
 
 @gin.configurable
-def register_demo_tasks(*, vocabulary: seqio.Vocabulary) -> seqio.Mixture:
+def register_demo_tasks(*, vocabulary: Any) -> seqio.Mixture:
   """Registers the ClarifyDelphi demo Tasks (train/validation) and their Mixture.
 
   Tasks: `jaxmoral_demo_clarify_question` (situation -> clarification question),
@@ -204,7 +145,7 @@ def register_demo_tasks(*, vocabulary: seqio.Vocabulary) -> seqio.Mixture:
   for name, pairs in sources.items():
     # A registered Task's splits are part of its definition: they never change.
     register_text_pair_task(name, vocabulary=vocabulary,
-                            examples=split_pairs(pairs, rule="position"))
+                            examples=pairs_lib.split_pairs(pairs, rule="position"))
   seqio.MixtureRegistry.remove(DEMO_MIXTURE)
   return seqio.MixtureRegistry.add(DEMO_MIXTURE, [(t, len(sources[t])) for t in DEMO_TASKS])
 
@@ -215,20 +156,6 @@ def num_examples(task_name: str, split: str) -> Optional[int]:
   tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
   counts = [t.source.num_input_examples(split) if split in t.splits else 0 for t in tasks]
   return None if any(c is None for c in counts) else int(sum(counts))
-
-
-def _vocabulary_digest(vocabulary: seqio.Vocabulary) -> Optional[str]:
-  """A SentencePiece vocabulary by what tokenises (pieces, scores, normalisation), not by its
-  path or how it was trained (the model records its training paths): runs that each build or
-  copy the same vocabulary (the demo's, into every MODEL_DIR) share one data cache."""
-  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
-  path = getattr(vocabulary, "sentencepiece_model_file", None)
-  if path is None:
-    return None
-  proto = sentencepiece_model_pb2.ModelProto  # type: ignore[attr-defined]
-  model = proto.FromString(fileio.read_bytes(path))
-  model.ClearField("trainer_spec")
-  return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
 
 
 @functools.cache
@@ -348,7 +275,7 @@ class TaskSource:
         return None
       for f in task.output_features.values():
         if id(f.vocabulary) not in digests:
-          digests[id(f.vocabulary)] = _vocabulary_digest(f.vocabulary)
+          digests[id(f.vocabulary)] = vocab_lib.model_digest(f.vocabulary)
       vocabularies = {name: [type(f.vocabulary).__name__, digests[id(f.vocabulary)],
                              f.vocabulary.vocab_size, f.add_eos]
                       for name, f in sorted(task.output_features.items())}
@@ -389,10 +316,9 @@ class TaskSource:
         examples, rows = int(total[-1]), rows + len(per_row)
       yield chunk
 
-  def _cached_rows(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The split's rows (memory-mapped) and the cache's meta, built on first use."""
-    if self._rows is not None:
-      return self._rows
+  def cache_directory(self) -> str:
+    """The index cache of this split's rows, built first if there is none (the directory's
+    name is the Task and a key of everything the rows depend on)."""
     data = self._data_identity()
     identity = {"version": 1, "task": self.task_name, "split": self.split,
                 "lengths": self.feature_lengths, "pack": self.pack, "shuffle": self.shuffle,
@@ -402,13 +328,21 @@ class TaskSource:
     else:  # No fingerprint of the data: this process's own copy, built anew.
       root = _process_cache_root()
     directory = os.path.join(os.fspath(root), f"{self.task_name}.{index_cache.key_of(identity)}")
-    found = index_cache.read(directory)
-    if found is None:
-      logger.info("TaskSource: caching the rows of %s:%s in %s", self.task_name, self.split,
-                  directory)
-      found = index_cache.write(directory, self._pass_rows(), identity)
-    object.__setattr__(self, "_rows", found)
-    return found
+    if self._rows is None:
+      found = index_cache.read(directory)
+      if found is None:
+        logger.info("TaskSource: caching the rows of %s:%s in %s", self.task_name, self.split,
+                    directory)
+        found = index_cache.write(directory, self._pass_rows(), identity)
+      object.__setattr__(self, "_rows", found)
+    return directory
+
+  def _cached_rows(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The split's rows (memory-mapped) and the cache's meta, built on first use."""
+    if self._rows is None:
+      self.cache_directory()
+    assert self._rows is not None
+    return self._rows
 
   @property
   def data_fingerprint(self) -> Optional[str]:

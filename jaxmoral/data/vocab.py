@@ -1,20 +1,28 @@
-"""SentencePiece vocabularies, T5 style: train small ones, load any as a seqio vocabulary.
+"""SentencePiece vocabularies, T5 style: train small ones, load any without TensorFlow.
 
 T5 conventions: pad = 0 (also the decoder start id), eos = 1, unk = 2, no bos; `extra_ids`
 sentinels (`<extra_id_0>` = the highest id) sit after the SentencePiece pieces. The model's
 `vocab_size` must be at least `pieces + extra_ids` (the released T5 models use 32,000 + 100,
 padded to 32,128; the tiny demo uses 400 + 100 <= 512).
+
+`SentencePieceVocabulary` is seqio's vocabulary of the same name on SentencePiece alone: the
+same ids and texts, with no TensorFlow import, so training from an index cache, evaluation,
+decoding and every method run on an accelerator host that has no TensorFlow (a CUDA jax
+often cannot share a host with it). seqio's own object is made from it only where a seqio
+Task is defined (`as_seqio`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import pathlib
-from typing import Iterable, Iterator, Optional
+import threading
+from typing import Any, Iterable, Iterator, Optional
 
 import sentencepiece as spm
-import seqio
 
 import gin
 from jaxmoral import fileio
@@ -80,10 +88,135 @@ def train_sentencepiece(texts: Iterable[str], *, output_prefix: str | os.PathLik
   return f"{prefix}.model"
 
 
+class SentencePieceVocabulary:
+  """A SentencePiece model with seqio's T5 conventions (`seqio.SentencePieceVocabulary`).
+
+  The sentinels are added to the model as user-defined pieces `▁<extra_id_N>`, the first one
+  last, exactly as seqio loads a model, so `encode` reads "<extra_id_0>" in a text as that
+  sentinel and `decode` writes it back. Equality is by (file, extra_ids), as seqio's.
+
+  Attributes:
+    sentencepiece_model_file: The local `.model` file.
+    extra_ids: Sentinels after the pieces.
+  """
+
+  # SentencePiece's proto loading is not thread-safe (seqio holds a lock for it too).
+  _load_lock = threading.Lock()
+
+  def __init__(self, sentencepiece_model_file: str | os.PathLike, extra_ids: int = 0):
+    self.sentencepiece_model_file = os.fspath(sentencepiece_model_file)
+    self.extra_ids = int(extra_ids or 0)
+    self._processor: Optional[spm.SentencePieceProcessor] = None
+
+  def __getstate__(self) -> dict[str, Any]:  # Picklable: the processor is rebuilt on use.
+    return {"sentencepiece_model_file": self.sentencepiece_model_file,
+            "extra_ids": self.extra_ids, "_processor": None}
+
+  def __eq__(self, other: object) -> bool:
+    return (isinstance(other, SentencePieceVocabulary)
+            and (self.sentencepiece_model_file, self.extra_ids)
+            == (other.sentencepiece_model_file, other.extra_ids))
+
+  def __hash__(self) -> int:
+    return hash((self.sentencepiece_model_file, self.extra_ids))
+
+  def __repr__(self) -> str:
+    return (f"SentencePieceVocabulary(file={self.sentencepiece_model_file}, "
+            f"extra_ids={self.extra_ids})")
+
+  @property
+  def tokenizer(self) -> spm.SentencePieceProcessor:
+    """The SentencePiece processor, sentinels included."""
+    if self._processor is None:
+      self._processor = _load_processor(self.sentencepiece_model_file, self.extra_ids)
+    return self._processor
+
+  @property
+  def pad_id(self) -> int:
+    return 0
+
+  @property
+  def eos_id(self) -> int:
+    return self.tokenizer.eos_id()
+
+  @property
+  def unk_id(self) -> int:
+    return self.tokenizer.unk_id()
+
+  @property
+  def bos_id(self) -> int:
+    """-1: T5 vocabularies have none."""
+    return self.tokenizer.bos_id()
+
+  @property
+  def vocab_size(self) -> int:
+    """Ids: the pieces (pad, eos, unk included) and the sentinels."""
+    return self.tokenizer.GetPieceSize()
+
+  def encode(self, s: str) -> list[int]:
+    """Token ids of `s`, no EOS appended."""
+    return self.tokenizer.EncodeAsIds(s)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """The text of `ids` up to the first EOS; ids outside the vocabulary (a model's padding
+    rows) read as UNK, as seqio decodes."""
+    size, unk, eos = self.vocab_size, self.unk_id, self.eos_id
+    clean = [unk if int(i) >= size else int(i) for i in ids]
+    if eos in clean:
+      clean = clean[:clean.index(eos) + 1]
+    return self.tokenizer.DecodeIds(clean)
+
+
+@functools.cache
+def _load_processor(path: str, extra_ids: int) -> spm.SentencePieceProcessor:
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
+  proto = sentencepiece_model_pb2.ModelProto  # type: ignore[attr-defined]
+  model = proto.FromString(fileio.read_bytes(path))
+  for i in reversed(range(extra_ids)):  # <extra_id_0> gets the highest id (span corruption).
+    model.pieces.add(piece=f"▁<extra_id_{i}>", score=0.0, type=proto.SentencePiece.USER_DEFINED)
+  processor = spm.SentencePieceProcessor()
+  with SentencePieceVocabulary._load_lock:  # pylint: disable=protected-access
+    processor.LoadFromSerializedProto(model.SerializeToString())
+  return processor
+
+
+def as_seqio(vocabulary: Any) -> Any:
+  """seqio's vocabulary for `vocabulary` (for a seqio Task's features; imports TensorFlow).
+
+  A `SentencePieceVocabulary` becomes the `seqio.SentencePieceVocabulary` of its file and
+  sentinels (one object per file, so seqio's caches see one vocabulary); anything else is
+  returned as it is (a seqio vocabulary already).
+  """
+  if isinstance(vocabulary, SentencePieceVocabulary):
+    return _seqio_vocabulary(vocabulary.sentencepiece_model_file, vocabulary.extra_ids)
+  return vocabulary
+
+
+@functools.cache
+def _seqio_vocabulary(path: str, extra_ids: int) -> Any:
+  import seqio  # pylint: disable=import-outside-toplevel
+  return seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
+
+
+def model_digest(vocabulary: Any) -> Optional[str]:
+  """A SentencePiece vocabulary by what tokenises (pieces, scores, normalisation), not by its
+  path or how it was trained (the model records its training paths): runs that each build or
+  copy the same vocabulary (the demo's, into every MODEL_DIR) share one data cache. None for
+  a vocabulary that is not a SentencePiece model."""
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
+  path = getattr(vocabulary, "sentencepiece_model_file", None)
+  if path is None:
+    return None
+  proto = sentencepiece_model_pb2.ModelProto  # type: ignore[attr-defined]
+  model = proto.FromString(fileio.read_bytes(path))
+  model.ClearField("trainer_spec")
+  return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+
+
 @gin.configurable
 def get_vocabulary(path: Optional[str | os.PathLike], *,
-                   extra_ids: int = T5_EXTRA_IDS) -> seqio.SentencePieceVocabulary:
-  """A seqio vocabulary for a SentencePiece model file.
+                   extra_ids: int = T5_EXTRA_IDS) -> SentencePieceVocabulary:
+  """The vocabulary of a SentencePiece model file.
 
   Args:
     path: The `.model` file; None builds (or reuses) the demo vocabulary in a temp folder.
@@ -93,16 +226,20 @@ def get_vocabulary(path: Optional[str | os.PathLike], *,
     FileNotFoundError: `path` does not exist.
   """
   if path is None:
-    import tempfile
+    import tempfile  # pylint: disable=import-outside-toplevel
     path = build_demo_vocabulary(output_dir=os.path.join(tempfile.gettempdir(),
                                                          "jaxmoral_demo_vocab"))
   if not fileio.isfile(path):
     raise FileNotFoundError(f"SentencePiece model not found: {path}")
   # SentencePiece reads local files only: a model in a bucket is read through a local copy.
-  vocab = seqio.SentencePieceVocabulary(fileio.local_copy(path), extra_ids=extra_ids)
-  if vocab.pad_id != 0 or vocab.eos_id != 1:
-    raise ValueError(f"{path}: not a T5-style model (pad={vocab.pad_id}, eos={vocab.eos_id}; "
-                     "expected 0 and 1)")
+  vocab = SentencePieceVocabulary(fileio.local_copy(path), extra_ids=extra_ids)
+  try:
+    vocab.tokenizer.GetPieceSize()  # Loads the model: a bad file fails here, naming it.
+  except (RuntimeError, ValueError, OSError) as e:  # protobuf's DecodeError is a ValueError.
+    raise ValueError(f"{path}: not a SentencePiece model ({e})") from None
+  if vocab.eos_id != 1:
+    raise ValueError(f"{path}: not a T5-style model (pad={vocab.tokenizer.pad_id()}, "
+                     f"eos={vocab.eos_id}; expected 0 and 1)")
   return vocab
 
 

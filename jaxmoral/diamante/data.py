@@ -45,7 +45,7 @@ UTTERANCE_FIELDS = ("utterance", "response_candidates")
 
 
 class Vocabulary(Protocol):
-  """What Diamante needs of a vocabulary (seqio.Vocabulary satisfies it)."""
+  """What Diamante needs of a vocabulary (`vocab.SentencePieceVocabulary` or a seqio one)."""
 
   def encode(self, s: str) -> Sequence[int]: ...
 

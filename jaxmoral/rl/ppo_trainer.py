@@ -82,7 +82,7 @@ KL_CONTROLS = ("adaptive", "fixed")
 
 
 class Vocabulary(Protocol):
-  """What PPO needs of a vocabulary (seqio's SentencePieceVocabulary has it)."""
+  """What PPO needs of a vocabulary (`vocab.SentencePieceVocabulary`, or seqio's, has it)."""
 
   def encode(self, s: str) -> Sequence[int]:
     ...

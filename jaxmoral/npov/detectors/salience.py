@@ -186,7 +186,7 @@ class SentencePieceTokenizer:
   """Token ids with character offsets, from a SentencePiece model (T5 vocabularies)."""
 
   def __init__(self, vocabulary: Any):
-    """`vocabulary`: a seqio SentencePieceVocabulary, a SentencePieceProcessor or a path."""
+    """`vocabulary`: a `vocab.SentencePieceVocabulary` (or seqio's), a processor or a path."""
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
     if isinstance(vocabulary, spm.SentencePieceProcessor):
       self._sp = vocabulary
