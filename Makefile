@@ -13,12 +13,12 @@ venv: $(STAMP)
 # Reinstall when the package metadata changes. torch (CPU, a test-only dependency) is pinned
 # to the build this machine ships so pip never pulls a multi-GB CUDA wheel. The `tpu` extra
 # brings libtpu, which lets this CPU compile sharded steps for TPU pod topologies (tests, AOT);
-# JAX_PLATFORMS=cpu keeps every run here on the CPU.
+# JAX_PLATFORMS=cpu keeps every run here on the CPU. `seqio` brings seqio and TensorFlow (data).
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,tpu]'
+	$(PY) -m pip install --quiet -e '.[seqio,test,tpu]'
 	touch $(STAMP)
 
 demo: $(STAMP)

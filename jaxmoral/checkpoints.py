@@ -721,6 +721,10 @@ class CheckpointManager:
       if code is None:
         raise
       step = self._pending_step
+      # Orbax's other writers of that step may still be running (the error came from one of
+      # its threads): they stop first, or they would write into the folder removed below.
+      with contextlib.suppress(Exception):
+        self._manager.wait_until_finished()
       if jax.process_index() == 0 and step is not None:
         for name in os.listdir(self.directory):  # Orbax's temporary folder of that step.
           if name.startswith(f"{step}.orbax-checkpoint-tmp"):

@@ -391,7 +391,7 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
   if args.command == "explore":  # A web server: no TensorFlow start-up, no compilation cache.
     from jaxmoral.explore import server  # Imported when run: keeps --help fast.
     return server.serve(dirs=args.dirs, port=args.port, host=args.host)
-  runtime.tensorflow_for_input_pipelines_only()
+  runtime.own_gpus_for_jax()  # TensorFlow, if seqio is used, stays off the GPUs.
   # `compile` goes without: compile-only TPU executables cannot be loaded back.
   if args.command == "compile":
     compilation_cache.disable()

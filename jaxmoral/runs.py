@@ -65,6 +65,18 @@ CACHE_SPEC = "spec.json"
 CACHE_VOCABULARY = "vocabulary.model"
 
 
+def _seqio_tasks() -> Any:
+  """`jaxmoral.data.tasks`, imported where a seqio Task is first needed (it loads seqio and
+  TensorFlow, which a run from a DATA_CACHE never does)."""
+  try:
+    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top
+  except ModuleNotFoundError as error:
+    raise ValueError(f"Seq2SeqData: {error.name} is not installed here; install it (pip "
+                     "install 'jaxmoral[seqio]'), or train from a DATA_CACHE written by "
+                     "`jaxmoral cache` where it is") from None
+  return tasks
+
+
 def _copy_folder(source: str, target: str) -> None:
   """Copies the files of local folder `source` to `target` (local or a bucket URL), whole:
   locally under a temporary name renamed into place."""
@@ -206,7 +218,7 @@ class Seq2SeqData:
 
   def task_name(self, vocabulary: Any) -> str:
     """Registers what is needed (demo tasks, file tasks) and returns the task/mixture name."""
-    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top  (seqio, TensorFlow)
+    tasks = _seqio_tasks()
     self._check_files()
     if self.train_file is not None:
       files = {self.train_split: self.train_file}
@@ -244,7 +256,7 @@ class Seq2SeqData:
     if self.cache_dir is not None:
       return self._cached_sources(vocabulary=vocabulary, batch_size=batch_size,
                                   feature_lengths=feature_lengths, seed=seed)
-    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top  (seqio, TensorFlow)
+    tasks = _seqio_tasks()
     name = self.task_name(vocabulary)
     train = tasks.TaskSource(name, self.train_split, feature_lengths, batch_size, seed=seed,
                              pack=self.pack)
@@ -257,7 +269,7 @@ class Seq2SeqData:
     if self.cache_dir is not None:
       return self._cached_sources(vocabulary=vocabulary, batch_size=batch_size,
                                   feature_lengths=feature_lengths, seed=None)[1]
-    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top  (seqio, TensorFlow)
+    tasks = _seqio_tasks()
     try:
       return tasks.TaskSource(self.task_name(vocabulary), self.eval_split, feature_lengths,
                               batch_size, shuffle=False)
@@ -287,7 +299,7 @@ class Seq2SeqData:
     seeded pass, as `tasks.TaskSource` caches it), `eval/` (the evaluation split in order,
     when there is one), the vocabulary, and `spec.json` last (a cache without it is
     incomplete and written again). Returns the spec."""
-    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top  (seqio, TensorFlow)
+    tasks = _seqio_tasks()
     assert self.cache_dir is not None
     name = self.task_name(vocabulary)
     with tempfile.TemporaryDirectory(prefix="jaxmoral-cache-") as scratch:

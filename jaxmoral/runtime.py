@@ -109,15 +109,29 @@ _TF_START_UP_NOISE = ("oneDNN custom operations are on", "Could not find cuda dr
                       "All log messages before absl::InitializeLog()", "failed call to cuInit")
 
 
-def tensorflow_for_input_pipelines_only(*, hide_gpus: bool = True) -> None:
+# Whether TensorFlow, once imported for seqio, is kept off the GPUs: yes in the command line's
+# processes (`own_gpus_for_jax`), where JAX owns them; a library user's process is the user's.
+_GPUS_FOR_JAX_ONLY = False
+
+
+def own_gpus_for_jax() -> None:
+  """TensorFlow, whenever seqio imports it in this process, gets no GPU (the CLI's choice)."""
+  global _GPUS_FOR_JAX_ONLY
+  _GPUS_FOR_JAX_ONLY = True
+
+
+def tensorflow_for_input_pipelines_only(*, hide_gpus: Optional[bool] = None) -> None:
   """Imports TensorFlow (seqio's input pipelines) with its start-up lines filtered out of
   stderr, and hides every GPU from it, as T5X does: TensorFlow would otherwise reserve GPU
-  memory that JAX needs. Anything else TensorFlow writes meanwhile is passed on.
+  memory that JAX needs. Anything else TensorFlow writes meanwhile is passed on. The modules
+  that define seqio Tasks call it before they import seqio; nothing else imports TensorFlow.
 
   Args:
-    hide_gpus: False leaves TensorFlow's devices alone (a library import: the process is the
-      user's).
+    hide_gpus: False leaves TensorFlow's devices alone; None: as `own_gpus_for_jax` chose
+      (a library import leaves them alone: the process is the user's).
   """
+  if hide_gpus is None:
+    hide_gpus = _GPUS_FOR_JAX_ONLY
   import tempfile  # pylint: disable=g-import-not-at-top
   sys.stderr.flush()
   saved = os.dup(2)

@@ -9,14 +9,16 @@
 # jax.distributed reads SLURM's variables):
 #   sbatch --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 --wrap "srun launch/gpu.sh -- train ..."
 #
-# `--install` first installs the project with the `gpu` extra (jax[cuda12]) into .venv.
+# `--install` first installs the project with the `gpu` extra (jax[cuda12]) and the `seqio`
+# extra (seqio, TensorFlow CPU) into .venv; JAXMORAL_EXTRAS=gpu leaves TensorFlow out (a host
+# that cannot install it trains from a DATA_CACHE written elsewhere by `jaxmoral cache`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 if [ "${1:-}" = "--install" ]; then
   shift
   python3 -m venv "$ROOT/.venv"
   "$ROOT/.venv/bin/pip" install --quiet --upgrade pip
-  "$ROOT/.venv/bin/pip" install --quiet -e "$ROOT[gpu]"
+  "$ROOT/.venv/bin/pip" install --quiet -e "$ROOT[${JAXMORAL_EXTRAS:-gpu,seqio}]"
 fi
 [ "${1:-}" = "--" ] && shift
 JAXMORAL="$ROOT/.venv/bin/jaxmoral"

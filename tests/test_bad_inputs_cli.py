@@ -247,6 +247,21 @@ def test_bad_run_counts_name_the_macro(flag, message, tmp_path, capsys):
   assert not model_dir.exists()
 
 
+def test_a_data_cache_for_other_lengths_is_one_line(tmp_path, capsys):
+  """`jaxmoral cache` without DATA_CACHE, and a run over a cache written for other
+  TASK_FEATURE_LENGTHS: one line each, naming the flag or the field."""
+  flags = ["--gin_file=configs/core/tiny_cpu.gin", f"--gin.MODEL_DIR='{tmp_path / 'run'}'"]
+  assert cli.main(["cache", *flags]) == 2
+  assert "--gin.DATA_CACHE=" in _one_error_line(capsys)
+  cache = f"--gin.DATA_CACHE='{tmp_path / 'cache'}'"
+  assert cli.main(["cache", *flags, cache]) == 0
+  capsys.readouterr()
+  assert cli.main(["train", *flags, cache,
+                   "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 24}"]) == 2
+  assert "holds rows for feature_lengths=" in _one_error_line(capsys)
+  assert not (tmp_path / "run").exists()
+
+
 # --- 13. A shipped config's relative data paths work from any working directory. ---------------
 
 

@@ -141,6 +141,7 @@ def set_visible_devices(devices, kind):
 sys.modules["tensorflow"] = types.SimpleNamespace(
     config=types.SimpleNamespace(set_visible_devices=set_visible_devices))
 from jaxmoral import runtime
+runtime.own_gpus_for_jax()  # As the command line chooses.
 runtime.tensorflow_for_input_pipelines_only()
 print("after", file=sys.stderr)
 """
@@ -154,7 +155,8 @@ def test_tensorflow_start_up_noise_is_filtered_and_gpus_hidden():
 
 
 def test_real_tensorflow_import_leaves_no_start_up_noise():
-  script = ("from jaxmoral import runtime\nruntime.tensorflow_for_input_pipelines_only()\n"
+  script = ("from jaxmoral import runtime\nruntime.own_gpus_for_jax()\n"
+            "runtime.tensorflow_for_input_pipelines_only()\n"
             "import tensorflow as tf\nprint(tf.config.get_visible_devices('GPU'))\n")
   done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         timeout=300, check=True)

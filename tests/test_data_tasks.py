@@ -374,7 +374,8 @@ def test_a_data_cache_serves_the_seqio_batches_without_tensorflow(vocab_path, vo
                                                                   tmp_path):
   """`cache_run` writes a config's rows to DATA_CACHE; read from there the batches, the
   evaluation pass and the fingerprint are the seqio path's, in a process that cannot import
-  TensorFlow or seqio; another SEED or TASK_FEATURE_LENGTHS is refused in one line."""
+  TensorFlow or seqio (where data without a cache says what is missing); another SEED or
+  TASK_FEATURE_LENGTHS is refused in one line."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
@@ -402,7 +403,7 @@ import importlib.abc, sys
 class Blocked(importlib.abc.MetaPathFinder):
   def find_spec(self, name, path=None, target=None):
     if name.split(".")[0] in ("tensorflow", "seqio", "tensorflow_datasets"):
-      raise ModuleNotFoundError(name)
+      raise ModuleNotFoundError(name, name=name)
 sys.meta_path.insert(0, Blocked())
 import os
 
@@ -412,6 +413,13 @@ data = runs.Seq2SeqData(train_file="elsewhere/pairs.tsv", pack=True, cache_dir={
 vocabulary = data.vocabulary("unused")
 train, _ = data.sources(vocabulary=vocabulary, batch_size=8, feature_lengths={LENGTHS!r}, seed=3)
 np.save({str(tmp_path / "child.npy")!r}, train.batch(9)["encoder_input_tokens"])
+try:  # Data without a cache needs seqio: one line saying so.
+  runs.Seq2SeqData(mixture_or_task_name="t").sources(vocabulary=vocabulary, batch_size=8,
+                                                     feature_lengths={LENGTHS!r}, seed=3)
+except ValueError as error:
+  assert "is not installed here" in str(error) and "DATA_CACHE" in str(error), error
+else:
+  raise AssertionError("no error without seqio")
 """
   done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
                         check=False, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -38,7 +38,11 @@ import pathlib
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
+
+# isort: off
+from jaxmoral.data import _tensorflow  # noqa: F401  (first: how TensorFlow starts)
 import seqio
+# isort: on
 
 import gin
 from jaxmoral.data import corpus_sources

@@ -30,8 +30,12 @@ import zlib
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
+
+# isort: off
+from jaxmoral.data import _tensorflow  # noqa: F401  (first: how TensorFlow starts)
 import seqio
 import tensorflow as tf
+# isort: on
 
 import gin
 from jaxmoral.data import readers

@@ -23,8 +23,12 @@ import tempfile
 from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
+
+# isort: off
+from jaxmoral.data import _tensorflow  # noqa: F401  (first: how TensorFlow starts)
 import seqio
 import tensorflow as tf
+# isort: on
 
 import gin
 from jaxmoral.data import demo
