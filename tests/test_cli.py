@@ -17,12 +17,20 @@ from jaxmoral import train as train_lib
 pytestmark = pytest.mark.usefixtures("clean_gin")
 
 
+@gin.configurable(module="test_cli")
+def first_device() -> list[jax.Device]:
+  return jax.devices()[:1]
+
+
 TINY = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.TRAIN_STEPS=12",
         "--gin.CHECKPOINT_EVERY=6", "--gin.EVAL_EVERY=6", "--gin.BATCH_SIZE=8",
         "--gin.runs.train_run.log_every=6", "--gin.WARMUP_STEPS=2",
         # One layer each: what is tested is the command line, not the depth.
         "--gin.config.t5_config.num_encoder_layers=1",
-        "--gin.config.t5_config.num_decoder_layers=1"]
+        "--gin.config.t5_config.num_decoder_layers=1",
+        # One device: what is tested is the command line, not sharding (the 8-device data
+        # parallel mesh costs more to compile and run).
+        "--gin.partitioning.PjitPartitioner.devices=@test_cli.first_device()"]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ import pytest
 
 from conftest import child_xla_flags
 from jaxmoral import model_dirs
-from jaxmoral.data import vocab as vocab_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -164,9 +163,10 @@ def _train_args(model_dir, vocab):
   return ["--gin_file=configs/core/tiny_cpu.gin",
           f"--gin.MODEL_DIR='{model_dir}'", f"--gin.VOCABULARY_PATH='{vocab}'",
           "--gin.TRAIN_STEPS=3", "--gin.CHECKPOINT_EVERY=3", "--gin.BATCH_SIZE=8",
-          "--gin.WARMUP_STEPS=1", "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 16}",
+          "--gin.WARMUP_STEPS=1", "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 8}",
           "--gin.runs.train_run.log_every=1",
-          # One layer each side: what is compared is the data and gradient flow, not depth.
+          # Short rows and one layer each side: what is compared is the data and gradient
+          # flow, not length or depth; smaller programs compile faster in all three processes.
           "--gin.config.t5_config.num_encoder_layers=1",
           "--gin.config.t5_config.num_decoder_layers=1",
           "--gin.runs.Seq2SeqData.eval_split='none'"]  # no eval: only training is compared
@@ -225,9 +225,9 @@ def _wait(procs, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def runs_done(tmp_path_factory):
+def runs_done(tmp_path_factory, demo_vocab_path):
   tmp = tmp_path_factory.mktemp("multiprocess")
-  vocab = vocab_lib.build_demo_vocabulary(output_dir=tmp / "vocab")
+  vocab = demo_vocab_path  # the session's copy: the same vocabulary, built once
   driver = tmp / "driver.py"
   driver.write_text(DRIVER)
   port = _free_port()

@@ -21,6 +21,7 @@ import time
 import urllib.request
 
 import gin
+import jax
 import numpy as np
 import pytest
 
@@ -38,12 +39,26 @@ TINY = ["--gin_file=configs/core/tiny_cpu.gin", f"--gin.TRAIN_STEPS={STEPS}",
         "--gin.CHECKPOINT_EVERY=3", "--gin.EVAL_EVERY=0", "--gin.BATCH_SIZE=8",
         "--gin.runs.train_run.log_every=1", "--gin.WARMUP_STEPS=2", *ONE_LAYER]
 
+
+@gin.configurable(module="test_object_storage")
+def first_device() -> list[jax.Device]:
+  return jax.devices()[:1]
+
+
+# What is tested here is storage, not sharding: the runs are on one device, cheaper to compile
+# and run than data parallel over the 8 fake devices. The killed child binds the same (its
+# driver registers the same function), so the resume here loads the programs it compiled: its
+# device count stays 8, as the compilation cache's keys include the platform's devices.
+ONE_DEVICE = "--gin.partitioning.PjitPartitioner.devices=@test_object_storage.first_device()"
+
 # `jaxmoral train` with a hook that holds the loop after step 5 (step 3 saved, step 6 not),
 # so that the kill below always lands mid-run, however slowly the machine runs.
 KILLED_DRIVER = textwrap.dedent("""
     import sys, time
-    import gin
+    import gin, jax
     from jaxmoral import cli, train
+    gin.external_configurable(lambda: jax.devices()[:1], "first_device",
+                              module="test_object_storage")  # As ONE_DEVICE below names it.
     class HoldAfterStep5(train.TrainHook):
       def after_step(self, loop, step, state, metrics):
         if step == 5:
@@ -128,7 +143,7 @@ def run(gcs, unreachable_train, tmp_path_factory):
   model_dir = f"{BUCKET}/run"
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              JAX_PLATFORMS="cpu")
-  child = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, "train", *TINY,
+  child = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, "train", *TINY, ONE_DEVICE,
                             f"--gin.MODEL_DIR='{model_dir}'",
                             "--gin.runs.train_run.hooks=[@killed.HoldAfterStep5()]"],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -146,9 +161,9 @@ def run(gcs, unreachable_train, tmp_path_factory):
   assert child.returncode == -signal.SIGKILL
   killed_at = checkpoints.saved_steps(model_dir)
   # After the child, not beside it: both runs here load the programs it compiled.
-  assert _cli("train", *TINY, f"--gin.MODEL_DIR={model_dir}") == 0
+  assert _cli("train", *TINY, ONE_DEVICE, f"--gin.MODEL_DIR={model_dir}") == 0
   reference = str(tmp_path_factory.mktemp("reference"))
-  assert _cli("train", *TINY, f"--gin.MODEL_DIR={reference}") == 0
+  assert _cli("train", *TINY, ONE_DEVICE, f"--gin.MODEL_DIR={reference}") == 0
   return model_dir, reference, killed_at
 
 
@@ -171,12 +186,12 @@ def test_killed_run_resumes_to_the_uninterrupted_loss_curve(run):
 
 def test_eval_infer_export_and_init_from_the_bucket(run, tmp_path):
   model_dir, reference, _ = run
-  assert _cli("eval", *TINY, f"--gin.MODEL_DIR={model_dir}") == 0
+  assert _cli("eval", *TINY, ONE_DEVICE, f"--gin.MODEL_DIR={model_dir}") == 0
   report = json.loads(fileio.read_text(f"{model_dir}/eval_latest.json"))
   assert np.isfinite(report["metrics"]["loss"])
 
   fileio.write_text(f"{BUCKET}/inputs.txt", "lying about grades\n\nhelping a friend move\n")
-  assert _cli("infer", *TINY, f"--gin.MODEL_DIR={model_dir}",
+  assert _cli("infer", *TINY, ONE_DEVICE, f"--gin.MODEL_DIR={model_dir}",
               f"--gin.INFER_INPUT='{BUCKET}/inputs.txt'",
               f"--gin.INFER_OUTPUT='{BUCKET}/out.jsonl'") == 0
   rows = [json.loads(line) for line in fileio.read_text(f"{BUCKET}/out.jsonl").splitlines()]
@@ -191,7 +206,7 @@ def test_eval_infer_export_and_init_from_the_bucket(run, tmp_path):
 
   # A second run fine-tuned from the first one's bucket folder.
   second = f"{BUCKET}/second"
-  assert _cli("train", *TINY, "--gin.TRAIN_STEPS=3", f"--gin.MODEL_DIR={second}",
+  assert _cli("train", *TINY, ONE_DEVICE, "--gin.TRAIN_STEPS=3", f"--gin.MODEL_DIR={second}",
               f"--gin.INIT_CHECKPOINT='{model_dir}'") == 0
   first_loss = train_lib.read_scalars(f"{model_dir}/train")["loss"]
   second_loss = train_lib.read_scalars(f"{second}/train")["loss"]
@@ -288,7 +303,7 @@ def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path)
   judge = f"{BUCKET}/clarify/judge"
   assert _cli("clarify", "train-model", "--which=judge", f"--model_dir={judge}",
               "--train_steps=2", "--batch_size=8", f"--vocabulary_path={vocab}",
-              "--judge_classes=wrong,okay,good", *ONE_LAYER,
+              "--judge_classes=wrong,okay,good", *ONE_LAYER, ONE_DEVICE,
               "--feature_lengths={'inputs': 64, 'targets': 8}") == 0
   assert fileio.isfile(f"{judge}/data/judge_train.jsonl")
   info = model_dirs.inspect(judge)
@@ -303,7 +318,7 @@ def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path)
   diamante = f"{BUCKET}/diamante/run"
   assert _cli("diamante", "train", "--gin_file=configs/diamante/tiny_cpu.gin",
               f"--gin.MODEL_DIR={diamante}", "--gin.TRAIN_STEPS=2", "--gin.CHECKPOINT_EVERY=2",
-              f"--gin.TRAIN_PATH='{dialogues}'", *ONE_LAYER) == 0
+              f"--gin.TRAIN_PATH='{dialogues}'", *ONE_LAYER, ONE_DEVICE) == 0
   report = f"{BUCKET}/diamante/eval.json"
   assert _cli("diamante", "eval", f"--model_dir={diamante}", f"--test_path={dialogues}",
               f"--output_path={report}", "--max_contexts=2", "--num_generate=0") == 0

@@ -64,10 +64,20 @@ def dirs(tmp_path_factory, demo_vocab_path):
   root = tmp_path_factory.mktemp("on_mesh")
   vocabulary = vocab_lib.get_vocabulary(demo_vocab_path)
 
+  # One initialisation (tracing and compiling T5's init costs seconds); the three models are
+  # its weights times independent random factors, as in conftest's `write_hf_t5`: different
+  # weights at the initialiser's scales.
+  init = jax.device_get(nn.meta.unbox(jax.jit(
+      lambda r: t5.init_params(t5.T5(CONFIG, with_scalar_head=True), r))(
+          jax.random.PRNGKey(1))))
+
   def random_params(seed: int, with_scalar_head: bool = False):
-    model = t5.T5(CONFIG, with_scalar_head=with_scalar_head)
-    return jax.device_get(nn.meta.unbox(
-        jax.jit(lambda r: t5.init_params(model, r))(jax.random.PRNGKey(seed))))
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(
+        lambda x: (x * (1.0 + 0.3 * rng.standard_normal(x.shape))).astype(x.dtype), init)
+    if not with_scalar_head:
+      del params["scalar_head"]
+    return params
 
   lm = model_dirs.export(root / "lm", params=random_params(1), config=CONFIG,
                          vocabulary=vocabulary)

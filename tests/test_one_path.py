@@ -45,8 +45,9 @@ def pairs(tmp_path_factory):
 
 
 def _assert_runs_equal(a, b, *, rtol=2e-4, atol=2e-5):
-  """The two runs' final parameters (model_dirs reads them back, any format)."""
-  pa, pb = model_dirs.load(a).params, model_dirs.load(b).params
+  """The two runs' final parameters (model_dirs reads them back, any format); `a` is the mesh
+  run, read back onto the mesh (`_load_sharded`'s result), `b` a run directory."""
+  pa, pb = a.params, model_dirs.load(b).params
   leaves_a = jax.tree_util.tree_leaves_with_path(jax.device_get(pa))
   leaves_b = jax.tree.leaves(jax.device_get(pb))
   assert len(leaves_a) == len(leaves_b)
@@ -59,11 +60,14 @@ def _assert_runs_equal(a, b, *, rtol=2e-4, atol=2e-5):
     np.testing.assert_allclose(x, y, rtol=rtol, atol=atol, err_msg=name)
 
 
-def _check_sharded(run_dir):
-  """Every parameter of the run's checkpoint is split over the mesh where its rules say so."""
+def _load_sharded(run_dir, *, check=True):
+  """The run read back onto the mesh (once: the equality and the other checks share it);
+  `check`: its parameters are split over the mesh where their rules say so."""
   loaded = model_dirs.load(run_dir, partitioner=mesh())
-  kernel = loaded.params["decoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
-  assert kernel.sharding.spec[1] == "model" and len(kernel.sharding.device_set) == 4
+  if check:
+    kernel = loaded.params["decoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+    assert kernel.sharding.spec[1] == "model" and len(kernel.sharding.device_set) == 4
+  return loaded
 
 
 def _train(model_dir, *, model, data, partitioner, init_checkpoint, feature_lengths):
@@ -84,21 +88,24 @@ def test_seq2seq_and_prompt_tuning_from_hf_sharded_equal_one_device(method, tmp_
            prompt_tuning.PromptTuningModel(config=config,
                                            prompt=prompt_tuning.PromptConfig(length=3)))
   lengths = {"inputs": 32, "targets": 16}
+  results = []
   for name, partitioner in (("mesh", mesh()), ("one", one_device())):
     result = _train(tmp_path / name, model=model, data=runs.Seq2SeqData(train_file=pairs),
                     partitioner=partitioner, init_checkpoint=hf_dir, feature_lengths=lengths)
     assert result["step"] == STEPS and np.isfinite(result["train/loss"])
-  _assert_runs_equal(tmp_path / "mesh", tmp_path / "one")
+    results.append(result)
+  # The run's closing evaluation (the held-out pairs) too.
+  np.testing.assert_allclose(results[0]["eval/loss"], results[1]["eval/loss"], rtol=1e-4)
+  sharded = _load_sharded(tmp_path / "mesh", check=method == "seq2seq")
+  _assert_runs_equal(sharded, tmp_path / "one")
   if method == "prompt_tuning":
     base = jax.device_get(model_dirs.load(hf_dir).params)
-    tuned = model_dirs.load(tmp_path / "mesh")
+    tuned = sharded
     # Only the prompt moved; the base is the checkpoint's, bit for bit.
     for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(jax.device_get(tuned.params))):
       np.testing.assert_array_equal(x, y)
     assert tuned.prompt.shape == (3, config.d_model)
     assert np.allclose(prompt_tuning.load_prompt(tmp_path / "mesh")[0], tuned.prompt)
-  else:
-    _check_sharded(tmp_path / "mesh")
 
 
 def test_diamante_from_hf_sharded_equals_one_device(tmp_path, hf_t5):
@@ -109,8 +116,8 @@ def test_diamante_from_hf_sharded_equals_one_device(tmp_path, hf_t5):
     _train(tmp_path / name, model=diamante_model.DiamanteModel(config=config), data=data,
            partitioner=partitioner, init_checkpoint=hf_dir,
            feature_lengths={"inputs": 32, "targets": 12})
-  _assert_runs_equal(tmp_path / "mesh", tmp_path / "one")
-  run = model_dirs.load(tmp_path / "mesh")
+  run = _load_sharded(tmp_path / "mesh", check=False)
+  _assert_runs_equal(run, tmp_path / "one")
   assert run.has_scalar_head and run.vocabulary is not None  # The checkpoint's vocabulary.
   # The T5 moved from the pretrained weights; the head was added fresh.
   pretrained = jax.device_get(model_dirs.load(hf_dir).params)
@@ -147,11 +154,14 @@ def test_clarify_ppo_with_five_models_from_hf_sharded_resumed_equals_one_device(
         judge_model_dir=str(hf_dir), nli_model_dir=str(hf_dir), ppo_config=ppo_config,
         optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
         num_iterations=iterations, reward_config=reward_config, max_prompts=8,
-        partitioner=partitioner, log_every=1, checkpoint_every=1, sample_every=0,
+        # Checkpoints only at each run's end (1, then 2; the straight run's 2): resuming needs
+        # no more, and each save costs a second.
+        partitioner=partitioner, log_every=1, checkpoint_every=2, sample_every=0,
         async_checkpoint=False)
 
   sharded = mesh()
   first = ppo("mesh", sharded, 1)
+  assert (tmp_path / "mesh" / "checkpoints" / "1").is_dir()  # What the next run resumes.
   resumed = ppo("mesh", sharded, 2)
   straight = ppo("one", one_device(), 2)
   assert first["iteration"] == 1 and resumed["iteration"] == straight["iteration"] == 2
@@ -159,10 +169,10 @@ def test_clarify_ppo_with_five_models_from_hf_sharded_resumed_equals_one_device(
   np.testing.assert_allclose(resumed["reward_curve_values"], straight["reward_curve_values"],
                              rtol=1e-4, atol=1e-5)
   assert resumed["reward_curve"].endswith(".png")
-  _assert_runs_equal(tmp_path / "mesh", tmp_path / "one")
-  _check_sharded(tmp_path / "mesh")
+  tuned = _load_sharded(tmp_path / "mesh")
+  _assert_runs_equal(tuned, tmp_path / "one")
   # The PPO run directory is the tuned question generator, and it moved from the checkpoint.
-  tuned, pretrained = model_dirs.load(tmp_path / "mesh"), model_dirs.load(hf_dir)
+  pretrained = model_dirs.load(hf_dir)
   assert tuned.info.format == "run" and tuned.vocabulary is not None
   assert any(not np.allclose(a, b) for a, b in zip(
       jax.tree.leaves(jax.device_get(tuned.params)),

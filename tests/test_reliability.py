@@ -18,8 +18,10 @@ import sys
 import textwrap
 
 import gin
+import jax
 import pytest
 
+from conftest import child_xla_flags
 from jaxmoral import checkpoints, cli, compilation_cache, model_dirs, partitioning
 from jaxmoral import train as train_lib
 from jaxmoral.npov import task as npov_task
@@ -32,7 +34,17 @@ RUN = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.WARMUP_STEPS=1", "--gin.BA
        # not what it learns; smaller programs compile (and the data pass runs) faster.
        "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 8}",
        "--gin.config.t5_config.num_encoder_layers=1",
-       "--gin.config.t5_config.num_decoder_layers=1"]
+       "--gin.config.t5_config.num_decoder_layers=1",
+       # One device: nothing here is about sharding (tests/test_on_mesh.py is), and a program
+       # over 8 fake devices costs more to compile and run.
+       "--gin.PARTITIONER=@test_reliability.one_device()"]
+
+
+def one_device() -> partitioning.PjitPartitioner:
+  return partitioning.PjitPartitioner(devices=jax.devices()[:1])
+
+
+gin.external_configurable(one_device, module="test_reliability")
 
 
 pytestmark = pytest.mark.usefixtures("clean_gin")
@@ -164,7 +176,8 @@ _CHILD = textwrap.dedent("""
 
 def test_a_swapped_cache_entry_never_runs(tmp_path):
   cache = tmp_path / "cache"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+         "XLA_FLAGS": child_xla_flags()}  # one device, as a user's process has
 
   def child() -> dict:
     done = subprocess.run([sys.executable, "-c", _CHILD, str(cache)], env=env, cwd=ROOT,

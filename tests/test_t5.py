@@ -76,6 +76,13 @@ def jitted_init_cache(config: T5Config, max_decode_length: int):
   return init_cache
 
 
+def forward(config: T5Config, variables, enc, dec, **kwargs):
+  """Teacher-forced logits of `config`. Every test takes them from one compiled forward per
+  config and shapes, the one that also returns the hidden states (which
+  test_target_logit_rows_give_the_chosen_logits reads): one compile instead of two."""
+  return jitted(config, "__call__", return_hidden=True)(variables, enc, dec, **kwargs)[0]
+
+
 def random_batch(seed: int, batch: int = 3, enc_len: int = 11, dec_len: int = 7):
   """Encoder ids with right padding of varying length, decoder inputs starting with 0."""
   rng = np.random.RandomState(seed)
@@ -93,7 +100,7 @@ def test_logits_match_transformers(variant):
   model, config, params = hf_model(variant)
   assert config.tie_word_embeddings == (variant == "t5_1_0")
   enc, dec = random_batch(1)
-  ours = np.asarray(jitted(config)({"params": params}, enc, dec))
+  ours = np.asarray(forward(config, {"params": params}, enc, dec))
   ref = hf_logits(model, enc, dec)
   assert ours.dtype == np.float32 and ours.shape == ref.shape
   np.testing.assert_allclose(ours, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=1e-4)
@@ -128,7 +135,7 @@ def test_long_sequence_logits_match_transformers():
   model, config, params = hf_model("t5_1_1")
   enc, dec = random_batch(3, batch=1, enc_len=300, dec_len=200)
   enc[0] = np.random.RandomState(3).randint(2, VOCAB, 300)
-  ours = np.asarray(jitted(config)({"params": params}, enc, dec))
+  ours = np.asarray(forward(config, {"params": params}, enc, dec))
   ref = hf_logits(model, enc, dec)
   np.testing.assert_allclose(ours, ref, atol=1e-4 * max(1.0, np.abs(ref).max()), rtol=1e-4)
 
@@ -136,8 +143,8 @@ def test_long_sequence_logits_match_transformers():
 def test_bfloat16_activations_close_to_float32():
   _, config, params = hf_model("t5_1_1")
   enc, dec = random_batch(1)  # The batch of test_logits_match_transformers: reuses its compile.
-  f32 = np.asarray(jitted(config)({"params": params}, enc, dec))
-  bf16 = jitted(config.replace(dtype="bfloat16"))({"params": params}, enc, dec)
+  f32 = np.asarray(forward(config, {"params": params}, enc, dec))
+  bf16 = forward(config.replace(dtype="bfloat16"), {"params": params}, enc, dec)
   assert bf16.dtype == jnp.float32  # Logits stay float32 whatever the activation dtype.
   bf16 = np.asarray(bf16)
   assert np.abs(bf16 - f32).max() > 1e-4  # The dtype really changed the computation.
@@ -153,35 +160,68 @@ def test_dropout_differs_and_is_reproducible():
   first = train({"params": params}, enc, dec, rngs={"dropout": jax.random.PRNGKey(1)})
   again = train({"params": params}, enc, dec, rngs={"dropout": jax.random.PRNGKey(1)})
   other = train({"params": params}, enc, dec, rngs={"dropout": jax.random.PRNGKey(2)})
-  clean = jitted(config)({"params": params}, enc, dec)
+  clean = forward(config, {"params": params}, enc, dec)
   np.testing.assert_array_equal(first, again)
   assert np.abs(first - clean).max() > 1e-2
   assert np.abs(first - other).max() > 1e-2
 
 
+@functools.lru_cache(maxsize=None)
+def decode_backend(packed: bool):
+  """One backend object per kind, so that the compiled steps below are shared by the tests."""
+  from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
+  if packed:
+    from jaxmoral.cpu_kernels import backend as cpu_backend  # pylint: disable=g-import-not-at-top
+    return cpu_backend.PackedKernelBackend()
+  return decoding.DecodeBackend()
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_step(config: T5Config, max_decode_length: int, packed=None):
+  """One compiled cached-decoding step per (config, cache length, backend): None is the plain
+  step (no backend: XLA's ops), False XLA over stacked kernels, True the packed CPU kernels.
+  Parameters, mask and prepared kernels are arguments, so the kv-cache test and the
+  prepared-kernel cases share their programs."""
+  model = t5.T5(config)
+
+  def step(params, mask, cache, token, prepared):
+    ops = None if packed is None else decode_backend(packed).step_ops(prepared)
+    (logits, _), new = model.apply({"params": params, "cache": cache}, None, mask, token,
+                                   decode=True, max_decode_length=max_decode_length,
+                                   step_ops=ops, method=t5.T5.decode, mutable=["cache"])
+    return new["cache"], logits[:, 0]
+  return jax.jit(step)
+
+
+@functools.lru_cache(maxsize=None)
+def prepared_kernels(variant: str, packed: bool):
+  """The backend's kernels for `variant`'s weights, prepared in one compiled program."""
+  _, config, params = hf_model(variant)
+  model = t5.T5(config)
+  return jax.jit(lambda p: decode_backend(packed).prepare(model, p))(params)
+
+
+def decode_by_steps(config, params, encoded, mask, dec, max_len, packed=None, prepared=None):
+  """(batch, len, vocab) logits of one cached step per decoder input token."""
+  cache = jitted_init_cache(config, max_len)(params, encoded, mask)
+  step = jitted_step(config, max_len, packed)
+  stepped = []
+  for i in range(dec.shape[1]):
+    cache, logits = step(params, mask, cache, dec[:, i:i + 1], prepared)
+    stepped.append(logits)
+  return np.stack(stepped, axis=1)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_kv_cache_decoding_equals_teacher_forcing(variant):
   _, config, params = hf_model(variant)
-  model = t5.T5(config)
   enc, dec = random_batch(6)  # The shapes of the tests above: reuses their compiles.
   mask = enc != 0
-  forced = jitted(config)({"params": params}, enc, dec)
+  forced = forward(config, {"params": params}, enc, dec)
   encoded = jitted(config, "encode")({"params": params}, enc)
   max_len = dec.shape[1] + 3  # Cache longer than the decoded prefix, as in sampling.
-  cache = jitted_init_cache(config, max_len)(params, encoded, mask)
-
-  @jax.jit
-  def step(cache, token):
-    (logits, _), new = model.apply({"params": params, "cache": cache}, None, mask, token,
-                                   decode=True, max_decode_length=max_len,
-                                   method=t5.T5.decode, mutable=["cache"])
-    return new["cache"], logits[:, 0]
-
-  stepped = []
-  for i in range(dec.shape[1]):
-    cache, logits = step(cache, dec[:, i:i + 1])
-    stepped.append(logits)
-  np.testing.assert_allclose(np.stack(stepped, axis=1), forced, atol=1e-4, rtol=1e-4)
+  stepped = decode_by_steps(config, params, encoded, mask, dec, max_len)
+  np.testing.assert_allclose(stepped, forced, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["stacked", "packed"])
@@ -192,44 +232,33 @@ def test_decoding_with_prepared_decode_kernels(variant, batch, packed):
   products; or the CPU kernels: `packed_matmul` for every product of a step,
   `decode_attention` for its attention) give the plain step's logits. The model itself
   knows no backend: the ops are an argument of each traced step."""
-  from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
-  if packed:
-    from jaxmoral.cpu_kernels import backend as cpu_backend  # pylint: disable=g-import-not-at-top
-    if not cpu_kernels.available():
-      pytest.skip("no packed CPU kernel here (no C++ compiler)")
-    backend = cpu_backend.PackedKernelBackend()
-  else:
-    backend = decoding.DecodeBackend()
+  if packed and not cpu_kernels.available():
+    pytest.skip("no packed CPU kernel here (no C++ compiler)")
   _, config, params = hf_model(variant)
-  model = t5.T5(config)
-  enc, dec = random_batch(7, batch=batch)  # Batch 3: the shapes of the tests above.
-  mask = enc != 0
-  forced = jitted(config)({"params": params}, enc, dec)
+  enc, dec = random_batch(7)  # Batch 3: the shapes of the tests above.
+  forced = forward(config, {"params": params}, enc, dec)
   encoded = jitted(config, "encode")({"params": params}, enc)
-  kernels = jax.jit(lambda p: backend.prepare(model, p))(params)
+  # Batch 1 is one padded row of the batch of 3 (rows are independent in teacher forcing and
+  # the encoder): its teacher-forced logits and encoding need no programs of their own.
+  row = int(np.argmin((enc != 0).sum(1)))
+  rows = slice(0, 3) if batch == 3 else slice(row, row + 1)
+  enc, dec, forced, encoded = enc[rows], dec[rows], forced[rows], encoded[rows]
+  assert (enc == 0).any()
+  mask = enc != 0
+  kernels = prepared_kernels(variant, packed)
   per_layer = 6 if packed else (2 if config.is_gated else 1)  # Packed: every step product.
   assert len(kernels) == config.num_decoder_layers * per_layer + (1 if packed else 0)
-
-  def decode_all(ops, with_backend):
-    variables = {"cache": jitted_init_cache(config, dec.shape[1])(params, encoded, mask)}
-
-    def one_step(cache, token, prepared):
-      return model.apply({"params": params, "cache": cache}, None, mask, token, decode=True,
-                         max_decode_length=dec.shape[1], step_ops=ops(prepared),
-                         method=t5.T5.decode, mutable=["cache"])
-    step = jax.jit(one_step)
-    hlo = step.lower(variables["cache"], dec[:, :1], kernels).as_text()
+  # Batch 3 decodes into a cache longer than the prefix (the kv-cache test's programs),
+  # batch 1 into one exactly as long.
+  max_len = dec.shape[1] + (3 if batch == 3 else 0)
+  cache = jitted_init_cache(config, max_len)(params, encoded, mask)
+  for backend, prepared in ((None, None), (packed, kernels)):
+    hlo = jitted_step(config, max_len, backend).lower(
+        params, mask, cache, dec[:, :1], prepared).as_text()
     for target in (cpu_kernels.MATMUL_TARGET, cpu_kernels.ATTENTION_TARGET):
-      assert (target in hlo) == (with_backend and packed), target
-    cache, out = variables["cache"], []
-    for i in range(dec.shape[1]):
-      (logits, _), new = step(cache, dec[:, i:i + 1], kernels)
-      cache = new["cache"]
-      out.append(logits[:, 0])
-    return np.stack(out, axis=1)
-
-  plain = decode_all(lambda prepared: ops_lib.DecodeStepOps(), False)
-  with_kernels = decode_all(backend.step_ops, True)
+      assert (target in hlo) == (backend is True), target
+  plain = decode_by_steps(config, params, encoded, mask, dec, max_len)
+  with_kernels = decode_by_steps(config, params, encoded, mask, dec, max_len, packed, kernels)
   np.testing.assert_allclose(plain, forced, atol=1e-4, rtol=1e-4)
   np.testing.assert_allclose(with_kernels, plain, atol=1e-5, rtol=1e-5)
 
@@ -252,8 +281,10 @@ def test_cpu_rows_matmul_gradients_match_numpy(kernel_shape, preferred):
   rows = rng.standard_normal((6, 5)).astype(np.float32)
   kernel = rng.standard_normal(kernel_shape).astype(np.float32)
   cot = rng.standard_normal((6, *kernel_shape[1:])).astype(np.float32)
-  out, vjp = jax.vjp(lambda r, k: ops_lib.cpu_rows_matmul(r, k, preferred), rows, kernel)
-  d_rows, d_kernel = vjp(jnp.asarray(cot))
+  # Compiled: op by op, every op of the product and its backward would compile on its own.
+  out, (d_rows, d_kernel) = jax.jit(lambda r, k, g: (lambda o, vjp: (o, vjp(g)))(
+      *jax.vjp(lambda r, k: ops_lib.cpu_rows_matmul(r, k, preferred), r, k)))(
+          rows, kernel, jnp.asarray(cot))
   r64, k64, g64 = (a.astype(np.float64).reshape(a.shape[0], -1) for a in (rows, kernel, cot))
   np.testing.assert_allclose(np.asarray(out).reshape(6, -1), r64 @ k64, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(d_rows), g64 @ k64.T, rtol=1e-5, atol=1e-5)
@@ -264,7 +295,11 @@ def test_cpu_rows_matmul_gradients_match_numpy(kernel_shape, preferred):
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_loss_gradients_match_transformers_backward(variant):
   """Every parameter's gradient of the teacher-forced loss against PyTorch's backward pass
-  on the same weights (on CPU, where the dense layers take `cpu_rows_matmul`'s backward)."""
+  on the same weights (on CPU, where the dense layers take `cpu_rows_matmul`'s backward).
+
+  The same compiled program shows that on CPU no product of the backward contracts both
+  operands' first axis (a weight gradient as rows^T @ g, which XLA:CPU runs outside
+  YNNPACK, bench/RESULTS.md)."""
   model, config, params = hf_model(variant)
   enc, _ = random_batch(4)
   targets = np.random.RandomState(5).randint(2, VOCAB, (3, 7)).astype(np.int32)
@@ -273,7 +308,14 @@ def test_loss_gradients_match_transformers_backward(variant):
            "decoder_loss_weights": np.ones_like(targets)}
   assert ops_lib.tracing_for_cpu()
   loss_fn = losses.seq2seq_loss_fn(t5.T5(config), z_loss=0.0)
-  loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, None)[0]))(params)
+  compiled = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, None)[0])).lower(
+      params).compile()
+  dots = [line for line in compiled.as_text().splitlines() if " dot(" in line]
+  assert dots
+  first_axis_both = [line for line in dots if "lhs_contracting_dims={0}" in line
+                     and "rhs_contracting_dims={0}" in line and "batch_dims" not in line]
+  assert not first_axis_both, first_axis_both[0]
+  loss, grads = compiled(params)
   model.zero_grad(set_to_none=True)
   out = model(input_ids=torch.tensor(enc, dtype=torch.long),
               attention_mask=torch.tensor(enc != 0),
@@ -296,23 +338,6 @@ def test_loss_gradients_match_transformers_backward(variant):
                                err_msg="/".join(path))
 
 
-def test_cpu_weight_gradients_are_plain_products():
-  """On CPU no product of the train step's backward contracts both operands' first axis (a
-  weight gradient as rows^T @ g, which XLA:CPU runs outside YNNPACK, bench/RESULTS.md)."""
-  _, config, params = hf_model("t5_1_1")
-  enc, dec = random_batch(6)
-  batch = {"encoder_input_tokens": enc, "decoder_target_tokens": dec,
-           "decoder_input_tokens": np.asarray(t5.shift_right(jnp.asarray(dec)))}
-  loss_fn = losses.seq2seq_loss_fn(t5.T5(config), z_loss=0.0)
-  grad_fn = jax.jit(jax.grad(lambda p: loss_fn(p, batch, None)[0]))
-  hlo = grad_fn.lower(params).compile().as_text()
-  dots = [line for line in hlo.splitlines() if " dot(" in line]
-  assert dots
-  first_axis_both = [line for line in dots if "lhs_contracting_dims={0}" in line
-                     and "rhs_contracting_dims={0}" in line and "batch_dims" not in line]
-  assert not first_axis_both, first_axis_both[0]
-
-
 def test_encode_from_embeddings_equals_from_tokens():
   _, config, params = hf_model("t5_1_1")
   enc, dec = random_batch(1)
@@ -322,8 +347,8 @@ def test_encode_from_embeddings_equals_from_tokens():
   encode = jitted(config, "encode")
   from_embeds = encode(variables, encoder_embeds=embeds, encoder_mask=enc != 0)
   np.testing.assert_allclose(from_embeds, encode(variables, enc), atol=1e-5)
-  logits = jitted(config)(variables, None, dec, encoder_embeds=embeds, encoder_mask=enc != 0)
-  np.testing.assert_allclose(logits, jitted(config)(variables, enc, dec), atol=1e-4, rtol=1e-5)
+  logits = forward(config, variables, None, dec, encoder_embeds=embeds, encoder_mask=enc != 0)
+  np.testing.assert_allclose(logits, forward(config, variables, enc, dec), atol=1e-4, rtol=1e-5)
   with pytest.raises(ValueError, match="encoder_mask is required"):
     t5.T5(config).apply(variables, encoder_embeds=embeds, method=t5.T5.encode)
 
@@ -342,17 +367,26 @@ def test_target_logit_rows_give_the_chosen_logits(variant):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_scalar_head_shapes_and_values():
-  # One layer each side: the head reads the final hidden state, whatever the depth.
+@functools.lru_cache(maxsize=None)
+def one_layer_tiny():
+  """(config, params with a scalar head) of a tiny T5 with one layer each side, initialised
+  once for the tests below (a T5 without the head ignores the head's parameters)."""
   config = t5_config(size="tiny", vocab_size=64, num_encoder_layers=1, num_decoder_layers=1)
   model = t5.T5(config, with_scalar_head=True)
-  params = flax.linen.meta.unbox(jax.jit(lambda r: t5.init_params(model, r))(
+  return config, flax.linen.meta.unbox(jax.jit(lambda r: t5.init_params(model, r))(
       jax.random.PRNGKey(0)))
+
+
+def test_scalar_head_shapes_and_values():
+  # One layer each side: the head reads the final hidden state, whatever the depth.
+  config, params = one_layer_tiny()
+  model = t5.T5(config, with_scalar_head=True)
   enc, dec = np.ones((2, 5), np.int32), np.zeros((2, 4), np.int32)
   logits, hidden = jax.jit(functools.partial(model.apply, return_hidden=True))(
       {"params": params}, enc, dec)
   assert logits.shape == (2, 4, 64) and hidden.shape == (2, 4, config.d_model)
-  scores = model.apply({"params": params}, hidden, method=t5.T5.score)
+  scores = jax.jit(functools.partial(model.apply, method=t5.T5.score))({"params": params},
+                                                                        hidden)
   assert scores.shape == (2, 4) and scores.dtype == jnp.float32
   head = params["scalar_head"]
   np.testing.assert_allclose(scores, np.asarray(hidden) @ head["kernel"][:, 0] + head["bias"][0],
@@ -374,7 +408,7 @@ def test_packed_segments_equal_separate_rows():
   for row, (enc, tgt) in enumerate(zip(encs, targets)):
     alone_enc[row, :len(enc)] = enc
     alone_dec[row, :len(tgt)] = np.asarray(t5.shift_right(tgt[None]))[0]
-  alone = np.asarray(jitted(config)({"params": params}, alone_enc, alone_dec))
+  alone = np.asarray(forward(config, {"params": params}, alone_enc, alone_dec))
   pad_enc, pad_dec = 2, 2  # Trailing padding in the packed row too.
   packed_enc = np.concatenate(encs + [np.zeros(pad_enc, np.int32)])[None]
   enc_seg = np.concatenate([np.full(n, i + 1) for i, (n, _) in enumerate(lengths)] +
@@ -383,14 +417,14 @@ def test_packed_segments_equal_separate_rows():
                               [np.zeros(pad_dec, np.int32)])[None]
   dec_seg = np.concatenate([np.full(m, i + 1) for i, (_, m) in enumerate(lengths)] +
                            [np.zeros(pad_dec)]).astype(np.int32)[None]
-  packed = np.asarray(jitted(config)({"params": params}, packed_enc, packed_dec,
+  packed = np.asarray(forward(config, {"params": params}, packed_enc, packed_dec,
                                      encoder_segment_ids=enc_seg,
                                      decoder_segment_ids=dec_seg))[0]
   np.testing.assert_allclose(packed[:4], alone[0, :4], atol=1e-4, rtol=1e-4)
   np.testing.assert_allclose(packed[4:7], alone[1, :3], atol=1e-4, rtol=1e-4)
   assert np.all(np.isfinite(packed))
   # Without segment ids the second example would see the first: the mask matters.
-  unmasked = np.asarray(jitted(config)({"params": params}, packed_enc, packed_dec))[0]
+  unmasked = np.asarray(forward(config, {"params": params}, packed_enc, packed_dec))[0]
   assert np.abs(unmasked[4:7] - alone[1, :3]).max() > 1e-2
 
 
@@ -444,13 +478,15 @@ def _logits_grads_loss(cfg: T5Config, packed: bool):
   batch = _packed_batch() if packed else _padded_batch()
   model = t5.T5(cfg)
   loss_fn = losses.seq2seq_loss_fn(model)
-  grads, metrics = jax.jit(jax.grad(lambda p, b: loss_fn(p, b, None), has_aux=True))(
-      hf_model("t5_1_1")[2], batch)
-  logits = jax.jit(lambda p, b: model.apply(
-      {"params": p}, b["encoder_input_tokens"], b["decoder_input_tokens"],
-      encoder_segment_ids=b.get("encoder_segment_ids"),
-      decoder_segment_ids=b.get("decoder_segment_ids")))(hf_model("t5_1_1")[2], batch)
-  return np.asarray(logits), grads, float(metrics["loss"])
+  @jax.jit  # Gradients and logits in one program: one compile per configuration.
+  def run(p, b):
+    grads, metrics = jax.grad(lambda p: loss_fn(p, b, None), has_aux=True)(p)
+    logits = model.apply({"params": p}, b["encoder_input_tokens"], b["decoder_input_tokens"],
+                         encoder_segment_ids=b.get("encoder_segment_ids"),
+                         decoder_segment_ids=b.get("decoder_segment_ids"))
+    return logits, grads, metrics["loss"]
+  logits, grads, loss = run(hf_model("t5_1_1")[2], batch)
+  return np.asarray(logits), grads, float(loss)
 
 
 @pytest.mark.parametrize("case", ["padding_mask", "key_lengths", "packed"])
@@ -531,10 +567,8 @@ def test_architecture_ignores_how_to_compute():
 def test_teacher_forced_rows_sharing_an_encoding_equal_repeated_encodings():
   """G decoder rows per input against one encoding = the same rows against G copies of it."""
   # One layer each side: the grouping is in the cross-attention every decoder layer shares.
-  cfg = t5_config(size="tiny", vocab_size=64, num_encoder_layers=1, num_decoder_layers=1)
+  cfg, params = one_layer_tiny()
   model = t5.T5(cfg)
-  params = flax.core.meta.unbox(jax.jit(lambda r: t5.init_params(model, r))(
-      jax.random.PRNGKey(0)))
   rng = np.random.default_rng(0)
   inputs = rng.integers(2, 64, (2, 7)).astype(np.int32)
   inputs[1, 5:] = 0  # Padding, so the shared mask matters.

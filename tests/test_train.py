@@ -27,10 +27,12 @@ STEPS = 10
 
 
 def build_trainer() -> tuple[tr.Trainer, t5.T5]:
-  """Tiny T5 with dropout on a 4 x 2 mesh; AdamW on a warm-up/decay schedule.
+  """Tiny T5 with dropout on a 2 x 2 mesh; AdamW on a warm-up/decay schedule.
 
   Dropout and a step-dependent learning rate make a resume that got the rng or the optimizer
-  count wrong visibly diverge.
+  count wrong visibly diverge. The mesh has both a data and a model axis (a resume restores
+  sharded parameters and optimizer state), on 4 devices rather than all 8: programs over fewer
+  fake devices compile and run faster, and the kill -9 child starts with 4.
   """
   model = t5.T5(config.t5_config(size="tiny", vocab_size=VOCAB, num_encoder_layers=1,
                                  num_decoder_layers=1, dropout_rate=0.1))
@@ -39,7 +41,8 @@ def build_trainer() -> tuple[tr.Trainer, t5.T5]:
   trainer = tr.Trainer(init_params_fn=functools.partial(t5.init_params, model),
                        loss_fn=losses.seq2seq_loss_fn(model),
                        optimizer=optimizers.make_optimizer(name="adamw", learning_rate=schedule),
-                       partitioner=partitioning.PjitPartitioner(num_partitions=2),
+                       partitioner=partitioning.PjitPartitioner(
+                           num_partitions=2, devices=jax.devices()[:4]),
                        learning_rate_fn=schedule)
   return trainer, model
 
@@ -159,7 +162,8 @@ def test_resumed_run_equals_uninterrupted_run(setup, run_a, tmp_path, caplog):
   eval_scalars = train_lib.read_scalars(os.path.join(dir_a, "eval"))
   assert sorted(eval_scalars["loss"]) == [5, 10]
   whole = eval_source().features
-  ref_loss, _ = losses.seq2seq_loss_fn(model)(params_a, whole, None)
+  # One program, rather than op by op (each op its own compile).
+  ref_loss, _ = jax.jit(losses.seq2seq_loss_fn(model))(params_a, whole, None)
   assert result_a["eval/loss"] == pytest.approx(float(ref_loss), rel=1e-5)
   assert eval_scalars["loss"][10] == pytest.approx(result_a["eval/loss"], rel=1e-6)
 
@@ -282,7 +286,9 @@ def killed_child(tmp_path_factory):
   model_dir, points_dir = str(tmp / "run"), str(tmp / "points")
   os.makedirs(model_dir)
   cmd = [sys.executable, os.path.abspath(__file__), "child", model_dir, points_dir]
-  env = dict(os.environ)  # conftest's XLA_FLAGS (8 devices) and JAX_PLATFORMS carry over
+  from conftest import child_xla_flags  # pylint: disable=g-import-not-at-top  (not in the child)
+  # conftest's JAX_PLATFORMS and compile settings carry over; 4 devices, the mesh's.
+  env = {**os.environ, "XLA_FLAGS": child_xla_flags(device_count=4)}
   child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   yield child, model_dir, points_dir
   if child.poll() is None:
