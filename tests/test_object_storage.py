@@ -364,3 +364,25 @@ def test_hugging_face_and_t5x_folders_load_from_the_bucket(gcs, tmp_path):
     flat = flax.traverse_util.flatten_dict(loaded.params)
     for key, value in expected.items():
       np.testing.assert_array_equal(np.asarray(flat[key]), value)
+
+
+def test_a_data_cache_in_the_bucket_serves_the_batches_it_was_written_with(gcs, demo_vocab_path,
+                                                                           tmp_path):
+  """DATA_CACHE as gs://: `cache_run` uploads the rows, a reader gets the same batches."""
+  from jaxmoral import runs  # pylint: disable=g-import-not-at-top
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("inputs\ttargets\n" + "".join(f"help friend {i}\tanswer {i % 5}\n"
+                                                 for i in range(40)))
+  lengths = {"inputs": 16, "targets": 8}
+  data = runs.Seq2SeqData(train_file=str(pairs), vocabulary_path=demo_vocab_path,
+                          cache_dir=f"{BUCKET}/data")
+  spec = runs.cache_run(data=data, feature_lengths=lengths, seed=1)
+  assert {"spec.json", "vocabulary.model", "train/meta.json", "eval/meta.json"} <= set(
+      _objects(f"{BUCKET}/data"))
+  local = runs.Seq2SeqData(train_file=str(pairs), vocabulary_path=demo_vocab_path)
+  vocabulary = vocab_lib.get_vocabulary(demo_vocab_path)
+  kwargs = dict(vocabulary=vocabulary, batch_size=4, feature_lengths=lengths, seed=1)
+  (want, _), (got, got_eval) = local.sources(**kwargs), data.sources(**kwargs)
+  assert got.num_examples == spec["rows"]["train"] and got_eval is not None
+  for k, v in want.batch(5).items():
+    np.testing.assert_array_equal(got.batch(5)[k], v)
