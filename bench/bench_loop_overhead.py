@@ -91,6 +91,7 @@ def child(args: argparse.Namespace) -> dict:
   from jaxmoral import runtime  # pylint: disable=g-import-not-at-top
   runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
   import jax  # pylint: disable=g-import-not-at-top
+  from bench_train_step import parse_override  # pylint: disable=g-import-not-at-top
 
   from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
   from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
@@ -98,7 +99,7 @@ def child(args: argparse.Namespace) -> dict:
   from jaxmoral import train as train_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
-  overrides = dict(_parse_override(o) for o in args.override)
+  overrides = dict(parse_override(o) for o in args.override)
   model = trainable.Seq2SeqModel(config=config.t5_config(size=args.size, dtype=args.dtype,
                                                          **overrides))
   data = _data(args, work)
@@ -131,24 +132,14 @@ def child(args: argparse.Namespace) -> dict:
           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
-def _parse_override(text: str) -> tuple[str, object]:
-  """'field=value' -> (field, int | float | bool | str) for a T5Config override."""
-  name, _, value = text.partition("=")
-  for cast in (int, float):
-    try:
-      return name, cast(value)
-    except ValueError:
-      pass
-  return name, {"true": True, "false": False}.get(value.lower(), value)
-
-
 def _flops_per_step(args: argparse.Namespace) -> float:
   sys.path.insert(0, str(HERE))
   from bench_train_mfu import model_flops_per_step  # pylint: disable=g-import-not-at-top
+  from bench_train_step import parse_override  # pylint: disable=g-import-not-at-top
 
   from jaxmoral.models import config  # pylint: disable=g-import-not-at-top
   cfg = config.t5_config(size=args.size, dtype=args.dtype,
-                         **dict(_parse_override(o) for o in args.override))
+                         **dict(parse_override(o) for o in args.override))
   return model_flops_per_step(cfg, args.batch, args.inputs, args.targets)
 
 
