@@ -47,6 +47,7 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import threading
 import uuid
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
@@ -384,6 +385,29 @@ _DISK_FULL = {errno.ENOSPC: ("No space left on device", "os_error_code='28'"),
               errno.EDQUOT: ("Disk quota exceeded", "os_error_code='122'")}
 
 
+def _drop_closed_loop_callbacks() -> None:
+  """Silences the late completions of an aborted save's writes.
+
+  When one write of a step fails (a full disk), Orbax closes that save's event loop while
+  TensorStore's other writes are still in flight; each one's completion then finds the loop
+  closed and is reported as an unraisable "Event loop is closed" traceback, dozens per save,
+  before the failure itself reaches the caller. The failure is raised and reported anyway, so
+  exactly those reports are dropped, from the first manager on; every other unraisable still
+  reaches the hook that was installed before.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_closed_loop_callbacks", False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    error = unraisable.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+      previous(unraisable)
+
+  hook.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+  sys.unraisablehook = hook
+
+
 def disk_full_errno(error: BaseException) -> Optional[int]:
   """ENOSPC, EFBIG or EDQUOT where `error` (or what it wraps: TensorStore's messages, Orbax's
   thread errors) is a full disk, a file size limit or a quota; else None."""
@@ -702,6 +726,7 @@ class CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
         save_decision_policy=policy)
+    _drop_closed_loop_callbacks()
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=_item_handlers())
     # The integrity manifest of the latest save is written once Orbax has finalised the step:

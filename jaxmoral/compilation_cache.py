@@ -37,6 +37,7 @@ secret (another JAX program) fails the check and is compiled again, never run. A
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -133,7 +134,12 @@ class SignedCache:
     if not self._warned:
       self._warned = True
       _LOG.warning("compilation cache %s: entry %s fails its signature check (changed, or "
-                   "not written by jaxmoral): compiling it again", self._dir, key)
+                   "not written by jaxmoral): removed, compiling it again", self._dir, key)
+    # JAX writes back only programs that were slow to compile, so an entry left in place
+    # would be refused (and warned about) by every later run.
+    for suffix in (_CACHE_SUFFIX, _ATIME_SUFFIX, _SIGNATURE_SUFFIX):
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(self._dir, key + suffix))
     return None
 
   def put(self, key: str, value: bytes) -> None:

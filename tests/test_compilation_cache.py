@@ -97,6 +97,20 @@ def test_a_capped_cache_cannot_write_beside_an_uncapped_entry(tmp_path):
     lru_cache.LRUCache(str(tmp_path), max_size=1 << 20).put("jit_f-1", b"x")
 
 
+def test_an_entry_that_fails_its_signature_is_removed(tmp_path):
+  """JAX writes back only slow compiles, so a refused entry left in place would be refused
+  (and warned about) by every later run."""
+  from jax._src import lru_cache  # pylint: disable=g-import-not-at-top
+  cache = compilation_cache.SignedCache(lru_cache.LRUCache(str(tmp_path), max_size=-1),
+                                        str(tmp_path), b"k" * 32)
+  cache.put("jit_f-1", b"compiled f")
+  assert cache.get("jit_f-1") == b"compiled f"
+  (tmp_path / "jit_f-1-cache").write_bytes(b"compiled g")
+  assert cache.get("jit_f-1") is None
+  assert sorted(os.listdir(tmp_path)) == []
+  assert cache.get("jit_f-1") is None  # a miss now, not another refusal
+
+
 # A fresh process: enables the cache, samples greedily from a tiny random T5 (on a CPU the
 # sampler's step runs the packed-kernel custom calls when they build) and reports the cache hits.
 _SAMPLE_SCRIPT = textwrap.dedent("""
