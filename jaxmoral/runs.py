@@ -419,7 +419,7 @@ def vocabulary_build_dir(model_dir: str) -> str:
 # train_run's counts: (parameter, the gin macro gin/runs/*.gin binds it to, least value).
 _RUN_COUNTS = (("train_steps", "TRAIN_STEPS", 1), ("batch_size", "BATCH_SIZE", 1),
                ("checkpoint_every", "CHECKPOINT_EVERY", 1), ("eval_every", "EVAL_EVERY", 0),
-               ("eval_steps", "EVAL_STEPS", 1), ("num_microbatches", None, 1),
+               ("eval_steps", "EVAL_STEPS", 0), ("num_microbatches", None, 1),
                ("keep_checkpoints", None, 1), ("log_every", None, 1))
 
 
@@ -470,7 +470,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     partitioner: Mesh and rules (PARTITIONER); default: data parallel over all devices.
     num_microbatches: Gradient accumulation steps per global batch.
     eval_every: Evaluate every N steps (0: only at the end).
-    eval_steps: Evaluation batches (None: the whole eval split).
+    eval_steps: Evaluation batches (None: the whole eval split; 0: no evaluation at all,
+      for runs evaluated separately with `eval`).
     checkpoint_every: Save every N steps (and at the end).
     keep_checkpoints: Checkpoints kept.
     log_every: Progress line / TensorBoard every N steps.
@@ -539,6 +540,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
 
       train_source, eval_source = data.sources(vocabulary=vocabulary, batch_size=batch_size,
                                                feature_lengths=feature_lengths, seed=seed)
+      if eval_steps == 0:
+        eval_source = None
       if jax.process_count() > 1:
         train_source = train_source.shard(jax.process_index(), jax.process_count())
         if eval_source is not None:

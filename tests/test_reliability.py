@@ -28,7 +28,7 @@ from jaxmoral.npov import task as npov_task
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RUN = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.WARMUP_STEPS=1", "--gin.BATCH_SIZE=8",
-       "--gin.CHECKPOINT_EVERY=1", "--gin.EVAL_EVERY=0", "--gin.runs.train_run.eval_steps=1",
+       "--gin.CHECKPOINT_EVERY=1", "--gin.EVAL_EVERY=0", "--gin.runs.train_run.eval_steps=0",
        "--gin.runs.train_run.log_every=1",
        # Short rows and one layer each side: what is checked is how a run refuses or fails,
        # not what it learns; smaller programs compile (and the data pass runs) faster.
