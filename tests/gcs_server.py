@@ -6,7 +6,9 @@ it leaves out, which the clients under test rely on:
   checkpoints, reads an object's generation from it to make its conditional writes);
 - the preconditions `ifGenerationMatch` on uploads and deletes are enforced (HTTP 412 when
   the object's generation differs; 0: the object must not exist), which the run lock's
-  conditional create and stale-lock takeover use.
+  conditional create and stale-lock takeover use;
+- refusals: uploads to bucket `needs-credentials` get the service's 401 for an anonymous
+  caller, and to bucket `read-only` its 403 for credentials without the permission.
 """
 
 import http
@@ -46,7 +48,31 @@ def _upload_name(request):
 _insert, _delete, _download = objects.insert, objects.delete, objects.download
 
 
+# Buckets whose uploads are refused as the real service refuses them: to a caller without
+# credentials (401) and to one whose credentials lack the permission (403).
+_REFUSED = {
+    "needs-credentials": (401, "Anonymous caller does not have storage.objects.create access "
+                               "to the Google Cloud Storage object."),
+    "read-only": (403, "caller@example.iam.gserviceaccount.com does not have "
+                       "storage.objects.create access to the Google Cloud Storage object. "
+                       "Permission 'storage.objects.create' denied on resource."),
+}
+
+
+def _refused(request, response) -> bool:
+  refusal = _REFUSED.get(request.params.get("bucket_name"))
+  if refusal is None:
+    return False
+  code, message = refusal
+  response.status = http.HTTPStatus(code)
+  response.json({"error": {"code": code, "message": message,
+                           "errors": [{"message": message, "reason": "forbidden"}]}})
+  return True
+
+
 def insert(request, response, storage, *args, **kwargs):
+  if _refused(request, response):
+    return None
   if _precondition_failed(request, response, storage, _upload_name(request)):
     return None
   return _insert(request, response, storage, *args, **kwargs)

@@ -5,9 +5,9 @@ module (tests/gcs_server.py adds the generation header and preconditions it leav
 client is pointed at it the way it is pointed at a real endpoint: gcsfs (through etils.epath,
 as jaxmoral's file layer and Orbax use it) and google-cloud-storage (tensorboardX) read
 STORAGE_EMULATOR_HOST; TensorStore (Orbax's array data) reads TENSORSTORE_GCS_HTTP_URL.
-What the server cannot show: credentials and permissions (it accepts any request), so the
-"no credentials" / "permission denied" lines are not exercised here; a missing bucket and an
-unreachable endpoint are.
+The server accepts any caller; tests/gcs_server.py refuses uploads to two buckets with the
+service's own 401 (no credentials) and 403 (no permission) answers, so those lines are tested
+beside a missing bucket and an unreachable endpoint.
 """
 
 import json
@@ -282,11 +282,17 @@ def test_the_lock_is_a_conditional_create_and_a_stale_one_is_taken_over(gcs, mon
   assert not fileio.exists(path)  # Released.
 
 
-def test_a_missing_bucket_or_an_unreachable_endpoint_is_one_line_before_any_work(
+def test_a_missing_bucket_credentials_permission_or_endpoint_is_one_line_before_any_work(
     gcs, unreachable_train):
   with pytest.raises(OSError, match=r"^MODEL_DIR gs://no-such-bucket/run: bucket "
                      r"no-such-bucket does not exist"):
     checkpoints.make_run_dir("gs://no-such-bucket/run")
+  with pytest.raises(OSError, match=r"^MODEL_DIR gs://needs-credentials/run: no credentials: "
+                     r"run `gcloud auth application-default login`"):
+    checkpoints.make_run_dir("gs://needs-credentials/run")
+  with pytest.raises(OSError, match=r"^MODEL_DIR gs://read-only/run: permission denied: the "
+                     r"credentials may not write to bucket read-only"):
+    checkpoints.make_run_dir("gs://read-only/run")
   child, endpoint = unreachable_train
   _, stderr = child.communicate(timeout=300)
   assert child.returncode == 2
