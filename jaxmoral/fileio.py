@@ -174,6 +174,18 @@ def makedirs(location: str | os.PathLike) -> None:
     os.makedirs(location, exist_ok=True)
 
 
+def upload(local_file: str | os.PathLike, location: str | os.PathLike) -> None:
+  """Copies local file `local_file` to `location` (a path or URL), streamed, not read whole
+  into memory (model weights); an object is stored whole by its upload."""
+  location = os.fspath(location)
+  if not is_url(location):
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.copyfile(local_file, location)
+    return
+  fs, stripped = filesystem(location)
+  fs.put_file(os.fspath(local_file), stripped)
+
+
 def getsize(location: str | os.PathLike) -> int:
   if not is_url(location):
     return os.path.getsize(location)

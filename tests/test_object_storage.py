@@ -12,6 +12,7 @@ beside a missing bucket and an unreachable endpoint.
 
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -348,7 +349,8 @@ def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path)
   assert fileio.getsize(f"{BUCKET}/npov/roc/roc_input.png") > 1000
 
 
-def test_hugging_face_and_t5x_folders_load_from_the_bucket(gcs, tmp_path):
+def test_hugging_face_and_t5x_folders_load_from_and_export_to_the_bucket(gcs, tmp_path,
+                                                                        demo_vocab_path):
   import flax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from conftest import write_hf_t5  # pylint: disable=g-import-not-at-top
@@ -366,7 +368,18 @@ def test_hugging_face_and_t5x_folders_load_from_the_bucket(gcs, tmp_path):
                                 {"target": params, "state": {"step": np.int32(100)}})
   from_t5x = model_dirs.load(f"{BUCKET}/t5x/checkpoint_100")
   assert from_t5x.info.format == "t5x" and from_t5x.config == from_hf.config
-  for loaded in (from_hf, from_t5x):
+  # A Hugging Face export written straight into the bucket (nothing under a local "gs:").
+  pieces = pathlib.Path(demo_vocab_path).read_bytes()
+  fileio.write_bytes(f"{BUCKET}/vocab/spiece.model", pieces)
+  hf_import.export_hf_t5(from_t5x.params, from_t5x.config, f"{BUCKET}/hf_export",
+                         extra_files=[f"{BUCKET}/vocab/spiece.model"])
+  assert set(_objects(f"{BUCKET}/hf_export")) == {"config.json", hf_import.SINGLE_FILE,
+                                                   "spiece.model"}
+  assert fileio.read_bytes(f"{BUCKET}/hf_export/spiece.model") == pieces
+  assert not os.path.exists(os.path.join(os.getcwd(), "gs:"))
+  exported = model_dirs.load(f"{BUCKET}/hf_export")
+  assert exported.info.format == "hf" and exported.config == from_hf.config
+  for loaded in (from_hf, from_t5x, exported):
     flat = flax.traverse_util.flatten_dict(loaded.params)
     for key, value in expected.items():
       np.testing.assert_array_equal(np.asarray(flat[key]), value)

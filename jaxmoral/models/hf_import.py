@@ -34,6 +34,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxmoral import fileio
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5x_import import expected_shapes
 from jaxmoral.models.t5x_import import validate_params
@@ -461,20 +462,21 @@ def params_from_hf(tensors: Mapping[str, Any], hf_config: Mapping[str, Any], *,
 # -- writing ------------------------------------------------------------------------------------
 def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | os.PathLike, *,
                  dtype: Optional[str] = None, extra_files: Sequence[str | os.PathLike] = ()
-                 ) -> pathlib.Path:
+                 ) -> str:
   """Writes `config.json` + `model.safetensors` that `T5ForConditionalGeneration` loads.
 
   Args:
     params: jaxmoral parameters (boxed or not, any sharding; a `scalar_head` is not exported).
     config: Their config.
-    directory: Created if needed.
+    directory: A local folder (created if needed) or an object-store URL (gs://...).
     dtype: Storage dtype ("float32" default, "bfloat16", "float16").
-    extra_files: Files copied beside them (e.g. the vocabulary's `spiece.model`).
+    extra_files: Files copied beside them (e.g. the vocabulary's `spiece.model`; local paths
+      or URLs).
 
   Returns:
     The directory.
   """
-  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
 
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   validate_params(params, config, source="export_hf_t5 params")
@@ -486,15 +488,25 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
     value = np.asarray(jax.device_get(flat[path]), dtype=np.float32)
     value = value.T if kind in ("linear", "relpos") else value
     tensors[name] = np.ascontiguousarray(value).astype(np_dtype)
-  directory = pathlib.Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
+  directory = os.fspath(directory)
   hf_config = config_to_hf(config)
   hf_config["torch_dtype"] = dtype or "float32"
-  (directory / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-  save_file(tensors, str(directory / SINGLE_FILE), metadata={"format": "pt"})
-  # safetensors writes through a private temporary file (mode 0600): give the weights the mode
-  # every other file of the folder gets (the umask's), so whoever reads the export can.
-  os.chmod(directory / SINGLE_FILE, (directory / "config.json").stat().st_mode & 0o777)
+  # safetensors writes local files only: the weights go to a local file first (in the
+  # folder itself, or a scratch folder for an object store) and are streamed from there.
+  with tempfile.TemporaryDirectory() as scratch:
+    local = directory if not fileio.is_url(directory) else scratch
+    fileio.makedirs(local)
+    fileio.write_text(os.path.join(local, "config.json"),
+                      json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, os.path.join(local, SINGLE_FILE), metadata={"format": "pt"})
+    # safetensors writes through a private temporary file (mode 0600): give the weights the
+    # mode every other file of the folder gets (the umask's), so whoever reads the export can.
+    os.chmod(os.path.join(local, SINGLE_FILE),
+             os.stat(os.path.join(local, "config.json")).st_mode & 0o777)
+    if local != directory:
+      for name in ("config.json", SINGLE_FILE):
+        fileio.upload(os.path.join(local, name), fileio.join(directory, name))
   for extra in extra_files:
-    shutil.copyfile(extra, directory / pathlib.Path(extra).name)
+    name = os.fspath(extra).rstrip("/").rsplit("/", 1)[-1]
+    fileio.write_bytes(fileio.join(directory, name), fileio.read_bytes(extra))
   return directory
