@@ -64,6 +64,7 @@ from jax.sharding import Sharding
 
 import gin
 from jaxmoral import fileio
+from jaxmoral import validation
 
 PyTree = Any
 STATE_ITEM = "state"
@@ -711,12 +712,9 @@ class CheckpointManager:
 
   def __init__(self, directory: str | os.PathLike, *, save_interval_steps: int = 1000,
                max_to_keep: Optional[int] = 3, async_save: bool = True):
-    if not isinstance(save_interval_steps, int) or save_interval_steps <= 0:
-      raise ValueError(f"CheckpointManager: save_interval_steps must be a positive int, got "
-                       f"{save_interval_steps!r}")
-    if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep <= 0):
-      raise ValueError(f"CheckpointManager: max_to_keep must be a positive int or None, got "
-                       f"{max_to_keep!r}")
+    validation.positive_int(save_interval_steps, "CheckpointManager: save_interval_steps")
+    if max_to_keep is not None:
+      validation.positive_int(max_to_keep, "CheckpointManager: max_to_keep (or None)")
     self.directory = fileio.abspath(directory)
     # Explicit policy: orbax's default also saves the first step offered, whatever it is.
     policy = ocp.checkpoint_managers.AnySavePolicy([

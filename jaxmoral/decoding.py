@@ -124,18 +124,14 @@ class SampleConfig:
     if not isinstance(self.temperature, (int, float)) or not self.temperature > 0:
       raise ValueError(f"SampleConfig.temperature must be > 0 (use greedy=True for argmax), "
                        f"got {self.temperature!r}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"SampleConfig.top_k must be an int >= 0, got {self.top_k!r}")
+    validation.non_negative_int(self.top_k, "SampleConfig.top_k")
     if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"SampleConfig.top_p must be in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
-      raise ValueError(f"SampleConfig.no_repeat_ngram_size must be an int >= 0, "
-                       f"got {self.no_repeat_ngram_size!r}")
+    validation.non_negative_int(self.no_repeat_ngram_size, "SampleConfig.no_repeat_ngram_size")
     if not isinstance(self.min_length, int) or not 0 <= self.min_length <= self.max_decode_length:
       raise ValueError(f"SampleConfig.min_length must be an int in [0, max_decode_length="
                        f"{self.max_decode_length}], got {self.min_length!r}")
-    if not isinstance(self.eos_id, int) or self.eos_id < 0:
-      raise ValueError(f"SampleConfig.eos_id must be an int >= 0, got {self.eos_id!r}")
+    validation.non_negative_int(self.eos_id, "SampleConfig.eos_id")
 
 
 @gin.configurable(module="decoding")
@@ -161,8 +157,7 @@ class BeamSearchConfig:
     if not isinstance(self.length_penalty, (int, float)):
       raise ValueError(f"BeamSearchConfig.length_penalty must be a number, "
                        f"got {self.length_penalty!r}")
-    if not isinstance(self.eos_id, int) or self.eos_id < 0:
-      raise ValueError(f"BeamSearchConfig.eos_id must be an int >= 0, got {self.eos_id!r}")
+    validation.non_negative_int(self.eos_id, "BeamSearchConfig.eos_id")
 
 
 # -- shared pieces ---------------------------------------------------------------------------

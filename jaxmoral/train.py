@@ -41,6 +41,7 @@ from jaxmoral import preemption
 from jaxmoral import progress
 from jaxmoral import software
 from jaxmoral import trainer as trainer_lib
+from jaxmoral import validation
 
 logger = logging.getLogger(__name__)
 
@@ -324,10 +325,8 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
   for name, value in (("train_steps", train_steps), ("checkpoint_every", checkpoint_every),
                       ("log_every", log_every), ("keep_checkpoints", keep_checkpoints),
                       ("prefetch_batches", prefetch_batches)):
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-      raise ValueError(f"train: {name} must be a positive int, got {value!r}")
-  if not isinstance(eval_every, int) or eval_every < 0:
-    raise ValueError(f"train: eval_every must be an int >= 0, got {eval_every!r}")
+    validation.positive_int(value, f"train: {name}")
+  validation.non_negative_int(eval_every, "train: eval_every")
   model_dir = checkpoints.make_run_dir(model_dir)
   is_chief = jax.process_index() == 0
   ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec
 from jaxmoral import losses
 from jaxmoral import optimizers
 from jaxmoral import partitioning
+from jaxmoral import validation
 
 PyTree = Any
 Params = Mapping[str, Any]
@@ -519,8 +520,7 @@ class Trainer:
         rng None.
       learning_rate_fn: If given, `metrics["learning_rate"] = learning_rate_fn(step)`.
     """
-    if not isinstance(num_microbatches, int) or num_microbatches < 1:
-      raise ValueError(f"Trainer.num_microbatches must be a positive int, got {num_microbatches!r}")
+    validation.positive_int(num_microbatches, "Trainer.num_microbatches")
     self.partitioner = partitioner
     self.num_microbatches = num_microbatches
     self.initializer = TrainStateInitializer(init_params_fn=init_params_fn, optimizer=optimizer,

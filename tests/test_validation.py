@@ -1,4 +1,5 @@
-"""validation.positive_int: the one "must be a positive int" check the configs share."""
+"""validation.positive_int and non_negative_int: the one count check each that the configs and
+entry functions share."""
 
 import pytest
 
@@ -18,7 +19,23 @@ def test_positive_int_accepts_positive_ints():
     validation.positive_int(value, "Owner.field")
 
 
+@pytest.mark.parametrize("value", [-1, 0.0, "0", None, False])
+def test_non_negative_int_names_the_field_and_the_value(value):
+  with pytest.raises(ValueError) as error:
+    validation.non_negative_int(value, "Owner.field")
+  assert str(error.value) == f"Owner.field must be an int >= 0, got {value!r}"
+
+
+def test_non_negative_int_accepts_zero_and_positive_ints():
+  for value in (0, 1, 2**40):
+    validation.non_negative_int(value, "Owner.field")
+
+
 @pytest.mark.parametrize("make, message", [
+    (lambda: decoding.SampleConfig(max_decode_length=4, top_k=-1),
+     "SampleConfig.top_k must be an int >= 0, got -1"),
+    (lambda: decoding.BeamSearchConfig(beam_size=2, max_decode_length=4, eos_id=True),
+     "BeamSearchConfig.eos_id must be an int >= 0, got True"),
     (lambda: decoding.SampleConfig(max_decode_length=4, num_samples=True),
      "SampleConfig.num_samples must be a positive int, got True"),
     (lambda: decoding.BeamSearchConfig(beam_size=0, max_decode_length=4),

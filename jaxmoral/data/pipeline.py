@@ -22,6 +22,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxmoral import validation
+
 Features = dict[str, np.ndarray]
 
 
@@ -182,8 +184,7 @@ class BatchSource:
       raise ValueError(f"BatchSource.features: arrays differ in length: {sizes}")
     if next(iter(sizes.values())) == 0:
       raise ValueError("BatchSource.features: no examples")
-    if not isinstance(self.batch_size, int) or self.batch_size <= 0:
-      raise ValueError(f"BatchSource.batch_size must be a positive int, got {self.batch_size}")
+    validation.positive_int(self.batch_size, "BatchSource.batch_size")
     if self.shard_count <= 0 or not 0 <= self.shard_index < self.shard_count:
       raise ValueError(f"BatchSource.shard_index {self.shard_index} not in "
                        f"[0, shard_count={self.shard_count})")

@@ -31,6 +31,7 @@ import tensorflow as tf
 # isort: on
 
 import gin
+from jaxmoral import validation
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
 from jaxmoral.data import pairs as pairs_lib
@@ -227,8 +228,7 @@ class TaskSource:
       default=None, init=False, repr=False)
 
   def __post_init__(self):
-    if not isinstance(self.batch_size, int) or self.batch_size <= 0:
-      raise ValueError(f"TaskSource.batch_size must be a positive int, got {self.batch_size!r}")
+    validation.positive_int(self.batch_size, "TaskSource.batch_size")
     if self.shard_count <= 0 or not 0 <= self.shard_index < self.shard_count:
       raise ValueError(f"TaskSource.shard_index {self.shard_index} not in [0, shard_count="
                        f"{self.shard_count})")

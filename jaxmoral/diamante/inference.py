@@ -53,13 +53,10 @@ class RerankConfig:
     for name in ("num_candidates", "max_decode_length"):
       value = getattr(self, name)
       validation.positive_int(value, f"RerankConfig.{name}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"RerankConfig.top_k must be an int >= 0, got {self.top_k!r}")
+    validation.non_negative_int(self.top_k, "RerankConfig.top_k")
     if not self.temperature > 0:
       raise ValueError(f"RerankConfig.temperature must be > 0, got {self.temperature!r}")
-    if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
-      raise ValueError("RerankConfig.no_repeat_ngram_size must be an int >= 0, got "
-                       f"{self.no_repeat_ngram_size!r}")
+    validation.non_negative_int(self.no_repeat_ngram_size, "RerankConfig.no_repeat_ngram_size")
 
 
 @flax.struct.dataclass

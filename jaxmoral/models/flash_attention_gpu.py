@@ -60,6 +60,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec
 
 # The TPU kernels' padding, segment-id and mesh helpers apply unchanged.
+from jaxmoral import validation
 from jaxmoral.models.flash_attention import _kernel_ids  # pylint: disable=g-importing-member
 from jaxmoral.models.flash_attention import _mesh_axes_for  # pylint: disable=g-importing-member
 from jaxmoral.models.flash_attention import _round_up  # pylint: disable=g-importing-member
@@ -118,8 +119,7 @@ class BlockSizes:
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"BlockSizes.{field.name} must be a positive int, got {value!r}")
+      validation.positive_int(value, f"BlockSizes.{field.name}")
       if field.name.startswith("block_") and (value & (value - 1) or value < MIN_BLOCK):
         raise ValueError(f"BlockSizes.{field.name} must be a power of two >= {MIN_BLOCK}, "
                          f"got {value}")

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import validation
 from jaxmoral.models import heads
 from jaxmoral.models import ops as ops_lib
 from jaxmoral.models import param_init
@@ -601,9 +602,7 @@ class T5(nn.Module):
     the self-attention caches get G * batch rows, the encoder keys/values stay one per input,
     and every later step takes G * batch tokens with the same (batch, length) `encoder_mask`.
     """
-    if not isinstance(rows_per_input, int) or rows_per_input < 1:
-      raise ValueError(f"init_cache: rows_per_input must be a positive int, got "
-                       f"{rows_per_input!r}")
+    validation.positive_int(rows_per_input, "init_cache: rows_per_input")
     dummy = jnp.zeros((encoded.shape[0] * rows_per_input, 1), jnp.int32)
     return self.decode(encoded, encoder_mask, dummy, decode=True, init_cache=True,
                        max_decode_length=max_decode_length)[0]

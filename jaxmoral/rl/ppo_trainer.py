@@ -180,8 +180,7 @@ class PPOConfig:
         raise ValueError(f"PPOConfig.{name} must be in [0, 1], got {getattr(self, name)!r}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"PPOConfig.top_p must be in (0, 1], got {self.top_p!r}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"PPOConfig.top_k must be an int >= 0, got {self.top_k!r}")
+    validation.non_negative_int(self.top_k, "PPOConfig.top_k")
     if self.kl_control not in KL_CONTROLS:
       raise ValueError(f"PPOConfig.kl_control must be one of {KL_CONTROLS}, got "
                        f"{self.kl_control!r}")
@@ -930,8 +929,7 @@ def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
   Raises:
     train.NonFiniteLossError: a NaN/inf loss (nothing of that iteration is saved).
   """
-  if not isinstance(sample_every, int) or sample_every < 0:
-    raise ValueError(f"train_ppo: sample_every must be an int >= 0, got {sample_every!r}")
+  validation.non_negative_int(sample_every, "train_ppo: sample_every")
   reach = trainer.config.adaptive_kl_reach(num_iterations)
   if 1.0 < reach < 1.5:
     # An "adaptive" penalty that cannot move is a fixed one: say so instead of letting it pass.
