@@ -555,9 +555,12 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         return model.params_from_checkpoint(loaded, jax.random.fold_in(jax.random.PRNGKey(seed), 1))
 
       examples = train_source.num_examples
-      logger.info("train_run: %s on %s (%s train examples), batch %d, %d steps -> %s%s",
+      # A packed source's rows each hold several examples.
+      packed = "encoder_segment_ids" in (getattr(train_source, "features", None) or {})
+      logger.info("train_run: %s on %s (%s train %s), batch %d, %d steps -> %s%s",
                   trainable.describe(model), type(data).__name__,
-                  "?" if examples is None else examples, batch_size, train_steps, model_dir,
+                  "?" if examples is None else examples,
+                  "packed rows" if packed else "examples", batch_size, train_steps, model_dir,
                   f", from {init_info.describe()}" if init_info else "")
       training = True
       return train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source,
