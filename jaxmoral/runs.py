@@ -556,7 +556,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
 
       examples = train_source.num_examples
       # A packed source's rows each hold several examples.
-      packed = "encoder_segment_ids" in (getattr(train_source, "features", None) or {})
+      features = getattr(train_source, "features", None)
+      packed = isinstance(features, Mapping) and "encoder_segment_ids" in features
       logger.info("train_run: %s on %s (%s train %s), batch %d, %d steps -> %s%s",
                   trainable.describe(model), type(data).__name__,
                   "?" if examples is None else examples,
