@@ -110,15 +110,35 @@ def user_error_message(error: BaseException) -> Optional[str]:
 
   A mistake is a ValueError or OSError from anywhere (a bad value, a missing file), or a type
   error raised inside a gin-bound call (gin adds "In call to configurable": a value of the wrong
-  type in the configuration); any other type error is a bug.
+  type in the configuration) by a `raise` statement, gin's argument binding or another
+  library; any other type error, one from an operation in jaxmoral's own code included, is a
+  bug.
   """
   if isinstance(error, (ValueError, OSError)):
     return error_message(error)
   if isinstance(error, FloatingPointError):  # train's NonFiniteLossError: a setting, mostly.
     return error_message(error)
-  if isinstance(error, TypeError) and "In call to configurable" in str(error):
+  if (isinstance(error, TypeError) and "In call to configurable" in str(error)
+      and not _is_an_operation_in_jaxmoral(error)):
     return _configurable_error_message(error)
   return None
+
+
+def _is_an_operation_in_jaxmoral(error: BaseException) -> bool:
+  """True when `error` was raised by an operation in jaxmoral's own code (`x in config`, a call
+  with the wrong arguments), not by a `raise` statement: a bug, however deep inside a
+  gin-bound call it happened, so it keeps its traceback."""
+  import linecache  # pylint: disable=g-import-not-at-top
+  tb = error.__traceback__
+  if tb is None:
+    return False
+  while tb.tb_next is not None:
+    tb = tb.tb_next
+  filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+  package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+  if not filename.startswith(package):
+    return False
+  return not linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise")
 
 
 def peer_failure_message(error: BaseException) -> Optional[str]:

@@ -93,6 +93,25 @@ def test_a_type_error_in_a_configurable_is_one_line_naming_it(capsys, monkeypatc
   gin.clear_config()
 
 
+@gin.configurable
+def _counts_flops_of(tokens: object = 1) -> float:
+  from jaxmoral import aot  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models.config import t5_config  # pylint: disable=g-import-not-at-top
+  return aot.t5_forward_flops(t5_config(size="tiny"), encoder_tokens=tokens, decoder_tokens=1)
+
+
+def test_a_type_error_of_an_operation_in_jaxmoral_keeps_its_traceback():
+  """A bug (an operation of jaxmoral's own code on the wrong type), however deep inside a
+  gin-bound call it happens, is not passed off as a configuration mistake."""
+  gin.clear_config()
+  gin.parse_config("_counts_flops_of.tokens = None")
+  with pytest.raises(TypeError) as error:
+    _counts_flops_of()
+  assert "In call to configurable '_counts_flops_of'" in str(error.value)
+  assert cli.user_error_message(error.value) is None
+  gin.clear_config()
+
+
 def _takes_a_count_in_scope() -> int:
   with gin.config_scope("test_scope"):
     return _takes_a_count()

@@ -107,8 +107,10 @@ class T5Config:
                  "relative_attention_num_buckets", "relative_attention_max_distance"):
       value = getattr(self, name)
       validation.positive_int(value, f"T5Config.{name}")
-    if not 0.0 <= self.dropout_rate < 1.0:
-      raise ValueError(f"T5Config.dropout_rate must be in [0, 1), got {self.dropout_rate}")
+    if (not isinstance(self.dropout_rate, (int, float)) or isinstance(self.dropout_rate, bool)
+        or not 0.0 <= self.dropout_rate < 1.0):
+      raise ValueError(f"T5Config.dropout_rate must be a number in [0, 1), got "
+                       f"{self.dropout_rate!r}")
     if self.feed_forward_proj not in ("relu", "gated-gelu", "gated-relu", "gated-silu"):
       raise ValueError(f"T5Config.feed_forward_proj: unknown {self.feed_forward_proj!r}")
     if self.dtype not in ("float32", "bfloat16", "float16"):
