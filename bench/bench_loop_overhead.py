@@ -105,12 +105,22 @@ def child(args: argparse.Namespace) -> dict:
   data = _data(args, work)
   optimizer = optimizers.make_optimizer(name=args.optimizer, learning_rate=1e-4)
   lengths = _lengths(args)
+  loop_peak = None
   if args.side == "product":
+
+    class PeakBeforeSave(train_lib.TrainHook):
+      """The peak RSS of the loop alone: read after the last step, before its checkpoint."""
+
+      def after_step(self, loop, step, state, metrics):
+        nonlocal loop_peak
+        if step == args.steps:
+          loop_peak = _peak_rss_mib()
+
     model_dir = pathlib.Path(tempfile.mkdtemp(dir=args.run_root or work, prefix="run."))
     runs.train_run(model_dir=str(model_dir), model=model, data=data,
                    train_steps=args.steps, batch_size=args.batch, feature_lengths=lengths,
                    optimizer=optimizer, checkpoint_every=args.steps, log_every=args.steps,
-                   eval_every=0)
+                   eval_every=0, hooks=[PeakBeforeSave()])
     steps_per_sec = train_lib.read_scalars(str(model_dir / "train"))["steps_per_sec"][args.steps]
   else:
     vocabulary = data.vocabulary(str(work / "vocab"))
@@ -129,6 +139,7 @@ def child(args: argparse.Namespace) -> dict:
     jax.block_until_ready(metrics)
     steps_per_sec = (args.steps - 1) / (time.perf_counter() - tick)
   return {"side": args.side, "steps_per_sec": steps_per_sec, "peak_rss_mib": _peak_rss_mib(),
+          "loop_peak_rss_mib": loop_peak if loop_peak is not None else _peak_rss_mib(),
           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
 
@@ -235,7 +246,8 @@ def main() -> None:
         results[side].append(result)
         mfu = flops * result["steps_per_sec"] / 1e12 / args.peak_tflops
         print(f"round {round_} {side:8s} {result['steps_per_sec']:.3f} steps/s  MFU "
-              f"{100 * mfu:.1f} %  peak RSS {result['peak_rss_mib']:.0f} MiB  "
+              f"{100 * mfu:.1f} %  peak RSS {result['peak_rss_mib']:.0f} MiB (before the "
+              f"final checkpoint {result['loop_peak_rss_mib']:.0f} MiB)  "
               f"({result['device']}, jax {result['jax']})", flush=True)
   best = {side: max(r["steps_per_sec"] for r in rs) for side, rs in results.items()}
   peak = {side: max(r["peak_rss_mib"] for r in rs) for side, rs in results.items()}
@@ -243,8 +255,10 @@ def main() -> None:
         f"({best['product']:.3f} vs {best['bare']:.3f}); MFU "
         + " vs ".join(f"{100 * flops * best[s] / 1e12 / args.peak_tflops:.1f} %"
                       for s in ("product", "bare")))
+  loop = {side: max(r["loop_peak_rss_mib"] for r in rs) for side, rs in results.items()}
   print(f"peak RSS product/bare: {peak['product']:.0f} / {peak['bare']:.0f} MiB = "
-        f"{peak['product'] / peak['bare']:.2f}x")
+        f"{peak['product'] / peak['bare']:.2f}x; before the product's final checkpoint "
+        f"{loop['product']:.0f} MiB = {loop['product'] / peak['bare']:.2f}x")
 
 
 if __name__ == "__main__":
