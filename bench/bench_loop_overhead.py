@@ -109,11 +109,13 @@ def child(args: argparse.Namespace) -> dict:
   if args.side == "product":
 
     class PeakBeforeSave(train_lib.TrainHook):
-      """The peak RSS of the loop alone: read after the last step, before its checkpoint."""
+      """The peak RSS of the loop alone: read once the last step has run (the loop itself
+      does not wait for it), before its checkpoint."""
 
       def after_step(self, loop, step, state, metrics):
         nonlocal loop_peak
         if step == args.steps:
+          jax.block_until_ready(state)
           loop_peak = _peak_rss_mib()
 
     model_dir = pathlib.Path(tempfile.mkdtemp(dir=args.run_root or work, prefix="run."))
