@@ -94,6 +94,11 @@ def join(base: str | os.PathLike, *parts: str) -> str:
   return out
 
 
+def basename(location: str | os.PathLike) -> str:
+  """The last component of a path or URL (a trailing '/' ignored)."""
+  return os.fspath(location).rstrip("/").rsplit("/", 1)[-1]
+
+
 def abspath(location: str | os.PathLike) -> str:
   """An absolute local path (user expanded); a URL as given, without a trailing '/'."""
   location = os.fspath(location)
@@ -134,7 +139,7 @@ def listdir(location: str | os.PathLike) -> list[str]:
     entries = fs.ls(prefix, detail=False)
   except FileNotFoundError:
     entries = []
-  names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != prefix]
+  names = [basename(e) for e in entries if e.rstrip("/") != prefix]
   if not names and not isdir(location):
     raise FileNotFoundError(f"{location}: no such folder")
   return names
@@ -480,7 +485,7 @@ def local_copy(location: str | os.PathLike) -> str:
   folder = os.path.join(tempfile.gettempdir(), f"jaxmoral_objects_{os.getpid()}",
                         hashlib.sha256(location.encode()).hexdigest()[:16])
   os.makedirs(folder, exist_ok=True)
-  target = os.path.join(folder, location.rstrip("/").rsplit("/", 1)[-1])
+  target = os.path.join(folder, basename(location))
   write_bytes(target, read_bytes(location))
   return target
 

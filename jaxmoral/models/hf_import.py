@@ -507,6 +507,5 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
       for name in ("config.json", SINGLE_FILE):
         fileio.upload(os.path.join(local, name), fileio.join(directory, name))
   for extra in extra_files:
-    name = os.fspath(extra).rstrip("/").rsplit("/", 1)[-1]
-    fileio.write_bytes(fileio.join(directory, name), fileio.read_bytes(extra))
+    fileio.write_bytes(fileio.join(directory, fileio.basename(extra)), fileio.read_bytes(extra))
   return directory
