@@ -23,6 +23,7 @@ embedding for encoder and decoder: a checkpoint whose `encoder.embed_tokens` or
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import json
 import os
@@ -493,8 +494,8 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
   hf_config["torch_dtype"] = dtype or "float32"
   # safetensors writes local files only: the weights go to a local file first (in the
   # folder itself, or a scratch folder for an object store) and are streamed from there.
-  with tempfile.TemporaryDirectory() as scratch:
-    local = directory if not fileio.is_url(directory) else scratch
+  remote = fileio.is_url(directory)
+  with tempfile.TemporaryDirectory() if remote else contextlib.nullcontext(directory) as local:
     fileio.makedirs(local)
     fileio.write_text(os.path.join(local, "config.json"),
                       json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
@@ -503,7 +504,7 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
     # mode every other file of the folder gets (the umask's), so whoever reads the export can.
     os.chmod(os.path.join(local, SINGLE_FILE),
              os.stat(os.path.join(local, "config.json")).st_mode & 0o777)
-    if local != directory:
+    if remote:
       for name in ("config.json", SINGLE_FILE):
         fileio.upload(os.path.join(local, name), fileio.join(directory, name))
   for extra in extra_files:
