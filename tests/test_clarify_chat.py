@@ -7,6 +7,7 @@ import pytest
 
 from jaxmoral.clarify import chat, formats, models, testing
 from jaxmoral.data import vocab as vocab_lib
+from jaxmoral.models import config as config_lib
 
 CLASSES = formats.DEMO_JUDGE_CLASSES
 
@@ -15,7 +16,10 @@ CLASSES = formats.DEMO_JUDGE_CLASSES
 def model_dir(tmp_path_factory):
   root = tmp_path_factory.mktemp("chat")
   vocab_path = vocab_lib.build_demo_vocabulary(output_dir=root / "vocab")
-  return testing.random_model_dir(root / "model", seed=7, vocabulary_path=vocab_path)
+  # One layer each side: what is tested is the turn logic, not depth (compiles faster).
+  return testing.random_model_dir(root / "model", seed=7, vocabulary_path=vocab_path,
+                                  config=config_lib.t5_config(size="tiny", num_encoder_layers=1,
+                                                              num_decoder_layers=1))
 
 
 def _lines(path):

@@ -75,10 +75,12 @@ def test_generate_rollout_masks_and_logprobs(models):
 
 def test_top_p_sampler_logprobs_are_renormalised(models):
   policy, _, params, _, _, prompts = models
-  tokens, sampler_lp, mask = rollout.generate_rollout(
-      policy, params, prompts, jax.random.PRNGKey(4), max_response_length=T, temperature=0.7,
-      top_p=0.6)
-  old, _ = rollout.policy_logprobs(policy, params, prompts, tokens, temperature=0.7)
+  # Jitted: op by op, the sampler's loop compiles each of its operations on its own.
+  gen = jax.jit(functools.partial(rollout.generate_rollout, policy, max_response_length=T,
+                                  temperature=0.7, top_p=0.6))
+  tokens, sampler_lp, mask = gen(params, prompts, jax.random.PRNGKey(4))
+  old, _ = jax.jit(functools.partial(rollout.policy_logprobs, policy, temperature=0.7))(
+      params, prompts, tokens)
   sampler_lp, old, mask = map(np.asarray, (sampler_lp, old, mask))
   # The nucleus renormalises: log p_nucleus = log p - log(mass) >= log p on kept tokens.
   assert np.all(sampler_lp[mask > 0] >= old[mask > 0] - 1e-5)
@@ -147,8 +149,9 @@ def test_values_see_only_earlier_tokens(models):
   tokens = np.asarray(rng.integers(2, CFG.vocab_size, size=(B, T)), np.int32)
   changed = tokens.copy()
   changed[:, 2] = (changed[:, 2] + 1) % CFG.vocab_size
-  v1 = np.asarray(rollout.values_of(value, value_params, prompts, tokens))
-  v2 = np.asarray(rollout.values_of(value, value_params, prompts, changed))
+  values_of = jax.jit(functools.partial(rollout.values_of, value))
+  v1 = np.asarray(values_of(value_params, prompts, tokens))
+  v2 = np.asarray(values_of(value_params, prompts, changed))
   np.testing.assert_allclose(v1[:, :3], v2[:, :3], atol=1e-6)
   assert np.max(np.abs(v1[:, 3:] - v2[:, 3:])) > 1e-4
   del policy

@@ -662,8 +662,12 @@ def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: i
 
   The normal parameters are drawn a few at a time (`param_init`), which compiles many times
   faster than one draw per parameter; the values are therefore this function's own, and
-  `model.init` alone draws others from the same key.
+  `model.init` alone draws others from the same key. Called outside a trace, it runs as one
+  compiled program: op by op, the model's forward pass would compile each operation alone.
   """
+  if not isinstance(rng, jax.core.Tracer) and _hashable(model):
+    return _compiled_init_params(model, rng, batch_size=batch_size,
+                                 encoder_length=encoder_length, decoder_length=decoder_length)
   enc = jnp.ones((batch_size, encoder_length), jnp.int32)
   dec = jnp.ones((batch_size, decoder_length), jnp.int32)
 
@@ -679,6 +683,19 @@ def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: i
     abstract = _abstract_params.__wrapped__(
         model, (batch_size, encoder_length, decoder_length), key)
   return param_init.init_params(abstract, init_missing, rng)
+
+
+def _hashable(model: T5) -> bool:
+  try:
+    hash(model)
+  except TypeError:  # A module with unhashable fields cannot be a static argument.
+    return False
+  return True
+
+
+_compiled_init_params = jax.jit(init_params, static_argnums=0,
+                                static_argnames=("batch_size", "encoder_length",
+                                                 "decoder_length"))
 
 
 # Each initialisation would otherwise trace the whole model once more just for its shapes.
