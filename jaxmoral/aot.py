@@ -11,16 +11,18 @@ Topologies: `"<chip>:<shape>"` as libtpu names them, e.g. `v5e:8x8` (64 chips), 
 (16 chips), `v5p:4x4x4` (64 chips); multi-slice with `num_slices`. `cpu:N` uses N local CPU
 devices (set `XLA_FLAGS=--xla_force_host_platform_device_count=N`) for tests.
 
-What is compiled is a *compile target*: `builder(partitioner) -> CompileProgram`. Built in:
-`seq2seq` (the bindings of `runs.train_run`: MODEL_CONFIG, OPTIMIZER, BATCH_SIZE,
-TASK_FEATURE_LENGTHS, ...), `prompt_tuning` (`aot.prompt_tuning_target`: only the soft prompt
-trainable on a frozen base). Methods add theirs with `register_compile_target(name, builder)`
-and select it with `aot.compile_for_topology.target = 'name'` in their pod config.
+What is compiled is a *compile target*: a run's own gin-configured entry point called in its
+compile-only mode (`runs.train_run(compile_only=True)`, ClarifyDelphi's
+`training.train_clarify_ppo(compile_only=True)`), inside `partitioning.target_devices`, so
+that the partitioner the config binds is made on the topology's devices. The entry point
+builds its programs with the code a run uses, from abstract inputs, and hands back a
+`CompileProgram` instead of training: nothing is rebuilt here from the config's bindings.
+Entry points register with `register_compile_target(name, builder)`; a config selects one
+with `aot.compile_for_topology.target = 'name'` (default: "train_run").
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import logging
@@ -37,7 +39,6 @@ import jax.numpy as jnp
 
 import gin
 from jaxmoral import partitioning
-from jaxmoral import runs
 from jaxmoral import validation
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,8 @@ class CompileProgram:
   Attributes:
     stages: The compiled programs of one step, in the order the run calls them; compiled one
       at a time (each frees the compiler's memory before the next).
+    partitioner: The run's partitioner (its mesh is the topology's devices); required by
+      `compile_for_topology`.
     resident: Everything that stays on the chips for the whole run (every model's parameters
       and optimizer state); None: each stage's own persistent arguments.
     description: One line for the report ("T5 large seq2seq, batch 512 x (512, 128)").
@@ -213,6 +216,7 @@ class CompileProgram:
       `PPOProgram`), for notebooks and tests.
   """
   stages: tuple[Stage, ...]
+  partitioner: Optional[partitioning.PjitPartitioner] = None
   resident: Any = None
   description: str = ""
   num_params: int = 0
@@ -226,17 +230,18 @@ class CompileProgram:
       raise ValueError("CompileProgram: no stages")
 
 
-CompileTargetBuilder = Callable[[partitioning.PjitPartitioner], CompileProgram]
+CompileTargetBuilder = Callable[[], CompileProgram]
 _TARGETS: dict[str, CompileTargetBuilder] = {}
 
 
 def register_compile_target(name: str, builder: CompileTargetBuilder, *,
                             overwrite: bool = False) -> None:
-  """Makes `builder(partitioner) -> CompileProgram` available as `target=name`.
+  """Makes `builder() -> CompileProgram` available as `target=name`.
 
-  The builder reads its settings from its own gin-bound arguments (the CLI has parsed the
-  config), must build the step on `partitioner` (whose devices are the topology's) with the
-  same code the run uses, and hand back the run's own jitted functions as stages.
+  The builder calls a run's gin-configured entry point in its compile-only mode, so that the
+  config's bindings reach it as they reach `train` (the CLI has parsed the config). It runs
+  inside `partitioning.target_devices`: the entry point's partitioner, made as the run makes
+  it, lands on the topology's devices; its stages are the run's own jitted functions.
   """
   if not name or not isinstance(name, str):
     raise ValueError(f"register_compile_target: name must be a non-empty str, got {name!r}")
@@ -268,62 +273,6 @@ def t5_forward_flops(config: Any, *, encoder_tokens: int, decoder_tokens: int) -
   enc_w = config.num_encoder_layers * (attn + mlp)
   dec_w = config.num_decoder_layers * (2 * attn + mlp) + config.vocab_size * d
   return 2.0 * (enc_w * encoder_tokens + dec_w * decoder_tokens)
-
-
-def _raw_bindings(selector: str) -> dict[str, Any]:
-  try:
-    return dict(gin.get_bindings(selector, resolve_references=False))
-  except (ValueError, KeyError):
-    return {}
-
-
-def resolved_bindings(selector: str, keys: Sequence[str]) -> dict[str, Any]:
-  """gin bindings `keys` of `selector`, references evaluated (unbound keys left out)."""
-  raw = _raw_bindings(selector)
-  return {k: copy.deepcopy(raw[k]) for k in keys if k in raw}
-
-
-def require(bindings: Mapping[str, Any], names: Sequence[str], where: str) -> None:
-  missing = [n for n in names if bindings.get(n) is None]
-  if missing:
-    raise ValueError(f"compile: {where} has no binding for {missing}; include a run fragment "
-                     "(e.g. gin/runs/seq2seq.gin) and a model/optimizer fragment")
-
-
-def train_run_target(partitioner: partitioning.PjitPartitioner) -> CompileProgram:
-  """The train step of `runs.train_run` as the gin config binds it (any MODEL and DATA:
-  seq2seq, prompt tuning, Diamante), built by the run's own `runs.make_trainer`."""
-  b = resolved_bindings("runs.train_run", ("model", "data", "optimizer", "batch_size",
-                                           "feature_lengths", "num_microbatches"))
-  require(b, ("model", "data", "optimizer", "batch_size", "feature_lengths"), "runs.train_run")
-  model, data = b["model"], b["data"]
-  trainer = runs.make_trainer(model=model, optimizer=b["optimizer"], partitioner=partitioner,
-                              num_microbatches=b.get("num_microbatches", 1))
-  batch_size, lengths = int(b["batch_size"]), b["feature_lengths"]
-  shapes = data.batch_shapes(batch_size=batch_size, feature_lengths=lengths)
-  args = trainer.train_step_args(shapes)
-  total, trainable = trainer.initializer.num_params()
-  encoder_tokens = math.prod(shapes["encoder_input_tokens"][0])
-  prompt = getattr(getattr(model, "prompt", None), "length", 0)
-  encoder_tokens += batch_size * prompt
-  decoder_tokens = math.prod(shapes["decoder_target_tokens"][0])
-  config = model.config
-  shown = ", ".join(f"{k.split('_')[0]} {'x'.join(map(str, v[0][1:]))}"
-                    for k, v in shapes.items() if k in ("encoder_input_tokens",
-                                                        "decoder_target_tokens"))
-  return CompileProgram(
-      stages=(Stage("step", trainer.train_step_function, args, persistent=args[0]),),
-      description=(f"{type(model).__name__} T5 d_model={config.d_model} layers="
-                   f"{config.num_encoder_layers}+{config.num_decoder_layers} "
-                   f"({total / 1e6:.1f}M params, dtype {config.dtype}, remat {config.remat}), "
-                   f"batch {batch_size} x ({shown})"),
-      num_params=total, num_trainable_params=trainable,
-      tokens_per_step=encoder_tokens + decoder_tokens,
-      model_flops_per_step=(3.0 if trainable == total else 2.0) * t5_forward_flops(
-          config, encoder_tokens=encoder_tokens, decoder_tokens=decoder_tokens))
-
-
-register_compile_target("train_run", train_run_target)
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -518,7 +467,11 @@ def check_fits(report: CompileReport) -> None:
 
 
 def _default_target() -> str:
-  if _raw_bindings("runs.train_run"):
+  try:
+    bound = gin.get_bindings("runs.train_run")
+  except (ValueError, KeyError):  # jaxmoral.runs not imported by the config.
+    bound = {}
+  if bound:
     return "train_run"
   raise ValueError(f"compile: the gin config binds no runs.train_run; select a target with "
                    f"--gin.aot.compile_for_topology.target=NAME (registered: "
@@ -652,9 +605,20 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
   if target not in _TARGETS:
     raise ValueError(f"compile_for_topology: unknown target {target!r}; registered: "
                      f"{compile_targets()}")
-  # gin supplies num_partitions / rules; the devices are the topology's.
-  partitioner = partitioning.PjitPartitioner(devices=list(topo.devices), num_slices=num_slices)
-  program = _TARGETS[target](partitioner)
+  if num_slices != (bound_slices or 1):
+    raise ValueError(f"compile_for_topology: num_slices={num_slices} needs the run's "
+                     f"partitioner to have as many: bind partitioning.PjitPartitioner."
+                     f"num_slices = {num_slices}")
+  # The run's entry point makes its partitioner as `train` does (the config's num_partitions,
+  # rules and slices); its devices are the topology's.
+  with partitioning.target_devices(topo.devices):
+    program = _TARGETS[target]()
+  partitioner = program.partitioner
+  if partitioner is None:
+    raise ValueError(f"compile_for_topology: target {target!r} handed back no partitioner")
+  if set(partitioner.mesh.devices.flat) != set(topo.devices):
+    raise ValueError(f"compile_for_topology: target {target!r} built its mesh on other "
+                     f"devices than {topology}'s (a partitioner bound with explicit devices)")
   selected = program.stages
   if stages is not None:
     known = [stage.name for stage in selected]

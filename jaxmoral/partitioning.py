@@ -114,6 +114,25 @@ def _has_slice_index(devices: Sequence[Any]) -> bool:
   return all(getattr(d, "slice_index", None) is not None for d in devices)
 
 
+_TARGET_DEVICES: list[Optional[list[Any]]] = [None]
+
+
+@contextlib.contextmanager
+def target_devices(devices: Sequence[Any]) -> Iterator[None]:
+  """Meshes made inside default to `devices` instead of `jax.devices()`.
+
+  `jaxmoral compile` builds a run exactly as `train` does (the gin config's partitioner,
+  however it is bound) but on a topology's compile-only devices: this is how the run's own
+  partitioner lands on them. Not thread-safe, and not meant to be nested.
+  """
+  saved = _TARGET_DEVICES[0]
+  _TARGET_DEVICES[0] = list(devices)
+  try:
+    yield
+  finally:
+    _TARGET_DEVICES[0] = saved
+
+
 @gin.configurable(module="partitioning")
 def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequence[int]] = None,
              devices: Optional[Sequence[Any]] = None, num_slices: int = 1) -> Mesh:
@@ -126,14 +145,16 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
       product is the `model` axis size; overrides `num_partitions` (they must agree when both
       are given). Physical placement is left to `mesh_utils.create_device_mesh`, which
       keeps the model axis on neighbouring chips.
-    devices: Devices to use (default `jax.devices()`).
+    devices: Devices to use (default `jax.devices()`, or those of `target_devices`).
     num_slices: Number of multi-slice (DCN-connected) slices. The `data` axis spans slices
       and the `model` axis stays within a slice (model parallelism needs the fast links).
 
   Returns:
     The mesh.
   """
-  devices = list(jax.devices() if devices is None else devices)
+  if devices is None:
+    devices = _TARGET_DEVICES[0] or jax.devices()
+  devices = list(devices)
   if model_parallel_submesh is not None:
     submesh = tuple(int(x) for x in model_parallel_submesh)
     if not submesh or any(x <= 0 for x in submesh):

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import numbers
 import os
 import shutil
@@ -40,6 +41,7 @@ import optax
 from jax.experimental import multihost_utils
 
 import gin
+from jaxmoral import aot
 from jaxmoral import checkpoints
 from jaxmoral import decoding
 from jaxmoral import fileio
@@ -110,6 +112,10 @@ class DataSpec(Protocol):
   def resumed(self, saved: Mapping[str, Any]) -> DataSpec:
     """This data as a resumed run reads it, given the run's saved `settings()` ({} when it
     saved none): what fixes a run's examples (its held-out split) stays the run's own."""
+
+  def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
+                   ) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """Global batch shapes and dtypes, as `sources` would batch (`jaxmoral compile`)."""
 
 
 def seq2seq_batch_shapes(*, batch_size: int, feature_lengths: Mapping[str, int],
@@ -456,7 +462,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
               num_microbatches: int = 1, eval_every: int = 0, eval_steps: Optional[int] = None,
               checkpoint_every: int = 1000, keep_checkpoints: int = 3, log_every: int = 50,
               seed: int = 0, init_checkpoint: Optional[str] = None,
-              hooks: Sequence[train_lib.TrainHook] = ()) -> dict[str, float]:
+              hooks: Sequence[train_lib.TrainHook] = (), compile_only: bool = False
+              ) -> dict[str, float] | aot.CompileProgram:
   """Trains `model` on `data` (T5X's `train`): resumes MODEL_DIR if it has checkpoints.
 
   Args:
@@ -480,9 +487,12 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
       `jaxmoral.model_dirs`: Hugging Face, T5X, export, run, one step of a run); its
       parameters are created directly in the partitioner's shardings. Ignored on resume.
     hooks: Extra `train.TrainHook`s (the model's own come first).
+    compile_only: Build the train step from abstract inputs on `partitioner` and return it
+      as an `aot.CompileProgram` (`jaxmoral compile`), touching neither MODEL_DIR nor the
+      data files.
 
   Returns:
-    Final metrics.
+    Final metrics, or with `compile_only` the step's `aot.CompileProgram`.
 
   Raises:
     ValueError: A count is not an integer in range (naming its gin macro, e.g. TRAIN_STEPS),
@@ -495,8 +505,13 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                        eval_every=eval_every, eval_steps=eval_steps,
                        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                        log_every=log_every)
-  fileio.check_writable(model_dir, directory=True)
   partitioner = partitioner or partitioning.PjitPartitioner()
+  if compile_only:
+    return train_step_program(model=model, data=data, optimizer=optimizer,
+                              partitioner=partitioner, batch_size=batch_size,
+                              feature_lengths=feature_lengths,
+                              num_microbatches=num_microbatches)
+  fileio.check_writable(model_dir, directory=True)
   if fileio.is_url(model_dir):
     checkpoints.make_run_dir(model_dir)  # Bucket, credentials, endpoint: checked first.
     created = not fileio.exists(model_dir)  # (It leaves no object behind.)
@@ -579,6 +594,45 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
       with contextlib.suppress(OSError):
         fileio.rmtree(model_dir)
     raise
+
+
+def train_step_program(*, model: trainable.TrainableModel, data: DataSpec,
+                       optimizer: optax.GradientTransformation,
+                       partitioner: partitioning.PjitPartitioner, batch_size: int,
+                       feature_lengths: Mapping[str, int],
+                       num_microbatches: int = 1) -> aot.CompileProgram:
+  """`train_run`'s step as `jaxmoral compile` lowers it: the run's own `make_trainer` and
+  jitted step, from the data's batch shapes (nothing read, nothing allocated)."""
+  trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
+                         num_microbatches=num_microbatches)
+  shapes = data.batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths)
+  args = trainer.train_step_args(shapes)
+  total, trainable_count = trainer.initializer.num_params()
+  encoder_tokens = math.prod(shapes["encoder_input_tokens"][0])
+  encoder_tokens += batch_size * getattr(getattr(model, "prompt", None), "length", 0)
+  decoder_tokens = math.prod(shapes["decoder_target_tokens"][0])
+  config = model.config
+  shown = ", ".join(f"{k.split('_')[0]} {'x'.join(map(str, v[0][1:]))}"
+                    for k, v in shapes.items() if k in ("encoder_input_tokens",
+                                                        "decoder_target_tokens"))
+  # A step that trains every weight is about 3 forward passes; frozen weights skip their
+  # weight gradients (about 2).
+  passes = 3.0 if trainable_count == total else 2.0
+  return aot.CompileProgram(
+      stages=(aot.Stage("step", trainer.train_step_function, args, persistent=args[0]),),
+      partitioner=partitioner,
+      description=(f"{type(model).__name__} T5 d_model={config.d_model} layers="
+                   f"{config.num_encoder_layers}+{config.num_decoder_layers} "
+                   f"({total / 1e6:.1f}M params, dtype {config.dtype}, remat {config.remat}), "
+                   f"batch {batch_size} x ({shown})"),
+      num_params=total, num_trainable_params=trainable_count,
+      tokens_per_step=encoder_tokens + decoder_tokens,
+      model_flops_per_step=passes * aot.t5_forward_flops(
+          config, encoder_tokens=encoder_tokens, decoder_tokens=decoder_tokens))
+
+
+# `jaxmoral compile`'s default target: this entry point as the gin config binds it.
+aot.register_compile_target("train_run", lambda: train_run(compile_only=True))
 
 
 @gin.configurable

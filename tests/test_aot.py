@@ -172,7 +172,7 @@ def test_unknown_target_and_duplicate_registration():
   with pytest.raises(ValueError, match="unknown target 'nope'"):
     aot.compile_for_topology(topology="cpu:8", target="nope")
   with pytest.raises(ValueError, match="already registered"):
-    aot.register_compile_target("train_run", lambda p: None)
+    aot.register_compile_target("train_run", lambda: None)
   assert "train_run" in aot.compile_targets()
 
 
@@ -196,7 +196,6 @@ def test_tiny_compiles_for_a_tpu_topology():
 def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
   """`jaxmoral compile` of a ClarifyDelphi PPO config: every program of an iteration, the very
   function objects train-ppo calls, with all five models on the mesh."""
-  from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
   from jaxmoral.clarify import testing, training  # pylint: disable=g-import-not-at-top
   from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -233,9 +232,10 @@ def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
   with pytest.raises(ValueError, match=r"\['nope'\] not in target 'clarify_ppo'"):
     aot.compile_for_topology(topology="cpu:8", stages=("nope",))
   # The same objects: the compile target's stages are the functions a run's program calls.
-  partitioner = partitioning.PjitPartitioner(num_partitions=2)
-  target = training.ppo_compile_target(partitioner, policy_config=config_lib.t5_config(
+  target = training.ppo_compile_target(policy_config=config_lib.t5_config(
       size="tiny", num_encoder_layers=1, num_decoder_layers=1), vocabulary_path=vocab_path)
+  partitioner = target.partitioner
+  assert dict(partitioner.mesh.shape) == {"data": 4, "model": 2}  # The bound num_partitions.
   by_name = {stage.name: stage.function for stage in target.stages}
   model_dir = testing.random_model_dir(tmp_path / "model", vocabulary_path=vocab_path)
   from jaxmoral.clarify import reward as reward_lib  # pylint: disable=g-import-not-at-top
@@ -252,13 +252,16 @@ def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
     assert by_name[name] is trainer.functions[name]
 
 
-def test_diamante_config_compiles_through_the_train_run_target():
+def test_diamante_config_compiles_through_the_train_run_target(tmp_path):
+  """`runs.train_run` itself, in its compile-only mode: it touches neither MODEL_DIR nor the
+  data file."""
   gin_args, _ = gin_utils.split_gin_args(["--gin_file=configs/diamante/tiny_cpu.gin",
-                                          "--gin.MODEL_DIR=/unused",
+                                          f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
                                           "--gin.TRAIN_PATH='/nowhere/needed.jsonl'"])
   gin_utils.parse_gin(gin_args)
   report = aot.compile_for_topology(topology="cpu:8", print_table=False)  # default target
   assert report.target == "train_run" and "DiamanteModel" in report.description
+  assert not (tmp_path / "run").exists()
   assert report.peak_bytes > 0 and report.flops_per_chip > 0
   # One context, three responses per row (human, model, random).
   assert "batch 16 x (encoder 64, decoder 3x24)" in report.description

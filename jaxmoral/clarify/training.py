@@ -13,6 +13,7 @@ them and `jaxmoral compile` (target "clarify_ppo") lowers the very same function
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -352,9 +353,21 @@ def _reward_stage_args(name: str, cm: models.ClarifyModel, reward: reward_lib.De
   return (cm.params, rows, None, None, targets, None)
 
 
+def _bound_run_settings(keys: Sequence[str]) -> dict[str, Any]:
+  """`train_clarify_ppo`'s gin bindings `keys`, references evaluated (unbound keys left out).
+
+  The PPO run reads its models from directories a pod compile does not have; its compile
+  target therefore takes stand-in configs and reads the run's other settings here.
+  """
+  try:
+    raw = dict(gin.get_bindings("training.train_clarify_ppo", resolve_references=False))
+  except (ValueError, KeyError):
+    raw = {}
+  return {k: copy.deepcopy(raw[k]) for k in keys if k in raw}
+
+
 @gin.configurable(module="training")
-def ppo_compile_target(partitioner: partitioning.PjitPartitioner, *,
-                       policy_config: Optional[config_lib.T5Config] = None,
+def ppo_compile_target(*, policy_config: Optional[config_lib.T5Config] = None,
                        reward_model_config: Optional[config_lib.T5Config] = None,
                        vocabulary_path: Optional[str] = None) -> aot.CompileProgram:
   """`jaxmoral compile` target "clarify_ppo": every program of a PPO iteration, as run.
@@ -366,18 +379,21 @@ def ppo_compile_target(partitioner: partitioning.PjitPartitioner, *,
   plus the largest program's working memory.
 
   Args:
-    partitioner: The topology's mesh with the config's rules.
     policy_config: T5Config of θQ (and of the value model unless `train_clarify_ppo.
       value_model_config` is bound).
     reward_model_config: T5Config of the answer, NLI, fusion and judge models (default: the
       policy's).
     vocabulary_path: The models' SentencePiece model (the judge's classes must be one token).
   """
-  b = aot.resolved_bindings("training.train_clarify_ppo", (
-      "ppo_config", "optimizer", "reward_config", "value_model_config"))
-  aot.require({**b, "policy_config": policy_config, "vocabulary_path": vocabulary_path},
-              ("ppo_config", "optimizer", "policy_config", "vocabulary_path"),
-              "training.train_clarify_ppo / training.ppo_compile_target")
+  b = _bound_run_settings(("ppo_config", "optimizer", "reward_config", "value_model_config"))
+  given = {**b, "policy_config": policy_config, "vocabulary_path": vocabulary_path}
+  missing = [n for n in ("ppo_config", "optimizer", "policy_config", "vocabulary_path")
+             if given.get(n) is None]
+  if missing:
+    raise ValueError(f"compile: training.train_clarify_ppo / training.ppo_compile_target has "
+                     f"no binding for {missing}; see configs/clarify/tpu_pod.gin")
+  # Made as the run makes it (the config's num_partitions and rules) on the topology's devices.
+  partitioner = partitioning.PjitPartitioner()
   vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
   reward_config = b.get("reward_config") or reward_lib.RewardConfig()
   assert policy_config is not None  # Required (aot.require above).
@@ -412,7 +428,7 @@ def ppo_compile_target(partitioner: partitioning.PjitPartitioner, *,
   reward_n = sum(aot._num_params(cm.params) for _, cm in functions.values())  # pylint: disable=protected-access
   trainable = trainer.policy_init.num_params()[1] + trainer.value_init.num_params()[1]
   return aot.CompileProgram(
-      stages=tuple(stages), resident=resident,
+      stages=tuple(stages), partitioner=partitioner, resident=resident,
       description=(f"ClarifyDelphi PPO iteration: policy {policy_n / 1e6:.1f}M + frozen "
                    f"reference + value {value_n / 1e6:.1f}M + {len(functions)} reward models "
                    f"{reward_n / 1e6:.1f}M; batch {cfg.batch_size} x (prompt "
