@@ -11,14 +11,15 @@ Topologies: `"<chip>:<shape>"` as libtpu names them, e.g. `v5e:8x8` (64 chips), 
 (16 chips), `v5p:4x4x4` (64 chips); multi-slice with `num_slices`. `cpu:N` uses N local CPU
 devices (set `XLA_FLAGS=--xla_force_host_platform_device_count=N`) for tests.
 
-What is compiled is a *compile target*: a run's own gin-configured entry point called in its
-compile-only mode (`runs.train_run(compile_only=True)`, ClarifyDelphi's
-`training.train_clarify_ppo(compile_only=True)`), inside `partitioning.target_devices`, so
-that the partitioner the config binds is made on the topology's devices. The entry point
-builds its programs with the code a run uses, from abstract inputs, and hands back a
-`CompileProgram` instead of training: nothing is rebuilt here from the config's bindings.
-Entry points register with `register_compile_target(name, builder)`; a config selects one
-with `aot.compile_for_topology.target = 'name'` (default: "train_run").
+What is compiled is a *compile target*, called inside `partitioning.default_devices` so that
+the partitioner the config binds is made on the topology's devices. The default, "train_run",
+is the run's own gin-configured entry point in its compile-only mode
+(`runs.train_run(compile_only=True)`): it builds its step with the code a run uses, from
+abstract inputs, and hands back a `CompileProgram` instead of training. ClarifyDelphi's
+"clarify_ppo" (`clarify.training.ppo_compile_target`) builds the PPO program from stand-in
+model configs, as a pod compile has no model directories. Targets register with
+`register_compile_target(name, builder)`; a config selects one with
+`aot.compile_for_topology.target = 'name'`.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ def register_compile_target(name: str, builder: CompileTargetBuilder, *,
 
   The builder calls a run's gin-configured entry point in its compile-only mode, so that the
   config's bindings reach it as they reach `train` (the CLI has parsed the config). It runs
-  inside `partitioning.target_devices`: the entry point's partitioner, made as the run makes
+  inside `partitioning.default_devices`: the entry point's partitioner, made as the run makes
   it, lands on the topology's devices; its stages are the run's own jitted functions.
   """
   if not name or not isinstance(name, str):
@@ -611,7 +612,7 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
                      f"num_slices = {num_slices}")
   # The run's entry point makes its partitioner as `train` does (the config's num_partitions,
   # rules and slices); its devices are the topology's.
-  with partitioning.target_devices(topo.devices):
+  with partitioning.default_devices(topo.devices):
     program = _TARGETS[target]()
   partitioner = program.partitioner
   if partitioner is None:

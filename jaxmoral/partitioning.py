@@ -118,12 +118,13 @@ _TARGET_DEVICES: list[Optional[list[Any]]] = [None]
 
 
 @contextlib.contextmanager
-def target_devices(devices: Sequence[Any]) -> Iterator[None]:
-  """Meshes made inside default to `devices` instead of `jax.devices()`.
+def default_devices(devices: Sequence[Any]) -> Iterator[None]:
+  """Meshes made inside without explicit devices use `devices` instead of `jax.devices()`.
 
   `jaxmoral compile` builds a run exactly as `train` does (the gin config's partitioner,
   however it is bound) but on a topology's compile-only devices: this is how the run's own
-  partitioner lands on them. Not thread-safe, and not meant to be nested.
+  partitioner lands on them. Also a way to run a config on some of the local devices. Not
+  thread-safe.
   """
   saved = _TARGET_DEVICES[0]
   _TARGET_DEVICES[0] = list(devices)
@@ -145,7 +146,7 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
       product is the `model` axis size; overrides `num_partitions` (they must agree when both
       are given). Physical placement is left to `mesh_utils.create_device_mesh`, which
       keeps the model axis on neighbouring chips.
-    devices: Devices to use (default `jax.devices()`, or those of `target_devices`).
+    devices: Devices to use (default `jax.devices()`, or those of `default_devices`).
     num_slices: Number of multi-slice (DCN-connected) slices. The `data` axis spans slices
       and the `model` axis stays within a slice (model parallelism needs the fast links).
 

@@ -17,6 +17,9 @@ from jaxmoral import checkpoints  # noqa: E402
 from jaxmoral import decoding  # noqa: E402
 from jaxmoral.data import vocab as vocab_lib  # noqa: E402
 
+# What runs is tested here, not how it is sharded (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_device")
+
 INPUTS = ["Is it okay to lie to a friend?", "Helping a stranger.", "Why?"]
 TARGETS = ["It depends on why.", "It is good.", "Because I was asked to help them out."]
 

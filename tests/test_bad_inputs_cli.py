@@ -38,7 +38,7 @@ CORE = "--gin_file=configs/core/tiny_cpu.gin"
 DIAMANTE = "--gin_file=configs/diamante/tiny_cpu.gin"
 
 
-pytestmark = pytest.mark.usefixtures("clean_gin")
+pytestmark = pytest.mark.usefixtures("one_device", "clean_gin")
 
 
 @pytest.fixture(scope="module")

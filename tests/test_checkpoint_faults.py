@@ -31,6 +31,9 @@ from jaxmoral.data.pipeline import BatchSource
 from jaxmoral.models import t5
 from jaxmoral.models.config import t5_config
 
+# What runs is tested here, not how it is sharded (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_device")
+
 Error = ck.CheckpointIntegrityError
 STEPS = 4
 

@@ -14,7 +14,7 @@ from jaxmoral import cli
 from jaxmoral import train as train_lib
 
 
-pytestmark = pytest.mark.usefixtures("clean_gin")
+pytestmark = pytest.mark.usefixtures("one_device", "clean_gin")
 
 
 @gin.configurable(module="test_cli")

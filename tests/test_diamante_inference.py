@@ -16,6 +16,9 @@ from jaxmoral.diamante import chat, data, evaluate, inference, toy
 from jaxmoral.models import t5
 from jaxmoral.models.config import t5_config
 
+# What runs is tested here, not how it is sharded (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_device")
+
 RERANK = inference.RerankConfig(num_candidates=4, top_k=10, max_decode_length=8)
 
 

@@ -2,6 +2,7 @@
 the head alone, and the run directory is the inference model."""
 
 import gin
+import jax
 import numpy as np
 import pytest
 
@@ -24,7 +25,8 @@ def _train(model_dir, turns, *, steps, pe_weight=1.0, checkpoint_every=20, vocab
       data=data.DialogueData(train_path=train_path, vocab_size=vocab_size),
       train_steps=steps, batch_size=8, feature_lengths=LENGTHS,
       optimizer=optimizers.make_optimizer(name="adamw", learning_rate=3e-3),
-      partitioner=partitioning.PjitPartitioner(), log_every=10,
+      # One device: learning is tested here (tests/test_one_path.py shards Diamante).
+      partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]), log_every=10,
       checkpoint_every=checkpoint_every)
 
 

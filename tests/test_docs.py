@@ -50,6 +50,9 @@ import pytest
 
 from jaxmoral import action_commands, cli, gin_utils
 
+# What runs is tested here, not how it is sharded (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_device")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMAND_START = re.compile(r"^(jaxmoral|python|launch/|make|tensorboard|\. )")
 

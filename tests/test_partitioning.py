@@ -308,3 +308,14 @@ def test_partition_static_args_and_lower():
   assert y2.sharding.spec == P("data", "model")
   y3, _ = jax.jit(scaled_sum, static_argnums=1)(x, 2)  # outside: no mesh, no constraint
   assert len(y3.sharding.device_set) == 1
+
+
+def test_default_devices_place_meshes_made_without_devices():
+  devices = jax.devices()[2:6]
+  with pt.default_devices(devices):
+    inside = pt.PjitPartitioner(num_partitions=2)  # As a gin config makes the run's.
+    explicit = pt.PjitPartitioner(devices=jax.devices()[:2])
+  assert list(inside.mesh.devices.flat) == devices and dict(inside.mesh.shape) == {
+      "data": 2, "model": 2}
+  assert list(explicit.mesh.devices.flat) == jax.devices()[:2]  # Explicit devices win.
+  assert pt.PjitPartitioner().mesh.devices.size == len(jax.devices())  # Restored after.

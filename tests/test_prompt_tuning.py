@@ -80,7 +80,7 @@ def test_training_updates_only_the_prompt(base):
   optimizer = optimizers.make_optimizer(name="adafactor", learning_rate=0.3)
   trainer = runs.make_trainer(
       model=pt.PromptTuningModel(config=CFG, prompt=pt.PromptConfig(length=4)),
-      optimizer=optimizer, partitioner=partitioning.PjitPartitioner())
+      optimizer=optimizer, partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
   prompt = pt.init_prompt(pt.PromptConfig(length=4, vocab_sample_size=50),
                           rng=jax.random.PRNGKey(3), embedding_table=params["token_embedder"]
                           ["embedding"])

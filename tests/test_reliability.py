@@ -47,7 +47,7 @@ def one_device() -> partitioning.PjitPartitioner:
 gin.external_configurable(one_device, module="test_reliability")
 
 
-pytestmark = pytest.mark.usefixtures("clean_gin")
+pytestmark = pytest.mark.usefixtures("one_device", "clean_gin")
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,9 @@ from jaxmoral import trainer as tr
 from jaxmoral.data.pipeline import BatchSource
 from jaxmoral.models import config, t5
 
+# What runs is tested here, not how it is sharded (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_device")
+
 VOCAB = 128
 STEPS = 10
 
