@@ -20,6 +20,9 @@ from jaxmoral import action_commands
 from jaxmoral import cli
 from jaxmoral import gin_utils
 
+# What runs is tested here, not how it is sharded (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_device")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROBE_MODULE = "jaxmoral_probe_actions"
 # What the probe action was last called with.

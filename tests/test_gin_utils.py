@@ -15,7 +15,7 @@ import pytest
 from jaxmoral import gin_utils
 
 
-pytestmark = pytest.mark.usefixtures("clean_gin")
+pytestmark = pytest.mark.usefixtures("one_device", "clean_gin")
 
 
 @gin.configurable

@@ -22,6 +22,9 @@ from jaxmoral.npov.detectors import base
 from jaxmoral.npov.detectors import classifier
 from jaxmoral.npov.detectors import rouge
 
+# What runs is tested here, not how it is sharded (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_device")
+
 CLEAN = task.NpovExample(
     id="a", topic="t", query="Should zoos be banned?",
     pro=("Animals suffer in small cages",), con=("Zoos protect endangered species",),
