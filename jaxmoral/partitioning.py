@@ -114,7 +114,7 @@ def _has_slice_index(devices: Sequence[Any]) -> bool:
   return all(getattr(d, "slice_index", None) is not None for d in devices)
 
 
-_TARGET_DEVICES: list[Optional[list[Any]]] = [None]
+_DEFAULT_DEVICES: list[Optional[list[Any]]] = [None]
 
 
 @contextlib.contextmanager
@@ -126,12 +126,12 @@ def default_devices(devices: Sequence[Any]) -> Iterator[None]:
   partitioner lands on them. Also a way to run a config on some of the local devices. Not
   thread-safe.
   """
-  saved = _TARGET_DEVICES[0]
-  _TARGET_DEVICES[0] = list(devices)
+  saved = _DEFAULT_DEVICES[0]
+  _DEFAULT_DEVICES[0] = list(devices)
   try:
     yield
   finally:
-    _TARGET_DEVICES[0] = saved
+    _DEFAULT_DEVICES[0] = saved
 
 
 @gin.configurable(module="partitioning")
@@ -154,7 +154,7 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
     The mesh.
   """
   if devices is None:
-    devices = _TARGET_DEVICES[0] or jax.devices()
+    devices = _DEFAULT_DEVICES[0] or jax.devices()
   devices = list(devices)
   if model_parallel_submesh is not None:
     submesh = tuple(int(x) for x in model_parallel_submesh)

@@ -2,7 +2,6 @@
 the head alone, and the run directory is the inference model."""
 
 import gin
-import jax
 import numpy as np
 import pytest
 
@@ -11,6 +10,9 @@ from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data, toy
 from jaxmoral.diamante import diamante_model
 from jaxmoral.models.config import t5_config
+
+# Learning is tested here (tests/test_one_path.py shards Diamante): tests/conftest.py.
+pytestmark = pytest.mark.usefixtures("one_device")
 
 CONFIG = t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)
 LENGTHS = {"inputs": 40, "targets": 14}
@@ -25,8 +27,7 @@ def _train(model_dir, turns, *, steps, pe_weight=1.0, checkpoint_every=20, vocab
       data=data.DialogueData(train_path=train_path, vocab_size=vocab_size),
       train_steps=steps, batch_size=8, feature_lengths=LENGTHS,
       optimizer=optimizers.make_optimizer(name="adamw", learning_rate=3e-3),
-      # One device: learning is tested here (tests/test_one_path.py shards Diamante).
-      partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]), log_every=10,
+      partitioner=partitioning.PjitPartitioner(), log_every=10,
       checkpoint_every=checkpoint_every)
 
 

@@ -2,8 +2,6 @@
 forward and gradients of query, key, value and the position bias, with padding, packing,
 causal masks, lengths off the block size, a device mesh, and a whole tiny T5."""
 
-import functools
-
 import flax
 import jax
 import jax.numpy as jnp
@@ -136,12 +134,11 @@ def test_tiny_t5_with_pallas_attention_matches_einsum(monkeypatch):
   """Loss and every parameter gradient (the relative-position embeddings' included) of a tiny
   T5 on a packed, padded batch: encoder and decoder self-attention and cross-attention."""
   monkeypatch.setattr(fa, "INTERPRET", True)
-  # One layer each side has all three attentions; jitted init: op by op it compiles each op.
+  # One layer each side has all three attentions.
   einsum_cfg = t5_config(size="tiny", attention_impl="einsum", num_encoder_layers=1,
                          num_decoder_layers=1)
   pallas_cfg = einsum_cfg.replace(attention_impl="pallas")
-  params = flax.core.meta.unbox(jax.jit(functools.partial(t5.init_params, t5.T5(einsum_cfg)))(
-      jax.random.PRNGKey(0)))
+  params = flax.core.meta.unbox(t5.init_params(t5.T5(einsum_cfg), jax.random.PRNGKey(0)))
   rng = np.random.default_rng(5)
   enc_seg, dec_seg = np.asarray(_packed_ids(140)), np.asarray(_packed_ids(60))
   targets = np.where(dec_seg > 0, rng.integers(2, 512, dec_seg.shape), 0).astype(np.int32)

@@ -13,6 +13,9 @@ from jaxmoral import runs
 from jaxmoral.models.config import t5_config
 from jaxmoral.models.t5 import T5, init_params
 
+# What is trained is tested here, not how it is sharded (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_device")
+
 CFG = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
                 num_encoder_layers=1, num_decoder_layers=1)
 
@@ -80,7 +83,7 @@ def test_training_updates_only_the_prompt(base):
   optimizer = optimizers.make_optimizer(name="adafactor", learning_rate=0.3)
   trainer = runs.make_trainer(
       model=pt.PromptTuningModel(config=CFG, prompt=pt.PromptConfig(length=4)),
-      optimizer=optimizer, partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]))
+      optimizer=optimizer, partitioner=partitioning.PjitPartitioner())
   prompt = pt.init_prompt(pt.PromptConfig(length=4, vocab_sample_size=50),
                           rng=jax.random.PRNGKey(3), embedding_table=params["token_embedder"]
                           ["embedding"])

@@ -396,7 +396,7 @@ def ppo_compile_target(*, policy_config: Optional[config_lib.T5Config] = None,
   partitioner = partitioning.PjitPartitioner()
   vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
   reward_config = b.get("reward_config") or reward_lib.RewardConfig()
-  assert policy_config is not None  # Required (aot.require above).
+  assert policy_config is not None  # Required (checked above).
   reward_config_t5 = reward_model_config or policy_config
   roles = {role: _abstract_model(reward_config_t5, vocabulary, reward_config, partitioner)
            for role in ("answer", "fusion", "judge", "nli")}

@@ -677,11 +677,9 @@ def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: i
     return variables["params"]
 
   key = jax.ShapeDtypeStruct(jnp.shape(rng), rng.dtype)
-  try:
-    abstract = _abstract_params(model, (batch_size, encoder_length, decoder_length), key)
-  except TypeError:  # A module that cannot be a cache key (unhashable fields).
-    abstract = _abstract_params.__wrapped__(
-        model, (batch_size, encoder_length, decoder_length), key)
+  # A module with unhashable fields cannot be a cache key: traced for its shapes each time.
+  abstract_params = _abstract_params if _hashable(model) else _abstract_params.__wrapped__
+  abstract = abstract_params(model, (batch_size, encoder_length, decoder_length), key)
   return param_init.init_params(abstract, init_missing, rng)
 
 
