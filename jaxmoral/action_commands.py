@@ -117,7 +117,7 @@ def _annotation_text(parameter: inspect.Parameter | None) -> str:
 def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
   """The parameters a flag may bind (gin's wrapper keeps the wrapped signature)."""
   return {name: p for name, p in inspect.signature(fn).parameters.items()
-          if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+          if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and name not in cli_help.NOT_FLAGS}
 
 
 def _check_flag_names(action: str, prog: str, flags: Sequence[str],

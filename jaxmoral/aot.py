@@ -16,8 +16,8 @@ the partitioner the config binds is made on the topology's devices. The default,
 is the run's own gin-configured entry point in its compile-only mode
 (`runs.train_run(compile_only=True)`): it builds its step with the code a run uses, from
 abstract inputs, and hands back a `CompileProgram` instead of training. ClarifyDelphi's
-"clarify_ppo" (`clarify.training.ppo_compile_target`) builds the PPO program from stand-in
-model configs, as a pod compile has no model directories. Targets register with
+"clarify_ppo" is `clarify.training.train_clarify_ppo` in the same mode, given stand-in model
+configs (`ppo_compile_target`) as a pod compile has no model directories. Targets register with
 `register_compile_target(name, builder)`; a config selects one with
 `aot.compile_for_topology.target = 'name'`.
 """

@@ -38,7 +38,11 @@ def _docstring_args(doc: str) -> dict[str, str]:
 
 
 # Parameters no --NAME=VALUE flag can give (a function or a stream: tests and notebooks).
-_NOT_FLAGS = re.compile(r"\b(Callable|TextIO|IO)\b")
+_NOT_FLAG_TYPES = re.compile(r"\b(Callable|TextIO|IO)\b")
+# Parameters that another command sets, never a user (nor gin: the entry points denylist them):
+# `jaxmoral compile` calls a run's entry point in its compile-only mode, which returns the
+# programs instead of training.
+NOT_FLAGS = ("compile_only",)
 
 
 def function_usage(module: str, function: str, *, prog: str, gin_only: bool = False) -> str:
@@ -90,7 +94,7 @@ def function_usage(module: str, function: str, *, prog: str, gin_only: bool = Fa
   text.append(textwrap.fill(intro, width))
   for arg, default in params:
     annotation = ast.unparse(arg.annotation) if arg.annotation else ""
-    if arg.arg == "self" or _NOT_FLAGS.search(annotation):
+    if arg.arg == "self" or arg.arg in NOT_FLAGS or _NOT_FLAG_TYPES.search(annotation):
       continue
     state = "required" if default is None else f"default {ast.unparse(default)}"
     head = f"  {flag}{arg.arg}=VALUE  ({annotation + '; ' if annotation else ''}{state})"

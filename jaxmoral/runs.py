@@ -454,7 +454,7 @@ def _check_run_arguments(**values: Any) -> None:
                      f"names to positive integers, got {lengths!r}")
 
 
-@gin.configurable
+@gin.configurable(denylist=["compile_only"])  # Set by `jaxmoral compile` only.
 def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec,
               train_steps: int, batch_size: int, feature_lengths: Mapping[str, int],
               optimizer: optax.GradientTransformation,

@@ -1,6 +1,7 @@
 """AOT compilation reports (`jaxmoral.aot`): fake-CPU mesh, memory check, optional libtpu."""
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -217,25 +218,31 @@ def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
       "--gin.config.t5_config.num_encoder_layers=1",
       "--gin.config.t5_config.num_decoder_layers=1"])
   gin_utils.parse_gin(gin_args)
-  report = aot.compile_for_topology(topology="cpu:8", print_table=False)
+  # Two devices hold the bound model axis: what is checked is which programs are lowered and
+  # what the report adds up, not data parallelism (the 4 x 2 mesh: test_cpu_report_fields),
+  # and seven programs for two devices compile in less time than for eight.
+  report = aot.compile_for_topology(topology="cpu:2", print_table=False)
   names = [s["name"] for s in report.stages]
   assert names == ["rollout", "answer", "nli", "fusion", "judge", "score", "update"]
   tiny = config_lib.t5_config(size="tiny", num_encoder_layers=1,
                               num_decoder_layers=1).num_params()
   # Policy, reference, four reward models (tiny T5s) and the value model (+ its scalar head).
   assert 6 * tiny < report.num_params - tiny <= 6 * tiny + 2 * 64
-  assert report.mesh == {"data": 4, "model": 2}
+  assert report.mesh == {"data": 1, "model": 2}
   # Everything stays on the chips: the report's peak holds all of it plus the worst stage.
   assert report.resident_bytes > 0
   assert report.peak_bytes > report.resident_bytes
   assert report.flops_per_chip == pytest.approx(sum(s["flops_per_chip"] for s in report.stages))
   with pytest.raises(ValueError, match=r"\['nope'\] not in target 'clarify_ppo'"):
-    aot.compile_for_topology(topology="cpu:8", stages=("nope",))
-  # The same objects: the compile target's stages are the functions a run's program calls.
-  target = training.ppo_compile_target(policy_config=config_lib.t5_config(
-      size="tiny", num_encoder_layers=1, num_decoder_layers=1), vocabulary_path=vocab_path)
+    aot.compile_for_topology(topology="cpu:2", stages=("nope",))
+  # The same objects: the compile target's stages are the functions a run's program calls
+  # (made on the same two devices: the models below are read onto its mesh).
+  from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
+  with partitioning.default_devices(jax.devices()[:2]):
+    target = training.ppo_compile_target(policy_config=config_lib.t5_config(
+        size="tiny", num_encoder_layers=1, num_decoder_layers=1), vocabulary_path=vocab_path)
   partitioner = target.partitioner
-  assert dict(partitioner.mesh.shape) == {"data": 4, "model": 2}  # The bound num_partitions.
+  assert dict(partitioner.mesh.shape) == {"data": 1, "model": 2}  # The bound num_partitions.
   by_name = {stage.name: stage.function for stage in target.stages}
   model_dir = testing.random_model_dir(tmp_path / "model", vocabulary_path=vocab_path)
   from jaxmoral.clarify import reward as reward_lib  # pylint: disable=g-import-not-at-top
@@ -259,7 +266,9 @@ def test_diamante_config_compiles_through_the_train_run_target(tmp_path):
                                           f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
                                           "--gin.TRAIN_PATH='/nowhere/needed.jsonl'"])
   gin_utils.parse_gin(gin_args)
-  report = aot.compile_for_topology(topology="cpu:8", print_table=False)  # default target
+  # One device: what is checked is train_run's compile-only mode, not its data parallelism
+  # (a sharded step's report: test_cpu_report_fields).
+  report = aot.compile_for_topology(topology="cpu:1", print_table=False)  # default target
   assert report.target == "train_run" and "DiamanteModel" in report.description
   assert not (tmp_path / "run").exists()
   assert report.peak_bytes > 0 and report.flops_per_chip > 0
@@ -295,3 +304,49 @@ def test_ctrl_c_stops_a_long_compile_at_once():
   assert aot.interruptible(lambda: 7, what="x") == 7
   with pytest.raises(ValueError, match="inner"):
     aot.interruptible(lambda: (_ for _ in ()).throw(ValueError("inner")), what="x")
+
+
+def test_clarify_ppo_compile_is_train_ppo_on_the_run_directories_without_data_or_weights(
+    tmp_path, demo_vocab_path, monkeypatch):
+  """No stand-ins bound: the target is `train_clarify_ppo` in its compile-only mode on the
+  directories the run binds. It reads their configs, not their weights, reads no data and
+  writes nothing; a run refuses a stand-in before it writes anything."""
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
+  from jaxmoral.clarify import testing, training  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
+  small = config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)
+  question = testing.random_model_dir(tmp_path / "question", vocabulary_path=demo_vocab_path,
+                                      config=small)
+  judge = testing.random_model_dir(tmp_path / "judge", vocabulary_path=demo_vocab_path,
+                                   config=dataclasses.replace(small, d_model=96))
+  gin_args, _ = gin_utils.split_gin_args([
+      "--gin_file=configs/clarify/tiny_cpu.gin",
+      f"--gin.training.train_clarify_ppo.question_model_dir='{question}'",
+      f"--gin.training.train_clarify_ppo.answer_model_dir='{question}'",
+      f"--gin.training.train_clarify_ppo.fusion_model_dir='{question}'",
+      f"--gin.training.train_clarify_ppo.judge_model_dir='{judge}'",
+      "--gin.training.train_clarify_ppo.source='/nowhere/delta_clarify'",
+      "--gin.reward.RewardConfig.use_nli=False"])
+  gin_utils.parse_gin(gin_args)
+  def no_weights(*args, **kwargs):
+    raise AssertionError(f"weights read: {args}")
+  with monkeypatch.context() as patch:  # Only the directories' configs are read.
+    patch.setattr(model_dirs, "load", no_weights)
+    patch.setattr(model_dirs, "load_on_mesh", no_weights)
+    target = training.ppo_compile_target()
+  # No NLI model (use_nli off: a run never calls it); the judge's own width.
+  assert [s.name for s in target.stages] == ["rollout", "answer", "fusion", "judge", "score",
+                                             "update"]
+  judge_params = target.program.reward.judge_model.params
+  assert judge_params["token_embedder"]["embedding"].shape[-1] == 96
+  assert target.program.trainer.config.batch_size == gin.query_parameter(
+      "ppo_trainer.PPOConfig.batch_size")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["judge", "question"]
+
+  stand_in = training.ModelShape(config=small, vocabulary_path=demo_vocab_path)
+  with pytest.raises(ValueError, match="ModelShape stands in for a model only in `jaxmoral "
+                     "compile`"):
+    training.train_clarify_ppo(model_dir=str(tmp_path / "ppo"), question_model_dir=question,
+                               answer_model_dir=question, fusion_model_dir=question,
+                               judge_model_dir=stand_in, source="demo")
+  assert not (tmp_path / "ppo").exists()

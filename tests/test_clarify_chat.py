@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from jaxmoral import partitioning
 from jaxmoral.clarify import chat, formats, models, testing
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
@@ -50,8 +51,10 @@ def test_chat_from_file_three_turns(tmp_path, model_dir):
   second = [r for r in lines if r["conversation"] == 1]
   assert second[0]["answer"] == "To protect her."
   # The shown judgment is the argmax of the judge's distribution on that situation: every
-  # record's situation scored again in one batch (rows are scored independently).
-  judge = models.load_model(model_dir)
+  # record's situation scored again in one batch (rows are scored independently). The judge
+  # as chat loads it (on the default inference mesh): the model and its scorer are the cached,
+  # compiled ones, so only the batching differs.
+  judge = models.load_model(model_dir, partitioner=partitioning.inference_partitioner())
   dists = models.label_distribution(
       judge, [formats.judge_input(r["situation"]) for r in lines], CLASSES)
   for r, dist in zip(lines, dists, strict=True):

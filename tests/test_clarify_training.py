@@ -17,6 +17,9 @@ from jaxmoral.rl import ppo_trainer
 
 
 TINY = config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)
+# What is tested is what a run writes and how the value model starts, not sharding (the
+# sharded PPO run: test_one_path): every mesh here is one device, which compiles faster.
+pytestmark = pytest.mark.usefixtures("one_device")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ def test_value_params_start_from_policy():
       policy_model=t5.T5(config), value_model=t5.T5(config, with_scalar_head=True),
       vocabulary=None, config=ppo_trainer.PPOConfig(batch_size=8),
       optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-4),
-      partitioner=partitioning.PjitPartitioner(num_partitions=2),
+      partitioner=partitioning.PjitPartitioner(),
       reward_fn_tokens=lambda p, r, m: m.sum(-1))
   value = training.value_params_from_policy(trainer, policy, jax.random.PRNGKey(1))
   assert "scalar_head" in value

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from conftest import child_xla_flags
 from jaxmoral import host_memory
 
 needs_glibc = pytest.mark.skipif(
@@ -94,8 +95,12 @@ _FAULTS_PER_CALL = textwrap.dedent("""
 def test_configuring_jaxmoral_stops_temporaries_faulting_in_again():
   pages = 4096 * 4096 * 4 // 4096  # the temporary, in 4 KiB pages
   faulting_calls = {}
+  # The child compiles as a user's process does (one device, XLA's default optimisation): the
+  # suite's -O0 makes the 64 MiB tanh about five times slower per call (some 10 CPU-seconds per
+  # child), and what is measured is the allocator, not the compiled code.
+  flags = " ".join(f for f in child_xla_flags().split() if "optimization_level" not in f)
   for choice, warm_up_calls in (("system", 2), ("reuse", 40)):
-    env = dict(os.environ, JAXMORAL_HOST_MALLOC=choice, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAXMORAL_HOST_MALLOC=choice, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     out = subprocess.run([sys.executable, "-c", _FAULTS_PER_CALL, str(warm_up_calls)], env=env,
                          capture_output=True, text=True, check=True)
     faults = json.loads(out.stdout.splitlines()[-1])

@@ -108,6 +108,13 @@ def _host(tree):
   return jax.tree_util.tree_map(np.asarray, jax.device_get(tree))
 
 
+def _copy(state, trainer):
+  """A copy of a device state in `trainer`'s shardings, with its dtypes (weak types too: the
+  step then compiles to the program `lower_train_step` lowers, found in the compilation cache
+  by test_microbatched_step_costs_no_extra_forward_pass)."""
+  return jax.device_put(state, trainer.state_shardings, may_alias=False)
+
+
 def _assert_same_update(start, one, micro, what):
   """Params after the step, compared through their updates (relative to the largest)."""
   delta = jax.tree_util.tree_map(lambda a, b: np.asarray(a, np.float64) - b, one, start)
@@ -125,10 +132,13 @@ def test_update_and_metrics_equal_one_batch(trainers, name):
   model, batch = _method(name)
   rng = jax.random.PRNGKey(1)
   results = {}
+  initial = trainers(model, 1).init_state(jax.random.PRNGKey(0))
+  start = _host(initial.params)
   for k in (1, 4):
     trainer = trainers(model, k)
-    state = trainer.init_state(jax.random.PRNGKey(0))
-    start = _host(state.params)
+    # Both start from copies of one state (the steps donate theirs): the k = 4 trainer has the
+    # same model, optimizer and mesh, so it needs no initialisation of its own.
+    state = _copy(initial, trainer)
     state, metrics = trainer.train_step(state, batch, rng)
     results[k] = (_host(state.params), {m: float(v) for m, v in metrics.items()})
     if k == 1:  # The reported loss is the loss fn's own on the whole batch.
@@ -154,7 +164,9 @@ def test_diamante_pe_loss_is_per_example_not_per_token(trainers):
   step and in evaluation over batches of very different token counts."""
   model, batch = _method("diamante")
   trainer = trainers(model, 4)  # The step test_update_and_metrics_equal_one_batch compiled.
-  params = nn.meta.unbox(jax.jit(model.init_params)(jax.random.PRNGKey(0)))
+  # Its initial state too (the one-batch trainer's init, already compiled there).
+  initial = trainers(model, 1).init_state(jax.random.PRNGKey(0))
+  params = nn.meta.unbox(_host(initial.params))
   scores = np.asarray(jax.jit(lambda p: dmodel.forward_responses(
       model.module(), p, batch["encoder_input_tokens"], batch["decoder_input_tokens"],
       batch["decoder_loss_weights"])[1])(params), np.float64)
@@ -164,7 +176,7 @@ def test_diamante_pe_loss_is_per_example_not_per_token(trainers):
 
   h, m, r = scores[:, 0], scores[:, 1], scores[:, 2]
   per_example = (softplus(m - h) + softplus(r - h) + softplus(r - m)) / 3
-  state = trainer.init_state_from_params(params)
+  state = _copy(initial, trainer)
   # Evaluation: the long rows' and the short rows' batches combine as the whole batch.
   whole = _host(trainer.eval_step(state, batch))
   halves = [_host(trainer.eval_step(state, {k: v[i::2] for k, v in batch.items()}))
@@ -223,6 +235,7 @@ class _Vocab:
 def test_ppo_update_equals_one_minibatch(trainers):
   rollout = _rollout(np.random.RandomState(0), ROWS)
   results = {}
+  initial = None
   for k in (1, 4):
     config = ppo_trainer.PPOConfig(batch_size=ROWS, num_minibatches=1, num_microbatches=k,
                                    num_ppo_epochs=1, max_prompt_length=8, max_response_length=6,
@@ -231,8 +244,10 @@ def test_ppo_update_equals_one_minibatch(trainers):
         policy_model=t5.T5(CONFIG), value_model=t5.T5(CONFIG, with_scalar_head=True),
         vocabulary=_Vocab(), reward_fn=lambda *a, **kw: None, config=config,
         optimizer=trainers.optimizer, partitioner=trainers.partitioner)
-    state = trainer.init_state(jax.random.PRNGKey(0))
-    start = _host((state.policy.params, state.value.params))
+    if initial is None:  # One initial state for both (same models and mesh).
+      initial = trainer.init_state(jax.random.PRNGKey(0))
+      start = _host((initial.policy.params, initial.value.params))
+    state = _copy(initial, trainer)  # ppo_update donates its state.
     state, metrics = trainer.ppo_update(state, rollout, jax.random.PRNGKey(2))
     results[k] = (_host((state.policy.params, state.value.params)),
                   {m: float(v) for m, v in metrics.items()})

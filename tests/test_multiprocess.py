@@ -5,8 +5,8 @@ Two `runs.train_run` processes with 2 CPU devices each join through `jax.distrib
 sets); each reads only its own rows of every global batch (`tasks.TaskSource`'s index cache)
 and contributes them. A one-process run on 4 devices that reads both shards and
 puts their rows together the same way is the reference (run by the test's own process, on 4
-of its 8, while the two train): same per-step losses, and the two-process checkpoint restores
-in a single process with the reference's parameters.
+of its 8, while the two train: they start once it has cached the rows): same per-step losses,
+and the two-process checkpoint restores in a single process with the reference's parameters.
 """
 
 import json
@@ -183,9 +183,10 @@ class _BothShards:
       yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def _train_reference(model_dir, vocab, *, num_devices=4):
-  """The one-process run, in this process on `num_devices` of its devices (while the two
-  processes run): {"losses", "process_count", "device_count"}."""
+def _train_reference(model_dir, vocab, *, data_ready, num_devices=4):
+  """The one-process run, in this process on `num_devices` of its devices:
+  {"losses", "process_count", "device_count"}. `data_ready()` is called once the training
+  split's rows are in the index cache, before the first step."""
   from jaxmoral import gin_utils, partitioning, runs  # pylint: disable=g-import-not-at-top
   from jaxmoral import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   losses = []
@@ -196,11 +197,16 @@ def _train_reference(model_dir, vocab, *, num_devices=4):
     losses.append(float(metrics["loss"]))
     return state, metrics
 
+  def both_shards(self, **kw):
+    train = sources(self, **kw)[0]
+    assert train.data_fingerprint  # Its rows written to the (shared) index cache.
+    data_ready()
+    return _BothShards(train), None
+
   gin.clear_config()
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(trainer_lib.Trainer, "train_step", recording_step)
-    patch.setattr(runs.Seq2SeqData, "sources",
-                  lambda self, **kw: (_BothShards(sources(self, **kw)[0]), None))
+    patch.setattr(runs.Seq2SeqData, "sources", both_shards)
     gin_args, rest = gin_utils.split_gin_args(_train_args(model_dir, vocab))
     assert not rest
     gin_utils.parse_gin(gin_args)
@@ -231,13 +237,23 @@ def runs_done(tmp_path_factory, demo_vocab_path):
   driver = tmp / "driver.py"
   driver.write_text(DRIVER)
   port = _free_port()
-  procs = [(f"process {i} of 2", _launch(driver, tmp / "two", tmp / "two_run", vocab, devices=2,
-                                         process_id=i, num_processes=2, port=port))
-           for i in range(2)]
-  try:  # The one-process reference meanwhile, here.
-    (tmp / "one.0.json").write_text(json.dumps(_train_reference(tmp / "one_run", vocab)))
+  procs = []
+
+  def start_two():
+    procs.extend((f"process {i} of 2", _launch(driver, tmp / "two", tmp / "two_run", vocab,
+                                                devices=2, process_id=i, num_processes=2,
+                                                port=port))
+                 for i in range(2))
+
+  # The one-process reference, here; the two processes are started once it has cached the
+  # training split's rows (JAXMORAL_DATA_CACHE, which they inherit), so they read those rows
+  # instead of each running seqio's pipeline again, and train while it does.
+  try:
+    (tmp / "one.0.json").write_text(json.dumps(_train_reference(tmp / "one_run", vocab,
+                                                                data_ready=start_two)))
   finally:
     _wait(procs)
+  assert len(procs) == 2
   return tmp
 
 

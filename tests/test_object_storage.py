@@ -36,9 +36,20 @@ BUCKET = "gs://bucket"
 STEPS = 6
 ONE_LAYER = ["--gin.config.t5_config.num_encoder_layers=1",
              "--gin.config.t5_config.num_decoder_layers=1"]
+# The seq2seq runs read their rows from a DATA_CACHE in the bucket (written first, by the
+# `run` fixture): the runs' data is read from object storage too, and the killed child imports
+# no TensorFlow and tokenises nothing. Training runs do not evaluate (`eval` is tested on its
+# own below).
+DATA_CACHE = f"{BUCKET}/demo_data"
 TINY = ["--gin_file=configs/core/tiny_cpu.gin", f"--gin.TRAIN_STEPS={STEPS}",
         "--gin.CHECKPOINT_EVERY=3", "--gin.EVAL_EVERY=0", "--gin.BATCH_SIZE=8",
-        "--gin.runs.train_run.log_every=1", "--gin.WARMUP_STEPS=2", *ONE_LAYER]
+        "--gin.runs.train_run.log_every=1", "--gin.WARMUP_STEPS=2", *ONE_LAYER,
+        f"--gin.DATA_CACHE='{DATA_CACHE}'", "--gin.runs.train_run.eval_steps=0"]
+
+
+# Storage, not sharding, is tested here: whatever runs without the explicit ONE_DEVICE below
+# (export, loads, the other methods' commands) runs on one device too.
+pytestmark = pytest.mark.usefixtures("one_device")
 
 
 @gin.configurable(module="test_object_storage")
@@ -142,6 +153,7 @@ def run(gcs, unreachable_train, tmp_path_factory):
   """gs://bucket/run: trained in a subprocess that is killed (SIGKILL) once step 3 is saved
   and verified, then resumed here to the end; and a local uninterrupted reference run."""
   model_dir = f"{BUCKET}/run"
+  assert _cli("cache", *TINY, f"--gin.MODEL_DIR={model_dir}") == 0  # (MODEL_DIR unused)
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              JAX_PLATFORMS="cpu")
   child = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, "train", *TINY, ONE_DEVICE,
@@ -205,10 +217,11 @@ def test_eval_infer_export_and_init_from_the_bucket(run, tmp_path):
   for a, b in zip(_leaves(from_bucket.params), _leaves(local.params), strict=True):
     np.testing.assert_array_equal(a, b)
 
-  # A second run fine-tuned from the first one's bucket folder.
+  # A second run fine-tuned from the first one's bucket folder (as many steps as the first,
+  # so it loads the first one's compiled train step; saved once, at its end).
   second = f"{BUCKET}/second"
-  assert _cli("train", *TINY, ONE_DEVICE, "--gin.TRAIN_STEPS=3", f"--gin.MODEL_DIR={second}",
-              f"--gin.INIT_CHECKPOINT='{model_dir}'") == 0
+  assert _cli("train", *TINY, ONE_DEVICE, f"--gin.CHECKPOINT_EVERY={STEPS}",
+              f"--gin.MODEL_DIR={second}", f"--gin.INIT_CHECKPOINT='{model_dir}'") == 0
   first_loss = train_lib.read_scalars(f"{model_dir}/train")["loss"]
   second_loss = train_lib.read_scalars(f"{second}/train")["loss"]
   assert second_loss[3] < first_loss[3] - 0.5  # Started from the trained parameters.
@@ -311,7 +324,8 @@ def test_one_action_per_method_reads_and_writes_the_bucket(gcs, demo_vocab_path)
   assert _cli("clarify", "train-model", "--which=judge", f"--model_dir={judge}",
               "--train_steps=2", "--batch_size=8", f"--vocabulary_path={vocab}",
               "--judge_classes=wrong,okay,good", *ONE_LAYER, ONE_DEVICE,
-              "--feature_lengths={'inputs': 64, 'targets': 8}") == 0
+              "--feature_lengths={'inputs': 64, 'targets': 8}",
+              "--gin.runs.train_run.eval_steps=0") == 0  # Its held-out pairs: not storage.
   assert fileio.isfile(f"{judge}/data/judge_train.jsonl")
   info = model_dirs.inspect(judge)
   assert info.step == 2 and info.vocabulary.vocab_size == vocab_lib.get_vocabulary(

@@ -399,33 +399,37 @@ def test_packed_segments_equal_separate_rows():
   """Two examples packed in one row (segment ids) give the logits they get alone."""
   _, config, params = hf_model("t5_1_1")
   rng = np.random.RandomState(8)
-  lengths = [(5, 4), (6, 3)]  # (encoder, target) per example.
+  # Packed with trailing padding into 11 encoder / 7 decoder tokens, and in a batch of 3: the
+  # shapes of random_batch, so the forwards without segment ids reuse the other tests' program.
+  lengths = [(4, 3), (5, 2)]  # (encoder, target) per example.
   encs = [rng.randint(2, VOCAB, n).astype(np.int32) for n, _ in lengths]
   targets = [rng.randint(2, VOCAB, m).astype(np.int32) for _, m in lengths]
   # Alone: one row each, right-padded to a common shape (padding cannot reach valid positions).
-  alone_enc = np.zeros((2, 6), np.int32)
-  alone_dec = np.zeros((2, 4), np.int32)
+  alone_enc = np.zeros((3, 11), np.int32)
+  alone_dec = np.zeros((3, 7), np.int32)
   for row, (enc, tgt) in enumerate(zip(encs, targets)):
     alone_enc[row, :len(enc)] = enc
     alone_dec[row, :len(tgt)] = np.asarray(t5.shift_right(tgt[None]))[0]
   alone = np.asarray(forward(config, {"params": params}, alone_enc, alone_dec))
   pad_enc, pad_dec = 2, 2  # Trailing padding in the packed row too.
-  packed_enc = np.concatenate(encs + [np.zeros(pad_enc, np.int32)])[None]
-  enc_seg = np.concatenate([np.full(n, i + 1) for i, (n, _) in enumerate(lengths)] +
-                           [np.zeros(pad_enc)]).astype(np.int32)[None]
-  packed_dec = np.concatenate([np.asarray(t5.shift_right(t[None]))[0] for t in targets] +
-                              [np.zeros(pad_dec, np.int32)])[None]
-  dec_seg = np.concatenate([np.full(m, i + 1) for i, (_, m) in enumerate(lengths)] +
-                           [np.zeros(pad_dec)]).astype(np.int32)[None]
+  packed_enc, packed_dec = np.zeros((3, 11), np.int32), np.zeros((3, 7), np.int32)
+  enc_seg, dec_seg = np.zeros((3, 11), np.int32), np.zeros((3, 7), np.int32)
+  packed_enc[0] = np.concatenate(encs + [np.zeros(pad_enc, np.int32)])
+  enc_seg[0] = np.concatenate([np.full(n, i + 1) for i, (n, _) in enumerate(lengths)] +
+                              [np.zeros(pad_enc)])
+  packed_dec[0] = np.concatenate([np.asarray(t5.shift_right(t[None]))[0] for t in targets] +
+                                 [np.zeros(pad_dec, np.int32)])
+  dec_seg[0] = np.concatenate([np.full(m, i + 1) for i, (_, m) in enumerate(lengths)] +
+                              [np.zeros(pad_dec)])
   packed = np.asarray(forward(config, {"params": params}, packed_enc, packed_dec,
-                                     encoder_segment_ids=enc_seg,
-                                     decoder_segment_ids=dec_seg))[0]
-  np.testing.assert_allclose(packed[:4], alone[0, :4], atol=1e-4, rtol=1e-4)
-  np.testing.assert_allclose(packed[4:7], alone[1, :3], atol=1e-4, rtol=1e-4)
+                              encoder_segment_ids=enc_seg,
+                              decoder_segment_ids=dec_seg))[0]
+  np.testing.assert_allclose(packed[:3], alone[0, :3], atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(packed[3:5], alone[1, :2], atol=1e-4, rtol=1e-4)
   assert np.all(np.isfinite(packed))
   # Without segment ids the second example would see the first: the mask matters.
   unmasked = np.asarray(forward(config, {"params": params}, packed_enc, packed_dec))[0]
-  assert np.abs(unmasked[4:7] - alone[1, :3]).max() > 1e-2
+  assert np.abs(unmasked[3:5] - alone[1, :2]).max() > 1e-2
 
 
 def test_config_validation_names_the_field():

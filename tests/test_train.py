@@ -35,7 +35,7 @@ def build_trainer() -> tuple[tr.Trainer, t5.T5]:
   Dropout and a step-dependent learning rate make a resume that got the rng or the optimizer
   count wrong visibly diverge. The mesh has both a data and a model axis (a resume restores
   sharded parameters and optimizer state), on 4 devices rather than all 8: programs over fewer
-  fake devices compile and run faster, and the kill -9 child starts with 4.
+  fake devices compile and run faster.
   """
   model = t5.T5(config.t5_config(size="tiny", vocab_size=VOCAB, num_encoder_layers=1,
                                  num_decoder_layers=1, dropout_rate=0.1))
@@ -110,7 +110,7 @@ def setup():
 
 
 @pytest.fixture(scope="module")
-def run_a(setup, killed_child, tmp_path_factory):
+def run_a(setup, tmp_path_factory):
   """The uninterrupted reference: 10 steps straight, eval every 5."""
   trainer, _ = setup
   model_dir = str(tmp_path_factory.mktemp("run_a"))
@@ -125,7 +125,8 @@ def final_params(model_dir: str):
   return jax.tree_util.tree_map(np.asarray, jax.device_get(params))
 
 
-def test_resumed_run_equals_uninterrupted_run(setup, run_a, tmp_path, caplog):
+def test_resumed_run_equals_uninterrupted_run(setup, run_a, killed_child, tmp_path, caplog):
+  del killed_child  # Started here, once `run_a` is done: see the fixture.
   trainer, model = setup
   dir_a, result_a = run_a
   dir_b = str(tmp_path / "run_b")
@@ -282,16 +283,21 @@ def _child(model_dir: str, points_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def killed_child(tmp_path_factory):
-  """The child of the kill -9 tests, started before the reference run (`run_a`), so that its
-  start (imports, compilation) overlaps the training in this process."""
+def killed_child(run_a, tmp_path_factory):
+  """The child of the kill -9 tests, started after the reference run (`run_a`): its programs
+  are then in the persistent compilation cache, and it loads them rather than compiling them
+  again alongside this process (which cost a second compile of the train step). It runs while
+  the tests below it in this file run here."""
+  del run_a
   tmp = tmp_path_factory.mktemp("killed")
   model_dir, points_dir = str(tmp / "run"), str(tmp / "points")
   os.makedirs(model_dir)
   cmd = [sys.executable, os.path.abspath(__file__), "child", model_dir, points_dir]
   from conftest import child_xla_flags  # pylint: disable=g-import-not-at-top  (not in the child)
-  # conftest's JAX_PLATFORMS and compile settings carry over; 4 devices, the mesh's.
-  env = {**os.environ, "XLA_FLAGS": child_xla_flags(device_count=4)}
+  # conftest's JAX_PLATFORMS and compile settings carry over. 8 fake devices, as this process
+  # has (the mesh takes 4 of them): the compilation cache's key includes the process's device
+  # count, so with 8 the child loads the programs `run_a` compiled instead of compiling them.
+  env = {**os.environ, "XLA_FLAGS": child_xla_flags(device_count=8)}
   child = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   yield child, model_dir, points_dir
   if child.poll() is None:

@@ -13,12 +13,11 @@ them and `jaxmoral compile` (target "clarify_ppo") lowers the very same function
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
 import pathlib
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
 import jax
@@ -186,6 +185,41 @@ def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any
   return fresh
 
 
+@gin.configurable(module="training")
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """What a model directory tells a compile, without the directory: its `T5Config` and
+  SentencePiece model. `jaxmoral compile` passes these for the directories a compile host
+  lacks; no weights are read either way.
+
+  Attributes:
+    config: The model's T5Config.
+    vocabulary_path: Its SentencePiece model file.
+  """
+  config: config_lib.T5Config
+  vocabulary_path: str
+
+  def __post_init__(self):
+    if not isinstance(self.config, config_lib.T5Config):
+      raise ValueError(f"ModelShape.config: a T5Config, got {type(self.config).__name__}")
+    if not isinstance(self.vocabulary_path, str) or not self.vocabulary_path:
+      raise ValueError(f"ModelShape.vocabulary_path: a SentencePiece model file, got "
+                       f"{self.vocabulary_path!r}")
+
+
+ModelSource = Union[str, ModelShape]
+
+
+def _config_and_vocabulary(source: ModelSource, role: str) -> tuple[config_lib.T5Config, Any]:
+  """A model's config and vocabulary, from its directory (no weights read) or a stand-in."""
+  if isinstance(source, ModelShape):
+    return source.config, vocab_lib.get_vocabulary(source.vocabulary_path)
+  info = model_dirs.inspect(source)
+  if info.vocabulary is None:
+    raise ValueError(f"{source}: the {role} has no vocabulary")
+  return info.config, info.vocabulary
+
+
 @dataclasses.dataclass(frozen=True)
 class PPOProgram:
   """What a ClarifyDelphi PPO run executes.
@@ -227,10 +261,10 @@ def build_ppo_program(*, policy_config: config_lib.T5Config, vocabulary: Any,
   return PPOProgram(trainer=trainer, reward=reward)
 
 
-@gin.configurable
-def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_dir: str,
-                      fusion_model_dir: str, judge_model_dir: str,
-                      nli_model_dir: Optional[str] = None,
+@gin.configurable(denylist=["compile_only"])  # Set by `jaxmoral compile` only.
+def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
+                      answer_model_dir: ModelSource, fusion_model_dir: ModelSource,
+                      judge_model_dir: ModelSource, nli_model_dir: Optional[ModelSource] = None,
                       ppo_config: Optional[ppo_trainer.PPOConfig] = None,
                       optimizer: Optional[optax.GradientTransformation] = None,
                       learning_rate: Optional[float] = None, num_iterations: int = 100,
@@ -241,7 +275,8 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
                       value_model_config: Optional[config_lib.T5Config] = None,
                       checkpoint_every: int = 100, log_every: int = 10,
                       sample_every: int = 100, seed: int = 0,
-                      async_checkpoint: bool = True) -> dict[str, Any]:
+                      async_checkpoint: bool = True,
+                      compile_only: bool = False) -> Any:
   """PPO of θQ against the defeasibility reward (resumes MODEL_DIR/checkpoints).
 
   Args:
@@ -269,6 +304,9 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
     sample_every: Log sample questions to TensorBoard every N iterations (0: never).
     seed: Seed.
     async_checkpoint: Save checkpoints in the background.
+    compile_only: Set by `jaxmoral compile` (not a flag): build the iteration's programs from
+      the models' configs (a directory or a `ModelShape` each) and return them as an
+      `aot.CompileProgram`, reading no data or weights and writing nothing.
 
   Returns:
     `train_ppo`'s metrics plus "policy_dir" (the exported final policy) and "reward_curve".
@@ -276,21 +314,32 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
   optimizer = _optimizer_or_default(optimizer, learning_rate, default_rate=1e-5,
                                     function="train_clarify_ppo", macro="PPO_LEARNING_RATE")
   ppo_config = ppo_config or ppo_trainer.PPOConfig()
-  # The data first: a missing split or a bad file fails before any model loads.
-  situations = data_lib.situations(source, split=split)[:max_prompts]
+  reward_config = reward_config or reward_lib.RewardConfig()
+  if not compile_only:
+    # The data first: a missing split or a bad file fails before any model loads.
+    situations = data_lib.situations(source, split=split)[:max_prompts]
   partitioner = partitioner or partitioning.PjitPartitioner()
-  question = model_dirs.inspect(question_model_dir)
-  config, vocabulary = question.config, question.vocabulary
-  if vocabulary is None:
-    raise ValueError(f"{question_model_dir}: the question generator has no vocabulary")
+  config, vocabulary = _config_and_vocabulary(question_model_dir, "question generator")
+  reward_dirs = dict(answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
+                     judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir)
+  if compile_only:
+    reward = _abstract_reward(reward_dirs, reward_config, partitioner)
+  else:
+    stand_ins = [name for name, d in dict(reward_dirs, question_model_dir=question_model_dir
+                                          ).items() if isinstance(d, ModelShape)]
+    if stand_ins:
+      raise ValueError(f"train_clarify_ppo: {', '.join(sorted(stand_ins))}: a ModelShape "
+                       f"stands in for a model only in `jaxmoral compile`; a run needs the "
+                       f"model directory")
+    reward = reward_lib.DefeasibilityReward.from_dirs(
+        **reward_dirs, config=reward_config, partitioner=partitioner)  # type: ignore[arg-type]
   program = build_ppo_program(
       policy_config=config, vocabulary=vocabulary, ppo_config=ppo_config,
-      optimizer=optimizer, partitioner=partitioner,
-      value_model_config=value_model_config,
-      reward=reward_lib.DefeasibilityReward.from_dirs(
-          answer_model_dir=answer_model_dir, fusion_model_dir=fusion_model_dir,
-          judge_model_dir=judge_model_dir, nli_model_dir=nli_model_dir,
-          config=reward_config or reward_lib.RewardConfig(), partitioner=partitioner))
+      optimizer=optimizer, partitioner=partitioner, value_model_config=value_model_config,
+      reward=reward)
+  if compile_only:
+    return _compile_program(program)
+  assert isinstance(question_model_dir, str)
   prompts = [formats.question_input(s) for s in situations]
   checkpoints.make_run_dir(model_dir)
   if jax.process_index() == 0:
@@ -318,9 +367,10 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: str, answer_model_d
 
 
 # -- jaxmoral compile ---------------------------------------------------------------------------
-def _abstract_model(config: config_lib.T5Config, vocabulary: Any, reward_config: Any,
+def _abstract_model(source: ModelSource, role: str, reward_config: reward_lib.RewardConfig,
                     partitioner: partitioning.PjitPartitioner) -> models.ClarifyModel:
   """A reward model with abstract parameters in the partitioner's shardings."""
+  config, vocabulary = _config_and_vocabulary(source, role)
   shardings = model_dirs.param_shardings(config, partitioner)
   shapes = jax.eval_shape(lambda: nn.meta.unbox(t5.init_params(t5.T5(config),
                                                                jax.random.PRNGKey(0))))
@@ -329,6 +379,22 @@ def _abstract_model(config: config_lib.T5Config, vocabulary: Any, reward_config:
   return models.ClarifyModel(model=t5.T5(config), params=params, vocabulary=vocabulary,
                              input_length=reward_config.input_length,
                              batch_size=reward_config.batch_size, partitioner=partitioner)
+
+
+def _abstract_reward(dirs: Mapping[str, Optional[ModelSource]],
+                     reward_config: reward_lib.RewardConfig,
+                     partitioner: partitioning.PjitPartitioner
+                     ) -> reward_lib.DefeasibilityReward:
+  """The reward `from_dirs` would load, with abstract parameters (a compile's). Without
+  `use_nli` a run never calls the NLI model, so the compile leaves it out."""
+  roles = {name: _abstract_model(source, name.removesuffix("_model_dir"), reward_config,
+                                 partitioner)
+           for name, source in dirs.items()
+           if source is not None and (name != "nli_model_dir" or reward_config.use_nli)}
+  return reward_lib.DefeasibilityReward(
+      answer_model=roles["answer_model_dir"], fusion_model=roles["fusion_model_dir"],
+      judge_model=roles["judge_model_dir"], nli_model=roles.get("nli_model_dir"),
+      config=reward_config)
 
 
 def _reward_stage_args(name: str, cm: models.ClarifyModel, reward: reward_lib.DefeasibilityReward
@@ -353,62 +419,14 @@ def _reward_stage_args(name: str, cm: models.ClarifyModel, reward: reward_lib.De
   return (cm.params, rows, None, None, targets, None)
 
 
-def _bound_run_settings(keys: Sequence[str]) -> dict[str, Any]:
-  """`train_clarify_ppo`'s gin bindings `keys`, references evaluated (unbound keys left out).
+def _compile_program(program: PPOProgram) -> aot.CompileProgram:
+  """Every program of a PPO iteration, the very functions a run calls, as compile stages.
 
-  The PPO run reads its models from directories a pod compile does not have; its compile
-  target therefore takes stand-in configs and reads the run's other settings here.
-  """
-  try:
-    raw = dict(gin.get_bindings("training.train_clarify_ppo", resolve_references=False))
-  except (ValueError, KeyError):
-    raw = {}
-  return {k: copy.deepcopy(raw[k]) for k in keys if k in raw}
-
-
-@gin.configurable(module="training")
-def ppo_compile_target(*, policy_config: Optional[config_lib.T5Config] = None,
-                       reward_model_config: Optional[config_lib.T5Config] = None,
-                       vocabulary_path: Optional[str] = None) -> aot.CompileProgram:
-  """`jaxmoral compile` target "clarify_ppo": every program of a PPO iteration, as run.
-
-  Builds the program with `build_ppo_program`, exactly as `train_clarify_ppo` does, from
-  abstract parameters, and hands back its very functions: the policy's rollout, the reward's
-  answer sampler, NLI scorer, fusion sampler and judge scorer, then scoring and the update.
   The memory report counts every model's parameters and state once (they stay on the chips)
   plus the largest program's working memory.
-
-  Args:
-    policy_config: T5Config of θQ (and of the value model unless `train_clarify_ppo.
-      value_model_config` is bound).
-    reward_model_config: T5Config of the answer, NLI, fusion and judge models (default: the
-      policy's).
-    vocabulary_path: The models' SentencePiece model (the judge's classes must be one token).
   """
-  b = _bound_run_settings(("ppo_config", "optimizer", "reward_config", "value_model_config"))
-  given = {**b, "policy_config": policy_config, "vocabulary_path": vocabulary_path}
-  missing = [n for n in ("ppo_config", "optimizer", "policy_config", "vocabulary_path")
-             if given.get(n) is None]
-  if missing:
-    raise ValueError(f"compile: training.train_clarify_ppo / training.ppo_compile_target has "
-                     f"no binding for {missing}; see configs/clarify/tpu_pod.gin")
-  # Made as the run makes it (the config's num_partitions and rules) on the topology's devices.
-  partitioner = partitioning.PjitPartitioner()
-  vocabulary = vocab_lib.get_vocabulary(vocabulary_path)
-  reward_config = b.get("reward_config") or reward_lib.RewardConfig()
-  assert policy_config is not None  # Required (checked above).
-  reward_config_t5 = reward_model_config or policy_config
-  roles = {role: _abstract_model(reward_config_t5, vocabulary, reward_config, partitioner)
-           for role in ("answer", "fusion", "judge", "nli")}
-  reward = reward_lib.DefeasibilityReward(
-      answer_model=roles["answer"], fusion_model=roles["fusion"], judge_model=roles["judge"],
-      nli_model=roles["nli"] if reward_config.use_nli else None, config=reward_config)
-  program = build_ppo_program(policy_config=policy_config, vocabulary=vocabulary,
-                              ppo_config=b["ppo_config"], optimizer=b["optimizer"],
-                              partitioner=partitioner, reward=reward,
-                              value_model_config=b.get("value_model_config"))
-  trainer, args = program.trainer, program.trainer.stage_args()
-  functions = program.reward_functions()
+  trainer, reward = program.trainer, program.reward
+  args, functions = trainer.stage_args(), program.reward_functions()
   stages = [aot.Stage("rollout", trainer.functions["rollout"], args["rollout"],
                       persistent=args["rollout"][0])]
   for name in ("answer", "nli", "fusion", "judge"):
@@ -422,13 +440,13 @@ def ppo_compile_target(*, policy_config: Optional[config_lib.T5Config] = None,
                        persistent=args["update"][0])]
   state = args["update"][0]
   resident = (state, [cm.params for _, cm in functions.values()])
-  cfg = b["ppo_config"]
+  cfg, reward_config = trainer.config, reward.config
   policy_n = aot._num_params(state.policy.params)  # pylint: disable=protected-access
   value_n = aot._num_params(state.value.params)  # pylint: disable=protected-access
   reward_n = sum(aot._num_params(cm.params) for _, cm in functions.values())  # pylint: disable=protected-access
   trainable = trainer.policy_init.num_params()[1] + trainer.value_init.num_params()[1]
   return aot.CompileProgram(
-      stages=tuple(stages), partitioner=partitioner, resident=resident,
+      stages=tuple(stages), partitioner=trainer.partitioner, resident=resident,
       description=(f"ClarifyDelphi PPO iteration: policy {policy_n / 1e6:.1f}M + frozen "
                    f"reference + value {value_n / 1e6:.1f}M + {len(functions)} reward models "
                    f"{reward_n / 1e6:.1f}M; batch {cfg.batch_size} x (prompt "
@@ -438,6 +456,47 @@ def ppo_compile_target(*, policy_config: Optional[config_lib.T5Config] = None,
       num_params=2 * policy_n + value_n + reward_n, num_trainable_params=int(trainable),
       tokens_per_step=cfg.batch_size * (cfg.max_prompt_length + cfg.max_response_length),
       program=program)
+
+
+@gin.configurable(module="training")
+def ppo_compile_target(*, policy_config: Optional[config_lib.T5Config] = None,
+                       reward_model_config: Optional[config_lib.T5Config] = None,
+                       vocabulary_path: Optional[str] = None) -> aot.CompileProgram:
+  """`jaxmoral compile` target "clarify_ppo": `train_clarify_ppo` in its compile-only mode.
+
+  Every other setting (PPO, optimizer, reward, partitioner, value model) is the run's own,
+  as gin binds `train_clarify_ppo`. A pod compile has no model directories; the configs given
+  here stand in for them (no stand-ins: the directories the run binds are read, without
+  their weights).
+
+  Args:
+    policy_config: T5Config of θQ (and of the value model unless `train_clarify_ppo.
+      value_model_config` is bound).
+    reward_model_config: T5Config of the answer, NLI, fusion and judge models (default: the
+      policy's).
+    vocabulary_path: The models' SentencePiece model (the judge's classes must be one token).
+  """
+  if policy_config is None:
+    try:
+      return train_clarify_ppo(model_dir="", compile_only=True)  # type: ignore[call-arg]
+    except TypeError as error:
+      if "missing" not in str(error) or "train_clarify_ppo()" not in str(error):
+        raise
+      missing = str(error).splitlines()[0]  # gin appends the configurable's repr.
+      raise ValueError(f"compile: {missing}: bind the model directories (e.g. training."
+                       f"train_clarify_ppo.question_model_dir = 'DIR'), or stand-ins for them: "
+                       f"training.ppo_compile_target.policy_config and vocabulary_path (see "
+                       f"configs/clarify/tpu_pod.gin)") from None
+  if vocabulary_path is None:
+    raise ValueError("compile: training.ppo_compile_target.policy_config is bound but not its "
+                     "vocabulary_path; see configs/clarify/tpu_pod.gin")
+  policy = ModelShape(config=policy_config, vocabulary_path=vocabulary_path)
+  reward = ModelShape(config=reward_model_config or policy_config,
+                      vocabulary_path=vocabulary_path)
+  # model_dir is never written in compile-only mode.
+  return train_clarify_ppo(model_dir="", question_model_dir=policy, answer_model_dir=reward,
+                           fusion_model_dir=reward, judge_model_dir=reward, nli_model_dir=reward,
+                           compile_only=True)
 
 
 aot.register_compile_target("clarify_ppo", ppo_compile_target)
