@@ -25,6 +25,7 @@ import math
 import os
 import queue
 import struct
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -64,6 +65,22 @@ NON_FINITE_CAUSES = ("a learning rate too high for the model (LEARNING_RATE; war
                      "ids beyond the vocabulary)")
 
 
+def _import_tensorboardx() -> None:
+  """Imports tensorboardX without PyTorch.
+
+  tensorboardX's package import loads torch whenever it is installed (about 1.5 s and 180 MiB
+  of a training process's memory), only so that it may accept torch tensors, which jaxmoral
+  never passes it. Blocked for that import alone; torch stays importable afterwards.
+  """
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    return
+  sys.modules["torch"] = None  # type: ignore[assignment]  # Makes `import torch` fail.
+  try:
+    import tensorboardX  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
+  finally:
+    del sys.modules["torch"]
+
+
 class MetricWriters:
   """TensorBoard event files in train/ and eval/, on process 0 only (shared by every loop).
 
@@ -76,6 +93,7 @@ class MetricWriters:
   def __init__(self, model_dir: str):
     self._writers = {}
     if jax.process_index() == 0:
+      _import_tensorboardx()
       # pylint: disable=g-import-not-at-top  (optional, heavy)
       from tensorboardX.event_file_writer import EventsWriter
       from tensorboardX.record_writer import directory_check
@@ -95,6 +113,7 @@ class MetricWriters:
       writer.flush()
 
   def scalars(self, name: str, step: int, values: Mapping[str, float]) -> None:
+    _import_tensorboardx()
     from tensorboardX.proto import summary_pb2  # pylint: disable=g-import-not-at-top
     self._write(name, step, summary_pb2.Summary(value=[
         summary_pb2.Summary.Value(tag=key, simple_value=float(value))
@@ -102,6 +121,7 @@ class MetricWriters:
 
   def text(self, name: str, step: int, tag: str, text: str) -> None:
     """Text (e.g. a markdown table of sample outputs) under `name`."""
+    _import_tensorboardx()
     from tensorboardX import summary  # pylint: disable=g-import-not-at-top
     self._write(name, step, summary.text(tag, text))
 
@@ -133,6 +153,7 @@ def _records(data: bytes) -> Iterator[tuple[int, int]]:
 def _events(directory: str) -> Iterator[Any]:
   """The TensorBoard events of a directory's event files, files in name order; read without
   TensorBoard."""
+  _import_tensorboardx()
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   for path in _event_files(directory):
     data = fileio.read_bytes(path)
@@ -484,6 +505,7 @@ def purge_events_after(directory: str, step: int) -> int:
   Returns:
     The number of events dropped.
   """
+  _import_tensorboardx()
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   if not fileio.isdir(directory):
     return 0

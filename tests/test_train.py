@@ -358,3 +358,22 @@ if __name__ == "__main__":
     _child(sys.argv[2], sys.argv[3])
   else:
     raise SystemExit("usage: python tests/test_train.py child MODEL_DIR POINTS_DIR")
+
+
+def test_tensorboard_events_are_written_without_loading_pytorch(tmp_path):
+  """tensorboardX's package import would load PyTorch (installed here, for the Hugging Face
+  parity tests) into every training process; the writers and readers go without it, and torch
+  can still be imported afterwards."""
+  code = ("import sys\n"
+          "from jaxmoral import train\n"
+          "writers = train.MetricWriters(sys.argv[1])\n"
+          "writers.scalars('train', 3, {'loss': 0.25})\n"
+          "writers.text('eval', 3, 'samples', 'a | b')\n"
+          "writers.close()\n"
+          "assert 'torch' not in sys.modules, 'tensorboardX loaded torch'\n"
+          "print(train.read_scalars(sys.argv[1] + '/train'))\n"
+          "import torch\n")
+  out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                       text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "{'loss': {3: 0.25}}"
