@@ -1,9 +1,12 @@
 """models.param_init: grouped normal draws give a model's parameters their declared
 distributions, the structure `model.init` gives, and a few random draws in all."""
 
+import flax
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import param_init
@@ -56,3 +59,32 @@ def test_one_random_draw_per_shape_and_axes():
   normals = sum(isinstance(box, param_init.NormalParam) for box in jax.tree.leaves(
       abstract, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)))
   assert 0 < draws <= len(groups) < normals
+
+
+_INIT_CALLS: list = []
+
+
+class _Declares(nn.Module):
+  """One parameter of a given shape, declared through `param_init.param` with an initializer
+  that counts its calls (traced or not)."""
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    def init(key, shape, dtype):
+      _INIT_CALLS.append(shape)
+      return jax.random.normal(key, shape, dtype)
+    return x @ param_init.param(self, "kernel", init, (x.shape[-1], self.width))
+
+
+def test_apply_reads_parameters_without_calling_their_initializer_and_checks_shapes():
+  _INIT_CALLS.clear()
+  x = jnp.ones((2, 3))
+  params = _Declares(width=4).init(jax.random.PRNGKey(0), x)
+  assert _INIT_CALLS == [(3, 4)]  # Created once, by init.
+  out = jax.jit(lambda p: _Declares(width=4).apply(p, x))(params)
+  np.testing.assert_allclose(out, x @ params["params"]["kernel"], rtol=1e-6)
+  assert _INIT_CALLS == [(3, 4)]  # flax's own `param` would trace the initializer again here.
+  with pytest.raises(flax.errors.ScopeParamShapeError,
+                     match=r"kernel.*shape \(3, 5\).*shape \(3, 4\)"):
+    _Declares(width=5).apply(params, x)

@@ -20,11 +20,9 @@ class ScalarHead(nn.Module):
   def __call__(self, hidden: jax.Array) -> jax.Array:
     kernel = param_init.normal_param(self, "kernel", hidden.shape[-1] ** -0.5,
                                      (hidden.shape[-1], 1), ("embed", None))
-    bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
-                      (1,), jnp.float32)
-    # flax's stubs type a boxed param's value as the box; `param` returns it unboxed.
-    return (jnp.einsum("bld,dk->blk", hidden.astype(jnp.float32), kernel)[..., 0]
-            + bias[0])  # type: ignore[index]
+    bias = param_init.param(
+        self, "bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (1,))
+    return jnp.einsum("bld,dk->blk", hidden.astype(jnp.float32), kernel)[..., 0] + bias[0]
 
 
 def gather_at(values: jax.Array, index: jax.Array) -> jax.Array:

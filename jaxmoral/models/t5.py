@@ -30,7 +30,7 @@ cached decoding step's are the `ops.DecodeStepOps` given to `decode(step_ops=...
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
@@ -56,10 +56,7 @@ def _dtype(config: T5Config) -> Any:
 def _param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...],
            axes: tuple[Optional[str], ...]) -> Array:
   """A float32 parameter boxed with its T5X logical axis names."""
-  # `param` unboxes the LogicallyPartitioned the initializer returns (unbox=True); flax's
-  # annotation gives the boxed type.
-  return cast(Array, module.param(name, nn.with_logical_partitioning(init, axes), shape,
-                                  jnp.float32))
+  return param_init.param(module, name, nn.with_logical_partitioning(init, axes), shape)
 
 
 _normal_param = param_init.normal_param
