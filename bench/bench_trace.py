@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import runtime
+
 runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral.models import config as config_lib  # noqa: E402
 from jaxmoral.models import param_init  # noqa: E402
