@@ -2,9 +2,10 @@
 
 Data position is the step: `train_source.iterate(step)` is deterministic, so a run resumed
 from the checkpoint of step `s` reads batch `s` next and, with the trainer's per-step rng
-(`fold_in(base_rng, step)`), reproduces the uninterrupted run exactly. The loop never waits
-for a step: metrics stay on the devices until a log, evaluation or checkpoint step, and the
-next batches are read and placed on the devices by a thread while a step runs. Hooks
+(`fold_in(base_rng, step)`), reproduces the uninterrupted run exactly. The devices never wait
+for the loop: step n + 1 is queued while step n runs, metrics stay on the devices until a log,
+evaluation or checkpoint step, and the next batches are read and placed on the devices by a
+thread while a step runs. Hooks
 (`TrainHook`) add what a method needs besides stepping (PPO's reward normalisation and curve,
 a soft prompt saved at the end) without a second loop.
 
@@ -591,6 +592,13 @@ class _Prefetcher:
     self._thread.join(timeout=10)
 
 
+# Steps dispatched but not finished, at most: one running and the next queued, so the devices
+# never idle between steps. Without a bound the host dispatches every step its batches allow
+# while the first one runs; a preemption notice or a NaN then waits for the whole queue, and
+# each queued execution may hold its buffers.
+MAX_STEPS_IN_FLIGHT = 2
+
+
 class _Window:
   """The metrics of the steps since the last log, kept on the devices until fetched.
 
@@ -608,6 +616,11 @@ class _Window:
   def add(self, step: int, metrics: Any) -> None:
     self.steps.append(step)
     self.pending[step] = metrics
+
+  def wait_for(self, step: int) -> None:
+    """Blocks until step `step` has run (if it is pending), without fetching anything."""
+    if step in self.pending:
+      jax.block_until_ready(self.pending[step])
 
   def fetch(self) -> None:
     if not self.pending:
@@ -673,11 +686,12 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
                prefetch_batches: int = 2) -> dict[str, float]:
   """The steps of `train` from `loop.start_step`, saving, evaluating and logging.
 
-  The host never waits for a step: each step is dispatched as soon as the previous one is,
-  its metrics stay on the devices, and batches are prepared ahead (`_Prefetcher`). The host
-  waits only where it needs the step's results: a log step (the window's metrics, one
-  transfer), an evaluation or checkpoint step (the window is checked for NaN/inf first, so
-  nothing of a non-finite step is saved), and a hook that reads its step's metrics.
+  The devices never wait for the host: step n + 1 is dispatched while step n runs, its
+  metrics stay on the devices, and batches are prepared ahead (`_Prefetcher`). The host waits
+  for step n only before it dispatches step n + 2 (`MAX_STEPS_IN_FLIGHT`), and where it needs
+  the step's results: a log step (the window's metrics, one transfer), an evaluation or
+  checkpoint step (the window is checked for NaN/inf first, so nothing of a non-finite step
+  is saved), and a hook that reads its step's metrics.
   """
   writers, train_steps, start = loop.writers, loop.train_steps, loop.start_step
   ckpt_dir = manager.directory
@@ -720,6 +734,7 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
       del batch
       done = step + 1
       window.add(done, metrics)
+      window.wait_for(done - MAX_STEPS_IN_FLIGHT + 1)
       for hook in hooks:
         hook.after_step(loop, done, state, _StepMetrics(window, done))
       if step == start:

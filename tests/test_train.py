@@ -232,6 +232,41 @@ def test_the_loop_fetches_metrics_once_per_log_window(setup, run_a, tmp_path, mo
     assert loss == pytest.approx(reference[step], rel=1e-6)
 
 
+def test_the_host_dispatches_a_step_only_once_the_one_two_before_has_run(setup, tmp_path,
+                                                                         monkeypatch):
+  """Double buffering, not an unbounded queue: while step n runs, step n + 1 is queued, and
+  step n + 2 is dispatched only after step n has finished. So a preemption notice or a NaN is
+  acted on within two steps, and queued steps hold no device memory."""
+  trainer, _ = setup
+  issued, events = [], []
+  step_fn, block = trainer.train_step, jax.block_until_ready
+
+  def train_step(*args):
+    state, metrics = step_fn(*args)
+    issued.append(metrics)
+    events.append(("dispatch", len(issued)))
+    return state, metrics
+
+  def block_until_ready(tree):
+    events.extend(("wait", i + 1) for i, m in enumerate(issued) if m is tree)
+    return block(tree)
+
+  monkeypatch.setattr(trainer, "train_step", train_step)
+  monkeypatch.setattr(jax, "block_until_ready", block_until_ready)
+  # One log at the end: between step 1 (fetched: compilation) and the last, only the
+  # in-flight bound makes the host wait.
+  train_lib.train(model_dir=str(tmp_path / "bounded"), trainer=trainer,
+                  train_source=train_source(), train_steps=STEPS, checkpoint_every=STEPS,
+                  log_every=STEPS, async_checkpoint=False)
+  finished = {1}
+  for event, step in events:
+    if event == "wait":
+      finished.add(step)
+    else:
+      assert step < 3 or step - 2 in finished, events
+  assert len(issued) == STEPS
+
+
 def test_prefetcher_prepares_batches_ahead_and_passes_errors_on():
   produced = []
 
