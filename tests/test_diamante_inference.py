@@ -142,9 +142,17 @@ def test_evaluation_matches_per_context_ranking(saved):
     assert result[f"preference/{key}"] == pytest.approx(want_pref[key], abs=1e-6)
     assert result[f"generation/{key}"] == pytest.approx(want_gen[key], abs=1e-6)
   # Per context (the demo's and the experiment's paired intervals): each item's own ranking.
+  rankings: list = []
   per = evaluate.rank_contexts(bundle, turns, num_random=2, max_candidates=3, batch_size=3,
-                               seed=4)
+                               seed=4, rankings=rankings)
   assert per["turn"].tolist() == [i for i, _, _ in items]
+  # The contexts as ranked, for a reader without the model: each one's own scores.
+  assert [r["turn"] for r in rankings] == [i for i, _, _ in items][:evaluate.NUM_RANKINGS]
+  for ranking, (i, responses, kinds), s, lp in zip(rankings, items, prefs, gens):
+    assert ranking["responses"] == responses and ranking["context"] == list(turns[i].context)
+    assert ranking["kinds"] == [("human", "model", "random")[k] for k in kinds]
+    np.testing.assert_allclose(ranking["scores"], s, atol=1e-5)
+    np.testing.assert_allclose(ranking["logprobs"], lp, atol=1e-4)
   for key in ("map", "p@1"):
     np.testing.assert_allclose(
         per[f"preference/{key}"],

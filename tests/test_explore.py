@@ -192,7 +192,19 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
              "generation_per_token/p@1": 0.25, "generation_per_token/mrr": 0.55,
              "generation_per_token/map": 0.55, "random/p@1": 0.2, "pe_accuracy": 0.6,
              "num_contexts": 4.0}
-  (diamante / "eval.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+  # Two contexts as `diamante evaluate` writes them ranked: the first and the third turn of
+  # test.jsonl (r_H first, then model candidates and a random response; scores unsorted).
+  rankings = [
+      {"turn": 0, "context": ["Hi! How was your weekend?"],
+       "responses": ["Great, I went hiking.", "It was fine.", "I stayed home.", "No."],
+       "kinds": ["human", "model", "model", "random"], "scores": [0.2, 0.7, -0.1, 0.05],
+       "logprobs": [-9.0, -4.5, -6.0, -3.0], "lengths": [6, 4, 4, 2]},
+      {"turn": 2, "context": ["Do you like music?"],
+       "responses": ["Yes, mostly jazz.", "No.", "I like rock.", "Where did you go?"],
+       "kinds": ["human", "model", "model", "random"], "scores": [1.5, -0.4, 0.3, 0.1],
+       "logprobs": [-7.0, -2.0, -5.0, -8.0], "lengths": [5, 2, 4, 5]}]
+  (diamante / "eval.json").write_text(json.dumps({**metrics, "samples": [],
+                                                  "rankings": rankings}, indent=2))
   chat = [{"turn": 1, "speaker": "user", "text": "Hi! How was your weekend?"},
           {"turn": 2, "speaker": "bot", "text": "Great, thanks!", "score": 0.9,
            "candidates": [["Great, thanks!", 0.9], ["Bad.", -0.3], ["It rained.", 0.2]]}]
@@ -226,6 +238,7 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
     shutil.copy(REPO / "experiments" / "results" / f"diamante_fig3_cpu_shuffled_base{suffix}", results)
   return {"demo": demo, "models": models, "examples": examples, "classifier": classifier,
           "evaluation": evaluation, "curve": curve, "metrics": metrics, "loss": loss,
+          "rankings": rankings,
           "model_dir": model_dir, "dialogues": dialogues,
           "results": results}
 
@@ -496,12 +509,44 @@ def test_diamante_views_rank_as_the_library(site, browser):
   driver = browser.open_page("/diamante?root=0&path=diamante/eval.json", "diamante-metrics")
   assert driver.find_element(By.CSS_SELECTOR, 'tr[data-ranker="preference"]').text.split()[1:] \
       == [f"{site['metrics'][f'preference/{k}']:.4f}" for k in ("p@1", "mrr", "map")]
+  # The contexts the evaluation ranked, by its stored scores, without a model.
+  def stored_order(ranking):
+    order = np.argsort(-np.asarray(ranking["scores"]), kind="stable")
+    return [ranking["responses"][i] for i in order], order
+
+  def table(section):
+    return [(r.find_element(By.CSS_SELECTOR, "td.text").text,
+             float(r.find_element(By.CSS_SELECTOR, "td.score").text))
+            for r in section.find_elements(By.CSS_SELECTOR, "table.ranking tbody tr")]
+
+  sections = driver.find_elements(By.CSS_SELECTOR, "section.context.ranked")
+  assert [int(s.get_attribute("data-turn")) for s in sections] == [0, 2]
+  for section, ranking in zip(sections, site["rankings"]):
+    texts, order = stored_order(ranking)
+    badges = [("human" if ranking["kinds"][i] == "human" else ranking["kinds"][i])
+              for i in order]
+    assert table(section) == [(f"{t} {b}", pytest.approx(ranking["scores"][i], abs=1e-6))
+                              for t, b, i in zip(texts, badges, order)]
+  # Context 1: r_H (0.2) is second after a candidate (0.7); context 3: first.
+  assert [s.find_element(By.CSS_SELECTOR, "h3 small").text for s in sections] == [
+      "human response ranked 2 of 4", "human response ranked 1 of 4"]
+  driver.save_screenshot(str(browser.shots / "diamante-evaluation.png"))
   driver = browser.open_page("/diamante?root=0&path=diamante/self_chat.jsonl", "self-chat")
   assert "Great, thanks!" in driver.find_element(By.CSS_SELECTOR, "tr.chosen").get_attribute(
       "textContent")
   driver = browser.open_page("/diamante?root=0&path=diamante/test.jsonl", "diamante")
   assert f"P@1 {site['metrics']['preference/p@1']:.4f}" in driver.find_element(
       By.CSS_SELECTOR, ".metrics.evaluation").text
+  # No model chosen: the contexts the evaluation beside the file ranked show its rankings.
+  assert driver.find_element(By.ID, "stored-rankings").is_displayed()
+  stored = {int(s.get_attribute("data-index")): s
+            for s in driver.find_elements(By.CSS_SELECTOR, "section.context")}
+  for ranking in site["rankings"]:
+    texts, _ = stored_order(ranking)
+    assert [t.split(" human")[0].split(" model")[0].split(" random")[0]
+            for t, _ in table(stored[ranking["turn"]])] == texts
+  assert not stored[1].find_elements(By.CSS_SELECTOR, "table.ranking")  # Not evaluated.
+  assert driver.find_element(By.ID, "p-at-1").text == "0.5000"  # Ranked 2nd, then 1st.
   Select(driver.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
   driver.find_element(By.CSS_SELECTOR, "#rank-form button").click()
   driver.save_screenshot(str(browser.shots / "diamante-ranked.png"))

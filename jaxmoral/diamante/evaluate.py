@@ -133,13 +133,23 @@ def score_ranking_items(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn],
 
 RANKERS = ("preference", "generation", "generation_per_token")
 NUM_SAMPLES = 5  # Generated responses kept in the evaluation JSON, for a person to read.
+NUM_RANKINGS = 20  # Ranked contexts kept there (`rank_contexts`).
 RANKING_METRICS = ("map", "mrr", "p@1")
+
+
+KIND_NAMES = {data.HUMAN: "human", data.MODEL: "model", data.RANDOM: "random"}
 
 
 def rank_contexts(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_random: int = 5,
                   max_candidates: int = 10, max_contexts: Optional[int] = None,
-                  batch_size: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
+                  batch_size: int = 8, seed: int = 0,
+                  rankings: Optional[list] = None) -> dict[str, np.ndarray]:
   """Ranking metrics of the human response, per context (for means and bootstrap intervals).
+
+  A `rankings` list receives the first `NUM_RANKINGS` contexts as they were ranked, for a
+  person (and `jaxmoral explore`) to read without the model: `{"turn", "context",
+  "responses", "kinds" ("human", "model", "random"), "scores", "logprobs", "lengths"}`, the
+  responses in ranking order (r_H first), not sorted.
 
   Returns:
     `{"<ranker>/<metric>": (C,), "pe_accuracy": (C,) (NaN where undefined), "random/p@1":
@@ -159,8 +169,16 @@ def rank_contexts(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_
   if not items:
     raise ValueError("rank_contexts: no test turn has a model candidate different from r_H")
   out: dict[str, list[float]] = {"pe_accuracy": [], "random/p@1": [], "turn": []}
-  for scored in score_ranking_items(bundle, turns, items, width=1 + max_candidates + num_random,
-                                    batch_size=batch_size):
+  scored_items = score_ranking_items(bundle, turns, items, batch_size=batch_size,
+                                     width=1 + max_candidates + num_random)
+  for (_, responses, _), scored in zip(items, scored_items, strict=True):
+    if rankings is not None and len(rankings) < NUM_RANKINGS:
+      rankings.append({
+          "turn": scored.turn, "context": list(turns[scored.turn].context),
+          "responses": list(responses),
+          "kinds": [KIND_NAMES[int(k)] for k in scored.kinds],
+          "scores": scored.scores.tolist(), "logprobs": scored.logprobs.tolist(),
+          "lengths": scored.lengths.tolist()})
     labels = scored.kinds == data.HUMAN
     by_ranker = {"preference": scored.scores, "generation": scored.logprobs,
                  "generation_per_token": scored.logprobs / scored.lengths}
@@ -211,9 +229,11 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
                    num_generate: int = 0,
                    rerank: inference.RerankConfig = inference.RerankConfig(),
                    batch_size: int = 8, seed: int = 0,
-                   samples: Optional[list] = None) -> dict[str, float]:
+                   samples: Optional[list] = None,
+                   rankings: Optional[list] = None) -> dict[str, float]:
   """The evaluation of a loaded bundle on in-memory turns (see module docstring); a
-  `samples` list receives a few generated responses (`generation_metrics`).
+  `samples` list receives a few generated responses (`generation_metrics`), a `rankings` list
+  the first ranked contexts (`rank_contexts`).
 
   Returns:
     Flat dict: `preference/{map,mrr,p@1}`, `generation/{...}` (summed log-prob),
@@ -223,7 +243,7 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
   """
   per_context = rank_contexts(bundle, turns, num_random=num_random,
                               max_candidates=max_candidates, max_contexts=max_contexts,
-                              batch_size=batch_size, seed=seed)
+                              batch_size=batch_size, seed=seed, rankings=rankings)
   result = ranking_summary(per_context)
   if num_generate > 0:
     contexts = [turns[int(i)].context for i in per_context["turn"][:num_generate]]
@@ -243,7 +263,8 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   Args:
     model_dir: A run directory (its `export/`) or an export directory.
     test_path: Diamante-format JSONL with response candidates.
-    output_path: Also write the metrics as JSON here.
+    output_path: Also write the metrics as JSON here, with a few generated responses
+      ("samples") and the first ranked contexts ("rankings", see `rank_contexts`).
     num_random: Random responses (from other dialogues) added to each ranking.
     max_candidates: Model candidates per context at most.
     max_contexts: Evaluate only the first this many usable contexts.
@@ -261,7 +282,9 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   turns = data.read_dialogues(test_path)  # A bad test file fails before the model loads.
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   samples: list = []
-  result = evaluate_turns(bundle, turns, samples=samples, num_random=num_random,
+  rankings: list = []
+  result = evaluate_turns(bundle, turns, samples=samples, rankings=rankings,
+                          num_random=num_random,
                           max_candidates=max_candidates, max_contexts=max_contexts,
                           num_generate=num_generate,
                           rerank=rerank or inference.RerankConfig(), batch_size=batch_size,
@@ -269,7 +292,8 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   if output_path is not None:
     fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
     with fileio.open(output_path, "w") as f:
-      json.dump({**result, "samples": samples}, f, indent=2, sort_keys=True)
+      json.dump({**result, "samples": samples, "rankings": rankings}, f, indent=2,
+                sort_keys=True)
   print(format_summary(result))
   if output_path is not None:
     print(f"wrote {output_path}")

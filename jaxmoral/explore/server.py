@@ -227,7 +227,8 @@ def create_app(roots: folders.Roots, *,
     kind = folders.classify_file(path) if path.is_file() else None
     if kind == "diamante_metrics":
       return render("diamante_metrics.html", root=root, path=roots.relative(root, path),
-                    metrics=attempt(lambda: sources.diamante_metrics(path)))
+                    metrics=attempt(lambda: sources.diamante_metrics(path)),
+                    rankings=attempt(lambda: sources.diamante_rankings(path)))
     if kind == "diamante_chat":
       return render("diamante_chat.html", root=root, path=roots.relative(root, path),
                     chat=attempt(lambda: sources.read_jsonl(path)))
@@ -248,9 +249,19 @@ def create_app(roots: folders.Roots, *,
                                           responses=responses)
                 for index, responses, _ in items[:limit]}
       rankings = attempt(rank_all)
+    evaluation_files = [p for p in sorted(path.parent.glob("*.json"))
+                        if folders.classify_file(p) == "diamante_metrics"]
     evaluations = [(roots.relative(root, p), attempt(lambda p=p: sources.diamante_metrics(p)))
-                   for p in sorted(path.parent.glob("*.json"))
-                   if folders.classify_file(p) == "diamante_metrics"]
+                   for p in evaluation_files]
+    if not chosen and "value" in contexts:
+      # Without a model: the rankings an evaluation beside the file wrote, for the contexts
+      # it ranked (matched by their utterances, so another test file's evaluation shows none).
+      def stored():
+        shown = {c["index"]: c["context"] for c in contexts["value"]}
+        return {entry["turn"]: entry["ranking"] for p in evaluation_files
+                for entry in sources.diamante_rankings(p)
+                if shown.get(entry["turn"]) == entry["context"]}
+      rankings = attempt(stored)
     return render("diamante.html", root=root, path=roots.relative(root, path),
                   contexts=contexts, rankings=rankings, chosen=chosen, models=model_choices(),
                   evaluations=evaluations)

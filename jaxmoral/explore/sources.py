@@ -261,22 +261,48 @@ def diamante_metrics(path: pathlib.Path) -> dict[str, dict[str, float]]:
     raise ValueError(f"{path.name}: expected an object of metrics")
   out: dict[str, dict[str, float]] = {}
   for key, value in data.items():
-    ranker, _, metric = key.rpartition("/")
-    out.setdefault(ranker or "other", {})[metric] = value
+    if isinstance(value, (int, float)):  # Not the "samples" and "rankings" lists.
+      ranker, _, metric = key.rpartition("/")
+      out.setdefault(ranker or "other", {})[metric] = value
+  return out
+
+
+def diamante_rankings(path: pathlib.Path) -> list[dict[str, Any]]:
+  """The contexts `diamante evaluate` wrote as it ranked them (its JSON's "rankings", see
+  `diamante.evaluate.rank_contexts`): `{"turn", "context", "ranking"}` with `ranked`'s ranking
+  of the stored scores; empty for an evaluation written without them."""
+  data = read_json(path)
+  rankings = data.get("rankings", []) if isinstance(data, dict) else []
+  out = []
+  for entry in rankings:
+    try:
+      kinds = list(entry["kinds"])
+      ranking = ranked(list(entry["responses"]), entry["scores"], entry["logprobs"],
+                       entry["lengths"], kinds.index("human") if "human" in kinds else None,
+                       kinds=kinds)
+      out.append({"turn": int(entry["turn"]), "context": list(entry["context"]),
+                  "ranking": ranking})
+    except (KeyError, TypeError, ValueError) as error:
+      raise ValueError(f"{path.name}: a ranking of context {entry.get('turn', '?')} is "
+                       f"malformed ({error!r})") from None
   return out
 
 
 def ranked(responses: list[str], scores: list[float], logprobs: list[float],
-           lengths: list[int], human: Optional[int]) -> dict[str, Any]:
+           lengths: list[int], human: Optional[int],
+           kinds: Optional[list[str]] = None) -> dict[str, Any]:
   """Responses best first by preference score, with the human response (index `human`, None
-  for none) marked, and its ranking metrics (the library's `metrics.ranking_metrics`)."""
+  for none) marked, each one's kind where given ("model", "random"), and the human
+  response's ranking metrics (the library's `metrics.ranking_metrics`)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  kinds = kinds if kinds is not None else [""] * len(responses)
   rows: list[dict[str, Any]] = [
       {"text": t, "score": float(s), "logprob": float(lp), "tokens": int(n),
-       "per_token": float(lp) / max(int(n), 1), "human": i == human}
-      for i, (t, s, lp, n) in enumerate(zip(responses, scores, logprobs, lengths, strict=True))]
+       "per_token": float(lp) / max(int(n), 1), "human": i == human, "kind": k}
+      for i, (t, s, lp, n, k) in enumerate(zip(responses, scores, logprobs, lengths, kinds,
+                                               strict=True))]
   rows.sort(key=lambda r: -r["score"])
   result: dict[str, Any] = {"rows": rows}
   labels = np.asarray([r["human"] for r in rows])
