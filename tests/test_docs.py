@@ -19,8 +19,10 @@ What runs, within the test budget (about a minute on 2 cores):
 - In full, in-process through `cli.main` and on one shared tiny run, the quickstart of the
   README's first screen: train (`SHORTER`: a few steps instead of 300, same flags otherwise),
   infer on the shipped examples/inputs.txt, export for transformers (and its files' modes),
-  TensorBoard reading the run; and the commands the docs once broke that need no trained
-  model (a gin-less `clarify train-model --which=judge`, in `test_clarify_judge_defaults_*`).
+  TensorBoard reading the run; then every other documented command on that run (/tmp/tiny:
+  eval, beam-search and greedy infer, a bfloat16 export); and the commands the docs once
+  broke that need no trained model (a gin-less `clarify train-model --which=judge`, in
+  `test_clarify_judge_defaults_*`).
 - Every other command is dry-run, exactly as written but for the placeholders: parsed as the
   command line parses it, its gin files and bindings parsed and checked (files found from
   another folder than the project root, `%gin.REQUIRED` values given, no unread macro), an
@@ -288,6 +290,24 @@ def test_the_quickstart_runs_in_full(tmp_path, capsys):
   multiplexer = event_multiplexer.EventMultiplexer().AddRunsFromDirectory(logdir)
   multiplexer.Reload()
   assert any("loss" in tag for run in multiplexer.Runs().values() for tag in run["scalars"])
+  # Every other documented command on that run (/tmp/tiny) runs in full as well: evaluation,
+  # beam search, inference writing into the working folder, a bfloat16 export.
+  quickstart = {" ".join(c) for c in commands}
+  others = list(dict.fromkeys(c for _, c in COMMANDS if c.startswith("jaxmoral ")
+                              and "/tmp/tiny" in c and c not in quickstart))
+  assert {_words(c)[1] for c in others} == {"eval", "infer", "export"}, others
+  inputs = len((ROOT / "examples/inputs.txt").read_text().splitlines())
+  for command in others:
+    words = here(_words(command))
+    assert cli.main(words[1:]) == 0, command
+    gin.clear_config()
+    for word in words:
+      value = word.split("=", 1)[-1].strip("'\"")
+      if word.startswith("--gin.INFER_OUTPUT="):
+        assert len(pathlib.Path(value).read_text().splitlines()) == inputs, command
+      if word.startswith("--output="):
+        assert (pathlib.Path(value) / "params").is_dir() or any(
+            pathlib.Path(value).glob("*.safetensors")), command
 
 
 def test_clarify_judge_defaults_fit_the_demo_vocabulary(tmp_path, capsys):
