@@ -5,9 +5,8 @@ from the checkpoint of step `s` reads batch `s` next and, with the trainer's per
 (`fold_in(base_rng, step)`), reproduces the uninterrupted run exactly. The devices never wait
 for the loop: step n + 1 is queued while step n runs, metrics stay on the devices until a log,
 evaluation or checkpoint step, and the next batches are read and placed on the devices by a
-thread while a step runs. Hooks
-(`TrainHook`) add what a method needs besides stepping (PPO's reward normalisation and curve,
-a soft prompt saved at the end) without a second loop.
+thread while a step runs. Hooks (`TrainHook`) add what a method needs besides stepping (PPO's
+reward normalisation and curve, a soft prompt saved at the end) without a second loop.
 
 Layout of `model_dir`::
 
