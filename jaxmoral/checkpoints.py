@@ -409,6 +409,29 @@ def _drop_closed_loop_callbacks() -> None:
   sys.unraisablehook = hook
 
 
+class _DropUnretrievedDiskFullTasks(logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" reports of a full disk.
+
+  The other writer tasks of an aborted save fail with the same full disk; nothing awaits them
+  once the first failure has aborted the save, and asyncio logs each one, traceback included,
+  when it is garbage-collected (at any later time, or at exit, after the one-line error). The
+  failure itself is raised and reported once (`CheckpointManager._disk_full_is_one_line`);
+  every other asyncio report still goes through.
+  """
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    error = record.exc_info[1] if record.exc_info else None
+    return not (str(record.msg).startswith("Task exception was never retrieved")
+                and error is not None and disk_full_errno(error) is not None)
+
+
+def _drop_unretrieved_disk_full_tasks() -> None:
+  """Installs `_DropUnretrievedDiskFullTasks` on asyncio's logger once."""
+  asyncio_logger = logging.getLogger("asyncio")
+  if not any(isinstance(f, _DropUnretrievedDiskFullTasks) for f in asyncio_logger.filters):
+    asyncio_logger.addFilter(_DropUnretrievedDiskFullTasks())
+
+
 def disk_full_errno(error: BaseException) -> Optional[int]:
   """ENOSPC, EFBIG or EDQUOT where `error` (or what it wraps: TensorStore's messages, Orbax's
   thread errors) is a full disk, a file size limit or a quota; else None."""
@@ -725,6 +748,7 @@ class CheckpointManager:
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
         save_decision_policy=policy)
     _drop_closed_loop_callbacks()
+    _drop_unretrieved_disk_full_tasks()
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_handlers=_item_handlers())
     # The integrity manifest of the latest save is written once Orbax has finalised the step:
