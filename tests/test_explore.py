@@ -510,9 +510,11 @@ def test_diamante_views_rank_as_the_library(site, browser):
   assert driver.find_element(By.CSS_SELECTOR, 'tr[data-ranker="preference"]').text.split()[1:] \
       == [f"{site['metrics'][f'preference/{k}']:.4f}" for k in ("p@1", "mrr", "map")]
   # The contexts the evaluation ranked, by its stored scores, without a model.
-  def stored_order(ranking):
+  def stored_rows(ranking):
+    """(response and its kind badge, score) best first by the stored scores."""
     order = np.argsort(-np.asarray(ranking["scores"]), kind="stable")
-    return [ranking["responses"][i] for i in order], order
+    return [(f"{ranking['responses'][i]} {ranking['kinds'][i]}",
+             pytest.approx(ranking["scores"][i], abs=1e-6)) for i in order]
 
   def table(section):
     return [(r.find_element(By.CSS_SELECTOR, "td.text").text,
@@ -522,11 +524,7 @@ def test_diamante_views_rank_as_the_library(site, browser):
   sections = driver.find_elements(By.CSS_SELECTOR, "section.context.ranked")
   assert [int(s.get_attribute("data-turn")) for s in sections] == [0, 2]
   for section, ranking in zip(sections, site["rankings"]):
-    texts, order = stored_order(ranking)
-    badges = [("human" if ranking["kinds"][i] == "human" else ranking["kinds"][i])
-              for i in order]
-    assert table(section) == [(f"{t} {b}", pytest.approx(ranking["scores"][i], abs=1e-6))
-                              for t, b, i in zip(texts, badges, order)]
+    assert table(section) == stored_rows(ranking)
   # Context 1: r_H (0.2) is second after a candidate (0.7); context 3: first.
   assert [s.find_element(By.CSS_SELECTOR, "h3 small").text for s in sections] == [
       "human response ranked 2 of 4", "human response ranked 1 of 4"]
@@ -542,9 +540,7 @@ def test_diamante_views_rank_as_the_library(site, browser):
   stored = {int(s.get_attribute("data-index")): s
             for s in driver.find_elements(By.CSS_SELECTOR, "section.context")}
   for ranking in site["rankings"]:
-    texts, _ = stored_order(ranking)
-    assert [t.split(" human")[0].split(" model")[0].split(" random")[0]
-            for t, _ in table(stored[ranking["turn"]])] == texts
+    assert table(stored[ranking["turn"]]) == stored_rows(ranking)
   assert not stored[1].find_elements(By.CSS_SELECTOR, "table.ranking")  # Not evaluated.
   assert driver.find_element(By.ID, "p-at-1").text == "0.5000"  # Ranked 2nd, then 1st.
   Select(driver.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
