@@ -225,6 +225,15 @@ def open(location: str | os.PathLike, mode: str = "r", *,  # pylint: disable=red
   return io.TextIOWrapper(binary, encoding=encoding or "utf-8", newline=newline)
 
 
+def open_text_writer(location: str | os.PathLike) -> IO[str]:
+  """A UTF-8 text file opened for writing, its local folder made first; an object is stored
+  when the file is closed (for records written line by line, e.g. chat transcripts)."""
+  location = os.fspath(location)
+  if not is_url(location):
+    os.makedirs(os.path.dirname(os.path.abspath(location)), exist_ok=True)
+  return open(location, "w", encoding="utf-8")
+
+
 def read_bytes(location: str | os.PathLike) -> bytes:
   with open(location, "rb") as f:
     return f.read()
@@ -305,6 +314,17 @@ def generation(location: str | os.PathLike) -> Optional[str]:
     return str(fs.info(stripped).get("generation") or "") or None
   except FileNotFoundError:
     return None
+
+
+def version(location: str | os.PathLike) -> list[Any]:
+  """What changes whenever a file is rewritten: [size, modification time in ns] locally,
+  [size, generation] for a gs:// object, [size, modification time] for other stores (for
+  the fingerprints of cached data)."""
+  location = os.fspath(location)
+  if not is_url(location):
+    stat = os.stat(location)
+    return [stat.st_size, stat.st_mtime_ns]
+  return [getsize(location), generation(location) or getmtime(location)]
 
 
 def remove(location: str | os.PathLike, *, if_generation: Optional[str] = None) -> None:
@@ -474,18 +494,24 @@ def append_text(location: str | os.PathLike, text: str) -> None:
   write_bytes(location, old + text.encode("utf-8"))
 
 
+def local_folder_for(location: str | os.PathLike, suffix: str = "") -> str:
+  """A local folder of this process for `location`'s files (made if missing): where files
+  that only local readers and writers handle (SentencePiece, safetensors) are kept."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = os.path.join(tempfile.gettempdir(), f"jaxmoral_objects_{os.getpid()}",
+                        hashlib.sha256(os.fspath(location).encode()).hexdigest()[:16] + suffix)
+  os.makedirs(folder, exist_ok=True)
+  return folder
+
+
 def local_copy(location: str | os.PathLike) -> str:
   """A local path with `location`'s content: the path itself when local; for a URL a copy in
   a per-process cache folder (for readers that only open local files, e.g. SentencePiece)."""
   location = os.fspath(location)
   if not is_url(location):
     return location
-  import hashlib  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  folder = os.path.join(tempfile.gettempdir(), f"jaxmoral_objects_{os.getpid()}",
-                        hashlib.sha256(location.encode()).hexdigest()[:16])
-  os.makedirs(folder, exist_ok=True)
-  target = os.path.join(folder, basename(location))
+  target = os.path.join(local_folder_for(location), basename(location))
   write_bytes(target, read_bytes(location))
   return target
 
@@ -497,11 +523,7 @@ def local_folder(location: str | os.PathLike) -> str:
   location = os.fspath(location)
   if not is_url(location):
     return location
-  import hashlib  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  folder = os.path.join(tempfile.gettempdir(), f"jaxmoral_objects_{os.getpid()}",
-                        hashlib.sha256(location.encode()).hexdigest()[:16] + "_dir")
-  os.makedirs(folder, exist_ok=True)
+  folder = local_folder_for(location, "_dir")
   for name in listdir(location):
     source = join(location, name)
     if isfile(source):

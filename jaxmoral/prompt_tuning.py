@@ -23,6 +23,7 @@ Entry points:
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import typing
@@ -35,6 +36,7 @@ import numpy as np
 
 import gin
 from jaxmoral import checkpoints
+from jaxmoral import fileio
 from jaxmoral import losses
 from jaxmoral import optimizers
 from jaxmoral import train as train_lib
@@ -205,16 +207,17 @@ def save_prompt(prompt: Any, directory: str | os.PathLike, *,
     The directory.
   """
   directory = os.fspath(directory)
-  os.makedirs(directory, exist_ok=True)
+  fileio.makedirs(directory)
   array = np.asarray(jax.device_get(nn.meta.unbox(prompt)), np.float32)
   if array.ndim != 2:
     raise ValueError(f"save_prompt: prompt must be (P, d_model), got shape {array.shape}")
-  np.save(os.path.join(directory, PROMPT_FILE), array)
+  buffer = io.BytesIO()
+  np.save(buffer, array)
+  fileio.write_bytes(fileio.join(directory, PROMPT_FILE), buffer.getvalue())
   meta = {"length": array.shape[0], "d_model": array.shape[1], **(metadata or {})}
-  with open(os.path.join(directory, META_FILE), "w", encoding="utf-8") as f:
-    json.dump(meta, f, indent=2, sort_keys=True)
+  fileio.write_text(fileio.join(directory, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
   if orbax:
-    checkpoints.export_params({"prompt": array}, os.path.join(directory, "orbax"))
+    checkpoints.export_params({"prompt": array}, fileio.join(directory, "orbax"))
   return directory
 
 
@@ -222,9 +225,9 @@ def prompt_directory(directory: str | os.PathLike) -> Optional[str]:
   """The folder holding a saved prompt (`prompt.npy` or `orbax/`): `directory` itself, or a
   prompt-tuning run's `MODEL_DIR/prompt`; None when neither holds one."""
   directory = os.fspath(directory)
-  for candidate in (directory, os.path.join(directory, PROMPT_SUBDIR)):
-    if os.path.exists(os.path.join(candidate, PROMPT_FILE)) or os.path.isdir(
-        os.path.join(candidate, "orbax")):
+  for candidate in (directory, fileio.join(directory, PROMPT_SUBDIR)):
+    if fileio.exists(fileio.join(candidate, PROMPT_FILE)) or fileio.isdir(
+        fileio.join(candidate, "orbax")):
       return candidate
   return None
 
@@ -236,16 +239,15 @@ def load_prompt(directory: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any
   prompt-tuning run directory gives the prompt it saved (`MODEL_DIR/prompt`).
   """
   directory = prompt_directory(directory) or os.fspath(directory)
-  meta_path = os.path.join(directory, META_FILE)
+  meta_path = fileio.join(directory, META_FILE)
   meta: dict[str, Any] = {}
-  if os.path.exists(meta_path):
-    with open(meta_path, encoding="utf-8") as f:
-      meta = json.load(f)
-  npy = os.path.join(directory, PROMPT_FILE)
-  if os.path.exists(npy):
-    prompt = np.load(npy)
-  elif os.path.isdir(os.path.join(directory, "orbax")):
-    prompt = np.asarray(checkpoints.load_params(os.path.join(directory, "orbax"))["prompt"])
+  if fileio.exists(meta_path):
+    meta = json.loads(fileio.read_text(meta_path))
+  npy = fileio.join(directory, PROMPT_FILE)
+  if fileio.exists(npy):
+    prompt = np.load(io.BytesIO(fileio.read_bytes(npy)), allow_pickle=False)
+  elif fileio.isdir(fileio.join(directory, "orbax")):
+    prompt = np.asarray(checkpoints.load_params(fileio.join(directory, "orbax"))["prompt"])
   else:
     raise FileNotFoundError(f"load_prompt: no {PROMPT_FILE} or orbax/ in {directory}")
   if prompt.ndim != 2 or (meta and tuple(prompt.shape) != (meta["length"], meta["d_model"])):
@@ -259,7 +261,7 @@ class SavePromptHook(train_lib.TrainHook):
   """At the end of a run, saves the trained prompt on its own to `model_dir/prompt`."""
 
   def __init__(self, model_dir: str | os.PathLike, metadata: dict[str, Any]):
-    self.directory = os.path.join(os.fspath(model_dir), PROMPT_SUBDIR)
+    self.directory = fileio.join(model_dir, PROMPT_SUBDIR)
     self.metadata = metadata
 
   def on_end(self, loop: Any, state: Any) -> None:

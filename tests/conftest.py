@@ -51,7 +51,11 @@ else:
   _OWNED_DATA_CACHE_DIR = None
 
 import pathlib  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -189,3 +193,53 @@ def one_device():
   from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
   with partitioning.default_devices(jax.devices()[:1]):
     yield
+
+
+def free_port() -> int:
+  """A TCP port on localhost that nothing listens on now."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs():
+  """A GCS-API server (tests/gcs_server.py) with one bucket, `bucket`; every client of this
+  process and the processes it starts is configured for it (its URL is returned)."""
+  port = free_port()
+  server = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).parent / "gcs_server.py"),
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  url = f"http://127.0.0.1:{port}"
+  deadline = time.time() + 30
+  while True:
+    try:
+      urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).read()
+      break
+    except OSError:
+      if time.time() > deadline or server.poll() is not None:
+        server.kill()
+        raise RuntimeError("the GCS-API server did not start")
+      time.sleep(0.1)
+  env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
+         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "EPATH_USE_TF": "false",
+         "NO_GCE_CHECK": "true", "GOOGLE_CLOUD_PROJECT": "test"}
+  saved = {key: os.environ.get(key) for key in env}
+  os.environ.update(env)  # Before any client is first used; subprocesses inherit it.
+  try:
+    yield url
+  finally:
+    server.kill()
+    server.wait()
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value
+
+
+def upload_folder(local: pathlib.Path, url: str) -> str:
+  """Copies every file under `local` to the same relative names under `url`; returns `url`."""
+  from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
+  for path in sorted(p for p in local.rglob("*") if p.is_file()):
+    fileio.upload(path, f"{url}/{path.relative_to(local).as_posix()}")
+  return url

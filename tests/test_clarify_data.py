@@ -54,8 +54,8 @@ def _write(path, text):
   return path
 
 
-def test_builders_on_files(tmp_path):
-  root = tmp_path / "data"
+def _data_folder(root):
+  """A data folder laid out like ../shared/data: questions, silver updates, fusion pairs."""
   (root / "delta_clarify").mkdir(parents=True)
   (root / "delta_clarify_silver").mkdir()
   (root / "fusion").mkdir()
@@ -74,6 +74,11 @@ def test_builders_on_files(tmp_path):
          "SITUATION: skipping the party QUESTION: Why? ANSWER: I was sick,"
          "skipping the party because I was sick\n"
          "SITUATION: feeding the cat QUESTION: What? ANSWER: food,feeding the cat\n")
+  return root
+
+
+def test_builders_on_files(tmp_path):
+  root = _data_folder(tmp_path / "data")
   source = str(root)
   questions = data.build_pairs("question", source)
   assert ("question: skipping the party", "Why are you skipping it?") in questions
@@ -171,3 +176,16 @@ def test_mixing_cap_subsamples_only_the_large_models():
   assert mixed != data.build_pairs("multitask", "demo", mixing_cap=cap, seed=4)
   with pytest.raises(ValueError, match="mixing_cap"):
     data.build_pairs("multitask", "demo", mixing_cap=0)
+
+
+def test_a_data_folder_in_a_bucket_gives_the_pairs_of_the_local_folder(gcs, tmp_path):
+  from conftest import upload_folder  # pylint: disable=g-import-not-at-top
+  del gcs
+  local = str(_data_folder(tmp_path / "data"))
+  bucket = upload_folder(tmp_path / "data", "gs://bucket/clarify_data")
+  assert data.folder_splits(bucket) == data.folder_splits(local) == ["train"]
+  for which in ("multitask", "answer", "judge"):
+    assert data.build_pairs(which, bucket) == data.build_pairs(which, local)
+  assert data.situations(bucket) == data.situations(local)
+  with pytest.raises(FileNotFoundError, match="gs://bucket/clarify_data.*dev.tsv is missing"):
+    data.build_pairs("question", bucket, split="dev")

@@ -349,3 +349,74 @@ def test_the_chitchat_source_is_skipped_with_a_notice_without_the_dialogue_extra
   monkeypatch.setattr(importlib.util, "find_spec", real)
   if real("chitchat_dataset") is not None:
     assert pretraining_corpus.installed_sources(["chitchat"]) == ["chitchat"]
+
+
+def _pretraining_data_folder(root: pathlib.Path) -> pathlib.Path:
+  """A small folder laid out like ../shared/data for the corpus sources that read files."""
+  files = {
+      "delta_clarify/train.tsv": "id\tsource\tsituation\tquestion\n"
+                                 "0\tMTurk\tskipping the party\tWhy are you skipping it?\n"
+                                 "1\tMTurk\tfeeding the cat\tWhat do you feed it?\n",
+      "delta_clarify_silver/silver.tsv":
+          "DataSource\tHypothesis\tUpdate\tUpdateType\tquestion_davinci\tsituation\n"
+          "SC\tIt's rude to skip parties.\tI was sick.\tweakener\tWhy skip?\tskipping it\n",
+      "fusion/fusion.csv": "input,output\nSITUATION: a QUESTION: b ANSWER: c,a because c\n",
+      "perspectrum/perspectrum_with_answers_v1.0.json": json.dumps([
+          {"cId": 1, "text": "Zoos should be banned.", "perspectives": [
+              {"pids": [10], "stance_label_3": "SUPPORT"},
+              {"pids": [11], "stance_label_3": "UNDERMINE"}]}]),
+      "perspectrum/perspective_pool_v1.0.json": json.dumps([
+          {"pId": 10, "text": "Animals suffer in cages."},
+          {"pId": 11, "text": "Zoos protect endangered species."}]),
+      "perspectrum/dataset_split_v1.0.json": json.dumps({"1": "train"}),
+  }
+  for name, text in files.items():
+    (root / name).parent.mkdir(parents=True, exist_ok=True)
+    (root / name).write_text(text, encoding="utf-8")
+  return root
+
+
+def test_pretraining_corpus_reads_its_data_from_and_writes_its_files_to_a_bucket(gcs, tmp_path):
+  """data_dir and output_dir (CORPUS_DIR, = MODEL_DIR) may be gs://: the same texts, corpus
+  files and examples as from and to local folders, nothing under a local "gs:" folder."""
+  from conftest import upload_folder  # pylint: disable=g-import-not-at-top
+  from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
+  del gcs
+  local = _pretraining_data_folder(tmp_path / "data")
+  bucket = upload_folder(local, "gs://bucket/pretraining_data")
+  sources = ("clarify", "silver", "fusion", "perspectrum")
+  texts = pretraining_corpus.corpus_texts(bucket, sources=sources)
+  assert texts == pretraining_corpus.corpus_texts(local, sources=sources)
+  assert {"Why skip?", "Zoos protect endangered species."} <= set(texts)
+
+  corpus = "gs://bucket/pretraining_corpus"
+  kwargs = dict(sources=sources, validation_every=2)
+  task = pretraining_corpus.register_pretraining_mixture(
+      data_dir=bucket, vocabulary_path=None, output_dir=corpus, task_name="bucket_pretrain",
+      **kwargs)
+  vocabulary = f"{corpus}/demo_spm_{vocab_lib.DEMO_VOCAB_SIZE}.model"  # Built, then uploaded.
+  assert {"pretraining_corpus_train.txt", "pretraining_corpus_validation.txt",
+          pretraining_corpus.MANIFEST, os.path.basename(vocabulary)} <= set(
+              fileio.listdir(corpus))
+  local_task = pretraining_corpus.register_pretraining_mixture(
+      data_dir=local, vocabulary_path=fileio.local_copy(vocabulary),
+      output_dir=str(tmp_path / "corpus"), task_name="local_pretrain", **kwargs)
+  for split, path in pretraining_corpus.corpus_paths(corpus).items():
+    assert fileio.read_text(path) == (tmp_path / "corpus" / os.path.basename(path)).read_text()
+
+    def examples(t):
+      return list(t.get_dataset({"inputs": 16, "targets": 8}, split=split, shuffle=False,
+                                seed=0).as_numpy_iterator())  # pylint: disable=cell-var-from-loop
+    got, want = examples(task), examples(local_task)
+    assert len(got) == len(want) > 0
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(a["inputs"], b["inputs"])
+      np.testing.assert_array_equal(a["targets"], b["targets"])
+  # A second registration with the same settings reads the manifest from the bucket and
+  # writes nothing.
+  before = fileio.version(pretraining_corpus.corpus_paths(corpus)["train"])
+  pretraining_corpus.build_corpus(data_dir=bucket, output_dir=corpus, **kwargs)
+  assert fileio.version(pretraining_corpus.corpus_paths(corpus)["train"]) == before
+  assert not os.path.exists("gs:")
+  with pytest.raises(FileNotFoundError, match="gs://bucket/missing is not a folder"):
+    pretraining_corpus.corpus_texts("gs://bucket/missing", sources=sources)

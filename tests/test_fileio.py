@@ -64,3 +64,24 @@ def test_a_url_is_probed_only_when_named(monkeypatch):
   fileio.check_writable("gs://bucket/run/out.jsonl", what="output")
   fileio.check_writable("gs://bucket/run", directory=True, what="MODEL_DIR")
   assert [path.rsplit("/", 1)[0] for path in written] == ["gs://bucket/run"] * 2
+
+
+@pytest.mark.parametrize("where", ["local", "bucket"])
+def test_text_writers_versions_and_local_folders_work_on_both_kinds_of_path(where, gcs,
+                                                                           tmp_path):
+  del gcs
+  base = str(tmp_path) if where == "local" else "gs://bucket/fileio_writer"
+  path = fileio.join(base, "nested", "transcript.jsonl")  # A missing folder is made.
+  with fileio.open_text_writer(path) as out:
+    out.write('{"turn": 1}\n')
+    out.flush()  # What a chat does after each turn.
+    out.write('{"turn": 2}\n')
+  assert fileio.read_text(path) == '{"turn": 1}\n{"turn": 2}\n'
+  # A file's version changes when it is rewritten, even to the same size.
+  before = fileio.version(path)
+  assert before[0] == len('{"turn": 1}\n{"turn": 2}\n')
+  fileio.write_text(path, '{"turn": 3}\n{"turn": 4}\n')
+  assert fileio.version(path) != before and fileio.version(path)[0] == before[0]
+  folder = fileio.local_folder_for(path)
+  assert os.path.isdir(folder) and folder == fileio.local_folder_for(path)
+  assert not os.path.exists("gs:")

@@ -1,10 +1,11 @@
 """Runs on object storage: every path of a pod job as gs://bucket/..., against a GCS-API server.
 
-The server is `gcp-storage-emulator` from the package index, started on localhost for this
-module (tests/gcs_server.py adds the generation header and preconditions it leaves out). Every
-client is pointed at it the way it is pointed at a real endpoint: gcsfs (through etils.epath,
-as jaxmoral's file layer and Orbax use it) and google-cloud-storage (tensorboardX) read
-STORAGE_EMULATOR_HOST; TensorStore (Orbax's array data) reads TENSORSTORE_GCS_HTTP_URL.
+The server is `gcp-storage-emulator` from the package index, started on localhost by
+conftest.py's `gcs` fixture (tests/gcs_server.py adds the generation header and preconditions
+it leaves out). Every client is pointed at it the way it is pointed at a real endpoint:
+gcsfs (through etils.epath, as jaxmoral's file layer and Orbax use it) and
+google-cloud-storage (tensorboardX) read STORAGE_EMULATOR_HOST; TensorStore (Orbax's array
+data) reads TENSORSTORE_GCS_HTTP_URL.
 The server accepts any caller; tests/gcs_server.py refuses uploads to two buckets with the
 service's own 401 (no credentials) and 403 (no permission) answers, so those lines are tested
 beside a missing bucket and an unreachable endpoint.
@@ -14,18 +15,17 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 
 import gin
 import jax
 import numpy as np
 import pytest
 
+from conftest import free_port
 from jaxmoral import checkpoints, cli, fileio, model_dirs
 from jaxmoral import train as train_lib
 from jaxmoral.data import vocab as vocab_lib
@@ -80,46 +80,6 @@ KILLED_DRIVER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def gcs():
-  """A GCS-API server with one bucket, `bucket`; every client configured for it."""
-  port = _free_port()
-  server = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_server.py"), str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  url = f"http://127.0.0.1:{port}"
-  deadline = time.time() + 30
-  while True:
-    try:
-      urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).read()
-      break
-    except OSError:
-      if time.time() > deadline or server.poll() is not None:
-        server.kill()
-        raise RuntimeError("the GCS-API server did not start")
-      time.sleep(0.1)
-  env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
-         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "EPATH_USE_TF": "false",
-         "NO_GCE_CHECK": "true", "GOOGLE_CLOUD_PROJECT": "test"}
-  saved = {key: os.environ.get(key) for key in env}
-  os.environ.update(env)  # Before any client is first used; subprocesses inherit it.
-  try:
-    yield url
-  finally:
-    server.kill()
-    server.wait()
-    for key, value in saved.items():
-      if value is None:
-        os.environ.pop(key, None)
-      else:
-        os.environ[key] = value
-
-
 def _cli(*args: str) -> int:
   gin.clear_config()
   try:
@@ -136,7 +96,7 @@ def _objects(prefix: str) -> list[str]:
 def unreachable_train(gcs):
   """`train` into a bucket behind an endpoint nobody listens on, started first: gcsfs retries
   a refused connection for about 30 s (mostly asleep), so it runs beside the training below."""
-  endpoint = f"http://127.0.0.1:{_free_port()}"
+  endpoint = f"http://127.0.0.1:{free_port()}"
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", STORAGE_EMULATOR_HOST=endpoint,
              TENSORSTORE_GCS_HTTP_URL=endpoint)
   child = subprocess.Popen([sys.executable, "-m", "jaxmoral.cli", "train", *TINY,

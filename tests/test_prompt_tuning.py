@@ -1,5 +1,7 @@
 """Soft prompt tuning: prompt placement and masks, initialisers, frozen base, save/load."""
 
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -133,3 +135,21 @@ def test_saved_prompt_reloads_to_identical_outputs(base, tmp_path, orbax):
 def test_load_prompt_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="no prompt.npy"):
     pt.load_prompt(tmp_path)
+
+
+def test_a_prompt_saves_to_and_loads_from_a_bucket(gcs):
+  """A prompt-tuning run's MODEL_DIR may be gs://: `MODEL_DIR/prompt` is written there and
+  found and read back from there (prompt.npy, metadata, the Orbax copy)."""
+  from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
+  del gcs
+  prompt = np.random.default_rng(1).normal(size=(3, 8)).astype(np.float32)
+  run = "gs://bucket/prompt_run"
+  assert pt.SavePromptHook(run, {}).directory == f"{run}/{pt.PROMPT_SUBDIR}"  # A run's own.
+  pt.save_prompt(prompt, f"{run}/{pt.PROMPT_SUBDIR}", metadata={"task": "judge"}, orbax=True)
+  assert pt.prompt_directory(run) == f"{run}/{pt.PROMPT_SUBDIR}"
+  loaded, meta = pt.load_prompt(run)
+  np.testing.assert_array_equal(loaded, prompt)
+  assert meta == {"task": "judge", "length": 3, "d_model": 8}
+  fileio.remove(f"{run}/{pt.PROMPT_SUBDIR}/{pt.PROMPT_FILE}")  # Then only the Orbax copy:
+  np.testing.assert_array_equal(pt.load_prompt(run)[0], prompt)
+  assert not os.path.exists("gs:")  # Nothing went to a local "gs:" folder.

@@ -12,14 +12,13 @@ their flags are these functions' arguments (`--transcript_path=`, `--input_jsonl
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import sys
 from typing import Any, Callable, Optional, Sequence
 
 import jax
 
 import gin
+from jaxmoral import fileio
 from jaxmoral import partitioning
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import judge as judge_lib
@@ -101,12 +100,6 @@ def _session(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir:
       judge_classes=judge_classes, top_p=top_p, seed=seed)
 
 
-def _open_transcript(path: str | os.PathLike):
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  return open(path, "w", encoding="utf-8")
-
-
 @gin.configurable
 def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
          max_turns: int = 3, transcript_path: str = "clarify_chat.jsonl",
@@ -168,7 +161,7 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
     output_fn(f"[judgment: {judgment}] {question}")
     return read("your answer (empty to stop)> ")
 
-  with _open_transcript(transcript_path) as out:
+  with fileio.open_text_writer(transcript_path) as out:
     for t in range(max_turns):
       record = session.turn(situation, ask, t + 1)
       if record is None:
@@ -236,7 +229,7 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
                      judge_classes=judge_classes, top_p=top_p, seed=seed,
                      partitioner=partitioner)
   records = []
-  with _open_transcript(output_jsonl) as out:
+  with fileio.open_text_writer(output_jsonl) as out:
     for index, row in enumerate(rows):
       given = row.get("answers", [])
       update_type = row.get("update_type", "weakener")

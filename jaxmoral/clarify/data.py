@@ -27,12 +27,12 @@ Silver labels (no gold judge or NLI data is available here; documented rules):
 from __future__ import annotations
 
 import os
-import pathlib
 import re
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
+from jaxmoral import fileio
 from jaxmoral.clarify import formats
 from jaxmoral.data import demo
 from jaxmoral.data import readers
@@ -289,12 +289,11 @@ def _check_split(split: str) -> None:
 
 def folder_splits(source: str | os.PathLike) -> list[str]:
   """The splits of a data folder: the names of its `delta_clarify/*.tsv` files, sorted."""
-  return sorted(p.stem for p in (pathlib.Path(source) / "delta_clarify").glob("*.tsv")
+  return sorted(p.stem for p in (fileio.path(source) / "delta_clarify").glob("*.tsv")
                 if p.is_file())
 
 
-def _kind_files(root: pathlib.Path, kind: str, split: str
-                ) -> tuple[list[pathlib.Path], Optional[str]]:
+def _kind_files(root: Any, kind: str, split: str) -> tuple[list[Any], Optional[str]]:
   """(files of one row kind, None) or ([], what is missing) in a data folder."""
   folder, pattern, name = _FOLDERS[kind]
   directory = root / folder
@@ -312,7 +311,7 @@ def _kind_files(root: pathlib.Path, kind: str, split: str
 
 
 def source_files(source: str, which: str, *, split: str = "train",
-                 purpose: Optional[str] = None) -> dict[str, list[pathlib.Path]]:
+                 purpose: Optional[str] = None) -> dict[str, list[Any]]:
   """The files a data folder gives the model(s) `which` (one of `WHICH` or "multitask").
 
   Checks everything before any file is read (and before a caller writes anything).
@@ -333,7 +332,7 @@ def source_files(source: str, which: str, *, split: str = "train",
   """
   names = _which_models(which)
   _check_split(split)
-  root = pathlib.Path(source)
+  root = fileio.path(source)  # A local folder or a bucket URL (`etils.epath.Path`).
   if not root.is_dir():
     raise FileNotFoundError(f"clarify data source {source!r}: not 'demo' and not a folder")
   kinds = list(dict.fromkeys(k for w in names for k in INPUTS[w]))

@@ -45,6 +45,7 @@ import seqio
 # isort: on
 
 import gin
+from jaxmoral import fileio
 from jaxmoral.data import corpus_sources
 from jaxmoral.data import readers
 from jaxmoral.data import span_corruption
@@ -74,8 +75,8 @@ def clarify_texts(data_dir: str | os.PathLike, *,
                   splits: Sequence[str] = ("train",)) -> Iterator[str]:
   """δ-Clarify situations and clarification questions of `splits` ("train", "dev")."""
   for split in splits:
-    path = pathlib.Path(data_dir) / "delta_clarify" / f"{split}.tsv"
-    if not path.is_file():
+    path = fileio.join(data_dir, "delta_clarify", f"{split}.tsv")
+    if not fileio.isfile(path):
       raise FileNotFoundError(f"{path} not found (expected the δ-Clarify layout)")
     for row in readers.read_tsv(path, columns=["situation", "question"]):
       yield row["situation"]
@@ -84,9 +85,9 @@ def clarify_texts(data_dir: str | os.PathLike, *,
 
 def silver_texts(data_dir: str | os.PathLike) -> Iterator[str]:
   """The silver defeasible updates: rule of thumb, update, question and situation of a row."""
-  paths = sorted((pathlib.Path(data_dir) / "delta_clarify_silver").glob("*.tsv"))
+  paths = _files(fileio.join(data_dir, "delta_clarify_silver"), ".tsv")
   if not paths:
-    raise FileNotFoundError(f"no silver TSV in {pathlib.Path(data_dir) / 'delta_clarify_silver'}")
+    raise FileNotFoundError(f"no silver TSV in {fileio.join(data_dir, 'delta_clarify_silver')}")
   fields = ["Hypothesis", "Update", "question_davinci", "situation"]
   for path in paths:
     for row in readers.read_tsv(path, columns=fields):
@@ -96,13 +97,30 @@ def silver_texts(data_dir: str | os.PathLike) -> Iterator[str]:
 def fusion_texts(data_dir: str | os.PathLike) -> Iterator[str]:
   """Both sides of the fusion pairs: "SITUATION: s QUESTION: q ANSWER: a" and the fused
   situation (the first is the fusion model's input format, worth pretraining on too)."""
-  paths = sorted((pathlib.Path(data_dir) / "fusion").glob("*.csv"))
+  paths = _files(fileio.join(data_dir, "fusion"), ".csv")
   if not paths:
-    raise FileNotFoundError(f"no fusion CSV in {pathlib.Path(data_dir) / 'fusion'}")
+    raise FileNotFoundError(f"no fusion CSV in {fileio.join(data_dir, 'fusion')}")
   for path in paths:
     for row in readers.read_csv(path, columns=["input", "output"]):
       yield row["input"]
       yield row["output"]
+
+
+def _files(folder: str, suffix: str) -> list[str]:
+  """The files of `folder` (a path or URL) ending in `suffix`, sorted; [] if it is missing."""
+  try:
+    names = fileio.listdir(folder)
+  except FileNotFoundError:
+    return []
+  return [fileio.join(folder, n) for n in sorted(names)
+          if n.endswith(suffix) and not n.startswith(".") and fileio.isfile(fileio.join(folder, n))]
+
+
+def _absolute(location: str | os.PathLike) -> str:
+  """A local folder resolved (symlinks followed); a URL as given."""
+  if fileio.is_url(location):
+    return fileio.abspath(location)
+  return str(pathlib.Path(location).resolve())
 
 
 def corpus_texts(data_dir: Optional[str | os.PathLike], *,
@@ -132,7 +150,7 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
                if s != "demo" and (s not in registered or registered[s][1])]
   if needs_dir and data_dir is None:
     raise ValueError(f"corpus sources {needs_dir} need data_dir (e.g. ../shared/data)")
-  if data_dir is not None and needs_dir and not pathlib.Path(data_dir).is_dir():
+  if data_dir is not None and needs_dir and not fileio.isdir(data_dir):
     raise FileNotFoundError(f"data_dir {data_dir} is not a folder")
   readers_by_source: dict[str, Callable[[], Iterable[str]]] = {"demo": vocab_lib.demo_texts}
   if data_dir is not None:  # Without it, no source asked for reads these (checked above).
@@ -159,8 +177,15 @@ CORPUS_ORDER_SEED = 0  # The order of the corpus files' texts (`build_corpus`).
 
 
 def write_lines(path: str | os.PathLike, texts: Iterable[str]) -> int:
-  """Writes one text per line, atomically (a reader never sees half a file); returns the
-  number of lines."""
+  """Writes one text per line, atomically (a reader never sees half a file: a local file is
+  renamed into place, an object is stored whole when closed); returns the number of lines."""
+  if fileio.is_url(path):
+    count = 0
+    with fileio.open(path, "w", encoding="utf-8") as f:
+      for text in texts:
+        f.write(_clean(text) + "\n")
+        count += 1
+    return count
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(f".tmp_{os.getpid()}_{path.name}")
@@ -175,7 +200,7 @@ def write_lines(path: str | os.PathLike, texts: Iterable[str]) -> int:
 
 def corpus_paths(output_dir: str | os.PathLike) -> dict[str, str]:
   """{split: corpus file} inside `output_dir`."""
-  return {s: str(pathlib.Path(output_dir) / f"pretraining_corpus_{s}.txt") for s in SPLITS}
+  return {s: fileio.join(output_dir, f"pretraining_corpus_{s}.txt") for s in SPLITS}
 
 
 def installed_sources(sources: Sequence[str]) -> list[str]:
@@ -209,15 +234,15 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
     raise ValueError(f"validation_every must be >= 2, got {validation_every}")
   sources = installed_sources(sources)
   paths = corpus_paths(output_dir)
-  settings = {"data_dir": None if data_dir is None else str(pathlib.Path(data_dir).resolve()),
+  settings = {"data_dir": None if data_dir is None else _absolute(data_dir),
               "sources": list(sources), "clarify_splits": list(clarify_splits),
               "perspectrum_splits": None if perspectrum_splits is None
               else list(perspectrum_splits), "validation_every": validation_every,
               "order_seed": CORPUS_ORDER_SEED}
-  manifest = pathlib.Path(output_dir) / MANIFEST
-  if manifest.is_file() and all(os.path.isfile(p) for p in paths.values()):
+  manifest = fileio.join(output_dir, MANIFEST)
+  if fileio.isfile(manifest) and all(fileio.isfile(p) for p in paths.values()):
     try:
-      if json.loads(manifest.read_text())["settings"] == settings:
+      if json.loads(fileio.read_text(manifest))["settings"] == settings:
         return paths
     except (ValueError, KeyError):
       pass  # An unreadable manifest: rebuild.

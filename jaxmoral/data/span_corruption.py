@@ -38,6 +38,7 @@ import tensorflow as tf
 # isort: on
 
 import gin
+from jaxmoral import fileio
 from jaxmoral.data import readers
 from jaxmoral.data import vocab as vocab_lib
 
@@ -298,7 +299,7 @@ def iterate_texts(path: str | os.PathLike, *, text_field: Optional[str] = None,
     raise ValueError(f"{path}: unknown text file type {suffix!r} (want one of {TEXT_SUFFIXES})")
   if suffix != ".txt" and text_field is None and text_fn is None:
     raise ValueError(f"{path}: give text_field or text_fn to choose the text of a {suffix} row")
-  with open(path, encoding="utf-8", newline="") as f:
+  with fileio.open(path, "r", encoding="utf-8", newline="") as f:
     if suffix == ".txt":
       lines: Iterator[tuple[int, Any]] = ((n, {"text": t.rstrip("\r\n")})
                                           for n, t in enumerate(f, 1))
@@ -343,12 +344,13 @@ def text_file_dataset(files: Sequence[str | os.PathLike], *, text_field: Optiona
                       text_fn: Optional[TextFn] = None) -> tf.data.Dataset:
   """Scalar tf.string texts of `files` in order, streamed (`iterate_texts` rules).
 
-  .txt files go through `tf.data.TextLineDataset`, the others through a Python generator that
-  reads a row at a time.
+  Local .txt files go through `tf.data.TextLineDataset`; the others, and every object-store
+  URL, through a Python generator that reads a row at a time through `jaxmoral.fileio` (the
+  file layer, credentials and endpoint of every other file a run reads).
   """
   parts = []
   for path in files:
-    if _suffix(path) == ".txt":
+    if _suffix(path) == ".txt" and not fileio.is_url(path):
       parts.append(tf.data.TextLineDataset(os.fspath(path)))
     else:
       generator = functools.partial(iterate_texts, path, text_field=text_field, text_fn=text_fn)
@@ -423,7 +425,7 @@ def register_span_corruption_task(
                          "files")
       for path in files[split]:
         # Fail at registration, not in the middle of training.
-        if not os.path.isfile(path):
+        if not fileio.isfile(path):
           raise FileNotFoundError(f"register_span_corruption_task({name!r}): no such file "
                                   f"{path}")
         suffix = _suffix(path)
@@ -449,7 +451,7 @@ def register_span_corruption_task(
   # What the rows depend on, for `tasks.TaskSource`'s index cache: the files as they are now
   # (a changed file gets a new cache), the texts, how they are read and corrupted.
   source.jaxmoral_fingerprint = json.dumps({
-      "files": {s: [[p, os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
+      "files": {s: [[p, *fileio.version(p)] for p in paths]
                 for s, paths in sorted(files.items())},
       "texts": zlib.crc32(json.dumps(split_texts, sort_keys=True).encode("utf-8")),
       "read": [text_field, getattr(text_fn, "__qualname__", None)],

@@ -260,6 +260,15 @@ def build_demo_vocabulary(*, output_dir: str | os.PathLike,
   Returns:
     The `.model` path.
   """
+  if fileio.is_url(output_dir):
+    # SentencePiece writes local files: built in a local folder, then uploaded.
+    model = fileio.join(output_dir, f"demo_spm_{vocab_size}.model")
+    if not fileio.isfile(model):
+      local = build_demo_vocabulary(output_dir=fileio.local_folder_for(output_dir),
+                                    vocab_size=vocab_size)
+      fileio.upload(local[:-len(".model")] + ".vocab", model[:-len(".model")] + ".vocab")
+      fileio.upload(local, model)  # Last: its presence means the build is complete.
+    return model
   prefix = pathlib.Path(output_dir) / f"demo_spm_{vocab_size}"
   model = f"{prefix}.model"
   if os.path.isfile(model):

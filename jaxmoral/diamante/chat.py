@@ -9,13 +9,13 @@ best (`inference.respond`). Transcripts are JSON lines, one turn a line:
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any, Callable, Optional, TextIO
 
 import jax
 
 import gin
+from jaxmoral import fileio
 from jaxmoral import partitioning
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import inference
@@ -62,11 +62,6 @@ def _turn_record(turn: int, speaker: str, text: str,
   return record
 
 
-def _open_transcript(path: str) -> TextIO:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  return open(path, "w", encoding="utf-8")
-
-
 @gin.configurable
 def chat(*, model_dir: str, transcript_path: str,
          rerank: Optional[inference.RerankConfig] = None, seed: int = 0,
@@ -97,7 +92,7 @@ def chat(*, model_dir: str, transcript_path: str,
   key = jax.random.PRNGKey(seed)
   history: list[str] = []
   records: list[dict] = []
-  with _open_transcript(transcript_path) as transcript:
+  with fileio.open_text_writer(transcript_path) as transcript:
     for _ in range(max_turns):
       try:
         line = input_fn("you> ").strip()
@@ -166,7 +161,7 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
     records.append(_turn_record(len(records), speaker, reply.text, reply))
     if output is not None:
       print(f"{speaker}> {reply.text}  [score {reply.score:.3f}]", file=output)
-  with _open_transcript(transcript_path) as transcript:
+  with fileio.open_text_writer(transcript_path) as transcript:
     for record in records:
       transcript.write(json.dumps(record, ensure_ascii=False) + "\n")
   return records

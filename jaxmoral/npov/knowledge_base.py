@@ -21,11 +21,11 @@ import dataclasses
 import hashlib
 import json
 import os
-import pathlib
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
+from jaxmoral import fileio
 from jaxmoral.data import corpus_sources
 from jaxmoral.data import readers
 from jaxmoral.npov import task
@@ -76,11 +76,10 @@ def read_perspectrum(directory: str | os.PathLike) -> list[Topic]:
   (sampling skips them). A released dataset: keys other than those read pass through."""
   directory = str(directory)
   def load(name: str) -> Any:
-    path = os.path.join(directory, name)
-    if not os.path.exists(path):
+    path = fileio.join(directory, name)
+    if not fileio.isfile(path):
       raise FileNotFoundError(f"PERSPECTRUM file missing: {path}")
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
+    return json.loads(fileio.read_text(path))
   claims = load("perspectrum_with_answers_v1.0.json")
   pool = {p["pId"]: p["text"] for p in load("perspective_pool_v1.0.json")}
   split_of = load("dataset_split_v1.0.json")
@@ -94,7 +93,7 @@ def read_perspectrum(directory: str | os.PathLike) -> list[Topic]:
         continue
       missing = [p for p in group["pids"] if p not in pool]
       if missing:
-        raise readers.DataError(os.path.join(directory, "perspectrum_with_answers_v1.0.json"),
+        raise readers.DataError(fileio.join(directory, "perspectrum_with_answers_v1.0.json"),
                                 0, f"claim {claim['cId']} cluster {i}: perspective ids "
                                 f"{missing} not in the pool", "pids")
       clusters.append(Cluster(stance, tuple(_clean(pool[p]) for p in group["pids"])))
@@ -251,7 +250,7 @@ def perspectrum_texts(data_dir: str | os.PathLike, *,
                       splits: Optional[Sequence[str]] = ("train",)) -> Iterator[str]:
   """PERSPECTRUM claims and the perspectives of their clusters, for claims in `splits`
   (None: all claims)."""
-  for topic in read_perspectrum(pathlib.Path(data_dir) / "perspectrum"):
+  for topic in read_perspectrum(fileio.join(data_dir, "perspectrum")):
     if splits is not None and topic.split not in splits:
       continue
     yield topic.query
