@@ -401,15 +401,15 @@ def test_pretraining_corpus_reads_its_data_from_and_writes_its_files_to_a_bucket
   local_task = pretraining_corpus.register_pretraining_mixture(
       data_dir=local, vocabulary_path=fileio.local_copy(vocabulary),
       output_dir=str(tmp_path / "corpus"), task_name="local_pretrain", **kwargs)
+  def examples(t, split):
+    return list(t.get_dataset({"inputs": 16, "targets": 8}, split=split, shuffle=False,
+                              seed=0).as_numpy_iterator())
+
   for split, path in pretraining_corpus.corpus_paths(corpus).items():
     assert fileio.read_text(path) == (tmp_path / "corpus" / os.path.basename(path)).read_text()
-
-    def examples(t):
-      return list(t.get_dataset({"inputs": 16, "targets": 8}, split=split, shuffle=False,
-                                seed=0).as_numpy_iterator())  # pylint: disable=cell-var-from-loop
-    got, want = examples(task), examples(local_task)
+    got, want = examples(task, split), examples(local_task, split)
     assert len(got) == len(want) > 0
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
       np.testing.assert_array_equal(a["inputs"], b["inputs"])
       np.testing.assert_array_equal(a["targets"], b["targets"])
   # A second registration with the same settings reads the manifest from the bucket and

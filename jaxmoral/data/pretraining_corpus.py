@@ -85,7 +85,7 @@ def clarify_texts(data_dir: str | os.PathLike, *,
 
 def silver_texts(data_dir: str | os.PathLike) -> Iterator[str]:
   """The silver defeasible updates: rule of thumb, update, question and situation of a row."""
-  paths = _files(fileio.join(data_dir, "delta_clarify_silver"), ".tsv")
+  paths = _files(fileio.join(data_dir, "delta_clarify_silver"), "*.tsv")
   if not paths:
     raise FileNotFoundError(f"no silver TSV in {fileio.join(data_dir, 'delta_clarify_silver')}")
   fields = ["Hypothesis", "Update", "question_davinci", "situation"]
@@ -97,7 +97,7 @@ def silver_texts(data_dir: str | os.PathLike) -> Iterator[str]:
 def fusion_texts(data_dir: str | os.PathLike) -> Iterator[str]:
   """Both sides of the fusion pairs: "SITUATION: s QUESTION: q ANSWER: a" and the fused
   situation (the first is the fusion model's input format, worth pretraining on too)."""
-  paths = _files(fileio.join(data_dir, "fusion"), ".csv")
+  paths = _files(fileio.join(data_dir, "fusion"), "*.csv")
   if not paths:
     raise FileNotFoundError(f"no fusion CSV in {fileio.join(data_dir, 'fusion')}")
   for path in paths:
@@ -106,14 +106,9 @@ def fusion_texts(data_dir: str | os.PathLike) -> Iterator[str]:
       yield row["output"]
 
 
-def _files(folder: str, suffix: str) -> list[str]:
-  """The files of `folder` (a path or URL) ending in `suffix`, sorted; [] if it is missing."""
-  try:
-    names = fileio.listdir(folder)
-  except FileNotFoundError:
-    return []
-  return [fileio.join(folder, n) for n in sorted(names)
-          if n.endswith(suffix) and not n.startswith(".") and fileio.isfile(fileio.join(folder, n))]
+def _files(folder: str, pattern: str) -> list[str]:
+  """The files of `folder` (a path or URL) matching `pattern`, sorted; [] if it is missing."""
+  return sorted(os.fspath(p) for p in fileio.path(folder).glob(pattern) if p.is_file())
 
 
 def _absolute(location: str | os.PathLike) -> str:
