@@ -477,6 +477,23 @@ def _restore_args(target: PyTree) -> PyTree:
 RUN_CHECKPOINTS_SUBDIR = "checkpoints"
 
 
+# Where Orbax (TensorStore's OCDBT layout) reads and writes checkpoints: local or mounted
+# folders and gs:// (its S3 driver is not wired into OCDBT checkpoints). jaxmoral's own files
+# may also be on s3:// (`fileio`); its checkpoints, exports and runs may not.
+ORBAX_SCHEMES = (None, "gs")
+
+
+def require_checkpoint_storage(location: str | os.PathLike, what: str) -> None:
+  """Raises a one-line ValueError, before any work, when Orbax cannot keep checkpoints at
+  `location` (`what` names it: "MODEL_DIR", "export --output", ...)."""
+  kind = fileio.scheme(location)
+  if kind not in ORBAX_SCHEMES:
+    raise ValueError(
+        f"{what} {os.fspath(location)}: Orbax {ocp.__version__} keeps checkpoints in local or "
+        f"mounted folders and on gs:// only, not on {kind}://; put the run or export there (data "
+        f"files, Hugging Face folders and reports may stay on {kind}://)")
+
+
 def make_run_dir(model_dir: str | os.PathLike) -> str:
   """Creates a run directory (MODEL_DIR: a local path or gs://bucket/run) and returns it.
 
@@ -486,6 +503,7 @@ def make_run_dir(model_dir: str | os.PathLike) -> str:
       before any work starts.
   """
   model_dir = os.fspath(model_dir)
+  require_checkpoint_storage(model_dir, "MODEL_DIR")
   fileio.check_writable(model_dir, directory=True, what="MODEL_DIR")
   fileio.makedirs(model_dir)
   return model_dir
@@ -564,8 +582,8 @@ class RunDirLock:
   On gs:// a holder's liveness is the object's update time (the heartbeat rewrites it); a
   stale lock is deleted with the precondition ifGenerationMatch=<the generation judged
   stale>, so of two takers only one deletes it, and a lock refreshed or retaken meanwhile is
-  kept; the taker then creates its own lock as above. (s3:// and other stores have no such
-  precondition here: check then write.)
+  kept; the taker then creates its own lock as above. (A run directory is never on s3://:
+  `require_checkpoint_storage`.)
 
   Use as a context manager, or `acquire()` / `release()`.
   """
@@ -738,6 +756,7 @@ class CheckpointManager:
     validation.positive_int(save_interval_steps, "CheckpointManager: save_interval_steps")
     if max_to_keep is not None:
       validation.positive_int(max_to_keep, "CheckpointManager: max_to_keep (or None)")
+    require_checkpoint_storage(directory, "checkpoint directory")
     self.directory = fileio.abspath(directory)
     # Explicit policy: orbax's default also saves the first step offered, whatever it is.
     policy = ocp.checkpoint_managers.AnySavePolicy([
@@ -1033,6 +1052,7 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
   Returns:
     The absolute export directory.
   """
+  require_checkpoint_storage(directory, "export directory")
   directory = fileio.abspath(directory)
   params_dir = fileio.join(directory, PARAMS_DIR)
   if fileio.exists(params_dir) and not overwrite:
@@ -1082,6 +1102,7 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
   Raises:
     CheckpointIntegrityError: The export is damaged or incomplete (checked before any read).
   """
+  require_checkpoint_storage(directory, "export directory")
   directory = fileio.abspath(directory)
   params_dir = fileio.join(directory, PARAMS_DIR)
   if not fileio.isdir(params_dir):
@@ -1128,6 +1149,7 @@ def _without_read_only_notice():
 
 def _run_manager(model_dir: str) -> ocp.CheckpointManager:
   """A read-only Orbax manager of a run's checkpoint directory."""
+  require_checkpoint_storage(model_dir, "run directory")
   if not fileio.isdir(model_dir):
     raise FileNotFoundError(f"{model_dir}: no such run directory")
   options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
@@ -1221,6 +1243,7 @@ def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int]
 
 def exported_metadata(directory: str | os.PathLike) -> PyTree:
   """The saved parameter tree of an `export_params` directory, `ArrayMetadata` leaves."""
+  require_checkpoint_storage(directory, "export directory")
   params_dir = fileio.join(fileio.abspath(directory), PARAMS_DIR)
   if not fileio.isdir(params_dir):
     raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")

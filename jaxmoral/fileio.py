@@ -273,12 +273,16 @@ def write_text(location: str | os.PathLike, text: str, *, durable: bool = False)
   write_bytes(location, text.encode("utf-8"), durable=durable)
 
 
+# Stores whose fsspec client makes a conditional create (`pipe_file(mode="create")`).
+CONDITIONAL_CREATE_SCHEMES = ("gs", "s3")
+
+
 def create_exclusive(location: str | os.PathLike, data: bytes) -> bool:
   """Creates a file only if none exists; False if one does. Of two callers exactly one wins.
 
-  Local: O_CREAT | O_EXCL. gs://: an upload with the precondition `ifGenerationMatch=0`, which
-  the store refuses (HTTP 412) when the object exists. Other stores: check, then write (not
-  race-free; said in docs/reliability.md).
+  Local: O_CREAT | O_EXCL. gs:// and s3://: a conditional upload (GCS `ifGenerationMatch=0`,
+  S3 `If-None-Match: *`), which the store refuses (HTTP 412) when the object exists. Other
+  stores: check, then write (not race-free; said in docs/reliability.md).
   """
   location = os.fspath(location)
   if not is_url(location):
@@ -292,7 +296,7 @@ def create_exclusive(location: str | os.PathLike, data: bytes) -> bool:
       os.fsync(f.fileno())
     return True
   fs, stripped = filesystem(location)
-  if scheme(location) == "gs":
+  if scheme(location) in CONDITIONAL_CREATE_SCHEMES:
     try:
       fs.pipe_file(stripped, data, mode="create")
     except FileExistsError:

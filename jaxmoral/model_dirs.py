@@ -380,6 +380,7 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
                      vocabulary=vocabulary or load_vocabulary(path), settings=read_settings(path),
                      param_shapes=_flat_shapes(tree))
   if t5x_import.is_t5x_checkpoint(path):
+    checkpoints.require_checkpoint_storage(source, "T5X checkpoint")
     located = t5x_import.locate(path, config=config)
     return ModelInfo(source=source, path=path, format="t5x", config=located.config,
                      vocabulary=vocabulary or load_vocabulary(path), settings={},
