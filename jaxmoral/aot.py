@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 import gin
+from jaxmoral import fileio
 from jaxmoral import partitioning
 from jaxmoral import validation
 
@@ -655,8 +656,8 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
   if print_table:
     print(f"jaxmoral compile {topology}:\n{report.table()}", flush=True)
   if report_path:
-    os.makedirs(os.path.dirname(os.path.abspath(report_path)), exist_ok=True)
-    with open(report_path, "w", encoding="utf-8") as f:
+    fileio.makedirs(os.path.dirname(fileio.abspath(report_path)))
+    with fileio.open(report_path, "w", encoding="utf-8") as f:
       f.write(report.to_json() + "\n")
   if check:
     check_fits(report)

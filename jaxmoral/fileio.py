@@ -49,6 +49,12 @@ def _configure_clients() -> None:
     if _configured:
       return
     os.environ.setdefault("EPATH_USE_TF", "false")
+    # etils decides once per process, at the first path of any kind it handles (Orbax's local
+    # checkpoints included), whether URLs go through TensorFlow; decide again now.
+    from etils.epath import gpath  # pylint: disable=g-import-not-at-top
+    decided = getattr(gpath, "_is_tf_installed", None)
+    if hasattr(decided, "cache_clear"):
+      decided.cache_clear()
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if emulator:
       if not emulator.startswith(("http://", "https://")):
@@ -218,10 +224,13 @@ def open(location: str | os.PathLike, mode: str = "r", *,  # pylint: disable=red
   """`open` for local paths; the object store's file object for URLs (written on close)."""
   if not is_url(location):
     return builtins.open(location, mode, encoding=encoding, newline=newline)
+  # fsspec's own file object (not epath's, whose TensorFlow backend returns a context manager
+  # instead of a file): the same client as every other operation here.
+  fs, stripped = filesystem(location)
   if "b" in mode:
-    return path(location).open(mode)
+    return fs.open(stripped, mode)
   import io  # pylint: disable=g-import-not-at-top
-  binary = path(location).open(mode.replace("t", "") + "b")
+  binary = fs.open(stripped, mode.replace("t", "") + "b")
   return io.TextIOWrapper(binary, encoding=encoding or "utf-8", newline=newline)
 
 

@@ -160,9 +160,9 @@ def verify_run_files(model_dir: str | os.PathLike) -> bool:
   Raises:
     checkpoints.CheckpointIntegrityError: A file differs, is missing or the manifest is.
   """
-  model_dir = os.path.abspath(os.fspath(model_dir))
+  model_dir = fileio.abspath(model_dir)
   checksummed = checkpoints.run_files_checksummed(checkpoints.run_checkpoints_dir(model_dir))
-  present = [name for name in RUN_FILES if os.path.exists(os.path.join(model_dir, name))]
+  present = [name for name in RUN_FILES if fileio.exists(fileio.join(model_dir, name))]
   return checkpoints.verify_integrity(
       model_dir, what=f"{model_dir}: the run's files", full=True,
       required=[name for name in present if name != VOCAB_DIR],

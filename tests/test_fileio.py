@@ -85,3 +85,23 @@ def test_text_writers_versions_and_local_folders_work_on_both_kinds_of_path(wher
   folder = fileio.local_folder_for(path)
   assert os.path.isdir(folder) and folder == fileio.local_folder_for(path)
   assert not os.path.exists("gs:")
+
+
+def test_urls_go_through_fsspec_even_after_another_library_used_epath_first(gcs):
+  """etils picks TensorFlow's client for URLs once per process, at the first path it sees of
+  any kind: a process that opened a local checkpoint with Orbax before its first bucket file
+  (an export of a local run to gs://) must still read and list the bucket through fsspec."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  del gcs
+  code = ("from etils import epath\n"
+          "epath.Path('/tmp').exists()\n"  # As Orbax does with a local folder.
+          "from jaxmoral import fileio\n"
+          "fileio.write_text('gs://bucket/fileio_order/a.txt', 'x')\n"
+          "assert fileio.read_text('gs://bucket/fileio_order/a.txt') == 'x'\n"
+          "print(sorted(p.name for p in fileio.path('gs://bucket/fileio_order').glob('*.txt')))\n")
+  env = {k: v for k, v in os.environ.items() if k != "EPATH_USE_TF"}
+  done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.strip() == "['a.txt']"

@@ -205,10 +205,19 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(run):
     with pytest.raises(checkpoints.CheckpointIntegrityError, match="differs from its checksum"
                        ) as error:
       model_dirs.load(model_dir)
-    assert victim in str(error.value) and f"{model_dir}/checkpoints: checkpoint step {STEPS}" in str(
-        error.value)
+    message = str(error.value)
+    assert victim in message and f"{model_dir}/checkpoints: checkpoint step {STEPS}" in message
   finally:
     fileio.write_bytes(f"{step_dir}/{victim}", original)
+  # The run's own files (vocabulary, settings, model config) are verified in the bucket too.
+  vocabulary = f"{model_dir}/vocab/spiece.model"
+  original = fileio.read_bytes(vocabulary)
+  fileio.write_bytes(vocabulary, original[:-2] + bytes([original[-2] ^ 1, original[-1] ^ 1]))
+  try:
+    with pytest.raises(checkpoints.CheckpointIntegrityError, match="vocab/spiece.model"):
+      model_dirs.load(model_dir)
+  finally:
+    fileio.write_bytes(vocabulary, original)
   metadata = "state/_METADATA"
   saved = fileio.read_bytes(f"{step_dir}/{metadata}")
   fileio.remove(f"{step_dir}/{metadata}")

@@ -1,5 +1,7 @@
 """jaxmoral.rl.ppo_trainer: first-epoch ratio, learning a toy reward, kill-and-resume, sharding."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -235,3 +237,25 @@ def test_sharded_update_matches_unsharded(setup):
   np.testing.assert_allclose(got_metrics["policy_loss"], want_metrics["policy_loss"], atol=1e-5)
   kernel = got.policy.params["decoder"]["logits_dense"]["kernel"]
   assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+
+
+def test_the_reward_curve_of_a_run_in_a_bucket_is_written_and_resumed_there(gcs):
+  """A PPO run's MODEL_DIR may be gs://: its reward curve (JSON and picture) goes there, and a
+  resumed run keeps the iterations up to the one it restored."""
+  import types  # pylint: disable=g-import-not-at-top
+
+  from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
+  del gcs
+  model_dir = "gs://bucket/ppo_run"
+  hook = ppo_trainer.RewardCurveHook(model_dir)
+  hook.on_start(types.SimpleNamespace(start_step=0), None)
+  for step, reward in ((1, 0.5), (2, 0.25), (3, 0.75)):
+    hook.after_step(None, step, None, {"raw_score_mean": reward})
+  hook.on_end(None, None)
+  assert hook.picture == f"{model_dir}/reward_curve.png" and fileio.getsize(hook.picture) > 1000
+  path = ppo_trainer.reward_curve_path(model_dir)
+  assert ppo_trainer.read_reward_curve(path) == {1: 0.5, 2: 0.25, 3: 0.75}
+  resumed = ppo_trainer.RewardCurveHook(model_dir)
+  resumed.on_start(types.SimpleNamespace(start_step=2), None)  # Restored at iteration 2.
+  assert resumed.curve == {1: 0.5, 2: 0.25}
+  assert not os.path.exists("gs:")

@@ -15,12 +15,12 @@ import collections
 import dataclasses
 import json
 import os
-import pathlib
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 import gin
+from jaxmoral import fileio
 from jaxmoral import metrics
 from jaxmoral import model_dirs
 from jaxmoral import partitioning
@@ -152,9 +152,8 @@ def compare(generators: Mapping[str, baselines.Generator], situations: Sequence[
   if print_table:
     print(format_table(results))
   if output_json:
-    path = pathlib.Path(output_json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2))
+    fileio.makedirs(os.path.dirname(fileio.abspath(output_json)))
+    fileio.write_text(output_json, json.dumps(results, indent=2))
   return results
 
 

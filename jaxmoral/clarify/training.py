@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pathlib
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
@@ -357,8 +356,7 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
       model_dir=model_dir, trainer=program.trainer, prompt_source=prompts,
       num_iterations=num_iterations, checkpoint_every=checkpoint_every, log_every=log_every,
       sample_every=sample_every, seed=seed, async_checkpoint=async_checkpoint, init=init)
-  curve = ppo_trainer.read_reward_curve(
-      pathlib.Path(model_dir) / f"{ppo_trainer.RewardCurveHook.NAME}.json")
+  curve = ppo_trainer.read_reward_curve(ppo_trainer.reward_curve_path(model_dir))
   result = dict(result)
   # The PPO run directory itself loads as the tuned question generator (its policy).
   result.update({"policy_dir": os.fspath(model_dir),

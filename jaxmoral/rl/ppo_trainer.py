@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import os
-import pathlib
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
@@ -47,6 +46,7 @@ import numpy as np
 import optax
 
 import gin
+from jaxmoral import fileio
 from jaxmoral import losses
 from jaxmoral import optimizers
 from jaxmoral import partitioning
@@ -853,7 +853,7 @@ class RewardCurveHook(train_lib.TrainHook):
   NAME = "reward_curve"
 
   def __init__(self, model_dir: str):
-    self.path = pathlib.Path(model_dir) / f"{self.NAME}.json"
+    self.path = reward_curve_path(model_dir)
     self.curve: dict[int, float] = {}
 
   def on_start(self, loop: train_lib.LoopInfo, state: Any) -> Any:
@@ -866,8 +866,8 @@ class RewardCurveHook(train_lib.TrainHook):
     self.curve[step] = float(metrics["raw_score_mean"])
     if jax.process_index() == 0:
       steps = sorted(self.curve)
-      self.path.write_text(json.dumps({"iterations": steps,
-                                       "raw_reward_mean": [self.curve[i] for i in steps]}))
+      fileio.write_text(self.path, json.dumps({"iterations": steps,
+                                               "raw_reward_mean": [self.curve[i] for i in steps]}))
 
   def on_end(self, loop: train_lib.LoopInfo, state: Any) -> None:
     if jax.process_index() == 0 and self.curve:
@@ -876,15 +876,20 @@ class RewardCurveHook(train_lib.TrainHook):
   picture: Optional[str] = None
 
 
-def read_reward_curve(path: pathlib.Path) -> dict[int, float]:
+def reward_curve_path(model_dir: str | os.PathLike[str]) -> str:
+  """`MODEL_DIR/reward_curve.json` (a local path or a bucket URL)."""
+  return fileio.join(model_dir, f"{RewardCurveHook.NAME}.json")
+
+
+def read_reward_curve(path: str | os.PathLike[str]) -> dict[int, float]:
   """{iteration: mean raw reward} of a curve file; {} when there is none."""
-  if not path.is_file():
+  if not fileio.isfile(path):
     return {}
-  data = json.loads(path.read_text())
+  data = json.loads(fileio.read_text(path))
   return dict(zip(data["iterations"], data["raw_reward_mean"], strict=False))
 
 
-def plot_reward_curve(path: pathlib.Path) -> str:
+def plot_reward_curve(path: str | os.PathLike[str]) -> str:
   """Draws a curve file beside it (`.png`); returns the picture's path."""
   curve = read_reward_curve(path)
   fig, ax = pictures.pyplot().subplots(figsize=(5, 3))
@@ -892,7 +897,7 @@ def plot_reward_curve(path: pathlib.Path) -> str:
   ax.set_xlabel("PPO iteration")
   ax.set_ylabel("mean raw reward")
   ax.set_title("PPO reward")
-  return pictures.save_figure(fig, path.with_suffix(".png"))
+  return pictures.save_figure(fig, os.path.splitext(os.fspath(path))[0] + ".png")
 
 
 # -- the run ------------------------------------------------------------------------------------
