@@ -52,9 +52,9 @@ def _configure_clients() -> None:
     # etils decides once per process, at the first path of any kind it handles (Orbax's local
     # checkpoints included), whether URLs go through TensorFlow; decide again now.
     from etils.epath import gpath  # pylint: disable=g-import-not-at-top
-    decided = getattr(gpath, "_is_tf_installed", None)
-    if hasattr(decided, "cache_clear"):
-      decided.cache_clear()
+    clear = getattr(getattr(gpath, "_is_tf_installed", None), "cache_clear", None)
+    if clear is not None:
+      clear()
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if emulator:
       if not emulator.startswith(("http://", "https://")):
