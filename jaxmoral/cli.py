@@ -58,11 +58,15 @@ METHOD_COMMANDS = ("npov", "diamante", "clarify")
 HELP_FLAGS = ("-h", "--help")
 
 
+# T5X's flag: the folder (or gs:// URL) of every TFDS-backed Task's prepared data.
+TFDS_DATA_DIR_FLAG = "--tfds_data_dir"
 # Flags of `jax.distributed.initialize`, under JAX's names and T5X's (`--process_count`,
 # `--process_index`), taken from anywhere on the line; the environment gives them too.
 DISTRIBUTED_FLAGS = {"--coordinator_address": "coordinator_address",
                      "--num_processes": "num_processes", "--process_count": "num_processes",
                      "--process_id": "process_id", "--process_index": "process_id"}
+# Every flag taken from anywhere on the line (`split_flags`), before argparse sees the rest.
+LINE_FLAGS = (compilation_cache.FLAG, TFDS_DATA_DIR_FLAG, *DISTRIBUTED_FLAGS)
 # Commands that run in one process (no `jax.distributed.initialize`).
 SINGLE_PROCESS_COMMANDS = ("compile", "vocab", "export", "explore")
 
@@ -282,7 +286,9 @@ def _parser() -> argparse.ArgumentParser:
       prog="jaxmoral", description=__doc__.split("\n\n")[0],
       epilog=f"{_GIN_FLAGS_HELP} They are for every command but {', '.join(NO_GIN_COMMANDS)}. "
              f"{compilation_cache.FLAG}=DIR|none (anywhere on the line): where compiled "
-             "programs are kept between runs (default ~/.cache/jaxmoral/xla). Multi-host "
+             "programs are kept between runs (default ~/.cache/jaxmoral/xla). "
+             f"{TFDS_DATA_DIR_FLAG}=DIR (anywhere on the line, as in T5X): where TFDS-backed "
+             "seqio Tasks read their prepared data, a folder or gs:// URL. Multi-host "
              "(anywhere on the line, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
              "JAX_PROCESS_ID): --coordinator_address=HOST:PORT --num_processes=N "
              "--process_id=I (T5X's --process_count, --process_index work too); SLURM and "
@@ -359,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   try:
-    flags, argv = split_flags(argv, [compilation_cache.FLAG, *DISTRIBUTED_FLAGS])
+    flags, argv = split_flags(argv, LINE_FLAGS)
     distributed = _distributed_arguments(flags)
   except ValueError as error:
     parser.error(str(error))
@@ -422,6 +428,9 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
     # A no-op for one process; joins the job given by the flags, JAX_COORDINATOR_ADDRESS...,
     # SLURM or a TPU pod. Before gin, whose configurables may touch devices.
     partitioning.initialize_distributed(**distributed)
+  if TFDS_DATA_DIR_FLAG in flags:
+    from jaxmoral.data import tasks  # seqio and TensorFlow: only for a TFDS-backed Task.
+    tasks.set_tfds_data_dir(flags[TFDS_DATA_DIR_FLAG])
   if args.command in GIN_COMMANDS:
     module, function, _ = GIN_COMMANDS[args.command]
     _call_with_gin(module, function, gin_args)

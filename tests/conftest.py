@@ -243,3 +243,25 @@ def upload_folder(local: pathlib.Path, url: str) -> str:
   for path in sorted(p for p in local.rglob("*") if p.is_file()):
     fileio.upload(path, f"{url}/{path.relative_to(local).as_posix()}")
   return url
+
+
+@pytest.fixture(scope="session")
+def tensorflow_gcs(gcs, tmp_path_factory):
+  """TensorFlow's own GCS client (tf.io.gfile, tf.data, TFDS) pointed at the `gcs` server
+  through tests/tls_proxy.py; yields the list of requests it made ("HOST PATH")."""
+  import tls_proxy  # pylint: disable=g-import-not-at-top
+  proxy, ca_bundle, stop, seen = tls_proxy.start(gcs, str(tmp_path_factory.mktemp("tls_proxy")))
+  env = {"https_proxy": proxy, "CURL_CA_BUNDLE": ca_bundle,
+         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token", "no_proxy": "127.0.0.1,localhost",
+         "GCS_RETRY_CONFIG_MAX_RETRIES": "2"}
+  saved = {key: os.environ.get(key) for key in env}
+  os.environ.update(env)
+  try:
+    yield seen
+  finally:
+    stop()
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value

@@ -433,3 +433,60 @@ else:
     cached.sources(**{**kwargs, "seed": 4})
   with pytest.raises(ValueError, match=r"holds rows for feature_lengths="):
     cached.sources(**{**kwargs, "feature_lengths": {"inputs": 32, "targets": 12}})
+
+
+def test_tfds_data_dir_points_a_tfds_task_at_a_bucket_read_by_tensorflows_client(
+    tensorflow_gcs, demo_vocab_path, tmp_path):
+  """`--tfds_data_dir=gs://...` (T5X's flag): a TFDS-backed Task's prepared data is read from
+  the bucket by TFDS and TensorFlow's own GCS client, and `jaxmoral cache` writes the same
+  rows as from a local copy of the same data."""
+  import gin  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  from conftest import upload_folder  # pylint: disable=g-import-not-at-top
+  from jaxmoral import cli, runs  # pylint: disable=g-import-not-at-top
+  pairs = {"inputs": [f"help friend {i}" for i in range(24)],
+           "targets": [f"answer {i % 5}" for i in range(24)]}
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name="jaxmoral_test_pairs", version="1.0.0", data_dir=str(tmp_path / "tfds"),
+      features=tfds.features.FeaturesDict({"inputs": tfds.features.Text(),
+                                           "targets": tfds.features.Text()}),
+      split_datasets={"train": tf.data.Dataset.from_tensor_slices(pairs),
+                      "validation": tf.data.Dataset.from_tensor_slices(
+                          {k: v[:4] for k, v in pairs.items()})})
+  bucket = upload_folder(tmp_path / "tfds", "gs://bucket/tfds")
+  vocabulary = vocab.get_vocabulary(demo_vocab_path)
+  features = {k: seqio.Feature(vocab.as_seqio(vocabulary), add_eos=True)
+              for k in ("inputs", "targets")}
+  seqio.TaskRegistry.remove("tfds_test_pairs")  # What a user's module registers.
+  seqio.TaskRegistry.add("tfds_test_pairs",
+                         source=seqio.TfdsDataSource("jaxmoral_test_pairs:1.0.0"),
+                         preprocessors=[seqio.preprocessors.tokenize], output_features=features)
+  lengths = {"inputs": 48, "targets": 24}  # configs/core/tiny_cpu.gin's.
+  try:
+    for name, data_dir in (("bucket", bucket), ("local", str(tmp_path / "tfds"))):
+      gin.clear_config()
+      assert cli.main(["cache", f"--tfds_data_dir={data_dir}",
+                       "--gin_file=configs/core/tiny_cpu.gin",
+                       "--gin.MIXTURE_OR_TASK_NAME='tfds_test_pairs'",
+                       f"--gin.DATA_CACHE='{tmp_path / name}'", "--gin.BATCH_SIZE=4",
+                       f"--gin.VOCABULARY_PATH='{demo_vocab_path}'",
+                       f"--gin.MODEL_DIR='{tmp_path / 'unused'}'"]) == 0
+  finally:
+    gin.clear_config()
+    seqio.set_tfds_data_dir_override(None)
+  # The bucket's records were read by TensorFlow's client (through the proxy), not gcsfs.
+  import urllib.parse  # pylint: disable=g-import-not-at-top
+  read = [urllib.parse.unquote(r) for r in tensorflow_gcs]
+  assert ("storage.googleapis.com /bucket/tfds/jaxmoral_test_pairs/1.0.0/"
+          "jaxmoral_test_pairs-train.tfrecord-00000-of-00001") in read, read[:5]
+  kwargs = dict(vocabulary=vocabulary, batch_size=4, feature_lengths=lengths, seed=0)
+  got, _ = runs.Seq2SeqData(mixture_or_task_name="tfds_test_pairs",
+                            cache_dir=str(tmp_path / "bucket")).sources(**kwargs)
+  want, _ = runs.Seq2SeqData(mixture_or_task_name="tfds_test_pairs",
+                             cache_dir=str(tmp_path / "local")).sources(**kwargs)
+  assert got.num_examples == want.num_examples == 24
+  for step in (0, 5):
+    for key, value in want.batch(step).items():
+      np.testing.assert_array_equal(got.batch(step)[key], value)

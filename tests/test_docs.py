@@ -148,7 +148,7 @@ def _words(command: str) -> list[str]:
 
 def _dry_run_jaxmoral(argv: list[str]) -> None:
   """What `cli.main` checks before any work, for one jaxmoral command line."""
-  flags, argv = cli.split_flags(argv, ["--compilation_cache_dir", *cli.DISTRIBUTED_FLAGS])
+  flags, argv = cli.split_flags(argv, cli.LINE_FLAGS)
   gin_args, rest = gin_utils.split_gin_args(argv)
   args = cli._parser().parse_args(rest)  # pylint: disable=protected-access
   gin.clear_config()

@@ -155,6 +155,13 @@ def register_demo_tasks(*, vocabulary: Any) -> seqio.Mixture:
   return seqio.MixtureRegistry.add(DEMO_MIXTURE, [(t, len(sources[t])) for t in DEMO_TASKS])
 
 
+def set_tfds_data_dir(data_dir: str) -> None:
+  """Where every TFDS-backed seqio Task reads its prepared data, as T5X's `--tfds_data_dir`:
+  a local folder or a bucket URL (read by TFDS and TensorFlow's own GCS client). It overrides
+  each Task's own `tfds_data_dir`, for the rest of the process."""
+  seqio.set_tfds_data_dir_override(data_dir)
+
+
 def num_examples(task_name: str, split: str) -> Optional[int]:
   """Input examples of a Task split (summed over a Mixture's Tasks), when the source knows."""
   provider = seqio.get_mixture_or_task(task_name)
