@@ -237,9 +237,7 @@ def open(location: str | os.PathLike, mode: str = "r", *,  # pylint: disable=red
 def open_text_writer(location: str | os.PathLike) -> IO[str]:
   """A UTF-8 text file opened for writing, its local folder made first; an object is stored
   when the file is closed (for records written line by line, e.g. chat transcripts)."""
-  location = os.fspath(location)
-  if not is_url(location):
-    os.makedirs(os.path.dirname(os.path.abspath(location)), exist_ok=True)
+  makedirs(os.path.dirname(abspath(location)))
   return open(location, "w", encoding="utf-8")
 
 

@@ -1,10 +1,11 @@
 """Test setup: 8 fake CPU devices (mesh tests) before JAX is imported anywhere, and one
 compilation cache per test run."""
 
+import contextlib
 import os
 import shutil
 import tempfile
-from typing import Optional
+from typing import Iterator, Optional
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -202,6 +203,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def set_environment(env: dict[str, str]) -> Iterator[None]:
+  """`env` in os.environ (this process and those it starts) within `with`; the old values,
+  or their absence, after (for fixtures wider than a test, where `monkeypatch` is not)."""
+  with pytest.MonkeyPatch.context() as patch:
+    for key, value in env.items():
+      patch.setenv(key, value)
+    yield
+
+
 @pytest.fixture(scope="session")
 def gcs():
   """A GCS-API server (tests/gcs_server.py) with one bucket, `bucket`; every client of this
@@ -223,18 +234,12 @@ def gcs():
   env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
          "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "EPATH_USE_TF": "false",
          "NO_GCE_CHECK": "true", "GOOGLE_CLOUD_PROJECT": "test"}
-  saved = {key: os.environ.get(key) for key in env}
-  os.environ.update(env)  # Before any client is first used; subprocesses inherit it.
   try:
-    yield url
+    with set_environment(env):  # Before any client is first used; subprocesses inherit it.
+      yield url
   finally:
     server.kill()
     server.wait()
-    for key, value in saved.items():
-      if value is None:
-        os.environ.pop(key, None)
-      else:
-        os.environ[key] = value
 
 
 def upload_folder(local: pathlib.Path, url: str) -> str:
@@ -254,14 +259,8 @@ def tensorflow_gcs(gcs, tmp_path_factory):
   env = {"https_proxy": proxy, "CURL_CA_BUNDLE": ca_bundle,
          "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test-token", "no_proxy": "127.0.0.1,localhost",
          "GCS_RETRY_CONFIG_MAX_RETRIES": "2"}
-  saved = {key: os.environ.get(key) for key in env}
-  os.environ.update(env)
   try:
-    yield seen
+    with set_environment(env):
+      yield seen
   finally:
     stop()
-    for key, value in saved.items():
-      if value is None:
-        os.environ.pop(key, None)
-      else:
-        os.environ[key] = value

@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import free_port, upload_folder, write_hf_t5
+from conftest import free_port, set_environment, upload_folder, write_hf_t5
 from jaxmoral import checkpoints, cli, fileio, model_dirs
 from jaxmoral.data import readers
 
@@ -31,19 +31,13 @@ def s3():
   url = f"http://127.0.0.1:{port}"
   env = {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
          "AWS_DEFAULT_REGION": "us-east-1"}
-  saved = {key: os.environ.get(key) for key in env}
-  os.environ.update(env)
   try:
-    fs, _ = fileio.filesystem(BUCKET)
-    fs.mkdir("bucket")
-    yield url
+    with set_environment(env):
+      fs, _ = fileio.filesystem(BUCKET)
+      fs.mkdir("bucket")
+      yield url
   finally:
     server.stop()
-    for key, value in saved.items():
-      if value is None:
-        os.environ.pop(key, None)
-      else:
-        os.environ[key] = value
 
 
 def test_an_exclusive_create_is_conditional_on_s3(s3, monkeypatch):
