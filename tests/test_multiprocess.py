@@ -2,11 +2,12 @@
 
 Two `runs.train_run` processes with 2 CPU devices each join through `jax.distributed`
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, the variables launch/local.sh
-sets); each reads only its own rows of every global batch (`tasks.TaskSource`'s index cache)
-and contributes them. A one-process run on 4 devices that reads both shards and
-puts their rows together the same way is the reference (run by the test's own process, on 4
-of its 8, while the two train: they start once it has cached the rows): same per-step losses,
-and the two-process checkpoint restores in a single process with the reference's parameters.
+sets); each reads only its own rows of every global batch from the run's DATA_CACHE (written
+first by `jaxmoral cache`, so the two import no TensorFlow, as accelerator hosts need not) and
+contributes them. A one-process run on 4 devices that reads both shards and puts their rows
+together the same way is the reference (run by the test's own process, on 4 of its 8, while
+the two train): same per-step losses, and the two-process checkpoint restores in a single
+process with the reference's parameters.
 """
 
 import json
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import child_xla_flags
-from jaxmoral import model_dirs
+from jaxmoral import cli, model_dirs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -54,14 +55,14 @@ DRIVER = textwrap.dedent("""
       return state, metrics
     trainer_lib.Trainer.train_step = recording_step
     import numpy as np
-    from jaxmoral.data import tasks
-    read, sources, iterate = [], [], tasks.TaskSource.iterate
+    from jaxmoral.data import pipeline
+    read, sources, iterate = [], [], pipeline.BatchSource.iterate
     def recording_iterate(self, start_step=0):
       sources.append(self)
       for batch in iterate(self, start_step):
         read.append(batch)
         yield batch
-    tasks.TaskSource.iterate = recording_iterate
+    pipeline.BatchSource.iterate = recording_iterate
     gin_args, rest = gin_utils.split_gin_args(sys.argv[2:])
     gin_utils.parse_gin(gin_args)
     runs.train_run()
@@ -123,6 +124,7 @@ DRIVER = textwrap.dedent("""
       data_line = "trained"
     except ValueError as error:
       data_line = f"refused: {cli.user_error_message(error)}"  # one line, as the CLI prints it
+    check["tensorflow_imported"] = "tensorflow" in sys.modules
     with open(f"{sys.argv[1]}.{jax.process_index()}.json", "w") as f:
       json.dump({"losses": losses, "process_count": jax.process_count(),
                  "device_count": jax.device_count(),
@@ -151,17 +153,18 @@ def _child_env(*, devices=None, process_id=None, num_processes=1, port=None) -> 
   return env
 
 
-def _launch(driver, out, model_dir, vocab, *, devices, process_id=None, num_processes=1,
-            port=None):
-  args = [sys.executable, str(driver), str(out), *_train_args(model_dir, vocab)]
+def _launch(driver, out, model_dir, vocab, data_cache, *, devices, process_id=None,
+            num_processes=1, port=None):
+  args = [sys.executable, str(driver), str(out), *_train_args(model_dir, vocab, data_cache)]
   return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, env=_child_env(devices=devices, process_id=process_id,
                                                     num_processes=num_processes, port=port))
 
 
-def _train_args(model_dir, vocab):
+def _train_args(model_dir, vocab, data_cache):
   return ["--gin_file=configs/core/tiny_cpu.gin",
           f"--gin.MODEL_DIR='{model_dir}'", f"--gin.VOCABULARY_PATH='{vocab}'",
+          f"--gin.DATA_CACHE='{data_cache}'",
           "--gin.TRAIN_STEPS=3", "--gin.CHECKPOINT_EVERY=3", "--gin.BATCH_SIZE=8",
           "--gin.WARMUP_STEPS=1", "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 8}",
           "--gin.runs.train_run.log_every=1",
@@ -183,10 +186,9 @@ class _BothShards:
       yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def _train_reference(model_dir, vocab, *, data_ready, num_devices=4):
+def _train_reference(model_dir, vocab, data_cache, *, num_devices=4):
   """The one-process run, in this process on `num_devices` of its devices:
-  {"losses", "process_count", "device_count"}. `data_ready()` is called once the training
-  split's rows are in the index cache, before the first step."""
+  {"losses", "process_count", "device_count"}."""
   from jaxmoral import gin_utils, partitioning, runs  # pylint: disable=g-import-not-at-top
   from jaxmoral import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   losses = []
@@ -199,15 +201,14 @@ def _train_reference(model_dir, vocab, *, data_ready, num_devices=4):
 
   def both_shards(self, **kw):
     train = sources(self, **kw)[0]
-    assert train.data_fingerprint  # Its rows written to the (shared) index cache.
-    data_ready()
+    assert train.data_fingerprint  # Its rows read from the DATA_CACHE.
     return _BothShards(train), None
 
   gin.clear_config()
   with pytest.MonkeyPatch.context() as patch:
     patch.setattr(trainer_lib.Trainer, "train_step", recording_step)
     patch.setattr(runs.Seq2SeqData, "sources", both_shards)
-    gin_args, rest = gin_utils.split_gin_args(_train_args(model_dir, vocab))
+    gin_args, rest = gin_utils.split_gin_args(_train_args(model_dir, vocab, data_cache))
     assert not rest
     gin_utils.parse_gin(gin_args)
     partitioner = partitioning.PjitPartitioner(devices=jax.devices()[:num_devices])
@@ -237,20 +238,20 @@ def runs_done(tmp_path_factory, demo_vocab_path):
   driver = tmp / "driver.py"
   driver.write_text(DRIVER)
   port = _free_port()
-  procs = []
-
-  def start_two():
-    procs.extend((f"process {i} of 2", _launch(driver, tmp / "two", tmp / "two_run", vocab,
-                                                devices=2, process_id=i, num_processes=2,
-                                                port=port))
-                 for i in range(2))
-
-  # The one-process reference, here; the two processes are started once it has cached the
-  # training split's rows (JAXMORAL_DATA_CACHE, which they inherit), so they read those rows
-  # instead of each running seqio's pipeline again, and train while it does.
+  data_cache = tmp / "data"
+  gin.clear_config()
+  try:
+    assert cli.main(["cache", *_train_args(tmp / "unused", vocab, data_cache)]) == 0
+  finally:
+    gin.clear_config()
+  procs = [(f"process {i} of 2", _launch(driver, tmp / "two", tmp / "two_run", vocab,
+                                         data_cache, devices=2, process_id=i,
+                                         num_processes=2, port=port))
+           for i in range(2)]
+  # The one-process reference, here, while the two train.
   try:
     (tmp / "one.0.json").write_text(json.dumps(_train_reference(tmp / "one_run", vocab,
-                                                                data_ready=start_two)))
+                                                                data_cache)))
   finally:
     _wait(procs)
   assert len(procs) == 2
@@ -276,6 +277,7 @@ def test_two_processes_match_one_process_losses(runs_done):
 
 def test_each_process_resumes_its_own_shard(runs_done):
   checks = [_result(runs_done, "two", i)["check"] for i in range(2)]
+  assert not any(c["tensorflow_imported"] for c in checks)  # Its rows: the DATA_CACHE's.
   assert [c["shard"] for c in checks] == [[0, 2], [1, 2]]
   assert all(c["resumed_shard_equal"] for c in checks)
   assert checks[0]["shard_rows"] != checks[1]["shard_rows"]
