@@ -67,6 +67,7 @@ from jaxmoral import runtime  # noqa: E402
 # the processes it starts inherit the flags.
 runtime.configure()
 
+ROOT = str(pathlib.Path(__file__).resolve().parents[1])  # The project root.
 SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
 
 
@@ -211,6 +212,28 @@ def set_environment(env: dict[str, str]) -> Iterator[None]:
     for key, value in env.items():
       patch.setenv(key, value)
     yield
+
+
+BUCKET_FIXTURES = frozenset({"gcs", "tensorflow_gcs", "s3"})
+
+
+@pytest.fixture(autouse=True)
+def bucket_paths_stay_in_the_bucket(request):
+  """After each test that uses a storage server: no bucket URL ended up on the local disk.
+
+  `pathlib.Path("gs://b/run")` is the relative path `gs:/b/run`, and `os.makedirs` or
+  `open` given the URL write there: a module that handles a run path without `fileio` fails
+  the test that reached it, instead of silently keeping the run in the working folder.
+  """
+  yield
+  if not BUCKET_FIXTURES & set(request.fixturenames):
+    return
+  strays = sorted({os.path.join(folder, f"{scheme}:") for folder in (os.getcwd(), ROOT)
+                   for scheme in ("gs", "s3")
+                   if os.path.lexists(os.path.join(folder, f"{scheme}:"))})
+  for stray in strays:
+    shutil.rmtree(stray, ignore_errors=True)  # So that the next test is judged on its own.
+  assert not strays, f"a bucket path was written to the local disk as {strays}"
 
 
 @pytest.fixture(scope="session")
