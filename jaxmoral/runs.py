@@ -21,6 +21,7 @@ its path::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -415,10 +416,14 @@ def _run_vocabulary(model_dir: str, data: DataSpec, init_info: Optional[model_di
 
 
 def vocabulary_build_dir(model_dir: str) -> str:
-  """Where a run's vocabulary is built: MODEL_DIR/vocab, or a local folder for a bucket run
-  (SentencePiece writes local files; `save_run_files` copies the model into the bucket)."""
+  """Where a run's vocabulary is built: MODEL_DIR/vocab, or for a bucket run a new private
+  local folder (SentencePiece writes local files; `save_run_files` copies the model into the
+  bucket, and a resumed run reads it there). A folder shared between bucket runs would hand
+  one run a vocabulary trained on another's data."""
   if fileio.is_url(model_dir):
-    return os.path.join(tempfile.gettempdir(), "jaxmoral_run_vocab")
+    folder = tempfile.mkdtemp(prefix="jaxmoral-run-vocab-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
   return os.path.join(model_dir, VOCAB_DIR)
 
 

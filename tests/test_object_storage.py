@@ -388,3 +388,28 @@ def test_a_data_cache_in_the_bucket_serves_the_batches_it_was_written_with(gcs, 
   assert got.num_examples == spec["rows"]["train"] and got_eval is not None
   for k, v in want.batch(5).items():
     np.testing.assert_array_equal(got.batch(5)[k], v)
+
+
+def test_each_bucket_run_builds_its_vocabulary_from_its_own_data(tmp_path, monkeypatch):
+  """SentencePiece writes local files, so a bucket run trains its vocabulary in a local folder
+  first: a new one each time. A folder shared by every bucket run of the host handed a second
+  run, trained on other dialogues, the first run's pieces."""
+  from jaxmoral import runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral.diamante import data as diamante_data  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+  (tmp_path / "tmp").mkdir()
+  lines = pathlib.Path(ROOT, "jaxmoral/data/demo/dialogues.jsonl").read_text().splitlines()
+  files = {}
+  for name, part in (("a", lines[:30]), ("b", lines[30:])):
+    files[name] = tmp_path / f"{name}.jsonl"
+    files[name].write_text("\n".join(part) + "\n")
+
+  def pieces(train_path, build_dir):
+    vocabulary = diamante_data.DialogueData(train_path=str(train_path)).vocabulary(build_dir)
+    model = vocabulary.tokenizer
+    return [model.id_to_piece(i) for i in range(model.get_piece_size())]
+
+  first = pieces(files["a"], runs.vocabulary_build_dir(f"{BUCKET}/a"))
+  second = pieces(files["b"], runs.vocabulary_build_dir(f"{BUCKET}/b"))
+  assert second != first, "the second run was given the first run's vocabulary"
+  assert second == pieces(files["b"], str(tmp_path / "local_b"))  # Built from b's dialogues.
