@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import datetime
+import functools
 import os
 import re
 import threading
@@ -505,12 +506,23 @@ def append_text(location: str | os.PathLike, text: str) -> None:
   write_bytes(location, old + text.encode("utf-8"))
 
 
+@functools.cache
+def _process_folder() -> str:
+  """This process's own local folder: private (made by `mkdtemp`, mode 0700, so no other user
+  can have made or filled it) and removed when the process exits."""
+  import atexit  # pylint: disable=g-import-not-at-top
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  folder = tempfile.mkdtemp(prefix="jaxmoral-objects-")
+  atexit.register(shutil.rmtree, folder, ignore_errors=True)
+  return folder
+
+
 def local_folder_for(location: str | os.PathLike, suffix: str = "") -> str:
   """A local folder of this process for `location`'s files (made if missing): where files
   that only local readers and writers handle (SentencePiece, safetensors) are kept."""
   import hashlib  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  folder = os.path.join(tempfile.gettempdir(), f"jaxmoral_objects_{os.getpid()}",
+  folder = os.path.join(_process_folder(),
                         hashlib.sha256(os.fspath(location).encode()).hexdigest()[:16] + suffix)
   os.makedirs(folder, exist_ok=True)
   return folder

@@ -21,7 +21,6 @@ its path::
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import json
@@ -416,14 +415,12 @@ def _run_vocabulary(model_dir: str, data: DataSpec, init_info: Optional[model_di
 
 
 def vocabulary_build_dir(model_dir: str) -> str:
-  """Where a run's vocabulary is built: MODEL_DIR/vocab, or for a bucket run a new private
-  local folder (SentencePiece writes local files; `save_run_files` copies the model into the
-  bucket, and a resumed run reads it there). A folder shared between bucket runs would hand
-  one run a vocabulary trained on another's data."""
+  """Where a run's vocabulary is built: MODEL_DIR/vocab, or for a bucket run the process's
+  private local folder for that run (SentencePiece writes local files; `save_run_files` copies
+  the model into the bucket, and a resumed run reads it there). One folder shared by all
+  bucket runs would hand one run a vocabulary trained on another's data."""
   if fileio.is_url(model_dir):
-    folder = tempfile.mkdtemp(prefix="jaxmoral-run-vocab-")
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder
+    return fileio.local_folder_for(model_dir, "_vocab")
   return os.path.join(model_dir, VOCAB_DIR)
 
 

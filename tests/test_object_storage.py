@@ -390,14 +390,12 @@ def test_a_data_cache_in_the_bucket_serves_the_batches_it_was_written_with(gcs, 
     np.testing.assert_array_equal(got.batch(5)[k], v)
 
 
-def test_each_bucket_run_builds_its_vocabulary_from_its_own_data(tmp_path, monkeypatch):
+def test_each_bucket_run_builds_its_vocabulary_from_its_own_data(tmp_path):
   """SentencePiece writes local files, so a bucket run trains its vocabulary in a local folder
-  first: a new one each time. A folder shared by every bucket run of the host handed a second
-  run, trained on other dialogues, the first run's pieces."""
+  first: one of its own. A folder shared by every bucket run of the host handed a second run,
+  trained on other dialogues, the first run's pieces."""
   from jaxmoral import runs  # pylint: disable=g-import-not-at-top
   from jaxmoral.diamante import data as diamante_data  # pylint: disable=g-import-not-at-top
-  monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
-  (tmp_path / "tmp").mkdir()
   lines = pathlib.Path(ROOT, "jaxmoral/data/demo/dialogues.jsonl").read_text().splitlines()
   files = {}
   for name, part in (("a", lines[:30]), ("b", lines[30:])):
