@@ -68,7 +68,7 @@ from jaxmoral import runtime  # noqa: E402
 runtime.configure()
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[1])  # The project root.
-SHARED_DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
+SHARED_DATA = pathlib.Path(ROOT).parent / "shared"
 
 
 @pytest.fixture

@@ -74,7 +74,7 @@ def test_file_task_and_packing_match(vocabulary):
 
 def test_demo_mixture_stream_is_deterministic_resumable_and_sharded(vocabulary, monkeypatch):
   # A quarter of the rows a Mixture's cache holds by default: enough for every batch drawn
-  # here, and each cache (seeds 1 and 2) is then built by tf.data in a quarter of the time.
+  # here, and tf.data then builds a quarter of the rows for each cache (seeds 1 and 2).
   monkeypatch.setattr(tasks, "MIN_MIXTURE_ROWS", 512)
   mixture = tasks.register_demo_tasks(vocabulary=vocabulary)
   assert isinstance(mixture, seqio.Mixture)
@@ -124,8 +124,8 @@ def test_bad_arguments(vocabulary, tmp_path):
 
 def test_mixture_rates_decide_the_mix(vocabulary, monkeypatch):
   # Task a: 10 examples, task b: 30; seqio samples the Tasks at their rates. Each Mixture's
-  # cache holds 512 rows (the default's quarter, built by tf.data in a quarter of the time):
-  # the share of a among them has a standard deviation of at most 0.022.
+  # cache holds 512 rows (a quarter of the default, fewer for tf.data to build): the share of
+  # a among them has a standard deviation of at most 0.022.
   monkeypatch.setattr(tasks, "MIN_MIXTURE_ROWS", 512)
   # Letters, not digits: the demo vocabulary has no digits.
   words = [f"{x} {y}" for x in "abc" for y in "defghijklm"]
