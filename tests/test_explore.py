@@ -450,6 +450,20 @@ def test_npov_table_sorts_filters_and_opens_an_example(site, browser):
   assert [s.text for s in spans] == [w["text"] for w in words]
   np.testing.assert_allclose([float(s.get_attribute("data-score")) for s in spans],
                              [w["score"] for w in words], atol=1e-6)
+  # Drawn on the heatmap's scale (darkest: the example's highest word score), and flagged by
+  # its rule: more than one standard deviation above the mean of the response's words.
+  scores = np.array([w["score"] for w in words])
+  arguments = [w["score"] for w in salience["para-hall"]["argument_words"]]
+  darkest = max(scores.max(), *arguments)
+  np.testing.assert_allclose([float(s.get_attribute("style").split(":")[1].strip(" ;")) for s in spans],
+                             np.clip(scores / darkest, 0, 1), atol=1e-6)
+  flagged = [s.text for s in spans if "flagged" in s.get_attribute("class")]
+  assert flagged == [w["text"] for w in words if w["score"] > scores.mean() + scores.std()]
+  assert 0 < len(flagged) < len(words)
+  # The arguments by the same detector's coverage word scores.
+  shaded = driver.find_elements(By.CSS_SELECTOR, ".argument .sal.cov")
+  np.testing.assert_allclose(sorted(float(s.get_attribute("data-score")) for s in shaded),
+                             sorted(arguments), atol=1e-6)
   overlaps = {w.text for w in rouge.RougeDetector().detect(example).response_words
               if w.score == 0.0}
   assert {s.text for s in spans if "overlap" in s.get_attribute("class")} == overlaps

@@ -184,7 +184,8 @@ def create_app(roots: folders.Roots, *,
     if candidate.is_file():
       heatmap = roots.relative(root, candidate)
     return render("npov_example.html", root=root, path=roots.relative(root, folder),
-                  example=example, detectors=data["detectors"], heatmap=heatmap)
+                  example=example, detectors=data["detectors"], heatmap=heatmap,
+                  shading=sources.word_shading(example))
 
   @app.route("/live/npov", methods=["POST"])
   def live_npov():
@@ -193,7 +194,11 @@ def create_app(roots: folders.Roots, *,
         base_dir=model_dir(form.get("model")), query=form.get("query", ""),
         pro=form.get("pro", ""), con=form.get("con", ""), response=form.get("response", ""),
         generator_dir=model_dir(form.get("generator"))))
-    return render("live_npov.html", form=form, result=result, models=model_choices())
+    shading = None
+    if result.get("value"):
+      shading = sources.word_shading({"scores": {"salience": result["value"]}}).get("salience")
+    return render("live_npov.html", form=form, result=result, models=model_choices(),
+                  shading=shading)
 
   @app.route("/clarify")
   def clarify():

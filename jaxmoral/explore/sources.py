@@ -132,6 +132,16 @@ def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
   return {"examples": rows, "detectors": list(scores), "problems": problems}
 
 
+def word_shading(row: dict[str, Any]) -> dict[str, Any]:
+  """{detector: `plots.WordShading`} of one `npov_folder` example, for each detector with
+  word scores: the heatmap's scale and flagging rule, so the page and the heatmap agree."""
+  from jaxmoral.npov import plots  # pylint: disable=import-outside-toplevel
+  return {name: plots.word_shading([w["score"] for w in s.get("response_words") or ()],
+                                   [w["score"] for w in s.get("argument_words") or ()])
+          for name, s in row["scores"].items()
+          if s.get("response_words") or s.get("argument_words")}
+
+
 def npov_results(path: pathlib.Path) -> dict[str, Any]:
   """`npov evaluate`'s results.json: {slice: {detector: {error: {labels, scores, aucs}}}},
   checked enough to draw from."""

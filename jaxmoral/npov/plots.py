@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -34,6 +35,30 @@ def suspect_cutoff(scores: Any, z: float = SUSPECT_Z) -> float:
   if scores.size < 2:
     return float("inf")
   return float(scores.mean() + z * scores.std())
+
+
+@dataclasses.dataclass(frozen=True)
+class WordShading:
+  """How one example's word scores are drawn, in the heatmap and in `jaxmoral explore`.
+
+  Attributes:
+    vmax: The score drawn darkest: the example's highest word score (response and arguments
+      share one scale).
+    response_cutoff: Response words scoring above it are flagged (`suspect_cutoff`).
+    argument_cutoff: Argument words scoring above it are flagged.
+  """
+  vmax: float
+  response_cutoff: float
+  argument_cutoff: float
+
+
+def word_shading(response_scores: Sequence[float], argument_scores: Sequence[float], *,
+                 z: float = SUSPECT_Z) -> WordShading:
+  """One example's scale and flagging thresholds (see `WordShading`)."""
+  scores = [*response_scores, *argument_scores]
+  return WordShading(vmax=max(scores) if scores else 1.0,
+                     response_cutoff=suspect_cutoff(response_scores, z),
+                     argument_cutoff=suspect_cutoff(argument_scores, z))
 
 
 def _marked_text(text: str, words: Any, vmax: float, cutoff: float) -> str:
@@ -74,10 +99,10 @@ def salience_heatmap_html(word_map: Any, detection: base.Detection, path: str | 
   """
   response_words = list(detection.response_words)
   argument_words = list(detection.argument_words)
-  scores = [w.score for w in response_words + argument_words]
-  vmax = max(scores) if scores else 1.0
-  response_cutoff = suspect_cutoff([w.score for w in response_words], z)
-  argument_cutoff = suspect_cutoff([w.score for w in argument_words], z)
+  shading = word_shading([w.score for w in response_words],
+                         [w.score for w in argument_words], z=z)
+  vmax, response_cutoff, argument_cutoff = (shading.vmax, shading.response_cutoff,
+                                            shading.argument_cutoff)
 
   def text_of(field: str, index: int, words: list) -> str:
     if example is not None:
