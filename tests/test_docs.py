@@ -327,8 +327,8 @@ def test_the_documented_commands_without_a_model_run_in_full(tmp_path):
   assert {_words(c)[2] for c in commands} == {"detect", "evaluate"}, commands
   for command in commands:
     # Shipped inputs from the project root; outputs under /tmp into this test's folder.
-    words = [w.replace("=jaxmoral/data/", f"={ROOT}/jaxmoral/data/").replace("=/tmp/",
-                                                                             f"={tmp_path}/")
+    words = [w.replace("=/tmp/", f"={tmp_path}/").replace("=jaxmoral/data/",
+                                                           f"={ROOT}/jaxmoral/data/")
              for w in _words(command)]
     if any("perspectrum" in w for w in words) and not (ROOT.parent / "shared/data").is_dir():
       continue  # A user's clone has no PERSPECTRUM; shared_dir's tests say so.
