@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
 from typing import Any
 
@@ -67,7 +66,7 @@ def probe(*, command: str = "") -> dict[str, Any]:
   role_dir = clarify_table4.role_model_dirs(workdir, clarify_table4.supervised_models(
       separate_models=_bound("separate_models", False),
       dedicated_roles=_bound("dedicated_roles"), train_steps=_bound("train_steps", 1000)))
-  missing = sorted({d for d in role_dir.values() if not os.path.isdir(d)})
+  missing = sorted({d for d in role_dir.values() if not common.fileio.isdir(d)})
   if missing:
     raise FileNotFoundError(f"{', '.join(missing)}: run experiments/clarify_table4.py with "
                             "this config first (the probe reads its models)")

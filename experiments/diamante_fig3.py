@@ -197,14 +197,14 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   tick = time.time()
   with_candidates = os.path.join(workdir, "train_with_candidates.jsonl")
   test_path = os.path.join(workdir, "test_with_candidates.jsonl")
-  reused = [path for path in (with_candidates, test_path) if os.path.isfile(path)]
-  if not os.path.isfile(with_candidates):
+  reused = [path for path in (with_candidates, test_path) if common.fileio.isfile(path)]
+  if not common.fileio.isfile(with_candidates):
     candidates_lib.generate_candidates(
         model_dir=gen_dir, turns=train_turns, output_path=with_candidates + ".tmp",
         num_candidates=train_candidates, top_k=top_k, max_decode_length=response_length - 1,
         batch_size=candidate_batch_size, seed=seed)
-    os.replace(with_candidates + ".tmp", with_candidates)
-  if not os.path.isfile(test_path):
+    common.fileio.rename(with_candidates + ".tmp", with_candidates)
+  if not common.fileio.isfile(test_path):
     sampled = candidates_lib.sample_candidates(
         bundle_lib.load(gen_dir), [test_turns[i].context for i in chosen],
         num_candidates=test_candidates, top_k=top_k, max_decode_length=response_length - 1,
@@ -213,7 +213,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     for i, cands in zip(chosen, sampled):
       with_cands[i] = dataclasses.replace(test_turns[i], candidates=tuple(cands))
     data_lib.write_turns(test_path + ".tmp", with_cands)
-    os.replace(test_path + ".tmp", test_path)
+    common.fileio.rename(test_path + ".tmp", test_path)
   timings["candidates_s"] = time.time() - tick
   test_eval_turns = data_lib.read_dialogues(test_path)
 

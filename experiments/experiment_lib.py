@@ -133,11 +133,10 @@ def changed_bindings(model_dir: str) -> list[str]:
   """The gin bindings that differ between the run `model_dir` was trained under (its
   config.gin) and this process's: "- saved" and "+ now" lines ([] without a config.gin)."""
   import gin  # pylint: disable=import-outside-toplevel
-  path = os.path.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
-  if not os.path.isfile(path):
+  path = fileio.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
+  if not fileio.isfile(path):
     return []
-  with open(path, encoding="utf-8") as f:
-    saved = f.read()
+  saved = fileio.read_text(path)
   try:
     return gin_utils.binding_changes(saved, gin.config_str())
   except ValueError as error:

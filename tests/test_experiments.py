@@ -615,6 +615,21 @@ def test_changed_bindings_name_what_a_run_was_trained_under_otherwise(tmp_path, 
     gin.clear_config()
 
 
+def test_changed_bindings_read_a_run_in_a_bucket(gcs):
+  from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
+  run_dir = "gs://bucket/experiments/changed_bindings"
+  gin.clear_config()
+  try:
+    gin.parse_config(["clarify_table4.run_experiment.seed = 3"])
+    fileio.write_text(f"{run_dir}/config.gin", gin.config_str())
+    gin.clear_config()
+    gin.parse_config(["clarify_table4.run_experiment.seed = 4"])
+    assert experiment_lib.changed_bindings(run_dir) == [
+        "- clarify_table4.run_experiment.seed = 3", "+ clarify_table4.run_experiment.seed = 4"]
+  finally:
+    gin.clear_config()
+
+
 @pytest.mark.parametrize("steps,saves,every", [(120, 10, 12), (125, 10, 13), (7, 10, 1),
                                                 (1, 1, 1), (1500, 10, 150)])
 def test_stage_checkpoint_period_gives_at_most_the_saves_asked(steps, saves, every):

@@ -1,12 +1,13 @@
-"""Every path a run touches goes through `jaxmoral.fileio`, checked statically.
+"""Every path a run or an experiment touches goes through `jaxmoral.fileio`, checked statically.
 
 `open`, `os`'s file functions, `os.path`'s file queries, `shutil`, `glob` and `tempfile`
 only know local paths: given `gs://bucket/x` they make a local folder `gs:` or report that
-nothing exists. So outside `fileio`, jaxmoral calls them only where a path is local by design,
-and every such function is listed here with its reason. A new direct call elsewhere fails this
-test, naming the function: go through `fileio` (local and object-store paths alike), or add
-the function below with the reason its paths are always local. The runtime counterpart,
-`conftest.bucket_paths_stay_in_the_bucket`, catches what the storage tests reach.
+nothing exists. So outside `fileio`, jaxmoral and the experiment runners (`experiments/`) call
+them only where a path is local by design, and every such function is listed here with its
+reason. A new direct call elsewhere fails this test, naming the function: go through `fileio`
+(local and object-store paths alike), or add the function below with the reason its paths are
+always local. Methods of `pathlib.Path` objects are not seen here; the runtime counterpart,
+`conftest.bucket_paths_stay_in_the_bucket`, catches those on the paths the storage tests reach.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxmoral"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SOURCES = (ROOT / "jaxmoral", ROOT / "experiments")
 
 OS_FILE_FUNCTIONS = frozenset({
     "access", "chmod", "link", "listdir", "lstat", "makedirs", "mkdir", "open", "readlink",
@@ -73,8 +75,11 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.models.hf_import": ("the file mode of a local export (a bucket has none)",
                                   frozenset({"export_hf_t5"})),
     "jaxmoral.npov.demo": ("the demo's local workdir", frozenset({"run_demo"})),
-    "jaxmoral.runs": ("copies a local folder; to a URL through fileio", frozenset({"_copy_folder"})),
+    "jaxmoral.runs": ("copies a local folder; to a URL through fileio",
+                      frozenset({"_copy_folder"})),
     "jaxmoral.runtime": ("device nodes under /dev", frozenset({"platforms_without_absent_tpu"})),
+    "experiments.experiment_lib": ("the script's own path, for the report's command line",
+                                   frozenset({"command_line"})),
 }
 
 
@@ -116,7 +121,7 @@ def local_file_calls(source: str) -> dict[str, set[str]]:
 
 
 def _module_name(path: pathlib.Path) -> str:
-  return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+  return ".".join(path.relative_to(ROOT).with_suffix("").parts)
 
 
 def test_the_rule_sees_direct_file_calls():
@@ -130,7 +135,7 @@ def test_the_rule_sees_direct_file_calls():
 
 def test_only_functions_local_by_design_call_the_local_file_layer():
   found = {}
-  for path in sorted(PACKAGE.rglob("*.py")):
+  for path in sorted(p for source in SOURCES for p in source.rglob("*.py")):
     if path.name == "fileio.py":
       continue
     for function, names in local_file_calls(path.read_text(encoding="utf-8")).items():
