@@ -137,6 +137,17 @@ def test_an_experiments_missing_data_is_one_line_and_a_bug_keeps_its_traceback(
                         [f"--gin_file={config}", "--gin._experiment_needing_data.bug=True"])
 
 
+def test_the_diamante_experiment_without_the_dialogue_extra_is_one_line(tmp_path, capsys,
+                                                                       monkeypatch):
+  monkeypatch.setitem(sys.modules, "chitchat_dataset", None)  # Not installed (tests lack it).
+  assert experiment_lib.main(diamante_fig3.run_experiment, [
+      "--gin_file=configs/experiments/diamante_fig3_cpu.gin", "--gin.INIT_CHECKPOINT='/unused'",
+      f"--gin.WORKDIR='{tmp_path}'"]) == 2
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  assert err.splitlines()[-1].startswith("error: the chitchat corpus needs the dialogue extra")
+
+
 def test_mean_ci_is_the_bootstrap_of_the_mean():
   values = np.random.default_rng(0).random(50)
   ours = experiment_lib.mean_ci(values, num_resamples=300, seed=3)

@@ -23,9 +23,11 @@ TEST_EVERY = 10
 def _dataset() -> dict:
   try:
     import chitchat_dataset  # pylint: disable=import-outside-toplevel
-  except ImportError as e:
-    raise ImportError("the chitchat corpus needs the dialogue extra: "
-                      "pip install 'jaxmoral[dialogue]'") from e
+  except ImportError:
+    # A setting of the user's install, not a bug: a ValueError is one line on the command
+    # line and in the experiment runners (as for a PyTorch checkpoint without torch).
+    raise ValueError("the chitchat corpus needs the dialogue extra: pip install "
+                     "'jaxmoral[dialogue]' (in a clone: pip install -e '.[dialogue]')") from None
   return chitchat_dataset.Dataset()
 
 
