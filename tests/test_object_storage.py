@@ -114,8 +114,10 @@ def run(gcs, unreachable_train, tmp_path_factory):
   and verified, then resumed here to the end; and a local uninterrupted reference run."""
   model_dir = f"{BUCKET}/run"
   assert _cli("cache", *TINY, f"--gin.MODEL_DIR={model_dir}") == 0  # (MODEL_DIR unused)
+  # TMPDIR: a SIGKILLed process cannot remove its local copies of bucket files (fileio's
+  # private folder is removed at exit), so they go to this test's folder, not /tmp.
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu")
+             JAX_PLATFORMS="cpu", TMPDIR=str(tmp_path_factory.mktemp("killed_tmp")))
   child = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, "train", *TINY, ONE_DEVICE,
                             f"--gin.MODEL_DIR='{model_dir}'",
                             "--gin.runs.train_run.hooks=[@killed.HoldAfterStep5()]"],
