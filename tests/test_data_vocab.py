@@ -88,3 +88,18 @@ def test_the_vocabulary_is_seqios_without_tensorflow(demo_model):
   assert vocab.as_seqio(theirs) is theirs
   again = pickle.loads(pickle.dumps(ours))
   assert again == ours and again.encode(texts[0]) == ours.encode(texts[0])
+
+
+def test_the_default_vocabulary_is_built_in_a_private_folder(tmp_path, monkeypatch):
+  """`get_vocabulary(None)` never reads a shared temp folder that another user could have
+  filled first (it once reused `<tmp>/jaxmoral_demo_vocab`)."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
+  fileio.local_folder_for("made before the temp folder moves")  # This process's own folder.
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  planted = tmp_path / "jaxmoral_demo_vocab" / f"demo_spm_{vocab.DEMO_VOCAB_SIZE}.model"
+  planted.parent.mkdir()
+  planted.write_bytes(b"not the demo vocabulary")
+  built = vocab.get_vocabulary(None)
+  assert built.vocab_size == vocab.DEMO_VOCAB_SIZE + vocab.T5_EXTRA_IDS
+  assert planted.read_bytes() == b"not the demo vocabulary"

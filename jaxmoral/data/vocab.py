@@ -219,16 +219,15 @@ def get_vocabulary(path: Optional[str | os.PathLike], *,
   """The vocabulary of a SentencePiece model file.
 
   Args:
-    path: The `.model` file; None builds (or reuses) the demo vocabulary in a temp folder.
+    path: The `.model` file; None builds the demo vocabulary (0.1 s) in this process's private
+      folder (not a shared temp folder, which another user could have filled first).
     extra_ids: Sentinel ids appended after the pieces (T5: 100).
 
   Raises:
     FileNotFoundError: `path` does not exist.
   """
   if path is None:
-    import tempfile  # pylint: disable=import-outside-toplevel
-    path = build_demo_vocabulary(output_dir=os.path.join(tempfile.gettempdir(),
-                                                         "jaxmoral_demo_vocab"))
+    path = build_demo_vocabulary(output_dir=fileio.local_folder_for("demo vocabulary"))
   if not fileio.isfile(path):
     raise FileNotFoundError(f"SentencePiece model not found: {path}")
   # SentencePiece reads local files only: a model in a bucket is read through a local copy.
