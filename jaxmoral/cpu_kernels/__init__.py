@@ -26,6 +26,7 @@ built, is never loaded but rebuilt.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import functools
 import hashlib
@@ -133,9 +134,12 @@ def _cache_dir() -> str:
     return real
   if root not in _FALLBACK_DIRS:
     _FALLBACK_DIRS[root] = tempfile.mkdtemp(prefix="jaxmoral_kernels_")  # Mode 0o700.
+    # This process's only: removed at exit (a loaded library's file may be unlinked).
+    atexit.register(shutil.rmtree, _FALLBACK_DIRS[root], ignore_errors=True)
     where = root if real == root else f"{root} ({real})"
     warnings.warn(f"jaxmoral.cpu_kernels: not using kernel cache {where}: it {problem}; "
-                  f"building in {_FALLBACK_DIRS[root]} instead", RuntimeWarning, stacklevel=3)
+                  f"building in {_FALLBACK_DIRS[root]} instead (removed at exit)",
+                  RuntimeWarning, stacklevel=3)
   return _FALLBACK_DIRS[root]
 
 
