@@ -194,9 +194,7 @@ def create_app(roots: folders.Roots, *,
         base_dir=model_dir(form.get("model")), query=form.get("query", ""),
         pro=form.get("pro", ""), con=form.get("con", ""), response=form.get("response", ""),
         generator_dir=model_dir(form.get("generator"))))
-    shading = None
-    if result.get("value"):
-      shading = sources.word_shading({"scores": {"salience": result["value"]}}).get("salience")
+    shading = sources.detection_shading(result["value"]) if result.get("value") else None
     return render("live_npov.html", form=form, result=result, models=model_choices(),
                   shading=shading)
 

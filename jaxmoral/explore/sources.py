@@ -13,7 +13,7 @@ import json
 import math
 import pathlib
 import re
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 ERROR_TYPES = ("hallucination", "coverage")
 JUDGMENTS = ("bad", "ok", "good")
@@ -132,14 +132,21 @@ def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
   return {"examples": rows, "detectors": list(scores), "problems": problems}
 
 
-def word_shading(row: dict[str, Any]) -> dict[str, Any]:
-  """{detector: `plots.WordShading`} of one `npov_folder` example, for each detector with
-  word scores: the heatmap's scale and flagging rule, so the page and the heatmap agree."""
+def detection_shading(detection: Mapping[str, Any]) -> Optional[Any]:
+  """The `plots.WordShading` of one detector's scores of an example (a scores.jsonl record or
+  `Detection.to_json()`): the heatmap's scale and flagging rule, so the page and the heatmap
+  agree; None without word scores."""
   from jaxmoral.npov import plots  # pylint: disable=import-outside-toplevel
-  return {name: plots.word_shading([w["score"] for w in s.get("response_words") or ()],
-                                   [w["score"] for w in s.get("argument_words") or ()])
-          for name, s in row["scores"].items()
-          if s.get("response_words") or s.get("argument_words")}
+  response = [w["score"] for w in detection.get("response_words") or ()]
+  arguments = [w["score"] for w in detection.get("argument_words") or ()]
+  return plots.word_shading(response, arguments) if response or arguments else None
+
+
+def word_shading(row: Mapping[str, Any]) -> dict[str, Any]:
+  """{detector: `plots.WordShading`} of one `npov_folder` example, for each detector with
+  word scores."""
+  shading = {name: detection_shading(s) for name, s in row["scores"].items()}
+  return {name: s for name, s in shading.items() if s is not None}
 
 
 def npov_results(path: pathlib.Path) -> dict[str, Any]:
