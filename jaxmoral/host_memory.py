@@ -1,35 +1,34 @@
-"""Host memory jaxmoral sets up before JAX starts a backend: glibc's malloc keeps what it frees.
+"""Host memory: glibc's malloc as it is by default, or kept for reuse on a CPU training host.
 
 XLA:CPU allocates each execution's temporaries as one block (843 MB for a T5 1.1-small train
-step at batch 8 x (128 + 64)). It is allocated on an executor thread, so glibc serves it from a
-thread arena, which cannot hold a block that large and maps it fresh; it is unmapped when the
-step ends. Every page of it then faults again, and the kernel zeroes it, on every step: 223k
-page faults per step, about 10 % of the step on a 2-core VM. A process that trains does not
-want its memory back between steps, so jaxmoral tells malloc (through `mallopt`, which the
-package calls itself; no environment variable is needed):
+step at batch 8 x (128 + 64)). glibc maps a block that large fresh and unmaps it when the step
+ends, so every page of it faults in again, zeroed by the kernel, on every step: 223k page
+faults per step, 10-13 % of a CPU step on a 2-core VM. `JAXMORAL_HOST_MALLOC=reuse` tells
+malloc (through `mallopt`) to keep what it frees:
 
 - one arena (`M_ARENA_MAX`), so blocks freed by any thread are reused by every thread;
 - never map a block on its own (`M_MMAP_MAX` 0), so large blocks come from that arena;
 - never give the arena's top back (`M_TRIM_THRESHOLD`), and grow it in 64 MiB steps
   (`M_TOP_PAD`).
 
-The heap takes some calls to settle: XLA's aligned requests are a little larger than the block
-the previous call freed, and small allocations land between freed blocks, so the first calls
-(tens of them, for one large temporary) still grow the heap until freed neighbours have merged.
-The price is that the process keeps its peak heap until it exits, as a T5X trainer does anyway.
-Arena limits only affect threads that have not allocated yet, so `jaxmoral.runtime.configure()`
-(which the CLI calls first thing) runs this before the backend starts its threads.
+It is not the default because its memory is not bounded by the step. XLA's aligned requests
+are a little larger than the block the previous call freed, and small allocations of other
+threads land between freed blocks, so the heap grows over the first tens of steps until freed
+neighbours have merged, by an amount that depends on the threads' timing, and keeps its peak
+until the process exits. T5 1.1-small at batch 8 x (64 + 16): a bare train step peaked at
+2.2-2.25 GB of RSS with the default malloc, and at 2.4 or 3.1 GB (run to run) with `reuse`;
+the training loop at 2.2-2.25 GB and 3.6-3.7 GB (`bench/RESULTS.md`). On an accelerator
+host one arena would also serialise the allocations of the input pipeline's threads.
 
-`JAXMORAL_HOST_MALLOC` chooses: `auto` (the default: on where JAX computes on the CPU, i.e.
-`JAX_PLATFORMS=cpu` or no GPU/TPU device node on the host; one arena would serialise the
-allocations of an accelerator host's many input-pipeline threads), `reuse` (always on) or
-`system` (leave malloc as it is).
+`JAXMORAL_HOST_MALLOC` chooses: `system` (the default: leave malloc as it is) or `reuse`
+(the settings above; a CPU host that trains for hours and has the memory to spare). Arena
+limits only affect threads that have not allocated yet, so `jaxmoral.runtime.configure()`
+(which the CLI calls first thing) applies them before the backend starts its threads.
 """
 
 from __future__ import annotations
 
 import ctypes
-import glob
 import logging
 import os
 import platform
@@ -37,7 +36,8 @@ import sys
 from typing import Callable, Mapping, Optional
 
 ENV_VAR = "JAXMORAL_HOST_MALLOC"
-CHOICES = ("auto", "reuse", "system")
+CHOICES = ("system", "reuse")
+DEFAULT = "system"
 
 # mallopt parameters from glibc's <malloc.h>.
 M_TRIM_THRESHOLD = -1
@@ -50,22 +50,6 @@ TOP_PAD_BYTES = 64 << 20
 NEVER_TRIM = 2**31 - 1
 SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER_TRIM),
             (M_TOP_PAD, TOP_PAD_BYTES))
-
-# Device nodes of the accelerators JAX drives: NVIDIA GPUs, TPU v4+ (accel) and v2/v3 (vfio).
-ACCELERATOR_NODES = ("/dev/nvidiactl", "/dev/accel*", "/dev/vfio/[0-9]*")
-
-
-def _computes_on_cpu(environ: Mapping[str, str],
-                     exists: Callable[[str], bool]) -> bool:
-  """Whether JAX in this process will compute on the CPU (see the module docstring)."""
-  platforms = environ.get("JAX_PLATFORMS", "").strip().lower()
-  if platforms:
-    return platforms.split(",")[0].strip() == "cpu"
-  return not any(exists(pattern) for pattern in ACCELERATOR_NODES)
-
-
-def _glob_exists(pattern: str) -> bool:
-  return bool(glob.glob(pattern))
 
 
 def _glibc_mallopt() -> Optional[Callable[[int, int], int]]:
@@ -84,33 +68,31 @@ def _glibc_mallopt() -> Optional[Callable[[int, int], int]]:
 
 
 def choice(environ: Mapping[str, str] = os.environ) -> str:
-  """The value of `JAXMORAL_HOST_MALLOC` ("auto" when unset or not one of CHOICES)."""
-  value = environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+  """The value of `JAXMORAL_HOST_MALLOC` (DEFAULT when unset or not one of CHOICES)."""
+  value = environ.get(ENV_VAR, DEFAULT).strip().lower() or DEFAULT
   if value not in CHOICES:
-    logging.warning("%s=%r is not one of %s; using 'auto'", ENV_VAR, environ[ENV_VAR],
-                    ", ".join(CHOICES))
-    return "auto"
+    logging.warning("%s=%r is not one of %s; using %r", ENV_VAR, environ[ENV_VAR],
+                    ", ".join(CHOICES), DEFAULT)
+    return DEFAULT
   return value
 
 
 def keep_freed_memory(*, environ: Mapping[str, str] = os.environ,
-                      mallopt: Optional[Callable[[int, int], int]] = None,
-                      exists: Callable[[str], bool] = _glob_exists) -> bool:
-  """Sets glibc's malloc to keep and reuse freed memory when `JAXMORAL_HOST_MALLOC` says so.
+                      mallopt: Optional[Callable[[int, int], int]] = None) -> bool:
+  """Sets glibc's malloc to keep and reuse freed memory when `JAXMORAL_HOST_MALLOC=reuse`.
 
   Args:
-    environ: where `JAXMORAL_HOST_MALLOC` and `JAX_PLATFORMS` are read.
+    environ: where `JAXMORAL_HOST_MALLOC` is read.
     mallopt: the C function to call (tests pass a recorder); glibc's by default.
-    exists: whether a device-node glob matches (tests pass a stub).
 
   Returns:
     True when every setting was applied.
   """
-  wanted = choice(environ)
-  if wanted == "system" or (wanted == "auto" and not _computes_on_cpu(environ, exists)):
+  if choice(environ) != "reuse":
     return False
   mallopt = mallopt or _glibc_mallopt()
   if mallopt is None:
+    logging.warning("%s=reuse needs glibc's malloc; leaving malloc as it is", ENV_VAR)
     return False
   applied = [mallopt(param, value) == 1 for param, value in SETTINGS]
   if not all(applied):

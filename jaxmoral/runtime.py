@@ -6,8 +6,8 @@ calls `jaxmoral.runtime.configure()` before its first JAX computation, which
 
 - adds the XLA:CPU reduction workaround to `XLA_FLAGS` (`jaxmoral.xla_flags`: without it some
   XLA:CPU reductions compute wrong values), unless the user set that flag;
-- sets glibc's malloc to keep and reuse the memory XLA:CPU frees between steps
-  (`jaxmoral.host_memory`; `JAXMORAL_HOST_MALLOC` chooses), before the backend starts its
+- where `JAXMORAL_HOST_MALLOC=reuse` asks for it, sets glibc's malloc to keep and reuse the
+  memory XLA:CPU frees between steps (`jaxmoral.host_memory`), before the backend starts its
   threads.
 
 Both are read when JAX starts its backend, so calling `configure()` later has no effect on
@@ -34,7 +34,8 @@ class RuntimeSettings:
   Attributes:
     xla_flags_added: The XLA:CPU workaround was added to `XLA_FLAGS` (False: already there,
       or the user chose their own value).
-    malloc_keeps_freed_memory: glibc's malloc now keeps and reuses freed memory.
+    malloc_keeps_freed_memory: glibc's malloc now keeps and reuses freed memory
+      (`JAXMORAL_HOST_MALLOC=reuse`).
   """
   xla_flags_added: bool
   malloc_keeps_freed_memory: bool

@@ -63,7 +63,7 @@ import pytest  # noqa: E402
 
 from jaxmoral import runtime  # noqa: E402
 
-# The suite runs jaxmoral's programs as the CLI does (XLA:CPU workaround, malloc settings);
+# The suite runs jaxmoral's programs as the CLI does (XLA:CPU workaround, host memory);
 # the processes it starts inherit the flags.
 runtime.configure()
 

@@ -71,7 +71,6 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
                                  frozenset({"read_jsonl"})),
     "jaxmoral.gin_utils": ("gin files are local (gin reads them itself)",
                            frozenset({"_file_statements", "resolve_relative_paths"})),
-    "jaxmoral.host_memory": ("device nodes under /dev", frozenset({"_glob_exists"})),
     "jaxmoral.models.hf_import": ("the file mode of a local export (a bucket has none)",
                                   frozenset({"export_hf_t5"})),
     "jaxmoral.npov.demo": ("the demo's local workdir", frozenset({"run_demo"})),
