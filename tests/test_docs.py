@@ -24,6 +24,11 @@ What runs, within the test budget (about a minute on 2 cores):
   broke that need no trained model (a gin-less `clarify train-model --which=judge`, in
   `test_clarify_judge_defaults_*`); the commands that load no model (ROUGE-1 detection and
   evaluation).
+- In full as well, each method's chain as the docs give it, its trainings made short the same
+  way (`SHORTER`), outputs under /tmp into the test's folder: Diamante's (train, the NLL-only
+  ablation, the candidate generator, candidates, eval, chat with a scripted user, self-chat)
+  and the NPOV salience detector's (BASE, its PROMPT, `npov detect --detector=salience` with
+  its heat maps and ROC curves).
 - Every other command is dry-run, exactly as written but for the placeholders: parsed as the
   command line parses it, its gin files and bindings parsed and checked (files found from
   another folder than the project root, `%gin.REQUIRED` values given, no unread macro), an
@@ -40,6 +45,8 @@ What runs, within the test budget (about a minute on 2 cores):
 from __future__ import annotations
 
 import importlib
+import io
+import json
 import os
 import pathlib
 import re
@@ -47,6 +54,7 @@ import shlex
 import stat
 import subprocess
 import sys
+from typing import Iterable, Optional
 
 import gin
 import pytest
@@ -73,10 +81,13 @@ PLACEHOLDERS = {
 }
 REST_OF_COMMAND = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR=/tmp/docs_run"]
 # Flags appended to a command run in full, to make it short (the rest is as written).
-SHORTER = {"train": ["--gin.TRAIN_STEPS=4", "--gin.EVAL_EVERY=4", "--gin.CHECKPOINT_EVERY=4",
-                     "--gin.BATCH_SIZE=8", "--gin.WARMUP_STEPS=1",
-                     "--gin.config.t5_config.num_encoder_layers=1",
-                     "--gin.config.t5_config.num_decoder_layers=1"]}
+_FEW_STEPS = ["--gin.TRAIN_STEPS=4", "--gin.CHECKPOINT_EVERY=4", "--gin.BATCH_SIZE=8",
+               "--gin.config.t5_config.num_encoder_layers=1",
+               "--gin.config.t5_config.num_decoder_layers=1"]
+SHORTER = {"train": [*_FEW_STEPS, "--gin.EVAL_EVERY=4", "--gin.WARMUP_STEPS=1"],
+           "diamante train": _FEW_STEPS,
+           "clarify train-model": ["--train_steps=4", "--batch_size=8", *_FEW_STEPS[3:]],
+           "clarify train-ppo": ["--num_iterations=1"]}
 
 
 def _markdown_commands(path: pathlib.Path) -> list[tuple[str, str]]:
@@ -218,8 +229,8 @@ def test_the_extractor_finds_the_documented_commands():
   assert any(w.startswith("gin/") for w in where)
   # A continued line is one command; a comment after a command is not part of it.
   assert ("jaxmoral clarify train-ppo --gin_file=configs/clarify/tiny_cpu.gin --model_dir=/tmp/ppo "
-          "--question_model_dir=/tmp/q --answer_model_dir=/tmp/a --fusion_model_dir=/tmp/f "
-          "--judge_model_dir=/tmp/j") in texts
+          "--question_model_dir=/tmp/m --answer_model_dir=/tmp/m --fusion_model_dir=/tmp/m "
+          "--judge_model_dir=/tmp/m") in texts
   assert all("#" not in c.split("'")[0] for c in texts)
 
 
@@ -317,6 +328,98 @@ def _needs_no_model(command: str) -> bool:
   return (words[:3] in (["jaxmoral", "npov", "detect"], ["jaxmoral", "npov", "evaluate"])
           and not any(w.startswith(("--base_dir", "--prompts_dir")) for w in words)
           and any("rouge" in w for w in words))
+
+
+def _in_full(command: str, folder: pathlib.Path) -> list[str]:
+  """A documented command's words for a run in full: /tmp/ paths into `folder`, the shipped
+  inputs from the project root, a training made short (`SHORTER`)."""
+  words = [w.replace("=/tmp/", f"={folder}/").replace("'/tmp/", f"'{folder}/")
+           .replace("=jaxmoral/data/", f"={ROOT}/jaxmoral/data/") for w in _words(command)]
+  kind = " ".join(words[1:3]) if words[1] in cli.METHOD_COMMANDS else words[1]
+  return words + SHORTER.get(kind, [])
+
+
+def _run_chain(commands: list[str], folder: pathlib.Path, monkeypatch,
+               user_lines: str = "", inputs: Optional[dict[str, str]] = None) -> None:
+  """Runs `commands` in full, in order (`_in_full`); `user_lines` are what a user types, and
+  `inputs` gives placeholders other values than `PLACEHOLDERS` ({filled value: this one})."""
+  for command in commands:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(user_lines.encode())))
+    words = _in_full(command, folder)
+    for old, new in (inputs or {}).items():
+      words = [w.replace(old, new) for w in words]
+    assert cli.main(words[1:]) == 0, command
+    gin.clear_config()
+
+
+def _chain(prefixes: tuple[str, ...]) -> list[str]:
+  """The documented commands that start with one of `prefixes`, each once, trainings first."""
+  commands = _once(c for _, c in COMMANDS if c.startswith(prefixes))
+  return sorted(commands, key=lambda c: " train " not in f"{c} ")
+
+
+def _once(commands: Iterable[str]) -> list[str]:
+  """Each command once: two that are the same once their placeholders are filled are one."""
+  return list({tuple(_words(c)): c for c in commands}.values())
+
+
+def test_the_documented_diamante_commands_run_in_full(tmp_path, monkeypatch):
+  commands = _chain(("jaxmoral diamante",))
+  assert {_words(c)[2] for c in commands} == {"train", "candidates", "eval", "chat",
+                                              "self_chat"}, commands
+  _run_chain(commands, tmp_path, monkeypatch, user_lines="hello there\n/quit\n")
+  assert {p.name for p in tmp_path.iterdir()} >= {"dm", "dm_nll", "gen", "chat.jsonl",
+                                                  "self.jsonl", "with_candidates.jsonl"}
+  chat = [json.loads(line) for line in (tmp_path / "chat.jsonl").read_text().splitlines()]
+  assert [r["speaker"] for r in chat] == ["user", "bot"] and chat[0]["text"] == "hello there"
+  dialogues = (ROOT / PLACEHOLDERS["dialogues.jsonl"]).read_text().splitlines()
+  with_candidates = (tmp_path / "with_candidates.jsonl").read_text().splitlines()
+  assert len(with_candidates) == len(dialogues)
+
+
+def test_the_documented_clarify_commands_run_in_full(tmp_path, monkeypatch):
+  """docs/methods.md's chain and the tiny config's (a multitask model, PPO over it), with a
+  user who gives the chat a situation, answers its first question and ends it with an empty
+  answer; the demo, which runs the same actions, is dry-run (`make demo` runs it)."""
+  commands = [c for c in _chain(("jaxmoral clarify",)) if " demo " not in f"{c} "]
+  assert {_words(c)[2] for c in commands} == {"train-model", "train-ppo", "evaluate", "chat",
+                                              "chat-file"}, commands
+  (tmp_path / PLACEHOLDERS["situations.jsonl"]).write_text(
+      '{"situation": "lying to a friend"}\n{"situation": "skipping class"}\n')
+  _run_chain(commands, tmp_path, monkeypatch,
+             user_lines="lying to a friend\nto protect them\n\n")
+  evaluation = json.loads((tmp_path / "evaluation.json").read_text())
+  assert "ppo" in json.dumps(evaluation)
+  chat = [json.loads(line) for line in (tmp_path / "clarify_chat.jsonl").read_text().splitlines()]
+  assert chat and chat[0]["answer"] == "to protect them", chat
+  transcripts = [json.loads(line) for line in
+                 (tmp_path / "transcripts.jsonl").read_text().splitlines()]
+  assert sorted({t["conversation"] for t in transcripts}) == [0, 1], transcripts
+
+
+def test_the_documented_salience_commands_run_in_full(tmp_path, monkeypatch):
+  """BASE, PROMPT and the salience detector over them, as docs/methods.md and the prompt
+  tuning header give them."""
+  base_and_prompt = [c for _, c in COMMANDS if c.startswith("jaxmoral train ")
+                     and ("/tmp/base_run" in c or "/tmp/prompt" in c)]
+  detect = [c for _, c in COMMANDS if c.startswith("jaxmoral npov detect")
+            and "--detector=salience" in c]
+  commands = _once(base_and_prompt + detect)
+  assert len(commands) == 3, commands
+  # responses.jsonl: four of the shipped examples, labelled, so that --roc_dir has curves to
+  # draw (the shipped file has no labels).
+  responses = tmp_path / "labelled.jsonl"
+  rows = [json.loads(line) for line in
+          (ROOT / PLACEHOLDERS["responses.jsonl"]).read_text().splitlines()[:4]]
+  responses.write_text("".join(
+      json.dumps({**row, "hallucination": i % 2, "coverage": i // 2}) + "\n"
+      for i, row in enumerate(rows)))
+  _run_chain(commands, tmp_path, monkeypatch,
+             inputs={str(ROOT / PLACEHOLDERS["responses.jsonl"]): str(responses)})
+  scores = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
+  assert len(scores) == len(rows) and all(s["response_words"] for s in scores), scores[0].keys()
+  assert len(list((tmp_path / "heatmaps").glob("*.html"))) == len(rows)
+  assert (tmp_path / "roc" / "results.json").is_file()
 
 
 def test_the_documented_commands_without_a_model_run_in_full(tmp_path):

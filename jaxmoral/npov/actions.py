@@ -93,6 +93,9 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
   if roc_dir and any(e.hallucination is not None or e.coverage is not None for e in examples):
     results = {"input": {detector: evaluate.evaluate_slice(examples, detections)}}
     evaluate.write_results(results, roc_dir)
+  elif roc_dir:
+    logger.warning("npov detect: no ROC curves in %s: no example of %s has a hallucination or "
+                   "coverage label", roc_dir, input_path)
   logger.info("npov detect: scored %d responses -> %s", len(records), output_path)
   return records
 
