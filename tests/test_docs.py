@@ -14,21 +14,26 @@ Placeholders (`PLACEHOLDERS`, filled in before a command runs): `BASE`, `PROMPT`
 `test.jsonl`, `situations.jsonl`, a value `...` (any value), `configs/...` (a config: the tiny
 one) and a bare `...` argument (the rest of a command: the tiny config and a MODEL_DIR).
 
-What runs, within the test budget (about a minute on 2 cores):
+What runs, within the test budget (about two minutes on 2 cores):
 
 - In full, in-process through `cli.main` and on one shared tiny run, the quickstart of the
   README's first screen: train (`SHORTER`: a few steps instead of 300, same flags otherwise),
   infer on the shipped examples/inputs.txt, export for transformers (and its files' modes),
   TensorBoard reading the run; then every other documented command on that run (/tmp/tiny:
-  eval, beam-search and greedy infer, a bfloat16 export); and the commands the docs once
-  broke that need no trained model (a gin-less `clarify train-model --which=judge`, in
+  eval, infer with each `gin/decoding` fragment, a bfloat16 export); and the commands the docs
+  once broke that need no trained model (a gin-less `clarify train-model --which=judge`, in
   `test_clarify_judge_defaults_*`); the commands that load no model (ROUGE-1 detection and
   evaluation).
 - In full as well, each method's chain as the docs give it, its trainings made short the same
   way (`SHORTER`), outputs under /tmp into the test's folder: Diamante's (train, the NLL-only
-  ablation, the candidate generator, candidates, eval, chat with a scripted user, self-chat)
-  and the NPOV salience detector's (BASE, its PROMPT, `npov detect --detector=salience` with
-  its heat maps and ROC curves).
+  ablation, the candidate generator, candidates, eval, chat with a scripted user, self-chat),
+  ClarifyDelphi's (train-model without and with a config, train-ppo, evaluate, chat with a
+  scripted user, chat-file) and the NPOV salience detector's (BASE, its PROMPT, `npov detect
+  --detector=salience` with its heat maps and ROC curves).
+- Dry-run only, for their cost: the method demos (`make demo` runs them), the NPOV classifier
+  and `--prompts_dir` commands (their prompts come from `npov demo`), pretraining and the
+  experiments (minutes to hours; their smoke configs are not run here), the pod compiles, the
+  Hub download, the explorer's server and the cache commands.
 - Every other command is dry-run, exactly as written but for the placeholders: parsed as the
   command line parses it, its gin files and bindings parsed and checked (files found from
   another folder than the project root, `%gin.REQUIRED` values given, no unread macro), an
