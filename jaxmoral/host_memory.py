@@ -3,7 +3,7 @@
 XLA:CPU allocates each execution's temporaries as one block (843 MB for a T5 1.1-small train
 step at batch 8 x (128 + 64)). glibc maps a block that large fresh and unmaps it when the step
 ends, so every page of it faults in again, zeroed by the kernel, on every step: 223k page
-faults per step, 10-13 % of a CPU step on a 2-core VM. `JAXMORAL_HOST_MALLOC=reuse` tells
+faults per step, 8-16 % of a CPU step on a 2-core VM. `JAXMORAL_HOST_MALLOC=reuse` tells
 malloc (through `mallopt`) to keep what it frees:
 
 - one arena (`M_ARENA_MAX`), so blocks freed by any thread are reused by every thread;
@@ -16,9 +16,10 @@ are a little larger than the block the previous call freed, and small allocation
 threads land between freed blocks, so the heap grows over the first tens of steps until freed
 neighbours have merged, by an amount that depends on the threads' timing, and keeps its peak
 until the process exits. T5 1.1-small at batch 8 x (64 + 16): a bare train step peaked at
-2.2-2.25 GB of RSS with the default malloc, and at 2.4 or 3.1 GB (run to run) with `reuse`;
-the training loop at 2.2-2.25 GB and 3.6-3.7 GB (`bench/RESULTS.md`). On an accelerator
-host one arena would also serialise the allocations of the input pipeline's threads.
+2,218-2,248 MiB of RSS with the default malloc, and at 2,368 or 3,146 MiB (run to run) with
+`reuse`; the training loop at 2,210-2,332 MiB and 3,632-3,697 MiB (`bench/RESULTS.md`). On an
+accelerator host one arena would also serialise the allocations of the input pipeline's
+threads.
 
 `JAXMORAL_HOST_MALLOC` chooses: `system` (the default: leave malloc as it is) or `reuse`
 (the settings above; a CPU host that trains for hours and has the memory to spare). Arena
