@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import gin
 from jaxmoral import fileio
 from jaxmoral import partitioning
+from jaxmoral import runtime
 from jaxmoral import validation
 
 logger = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ def get_topology(topology: str, *, num_slices: int = 1) -> Topology:
   # Compile-only devices never touch a chip, so libtpu's one-process-per-host lock (held by any
   # other JAX process that probed for a TPU) must not block us.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  runtime.quiet_compile_only_tpu()
   kwargs: dict[str, Any] = {}
   if chip.chip_config_name is not None:
     kwargs["chip_config_name"] = chip.chip_config_name

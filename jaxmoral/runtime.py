@@ -104,6 +104,36 @@ def platforms_without_absent_tpu(environ: MutableMapping[str, str] = os.environ
   return environ["JAX_PLATFORMS"]
 
 
+# What libtpu's host runtime looks for when it starts (on a TPU VM, the metadata server gives
+# them): without them it prints an accelerator-type warning and an INVALID_ARGUMENT error with a
+# source trace, though a compile-only topology needs neither.
+_COMPILE_ONLY_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+                         "TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+def quiet_compile_only_tpu(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+  """Gives libtpu the host settings it looks for, where no TPU is attached, before a
+  compile-only topology starts it (`jaxmoral compile`).
+
+  The topology a program is compiled for comes from its name (`v5e:8x8`), not from these
+  settings (the same report with and without them); they only keep libtpu from printing
+  errors about the host. A machine with a TPU device node, and every value already set, is
+  left alone: there libtpu describes the real host.
+
+  Args:
+    environ: The environment to read and update.
+
+  Returns:
+    The names of the variables set (empty when none was).
+  """
+  if any(glob.glob(pattern) for pattern in _TPU_DEVICES):
+    return []
+  added = [name for name in _COMPILE_ONLY_TPU_ENV if name not in environ]
+  for name in added:
+    environ[name] = _COMPILE_ONLY_TPU_ENV[name]
+  return added
+
+
 # What TensorFlow 2.21 writes to stderr on import, whatever TF_CPP_MIN_LOG_LEVEL says: about
 # oneDNN, a missing CUDA driver on a CPU machine, absl's pre-init notice, a failed cuInit.
 _TF_START_UP_NOISE = ("oneDNN custom operations are on", "Could not find cuda drivers",

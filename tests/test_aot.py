@@ -194,6 +194,19 @@ def test_tiny_compiles_for_a_tpu_topology():
   assert report.min_step_time_s == pytest.approx(report.flops_per_chip / 197e12)
 
 
+def test_a_compile_only_topology_starts_libtpu_quietly_without_a_tpu():
+  """libtpu's host runtime prints accelerator-type and worker-hostname errors where no TPU VM
+  describes the host; `jaxmoral compile` gives it those settings, so stderr stays clean."""
+  _tpu_topology_or_skip()
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}
+  result = subprocess.run(
+      [sys.executable, "-c", "from jaxmoral import aot; print(len(aot.get_topology('v5e:2x2')"
+       ".devices))"], capture_output=True, text=True, timeout=120,
+      env={**env, "JAX_PLATFORMS": "cpu"})
+  assert result.returncode == 0 and result.stdout.split() == ["4"], result.stderr
+  assert result.stderr == "", result.stderr
+
+
 def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
   """`jaxmoral compile` of a ClarifyDelphi PPO config: every program of an iteration, the very
   function objects train-ppo calls, with all five models on the mesh."""

@@ -318,6 +318,16 @@ def test_jax_platforms_leave_out_an_absent_tpu(monkeypatch):
   assert runtime.platforms_without_absent_tpu({}) is None
 
 
+def test_compile_only_libtpu_gets_host_settings_only_where_no_tpu_is_attached(monkeypatch):
+  monkeypatch.setattr(runtime, "_TPU_DEVICES", (str(ROOT / "no_such_device*"),))
+  environ = {"TPU_WORKER_HOSTNAMES": "10.0.0.2"}  # The user's value stays.
+  assert runtime.quiet_compile_only_tpu(environ) == ["TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE"]
+  assert environ["TPU_WORKER_HOSTNAMES"] == "10.0.0.2" and environ["TPU_SKIP_MDS_QUERY"] == "1"
+  monkeypatch.setattr(runtime, "_TPU_DEVICES", (str(ROOT / "README*"),))  # "A TPU is here."
+  environ = {}
+  assert runtime.quiet_compile_only_tpu(environ) == [] and environ == {}
+
+
 def test_help_starts_without_the_tpu_runtime():
   env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
   for argv in (["--help"], ["diamante", "chat", "--help"]):

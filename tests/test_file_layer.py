@@ -76,7 +76,8 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.npov.demo": ("the demo's local workdir", frozenset({"run_demo"})),
     "jaxmoral.runs": ("copies a local folder; to a URL through fileio",
                       frozenset({"_copy_folder"})),
-    "jaxmoral.runtime": ("device nodes under /dev", frozenset({"platforms_without_absent_tpu"})),
+    "jaxmoral.runtime": ("device nodes under /dev",
+                         frozenset({"platforms_without_absent_tpu", "quiet_compile_only_tpu"})),
     "experiments.experiment_lib": ("the script's own path, for the report's command line",
                                    frozenset({"command_line"})),
 }
