@@ -283,7 +283,7 @@ def test_method_help_lists_the_actions_of_its_table(method, capsys):
      "jaxmoral clarify: error: train-model: unknown flag --steps; close: --train_steps (see "
      "`jaxmoral clarify train-model --help`)"),
     (["npov", "classify"], "jaxmoral npov: error: unknown action 'classify' of `jaxmoral npov`; "
-                           "known: detect, evaluate, demo"),
+                           "known: detect, evaluate, train-classifier, demo"),
 ])
 def test_method_flag_errors_are_one_line(argv, message, capsys):
   assert cli.main(argv) == 2

@@ -28,10 +28,11 @@ What runs, within the test budget (about two minutes on 2 cores):
   way (`SHORTER`), outputs under /tmp into the test's folder: Diamante's (train, the NLL-only
   ablation, the candidate generator, candidates, eval, chat with a scripted user, self-chat),
   ClarifyDelphi's (train-model without and with a config, train-ppo, evaluate, chat with a
-  scripted user, chat-file) and the NPOV salience detector's (BASE, its PROMPT, `npov detect
-  --detector=salience` with its heat maps and ROC curves).
-- Dry-run only, for their cost: the method demos (`make demo` runs them), the NPOV classifier
-  and `--prompts_dir` commands (their prompts come from `npov demo`), pretraining and the
+  scripted user, chat-file) and NPOV's model-based detectors' (BASE, its PROMPT, PROMPT_H and
+  PROMPT_C by `npov train-classifier`, `npov detect` with salience, its heat maps and ROC
+  curves, and with the classifiers).
+- Dry-run only, for their cost: the method demos (`make demo` runs them), `npov evaluate
+  --prompts_dir` (its RUN is `npov demo`'s workdir), pretraining and the
   experiments (minutes to hours; their smoke configs are not run here), the pod compiles, the
   Hub download, the explorer's server and the cache commands.
 - Every other command is dry-run, exactly as written but for the placeholders: parsed as the
@@ -92,7 +93,8 @@ _FEW_STEPS = ["--gin.TRAIN_STEPS=4", "--gin.CHECKPOINT_EVERY=4", "--gin.BATCH_SI
 SHORTER = {"train": [*_FEW_STEPS, "--gin.EVAL_EVERY=4", "--gin.WARMUP_STEPS=1"],
            "diamante train": _FEW_STEPS,
            "clarify train-model": ["--train_steps=4", "--batch_size=8", *_FEW_STEPS[3:]],
-           "clarify train-ppo": ["--num_iterations=1"]}
+           "clarify train-ppo": ["--num_iterations=1"],
+           "npov train-classifier": ["--train_steps=4", "--batch_size=8", "--max_examples=4"]}
 
 
 def _markdown_commands(path: pathlib.Path) -> list[tuple[str, str]]:
@@ -402,15 +404,16 @@ def test_the_documented_clarify_commands_run_in_full(tmp_path, monkeypatch):
   assert sorted({t["conversation"] for t in transcripts}) == [0, 1], transcripts
 
 
-def test_the_documented_salience_commands_run_in_full(tmp_path, monkeypatch):
-  """BASE, PROMPT and the salience detector over them, as docs/methods.md and the prompt
-  tuning header give them."""
+def test_the_documented_npov_model_commands_run_in_full(tmp_path, monkeypatch):
+  """BASE, PROMPT, PROMPT_H and PROMPT_C, and the salience and classifier detectors over them,
+  as docs/methods.md and the prompt tuning header give them."""
   base_and_prompt = [c for _, c in COMMANDS if c.startswith("jaxmoral train ")
                      and ("/tmp/base_run" in c or "/tmp/prompt" in c)]
+  classifiers = [c for _, c in COMMANDS if c.startswith("jaxmoral npov train-classifier")]
   detect = [c for _, c in COMMANDS if c.startswith("jaxmoral npov detect")
-            and "--detector=salience" in c]
-  commands = _once(base_and_prompt + detect)
-  assert len(commands) == 3, commands
+            and ("--detector=salience" in c or "--detector=classifier" in c)]
+  commands = _once(base_and_prompt + classifiers + detect)
+  assert len(commands) == 6, commands
   # responses.jsonl: four of the shipped examples, labelled, so that --roc_dir has curves to
   # draw (the shipped file has no labels).
   responses = tmp_path / "labelled.jsonl"
@@ -421,10 +424,15 @@ def test_the_documented_salience_commands_run_in_full(tmp_path, monkeypatch):
       for i, row in enumerate(rows)))
   _run_chain(commands, tmp_path, monkeypatch,
              inputs={str(ROOT / PLACEHOLDERS["responses.jsonl"]): str(responses)})
+  # The classifier detection ran last: its scores replaced the salience scores.
   scores = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
-  assert len(scores) == len(rows) and all(s["response_words"] for s in scores), scores[0].keys()
+  assert len(scores) == len(rows), scores
+  assert all(0 <= s[e] <= 1 for s in scores for e in ("hallucination", "coverage")), scores
   assert len(list((tmp_path / "heatmaps").glob("*.html"))) == len(rows)
   assert (tmp_path / "roc" / "results.json").is_file()
+  for error in ("hallucination", "coverage"):
+    pairs = (tmp_path / f"prompt_{error[0]}" / "data" / "train.jsonl").read_text().splitlines()
+    assert {json.loads(p)["targets"] for p in pairs} == {"yes", "no"}, error
 
 
 def test_the_documented_commands_without_a_model_run_in_full(tmp_path):

@@ -17,6 +17,7 @@ from jaxmoral.models.t5 import T5, init_params
 from jaxmoral.npov import actions
 from jaxmoral.npov import detect
 from jaxmoral.npov import evaluate
+from jaxmoral.npov import knowledge_base as kb_lib
 from jaxmoral.npov import task
 from jaxmoral.npov.detectors import base
 from jaxmoral.npov.detectors import classifier
@@ -337,3 +338,26 @@ def test_salience_heatmap_colours_words_in_place_and_flags_only_outliers(tmp_pat
   assert f'title="0.950">{words[3][0]}</span>' in page
   assert "</span>. <span" in page  # The text between scored words is kept.
   assert "Scale (word error score)" in page
+
+
+def test_train_classifier_action_trains_on_synthetic_errors_of_the_training_topics(
+    tmp_path, monkeypatch):
+  kb_path = pathlib.Path(actions.__file__).parents[1] / "data" / "demo" / "npov_kb.jsonl"
+  split_of = {t.id: t.split for t in kb_lib.split_topics(kb_lib.read_kb_jsonl(str(kb_path)))}
+  seen = {}
+  monkeypatch.setattr(classifier, "train_classifier",
+                      lambda **kwargs: seen.update(kwargs) or str(kwargs["model_dir"]))
+  result = actions.train_error_classifier(model_dir=str(tmp_path / "h"), base_dir="base",
+                                          error="hallucination", kb_path=str(kb_path),
+                                          train_steps=7)
+  examples = seen["examples"]
+  assert result == {"model_dir": str(tmp_path / "h"), "error": "hallucination",
+                    "examples": len(examples)}
+  assert seen["error"] == "hallucination" and seen["train_steps"] == 7
+  # Test topics stay unseen; every error-free source comes with its synthetic errors.
+  assert {split_of[e.topic] for e in examples} == {"train"}
+  assert {bool(e.hallucination) for e in examples} == {False, True}
+  assert {e.paraphrased for e in examples} == {False, True}
+  with pytest.raises(ValueError, match="error must be one of hallucination, coverage"):
+    actions.train_error_classifier(model_dir=str(tmp_path / "x"), base_dir="base",
+                                   error="halucination", kb_path=str(kb_path))

@@ -1,4 +1,5 @@
-"""The `jaxmoral npov` actions as library calls: `detect_file` and `run` (evaluate).
+"""The `jaxmoral npov` actions as library calls: `detect_file`, `run` (evaluate) and
+`train_error_classifier` (train-classifier).
 
 `jaxmoral npov detect --input_path=... --output_path=... [--detector=...]` calls
 `detect_file`, `jaxmoral npov evaluate ...` calls `run`; their flags are these functions'
@@ -16,12 +17,14 @@ from typing import Any, Mapping, Optional, Sequence
 
 import gin
 from jaxmoral import fileio
+from jaxmoral import prompt_tuning
 from jaxmoral.npov import detect
 from jaxmoral.npov import evaluate
 from jaxmoral.npov import knowledge_base as kb_lib
 from jaxmoral.npov import plots
 from jaxmoral.npov import synthetic
 from jaxmoral.npov import task
+from jaxmoral.npov.detectors import classifier
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +140,30 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     generator_dir = generator_dir or os.path.join(prompts_dir, "generator", "prompt")
     classifier_dirs = classifier_dirs or {
         e: os.path.join(prompts_dir, f"classifier_{e}", "prompt") for e in evaluate.ERRORS}
+  topics, source = _topics_and_examples(
+      action="evaluate", kb_path=kb_path, perspectrum_dir=perspectrum_dir,
+      examples_path=examples_path, split=split, seed=seed, max_examples=max_examples)
+  slices: dict[str, Sequence[task.NpovExample]] = dict(
+      synthetic.make_test_slices(source, topics, seed=seed))
+  if organic_path:
+    slices["organic"] = task.read_examples(organic_path)
+  built = {name: detect.build_detector(
+      name, base_dir=base_dir, vocabulary_path=vocabulary_path, generator_dir=generator_dir,
+      classifier_dirs=classifier_dirs, partitioner=partitioner) for name in detectors}
+  results = evaluate.evaluate_detectors(built, slices)
+  evaluate.write_results(results, output_dir)
+  print(evaluate.format_table(results))
+  return results
+
+
+def _topics_and_examples(*, action: str, kb_path: Optional[str],
+                         perspectrum_dir: Optional[str], examples_path: Optional[str],
+                         split: str, seed: int, max_examples: Optional[int]
+                         ) -> tuple[list[kb_lib.Topic], list[task.NpovExample]]:
+  """The knowledge base's topics (split) and the error-free examples of its `split` topics:
+  `examples_path`'s, or sampled from the topics."""
   if (kb_path is None) == (perspectrum_dir is None):
-    raise ValueError("npov evaluate: give exactly one of kb_path, perspectrum_dir")
+    raise ValueError(f"npov {action}: give exactly one of kb_path, perspectrum_dir")
   if kb_path is not None:
     topics = kb_lib.read_kb_jsonl(kb_path)
   else:
@@ -153,15 +178,66 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     source = kb_lib.sample_examples(topics, seed=seed, split=split)
   source = source[:max_examples] if max_examples else source
   if not source:
-    raise ValueError(f"npov evaluate: no examples in split {split!r}")
-  slices: dict[str, Sequence[task.NpovExample]] = dict(
-      synthetic.make_test_slices(source, topics, seed=seed))
-  if organic_path:
-    slices["organic"] = task.read_examples(organic_path)
-  built = {name: detect.build_detector(
-      name, base_dir=base_dir, vocabulary_path=vocabulary_path, generator_dir=generator_dir,
-      classifier_dirs=classifier_dirs, partitioner=partitioner) for name in detectors}
-  results = evaluate.evaluate_detectors(built, slices)
-  evaluate.write_results(results, output_dir)
-  print(evaluate.format_table(results))
-  return results
+    raise ValueError(f"npov {action}: no examples in split {split!r}")
+  return topics, source
+
+
+@gin.configurable
+def train_error_classifier(*, model_dir: str, base_dir: str, error: str,
+                           kb_path: Optional[str] = None,
+                           perspectrum_dir: Optional[str] = None,
+                           examples_path: Optional[str] = None, split: str = "train",
+                           train_steps: int = 300, batch_size: int = 16,
+                           learning_rate: float = 0.1, warmup_steps: int = 30,
+                           max_input_length: int = 512, tuning: str = "prompt", seed: int = 0,
+                           max_examples: Optional[int] = None,
+                           partitioner: Any = None) -> dict[str, Any]:
+  """Trains the YES/NO classifier of one error type over a base (`detect`'s PROMPT_H/PROMPT_C).
+
+  Its examples are synthetic errors of the knowledge base's `split` topics, as the NPOV
+  experiment and demo train theirs (`synthetic.make_test_slices`: an argument the response
+  states removed from the input for a hallucination, one it leaves out added for a coverage
+  error; unparaphrased and paraphrased), each with its error-free original. The prompt starts
+  from the label words' embeddings and trains with the papers' optimizer (Adafactor, linear
+  warm-up and decay: `prompt_tuning.paper_optimizer`) on the frozen base.
+
+  Args:
+    model_dir: The classifier's run directory (`detect --hallucination_dir` or
+      `--coverage_dir` takes it, or its `prompt/`).
+    base_dir: The base model (any model directory or Hub id), as `detect --base_dir`.
+    error: "hallucination" or "coverage".
+    kb_path: A JSONL knowledge base (`knowledge_base.read_kb_jsonl`); or
+    perspectrum_dir: PERSPECTRUM's folder (`knowledge_base.read_perspectrum`).
+    examples_path: Error-free examples (JSONL) to derive the errors from; default: sampled
+      from the knowledge base's `split` topics.
+    split: Topics to train on ("train"; `evaluate` tests on "test").
+    train_steps: Training steps.
+    batch_size: Global batch size.
+    learning_rate: Peak learning rate of the prompt.
+    warmup_steps: Linear warm-up steps (capped below `train_steps`).
+    max_input_length: Encoder length (tokens) of query, arguments and response.
+    tuning: "prompt" (the paper: a soft prompt on the frozen base) or "full" (every weight).
+    seed: Sampling, synthetic-error and training seed.
+    max_examples: Cap on source examples (quick runs).
+    partitioner: The run's mesh (the run's PARTITIONER; None: data parallel).
+
+  Returns:
+    `{"model_dir", "error", "examples"}` (examples: the training pairs' source examples).
+  """
+  if error not in classifier.ERROR_TYPES:
+    raise ValueError(f"npov train-classifier: error must be one of "
+                     f"{', '.join(classifier.ERROR_TYPES)}, got {error!r}")
+  topics, source = _topics_and_examples(
+      action="train-classifier", kb_path=kb_path, perspectrum_dir=perspectrum_dir,
+      examples_path=examples_path, split=split, seed=seed, max_examples=max_examples)
+  slices = synthetic.make_test_slices(source, topics, seed=seed)
+  examples = [e for name in sorted(slices) for e in slices[name]]
+  classifier.train_classifier(
+      model_dir=model_dir, base_dir=base_dir, examples=examples, error=error,
+      train_steps=train_steps, batch_size=batch_size, max_input_length=max_input_length,
+      tuning=tuning, partitioner=partitioner, seed=seed,
+      optimizer=prompt_tuning.paper_optimizer(train_steps=train_steps,
+                                              learning_rate=learning_rate,
+                                              warmup_steps=warmup_steps),
+      checkpoint_every=train_steps)
+  return {"model_dir": model_dir, "error": error, "examples": len(examples)}

@@ -13,6 +13,8 @@ files / bindings work as for every command::
   jaxmoral npov evaluate --gin_file=configs/npov/eval_rouge_perspectrum.gin \\
       --output_dir=/tmp/npov_eval
   jaxmoral npov evaluate --kb_path=kb.jsonl --output_dir=/tmp/npov_eval --detectors=rouge
+  jaxmoral npov train-classifier --base_dir=BASE --kb_path=kb.jsonl --error=hallucination \\
+      --model_dir=P1
   jaxmoral npov demo --workdir=demo_out/npov
 
 `jaxmoral npov <action> --help` lists the action's flags (read from its function's signature
@@ -30,12 +32,14 @@ from jaxmoral import gin_utils
 ACTIONS: dict[str, tuple[str, str]] = {
     "detect": ("jaxmoral.npov.actions", "detect_file"),
     "evaluate": ("jaxmoral.npov.actions", "run"),
+    "train-classifier": ("jaxmoral.npov.actions", "train_error_classifier"),
     "demo": ("jaxmoral.npov.demo", "run_demo"),
 }
 # Parameters of an action's function that name what it writes: {name: is a directory}.
 OUTPUTS: dict[str, dict[str, bool]] = {
     "detect": {"output_path": False, "heatmap_dir": True, "roc_dir": True},
     "evaluate": {"output_dir": True},
+    "train-classifier": {"model_dir": True},
     "demo": {"workdir": True},
 }
 # `detect` writes its scores (possibly thousands of records) and logs a summary instead.
