@@ -30,9 +30,9 @@ What runs, within the test budget (about two minutes on 2 cores):
   ClarifyDelphi's (train-model without and with a config, train-ppo, evaluate, chat with a
   scripted user, chat-file) and NPOV's model-based detectors' (BASE, its PROMPT, PROMPT_H and
   PROMPT_C by `npov train-classifier`, `npov detect` with salience, its heat maps and ROC
-  curves, and with the classifiers).
-- Dry-run only, for their cost: the method demos (`make demo` runs them), `npov evaluate
-  --prompts_dir` (its RUN is `npov demo`'s workdir), pretraining and the
+  curves, and with the classifiers, `npov evaluate --prompts_dir=RUN` over a RUN laid out as
+  `npov demo`'s workdir, of those runs).
+- Dry-run only, for their cost: the method demos (`make demo` runs them), pretraining and the
   experiments (minutes to hours; their smoke configs are not run here), the pod compiles, the
   Hub download, the explorer's server and the cache commands.
 - Every other command is dry-run, exactly as written but for the placeholders: parsed as the
@@ -94,7 +94,8 @@ SHORTER = {"train": [*_FEW_STEPS, "--gin.EVAL_EVERY=4", "--gin.WARMUP_STEPS=1"],
            "diamante train": _FEW_STEPS,
            "clarify train-model": ["--train_steps=4", "--batch_size=8", *_FEW_STEPS[3:]],
            "clarify train-ppo": ["--num_iterations=1"],
-           "npov train-classifier": ["--train_steps=4", "--batch_size=8", "--max_examples=4"]}
+           "npov train-classifier": ["--train_steps=4", "--batch_size=8", "--max_examples=4"],
+           "npov evaluate": ["--max_examples=1"]}
 
 
 def _markdown_commands(path: pathlib.Path) -> list[tuple[str, str]]:
@@ -412,8 +413,16 @@ def test_the_documented_npov_model_commands_run_in_full(tmp_path, monkeypatch):
   classifiers = [c for _, c in COMMANDS if c.startswith("jaxmoral npov train-classifier")]
   detect = [c for _, c in COMMANDS if c.startswith("jaxmoral npov detect")
             and ("--detector=salience" in c or "--detector=classifier" in c)]
-  commands = _once(base_and_prompt + classifiers + detect)
-  assert len(commands) == 6, commands
+  evaluate = [c for _, c in COMMANDS if c.startswith("jaxmoral npov evaluate")
+              and "--prompts_dir=RUN" in c]
+  commands = _once(base_and_prompt + classifiers + detect + evaluate)
+  assert len(commands) == 7, commands
+  # RUN: a folder laid out as `npov demo`'s workdir, of the runs the chain trains.
+  run = tmp_path / PLACEHOLDERS["RUN"].removeprefix("/tmp/")
+  run.mkdir()
+  for name, target in (("generator", "prompt"), ("classifier_hallucination", "prompt_h"),
+                       ("classifier_coverage", "prompt_c")):
+    (run / name).symlink_to(tmp_path / target)
   # responses.jsonl: four of the shipped examples, labelled, so that --roc_dir has curves to
   # draw (the shipped file has no labels).
   responses = tmp_path / "labelled.jsonl"
@@ -433,6 +442,8 @@ def test_the_documented_npov_model_commands_run_in_full(tmp_path, monkeypatch):
   for error in ("hallucination", "coverage"):
     pairs = (tmp_path / f"prompt_{error[0]}" / "data" / "train.jsonl").read_text().splitlines()
     assert {json.loads(p)["targets"] for p in pairs} == {"yes", "no"}, error
+  results = json.loads((tmp_path / "npov_eval" / "results.json").read_text())
+  assert {"rouge", "salience"} <= {d for by_detector in results.values() for d in by_detector}
 
 
 def test_the_documented_commands_without_a_model_run_in_full(tmp_path):

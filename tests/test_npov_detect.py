@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import warnings
 
 import flax.linen as nn
 import jax
@@ -361,3 +362,18 @@ def test_train_classifier_action_trains_on_synthetic_errors_of_the_training_topi
   with pytest.raises(ValueError, match="error must be one of hallucination, coverage"):
     actions.train_error_classifier(model_dir=str(tmp_path / "x"), base_dir="base",
                                    error="halucination", kb_path=str(kb_path))
+
+
+def test_roc_picture_with_one_empty_panel_says_why_and_warns_nothing(tmp_path):
+  from jaxmoral.npov import plots  # pylint: disable=g-import-not-at-top
+  result = {"hallucination": {"labels": [0, 1, 0, 1], "scores": [0.1, 0.9, 0.4, 0.3],
+                              "example_auc": 0.75},
+            "coverage": {"labels": [0, 0, 0, 0], "scores": [0.1, 0.2, 0.3, 0.4],
+                         "example_auc": None}}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert plots.roc_curves_png({"rouge": result}, tmp_path / "roc.png", title="t")
+  assert (tmp_path / "roc.png").stat().st_size > 0
+  assert not plots.roc_curves_png({"rouge": {**result, "hallucination": result["coverage"]}},
+                                  tmp_path / "none.png")
+  assert not (tmp_path / "none.png").exists()

@@ -162,18 +162,24 @@ def roc_curves_png(by_detector: Mapping[str, Any], path: str | os.PathLike, *,
   fig, axes = plt.subplots(1, 2, figsize=(9, 4))
   drawn = False
   for ax, error in zip(axes, ("hallucination", "coverage"), strict=True):
+    curves = 0
     for name, result in by_detector.items():
       labels, scores = result[error]["labels"], result[error]["scores"]
       if len(set(labels)) < 2:
         continue
       fpr, tpr, _ = metrics.roc_curve(np.asarray(labels), np.asarray(scores))
       ax.plot(fpr, tpr, label=f"{name} ({100 * result[error]['example_auc']:.1f})")
-      drawn = True
+      curves += 1
     ax.plot([0, 1], [0, 1], "k:", lw=0.8)
     ax.set_title(f"{title} {error}")
     ax.set_xlabel("false positive rate")
     ax.set_ylabel("true positive rate")
-    ax.legend(loc="lower right", fontsize=8)
+    if curves:
+      ax.legend(loc="lower right", fontsize=8)
+    else:  # Say why the panel is empty rather than leave a bare diagonal.
+      ax.text(0.5, 0.5, "no examples of both classes", ha="center", va="center",
+              transform=ax.transAxes)
+    drawn = drawn or curves > 0
   if drawn:
     pictures.save_figure(fig, path)
   else:
