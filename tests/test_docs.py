@@ -31,10 +31,11 @@ What runs, within the test budget (about two minutes on 2 cores):
   scripted user, chat-file) and NPOV's model-based detectors' (BASE, its PROMPT, PROMPT_H and
   PROMPT_C by `npov train-classifier`, `npov detect` with salience, its heat maps and ROC
   curves, and with the classifiers, `npov evaluate --prompts_dir=RUN` over a RUN laid out as
-  `npov demo`'s workdir, of those runs).
+  `npov demo`'s workdir, of those runs); and docs/cli.md's `jaxmoral cache` with the `train`
+  that reads the cache.
 - Dry-run only, for their cost: the method demos (`make demo` runs them), pretraining and the
   experiments (minutes to hours; their smoke configs are not run here), the pod compiles, the
-  Hub download, the explorer's server and the cache commands.
+  Hub download, the explorer's server and the commands on a bucket.
 - Every other command is dry-run, exactly as written but for the placeholders: parsed as the
   command line parses it, its gin files and bindings parsed and checked (files found from
   another folder than the project root, `%gin.REQUIRED` values given, no unread macro), an
@@ -444,6 +445,15 @@ def test_the_documented_npov_model_commands_run_in_full(tmp_path, monkeypatch):
     assert {json.loads(p)["targets"] for p in pairs} == {"yes", "no"}, error
   results = json.loads((tmp_path / "npov_eval" / "results.json").read_text())
   assert {"rouge", "salience"} <= {d for by_detector in results.values() for d in by_detector}
+
+
+def test_the_documented_data_cache_commands_run_in_full(tmp_path, monkeypatch):
+  """docs/cli.md's `jaxmoral cache` and the `train` that reads its cache, as written."""
+  commands = _once(c for _, c in COMMANDS if "--gin.DATA_CACHE=\"'/tmp/cache'\"" in c)
+  assert [_words(c)[1] for c in commands] == ["cache", "train"], commands
+  _run_chain(commands, tmp_path, monkeypatch)
+  assert any((tmp_path / "cache").iterdir())
+  assert (tmp_path / "run" / "checkpoints").is_dir()
 
 
 def test_the_documented_commands_without_a_model_run_in_full(tmp_path):
