@@ -35,15 +35,8 @@ CORE = [
     ("xl", "configs/core/xl_tpu_pod.gin", "v5p:4x4x4", []),
     ("prompt-xxl", "configs/core/prompt_tuning_xxl_tpu_pod.gin", "v5e:8x8", []),
 ]
-# Method configs without their own compile target: the core target that matches their step.
-METHOD_BINDINGS = {
-    "configs/clarify/tpu_pod.gin": [
-        "aot.compile_for_topology.target = 'ppo'",
-        "aot.ppo_target.policy_config = %MODEL_CONFIG",
-        "aot.ppo_target.ppo_config = @ppo_trainer.PPOConfig()",
-        "aot.ppo_target.optimizer = @ppo/optimizers.make_optimizer()",
-    ],
-}
+# Method configs bind their own compile target (`aot.compile_for_topology.target`); the
+# topology of one whose comments name none:
 METHOD_TOPOLOGY = {"configs/clarify/tpu_pod.gin": "v5p:4x4x4"}
 
 
@@ -59,7 +52,7 @@ def discover() -> list[tuple[str, str, str, list[str]]]:
     match = re.search(r"--topology[= ](\S+)", text)
     topology = METHOD_TOPOLOGY.get(rel) or (match.group(1) if match else "v5e:8x8")
     name = rel.replace("configs/", "").replace(".gin", "")
-    entries.append((name, rel, topology, METHOD_BINDINGS.get(rel, [])))
+    entries.append((name, rel, topology, []))
   return entries
 
 

@@ -472,7 +472,9 @@ def check_fits(report: CompileReport) -> None:
 
 def _default_target() -> str:
   try:
-    bound = gin.get_bindings("runs.train_run")
+    # Unresolved: resolving would build the config's objects here (a pod config's partitioner
+    # on this host's devices, which fails) only to learn whether anything is bound.
+    bound = gin.get_bindings("runs.train_run", resolve_references=False)
   except (ValueError, KeyError):  # jaxmoral.runs not imported by the config.
     bound = {}
   if bound:
@@ -562,6 +564,63 @@ def interruptible(fn: Callable[[], Any], *, what: str,
   return outcome["value"]
 
 
+@dataclasses.dataclass(frozen=True)
+class CompilePlan:
+  """What `compile_for_topology` will compile: everything it decides before the first
+  lowering (the topology, the run's target, its program and partitioner, the stages)."""
+  topology: Topology
+  target: str
+  program: CompileProgram
+  partitioner: partitioning.PjitPartitioner  # The program's, on the topology's devices.
+  stages: tuple[Stage, ...]
+
+
+def plan_compile(*, topology: str, target: Optional[str] = None,
+                 num_slices: Optional[int] = None,
+                 stages: Optional[Sequence[str]] = None) -> CompilePlan:
+  """The topology, target, program and stages of a compile, checked, before any lowering
+  (`compile_for_topology`'s arguments of the same names; a dry run stops here).
+
+  Raises:
+    ValueError: Bad topology, target, slices or stages.
+  """
+  bound_slices = _partitioner_num_slices()
+  if num_slices is None:
+    num_slices = bound_slices or 1
+  elif bound_slices is not None and bound_slices != num_slices:
+    raise ValueError(f"compile_for_topology: num_slices={num_slices} disagrees with "
+                     f"partitioning.PjitPartitioner.num_slices={bound_slices}")
+  topo = get_topology(topology, num_slices=num_slices)
+  target = target or _default_target()
+  if target not in _TARGETS:
+    raise ValueError(f"compile_for_topology: unknown target {target!r}; registered: "
+                     f"{compile_targets()}")
+  if num_slices != (bound_slices or 1):
+    raise ValueError(f"compile_for_topology: num_slices={num_slices} needs the run's "
+                     f"partitioner to have as many: bind partitioning.PjitPartitioner."
+                     f"num_slices = {num_slices}")
+  # The run's entry point makes its partitioner as `train` does (the config's num_partitions,
+  # rules and slices); its devices are the topology's.
+  with partitioning.default_devices(topo.devices):
+    program = _TARGETS[target]()
+  partitioner = program.partitioner
+  if partitioner is None:
+    raise ValueError(f"compile_for_topology: target {target!r} handed back no partitioner")
+  if set(partitioner.mesh.devices.flat) != set(topo.devices):
+    raise ValueError(f"compile_for_topology: target {target!r} built its mesh on other "
+                     f"devices than {topology}'s (a partitioner bound with explicit devices)")
+  selected = program.stages
+  if stages is not None:
+    known = [stage.name for stage in selected]
+    unknown = sorted(set(stages) - set(known))
+    if unknown:
+      raise ValueError(f"compile_for_topology.stages: {unknown} not in target {target!r}'s "
+                       f"stages {known}")
+    selected = tuple(stage for stage in selected if stage.name in stages)
+  return CompilePlan(topology=topo, target=target, program=program, partitioner=partitioner,
+                     stages=tuple(selected))
+
+
 @gin.configurable(module="aot")
 def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
                          target: Optional[str] = None, num_slices: Optional[int] = None,
@@ -598,39 +657,8 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
     raise ValueError(f"compile_for_topology.step_time_s must be positive, got {step_time_s}")
   if hbm_bytes is not None and hbm_bytes <= 0:
     raise ValueError(f"compile_for_topology.hbm_bytes must be positive, got {hbm_bytes}")
-  bound_slices = _partitioner_num_slices()
-  if num_slices is None:
-    num_slices = bound_slices or 1
-  elif bound_slices is not None and bound_slices != num_slices:
-    raise ValueError(f"compile_for_topology: num_slices={num_slices} disagrees with "
-                     f"partitioning.PjitPartitioner.num_slices={bound_slices}")
-  topo = get_topology(topology, num_slices=num_slices)
-  target = target or _default_target()
-  if target not in _TARGETS:
-    raise ValueError(f"compile_for_topology: unknown target {target!r}; registered: "
-                     f"{compile_targets()}")
-  if num_slices != (bound_slices or 1):
-    raise ValueError(f"compile_for_topology: num_slices={num_slices} needs the run's "
-                     f"partitioner to have as many: bind partitioning.PjitPartitioner."
-                     f"num_slices = {num_slices}")
-  # The run's entry point makes its partitioner as `train` does (the config's num_partitions,
-  # rules and slices); its devices are the topology's.
-  with partitioning.default_devices(topo.devices):
-    program = _TARGETS[target]()
-  partitioner = program.partitioner
-  if partitioner is None:
-    raise ValueError(f"compile_for_topology: target {target!r} handed back no partitioner")
-  if set(partitioner.mesh.devices.flat) != set(topo.devices):
-    raise ValueError(f"compile_for_topology: target {target!r} built its mesh on other "
-                     f"devices than {topology}'s (a partitioner bound with explicit devices)")
-  selected = program.stages
-  if stages is not None:
-    known = [stage.name for stage in selected]
-    unknown = sorted(set(stages) - set(known))
-    if unknown:
-      raise ValueError(f"compile_for_topology.stages: {unknown} not in target {target!r}'s "
-                       f"stages {known}")
-    selected = tuple(stage for stage in selected if stage.name in stages)
+  plan = plan_compile(topology=topology, target=target, num_slices=num_slices, stages=stages)
+  topo, target, program, selected = plan.topology, plan.target, plan.program, plan.stages
   warn_host_memory(topo, [stage.name for stage in selected])
   stage_reports = []
   for number, stage in enumerate(selected, 1):
@@ -646,7 +674,7 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
     progress(f"compile {what}: compiled in {compile_seconds:.1f} s")
     stage_reports.append((stage.name, analyze(
         compiled, topology=topo, target=target, program=program,
-        mesh=dict(partitioner.mesh.shape), hbm_bytes=hbm_bytes, step_time_s=step_time_s,
+        mesh=dict(plan.partitioner.mesh.shape), hbm_bytes=hbm_bytes, step_time_s=step_time_s,
         lower_seconds=lower_seconds, compile_seconds=compile_seconds)))
     del lowered, compiled  # Free the compiler's memory before the next stage.
   resident = None

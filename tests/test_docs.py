@@ -40,8 +40,9 @@ What runs, within the test budget (about two minutes on 2 cores):
   command line parses it, its gin files and bindings parsed and checked (files found from
   another folder than the project root, `%gin.REQUIRED` values given, no unread macro), an
   action's flags bound and its outputs checked writable (`action_commands.bind_action`, all
-  that `run_action` does before the work). This is where long commands (pretraining, the
-  experiments, a pod compile) are checked: their configuration, not their hours.
+  that `run_action` does before the work; a `compile`, up to its first lowering:
+  `aot.plan_compile`). This is where long commands (pretraining, the experiments, a pod
+  compile) are checked: their configuration, not their hours.
   `python experiments/X.py`: the script's gin files and bindings as `experiment_lib.main`
   parses them, after its configurables are imported. `launch/*.sh ... -- CMD`: CMD, as the
   launcher runs it on each host (the launchers themselves reach hardware; tests/test_launch.py
@@ -179,8 +180,19 @@ def _dry_run_jaxmoral(argv: list[str]) -> None:
     gin_utils.parse_gin(gin_args)
     gin_utils.check_required()
   elif args.command == "compile":
-    importlib.import_module("jaxmoral.aot")
+    aot = importlib.import_module("jaxmoral.aot")
     gin_utils.parse_gin(gin_args)
+    # Up to the first lowering: the topology, the run's target, its program on the topology's
+    # devices and the stages, as `compile_for_topology` plans them.
+    bound = gin.get_bindings("aot.compile_for_topology", resolve_references=False)
+    try:
+      aot.get_topology(args.topology)
+    except ValueError as error:
+      if "needs libtpu" not in str(error):
+        raise
+    else:
+      aot.plan_compile(topology=args.topology, **{k: bound[k] for k in ("target", "num_slices",
+                                                                          "stages") if k in bound})
   elif args.command in cli.METHOD_COMMANDS:
     method = importlib.import_module(f"jaxmoral.{args.command}.commands")
     action_commands.bind_action(
