@@ -416,7 +416,7 @@ def test_the_documented_clarify_commands_run_in_full(tmp_path, monkeypatch):
   _run_chain(commands, tmp_path, monkeypatch,
              user_lines="lying to a friend\nto protect them\n\n")
   evaluation = json.loads((tmp_path / "evaluation.json").read_text())
-  assert "ppo" in json.dumps(evaluation)
+  assert {"why", "finetuned", "ppo"} <= set(evaluation) and evaluation["ppo"]["samples"]
   chat = [json.loads(line) for line in (tmp_path / "clarify_chat.jsonl").read_text().splitlines()]
   assert chat and chat[0]["answer"] == "to protect them", chat
   transcripts = [json.loads(line) for line in
@@ -452,7 +452,7 @@ def test_the_documented_npov_model_commands_run_in_full(tmp_path, monkeypatch):
       for i, row in enumerate(rows)))
   _run_chain(commands, tmp_path, monkeypatch,
              inputs={str(ROOT / PLACEHOLDERS["responses.jsonl"]): str(responses)})
-  # The classifier detection ran last: its scores replaced the salience scores.
+  # The classifier detection ran after the salience one: its scores replaced them.
   scores = [json.loads(line) for line in (tmp_path / "scores.jsonl").read_text().splitlines()]
   assert len(scores) == len(rows), scores
   assert all(0 <= s[e] <= 1 for s in scores for e in ("hallucination", "coverage")), scores
