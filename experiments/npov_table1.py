@@ -466,8 +466,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   classifier_sources = train_examples if balanced_sides else _distinct(kb_lib.sample_examples(
       topics, seed=seed, split="train", examples_per_topic=train_examples_per_claim,
       max_per_side=max_per_side, same_count_per_side=False))
-  train_slices = synthetic.make_test_slices(classifier_sources, topics, seed=seed + 2)
-  train_synthetic = train_slices["unparaphrased"] + train_slices["paraphrased"]
+  train_synthetic = synthetic.training_examples(classifier_sources, topics, seed=seed + 2)
   if classifier_substitutions:
     swapped = substitution_examples(classifier_sources, topics, seed=seed + 6)[1::2]
     rng, by_id = np.random.default_rng(seed + 7), {t.id: t for t in topics}

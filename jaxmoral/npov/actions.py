@@ -195,7 +195,7 @@ def train_error_classifier(*, model_dir: str, base_dir: str, error: str,
   """Trains the YES/NO classifier of one error type over a base (`detect`'s PROMPT_H/PROMPT_C).
 
   Its examples are synthetic errors of the knowledge base's `split` topics, as the NPOV
-  experiment and demo train theirs (`synthetic.make_test_slices`: an argument the response
+  experiment and demo train theirs (`synthetic.training_examples`: an argument the response
   states removed from the input for a hallucination, one it leaves out added for a coverage
   error; unparaphrased and paraphrased), each with its error-free original. The prompt starts
   from the label words' embeddings and trains with the papers' optimizer (Adafactor, linear
@@ -230,8 +230,7 @@ def train_error_classifier(*, model_dir: str, base_dir: str, error: str,
   topics, source = _topics_and_examples(
       action="train-classifier", kb_path=kb_path, perspectrum_dir=perspectrum_dir,
       examples_path=examples_path, split=split, seed=seed, max_examples=max_examples)
-  slices = synthetic.make_test_slices(source, topics, seed=seed)
-  examples = [e for name in sorted(slices) for e in slices[name]]
+  examples = synthetic.training_examples(source, topics, seed=seed)
   classifier.train_classifier(
       model_dir=model_dir, base_dir=base_dir, examples=examples, error=error,
       train_steps=train_steps, batch_size=batch_size, max_input_length=max_input_length,

@@ -123,8 +123,7 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
       checkpoint_every=prompt_steps, optimizer=prompt_optimizer(prompt_steps),
       init_checkpoint=base_dir)
   # 3b. Classifier prompts, trained on synthetic errors of the training topics.
-  train_slices = synthetic.make_test_slices(train_examples, topics, seed=seed + 1)
-  train_synthetic = train_slices["unparaphrased"] + train_slices["paraphrased"]
+  train_synthetic = synthetic.training_examples(train_examples, topics, seed=seed + 1)
   classifier_dirs = {}
   for error in classifier.ERROR_TYPES:
     classifier_dirs[error] = classifier.train_classifier(

@@ -139,3 +139,11 @@ def make_test_slices(examples: Sequence[task.NpovExample],
     slices["unparaphrased"].extend(variants)
     slices["paraphrased"].extend(paraphrase(v, topic, rng) for v in variants)
   return slices
+
+
+def training_examples(examples: Sequence[task.NpovExample],
+                      topics: Sequence[kb_lib.Topic] | Mapping[str, kb_lib.Topic], *,
+                      seed: int) -> list[task.NpovExample]:
+  """What a classifier learns from: both slices of `make_test_slices`, unparaphrased first."""
+  slices = make_test_slices(examples, topics, seed=seed)
+  return [e for name in SLICES for e in slices[name]]
