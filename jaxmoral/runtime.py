@@ -67,6 +67,11 @@ _NVIDIA_DEVICES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 _CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
+def _tpu_attached() -> bool:
+  """Whether this machine has a TPU device node."""
+  return any(glob.glob(pattern) for pattern in _TPU_DEVICES)
+
+
 def _installed(module: str) -> bool:
   try:
     return importlib.util.find_spec(module) is not None
@@ -93,7 +98,7 @@ def platforms_without_absent_tpu(environ: MutableMapping[str, str] = os.environ
   """
   if "JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ:
     return None
-  if any(glob.glob(pattern) for pattern in _TPU_DEVICES) or not _installed("libtpu"):
+  if _tpu_attached() or not _installed("libtpu"):
     return None
   platforms = ["cpu"]
   if any(os.path.exists(device) for device in _NVIDIA_DEVICES):
@@ -126,7 +131,7 @@ def quiet_compile_only_tpu(environ: MutableMapping[str, str] = os.environ) -> li
   Returns:
     The names of the variables set (empty when none was).
   """
-  if any(glob.glob(pattern) for pattern in _TPU_DEVICES):
+  if _tpu_attached():
     return []
   added = [name for name in _COMPILE_ONLY_TPU_ENV if name not in environ]
   for name in added:

@@ -186,19 +186,16 @@ def _dry_run_jaxmoral(argv: list[str]) -> None:
     # devices and the stages, as `compile_for_topology` plans them.
     bound = gin.get_bindings("aot.compile_for_topology", resolve_references=False)
     try:
-      aot.get_topology(args.topology)
-    except ValueError as error:
+      aot.plan_compile(topology=args.topology, **{k: bound[k] for k in (
+          "target", "num_slices", "stages") if k in bound})
+    except ValueError as error:  # A machine without libtpu stops at the topology.
       if "needs libtpu" not in str(error):
         raise
-    else:
-      try:
-        aot.plan_compile(topology=args.topology, **{k: bound[k] for k in (
-            "target", "num_slices", "stages") if k in bound})
-      except FileNotFoundError as error:
-        # A pod config's data under ../shared (the ClarifyDelphi target reads its vocabulary):
-        # a user's clone has none, and the error names it before any lowering.
-        if "../shared/" not in str(error) or (ROOT.parent / "shared").is_dir():
-          raise
+    except FileNotFoundError as error:
+      # A pod config's data under ../shared (the ClarifyDelphi target reads its vocabulary): a
+      # user's clone has none, and the error names it before any lowering.
+      if "../shared/" not in str(error) or (ROOT.parent / "shared").is_dir():
+        raise
   elif args.command in cli.METHOD_COMMANDS:
     method = importlib.import_module(f"jaxmoral.{args.command}.commands")
     action_commands.bind_action(

@@ -77,7 +77,7 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.runs": ("copies a local folder; to a URL through fileio",
                       frozenset({"_copy_folder"})),
     "jaxmoral.runtime": ("device nodes under /dev",
-                         frozenset({"platforms_without_absent_tpu", "quiet_compile_only_tpu"})),
+                         frozenset({"platforms_without_absent_tpu", "_tpu_attached"})),
     "experiments.experiment_lib": ("the script's own path, for the report's command line",
                                    frozenset({"command_line"})),
 }
