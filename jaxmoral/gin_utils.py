@@ -22,9 +22,9 @@ import logging
 import os
 import pathlib
 import re
+import sys
 import tokenize
-import types
-from typing import Any, Collection, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Iterable, Iterator, NamedTuple, Sequence
 
 import gin
 from gin import config_parser
@@ -108,21 +108,16 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
   return GinArgs(tuple(files), tuple(bindings), tuple(paths), tuple(quoted), tuple(flags)), rest
 
 
-def _package_file_exists(path: str) -> bool:
-  """gin's check for a gin file inside an importable package, without its TypeError on a
-  namespace package (a folder without `__init__.py`, e.g. the project's `configs/` whenever
-  the project root is on sys.path): such a package holds no gin file of its own."""
-  try:
-    return gin.resource_reader.system_path_file_exists(path)
-  except TypeError:
-    return False
+# Where gin looks for gin files, in its order: '' (the name as given) first, then each path
+# `parse_gin` gave `gin.add_config_file_search_path`, once. Recorded here because gin keeps its
+# own list private, and the statements of a file are read from where gin read it.
+_SEARCH_PATHS: list[str] = [""]
 
 
-# Replaces gin's own check in its file readers (same reader, same answers but for that crash),
-# so that `configs/...` gin files are found from any folder.
-gin.config._FILE_READERS[:] = [  # pylint: disable=protected-access
-    (reader, _package_file_exists if exists is gin.resource_reader.system_path_file_exists
-     else exists) for reader, exists in gin.config._FILE_READERS]  # pylint: disable=protected-access
+def _add_search_path(path: str) -> None:
+  if path not in _SEARCH_PATHS:
+    gin.add_config_file_search_path(path)
+    _SEARCH_PATHS.append(path)
 
 
 def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
@@ -148,7 +143,7 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
   """
   search_paths = list(dict.fromkeys([*gin_args.search_paths, os.getcwd(), str(PROJECT_ROOT)]))
   for path in search_paths:
-    gin.add_config_file_search_path(path)
+    _add_search_path(path)
   for name in gin_args.files:
     if _find_gin_file(name, search_paths) is None:
       raise FileNotFoundError(f"gin file {name!r} not found in search paths {search_paths}")
@@ -389,14 +384,22 @@ class _BindingSources:
             for statement, where, on_command_line in self.statements()
             if not statement.arg_name}
 
-  def binding(self, scope: str, complete_selector: str, param: str) -> str | None:
-    """Where `scope/selector.param` is last bound (the selector written in full or in part)."""
+  def binding(self, scope: str, selector: str, param: str) -> str | None:
+    """Where `scope/selector.param` is last bound (either selector in full or in part)."""
     found = None
     for statement, where, _ in self.statements():
       if (statement.arg_name == param and statement.scope == scope
-          and f".{complete_selector}".endswith(f".{statement.selector}")):
+          and _same_configurable(statement.selector, selector)):
         found = where
     return found
+
+
+def _same_configurable(one: str, other: str) -> bool:
+  """Whether two selectors, each in full or in part, name the same configurable."""
+  if f".{one}".endswith(f".{other}") or f".{other}".endswith(f".{one}"):
+    return True
+  configurable = _configurable(one)
+  return configurable is not None and configurable is _configurable(other)
 
 
 class _Unresolved(config_parser.ParserDelegate):
@@ -416,8 +419,7 @@ def _macro_name(statement: config_parser.BindingStatement) -> str:
 def _file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
   """The statements of gin file `name` and (in place) of its includes, with their file."""
   # Found as gin finds them: in the search paths it was given, in order.
-  search_paths = _gin_state().search_paths
-  prefixes = [""] if os.path.isabs(name) else search_paths
+  prefixes = [""] if os.path.isabs(name) else _SEARCH_PATHS
   path = next((p for p in (os.path.join(prefix, name) for prefix in prefixes)
                if os.path.isfile(p)), None)
   if path is None or depth > 64:  # gin parsed it, so neither happens; never loop.
@@ -443,41 +445,67 @@ def _display_path(path: str) -> str:
   return path
 
 
-class _GinState(NamedTuple):
-  """What gin holds that its public API cannot list (see `_gin_state`)."""
-  # Every binding: {(scope, selector): {parameter: value}}, values as parsed (references and
-  # macros unresolved).
-  config: Mapping[tuple[str, str], Mapping[str, Any]]
-  # The registered configurables (a gin SelectorMap: `items()`, `matching_selectors(partial)`,
-  # `minimal_selector(complete)`, `get(complete)` of a `gin.config.Configurable`).
-  registry: Any
-  # Where gin looks for a gin file, in order ('' first: as given).
-  search_paths: Sequence[str]
+class _Reference(NamedTuple):
+  """A reference in a binding's value as gin prints it: `@scope/name()` or `%NAME`."""
+  name: str  # The configurable's selector as written, or the macro's name (with its scope).
+  scopes: tuple[str, ...]  # The scope parts a configurable reference enters.
+  is_macro: bool
 
 
-def _gin_state() -> _GinState:
-  """gin's bindings, registry and file search paths, read only: the one reach into gin's
-  private module state.
+class _Listing(config_parser.ParserDelegate):
+  """Reads gin statements with their references as `_Reference` (nothing imported)."""
 
-  Why: gin's public API answers for one named binding (`gin.query_parameter`,
-  `gin.get_bindings`) or one exact configurable (`gin.get_configurable`), and prints the whole
-  config only as text (`gin.config_str`). The checks that everything bound is read (unread
-  macros, unentered scopes, `%gin.REQUIRED` left unbound), the close-name suggestions and
-  finding the file gin read for a name need to list every binding with its references as
-  objects, every registered selector and the search paths in gin's order. Nothing here
-  changes gin's state.
+  def configurable_reference(self, scoped_configurable_name: str,
+                             evaluate: bool) -> _Reference:
+    *scopes, name = scoped_configurable_name.split("/")
+    return _Reference(name, tuple(scopes), False)
+
+  def macro(self, macro_name: str) -> _Reference:
+    return _Reference(macro_name, (), True)
+
+
+# Every binding gin holds: {(scope, selector): {parameter: value}}; a macro NAME (or
+# scope/NAME) is (NAME, "gin.macro") with parameter "value".
+_Config = dict[tuple[str, str], dict[str, Any]]
+
+
+def _config() -> _Config:
+  """Every binding gin holds, selectors minimal, values as written (references as
+  `_Reference`).
+
+  Read from gin's own printout of its whole config (`gin.config_str`) with gin's own parser:
+  gin's public API answers for one named binding (`gin.query_parameter`) but lists its
+  bindings only as that text. The checks that everything bound is read need all of them.
   """
-  return _GinState(
-      config=types.MappingProxyType(gin.config._CONFIG),  # pylint: disable=protected-access
-      registry=gin.config._REGISTRY,  # pylint: disable=protected-access
-      search_paths=tuple(gin.config._LOCATION_PREFIXES))  # pylint: disable=protected-access
+  config: _Config = {}
+  for statement in config_parser.ConfigParser(gin.config_str(), _Listing()):
+    if isinstance(statement, config_parser.BindingStatement):
+      if statement.arg_name:
+        key, param = (statement.scope, statement.selector), statement.arg_name
+      else:
+        key, param = (_macro_name(statement), _MACRO), "value"
+      config.setdefault(key, {})[param] = statement.value
+  return config
 
 
-def _references() -> Iterator[tuple[tuple[str, str], Any]]:
-  """Every configurable reference (`@name`, `%MACRO`) in the config, with the binding's key."""
-  for key, params in _gin_state().config.items():
-    for ref in gin.config.iterate_references(params):
-      yield key, ref
+def _in_value(value: Any) -> Iterator[_Reference]:
+  """The references anywhere in a value (tuples, lists, dict keys and values)."""
+  if isinstance(value, _Reference):
+    yield value
+  elif isinstance(value, (list, tuple, set)):
+    for item in value:
+      yield from _in_value(item)
+  elif isinstance(value, dict):
+    for item in value.items():
+      yield from _in_value(item)
+
+
+def _references(config: _Config) -> Iterator[tuple[tuple[str, str], _Reference]]:
+  """Every reference (`@name`, `%MACRO`) in the config, with the key of its binding."""
+  for key, params in config.items():
+    for value in params.values():
+      for ref in _in_value(value):
+        yield key, ref
 
 
 def unreferenced_macros() -> list[str]:
@@ -486,13 +514,15 @@ def unreferenced_macros() -> list[str]:
   References count wherever they are: in tuples, lists and dicts, in the bindings of a
   function that another binding calls (`@fn()`), in scoped bindings, in other macros.
   """
-  config = _gin_state().config
+  return _unreferenced_macros(_config())
+
+
+def _unreferenced_macros(config: _Config) -> list[str]:
   referenced: set[str] = set()
-  for (scope, selector), ref in _references():
-    name = ref.config_key[0]
-    if ref.configurable.selector == _MACRO and not (selector == _MACRO and scope == name):
+  for (scope, selector), ref in _references(config):
+    if ref.is_macro and not (selector == _MACRO and scope == ref.name):
       # `%X` evaluated in scope s also reads a macro bound as `s/X`: count the bare name too.
-      referenced.update((name, name.rsplit("/", 1)[-1]))
+      referenced.update((ref.name, ref.name.rsplit("/", 1)[-1]))
   return sorted(scope for scope, selector in config
                 if selector == _MACRO and scope not in referenced
                 and scope.rsplit("/", 1)[-1] not in referenced)
@@ -510,15 +540,19 @@ def _is_export(name: str) -> bool:
           and value.configurable.selector not in (_MACRO, "gin.constant"))
 
 
-def _unentered_scopes() -> list[tuple[str, str, str, str]]:
+def _entered_scopes(config: _Config) -> set[str]:
+  return {part for _, ref in _references(config) for part in ref.scopes}
+
+
+def _unentered_scopes(config: _Config) -> list[tuple[str, str, str, str]]:
   """(scope part, scope, selector, parameter) of scoped bindings whose scope no reference
   (`@scope/fn()`) enters.
 
   jaxmoral enters no scope in code (no `gin.config_scope`), so such a binding is never read.
   """
-  entered = {part for _, ref in _references() for part in ref.scopes}
+  entered = _entered_scopes(config)
   unread = []
-  for (scope, selector), params in _gin_state().config.items():
+  for (scope, selector), params in config.items():
     if selector == _MACRO or not scope:
       continue
     missing = [part for part in scope.split("/") if part not in entered]
@@ -526,22 +560,52 @@ def _unentered_scopes() -> list[tuple[str, str, str, str]]:
   return unread
 
 
-def _minimal_selector(selector: str) -> str:
+def _configurable(selector: str) -> Any:
+  """The registered configurable `selector` names (in full or in part); None if it names
+  none or more than one."""
   try:
-    return _gin_state().registry.minimal_selector(selector)
+    return gin.get_configurable(selector)
   except (KeyError, ValueError):
-    return selector
+    return None
 
 
-def _parameters(complete_selector: str) -> list[str]:
+def _parameters(selector: str) -> list[str]:
   """The keyword parameters of a registered configurable (empty if it has no signature)."""
-  configurable = _gin_state().registry.get(complete_selector)
   try:
-    signature = inspect.signature(configurable.wrapped)
-  except (AttributeError, TypeError, ValueError):
+    signature = inspect.signature(_configurable(selector))
+  except (TypeError, ValueError):
     return []
   return [name for name, param in signature.parameters.items()
           if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)]
+
+
+def _registered_selectors() -> list[str]:
+  """The selectors, in full and in part, of the configurables defined in the project's
+  imported modules (the package, experiments, tests), as gin resolves them.
+
+  gin lists no registered names publicly, so they are found from the other side: a module
+  attribute that gin knows as a configurable, named by each dotted suffix of its module path
+  (a configurable registered with `module="decoding"` is `decoding.NAME`) that gin resolves to
+  it. For the close-name suggestions of an unknown configurable, on the error path only.
+  """
+  selectors = []
+  for module in list(sys.modules.values()):
+    if not str(getattr(module, "__file__", None) or "").startswith(str(PROJECT_ROOT)):
+      continue
+    for attribute, value in list(vars(module).items()):
+      if not callable(value) or getattr(value, "__module__", None) != module.__name__:
+        continue
+      try:
+        configurable = gin.get_configurable(value)
+      except (KeyError, ValueError, TypeError):
+        continue
+      parts = module.__name__.split(".")
+      for candidate in dict.fromkeys(
+          [attribute] + [f"{'.'.join(parts[i:])}.{attribute}" for i in range(len(parts))]
+          + [f"{part}.{attribute}" for part in parts]):
+        if _configurable(candidate) is configurable:
+          selectors.append(candidate)
+  return selectors
 
 
 def _close(name: str, candidates: Iterable[str], *, last_part: bool = False) -> list[str]:
@@ -562,8 +626,7 @@ def _suggest(names: Sequence[str]) -> str:
 
 def _macros() -> list[str]:
   """Every macro of the parsed config."""
-  config = _gin_state().config
-  return [scope for scope, selector in config if selector == _MACRO]
+  return [scope for scope, selector in _config() if selector == _MACRO]
 
 
 def check_everything_is_read(sources: _BindingSources | None = None, *,
@@ -584,15 +647,14 @@ def check_everything_is_read(sources: _BindingSources | None = None, *,
   Raises:
     ValueError: One line naming each unread macro or scope, where it is set, and close names.
   """
-  config = _gin_state().config
+  config = _config()
   problems = []
-  unread = unreferenced_macros()
+  unread = _unreferenced_macros(config)
   if unread:
     where = sources.macro_definitions() if sources else {}
-    macros = sorted({ref.config_key[0] for _, ref in _references()
-                     if ref.configurable.selector == _MACRO} | {
-                         scope for scope, selector in config if selector == _MACRO})
-    params = [f"{_minimal_selector(selector)}.{param}" for scope, selector in config
+    macros = sorted({ref.name for _, ref in _references(config) if ref.is_macro} | {
+        scope for scope, selector in config if selector == _MACRO})
+    params = [f"{selector}.{param}" for scope, selector in config
               if selector != _MACRO for param in _parameters(selector)]
     for name in unread:
       place, on_command_line = where.get(name, (None, False))
@@ -601,10 +663,10 @@ def check_everything_is_read(sources: _BindingSources | None = None, *,
       close = _close(name, [m for m in macros if m != name] + params, last_part=True)
       problems.append(f"macro {name}{f' ({place})' if place else ''} is never read: no "
                       f"binding or macro refers to %{name}{_suggest(close)}")
-  scopes = sorted({part for _, ref in _references() for part in ref.scopes})
-  for part, scope, selector, param in _unentered_scopes():
+  scopes = sorted(_entered_scopes(config))
+  for part, scope, selector, param in _unentered_scopes(config):
     place = sources.binding(scope, selector, param) if sources else None
-    problems.append(f"scope {part!r} of {scope}/{_minimal_selector(selector)}.{param}"
+    problems.append(f"scope {part!r} of {scope}/{selector}.{param}"
                     f"{f' ({place})' if place else ''} is never entered: no reference "
                     f"@{part}/... exists{_suggest(_close(part, scopes))}")
   if problems:
@@ -636,8 +698,7 @@ def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> Va
   unknown = _UNKNOWN_CONFIGURABLE.match(message)
   if unknown_param:
     selector, param = unknown_param.group("selector", "param")
-    complete = _gin_state().registry.get_match(selector)
-    names = _parameters(complete.selector) if complete else []
+    names = _parameters(selector)
     close = [f"{selector}.{name}" for name in _close(param, names)]
     return ValueError(f"gin: {selector} has no parameter {param!r}{where}"
                       f"{_suggest(close)}")
@@ -645,18 +706,17 @@ def _binding_error(error: ValueError | KeyError, sources: _BindingSources) -> Va
     selector = unknown.group("selector")
     depth = selector.count(".") + 1
     # Compared with the registered names cut to as many dotted parts as the one given.
-    suffixes = [".".join(complete.split(".")[-depth:])
-                for complete, _ in _gin_state().registry.items()]
+    suffixes = [".".join(registered.split(".")[-depth:])
+                for registered in _registered_selectors() if registered.count(".") >= depth - 1]
     return ValueError(f"gin: no configurable {selector!r} is registered (misspelt, or its "
                       f"module not imported){where}{_suggest(_close(selector, suffixes))}")
   return ValueError(f"gin: {' '.join(message.split())}{where}")
 
 
 def _is_required(value: object) -> bool:
-  # `%gin.REQUIRED` parses to a reference to the constant named "gin.REQUIRED".
-  return value is gin.REQUIRED or (type(value).__name__ == "ConfigurableReference"
-                                   and getattr(value, "_scoped_selector", "").startswith(
-                                       "gin.REQUIRED"))
+  # `%gin.REQUIRED` reads as a reference to the macro named "gin.REQUIRED".
+  return value is gin.REQUIRED or (isinstance(value, _Reference) and value.is_macro
+                                   and value.name == "gin.REQUIRED")
 
 
 def unbound_required() -> list[str]:
@@ -666,10 +726,11 @@ def unbound_required() -> list[str]:
   before calling anything and names what is missing.
   """
   missing = []
-  for (scope, selector), params in _gin_state().config.items():
+  for (scope, selector), params in _config().items():
     for param, value in params.items():
       if _is_required(value):
-        missing.append(scope if selector == "gin.macro" else f"{selector}.{param}")
+        missing.append(scope if selector == _MACRO else
+                       f"{scope + '/' if scope else ''}{selector}.{param}")
   return missing
 
 
@@ -745,12 +806,13 @@ class _Symbolic(config_parser.ParserDelegate):
 
 
 def _complete(selector: str) -> str:
-  """`selector` completed through gin's registry ('runs.train_run' ->
-  'jaxmoral.runs.train_run') when it names one configurable; else as written (a module this
-  process has not imported). A scope prefix ('ppo/...') is kept."""
+  """`selector` named by the Python path of the configurable it resolves to ('runs.train_run'
+  -> 'jaxmoral.runs.train_run') when it names one; else as written (ambiguous, or a module
+  this process has not imported). A scope prefix ('ppo/...') is kept."""
   scope, _, name = selector.rpartition("/")
-  matches = _gin_state().registry.matching_selectors(name)
-  complete = matches[0] if len(matches) == 1 else name
+  configurable = _configurable(name)
+  complete = (f"{configurable.__module__}.{configurable.__qualname__}" if configurable
+              is not None else name)
   return f"{scope}/{complete}" if scope else complete
 
 

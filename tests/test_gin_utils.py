@@ -2,18 +2,19 @@
 everything bound can be read (no misspelt macro, parameter, configurable or scope)."""
 
 import glob
+import importlib
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
 
-import gin
 import pytest
 
+import gin
 from jaxmoral import gin_utils
-
 
 pytestmark = pytest.mark.usefixtures("one_device", "clean_gin")
 
@@ -271,8 +272,14 @@ def test_a_scope_nothing_enters_is_an_error(tmp_path):
      "gin: no configurable 'runs.Seq2SeqDta' is registered (misspelt, or its module not "
      "imported) (--gin_bindings=runs.train_run.data = @runs.Seq2SeqDta()); close valid names: "
      "runs.Seq2SeqData"),
+    # Registered under a module name of its own (`module="diamante"`), not its Python module's.
+    (["--gin.diamante.DiamanteModl.config=None"],
+     "gin: no configurable 'diamante.DiamanteModl' is registered (misspelt, or its module not "
+     "imported) (--gin.diamante.DiamanteModl.config=None); close valid names: "
+     "diamante.DiamanteModel"),
 ])
 def test_unknown_parameter_or_configurable_is_one_line(flags, message):
+  importlib.import_module("jaxmoral.diamante.diamante_model")
   gin_args, _ = gin_utils.split_gin_args(["--gin_file=configs/core/tiny_cpu.gin",
                                           "--gin.MODEL_DIR=/tmp/unused", *flags])
   with pytest.raises(ValueError) as info:
@@ -344,3 +351,30 @@ def test_shipped_configs_parse_and_leave_only_exports_unread(shipped_results, pa
   # What nothing reads is only what a fragment exports for includers (e.g. PARTITIONER, which
   # `jaxmoral compile` does not read: it builds `partitioning.PjitPartitioner` itself).
   assert result["unread"] == result["exports"]
+
+
+def test_an_included_project_config_is_read_from_another_folder_with_the_root_on_sys_path(
+    tmp_path, monkeypatch):
+  """`python -m ...` from the project root puts it on sys.path; gin then reads an include that
+  is not under the working directory as a package file of `configs` (T5X's configs work so)."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", [str(gin_utils.PROJECT_ROOT), *sys.path])
+  importlib.import_module("jaxmoral.diamante.commands")
+  gin_utils.parse_gin(gin_utils.GinArgs(
+      files=("configs/diamante/generator_tiny_cpu.gin",), bindings=("MODEL_DIR = 'run'",)))
+  # The include (configs/diamante/tiny_cpu.gin) was read: its training data are bound.
+  assert gin.query_parameter("%TRAIN_PATH").endswith("jaxmoral/data/demo/dialogues.jsonl")
+  # Which holds for every config folder: each is a package.
+  folders = [p for p in (gin_utils.PROJECT_ROOT / "configs").rglob("*")
+             if p.is_dir() and p.name != "__pycache__"]
+  assert [f for f in folders if not (f / "__init__.py").is_file()] == []
+
+
+def test_jaxmoral_reads_no_private_gin_state():
+  """The gin layer uses gin's public API only (the listing comes from `gin.config_str`)."""
+  private = re.compile(r"gin\.(config|config_parser|resource_reader)\._[A-Za-z]")
+  offenders = [f"{path.relative_to(gin_utils.PROJECT_ROOT)}:{number}"
+               for path in sorted((gin_utils.PROJECT_ROOT / "jaxmoral").rglob("*.py"))
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               if private.search(line)]
+  assert not offenders, offenders

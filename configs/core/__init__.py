@@ -1,0 +1,1 @@
+"""Gin configs (see configs/__init__.py)."""
