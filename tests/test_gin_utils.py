@@ -11,10 +11,11 @@ import subprocess
 import sys
 import textwrap
 
+import gin
 import pytest
 
-import gin
 from jaxmoral import gin_utils
+
 
 pytestmark = pytest.mark.usefixtures("one_device", "clean_gin")
 
