@@ -35,6 +35,7 @@ runtime.platforms_without_absent_tpu()
 from jaxmoral import cli  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import fileio  # noqa: E402  pylint: disable=wrong-import-position
+from jaxmoral import gin_files  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 
@@ -138,7 +139,7 @@ def changed_bindings(model_dir: str) -> list[str]:
     return []
   saved = fileio.read_text(path)
   try:
-    return gin_utils.binding_changes(saved, gin.config_str())
+    return gin_files.binding_changes(saved, gin.config_str())
   except ValueError as error:
     return [f"? {path}: {error}"]
 

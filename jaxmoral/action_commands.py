@@ -34,6 +34,7 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 import gin
 from jaxmoral import cli_help
 from jaxmoral import fileio
+from jaxmoral import gin_files
 from jaxmoral import gin_utils
 
 HELP_FLAGS = ("-h", "--help")
@@ -259,14 +260,14 @@ def _input_flags(rest: Sequence[str], outputs: Mapping[str, bool]) -> list[str]:
 
 
 def resolve_input_flags(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]) -> None:
-  """Input flags find relative paths as gin files do (`gin_utils.resolve_relative_paths`): a
+  """Input flags find relative paths as gin files do (`gin_files.resolve_relative_paths`): a
   relative path that names nothing in the working directory but something in the project
   root (`--test_path=jaxmoral/data/demo/dialogues.jsonl`) is bound as that absolute path."""
   for name in _input_flags(rest, outputs):
     value = gin_utils.bound_value(selector, name)
     if (isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value
         and not os.path.exists(value)):
-      candidate = gin_utils.PROJECT_ROOT / value
+      candidate = gin_files.PROJECT_ROOT / value
       if candidate.exists():
         gin.bind_parameter(f"{selector}.{name}", str(candidate))
 
@@ -282,7 +283,7 @@ def check_inputs(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]
     if name.endswith("dir") and _HUB_ID.match(value):
       continue
     raise FileNotFoundError(errno.ENOENT, f"--{name}: no such file or folder (looked in "
-                            f"{os.getcwd()} and {gin_utils.PROJECT_ROOT})", value)
+                            f"{os.getcwd()} and {gin_files.PROJECT_ROOT})", value)
 
 
 SUMMARY_LINES = 20  # At most this many result lines on stdout; the files hold everything.

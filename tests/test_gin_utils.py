@@ -14,6 +14,8 @@ import textwrap
 import gin
 import pytest
 
+from jaxmoral import gin_checks
+from jaxmoral import gin_files
 from jaxmoral import gin_utils
 
 
@@ -139,7 +141,7 @@ def test_config_bindings_read_values_as_gin_does_and_complete_selectors():
       STEPS = 1e-05
       twin.a = 3
       """)
-  bindings = gin_utils.config_bindings(written)
+  bindings = gin_files.config_bindings(written)
   assert bindings == {
       f"{module}._entry.name": "['a long string', 'another', 'and more']",
       f"{module}._make.value": f"@{module}._entry()",
@@ -151,14 +153,14 @@ def test_config_bindings_read_values_as_gin_does_and_complete_selectors():
   printed = ("_entry.name = ['a long string', 'another', 'and more']\n"
              "_make.value = @_entry()\nscope/_entry.steps = %STEPS\nSTEPS = 0.00001\n"
              "twin.a = 3\n")
-  assert gin_utils.config_bindings(printed) == bindings
-  assert gin_utils.binding_changes(written, printed) == []
+  assert gin_files.config_bindings(printed) == bindings
+  assert gin_files.binding_changes(written, printed) == []
   changed = printed.replace("STEPS = 0.00001", "STEPS = 2").replace("twin.a = 3\n", "") + (
       "_entry.model_dir = '/d'\n")
-  assert gin_utils.binding_changes(written, changed) == [
+  assert gin_files.binding_changes(written, changed) == [
       "- STEPS = 1e-05", "+ STEPS = 2", f"+ {module}._entry.model_dir = '/d'", "- twin.a = 3"]
   with pytest.raises(ValueError, match="not a gin config"):
-    gin_utils.config_bindings("_entry.name = [unclosed\n")
+    gin_files.config_bindings("_entry.name = [unclosed\n")
 
 
 @pytest.mark.parametrize("fragment, field, expected", [
@@ -192,7 +194,7 @@ def test_misspelt_macro_on_the_command_line_is_an_error_naming_the_flag():
       "--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR=/tmp/unused",
       "--gin.TRAIN_STEPS=5", "--gin.INFER_INPUT=in.txt"])
   gin_utils.parse_gin(gin_args)
-  assert gin_utils.unreferenced_macros() == []
+  assert gin_checks.unreferenced_macros() == []
 
 
 def test_train_with_a_misspelt_macro_stops_before_training(tmp_path, capsys):
@@ -237,7 +239,7 @@ def test_references_anywhere_count_as_reads(tmp_path):
       scope/test_gin_utils._make.value = %SCOPED
       """, "--gin.B=3")
   assert _entry() == ("/d", (1, [3], {"d": 4}), ["inner", "scoped"])
-  assert gin_utils.unreferenced_macros() == ["OBJECT"]
+  assert gin_checks.unreferenced_macros() == ["OBJECT"]
 
 
 def test_an_unread_export_on_the_command_line_is_an_error(tmp_path):
@@ -305,15 +307,15 @@ def test_errors_in_files_and_ambiguous_selectors_are_one_line(tmp_path):
 ADD_ONS = {"configs/diamante/nll_only.gin": ("configs/diamante/tiny_cpu.gin",)}
 # configs/experiments/ bind the configurables of the experiments/ scripts, which register them:
 # tests/test_experiments.py parses those with their scripts imported.
-SHIPPED = sorted([p for p in glob.glob("configs/**/*.gin", root_dir=gin_utils.PROJECT_ROOT,
+SHIPPED = sorted([p for p in glob.glob("configs/**/*.gin", root_dir=gin_files.PROJECT_ROOT,
                                        recursive=True)
                   if not p.startswith("configs/experiments/")]
-                 + glob.glob("gin/**/*.gin", root_dir=gin_utils.PROJECT_ROOT, recursive=True))
+                 + glob.glob("gin/**/*.gin", root_dir=gin_files.PROJECT_ROOT, recursive=True))
 
 _PARSE_EACH = textwrap.dedent("""
     import json, sys
     import gin
-    from jaxmoral import gin_utils
+    from jaxmoral import gin_checks, gin_utils
     results = {}
     for files in json.loads(sys.argv[1]):
       gin.clear_config()
@@ -322,7 +324,7 @@ _PARSE_EACH = textwrap.dedent("""
       except Exception as error:  # pylint: disable=broad-except
         results[files[-1]] = {"error": f"{type(error).__name__}: {error}"}
         continue
-      unread = gin_utils.unreferenced_macros()
+      unread = gin_checks.unreferenced_macros()
       exports = [n for n in unread
                  if isinstance(gin.query_parameter(f"%{n}"), gin.config.ConfigurableReference)]
       results[files[-1]] = {"error": None, "unread": unread, "exports": exports}
@@ -339,7 +341,7 @@ def shipped_results() -> dict[str, dict[str, object]]:
   """
   runs = [[*ADD_ONS.get(path, ()), path] for path in SHIPPED]
   proc = subprocess.run([sys.executable, "-c", _PARSE_EACH, json.dumps(runs)],
-                        cwd=gin_utils.PROJECT_ROOT, capture_output=True, text=True, check=False)
+                        cwd=gin_files.PROJECT_ROOT, capture_output=True, text=True, check=False)
   lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
   assert lines, proc.stderr[-3000:]
   return json.loads(lines[-1][len("RESULTS "):])
@@ -359,14 +361,14 @@ def test_an_included_project_config_is_read_from_another_folder_with_the_root_on
   """`python -m ...` from the project root puts it on sys.path; gin then reads an include that
   is not under the working directory as a package file of `configs` (T5X's configs work so)."""
   monkeypatch.chdir(tmp_path)
-  monkeypatch.setattr(sys, "path", [str(gin_utils.PROJECT_ROOT), *sys.path])
+  monkeypatch.setattr(sys, "path", [str(gin_files.PROJECT_ROOT), *sys.path])
   importlib.import_module("jaxmoral.diamante.commands")
   gin_utils.parse_gin(gin_utils.GinArgs(
       files=("configs/diamante/generator_tiny_cpu.gin",), bindings=("MODEL_DIR = 'run'",)))
   # The include (configs/diamante/tiny_cpu.gin) was read: its training data are bound.
   assert gin.query_parameter("%TRAIN_PATH").endswith("jaxmoral/data/demo/dialogues.jsonl")
   # Which holds for every config folder: each is a package.
-  folders = [p for p in (gin_utils.PROJECT_ROOT / "configs").rglob("*")
+  folders = [p for p in (gin_files.PROJECT_ROOT / "configs").rglob("*")
              if p.is_dir() and p.name != "__pycache__"]
   assert [f for f in folders if not (f / "__init__.py").is_file()] == []
 
@@ -374,8 +376,8 @@ def test_an_included_project_config_is_read_from_another_folder_with_the_root_on
 def test_jaxmoral_reads_no_private_gin_state():
   """The gin layer uses gin's public API only (the listing comes from `gin.config_str`)."""
   private = re.compile(r"gin\.(config|config_parser|resource_reader)\._[A-Za-z]")
-  offenders = [f"{path.relative_to(gin_utils.PROJECT_ROOT)}:{number}"
-               for path in sorted((gin_utils.PROJECT_ROOT / "jaxmoral").rglob("*.py"))
+  offenders = [f"{path.relative_to(gin_files.PROJECT_ROOT)}:{number}"
+               for path in sorted((gin_files.PROJECT_ROOT / "jaxmoral").rglob("*.py"))
                for number, line in enumerate(path.read_text().splitlines(), 1)
                if private.search(line)]
   assert not offenders, offenders

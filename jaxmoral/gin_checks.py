@@ -1,0 +1,404 @@
+"""What a parsed gin config must satisfy, and gin's errors as one line.
+
+Everything bound must be readable: a misspelt `--gin.TRAIN_STEP=5` would otherwise be a new
+macro, silently ignored. So macros that no binding or macro refers to, scopes that nothing
+enters and `%gin.REQUIRED` values left unbound are errors, and so are gin's own parse errors
+(an unknown configurable or parameter, a syntax error), each as one line that names the flag,
+or the file and line, and close valid names.
+
+The whole config is listed from gin's public API: its printout (`gin.config_str`) read back
+with gin's own parser.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import io
+import re
+import sys
+import tokenize
+from typing import Any, Collection, Iterable, Iterator, NamedTuple, Sequence
+
+import gin
+from gin import config_parser
+from jaxmoral import gin_files
+
+
+def import_error(error: ImportError) -> ValueError:
+  """One line for a gin `import` that fails: the file and line, and the module."""
+  text = str(error)
+  match = re.search(r'In file "([^"]+)", line (\d+)', text)
+  where = f"{gin_files.display_path(match.group(1))}:{match.group(2)}: " if match else "gin: "
+  first = text.splitlines()[0].strip('"') if text else repr(error)
+  return ValueError(f"{where}import failed: {first} "
+                    "(install the module, or fix the name in the gin file)")
+
+
+def syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str],
+                  search_paths: Sequence[str], bindings: Sequence[str],
+                  flags: Sequence[str | None] = ()) -> ValueError:
+  """A ValueError naming the gin file and line, or the binding (its flag if `flags` gives
+  one, in the order of `bindings`), that does not parse."""
+  flag_of = {binding: flag for binding, flag in zip(bindings, flags, strict=False) if flag}
+
+  def shown(binding: str) -> str:
+    return f"binding {binding!r}" + (f" ({flag_of[binding]})" if binding in flag_of else "")
+  if isinstance(error, SyntaxError):
+    if error.filename:
+      where = f"{gin_files.display_path(error.filename)}, line {error.lineno}"
+    else:
+      where = shown((error.text or "").strip())
+    return ValueError(f"gin: cannot parse {where}: {error.msg}")
+  # An unclosed bracket or string: gin's tokenizer names no file, so find the culprit.
+  paths = [gin_files.find_gin_file(name, search_paths) for name in files]
+  sources = [(gin_files.display_path(str(path)), path.read_text()) for path in paths
+             if path is not None]
+  sources += [(shown(binding), binding) for binding in bindings]
+  for where, text in sources:
+    try:
+      list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except tokenize.TokenError:
+      return ValueError(f"gin: cannot parse {where}: {error.args[0]} (an unclosed bracket "
+                        f"or string)")
+  return ValueError(f"gin: cannot parse an included file: {error.args[0]}")
+
+
+class BindingSources:
+  """Says where a binding came from: a command-line flag, or a gin file and line."""
+
+  def __init__(self, files: Sequence[str], bindings: Sequence[str],
+               binding_flags: Sequence[str]) -> None:
+    self.files = tuple(files)
+    self.bindings = tuple(bindings)
+    # `extra_bindings` (a command's own flags) have no flag of their own here.
+    self.flags: tuple[str | None, ...] = (
+        tuple(binding_flags) + (None,) * (len(bindings) - len(binding_flags)))
+
+  def of_binding_line(self, line_num: int) -> str:
+    """The flag (or binding) on line `line_num` of the newline-joined bindings gin parsed."""
+    for binding, flag in zip(self.bindings, self.flags, strict=False):
+      if line_num <= binding.count("\n") + 1:
+        return flag or f"binding {binding!r}"
+      line_num -= binding.count("\n") + 1
+    return "the command-line bindings"
+
+  def statements(self) -> Iterator[tuple[config_parser.BindingStatement, str, bool]]:
+    """Every binding statement as gin reads them (files with their includes in place, then the
+    bindings), with where it is and whether that is on the command line."""
+    for name in self.files:
+      for statement, path in gin_files.file_statements(name):
+        if isinstance(statement, config_parser.BindingStatement):
+          yield (statement, f"{gin_files.display_path(path)}, line {statement.location.line_num}",
+                 False)
+    for binding, flag in zip(self.bindings, self.flags, strict=False):
+      for statement in config_parser.ConfigParser(binding, gin_files.Unresolved()):
+        if isinstance(statement, config_parser.BindingStatement):
+          yield statement, flag or f"binding {binding!r}", True
+
+  def macro_definitions(self) -> dict[str, tuple[str, bool]]:
+    """Where each macro is last defined, and whether that is on the command line."""
+    return {gin_files.macro_name(statement): (where, on_command_line)
+            for statement, where, on_command_line in self.statements()
+            if not statement.arg_name}
+
+  def binding(self, scope: str, selector: str, param: str) -> str | None:
+    """Where `scope/selector.param` is last bound (either selector in full or in part)."""
+    found = None
+    for statement, where, _ in self.statements():
+      if (statement.arg_name == param and statement.scope == scope
+          and _same_configurable(statement.selector, selector)):
+        found = where
+    return found
+
+
+def _same_configurable(one: str, other: str) -> bool:
+  """Whether two selectors, each in full or in part, name the same configurable."""
+  if f".{one}".endswith(f".{other}") or f".{other}".endswith(f".{one}"):
+    return True
+  configurable = gin_files.find_configurable(one)
+  return configurable is not None and configurable is gin_files.find_configurable(other)
+
+
+class _Reference(NamedTuple):
+  """A reference in a binding's value as gin prints it: `@scope/name()` or `%NAME`."""
+  name: str  # The configurable's selector as written, or the macro's name (with its scope).
+  scopes: tuple[str, ...]  # The scope parts a configurable reference enters.
+  is_macro: bool
+
+
+class _Listing(config_parser.ParserDelegate):
+  """Reads gin statements with their references as `_Reference` (nothing imported)."""
+
+  def configurable_reference(self, scoped_configurable_name: str,
+                             evaluate: bool) -> _Reference:
+    *scopes, name = scoped_configurable_name.split("/")
+    return _Reference(name, tuple(scopes), False)
+
+  def macro(self, macro_name: str) -> _Reference:
+    return _Reference(macro_name, (), True)
+
+
+# Every binding gin holds: {(scope, selector): {parameter: value}}; a macro NAME (or
+# scope/NAME) is (NAME, "gin.macro") with parameter "value".
+_Config = dict[tuple[str, str], dict[str, Any]]
+
+
+def _config() -> _Config:
+  """Every binding gin holds, selectors minimal, values as written (references as
+  `_Reference`).
+
+  Read from gin's own printout of its whole config (`gin.config_str`) with gin's own parser:
+  gin's public API answers for one named binding (`gin.query_parameter`) but lists its
+  bindings only as that text. The checks that everything bound is read need all of them.
+  """
+  config: _Config = {}
+  for statement in config_parser.ConfigParser(gin.config_str(), _Listing()):
+    if isinstance(statement, config_parser.BindingStatement):
+      if statement.arg_name:
+        key, param = (statement.scope, statement.selector), statement.arg_name
+      else:
+        key, param = (gin_files.macro_name(statement), gin_files.MACRO), "value"
+      config.setdefault(key, {})[param] = statement.value
+  return config
+
+
+def _in_value(value: Any) -> Iterator[_Reference]:
+  """The references anywhere in a value (tuples, lists, dict keys and values)."""
+  if isinstance(value, _Reference):
+    yield value
+  elif isinstance(value, (list, tuple, set)):
+    for item in value:
+      yield from _in_value(item)
+  elif isinstance(value, dict):
+    for item in value.items():
+      yield from _in_value(item)
+
+
+def _references(config: _Config) -> Iterator[tuple[tuple[str, str], _Reference]]:
+  """Every reference (`@name`, `%MACRO`) in the config, with the key of its binding."""
+  for key, params in config.items():
+    for value in params.values():
+      for ref in _in_value(value):
+        yield key, ref
+
+
+def unreferenced_macros() -> list[str]:
+  """Macros of the parsed config that no binding and no other macro refers to (`%NAME`).
+
+  References count wherever they are: in tuples, lists and dicts, in the bindings of a
+  function that another binding calls (`@fn()`), in scoped bindings, in other macros.
+  """
+  return _unreferenced_macros(_config())
+
+
+def _unreferenced_macros(config: _Config) -> list[str]:
+  referenced: set[str] = set()
+  for (scope, selector), ref in _references(config):
+    if ref.is_macro and not (selector == gin_files.MACRO and scope == ref.name):
+      # `%X` evaluated in scope s also reads a macro bound as `s/X`: count the bare name too.
+      referenced.update((ref.name, ref.name.rsplit("/", 1)[-1]))
+  return sorted(scope for scope, selector in config
+                if selector == gin_files.MACRO and scope not in referenced
+                and scope.rsplit("/", 1)[-1] not in referenced)
+
+
+def _is_export(name: str) -> bool:
+  """Whether macro `name` just names an object built by a configurable (`@fn()`).
+
+  Fragments export MODEL_CONFIG, OPTIMIZER and PARTITIONER for includers; a command may
+  build the object from the configurable's own bindings instead (`jaxmoral compile` builds
+  `partitioning.PjitPartitioner` itself), and those bindings are checked on their own.
+  """
+  value = gin_files.macro_value(name)
+  return (isinstance(value, gin.config.ConfigurableReference)
+          and value.configurable.selector not in (gin_files.MACRO, "gin.constant"))
+
+
+def _entered_scopes(config: _Config) -> set[str]:
+  return {part for _, ref in _references(config) for part in ref.scopes}
+
+
+def _unentered_scopes(config: _Config) -> list[tuple[str, str, str, str]]:
+  """(scope part, scope, selector, parameter) of scoped bindings whose scope no reference
+  (`@scope/fn()`) enters.
+
+  jaxmoral enters no scope in code (no `gin.config_scope`), so such a binding is never read.
+  """
+  entered = _entered_scopes(config)
+  unread = []
+  for (scope, selector), params in config.items():
+    if selector == gin_files.MACRO or not scope:
+      continue
+    missing = [part for part in scope.split("/") if part not in entered]
+    unread += [(missing[0], scope, selector, param) for param in params if missing]
+  return unread
+
+
+def _parameters(selector: str) -> list[str]:
+  """The keyword parameters of a registered configurable (empty if it has no signature)."""
+  try:
+    signature = inspect.signature(gin_files.find_configurable(selector))
+  except (TypeError, ValueError):
+    return []
+  return [name for name, param in signature.parameters.items()
+          if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)]
+
+
+def _registered_selectors() -> list[str]:
+  """The selectors, in full and in part, of the configurables defined in the project's
+  imported modules (the package, experiments, tests), as gin resolves them.
+
+  gin lists no registered names publicly, so they are found from the other side: a module
+  attribute that gin knows as a configurable, named by each dotted suffix of its module path
+  (a configurable registered with `module="decoding"` is `decoding.NAME`) that gin resolves to
+  it. For the close-name suggestions of an unknown configurable, on the error path only.
+  """
+  selectors = []
+  for module in list(sys.modules.values()):
+    if not str(getattr(module, "__file__", None) or "").startswith(str(gin_files.PROJECT_ROOT)):
+      continue
+    for attribute, value in list(vars(module).items()):
+      if not callable(value) or getattr(value, "__module__", None) != module.__name__:
+        continue
+      try:
+        configurable = gin.get_configurable(value)
+      except (KeyError, ValueError, TypeError):
+        continue
+      parts = module.__name__.split(".")
+      for candidate in dict.fromkeys(
+          [attribute] + [f"{'.'.join(parts[i:])}.{attribute}" for i in range(len(parts))]
+          + [f"{part}.{attribute}" for part in parts]):
+        if gin_files.find_configurable(candidate) is configurable:
+          selectors.append(candidate)
+  return selectors
+
+
+def _close(name: str, candidates: Iterable[str], *, last_part: bool = False) -> list[str]:
+  """Candidates close to `name` (case ignored), compared whole or by their last dotted part."""
+  by_key: dict[str, list[str]] = {}
+  for candidate in dict.fromkeys(candidates):
+    keys = {candidate.lower(), candidate.rsplit(".", 1)[-1].lower()} if last_part else {
+        candidate.lower()}
+    for key in keys:
+      by_key.setdefault(key, []).append(candidate)
+  matches = difflib.get_close_matches(name.lower(), list(by_key), n=3, cutoff=0.7)
+  return list(dict.fromkeys(c for match in matches for c in by_key[match]))[:4]
+
+
+def _suggest(names: Sequence[str]) -> str:
+  return f"; close valid names: {', '.join(names)}" if names else ""
+
+
+def macros() -> list[str]:
+  """Every macro of the parsed config."""
+  return [scope for scope, selector in _config() if selector == gin_files.MACRO]
+
+
+def check_everything_is_read(sources: BindingSources | None = None, *,
+                             read_before_flags: Collection[str] = ()) -> None:
+  """Raises if the parsed config defines a macro or scope that nothing can read.
+
+  An unread macro is one that no binding and no other macro refers to, most often a
+  misspelling on the command line (`--gin.TRAIN_STEP=5` for TRAIN_STEPS). A gin file may
+  leave unread a macro that only names what a configurable builds (`OPTIMIZER =
+  @optimizers.make_optimizer()`), for includers; the command line may not.
+
+  Args:
+    sources: Where the parsed files and bindings came from (to name them); None names
+      nothing.
+    read_before_flags: Macros read before a command's own flags overrode bindings; one of
+      them defined in a file is no error (the flag replaced what read it).
+
+  Raises:
+    ValueError: One line naming each unread macro or scope, where it is set, and close names.
+  """
+  config = _config()
+  problems = []
+  unread = _unreferenced_macros(config)
+  if unread:
+    where = sources.macro_definitions() if sources else {}
+    macros = sorted({ref.name for _, ref in _references(config) if ref.is_macro} | {
+        scope for scope, selector in config if selector == gin_files.MACRO})
+    params = [f"{selector}.{param}" for scope, selector in config
+              if selector != gin_files.MACRO for param in _parameters(selector)]
+    for name in unread:
+      place, on_command_line = where.get(name, (None, False))
+      if not on_command_line and (_is_export(name) or name in read_before_flags):
+        continue
+      close = _close(name, [m for m in macros if m != name] + params, last_part=True)
+      problems.append(f"macro {name}{f' ({place})' if place else ''} is never read: no "
+                      f"binding or macro refers to %{name}{_suggest(close)}")
+  scopes = sorted(_entered_scopes(config))
+  for part, scope, selector, param in _unentered_scopes(config):
+    place = sources.binding(scope, selector, param) if sources else None
+    problems.append(f"scope {part!r} of {scope}/{selector}.{param}"
+                    f"{f' ({place})' if place else ''} is never entered: no reference "
+                    f"@{part}/... exists{_suggest(_close(part, scopes))}")
+  if problems:
+    raise ValueError("gin: " + " ".join(f"{problem}." for problem in dict.fromkeys(problems)))
+
+
+# gin's parse errors carry their place as extra lines: "\n  In file "F", line N\n    TEXT".
+_GIN_LOCATION = re.compile(r'\n  In (?:file "(?P<file>[^"]*)",|bindings string) line '
+                           r'(?P<line>\d+)\n')
+
+
+_UNKNOWN_PARAMETER = re.compile(r"^Configurable '(?P<selector>[^']+)' doesn't have a "
+                                r"parameter named '(?P<param>[^']+)'\.")
+
+
+_UNKNOWN_CONFIGURABLE = re.compile(r"^No configurable matching (?:reference )?'@?"
+                                   r"(?P<selector>[^'(]+)(?:\(\))?'\.")
+
+
+def binding_error(error: ValueError | KeyError, sources: BindingSources) -> ValueError:
+  """gin's error for a binding it cannot make, as one line naming the flag or file and line."""
+  text = str(error)
+  location = _GIN_LOCATION.search(text)
+  message = text[:location.start()] if location else text.split("\n", 1)[0]
+  if isinstance(error, KeyError):  # str() of a KeyError is the repr of its message.
+    message = message.strip("'\"")
+  where = ""
+  if location and location.group("file"):
+    where = f" ({gin_files.display_path(location.group('file'))}, line {location.group('line')})"
+  elif location:
+    where = f" ({sources.of_binding_line(int(location.group('line')))})"
+  unknown_param = _UNKNOWN_PARAMETER.match(message)
+  unknown = _UNKNOWN_CONFIGURABLE.match(message)
+  if unknown_param:
+    selector, param = unknown_param.group("selector", "param")
+    names = _parameters(selector)
+    close = [f"{selector}.{name}" for name in _close(param, names)]
+    return ValueError(f"gin: {selector} has no parameter {param!r}{where}"
+                      f"{_suggest(close)}")
+  if unknown:
+    selector = unknown.group("selector")
+    depth = selector.count(".") + 1
+    # Compared with the registered names cut to as many dotted parts as the one given.
+    suffixes = [".".join(registered.split(".")[-depth:])
+                for registered in _registered_selectors() if registered.count(".") >= depth - 1]
+    return ValueError(f"gin: no configurable {selector!r} is registered (misspelt, or its "
+                      f"module not imported){where}{_suggest(_close(selector, suffixes))}")
+  return ValueError(f"gin: {' '.join(message.split())}{where}")
+
+
+def _is_required(value: object) -> bool:
+  # `%gin.REQUIRED` reads as a reference to the macro named "gin.REQUIRED".
+  return value is gin.REQUIRED or (isinstance(value, _Reference) and value.is_macro
+                                   and value.name == "gin.REQUIRED")
+
+
+def unbound_required() -> list[str]:
+  """Names of `%gin.REQUIRED` macros and parameters that nothing bound.
+
+  gin 0.5 passes an unresolved REQUIRED through as a sentinel object, so the CLI checks
+  before calling anything and names what is missing.
+  """
+  missing = []
+  for (scope, selector), params in _config().items():
+    for param, value in params.items():
+      if _is_required(value):
+        missing.append(scope if selector == gin_files.MACRO else
+                       f"{scope + '/' if scope else ''}{selector}.{param}")
+  return missing

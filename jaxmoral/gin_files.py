@@ -1,0 +1,280 @@
+"""Gin files and what they say: where gin finds a file, the statements of a file and its
+includes as gin's own parser reads them, relative paths in them, and a config text compared
+with another.
+
+A relative path written in a gin file that names nothing in the working directory is looked
+up next to the gin file, then in the project root, where shipped configs write them from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import re
+import tokenize
+from typing import Any, Iterator, Sequence
+
+import gin
+from gin import config_parser
+
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+logger = logging.getLogger(__name__)
+
+
+# Where gin looks for gin files, in its order: '' (the name as given) first, then each path
+# `parse_gin` gave `gin.add_config_file_search_path`, once. Recorded here because gin keeps its
+# own list private, and the statements of a file are read from where gin read it.
+_SEARCH_PATHS: list[str] = [""]
+
+
+def add_search_path(path: str) -> None:
+  """Has gin look for gin files in `path` too, after the paths added before."""
+  if path not in _SEARCH_PATHS:
+    gin.add_config_file_search_path(path)
+    _SEARCH_PATHS.append(path)
+
+
+def find_gin_file(name: str, search_paths: Sequence[str]) -> pathlib.Path | None:
+  """The first search path holding `name`, else `name` itself if it is a file, else None."""
+  for path in (*(pathlib.Path(p) / name for p in search_paths), pathlib.Path(name)):
+    if path.is_file():
+      return path
+  return None
+
+
+_INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.MULTILINE)
+
+
+def _shadowed_project_file(path: pathlib.Path) -> pathlib.Path | None:
+  """The project config that `path`, a file under the working directory of the same relative
+  name, hides from the search path (None if it hides none)."""
+  resolved = path.resolve()
+  try:
+    relative = resolved.relative_to(pathlib.Path.cwd().resolve())
+  except ValueError:
+    return None
+  project = PROJECT_ROOT / relative
+  return project if project.is_file() and project.resolve() != resolved else None
+
+
+def warn_shadowing(files: Sequence[str], search_paths: Sequence[str]) -> None:
+  """Logs each gin file (or include) read from the working directory in place of the project
+  config of the same name, with its absolute path (errors in it name that path too)."""
+  todo, seen = list(files), set()
+  while todo:
+    name = todo.pop()
+    path = find_gin_file(name, search_paths)
+    if path is None or path.resolve() in seen:
+      continue
+    seen.add(path.resolve())
+    hidden = _shadowed_project_file(path)
+    if hidden is not None:
+      logger.warning("gin file %r is read from %s, which shadows the project's %s", name,
+                     path.resolve(), hidden)
+    try:
+      todo.extend(_INCLUDE.findall(path.read_text(encoding="utf-8", errors="replace")))
+    except OSError:
+      continue
+
+
+def display_path(path: str) -> str:
+  """`path` relative to the working directory or the project root where it is inside one;
+  absolute where a file of the working directory shadows the project's of the same name."""
+  if _shadowed_project_file(pathlib.Path(path)) is not None:
+    return str(pathlib.Path(path).resolve())
+  for root in (pathlib.Path.cwd(), PROJECT_ROOT):
+    try:
+      return str(pathlib.Path(path).resolve().relative_to(root))
+    except ValueError:
+      continue
+  return path
+
+
+MACRO = "gin.macro"
+
+
+class Unresolved(config_parser.ParserDelegate):
+  """Reads gin statements without importing modules or resolving references."""
+
+  def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> None:
+    return None
+
+  def macro(self, macro_name: str) -> None:
+    return None
+
+
+def macro_name(statement: config_parser.BindingStatement) -> str:
+  return f"{statement.scope}/{statement.selector}" if statement.scope else statement.selector
+
+
+def file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
+  """The statements of gin file `name` and (in place) of its includes, with their file."""
+  # Found as gin finds them: in the search paths it was given, in order.
+  prefixes = [""] if os.path.isabs(name) else _SEARCH_PATHS
+  path = next((p for p in (os.path.join(prefix, name) for prefix in prefixes)
+               if os.path.isfile(p)), None)
+  if path is None or depth > 64:  # gin parsed it, so neither happens; never loop.
+    return
+  with open(path) as f:
+    for statement in config_parser.ConfigParser(f, Unresolved()):
+      if isinstance(statement, config_parser.IncludeStatement):
+        yield from file_statements(statement.filename, depth + 1)
+      else:
+        yield statement, path
+
+
+def _is_relative_path(value: object) -> bool:
+  """Whether `value` reads as a relative path with a folder part ('data/x.jsonl'); a bare
+  word ('adamw', 'demo') is a name, not a path, and a URL ('gs://...') is not local."""
+  return (isinstance(value, str) and "/" in value.replace(os.sep, "/") and "://" not in value
+          and not os.path.isabs(value) and not value.startswith("~"))
+
+
+def _binding_key(statement: config_parser.BindingStatement) -> tuple[str, str, str]:
+  """The `gin.bind_parameter` key of a statement (a macro binds `gin.macro.value`)."""
+  if not statement.arg_name:
+    return macro_name(statement), MACRO, "value"
+  return statement.scope, statement.selector, statement.arg_name
+
+
+def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
+  """Rebinds relative paths written in gin `files` that name nothing in the working directory.
+
+  A shipped config (e.g. configs/diamante/tiny_cpu.gin's `TRAIN_PATH =
+  'jaxmoral/data/demo/dialogues.jsonl'`) is written relative to the project root, so it
+  worked only from there. A string value of a file's binding or macro that reads as a
+  relative path with a folder part and does not exist relative to the working directory is
+  looked up, in order, relative to the folder of the gin file that binds it and relative to
+  the project root; the first that exists is bound instead (absolute). What exists relative
+  to the working directory, a path that exists nowhere (an output not yet written), and a
+  value the command line overrode are left alone.
+
+  Call after the files are parsed (`parse_gin` does).
+
+  Args:
+    files: The gin files given (their includes are followed).
+
+  Returns:
+    `{binding: resolved path}` of what was rebound.
+  """
+  last: dict[tuple[str, str, str], tuple[Any, str]] = {}
+  for name in files:
+    for statement, path in file_statements(name):
+      if isinstance(statement, config_parser.BindingStatement):
+        last[_binding_key(statement)] = (statement.value, path)
+  resolved = {}
+  for key, (value, path) in last.items():
+    if not _is_relative_path(value) or os.path.exists(value):
+      continue
+    try:
+      parsed = gin.config.ParsedBindingKey.parse(key)
+    except ValueError:  # Not a binding gin kept (it parsed every file already): leave it.
+      continue
+    current = _bound(parsed)
+    if current != value:  # Another file or the command line bound something else since.
+      continue
+    for base in dict.fromkeys((pathlib.Path(path).resolve().parent, PROJECT_ROOT)):
+      candidate = base / value
+      if candidate.exists():
+        gin.bind_parameter(key, str(candidate))
+        shown = key[0] if key[1] == MACRO else f"{key[1]}.{key[2]}"
+        resolved[shown] = str(candidate)
+        logger.info("gin: %s = %r (%s) is %s", shown, value, display_path(path), candidate)
+        break
+  return resolved
+
+
+def _bound(key: gin.config.ParsedBindingKey) -> Any:
+  """The value bound to `key` (macros unresolved); None when nothing binds it."""
+  scope, selector = key.config_key
+  try:
+    return gin.query_parameter(f"{scope}/{selector}.{key.arg_name}" if scope
+                               else f"{selector}.{key.arg_name}")
+  except ValueError:
+    return None
+
+
+def macro_value(name: str) -> Any:
+  """The value macro `name` (scoped: 'scope/NAME') is bound to, references unresolved; None
+  when it is not defined."""
+  try:
+    return gin.query_parameter(f"{name}/{MACRO}.value")
+  except ValueError:
+    return None
+
+
+def find_configurable(selector: str) -> Any:
+  """The registered configurable `selector` names (in full or in part); None if it names
+  none or more than one."""
+  try:
+    return gin.get_configurable(selector)
+  except (KeyError, ValueError):
+    return None
+
+
+class _Written:
+  """A reference or macro in a parsed value, kept as written (`@name()`, `%NAME`)."""
+
+  def __init__(self, text: str) -> None:
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+class _Symbolic(config_parser.ParserDelegate):
+  """Reads gin statements with references and macros kept symbolic (nothing imported)."""
+
+  def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> _Written:
+    return _Written(f"@{_complete(scoped_configurable_name)}{'()' if evaluate else ''}")
+
+  def macro(self, macro_name: str) -> _Written:
+    return _Written(f"%{macro_name}")
+
+
+def _complete(selector: str) -> str:
+  """`selector` named by the Python path of the configurable it resolves to ('runs.train_run'
+  -> 'jaxmoral.runs.train_run') when it names one; else as written (ambiguous, or a module
+  this process has not imported). A scope prefix ('ppo/...') is kept."""
+  scope, _, name = selector.rpartition("/")
+  configurable = find_configurable(name)
+  complete = (f"{configurable.__module__}.{configurable.__qualname__}" if configurable
+              is not None else name)
+  return f"{scope}/{complete}" if scope else complete
+
+
+def config_bindings(text: str) -> dict[str, str]:
+  """`{binding: value}` of a gin config text (a config.gin, `gin.config_str()`), read by gin's
+  own parser: continued lines, comments and a value's layout do not matter, selectors are
+  completed through gin's registry (gin prints one minimally or in full depending on what is
+  imported), references and macros are compared as written.
+
+  Raises:
+    ValueError: `text` is not gin (the parser's message, with its line).
+  """
+  bindings = {}
+  try:
+    for statement in config_parser.ConfigParser(text, _Symbolic()):
+      if not isinstance(statement, config_parser.BindingStatement):
+        continue  # import / include statements bind nothing.
+      name = macro_name(statement)  # scope/selector; a macro's name when no arg_name.
+      if statement.arg_name:
+        name = f"{_complete(name)}.{statement.arg_name}"
+      bindings[name] = repr(statement.value)
+  except (SyntaxError, tokenize.TokenError) as error:
+    raise ValueError(f"not a gin config: {error}") from error
+  return bindings
+
+
+def binding_changes(before: str, after: str) -> list[str]:
+  """The bindings that differ between two gin config texts (`config_bindings`): "- binding =
+  value" as `before` has it, "+ binding = value" as `after` has it, sorted by binding."""
+  old, new = config_bindings(before), config_bindings(after)
+  changes = []
+  for name in sorted(old.keys() | new.keys()):
+    if old.get(name) != new.get(name):
+      changes += [f"- {name} = {old[name]}"] if name in old else []
+      changes += [f"+ {name} = {new[name]}"] if name in new else []
+  return changes
