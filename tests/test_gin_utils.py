@@ -1,5 +1,9 @@
-"""Gin command-line handling: T5X flag forms, REQUIRED detection, search paths, and that
-everything bound can be read (no misspelt macro, parameter, configurable or scope)."""
+"""The gin layer (`gin_utils`, `gin_checks`, `gin_files`), through the CLI's entry `parse_gin`:
+T5X flag forms, REQUIRED detection, search paths, and that everything bound can be read (no
+misspelt macro, parameter, configurable or scope), on gin's public API only.
+
+One file for the three modules: their behaviour is what `parse_gin` does, and the test
+configurables below (whose module name appears in gin's messages) are registered once."""
 
 import glob
 import importlib
