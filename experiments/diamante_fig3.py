@@ -105,7 +105,8 @@ def _train(model_dir: str, **kwargs: Any) -> dict[str, Any]:
 @gin.configurable(module="diamante_fig3")
 def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint: str,
                    model_config: Any, optimizer: Any, generator_optimizer: Any = None,
-                   feature_lengths: Mapping[str, int], batch_size: int = 16,
+                   feature_lengths: Mapping[str, int], chitchat_path: Optional[str] = None,
+                   batch_size: int = 16,
                    generator_steps: int = 300, train_steps: int = 1000,
                    max_train_dialogues: Optional[int] = 1000,
                    max_test_contexts: int = 300, min_turns: int = 4, max_turns: int = 8,
@@ -127,6 +128,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     optimizer: Optimizer of the joint and NLL-only runs (OPTIMIZER).
     generator_optimizer: The generator's (default: `optimizer`).
     feature_lengths: `{"inputs": context tokens, "targets": response tokens}`.
+    chitchat_path: The conversations, a file in the layout of the chitchat package's
+      `dataset.json` (CHITCHAT_PATH; `chitchat.dialogues`); None: the installed package (the
+      `dialogue` extra).
     batch_size: Quadruples (joint, NLL-only) or pairs (generator) per step.
     generator_steps: Fine-tuning steps of the candidate generator.
     train_steps: Steps of the joint and the NLL-only run each.
@@ -172,9 +176,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # Data: train conversations (sampled), test conversations (all: random responses come from
   # them), one test context per sampled test conversation.
   rng = np.random.default_rng(seed)
-  train_convs = _subsample(chitchat.dialogues(split="train", min_turns=min_turns,
-                                              max_turns=max_turns), max_train_dialogues, rng)
-  test_convs = chitchat.dialogues(split="test", min_turns=min_turns, max_turns=max_turns)
+  corpus = dict(min_turns=min_turns, max_turns=max_turns, path=chitchat_path)
+  train_convs = _subsample(chitchat.dialogues(split="train", **corpus), max_train_dialogues, rng)
+  test_convs = chitchat.dialogues(split="test", **corpus)
   train_turns = chitchat.turns(train_convs)
   test_turns = chitchat.turns(test_convs)
   chosen = choose_test_turns(test_turns, max_contexts=max_test_contexts, seed=seed)
@@ -248,8 +252,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   results.update({
       "command": command, "machine": common.machine(), "timings": timings, "reused": reused,
       "train": {k: t["result"] for k, t in {"generator": gen_train, **trained}.items()},
-      "setup": {"init_checkpoint": init_checkpoint, "model": trainable.describe(
-                    diamante_model.DiamanteModel(config=model_config)),
+      "setup": {"init_checkpoint": init_checkpoint, "chitchat_path": chitchat_path,
+                "model": trainable.describe(diamante_model.DiamanteModel(config=model_config)),
                 "train_conversations": len(train_convs), "train_turns": len(train_turns),
                 "test_conversations": len(test_convs), "test_contexts": len(chosen),
                 "context_length": context_length, "response_length": response_length,

@@ -2,6 +2,9 @@
 
 chitchat-dataset holds 7,168 human–human conversations. A conversation is a list of turns,
 each a speaker's consecutive messages; a turn's messages are joined into one utterance.
+`dialogues(path=...)` reads a file in the package's `dataset.json` layout instead ({conversation
+id: {"messages": [[{"text": ...}, ...], ...]}}): a copy of that file, or any conversations
+written so, without the extra.
 
 The split is a stable function of the conversation id (`is_test`), not of file order or a
 random seed, so span-corruption pretraining (`jaxmoral.data.pretraining_corpus`, source
@@ -11,8 +14,11 @@ random seed, so span-corruption pretraining (`jaxmoral.data.pretraining_corpus`,
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from typing import Iterator, Optional, Sequence
 
+from jaxmoral import fileio
 from jaxmoral.data import corpus_sources
 from jaxmoral.diamante import data as data_lib
 
@@ -20,7 +26,10 @@ SPLITS = ("train", "test")
 TEST_EVERY = 10
 
 
-def _dataset() -> dict:
+def _dataset(path: Optional[str | os.PathLike] = None) -> dict:
+  """{conversation id: conversation}: of the file `path`, else of the installed package."""
+  if path is not None:
+    return json.loads(fileio.read_text(path))
   try:
     import chitchat_dataset  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -38,7 +47,8 @@ def is_test(conversation_id: str, *, test_every: int = TEST_EVERY) -> bool:
 
 
 def dialogues(*, split: str, min_turns: int = 2, max_turns: Optional[int] = None,
-              test_every: int = TEST_EVERY) -> list[list[str]]:
+              test_every: int = TEST_EVERY,
+              path: Optional[str | os.PathLike] = None) -> list[list[str]]:
   """Utterance lists of the conversations of `split` ("train" | "test"), in id order.
 
   Args:
@@ -46,11 +56,13 @@ def dialogues(*, split: str, min_turns: int = 2, max_turns: Optional[int] = None
     min_turns: Conversations with fewer non-empty turns are dropped.
     max_turns: Keep the first `max_turns` turns of a conversation (None: all).
     test_every: One conversation in `test_every` is a test conversation.
+    path: A file (local or a bucket URL) in the layout of the package's `dataset.json`, read
+      instead of the installed package (None: the package, the `dialogue` extra).
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
   out = []
-  for conversation_id, conversation in sorted(_dataset().items()):
+  for conversation_id, conversation in sorted(_dataset(path).items()):
     if is_test(conversation_id, test_every=test_every) != (split == "test"):
       continue
     utterances = [" ".join(m["text"].strip() for m in turn if m["text"].strip())
