@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import io
+import os
 import re
 import sys
 import tokenize
@@ -246,8 +247,9 @@ def _parameters(selector: str) -> list[str]:
 
 
 def _registered_selectors() -> list[str]:
-  """The selectors, in full and in part, of the configurables defined in the project's
-  imported modules (the package, experiments, tests), as gin resolves them.
+  """The selectors, in full and in part, of the configurables defined in jaxmoral's imported
+  modules and in those under the project root or the working directory (experiments, tests, a
+  user's own), as gin resolves them.
 
   gin lists no registered names publicly, so they are found from the other side: a module
   attribute that gin knows as a configurable, named by each dotted suffix of its module path
@@ -255,8 +257,10 @@ def _registered_selectors() -> list[str]:
   it. For the close-name suggestions of an unknown configurable, on the error path only.
   """
   selectors = []
+  roots = tuple(f"{root}{os.sep}" for root in (gin_files.PROJECT_ROOT, os.getcwd()))
   for module in list(sys.modules.values()):
-    if not str(getattr(module, "__file__", None) or "").startswith(str(gin_files.PROJECT_ROOT)):
+    path = str(getattr(module, "__file__", None) or "")
+    if not (module.__name__.split(".")[0] == "jaxmoral" or path.startswith(roots)):
       continue
     for attribute, value in list(vars(module).items()):
       if not callable(value) or getattr(value, "__module__", None) != module.__name__:
