@@ -34,12 +34,14 @@ from typing import Any, Iterator
 
 import gin
 import pytest
+import sentencepiece
 
 import test_docs
 from jaxmoral import cli
 from jaxmoral import train
 from jaxmoral.clarify import formats
 from jaxmoral.data import demo
+from jaxmoral.data import vocab
 
 # What runs is tested here, not how it is sharded (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("one_device")
@@ -51,11 +53,11 @@ SMOKE_BASE = "pt_smoke"  # The base the smoke commands start from: /tmp/pt_smoke
 TINY_MODEL = ["--gin.config.t5_config.size='tiny'",
               "--gin.config.t5_config.num_encoder_layers=1",
               "--gin.config.t5_config.num_decoder_layers=1"]
-# Appended to a pretraining command (then VOCABULARY_PATH, the demo vocabulary's file).
+# Appended to a pretraining command: as docs/experiments.md says, without ../shared.
 TINY_PRETRAINING = [*TINY_MODEL, "--gin.TRAIN_STEPS=4", "--gin.BATCH_SIZE=8",
                     "--gin.CHECKPOINT_EVERY=4",
                     "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
-                    "--gin.DATA_DIR=None",
+                    "--gin.DATA_DIR=None", "--gin.VOCABULARY_PATH=None",
                     "--gin.pretraining_corpus.register_pretraining_mixture.sources=['demo']"]
 SCRIPTS = ("diamante_fig3", "npov_table1", "clarify_table4", "clarify_reward_probe")
 # Each script's data flag and its place in the folder `write_shared_like_data` writes.
@@ -181,7 +183,7 @@ def _model_dir(words: list[str], folder: pathlib.Path) -> tuple[list[str], pathl
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, demo_vocab_path) -> Iterator[dict[str, pathlib.Path]]:
+def pretrained(tmp_path_factory) -> Iterator[dict[str, pathlib.Path]]:
   """{config: its run} of every pretraining config's documented command, run in full as its
   tiny variant from an empty folder; the smoke base is `<folder>/pt_smoke`."""
   folder = tmp_path_factory.mktemp("pretrained")
@@ -191,8 +193,7 @@ def pretrained(tmp_path_factory, demo_vocab_path) -> Iterator[dict[str, pathlib.
     for config, words in pretraining_commands().items():
       words, runs[config] = _model_dir(words, folder)
       gin.clear_config()
-      assert cli.main([*words[1:], *TINY_PRETRAINING,
-                       f"--gin.VOCABULARY_PATH='{demo_vocab_path}'"]) == 0, words
+      assert cli.main([*words[1:], *TINY_PRETRAINING]) == 0, words
     gin.clear_config()
   yield runs
 
@@ -211,6 +212,8 @@ def test_the_documented_pretraining_runs_in_full(pretrained):
     corpus = json.loads((run / "pretraining_corpus.json").read_text())
     assert corpus["settings"]["sources"] == ["demo"] and corpus["settings"]["data_dir"] is None
     assert corpus["texts"]["train"] > 100 and corpus["texts"]["validation"] > 0, corpus
+    spiece = sentencepiece.SentencePieceProcessor(model_file=str(run / "vocab" / "spiece.model"))
+    assert spiece.get_piece_size() == vocab.DEMO_VOCAB_SIZE, config  # The demo vocabulary.
     losses = train.read_scalars(str(run / "train"))["loss"]
     assert list(losses) == [4] and 0 < losses[4] < 20, losses
 
