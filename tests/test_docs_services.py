@@ -32,7 +32,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import markupsafe
 import numpy as np
@@ -124,7 +124,7 @@ class _Explorer:
           [sys.executable, "-m", "jaxmoral.cli", *words[1:]], cwd=cwd, env=env, stdout=out,
           stderr=subprocess.STDOUT)
 
-  def wait(self, timeout: float = 180) -> None:
+  def wait(self, timeout: float = 180.0) -> None:
     """Until it answers (it imports what its pages use before it serves)."""
     deadline = time.time() + timeout
     while True:
@@ -154,7 +154,8 @@ class _Explorer:
 
 
 @pytest.fixture(scope="module")
-def clarify_demo(one_device, tmp_path_factory) -> Iterator[dict[str, Any]]:
+def clarify_demo(one_device: None, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[dict[str, Any]]:
   """README's and docs/methods.md's `jaxmoral clarify demo --workdir=demo_out/clarify`, run in
   a folder of its own, and the two documented `jaxmoral explore` commands over its outputs.
 
@@ -190,7 +191,7 @@ def clarify_demo(one_device, tmp_path_factory) -> Iterator[dict[str, Any]]:
       server.stop()
 
 
-def test_the_clarify_demo_runs_in_full(clarify_demo):
+def test_the_clarify_demo_runs_in_full(clarify_demo: dict[str, Any]) -> None:
   """Everything its docstring says it writes: the multitask run, the PPO run with its reward
   curve, the evaluation table of every system, the chat transcript."""
   workdir = clarify_demo["workdir"]
@@ -214,7 +215,7 @@ def test_the_clarify_demo_runs_in_full(clarify_demo):
 # -- NPOV's demo --------------------------------------------------------------------------------
 
 
-def test_the_npov_demos_run_in_full(tmp_path):
+def test_the_npov_demos_run_in_full(tmp_path: pathlib.Path) -> None:
   """docs/methods.md's `npov demo` and the tiny config's (whose step counts the flags
   override: a flag overrides a gin file); each writes every run, table and picture its
   docstring lists."""
@@ -247,7 +248,7 @@ def test_the_npov_demos_run_in_full(tmp_path):
 
 
 @contextlib.contextmanager
-def _no_network(monkeypatch) -> Iterator[list[str]]:
+def _no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
   """Within: every connection or name lookup to another machine is refused and recorded."""
   attempts: list[str] = []
 
@@ -259,8 +260,8 @@ def _no_network(monkeypatch) -> Iterator[list[str]]:
     except ValueError:
       return False
 
-  def guard(original):
-    def call(self, address, *args, **kwargs):
+  def guard(original: Callable[..., Any]) -> Callable[..., Any]:
+    def call(self: socket.socket, address: Any, *args: Any, **kwargs: Any) -> Any:
       if isinstance(address, tuple) and not loopback(address[0]):
         attempts.append(f"connect {address}")
         raise OSError(f"test: no network ({address})")
@@ -269,7 +270,7 @@ def _no_network(monkeypatch) -> Iterator[list[str]]:
 
   original_lookup = socket.getaddrinfo
 
-  def lookup(host, *args, **kwargs):
+  def lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
     if not loopback(host.decode() if isinstance(host, bytes) else host):
       attempts.append(f"lookup {host}")
       raise socket.gaierror(f"test: no network ({host})")
@@ -282,7 +283,8 @@ def _no_network(monkeypatch) -> Iterator[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def tuned(one_device, tmp_path_factory, demo_vocab_path) -> dict[str, Any]:
+def tuned(one_device: None, tmp_path_factory: pytest.TempPathFactory,
+          demo_vocab_path: str) -> dict[str, Any]:
   """README's `jaxmoral train ... --gin.INIT_CHECKPOINT="'google/t5-v1_1-small'"` (made short
   by test_docs' SHORTER), offline, from a Hub cache that holds a tiny random T5 under that id.
 
@@ -332,7 +334,7 @@ def tuned(one_device, tmp_path_factory, demo_vocab_path) -> dict[str, Any]:
           "found": found, "attempts": attempts}
 
 
-def test_the_hub_fine_tune_runs_offline_from_the_hub_cache(tuned):
+def test_the_hub_fine_tune_runs_offline_from_the_hub_cache(tuned: dict[str, Any]) -> None:
   from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   from jaxmoral import train  # pylint: disable=g-import-not-at-top
   assert tuned["code"] == 0, tuned["command"]
@@ -363,7 +365,7 @@ def _in_bucket(command: str, prefix: str) -> list[str]:
           for w in words]
 
 
-def test_the_bucket_export_runs_in_full(gcs, tuned):
+def test_the_bucket_export_runs_in_full(gcs: str, tuned: dict[str, Any]) -> None:
   """docs/scaling.md's `export --model_dir=gs://BUCKET/run --output=gs://BUCKET/export
   --format=hf`, of the fine-tuned run uploaded to the bucket: the Hugging Face files land in
   the bucket and hold the run's weights."""
@@ -386,7 +388,8 @@ def test_the_bucket_export_runs_in_full(gcs, tuned):
                                 np.asarray(run.params["token_embedder"]["embedding"]))
 
 
-def test_the_tfds_bucket_cache_runs_in_full(tensorflow_gcs, tmp_path):
+def test_the_tfds_bucket_cache_runs_in_full(tensorflow_gcs: list[str],
+                                            tmp_path: pathlib.Path) -> None:
   """docs/cli.md's `cache --tfds_data_dir=gs://BUCKET/tfds ... MIXTURE_OR_TASK_NAME=
   'my_tfds_task' ... DATA_CACHE='gs://BUCKET/data'`: 'my_tfds_task' is what a user registers
   (a seqio Task over a TFDS dataset, in their module), here over a tiny prepared dataset in the
@@ -441,7 +444,7 @@ def test_the_tfds_bucket_cache_runs_in_full(tensorflow_gcs, tmp_path):
 # -- a pod compile ------------------------------------------------------------------------------
 
 
-def test_the_pod_compile_runs_in_full(capsys):
+def test_the_pod_compile_runs_in_full(capsys: pytest.CaptureFixture[str]) -> None:
   """`jaxmoral compile --gin_file=configs/core/large_tpu_pod.gin --topology=v5e:8x8`, with a
   tiny model: the step compiles for 64 v5e chips and the report says what each holds."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -475,7 +478,7 @@ def test_the_pod_compile_runs_in_full(capsys):
 # -- the explorer -------------------------------------------------------------------------------
 
 
-def test_the_documented_explorers_serve_their_folders(clarify_demo):
+def test_the_documented_explorers_serve_their_folders(clarify_demo: dict[str, Any]) -> None:
   """`jaxmoral explore demo_out` and `jaxmoral explore RUN_DIR experiments/results MODEL_DIR`:
   the index names what the folders hold, and the pages read the demo's files."""
   servers = clarify_demo["servers"]
