@@ -14,9 +14,10 @@ Placeholders (`PLACEHOLDERS`, filled in before a command runs): `BASE`, `PROMPT`
 `test.jsonl`, `situations.jsonl`, a value `...` (any value), `configs/...` (a config: the tiny
 one) and a bare `...` argument (the rest of a command: the tiny config and a MODEL_DIR).
 
-What runs, within the test budget (about two minutes on 2 cores):
+What runs in full, each long command through a tiny variant of itself (the same command with
+flags appended that shorten it: fewer steps, one layer a side, shorter rows):
 
-- In full, in-process through `cli.main` and on one shared tiny run, the quickstart of the
+- Here, in-process through `cli.main` and on one shared tiny run, the quickstart of the
   README's first screen: train (`SHORTER`: a few steps instead of 300, same flags otherwise),
   infer on the shipped examples/inputs.txt, export for transformers (and its files' modes),
   TensorBoard reading the run; then every other documented command on that run (/tmp/tiny:
@@ -24,7 +25,7 @@ What runs, within the test budget (about two minutes on 2 cores):
   once broke that need no trained model (a gin-less `clarify train-model --which=judge`, in
   `test_clarify_judge_defaults_*`); the commands that load no model (ROUGE-1 detection and
   evaluation).
-- In full as well, each method's chain as the docs give it, its trainings made short the same
+- Here as well, each method's chain as the docs give it, its trainings made short the same
   way (`SHORTER`), outputs under /tmp into the test's folder: Diamante's (train, the NLL-only
   ablation, the candidate generator, candidates, eval, chat with a scripted user, self-chat),
   ClarifyDelphi's (train-model without and with a config, train-ppo, evaluate, chat with a
@@ -33,21 +34,28 @@ What runs, within the test budget (about two minutes on 2 cores):
   curves, and with the classifiers, `npov evaluate --prompts_dir=RUN` over a RUN laid out as
   `npov demo`'s workdir, of those runs); and docs/cli.md's `jaxmoral cache` with the `train`
   that reads the cache.
-- Dry-run only, for their cost: the method demos (`make demo` runs them), pretraining and the
-  experiments (minutes to hours; their smoke configs are not run here), the pod compiles, the
-  Hub download, the explorer's server and the commands on a bucket.
+- tests/test_docs_services.py: the method demos, the fine-tune from a Hub id (offline, from a
+  Hub cache holding a stand-in), both `jaxmoral explore` commands (served and fetched), the
+  commands on a bucket (against the storage emulator) and the README's pod compile (a tiny
+  model with the pod config's partitioning, compiled for its 64 chips).
+- tests/test_docs_experiments.py: the pretraining commands (on the demo corpus) and each
+  experiment script's smoke command, end to end from that tiny base, on data laid out as
+  ../shared/data that the test writes from the demo corpus.
 - Every other command is dry-run, exactly as written but for the placeholders: parsed as the
   command line parses it, its gin files and bindings parsed and checked (files found from
   another folder than the project root, `%gin.REQUIRED` values given, no unread macro), an
   action's flags bound and its outputs checked writable (`action_commands.bind_action`, all
   that `run_action` does before the work; a `compile`, up to its first lowering:
-  `aot.plan_compile`). This is where long commands (pretraining, the experiments, a pod
-  compile) are checked: their configuration, not their hours.
+  `aot.plan_compile`). These are the full-size variants of what runs in full above: the
+  experiment configs of record (hours; their script runs in full through its smoke config),
+  the other pod compiles (minutes and GBs each; the compile path runs in full above).
   `python experiments/X.py`: the script's gin files and bindings as `experiment_lib.main`
   parses them, after its configurables are imported. `launch/*.sh ... -- CMD`: CMD, as the
-  launcher runs it on each host (the launchers themselves reach hardware; tests/test_launch.py
-  runs them with stand-ins). `make`, `. .venv/bin/activate` and `tensorboard`: the tool is
-  there (`make test` is this suite).
+  launcher runs it on each host (the launchers themselves reach hardware: GPU hosts, a TPU
+  pod; tests/test_launch.py runs them with stand-ins, and tests/test_multiprocess.py trains
+  in two processes with the variables launch/local.sh sets). `make`, `. .venv/bin/activate`
+  and `tensorboard`: the tool is there (`make test` is this suite, `make demo` runs the
+  demos).
 """
 
 from __future__ import annotations

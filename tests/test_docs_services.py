@@ -69,6 +69,8 @@ DEMO_SHORTER = {
 TINY_POD_MODEL = ["--gin.config.t5_config.size='tiny'", *_ONE_LAYER, "--gin.BATCH_SIZE=16",
                   "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 8}"]
 HUB_ID = "google/t5-v1_1-small"
+# Appended to the Hub fine-tune, with SHORTER's flags: the model and its stand-in stay small.
+SMALLER_VOCABULARY = "--gin.config.t5_config.vocab_size=512"
 # test_docs' placeholder filling and run-in-full rewriting, shared rather than copied.
 _words = test_docs._words  # pylint: disable=protected-access
 _in_full = test_docs._in_full  # pylint: disable=protected-access
@@ -288,9 +290,10 @@ def tuned(one_device: None, tmp_path_factory: pytest.TempPathFactory,
   """README's `jaxmoral train ... --gin.INIT_CHECKPOINT="'google/t5-v1_1-small'"` (made short
   by test_docs' SHORTER), offline, from a Hub cache that holds a tiny random T5 under that id.
 
-  The run's model is the gin config's (configs/core/tiny_cpu.gin, one layer a side with
-  SHORTER), and a checkpoint must have its architecture: the stand-in has those dimensions
-  and the demo vocabulary (the real t5-v1_1-small, 512 wide with 8 layers, would be refused).
+  The run's model is the gin config's (gin/models/t5_1_1_small.gin, the checkpoint's
+  architecture), made small as SHORTER makes a training short: one layer a side, and a
+  vocabulary of 512 entries (`SMALLER_VOCABULARY`) instead of 32,128, which would make the
+  stand-in 130 MB. The stand-in has those dimensions and the demo vocabulary.
   It is written as Hugging Face's files by the library's own writer (`export_hf_t5`, what
   `jaxmoral export --format=hf` writes for transformers), without importing torch.
   """
@@ -307,7 +310,8 @@ def tuned(one_device: None, tmp_path_factory: pytest.TempPathFactory,
   hub = folder / "hf_home" / "hub"
   repo = hub / f"models--{HUB_ID.replace('/', '--')}"
   commit = "1" * 40
-  config = config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)
+  config = config_lib.t5_config(size="small", num_encoder_layers=1, num_decoder_layers=1,
+                                vocab_size=512)
   shapes = nn.meta.unbox(jax.eval_shape(
       lambda: t5.init_params(t5.T5(config), jax.random.PRNGKey(0))))
   rng = np.random.default_rng(7)
@@ -318,7 +322,7 @@ def tuned(one_device: None, tmp_path_factory: pytest.TempPathFactory,
   (repo / "refs").mkdir()
   (repo / "refs" / "main").write_text(commit)
   (command,) = [c for c in _documented("jaxmoral train") if HUB_ID in c]
-  words = _in_full(command, folder)
+  words = [*_in_full(command, folder), SMALLER_VOCABULARY]
   with pytest.MonkeyPatch.context() as patch:
     for name, value in (("HF_HOME", str(folder / "hf_home")), ("HF_HUB_CACHE", str(hub)),
                         ("HF_HUB_OFFLINE", "1")):
