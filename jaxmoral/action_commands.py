@@ -32,6 +32,7 @@ import textwrap
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 import gin
+
 from jaxmoral import cli_help
 from jaxmoral import fileio
 from jaxmoral import gin_files

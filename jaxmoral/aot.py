@@ -35,10 +35,10 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import gin
 import jax
 import jax.numpy as jnp
 
-import gin
 from jaxmoral import fileio
 from jaxmoral import partitioning
 from jaxmoral import runtime

@@ -53,6 +53,7 @@ import uuid
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +63,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from jax.sharding import Sharding
 
-import gin
 from jaxmoral import fileio
 from jaxmoral import validation
 

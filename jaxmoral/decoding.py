@@ -43,11 +43,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gin
 from jaxmoral import losses
 from jaxmoral import validation
 from jaxmoral.models.ops import DecodeStepOps

@@ -23,6 +23,7 @@ from typing import Any, Collection, Iterable, Iterator, NamedTuple, Sequence
 
 import gin
 from gin import config_parser
+
 from jaxmoral import gin_files
 
 

@@ -18,6 +18,7 @@ import tokenize
 from typing import Any, Sequence
 
 import gin
+
 from jaxmoral import gin_checks
 from jaxmoral import gin_files
 

@@ -21,10 +21,9 @@ import math
 from typing import Any, Callable, Mapping, Optional
 
 import flax
+import gin
 import jax
 import jax.numpy as jnp
-
-import gin
 
 Array = jax.Array
 LossFn = Callable[[Any, Mapping[str, Array], Optional[Array]], tuple[Array, dict[str, Array]]]

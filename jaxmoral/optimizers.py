@@ -13,11 +13,11 @@ from __future__ import annotations
 import numbers
 from typing import Callable, Optional, TypeGuard, Union
 
+import gin
 import jax
 import jax.numpy as jnp
 import optax
 
-import gin
 from jaxmoral import adafactor
 
 Schedule = Callable[[jnp.ndarray], jnp.ndarray]

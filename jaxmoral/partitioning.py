@@ -27,6 +27,7 @@ import os
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import flax.linen as nn
+import gin
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
@@ -34,7 +35,6 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
-import gin
 from jaxmoral import software
 from jaxmoral import validation
 

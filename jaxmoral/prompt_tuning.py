@@ -30,11 +30,11 @@ import typing
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gin
 from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import losses

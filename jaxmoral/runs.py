@@ -34,13 +34,13 @@ import tempfile
 import time
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-import gin
 from jaxmoral import aot
 from jaxmoral import checkpoints
 from jaxmoral import decoding

@@ -30,10 +30,10 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
+import gin
 import jax
 import numpy as np
 
-import gin
 from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import gin_utils

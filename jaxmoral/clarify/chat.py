@@ -15,9 +15,9 @@ import json
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+import gin
 import jax
 
-import gin
 from jaxmoral import fileio
 from jaxmoral import partitioning
 from jaxmoral.clarify import formats

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import gin
+
 from jaxmoral import demo as demo_lib
 from jaxmoral import optimizers
 from jaxmoral.clarify import chat as chat_lib

@@ -17,9 +17,9 @@ import json
 import os
 from typing import Any, Mapping, Optional, Sequence
 
+import gin
 import numpy as np
 
-import gin
 from jaxmoral import fileio
 from jaxmoral import metrics
 from jaxmoral import model_dirs

@@ -24,10 +24,10 @@ import logging
 import re
 from typing import Any, Optional, Sequence
 
+import gin
 import jax
 import numpy as np
 
-import gin
 from jaxmoral import metrics
 from jaxmoral import progress
 from jaxmoral import validation

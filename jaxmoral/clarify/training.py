@@ -19,11 +19,11 @@ import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import optax
 
-import gin
 from jaxmoral import aot
 from jaxmoral import checkpoints
 from jaxmoral import fileio

@@ -45,6 +45,7 @@ import seqio
 # isort: on
 
 import gin
+
 from jaxmoral import fileio
 from jaxmoral.data import corpus_sources
 from jaxmoral.data import readers

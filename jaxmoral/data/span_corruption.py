@@ -38,6 +38,7 @@ import tensorflow as tf
 # isort: on
 
 import gin
+
 from jaxmoral import fileio
 from jaxmoral.data import readers
 from jaxmoral.data import vocab as vocab_lib

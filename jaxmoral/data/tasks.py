@@ -31,6 +31,7 @@ import tensorflow as tf
 # isort: on
 
 import gin
+
 from jaxmoral import validation
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache

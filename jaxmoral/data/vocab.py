@@ -22,9 +22,9 @@ import pathlib
 import threading
 from typing import Any, Iterable, Iterator, Optional
 
+import gin
 import sentencepiece as spm
 
-import gin
 from jaxmoral import fileio
 from jaxmoral.data import demo
 

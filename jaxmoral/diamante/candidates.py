@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import gin
 import jax
 import numpy as np
 
-import gin
 from jaxmoral import decoding
 from jaxmoral import partitioning
 from jaxmoral import progress

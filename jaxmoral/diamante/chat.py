@@ -12,9 +12,9 @@ import json
 import sys
 from typing import Any, Callable, Optional, TextIO
 
+import gin
 import jax
 
-import gin
 from jaxmoral import fileio
 from jaxmoral import partitioning
 from jaxmoral.diamante import bundle as bundle_lib

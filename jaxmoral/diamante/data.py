@@ -22,10 +22,10 @@ import json
 import os
 from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
 
+import gin
 import jax.numpy as jnp
 import numpy as np
 
-import gin
 from jaxmoral import fileio
 from jaxmoral import validation
 from jaxmoral.data import pipeline

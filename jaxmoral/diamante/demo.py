@@ -12,9 +12,9 @@ import os
 import sys
 from typing import Any, TextIO
 
+import gin
 import jax
 
-import gin
 from jaxmoral import demo as demo_lib
 from jaxmoral import optimizers
 from jaxmoral import partitioning

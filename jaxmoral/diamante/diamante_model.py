@@ -6,10 +6,10 @@ import dataclasses
 from typing import Any
 
 import flax
+import gin
 import jax
 import jax.numpy as jnp
 
-import gin
 from jaxmoral.diamante.loss import diamante_loss_fn
 from jaxmoral.models import heads
 from jaxmoral.models import trainable

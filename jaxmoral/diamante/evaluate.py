@@ -16,10 +16,10 @@ import logging
 import os
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
+import gin
 import jax
 import numpy as np
 
-import gin
 from jaxmoral import fileio
 from jaxmoral import metrics as metrics_lib
 from jaxmoral import partitioning

@@ -15,11 +15,11 @@ import functools
 from typing import Any, Optional, Sequence
 
 import flax
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gin
 from jaxmoral import decoding
 from jaxmoral import model_dirs
 from jaxmoral import validation

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+import gin
 import jax
 import jax.numpy as jnp
 
-import gin
 from jaxmoral import losses
 from jaxmoral.diamante import data
 from jaxmoral.diamante.model import forward_responses

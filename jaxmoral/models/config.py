@@ -11,6 +11,7 @@ import json
 from typing import Any, Literal
 
 import gin
+
 from jaxmoral import validation
 
 FeedForward = Literal["relu", "gated-gelu", "gated-relu", "gated-silu"]

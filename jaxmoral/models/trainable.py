@@ -18,9 +18,9 @@ import typing
 from typing import Any, Mapping, Optional, Sequence
 
 import flax.linen as nn
+import gin
 import jax
 
-import gin
 from jaxmoral import losses
 from jaxmoral.models import t5
 from jaxmoral.models.config import T5Config

@@ -16,6 +16,7 @@ import re
 from typing import Any, Mapping, Optional, Sequence
 
 import gin
+
 from jaxmoral import fileio
 from jaxmoral import prompt_tuning
 from jaxmoral.npov import detect

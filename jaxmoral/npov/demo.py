@@ -16,6 +16,7 @@ import os
 from typing import Any, Optional, Sequence
 
 import gin
+
 from jaxmoral import demo as demo_lib
 from jaxmoral import optimizers
 from jaxmoral import partitioning

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import gin
 import jax
 import jax.numpy as jnp
 
-import gin
 from jaxmoral import losses
 from jaxmoral.models import heads
 

@@ -40,12 +40,12 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequenc
 
 import flax
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-import gin
 from jaxmoral import fileio
 from jaxmoral import losses
 from jaxmoral import optimizers

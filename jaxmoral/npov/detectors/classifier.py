@@ -16,11 +16,11 @@ import typing
 from typing import Any, Literal, Optional, Sequence
 
 import flax.linen as nn
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gin
 from jaxmoral import model_dirs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Sequence
 
 import gin
+
 from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
