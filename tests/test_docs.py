@@ -36,8 +36,9 @@ flags appended that shorten it: fewer steps, one layer a side, shorter rows):
   that reads the cache.
 - tests/test_docs_services.py: the method demos, the fine-tune from a Hub id (offline, from a
   Hub cache holding a stand-in), both `jaxmoral explore` commands (served and fetched), the
-  commands on a bucket (against the storage emulator) and the README's pod compile (a tiny
-  model with the pod config's partitioning, compiled for its 64 chips).
+  commands on a bucket (against the storage emulator), the local two-process launch
+  (`launch/local.sh`) and the README's pod compile (a tiny model with the pod config's
+  partitioning, compiled for its 64 chips).
 - tests/test_docs_experiments.py: the pretraining commands (on the demo corpus) and each
   experiment script's smoke command, end to end from that tiny base, on data laid out as
   ../shared/data that the test writes from the demo corpus.
@@ -50,10 +51,10 @@ flags appended that shorten it: fewer steps, one layer a side, shorter rows):
   experiment configs of record (hours; their script runs in full through its smoke config),
   the other pod compiles (minutes and GBs each; the compile path runs in full above).
   `python experiments/X.py`: the script's gin files and bindings as `experiment_lib.main`
-  parses them, after its configurables are imported. `launch/*.sh ... -- CMD`: CMD, as the
-  launcher runs it on each host (the launchers themselves reach hardware: GPU hosts, a TPU
-  pod; tests/test_launch.py runs them with stand-ins, and tests/test_multiprocess.py trains
-  in two processes with the variables launch/local.sh sets). `make`, `. .venv/bin/activate`
+  parses them, after its configurables are imported. `launch/gpu.sh` and
+  `launch/tpu_pod.sh ... -- CMD`: CMD, as the launcher runs it on each host (the launchers
+  themselves reach hardware, GPU hosts and a TPU pod: tests/test_launch.py runs them with
+  stand-ins for `gcloud` and the hosts). `make`, `. .venv/bin/activate`
   and `tensorboard`: the tool is there (`make test` is this suite, `make demo` runs the
   demos).
 """

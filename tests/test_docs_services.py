@@ -38,6 +38,7 @@ import markupsafe
 import numpy as np
 import pytest
 import test_docs
+from conftest import child_xla_flags
 from conftest import free_port
 from conftest import upload_folder
 
@@ -443,6 +444,37 @@ def test_the_tfds_bucket_cache_runs_in_full(tensorflow_gcs: list[str],
       seed=0)
   assert train.num_examples == len(pairs["inputs"])
   assert train.batch(0)["encoder_input_tokens"].shape == (4, 48)
+
+
+# -- processes on this machine -----------------------------------------------------------------
+
+
+def test_the_documented_local_launch_runs_in_full(tmp_path: pathlib.Path) -> None:
+  """docs/scaling.md's `launch/local.sh -n 2 -d 2 -- train ...`: two jaxmoral processes of two
+  CPU devices each join as one job and train the tiny config (`...`, made short by test_docs'
+  SHORTER), as written but for the coordinator's port (a free one, as `-p` or
+  JAXMORAL_COORDINATOR_PORT let a user choose)."""
+  (command,) = _documented("launch/local.sh")
+  words = [*_in_full(command, tmp_path), *test_docs.SHORTER["train"]]
+  assert words[:words.index("--") + 2] == ["launch/local.sh", "-n", "2", "-d", "2", "--",
+                                           "train"], words
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=child_xla_flags(),
+             JAXMORAL_COORDINATOR_PORT=str(free_port()),
+             JAXMORAL=str(pathlib.Path(sys.executable).with_name("jaxmoral")))
+  result = subprocess.run([str(ROOT / words[0]), *words[1:]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+  output = result.stdout + result.stderr
+  assert result.returncode == 0, output[-3000:]
+  lines = output.splitlines()
+  assert all(any(line.startswith(f"[process {i}] ") for line in lines) for i in (0, 1)), output
+  model_dir = pathlib.Path(next(w.split("=", 1)[1] for w in words
+                                if w.startswith("--gin.MODEL_DIR=")).strip("'"))
+  assert _steps(model_dir) == [4]  # SHORTER's TRAIN_STEPS, saved once by the job.
+  # One job: each process wrote its share of that checkpoint (Orbax, one folder a process).
+  state = model_dir / "checkpoints" / "4" / "state"
+  assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [
+      "ocdbt.process_0", "ocdbt.process_1"], output
 
 
 # -- a pod compile ------------------------------------------------------------------------------
