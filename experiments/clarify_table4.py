@@ -153,7 +153,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                    reward_config: Any, data_dir: str = "../shared/data",
                    separate_models: bool = False,
                    dedicated_roles: Optional[Mapping[str, int]] = None,
-                   train_steps: int = 1000,
+                   train_steps: int = 1000, max_stage_steps: Optional[int] = None,
                    batch_size: int = 32, feature_lengths: Optional[Mapping[str, int]] = None,
                    ppo_iterations: int = 40, max_ppo_prompts: Optional[int] = None,
                    eval_split: str = "dev", max_eval_situations: int = 300,
@@ -181,6 +181,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       the same base); every other role comes from the multi-task model. For roles a small
       multi-task model confuses (the answer generator answering with a question).
     train_steps: Supervised steps (per model with `separate_models`).
+    max_stage_steps: Supervised steps of any model at most, `dedicated_roles`' included
+      (None: as given): the smoke config checks a config of any shape in seconds.
     batch_size: Supervised batch size.
     feature_lengths: Supervised input / target tokens (default 128 / 32).
     ppo_iterations: PPO iterations.
@@ -229,6 +231,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # 1. Supervised models.
   models_steps = supervised_models(separate_models=separate_models,
                                    dedicated_roles=dedicated_roles, train_steps=train_steps)
+  if max_stage_steps is not None:
+    models_steps = {which: min(steps, max_stage_steps) for which, steps in models_steps.items()}
   role_dir = role_model_dirs(workdir, models_steps)
   packed = packed_stages(pack, models_steps)
   for which, steps in models_steps.items():

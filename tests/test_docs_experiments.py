@@ -21,6 +21,9 @@ written, as `test_docs.SHORTER` makes a training short), in about a minute on 2 
   files, and chitchat conversations in the layout of the chitchat package's `dataset.json`
   (so Diamante's experiment needs no `dialogue` extra). ClarifyDelphi's reward probe reads
   the runs of clarify_table4's smoke run, in the same WORKDIR: the two run as one chain.
+  Each smoke command is that of the script's config of record (README.md's "Reproducing the
+  papers"); the other configs of docs/experiments.md (ablations and earlier configs, a
+  smoke run each of 4-30 s) are the dry run's, in tests/test_docs.py.
 """
 
 from __future__ import annotations
@@ -284,6 +287,11 @@ def _results(workdir: pathlib.Path, name: str) -> dict[str, Any]:
   return results
 
 
+def _steps(run_dir: pathlib.Path) -> list[int]:
+  """The steps a run directory holds checkpoints of."""
+  return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
 def test_the_documented_diamante_smoke_runs_in_full(base, shared_like_data, tmp_path):
   workdir = tmp_path / "diamante"
   assert run_script(_smoke("diamante_fig3", base, shared_like_data, workdir)) == 0
@@ -342,6 +350,14 @@ def test_the_documented_clarify_smokes_run_in_full(base, shared_like_data, tmp_p
   assert run_script(_smoke("clarify_reward_probe", base, shared_like_data, workdir)) == 0
   out = capsys.readouterr().out
   probe = json.loads(out[out.index("\n{") + 1:out.rindex("\n}") + 2])
-  assert set(probe["model_dirs"].values()) == {str(workdir / "multitask_model")}, probe
+  # The config of record's models: the multi-task one, and the answer and fusion models of
+  # their own (`dedicated_roles`), each trained the smoke config's TRAIN_STEPS at most.
+  dedicated = {"answer", "fusion"}
+  assert probe["model_dirs"] == {
+      role: str(workdir / f"{role if role in dedicated else 'multitask'}_model")
+      for role in ("question", "answer", "fusion", "judge", "nli", "relevance")
+  }, probe["model_dirs"]
+  for which in ("multitask", *dedicated):
+    assert _steps(workdir / f"{which}_model")[-1] == 2, which
   assert probe["summary"]["situations"] == setup["eval_situations"], probe["summary"]
   assert len(probe["examples"]) == min(5, setup["eval_situations"])
