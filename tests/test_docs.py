@@ -355,6 +355,11 @@ def test_the_quickstart_runs_in_full(tmp_path, capsys):
             pathlib.Path(value).glob("*.safetensors")), command
 
 
+def checkpoint_steps(run_dir: pathlib.Path) -> list[int]:
+  """The steps a run directory holds checkpoints of."""
+  return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
 def _needs_no_model(command: str) -> bool:
   """A documented `npov` command that loads no model (ROUGE-1 alone), so it runs in full."""
   words = _words(command)

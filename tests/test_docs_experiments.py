@@ -287,11 +287,6 @@ def _results(workdir: pathlib.Path, name: str) -> dict[str, Any]:
   return results
 
 
-def _steps(run_dir: pathlib.Path) -> list[int]:
-  """The steps a run directory holds checkpoints of."""
-  return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-
-
 def test_the_documented_diamante_smoke_runs_in_full(base, shared_like_data, tmp_path):
   workdir = tmp_path / "diamante"
   assert run_script(_smoke("diamante_fig3", base, shared_like_data, workdir)) == 0
@@ -358,6 +353,6 @@ def test_the_documented_clarify_smokes_run_in_full(base, shared_like_data, tmp_p
       for role in ("question", "answer", "fusion", "judge", "nli", "relevance")
   }, probe["model_dirs"]
   for which in ("multitask", *dedicated):
-    assert _steps(workdir / f"{which}_model")[-1] == 2, which
+    assert test_docs.checkpoint_steps(workdir / f"{which}_model")[-1] == 2, which
   assert probe["summary"]["situations"] == setup["eval_situations"], probe["summary"]
   assert len(probe["examples"]) == min(5, setup["eval_situations"])

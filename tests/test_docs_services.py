@@ -93,11 +93,6 @@ def _cli(words: list[str]) -> int:
     gin.clear_config()
 
 
-def _steps(run_dir: pathlib.Path) -> list[int]:
-  """The steps a run directory holds checkpoints of."""
-  return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-
-
 def _is_png(path: pathlib.Path) -> bool:
   return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -198,9 +193,9 @@ def test_the_clarify_demo_runs_in_full(clarify_demo: dict[str, Any]) -> None:
   """Everything its docstring says it writes: the multitask run, the PPO run with its reward
   curve, the evaluation table of every system, the chat transcript."""
   workdir = clarify_demo["workdir"]
-  assert _steps(workdir / "multitask_model") == [2]
+  assert test_docs.checkpoint_steps(workdir / "multitask_model") == [2]
   assert list((workdir / "multitask_model" / "train").glob("events.out.tfevents.*"))
-  assert _steps(workdir / "ppo") == [1]
+  assert test_docs.checkpoint_steps(workdir / "ppo") == [1]
   assert _is_png(workdir / "ppo" / "reward_curve.png")
   evaluation = json.loads((workdir / "evaluation.json").read_text())
   assert {"why", "finetuned", "pipeline", "ppo"} <= set(evaluation), sorted(evaluation)
@@ -231,7 +226,7 @@ def test_the_npov_demos_run_in_full(tmp_path: pathlib.Path) -> None:
     assert workdir.is_relative_to(tmp_path), workdir
     assert (workdir / "vocab" / "demo_spm_400.model").is_file()
     for run in ("base_run", "generator", "classifier_hallucination", "classifier_coverage"):
-      assert _steps(workdir / run) == [2], (command, run)
+      assert test_docs.checkpoint_steps(workdir / run) == [2], (command, run)
     for prompt_run in ("generator", "classifier_hallucination", "classifier_coverage"):
       assert any((workdir / prompt_run / "prompt").iterdir()), prompt_run
     results = json.loads((workdir / "eval" / "results.json").read_text())
@@ -345,7 +340,7 @@ def test_the_hub_fine_tune_runs_offline_from_the_hub_cache(tuned: dict[str, Any]
   assert tuned["code"] == 0, tuned["command"]
   assert tuned["attempts"] == [], tuned["attempts"]
   run = tuned["run"]
-  assert _steps(run) == [4]  # SHORTER's TRAIN_STEPS
+  assert test_docs.checkpoint_steps(run) == [4]  # SHORTER's TRAIN_STEPS
   scalars = train.read_scalars(str(run / "train"))
   losses = [v for tag, points in scalars.items() if tag.endswith("loss") for v in points.values()]
   assert losses and np.isfinite(losses).all(), scalars
@@ -470,7 +465,7 @@ def test_the_documented_local_launch_runs_in_full(tmp_path: pathlib.Path) -> Non
   assert all(any(line.startswith(f"[process {i}] ") for line in lines) for i in (0, 1)), output
   model_dir = pathlib.Path(next(w.split("=", 1)[1] for w in words
                                 if w.startswith("--gin.MODEL_DIR=")).strip("'"))
-  assert _steps(model_dir) == [4]  # SHORTER's TRAIN_STEPS, saved once by the job.
+  assert test_docs.checkpoint_steps(model_dir) == [4]  # SHORTER's TRAIN_STEPS, saved once by the job.
   # One job: each process wrote its share of that checkpoint (Orbax, one folder a process).
   state = model_dir / "checkpoints" / "4" / "state"
   assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [
