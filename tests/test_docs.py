@@ -37,8 +37,8 @@ flags appended that shorten it: fewer steps, one layer a side, shorter rows):
 - tests/test_docs_services.py: the method demos, the fine-tune from a Hub id (offline, from a
   Hub cache holding a stand-in), both `jaxmoral explore` commands (served and fetched), the
   commands on a bucket (against the storage emulator), the local two-process launch
-  (`launch/local.sh`) and the README's pod compile (a tiny model with the pod config's
-  partitioning, compiled for its 64 chips).
+  (`launch/local.sh`) and every pod compile (a tiny model with the pod config's partitioning,
+  compiled for its topology's chips).
 - tests/test_docs_experiments.py: the pretraining commands (on the demo corpus) and each
   experiment script's smoke command, end to end from that tiny base, on data laid out as
   ../shared/data that the test writes from the demo corpus.
@@ -47,9 +47,9 @@ flags appended that shorten it: fewer steps, one layer a side, shorter rows):
   another folder than the project root, `%gin.REQUIRED` values given, no unread macro), an
   action's flags bound and its outputs checked writable (`action_commands.bind_action`, all
   that `run_action` does before the work; a `compile`, up to its first lowering:
-  `aot.plan_compile`). These are the full-size variants of what runs in full above: the
-  experiment configs of record (hours; their script runs in full through its smoke config),
-  the other pod compiles (minutes and GBs each; the compile path runs in full above).
+  `aot.plan_compile`). These include the full-size variants of what runs in full above
+  (the pod compiles; the experiments, hours each), and the experiment configs other than the
+  configs of record (ablations and earlier configs: their smoke variants take 4-30 s each).
   `python experiments/X.py`: the script's gin files and bindings as `experiment_lib.main`
   parses them, after its configurables are imported. `launch/gpu.sh` and
   `launch/tpu_pod.sh ... -- CMD`: CMD, as the launcher runs it on each host (the launchers

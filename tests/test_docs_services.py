@@ -9,12 +9,12 @@ until stopped, as a process), but for:
   into the test's folder, `BUCKET` is a folder of the storage emulator's bucket, and the
   explorer listens on a free port instead of 8765 or 8080;
 - flags a user can pass as well that make the work tiny: the demos' own arguments
-  (`DEMO_SHORTER`), test_docs' `SHORTER` for a training, a tiny model for the pod compile
-  (`TINY_POD_MODEL`);
+  (`DEMO_SHORTER`), test_docs' `SHORTER` for a training, a tiny model for the pod compiles
+  (`TINY_POD_MODEL`; ClarifyDelphi's with the demo vocabulary);
 - stand-ins for what is outside this machine: a Hugging Face Hub cache holding a tiny random
   T5 as `google/t5-v1_1-small` (offline; no connection leaves the machine), Google Cloud
-  Storage (tests/gcs_server.py, and TensorFlow's client through tests/tls_proxy.py), a
-  v5e 8x8 pod (libtpu compiles for its topology on this CPU).
+  Storage (tests/gcs_server.py, and TensorFlow's client through tests/tls_proxy.py), v5e
+  pods (libtpu compiles for their topologies on this CPU).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import ipaddress
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -64,11 +65,14 @@ DEMO_SHORTER = {
                   "--gin.SalienceConfig.max_input_tokens=64",
                   "--gin.SalienceConfig.max_target_tokens=16"],
 }
-# Appended to the pod compile: T5 1.1 large is minutes and GBs to compile; the tiny T5 with the
-# pod config's partitioning, optimizer and dtypes compiles for the same 64 chips in seconds.
-# BATCH_SIZE 16: the data axis of 64 chips at MODEL_PARALLEL 4.
+# Appended to a pod compile: T5 1.1 large to XXL is minutes and GBs to compile; the tiny T5
+# with the pod config's partitioning, optimizer and dtypes compiles for the same chips in
+# seconds. BATCH_SIZE 16: a multiple of each config's data axis (16 at most).
 TINY_POD_MODEL = ["--gin.config.t5_config.size='tiny'", *_ONE_LAYER, "--gin.BATCH_SIZE=16",
                   "--gin.TASK_FEATURE_LENGTHS={'inputs': 16, 'targets': 8}"]
+# Every documented pod compile, each once.
+POD_COMPILES = test_docs._once(  # pylint: disable=protected-access
+    c for _, c in test_docs.COMMANDS if c.startswith("jaxmoral compile "))
 HUB_ID = "google/t5-v1_1-small"
 # Appended to the Hub fine-tune, with SHORTER's flags: the model and its stand-in stay small.
 SMALLER_VOCABULARY = "--gin.config.t5_config.vocab_size=512"
@@ -465,45 +469,62 @@ def test_the_documented_local_launch_runs_in_full(tmp_path: pathlib.Path) -> Non
   assert all(any(line.startswith(f"[process {i}] ") for line in lines) for i in (0, 1)), output
   model_dir = pathlib.Path(next(w.split("=", 1)[1] for w in words
                                 if w.startswith("--gin.MODEL_DIR=")).strip("'"))
-  assert test_docs.checkpoint_steps(model_dir) == [4]  # SHORTER's TRAIN_STEPS, saved once by the job.
+  assert test_docs.checkpoint_steps(model_dir) == [4]  # SHORTER's TRAIN_STEPS, saved once.
   # One job: each process wrote its share of that checkpoint (Orbax, one folder a process).
   state = model_dir / "checkpoints" / "4" / "state"
   assert sorted(p.name for p in state.glob("ocdbt.process_*")) == [
       "ocdbt.process_0", "ocdbt.process_1"], output
 
 
-# -- a pod compile ------------------------------------------------------------------------------
+# -- pod compiles -------------------------------------------------------------------------------
 
 
-def test_the_pod_compile_runs_in_full(capsys: pytest.CaptureFixture[str]) -> None:
-  """`jaxmoral compile --gin_file=configs/core/large_tpu_pod.gin --topology=v5e:8x8`, with a
-  tiny model: the step compiles for 64 v5e chips and the report says what each holds."""
+@pytest.mark.parametrize("command", POD_COMPILES,
+                         ids=lambda c: c.split("--gin_file=")[1].split()[0])
+def test_the_pod_compiles_run_in_full(command: str, demo_vocab_path: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+  """Every documented `jaxmoral compile` (README.md, docs/, the pod configs' headers), with a
+  tiny model: each program compiles for the topology's chips and the report says what each
+  chip holds."""
   import jax  # pylint: disable=g-import-not-at-top
 
   from jaxmoral import aot  # pylint: disable=g-import-not-at-top
-  commands = {c for c in _documented("jaxmoral compile")
-              if c.split()[2:] == ["--gin_file=configs/core/large_tpu_pod.gin",
-                                   "--topology=v5e:8x8"]}
-  assert len(commands) == 1, commands
+  words = _words(command)
+  topology = next(w.split("=", 1)[1] for w in words if w.startswith("--topology="))
   try:
-    aot.get_topology("v5e:8x8")
+    aot.get_topology(topology)
   except ValueError as error:
     pytest.skip(f"no usable libtpu for compile-only TPU topologies: {error}")
+  chips = int(np.prod([int(n) for n in topology.split(":")[1].split("x")]))
+  if "--gin_file=configs/clarify/tpu_pod.gin" in words:
+    # PPO's five models are built from the config's own settings; its vocabulary is under
+    # ../shared, which a clone may lack: the demo one instead, as a data flag, with judge
+    # classes of one token each in it.
+    from jaxmoral.clarify import formats  # pylint: disable=g-import-not-at-top
+    words += ["--gin.config.t5_config.size='tiny'", *_ONE_LAYER,
+              f"--gin.VOCABULARY_PATH='{demo_vocab_path}'",
+              f"--gin.reward.RewardConfig.judge_classes={formats.DEMO_JUDGE_CLASSES!r}"]
+  else:
+    words += TINY_POD_MODEL
   # `compile` turns the persistent compilation cache off for its process (compile-only TPU
   # programs cannot be loaded back): on again after, for the tests that follow in this one.
   cached = jax.config.jax_enable_compilation_cache
   try:
-    assert _cli(_words(commands.pop()) + TINY_POD_MODEL) == 0
+    assert _cli(words) == 0, command
   finally:
     jax.config.update("jax_enable_compilation_cache", cached)
   out, err = capsys.readouterr()
-  assert "compile [1/1] step (train_run for v5e:8x8): compiled in" in err, err
-  assert "jaxmoral compile v5e:8x8:" in out, out
-  assert "(tpu, 64 devices, 1 slice(s), mesh {'data': 16, 'model': 4})" in out, out
+  compiled = re.findall(rf"compile \[(\d+)/(\d+)\] \S+ \(\S+ for {re.escape(topology)}\): "
+                        r"compiled in", err)
+  assert compiled and compiled[-1][0] == compiled[-1][1], err
+  assert f"jaxmoral compile {topology}:" in out, out
+  assert f"(tpu, {chips} devices, 1 slice(s), mesh " in out, out
   assert "memory               FITS" in out, out
   peak = next(line for line in out.splitlines() if line.strip().startswith("peak / chip"))
   assert 0 < float(peak.split()[-2]) < 16, peak
   assert "HBM / chip             16.000 GiB" in out, out
+  if words[2:4] == ["--gin_file=configs/core/large_tpu_pod.gin", "--topology=v5e:8x8"]:
+    assert "mesh {'data': 16, 'model': 4})" in out, out  # The README's: MODEL_PARALLEL 4.
 
 
 # -- the explorer -------------------------------------------------------------------------------
