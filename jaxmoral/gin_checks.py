@@ -260,17 +260,19 @@ def _registered_selectors() -> list[str]:
   selectors = []
   roots = tuple(f"{root}{os.sep}" for root in (gin_files.PROJECT_ROOT, os.getcwd()))
   for module in list(sys.modules.values()):
+    name = getattr(module, "__name__", None)  # sys.modules may hold None (a blocked import).
     path = str(getattr(module, "__file__", None) or "")
-    if not (module.__name__.split(".")[0] == "jaxmoral" or path.startswith(roots)):
+    if not isinstance(name, str) or not (name.split(".")[0] == "jaxmoral"
+                                         or path.startswith(roots)):
       continue
     for attribute, value in list(vars(module).items()):
-      if not callable(value) or getattr(value, "__module__", None) != module.__name__:
+      if not callable(value) or getattr(value, "__module__", None) != name:
         continue
       try:
         configurable = gin.get_configurable(value)
       except (KeyError, ValueError, TypeError):
         continue
-      parts = module.__name__.split(".")
+      parts = name.split(".")
       for candidate in dict.fromkeys(
           [attribute] + [f"{'.'.join(parts[i:])}.{attribute}" for i in range(len(parts))]
           + [f"{part}.{attribute}" for part in parts]):

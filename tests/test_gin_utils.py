@@ -285,8 +285,10 @@ def test_a_scope_nothing_enters_is_an_error(tmp_path):
      "imported) (--gin.diamante.DiamanteModl.config=None); close valid names: "
      "diamante.DiamanteModel"),
 ])
-def test_unknown_parameter_or_configurable_is_one_line(flags, message):
+def test_unknown_parameter_or_configurable_is_one_line(flags, message, monkeypatch):
   importlib.import_module("jaxmoral.diamante.diamante_model")
+  # The suggestions look through sys.modules, which may hold None (an import blocked so).
+  monkeypatch.setitem(sys.modules, "blocked_by_a_test", None)
   gin_args, _ = gin_utils.split_gin_args(["--gin_file=configs/core/tiny_cpu.gin",
                                           "--gin.MODEL_DIR=/tmp/unused", *flags])
   with pytest.raises(ValueError) as info:
