@@ -265,12 +265,14 @@ def _registered_selectors() -> list[str]:
     if not isinstance(name, str) or not (name.split(".")[0] == "jaxmoral"
                                          or path.startswith(roots)):
       continue
-    for attribute, value in list(vars(module).items()):
-      if not callable(value) or getattr(value, "__module__", None) != name:
-        continue
+    for attribute, value in list(getattr(module, "__dict__", {}).items()):
       try:
+        if not callable(value) or getattr(value, "__module__", None) != name:
+          continue
         configurable = gin.get_configurable(value)
-      except (KeyError, ValueError, TypeError):
+      except Exception:  # pylint: disable=broad-except
+        # Any object a module holds is asked (a proxy, a mock may raise anything): a hint
+        # must never turn the one-line error it adds to into a traceback.
         continue
       parts = name.split(".")
       for candidate in dict.fromkeys(
