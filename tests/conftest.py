@@ -274,6 +274,39 @@ def upload_folder(local: pathlib.Path, url: str) -> str:
   return url
 
 
+@contextlib.contextmanager
+def tfds_pairs_task(task: str, dataset: str, folder: pathlib.Path,
+                    pairs: dict[str, list[str]], *, vocabulary_path: str,
+                    validation_rows: int) -> Iterator[None]:
+  """A seqio Task `task` over a prepared TFDS dataset `dataset` (version 1.0.0, written under
+  `folder`) of text `pairs` ({"inputs": [...], "targets": [...]}: the train split, its first
+  `validation_rows` the validation split), tokenized with the vocabulary at `vocabulary_path`:
+  what a user's module registers for `--tfds_data_dir`. Registered within, removed after."""
+  # pylint: disable=g-import-not-at-top
+  import seqio
+  import tensorflow as tf
+  import tensorflow_datasets as tfds
+
+  from jaxmoral.data import vocab
+  # pylint: enable=g-import-not-at-top
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name=dataset, version="1.0.0", data_dir=str(folder),
+      features=tfds.features.FeaturesDict({"inputs": tfds.features.Text(),
+                                           "targets": tfds.features.Text()}),
+      split_datasets={"train": tf.data.Dataset.from_tensor_slices(pairs),
+                      "validation": tf.data.Dataset.from_tensor_slices(
+                          {k: v[:validation_rows] for k, v in pairs.items()})})
+  vocabulary = vocab.as_seqio(vocab.get_vocabulary(vocabulary_path))
+  features = {k: seqio.Feature(vocabulary, add_eos=True) for k in ("inputs", "targets")}
+  seqio.TaskRegistry.remove(task)
+  seqio.TaskRegistry.add(task, source=seqio.TfdsDataSource(f"{dataset}:1.0.0"),
+                         preprocessors=[seqio.preprocessors.tokenize], output_features=features)
+  try:
+    yield
+  finally:
+    seqio.TaskRegistry.remove(task)
+
+
 @pytest.fixture(scope="session")
 def tensorflow_gcs(gcs, tmp_path_factory):
   """TensorFlow's own GCS client (tf.io.gfile, tf.data, TFDS) pointed at the `gcs` server

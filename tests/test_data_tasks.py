@@ -447,38 +447,26 @@ def test_tfds_data_dir_points_a_tfds_task_at_a_bucket_read_by_tensorflows_client
   the bucket by TFDS and TensorFlow's own GCS client, and `jaxmoral cache` writes the same
   rows as from a local copy of the same data."""
   import gin  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
+  from conftest import tfds_pairs_task  # pylint: disable=g-import-not-at-top
   from conftest import upload_folder  # pylint: disable=g-import-not-at-top
   from jaxmoral import cli, runs  # pylint: disable=g-import-not-at-top
   pairs = {"inputs": [f"help friend {i}" for i in range(24)],
            "targets": [f"answer {i % 5}" for i in range(24)]}
-  tfds.dataset_builders.store_as_tfds_dataset(
-      name="jaxmoral_test_pairs", version="1.0.0", data_dir=str(tmp_path / "tfds"),
-      features=tfds.features.FeaturesDict({"inputs": tfds.features.Text(),
-                                           "targets": tfds.features.Text()}),
-      split_datasets={"train": tf.data.Dataset.from_tensor_slices(pairs),
-                      "validation": tf.data.Dataset.from_tensor_slices(
-                          {k: v[:4] for k, v in pairs.items()})})
-  bucket = upload_folder(tmp_path / "tfds", "gs://bucket/tfds")
   vocabulary = vocab.get_vocabulary(demo_vocab_path)
-  features = {k: seqio.Feature(vocab.as_seqio(vocabulary), add_eos=True)
-              for k in ("inputs", "targets")}
-  seqio.TaskRegistry.remove("tfds_test_pairs")  # What a user's module registers.
-  seqio.TaskRegistry.add("tfds_test_pairs",
-                         source=seqio.TfdsDataSource("jaxmoral_test_pairs:1.0.0"),
-                         preprocessors=[seqio.preprocessors.tokenize], output_features=features)
   lengths = {"inputs": 48, "targets": 24}  # configs/core/tiny_cpu.gin's.
   try:
-    for name, data_dir in (("bucket", bucket), ("local", str(tmp_path / "tfds"))):
-      gin.clear_config()
-      assert cli.main(["cache", f"--tfds_data_dir={data_dir}",
-                       "--gin_file=configs/core/tiny_cpu.gin",
-                       "--gin.MIXTURE_OR_TASK_NAME='tfds_test_pairs'",
-                       f"--gin.DATA_CACHE='{tmp_path / name}'", "--gin.BATCH_SIZE=4",
-                       f"--gin.VOCABULARY_PATH='{demo_vocab_path}'",
-                       f"--gin.MODEL_DIR='{tmp_path / 'unused'}'"]) == 0
+    with tfds_pairs_task("tfds_test_pairs", "jaxmoral_test_pairs", tmp_path / "tfds", pairs,
+                         vocabulary_path=demo_vocab_path, validation_rows=4):
+      bucket = upload_folder(tmp_path / "tfds", "gs://bucket/tfds")
+      for name, data_dir in (("bucket", bucket), ("local", str(tmp_path / "tfds"))):
+        gin.clear_config()
+        assert cli.main(["cache", f"--tfds_data_dir={data_dir}",
+                         "--gin_file=configs/core/tiny_cpu.gin",
+                         "--gin.MIXTURE_OR_TASK_NAME='tfds_test_pairs'",
+                         f"--gin.DATA_CACHE='{tmp_path / name}'", "--gin.BATCH_SIZE=4",
+                         f"--gin.VOCABULARY_PATH='{demo_vocab_path}'",
+                         f"--gin.MODEL_DIR='{tmp_path / 'unused'}'"]) == 0
   finally:
     gin.clear_config()
     seqio.set_tfds_data_dir_override(None)

@@ -41,6 +41,7 @@ import pytest
 import test_docs
 from conftest import child_xla_flags
 from conftest import free_port
+from conftest import tfds_pairs_task
 from conftest import upload_folder
 
 import gin
@@ -399,8 +400,6 @@ def test_the_tfds_bucket_cache_runs_in_full(tensorflow_gcs: list[str],
   (a seqio Task over a TFDS dataset, in their module), here over a tiny prepared dataset in the
   bucket, which TensorFlow's own client reads; the rows land in the bucket's data cache."""
   import seqio  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
 
   from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
   from jaxmoral import runs  # pylint: disable=g-import-not-at-top
@@ -412,25 +411,14 @@ def test_the_tfds_bucket_cache_runs_in_full(tensorflow_gcs: list[str],
                if w.startswith("--gin.DATA_CACHE="))
   pairs = {"inputs": [f"question: skipping class {i}" for i in range(40)],
            "targets": [f"why did you skip it {i % 7}" for i in range(40)]}
-  tfds.dataset_builders.store_as_tfds_dataset(
-      name="jaxmoral_docs_pairs", version="1.0.0", data_dir=str(tmp_path / "tfds"),
-      features=tfds.features.FeaturesDict({"inputs": tfds.features.Text(),
-                                           "targets": tfds.features.Text()}),
-      split_datasets={"train": tf.data.Dataset.from_tensor_slices(pairs),
-                      "validation": tf.data.Dataset.from_tensor_slices(
-                          {k: v[:8] for k, v in pairs.items()})})
-  upload_folder(tmp_path / "tfds", tfds_dir)
   # The run's own vocabulary, as the command builds it (tiny_cpu.gin names none): the demo's.
-  vocabulary = vocab.get_vocabulary(vocab.build_demo_vocabulary(output_dir=tmp_path / "vocab"))
-  features = {k: seqio.Feature(vocab.as_seqio(vocabulary), add_eos=True)
-              for k in ("inputs", "targets")}
-  seqio.TaskRegistry.remove("my_tfds_task")
-  seqio.TaskRegistry.add("my_tfds_task", source=seqio.TfdsDataSource("jaxmoral_docs_pairs:1.0.0"),
-                         preprocessors=[seqio.preprocessors.tokenize], output_features=features)
+  vocabulary_path = vocab.build_demo_vocabulary(output_dir=tmp_path / "vocab")
   try:
-    assert _cli(words) == 0, command
+    with tfds_pairs_task("my_tfds_task", "jaxmoral_docs_pairs", tmp_path / "tfds", pairs,
+                         vocabulary_path=vocabulary_path, validation_rows=8):
+      upload_folder(tmp_path / "tfds", tfds_dir)
+      assert _cli(words) == 0, command
   finally:
-    seqio.TaskRegistry.remove("my_tfds_task")
     seqio.set_tfds_data_dir_override(None)
   read = [urllib.parse.unquote(r) for r in tensorflow_gcs]
   record = f"{tfds_dir.removeprefix('gs://')}/jaxmoral_docs_pairs/1.0.0/" \
@@ -439,8 +427,8 @@ def test_the_tfds_bucket_cache_runs_in_full(tensorflow_gcs: list[str],
   assert fileio.walk_files(cache)
   # A run given that cache reads its batches from the bucket, without the Task.
   train, _ = runs.Seq2SeqData(mixture_or_task_name="my_tfds_task", cache_dir=cache).sources(
-      vocabulary=vocabulary, batch_size=4, feature_lengths={"inputs": 48, "targets": 24},
-      seed=0)
+      vocabulary=vocab.get_vocabulary(vocabulary_path), batch_size=4,
+      feature_lengths={"inputs": 48, "targets": 24}, seed=0)
   assert train.num_examples == len(pairs["inputs"])
   assert train.batch(0)["encoder_input_tokens"].shape == (4, 48)
 
