@@ -98,12 +98,13 @@ PLACEHOLDERS = {
 }
 REST_OF_COMMAND = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.MODEL_DIR=/tmp/docs_run"]
 # Flags appended to a command run in full, to make it short (the rest is as written).
+ONE_LAYER = ["--gin.config.t5_config.num_encoder_layers=1",
+             "--gin.config.t5_config.num_decoder_layers=1"]
 _FEW_STEPS = ["--gin.TRAIN_STEPS=4", "--gin.CHECKPOINT_EVERY=4", "--gin.BATCH_SIZE=8",
-               "--gin.config.t5_config.num_encoder_layers=1",
-               "--gin.config.t5_config.num_decoder_layers=1"]
+              *ONE_LAYER]
 SHORTER = {"train": [*_FEW_STEPS, "--gin.EVAL_EVERY=4", "--gin.WARMUP_STEPS=1"],
            "diamante train": _FEW_STEPS,
-           "clarify train-model": ["--train_steps=4", "--batch_size=8", *_FEW_STEPS[3:]],
+           "clarify train-model": ["--train_steps=4", "--batch_size=8", *ONE_LAYER],
            "clarify train-ppo": ["--num_iterations=1"],
            "npov train-classifier": ["--train_steps=4", "--batch_size=8", "--max_examples=4"],
            "npov evaluate": ["--max_examples=1"]}

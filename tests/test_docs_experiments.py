@@ -55,9 +55,7 @@ ROOT = test_docs.ROOT
 PRETRAINING = "jaxmoral train --gin_file=configs/core/pretrain_span_corruption"
 SMOKE_BASE = "pt_smoke"  # The base the smoke commands start from: /tmp/pt_smoke.
 # The model of the tiny base and of every run from it.
-TINY_MODEL = ["--gin.config.t5_config.size='tiny'",
-              "--gin.config.t5_config.num_encoder_layers=1",
-              "--gin.config.t5_config.num_decoder_layers=1"]
+TINY_MODEL = ["--gin.config.t5_config.size='tiny'", *test_docs.ONE_LAYER]
 # Appended to a pretraining command: as docs/experiments.md says, without ../shared.
 TINY_PRETRAINING = [*TINY_MODEL, "--gin.TRAIN_STEPS=4", "--gin.BATCH_SIZE=8",
                     "--gin.CHECKPOINT_EVERY=4",

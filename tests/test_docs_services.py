@@ -51,8 +51,7 @@ from jaxmoral import cli
 pytestmark = pytest.mark.usefixtures("one_device")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_ONE_LAYER = ["--gin.config.t5_config.num_encoder_layers=1",
-              "--gin.config.t5_config.num_decoder_layers=1"]
+_ONE_LAYER = test_docs.ONE_LAYER
 # Flags appended to a demo to make it tiny: each demo's own arguments (`jaxmoral clarify demo
 # --help`), which a user may pass as well, and one layer on each side of its T5.
 DEMO_SHORTER = {
