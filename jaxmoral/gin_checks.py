@@ -299,9 +299,12 @@ def _suggest(names: Sequence[str]) -> str:
   return f"; close valid names: {', '.join(names)}" if names else ""
 
 
-def macros() -> list[str]:
-  """Every macro of the parsed config."""
-  return [scope for scope, selector in _config() if selector == gin_files.MACRO]
+def read_macros() -> set[str]:
+  """The macros of the parsed config that a binding or another macro refers to."""
+  config = _config()
+  unread = set(_unreferenced_macros(config))
+  return {scope for scope, selector in config
+          if selector == gin_files.MACRO and scope not in unread}
 
 
 def check_everything_is_read(sources: BindingSources | None = None, *,

@@ -138,7 +138,7 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
     raise gin_checks.binding_error(error, sources) from error
   read_before_flags: set[str] = set()
   if extra_bindings:
-    read_before_flags = set(gin_checks.macros()) - set(gin_checks.unreferenced_macros())
+    read_before_flags = gin_checks.read_macros()
     flag_sources = gin_checks.BindingSources((), extra_bindings, extra_binding_flags)
     try:
       gin.parse_config(list(extra_bindings))
