@@ -126,3 +126,17 @@ def test_a_bucket_file_read_line_by_line_is_fetched_once(gcs, monkeypatch):
   with fileio.open(url) as f:  # Text mode too.
     assert sum(1 for _ in f) == len(rows)
   assert sum(moved) <= 2 * size + (2 << 20), (sum(moved), size)
+
+
+@pytest.mark.parametrize("last", [b"\r", b"\n", b"\r\n", b"x"])
+def test_an_upload_is_stored_byte_for_byte_whatever_its_last_byte(gcs, tmp_path, last):
+  """The bucket stand-in keeps every byte of a small (multipart) upload: the emulator's own
+  parser dropped a final carriage return, which damaged one checkpoint file in 256."""
+  del gcs
+  data = bytes(range(256)) + last
+  local = tmp_path / "weights"
+  local.write_bytes(data)
+  fileio.upload(local, f"gs://bucket/fileio_bytes/{len(last)}{last[-1]}")
+  assert fileio.read_bytes(f"gs://bucket/fileio_bytes/{len(last)}{last[-1]}") == data
+  fileio.write_bytes(f"gs://bucket/fileio_bytes/written{last[-1]}", data)
+  assert fileio.read_bytes(f"gs://bucket/fileio_bytes/written{last[-1]}") == data
