@@ -18,10 +18,10 @@ MFU is each side's model FLOPs per step (`bench_train_mfu.model_flops_per_step`)
 installed: `--prepare DIR` writes the data (needs seqio) and `--prepared DIR` times on it, e.g.
 on an accelerator host. Run from the project root:
 
-  PYTHONPATH=$PWD python bench/bench_loop_overhead.py --rounds 3
-  PYTHONPATH=$PWD python bench/bench_loop_overhead.py --prepare /tmp/lo --size large \
+  python bench/bench_loop_overhead.py --rounds 3
+  python bench/bench_loop_overhead.py --prepare /tmp/lo --size large \
       --batch 64 --inputs 512 --targets 128 --no_pack          # where seqio is installed
-  PYTHONPATH=$PWD python bench/bench_loop_overhead.py --prepared /tmp/lo --size large \
+  python bench/bench_loop_overhead.py --prepared /tmp/lo --size large \
       --dtype bfloat16 --optimizer adafactor --batch 64 --inputs 512 --targets 128 --no_pack \
       --override right_padded_inputs=true --rounds 2          # on the GPU host
 """
@@ -39,8 +39,6 @@ import sys
 import tempfile
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parent
 
 
 def _peak_rss_mib() -> float:
@@ -146,7 +144,6 @@ def child(args: argparse.Namespace) -> dict:
 
 
 def _flops_per_step(args: argparse.Namespace) -> float:
-  sys.path.insert(0, str(HERE))
   from bench_train_mfu import model_flops_per_step  # pylint: disable=g-import-not-at-top
   from bench_train_step import parse_override  # pylint: disable=g-import-not-at-top
 
@@ -215,7 +212,6 @@ def main() -> None:
   if args.prepare:
     prepare(args, pathlib.Path(args.prepare))
     return
-  sys.path.insert(0, str(HERE))
   import fair  # pylint: disable=g-import-not-at-top
   flops = _flops_per_step(args)
   print(f"# bench_loop_overhead  {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} "
@@ -228,8 +224,7 @@ def main() -> None:
     work = pathlib.Path(args.prepared) if args.prepared else pathlib.Path(tmp)
     if not args.prepared:
       prepare(args, work)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     results: dict[str, list[dict]] = {"product": [], "bare": []}
     for round_ in range(1, args.rounds + 1):
       for side in ("product", "bare"):

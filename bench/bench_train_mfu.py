@@ -86,7 +86,7 @@ def model_flops_per_step(cfg: config_lib.T5Config, batch: int, inputs: int,
 
 
 def add_step_args(parser: argparse.ArgumentParser) -> None:
-  """The flags that choose the benchmarked train step (shared with profile_train_step.py)."""
+  """The flags that choose the benchmarked train step."""
   parser.add_argument("--size", default="large")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--optimizer", default="adafactor")

@@ -109,7 +109,7 @@ def step_inputs(size: str = "small", batch: int = 8, inputs: int = 128, targets:
 
 class JaxSide:
   """jaxmoral's Trainer: seq2seq loss (no z-loss, no label smoothing), AdamW with `hp` (or the
-  optimizer given, for `bench_optimizer_cost.py`)."""
+  optimizer given)."""
 
   def __init__(self, cfg, batch, params0, hp: dict, optimizer=None):
     model = t5.T5(cfg)

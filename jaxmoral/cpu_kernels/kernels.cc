@@ -5,13 +5,13 @@
 // product is bound by how fast the weights stream from memory. Row-major (K, N) weights are
 // read as K strided pieces per column block: XLA:CPU's dot streamed T5 1.1-small's cold
 // kernels at 9-17 GB/s at 8 rows on a 2-core Zen 4 VM, the same bytes read as contiguous
-// panels up to 28 GB/s (bench/bench_decode_products.py measures both).
+// panels up to 28 GB/s.
 //
 // JaxmoralDecodeAttention: out[r, h] = softmax_l(q[r, h] . k[s, h, l] + bias[s, h, l])
 // v[s, h, l] with s = r / G, one query per (row, head). G = query rows / key rows: the G
 // samples (or beams) of one input share its cross-attention keys and values. XLA:CPU ran a
 // step's attention as batched dots of one row each, ~50-60 us per cross-attention dot at
-// batch 8 (bench/profile_decode.py).
+// batch 8 (an XLA profile of the step).
 //
 // Both split their work over XLA's intra-op thread pool.
 #include <algorithm>

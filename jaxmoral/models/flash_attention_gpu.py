@@ -30,7 +30,7 @@ Speed: on an H100 at T5 1.1-large's encoder shape these kernels are slower than 
 attention, because the bias costs them more: they read float32 bias tiles in all three kernels
 and read, add and write the bias-gradient column (8 bytes per score, through L2; dkv_rows=2 does
 that once per two rows). The diagonals form is slower still, so T5 hands the kernels the whole
-bias, and attention_impl="auto" keeps cuDNN (`bench/bench_attention.py` times both).
+bias, and attention_impl="auto" keeps cuDNN.
 
 The inputs stay in the model's (batch, length, heads, d_kv) layout: tiles are read with the
 heads' stride, so no transposes run around the kernels. Masking is the TPU kernel's contract:
