@@ -210,7 +210,8 @@ def test_a_compile_only_topology_starts_libtpu_quietly_without_a_tpu():
 def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
   """`jaxmoral compile` of a ClarifyDelphi PPO config: every program of an iteration, the very
   function objects train-ppo calls, with all five models on the mesh."""
-  from jaxmoral.clarify import testing, training  # pylint: disable=g-import-not-at-top
+  import random_model_dirs  # pylint: disable=g-import-not-at-top
+  from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
   from jaxmoral.data import vocab as vocab_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
   vocab_path = vocab_lib.build_demo_vocabulary(output_dir=tmp_path / "vocab")
@@ -257,7 +258,7 @@ def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
   partitioner = target.partitioner
   assert dict(partitioner.mesh.shape) == {"data": 1, "model": 2}  # The bound num_partitions.
   by_name = {stage.name: stage.function for stage in target.stages}
-  model_dir = testing.random_model_dir(tmp_path / "model", vocabulary_path=vocab_path)
+  model_dir = random_model_dirs.random_model_dir(tmp_path / "model", vocabulary_path=vocab_path)
   from jaxmoral.clarify import reward as reward_lib  # pylint: disable=g-import-not-at-top
   reward_config = copy.deepcopy(gin.query_parameter("training.train_clarify_ppo.reward_config"))
   run_reward = reward_lib.DefeasibilityReward.from_dirs(
@@ -328,13 +329,15 @@ def test_clarify_ppo_compile_is_train_ppo_on_the_run_directories_without_data_or
   directories the run binds. It reads their configs, not their weights, reads no data and
   writes nothing; a run refuses a stand-in before it writes anything."""
   from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
-  from jaxmoral.clarify import testing, training  # pylint: disable=g-import-not-at-top
+  import random_model_dirs  # pylint: disable=g-import-not-at-top
+  from jaxmoral.clarify import training  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
   small = config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1)
-  question = testing.random_model_dir(tmp_path / "question", vocabulary_path=demo_vocab_path,
-                                      config=small)
-  judge = testing.random_model_dir(tmp_path / "judge", vocabulary_path=demo_vocab_path,
-                                   config=dataclasses.replace(small, d_model=96))
+  question = random_model_dirs.random_model_dir(
+      tmp_path / "question", vocabulary_path=demo_vocab_path, config=small)
+  judge = random_model_dirs.random_model_dir(
+      tmp_path / "judge", vocabulary_path=demo_vocab_path,
+      config=dataclasses.replace(small, d_model=96))
   gin_args, _ = gin_utils.split_gin_args([
       "--gin_file=configs/clarify/tiny_cpu.gin",
       f"--gin.training.train_clarify_ppo.question_model_dir='{question}'",

@@ -1,23 +1,36 @@
 """Tests for the bundled demo corpus (jaxmoral.data.demo): formats, sizes, consistency."""
 
+import pathlib
 import re
+import subprocess
+import sys
 
 from jaxmoral.data import demo
-from jaxmoral.data.demo import _generate
+
+GENERATE = pathlib.Path(__file__).resolve().parents[1] / "tools" / "demo_corpus" / "generate.py"
 
 FILES = ["clarify_questions.tsv", "clarify_answers.tsv", "clarify_fusion.csv",
          "clarify_judgments.tsv", "dialogues.jsonl", "npov_kb.jsonl", "npov_examples.jsonl"]
 
 
+def _generate(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, str(GENERATE), *args], capture_output=True, text=True,
+                        check=False)
+
+
 def test_files_are_small_and_regenerate_identically(tmp_path):
   assert sum(demo.path(f).stat().st_size for f in FILES) < 300_000
-  orig = _generate.OUT_DIR
-  try:
-    _generate.main(tmp_path)
-  finally:
-    _generate.OUT_DIR = orig
+  assert _generate("--check").returncode == 0  # the bundled files
+  assert _generate(f"--out_dir={tmp_path}").returncode == 0
   for f in FILES:
     assert (tmp_path / f).read_bytes() == demo.path(f).read_bytes(), f
+  with open(tmp_path / "npov_kb.jsonl", "a", encoding="utf-8") as edited:
+    edited.write("\n")
+  check = _generate("--check", f"--out_dir={tmp_path}")
+  assert check.returncode == 1
+  assert check.stderr.strip().splitlines() == [
+      f"{tmp_path / 'npov_kb.jsonl'}: not what tools/demo_corpus/generate.py writes; rerun it "
+      "without --check"]
 
 
 def test_clarify_files():

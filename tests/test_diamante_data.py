@@ -6,8 +6,9 @@ import json
 import numpy as np
 import pytest
 
+import toy_dialogues
 from jaxmoral.data.readers import DataError
-from jaxmoral.diamante import data, toy
+from jaxmoral.diamante import data
 
 
 class CharVocab:
@@ -76,7 +77,7 @@ def test_char_f1_against_hand_counts():
 
 
 def _turns_with_duplicates():
-  turns = toy.toy_turns(12, seed=3)
+  turns = toy_dialogues.toy_turns(12, seed=3)
   # Put the human response itself (case/space variants) among the candidates.
   out = []
   for t in turns:
@@ -113,7 +114,7 @@ def test_resampling_never_pairs_model_with_human(prefer_dissimilar):
 
 
 def test_prefer_dissimilar_takes_least_similar_when_pool_covers_all():
-  turns = toy.toy_turns(10, seed=5)
+  turns = toy_dialogues.toy_turns(10, seed=5)
   rng = np.random.default_rng(0)
   idx = data.trainable_turns(turns)
   quads = data.draw_quadruples(turns, idx, rng, prefer_dissimilar=True, pool_size=100)
@@ -125,7 +126,7 @@ def test_prefer_dissimilar_takes_least_similar_when_pool_covers_all():
 
 
 def test_batches_deterministic_sharded_and_shaped():
-  turns = toy.toy_turns(10)
+  turns = toy_dialogues.toy_turns(10)
   config = data.FeatureConfig(context_length=40, response_length=12)
   make = lambda **kw: data.QuadrupleSource(turns=turns, vocab=CharVocab(), batch_size=4,
                                            features=config, seed=2, **kw)
@@ -153,7 +154,7 @@ def test_no_trainable_turn_is_a_clear_error():
 
 
 def test_split_dialogues_keeps_dialogues_whole():
-  turns = toy.toy_turns(20)
+  turns = toy_dialogues.toy_turns(20)
   train, test = data.split_dialogues(turns, test_fraction=0.25, seed=0)
   assert len(train) + len(test) == len(turns)
   assert not {t.dialogue for t in train} & {t.dialogue for t in test}

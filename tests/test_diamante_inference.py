@@ -8,11 +8,12 @@ import jax
 import numpy as np
 import pytest
 
+import toy_dialogues
 from jaxmoral import metrics as metrics_lib
 from jaxmoral import model_dirs
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.diamante import bundle as bundle_lib
-from jaxmoral.diamante import chat, data, evaluate, inference, toy
+from jaxmoral.diamante import chat, data, evaluate, inference
 from jaxmoral.models import t5
 from jaxmoral.models.config import t5_config
 
@@ -45,7 +46,7 @@ def test_saved_model_reloads_and_ranks_identically(saved):
   root, export, original = saved
   loaded = bundle_lib.load(root / "export")
   assert loaded.config == original.config and loaded.features == original.features
-  turns = toy.toy_turns(6, seed=1)
+  turns = toy_dialogues.toy_turns(6, seed=1)
   a = evaluate.evaluate_turns(original, turns, num_random=2, max_candidates=3, batch_size=4)
   b = evaluate.evaluate_turns(loaded, turns, num_random=2, max_candidates=3, batch_size=4)
   assert a == b
@@ -120,7 +121,7 @@ def test_ranking_items_drop_what_the_scorer_reads_as_the_human_response():
 
 def test_evaluation_matches_per_context_ranking(saved):
   _, _, bundle = saved
-  turns = toy.toy_turns(5, seed=2)
+  turns = toy_dialogues.toy_turns(5, seed=2)
   result = evaluate.evaluate_turns(bundle, turns, num_random=2, max_candidates=3, batch_size=3,
                                    seed=4)
   items = evaluate.ranking_items(turns, num_random=2, max_candidates=3, seed=4,
@@ -212,7 +213,7 @@ def test_rerank_bindings_given_on_the_command_line_apply(saved, tmp_path):
 def test_candidates_are_sampled_and_stored_in_the_diamante_format(saved, tmp_path):
   from jaxmoral.diamante import candidates
   root, _, _ = saved
-  turns = toy.toy_turns(3, seed=7)
+  turns = toy_dialogues.toy_turns(3, seed=7)
   out = tmp_path / "with_candidates.jsonl"
   kwargs = dict(model_dir=str(root / "export"), turns=turns, num_candidates=2, top_k=10,
                 max_decode_length=8, batch_size=4, seed=1)

@@ -5,9 +5,10 @@ import gin
 import numpy as np
 import pytest
 
+import toy_dialogues
 from jaxmoral import checkpoints, optimizers, partitioning, runs
 from jaxmoral.diamante import bundle as bundle_lib
-from jaxmoral.diamante import data, toy
+from jaxmoral.diamante import data
 from jaxmoral.diamante import diamante_model
 from jaxmoral.models.config import t5_config
 
@@ -32,7 +33,7 @@ def _train(model_dir, turns, *, steps, pe_weight=1.0, checkpoint_every=20, vocab
 
 
 def test_joint_training_learns_to_rank_and_its_run_is_the_model(tmp_path):
-  result = _train(tmp_path / "joint", toy.toy_turns(30, seed=0), steps=40)
+  result = _train(tmp_path / "joint", toy_dialogues.toy_turns(30, seed=0), steps=40)
   assert result["step"] == 40
   for key in ("train/nll", "train/pe_loss", "train/rank_accuracy", "train/gap_human_model",
               "train/gap_human_random", "train/gap_model_random"):
@@ -51,7 +52,7 @@ def test_joint_training_learns_to_rank_and_its_run_is_the_model(tmp_path):
 def test_nll_only_ablation_never_updates_the_score_head(tmp_path):
   model_dir = tmp_path / "nll_only"
   # Two updates between the checkpoints show it as ten do (the decoder's logits move in one).
-  _train(model_dir, toy.toy_turns(20, seed=1), steps=4, pe_weight=0.0, checkpoint_every=2)
+  _train(model_dir, toy_dialogues.toy_turns(20, seed=1), steps=4, pe_weight=0.0, checkpoint_every=2)
   ckpt = model_dir / "checkpoints"
   early = checkpoints.restore_params_from_run(ckpt, step=2)
   late = checkpoints.restore_params_from_run(ckpt, step=4)
@@ -64,7 +65,7 @@ def test_nll_only_ablation_never_updates_the_score_head(tmp_path):
 def test_bad_arguments_are_named(tmp_path):
   with pytest.raises(ValueError, match="DiamanteModel.pe_weight"):
     diamante_model.DiamanteModel(config=CONFIG, pe_weight=-1.0)
-  data.write_turns(tmp_path / "x.jsonl", toy.toy_turns(2))
+  data.write_turns(tmp_path / "x.jsonl", toy_dialogues.toy_turns(2))
   with pytest.raises(ValueError, match="DialogueData.vocab_path: no such file"):
     data.DialogueData(train_path=str(tmp_path / "x.jsonl"),
                       vocab_path=str(tmp_path / "none.model")).vocabulary(str(tmp_path))
@@ -77,7 +78,7 @@ def test_a_bad_data_file_fails_before_training_and_leaves_no_run_dir(tmp_path):
   """The error names the file and line; the run folder this call made is gone again, and a
   folder that existed before is left alone."""
   bad = tmp_path / "bad.jsonl"
-  data.write_turns(bad, toy.toy_turns(2))
+  data.write_turns(bad, toy_dialogues.toy_turns(2))
   lines = len(bad.read_text().splitlines())
   with open(bad, "a") as f:
     f.write('{"context": 3}\n')

@@ -51,8 +51,6 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
         "the compiled-kernel cache in the user's private folder, /proc/cpuinfo", frozenset({
             "_cache_dir", "_compiler", "_cpu_signature", "_folder_problem", "_install",
             "_read_own_file", "_write_atomically", "build", "has_avx512"})),
-    "jaxmoral.data.demo._generate": ("regenerates the package's own demo files",
-                                     frozenset({"_write_delimited", "_write_jsonl"})),
     "jaxmoral.data.index_cache": (
         "a local folder: a bucket cache is copied through `fileio.local_folder` first",
         frozenset({"read", "write"})),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+import toy_dialogues
 from jaxmoral import api
 from jaxmoral import cli
 from jaxmoral import model_dirs
@@ -26,7 +27,6 @@ from jaxmoral.diamante import chat as diamante_chat
 from jaxmoral.diamante import evaluate as diamante_evaluate
 from jaxmoral.diamante import inference as diamante_inference
 from jaxmoral.diamante import data as diamante_data
-from jaxmoral.diamante import toy
 from jaxmoral.models import t5
 from jaxmoral.models.config import t5_config
 from jaxmoral.npov import detect
@@ -97,9 +97,10 @@ def dirs(tmp_path_factory, demo_vocab_path):
   eval_pairs = readers.write_jsonl(root / "eval_pairs.jsonl", rows[8:])  # One batch of 8.
   inputs = root / "inputs.txt"
   inputs.write_text("why would someone skip a party\n\nlying to a friend\nhelping a stranger\n")
-  turns = toy.toy_turns(4, seed=1)
+  turns = toy_dialogues.toy_turns(4, seed=1)
   test_path = root / "test.jsonl"
-  readers.write_jsonl(test_path, [toy.toy_dialogue(np.random.default_rng(i)) for i in range(4)])
+  readers.write_jsonl(test_path, [toy_dialogues.toy_dialogue(np.random.default_rng(i))
+                                  for i in range(4)])
   return {"root": root, "lm": lm, "tuned": tuned, "prompt": str(root / "prompt"),
           "diamante": diamante, "pairs": str(pairs), "eval_pairs": str(eval_pairs),
           "inputs": str(inputs), "test": str(test_path), "turns": turns}

@@ -1,4 +1,4 @@
-"""Source text of the demo chit-chat dialogues (written for jaxmoral; see README.md).
+"""Source text of the demo chit-chat dialogues (written for jaxmoral).
 
 Each template is a list of turns with {slots}; each fill makes one dialogue.
 """

@@ -1,4 +1,4 @@
-"""Source text of the demo NPOV knowledge base (written for jaxmoral; see README.md).
+"""Source text of the demo NPOV knowledge base (written for jaxmoral).
 
 Each topic: (query, issue phrase for "whether ...", pro clusters, con clusters); a cluster is
 a list of paraphrases of one argument.

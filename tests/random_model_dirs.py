@@ -1,4 +1,4 @@
-"""Random tiny models as export directories (tests, benchmarks, smoke runs of the pipeline)."""
+"""Random tiny T5 models written as export directories, for the tests."""
 
 from __future__ import annotations
 

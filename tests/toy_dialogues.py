@@ -1,4 +1,4 @@
-"""Deterministic toy dialogues in the Diamante format, for tests and smoke runs.
+"""Deterministic toy dialogues in the Diamante format, for the tests.
 
 Each dialogue talks about one thing; the human responses stay on it, the "model" candidates
 are the generic or slightly off replies a weak generator gives. Not a substitute for real data

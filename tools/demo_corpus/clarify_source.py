@@ -1,4 +1,4 @@
-"""Source text of the ClarifyDelphi demo files (written for jaxmoral; see README.md).
+"""Source text of the ClarifyDelphi demo files (written for jaxmoral).
 
 Each entry: (situation, default judgment, rule of thumb, four clarification questions,
 three answers as (question index, "w"eakener | "s"trengthener, answer, fused situation,
