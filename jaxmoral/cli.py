@@ -181,14 +181,14 @@ def _configurable_error_message(error: TypeError) -> str:
 
 def quiet_logs(*, force: bool = False) -> None:
   """Start-up of a jaxmoral process (the command line, the experiments): INFO lines with the
-  time, libraries' chatter at WARNING, the Hub offline unless the user says otherwise.
+  time, libraries' chatter at WARNING. The Hub's settings (HF_HUB_OFFLINE, its cache) are the
+  user's: nothing here sets them.
 
   Args:
     force: Replace handlers that imports installed on the root logger (a script whose
       imports log before it starts); the command line leaves them (a test's capture).
   """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  os.environ.setdefault("HF_HUB_OFFLINE", "1")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                       datefmt="%H:%M:%S", force=force)
   for noisy in ("absl", "jax._src", "orbax", "tensorflow", "etils"):

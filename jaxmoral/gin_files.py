@@ -4,6 +4,9 @@ with another.
 
 A relative path written in a gin file that names nothing in the working directory is looked
 up next to the gin file, then in the project root, where shipped configs write them from.
+
+The project's gin files (gin/, configs/) are found in the project root of a checkout; an
+installed wheel carries them in SHIPPED_ROOT (setup.py copies them there), searched after it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ import gin
 from gin import config_parser
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Where a wheel ships the project's gin/ and configs/ (absent in a checkout and an editable
+# install, which read PROJECT_ROOT's).
+SHIPPED_ROOT = pathlib.Path(__file__).resolve().parent / "shipped_configs"
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +40,12 @@ def add_search_path(path: str) -> None:
   if path not in _SEARCH_PATHS:
     gin.add_config_file_search_path(path)
     _SEARCH_PATHS.append(path)
+
+
+def project_roots() -> list[pathlib.Path]:
+  """The folders holding the project's gin/ and configs/, in the order they are searched: the
+  project root, then the wheel's SHIPPED_ROOT where it exists."""
+  return [PROJECT_ROOT, *([SHIPPED_ROOT] if SHIPPED_ROOT.is_dir() else [])]
 
 
 def find_gin_file(name: str, search_paths: Sequence[str]) -> pathlib.Path | None:
@@ -55,8 +67,11 @@ def _shadowed_project_file(path: pathlib.Path) -> pathlib.Path | None:
     relative = resolved.relative_to(pathlib.Path.cwd().resolve())
   except ValueError:
     return None
-  project = PROJECT_ROOT / relative
-  return project if project.is_file() and project.resolve() != resolved else None
+  for root in project_roots():
+    project = root / relative
+    if project.is_file():
+      return project if project.resolve() != resolved else None
+  return None
 
 
 def warn_shadowing(files: Sequence[str], search_paths: Sequence[str]) -> None:
@@ -84,7 +99,7 @@ def display_path(path: str) -> str:
   absolute where a file of the working directory shadows the project's of the same name."""
   if _shadowed_project_file(pathlib.Path(path)) is not None:
     return str(pathlib.Path(path).resolve())
-  for root in (pathlib.Path.cwd(), PROJECT_ROOT):
+  for root in (pathlib.Path.cwd(), *reversed(project_roots())):
     try:
       return str(pathlib.Path(path).resolve().relative_to(root))
     except ValueError:

@@ -99,7 +99,8 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
 
 def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
               extra_binding_flags: Sequence[str] = ()) -> None:
-  """Parses gin files and bindings; files are found in the search paths and the project root.
+  """Parses gin files and bindings; files are found in the search paths, the working directory,
+  the project root and the gin files a wheel ships (`gin_files.project_roots`).
 
   Call it after importing the modules whose configurables the command uses. Everything bound
   must be readable: see `gin_checks.check_everything_is_read`. Relative paths written in the
@@ -119,7 +120,7 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
       line, and close valid names).
   """
   search_paths = list(dict.fromkeys([*gin_args.search_paths, os.getcwd(),
-                                     str(gin_files.PROJECT_ROOT)]))
+                                     *map(str, gin_files.project_roots())]))
   for path in search_paths:
     gin_files.add_search_path(path)
   for name in gin_args.files:

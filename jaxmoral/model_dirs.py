@@ -224,7 +224,8 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
                                local_files_only=offline)
   except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled) as e:
     del e
-    why = "HF_HUB_OFFLINE is set" if offline else "the Hub is unreachable"
+    why = ("HF_HUB_OFFLINE is set" if offline else
+           "the Hub is unreachable from here (HF_HUB_OFFLINE=1 skips trying)")
     raise FileNotFoundError(
         f"{repo_id!r}: no such local folder, and the Hub model is not in the cache "
         f"({_hub_cache_hint()}) while {why}"
