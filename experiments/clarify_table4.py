@@ -333,8 +333,9 @@ def claim_parts(differences: Mapping[str, Any]) -> list[Any]:
   """The paper's claim as parts (`common.ClaimPart`): PPO minus the supervised generator, as
   the table decodes, paired over the same situations: avg JSD above 0 and % flips above 0."""
   d = differences.get("ppo - finetuned") or {}
-  return [common.ClaimPart("PPO minus SFT avg JSD", d.get("jsd"), digits=4),
-          common.ClaimPart("PPO minus SFT % flips", d.get("flips_pct"), digits=1)]
+  # The supervised generator is the null: the same model before the reward trains it.
+  return [common.ClaimPart("PPO minus SFT avg JSD", d.get("jsd"), digits=4, null="SFT"),
+          common.ClaimPart("PPO minus SFT % flips", d.get("flips_pct"), digits=1, null="SFT")]
 
 
 def verdict(differences: Mapping[str, Any]) -> tuple[str, str]:

@@ -281,7 +281,7 @@ def claim_parts(results: Mapping[str, Any]) -> list[Any]:
       common.ClaimPart("joint P@1 by preference minus a random ranker's (chance)",
                        p1("joint: preference - random")),
       common.ClaimPart("joint minus NLL-only (untrained head) P@1 by preference",
-                       p1("preference: joint - nll_only")),
+                       p1("preference: joint - nll_only"), null="untrained head"),
       common.ClaimPart("joint P@1 by preference minus by generation log-prob",
                        p1("joint: preference - generation")),
       common.ClaimPart("joint P@1 by preference minus by log-prob per token",

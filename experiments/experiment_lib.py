@@ -236,10 +236,13 @@ VERDICT_RULE = (
     "(chance, or 0 for a paired difference). A part is shown when the interval's low end is "
     "above the baseline, contradicted when its high end is below it, and not shown otherwise; "
     "a part this run has no interval for (a slice it did not measure, a model it did not "
-    "train) is not measured. The verdict is \"agrees\" only when every measured part is "
-    "shown, none is missing that the claim requires, and at least one was measured; "
-    "\"disagrees\" when any part is contradicted; otherwise \"not shown\", naming the parts "
-    "that are not.")
+    "train) is not measured. Every claim names its nulls, systems that know nothing of what "
+    "the claim is about (an untrained model, the input's length, the model before the step "
+    "the claim credits); a part against a null is the paired interval of the difference over "
+    "the same units, measured in the same run. The verdict is \"agrees\" only when every "
+    "measured part is shown, none is missing that the claim requires, and at least one was "
+    "measured; \"disagrees\" when any part is contradicted; otherwise \"not shown\", naming "
+    "the parts that are not.")
 
 AGREES, DISAGREES, NOT_SHOWN = "agrees", "disagrees", "not shown"
 SHOWN, CONTRADICTED, NOT_MEASURED = "shown", "contradicted", "not measured"
@@ -257,12 +260,16 @@ class ClaimPart:
     required: Whether the claim fails without it. False for parts a run may leave out by
       design (a test slice it did not build): unmeasured, they are named and skipped.
     digits: Decimals when the part is written out.
+    null: The null the part's paired interval is against, named (e.g. "untrained model",
+      "input length", "SFT"), or None for a part against chance or a rival system.
+      `claim_verdict` refuses a claim none of whose parts names one.
   """
   name: str
   interval: Optional[Mapping[str, float]]
   baseline: float = 0.0
   required: bool = True
   digits: int = 3
+  null: Optional[str] = None
 
   def __post_init__(self):
     if self.interval is not None:
@@ -299,7 +306,14 @@ def claim_verdict(parts: Sequence[ClaimPart]) -> tuple[str, str]:
   Returns:
     (verdict, why): verdict AGREES | DISAGREES | NOT_SHOWN; why names every part with its
     interval and status, the parts that keep it from agreeing first.
+
+  Raises:
+    ValueError: No part names a null (`ClaimPart.null`): a claim shown only against chance
+      would be reached too by a system that knows nothing (an experiment's design error).
   """
+  if parts and not any(p.null for p in parts):
+    raise ValueError("claim_verdict: no part of the claim names its null (ClaimPart.null): "
+                     f"{[p.name for p in parts]}")
   statuses = [p.status for p in parts]
   measured = [s for s in statuses if s != NOT_MEASURED]
   missing = [p for p, s in zip(parts, statuses) if s == NOT_MEASURED and p.required]

@@ -45,6 +45,8 @@ logger = logging.getLogger("npov_table1")
 
 ERRORS = ("hallucination", "coverage")
 LEVELS = ("example", "word")
+# The report's levels: the plot's, and the within-example word AUC beside them.
+REPORT_LEVELS = (*LEVELS, "word_within")
 # Confound controls, scored like detectors: the synthetic errors change the input's length;
 # with balanced error-free examples (as many arguments per side) they always unbalance the
 # sides; and they leave the template response one point more or fewer than the input has
@@ -52,10 +54,27 @@ LEVELS = ("example", "word")
 CONTROL = "input_length"
 IMBALANCE_CONTROL = "side_imbalance"
 COUNT_CONTROL = "point_count"
-PAPER = {"rouge": "ROUGE-1 detects both error types above chance",
-         "salience": "salience detects both above chance (hallucination, example level: .808)",
-         "classifier": "the YES/NO classifiers detect both above chance (hallucination, example "
-                       "level: .953)",
+# The paper's Table 1, example-level ROC AUC on its synthetic slices, the ones built here:
+# {(slice, error): {detector: AUC}}.
+PAPER_TABLE1 = {
+    ("unparaphrased", "hallucination"): {"rouge": 0.772, "salience": 0.736, "classifier": 0.998},
+    ("unparaphrased", "coverage"): {"rouge": 0.890, "salience": 0.875, "classifier": 0.986},
+    ("paraphrased", "hallucination"): {"rouge": 0.680, "salience": 0.708, "classifier": 0.977},
+    ("paraphrased", "coverage"): {"rouge": 0.746, "salience": 0.831, "classifier": 0.993}}
+
+
+def _paper_figures(detector: str) -> str:
+  """`hallucination .772 / .680, coverage .890 / .746 (unparaphrased / paraphrased)`."""
+  return ", ".join(
+      f"{e} " + " / ".join(f"{PAPER_TABLE1[(sl, e)][detector]:.3f}".lstrip("0")
+                           for sl in ("unparaphrased", "paraphrased"))
+      for e in ERRORS) + " (Table 1, synthetic unparaphrased / paraphrased)"
+
+
+PAPER = {"rouge": "ROUGE-1 detects both error types above chance: " + _paper_figures("rouge"),
+         "salience": "salience detects both above chance: " + _paper_figures("salience"),
+         "classifier": "the YES/NO classifiers detect both above chance: "
+                       + _paper_figures("classifier"),
          CONTROL: "not a detector: what the input's length alone gives (a synthetic "
                   "hallucination removes an argument, a coverage error adds one)",
          IMBALANCE_CONTROL: "not a detector: what |#pro - #con| alone gives (1.0 when every "
@@ -63,14 +82,28 @@ PAPER = {"rouge": "ROUGE-1 detects both error types above chance",
          COUNT_CONTROL: "not a detector: the template response's points per side (counted "
                         "from its lead phrases) against the input's arguments per side"}
 
-# The paper's ordering (its abstract): classifiers trained on synthetic errors detect both
-# error types best (ROC AUC .953 hallucination, .905 coverage); the training-free methods,
-# ROUGE-1 and salience, reach at most .840 and .852. Each pair: (better, worse).
+# The nulls every detector's claim is measured against, in the same run on the same examples
+# (`null_detections`): the same detector on a randomly initialised model of the base's config,
+# never trained (`detect.build_untrained_detector`; ROUGE-1 has no model), and the length of
+# what it reads, in content words: the generator's input, the classifiers' input (which holds
+# the response too), the response. Each length null takes, per error type, the sign that ranks
+# the examples best (the strongest a length alone can do).
+UNTRAINED = "untrained model"
+INPUT_LENGTH = "input length"
+CLASSIFIER_INPUT_LENGTH = "classifier input length"
+RESPONSE_LENGTH = "response length"
+NULLS = {"rouge": (INPUT_LENGTH, RESPONSE_LENGTH),
+         "salience": (UNTRAINED, INPUT_LENGTH, RESPONSE_LENGTH),
+         "classifier": (UNTRAINED, INPUT_LENGTH, CLASSIFIER_INPUT_LENGTH, RESPONSE_LENGTH)}
+
+# The paper's ordering (its Table 1, on the synthetic slices): classifiers trained on
+# synthetic errors detect both error types best. Each pair: (better, worse).
 PAPER_ORDER = (("classifier", "rouge"), ("classifier", "salience"))
 PAPER_ORDER_DETECTORS = ("rouge", "salience", "classifier")
 SLICE_ORDER = ("unparaphrased", "paraphrased")  # synthetic.SLICES, without importing it
 ORDER_CLAIM = ("the trained classifiers detect both error types better than ROUGE-1 and "
-               "salience (.953 / .905 against at most .840 / .852)")
+               "salience (Table 1: .977-.998 against at most .772 / .890 unparaphrased and "
+               ".708 / .831 paraphrased), and beyond their nulls")
 
 
 def _slice_rank(name: str) -> tuple[int, str]:
@@ -81,27 +114,6 @@ def _slice_rank(name: str) -> tuple[int, str]:
 def _detector_rank(name: str) -> tuple[int, str]:
   """The report's detector order: the paper's detectors, then the controls."""
   return (list(PAPER).index(name) if name in PAPER else len(PAPER), name)
-
-
-def word_arrays(examples: Sequence[Any], detections: Sequence[Any], error: str
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(labels, scores, example index) of the words `evaluate.evaluate_slice` scores."""
-  from jaxmoral.npov import evaluate  # pylint: disable=import-outside-toplevel
-  other = ERRORS[1 - ERRORS.index(error)]
-  labels_fn = (evaluate.hallucination_word_labels if error == "hallucination"
-               else evaluate.coverage_word_labels)
-  labels, scores, units = [], [], []
-  for i, (e, d) in enumerate(zip(examples, detections)):
-    if getattr(e, error) is None or getattr(e, other):
-      continue
-    words = d.response_words if error == "hallucination" else d.argument_words
-    word_labels = labels_fn(e, words) if words else None
-    if word_labels is None:
-      continue
-    labels.extend(word_labels)
-    scores.extend(w.score for w in words)
-    units.extend([i] * len(words))
-  return np.asarray(labels, int), np.asarray(scores, np.float64), np.asarray(units, int)
 
 
 def auc_intervals(examples: Sequence[Any], detections: Sequence[Any], *, num_resamples: int,
@@ -115,14 +127,21 @@ def auc_intervals(examples: Sequence[Any], detections: Sequence[Any], *, num_res
     out[error] = {}
     labels = np.asarray(evaluated[error]["labels"], int)
     scores = np.asarray(evaluated[error]["scores"], np.float64)
-    w_labels, w_scores, w_units = word_arrays(examples, detections, error)
-    for level, arrays, units in (("example", (labels, scores), None),
-                                 ("word", (w_labels, w_scores), w_units)):
+    w_labels, w_scores, w_units = evaluate.word_arrays(examples, detections, error)
+    for level, metric, arrays, units in (
+        ("example", metrics.roc_auc, (labels, scores), None),
+        ("word", metrics.roc_auc, (w_labels, w_scores), w_units),
+        ("word_within", evaluate.within_example_word_auc, (w_labels, w_scores, w_units),
+         w_units)):
       if arrays[0].size == 0 or len(set(arrays[0].tolist())) < 2:
         out[error][level] = None
         continue
-      ci = metrics.bootstrap_ci(metrics.roc_auc, *arrays, units=units,
-                                num_resamples=num_resamples, seed=seed)
+      try:
+        ci = metrics.bootstrap_ci(metric, *arrays, units=units, num_resamples=num_resamples,
+                                  seed=seed)
+      except ValueError:  # No example holds both labels (within-example AUC undefined).
+        out[error][level] = None
+        continue
       out[error][level] = {**common.ci_dict(ci), "n": int(arrays[0].size),
                            "positives": int(arrays[0].sum())}
     # The library's own number, for the check that both agree.
@@ -225,6 +244,71 @@ CONTROL_DETECTIONS = {CONTROL: length_detections, IMBALANCE_CONTROL: imbalance_d
 CONTROLS = tuple(CONTROL_DETECTIONS)
 
 
+def response_words(example: Any) -> int:
+  """Content words of the response."""
+  from jaxmoral.npov import text as text_lib  # pylint: disable=import-outside-toplevel
+  return sum(not w.is_stopword for w in text_lib.words(example.response))
+
+
+def classifier_input_words(example: Any) -> int:
+  """Content words of the classifiers' input (query, arguments and response)."""
+  from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov import text as text_lib  # pylint: disable=import-outside-toplevel
+  return sum(not w.is_stopword for w in text_lib.words(task.format_classifier_input(example)))
+
+
+LENGTH_NULLS = {INPUT_LENGTH: input_words, CLASSIFIER_INPUT_LENGTH: classifier_input_words,
+                RESPONSE_LENGTH: response_words}
+
+
+def oriented_length_detections(examples: Sequence[Any], counts: Sequence[float]) -> list[Any]:
+  """A length as both error scores, each with the sign under which it ranks `examples`' errors
+  best (ROC AUC >= 0.5 on the examples that error's AUC uses): the strongest null a length
+  gives, so a detector must beat it whichever way the length runs."""
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
+  n = np.asarray(counts, np.float64)
+  sign = {}
+  for error in ERRORS:
+    other = ERRORS[1 - ERRORS.index(error)]
+    chosen = [i for i, e in enumerate(examples)
+              if getattr(e, error) is not None and not getattr(e, other)]
+    labels = [int(getattr(examples[i], error)) for i in chosen]
+    sign[error] = (-1.0 if len(set(labels)) == 2 and metrics.roc_auc(labels, n[chosen]) < 0.5
+                   else 1.0)
+  return [base.Detection(sign["hallucination"] * x, sign["coverage"] * x) for x in n]
+
+
+def null_detections(detector: str, examples: Sequence[Any],
+                    untrained: Optional[Sequence[Any]] = None) -> dict[str, list[Any]]:
+  """{null: its detections of `examples`} for the nulls `NULLS[detector]` names: the lengths
+  computed here, the untrained model's from `untrained` (its detections of the same examples;
+  left out when None)."""
+  out: dict[str, list[Any]] = {}
+  for null in NULLS[detector]:
+    if null == UNTRAINED:
+      if untrained is not None:
+        out[null] = list(untrained)
+    else:
+      out[null] = oriented_length_detections(examples, [LENGTH_NULLS[null](e) for e in examples])
+  return out
+
+
+def null_intervals(examples: Sequence[Any], detections: Sequence[Any],
+                   nulls: Mapping[str, Sequence[Any]], *, num_resamples: int, seed: int
+                   ) -> dict[str, dict[str, Any]]:
+  """{null: {"auc": {error: the null's example-level ROC AUC interval or None},
+  "difference": {error: the paired interval of the detector's AUC minus the null's, the same
+  examples resampled together, or None}}} for one detector on one slice."""
+  out: dict[str, dict[str, Any]] = {}
+  for null, null_dets in nulls.items():
+    auc = auc_intervals(examples, null_dets, num_resamples=num_resamples, seed=seed)
+    out[null] = {"auc": {e: auc[e]["example"] for e in ERRORS},
+                 "difference": ordering_intervals(examples, detections, null_dets,
+                                                  num_resamples=num_resamples, seed=seed)}
+  return out
+
+
 def substitution_examples(sources: Sequence[Any], topics: Sequence[Any], *, seed: int
                           ) -> list[Any]:
   """Pairs (error-free source, its substitution variant), flattened, for sources that have
@@ -257,24 +341,15 @@ def substitution_auc(examples: Sequence[Any], detections: Sequence[Any], *,
 
 
 def length_matched_auc(labels: Any, scores: Any, lengths: Any) -> float:
-  """ROC AUC over the (error, clean) pairs whose inputs have the same length: what a score
-  tells beyond length (one that only follows length gets exactly 0.5).
+  """ROC AUC over the (error, clean) pairs whose inputs have the same length
+  (`metrics.grouped_roc_auc`): what a score tells beyond length (one that only follows
+  length gets exactly 0.5).
 
   Raises:
     ValueError: No length holds both an error and a clean example.
   """
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
-  labels, scores, lengths = (np.asarray(a) for a in (labels, scores, lengths))
-  total, weight = 0.0, 0
-  for length in np.unique(lengths):
-    at = lengths == length
-    pairs = int(labels[at].sum()) * int((1 - labels[at]).sum())
-    if pairs:
-      total += pairs * metrics.roc_auc(labels[at], scores[at])
-      weight += pairs
-  if not weight:
-    raise ValueError("length_matched_auc: no length has both labels")
-  return total / weight
+  return metrics.grouped_roc_auc(labels, scores, lengths)
 
 
 def length_dependence(examples: Sequence[Any], detections: Sequence[Any], *,
@@ -398,6 +473,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     Every number of the report (also in `<results_dir>/<name>.json`).
   """
   # pylint: disable=import-outside-toplevel
+  from jaxmoral import model_dirs
   from jaxmoral import prompt_tuning
   from jaxmoral import runs
   from jaxmoral.data import readers
@@ -489,8 +565,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
 
   # 2. Synthetic errors of the held-out claims; 3. every detector on both slices.
   test_slices = synthetic.make_test_slices(test_sources, topics, seed=seed + 3)
-  results: dict[str, Any] = {"auc": {}, "length": {},
+  results: dict[str, Any] = {"auc": {}, "length": {}, "nulls": {},
                              "slices": {k: len(v) for k, v in test_slices.items()}}
+  base_info = model_dirs.inspect(base_dir)  # The untrained nulls' config and vocabulary.
   # Slices are aligned (example i of "paraphrased" paraphrases example i of "unparaphrased").
   size = len(test_slices["unparaphrased"])
   salience_sample = np.sort(np.random.default_rng(seed + 4).choice(
@@ -515,6 +592,10 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       logger.info("%s on substitutions: %s", det_name, {
           e: v["estimate"] for e, v in results["substitution"][det_name].items()})
     results["auc"][det_name], results["length"][det_name] = {}, {}
+    untrained = (detect.build_untrained_detector(det_name, config=base_info.config,
+                                                 vocabulary=base_info.vocabulary,
+                                                 seed=seed + 8)
+                 if UNTRAINED in NULLS.get(det_name, ()) else None)
     for slice_name, examples in test_slices.items():
       indices = np.arange(len(examples))
       if det_name == "salience" and max_salience_examples:
@@ -527,6 +608,11 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
           examples, detections, num_resamples=num_resamples, seed=seed)
       results["length"][det_name][slice_name] = length_dependence(
           examples, detections, num_resamples=num_resamples, seed=seed)
+      if det_name in NULLS:  # Its nulls on the same examples, in this run.
+        results["nulls"].setdefault(det_name, {})[slice_name] = null_intervals(
+            examples, detections, null_detections(
+                det_name, examples, untrained.detect_batch(examples) if untrained else None),
+            num_resamples=num_resamples, seed=seed)
       logger.info("%s on %s: %s", det_name, slice_name, {
           e: v["example"]["estimate"] if v["example"] else None
           for e, v in results["auc"][det_name][slice_name].items()})
@@ -535,8 +621,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   timings["total_s"] = time.time() - started
   results["ordering"] = paper_ordering(test_slices, kept, num_resamples=num_resamples,
                                        seed=seed)
-  results["verdicts"] = verdicts(results["auc"])
-  results["ordering_verdicts"] = ordering_verdicts(results["ordering"])
+  results["verdicts"] = verdicts(results["auc"], results["nulls"])
+  results["ordering_verdicts"] = ordering_verdicts(results["ordering"], results["nulls"])
   results.update({
       "command": command, "machine": common.machine(), "timings": timings,
       "setup": {"init_checkpoint": init_checkpoint, "claims_by_split": by_split,
@@ -555,38 +641,77 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                               title=f"NPOV Table 1 shape ({name})", plot=plot, report=report)
 
 
-def verdicts(auc: Mapping[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-  """{detector: {error: {"verdict", "why", "slices": {slice: status}}}} by
-  `common.claim_verdict`: the claim "detects `error` above chance" is one part per test
-  slice, the example-level ROC AUC's interval above 0.5. The slices the paper reports
-  (unparaphrased, paraphrased) are each a part; one this run has no interval for (not built,
-  or one class only) is named as not measured and left out, so a detector above chance on
-  the slices measured agrees. Each slice's own status is kept (`"slices"`)."""
+def _null_difference(nulls: Optional[Mapping[str, Any]], det: str, slice_name: str, null: str,
+                     error: str) -> Optional[Mapping[str, float]]:
+  """The paired interval of `det`'s ROC AUC minus `null`'s on one slice (None: not measured)."""
+  found = (((nulls or {}).get(det) or {}).get(slice_name) or {}).get(null) or {}
+  return (found.get("difference") or {}).get(error)
+
+
+def claim_parts(det: str, error: str, by_slice: Mapping[str, Any],
+                nulls: Optional[Mapping[str, Any]]) -> list[Any]:
+  """The claim "`det` detects `error`" as parts (`common.ClaimPart`), per test slice: the
+  example-level ROC AUC above chance (0.5), and the paired interval of the AUC minus each of
+  its nulls' (`NULLS[det]`, the same examples) above 0. A slice this run has no interval for
+  (not built, or one class only) is left out; on a slice it measured, every null is
+  required, so a run that did not measure one is not shown."""
+  parts = []
+  for sl in sorted(by_slice, key=_slice_rank):
+    chance = by_slice[sl][error]["example"]
+    parts.append(common.ClaimPart(f"{sl} ROC AUC", chance, baseline=0.5, required=False))
+    parts += [common.ClaimPart(f"{sl} ROC AUC minus the {null}'s",
+                               _null_difference(nulls, det, sl, null, error),
+                               required=chance is not None, null=null)
+              for null in NULLS.get(det, ())]
+  return parts
+
+
+def verdicts(auc: Mapping[str, Any], nulls: Optional[Mapping[str, Any]] = None
+             ) -> dict[str, dict[str, dict[str, Any]]]:
+  """{detector: {error: {"verdict", "why", "slices": {slice: status against chance}}}} by
+  `common.claim_verdict` on `claim_parts` for the paper's detectors; for the controls, which
+  claim nothing, only each slice's status against chance (verdict None).
+
+  Args:
+    auc: {detector: {slice: `auc_intervals`}}.
+    nulls: {detector: {slice: `null_intervals`}} (None or absent: not measured, as in
+      results written before the nulls were).
+  """
   out: dict[str, dict[str, dict[str, Any]]] = {}
   for det, by_slice in auc.items():
     out[det] = {}
     slices = sorted(by_slice, key=_slice_rank)
     for error in ERRORS:
-      parts = [common.ClaimPart(f"{sl} ROC AUC", by_slice[sl][error]["example"], baseline=0.5,
-                                required=False) for sl in slices]
-      word, why = common.claim_verdict(parts)
-      out[det][error] = {"verdict": word, "why": why,
-                         "slices": {sl: p.status for sl, p in zip(slices, parts)}}
+      chance = {sl: common.ClaimPart(f"{sl} ROC AUC", by_slice[sl][error]["example"],
+                                     baseline=0.5).status for sl in slices}
+      if det in NULLS:
+        word, why = common.claim_verdict(claim_parts(det, error, by_slice, nulls))
+      else:
+        word, why = None, ""
+      out[det][error] = {"verdict": word, "why": why, "slices": chance}
   return out
 
 
-def ordering_verdicts(ordering: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+def ordering_verdicts(ordering: Mapping[str, Any], nulls: Optional[Mapping[str, Any]] = None
+                      ) -> dict[str, dict[str, str]]:
   """{error: {"verdict", "why"}} for `ORDER_CLAIM` by `common.claim_verdict`: one part per
   pair of `PAPER_ORDER` and test slice, the paired ROC AUC difference's interval above 0
-  (same examples). A pair or slice this run did not measure is named and left out; with
-  none measured (e.g. results written before the ordering was computed) it is not shown."""
+  (same examples), and on each of those slices the classifiers' AUC above each of their nulls
+  (`NULLS["classifier"]`, required). A pair or slice this run did not measure is named and
+  left out; with none measured (e.g. results written before the ordering was computed) it is
+  not shown."""
   out = {}
   for error in ERRORS:
-    parts = []
+    parts, slices = [], {}
     for pair in (f"{a} - {b}" for a, b in PAPER_ORDER):
       by_slice = ordering.get(pair) or {"every slice": None}
+      slices.update(dict.fromkeys(by_slice))
       parts += [common.ClaimPart(f"{pair} ROC AUC ({sl})", (by_slice[sl] or {}).get(error),
                                  required=False) for sl in sorted(by_slice, key=_slice_rank)]
+    parts += [common.ClaimPart(f"classifier ROC AUC minus the {null}'s ({sl})",
+                               _null_difference(nulls, "classifier", sl, null, error),
+                               null=null)
+              for sl in sorted(slices, key=_slice_rank) for null in NULLS["classifier"]]
     word, why = common.claim_verdict(parts)
     out[error] = {"verdict": word, "why": why}
   return out
@@ -595,9 +720,11 @@ def ordering_verdicts(ordering: Mapping[str, Any]) -> dict[str, dict[str, str]]:
 def verdict_lines(results: Mapping[str, Any]) -> list[str]:
   """The claims, the rule and this run's verdicts (Markdown lines)."""
   lines = ["Claims, each tested by the rule below: every detector above chance (ROC AUC 0.5) "
-           "on each test slice, per error type, at example level; and the paper's ordering: "
-           f"{ORDER_CLAIM} (paired intervals of the AUC difference over the same examples).",
-           "", common.VERDICT_RULE, ""]
+           "and above each of its nulls (" + "; ".join(
+               f"{d}: {', '.join(n)}" for d, n in NULLS.items()) + ": paired intervals of "
+           "the AUC difference over the same examples) on each test slice, per error type, at "
+           f"example level; and the paper's ordering: {ORDER_CLAIM} (paired intervals of the "
+           "AUC difference over the same examples).", "", common.VERDICT_RULE, ""]
   for det in sorted(results["verdicts"], key=_detector_rank):
     by_error = results["verdicts"][det]
     if det in PAPER_ORDER_DETECTORS:
@@ -608,7 +735,8 @@ def verdict_lines(results: Mapping[str, Any]) -> list[str]:
       found = "; ".join(f"{e}: " + ", ".join(f"{sl} {words[status]}" for sl, status in
                                              v["slices"].items()) for e, v in by_error.items())
     lines.append(f"- {det}: paper: {PAPER.get(det, '')}; this run: {found}.")
-  ordering = results.get("ordering_verdicts") or ordering_verdicts(results.get("ordering", {}))
+  ordering = results.get("ordering_verdicts") or ordering_verdicts(
+      results.get("ordering", {}), results.get("nulls"))
   lines.append(f"- ordering: paper: {ORDER_CLAIM}; this run: " + "; ".join(
       f"{e} **{v['verdict']}** ({v['why']})" for e, v in ordering.items()) + ".")
   return lines
@@ -640,15 +768,38 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
            f"({s['num_resamples']} "
            "resamples; word level: examples resampled whole).", "",
            "| detector | " + " | ".join(f"{sl} {e} {lv}" for sl in slices for e in ERRORS
-                                      for lv in LEVELS) + " |",
-           "|---|" + "---|" * (len(slices) * len(ERRORS) * len(LEVELS))]
+                                      for lv in REPORT_LEVELS) + " |",
+           "|---|" + "---|" * (len(slices) * len(ERRORS) * len(REPORT_LEVELS))]
   for det, by_slice in results["auc"].items():
     cells = []
     for sl in slices:
       for e in ERRORS:
-        for lv in LEVELS:
-          cells.append(common.fmt(by_slice[sl][e][lv]))
+        for lv in REPORT_LEVELS:
+          cells.append(common.fmt(by_slice[sl][e].get(lv)))
     lines.append(f"| {det} | " + " | ".join(cells) + " |")
+  for det in PAPER_ORDER_DETECTORS:  # The paper's figures for the same slices.
+    lines.append(f"| paper's {det} (Table 1) | " + " | ".join(
+        (f"{PAPER_TABLE1[(sl, e)][det]:.3f}" if lv == "example" and (sl, e) in PAPER_TABLE1
+         else "") for sl in slices for e in ERRORS for lv in REPORT_LEVELS) + " |")
+  lines += ["", "word = the words of every example pooled; word_within = only pairs of words of "
+            "the same example (the input's length drops out). Word labels: "
+            "`evaluate.hallucination_word_labels` / `coverage_word_labels` (template words "
+            "in neither class)."]
+  nulls = results.get("nulls") or {}
+  if nulls:
+    lines += ["", "Nulls, in this run on the same examples (example level): each null's ROC "
+              "AUC, then the detector's AUC minus the null's (paired interval).", "",
+              "| detector | null | " + " | ".join(f"{sl} {e}" for sl in slices for e in ERRORS)
+              + " |", "|---|---|" + "---|" * (len(slices) * len(ERRORS))]
+    for det in sorted(nulls, key=_detector_rank):
+      for null in NULLS.get(det, ()):
+        cells = []
+        for sl in slices:
+          for e in ERRORS:
+            found = (nulls[det].get(sl) or {}).get(null)
+            cells.append("not measured" if not found else
+                         f"{common.fmt(found['auc'][e])}; Δ {common.fmt(found['difference'][e])}")
+        lines.append(f"| {det} | {null} | " + " | ".join(cells) + " |")
   length = results.get("length", {})
   if length:
     lines += ["", "Length control (example level, on the examples each AUC uses): Spearman "

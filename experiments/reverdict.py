@@ -37,8 +37,9 @@ def reverdict(results: dict[str, Any], *, name: str) -> tuple[dict[str, Any], An
                                            seed=setup["seed"]))
     return results, diamante_fig3
   if name.startswith("npov_table1") and "auc" in results:
-    results["verdicts"] = npov_table1.verdicts(results["auc"])
-    results["ordering_verdicts"] = npov_table1.ordering_verdicts(results.get("ordering", {}))
+    results["verdicts"] = npov_table1.verdicts(results["auc"], results.get("nulls"))
+    results["ordering_verdicts"] = npov_table1.ordering_verdicts(results.get("ordering", {}),
+                                                                 results.get("nulls"))
     return results, npov_table1
   if name.startswith("clarify_table4") and "differences" in results:
     results["verdict"], results["verdict_why"] = clarify_table4.verdict(results["differences"])

@@ -216,7 +216,7 @@ def test_diamante_head_optimizer_updates_only_the_scalar_head():
 def test_claim_verdict_needs_every_part_above_its_baseline(intervals, baselines, required,
                                                            expected):
   parts = [experiment_lib.ClaimPart(f"part {i}", _ci(*c) if c else None, baseline=b,
-                                    required=r)
+                                    required=r, null="a null" if i == len(intervals) - 1 else None)
            for i, (c, b, r) in enumerate(zip(intervals, baselines, required))]
   word, why = experiment_lib.claim_verdict(parts)
   assert word == expected
@@ -227,13 +227,19 @@ def test_claim_verdict_needs_every_part_above_its_baseline(intervals, baselines,
     assert why.startswith(first.name)
 
 
+def test_a_claim_must_name_its_null():
+  with pytest.raises(ValueError, match="names its null"):
+    experiment_lib.claim_verdict([experiment_lib.ClaimPart("above chance", _ci(0.8, 0.7, 0.9),
+                                                           baseline=0.5)])
+
+
 def test_the_diamante_table_of_record_is_not_shown():
   # The CPU config's table, reproduced: P@1 by preference 0.077 [0.050, 0.107] against a
   # random ranker's 1/15 (15 items in every context, so the paired difference is the interval
   # shifted by 1/15), the NLL-only model's untrained head 0.070 [0.040, 0.100].
   chance = 1 / 15
-  assert experiment_lib.claim_verdict([experiment_lib.ClaimPart(
-      "P@1 above chance", _ci(0.077, 0.050, 0.107), baseline=chance)])[0] == "not shown"
+  assert experiment_lib.ClaimPart("P@1 above chance", _ci(0.077, 0.050, 0.107),
+                                  baseline=chance).status == "not shown"
   differences = {
       "joint: preference - random": {"p@1": _ci(0.077 - chance, 0.050 - chance,
                                                 0.107 - chance)},
@@ -390,8 +396,12 @@ def test_npov_verdicts_need_each_measured_slice_above_chance():
                                      "coverage": {"example": perfect}},
                    "paraphrased": {"hallucination": {"example": good},
                                    "coverage": {"example": None}}}}
+  # Every null of every detector beaten on every slice: the verdict is chance's.
+  beaten = {d: {sl: {n: {"difference": {e: _ci(0.1, 0.05, 0.15) for e in npov_table1.ERRORS}}
+                     for n in npov_table1.NULLS[d]} for sl in ("unparaphrased", "paraphrased")}
+            for d in auc}
   got = {d: {e: (v["verdict"], v["slices"]) for e, v in by_e.items()}
-         for d, by_e in npov_table1.verdicts(auc).items()}
+         for d, by_e in npov_table1.verdicts(auc, beaten).items()}
   both = lambda a, b: {"unparaphrased": a, "paraphrased": b}  # noqa: E731
   assert got == {
       "salience": {"hallucination": ("agrees", both("shown", "shown")),
@@ -401,6 +411,64 @@ def test_npov_verdicts_need_each_measured_slice_above_chance():
       "rouge": {"hallucination": ("not shown", both("not shown", "shown")),
                 "coverage": ("agrees", both("shown", "not measured"))}}
   assert list(got["salience"]["hallucination"][1]) == ["unparaphrased", "paraphrased"]
+  # Results without the nulls (written before they were measured) show nothing.
+  unmeasured = npov_table1.verdicts(auc)["salience"]["hallucination"]
+  assert unmeasured["verdict"] == "not shown"
+  assert unmeasured["why"].startswith("unparaphrased ROC AUC minus the untrained model's: "
+                                      "not measured")
+  # One null not beaten on one slice: not shown, that part named first.
+  beaten["salience"]["paraphrased"]["input length"]["difference"]["hallucination"] = _ci(
+      0.0, -0.05, 0.05)
+  one = npov_table1.verdicts(auc, beaten)["salience"]["hallucination"]
+  assert one["verdict"] == "not shown"
+  assert one["why"].startswith("paraphrased ROC AUC minus the input length's: +0.000")
+
+
+def _npov_length_slice():
+  """A synthetic slice of the demo corpus: clean, hallucination and coverage variants."""
+  from jaxmoral.data import demo as demo_data  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov import knowledge_base as kb_lib  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov import synthetic  # pylint: disable=g-import-not-at-top
+  topics = kb_lib.read_kb_jsonl(demo_data.path("npov_kb.jsonl"))
+  sources = kb_lib.sample_examples(topics, seed=0, examples_per_topic=4, max_per_side=3)
+  return synthetic.make_test_slices(sources, topics, seed=1)["unparaphrased"]
+
+
+def test_a_detector_that_only_reads_the_inputs_length_is_not_shown():
+  examples = _npov_length_slice()
+  length_only = npov_table1.length_detections(examples)
+  auc = {"salience": {"unparaphrased": npov_table1.auc_intervals(
+      examples, length_only, num_resamples=200, seed=0)}}
+  assert auc["salience"]["unparaphrased"]["hallucination"]["example"]["low"] > 0.5
+  untrained = [type(d)(0.0, 0.0) for d in length_only]  # An untrained model that ties all.
+  nulls = {"salience": {"unparaphrased": npov_table1.null_intervals(
+      examples, length_only, npov_table1.null_detections("salience", examples, untrained),
+      num_resamples=200, seed=0)}}
+  found = nulls["salience"]["unparaphrased"]
+  assert found["input length"]["difference"]["hallucination"]["estimate"] == 0.0
+  assert found["input length"]["auc"]["coverage"] == auc["salience"]["unparaphrased"][
+      "coverage"]["example"]
+  verdicts = npov_table1.verdicts(auc, nulls)["salience"]
+  # Above chance and above the untrained model, but not above the input's length.
+  assert verdicts["hallucination"]["slices"]["unparaphrased"] == "shown"
+  assert {v["verdict"] for v in verdicts.values()} == {"not shown"}
+  assert verdicts["hallucination"]["why"].startswith(
+      "unparaphrased ROC AUC minus the input length's: +0.000 [+0.000, +0.000] vs 0: not shown")
+
+
+def test_npov_length_nulls_take_their_stronger_sign():
+  from jaxmoral import metrics as m  # pylint: disable=g-import-not-at-top
+  examples = _npov_length_slice()
+  for null, count in npov_table1.LENGTH_NULLS.items():
+    dets = npov_table1.null_detections("classifier", examples)[null]
+    for error in npov_table1.ERRORS:
+      other = npov_table1.ERRORS[1 - npov_table1.ERRORS.index(error)]
+      keep = [i for i, e in enumerate(examples) if not getattr(e, other)]
+      labels = [int(getattr(examples[i], error)) for i in keep]
+      raw = [count(examples[i]) for i in keep]
+      got = m.roc_auc(labels, [getattr(dets[i], error) for i in keep])
+      assert got == pytest.approx(max(m.roc_auc(labels, raw), 1 - m.roc_auc(labels, raw)))
+  assert "untrained model" not in npov_table1.null_detections("salience", examples)
 
 
 def test_npov_ordering_is_the_paired_bootstrap_of_the_auc_difference():

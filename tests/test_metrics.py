@@ -5,6 +5,7 @@ import itertools
 import jax
 import numpy as np
 import pytest
+import scipy.stats
 from scipy.spatial import distance
 
 from jaxmoral import metrics
@@ -247,3 +248,30 @@ def test_bootstrap_errors():
     metrics.bootstrap_ci(lambda a: np.nan if a.size else 0.0, np.ones(3), num_resamples=5)
   with pytest.raises(ValueError, match="confidence"):
     metrics.bootstrap_ci(np.mean, np.ones(3), confidence=1.0)
+
+
+def test_grouped_roc_auc_counts_only_pairs_within_a_group():
+  rng = np.random.default_rng(5)
+  n = 60
+  labels = rng.integers(0, 2, n)
+  scores = np.round(rng.normal(size=n), 1)  # ties, counted 1/2
+  groups = rng.integers(0, 6, n)
+  # Reference: every (positive, negative) pair of one group, by enumeration.
+  pairs = [float(scores[a] > scores[b]) + 0.5 * float(scores[a] == scores[b])
+           for a in range(n) for b in range(n)
+           if labels[a] == 1 and labels[b] == 0 and groups[a] == groups[b]]
+  assert metrics.grouped_roc_auc(labels, scores, groups) == pytest.approx(np.mean(pairs))
+  # The pair-weighted mean of each group's Mann-Whitney AUC (SciPy).
+  total = weight = 0.0
+  for g in np.unique(groups):
+    pos, neg = scores[(groups == g) & (labels == 1)], scores[(groups == g) & (labels == 0)]
+    if pos.size and neg.size:
+      total += scipy.stats.mannwhitneyu(pos, neg).statistic
+      weight += pos.size * neg.size
+  assert metrics.grouped_roc_auc(labels, scores, groups) == pytest.approx(total / weight)
+  # A score that is only the group's value tells nothing within groups; one group is roc_auc.
+  assert metrics.grouped_roc_auc(labels, groups.astype(float), groups) == 0.5
+  assert metrics.grouped_roc_auc(labels, scores, np.zeros(n)) == pytest.approx(
+      metrics.roc_auc(labels, scores))
+  with pytest.raises(ValueError, match="no group holds both labels"):
+    metrics.grouped_roc_auc(labels, scores, np.arange(n))

@@ -47,13 +47,53 @@ def _mann_whitney_auc(labels, scores):
 def test_word_labels():
   d = rouge.RougeDetector().detect(HALLUCINATION)
   labels = evaluate.hallucination_word_labels(HALLUCINATION, d.response_words)
+  # "zoos" is in the removed argument but also in the query: supported, so negative.
   assert {w.text for w, y in zip(d.response_words, labels) if y} == {
-      "zoos", "protect", "endangered", "species"}
+      "protect", "endangered", "species"}
+  assert {w.text for w, y in zip(d.response_words, labels) if y == 0} == {
+      "say", "animals", "suffer", "small", "cages", "Others", "zoos"}  # "some": a stopword
   d = rouge.RougeDetector().detect(COVERAGE)
   labels = evaluate.coverage_word_labels(COVERAGE, d.argument_words)
-  assert {w.text for w, y in zip(d.argument_words, labels) if y} == {"Zoos", "cost",
-                                                                     "taxpayers", "money"}
+  # "Zoos" of the added argument is said in the response: not missing from it.
+  assert {w.text for w, y in zip(d.argument_words, labels) if y} == {"cost", "taxpayers",
+                                                                     "money"}
   assert evaluate.coverage_word_labels(CLEAN, d.argument_words) == [0] * len(d.argument_words)
+
+
+def test_template_words_are_in_neither_class():
+  pro, con = ("Animals suffer in cages", "Zoos cost money"), ("Zoos save species",)
+  clean = task.NpovExample(id="t", topic="t", query="Should zoos be banned?", pro=pro, con=con,
+                           response=task.template_response("Should zoos be banned?", pro, con),
+                           hallucination=False, coverage=False)
+  wrong = clean.replace(pro=pro[:1], hallucination=True, removed_argument=pro[1])
+  assert set(evaluate.TEMPLATE_WORDS) == {"people", "disagree", "claim", "supporters", "argue",
+                                          "critics", "also", "point"}
+  for example in (clean, wrong):
+    d = rouge.RougeDetector().detect(example)
+    labels = evaluate.hallucination_word_labels(example, d.response_words)
+    template = {w.text for w, y in zip(d.response_words, labels) if y is None}
+    assert template == {"People", "disagree", "claim", "Supporters", "argue", "They", "also",
+                        "point", "Critics"} - {"They"}  # "they" is a stopword: never scored
+  labels, _, _ = evaluate.word_arrays([clean, wrong], [rouge.RougeDetector().detect(e)
+                                                       for e in (clean, wrong)], "hallucination")
+  # Only "cost" and "money" are positive ("zoos" is in the query); template words are dropped.
+  assert labels.sum() == 2 and labels.size == 2 * 11
+
+
+def test_untrained_detector_is_the_same_pipeline_on_fresh_weights():
+  config = t5_config(size="tiny", vocab_size=128, d_model=32, d_kv=8, d_ff=64,
+                     num_encoder_layers=1, num_decoder_layers=1)
+  untrained = detect.build_untrained_detector("classifier", config=config,
+                                              vocabulary=WordVocab(), seed=3)
+  params = nn.meta.unbox(init_params(T5(config), jax.random.PRNGKey(3)))
+  reference = classifier.ClassifierDetector(
+      model=T5(config), vocabulary=WordVocab(),
+      classifiers={e: (params, None) for e in classifier.ERROR_TYPES})
+  got, want = (d.detect_batch([CLEAN, COVERAGE]) for d in (untrained, reference))
+  np.testing.assert_allclose([(d.hallucination, d.coverage) for d in got],
+                             [(d.hallucination, d.coverage) for d in want], rtol=1e-6)
+  with pytest.raises(ValueError, match="has no model"):
+    detect.build_untrained_detector("rouge", config=config, vocabulary=WordVocab())
 
 
 def test_evaluate_slice_auc_matches_mann_whitney():

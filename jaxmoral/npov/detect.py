@@ -1,4 +1,6 @@
-"""The detectors by name (`build_detector`), on the base model `load_base` reads.
+"""The detectors by name (`build_detector`), on the base model `load_base` reads, and the
+same detectors on a randomly initialised model of the base's config (`build_untrained_detector`:
+the null every model-based verdict is measured against).
 
 `jaxmoral npov detect` and `evaluate` (`actions`) build theirs here.
 """
@@ -8,8 +10,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Optional
 
+import flax.linen as nn
+import jax
+
 from jaxmoral import model_dirs
 from jaxmoral import prompt_tuning
+from jaxmoral.models import t5 as t5_lib
+from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
 from jaxmoral.npov.detectors import classifier
 from jaxmoral.npov.detectors import rouge
@@ -61,3 +68,35 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
       model=model, vocabulary=base.vocabulary,
       classifiers={e: classifier.load_classifier(dirs[e], base) for e in classifier.ERROR_TYPES},
       partitioner=base.partitioner)
+
+
+def build_untrained_detector(name: str, *, config: T5Config, vocabulary: Any, seed: int = 0,
+                             salience_config: Any = None) -> Any:
+  """A model-based detector on a randomly initialised T5 of `config`, never trained: what the
+  detector's pipeline gives from a model that has learned nothing (its null).
+
+  Salience runs the untrained model without a soft prompt; both classifiers are the untrained
+  model read without a prompt (its P("no") at the first decoder step).
+
+  Args:
+    name: "salience" or "classifier".
+    config: The trained detector's T5Config (the same architecture).
+    vocabulary: The trained detector's vocabulary (its tokens and label words).
+    seed: The initialisation's seed.
+    salience_config: Salience options (the trained detector's).
+
+  Raises:
+    ValueError: `name` is not a model-based detector.
+  """
+  if name not in ("salience", "classifier"):
+    raise ValueError(f"build_untrained_detector: {name!r} has no model; known: salience, "
+                     "classifier")
+  model = T5(config)
+  params = nn.meta.unbox(t5_lib.init_params(model, jax.random.PRNGKey(seed)))
+  if name == "salience":
+    return salience.SalienceDetector(
+        model=model, params=params, tokenizer=salience.SentencePieceTokenizer(vocabulary),
+        config=salience_config or salience.SalienceConfig())
+  return classifier.ClassifierDetector(
+      model=model, vocabulary=vocabulary,
+      classifiers={e: (params, None) for e in classifier.ERROR_TYPES})

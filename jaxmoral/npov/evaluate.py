@@ -4,11 +4,14 @@ Slices that can be built here: synthetic errors on unparaphrased inputs, the sam
 paraphrased inputs, and "organic" (a user's labelled responses, when given). Hallucination is
 evaluated on the clean + hallucination examples of a slice, coverage on clean + coverage.
 
-Word labels (synthetic errors):
+Word labels (synthetic errors), the same for every detector that scores words:
 - hallucination: a response content word is positive when its stem occurs in the removed
-  argument (the response verbalises that argument; the input no longer has it);
+  argument and nowhere in the remaining input (query and the arguments kept): the response
+  states it and the input no longer supports it. Every other response word is negative, except
+  the template's own words (`TEMPLATE_WORDS`), which are in neither class;
 - coverage: an input-argument content word is positive when it belongs to the added argument
-  (which the response never verbalises).
+  and its stem occurs nowhere in the response (which never verbalises that argument); every
+  other argument word is negative.
 """
 
 from __future__ import annotations
@@ -30,22 +33,38 @@ from jaxmoral.npov.detectors import base
 
 ERRORS = ("hallucination", "coverage")
 
+# The content words `task.template_response` writes into every response whatever its input
+# (its introduction "People disagree about the claim that ..." and the lead phrases of
+# `task.TEMPLATE_LEADS`): never in the input, they are neither hallucinated nor supported, so
+# they are left out of both classes of the hallucination word labels.
+TEMPLATE_WORDS: tuple[str, ...] = tuple(dict.fromkeys(
+    w.text.lower() for phrase in ("People disagree about the claim that",
+                                  *(lead for leads in task.TEMPLATE_LEADS.values()
+                                    for lead in leads))
+    for w in text_lib.words(phrase) if not w.is_stopword))
+TEMPLATE_STEMS = frozenset(text_lib.stem(w) for w in TEMPLATE_WORDS)
 
-def hallucination_word_labels(example: task.NpovExample,
-                              words: Sequence[base.WordScore]) -> Optional[list[int]]:
-  """Labels of response words (None when the example carries no word-level truth)."""
+
+def hallucination_word_labels(example: task.NpovExample, words: Sequence[base.WordScore]
+                              ) -> Optional[list[Optional[int]]]:
+  """Labels of response words: 1, 0, or None for a template word (in neither class); None for
+  all when the example carries no word-level truth."""
   if example.hallucination is None:
     return None
-  if not example.hallucination:
-    return [0] * len(words)
-  if example.removed_argument is None:
+  if example.hallucination and example.removed_argument is None:
     return None  # organic error: no word-level annotation
-  removed = set(text_lib.content_stems(example.removed_argument))
-  return [int(text_lib.stem(w.text) in removed) for w in words]
+  removed = set(text_lib.content_stems(example.removed_argument or ""))
+  kept = {t for s in (example.query, *example.arguments) for t in text_lib.content_stems(s)}
+  labels: list[Optional[int]] = []
+  for w in words:
+    stem = text_lib.stem(w.text)
+    labels.append(None if stem in TEMPLATE_STEMS else
+                  int(bool(example.hallucination) and stem in removed and stem not in kept))
+  return labels
 
 
-def coverage_word_labels(example: task.NpovExample,
-                         words: Sequence[base.WordScore]) -> Optional[list[int]]:
+def coverage_word_labels(example: task.NpovExample, words: Sequence[base.WordScore]
+                         ) -> Optional[list[Optional[int]]]:
   """Labels of input-argument words (None when the example carries no word-level truth)."""
   if example.coverage is None:
     return None
@@ -53,7 +72,41 @@ def coverage_word_labels(example: task.NpovExample,
     return [0] * len(words)
   if example.added_argument is None:
     return None
-  return [int(getattr(example, w.field)[w.index] == example.added_argument) for w in words]
+  said = set(text_lib.content_stems(example.response))
+  return [int(getattr(example, w.field)[w.index] == example.added_argument
+              and text_lib.stem(w.text) not in said) for w in words]
+
+
+def word_arrays(examples: Sequence[task.NpovExample], detections: Sequence[base.Detection],
+                error: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(labels, scores, example index) of every labelled word of `error`'s examples (the
+  examples its example-level AUC uses: clean ones and those with that error only); words in
+  neither class are left out."""
+  other = ERRORS[1 - ERRORS.index(error)]
+  labels_fn = hallucination_word_labels if error == "hallucination" else coverage_word_labels
+  labels, scores, units = [], [], []
+  for i, (e, d) in enumerate(zip(examples, detections, strict=True)):
+    if getattr(e, error) is None or getattr(e, other):
+      continue
+    words = d.response_words if error == "hallucination" else d.argument_words
+    word_labels = labels_fn(e, words) if words else None
+    for w, label in zip(words, word_labels or (), strict=True):
+      if label is not None:
+        labels.append(label)
+        scores.append(w.score)
+        units.append(i)
+  return np.asarray(labels, int), np.asarray(scores, np.float64), np.asarray(units, int)
+
+
+def within_example_word_auc(labels: Any, scores: Any, units: Any) -> float:
+  """Word-level ROC AUC over the (positive, negative) word pairs of the same example only
+  (`metrics.grouped_roc_auc`): every word of one example shares its input, so the input's
+  length, which moves every score of an example together, drops out.
+
+  Raises:
+    ValueError: No example holds both labels.
+  """
+  return metrics.grouped_roc_auc(labels, scores, units)
 
 
 def _auc(labels: Sequence[int], scores: Sequence[float]) -> Optional[float]:
@@ -80,26 +133,25 @@ def evaluate_slice(examples: Sequence[task.NpovExample],
   out: dict[str, Any] = {}
   for error in ERRORS:
     other = ERRORS[1 - ERRORS.index(error)]
-    ex_labels, ex_scores, w_labels = [], [], []
-    w_scores: list[float] = []
+    ex_labels, ex_scores = [], []
     for e, d in zip(examples, detections, strict=True):
       label = getattr(e, error)
       if label is None or getattr(e, other):
         continue
       ex_labels.append(int(label))
       ex_scores.append(getattr(d, error))
-      words = d.response_words if error == "hallucination" else d.argument_words
-      labels_fn = (hallucination_word_labels if error == "hallucination"
-                   else coverage_word_labels)
-      word_labels = labels_fn(e, words) if words else None
-      if word_labels is not None:
-        w_labels.extend(word_labels)
-        w_scores.extend(w.score for w in words)
+    w_labels, w_scores, w_units = word_arrays(examples, detections, error)
+    try:
+      within = within_example_word_auc(w_labels, w_scores, w_units) if w_labels.size else None
+    except ValueError:
+      within = None
     out[error] = {"example_auc": _auc(ex_labels, ex_scores),
                   "example_auc_ci": _auc_ci(ex_labels, ex_scores),
-                  "word_auc": _auc(w_labels, w_scores) if w_labels else None,
+                  "word_auc": _auc(w_labels.tolist(), w_scores.tolist()) if w_labels.size
+                  else None,
+                  "within_example_word_auc": within,
                   "num_examples": len(ex_labels), "num_positive": int(sum(ex_labels)),
-                  "num_words": len(w_labels),
+                  "num_words": int(w_labels.size),
                   "labels": ex_labels, "scores": [float(s) for s in ex_scores]}
   return out
 
