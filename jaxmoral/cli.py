@@ -335,7 +335,11 @@ def _parser() -> argparse.ArgumentParser:
   explore.add_argument("dirs", nargs="+", metavar="DIR")
   explore.add_argument("--port", type=int, default=8765, help="default 8765")
   explore.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on (default: this machine only)")
+                       help="address to listen on (default: this machine only; any other "
+                            "address requires the token printed in the URL)")
+  explore.add_argument("--allowed_host", action="append", default=[], metavar="NAME",
+                       help="a further host name the browser may use to reach it "
+                            "(repeatable; the loopback names and --host always are)")
 
   for method in METHOD_COMMANDS:
     # The commands modules import action_commands and gin_utils only (their actions'
@@ -416,7 +420,8 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
   quiet_logs()
   if args.command == "explore":  # A web server: no TensorFlow start-up, no compilation cache.
     from jaxmoral.explore import server  # Imported when run: keeps --help fast.
-    return server.serve(dirs=args.dirs, port=args.port, host=args.host)
+    return server.serve(dirs=args.dirs, port=args.port, host=args.host,
+                        allowed_hosts=args.allowed_host)
   runtime.own_gpus_for_jax()  # TensorFlow, if seqio is used, stays off the GPUs.
   # `compile` goes without: compile-only TPU executables cannot be loaded back.
   if args.command == "compile":

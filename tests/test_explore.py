@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import numpy as np
@@ -727,3 +728,254 @@ def test_confinement_bad_files_and_read_only(site, browser):
   assert {k: v for k, v in after.items() if k in site["before"]} == site["before"]
   assert not [k for k in after if k not in site["before"] and "/screenshots/" not in k
               and "/linked/" not in k]
+
+
+# -- what the server refuses: other sites, other hosts, large bodies, special files -------------
+
+
+def _open(url: str, *, data: bytes | None = None, headers: dict | None = None,
+          timeout: float = 30):
+  """(status, headers, body) of a request, an HTTP error's included."""
+  request = urllib.request.Request(url, data=data, headers=headers or {})
+  try:
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+      return response.status, response.headers, response.read()
+  except urllib.error.HTTPError as error:
+    return error.code, error.headers, error.read()
+
+
+def _form_token(page: bytes) -> str:
+  import re  # pylint: disable=import-outside-toplevel
+  return re.search(rb'name="token" value="([^"]+)"', page).group(1).decode()
+
+
+def _post(url: str, fields: dict, headers: dict | None = None):
+  body = urllib.parse.urlencode(fields).encode()
+  return _open(url, data=body, headers={
+      "Content-Type": "application/x-www-form-urlencoded", **(headers or {})})
+
+
+def _problem(page: bytes) -> str:
+  import html  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  found = re.search(rb'class="problem" role="alert">(.*?)</div>', page, re.S)
+  return html.unescape(found.group(1).decode()) if found else ""
+
+
+def test_forms_of_other_sites_and_gets_run_no_model(site):
+  url = site["url"]
+  status, headers, index = _open(url + "/")
+  assert status == 200
+  # Every page: no framing by other pages, no sniffing, no referrer, only its own script.
+  policy = headers["Content-Security-Policy"]
+  assert "frame-ancestors 'none'" in policy and "script-src 'self'" in policy
+  assert "default-src 'none'" in policy
+  assert (headers["X-Frame-Options"], headers["X-Content-Type-Options"],
+          headers["Referrer-Policy"]) == ("DENY", "nosniff", "no-referrer")
+  status, headers, _ = _open(url + "/file?root=2&path=diamante_fig3_cpu_shuffled_base.png")
+  assert status == 200 and headers["X-Content-Type-Options"] == "nosniff"
+  assert "sandbox" in headers["Content-Security-Policy"]
+  # The index names the folders, not where they are on the disk.
+  assert str(site["root"]).encode() not in index
+  token = _form_token(index)
+  typed = {"model": "1:t5_joint", "query": "q", "pro": "a", "con": "b", "response": "r s t"}
+  for fields, headers in (
+      (typed, {"Origin": "http://evil.example"}),  # a form of another site, no token
+      ({**typed, "token": token}, {"Origin": "http://evil.example"}),
+      ({**typed, "token": token}, {"Sec-Fetch-Site": "cross-site"}),
+      ({**typed, "token": token}, {"Origin": "null", "Sec-Fetch-Site": "cross-site"}),
+      ({**typed, "token": "guessed"}, {}),
+      (typed, {})):
+    status, _, page = _post(url + "/live/npov", fields, headers)
+    assert status == 403 and b"live-hallucination" not in page, (fields, headers)
+  # A GET (an <img> of any page can send one) ranks nothing, whatever it asks for.
+  _, _, page = _open(url + "/diamante?root=0&path=diamante/test.jsonl&model=1:t5_joint&max=99")
+  assert b'data-index="1"' in page
+  assert b'id="p-at-1">0.5000' in page  # the stored rankings of the two evaluated contexts
+  section = page.split(b'data-index="1"')[1].split(b"</section>")[0]
+  assert b"table class=\"ranking" not in section
+
+
+def test_bodies_fields_lines_and_classes_are_capped(site):
+  url = site["url"]
+  token = _form_token(_open(url + "/")[2])
+  # 10 MB announced: refused once the headers are read, before any of the body is.
+  port = int(url.rpartition(":")[2])
+  with socket.create_connection(("127.0.0.1", port), timeout=30) as connection:
+    connection.sendall(b"POST /live/npov HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                       b"application/x-www-form-urlencoded\r\nContent-Length: 10485760\r\n\r\n"
+                       + b"response=" + b"w" * 1000)
+    answer = connection.recv(65536)
+  assert answer.startswith(b"HTTP/1.1 413") and b"www" not in answer
+  status, _, _ = _post(url + "/live/npov", {"token": token, **{f"f{i}": "x" for i in range(40)}})
+  assert status == 413
+  status, _, page = _post(url + "/live/npov", {"token": token, "model": "1:t5_joint",
+                                               "pro": "an argument\n" * 500, "response": "r"})
+  assert status == 200 and _problem(page) == "at most 64 pro arguments (got 500)"
+  status, _, page = _post(url + "/live/clarify", {
+      "token": token, "model": "1:t5_joint", "situation": "s", "question": "q?",
+      "judge_classes": ",".join(["c"] * 100000)})
+  assert status == 200
+  assert _problem(page) == "the judge takes 3 classes (bad, ok, good); got 100000"
+
+
+def test_special_files_and_links_out_are_not_read(site, tmp_path):
+  special = site["demo"] / "specials"
+  special.mkdir()
+  outside = tmp_path / "outside.json"
+  outside.write_text(json.dumps({"preference/p@1": 0.5}))
+  try:
+    os.mkfifo(special / "stuck.jsonl")
+    (special / "big.json").symlink_to("/dev/zero")
+    (special / "leak.json").symlink_to(outside)
+    (special / "sub").symlink_to(tmp_path)
+    for _ in range(6):  # more than the server's threads: none may be left blocked
+      status, _, page = _open(site["url"] + "/", timeout=20)
+      assert status == 200
+    assert b"specials/" not in page
+    for path in ("specials/stuck.jsonl", "specials/big.json", "specials/leak.json",
+                 "specials/sub/outside.json"):
+      status, _, page = _open(f"{site['url']}/diamante?root=0&path={path}", timeout=20)
+      assert status == 403, path
+    status, _, _ = _open(site["url"] + "/static/explore.css", timeout=20)
+    assert status == 200
+  finally:
+    shutil.rmtree(special)
+
+
+def test_a_manifest_naming_files_outside_its_step_is_no_oracle(site):
+  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  run = site["demo"] / "probe_run"
+  state = run / "checkpoints" / "7" / checkpoints.STATE_ITEM
+  state.mkdir(parents=True)
+  try:
+    (run / "config.gin").write_text("")
+    (state / "data.bin").write_bytes(b"d" * 16)
+    checkpoints.write_integrity_manifest(state.parent)
+    manifest = json.loads((state.parent / checkpoints.INTEGRITY_FILE).read_text())
+    entry = {"size": 1, "sha256": "0" * 64}
+    manifest["files"].update({"../../../../../../../../etc/passwd": entry,
+                              "/etc/hostname": entry})
+    (state.parent / checkpoints.INTEGRITY_FILE).write_text(json.dumps(manifest))
+    status, _, page = _open(site["url"] + "/runs?root=0&path=probe_run")
+    assert status == 200
+    row = page.split(b'data-step="7"')[1].split(b"</tr>")[0]
+    assert b"names a file outside the step folder" in row and b"damaged" in page
+    assert b"passwd" not in page and b"hostname" not in page and b"bytes" not in row
+  finally:
+    shutil.rmtree(run)
+
+
+def test_checkpoint_verification_is_cached_per_step(site, monkeypatch):
+  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  from jaxmoral.explore import sources  # pylint: disable=import-outside-toplevel
+  calls = []
+  verify = checkpoints.verify_step
+  monkeypatch.setattr(checkpoints, "verify_step",
+                      lambda *a, **k: calls.append(a[1]) or verify(*a, **k))
+  run = site["demo"] / "core" / "run"
+  first = sources.run_checkpoints(run)
+  assert sources.run_checkpoints(run) == first and sorted(calls) == [25, 50]
+  data = run / "checkpoints" / "25" / checkpoints.STATE_ITEM / "data.bin"
+  original = data.read_bytes()
+  stat = data.stat()
+  try:
+    data.write_bytes(b"y" * len(original))  # same size, new contents: hashed again
+    assert [c["ok"] for c in sources.run_checkpoints(run)] == [False, False]
+    assert sorted(calls) == [25, 25, 50]
+  finally:
+    data.write_bytes(original)
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_controls_and_bidi_overrides_are_shown_by_name(site, browser):
+  from selenium.webdriver.common.by import By  # pylint: disable=import-outside-toplevel
+  probe = site["demo"] / "probe"
+  probe.mkdir()
+  try:
+    turn = {"turn": 1, "situation": "s", "judgment": "bad", "question": "Why\u202e?dias\x00x",
+            "answer": "a", "fused_situation": "f", "new_judgment": "ok"}
+    (probe / "transcript.jsonl").write_text(json.dumps(turn) + "\n")
+    driver = browser.open_page("/clarify?root=0&path=probe/transcript.jsonl")
+    assert driver.find_element(By.CSS_SELECTOR, ".question").text == \
+        "Why⟨U+202E⟩?dias⟨U+0000⟩x"
+    # A missing file's message names it by its folder's label, not by its place on disk.
+    status, _, page = _open(site["url"] + "/runs?root=0&path=probe/nothing")
+    assert str(site["root"]).encode() not in page
+  finally:
+    shutil.rmtree(probe)
+
+
+@pytest.fixture(scope="module")
+def remote_server(site):
+  """The explorer bound to every address (its token required), in this process."""
+  import threading  # pylint: disable=import-outside-toplevel
+
+  from jaxmoral.explore import server  # pylint: disable=import-outside-toplevel
+  served, lines = server.make_server(dirs=[str(site["demo"])], port=0, host="0.0.0.0")
+  thread = threading.Thread(target=served.run, daemon=True)
+  thread.start()
+  yield served, lines
+  served.close()
+
+
+def test_served_beyond_this_machine_needs_the_token(remote_server, site):
+  import re  # pylint: disable=import-outside-toplevel
+  served, lines = remote_server
+  assert "WARNING" in lines[0]
+  token = re.search(r"\?token=(\S+)", lines[-1]).group(1)
+  url = f"http://127.0.0.1:{served.effective_port}"
+  status, _, page = _open(url + "/")
+  assert status == 403 and b"needs its token" in page
+  status, headers, page = _open(f"{url}/?token={token}")
+  assert status == 200 and b"Results explorer" in page
+  assert str(site["demo"]).encode() not in page
+  cookie = headers["Set-Cookie"].split(";")[0]
+  assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+  assert _open(url + "/npov?root=0&path=npov/detect", headers={"Cookie": cookie})[0] == 200
+  assert _open(url + "/npov?root=0&path=npov/detect",
+               headers={"Cookie": cookie.split("=")[0] + "=guessed"})[0] == 403
+  # Another site's name re-pointed at this machine, with the token: still refused.
+  assert _open(f"{url}/?token={token}", headers={"Host": "evil.example"})[0] == 403
+  status, _, _ = _post(url + "/live/npov", {"token": token, "response": "r"},
+                       {"Host": "evil.example", "Origin": "http://evil.example",
+                        "Cookie": cookie})
+  assert status == 403
+
+
+def test_other_loopback_addresses_keep_the_host_check(site):
+  import threading  # pylint: disable=import-outside-toplevel
+
+  from jaxmoral.explore import server  # pylint: disable=import-outside-toplevel
+  try:
+    served, lines = server.make_server(dirs=[str(site["demo"])], port=0, host="127.0.0.2")
+  except ValueError as error:
+    pytest.skip(f"no 127.0.0.2 here: {error}")
+  thread = threading.Thread(target=served.run, daemon=True)
+  thread.start()
+  try:
+    assert "token" not in lines[0]
+    url = f"http://127.0.0.2:{served.effective_port}"
+    assert _open(url + "/")[0] == 200
+    assert _open(url + "/", headers={"Host": "attacker.example"})[0] == 403
+  finally:
+    served.close()
+
+
+def test_live_clarify_loads_its_question_model_once(monkeypatch):
+  import types  # pylint: disable=import-outside-toplevel
+
+  from jaxmoral.clarify import models  # pylint: disable=import-outside-toplevel
+  from jaxmoral.explore import live  # pylint: disable=import-outside-toplevel
+  loads = []
+  monkeypatch.setattr(models, "load_model", lambda d, **k: loads.append(d) or object())
+  monkeypatch.setattr(models, "generate", lambda model, inputs, **k: [["Why?"]])
+  result = types.SimpleNamespace(row=lambda i: {"jsd": 0.25})
+  monkeypatch.setattr(live, "_reward", lambda *a: types.SimpleNamespace(
+      score_questions=lambda situations, questions: result))
+  live._question_model.cache_clear()  # pylint: disable=protected-access
+  for _ in range(3):
+    row = live.clarify_question(situation="s", question="", question_dir="/q", answer_dir="/a",
+                                fusion_dir="/a", judge_dir="/a", judge_classes=("a", "b", "c"))
+  assert loads == ["/q"] and row == {"situation": "s", "question": "Why?", "jsd": 0.25}
+  live._question_model.cache_clear()  # pylint: disable=protected-access

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import stat
 from typing import Any, Iterator, Optional, Sequence
 
 # Folders never worth walking into: an Orbax step's array shards, vocabularies, caches.
@@ -90,6 +91,13 @@ class Roots:
     path = (base / relative).resolve()
     if path != base and base not in path.parents:
       raise Forbidden(f"{relative!r} leads outside {self.label(index)}")
+    try:
+      mode = path.stat().st_mode
+    except OSError:
+      return path  # Missing: the page says so.
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+      # A FIFO or a device would block or never end a read.
+      raise Forbidden(f"{relative!r} is not a regular file")
     return path
 
   def relative(self, root: int, path: pathlib.Path) -> str:
@@ -104,9 +112,29 @@ class Roots:
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")
                          and depth < _MAX_DEPTH)
         seen += len(files)
-        yield index, pathlib.Path(folder), dirs, sorted(files)
+        yield index, pathlib.Path(folder), dirs, sorted(
+            f for f in files if is_regular_inside(pathlib.Path(folder) / f, base))
         if seen > _MAX_FILES:
           break
+
+
+def is_regular_inside(path: pathlib.Path, base: pathlib.Path) -> bool:
+  """Whether `path` is a regular file (links followed) whose real location is inside `base`:
+  what discovery and a page's folder listing may open (a FIFO would block the reader, a
+  link to /dev/zero never end, a link out of the folder leak what it points at)."""
+  try:
+    real = path.resolve(strict=True)
+    if base not in real.parents:
+      return False
+    return stat.S_ISREG(real.stat().st_mode)
+  except (OSError, RuntimeError):  # Dangling or looping links.
+    return False
+
+
+def regular_files(folder: pathlib.Path, pattern: str) -> list[pathlib.Path]:
+  """`folder.glob(pattern)`, sorted, keeping only regular files inside `folder`."""
+  base = folder.resolve()
+  return [p for p in sorted(folder.glob(pattern)) if is_regular_inside(p, base)]
 
 
 def _first_json(path: pathlib.Path, limit: int = 1 << 16) -> Any:
@@ -120,11 +148,14 @@ def _first_json(path: pathlib.Path, limit: int = 1 << 16) -> Any:
 
 
 def _json_keys(path: pathlib.Path, limit: int = 1 << 22) -> Any:
-  """A JSON file's top object (None when too large or not JSON)."""
+  """A JSON file's top object (None when too large or not JSON). At most `limit` + 1 bytes
+  are read, whatever size the file claims."""
   try:
-    if path.stat().st_size > limit:
+    with open(path, "rb") as f:
+      data = f.read(limit + 1)
+    if len(data) > limit:
       return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    return json.loads(data.decode("utf-8"))
   except (OSError, ValueError):
     return None
 

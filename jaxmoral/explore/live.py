@@ -10,11 +10,48 @@ import functools
 import threading
 from typing import Any, Optional, Sequence
 
+from jaxmoral.explore import security
+
 _LOCK = threading.Lock()
 
 
-def _lines(text: str) -> list[str]:
-  return [line.strip() for line in (text or "").splitlines() if line.strip()]
+def _lines(text: str, what: str = "lines") -> list[str]:
+  lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+  if len(lines) > security.MAX_LINES:
+    raise ValueError(f"at most {security.MAX_LINES} {what} (got {len(lines)})")
+  return lines
+
+
+def parse_classes(text: str) -> tuple[str, ...]:
+  """Judge classes typed as "bad,ok,good" (at most `security.MAX_CLASSES`)."""
+  classes = tuple(c.strip() for c in (text or "").split(",") if c.strip())
+  if len(classes) > security.MAX_CLASSES:
+    raise ValueError(f"the judge takes 3 classes (bad, ok, good); got {len(classes)}")
+  return classes
+
+
+@functools.lru_cache(maxsize=8)
+def _run_classes(model_dir: str, stamp: float) -> Optional[tuple[str, ...]]:
+  del stamp  # The cache key: a retrained model's folder is read again.
+  from jaxmoral import model_dirs  # pylint: disable=import-outside-toplevel
+  from jaxmoral.clarify import judge  # pylint: disable=import-outside-toplevel
+  try:
+    return judge.fitting_classes(model_dirs.inspect(model_dir).vocabulary)
+  except Exception:  # pylint: disable=broad-except  (not a model: the form says so on use)
+    return None
+
+
+def model_judge_classes(model_dir: Optional[str]) -> Optional[tuple[str, ...]]:
+  """The judge classes (bad, ok, good) the model's vocabulary spells as one token each, as
+  its training chose them (`clarify.judge.fitting_classes`); None when it cannot be read."""
+  import os  # pylint: disable=import-outside-toplevel
+  if not model_dir:
+    return None
+  try:
+    stamp = os.stat(model_dir).st_mtime
+  except OSError:
+    return None
+  return _run_classes(model_dir, stamp)
 
 
 @functools.lru_cache(maxsize=4)
@@ -40,7 +77,8 @@ def npov_salience(*, base_dir: str, query: str, pro: str, con: str, response: st
   """
   from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
   example = task.NpovExample(id="live", topic="live", query=query.strip(),
-                             pro=tuple(_lines(pro)), con=tuple(_lines(con)),
+                             pro=tuple(_lines(pro, "pro arguments")),
+                             con=tuple(_lines(con, "con arguments")),
                              response=response.strip())
   if not example.response:
     raise ValueError("type a response to explain")
@@ -61,12 +99,27 @@ def _reward(answer_dir: str, fusion_dir: str, judge_dir: str, nli_dir: Optional[
       nli_model_dir=nli_dir, config=config)
 
 
+def judge_classes_or_default(judge_dir: Optional[str]) -> tuple[str, ...]:
+  from jaxmoral.clarify import formats  # pylint: disable=import-outside-toplevel
+  return model_judge_classes(judge_dir) or formats.T5_JUDGE_CLASSES
+
+
+@functools.lru_cache(maxsize=2)
+def _question_model(question_dir: str) -> Any:
+  from jaxmoral.clarify import models  # pylint: disable=import-outside-toplevel
+  return models.load_model(question_dir, batch_size=1)
+
+
 def clarify_question(*, situation: str, question: str, question_dir: Optional[str],
                      answer_dir: str, fusion_dir: str, judge_dir: str,
                      nli_dir: Optional[str] = None,
-                     judge_classes: Sequence[str] = ("bad", "okay", "good")) -> dict[str, Any]:
+                     judge_classes: Sequence[str] = ()) -> dict[str, Any]:
   """A clarification question (typed, or the question model's greedy one) and its reward
   pipeline (`DefeasibilityReward.score_questions`: answers, NLI filter, fusion, judge, JSD).
+
+  Args:
+    judge_classes: The judge's strings for bad, ok, good (empty: the judge model's own,
+      `model_judge_classes`).
 
   Returns:
     `RewardResult.row(0)` with "situation" and "question".
@@ -76,15 +129,27 @@ def clarify_question(*, situation: str, question: str, question_dir: Optional[st
   situation = situation.strip()
   if not situation:
     raise ValueError("type a situation")
+  classes = tuple(judge_classes) or judge_classes_or_default(judge_dir)
+  if len(classes) != 3:
+    raise ValueError(f"type the judge's three classes, for bad, ok and good, separated by "
+                     f"commas (got {len(classes)})")
   with _LOCK:
     question = question.strip()
     if not question:
       if not question_dir:
         raise ValueError("type a question, or choose a question model")
-      model = models.load_model(question_dir, batch_size=1)
-      question = models.generate(model, [formats.question_input(situation)],
-                                 greedy=True)[0][0]
-    reward = _reward(answer_dir, fusion_dir, judge_dir, nli_dir, tuple(judge_classes))
+      question = models.generate(_question_model(question_dir),
+                                 [formats.question_input(situation)], greedy=True)[0][0]
+    try:
+      reward = _reward(answer_dir, fusion_dir, judge_dir, nli_dir, classes)
+    except ValueError as error:
+      if "ONE token" not in str(error):
+        raise
+      own = model_judge_classes(judge_dir)
+      raise ValueError(
+          f"the judge model cannot score the classes {', '.join(classes)}: each must be one "
+          "token of its vocabulary" + (f"; this model's are {', '.join(own)}" if own else "")
+      ) from None
     row = reward.score_questions([situation], [question]).row(0)
   return {"situation": situation, "question": question, **row}
 
@@ -117,6 +182,9 @@ def diamante_rank(*, model_dir: str, context: Sequence[str], responses: Sequence
   from jaxmoral.explore import sources  # pylint: disable=import-outside-toplevel
   context = [c for c in context if c.strip()]
   responses = [r for r in responses if r.strip()]
+  for lines, what in ((context, "context utterances"), (responses, "responses")):
+    if len(lines) > security.MAX_LINES:
+      raise ValueError(f"at most {security.MAX_LINES} {what} (got {len(lines)})")
   if not context or not responses:
     raise ValueError("type a context (one utterance a line) and at least one response")
   with _LOCK:

@@ -15,6 +15,7 @@ import importlib
 import logging
 import mimetypes
 import pathlib
+import socket
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
@@ -25,6 +26,7 @@ import werkzeug.exceptions
 from jaxmoral.explore import charts
 from jaxmoral.explore import folders
 from jaxmoral.explore import live
+from jaxmoral.explore import security
 from jaxmoral.explore import sources
 
 logger = logging.getLogger(__name__)
@@ -44,10 +46,11 @@ _KIND_VIEW = {"npov": "npov", "npov_scores": "npov", "npov_results": "npov",
 
 
 def _message(error: BaseException) -> str:
-  """One line for the page: "No such file or directory: PATH" for a file error."""
+  """One line for the page: "No such file or directory: PATH" for a file error; at most a
+  short prefix of what the user typed (`security.short`)."""
   if isinstance(error, OSError) and error.strerror and error.filename is not None:
-    return f"{error.strerror}: {error.filename}"
-  return str(error) or type(error).__name__
+    return security.short(f"{error.strerror}: {error.filename}")
+  return security.short(str(error) or type(error).__name__, 4 * security.MAX_ECHO)
 
 
 def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -61,25 +64,44 @@ def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
     return {"error": _message(error)}
 
 
-LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
-
-
-def create_app(roots: folders.Roots, *,
-               allowed_hosts: Optional[frozenset[str]] = LOOPBACK_NAMES) -> flask.Flask:
+def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) -> flask.Flask:
   """The app over `roots` (read-only).
 
   Args:
     roots: The folders it shows.
-    allowed_hosts: Host names a request may address (None: any). Served on the loopback
-      address, a page of another site that re-points its own name at 127.0.0.1 (DNS
-      rebinding) must not read the folders: its requests carry that name.
+    guard: What requests it accepts (`security.Guard`; default: a loopback server's).
   """
+  guard = guard or security.Guard.for_bind("127.0.0.1")
   here = pathlib.Path(__file__).parent
   app = flask.Flask("jaxmoral.explore", template_folder=str(here / "templates"),
                     static_folder=str(here / "static"))
+  # Flask limits multipart forms only; the body limit covers every encoding.
+  app.config.update(MAX_CONTENT_LENGTH=security.MAX_BODY_BYTES,
+                    MAX_FORM_MEMORY_SIZE=security.MAX_BODY_BYTES,
+                    MAX_FORM_PARTS=security.MAX_FIELDS)
+  shown_folders = [(str(f), roots.label(i)) for i, f in enumerate(roots.folders)]
+
+  def finalize(value: Any) -> Any:
+    # Every value a page shows: the folders by their labels, controls and bidi overrides
+    # by name (a result file's U+202E must not reorder the page's text).
+    if isinstance(value, pathlib.PurePath):
+      value = str(value)
+    if isinstance(value, str) and not isinstance(value, markupsafe.Markup):
+      for path, label in shown_folders:
+        value = value.replace(path, label)
+      return security.visible(value)
+    return value
+
+  app.jinja_env.finalize = finalize
   app.jinja_env.globals.update(charts=charts, sources=sources, roots=roots,
-                               VIEW_TITLES=VIEW_TITLES, markup=markupsafe.Markup)
+                               VIEW_TITLES=VIEW_TITLES, markup=markupsafe.Markup,
+                               token_field=security.TOKEN_FIELD)
   app.jinja_env.filters["fmt"] = _fmt
+  app.jinja_env.filters["pct"] = _pct
+
+  @app.context_processor
+  def form_token():
+    return {"form_token": guard.token}
 
   def arg_path(name: str = "path", root_name: str = "root") -> tuple[int, pathlib.Path]:
     root = flask.request.values.get(root_name, "0")
@@ -113,16 +135,49 @@ def create_app(roots: folders.Roots, *,
     return flask.render_template(template, **context)
 
   @app.before_request
-  def check_host():
-    if allowed_hosts is not None:
-      name = flask.request.host.rsplit(":", 1)[0] if not flask.request.host.endswith("]") \
-          else flask.request.host
-      if name.lower() not in allowed_hosts:
-        raise folders.Forbidden(f"host {flask.request.host!r} is not this machine's address")
+  def check_request():
+    request = flask.request
+    headers = request.headers
+    form_token = None
+    if request.method == "POST":
+      form = request.form  # Parsed within MAX_CONTENT_LENGTH (413 beyond).
+      if len(form) > security.MAX_FIELDS or sum(len(v) for _, v in form.lists()) > \
+          security.MAX_FIELDS:
+        raise werkzeug.exceptions.RequestEntityTooLarge()
+      form_token = form.get(security.TOKEN_FIELD)
+    refusal = guard.refusal(
+        method=request.method, host=request.host, url_root=request.host_url,
+        origin=headers.get("Origin"), fetch_site=headers.get("Sec-Fetch-Site"),
+        query_token=request.args.get(security.TOKEN_FIELD),
+        cookie_token=request.cookies.get(security.cookie_name(request.host)),
+        form_token=form_token)
+    if refusal:
+      raise folders.Forbidden(refusal)
+
+  @app.after_request
+  def headers(response):
+    request = flask.request
+    if guard.token_required and guard.matches(request.args.get(security.TOKEN_FIELD)):
+      # The token from the printed URL, kept for the pages it links to (not sent by another
+      # site's requests: SameSite=Strict).
+      response.set_cookie(security.cookie_name(request.host), guard.token, httponly=True,
+                          samesite="Strict")
+    response.headers.setdefault("Content-Security-Policy", security.CONTENT_SECURITY_POLICY)
+    response.headers.setdefault("X-Frame-Options", "DENY")
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    return response
 
   @app.errorhandler(folders.Forbidden)
   def forbidden(error):
     return render("message.html", title="Forbidden", message=_message(error)), 403
+
+  @app.errorhandler(413)
+  def too_large(error):
+    del error
+    return render("message.html", title="Too large", message=(
+        f"a request may carry at most {security.MAX_BODY_BYTES >> 20} MB and "
+        f"{security.MAX_FIELDS} fields")), 413
 
   @app.errorhandler(404)
   def not_found(error):
@@ -153,17 +208,18 @@ def create_app(roots: folders.Roots, *,
     if not path.is_file():
       return render("message.html", title="Not found", message=f"no file {path.name}"), 404
     response = flask.send_file(path, mimetype=kind, conditional=True)
-    response.headers["Content-Security-Policy"] = (
-        "sandbox; default-src 'none'; style-src 'unsafe-inline'; img-src 'self'")
+    response.headers["Content-Security-Policy"] = security.FILE_SECURITY_POLICY
+    response.headers["X-Frame-Options"] = "SAMEORIGIN"  # The heatmap's frame.
     return response
 
   @app.route("/npov")
   def npov():
     root, folder = arg_path()
     data = attempt(lambda: sources.npov_folder(folder)) if any(
-        folder.glob("scores*.jsonl")) else None
+        folders.regular_files(folder, "scores*.jsonl")) else None
     rocs = []
-    for path in sorted(folder.glob("*.json")) + sorted(folder.glob("*/results.json")):
+    for path in folders.regular_files(folder, "*.json") + folders.regular_files(
+        folder, "*/results.json"):
       if folders.classify_file(path) == "npov_results":
         rocs.append((roots.relative(root, path), attempt(lambda p=path: sources.npov_results(p))))
     return render("npov.html", root=root, path=roots.relative(root, folder), data=data,
@@ -181,7 +237,7 @@ def create_app(roots: folders.Roots, *,
     heatmap = None
     from jaxmoral.npov import actions  # Imported when used: keeps the server's start light.
     candidate = folder / "heatmaps" / actions.heatmap_file_name(wanted)
-    if candidate.is_file():
+    if folders.is_regular_inside(candidate, folder):
       heatmap = roots.relative(root, candidate)
     return render("npov_example.html", root=root, path=roots.relative(root, folder),
                   example=example, detectors=data["detectors"], heatmap=heatmap,
@@ -215,16 +271,15 @@ def create_app(roots: folders.Roots, *,
   @app.route("/live/clarify", methods=["POST"])
   def live_clarify():
     form = flask.request.form
-    classes = tuple(c.strip() for c in form.get("judge_classes", "bad,okay,good").split(","))
     result = attempt(lambda: live.clarify_question(
         situation=form.get("situation", ""), question=form.get("question", ""),
         question_dir=model_dir(form.get("question_model")),
         answer_dir=model_dir(form.get("model")), fusion_dir=model_dir(form.get("model")),
         judge_dir=model_dir(form.get("model")), nli_dir=model_dir(form.get("nli_model")),
-        judge_classes=classes))
+        judge_classes=live.parse_classes(form.get("judge_classes", ""))))
     return render("live_clarify.html", form=form, result=result, models=model_choices())
 
-  @app.route("/diamante")
+  @app.route("/diamante", methods=["GET", "POST"])
   def diamante():
     root, path = arg_path()
     kind = folders.classify_file(path) if path.is_file() else None
@@ -238,6 +293,10 @@ def create_app(roots: folders.Roots, *,
     contexts = attempt(lambda: sources.diamante_dialogues(path))
     chosen = flask.request.values.get("model")
     rankings = {}
+    # A model runs on a POST only (the form's, with its token): a GET, which any page can
+    # send from an <img>, never starts a computation.
+    if flask.request.method != "POST":
+      chosen = None
     if chosen and "value" in contexts:
       def rank_all():
         # The contexts as evaluation ranks them (`diamante.evaluate.ranking_items`: the human
@@ -246,13 +305,16 @@ def create_app(roots: folders.Roots, *,
         from jaxmoral.diamante import evaluate  # pylint: disable=import-outside-toplevel
         turns = data.read_dialogues(path)[:len(contexts["value"])]
         items = evaluate.ranking_items(turns, num_random=0, max_candidates=10, seed=0)
-        limit = int(flask.request.values.get("max", 20))
+        try:
+          limit = min(max(int(flask.request.values.get("max", 20)), 0), 200)
+        except ValueError:
+          limit = 20
         return {index: live.diamante_rank(model_dir=model_dir(chosen),
                                           context=turns[index].context,
                                           responses=responses)
                 for index, responses, _ in items[:limit]}
       rankings = attempt(rank_all)
-    evaluation_files = [p for p in sorted(path.parent.glob("*.json"))
+    evaluation_files = [p for p in folders.regular_files(path.parent, "*.json")
                         if folders.classify_file(p) == "diamante_metrics"]
     evaluations = [(roots.relative(root, p), attempt(lambda p=p: sources.diamante_metrics(p)))
                    for p in evaluation_files]
@@ -285,7 +347,8 @@ def create_app(roots: folders.Roots, *,
     return render(
         "runs.html", root=root, path=roots.relative(root, path),
         scalars=attempt(lambda: sources.run_scalars(path)),
-        config=attempt(lambda: config.read_text(encoding="utf-8")) if config.is_file() else None,
+        config=attempt(lambda: config.read_text(encoding="utf-8"))
+        if folders.is_regular_inside(config, path) else None,
         software=attempt(lambda: sources.run_software(path)),
         checkpoints=attempt(lambda: sources.run_checkpoints(path)))
 
@@ -297,6 +360,13 @@ def create_app(roots: folders.Roots, *,
                   folder=roots.relative(root, path.parent))
 
   return app
+
+
+def _pct(value: Any, digits: int = 1) -> str:
+  """A percentage already in percent (16.6667 -> "16.7 %")."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool):
+    return f"{value:.{digits}f} %"
+  return "—"
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
@@ -329,25 +399,62 @@ def _import_served_modules() -> None:
       logger.debug("explore: importing %s failed", module, exc_info=True)
 
 
-def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1") -> int:
-  """Serves the explorer until interrupted (Ctrl-C); returns 0.
+def make_server(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1",
+                allowed_hosts: Sequence[str] = ()) -> tuple[Any, list[str]]:
+  """The waitress server over `dirs`, bound (not yet serving), and the lines to print.
 
   Raises:
     ValueError: A folder is missing, or the port is taken.
   """
   import waitress  # pylint: disable=import-outside-toplevel
   roots = folders.Roots(dirs)
-  app = create_app(roots, allowed_hosts=LOOPBACK_NAMES if host in LOOPBACK_NAMES else None)
+  guard = security.Guard.for_bind(host, allowed_hosts)
+  app = create_app(roots, guard=guard)
   mimetypes.add_type("image/svg+xml", ".svg")
   try:
-    server = waitress.create_server(app, host=host, port=port, threads=4)
+    server = waitress.create_server(app, host=host, port=port, threads=4,
+                                    max_request_body_size=security.MAX_BODY_BYTES)
   except OSError as error:
     raise ValueError(f"cannot listen on {host}:{port} ({error.strerror}); "
                      f"choose another --port") from None
+  shown = ", ".join(str(f) for f in roots.folders)
+  port = server.effective_port
+  if not guard.token_required:
+    name = f"[{host}]" if ":" in host else host
+    return server, [f"jaxmoral explore: http://{name}:{port}/ ({shown}; read-only; "
+                    "Ctrl-C stops)"]
+  name = socket.gethostname() if host in security.WILDCARD_ADDRESSES else host
+  name = f"[{name}]" if ":" in name else name
+  return server, [
+      f"jaxmoral explore: WARNING: listening on {host or '*'}:{port}, not on this machine "
+      "only: whoever can reach this port and has the token below can read these folders and "
+      "run their models. Keep the URL private; serve on 127.0.0.1 (the default) and forward "
+      "the port (ssh -L) to avoid this.",
+      f"jaxmoral explore: answers to the host names {', '.join(sorted(guard.allowed_hosts))}"
+      " (add one with --allowed_host=NAME)",
+      f"jaxmoral explore: http://{name}:{port}/?{security.TOKEN_FIELD}={guard.token} "
+      f"({shown}; read-only; Ctrl-C stops)"]
+
+
+def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1",
+          allowed_hosts: Sequence[str] = ()) -> int:
+  """Serves the explorer until interrupted (Ctrl-C); returns 0.
+
+  Args:
+    dirs: The folders it shows.
+    port: The port (0: any free one).
+    host: The address it listens on. Anything but a loopback address requires the token
+      it prints in its URL.
+    allowed_hosts: Host names it answers to besides the loopback names and `host`.
+
+  Raises:
+    ValueError: A folder is missing, or the port is taken.
+  """
+  server, lines = make_server(dirs=dirs, port=port, host=host, allowed_hosts=allowed_hosts)
   # The port is bound: a browser that connects now waits in the listen queue.
   _import_served_modules()
-  print(f"jaxmoral explore: http://{host}:{server.effective_port}/ "
-        f"({', '.join(str(f) for f in roots.folders)}; read-only; Ctrl-C stops)", flush=True)
+  for line in lines:
+    print(line, flush=True)
   try:
     server.run()
   except KeyboardInterrupt:

@@ -13,7 +13,10 @@ import json
 import math
 import pathlib
 import re
+import threading
 from typing import Any, Mapping, Optional
+
+from jaxmoral.explore import folders
 
 ERROR_TYPES = ("hallucination", "coverage")
 JUDGMENTS = ("bad", "ok", "good")
@@ -83,7 +86,7 @@ def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
   from jaxmoral.npov.detectors import rouge  # pylint: disable=import-outside-toplevel
   problems: list[str] = []
   scores: dict[str, dict[str, dict[str, Any]]] = {}
-  for path in sorted(folder.glob("scores*.jsonl")):
+  for path in folders.regular_files(folder, "scores*.jsonl"):
     try:
       records = read_jsonl(path)
       for number, record in enumerate(records, 1):
@@ -95,11 +98,11 @@ def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
       problems.append(str(error))
   ids = {i for by_id in scores.values() for i in by_id}
   candidates = [folder / "responses.jsonl"] + sorted(
-      p for p in folder.glob("*.jsonl") if not p.name.startswith("scores")
+      p for p in folders.regular_files(folder, "*.jsonl") if not p.name.startswith("scores")
       and p.name != "responses.jsonl")
   examples = None
   for path in candidates:
-    if not path.is_file():
+    if not folders.is_regular_inside(path, folder.resolve()):
       continue
     try:
       read = task.read_examples(path, require_response=True)
@@ -348,20 +351,84 @@ def run_scalars(run: pathlib.Path) -> dict[str, dict[str, list[tuple[int, float]
   return out
 
 
+_MAX_MANIFEST_BYTES = 1 << 24
+_verified: dict[tuple[Any, ...], tuple[str, bool]] = {}
+_verified_lock = threading.Lock()
+
+
+def _manifest_files(step_dir: pathlib.Path) -> Optional[list[str]]:
+  """The files a step's manifest names (None: no manifest, or one the check will refuse).
+
+  Raises:
+    ValueError: An entry is absolute, has a `..` component or leads out of the step folder
+      (its name is not repeated: the page must not say what lies outside).
+  """
+  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  manifest = step_dir / checkpoints.INTEGRITY_FILE
+  if not folders.is_regular_inside(manifest, step_dir):
+    return None
+  with open(manifest, "rb") as f:
+    data = f.read(_MAX_MANIFEST_BYTES + 1)
+  try:
+    files = json.loads(data)["files"] if len(data) <= _MAX_MANIFEST_BYTES else None
+    names = [str(rel) for rel in files] if isinstance(files, dict) else None
+  except (ValueError, KeyError, TypeError):
+    return None
+  if names is None:
+    return None
+  base = step_dir.resolve()
+  for rel in names:
+    parts = rel.replace("\\", "/").split("/")
+    real = (base / rel).resolve()
+    if rel.startswith(("/", "\\")) or ".." in parts or "\x00" in rel or (
+        len(rel) > 1 and rel[1] == ":") or base not in real.parents:
+      raise ValueError(f"damaged: its {checkpoints.INTEGRITY_FILE} names a file outside the "
+                       "step folder; not checked")
+  return names
+
+
+def _step_stamp(step_dir: pathlib.Path, names: Optional[list[str]]) -> tuple[Any, ...]:
+  """What a verification's result depends on: the size and time of the manifest and of each
+  file it names (a rewritten file changes its time)."""
+  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  stamps: list[tuple[Any, ...]] = []
+  for rel in [checkpoints.INTEGRITY_FILE, *(names or ())]:
+    try:
+      info = (step_dir / rel).stat()
+      stamps.append((rel, info.st_size, info.st_mtime_ns, info.st_ino))
+    except OSError:
+      stamps.append((rel, None))
+  return (str(step_dir), tuple(stamps))
+
+
 def run_checkpoints(run: pathlib.Path) -> list[dict[str, Any]]:
   """Each saved step with its integrity status (`checkpoints.verify_step`, digests compared;
-  reads only)."""
+  reads only). A step is hashed once while its files are unchanged, not on every page view,
+  and a manifest naming anything outside its step folder is refused unread."""
   from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
   out = []
   directory = checkpoints.run_checkpoints_dir(run)
   for step in checkpoints.saved_steps(run):
+    step_dir = pathlib.Path(directory) / str(step)
     try:
-      verified = checkpoints.verify_step(directory, step, full=True)
-      status = "verified" if verified else "no manifest (written before manifests)"
-      ok = True
+      names = _manifest_files(step_dir)
     except (OSError, ValueError) as error:
-      status, ok = str(error), False
-    out.append({"step": step, "status": status, "ok": ok})
+      out.append({"step": step, "status": str(error), "ok": False})
+      continue
+    key = _step_stamp(step_dir, names)
+    with _verified_lock:
+      cached = _verified.get(key)
+    if cached is None:
+      try:
+        verified = checkpoints.verify_step(directory, step, full=True)
+        cached = ("verified" if verified else "no manifest (written before manifests)", True)
+      except (OSError, ValueError) as error:
+        cached = (str(error), False)
+      with _verified_lock:
+        if len(_verified) > 1024:
+          _verified.clear()
+        _verified[key] = cached
+    out.append({"step": step, "status": cached[0], "ok": cached[1]})
   return out
 
 
@@ -423,8 +490,10 @@ def experiment(path: pathlib.Path) -> dict[str, Any]:
   report = path.with_suffix(".md")
   return {"command": data.get("command"), "machine": data.get("machine"),
           "verdicts": {k: v for k, v in data.items() if k.startswith("verdict")},
-          "groups": groups, "plot": plot.name if plot.is_file() else None,
-          "report": report.read_text(encoding="utf-8") if report.is_file() else None}
+          "groups": groups,
+          "plot": plot.name if folders.is_regular_inside(plot, path.parent) else None,
+          "report": report.read_text(encoding="utf-8")
+          if folders.is_regular_inside(report, path.parent) else None}
 
 
 def markdown_tables(text: str) -> list[dict[str, Any]]:
