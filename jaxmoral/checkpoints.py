@@ -151,6 +151,33 @@ def write_integrity_manifest(root: str | os.PathLike, entries: Optional[Iterable
   return path
 
 
+# Digests already compared in this process, by (directory, manifest digest): {file: version}
+# of the files that matched, so a step verified once (every page of the explorer, an eval's
+# repeated loads) is hashed again only when a file was rewritten since.
+_verified: dict[tuple[str, str], dict[str, Any]] = {}
+_verified_guard = threading.Lock()
+
+
+def _refuse_entries_outside(root: str, files: Mapping[str, Any], *, what: str,
+                            step: Optional[int]) -> None:
+  """Refuses a manifest that names anything outside its folder: an absolute path or URL, a
+  `..` component, or (locally) a link out of the folder. Otherwise verifying it would report
+  the size and digest of any file the reader can open."""
+  real_root = None if fileio.is_url(root) else os.path.realpath(root)
+  for rel in files:
+    parts = str(rel).replace("\\", "/").split("/")
+    outside = (not isinstance(rel, str) or not rel or rel.startswith(("/", "\\"))
+               or "://" in rel or os.path.isabs(rel) or ".." in parts)
+    if not outside and real_root is not None:
+      resolved = os.path.realpath(os.path.join(root, rel))
+      outside = os.path.commonpath([real_root, resolved]) != real_root
+    if outside:
+      raise CheckpointIntegrityError(
+          f"{what} is damaged: its {INTEGRITY_FILE} names {str(rel)[:200]!r}, which is outside "
+          "its folder (an absolute path, '..' or a link out of it); nothing was read",
+          step=step, files=[INTEGRITY_FILE])
+
+
 def _listing(files: Sequence[str]) -> str:
   shown = ", ".join(files[:3])
   return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
@@ -208,20 +235,23 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
                      "before it was written): loading it unverified", what, INTEGRITY_FILE)
     return False
   try:
-    with fileio.open(path) as f:
-      files = json.load(f)["files"]
+    manifest_bytes = fileio.read_bytes(path)
+    files = json.loads(manifest_bytes)["files"]
     saved_sizes = {rel: int(entry["size"]) for rel, entry in files.items()}
     saved_digests = {rel: str(entry["sha256"]) for rel, entry in files.items()}
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} is unreadable "
                                    f"({type(e).__name__}); nothing was loaded", step=step,
                                    files=[INTEGRITY_FILE]) from None
+  _refuse_entries_outside(root, files, what=what, step=step)
   uncovered = [rel for rel in required if rel not in files]
   if uncovered:  # An emptied or edited manifest would otherwise vouch for nothing.
     raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} does not cover "
                                    f"{_listing(uncovered)}; nothing was loaded", step=step,
                                    files=[INTEGRITY_FILE])
-  present = fileio.file_sizes(root, files)  # A bucket: one listing, not a request per file.
+  # A bucket: one listing, not a request per file.
+  versions = fileio.file_versions(root, files)
+  present = {rel: size for rel, (size, _) in versions.items()}
   missing = [rel for rel in sorted(files) if rel not in present]
   if missing:
     raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing)}); "
@@ -239,7 +269,15 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     hashed = sorted(files) if full is True else [
         rel for rel in sorted(files)
         if any(rel == entry or rel.startswith(entry.rstrip("/") + "/") for entry in full)]
+    collective = shared and jax.process_count() > 1  # Every process must hash its share.
+    key = (root, hashlib.sha256(manifest_bytes).hexdigest())
+    with _verified_guard:
+      known = dict(_verified.get(key, {})) if not collective else {}
+    hashed = [rel for rel in hashed if known.get(rel) != versions[rel]]
     changed, unreadable = _compare_digests(root, hashed, saved_digests, shared=shared)
+    if not changed and not unreadable and not collective:
+      with _verified_guard:
+        _verified.setdefault(key, {}).update({rel: versions[rel] for rel in hashed})
     if unreadable:
       rel, reason = unreadable
       raise CheckpointIntegrityError(f"{what} is damaged: {rel} cannot be read ({reason})"

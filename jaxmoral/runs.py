@@ -368,6 +368,12 @@ class Seq2SeqData:
         raise ValueError(f"Seq2SeqData.cache_dir: {folder} is incomplete; write the cache "
                          "anew with `jaxmoral cache`")
       features, meta = found
+      # Rows of other lengths (a folder from another cache) would train without a word.
+      index_cache.check_feature_lengths(features, feature_lengths, where=folder)
+      if int(meta["rows"]) != int(spec["rows"][part]):
+        raise ValueError(f"data cache folder {folder} holds {meta['rows']} rows, its "
+                         f"{CACHE_SPEC} {spec['rows'][part]}; write the cache anew with "
+                         "`jaxmoral cache`")
       return pipeline.BatchSource(features=features, batch_size=batch_size,
                                   seed=spec["seed"], shuffle=shuffle,
                                   data_fingerprint=meta["sha256"][:16])
