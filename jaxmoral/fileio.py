@@ -198,6 +198,20 @@ def file_versions(root: str | os.PathLike, names: Iterable[str]
   return {name: listed[name] for name in names if name in listed}
 
 
+def is_within(location: str | os.PathLike, folder: str | os.PathLike) -> bool:
+  """Whether `location` is `folder` or lies inside it (local paths with links resolved, so
+  another spelling of the same file counts; URLs compared as normalised strings)."""
+  location, folder = os.fspath(location), os.fspath(folder)
+  if is_url(location) or is_url(folder):
+    a, b = abspath(location).rstrip("/"), abspath(folder).rstrip("/")
+    return a == b or a.startswith(b + "/")
+  a = os.path.realpath(os.path.expanduser(location))
+  b = os.path.realpath(os.path.expanduser(folder))
+  if os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b):
+    return True  # A hard link to the same file.
+  return os.path.commonpath([a, b]) == b
+
+
 def makedirs(location: str | os.PathLike) -> None:
   """Creates a folder and its parents (object stores have no folders: nothing to do there)."""
   if not is_url(location):

@@ -604,6 +604,14 @@ def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
                                    overwrite=overwrite, write_extra=write_extra)
 
 
+def refuse_output_inside(source: str | os.PathLike, output_dir: str | os.PathLike) -> None:
+  """Refuses an export into the model directory it reads (or a folder inside it): it would
+  replace the run's manifest, settings and vocabulary, and the run would be damaged."""
+  if fileio.is_within(output_dir, source):
+    raise ValueError(f"export: --output {output_dir} is inside the model directory {source} "
+                     "(it would replace the run's own files); give a folder outside it")
+
+
 def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
                  step: Optional[int] = None, dtype: Optional[str] = None,
                  output_format: str = "jaxmoral", overwrite: bool = False,
@@ -626,6 +634,7 @@ def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
   """
   if output_format not in ("jaxmoral", "hf"):
     raise ValueError(f"export: format must be 'jaxmoral' or 'hf', got {output_format!r}")
+  refuse_output_inside(source, output_dir)
   loaded = load_on_mesh(source, step=step, partitioner=partitioner)
   output = fileio.path(output_dir)
   if output_format == "hf":

@@ -803,6 +803,9 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
                        f"--gin.{macro}=PATH (input: plain text, one input a line, or JSONL; "
                        f"output: JSONL)")
   assert input_file is not None and output_file is not None  # Checked just above.
+  if fileio.is_within(output_file, input_file):
+    raise ValueError(f"infer_run: INFER_OUTPUT {output_file} is the INFER_INPUT file; writing "
+                     "it would replace the inputs: give another output file")
   texts = _read_infer_inputs(input_file, input_field)
   fileio.check_writable(output_file)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
@@ -872,6 +875,7 @@ def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
                overwrite: bool = False,
                partitioner: Optional[partitioning.PjitPartitioner] = None) -> str:
   """`jaxmoral export`: see `model_dirs.export_model` (its output checked writable first)."""
+  model_dirs.refuse_output_inside(model_dir, output_dir)
   fileio.check_writable(output_dir, directory=True)
   return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
                                  output_format=output_format, overwrite=overwrite,
