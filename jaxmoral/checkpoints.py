@@ -939,9 +939,33 @@ class CheckpointManager:
     try:
       restored = self._manager.restore(step, args=args)
     except (ValueError, KeyError, TypeError) as e:
+      # Orbax's own text advises `strict=False` (restoring part of the arrays): never the
+      # fix for a run of another model; the first differing entry says what differs.
       raise ValueError(f"{self.directory}/{step}: cannot restore into the given target "
-                       f"(structure, shapes or dtypes differ from the saved state): {e}") from e
+                       f"(structure, shapes or dtypes differ from the saved state: "
+                       f"{self._first_difference(step, target) or type(e).__name__})") from None
     return restored[STATE_ITEM], dict(restored[EXTRA_ITEM] or {})
+
+  def _first_difference(self, step: int, target: PyTree) -> Optional[str]:
+    """The first entry whose shape differs between the saved state and `target`, or that
+    only one of them has."""
+    try:
+      saved = self._manager.item_metadata(step)[STATE_ITEM]
+      saved = getattr(saved, "tree", saved)
+      flat_saved = {_path_str(p): tuple(getattr(m, "shape", ()) or ())
+                    for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+      flat_target = {_path_str(p): tuple(getattr(t, "shape", ()) or ())
+                     for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
+    except Exception:  # pylint: disable=broad-except
+      return None
+    for key in sorted(set(flat_saved) | set(flat_target)):
+      if key not in flat_target:
+        return f"{key} is saved, not in this run's state"
+      if key not in flat_saved:
+        return f"{key} is not saved"
+      if flat_saved[key] != flat_target[key]:
+        return f"{key} is {flat_saved[key]} saved, {flat_target[key]} here"
+    return None
 
   def state_metadata(self, step: Optional[int] = None) -> PyTree:
     """Saved state tree with `ArrayMetadata` leaves (shape, dtype) at `step` (default latest)."""
@@ -1207,6 +1231,27 @@ def _params_subtree(tree: Any, where: str) -> tuple[str, ...]:
   raise ValueError(f"{where}: saved state has no 'params' entry (has {keys})")
 
 
+_warned_skipped: set[tuple[str, int]] = set()
+
+
+def _warn_skipped_unfinalised(model_dir: str, skipped: Sequence[int], used: int) -> None:
+  """Says which newer steps a reader passes over, as a resume does: quietly only while a run
+  holds the lock (it is still writing them)."""
+  if not skipped or (model_dir, skipped[-1]) in _warned_skipped:
+    return
+  run_dir = model_dir.rstrip("/").rsplit("/", 1)[0] if fileio.is_url(model_dir) else (
+      os.path.dirname(model_dir.rstrip(os.sep)))
+  if fileio.basename(model_dir) == RUN_CHECKPOINTS_SUBDIR and fileio.exists(
+      fileio.join(run_dir, LOCK_FILE)):
+    return
+  _warned_skipped.add((model_dir, skipped[-1]))
+  listed = ", ".join(str(s) for s in skipped)
+  logger.warning("%s: checkpoint step%s %s %s no %s and no run holds the lock (killed while "
+                 "saving?): reading step %d, the newest complete one", model_dir,
+                 "s" if len(skipped) > 1 else "", listed, "have" if len(skipped) > 1 else "has",
+                 INTEGRITY_FILE, used)
+
+
 def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
   steps = sorted(manager.all_steps())
   if not steps:
@@ -1215,7 +1260,11 @@ def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
     # The newest finalised step: one a running `train` is still finalising (no manifest yet)
     # is not read.
     finalised = [s for s in steps if is_finalised(model_dir, s)]
-    return finalised[-1] if finalised else steps[-1]  # None: verify says why.
+    if not finalised:
+      return steps[-1]  # verify says why.
+    _warn_skipped_unfinalised(model_dir, [s for s in steps if s > finalised[-1]],
+                              finalised[-1])
+    return finalised[-1]
   step = int(step)
   if step not in steps:
     raise FileNotFoundError(f"{model_dir}: no checkpoint for step {step}; have {steps}")

@@ -391,6 +391,29 @@ class Seq2SeqData:
     return {"kind": "seq2seq", **({"heldout": self.heldout} if self._splits_file else {})}
 
 
+# The T5Config fields that decide the parameters' shapes: a resume with another value cannot
+# restore the checkpoint (the others, dtype, remat, attention kernels, may change).
+_SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_encoder_layers",
+                 "num_decoder_layers", "relative_attention_num_buckets", "feed_forward_proj",
+                 "tie_word_embeddings")
+
+
+def _check_same_model(model_dir: str, config: Any) -> None:
+  """Refuses a resume whose model differs from the run's (`model_config.json`) in a field
+  that shapes the parameters, naming it, before Orbax meets the mismatch."""
+  path = fileio.join(model_dir, model_dirs.MODEL_CONFIG_FILE)
+  if config is None or not fileio.isfile(path):
+    return
+  saved = json.loads(fileio.read_text(path))
+  now = config.to_dict()
+  differ = [f"{name}={saved[name]!r} there, {now[name]!r} here" for name in _SHAPE_FIELDS
+            if name in saved and name in now and saved[name] != now[name]]
+  if differ:
+    raise ValueError(f"train: {model_dir} holds a run of another model ({path}: "
+                     f"{'; '.join(differ)}); resume with the run's config.gin, or give a new "
+                     "MODEL_DIR")
+
+
 def _check_vocab_fits(config: Any, vocabulary: Any) -> None:
   if vocabulary.vocab_size > config.vocab_size:
     raise ValueError(f"vocabulary has {vocabulary.vocab_size} ids (with extra ids) but "
@@ -537,6 +560,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         init_info = model_dirs.inspect(init_checkpoint)
       if resuming:  # Its files are checked and read only; written once the resume is accepted.
         model_dirs.verify_run_files(model_dir)
+        _check_same_model(model_dir, model.config)
         data = data.resumed(model_dirs.read_settings(model_dir).get("data", {}))
       # Process 0 builds a vocabulary where one is built (a fresh run's demo vocabulary); the
       # others then find it in the run directory.

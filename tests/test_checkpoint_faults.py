@@ -509,3 +509,34 @@ def test_verification_is_cached_per_step_until_a_file_changes(tmp_path, monkeypa
   with pytest.raises(Error, match="f1 differs"):
     ck.verify_integrity(root, what="step")
   assert hashed == ["f1"]  # Only the rewritten file is hashed again.
+
+
+def test_a_reader_names_the_newest_step_it_skips_and_retries_a_vanished_one(
+    t5_run, tmp_path, monkeypatch, caplog):
+  """eval and export (`model_dirs.load`) pass over a newest step without a manifest with a
+  warning naming it (silent while a run holds the lock: it is still saving it); a step that a
+  running train removes while it is read is replaced by the newest one."""
+  run = _copy(t5_run[0], tmp_path)
+  os.remove(os.path.join(_step_dir(run, 2), ck.INTEGRITY_FILE))
+  with caplog.at_level(logging.WARNING):
+    with open(os.path.join(run, ck.LOCK_FILE), "w") as f:
+      f.write("{}")
+    assert model_dirs.load(run).info.step == 1
+    assert not [r for r in caplog.records if "step 2 has no" in r.getMessage()]
+    os.remove(os.path.join(run, ck.LOCK_FILE))
+    assert model_dirs.load(run).info.step == 1
+  assert any("checkpoint step 2 has no _INTEGRITY.json and no run holds the lock" in
+             r.getMessage() and "reading step 1" in r.getMessage() for r in caplog.records)
+  run = _copy(t5_run[0], tmp_path / "vanishing")
+  real = ck.restore_params_from_run
+
+  def removed_while_read(directory, *, step=None, **kwargs):
+    if step == 2:  # What a train's max_to_keep does between inspect and restore.
+      shutil.rmtree(os.path.join(directory, "2"))
+    return real(directory, step=step, **kwargs)
+  monkeypatch.setattr(ck, "restore_params_from_run", removed_while_read)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    assert model_dirs.load(run).info.step == 1
+  assert any("checkpoint step 2 was removed while it was read" in r.getMessage()
+             for r in caplog.records)
