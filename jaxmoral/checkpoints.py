@@ -151,6 +151,33 @@ def write_integrity_manifest(root: str | os.PathLike, entries: Optional[Iterable
   return path
 
 
+# Digests already compared in this process, by (directory, manifest digest): {file: version}
+# of the files that matched, so a step verified once (every page of the explorer, an eval's
+# repeated loads) is hashed again only when a file was rewritten since.
+_verified: dict[tuple[str, str], dict[str, Any]] = {}
+_verified_guard = threading.Lock()
+
+
+def _refuse_entries_outside(root: str, files: Mapping[str, Any], *, what: str,
+                            step: Optional[int]) -> None:
+  """Refuses a manifest that names anything outside its folder: an absolute path or URL, a
+  `..` component, or (locally) a link out of the folder. Otherwise verifying it would report
+  the size and digest of any file the reader can open."""
+  real_root = None if fileio.is_url(root) else os.path.realpath(root)
+  for rel in files:
+    parts = str(rel).replace("\\", "/").split("/")
+    outside = (not isinstance(rel, str) or not rel or rel.startswith(("/", "\\"))
+               or "://" in rel or os.path.isabs(rel) or ".." in parts)
+    if not outside and real_root is not None:
+      resolved = os.path.realpath(os.path.join(root, rel))
+      outside = os.path.commonpath([real_root, resolved]) != real_root
+    if outside:
+      raise CheckpointIntegrityError(
+          f"{what} is damaged: its {INTEGRITY_FILE} names {str(rel)[:200]!r}, which is outside "
+          "its folder (an absolute path, '..' or a link out of it); nothing was read",
+          step=step, files=[INTEGRITY_FILE])
+
+
 def _listing(files: Sequence[str]) -> str:
   shown = ", ".join(files[:3])
   return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
@@ -208,20 +235,23 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
                      "before it was written): loading it unverified", what, INTEGRITY_FILE)
     return False
   try:
-    with fileio.open(path) as f:
-      files = json.load(f)["files"]
+    manifest_bytes = fileio.read_bytes(path)
+    files = json.loads(manifest_bytes)["files"]
     saved_sizes = {rel: int(entry["size"]) for rel, entry in files.items()}
     saved_digests = {rel: str(entry["sha256"]) for rel, entry in files.items()}
   except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
     raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} is unreadable "
                                    f"({type(e).__name__}); nothing was loaded", step=step,
                                    files=[INTEGRITY_FILE]) from None
+  _refuse_entries_outside(root, files, what=what, step=step)
   uncovered = [rel for rel in required if rel not in files]
   if uncovered:  # An emptied or edited manifest would otherwise vouch for nothing.
     raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} does not cover "
                                    f"{_listing(uncovered)}; nothing was loaded", step=step,
                                    files=[INTEGRITY_FILE])
-  present = fileio.file_sizes(root, files)  # A bucket: one listing, not a request per file.
+  # A bucket: one listing, not a request per file.
+  versions = fileio.file_versions(root, files)
+  present = {rel: size for rel, (size, _) in versions.items()}
   missing = [rel for rel in sorted(files) if rel not in present]
   if missing:
     raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing)}); "
@@ -239,7 +269,15 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     hashed = sorted(files) if full is True else [
         rel for rel in sorted(files)
         if any(rel == entry or rel.startswith(entry.rstrip("/") + "/") for entry in full)]
+    collective = shared and jax.process_count() > 1  # Every process must hash its share.
+    key = (root, hashlib.sha256(manifest_bytes).hexdigest())
+    with _verified_guard:
+      known = dict(_verified.get(key, {})) if not collective else {}
+    hashed = [rel for rel in hashed if known.get(rel) != versions[rel]]
     changed, unreadable = _compare_digests(root, hashed, saved_digests, shared=shared)
+    if not changed and not unreadable and not collective:
+      with _verified_guard:
+        _verified.setdefault(key, {}).update({rel: versions[rel] for rel in hashed})
     if unreadable:
       rel, reason = unreadable
       raise CheckpointIntegrityError(f"{what} is damaged: {rel} cannot be read ({reason})"
@@ -901,9 +939,33 @@ class CheckpointManager:
     try:
       restored = self._manager.restore(step, args=args)
     except (ValueError, KeyError, TypeError) as e:
+      # Orbax's own text advises `strict=False` (restoring part of the arrays): never the
+      # fix for a run of another model; the first differing entry says what differs.
       raise ValueError(f"{self.directory}/{step}: cannot restore into the given target "
-                       f"(structure, shapes or dtypes differ from the saved state): {e}") from e
+                       f"(structure, shapes or dtypes differ from the saved state: "
+                       f"{self._first_difference(step, target) or type(e).__name__})") from None
     return restored[STATE_ITEM], dict(restored[EXTRA_ITEM] or {})
+
+  def _first_difference(self, step: int, target: PyTree) -> Optional[str]:
+    """The first entry whose shape differs between the saved state and `target`, or that
+    only one of them has."""
+    try:
+      saved = self._manager.item_metadata(step)[STATE_ITEM]
+      saved = getattr(saved, "tree", saved)
+      flat_saved = {_path_str(p): tuple(getattr(m, "shape", ()) or ())
+                    for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
+      flat_target = {_path_str(p): tuple(getattr(t, "shape", ()) or ())
+                     for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
+    except Exception:  # pylint: disable=broad-except
+      return None
+    for key in sorted(set(flat_saved) | set(flat_target)):
+      if key not in flat_target:
+        return f"{key} is saved, not in this run's state"
+      if key not in flat_saved:
+        return f"{key} is not saved"
+      if flat_saved[key] != flat_target[key]:
+        return f"{key} is {flat_saved[key]} saved, {flat_target[key]} here"
+    return None
 
   def state_metadata(self, step: Optional[int] = None) -> PyTree:
     """Saved state tree with `ArrayMetadata` leaves (shape, dtype) at `step` (default latest)."""
@@ -1169,6 +1231,27 @@ def _params_subtree(tree: Any, where: str) -> tuple[str, ...]:
   raise ValueError(f"{where}: saved state has no 'params' entry (has {keys})")
 
 
+_warned_skipped: set[tuple[str, int]] = set()
+
+
+def _warn_skipped_unfinalised(model_dir: str, skipped: Sequence[int], used: int) -> None:
+  """Says which newer steps a reader passes over, as a resume does: quietly only while a run
+  holds the lock (it is still writing them)."""
+  if not skipped or (model_dir, skipped[-1]) in _warned_skipped:
+    return
+  run_dir = model_dir.rstrip("/").rsplit("/", 1)[0] if fileio.is_url(model_dir) else (
+      os.path.dirname(model_dir.rstrip(os.sep)))
+  if fileio.basename(model_dir) == RUN_CHECKPOINTS_SUBDIR and fileio.exists(
+      fileio.join(run_dir, LOCK_FILE)):
+    return
+  _warned_skipped.add((model_dir, skipped[-1]))
+  listed = ", ".join(str(s) for s in skipped)
+  logger.warning("%s: checkpoint step%s %s %s no %s and no run holds the lock (killed while "
+                 "saving?): reading step %d, the newest complete one", model_dir,
+                 "s" if len(skipped) > 1 else "", listed, "have" if len(skipped) > 1 else "has",
+                 INTEGRITY_FILE, used)
+
+
 def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
   steps = sorted(manager.all_steps())
   if not steps:
@@ -1177,7 +1260,11 @@ def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
     # The newest finalised step: one a running `train` is still finalising (no manifest yet)
     # is not read.
     finalised = [s for s in steps if is_finalised(model_dir, s)]
-    return finalised[-1] if finalised else steps[-1]  # None: verify says why.
+    if not finalised:
+      return steps[-1]  # verify says why.
+    _warn_skipped_unfinalised(model_dir, [s for s in steps if s > finalised[-1]],
+                              finalised[-1])
+    return finalised[-1]
   step = int(step)
   if step not in steps:
     raise FileNotFoundError(f"{model_dir}: no checkpoint for step {step}; have {steps}")

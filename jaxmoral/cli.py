@@ -191,8 +191,14 @@ def quiet_logs(*, force: bool = False) -> None:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                       datefmt="%H:%M:%S", force=force)
-  for noisy in ("absl", "jax._src", "orbax", "tensorflow", "etils"):
+  # The storage clients too: fsspec logs each file a bucket run opens at INFO.
+  for noisy in ("absl", "jax._src", "orbax", "tensorflow", "etils", "fsspec", "gcsfs",
+                "google", "urllib3", "aiohttp"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
+  # google.auth's probe of a Compute Engine metadata server warns on every try off Google
+  # Cloud (and against a local storage server, which needs no credentials); a missing
+  # credential is reported by the command itself (`fileio.describe_storage_error`).
+  logging.getLogger("google.auth.compute_engine._metadata").setLevel(logging.ERROR)
   # gin logs every search-path miss (at ERROR) while resolving includes; those are not errors.
   for handler in logging.getLogger().handlers:
     handler.addFilter(

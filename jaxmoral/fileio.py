@@ -17,6 +17,7 @@ import datetime
 import functools
 import os
 import re
+import stat
 import threading
 import uuid
 from typing import IO, Any, Iterable, Optional
@@ -169,15 +170,46 @@ def walk_files(root: str | os.PathLike) -> list[str]:
 def file_sizes(root: str | os.PathLike, names: Iterable[str]) -> dict[str, int]:
   """{name: size} of those of `names` ('/'-joined, relative to `root`) that are files; on an
   object store from one listing of the prefix, not one request per file."""
+  return {name: size for name, (size, _) in file_versions(root, names).items()}
+
+
+def file_versions(root: str | os.PathLike, names: Iterable[str]
+                  ) -> dict[str, tuple[int, tuple[Any, ...]]]:
+  """{name: (size, version)} of those of `names` that are files: `version` changes whenever
+  the file is rewritten (local: inode, size and mtime in ns; object store: the object's
+  generation), from one listing of the prefix on a store."""
   root = os.fspath(root)
   if not is_url(root):
-    paths = {name: os.path.join(root, name) for name in names}
-    return {name: os.path.getsize(p) for name, p in paths.items() if os.path.isfile(p)}
+    out = {}
+    for name in names:
+      try:
+        st = os.stat(os.path.join(root, name))
+      except OSError:
+        continue
+      if stat.S_ISREG(st.st_mode):
+        out[name] = (st.st_size, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    return out
   fs, stripped = filesystem(root)
   prefix = stripped.rstrip("/") + "/"
-  listed = {name[len(prefix):]: int(info.get("size") or 0)
+  listed = {name[len(prefix):]: (int(info.get("size") or 0),
+                                 (info.get("generation"), info.get("md5Hash"),
+                                  info.get("updated"), info.get("ETag")))
             for name, info in fs.find(stripped, detail=True).items() if name.startswith(prefix)}
   return {name: listed[name] for name in names if name in listed}
+
+
+def is_within(location: str | os.PathLike, folder: str | os.PathLike) -> bool:
+  """Whether `location` is `folder` or lies inside it (local paths with links resolved, so
+  another spelling of the same file counts; URLs compared as normalised strings)."""
+  location, folder = os.fspath(location), os.fspath(folder)
+  if is_url(location) or is_url(folder):
+    a, b = abspath(location).rstrip("/"), abspath(folder).rstrip("/")
+    return a == b or a.startswith(b + "/")
+  a = os.path.realpath(os.path.expanduser(location))
+  b = os.path.realpath(os.path.expanduser(folder))
+  if os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b):
+    return True  # A hard link to the same file.
+  return os.path.commonpath([a, b]) == b
 
 
 def makedirs(location: str | os.PathLike) -> None:

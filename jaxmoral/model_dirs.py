@@ -490,10 +490,11 @@ def _place(sources: Mapping[tuple[str, ...], hf_import.TensorSource], target: Py
   return flax.traverse_util.unflatten_dict({path: one(path, spec) for path, spec in flat.items()})
 
 
-def load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTree = None,
-         step: Optional[int] = None, dtype: Optional[str] = None,
-         param_dtype: Optional[str] = "float32", config: Optional[T5Config] = None,
-         vocabulary: Any = None) -> LoadedModel:
+_VANISHED_RETRIES = 3
+
+
+def load(source: str | os.PathLike, *, step: Optional[int] = None, **kwargs: Any
+         ) -> LoadedModel:
   """Loads a model directory of any format into the shardings a partitioner asks for.
 
   Args:
@@ -510,10 +511,36 @@ def load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTre
     config: The T5Config for formats that carry none (see `inspect`).
     vocabulary: Overrides the directory's own vocabulary.
 
+  The latest step of a run that is still training can be removed while it is read (the run
+  keeps `max_to_keep` steps): then the newest step is read instead, with a warning.
+
   Raises:
     FileNotFoundError / ValueError: See `inspect`; also parameters that do not fit the model.
   """
+  for attempt in range(_VANISHED_RETRIES):
+    tried: dict[str, Any] = {}
+    try:
+      return _load(source, step=step, tried=tried, **kwargs)
+    except (OSError, ValueError) as error:
+      # The step picked (or the one whose files went missing while `inspect` read them).
+      gone = tried.get("step", getattr(error, "step", None))
+      run = tried.get("path", os.fspath(source))
+      if (step is not None or gone is None or attempt == _VANISHED_RETRIES - 1
+          or gone in checkpoints.saved_steps(run)):
+        raise
+      logger.warning("%s: checkpoint step %d was removed while it was read (the run keeps its "
+                     "newest steps only): reading the newest step", run, gone)
+  raise AssertionError("unreachable")
+
+
+def _load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTree = None,
+          step: Optional[int] = None, dtype: Optional[str] = None,
+          param_dtype: Optional[str] = "float32", config: Optional[T5Config] = None,
+          vocabulary: Any = None, tried: dict[str, Any]) -> LoadedModel:
+  """`load`, once; `tried` gets the run step it picked (and the run's path)."""
   info = inspect(source, step=step, config=config, vocabulary=vocabulary)
+  if info.format == "run" and info.step is not None:
+    tried.update(step=info.step, path=str(info.path))
   model_config = info.config.replace(dtype=dtype) if dtype else info.config
   where = str(info.path)
   prompted = info.prompt_shape is not None
@@ -605,6 +632,14 @@ def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
                                    overwrite=overwrite, write_extra=write_extra)
 
 
+def refuse_output_inside(source: str | os.PathLike, output_dir: str | os.PathLike) -> None:
+  """Refuses an export into the model directory it reads (or a folder inside it): it would
+  replace the run's manifest, settings and vocabulary, and the run would be damaged."""
+  if fileio.is_within(output_dir, source):
+    raise ValueError(f"export: --output {output_dir} is inside the model directory {source} "
+                     "(it would replace the run's own files); give a folder outside it")
+
+
 def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
                  step: Optional[int] = None, dtype: Optional[str] = None,
                  output_format: str = "jaxmoral", overwrite: bool = False,
@@ -627,6 +662,7 @@ def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
   """
   if output_format not in ("jaxmoral", "hf"):
     raise ValueError(f"export: format must be 'jaxmoral' or 'hf', got {output_format!r}")
+  refuse_output_inside(source, output_dir)
   loaded = load_on_mesh(source, step=step, partitioner=partitioner)
   output = fileio.path(output_dir)
   if output_format == "hf":

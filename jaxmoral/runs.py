@@ -368,6 +368,12 @@ class Seq2SeqData:
         raise ValueError(f"Seq2SeqData.cache_dir: {folder} is incomplete; write the cache "
                          "anew with `jaxmoral cache`")
       features, meta = found
+      # Rows of other lengths (a folder from another cache) would train without a word.
+      index_cache.check_feature_lengths(features, feature_lengths, where=folder)
+      if int(meta["rows"]) != int(spec["rows"][part]):
+        raise ValueError(f"data cache folder {folder} holds {meta['rows']} rows, its "
+                         f"{CACHE_SPEC} {spec['rows'][part]}; write the cache anew with "
+                         "`jaxmoral cache`")
       return pipeline.BatchSource(features=features, batch_size=batch_size,
                                   seed=spec["seed"], shuffle=shuffle,
                                   data_fingerprint=meta["sha256"][:16])
@@ -383,6 +389,29 @@ class Seq2SeqData:
 
   def settings(self) -> dict[str, Any]:
     return {"kind": "seq2seq", **({"heldout": self.heldout} if self._splits_file else {})}
+
+
+# The T5Config fields that decide the parameters' shapes: a resume with another value cannot
+# restore the checkpoint (the others, dtype, remat, attention kernels, may change).
+_SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_encoder_layers",
+                 "num_decoder_layers", "relative_attention_num_buckets", "feed_forward_proj",
+                 "tie_word_embeddings")
+
+
+def _check_same_model(model_dir: str, config: Any) -> None:
+  """Refuses a resume whose model differs from the run's (`model_config.json`) in a field
+  that shapes the parameters, naming it, before Orbax meets the mismatch."""
+  path = fileio.join(model_dir, model_dirs.MODEL_CONFIG_FILE)
+  if config is None or not fileio.isfile(path):
+    return
+  saved = json.loads(fileio.read_text(path))
+  now = config.to_dict()
+  differ = [f"{name}={saved[name]!r} there, {now[name]!r} here" for name in _SHAPE_FIELDS
+            if name in saved and name in now and saved[name] != now[name]]
+  if differ:
+    raise ValueError(f"train: {model_dir} holds a run of another model ({path}: "
+                     f"{'; '.join(differ)}); resume with the run's config.gin, or give a new "
+                     "MODEL_DIR")
 
 
 def _check_vocab_fits(config: Any, vocabulary: Any) -> None:
@@ -531,6 +560,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         init_info = model_dirs.inspect(init_checkpoint)
       if resuming:  # Its files are checked and read only; written once the resume is accepted.
         model_dirs.verify_run_files(model_dir)
+        _check_same_model(model_dir, model.config)
         data = data.resumed(model_dirs.read_settings(model_dir).get("data", {}))
       # Process 0 builds a vocabulary where one is built (a fresh run's demo vocabulary); the
       # others then find it in the run directory.
@@ -797,6 +827,9 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
                        f"--gin.{macro}=PATH (input: plain text, one input a line, or JSONL; "
                        f"output: JSONL)")
   assert input_file is not None and output_file is not None  # Checked just above.
+  if fileio.is_within(output_file, input_file):
+    raise ValueError(f"infer_run: INFER_OUTPUT {output_file} is the INFER_INPUT file; writing "
+                     "it would replace the inputs: give another output file")
   texts = _read_infer_inputs(input_file, input_field)
   fileio.check_writable(output_file)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
@@ -866,6 +899,7 @@ def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
                overwrite: bool = False,
                partitioner: Optional[partitioning.PjitPartitioner] = None) -> str:
   """`jaxmoral export`: see `model_dirs.export_model` (its output checked writable first)."""
+  model_dirs.refuse_output_inside(model_dir, output_dir)
   fileio.check_writable(output_dir, directory=True)
   return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
                                  output_format=output_format, overwrite=overwrite,

@@ -123,7 +123,7 @@ def _unwritable_cases(tmp: pathlib.Path, read_only: pathlib.Path):
       "eval": (["eval", CORE, f"--gin.MODEL_DIR={busy}"], busy / "eval_latest.json", is_dir),
       "infer": (["infer", CORE, f"--gin.MODEL_DIR={export}", f"--gin.INFER_INPUT={a_file}",
                  f"--gin.INFER_OUTPUT={busy}"], busy, is_dir),
-      "export": (["export", f"--model_dir={export}", f"--output={under_file}"], under_file,
+      "export": (["export", f"--model_dir={tmp / 'model'}", f"--output={under_file}"], under_file,
                  not_dir),
       "npov detect": (["npov", "detect", f"--input_path={a_file}", f"--output_path={busy}"],
                       busy, is_dir),
@@ -149,6 +149,29 @@ def test_unwritable_output_is_one_line_before_any_work(command, tmp_path, read_o
   assert line.endswith(f": error: {strerror or read_only_error}: {path}"), line
   assert (tmp_path / "a_file").read_text() == "keep me"
   assert not path.exists() or path.is_dir()  # Nothing written where it was to go.
+
+
+def test_an_output_that_is_an_input_is_refused_before_any_work(tmp_path, tiny_export,
+                                                               monkeypatch, capsys):
+  """INFER_OUTPUT naming INFER_INPUT (or a link to it), and an export into the model
+  directory it reads (with or without --overwrite): one line, nothing read or written."""
+  inputs = tmp_path / "in.txt"
+  inputs.write_text("a lie\n")
+  (tmp_path / "link.txt").symlink_to(inputs)
+  before = {p: p.read_bytes() for p in pathlib.Path(tiny_export).rglob("*") if p.is_file()}
+  _no_work(monkeypatch)
+  for output in (inputs, tmp_path / "link.txt"):
+    assert cli.main(["infer", CORE, f"--gin.MODEL_DIR={tiny_export}",
+                     f"--gin.INFER_INPUT={inputs}", f"--gin.INFER_OUTPUT={output}"]) == 2
+    assert f"INFER_OUTPUT {output} is the INFER_INPUT file" in _one_error_line(capsys)
+  assert inputs.read_text() == "a lie\n"
+  for output, flags in ((tiny_export, []), (tiny_export, ["--overwrite"]),
+                        (f"{tiny_export}/sub", [])):
+    assert cli.main(["export", f"--model_dir={tiny_export}", f"--output={output}",
+                     *flags]) == 2
+    assert f"--output {output} is inside the model directory" in _one_error_line(capsys)
+  after = {p: p.read_bytes() for p in pathlib.Path(tiny_export).rglob("*") if p.is_file()}
+  assert after == before
 
 
 # --- 10. infer: one output line per input line, truncation reported. ---------------------------

@@ -445,3 +445,98 @@ def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, mon
   with pytest.raises(Error, match=victim):
     ck.verify_integrity(root, what="step")
   assert sorted(hashed[0]) == [f"f{k}" for k in range(6)]
+
+
+# -- manifests stay inside their folder -----------------------------------------------------------
+def _plant_entry(manifest_path: str, entry: str) -> None:
+  manifest = json.load(open(manifest_path))
+  manifest["files"][entry] = {"size": 1, "sha256": "0" * 64}
+  with open(manifest_path, "w") as f:
+    json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("entry", ["../../../../../../etc/passwd", "/etc/hostname",
+                                   "state/../../1/state/_METADATA", "leak"])
+def test_manifest_naming_a_file_outside_its_step_is_refused_by_every_reader(
+    t5_run, tmp_path, entry):
+  """Whatever reads a manifest (train's restore, eval's load, export, the explorer's run page)
+  refuses one that names a file outside the step: it reveals no size or digest of it."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+
+  from jaxmoral.explore import sources  # pylint: disable=g-import-not-at-top
+  run = _copy(t5_run[0], tmp_path)
+  step = _step_dir(run, 2)
+  if entry == "leak":  # A link in the step folder to a file outside it.
+    (tmp_path / "secret").write_text("x")
+    os.symlink(tmp_path / "secret", os.path.join(step, "leak"))
+  _plant_entry(os.path.join(step, ck.INTEGRITY_FILE), entry)
+  expected = rf"step 2 is damaged: its _INTEGRITY.json names '{entry}', which is outside"
+  with ck.CheckpointManager(ck.run_checkpoints_dir(run)) as manager:
+    target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
+                                    manager.state_metadata(1))
+    with pytest.raises(Error, match=expected):
+      manager.restore(2, target=target)
+  with pytest.raises(Error, match=expected):
+    model_dirs.load(run)
+  with pytest.raises(Error, match=expected):
+    model_dirs.export_model(run, tmp_path / "export")
+  rows = {row["step"]: row for row in sources.run_checkpoints(pathlib.Path(run))}
+  assert not rows[2]["ok"] and "outside" in rows[2]["status"]
+  assert "bytes" not in rows[2]["status"] and rows[1]["ok"]
+  # The run's own manifest and an export's are read by the same check.
+  ck.write_integrity_manifest(run, [model_dirs.MODEL_CONFIG_FILE])
+  _plant_entry(os.path.join(run, ck.INTEGRITY_FILE), "/etc/hostname")
+  with pytest.raises(Error, match="the run's files is damaged: .* names '/etc/hostname'"):
+    model_dirs.verify_run_files(run)
+
+
+def test_verification_is_cached_per_step_until_a_file_changes(tmp_path, monkeypatch):
+  root = tmp_path / "step"
+  root.mkdir()
+  for k in range(3):
+    (root / f"f{k}").write_bytes(bytes([k]) * 100)
+  ck.write_integrity_manifest(root)
+  hashed: list[str] = []
+  real_hash_all = ck._hash_all
+  monkeypatch.setattr(ck, "_hash_all",
+                      lambda r, rel: (hashed.extend(rel), real_hash_all(r, rel))[1])
+  assert ck.verify_integrity(root, what="step")
+  assert sorted(hashed) == ["f0", "f1", "f2"]
+  hashed.clear()
+  assert ck.verify_integrity(root, what="step")  # A second page view hashes nothing.
+  assert not hashed
+  flip(str(root / "f1"))
+  with pytest.raises(Error, match="f1 differs"):
+    ck.verify_integrity(root, what="step")
+  assert hashed == ["f1"]  # Only the rewritten file is hashed again.
+
+
+def test_a_reader_names_the_newest_step_it_skips_and_retries_a_vanished_one(
+    t5_run, tmp_path, monkeypatch, caplog):
+  """eval and export (`model_dirs.load`) pass over a newest step without a manifest with a
+  warning naming it (silent while a run holds the lock: it is still saving it); a step that a
+  running train removes while it is read is replaced by the newest one."""
+  run = _copy(t5_run[0], tmp_path)
+  os.remove(os.path.join(_step_dir(run, 2), ck.INTEGRITY_FILE))
+  with caplog.at_level(logging.WARNING):
+    with open(os.path.join(run, ck.LOCK_FILE), "w") as f:
+      f.write("{}")
+    assert model_dirs.load(run).info.step == 1
+    assert not [r for r in caplog.records if "step 2 has no" in r.getMessage()]
+    os.remove(os.path.join(run, ck.LOCK_FILE))
+    assert model_dirs.load(run).info.step == 1
+  assert any("checkpoint step 2 has no _INTEGRITY.json and no run holds the lock" in
+             r.getMessage() and "reading step 1" in r.getMessage() for r in caplog.records)
+  run = _copy(t5_run[0], tmp_path / "vanishing")
+  real = ck.restore_params_from_run
+
+  def removed_while_read(directory, *, step=None, **kwargs):
+    if step == 2:  # What a train's max_to_keep does between inspect and restore.
+      shutil.rmtree(os.path.join(directory, "2"))
+    return real(directory, step=step, **kwargs)
+  monkeypatch.setattr(ck, "restore_params_from_run", removed_while_read)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    assert model_dirs.load(run).info.step == 1
+  assert any("checkpoint step 2 was removed while it was read" in r.getMessage()
+             for r in caplog.records)

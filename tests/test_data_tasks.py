@@ -1,7 +1,9 @@
 """Tests for jaxmoral.data.tasks: seqio Tasks stream (deterministic, resumable, sharded) the
 features encode_pairs makes, without materialising them."""
 
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -439,6 +441,48 @@ else:
     cached.sources(**{**kwargs, "seed": 4})
   with pytest.raises(ValueError, match=r"holds rows for feature_lengths="):
     cached.sources(**{**kwargs, "feature_lengths": {"inputs": 32, "targets": 12}})
+  _check_a_written_cache_is_verified(cached, kwargs, tmp_path)
+
+
+def _check_a_written_cache_is_verified(cached, kwargs, tmp_path):
+  """A DATA_CACHE is verified before training on it, whatever happened to it after it was
+  written: a changed, truncated or foreign `.npy` is refused naming the file, and the data
+  fingerprint is the verified files' (never copied from meta.json)."""
+  from jaxmoral.data import index_cache  # pylint: disable=g-import-not-at-top
+  train = os.path.join(cached.cache_dir, "train")
+  good = tmp_path / "good"
+  shutil.copytree(train, good)
+  victim = os.path.join(train, "encoder_input_tokens.npy")
+  rows = np.load(victim)
+  flipped = rows ^ 1  # One bit in every row; same size, a valid .npy.
+  np.save(victim, flipped)
+  with pytest.raises(index_cache.CacheDamagedError, match=rf"{victim} is damaged: its bytes"):
+    cached.sources(**kwargs)
+  # The same flip with meta.json's digest of the file edited to match: the fingerprint is
+  # computed from the files, so it no longer is the checkpointed one.
+  meta = json.loads(open(os.path.join(train, index_cache.META)).read())
+  meta["files"]["encoder_input_tokens.npy"]["sha256"] = index_cache._file_sha256(victim)
+  open(os.path.join(train, index_cache.META), "w").write(json.dumps(meta))
+  with pytest.raises(index_cache.CacheDamagedError, match="fingerprint does not match"):
+    cached.sources(**kwargs)
+  # Cut short: named, not "mmap length is greater than file size".
+  shutil.rmtree(train)
+  shutil.copytree(good, train)
+  with open(victim, "r+b") as f:
+    f.truncate(os.path.getsize(victim) - 7)
+  with pytest.raises(index_cache.CacheDamagedError, match=rf"{victim} is damaged: .*truncated"):
+    cached.sources(**kwargs)
+  # A train/ folder of a cache with other lengths (consistent in itself) under this spec.
+  shutil.rmtree(train)
+  wider = {k: np.pad(np.load(good / k), ((0, 0), (0, 8))) for k in os.listdir(good)
+           if k.endswith(".npy")}
+  index_cache.write(train, [{k[:-4]: v for k, v in wider.items()}], {"other": True})
+  with pytest.raises(ValueError, match=rf"{train}/\w+\.npy holds rows of length (32|20), this "
+                     r"run's (inputs|targets) length is (24|12) \(TASK_FEATURE_LENGTHS\)"):
+    cached.sources(**kwargs)
+  shutil.rmtree(train)
+  shutil.copytree(good, train)
+  assert cached.sources(**kwargs)[0].data_fingerprint  # Restored: accepted again.
 
 
 def test_tfds_data_dir_points_a_tfds_task_at_a_bucket_read_by_tensorflows_client(

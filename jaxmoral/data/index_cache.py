@@ -9,15 +9,24 @@ every `k` and an accelerator host reads the cache without importing TensorFlow.
 A cache is written under a temporary name and renamed into place whole, so a killed build
 leaves nothing that looks complete, and processes that build the same cache at once do not
 see each other's halves.
+
+A cache is verified before its rows are used, once per process (`read`): each `.npy` file's
+size and sha256 against `meta.json`, each feature's row count and dtype, and (by the caller,
+`check_feature_lengths`) its width against the run's feature lengths. `meta["sha256"]`, the
+data fingerprint a checkpoint records, is computed from the verified files' digests, never
+copied: a resume over rows that changed is refused. A cache written before per-file digests
+existed is verified by hashing its rows.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
@@ -47,16 +56,130 @@ def _digest(features: Mapping[str, np.ndarray]) -> str:
   return sha.hexdigest()
 
 
+_HASH_CHUNK = 1 << 22
+# Caches verified by this process: {folder: (meta text, {file: version})}; a cache is hashed
+# again only when one of its files was rewritten since.
+_verified: dict[str, tuple[str, dict[str, tuple[int, ...]]]] = {}
+_verified_guard = threading.Lock()
+
+
+class CacheDamagedError(ValueError):
+  """A data cache's file differs from what its `meta.json` records (one line, naming it)."""
+
+
+def _file_sha256(path: str) -> str:
+  sha = hashlib.sha256()
+  with open(path, "rb") as f:
+    for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+      sha.update(chunk)
+  return sha.hexdigest()
+
+
+def _version(path: str) -> tuple[int, ...]:
+  st = os.stat(path)
+  return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _fingerprint(file_digests: Mapping[str, str]) -> str:
+  """The data's fingerprint from its files' digests (what a checkpoint records)."""
+  text = json.dumps(dict(sorted(file_digests.items())), sort_keys=True)
+  return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _damaged(path: str, why: str) -> CacheDamagedError:
+  return CacheDamagedError(f"data cache file {path} is damaged: {why}; write the cache anew "
+                           "(delete its folder, or `jaxmoral cache` for a DATA_CACHE)")
+
+
+def _verify(directory: str, meta: Mapping[str, Any], meta_text: str) -> None:
+  """Checks the `.npy` files of a cache against its meta (sizes, then sha256 in parallel)."""
+  names = [f"{name}.npy" for name in meta["features"]]
+  paths = {name: os.path.join(directory, name) for name in names}
+  versions = {}
+  for name, path in paths.items():
+    try:
+      versions[name] = _version(path)
+    except OSError as e:
+      raise _damaged(path, f"cannot be read ({e.strerror or type(e).__name__})") from None
+  key = os.path.realpath(directory)
+  with _verified_guard:
+    known = _verified.get(key)
+  if known is not None and known == (meta_text, versions):
+    return
+  recorded = meta.get("files")
+  if recorded is None:  # Written before per-file digests: hash the rows themselves.
+    features = _load(directory, meta)
+    if _digest(features) != meta.get("sha256"):
+      raise _damaged(os.path.join(directory, META), "its rows differ from the sha256 recorded "
+                     "when the cache was written")
+  else:
+    for name in names:
+      if name not in recorded:
+        raise _damaged(os.path.join(directory, META), f"it records no digest of {name}")
+      if versions[name][2] != int(recorded[name]["size"]):
+        raise _damaged(paths[name], f"{versions[name][2]} bytes, {recorded[name]['size']} when "
+                       "written (truncated or overwritten)")
+    with concurrent.futures.ThreadPoolExecutor(min(8, len(names))) as pool:
+      digests = dict(zip(names, pool.map(lambda n: _file_sha256(paths[n]), names), strict=True))
+    for name in names:
+      if digests[name] != recorded[name]["sha256"]:
+        raise _damaged(paths[name], "its bytes differ from the sha256 recorded when the cache "
+                       "was written")
+    if _fingerprint(digests) != meta.get("sha256"):
+      raise _damaged(os.path.join(directory, META), "its fingerprint does not match its files")
+  with _verified_guard:
+    _verified[key] = (meta_text, versions)
+
+
+def _load(directory: str, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  features = {}
+  for name in meta["features"]:
+    path = os.path.join(directory, f"{name}.npy")
+    try:
+      array = np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:  # A truncated or foreign file.
+      raise _damaged(path, f"not a readable .npy ({str(e).splitlines()[0][:120]})") from None
+    if len(array) != int(meta["rows"]):
+      raise _damaged(path, f"{len(array)} rows, {meta['rows']} in {META}")
+    features[name] = array
+  return features
+
+
 def read(directory: str) -> Optional[tuple[dict[str, np.ndarray], dict[str, Any]]]:
-  """`(features memory-mapped read-only, meta)` of a complete cache, or None if there is none."""
+  """`(features memory-mapped read-only, meta)` of a complete cache, or None if there is none.
+
+  Raises:
+    CacheDamagedError: A file is missing, truncated, has other bytes or other rows than
+      `meta.json` records (the message names it).
+  """
   meta_path = os.path.join(directory, META)
   if not os.path.isfile(meta_path):
     return None
   with open(meta_path, encoding="utf-8") as f:
-    meta = json.load(f)
-  features = {name: np.load(os.path.join(directory, f"{name}.npy"), mmap_mode="r")
-              for name in meta["features"]}
-  return features, meta
+    meta_text = f.read()
+  try:
+    meta = json.loads(meta_text)
+    list(meta["features"]), int(meta["rows"])
+  except (ValueError, KeyError, TypeError) as e:
+    raise _damaged(meta_path, f"not a cache's meta ({type(e).__name__})") from None
+  _verify(directory, meta, meta_text)
+  return _load(directory, meta), meta
+
+
+def check_feature_lengths(features: Mapping[str, np.ndarray], lengths: Mapping[str, int], *,
+                          where: str) -> None:
+  """Refuses rows of another width than the run's feature lengths (seq2seq features:
+  `encoder_*` are `inputs` long, `decoder_*` are `targets` long)."""
+  for name, array in sorted(features.items()):
+    key = "inputs" if name.startswith("encoder_") else (
+        "targets" if name.startswith("decoder_") else name)
+    if key not in lengths:
+      continue
+    if array.ndim < 2 or array.shape[1] != int(lengths[key]):
+      width = array.shape[1] if array.ndim >= 2 else None
+      raise ValueError(f"data cache file {os.path.join(where, name + '.npy')} holds rows of "
+                       f"length {width}, this run's {key} length is {lengths[key]} "
+                       "(TASK_FEATURE_LENGTHS); write the cache anew with `jaxmoral cache`")
 
 
 def write(directory: str, chunks: Iterable[Mapping[str, np.ndarray]],
@@ -78,17 +201,23 @@ def write(directory: str, chunks: Iterable[Mapping[str, np.ndarray]],
   if len(rows) != 1:
     raise ValueError(f"data cache {directory}: features differ in rows: "
                      f"{ {k: len(v) for k, v in features.items()} }")
-  meta = {"features": sorted(features), "rows": rows.pop(), "sha256": _digest(features),
-          "identity": dict(identity)}
+  meta: dict[str, Any] = {"features": sorted(features), "rows": rows.pop(),
+                          "identity": dict(identity)}
   parent = os.path.dirname(os.path.abspath(directory))
   os.makedirs(parent, exist_ok=True)
   temporary = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp.", dir=parent)
   try:
     try:
+      files: dict[str, dict[str, Any]] = {}
       for name, array in features.items():
-        np.save(os.path.join(temporary, f"{name}.npy"), array)
+        path = os.path.join(temporary, f"{name}.npy")
+        np.save(path, array)
+        files[f"{name}.npy"] = {"size": os.path.getsize(path), "sha256": _file_sha256(path)}
+      meta["files"] = files
+      meta["sha256"] = _fingerprint({n: f["sha256"] for n, f in files.items()})
+      meta_text = json.dumps(meta, default=str)
       with open(os.path.join(temporary, META), "w", encoding="utf-8") as f:
-        json.dump(meta, f, default=str)
+        f.write(meta_text)
     except OSError as e:  # A full disk or a file size limit: one line naming the folder.
       raise OSError(e.errno, f"data cache {directory} could not be written "
                              f"({e.strerror or e}); free space in that folder") from None
@@ -97,6 +226,10 @@ def write(directory: str, chunks: Iterable[Mapping[str, np.ndarray]],
     except OSError:
       if read(directory) is None:  # Not a finished twin: a real failure.
         raise
+    else:  # Just hashed while written: this process need not hash the files again.
+      versions = {name: _version(os.path.join(directory, name)) for name in files}
+      with _verified_guard:
+        _verified[os.path.realpath(directory)] = (meta_text, versions)
   finally:
     shutil.rmtree(temporary, ignore_errors=True)
   del features

@@ -179,7 +179,19 @@ def _topics_and_examples(*, action: str, kb_path: Optional[str],
     source = kb_lib.sample_examples(topics, seed=seed, split=split)
   source = source[:max_examples] if max_examples else source
   if not source:
-    raise ValueError(f"npov {action}: no examples in split {split!r}")
+    where = kb_path if kb_path is not None else perspectrum_dir
+    in_split = [t for t in topics if t.split == split]
+    usable = [t for t in in_split if t.cluster_ids("pro") and t.cluster_ids("con")]
+    if examples_path:
+      cause = f"{examples_path} has no example of its topics"
+    elif not usable:
+      # An example needs a topic with arguments on both sides (`sample_examples`).
+      cause = (f"none of its {len(in_split)} topics there has both a pro and a con argument "
+               f"(of {len(topics)} topics, {sum(bool(t.clusters) for t in topics)} have any "
+               "argument)")
+    else:
+      cause = "max_examples leaves none"
+    raise ValueError(f"npov {action}: no examples in split {split!r} of {where}: {cause}")
   return topics, source
 
 
