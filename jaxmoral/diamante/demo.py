@@ -1,8 +1,9 @@
 """`jaxmoral diamante demo`: a tiny joint model from scratch on the bundled dialogues (CPU).
 
-Splits the bundled sample (`jaxmoral/data/demo/dialogues.jsonl`) by dialogue, trains a tiny
-T5 with NLL + PE for a few hundred steps, evaluates the ranking of human responses by
-preference score and by generation probability on the held-out dialogues, and prints a few
+Trains a tiny T5 with NLL + PE for a few hundred steps on the bundled sample's training
+dialogues (`jaxmoral/data/demo/dialogues_train.jsonl`, as configs/diamante/tiny_cpu.gin does),
+evaluates the ranking of human responses by preference score and by generation probability on
+the held-out dialogues (`dialogues_test.jsonl`, none trained on), and prints a few
 reranked replies and a short self-chat. Under two minutes on a laptop CPU.
 """
 
@@ -45,8 +46,8 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   Returns:
     `{"train": ..., "eval": ..., "model_dir": ..., "tensorboard": ..., "transcript": ...}`.
   """
-  turns = data.read_dialogues(demo_data.path("dialogues.jsonl"))
-  train_turns, test_turns = data.split_dialogues(turns, test_fraction=0.2, seed=seed)
+  train_turns = data.read_dialogues(demo_data.path("dialogues_train.jsonl"))
+  test_turns = data.read_dialogues(demo_data.path("dialogues_test.jsonl"))
   train_path, test_path = (os.path.join(workdir, f"{name}.jsonl") for name in ("train", "test"))
   data.write_turns(train_path, train_turns)
   data.write_turns(test_path, test_turns)

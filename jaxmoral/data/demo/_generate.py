@@ -72,6 +72,10 @@ def dialogues() -> None:
         conversation.append({"utterance": utterance, "response_candidates": candidates})
       out.append({"conversation": conversation})
   _write_jsonl("dialogues.jsonl", out)
+  # A split by dialogue for the configs and the demo: every fifth dialogue held out for testing,
+  # so each template has fills on both sides but no dialogue is on both.
+  _write_jsonl("dialogues_train.jsonl", [d for i, d in enumerate(out) if i % 5 != 4])
+  _write_jsonl("dialogues_test.jsonl", [d for i, d in enumerate(out) if i % 5 == 4])
 
 
 def _clause(sentence: str) -> str:
