@@ -31,6 +31,18 @@ from jaxmoral.diamante import inference
 from jaxmoral.models.config import t5_config
 
 
+def _candidates_note(reply: inference.Reply) -> str:
+  """What the reply was chosen from: its score, and the lowest-scored different candidate
+  (none when every candidate is the reply's text)."""
+  others = [c for c in reply.candidates if c.text != reply.text]
+  note = f"score {reply.score:.2f}, best of {len(reply.candidates)} candidates"
+  if not others:
+    return note + ", all the same text"
+  distinct = len({c.text for c in reply.candidates})
+  worst = min(others, key=lambda c: c.score)
+  return f"{note} ({distinct} different); lowest {worst.score:.2f}: {worst.text}"
+
+
 @gin.configurable
 def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed: int = 0,
              output: TextIO = sys.stdout) -> dict[str, Any]:
@@ -89,8 +101,7 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
                                                         rng=jax.random.PRNGKey(seed),
                                                         config=rerank), strict=True):
     print(f"  context: {' | '.join(context[-2:])}", file=output)
-    print(f"  reply:   {reply.text}   [score {reply.score:.2f}; worst candidate "
-          f"{reply.candidates[-1].score:.2f}: {reply.candidates[-1].text}]", file=output)
+    print(f"  reply:   {reply.text}   [{_candidates_note(reply)}]", file=output)
   print("\n== self-chat ==", file=output)
   transcript = os.path.join(workdir, "self_chat.jsonl")
   chat.self_chat(model_dir=model_dir, opening="Hi! How was your weekend?",
