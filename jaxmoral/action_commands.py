@@ -283,8 +283,9 @@ def check_inputs(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]
       continue
     if name.endswith("dir") and _HUB_ID.match(value):
       continue
+    folders = " and ".join(dict.fromkeys((os.getcwd(), str(gin_files.PROJECT_ROOT))))
     raise FileNotFoundError(errno.ENOENT, f"--{name}: no such file or folder (looked in "
-                            f"{os.getcwd()} and {gin_files.PROJECT_ROOT})", value)
+                            f"{folders})", value)
 
 
 SUMMARY_LINES = 20  # At most this many result lines on stdout; the files hold everything.

@@ -11,6 +11,10 @@ import importlib
 import json
 import os
 import pathlib
+import shutil
+import sys
+import sysconfig
+import textwrap
 import time
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -69,8 +73,8 @@ def truth_line(*, method: str, paper: str, this_run: str, verdict: str) -> str:
     raise ValueError(f"truth_line: verdict must be one of {VERDICTS}, got {verdict!r}")
   where = f"tested at scale by `{EXPERIMENTS[method]}`"
   text = {"agrees": f"agrees (the 95 % interval is on the paper's side; {where})",
-          "disagrees": f"disagrees (the 95 % interval is on the other side); the demo's "
-                       f"scale cannot show it: {where}",
+          "disagrees": f"disagrees (the 95 % interval is on the other side, at the demo's "
+                       f"tiny scale; {where})",
           "cannot tell": f"cannot tell (the 95 % interval holds no effect: too few examples "
                          f"at the demo's scale; {where})"}[verdict]
   return f"paper: {paper}\n  this run: {this_run} — {text}"
@@ -112,6 +116,7 @@ def npov_truth_lines(results: Mapping[str, Any]) -> list[str]:
   evaluate_detectors`' results: {slice: {detector: {error: {"labels", "scores", ...}}}})."""
   lines = []
   slices = list(results.values())
+  pooled = " and ".join(results)
   for detector, paper in NPOV_PAPER.items():
     if not slices or any(detector not in s for s in slices):
       continue
@@ -133,7 +138,8 @@ def npov_truth_lines(results: Mapping[str, Any]) -> list[str]:
                "disagrees" if "disagrees" in verdicts else "cannot tell")
     lines.append(truth_line(
         method="npov", paper=f"{paper} (Table 1)",
-        this_run=f"ROC AUC {', '.join(found)} (example level, the test slices pooled)",
+        this_run=f"ROC AUC {', '.join(found)} (example level, the {pooled} test slices "
+                 f"pooled; the table shows each)",
         verdict=verdict))
   return lines
 
@@ -239,24 +245,50 @@ def run_all(*, workdir: str | os.PathLike[str] = "demo_out",
     print(f"\n[{part}] done in {summary[part]['seconds']} s")
   summary["total_seconds"] = round(time.time() - start, 1)
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-  _banner(f"demo finished in {summary['total_seconds']} s; summary: {workdir / 'summary.json'}")
+  _banner(f"demo finished in {summary['total_seconds']} s; summary: "
+          f"{shown_path(workdir / 'summary.json')}")
   for part in parts:
     paths = {k: v for k, v in summary[part].items() if isinstance(v, str)}
-    print(f"{part:9s} " + "  ".join(f"{k}={v}" for k, v in paths.items()))
+    for index, (key, value) in enumerate(paths.items()):
+      print(f"{part if index == 0 else '':9s} {key:12s} {shown_path(value)}")
   truths = [(part, line) for part in parts for line in summary[part].get("truth", [])]
   if truths:
     print("\nWhat the papers found, and whether this demo agrees:")
     for part, line in truths:
-      print(f"[{part}] {line}")
-    print(f"What the experiments found at scale: {FIDELITY_RESULTS}.")
-  print(f"\nEvery run's curves: tensorboard --logdir {tensorboard_logdir(workdir)}")
-  print(f"Look at the examples in a browser: jaxmoral explore {workdir}")
+      for number, text in enumerate(f"[{part}] {line}".splitlines()):
+        print(textwrap.fill(text.strip(), WIDTH, initial_indent="  " * bool(number),
+                            subsequent_indent="    "))
+    print(textwrap.fill(f"What the experiments found at scale: {FIDELITY_RESULTS}.", WIDTH))
+  folder = shown_path(workdir)
+  print(f"\nEvery run's curves: {installed_command('tensorboard', 'tensorboard.main')} "
+        f"--logdir {folder}")
+  print(f"Look at the examples in a browser: {installed_command('jaxmoral', 'jaxmoral.cli')} "
+        f"explore {folder}")
   return summary
 
 
-def tensorboard_logdir(workdir: pathlib.Path) -> str:
-  """The demo folder as the user would type it: relative to where they are, when inside."""
+# The demo's printed lines stay within this many columns.
+WIDTH = 100
+
+
+def installed_command(name: str, module: str) -> str:
+  """How a user's shell runs console script `name` of the environment this process runs in:
+  the bare name where it is the one on PATH (an activated venv); else its path, relative to the
+  working folder when inside it (`.venv/bin/tensorboard` after `make demo`); else
+  `python -m module`."""
+  script = pathlib.Path(sysconfig.get_path("scripts")) / name
+  if not script.is_file():
+    return f"{sys.executable} -m {module}"
+  on_path = shutil.which(name)
+  if on_path is not None and pathlib.Path(on_path).resolve() == script.resolve():
+    return name
+  shown = shown_path(script)
+  return shown if os.sep in shown else os.path.join(".", shown)
+
+
+def shown_path(workdir: str | os.PathLike[str]) -> str:
+  """A demo path as the user would type it: relative to where they are, when inside."""
   try:
-    return str(workdir.relative_to(pathlib.Path.cwd()))
+    return str(pathlib.Path(workdir).relative_to(pathlib.Path.cwd()))
   except ValueError:
     return str(workdir)

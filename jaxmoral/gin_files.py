@@ -158,7 +158,7 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
   """Rebinds relative paths written in gin `files` that name nothing in the working directory.
 
   A shipped config (e.g. configs/diamante/tiny_cpu.gin's `TRAIN_PATH =
-  'jaxmoral/data/demo/dialogues.jsonl'`) is written relative to the project root, so it
+  'jaxmoral/data/demo/dialogues_train.jsonl'`) is written relative to the project root, so it
   worked only from there. A string value of a file's binding or macro that reads as a
   relative path with a folder part and does not exist relative to the working directory is
   looked up, in order, relative to the folder of the gin file that binds it and relative to

@@ -256,3 +256,7 @@ def test_input_flags_resolve_as_gin_paths_and_are_checked_before_the_action(
   with pytest.raises(FileNotFoundError, match="--model_dir: no such file"):
     run([f"--test_path={tmp_path}", "--model_dir=/no/such/run"])
   assert len(CALLS) == calls  # Nothing ran.
+  monkeypatch.chdir(ROOT)  # The working folder is the project root: named once.
+  with pytest.raises(FileNotFoundError) as info:
+    run(["--test_path=no/such.jsonl"])
+  assert str(info.value.strerror).count(str(ROOT)) == 1, info.value.strerror

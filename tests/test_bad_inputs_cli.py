@@ -296,16 +296,16 @@ def test_shipped_config_reads_its_data_from_another_directory(tmp_path, monkeypa
   gin_utils.parse_gin(gin_utils.GinArgs(files=("configs/diamante/tiny_cpu.gin",),
                                         bindings=("MODEL_DIR = 'run'",)))
   data = diamante_data.DialogueData()  # pylint: disable=no-value-for-parameter
-  assert pathlib.Path(data.train_path) == ROOT / "jaxmoral/data/demo/dialogues.jsonl"
+  assert pathlib.Path(data.train_path) == ROOT / "jaxmoral/data/demo/dialogues_train.jsonl"
   assert diamante_data.read_dialogues(data.train_path)
   # A path that exists relative to the working directory keeps meaning that file.
   gin.clear_config()
-  own = tmp_path / "jaxmoral/data/demo/dialogues.jsonl"
+  own = tmp_path / "jaxmoral/data/demo/dialogues_train.jsonl"
   own.parent.mkdir(parents=True)
   own.write_text("")
   gin_utils.parse_gin(gin_utils.GinArgs(files=("configs/diamante/tiny_cpu.gin",),
                                         bindings=("MODEL_DIR = 'run'",)))
-  assert diamante_data.DialogueData().train_path == "jaxmoral/data/demo/dialogues.jsonl"  # pylint: disable=no-value-for-parameter
+  assert diamante_data.DialogueData().train_path == "jaxmoral/data/demo/dialogues_train.jsonl"  # pylint: disable=no-value-for-parameter
 
 
 # --- 16, 17. Start-up: --help of everything, no TPU runtime on a machine without one. ----------

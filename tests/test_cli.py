@@ -1,6 +1,7 @@
 """`jaxmoral train | eval | infer | export` end to end on the tiny CPU config."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -290,3 +291,21 @@ def test_method_flag_errors_are_one_line(argv, message, capsys):
   err = capsys.readouterr().err
   errors = [line for line in err.splitlines() if line.startswith("jaxmoral")]
   assert errors == [message] and "Traceback" not in err, err
+
+
+def test_the_cli_leaves_the_hub_online_and_says_when_it_is_unreachable(capsys, tmp_path,
+                                                                        monkeypatch):
+  """No HF_HUB_OFFLINE of the command line's own: a Hub id is downloaded where the Hub is
+  reachable. Here it is not (the endpoint is a closed port): one line naming the cache and
+  HF_HUB_OFFLINE."""
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+  monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+  monkeypatch.chdir(tmp_path)
+  status = cli.main(["export", "--model_dir=jaxmoral-test/absent", f"--output={tmp_path}/out"])
+  assert "HF_HUB_OFFLINE" not in os.environ
+  err = capsys.readouterr().err.strip()
+  assert status == 2 and "\n" not in err, err
+  assert "unreachable" in err and "HF_HUB_OFFLINE" in err and str(tmp_path / "hub") in err

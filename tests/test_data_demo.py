@@ -10,7 +10,8 @@ from jaxmoral.data import demo
 GENERATE = pathlib.Path(__file__).resolve().parents[1] / "tools" / "demo_corpus" / "generate.py"
 
 FILES = ["clarify_questions.tsv", "clarify_answers.tsv", "clarify_fusion.csv",
-         "clarify_judgments.tsv", "dialogues.jsonl", "npov_kb.jsonl", "npov_examples.jsonl"]
+         "clarify_judgments.tsv", "dialogues.jsonl", "dialogues_train.jsonl",
+         "dialogues_test.jsonl", "npov_kb.jsonl", "npov_examples.jsonl"]
 
 
 def _generate(*args: str) -> subprocess.CompletedProcess:
@@ -68,6 +69,14 @@ def test_dialogues_format():
   assert with_candidates and any(t["utterance"] in t["response_candidates"]
                                  for t in with_candidates)
   assert not any("{" in t["utterance"] for d in dialogues for t in d["conversation"])
+
+
+def test_the_dialogue_split_holds_out_whole_dialogues():
+  def read(name):
+    return demo.path(name).read_text().splitlines()
+  train, test = read("dialogues_train.jsonl"), read("dialogues_test.jsonl")
+  assert (len(train), len(test)) == (48, 12) and not set(train) & set(test)
+  assert sorted(train + test) == sorted(read("dialogues.jsonl"))
 
 
 def test_npov_kb_and_examples_cover_every_argument():

@@ -90,7 +90,7 @@ PLACEHOLDERS = {
     "responses.jsonl": "jaxmoral/data/demo/npov_examples.jsonl",
     "kb.jsonl": "jaxmoral/data/demo/npov_kb.jsonl",
     "dialogues.jsonl": "jaxmoral/data/demo/dialogues.jsonl",
-    "test.jsonl": "jaxmoral/data/demo/dialogues.jsonl",
+    "test.jsonl": "jaxmoral/data/demo/dialogues_test.jsonl",
     "situations.jsonl": "situations.jsonl",
     "BASE": "/tmp/base_run", "PROMPT": "/tmp/prompt", "PROMPT_H": "/tmp/prompt_h",
     "PROMPT_C": "/tmp/prompt_c", "RUN": "/tmp/npov_run", "NAME": "pod", "ZONE": "zone",

@@ -2,7 +2,9 @@
 a few seconds)."""
 
 import json
+import os
 import pathlib
+import shutil
 import sys
 
 import gin
@@ -291,12 +293,22 @@ def test_demo_prints_each_verdict_once_short_with_one_pointer_to_the_results(
            for part, verdict in (("npov", "agrees"), ("clarify", "cannot tell"))}
   monkeypatch.setattr(demo, "_method_demo",
                       lambda part: lambda workdir: {"truth": lines[part]})
-  demo.run_all(workdir=tmp_path, only=("npov", "clarify"))
+  monkeypatch.chdir(tmp_path)
+  demo.run_all(workdir=tmp_path / "demo_out", only=("npov", "clarify"))
   out = capsys.readouterr().out
+  flat = " ".join(out.split())  # Lines are wrapped to the demo's width.
   for (line,) in lines.values():
-    assert out.count(line) == 1
+    assert flat.count(" ".join(line.split())) == 1
     assert len(line.splitlines()) <= 2 and len(line) < 300  # no quoted results
   assert out.count("experiments/results/") == 1
+  assert max(len(line) for line in out.splitlines()) <= demo.WIDTH
+  # The closing hints run in a new shell: each command is on PATH or a path to a program.
+  hints = [line.split(": ", 1)[1].split() for line in out.splitlines()
+           if line.startswith(("Every run's curves: ", "Look at the examples in a browser: "))]
+  assert [words[-2:] for words in hints] == [["--logdir", "demo_out"], ["explore", "demo_out"]]
+  for words in hints:
+    program = shutil.which(words[0]) or words[0]
+    assert os.path.isfile(program) and os.access(program, os.X_OK), words
 
 
 def _situations(jsd, flips):
@@ -909,3 +921,30 @@ def test_clarify_reward_probe_finds_the_dedicated_models(tmp_path):
   (tmp_path / "multitask_model").mkdir()
   with pytest.raises(FileNotFoundError, match="answer_model, .*fusion_model: run"):
     clarify_reward_probe.probe()
+
+
+def test_the_npov_demo_table_fits_the_demo_width_with_every_number():
+  from jaxmoral.npov import demo as npov_demo  # pylint: disable=g-import-not-at-top
+  cell = {"example_auc": 0.8123, "example_auc_ci": [0.7012, 1.0], "word_auc": 0.6,
+          "num_examples": 160, "num_positive": 80, "num_words": 12345}
+  results = {s: {d: {e: cell for e in ("hallucination", "coverage")}
+                 for d in ("rouge", "salience", "classifier")}
+             for s in ("unparaphrased", "paraphrased")}
+  table = npov_demo.summary_table(results)
+  assert max(len(line) for line in table.splitlines()) <= demo.WIDTH
+  rows = [line for line in table.splitlines() if line.startswith("unparaphrased  classifier")]
+  assert rows and rows[0].split()[2:] == ["81.2", "[70.1,", "100.0]", "60.0", "81.2", "[70.1,",
+                                          "100.0]", "60.0"]
+  assert "n, paraphrased coverage: 160 examples (80 with the error), 12345 words" in table
+
+
+def test_the_diamante_demo_names_a_different_candidate_or_says_there_is_none():
+  from jaxmoral.diamante import demo as diamante_demo  # pylint: disable=g-import-not-at-top
+  from jaxmoral.diamante import inference  # pylint: disable=g-import-not-at-top
+  same = inference.Candidate(text="ok", score=6.56, logprob=-1.0)
+  reply = inference.Reply(text="ok", score=6.56, candidates=(same, same))
+  assert diamante_demo._candidates_note(reply) == ("score 6.56, best of 2 candidates, all the "
+                                                   "same text")
+  other = inference.Candidate(text="fine", score=5.1, logprob=-2.0)
+  reply = inference.Reply(text="ok", score=6.56, candidates=(same, other, same))
+  assert diamante_demo._candidates_note(reply).endswith("(2 different); lowest 5.10: fine")

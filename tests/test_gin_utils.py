@@ -372,7 +372,7 @@ def test_an_included_project_config_is_read_from_another_folder_with_the_root_on
   gin_utils.parse_gin(gin_utils.GinArgs(
       files=("configs/diamante/generator_tiny_cpu.gin",), bindings=("MODEL_DIR = 'run'",)))
   # The include (configs/diamante/tiny_cpu.gin) was read: its training data are bound.
-  assert gin.query_parameter("%TRAIN_PATH").endswith("jaxmoral/data/demo/dialogues.jsonl")
+  assert gin.query_parameter("%TRAIN_PATH").endswith("jaxmoral/data/demo/dialogues_train.jsonl")
   # Which holds for every config folder: each is a package.
   folders = [p for p in (gin_files.PROJECT_ROOT / "configs").rglob("*")
              if p.is_dir() and p.name != "__pycache__"]

@@ -92,4 +92,4 @@ def test_the_installed_wheel_trains_the_quickstart_config_from_an_empty_folder(w
   assert "TRAIN_STEPS = 2" in (empty / "run" / "config.gin").read_text()
   (train_path,) = [line.split(" ", 1)[1] for line in proc.stdout.splitlines()
                    if line.startswith("TRAIN_PATH ")]
-  assert train_path == str(target / "jaxmoral/data/demo/dialogues.jsonl")
+  assert train_path == str(target / "jaxmoral/data/demo/dialogues_train.jsonl")

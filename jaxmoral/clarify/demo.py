@@ -142,9 +142,12 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   print("sample questions (PPO policy):")
   for s in evaluation.get("ppo", {}).get("samples", [])[:3]:
     print(f"  {s['situation']!r} -> {s['question']!r} (JSD {s['jsd']:.4f})")
-  print(f"PPO raw reward per iteration: {[round(x, 4) for x in ppo['reward_curve_values']]}")
+  print("PPO raw reward per iteration: "
+        + ", ".join(f"{x:.4f}" for x in ppo["reward_curve_values"]))
   truth = demo_lib.clarify_truth_lines(evaluation)  # printed once, by demo.run_all
-  print(f"models: {sorted(set(role_dir.values()))}")
+  for folder in sorted(set(role_dir.values())):
+    roles = [role for role, where in role_dir.items() if where == folder]
+    print(f"model of the {', '.join(roles)} role{'s' if len(roles) > 1 else ''}: {folder}")
   print(f"PPO run (checkpoints, TensorBoard train/; loads as the tuned question generator): "
         f"{ppo_dir}")
   print(f"reward curve: {ppo['reward_curve']}; table: {table_path}; transcript: {transcript}")

@@ -6,7 +6,7 @@ bindings work as for every command::
 
   jaxmoral diamante train --gin_file=configs/diamante/tiny_cpu.gin --gin.MODEL_DIR=/tmp/dm
   jaxmoral diamante train --gin_file=configs/diamante/generator_tiny_cpu.gin --gin.MODEL_DIR=/tmp/g
-  jaxmoral diamante eval --model_dir=/tmp/dm --test_path=test.jsonl
+  jaxmoral diamante eval --model_dir=/tmp/dm --test_path=jaxmoral/data/demo/dialogues_test.jsonl
   jaxmoral diamante chat --model_dir=/tmp/dm --transcript_path=/tmp/chat.jsonl
   jaxmoral diamante self_chat --model_dir=/tmp/dm --opening="Hi!" --num_rounds=6 \\
       --transcript_path=/tmp/self.jsonl

@@ -1,8 +1,9 @@
 """`jaxmoral diamante demo`: a tiny joint model from scratch on the bundled dialogues (CPU).
 
-Splits the bundled sample (`jaxmoral/data/demo/dialogues.jsonl`) by dialogue, trains a tiny
-T5 with NLL + PE for a few hundred steps, evaluates the ranking of human responses by
-preference score and by generation probability on the held-out dialogues, and prints a few
+Trains a tiny T5 with NLL + PE for a few hundred steps on the bundled sample's training
+dialogues (`jaxmoral/data/demo/dialogues_train.jsonl`, as configs/diamante/tiny_cpu.gin does),
+evaluates the ranking of human responses by preference score and by generation probability on
+the held-out dialogues (`dialogues_test.jsonl`, none trained on), and prints a few
 reranked replies and a short self-chat. Under two minutes on a laptop CPU.
 """
 
@@ -30,6 +31,18 @@ from jaxmoral.diamante import inference
 from jaxmoral.models.config import t5_config
 
 
+def _candidates_note(reply: inference.Reply) -> str:
+  """What the reply was chosen from: its score, and the lowest-scored different candidate
+  (none when every candidate is the reply's text)."""
+  others = [c for c in reply.candidates if c.text != reply.text]
+  note = f"score {reply.score:.2f}, best of {len(reply.candidates)} candidates"
+  if not others:
+    return note + ", all the same text"
+  distinct = len({c.text for c in reply.candidates})
+  worst = min(others, key=lambda c: c.score)
+  return f"{note} ({distinct} different); lowest {worst.score:.2f}: {worst.text}"
+
+
 @gin.configurable
 def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed: int = 0,
              output: TextIO = sys.stdout) -> dict[str, Any]:
@@ -45,8 +58,8 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   Returns:
     `{"train": ..., "eval": ..., "model_dir": ..., "tensorboard": ..., "transcript": ...}`.
   """
-  turns = data.read_dialogues(demo_data.path("dialogues.jsonl"))
-  train_turns, test_turns = data.split_dialogues(turns, test_fraction=0.2, seed=seed)
+  train_turns = data.read_dialogues(demo_data.path("dialogues_train.jsonl"))
+  test_turns = data.read_dialogues(demo_data.path("dialogues_test.jsonl"))
   train_path, test_path = (os.path.join(workdir, f"{name}.jsonl") for name in ("train", "test"))
   data.write_turns(train_path, train_turns)
   data.write_turns(test_path, test_turns)
@@ -88,8 +101,7 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
                                                         rng=jax.random.PRNGKey(seed),
                                                         config=rerank), strict=True):
     print(f"  context: {' | '.join(context[-2:])}", file=output)
-    print(f"  reply:   {reply.text}   [score {reply.score:.2f}; worst candidate "
-          f"{reply.candidates[-1].score:.2f}: {reply.candidates[-1].text}]", file=output)
+    print(f"  reply:   {reply.text}   [{_candidates_note(reply)}]", file=output)
   print("\n== self-chat ==", file=output)
   transcript = os.path.join(workdir, "self_chat.jsonl")
   chat.self_chat(model_dir=model_dir, opening="Hi! How was your weekend?",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import gin
 
@@ -42,6 +42,37 @@ def _write_generator_pairs(examples: Sequence[task.NpovExample], path: str) -> s
   """The generator's (formatted input, response) pairs as JSONL for `runs.Seq2SeqData`."""
   return readers.write_jsonl(path, ({"inputs": task.format_input(e), "targets": e.response}
                                     for e in examples))
+
+
+def summary_table(results: Mapping[str, Any]) -> str:
+  """The demo's table of `evaluate.evaluate_detectors`' results within 100 columns: a row per
+  slice and detector, per error type the example-level ROC AUC x 100 with its 95 % interval and
+  the word-level one; then what each slice's numbers are measured on. `evaluate.format_table`
+  (eval/table.txt) has the same numbers as one wide row per detector."""
+  rows = [["slice", "detector", "hallucination", "word", "coverage", "word"]]
+  counts = []
+  for slice_name, by_detector in results.items():
+    for detector, by_error in by_detector.items():
+      row = [slice_name, detector]
+      for error in evaluate.ERRORS:
+        r = by_error[error]
+        auc, ci, word = r["example_auc"], r.get("example_auc_ci"), r["word_auc"]
+        cell = "-" if auc is None else f"{100 * auc:.1f}"
+        if auc is not None and ci:
+          cell += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+        row += [cell, "-" if word is None else f"{100 * word:.1f}"]
+      rows.append(row)
+    first = next(iter(by_detector.values()), None)
+    if first is not None:
+      counts += [f"n, {slice_name} {error}: {first[error]['num_examples']} examples "
+                 f"({first[error]['num_positive']} with the error), "
+                 f"{first[error].get('num_words', '?')} words" for error in evaluate.ERRORS]
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+  lines.insert(1, "-" * len(lines[0]))
+  return "\n".join([
+      "ROC AUC x 100 [95 % bootstrap interval over the examples], example level; word: word "
+      "level", *lines, *counts])
 
 
 @gin.configurable
@@ -145,7 +176,8 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
                {k: len(v) for k, v in test_slices.items()})
   results = evaluate.evaluate_detectors(built, test_slices)
   paths = evaluate.write_results(results, os.path.join(workdir, "eval"))
-  print(evaluate.format_table(results))
+  print(summary_table(results))
+  print(f"(every slice, level and count: {paths['table']})")
   aucs = {f"auc/{slice_name}/{det}/{error}/{level}": by_error[error][f"{level}_auc"]
           for slice_name, by_detector in results.items()
           for det, by_error in by_detector.items()

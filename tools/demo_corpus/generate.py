@@ -78,7 +78,11 @@ def dialogues() -> dict[str, str]:
             candidates.insert((d // 4 + t) % 3, utterance)
         conversation.append({"utterance": utterance, "response_candidates": candidates})
       out.append({"conversation": conversation})
-  return {"dialogues.jsonl": _jsonl(out)}
+  # A split by dialogue for the configs and the demo: every fifth dialogue held out for testing,
+  # so each template has fills on both sides but no dialogue is on both.
+  return {"dialogues.jsonl": _jsonl(out),
+          "dialogues_train.jsonl": _jsonl([d for i, d in enumerate(out) if i % 5 != 4]),
+          "dialogues_test.jsonl": _jsonl([d for i, d in enumerate(out) if i % 5 == 4])}
 
 
 def _clause(sentence: str) -> str:
