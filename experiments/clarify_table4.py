@@ -307,6 +307,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
       "table": table, "differences": differences, "command": command,
       "machine": common.machine(), "timings": timings,
       "ppo_reward_curve": ppo.get("reward_curve_values", []),
+      # Every iteration's learning-curve metrics (ppo_trainer.CURVE_METRICS) against episodes.
+      "ppo_curves": ppo_curves(ppo_dir),
       # The last iteration's KL, its coefficient and the like: did the penalty hold?
       "ppo_final_metrics": {k: float(v) for k, v in ppo.items()
                             if isinstance(v, (int, float, np.number))},
@@ -321,12 +323,44 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "init_kl_coef": ppo_config.init_kl_coef, "kl_target": ppo_config.kl_target,
                 "kl_horizon": ppo_config.kl_horizon,
                 "ppo_top_p": ppo_config.top_p, "ppo_temperature": ppo_config.temperature,
+                "ppo_num_minibatches": ppo_config.num_minibatches,
+                "ppo_num_epochs": ppo_config.num_ppo_epochs,
+                "ppo_value_coef": ppo_config.value_coef,
+                "ppo_whiten_rewards": ppo_config.whiten_rewards,
                 "eval_split": eval_split, "eval_situations": len(eval_situations),
                 "num_resamples": num_resamples, "seed": seed}}
   results["verdict"], results["verdict_why"] = verdict(differences)
   return common.write_results(results, results_dir=results_dir, name=name,
                               title=f"ClarifyDelphi Table 4 shape ({name})", plot=plot,
                               report=report)
+
+
+def ppo_curves(ppo_dir: str) -> dict[str, Any]:
+  """A PPO run's learning curves: {"iterations", "episodes", "metrics": {name: values}}."""
+  from jaxmoral.rl import ppo_trainer  # pylint: disable=import-outside-toplevel
+  curves = ppo_trainer.read_learning_curves(ppo_trainer.reward_curve_path(ppo_dir))
+  rows, episodes = curves["rows"], curves["episodes"]
+  steps = sorted(rows)
+  names = [n for n in ppo_trainer.CURVE_METRICS if steps and all(n in rows[i] for i in steps)]
+  return {"iterations": steps, "episodes": [episodes.get(i, i) for i in steps],
+          "metrics": {n: [rows[i][n] for i in steps] for n in names}}
+
+
+def curves_line(curves: Mapping[str, Any]) -> str:
+  """The learning curves in words: reward and KL at the start, the end and their extremes."""
+  m = curves.get("metrics") or {}
+  if not curves.get("iterations") or "raw_score_mean" not in m:
+    return ""
+  reward, parts = m["raw_score_mean"], []
+  parts.append(f"raw reward first {reward[0]:.4f}, last {reward[-1]:.4f}, max {max(reward):.4f}")
+  for name, label in (("kl", "KL (sampled-token estimate)"),
+                      ("kl_full_vocab", "KL (full vocabulary)"), ("kl_coef", "KL coefficient"),
+                      ("rollout_entropy", "entropy per token"), ("distinct_2", "distinct-2"),
+                      ("value_explained_variance", "value explained variance")):
+    if name in m:
+      parts.append(f"{label} first {m[name][0]:.3g}, last {m[name][-1]:.3g}")
+  return (f"PPO learning curves over {curves['episodes'][-1]} episodes "
+          f"({len(curves['iterations'])} iterations): " + "; ".join(parts) + ".")
 
 
 def claim_parts(differences: Mapping[str, Any]) -> list[Any]:
@@ -424,7 +458,10 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
     asked = common.fmt(d["question_pct"], 1) if "question_pct" in d else "—"
     lines.append(f"| {label} | {common.fmt(d['jsd'], 4)} | {common.fmt(d['flips_pct'], 1)} "
                  f"| {asked} |")
-  if curve:
+  curves_text = curves_line(results.get("ppo_curves") or {})
+  if curves_text:
+    lines += ["", curves_text]
+  elif curve:
     lines += ["", f"PPO training reward (raw JSD of rollouts) per iteration: first "
               f"{curve[0]:.4f}, last {curve[-1]:.4f}, max {max(curve):.4f}."]
   lines += ["", *verdict_lines(results),
@@ -434,13 +471,19 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
 
 
 def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
-  """Average JSD and % flips per system with their intervals."""
+  """Average JSD and % flips per system with their intervals; beneath them PPO's reward and
+  KL to the reference against episodes (when the run recorded them)."""
   from jaxmoral import pictures  # pylint: disable=import-outside-toplevel
   plt = pictures.pyplot()
   table = results["table"]
   systems = list(table)
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-  for ax, (key, label) in zip(axes, (("jsd", "average JSD"), ("flips_pct", "% judgment flips"))):
+  curves = results.get("ppo_curves") or {}
+  metrics = curves.get("metrics") or {}
+  with_curves = bool(curves.get("iterations")) and "raw_score_mean" in metrics
+  fig, axes = plt.subplots(2 if with_curves else 1, 2, figsize=(12, 8 if with_curves else 4),
+                           squeeze=False)
+  for ax, (key, label) in zip(axes[0], (("jsd", "average JSD"),
+                                        ("flips_pct", "% judgment flips"))):
     est = np.array([table[s][key]["estimate"] for s in systems])
     err = np.array([[table[s][key]["estimate"] - table[s][key]["low"] for s in systems],
                     [table[s][key]["high"] - table[s][key]["estimate"] for s in systems]])
@@ -451,6 +494,19 @@ def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
     ax.set_xticklabels(systems, rotation=35, ha="right", fontsize=8)
     ax.set_title(f"{label} (95 % CI)")
     ax.grid(axis="y", alpha=0.3)
+  if with_curves:
+    episodes = curves["episodes"]
+    ax_r, ax_kl = axes[1]
+    ax_r.plot(episodes, metrics["raw_score_mean"], marker=".", color="tab:red")
+    ax_r.set_title("PPO rollout reward (raw JSD)")
+    for name, label in (("kl", "sampled-token estimate"), ("kl_full_vocab", "full vocabulary")):
+      if name in metrics:
+        ax_kl.plot(episodes, metrics[name], marker=".", label=label)
+    ax_kl.set_title("KL(policy || reference), nats per question")
+    ax_kl.legend(fontsize=8)
+    for ax in (ax_r, ax_kl):
+      ax.set_xlabel("episodes")
+      ax.grid(alpha=0.3)
   fig.suptitle(title)
   return pictures.save_figure(fig, path, dpi=110)
 

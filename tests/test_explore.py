@@ -979,3 +979,18 @@ def test_live_clarify_loads_its_question_model_once(monkeypatch):
                                 fusion_dir="/a", judge_dir="/a", judge_classes=("a", "b", "c"))
   assert loads == ["/q"] and row == {"situation": "s", "question": "Why?", "jsd": 0.25}
   live._question_model.cache_clear()  # pylint: disable=protected-access
+
+
+def test_a_ppo_runs_learning_curves_are_read_against_episodes(tmp_path):
+  """The ClarifyDelphi curve view's extra charts: every recorded metric but the reward (which
+  has its own chart), by episodes; a file with the reward only has none."""
+  from jaxmoral.explore import sources  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "reward_curve.json"
+  path.write_text(json.dumps({"iterations": [1, 2], "episodes": [64, 128],
+                              "raw_reward_mean": [0.1, 0.2],
+                              "metrics": {"raw_score_mean": [0.1, 0.2], "kl": [0.5, 1.5],
+                                          "kl_coef": [0.15, 0.15]}}))
+  assert sources.learning_curves(path) == {"kl": [(64.0, 0.5), (128.0, 1.5)],
+                                           "kl_coef": [(64.0, 0.15), (128.0, 0.15)]}
+  path.write_text(json.dumps({"iterations": [1], "raw_reward_mean": [0.1]}))
+  assert sources.learning_curves(path) == {}

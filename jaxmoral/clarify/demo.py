@@ -96,11 +96,10 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
       judge_classes=formats.DEMO_JUDGE_CLASSES, batch_size=32, input_length=64,
       max_answer_length=24, max_fusion_length=32)
   tick = time.time()
+  # The original recipe (PPOConfig's defaults: one minibatch, 4 epochs, fixed KL 0.15, ...)
+  # at demo scale.
   ppo_config = ppo_trainer.PPOConfig(
-      batch_size=ppo_batch_size, num_ppo_epochs=2, num_minibatches=2, max_prompt_length=48,
-      max_response_length=16, reward_norm_num_prompts=ppo_batch_size,
-      # A few iterations: no controller could adapt the coefficient, so it is fixed.
-      kl_control="fixed", init_kl_coef=0.05)
+      batch_size=ppo_batch_size, max_prompt_length=48, reward_norm_num_prompts=ppo_batch_size)
   ppo_dir = str(work / "ppo")
   ppo = training.train_clarify_ppo(
       model_dir=ppo_dir, question_model_dir=role_dir["question"],

@@ -285,11 +285,13 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
     fusion_model_dir: The fusion model of the reward.
     judge_model_dir: The judge of the reward.
     nli_model_dir: The NLI filter of the reward's answers (None: no filter).
-    ppo_config: PPO settings (batch, epochs, KL, sampling: top-p 0.6, temperature 0.7, ...);
-      None: `PPOConfig()`, made at call time so that gin bindings of PPOConfig apply.
-    optimizer: Policy (and value) optimizer (None: AdamW at `learning_rate`).
-    learning_rate: Rate of the default AdamW (default 1e-5); an error with `optimizer`, which
-      has its own (the configs' gin macro PPO_LEARNING_RATE).
+    ppo_config: PPO settings (batch, epochs, KL, sampling; the original ClarifyDelphi recipe
+      by default); None: `PPOConfig()`, made at call time so that gin bindings of PPOConfig
+      apply.
+    optimizer: Policy (and value) optimizer (None: the recipe's Adam at `learning_rate`,
+      eps 1e-5, decaying linearly to 0 over the run's `num_iterations`).
+    learning_rate: Initial rate of the default Adam (default 1e-5); an error with
+      `optimizer`, which has its own (the configs' gin macro PPO_LEARNING_RATE).
     num_iterations: Total PPO iterations.
     reward_config: Reward-pipeline settings (None: `RewardConfig()`, made at call time so
       that gin bindings of RewardConfig apply).
@@ -310,9 +312,19 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
   Returns:
     `train_ppo`'s metrics plus "policy_dir" (the exported final policy) and "reward_curve".
   """
-  optimizer = _optimizer_or_default(optimizer, learning_rate, default_rate=1e-5,
-                                    function="train_clarify_ppo", macro="PPO_LEARNING_RATE")
   ppo_config = ppo_config or ppo_trainer.PPOConfig()
+  if optimizer is not None:  # A rate given beside it would be ignored: an error.
+    optimizer = _optimizer_or_default(optimizer, learning_rate, default_rate=1e-5,
+                                      function="train_clarify_ppo", macro="PPO_LEARNING_RATE")
+  else:
+    # The original recipe's (gin/ppo/clarifydelphi.gin): Adam, eps 1e-5, the rate decaying
+    # linearly to 0 over the run's updates.
+    rate = 1e-5 if learning_rate is None else learning_rate
+    optimizer = optimizers.make_optimizer(
+        name="adamw", eps=1e-5, weight_decay=0.0, learning_rate=optimizers.make_schedule(
+            name="linear_decay", base_learning_rate=rate,
+            total_steps=ppo_trainer.ppo_update_count(num_iterations=num_iterations,
+                                                     config=ppo_config)))
   reward_config = reward_config or reward_lib.RewardConfig()
   if not compile_only:
     # The data first: a missing split or a bad file fails before any model loads.

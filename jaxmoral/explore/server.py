@@ -263,7 +263,8 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
                     chat=attempt(lambda: sources.clarify_chat(path)))
     if kind == "reward_curve":
       return render("clarify_curve.html", root=root, path=roots.relative(root, path),
-                    curve=attempt(lambda: sources.reward_curve(path)))
+                    curve=attempt(lambda: sources.reward_curve(path)),
+                    curves=attempt(lambda: sources.learning_curves(path)))
     return render("clarify.html", root=root, path=roots.relative(root, path),
                   data=attempt(lambda: sources.clarify_evaluation(path)),
                   selected=flask.request.values.get("i"))

@@ -255,6 +255,18 @@ def reward_curve(path: pathlib.Path) -> list[tuple[float, float]]:
   return sorted((float(k), float(v)) for k, v in curve.items())
 
 
+def learning_curves(path: pathlib.Path) -> dict[str, list[tuple[float, float]]]:
+  """{metric: (episodes, value) points} of a PPO run's reward_curve.json beyond the reward
+  (KL, its coefficient, entropy...); {} for a file with the reward only."""
+  from jaxmoral.rl import ppo_trainer  # pylint: disable=import-outside-toplevel
+  curves = ppo_trainer.read_learning_curves(path)
+  rows, episodes = curves["rows"], curves["episodes"]
+  names = {name for row in rows.values() for name in row} - {"raw_score_mean"}
+  return {name: [(float(episodes.get(i, i)), rows[i][name]) for i in sorted(rows)
+                 if name in rows[i]]
+          for name in ppo_trainer.CURVE_METRICS if name in names}
+
+
 def distribution(value: Any) -> list[float]:
   """A judge distribution as [bad, ok, good] (a list, or a {judgment: p} dict)."""
   if isinstance(value, dict):

@@ -43,6 +43,43 @@ def kl_penalized_rewards(score: Array, logprobs: Array, ref_logprobs: Array, mas
   return rewards, kl
 
 
+def full_vocab_kl(logits: Array, ref_logits: Array) -> Array:
+  """Exact per-position KL(pi(.|s_t) || pi_ref(.|s_t)) over the vocabulary.
+
+  Summed over a sampled response, it estimates the sequence KL(pi || pi_ref) with less
+  variance than the sampled-token `log pi - log pi_ref` (it is that estimate's expectation
+  over the token at each position, given the sampled prefix).
+
+  Args:
+    logits: (B, T, V) the policy's (temperature-scaled) logits.
+    ref_logits: (B, T, V) the reference's, at the same temperature.
+
+  Returns:
+    (B, T) float32, >= 0.
+  """
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  logq = jax.nn.log_softmax(ref_logits.astype(jnp.float32), axis=-1)
+  return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+
+
+def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
+  """1 - Var[returns - values] / Var[returns] over the mask (1: perfect values, <= 0: none).
+
+  Args:
+    values: (B, T) value predictions.
+    returns: (B, T) their targets.
+    mask: (B, T) 1 on valid tokens.
+
+  Returns:
+    float32 scalar; 0 when the returns do not vary.
+  """
+  mask = mask.astype(jnp.float32)
+  returns = returns.astype(jnp.float32)
+  var = losses.masked_var(returns, mask)
+  residual = losses.masked_var(returns - values.astype(jnp.float32), mask)
+  return jnp.where(var > 0, 1.0 - residual / jnp.where(var > 0, var, 1.0), 0.0)
+
+
 def compute_gae(rewards: Array, values: Array, mask: Array, *, gamma: float = 1.0,
                 lam: float = 0.95, whiten_rewards: bool = False,
                 whiten_advantages: bool = False) -> tuple[Array, Array]:

@@ -97,6 +97,12 @@ class Vocabulary(Protocol):
 class PPOConfig:
   """Settings of PPO (Ziegler et al. 2019 / PPO2 conventions).
 
+  The defaults are the original ClarifyDelphi recipe (allenai/clarifydelphi `Code/arguments.py`
+  and `Code/main.py`; gin/ppo/clarifydelphi.gin binds them with its optimizer): 64 episodes in
+  one minibatch, 4 epochs, value coefficient 1.0, whitened rewards, a fixed KL coefficient 0.15
+  (the original's `--adaptive_kl` flag, on by default, selects its FixedKLController),
+  temperature 0.7 on the untruncated distribution, 16 response tokens.
+
   Attributes:
     batch_size: Prompts (episodes) per rollout; divisible by `num_minibatches` and by the
       mesh's data axis.
@@ -121,8 +127,10 @@ class PPOConfig:
     whiten_advantages: Whiten advantages over the batch.
     temperature: Sampling temperature; also applied to policy and reference logits in
       teacher forcing (see `jaxmoral.rl.rollout`).
-    top_p: Nucleus sampling mass (1.0 = off).
-    top_k: Top-k sampling (0 = off).
+    top_p: Must be 1.0: rollouts sample the policy's whole distribution (a truncated sampler
+      leaves probability moved into the tail unpenalised; see `jaxmoral.rl.rollout`).
+      Evaluation decoding has settings of its own.
+    top_k: Must be 0 (no top-k in rollouts, as for `top_p`).
     max_prompt_length: Prompts are encoded (+EOS) and truncated/padded to this length.
     max_response_length: Tokens sampled at most (EOS included).
     compute_entropy: Compute (and log) the policy entropy in the update step.
@@ -134,24 +142,24 @@ class PPOConfig:
   """
   batch_size: int = 64
   num_ppo_epochs: int = 4
-  num_minibatches: int = 4
+  num_minibatches: int = 1
   num_microbatches: int = 1
   clip_ratio: float = 0.2
   value_clip: float = 0.2
-  value_coef: float = 0.1
-  kl_control: str = "adaptive"
-  init_kl_coef: float = 0.2
+  value_coef: float = 1.0
+  kl_control: str = "fixed"
+  init_kl_coef: float = 0.15
   kl_target: float = 6.0
   kl_horizon: float = 10000.0
   gamma: float = 1.0
   lam: float = 0.95
-  whiten_rewards: bool = False
+  whiten_rewards: bool = True
   whiten_advantages: bool = True
   temperature: float = 0.7
-  top_p: float = 0.6
+  top_p: float = 1.0
   top_k: int = 0
   max_prompt_length: int = 128
-  max_response_length: int = 32
+  max_response_length: int = 16
   compute_entropy: bool = True
   share_value_encoder: bool = False
   normalize_reward: bool = True
@@ -178,9 +186,14 @@ class PPOConfig:
     for name in ("gamma", "lam"):
       if not 0.0 <= getattr(self, name) <= 1.0:
         raise ValueError(f"PPOConfig.{name} must be in [0, 1], got {getattr(self, name)!r}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"PPOConfig.top_p must be in (0, 1], got {self.top_p!r}")
     validation.non_negative_int(self.top_k, "PPOConfig.top_k")
+    if self.top_p != 1.0 or self.top_k != 0:
+      raise ValueError(f"PPOConfig: top_p={self.top_p!r}, top_k={self.top_k!r}: PPO rollouts "
+                       f"must sample the policy's whole distribution softmax(logits / "
+                       f"temperature) (its ratio, entropy and KL penalty are that "
+                       f"distribution's; a truncated sampler never charges mass moved into "
+                       f"the tail); set top_p = 1.0 and top_k = 0 (evaluation decoding has "
+                       f"its own settings)")
     if self.kl_control not in KL_CONTROLS:
       raise ValueError(f"PPOConfig.kl_control must be one of {KL_CONTROLS}, got "
                        f"{self.kl_control!r}")
@@ -201,6 +214,15 @@ class PPOConfig:
       return ppo.AdaptiveKLController(init_kl_coef=self.init_kl_coef, target=self.kl_target,
                                       horizon=self.kl_horizon)
     return ppo.FixedKLController(init_kl_coef=self.init_kl_coef)
+
+
+@gin.configurable
+def ppo_update_count(*, num_iterations: int, config: PPOConfig) -> int:
+  """Optimizer updates of a run, `num_iterations * num_ppo_epochs * num_minibatches`: the
+  `total_steps` of a learning-rate decay over the whole run (an optax schedule counts
+  updates; gin/ppo/clarifydelphi.gin binds it)."""
+  validation.positive_int(num_iterations, "ppo_update_count: num_iterations")
+  return num_iterations * config.num_ppo_epochs * config.num_minibatches
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -398,6 +420,11 @@ class PPOTrainer:
           in_shardings=(d2, d2, d2), out_shardings=d1)
 
   @property
+  def optimizer(self) -> optax.GradientTransformation:
+    """The policy's optimizer."""
+    return self._optimizer
+
+  @property
   def functions(self) -> dict[str, Any]:
     """The jitted, sharded functions of an iteration besides the reward, by stage name:
     rollout (sampling), score (old/reference log-probs, values, GAE), update."""
@@ -539,8 +566,7 @@ class PPOTrainer:
     cfg = self.config
     return rollout_lib.generate_rollout(
         self.policy_model, policy_params, prompt_tokens, rng,
-        max_response_length=cfg.max_response_length, temperature=cfg.temperature,
-        top_p=cfg.top_p, top_k=cfg.top_k)
+        max_response_length=cfg.max_response_length, temperature=cfg.temperature)
 
   def generate(self, state: PPOState, prompt_tokens: Any,
                rng: Array) -> tuple[Array, Array, Array]:
@@ -652,6 +678,9 @@ class PPOTrainer:
     rollout_kl = jnp.mean(jnp.sum(rollout.kl, axis=1))
     kl_coef = self._kl_controller.update(state.kl_coef, rollout_kl, batch)
     metrics = {k: jnp.mean(v) for k, v in stacked.items()}
+    if isinstance(self._optimizer, optimizers.Optimizer):
+      # The policy's rate at this iteration's first update (a schedule counts updates).
+      metrics["learning_rate"] = self._optimizer.learning_rate(state.policy.step)
     for name in ("ratio_mean", "approx_kl", "clipfrac", "policy_loss"):
       metrics[f"first_minibatch/{name}"] = stacked[name][0]
     new_state = dataclasses.replace(state, step=state.step + 1, policy=policy, value=value,
@@ -736,8 +765,8 @@ class PPOTrainer:
       num_samples: Also return this many (prompt, response, score) samples.
 
     Returns:
-      (new state, metrics as floats incl. `time/{rollout,reward,score,update}` and
-      `episodes_per_sec`, samples).
+      (new state, metrics as floats incl. `time/{rollout,reward,score,update}`,
+      `episodes_per_sec`, `distinct_1` / `distinct_2` of the response tokens, samples).
     """
     if len(prompt_tokens) != self.config.batch_size:
       raise ValueError(f"PPOTrainer.iteration: got {len(prompt_tokens)} prompts, "
@@ -777,6 +806,10 @@ class PPOTrainer:
     metrics["rollout_entropy"] = metrics.pop("entropy")
     metrics.update({k: float(v) for k, v in jax.device_get(update_metrics).items()})
     metrics.update(reward_metrics)
+    host_tokens, host_mask = jax.device_get((responses, mask))
+    for n in (1, 2):
+      metrics[f"distinct_{n}"] = distinct_n_tokens(host_tokens, host_mask, n,
+                                                   eos_id=self.policy_model.config.eos_token_id)
     total = sum(times.values())
     metrics.update({f"time/{k}": v for k, v in times.items()})
     metrics["episodes_per_sec"] = self.config.batch_size / total if total > 0 else float("nan")
@@ -802,6 +835,32 @@ class PPOTrainer:
     if isinstance(x, jax.Array):
       return x
     return jax.device_put(np.asarray(x), self.partitioner.data_sharding(ndim))
+
+
+def distinct_n_tokens(tokens: np.ndarray, mask: np.ndarray, n: int, *, eos_id: int) -> float:
+  """Distinct-n of a batch of responses: unique token n-grams / all n-grams (EOS excluded).
+
+  Args:
+    tokens: (B, T) response tokens.
+    mask: (B, T) 1 on generated tokens.
+    n: n-gram length.
+    eos_id: The end token (not part of a response's text).
+
+  Returns:
+    The ratio (0 when no response has n tokens).
+  """
+  validation.positive_int(n, "distinct_n_tokens: n")
+  grams: set[tuple[int, ...]] = set()
+  total = 0
+  for row, length in zip(np.asarray(tokens), np.asarray(mask).sum(axis=1).astype(int),
+                         strict=True):
+    ids = [int(t) for t in row[:length]]
+    if ids and ids[-1] == eos_id:
+      ids = ids[:-1]
+    row_grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    total += len(row_grams)
+    grams.update(row_grams)
+  return len(grams) / total if total else 0.0
 
 
 # -- the loop's hooks ---------------------------------------------------------------------------
@@ -847,30 +906,53 @@ class SampleLogHook(train_lib.TrainHook):
                         _samples_markdown(self.trainer.last_samples[:self.count]))
 
 
+# The per-iteration metrics of the learning curves (JSON, TensorBoard `iteration/<name>`).
+CURVE_METRICS = (
+    "raw_score_mean", "raw_score_std",  # The reward as the reward function returns it.
+    "reward_mean", "reward_std",  # The score PPO pays, normalised by (mu0, sigma0).
+    "kl", "kl_full_vocab", "kl_coef", "non_score_reward",  # KL to the reference, its price.
+    "rollout_entropy", "entropy", "policy_loss", "value_loss", "clipfrac", "approx_kl",
+    "value_explained_variance", "response_length", "distinct_1", "distinct_2",
+    "learning_rate")
+
+
 class RewardCurveHook(train_lib.TrainHook):
-  """The mean raw reward of every iteration in `MODEL_DIR/reward_curve.json` (written as the
-  run goes, kept across resumes up to the restored iteration) and `reward_curve.png`."""
+  """The learning curves of a run: every iteration's `CURVE_METRICS` in
+  `MODEL_DIR/reward_curve.json` (written as the run goes, kept across resumes up to the
+  restored iteration) and in TensorBoard (train/, tags `iteration/<name>`, whatever the
+  loop's `log_every`), drawn against episodes in `reward_curve.png` at the end."""
   NAME = "reward_curve"
 
-  def __init__(self, model_dir: str):
+  def __init__(self, model_dir: str, *, batch_size: int):
     self.path = reward_curve_path(model_dir)
-    self.curve: dict[int, float] = {}
+    self.batch_size = batch_size
+    self.rows: dict[int, dict[str, float]] = {}
+
+  @property
+  def curve(self) -> dict[int, float]:
+    """{iteration: mean raw reward}."""
+    return {i: row["raw_score_mean"] for i, row in self.rows.items()}
 
   def on_start(self, loop: train_lib.LoopInfo, state: Any) -> Any:
-    self.curve = {i: v for i, v in read_reward_curve(self.path).items()
-                  if i <= loop.start_step}
+    self.rows = {i: row for i, row in read_learning_curves(self.path)["rows"].items()
+                 if i <= loop.start_step}
     return state
 
   def after_step(self, loop: train_lib.LoopInfo, step: int, state: Any,
                  metrics: Mapping[str, float]) -> None:
-    self.curve[step] = float(metrics["raw_score_mean"])
+    row = {name: float(metrics[name]) for name in CURVE_METRICS if name in metrics}
+    self.rows[step] = row
+    loop.writers.scalars("train", step, {f"iteration/{k}": v for k, v in row.items()})
     if jax.process_index() == 0:
-      steps = sorted(self.curve)
-      fileio.write_text(self.path, json.dumps({"iterations": steps,
-                                               "raw_reward_mean": [self.curve[i] for i in steps]}))
+      steps = sorted(self.rows)
+      names = [n for n in CURVE_METRICS if all(n in self.rows[i] for i in steps)]
+      fileio.write_text(self.path, json.dumps({
+          "iterations": steps, "episodes": [i * self.batch_size for i in steps],
+          "raw_reward_mean": [self.rows[i]["raw_score_mean"] for i in steps],
+          "metrics": {n: [self.rows[i][n] for i in steps] for n in names}}))
 
   def on_end(self, loop: train_lib.LoopInfo, state: Any) -> None:
-    if jax.process_index() == 0 and self.curve:
+    if jax.process_index() == 0 and self.rows:
       self.picture = plot_reward_curve(self.path)
 
   picture: Optional[str] = None
@@ -889,14 +971,41 @@ def read_reward_curve(path: str | os.PathLike[str]) -> dict[int, float]:
   return dict(zip(data["iterations"], data["raw_reward_mean"], strict=False))
 
 
+def read_learning_curves(path: str | os.PathLike[str]) -> dict[str, Any]:
+  """A curve file as {"rows": {iteration: {metric: value}}, "episodes": {iteration:
+  episodes}}; empty when there is none (a file of before the metrics: raw reward only)."""
+  if not fileio.isfile(path):
+    return {"rows": {}, "episodes": {}}
+  data = json.loads(fileio.read_text(path))
+  steps = list(data["iterations"])
+  metrics = dict(data.get("metrics") or {})
+  metrics.setdefault("raw_score_mean", data["raw_reward_mean"])
+  rows = {i: {n: float(v[k]) for n, v in metrics.items()} for k, i in enumerate(steps)}
+  episodes = data.get("episodes")
+  return {"rows": rows, "episodes": dict(zip(steps, episodes, strict=True)) if episodes else {}}
+
+
 def plot_reward_curve(path: str | os.PathLike[str]) -> str:
-  """Draws a curve file beside it (`.png`); returns the picture's path."""
-  curve = read_reward_curve(path)
-  fig, ax = pictures.pyplot().subplots(figsize=(5, 3))
-  ax.plot(sorted(curve), [curve[i] for i in sorted(curve)], marker="o")
-  ax.set_xlabel("PPO iteration")
-  ax.set_ylabel("mean raw reward")
-  ax.set_title("PPO reward")
+  """Draws a curve file beside it (`.png`): the raw reward and the KL to the reference
+  against episodes (iterations for a file without episodes); returns the picture's path."""
+  curves = read_learning_curves(path)
+  rows, episodes = curves["rows"], curves["episodes"]
+  steps = sorted(rows)
+  x = [episodes.get(i, i) for i in steps] if episodes else steps
+  fig, (ax_r, ax_kl) = pictures.pyplot().subplots(1, 2, figsize=(10, 3.2))
+  ax_r.plot(x, [rows[i]["raw_score_mean"] for i in steps], marker=".")
+  ax_r.set_ylabel("mean raw reward")
+  ax_r.set_title("PPO reward")
+  for name, label in (("kl", "sampled-token estimate"), ("kl_full_vocab", "full vocabulary")):
+    if all(name in rows[i] for i in steps):
+      ax_kl.plot(x, [rows[i][name] for i in steps], marker=".", label=label)
+  ax_kl.set_ylabel("KL(policy || reference), nats / response")
+  ax_kl.set_title("KL to the reference")
+  if ax_kl.lines:
+    ax_kl.legend(fontsize=8)
+  for ax in (ax_r, ax_kl):
+    ax.set_xlabel("episodes" if episodes else "PPO iteration")
+    ax.grid(alpha=0.3)
   return pictures.save_figure(fig, os.path.splitext(os.fspath(path))[0] + ".png")
 
 
@@ -942,12 +1051,19 @@ def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
                    "iterations (PPOConfig.kl_horizon %g for %d episodes per iteration): in "
                    "effect a fixed coefficient; lower kl_horizon to let it follow kl_target",
                    reach, num_iterations, trainer.config.kl_horizon, trainer.config.batch_size)
+  optimizer = trainer.optimizer
+  if isinstance(optimizer, optimizers.Optimizer):
+    # A decay sized for another run length shows here (and as iteration/learning_rate).
+    last = ppo_update_count(num_iterations=num_iterations, config=trainer.config) - 1
+    logger.info("train_ppo: policy learning rate %.3g at the first update, %.3g at the last "
+                "(update %d)", float(optimizer.learning_rate(jnp.int32(0))),
+                float(optimizer.learning_rate(jnp.int32(last))), last)
   tokens, texts = trainer.encode_prompts(prompt_source)
   prompts = PromptSource(tokens=tokens, texts=texts, batch_size=trainer.config.batch_size,
                          seed=seed)
   # The keys of the core loop (init, steps) and of the normalisation are apart.
   norm_rng = jax.random.fold_in(jax.random.PRNGKey(seed), 2 ** 20)
-  curve = RewardCurveHook(os.fspath(model_dir))
+  curve = RewardCurveHook(os.fspath(model_dir), batch_size=trainer.config.batch_size)
   normalization = RewardNormalizationHook(trainer, prompts, norm_rng)
   result = train_lib.train(
       model_dir=model_dir, trainer=trainer, train_source=prompts, train_steps=num_iterations,

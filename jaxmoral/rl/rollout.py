@@ -2,17 +2,24 @@
 
 Pure, jittable functions; `jaxmoral.rl.ppo_trainer` compiles and shards them over the mesh.
 
-Which distribution is "the policy" (old log-probs consistent with the sampler):
-  Responses are drawn by `jaxmoral.decoding.sample` with temperature tau and top-k / top-p.
-  PPO's policy pi(a|s) is the *temperature-scaled* model distribution softmax(logits / tau),
-  computed by teacher forcing, for the policy (ratio, entropy) and for the reference (KL
-  penalty) alike. `score_rollout` recomputes the old log-probs with exactly the function the
-  update step differentiates (same params, deterministic forward), so on the first minibatch
-  of the first PPO epoch the ratio is exactly 1 and the approximate KL exactly 0. The top-k /
-  top-p truncation is *not* applied in teacher forcing: the sampled token always lies in the
-  nucleus, and a truncated log-softmax would give -inf (NaN gradients) as soon as an update
-  moves a sampled token out of the nucleus. The sampler's own (truncated) log-probs are kept in
-  the rollout as `sampler_logprobs` (logged; equal to `old_logprobs` when top-k / top-p are off).
+The policy is the distribution that was sampled:
+  Responses are drawn by `jaxmoral.decoding.sample` from the untruncated temperature-scaled
+  model distribution pi(a|s) = softmax(logits / tau) -- no top-k, no top-p -- and the very same
+  distribution, computed by teacher forcing, gives the ratio, the entropy and (with the frozen
+  reference's logits at the same tau) the KL penalty. `score_rollout` recomputes the old
+  log-probs with exactly the function the update step differentiates (same params,
+  deterministic forward), so on the first minibatch of the first PPO epoch the ratio is
+  exactly 1 and the approximate KL exactly 0. A truncated sampler (top-k / top-p) would break
+  this: the per-sample KL estimate log pi - log pi_ref is then taken only on tokens from the
+  nucleus and never sees probability the update moves into the unsampled tail, which can grow
+  unpenalised; `PPOConfig` refuses it. (Evaluation decodes with settings of its own.) The
+  sampler's own log-probs are kept as `sampler_logprobs`; their gap to `old_logprobs` is logged
+  as a check (float rounding only).
+
+KL to the reference, two ways: `kl` is the per-token sample estimate log pi - log pi_ref at the
+sampled tokens (what the reward pays, Ziegler et al.); `kl_full_vocab` sums, at every position
+of the sampled responses, the exact KL(pi(.|s_t) || pi_ref(.|s_t)) over the whole vocabulary.
+Both estimate the sequence KL(pi || pi_ref) without bias; the second has less variance.
 
 Time convention: position t of every (B, T) array is response token t. `old_values[:, t]` is
 V(prompt, response[:t]) -- the value-head output on the decoder state that has read the tokens
@@ -80,9 +87,9 @@ ROLLOUT_NDIMS = Rollout(
 
 
 def generate_rollout(model: T5, params: Params, prompt_tokens: Array, rng: Array, *,
-                     max_response_length: int, temperature: float = 0.7, top_p: float = 0.6,
-                     top_k: int = 0) -> tuple[Array, Array, Array]:
-  """Samples one response per prompt with the core sampler (jittable).
+                     max_response_length: int,
+                     temperature: float = 0.7) -> tuple[Array, Array, Array]:
+  """Samples one response per prompt from softmax(logits / temperature), untruncated (jittable).
 
   Args:
     model: The policy T5.
@@ -90,15 +97,15 @@ def generate_rollout(model: T5, params: Params, prompt_tokens: Array, rng: Array
     prompt_tokens: (B, L) int32 prompts.
     rng: PRNG key.
     max_response_length: T, tokens generated at most (EOS included).
-    temperature, top_p, top_k: Sampling settings (see `jaxmoral.decoding.SampleConfig`).
+    temperature: Sampling temperature tau (the policy's distribution; see module docstring).
 
   Returns:
-    (response_tokens (B, T) int32, sampler_logprobs (B, T) float32 under the processed
-    distribution, response_mask (B, T) float32).
+    (response_tokens (B, T) int32, sampler_logprobs (B, T) float32, response_mask (B, T)
+    float32).
   """
   out = decoding.sample(model, params, encoder_input_tokens=prompt_tokens, rng=rng,
                         max_decode_length=max_response_length, num_samples=1,
-                        temperature=temperature, top_k=top_k, top_p=top_p,
+                        temperature=temperature, top_k=0, top_p=1.0,
                         eos_id=model.config.eos_token_id)
   return out.tokens[:, 0], out.logprobs[:, 0], out.mask[:, 0]
 
@@ -116,11 +123,12 @@ def _encode(model: T5, params: Params, prompt_tokens: Array) -> tuple[Array, Arr
   return typing.cast(Array, encoded), mask
 
 
-def policy_logprobs(model: T5, params: Params, prompt_tokens: Array, response_tokens: Array, *,
-                    temperature: float, with_entropy: bool = False,
-                    encoded: Optional[tuple[Array, Array]] = None
-                    ) -> tuple[Array, Optional[Array]]:
-  """Teacher-forced log-probs of the response under softmax(logits / temperature).
+def policy_logits(model: T5, params: Params, prompt_tokens: Array, response_tokens: Array, *,
+                  temperature: float, encoded: Optional[tuple[Array, Array]] = None) -> Array:
+  """Teacher-forced logits / temperature of every response position, (B, T, V) float32.
+
+  Position t holds the logits of pi(.|prompt, response[:t]): softmax of it is the
+  distribution token t was sampled from.
 
   Args:
     model: A T5.
@@ -128,18 +136,31 @@ def policy_logprobs(model: T5, params: Params, prompt_tokens: Array, response_to
     prompt_tokens: (B, L).
     response_tokens: (B, T).
     temperature: The sampling temperature (the policy's distribution; see module docstring).
-    with_entropy: Also return the per-token entropy of that distribution.
     encoded: Precomputed `(encoded, encoder_mask)` of `params`' encoder.
-
-  Returns:
-    (logprobs (B, T) float32, entropy (B, T) float32 or None).
   """
   if encoded is None:
     encoded = _encode(model, params, prompt_tokens)
   decoder_inputs = shift_right(response_tokens, model.config.decoder_start_token_id)
   logits, _ = model.apply({"params": params}, encoded[0], encoded[1], decoder_inputs,
                           method=T5.decode)
-  logits = logits.astype(jnp.float32) / temperature
+  return logits.astype(jnp.float32) / temperature
+
+
+def policy_logprobs(model: T5, params: Params, prompt_tokens: Array, response_tokens: Array, *,
+                    temperature: float, with_entropy: bool = False,
+                    encoded: Optional[tuple[Array, Array]] = None
+                    ) -> tuple[Array, Optional[Array]]:
+  """Teacher-forced log-probs of the response under softmax(logits / temperature).
+
+  Args:
+    model, params, prompt_tokens, response_tokens, temperature, encoded: See `policy_logits`.
+    with_entropy: Also return the per-token entropy of that distribution.
+
+  Returns:
+    (logprobs (B, T) float32, entropy (B, T) float32 or None).
+  """
+  logits = policy_logits(model, params, prompt_tokens, response_tokens,
+                         temperature=temperature, encoded=encoded)
   entropy = losses.entropy_from_logits(logits) if with_entropy else None
   return losses.token_logprobs(logits, response_tokens), entropy
 
@@ -196,17 +217,25 @@ def score_rollout(*, policy_model: T5, value_model: T5, policy_params: Params,
     gamma, lam, whiten_rewards, whiten_advantages: See `jaxmoral.rl.ppo.compute_gae`.
 
   Returns:
-    (rollout, metrics): metrics are scalars `kl` (mean per-sequence KL), `kl_per_token`,
-    `entropy`, `non_score_reward` (mean per-sequence KL penalty), `score_mean`/`score_std`,
-    `value_mean`, `response_length`, `sampler_logprob_gap` (mean |old - sampler| log-prob).
+    (rollout, metrics): metrics are scalars `kl` (mean per-sequence KL, the sampled-token
+    estimate the reward pays), `kl_per_token`, `kl_full_vocab` (mean per-sequence sum of the
+    exact per-position KL over the vocabulary; see module docstring), `entropy`,
+    `non_score_reward` (mean per-sequence KL penalty), `score_mean`/`score_std`,
+    `value_mean`, `value_explained_variance` (of the returns by the rollout-time values),
+    `response_length`, `sampler_logprob_gap` (mean |old - sampler| log-prob).
   """
   mask = response_mask.astype(jnp.float32)
-  logprobs, entropy, values = policy_and_values(
-      policy_model, value_model, policy_params, value_params, prompt_tokens, response_tokens,
-      temperature=temperature, share_value_encoder=share_value_encoder, with_entropy=True)
-  assert entropy is not None  # with_entropy=True.
-  ref_logprobs, _ = policy_logprobs(policy_model, ref_params, prompt_tokens, response_tokens,
-                                    temperature=temperature)
+  encoded = _encode(policy_model, policy_params, prompt_tokens)
+  logits = policy_logits(policy_model, policy_params, prompt_tokens, response_tokens,
+                         temperature=temperature, encoded=encoded)
+  logprobs = losses.token_logprobs(logits, response_tokens)
+  entropy = losses.entropy_from_logits(logits)
+  values = values_of(value_model, value_params, prompt_tokens, response_tokens,
+                     encoded=encoded if share_value_encoder else None)
+  ref_logits = policy_logits(policy_model, ref_params, prompt_tokens, response_tokens,
+                             temperature=temperature)
+  ref_logprobs = losses.token_logprobs(ref_logits, response_tokens)
+  kl_full = ppo.full_vocab_kl(logits, ref_logits) * mask
   values = values * mask
   rewards, kl = ppo.kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef=kl_coef)
   advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=gamma, lam=lam,
@@ -221,11 +250,13 @@ def score_rollout(*, policy_model: T5, value_model: T5, policy_params: Params,
   metrics = {
       "kl": jnp.mean(seq_kl),
       "kl_per_token": losses.masked_mean(kl, mask),
+      "kl_full_vocab": jnp.mean(jnp.sum(kl_full, axis=1)),
       "entropy": losses.masked_mean(entropy, mask),
       "non_score_reward": -jnp.mean(jnp.asarray(kl_coef, jnp.float32) * seq_kl),
       "score_mean": jnp.mean(rollout.scores),
       "score_std": jnp.std(rollout.scores),
       "value_mean": losses.masked_mean(values, mask),
+      "value_explained_variance": ppo.explained_variance(values, returns, mask),
       "response_length": jnp.mean(jnp.sum(mask, axis=1)),
       "sampler_logprob_gap": losses.masked_mean(jnp.abs(rollout.old_logprobs
                                                         - rollout.sampler_logprobs), mask),
