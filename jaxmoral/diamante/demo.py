@@ -17,6 +17,7 @@ import gin
 import jax
 
 from jaxmoral import demo as demo_lib
+from jaxmoral import fileio
 from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import runs
@@ -74,9 +75,9 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
       seed=seed))
   # As `diamante eval --output_path` writes them, beside the test file: `jaxmoral explore`
   # shows these metrics and rankings on the test file's page without a model.
-  with open(os.path.join(workdir, "eval.json"), "w", encoding="utf-8") as f:
-    json.dump({**{k: float(v) for k, v in metrics.items() if not isinstance(v, (str, list, dict))},
-               "rankings": rankings}, f, indent=1)
+  fileio.write_text(os.path.join(workdir, "eval.json"), json.dumps(
+      {**{k: float(v) for k, v in metrics.items() if not isinstance(v, (str, list, dict))},
+       "rankings": rankings}, indent=1))
   print("\n== Diamante demo: held-out ranking of the human response ==", file=output)
   print(f"contexts: {int(metrics['num_contexts'])}   random-ranker P@1: "
         f"{metrics['random/p@1']:.3f}", file=output)
