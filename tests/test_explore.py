@@ -175,7 +175,9 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
             "distribution": {"bad": 0.2, "ok": 0.5, "good": 0.3}, "question": "Who was hurt?",
             "answer": "Nobody was hurt.", "fused_situation": "nobody was hurt",
             "new_judgment": "good", "new_distribution": {"bad": 0.1, "ok": 0.3, "good": 0.6}}]
-  (clarify / "chat_transcript.jsonl").write_text("".join(json.dumps(t) + "\n" for t in turns))
+  # As `chat.chat_from_file` writes them: each turn names its conversation.
+  (clarify / "chat_transcript.jsonl").write_text("".join(
+      json.dumps({**t, "conversation": 0}) + "\n" for t in turns))
   ppo = clarify / "ppo"
   ppo.mkdir()
   curve = {"iterations": [1, 2, 3, 4], "raw_reward_mean": [0.01, 0.015, 0.02, 0.031]}
@@ -232,6 +234,11 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
     checkpoints.write_integrity_manifest(state.parent)
   (run / "checkpoints" / "50" / checkpoints.STATE_ITEM / "data.bin").write_bytes(b"x" * 256)
 
+  # The demo's summary.json: one verdict line, as `demo.truth_line` writes it.
+  verdict = ("paper: PPO raises the average JSD (Table 4)\n  this run: avg JSD PPO 0.012 vs "
+             "SFT 0.010, +0.002 [-0.001, +0.004] over 3 situations — cannot tell")
+  (demo / "summary.json").write_text(json.dumps({"clarify": {"truth": [verdict], "seconds": 1.0},
+                                                 "total_seconds": 1.0}))
   # An experiment's results, as committed.
   results = root / "experiments"
   results.mkdir(exist_ok=True)
@@ -394,6 +401,21 @@ def test_index_links_every_view(site, browser):
   assert kinds == {"npov", "clarify_evaluation", "clarify_chat", "reward_curve",
                    "diamante_dialogues", "diamante_metrics", "diamante_chat", "run",
                    "experiment"}
+  # The chat transcript under ClarifyDelphi, nothing under Diamante but Diamante's files.
+  assert {e.get_attribute("data-kind") for e in driver.find_elements(
+      By.CSS_SELECTOR, "#diamante a.view-link")} == {"diamante_dialogues", "diamante_metrics",
+                                                     "diamante_chat"}
+  assert "clarify/chat_transcript.jsonl" in driver.find_element(By.ID, "clarify").text
+  # The demo's verdicts, as its summary.json has them.
+  verdict = driver.find_element(By.CSS_SELECTOR, '#verdicts-0 li[data-part="clarify"]').text
+  assert verdict == ("[clarify] paper: PPO raises the average JSD (Table 4)\nthis run: avg JSD "
+                     "PPO 0.012 vs SFT 0.010, +0.002 [-0.001, +0.004] over 3 situations — "
+                     "cannot tell")
+  # Each box offers the models that can do its job: the run without loadable checkpoints
+  # (core/run) none; Diamante's ranker needs the scalar head t5_joint has.
+  for form in ("live-npov", "live-clarify", "live-diamante"):
+    options = driver.find_elements(By.CSS_SELECTOR, f'#{form} select[name="model"] option')
+    assert [o.get_attribute("value") for o in options] == ["1:t5_joint"], form
   for link in [e.get_attribute("href") for e in driver.find_elements(By.CSS_SELECTOR,
                                                                        "a.view-link")]:
     browser.open_page(link[len(site["url"]):])
@@ -439,6 +461,17 @@ def test_npov_table_sorts_filters_and_opens_an_example(site, browser):
   series = [e.get_attribute("data-series") for e in driver.find_elements(
       By.CSS_SELECTOR, 'figure[data-error="hallucination"] polyline')]
   assert series == [f"rouge (AUC {auc:.3f})"]
+  # The AUC table: x 100 with the 95 % interval, the word level, and n.
+  for error in ("hallucination", "coverage"):
+    r = results["input"]["rouge"][error]
+    row = driver.find_element(By.CSS_SELECTOR, 'table.aucs tr[data-detector="rouge"]')
+    cell = row.find_element(By.CSS_SELECTOR, f'td[data-error="{error}"][data-level="example"]')
+    lo, hi = r["example_auc_ci"]
+    assert cell.text == f"{100 * r['example_auc']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+    word = row.find_element(By.CSS_SELECTOR, f'td[data-error="{error}"][data-level="word"]')
+    assert word.text == (f"{100 * r['word_auc']:.1f}" if r["word_auc"] is not None else "—")
+    n = row.find_element(By.CSS_SELECTOR, f'td[data-error="{error}"][data-level="n"]').text
+    assert n == f"{r['num_examples']} ({r['num_positive']} pos), {r['num_words']} words"
   # An example: its arguments, response, ROUGE overlaps and classifier probabilities.
   driver.find_element(By.CSS_SELECTOR, 'tr[data-id="para-hall"] a.example-link').click()
   browser.save_screenshot(str(browser.shots / "npov-example.png"))
@@ -485,6 +518,21 @@ def test_clarify_views_match_the_files(site, browser):
   for name, result in evaluation.items():
     cells = _texts(driver, f'#situations td.jsd[data-system="{name}"]')
     assert cells == [f"{v:.4f}" for v in result["per_situation"]["jsd"]]
+  # The means with their 95 % interval over situations (the library's bootstrap), the
+  # percentages as percentages, and what each system is.
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  for name, result in evaluation.items():
+    row = driver.find_element(By.CSS_SELECTOR, f'#summary tr[data-system="{name}"]')
+    jsd = result["per_situation"]["jsd"]
+    ci = metrics.bootstrap_ci(np.mean, np.asarray(jsd, np.float64))
+    assert row.find_element(By.CSS_SELECTOR, 'td[data-metric="jsd"]').text == \
+        f"{result['jsd']:.4f} [{ci.low:.4f}, {ci.high:.4f}]"
+    flips = result["per_situation"]["flips_pct"]
+    ci = metrics.bootstrap_ci(np.mean, np.asarray(flips, np.float64))
+    assert row.find_element(By.CSS_SELECTOR, 'td[data-metric="flips_pct"]').text == \
+        f"{result['flips_pct']:.1f} [{ci.low:.1f}, {ci.high:.1f}]"
+  described = driver.find_element(By.ID, "system-descriptions").text
+  assert "Why are you <situation>?" in described and "nucleus sampling" in described
   driver.find_element(By.CSS_SELECTOR, 'tr[data-index="0"] a.situation-link').click()
   _no_console_errors(driver)
   driver.save_screenshot(str(browser.shots / "clarify-situation.png"))
@@ -509,6 +557,7 @@ def test_clarify_views_match_the_files(site, browser):
     np.testing.assert_allclose(shown, expected, atol=6e-4)
   driver = browser.open_page("/clarify?root=0&path=clarify/chat_transcript.jsonl", "chat")
   assert _texts(driver, ".question") == ["Why?", "Who was hurt?"]
+  assert len(driver.find_elements(By.CSS_SELECTOR, "section.chat")) == 1
   driver = browser.open_page("/clarify?root=0&path=clarify/ppo/reward_curve.json", "curve")
   rows = [r.split() for r in _texts(driver, "table.curve tbody tr")]
   assert rows == [[str(i), f"{v:.6f}"] for i, v in zip(site["curve"]["iterations"],
@@ -558,6 +607,8 @@ def test_diamante_views_rank_as_the_library(site, browser):
     assert table(stored[ranking["turn"]]) == stored_rows(ranking)
   assert not stored[1].find_elements(By.CSS_SELECTOR, "table.ranking")  # Not evaluated.
   assert driver.find_element(By.ID, "p-at-1").text == "0.5000"  # Ranked 2nd, then 1st.
+  assert "random responses from other dialogues included" in driver.find_element(
+      By.ID, "ranking-definition").text
   Select(driver.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
   driver.find_element(By.CSS_SELECTOR, "#rank-form button").click()
   driver.save_screenshot(str(browser.shots / "diamante-ranked.png"))
@@ -579,6 +630,8 @@ def test_diamante_views_rank_as_the_library(site, browser):
     p_at_1.append(metrics.ranking_metrics([np.asarray(scores)],
                                           [np.arange(len(responses)) == 0])["p@1"])
   assert driver.find_element(By.ID, "p-at-1").text == f"{np.mean(p_at_1):.4f}"
+  # Why these differ from the evaluation's: no random responses here.
+  assert "also ranks random responses" in driver.find_element(By.ID, "ranking-definition").text
   _no_console_errors(driver)
 
 
@@ -644,9 +697,8 @@ def test_live_clarify_question_is_the_library_reward(site, browser):
   driver = browser.open_page("/", "clarify-live-form")
   form = driver.find_element(By.ID, "live-clarify")
   Select(form.find_element(By.NAME, "model")).select_by_value("1:t5_joint")
-  classes = form.find_element(By.NAME, "judge_classes")
-  classes.clear()
-  classes.send_keys("wrong,okay,good")
+  # Pre-filled with the classes the model's vocabulary spells as one token each.
+  assert form.find_element(By.NAME, "judge_classes").get_attribute("value") == "wrong,okay,good"
   situation, question = SITUATIONS[1], "Why did you skip it?"
   form.find_element(By.NAME, "situation").send_keys(situation)
   form.find_element(By.NAME, "question").send_keys(question)
@@ -817,6 +869,13 @@ def test_bodies_fields_lines_and_classes_are_capped(site):
       "judge_classes": ",".join(["c"] * 100000)})
   assert status == 200
   assert _problem(page) == "the judge takes 3 classes (bad, ok, good); got 100000"
+  # Classes the judge's vocabulary cannot score: said for the page, with the model's own.
+  status, _, page = _post(url + "/live/clarify", {
+      "token": token, "model": "1:t5_joint", "situation": "s", "question": "q?",
+      "judge_classes": "bad,okay,good"})
+  assert _problem(page) == ("the judge model cannot score the classes bad, okay, good: each "
+                            "must be one token of its vocabulary; this model's are wrong, "
+                            "okay, good")
 
 
 def test_special_files_and_links_out_are_not_read(site, tmp_path):

@@ -9,6 +9,7 @@ reranked replies and a short self-chat. Under two minutes on a laptop CPU.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any, TextIO
@@ -17,6 +18,7 @@ import gin
 import jax
 
 from jaxmoral import demo as demo_lib
+from jaxmoral import fileio
 from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import runs
@@ -77,12 +79,18 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   bundle = bundle_lib.load(model_dir)
   rerank = inference.RerankConfig(num_candidates=8, max_decode_length=24)
   # Per context, for the paired interval of the truth line; then its means.
+  rankings: list = []
   per_context = evaluate.rank_contexts(bundle, test_turns, num_random=3, max_candidates=5,
-                                       seed=seed)
+                                       seed=seed, rankings=rankings)
   metrics = evaluate.ranking_summary(per_context)
   metrics.update(evaluate.generation_metrics(
       bundle, [test_turns[int(i)].context for i in per_context["turn"][:8]], rerank=rerank,
       seed=seed))
+  # As `diamante eval --output_path` writes them, beside the test file: `jaxmoral explore`
+  # shows these metrics and rankings on the test file's page without a model.
+  fileio.write_text(os.path.join(workdir, "eval.json"), json.dumps(
+      {**{k: float(v) for k, v in metrics.items() if not isinstance(v, (str, list, dict))},
+       "rankings": rankings}, indent=1))
   print("\n== Diamante demo: held-out ranking of the human response ==", file=output)
   print(f"contexts: {int(metrics['num_contexts'])}   random-ranker P@1: "
         f"{metrics['random/p@1']:.3f}", file=output)

@@ -172,10 +172,12 @@ def classify_file(path: pathlib.Path) -> Optional[str]:
       return "npov_scores"
     if not isinstance(first, dict):
       return None
-    if "conversation" in first:
-      return "diamante_dialogues"
+    # A ClarifyDelphi transcript's turns carry their conversation's index ("conversation":
+    # 0); a Diamante dialogue file's lines the conversation itself (a list of utterances).
     if "fused_situation" in first or ("situation" in first and "question" in first):
       return "clarify_chat"
+    if isinstance(first.get("conversation"), list):
+      return "diamante_dialogues"
     if "speaker" in first and "text" in first:
       return "diamante_chat"
     return None

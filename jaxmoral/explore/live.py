@@ -7,6 +7,7 @@ that two browser tabs never load the same model twice. Nothing here writes a fil
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Any, Optional, Sequence
 
@@ -41,10 +42,58 @@ def _run_classes(model_dir: str, stamp: float) -> Optional[tuple[str, ...]]:
     return None
 
 
+# What each live box's model selector offers: the models that can do its job, those whose
+# path names the job first.
+JOBS = {"npov": lambda t: not t["prompt"], "generator": lambda t: t["prompt"],
+        "clarify": lambda t: not t["prompt"] and t["kind"] != "clarify_ppo_policy",
+        "question": lambda t: not t["prompt"], "nli": lambda t: not t["prompt"],
+        "diamante": lambda t: t["scalar_head"]}
+_JOB_WORDS = {"npov": ("npov", "base"), "generator": ("generator",),
+              "clarify": ("multitask", "judge", "clarify"), "question": ("ppo", "question"),
+              "nli": ("nli", "multitask"), "diamante": ("diamante",)}
+
+
+@functools.lru_cache(maxsize=256)
+def _traits(model_dir: str, stamp: float) -> Optional[dict[str, Any]]:
+  del stamp  # The cache key.
+  from jaxmoral import model_dirs  # pylint: disable=import-outside-toplevel
+  try:
+    info = model_dirs.inspect(model_dir)
+  except Exception:  # pylint: disable=broad-except  (not loadable: offered for no job)
+    return None
+  names = list(info.param_shapes or ())
+  model = (info.settings or {}).get("model") if isinstance(info.settings, dict) else None
+  return {"prompt": any(n.split("/")[0] == "prompt" for n in names),
+          "scalar_head": any(n.split("/")[0] == "scalar_head" for n in names),
+          "kind": model.get("kind") if isinstance(model, dict) else None}
+
+
+def model_traits(model_dir: str) -> Optional[dict[str, Any]]:
+  """What a model folder is (`model_dirs.inspect`, no weights read): {"prompt": a prompt-
+  tuning run, "scalar_head": Diamante's preference head, "kind": its settings' model kind};
+  None for a folder no loader reads."""
+  try:
+    stamp = os.stat(model_dir).st_mtime
+  except OSError:
+    return None
+  return _traits(model_dir, stamp)
+
+
+def choices_for_jobs(models: Sequence[tuple[str, str, str]]) -> dict[str, list[dict[str, str]]]:
+  """{job: [{"value", "label"}]} of `models` ((value, label, folder) each): only those that
+  can do the job (`JOBS`), those whose path names the job first (the default)."""
+  traits = [(value, label, model_traits(folder)) for value, label, folder in models]
+  out = {}
+  for job, can in JOBS.items():
+    usable = [(value, label) for value, label, t in traits if t is not None and can(t)]
+    usable.sort(key=lambda m: not any(w in m[1].lower() for w in _JOB_WORDS[job]))
+    out[job] = [{"value": value, "label": label} for value, label in usable]
+  return out
+
+
 def model_judge_classes(model_dir: Optional[str]) -> Optional[tuple[str, ...]]:
   """The judge classes (bad, ok, good) the model's vocabulary spells as one token each, as
   its training chose them (`clarify.judge.fitting_classes`); None when it cannot be read."""
-  import os  # pylint: disable=import-outside-toplevel
   if not model_dir:
     return None
   try:

@@ -97,7 +97,6 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
                                VIEW_TITLES=VIEW_TITLES, markup=markupsafe.Markup,
                                token_field=security.TOKEN_FIELD)
   app.jinja_env.filters["fmt"] = _fmt
-  app.jinja_env.filters["pct"] = _pct
 
   @app.context_processor
   def form_token():
@@ -121,9 +120,18 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
         grouped[view].append(item)
     return grouped
 
-  def model_choices() -> list[dict[str, str]]:
-    return [{"value": f"{m.root}:{m.path}", "label": f"{roots.label(m.root)}/{m.path}"}
-            for m in found_by_view().get("models", [])]
+  def model_choices() -> dict[str, Any]:
+    """Each live box's models ({job: choices}, `live.choices_for_jobs`) and the judge
+    classes of the ClarifyDelphi box's default model."""
+    found = [(f"{m.root}:{m.path}", f"{roots.label(m.root)}/{m.path}",
+              str(roots.resolve(m.root, m.path)))
+             for m in found_by_view().get("models", [])]
+    choices: dict[str, Any] = live.choices_for_jobs(found)
+    first = (choices["clarify"] or [None])[0]
+    classes = live.model_judge_classes(model_dir(first["value"])) if first else None
+    choices["clarify_classes"] = ",".join(classes) if classes else ""
+    choices["any"] = bool(found)
+    return choices
 
   def model_dir(value: Optional[str]) -> Optional[str]:
     if not value:
@@ -196,7 +204,11 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
 
   @app.route("/")
   def index():
-    return render("index.html", grouped=attempt(found_by_view))
+    verdicts = [(index, attempt(lambda f=folder: sources.demo_verdicts(f / "summary.json")))
+                for index, folder in enumerate(roots.folders)
+                if folders.is_regular_inside(folder / "summary.json", folder)]
+    return render("index.html", grouped=attempt(found_by_view), models=model_choices(),
+                  verdicts=verdicts)
 
   @app.route("/file")
   def file():
@@ -361,13 +373,6 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
                   folder=roots.relative(root, path.parent))
 
   return app
-
-
-def _pct(value: Any, digits: int = 1) -> str:
-  """A percentage already in percent (16.6667 -> "16.7 %")."""
-  if isinstance(value, (int, float)) and not isinstance(value, bool):
-    return f"{value:.{digits}f} %"
-  return "—"
 
 
 def _fmt(value: Any, digits: int = 4) -> str:

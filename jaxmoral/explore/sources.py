@@ -46,6 +46,27 @@ def read_json(path: pathlib.Path) -> Any:
     raise ValueError(f"{path.name}: not JSON ({error})") from None
 
 
+def demo_verdicts(path: pathlib.Path) -> dict[str, list[dict[str, str]]]:
+  """`jaxmoral demo`'s summary.json: {part: [{"paper", "this_run"}]}, each of its parts'
+  verdict lines (`demo.truth_line`: the paper's finding, this run's numbers with their 95 %
+  interval and the verdict), as the demo printed them at its end."""
+  data = read_json(path)
+  if not isinstance(data, dict):
+    raise ValueError(f"{path.name}: expected the demo's summary object")
+  out: dict[str, list[dict[str, str]]] = {}
+  for part, summary in data.items():
+    truth = summary.get("truth") if isinstance(summary, dict) else None
+    if not isinstance(truth, list):
+      continue
+    lines = []
+    for line in truth:
+      paper, _, this_run = str(line).partition("\n")
+      lines.append({"paper": paper.removeprefix("paper: ").strip(),
+                    "this_run": this_run.strip().removeprefix("this run: ")})
+    out[part] = lines
+  return out
+
+
 # -- NPOV ---------------------------------------------------------------------------------------
 
 
@@ -232,15 +253,66 @@ def clarify_evaluation(path: pathlib.Path) -> dict[str, Any]:
   summary = {name: {k: v for k, v in data[name].items()
                     if isinstance(v, (int, float)) and not isinstance(v, bool)}
              for name in systems}
-  return {"systems": systems, "situations": situations, "summary": summary}
+  return {"systems": systems, "situations": situations, "summary": summary,
+          "intervals": {name: _situation_intervals(data[name].get("per_situation"))
+                        for name in systems}}
+
+
+def _situation_intervals(per_situation: Any) -> dict[str, tuple[float, float, int]]:
+  """{metric: (low, high, n)}: the 95 % bootstrap interval of each per-situation mean
+  (`metrics.bootstrap_ci` over situations, as the demo's verdicts resample them)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
+  out: dict[str, tuple[float, float, int]] = {}
+  for key, values in (per_situation or {}).items():
+    try:
+      array = np.asarray(values, np.float64).reshape(-1)
+    except (TypeError, ValueError):
+      continue
+    if len(array) >= 2 and np.isfinite(array).all():
+      ci = metrics.bootstrap_ci(np.mean, array)
+      out[key] = (float(ci.low), float(ci.high), len(array))
+  return out
+
+
+# What each system of `clarify evaluate` is (`clarify.baselines`), for its page.
+CLARIFY_SYSTEMS = {
+    "why": "the template \"Why are you <situation>?\" (no model)",
+    "finetuned": "the supervised question model alone, nucleus sampling (top-p 0.6)",
+    "ppo": "the question model after PPO on the defeasibility reward, sampled the same way",
+    "pipeline": "14 questions per situation, one per wh-word (the question model given "
+                "\"wh: <word>\"), the one the defeasibility reward (with the NLI filter) "
+                "ranks first",
+    "pipeline_no_nli": "the same 14 wh-word questions ranked by the reward without the NLI "
+                       "filter",
+    "discriminator": "sampled candidates of the question model, the one a relevance "
+                     "classifier finds most relevant to the situation",
+}
+CLARIFY_METRICS = {
+    "jsd": "the reward: Jensen-Shannon divergence of the judge's verdicts on the weakened and "
+           "the strengthened situation, 0 where the NLI filter dropped an answer",
+    "jsd_unfiltered": "the same divergence without the filter",
+    "flips_pct": "situations whose two answers flip the judge's verdict (%)",
+    "filtered_pct": "situations where the NLI filter dropped an answer (%)",
+    "question_pct": "outputs that are questions, ending in \"?\" (%)",
+    "distinct_1": "distinct words over all words of the questions",
+    "distinct_2": "distinct word pairs over all word pairs",
+}
 
 
 def clarify_chat(path: pathlib.Path) -> list[list[dict[str, Any]]]:
-  """A chat transcript's turns, one list per conversation (a conversation restarts at turn 1)."""
+  """A chat transcript's turns, one list per conversation (its "conversation" index where
+  the turns carry one, as `clarify.chat.chat_from_file` writes them; else a conversation
+  restarts at turn 1)."""
   conversations: list[list[dict[str, Any]]] = []
+  last = None
   for row in read_jsonl(path):
-    if not conversations or int(row.get("turn", 0) or 0) <= 1:
+    index = row.get("conversation")
+    if not conversations or (index != last if index is not None else
+                             int(row.get("turn", 0) or 0) <= 1):
       conversations.append([])
+    last = index
     conversations[-1].append(row)
   return conversations
 
