@@ -126,6 +126,12 @@ def test_eval_infer_export(trained_run, tmp_path):
   report = json.loads((trained_run / "eval_latest.json").read_text())
   assert 0.0 <= report["metrics"]["accuracy"] <= 1.0 and np.isfinite(report["metrics"]["loss"])
   assert report["samples"] and {"input", "target", "prediction"} <= set(report["samples"][0])
+  # What training's own evaluation of the last step reported: the same loss (z-loss included).
+  logged = train_lib.read_scalars(str(trained_run / "eval"))
+  assert report["metrics"]["z_loss"] > 0, report["metrics"]
+  for name in ("loss", "z_loss", "accuracy"):
+    np.testing.assert_allclose(report["metrics"][name], logged[name][12], rtol=2e-5,
+                               err_msg=name)
 
   gin.clear_config()
   inputs = tmp_path / "in.txt"
