@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from jaxmoral import compilation_cache
 from jaxmoral import fileio
+from jaxmoral import gin_files
 from jaxmoral import gin_utils
 from jaxmoral import preemption
 from jaxmoral import runtime
@@ -52,6 +53,19 @@ _GIN_COMMAND_NOTES = {
              "record with empty input and no predictions, so line N of the output always "
              "answers line N of the input. Inputs longer than runs.infer_run.input_length "
              "tokens (default 128, EOS included) are truncated; stderr says how many.",
+}
+# The run fragment every config of the gin commands includes: what their --help lists.
+RUN_FRAGMENT = "gin/runs/seq2seq.gin"
+# Each gin command's --help example: a command of README.md or docs/cli.md (which
+# tests/test_docs.py runs).
+_GIN_COMMAND_EXAMPLES = {
+    "train": "jaxmoral train --gin_file=configs/core/tiny_cpu.gin --gin.MODEL_DIR=/tmp/tiny",
+    "eval": "jaxmoral eval --gin_file=configs/core/tiny_cpu.gin --gin.MODEL_DIR=/tmp/tiny",
+    "infer": "jaxmoral infer --gin_file=configs/core/tiny_cpu.gin --gin.MODEL_DIR=/tmp/tiny "
+             "--gin.INFER_INPUT=examples/inputs.txt "
+             "--gin.INFER_OUTPUT=/tmp/tiny/predictions.jsonl",
+    "cache": "jaxmoral cache --gin_file=configs/core/tiny_cpu.gin "
+             "--gin.DATA_CACHE=\"'/tmp/cache'\" --gin.MODEL_DIR=\"'/tmp/run'\"",
 }
 # Commands whose action's work lives in jaxmoral.<command>.commands.
 METHOD_COMMANDS = ("npov", "diamante", "clarify")
@@ -77,6 +91,67 @@ _GIN_FLAGS_HELP = ("Gin flags (T5X's): --gin_file=F (repeatable), --gin.NAME=VAL
                    "--gin.MODEL_DIR=/tmp/run, --gin.TRAIN_STEPS=100, --gin.BATCH_SIZE=8, "
                    "--gin.TASK_FEATURE_LENGTHS=\"{'inputs': 64, 'targets': 32}\"), "
                    "--gin_bindings='NAME = VALUE', --gin_search_paths=DIRS.")
+
+
+def common_flags() -> list[tuple[str, str]]:
+  """`(flag, what it does)` of the flags every gin command takes, for its --help."""
+  return [
+      ("--gin_file=F", "a gin file (repeatable; comma lists too), looked up in the "
+                       "--gin_search_paths, the working folder, then the project's gin/ and "
+                       "configs/ (a checkout's or the installed package's)"),
+      ("--gin.NAME=VALUE", "binds a macro (--gin.TRAIN_STEPS=100) or a parameter "
+                           "(--gin.runs.train_run.log_every=10); a bare word is a string"),
+      ("--gin_bindings='NAME = VALUE'", "a binding as gin writes it (repeatable)"),
+      ("--gin_search_paths=DIRS", "comma list of folders searched first for gin files and "
+                                  "their includes"),
+      (f"{compilation_cache.FLAG}=DIR|none", "where compiled programs are kept between runs "
+                                             "(default ~/.cache/jaxmoral/xla); none: off"),
+      (f"{TFDS_DATA_DIR_FLAG}=DIR", "where TFDS-backed seqio Tasks read their prepared data, "
+                                    "a folder or gs:// URL (T5X's flag)"),
+      ("--coordinator_address=HOST:PORT", "multi-host: with --num_processes=N --process_id=I "
+                                          "(or JAX_COORDINATOR_ADDRESS, ...; SLURM and TPU "
+                                          "pods are detected)"),
+  ]
+
+
+def gin_command_help(command: str, gin_args: gin_utils.GinArgs) -> str:
+  """`jaxmoral <gin command> --help`: what it does, the macros its config reads (the
+  --gin_file given, else the run fragment), the common flags, an example."""
+  module, function, help_text = GIN_COMMANDS[command]
+  from jaxmoral import cli_help  # pylint: disable=import-outside-toplevel
+  search_paths = list(dict.fromkeys([*gin_args.search_paths, os.getcwd(),
+                                     *map(str, gin_files.project_roots())]))
+  return cli_help.gin_command_usage(
+      prog=f"jaxmoral {command}",
+      description=" ".join(filter(None, (help_text, _GIN_COMMAND_NOTES.get(command)))),
+      function=f"{module.rsplit('.', 1)[-1]}.{function}", files=gin_args.files,
+      default_files=(RUN_FRAGMENT,), search_paths=search_paths, flags=common_flags(),
+      example=_GIN_COMMAND_EXAMPLES[command])
+
+
+def unknown_flag_message(args: Sequence[str], known: Sequence[str]) -> str:
+  """One line for arguments no parser took, each flag with the closest known one
+  ("--gin_flie=x: unknown flag; did you mean --gin_file?")."""
+  import difflib  # pylint: disable=import-outside-toplevel
+  parts = []
+  for arg in args:
+    flag = arg.split("=", 1)[0]
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7) if flag.startswith("-") else []
+    parts.append(f"{arg}: unknown {'flag' if flag.startswith('-') else 'argument'}"
+                 + (f"; did you mean {close[0]}?" if close else ""))
+  return "; ".join(parts)
+
+
+def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
+  """Every flag a command takes: its own (read from its usage), gin's, the line flags."""
+  own = re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", parser.format_usage())
+  return list(dict.fromkeys([*own, "--gin_file", "--gin_bindings", "--gin_search_paths",
+                             *LINE_FLAGS]))
+
+
+class _Parser(argparse.ArgumentParser):
+  """The command line's parser, with each command's own parser by name (for its errors)."""
+  command_parsers: dict[str, argparse.ArgumentParser] = {}
 
 
 def _original(error: BaseException) -> BaseException:
@@ -287,8 +362,8 @@ class _VersionAction(argparse.Action):
     parser.exit()
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+def _parser() -> _Parser:
+  parser = _Parser(
       prog="jaxmoral", description=__doc__.split("\n\n")[0],
       epilog=f"{_GIN_FLAGS_HELP} They are for every command but {', '.join(NO_GIN_COMMANDS)}. "
              f"{compilation_cache.FLAG}=DIR|none (anywhere on the line): where compiled "
@@ -302,6 +377,7 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--version", action=_VersionAction,
                       help="print jaxmoral's version and commit and the libraries' versions")
   sub = parser.add_subparsers(dest="command", required=True)
+  parser.command_parsers = sub.choices
   for name, (_, _, help_text) in GIN_COMMANDS.items():
     description = " ".join(filter(None, (help_text, _GIN_COMMAND_NOTES.get(name))))
     sub.add_parser(name, help=help_text, description=description, epilog=_GIN_FLAGS_HELP)
@@ -380,7 +456,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as error:
     parser.error(str(error))
   gin_args, rest = gin_utils.split_gin_args(argv)
-  args = parser.parse_args(rest)
+  if rest and rest[0] in GIN_COMMANDS and any(arg in HELP_FLAGS for arg in rest[1:]):
+    print(gin_command_help(rest[0], gin_args))
+    return 0
+  args, unknown = parser.parse_known_args(rest)
+  if unknown:
+    command_parser = parser.command_parsers.get(args.command, parser)
+    command_parser.error(unknown_flag_message(unknown, _known_flags(command_parser)))
   if distributed and args.command in SINGLE_PROCESS_COMMANDS:
     parser.error(f"{args.command} runs in one process; "
                  f"{', '.join(DISTRIBUTED_FLAGS)} are for the other commands")

@@ -2,7 +2,8 @@
 
 A command whose `--NAME=VALUE` flags bind a function's parameters shows that function's
 signature and Google-style docstring (`function_usage`), as `jaxmoral <method> <action>
---help` does.
+--help` does. A command configured by gin files only (`jaxmoral train`) lists the macros its
+config reads, with their values (`gin_command_usage`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import importlib.util
 import pathlib
 import re
 import textwrap
+from typing import Any, Optional, Sequence
+
+from jaxmoral import gin_files
 
 
 def _docstring_args(doc: str) -> dict[str, str]:
@@ -102,4 +106,100 @@ def function_usage(module: str, function: str, *, prog: str, gin_only: bool = Fa
     if described.get(arg.arg):
       text.append(textwrap.fill(described[arg.arg], width, initial_indent=" " * 6,
                                 subsequent_indent=" " * 6))
+  return "\n".join(text)
+
+
+def _last_name(selector: str) -> str:
+  """`runs.train_run` and `jaxmoral.runs.train_run` (and a scoped `s/runs.train_run`) ->
+  `train_run`: a configurable as any file may write it."""
+  return selector.rsplit("/", 1)[-1].rsplit(".", 1)[-1]
+
+
+def macros_read(function: str, files: Sequence[str],
+                search_paths: Sequence[str]) -> list[tuple[str, Optional[str]]]:
+  """The macros the bindings of configurable `function` read in gin `files`, directly or
+  through a configurable or macro they refer to, in the order first read: `(NAME, value as
+  written)`, the value None where none of the files defines the macro.
+
+  Read from the files' text (`gin_files.written_statements`), nothing imported: for `--help`.
+  """
+  bindings: dict[str, list[Any]] = {}
+  macros: dict[str, Any] = {}
+  for statement in (s for name in files
+                    for s in gin_files.written_statements(name, search_paths)):
+    if statement.arg_name:
+      bindings.setdefault(_last_name(statement.selector), []).append(statement.value)
+    else:
+      macros[gin_files.macro_name(statement)] = statement.value
+  read: dict[str, None] = {}
+  visited: set[str] = set()
+
+  def visit(value: Any) -> None:
+    for text in gin_files.written_references(value):
+      if text.startswith("%") and not text.startswith("%gin."):
+        if text[1:] not in read:
+          read[text[1:]] = None
+          visit(macros.get(text[1:]))
+      elif text.startswith("@"):
+        selector = _last_name(text[1:].removesuffix("()"))
+        if selector not in visited:
+          visited.add(selector)
+          for item in bindings.get(selector, ()):
+            visit(item)
+
+  visited.add(_last_name(function))
+  for item in bindings.get(_last_name(function), ()):
+    visit(item)
+  return [(name, repr(macros[name]) if name in macros else None) for name in read]
+
+
+def gin_command_usage(*, prog: str, description: str, function: str, files: Sequence[str],
+                      default_files: Sequence[str], search_paths: Sequence[str],
+                      flags: Sequence[tuple[str, str]], example: str) -> str:
+  """The `--help` of a command whose work is one gin-configured function (`jaxmoral train`).
+
+  Args:
+    prog: The command line shown, e.g. "jaxmoral train".
+    description: What the command does.
+    function: The configurable it calls, e.g. "runs.train_run".
+    files: The gin files given on the command line (their macros are listed), or none.
+    default_files: What is listed when `files` is empty (the run fragment the configs
+      include).
+    search_paths: Where gin files are found, as `parse_gin` looks.
+    flags: `(flag, what it does)` of the flags every such command takes.
+    example: A command line that runs.
+
+  Returns:
+    Text for the terminal: usage, description, the macros the config reads with their values,
+    the common flags, the example.
+  """
+  width = 100
+  listed = list(files) or list(default_files)
+  macros = macros_read(function, listed, search_paths)
+  text = [f"usage: {prog} --gin_file=FILE [--gin_file=FILE ...] [--gin.NAME=VALUE ...] "
+          f"[flags]", "", textwrap.fill(" ".join(description.split()), width), ""]
+  where = ", ".join(listed) + ("" if files else
+                               ", which the configs include; with --gin_file=F, F's")
+  text.append(textwrap.fill(f"macros {function} reads ({where}); set any with "
+                            f"--gin.NAME=VALUE:", width))
+  name_width = max((len(name) for name, _ in macros), default=0) + 2
+  for name, value in macros:
+    shown = ("required" if value == "%gin.REQUIRED" else
+             "set by an included model, optimizer or partitioning fragment"
+             if value is None else value)
+    text.append(textwrap.fill(shown, width, initial_indent=f"  {name:<{name_width}}",
+                              subsequent_indent=" " * (name_width + 2)))
+  text += ["", "flags (anywhere on the line):"]
+  flag_width = max(len(flag) for flag, _ in flags) + 2
+  for flag, what in flags:
+    text.append(textwrap.fill(what, width, initial_indent=f"  {flag:<{flag_width}}",
+                              subsequent_indent=" " * (flag_width + 2)))
+  text += ["", "example:"]
+  line = " "
+  for word in example.split(" "):
+    if len(line) + len(word) + 3 > width:
+      text.append(line + " \\")
+      line = "   "
+    line += " " + word
+  text.append(line)
   return "\n".join(text)

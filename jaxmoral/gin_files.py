@@ -260,6 +260,36 @@ def _complete(selector: str) -> str:
   return f"{scope}/{complete}" if scope else complete
 
 
+def written_statements(name: str, search_paths: Sequence[str],
+                       depth: int = 0) -> Iterator[config_parser.BindingStatement]:
+  """The binding statements of gin file `name` and (in place) of its includes, found in
+  `search_paths` as `parse_gin` finds them, references and macros kept as written (`%NAME`,
+  `@name()`); nothing imported, nothing bound (for `--help`). A file found nowhere gives
+  nothing."""
+  path = find_gin_file(name, search_paths)
+  if path is None or depth > 64:
+    return
+  with open(path, encoding="utf-8") as f:
+    for statement in config_parser.ConfigParser(f, _Symbolic()):
+      if isinstance(statement, config_parser.IncludeStatement):
+        yield from written_statements(statement.filename, search_paths, depth + 1)
+      elif isinstance(statement, config_parser.BindingStatement):
+        yield statement
+
+
+def written_references(value: Any) -> Iterator[str]:
+  """The references and macros (`%NAME`, `@name()`) inside a value `written_statements`
+  parsed, in containers too."""
+  if isinstance(value, _Written):
+    yield value.text
+  elif isinstance(value, dict):
+    for item in (*value.keys(), *value.values()):
+      yield from written_references(item)
+  elif isinstance(value, (list, tuple)):
+    for item in value:
+      yield from written_references(item)
+
+
 def config_bindings(text: str) -> dict[str, str]:
   """`{binding: value}` of a gin config text (a config.gin, `gin.config_str()`), read by gin's
   own parser: continued lines, comments and a value's layout do not matter, selectors are

@@ -709,6 +709,9 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
              partitioner: Optional[partitioning.PjitPartitioner] = None) -> dict[str, Any]:
   """Evaluates a run's checkpoint: loss/accuracy on the eval split and greedy decodes.
 
+  The loss is the run's own (its label smoothing, z-loss and loss normalizing factor, from
+  settings.json), so it equals what training's evaluation reported for the same step and data.
+
   A run trained on a pairs file is evaluated on the pairs it held out (`Seq2SeqData.resumed`).
   The parameters are read into `partitioner`'s shardings and every batch is sharded over its
   "data" axis, as in training (gin binds the run's PARTITIONER; None: one device).
@@ -729,7 +732,13 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
                             feature_lengths=feature_lengths)
   if source is None:
     raise ValueError(f"eval: the data has no evaluation split {data.eval_split!r}")
-  loss_fn = losses.seq2seq_loss_fn(model, z_loss=0.0)
+  # The loss the run trained and evaluated (its settings.json): the same loss and z_loss as
+  # training's own evaluation of this step. A model directory that is not a seq2seq run
+  # (an export, a Hugging Face folder) has none: plain token NLL, no z-loss.
+  saved = loaded.settings.get("model", {})
+  loss_fn = losses.seq2seq_loss_fn(
+      model, label_smoothing=saved.get("label_smoothing", 0.0), z_loss=saved.get("z_loss", 0.0),
+      loss_normalizing_factor=saved.get("loss_normalizing_factor"))
   eval_step = partitioner.partition(
       lambda p, batch: loss_fn(p, batch, None)[1],
       in_shardings=(model_dirs.param_shardings(loaded.config, partitioner), None),

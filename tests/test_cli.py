@@ -2,6 +2,8 @@
 
 import json
 import os
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -16,6 +18,7 @@ from jaxmoral import train as train_lib
 
 
 pytestmark = pytest.mark.usefixtures("one_device", "clean_gin")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @gin.configurable(module="test_cli")
@@ -123,6 +126,12 @@ def test_eval_infer_export(trained_run, tmp_path):
   report = json.loads((trained_run / "eval_latest.json").read_text())
   assert 0.0 <= report["metrics"]["accuracy"] <= 1.0 and np.isfinite(report["metrics"]["loss"])
   assert report["samples"] and {"input", "target", "prediction"} <= set(report["samples"][0])
+  # What training's own evaluation of the last step reported: the same loss (z-loss included).
+  logged = train_lib.read_scalars(str(trained_run / "eval"))
+  assert report["metrics"]["z_loss"] > 0, report["metrics"]
+  for name in ("loss", "z_loss", "accuracy"):
+    np.testing.assert_allclose(report["metrics"][name], logged[name][12], rtol=2e-5,
+                               err_msg=name)
 
   gin.clear_config()
   inputs = tmp_path / "in.txt"
@@ -309,3 +318,50 @@ def test_the_cli_leaves_the_hub_online_and_says_when_it_is_unreachable(capsys, t
   err = capsys.readouterr().err.strip()
   assert status == 2 and "\n" not in err, err
   assert "unreachable" in err and "HF_HUB_OFFLINE" in err and str(tmp_path / "hub") in err
+
+
+def _help(capsys, argv):
+  assert cli.main(argv) == 0
+  return capsys.readouterr().out
+
+
+def _macro_lines(text):
+  return dict(re.findall(r"^  ([A-Z][A-Z_]+)  +(.+)$", text, re.MULTILINE))
+
+
+def test_gin_command_help_lists_the_macros_its_config_reads_the_flags_and_an_example(capsys):
+  fragment = (ROOT / cli.RUN_FRAGMENT).read_text()
+  written = dict(re.findall(r"^([A-Z_]+) = (.+)$", fragment, re.MULTILINE))
+  macros = _macro_lines(_help(capsys, ["train", "--help"]))
+  # Every macro of the run fragment that train_run reads, as written there.
+  assert macros["TRAIN_STEPS"] == written["TRAIN_STEPS"] == "1000"
+  assert macros["TASK_FEATURE_LENGTHS"] == written["TASK_FEATURE_LENGTHS"]
+  assert macros["MODEL_DIR"] == "required" and "INFER_INPUT" not in macros
+  # With a config given, its values (and what its includes set).
+  config = _help(capsys, ["train", "--help", "--gin_file=configs/core/tiny_cpu.gin"])
+  assert _macro_lines(config)["TRAIN_STEPS"] == "300"
+  assert _macro_lines(config)["OPTIMIZER"].startswith("@")
+  for flag in ("--gin_search_paths=", "--compilation_cache_dir=", "--tfds_data_dir="):
+    assert f"\n  {flag}" in config, flag
+  assert max(len(line) for line in config.splitlines()) <= 100
+  # Each command's example is a documented command (tests/test_docs.py runs those).
+  documented = " ".join(" ".join((ROOT / name).read_text().replace("\\\n", " ").split("\n"))
+                        for name in ("README.md", "docs/cli.md"))
+  documented = " ".join(documented.split())
+  for command in cli.GIN_COMMANDS:
+    text = _help(capsys, [command, "-h"])
+    example = " ".join(text.split("example:\n", 1)[1].replace("\\\n", " ").split())
+    assert example.startswith(f"jaxmoral {command} ") and example in documented, example
+  assert _macro_lines(_help(capsys, ["infer", "--help"]))["INFER_INPUT"] == "None"
+
+
+@pytest.mark.parametrize("argv, suggestion", [
+    (["train", "--gin_flie=configs/core/tiny_cpu.gin"], "did you mean --gin_file?"),
+    (["eval", "--tfds_data_dri=/tmp/tfds"], "did you mean --tfds_data_dir?"),
+    (["export", "--model_dir=x", "--output=y", "--dtpye=bfloat16"], "did you mean --dtype?")])
+def test_a_misspelt_flag_gets_the_closest_one(argv, suggestion, capsys):
+  with pytest.raises(SystemExit) as info:
+    cli.main(argv)
+  err = capsys.readouterr().err
+  assert info.value.code == 2 and err.splitlines()[-1] == (
+      f"jaxmoral {argv[0]}: error: {argv[-1]}: unknown flag; {suggestion}"), err

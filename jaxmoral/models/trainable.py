@@ -125,7 +125,9 @@ class Seq2SeqModel(TrainableModel):
     return self.trainable
 
   def settings(self) -> dict[str, Any]:
-    return {"kind": "seq2seq"}
+    # The loss's settings: `jaxmoral eval` computes the loss training evaluated.
+    return {"kind": "seq2seq", "label_smoothing": self.label_smoothing, "z_loss": self.z_loss,
+            "loss_normalizing_factor": self.loss_normalizing_factor}
 
 
 def describe(model: TrainableModel) -> Mapping[str, Any]:
