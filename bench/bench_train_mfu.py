@@ -15,7 +15,7 @@ starts each from the same initial state (same key, same weights) on the same bat
 that their first-step losses agree, and times `--rounds` interleaved rounds of `--steps` steps
 (impl A, impl B, impl A, ...), reporting each impl's median round and the ratio. An entry
 `pallas_gpu:opt+opt` sets options of the Triton kernels while that step is traced: `diagonals`
-(the T5Config field `gpu_bias_as_diagonals`) and `field=value` (`flash_attention_gpu.DEFAULT_BLOCK_SIZES`),
+(the T5Config field `gpu_bias_as_diagonals`) and `field=value` (`gpu_attention.DEFAULT_BLOCK_SIZES`),
 e.g. `--compare cudnn,pallas_gpu,pallas_gpu:dkv_rows=2+block_k_dkv=32`. T5Config overrides
 of one entry follow it after '/': `--compare cudnn,cudnn/dtype=float16`.
 
@@ -45,7 +45,7 @@ from jaxmoral import runtime
 runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral import losses, optimizers, partitioning, trainer as trainer_lib
 from jaxmoral.models import config as config_lib
-from jaxmoral.models import flash_attention_gpu
+from jaxmoral.backends import gpu_attention
 from jaxmoral.models import ops as ops_lib
 from jaxmoral.models import t5
 
@@ -165,8 +165,8 @@ def apply_kernel_options(options: str) -> None:
     else:
       name, _, value = option.partition("=")
       fields[name] = int(value)
-  flash_attention_gpu.DEFAULT_BLOCK_SIZES = dataclasses.replace(
-      flash_attention_gpu.DEFAULT_BLOCK_SIZES, **fields)
+  gpu_attention.DEFAULT_BLOCK_SIZES = dataclasses.replace(
+      gpu_attention.DEFAULT_BLOCK_SIZES, **fields)
 
 
 def _without_position_bias(query, key, value, masking, _fused=ops_lib.fused_attention,
@@ -184,7 +184,7 @@ def _with_constant_position_bias(query, key, value, masking, _fused=ops_lib.fuse
 
 
 # What `apply_kernel_options` may set: (module, attribute), restored by `kernel_options`.
-_KERNEL_OPTION_ATTRIBUTES = ((flash_attention_gpu, "DEFAULT_BLOCK_SIZES"),
+_KERNEL_OPTION_ATTRIBUTES = ((gpu_attention, "DEFAULT_BLOCK_SIZES"),
                              (ops_lib, "fused_attention"),
                              (cudnn_attention, "should_export_dbias"))
 

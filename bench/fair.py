@@ -161,7 +161,7 @@ def print_header(title: str, setup: Setup, lines: Sequence[str] = ()) -> None:
   print(f"date      : {now}")
   print(f"machine   : {machine_line()}")
   print(f"command   : python {command}")
-  if env:  # what was in effect: the user's, the script's defaults, jaxmoral.xla_flags' own
+  if env:  # what was in effect: the user's, the script's defaults, jaxmoral.backends.xla_flags' own
     print(f"xla env   : {env}")
   print(f"software  : python {platform.python_version()}, jax {jax.__version__} "
         f"({setup.platform}), torch {torch.__version__}, transformers {transformers.__version__}")

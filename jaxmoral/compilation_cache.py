@@ -26,7 +26,7 @@ second compile would only warn.
 
 What is trusted (JAX runs whatever executable the cache hands it): a local cache directory
 must be this user's own, not writable by group or others, under parents only root or this user
-can rename it in (the kernel cache's rule, `jaxmoral.cpu_kernels`); another one is refused
+can rename it in (the kernel cache's rule, `jaxmoral.backends.cpu_kernels`); another one is refused
 with one warning line and the command compiles without a cache. A directory jaxmoral creates
 is made 0700. Every entry jaxmoral writes gets an HMAC-SHA256 of its key and bytes, made with
 a secret kept in the directory (`KEY_FILE`, mode 0600) and stored beside the entry: an entry
@@ -70,7 +70,7 @@ _OTHERS_ACCESS = stat.S_IRWXG | stat.S_IRWXO
 def untrusted_reason(cache_dir: str) -> Optional[str]:
   """Why another user could put an entry into local `cache_dir` (a real folder), or None."""
   # One rule for both caches of compiled code: the kernel cache's.
-  from jaxmoral.cpu_kernels import _folder_problem  # pylint: disable=g-import-not-at-top
+  from jaxmoral.backends.cpu_kernels import _folder_problem  # pylint: disable=g-import-not-at-top
   try:
     return _folder_problem(os.path.realpath(cache_dir))
   except OSError as error:

@@ -18,7 +18,7 @@ parameters and passed to every call as `decode_weights`) and supplies the ops th
 call (`models.ops.DecodeStepOps`, an argument of every `T5.decode` step). Built in is "xla":
 the self-attention query/key/value kernels and a gated MLP's two input kernels stacked, so
 each is one product (a step is bound by streaming the weights). Optional backends register
-themselves: `jaxmoral.cpu_kernels.backend` adds "cpu_packed" (float32 decoding on one CPU
+themselves: `jaxmoral.backends.cpu_kernels.decode` adds "cpu_packed" (float32 decoding on one CPU
 device through a C++ kernel over column-panel packed weights), automatic only where it beats
 XLA (CPUs with AVX-512), else chosen by name.
 `backend="auto"` takes the last registered automatic backend that applies, else "xla".
@@ -284,7 +284,7 @@ class DecodeWeights:
 
 _BACKENDS: dict[str, DecodeBackend] = {"xla": DecodeBackend()}
 # Modules that register optional backends, imported by the first automatic choice.
-OPTIONAL_BACKEND_MODULES = ("jaxmoral.cpu_kernels.backend",)
+OPTIONAL_BACKEND_MODULES = ("jaxmoral.backends.cpu_kernels.decode",)
 _optional_imported = False
 
 

@@ -4,11 +4,11 @@ Importing jaxmoral changes nothing outside its own modules. A program that runs 
 models (the `jaxmoral` CLI does this itself; a notebook or script calls it once, first thing)
 calls `jaxmoral.runtime.configure()` before its first JAX computation, which
 
-- adds the XLA:CPU reduction workaround to `XLA_FLAGS` (`jaxmoral.xla_flags`: without it some
-  XLA:CPU reductions compute wrong values), unless the user set that flag;
+- adds the XLA:CPU reduction workaround to `XLA_FLAGS` (`jaxmoral.backends.xla_flags`:
+  without it some XLA:CPU reductions compute wrong values), unless the user set that flag;
 - where `JAXMORAL_HOST_MALLOC=reuse` asks for it, sets glibc's malloc to keep and reuse the
-  memory XLA:CPU frees between steps (`jaxmoral.host_memory`), before the backend starts its
-  threads.
+  memory XLA:CPU frees between steps (`jaxmoral.backends.host_memory`), before the backend
+  starts its threads.
 
 Both are read when JAX starts its backend, so calling `configure()` later has no effect on
 the running process (`xla_flags` warns).
@@ -23,8 +23,8 @@ import os
 import sys
 from typing import MutableMapping, Optional
 
-from jaxmoral import host_memory
-from jaxmoral import xla_flags
+from jaxmoral.backends import host_memory
+from jaxmoral.backends import xla_flags
 
 
 @dataclasses.dataclass(frozen=True)

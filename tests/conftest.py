@@ -92,7 +92,7 @@ MODULE_SECONDS = {
     "test_reliability": 27, "test_ppo_trainer": 24, "test_train": 24,
     "test_diamante_model": 20, "test_adafactor": 17, "test_data_span_corruption": 17,
     "test_partitioning": 16, "test_clarify_chat": 16, "test_docs": 15,
-    "test_flash_attention": 14, "test_model_dirs": 14, "test_npov_salience": 13,
+    "test_tpu_attention": 14, "test_model_dirs": 14, "test_npov_salience": 13,
     "test_host_memory": 12, "test_diamante_inference": 12, "test_api": 11,
     "test_clarify_training": 11, "test_rl_rollout": 11,
 }

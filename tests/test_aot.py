@@ -291,16 +291,17 @@ def test_diamante_config_compiles_through_the_train_run_target(tmp_path):
 
 
 def test_cpu_only_weight_gradient_form_is_off_for_a_tpu_topology():
-  """The model's CPU backward form (`ops.cpu_rows_matmul`) follows the traced program's
-  devices, not the host's: off under a TPU topology's mesh compiled from this CPU host."""
-  from jaxmoral.models import ops  # pylint: disable=g-import-not-at-top
+  """The model's CPU backward form (`backends.cpu_products.cpu_rows_matmul`) follows the
+  traced program's devices, not the host's: off under a TPU topology's mesh compiled from this
+  CPU host."""
+  from jaxmoral.backends import cpu_products  # pylint: disable=g-import-not-at-top
   topo = _tpu_topology_or_skip()
   tpu_mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(2, 2), ("data", "model"))
   cpu_mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
   with jax.set_mesh(tpu_mesh):
-    assert not ops.tracing_for_cpu()
+    assert not cpu_products.tracing_for_cpu()
   with jax.set_mesh(cpu_mesh):
-    assert ops.tracing_for_cpu()
+    assert cpu_products.tracing_for_cpu()
 
 
 def test_ctrl_c_stops_a_long_compile_at_once():

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from conftest import child_xla_flags
-from jaxmoral import cli, compilation_cache, cpu_kernels
+from jaxmoral import cli, compilation_cache
+from jaxmoral.backends import cpu_kernels
 
 
 @pytest.mark.parametrize("argv, value, rest", [
@@ -117,7 +118,8 @@ _SAMPLE_SCRIPT = textwrap.dedent("""
     import json, sys
     import jax
     from jax import monitoring
-    from jaxmoral import compilation_cache, cpu_kernels, decoding
+    from jaxmoral import compilation_cache, decoding
+    from jaxmoral.backends import cpu_kernels
     from jaxmoral.models import t5
     from jaxmoral.models.config import t5_config
     import flax.linen as nn

@@ -1,4 +1,4 @@
-"""Tests for jaxmoral.cpu_kernels: the packed-panel CPU product against NumPy, and its build."""
+"""Tests for jaxmoral.backends.cpu_kernels: the packed-panel CPU product against NumPy, and its build."""
 
 import ctypes
 import hashlib
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoral import cpu_kernels
+from jaxmoral.backends import cpu_kernels
 
 HAS_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 

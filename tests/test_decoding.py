@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxmoral import cpu_kernels, decoding
+from jaxmoral import decoding
+from jaxmoral.backends import cpu_kernels
 from jaxmoral.models.config import t5_config
 from jaxmoral.models.t5 import T5, init_params, shift_right
 

@@ -47,7 +47,7 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
             "SignedCache.get", "SignedCache.put", "_secret", "_sign_entries",
             "_sign_entries.get_file_cache", "configure", "enable", "uncapped_entries",
             "untrusted_reason"})),
-    "jaxmoral.cpu_kernels.__init__": (
+    "jaxmoral.backends.cpu_kernels.__init__": (
         "the compiled-kernel cache in the user's private folder, /proc/cpuinfo", frozenset({
             "_cache_dir", "_compiler", "_cpu_signature", "_folder_problem", "_install",
             "_read_own_file", "_write_atomically", "build", "has_avx512"})),

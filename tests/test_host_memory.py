@@ -1,4 +1,4 @@
-"""jaxmoral.host_memory: XLA:CPU's temporaries stop faulting in on every call; the choice is the user's."""
+"""jaxmoral.backends.host_memory: XLA:CPU's temporaries stop faulting in on every call; the choice is the user's."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from conftest import child_xla_flags
-from jaxmoral import host_memory
+from jaxmoral.backends import host_memory
 
 needs_glibc = pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",

@@ -76,7 +76,7 @@ def test_grad_norm_and_prompt(base):
 def test_long_input_equals_per_token_grad():
   """256 input positions x a chunk of 16 on the `tiny` size: the program that XLA:CPU's
   YNNPACK reduce fusions miscompiled (gradients uncorrelated with jax.grad's) until
-  `jaxmoral.xla_flags` took reductions back from them."""
+  `jaxmoral.backends.xla_flags` took reductions back from them."""
   config = t5_config(size="tiny")
   model = T5(config)
   params = nn.meta.unbox(init_params(model, jax.random.PRNGKey(1)))

@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 
-from jaxmoral import xla_flags
+from jaxmoral.backends import xla_flags
 
-# Records every `mallopt` looked up through ctypes (how jaxmoral.host_memory reaches glibc),
+# Records every `mallopt` looked up through ctypes (how jaxmoral.backends.host_memory reaches glibc),
 # imports jaxmoral and the modules a notebook uses, then configures.
 _PROGRAM = """
 import ctypes, json, os

@@ -21,7 +21,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import hf_logits  # noqa: E402
-from jaxmoral import cpu_kernels, losses, trainer as trainer_lib  # noqa: E402
+from jaxmoral import losses, trainer as trainer_lib  # noqa: E402
+from jaxmoral.backends import cpu_kernels, cpu_products  # noqa: E402
 from jaxmoral.models import hf_import  # noqa: E402
 from jaxmoral.models import ops as ops_lib  # noqa: E402
 from jaxmoral.models import t5  # noqa: E402
@@ -171,7 +172,7 @@ def decode_backend(packed: bool):
   """One backend object per kind, so that the compiled steps below are shared by the tests."""
   from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
   if packed:
-    from jaxmoral.cpu_kernels import backend as cpu_backend  # pylint: disable=g-import-not-at-top
+    from jaxmoral.backends.cpu_kernels import decode as cpu_backend  # pylint: disable=g-import-not-at-top
     return cpu_backend.PackedKernelBackend()
   return decoding.DecodeBackend()
 
@@ -283,7 +284,7 @@ def test_cpu_rows_matmul_gradients_match_numpy(kernel_shape, preferred):
   cot = rng.standard_normal((6, *kernel_shape[1:])).astype(np.float32)
   # Compiled: op by op, every op of the product and its backward would compile on its own.
   out, (d_rows, d_kernel) = jax.jit(lambda r, k, g: (lambda o, vjp: (o, vjp(g)))(
-      *jax.vjp(lambda r, k: ops_lib.cpu_rows_matmul(r, k, preferred), r, k)))(
+      *jax.vjp(lambda r, k: cpu_products.cpu_rows_matmul(r, k, preferred), r, k)))(
           rows, kernel, jnp.asarray(cot))
   r64, k64, g64 = (a.astype(np.float64).reshape(a.shape[0], -1) for a in (rows, kernel, cot))
   np.testing.assert_allclose(np.asarray(out).reshape(6, -1), r64 @ k64, rtol=1e-5, atol=1e-5)
@@ -306,7 +307,7 @@ def test_loss_gradients_match_transformers_backward(variant):
   batch = {"encoder_input_tokens": enc, "decoder_target_tokens": targets,
            "decoder_input_tokens": np.asarray(t5.shift_right(jnp.asarray(targets))),
            "decoder_loss_weights": np.ones_like(targets)}
-  assert ops_lib.tracing_for_cpu()
+  assert cpu_products.tracing_for_cpu()
   loss_fn = losses.seq2seq_loss_fn(t5.T5(config), z_loss=0.0)
   compiled = jax.jit(jax.value_and_grad(lambda p: loss_fn(p, batch, None)[0])).lower(
       params).compile()

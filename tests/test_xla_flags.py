@@ -1,4 +1,4 @@
-"""jaxmoral.xla_flags: the XLA:CPU workaround is added once, and a user's own choice is kept.
+"""jaxmoral.backends.xla_flags: the XLA:CPU workaround is added once, and a user's own choice is kept.
 
 (That the workaround matters is tested where the miscompiled program lives:
 tests/test_npov_salience.py::test_long_input_equals_per_token_grad fails without it.)
@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from jaxmoral import xla_flags
+from jaxmoral.backends import xla_flags
 
 
 def test_adds_the_flag_to_existing_flags():

@@ -53,16 +53,17 @@ class T5Config:
     attention_impl: How teacher-forced attention (training, scoring, encoding) is computed:
       "einsum" (two products around a float32 softmax, any device), "cudnn" (cuDNN's fused
       flash attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, bfloat16 or
-      float16, no attention dropout), "pallas" (`flash_attention`: Pallas flash-attention
+      float16, no attention dropout), "pallas" (`backends.tpu_attention`: Pallas flash-attention
       kernels for TPUs that also return the position bias's gradient and never materialise
       (batch, heads, q, k) scores; any dtype, no attention dropout; off TPUs only with
-      `flash_attention.INTERPRET`, checked when attention is traced, not here: a config
-      built on a CPU host may be compiled for a TPU), "pallas_gpu" (`flash_attention_gpu`:
+      `backends.attention.INTERPRET`, checked when attention is traced, not here: a config
+      built on a CPU host may be compiled for a TPU), "pallas_gpu" (`backends.gpu_attention`:
       the same contract as "pallas" in Pallas Triton kernels for GPUs, with the position
       bias's gradient summed over the batch inside the kernels; off GPUs only with
-      `flash_attention_gpu.INTERPRET`), or "auto" (cuDNN where it applies, else einsum).
+      `backends.attention.INTERPRET`), or "auto" (cuDNN where it applies, else einsum).
       Decoding steps against the key/value cache never use cuDNN: einsum, or
-      `cpu_kernels.decode_attention` when decoding float32 on a CPU (see `jaxmoral.decoding`).
+      `backends.cpu_kernels.decode_attention` when decoding float32 on a CPU (see
+      `jaxmoral.decoding`).
     right_padded_inputs: Promise that every unpacked encoder row is its valid tokens followed
       by padding, as seqio's feature converters write them. cuDNN attention then masks keys
       by per-row lengths instead of a dense (batch, heads, q, k) bias, which is much faster
@@ -72,11 +73,12 @@ class T5Config:
       attention ("cudnn" and "auto" on a GPU): "cudnn", or "xla" (JAX's reference, on any
       device: the same masks, lengths and biases checked on a CPU).
     gpu_bias_as_diagonals: attention_impl="pallas_gpu" hands the Triton kernels T5's position
-      bias as its diagonals (`flash_attention_gpu.bias_diagonals`; the bias depends on k - q
+      bias as its diagonals (`backends.gpu_attention.bias_diagonals`; the bias depends on k - q
       alone) rather than whole.
     cpu_weight_gradients: How float32 dense layers traced for CPUs compute weight gradients:
-      "plain" (`ops.cpu_rows_matmul`: as a plain product, which XLA:CPU runs faster; reverse
-      mode only) or "autodiff" (JAX's own transpose; `jax.jvp` needs it).
+      "plain" (`backends.cpu_products.cpu_rows_matmul`: as a plain product, which XLA:CPU
+      runs faster; reverse mode only) or "autodiff" (JAX's own transpose; `jax.jvp` needs
+      it).
   """
 
   vocab_size: int = 32128

@@ -5,12 +5,12 @@ through the `ModelOps` its `T5Config` selects (`ModelOps.for_config`):
 
 - dense products (`ModelOps.dense`): one 2-D product over the flattened leading axes; a single
   row split in two half-length products (`vector_matmul`, XLA:CPU reads the kernel faster);
-  float32 rows traced for CPUs through `cpu_rows_matmul`, whose weight gradient runs as a
-  plain product (`T5Config.cpu_weight_gradients`);
+  float32 rows traced for CPUs through `backends.cpu_products.cpu_rows_matmul`, whose weight
+  gradient runs as a plain product (`T5Config.cpu_weight_gradients`);
 - teacher-forced attention (`ModelOps.use_fused_attention`, `ModelOps.attention_masking`,
   `ModelOps.fused_attention`): cuDNN's fused kernel through `jax.nn.dot_product_attention`
   (`T5Config.fused_attention_backend` picks JAX's implementation), or the Pallas flash-attention
-  kernels for TPUs (`flash_attention`) and GPUs (`flash_attention_gpu`), chosen by
+  kernels for TPUs (`backends.tpu_attention`) and GPUs (`backends.gpu_attention`), chosen by
   `T5Config.attention_impl`; the model's own einsum attention otherwise.
 
 A cached decoding step's products and attention are a decoding backend's: `DecodeStepOps`,
@@ -29,8 +29,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmoral.models import flash_attention
-from jaxmoral.models import flash_attention_gpu
+from jaxmoral.backends import cpu_products
+from jaxmoral.backends import gpu_attention
+from jaxmoral.backends import tpu_attention
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.config import cudnn_supports_head_width
 
@@ -48,63 +49,18 @@ def matmul_last_axis(x: Array, kernel: Array, *, split_one_row: bool = True,
   MLP's forward + backward ran at about half the speed of this 2-D form.
   A single row goes through `vector_matmul` unless `split_one_row` is False (a transposed
   `kernel`, whose split would be a copy); float32 rows traced for CPUs through
-  `cpu_rows_matmul` when `cpu_plain_weight_gradients` (its weight gradient runs as a plain
-  product there).
+  `backends.cpu_products.cpu_rows_matmul` when `cpu_plain_weight_gradients` (its weight
+  gradient runs as a plain product there).
   """
   rows = x.reshape(-1, x.shape[-1])
   if rows.shape[0] == 1 and split_one_row:
     out = vector_matmul(rows, kernel, **dot_kwargs)
   elif (cpu_plain_weight_gradients and rows.dtype == kernel.dtype == jnp.float32
-        and tracing_for_cpu()):
-    out = cpu_rows_matmul(rows, kernel, dot_kwargs.get("preferred_element_type"))
+        and cpu_products.tracing_for_cpu()):
+    out = cpu_products.cpu_rows_matmul(rows, kernel, dot_kwargs.get("preferred_element_type"))
   else:
     out = jnp.tensordot(rows, kernel, axes=1, **dot_kwargs)
   return out.reshape(*x.shape[:-1], *kernel.shape[1:])
-
-
-def tracing_for_cpu() -> bool:
-  """Whether the program being traced runs on CPUs: the platform of the mesh it is traced
-  under (a TPU topology compiled ahead of time from a CPU host is not), else the default
-  backend."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty:
-    return mesh.abstract_device.platform == "cpu"
-  return jax.default_backend() == "cpu"
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def cpu_rows_matmul(rows: Array, kernel: Array, preferred_element_type: Any) -> Array:
-  """(R, d) @ (d, *f) in float32, whose weight gradient XLA:CPU runs as a plain product.
-
-  Autodiff writes the weight gradient as rows^T @ g, a product contracting both operands'
-  first axis; XLA:CPU leaves such products to its own slower dot emitter instead of YNNPACK.
-  The backward pass here transposes `rows` into a buffer of its own (the barrier stops XLA
-  from folding the transpose back into the product), so YNNPACK gets (d, R) @ (R, f). The
-  copy is a small fraction of the product; the values are the same sums. Reverse mode only,
-  as any `custom_vjp`: forward-mode differentiation (`jax.jvp`) of a model traced for CPUs
-  needs `T5Config.cpu_weight_gradients="autodiff"`.
-  """
-  return jnp.tensordot(rows, kernel, axes=1, preferred_element_type=preferred_element_type)
-
-
-def _cpu_rows_matmul_fwd(rows: Array, kernel: Array, preferred_element_type: Any
-                         ) -> tuple[Array, tuple[Array, Array]]:
-  return cpu_rows_matmul(rows, kernel, preferred_element_type), (rows, kernel)
-
-
-def _cpu_rows_matmul_bwd(preferred_element_type: Any, residuals: tuple[Array, Array],
-                         grad: Array) -> tuple[Array, Array]:
-  del preferred_element_type  # float32 operands: the gradients are float32 either way
-  rows, kernel = residuals
-  grad = grad.reshape(grad.shape[0], -1)
-  kernel_2d = kernel.reshape(kernel.shape[0], -1)
-  d_rows = jax.lax.dot_general(grad, kernel_2d, (((1,), (1,)), ((), ())))
-  rows_t = jax.lax.optimization_barrier(rows.T)
-  d_kernel = jax.lax.dot_general(rows_t, grad, (((1,), (0,)), ((), ())))
-  return d_rows, d_kernel.reshape(kernel.shape)
-
-
-cpu_rows_matmul.defvjp(_cpu_rows_matmul_fwd, _cpu_rows_matmul_bwd)
 
 
 def vector_matmul(row: Array, kernel: Array, **dot_kwargs: Any) -> Array:
@@ -176,8 +132,8 @@ class FusedMask:
       masks factored: a query attends to the keys with its id.
     key_ids: (batch, k) int32 segment id of each key, 0 for padding.
     causal: Queries attend to keys at their own position or before.
-    gpu_kernel: With segment ids, run `flash_attention_gpu` (Triton) instead of
-      `flash_attention` (Mosaic, TPUs): attention_impl="pallas_gpu".
+    gpu_kernel: With segment ids, run `backends.gpu_attention` (Triton) instead of
+      `backends.tpu_attention` (Mosaic, TPUs): attention_impl="pallas_gpu".
   """
   position_bias: Optional[Array] = None
   mask: Optional[Array] = None
@@ -208,13 +164,13 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, 
       if bias_as_diagonals and bias is not None:
         # T5's position bias (relative positions of 0, 1, ..., see RelativePositionBias)
         # depends on k - q alone, so its diagonals carry all of it.
-        diagonals = flash_attention_gpu.bias_diagonals(bias)
+        diagonals = gpu_attention.bias_diagonals(bias)
         bias = None
-      return flash_attention_gpu.sharded_flash_attention(
+      return gpu_attention.sharded_flash_attention(
           query, key, value, bias, masking.query_ids, masking.key_ids,
           bias_diagonals=diagonals, causal=masking.causal, batch_axes=batch_axes,
           head_axes=head_axes)
-    return flash_attention.sharded_flash_attention(
+    return tpu_attention.sharded_flash_attention(
         query, key, value, masking.position_bias, masking.query_ids, masking.key_ids,
         causal=masking.causal, batch_axes=batch_axes, head_axes=head_axes)
   bias = masking.position_bias

@@ -23,7 +23,8 @@ projection) run once under a second `jax.vjp`. Output positions are then process
 turns the backward passes into batched matmuls; the chunk bounds memory, and a device loop
 over chunks keeps one compiled program per (padded input, padded output) shape (lengths are
 padded to power-of-two buckets; chunks holding only padding are not run). This relies on the
-XLA:CPU workaround in `jaxmoral.xla_flags`: without it this program returned wrong gradients.
+XLA:CPU workaround in `jaxmoral.backends.xla_flags`: without it this program returned wrong
+gradients.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoral.models import flash_attention as fa
-from jaxmoral.models import flash_attention_gpu as fg
+from jaxmoral.backends import attention
+from jaxmoral.backends import gpu_attention as fg
 from jaxmoral.models import ops
 from jaxmoral.models.config import T5Config, t5_config
 
@@ -75,10 +75,10 @@ def test_kernels_match_reference_forward_and_gradients():
         attend = lambda q, k, v, b, qi=q_ids, ki=k_ids: fg.flash_attention(
             q, k, v, b, qi, ki, causal=True, block_sizes=BLOCKS, interpret=True)
       elif not causal:
-        attend = lambda q, k, v, d, qi=q_ids, ki=k_ids: fa.reference_attention(
+        attend = lambda q, k, v, d, qi=q_ids, ki=k_ids: attention.reference_attention(
             q, k, v, _toeplitz(d, 40, 72), qi, ki)
       else:
-        attend = lambda q, k, v, b, qi=q_ids, ki=k_ids: fa.reference_attention(
+        attend = lambda q, k, v, b, qi=q_ids, ki=k_ids: attention.reference_attention(
             q, k, v, b, qi, ki, causal=True)
       results.append(_output_and_grads(attend, args, cotangent))
     return results
@@ -115,7 +115,7 @@ def test_pallas_gpu_selection_and_validation(monkeypatch):
   with pytest.raises(ValueError, match="dropout"):
     T5Config(attention_impl="pallas_gpu", dropout_rate=0.1)
   # Off a GPU the Triton kernels need interpret mode; the error says how to get it.
-  monkeypatch.setattr(fg, "INTERPRET", False)
+  monkeypatch.setattr(attention, "INTERPRET", False)
   (query, key, value, bias), _, _, _ = _case(0, batch=2, q_len=8, k_len=8, heads=2, d_kv=16,
                                              causal=False)
   with pytest.raises(ValueError, match="INTERPRET"):

@@ -31,9 +31,9 @@ position. Lengths are padded to multiples of 128 (padded keys get their own segm
 nothing attends to them); the head width stays as it is (a block equal to the whole last
 dimension is a legal Mosaic block, so d_kv = 64 needs no padding to 128).
 
-On a CPU the kernels run in Pallas interpret mode (`INTERPRET = True`, or the environment
-variable JAXMORAL_PALLAS_INTERPRET=1), which is how the tests check them against
-`reference_attention`.
+On a CPU the kernels run in Pallas interpret mode (`attention.INTERPRET = True`, or the
+environment variable JAXMORAL_PALLAS_INTERPRET=1), which is how the tests check them against
+`attention.reference_attention`.
 """
 
 from __future__ import annotations
@@ -41,26 +41,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jax.sharding import PartitionSpec
+
+from jaxmoral.backends import attention
 
 Array = jax.Array
-MeshAxes = Union[None, str, Sequence[str]]
-
-# Run the kernels through the Pallas interpreter (any backend, slow): for CPU tests.
-INTERPRET: bool = os.environ.get("JAXMORAL_PALLAS_INTERPRET", "") not in ("", "0")
+MeshAxes = attention.MeshAxes
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
-# Finite stand-in for -inf: exp(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
-MASK_VALUE = -1e30
+MASK_VALUE = attention.MASK_VALUE
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
@@ -88,10 +84,6 @@ class BlockSizes:
       if not isinstance(value, int) or value <= 0 or value % NUM_LANES:
         raise ValueError(f"BlockSizes.{name} must be a positive multiple of {NUM_LANES}, "
                          f"got {value!r}")
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
 
 
 def _fit_block(block: int, length: int) -> int:
@@ -126,6 +118,16 @@ def _tile_mask(q_ids: Array, k_ids: Array, q_start: Any, k_start: Any, causal: b
 def _last_k_block(q_index: Any, block_q: int, block_k: int) -> Any:
   """Index of the last k block a causal q block sees."""
   return (q_index * block_q + block_q - 1) // block_k
+
+
+def _unless_past_diagonal(tile: Any, causal: bool, q_index: Any, k_index: Any, block_q: int,
+                          block_k: int) -> None:
+  """Runs `tile`, except (causal) where k block `k_index` lies past q block `q_index`'s
+  last key."""
+  if causal:
+    pl.when(k_index <= _last_k_block(q_index, block_q, block_k))(tile)
+  else:
+    tile()
 
 
 def _first_q_block(k_index: Any, block_q: int, block_k: int) -> Any:
@@ -169,10 +171,7 @@ def _forward_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int,
                          preferred_element_type=jnp.float32)
     acc_ref[...] = _lanes(alpha, width) * acc_ref[...] + pv
 
-  if causal:
-    pl.when(j <= _last_k_block(i, block_q, block_k))(_tile)
-  else:
-    _tile()
+  _unless_past_diagonal(_tile, causal, i, j, block_q, block_k)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -283,10 +282,7 @@ def _dq_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int, block_k: 
     dq_acc[...] += lax.dot_general(ds.astype(k.dtype), k, _NN,
                                    preferred_element_type=jnp.float32)
 
-  if causal:
-    pl.when(j <= _last_k_block(i, block_q, block_k))(_tile)
-  else:
-    _tile()
+  _unless_past_diagonal(_tile, causal, i, j, block_q, block_k)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
@@ -495,35 +491,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # -- public API -----------------------------------------------------------------------------------
-def _kernel_ids(ids: Optional[Array], batch: int, length: int, padded: int,
-                fill: int) -> Array:
-  """(batch, padded) int32 ids for the kernels: padding (id <= 0, or past `length`) -> `fill`.
-
-  Queries and keys get different fills, so a padded query matches no key, not even a padded one.
-  """
-  if ids is None:
-    ids = jnp.ones((batch, length), jnp.int32)
-  ids = jnp.where(ids > 0, ids.astype(jnp.int32), fill)
-  return jnp.pad(ids, ((0, 0), (0, padded - length)), constant_values=fill)
-
-
-def _check_shapes(query: Array, key: Array, value: Array, bias: Optional[Array],
-                  query_segment_ids: Optional[Array], key_segment_ids: Optional[Array]) -> None:
-  batch, q_len, heads, width = query.shape
-  k_len = key.shape[1]
-  if key.shape != (batch, k_len, heads, width) or value.shape != key.shape:
-    raise ValueError(f"flash_attention: query {query.shape}, key {key.shape} and value "
-                     f"{value.shape} must be (batch, length, heads, d_kv) alike")
-  if bias is not None and (bias.ndim != 4 or bias.shape[0] not in (1, batch)
-                           or bias.shape[1:] != (heads, q_len, k_len)):
-    raise ValueError(f"flash_attention: bias {bias.shape} must be (1 or {batch}, {heads}, "
-                     f"{q_len}, {k_len})")
-  for name, ids, length in (("query_segment_ids", query_segment_ids, q_len),
-                            ("key_segment_ids", key_segment_ids, k_len)):
-    if ids is not None and ids.shape != (batch, length):
-      raise ValueError(f"flash_attention: {name} {ids.shape} must be ({batch}, {length})")
-
-
 def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                     query_segment_ids: Optional[Array] = None,
                     key_segment_ids: Optional[Array] = None, *, causal: bool = False,
@@ -543,16 +510,17 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
     key_segment_ids: (batch, k_len) int, likewise for keys.
     causal: Queries attend only to keys at their own position or before.
     block_sizes: Tile sizes.
-    interpret: Run in Pallas interpret mode; None: `INTERPRET`.
+    interpret: Run in Pallas interpret mode; None: `attention.INTERPRET`.
 
   Returns:
     (batch, q_len, heads, d_kv) in query's dtype; zero for queries that attend to no key.
   """
-  _check_shapes(query, key, value, bias, query_segment_ids, key_segment_ids)
-  interpret = INTERPRET if interpret is None else interpret
+  attention.check_shapes("tpu_attention.flash_attention", query, key, value, bias,
+                         query_segment_ids, key_segment_ids)
+  interpret = attention.interpret_mode(interpret)
   batch, q_len, _, _ = query.shape
   k_len = key.shape[1]
-  q_pad, k_pad = _round_up(q_len, NUM_LANES), _round_up(k_len, NUM_LANES)
+  q_pad, k_pad = attention.round_up(q_len, NUM_LANES), attention.round_up(k_len, NUM_LANES)
 
   def heads_first(x: Array, padded: int) -> Array:  # (b, l, h, d) -> (b, h, padded, d)
     x = jnp.swapaxes(x, 1, 2)
@@ -563,25 +531,10 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
                    ((0, 0), (0, 0), (0, q_pad - q_len), (0, k_pad - k_len)))
   out = _attention(heads_first(query, q_pad), heads_first(key, k_pad),
                    heads_first(value.astype(query.dtype), k_pad), bias,
-                   _kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
-                   _kernel_ids(key_segment_ids, batch, k_len, k_pad, -2),
+                   attention.kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
+                   attention.kernel_ids(key_segment_ids, batch, k_len, k_pad, -2),
                    causal, block_sizes, interpret)
   return jnp.swapaxes(out[:, :, :q_len], 1, 2)
-
-
-def _mesh_axes_for(axes: MeshAxes, size: int, mesh: Any) -> MeshAxes:
-  """`axes` if they divide a dimension of `size`, else None (that dimension is replicated)."""
-  if axes is None:
-    return None
-  names = (axes,) if isinstance(axes, str) else tuple(axes)
-  shards = 1
-  for name in names:
-    shards *= mesh.shape[name]
-  return axes if size % shards == 0 else None
-
-
-def _target_platform(mesh: Any) -> str:
-  return mesh.abstract_device.platform if not mesh.empty else jax.default_backend()
 
 
 def sharded_flash_attention(query: Array, key: Array, value: Array,
@@ -591,12 +544,8 @@ def sharded_flash_attention(query: Array, key: Array, value: Array,
                             batch_axes: MeshAxes = None, head_axes: MeshAxes = None,
                             block_sizes: BlockSizes = BlockSizes(),
                             interpret: Optional[bool] = None) -> Array:
-  """`flash_attention` on every device of the current mesh (`jax.set_mesh`), each on its shard.
-
-  A Pallas call is opaque to the SPMD partitioner (it would gather its inputs to every device),
-  so under a mesh of more than one device the kernels run in a `jax.shard_map` with the batch
-  split over `batch_axes` and heads over `head_axes`. The bias, split over heads only, is the
-  same on every batch shard: the shard_map's transpose sums its gradient over `batch_axes`.
+  """`flash_attention` on every device of the current mesh (`jax.set_mesh`), each on its shard
+  (`attention.sharded`: the batch split over `batch_axes`, heads over `head_axes`).
 
   Args:
     query, key, value, bias, query_segment_ids, key_segment_ids, causal, block_sizes,
@@ -607,63 +556,10 @@ def sharded_flash_attention(query: Array, key: Array, value: Array,
   Raises:
     ValueError: The mesh (or default backend) is not a TPU and interpret mode is off.
   """
-  interpret = INTERPRET if interpret is None else interpret
-  mesh = jax.sharding.get_abstract_mesh()
-  platform = _target_platform(mesh)
-  if not interpret and platform != "tpu":
-    raise ValueError(f"attention_impl='pallas' runs Mosaic kernels on TPUs only (this "
-                     f"computation is for {platform!r}); set jaxmoral.models.flash_attention."
-                     f"INTERPRET = True (or JAXMORAL_PALLAS_INTERPRET=1) to interpret them")
+  interpret = attention.interpret_mode(interpret)
+  attention.check_platform("pallas", "Mosaic", ("tpu",), interpret)
   attend = functools.partial(flash_attention, causal=causal, block_sizes=block_sizes,
                              interpret=interpret)
-  if mesh.empty or mesh.size == 1:
-    return attend(query, key, value, bias, query_segment_ids, key_segment_ids)
-  batch, heads = query.shape[0], query.shape[2]
-  batch_axes = _mesh_axes_for(batch_axes, batch, mesh)
-  head_axes = _mesh_axes_for(head_axes, heads, mesh)
-  qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)
-  ids_spec = PartitionSpec(batch_axes, None)
-  # shard_map takes arrays only: the optional ones travel in a list with their specs.
-  optional = [(bias, PartitionSpec(batch_axes if bias is not None and bias.shape[0] > 1
-                                   else None, head_axes, None, None)),
-              (query_segment_ids, ids_spec), (key_segment_ids, ids_spec)]
-  present = [x for x, _ in optional if x is not None]
-
-  def local(q: Array, k: Array, v: Array, extras: list[Array]) -> Array:
-    it = iter(extras)
-    bias_, q_ids, k_ids = (next(it) if x is not None else None for x, _ in optional)
-    return attend(q, k, v, bias_, q_ids, k_ids)
-
-  # check_vma=False: Pallas outputs carry no varying-axes type. The transpose still sums the
-  # gradient of an input not split over an axis (the bias, over the batch axes) across it.
-  return jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(qkv_spec, qkv_spec, qkv_spec, [s for x, s in optional if x is not None]),
-      out_specs=qkv_spec, check_vma=False)(query, key, value, present)
-
-
-def reference_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
-                        query_segment_ids: Optional[Array] = None,
-                        key_segment_ids: Optional[Array] = None, *,
-                        causal: bool = False) -> Array:
-  """`flash_attention`'s semantics in plain jnp (materialises the scores): for tests.
-
-  Same arguments and result as `flash_attention`, including zero rows for queries that see no
-  key; differentiable by JAX's autodiff.
-  """
-  _check_shapes(query, key, value, bias, query_segment_ids, key_segment_ids)
-  batch, q_len, _, _ = query.shape
-  k_len = key.shape[1]
-  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-  if bias is not None:
-    scores = scores + bias.astype(jnp.float32)
-  q_ids = _kernel_ids(query_segment_ids, batch, q_len, q_len, -1)
-  k_ids = _kernel_ids(key_segment_ids, batch, k_len, k_len, -2)
-  mask = (q_ids[:, None, :, None] == k_ids[:, None, None, :])
-  if causal:
-    mask = mask & (jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None])
-  scores = jnp.where(mask, scores, MASK_VALUE)
-  p = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
-  total = jnp.sum(p, axis=-1, keepdims=True)
-  weights = p / jnp.where(total > 0.0, total, 1.0)
-  return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value).astype(query.dtype)
+  return attention.sharded(attend, query, key, value,
+                           [bias, query_segment_ids, key_segment_ids],
+                           batch_axes=batch_axes, head_axes=head_axes)

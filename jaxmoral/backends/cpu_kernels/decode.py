@@ -15,8 +15,8 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 
-from jaxmoral import cpu_kernels
 from jaxmoral import decoding
+from jaxmoral.backends import cpu_kernels
 from jaxmoral.models import ops as ops_lib
 from jaxmoral.models import t5
 

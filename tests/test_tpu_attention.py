@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxmoral import losses
-from jaxmoral.models import flash_attention as fa
+from jaxmoral.backends import attention
+from jaxmoral.backends import tpu_attention as fa
 from jaxmoral.models import ops
 from jaxmoral.models import t5
 from jaxmoral.models.config import T5Config, t5_config
@@ -84,7 +85,7 @@ def test_kernel_matches_einsum_forward_and_backward(case):
       q, k, v, b, query_ids if spec["query_ids"] else None, key_ids, causal=causal,
       block_sizes=BLOCKS, interpret=True)
   einsum = lambda q, k, v, b: _einsum_attention(q, k, v, b, query_ids, key_ids, causal)
-  reference = lambda q, k, v, b: fa.reference_attention(
+  reference = lambda q, k, v, b: attention.reference_attention(
       q, k, v, b, query_ids, key_ids, causal=causal)
   args = (query, key, value, bias)
 
@@ -120,7 +121,7 @@ def test_sharded_kernel_sums_bias_gradient_over_batch_shards():
   flash = lambda q, k, v, b: fa.sharded_flash_attention(
       q, k, v, b, ids, ids, causal=True, batch_axes="data", head_axes="model",
       block_sizes=blocks, interpret=True)
-  reference = lambda q, k, v, b: fa.reference_attention(q, k, v, b, ids, ids, causal=True)
+  reference = lambda q, k, v, b: attention.reference_attention(q, k, v, b, ids, ids, causal=True)
   args = (query, key, value, bias)
   cotangent = jnp.asarray(np.random.default_rng(4).normal(size=query.shape), jnp.float32)
   with jax.sharding.set_mesh(mesh):
@@ -133,7 +134,7 @@ def test_sharded_kernel_sums_bias_gradient_over_batch_shards():
 def test_tiny_t5_with_pallas_attention_matches_einsum(monkeypatch):
   """Loss and every parameter gradient (the relative-position embeddings' included) of a tiny
   T5 on a packed, padded batch: encoder and decoder self-attention and cross-attention."""
-  monkeypatch.setattr(fa, "INTERPRET", True)
+  monkeypatch.setattr(attention, "INTERPRET", True)
   # One layer each side has all three attentions.
   einsum_cfg = t5_config(size="tiny", attention_impl="einsum", num_encoder_layers=1,
                          num_decoder_layers=1)
@@ -172,7 +173,7 @@ def test_pallas_selection_and_validation(monkeypatch):
   with pytest.raises(ValueError, match="dropout"):
     T5Config(attention_impl="pallas", dropout_rate=0.1)
   # Off a TPU the Mosaic kernels need interpret mode; the error says how to get it.
-  monkeypatch.setattr(fa, "INTERPRET", False)
+  monkeypatch.setattr(attention, "INTERPRET", False)
   query, key, value, bias = _inputs(6, batch=1, q_len=8, k_len=8)
   with pytest.raises(ValueError, match="INTERPRET"):
     fa.sharded_flash_attention(query, key, value, bias)

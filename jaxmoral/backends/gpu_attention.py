@@ -5,7 +5,7 @@ relative-position bias (1, heads, q_len, k_len), float32, shared by the batch. c
 attention (attention_impl="cudnn") takes the bias but, through JAX, always returns its gradient
 per batch row and leaves the batch sum to XLA, which costs about as much as the attention
 itself at T5 1.1-large shapes. These three Triton kernels
-stream over (block_q, block_k) tiles and keep only per-row statistics, like flash_attention.py
+stream over (block_q, block_k) tiles and keep only per-row statistics, like tpu_attention.py
 does for TPUs:
 
   forward  grid (batch, q blocks, heads): online softmax over the k blocks; out and the
@@ -39,9 +39,9 @@ causal flag. A query that sees no key gets a zero output and passes no gradient.
 padded to the tile sizes (padded queries and keys get ids -1 and -2, so they see nothing and
 nothing sees them); the head width is padded to a power of two (Triton tiles need one).
 
-On a CPU the kernels run in Pallas interpret mode (`INTERPRET = True`, the environment variable
-JAXMORAL_PALLAS_INTERPRET=1, or `interpret=True`); tests/test_flash_attention_gpu.py checks them
-that way against `flash_attention.reference_attention`.
+On a CPU the kernels run in Pallas interpret mode (`attention.INTERPRET = True`, the
+environment variable JAXMORAL_PALLAS_INTERPRET=1, or `interpret=True`);
+tests/test_gpu_attention.py checks them that way against `attention.reference_attention`.
 """
 
 from __future__ import annotations
@@ -49,31 +49,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jax.sharding import PartitionSpec
 
-# The TPU kernels' padding, segment-id and mesh helpers apply unchanged.
 from jaxmoral import validation
-from jaxmoral.models.flash_attention import _kernel_ids  # pylint: disable=g-importing-member
-from jaxmoral.models.flash_attention import _mesh_axes_for  # pylint: disable=g-importing-member
-from jaxmoral.models.flash_attention import _round_up  # pylint: disable=g-importing-member
-from jaxmoral.models.flash_attention import _target_platform  # pylint: disable=g-importing-member
+from jaxmoral.backends import attention
 
 Array = jax.Array
-MeshAxes = Union[None, str, Sequence[str]]
+MeshAxes = attention.MeshAxes
 
-# Run the kernels through the Pallas interpreter (any backend, slow): for CPU tests.
-INTERPRET: bool = os.environ.get("JAXMORAL_PALLAS_INTERPRET", "") not in ("", "0")
-
-# Finite stand-in for -inf: exp2(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
-MASK_VALUE = -1e30
+# exp2(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
+MASK_VALUE = attention.MASK_VALUE
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # Triton's smallest tile side for a matrix product.
 
@@ -517,27 +508,6 @@ def bias_diagonals(bias: Array) -> Array:
   return jnp.concatenate([bias[:, :, ::-1, 0], bias[:, :, 0, 1:]], axis=-1)
 
 
-def _check_shapes(query: Array, key: Array, value: Array, bias: Optional[Array],
-                  query_segment_ids: Optional[Array], key_segment_ids: Optional[Array],
-                  diagonals: Optional[Array] = None) -> None:
-  batch, q_len, heads, width = query.shape
-  k_len = key.shape[1]
-  if diagonals is not None and (bias is not None
-                                or diagonals.shape != (1, heads, q_len + k_len - 1)):
-    raise ValueError(f"flash_attention_gpu: bias_diagonals {diagonals.shape} must be (1, "
-                     f"{heads}, {q_len + k_len - 1}), and given instead of bias")
-  if key.shape != (batch, k_len, heads, width) or value.shape != key.shape:
-    raise ValueError(f"flash_attention_gpu: query {query.shape}, key {key.shape} and value "
-                     f"{value.shape} must be (batch, length, heads, d_kv) alike")
-  if bias is not None and bias.shape != (1, heads, q_len, k_len):
-    raise ValueError(f"flash_attention_gpu: bias {bias.shape} must be (1, {heads}, {q_len}, "
-                     f"{k_len}): one bias shared by the batch")
-  for name, ids, length in (("query_segment_ids", query_segment_ids, q_len),
-                            ("key_segment_ids", key_segment_ids, k_len)):
-    if ids is not None and ids.shape != (batch, length):
-      raise ValueError(f"flash_attention_gpu: {name} {ids.shape} must be ({batch}, {length})")
-
-
 def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
                     query_segment_ids: Optional[Array] = None,
                     key_segment_ids: Optional[Array] = None, *,
@@ -566,13 +536,15 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
     causal: Queries attend only to keys at their own position or before.
     block_sizes: Tile sizes and launch parameters; None: `DEFAULT_BLOCK_SIZES` (read when
       traced).
-    interpret: Run in Pallas interpret mode; None: `INTERPRET`.
+    interpret: Run in Pallas interpret mode; None: `attention.INTERPRET`.
 
   Returns:
     (batch, q_len, heads, d_kv) in query's dtype; zero for queries that attend to no key.
   """
-  _check_shapes(query, key, value, bias, query_segment_ids, key_segment_ids, bias_diagonals)
-  interpret = INTERPRET if interpret is None else interpret
+  attention.check_shapes("gpu_attention.flash_attention", query, key, value, bias,
+                         query_segment_ids, key_segment_ids, per_row_bias=False,
+                         bias_diagonals=bias_diagonals)
+  interpret = attention.interpret_mode(interpret)
   batch, q_len, heads, width = query.shape
   k_len = key.shape[1]
   blocks = DEFAULT_BLOCK_SIZES if block_sizes is None else block_sizes
@@ -580,8 +552,8 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
                                                  blocks.block_q_dkv))
   bk, bk_dq, bk_dkv = (_fit(b, k_len) for b in (blocks.block_k, blocks.block_k_dq,
                                                  blocks.block_k_dkv))
-  q_pad = _round_up(q_len, max(bq, bq_dq, bq_dkv))
-  k_pad = _round_up(k_len, max(bk, bk_dq, bk_dkv))
+  q_pad = attention.round_up(q_len, max(bq, bq_dq, bq_dkv))
+  k_pad = attention.round_up(k_len, max(bk, bk_dq, bk_dkv))
   width_pad = max(MIN_BLOCK, _next_power_of_2(width))
   has_bias = bias is not None or bias_diagonals is not None
   groups = (_batch_groups(batch, (k_pad // bk_dkv) * heads, blocks.dkv_programs)
@@ -605,8 +577,8 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
                    ((0, 0), (0, 0), (q_pad - q_len, k_pad - k_len + 1)))
   out = _attention(pad(query, q_pad), pad(key.astype(query.dtype), k_pad),
                    pad(value.astype(query.dtype), k_pad), bias,
-                   _kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
-                   _kernel_ids(key_segment_ids, batch, k_len, k_pad, -2), plan)
+                   attention.kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
+                   attention.kernel_ids(key_segment_ids, batch, k_len, k_pad, -2), plan)
   return out[:, :q_len, :, :width]
 
 
@@ -618,47 +590,20 @@ def sharded_flash_attention(query: Array, key: Array, value: Array,
                             batch_axes: MeshAxes = None, head_axes: MeshAxes = None,
                             block_sizes: Optional[BlockSizes] = None,
                             interpret: Optional[bool] = None) -> Array:
-  """`flash_attention` on every device of the current mesh (`jax.set_mesh`), each on its shard.
-
-  As `flash_attention.sharded_flash_attention` (the TPU kernels' wrapper): a Pallas call is
-  opaque to the SPMD partitioner, so under a mesh of more than one device the kernels run in a
-  `jax.shard_map` with the batch split over `batch_axes` and heads over `head_axes`; the
-  shard_map's transpose sums the bias gradient over `batch_axes`.
+  """`flash_attention` on every device of the current mesh (`jax.set_mesh`), each on its shard
+  (`attention.sharded`: the batch split over `batch_axes`, heads over `head_axes`).
 
   Raises:
     ValueError: The mesh (or default backend) is not a GPU and interpret mode is off.
   """
-  interpret = INTERPRET if interpret is None else interpret
-  mesh = jax.sharding.get_abstract_mesh()
-  platform = _target_platform(mesh)
-  if not interpret and platform not in ("gpu", "cuda", "rocm"):
-    raise ValueError(f"attention_impl='pallas_gpu' runs Triton kernels on GPUs only (this "
-                     f"computation is for {platform!r}); set jaxmoral.models."
-                     f"flash_attention_gpu.INTERPRET = True (or JAXMORAL_PALLAS_INTERPRET=1) "
-                     f"to interpret them")
-  attend = functools.partial(flash_attention, causal=causal, block_sizes=block_sizes,
-                             interpret=interpret)
-  if mesh.empty or mesh.size == 1:
-    return attend(query, key, value, bias, query_segment_ids, key_segment_ids,
-                  bias_diagonals=bias_diagonals)
-  batch, heads = query.shape[0], query.shape[2]
-  batch_axes = _mesh_axes_for(batch_axes, batch, mesh)
-  head_axes = _mesh_axes_for(head_axes, heads, mesh)
-  qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)
-  ids_spec = PartitionSpec(batch_axes, None)
-  optional = [(bias, PartitionSpec(None, head_axes, None, None)),
-              (query_segment_ids, ids_spec), (key_segment_ids, ids_spec),
-              (bias_diagonals, PartitionSpec(None, head_axes, None))]
-  present = [x for x, _ in optional if x is not None]
+  interpret = attention.interpret_mode(interpret)
+  attention.check_platform("pallas_gpu", "Triton", ("gpu", "cuda", "rocm"), interpret)
 
-  def local(q: Array, k: Array, v: Array, extras: list[Array]) -> Array:
-    it = iter(extras)
-    bias_, q_ids, k_ids, diagonals = (next(it) if x is not None else None for x, _ in optional)
-    return attend(q, k, v, bias_, q_ids, k_ids, bias_diagonals=diagonals)
+  def attend(q: Array, k: Array, v: Array, bias_: Optional[Array], q_ids: Optional[Array],
+             k_ids: Optional[Array], diagonals: Optional[Array]) -> Array:
+    return flash_attention(q, k, v, bias_, q_ids, k_ids, bias_diagonals=diagonals,
+                           causal=causal, block_sizes=block_sizes, interpret=interpret)
 
-  # check_vma=False: Pallas outputs carry no varying-axes type. The transpose still sums the
-  # gradient of an input not split over an axis (the bias, over the batch axes) across it.
-  return jax.shard_map(
-      local, mesh=mesh,
-      in_specs=(qkv_spec, qkv_spec, qkv_spec, [s for x, s in optional if x is not None]),
-      out_specs=qkv_spec, check_vma=False)(query, key, value, present)
+  return attention.sharded(attend, query, key, value,
+                           [bias, query_segment_ids, key_segment_ids, bias_diagonals],
+                           batch_axes=batch_axes, head_axes=head_axes)

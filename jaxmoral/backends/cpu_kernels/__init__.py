@@ -137,7 +137,7 @@ def _cache_dir() -> str:
     # This process's only: removed at exit (a loaded library's file may be unlinked).
     atexit.register(shutil.rmtree, _FALLBACK_DIRS[root], ignore_errors=True)
     where = root if real == root else f"{root} ({real})"
-    warnings.warn(f"jaxmoral.cpu_kernels: not using kernel cache {where}: it {problem}; "
+    warnings.warn(f"jaxmoral.backends.cpu_kernels: not using kernel cache {where}: it {problem}; "
                   f"building in {_FALLBACK_DIRS[root]} instead (removed at exit)",
                   RuntimeWarning, stacklevel=3)
   return _FALLBACK_DIRS[root]
@@ -274,7 +274,7 @@ def build(*, force: bool = False) -> str:
         problem = _untrusted(path)
         if problem is None:
           return path
-        warnings.warn(f"jaxmoral.cpu_kernels: not loading cached {path}: {problem}; "
+        warnings.warn(f"jaxmoral.backends.cpu_kernels: not loading cached {path}: {problem}; "
                       f"rebuilding it", RuntimeWarning, stacklevel=2)
     # An unpredictable name that mkstemp creates as ours: nobody can plant it (a symlink the
     # compiler would write through) or load it before it is renamed into place.
@@ -303,7 +303,7 @@ def _load() -> Optional[str]:
     path = build()
     problem = _untrusted(path)  # Verified right before loading: it may have changed since.
     if problem is not None:
-      warnings.warn(f"jaxmoral.cpu_kernels: not loading {path}: {problem}; rebuilding it",
+      warnings.warn(f"jaxmoral.backends.cpu_kernels: not loading {path}: {problem}; rebuilding it",
                     RuntimeWarning, stacklevel=3)
       path = build(force=True)
       problem = _untrusted(path)
@@ -315,7 +315,7 @@ def _load() -> Optional[str]:
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     return path
   except (BuildError, OSError, AttributeError) as e:
-    warnings.warn(f"jaxmoral.cpu_kernels: CPU decoding kernels unavailable, decoding uses "
+    warnings.warn(f"jaxmoral.backends.cpu_kernels: CPU decoding kernels unavailable, decoding uses "
                   f"XLA's ops instead: {e}", RuntimeWarning, stacklevel=3)
     return None
 
@@ -344,7 +344,7 @@ def available() -> bool:
 
 def _require(name: str) -> None:
   if _load() is None:
-    raise RuntimeError(f"jaxmoral.cpu_kernels.{name}: the CPU kernels are not available")
+    raise RuntimeError(f"jaxmoral.backends.cpu_kernels.{name}: the CPU kernels are not available")
 
 
 def pack_columns(kernel: Array) -> Array:

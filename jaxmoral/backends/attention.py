@@ -1,0 +1,191 @@
+"""What the Pallas flash-attention kernels share: their contract, checks, mesh wrapper, reference.
+
+Both kernel sets (`tpu_attention`: Mosaic, `gpu_attention`: Triton) compute T5 attention,
+`softmax(q k^T + bias) v` with no 1/sqrt(d) scale, on (batch, length, heads, d_kv) inputs with
+masks factored as per-position segment ids (a query sees the keys with its own id; ids <= 0
+are padding) and a causal flag; a query that sees no key gets a zero output and passes no
+gradient. This module holds that contract once:
+
+- `check_shapes`: the one shape check of every entry point (and of `reference_attention`);
+- `kernel_ids`: the ids the kernels read, padding mapped to ids no key or query shares;
+- `sharded`: the one `jax.shard_map` wrapper that runs a kernel on each device's shard;
+- `reference_attention`: the same semantics in plain jnp, which the tests compare against;
+- `INTERPRET`: run the kernels through the Pallas interpreter (any backend, slow; CPU tests).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from jaxmoral import backends
+
+Array = jax.Array
+MeshAxes = Union[None, str, Sequence[str]]
+
+# Run the kernels through the Pallas interpreter (any backend, slow): for CPU tests. Read when
+# a kernel is traced, so setting it (or JAXMORAL_PALLAS_INTERPRET=1 before import) applies to
+# both kernel sets.
+INTERPRET: bool = os.environ.get("JAXMORAL_PALLAS_INTERPRET", "") not in ("", "0")
+
+# Finite stand-in for -inf: exp(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
+MASK_VALUE = -1e30
+
+
+def interpret_mode(interpret: Optional[bool]) -> bool:
+  """`interpret`, or `INTERPRET` where it is None."""
+  return INTERPRET if interpret is None else interpret
+
+
+def round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+def kernel_ids(ids: Optional[Array], batch: int, length: int, padded: int, fill: int) -> Array:
+  """(batch, padded) int32 ids for the kernels: padding (id <= 0, or past `length`) -> `fill`.
+
+  Queries and keys get different fills, so a padded query matches no key, not even a padded one.
+  """
+  if ids is None:
+    ids = jnp.ones((batch, length), jnp.int32)
+  ids = jnp.where(ids > 0, ids.astype(jnp.int32), fill)
+  return jnp.pad(ids, ((0, 0), (0, padded - length)), constant_values=fill)
+
+
+def check_shapes(name: str, query: Array, key: Array, value: Array, bias: Optional[Array],
+                 query_segment_ids: Optional[Array], key_segment_ids: Optional[Array], *,
+                 per_row_bias: bool = True, bias_diagonals: Optional[Array] = None) -> None:
+  """Raises a ValueError naming `name` unless the inputs have the shapes of the contract.
+
+  Args:
+    name: The entry point, for the message.
+    query, key, value: (batch, length, heads, d_kv), key and value alike.
+    bias: (1, heads, q_len, k_len), or with `per_row_bias` also (batch, heads, q_len, k_len).
+    query_segment_ids, key_segment_ids: (batch, q_len) and (batch, k_len), or None.
+    per_row_bias: Whether a bias of one row per batch row is accepted.
+    bias_diagonals: (1, heads, q_len + k_len - 1), given instead of `bias`, or None.
+  """
+  batch, q_len, heads, width = query.shape
+  k_len = key.shape[1]
+  if bias_diagonals is not None and (bias is not None or bias_diagonals.shape
+                                     != (1, heads, q_len + k_len - 1)):
+    raise ValueError(f"{name}: bias_diagonals {bias_diagonals.shape} must be (1, {heads}, "
+                     f"{q_len + k_len - 1}), and given instead of bias")
+  if key.shape != (batch, k_len, heads, width) or value.shape != key.shape:
+    raise ValueError(f"{name}: query {query.shape}, key {key.shape} and value "
+                     f"{value.shape} must be (batch, length, heads, d_kv) alike")
+  rows = (1, batch) if per_row_bias else (1,)
+  if bias is not None and (bias.ndim != 4 or bias.shape[0] not in rows
+                           or bias.shape[1:] != (heads, q_len, k_len)):
+    shared = "" if per_row_bias else ": one bias shared by the batch"
+    raise ValueError(f"{name}: bias {bias.shape} must be "
+                     f"({' or '.join(map(str, dict.fromkeys(rows)))}, {heads}, {q_len}, "
+                     f"{k_len}){shared}")
+  for ids_name, ids, length in (("query_segment_ids", query_segment_ids, q_len),
+                                ("key_segment_ids", key_segment_ids, k_len)):
+    if ids is not None and ids.shape != (batch, length):
+      raise ValueError(f"{name}: {ids_name} {ids.shape} must be ({batch}, {length})")
+
+
+def check_platform(attention_impl: str, kernels: str, platforms: Sequence[str],
+                   interpret: bool) -> str:
+  """The platform the traced computation is for; a ValueError where the kernels cannot run
+  there (neither one of `platforms` nor in interpret mode)."""
+  platform = backends.traced_platform()
+  if not interpret and platform not in platforms:
+    raise ValueError(f"attention_impl={attention_impl!r} runs {kernels} kernels on "
+                     f"{platforms[0].upper()}s only (this computation is for {platform!r}); set "
+                     f"jaxmoral.backends.attention.INTERPRET = True (or "
+                     f"JAXMORAL_PALLAS_INTERPRET=1) to interpret them")
+  return platform
+
+
+def _mesh_axes_for(axes: MeshAxes, size: int, mesh: Any) -> MeshAxes:
+  """`axes` if they divide a dimension of `size`, else None (that dimension is replicated)."""
+  if axes is None:
+    return None
+  names = (axes,) if isinstance(axes, str) else tuple(axes)
+  shards = 1
+  for name in names:
+    shards *= mesh.shape[name]
+  return axes if size % shards == 0 else None
+
+
+def sharded(attend: Callable[..., Array], query: Array, key: Array, value: Array,
+            extras: Sequence[Optional[Array]], *, batch_axes: MeshAxes,
+            head_axes: MeshAxes) -> Array:
+  """`attend(query, key, value, *extras)` on every device of the current mesh, each on its shard.
+
+  A Pallas call is opaque to the SPMD partitioner (it would gather its inputs to every device),
+  so under a mesh of more than one device the kernel runs in a `jax.shard_map` with the batch
+  split over `batch_axes` and heads over `head_axes` (each only where it divides the
+  dimension). An extra of two dimensions is per position, (batch, length): split like the
+  batch. Any other is per head, (rows, heads, ...) (a bias or its diagonals): split over heads,
+  and over the batch only when it has a row per batch row. A bias of one row is the same on
+  every batch shard: the shard_map's transpose sums its gradient over `batch_axes`.
+
+  Args:
+    attend: `(query, key, value, *extras) -> output`, extras None where absent.
+    query, key, value: (batch, length, heads, d_kv).
+    extras: The optional inputs (None where absent), passed to `attend` in this order.
+    batch_axes: Mesh axes of the batch dimension (T5X rules: "data"); None: replicated.
+    head_axes: Mesh axes of the heads dimension (T5X rules: "model"); None: replicated.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return attend(query, key, value, *extras)
+  batch, heads = query.shape[0], query.shape[2]
+  batch_axes = _mesh_axes_for(batch_axes, batch, mesh)
+  head_axes = _mesh_axes_for(head_axes, heads, mesh)
+  qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)
+
+  def spec(x: Array) -> PartitionSpec:
+    if x.ndim == 2:
+      return PartitionSpec(batch_axes, None)
+    return PartitionSpec(batch_axes if x.shape[0] > 1 else None, head_axes,
+                         *([None] * (x.ndim - 2)))
+
+  # shard_map takes arrays only: the optional ones travel in a list with their specs.
+  present = [x for x in extras if x is not None]
+
+  def local(q: Array, k: Array, v: Array, given: list[Array]) -> Array:
+    it = iter(given)
+    return attend(q, k, v, *(next(it) if x is not None else None for x in extras))
+
+  # check_vma=False: Pallas outputs carry no varying-axes type. The transpose still sums the
+  # gradient of an input not split over an axis (the bias, over the batch axes) across it.
+  return jax.shard_map(
+      local, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, [spec(x) for x in present]),
+      out_specs=qkv_spec, check_vma=False)(query, key, value, present)
+
+
+def reference_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
+                        query_segment_ids: Optional[Array] = None,
+                        key_segment_ids: Optional[Array] = None, *,
+                        causal: bool = False) -> Array:
+  """The kernels' semantics in plain jnp (materialises the scores): for tests.
+
+  Same arguments and result as either kernel set's `flash_attention`, including zero rows for
+  queries that see no key; differentiable by JAX's autodiff.
+  """
+  check_shapes("reference_attention", query, key, value, bias, query_segment_ids,
+               key_segment_ids)
+  batch, q_len, _, _ = query.shape
+  k_len = key.shape[1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
+  if bias is not None:
+    scores = scores + bias.astype(jnp.float32)
+  q_ids = kernel_ids(query_segment_ids, batch, q_len, q_len, -1)
+  k_ids = kernel_ids(key_segment_ids, batch, k_len, k_len, -2)
+  mask = (q_ids[:, None, :, None] == k_ids[:, None, None, :])
+  if causal:
+    mask = mask & (jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None])
+  scores = jnp.where(mask, scores, MASK_VALUE)
+  p = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
+  total = jnp.sum(p, axis=-1, keepdims=True)
+  weights = p / jnp.where(total > 0.0, total, 1.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value).astype(query.dtype)
