@@ -3,8 +3,11 @@
 Chang et al. (LREC-COLING 2024), Table 1: on synthetic hallucinations (an argument removed from
 the input, still verbalised) and coverage errors (an argument added to the input, not
 verbalised), unparaphrased and paraphrased, ROUGE-1, gradient x input salience of the
-generator and prompt-tuned YES/NO classifiers detect both kinds above chance (hallucination,
-example level: salience ROC AUC .808, classifier .953). Checked here on PERSPECTRUM (907
+generator and prompt-tuned YES/NO classifiers detect both kinds above chance (example level,
+unparaphrased hallucination / coverage: ROUGE-1 .772 / .890, salience .736 / .875, classifiers
+.998 / .986; `PAPER_TABLE1`). Each verdict also needs every detector above its nulls, in the
+same run on the same examples (`NULLS`): the detector on an untrained model, the lengths of
+its input and response. Checked here on PERSPECTRUM (907
 claims, split train/dev/test by its own `dataset_split_v1.0.json`), from a span-corruption-
 pretrained T5 (INIT_CHECKPOINT), with the library's own pieces (as `jaxmoral npov demo` runs
 them on the bundled corpus):
@@ -201,16 +204,15 @@ def paper_ordering(slices: Mapping[str, Sequence[Any]],
 
 
 def input_words(example: Any) -> int:
-  """Content words of the generator's input (query and arguments)."""
-  from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
-  from jaxmoral.npov import text as text_lib  # pylint: disable=import-outside-toplevel
-  return sum(not w.is_stopword for w in text_lib.words(task.format_input(example)))
+  """Content words of the generator's input (query and arguments): `evaluate.input_words`."""
+  from jaxmoral.npov import evaluate  # pylint: disable=import-outside-toplevel
+  return evaluate.input_words(example)
 
 
 def length_detections(examples: Sequence[Any]) -> list[Any]:
   """The control's scores: hallucination = shorter input, coverage error = longer input."""
-  from jaxmoral.npov.detectors import base  # pylint: disable=import-outside-toplevel
-  return [base.Detection(-float(n), float(n)) for n in map(input_words, examples)]
+  from jaxmoral.npov import evaluate  # pylint: disable=import-outside-toplevel
+  return evaluate.input_length_detections(examples)
 
 
 def imbalance_detections(examples: Sequence[Any]) -> list[Any]:
@@ -396,6 +398,143 @@ def _distinct(examples: Sequence[Any]) -> list[Any]:
   return list(seen.values())
 
 
+def heldout_sources(topics: Sequence[Any], *, seed: int, examples_per_claim: int,
+                    max_per_side: int, balanced_sides: bool, max_sources: Optional[int]
+                    ) -> list[Any]:
+  """The error-free source examples of the test claims, as `run_experiment` draws them."""
+  from jaxmoral.npov import knowledge_base as kb_lib  # pylint: disable=import-outside-toplevel
+  sources = _distinct(kb_lib.sample_examples(topics, seed=seed + 1, split="test",
+                                             examples_per_topic=examples_per_claim,
+                                             max_per_side=max_per_side,
+                                             same_count_per_side=balanced_sides))
+  return sources[:max_sources] if max_sources else sources
+
+
+def salience_indices(size: int, max_examples: Optional[int], *, seed: int) -> np.ndarray:
+  """The seeded sample of example indices salience scores (the same in both slices)."""
+  return np.sort(np.random.default_rng(seed + 4).choice(
+      size, size=min(size, max_examples or size), replace=False))
+
+
+@gin.configurable(module="npov_table1")
+def run_null_check(*, results_dir: str, name: str, model_config: Any, vocabulary_path: str,
+                   perspectrum_dir: str, test_examples_per_claim: int = 1,
+                   max_per_side: int = 3, max_test_sources: Optional[int] = None,
+                   balanced_sides: bool = True, max_salience_examples: Optional[int] = None,
+                   slices: Sequence[str] = ("unparaphrased", "paraphrased"),
+                   prompt_length: Optional[int] = 5,
+                   untrained: Sequence[str] = ("salience", "classifier"),
+                   num_resamples: int = 1000, seed: int = 0, command: str = ""
+                   ) -> dict[str, Any]:
+  """The nulls alone on `run_experiment`'s test examples, without training anything: ROUGE-1
+  against its length nulls, and the model-based detectors on an untrained model of
+  `model_config` (with the base's vocabulary) scored as detectors against the length nulls:
+  what a verdict must beat, measured where no trained base is at hand.
+
+  Args:
+    results_dir: Where `<name>.md/.json/.png` go.
+    name: Name of the result files.
+    model_config: The base's T5Config (MODEL_CONFIG).
+    vocabulary_path: The base's SentencePiece model.
+    perspectrum_dir: PERSPECTRUM's folder.
+    test_examples_per_claim, max_per_side, max_test_sources, balanced_sides,
+      max_salience_examples, num_resamples, seed: As `run_experiment`'s (the same examples).
+    slices: The test slices scored.
+    prompt_length: The trained detectors' soft prompt length (`prompt_tuning.PromptConfig`'s
+      default): the untrained ones carry an untrained prompt of it.
+    untrained: The model-based detectors run on the untrained model.
+    command: The command line (written into the report).
+  """
+  # pylint: disable=import-outside-toplevel
+  from jaxmoral import model_dirs
+  from jaxmoral.npov import detect
+  from jaxmoral.npov import knowledge_base as kb_lib
+  from jaxmoral.npov import synthetic
+  from jaxmoral.npov.detectors import rouge
+  # pylint: enable=import-outside-toplevel
+  started = time.time()
+  topics = kb_lib.read_perspectrum(perspectrum_dir)
+  sources = heldout_sources(topics, seed=seed, examples_per_claim=test_examples_per_claim,
+                            max_per_side=max_per_side, balanced_sides=balanced_sides,
+                            max_sources=max_test_sources)
+  test_slices = {k: v for k, v in synthetic.make_test_slices(sources, topics,
+                                                              seed=seed + 3).items()
+                 if k in slices}
+  sample = salience_indices(len(next(iter(test_slices.values()))), max_salience_examples,
+                            seed=seed)
+  vocabulary = model_dirs.vocabulary_from_file(vocabulary_path)
+  detectors = {"rouge": rouge.RougeDetector(), **{
+      f"untrained {d}": detect.build_untrained_detector(d, config=model_config,
+                                                        vocabulary=vocabulary, seed=seed + 8,
+                                                        prompt_length=prompt_length)
+      for d in untrained}}
+  results: dict[str, Any] = {"auc": {}, "nulls": {}, "length": {},
+                             "slices": {k: len(v) for k, v in test_slices.items()}}
+  timings: dict[str, float] = {}
+  for det_name, det in detectors.items():
+    tick = time.time()
+    kind = det_name.split()[-1]
+    for sl, examples in test_slices.items():
+      if kind == "salience":
+        examples = [examples[i] for i in sample]
+      detections = det.detect_batch(examples)
+      results["auc"].setdefault(det_name, {})[sl] = auc_intervals(
+          examples, detections, num_resamples=num_resamples, seed=seed)
+      results["length"].setdefault(det_name, {})[sl] = length_dependence(
+          examples, detections, num_resamples=num_resamples, seed=seed)
+      lengths = {n: d for n, d in null_detections(kind, examples).items()}
+      results["nulls"].setdefault(det_name, {})[sl] = null_intervals(
+          examples, detections, lengths, num_resamples=num_resamples, seed=seed)
+    timings[f"{det_name.replace(' ', '_')}_s"] = time.time() - tick
+  timings["total_s"] = time.time() - started
+  # `main` parses the flags after `--nulls`: the command a user types again has it.
+  command = command.replace("npov_table1.py ", "npov_table1.py --nulls ", 1)
+  results.update({"command": command, "machine": common.machine(), "timings": timings,
+                  "setup": {"model_config": repr(model_config), "vocabulary": vocabulary_path,
+                            "test_sources": len(sources),
+                            "salience_examples_per_slice": int(len(sample)),
+                            "num_resamples": num_resamples, "seed": seed}})
+  return common.write_results(results, results_dir=results_dir, name=name,
+                              title=f"NPOV nulls ({name})", plot=plot, report=null_report)
+
+
+def null_report(results: Mapping[str, Any], *, name: str) -> str:
+  """The Markdown of `run_null_check`: every score's example-level ROC AUC, its length-matched
+  and within-example word AUC, and its difference from each length null."""
+  m, t, setup = results["machine"], results["timings"], results["setup"]
+  slices = list(results["slices"])
+  lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
+           "Command:", "", f"    {results['command']}", "",
+           f"No model is trained: {setup['test_sources']} error-free test sources -> "
+           + ", ".join(f"{k} {v}" for k, v in results["slices"].items()) + " examples "
+           f"(the untrained salience on a seeded {setup['salience_examples_per_slice']} per "
+           f"slice); the untrained model: {setup['model_config']}, randomly initialised "
+           f"(seed + 8), vocabulary `{setup['vocabulary']}`. ROC AUC with 95 % bootstrap "
+           f"intervals ({setup['num_resamples']} resamples).", "",
+           "| score | slice | error | ROC AUC | length-matched | word | word within example |"
+           + " Δ input length | Δ response length |", "|---|---|---|---|---|---|---|---|---|"]
+  for det, by_slice in results["auc"].items():
+    for sl in slices:
+      for e in ERRORS:
+        a = by_slice[sl][e]
+        length = (results["length"][det][sl] or {}).get(e) or {}
+        nulls = results["nulls"][det][sl]
+        lines.append(f"| {det} | {sl} | {e} | {common.fmt(a['example'])} | "
+                     f"{common.fmt(length.get('length_matched_auc'))} | "
+                     f"{common.fmt(a.get('word'))} | {common.fmt(a.get('word_within'))} | "
+                     + " | ".join(common.fmt((nulls.get(n) or {}).get("difference", {}).get(e))
+                                  for n in (INPUT_LENGTH, RESPONSE_LENGTH)) + " |")
+  lines += ["", "Length nulls alone (ROC AUC, each with its stronger sign):", ""]
+  for sl in slices:
+    first = next(iter(results["nulls"].values()))[sl]
+    lines.append(f"- {sl}: " + "; ".join(
+        f"{n}: " + ", ".join(f"{e} {common.fmt(first[n]['auc'][e])}" for e in ERRORS)
+        for n in (INPUT_LENGTH, RESPONSE_LENGTH)))
+  lines += ["", "Seconds: " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in t.items()) + ".", "",
+            f"Plot: `{results['plot']}`."]
+  return "\n".join(lines)
+
+
 @gin.configurable(module="npov_table1")
 def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint: str,
                    model_config: Any, optimizer: Any, perspectrum_dir: str,
@@ -496,11 +635,9 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                                           examples_per_topic=train_examples_per_claim,
                                           max_per_side=max_per_side)
   train_examples = _distinct(train_examples)
-  test_sources = _distinct(kb_lib.sample_examples(topics, seed=seed + 1, split="test",
-                                                  examples_per_topic=test_examples_per_claim,
-                                                  max_per_side=max_per_side,
-                                                  same_count_per_side=balanced_sides))
-  test_sources = test_sources[:max_test_sources] if max_test_sources else test_sources
+  test_sources = heldout_sources(topics, seed=seed, examples_per_claim=test_examples_per_claim,
+                                 max_per_side=max_per_side, balanced_sides=balanced_sides,
+                                 max_sources=max_test_sources)
   logger.info("perspectrum: %s claims by split; %d train verbalisation examples; %d test "
               "source examples", by_split, len(train_examples), len(test_sources))
   pairs = readers.write_jsonl(os.path.join(workdir, "data", "generator.jsonl"),
@@ -569,9 +706,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                              "slices": {k: len(v) for k, v in test_slices.items()}}
   base_info = model_dirs.inspect(base_dir)  # The untrained nulls' config and vocabulary.
   # Slices are aligned (example i of "paraphrased" paraphrases example i of "unparaphrased").
-  size = len(test_slices["unparaphrased"])
-  salience_sample = np.sort(np.random.default_rng(seed + 4).choice(
-      size, size=min(size, max_salience_examples or size), replace=False))
+  salience_sample = salience_indices(len(test_slices["unparaphrased"]), max_salience_examples,
+                                     seed=seed)
   probe_examples = substitution_examples(test_sources, topics, seed=seed + 5) if (
       substitution_probe) else []
   if probe_examples:
@@ -580,10 +716,11 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   kept: dict[str, dict[str, tuple[Any, list[Any]]]] = {}
   for det_name in (*detectors, *CONTROLS):
     tick = time.time()
-    detect_batch = CONTROL_DETECTIONS.get(det_name) or detect.build_detector(
+    built = None if det_name in CONTROL_DETECTIONS else detect.build_detector(
         det_name, base_dir=base_dir,
         generator_dir=generator_dir if det_name == "salience" else None,
-        classifier_dirs=classifier_dirs).detect_batch
+        classifier_dirs=classifier_dirs)
+    detect_batch = CONTROL_DETECTIONS.get(det_name) or built.detect_batch
     if probe_examples:
       examples = (probe_examples if det_name != "salience" or not max_salience_examples else
                   probe_examples[:2 * max_salience_examples])
@@ -594,7 +731,8 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     results["auc"][det_name], results["length"][det_name] = {}, {}
     untrained = (detect.build_untrained_detector(det_name, config=base_info.config,
                                                  vocabulary=base_info.vocabulary,
-                                                 seed=seed + 8)
+                                                 seed=seed + 8,
+                                                 prompt_length=detect.prompt_length(built))
                  if UNTRAINED in NULLS.get(det_name, ()) else None)
     for slice_name, examples in test_slices.items():
       indices = np.arange(len(examples))
@@ -868,4 +1006,8 @@ def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
 
 
 if __name__ == "__main__":
+  # `--nulls`: `run_null_check` (configs/experiments/npov_table1_nulls_cpu.gin), no training.
+  if "--nulls" in sys.argv[1:]:
+    sys.argv.remove("--nulls")
+    sys.exit(common.main(run_null_check))
   sys.exit(common.main(run_experiment))

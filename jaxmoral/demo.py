@@ -102,44 +102,68 @@ def clarify_truth_lines(evaluation: Mapping[str, Mapping[str, Any]]) -> list[str
   return lines
 
 
-NPOV_PAPER = {  # Chang et al. 2024, Table 1 (hallucination, example level, where quoted)
-    "rouge": "ROUGE-1 overlap detects hallucinated and missing arguments above chance",
+NPOV_PAPER = {  # Chang et al. 2024, Table 1, synthetic slices (unparaphrased / paraphrased)
+    "rouge": "ROUGE-1 overlap detects hallucinated and missing arguments above chance "
+             "(ROC AUC hallucination .772 / .680, coverage .890 / .746)",
     "salience": "gradient x input salience detects both error types above chance "
-                "(hallucination ROC AUC .808)",
+                "(hallucination .736 / .708, coverage .875 / .831)",
     "classifier": "the prompt-tuned YES/NO classifiers detect both error types above chance "
-                  "(hallucination ROC AUC .953)"}
+                  "(hallucination .998 / .977, coverage .986 / .993)"}
 
 
-def npov_truth_lines(results: Mapping[str, Any]) -> list[str]:
+def npov_truth_lines(results: Mapping[str, Any],
+                     slices: Optional[Mapping[str, Sequence[Any]]] = None) -> list[str]:
   """NPOV (Chang et al. 2024, Table 1): each detector's example-level ROC AUC, the test slices
-  pooled, with its bootstrap interval against 0.5, per error type (`npov.evaluate.
-  evaluate_detectors`' results: {slice: {detector: {error: {"labels", "scores", ...}}}})."""
+  pooled, with its bootstrap interval against 0.5 and, given the slices' examples, the paired
+  interval of its AUC minus the input length's (the null a synthetic error's length gives),
+  per error type (`npov.evaluate.evaluate_detectors`' results: {slice: {detector: {error:
+  {"labels", "scores", ...}}}}). "agrees" needs both; the model-based detectors' other null,
+  the same detector on an untrained model, only the experiment measures, so they "cannot tell"
+  at best here."""
+  from jaxmoral.npov import evaluate  # pylint: disable=import-outside-toplevel
   lines = []
-  slices = list(results.values())
+  by_slice = list(results.values())
   pooled = " and ".join(results)
+  lengths = None if slices is None else [
+      evaluate.evaluate_slice(slices[name], evaluate.input_length_detections(slices[name]))
+      for name in results]
   for detector, paper in NPOV_PAPER.items():
-    if not slices or any(detector not in s for s in slices):
+    if not by_slice or any(detector not in s for s in by_slice):
       continue
     found, verdicts = [], []
     for error in ("hallucination", "coverage"):
       labels = np.concatenate([np.asarray(s[detector][error]["labels"], np.int32)
-                               for s in slices])
+                               for s in by_slice])
       scores = np.concatenate([np.asarray(s[detector][error]["scores"], np.float64)
-                               for s in slices])
+                               for s in by_slice])
       if len(set(labels.tolist())) < 2:
         continue
       auc = metrics.bootstrap_ci(metrics.roc_auc, labels, scores)
-      found.append(f"{error} {auc.estimate:.3f} [{auc.low:.3f}, {auc.high:.3f}] "
-                   f"({len(labels)} examples)")
+      text = (f"{error} {auc.estimate:.3f} [{auc.low:.3f}, {auc.high:.3f}] "
+              f"({len(labels)} examples")
       verdicts.append(interval_verdict(auc.low, auc.high, null=0.5))
+      if lengths is None:
+        verdicts.append("cannot tell")
+        text += "; input-length null not measured)"
+      else:
+        length = np.concatenate([np.asarray(s[error]["scores"], np.float64) for s in lengths])
+        diff = metrics.bootstrap_ci(
+            lambda y, a, b: metrics.roc_auc(y, a) - metrics.roc_auc(y, b), labels, scores, length)
+        verdicts.append(interval_verdict(diff.low, diff.high))
+        text += f"; minus the input length's {_interval(diff)})"
+      found.append(text)
     if len(found) < 2:
       continue
+    if detector != "rouge":
+      verdicts.append("cannot tell")  # The untrained-model null: the experiment's.
     verdict = ("agrees" if all(v == "agrees" for v in verdicts) else
                "disagrees" if "disagrees" in verdicts else "cannot tell")
     lines.append(truth_line(
         method="npov", paper=f"{paper} (Table 1)",
         this_run=f"ROC AUC {', '.join(found)} (example level, the {pooled} test slices "
-                 f"pooled; the table shows each)",
+                 "pooled; the table shows each"
+                 + ("" if detector == "rouge" else "; the untrained-model null is the "
+                    "experiment's") + ")",
         verdict=verdict))
   return lines
 

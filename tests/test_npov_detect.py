@@ -85,13 +85,21 @@ def test_untrained_detector_is_the_same_pipeline_on_fresh_weights():
                      num_encoder_layers=1, num_decoder_layers=1)
   untrained = detect.build_untrained_detector("classifier", config=config,
                                               vocabulary=WordVocab(), seed=3)
-  params = nn.meta.unbox(init_params(T5(config), jax.random.PRNGKey(3)))
+  params = nn.meta.unbox(init_params(T5(config), jax.random.split(jax.random.PRNGKey(3))[0]))
   reference = classifier.ClassifierDetector(
       model=T5(config), vocabulary=WordVocab(),
       classifiers={e: (params, None) for e in classifier.ERROR_TYPES})
   got, want = (d.detect_batch([CLEAN, COVERAGE]) for d in (untrained, reference))
   np.testing.assert_allclose([(d.hallucination, d.coverage) for d in got],
                              [(d.hallucination, d.coverage) for d in want], rtol=1e-6)
+  # With the trained detector's prompt length: an untrained prompt from the fresh embeddings.
+  prompted = detect.build_untrained_detector("classifier", config=config,
+                                             vocabulary=WordVocab(), seed=3, prompt_length=3)
+  assert detect.prompt_length(prompted) == 3 and detect.prompt_length(untrained) is None
+  (_, a), (_, b) = prompted.classifiers.values()
+  np.testing.assert_array_equal(a, b)
+  embeddings = np.asarray(params["token_embedder"]["embedding"])
+  assert all(np.isclose(embeddings, row).all(axis=1).any() for row in np.asarray(a))
   with pytest.raises(ValueError, match="has no model"):
     detect.build_untrained_detector("rouge", config=config, vocabulary=WordVocab())
 

@@ -182,7 +182,7 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
           for slice_name, by_detector in results.items()
           for det, by_error in by_detector.items()
           for error in evaluate.ERRORS for level in ("example", "word")}
-  truth = demo_lib.npov_truth_lines(results)  # printed once, by demo.run_all
+  truth = demo_lib.npov_truth_lines(results, test_slices)  # printed once, by demo.run_all
   # The user-facing path: a responses file in, scores and heatmaps out.
   responses = os.path.join(workdir, "detect", "responses.jsonl")
   os.makedirs(os.path.dirname(responses), exist_ok=True)

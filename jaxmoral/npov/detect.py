@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
+import numpy as np
 
 from jaxmoral import model_dirs
 from jaxmoral import prompt_tuning
@@ -70,19 +71,31 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
       partitioner=base.partitioner)
 
 
+def prompt_length(detector: Any) -> Optional[int]:
+  """The soft prompt's length of a built salience or classifier detector (None: no prompt)."""
+  prompts = ([getattr(detector, "prompt", None)] +
+             [p for _, p in getattr(detector, "classifiers", {}).values()])
+  found = [p for p in prompts if p is not None]
+  return int(np.shape(found[0])[0]) if found else None
+
+
 def build_untrained_detector(name: str, *, config: T5Config, vocabulary: Any, seed: int = 0,
+                             prompt_length: Optional[int] = None,
                              salience_config: Any = None) -> Any:
   """A model-based detector on a randomly initialised T5 of `config`, never trained: what the
   detector's pipeline gives from a model that has learned nothing (its null).
 
-  Salience runs the untrained model without a soft prompt; both classifiers are the untrained
-  model read without a prompt (its P("no") at the first decoder step).
+  With `prompt_length`, the detector carries a soft prompt of that length initialised as
+  prompt tuning starts one (`prompt_tuning.init_prompt`, a sample of the untrained model's
+  token embeddings) and never trained: the trained pipeline's shapes, so its compiled
+  programs are shared. Both classifiers are then the same untrained model and prompt.
 
   Args:
     name: "salience" or "classifier".
     config: The trained detector's T5Config (the same architecture).
     vocabulary: The trained detector's vocabulary (its tokens and label words).
     seed: The initialisation's seed.
+    prompt_length: The trained detector's soft prompt length (None: it has none).
     salience_config: Salience options (the trained detector's).
 
   Raises:
@@ -92,11 +105,16 @@ def build_untrained_detector(name: str, *, config: T5Config, vocabulary: Any, se
     raise ValueError(f"build_untrained_detector: {name!r} has no model; known: salience, "
                      "classifier")
   model = T5(config)
-  params = nn.meta.unbox(t5_lib.init_params(model, jax.random.PRNGKey(seed)))
+  params_key, prompt_key = jax.random.split(jax.random.PRNGKey(seed))
+  params = nn.meta.unbox(t5_lib.init_params(model, params_key))
+  prompt = None if prompt_length is None else prompt_tuning.init_prompt(
+      prompt_tuning.PromptConfig(length=prompt_length,
+                                 vocab_sample_size=min(5000, config.vocab_size)),
+      rng=prompt_key, embedding_table=params["token_embedder"]["embedding"])
   if name == "salience":
     return salience.SalienceDetector(
         model=model, params=params, tokenizer=salience.SentencePieceTokenizer(vocabulary),
-        config=salience_config or salience.SalienceConfig())
+        prompt=prompt, config=salience_config or salience.SalienceConfig())
   return classifier.ClassifierDetector(
       model=model, vocabulary=vocabulary,
-      classifiers={e: (params, None) for e in classifier.ERROR_TYPES})
+      classifiers={e: (params, prompt) for e in classifier.ERROR_TYPES})

@@ -109,6 +109,17 @@ def within_example_word_auc(labels: Any, scores: Any, units: Any) -> float:
   return metrics.grouped_roc_auc(labels, scores, units)
 
 
+def input_words(example: task.NpovExample) -> int:
+  """Content words of the generator's input (query and arguments)."""
+  return sum(not w.is_stopword for w in text_lib.words(task.format_input(example)))
+
+
+def input_length_detections(examples: Sequence[task.NpovExample]) -> list[base.Detection]:
+  """The input-length null as a detector: hallucination = shorter input, coverage error =
+  longer input (a synthetic hallucination removes an argument, a coverage error adds one)."""
+  return [base.Detection(-float(n), float(n)) for n in map(input_words, examples)]
+
+
 def _auc(labels: Sequence[int], scores: Sequence[float]) -> Optional[float]:
   if len(set(labels)) < 2:
     return None
