@@ -1038,3 +1038,12 @@ def test_live_clarify_loads_its_question_model_once(monkeypatch):
                                 fusion_dir="/a", judge_dir="/a", judge_classes=("a", "b", "c"))
   assert loads == ["/q"] and row == {"situation": "s", "question": "Why?", "jsd": 0.25}
   live._question_model.cache_clear()  # pylint: disable=protected-access
+
+
+def test_the_app_caps_form_bodies_under_any_server(tmp_path):
+  """Flask's own limit, for a server other than waitress: a form-encoded body is capped as a
+  multipart one is, before its fields are read."""
+  from jaxmoral.explore import server  # pylint: disable=import-outside-toplevel
+  client = server.create_app(folders.Roots([tmp_path])).test_client()
+  response = client.post("/live/npov", data={"response": "w" * (2 << 20)})
+  assert response.status_code == 413 and b"www" not in response.data
