@@ -876,6 +876,9 @@ def test_bodies_fields_lines_and_classes_are_capped(site):
   assert _problem(page) == ("the judge model cannot score the classes bad, okay, good: each "
                             "must be one token of its vocabulary; this model's are wrong, "
                             "okay, good")
+  status, _, page = _post(url + "/live/diamante", {"token": token, "context": "c",
+                                                   "responses": "r"})
+  assert _problem(page) == "choose a Diamante model"
 
 
 def test_special_files_and_links_out_are_not_read(site, tmp_path):
@@ -961,6 +964,10 @@ def test_controls_and_bidi_overrides_are_shown_by_name(site, browser):
     # A missing file's message names it by its folder's label, not by its place on disk.
     status, _, page = _open(site["url"] + "/runs?root=0&path=probe/nothing")
     assert str(site["root"]).encode() not in page
+    from jaxmoral.explore import security  # pylint: disable=import-outside-toplevel
+    assert security.redact(f"cannot open '{site['demo']}/a.json' or '/home/u/.cache/b.bin'",
+                           [(str(site["demo"]), "demo_out")]) == \
+        "cannot open 'demo_out/a.json' or '…/b.bin'"
   finally:
     shutil.rmtree(probe)
 
