@@ -573,6 +573,9 @@ def test_diamante_views_rank_as_the_library(site, browser):
   driver = browser.open_page("/diamante?root=0&path=diamante/eval.json", "diamante-metrics")
   assert driver.find_element(By.CSS_SELECTOR, 'tr[data-ranker="preference"]').text.split()[1:] \
       == [f"{site['metrics'][f'preference/{k}']:.4f}" for k in ("p@1", "mrr", "map")]
+  definitions = driver.find_element(By.ID, "metric-definitions").text
+  assert "Over the 4 test contexts" in definitions and "MRR: the mean of 1 / its rank" in \
+      definitions
   # The contexts the evaluation ranked, by its stored scores, without a model.
   def stored_rows(ranking):
     """(response and its kind badge, score) best first by the stored scores."""
