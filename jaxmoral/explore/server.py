@@ -135,7 +135,6 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     first = (choices["clarify"] or [None])[0]
     classes = live.model_judge_classes(model_dir(first["value"])) if first else None
     choices["clarify_classes"] = ",".join(classes) if classes else ""
-    choices["any"] = bool(found)
     return choices
 
   def required_model(value: Optional[str], what: str) -> str:
