@@ -573,6 +573,9 @@ def test_diamante_views_rank_as_the_library(site, browser):
   driver = browser.open_page("/diamante?root=0&path=diamante/eval.json", "diamante-metrics")
   assert driver.find_element(By.CSS_SELECTOR, 'tr[data-ranker="preference"]').text.split()[1:] \
       == [f"{site['metrics'][f'preference/{k}']:.4f}" for k in ("p@1", "mrr", "map")]
+  definitions = driver.find_element(By.ID, "metric-definitions").text
+  assert "Over the 4 test contexts" in definitions and "MRR: the mean of 1 / its rank" in \
+      definitions
   # The contexts the evaluation ranked, by its stored scores, without a model.
   def stored_rows(ranking):
     """(response and its kind badge, score) best first by the stored scores."""
@@ -876,6 +879,9 @@ def test_bodies_fields_lines_and_classes_are_capped(site):
   assert _problem(page) == ("the judge model cannot score the classes bad, okay, good: each "
                             "must be one token of its vocabulary; this model's are wrong, "
                             "okay, good")
+  status, _, page = _post(url + "/live/diamante", {"token": token, "context": "c",
+                                                   "responses": "r"})
+  assert _problem(page) == "choose a Diamante model"
 
 
 def test_special_files_and_links_out_are_not_read(site, tmp_path):
@@ -961,6 +967,10 @@ def test_controls_and_bidi_overrides_are_shown_by_name(site, browser):
     # A missing file's message names it by its folder's label, not by its place on disk.
     status, _, page = _open(site["url"] + "/runs?root=0&path=probe/nothing")
     assert str(site["root"]).encode() not in page
+    from jaxmoral.explore import security  # pylint: disable=import-outside-toplevel
+    assert security.redact(f"cannot open '{site['demo']}/a.json' or '/home/u/.cache/b.bin'",
+                           [(str(site["demo"]), "demo_out")]) == \
+        "cannot open 'demo_out/a.json' or '…/b.bin'"
   finally:
     shutil.rmtree(probe)
 
@@ -1053,3 +1063,12 @@ def test_a_ppo_runs_learning_curves_are_read_against_episodes(tmp_path):
                                            "kl_coef": [(64.0, 0.15), (128.0, 0.15)]}
   path.write_text(json.dumps({"iterations": [1], "raw_reward_mean": [0.1]}))
   assert sources.learning_curves(path) == {}
+
+
+def test_the_app_caps_form_bodies_under_any_server(tmp_path):
+  """Flask's own limit, for a server other than waitress: a form-encoded body is capped as a
+  multipart one is, before its fields are read."""
+  from jaxmoral.explore import server  # pylint: disable=import-outside-toplevel
+  client = server.create_app(folders.Roots([tmp_path])).test_client()
+  response = client.post("/live/npov", data={"response": "w" * (2 << 20)})
+  assert response.status_code == 413 and b"www" not in response.data

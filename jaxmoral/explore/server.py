@@ -47,10 +47,14 @@ _KIND_VIEW = {"npov": "npov", "npov_scores": "npov", "npov_results": "npov",
 
 def _message(error: BaseException) -> str:
   """One line for the page: "No such file or directory: PATH" for a file error; at most a
-  short prefix of what the user typed (`security.short`)."""
+  short prefix of what the user typed (`security.short`); paths by their folder's label,
+  never their place on the disk (`security.redact`)."""
   if isinstance(error, OSError) and error.strerror and error.filename is not None:
-    return security.short(f"{error.strerror}: {error.filename}")
-  return security.short(str(error) or type(error).__name__, 4 * security.MAX_ECHO)
+    text = security.short(f"{error.strerror}: {error.filename}")
+  else:
+    text = security.short(str(error) or type(error).__name__, 4 * security.MAX_ECHO)
+  shown = flask.current_app.config.get("EXPLORE_FOLDERS", ()) if flask.has_app_context() else ()
+  return security.redact(text, shown)
 
 
 def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -80,6 +84,7 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
                     MAX_FORM_MEMORY_SIZE=security.MAX_BODY_BYTES,
                     MAX_FORM_PARTS=security.MAX_FIELDS)
   shown_folders = [(str(f), roots.label(i)) for i, f in enumerate(roots.folders)]
+  app.config["EXPLORE_FOLDERS"] = shown_folders
 
   def finalize(value: Any) -> Any:
     # Every value a page shows: the folders by their labels, controls and bidi overrides
@@ -130,8 +135,13 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     first = (choices["clarify"] or [None])[0]
     classes = live.model_judge_classes(model_dir(first["value"])) if first else None
     choices["clarify_classes"] = ",".join(classes) if classes else ""
-    choices["any"] = bool(found)
     return choices
+
+  def required_model(value: Optional[str], what: str) -> str:
+    path = model_dir(value)
+    if path is None:
+      raise ValueError(f"choose {what}")
+    return path
 
   def model_dir(value: Optional[str]) -> Optional[str]:
     if not value:
@@ -259,7 +269,7 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
   def live_npov():
     form = flask.request.form
     result = attempt(lambda: live.npov_salience(
-        base_dir=model_dir(form.get("model")), query=form.get("query", ""),
+        base_dir=required_model(form.get("model"), "a base model"), query=form.get("query", ""),
         pro=form.get("pro", ""), con=form.get("con", ""), response=form.get("response", ""),
         generator_dir=model_dir(form.get("generator"))))
     shading = sources.detection_shading(result["value"]) if result.get("value") else None
@@ -287,8 +297,10 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     result = attempt(lambda: live.clarify_question(
         situation=form.get("situation", ""), question=form.get("question", ""),
         question_dir=model_dir(form.get("question_model")),
-        answer_dir=model_dir(form.get("model")), fusion_dir=model_dir(form.get("model")),
-        judge_dir=model_dir(form.get("model")), nli_dir=model_dir(form.get("nli_model")),
+        answer_dir=required_model(form.get("model"), "the answer, fusion and judge model"),
+        fusion_dir=required_model(form.get("model"), "the answer, fusion and judge model"),
+        judge_dir=required_model(form.get("model"), "the answer, fusion and judge model"),
+        nli_dir=model_dir(form.get("nli_model")),
         judge_classes=live.parse_classes(form.get("judge_classes", ""))))
     return render("live_clarify.html", form=form, result=result, models=model_choices())
 
@@ -349,7 +361,8 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     form = flask.request.form
     responses = [line for line in form.get("responses", "").splitlines() if line.strip()]
     result = attempt(lambda: live.diamante_rank(
-        model_dir=model_dir(form.get("model")), context=form.get("context", "").splitlines(),
+        model_dir=required_model(form.get("model"), "a Diamante model"),
+        context=form.get("context", "").splitlines(),
         responses=responses))
     return render("live_diamante.html", form=form, result=result, models=model_choices())
 
