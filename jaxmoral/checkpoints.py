@@ -573,13 +573,52 @@ class RunDirLockedError(ValueError):
   """Another run holds MODEL_DIR's lock (a ValueError: the CLI prints it as one line)."""
 
 
+# A run in a bucket whose storage has not answered the lock's heartbeat for this long stops
+# (one line naming the bucket and the last committed step): its saves cannot complete, and
+# the storage clients would retry them for ever. Well above a store's brief outages.
+STORAGE_DEADLINE_S = 240.0
+# The last step each checkpoint directory committed in this process (saved and manifested,
+# or restored): what a run that cannot reach its storage any more can be resumed from.
+_committed: dict[str, int] = {}
+
+
+def _storage_lost(model_dir: str, silent_s: float, error: Optional[BaseException]) -> None:
+  """Ends the process: the run's storage is gone. Its threads are blocked in the storage
+  clients' retries, which nothing can interrupt, so the process exits from here."""
+  from jaxmoral import preemption  # pylint: disable=g-import-not-at-top
+  step = _committed.get(fileio.abspath(run_checkpoints_dir(model_dir)))
+  committed = (f"the last committed step is {step} (a rerun resumes from it)" if step is not None
+               else "no step was committed")
+  cause = f" ({fileio.describe_storage_error(error, model_dir)})" if error is not None else ""
+  signum = preemption.pending_signal()
+  if signum is not None:
+    import signal  # pylint: disable=g-import-not-at-top
+    name = signal.Signals(signum).name
+    status = preemption.EXIT_STATUS.get(signum, 128 + signum)
+    line = (f"jaxmoral train: stopped by {name}: could not save to {model_dir}: its storage "
+            f"has not answered for {silent_s:.0f} s{cause}; {committed} (exit status {status})")
+  else:
+    status = 1
+    line = (f"jaxmoral train: error: {model_dir}: its storage has not answered for "
+            f"{silent_s:.0f} s{cause}; {committed}; stopping")
+  sys.stderr.write(line + "\n")
+  sys.stderr.flush()
+  sys.stdout.flush()
+  os._exit(status)  # pylint: disable=protected-access
+
+
 class _HeldLock:
-  """A lock file this process holds: its token, nesting depth and heartbeat."""
+  """A lock file this process holds: its token, nesting depth and heartbeat (on a bucket
+  also the run's liveness check of its storage: `STORAGE_DEADLINE_S`)."""
 
   def __init__(self, path: str, token: str):
     self.path, self.token, self.depth = path, token, 1
     self.stop = threading.Event()
+    self.answered = datetime.datetime.now().timestamp()
+    self.error: Optional[BaseException] = None
     threading.Thread(target=self._beat, daemon=True, name="jaxmoral-lock-heartbeat").start()
+    if fileio.is_url(path):
+      threading.Thread(target=self._watch, daemon=True, name="jaxmoral-storage-watch").start()
 
   def _beat(self) -> None:
     while not self.stop.wait(LOCK_HEARTBEAT_S):
@@ -590,8 +629,17 @@ class _HeldLock:
             fileio.write_bytes(self.path, content)
         else:
           os.utime(self.path)  # Tells other hosts the holder is alive.
-      except (OSError, ValueError, AttributeError):
-        pass
+        self.answered, self.error = datetime.datetime.now().timestamp(), None
+      except (OSError, ValueError, AttributeError) as e:
+        self.error = e
+      except Exception as e:  # pylint: disable=broad-except
+        self.error = e  # A storage client's own error type (aiohttp, google.auth).
+
+  def _watch(self) -> None:
+    while not self.stop.wait(min(5.0, STORAGE_DEADLINE_S / 4)):
+      silent = datetime.datetime.now().timestamp() - self.answered
+      if silent > STORAGE_DEADLINE_S and not self.stop.is_set():
+        _storage_lost(self.path.rsplit("/", 1)[0], silent, self.error)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -895,6 +943,7 @@ class CheckpointManager:
     step_dir = fileio.join(self.directory, str(step))
     try:
       write_integrity_manifest(step_dir)
+      _committed[fileio.abspath(self.directory)] = int(step)
     except OSError as e:  # Without it the step is never loaded (see record_checksummed).
       logger.warning("%s: could not write the integrity manifest of step %d (%s); that step "
                      "will not be loaded", self.directory, step, e)
@@ -944,6 +993,7 @@ class CheckpointManager:
       raise ValueError(f"{self.directory}/{step}: cannot restore into the given target "
                        f"(structure, shapes or dtypes differ from the saved state: "
                        f"{self._first_difference(step, target) or type(e).__name__})") from None
+    _committed.setdefault(fileio.abspath(self.directory), int(step))
     return restored[STATE_ITEM], dict(restored[EXTRA_ITEM] or {})
 
   def _first_difference(self, step: int, target: PyTree) -> Optional[str]:

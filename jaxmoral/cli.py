@@ -267,13 +267,17 @@ def quiet_logs(*, force: bool = False) -> None:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
                       datefmt="%H:%M:%S", force=force)
   # The storage clients too: fsspec logs each file a bucket run opens at INFO.
-  for noisy in ("absl", "jax._src", "orbax", "tensorflow", "etils", "fsspec", "gcsfs",
-                "google", "urllib3", "aiohttp"):
+  for noisy in ("absl", "jax._src", "orbax", "tensorflow", "etils", "fsspec", "google",
+                "urllib3", "aiohttp"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
   # google.auth's probe of a Compute Engine metadata server warns on every try off Google
   # Cloud (and against a local storage server, which needs no credentials); a missing
   # credential is reported by the command itself (`fileio.describe_storage_error`).
   logging.getLogger("google.auth.compute_engine._metadata").setLevel(logging.ERROR)
+  logging.getLogger("google.auth._default").setLevel(logging.ERROR)
+  # gcsfs logs a traceback when a request runs out of retries, then raises it: the command
+  # reports that failure itself, in one line naming the URL.
+  logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
   # gin logs every search-path miss (at ERROR) while resolving includes; those are not errors.
   for handler in logging.getLogger().handlers:
     handler.addFilter(

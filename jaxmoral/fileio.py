@@ -504,6 +504,38 @@ def _probe_bucket_folder(folder: str, what: str) -> None:
     client_log.setLevel(level)
 
 
+def require_reachable(location: str | os.PathLike, what: str) -> None:
+  """For a gs:// URL: whether the storage endpoint answers at all (any HTTP reply, a refusal
+  too), three tries within seconds, so that a store nobody answers at is one line naming
+  `what` and the URL in bounded time, instead of every request's retries and tracebacks
+  (about 30 s each). Credentials and permissions are the clients' to report."""
+  import time  # pylint: disable=g-import-not-at-top
+  import urllib.error  # pylint: disable=g-import-not-at-top
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  location = os.fspath(location)
+  if scheme(location) != "gs":
+    return
+  endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
+  if not endpoint.startswith(("http://", "https://")):
+    endpoint = f"http://{endpoint}"
+  error: Optional[BaseException] = None
+  for attempt in range(_REACHABLE_TRIES):
+    if attempt:
+      time.sleep(1.0)
+    try:
+      with urllib.request.urlopen(f"{endpoint.rstrip('/')}/storage/v1/b/x", timeout=10):
+        return
+    except urllib.error.HTTPError:
+      return  # It answered.
+    except (OSError, ValueError) as e:  # URLError, a refused connection, a timeout.
+      error = e
+  assert error is not None
+  raise OSError(f"{what} {location}: {describe_storage_error(error, location)}") from None
+
+
+_REACHABLE_TRIES = 3
+
+
 def describe_storage_error(error: BaseException, location: str) -> str:
   """The cause of an object-store failure in a few words (no traceback)."""
   text = f"{type(error).__name__}: {error}"

@@ -304,6 +304,7 @@ def _local(source: str | os.PathLike) -> tuple[pathlib.Path, bool]:
   """(local folder, whether it came from the Hub)."""
   text = os.fspath(source)
   if fileio.is_url(text):
+    fileio.require_reachable(text, "model directory")
     path = fileio.path(fileio.abspath(text))
     if any((path / name).is_file() for name in hf_import.CHECKPOINT_FILES):
       # safetensors and torch read local files: a Hugging Face folder is read from a copy.

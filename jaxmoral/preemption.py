@@ -54,6 +54,11 @@ def requested() -> bool:
   return bool(_active) and _active[-1].signum is not None
 
 
+def pending_signal() -> Optional[int]:
+  """The stop signal received in the innermost active `StopRequests`, or None."""
+  return _active[-1].signum if _active else None
+
+
 class StopRequests:
   """Within `with`: SIGTERM and SIGINT are stop requests (`signum`) instead of ending the
   process. Installed only in one-process jobs and in the main thread (signal handlers can be

@@ -722,6 +722,7 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
     OSError: The report cannot be written (checked before anything is loaded or computed).
   """
   out_path = fileio.path(model_dir) / f"eval_{step if step is not None else 'latest'}.json"
+  fileio.require_reachable(model_dir, "MODEL_DIR")
   if fileio.isdir(model_dir):  # A missing model dir: model_dirs.load says so.
     fileio.check_writable(out_path)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
@@ -909,6 +910,8 @@ def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
                partitioner: Optional[partitioning.PjitPartitioner] = None) -> str:
   """`jaxmoral export`: see `model_dirs.export_model` (its output checked writable first)."""
   model_dirs.refuse_output_inside(model_dir, output_dir)
+  fileio.require_reachable(model_dir, "--model_dir")
+  fileio.require_reachable(output_dir, "--output")
   fileio.check_writable(output_dir, directory=True)
   return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
                                  output_format=output_format, overwrite=overwrite,

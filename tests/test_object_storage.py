@@ -19,13 +19,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 
 import gin
 import jax
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import free_port, set_environment
 from jaxmoral import checkpoints, cli, fileio, model_dirs
 from jaxmoral import train as train_lib
 from jaxmoral.data import vocab as vocab_lib
@@ -413,3 +414,110 @@ def test_each_bucket_run_builds_its_vocabulary_from_its_own_data(tmp_path):
   second = pieces(files["b"], runs.vocabulary_build_dir(f"{BUCKET}/b"))
   assert second != first, "the second run was given the first run's vocabulary"
   assert second == pieces(files["b"], str(tmp_path / "local_b"))  # Built from b's dialogues.
+
+
+# `jaxmoral train` that checks its storage every half second and gives it 4 s, held after
+# step 4 (step 3 committed) until the test has stopped the storage.
+DYING_DRIVER = textwrap.dedent("""
+    import os, sys, time
+    import gin, jax
+    from jaxmoral import checkpoints, cli, train
+    checkpoints.LOCK_HEARTBEAT_S, checkpoints.STORAGE_DEADLINE_S = 0.5, 4.0
+    gin.external_configurable(lambda: jax.devices()[:1], "first_device",
+                              module="test_object_storage")
+    class HoldAtStep4(train.TrainHook):
+      def after_step(self, loop, step, state, metrics):
+        if step == 4:
+          open(os.environ["HELD"], "w").close()
+          while not os.path.exists(os.environ["RELEASE"]):
+            time.sleep(0.05)
+    gin.external_configurable(HoldAtStep4, module="dying")
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+def test_a_bucket_run_whose_storage_dies_stops_in_bounded_time_naming_it(run, tmp_path,
+                                                                            capsys):
+  """The storage server goes away mid-run: a run stops within seconds with one line naming
+  its bucket folder and the last committed step; one sent SIGTERM first exits as a local run
+  does (143), saying it could not save. eval and export against it: one line too."""
+  data = tmp_path / "data"  # The rows from a local copy: only the run's folder is in the store.
+  for name in fileio.walk_files(DATA_CACHE):
+    (data / name).parent.mkdir(parents=True, exist_ok=True)
+    (data / name).write_bytes(fileio.read_bytes(f"{DATA_CACHE}/{name}"))
+  port = free_port()
+  server = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_server.py"), str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  endpoint = f"http://127.0.0.1:{port}"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", STORAGE_EMULATOR_HOST=endpoint,
+             TENSORSTORE_GCS_HTTP_URL=endpoint, RELEASE=str(tmp_path / "release"))
+  flags = [*[f for f in TINY if not f.startswith("--gin.DATA_CACHE")], ONE_DEVICE,
+           f"--gin.DATA_CACHE='{data}'", "--gin.runs.train_run.hooks=[@dying.HoldAtStep4()]"]
+  children = {}
+  try:
+    deadline = time.time() + 30
+    while True:
+      try:
+        urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1).read()
+        break
+      except OSError:
+        assert time.time() < deadline, "the storage server did not start"
+        time.sleep(0.1)
+    for name in ("plain", "sigterm"):
+      children[name] = subprocess.Popen(
+          [sys.executable, "-c", DYING_DRIVER, "train", *flags,
+           f"--gin.MODEL_DIR='gs://bucket/{name}'"], cwd=ROOT,
+          env={**env, "HELD": str(tmp_path / f"held_{name}")}, stdout=subprocess.DEVNULL,
+          stderr=subprocess.PIPE, text=True)
+    def committed(name: str) -> bool:  # Step 3's manifest is in the store.
+      try:
+        urllib.request.urlopen(f"{endpoint}/storage/v1/b/bucket/o/{name}%2Fcheckpoints%2F3%2F"
+                               f"{checkpoints.INTEGRITY_FILE}", timeout=5).read()
+        return True
+      except OSError:
+        return False
+    deadline = time.time() + 300
+    while not all((tmp_path / f"held_{name}").exists() and committed(name)
+                  for name in children):
+      assert all(c.poll() is None for c in children.values()), [
+          c.stderr.read()[-3000:] for c in children.values() if c.poll() is not None]
+      assert time.time() < deadline, "step 4 was never reached"
+      time.sleep(0.1)
+    children["sigterm"].send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+  finally:
+    server.kill()
+    server.wait()
+  stopped = time.time()
+  (tmp_path / "release").touch()
+  status, lines = {}, {}
+  for name, child in children.items():
+    _, err = child.communicate(timeout=120)
+    status[name] = child.returncode
+    lines[name] = [line for line in err.splitlines() if line.startswith("jaxmoral train:")]
+  took = time.time() - stopped
+  assert status == {"plain": 1, "sigterm": 143}, (status, lines)
+  assert took < 90, took
+  assert len(lines["plain"]) == 1, lines
+  assert lines["plain"][0].startswith("jaxmoral train: error: gs://bucket/plain: its storage "
+                                      "has not answered for ")
+  assert "the last committed step is 3" in lines["plain"][0]
+  assert len(lines["sigterm"]) == 1, lines
+  assert lines["sigterm"][0].startswith("jaxmoral train: stopped by SIGTERM: could not save to "
+                                        "gs://bucket/sigterm: its storage has not answered")
+  assert "the last committed step is 3" in lines["sigterm"][0]
+  assert "(exit status 143)" in lines["sigterm"][0]
+  # Readers of a folder on a store nobody answers at: one line each, within seconds.
+  with set_environment({"STORAGE_EMULATOR_HOST": endpoint, "TENSORSTORE_GCS_HTTP_URL": endpoint}):
+    for argv, what in ((["eval", *TINY, ONE_DEVICE, "--gin.MODEL_DIR='gs://bucket/plain'"],
+                        "MODEL_DIR"),
+                       (["export", "--model_dir=gs://bucket/plain",
+                         f"--output={tmp_path / 'export'}"], "--model_dir")):
+      started = time.time()
+      capsys.readouterr()
+      assert _cli(*argv) == 2
+      err = capsys.readouterr().err
+      assert [line for line in err.splitlines() if line.startswith("jaxmoral")] == [
+          f"jaxmoral {argv[0]}: error: {what} gs://bucket/plain: the storage endpoint "
+          f"{endpoint} is unreachable (URLError)"], err
+      assert time.time() - started < 15
