@@ -28,7 +28,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from jaxmoral import compilation_cache
 from jaxmoral import fileio
@@ -151,7 +151,7 @@ def _known_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 class _Parser(argparse.ArgumentParser):
   """The command line's parser, with each command's own parser by name (for its errors)."""
-  command_parsers: dict[str, argparse.ArgumentParser] = {}
+  command_parsers: Mapping[str, argparse.ArgumentParser] = {}
 
 
 def _original(error: BaseException) -> BaseException:

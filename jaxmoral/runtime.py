@@ -54,10 +54,30 @@ def configure() -> RuntimeSettings:
     What the first call set.
   """
   global _SETTINGS
+  folder = namespace_import_folder()
+  if folder is not None:
+    # jaxmoral/__init__.py never ran: do what it does, and say why the import is odd.
+    platforms = platforms_without_absent_tpu()
+    if platforms is not None and "jax" in sys.modules:
+      sys.modules["jax"].config.update("jax_platforms", platforms)
+    print(f"jaxmoral: imported {folder} as an empty namespace package (a folder named "
+          "jaxmoral without __init__.py, such as the clone seen from its parent folder, comes "
+          "first on sys.path); run from another folder", file=sys.stderr)
   if _SETTINGS is None:
     _SETTINGS = RuntimeSettings(xla_flags_added=xla_flags.apply_workarounds(),
                                 malloc_keeps_freed_memory=host_memory.keep_freed_memory())
   return _SETTINGS
+
+
+def namespace_import_folder() -> Optional[str]:
+  """The folder `import jaxmoral` took where it made a namespace package of it: a folder named
+  jaxmoral without `__init__.py` (the clone itself, from the folder that holds it) came first
+  on sys.path, the package's modules still load through an editable install, but
+  jaxmoral/__init__.py never ran. None where jaxmoral is the package."""
+  package = sys.modules.get("jaxmoral")
+  if package is None or getattr(package, "__file__", None):
+    return None
+  return str(next(iter(getattr(package, "__path__", [])), "?"))
 
 
 # Device nodes of TPU chips (v4 and older: /dev/accel*; v5e and newer: VFIO) and of GPUs

@@ -87,7 +87,7 @@ def shared_dir() -> pathlib.Path:
 MODULE_SECONDS = {
     "test_object_storage": 75, "test_one_path": 63, "test_docs_services": 55,
     "test_docs_experiments": 50, "test_on_mesh": 43, "test_data_tasks": 40,
-    "test_t5": 37, "test_explore": 35, "test_aot": 33, "test_microbatching": 33,
+    "test_t5": 37, "test_explore": 35, "test_aot": 33, "test_microbatching": 33, "test_wheel": 33,
     "test_decoding": 31, "test_multiprocess": 30, "test_trainer": 28, "test_cli": 28,
     "test_reliability": 27, "test_ppo_trainer": 24, "test_train": 24,
     "test_diamante_model": 20, "test_adafactor": 17, "test_data_span_corruption": 17,

@@ -5,7 +5,9 @@ import json
 import os
 import subprocess
 import sys
+import types
 
+from jaxmoral import runtime
 from jaxmoral.backends import xla_flags
 
 # Records every `mallopt` looked up through ctypes (how jaxmoral.backends.host_memory reaches glibc),
@@ -48,3 +50,21 @@ def test_import_has_no_process_wide_effects_and_configure_sets_them_once():
   assert result["configured"]["mallopt"] == ["mallopt"]  # Once, though configured twice.
   assert result["first"] == [True, True] and result["same"]
   assert "cannot take effect" not in out.stderr
+
+
+def test_configure_says_when_jaxmoral_was_imported_as_a_namespace_package(monkeypatch, capsys):
+  """From the folder holding the clone, `import jaxmoral` makes the clone folder itself a
+  namespace package (jaxmoral/__init__.py never runs): configure says so and guards JAX
+  against an absent TPU, which that __init__ would have done."""
+  assert runtime.namespace_import_folder() is None  # The package itself.
+  namespace = types.ModuleType("jaxmoral")
+  namespace.__path__ = ["/somewhere/jaxmoral"]
+  monkeypatch.setitem(sys.modules, "jaxmoral", namespace)
+  guarded = []
+  monkeypatch.setattr(runtime, "platforms_without_absent_tpu", lambda: guarded.append(1))
+  # Settings already made: this process's XLA flags and malloc stay as they are.
+  monkeypatch.setattr(runtime, "_SETTINGS", runtime.RuntimeSettings(False, False))
+  runtime.configure()
+  assert runtime.namespace_import_folder() == "/somewhere/jaxmoral" and guarded == [1]
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "/somewhere/jaxmoral as an empty namespace package" in err
