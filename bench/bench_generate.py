@@ -32,7 +32,8 @@ a decoding step at small batch reads every decoder weight once and little else. 
 with bf16) the agreement tolerance is `fair.REDUCED_RTOL`.
 
 jaxmoral decodes through the backend `--backend` names ("auto": XLA's ops; "cpu_packed": the
-C++ kernels of `jaxmoral.backends.cpu_kernels.decode`), its kernels prepared once outside the timing;
+C++ kernels of `jaxmoral.backends.cpu_kernels` through `decoding.PackedKernelBackend`), its
+kernels prepared once outside the timing;
 `--also_xla_dot` times the same sampler with the "xla" backend's kernels in the same rounds.
 """
 

@@ -17,10 +17,10 @@ kernels once per set of parameters (`prepare_decode_weights`, kept by whoever ow
 parameters and passed to every call as `decode_weights`) and supplies the ops the traced steps
 call (`models.ops.DecodeStepOps`, an argument of every `T5.decode` step). Built in is "xla":
 the self-attention query/key/value kernels and a gated MLP's two input kernels stacked, so
-each is one product (a step is bound by streaming the weights). Optional backends register
-themselves: `jaxmoral.backends.cpu_kernels.decode` adds "cpu_packed" (float32 decoding on one CPU
-device through a C++ kernel over column-panel packed weights), automatic only where it beats
-XLA (CPUs with AVX-512), else chosen by name.
+each is one product (a step is bound by streaming the weights). "cpu_packed"
+(`PackedKernelBackend`) decodes float32 on one CPU device through the C++ kernels of
+`jaxmoral.backends.cpu_kernels` over column-panel packed weights, automatic only where it beats
+XLA (CPUs with AVX-512), else chosen by name; `register_backend` adds others.
 `backend="auto"` takes the last registered automatic backend that applies, else "xla".
 Without `decode_weights` a call prepares XLA's stacks inside the trace.
 
@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import typing
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -50,6 +49,7 @@ import numpy as np
 
 from jaxmoral import losses
 from jaxmoral import validation
+from jaxmoral.backends import cpu_kernels
 from jaxmoral.models.ops import DecodeStepOps
 from jaxmoral.models.t5 import T5
 from jaxmoral.models.t5 import shift_right
@@ -282,10 +282,74 @@ class DecodeWeights:
   kernels: dict[str, Array]
 
 
-_BACKENDS: dict[str, DecodeBackend] = {"xla": DecodeBackend()}
-# Modules that register optional backends, imported by the first automatic choice.
-OPTIONAL_BACKEND_MODULES = ("jaxmoral.backends.cpu_kernels.decode",)
-_optional_imported = False
+def _is_concrete_on_one_cpu(x: Any) -> bool:
+  return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+          and len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu")
+
+
+class PackedKernelBackend(DecodeBackend):
+  """"cpu_packed": float32 decoding on one CPU device through `backends.cpu_kernels`.
+
+  Every product of a step multiplies by a kernel packed into contiguous column panels
+  (`cpu_kernels.pack_columns`) through `cpu_kernels.packed_matmul`, and the step's attention
+  is one `cpu_kernels.decode_attention` call. "auto" picks it only on a CPU with AVX-512,
+  where it has beaten XLA's dots (bench/RESULTS.md); elsewhere it is chosen by name
+  (`decoding.prepare_decode_weights.backend = 'cpu_packed'` in gin, or
+  `backend="cpu_packed"`), and `bench/bench_generate.py --backend cpu_packed --also_xla_dot`
+  measures both.
+  """
+  name = "cpu_packed"
+
+  @property
+  def automatic(self) -> bool:  # type: ignore[override]
+    return cpu_kernels.has_avx512()
+
+  def applies(self, model: T5, params: Params) -> bool:
+    """Float32 models whose parameters are concrete arrays on one CPU device, where the
+    kernels build (`cpu_kernels.available()`; `JAXMORAL_CPU_KERNELS=0` turns them off)."""
+    if model.config.dtype != "float32" or not cpu_kernels.enabled():
+      return False
+    if not all(_is_concrete_on_one_cpu(x) for x in jax.tree.leaves(nn.unbox(params))):
+      return False
+    return cpu_kernels.available()
+
+  def prepare(self, model: T5, params: Params) -> dict[str, Array]:
+    del model
+    return {key: cpu_kernels.pack_columns(kernels[0] if len(kernels) == 1
+                                          else jnp.stack(kernels, axis=1))
+            for key, kernels in decoder_step_kernels(params).items()}
+
+  def step_ops(self, kernels: Mapping[str, Array]) -> DecodeStepOps:
+    return _PackedKernelOps(kernels)
+
+
+class _PackedKernelOps(DecodeStepOps):
+  """A decoding step through `packed_matmul` and `decode_attention` (float32)."""
+
+  def __init__(self, kernels: Mapping[str, Array]):
+    self._kernels = kernels
+
+  def products(self, path, names, x, kernels, *, preferred_element_type=None):
+    packed = self._kernels.get(kernel_key(path, names))
+    if packed is None:
+      return super().products(path, names, x, kernels,
+                              preferred_element_type=preferred_element_type)
+    widths = [int(k.shape[-1]) for k in kernels]
+    out = cpu_kernels.packed_matmul(x, packed, sum(widths))
+    parts, start = [], 0
+    for width in widths:
+      parts.append(out[..., start:start + width])
+      start += width
+    return parts
+
+  def attention(self, path, query, key, value, bias):
+    del path
+    return cpu_kernels.decode_attention(query, key, value, bias)
+
+
+# Later registrations are tried first by "auto".
+_BACKENDS: dict[str, DecodeBackend] = {"xla": DecodeBackend(),
+                                       "cpu_packed": PackedKernelBackend()}
 
 
 def register_backend(backend: DecodeBackend) -> None:
@@ -293,20 +357,7 @@ def register_backend(backend: DecodeBackend) -> None:
   _BACKENDS[backend.name] = backend
 
 
-def _import_optional_backends() -> None:
-  global _optional_imported
-  if not _optional_imported:
-    _optional_imported = True
-    for module in OPTIONAL_BACKEND_MODULES:
-      try:
-        importlib.import_module(module)
-      except ImportError:
-        pass
-
-
 def get_backend(name: str) -> DecodeBackend:
-  if name not in _BACKENDS:
-    _import_optional_backends()
   if name not in _BACKENDS:
     raise ValueError(f"decoding: unknown backend {name!r}; registered: {sorted(_BACKENDS)}")
   return _BACKENDS[name]
@@ -320,7 +371,6 @@ def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
       raise ValueError(f"decoding: backend {backend!r} does not apply to this model and its "
                        "parameters (see its `applies`); use 'auto' or 'xla'")
     return backend
-  _import_optional_backends()
   for name in reversed(list(_BACKENDS)):
     if (name != "xla" and _BACKENDS[name].automatic
         and _BACKENDS[name].applies(model, params)):

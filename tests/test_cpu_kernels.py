@@ -1,4 +1,4 @@
-"""Tests for jaxmoral.backends.cpu_kernels: the packed-panel CPU product against NumPy, and its build."""
+"""jaxmoral.backends.cpu_kernels: the packed-panel CPU product against NumPy, and its build."""
 
 import ctypes
 import hashlib

@@ -172,8 +172,7 @@ def decode_backend(packed: bool):
   """One backend object per kind, so that the compiled steps below are shared by the tests."""
   from jaxmoral import decoding  # pylint: disable=g-import-not-at-top
   if packed:
-    from jaxmoral.backends.cpu_kernels import decode as cpu_backend  # pylint: disable=g-import-not-at-top
-    return cpu_backend.PackedKernelBackend()
+    return decoding.PackedKernelBackend()
   return decoding.DecodeBackend()
 
 

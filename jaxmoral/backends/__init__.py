@@ -11,8 +11,8 @@ XLA:CPU workaround) that it computes right there. Who chooses each part:
   `T5Config.attention_impl="pallas_gpu"`.
 - `attention`: what the two kernel sets share: the shape check, the mesh wrapper, the
   reference and the interpret switch.
-- `cpu_kernels`: C++ XLA FFI kernels of a float32 decoding step on one CPU, and
-  `cpu_kernels.decode`, the "cpu_packed" `decoding.DecodeBackend` over them; chosen by
+- `cpu_kernels`: C++ XLA FFI kernels of a float32 decoding step on one CPU, which
+  `decoding.PackedKernelBackend` ("cpu_packed") runs; chosen by
   `decoding.prepare_decode_weights(backend=...)` ("auto": on CPUs with AVX-512).
 - `xla_flags`: the XLA:CPU reduction workaround in `XLA_FLAGS`, set by
   `jaxmoral.runtime.configure()`.
@@ -21,7 +21,8 @@ XLA:CPU workaround) that it computes right there. Who chooses each part:
 
 The model (`models/t5.py`) imports none of these: its products and attention go through
 `models/ops.ModelOps`, which its `T5Config` selects, and its cached decoding steps through
-the ops of a `decoding.DecodeBackend`.
+the ops of a `decoding.DecodeBackend`. Nothing here imports the model or decoding: the layers
+above choose and call these modules, never the reverse.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ row-major (K, N) kernel in strided pieces, well below the memory's bandwidth; st
 contiguous panels of 64 columns (`pack_columns`), the kernels stream close to it through
 `packed_matmul`, an XLA FFI custom call (`kernels.cc`) that splits the panels over XLA's
 intra-op threads. `decode_attention` is a step's attention (one query per row and head) as one
-custom call, where XLA:CPU runs batched one-row dots. `backend.py` makes them the "cpu_packed"
-decoding backend (`jaxmoral.decoding`); measurements are in bench/RESULTS.md.
+custom call, where XLA:CPU runs batched one-row dots. `decoding.PackedKernelBackend` runs
+them as the "cpu_packed" decoding backend; measurements are in bench/RESULTS.md.
 
 The kernels are compiled from source on first use with the machine's C++ compiler
 (`$CXX`, else `c++`/`g++`/`clang++`) against the XLA FFI headers jaxlib ships, for this
