@@ -62,17 +62,19 @@ TINY_PRETRAINING = [*TINY_MODEL, "--gin.TRAIN_STEPS=4", "--gin.BATCH_SIZE=8",
                     "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 8}",
                     "--gin.DATA_DIR=None", "--gin.VOCABULARY_PATH=None",
                     "--gin.pretraining_corpus.register_pretraining_mixture.sources=['demo']"]
-SCRIPTS = ("diamante_fig3", "npov_table1", "clarify_table4", "clarify_reward_probe")
+SCRIPTS = ("diamante_fig3", "npov_table1", "clarify_table4", "clarify_reward_probe",
+           "clarify_best_of_n")
 # Each script's data flag and its place in the folder `write_shared_like_data` writes.
 DATA_FLAGS = {"diamante_fig3": ("CHITCHAT_PATH", "chitchat/dataset.json"),
               "npov_table1": ("PERSPECTRUM_DIR", "perspectrum"),
-              "clarify_table4": ("DATA_DIR", ""), "clarify_reward_probe": ("DATA_DIR", "")}
+              "clarify_table4": ("DATA_DIR", ""), "clarify_reward_probe": ("DATA_DIR", ""),
+              "clarify_best_of_n": ("DATA_DIR", "")}
 # The rest of each script's tiny variant. ClarifyDelphi's judge classes are one token each in
 # the base's vocabulary, the demo one (`formats.DEMO_JUDGE_CLASSES`); NPOV's salience, a
 # backward pass per 16 response tokens, is its slowest part.
 _DEMO_JUDGE = [f"--gin.reward.RewardConfig.judge_classes={formats.DEMO_JUDGE_CLASSES!r}"]
 TINY_EXTRA = {"diamante_fig3": [], "clarify_table4": _DEMO_JUDGE,
-              "clarify_reward_probe": _DEMO_JUDGE,
+              "clarify_reward_probe": _DEMO_JUDGE, "clarify_best_of_n": _DEMO_JUDGE,
               "npov_table1": ["--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 64}",
                               "--gin.npov_table1.run_experiment.max_salience_examples=2"]}
 # Every DEV_EVERY-th demo situation, and PERSPECTRUM claim, is held out.
@@ -354,3 +356,11 @@ def test_the_documented_clarify_smokes_run_in_full(base, shared_like_data, tmp_p
     assert test_docs.checkpoint_steps(workdir / f"{which}_model")[-1] == 2, which
   assert probe["summary"]["situations"] == setup["eval_situations"], probe["summary"]
   assert len(probe["examples"]) == min(5, setup["eval_situations"])
+  # Best-of-n and the judge's quality on the same runs: a fine-tuned copy of SFT beside them.
+  assert run_script(_smoke("clarify_best_of_n", base, shared_like_data, workdir)) == 0
+  best = _results(workdir, "clarify_best_of_n_smoke")
+  assert best["setup"]["eval_situations"] == setup["eval_situations"]
+  assert len(best["evaluation"]["per_situation"]["copy"]) == setup["eval_situations"]
+  assert {"low", "high", "estimate"} <= set(best["evaluation"]["copy - sft"])
+  assert best["judge"]["examples"] > 0 and 0 <= best["judge"]["accuracy"] <= 1
+  assert test_docs.checkpoint_steps(workdir / "best_of_2_question")[-1] == 2

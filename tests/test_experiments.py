@@ -19,6 +19,7 @@ from jaxmoral.clarify import evaluate as clarify_evaluate
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
+import clarify_best_of_n  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import clarify_table4  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import diamante_fig3  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import experiment_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -92,6 +93,12 @@ def test_diamante_configs_parse(files, steps, size):
     (("clarify_table4_cpu_answer1000.gin",), "ppo_trainer.PPOConfig.batch_size", 64),
     (("clarify_table4_cpu_answer1000.gin",), "%PPO_ITERATIONS", 120),
     (("clarify_table4_cpu_answer1000.gin",), "clarify_table4.run_experiment.systems", None),
+    (("clarify_best_of_n_cpu.gin",), "clarify_best_of_n.run_experiment.samples_per_situation",
+     8),
+    (("clarify_best_of_n_cpu.gin",), "clarify_best_of_n.run_experiment.num_train_situations",
+     256),
+    (("clarify_best_of_n_cpu.gin", "clarify_best_of_n_smoke.gin"), "%NAME",
+     "clarify_best_of_n_smoke"),
 ])
 def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),
@@ -941,3 +948,32 @@ def test_the_diamante_demo_names_a_different_candidate_or_says_there_is_none():
   other = inference.Candidate(text="fine", score=5.1, logprob=-2.0)
   reply = inference.Reply(text="ok", score=6.56, candidates=(same, other, same))
   assert diamante_demo._candidates_note(reply).endswith("(2 different); lowest 5.10: fine")
+
+
+def test_clarify_best_of_n_reward_spread_and_judge_quality():
+  scores = np.array([[0.0, 0.2, 0.1], [0.0, 0.0, 0.0]])
+  spread = clarify_best_of_n.reward_spread(scores)
+  assert spread["zero_pct"] == pytest.approx(100 * 4 / 6)
+  assert spread["situations_all_zero_pct"] == 50.0
+  assert spread["best_minus_mean"] == pytest.approx(((0.2 - 0.1) + 0.0) / 2)
+  assert spread["within_situation_std"] == pytest.approx(np.std([0.0, 0.2, 0.1]) / 2)
+  p = np.array([[0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3], [0.1, 0.2, 0.7]])
+  judge = clarify_best_of_n.judge_quality(p, [0, 1, 2])
+  assert judge["accuracy"] == pytest.approx(2 / 3)  # The uniform row's argmax is class 0.
+  assert judge["majority_class_accuracy"] == pytest.approx(1 / 3)
+  want = -np.sum(p * np.log(p), axis=1).mean()
+  assert judge["mean_entropy_nats"] == pytest.approx(want)
+  assert judge["uniform_entropy_nats"] == pytest.approx(np.log(3))
+
+
+def test_clarify_best_of_n_reads_the_judge_pairs_its_training_held_out():
+  from jaxmoral.clarify import data as data_lib  # pylint: disable=g-import-not-at-top
+  from jaxmoral.clarify import formats  # pylint: disable=g-import-not-at-top
+  from jaxmoral.data import pairs as pairs_lib  # pylint: disable=g-import-not-at-top
+  classes = formats.DEMO_JUDGE_CLASSES
+  held = clarify_best_of_n.heldout_judge_examples("demo", judge_classes=classes)
+  trained = data_lib.build_pairs("judge", "demo", judge_classes=classes)
+  validation = set(pairs_lib.split_pairs(trained, rule="hash")["validation"])
+  mapping = dict(zip(formats.JUDGMENTS, classes, strict=True))
+  got = {(formats.judge_input(s), mapping[formats.JUDGMENTS[label]]) for s, label in held}
+  assert held and got == validation

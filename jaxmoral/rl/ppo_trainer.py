@@ -20,7 +20,8 @@ sigma0) and the iteration count. `PPOTrainer` speaks the trainer protocol of the
 (`train_step(state, batch, rng)`), so `train_ppo` is a caller of `jaxmoral.train.train` (resume,
 TensorBoard, progress line, NaN stop, preemption) with three hooks: the reward normalisation
 measured on a fresh run (`RewardNormalizationHook`), sample texts in TensorBoard, and the
-reward curve (`RewardCurveHook`: JSON + PNG).
+learning curves (`RewardCurveHook`: every iteration's `CURVE_METRICS` in TensorBoard and JSON,
+reward and KL against episodes in a PNG).
 
 Determinism: iteration i reads the prompts of batch i of a `PromptSource` and draws from
 `fold_in(base_key, i)`; the reward is told which call it serves (`RewardKey`), so a resumed run
