@@ -256,18 +256,31 @@ class DecodeBackend:
     return _StackedKernelOps(kernels)
 
 
-class _StackedKernelOps(DecodeStepOps):
-  """XLA's products, several kernels read as one prepared stack."""
+class _PreparedKernelOps(DecodeStepOps):
+  """A step's products by the kernels a backend prepared (keyed by `kernel_key`); a product
+  whose kernels were not prepared runs as `DecodeStepOps` runs it."""
 
   def __init__(self, kernels: Mapping[str, Array]):
     self._kernels = kernels
 
   def products(self, path, names, x, kernels, *, preferred_element_type=None):
-    stacked = self._kernels.get(kernel_key(path, names))
-    if stacked is None:
+    prepared = self._kernels.get(kernel_key(path, names))
+    if prepared is None:
       return super().products(path, names, x, kernels,
                               preferred_element_type=preferred_element_type)
-    return DecodeStepOps.stacked_products(x, stacked.astype(x.dtype))
+    return self.prepared_products(x, prepared, [int(k.shape[-1]) for k in kernels])
+
+  def prepared_products(self, x: Array, prepared: Array, widths: Sequence[int]) -> list[Array]:
+    """[x @ k for each kernel k (of output width `widths[i]`)] through `prepared`."""
+    raise NotImplementedError
+
+
+class _StackedKernelOps(_PreparedKernelOps):
+  """XLA's products, several kernels read as one prepared stack."""
+
+  def prepared_products(self, x, prepared, widths):
+    del widths
+    return DecodeStepOps.stacked_products(x, prepared.astype(x.dtype))
 
 
 @flax.struct.dataclass
@@ -323,19 +336,11 @@ class PackedKernelBackend(DecodeBackend):
     return _PackedKernelOps(kernels)
 
 
-class _PackedKernelOps(DecodeStepOps):
+class _PackedKernelOps(_PreparedKernelOps):
   """A decoding step through `packed_matmul` and `decode_attention` (float32)."""
 
-  def __init__(self, kernels: Mapping[str, Array]):
-    self._kernels = kernels
-
-  def products(self, path, names, x, kernels, *, preferred_element_type=None):
-    packed = self._kernels.get(kernel_key(path, names))
-    if packed is None:
-      return super().products(path, names, x, kernels,
-                              preferred_element_type=preferred_element_type)
-    widths = [int(k.shape[-1]) for k in kernels]
-    out = cpu_kernels.packed_matmul(x, packed, sum(widths))
+  def prepared_products(self, x, prepared, widths):
+    out = cpu_kernels.packed_matmul(x, prepared, sum(widths))
     parts, start = [], 0
     for width in widths:
       parts.append(out[..., start:start + width])
