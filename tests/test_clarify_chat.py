@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 from jaxmoral import partitioning
-from jaxmoral.clarify import chat, formats, models, testing
+from jaxmoral.clarify import chat, formats, models
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
+
+import random_model_dirs
 
 CLASSES = formats.DEMO_JUDGE_CLASSES
 
@@ -18,7 +20,7 @@ def model_dir(tmp_path_factory):
   root = tmp_path_factory.mktemp("chat")
   vocab_path = vocab_lib.build_demo_vocabulary(output_dir=root / "vocab")
   # One layer each side: what is tested is the turn logic, not depth (compiles faster).
-  return testing.random_model_dir(root / "model", seed=7, vocabulary_path=vocab_path,
+  return random_model_dirs.random_model_dir(root / "model", seed=7, vocabulary_path=vocab_path,
                                   config=config_lib.t5_config(size="tiny", num_encoder_layers=1,
                                                               num_decoder_layers=1))
 

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from scipy.spatial import distance
 
-from jaxmoral.clarify import formats, models, reward, testing
+from jaxmoral.clarify import formats, models, reward
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
+
+import random_model_dirs
 
 SITUATIONS = ["skipping your friend's birthday party", "lying to a friend", "feeding a stray cat"]
 QUESTIONS = ["Why are you skipping it?", "Did they find out?", "Whose cat is it?"]
@@ -114,7 +116,7 @@ def test_nli_filter_zeroes_filtered_rewards(pipeline):
 
 def test_end_to_end_from_directories(tmp_path, vocab_path):
   # One exported random model serves every role (a multi-task model is loaded once).
-  directory = testing.random_model_dir(tmp_path / "model", seed=5, vocabulary_path=vocab_path)
+  directory = random_model_dirs.random_model_dir(tmp_path / "model", seed=5, vocabulary_path=vocab_path)
   fn = reward.DefeasibilityReward.from_dirs(
       answer_model_dir=directory, fusion_model_dir=directory, judge_model_dir=directory,
       nli_model_dir=directory, config=CONFIG)
