@@ -487,8 +487,6 @@ def run_null_check(*, results_dir: str, name: str, model_config: Any, vocabulary
           examples, detections, lengths, num_resamples=num_resamples, seed=seed)
     timings[f"{det_name.replace(' ', '_')}_s"] = time.time() - tick
   timings["total_s"] = time.time() - started
-  # `main` parses the flags after `--nulls`: the command a user types again has it.
-  command = command.replace("npov_table1.py ", "npov_table1.py --nulls ", 1)
   results.update({"command": command, "machine": common.machine(), "timings": timings,
                   "setup": {"model_config": repr(model_config), "vocabulary": vocabulary_path,
                             "test_sources": len(sources),
@@ -506,9 +504,10 @@ def null_report(results: Mapping[str, Any], *, name: str) -> str:
   lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
            "Command:", "", f"    {results['command']}", "",
            f"No model is trained: {setup['test_sources']} error-free test sources -> "
-           + ", ".join(f"{k} {v}" for k, v in results["slices"].items()) + " examples "
-           f"(the untrained salience on a seeded {setup['salience_examples_per_slice']} per "
-           f"slice); the untrained model: {setup['model_config']}, randomly initialised "
+           + ", ".join(f"{k} {v}" for k, v in results["slices"].items()) + " examples"
+           + (f" (the untrained salience on a seeded {setup['salience_examples_per_slice']} "
+              "per slice)" if "untrained salience" in results["auc"] else "")
+           + f"; the untrained model: {setup['model_config']}, randomly initialised "
            f"(seed + 8), vocabulary `{setup['vocabulary']}`. ROC AUC with 95 % bootstrap "
            f"intervals ({setup['num_resamples']} resamples).", "",
            "| score | slice | error | ROC AUC | length-matched | word | word within example |"
@@ -1006,8 +1005,4 @@ def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
 
 
 if __name__ == "__main__":
-  # `--nulls`: `run_null_check` (configs/experiments/npov_table1_nulls_cpu.gin), no training.
-  if "--nulls" in sys.argv[1:]:
-    sys.argv.remove("--nulls")
-    sys.exit(common.main(run_null_check))
   sys.exit(common.main(run_experiment))

@@ -468,6 +468,23 @@ def test_a_detector_that_only_reads_the_inputs_length_is_not_shown():
       "unparaphrased ROC AUC minus the input length's: +0.000 [+0.000, +0.000] vs 0: not shown")
 
 
+def test_npov_within_example_word_auc_against_numpy():
+  from jaxmoral.npov import evaluate  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov.detectors import rouge  # pylint: disable=g-import-not-at-top
+  examples = _npov_length_slice()[:60]
+  detections = rouge.RougeDetector().detect_batch(examples)
+  got = npov_table1.auc_intervals(examples, detections, num_resamples=50, seed=0)
+  for error in npov_table1.ERRORS:
+    labels, scores, units = evaluate.word_arrays(examples, detections, error)
+    # Reference: every (positive, negative) word pair of one example, by enumeration.
+    pairs = [float(scores[a] > scores[b]) + 0.5 * float(scores[a] == scores[b])
+             for a in np.flatnonzero(labels == 1) for b in np.flatnonzero(labels == 0)
+             if units[a] == units[b]]
+    assert got[error]["word_within"]["estimate"] == pytest.approx(np.mean(pairs))
+    assert evaluate.evaluate_slice(examples, detections)[error][
+        "within_example_word_auc"] == pytest.approx(np.mean(pairs))
+
+
 def test_npov_length_nulls_take_their_stronger_sign():
   from jaxmoral import metrics as m  # pylint: disable=g-import-not-at-top
   examples = _npov_length_slice()
