@@ -555,33 +555,32 @@ def test_a_streamed_mixture_resumes_from_its_saved_position_without_replay(vocab
                             position_every=every, shard_index=shard[0], shard_count=shard[1])
 
   assert not source(5)._cacheable()  # Streamed.
-  uninterrupted = {}
-  for shard in ((0, 2), (1, 2)):  # Each process its own shard's positions.
+
+  def first_batches_after(start, shard, count):
+    began = time.perf_counter()
+    stream = source(5, shard).iterate(start)
+    first = next(stream)
+    return time.perf_counter() - began, [first] + [next(stream) for _ in range(count - 1)]
+  # Each process its own shard's positions: shard 0 resumes at a saved position (10), shard 1
+  # between two (12: restored at 10, then 2 batches read).
+  for shard, start in (((0, 2), 10), ((1, 2), 12)):
     stream = source(5, shard).iterate(0)
-    uninterrupted[shard[0]] = [next(stream) for _ in range(14)]
+    uninterrupted = [next(stream) for _ in range(start + 2)]
     assert (tmp_path / "pos" / "10" / f"process_{shard[0]}-of-2").is_dir()
-    resumed = source(5, shard).iterate(12)  # Restored at 10, then 2 batches read.
-    for want in uninterrupted[shard[0]][12:]:
-      got = next(resumed)
+    seconds, resumed = first_batches_after(start, shard, 2)
+    if shard[0] == 0:
+      near = seconds
+    for got, want in zip(resumed, uninterrupted[start:], strict=True):
       for k in want:
         np.testing.assert_array_equal(got[k], want[k])
-  # Far positions cost what near ones do: the first batch after a resume at 10,000 (the
-  # stream is advanced to it inside TensorFlow and its position saved as `iterate` saves it)
-  # and after one at 10.
+  # A far position costs what a near one does: the first batch after a resume at 10,000 (the
+  # stream advanced to it inside TensorFlow and its position saved as `iterate` saves it).
   far_source = source(5, (0, 2))
   iterator = iter(far_source._dataset(repeat=True))
   tasks._advance(iterator, 10_000)
   far_source._save_position(iterator, 10_000)
   want = {k: np.asarray(v, np.int32) for k, v in next(iterator).items()}
-
-  def first_batch_after(start):
-    began = time.perf_counter()
-    got = next(source(5, (0, 2)).iterate(start))
-    return time.perf_counter() - began, got
-  near, got = first_batch_after(10)
-  for k in got:
-    np.testing.assert_array_equal(got[k], uninterrupted[0][10][k])
-  far, got = first_batch_after(10_000)
+  far, (got,) = first_batches_after(10_000, (0, 2), 1)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k])
   assert far < 2 * near, (far, near)
