@@ -398,6 +398,20 @@ _SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_enco
                  "tie_word_embeddings")
 
 
+# MODEL_DIR/data_position/<step>/process_<i>-of-<n>/: a streamed split's tf.data position.
+DATA_POSITION_DIR = "data_position"
+
+
+def _keeping_position(source: Any, model_dir: str, every: int) -> Any:
+  """A streamed seqio split keeps its position with the run, at each checkpoint step: a
+  resume restores it instead of replaying the batches before its step."""
+  if dataclasses.is_dataclass(source) and not isinstance(source, type) and any(
+      f.name == "position_dir" for f in dataclasses.fields(source)):
+    return dataclasses.replace(source, position_dir=fileio.join(model_dir, DATA_POSITION_DIR),
+                               position_every=every)
+  return source
+
+
 def _check_same_model(model_dir: str, config: Any) -> None:
   """Refuses a resume whose model differs from the run's (`model_config.json`) in a field
   that shapes the parameters, naming it, before Orbax meets the mismatch."""
@@ -593,6 +607,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         train_source = train_source.shard(jax.process_index(), jax.process_count())
         if eval_source is not None:
           eval_source = eval_source.shard(jax.process_index(), jax.process_count())
+      train_source = _keeping_position(train_source, model_dir, checkpoint_every)
       trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
                              num_microbatches=num_microbatches)
 

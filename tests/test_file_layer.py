@@ -37,7 +37,9 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
         "the local run lock (a bucket run's lock is a conditional object write in fileio) and "
         "the local disk-full cleanup", frozenset({
             "CheckpointManager._disk_full_is_one_line", "RunDirLock._acquire_file",
-            "RunDirLock._take_over", "_HeldLock._beat"})),
+            "RunDirLock._take_over", "_HeldLock._beat",
+            # Resolves local links only (a URL has none).
+            "_refuse_entries_outside"})),
     "jaxmoral.clarify.demo": ("the demo's local workdir", frozenset({"run_demo"})),
     "jaxmoral.clarify.models": ("a cache key: the absolute form of a local folder, else the URL",
                                 frozenset({"load_model"})),
@@ -53,11 +55,12 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
             "_read_own_file", "_write_atomically", "build", "has_avx512"})),
     "jaxmoral.data.index_cache": (
         "a local folder: a bucket cache is copied through `fileio.local_folder` first",
-        frozenset({"read", "write"})),
+        frozenset({"read", "write", "_file_sha256", "_verify", "_version"})),
     "jaxmoral.data.pretraining_corpus": ("the local branch of `write_lines` (a URL is written "
                                          "through fileio)", frozenset({"write_lines"})),
-    "jaxmoral.data.tasks": ("this process's private cache folder",
-                            frozenset({"_process_cache_root"})),
+    "jaxmoral.data.tasks": ("this process's private cache folder; a stream position's local "
+                            "scratch copy (uploaded through fileio)",
+                            frozenset({"_process_cache_root", "TaskSource._save_position"})),
     "jaxmoral.data.vocab": ("SentencePiece writes local files; they are uploaded after",
                             frozenset({"build_demo_vocabulary"})),
     "jaxmoral.diamante.data": ("the local folder SentencePiece trains in "

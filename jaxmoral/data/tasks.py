@@ -32,6 +32,7 @@ import tensorflow as tf
 
 import gin
 
+from jaxmoral import fileio
 from jaxmoral import validation
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
@@ -180,6 +181,18 @@ def _process_cache_root() -> str:
   return root
 
 
+def _advance(iterator: Any, count: int) -> None:
+  """Reads `count` elements of a tf.data iterator inside TensorFlow (no Python per element)."""
+  if count > 0:
+    _advance_graph(iterator, tf.constant(count, tf.int64))
+
+
+@tf.function
+def _advance_graph(iterator: Any, count: Any) -> None:
+  for _ in tf.range(count):
+    iterator.get_next()
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True, eq=False)
 class TaskSource:
@@ -204,7 +217,11 @@ class TaskSource:
   checkpoint: a run resumed over other data stops with a one-line error.
 
   A Task of more than `max_cached_examples` examples (or a Mixture of Tasks of unknown size)
-  is streamed instead, as before: resuming at step k then reads k batches (logged).
+  is streamed instead. With `position_dir`, the stream's position (its tf.data iterator's
+  state, as T5X checkpoints it: shuffle buffers and mixing included) is written there every
+  `position_every` batches, each process its own shard's file, and a resume at step k
+  restores the newest position at or before k and reads only the batches between; without a
+  position it reads the k batches before its step (logged).
 
   Attributes:
     task_name: A registered seqio Task or Mixture.
@@ -219,6 +236,9 @@ class TaskSource:
     cache_dir: Where index caches are kept (None: `index_cache.default_root()`,
       `$JAXMORAL_DATA_CACHE` or `~/.cache/jaxmoral/data`).
     max_cached_examples: Larger splits are streamed (see above).
+    position_dir: Where a streamed split's positions are kept (the run sets
+      MODEL_DIR/data_position); None: a resume replays.
+    position_every: A position every this many batches (the run's checkpoint interval).
   """
   task_name: str
   split: str
@@ -231,6 +251,8 @@ class TaskSource:
   shard_count: int = 1
   cache_dir: Optional[str] = None
   max_cached_examples: int = 5_000_000
+  position_dir: Optional[str] = None
+  position_every: int = 0
   # Built on first use (`_cached_rows`).
   _rows: Optional[tuple[dict[str, np.ndarray], dict[str, Any]]] = dataclasses.field(
       default=None, init=False, repr=False)
@@ -392,13 +414,64 @@ class TaskSource:
     if self._cacheable():
       yield from self._index_source().iterate(start_step)
       return
-    if start_step:
+    iterator = iter(self._dataset(repeat=True))
+    at = self._restore_position(iterator, start_step) if start_step else 0
+    if start_step - at:
       logger.warning("TaskSource: %s:%s is streamed (more than max_cached_examples=%d "
-                     "examples): resuming reads the %d batches before step %d", self.task_name,
-                     self.split, self.max_cached_examples, start_step, start_step)
-    ds = self._dataset(repeat=True).skip(start_step)
-    for batch in ds.as_numpy_iterator():
+                     "examples) and has no position saved at step %d: resuming reads the %d "
+                     "batches from step %d", self.task_name, self.split,
+                     self.max_cached_examples, start_step, start_step - at, at)
+    _advance(iterator, start_step - at)
+    step = start_step
+    for batch in iterator:
+      step += 1  # The iterator now stands at batch `step`.
+      if self.position_dir and self.position_every > 0 and step % self.position_every == 0:
+        self._save_position(iterator, step)
       yield {k: np.asarray(v, np.int32) for k, v in batch.items()}
+
+  # -- a streamed split's position ---------------------------------------------------------------
+  _POSITIONS_KEPT = 5
+
+  def _position_name(self) -> str:
+    return f"process_{self.shard_index}-of-{self.shard_count}"
+
+  def _saved_positions(self) -> list[int]:
+    if not self.position_dir:
+      return []
+    try:
+      names = fileio.listdir(self.position_dir)
+    except OSError:
+      return []
+    return sorted(int(n) for n in names if n.isdigit() and fileio.exists(
+        fileio.join(self.position_dir, n, self._position_name(), "iterator.index")))
+
+  def _save_position(self, iterator: Any, step: int) -> None:
+    """Writes the iterator's state at batch `step` (local temp, then copied: a bucket too)."""
+    assert self.position_dir is not None
+    folder = fileio.join(self.position_dir, str(step), self._position_name())
+    with tempfile.TemporaryDirectory(prefix="jaxmoral-position-") as scratch:
+      tf.train.Checkpoint(iterator=iterator).write(os.path.join(scratch, "iterator"))
+      fileio.makedirs(folder)
+      # The .index last: a position is complete once it is there.
+      for name in sorted(os.listdir(scratch), key=lambda n: n.endswith(".index")):
+        fileio.upload(os.path.join(scratch, name), fileio.join(folder, name))
+    for old in self._saved_positions()[:-self._POSITIONS_KEPT]:
+      fileio.rmtree(fileio.join(self.position_dir, str(old), self._position_name()))
+
+  def _restore_position(self, iterator: Any, step: int) -> int:
+    """Restores the newest saved position at or before `step`; returns its step (0: none)."""
+    saved = [p for p in self._saved_positions() if p <= step]
+    if not saved:
+      return 0
+    assert self.position_dir is not None
+    folder = fileio.join(self.position_dir, str(saved[-1]), self._position_name())
+    with tempfile.TemporaryDirectory(prefix="jaxmoral-position-") as scratch:
+      for name in fileio.listdir(folder):
+        fileio.write_bytes(os.path.join(scratch, name), fileio.read_bytes(
+            fileio.join(folder, name)))
+      tf.train.Checkpoint(iterator=iterator).read(
+          os.path.join(scratch, "iterator")).assert_consumed()
+    return saved[-1]
 
   def batch(self, step: int) -> Features:
     """Batch `step`."""
