@@ -47,7 +47,7 @@ def wheel(tmp_path_factory) -> pathlib.Path:
   for name in SOURCES:
     if (ROOT / name).is_dir():
       shutil.copytree(ROOT / name, source / name,
-                      ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                      ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".*_cache"))
     else:
       shutil.copy(ROOT / name, source / name)
   out = tmp_path_factory.mktemp("wheel")

@@ -147,9 +147,11 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   for folder in sorted(set(role_dir.values())):
     roles = [role for role, where in role_dir.items() if where == folder]
     print(f"model of the {', '.join(roles)} role{'s' if len(roles) > 1 else ''}: {folder}")
-  print(f"PPO run (checkpoints, TensorBoard train/; loads as the tuned question generator): "
-        f"{ppo_dir}")
-  print(f"reward curve: {ppo['reward_curve']}; table: {table_path}; transcript: {transcript}")
+  print(f"PPO run (checkpoints, TensorBoard train/; loads as the tuned question generator):\n"
+        f"  {ppo_dir}")
+  print(f"reward curve: {ppo['reward_curve']}")
+  print(f"table: {table_path}")
+  print(f"transcript: {transcript}")
   print(f"done in {seconds:.0f}s ({', '.join(f'{k} {v:.0f}s' for k, v in timings.items())})")
   return {"model_dirs": role_dir, "ppo": {k: v for k, v in ppo.items()},
           "evaluation": evaluation, "evaluation_json": str(table_path),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 from typing import Any, TextIO
 
 import gin
@@ -108,8 +109,9 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   for context, reply in zip(contexts, inference.respond(bundle, contexts,
                                                         rng=jax.random.PRNGKey(seed),
                                                         config=rerank), strict=True):
-    print(f"  context: {' | '.join(context[-2:])}", file=output)
-    print(f"  reply:   {reply.text}   [{_candidates_note(reply)}]", file=output)
+    for line in (f"  context: {' | '.join(context[-2:])}",
+                 f"  reply:   {reply.text}   [{_candidates_note(reply)}]"):
+      print(textwrap.fill(line, demo_lib.WIDTH, subsequent_indent=" " * 11), file=output)
   print("\n== self-chat ==", file=output)
   transcript = os.path.join(workdir, "self_chat.jsonl")
   chat.self_chat(model_dir=model_dir, opening="Hi! How was your weekend?",

@@ -64,9 +64,11 @@ def summary_table(results: Mapping[str, Any]) -> str:
       rows.append(row)
     first = next(iter(by_detector.values()), None)
     if first is not None:
-      counts += [f"n, {slice_name} {error}: {first[error]['num_examples']} examples "
-                 f"({first[error]['num_positive']} with the error), "
-                 f"{first[error].get('num_words', '?')} words" for error in evaluate.ERRORS]
+      for error in evaluate.ERRORS:
+        n = first[error]["num_examples"]
+        counts.append(f"n, {slice_name} {error}: {n} example{'' if n == 1 else 's'} "
+                      f"({first[error]['num_positive']} with the error), "
+                      f"{first[error].get('num_words', '?')} words")
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
   lines.insert(1, "-" * len(lines[0]))
