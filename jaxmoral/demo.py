@@ -112,7 +112,8 @@ NPOV_PAPER = {  # Chang et al. 2024, Table 1, synthetic slices (unparaphrased / 
 
 
 def npov_truth_lines(results: Mapping[str, Any],
-                     slices: Optional[Mapping[str, Sequence[Any]]] = None) -> list[str]:
+                     slices: Optional[Mapping[str, Sequence[Any]]] = None, *,
+                     num_resamples: int = 1000) -> list[str]:
   """NPOV (Chang et al. 2024, Table 1): each detector's example-level ROC AUC, the test slices
   pooled, with its bootstrap interval against 0.5 and, given the slices' examples, the paired
   interval of its AUC minus the input length's (the null a synthetic error's length gives),
@@ -138,7 +139,7 @@ def npov_truth_lines(results: Mapping[str, Any],
                                for s in by_slice])
       if len(set(labels.tolist())) < 2:
         continue
-      auc = metrics.bootstrap_ci(metrics.roc_auc, labels, scores)
+      auc = metrics.bootstrap_ci(metrics.roc_auc, labels, scores, num_resamples=num_resamples)
       text = (f"{error} {auc.estimate:.3f} [{auc.low:.3f}, {auc.high:.3f}] "
               f"({len(labels)} examples")
       verdicts.append(interval_verdict(auc.low, auc.high, null=0.5))
@@ -148,7 +149,8 @@ def npov_truth_lines(results: Mapping[str, Any],
       else:
         length = np.concatenate([np.asarray(s[error]["scores"], np.float64) for s in lengths])
         diff = metrics.bootstrap_ci(
-            lambda y, a, b: metrics.roc_auc(y, a) - metrics.roc_auc(y, b), labels, scores, length)
+            lambda y, a, b: metrics.roc_auc(y, a) - metrics.roc_auc(y, b), labels, scores, length,
+            num_resamples=num_resamples)
         verdicts.append(interval_verdict(diff.low, diff.high))
         text += f"; minus the input length's {_interval(diff)})"
       found.append(text)

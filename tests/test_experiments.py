@@ -358,7 +358,7 @@ def test_npov_truth_lines_need_chance_and_the_inputs_length():
           "salience": [base.Detection(-x, -x) for x in score],  # below chance
           "classifier": evaluate.input_length_detections(examples)}  # only the length
   results = {"unparaphrased": {d: evaluate.evaluate_slice(examples, v) for d, v in dets.items()}}
-  lines = demo.npov_truth_lines(results, slices)
+  lines = demo.npov_truth_lines(results, slices, num_resamples=100)
   assert _words(lines) == ["agrees", "disagrees", "cannot tell"]
   assert ".772" in lines[0] and "minus the input length's +" in lines[0]
   assert "minus the input length's +0.000 [+0.000, +0.000]" in lines[2]
@@ -367,8 +367,8 @@ def test_npov_truth_lines_need_chance_and_the_inputs_length():
   # A model-based detector as good as ROUGE-1 still cannot agree here: its untrained-model
   # null is the experiment's. Without the examples no null is measured at all.
   results["unparaphrased"]["salience"] = results["unparaphrased"]["rouge"]
-  assert _words(demo.npov_truth_lines(results, slices))[1] == "cannot tell"
-  assert _words(demo.npov_truth_lines(results))[0] == "cannot tell"
+  assert _words(demo.npov_truth_lines(results, slices, num_resamples=100))[1] == "cannot tell"
+  assert _words(demo.npov_truth_lines(results, num_resamples=100))[0] == "cannot tell"
 
 
 def test_diamante_truth_line_needs_chance_and_the_better_rival():
@@ -450,12 +450,12 @@ def test_a_detector_that_only_reads_the_inputs_length_is_not_shown():
   examples = _npov_length_slice()
   length_only = npov_table1.length_detections(examples)
   auc = {"salience": {"unparaphrased": npov_table1.auc_intervals(
-      examples, length_only, num_resamples=200, seed=0)}}
+      examples, length_only, num_resamples=100, seed=0)}}
   assert auc["salience"]["unparaphrased"]["hallucination"]["example"]["low"] > 0.5
   untrained = [type(d)(0.0, 0.0) for d in length_only]  # An untrained model that ties all.
   nulls = {"salience": {"unparaphrased": npov_table1.null_intervals(
       examples, length_only, npov_table1.null_detections("salience", examples, untrained),
-      num_resamples=200, seed=0)}}
+      num_resamples=100, seed=0)}}
   found = nulls["salience"]["unparaphrased"]
   assert found["input length"]["difference"]["hallucination"]["estimate"] == 0.0
   assert found["input length"]["auc"]["coverage"] == auc["salience"]["unparaphrased"][
