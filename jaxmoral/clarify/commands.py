@@ -21,7 +21,8 @@ files / bindings work as for every command (a flag overrides a gin file)::
   jaxmoral clarify demo --workdir=demo_out/clarify
 
 Without a gin file, `train-model` trains a tiny T5 with AdamW (`--learning_rate`, default
-1e-3; `--model_size=small`...) and `train-ppo` uses `PPOConfig()` and AdamW (1e-5); with
+1e-3; `--model_size=small`...) and `train-ppo` uses `PPOConfig()`, the original ClarifyDelphi
+recipe, and its Adam (1e-5 decaying linearly over the run); with
 configs/clarify/*.gin, the rates are the gin macros (`--gin.LEARNING_RATE=...`,
 `--gin.PPO_LEARNING_RATE=...`). A comma list given to a sequence flag is a tuple of strings
 (`--judge_classes=bad,ok,good` is `--judge_classes="('bad','ok','good')"`); train-ppo's
