@@ -109,12 +109,8 @@ class Model:
     module = self.module
     # One jitted function each; jax keeps one executable per (bucketed) shape.
     logits = lambda p, enc, dec: module.apply({"params": p}, enc, dec)  # noqa: E731
-    if partitioner is None:
-      self._logits_fn = jax.jit(logits)
-    else:
-      self._logits_fn = partitioner.partition(
-          logits, in_shardings=(model_dirs.param_shardings(config, partitioner), None, None),
-          out_shardings=partitioner.replicated)
+    self._logits_fn = model_dirs.jit_with_params(logits, config, partitioner,
+                                                 replicated=(False, False))
     # The decoding backend's kernels, prepared once for these parameters (on one device).
     self.decode_weights = model_dirs.decode_weights(self.module, self.params, partitioner)
 

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import losses
+from jaxmoral import partitioning
 from jaxmoral import validation
 from jaxmoral.backends import cpu_kernels
 from jaxmoral.models.ops import DecodeStepOps
@@ -425,31 +426,6 @@ def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]
   return get_backend(decode_weights.backend).step_ops(decode_weights.kernels)
 
 
-class _Jitted:
-  """A jitted decoding function run under its partitioner's mesh and rules (if any)."""
-
-  def __init__(self, fn: Callable[..., Any], partitioner: Any = None):
-    self._jitted = jax.jit(fn)
-    self._partitioner = partitioner
-    functools.update_wrapper(self, fn)
-
-  def _context(self):
-    return (self._partitioner.context() if self._partitioner is not None
-            else contextlib.nullcontext())
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    with self._context():
-      return self._jitted(*args, **kwargs)
-
-  def lower(self, *args: Any, **kwargs: Any) -> Any:
-    with self._context():
-      return self._jitted.lower(*args, **kwargs)
-
-  def _cache_size(self) -> int:
-    # Private in jax's stubs.
-    return self._jitted._cache_size()  # type: ignore[attr-defined]  # pylint: disable=protected-access
-
-
 def first_max_index(x: Array) -> Array:
   """`jnp.argmax(x, axis=-1)` (first index of the maximum) for rows without NaN.
 
@@ -676,14 +652,15 @@ _TRACE_COUNT = {"sample": 0, "beam_search": 0}
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_sampler(model: T5, config: SampleConfig, partitioner: Any) -> _Jitted:
+def _jitted_sampler(model: T5, config: SampleConfig,
+                    partitioner: Any) -> partitioning.PartitionedFunction:
   def run(params: Params, encoder_input_tokens: Optional[Array] = None,
           encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
           rng: Optional[Array] = None,
           decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
     return _sample_impl(model, config, params, encoder_input_tokens, encoder_embeds,
                         encoder_mask, rng, decode_weights)
-  return _Jitted(run, partitioner)
+  return partitioning.jit_in_context(run, partitioner)
 
 
 def make_sampler(model: T5, *, max_decode_length: int, num_samples: int = 1,
@@ -835,13 +812,14 @@ def _beam_search_loop(model: T5, config: BeamSearchConfig, params: Params,
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_beam_search(model: T5, config: BeamSearchConfig, partitioner: Any) -> _Jitted:
+def _jitted_beam_search(model: T5, config: BeamSearchConfig,
+                        partitioner: Any) -> partitioning.PartitionedFunction:
   def run(params: Params, encoder_input_tokens: Optional[Array] = None,
           encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
           decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
     return _beam_search_impl(model, config, params, encoder_input_tokens, encoder_embeds,
                              encoder_mask, decode_weights)
-  return _Jitted(run, partitioner)
+  return partitioning.jit_in_context(run, partitioner)
 
 
 def make_beam_search(model: T5, *, beam_size: int, max_decode_length: int,
@@ -910,7 +888,7 @@ def _score_impl(model: T5, params: Params, encoder_input_tokens: Optional[Array]
 def make_scorer(model: T5, partitioner: Any = None) -> Callable[..., Array]:
   """The jitted `fn(params, encoder_input_tokens, encoder_embeds, encoder_mask, targets,
   lengths)` behind `score_sequences` (under `partitioner`'s mesh and rules when given)."""
-  return _Jitted(functools.partial(_score_impl, model), partitioner)
+  return partitioning.jit_in_context(functools.partial(_score_impl, model), partitioner)
 
 
 def score_sequences(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] = None,

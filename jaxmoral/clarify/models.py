@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxmoral import decoding
 from jaxmoral import model_dirs
+from jaxmoral import partitioning
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.models import t5
 
@@ -200,28 +201,10 @@ def sampler(cm: ClarifyModel, *, max_decode_length: int, num_samples: int = 1,
                                partitioner=cm.partitioner)
 
 
-class _OnMesh:
-  """A jitted function run under a partitioner's mesh and rules (if any)."""
-
-  def __init__(self, fn: Any, partitioner: Any):
-    self._jitted, self._partitioner = jax.jit(fn), partitioner
-
-  def _context(self):
-    return (self._partitioner.context() if self._partitioner is not None
-            else contextlib.nullcontext())
-
-  def __call__(self, *args: Any) -> Any:
-    with self._context():
-      return self._jitted(*args)
-
-  def lower(self, *args: Any) -> Any:
-    with self._context():
-      return self._jitted.lower(*args)
-
-
 @functools.lru_cache(maxsize=64)
-def _class_fn(model: t5.T5, partitioner: Any) -> _OnMesh:
-  return _OnMesh(functools.partial(judge_lib.class_distribution, model), partitioner)
+def _class_fn(model: t5.T5, partitioner: Any) -> partitioning.PartitionedFunction:
+  return partitioning.jit_in_context(functools.partial(judge_lib.class_distribution, model),
+                                     partitioner)
 
 
 def class_scorer(cm: ClarifyModel) -> Any:

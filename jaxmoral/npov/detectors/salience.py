@@ -112,13 +112,8 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
     out = jnp.zeros((length, encoder_tokens.shape[1]), jnp.float32)
     return jax.lax.fori_loop(0, num_chunks, chunk, out)
 
-  if partitioner is None:
-    return jax.jit(run)
-  replicated = partitioner.replicated
-  return partitioner.partition(
-      run, in_shardings=(model_dirs.param_shardings(config, partitioner), replicated,
-                         replicated, replicated, replicated if with_prompt else None),
-      out_shardings=replicated)
+  return model_dirs.jit_with_params(run, config, partitioner,
+                                    replicated=(True, True, True, with_prompt))
 
 
 def _bucket(n: int, minimum: int) -> int:
