@@ -26,6 +26,7 @@ import numpy as np
 from jaxmoral import decoding
 from jaxmoral import model_dirs
 from jaxmoral import partitioning
+from jaxmoral import token_rows
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.models import t5
 
@@ -68,7 +69,7 @@ class ClarifyModel:
     out = []
     for i, row in enumerate(rows):
       ids = row[:int(lengths[i])] if lengths is not None else row
-      out.append(self.vocabulary.decode(strip_ids(ids, self.model.config.eos_token_id)))
+      out.append(self.vocabulary.decode(token_rows.text_ids(ids, self.model.config.eos_token_id)))
     return out
 
   def place(self, tokens: np.ndarray) -> Any:
@@ -89,17 +90,6 @@ def encode_texts(vocabulary: Any, texts: Sequence[str], length: int) -> np.ndarr
     ids = list(vocabulary.encode(text))[:length - 1] + [eos]
     tokens[i, :len(ids)] = ids
   return tokens
-
-
-def strip_ids(ids: Any, eos_id: int = 1) -> list[int]:
-  """Ids before the first EOS (padding zeros removed)."""
-  out = []
-  for t in np.asarray(ids).tolist():
-    if t == eos_id:
-      break
-    if t:
-      out.append(int(t))
-  return out
 
 
 @functools.lru_cache(maxsize=16)

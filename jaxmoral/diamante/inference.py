@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxmoral import decoding
 from jaxmoral import model_dirs
+from jaxmoral import token_rows
 from jaxmoral import validation
 from jaxmoral.diamante import data
 from jaxmoral.diamante.bundle import Bundle
@@ -116,10 +117,9 @@ class Reply:
   candidates: tuple[Candidate, ...]
 
 
-def decode_tokens(vocab: Any, tokens: np.ndarray, length: int) -> str:
-  """Text of one candidate (EOS and what follows dropped)."""
-  ids = [int(t) for t in np.asarray(tokens)[:length] if int(t) > 1]
-  return vocab.decode(ids)
+def decode_tokens(vocab: Any, tokens: np.ndarray, length: int, eos_id: int = 1) -> str:
+  """Text of one candidate of `length` emitted tokens (`token_rows.text_ids`)."""
+  return vocab.decode(token_rows.text_ids(np.asarray(tokens)[:length], eos_id))
 
 
 def respond(bundle: Bundle, contexts: Sequence[Sequence[str]], *, rng: Array,
