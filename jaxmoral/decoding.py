@@ -34,7 +34,6 @@ batch-major: row `b * n + i` is sample / beam `i` of input `b`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import typing
@@ -380,8 +379,10 @@ def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_prepare(name: str, model: T5) -> Callable[[Params], dict[str, Array]]:
-  return jax.jit(lambda params: get_backend(name).prepare(model, nn.unbox(params)))
+def _jitted_prepare(name: str, model: T5,
+                    partitioner: Any) -> Callable[[Params], dict[str, Array]]:
+  return partitioning.jit_in_context(
+      lambda params: get_backend(name).prepare(model, nn.unbox(params)), partitioner)
 
 
 @gin.configurable(module="decoding", allowlist=["backend"])
@@ -412,9 +413,7 @@ def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
     raise ValueError(f"decoding backend {backend!r} prepares weights on one device; this model "
                      f"is sharded over {partitioner.mesh.size} devices (use 'auto' or 'xla')")
   name = choose_backend(model, params, backend)
-  context = partitioner.context() if partitioner is not None else contextlib.nullcontext()
-  with context:
-    return DecodeWeights(backend=name, kernels=_jitted_prepare(name, model)(params))
+  return DecodeWeights(backend=name, kernels=_jitted_prepare(name, model, partitioner)(params))
 
 
 def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]

@@ -454,18 +454,11 @@ def _param_shardings(config: T5Config, partitioner: Any, with_scalar_head: bool)
 def jit_with_params(fn: Callable[..., Any], config: T5Config, partitioner: Any, *,
                     replicated: Sequence[bool], with_scalar_head: bool = False
                     ) -> partitioning.PartitionedFunction:
-  """`fn(params, *inputs)` jitted for a loaded model's parameters.
+  """`fn(params, *inputs)` jitted for a loaded T5's parameters (a scalar head's too if so).
 
   With a partitioner it is compiled for its mesh: the parameters in its shardings (no copy
-  when `load` read them there), each input replicated where `replicated` says so and else as
-  placed, the outputs replicated. Without one it is a plain jitted function.
-
-  Args:
-    fn: The function; its first argument is the T5's parameter tree.
-    config: The T5's config (its parameter shardings).
-    partitioner: A `PjitPartitioner`, or None.
-    replicated: One flag per input after the parameters.
-    with_scalar_head: Whether the parameters include a scalar head.
+  when `load` read them there), input i replicated if `replicated[i]` else as placed, the
+  outputs replicated. Without one it is a plain jitted function.
   """
   if partitioner is None:
     return partitioning.jit_in_context(fn)

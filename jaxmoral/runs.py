@@ -741,10 +741,8 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   loss_fn = losses.seq2seq_loss_fn(
       model, label_smoothing=saved.get("label_smoothing", 0.0), z_loss=saved.get("z_loss", 0.0),
       loss_normalizing_factor=saved.get("loss_normalizing_factor"))
-  eval_step = partitioner.partition(
-      lambda p, batch: loss_fn(p, batch, None)[1],
-      in_shardings=(model_dirs.param_shardings(loaded.config, partitioner), None),
-      out_shardings=partitioner.replicated)
+  eval_step = model_dirs.jit_with_params(lambda p, batch: loss_fn(p, batch, None)[1],
+                                         loaded.config, partitioner, replicated=(False,))
   results = [jax.device_get(eval_step(params, partitioner.shard_inputs(batch)))
              for batch in source.eval_batches()]
   metrics = trainer_lib.average_metrics(results)

@@ -1,13 +1,8 @@
-"""Host-side conventions for rows of token ids.
+"""Host-side conventions for rows of token ids, the same for every method's inference.
 
-Where a decoded row ends, which ids its text is decoded from, and the padded sizes rows are
-batched at. Every method's inference code uses these, so a row means the same everywhere:
-
-- A decoded row (`decoding.DecodeOutput.tokens`, beam search's tokens) holds the emitted
-  tokens, its first EOS included, then padding. `emitted_lengths` counts them.
-- Its text comes from `text_ids`: the ids before the first EOS with the pad id dropped.
-- Batches and lengths are padded to `bucket` sizes: few distinct shapes, so `jax.jit` keeps
-  few executables.
+A decoded row (`decoding.DecodeOutput.tokens`, beam search's tokens) holds the emitted tokens,
+its first EOS included, then padding; its text is decoded from `text_ids`. Batches and lengths
+are padded to `bucket` sizes: few distinct shapes, so `jax.jit` keeps few executables.
 """
 
 from __future__ import annotations
@@ -20,15 +15,9 @@ import numpy as np
 def text_ids(row: Any, eos_id: int, pad_id: int = 0) -> list[int]:
   """The ids a row's text is decoded from: those before its first EOS, the pad id dropped.
 
-  The pad id is dropped rather than taken as the row's end: a model may emit it before EOS
-  (it is an ordinary vocabulary entry) and SentencePiece decodes it to nothing, so the text
-  is that of the whole emitted row. In data rows padding only follows EOS, where either
-  rule gives the same ids.
-
-  Args:
-    row: One row of token ids (a sequence or 1-D array).
-    eos_id: The end-of-sequence id.
-    pad_id: The padding id.
+  Dropped, not taken as the end: a model may emit the pad id before EOS (it is an ordinary
+  vocabulary entry) and SentencePiece decodes it to nothing. In data rows padding only
+  follows EOS, where both rules agree.
   """
   out = []
   for token in np.asarray(row).reshape(-1).tolist():
@@ -40,17 +29,8 @@ def text_ids(row: Any, eos_id: int, pad_id: int = 0) -> list[int]:
 
 
 def emitted_lengths(rows: np.ndarray, eos_id: int) -> np.ndarray:
-  """Emitted tokens per row: up to and including the first EOS, the full row without one.
-
-  `decoding.DecodeOutput.lengths` of rows that only come with their tokens (beam search).
-
-  Args:
-    rows: (..., length) token ids.
-    eos_id: The end-of-sequence id.
-
-  Returns:
-    int32 array shaped as `rows` without its last axis.
-  """
+  """int32 tokens per row of (..., length) `rows` up to and including the first EOS (the full
+  length without one): `DecodeOutput.lengths` of rows that come without it (beam search)."""
   rows = np.asarray(rows)
   is_eos = rows == eos_id
   first = np.argmax(is_eos, axis=-1)
@@ -58,16 +38,8 @@ def emitted_lengths(rows: np.ndarray, eos_id: int) -> np.ndarray:
 
 
 def bucket(n: int, minimum: int) -> int:
-  """The padded size of `n` rows or positions: the smallest `minimum * 2**k` >= n.
-
-  Args:
-    n: The size to pad.
-    minimum: The smallest size (also the step a multiple of which every size is, e.g. a
-      chunk length that must divide it).
-
-  Raises:
-    ValueError: `minimum` < 1.
-  """
+  """The padded size of `n` rows or positions: the smallest `minimum * 2**k` >= n (a multiple
+  of `minimum`, e.g. a chunk length that must divide it)."""
   if minimum < 1:
     raise ValueError(f"bucket: minimum must be >= 1, got {minimum}")
   size = minimum
