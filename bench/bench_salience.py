@@ -45,6 +45,7 @@ from jaxmoral import runtime  # noqa: E402
 runtime.configure()  # The XLA flags and malloc settings the CLI runs with.
 from jaxmoral.models.config import t5_config  # noqa: E402
 from jaxmoral.models.t5 import T5, init_params  # noqa: E402
+from jaxmoral import token_rows  # noqa: E402
 from jaxmoral.npov.detectors import salience  # noqa: E402
 import flax.linen as nn  # noqa: E402
 
@@ -171,7 +172,7 @@ def main() -> None:
   import machine  # pylint: disable=g-import-not-at-top  (bench/machine.py)
   n_out = len(target_ids)
   fn = salience._salience_fn(config, "grad_x_input", n_out, False)  # pylint: disable=protected-access
-  encoder = np.zeros((1, salience._bucket(len(input_ids), 64)), np.int32)  # pylint: disable=protected-access
+  encoder = np.zeros((1, token_rows.bucket(len(input_ids), 64)), np.int32)  # pylint: disable=protected-access
   encoder[0, :len(input_ids)] = input_ids
   cost = fn.lower(params, encoder, np.asarray([target_ids], np.int32), np.int32(1),
                   None).compile().cost_analysis()

@@ -28,17 +28,13 @@ import numpy as np
 
 from jaxmoral import decoding
 from jaxmoral import model_dirs
+from jaxmoral import token_rows
 from jaxmoral.models import t5
 from jaxmoral.models.config import T5Config
 
 Params = Any
 TextOrTokens = Union[Sequence[str], Sequence[Sequence[int]], np.ndarray, jax.Array]
 MIN_BUCKET = 8
-
-
-def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
-  """The smallest power of two >= max(n, minimum): the padded size of a batch or length."""
-  return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +105,8 @@ class Model:
     module = self.module
     # One jitted function each; jax keeps one executable per (bucketed) shape.
     logits = lambda p, enc, dec: module.apply({"params": p}, enc, dec)  # noqa: E731
-    if partitioner is None:
-      self._logits_fn = jax.jit(logits)
-    else:
-      self._logits_fn = partitioner.partition(
-          logits, in_shardings=(model_dirs.param_shardings(config, partitioner), None, None),
-          out_shardings=partitioner.replicated)
+    self._logits_fn = model_dirs.jit_with_params(logits, config, partitioner,
+                                                 replicated=(False, False))
     # The decoding backend's kernels, prepared once for these parameters (on one device).
     self.decode_weights = model_dirs.decode_weights(self.module, self.params, partitioner)
 
@@ -166,16 +158,12 @@ class Model:
     return [list(vocabulary.encode(text)) + eos for text in texts]
 
   def decode_text(self, tokens: Sequence[Sequence[int]] | np.ndarray) -> list[str]:
-    """Texts of token rows, each cut at its first EOS (or padding)."""
+    """Texts of token rows, each up to its first EOS (`token_rows.text_ids`)."""
     vocabulary = self._require_vocabulary()
     texts = []
     for row in np.asarray(tokens).reshape(-1, np.shape(tokens)[-1]).tolist():
-      kept = []
-      for token in row:
-        if token in (self.config.eos_token_id, self.config.pad_token_id):
-          break
-        kept.append(int(token))
-      texts.append(vocabulary.decode(kept))
+      texts.append(vocabulary.decode(token_rows.text_ids(
+          row, self.config.eos_token_id, self.config.pad_token_id)))
     return texts
 
   def _ids(self, items: TextOrTokens, what: str) -> list[list[int]]:
@@ -222,11 +210,12 @@ class Model:
     dec_rows = self._ids(targets, "targets") if targets is not None else None
     if dec_rows is not None and len(dec_rows) != len(enc_rows):
       raise ValueError(f"inputs has {len(enc_rows)} rows but targets has {len(dec_rows)}")
-    enc_len = bucket(max(len(r) for r in enc_rows))
-    dec_len = bucket(max(len(r) for r in dec_rows)) if dec_rows else 0
+    enc_len = token_rows.bucket(max(len(r) for r in enc_rows), MIN_BUCKET)
+    dec_len = (token_rows.bucket(max(len(r) for r in dec_rows), MIN_BUCKET) if dec_rows
+               else 0)
     for start in range(0, len(enc_rows), batch_size):
       chunk = enc_rows[start:start + batch_size]
-      rows = bucket(len(chunk))
+      rows = token_rows.bucket(len(chunk), MIN_BUCKET)
       enc = self._pad(chunk, rows, enc_len)
       if dec_rows is None:
         yield start, len(chunk), enc, None, None
@@ -309,7 +298,7 @@ class Model:
         seqs = np.asarray(seqs)[:n]
         tokens.append(seqs)
         scores.append(np.asarray(beam_scores)[:n])
-        lengths.append(_lengths(seqs, self.config.eos_token_id))
+        lengths.append(token_rows.emitted_lengths(seqs, self.config.eos_token_id))
       else:
         out = sampler(self.params, enc, rng=jax.random.fold_in(base, index),
                       decode_weights=self.decode_weights)
@@ -322,13 +311,6 @@ class Model:
       texts = [self.decode_text(row) for row in tokens_all]
     return GenerateOutput(tokens=tokens_all, scores=np.concatenate(scores),
                           lengths=np.concatenate(lengths), texts=texts)
-
-
-def _lengths(tokens: np.ndarray, eos_id: int) -> np.ndarray:
-  """Emitted tokens incl. the first EOS (the full length when there is none), per row."""
-  is_eos = tokens == eos_id
-  first = np.argmax(is_eos, axis=-1)
-  return np.where(is_eos.any(axis=-1), first + 1, tokens.shape[-1]).astype(np.int32)
 
 
 def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Model:

@@ -34,7 +34,6 @@ batch-major: row `b * n + i` is sample / beam `i` of input `b`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import typing
@@ -48,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import losses
+from jaxmoral import partitioning
 from jaxmoral import validation
 from jaxmoral.backends import cpu_kernels
 from jaxmoral.models.ops import DecodeStepOps
@@ -384,8 +384,10 @@ def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted_prepare(name: str, model: T5) -> Callable[[Params], dict[str, Array]]:
-  return jax.jit(lambda params: get_backend(name).prepare(model, nn.unbox(params)))
+def _jitted_prepare(name: str, model: T5,
+                    partitioner: Any) -> Callable[[Params], dict[str, Array]]:
+  return partitioning.jit_in_context(
+      lambda params: get_backend(name).prepare(model, nn.unbox(params)), partitioner)
 
 
 @gin.configurable(module="decoding", allowlist=["backend"])
@@ -416,9 +418,7 @@ def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
     raise ValueError(f"decoding backend {backend!r} prepares weights on one device; this model "
                      f"is sharded over {partitioner.mesh.size} devices (use 'auto' or 'xla')")
   name = choose_backend(model, params, backend)
-  context = partitioner.context() if partitioner is not None else contextlib.nullcontext()
-  with context:
-    return DecodeWeights(backend=name, kernels=_jitted_prepare(name, model)(params))
+  return DecodeWeights(backend=name, kernels=_jitted_prepare(name, model, partitioner)(params))
 
 
 def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]
@@ -428,31 +428,6 @@ def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]
   if decode_weights is None:
     decode_weights = DecodeWeights(backend="xla", kernels=DecodeBackend().prepare(model, params))
   return get_backend(decode_weights.backend).step_ops(decode_weights.kernels)
-
-
-class _Jitted:
-  """A jitted decoding function run under its partitioner's mesh and rules (if any)."""
-
-  def __init__(self, fn: Callable[..., Any], partitioner: Any = None):
-    self._jitted = jax.jit(fn)
-    self._partitioner = partitioner
-    functools.update_wrapper(self, fn)
-
-  def _context(self):
-    return (self._partitioner.context() if self._partitioner is not None
-            else contextlib.nullcontext())
-
-  def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    with self._context():
-      return self._jitted(*args, **kwargs)
-
-  def lower(self, *args: Any, **kwargs: Any) -> Any:
-    with self._context():
-      return self._jitted.lower(*args, **kwargs)
-
-  def _cache_size(self) -> int:
-    # Private in jax's stubs.
-    return self._jitted._cache_size()  # type: ignore[attr-defined]  # pylint: disable=protected-access
 
 
 def first_max_index(x: Array) -> Array:
@@ -681,14 +656,15 @@ _TRACE_COUNT = {"sample": 0, "beam_search": 0}
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_sampler(model: T5, config: SampleConfig, partitioner: Any) -> _Jitted:
+def _jitted_sampler(model: T5, config: SampleConfig,
+                    partitioner: Any) -> partitioning.PartitionedFunction:
   def run(params: Params, encoder_input_tokens: Optional[Array] = None,
           encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
           rng: Optional[Array] = None,
           decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
     return _sample_impl(model, config, params, encoder_input_tokens, encoder_embeds,
                         encoder_mask, rng, decode_weights)
-  return _Jitted(run, partitioner)
+  return partitioning.jit_in_context(run, partitioner)
 
 
 def make_sampler(model: T5, *, max_decode_length: int, num_samples: int = 1,
@@ -840,13 +816,14 @@ def _beam_search_loop(model: T5, config: BeamSearchConfig, params: Params,
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_beam_search(model: T5, config: BeamSearchConfig, partitioner: Any) -> _Jitted:
+def _jitted_beam_search(model: T5, config: BeamSearchConfig,
+                        partitioner: Any) -> partitioning.PartitionedFunction:
   def run(params: Params, encoder_input_tokens: Optional[Array] = None,
           encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
           decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
     return _beam_search_impl(model, config, params, encoder_input_tokens, encoder_embeds,
                              encoder_mask, decode_weights)
-  return _Jitted(run, partitioner)
+  return partitioning.jit_in_context(run, partitioner)
 
 
 def make_beam_search(model: T5, *, beam_size: int, max_decode_length: int,
@@ -915,7 +892,7 @@ def _score_impl(model: T5, params: Params, encoder_input_tokens: Optional[Array]
 def make_scorer(model: T5, partitioner: Any = None) -> Callable[..., Array]:
   """The jitted `fn(params, encoder_input_tokens, encoder_embeds, encoder_mask, targets,
   lengths)` behind `score_sequences` (under `partitioner`'s mesh and rules when given)."""
-  return _Jitted(functools.partial(_score_impl, model), partitioner)
+  return partitioning.jit_in_context(functools.partial(_score_impl, model), partitioner)
 
 
 def score_sequences(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] = None,

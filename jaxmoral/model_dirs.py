@@ -37,7 +37,7 @@ import logging
 import os
 import pathlib
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax
 import jax
@@ -449,6 +449,23 @@ def _param_shardings(config: T5Config, partitioner: Any, with_scalar_head: bool)
     boxed = jax.eval_shape(lambda rng: t5.init_params(model, rng),
                            jax.ShapeDtypeStruct((2,), jnp.uint32))
   return partitioner.sharding_for(boxed)
+
+
+def jit_with_params(fn: Callable[..., Any], config: T5Config, partitioner: Any, *,
+                    replicated: Sequence[bool], with_scalar_head: bool = False
+                    ) -> partitioning.PartitionedFunction:
+  """`fn(params, *inputs)` jitted for a loaded T5's parameters (a scalar head's too if so).
+
+  With a partitioner it is compiled for its mesh: the parameters in its shardings (no copy
+  when `load` read them there), input i replicated if `replicated[i]` else as placed, the
+  outputs replicated. Without one it is a plain jitted function.
+  """
+  if partitioner is None:
+    return partitioning.jit_in_context(fn)
+  shardings = param_shardings(config, partitioner, with_scalar_head=with_scalar_head)
+  inputs = tuple(partitioner.replicated if r else None for r in replicated)
+  return partitioner.partition(fn, in_shardings=(shardings, *inputs),
+                               out_shardings=partitioner.replicated)
 
 
 def decode_weights(model: Any, params: PyTree, partitioner: Any = None) -> Any:

@@ -455,19 +455,39 @@ def inference_partitioner(partitioner: Optional[PjitPartitioner] = None) -> Pjit
 
 
 class PartitionedFunction:
-  """A jitted function that always traces/runs under its partitioner's context."""
+  """A jitted function that traces, runs and lowers inside its partitioner's `context()`.
 
-  def __init__(self, jitted: Any, partitioner: PjitPartitioner):
+  The one type for "a jitted function on the partitioner's mesh": model sharding constraints
+  and logical-axis rules apply while it traces. Without a partitioner it is the plain jitted
+  function (no mesh, no rules).
+  """
+
+  def __init__(self, jitted: Any, partitioner: Optional[PjitPartitioner] = None):
     self._jitted = jitted
     self._partitioner = partitioner
 
+  def _context(self) -> Any:
+    return (self._partitioner.context() if self._partitioner is not None
+            else contextlib.nullcontext())
+
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
-    with self._partitioner.context():
+    with self._context():
       return self._jitted(*args, **kwargs)
 
   def lower(self, *args: Any, **kwargs: Any) -> Any:
-    with self._partitioner.context():
+    with self._context():
       return self._jitted.lower(*args, **kwargs)
+
+  def _cache_size(self) -> int:
+    """Executables compiled so far (tests check that repeated calls do not recompile)."""
+    return self._jitted._cache_size()  # pylint: disable=protected-access
+
+
+def jit_in_context(fn: Callable[..., Any],
+                   partitioner: Optional[PjitPartitioner] = None) -> PartitionedFunction:
+  """`jax.jit(fn)` (shardings follow its inputs as placed), traced and run in `partitioner`'s
+  context when one is given."""
+  return PartitionedFunction(jax.jit(fn), partitioner)
 
 
 def _env_int(name: str) -> Optional[int]:

@@ -49,6 +49,7 @@ from jaxmoral import gin_utils
 from jaxmoral import losses
 from jaxmoral import model_dirs
 from jaxmoral import partitioning
+from jaxmoral import token_rows
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
 from jaxmoral.data import index_cache
@@ -755,10 +756,8 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   loss_fn = losses.seq2seq_loss_fn(
       model, label_smoothing=saved.get("label_smoothing", 0.0), z_loss=saved.get("z_loss", 0.0),
       loss_normalizing_factor=saved.get("loss_normalizing_factor"))
-  eval_step = partitioner.partition(
-      lambda p, batch: loss_fn(p, batch, None)[1],
-      in_shardings=(model_dirs.param_shardings(loaded.config, partitioner), None),
-      out_shardings=partitioner.replicated)
+  eval_step = model_dirs.jit_with_params(lambda p, batch: loss_fn(p, batch, None)[1],
+                                         loaded.config, partitioner, replicated=(False,))
   results = [jax.device_get(eval_step(params, partitioner.shard_inputs(batch)))
              for batch in source.eval_batches()]
   metrics = trainer_lib.average_metrics(results)
@@ -771,11 +770,13 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
         eos_id=loaded.config.eos_token_id, partitioner=partitioner)
     out = sampler(params, partitioner.shard_inputs(inputs), rng=jax.random.PRNGKey(0),
                   decode_weights=model_dirs.decode_weights(model, params, partitioner))
+    eos = loaded.config.eos_token_id
     for i in range(len(inputs)):
       samples.append({
-          "input": vocabulary.decode(_strip(inputs[i])),
-          "target": vocabulary.decode(_strip(first["decoder_target_tokens"][i])),
-          "prediction": vocabulary.decode(_strip(np.asarray(out.tokens[i, 0])))})
+          "input": vocabulary.decode(token_rows.text_ids(inputs[i], eos)),
+          "target": vocabulary.decode(token_rows.text_ids(first["decoder_target_tokens"][i],
+                                                          eos)),
+          "prediction": vocabulary.decode(token_rows.text_ids(out.tokens[i, 0], eos))})
   report = {"metrics": metrics, "samples": samples}
   out_path.write_text(json.dumps(report, indent=2))
   print(json.dumps(metrics, indent=2))
@@ -783,16 +784,6 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
     print(f"  input: {s['input']}\n  target: {s['target']}\n  prediction: {s['prediction']}\n")
   print(f"wrote {out_path}")
   return report
-
-
-def _strip(tokens: np.ndarray, eos_id: int = 1) -> list[int]:
-  """Token ids up to (not including) EOS / padding."""
-  out = []
-  for t in np.asarray(tokens).tolist():
-    if t in (0, eos_id):
-      break
-    out.append(int(t))
-  return out
 
 
 def _read_infer_inputs(input_file: str, input_field: Optional[str]) -> list[str]:
@@ -906,7 +897,8 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
           out.write(blank_record(texts[blank]))
         out.write(json.dumps({
             "input": texts[index],
-            "predictions": [vocabulary.decode(_strip(s)) for s in seqs[i]],
+            "predictions": [vocabulary.decode(token_rows.text_ids(s, loaded.config.eos_token_id))
+                            for s in seqs[i]],
             "scores": [float(x) for x in scores[i]]}) + "\n")
         written = index + 1
       logger.info("infer_run: %d/%d inputs (%.1f/s)", begin + len(chunk), len(todo),

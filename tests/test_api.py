@@ -171,7 +171,6 @@ def test_text_round_trip_and_input_errors(model, tmp_path):
 
 
 def test_bucketing_keeps_compiles_few(model):
-  assert [api.bucket(n) for n in (1, 8, 9, 16, 17, 100)] == [8, 8, 16, 16, 32, 128]
   fresh = api.Model(model.config, model.params, vocabulary=model.vocabulary)
   rng = np.random.RandomState(0)
   for rows, enc_len, dec_len in [(1, 9, 16), (3, 16, 10), (8, 12, 12)]:  # One bucket shape.

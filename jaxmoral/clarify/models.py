@@ -25,6 +25,8 @@ import numpy as np
 
 from jaxmoral import decoding
 from jaxmoral import model_dirs
+from jaxmoral import partitioning
+from jaxmoral import token_rows
 from jaxmoral.clarify import judge as judge_lib
 from jaxmoral.models import t5
 
@@ -67,7 +69,7 @@ class ClarifyModel:
     out = []
     for i, row in enumerate(rows):
       ids = row[:int(lengths[i])] if lengths is not None else row
-      out.append(self.vocabulary.decode(strip_ids(ids, self.model.config.eos_token_id)))
+      out.append(self.vocabulary.decode(token_rows.text_ids(ids, self.model.config.eos_token_id)))
     return out
 
   def place(self, tokens: np.ndarray) -> Any:
@@ -88,17 +90,6 @@ def encode_texts(vocabulary: Any, texts: Sequence[str], length: int) -> np.ndarr
     ids = list(vocabulary.encode(text))[:length - 1] + [eos]
     tokens[i, :len(ids)] = ids
   return tokens
-
-
-def strip_ids(ids: Any, eos_id: int = 1) -> list[int]:
-  """Ids before the first EOS (padding zeros removed)."""
-  out = []
-  for t in np.asarray(ids).tolist():
-    if t == eos_id:
-      break
-    if t:
-      out.append(int(t))
-  return out
 
 
 @functools.lru_cache(maxsize=16)
@@ -200,28 +191,10 @@ def sampler(cm: ClarifyModel, *, max_decode_length: int, num_samples: int = 1,
                                partitioner=cm.partitioner)
 
 
-class _OnMesh:
-  """A jitted function run under a partitioner's mesh and rules (if any)."""
-
-  def __init__(self, fn: Any, partitioner: Any):
-    self._jitted, self._partitioner = jax.jit(fn), partitioner
-
-  def _context(self):
-    return (self._partitioner.context() if self._partitioner is not None
-            else contextlib.nullcontext())
-
-  def __call__(self, *args: Any) -> Any:
-    with self._context():
-      return self._jitted(*args)
-
-  def lower(self, *args: Any) -> Any:
-    with self._context():
-      return self._jitted.lower(*args)
-
-
 @functools.lru_cache(maxsize=64)
-def _class_fn(model: t5.T5, partitioner: Any) -> _OnMesh:
-  return _OnMesh(functools.partial(judge_lib.class_distribution, model), partitioner)
+def _class_fn(model: t5.T5, partitioner: Any) -> partitioning.PartitionedFunction:
+  return partitioning.jit_in_context(functools.partial(judge_lib.class_distribution, model),
+                                     partitioner)
 
 
 def class_scorer(cm: ClarifyModel) -> Any:

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxmoral import decoding
 from jaxmoral import model_dirs
+from jaxmoral import token_rows
 from jaxmoral import validation
 from jaxmoral.diamante import data
 from jaxmoral.diamante.bundle import Bundle
@@ -92,23 +93,13 @@ def generate_and_rank(model: T5, params: Any, *, encoder_input_tokens: Array, rn
                       best=jnp.argmax(scores, axis=-1))
 
 
-def _on_mesh(fn: Any, model: T5, partitioner: Any, num_inputs: int) -> Any:
-  """`fn(params, *inputs)` jitted; with a partitioner compiled for its mesh: the parameters
-  in its shardings, the inputs as placed (`Bundle.place`), the outputs replicated."""
-  if partitioner is None:
-    return jax.jit(fn)
-  shardings = model_dirs.param_shardings(model.config, partitioner,
-                                         with_scalar_head=model.with_scalar_head)
-  return partitioner.partition(fn, in_shardings=(shardings,) + (None,) * num_inputs,
-                               out_shardings=partitioner.replicated)
-
-
 @functools.lru_cache(maxsize=16)
 def _jitted(model: T5, config: RerankConfig, partitioner: Any = None):
   def run(params: Any, encoder_input_tokens: Array, rng: Array) -> RerankOutput:
     return generate_and_rank(model, params, encoder_input_tokens=encoder_input_tokens,
                              rng=rng, config=config)
-  return _on_mesh(run, model, partitioner, 2)
+  return model_dirs.jit_with_params(run, model.config, partitioner, replicated=(False, False),
+                                    with_scalar_head=model.with_scalar_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +117,9 @@ class Reply:
   candidates: tuple[Candidate, ...]
 
 
-def decode_tokens(vocab: Any, tokens: np.ndarray, length: int) -> str:
-  """Text of one candidate (EOS and what follows dropped)."""
-  ids = [int(t) for t in np.asarray(tokens)[:length] if int(t) > 1]
-  return vocab.decode(ids)
+def decode_tokens(vocab: Any, tokens: np.ndarray, length: int, eos_id: int = 1) -> str:
+  """Text of one candidate of `length` emitted tokens (`token_rows.text_ids`)."""
+  return vocab.decode(token_rows.text_ids(np.asarray(tokens)[:length], eos_id))
 
 
 def respond(bundle: Bundle, contexts: Sequence[Sequence[str]], *, rng: Array,
@@ -163,7 +153,9 @@ def rank_texts(bundle: Bundle, context: Sequence[str], responses: Sequence[str],
 
 @functools.lru_cache(maxsize=16)
 def _score_jit(model: T5, partitioner: Any = None):
-  return _on_mesh(functools.partial(score_responses, model), model, partitioner, 3)
+  return model_dirs.jit_with_params(functools.partial(score_responses, model), model.config,
+                                    partitioner, replicated=(False, False, False),
+                                    with_scalar_head=model.with_scalar_head)
 
 
 def score_batch(bundle: Bundle, encoder: np.ndarray, targets: np.ndarray,

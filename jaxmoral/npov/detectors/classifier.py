@@ -158,12 +158,7 @@ def _label_logits_fn(config: T5Config, with_prompt: bool, partitioner: Any = Non
                                                 encoder_embeds=embeds, encoder_mask=mask))
     return logits[:, 0]
 
-  if partitioner is None:
-    return jax.jit(run)
-  return partitioner.partition(
-      run, in_shardings=(model_dirs.param_shardings(config, partitioner),
-                         partitioner.replicated if with_prompt else None, None),
-      out_shardings=partitioner.replicated)
+  return model_dirs.jit_with_params(run, config, partitioner, replicated=(with_prompt, False))
 
 
 class ClassifierDetector:

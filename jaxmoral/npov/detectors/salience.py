@@ -44,6 +44,7 @@ import numpy as np
 from jaxmoral import model_dirs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
+from jaxmoral import token_rows
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
 from jaxmoral.models.t5 import shift_right
@@ -112,21 +113,8 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
     out = jnp.zeros((length, encoder_tokens.shape[1]), jnp.float32)
     return jax.lax.fori_loop(0, num_chunks, chunk, out)
 
-  if partitioner is None:
-    return jax.jit(run)
-  replicated = partitioner.replicated
-  return partitioner.partition(
-      run, in_shardings=(model_dirs.param_shardings(config, partitioner), replicated,
-                         replicated, replicated, replicated if with_prompt else None),
-      out_shardings=replicated)
-
-
-def _bucket(n: int, minimum: int) -> int:
-  """Next power-of-two multiple of `minimum` >= n: few distinct shapes, few compilations."""
-  size = minimum
-  while size < n:
-    size *= 2
-  return size
+  return model_dirs.jit_with_params(run, config, partitioner,
+                                    replicated=(True, True, True, with_prompt))
 
 
 def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
@@ -161,9 +149,9 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
     return np.zeros((n_in, n_out), np.float32)
   if 0 in list(input_ids):
     raise ValueError("token_salience: input_ids contain the pad id 0")
-  encoder = np.zeros((1, _bucket(n_in, input_bucket)), np.int32)
+  encoder = np.zeros((1, token_rows.bucket(n_in, input_bucket)), np.int32)
   encoder[0, :n_in] = input_ids
-  targets = np.zeros((1, _bucket(n_out, chunk_size)), np.int32)
+  targets = np.zeros((1, token_rows.bucket(n_out, chunk_size)), np.int32)
   targets[0, :n_out] = target_ids
   fn = _salience_fn(model.config, method, chunk_size, prompt is not None, partitioner)
   prompt = None if prompt is None else np.asarray(prompt)

@@ -1,0 +1,48 @@
+"""Host-side conventions for rows of token ids, the same for every method's inference.
+
+A decoded row (`decoding.DecodeOutput.tokens`, beam search's tokens) holds the emitted tokens,
+its first EOS included, then padding; its text is decoded from `text_ids`. Batches and lengths
+are padded to `bucket` sizes: few distinct shapes, so `jax.jit` keeps few executables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def text_ids(row: Any, eos_id: int, pad_id: int = 0) -> list[int]:
+  """The ids a row's text is decoded from: those before its first EOS, the pad id dropped.
+
+  Dropped, not taken as the end: a model may emit the pad id before EOS (it is an ordinary
+  vocabulary entry) and SentencePiece decodes it to nothing. In data rows padding only
+  follows EOS, where both rules agree.
+  """
+  out = []
+  for token in np.asarray(row).reshape(-1).tolist():
+    if token == eos_id:
+      break
+    if token != pad_id:
+      out.append(int(token))
+  return out
+
+
+def emitted_lengths(rows: np.ndarray, eos_id: int) -> np.ndarray:
+  """int32 tokens per row of (..., length) `rows` up to and including the first EOS (the full
+  length without one): `DecodeOutput.lengths` of rows that come without it (beam search)."""
+  rows = np.asarray(rows)
+  is_eos = rows == eos_id
+  first = np.argmax(is_eos, axis=-1)
+  return np.where(is_eos.any(axis=-1), first + 1, rows.shape[-1]).astype(np.int32)
+
+
+def bucket(n: int, minimum: int) -> int:
+  """The padded size of `n` rows or positions: the smallest `minimum * 2**k` >= n (a multiple
+  of `minimum`, e.g. a chunk length that must divide it)."""
+  if minimum < 1:
+    raise ValueError(f"bucket: minimum must be >= 1, got {minimum}")
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
