@@ -206,7 +206,10 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
        "responses": ["Yes, mostly jazz.", "No.", "I like rock.", "Where did you go?"],
        "kinds": ["human", "model", "model", "random"], "scores": [1.5, -0.4, 0.3, 0.1],
        "logprobs": [-7.0, -2.0, -5.0, -8.0], "lengths": [5, 2, 4, 5]}]
-  (diamante / "eval.json").write_text(json.dumps({**metrics, "samples": [],
+  samples = [{"context": ["Hi!", "How was your weekend?"], "response": "Great, thanks!",
+              "score": 0.9, "candidates": [{"text": "Great, thanks!", "score": 0.9},
+                                           {"text": "It rained.", "score": 0.2}]}]
+  (diamante / "eval.json").write_text(json.dumps({**metrics, "samples": samples,
                                                   "rankings": rankings}, indent=2))
   chat = [{"turn": 1, "speaker": "user", "text": "Hi! How was your weekend?"},
           {"turn": 2, "speaker": "bot", "text": "Great, thanks!", "score": 0.9,
@@ -588,6 +591,12 @@ def test_diamante_views_rank_as_the_library(site, browser):
              float(r.find_element(By.CSS_SELECTOR, "td.score").text))
             for r in section.find_elements(By.CSS_SELECTOR, "table.ranking tbody tr")]
 
+  # The replies it generated, each the best of its candidates by preference score.
+  sample = driver.find_element(By.CSS_SELECTOR, "#diamante-samples tr.sample")
+  assert sample.find_element(By.CSS_SELECTOR, "td.score").text == "0.90"
+  assert sample.text.startswith("Hi! | How was your weekend? Great, thanks!")
+  assert [li.text for li in sample.find_elements(By.CSS_SELECTOR, "ol.candidates li")] == [
+      "Great, thanks! 0.90", "It rained. 0.20"]
   sections = driver.find_elements(By.CSS_SELECTOR, "section.context.ranked")
   assert [int(s.get_attribute("data-turn")) for s in sections] == [0, 2]
   for section, ranking in zip(sections, site["rankings"]):

@@ -87,11 +87,6 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   metrics.update(evaluate.generation_metrics(
       bundle, [test_turns[int(i)].context for i in per_context["turn"][:8]], rerank=rerank,
       seed=seed))
-  # As `diamante eval --output_path` writes them, beside the test file: `jaxmoral explore`
-  # shows these metrics and rankings on the test file's page without a model.
-  fileio.write_text(os.path.join(workdir, "eval.json"), json.dumps(
-      {**{k: float(v) for k, v in metrics.items() if not isinstance(v, (str, list, dict))},
-       "rankings": rankings}, indent=1))
   print("\n== Diamante demo: held-out ranking of the human response ==", file=output)
   print(f"contexts: {int(metrics['num_contexts'])}   random-ranker P@1: "
         f"{metrics['random/p@1']:.3f}", file=output)
@@ -106,9 +101,17 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   truth = demo_lib.diamante_truth_lines(per_context)  # printed once, by demo.run_all
   print("\n== sample replies (best of 8 by preference score) ==", file=output)
   contexts = [t.context for t in test_turns[:3]]
-  for context, reply in zip(contexts, inference.respond(bundle, contexts,
-                                                        rng=jax.random.PRNGKey(seed),
-                                                        config=rerank), strict=True):
+  replies = inference.respond(bundle, contexts, rng=jax.random.PRNGKey(seed), config=rerank)
+  samples = [{"context": list(context), "response": reply.text, "score": float(reply.score),
+              "candidates": [{"text": c.text, "score": float(c.score)}
+                             for c in sorted(reply.candidates, key=lambda c: -c.score)]}
+             for context, reply in zip(contexts, replies, strict=True)]
+  # As `diamante eval --output_path` writes them, beside the test file: `jaxmoral explore`
+  # shows these metrics, replies and rankings on the test file's page without a model.
+  fileio.write_text(os.path.join(workdir, "eval.json"), json.dumps(
+      {**{k: float(v) for k, v in metrics.items() if not isinstance(v, (str, list, dict))},
+       "samples": samples, "rankings": rankings}, indent=1))
+  for context, reply in zip(contexts, replies, strict=True):
     for line in (f"  context: {' | '.join(context[-2:])}",
                  f"  reply:   {reply.text}   [{_candidates_note(reply)}]"):
       print(textwrap.fill(line, demo_lib.WIDTH, subsequent_indent=" " * 11), file=output)

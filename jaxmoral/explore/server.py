@@ -311,7 +311,8 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     if kind == "diamante_metrics":
       return render("diamante_metrics.html", root=root, path=roots.relative(root, path),
                     metrics=attempt(lambda: sources.diamante_metrics(path)),
-                    rankings=attempt(lambda: sources.diamante_rankings(path)))
+                    rankings=attempt(lambda: sources.diamante_rankings(path)),
+                    samples=attempt(lambda: sources.diamante_samples(path)))
     if kind == "diamante_chat":
       return render("diamante_chat.html", root=root, path=roots.relative(root, path),
                     chat=attempt(lambda: sources.read_jsonl(path)))

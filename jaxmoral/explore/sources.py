@@ -371,6 +371,25 @@ def diamante_metrics(path: pathlib.Path) -> dict[str, dict[str, float]]:
   return out
 
 
+def diamante_samples(path: pathlib.Path) -> list[dict[str, Any]]:
+  """The generated replies an evaluation recorded (its JSON's "samples": `{"context",
+  "response", "score"}`, the demo's with their best-first `"candidates"` `{"text", "score"}`);
+  empty for an evaluation written without them."""
+  data = read_json(path)
+  samples = data.get("samples", []) if isinstance(data, dict) else []
+  out = []
+  for i, sample in enumerate(samples):
+    try:
+      candidates = [{"text": str(c["text"]), "score": float(c["score"])}
+                    for c in sample.get("candidates", [])]
+      out.append({"context": [str(u) for u in sample["context"]],
+                  "response": str(sample["response"]), "score": float(sample["score"]),
+                  "candidates": candidates})
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+      raise ValueError(f"{path.name}: sample {i + 1} is malformed ({error!r})") from None
+  return out
+
+
 def diamante_rankings(path: pathlib.Path) -> list[dict[str, Any]]:
   """The contexts `diamante evaluate` wrote as it ranked them (its JSON's "rankings", see
   `diamante.evaluate.rank_contexts`): `{"turn", "context", "ranking"}` with `ranked`'s ranking
