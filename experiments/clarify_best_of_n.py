@@ -202,7 +202,7 @@ def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 2
   timings["judge_s"] = time.time() - tick
   timings["total_s"] = time.time() - started
   part = common.ClaimPart("best-of-n copy minus SFT, avg JSD on held-out situations", diff,
-                          digits=4)
+                          digits=4, null="SFT")
   word, why = common.claim_verdict([part])
   results = {
       "command": command, "machine": common.machine(), "timings": timings,

@@ -78,6 +78,13 @@ def test_template_words_are_in_neither_class():
                                                        for e in (clean, wrong)], "hallucination")
   # Only "cost" and "money" are positive ("zoos" is in the query); template words are dropped.
   assert labels.sum() == 2 and labels.size == 2 * 11
+  # An organic error (no removed argument: no word-level truth) adds no words.
+  organic = wrong.replace(removed_argument=None)
+  again, _, units = evaluate.word_arrays(
+      [clean, organic, wrong], [rouge.RougeDetector().detect(e) for e in (clean, organic, wrong)],
+      "hallucination")
+  np.testing.assert_array_equal(again, np.concatenate([labels[:11], labels[11:]]))
+  assert sorted(set(units.tolist())) == [0, 2]
 
 
 def test_untrained_detector_is_the_same_pipeline_on_fresh_weights():

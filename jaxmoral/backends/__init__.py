@@ -27,11 +27,12 @@ above choose and call these modules, never the reverse.
 
 from __future__ import annotations
 
-import jax
-
 
 def traced_platform() -> str:
   """The platform of the program being traced: that of the mesh it is traced under (a TPU
   topology compiled ahead of time from a CPU host is "tpu"), else the default backend's."""
+  # Imported here: `runtime.configure()` reads `backends.xla_flags` before JAX may start (and
+  # `--help` starts none), so importing the package must not import JAX.
+  import jax  # pylint: disable=import-outside-toplevel
   mesh = jax.sharding.get_abstract_mesh()
   return mesh.abstract_device.platform if not mesh.empty else jax.default_backend()

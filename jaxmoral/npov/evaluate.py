@@ -90,7 +90,9 @@ def word_arrays(examples: Sequence[task.NpovExample], detections: Sequence[base.
       continue
     words = d.response_words if error == "hallucination" else d.argument_words
     word_labels = labels_fn(e, words) if words else None
-    for w, label in zip(words, word_labels or (), strict=True):
+    if word_labels is None:  # No word-level truth (an organic error, or no words scored).
+      continue
+    for w, label in zip(words, word_labels, strict=True):
       if label is not None:
         labels.append(label)
         scores.append(w.score)
