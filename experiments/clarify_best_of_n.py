@@ -136,13 +136,10 @@ def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 2
   max_eval_situations = bound("max_eval_situations", 300)
   question_length = bound("question_length", 32)
   lengths = dict(bound("feature_lengths") or {"inputs": 128, "targets": 32})
-  role_dir = clarify_table4.role_model_dirs(workdir, clarify_table4.supervised_models(
+  role_dir = clarify_table4.trained_role_dirs(workdir, clarify_table4.supervised_models(
       separate_models=bound("separate_models", False),
-      dedicated_roles=bound("dedicated_roles"), train_steps=bound("train_steps", 1000)))
-  missing = sorted({d for d in role_dir.values() if not common.fileio.isdir(d)})
-  if missing:
-    raise FileNotFoundError(f"{', '.join(missing)}: run experiments/clarify_table4.py with "
-                            "this config first (best-of-n reads its models)")
+      dedicated_roles=bound("dedicated_roles"), train_steps=bound("train_steps", 1000)),
+      reader="best-of-n")
   started, timings = time.time(), {}
   reward = reward_lib.DefeasibilityReward.from_dirs(
       answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],

@@ -63,13 +63,10 @@ def probe(*, command: str = "") -> dict[str, Any]:
   from jaxmoral.clarify import reward as reward_lib
   import clarify_table4
   # pylint: enable=import-outside-toplevel
-  role_dir = clarify_table4.role_model_dirs(workdir, clarify_table4.supervised_models(
+  role_dir = clarify_table4.trained_role_dirs(workdir, clarify_table4.supervised_models(
       separate_models=_bound("separate_models", False),
-      dedicated_roles=_bound("dedicated_roles"), train_steps=_bound("train_steps", 1000)))
-  missing = sorted({d for d in role_dir.values() if not common.fileio.isdir(d)})
-  if missing:
-    raise FileNotFoundError(f"{', '.join(missing)}: run experiments/clarify_table4.py with "
-                            "this config first (the probe reads its models)")
+      dedicated_roles=_bound("dedicated_roles"), train_steps=_bound("train_steps", 1000)),
+      reader="the probe")
   reward = reward_lib.DefeasibilityReward.from_dirs(
       answer_model_dir=role_dir["answer"], fusion_model_dir=role_dir["fusion"],
       judge_model_dir=role_dir["judge"], nli_model_dir=role_dir["nli"], config=reward_config)

@@ -126,6 +126,18 @@ def role_model_dirs(workdir: str, models_steps: Mapping[str, int]) -> dict[str, 
           for role in ROLES}
 
 
+def trained_role_dirs(workdir: str, models_steps: Mapping[str, int], *,
+                      reader: str) -> dict[str, str]:
+  """`role_model_dirs`, refused in one line naming the missing runs when this config's table
+  run has not trained them yet (`reader`: who reads them, for the message)."""
+  role_dir = role_model_dirs(workdir, models_steps)
+  missing = sorted({d for d in role_dir.values() if not common.fileio.isdir(d)})
+  if missing:
+    raise FileNotFoundError(f"{', '.join(missing)}: run experiments/clarify_table4.py with "
+                            f"this config first ({reader} reads its models)")
+  return role_dir
+
+
 def system_metrics(evaluated: Mapping[str, Any], *, num_resamples: int,
                    seed: int) -> dict[str, Any]:
   """One system's `clarify.evaluate.evaluate_generator` result with 95 % bootstrap intervals
