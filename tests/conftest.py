@@ -237,10 +237,8 @@ def bucket_paths_stay_in_the_bucket(request):
   assert not strays, f"a bucket path was written to the local disk as {strays}"
 
 
-@pytest.fixture(scope="session")
-def gcs():
-  """A GCS-API server (tests/gcs_server.py) with one bucket, `bucket`; every client of this
-  process and the processes it starts is configured for it (its URL is returned)."""
+def start_storage_server() -> tuple[subprocess.Popen, str]:
+  """(process, URL) of a new GCS-API server (tests/gcs_server.py), once it answers."""
   port = free_port()
   server = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).parent / "gcs_server.py"),
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -249,12 +247,19 @@ def gcs():
   while True:
     try:
       urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).read()
-      break
+      return server, url
     except OSError:
       if time.time() > deadline or server.poll() is not None:
         server.kill()
-        raise RuntimeError("the GCS-API server did not start")
+        raise RuntimeError("the GCS-API server did not start") from None
       time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def gcs():
+  """A GCS-API server (tests/gcs_server.py) with one bucket, `bucket`; every client of this
+  process and the processes it starts is configured for it (its URL is returned)."""
+  server, url = start_storage_server()
   env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
          "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "EPATH_USE_TF": "false",
          "NO_GCE_CHECK": "true", "GOOGLE_CLOUD_PROJECT": "test"}

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import free_port, set_environment
+from conftest import free_port, set_environment, start_storage_server
 from jaxmoral import checkpoints, cli, fileio, model_dirs
 from jaxmoral import train as train_lib
 from jaxmoral.data import vocab as vocab_lib
@@ -445,24 +445,13 @@ def test_a_bucket_run_whose_storage_dies_stops_in_bounded_time_naming_it(run, tm
   for name in fileio.walk_files(DATA_CACHE):
     (data / name).parent.mkdir(parents=True, exist_ok=True)
     (data / name).write_bytes(fileio.read_bytes(f"{DATA_CACHE}/{name}"))
-  port = free_port()
-  server = subprocess.Popen([sys.executable, os.path.join(HERE, "gcs_server.py"), str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  endpoint = f"http://127.0.0.1:{port}"
+  server, endpoint = start_storage_server()
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", STORAGE_EMULATOR_HOST=endpoint,
              TENSORSTORE_GCS_HTTP_URL=endpoint, RELEASE=str(tmp_path / "release"))
   flags = [*[f for f in TINY if not f.startswith("--gin.DATA_CACHE")], ONE_DEVICE,
            f"--gin.DATA_CACHE='{data}'", "--gin.runs.train_run.hooks=[@dying.HoldAtStep4()]"]
   children = {}
   try:
-    deadline = time.time() + 30
-    while True:
-      try:
-        urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1).read()
-        break
-      except OSError:
-        assert time.time() < deadline, "the storage server did not start"
-        time.sleep(0.1)
     for name in ("plain", "sigterm"):
       children[name] = subprocess.Popen(
           [sys.executable, "-c", DYING_DRIVER, "train", *flags,
