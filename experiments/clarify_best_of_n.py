@@ -149,8 +149,8 @@ def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 2
                   temperature=ppo_config.temperature)
 
   def sample_and_score(model, situations, n, key):
-    texts = models.generate(model, [formats.question_input(s) for s in situations],
-                            num_samples=n, rng=jax.random.PRNGKey(key), **decoding)
+    texts = model.predict([formats.question_input(s) for s in situations],
+                          num_samples=n, rng=jax.random.PRNGKey(key), **decoding).texts
     flat_s = [s for s in situations for _ in range(n)]
     flat_q = [q for qs in texts for q in qs]
     scores = reward.score_questions(flat_s, flat_q).scores

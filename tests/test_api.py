@@ -15,6 +15,7 @@ from conftest import hf_logits  # noqa: E402
 from jaxmoral import api  # noqa: E402
 from jaxmoral import checkpoints  # noqa: E402
 from jaxmoral import decoding  # noqa: E402
+from jaxmoral import inference  # noqa: E402
 from jaxmoral.data import vocab as vocab_lib  # noqa: E402
 
 # What runs is tested here, not how it is sharded (tests/conftest.py).
@@ -172,9 +173,12 @@ def test_text_round_trip_and_input_errors(model, tmp_path):
 
 def test_bucketing_keeps_compiles_few(model):
   fresh = api.Model(model.config, model.params, vocabulary=model.vocabulary)
+  # Compiled functions are kept per model (shared by models of one config and mesh).
+  fn = fresh.jitted(inference._teacher_forced_logits, 2)
+  before = fn._cache_size()
   rng = np.random.RandomState(0)
-  for rows, enc_len, dec_len in [(1, 9, 16), (3, 16, 10), (8, 12, 12)]:  # One bucket shape.
+  for rows, enc_len, dec_len in [(1, 17, 32), (3, 32, 20), (8, 24, 24)]:  # One bucket shape.
     fresh.logits(rng.randint(2, 500, (rows, enc_len)), rng.randint(2, 500, (rows, dec_len)))
-  assert fresh._logits_fn._cache_size() == 1
-  fresh.logits(rng.randint(2, 500, (9, 17)), rng.randint(2, 500, (9, 3)))  # Next bucket.
-  assert fresh._logits_fn._cache_size() == 2
+  assert fn._cache_size() == before + 1
+  fresh.logits(rng.randint(2, 500, (9, 33)), rng.randint(2, 500, (9, 3)))  # Next bucket.
+  assert fn._cache_size() == before + 2

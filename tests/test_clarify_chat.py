@@ -57,8 +57,8 @@ def test_chat_from_file_three_turns(tmp_path, model_dir):
   # as chat loads it (on the default inference mesh): the model and its scorer are the cached,
   # compiled ones, so only the batching differs.
   judge = models.load_model(model_dir, partitioner=partitioning.inference_partitioner())
-  dists = models.label_distribution(
-      judge, [formats.judge_input(r["situation"]) for r in lines], CLASSES)
+  dists = judge.label_distribution([formats.judge_input(r["situation"]) for r in lines],
+                                   CLASSES)
   for r, dist in zip(lines, dists, strict=True):
     assert r["judgment"] in formats.JUDGMENTS and r["new_judgment"] in formats.JUDGMENTS
     assert sum(r["distribution"].values()) == pytest.approx(1.0, abs=1e-5)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmoral import inference
 from jaxmoral.clarify import formats, judge, models, nli
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
@@ -18,13 +19,13 @@ def tiny(tmp_path_factory):
       output_dir=tmp_path_factory.mktemp("vocab")))
   model = t5.T5(config_lib.t5_config(size="tiny", num_encoder_layers=1, num_decoder_layers=1))
   params = nn.meta.unbox(t5.init_params(model, jax.random.PRNGKey(3)))
-  return models.ClarifyModel(model=model, params=params, vocabulary=vocabulary,
+  return models.ClarifyModel(model, params, vocabulary=vocabulary,
                              input_length=24, batch_size=4)
 
 
 def _forward(cm, encoder_tokens, decoder_tokens):
   """Reference teacher-forced logits (jitted only for speed; no code shared with the scorer)."""
-  fn = jax.jit(lambda p, e, d: cm.model.apply({"params": p}, e, d))
+  fn = jax.jit(lambda p, e, d: cm.module.apply({"params": p}, e, d))
   return np.asarray(fn(cm.params, encoder_tokens, decoder_tokens))
 
 
@@ -38,8 +39,8 @@ def test_class_distribution_is_softmax_of_class_logits(tiny):
   texts = ["judge: lying to a friend", "judge: helping a neighbor move", "judge: x"]
   tokens = tiny.encode(texts)
   ids = judge.class_token_ids(tiny.vocabulary, formats.DEMO_JUDGE_CLASSES)
-  probs = np.asarray(jax.jit(judge.class_distribution, static_argnums=0)(
-      tiny.model, tiny.params, jnp.asarray(tokens), jnp.asarray(ids)))
+  probs = np.asarray(jax.jit(inference.class_distribution, static_argnums=0)(
+      tiny.module, tiny.params, jnp.asarray(tokens), jnp.asarray(ids)))
   # Reference: a full teacher-forced forward, first position, class logits, NumPy softmax.
   logits = _forward(tiny, tokens, np.zeros((3, 2), np.int32))[:, 0]
   class_logits = logits[:, ids].astype(np.float64)
@@ -52,21 +53,20 @@ def test_class_distribution_is_softmax_of_class_logits(tiny):
   np.testing.assert_allclose(probs, full / full.sum(-1, keepdims=True), rtol=1e-4, atol=1e-6)
   # The batched, padded host path gives the same rows (3 rows in a batch of 4).
   np.testing.assert_allclose(
-      models.label_distribution(tiny, texts, formats.DEMO_JUDGE_CLASSES,
-                                require_single_token=True), probs, rtol=1e-5, atol=1e-6)
+      tiny.label_distribution(texts, formats.DEMO_JUDGE_CLASSES, require_single_token=True),
+      probs, rtol=1e-5, atol=1e-6)
 
 
 def test_class_must_be_one_token(tiny):
   with pytest.raises(ValueError, match="'entailment'.*ONE token"):
     judge.class_token_ids(tiny.vocabulary, ("good", "entailment"))
   with pytest.raises(ValueError, match="ONE token"):
-    models.label_distribution(tiny, ["judge: x"], ("bad", "ok", "good"),
-                              require_single_token=True)
+    tiny.label_distribution(["judge: x"], ("bad", "ok", "good"), require_single_token=True)
 
 
 def test_multi_token_labels_use_sequence_likelihood(tiny):
   inputs = ["nli premise: a hypothesis: b", "nli premise: lying hypothesis: I lied"]
-  probs = models.label_distribution(tiny, inputs, formats.NLI_LABELS)
+  probs = tiny.label_distribution(inputs, formats.NLI_LABELS)
   tokens = tiny.encode(inputs)
   scores = []
   for label in formats.NLI_LABELS:

@@ -33,7 +33,7 @@ def pipeline(vocab_path):
 
   def make(seed):
     params = nn.meta.unbox(t5.init_params(model, jax.random.PRNGKey(seed)))
-    return models.ClarifyModel(model=model, params=params, vocabulary=vocabulary)
+    return models.ClarifyModel(model, params, vocabulary=vocabulary)
 
   return reward.DefeasibilityReward(answer_model=make(0), fusion_model=make(1),
                                     judge_model=make(2), nli_model=None,

@@ -43,8 +43,8 @@ def test_train_clarify_model_writes_a_run_dir_and_packs_rows(tmp_path, vocab_pat
                                                           "judge_train.jsonl"))]
   assert {r["targets"] for r in rows} == set(formats.DEMO_JUDGE_CLASSES)
   judge = models.load_model(model_dir)
-  probs = models.label_distribution(judge, ["judge: lying"], formats.DEMO_JUDGE_CLASSES,
-                                    require_single_token=True)
+  probs = judge.label_distribution(["judge: lying"], formats.DEMO_JUDGE_CLASSES,
+                                   require_single_token=True)
   np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-5)
   with pytest.raises(ValueError, match="ONE token"):
     training.train_clarify_model(

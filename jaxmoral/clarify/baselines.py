@@ -38,8 +38,9 @@ def sampled_generator(question_model: models.ClarifyModel, *, top_p: float = 0.6
   """θQ alone (nucleus sampling by default)."""
   def generate(situations: Sequence[str]) -> list[str]:
     inputs = [formats.question_input(s) for s in situations]
-    out = models.generate(question_model, inputs, max_decode_length=max_length, greedy=greedy,
-                          top_p=top_p, temperature=temperature, rng=jax.random.PRNGKey(seed))
+    out = question_model.predict(inputs, max_decode_length=max_length, greedy=greedy,
+                                 top_p=top_p, temperature=temperature,
+                                 rng=jax.random.PRNGKey(seed)).texts
     return [o[0] for o in out]
   return generate
 
@@ -49,7 +50,7 @@ def wh_candidates(question_model: models.ClarifyModel, situations: Sequence[str]
                   max_length: int = 32) -> list[list[str]]:
   """One greedy wh-conditioned question per (situation, wh-word)."""
   inputs = [formats.question_input(s, w) for s in situations for w in wh_words]
-  out = models.generate(question_model, inputs, max_decode_length=max_length, greedy=True)
+  out = question_model.predict(inputs, max_decode_length=max_length, greedy=True).texts
   k = len(wh_words)
   return [[o[0] for o in out[i * k:(i + 1) * k]] for i in range(len(situations))]
 
@@ -107,7 +108,7 @@ def relevance_scores(relevance_model: models.ClarifyModel, situations: Sequence[
   """(N,) P(relevant) of each (situation, question)."""
   inputs = [formats.relevance_input(situation=s, question=q)
             for s, q in zip(situations, questions, strict=True)]
-  return models.label_distribution(relevance_model, inputs, labels)[:, 0]
+  return relevance_model.label_distribution(inputs, labels)[:, 0]
 
 
 def discriminator_generator(question_model: models.ClarifyModel,
@@ -117,9 +118,9 @@ def discriminator_generator(question_model: models.ClarifyModel,
   """Sampled θQ candidates; the relevance classifier picks the most relevant."""
   def generate(situations: Sequence[str]) -> list[str]:
     inputs = [formats.question_input(s) for s in situations]
-    candidates = models.generate(question_model, inputs, max_decode_length=max_length,
-                                 num_samples=num_candidates, greedy=False, top_p=top_p,
-                                 rng=jax.random.PRNGKey(seed))
+    candidates = question_model.predict(inputs, max_decode_length=max_length,
+                                        num_samples=num_candidates, greedy=False, top_p=top_p,
+                                        rng=jax.random.PRNGKey(seed)).texts
     flat_s = [s for s in situations for _ in range(num_candidates)]
     flat_q = [q for c in candidates for q in c]
     scores = relevance_scores(relevance_model, flat_s, flat_q, labels=labels)

@@ -47,28 +47,28 @@ class ClarifySession:
     self._count = 0
 
   def judge(self, situation: str) -> tuple[str, list[float]]:
-    dist = models.label_distribution(self.judge_model, [formats.judge_input(situation)],
-                                     self.judge_classes, require_single_token=True)[0]
+    dist = self.judge_model.label_distribution([formats.judge_input(situation)],
+                                               self.judge_classes, require_single_token=True)[0]
     return formats.JUDGMENTS[int(dist.argmax())], [float(x) for x in dist]
 
   def question(self, situation: str) -> str:
     self._count += 1
-    return models.generate(self.question_model, [formats.question_input(situation)],
-                           max_decode_length=self.max_length, greedy=False, top_p=self.top_p,
-                           rng=jax.random.fold_in(self._rng, self._count))[0][0]
+    return self.question_model.predict(
+        [formats.question_input(situation)], max_decode_length=self.max_length, greedy=False,
+        top_p=self.top_p, rng=jax.random.fold_in(self._rng, self._count)).texts[0][0]
 
   def fuse(self, situation: str, question: str, answer: str) -> str:
     inputs = [formats.fusion_input(situation=situation, question=question, answer=answer)]
-    return models.generate(self.fusion_model, inputs, max_decode_length=self.max_length,
-                           greedy=True)[0][0]
+    return self.fusion_model.predict(inputs, max_decode_length=self.max_length,
+                                     greedy=True).texts[0][0]
 
   def answer(self, situation: str, question: str, judgment: str, update_type: str) -> str:
     if self.answer_model is None:
       raise ValueError("chat_from_file: a row has no answer and no answer_model_dir was given")
     inputs = [formats.answer_input(judgment=judgment, situation=situation,
                                    update_type=update_type, question=question)]
-    return models.generate(self.answer_model, inputs, max_decode_length=self.max_length,
-                           greedy=True)[0][0]
+    return self.answer_model.predict(inputs, max_decode_length=self.max_length,
+                                     greedy=True).texts[0][0]
 
   def turn(self, situation: str, answer_fn: Callable[[str, str, str], Optional[str]],
            turn: int) -> Optional[dict[str, Any]]:

@@ -2,8 +2,9 @@
 
 A pluggable T5 scorer of `nli premise: <situation> hypothesis: <answer>` over the three label
 strings (entailment, neutral, contradiction; configurable). Batched and jitted through
-`models.label_distribution`. An answer is filtered when the most probable label is entailment
-or contradiction (Pyatkin et al.: such an answer adds nothing, or denies the situation).
+`InferenceModel.label_distribution`. An answer is filtered when the most probable label is
+entailment or contradiction (Pyatkin et al.: such an answer adds nothing, or denies the
+situation).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class NLIScorer:
       raise ValueError(f"NLIScorer: {len(premises)} premises but {len(hypotheses)} hypotheses")
     inputs = [formats.nli_input(premise=p, hypothesis=h)
               for p, h in zip(premises, hypotheses, strict=True)]
-    return models.label_distribution(self.model, inputs, self.labels)
+    return self.model.label_distribution(inputs, self.labels)
 
 
 def filtered_from_probabilities(probabilities: np.ndarray) -> np.ndarray:

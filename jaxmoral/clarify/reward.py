@@ -136,14 +136,14 @@ class DefeasibilityReward:
                config: RewardConfig = RewardConfig()):
     shape = dict(input_length=config.input_length, batch_size=config.batch_size)
     self.config = config
-    self.answer_model = models.with_shapes(answer_model, **shape)
-    self.fusion_model = models.with_shapes(fusion_model, **shape)
-    self.judge_model = models.with_shapes(judge_model, **shape)
+    self.answer_model = answer_model.with_shapes(**shape)
+    self.fusion_model = fusion_model.with_shapes(**shape)
+    self.judge_model = judge_model.with_shapes(**shape)
     # Fails early, naming the class, when a class string is not one token.
     judge_lib.class_token_ids(self.judge_model.vocabulary, config.judge_classes)
     self.nli = None
     if nli_model is not None:
-      self.nli = nli_lib.NLIScorer(models.with_shapes(nli_model, **shape), config.nli_labels)
+      self.nli = nli_lib.NLIScorer(nli_model.with_shapes(**shape), config.nli_labels)
     elif config.use_nli:
       logger.warning("DefeasibilityReward: use_nli=True but no NLI model; answers unfiltered")
     # Sampled answers draw from a key of (seed, the call's RewardKey, weakener | strengthener):
@@ -168,8 +168,8 @@ class DefeasibilityReward:
   def judge(self, situations: Sequence[str]) -> np.ndarray:
     """(N, 3) judge distributions over (bad, ok, good)."""
     inputs = [formats.judge_input(s) for s in situations]
-    return models.label_distribution(self.judge_model, inputs, self.config.judge_classes,
-                                     require_single_token=True)
+    return self.judge_model.label_distribution(inputs, self.config.judge_classes,
+                                               require_single_token=True)
 
   def answers(self, situations: Sequence[str], questions: Sequence[str],
               judgments: Sequence[str], update_type: str) -> list[str]:
@@ -178,17 +178,17 @@ class DefeasibilityReward:
               for s, q, j in zip(situations, questions, judgments, strict=True)]
     self._within_call += 1
     key = jax.random.fold_in(self._call_key, self._within_call)
-    out = models.generate(self.answer_model, inputs, max_decode_length=cfg.max_answer_length,
-                          greedy=cfg.answer_greedy, top_p=cfg.answer_top_p,
-                          temperature=cfg.answer_temperature, rng=key)
+    out = self.answer_model.predict(inputs, max_decode_length=cfg.max_answer_length,
+                                    greedy=cfg.answer_greedy, top_p=cfg.answer_top_p,
+                                    temperature=cfg.answer_temperature, rng=key).texts
     return [o[0] for o in out]
 
   def fuse(self, situations: Sequence[str], questions: Sequence[str],
            answers: Sequence[str]) -> list[str]:
     inputs = [formats.fusion_input(situation=s, question=q, answer=a)
               for s, q, a in zip(situations, questions, answers, strict=True)]
-    out = models.generate(self.fusion_model, inputs,
-                          max_decode_length=self.config.max_fusion_length, greedy=True)
+    out = self.fusion_model.predict(inputs, max_decode_length=self.config.max_fusion_length,
+                                    greedy=True).texts
     return [o[0] for o in out]
 
   # -- the pipeline -----------------------------------------------------------------------------

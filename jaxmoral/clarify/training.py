@@ -234,15 +234,15 @@ class PPOProgram:
     """{name: (the jitted function the reward calls, the model it runs)} of one iteration."""
     r, cfg = self.reward, self.reward.config
     out = {
-        "answer": (models.sampler(r.answer_model, max_decode_length=cfg.max_answer_length,
-                                  greedy=cfg.answer_greedy, top_p=cfg.answer_top_p,
-                                  temperature=cfg.answer_temperature), r.answer_model),
-        "fusion": (models.sampler(r.fusion_model, max_decode_length=cfg.max_fusion_length),
+        "answer": (r.answer_model.sampler(max_decode_length=cfg.max_answer_length,
+                                          greedy=cfg.answer_greedy, top_p=cfg.answer_top_p,
+                                          temperature=cfg.answer_temperature), r.answer_model),
+        "fusion": (r.fusion_model.sampler(max_decode_length=cfg.max_fusion_length),
                    r.fusion_model),
-        "judge": (models.class_scorer(r.judge_model), r.judge_model),
+        "judge": (r.judge_model.class_scorer(), r.judge_model),
     }
     if r.nli is not None:
-      out["nli"] = (models.label_scorer(r.nli.model, r.nli.labels), r.nli.model)
+      out["nli"] = (r.nli.model.label_scorer(r.nli.labels), r.nli.model)
     return out
 
 
@@ -386,7 +386,7 @@ def _abstract_model(source: ModelSource, role: str, reward_config: reward_lib.Re
                                                                jax.random.PRNGKey(0))))
   params = jax.tree_util.tree_map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
-  return models.ClarifyModel(model=t5.T5(config), params=params, vocabulary=vocabulary,
+  return models.ClarifyModel(t5.T5(config), params, vocabulary=vocabulary,
                              input_length=reward_config.input_length,
                              batch_size=reward_config.batch_size, partitioner=partitioner)
 
@@ -409,7 +409,7 @@ def _abstract_reward(dirs: Mapping[str, Optional[ModelSource]],
 
 def _reward_stage_args(name: str, cm: models.ClarifyModel, reward: reward_lib.DefeasibilityReward
                        ) -> tuple[Any, ...]:
-  """Abstract arguments of a reward function as `models.generate` / `label_distribution` call it."""
+  """Abstract arguments of a reward function as `predict` / `label_distribution` call it."""
   rows = jax.ShapeDtypeStruct((cm.batch_size, cm.input_length), jnp.int32,
                               sharding=cm.partitioner.data_sharding(2))
   key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=cm.partitioner.replicated)
@@ -420,7 +420,7 @@ def _reward_stage_args(name: str, cm: models.ClarifyModel, reward: reward_lib.De
   else:
     assert reward.nli is not None  # The NLI role exists only with an NLI scorer.
     labels = reward.nli.labels
-  ids = models.label_ids(cm, labels)
+  ids = cm.label_ids(labels)
   if all(len(i) == 1 for i in ids):
     return (cm.params, rows, jax.ShapeDtypeStruct((len(ids),), jnp.int32,
                                                   sharding=cm.partitioner.replicated))

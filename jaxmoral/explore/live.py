@@ -174,7 +174,6 @@ def clarify_question(*, situation: str, question: str, question_dir: Optional[st
     `RewardResult.row(0)` with "situation" and "question".
   """
   from jaxmoral.clarify import formats  # pylint: disable=import-outside-toplevel
-  from jaxmoral.clarify import models  # pylint: disable=import-outside-toplevel
   situation = situation.strip()
   if not situation:
     raise ValueError("type a situation")
@@ -187,8 +186,8 @@ def clarify_question(*, situation: str, question: str, question_dir: Optional[st
     if not question:
       if not question_dir:
         raise ValueError("type a question, or choose a question model")
-      question = models.generate(_question_model(question_dir),
-                                 [formats.question_input(situation)], greedy=True)[0][0]
+      question = _question_model(question_dir).predict(
+          [formats.question_input(situation)], max_decode_length=32, greedy=True).texts[0][0]
     try:
       reward = _reward(answer_dir, fusion_dir, judge_dir, nli_dir, classes)
     except ValueError as error:

@@ -1,0 +1,492 @@
+"""One batch-inference path for every loaded T5: predict, score, label distribution, logits.
+
+T5X's `predict_batch` / `score_batch` on the host: an `InferenceModel` holds a network, its
+parameters (placed on its partitioner's mesh), its vocabulary and its decoding backend's
+kernels. Inputs are strings (encoded with EOS, as T5 trains) or token ids; every call pads
+them to fixed shapes (`token_rows.bucket`: lengths and row counts to powers of two, at least
+`MIN_BUCKET`; or the model's fixed `input_length` / `batch_size`, so that `jaxmoral compile`
+lowers the very function a run executes) and runs one jitted function per setting on the mesh
+(`decoding`'s sampler, beam search and scorer; `jit_with_params` for the rest), cached per
+model, so repeated calls never recompile. Decoded rows end at their first EOS
+(`token_rows.text_ids`). `api.Model`, ClarifyDelphi's roles, Diamante's reranker and the NPOV
+classifiers all run through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+import os
+from typing import Any, Callable, Optional, Sequence, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmoral import decoding
+from jaxmoral import model_dirs
+from jaxmoral import partitioning
+from jaxmoral import token_rows
+from jaxmoral.models import t5
+from jaxmoral.models.config import T5Config
+
+Array = jax.Array
+TextOrTokens = Union[Sequence[str], Sequence[Sequence[int]], np.ndarray, jax.Array]
+MIN_BUCKET = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+  """What `InferenceModel.predict` returns.
+
+  Attributes:
+    tokens: (batch, n, max_decode_length) int32; EOS included, zeros after it. n is
+      `num_samples` (sampling) or `beam_size` (beam search, best first).
+    scores: (batch, n) float32: the sum of token log-probs under the sampled distribution
+      (sampling) or the length-penalised beam score (beam search).
+    lengths: (batch, n) int32 emitted tokens including EOS.
+    texts: Decoded strings (batch lists of n), or None without a vocabulary.
+  """
+  tokens: np.ndarray
+  scores: np.ndarray
+  lengths: np.ndarray
+  texts: Optional[list[list[str]]]
+
+  def __repr__(self) -> str:
+    # The texts and one score per output; the padded token arrays are in `.tokens`.
+    batch, n = self.scores.shape
+    shown = ([[t for t in row] for row in self.texts] if self.texts is not None
+             else [[f"<{int(length)} tokens>" for length in row] for row in self.lengths])
+    scores = np.array2string(self.scores, precision=3, separator=", ", threshold=20)
+    return (f"GenerateOutput(texts={shown!r}, scores={scores}, "
+            f"tokens=<{batch}x{n}x{self.tokens.shape[-1]} int32>)")
+
+
+def class_distribution(model: t5.T5, params: Any, encoder_input_tokens: Array,
+                       class_token_ids: Array) -> Array:
+  """(B, C) probabilities of one-token labels from the first decoder step (jittable).
+
+  Args:
+    model: The T5.
+    params: Its parameters.
+    encoder_input_tokens: (B, L) int32 inputs (0-padded).
+    class_token_ids: (C,) int32 vocabulary ids of the labels.
+
+  Returns:
+    (B, C) float32, rows sum to 1: softmax over the label-token logits.
+  """
+  mask = encoder_input_tokens != model.config.pad_token_id
+  encoded = model.apply({"params": params}, encoder_input_tokens, encoder_mask=mask,
+                        method=t5.T5.encode)
+  start = jnp.full((encoder_input_tokens.shape[0], 1), model.config.decoder_start_token_id,
+                   jnp.int32)
+  logits, _ = model.apply({"params": params}, encoded, mask, start, method=t5.T5.decode)
+  class_logits = jnp.take(logits[:, 0].astype(jnp.float32), class_token_ids, axis=-1)
+  return jax.nn.softmax(class_logits, axis=-1)
+
+
+def _teacher_forced_logits(model: t5.T5, params: Any, encoder_input_tokens: Array,
+                           decoder_input_tokens: Array) -> Array:
+  return model.apply({"params": params}, encoder_input_tokens, decoder_input_tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted(fn: Callable[..., Any], model: t5.T5, partitioner: Any, num_inputs: int,
+            static: tuple[Any, ...]) -> partitioning.PartitionedFunction:
+  """`fn(model, params, *inputs, *static)` jitted on the mesh, the params in their shardings."""
+  def run(params: Any, *inputs: Any) -> Any:
+    return fn(model, params, *inputs, *static)
+  return model_dirs.jit_with_params(run, model.config, partitioner,
+                                    replicated=(False,) * num_inputs,
+                                    with_scalar_head=model.with_scalar_head)
+
+
+@functools.lru_cache(maxsize=64)
+def _class_fn(model: t5.T5, partitioner: Any) -> partitioning.PartitionedFunction:
+  return partitioning.jit_in_context(functools.partial(class_distribution, model), partitioner)
+
+
+def _load_vocabulary(vocabulary: Any) -> Any:
+  """A seqio vocabulary from an object, a `.model` path (extra ids read beside it) or None."""
+  if vocabulary is None or not isinstance(vocabulary, (str, os.PathLike)):
+    return vocabulary
+  return model_dirs.vocabulary_from_file(vocabulary)
+
+
+class InferenceModel:
+  """A T5, its parameters and vocabulary on a mesh, run in bucketed, jitted batches.
+
+  Attributes:
+    module: The linen `T5` (with a scalar head when its parameters have one).
+    params: Unboxed parameters (on device, or abstract for `jaxmoral compile`).
+    vocabulary: seqio vocabulary or None (then only token ids are accepted/returned).
+    partitioner: The mesh the parameters are sharded over and every call runs on (None: one
+      device without a mesh).
+    source: Where it was loaded from.
+    decode_weights: The decoding backend's kernels for `params` (prepared once), or None.
+    input_length: Fixed encoder length (inputs truncated keeping EOS); None: bucketed.
+    batch_size: Fixed rows per compiled call (the last chunk padded); None: bucketed.
+  """
+
+  def __init__(self, module: t5.T5, params: Any, *, vocabulary: Any = None,
+               partitioner: Any = None, source: str = "<in memory>",
+               decode_weights: Optional[decoding.DecodeWeights] = None,
+               input_length: Optional[int] = None, batch_size: Optional[int] = None):
+    self.module = module
+    self.params = params
+    self.vocabulary = _load_vocabulary(vocabulary)
+    self.partitioner = partitioner
+    self.source = source
+    self.decode_weights = decode_weights
+    self.input_length = input_length
+    self.batch_size = batch_size
+    if self.vocabulary is not None and self.vocabulary.vocab_size > module.config.vocab_size:
+      raise ValueError(f"{source}: vocabulary has {self.vocabulary.vocab_size} ids but the "
+                       f"model's vocab_size is {module.config.vocab_size}")
+    if partitioner is not None and batch_size and batch_size % partitioner.data_parallel_size:
+      raise ValueError(f"{source}: batch_size {batch_size} is not divisible by the mesh's "
+                       f"data axis ({partitioner.data_parallel_size})")
+
+  @classmethod
+  def from_params(cls, config: T5Config, params: Any, *, with_scalar_head: bool = False,
+                  partitioner: Any = None, **kwargs: Any) -> InferenceModel:
+    """Places `params` (boxed or not) in the partitioner's shardings (no copy when
+    `model_dirs.load` read them there) and prepares the decoding kernels."""
+    module = t5.T5(config, with_scalar_head=with_scalar_head)
+    params = nn.meta.unbox(params)
+    if partitioner is not None:
+      params = jax.device_put(params, model_dirs.param_shardings(
+          config, partitioner, with_scalar_head=with_scalar_head))
+    elif not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
+      params = jax.device_put(params)
+    # The kernels are the language model's; a scalar head takes no part in decoding.
+    lm = {k: v for k, v in params.items() if k != "scalar_head"}
+    return cls(module, params, partitioner=partitioner,
+               decode_weights=model_dirs.decode_weights(t5.T5(config), lm, partitioner), **kwargs)
+
+  @classmethod
+  def load(cls, path: str | os.PathLike, *, partitioner: Any = None, step: Optional[int] = None,
+           dtype: Optional[str] = None, config: Optional[T5Config] = None,
+           vocabulary: Any = None, with_scalar_head: bool = False,
+           require_vocabulary: bool = False, **kwargs: Any) -> InferenceModel:
+    """Loads any model directory or Hub id (`model_dirs.load`) into `partitioner`'s shardings.
+
+    Args:
+      path: Any `model_dirs` format; a PPO run gives its tuned policy.
+      partitioner: Read the parameters into its shardings; every call runs on its mesh.
+      step, dtype, config, vocabulary: As `model_dirs.load` takes them.
+      with_scalar_head: Keep a stored scalar head (Diamante's preference score); else the
+        plain language model.
+      require_vocabulary: Refuse a directory without a vocabulary (models that read text).
+      **kwargs: `input_length`, `batch_size` (fixed shapes).
+
+    Raises:
+      ValueError: `require_vocabulary` and the directory carries none.
+    """
+    loaded = model_dirs.load(path, partitioner=partitioner, step=step, dtype=dtype,
+                             config=config, vocabulary=vocabulary)
+    if require_vocabulary and loaded.vocabulary is None:
+      raise ValueError(f"{os.fspath(path)}: no vocabulary (vocab/spiece.model or "
+                       "spiece.model); this model reads and writes text")
+    head = with_scalar_head and loaded.has_scalar_head
+    return cls.from_params(loaded.config, loaded.params if head else loaded.lm_params,
+                           with_scalar_head=head, partitioner=partitioner,
+                           vocabulary=loaded.vocabulary, source=os.fspath(path), **kwargs)
+
+  def with_shapes(self, *, input_length: Optional[int] = None,
+                  batch_size: Optional[int] = None) -> InferenceModel:
+    """The same model (parameters shared) with other fixed shapes (None keeps the current)."""
+    out = copy.copy(self)
+    out.input_length = input_length or self.input_length
+    out.batch_size = batch_size or self.batch_size
+    if out.partitioner is not None and out.batch_size and (
+        out.batch_size % out.partitioner.data_parallel_size):
+      raise ValueError(f"{self.source}: batch_size {out.batch_size} is not divisible by the "
+                       f"mesh's data axis ({out.partitioner.data_parallel_size})")
+    return out
+
+  def __repr__(self) -> str:
+    c = self.config
+    return (f"{type(self).__name__}({self.source}: d_model={c.d_model}, "
+            f"layers={c.num_encoder_layers}+{c.num_decoder_layers}, vocab={c.vocab_size}, "
+            f"{c.feed_forward_proj}, "
+            f"vocabulary={'yes' if self.vocabulary is not None else 'no'})")
+
+  @property
+  def config(self) -> T5Config:
+    return self.module.config
+
+  def context(self) -> Any:
+    """The partitioner's mesh and rules (a no-op context without one)."""
+    return self.partitioner.context() if self.partitioner is not None else contextlib.nullcontext()
+
+  def place(self, *arrays: Any) -> Any:
+    """Host arrays on the model's mesh (rows over "data" where they divide it): one array for
+    one argument, a tuple for several; as they are without a partitioner."""
+    if self.partitioner is not None:
+      arrays = self.partitioner.shard_inputs(arrays)
+    return arrays[0] if len(arrays) == 1 else arrays
+
+  # -- text <-> ids -----------------------------------------------------------------------------
+  def _require_vocabulary(self) -> Any:
+    if self.vocabulary is None:
+      raise ValueError(f"{self.source}: no vocabulary; pass vocabulary= (a seqio vocabulary or "
+                       "a spiece.model path) or give token ids")
+    return self.vocabulary
+
+  def encode_text(self, texts: Sequence[str], *, add_eos: bool = True) -> list[list[int]]:
+    """Token ids of each text (EOS appended unless `add_eos=False`)."""
+    if isinstance(texts, str):
+      raise TypeError("encode_text takes a list of strings, got one str")
+    vocabulary = self._require_vocabulary()
+    eos = [self.config.eos_token_id] if add_eos else []
+    return [list(vocabulary.encode(text)) + eos for text in texts]
+
+  def decode_text(self, tokens: Sequence[Sequence[int]] | np.ndarray) -> list[str]:
+    """Texts of token rows, each up to its first EOS (`token_rows.text_ids`)."""
+    vocabulary = self._require_vocabulary()
+    return [vocabulary.decode(token_rows.text_ids(row, self.config.eos_token_id,
+                                                  self.config.pad_token_id))
+            for row in np.asarray(tokens).reshape(-1, np.shape(tokens)[-1]).tolist()]
+
+  def token_rows(self, items: TextOrTokens, what: str = "inputs") -> list[list[int]]:
+    """Rows of ids (padding stripped) from texts or token ids."""
+    if isinstance(items, str):
+      raise TypeError(f"{what}: give a list of strings, got one str")
+    if isinstance(items, (np.ndarray, jax.Array)):
+      array = np.asarray(items)
+      if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{what}: token arrays must be 2-D integer, got {array.dtype} "
+                         f"{array.shape}")
+      items = array.tolist()
+    items = list(items)
+    if not items:
+      raise ValueError(f"{what}: empty batch")
+    if all(isinstance(x, str) for x in items):
+      return self.encode_text(items)
+    rows = []
+    for i, row in enumerate(items):
+      if isinstance(row, str):
+        raise TypeError(f"{what}[{i}]: mixed strings and token ids")
+      row = [int(t) for t in row]
+      while row and row[-1] == self.config.pad_token_id:
+        row.pop()
+      if any(not 0 <= t < self.config.vocab_size for t in row):
+        raise ValueError(f"{what}[{i}]: token ids outside [0, {self.config.vocab_size})")
+      rows.append(row)
+    return rows
+
+  def encode(self, inputs: TextOrTokens) -> np.ndarray:
+    """(N, length) int32 encoder rows: EOS-terminated, 0-padded to the fixed `input_length`
+    (longer rows truncated keeping their last token, the EOS) or else to its bucket."""
+    rows = self.token_rows(inputs, "inputs")
+    if self.input_length:
+      rows = [r if len(r) <= self.input_length else r[:self.input_length - 1] + r[-1:]
+              for r in rows]
+    length = self.input_length or token_rows.bucket(max(map(len, rows)), MIN_BUCKET)
+    return _pad(rows, len(rows), length)
+
+  # -- bucketed batches -------------------------------------------------------------------------
+  def _row_count(self, n: int) -> int:
+    return self.batch_size or token_rows.bucket(n, MIN_BUCKET)
+
+  def batches(self, inputs: TextOrTokens, targets: Optional[TextOrTokens] = None, *,
+              batch_size: int = 32):
+    """Yields (n, encoder, targets, target_lengths) numpy batches of fixed bucketed shapes.
+
+    `n` rows are real; padding rows read one EOS (a valid, empty input: no NaN from a fully
+    masked row). Without `targets` the last two are None.
+    """
+    encoder = self.encode(inputs)
+    dec_rows = self.token_rows(targets, "targets") if targets is not None else None
+    if dec_rows is not None and len(dec_rows) != len(encoder):
+      raise ValueError(f"inputs has {len(encoder)} rows but targets has {len(dec_rows)}")
+    dec_len = token_rows.bucket(max(map(len, dec_rows)), MIN_BUCKET) if dec_rows else 0
+    step = self.batch_size or batch_size
+    for start in range(0, len(encoder), step):
+      chunk = encoder[start:start + step]
+      n, rows = len(chunk), self._row_count(len(chunk))
+      enc = np.zeros((rows, encoder.shape[1]), np.int32)
+      enc[:, 0] = self.config.eos_token_id
+      enc[:n] = chunk
+      if dec_rows is None:
+        yield n, enc, None, None
+        continue
+      dec_chunk = dec_rows[start:start + step]
+      lengths = np.zeros(rows, np.int32)
+      lengths[:n] = [len(r) for r in dec_chunk]
+      yield n, enc, _pad(dec_chunk, rows, dec_len), lengths
+
+  # -- jitted functions (what `jaxmoral compile` lowers) ----------------------------------------
+  def jitted(self, fn: Callable[..., Any], num_inputs: int,
+             static: tuple[Any, ...] = ()) -> partitioning.PartitionedFunction:
+    """`fn(module, params, *inputs, *static)` as `g(params, *inputs)` on the model's mesh
+    (parameters in their shardings, outputs replicated), cached per (fn, module, mesh)."""
+    return _jitted(fn, self.module, self.partitioner, num_inputs, tuple(static))
+
+  def run(self, fn: Callable[..., Any], *inputs: Any, static: tuple[Any, ...] = ()) -> Any:
+    """`jitted(fn)` on host arrays placed on the mesh, fetched back to the host."""
+    placed = self.place(*inputs) if inputs else ()
+    placed = placed if len(inputs) != 1 else (placed,)
+    return jax.device_get(self.jitted(fn, len(inputs), static)(self.params, *placed))
+
+  def sampler(self, *, max_decode_length: int, num_samples: int = 1, greedy: bool = True,
+              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+              no_repeat_ngram_size: int = 0) -> Any:
+    """The jitted `decoding` sampler `predict` calls (on the model's mesh)."""
+    return decoding.make_sampler(self.module, max_decode_length=max_decode_length,
+                                 num_samples=num_samples, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, greedy=greedy,
+                                 no_repeat_ngram_size=no_repeat_ngram_size,
+                                 eos_id=self.config.eos_token_id, partitioner=self.partitioner)
+
+  def class_scorer(self) -> partitioning.PartitionedFunction:
+    """The jitted `fn(params, tokens, class_ids) -> (B, C)` of one-token labels."""
+    return _class_fn(self.module, self.partitioner)
+
+  def label_ids(self, labels: Sequence[str]) -> list[list[int]]:
+    vocabulary = self._require_vocabulary()
+    return [list(vocabulary.encode(label)) for label in labels]
+
+  def label_scorer(self, labels: Sequence[str]) -> Any:
+    """The jitted function `label_distribution` runs for these labels: the one-step class
+    scorer when every label is one token, else the teacher-forced sequence scorer."""
+    if all(len(i) == 1 for i in self.label_ids(labels)):
+      return self.class_scorer()
+    return decoding.make_scorer(self.module, self.partitioner)
+
+  # -- model calls ------------------------------------------------------------------------------
+  def logits(self, inputs: TextOrTokens, targets: TextOrTokens, *,
+             batch_size: int = 32) -> np.ndarray:
+    """Teacher-forced logits: (batch, longest target, vocab) float32.
+
+    Position t holds the logits that predict `targets[:, t]` (decoder inputs are the targets
+    shifted right behind the start id); positions past a row's length are padding.
+    """
+    fn = self.jitted(_teacher_forced_logits, 2)
+    outputs, longest = [], 0
+    for n, enc, dec, lengths in self.batches(inputs, targets, batch_size=batch_size):
+      decoder_inputs = np.asarray(t5.shift_right(dec, self.config.decoder_start_token_id))
+      outputs.append(np.asarray(fn(self.params, *self.place(enc, decoder_inputs)))[:n])
+      longest = max(longest, int(lengths.max()))
+    return np.concatenate(outputs)[:, :longest]
+
+  def score(self, inputs: TextOrTokens, targets: TextOrTokens, *,
+            batch_size: int = 32) -> np.ndarray:
+    """log p(target | input) of each pair, (batch,) float32 (EOS included for text targets)."""
+    scorer = decoding.make_scorer(self.module, self.partitioner)
+    scores = []
+    for n, enc, dec, lengths in self.batches(inputs, targets, batch_size=batch_size):
+      enc, dec, lengths = self.place(enc, dec, lengths)
+      scores.append(np.asarray(scorer(self.params, enc, None, None, dec, lengths))[:n])
+    return np.concatenate(scores)
+
+  def predict(self, inputs: TextOrTokens, *, max_decode_length: int = 64,
+              num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
+              top_p: float = 1.0, greedy: Optional[bool] = None, beam_size: int = 0,
+              length_penalty: float = 0.6, no_repeat_ngram_size: int = 0, seed: int = 0,
+              rng: Optional[Array] = None, batch_size: int = 32) -> GenerateOutput:
+    """Greedy, sampled or beam-searched continuations with `jaxmoral.decoding`.
+
+    Greedy by default, as `jaxmoral infer`, T5X's predict and Hugging Face's `generate`:
+    it samples when asked to (`greedy=False`, or any of `temperature`, `top_k`, `top_p`,
+    `num_samples` set away from its default).
+
+    Args:
+      inputs: Strings or token ids (an empty list gives empty outputs).
+      max_decode_length: Tokens generated at most (EOS included).
+      num_samples: Samples per input (sampling).
+      temperature, top_k, top_p, no_repeat_ngram_size: See `decoding.SampleConfig`.
+      greedy: Argmax decoding (None: unless a sampling option above is set).
+      beam_size: > 0 switches to beam search with this many beams (sampling options unused).
+      length_penalty: Beam search brevity penalty alpha.
+      seed: Sampling seed when no `rng` is given.
+      rng: Sampling key (batch i uses fold_in(rng, i)); default PRNGKey(seed).
+      batch_size: Inputs per decoding call (unless the model's `batch_size` is fixed).
+
+    Returns:
+      `GenerateOutput` (texts when a vocabulary is present).
+    """
+    if greedy is None:
+      greedy = (num_samples == 1 and temperature == 1.0 and top_k == 0 and top_p == 1.0)
+    n_out = beam_size or num_samples
+    if not isinstance(inputs, (str, np.ndarray, jax.Array)) and not list(inputs):
+      return GenerateOutput(tokens=np.zeros((0, n_out, max_decode_length), np.int32),
+                            scores=np.zeros((0, n_out), np.float32),
+                            lengths=np.zeros((0, n_out), np.int32),
+                            texts=[] if self.vocabulary is not None else None)
+    base = jax.random.PRNGKey(seed) if rng is None else rng
+    if beam_size:
+      beam_search = decoding.make_beam_search(
+          self.module, beam_size=beam_size, max_decode_length=max_decode_length,
+          length_penalty=length_penalty, eos_id=self.config.eos_token_id,
+          partitioner=self.partitioner)
+    else:
+      sampler = self.sampler(max_decode_length=max_decode_length, num_samples=num_samples,
+                             temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+                             no_repeat_ngram_size=no_repeat_ngram_size)
+    tokens, scores, lengths = [], [], []
+    for index, (n, enc, _, _) in enumerate(self.batches(inputs, batch_size=batch_size)):
+      enc = self.place(enc)
+      if beam_size:
+        seqs, beam_scores = beam_search(self.params, enc, decode_weights=self.decode_weights)
+        seqs = np.asarray(seqs)[:n]
+        tokens.append(seqs)
+        scores.append(np.asarray(beam_scores)[:n])
+        lengths.append(token_rows.emitted_lengths(seqs, self.config.eos_token_id))
+      else:
+        out = sampler(self.params, enc, None, None, jax.random.fold_in(base, index),
+                      self.decode_weights)
+        tokens.append(np.asarray(out.tokens)[:n])
+        scores.append(np.asarray(jnp.sum(out.logprobs * out.mask, axis=-1))[:n])
+        lengths.append(np.asarray(out.lengths)[:n])
+    tokens_all = np.concatenate(tokens)
+    texts = None
+    if self.vocabulary is not None:
+      texts = [self.decode_text(row) for row in tokens_all]
+    return GenerateOutput(tokens=tokens_all, scores=np.concatenate(scores),
+                          lengths=np.concatenate(lengths), texts=texts)
+
+  def label_distribution(self, inputs: TextOrTokens, labels: Sequence[str], *,
+                         require_single_token: bool = False) -> np.ndarray:
+    """(N, C) probabilities of the label strings as the output, normalised over the labels.
+
+    One-token labels: `class_distribution` (one decoder step). Longer labels: the
+    teacher-forced likelihood of each whole label (with EOS), softmax over the labels. With
+    `require_single_token` a multi-token label raises (a judge's contract).
+    """
+    ids = self.label_ids(labels)
+    single = all(len(i) == 1 for i in ids)
+    if require_single_token and not single:
+      bad = [f"{label!r} -> {i}" for label, i in zip(labels, ids, strict=True) if len(i) != 1]
+      raise ValueError(f"class strings must each be ONE token of {self.source} vocabulary; "
+                       f"got {', '.join(bad)}")
+    if not isinstance(inputs, (str, np.ndarray, jax.Array)) and not list(inputs):
+      return np.zeros((0, len(labels)), np.float32)
+    out = []
+    if single:
+      class_ids = jnp.asarray([i[0] for i in ids], jnp.int32)
+      fn = self.class_scorer()
+      for n, enc, _, _ in self.batches(inputs):
+        out.append(np.asarray(fn(self.params, self.place(enc), class_ids))[:n])
+      return np.concatenate(out).astype(np.float32)
+    eos = self.config.eos_token_id
+    label_targets = _pad([label + [eos] for label in ids], len(ids), max(map(len, ids)) + 1)
+    scorer = decoding.make_scorer(self.module, self.partitioner)
+    for n, enc, _, _ in self.batches(inputs):
+      targets = np.ascontiguousarray(np.broadcast_to(label_targets,
+                                                     (len(enc),) + label_targets.shape))
+      enc, targets = self.place(enc, targets)
+      scores = np.asarray(scorer(self.params, enc, None, None, targets, None))[:n]
+      out.append(np.asarray(jax.nn.softmax(jnp.asarray(scores), axis=-1)))
+    return np.concatenate(out).astype(np.float32)
+
+
+def _pad(rows: Sequence[Sequence[int]], batch: int, length: int) -> np.ndarray:
+  out = np.zeros((batch, length), np.int32)
+  for i, row in enumerate(rows):
+    out[i, :len(row)] = row
+  return out
