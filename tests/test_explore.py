@@ -1046,8 +1046,9 @@ def test_live_clarify_loads_its_question_model_once(monkeypatch):
   from jaxmoral.clarify import models  # pylint: disable=import-outside-toplevel
   from jaxmoral.explore import live  # pylint: disable=import-outside-toplevel
   loads = []
-  monkeypatch.setattr(models, "load_model", lambda d, **k: loads.append(d) or object())
-  monkeypatch.setattr(models, "generate", lambda model, inputs, **k: [["Why?"]])
+  model = types.SimpleNamespace(
+      predict=lambda inputs, **k: types.SimpleNamespace(texts=[["Why?"]]))
+  monkeypatch.setattr(models, "load_model", lambda d, **k: loads.append(d) or model)
   result = types.SimpleNamespace(row=lambda i: {"jsd": 0.25})
   monkeypatch.setattr(live, "_reward", lambda *a: types.SimpleNamespace(
       score_questions=lambda situations, questions: result))
