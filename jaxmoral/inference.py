@@ -162,10 +162,8 @@ class InferenceModel:
           config, partitioner, with_scalar_head=with_scalar_head))
     elif not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
       params = jax.device_put(params)
-    # The kernels are the language model's; a scalar head takes no part in decoding.
-    lm = {k: v for k, v in params.items() if k != "scalar_head"}
     return cls(module, params, partitioner=partitioner,
-               decode_weights=model_dirs.decode_weights(t5.T5(config), lm, partitioner), **kwargs)
+               decode_weights=model_dirs.decode_weights(module, params, partitioner), **kwargs)
 
   @classmethod
   def load(cls, path: str | os.PathLike, *, partitioner: Any = None, step: Optional[int] = None,

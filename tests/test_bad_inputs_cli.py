@@ -226,13 +226,13 @@ def test_chat_skips_input_that_is_not_utf8(method, tmp_path, demo_vocab_path, mo
     # (which failed on the bad line).
     vocabulary = vocab_lib.get_vocabulary(demo_vocab_path)
     monkeypatch.setattr(bundle_lib, "load",
-                        lambda _, **kwargs: types.SimpleNamespace(vocab=vocabulary))
+                        lambda _, **kwargs: types.SimpleNamespace(vocabulary=vocabulary))
 
     def respond(bundle, contexts, **kwargs):
       del kwargs
       for context in contexts:
         for utterance in context:
-          bundle.vocab.encode(utterance)
+          bundle.vocabulary.encode(utterance)
       return [inference.Reply("ok", 0.0, (inference.Candidate("ok", 0.0, 0.0),))]
     monkeypatch.setattr(inference, "respond", respond)
     _stdin(monkeypatch, b"hi there\n\xff\xfe bad\nhow are you\n/quit\n")

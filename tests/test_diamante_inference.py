@@ -38,7 +38,7 @@ def saved(tmp_path_factory):
               "feature_lengths": {"inputs": 24, "targets": 10}}
   export = model_dirs.export(root / "export", params=params, config=config,
                              vocabulary=vocabulary, settings=settings)
-  in_memory = bundle_lib.Bundle(model=model, params=params, vocab=vocabulary, features=features)
+  in_memory = bundle_lib.Bundle(model, params, vocabulary=vocabulary, features=features)
   return root, export, in_memory
 
 
@@ -77,13 +77,13 @@ def test_load_errors_name_the_missing_file(tmp_path, saved):
 def test_sampled_candidates_are_scored_like_separate_teacher_forced_passes(saved):
   _, _, bundle = saved
   contexts = [["hi! do you like chess?"], ["how was your weekend?", "pretty good."]]
-  encoder = np.stack([data.encode_context(bundle.vocab, c, bundle.features) for c in contexts])
-  out = jax.device_get(inference._jitted(bundle.model, RERANK)(
-      bundle.params, encoder_input_tokens=encoder, rng=jax.random.PRNGKey(0)))
+  encoder = np.stack([data.encode_context(bundle.vocabulary, c, bundle.features) for c in contexts])
+  out = bundle.run(inference.generate_and_rank, encoder, jax.random.PRNGKey(0),
+                   static=(RERANK,))
   assert out.tokens.shape == (2, RERANK.num_candidates, RERANK.max_decode_length)
   np.testing.assert_array_equal(out.best, np.argmax(out.scores, -1))
-  apply = jax.jit(lambda p, e, d: bundle.model.apply({"params": p}, e, d, return_hidden=True))
-  score = jax.jit(lambda p, h: bundle.model.apply({"params": p}, h, method=t5.T5.score))
+  apply = jax.jit(lambda p, e, d: bundle.module.apply({"params": p}, e, d, return_hidden=True))
+  score = jax.jit(lambda p, h: bundle.module.apply({"params": p}, h, method=t5.T5.score))
   for b in range(2):
     for i in range(RERANK.num_candidates):
       n = int(out.lengths[b, i])
@@ -164,9 +164,9 @@ def test_evaluation_matches_per_context_ranking(saved):
     assert kinds[0] == data.HUMAN and kinds.count(data.HUMAN) == 1
     assert all(data.normalize(r) != data.normalize(responses[0]) for r in responses[1:])
     # Nothing the scorer reads as r_H (the same tokens after truncation) competes with it.
-    human = data.encode_response(bundle.vocab, responses[0], bundle.features)
-    assert not any(np.array_equal(data.encode_response(bundle.vocab, r, bundle.features), human)
-                   for r in responses[1:])
+    human = data.encode_response(bundle.vocabulary, responses[0], bundle.features)
+    assert not any(np.array_equal(data.encode_response(bundle.vocabulary, r, bundle.features),
+                                  human) for r in responses[1:])
 
 
 def test_chat_and_self_chat_write_transcripts(saved, tmp_path):

@@ -44,9 +44,9 @@ def test_joint_training_learns_to_rank_and_its_run_is_the_model(tmp_path):
   assert result["train/gap_human_random"] > 0
   # The run directory loads for inference: the head, the trained vocabulary, the lengths.
   bundle = bundle_lib.load(tmp_path / "joint")
-  assert bundle.model.with_scalar_head and bundle.features.context_length == 40
+  assert bundle.module.with_scalar_head and bundle.features.context_length == 40
   assert bundle.features.response_length == 14
-  assert bundle.vocab.sentencepiece_model_file.startswith(str(tmp_path / "joint" / "vocab"))
+  assert bundle.vocabulary.sentencepiece_model_file.startswith(str(tmp_path / "joint" / "vocab"))
 
 
 def test_nll_only_ablation_never_updates_the_score_head(tmp_path):
@@ -113,4 +113,4 @@ def test_diamante_train_command_is_the_core_run_with_its_gin(tmp_path):
   finally:
     gin.clear_config()
   assert "PE_WEIGHT = 0.0" in (tmp_path / "config.gin").read_text()
-  assert bundle_lib.load(tmp_path).model.with_scalar_head
+  assert bundle_lib.load(tmp_path).module.with_scalar_head

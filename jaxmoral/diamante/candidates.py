@@ -14,12 +14,10 @@ import gin
 import jax
 import numpy as np
 
-from jaxmoral import decoding
 from jaxmoral import partitioning
 from jaxmoral import progress
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data
-from jaxmoral.diamante.inference import decode_tokens
 
 
 def dialogues_of(turns: Sequence[data.Turn]) -> list[list[str]]:
@@ -37,11 +35,9 @@ def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str
                       no_repeat_ngram_size: int = 3, max_decode_length: int = 32,
                       batch_size: int = 32, seed: int = 0) -> list[list[str]]:
   """`num_candidates` sampled responses per context (fixed batch shape, one compilation)."""
-  sampler = decoding.make_sampler(bundle.model, max_decode_length=max_decode_length,
-                                  num_samples=num_candidates, temperature=temperature,
-                                  top_k=top_k, no_repeat_ngram_size=no_repeat_ngram_size,
-                                  eos_id=bundle.config.eos_token_id,
-                                  partitioner=bundle.partitioner)
+  sampler = bundle.sampler(max_decode_length=max_decode_length, num_samples=num_candidates,
+                           greedy=False, temperature=temperature, top_k=top_k,
+                           no_repeat_ngram_size=no_repeat_ngram_size)
   key = jax.random.PRNGKey(seed)
   out: list[list[str]] = []
   shown = progress.ProgressLog("candidate contexts", len(contexts))
@@ -49,13 +45,11 @@ def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str
     chunk = list(contexts[start:start + batch_size])
     encoder = np.zeros((batch_size, bundle.features.context_length), np.int32)
     for row, context in enumerate(chunk):
-      encoder[row] = data.encode_context(bundle.vocab, context, bundle.features)
+      encoder[row] = data.encode_context(bundle.vocabulary, context, bundle.features)
     key, sub = jax.random.split(key)
     result = jax.device_get(sampler(bundle.params, bundle.place(encoder), rng=sub,
                                     decode_weights=bundle.decode_weights))
-    for row in range(len(chunk)):
-      out.append([decode_tokens(bundle.vocab, result.tokens[row, i], int(result.lengths[row, i]))
-                  for i in range(num_candidates)])
+    out.extend(bundle.decode_text(result.tokens[row]) for row in range(len(chunk)))
     shown.update(len(out))
   return out
 

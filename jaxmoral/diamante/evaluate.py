@@ -84,7 +84,7 @@ def ranking_items(turns: Sequence[data.Turn], *, num_random: int, max_candidates
 
 def model_view(bundle: bundle_lib.Bundle) -> Callable[[str], Sequence[int]]:
   """The response tokens the bundle's scorer reads (truncated, EOS): `ranking_items`' encode."""
-  return lambda text: data.encode_response(bundle.vocab, text, bundle.features).tolist()
+  return lambda text: data.encode_response(bundle.vocabulary, text, bundle.features).tolist()
 
 
 def pe_accuracy(scores: np.ndarray, kinds: np.ndarray) -> float:
@@ -120,9 +120,9 @@ def score_ranking_items(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn],
     targets = np.zeros((batch_size, width, feats.response_length), np.int32)
     targets[:, :, 0] = feats.eos_id
     for row, (i, responses, _) in enumerate(chunk):
-      encoder[row] = data.encode_context(bundle.vocab, turns[i].context, feats)
+      encoder[row] = data.encode_context(bundle.vocabulary, turns[i].context, feats)
       for k, text in enumerate(responses):
-        targets[row, k] = data.encode_response(bundle.vocab, text, feats)
+        targets[row, k] = data.encode_response(bundle.vocabulary, text, feats)
     scores, logprobs = inference.score_batch(bundle, encoder, targets)
     lengths = np.sum(targets > 0, axis=-1)
     for row, (i, responses, kinds) in enumerate(chunk):

@@ -11,7 +11,6 @@ extra decoder pass costs about one teacher-forced step of N rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Optional, Sequence
 
 import flax
@@ -21,8 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import decoding
-from jaxmoral import model_dirs
-from jaxmoral import token_rows
 from jaxmoral import validation
 from jaxmoral.diamante import data
 from jaxmoral.diamante.bundle import Bundle
@@ -78,9 +75,10 @@ class RerankOutput:
   best: Array
 
 
-def generate_and_rank(model: T5, params: Any, *, encoder_input_tokens: Array, rng: Array,
+def generate_and_rank(model: T5, params: Any, encoder_input_tokens: Array, rng: Array,
                       config: RerankConfig) -> RerankOutput:
-  """Samples `config.num_candidates` responses per context and scores them (jittable)."""
+  """Samples `config.num_candidates` responses per context and scores them (jittable; run
+  on the bundle's mesh by `Bundle.run`)."""
   out = decoding.sample(model, params, encoder_input_tokens=encoder_input_tokens, rng=rng,
                         max_decode_length=config.max_decode_length,
                         num_samples=config.num_candidates, temperature=config.temperature,
@@ -91,15 +89,6 @@ def generate_and_rank(model: T5, params: Any, *, encoder_input_tokens: Array, rn
                                               out.lengths)
   return RerankOutput(tokens=out.tokens, lengths=out.lengths, scores=scores, logprobs=logprobs,
                       best=jnp.argmax(scores, axis=-1))
-
-
-@functools.lru_cache(maxsize=16)
-def _jitted(model: T5, config: RerankConfig, partitioner: Any = None):
-  def run(params: Any, encoder_input_tokens: Array, rng: Array) -> RerankOutput:
-    return generate_and_rank(model, params, encoder_input_tokens=encoder_input_tokens,
-                             rng=rng, config=config)
-  return model_dirs.jit_with_params(run, model.config, partitioner, replicated=(False, False),
-                                    with_scalar_head=model.with_scalar_head)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,24 +106,18 @@ class Reply:
   candidates: tuple[Candidate, ...]
 
 
-def decode_tokens(vocab: Any, tokens: np.ndarray, length: int, eos_id: int = 1) -> str:
-  """Text of one candidate of `length` emitted tokens (`token_rows.text_ids`)."""
-  return vocab.decode(token_rows.text_ids(np.asarray(tokens)[:length], eos_id))
-
-
 def respond(bundle: Bundle, contexts: Sequence[Sequence[str]], *, rng: Array,
             config: RerankConfig = RerankConfig()) -> list[Reply]:
   """The best-scored of N sampled responses for each context (oldest utterance first)."""
   if not contexts:
     return []
-  encoder = np.stack([data.encode_context(bundle.vocab, c, bundle.features) for c in contexts])
-  encoder, rng = bundle.place((encoder, np.asarray(rng)))
-  out = jax.device_get(_jitted(bundle.model, config, bundle.partitioner)(
-      bundle.params, encoder, rng))
+  encoder = np.stack([data.encode_context(bundle.vocabulary, c, bundle.features)
+                      for c in contexts])
+  out = bundle.run(generate_and_rank, encoder, np.asarray(rng), static=(config,))
   replies = []
   for b in range(len(contexts)):
-    cands = [Candidate(decode_tokens(bundle.vocab, out.tokens[b, i], int(out.lengths[b, i])),
-                       float(out.scores[b, i]), float(out.logprobs[b, i]))
+    texts = bundle.decode_text(out.tokens[b])
+    cands = [Candidate(texts[i], float(out.scores[b, i]), float(out.logprobs[b, i]))
              for i in range(config.num_candidates)]
     cands.sort(key=lambda c: -c.score)
     replies.append(Reply(cands[0].text, cands[0].score, tuple(cands)))
@@ -144,23 +127,15 @@ def respond(bundle: Bundle, contexts: Sequence[Sequence[str]], *, rng: Array,
 def rank_texts(bundle: Bundle, context: Sequence[str], responses: Sequence[str],
                ) -> tuple[np.ndarray, np.ndarray]:
   """Preference scores and generation log-probs of given responses to one context."""
-  encoder = data.encode_context(bundle.vocab, context, bundle.features)[None]
-  targets = np.stack([data.encode_response(bundle.vocab, r, bundle.features)
+  encoder = data.encode_context(bundle.vocabulary, context, bundle.features)[None]
+  targets = np.stack([data.encode_response(bundle.vocabulary, r, bundle.features)
                       for r in responses])[None]
   scores, logprobs = score_batch(bundle, encoder, targets)
   return scores[0], logprobs[0]
 
 
-@functools.lru_cache(maxsize=16)
-def _score_jit(model: T5, partitioner: Any = None):
-  return model_dirs.jit_with_params(functools.partial(score_responses, model), model.config,
-                                    partitioner, replicated=(False, False, False),
-                                    with_scalar_head=model.with_scalar_head)
-
-
 def score_batch(bundle: Bundle, encoder: np.ndarray, targets: np.ndarray,
                 lengths: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
-  """Jitted `score_responses` on host arrays: (scores (B, N), logprobs (B, N))."""
-  scores, logprobs, _ = _score_jit(bundle.model, bundle.partitioner)(
-      bundle.params, *bundle.place((encoder, targets, lengths)))
+  """`score_responses` on host arrays, on the bundle's mesh: (scores (B, N), logprobs (B, N))."""
+  scores, logprobs, _ = bundle.run(score_responses, encoder, targets, lengths)
   return np.asarray(scores), np.asarray(logprobs)

@@ -238,7 +238,7 @@ def diamante_rank(*, model_dir: str, context: Sequence[str], responses: Sequence
   with _LOCK:
     bundle = _bundle(model_dir)
     scores, logprobs = inference.rank_texts(bundle, context, responses)
-  lengths = [int(np.sum(data.encode_response(bundle.vocab, r, bundle.features) > 0))
+  lengths = [int(np.sum(data.encode_response(bundle.vocabulary, r, bundle.features) > 0))
              for r in responses]
   return sources.ranked(list(responses), scores.tolist(), logprobs.tolist(), lengths,
                         0 if human_first else None)
