@@ -45,7 +45,8 @@ class Model(inference.InferenceModel):
     made = inference.InferenceModel.from_params(config, params, partitioner=partitioner,
                                                 vocabulary=vocabulary, source=source)
     super().__init__(made.module, made.params, vocabulary=made.vocabulary,
-                     partitioner=partitioner, source=source, decode_weights=made.decode_weights)
+                     partitioner=partitioner, source=source)
+    self._decode = made._decode  # Prepared on first use.
 
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, *, vocabulary: Any = None,

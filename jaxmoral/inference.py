@@ -126,7 +126,8 @@ class InferenceModel:
     partitioner: The mesh the parameters are sharded over and every call runs on (None: one
       device without a mesh).
     source: Where it was loaded from.
-    decode_weights: The decoding backend's kernels for `params` (prepared once), or None.
+    decode_weights: The decoding backend's kernels for `params`, or None (`from_params`:
+      prepared on first use, once for the model and its `with_shapes` copies).
     input_length: Fixed encoder length (inputs truncated keeping EOS); None: bucketed.
     batch_size: Fixed rows per compiled call (the last chunk padded); None: bucketed.
   """
@@ -140,7 +141,8 @@ class InferenceModel:
     self.vocabulary = _load_vocabulary(vocabulary)
     self.partitioner = partitioner
     self.source = source
-    self.decode_weights = decode_weights
+    # Shared by `with_shapes` copies: {"weights": ...}, or {} while still to be prepared.
+    self._decode: dict[str, Any] = {"weights": decode_weights}
     self.input_length = input_length
     self.batch_size = batch_size
     if self.vocabulary is not None and self.vocabulary.vocab_size > module.config.vocab_size:
@@ -154,7 +156,7 @@ class InferenceModel:
   def from_params(cls, config: T5Config, params: Any, *, with_scalar_head: bool = False,
                   partitioner: Any = None, **kwargs: Any) -> InferenceModel:
     """Places `params` (boxed or not) in the partitioner's shardings (no copy when
-    `model_dirs.load` read them there) and prepares the decoding kernels."""
+    `model_dirs.load` read them there); the decoding kernels are prepared on first use."""
     module = t5.T5(config, with_scalar_head=with_scalar_head)
     params = nn.meta.unbox(params)
     if partitioner is not None:
@@ -162,8 +164,9 @@ class InferenceModel:
           config, partitioner, with_scalar_head=with_scalar_head))
     elif not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
       params = jax.device_put(params)
-    return cls(module, params, partitioner=partitioner,
-               decode_weights=model_dirs.decode_weights(module, params, partitioner), **kwargs)
+    model = cls(module, params, partitioner=partitioner, **kwargs)
+    model._decode.clear()  # Prepared on first use: a scorer or classifier never decodes.
+    return model
 
   @classmethod
   def load(cls, path: str | os.PathLike, *, partitioner: Any = None, step: Optional[int] = None,
@@ -212,6 +215,13 @@ class InferenceModel:
             f"layers={c.num_encoder_layers}+{c.num_decoder_layers}, vocab={c.vocab_size}, "
             f"{c.feed_forward_proj}, "
             f"vocabulary={'yes' if self.vocabulary is not None else 'no'})")
+
+  @property
+  def decode_weights(self) -> Optional[decoding.DecodeWeights]:
+    if "weights" not in self._decode:
+      self._decode["weights"] = model_dirs.decode_weights(self.module, self.params,
+                                                          self.partitioner)
+    return self._decode["weights"]
 
   @property
   def config(self) -> T5Config:

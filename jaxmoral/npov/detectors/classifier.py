@@ -10,24 +10,22 @@ errors (`synthetic.py`).
 
 from __future__ import annotations
 
-import functools
 import os
 import typing
 from typing import Any, Literal, Optional, Sequence
 
-import flax.linen as nn
 import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmoral import inference
 from jaxmoral import model_dirs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
 from jaxmoral import runs
 from jaxmoral.data import readers
 from jaxmoral.models import trainable
-from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
 from jaxmoral.npov import task
 from jaxmoral.npov.detectors import base
@@ -143,22 +141,16 @@ def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optio
   return tuned.lm_params, None
 
 
-@functools.lru_cache(maxsize=8)
-def _label_logits_fn(config: T5Config, with_prompt: bool, partitioner: Any = None) -> Any:
-  """Jitted first-step logits `fn(params, prompt, tokens) -> (batch, vocab)`; with a
-  partitioner compiled for its mesh (parameters in its shardings, rows over "data")."""
-  model = T5(config)
-
-  def run(params: Any, prompt: Optional[jax.Array], tokens: jax.Array) -> jax.Array:
-    decoder = jnp.full((tokens.shape[0], 1), config.decoder_start_token_id, jnp.int32)
-    if prompt is None:  # A fine-tuned classifier (None is an empty pytree: its own trace).
-      return typing.cast(jax.Array, model.apply({"params": params}, tokens, decoder))[:, 0]
-    embeds, mask = prompt_tuning.prompted_encoder_inputs(model, params, prompt, tokens)
-    logits = typing.cast(jax.Array, model.apply({"params": params}, None, decoder,
-                                                encoder_embeds=embeds, encoder_mask=mask))
-    return logits[:, 0]
-
-  return model_dirs.jit_with_params(run, config, partitioner, replicated=(with_prompt, False))
+def _first_step_logits(model: T5, params: Any, prompt: Optional[jax.Array],
+                       tokens: jax.Array) -> jax.Array:
+  """(batch, vocab) logits of the first decoder step, the soft prompt (if any) prepended."""
+  decoder = jnp.full((tokens.shape[0], 1), model.config.decoder_start_token_id, jnp.int32)
+  if prompt is None:  # A fine-tuned classifier (None is an empty pytree: its own trace).
+    return typing.cast(jax.Array, model.apply({"params": params}, tokens, decoder))[:, 0]
+  embeds, mask = prompt_tuning.prompted_encoder_inputs(model, params, prompt, tokens)
+  logits = typing.cast(jax.Array, model.apply({"params": params}, None, decoder,
+                                              encoder_embeds=embeds, encoder_mask=mask))
+  return logits[:, 0]
 
 
 class ClassifierDetector:
@@ -166,12 +158,13 @@ class ClassifierDetector:
 
   Attributes:
     model: The T5 every classifier shares the architecture of.
-    classifiers: `{error: (params, prompt or None)}` for both error types.
+    classifiers: `{error: (InferenceModel, prompt or None)}` for both error types: each runs
+      the core batch-inference path (bucketed shapes, on the partitioner's mesh).
   """
 
   def __init__(self, *, model: T5, vocabulary: Any,
                classifiers: dict[str, tuple[Any, Optional[Any]]], batch_size: int = 16,
-               max_input_length: int = 512, length_bucket: int = 64, partitioner: Any = None):
+               max_input_length: int = 512, partitioner: Any = None):
     """
     Args:
       model: The T5 every classifier shares the architecture of.
@@ -179,7 +172,6 @@ class ClassifierDetector:
       classifiers: `{error: (params, prompt or None)}` (`load_classifier`).
       batch_size: Rows per compiled call (the last batch is padded).
       max_input_length: Longer inputs are truncated (EOS kept).
-      length_bucket: Inputs are padded to a multiple of this.
       partitioner: The mesh the classifiers run on: parameters in its shardings (no copy
         when `model_dirs.load` read them there), rows over its "data" axis.
     """
@@ -187,45 +179,38 @@ class ClassifierDetector:
     if missing:
       raise ValueError(f"ClassifierDetector needs a classifier for {missing}")
     self.model, self.vocabulary = model, vocabulary
-    self.partitioner = partitioner
 
     def place(params: Any, prompt: Optional[Any]) -> tuple[Any, Optional[jax.Array]]:
-      params = nn.meta.unbox(params)
-      if partitioner is None:
-        return params, None if prompt is None else jnp.asarray(prompt)
-      params = jax.device_put(params, model_dirs.param_shardings(model.config, partitioner))
-      return params, None if prompt is None else jax.device_put(np.asarray(prompt),
-                                                                partitioner.replicated)
+      # Token rows in, the detector's own encoding: the models need no vocabulary.
+      loaded = inference.InferenceModel.from_params(model.config, params,
+                                                    partitioner=partitioner,
+                                                    batch_size=batch_size)
+      if prompt is not None:
+        prompt = (jnp.asarray(prompt) if partitioner is None
+                  else jax.device_put(np.asarray(prompt), partitioner.replicated))
+      return loaded, prompt
 
     self.classifiers = {e: place(params, prompt) for e, (params, prompt) in classifiers.items()}
     self.batch_size, self.max_input_length = batch_size, max_input_length
-    self.length_bucket = length_bucket
     self.label_ids = np.asarray(label_token_ids(vocabulary))
 
   def error_probabilities(self, examples: Sequence[task.NpovExample], error: ErrorType
                           ) -> np.ndarray:
     """P("no") under the `error` classifier, per example."""
-    params, prompt = self.classifiers[error]
-    fn = _label_logits_fn(self.model.config, prompt is not None, self.partitioner)
+    if not examples:
+      return np.zeros((0,))
+    classifier, prompt = self.classifiers[error]
+    fn = classifier.jitted(_first_step_logits, 2)
     eos = self.model.config.eos_token_id
+    rows = [list(self.vocabulary.encode(task.format_classifier_input(e)))[
+        :self.max_input_length - 1] + [eos] for e in examples]
     shown = progress.ProgressLog(f"{error} classifier examples", len(examples))
     out = []
-    for start in range(0, len(examples), self.batch_size):
-      chunk = examples[start:start + self.batch_size]
-      ids = [list(self.vocabulary.encode(task.format_classifier_input(e)))[
-          :self.max_input_length - 1] + [eos] for e in chunk]
-      width = -(-max(map(len, ids)) // self.length_bucket) * self.length_bucket
-      tokens = np.zeros((self.batch_size, width), np.int32)
-      tokens[:, 0] = eos  # filler rows stay valid (never all padding)
-      for row, row_ids in enumerate(ids):
-        tokens[row, :len(row_ids)] = row_ids
-      tokens = (partitioner.shard_inputs(tokens) if (partitioner := self.partitioner)
-                else jnp.asarray(tokens))
-      logits = np.asarray(fn(params, prompt, tokens))
-      pair = logits[:len(chunk)][:, self.label_ids]
-      out.append(jax.nn.softmax(pair, axis=-1)[:, 1])
-      shown.update(start + len(chunk))
-    return np.concatenate(out) if out else np.zeros((0,))
+    for n, tokens, _, _ in classifier.batches(rows):
+      logits = np.asarray(fn(classifier.params, prompt, classifier.place(tokens)))
+      out.append(jax.nn.softmax(logits[:n][:, self.label_ids], axis=-1)[:, 1])
+      shown.update(sum(map(len, out)))
+    return np.concatenate(out)
 
   def detect_batch(self, examples: Sequence[task.NpovExample]) -> list[base.Detection]:
     h = self.error_probabilities(examples, "hallucination")
