@@ -84,7 +84,7 @@ def main() -> None:
 
   def random_model(seed):
     params = nn.meta.unbox(t5.init_params(model, jax.random.PRNGKey(seed)))
-    return models.ClarifyModel(model=model, params=params, vocabulary=vocabulary)
+    return models.ClarifyModel(model, params, vocabulary=vocabulary)
 
   reward_config = reward.RewardConfig(
       judge_classes=classes, batch_size=args.batch, input_length=args.prompt_length + 32,
