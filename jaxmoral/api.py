@@ -42,11 +42,9 @@ class Model(inference.InferenceModel):
 
   def __init__(self, config: T5Config, params: Any, *, vocabulary: Any = None,
                source: str = "<in memory>", partitioner: Any = None):
-    made = inference.InferenceModel.from_params(config, params, partitioner=partitioner,
-                                                vocabulary=vocabulary, source=source)
-    super().__init__(made.module, made.params, vocabulary=made.vocabulary,
+    placed = inference.InferenceModel.from_params(config, params, partitioner=partitioner)
+    super().__init__(placed.module, placed.params, vocabulary=vocabulary,
                      partitioner=partitioner, source=source)
-    self._decode = made._decode  # Prepared on first use.
 
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike, *, vocabulary: Any = None,

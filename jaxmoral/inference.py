@@ -126,8 +126,8 @@ class InferenceModel:
     partitioner: The mesh the parameters are sharded over and every call runs on (None: one
       device without a mesh).
     source: Where it was loaded from.
-    decode_weights: The decoding backend's kernels for `params`, or None (`from_params`:
-      prepared on first use, once for the model and its `with_shapes` copies).
+    decode_weights: The decoding backend's kernels for `params` (default: prepared on first
+      use, once for the model and its `with_shapes` copies; a scorer never needs them).
     input_length: Fixed encoder length (inputs truncated keeping EOS); None: bucketed.
     batch_size: Fixed rows per compiled call (the last chunk padded); None: bucketed.
   """
@@ -142,7 +142,7 @@ class InferenceModel:
     self.partitioner = partitioner
     self.source = source
     # Shared by `with_shapes` copies: {"weights": ...}, or {} while still to be prepared.
-    self._decode: dict[str, Any] = {"weights": decode_weights}
+    self._decode: dict[str, Any] = {} if decode_weights is None else {"weights": decode_weights}
     self.input_length = input_length
     self.batch_size = batch_size
     if self.vocabulary is not None and self.vocabulary.vocab_size > module.config.vocab_size:
@@ -156,7 +156,7 @@ class InferenceModel:
   def from_params(cls, config: T5Config, params: Any, *, with_scalar_head: bool = False,
                   partitioner: Any = None, **kwargs: Any) -> InferenceModel:
     """Places `params` (boxed or not) in the partitioner's shardings (no copy when
-    `model_dirs.load` read them there); the decoding kernels are prepared on first use."""
+    `model_dirs.load` read them there)."""
     module = t5.T5(config, with_scalar_head=with_scalar_head)
     params = nn.meta.unbox(params)
     if partitioner is not None:
@@ -164,9 +164,7 @@ class InferenceModel:
           config, partitioner, with_scalar_head=with_scalar_head))
     elif not all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
       params = jax.device_put(params)
-    model = cls(module, params, partitioner=partitioner, **kwargs)
-    model._decode.clear()  # Prepared on first use: a scorer or classifier never decodes.
-    return model
+    return cls(module, params, partitioner=partitioner, **kwargs)
 
   @classmethod
   def load(cls, path: str | os.PathLike, *, partitioner: Any = None, step: Optional[int] = None,
