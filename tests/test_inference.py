@@ -165,3 +165,24 @@ def test_api_model_is_the_facade(one, params, vocabulary):
   with pytest.raises(ValueError, match="no vocabulary"):
     bare.encode_text(["hi"])
   assert bare.generate(np.array([[5, 6, 1]]), max_decode_length=3).texts is None
+
+
+def test_run_jits_a_scalar_head_function_on_the_mesh():
+  # Diamante's preference score: any pure fn(module, params, *inputs) runs on the model's mesh.
+  from jaxmoral.diamante import model as diamante_model  # pylint: disable=g-import-not-at-top
+  head = nn.meta.unbox(t5.init_params(t5.T5(CONFIG, with_scalar_head=True),
+                                      jax.random.PRNGKey(7)))
+  encoder = np.asarray(_token_rows(6, 4, 10)[0] + [0] * 16)[None, :16].repeat(4, 0)
+  targets = np.asarray([[r + [0] * (8 - len(r)) for r in _token_rows(7, 3, 7)]] * 4)
+  with partitioning.default_devices(jax.devices()[:1]):
+    one = inference.InferenceModel.from_params(CONFIG, head, with_scalar_head=True)
+  mesh = inference.InferenceModel.from_params(
+      CONFIG, head, with_scalar_head=True,
+      partitioner=partitioning.PjitPartitioner(num_partitions=2, devices=jax.devices()[:8]))
+  got = mesh.run(diamante_model.score_responses, encoder, targets, None)
+  want = one.run(diamante_model.score_responses, encoder, targets, None)
+  ref = diamante_model.score_responses(one.module, head, encoder, targets)
+  for a, b, c in zip(got, want, ref, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(b, np.asarray(c), rtol=1e-5, atol=1e-5)
+  assert got[0].shape == (4, 3)
