@@ -267,7 +267,9 @@ def _registered_selectors() -> list[str]:
       continue
     for attribute, value in list(getattr(module, "__dict__", {}).items()):
       try:
-        if not callable(value) or getattr(value, "__module__", None) != name:
+        # Where it is defined or imported: one registered under another module's name
+        # (`runs.Seq2SeqData`) is named by the module that imports it.
+        if not callable(value):
           continue
         configurable = gin.get_configurable(value)
       except Exception:  # pylint: disable=broad-except

@@ -3,8 +3,7 @@
 `train_run` is the one training entry point of every supervised method (T5X's `train`): gin
 injects what is trained (`model`: a `jaxmoral.models.trainable.TrainableModel` such as
 `Seq2SeqModel`, `diamante.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
-data it reads (`data`: a `source.DataSpec` such as `data.seq2seq.Seq2SeqData` or
-`diamante.data.DialogueData`), so
+data it reads (`data`: a `DataSpec` such as `Seq2SeqData` or `diamante.data.DialogueData`), so
 every method gets `init_checkpoint`, resume, run files and per-host data sharding from here.
 
 A run directory (MODEL_DIR) is self-describing (`jaxmoral.model_dirs`), so `eval`, `infer`,
@@ -266,8 +265,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         train_source = train_source.shard(jax.process_index(), jax.process_count())
         if eval_source is not None:
           eval_source = eval_source.shard(jax.process_index(), jax.process_count())
-      # A streamed seqio split keeps its position with the run, at each checkpoint step: a
-      # resume restores it instead of replaying the batches before its step.
+      # A streamed split's position is kept at each checkpoint step: a resume replays nothing.
       train_source = train_source.keeping_position(fileio.join(model_dir, DATA_POSITION_DIR),
                                                    checkpoint_every)
       trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,

@@ -304,9 +304,9 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
   Args:
     model_dir: Run directory (checkpoints/, train/, eval/ inside).
     trainer: See above.
-    train_source: A `jaxmoral.data.source.DataSource`: `iterate(start_step)` yields this
-      process's rows of batch `start_step`, `start_step + 1`, ..., deterministic in the step;
-      its `num_examples`, `batch_size` and `data_fingerprint` are checkpointed.
+    train_source: A `jaxmoral.data.source.DataSource` (`iterate(start_step)`: this process's
+      rows of batch `start_step`, ...; its `num_examples`, `batch_size`, `data_fingerprint`
+      are checkpointed).
     train_steps: Total number of steps of the run (not of this call).
     eval_source: Optional evaluation batches (see `evaluate`).
     eval_every: Evaluate every this many steps (0: only at the end).

@@ -18,7 +18,6 @@ from jaxmoral import aot
 from jaxmoral import cli
 from jaxmoral import gin_utils
 from jaxmoral import runs
-from jaxmoral.data import seq2seq
 
 # The tiny seq2seq config on a 4 x 2 (data x model) mesh, small batch: compiles in seconds.
 TINY = ["--gin_file=configs/core/tiny_cpu.gin", "--gin.BATCH_SIZE=8",
@@ -85,7 +84,8 @@ def test_cpu_argument_bytes_match_shard_shapes(cpu_run):
   optimizer = copy.deepcopy(gin.query_parameter("runs.train_run.optimizer"))
   partitioner = partitioning.PjitPartitioner(num_partitions=2, devices=jax.devices()[:8])
   trainer = runs.make_trainer(model=model, optimizer=optimizer, partitioner=partitioner)
-  shapes = seq2seq.seq2seq_batch_shapes(batch_size=8, feature_lengths={"inputs": 16, "targets": 8})
+  shapes = runs.Seq2SeqData(mixture_or_task_name="t").batch_shapes(
+      batch_size=8, feature_lengths={"inputs": 16, "targets": 8})
   batch = {k: jax.ShapeDtypeStruct(v[0], np.int32, sharding=partitioner.data_sharding(2))
            for k, v in shapes.items()}
   rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=partitioner.replicated)

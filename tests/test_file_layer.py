@@ -58,9 +58,8 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
         frozenset({"read", "write", "_file_sha256", "_verify", "_version"})),
     "jaxmoral.data.pretraining_corpus": ("the local branch of `write_lines` (a URL is written "
                                          "through fileio)", frozenset({"write_lines"})),
-    "jaxmoral.data.tasks": ("this process's private cache folder; a stream position's local "
-                            "scratch copy (uploaded through fileio)",
-                            frozenset({"_process_cache_root", "TaskSource._save_position"})),
+    "jaxmoral.data.tasks": ("a stream position's local scratch copy (uploaded through fileio)",
+                            frozenset({"TaskSource._save_position"})),
     "jaxmoral.data.vocab": ("SentencePiece writes local files; they are uploaded after",
                             frozenset({"build_demo_vocabulary"})),
     "jaxmoral.diamante.data": ("the local folder SentencePiece trains in "

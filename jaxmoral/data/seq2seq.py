@@ -57,22 +57,6 @@ def _copy_folder(source: str, target: str) -> None:
   os.rename(partial, target)
 
 
-def seq2seq_batch_shapes(*, batch_size: int, feature_lengths: Mapping[str, int],
-                         pack: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """Global batch shapes and dtypes of the T5X seq2seq features."""
-  for key in ("inputs", "targets"):
-    if key not in feature_lengths:
-      raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
-  enc = (batch_size, int(feature_lengths["inputs"]))
-  dec = (batch_size, int(feature_lengths["targets"]))
-  names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
-           "decoder_target_tokens": dec, "decoder_loss_weights": dec}
-  if pack:
-    names.update({"encoder_segment_ids": enc, "encoder_positions": enc,
-                  "decoder_segment_ids": dec, "decoder_positions": dec})
-  return {k: (v, jnp.int32) for k, v in names.items()}
-
-
 # Registered under the module name the configs have always used (`runs.Seq2SeqData`).
 @gin.configurable(module="jaxmoral.runs")
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -317,9 +301,18 @@ class Seq2SeqData(source.DataSpec):
 
   def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """Global batch shapes (for `jaxmoral compile`)."""
-    return seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
-                                pack=self.pack)
+    """Global batch shapes and dtypes of the T5X seq2seq features (for `jaxmoral compile`)."""
+    for key in ("inputs", "targets"):
+      if key not in feature_lengths:
+        raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
+    enc = (batch_size, int(feature_lengths["inputs"]))
+    dec = (batch_size, int(feature_lengths["targets"]))
+    names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
+             "decoder_target_tokens": dec, "decoder_loss_weights": dec}
+    if self.pack:
+      names.update({"encoder_segment_ids": enc, "encoder_positions": enc,
+                    "decoder_segment_ids": dec, "decoder_positions": dec})
+    return {k: (v, jnp.int32) for k, v in names.items()}
 
   def settings(self) -> dict[str, Any]:
     return {"kind": "seq2seq", **({"heldout": self.heldout} if self._splits_file else {})}

@@ -1,11 +1,9 @@
 """The data contracts of training: the step-indexed `DataSource`, and the `DataSpec` making it.
 
-Every source training reads implements `DataSource`: seq2seq rows (`pipeline.BatchSource`),
-seqio Tasks and Mixtures (`tasks.TaskSource`, a streamed split with its checkpointed
-position), Diamante quadruples (`diamante.data.QuadrupleSource`), PPO prompts
-(`rl.ppo_trainer.PromptSource`). They subclass it for its one implementation of sharding:
-frozen dataclasses with `batch_size` (global), `shard_index` and `shard_count` fields that call
-`check_shard()` in `__post_init__`; process i of n reads the i-th contiguous part of a batch.
+Every training source subclasses `DataSource` (`pipeline.BatchSource`, `tasks.TaskSource`,
+`diamante.data.QuadrupleSource`, `rl.ppo_trainer.PromptSource`) for its one implementation of
+sharding: frozen dataclasses with `batch_size` (global), `shard_index` and `shard_count` fields
+that call `check_shard()` in `__post_init__`; process i of n reads part i of every batch.
 """
 
 from __future__ import annotations
@@ -39,9 +37,10 @@ class DataSource(Protocol):
     """Examples of one pass (all shards), or None when the source does not know."""
 
   @property
-  def steps_per_epoch(self) -> Optional[int]:
-    """Steps until every example was served at least once (ceil(num_examples / batch_size))."""
-    return None if self.num_examples is None else -(-self.num_examples // self.batch_size)
+  def steps_per_epoch(self) -> int:
+    """Steps until every example was served at least once: ceil(num_examples / batch_size),
+    0 when the source does not know its size."""
+    return -(-(self.num_examples or 0) // self.batch_size)
 
   @property
   def data_fingerprint(self) -> Optional[str]:
@@ -66,7 +65,6 @@ class DataSource(Protocol):
     del directory, every
     return self
 
-  # -- the one implementation of sharding --------------------------------------------------------
   def check_shard(self) -> None:
     """Raises a ValueError naming the source for a bad batch size or shard."""
     name = type(self).__name__
@@ -99,12 +97,8 @@ class DataSource(Protocol):
 
 
 class DataSpec(Protocol):
-  """Where a run's batches come from (gin injects one into `runs.train_run`).
-
-  Attributes:
-    FILE_FIELDS: The fields that name files (`check_files`).
-  """
-  FILE_FIELDS: ClassVar[tuple[str, ...]] = ()
+  """Where a run's batches come from (gin injects one into `runs.train_run`)."""
+  FILE_FIELDS: ClassVar[tuple[str, ...]] = ()  # The fields that name files (`check_files`).
 
   def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
     """The vocabulary: the one the data names, else `fallback` (the init checkpoint's), else

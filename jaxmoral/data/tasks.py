@@ -11,14 +11,11 @@ without replay) with per-process sharding.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from typing import Any, Iterator, Mapping, Optional
 
@@ -171,15 +168,6 @@ def num_examples(task_name: str, split: str) -> Optional[int]:
   tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
   counts = [t.source.num_input_examples(split) if split in t.splits else 0 for t in tasks]
   return None if any(c is None for c in counts) else int(sum(counts))
-
-
-@functools.cache
-def _process_cache_root() -> str:
-  """A folder for the index caches of Tasks whose data has no fingerprint: this process's
-  own, removed when it exits (another process cannot know the data did not change)."""
-  root = tempfile.mkdtemp(prefix="jaxmoral-data-")
-  atexit.register(shutil.rmtree, root, ignore_errors=True)
-  return root
 
 
 def _advance(iterator: Any, count: int) -> None:
@@ -337,8 +325,9 @@ class TaskSource(DataSource):
                 "seed": self.seed if self.shuffle else None, "data": data}
     if data is not None:
       root = self.cache_dir or index_cache.default_root()
-    else:  # No fingerprint of the data: this process's own copy, built anew.
-      root = _process_cache_root()
+    else:  # No fingerprint of the data: this process's own copy, built anew (another process
+      # cannot know the data did not change), removed when it exits.
+      root = fileio.local_folder_for("index caches")
     directory = os.path.join(os.fspath(root), f"{self.task_name}.{index_cache.key_of(identity)}")
     if self._rows is None:
       found = index_cache.read(directory)
@@ -458,12 +447,8 @@ class TaskSource(DataSource):
     folder = fileio.join(self.position_dir, str(saved[-1]), self._position_name())
     checkpoints.verify_integrity(folder, what=f"{folder} (the data position at step "
                                  f"{saved[-1]})", step=saved[-1], unverified_ok=False)
-    with tempfile.TemporaryDirectory(prefix="jaxmoral-position-") as scratch:
-      for name in fileio.listdir(folder):
-        fileio.write_bytes(os.path.join(scratch, name), fileio.read_bytes(
-            fileio.join(folder, name)))
-      tf.train.Checkpoint(iterator=iterator).read(
-          os.path.join(scratch, "iterator")).assert_consumed()
+    tf.train.Checkpoint(iterator=iterator).read(
+        os.path.join(fileio.local_folder(folder), "iterator")).assert_consumed()
     return saved[-1]
 
   def batch(self, step: int) -> Features:

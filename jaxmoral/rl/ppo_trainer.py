@@ -267,8 +267,7 @@ class PromptSource(source.DataSource):
   (`pipeline.stream_indices`, as `pipeline.BatchSource`), so a resumed run reads the same
   prompts: a `jaxmoral.data.source.DataSource`.
 
-  Attributes (besides `DataSource`'s batch_size: prompts per iteration, shard_index,
-  shard_count):
+  Attributes (besides `DataSource`'s batch_size, the prompts of an iteration, and shard):
     tokens: (N, max_prompt_length) int32 encoded prompts.
     texts: The N prompts as text (for the reward).
     seed: Order seed.
