@@ -267,8 +267,7 @@ def _registered_selectors() -> list[str]:
       continue
     for attribute, value in list(getattr(module, "__dict__", {}).items()):
       try:
-        # Where it is defined or imported: one registered under another module's name
-        # (`runs.Seq2SeqData`) is named by the module that imports it.
+        # Where defined or imported: gin's name may be another module's (`runs.Seq2SeqData`).
         if not callable(value):
           continue
         configurable = gin.get_configurable(value)

@@ -68,5 +68,5 @@ def test_shard_errors_name_the_source(name):
     make(batch_size=4).shard(0, 2).shard(0, 2)
   with pytest.raises(ValueError, match=rf"{name}.batch_size"):
     make(batch_size=0)
-  with pytest.raises(ValueError, match="start_step must be >= 0"):
+  with pytest.raises(ValueError, match="step must be >= 0"):
     next(make(batch_size=4).iterate(-1))

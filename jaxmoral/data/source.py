@@ -9,14 +9,13 @@ that call `check_shard()` in `__post_init__`; process i of n reads part i of eve
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, ClassVar, Iterator, Mapping, Optional, Protocol
 
 import numpy as np
 
 from jaxmoral import fileio
 from jaxmoral import validation
-
-Batch = dict[str, Any]
 
 
 class DataSource(Protocol):
@@ -38,8 +37,7 @@ class DataSource(Protocol):
 
   @property
   def steps_per_epoch(self) -> int:
-    """Steps until every example was served at least once: ceil(num_examples / batch_size),
-    0 when the source does not know its size."""
+    """Steps until every example was served once: ceil(num_examples / batch_size) (0: unknown)."""
     return -(-(self.num_examples or 0) // self.batch_size)
 
   @property
@@ -47,17 +45,17 @@ class DataSource(Protocol):
     """A hash of the rows served, or None (checkpointed: a resume over other data is refused)."""
     return None
 
-  def batch(self, step: int) -> Batch:
-    """This shard's rows of global batch `step`."""
+  def batch(self, step: int) -> dict[str, Any]:
+    """This shard's rows of global batch `step` (a source defines `batch` or `iterate`)."""
+    return next(self.iterate(step))
 
-  def iterate(self, start_step: int = 0) -> Iterator[Batch]:
+  def iterate(self, start_step: int = 0) -> Iterator[dict[str, Any]]:
     """batch(start_step), batch(start_step + 1), ... forever."""
-    if start_step < 0:
-      raise ValueError(f"start_step must be >= 0, got {start_step}")
-    step = start_step
-    while True:
-      yield self.batch(step)
-      step += 1
+    return map(self.batch, itertools.count(start_step))
+
+  def eval_batches(self) -> Iterator[dict[str, Any]]:
+    """One pass: the first `steps_per_epoch` batches (the last may run into the next epoch)."""
+    return map(self.batch, range(self.steps_per_epoch))
 
   def keeping_position(self, directory: str, every: int) -> DataSource:
     """This source keeping its iterator state (if any: a streamed `tasks.TaskSource`) under

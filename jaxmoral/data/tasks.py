@@ -260,8 +260,7 @@ class TaskSource(DataSource):
     return num_examples(self.task_name, self.split)
 
   def keeping_position(self, directory: str, every: int) -> TaskSource:
-    """A streamed split's position kept under `directory` every `every` batches (the run's
-    MODEL_DIR/data_position, at its checkpoint interval)."""
+    """A streamed split's position kept under `directory` (MODEL_DIR/data_position)."""
     return dataclasses.replace(self, position_dir=directory, position_every=every)
 
   # -- the index cache --------------------------------------------------------------------------
@@ -450,10 +449,6 @@ class TaskSource(DataSource):
     tf.train.Checkpoint(iterator=iterator).read(
         os.path.join(fileio.local_folder(folder), "iterator")).assert_consumed()
     return saved[-1]
-
-  def batch(self, step: int) -> Features:
-    """Batch `step`."""
-    return next(self.iterate(step))
 
   def eval_batches(self) -> Iterator[Features]:
     """One in-order pass over this shard's examples, the last batch zero-padded (its rows

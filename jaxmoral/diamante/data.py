@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import json
 import os
-from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence
 
 import gin
 import numpy as np
@@ -328,7 +328,8 @@ class QuadrupleSource(source.DataSource):
 
   A `jaxmoral.data.source.DataSource`: an epoch is one pass over the trainable turns in a
   seeded order; r_M and r_R are drawn afresh for each epoch. Batches run over epoch boundaries
-  (a batch may hold the end of one epoch and the start of the next).
+  (a batch may hold the end of one epoch and the start of the next), `eval_batches`' last too:
+  padding would change the preference loss, a mean over every row.
 
   Attributes (besides `DataSource`'s batch_size, shard_index, shard_count):
     turns: All turns (random responses are drawn from all of them).
@@ -384,12 +385,6 @@ class QuadrupleSource(source.DataSource):
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     return quadruple_features(self.vocab, self.quadruples(step), self.features)
-
-  def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-    """One epoch's batches (the last one wraps into the next epoch rather than padding:
-    the preference loss is a mean over every row, so padded rows would change it)."""
-    for step in range(self.steps_per_epoch):
-      yield self.batch(step)
 
 
 def split_dialogues(turns: Sequence[Turn], *, test_fraction: float,
