@@ -267,7 +267,8 @@ def _registered_selectors() -> list[str]:
       continue
     for attribute, value in list(getattr(module, "__dict__", {}).items()):
       try:
-        if not callable(value) or getattr(value, "__module__", None) != name:
+        # Where defined or imported: gin's name may be another module's (`runs.Seq2SeqData`).
+        if not callable(value):
           continue
         configurable = gin.get_configurable(value)
       except Exception:  # pylint: disable=broad-except

@@ -28,15 +28,13 @@ import logging
 import math
 import numbers
 import os
-import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Mapping, Optional, Protocol, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import multihost_utils
@@ -52,346 +50,15 @@ from jaxmoral import partitioning
 from jaxmoral import token_rows
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
-from jaxmoral.data import index_cache
-from jaxmoral.data import pairs as pairs_lib
-from jaxmoral.data import pipeline
 from jaxmoral.data import readers
-from jaxmoral.data import vocab as vocab_lib
+from jaxmoral.data.seq2seq import Seq2SeqData
+from jaxmoral.data.source import DataSpec
 from jaxmoral.models import t5
 from jaxmoral.models import trainable
 
 logger = logging.getLogger(__name__)
 
 VOCAB_DIR = model_dirs.VOCAB_DIR
-# A data cache folder (`Seq2SeqData.cache_dir`): what it holds, and its vocabulary.
-CACHE_SPEC = "spec.json"
-CACHE_VOCABULARY = "vocabulary.model"
-
-
-def _seqio_tasks() -> Any:
-  """`jaxmoral.data.tasks`, imported where a seqio Task is first needed (it loads seqio and
-  TensorFlow, which a run from a DATA_CACHE never does)."""
-  try:
-    from jaxmoral.data import tasks  # pylint: disable=g-import-not-at-top
-  except ModuleNotFoundError as error:
-    raise ValueError(f"Seq2SeqData: {error.name} is not installed here; install it (pip "
-                     "install 'jaxmoral[seqio]'), or train from a DATA_CACHE written by "
-                     "`jaxmoral cache` where it is") from None
-  return tasks
-
-
-def _copy_folder(source: str, target: str) -> None:
-  """Copies the files of local folder `source` to `target` (local or a bucket URL), whole:
-  locally under a temporary name renamed into place."""
-  if fileio.is_url(target):
-    for name in sorted(os.listdir(source)):
-      fileio.write_bytes(fileio.join(target, name), open(os.path.join(source, name), "rb").read())
-    return
-  os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
-  partial = f"{target}.tmp.{os.getpid()}"
-  shutil.rmtree(partial, ignore_errors=True)
-  shutil.copytree(source, partial)
-  shutil.rmtree(target, ignore_errors=True)
-  os.rename(partial, target)
-
-
-class DataSpec(Protocol):
-  """Where a run's batches come from (gin injects one into `train_run`)."""
-
-  def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
-    """The vocabulary: the one the data names, else `fallback` (the init checkpoint's), else
-    one built into `vocab_dir`."""
-
-  def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
-              seed: int) -> tuple[Any, Any]:
-    """(train source, eval source or None); sources have `iterate(start_step)`,
-    `eval_batches()`, `shard(index, count)`, `batch_size` and `num_examples` (or None)."""
-
-  def settings(self) -> dict[str, Any]:
-    """What inference needs to know about the data (saved in settings.json["data"])."""
-
-  def resumed(self, saved: Mapping[str, Any]) -> DataSpec:
-    """This data as a resumed run reads it, given the run's saved `settings()` ({} when it
-    saved none): what fixes a run's examples (its held-out split) stays the run's own."""
-
-  def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
-                   ) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """Global batch shapes and dtypes, as `sources` would batch (`jaxmoral compile`)."""
-
-
-def seq2seq_batch_shapes(*, batch_size: int, feature_lengths: Mapping[str, int],
-                         pack: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """Global batch shapes and dtypes of the T5X seq2seq features."""
-  for key in ("inputs", "targets"):
-    if key not in feature_lengths:
-      raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
-  enc = (batch_size, int(feature_lengths["inputs"]))
-  dec = (batch_size, int(feature_lengths["targets"]))
-  names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,
-           "decoder_target_tokens": dec, "decoder_loss_weights": dec}
-  if pack:
-    names.update({"encoder_segment_ids": enc, "encoder_positions": enc,
-                  "decoder_segment_ids": dec, "decoder_positions": dec})
-  return {k: (v, jnp.int32) for k, v in names.items()}
-
-
-@gin.configurable
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Seq2SeqData:
-  """(input, target) text pairs: a seqio Task or Mixture, or a data file.
-
-  Attributes:
-    mixture_or_task_name: A registered seqio Task or Mixture (T5X's MIXTURE_OR_TASK_NAME).
-      Names starting with "jaxmoral_demo" are the bundled demo tasks, registered on demand.
-      Your own tasks: `import my_tasks` at the top of the gin file, as in T5X.
-    train_file: Instead of a task: a TSV/CSV/JSONL file of pairs (a bad row fails with its line).
-    eval_file: Evaluation pairs for `train_file` (default: one pair in 10 is held out, see
-      `heldout`).
-    input_field: Column / key of the inputs in the files.
-    target_field: Column / key of the targets in the files.
-    vocabulary_path: A SentencePiece model (e.g. T5's spiece.model); None: the init
-      checkpoint's, else the demo vocabulary built from the bundled corpus.
-    extra_ids: Sentinel ids after the pieces (T5: 100).
-    train_split: Split used for training.
-    eval_split: Split used for evaluation.
-    pack: Pack several examples per row (T5X's `EncDecFeatureConverter(pack=True)`).
-    heldout: Which pairs of `train_file` are held out when there is no `eval_file`
-      (`pairs.HELDOUT_RULES`): "hash" (by the pair's text, whatever the file's order) or
-      "position" (every 10th; runs started before "hash" existed). A resumed run keeps the
-      rule it started with (`resumed`), so it goes on training on the same pairs.
-    cache_dir: A folder (local or a bucket URL) holding this data's rows as index caches
-      (DATA_CACHE): read from there when it has them, with no seqio or TensorFlow import (an
-      accelerator host that has no TensorFlow trains and evaluates from it); written there
-      first when it has none (`jaxmoral cache` writes it without training). It is for one
-      TASK_FEATURE_LENGTHS and SEED: another is refused in one line.
-  """
-  mixture_or_task_name: Optional[str] = None
-  train_file: Optional[str] = None
-  eval_file: Optional[str] = None
-  input_field: str = "inputs"
-  target_field: str = "targets"
-  vocabulary_path: Optional[str] = None
-  extra_ids: int = vocab_lib.T5_EXTRA_IDS
-  train_split: str = "train"
-  eval_split: str = "validation"
-  pack: bool = False
-  heldout: str = "hash"
-  cache_dir: Optional[str] = None
-
-  def __post_init__(self):
-    if (self.mixture_or_task_name is None) == (self.train_file is None):
-      raise ValueError("Seq2SeqData: give exactly one of mixture_or_task_name, train_file")
-    if self.eval_file is not None and self.train_file is None:
-      raise ValueError("Seq2SeqData.eval_file needs train_file")
-    if self.heldout not in pairs_lib.HELDOUT_RULES:
-      raise ValueError(f"Seq2SeqData.heldout must be one of {pairs_lib.HELDOUT_RULES}, got "
-                       f"{self.heldout!r}")
-
-  @property
-  def _splits_file(self) -> bool:
-    """Whether the held-out pairs come out of `train_file` (no `eval_file`)."""
-    return self.train_file is not None and self.eval_file is None
-
-  def resumed(self, saved: Mapping[str, Any]) -> Seq2SeqData:
-    """Keeps the run's held-out rule; a seq2seq run that saved none held out by position (a
-    model directory with no record of its data, e.g. a Hub checkpoint, changes nothing)."""
-    if not self._splits_file or saved.get("kind") != "seq2seq":
-      return self
-    rule = saved.get("heldout", "position")
-    if rule == self.heldout:
-      return self
-    logger.warning("Seq2SeqData: the resumed run holds out %r pairs of %s (it started so); "
-                   "keeping that, not %r", rule, self.train_file, self.heldout)
-    return dataclasses.replace(self, heldout=rule)
-
-  def _check_files(self) -> None:
-    """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
-    for name in ("train_file", "eval_file", "vocabulary_path"):
-      value = getattr(self, name)
-      if value is not None and not fileio.isfile(value):
-        raise ValueError(f"Seq2SeqData.{name}: no such file {value!r}")
-
-  def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
-    if self.cache_dir is not None and self._cache_written():  # Its rows' vocabulary.
-      return vocab_lib.get_vocabulary(fileio.join(self.cache_dir, CACHE_VOCABULARY),
-                                      extra_ids=self.extra_ids)
-    self._check_files()
-    if self.vocabulary_path is not None:
-      return vocab_lib.get_vocabulary(self.vocabulary_path, extra_ids=self.extra_ids)
-    if fallback is not None:
-      return fallback
-    return vocab_lib.get_vocabulary(vocab_lib.build_demo_vocabulary(output_dir=vocab_dir),
-                                    extra_ids=self.extra_ids)
-
-  def task_name(self, vocabulary: Any) -> str:
-    """Registers what is needed (demo tasks, file tasks) and returns the task/mixture name."""
-    tasks = _seqio_tasks()
-    self._check_files()
-    if self.train_file is not None:
-      files = {self.train_split: self.train_file}
-      if self.eval_file is not None:
-        files[self.eval_split] = self.eval_file
-        tasks.register_text_pair_task("jaxmoral_files", vocabulary=vocabulary, file=files,
-                                      input_field=self.input_field,
-                                      target_field=self.target_field)
-      else:
-        pairs = pairs_lib.read_pairs(self.train_file, input_field=self.input_field,
-                                     target_field=self.target_field)
-        split = pairs_lib.split_pairs(pairs, rule=self.heldout)
-        for part, what in (("train", "training"), ("validation", "held-out evaluation")):
-          if not split[part]:  # Named here: the task only sees the pairs, not the file.
-            raise ValueError(f"Seq2SeqData.train_file: {self.train_file} has {len(pairs)} "
-                             f"pairs, none for {what} (add pairs, or give eval_file)")
-        tasks.register_text_pair_task(
-            "jaxmoral_files", vocabulary=vocabulary,
-            examples={self.train_split: split["train"], self.eval_split: split["validation"]})
-      return "jaxmoral_files"
-    name = self.mixture_or_task_name
-    assert name is not None  # A task name or train_file (checked in __post_init__).
-    if name.startswith("jaxmoral_demo"):
-      tasks.register_demo_tasks(vocabulary=vocabulary)
-    try:
-      import seqio  # pylint: disable=g-import-not-at-top
-      seqio.get_mixture_or_task(name)
-    except ValueError as error:
-      raise ValueError(f"Seq2SeqData.mixture_or_task_name: {name!r} is not registered; "
-                       f"import the module that registers it in your gin file") from error
-    return name
-
-  def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
-              seed: int) -> tuple[Any, Optional[Any]]:
-    if self.cache_dir is not None:
-      return self._cached_sources(vocabulary=vocabulary, batch_size=batch_size,
-                                  feature_lengths=feature_lengths, seed=seed)
-    tasks = _seqio_tasks()
-    name = self.task_name(vocabulary)
-    train = tasks.TaskSource(name, self.train_split, feature_lengths, batch_size, seed=seed,
-                             pack=self.pack)
-    return train, self.eval_source(vocabulary=vocabulary, batch_size=batch_size,
-                                   feature_lengths=feature_lengths)
-
-  def eval_source(self, *, vocabulary: Any, batch_size: int,
-                  feature_lengths: Mapping[str, int]) -> Optional[Any]:
-    """The evaluation split in order (None when the data has none)."""
-    if self.cache_dir is not None:
-      return self._cached_sources(vocabulary=vocabulary, batch_size=batch_size,
-                                  feature_lengths=feature_lengths, seed=None)[1]
-    tasks = _seqio_tasks()
-    try:
-      return tasks.TaskSource(self.task_name(vocabulary), self.eval_split, feature_lengths,
-                              batch_size, shuffle=False)
-    except ValueError as error:
-      logger.warning("Seq2SeqData: no evaluation data (%s)", error)
-      return None
-
-  # -- the index cache in cache_dir ---------------------------------------------------------
-  def _cache_spec(self, feature_lengths: Mapping[str, int], seed: int) -> dict[str, Any]:
-    """What the cached rows are of. Files by name only: the host that reads the cache need
-    not have them."""
-    return {"task": self.mixture_or_task_name,
-            "files": [None if f is None else os.path.basename(f)
-                      for f in (self.train_file, self.eval_file)],
-            "fields": [self.input_field, self.target_field],
-            "splits": [self.train_split, self.eval_split], "heldout": self.heldout,
-            "pack": self.pack, "extra_ids": self.extra_ids,
-            "feature_lengths": {k: int(v) for k, v in sorted(feature_lengths.items())},
-            "seed": seed}
-
-  def _cache_written(self) -> bool:
-    return self.cache_dir is not None and fileio.isfile(fileio.join(self.cache_dir, CACHE_SPEC))
-
-  def write_cache(self, *, vocabulary: Any, feature_lengths: Mapping[str, int],
-                  seed: int) -> dict[str, Any]:
-    """Writes this data's rows into `cache_dir` through seqio (TensorFlow): `train/` (one
-    seeded pass, as `tasks.TaskSource` caches it), `eval/` (the evaluation split in order,
-    when there is one), the vocabulary, and `spec.json` last (a cache without it is
-    incomplete and written again). Returns the spec."""
-    tasks = _seqio_tasks()
-    assert self.cache_dir is not None
-    name = self.task_name(vocabulary)
-    with tempfile.TemporaryDirectory(prefix="jaxmoral-cache-") as scratch:
-      train = tasks.TaskSource(name, self.train_split, feature_lengths, 1, seed=seed,
-                               pack=self.pack, cache_dir=scratch)
-      folders = {"train": train.cache_directory()}
-      evaluation = dataclasses.replace(self, cache_dir=None).eval_source(
-          vocabulary=vocabulary, batch_size=256, feature_lengths=feature_lengths)
-      if evaluation is not None:
-        # The rows `eval_batches` streams, in order (a Mixture's too), their padding dropped.
-        folders["eval"] = os.path.join(scratch, "eval")
-        index_cache.write(folders["eval"], (
-            {k: v[b["decoder_target_tokens"].any(-1)] for k, v in b.items()}
-            for b in evaluation.eval_batches()), {"task": name, "split": self.eval_split})
-      rows = {}
-      for part, folder in folders.items():
-        rows[part] = index_cache.read(folder)[1]["rows"]  # type: ignore[index]
-        _copy_folder(folder, fileio.join(self.cache_dir, part))
-    fileio.write_bytes(fileio.join(self.cache_dir, CACHE_VOCABULARY),
-                       fileio.read_bytes(vocabulary.sentencepiece_model_file))
-    spec = {**self._cache_spec(feature_lengths, seed), "rows": rows}
-    fileio.write_text(fileio.join(self.cache_dir, CACHE_SPEC), json.dumps(spec, indent=1),
-                      durable=True)
-    return spec
-
-  def _cached_sources(self, *, vocabulary: Any, batch_size: int,
-                      feature_lengths: Mapping[str, int], seed: Optional[int]
-                      ) -> tuple[Optional[pipeline.BatchSource], Optional[pipeline.BatchSource]]:
-    """(train, eval) read from `cache_dir` (written first when it has no cache, by process 0
-    of a multi-process job); `seed` None: the evaluation split only."""
-    assert self.cache_dir is not None
-    if not self._cache_written():
-      if seed is None:
-        raise ValueError(f"Seq2SeqData.cache_dir: {self.cache_dir} holds no data cache; write "
-                         "it with `jaxmoral cache` and the run's gin flags")
-      if jax.process_index() == 0:
-        self.write_cache(vocabulary=vocabulary, feature_lengths=feature_lengths, seed=seed)
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("jaxmoral.runs: data cache written")
-    spec = json.loads(fileio.read_text(fileio.join(self.cache_dir, CACHE_SPEC)))
-    want = self._cache_spec(feature_lengths, spec["seed"] if seed is None else seed)
-    for key, value in want.items():
-      if spec.get(key) != value:
-        raise ValueError(f"Seq2SeqData.cache_dir: {self.cache_dir} holds rows for {key}="
-                         f"{spec.get(key)!r}, this run has {value!r} (another DATA_CACHE, or "
-                         "write this one anew with `jaxmoral cache`)")
-    if vocab_lib.model_digest(vocabulary) != vocab_lib.model_digest(
-        vocab_lib.get_vocabulary(fileio.join(self.cache_dir, CACHE_VOCABULARY))):
-      raise ValueError(f"Seq2SeqData.cache_dir: {self.cache_dir} was tokenised with another "
-                       "vocabulary than this run's")
-
-    cache_dir = self.cache_dir
-
-    def read(part: str, *, shuffle: bool) -> Optional[pipeline.BatchSource]:
-      folder = fileio.join(cache_dir, part)
-      if part not in spec["rows"]:
-        return None
-      found = index_cache.read(fileio.local_folder(folder))
-      if found is None:
-        raise ValueError(f"Seq2SeqData.cache_dir: {folder} is incomplete; write the cache "
-                         "anew with `jaxmoral cache`")
-      features, meta = found
-      # Rows of other lengths (a folder from another cache) would train without a word.
-      index_cache.check_feature_lengths(features, feature_lengths, where=folder)
-      if int(meta["rows"]) != int(spec["rows"][part]):
-        raise ValueError(f"data cache folder {folder} holds {meta['rows']} rows, its "
-                         f"{CACHE_SPEC} {spec['rows'][part]}; write the cache anew with "
-                         "`jaxmoral cache`")
-      return pipeline.BatchSource(features=features, batch_size=batch_size,
-                                  seed=spec["seed"], shuffle=shuffle,
-                                  data_fingerprint=meta["sha256"][:16])
-
-    evaluation = read("eval", shuffle=False)
-    return (None if seed is None else read("train", shuffle=True)), evaluation
-
-  def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
-                   ) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """Global batch shapes (for `jaxmoral compile`)."""
-    return seq2seq_batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths,
-                                pack=self.pack)
-
-  def settings(self) -> dict[str, Any]:
-    return {"kind": "seq2seq", **({"heldout": self.heldout} if self._splits_file else {})}
-
-
 # The T5Config fields that decide the parameters' shapes: a resume with another value cannot
 # restore the checkpoint (the others, dtype, remat, attention kernels, may change).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_encoder_layers",
@@ -401,16 +68,6 @@ _SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_enco
 
 # MODEL_DIR/data_position/<step>/process_<i>-of-<n>/: a streamed split's tf.data position.
 DATA_POSITION_DIR = "data_position"
-
-
-def _keeping_position(source: Any, model_dir: str, every: int) -> Any:
-  """A streamed seqio split keeps its position with the run, at each checkpoint step: a
-  resume restores it instead of replaying the batches before its step."""
-  if dataclasses.is_dataclass(source) and not isinstance(source, type) and any(
-      f.name == "position_dir" for f in dataclasses.fields(source)):
-    return dataclasses.replace(source, position_dir=fileio.join(model_dir, DATA_POSITION_DIR),
-                               position_every=every)
-  return source
 
 
 def _check_same_model(model_dir: str, config: Any) -> None:
@@ -608,7 +265,9 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         train_source = train_source.shard(jax.process_index(), jax.process_count())
         if eval_source is not None:
           eval_source = eval_source.shard(jax.process_index(), jax.process_count())
-      train_source = _keeping_position(train_source, model_dir, checkpoint_every)
+      # A streamed split's position is kept at each checkpoint step: a resume replays nothing.
+      train_source = train_source.keeping_position(fileio.join(model_dir, DATA_POSITION_DIR),
+                                                   checkpoint_every)
       trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
                              num_microbatches=num_microbatches)
 

@@ -43,6 +43,7 @@ from jaxmoral import progress
 from jaxmoral import software
 from jaxmoral import trainer as trainer_lib
 from jaxmoral import validation
+from jaxmoral.data.source import DataSource
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ def _batch_rows(batch: Mapping[str, Any]) -> int:
 
 
 @gin.configurable
-def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
+def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: DataSource,
           train_steps: int, eval_source: Any = None, eval_every: int = 0,
           eval_steps: Optional[int] = None, checkpoint_every: int = 1000,
           keep_checkpoints: int = 3, log_every: int = 100, seed: int = 0,
@@ -303,8 +304,9 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
   Args:
     model_dir: Run directory (checkpoints/, train/, eval/ inside).
     trainer: See above.
-    train_source: `iterate(start_step)` yields this process's rows of batch `start_step`,
-      `start_step + 1`, ..., deterministic in the step; `num_examples` (or None).
+    train_source: A `jaxmoral.data.source.DataSource` (`iterate(start_step)`: this process's
+      rows of batch `start_step`, ...; its `num_examples`, `batch_size`, `data_fingerprint`
+      are checkpointed).
     train_steps: Total number of steps of the run (not of this call).
     eval_source: Optional evaluation batches (see `evaluate`).
     eval_every: Evaluate every this many steps (0: only at the end).

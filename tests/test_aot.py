@@ -84,7 +84,8 @@ def test_cpu_argument_bytes_match_shard_shapes(cpu_run):
   optimizer = copy.deepcopy(gin.query_parameter("runs.train_run.optimizer"))
   partitioner = partitioning.PjitPartitioner(num_partitions=2, devices=jax.devices()[:8])
   trainer = runs.make_trainer(model=model, optimizer=optimizer, partitioner=partitioner)
-  shapes = runs.seq2seq_batch_shapes(batch_size=8, feature_lengths={"inputs": 16, "targets": 8})
+  shapes = runs.Seq2SeqData(mixture_or_task_name="t").batch_shapes(
+      batch_size=8, feature_lengths={"inputs": 16, "targets": 8})
   batch = {k: jax.ShapeDtypeStruct(v[0], np.int32, sharding=partitioner.data_sharding(2))
            for k, v in shapes.items()}
   rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=partitioner.replicated)

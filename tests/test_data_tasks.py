@@ -584,3 +584,95 @@ def test_a_streamed_mixture_resumes_from_its_saved_position_without_replay(vocab
   for k in want:
     np.testing.assert_array_equal(got[k], want[k])
   assert far < 2 * near, (far, near)
+
+
+def test_a_streamed_mixture_run_resumed_trains_exactly_as_the_uninterrupted_run(
+    vocab_path, vocabulary, tmp_path, monkeypatch):
+  """`runs.train_run` on a two-Task Mixture forced to stream (TaskSource.max_cached_examples
+  bound to 1 in gin, as a config would bind it): stopped at step 2 and resumed to step 4, it
+  restores the stream's saved position (no batch read again) and trains on exactly the
+  uninterrupted run's batches, to the same parameters."""
+  import gin  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxmoral import model_dirs, optimizers, partitioning, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
+  words = [f"{x} {y}" for x in "abc" for y in "defghijklm"]
+  tasks.register_text_pair_task("jm_run_a", vocabulary=vocabulary,
+                                examples=[(f"alpha {w}", "a") for w in words[:10]])
+  tasks.register_text_pair_task("jm_run_b", vocabulary=vocabulary,
+                                examples=[(f"beta {w}", "b") for w in words])
+  seqio.MixtureRegistry.remove("jm_run")
+  seqio.MixtureRegistry.add("jm_run", [("jm_run_a", 1.0), ("jm_run_b", 2.0)])
+  read = {"into": []}
+  step = trainer_lib.Trainer.train_step
+
+  def recording_step(self, state, batch, rng):
+    read["into"].append({k: np.asarray(v) for k, v in batch.items()})
+    return step(self, state, batch, rng)
+
+  monkeypatch.setattr(trainer_lib.Trainer, "train_step", recording_step)
+  replayed = []
+  advance = tasks._advance
+  monkeypatch.setattr(tasks, "_advance", lambda it, n: (replayed.append(n), advance(it, n)))
+  config = config_lib.t5_config(size="tiny", vocab_size=vocabulary.vocab_size, d_model=16,
+                                d_kv=4, d_ff=32, num_encoder_layers=1, num_decoder_layers=1)
+
+  def train(name, steps):
+    read["into"] = read.get(name, [])
+    read[name] = read["into"]
+    return runs.train_run(
+        model_dir=str(tmp_path / name), model=trainable.Seq2SeqModel(config=config),
+        data=runs.Seq2SeqData(mixture_or_task_name="jm_run", vocabulary_path=vocab_path),
+        train_steps=steps, batch_size=4, feature_lengths={"inputs": 8, "targets": 4},
+        optimizer=optimizers.make_optimizer(name="adamw", learning_rate=1e-3),
+        partitioner=partitioning.PjitPartitioner(devices=jax.devices()[:1]),
+        checkpoint_every=2, log_every=1, eval_steps=0)
+
+  gin.bind_parameter("jaxmoral.data.tasks.TaskSource.max_cached_examples", 1)
+  try:
+    train("whole", 4)
+    train("part", 2)
+    replayed.clear()
+    assert train("part", 4)["step"] == 4
+  finally:
+    gin.clear_config()
+  assert (tmp_path / "part" / "data_position" / "2" / "process_0-of-1").is_dir()
+  assert replayed == [0]  # Restored at its saved position: nothing read again.
+  assert len(read["whole"]) == len(read["part"]) == 4
+  for got, want in zip(read["part"], read["whole"], strict=True):
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  # Both Tasks are in the stream (its rows are the Mixture's, not one Task's).
+  inputs = np.concatenate([b["encoder_input_tokens"] for b in read["whole"]])
+  assert len({tuple(r[:1]) for r in inputs}) == 2
+  whole, part = (model_dirs.load(tmp_path / name).params for name in ("whole", "part"))
+  jax.tree_util.tree_map(np.testing.assert_array_equal, part, whole)
+
+
+def test_a_damaged_stream_position_is_refused_naming_its_file(vocabulary, tmp_path):
+  """A stream position carries the sizes and checksums of its files: one damaged after it
+  was saved is refused in one line naming the file, not restored into a wrong position."""
+  from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
+  tasks.register_text_pair_task("jm_damaged", vocabulary=vocabulary,
+                                examples=[(f"in {i}", f"out {i}") for i in range(12)])
+  source = tasks.TaskSource("jm_damaged", "train", {"inputs": 8, "targets": 4}, 2,
+                            max_cached_examples=1, position_dir=str(tmp_path / "pos"),
+                            position_every=2)
+  stream = source.iterate(0)
+  want = [next(stream) for _ in range(4)]
+  folder = tmp_path / "pos" / "2" / "process_0-of-1"
+  assert (folder / checkpoints.INTEGRITY_FILE).is_file()
+  for got, expected in zip(source.iterate(2), want[2:]):  # intact: restored
+    np.testing.assert_array_equal(got["encoder_input_tokens"], expected["encoder_input_tokens"])
+    break
+  data = next(p for p in folder.iterdir() if p.name.startswith("iterator.data"))
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0xFF
+  data.write_bytes(bytes(raw))
+  with pytest.raises(checkpoints.CheckpointIntegrityError) as error:
+    next(source.iterate(3))
+  message = str(error.value)
+  assert "\n" not in message and f"{data.name} differs from its checksum" in message
+  assert str(folder) in message

@@ -58,9 +58,8 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
         frozenset({"read", "write", "_file_sha256", "_verify", "_version"})),
     "jaxmoral.data.pretraining_corpus": ("the local branch of `write_lines` (a URL is written "
                                          "through fileio)", frozenset({"write_lines"})),
-    "jaxmoral.data.tasks": ("this process's private cache folder; a stream position's local "
-                            "scratch copy (uploaded through fileio)",
-                            frozenset({"_process_cache_root", "TaskSource._save_position"})),
+    "jaxmoral.data.tasks": ("a stream position's local scratch copy (uploaded through fileio)",
+                            frozenset({"TaskSource._save_position"})),
     "jaxmoral.data.vocab": ("SentencePiece writes local files; they are uploaded after",
                             frozenset({"build_demo_vocabulary"})),
     "jaxmoral.diamante.data": ("the local folder SentencePiece trains in "
@@ -80,8 +79,8 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.models.hf_import": ("the file mode of a local export (a bucket has none)",
                                   frozenset({"export_hf_t5"})),
     "jaxmoral.npov.demo": ("the demo's local workdir", frozenset({"run_demo"})),
-    "jaxmoral.runs": ("copies a local folder; to a URL through fileio",
-                      frozenset({"_copy_folder"})),
+    "jaxmoral.data.seq2seq": ("copies a local folder; to a URL through fileio",
+                              frozenset({"_copy_folder"})),
     "jaxmoral.runtime": ("device nodes under /dev",
                          frozenset({"platforms_without_absent_tpu", "_tpu_attached"})),
     "experiments.experiment_lib": ("the script's own path, for the report's command line",

@@ -46,6 +46,7 @@ DRIVER = textwrap.dedent("""
       software_line = f"refused: {error}"
     software.fingerprint = fingerprint
     import jax
+    import gin
     from jaxmoral import gin_utils, runs, trainer as trainer_lib
     losses = []
     step = trainer_lib.Trainer.train_step
@@ -65,8 +66,9 @@ DRIVER = textwrap.dedent("""
     pipeline.BatchSource.iterate = recording_iterate
     gin_args, rest = gin_utils.split_gin_args(sys.argv[2:])
     gin_utils.parse_gin(gin_args)
+    vocab_path = gin.query_parameter("%VOCABULARY_PATH")
     runs.train_run()
-    check = {}
+    check = {"tensorflow_imported": "tensorflow" in sys.modules}
     # This process's shard resumed at step 2 (a new source, as a restarted process builds)
     # reads the rows it read at step 2 without stopping.
     import dataclasses
@@ -124,7 +126,35 @@ DRIVER = textwrap.dedent("""
       data_line = "trained"
     except ValueError as error:
       data_line = f"refused: {cli.user_error_message(error)}"  # one line, as the CLI prints it
-    check["tensorflow_imported"] = "tensorflow" in sys.modules
+    # Each process streams its shard of a two-Task Mixture (too big to cache), saving its own
+    # positions in the one folder the run would (MODEL_DIR/data_position); a new source of
+    # each (as a restarted process builds) restores its own shard's position at step 4 and
+    # reads the uninterrupted stream's batches, reading none again.
+    import seqio
+    from jaxmoral.data import tasks, vocab
+    vocabulary = vocab.get_vocabulary(vocab_path)
+    words = [f"{x} {y}" for x in "abc" for y in "defghijklm"]
+    tasks.register_text_pair_task("mp_a", vocabulary=vocabulary,
+                                  examples=[(f"alpha {w}", "a") for w in words[:10]])
+    tasks.register_text_pair_task("mp_b", vocabulary=vocabulary,
+                                  examples=[(f"beta {w}", "b") for w in words])
+    seqio.MixtureRegistry.add("mp_mix", [("mp_a", 1.0), ("mp_b", 2.0)])
+    positions = sys.argv[1] + ".data_position"
+    streamed = lambda: tasks.TaskSource(
+        "mp_mix", "train", {"inputs": 8, "targets": 4}, 4, seed=1, max_cached_examples=1
+    ).shard(jax.process_index(), jax.process_count()).keeping_position(positions, 2)
+    stream = streamed().iterate(0)
+    uninterrupted = [next(stream) for _ in range(6)]
+    multihost_utils.sync_global_devices("positions saved")
+    replayed, advance = [], tasks._advance
+    tasks._advance = lambda it, n: (replayed.append(n), advance(it, n))
+    stream = streamed().iterate(4)
+    resumed = [next(stream) for _ in range(2)]
+    check["stream_resumed_equal"] = all(np.array_equal(a[k], b[k]) for a, b in
+                                        zip(resumed, uninterrupted[4:]) for k in b)
+    check["stream_replayed"] = replayed
+    check["stream_positions"] = sorted(os.listdir(os.path.join(positions, "4")))
+    check["stream_rows"] = uninterrupted[4]["encoder_input_tokens"].tolist()
     with open(f"{sys.argv[1]}.{jax.process_index()}.json", "w") as f:
       json.dump({"losses": losses, "process_count": jax.process_count(),
                  "device_count": jax.device_count(),
@@ -184,6 +214,10 @@ class _BothShards:
   def iterate(self, start):
     for parts in zip(*(self.source.shard(i, 2).iterate(start) for i in range(2))):
       yield {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+  def keeping_position(self, directory, every):
+    del directory, every
+    return self
 
 
 def _train_reference(model_dir, vocab, data_cache, *, num_devices=4):
@@ -281,6 +315,15 @@ def test_each_process_resumes_its_own_shard(runs_done):
   assert [c["shard"] for c in checks] == [[0, 2], [1, 2]]
   assert all(c["resumed_shard_equal"] for c in checks)
   assert checks[0]["shard_rows"] != checks[1]["shard_rows"]
+
+
+def test_each_process_resumes_its_own_shard_of_a_streamed_mixture(runs_done):
+  checks = [_result(runs_done, "two", i)["check"] for i in range(2)]
+  for c in checks:
+    assert c["stream_positions"] == ["process_0-of-2", "process_1-of-2"]
+    assert c["stream_replayed"] == [0]  # restored at its own saved position
+    assert c["stream_resumed_equal"]
+  assert checks[0]["stream_rows"] != checks[1]["stream_rows"]
 
 
 def test_processes_share_checkpoint_hashing_and_refuse_together(runs_done):

@@ -9,20 +9,20 @@
   decoder_loss_weights   1 on real target tokens (EOS included), 0 on padding
   encoder/decoder_segment_ids, _positions   only with `pack=True`
 
-`BatchSource` serves batch `step` as a pure function of (seed, step): a run resumed at step k
-sees the same batches as one that never stopped, and every host can compute its own slice.
+`BatchSource` serves batch `step` as a pure function of (seed, step) (a `source.DataSource`): a
+run resumed at step k sees the same batches as one that never stopped, and every process
+computes its own slice.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from jaxmoral import validation
+from jaxmoral.data import source
 
 Features = dict[str, np.ndarray]
 
@@ -44,12 +44,12 @@ def _tokenize(texts: Sequence[str], vocabulary: Any, length: int, add_eos: bool,
   return out
 
 
-def _autoregressive_inputs(targets: np.ndarray, segment_ids: Optional[np.ndarray] = None,
-                           start_id: int = 0) -> np.ndarray:
-  """Targets shifted right by one; the first token of every segment becomes `start_id`."""
+def autoregressive_inputs(targets: np.ndarray, segment_ids: Optional[np.ndarray] = None,
+                          start_id: int = 0) -> np.ndarray:
+  """(..., T) targets shifted right by one; the first token of every segment is `start_id`."""
   inputs = np.zeros_like(targets)
-  inputs[:, 1:] = targets[:, :-1]
-  inputs[:, 0] = start_id
+  inputs[..., 1:] = targets[..., :-1]
+  inputs[..., 0] = start_id
   if segment_ids is not None:
     first = np.ones_like(segment_ids, dtype=bool)
     first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
@@ -96,7 +96,7 @@ def _pack(inputs: list[list[int]], targets: list[list[int]],
     features[name] = tokens
     features[f"{key}_segment_ids"] = segments
     features[f"{key}_positions"] = positions
-  features["decoder_input_tokens"] = _autoregressive_inputs(
+  features["decoder_input_tokens"] = autoregressive_inputs(
       features["decoder_target_tokens"], features["decoder_segment_ids"])
   features["decoder_loss_weights"] = (features["decoder_segment_ids"] > 0).astype(np.int32)
   return features
@@ -136,7 +136,7 @@ def encode_pairs(inputs: Sequence[str], targets: Sequence[str], *, vocabulary: A
   return {
       "encoder_input_tokens": _pad_rows(x, feature_lengths["inputs"]),
       "decoder_target_tokens": targets_arr,
-      "decoder_input_tokens": _autoregressive_inputs(targets_arr),
+      "decoder_input_tokens": autoregressive_inputs(targets_arr),
       "decoder_loss_weights": (np.arange(feature_lengths["targets"])[None, :]
                                < lengths[:, None]).astype(np.int32),
   }
@@ -149,21 +149,32 @@ def _permutation(seed: int, epoch: int, n: int) -> np.ndarray:
   return perm
 
 
+def stream_indices(positions: np.ndarray, n: int, *, seed: int, shuffle: bool = True
+                   ) -> np.ndarray:
+  """Example indices at stream `positions` over `n` examples: epoch after epoch, each a
+  permutation seeded by (seed, epoch) (in order without `shuffle`)."""
+  epochs, offsets = np.divmod(positions, n)
+  if not shuffle:
+    return offsets
+  out = np.empty_like(offsets)
+  for epoch in np.unique(epochs):
+    sel = epochs == epoch
+    out[sel] = _permutation(seed, int(epoch), n)[offsets[sel]]
+  return out
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class BatchSource:
+class BatchSource(source.DataSource):
   """Deterministic batches over in-memory feature arrays, wrapping across epochs.
 
   The example stream is epoch 0's permutation, then epoch 1's, ...; batch `step` is stream
   positions `[step * batch_size, (step + 1) * batch_size)`, so epoch = position // n and the
   permutation of an epoch is a function of (seed, epoch) only. A batch may span two epochs.
 
-  Attributes:
+  Attributes (besides `source.DataSource`'s batch_size, shard_index, shard_count):
     features: Equal-length arrays `{name: (n, ...)}`.
-    batch_size: The *global* batch size.
     seed: Shuffling seed.
     shuffle: False serves examples in order (epoch after epoch).
-    shard_index: This host's slice of every global batch (see `shard`).
-    shard_count: Number of slices (hosts).
     data_fingerprint: A hash of the rows when they come from an index cache (checkpoints
       record it, so a resume over other rows is refused); None otherwise.
   """
@@ -184,61 +195,22 @@ class BatchSource:
       raise ValueError(f"BatchSource.features: arrays differ in length: {sizes}")
     if next(iter(sizes.values())) == 0:
       raise ValueError("BatchSource.features: no examples")
-    validation.positive_int(self.batch_size, "BatchSource.batch_size")
-    if self.shard_count <= 0 or not 0 <= self.shard_index < self.shard_count:
-      raise ValueError(f"BatchSource.shard_index {self.shard_index} not in "
-                       f"[0, shard_count={self.shard_count})")
-    if self.batch_size % self.shard_count:
-      raise ValueError(f"BatchSource.batch_size {self.batch_size} is not divisible by "
-                       f"shard_count {self.shard_count}")
+    self.check_shard()
     object.__setattr__(self, "features", {k: np.asarray(v) for k, v in self.features.items()})
 
   @property
   def num_examples(self) -> int:
     return len(next(iter(self.features.values())))
 
-  @property
-  def steps_per_epoch(self) -> int:
-    """Steps until every example has been served at least once (ceil(n / batch_size))."""
-    return math.ceil(self.num_examples / self.batch_size)
-
-  @property
-  def per_shard_batch_size(self) -> int:
-    return self.batch_size // self.shard_count
-
   def indices(self, step: int) -> np.ndarray:
     """Example indices of this shard's part of global batch `step`."""
-    if step < 0:
-      raise ValueError(f"step must be >= 0, got {step}")
-    n = self.num_examples
-    per = self.per_shard_batch_size
-    positions = step * self.batch_size + self.shard_index * per + np.arange(per, dtype=np.int64)
-    epochs, offsets = np.divmod(positions, n)
-    if not self.shuffle:
-      return offsets
-    out = np.empty_like(offsets)
-    for epoch in np.unique(epochs):
-      sel = epochs == epoch
-      out[sel] = _permutation(self.seed, int(epoch), n)[offsets[sel]]
-    return out
+    return stream_indices(self.shard_positions(step), self.num_examples, seed=self.seed,
+                          shuffle=self.shuffle)
 
   def batch(self, step: int) -> Features:
     """This shard's rows of global batch `step`: `{name: (per_shard_batch_size, ...)}`."""
     idx = self.indices(step)
     return {k: v[idx] for k, v in self.features.items()}
-
-  def iterate(self, start_step: int = 0) -> Iterator[Features]:
-    """batch(start_step), batch(start_step + 1), ... forever."""
-    step = start_step
-    while True:
-      yield self.batch(step)
-      step += 1
-
-  def shard(self, process_index: int, process_count: int) -> BatchSource:
-    """The same stream, serving host `process_index`'s contiguous slice of every batch."""
-    if self.shard_count != 1:
-      raise ValueError("BatchSource.shard: already sharded")
-    return dataclasses.replace(self, shard_index=process_index, shard_count=process_count)
 
   def eval_batches(self) -> Iterator[Features]:
     """One in-order pass over this shard's examples, the last batch zero-padded.
@@ -247,9 +219,8 @@ class BatchSource:
     to weighted sums.
     """
     n = self.num_examples
-    per = self.per_shard_batch_size
     for step in range(self.steps_per_epoch):
-      positions = step * self.batch_size + self.shard_index * per + np.arange(per)
+      positions = self.shard_positions(step)
       valid = positions < n
       idx = np.where(valid, positions, 0)
       yield {k: np.where(valid.reshape((-1,) + (1,) * (v.ndim - 1)), v[idx], 0).astype(v.dtype)

@@ -11,14 +11,11 @@ without replay) with per-process sharding.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from typing import Any, Iterator, Mapping, Optional
 
@@ -32,8 +29,8 @@ import tensorflow as tf
 
 import gin
 
+from jaxmoral import checkpoints
 from jaxmoral import fileio
-from jaxmoral import validation
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
 from jaxmoral.data import pairs as pairs_lib
@@ -41,6 +38,7 @@ from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.pairs import Pairs
 from jaxmoral.data.pipeline import BatchSource
 from jaxmoral.data.pipeline import Features
+from jaxmoral.data.source import DataSource
 
 logger = logging.getLogger(__name__)
 # The attribute of a seqio DataSource that fingerprints its data (set by this package's
@@ -172,15 +170,6 @@ def num_examples(task_name: str, split: str) -> Optional[int]:
   return None if any(c is None for c in counts) else int(sum(counts))
 
 
-@functools.cache
-def _process_cache_root() -> str:
-  """A folder for the index caches of Tasks whose data has no fingerprint: this process's
-  own, removed when it exits (another process cannot know the data did not change)."""
-  root = tempfile.mkdtemp(prefix="jaxmoral-data-")
-  atexit.register(shutil.rmtree, root, ignore_errors=True)
-  return root
-
-
 def _advance(iterator: Any, count: int) -> None:
   """Reads `count` elements of a tf.data iterator inside TensorFlow (no Python per element)."""
   if count > 0:
@@ -195,17 +184,14 @@ def _advance_graph(iterator: Any, count: Any) -> None:
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True, eq=False)
-class TaskSource:
+class TaskSource(DataSource):
   """Batches of a seqio Task or Mixture split, read by index from a cache seqio writes once.
 
   seqio's own pipeline (`get_dataset(shuffle, seed)`: a Mixture samples its Tasks at their
   rates; T5X's `EncDecFeatureConverter`: packing) runs once over the split, and its rows are
   written to an index cache (`index_cache`: one `.npy` per feature, memory-mapped). Batch
-  `step` is then a gather of rows (`pipeline.BatchSource`): epoch after epoch, each a new
-  seeded permutation of the rows, every process its contiguous part of each global batch. A
-  run resumed at step k reads batch k directly, at the same cost whatever k is, and the data
-  position stays the step (no iterator state in checkpoints). Reading the cache needs NumPy
-  only.
+  `step` is then a gather of rows (`pipeline.BatchSource`, a new seeded permutation of the
+  rows every epoch): the data position stays the step. Reading the cache needs NumPy only.
 
   What one pass is: a Task's split once, in seqio's seeded order (so the packing, and
   randomness such as span corruption's noise, is drawn once and kept in later epochs, which
@@ -223,16 +209,13 @@ class TaskSource:
   restores the newest position at or before k and reads only the batches between; without a
   position it reads the k batches before its step (logged).
 
-  Attributes:
+  Attributes (besides `DataSource`'s batch_size, shard_index, shard_count):
     task_name: A registered seqio Task or Mixture.
     split: The split.
     feature_lengths: `{"inputs": N, "targets": M}`.
-    batch_size: The *global* batch size.
     seed: Shuffling (and mixing) seed.
     shuffle: False serves the split in order (evaluation).
     pack: Pack several examples per row.
-    shard_index: This process's shard of every global batch.
-    shard_count: Number of shards (processes).
     cache_dir: Where index caches are kept (None: `index_cache.default_root()`,
       `$JAXMORAL_DATA_CACHE` or `~/.cache/jaxmoral/data`).
     max_cached_examples: Larger splits are streamed (see above).
@@ -258,13 +241,7 @@ class TaskSource:
       default=None, init=False, repr=False)
 
   def __post_init__(self):
-    validation.positive_int(self.batch_size, "TaskSource.batch_size")
-    if self.shard_count <= 0 or not 0 <= self.shard_index < self.shard_count:
-      raise ValueError(f"TaskSource.shard_index {self.shard_index} not in [0, shard_count="
-                       f"{self.shard_count})")
-    if self.batch_size % self.shard_count:
-      raise ValueError(f"TaskSource.batch_size {self.batch_size} is not divisible by "
-                       f"shard_count {self.shard_count}")
+    self.check_shard()
     for key in ("inputs", "targets"):
       if key not in self.feature_lengths:
         raise ValueError(f"TaskSource.feature_lengths lacks {key!r}: "
@@ -282,15 +259,9 @@ class TaskSource:
     """Input examples of the split (all shards), when the source knows."""
     return num_examples(self.task_name, self.split)
 
-  @property
-  def per_shard_batch_size(self) -> int:
-    return self.batch_size // self.shard_count
-
-  def shard(self, process_index: int, process_count: int) -> TaskSource:
-    """The same stream, split over `process_count` processes: this one's rows."""
-    if self.shard_count != 1:
-      raise ValueError("TaskSource.shard: already sharded")
-    return dataclasses.replace(self, shard_index=process_index, shard_count=process_count)
+  def keeping_position(self, directory: str, every: int) -> TaskSource:
+    """A streamed split's position kept under `directory` (MODEL_DIR/data_position)."""
+    return dataclasses.replace(self, position_dir=directory, position_every=every)
 
   # -- the index cache --------------------------------------------------------------------------
   def _data_identity(self) -> Optional[dict[str, Any]]:
@@ -325,17 +296,11 @@ class TaskSource:
 
   def _pass_rows(self) -> Iterator[Features]:
     """One pass of seqio's stream (class docstring), in chunks of rows."""
-    provider = seqio.get_mixture_or_task(self.task_name)
-    is_mixture = isinstance(provider, seqio.Mixture)
-    ds = provider.get_dataset(sequence_length=self.feature_lengths, split=self.split,
-                              shuffle=self.shuffle, seed=self.seed,
-                              num_epochs=None if is_mixture else 1, try_in_mem_cache=False)
-    ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, self.feature_lengths)
-    options = tf.data.Options()
-    options.deterministic = True  # The rows must not depend on thread timing.
+    is_mixture = isinstance(seqio.get_mixture_or_task(self.task_name), seqio.Mixture)
+    ds = self._features(num_epochs=None if is_mixture else 1, shard_info=None, in_memory=False)
     want = max(self.num_examples or 0, 1)
     rows = examples = 0
-    for batch in ds.with_options(options).batch(1024).as_numpy_iterator():
+    for batch in ds.batch(1024).as_numpy_iterator():
       chunk = {k: np.asarray(v, np.int32) for k, v in batch.items()}
       if is_mixture:  # Until the Tasks' examples are drawn (and enough rows for the rates).
         segments = chunk.get("decoder_segment_ids")
@@ -359,8 +324,9 @@ class TaskSource:
                 "seed": self.seed if self.shuffle else None, "data": data}
     if data is not None:
       root = self.cache_dir or index_cache.default_root()
-    else:  # No fingerprint of the data: this process's own copy, built anew.
-      root = _process_cache_root()
+    else:  # No fingerprint of the data: this process's own copy, built anew (another process
+      # cannot know the data did not change), removed when it exits.
+      root = fileio.local_folder_for("index caches")
     directory = os.path.join(os.fspath(root), f"{self.task_name}.{index_cache.key_of(identity)}")
     if self._rows is None:
       found = index_cache.read(directory)
@@ -393,22 +359,28 @@ class TaskSource:
                        shard_count=self.shard_count)
 
   # -- batches ----------------------------------------------------------------------------------
-  def _dataset(self, *, repeat: bool) -> tf.data.Dataset:
-    provider = seqio.get_mixture_or_task(self.task_name)
-    shard_info = (seqio.ShardInfo(self.shard_index, self.shard_count)
-                  if self.shard_count > 1 else None)
-    ds = provider.get_dataset(sequence_length=self.feature_lengths, split=self.split,
-                              shuffle=self.shuffle, seed=self.seed, shard_info=shard_info,
-                              num_epochs=None if repeat else 1,
-                              # A cached epoch would replay the source's first permutation.
-                              try_in_mem_cache=not self.shuffle)
+  def _features(self, *, num_epochs: Optional[int], shard_info: Optional[seqio.ShardInfo],
+                in_memory: bool) -> tf.data.Dataset:
+    """seqio's stream of the split through T5X's `EncDecFeatureConverter`, in a fixed order."""
+    ds = seqio.get_mixture_or_task(self.task_name).get_dataset(
+        sequence_length=self.feature_lengths, split=self.split, shuffle=self.shuffle,
+        seed=self.seed, shard_info=shard_info, num_epochs=num_epochs, try_in_mem_cache=in_memory)
     ds = seqio.EncDecFeatureConverter(pack=self.pack)(ds, self.feature_lengths)
     options = tf.data.Options()
-    options.deterministic = True  # The stream must not depend on thread timing.
-    return ds.with_options(options).batch(self.per_shard_batch_size, drop_remainder=repeat)
+    options.deterministic = True  # The rows must not depend on thread timing.
+    return ds.with_options(options)
+
+  def _dataset(self, *, repeat: bool) -> tf.data.Dataset:
+    shard_info = (seqio.ShardInfo(self.shard_index, self.shard_count)
+                  if self.shard_count > 1 else None)
+    # In memory only in order: a cached epoch would replay the source's first permutation.
+    return self._features(num_epochs=None if repeat else 1, shard_info=shard_info,
+                          in_memory=not self.shuffle).batch(self.per_shard_batch_size,
+                                                            drop_remainder=repeat)
 
   def iterate(self, start_step: int = 0) -> Iterator[Features]:
-    """This process's rows of batch `start_step`, `start_step + 1`, ... forever."""
+    """This process's rows of batch `start_step`, `start_step + 1`, ... forever (a
+    `DataSource`)."""
     if start_step < 0:
       raise ValueError(f"start_step must be >= 0, got {start_step}")
     if self._cacheable():
@@ -443,39 +415,40 @@ class TaskSource:
     except OSError:
       return []
     return sorted(int(n) for n in names if n.isdigit() and fileio.exists(
-        fileio.join(self.position_dir, n, self._position_name(), "iterator.index")))
+        fileio.join(self.position_dir, n, self._position_name(), checkpoints.INTEGRITY_FILE)))
 
   def _save_position(self, iterator: Any, step: int) -> None:
-    """Writes the iterator's state at batch `step` (local temp, then copied: a bucket too)."""
+    """Writes the iterator's state at batch `step` (local temp, then copied: a bucket too),
+    with the sizes and checksums of its files (`checkpoints.write_integrity_manifest`)."""
     assert self.position_dir is not None
     folder = fileio.join(self.position_dir, str(step), self._position_name())
     with tempfile.TemporaryDirectory(prefix="jaxmoral-position-") as scratch:
       tf.train.Checkpoint(iterator=iterator).write(os.path.join(scratch, "iterator"))
+      checkpoints.write_integrity_manifest(scratch)
       fileio.makedirs(folder)
-      # The .index last: a position is complete once it is there.
-      for name in sorted(os.listdir(scratch), key=lambda n: n.endswith(".index")):
+      # The manifest last: a position is complete once it is there.
+      for name in sorted(os.listdir(scratch), key=lambda n: n == checkpoints.INTEGRITY_FILE):
         fileio.upload(os.path.join(scratch, name), fileio.join(folder, name))
     for old in self._saved_positions()[:-self._POSITIONS_KEPT]:
       fileio.rmtree(fileio.join(self.position_dir, str(old), self._position_name()))
 
   def _restore_position(self, iterator: Any, step: int) -> int:
-    """Restores the newest saved position at or before `step`; returns its step (0: none)."""
+    """Restores the newest saved position at or before `step`; returns its step (0: none).
+
+    Raises:
+      checkpoints.CheckpointIntegrityError: A file of that position is missing or damaged
+        (the one-line message names it).
+    """
     saved = [p for p in self._saved_positions() if p <= step]
     if not saved:
       return 0
     assert self.position_dir is not None
     folder = fileio.join(self.position_dir, str(saved[-1]), self._position_name())
-    with tempfile.TemporaryDirectory(prefix="jaxmoral-position-") as scratch:
-      for name in fileio.listdir(folder):
-        fileio.write_bytes(os.path.join(scratch, name), fileio.read_bytes(
-            fileio.join(folder, name)))
-      tf.train.Checkpoint(iterator=iterator).read(
-          os.path.join(scratch, "iterator")).assert_consumed()
+    checkpoints.verify_integrity(folder, what=f"{folder} (the data position at step "
+                                 f"{saved[-1]})", step=saved[-1], unverified_ok=False)
+    tf.train.Checkpoint(iterator=iterator).read(
+        os.path.join(fileio.local_folder(folder), "iterator")).assert_consumed()
     return saved[-1]
-
-  def batch(self, step: int) -> Features:
-    """Batch `step`."""
-    return next(self.iterate(step))
 
   def eval_batches(self) -> Iterator[Features]:
     """One in-order pass over this shard's examples, the last batch zero-padded (its rows

@@ -20,20 +20,19 @@ import collections
 import dataclasses
 import json
 import os
-from typing import Any, Iterable, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence
 
 import gin
-import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import fileio
 from jaxmoral import validation
 from jaxmoral.data import pipeline
+from jaxmoral.data import source
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.readers import DataError
 from jaxmoral.data.readers import read_jsonl
 from jaxmoral.data.readers import unknown_field
-from jaxmoral.models.t5 import shift_right
 
 DEFAULT_SEPARATOR = " [SEP] "
 # Index of the three responses along a quadruple batch's response axis.
@@ -247,9 +246,8 @@ def encode_response(vocab: Vocabulary, text: str, config: FeatureConfig) -> np.n
 def response_features(targets: np.ndarray) -> dict[str, np.ndarray]:
   """Decoder features of (..., T) targets: inputs (shifted right, start 0) and loss weights."""
   targets = np.asarray(targets, np.int32)
-  flat = targets.reshape(-1, targets.shape[-1])
-  inputs = np.asarray(shift_right(jnp.asarray(flat), 0)).reshape(targets.shape).astype(np.int32)
-  return {"decoder_input_tokens": inputs, "decoder_target_tokens": targets,
+  return {"decoder_input_tokens": pipeline.autoregressive_inputs(targets),
+          "decoder_target_tokens": targets,
           "decoder_loss_weights": (targets > 0).astype(np.int32)}
 
 
@@ -325,24 +323,21 @@ def quadruple_features(vocab: Vocabulary, quadruples: Sequence[Quadruple],
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class QuadrupleSource:
+class QuadrupleSource(source.DataSource):
   """Deterministic quadruple batches: `batch(step)` depends only on (seed, step).
 
-  Same protocol as `jaxmoral.data.pipeline.BatchSource` (`batch`, `iterate`, `shard`,
-  `num_examples`, `steps_per_epoch`). An epoch is one pass over the trainable turns in a
-  seeded order; r_M and r_R are drawn afresh for each epoch. Batches run over epoch
-  boundaries (a batch may hold the end of one epoch and the start of the next).
+  A `jaxmoral.data.source.DataSource`: an epoch is one pass over the trainable turns in a
+  seeded order; r_M and r_R are drawn afresh for each epoch. Batches run over epoch boundaries
+  (a batch may hold the end of one epoch and the start of the next), `eval_batches`' last too:
+  padding would change the preference loss, a mean over every row.
 
-  Attributes:
+  Attributes (besides `DataSource`'s batch_size, shard_index, shard_count):
     turns: All turns (random responses are drawn from all of them).
     vocab: Tokeniser (`encode`).
-    batch_size: Global batch size.
     features: Lengths and separator.
     seed: Order and draws.
     prefer_dissimilar: See `draw_quadruples`.
     pool_size: See `draw_quadruples`.
-    shard_index: This host's slice of every global batch.
-    shard_count: Number of slices (hosts).
   """
   turns: Sequence[Turn]
   vocab: Any
@@ -358,13 +353,7 @@ class QuadrupleSource:
   _epochs: dict[int, list[Quadruple]] = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
-    validation.positive_int(self.batch_size, "QuadrupleSource.batch_size")
-    if self.shard_count < 1 or not 0 <= self.shard_index < self.shard_count:
-      raise ValueError(f"QuadrupleSource.shard_index {self.shard_index} not in "
-                       f"[0, shard_count={self.shard_count})")
-    if self.batch_size % self.shard_count:
-      raise ValueError(f"QuadrupleSource.batch_size {self.batch_size} is not divisible by "
-                       f"shard_count {self.shard_count}")
+    self.check_shard()
     indices = trainable_turns(self.turns)
     if not indices:
       raise ValueError("QuadrupleSource.turns: no turn has a model candidate different from "
@@ -375,10 +364,6 @@ class QuadrupleSource:
   @property
   def num_examples(self) -> int:
     return len(self._indices)
-
-  @property
-  def steps_per_epoch(self) -> int:
-    return -(-self.num_examples // self.batch_size)
 
   def epoch(self, epoch: int) -> list[Quadruple]:
     """The quadruples of one epoch, in training order (the last two epochs are cached)."""
@@ -395,32 +380,11 @@ class QuadrupleSource:
 
   def quadruples(self, step: int) -> list[Quadruple]:
     """This shard's quadruples of global batch `step`."""
-    if step < 0:
-      raise ValueError(f"step must be >= 0, got {step}")
     n = self.num_examples
-    per = self.batch_size // self.shard_count
-    start = step * self.batch_size + self.shard_index * per
-    return [self.epoch((start + k) // n)[(start + k) % n] for k in range(per)]
+    return [self.epoch(int(p) // n)[int(p) % n] for p in self.shard_positions(step)]
 
   def batch(self, step: int) -> dict[str, np.ndarray]:
     return quadruple_features(self.vocab, self.quadruples(step), self.features)
-
-  def iterate(self, start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    step = start_step
-    while True:
-      yield self.batch(step)
-      step += 1
-
-  def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-    """One epoch's batches (the last one wraps into the next epoch rather than padding:
-    the preference loss is a mean over every row, so padded rows would change it)."""
-    for step in range(self.steps_per_epoch):
-      yield self.batch(step)
-
-  def shard(self, process_index: int, process_count: int) -> QuadrupleSource:
-    if self.shard_count != 1:
-      raise ValueError("QuadrupleSource.shard: already sharded")
-    return dataclasses.replace(self, shard_index=process_index, shard_count=process_count)
 
 
 def split_dialogues(turns: Sequence[Turn], *, test_fraction: float,
@@ -455,7 +419,7 @@ def pair_features(turns: Sequence[Turn], vocab: Vocabulary,
 
 @gin.configurable(module="diamante")
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DialogueData:
+class DialogueData(source.DataSpec):
   """Dialogue turns for `jaxmoral.runs.train_run` (DATA): Diamante quadruples, or (context,
   human response) pairs for the generator that samples candidates (`pairs=True`).
 
@@ -481,19 +445,13 @@ class DialogueData:
   prefer_dissimilar: bool = False
   pool_size: int = 5
   pairs: bool = False
+  FILE_FIELDS = ("train_path", "eval_path", "vocab_path")
 
   def __post_init__(self):
     validation.positive_int(self.vocab_size, "DialogueData.vocab_size")
 
-  def _check_files(self) -> None:
-    """The files it names exist (checked when used: `jaxmoral compile` needs no data)."""
-    for name in ("train_path", "eval_path", "vocab_path"):
-      value = getattr(self, name)
-      if value is not None and not fileio.isfile(value):
-        raise ValueError(f"DialogueData.{name}: no such file {value!r}")
-
   def vocabulary(self, vocab_dir: str, *, fallback: Any = None) -> Any:
-    self._check_files()
+    self.check_files()
     if self.vocab_path is not None:
       return vocab_lib.get_vocabulary(self.vocab_path)
     if fallback is not None:
@@ -511,8 +469,8 @@ class DialogueData:
                          separator=self.separator)
 
   def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
-              seed: int) -> tuple[Any, Any]:
-    self._check_files()
+              seed: int) -> tuple[source.DataSource, Optional[source.DataSource]]:
+    self.check_files()
     features = self.features(feature_lengths)
     train = read_dialogues(self.train_path)
     held_out = read_dialogues(self.eval_path) if self.eval_path else None
@@ -537,11 +495,6 @@ class DialogueData:
   def settings(self) -> dict[str, Any]:
     return {"kind": "dialogue_pairs" if self.pairs else "dialogue_quadruples",
             "separator": self.separator}
-
-  def resumed(self, saved: Mapping[str, Any]) -> DialogueData:
-    """Unchanged: its held-out dialogues are a file of their own (`eval_path`)."""
-    del saved
-    return self
 
 
 def feature_config_from_settings(settings: Mapping[str, Any], *, model_config: Any,

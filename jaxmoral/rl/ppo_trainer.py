@@ -37,7 +37,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
 import flax
 import flax.linen as nn
@@ -56,6 +56,7 @@ from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
 from jaxmoral import validation
 from jaxmoral.data import pipeline
+from jaxmoral.data import source
 from jaxmoral.models import t5 as t5_lib
 from jaxmoral.rl import ppo
 from jaxmoral.rl import rollout as rollout_lib
@@ -259,48 +260,42 @@ def _without_encoder(init_params_fn: Callable[[Array], PyTree]) -> Callable[[Arr
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class PromptSource:
+class PromptSource(source.DataSource):
   """PPO's data: batches of prompts (tokens and texts), deterministic in (seed, iteration).
 
   Batch i is stream positions [i*B, (i+1)*B) of per-epoch seeded permutations of the prompts
-  (`jaxmoral.data.pipeline.BatchSource`), so a resumed run reads the same prompts.
+  (`pipeline.stream_indices`, as `pipeline.BatchSource`), so a resumed run reads the same
+  prompts: a `jaxmoral.data.source.DataSource`.
 
-  Attributes:
+  Attributes (besides `DataSource`'s batch_size, the prompts of an iteration, and shard):
     tokens: (N, max_prompt_length) int32 encoded prompts.
     texts: The N prompts as text (for the reward).
-    batch_size: Prompts per iteration.
     seed: Order seed.
   """
   tokens: np.ndarray
   texts: Sequence[str]
   batch_size: int
   seed: int = 0
-  _rows: pipeline.BatchSource = dataclasses.field(init=False, repr=False)
+  shard_index: int = 0
+  shard_count: int = 1
 
   def __post_init__(self):
     if len(self.tokens) != len(self.texts):
       raise ValueError(f"PromptSource: {len(self.tokens)} token rows but {len(self.texts)} texts")
-    rows = pipeline.BatchSource(features={"row": np.arange(len(self.texts))},
-                                batch_size=self.batch_size, seed=self.seed)
-    object.__setattr__(self, "_rows", rows)
+    self.check_shard()
 
   @property
   def num_examples(self) -> int:
     return len(self.texts)
 
   def indices(self, iteration: int) -> np.ndarray:
-    return self._rows.indices(iteration)
+    return pipeline.stream_indices(self.shard_positions(iteration), self.num_examples,
+                                   seed=self.seed)
 
   def batch(self, iteration: int) -> dict[str, Any]:
     """{"prompt_tokens": (B, L) int32, "prompt_texts": [B texts]} of an iteration."""
     rows = self.indices(iteration)
     return {"prompt_tokens": self.tokens[rows], "prompt_texts": [self.texts[i] for i in rows]}
-
-  def iterate(self, start_step: int = 0) -> Iterator[dict[str, Any]]:
-    step = start_step
-    while True:
-      yield self.batch(step)
-      step += 1
 
 
 @dataclasses.dataclass(frozen=True)
