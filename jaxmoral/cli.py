@@ -283,19 +283,43 @@ def quiet_logs(*, force: bool = False) -> None:
     handler.addFilter(
         lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
     handler.addFilter(_not_disk_full_report)
+  report_disk_full_once()
 
 
 def _not_disk_full_report(record: logging.LogRecord) -> bool:
-  """False for a checkpoint writer thread's report of a full disk: the command reports it
-  itself, in one line naming the folder (`checkpoints.CheckpointManager`)."""
+  """False for a checkpoint writer's report of a full disk: the command reports it itself, in
+  one line naming the folder (`checkpoints.CheckpointManager`)."""
   if record.levelno < logging.ERROR or "jaxmoral" in record.name:
     return True
-  checkpoints = sys.modules.get("jaxmoral.checkpoints")
-  if checkpoints is None:
-    return True
   error = record.exc_info[1] if record.exc_info else None
-  return (checkpoints.disk_full_errno(RuntimeError(record.getMessage())) is None
-          and (error is None or checkpoints.disk_full_errno(error) is None))
+  return (fileio.disk_full_errno(RuntimeError(record.getMessage())) is None
+          and (error is None or fileio.disk_full_errno(error) is None))
+
+
+def report_disk_full_once() -> None:
+  """A full disk while saving is reported once, by the command, not by every writer of the
+  aborted save too (process-wide, so the command line's set-up, not the library's):
+
+  - Orbax closes the save's event loop while TensorStore's other writes are in flight; each
+    completion is then an unraisable "Event loop is closed" traceback, dozens per save: those
+    are dropped; every other unraisable still reaches the hook installed before.
+  - The other writer tasks fail with the same full disk and nothing awaits them; asyncio logs
+    each one with its traceback when it is collected (even at exit, after the one-line
+    error): `_not_disk_full_report` drops those on asyncio's logger.
+  """
+  previous = sys.unraisablehook
+  if not getattr(previous, "drops_closed_loop_callbacks", False):
+
+    def hook(unraisable: Any) -> None:
+      error = unraisable.exc_value
+      if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        previous(unraisable)
+
+    hook.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+  asyncio_logger = logging.getLogger("asyncio")
+  if _not_disk_full_report not in asyncio_logger.filters:
+    asyncio_logger.addFilter(_not_disk_full_report)
 
 
 def _call_with_gin(module: str, function: str, gin_args: gin_utils.GinArgs,

@@ -242,7 +242,7 @@ def test_file_task_errors_name_the_file(vocabulary, tmp_path):
 def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, vocabulary, tmp_path, monkeypatch):
   """A run without the setting (saved before "hash") resumes holding out by position; a
   new run holds out by hash; the setting is saved; an eval file makes it moot."""
-  from jaxmoral import model_dirs, optimizers, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral import model_dirs, optimizers, run_dirs, runs  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
   pairs = tmp_path / "pairs.tsv"
@@ -278,7 +278,7 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, vocabulary, tmp_path, 
       runs.train_run(model_dir=str(run_dir), **run)
   # A run refused before its first step changes nothing (its settings are rewritten only once
   # the resume is accepted; a new run that failed leaves no folder).
-  assert model_dirs.read_settings(old)["data"] == {"kind": "seq2seq"}
+  assert run_dirs.read_settings(old)["data"] == {"kind": "seq2seq"}
   # `eval_run` evaluates a run on the pairs it held out.
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
