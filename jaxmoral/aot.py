@@ -241,9 +241,8 @@ def register_compile_target(name: str, builder: CompileTargetBuilder, *,
                             overwrite: bool = False) -> None:
   """Makes `builder() -> CompileProgram` available as `target=name`.
 
-  The builder calls a run's gin-configured entry point in its compile-only mode (or its
-  compile entry point with the run's bindings), so that the config's bindings reach it as they
-  reach `train` (the CLI has parsed the config). It runs
+  The builder calls a run's entry point with the config's bindings (the CLI has parsed the
+  config), as they reach `train`. It runs
   inside `partitioning.default_devices`: the entry point's partitioner, made as the run makes
   it, lands on the topology's devices; its stages are the run's own jitted functions.
   """

@@ -1,20 +1,9 @@
 """Orbax checkpoints of a training run: `CheckpointManager` saves and restores onto any mesh.
 
-On-disk layout (orbax-checkpoint 0.12) of a manager's directory (a run's: `run_dirs`)::
-
-  <directory>/<step>/state/   the whole state pytree (PyTreeCheckpointHandler, OCDBT/Zarr);
-                              e.g. a flax TrainState: step, params, opt_state (static fields
-                              such as `apply_fn`/`tx` are not saved; they come from `target`)
-  <directory>/<step>/extra/   a JSON dict (reward normalisation, data position, ...)
-  <directory>/<step>/_INTEGRITY.json   the step's checksums (`integrity`)
-
-The state is one item so a save is one atomic step; `params_export.restore_params_from_run`
-reads only the `params` subtree of it, so fine-tuning from another run does not need to know
-that run's optimizer. Every restore takes the target shardings from the caller, so a
-checkpoint written from one mesh restores onto any other (orbax reads each shard's slice from
-the stored global arrays). Every restore checks the step's manifest first
-(`integrity.CheckpointIntegrityError`). A full disk while saving is one OSError naming the
-directory and the last complete step.
+A step's folders (state/, extra/, its checksums): `jaxmoral.run_dirs`. The state is one item,
+so a save is one atomic step. A restore reads into the caller's shardings (any mesh: orbax
+reads each shard's slice of the stored global arrays), its manifest checked first
+(`integrity`). A full disk while saving is one OSError naming the last complete step.
 """
 
 from __future__ import annotations
@@ -46,19 +35,14 @@ committed_steps: dict[str, int] = {}
 
 def verify_step(directory: str | os.PathLike, step: int, *, full: bool = True,
                 shared: bool = False) -> bool:
-  """`integrity.verify_integrity` of `directory/<step>` (a `CheckpointManager` directory's
-  step). Whatever wrote it, a step needs the state's tree metadata (Orbax lists a step whose
-  _METADATA is gone, and then finds 'no params' in it)."""
+  """`integrity.verify_integrity` of a `CheckpointManager` directory's step, which needs its
+  state's tree metadata whatever wrote it (Orbax lists a step without, finding no params)."""
   directory = os.fspath(directory)
   allowed = integrity.unverified_steps(directory)
   return integrity.verify_integrity(
       fileio.join(directory, str(int(step))), what=f"{directory}: checkpoint step {int(step)}",
       full=full, step=int(step), required=(f"{STATE_ITEM}/_METADATA",), shared=shared,
       unverified_ok=allowed is None or int(step) in allowed)
-
-
-def item_handlers() -> dict[str, Any]:
-  return {STATE_ITEM: ocp.PyTreeCheckpointHandler(), EXTRA_ITEM: ocp.JsonCheckpointHandler()}
 
 
 def to_json(value: Any, where: str) -> Any:
@@ -132,8 +116,8 @@ class CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
         save_decision_policy=policy)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_handlers=item_handlers())
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
+        STATE_ITEM: ocp.PyTreeCheckpointHandler(), EXTRA_ITEM: ocp.JsonCheckpointHandler()})
     # The integrity manifest of the latest save is written once Orbax has finalised the step:
     # in this thread (sync saves) or in `_manifest_thread` (async saves).
     self._manifest_thread: Optional[threading.Thread] = None

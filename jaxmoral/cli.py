@@ -297,16 +297,10 @@ def _not_disk_full_report(record: logging.LogRecord) -> bool:
 
 
 def report_disk_full_once() -> None:
-  """A full disk while saving is reported once, by the command, not by every writer of the
-  aborted save too (process-wide, so the command line's set-up, not the library's):
-
-  - Orbax closes the save's event loop while TensorStore's other writes are in flight; each
-    completion is then an unraisable "Event loop is closed" traceback, dozens per save: those
-    are dropped; every other unraisable still reaches the hook installed before.
-  - The other writer tasks fail with the same full disk and nothing awaits them; asyncio logs
-    each one with its traceback when it is collected (even at exit, after the one-line
-    error): `_not_disk_full_report` drops those on asyncio's logger.
-  """
+  """A full disk while saving is reported once, by the command (process-wide: the command
+  line's set-up): the aborted save's other writers' completions into its closed event loop
+  ("Event loop is closed" unraisables, dozens a save) and asyncio's reports of their unawaited
+  full-disk tasks (logged when collected, even after the error line) are dropped."""
   previous = sys.unraisablehook
   if not getattr(previous, "drops_closed_loop_callbacks", False):
 

@@ -563,7 +563,6 @@ def describe_storage_error(error: BaseException, location: str) -> str:
   return text.splitlines()[0] if text else type(error).__name__
 
 
-# Full-disk errors by errno, and how TensorStore's messages name them.
 _DISK_FULL = {errno.ENOSPC: ("No space left on device", "os_error_code='28'"),
               errno.EFBIG: ("File too large", "os_error_code='27'"),
               errno.EDQUOT: ("Disk quota exceeded", "os_error_code='122'")}

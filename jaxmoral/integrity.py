@@ -1,14 +1,10 @@
-"""Integrity of what jaxmoral saves: checksum manifests, verified before anything is read.
+"""Checksum manifests (`_INTEGRITY.json`: size and sha256 of each file), verified first.
 
-Every checkpoint step (and every export, and a run's own files) carries `_INTEGRITY.json`, the
-size and sha256 of each of its files, written once Orbax has finalised the files (temp name,
-then rename). Every restore, export and load checks it before reading any array, so a damaged
-or incomplete checkpoint is a `CheckpointIntegrityError` naming the step and the file, never
-NaN parameters or a TensorStore traceback. `<checkpoints>/_CHECKSUMMED.json`, written before
-the first save, records that every later step carries a manifest: a step without one (still
-being finalised, or its manifest deleted) is never loaded, and readers take the newest
-finalised step. Only checkpoints written before manifests existed load without one, with a
-warning.
+Every checkpoint step, export and run's own files carry one, written once the files are
+final; every restore and load checks it before reading any array, so a damaged or incomplete
+checkpoint is a `CheckpointIntegrityError` naming the step and file, never NaN parameters.
+`_CHECKSUMMED.json` in a checkpoint directory records that every later step carries one: a
+step without (still being finalised, or its manifest deleted) is never loaded.
 """
 
 from __future__ import annotations
@@ -310,10 +306,6 @@ def run_files_checksummed(directory: str | os.PathLike) -> bool:
   return record is not None and record["run_files"]
 
 
-def _write_json_atomically(path: str, value: Any) -> None:
-  fileio.write_text(path, json.dumps(value, indent=1, sort_keys=True), durable=True)
-
-
 def record_checksummed(directory: str | os.PathLike, *, run_files: bool = False) -> None:
   """Writes `CHECKSUMMED_FILE` into a checkpoint directory unless it has one: steps saved from
   now on carry manifests; the steps already there without one stay loadable (with a warning).
@@ -332,8 +324,9 @@ def record_checksummed(directory: str | os.PathLike, *, run_files: bool = False)
              if not fileio.isfile(fileio.join(directory, str(step), INTEGRITY_FILE))]
   else:
     older = sorted(record["unverified_steps"])
-  _write_json_atomically(fileio.join(directory, CHECKSUMMED_FILE),
-                         {"version": 1, "unverified_steps": older, "run_files": run_files})
+  record = {"version": 1, "unverified_steps": older, "run_files": run_files}
+  fileio.write_text(fileio.join(directory, CHECKSUMMED_FILE),
+                    json.dumps(record, indent=1, sort_keys=True), durable=True)
 
 
 def step_folders(directory: str) -> list[int]:

@@ -1,8 +1,5 @@
-"""A run's TensorBoard event files: written, read back and cut at a resumed step.
-
-`MetricWriters` writes MODEL_DIR/train/ and eval/ (`run_dirs`); `read_scalars` and
-`read_texts` read them without TensorBoard (a notebook, a test, the explorer);
-`purge_events_after` drops the points a killed run wrote past the checkpoint it resumes from.
+"""A run's TensorBoard files (MODEL_DIR/train/, eval/): written, read back without TensorBoard
+(a notebook, a test, the explorer), and cut at the step a killed run resumes from.
 """
 
 from __future__ import annotations
@@ -20,11 +17,6 @@ from jaxmoral import fileio
 from jaxmoral import run_dirs
 
 logger = logging.getLogger(__name__)
-
-
-def markdown_code(text: str) -> str:
-  """Text shown as written in TensorBoard's markdown (an indented code block)."""
-  return "\n".join("    " + line for line in text.splitlines())
 
 
 def _import_tensorboardx() -> None:
@@ -113,8 +105,7 @@ def _records(data: bytes) -> Iterator[tuple[int, int]]:
 
 
 def _events(directory: str) -> Iterator[Any]:
-  """The TensorBoard events of a directory's event files, files in name order; read without
-  TensorBoard."""
+  """The TensorBoard events of a directory's event files (in name order), without TensorBoard."""
   _import_tensorboardx()
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   for path in _event_files(directory):

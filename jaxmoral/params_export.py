@@ -1,19 +1,12 @@
-"""Params-only exports, and the parameters of a run's checkpoint, onto any mesh.
+"""Params-only exports (layout: `jaxmoral.run_dirs`), and a run checkpoint's parameters.
 
-Exported params (`export_params`)::
-
-  <directory>/params/          the unboxed parameter tree (PyTreeCheckpointHandler)
-  <directory>/config.json      optional model config dict (e.g. `T5Config.to_dict()`)
-  <directory>/_INTEGRITY.json  sizes and sha256 of what it holds (`integrity`)
-
-`restore_params_from_run` reads only the `params` subtree of a run's checkpointed state
-(orbax partial restore driven by the saved metadata). Every load takes the target shardings
-from the caller and checks the manifest before any array is read.
+`restore_params_from_run` reads only the `params` subtree of a run's state (partial restore),
+so fine-tuning from a run needs nothing of its optimizer. Every load reads into the caller's
+shardings, its manifest checked before any array is read.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -143,6 +136,15 @@ def verify_export(directory: str | os.PathLike, *, full: bool | Sequence[str] = 
                           required=(f"{PARAMS_DIR}/_METADATA",), shared=shared)
 
 
+def _exported_params_dir(directory: str | os.PathLike) -> str:
+  """`<directory>/params` of an export, refused in one line where there is none."""
+  checkpoints.require_checkpoint_storage(directory, "export directory")
+  params_dir = fileio.join(fileio.abspath(directory), PARAMS_DIR)
+  if not fileio.isdir(params_dir):
+    raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
+  return params_dir
+
+
 def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
                   dtype: Optional[Any] = None) -> tuple[PyTree, Optional[dict]]:
   """Loads `export_params` output: `(params, config dict or None)`.
@@ -158,19 +160,12 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
     integrity.CheckpointIntegrityError: The export is damaged or incomplete (checked before
       any read).
   """
-  checkpoints.require_checkpoint_storage(directory, "export directory")
+  params_dir = _exported_params_dir(directory)
   directory = fileio.abspath(directory)
-  params_dir = fileio.join(directory, PARAMS_DIR)
-  if not fileio.isdir(params_dir):
-    raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
   verify_export(directory, shared=True)  # Every process loads: each hashes its share.
-  checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(params_dir).item_metadata
-  target = _target_from_metadata(getattr(metadata, "tree", metadata), shardings, dtype,
-                                 params_dir)
-  params = checkpointer.restore(
-      params_dir,
-      args=ocp.args.PyTreeRestore(target, restore_args=checkpoints.restore_args(target)))
+  metadata = ocp.PyTreeCheckpointer().metadata(params_dir).item_metadata
+  params = restore_subtree(params_dir, (), _target_from_metadata(
+      getattr(metadata, "tree", metadata), shardings, dtype, params_dir))
   config = None
   config_path = fileio.join(directory, CONFIG_FILE)
   if fileio.exists(config_path):
@@ -186,33 +181,6 @@ def load_params(directory: str | os.PathLike, *, shardings: Any = None,
                 dtype: Optional[Any] = None) -> PyTree:
   """The params of an `export_params` directory (see `load_exported` for the arguments)."""
   return load_exported(directory, shardings=shardings, dtype=dtype)[0]
-
-
-@contextlib.contextmanager
-def _without_read_only_notice():
-  """Drops Orbax's 'Given directory is read only' warning: opening a run read-only to load
-  its parameters is what we asked for, not something to warn a user about."""
-  absl_logger = logging.getLogger("absl")
-
-  def notice_filter(record: logging.LogRecord) -> bool:
-    return "Given directory is read only" not in record.getMessage()
-
-  absl_logger.addFilter(notice_filter)
-  try:
-    yield
-  finally:
-    absl_logger.removeFilter(notice_filter)
-
-
-def _run_manager(model_dir: str) -> ocp.CheckpointManager:
-  """A read-only Orbax manager of a run's checkpoint directory."""
-  checkpoints.require_checkpoint_storage(model_dir, "run directory")
-  if not fileio.isdir(model_dir):
-    raise FileNotFoundError(f"{model_dir}: no such run directory")
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
-  with _without_read_only_notice():
-    return ocp.CheckpointManager(model_dir, options=options,
-                                 item_handlers=checkpoints.item_handlers())
 
 
 def _params_subtree(tree: Any, where: str) -> tuple[str, ...]:
@@ -248,8 +216,11 @@ def _warn_skipped_unfinalised(model_dir: str, skipped: Sequence[int], used: int)
                  integrity.INTEGRITY_FILE, used)
 
 
-def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
-  steps = sorted(manager.all_steps())
+def _resolve_run_step(model_dir: str, step: Optional[int]) -> int:
+  checkpoints.require_checkpoint_storage(model_dir, "run directory")
+  if not fileio.isdir(model_dir):
+    raise FileNotFoundError(f"{model_dir}: no such run directory")
+  steps = integrity.step_folders(model_dir)
   if not steps:
     raise FileNotFoundError(f"{model_dir}: no checkpoints")
   if step is None:
@@ -267,20 +238,20 @@ def _resolve_run_step(manager: Any, model_dir: str, step: Optional[int]) -> int:
   return step
 
 
-def run_params_metadata(model_dir: str | os.PathLike, *, step: Optional[int] = None
-                        ) -> tuple[int, tuple[tuple[str, ...], PyTree]]:
-  """(step, (where the params sit in the state, their metadata tree)) of a run's checkpoint."""
+def run_params_metadata(model_dir: str | os.PathLike, *, step: Optional[int] = None,
+                        full: bool = False) -> tuple[int, tuple[tuple[str, ...], PyTree]]:
+  """(step, (where the params sit in the state, their metadata tree)) of a run's checkpoint,
+  checked first: sizes, or with `full` digests too (every process hashes its share)."""
   model_dir = fileio.abspath(model_dir)
-  with _run_manager(model_dir) as manager:
-    step = _resolve_run_step(manager, model_dir, step)
-    checkpoints.verify_step(model_dir, step, full=False)  # Sizes only: no array is read here.
-    metadata = manager.item_metadata(step)[checkpoints.STATE_ITEM]
+  step = _resolve_run_step(model_dir, step)
+  checkpoints.verify_step(model_dir, step, full=full, shared=full)
+  item_dir = fileio.join(model_dir, str(step), checkpoints.STATE_ITEM)
+  metadata = ocp.PyTreeCheckpointer().metadata(item_dir).item_metadata
   tree = getattr(metadata, "tree", metadata)
-  subtree = _params_subtree(tree, f"{model_dir}/{step}/{checkpoints.STATE_ITEM}")
-  node = tree
+  subtree = _params_subtree(tree, item_dir)
   for key in subtree:
-    node = node[key]
-  return step, (subtree, node)
+    tree = tree[key]
+  return step, (subtree, tree)
 
 
 def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int] = None,
@@ -299,38 +270,19 @@ def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int]
     The parameter tree.
 
   Raises:
-    integrity.CheckpointIntegrityError: The step is damaged or incomplete (checked before any read).
+    integrity.CheckpointIntegrityError: The step is damaged or incomplete (checked before
+      any read).
   """
   model_dir = fileio.abspath(model_dir)
-  with _run_manager(model_dir) as manager:
-    step = _resolve_run_step(manager, model_dir, step)
-    # Every process loads: each hashes its share.
-    checkpoints.verify_step(model_dir, step, shared=True)
-    metadata = manager.item_metadata(step)[checkpoints.STATE_ITEM]
-    tree = getattr(metadata, "tree", metadata)
-    where = f"{model_dir}/{step}/{checkpoints.STATE_ITEM}"
-    subtree = _params_subtree(tree, where)
-    node = tree
-    for key in subtree:
-      node = node[key]
-    target: Any = _target_from_metadata(node, shardings, dtype, where)
-    for key in reversed(subtree):
-      target = {key: target}
-    restored = manager.restore(step, args=ocp.args.Composite(**{
-        checkpoints.STATE_ITEM: ocp.args.PyTreeRestore(
-            target, restore_args=checkpoints.restore_args(target), partial_restore=True)}))
-  out = restored[checkpoints.STATE_ITEM]
-  for key in subtree:
-    out = out[key]
-  return out
+  step, (subtree, tree) = run_params_metadata(model_dir, step=step, full=True)
+  item_dir = fileio.join(model_dir, str(step), checkpoints.STATE_ITEM)
+  return restore_subtree(item_dir, subtree, _target_from_metadata(tree, shardings, dtype,
+                                                                  item_dir))
 
 
 def exported_metadata(directory: str | os.PathLike) -> PyTree:
   """The saved parameter tree of an `export_params` directory, `ArrayMetadata` leaves."""
-  checkpoints.require_checkpoint_storage(directory, "export directory")
-  params_dir = fileio.join(fileio.abspath(directory), PARAMS_DIR)
-  if not fileio.isdir(params_dir):
-    raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
+  params_dir = _exported_params_dir(directory)
   # Sizes of everything; digests of the small files read next (config, vocabulary, settings).
   verify_export(directory, full=[name for name in fileio.listdir(directory) if name != PARAMS_DIR])
   metadata = ocp.PyTreeCheckpointer().metadata(params_dir).item_metadata

@@ -11,9 +11,12 @@ gs://bucket/run (Orbax keeps checkpoints there: `checkpoints.require_checkpoint_
   vocab/spiece.model      run file: the SentencePiece model (+ vocab/extra_ids.txt)
   _INTEGRITY.json         sizes and sha256 of the run files (`save_run_files`)
   software.jsonl          which code trained from which step (`software.record_start`)
-  checkpoints/<step>/     Orbax checkpoints (`checkpoints.CheckpointManager`): state/ (the
-                          TrainState), extra/ (JSON: data position, ...), _INTEGRITY.json;
-                          checkpoints/_CHECKSUMMED.json (`integrity.record_checksummed`)
+  checkpoints/<step>/     Orbax checkpoints (`checkpoints.CheckpointManager`), each:
+      state/              the whole state pytree (OCDBT/Zarr), e.g. a TrainState's step,
+                          params, opt_state (static fields come from the restore target)
+      extra/              a JSON dict (data position, reward normalisation, ...)
+      _INTEGRITY.json     the step's checksums (`integrity`)
+  checkpoints/_CHECKSUMMED.json   every later step carries checksums (`integrity`)
   data_position/<step>/process_<i>-of-<n>/   a streamed seqio split's tf.data position
   train/, eval/           TensorBoard event files (`metric_writers.MetricWriters`)
   eval_<step>.json        `jaxmoral eval`'s report
@@ -21,8 +24,9 @@ gs://bucket/run (Orbax keeps checkpoints there: `checkpoints.require_checkpoint_
   reward_curve.json       a PPO run's reward curve (`rl.ppo_trainer`)
   data/                   a method's training pairs written for the run (ClarifyDelphi, NPOV)
 
-An export (`params_export.export_params`) has params/ and config.json instead of
-checkpoints/ and model_config.json, and the same vocab/ and settings.json.
+An export (`params_export.export_params`) has params/ (the unboxed parameter tree) and
+config.json (the T5Config) instead of checkpoints/ and model_config.json, the same vocab/ and
+settings.json, and an _INTEGRITY.json of all of them.
 """
 
 from __future__ import annotations
@@ -84,8 +88,7 @@ def events_dir(model_dir: str | os.PathLike, name: str) -> str:
 
 
 def saved_steps(model_dir: str | os.PathLike) -> list[int]:
-  """The steps a run directory has checkpoint folders of, ascending ([] for none), without
-  opening a CheckpointManager: whether a run would resume, and from where."""
+  """The steps of a run's checkpoint folders, ascending (none: []): where a run resumes."""
   return integrity.step_folders(checkpoints_dir(model_dir))
 
 
@@ -227,10 +230,8 @@ class _HeldLock:
         else:
           os.utime(self.path)  # Tells other hosts the holder is alive.
         self.answered, self.error = datetime.datetime.now().timestamp(), None
-      except (OSError, ValueError, AttributeError) as e:
-        self.error = e
       except Exception as e:  # pylint: disable=broad-except
-        self.error = e  # A storage client's own error type (aiohttp, google.auth).
+        self.error = e  # OSError, ValueError, or a storage client's own (aiohttp, google.auth).
 
   def _watch(self) -> None:
     while not self.stop.wait(min(5.0, STORAGE_DEADLINE_S / 4)):
@@ -242,11 +243,9 @@ class _HeldLock:
 def _pid_alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
   except PermissionError:  # Someone else's live process.
     return True
-  except (OverflowError, ValueError):
+  except (ProcessLookupError, OverflowError, ValueError):
     return False
   return True
 
@@ -256,19 +255,15 @@ class RunDirLock:
 
   The file (JSON: host, pid, start time) is created with O_CREAT | O_EXCL (on gs://, an
   upload with the precondition ifGenerationMatch=0), so of two runs starting together exactly
-  one gets it. A lock whose holder is gone is taken over with a
-  warning: same host and a dead pid (or this very pid, left by an earlier process that had it,
-  as in a restarted container), or another host's lock not refreshed for
-  `LOCK_STALE_AFTER_S`. Re-entrant within a process (a run's setup and its loop may both take
-  it). Multi-host: only process 0 takes it; all processes learn whether it got it.
+  one gets it. A lock whose holder is gone is taken over with a warning: same host and a dead
+  pid (or this very pid, left by an earlier process, as in a restarted container), or another
+  host's lock not refreshed for `LOCK_STALE_AFTER_S`. Re-entrant within a process (a run's
+  setup and its loop both take it). Multi-host: process 0 takes it; all learn whether it did.
 
   On gs:// a holder's liveness is the object's update time (the heartbeat rewrites it); a
   stale lock is deleted with the precondition ifGenerationMatch=<the generation judged
-  stale>, so of two takers only one deletes it, and a lock refreshed or retaken meanwhile is
-  kept; the taker then creates its own lock as above. (A run directory is never on s3://:
-  `checkpoints.require_checkpoint_storage`.)
-
-  Use as a context manager, or `acquire()` / `release()`.
+  stale>, so of two takers one deletes it, and a lock refreshed or retaken meanwhile is kept;
+  the taker then creates its own. Use as a context manager, or `acquire()` / `release()`.
   """
 
   def __init__(self, model_dir: str | os.PathLike):

@@ -632,15 +632,10 @@ def compile_run(*, model: trainable.TrainableModel, data: DataSpec,
                 feature_lengths: Mapping[str, int],
                 partitioner: Optional[partitioning.PjitPartitioner] = None,
                 num_microbatches: int = 1) -> aot.CompileProgram:
-  """The step `train_run` trains, as `jaxmoral compile` lowers it for a topology: the run's
-  own `make_trainer` and jitted step, from the data's batch shapes. Nothing is read or
-  allocated; neither MODEL_DIR nor the data files are touched.
-
-  Args: as `train_run`'s (partitioner: made on the topology's devices by `aot`).
-
-  Raises:
-    ValueError: A count is not an integer in range (naming its gin macro).
-  """
+  """The step `train_run` trains (arguments as its), as `jaxmoral compile` lowers it for a
+  topology: the run's own `make_trainer` and jitted step, from the data's batch shapes. Nothing
+  is read or allocated (neither MODEL_DIR nor the data files); a count out of range is a
+  ValueError naming its gin macro."""
   _check_run_arguments(batch_size=batch_size, feature_lengths=feature_lengths,
                        num_microbatches=num_microbatches)
   partitioner = partitioner or partitioning.PjitPartitioner()

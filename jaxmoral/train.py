@@ -283,9 +283,9 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Any,
     if is_chief:  # As T5X: what this stretch of the run trains under, in TensorBoard's Text tab.
       writers.text("train", start, "software", software_line)
       config_path = fileio.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
-      if fileio.isfile(config_path):
-        writers.text("train", start, "config",
-                     metric_writers.markdown_code(fileio.read_text(config_path)))
+      if fileio.isfile(config_path):  # As an indented markdown code block: shown as written.
+        writers.text("train", start, "config", "\n".join(
+            "    " + line for line in fileio.read_text(config_path).splitlines()))
     loop = LoopInfo(model_dir=model_dir, start_step=start, fresh=latest is None,
                     train_steps=train_steps, writers=writers)
     for hook in hooks:
