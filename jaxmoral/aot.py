@@ -241,10 +241,10 @@ def register_compile_target(name: str, builder: CompileTargetBuilder, *,
                             overwrite: bool = False) -> None:
   """Makes `builder() -> CompileProgram` available as `target=name`.
 
-  The builder calls a run's entry point with the config's bindings (the CLI has parsed the
-  config), as they reach `train`. It runs
-  inside `partitioning.default_devices`: the entry point's partitioner, made as the run makes
-  it, lands on the topology's devices; its stages are the run's own jitted functions.
+  The builder calls a run's entry point with the config's bindings as they reach `train` (the
+  CLI has parsed the config), inside `partitioning.default_devices`: the entry point's
+  partitioner, made as the run makes it, lands on the topology's devices; its stages are the
+  run's own jitted functions.
   """
   if not name or not isinstance(name, str):
     raise ValueError(f"register_compile_target: name must be a non-empty str, got {name!r}")

@@ -584,7 +584,6 @@ def disk_full_errno(error: BaseException) -> Optional[int]:
   return None
 
 
-
 def append_text(location: str | os.PathLike, text: str) -> None:
   """Appends to a text file. Objects cannot be appended to: the object is rewritten whole
   (fine for the small record files this is for)."""

@@ -48,6 +48,7 @@ import numpy as np
 from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import integrity
+from jaxmoral.models.config import T5Config
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,9 @@ def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Pa
   return target
 
 
-def save_run_files(model_dir: str | os.PathLike, *, config: Any, vocabulary: Any,
+def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary: Any,
                    settings: Optional[Mapping[str, Any]] = None) -> None:
-  """Writes the run files (see the module docstring): `config` (a T5Config), the vocabulary
-  and `settings`, under the run's integrity manifest."""
+  """Writes the run files (see the module docstring) under the run's integrity manifest."""
   model_dir = fileio.path(model_dir)
   model_dir.mkdir(parents=True, exist_ok=True)
   manifest = model_dir / integrity.INTEGRITY_FILE
