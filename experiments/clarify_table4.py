@@ -224,7 +224,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     Every number of the report (also in `<results_dir>/<name>.json`).
   """
   # pylint: disable=import-outside-toplevel
-  from jaxmoral import checkpoints
+  from jaxmoral import run_dirs
   from jaxmoral.clarify import baselines
   from jaxmoral.clarify import data as data_lib
   from jaxmoral.clarify import evaluate as evaluate_lib
@@ -264,7 +264,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
   # 2. PPO on train situations.
   tick = time.time()
   ppo_dir = os.path.join(workdir, ppo_run)
-  if checkpoints.saved_steps(ppo_dir):
+  if run_dirs.saved_steps(ppo_dir):
     common.warn_changed_bindings(ppo_dir, "PPO goes on from (or reuses) a run trained")
   ppo = training.train_clarify_ppo(
       model_dir=ppo_dir, question_model_dir=role_dir["question"],

@@ -37,7 +37,9 @@ from jaxmoral import checkpoints  # noqa: E402  pylint: disable=wrong-import-pos
 from jaxmoral import fileio  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_files  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
+from jaxmoral import integrity  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
+from jaxmoral import run_dirs  # noqa: E402  pylint: disable=wrong-import-position
 
 
 
@@ -167,12 +169,12 @@ def train_stage(model_dir: str, steps: int, train: Callable[[], Any]) -> dict[st
     `train()`'s result mapping}, kept in `STAGE_FILE`.
   """
   record_path = os.path.join(model_dir, STAGE_FILE)
-  checkpoint_dir = checkpoints.run_checkpoints_dir(model_dir)
-  earlier = [s for s in checkpoints.saved_steps(model_dir) if s < int(steps)]
+  checkpoint_dir = run_dirs.checkpoints_dir(model_dir)
+  earlier = [s for s in run_dirs.saved_steps(model_dir) if s < int(steps)]
   if fileio.isdir(os.path.join(checkpoint_dir, str(int(steps)))):
     try:
       checkpoints.verify_step(checkpoint_dir, int(steps), full=False)
-    except checkpoints.CheckpointIntegrityError as e:
+    except integrity.CheckpointIntegrityError as e:
       logger.warning("%s; training again", e)
     else:
       logger.info("%s: reusing its finished run (step %d)", model_dir, steps)

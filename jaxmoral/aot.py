@@ -13,9 +13,8 @@ devices (set `XLA_FLAGS=--xla_force_host_platform_device_count=N`) for tests.
 
 What is compiled is a *compile target*, called inside `partitioning.default_devices` so that
 the partitioner the config binds is made on the topology's devices. The default, "train_run",
-is the run's own gin-configured entry point in its compile-only mode
-(`runs.train_run(compile_only=True)`): it builds its step with the code a run uses, from
-abstract inputs, and hands back a `CompileProgram` instead of training. ClarifyDelphi's
+is `runs.compile_run` given what the config binds `runs.train_run`: it builds the run's step
+with the code a run uses, from abstract inputs, as a `CompileProgram`. ClarifyDelphi's
 "clarify_ppo" is `clarify.training.train_clarify_ppo` in the same mode, given stand-in model
 configs (`ppo_compile_target`) as a pod compile has no model directories. Targets register with
 `register_compile_target(name, builder)`; a config selects one with
@@ -242,10 +241,10 @@ def register_compile_target(name: str, builder: CompileTargetBuilder, *,
                             overwrite: bool = False) -> None:
   """Makes `builder() -> CompileProgram` available as `target=name`.
 
-  The builder calls a run's gin-configured entry point in its compile-only mode, so that the
-  config's bindings reach it as they reach `train` (the CLI has parsed the config). It runs
-  inside `partitioning.default_devices`: the entry point's partitioner, made as the run makes
-  it, lands on the topology's devices; its stages are the run's own jitted functions.
+  The builder calls a run's entry point with the config's bindings as they reach `train` (the
+  CLI has parsed the config), inside `partitioning.default_devices`: the entry point's
+  partitioner, made as the run makes it, lands on the topology's devices; its stages are the
+  run's own jitted functions.
   """
   if not name or not isinstance(name, str):
     raise ValueError(f"register_compile_target: name must be a non-empty str, got {name!r}")

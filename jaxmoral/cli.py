@@ -283,19 +283,37 @@ def quiet_logs(*, force: bool = False) -> None:
     handler.addFilter(
         lambda record: "gin" not in record.pathname.replace("\\", "/").split("/")[-2:-1])
     handler.addFilter(_not_disk_full_report)
+  report_disk_full_once()
 
 
 def _not_disk_full_report(record: logging.LogRecord) -> bool:
-  """False for a checkpoint writer thread's report of a full disk: the command reports it
-  itself, in one line naming the folder (`checkpoints.CheckpointManager`)."""
+  """False for a checkpoint writer's report of a full disk: the command reports it itself, in
+  one line naming the folder (`checkpoints.CheckpointManager`)."""
   if record.levelno < logging.ERROR or "jaxmoral" in record.name:
     return True
-  checkpoints = sys.modules.get("jaxmoral.checkpoints")
-  if checkpoints is None:
-    return True
   error = record.exc_info[1] if record.exc_info else None
-  return (checkpoints.disk_full_errno(RuntimeError(record.getMessage())) is None
-          and (error is None or checkpoints.disk_full_errno(error) is None))
+  return (fileio.disk_full_errno(RuntimeError(record.getMessage())) is None
+          and (error is None or fileio.disk_full_errno(error) is None))
+
+
+def report_disk_full_once() -> None:
+  """A full disk while saving is reported once, by the command (process-wide: the command
+  line's set-up): the aborted save's other writers' completions into its closed event loop
+  ("Event loop is closed" unraisables, dozens a save) and asyncio's reports of their unawaited
+  full-disk tasks (logged when collected, even after the error line) are dropped."""
+  previous = sys.unraisablehook
+  if not getattr(previous, "drops_closed_loop_callbacks", False):
+
+    def hook(unraisable: Any) -> None:
+      error = unraisable.exc_value
+      if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        previous(unraisable)
+
+    hook.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+  asyncio_logger = logging.getLogger("asyncio")
+  if _not_disk_full_report not in asyncio_logger.filters:
+    asyncio_logger.addFilter(_not_disk_full_report)
 
 
 def _call_with_gin(module: str, function: str, gin_args: gin_utils.GinArgs,

@@ -24,6 +24,7 @@ from jaxmoral import decoding
 from jaxmoral import metrics
 from jaxmoral import optimizers
 from jaxmoral import partitioning
+from jaxmoral import run_dirs
 from jaxmoral import runs
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import trainable
@@ -232,7 +233,7 @@ def run_core_demo(*, workdir: str | os.PathLike[str]) -> dict[str, Any]:
   runs.export_run(model_dir=str(model_dir), output_dir=str(workdir / "exported"),
                   dtype="bfloat16", overwrite=True)
   return {"eval": report["metrics"], "final_train_loss": metrics.get("train/loss"),
-          "checkpoints": str(model_dir / "checkpoints"),
+          "checkpoints": run_dirs.checkpoints_dir(model_dir),
           "tensorboard": str(model_dir), "predictions": str(workdir / "predictions.jsonl"),
           "export": str(workdir / "exported")}
 

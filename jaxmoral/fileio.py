@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import datetime
+import errno
 import functools
 import os
 import re
@@ -446,7 +447,6 @@ def check_writable(path: str | os.PathLike, *, directory: bool = False,
     if what is not None:
       _probe_bucket_folder(shown if directory else shown.rsplit("/", 1)[0], what)
     return
-  import errno  # pylint: disable=g-import-not-at-top
   import pathlib  # pylint: disable=g-import-not-at-top
   target = pathlib.Path(shown)
   if target.is_symlink() and not target.exists():
@@ -561,6 +561,27 @@ def describe_storage_error(error: BaseException, location: str) -> str:
       or isinstance(error, FileNotFoundError)):
     return f"bucket {bucket} does not exist (create it: gcloud storage buckets create gs://{bucket})"
   return text.splitlines()[0] if text else type(error).__name__
+
+
+_DISK_FULL = {errno.ENOSPC: ("No space left on device", "os_error_code='28'"),
+              errno.EFBIG: ("File too large", "os_error_code='27'"),
+              errno.EDQUOT: ("Disk quota exceeded", "os_error_code='122'")}
+
+
+def disk_full_errno(error: BaseException) -> Optional[int]:
+  """ENOSPC, EFBIG or EDQUOT where `error` (or what it wraps: TensorStore's messages, Orbax's
+  thread errors) is a full disk, a file size limit or a quota; else None."""
+  seen = 0
+  while error is not None and seen < 16:
+    if isinstance(error, OSError) and error.errno in _DISK_FULL:
+      return error.errno
+    text = str(error)
+    for code, markers in _DISK_FULL.items():
+      if any(marker in text for marker in markers):
+        return code
+    error = error.__cause__ or error.__context__
+    seen += 1
+  return None
 
 
 def append_text(location: str | os.PathLike, text: str) -> None:

@@ -13,13 +13,7 @@ Formats a path may hold (`inspect` tells which):
             model (scalar head) and data settings
   run_step  one step of a run: RUN/checkpoints/STEP (T5X's checkpoint_STEP)
 
-Run and export layout (written by `save_run_files` / `export`)::
-
-  model_config.json | config.json   the T5Config
-  vocab/spiece.model                the SentencePiece model (+ vocab/extra_ids.txt)
-  settings.json                     method settings (e.g. Diamante's feature lengths)
-  checkpoints/<step>/ | params/     Orbax state / parameters
-  software.jsonl (runs)             which code trained from which step (`software.record_start`)
+The layout of a run and of an export: `jaxmoral.run_dirs`.
 
 `load` creates every parameter directly in the sharding a partitioner asks for: Orbax formats
 read each device's slice, Hugging Face files are read slice by slice per device
@@ -48,7 +42,9 @@ from jax.sharding import Sharding
 from jaxmoral import checkpoints
 from jaxmoral import decoding
 from jaxmoral import fileio
+from jaxmoral import params_export
 from jaxmoral import partitioning
+from jaxmoral import run_dirs
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import hf_import
 from jaxmoral.models import t5
@@ -58,12 +54,6 @@ from jaxmoral.models.config import T5Config
 logger = logging.getLogger(__name__)
 
 PyTree = Any
-MODEL_CONFIG_FILE = "model_config.json"  # In a run directory.
-CONFIG_FILE = checkpoints.CONFIG_FILE  # In an export (config.json, as Hugging Face names it).
-VOCAB_DIR = "vocab"
-SPIECE_FILE = "spiece.model"
-EXTRA_IDS_FILE = "extra_ids.txt"
-SETTINGS_FILE = "settings.json"
 FORMATS = ("hf", "hub", "t5x", "export", "run", "run_step")
 # Hub ids: "name" or "org/name" (letters, digits, '-', '_', '.').
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -72,30 +62,19 @@ _HUB_FILES = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytor
 
 
 # -- vocabulary ---------------------------------------------------------------------------------
-def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Path:
-  """Copies a SentencePiece vocabulary into `directory/vocab/` (model + extra ids)."""
-  vocab_dir = fileio.path(directory) / VOCAB_DIR
-  vocab_dir.mkdir(parents=True, exist_ok=True)
-  target = vocab_dir / SPIECE_FILE
-  source = vocabulary.sentencepiece_model_file
-  if fileio.is_url(target) or pathlib.Path(source).resolve() != pathlib.Path(target).resolve():
-    fileio.write_bytes(target, fileio.read_bytes(source))
-  (vocab_dir / EXTRA_IDS_FILE).write_text(str(vocabulary.extra_ids))
-  return target
-
-
 def vocabulary_path(directory: str | os.PathLike) -> Optional[pathlib.Path]:
   """The SentencePiece model a model directory carries (vocab/spiece.model or HF's
   spiece.model), or None."""
   directory = fileio.path(directory)
-  for path in (directory / VOCAB_DIR / SPIECE_FILE, directory / SPIECE_FILE):
+  for path in (directory / run_dirs.VOCAB_DIR / run_dirs.SPIECE_FILE,
+               directory / run_dirs.SPIECE_FILE):
     if path.is_file():
       return path
   return None
 
 
 def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
-  extra = spm.parent / EXTRA_IDS_FILE
+  extra = spm.parent / run_dirs.EXTRA_IDS_FILE
   if extra.is_file():
     return int(extra.read_text())
   tokenizer_config = directory / "tokenizer_config.json"  # Hugging Face's T5 tokenizers.
@@ -121,67 +100,6 @@ def load_vocabulary(directory: str | os.PathLike) -> Any:
   if spm is None:
     return None
   return vocab_lib.get_vocabulary(fileio.local_copy(spm), extra_ids=_extra_ids(directory, spm))
-
-
-# -- run files ----------------------------------------------------------------------------------
-def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary: Any,
-                   settings: Optional[Mapping[str, Any]] = None) -> None:
-  """Writes what makes a run directory self-describing (see the module docstring)."""
-  model_dir = fileio.path(model_dir)
-  model_dir.mkdir(parents=True, exist_ok=True)
-  manifest = model_dir / checkpoints.INTEGRITY_FILE
-  if manifest.exists():
-    manifest.unlink()  # It would describe the files about to be replaced.
-  (model_dir / MODEL_CONFIG_FILE).write_text(config.to_json())
-  save_vocabulary(model_dir, vocabulary)
-  if settings:
-    write_settings(model_dir, settings)
-  # Under the integrity manifest like an export's: every load checks them first; the run
-  # records that it has one, so a deleted manifest is refused, not loaded unverified.
-  checkpoints.write_integrity_manifest(
-      model_dir, [name for name in RUN_FILES if (model_dir / name).exists()])
-  checkpoints.record_checksummed(checkpoints.run_checkpoints_dir(model_dir), run_files=True)
-
-
-# What a run's manifest (MODEL_DIR/_INTEGRITY.json) covers: what loading the run reads.
-RUN_FILES = (MODEL_CONFIG_FILE, SETTINGS_FILE, VOCAB_DIR)
-
-
-def verify_run_files(model_dir: str | os.PathLike) -> bool:
-  """Checks a run's model config, settings and vocabulary against its manifest (sizes and
-  sha256) before any of them is read.
-
-  A run without the manifest loads with a warning only if it never wrote one (written before
-  manifests existed, or put together by hand): `checkpoints.run_files_checksummed`.
-
-  Returns:
-    True if verified; False for an older run (a warning is logged).
-
-  Raises:
-    checkpoints.CheckpointIntegrityError: A file differs, is missing or the manifest is.
-  """
-  model_dir = fileio.abspath(model_dir)
-  checksummed = checkpoints.run_files_checksummed(checkpoints.run_checkpoints_dir(model_dir))
-  present = [name for name in RUN_FILES if fileio.exists(fileio.join(model_dir, name))]
-  return checkpoints.verify_integrity(
-      model_dir, what=f"{model_dir}: the run's files", full=True,
-      required=[name for name in present if name != VOCAB_DIR],
-      unverified_ok=not checksummed)
-
-
-def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) -> None:
-  (fileio.path(directory) / SETTINGS_FILE).write_text(
-      json.dumps(dict(settings), indent=2, sort_keys=True) + "\n")
-
-
-def read_settings(directory: str | os.PathLike) -> dict[str, Any]:
-  path = fileio.path(directory) / SETTINGS_FILE
-  if not path.is_file():
-    return {}
-  try:
-    return json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
 
 
 def _read_config_json(path: pathlib.Path) -> T5Config:
@@ -242,10 +160,10 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
 
 def _run_checkpoint(path: pathlib.Path) -> Optional[tuple[pathlib.Path, Optional[int]]]:
   """(run directory, step) when `path` is a run or one of its steps; else None."""
-  if (path / MODEL_CONFIG_FILE).is_file() and (path / checkpoints.RUN_CHECKPOINTS_SUBDIR).is_dir():
+  if (path / run_dirs.MODEL_CONFIG_FILE).is_file() and (path / run_dirs.CHECKPOINTS_DIR).is_dir():
     return path, None
-  if (path.parent.name == checkpoints.RUN_CHECKPOINTS_SUBDIR and path.name.isdigit()
-      and (path.parent.parent / MODEL_CONFIG_FILE).is_file()):
+  if (path.parent.name == run_dirs.CHECKPOINTS_DIR and path.name.isdigit()
+      and (path.parent.parent / run_dirs.MODEL_CONFIG_FILE).is_file()):
     return path.parent.parent, int(path.name)
   return None
 
@@ -317,8 +235,8 @@ def _local(source: str | os.PathLike) -> tuple[pathlib.Path, bool]:
     if not path.is_dir():
       raise FileNotFoundError(f"{text}: a model is a directory, not a file")
     return path, False
-  if (path.name.isdigit() and path.parent.name == checkpoints.RUN_CHECKPOINTS_SUBDIR
-      and (path.parent.parent / MODEL_CONFIG_FILE).is_file()):
+  if (path.name.isdigit() and path.parent.name == run_dirs.CHECKPOINTS_DIR
+      and (path.parent.parent / run_dirs.MODEL_CONFIG_FILE).is_file()):
     steps = sorted(int(p.name) for p in path.parent.iterdir() if p.name.isdigit())
     raise FileNotFoundError(f"{text}: no checkpoint for step {path.name}; have {steps}")
   if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
@@ -347,18 +265,19 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
     vocabulary = vocabulary_from_file(vocabulary)
   run = _run_checkpoint(path)
   if run is not None:
-    run_dir, run_step = run
+    run_path, run_step = run
     if step is not None and run_step is not None and step != run_step:
       raise ValueError(f"{source}: is step {run_step}, but step={step} was asked for")
     step = run_step if run_step is not None else step
-    verify_run_files(run_dir)
-    run_config = _read_config_json(run_dir / MODEL_CONFIG_FILE)
-    step, (_, tree) = checkpoints.run_params_metadata(
-        checkpoints.run_checkpoints_dir(run_dir), step=step)
-    return ModelInfo(source=source, path=run_dir, format="run_step" if run_step is not None
+    run_dirs.verify_run_files(run_path)
+    run_config = _read_config_json(run_path / run_dirs.MODEL_CONFIG_FILE)
+    step, (_, tree) = params_export.run_params_metadata(
+        run_dirs.checkpoints_dir(run_path), step=step)
+    return ModelInfo(source=source, path=run_path, format="run_step" if run_step is not None
                      else "run", config=config or run_config,
-                     vocabulary=vocabulary or load_vocabulary(run_dir),
-                     settings=read_settings(run_dir), param_shapes=_flat_shapes(tree), step=step)
+                     vocabulary=vocabulary or load_vocabulary(run_path),
+                     settings=run_dirs.read_settings(run_path), param_shapes=_flat_shapes(tree),
+                     step=step)
   if hf_import.is_hf_checkpoint(path):
     # The tensors decide the head (tied / untied / rescaled), so their table is read too.
     hf_config = hf_import.read_hf_config(path)  # Its errors first: they name config.json.
@@ -372,14 +291,16 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
                      vocabulary=vocabulary or load_vocabulary(path), settings={},
                      param_shapes={"/".join(k): v.shape for k, v in sources.items()},
                      hf_sources=sources)
-  if (path / checkpoints.PARAMS_DIR).is_dir():
-    tree = checkpoints.exported_metadata(path)
+  if (path / params_export.PARAMS_DIR).is_dir():
+    tree = params_export.exported_metadata(path)
     if config is None:
-      if not (path / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{path}/{CONFIG_FILE} not found: give the model's config")
-      config = _read_config_json(path / CONFIG_FILE)
+      if not (path / params_export.CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path}/{params_export.CONFIG_FILE} not found: give the "
+                                "model's config")
+      config = _read_config_json(path / params_export.CONFIG_FILE)
     return ModelInfo(source=source, path=path, format="export", config=config,
-                     vocabulary=vocabulary or load_vocabulary(path), settings=read_settings(path),
+                     vocabulary=vocabulary or load_vocabulary(path),
+                     settings=run_dirs.read_settings(path),
                      param_shapes=_flat_shapes(tree))
   if t5x_import.is_t5x_checkpoint(path):
     checkpoints.require_checkpoint_storage(source, "T5X checkpoint")
@@ -389,8 +310,9 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
                      param_shapes=_flat_shapes(located.metadata))
   raise FileNotFoundError(
       f"{source}: no model found (looked for {', '.join(hf_import.CHECKPOINT_FILES)} "
-      f"(Hugging Face), {checkpoints.PARAMS_DIR}/ (jaxmoral export), {MODEL_CONFIG_FILE} + "
-      f"{checkpoints.RUN_CHECKPOINTS_SUBDIR}/ (run), RUN/{checkpoints.RUN_CHECKPOINTS_SUBDIR}/"
+      f"(Hugging Face), {params_export.PARAMS_DIR}/ (jaxmoral export), "
+      f"{run_dirs.MODEL_CONFIG_FILE} + {run_dirs.CHECKPOINTS_DIR}/ (run), "
+      f"RUN/{run_dirs.CHECKPOINTS_DIR}/"
       "STEP (one step of a run), _METADATA (T5X / Orbax))")
 
 
@@ -544,7 +466,7 @@ def load(source: str | os.PathLike, *, step: Optional[int] = None, **kwargs: Any
       gone = tried.get("step", getattr(error, "step", None))
       run = tried.get("path", os.fspath(source))
       if (step is not None or gone is None or attempt == _VANISHED_RETRIES - 1
-          or gone in checkpoints.saved_steps(run)):
+          or gone in run_dirs.saved_steps(run)):
         raise
       logger.warning("%s: checkpoint step %d was removed while it was read (the run keeps its "
                      "newest steps only): reading the newest step", run, gone)
@@ -570,7 +492,7 @@ def _load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTr
       info.config, source=where)
   if shardings is None:
     shardings = (param_shardings(info.config, partitioner, with_scalar_head=info.has_scalar_head)
-                 if partitioner is not None else checkpoints.default_sharding())
+                 if partitioner is not None else params_export.default_sharding())
   read_dtype = jnp.dtype(param_dtype) if param_dtype else None
   prompt = None
   if info.format in ("hf", "hub"):
@@ -580,19 +502,19 @@ def _load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTr
   elif info.format == "t5x":
     located = t5x_import.locate(info.path, config=info.config)
     target = _target(_flat_shapes(located.metadata), shardings, read_dtype or jnp.float32, where)
-    params = checkpoints.restore_subtree(located.item_dir, located.prefix, target)
+    params = params_export.restore_subtree(located.item_dir, located.prefix, target)
   else:
     tree_shardings = shardings
     if prompted and not isinstance(shardings, Sharding):
       # The prompt is small: every device keeps all of it.
       replicated = (partitioner.replicated if partitioner is not None
-                    else checkpoints.default_sharding())
+                    else params_export.default_sharding())
       tree_shardings = {"base": shardings, "prompt": replicated}
     if info.format == "export":
-      params = checkpoints.load_params(info.path, shardings=tree_shardings, dtype=read_dtype)
+      params = params_export.load_params(info.path, shardings=tree_shardings, dtype=read_dtype)
     else:
-      params = checkpoints.restore_params_from_run(
-          checkpoints.run_checkpoints_dir(info.path), step=info.step, shardings=tree_shardings,
+      params = params_export.restore_params_from_run(
+          run_dirs.checkpoints_dir(info.path), step=info.step, shardings=tree_shardings,
           dtype=read_dtype)
     if prompted:
       params, prompt = params["base"], params["prompt"]
@@ -639,14 +561,14 @@ def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
     # In the manifest too: a load reads them, so a damaged vocabulary is refused as well.
     written = []
     if vocabulary is not None:
-      save_vocabulary(directory, vocabulary)
-      written.append(VOCAB_DIR)
+      run_dirs.save_vocabulary(directory, vocabulary)
+      written.append(run_dirs.VOCAB_DIR)
     if settings:
-      write_settings(directory, settings)
-      written.append(SETTINGS_FILE)
+      run_dirs.write_settings(directory, settings)
+      written.append(run_dirs.SETTINGS_FILE)
     return written
 
-  return checkpoints.export_params(params, directory, dtype=dtype, config=config.to_dict(),
+  return params_export.export_params(params, directory, dtype=dtype, config=config.to_dict(),
                                    overwrite=overwrite, write_extra=write_extra)
 
 

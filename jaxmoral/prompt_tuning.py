@@ -35,10 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import losses
 from jaxmoral import optimizers
+from jaxmoral import params_export
 from jaxmoral import train as train_lib
 from jaxmoral import validation
 from jaxmoral.models import trainable
@@ -201,7 +201,7 @@ def save_prompt(prompt: Any, directory: str | os.PathLike, *,
     directory: Created if missing.
     metadata: JSON-serialisable extras (e.g. task, base checkpoint, label words).
     orbax: Also export it as an Orbax params checkpoint under `directory/orbax`
-      (`checkpoints.export_params`), for tools that read only Orbax.
+      (`params_export.export_params`), for tools that read only Orbax.
 
   Returns:
     The directory.
@@ -217,7 +217,7 @@ def save_prompt(prompt: Any, directory: str | os.PathLike, *,
   meta = {"length": array.shape[0], "d_model": array.shape[1], **(metadata or {})}
   fileio.write_text(fileio.join(directory, META_FILE), json.dumps(meta, indent=2, sort_keys=True))
   if orbax:
-    checkpoints.export_params({"prompt": array}, fileio.join(directory, "orbax"))
+    params_export.export_params({"prompt": array}, fileio.join(directory, "orbax"))
   return directory
 
 
@@ -247,7 +247,7 @@ def load_prompt(directory: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any
   if fileio.exists(npy):
     prompt = np.load(io.BytesIO(fileio.read_bytes(npy)), allow_pickle=False)
   elif fileio.isdir(fileio.join(directory, "orbax")):
-    prompt = np.asarray(checkpoints.load_params(fileio.join(directory, "orbax"))["prompt"])
+    prompt = np.asarray(params_export.load_params(fileio.join(directory, "orbax"))["prompt"])
   else:
     raise FileNotFoundError(f"load_prompt: no {PROMPT_FILE} or orbax/ in {directory}")
   if prompt.ndim != 2 or (meta and tuple(prompt.shape) != (meta["length"], meta["d_model"])):

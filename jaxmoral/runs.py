@@ -6,23 +6,16 @@ injects what is trained (`model`: a `jaxmoral.models.trainable.TrainableModel` s
 data it reads (`data`: a `DataSpec` such as `Seq2SeqData` or `diamante.data.DialogueData`), so
 every method gets `init_checkpoint`, resume, run files and per-host data sharding from here.
 
-A run directory (MODEL_DIR) is self-describing (`jaxmoral.model_dirs`), so `eval`, `infer`,
-`export` and the Python API (`jaxmoral.api.Model.from_pretrained(MODEL_DIR)`) need nothing but
-its path::
-
-  MODEL_DIR/config.gin            the operative gin config of the training run
-  MODEL_DIR/model_config.json     the T5Config
-  MODEL_DIR/settings.json         what the model and data add (e.g. Diamante's lengths)
-  MODEL_DIR/vocab/spiece.model    the SentencePiece model (+ vocab/extra_ids.txt)
-  MODEL_DIR/_INTEGRITY.json       sizes and sha256 of model_config.json, settings.json, vocab/
-  MODEL_DIR/checkpoints/<step>/   Orbax checkpoints (TrainState + JSON extras)
-  MODEL_DIR/train, MODEL_DIR/eval TensorBoard event files
+`compile_run` builds the step `train_run` trains, from abstract inputs (`jaxmoral compile`).
+What a run writes into MODEL_DIR, and `eval`, `infer` and `export` read: `jaxmoral.run_dirs`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -40,13 +33,13 @@ import optax
 from jax.experimental import multihost_utils
 
 from jaxmoral import aot
-from jaxmoral import checkpoints
 from jaxmoral import decoding
 from jaxmoral import fileio
 from jaxmoral import gin_utils
 from jaxmoral import losses
 from jaxmoral import model_dirs
 from jaxmoral import partitioning
+from jaxmoral import run_dirs
 from jaxmoral import token_rows
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
@@ -58,7 +51,6 @@ from jaxmoral.models import trainable
 
 logger = logging.getLogger(__name__)
 
-VOCAB_DIR = model_dirs.VOCAB_DIR
 # The T5Config fields that decide the parameters' shapes: a resume with another value cannot
 # restore the checkpoint (the others, dtype, remat, attention kernels, may change).
 _SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_encoder_layers",
@@ -73,7 +65,7 @@ DATA_POSITION_DIR = "data_position"
 def _check_same_model(model_dir: str, config: Any) -> None:
   """Refuses a resume whose model differs from the run's (`model_config.json`) in a field
   that shapes the parameters, naming it, before Orbax meets the mismatch."""
-  path = fileio.join(model_dir, model_dirs.MODEL_CONFIG_FILE)
+  path = fileio.join(model_dir, run_dirs.MODEL_CONFIG_FILE)
   if config is None or not fileio.isfile(path):
     return
   saved = json.loads(fileio.read_text(path))
@@ -122,7 +114,7 @@ def vocabulary_build_dir(model_dir: str) -> str:
   bucket runs would hand one run a vocabulary trained on another's data."""
   if fileio.is_url(model_dir):
     return fileio.local_folder_for(model_dir, "_vocab")
-  return os.path.join(model_dir, VOCAB_DIR)
+  return os.path.join(model_dir, run_dirs.VOCAB_DIR)
 
 
 # train_run's counts: (parameter, the gin macro gin/runs/*.gin binds it to, least value).
@@ -143,8 +135,8 @@ def _check_run_arguments(**values: Any) -> None:
   fail deep inside the loop, or after the run files and vocabulary were written.
   """
   for name, macro, least in _RUN_COUNTS:
-    value = values[name]
-    if name == "eval_steps" and value is None:
+    value = values.get(name)
+    if name not in values or (name == "eval_steps" and value is None):
       continue
     if not _is_int(value) or value < least:
       kind = "a positive integer" if least else "an integer >= 0"
@@ -157,7 +149,7 @@ def _check_run_arguments(**values: Any) -> None:
                      f"names to positive integers, got {lengths!r}")
 
 
-@gin.configurable(denylist=["compile_only"])  # Set by `jaxmoral compile` only.
+@gin.configurable
 def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec,
               train_steps: int, batch_size: int, feature_lengths: Mapping[str, int],
               optimizer: optax.GradientTransformation,
@@ -165,8 +157,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
               num_microbatches: int = 1, eval_every: int = 0, eval_steps: Optional[int] = None,
               checkpoint_every: int = 1000, keep_checkpoints: int = 3, log_every: int = 50,
               seed: int = 0, init_checkpoint: Optional[str] = None,
-              hooks: Sequence[train_lib.TrainHook] = (), compile_only: bool = False
-              ) -> dict[str, float] | aot.CompileProgram:
+              hooks: Sequence[train_lib.TrainHook] = ()) -> dict[str, float]:
   """Trains `model` on `data` (T5X's `train`): resumes MODEL_DIR if it has checkpoints.
 
   Args:
@@ -190,12 +181,9 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
       `jaxmoral.model_dirs`: Hugging Face, T5X, export, run, one step of a run); its
       parameters are created directly in the partitioner's shardings. Ignored on resume.
     hooks: Extra `train.TrainHook`s (the model's own come first).
-    compile_only: Build the train step from abstract inputs on `partitioner` and return it
-      as an `aot.CompileProgram` (`jaxmoral compile`), touching neither MODEL_DIR nor the
-      data files.
 
   Returns:
-    Final metrics, or with `compile_only` the step's `aot.CompileProgram`.
+    Final metrics.
 
   Raises:
     ValueError: A count is not an integer in range (naming its gin macro, e.g. TRAIN_STEPS),
@@ -209,31 +197,26 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                        log_every=log_every)
   partitioner = partitioner or partitioning.PjitPartitioner()
-  if compile_only:
-    return train_step_program(model=model, data=data, optimizer=optimizer,
-                              partitioner=partitioner, batch_size=batch_size,
-                              feature_lengths=feature_lengths,
-                              num_microbatches=num_microbatches)
   fileio.check_writable(model_dir, directory=True)
   if fileio.is_url(model_dir):
-    checkpoints.make_run_dir(model_dir)  # Bucket, credentials, endpoint: checked first.
+    run_dirs.make_run_dir(model_dir)  # Bucket, credentials, endpoint: checked first.
     created = not fileio.exists(model_dir)  # (It leaves no object behind.)
   else:
     created = not fileio.exists(model_dir)
-    checkpoints.make_run_dir(model_dir)
+    run_dirs.make_run_dir(model_dir)
   training = False
   try:
     # Held from before the run files are written: a second run into this folder is refused
     # before it changes anything (`train.train` takes the same lock again, re-entrantly).
-    with checkpoints.RunDirLock(model_dir):
-      resuming = bool(checkpoints.saved_steps(model_dir))
+    with run_dirs.RunDirLock(model_dir):
+      resuming = bool(run_dirs.saved_steps(model_dir))
       init_info = None
       if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
         init_info = model_dirs.inspect(init_checkpoint)
       if resuming:  # Its files are checked and read only; written once the resume is accepted.
-        model_dirs.verify_run_files(model_dir)
+        run_dirs.verify_run_files(model_dir)
         _check_same_model(model_dir, model.config)
-        data = data.resumed(model_dirs.read_settings(model_dir).get("data", {}))
+        data = data.resumed(run_dirs.read_settings(model_dir).get("data", {}))
       # Process 0 builds a vocabulary where one is built (a fresh run's demo vocabulary); the
       # others then find it in the run directory.
       if jax.process_index() == 0:
@@ -250,10 +233,10 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         if jax.process_index() == 0:
           if gin.config_str():
             gin_utils.write_operative_config(model_dir)
-          model_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
-                                    settings={"model": model.settings(),
-                                              "data": data.settings(),
-                                              "feature_lengths": dict(feature_lengths)})
+          run_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
+                                  settings={"model": model.settings(),
+                                            "data": data.settings(),
+                                            "feature_lengths": dict(feature_lengths)})
         if jax.process_count() > 1:
           multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
 
@@ -303,13 +286,18 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     raise
 
 
-def train_step_program(*, model: trainable.TrainableModel, data: DataSpec,
-                       optimizer: optax.GradientTransformation,
-                       partitioner: partitioning.PjitPartitioner, batch_size: int,
-                       feature_lengths: Mapping[str, int],
-                       num_microbatches: int = 1) -> aot.CompileProgram:
-  """`train_run`'s step as `jaxmoral compile` lowers it: the run's own `make_trainer` and
-  jitted step, from the data's batch shapes (nothing read, nothing allocated)."""
+def compile_run(*, model: trainable.TrainableModel, data: DataSpec,
+                optimizer: optax.GradientTransformation, batch_size: int,
+                feature_lengths: Mapping[str, int],
+                partitioner: Optional[partitioning.PjitPartitioner] = None,
+                num_microbatches: int = 1) -> aot.CompileProgram:
+  """The step `train_run` trains (arguments as its), as `jaxmoral compile` lowers it for a
+  topology: the run's own `make_trainer` and jitted step, from the data's batch shapes. Nothing
+  is read or allocated (neither MODEL_DIR nor the data files); a count out of range is a
+  ValueError naming its gin macro."""
+  _check_run_arguments(batch_size=batch_size, feature_lengths=feature_lengths,
+                       num_microbatches=num_microbatches)
+  partitioner = partitioner or partitioning.PjitPartitioner()
   trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
                          num_microbatches=num_microbatches)
   shapes = data.batch_shapes(batch_size=batch_size, feature_lengths=feature_lengths)
@@ -338,8 +326,20 @@ def train_step_program(*, model: trainable.TrainableModel, data: DataSpec,
           config, encoder_tokens=encoder_tokens, decoder_tokens=decoder_tokens))
 
 
-# `jaxmoral compile`'s default target: this entry point as the gin config binds it.
-aot.register_compile_target("train_run", lambda: train_run(compile_only=True))
+def _compile_train_run() -> aot.CompileProgram:
+  """`jaxmoral compile`'s default target, "train_run": `compile_run` given what the gin config
+  binds `train_run` (MODEL, DATA, OPTIMIZER, BATCH_SIZE, ...), the step that run trains."""
+  wanted = inspect.signature(compile_run).parameters
+  bound = gin.get_bindings(train_run, resolve_references=False)
+  missing = [name for name, p in wanted.items() if p.default is p.empty and name not in bound]
+  if missing:
+    raise ValueError(f"compile: the gin config binds no runs.train_run.{missing[0]} (the "
+                     f"target \"train_run\" compiles the step that run trains)")
+  # Copying resolves the references (gin.get_bindings' own way), those compile_run takes only.
+  return compile_run(**copy.deepcopy({k: v for k, v in bound.items() if k in wanted}))
+
+
+aot.register_compile_target("train_run", _compile_train_run)
 
 
 @gin.configurable

@@ -8,12 +8,7 @@ evaluation or checkpoint step, and the next batches are read and placed on the d
 thread while a step runs. Hooks (`TrainHook`) add what a method needs besides stepping (PPO's
 reward normalisation and curve, a soft prompt saved at the end) without a second loop.
 
-Layout of `model_dir`::
-
-  train.lock            held while a run trains here (`checkpoints.RunDirLock`)
-  checkpoints/<step>/   Orbax checkpoints of the `TrainState` (+ `_INTEGRITY.json` checksums)
-  train/                TensorBoard events (train metrics, tokens/s, steps/s)
-  eval/                 TensorBoard events (eval metrics)
+The run directory's layout: `jaxmoral.run_dirs`; its TensorBoard files: `jaxmoral.metric_writers`.
 """
 
 from __future__ import annotations
@@ -24,8 +19,6 @@ import logging
 import math
 import os
 import queue
-import struct
-import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -37,9 +30,12 @@ import numpy as np
 from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import gin_utils
+from jaxmoral import integrity
+from jaxmoral import metric_writers
 from jaxmoral import partitioning
 from jaxmoral import preemption
 from jaxmoral import progress
+from jaxmoral import run_dirs
 from jaxmoral import software
 from jaxmoral import trainer as trainer_lib
 from jaxmoral import validation
@@ -48,11 +44,6 @@ from jaxmoral.data.source import DataSource
 logger = logging.getLogger(__name__)
 
 OnEval = Callable[[int, dict[str, float], trainer_lib.TrainState], Optional[Mapping[str, float]]]
-
-
-def _markdown_code(text: str) -> str:
-  """Text shown as written in TensorBoard's markdown (an indented code block)."""
-  return "\n".join("    " + line for line in text.splitlines())
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -64,128 +55,6 @@ class NonFiniteLossError(FloatingPointError):
 NON_FINITE_CAUSES = ("a learning rate too high for the model (LEARNING_RATE; warmup too short), "
                      "float16/bfloat16 overflow (try float32), or broken data (empty targets, "
                      "ids beyond the vocabulary)")
-
-
-def _import_tensorboardx() -> None:
-  """Imports tensorboardX without PyTorch.
-
-  tensorboardX's package import loads torch whenever it is installed (about 1.5 s and 180 MiB
-  of a training process's memory), only so that it may accept torch tensors, which jaxmoral
-  never passes it. Blocked for that import alone; torch stays importable afterwards.
-  """
-  if "tensorboardX" in sys.modules or "torch" in sys.modules:
-    return
-  sys.modules["torch"] = None  # type: ignore[assignment]  # Makes `import torch` fail.
-  try:
-    import tensorboardX  # noqa: F401  # pylint: disable=g-import-not-at-top,unused-import
-  finally:
-    del sys.modules["torch"]
-
-
-class MetricWriters:
-  """TensorBoard event files in train/ and eval/, on process 0 only (shared by every loop).
-
-  A point is in its file when `scalars` or `text` returns: the event is written and flushed
-  in the caller's thread. (tensorboardX's `SummaryWriter` hands events to a background
-  thread, and its `flush` does not wait for them, so a run killed after a checkpoint lost the
-  points of that step for good: the resumed run starts after them.)
-  """
-
-  def __init__(self, model_dir: str):
-    self._writers = {}
-    if jax.process_index() == 0:
-      _import_tensorboardx()
-      # pylint: disable=g-import-not-at-top  (optional, heavy)
-      from tensorboardX.event_file_writer import EventsWriter
-      from tensorboardX.record_writer import directory_check
-      for name in ("train", "eval"):
-        directory = fileio.join(model_dir, name)
-        directory_check(directory)  # Local folders and gs:// / s3:// alike.
-        # pid and object id in the name: two writers started in the same second (a run and
-        # its quick resume, or two loops of one process) must not share a file.
-        self._writers[name] = EventsWriter(fileio.join(directory, "events"),
-                                           filename_suffix=f".{os.getpid()}.{id(self)}")
-
-  def _write(self, name: str, step: int, summary: Any) -> None:
-    writer = self._writers.get(name)
-    if writer is not None:
-      from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-      writer.write_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
-      writer.flush()
-
-  def scalars(self, name: str, step: int, values: Mapping[str, float]) -> None:
-    _import_tensorboardx()
-    from tensorboardX.proto import summary_pb2  # pylint: disable=g-import-not-at-top
-    self._write(name, step, summary_pb2.Summary(value=[
-        summary_pb2.Summary.Value(tag=key, simple_value=float(value))
-        for key, value in values.items()]))
-
-  def text(self, name: str, step: int, tag: str, text: str) -> None:
-    """Text (e.g. a markdown table of sample outputs) under `name`."""
-    _import_tensorboardx()
-    from tensorboardX import summary  # pylint: disable=g-import-not-at-top
-    self._write(name, step, summary.text(tag, text))
-
-  def close(self) -> None:
-    for writer in self._writers.values():
-      writer.close()
-
-
-def _event_files(directory: str) -> list[str]:
-  """The paths of a directory's TensorBoard event files, in name order."""
-  paths = [fileio.join(directory, name) for name in sorted(fileio.listdir(directory))
-           if "tfevents" in name]
-  return [path for path in paths if fileio.isfile(path)]
-
-
-def _records(data: bytes) -> Iterator[tuple[int, int]]:
-  """`(start, end)` of each whole TFRecord in an event file's bytes (length, its CRC, the
-  event, its CRC); stops at a record a kill cut short."""
-  pos = 0
-  while pos + 12 <= len(data):
-    (length,) = struct.unpack("<Q", data[pos:pos + 8])
-    end = pos + 12 + length + 4
-    if end > len(data):
-      return
-    yield pos, end
-    pos = end
-
-
-def _events(directory: str) -> Iterator[Any]:
-  """The TensorBoard events of a directory's event files, files in name order; read without
-  TensorBoard."""
-  _import_tensorboardx()
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  for path in _event_files(directory):
-    data = fileio.read_bytes(path)
-    for start, end in _records(data):
-      yield event_pb2.Event.FromString(data[start + 12:end - 4])
-
-
-def read_scalars(directory: str) -> dict[str, dict[int, float]]:
-  """`{tag: {step: value}}` of the scalars in a directory's TensorBoard event files.
-
-  For a notebook or a test, without TensorBoard. A later point of a step wins (a resumed run
-  drops the points after its checkpoint first: `purge_events_after`).
-  """
-  out: dict[str, dict[int, float]] = {}
-  for event in _events(directory):
-    for value in event.summary.value:
-      if value.HasField("simple_value"):
-        out.setdefault(value.tag, {})[event.step] = value.simple_value
-  return out
-
-
-def read_texts(directory: str) -> dict[str, dict[int, str]]:
-  """`{tag: {step: text}}` of the text summaries (`MetricWriters.text`) in a directory's
-  event files; tags as written (`config`, not TensorBoard's `config/text_summary`)."""
-  out: dict[str, dict[int, str]] = {}
-  for event in _events(directory):
-    for value in event.summary.value:
-      if value.tag.endswith("/text_summary") and value.tensor.string_val:
-        tag = value.tag[:-len("/text_summary")]
-        out.setdefault(tag, {})[event.step] = value.tensor.string_val[0].decode()
-  return out
 
 
 def evaluate(*, trainer: trainer_lib.Trainer, state: trainer_lib.TrainState, eval_source: Any,
@@ -249,7 +118,7 @@ class LoopInfo:
   start_step: int
   fresh: bool
   train_steps: int
-  writers: MetricWriters
+  writers: metric_writers.MetricWriters
 
 
 def _progress_line(trainer: Any, done: int, train_steps: int, means: Mapping[str, float],
@@ -342,19 +211,19 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
     ValueError: A checkpoint of this run was written over other data, seed or batch size
       (the data position would not continue the same run), or bad arguments.
     preemption.Stopped: SIGTERM or SIGINT (one process): the step it came in was saved.
-    checkpoints.RunDirLockedError: Another run trains in `model_dir` (a ValueError).
-    checkpoints.CheckpointIntegrityError: Every checkpoint is damaged (a ValueError).
+    run_dirs.RunDirLockedError: Another run trains in `model_dir` (a ValueError).
+    integrity.CheckpointIntegrityError: Every checkpoint is damaged (a ValueError).
   """
   for name, value in (("train_steps", train_steps), ("checkpoint_every", checkpoint_every),
                       ("log_every", log_every), ("keep_checkpoints", keep_checkpoints),
                       ("prefetch_batches", prefetch_batches)):
     validation.positive_int(value, f"train: {name}")
   validation.non_negative_int(eval_every, "train: eval_every")
-  model_dir = checkpoints.make_run_dir(model_dir)
+  model_dir = run_dirs.make_run_dir(model_dir)
   is_chief = jax.process_index() == 0
-  ckpt_dir = checkpoints.run_checkpoints_dir(model_dir)
+  ckpt_dir = run_dirs.checkpoints_dir(model_dir)
   # Two runs writing one MODEL_DIR would interleave checkpoints and curves: refused here.
-  lock = checkpoints.RunDirLock(model_dir).acquire()
+  lock = run_dirs.RunDirLock(model_dir).acquire()
   manager = None
   writers = None
   try:
@@ -408,16 +277,17 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
       logger.info("train: %s", software_line)
       # Points a killed run wrote after this step are written again from here on; a run
       # resumed at its last step evaluates that step again.
-      purge_events_after(os.path.join(model_dir, "train"), start)
-      purge_events_after(os.path.join(model_dir, "eval"),
+      metric_writers.purge_events_after(run_dirs.events_dir(model_dir, "train"), start)
+      metric_writers.purge_events_after(run_dirs.events_dir(model_dir, "eval"),
                          start - 1 if eval_source is not None and start >= train_steps
                          else start)
-    writers = MetricWriters(model_dir)
+    writers = metric_writers.MetricWriters(model_dir)
     if is_chief:  # As T5X: what this stretch of the run trains under, in TensorBoard's Text tab.
       writers.text("train", start, "software", software_line)
       config_path = fileio.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
-      if fileio.isfile(config_path):
-        writers.text("train", start, "config", _markdown_code(fileio.read_text(config_path)))
+      if fileio.isfile(config_path):  # As an indented markdown code block: shown as written.
+        writers.text("train", start, "config", "\n".join(
+            "    " + line for line in fileio.read_text(config_path).splitlines()))
     loop = LoopInfo(model_dir=model_dir, start_step=start, fresh=latest is None,
                     train_steps=train_steps, writers=writers)
     for hook in hooks:
@@ -446,7 +316,7 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
 
 def _restore_newest_intact(manager: checkpoints.CheckpointManager, trainer: Any
                            ) -> tuple[Optional[int], Any, dict[str, Any],
-                                      list[tuple[int, checkpoints.CheckpointIntegrityError]]]:
+                                      list[tuple[int, integrity.CheckpointIntegrityError]]]:
   """`(step, state, extra, damaged)` of the newest intact checkpoint (`(None, None, {}, [])`
   if none).
 
@@ -457,18 +327,18 @@ def _restore_newest_intact(manager: checkpoints.CheckpointManager, trainer: Any
   Raises:
     CheckpointIntegrityError: Every checkpoint is damaged (the run would start over).
   """
-  skipped: list[tuple[int, checkpoints.CheckpointIntegrityError]] = []
+  skipped: list[tuple[int, integrity.CheckpointIntegrityError]] = []
   found: Optional[tuple[int, Any, dict[str, Any]]] = None
   for step in reversed(manager.all_steps()):
     try:
       state, extra = manager.restore(step, target=trainer.abstract_state())
-    except checkpoints.CheckpointIntegrityError as e:
+    except integrity.CheckpointIntegrityError as e:
       skipped.append((step, e))
       continue
     found = (step, state, extra)
     break
   if skipped and found is None:
-    raise checkpoints.CheckpointIntegrityError(
+    raise integrity.CheckpointIntegrityError(
         f"train: no intact checkpoint in {manager.directory} (damaged: "
         f"{', '.join(str(step) for step, _ in skipped)}): {skipped[0][1]}; move the damaged "
         "steps away to start over, or use a new MODEL_DIR", step=skipped[0][0],
@@ -479,7 +349,7 @@ def _restore_newest_intact(manager: checkpoints.CheckpointManager, trainer: Any
 
 
 def _move_aside_damaged(manager: checkpoints.CheckpointManager,
-                        damaged: Sequence[tuple[int, checkpoints.CheckpointIntegrityError]],
+                        damaged: Sequence[tuple[int, integrity.CheckpointIntegrityError]],
                         resumed: Optional[int]) -> None:
   """Moves the damaged steps `_restore_newest_intact` skipped aside, with a warning each."""
   for step, error in damaged:
@@ -490,49 +360,6 @@ def _move_aside_damaged(manager: checkpoints.CheckpointManager,
     logger.warning("train: resuming from step %d, the newest intact checkpoint (skipped "
                    "step%s %s)", resumed, "s" if len(damaged) > 1 else "",
                    ", ".join(str(step) for step, _ in damaged))
-
-
-def purge_events_after(directory: str, step: int) -> int:
-  """Drops the TensorBoard events of steps after `step` from a directory's event files.
-
-  A run killed after its last checkpoint had already written points past it; the resumed run
-  writes those steps again, and TensorBoard would show both. Each file that loses events is
-  rewritten whole, under a temporary name renamed over the old one (the records are copied
-  byte for byte, CRCs included). A record cut short by the kill is dropped too.
-
-  Args:
-    directory: A folder of event files (train/ or eval/); absent is fine.
-    step: The last step to keep.
-
-  Returns:
-    The number of events dropped.
-  """
-  _import_tensorboardx()
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
-  if not fileio.isdir(directory):
-    return 0
-  dropped = 0
-  for path in _event_files(directory):
-    data = fileio.read_bytes(path)
-    kept, whole_end, changed = [], 0, False
-    for start, end in _records(data):
-      try:
-        event_step = event_pb2.Event.FromString(data[start + 12:end - 4]).step
-      except Exception:  # pylint: disable=broad-except  (a garbled record: drop it)
-        event_step = step + 1
-      if event_step > step:
-        dropped += 1
-        changed = True
-      else:
-        kept.append(data[start:end])
-      whole_end = end
-    changed = changed or whole_end != len(data)  # a record (or header) torn by a kill
-    if changed:
-      fileio.write_bytes(path, b"".join(kept))  # Whole: a temporary renamed over, or one object.
-  if dropped:
-    logger.info("train: dropped %d TensorBoard events after step %d in %s", dropped, step,
-                directory)
-  return dropped
 
 
 class _Prefetcher:

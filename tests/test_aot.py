@@ -275,13 +275,13 @@ def test_clarify_ppo_target_lowers_the_functions_train_ppo_runs(tmp_path):
 
 
 def test_diamante_config_compiles_through_the_train_run_target(tmp_path):
-  """`runs.train_run` itself, in its compile-only mode: it touches neither MODEL_DIR nor the
-  data file."""
+  """`runs.compile_run` with what gin binds `runs.train_run`: it touches neither MODEL_DIR nor
+  the data file."""
   gin_args, _ = gin_utils.split_gin_args(["--gin_file=configs/diamante/tiny_cpu.gin",
                                           f"--gin.MODEL_DIR='{tmp_path / 'run'}'",
                                           "--gin.TRAIN_PATH='/nowhere/needed.jsonl'"])
   gin_utils.parse_gin(gin_args)
-  # One device: what is checked is train_run's compile-only mode, not its data parallelism
+  # One device: what is checked is the train_run target, not its data parallelism
   # (a sharded step's report: test_cpu_report_fields).
   report = aot.compile_for_topology(topology="cpu:1", print_table=False)  # default target
   assert report.target == "train_run" and "DiamanteModel" in report.description

@@ -16,6 +16,7 @@ from jaxmoral import api  # noqa: E402
 from jaxmoral import checkpoints  # noqa: E402
 from jaxmoral import decoding  # noqa: E402
 from jaxmoral import inference  # noqa: E402
+from jaxmoral import params_export  # noqa: E402
 from jaxmoral.data import vocab as vocab_lib  # noqa: E402
 
 # What runs is tested here, not how it is sharded (tests/conftest.py).
@@ -95,7 +96,7 @@ def test_score_is_sum_of_torch_token_logprobs(model, hf_dir):
 
 
 def test_exported_dir_gives_same_logits(model, tmp_path, vocabulary):
-  checkpoints.export_params(model.params, tmp_path, config=model.config.to_dict())
+  params_export.export_params(model.params, tmp_path, config=model.config.to_dict())
   (tmp_path / "vocab").mkdir()
   shutil.copyfile(vocabulary.sentencepiece_model_file, tmp_path / "vocab" / "spiece.model")
   exported = api.Model.from_pretrained(tmp_path)

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 from jaxmoral import checkpoints as ck
-from jaxmoral import model_dirs, partitioning
+from jaxmoral import integrity, metric_writers, model_dirs, params_export, partitioning, run_dirs
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as tr
 from jaxmoral.data import vocab as vocab_lib
@@ -34,7 +34,7 @@ from jaxmoral.models.config import t5_config
 # What runs is tested here, not how it is sharded (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("one_device")
 
-Error = ck.CheckpointIntegrityError
+Error = integrity.CheckpointIntegrityError
 STEPS = 4
 
 
@@ -79,9 +79,9 @@ def t5_run(tmp_path_factory):
   params = jax.tree_util.tree_map(
       lambda s: (rs.randn(*s.shape) * 0.1).astype(s.dtype), shapes)
   tx = optax.adam(1e-3)
-  with open(os.path.join(run, model_dirs.MODEL_CONFIG_FILE), "w") as f:
+  with open(os.path.join(run, run_dirs.MODEL_CONFIG_FILE), "w") as f:
     f.write(CFG.to_json())
-  with ck.CheckpointManager(ck.run_checkpoints_dir(run), save_interval_steps=1,
+  with ck.CheckpointManager(run_dirs.checkpoints_dir(run), save_interval_steps=1,
                             async_save=True) as manager:
     for step in (1, 2):
       manager.save(step, {"step": np.int32(step), "params": params,
@@ -96,7 +96,7 @@ def _copy(run: str, tmp_path) -> str:
 
 
 def _step_dir(run: str, step: int) -> str:
-  return os.path.join(ck.run_checkpoints_dir(run), str(step))
+  return os.path.join(run_dirs.checkpoints_dir(run), str(step))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -106,7 +106,7 @@ def test_damaged_step_is_refused_by_every_reader(t5_run, tmp_path, damage):
   DAMAGE[damage](victim)
   name = os.path.relpath(victim, _step_dir(run, 2))
   expected = rf"step 2 is damaged: {name} .*{MESSAGE[damage]}"
-  ckpt_dir = ck.run_checkpoints_dir(run)
+  ckpt_dir = run_dirs.checkpoints_dir(run)
   with ck.CheckpointManager(ckpt_dir) as manager:
     target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
                                     manager.state_metadata(1))
@@ -115,7 +115,7 @@ def test_damaged_step_is_refused_by_every_reader(t5_run, tmp_path, damage):
     assert caught.value.step == 2 and caught.value.files == (name,)
     manager.restore(1, target=target)  # The intact step still loads.
   with pytest.raises(Error, match=expected):
-    ck.restore_params_from_run(ckpt_dir)
+    params_export.restore_params_from_run(ckpt_dir)
   with pytest.raises(Error, match=expected):
     model_dirs.load(run)  # What `jaxmoral eval` / `infer` load.
   out = tmp_path / "export"
@@ -136,20 +136,20 @@ def test_deleted_metadata_is_an_incomplete_step(t5_run, tmp_path):
   with pytest.raises(Error, match=r"step 2 is incomplete \(missing state/_METADATA\)"):
     model_dirs.inspect(run)
   with pytest.raises(Error, match=r"step 2 is incomplete \(missing state/_METADATA\)"):
-    ck.restore_params_from_run(ck.run_checkpoints_dir(run))
+    params_export.restore_params_from_run(run_dirs.checkpoints_dir(run))
   # The same for a step saved before manifests existed.
   os.remove(os.path.join(_step_dir(run, 1), "state", "_METADATA"))
-  os.remove(os.path.join(_step_dir(run, 1), ck.INTEGRITY_FILE))
+  os.remove(os.path.join(_step_dir(run, 1), integrity.INTEGRITY_FILE))
   with pytest.raises(Error, match=r"step 1 is incomplete \(missing state/_METADATA\)"):
     model_dirs.load(run, step=1)
 
 
 def test_step_without_manifest_loads_with_a_warning(t5_run, tmp_path, caplog):
   run = _copy(t5_run[0], tmp_path)
-  os.remove(os.path.join(_step_dir(run, 2), ck.INTEGRITY_FILE))
+  os.remove(os.path.join(_step_dir(run, 2), integrity.INTEGRITY_FILE))
   # Only a run saved before manifests existed: one that records them never loads such a step.
-  os.remove(os.path.join(ck.run_checkpoints_dir(run), ck.CHECKSUMMED_FILE))
-  with caplog.at_level(logging.WARNING, logger="jaxmoral.checkpoints"):
+  os.remove(os.path.join(run_dirs.checkpoints_dir(run), integrity.CHECKSUMMED_FILE))
+  with caplog.at_level(logging.WARNING, logger="jaxmoral.integrity"):
     loaded = model_dirs.load(run)
   assert loaded.info.step == 2
   assert any("step 2 has no _INTEGRITY.json" in r.getMessage() and "unverified" in r.getMessage()
@@ -163,16 +163,16 @@ def test_damaged_export_is_refused(t5_run, tmp_path, damage, demo_vocab_path):
   run, params = t5_run
   out = str(tmp_path / "export")
   model_dirs.export_model(run, out)
-  manifest = json.loads(open(os.path.join(out, ck.INTEGRITY_FILE)).read())["files"]
+  manifest = json.loads(open(os.path.join(out, integrity.INTEGRITY_FILE)).read())["files"]
   assert "config.json" in manifest and any(f.startswith("params/") for f in manifest)
   np.testing.assert_array_equal(
-      np.asarray(ck.load_params(out)["token_embedder"]["embedding"]),
+      np.asarray(params_export.load_params(out)["token_embedder"]["embedding"]),
       params["token_embedder"]["embedding"])
   victim = largest_data_file(os.path.join(out, "params"))
   DAMAGE[damage](victim)
   expected = rf"the export is damaged: {os.path.relpath(victim, out)} .*{MESSAGE[damage]}"
   with pytest.raises(Error, match=expected):
-    ck.load_exported(out)
+    params_export.load_exported(out)
   with pytest.raises(Error, match=expected):
     model_dirs.load(out)
   if damage == "truncate":
@@ -187,16 +187,16 @@ def test_damaged_export_is_refused(t5_run, tmp_path, damage, demo_vocab_path):
   with open(os.path.join(out2, "config.json"), "a") as f:
     f.write(" ")
   with pytest.raises(Error, match="the export is damaged: config.json"):
-    ck.load_exported(out2)
+    params_export.load_exported(out2)
   # So is a changed vocabulary or settings file: the manifest covers all a load reads.
   if damage == "truncate":
     return
   with_files = _copy(run, tmp_path)
-  model_dirs.save_vocabulary(with_files, vocab_lib.get_vocabulary(demo_vocab_path))
-  model_dirs.write_settings(with_files, {"feature_lengths": {"inputs": 8, "targets": 4}})
+  run_dirs.save_vocabulary(with_files, vocab_lib.get_vocabulary(demo_vocab_path))
+  run_dirs.write_settings(with_files, {"feature_lengths": {"inputs": 8, "targets": 4}})
   out3 = str(tmp_path / "export3")
   model_dirs.export_model(with_files, out3)
-  manifest = json.loads(open(os.path.join(out3, ck.INTEGRITY_FILE)).read())["files"]
+  manifest = json.loads(open(os.path.join(out3, integrity.INTEGRITY_FILE)).read())["files"]
   assert {"vocab/spiece.model", "settings.json"} <= set(manifest)
   with open(os.path.join(out3, "vocab", "spiece.model"), "r+b") as f:
     first = f.read(1)
@@ -235,7 +235,7 @@ def _run(model_dir: str, trainer: tr.Trainer, train_steps: int = STEPS) -> dict:
 
 
 def _params(model_dir: str, step: int):
-  return jax.device_get(ck.restore_params_from_run(ck.run_checkpoints_dir(model_dir), step=step))
+  return jax.device_get(params_export.restore_params_from_run(run_dirs.checkpoints_dir(model_dir), step=step))
 
 
 def _events(directory: str) -> list[tuple[str, int]]:
@@ -289,14 +289,14 @@ def test_train_resumes_from_the_newest_intact_step(resumed):
              for m in messages), messages
   assert any("resuming from step 2, the newest intact checkpoint (skipped step 4)" in m
              for m in messages), messages
-  ckpt_dir = ck.run_checkpoints_dir(damaged)
+  ckpt_dir = run_dirs.checkpoints_dir(damaged)
   assert os.path.isdir(os.path.join(ckpt_dir, "4.damaged"))  # Kept for a post-mortem.
   assert ck.CheckpointManager(ckpt_dir).all_steps() == [2, 4]
   assert ck.verify_step(ckpt_dir, 4)  # Saved again, with its manifest.
   for step in (2, 4):
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                            _params(reference, step), _params(damaged, step))
-  assert not os.path.exists(os.path.join(damaged, ck.LOCK_FILE))  # Released.
+  assert not os.path.exists(os.path.join(damaged, run_dirs.LOCK_FILE))  # Released.
 
 
 def test_tensorboard_has_each_step_once_after_a_resume(resumed):
@@ -317,7 +317,7 @@ def test_tensorboard_has_each_step_once_after_a_resume(resumed):
   name = sorted(os.listdir(train_dir))[-1]
   with open(os.path.join(train_dir, name), "ab") as f:
     f.write(b"\x10\x00\x00")
-  assert train_lib.purge_events_after(train_dir, 3) > 0
+  assert metric_writers.purge_events_after(train_dir, 3) > 0
   assert sorted(s for t, s in _events(train_dir) if t == "loss") == [1, 2, 3]
 
 
@@ -330,12 +330,12 @@ def test_train_refuses_when_every_step_is_damaged(resumed, tmp_path):
   with pytest.raises(Error, match=r"no intact checkpoint .*\(damaged: 4, 2\).*step 4 is "
                                   r"incomplete \(missing state/_METADATA\)"):
     _run(run, trainer)
-  assert not os.path.exists(os.path.join(run, ck.LOCK_FILE))  # Released on errors too.
-  assert ck.CheckpointManager(ck.run_checkpoints_dir(run)).all_steps() == [2, 4]  # Untouched.
+  assert not os.path.exists(os.path.join(run, run_dirs.LOCK_FILE))  # Released on errors too.
+  assert ck.CheckpointManager(run_dirs.checkpoints_dir(run)).all_steps() == [2, 4]  # Untouched.
 
 
 def _write_lock(model_dir: str, host: str, pid: int) -> str:
-  path = os.path.join(model_dir, ck.LOCK_FILE)
+  path = os.path.join(model_dir, run_dirs.LOCK_FILE)
   with open(path, "w") as f:
     json.dump({"host": host, "pid": pid, "started": "2025-01-01T00:00:00+00:00",
                "token": "other"}, f)
@@ -348,16 +348,16 @@ def test_second_run_is_refused_naming_the_holder(resumed, tmp_path):
   os.makedirs(model_dir)
   holder = os.getppid()  # A live process on this host.
   path = _write_lock(model_dir, socket.gethostname(), holder)
-  with pytest.raises(ck.RunDirLockedError,
+  with pytest.raises(run_dirs.RunDirLockedError,
                      match=rf"in use by another training run \(pid {holder} on "
                            rf"{socket.gethostname()}, started 2025-01-01"):
     _run(model_dir, trainer)
   assert json.load(open(path))["token"] == "other"  # Left alone.
-  assert not os.path.exists(ck.run_checkpoints_dir(model_dir))  # Refused before anything.
+  assert not os.path.exists(run_dirs.checkpoints_dir(model_dir))  # Refused before anything.
   # Another host's lock is refused while it is being refreshed.
   _write_lock(model_dir, "elsewhere", 1)
-  with pytest.raises(ck.RunDirLockedError, match="pid 1 on elsewhere"):
-    ck.RunDirLock(model_dir).acquire()
+  with pytest.raises(run_dirs.RunDirLockedError, match="pid 1 on elsewhere"):
+    run_dirs.RunDirLock(model_dir).acquire()
 
 
 def test_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
@@ -365,12 +365,12 @@ def test_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
   dead = subprocess.Popen(["true"])
   dead.wait()
   path = _write_lock(model_dir, socket.gethostname(), dead.pid)
-  with caplog.at_level(logging.WARNING, logger="jaxmoral.checkpoints"):
-    with ck.RunDirLock(model_dir):
+  with caplog.at_level(logging.WARNING, logger="jaxmoral.run_dirs"):
+    with run_dirs.RunDirLock(model_dir):
       mine = json.load(open(path))
       assert mine["pid"] == os.getpid() and mine["host"] == socket.gethostname()
       assert "started" in mine
-      with ck.RunDirLock(model_dir):  # Re-entrant in one process (setup, then the loop).
+      with run_dirs.RunDirLock(model_dir):  # Re-entrant in one process (setup, then the loop).
         pass
       assert os.path.exists(path)
   assert not os.path.exists(path)
@@ -378,9 +378,9 @@ def test_stale_lock_is_taken_over_with_a_warning(tmp_path, caplog):
              and "not running" in r.getMessage() for r in caplog.records), caplog.text
   # Another host's lock left unrefreshed for long is stale too.
   _write_lock(model_dir, "elsewhere", 1)
-  old = os.path.getmtime(path) - ck.LOCK_STALE_AFTER_S - 60
+  old = os.path.getmtime(path) - run_dirs.LOCK_STALE_AFTER_S - 60
   os.utime(path, (old, old))
-  with ck.RunDirLock(model_dir):
+  with run_dirs.RunDirLock(model_dir):
     assert json.load(open(path))["pid"] == os.getpid()
   assert not os.path.exists(path)
 
@@ -394,10 +394,10 @@ def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, mon
   root.mkdir()
   for k in range(6):
     (root / f"f{k}").write_bytes(bytes([k]) * (100 + k))
-  ck.write_integrity_manifest(root)
+  integrity.write_integrity_manifest(root)
   me, barrier, slots = threading.local(), threading.Barrier(2), [None, None]
   hashed: dict[int, list[str]] = {0: [], 1: []}
-  real_hash_all = ck._hash_all
+  real_hash_all = integrity._hash_all
 
   def allgather(x):
     slots[me.index] = np.asarray(x)
@@ -414,7 +414,7 @@ def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, mon
   monkeypatch.setattr(jax, "process_index", lambda: me.index)
   monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
   monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: barrier.wait())
-  monkeypatch.setattr(ck, "_hash_all", hash_all)
+  monkeypatch.setattr(integrity, "_hash_all", hash_all)
 
   def verify_as_both() -> list:
     results = [None, None]
@@ -422,7 +422,7 @@ def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, mon
     def process(index):
       me.index = index
       try:
-        results[index] = ck.verify_integrity(root, what="step", shared=True)
+        results[index] = integrity.verify_integrity(root, what="step", shared=True)
       except Error as e:
         results[index] = e
     threads = [threading.Thread(target=process, args=(i,)) for i in (0, 1)]
@@ -443,7 +443,7 @@ def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, mon
   hashed[0].clear()
   me.index = 0
   with pytest.raises(Error, match=victim):
-    ck.verify_integrity(root, what="step")
+    integrity.verify_integrity(root, what="step")
   assert sorted(hashed[0]) == [f"f{k}" for k in range(6)]
 
 
@@ -469,9 +469,9 @@ def test_manifest_naming_a_file_outside_its_step_is_refused_by_every_reader(
   if entry == "leak":  # A link in the step folder to a file outside it.
     (tmp_path / "secret").write_text("x")
     os.symlink(tmp_path / "secret", os.path.join(step, "leak"))
-  _plant_entry(os.path.join(step, ck.INTEGRITY_FILE), entry)
+  _plant_entry(os.path.join(step, integrity.INTEGRITY_FILE), entry)
   expected = rf"step 2 is damaged: its _INTEGRITY.json names '{entry}', which is outside"
-  with ck.CheckpointManager(ck.run_checkpoints_dir(run)) as manager:
+  with ck.CheckpointManager(run_dirs.checkpoints_dir(run)) as manager:
     target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype),
                                     manager.state_metadata(1))
     with pytest.raises(Error, match=expected):
@@ -484,10 +484,10 @@ def test_manifest_naming_a_file_outside_its_step_is_refused_by_every_reader(
   assert not rows[2]["ok"] and "outside" in rows[2]["status"]
   assert "bytes" not in rows[2]["status"] and rows[1]["ok"]
   # The run's own manifest and an export's are read by the same check.
-  ck.write_integrity_manifest(run, [model_dirs.MODEL_CONFIG_FILE])
-  _plant_entry(os.path.join(run, ck.INTEGRITY_FILE), "/etc/hostname")
+  integrity.write_integrity_manifest(run, [run_dirs.MODEL_CONFIG_FILE])
+  _plant_entry(os.path.join(run, integrity.INTEGRITY_FILE), "/etc/hostname")
   with pytest.raises(Error, match="the run's files is damaged: .* names '/etc/hostname'"):
-    model_dirs.verify_run_files(run)
+    run_dirs.verify_run_files(run)
 
 
 def test_verification_is_cached_per_step_until_a_file_changes(tmp_path, monkeypatch):
@@ -495,19 +495,19 @@ def test_verification_is_cached_per_step_until_a_file_changes(tmp_path, monkeypa
   root.mkdir()
   for k in range(3):
     (root / f"f{k}").write_bytes(bytes([k]) * 100)
-  ck.write_integrity_manifest(root)
+  integrity.write_integrity_manifest(root)
   hashed: list[str] = []
-  real_hash_all = ck._hash_all
-  monkeypatch.setattr(ck, "_hash_all",
+  real_hash_all = integrity._hash_all
+  monkeypatch.setattr(integrity, "_hash_all",
                       lambda r, rel: (hashed.extend(rel), real_hash_all(r, rel))[1])
-  assert ck.verify_integrity(root, what="step")
+  assert integrity.verify_integrity(root, what="step")
   assert sorted(hashed) == ["f0", "f1", "f2"]
   hashed.clear()
-  assert ck.verify_integrity(root, what="step")  # A second page view hashes nothing.
+  assert integrity.verify_integrity(root, what="step")  # A second page view hashes nothing.
   assert not hashed
   flip(str(root / "f1"))
   with pytest.raises(Error, match="f1 differs"):
-    ck.verify_integrity(root, what="step")
+    integrity.verify_integrity(root, what="step")
   assert hashed == ["f1"]  # Only the rewritten file is hashed again.
 
 
@@ -517,24 +517,24 @@ def test_a_reader_names_the_newest_step_it_skips_and_retries_a_vanished_one(
   warning naming it (silent while a run holds the lock: it is still saving it); a step that a
   running train removes while it is read is replaced by the newest one."""
   run = _copy(t5_run[0], tmp_path)
-  os.remove(os.path.join(_step_dir(run, 2), ck.INTEGRITY_FILE))
+  os.remove(os.path.join(_step_dir(run, 2), integrity.INTEGRITY_FILE))
   with caplog.at_level(logging.WARNING):
-    with open(os.path.join(run, ck.LOCK_FILE), "w") as f:
+    with open(os.path.join(run, run_dirs.LOCK_FILE), "w") as f:
       f.write("{}")
     assert model_dirs.load(run).info.step == 1
     assert not [r for r in caplog.records if "step 2 has no" in r.getMessage()]
-    os.remove(os.path.join(run, ck.LOCK_FILE))
+    os.remove(os.path.join(run, run_dirs.LOCK_FILE))
     assert model_dirs.load(run).info.step == 1
   assert any("checkpoint step 2 has no _INTEGRITY.json and no run holds the lock" in
              r.getMessage() and "reading step 1" in r.getMessage() for r in caplog.records)
   run = _copy(t5_run[0], tmp_path / "vanishing")
-  real = ck.restore_params_from_run
+  real = params_export.restore_params_from_run
 
   def removed_while_read(directory, *, step=None, **kwargs):
     if step == 2:  # What a train's max_to_keep does between inspect and restore.
       shutil.rmtree(os.path.join(directory, "2"))
     return real(directory, step=step, **kwargs)
-  monkeypatch.setattr(ck, "restore_params_from_run", removed_while_read)
+  monkeypatch.setattr(params_export, "restore_params_from_run", removed_while_read)
   caplog.clear()
   with caplog.at_level(logging.WARNING):
     assert model_dirs.load(run).info.step == 1

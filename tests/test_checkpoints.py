@@ -15,7 +15,9 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from jaxmoral import checkpoints as ck
+from jaxmoral import params_export
 from jaxmoral import partitioning as pt
+from jaxmoral import run_dirs
 from jaxmoral.models import t5
 from jaxmoral.models.config import t5_config
 
@@ -107,7 +109,7 @@ def test_resume_in_new_manager_and_restore_params_only(tmp_path, boxed, caplog):
   _assert_identical(restored, state)
 
   with caplog.at_level(logging.WARNING):
-    only = ck.restore_params_from_run(tmp_path)
+    only = params_export.restore_params_from_run(tmp_path)
   # Opening the run read-only is intended: Orbax's notice about it is not passed on.
   assert not [r for r in caplog.records if "read only" in r.getMessage()], caplog.text
   assert set(only) == set(params)  # params only: no optimizer state, no step
@@ -115,19 +117,19 @@ def test_resume_in_new_manager_and_restore_params_only(tmp_path, boxed, caplog):
   assert all(x.sharding.is_fully_addressable for x in jax.tree_util.tree_leaves(only))
   partitioner = pt.PjitPartitioner(num_partitions=2)
   shardings = partitioner.sharding_for(boxed)
-  sharded = ck.restore_params_from_run(tmp_path, step=3, shardings=shardings, dtype="bfloat16")
+  sharded = params_export.restore_params_from_run(tmp_path, step=3, shardings=shardings, dtype="bfloat16")
   for got, want, sharding in zip(jax.tree_util.tree_leaves(sharded),
                                  jax.tree_util.tree_leaves(params),
                                  jax.tree_util.tree_leaves(shardings)):
     assert got.dtype == jnp.bfloat16 and got.sharding == sharding
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
   with pytest.raises(FileNotFoundError, match="no checkpoint for step 9"):
-    ck.restore_params_from_run(tmp_path, step=9)
+    params_export.restore_params_from_run(tmp_path, step=9)
   with pytest.raises(FileNotFoundError, match="no such run directory"):
-    ck.restore_params_from_run(tmp_path / "does_not_exist")
+    params_export.restore_params_from_run(tmp_path / "does_not_exist")
   (tmp_path / "empty").mkdir()
   with pytest.raises(FileNotFoundError, match="no checkpoints"):
-    ck.restore_params_from_run(tmp_path / "empty")
+    params_export.restore_params_from_run(tmp_path / "empty")
 
 
 @pytest.mark.parametrize("restore_mesh", [(8, 1), (2, 4)])
@@ -172,9 +174,9 @@ def test_restore_onto_another_mesh(tmp_path, boxed, restore_mesh):
 def test_export_bf16_and_load(tmp_path, boxed):
   params = nn.unbox(boxed)
   config = CFG.to_dict()
-  out = ck.export_params(boxed, tmp_path / "export", dtype="bfloat16", config=config)
+  out = params_export.export_params(boxed, tmp_path / "export", dtype="bfloat16", config=config)
   assert json.loads((tmp_path / "export" / "config.json").read_text()) == config
-  loaded, got_config = ck.load_exported(out)
+  loaded, got_config = params_export.load_exported(out)
   assert got_config == config
   assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(params)
   for got, want in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(params)):
@@ -184,7 +186,7 @@ def test_export_bf16_and_load(tmp_path, boxed):
   # Sharded load with an upcast back to float32 (values are the bf16-rounded ones).
   partitioner = pt.PjitPartitioner(num_partitions=4)
   shardings = partitioner.sharding_for(boxed)
-  loaded32 = ck.load_params(out, shardings=shardings, dtype=jnp.float32)
+  loaded32 = params_export.load_params(out, shardings=shardings, dtype=jnp.float32)
   embedding = loaded32["token_embedder"]["embedding"]
   assert embedding.dtype == jnp.float32 and embedding.sharding.spec == P("model", None)
   np.testing.assert_array_equal(
@@ -192,13 +194,13 @@ def test_export_bf16_and_load(tmp_path, boxed):
       np.asarray(params["token_embedder"]["embedding"].astype(jnp.bfloat16).astype(jnp.float32)))
 
   with pytest.raises(FileExistsError, match="overwrite=True"):
-    ck.export_params(params, out)
-  ck.export_params(params, out, overwrite=True)  # float32, no config change
-  _assert_identical(ck.load_params(out), params)
+    params_export.export_params(params, out)
+  params_export.export_params(params, out, overwrite=True)  # float32, no config change
+  _assert_identical(params_export.load_params(out), params)
   with pytest.raises(FileNotFoundError, match="no exported params"):
-    ck.load_params(tmp_path / "nowhere")
+    params_export.load_params(tmp_path / "nowhere")
   with pytest.raises(ValueError, match="no sharding given for saved parameter"):
-    ck.load_params(out, shardings={"token_embedder": {"embedding": partitioner.replicated}})
+    params_export.load_params(out, shardings={"token_embedder": {"embedding": partitioner.replicated}})
 
 
 def test_bad_options_and_target(tmp_path):
@@ -213,18 +215,18 @@ def test_bad_options_and_target(tmp_path):
       manager.restore(target={"w": jax.ShapeDtypeStruct((4, 2), jnp.float32),
                               "other": jax.ShapeDtypeStruct((1,), jnp.float32)})
     with pytest.raises(ValueError, match="no 'params' entry"):
-      ck.restore_params_from_run(tmp_path)
+      params_export.restore_params_from_run(tmp_path)
 
 
 def test_make_run_dir_creates_a_local_folder(tmp_path):
   # gs:// run directories: tests/test_object_storage.py (against a GCS-API server).
-  made = ck.make_run_dir(tmp_path / "a" / "run")
+  made = run_dirs.make_run_dir(tmp_path / "a" / "run")
   assert made == str(tmp_path / "a" / "run") and os.path.isdir(made)
 
 
 def test_saved_steps_lists_step_folders_in_order(tmp_path):
-  assert ck.saved_steps(tmp_path / "none") == []
-  ckpt = ck.run_checkpoints_dir(tmp_path)
+  assert run_dirs.saved_steps(tmp_path / "none") == []
+  ckpt = run_dirs.checkpoints_dir(tmp_path)
   for name in ("10", "2", "3.orbax-checkpoint-tmp-1"):  # an unfinished save is not a step
     os.makedirs(os.path.join(ckpt, name))
-  assert ck.saved_steps(tmp_path) == [2, 10]
+  assert run_dirs.saved_steps(tmp_path) == [2, 10]

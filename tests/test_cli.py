@@ -12,9 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmoral import checkpoints, model_dirs
+from jaxmoral import checkpoints, model_dirs, params_export
 from jaxmoral import cli
-from jaxmoral import train as train_lib
+from jaxmoral import metric_writers
 
 
 pytestmark = pytest.mark.usefixtures("one_device", "clean_gin")
@@ -54,7 +54,7 @@ def test_train_writes_config_checkpoints_and_tensorboard(trained_run):
   assert list((trained_run / "train").glob("events.out.tfevents*"))
   assert list((trained_run / "eval").glob("events.out.tfevents*"))
   # As in T5X, the config in TensorBoard's Text tab (an indented markdown code block).
-  config_text = train_lib.read_texts(str(trained_run / "train"))["config"][0]
+  config_text = metric_writers.read_texts(str(trained_run / "train"))["config"][0]
   assert config_text.splitlines() == [
       "    " + line for line in (trained_run / "config.gin").read_text().splitlines()]
   info = model_dirs.inspect(trained_run)
@@ -127,7 +127,7 @@ def test_eval_infer_export(trained_run, tmp_path):
   assert 0.0 <= report["metrics"]["accuracy"] <= 1.0 and np.isfinite(report["metrics"]["loss"])
   assert report["samples"] and {"input", "target", "prediction"} <= set(report["samples"][0])
   # What training's own evaluation of the last step reported: the same loss (z-loss included).
-  logged = train_lib.read_scalars(str(trained_run / "eval"))
+  logged = metric_writers.read_scalars(str(trained_run / "eval"))
   assert report["metrics"]["z_loss"] > 0, report["metrics"]
   for name in ("loss", "z_loss", "accuracy"):
     np.testing.assert_allclose(report["metrics"][name], logged[name][12], rtol=2e-5,
@@ -158,7 +158,7 @@ def test_eval_infer_export(trained_run, tmp_path):
   exported = tmp_path / "exported"
   assert cli.main(["export", f"--model_dir={trained_run}", f"--output={exported}",
                    "--dtype=bfloat16"]) == 0
-  params, config = checkpoints.load_exported(exported)
+  params, config = params_export.load_exported(exported)
   original = model_dirs.load(trained_run).params
   leaves = jax.tree_util.tree_leaves(params)
   assert all(leaf.dtype == jax.numpy.bfloat16 for leaf in leaves)
@@ -205,7 +205,7 @@ def test_real_tensorflow_import_leaves_no_start_up_noise():
 
 def test_train_logs_the_learning_rate(trained_run):
   # TINY: a linear warm-up of 2 steps to the tiny config's rate, then a linear decay.
-  rates = train_lib.read_scalars(str(trained_run / "train"))["learning_rate"]
+  rates = metric_writers.read_scalars(str(trained_run / "train"))["learning_rate"]
   assert sorted(rates) == [6, 12] and rates[6] > rates[12] > 0
 
 

@@ -242,7 +242,7 @@ def test_file_task_errors_name_the_file(vocabulary, tmp_path):
 def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, vocabulary, tmp_path, monkeypatch):
   """A run without the setting (saved before "hash") resumes holding out by position; a
   new run holds out by hash; the setting is saved; an eval file makes it moot."""
-  from jaxmoral import model_dirs, optimizers, runs  # pylint: disable=g-import-not-at-top
+  from jaxmoral import model_dirs, optimizers, run_dirs, runs  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
   pairs = tmp_path / "pairs.tsv"
@@ -278,7 +278,7 @@ def test_a_resumed_run_keeps_its_heldout_rule(vocab_path, vocabulary, tmp_path, 
       runs.train_run(model_dir=str(run_dir), **run)
   # A run refused before its first step changes nothing (its settings are rewritten only once
   # the resume is accepted; a new run that failed leaves no folder).
-  assert model_dirs.read_settings(old)["data"] == {"kind": "seq2seq"}
+  assert run_dirs.read_settings(old)["data"] == {"kind": "seq2seq"}
   # `eval_run` evaluates a run on the pairs it held out.
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
@@ -654,7 +654,7 @@ def test_a_streamed_mixture_run_resumed_trains_exactly_as_the_uninterrupted_run(
 def test_a_damaged_stream_position_is_refused_naming_its_file(vocabulary, tmp_path):
   """A stream position carries the sizes and checksums of its files: one damaged after it
   was saved is refused in one line naming the file, not restored into a wrong position."""
-  from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
+  from jaxmoral import integrity  # pylint: disable=g-import-not-at-top
   tasks.register_text_pair_task("jm_damaged", vocabulary=vocabulary,
                                 examples=[(f"in {i}", f"out {i}") for i in range(12)])
   source = tasks.TaskSource("jm_damaged", "train", {"inputs": 8, "targets": 4}, 2,
@@ -663,7 +663,7 @@ def test_a_damaged_stream_position_is_refused_naming_its_file(vocabulary, tmp_pa
   stream = source.iterate(0)
   want = [next(stream) for _ in range(4)]
   folder = tmp_path / "pos" / "2" / "process_0-of-1"
-  assert (folder / checkpoints.INTEGRITY_FILE).is_file()
+  assert (folder / integrity.INTEGRITY_FILE).is_file()
   for got, expected in zip(source.iterate(2), want[2:]):  # intact: restored
     np.testing.assert_array_equal(got["encoder_input_tokens"], expected["encoder_input_tokens"])
     break
@@ -671,7 +671,7 @@ def test_a_damaged_stream_position_is_refused_naming_its_file(vocabulary, tmp_pa
   raw = bytearray(data.read_bytes())
   raw[len(raw) // 2] ^= 0xFF
   data.write_bytes(bytes(raw))
-  with pytest.raises(checkpoints.CheckpointIntegrityError) as error:
+  with pytest.raises(integrity.CheckpointIntegrityError) as error:
     next(source.iterate(3))
   message = str(error.value)
   assert "\n" not in message and f"{data.name} differs from its checksum" in message

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import toy_dialogues
-from jaxmoral import checkpoints, optimizers, partitioning, runs
+from jaxmoral import optimizers, params_export, partitioning, runs
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data
 from jaxmoral.diamante import diamante_model
@@ -54,8 +54,8 @@ def test_nll_only_ablation_never_updates_the_score_head(tmp_path):
   # Two updates between the checkpoints show it as ten do (the decoder's logits move in one).
   _train(model_dir, toy_dialogues.toy_turns(20, seed=1), steps=4, pe_weight=0.0, checkpoint_every=2)
   ckpt = model_dir / "checkpoints"
-  early = checkpoints.restore_params_from_run(ckpt, step=2)
-  late = checkpoints.restore_params_from_run(ckpt, step=4)
+  early = params_export.restore_params_from_run(ckpt, step=2)
+  late = params_export.restore_params_from_run(ckpt, step=4)
   for name in ("kernel", "bias"):
     np.testing.assert_array_equal(early["scalar_head"][name], late["scalar_head"][name])
   assert np.abs(early["decoder"]["logits_dense"]["kernel"]

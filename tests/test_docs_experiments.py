@@ -43,7 +43,7 @@ import sentencepiece
 
 import test_docs
 from jaxmoral import cli
-from jaxmoral import train
+from jaxmoral import metric_writers
 from jaxmoral.clarify import formats
 from jaxmoral.data import demo
 from jaxmoral.data import vocab
@@ -219,7 +219,7 @@ def test_the_documented_pretraining_runs_in_full(pretrained):
     assert corpus["texts"]["train"] > 100 and corpus["texts"]["validation"] > 0, corpus
     spiece = sentencepiece.SentencePieceProcessor(model_file=str(run / "vocab" / "spiece.model"))
     assert spiece.get_piece_size() == vocab.DEMO_VOCAB_SIZE, config  # The demo vocabulary.
-    losses = train.read_scalars(str(run / "train"))["loss"]
+    losses = metric_writers.read_scalars(str(run / "train"))["loss"]
     assert list(losses) == [4] and 0 < losses[4] < 20, losses
 
 

@@ -340,12 +340,12 @@ def tuned(one_device: None, tmp_path_factory: pytest.TempPathFactory,
 
 def test_the_hub_fine_tune_runs_offline_from_the_hub_cache(tuned: dict[str, Any]) -> None:
   from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
-  from jaxmoral import train  # pylint: disable=g-import-not-at-top
+  from jaxmoral import metric_writers  # pylint: disable=g-import-not-at-top
   assert tuned["code"] == 0, tuned["command"]
   assert tuned["attempts"] == [], tuned["attempts"]
   run = tuned["run"]
   assert test_docs.checkpoint_steps(run) == [4]  # SHORTER's TRAIN_STEPS
-  scalars = train.read_scalars(str(run / "train"))
+  scalars = metric_writers.read_scalars(str(run / "train"))
   losses = [v for tag, points in scalars.items() if tag.endswith("loss") for v in points.values()]
   assert losses and np.isfinite(losses).all(), scalars
   # It started from the stand-in's weights: four small AdamW steps from them, not a fresh init

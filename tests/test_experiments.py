@@ -667,6 +667,7 @@ def test_clarify_system_metrics_count_questions():
 
 def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
   from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
+  from jaxmoral import integrity  # pylint: disable=g-import-not-at-top
   run_dir, calls = tmp_path / "run", []
 
   def train():  # Stands in for a run: its final checkpoint (step 3) with a manifest.
@@ -674,7 +675,7 @@ def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
     step = run_dir / "checkpoints" / "3"
     (step / checkpoints.STATE_ITEM).mkdir(parents=True, exist_ok=True)
     (step / checkpoints.STATE_ITEM / "_METADATA").write_text("{}")
-    checkpoints.write_integrity_manifest(step)
+    integrity.write_integrity_manifest(step)
     return {"step": 3, "train/loss": 1.5, "done": True, "name": "x"}
 
   first = experiment_lib.train_stage(str(run_dir), 3, train)
@@ -692,6 +693,7 @@ def test_a_finished_stage_is_reused_and_a_damaged_one_trained_again(tmp_path):
 
 def test_changed_bindings_name_what_a_run_was_trained_under_otherwise(tmp_path, caplog):
   from jaxmoral import checkpoints  # pylint: disable=g-import-not-at-top
+  from jaxmoral import integrity  # pylint: disable=g-import-not-at-top
   long = repr(["x" * 30] * 4)  # Printed by gin over several lines.
   gin.clear_config()
   try:
@@ -709,7 +711,7 @@ def test_changed_bindings_name_what_a_run_was_trained_under_otherwise(tmp_path, 
     step = run_dir / "checkpoints" / "2"
     (step / checkpoints.STATE_ITEM).mkdir(parents=True)
     (step / checkpoints.STATE_ITEM / "_METADATA").write_text("{}")
-    checkpoints.write_integrity_manifest(step)
+    integrity.write_integrity_manifest(step)
     with caplog.at_level("WARNING", logger=experiment_lib.logger.name):
       assert experiment_lib.train_stage(str(run_dir), 2, lambda: pytest.fail("retrained"))[
           "reused"]

@@ -113,8 +113,9 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  from jaxmoral import integrity  # pylint: disable=import-outside-toplevel
   from jaxmoral import model_dirs  # pylint: disable=import-outside-toplevel
-  from jaxmoral import train  # pylint: disable=import-outside-toplevel
+  from jaxmoral import metric_writers  # pylint: disable=import-outside-toplevel
   from jaxmoral.clarify import baselines  # pylint: disable=import-outside-toplevel
   from jaxmoral.clarify import evaluate as clarify_eval  # pylint: disable=import-outside-toplevel
   from jaxmoral.data import vocab as vocab_lib  # pylint: disable=import-outside-toplevel
@@ -219,7 +220,7 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
   # A run: TensorBoard scalars (the trainer's writer), config.gin, software.jsonl, two
   # checkpoint steps, the second damaged after its manifest was written.
   run = demo / "core" / "run"
-  writers = train.MetricWriters(str(run))
+  writers = metric_writers.MetricWriters(str(run))
   loss = {step: 4.0 / (1 + step / 50) for step in (10, 20, 30, 40, 50)}
   for step, value in loss.items():
     writers.scalars("train", step, {"loss": value})
@@ -234,7 +235,7 @@ def make_folders(root: pathlib.Path, vocab_path: str) -> dict:
     state.mkdir(parents=True)
     (state / "_METADATA").write_text("{}")
     (state / "data.bin").write_bytes(bytes(range(64)) * 4)
-    checkpoints.write_integrity_manifest(state.parent)
+    integrity.write_integrity_manifest(state.parent)
   (run / "checkpoints" / "50" / checkpoints.STATE_ITEM / "data.bin").write_bytes(b"x" * 256)
 
   # The demo's summary.json: one verdict line, as `demo.truth_line` writes it.
@@ -919,18 +920,19 @@ def test_special_files_and_links_out_are_not_read(site, tmp_path):
 
 def test_a_manifest_naming_files_outside_its_step_is_no_oracle(site):
   from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  from jaxmoral import integrity  # pylint: disable=import-outside-toplevel
   run = site["demo"] / "probe_run"
   state = run / "checkpoints" / "7" / checkpoints.STATE_ITEM
   state.mkdir(parents=True)
   try:
     (run / "config.gin").write_text("")
     (state / "data.bin").write_bytes(b"d" * 16)
-    checkpoints.write_integrity_manifest(state.parent)
-    manifest = json.loads((state.parent / checkpoints.INTEGRITY_FILE).read_text())
+    integrity.write_integrity_manifest(state.parent)
+    manifest = json.loads((state.parent / integrity.INTEGRITY_FILE).read_text())
     entry = {"size": 1, "sha256": "0" * 64}
     manifest["files"].update({"../../../../../../../../etc/passwd": entry,
                               "/etc/hostname": entry})
-    (state.parent / checkpoints.INTEGRITY_FILE).write_text(json.dumps(manifest))
+    (state.parent / integrity.INTEGRITY_FILE).write_text(json.dumps(manifest))
     status, _, page = _open(site["url"] + "/runs?root=0&path=probe_run")
     assert status == 200
     row = page.split(b'data-step="7"')[1].split(b"</tr>")[0]

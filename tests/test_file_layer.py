@@ -33,13 +33,8 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
         "resolves relative input flags; a URL is passed on untouched (`'://' in value`)",
         frozenset({"check_inputs", "resolve_input_flags"})),
     "jaxmoral.aot": ("reads /proc/meminfo", frozenset({"available_host_bytes"})),
-    "jaxmoral.checkpoints": (
-        "the local run lock (a bucket run's lock is a conditional object write in fileio) and "
-        "the local disk-full cleanup", frozenset({
-            "CheckpointManager._disk_full_is_one_line", "RunDirLock._acquire_file",
-            "RunDirLock._take_over", "_HeldLock._beat",
-            # Resolves local links only (a URL has none).
-            "_refuse_entries_outside"})),
+    "jaxmoral.checkpoints": ("the local disk-full cleanup",
+                             frozenset({"CheckpointManager._disk_full_is_one_line"})),
     "jaxmoral.clarify.demo": ("the demo's local workdir", frozenset({"run_demo"})),
     "jaxmoral.clarify.models": ("a cache key: the absolute form of a local folder, else the URL",
                                 frozenset({"load_model"})),
@@ -76,11 +71,16 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.gin_files": ("gin files are local (gin reads them itself)",
                            frozenset({"file_statements", "resolve_relative_paths",
                                       "written_statements"})),
+    "jaxmoral.integrity": ("resolves local links only (a URL has none)",
+                           frozenset({"_refuse_entries_outside"})),
     "jaxmoral.models.hf_import": ("the file mode of a local export (a bucket has none)",
                                   frozenset({"export_hf_t5"})),
     "jaxmoral.npov.demo": ("the demo's local workdir", frozenset({"run_demo"})),
     "jaxmoral.data.seq2seq": ("copies a local folder; to a URL through fileio",
                               frozenset({"_copy_folder"})),
+    "jaxmoral.run_dirs": (
+        "the local run lock (a bucket run's lock is a conditional object write in fileio)",
+        frozenset({"RunDirLock._acquire_file", "RunDirLock._take_over", "_HeldLock._beat"})),
     "jaxmoral.runtime": ("device nodes under /dev",
                          frozenset({"platforms_without_absent_tpu", "_tpu_attached"})),
     "experiments.experiment_lib": ("the script's own path, for the report's command line",

@@ -6,7 +6,7 @@ import tempfile
 
 import pytest
 
-from jaxmoral import checkpoints, fileio
+from jaxmoral import fileio, run_dirs
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_an_unwritable_output_raises_what_writing_would_naming_the_path(unwritab
   with pytest.raises(PermissionError, match=rf"^MODEL_DIR {path}: not writable$"):
     fileio.check_writable(path, directory=True, what="MODEL_DIR")
   with pytest.raises(PermissionError, match=r"^MODEL_DIR .*/run: not writable$"):
-    checkpoints.make_run_dir(os.path.join(unwritable_folder, "run"))
+    run_dirs.make_run_dir(os.path.join(unwritable_folder, "run"))
 
 
 def test_a_file_for_a_folder_and_a_folder_for_a_file_are_refused(tmp_path):
@@ -52,7 +52,7 @@ def test_a_file_for_a_folder_and_a_folder_for_a_file_are_refused(tmp_path):
   fileio.check_writable(tmp_path / "a" / "b" / "c.txt")
   assert not (tmp_path / "a").exists()
   run = tmp_path / "run"
-  assert checkpoints.make_run_dir(run) == str(run) and run.is_dir()
+  assert run_dirs.make_run_dir(run) == str(run) and run.is_dir()
 
 
 def test_a_url_is_probed_only_when_named(monkeypatch):

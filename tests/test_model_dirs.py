@@ -26,6 +26,7 @@ from conftest import hf_logits, write_hf_t5  # noqa: E402
 from jaxmoral import checkpoints  # noqa: E402
 from jaxmoral import model_dirs  # noqa: E402
 from jaxmoral import partitioning  # noqa: E402
+from jaxmoral import run_dirs  # noqa: E402
 from jaxmoral.models import hf_import  # noqa: E402
 from jaxmoral.models import t5  # noqa: E402
 from jaxmoral.models.config import T5Config  # noqa: E402
@@ -333,9 +334,9 @@ def test_export_run_step_ppo_and_prompt_runs(tmp_path, tiny, mesh):
     model_dirs.export(tmp_path / "export", params=params, config=config)
   # A run: two steps; the latest by default, any step by RUN/checkpoints/STEP.
   run = tmp_path / "run"
-  model_dirs.save_run_files(run, config=config, vocabulary=vocabulary)
+  run_dirs.save_run_files(run, config=config, vocabulary=vocabulary)
   doubled = jax.tree.map(lambda x: 2 * x, params)
-  with checkpoints.CheckpointManager(checkpoints.run_checkpoints_dir(run),
+  with checkpoints.CheckpointManager(run_dirs.checkpoints_dir(run),
                                      async_save=False) as manager:
     manager.save(1, {"step": np.int32(1), "params": params, "opt_state": {}}, force=True)
     manager.save(2, {"step": np.int32(2), "params": doubled, "opt_state": {}}, force=True)
@@ -348,8 +349,8 @@ def test_export_run_step_ppo_and_prompt_runs(tmp_path, tiny, mesh):
   _same_params(first, model_dirs.load(tmp_path / "export"))
   # A PPO run gives its policy.
   ppo = tmp_path / "ppo"
-  model_dirs.save_run_files(ppo, config=config, vocabulary=vocabulary)
-  with checkpoints.CheckpointManager(checkpoints.run_checkpoints_dir(ppo),
+  run_dirs.save_run_files(ppo, config=config, vocabulary=vocabulary)
+  with checkpoints.CheckpointManager(run_dirs.checkpoints_dir(ppo),
                                      async_save=False) as manager:
     manager.save(3, {"step": np.int32(3), "policy": {"params": doubled, "step": np.int32(9)},
                      "value": {"params": {**params, "scalar_head": head}},
@@ -357,9 +358,9 @@ def test_export_run_step_ppo_and_prompt_runs(tmp_path, tiny, mesh):
   _same_params(model_dirs.load(ppo), latest)
   # A prompt-tuning run gives its base and its prompt.
   prompt_run = tmp_path / "prompt"
-  model_dirs.save_run_files(prompt_run, config=config, vocabulary=vocabulary)
+  run_dirs.save_run_files(prompt_run, config=config, vocabulary=vocabulary)
   prompt = np.arange(5 * config.d_model, dtype=np.float32).reshape(5, config.d_model)
-  with checkpoints.CheckpointManager(checkpoints.run_checkpoints_dir(prompt_run),
+  with checkpoints.CheckpointManager(run_dirs.checkpoints_dir(prompt_run),
                                      async_save=False) as manager:
     manager.save(4, {"step": np.int32(4), "params": {"base": params, "prompt": prompt}},
                  force=True)
@@ -373,8 +374,8 @@ def test_export_command_to_jaxmoral_and_hf(tmp_path, tiny, hf_t5):
   from jaxmoral import cli  # pylint: disable=g-import-not-at-top
   config, params, vocabulary = tiny
   run = tmp_path / "run"
-  model_dirs.save_run_files(run, config=config, vocabulary=vocabulary)
-  with checkpoints.CheckpointManager(checkpoints.run_checkpoints_dir(run),
+  run_dirs.save_run_files(run, config=config, vocabulary=vocabulary)
+  with checkpoints.CheckpointManager(run_dirs.checkpoints_dir(run),
                                      async_save=False) as manager:
     manager.save(1, {"step": np.int32(1), "params": params, "opt_state": {}}, force=True)
   assert cli.main(["export", f"--model_dir={run}", f"--output={tmp_path / 'hf'}",

@@ -80,13 +80,13 @@ DRIVER = textwrap.dedent("""
     # share; then a byte flipped in a file that only process 1 hashes is refused by both.
     import gin, os
     from jax.experimental import multihost_utils
-    from jaxmoral import checkpoints as ck
-    shares, hash_all = [], ck._hash_all
-    ck._hash_all = lambda root, rel: (shares.extend(rel), hash_all(root, rel))[1]
-    ckpt_dir = ck.run_checkpoints_dir(gin.query_parameter("%MODEL_DIR"))
-    check["verified"] = ck.verify_step(ckpt_dir, 3, shared=True)
+    from jaxmoral import checkpoints, integrity, run_dirs
+    shares, hash_all = [], integrity._hash_all
+    integrity._hash_all = lambda root, rel: (shares.extend(rel), hash_all(root, rel))[1]
+    ckpt_dir = run_dirs.checkpoints_dir(gin.query_parameter("%MODEL_DIR"))
+    check["verified"] = checkpoints.verify_step(ckpt_dir, 3, shared=True)
     check["share"] = list(shares)
-    files = sorted(json.load(open(os.path.join(ckpt_dir, "3", ck.INTEGRITY_FILE)))["files"])
+    files = sorted(json.load(open(os.path.join(ckpt_dir, "3", integrity.INTEGRITY_FILE)))["files"])
     victim = os.path.join(ckpt_dir, "3", files[1])  # process 1's share: files[1::2]
     def flip():
       with open(victim, "r+b") as f:
@@ -99,8 +99,8 @@ DRIVER = textwrap.dedent("""
       flip()
     multihost_utils.sync_global_devices("flipped")
     try:
-      ck.verify_step(ckpt_dir, 3, shared=True)
-    except ck.CheckpointIntegrityError as e:
+      checkpoints.verify_step(ckpt_dir, 3, shared=True)
+    except integrity.CheckpointIntegrityError as e:
       check["refused"] = list(e.files)
     multihost_utils.sync_global_devices("refused")
     if jax.process_index() == 0:

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from conftest import free_port, set_environment, start_storage_server
-from jaxmoral import checkpoints, cli, fileio, model_dirs
-from jaxmoral import train as train_lib
+from jaxmoral import cli, fileio, integrity, model_dirs, run_dirs
+from jaxmoral import metric_writers
 from jaxmoral.data import vocab as vocab_lib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -124,7 +124,7 @@ def run(gcs, unreachable_train, tmp_path_factory):
                             "--gin.runs.train_run.hooks=[@killed.HoldAfterStep5()]"],
                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   try:
-    manifest = f"{model_dir}/checkpoints/3/{checkpoints.INTEGRITY_FILE}"
+    manifest = f"{model_dir}/checkpoints/3/{integrity.INTEGRITY_FILE}"
     deadline = time.time() + 240
     while not fileio.exists(manifest):
       assert child.poll() is None, child.stderr.read().decode()[-3000:]
@@ -135,7 +135,7 @@ def run(gcs, unreachable_train, tmp_path_factory):
     child.wait()
     child.stderr.close()
   assert child.returncode == -signal.SIGKILL
-  killed_at = checkpoints.saved_steps(model_dir)
+  killed_at = run_dirs.saved_steps(model_dir)
   # After the child, not beside it: both runs here load the programs it compiled.
   assert _cli("train", *TINY, ONE_DEVICE, f"--gin.MODEL_DIR={model_dir}") == 0
   reference = str(tmp_path_factory.mktemp("reference"))
@@ -146,8 +146,8 @@ def run(gcs, unreachable_train, tmp_path_factory):
 def test_killed_run_resumes_to_the_uninterrupted_loss_curve(run):
   model_dir, reference, killed_at = run
   assert killed_at == [3]  # Killed mid-run, not after its end.
-  resumed = train_lib.read_scalars(f"{model_dir}/train")["loss"]
-  uninterrupted = train_lib.read_scalars(os.path.join(reference, "train"))["loss"]
+  resumed = metric_writers.read_scalars(f"{model_dir}/train")["loss"]
+  uninterrupted = metric_writers.read_scalars(os.path.join(reference, "train"))["loss"]
   assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
   assert resumed == pytest.approx(uninterrupted, rel=1e-6)
   # The two starts (0 and the resume) are recorded in the bucket, and every run file is there.
@@ -185,8 +185,8 @@ def test_eval_infer_export_and_init_from_the_bucket(run, tmp_path):
   second = f"{BUCKET}/second"
   assert _cli("train", *TINY, ONE_DEVICE, f"--gin.CHECKPOINT_EVERY={STEPS}",
               f"--gin.MODEL_DIR={second}", f"--gin.INIT_CHECKPOINT='{model_dir}'") == 0
-  first_loss = train_lib.read_scalars(f"{model_dir}/train")["loss"]
-  second_loss = train_lib.read_scalars(f"{second}/train")["loss"]
+  first_loss = metric_writers.read_scalars(f"{model_dir}/train")["loss"]
+  second_loss = metric_writers.read_scalars(f"{second}/train")["loss"]
   assert second_loss[3] < first_loss[3] - 0.5  # Started from the trained parameters.
 
 
@@ -205,7 +205,7 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(run):
   flipped[len(flipped) // 2] ^= 0xFF
   fileio.write_bytes(f"{step_dir}/{victim}", bytes(flipped))
   try:
-    with pytest.raises(checkpoints.CheckpointIntegrityError, match="differs from its checksum"
+    with pytest.raises(integrity.CheckpointIntegrityError, match="differs from its checksum"
                        ) as error:
       model_dirs.load(model_dir)
     message = str(error.value)
@@ -217,7 +217,7 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(run):
   original = fileio.read_bytes(vocabulary)
   fileio.write_bytes(vocabulary, original[:-2] + bytes([original[-2] ^ 1, original[-1] ^ 1]))
   try:
-    with pytest.raises(checkpoints.CheckpointIntegrityError, match="vocab/spiece.model"):
+    with pytest.raises(integrity.CheckpointIntegrityError, match="vocab/spiece.model"):
       model_dirs.load(model_dir)
   finally:
     fileio.write_bytes(vocabulary, original)
@@ -225,7 +225,7 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(run):
   saved = fileio.read_bytes(f"{step_dir}/{metadata}")
   fileio.remove(f"{step_dir}/{metadata}")
   try:
-    with pytest.raises(checkpoints.CheckpointIntegrityError, match="missing") as error:
+    with pytest.raises(integrity.CheckpointIntegrityError, match="missing") as error:
       model_dirs.load(model_dir)
     assert metadata in str(error.value)
   finally:
@@ -234,7 +234,7 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(run):
 
 def test_a_second_train_into_the_same_bucket_folder_is_refused_naming_the_holder(run, capsys):
   model_dir, _, _ = run
-  lock = f"{model_dir}/{checkpoints.LOCK_FILE}"
+  lock = f"{model_dir}/{run_dirs.LOCK_FILE}"
   holder = {"host": "tpu-vm-7", "pid": 4242, "token": "other", "started": "2026-11-27T10:00"}
   assert fileio.create_exclusive(lock, json.dumps(holder).encode())
   try:
@@ -248,7 +248,7 @@ def test_a_second_train_into_the_same_bucket_folder_is_refused_naming_the_holder
 def test_the_lock_is_a_conditional_create_and_a_stale_one_is_taken_over(gcs, monkeypatch,
                                                                          caplog):
   folder = f"{BUCKET}/locked"
-  path = f"{folder}/{checkpoints.LOCK_FILE}"
+  path = f"{folder}/{run_dirs.LOCK_FILE}"
   # The store refuses the second create (ifGenerationMatch=0): no check-then-write race.
   assert fileio.create_exclusive(path, b'{"host": "a", "pid": 1, "token": "a"}')
   assert not fileio.create_exclusive(path, b'{"host": "b", "pid": 2, "token": "b"}')
@@ -259,10 +259,10 @@ def test_the_lock_is_a_conditional_create_and_a_stale_one_is_taken_over(gcs, mon
   with pytest.raises(FileNotFoundError):
     fileio.remove(path, if_generation=stale)
   assert fileio.exists(path)
-  with pytest.raises(checkpoints.RunDirLockedError, match="pid 1 on a"):
-    checkpoints.RunDirLock(folder).acquire()
-  monkeypatch.setattr(checkpoints, "LOCK_STALE_AFTER_S", 0.0)  # Any other host's lock is stale.
-  with caplog.at_level("WARNING"), checkpoints.RunDirLock(folder) as taken:
+  with pytest.raises(run_dirs.RunDirLockedError, match="pid 1 on a"):
+    run_dirs.RunDirLock(folder).acquire()
+  monkeypatch.setattr(run_dirs, "LOCK_STALE_AFTER_S", 0.0)  # Any other host's lock is stale.
+  with caplog.at_level("WARNING"), run_dirs.RunDirLock(folder) as taken:
     assert json.loads(fileio.read_bytes(path))["token"] == taken._token  # pylint: disable=protected-access
   assert "taking over the stale lock" in caplog.text
   assert not fileio.exists(path)  # Released.
@@ -272,13 +272,13 @@ def test_a_missing_bucket_credentials_permission_or_endpoint_is_one_line_before_
     gcs, unreachable_train):
   with pytest.raises(OSError, match=r"^MODEL_DIR gs://no-such-bucket/run: bucket "
                      r"no-such-bucket does not exist"):
-    checkpoints.make_run_dir("gs://no-such-bucket/run")
+    run_dirs.make_run_dir("gs://no-such-bucket/run")
   with pytest.raises(OSError, match=r"^MODEL_DIR gs://needs-credentials/run: no credentials: "
                      r"run `gcloud auth application-default login`"):
-    checkpoints.make_run_dir("gs://needs-credentials/run")
+    run_dirs.make_run_dir("gs://needs-credentials/run")
   with pytest.raises(OSError, match=r"^MODEL_DIR gs://read-only/run: permission denied: the "
                      r"credentials may not write to bucket read-only"):
-    checkpoints.make_run_dir("gs://read-only/run")
+    run_dirs.make_run_dir("gs://read-only/run")
   child, endpoint = unreachable_train
   _, stderr = child.communicate(timeout=300)
   assert child.returncode == 2
@@ -421,8 +421,8 @@ def test_each_bucket_run_builds_its_vocabulary_from_its_own_data(tmp_path):
 DYING_DRIVER = textwrap.dedent("""
     import os, sys, time
     import gin, jax
-    from jaxmoral import checkpoints, cli, train
-    checkpoints.LOCK_HEARTBEAT_S, checkpoints.STORAGE_DEADLINE_S = 0.5, 4.0
+    from jaxmoral import cli, run_dirs, train
+    run_dirs.LOCK_HEARTBEAT_S, run_dirs.STORAGE_DEADLINE_S = 0.5, 4.0
     gin.external_configurable(lambda: jax.devices()[:1], "first_device",
                               module="test_object_storage")
     class HoldAtStep4(train.TrainHook):
@@ -461,7 +461,7 @@ def test_a_bucket_run_whose_storage_dies_stops_in_bounded_time_naming_it(run, tm
     def committed(name: str) -> bool:  # Step 3's manifest is in the store.
       try:
         urllib.request.urlopen(f"{endpoint}/storage/v1/b/bucket/o/{name}%2Fcheckpoints%2F3%2F"
-                               f"{checkpoints.INTEGRITY_FILE}", timeout=5).read()
+                               f"{integrity.INTEGRITY_FILE}", timeout=5).read()
         return True
       except OSError:
         return False

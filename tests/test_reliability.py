@@ -24,7 +24,7 @@ import jax
 import pytest
 
 from conftest import child_xla_flags
-from jaxmoral import checkpoints, cli, compilation_cache, model_dirs, partitioning
+from jaxmoral import cli, compilation_cache, integrity, model_dirs, partitioning, run_dirs
 from jaxmoral import train as train_lib
 from jaxmoral.npov import task as npov_task
 
@@ -123,31 +123,31 @@ def flip(path: pathlib.Path) -> None:
 @pytest.mark.parametrize("name", ["vocab/spiece.model", "model_config.json", "settings.json"])
 def test_a_run_file_that_changed_is_refused(run, name):
   flip(run / name)
-  with pytest.raises(checkpoints.CheckpointIntegrityError, match=f"{name} differs"):
+  with pytest.raises(integrity.CheckpointIntegrityError, match=f"{name} differs"):
     model_dirs.inspect(run)
 
 
 def test_a_step_of_a_checksummed_run_never_loads_without_its_manifest(run, caplog):
-  (run / "checkpoints" / "3" / checkpoints.INTEGRITY_FILE).unlink()
+  (run / "checkpoints" / "3" / integrity.INTEGRITY_FILE).unlink()
   with caplog.at_level(logging.WARNING):
     # The latest readable step is the newest finalised one (a save still being finalised, or
     # one whose manifest is gone, is not read), without the "unverified" warning.
     assert model_dirs.inspect(run).step == 2
-    with pytest.raises(checkpoints.CheckpointIntegrityError, match="has no _INTEGRITY.json"):
+    with pytest.raises(integrity.CheckpointIntegrityError, match="has no _INTEGRITY.json"):
       model_dirs.inspect(run, step=3)
   assert "checksums" not in caplog.text
-  (run / "checkpoints" / "2" / checkpoints.INTEGRITY_FILE).write_text("")  # emptied
-  with pytest.raises(checkpoints.CheckpointIntegrityError, match="unreadable"):
+  (run / "checkpoints" / "2" / integrity.INTEGRITY_FILE).write_text("")  # emptied
+  with pytest.raises(integrity.CheckpointIntegrityError, match="unreadable"):
     model_dirs.inspect(run, step=2)
 
 
 def test_a_run_written_before_manifests_loads_with_a_warning(run, caplog):
-  (run / checkpoints.INTEGRITY_FILE).unlink()
+  (run / integrity.INTEGRITY_FILE).unlink()
   for step in ("1", "2", "3"):
-    (run / "checkpoints" / step / checkpoints.INTEGRITY_FILE).unlink()
-  with pytest.raises(checkpoints.CheckpointIntegrityError, match="the run's files has no"):
+    (run / "checkpoints" / step / integrity.INTEGRITY_FILE).unlink()
+  with pytest.raises(integrity.CheckpointIntegrityError, match="the run's files has no"):
     model_dirs.inspect(run)  # A checksummed run: its manifests may not go missing.
-  (run / "checkpoints" / checkpoints.CHECKSUMMED_FILE).unlink()  # an older run
+  (run / "checkpoints" / integrity.CHECKSUMMED_FILE).unlink()  # an older run
   with caplog.at_level(logging.WARNING):
     assert model_dirs.inspect(run).step == 3
   assert "loading it unverified" in caplog.text
@@ -225,8 +225,8 @@ def test_a_signal_saves_the_next_step_and_releases_the_lock(run, signum, status,
   assert train(run, "--gin.TRAIN_STEPS=8", "--gin.CHECKPOINT_EVERY=100", *hook) == status
   line = error_line(capsys)
   assert f"stopped by {signal.Signals(signum).name}: saved step 4" in line
-  assert checkpoints.saved_steps(run)[-1] == 4
-  assert not (run / checkpoints.LOCK_FILE).exists()
+  assert run_dirs.saved_steps(run)[-1] == 4
+  assert not (run / run_dirs.LOCK_FILE).exists()
   assert signal.getsignal(signum) == before
 
 
@@ -257,7 +257,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_last_checkpoint(run, capsys, monk
   line = error_line(capsys)
   assert line.startswith("jaxmoral train: error: File too large: ")
   assert f"{run / 'checkpoints'} (step 4 was not saved; the last complete checkpoint is 3" in line
-  assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3", checkpoints.CHECKSUMMED_FILE]
+  assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3", integrity.CHECKSUMMED_FILE]
   assert model_dirs.inspect(run).step == 3
   assert [str(u.exc_value) for u in unraisable] == []
 
@@ -266,8 +266,8 @@ def test_unretrieved_writer_tasks_of_a_full_disk_are_not_reported_again(caplog):
   """An aborted save's other writer tasks fail with the same full disk and nobody awaits
   them; asyncio would log each one with its traceback when it is collected (at exit, after
   the one-line error). Those reports are dropped; any other failure is still reported."""
-  # Installed with the first CheckpointManager; again here, for a test run alone.
-  checkpoints._drop_unretrieved_disk_full_tasks()  # pylint: disable=protected-access
+  # Installed by the command line's set-up; again here, for a test run alone.
+  cli.report_disk_full_once()
 
   async def write(message):
     raise ValueError(message)
@@ -314,10 +314,10 @@ def test_a_gin_file_shadowing_a_project_config_is_named(tmp_path, monkeypatch, c
 
 # -- 10: the run lock and MODEL_DIR -------------------------------------------------------------
 def test_a_lock_path_that_is_a_folder_is_one_line(run, capsys):
-  (run / checkpoints.LOCK_FILE).mkdir()
+  (run / run_dirs.LOCK_FILE).mkdir()
   assert train(run, "--gin.TRAIN_STEPS=4") == 2
   assert "lock path is a folder" in error_line(capsys)
-  assert (run / checkpoints.LOCK_FILE).is_dir()
+  assert (run / run_dirs.LOCK_FILE).is_dir()
 
 
 def test_a_dangling_model_dir_link_names_its_target(tmp_path, capsys):

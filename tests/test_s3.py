@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import free_port, set_environment, upload_folder, write_hf_t5
-from jaxmoral import checkpoints, cli, fileio, model_dirs
+from jaxmoral import cli, fileio, model_dirs, params_export
 from jaxmoral.data import readers
 
 BUCKET = "s3://bucket"
@@ -103,7 +103,7 @@ def test_checkpoints_on_s3_are_one_line_before_any_work(s3, capsys, tmp_path):
   assert rc != 0 and len(err) == 1, err
   assert f"MODEL_DIR {BUCKET}/run" in err[0] and "gs://" in err[0] and "Traceback" not in err[0]
   assert fileio.listdir(BUCKET) and not fileio.exists(f"{BUCKET}/run")  # Nothing written.
-  for load in (lambda: checkpoints.load_params(f"{BUCKET}/export"),
-               lambda: checkpoints.export_params({"w": np.ones(2)}, f"{BUCKET}/export")):
+  for load in (lambda: params_export.load_params(f"{BUCKET}/export"),
+               lambda: params_export.export_params({"w": np.ones(2)}, f"{BUCKET}/export")):
     with pytest.raises(ValueError, match=r"Orbax .* not on s3://"):
       load()

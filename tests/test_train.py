@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoral import checkpoints, losses, optimizers, partitioning, software
+from jaxmoral import checkpoints, integrity, losses, optimizers, params_export, partitioning
+from jaxmoral import metric_writers, software
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as tr
 from jaxmoral.data.pipeline import BatchSource
@@ -96,7 +97,7 @@ class KillingSource:
   def iterate(self, start: int):
     for step, batch in enumerate(self.base.iterate(start), start):
       if step == self.kill_at:
-        step_2 = os.path.join(self.model_dir, "checkpoints", "2", checkpoints.INTEGRITY_FILE)
+        step_2 = os.path.join(self.model_dir, "checkpoints", "2", integrity.INTEGRITY_FILE)
         deadline = time.time() + 240
         while not os.path.isfile(step_2) and time.time() < deadline:
           time.sleep(0.02)
@@ -121,7 +122,7 @@ def run_a(setup, tmp_path_factory):
 
 
 def final_params(model_dir: str):
-  params = checkpoints.restore_params_from_run(os.path.join(model_dir, "checkpoints"))
+  params = params_export.restore_params_from_run(os.path.join(model_dir, "checkpoints"))
   return jax.tree_util.tree_map(np.asarray, jax.device_get(params))
 
 
@@ -143,27 +144,27 @@ def test_resumed_run_equals_uninterrupted_run(setup, run_a, killed_child, tmp_pa
   assert [r["step"] for r in records] == [0, 6]
   assert all(r["versions"]["jax"] == jax.__version__ for r in records)
   assert any(r.getMessage() == f"train: {software.describe(records[1])}" for r in caplog.records)
-  texts = train_lib.read_texts(os.path.join(dir_b, "train"))
+  texts = metric_writers.read_texts(os.path.join(dir_b, "train"))
   assert texts["software"] == {0: software.describe(records[0]),
                                6: software.describe(records[1])}
   assert "config" not in texts  # no config.gin: this run was not started from gin
   progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 10/10")]
   assert progress and all(w in progress[0] for w in ("loss", "tokens/s", "steps/s", "ETA"))
 
-  losses_a = train_lib.read_scalars(os.path.join(dir_a, "train"))["loss"]
-  losses_b = train_lib.read_scalars(os.path.join(dir_b, "train"))["loss"]
+  losses_a = metric_writers.read_scalars(os.path.join(dir_a, "train"))["loss"]
+  losses_b = metric_writers.read_scalars(os.path.join(dir_b, "train"))["loss"]
   assert sorted(losses_a) == list(range(1, STEPS + 1)) == sorted(losses_b)
   for step in range(7, STEPS + 1):
     assert losses_b[step] == pytest.approx(losses_a[step], rel=1e-6, abs=1e-7), step
   assert losses_a[STEPS] < losses_a[1]
-  lr = train_lib.read_scalars(os.path.join(dir_a, "train"))["learning_rate"]
+  lr = metric_writers.read_scalars(os.path.join(dir_a, "train"))["learning_rate"]
   assert lr[1] == pytest.approx(0.0) and lr[4] == pytest.approx(1e-2)  # schedule(step - 1)
   params_a, params_b = final_params(dir_a), final_params(dir_b)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), params_a,
                          params_b)
 
   # Eval: token-weighted over the padded eval pass == the loss fn on the 12 examples at once.
-  eval_scalars = train_lib.read_scalars(os.path.join(dir_a, "eval"))
+  eval_scalars = metric_writers.read_scalars(os.path.join(dir_a, "eval"))
   assert sorted(eval_scalars["loss"]) == [5, 10]
   whole = eval_source().features
   # One program, rather than op by op (each op its own compile).
@@ -226,7 +227,7 @@ def test_the_loop_fetches_metrics_once_per_log_window(setup, run_a, tmp_path, mo
   train_lib.train(model_dir=str(tmp_path / "hooked"), trainer=trainer,
                   train_source=train_source(), train_steps=STEPS, checkpoint_every=STEPS,
                   log_every=5, async_checkpoint=False, hooks=[hook])
-  reference = train_lib.read_scalars(os.path.join(run_a[0], "train"))["loss"]  # log_every=1
+  reference = metric_writers.read_scalars(os.path.join(run_a[0], "train"))["loss"]  # log_every=1
   assert sorted(hook.losses) == list(range(1, STEPS + 1))
   for step, loss in hook.losses.items():
     assert loss == pytest.approx(reference[step], rel=1e-6)
@@ -363,15 +364,15 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(setup, run_a, killed)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                          final_params(dir_a), final_params(model_dir))
   # The TensorBoard curve has every step, each as in the uninterrupted run.
-  losses_a = train_lib.read_scalars(os.path.join(dir_a, "train"))["loss"]
-  losses_killed = train_lib.read_scalars(os.path.join(model_dir, "train"))["loss"]
+  losses_a = metric_writers.read_scalars(os.path.join(dir_a, "train"))["loss"]
+  losses_killed = metric_writers.read_scalars(os.path.join(model_dir, "train"))["loss"]
   assert sorted(losses_killed) == list(range(1, STEPS + 1))
   for step, loss in losses_killed.items():
     assert loss == pytest.approx(losses_a[step], rel=1e-6, abs=1e-7), step
 
 
 def _write_points_then_die(model_dir: str) -> None:
-  writers = train_lib.MetricWriters(model_dir)
+  writers = metric_writers.MetricWriters(model_dir)
   for step in (1, 2, 3):
     writers.scalars("train", step, {"loss": 1.0 / step})
   writers.text("eval", 3, "samples", "| a | b |")
@@ -381,7 +382,7 @@ def _write_points_then_die(model_dir: str) -> None:
 def test_metric_points_are_on_disk_when_written(killed):
   """A process killed right after writing a point (as after a checkpoint) keeps it."""
   _, model_dir = killed
-  assert train_lib.read_scalars(os.path.join(model_dir, "train")) == {
+  assert metric_writers.read_scalars(os.path.join(model_dir, "train")) == {
       "loss": {1: 1.0, 2: 0.5, 3: pytest.approx(1 / 3)}}
   events = "".join(open(os.path.join(model_dir, "eval", name), "rb").read().decode(
       errors="replace") for name in os.listdir(os.path.join(model_dir, "eval")))
@@ -400,13 +401,13 @@ def test_tensorboard_events_are_written_without_loading_pytorch(tmp_path):
   parity tests) into every training process; the writers and readers go without it, and torch
   can still be imported afterwards."""
   code = ("import sys\n"
-          "from jaxmoral import train\n"
-          "writers = train.MetricWriters(sys.argv[1])\n"
+          "from jaxmoral import metric_writers\n"
+          "writers = metric_writers.MetricWriters(sys.argv[1])\n"
           "writers.scalars('train', 3, {'loss': 0.25})\n"
           "writers.text('eval', 3, 'samples', 'a | b')\n"
           "writers.close()\n"
           "assert 'torch' not in sys.modules, 'tensorboardX loaded torch'\n"
-          "print(train.read_scalars(sys.argv[1] + '/train'))\n"
+          "print(metric_writers.read_scalars(sys.argv[1] + '/train'))\n"
           "import torch\n")
   out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                        text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))

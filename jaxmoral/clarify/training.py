@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import optax
 
 from jaxmoral import aot
-from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import gin_utils
 from jaxmoral import model_dirs
 from jaxmoral import optimizers
 from jaxmoral import partitioning
+from jaxmoral import run_dirs
 from jaxmoral import runs
 from jaxmoral.clarify import data as data_lib
 from jaxmoral.clarify import formats
@@ -116,7 +116,7 @@ def train_clarify_model(*, which: str, model_dir: str,
                                nli_labels=nli_labels, relevance_labels=relevance_labels,
                                mixing_cap=mixing_cap, seed=seed)
   new_run = not fileio.exists(model_dir)
-  checkpoints.make_run_dir(model_dir)
+  run_dirs.make_run_dir(model_dir)
   try:
     seq_data = runs.Seq2SeqData(
         train_file=data_lib.write_pairs(pairs, fileio.join(model_dir, "data",
@@ -352,10 +352,10 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
     return _compile_program(program)
   assert isinstance(question_model_dir, str)
   prompts = [formats.question_input(s) for s in situations]
-  checkpoints.make_run_dir(model_dir)
+  run_dirs.make_run_dir(model_dir)
   if jax.process_index() == 0:
-    model_dirs.save_run_files(model_dir, config=config, vocabulary=vocabulary,
-                              settings={"model": {"kind": "clarify_ppo_policy"}})
+    run_dirs.save_run_files(model_dir, config=config, vocabulary=vocabulary,
+                            settings={"model": {"kind": "clarify_ppo_policy"}})
     if gin.config_str():
       gin_utils.write_operative_config(model_dir)
 

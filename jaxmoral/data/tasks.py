@@ -29,7 +29,7 @@ import tensorflow as tf
 
 import gin
 
-from jaxmoral import checkpoints
+from jaxmoral import integrity
 from jaxmoral import fileio
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
@@ -415,19 +415,19 @@ class TaskSource(DataSource):
     except OSError:
       return []
     return sorted(int(n) for n in names if n.isdigit() and fileio.exists(
-        fileio.join(self.position_dir, n, self._position_name(), checkpoints.INTEGRITY_FILE)))
+        fileio.join(self.position_dir, n, self._position_name(), integrity.INTEGRITY_FILE)))
 
   def _save_position(self, iterator: Any, step: int) -> None:
     """Writes the iterator's state at batch `step` (local temp, then copied: a bucket too),
-    with the sizes and checksums of its files (`checkpoints.write_integrity_manifest`)."""
+    with the sizes and checksums of its files (`integrity.write_integrity_manifest`)."""
     assert self.position_dir is not None
     folder = fileio.join(self.position_dir, str(step), self._position_name())
     with tempfile.TemporaryDirectory(prefix="jaxmoral-position-") as scratch:
       tf.train.Checkpoint(iterator=iterator).write(os.path.join(scratch, "iterator"))
-      checkpoints.write_integrity_manifest(scratch)
+      integrity.write_integrity_manifest(scratch)
       fileio.makedirs(folder)
       # The manifest last: a position is complete once it is there.
-      for name in sorted(os.listdir(scratch), key=lambda n: n == checkpoints.INTEGRITY_FILE):
+      for name in sorted(os.listdir(scratch), key=lambda n: n == integrity.INTEGRITY_FILE):
         fileio.upload(os.path.join(scratch, name), fileio.join(folder, name))
     for old in self._saved_positions()[:-self._POSITIONS_KEPT]:
       fileio.rmtree(fileio.join(self.position_dir, str(old), self._position_name()))
@@ -436,7 +436,7 @@ class TaskSource(DataSource):
     """Restores the newest saved position at or before `step`; returns its step (0: none).
 
     Raises:
-      checkpoints.CheckpointIntegrityError: A file of that position is missing or damaged
+      integrity.CheckpointIntegrityError: A file of that position is missing or damaged
         (the one-line message names it).
     """
     saved = [p for p in self._saved_positions() if p <= step]
@@ -444,7 +444,7 @@ class TaskSource(DataSource):
       return 0
     assert self.position_dir is not None
     folder = fileio.join(self.position_dir, str(saved[-1]), self._position_name())
-    checkpoints.verify_integrity(folder, what=f"{folder} (the data position at step "
+    integrity.verify_integrity(folder, what=f"{folder} (the data position at step "
                                  f"{saved[-1]})", step=saved[-1], unverified_ok=False)
     tf.train.Checkpoint(iterator=iterator).read(
         os.path.join(fileio.local_folder(folder), "iterator")).assert_consumed()

@@ -403,8 +403,8 @@ def _fmt(value: Any, digits: int = 4) -> str:
 # `builtins.__import__` for the whole process while they load, and a request thread importing
 # anything meanwhile (werkzeug does, inside `send_file`) fails with a 500.
 _SERVED_MODULES = ("jaxmoral.npov.detectors.rouge", "jaxmoral.npov.task", "jaxmoral.npov.detect",
-                   "jaxmoral.npov.actions", "jaxmoral.metrics", "jaxmoral.train",
-                   "jaxmoral.checkpoints", "jaxmoral.software", "jaxmoral.rl.ppo_trainer",
+                   "jaxmoral.npov.actions", "jaxmoral.metrics", "jaxmoral.metric_writers",
+                   "jaxmoral.run_dirs", "jaxmoral.software", "jaxmoral.rl.ppo_trainer",
                    "jaxmoral.clarify.reward", "jaxmoral.clarify.formats",
                    "jaxmoral.clarify.models", "jaxmoral.diamante.data",
                    "jaxmoral.diamante.evaluate", "jaxmoral.diamante.bundle",

@@ -2,7 +2,7 @@
 
 Every reader takes a confined path (`folders.Roots.resolve`) and reads with the library's own
 reader where there is one (`npov.task.read_examples`, `diamante.data.read_dialogues`,
-`train.read_scalars`, `software.read_records`, `checkpoints.verify_step`,
+`metric_writers.read_scalars`, `software.read_records`, `checkpoints.verify_step`,
 `rl.ppo_trainer.read_reward_curve`). A bad file raises (ValueError, OSError); the page shows
 the message in place of that part.
 """
@@ -442,14 +442,14 @@ def ranked(responses: list[str], scores: list[float], logprobs: list[float],
 
 def run_scalars(run: pathlib.Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
   """{tag: {subfolder ("train", "eval"; "." for the run itself): [(step, value)]}} from the
-  TensorBoard events (`train.read_scalars`): one chart per tag, a line per subfolder, as
+  TensorBoard events (`metric_writers.read_scalars`): one chart per tag, a line per subfolder, as
   TensorBoard draws them."""
-  from jaxmoral import train  # pylint: disable=import-outside-toplevel
+  from jaxmoral import metric_writers  # pylint: disable=import-outside-toplevel
   out: dict[str, dict[str, list[tuple[int, float]]]] = {}
   for folder in [run] + sorted(p for p in run.iterdir() if p.is_dir()):
     if not any("tfevents" in p.name for p in folder.iterdir() if p.is_file()):
       continue
-    for tag, points in sorted(train.read_scalars(str(folder)).items()):
+    for tag, points in sorted(metric_writers.read_scalars(str(folder)).items()):
       out.setdefault(tag, {})[folder.name if folder != run else "."] = sorted(points.items())
   return out
 
@@ -466,8 +466,8 @@ def _manifest_files(step_dir: pathlib.Path) -> Optional[list[str]]:
     ValueError: An entry is absolute, has a `..` component or leads out of the step folder
       (its name is not repeated: the page must not say what lies outside).
   """
-  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
-  manifest = step_dir / checkpoints.INTEGRITY_FILE
+  from jaxmoral import integrity  # pylint: disable=import-outside-toplevel
+  manifest = step_dir / integrity.INTEGRITY_FILE
   if not folders.is_regular_inside(manifest, step_dir):
     return None
   with open(manifest, "rb") as f:
@@ -485,7 +485,7 @@ def _manifest_files(step_dir: pathlib.Path) -> Optional[list[str]]:
     real = (base / rel).resolve()
     if rel.startswith(("/", "\\")) or ".." in parts or "\x00" in rel or (
         len(rel) > 1 and rel[1] == ":") or base not in real.parents:
-      raise ValueError(f"damaged: its {checkpoints.INTEGRITY_FILE} names a file outside the "
+      raise ValueError(f"damaged: its {integrity.INTEGRITY_FILE} names a file outside the "
                        "step folder; not checked")
   return names
 
@@ -493,9 +493,9 @@ def _manifest_files(step_dir: pathlib.Path) -> Optional[list[str]]:
 def _step_stamp(step_dir: pathlib.Path, names: Optional[list[str]]) -> tuple[Any, ...]:
   """What a verification's result depends on: the size and time of the manifest and of each
   file it names (a rewritten file changes its time)."""
-  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  from jaxmoral import integrity  # pylint: disable=import-outside-toplevel
   stamps: list[tuple[Any, ...]] = []
-  for rel in [checkpoints.INTEGRITY_FILE, *(names or ())]:
+  for rel in [integrity.INTEGRITY_FILE, *(names or ())]:
     try:
       info = (step_dir / rel).stat()
       stamps.append((rel, info.st_size, info.st_mtime_ns, info.st_ino))
@@ -509,9 +509,10 @@ def run_checkpoints(run: pathlib.Path) -> list[dict[str, Any]]:
   reads only). A step is hashed once while its files are unchanged, not on every page view,
   and a manifest naming anything outside its step folder is refused unread."""
   from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  from jaxmoral import run_dirs  # pylint: disable=import-outside-toplevel
   out = []
-  directory = checkpoints.run_checkpoints_dir(run)
-  for step in checkpoints.saved_steps(run):
+  directory = run_dirs.checkpoints_dir(run)
+  for step in run_dirs.saved_steps(run):
     step_dir = pathlib.Path(directory) / str(step)
     try:
       names = _manifest_files(step_dir)

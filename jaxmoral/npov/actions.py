@@ -126,7 +126,7 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     classifier_dirs: {"hallucination": dir, "coverage": dir} prompt directories.
     prompts_dir: Shortcut for a run folder laid out like `demo.run_demo`'s: generator/prompt,
       classifier_hallucination/prompt, classifier_coverage/prompt (explicit dirs win).
-    base_dir: Exported base parameters (`checkpoints.export_params` with config.json).
+    base_dir: Exported base parameters (`params_export.export_params` with config.json).
     vocabulary_path: SentencePiece model of the base model.
     split: Topics to evaluate on ("test").
     seed: Sampling / synthetic-error seed.

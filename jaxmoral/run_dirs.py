@@ -1,0 +1,417 @@
+"""A run directory (MODEL_DIR): its layout, its lock and its run files, described here only.
+
+A run directory is self-describing: `eval`, `infer`, `export` and the Python API
+(`jaxmoral.api.Model.from_pretrained(MODEL_DIR)`) need nothing but its path. A local folder or
+gs://bucket/run (Orbax keeps checkpoints there: `checkpoints.require_checkpoint_storage`)::
+
+  train.lock              held while a run trains here (`RunDirLock`)
+  config.gin              the operative gin config (`gin_utils.write_operative_config`)
+  model_config.json       run file: the T5Config
+  settings.json           run file: what the model and data add (e.g. Diamante's lengths)
+  vocab/spiece.model      run file: the SentencePiece model (+ vocab/extra_ids.txt)
+  _INTEGRITY.json         sizes and sha256 of the run files (`save_run_files`)
+  software.jsonl          which code trained from which step (`software.record_start`)
+  checkpoints/<step>/     Orbax checkpoints (`checkpoints.CheckpointManager`), each:
+      state/              the whole state pytree (OCDBT/Zarr), e.g. a TrainState's step,
+                          params, opt_state (static fields come from the restore target)
+      extra/              a JSON dict (data position, reward normalisation, ...)
+      _INTEGRITY.json     the step's checksums (`integrity`)
+  checkpoints/_CHECKSUMMED.json   every later step carries checksums (`integrity`)
+  data_position/<step>/process_<i>-of-<n>/   a streamed seqio split's tf.data position
+  train/, eval/           TensorBoard event files (`metric_writers.MetricWriters`)
+  eval_<step>.json        `jaxmoral eval`'s report
+  prompt/                 a prompt-tuning run's soft prompt (`prompt_tuning`)
+  reward_curve.json       a PPO run's reward curve (`rl.ppo_trainer`)
+  data/                   a method's training pairs written for the run (ClarifyDelphi, NPOV)
+
+An export (`params_export.export_params`) has params/ (the unboxed parameter tree) and
+config.json (the T5Config) instead of checkpoints/ and model_config.json, the same vocab/ and
+settings.json, and an _INTEGRITY.json of all of them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import pathlib
+import socket
+import sys
+import threading
+import uuid
+from typing import Any, Mapping, Optional
+
+import jax
+import numpy as np
+
+from jaxmoral import checkpoints
+from jaxmoral import fileio
+from jaxmoral import integrity
+from jaxmoral.models.config import T5Config
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+LOCK_FILE = "train.lock"
+MODEL_CONFIG_FILE = "model_config.json"
+SETTINGS_FILE = "settings.json"
+VOCAB_DIR = "vocab"
+SPIECE_FILE = "spiece.model"
+EXTRA_IDS_FILE = "extra_ids.txt"
+# What a run's manifest (MODEL_DIR/_INTEGRITY.json) covers: what loading the run reads.
+RUN_FILES = (MODEL_CONFIG_FILE, SETTINGS_FILE, VOCAB_DIR)
+
+
+def make_run_dir(model_dir: str | os.PathLike) -> str:
+  """Creates a run directory (MODEL_DIR: a local path or gs://bucket/run) and returns it.
+
+  Raises:
+    OSError: Nothing can be written there, in one line naming MODEL_DIR and the cause (for a
+      bucket URL: no bucket, no permission, no credentials or an unreachable endpoint), told
+      before any work starts.
+  """
+  model_dir = os.fspath(model_dir)
+  checkpoints.require_checkpoint_storage(model_dir, "MODEL_DIR")
+  fileio.check_writable(model_dir, directory=True, what="MODEL_DIR")
+  fileio.makedirs(model_dir)
+  return model_dir
+
+
+def checkpoints_dir(model_dir: str | os.PathLike) -> str:
+  """The CheckpointManager directory of a run directory (MODEL_DIR/checkpoints)."""
+  return fileio.join(os.fspath(model_dir), CHECKPOINTS_DIR)
+
+
+def events_dir(model_dir: str | os.PathLike, name: str) -> str:
+  """A run's TensorBoard folder `name` ("train" or "eval")."""
+  return fileio.join(os.fspath(model_dir), name)
+
+
+def saved_steps(model_dir: str | os.PathLike) -> list[int]:
+  """The steps of a run's checkpoint folders, ascending (none: []): where a run resumes."""
+  return integrity.step_folders(checkpoints_dir(model_dir))
+
+
+# -- run files ----------------------------------------------------------------------------------
+def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Path:
+  """Copies a SentencePiece vocabulary into `directory/vocab/` (model + extra ids)."""
+  vocab_dir = fileio.path(directory) / VOCAB_DIR
+  vocab_dir.mkdir(parents=True, exist_ok=True)
+  target = vocab_dir / SPIECE_FILE
+  source = vocabulary.sentencepiece_model_file
+  if fileio.is_url(target) or pathlib.Path(source).resolve() != pathlib.Path(target).resolve():
+    fileio.write_bytes(target, fileio.read_bytes(source))
+  (vocab_dir / EXTRA_IDS_FILE).write_text(str(vocabulary.extra_ids))
+  return target
+
+
+def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary: Any,
+                   settings: Optional[Mapping[str, Any]] = None) -> None:
+  """Writes the run files (see the module docstring) under the run's integrity manifest."""
+  model_dir = fileio.path(model_dir)
+  model_dir.mkdir(parents=True, exist_ok=True)
+  manifest = model_dir / integrity.INTEGRITY_FILE
+  if manifest.exists():
+    manifest.unlink()  # It would describe the files about to be replaced.
+  (model_dir / MODEL_CONFIG_FILE).write_text(config.to_json())
+  save_vocabulary(model_dir, vocabulary)
+  if settings:
+    write_settings(model_dir, settings)
+  # Under the integrity manifest like an export's: every load checks them first; the run
+  # records that it has one, so a deleted manifest is refused, not loaded unverified.
+  integrity.write_integrity_manifest(
+      model_dir, [name for name in RUN_FILES if (model_dir / name).exists()])
+  integrity.record_checksummed(checkpoints_dir(model_dir), run_files=True)
+
+
+def verify_run_files(model_dir: str | os.PathLike) -> bool:
+  """Checks a run's model config, settings and vocabulary against its manifest (sizes and
+  sha256) before any of them is read.
+
+  A run without the manifest loads with a warning only if it never wrote one (written before
+  manifests existed, or put together by hand): `integrity.run_files_checksummed`.
+
+  Returns:
+    True if verified; False for an older run (a warning is logged).
+
+  Raises:
+    integrity.CheckpointIntegrityError: A file differs, is missing or the manifest is.
+  """
+  model_dir = fileio.abspath(model_dir)
+  checksummed = integrity.run_files_checksummed(checkpoints_dir(model_dir))
+  present = [name for name in RUN_FILES if fileio.exists(fileio.join(model_dir, name))]
+  return integrity.verify_integrity(
+      model_dir, what=f"{model_dir}: the run's files", full=True,
+      required=[name for name in present if name != VOCAB_DIR],
+      unverified_ok=not checksummed)
+
+
+def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) -> None:
+  (fileio.path(directory) / SETTINGS_FILE).write_text(
+      json.dumps(dict(settings), indent=2, sort_keys=True) + "\n")
+
+
+def read_settings(directory: str | os.PathLike) -> dict[str, Any]:
+  path = fileio.path(directory) / SETTINGS_FILE
+  if not path.is_file():
+    return {}
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+
+
+# -- the lock -----------------------------------------------------------------------------------
+# A holder refreshes its lock's time this often; a lock of another host left unrefreshed for
+# LOCK_STALE_AFTER_S is stale (its pid cannot be checked from here: a preempted VM's job
+# restarted elsewhere would otherwise be locked out for good).
+LOCK_HEARTBEAT_S = 60.0
+LOCK_STALE_AFTER_S = 900.0
+_held_locks: dict[str, _HeldLock] = {}
+_held_locks_guard = threading.Lock()
+
+
+class RunDirLockedError(ValueError):
+  """Another run holds MODEL_DIR's lock (a ValueError: the CLI prints it as one line)."""
+
+
+# A run in a bucket whose storage has not answered the lock's heartbeat for this long stops
+# (one line naming the bucket and the last committed step): its saves cannot complete, and
+# the storage clients would retry them for ever. Well above a store's brief outages.
+STORAGE_DEADLINE_S = 240.0
+
+
+def _storage_lost(model_dir: str, silent_s: float, error: Optional[BaseException]) -> None:
+  """Ends the process: the run's storage is gone. Its threads are blocked in the storage
+  clients' retries, which nothing can interrupt, so the process exits from here."""
+  from jaxmoral import preemption  # pylint: disable=g-import-not-at-top
+  step = checkpoints.committed_steps.get(fileio.abspath(checkpoints_dir(model_dir)))
+  committed = (f"the last committed step is {step} (a rerun resumes from it)" if step is not None
+               else "no step was committed")
+  cause = f" ({fileio.describe_storage_error(error, model_dir)})" if error is not None else ""
+  signum = preemption.pending_signal()
+  if signum is not None:
+    import signal  # pylint: disable=g-import-not-at-top
+    name = signal.Signals(signum).name
+    status = preemption.EXIT_STATUS.get(signum, 128 + signum)
+    line = (f"jaxmoral train: stopped by {name}: could not save to {model_dir}: its storage "
+            f"has not answered for {silent_s:.0f} s{cause}; {committed} (exit status {status})")
+  else:
+    status = 1
+    line = (f"jaxmoral train: error: {model_dir}: its storage has not answered for "
+            f"{silent_s:.0f} s{cause}; {committed}; stopping")
+  sys.stderr.write(line + "\n")
+  sys.stderr.flush()
+  sys.stdout.flush()
+  os._exit(status)  # pylint: disable=protected-access
+
+
+class _HeldLock:
+  """A lock file this process holds: its token, nesting depth and heartbeat (on a bucket
+  also the run's liveness check of its storage: `STORAGE_DEADLINE_S`)."""
+
+  def __init__(self, path: str, token: str):
+    self.path, self.token, self.depth = path, token, 1
+    self.stop = threading.Event()
+    self.answered = datetime.datetime.now().timestamp()
+    self.error: Optional[BaseException] = None
+    threading.Thread(target=self._beat, daemon=True, name="jaxmoral-lock-heartbeat").start()
+    if fileio.is_url(path):
+      threading.Thread(target=self._watch, daemon=True, name="jaxmoral-storage-watch").start()
+
+  def _beat(self) -> None:
+    while not self.stop.wait(LOCK_HEARTBEAT_S):
+      try:
+        if fileio.is_url(self.path):  # An object's time changes only when it is rewritten.
+          content = fileio.read_bytes(self.path)
+          if json.loads(content).get("token") == self.token:
+            fileio.write_bytes(self.path, content)
+        else:
+          os.utime(self.path)  # Tells other hosts the holder is alive.
+        self.answered, self.error = datetime.datetime.now().timestamp(), None
+      except Exception as e:  # pylint: disable=broad-except
+        self.error = e  # OSError, ValueError, or a storage client's own (aiohttp, google.auth).
+
+  def _watch(self) -> None:
+    while not self.stop.wait(min(5.0, STORAGE_DEADLINE_S / 4)):
+      silent = datetime.datetime.now().timestamp() - self.answered
+      if silent > STORAGE_DEADLINE_S and not self.stop.is_set():
+        _storage_lost(self.path.rsplit("/", 1)[0], silent, self.error)
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except PermissionError:  # Someone else's live process.
+    return True
+  except (ProcessLookupError, OverflowError, ValueError):
+    return False
+  return True
+
+
+class RunDirLock:
+  """`MODEL_DIR/train.lock`: one training run at a time in a run directory.
+
+  The file (JSON: host, pid, start time) is created with O_CREAT | O_EXCL (on gs://, an
+  upload with the precondition ifGenerationMatch=0), so of two runs starting together exactly
+  one gets it. A lock whose holder is gone is taken over with a warning: same host and a dead
+  pid (or this very pid, left by an earlier process, as in a restarted container), or another
+  host's lock not refreshed for `LOCK_STALE_AFTER_S`. Re-entrant within a process (a run's
+  setup and its loop both take it). Multi-host: process 0 takes it; all learn whether it did.
+
+  On gs:// a holder's liveness is the object's update time (the heartbeat rewrites it); a
+  stale lock is deleted with the precondition ifGenerationMatch=<the generation judged
+  stale>, so of two takers one deletes it, and a lock refreshed or retaken meanwhile is kept;
+  the taker then creates its own. Use as a context manager, or `acquire()` / `release()`.
+  """
+
+  def __init__(self, model_dir: str | os.PathLike):
+    self.path = fileio.join(fileio.abspath(model_dir), LOCK_FILE)
+    self._token = uuid.uuid4().hex
+    self._depth = 0  # acquire() calls of this object not yet released.
+
+  def _content(self) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "token": self._token,
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+  def _create(self) -> bool:
+    return fileio.create_exclusive(self.path, json.dumps(self._content()).encode())
+
+  def _read(self) -> Optional[dict[str, Any]]:
+    try:
+      with fileio.open(self.path) as f:
+        holder = json.load(f)
+      return holder if isinstance(holder, dict) else {}
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError):
+      return {}
+
+  @staticmethod
+  def _describe(holder: Mapping[str, Any]) -> str:
+    if not holder.get("host"):
+      return "an unknown process (unreadable lock file)"
+    return (f"pid {holder.get('pid')} on {holder.get('host')}, started "
+            f"{holder.get('started', '?')}")
+
+  def _stale_reason(self, holder: Mapping[str, Any]) -> Optional[str]:
+    """Why the holder is gone, or None while it may be alive."""
+    host, pid = holder.get("host"), holder.get("pid")
+    if host == socket.gethostname() and isinstance(pid, int):
+      if pid == os.getpid():
+        return "this process's pid, left by an earlier process"  # Not held here (see acquire).
+      if not _pid_alive(pid):
+        return f"pid {pid} is not running"
+      return None
+    try:
+      age = datetime.datetime.now().timestamp() - fileio.getmtime(self.path)
+    except OSError:
+      return None
+    if age > LOCK_STALE_AFTER_S:
+      return f"not refreshed for {age:.0f} s"
+    return None
+
+  def _take_over(self, holder: Mapping[str, Any]) -> bool:
+    """Removes the stale lock `holder` read; False if someone else replaced it meanwhile."""
+    if fileio.is_url(self.path):
+      stale_generation = fileio.generation(self.path)
+      if (self._read() or {}).get("token") != holder.get("token"):
+        return False  # Refreshed or retaken since it was judged stale.
+      try:
+        fileio.remove(self.path, if_generation=stale_generation)
+      except FileNotFoundError:
+        return False  # Another taker was first, or the holder rewrote it: look again.
+      return self._create()
+    aside = f"{self.path}.stale.{self._token}"
+    try:
+      os.rename(self.path, aside)  # Atomic: of two takers, one gets the stale file.
+    except FileNotFoundError:
+      return self._create()
+    with open(aside) as f:
+      text = f.read()
+    try:
+      now = json.loads(text)
+    except ValueError:
+      now = {}
+    if isinstance(now, dict) and now.get("token") != holder.get("token"):
+      os.rename(aside, self.path)  # A fresh lock taken in between: give it back.
+      return False
+    os.remove(aside)
+    return self._create()
+
+  def _acquire_file(self) -> Optional[str]:
+    """Takes the file; returns None, or the refusal message."""
+    if os.path.isdir(self.path) or (os.path.lexists(self.path) and not os.path.isfile(self.path)):
+      kind = "a folder" if os.path.isdir(self.path) else "not a regular file"
+      return (f"{self.path}: the run's lock path is {kind}, not a lock file; move it away "
+              "(no run removes it for you)")
+    for _ in range(3):  # A lock released or replaced between our reads: look again.
+      if self._create():
+        return None
+      holder = self._read()
+      if holder is None:
+        continue
+      reason = self._stale_reason(holder)
+      if reason is None:
+        return (f"{os.path.dirname(self.path)} is in use by another training run "
+                f"({self._describe(holder)}; lock {self.path}); wait for it to end, or delete "
+                "the lock if that run is gone")
+      logger.warning("taking over the stale lock %s of %s (%s)", self.path,
+                     self._describe(holder), reason)
+      if self._take_over(holder):
+        return None
+    return f"{self.path}: could not take the lock (it keeps changing); another run is starting"
+
+  def acquire(self) -> RunDirLock:
+    """Takes the lock (or raises `RunDirLockedError` naming the holder)."""
+    error = None
+    if jax.process_index() == 0:
+      with _held_locks_guard:
+        held = _held_locks.get(self.path)
+        if held is not None:  # This process holds it already (an outer call).
+          held.depth += 1
+        else:
+          error = self._acquire_file()
+          if error is None:
+            held = _HeldLock(self.path, self._token)
+            _held_locks[self.path] = held
+    if jax.process_count() > 1:  # Every process refuses together; none waits in a collective.
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+      if refused and error is None:
+        error = f"{os.path.dirname(self.path)} is in use by another training run (see process 0)"
+    if error is not None:
+      raise RunDirLockedError(error)
+    self._depth += 1
+    return self
+
+  def release(self) -> None:
+    """Gives the lock back; the file goes when this process's outermost holder releases."""
+    if not self._depth:
+      return
+    self._depth -= 1
+    if jax.process_index() != 0:
+      return
+    with _held_locks_guard:
+      held = _held_locks.get(self.path)
+      if held is None:
+        return
+      held.depth -= 1
+      if held.depth:
+        return
+      del _held_locks[self.path]
+      held.stop.set()
+      holder = self._read()
+      if holder and holder.get("token") == held.token:  # Never remove someone else's lock.
+        try:
+          fileio.remove(self.path)
+        except FileNotFoundError:
+          pass
+
+  def __enter__(self) -> RunDirLock:
+    return self.acquire()
+
+  def __exit__(self, *exc: Any) -> None:
+    self.release()
+
