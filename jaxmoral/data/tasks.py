@@ -29,8 +29,8 @@ import tensorflow as tf
 
 import gin
 
-from jaxmoral import integrity
 from jaxmoral import fileio
+from jaxmoral import integrity
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
 from jaxmoral.data import pairs as pairs_lib
