@@ -188,7 +188,7 @@ def test_npov_detectors_match_one_device(dirs, mesh):
         classifier_dirs={"hallucination": dirs["tuned"], "coverage": dirs["prompt"]})
     if p is not None:  # The fine-tuned classifier's weights are sharded too.
       tuned, _ = classifier.classifiers["hallucination"]
-      assert tuned["token_embedder"]["embedding"].sharding.spec == PartitionSpec("model", None)
+      assert tuned.params["token_embedder"]["embedding"].sharding.spec == PartitionSpec("model", None)
     results.append({
         "token_salience": [m.token_matrix for m in maps],
         "detections": [salience.detect_from_map(m).to_json() for m in maps],
