@@ -91,10 +91,10 @@ def child(args: argparse.Namespace) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from bench_train_step import parse_override  # pylint: disable=g-import-not-at-top
 
+  from jaxmoral import metric_writers  # pylint: disable=g-import-not-at-top
   from jaxmoral import optimizers  # pylint: disable=g-import-not-at-top
   from jaxmoral import partitioning  # pylint: disable=g-import-not-at-top
   from jaxmoral import runs  # pylint: disable=g-import-not-at-top
-  from jaxmoral import metric_writers  # pylint: disable=g-import-not-at-top
   from jaxmoral import train as train_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
@@ -122,7 +122,8 @@ def child(args: argparse.Namespace) -> dict:
                    train_steps=args.steps, batch_size=args.batch, feature_lengths=lengths,
                    optimizer=optimizer, checkpoint_every=args.steps, log_every=args.steps,
                    eval_every=0, hooks=[PeakBeforeSave()])
-    steps_per_sec = metric_writers.read_scalars(str(model_dir / "train"))["steps_per_sec"][args.steps]
+    scalars = metric_writers.read_scalars(str(model_dir / "train"))
+    steps_per_sec = scalars["steps_per_sec"][args.steps]
   else:
     vocabulary = data.vocabulary(str(work / "vocab"))
     train_source, _ = data.sources(vocabulary=vocabulary, batch_size=args.batch,

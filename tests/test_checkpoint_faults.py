@@ -23,7 +23,12 @@ import optax
 import pytest
 
 from jaxmoral import checkpoints as ck
-from jaxmoral import integrity, metric_writers, model_dirs, params_export, partitioning, run_dirs
+from jaxmoral import integrity
+from jaxmoral import metric_writers
+from jaxmoral import model_dirs
+from jaxmoral import params_export
+from jaxmoral import partitioning
+from jaxmoral import run_dirs
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as tr
 from jaxmoral.data import vocab as vocab_lib
@@ -235,7 +240,8 @@ def _run(model_dir: str, trainer: tr.Trainer, train_steps: int = STEPS) -> dict:
 
 
 def _params(model_dir: str, step: int):
-  return jax.device_get(params_export.restore_params_from_run(run_dirs.checkpoints_dir(model_dir), step=step))
+  return jax.device_get(params_export.restore_params_from_run(run_dirs.checkpoints_dir(model_dir),
+                                                              step=step))
 
 
 def _events(directory: str) -> list[tuple[str, int]]:

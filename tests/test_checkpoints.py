@@ -117,7 +117,8 @@ def test_resume_in_new_manager_and_restore_params_only(tmp_path, boxed, caplog):
   assert all(x.sharding.is_fully_addressable for x in jax.tree_util.tree_leaves(only))
   partitioner = pt.PjitPartitioner(num_partitions=2)
   shardings = partitioner.sharding_for(boxed)
-  sharded = params_export.restore_params_from_run(tmp_path, step=3, shardings=shardings, dtype="bfloat16")
+  sharded = params_export.restore_params_from_run(tmp_path, step=3, shardings=shardings,
+                                                  dtype="bfloat16")
   for got, want, sharding in zip(jax.tree_util.tree_leaves(sharded),
                                  jax.tree_util.tree_leaves(params),
                                  jax.tree_util.tree_leaves(shardings)):
@@ -200,7 +201,8 @@ def test_export_bf16_and_load(tmp_path, boxed):
   with pytest.raises(FileNotFoundError, match="no exported params"):
     params_export.load_params(tmp_path / "nowhere")
   with pytest.raises(ValueError, match="no sharding given for saved parameter"):
-    params_export.load_params(out, shardings={"token_embedder": {"embedding": partitioner.replicated}})
+    params_export.load_params(out,
+                              shardings={"token_embedder": {"embedding": partitioner.replicated}})
 
 
 def test_bad_options_and_target(tmp_path):

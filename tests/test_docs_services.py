@@ -339,8 +339,8 @@ def tuned(one_device: None, tmp_path_factory: pytest.TempPathFactory,
 
 
 def test_the_hub_fine_tune_runs_offline_from_the_hub_cache(tuned: dict[str, Any]) -> None:
-  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   from jaxmoral import metric_writers  # pylint: disable=g-import-not-at-top
+  from jaxmoral import model_dirs  # pylint: disable=g-import-not-at-top
   assert tuned["code"] == 0, tuned["command"]
   assert tuned["attempts"] == [], tuned["attempts"]
   run = tuned["run"]
