@@ -135,9 +135,9 @@ def _check_run_arguments(**values: Any) -> None:
   fail deep inside the loop, or after the run files and vocabulary were written.
   """
   for name, macro, least in _RUN_COUNTS:
-    value = values.get(name)
-    if name not in values or (name == "eval_steps" and value is None):
+    if name not in values or (name == "eval_steps" and values[name] is None):
       continue
+    value = values[name]
     if not _is_int(value) or value < least:
       kind = "a positive integer" if least else "an integer >= 0"
       where = f" ({macro})" if macro else ""
