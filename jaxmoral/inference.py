@@ -19,7 +19,8 @@ import copy
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Optional, Sequence, Union
+import typing
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import flax.linen as nn
 import jax
@@ -54,6 +55,13 @@ class GenerateOutput:
   scores: np.ndarray
   lengths: np.ndarray
   texts: Optional[list[list[str]]]
+
+  @property
+  def decoded(self) -> list[list[str]]:
+    """`texts`, for callers whose model reads text; ValueError when it has no vocabulary."""
+    if self.texts is None:
+      raise ValueError("this model has no vocabulary: its outputs are tokens only")
+    return self.texts
 
   def __repr__(self) -> str:
     # The texts and one score per output; the padded token arrays are in `.tokens`.
@@ -90,7 +98,8 @@ def class_distribution(model: t5.T5, params: Any, encoder_input_tokens: Array,
 
 def _teacher_forced_logits(model: t5.T5, params: Any, encoder_input_tokens: Array,
                            decoder_input_tokens: Array) -> Array:
-  return model.apply({"params": params}, encoder_input_tokens, decoder_input_tokens)
+  return typing.cast(Array, model.apply({"params": params}, encoder_input_tokens,
+                                        decoder_input_tokens))
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,6 +123,9 @@ def _load_vocabulary(vocabulary: Any) -> Any:
   if vocabulary is None or not isinstance(vocabulary, (str, os.PathLike)):
     return vocabulary
   return model_dirs.vocabulary_from_file(vocabulary)
+
+
+_Model = TypeVar("_Model", bound="InferenceModel")
 
 
 class InferenceModel:
@@ -153,8 +165,9 @@ class InferenceModel:
                        f"data axis ({partitioner.data_parallel_size})")
 
   @classmethod
-  def from_params(cls, config: T5Config, params: Any, *, with_scalar_head: bool = False,
-                  partitioner: Any = None, **kwargs: Any) -> InferenceModel:
+  def from_params(cls: type[_Model], config: T5Config, params: Any, *,
+                  with_scalar_head: bool = False, partitioner: Any = None,
+                  **kwargs: Any) -> _Model:
     """Places `params` (boxed or not) in the partitioner's shardings (no copy when
     `model_dirs.load` read them there)."""
     module = t5.T5(config, with_scalar_head=with_scalar_head)
@@ -167,10 +180,11 @@ class InferenceModel:
     return cls(module, params, partitioner=partitioner, **kwargs)
 
   @classmethod
-  def load(cls, path: str | os.PathLike, *, partitioner: Any = None, step: Optional[int] = None,
+  def load(cls: type[_Model], path: str | os.PathLike, *, partitioner: Any = None,
+           step: Optional[int] = None,
            dtype: Optional[str] = None, config: Optional[T5Config] = None,
            vocabulary: Any = None, with_scalar_head: bool = False,
-           require_vocabulary: bool = False, **kwargs: Any) -> InferenceModel:
+           require_vocabulary: bool = False, **kwargs: Any) -> _Model:
     """Loads any model directory or Hub id (`model_dirs.load`) into `partitioner`'s shardings.
 
     Args:
@@ -195,8 +209,8 @@ class InferenceModel:
                            with_scalar_head=head, partitioner=partitioner,
                            vocabulary=loaded.vocabulary, source=os.fspath(path), **kwargs)
 
-  def with_shapes(self, *, input_length: Optional[int] = None,
-                  batch_size: Optional[int] = None) -> InferenceModel:
+  def with_shapes(self: _Model, *, input_length: Optional[int] = None,
+                  batch_size: Optional[int] = None) -> _Model:
     """The same model (parameters shared) with other fixed shapes (None keeps the current)."""
     out = copy.copy(self)
     out.input_length = input_length or self.input_length

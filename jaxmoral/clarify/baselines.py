@@ -40,7 +40,7 @@ def sampled_generator(question_model: models.ClarifyModel, *, top_p: float = 0.6
     inputs = [formats.question_input(s) for s in situations]
     out = question_model.predict(inputs, max_decode_length=max_length, greedy=greedy,
                                  top_p=top_p, temperature=temperature,
-                                 rng=jax.random.PRNGKey(seed)).texts
+                                 rng=jax.random.PRNGKey(seed)).decoded
     return [o[0] for o in out]
   return generate
 
@@ -50,7 +50,7 @@ def wh_candidates(question_model: models.ClarifyModel, situations: Sequence[str]
                   max_length: int = 32) -> list[list[str]]:
   """One greedy wh-conditioned question per (situation, wh-word)."""
   inputs = [formats.question_input(s, w) for s in situations for w in wh_words]
-  out = question_model.predict(inputs, max_decode_length=max_length, greedy=True).texts
+  out = question_model.predict(inputs, max_decode_length=max_length, greedy=True).decoded
   k = len(wh_words)
   return [[o[0] for o in out[i * k:(i + 1) * k]] for i in range(len(situations))]
 
@@ -120,7 +120,7 @@ def discriminator_generator(question_model: models.ClarifyModel,
     inputs = [formats.question_input(s) for s in situations]
     candidates = question_model.predict(inputs, max_decode_length=max_length,
                                         num_samples=num_candidates, greedy=False, top_p=top_p,
-                                        rng=jax.random.PRNGKey(seed)).texts
+                                        rng=jax.random.PRNGKey(seed)).decoded
     flat_s = [s for s in situations for _ in range(num_candidates)]
     flat_q = [q for c in candidates for q in c]
     scores = relevance_scores(relevance_model, flat_s, flat_q, labels=labels)

@@ -55,12 +55,12 @@ class ClarifySession:
     self._count += 1
     return self.question_model.predict(
         [formats.question_input(situation)], max_decode_length=self.max_length, greedy=False,
-        top_p=self.top_p, rng=jax.random.fold_in(self._rng, self._count)).texts[0][0]
+        top_p=self.top_p, rng=jax.random.fold_in(self._rng, self._count)).decoded[0][0]
 
   def fuse(self, situation: str, question: str, answer: str) -> str:
     inputs = [formats.fusion_input(situation=situation, question=question, answer=answer)]
     return self.fusion_model.predict(inputs, max_decode_length=self.max_length,
-                                     greedy=True).texts[0][0]
+                                     greedy=True).decoded[0][0]
 
   def answer(self, situation: str, question: str, judgment: str, update_type: str) -> str:
     if self.answer_model is None:
@@ -68,7 +68,7 @@ class ClarifySession:
     inputs = [formats.answer_input(judgment=judgment, situation=situation,
                                    update_type=update_type, question=question)]
     return self.answer_model.predict(inputs, max_decode_length=self.max_length,
-                                     greedy=True).texts[0][0]
+                                     greedy=True).decoded[0][0]
 
   def turn(self, situation: str, answer_fn: Callable[[str, str, str], Optional[str]],
            turn: int) -> Optional[dict[str, Any]]:

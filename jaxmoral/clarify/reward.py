@@ -180,7 +180,7 @@ class DefeasibilityReward:
     key = jax.random.fold_in(self._call_key, self._within_call)
     out = self.answer_model.predict(inputs, max_decode_length=cfg.max_answer_length,
                                     greedy=cfg.answer_greedy, top_p=cfg.answer_top_p,
-                                    temperature=cfg.answer_temperature, rng=key).texts
+                                    temperature=cfg.answer_temperature, rng=key).decoded
     return [o[0] for o in out]
 
   def fuse(self, situations: Sequence[str], questions: Sequence[str],
@@ -188,7 +188,7 @@ class DefeasibilityReward:
     inputs = [formats.fusion_input(situation=s, question=q, answer=a)
               for s, q, a in zip(situations, questions, answers, strict=True)]
     out = self.fusion_model.predict(inputs, max_decode_length=self.config.max_fusion_length,
-                                    greedy=True).texts
+                                    greedy=True).decoded
     return [o[0] for o in out]
 
   # -- the pipeline -----------------------------------------------------------------------------
