@@ -533,6 +533,18 @@ def test_tfds_data_dir_points_a_tfds_task_at_a_bucket_read_by_tensorflows_client
       np.testing.assert_array_equal(got.batch(step)[key], value)
 
 
+def _register_two_task_mixture(name, vocabulary):
+  """Registers `name`: Tasks `name_a` (10 "alpha ..." rows) and `name_b` (30 "beta ..."
+  rows), mixed 1:2, so a batch's first token tells which Task a row came from."""
+  words = [f"{x} {y}" for x in "abc" for y in "defghijklm"]
+  tasks.register_text_pair_task(f"{name}_a", vocabulary=vocabulary,
+                                examples=[(f"alpha {w}", "a") for w in words[:10]])
+  tasks.register_text_pair_task(f"{name}_b", vocabulary=vocabulary,
+                                examples=[(f"beta {w}", "b") for w in words])
+  seqio.MixtureRegistry.remove(name)
+  seqio.MixtureRegistry.add(name, [(f"{name}_a", 1.0), (f"{name}_b", 2.0)])
+
+
 def test_a_streamed_mixture_resumes_from_its_saved_position_without_replay(vocabulary,
                                                                            tmp_path):
   """A two-Task Mixture forced to stream (max_cached_examples=1): each shard's tf.data
@@ -540,13 +552,7 @@ def test_a_streamed_mixture_resumes_from_its_saved_position_without_replay(vocab
   process builds) restores it and continues with exactly the uninterrupted run's batches,
   and one at step 10,000 starts as fast as one at step 10."""
   import time  # pylint: disable=g-import-not-at-top
-  words = [f"{x} {y}" for x in "abc" for y in "defghijklm"]
-  tasks.register_text_pair_task("jm_pos_a", vocabulary=vocabulary,
-                                examples=[(f"alpha {w}", "a") for w in words[:10]])
-  tasks.register_text_pair_task("jm_pos_b", vocabulary=vocabulary,
-                                examples=[(f"beta {w}", "b") for w in words])
-  seqio.MixtureRegistry.remove("jm_pos")
-  seqio.MixtureRegistry.add("jm_pos", [("jm_pos_a", 1.0), ("jm_pos_b", 2.0)])
+  _register_two_task_mixture("jm_pos", vocabulary)
   lengths = {"inputs": 8, "targets": 4}
 
   def source(every, shard=(0, 1), batch_size=2):
@@ -598,13 +604,7 @@ def test_a_streamed_mixture_run_resumed_trains_exactly_as_the_uninterrupted_run(
   from jaxmoral import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.models import trainable  # pylint: disable=g-import-not-at-top
-  words = [f"{x} {y}" for x in "abc" for y in "defghijklm"]
-  tasks.register_text_pair_task("jm_run_a", vocabulary=vocabulary,
-                                examples=[(f"alpha {w}", "a") for w in words[:10]])
-  tasks.register_text_pair_task("jm_run_b", vocabulary=vocabulary,
-                                examples=[(f"beta {w}", "b") for w in words])
-  seqio.MixtureRegistry.remove("jm_run")
-  seqio.MixtureRegistry.add("jm_run", [("jm_run_a", 1.0), ("jm_run_b", 2.0)])
+  _register_two_task_mixture("jm_run", vocabulary)
   read = {"into": []}
   step = trainer_lib.Trainer.train_step
 
