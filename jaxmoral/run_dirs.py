@@ -208,15 +208,19 @@ def _storage_lost(model_dir: str, silent_s: float, error: Optional[BaseException
 
 
 class _HeldLock:
-  """A lock file this process holds: its token, nesting depth and heartbeat (on a bucket
-  also the run's liveness check of its storage: `STORAGE_DEADLINE_S`)."""
+  """A lock file this process holds, or (`owner` False) one that process 0 holds for this
+  process's job: its token, nesting depth and heartbeat. On a bucket, the heartbeat is also
+  the run's liveness check of its storage (`STORAGE_DEADLINE_S`) on every process: each host
+  writes its own shards, and one whose storage is gone must end itself, since a host blocked
+  in the clients' retries never reaches the collective that would tell it process 0 ended."""
 
-  def __init__(self, path: str, token: str):
-    self.path, self.token, self.depth = path, token, 1
+  def __init__(self, path: str, token: str, *, owner: bool = True):
+    self.path, self.token, self.owner, self.depth = path, token, owner, 1
     self.stop = threading.Event()
     self.answered = datetime.datetime.now().timestamp()
     self.error: Optional[BaseException] = None
-    threading.Thread(target=self._beat, daemon=True, name="jaxmoral-lock-heartbeat").start()
+    if owner or fileio.is_url(path):
+      threading.Thread(target=self._beat, daemon=True, name="jaxmoral-lock-heartbeat").start()
     if fileio.is_url(path):
       threading.Thread(target=self._watch, daemon=True, name="jaxmoral-storage-watch").start()
 
@@ -224,8 +228,8 @@ class _HeldLock:
     while not self.stop.wait(LOCK_HEARTBEAT_S):
       try:
         if fileio.is_url(self.path):  # An object's time changes only when it is rewritten.
-          content = fileio.read_bytes(self.path)
-          if json.loads(content).get("token") == self.token:
+          content = fileio.read_bytes(self.path)  # Other hosts only read: the store answered.
+          if self.owner and json.loads(content).get("token") == self.token:
             fileio.write_bytes(self.path, content)
         else:
           os.utime(self.path)  # Tells other hosts the holder is alive.
@@ -366,23 +370,23 @@ class RunDirLock:
   def acquire(self) -> RunDirLock:
     """Takes the lock (or raises `RunDirLockedError` naming the holder)."""
     error = None
-    if jax.process_index() == 0:
-      with _held_locks_guard:
-        held = _held_locks.get(self.path)
-        if held is not None:  # This process holds it already (an outer call).
-          held.depth += 1
-        else:
-          error = self._acquire_file()
-          if error is None:
-            held = _HeldLock(self.path, self._token)
-            _held_locks[self.path] = held
-    if jax.process_count() > 1:  # Every process refuses together; none waits in a collective.
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
-      if refused and error is None:
-        error = f"{os.path.dirname(self.path)} is in use by another training run (see process 0)"
-    if error is not None:
-      raise RunDirLockedError(error)
+    owner = jax.process_index() == 0
+    with _held_locks_guard:
+      held = _held_locks.get(self.path)
+      if held is not None:  # This process holds it already (an outer call).
+        held.depth += 1
+      elif owner:
+        error = self._acquire_file()
+      if jax.process_count() > 1:  # Every process refuses together; none waits in a collective.
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if refused and error is None:
+          error = (f"{os.path.dirname(self.path)} is in use by another training run "
+                   "(see process 0)")
+      if error is not None:
+        raise RunDirLockedError(error)
+      if held is None:
+        _held_locks[self.path] = _HeldLock(self.path, self._token, owner=owner)
     self._depth += 1
     return self
 
@@ -391,8 +395,6 @@ class RunDirLock:
     if not self._depth:
       return
     self._depth -= 1
-    if jax.process_index() != 0:
-      return
     with _held_locks_guard:
       held = _held_locks.get(self.path)
       if held is None:
@@ -402,6 +404,8 @@ class RunDirLock:
         return
       del _held_locks[self.path]
       held.stop.set()
+      if not held.owner:
+        return
       holder = self._read()
       if holder and holder.get("token") == held.token:  # Never remove someone else's lock.
         try:

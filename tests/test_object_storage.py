@@ -268,6 +268,41 @@ def test_the_lock_is_a_conditional_create_and_a_stale_one_is_taken_over(gcs, mon
   assert not fileio.exists(path)  # Released.
 
 
+def test_every_process_of_a_bucket_run_watches_its_storage_and_only_process_0_writes_the_lock(
+    gcs, monkeypatch):
+  """Process 1 of a multi-host bucket run (process 0 holds the lock) reads the lock on every
+  heartbeat without rewriting it, and ends itself, naming the folder, once the store has not
+  answered for STORAGE_DEADLINE_S: it cannot count on hearing that process 0 ended."""
+  import threading  # pylint: disable=g-import-not-at-top
+  folder = f"{BUCKET}/hosts"
+  path = f"{folder}/{run_dirs.LOCK_FILE}"
+  assert fileio.create_exclusive(path, b'{"host": "h0", "pid": 1, "token": "process-0"}')
+  generation = fileio.generation(path)
+  monkeypatch.setattr(run_dirs, "LOCK_HEARTBEAT_S", 0.05)
+  monkeypatch.setattr(run_dirs, "STORAGE_DEADLINE_S", 0.6)
+  monkeypatch.setattr(run_dirs.jax, "process_index", lambda: 1)
+  lost, ended = [], threading.Event()
+  monkeypatch.setattr(run_dirs, "_storage_lost",
+                      lambda model_dir, silent, error: (lost.append((model_dir, error)),
+                                                        ended.set()))
+  with run_dirs.RunDirLock(folder):
+    time.sleep(1.5)  # Well past the deadline, the store answering: nothing ends.
+    assert not lost
+    assert fileio.generation(path) == generation  # Read, never rewritten.
+    read = fileio.read_bytes
+
+    def dead_store(location, *args, **kwargs):
+      if location == path:
+        raise ConnectionError("Cannot connect to host 127.0.0.1")
+      return read(location, *args, **kwargs)
+    monkeypatch.setattr(fileio, "read_bytes", dead_store)
+    assert ended.wait(10), "process 1 kept running on a dead store"
+  assert lost[0][0] == folder and isinstance(lost[0][1], ConnectionError)
+  monkeypatch.undo()
+  assert json.loads(fileio.read_bytes(path))["token"] == "process-0"  # Process 0's, kept.
+  fileio.remove(path)
+
+
 def test_a_missing_bucket_credentials_permission_or_endpoint_is_one_line_before_any_work(
     gcs, unreachable_train):
   with pytest.raises(OSError, match=r"^MODEL_DIR gs://no-such-bucket/run: bucket "
