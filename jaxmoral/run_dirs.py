@@ -53,6 +53,7 @@ from jaxmoral.models.config import T5Config
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
+DATA_POSITION_DIR = "data_position"
 LOCK_FILE = "train.lock"
 MODEL_CONFIG_FILE = "model_config.json"
 SETTINGS_FILE = "settings.json"
@@ -81,6 +82,22 @@ def make_run_dir(model_dir: str | os.PathLike) -> str:
 def checkpoints_dir(model_dir: str | os.PathLike) -> str:
   """The CheckpointManager directory of a run directory (MODEL_DIR/checkpoints)."""
   return fileio.join(os.fspath(model_dir), CHECKPOINTS_DIR)
+
+
+def data_position_dir(model_dir: str | os.PathLike) -> str:
+  """Where a streamed split saves its tf.data positions (`data.tasks.TaskSource`)."""
+  return fileio.join(os.fspath(model_dir), DATA_POSITION_DIR)
+
+
+def vocabulary_build_dir(model_dir: str | os.PathLike) -> str:
+  """Where a run's vocabulary is built: MODEL_DIR/vocab, or for a bucket run the process's
+  private local folder for that run (SentencePiece writes local files; `save_run_files` copies
+  the model into the bucket, and a resumed run reads it there). One folder shared by all
+  bucket runs would hand one run a vocabulary trained on another's data."""
+  model_dir = os.fspath(model_dir)
+  if fileio.is_url(model_dir):
+    return fileio.local_folder_for(model_dir, "_vocab")
+  return os.path.join(model_dir, VOCAB_DIR)
 
 
 def events_dir(model_dir: str | os.PathLike, name: str) -> str:

@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import numbers
-import os
 import sys
 import tempfile
 import time
@@ -56,10 +55,6 @@ logger = logging.getLogger(__name__)
 _SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_encoder_layers",
                  "num_decoder_layers", "relative_attention_num_buckets", "feed_forward_proj",
                  "tie_word_embeddings")
-
-
-# MODEL_DIR/data_position/<step>/process_<i>-of-<n>/: a streamed split's tf.data position.
-DATA_POSITION_DIR = "data_position"
 
 
 def _check_same_model(model_dir: str, config: Any) -> None:
@@ -104,17 +99,7 @@ def _run_vocabulary(model_dir: str, data: DataSpec, init_info: Optional[model_di
   if own is not None:
     return own
   fallback = init_info.vocabulary if init_info is not None else None
-  return data.vocabulary(vocabulary_build_dir(model_dir), fallback=fallback)
-
-
-def vocabulary_build_dir(model_dir: str) -> str:
-  """Where a run's vocabulary is built: MODEL_DIR/vocab, or for a bucket run the process's
-  private local folder for that run (SentencePiece writes local files; `save_run_files` copies
-  the model into the bucket, and a resumed run reads it there). One folder shared by all
-  bucket runs would hand one run a vocabulary trained on another's data."""
-  if fileio.is_url(model_dir):
-    return fileio.local_folder_for(model_dir, "_vocab")
-  return os.path.join(model_dir, run_dirs.VOCAB_DIR)
+  return data.vocabulary(run_dirs.vocabulary_build_dir(model_dir), fallback=fallback)
 
 
 # train_run's counts: (parameter, the gin macro gin/runs/*.gin binds it to, least value).
@@ -249,7 +234,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         if eval_source is not None:
           eval_source = eval_source.shard(jax.process_index(), jax.process_count())
       # A streamed split's position is kept at each checkpoint step: a resume replays nothing.
-      train_source = train_source.keeping_position(fileio.join(model_dir, DATA_POSITION_DIR),
+      train_source = train_source.keeping_position(run_dirs.data_position_dir(model_dir),
                                                    checkpoint_every)
       trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
                              num_microbatches=num_microbatches)

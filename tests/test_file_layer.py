@@ -58,7 +58,7 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.data.vocab": ("SentencePiece writes local files; they are uploaded after",
                             frozenset({"build_demo_vocabulary"})),
     "jaxmoral.diamante.data": ("the local folder SentencePiece trains in "
-                               "(`runs.vocabulary_build_dir`)",
+                               "(`run_dirs.vocabulary_build_dir`)",
                                frozenset({"DialogueData.vocabulary"})),
     "jaxmoral.explore.folders": ("the explorer serves local folders only",
                                  frozenset({"Roots.walk", "_first_json", "_json_keys"})),

@@ -445,8 +445,8 @@ def test_each_bucket_run_builds_its_vocabulary_from_its_own_data(tmp_path):
     model = vocabulary.tokenizer
     return [model.id_to_piece(i) for i in range(model.get_piece_size())]
 
-  first = pieces(files["a"], runs.vocabulary_build_dir(f"{BUCKET}/a"))
-  second = pieces(files["b"], runs.vocabulary_build_dir(f"{BUCKET}/b"))
+  first = pieces(files["a"], run_dirs.vocabulary_build_dir(f"{BUCKET}/a"))
+  second = pieces(files["b"], run_dirs.vocabulary_build_dir(f"{BUCKET}/b"))
   assert second != first, "the second run was given the first run's vocabulary"
   assert second == pieces(files["b"], str(tmp_path / "local_b"))  # Built from b's dialogues.
 

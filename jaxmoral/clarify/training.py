@@ -125,7 +125,7 @@ def train_clarify_model(*, which: str, model_dir: str,
     if which in ("judge", "multitask"):
       init_vocabulary = (model_dirs.inspect(init_checkpoint).vocabulary if init_checkpoint
                          else None)
-      judge_lib.class_token_ids(seq_data.vocabulary(runs.vocabulary_build_dir(model_dir),
+      judge_lib.class_token_ids(seq_data.vocabulary(run_dirs.vocabulary_build_dir(model_dir),
                                                     fallback=init_vocabulary), judge_classes)
   except BaseException:
     # A run refused before training leaves nothing behind (a rerun with other flags starts
