@@ -46,7 +46,8 @@ class CheckpointIntegrityError(ValueError):
     self.files = tuple(files)
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+  """The sha256 of a file (local or URL), streamed."""
   digest = hashlib.sha256()
   with fileio.open(path, "rb") as f:
     for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
@@ -54,11 +55,12 @@ def _sha256(path: str) -> str:
   return digest.hexdigest()
 
 
-def _hash_all(root: str, relative: Sequence[str]) -> dict[str, str]:
+def hash_files(root: str, relative: Sequence[str]) -> dict[str, str]:
+  """{relative path: sha256} of files under `root`, hashed in parallel."""
   if len(relative) <= 1:
-    return {rel: _sha256(fileio.join(root, rel)) for rel in relative}
+    return {rel: file_sha256(fileio.join(root, rel)) for rel in relative}
   with concurrent.futures.ThreadPoolExecutor(min(_HASH_THREADS, len(relative))) as pool:
-    digests = pool.map(lambda rel: _sha256(fileio.join(root, rel)), relative)
+    digests = pool.map(lambda rel: file_sha256(fileio.join(root, rel)), relative)
     return dict(zip(relative, digests, strict=True))
 
 
@@ -90,7 +92,7 @@ def write_integrity_manifest(root: str | os.PathLike, entries: Optional[Iterable
   """
   root = os.fspath(root)
   relative = _files_of(root, sorted(fileio.listdir(root)) if entries is None else entries)
-  digests = _hash_all(root, relative)
+  digests = hash_files(root, relative)
   manifest = {"version": 1, "algorithm": "sha256",
               "files": {rel: {"size": fileio.getsize(fileio.join(root, rel)),
                               "sha256": digests[rel]} for rel in relative}}
@@ -249,7 +251,7 @@ def _compare_digests(root: str, hashed: Sequence[str], saved: Mapping[str, str],
   mine = list(hashed)[jax.process_index()::count] if count > 1 else list(hashed)
   changed, unreadable = [], None
   try:
-    digests = _hash_all(root, mine)
+    digests = hash_files(root, mine)
     changed = [rel for rel in mine if digests[rel] != saved[rel]]
   except OSError as e:  # Gone or unreadable while being read.
     unreadable = (os.path.relpath(e.filename or root, root).replace(os.sep, "/"),

@@ -403,7 +403,7 @@ def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, mon
   integrity.write_integrity_manifest(root)
   me, barrier, slots = threading.local(), threading.Barrier(2), [None, None]
   hashed: dict[int, list[str]] = {0: [], 1: []}
-  real_hash_all = integrity._hash_all
+  real_hash_all = integrity.hash_files
 
   def allgather(x):
     slots[me.index] = np.asarray(x)
@@ -420,7 +420,7 @@ def test_processes_share_the_hashing_and_all_refuse_a_damaged_file(tmp_path, mon
   monkeypatch.setattr(jax, "process_index", lambda: me.index)
   monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
   monkeypatch.setattr(multihost_utils, "sync_global_devices", lambda name: barrier.wait())
-  monkeypatch.setattr(integrity, "_hash_all", hash_all)
+  monkeypatch.setattr(integrity, "hash_files", hash_all)
 
   def verify_as_both() -> list:
     results = [None, None]
@@ -503,8 +503,8 @@ def test_verification_is_cached_per_step_until_a_file_changes(tmp_path, monkeypa
     (root / f"f{k}").write_bytes(bytes([k]) * 100)
   integrity.write_integrity_manifest(root)
   hashed: list[str] = []
-  real_hash_all = integrity._hash_all
-  monkeypatch.setattr(integrity, "_hash_all",
+  real_hash_all = integrity.hash_files
+  monkeypatch.setattr(integrity, "hash_files",
                       lambda r, rel: (hashed.extend(rel), real_hash_all(r, rel))[1])
   assert integrity.verify_integrity(root, what="step")
   assert sorted(hashed) == ["f0", "f1", "f2"]

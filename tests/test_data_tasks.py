@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import seqio
 
+from jaxmoral import integrity
 from jaxmoral.data import demo, tasks, vocab
 from jaxmoral.data import pairs as pairs_lib
 from jaxmoral.data.pipeline import encode_pairs
@@ -464,7 +465,7 @@ def _check_a_written_cache_is_verified(cached, kwargs, tmp_path):
   # The same flip with meta.json's digest of the file edited to match: the fingerprint is
   # computed from the files, so it no longer is the checkpointed one.
   meta = json.loads(open(os.path.join(train, index_cache.META)).read())
-  meta["files"]["encoder_input_tokens.npy"]["sha256"] = index_cache._file_sha256(victim)
+  meta["files"]["encoder_input_tokens.npy"]["sha256"] = integrity.file_sha256(victim)
   open(os.path.join(train, index_cache.META), "w").write(json.dumps(meta))
   with pytest.raises(index_cache.CacheDamagedError, match="fingerprint does not match"):
     cached.sources(**kwargs)
@@ -654,7 +655,6 @@ def test_a_streamed_mixture_run_resumed_trains_exactly_as_the_uninterrupted_run(
 def test_a_damaged_stream_position_is_refused_naming_its_file(vocabulary, tmp_path):
   """A stream position carries the sizes and checksums of its files: one damaged after it
   was saved is refused in one line naming the file, not restored into a wrong position."""
-  from jaxmoral import integrity  # pylint: disable=g-import-not-at-top
   tasks.register_text_pair_task("jm_damaged", vocabulary=vocabulary,
                                 examples=[(f"in {i}", f"out {i}") for i in range(12)])
   source = tasks.TaskSource("jm_damaged", "train", {"inputs": 8, "targets": 4}, 2,

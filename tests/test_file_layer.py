@@ -50,7 +50,7 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
             "_read_own_file", "_write_atomically", "build", "has_avx512"})),
     "jaxmoral.data.index_cache": (
         "a local folder: a bucket cache is copied through `fileio.local_folder` first",
-        frozenset({"read", "write", "_file_sha256", "_verify", "_version"})),
+        frozenset({"read", "write", "_verify", "_version"})),
     "jaxmoral.data.pretraining_corpus": ("the local branch of `write_lines` (a URL is written "
                                          "through fileio)", frozenset({"write_lines"})),
     "jaxmoral.data.tasks": ("a stream position's local scratch copy (uploaded through fileio)",

@@ -81,8 +81,8 @@ DRIVER = textwrap.dedent("""
     import gin, os
     from jax.experimental import multihost_utils
     from jaxmoral import checkpoints, integrity, run_dirs
-    shares, hash_all = [], integrity._hash_all
-    integrity._hash_all = lambda root, rel: (shares.extend(rel), hash_all(root, rel))[1]
+    shares, hash_all = [], integrity.hash_files
+    integrity.hash_files = lambda root, rel: (shares.extend(rel), hash_all(root, rel))[1]
     ckpt_dir = run_dirs.checkpoints_dir(gin.query_parameter("%MODEL_DIR"))
     check["verified"] = checkpoints.verify_step(ckpt_dir, 3, shared=True)
     check["share"] = list(shares)

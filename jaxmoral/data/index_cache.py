@@ -20,7 +20,6 @@ existed is verified by hashing its rows.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import json
 import os
@@ -30,6 +29,8 @@ import threading
 from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
+
+from jaxmoral import integrity
 
 META = "meta.json"
 CACHE_ENV = "JAXMORAL_DATA_CACHE"
@@ -56,7 +57,6 @@ def _digest(features: Mapping[str, np.ndarray]) -> str:
   return sha.hexdigest()
 
 
-_HASH_CHUNK = 1 << 22
 # Caches verified by this process: {folder: (meta text, {file: version})}; a cache is hashed
 # again only when one of its files was rewritten since.
 _verified: dict[str, tuple[str, dict[str, tuple[int, ...]]]] = {}
@@ -65,14 +65,6 @@ _verified_guard = threading.Lock()
 
 class CacheDamagedError(ValueError):
   """A data cache's file differs from what its `meta.json` records (one line, naming it)."""
-
-
-def _file_sha256(path: str) -> str:
-  sha = hashlib.sha256()
-  with open(path, "rb") as f:
-    for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
-      sha.update(chunk)
-  return sha.hexdigest()
 
 
 def _version(path: str) -> tuple[int, ...]:
@@ -119,8 +111,7 @@ def _verify(directory: str, meta: Mapping[str, Any], meta_text: str) -> None:
       if versions[name][2] != int(recorded[name]["size"]):
         raise _damaged(paths[name], f"{versions[name][2]} bytes, {recorded[name]['size']} when "
                        "written (truncated or overwritten)")
-    with concurrent.futures.ThreadPoolExecutor(min(8, len(names))) as pool:
-      digests = dict(zip(names, pool.map(lambda n: _file_sha256(paths[n]), names), strict=True))
+    digests = integrity.hash_files(directory, names)
     for name in names:
       if digests[name] != recorded[name]["sha256"]:
         raise _damaged(paths[name], "its bytes differ from the sha256 recorded when the cache "
@@ -212,7 +203,8 @@ def write(directory: str, chunks: Iterable[Mapping[str, np.ndarray]],
       for name, array in features.items():
         path = os.path.join(temporary, f"{name}.npy")
         np.save(path, array)
-        files[f"{name}.npy"] = {"size": os.path.getsize(path), "sha256": _file_sha256(path)}
+        files[f"{name}.npy"] = {"size": os.path.getsize(path),
+                                "sha256": integrity.file_sha256(path)}
       meta["files"] = files
       meta["sha256"] = _fingerprint({n: f["sha256"] for n, f in files.items()})
       meta_text = json.dumps(meta, default=str)
