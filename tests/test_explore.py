@@ -9,6 +9,7 @@ also saves the README's screenshot there.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -16,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -986,17 +988,37 @@ def test_controls_and_bidi_overrides_are_shown_by_name(site, browser):
     shutil.rmtree(probe)
 
 
+@contextlib.contextmanager
+def _running(served):
+  """Runs a waitress server in a thread until the block ends. Closing it under its running
+  loop makes the loop's next select fail on the closed socket (EBADF): that is the loop
+  ending, not an error, so the thread ends quietly and is joined."""
+  closed = threading.Event()
+
+  def run():
+    try:
+      served.run()
+    except (OSError, ValueError):  # EBADF, or a descriptor already -1.
+      if not closed.is_set():
+        raise
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+  try:
+    yield
+  finally:
+    closed.set()
+    served.close()
+    thread.join(timeout=10)
+
+
 @pytest.fixture(scope="module")
 def remote_server(site):
   """The explorer bound to every address (its token required), in this process."""
-  import threading  # pylint: disable=import-outside-toplevel
-
   from jaxmoral.explore import server  # pylint: disable=import-outside-toplevel
   served, lines = server.make_server(dirs=[str(site["demo"])], port=0, host="0.0.0.0")
-  thread = threading.Thread(target=served.run, daemon=True)
-  thread.start()
-  yield served, lines
-  served.close()
+  with _running(served):
+    yield served, lines
 
 
 def test_served_beyond_this_machine_needs_the_token(remote_server, site):
@@ -1024,22 +1046,16 @@ def test_served_beyond_this_machine_needs_the_token(remote_server, site):
 
 
 def test_other_loopback_addresses_keep_the_host_check(site):
-  import threading  # pylint: disable=import-outside-toplevel
-
   from jaxmoral.explore import server  # pylint: disable=import-outside-toplevel
   try:
     served, lines = server.make_server(dirs=[str(site["demo"])], port=0, host="127.0.0.2")
   except ValueError as error:
     pytest.skip(f"no 127.0.0.2 here: {error}")
-  thread = threading.Thread(target=served.run, daemon=True)
-  thread.start()
-  try:
+  with _running(served):
     assert "token" not in lines[0]
     url = f"http://127.0.0.2:{served.effective_port}"
     assert _open(url + "/")[0] == 200
     assert _open(url + "/", headers={"Host": "attacker.example"})[0] == 403
-  finally:
-    served.close()
 
 
 def test_live_clarify_loads_its_question_model_once(monkeypatch):
