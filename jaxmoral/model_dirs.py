@@ -366,11 +366,8 @@ def param_shardings(config: T5Config, partitioner: Any, *,
 @functools.lru_cache(maxsize=32)
 def _param_shardings(config: T5Config, partitioner: Any, with_scalar_head: bool) -> PyTree:
   # Cached: the jitted functions of a loaded model take it as their parameters' in_shardings.
-  model = t5.T5(config, with_scalar_head=with_scalar_head)
-  with partitioner.context():
-    boxed = jax.eval_shape(lambda rng: t5.init_params(model, rng),
-                           jax.ShapeDtypeStruct((2,), jnp.uint32))
-  return partitioner.sharding_for(boxed)
+  return partitioner.sharding_for(t5.abstract_params(t5.T5(config,
+                                                          with_scalar_head=with_scalar_head)))
 
 
 def jit_with_params(fn: Callable[..., Any], config: T5Config, partitioner: Any, *,

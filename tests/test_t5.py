@@ -649,3 +649,23 @@ def test_decode_step_ops_are_explicit_arguments_of_cached_steps_only():
     jax.eval_shape(lambda p: model.apply(
         {"params": p}, encoded, mask, jnp.zeros((2, 3), jnp.int32),
         step_ops=ops_lib.DecodeStepOps(), method=t5.T5.decode), params)
+
+
+@pytest.mark.parametrize("scalar_head", [False, True])
+def test_abstract_params_are_what_init_params_makes(scalar_head):
+  """The kept shapes (for shardings, loads and compiles) are those of real parameters: the
+  same tree, shapes, dtypes and logical axes as `init_params` gives, traced once."""
+  config = t5_config(size="tiny", vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32,
+                     num_encoder_layers=1, num_decoder_layers=1)
+  model = t5.T5(config, with_scalar_head=scalar_head)
+  made = t5.init_params(model, jax.random.PRNGKey(3))
+  kept = t5.abstract_params(model)
+  is_box = lambda x: isinstance(x, flax.linen.LogicallyPartitioned)  # noqa: E731
+  made_leaves, made_tree = jax.tree_util.tree_flatten(made, is_leaf=is_box)
+  kept_leaves, kept_tree = jax.tree_util.tree_flatten(kept, is_leaf=is_box)
+  assert kept_tree == made_tree
+  for k, m in zip(kept_leaves, made_leaves, strict=True):
+    assert isinstance(k.value, jax.ShapeDtypeStruct)
+    assert (k.value.shape, k.value.dtype, k.names) == (m.value.shape, m.value.dtype, m.names)
+  assert ("scalar_head" in kept) == scalar_head
+  assert t5.abstract_params(t5.T5(config, with_scalar_head=scalar_head)) is kept

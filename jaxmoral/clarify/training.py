@@ -382,8 +382,7 @@ def _abstract_model(source: ModelSource, role: str, reward_config: reward_lib.Re
   """A reward model with abstract parameters in the partitioner's shardings."""
   config, vocabulary = _config_and_vocabulary(source, role)
   shardings = model_dirs.param_shardings(config, partitioner)
-  shapes = jax.eval_shape(lambda: nn.meta.unbox(t5.init_params(t5.T5(config),
-                                                               jax.random.PRNGKey(0))))
+  shapes = nn.meta.unbox(t5.abstract_params(t5.T5(config)))
   params = jax.tree_util.tree_map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), shapes, shardings)
   return models.ClarifyModel(t5.T5(config), params, vocabulary=vocabulary,

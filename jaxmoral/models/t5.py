@@ -693,6 +693,13 @@ _compiled_init_params = jax.jit(init_params, static_argnums=0,
                                                  "decoder_length"))
 
 
+def abstract_params(model: T5) -> Any:
+  """The boxed parameters `init_params(model, rng)` makes, as shapes: `jax.ShapeDtypeStruct`
+  leaves with their logical axes (for shardings, shape checks and compiles, which need no
+  values). Traced once per model and kept: tracing a large model's init takes seconds."""
+  return _abstract_params(model, (1, 8, 8), jax.ShapeDtypeStruct((2,), jnp.uint32))
+
+
 # Each initialisation would otherwise trace the whole model once more just for its shapes.
 @functools.lru_cache(maxsize=64)
 def _abstract_params(model: T5, lengths: tuple[int, int, int], key: Any) -> Any:

@@ -22,7 +22,6 @@ from typing import Any, Mapping, Optional
 
 import flax
 import flax.linen as nn
-import jax
 
 from jaxmoral import fileio
 from jaxmoral.models import t5
@@ -46,10 +45,7 @@ def expected_shapes(config: T5Config) -> dict[tuple[str, ...], tuple[int, ...]]:
 # Every load validates against it, and tracing a model's init costs about a second.
 @functools.lru_cache(maxsize=32)
 def _expected_shapes(config: T5Config) -> tuple[tuple[tuple[str, ...], tuple[int, ...]], ...]:
-  model = t5.T5(config)
-  abstract = jax.eval_shape(lambda: t5.init_params(model, jax.random.PRNGKey(0),
-                                                   encoder_length=2, decoder_length=2))
-  abstract = nn.meta.unbox(abstract)
+  abstract = nn.meta.unbox(t5.abstract_params(t5.T5(config)))
   return tuple((path, tuple(leaf.shape))
                for path, leaf in flax.traverse_util.flatten_dict(abstract).items())
 
