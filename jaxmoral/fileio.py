@@ -536,10 +536,19 @@ def require_reachable(location: str | os.PathLike, what: str) -> None:
 _REACHABLE_TRIES = 3
 
 
+_URL_IN_TEXT = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
+
+
 def describe_storage_error(error: BaseException, location: str) -> str:
   """The cause of an object-store failure in a few words (no traceback)."""
   text = f"{type(error).__name__}: {error}"
-  lowered = text.lower()
+  # Status codes and words are read outside URLs and as whole numbers: a client's message is
+  # often just the URL it called, whose port (e.g. 127.0.0.1:40397) may hold "403".
+  lowered = _URL_IN_TEXT.sub(" ", text.lower())
+
+  def has_status(code: int) -> bool:
+    return re.search(rf"(?<![\d.:]){code}(?!\d)", lowered) is not None
+
   bucket = location.split("://", 1)[-1].split("/", 1)[0]
   endpoint = os.environ.get("STORAGE_EMULATOR_HOST")
   if isinstance(error, ImportError):
@@ -549,15 +558,15 @@ def describe_storage_error(error: BaseException, location: str) -> str:
                                       "timeout", "timed out", "clientconnector", "unreachable")):
     where = f" {endpoint}" if endpoint else ""
     return f"the storage endpoint{where} is unreachable ({type(error).__name__})"
-  if ("credential" in lowered or "defaultcredentialserror" in lowered or "401" in lowered
+  if ("credential" in lowered or "defaultcredentialserror" in lowered or has_status(401)
       or "anonymous" in lowered or "login required" in lowered):
     return ("no credentials: run `gcloud auth application-default login`, or set "
             "GOOGLE_APPLICATION_CREDENTIALS (on a Cloud TPU VM the VM's service account is used)")
-  if "403" in lowered or "forbidden" in lowered or "permission" in lowered or isinstance(
+  if has_status(403) or "forbidden" in lowered or "permission" in lowered or isinstance(
       error, PermissionError):
     return (f"permission denied: the credentials may not write to bucket {bucket} "
             "(needs roles/storage.objectAdmin)")
-  if ("404" in lowered or "not found" in lowered or "nosuchbucket" in lowered
+  if (has_status(404) or "not found" in lowered or "nosuchbucket" in lowered
       or isinstance(error, FileNotFoundError)):
     return f"bucket {bucket} does not exist (create it: gcloud storage buckets create gs://{bucket})"
   return text.splitlines()[0] if text else type(error).__name__

@@ -140,3 +140,20 @@ def test_an_upload_is_stored_byte_for_byte_whatever_its_last_byte(gcs, tmp_path,
   assert fileio.read_bytes(f"gs://bucket/fileio_bytes/{len(last)}{last[-1]}") == data
   fileio.write_bytes(f"gs://bucket/fileio_bytes/written{last[-1]}", data)
   assert fileio.read_bytes(f"gs://bucket/fileio_bytes/written{last[-1]}") == data
+
+
+@pytest.mark.parametrize("port", [40397, 40197, 40497, 8080])
+def test_a_storage_error_is_read_by_its_status_not_by_digits_in_its_url(port):
+  """A client's error is often just the URL it called: a port holding "403" or "401" is not
+  a refusal, and a missing bucket is told as one whatever the port."""
+  url = f"http://127.0.0.1:{port}/upload/storage/v1/b/no-such-bucket/o"
+  assert fileio.describe_storage_error(FileNotFoundError(url), "gs://no-such-bucket/run") == (
+      "bucket no-such-bucket does not exist (create it: gcloud storage buckets create "
+      "gs://no-such-bucket)")
+  forbidden = fileio.describe_storage_error(OSError(f"Forbidden: {url}\ndenied"), "gs://b/run")
+  assert forbidden.startswith("permission denied: the credentials may not write to bucket b")
+  assert fileio.describe_storage_error(
+      RuntimeError(f"HTTP 401 from {url}: Anonymous caller"), "gs://b/run").startswith(
+          "no credentials")
+  assert fileio.describe_storage_error(RuntimeError(f"{url} answered 403"), "gs://b/run") \
+      .startswith("permission denied")
