@@ -394,16 +394,22 @@ class RunDirLock:
         held.depth += 1
       elif owner:
         error = self._acquire_file()
-      if jax.process_count() > 1:  # Every process refuses together; none waits in a collective.
-        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-        refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
-        if refused and error is None:
-          error = (f"{os.path.dirname(self.path)} is in use by another training run "
-                   "(see process 0)")
-      if error is not None:
-        raise RunDirLockedError(error)
-      if held is None:
-        _held_locks[self.path] = _HeldLock(self.path, self._token, owner=owner)
+        if error is None:
+          held = _held_locks[self.path] = _HeldLock(self.path, self._token)
+    if jax.process_count() > 1:  # Every process refuses together; none waits in a collective.
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+      if refused and error is None:
+        error = f"{os.path.dirname(self.path)} is in use by another training run (see process 0)"
+    if error is not None:
+      raise RunDirLockedError(error)
+    if held is None:  # Process 0 holds the file: this process watches its own storage by it.
+      with _held_locks_guard:
+        held = _held_locks.get(self.path)
+        if held is None:
+          _held_locks[self.path] = _HeldLock(self.path, self._token, owner=False)
+        else:
+          held.depth += 1
     self._depth += 1
     return self
 

@@ -697,6 +697,7 @@ def abstract_params(model: T5) -> Any:
   """The boxed parameters `init_params(model, rng)` makes, as shapes: `jax.ShapeDtypeStruct`
   leaves with their logical axes (for shardings, shape checks and compiles, which need no
   values). Traced once per model and kept: tracing a large model's init takes seconds."""
+  # `init_params`'s default lengths and key, so a default init and this share one trace.
   return _abstract_params(model, (1, 8, 8), jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
