@@ -590,6 +590,10 @@ def test_a_streamed_mixture_resumes_from_its_saved_position_without_replay(vocab
   far, (got,) = first_batches_after(10_000, (0, 2), 1)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k])
+  # Each the best of three resumes (the first ones above included), as a benchmark times: one
+  # resume on a loaded machine can stall for a second whatever its position.
+  near = min(near, *(first_batches_after(10, (0, 2), 1)[0] for _ in range(2)))
+  far = min(far, *(first_batches_after(10_000, (0, 2), 1)[0] for _ in range(2)))
   assert far < 2 * near, (far, near)
 
 
