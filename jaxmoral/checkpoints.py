@@ -1,9 +1,7 @@
 """Orbax checkpoints of a training run: `CheckpointManager` saves and restores onto any mesh.
 
-A step's folders (state/, extra/, its checksums): `jaxmoral.run_dirs`. The state is one item,
-so a save is one atomic step. A restore reads into the caller's shardings (any mesh: orbax
-reads each shard's slice of the stored global arrays), its manifest checked first
-(`integrity`). A full disk while saving is one OSError naming the last complete step.
+A step's folders: `jaxmoral.run_dirs`. The state is one item, so a save is one atomic step. A
+restore reads each shard's slice into the caller's shardings, its manifest checked first.
 """
 
 from __future__ import annotations
@@ -37,12 +35,12 @@ def verify_step(directory: str | os.PathLike, step: int, *, full: bool = True,
                 shared: bool = False) -> bool:
   """`integrity.verify_integrity` of a `CheckpointManager` directory's step, which needs its
   state's tree metadata whatever wrote it (Orbax lists a step without, finding no params)."""
-  directory = os.fspath(directory)
+  directory, step = os.fspath(directory), int(step)
   allowed = integrity.unverified_steps(directory)
   return integrity.verify_integrity(
-      fileio.join(directory, str(int(step))), what=f"{directory}: checkpoint step {int(step)}",
-      full=full, step=int(step), required=(f"{STATE_ITEM}/_METADATA",), shared=shared,
-      unverified_ok=allowed is None or int(step) in allowed)
+      fileio.join(directory, str(step)), what=f"{directory}: checkpoint step {step}",
+      full=full, step=step, required=(f"{STATE_ITEM}/_METADATA",), shared=shared,
+      unverified_ok=allowed is None or step in allowed)
 
 
 def to_json(value: Any, where: str) -> Any:
@@ -67,9 +65,8 @@ def restore_args(target: PyTree) -> PyTree:
   return ocp.checkpoint_utils.construct_restore_args(target)
 
 
-# Where Orbax (TensorStore's OCDBT layout) reads and writes checkpoints: local or mounted
-# folders and gs:// (its S3 driver is not wired into OCDBT checkpoints). jaxmoral's own files
-# may also be on s3:// (`fileio`); its checkpoints, exports and runs may not.
+# Where Orbax (TensorStore's OCDBT layout) keeps checkpoints: local or mounted folders and
+# gs:// (its S3 driver is not wired into OCDBT checkpoints), though `fileio` also does s3://.
 ORBAX_SCHEMES = (None, "gs")
 
 
@@ -93,12 +90,12 @@ class CheckpointManager:
   """Saves and restores a training state (any pytree) plus a JSON `extra` dict.
 
   Args:
-    directory: Run directory; step checkpoints go in `<directory>/<step>/`.
+    directory: Step checkpoints go in `<directory>/<step>/`.
     save_interval_steps: `save` writes only when `step % save_interval_steps == 0`, on
       `force`, or when the job is being preempted (orbax's preemption signal).
-    max_to_keep: Newest checkpoints kept; older ones are deleted (None keeps all).
-    async_save: Write in a background thread (`save` returns once arrays are copied off the
-      device); call `wait()` (or `close()`) before reading the files or exiting.
+    max_to_keep: Newest checkpoints kept (None keeps all).
+    async_save: `save` returns once arrays are copied off the device; `wait()` (or `close()`)
+      before reading the files or exiting.
   """
 
   def __init__(self, directory: str | os.PathLike, *, save_interval_steps: int = 1000,
@@ -111,15 +108,13 @@ class CheckpointManager:
     # Explicit policy: orbax's default also saves the first step offered, whatever it is.
     policy = ocp.checkpoint_managers.AnySavePolicy([
         ocp.checkpoint_managers.FixedIntervalPolicy(save_interval_steps),
-        ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
-    ])
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-        save_decision_policy=policy)
+        ocp.checkpoint_managers.PreemptionCheckpointingPolicy()])
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, save_decision_policy=policy,
+                                           enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
         STATE_ITEM: ocp.PyTreeCheckpointHandler(), EXTRA_ITEM: ocp.JsonCheckpointHandler()})
-    # The integrity manifest of the latest save is written once Orbax has finalised the step:
-    # in this thread (sync saves) or in `_manifest_thread` (async saves).
+    # A save's integrity manifest is written once Orbax has finalised the step: in this thread
+    # (sync saves) or in `_manifest_thread` (async saves).
     self._manifest_thread: Optional[threading.Thread] = None
     self._recorded = False
     self._pending_step: Optional[int] = None  # The step an async save may still be writing.
@@ -146,33 +141,20 @@ class CheckpointManager:
       complete = [s for s in self.all_steps() if integrity.is_finalised(self.directory, s)]
       raise OSError(code, os.strerror(code), (
           f"{self.directory} (step {step} was not saved; the last complete checkpoint is "
-          f"{complete[-1] if complete else 'none'}; free space and run again to resume)")
-      ) from None
+          f"{complete[-1] if complete else 'none'}; free space and run again to resume)")) from None
 
   def save(self, step: int, state: PyTree, *, extra: Optional[Mapping[str, Any]] = None,
            force: bool = False) -> bool:
-    """Saves `state` (and `extra`) at `step` when the interval (or `force`) says so.
-
-    Args:
-      step: Training step (the checkpoint's name).
-      state: Any pytree of arrays (unboxed), e.g. a flax TrainState.
-      extra: JSON-serialisable dict saved alongside (numpy/jax scalars and arrays allowed).
-      force: Save even off the interval.
-
-    Returns:
-      True if a checkpoint was (or is being, with async) written; False if skipped
-      (off-interval, or `step` already saved).
-    """
+    """Saves `state` (any pytree of unboxed arrays) and `extra` (JSON-ready after `to_json`)
+    at `step` when the interval (or `force`) says so; returns whether it was (or, async, is
+    being) written: False off-interval or for a step already saved."""
     step = int(step)
     if step in self._manager.all_steps():
       logging.info("checkpoint step %d already in %s; not saving again", step, self.directory)
       return False
-    args = ocp.args.Composite(**{
-        STATE_ITEM: ocp.args.PyTreeSave(state),
-        EXTRA_ITEM: ocp.args.JsonSave(to_json(dict(extra or {}), "")),
-    })
-    # Orbax waits for the previous save anyway; its manifest must be on disk before this
-    # save's finalisation may delete old steps (max_to_keep).
+    args = ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave(state),
+                                 EXTRA_ITEM: ocp.args.JsonSave(to_json(dict(extra or {}), ""))})
+    # The previous save's manifest must be on disk before this save may delete old steps.
     self._join_manifest()
     if jax.process_index() == 0 and not self._recorded:
       # Before the step: a reader must never trust its absence.
@@ -182,11 +164,9 @@ class CheckpointManager:
       saved = bool(self._manager.save(step, args=args, force=force))
     if saved:
       self._pending_step = step
-    if saved:
       if self._manager.is_saving_in_progress():
-        self._manifest_thread = threading.Thread(
-            target=self._manifest_after_finalize, args=(step,), daemon=True,
-            name=f"jaxmoral-integrity-{step}")
+        self._manifest_thread = threading.Thread(target=self._manifest_after_finalize, args=(step,),
+                                                 daemon=True, name=f"jaxmoral-integrity-{step}")
         self._manifest_thread.start()
       else:
         self._write_manifest(step)
@@ -227,28 +207,23 @@ class CheckpointManager:
     return self._manager.reached_preemption(step)
 
   def restore(self, step: Optional[int] = None, *, target: PyTree) -> tuple[PyTree, dict]:
-    """Restores `(state, extra)`.
+    """Restores `(state, extra)` of `step` (default: the latest).
 
     Args:
-      step: Step to restore (default: the latest).
-      target: Pytree with the saved state's structure whose leaves are
-        `jax.ShapeDtypeStruct`s with `.sharding` (or real arrays): values are read straight
-        into those shardings and dtypes, so another mesh than the saving one works.
+      step: Step to restore.
+      target: Pytree with the saved state's structure (static fields come from it) whose
+        leaves are `jax.ShapeDtypeStruct`s with `.sharding` (or real arrays): values are read
+        straight into those shardings and dtypes, so another mesh than the saving one works;
         `ShapeDtypeStruct`s without a sharding come back as numpy arrays.
 
-    Returns:
-      The state (structure of `target`, static fields from `target`) and the extra dict.
-
     Raises:
-      integrity.CheckpointIntegrityError: The step is damaged or incomplete (checked before
-        any read).
+      integrity.CheckpointIntegrityError: The step is damaged or incomplete (checked first).
     """
     step = self._resolve_step(step)
     self.verify(step, shared=True)  # Every process restores: each hashes its share.
     args = ocp.args.Composite(**{
         STATE_ITEM: ocp.args.PyTreeRestore(target, restore_args=restore_args(target)),
-        EXTRA_ITEM: ocp.args.JsonRestore(),
-    })
+        EXTRA_ITEM: ocp.args.JsonRestore()})
     try:
       restored = self._manager.restore(step, args=args)
     except (ValueError, KeyError, TypeError) as e:
@@ -263,13 +238,14 @@ class CheckpointManager:
   def _first_difference(self, step: int, target: PyTree) -> Optional[str]:
     """The first entry whose shape differs between the saved state and `target`, or that
     only one of them has."""
+
+    def shapes(tree: PyTree) -> dict[str, tuple[int, ...]]:
+      return {path_str(p): tuple(getattr(leaf, "shape", ()) or ())
+              for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
     try:
       saved = self._manager.item_metadata(step)[STATE_ITEM]
-      saved = getattr(saved, "tree", saved)
-      flat_saved = {path_str(p): tuple(getattr(m, "shape", ()) or ())
-                    for p, m in jax.tree_util.tree_flatten_with_path(saved)[0]}
-      flat_target = {path_str(p): tuple(getattr(t, "shape", ()) or ())
-                     for p, t in jax.tree_util.tree_flatten_with_path(target)[0]}
+      flat_saved, flat_target = shapes(getattr(saved, "tree", saved)), shapes(target)
     except Exception:  # pylint: disable=broad-except
       return None
     for key in sorted(set(flat_saved) | set(flat_target)):
@@ -289,31 +265,18 @@ class CheckpointManager:
     return getattr(metadata, "tree", metadata)
 
   def verify(self, step: int, *, full: bool = True, shared: bool = False) -> bool:
-    """Checks step `step` against its integrity manifest (see `integrity.verify_integrity`, `shared`
-    included: then every process must call it).
-
-    Returns:
-      True if verified, False for a step saved without a manifest (a warning is logged).
-
-    Raises:
-      integrity.CheckpointIntegrityError: The step is damaged or incomplete.
-    """
+    """`verify_step` once this manager's own manifest writer is done (with `shared`, every
+    process must call it)."""
     self._join_manifest()
     return verify_step(self.directory, step, full=full, shared=shared)
 
   def move_aside(self, step: int) -> str:
-    """Renames a (damaged) step to `<step>.damaged` so it is no step any more.
-
-    Its data is kept for a post-mortem, and the run can save that step again. Process 0
-    renames; every process then sees the step gone.
-
-    Returns:
-      The new path.
-    """
+    """Renames a (damaged) step to `<step>.damaged` (process 0), so it is no step any more:
+    its data is kept for a post-mortem and the run can save that step again. Returns the new
+    path."""
     self._join_manifest()
     source = fileio.join(self.directory, str(int(step)))
-    target = f"{source}.damaged"
-    index = 1
+    target, index = f"{source}.damaged", 1
     while fileio.exists(target):
       index += 1
       target = f"{source}.damaged.{index}"
@@ -338,11 +301,8 @@ class CheckpointManager:
     return int(step)
 
   def wait(self) -> None:
-    """Blocks until pending async saves (and their integrity manifests) are on disk.
-
-    Raises:
-      OSError: ENOSPC or EFBIG: the disk is full (see `_disk_full_is_one_line`).
-    """
+    """Blocks until pending async saves (and their integrity manifests) are on disk; a full
+    disk is one OSError (`_disk_full_is_one_line`)."""
     with self._disk_full_is_one_line():
       self._manager.wait_until_finished()
     self._join_manifest()

@@ -1,13 +1,10 @@
 """The one file layer: every path a run touches may be local or an object-store URL.
 
-Local paths go through `os` and `open` as before (atomic renames, fsync). URLs (gs://, s3://)
-go through `etils.epath` on fsspec (gcsfs, s3fs), the layer Orbax itself writes checkpoints
-with, so a run directory's small files and its checkpoints share one client, one set of
-credentials and one endpoint. Object stores have no rename: a single object is written whole
-or not at all, which is what the atomic writes here need; folders are copied then deleted.
-
-Endpoints: `STORAGE_EMULATOR_HOST` (a local GCS-API server, as the Google clients read it) also
-points TensorStore's gcs driver (`TENSORSTORE_GCS_HTTP_URL`) at the same server.
+Local paths go through `os` and `open` (atomic renames, fsync). URLs (gs://, s3://) go through
+`etils.epath` on fsspec (gcsfs, s3fs), the layer Orbax writes checkpoints with, so a run's small
+files and its checkpoints share one client, one set of credentials and one endpoint. An object
+is written whole or not at all, which is what the atomic writes here need. A local GCS-API
+server (`STORAGE_EMULATOR_HOST`) is also given to TensorStore (`TENSORSTORE_GCS_HTTP_URL`).
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import builtins
 import datetime
 import errno
 import functools
+import json
 import os
 import re
 import stat
@@ -39,13 +37,16 @@ def scheme(path: str | os.PathLike) -> Optional[str]:
   return match.group(1).lower() if match else None
 
 
+def _http_url(endpoint: str) -> str:
+  return endpoint if endpoint.startswith(("http://", "https://")) else f"http://{endpoint}"
+
+
 def _configure_clients() -> None:
   """Points every client at the same store before any of them is first used.
 
-  epath picks tf.io.gfile for gs:// when TensorFlow is installed; fsspec (gcsfs) is chosen
-  instead so that Orbax's metadata, this module and the endpoint settings agree (tf.io.gfile
-  has no endpoint setting for a GCS-API server). gcsfs's experimental bucket-type probe
-  (gRPC) is switched off against a local server, which only speaks JSON over HTTP.
+  fsspec (gcsfs) rather than tf.io.gfile, which epath picks when TensorFlow is installed, so
+  that Orbax, this module and the endpoint settings agree (tf.io.gfile has no endpoint setting
+  for a GCS-API server); gcsfs's bucket-type probe (gRPC) is off against a local server.
   """
   global _configured
   with _configure_guard:
@@ -60,9 +61,7 @@ def _configure_clients() -> None:
       clear()
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if emulator:
-      if not emulator.startswith(("http://", "https://")):
-        emulator = f"http://{emulator}"
-      os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator)
+      os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", _http_url(emulator))
       os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     _configured = True
 
@@ -80,12 +79,11 @@ def path(location: str | os.PathLike) -> Any:
 
 
 def filesystem(location: str | os.PathLike) -> tuple[Any, str]:
-  """(fsspec filesystem, path without the scheme) of a URL: for what epath does not expose
-  (conditional creates, generations, recursive listings)."""
+  """(fsspec filesystem, path without the scheme) of a URL: what epath does not expose
+  (conditional creates, generations, recursive listings) goes through it."""
   _configure_clients()
   import fsspec  # pylint: disable=g-import-not-at-top
-  location = os.fspath(location)
-  fs, stripped = fsspec.core.url_to_fs(location)
+  fs, stripped = fsspec.core.url_to_fs(os.fspath(location))
   # Other writers (TensorStore, tensorboardX, other hosts) change the store behind this
   # process's back: listings are never served from fsspec's cache.
   fs.invalidate_cache()
@@ -97,10 +95,7 @@ def join(base: str | os.PathLike, *parts: str) -> str:
   base = os.fspath(base)
   if not is_url(base):
     return os.path.join(base, *parts)
-  out = base.rstrip("/")
-  for part in parts:
-    out = f"{out}/{part.strip('/')}" if part else out
-  return out
+  return "/".join([base.rstrip("/"), *(part.strip("/") for part in parts if part)])
 
 
 def basename(location: str | os.PathLike) -> str:
@@ -116,30 +111,29 @@ def abspath(location: str | os.PathLike) -> str:
   return os.path.abspath(os.path.expanduser(location))
 
 
-def exists(location: str | os.PathLike) -> bool:
+def _either(location: str | os.PathLike, local: Any, remote: str, *args: Any, **kwargs: Any
+            ) -> Any:
+  """`local(location)` for a local path; the fsspec method `remote` for a URL."""
   if not is_url(location):
-    return os.path.exists(location)
+    return local(location)
   fs, stripped = filesystem(location)
-  return fs.exists(stripped)
+  return getattr(fs, remote)(stripped, *args, **kwargs)
+
+
+def exists(location: str | os.PathLike) -> bool:
+  return _either(location, os.path.exists, "exists")
 
 
 def isfile(location: str | os.PathLike) -> bool:
-  if not is_url(location):
-    return os.path.isfile(location)
-  fs, stripped = filesystem(location)
-  return fs.isfile(stripped)
+  return _either(location, os.path.isfile, "isfile")
 
 
 def isdir(location: str | os.PathLike) -> bool:
-  if not is_url(location):
-    return os.path.isdir(location)
-  fs, stripped = filesystem(location)
-  return fs.isdir(stripped)
+  return _either(location, os.path.isdir, "isdir")
 
 
 def listdir(location: str | os.PathLike) -> list[str]:
-  """Names in a folder (raises FileNotFoundError for a missing local folder; for a URL, a
-  prefix with no objects under it is a missing folder too)."""
+  """Names in a folder (FileNotFoundError if missing: for a URL, a prefix without objects)."""
   if not is_url(location):
     return os.listdir(location)
   fs, stripped = filesystem(location)
@@ -158,27 +152,18 @@ def walk_files(root: str | os.PathLike) -> list[str]:
   """Every file under `root`, as sorted '/'-joined paths relative to it."""
   root = os.fspath(root)
   if not is_url(root):
-    out = []
-    for folder, _, names in os.walk(root):
-      for name in names:
-        out.append(os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/"))
-    return sorted(out)
+    return sorted(os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/")
+                  for folder, _, names in os.walk(root) for name in names)
   fs, stripped = filesystem(root)
   prefix = stripped.rstrip("/") + "/"
   return sorted(p[len(prefix):] for p in fs.find(stripped) if p.startswith(prefix))
 
 
-def file_sizes(root: str | os.PathLike, names: Iterable[str]) -> dict[str, int]:
-  """{name: size} of those of `names` ('/'-joined, relative to `root`) that are files; on an
-  object store from one listing of the prefix, not one request per file."""
-  return {name: size for name, (size, _) in file_versions(root, names).items()}
-
-
 def file_versions(root: str | os.PathLike, names: Iterable[str]
                   ) -> dict[str, tuple[int, tuple[Any, ...]]]:
-  """{name: (size, version)} of those of `names` that are files: `version` changes whenever
-  the file is rewritten (local: inode, size and mtime in ns; object store: the object's
-  generation), from one listing of the prefix on a store."""
+  """{name: (size, version)} of those of `names` ('/'-joined, relative to `root`) that are
+  files: `version` changes whenever the file is rewritten (local: inode, size and mtime in ns;
+  object store: the object's generation), from one listing of the prefix on a store."""
   root = os.fspath(root)
   if not is_url(root):
     out = {}
@@ -200,8 +185,8 @@ def file_versions(root: str | os.PathLike, names: Iterable[str]
 
 
 def is_within(location: str | os.PathLike, folder: str | os.PathLike) -> bool:
-  """Whether `location` is `folder` or lies inside it (local paths with links resolved, so
-  another spelling of the same file counts; URLs compared as normalised strings)."""
+  """Whether `location` is `folder` or lies inside it (local paths with links resolved; URLs
+  compared as normalised strings)."""
   location, folder = os.fspath(location), os.fspath(folder)
   if is_url(location) or is_url(folder):
     a, b = abspath(location).rstrip("/"), abspath(folder).rstrip("/")
@@ -220,8 +205,7 @@ def makedirs(location: str | os.PathLike) -> None:
 
 
 def upload(local_file: str | os.PathLike, location: str | os.PathLike) -> None:
-  """Copies local file `local_file` to `location` (a path or URL), streamed, not read whole
-  into memory (model weights); an object is stored whole by its upload."""
+  """Copies local file `local_file` to `location`, streamed (model weights)."""
   location = os.fspath(location)
   if not is_url(location):
     import shutil  # pylint: disable=g-import-not-at-top
@@ -242,7 +226,7 @@ def getsize(location: str | os.PathLike) -> int:
 
 
 def getmtime(location: str | os.PathLike) -> float:
-  """Seconds since the epoch of the last write (an object's `updated` time)."""
+  """Seconds since the epoch of the last write."""
   if not is_url(location):
     return os.path.getmtime(location)
   fs, stripped = filesystem(location)
@@ -258,15 +242,13 @@ def open(location: str | os.PathLike, mode: str = "r", *,  # pylint: disable=red
   """`open` for local paths; the object store's file object for URLs (written on close)."""
   if not is_url(location):
     return builtins.open(location, mode, encoding=encoding, newline=newline)
-  # fsspec's own file object (not epath's, whose TensorFlow backend returns a context manager
-  # instead of a file): the same client as every other operation here.
+  # fsspec's own file object (epath's TensorFlow backend returns no file): the same client.
   import io  # pylint: disable=g-import-not-at-top
   fs, stripped = filesystem(location)
   binary = fs.open(stripped, mode.replace("t", "") + ("" if "b" in mode else "b"))
   if "r" in mode:
-    # fsspec's readline reads a whole block (MBs) for each line and seeks back, so reading a
-    # file line by line was quadratic in its size (minutes for a 15 MB JSONL); a buffered
-    # reader reads each block once.
+    # fsspec's readline reads a whole block (MBs) per line and seeks back: quadratic in the
+    # file's size (minutes for a 15 MB JSONL); a buffered reader reads each block once.
     binary = io.BufferedReader(binary, buffer_size=1 << 20)
   if "b" in mode:
     return binary
@@ -274,8 +256,8 @@ def open(location: str | os.PathLike, mode: str = "r", *,  # pylint: disable=red
 
 
 def open_text_writer(location: str | os.PathLike) -> IO[str]:
-  """A UTF-8 text file opened for writing, its local folder made first; an object is stored
-  when the file is closed (for records written line by line, e.g. chat transcripts)."""
+  """A UTF-8 text file opened for writing, its local folder made first (an object is stored
+  when it is closed): for records written line by line, e.g. chat transcripts."""
   makedirs(os.path.dirname(abspath(location)))
   return open(location, "w", encoding="utf-8")
 
@@ -290,11 +272,18 @@ def read_text(location: str | os.PathLike, encoding: str = "utf-8") -> str:
     return f.read()
 
 
+def read_json(location: str | os.PathLike) -> Any:
+  """The JSON value of a file; a ValueError "LOCATION:LINE: invalid JSON: why" if it is none."""
+  try:
+    return json.loads(read_text(location))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{location}:{e.lineno}: invalid JSON: {e.msg}") from e
+
+
 def write_bytes(location: str | os.PathLike, data: bytes, *, durable: bool = False) -> None:
   """Writes a whole file atomically: readers see the old content or the new, never a part.
 
-  Local files go under a temporary name and are renamed over (fsynced first with `durable`);
-  an object is stored whole by one upload.
+  Local files are written under a temporary name (fsynced with `durable`) and renamed over.
   """
   location = os.fspath(location)
   if is_url(location):
@@ -324,12 +313,9 @@ CONDITIONAL_CREATE_SCHEMES = ("gs", "s3")
 
 
 def create_exclusive(location: str | os.PathLike, data: bytes) -> bool:
-  """Creates a file only if none exists; False if one does. Of two callers exactly one wins.
-
-  Local: O_CREAT | O_EXCL. gs:// and s3://: a conditional upload (GCS `ifGenerationMatch=0`,
-  S3 `If-None-Match: *`), which the store refuses (HTTP 412) when the object exists. Other
-  stores: check, then write (not race-free; said in docs/reliability.md).
-  """
+  """Creates a file only if none exists; False if one does. Of two callers exactly one wins:
+  O_CREAT | O_EXCL locally, a conditional upload on gs:// and s3:// (refused with HTTP 412 when
+  the object exists); other stores check, then write (not race-free: docs/reliability.md)."""
   location = os.fspath(location)
   if not is_url(location):
     try:
@@ -367,9 +353,8 @@ def generation(location: str | os.PathLike) -> Optional[str]:
 
 
 def version(location: str | os.PathLike) -> list[Any]:
-  """What changes whenever a file is rewritten: [size, modification time in ns] locally,
-  [size, generation] for a gs:// object, [size, modification time] for other stores (for
-  the fingerprints of cached data)."""
+  """What changes whenever a file is rewritten, for the fingerprints of cached data: its size
+  and its modification time (ns locally) or a gs:// object's generation."""
   location = os.fspath(location)
   if not is_url(location):
     stat = os.stat(location)
@@ -397,18 +382,13 @@ def remove(location: str | os.PathLike, *, if_generation: Optional[str] = None) 
 
 
 def rmtree(location: str | os.PathLike) -> None:
-  location = os.fspath(location)
-  if not is_url(location):
-    import shutil  # pylint: disable=g-import-not-at-top
-    shutil.rmtree(location)
-    return
-  fs, stripped = filesystem(location)
-  fs.rm(stripped, recursive=True)
+  import shutil  # pylint: disable=g-import-not-at-top
+  _either(location, shutil.rmtree, "rm", recursive=True)
 
 
 def rename(source: str | os.PathLike, target: str | os.PathLike) -> None:
-  """Renames a file or folder: atomic locally; on an object store a copy then a delete (the
-  stores have no rename), so callers must not rely on atomicity there."""
+  """Renames a file or folder: atomic locally; on an object store a copy then a delete, so
+  callers must not rely on atomicity there."""
   source, target = os.fspath(source), os.fspath(target)
   if not is_url(source) and not is_url(target):
     os.replace(source, target)
@@ -425,21 +405,19 @@ def check_writable(path: str | os.PathLike, *, directory: bool = False,
 
   `eval` or `npov detect` would otherwise compute everything and then lose it to a read-only
   disk, a mistyped folder or a missing bucket. Nothing is created: a missing local path needs
-  its nearest existing ancestor to be a directory that accepts a new file (probed with a
-  temporary file, so a read-only file system, permissions and quotas all count, for root too).
+  its nearest existing ancestor to accept a new file (probed with a temporary file, so a
+  read-only file system, permissions and quotas all count, for root too).
 
   Args:
     path: The file (or, with `directory`, the folder) a command will write.
     directory: `path` is a folder the command writes files into.
-    what: What `path` is (e.g. "MODEL_DIR"), for a one-line message naming it. A URL is
-      probed only when it is given (a small object written then deleted in the folder, so a
-      missing bucket, missing credentials, a refused permission or an unreachable endpoint
-      are told); otherwise a URL is left to its client.
+    what: What `path` is (e.g. "MODEL_DIR"), for a one-line message naming it. Only then is a
+      URL probed (a small object written and deleted: a missing bucket, credentials or
+      permission, or an unreachable endpoint is told); otherwise it is left to its client.
 
   Raises:
-    OSError: For a local path without `what`: `errno`, `strerror` and `filename` (= `path`)
-      of what writing would raise: PermissionError (also a read-only file system),
-      IsADirectoryError, NotADirectoryError... With `what`: one line "WHAT PATH: cause".
+    OSError: Without `what`: the `errno`, `strerror` and `filename` (= `path`) that writing
+      would raise (PermissionError, IsADirectoryError, ...); with it one line "WHAT PATH: cause".
     ValueError: `path` is a symbolic link to nothing.
   """
   shown = os.fspath(path)
@@ -473,7 +451,7 @@ def check_writable(path: str | os.PathLike, *, directory: bool = False,
 
 
 def _raise_as(error: OSError, path: str, what: Optional[str]) -> None:
-  """Raises `error`'s kind (PermissionError, ...) naming `path`, what the user gave."""
+  """Raises `error`'s kind naming `path`, as the user gave it."""
   if what is not None:
     raise PermissionError(f"{what} {path}: not writable") from None
   raise OSError(error.errno, error.strerror, path) from None
@@ -505,9 +483,8 @@ def _probe_bucket_folder(folder: str, what: str) -> None:
 
 
 def require_reachable(location: str | os.PathLike, what: str) -> None:
-  """For a gs:// URL: whether the storage endpoint answers at all (any HTTP reply, a refusal
-  too), three tries within seconds, so that a store nobody answers at is one line naming
-  `what` and the URL in bounded time, instead of every request's retries and tracebacks
+  """For a gs:// URL: raises one OSError naming `what` unless the storage endpoint answers at
+  all (any HTTP reply) within three tries, instead of every request's retries and tracebacks
   (about 30 s each). Credentials and permissions are the clients' to report."""
   import time  # pylint: disable=g-import-not-at-top
   import urllib.error  # pylint: disable=g-import-not-at-top
@@ -515,9 +492,7 @@ def require_reachable(location: str | os.PathLike, what: str) -> None:
   location = os.fspath(location)
   if scheme(location) != "gs":
     return
-  endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
-  if not endpoint.startswith(("http://", "https://")):
-    endpoint = f"http://{endpoint}"
+  endpoint = _http_url(os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com")
   error: Optional[BaseException] = None
   for attempt in range(_REACHABLE_TRIES):
     if attempt:
@@ -534,8 +509,6 @@ def require_reachable(location: str | os.PathLike, what: str) -> None:
 
 
 _REACHABLE_TRIES = 3
-
-
 _URL_IN_TEXT = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
 
 
@@ -558,8 +531,8 @@ def describe_storage_error(error: BaseException, location: str) -> str:
                                       "timeout", "timed out", "clientconnector", "unreachable")):
     where = f" {endpoint}" if endpoint else ""
     return f"the storage endpoint{where} is unreachable ({type(error).__name__})"
-  if ("credential" in lowered or "defaultcredentialserror" in lowered or has_status(401)
-      or "anonymous" in lowered or "login required" in lowered):
+  if has_status(401) or any(word in lowered
+                            for word in ("credential", "anonymous", "login required")):
     return ("no credentials: run `gcloud auth application-default login`, or set "
             "GOOGLE_APPLICATION_CREDENTIALS (on a Cloud TPU VM the VM's service account is used)")
   if has_status(403) or "forbidden" in lowered or "permission" in lowered or isinstance(
@@ -569,7 +542,7 @@ def describe_storage_error(error: BaseException, location: str) -> str:
   if (has_status(404) or "not found" in lowered or "nosuchbucket" in lowered
       or isinstance(error, FileNotFoundError)):
     return f"bucket {bucket} does not exist (create it: gcloud storage buckets create gs://{bucket})"
-  return text.splitlines()[0] if text else type(error).__name__
+  return text.splitlines()[0]
 
 
 _DISK_FULL = {errno.ENOSPC: ("No space left on device", "os_error_code='28'"),
@@ -578,7 +551,7 @@ _DISK_FULL = {errno.ENOSPC: ("No space left on device", "os_error_code='28'"),
 
 
 def disk_full_errno(error: BaseException) -> Optional[int]:
-  """ENOSPC, EFBIG or EDQUOT where `error` (or what it wraps: TensorStore's messages, Orbax's
+  """ENOSPC, EFBIG or EDQUOT where `error` or what it wraps (TensorStore's messages, Orbax's
   thread errors) is a full disk, a file size limit or a quota; else None."""
   seen = 0
   while error is not None and seen < 16:
@@ -594,8 +567,7 @@ def disk_full_errno(error: BaseException) -> Optional[int]:
 
 
 def append_text(location: str | os.PathLike, text: str) -> None:
-  """Appends to a text file. Objects cannot be appended to: the object is rewritten whole
-  (fine for the small record files this is for)."""
+  """Appends to a text file; an object is rewritten whole (fine for small record files)."""
   location = os.fspath(location)
   if not is_url(location):
     with builtins.open(location, "a", encoding="utf-8") as f:
@@ -607,8 +579,7 @@ def append_text(location: str | os.PathLike, text: str) -> None:
 
 @functools.cache
 def _process_folder() -> str:
-  """This process's own local folder: private (made by `mkdtemp`, mode 0700, so no other user
-  can have made or filled it) and removed when the process exits."""
+  """This process's private local folder (`mkdtemp`: mode 0700), removed at exit."""
   import atexit  # pylint: disable=g-import-not-at-top
   import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
@@ -618,8 +589,8 @@ def _process_folder() -> str:
 
 
 def local_folder_for(location: str | os.PathLike, suffix: str = "") -> str:
-  """A local folder of this process for `location`'s files (made if missing): where files
-  that only local readers and writers handle (SentencePiece, safetensors) are kept."""
+  """This process's local folder (made if missing) for `location`'s files that only local
+  readers and writers handle (SentencePiece, safetensors)."""
   import hashlib  # pylint: disable=g-import-not-at-top
   folder = os.path.join(_process_folder(),
                         hashlib.sha256(os.fspath(location).encode()).hexdigest()[:16] + suffix)
@@ -628,8 +599,7 @@ def local_folder_for(location: str | os.PathLike, suffix: str = "") -> str:
 
 
 def local_copy(location: str | os.PathLike) -> str:
-  """A local path with `location`'s content: the path itself when local; for a URL a copy in
-  a per-process cache folder (for readers that only open local files, e.g. SentencePiece)."""
+  """A local path with `location`'s content (for a URL a copy in `local_folder_for`)."""
   location = os.fspath(location)
   if not is_url(location):
     return location
@@ -639,9 +609,8 @@ def local_copy(location: str | os.PathLike) -> str:
 
 
 def local_folder(location: str | os.PathLike) -> str:
-  """A local folder with the files directly in `location`: itself when local; for a URL a
-  copy in a per-process cache (for formats whose readers open local files only, e.g.
-  safetensors and PyTorch checkpoints)."""
+  """A local folder with the files directly in `location` (for a URL copies in
+  `local_folder_for`: safetensors and PyTorch checkpoints are read from local files only)."""
   location = os.fspath(location)
   if not is_url(location):
     return location

@@ -3,8 +3,6 @@
 Every checkpoint step, export and run's own files carry one, written once the files are
 final; every restore and load checks it before reading any array, so a damaged or incomplete
 checkpoint is a `CheckpointIntegrityError` naming the step and file, never NaN parameters.
-`_CHECKSUMMED.json` in a checkpoint directory records that every later step carries one: a
-step without (still being finalised, or its manifest deleted) is never loaded.
 """
 
 from __future__ import annotations
@@ -30,17 +28,15 @@ _warned_unverified: set[str] = set()
 
 
 class CheckpointIntegrityError(ValueError):
-  """A checkpoint is damaged or incomplete; nothing of it was loaded.
-
-  A ValueError, so the CLI prints it as one line.
+  """A checkpoint is damaged or incomplete; nothing of it was loaded (a ValueError: the CLI
+  prints it as one line).
 
   Attributes:
     step: The damaged step (None for an export).
     files: The damaged or missing files, relative to the step (or export) directory.
   """
 
-  def __init__(self, message: str, *, step: Optional[int] = None,
-               files: Sequence[str] = ()):
+  def __init__(self, message: str, *, step: Optional[int] = None, files: Sequence[str] = ()):
     super().__init__(message)
     self.step = step
     self.files = tuple(files)
@@ -69,27 +65,16 @@ def _files_of(root: str, entries: Iterable[str]) -> list[str]:
   out = []
   for entry in entries:
     path = fileio.join(root, entry)
-    if fileio.isfile(path):
-      out.append(entry)
-      continue
-    out.extend(f"{entry.rstrip('/')}/{rel}" for rel in fileio.walk_files(path))
+    out += [entry] if fileio.isfile(path) else [
+        f"{entry.rstrip('/')}/{rel}" for rel in fileio.walk_files(path)]
   return sorted(rel for rel in out if rel != INTEGRITY_FILE)
 
 
 def write_integrity_manifest(root: str | os.PathLike, entries: Optional[Iterable[str]] = None
                              ) -> str:
-  """Writes `root/_INTEGRITY.json`: size and sha256 of every file under `root` (or `entries`).
-
-  Written whole (a local temporary file renamed over; one object upload on a store), so a
-  manifest is complete or absent.
-
-  Args:
-    root: A finished checkpoint step or export directory.
-    entries: Files or folders (relative to `root`) to cover; default: everything in `root`.
-
-  Returns:
-    The manifest's path.
-  """
+  """Writes `root/_INTEGRITY.json` whole (`fileio.write_text`: complete or absent): size and
+  sha256 of every file under `root`, or under `entries` (files or folders relative to it).
+  Returns its path."""
   root = os.fspath(root)
   relative = _files_of(root, sorted(fileio.listdir(root)) if entries is None else entries)
   digests = hash_files(root, relative)
@@ -101,18 +86,18 @@ def write_integrity_manifest(root: str | os.PathLike, entries: Optional[Iterable
   return path
 
 
-# Digests already compared in this process, by (directory, manifest digest): {file: version}
-# of the files that matched, so a step verified once (every page of the explorer, an eval's
-# repeated loads) is hashed again only when a file was rewritten since.
+# {(directory, manifest digest): {file: version}} of the files that matched in this process:
+# a step verified once (the explorer's pages, an eval's loads) is hashed again only when a
+# file was rewritten since.
 _verified: dict[tuple[str, str], dict[str, Any]] = {}
 _verified_guard = threading.Lock()
 
 
 def _refuse_entries_outside(root: str, files: Mapping[str, Any], *, what: str,
                             step: Optional[int]) -> None:
-  """Refuses a manifest that names anything outside its folder: an absolute path or URL, a
-  `..` component, or (locally) a link out of the folder. Otherwise verifying it would report
-  the size and digest of any file the reader can open."""
+  """Refuses a manifest that names anything outside its folder (an absolute path or URL, a
+  `..` component, a local link out of it): verifying it would report the size and digest of
+  any file the reader can open."""
   real_root = None if fileio.is_url(root) else os.path.realpath(root)
   for rel in files:
     parts = str(rel).replace("\\", "/").split("/")
@@ -133,6 +118,16 @@ def _listing(files: Sequence[str]) -> str:
   return shown + (f" and {len(files) - 3} more" if len(files) > 3 else "")
 
 
+def _more(files: Sequence[Any]) -> str:
+  return f" (and {len(files) - 1} more files)" if len(files) > 1 else ""
+
+
+def _incomplete(what: str, missing: Sequence[str], step: Optional[int]
+                ) -> CheckpointIntegrityError:
+  return CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing)}); "
+                                  "nothing was loaded", step=step, files=missing)
+
+
 def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequence[str] = True,
                      step: Optional[int] = None, required: Sequence[str] = (),
                      shared: bool = False, unverified_ok: bool = True) -> bool:
@@ -141,22 +136,21 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
   Args:
     root: A checkpoint step or export directory.
     what: How messages name it (e.g. "/run/checkpoints: checkpoint step 7").
-    full: Also compare sha256 digests (streamed); False checks presence and sizes only (for
-      metadata reads, which touch no array data); a sequence of files or folders (relative
-      to `root`) compares the digests of those only (the small files a metadata read parses).
+    full: Also compare sha256 digests; False checks presence and sizes only (for metadata
+      reads); a sequence of files or folders (relative to `root`) compares those digests only
+      (the small files a metadata read parses).
     step: The step, for the error's attribute.
     required: Files that must exist even without a manifest (older checkpoints).
     shared: Every process of a multi-process job calls this for the same files (a
-      collective): each hashes its share of them and all learn every share's result, so a
-      pod restore reads each file once, not once per host.
+      collective): each hashes its share and all learn every share's result, so a pod
+      restore reads each file once, not once per host.
     unverified_ok: Whether a missing manifest means "written before manifests existed"
-      (loaded with a warning); False where the writer is known to write one (a step of a run
-      that records it checksums every step), so a missing manifest is a step still being
-      finalised or a deleted manifest: refused.
+      (loaded with a warning); False where the writer is known to write one, so a missing
+      manifest (a step still being finalised, or a deleted manifest) is refused.
 
   Returns:
-    True if verified against a manifest; False if there is none (a checkpoint written before
-    manifests existed: a warning is logged, once per directory).
+    True if verified against a manifest; False if there is none (a warning is logged, once per
+    directory).
 
   Raises:
     CheckpointIntegrityError: A file is missing, has another size, or another digest.
@@ -170,8 +164,7 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     multihost_utils.sync_global_devices("jaxmoral_verify_integrity")
   missing_required = [rel for rel in required if not fileio.isfile(fileio.join(root, rel))]
   if missing_required:
-    raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing_required)})"
-                                   "; nothing was loaded", step=step, files=missing_required)
+    raise _incomplete(what, missing_required, step)
   path = fileio.join(root, INTEGRITY_FILE)
   if not fileio.isfile(path):
     if not unverified_ok:
@@ -199,22 +192,18 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     raise CheckpointIntegrityError(f"{what} is damaged: its {INTEGRITY_FILE} does not cover "
                                    f"{_listing(uncovered)}; nothing was loaded", step=step,
                                    files=[INTEGRITY_FILE])
-  # A bucket: one listing, not a request per file.
-  versions = fileio.file_versions(root, files)
-  present = {rel: size for rel, (size, _) in versions.items()}
-  missing = [rel for rel in sorted(files) if rel not in present]
+  versions = fileio.file_versions(root, files)  # A bucket: one listing, not one per file.
+  missing = [rel for rel in sorted(files) if rel not in versions]
   if missing:
-    raise CheckpointIntegrityError(f"{what} is incomplete (missing {_listing(missing)}); "
-                                   "nothing was loaded", step=step, files=missing)
-  sizes = {rel: present[rel] for rel in sorted(files)}
-  resized = [(rel, sizes[rel], saved_sizes[rel]) for rel in sizes
-             if sizes[rel] != saved_sizes[rel]]
+    raise _incomplete(what, missing, step)
+  resized = [(rel, versions[rel][0], saved_sizes[rel]) for rel in sorted(files)
+             if versions[rel][0] != saved_sizes[rel]]
   if resized:
     rel, size, saved = resized[0]
-    more = f" (and {len(resized) - 1} more files)" if len(resized) > 1 else ""
     raise CheckpointIntegrityError(
         f"{what} is damaged: {rel} is {size} bytes, {saved} when saved (truncated or "
-        f"overwritten){more}; nothing was loaded", step=step, files=[r[0] for r in resized])
+        f"overwritten){_more(resized)}; nothing was loaded", step=step,
+        files=[r[0] for r in resized])
   if full:
     hashed = sorted(files) if full is True else [
         rel for rel in sorted(files)
@@ -233,20 +222,16 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
       raise CheckpointIntegrityError(f"{what} is damaged: {rel} cannot be read ({reason})"
                                      "; nothing was loaded", step=step, files=[rel])
     if changed:
-      more = f" (and {len(changed) - 1} more files)" if len(changed) > 1 else ""
       raise CheckpointIntegrityError(
-          f"{what} is damaged: {changed[0]} differs from its checksum at save time{more}; "
-          "nothing was loaded", step=step, files=changed)
+          f"{what} is damaged: {changed[0]} differs from its checksum at save time"
+          f"{_more(changed)}; nothing was loaded", step=step, files=changed)
   return True
 
 
 def _compare_digests(root: str, hashed: Sequence[str], saved: Mapping[str, str], *,
                      shared: bool) -> tuple[list[str], Optional[tuple[str, str]]]:
-  """(files whose digest differs, (first unreadable file, why) or None).
-
-  With `shared` in a multi-process job, process i hashes files i, i + n, ... and the
-  per-file verdicts are gathered from all processes (every process must call this).
-  """
+  """(files whose digest differs, (first unreadable file, why) or None). With `shared` in a
+  multi-process job, process i hashes files i, i + n, ... and all gather every verdict."""
   count = jax.process_count() if shared else 1
   mine = list(hashed)[jax.process_index()::count] if count > 1 else list(hashed)
   changed, unreadable = [], None
@@ -265,8 +250,7 @@ def _compare_digests(root: str, hashed: Sequence[str], saved: Mapping[str, str],
     verdict[index[rel]] = 1
   if unreadable:
     verdict[index.get(unreadable[0], len(hashed))] = 2
-  everywhere = np.asarray(multihost_utils.process_allgather(verdict)).reshape(
-      count, -1).max(axis=0)
+  everywhere = np.asarray(multihost_utils.process_allgather(verdict)).reshape(count, -1).max(0)
   changed = [hashed[int(k)] for k in np.flatnonzero(everywhere[:-1] == 1)]
   if unreadable is None and (everywhere == 2).any():
     k = int(np.flatnonzero(everywhere == 2)[0])
@@ -309,13 +293,9 @@ def run_files_checksummed(directory: str | os.PathLike) -> bool:
 
 
 def record_checksummed(directory: str | os.PathLike, *, run_files: bool = False) -> None:
-  """Writes `CHECKSUMMED_FILE` into a checkpoint directory unless it has one: steps saved from
-  now on carry manifests; the steps already there without one stay loadable (with a warning).
-
-  Args:
-    directory: A `CheckpointManager` directory (MODEL_DIR/checkpoints of a run).
-    run_files: Also record that the run's own files have a manifest from now on.
-  """
+  """Writes `CHECKSUMMED_FILE` into a `CheckpointManager` directory unless it has one: steps
+  saved from now on carry manifests; those already there without one stay loadable (with a
+  warning). `run_files`: also the run's own files have a manifest from now on."""
   directory = os.fspath(directory)
   record = _checksummed_record(directory)
   if record is not None and (record["run_files"] or not run_files):

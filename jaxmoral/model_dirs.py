@@ -1,25 +1,11 @@
 """Every model directory jaxmoral reads or writes, in one place: find, inspect, load, save.
 
-Formats a path may hold (`inspect` tells which):
-
-  hf        Hugging Face folder: config.json + model.safetensors (or a sharded index), or
-            pytorch_model.bin (or its index; read with torch, weights only); spiece.model
-  hub       a Hugging Face Hub id (`google/t5-v1_1-base`): resolved through huggingface_hub's
-            cache (HF_HUB_CACHE / HF_HOME honoured); with HF_HUB_OFFLINE=1 only the cache
-  t5x       an Orbax T5X checkpoint (`checkpoint_<step>`; parameters under target/)
-  export    a jaxmoral export: params/ + config.json + vocab/ (+ settings.json)
-  run       a run directory (MODEL_DIR): model_config.json + vocab/ + checkpoints/<step>/;
-            its latest step, or `step`; a PPO run gives its policy; a Diamante run its joint
-            model (scalar head) and data settings
-  run_step  one step of a run: RUN/checkpoints/STEP (T5X's checkpoint_STEP)
-
-The layout of a run and of an export: `jaxmoral.run_dirs`.
-
-`load` creates every parameter directly in the sharding a partitioner asks for: Orbax formats
-read each device's slice, Hugging Face files are read slice by slice per device
-(`hf_import.TensorSource`), so no device ever holds a full copy it does not own. A loaded
-model's parameter tree is the T5's (plus `scalar_head` when the checkpoint has one); a prompt-
-tuning run also gives its soft prompt.
+`FORMATS`: hf (a Hugging Face folder: config.json + safetensors or pytorch_model.bin, read
+with torch weights only; spiece.model), hub (a Hub id, through huggingface_hub's cache; with
+HF_HUB_OFFLINE=1 only the cache), t5x (an Orbax T5X `checkpoint_<step>`), export (params/ +
+config.json + vocab/), run (MODEL_DIR, `jaxmoral.run_dirs`: its latest step, or `step`; a PPO
+run gives its policy) and run_step (RUN/checkpoints/STEP). `load` creates every parameter in
+the sharding a partitioner asks for, each device reading only its own slice.
 """
 
 from __future__ import annotations
@@ -73,33 +59,33 @@ def vocabulary_path(directory: str | os.PathLike) -> Optional[pathlib.Path]:
   return None
 
 
-def _extra_ids(directory: pathlib.Path, spm: pathlib.Path) -> int:
+def _vocabulary(directory: pathlib.Path, spm: pathlib.Path) -> Any:
+  """The seqio vocabulary of `spm`: extra ids from extra_ids.txt beside it, else from
+  `directory`'s tokenizer_config.json (Hugging Face's T5 tokenizers), else T5's."""
   extra = spm.parent / run_dirs.EXTRA_IDS_FILE
+  tokenizer_config = directory / "tokenizer_config.json"
+  extra_ids = vocab_lib.T5_EXTRA_IDS
   if extra.is_file():
-    return int(extra.read_text())
-  tokenizer_config = directory / "tokenizer_config.json"  # Hugging Face's T5 tokenizers.
-  if tokenizer_config.is_file():
+    extra_ids = int(extra.read_text())
+  elif tokenizer_config.is_file():
     try:
-      return int(json.loads(tokenizer_config.read_text()).get("extra_ids", vocab_lib.T5_EXTRA_IDS))
+      extra_ids = int(json.loads(tokenizer_config.read_text()).get("extra_ids", extra_ids))
     except (json.JSONDecodeError, TypeError, ValueError):
       pass
-  return vocab_lib.T5_EXTRA_IDS
+  return vocab_lib.get_vocabulary(fileio.local_copy(spm), extra_ids=extra_ids)
 
 
 def vocabulary_from_file(path: str | os.PathLike) -> Any:
   """The seqio vocabulary of a SentencePiece `.model` file (extra ids read beside it)."""
   path = fileio.path(path)
-  return vocab_lib.get_vocabulary(fileio.local_copy(path),
-                                  extra_ids=_extra_ids(path.parent, path))
+  return _vocabulary(path.parent, path)
 
 
 def load_vocabulary(directory: str | os.PathLike) -> Any:
   """The seqio vocabulary a model directory carries, or None when it has none."""
   directory = fileio.path(directory)
   spm = vocabulary_path(directory)
-  if spm is None:
-    return None
-  return vocab_lib.get_vocabulary(fileio.local_copy(spm), extra_ids=_extra_ids(directory, spm))
+  return None if spm is None else _vocabulary(directory, spm)
 
 
 def _read_config_json(path: pathlib.Path) -> T5Config:
@@ -112,17 +98,6 @@ def _read_config_json(path: pathlib.Path) -> T5Config:
 
 
 # -- finding ------------------------------------------------------------------------------------
-def _hub_cache_hint() -> str:
-  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
-  return constants.HF_HUB_CACHE
-
-
-def _offline() -> bool:
-  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
-  env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-  return bool(constants.HF_HUB_OFFLINE) or env
-
-
 def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.Path:
   """The local snapshot folder of a Hub model (downloaded unless HF_HUB_OFFLINE is set).
 
@@ -131,24 +106,24 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
       get it there.
   """
   try:
+    from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
     from huggingface_hub import errors as hub_errors  # pylint: disable=g-import-not-at-top
     from huggingface_hub import snapshot_download  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise FileNotFoundError(f"{repo_id!r} is neither a local folder nor loadable as a Hub id: "
                             "huggingface_hub is not installed") from None
-  offline = _offline()
+  offline = bool(constants.HF_HUB_OFFLINE) or os.environ.get(
+      "HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
   try:
     folder = snapshot_download(repo_id, revision=revision, allow_patterns=list(_HUB_FILES),
                                local_files_only=offline)
-  except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled) as e:
-    del e
+  except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled):
     why = ("HF_HUB_OFFLINE is set" if offline else
            "the Hub is unreachable from here (HF_HUB_OFFLINE=1 skips trying)")
     raise FileNotFoundError(
         f"{repo_id!r}: no such local folder, and the Hub model is not in the cache "
-        f"({_hub_cache_hint()}) while {why}"
-        f"; download it where the Hub is reachable (`hf download {repo_id}`) and copy the "
-        f"cache, or give a local folder") from None
+        f"({constants.HF_HUB_CACHE}) while {why}; download it where the Hub is reachable "
+        f"(`hf download {repo_id}`) and copy the cache, or give a local folder") from None
   except (hub_errors.RepositoryNotFoundError, hub_errors.RevisionNotFoundError) as e:
     raise FileNotFoundError(f"{repo_id!r}: no such local folder or Hub model "
                             f"({type(e).__name__})") from None
@@ -176,7 +151,6 @@ class ModelInfo:
     source: The path (or Hub id) as given.
     path: The local folder.
     format: One of `FORMATS`.
-    config: Its T5Config.
     vocabulary: Its seqio vocabulary, or None.
     settings: Method settings (settings.json), or {}.
     param_shapes: {'/'-joined path: shape} of the stored parameters (incl. heads, prompt).
@@ -255,14 +229,21 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
     vocabulary: Overrides the directory's own vocabulary (a seqio vocabulary or a path).
 
   Raises:
-    FileNotFoundError: Nothing there, or no known format (the message lists what was looked
-      for).
-    ValueError: A damaged or inconsistent directory (named).
+    FileNotFoundError: Nothing there, or no known format (the message lists what was sought).
+    ValueError: A damaged or inconsistent directory.
   """
   path, from_hub = _local(source)
   source = os.fspath(source)
   if isinstance(vocabulary, (str, os.PathLike)):
     vocabulary = vocabulary_from_file(vocabulary)
+
+  def found(at: pathlib.Path, kind: str, model_config: T5Config,
+            shapes: Mapping[str, tuple[int, ...]], *, settings: bool, **more: Any) -> ModelInfo:
+    return ModelInfo(source=source, path=at, format=kind, config=model_config,
+                     vocabulary=vocabulary or load_vocabulary(at),
+                     settings=run_dirs.read_settings(at) if settings else {},
+                     param_shapes=shapes, **more)
+
   run = _run_checkpoint(path)
   if run is not None:
     run_path, run_step = run
@@ -273,11 +254,8 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
     run_config = _read_config_json(run_path / run_dirs.MODEL_CONFIG_FILE)
     step, (_, tree) = params_export.run_params_metadata(
         run_dirs.checkpoints_dir(run_path), step=step)
-    return ModelInfo(source=source, path=run_path, format="run_step" if run_step is not None
-                     else "run", config=config or run_config,
-                     vocabulary=vocabulary or load_vocabulary(run_path),
-                     settings=run_dirs.read_settings(run_path), param_shapes=_flat_shapes(tree),
-                     step=step)
+    return found(run_path, "run" if run_step is None else "run_step", config or run_config,
+                 _flat_shapes(tree), settings=True, step=step)
   if hf_import.is_hf_checkpoint(path):
     # The tensors decide the head (tied / untied / rescaled), so their table is read too.
     hf_config = hf_import.read_hf_config(path)  # Its errors first: they name config.json.
@@ -286,11 +264,8 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
     if config is not None and config.architecture() != hf_config_used.architecture():
       raise ValueError(f"{source}: its config.json describes {hf_config_used}, not the given "
                        f"{config}")
-    return ModelInfo(source=source, path=path, format="hub" if from_hub else "hf",
-                     config=config or hf_config_used,
-                     vocabulary=vocabulary or load_vocabulary(path), settings={},
-                     param_shapes={"/".join(k): v.shape for k, v in sources.items()},
-                     hf_sources=sources)
+    return found(path, "hub" if from_hub else "hf", config or hf_config_used, settings=False,
+                 shapes={"/".join(k): v.shape for k, v in sources.items()}, hf_sources=sources)
   if (path / params_export.PARAMS_DIR).is_dir():
     tree = params_export.exported_metadata(path)
     if config is None:
@@ -298,22 +273,16 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
         raise FileNotFoundError(f"{path}/{params_export.CONFIG_FILE} not found: give the "
                                 "model's config")
       config = _read_config_json(path / params_export.CONFIG_FILE)
-    return ModelInfo(source=source, path=path, format="export", config=config,
-                     vocabulary=vocabulary or load_vocabulary(path),
-                     settings=run_dirs.read_settings(path),
-                     param_shapes=_flat_shapes(tree))
+    return found(path, "export", config, _flat_shapes(tree), settings=True)
   if t5x_import.is_t5x_checkpoint(path):
     checkpoints.require_checkpoint_storage(source, "T5X checkpoint")
     located = t5x_import.locate(path, config=config)
-    return ModelInfo(source=source, path=path, format="t5x", config=located.config,
-                     vocabulary=vocabulary or load_vocabulary(path), settings={},
-                     param_shapes=_flat_shapes(located.metadata))
+    return found(path, "t5x", located.config, _flat_shapes(located.metadata), settings=False)
   raise FileNotFoundError(
       f"{source}: no model found (looked for {', '.join(hf_import.CHECKPOINT_FILES)} "
       f"(Hugging Face), {params_export.PARAMS_DIR}/ (jaxmoral export), "
       f"{run_dirs.MODEL_CONFIG_FILE} + {run_dirs.CHECKPOINTS_DIR}/ (run), "
-      f"RUN/{run_dirs.CHECKPOINTS_DIR}/"
-      "STEP (one step of a run), _METADATA (T5X / Orbax))")
+      f"RUN/{run_dirs.CHECKPOINTS_DIR}/STEP (one step of a run), _METADATA (T5X / Orbax))")
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -322,12 +291,11 @@ class LoadedModel:
   """A model directory's parameters, placed, with everything needed to use them.
 
   Attributes:
-    info: What the directory holds (format, config, vocabulary, settings).
+    info: What the directory holds.
     config: The T5Config in use (the stored one, maybe with another activation dtype).
     params: The T5 parameter tree (plus `scalar_head` when stored), unboxed, on device.
     prompt: The soft prompt (P, d_model) of a prompt-tuning run, else None.
-    partitioner: The partitioner whose shardings hold `params` (None: placed without one);
-      what uses the model runs its jitted functions on its mesh.
+    partitioner: The partitioner whose shardings hold `params` (None: placed without one).
   """
   info: ModelInfo
   config: T5Config
@@ -376,8 +344,7 @@ def jit_with_params(fn: Callable[..., Any], config: T5Config, partitioner: Any, 
   """`fn(params, *inputs)` jitted for a loaded T5's parameters (a scalar head's too if so).
 
   With a partitioner it is compiled for its mesh: the parameters in its shardings (no copy
-  when `load` read them there), input i replicated if `replicated[i]` else as placed, the
-  outputs replicated. Without one it is a plain jitted function.
+  after `load`), input i replicated if `replicated[i]` else as placed, the outputs replicated.
   """
   if partitioner is None:
     return partitioning.jit_in_context(fn)
@@ -388,8 +355,7 @@ def jit_with_params(fn: Callable[..., Any], config: T5Config, partitioner: Any, 
 
 
 def decode_weights(model: Any, params: PyTree, partitioner: Any = None) -> Any:
-  """The decoding backend's kernels of loaded parameters, prepared once, or None
-  (`decoding.prepare_decode_weights`, its backend as gin binds it)."""
+  """`decoding.prepare_decode_weights` of loaded parameters, its backend as gin binds it."""
   return decoding.prepare_decode_weights(model, params, partitioner=partitioner)
 
 
@@ -434,22 +400,20 @@ def load(source: str | os.PathLike, *, step: Optional[int] = None, **kwargs: Any
          ) -> LoadedModel:
   """Loads a model directory of any format into the shardings a partitioner asks for.
 
+  The latest step of a run that is still training can be removed while it is read (the run
+  keeps its newest steps only): then the newest step is read instead, with a warning.
+
   Args:
     source: A folder of any format in `FORMATS`, or a Hub id.
-    partitioner: Places every parameter by the partitioner's logical-axis rules (FSDP, model
-      parallel); None and no `shardings`: one device (replicated over the processes of a
-      multi-host job).
-    shardings: Explicit `Sharding`s instead: one for all, or a tree with the T5 parameters'
-      structure (plus `scalar_head` where stored).
+    partitioner: Places every parameter by the partitioner's logical-axis rules; None and no
+      `shardings`: `params_export.default_sharding`.
+    shardings: Explicit `Sharding`s instead: one for all, or a tree with the parameters'
+      structure.
     step: A run's checkpoint step (default: the latest).
     dtype: Activation dtype of the returned config ("float32", "bfloat16"); default: stored.
-    param_dtype: Floating-point parameters are cast to this while read ("float32"); None
-      keeps what is stored (e.g. a bfloat16 export).
-    config: The T5Config for formats that carry none (see `inspect`).
-    vocabulary: Overrides the directory's own vocabulary.
-
-  The latest step of a run that is still training can be removed while it is read (the run
-  keeps `max_to_keep` steps): then the newest step is read instead, with a warning.
+    param_dtype: Floating-point parameters are cast to this while read; None keeps what is
+      stored (e.g. a bfloat16 export).
+    config, vocabulary: As in `inspect`.
 
   Raises:
     FileNotFoundError / ValueError: See `inspect`; also parameters that do not fit the model.
@@ -459,7 +423,7 @@ def load(source: str | os.PathLike, *, step: Optional[int] = None, **kwargs: Any
     try:
       return _load(source, step=step, tried=tried, **kwargs)
     except (OSError, ValueError) as error:
-      # The step picked (or the one whose files went missing while `inspect` read them).
+      # The step picked, or the one whose files went missing while `inspect` read them.
       gone = tried.get("step", getattr(error, "step", None))
       run = tried.get("path", os.fspath(source))
       if (step is not None or gone is None or attempt == _VANISHED_RETRIES - 1
@@ -524,14 +488,8 @@ def load_on_mesh(source: str | os.PathLike, *, partitioner: Any = None,
                  **kwargs: Any) -> LoadedModel:
   """`load` for the commands that use a model (eval, infer, export, the methods' detectors,
   evaluations and chats): into the shardings of `partitioner` (the run's PARTITIONER, as gin
-  binds it), else of `partitioning.inference_partitioner`'s default. The result keeps the
-  partitioner (`LoadedModel.partitioner`): the calls that use the model run on its mesh.
-
-  Args:
-    source: See `load`.
-    partitioner: The mesh and logical-axis rules (None: the default).
-    **kwargs: `load`'s other arguments (step, dtype, config, vocabulary, ...).
-  """
+  binds it; None: `partitioning.inference_partitioner`'s default), which the result keeps
+  (`LoadedModel.partitioner`) so that the calls using the model run on its mesh."""
   return load(source, partitioner=partitioning.inference_partitioner(partitioner), **kwargs)
 
 
@@ -539,23 +497,14 @@ def load_on_mesh(source: str | os.PathLike, *, partitioner: Any = None,
 def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
            vocabulary: Any = None, settings: Optional[Mapping[str, Any]] = None,
            dtype: Optional[str] = None, overwrite: bool = False) -> str:
-  """Writes a self-contained jaxmoral export (params/, config.json, vocab/, settings.json).
-
-  Args:
-    directory: The export folder.
-    params: Parameters (boxed or not, any sharding); a `scalar_head` is kept.
-    config: Their T5Config.
-    vocabulary: Copied into vocab/ when given.
-    settings: Method settings written as settings.json.
-    dtype: Cast floating-point parameters (e.g. "bfloat16") before writing.
-    overwrite: Replace an existing export; otherwise an existing one is an error.
+  """Writes a self-contained jaxmoral export: `params` (boxed or not, any sharding, a
+  `scalar_head` kept) cast to `dtype` in params/, config.json, vocab/ and settings.json.
 
   Raises:
     FileExistsError: The export exists and `overwrite` is False.
   """
 
-  def write_extra(directory: str) -> list[str]:
-    # In the manifest too: a load reads them, so a damaged vocabulary is refused as well.
+  def write_extra(directory: str) -> list[str]:  # In the manifest too: a load reads them.
     written = []
     if vocabulary is not None:
       run_dirs.save_vocabulary(directory, vocabulary)
@@ -566,12 +515,12 @@ def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
     return written
 
   return params_export.export_params(params, directory, dtype=dtype, config=config.to_dict(),
-                                   overwrite=overwrite, write_extra=write_extra)
+                                     overwrite=overwrite, write_extra=write_extra)
 
 
 def refuse_output_inside(source: str | os.PathLike, output_dir: str | os.PathLike) -> None:
   """Refuses an export into the model directory it reads (or a folder inside it): it would
-  replace the run's manifest, settings and vocabulary, and the run would be damaged."""
+  replace the run's manifest, settings and vocabulary."""
   if fileio.is_within(output_dir, source):
     raise ValueError(f"export: --output {output_dir} is inside the model directory {source} "
                      "(it would replace the run's own files); give a folder outside it")
@@ -584,15 +533,13 @@ def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
   """`jaxmoral export`: a run (or any model directory) as a jaxmoral or Hugging Face export.
 
   Args:
-    source: The model directory (usually a run).
+    source: The model directory (usually a run); `step`: a run's step (default: the latest).
     output_dir: Where to write.
-    step: A run's checkpoint step (default: the latest).
     dtype: Storage dtype of floating-point parameters.
-    output_format: "jaxmoral" (params/ + config.json + vocab/) or "hf" (config.json +
-      model.safetensors + spiece.model: loads in transformers).
+    output_format: "jaxmoral" (see `export`) or "hf" (config.json + model.safetensors +
+      spiece.model: loads in transformers).
     overwrite: Replace an existing export.
-    partitioner: The mesh the parameters are read onto and written from, each device its own
-      slice (`partitioning.inference_partitioner`: default one device).
+    partitioner: The mesh the parameters are read onto and written from (see `load_on_mesh`).
 
   Raises:
     FileExistsError: `output_dir` holds an export and `overwrite` is False.
@@ -610,8 +557,7 @@ def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
       raise ValueError(f"export: {source} has a scalar head or a soft prompt, which Hugging "
                        "Face's T5ForConditionalGeneration cannot hold; export format 'jaxmoral'")
     extra = [loaded.vocabulary.sentencepiece_model_file] if loaded.vocabulary else []
-    hf_import.export_hf_t5(loaded.params, loaded.config, output, dtype=dtype,
-                           extra_files=extra)
+    hf_import.export_hf_t5(loaded.params, loaded.config, output, dtype=dtype, extra_files=extra)
   else:
     params = loaded.params
     if loaded.prompt is not None:

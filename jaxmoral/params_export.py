@@ -1,8 +1,7 @@
 """Params-only exports (layout: `jaxmoral.run_dirs`), and a run checkpoint's parameters.
 
-`restore_params_from_run` reads only the `params` subtree of a run's state (partial restore),
-so fine-tuning from a run needs nothing of its optimizer. Every load reads into the caller's
-shardings, its manifest checked before any array is read.
+A run's parameters are read as a partial restore of its state: nothing of its optimizer.
+Every load reads into the caller's shardings, its manifest checked before any array is read.
 """
 
 from __future__ import annotations
@@ -41,6 +40,12 @@ def default_sharding() -> Sharding:
   return NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), PartitionSpec())
 
 
+def _saved_tree(item_dir: str) -> PyTree:
+  """The saved tree of an Orbax PyTree checkpoint, `ArrayMetadata` leaves."""
+  metadata = ocp.PyTreeCheckpointer().metadata(item_dir).item_metadata
+  return getattr(metadata, "tree", metadata)
+
+
 def _cast_dtype(saved: Any, dtype: Optional[Any]) -> Any:
   saved = np.dtype(saved)
   if dtype is None or not jnp.issubdtype(saved, jnp.floating):
@@ -54,8 +59,7 @@ def _target_from_metadata(metadata_tree: PyTree, shardings: Any, dtype: Optional
   if shardings is None or isinstance(shardings, Sharding):
     by_path = None
   else:
-    flat = jax.tree_util.tree_leaves_with_path(
-        shardings, is_leaf=lambda x: isinstance(x, Sharding))
+    flat = jax.tree_util.tree_leaves_with_path(shardings, is_leaf=lambda x: isinstance(x, Sharding))
     by_path = {checkpoints.path_str(p): s for p, s in flat}
 
   def one(path: tuple[Any, ...], meta: Any) -> jax.ShapeDtypeStruct:
@@ -89,9 +93,9 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
   """Writes a params-only checkpoint (`<directory>/params`) and `<directory>/config.json`.
 
   Args:
-    params: Parameter tree (boxed or not; boxes are removed).
+    params: Parameter tree (boxed or not), its floating-point leaves cast to `dtype` first.
     directory: Export directory.
-    dtype: Cast floating-point leaves to this dtype first (e.g. "bfloat16"); None keeps them.
+    dtype: e.g. "bfloat16"; None keeps the params' dtypes.
     config: Model config dict (e.g. `T5Config.to_dict()`), written as config.json.
     overwrite: Replace an existing export; otherwise an existing one is an error.
     write_extra: Called (process 0) with the directory once the parameters are saved; writes
@@ -116,11 +120,11 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
     fileio.remove(manifest)  # The old export's: it would describe files about to be replaced.
   ocp.PyTreeCheckpointer().save(params_dir, params, force=overwrite)
   if jax.process_index() == 0:
+    config_path = fileio.join(directory, CONFIG_FILE)
     if config is not None:
-      with fileio.open(fileio.join(directory, CONFIG_FILE), "w") as f:
+      with fileio.open(config_path, "w") as f:
         json.dump(checkpoints.to_json(dict(config), "(config)"), f, indent=2, sort_keys=True)
-    covered = [PARAMS_DIR] + ([CONFIG_FILE] if fileio.isfile(
-        fileio.join(directory, CONFIG_FILE)) else [])
+    covered = [PARAMS_DIR] + ([CONFIG_FILE] if fileio.isfile(config_path) else [])
     if write_extra is not None:
       covered += list(write_extra(directory))
     integrity.write_integrity_manifest(directory, covered)
@@ -129,11 +133,10 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
 
 def verify_export(directory: str | os.PathLike, *, full: bool | Sequence[str] = True,
                   shared: bool = False) -> bool:
-  """`integrity.verify_integrity` of an `export_params` directory (params/, config.json and
-  what else its manifest covers)."""
+  """`integrity.verify_integrity` of an `export_params` directory."""
   directory = fileio.abspath(directory)
   return integrity.verify_integrity(directory, what=f"{directory}: the export", full=full,
-                          required=(f"{PARAMS_DIR}/_METADATA",), shared=shared)
+                                    required=(f"{PARAMS_DIR}/_METADATA",), shared=shared)
 
 
 def _exported_params_dir(directory: str | os.PathLike) -> str:
@@ -151,30 +154,20 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
 
   Args:
     directory: Export directory.
-    shardings: Tree of `Sharding`s with the params' structure (e.g.
-      `partitioner.sharding_for(boxed_params)`), one `Sharding` for all, or None (device 0;
-      replicated on multi-host).
+    shardings: Tree of `Sharding`s with the params' structure (e.g. `partitioner.sharding_for`
+      of them), one `Sharding` for all, or None (`default_sharding`).
     dtype: Cast floating-point params to this dtype while reading; None keeps the saved one.
 
   Raises:
-    integrity.CheckpointIntegrityError: The export is damaged or incomplete (checked before
-      any read).
+    integrity.CheckpointIntegrityError: The export is damaged or incomplete (checked first).
   """
   params_dir = _exported_params_dir(directory)
   directory = fileio.abspath(directory)
   verify_export(directory, shared=True)  # Every process loads: each hashes its share.
-  metadata = ocp.PyTreeCheckpointer().metadata(params_dir).item_metadata
   params = restore_subtree(params_dir, (), _target_from_metadata(
-      getattr(metadata, "tree", metadata), shardings, dtype, params_dir))
-  config = None
+      _saved_tree(params_dir), shardings, dtype, params_dir))
   config_path = fileio.join(directory, CONFIG_FILE)
-  if fileio.exists(config_path):
-    with fileio.open(config_path) as f:
-      try:
-        config = json.load(f)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}:{e.lineno}: invalid JSON: {e.msg}") from e
-  return params, config
+  return params, fileio.read_json(config_path) if fileio.exists(config_path) else None
 
 
 def load_params(directory: str | os.PathLike, *, shardings: Any = None,
@@ -184,8 +177,7 @@ def load_params(directory: str | os.PathLike, *, shardings: Any = None,
 
 
 def _params_subtree(tree: Any, where: str) -> tuple[str, ...]:
-  """Where a saved state keeps the model parameters: `params` (a TrainState), or
-  `policy/params` (a PPO state: the tuned policy)."""
+  """Where a saved state keeps the model parameters (see `restore_params_from_run`)."""
   if isinstance(tree, Mapping) and PARAMS_DIR in tree:
     return (PARAMS_DIR,)
   if (isinstance(tree, Mapping) and isinstance(tree.get("policy"), Mapping)
@@ -223,14 +215,11 @@ def _resolve_run_step(model_dir: str, step: Optional[int]) -> int:
   steps = integrity.step_folders(model_dir)
   if not steps:
     raise FileNotFoundError(f"{model_dir}: no checkpoints")
-  if step is None:
-    # The newest finalised step: one a running `train` is still finalising (no manifest yet)
-    # is not read.
+  if step is None:  # Not a step a running `train` is still finalising (no manifest yet).
     finalised = [s for s in steps if integrity.is_finalised(model_dir, s)]
     if not finalised:
       return steps[-1]  # verify says why.
-    _warn_skipped_unfinalised(model_dir, [s for s in steps if s > finalised[-1]],
-                              finalised[-1])
+    _warn_skipped_unfinalised(model_dir, [s for s in steps if s > finalised[-1]], finalised[-1])
     return finalised[-1]
   step = int(step)
   if step not in steps:
@@ -246,8 +235,7 @@ def run_params_metadata(model_dir: str | os.PathLike, *, step: Optional[int] = N
   step = _resolve_run_step(model_dir, step)
   checkpoints.verify_step(model_dir, step, full=full, shared=full)
   item_dir = fileio.join(model_dir, str(step), checkpoints.STATE_ITEM)
-  metadata = ocp.PyTreeCheckpointer().metadata(item_dir).item_metadata
-  tree = getattr(metadata, "tree", metadata)
+  tree = _saved_tree(item_dir)
   subtree = _params_subtree(tree, item_dir)
   for key in subtree:
     tree = tree[key]
@@ -256,28 +244,21 @@ def run_params_metadata(model_dir: str | os.PathLike, *, step: Optional[int] = N
 
 def restore_params_from_run(model_dir: str | os.PathLike, *, step: Optional[int] = None,
                             shardings: Any = None, dtype: Optional[Any] = None) -> PyTree:
-  """Only the model parameters of a training run's checkpoint (optimizer state is not read).
-
-  A `TrainState` keeps them in `params`; a PPO state in `policy/params` (the tuned policy).
+  """Only the model parameters of a training run's checkpoint (optimizer state is not read):
+  a `TrainState`'s `params`, a PPO state's `policy/params`.
 
   Args:
     model_dir: The run's checkpoint directory (a `CheckpointManager` directory).
-    step: Step to read (default: the latest).
-    shardings: As in `load_exported`.
-    dtype: As in `load_exported`.
-
-  Returns:
-    The parameter tree.
+    step: Step to read (default: the newest complete one).
+    shardings, dtype: As in `load_exported`.
 
   Raises:
-    integrity.CheckpointIntegrityError: The step is damaged or incomplete (checked before
-      any read).
+    integrity.CheckpointIntegrityError: The step is damaged or incomplete (checked first).
   """
   model_dir = fileio.abspath(model_dir)
   step, (subtree, tree) = run_params_metadata(model_dir, step=step, full=True)
   item_dir = fileio.join(model_dir, str(step), checkpoints.STATE_ITEM)
-  return restore_subtree(item_dir, subtree, _target_from_metadata(tree, shardings, dtype,
-                                                                  item_dir))
+  return restore_subtree(item_dir, subtree, _target_from_metadata(tree, shardings, dtype, item_dir))
 
 
 def exported_metadata(directory: str | os.PathLike) -> PyTree:
@@ -285,8 +266,7 @@ def exported_metadata(directory: str | os.PathLike) -> PyTree:
   params_dir = _exported_params_dir(directory)
   # Sizes of everything; digests of the small files read next (config, vocabulary, settings).
   verify_export(directory, full=[name for name in fileio.listdir(directory) if name != PARAMS_DIR])
-  metadata = ocp.PyTreeCheckpointer().metadata(params_dir).item_metadata
-  return getattr(metadata, "tree", metadata)
+  return _saved_tree(params_dir)
 
 
 def restore_subtree(item_dir: str | os.PathLike, prefix: tuple[str, ...], target: PyTree

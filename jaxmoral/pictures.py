@@ -17,11 +17,7 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, path: str | os.PathLike[str], *, dpi: int = 100) -> str:
-  """Lays `fig` out, writes it to `path` (making its folder) and closes it.
-
-  Returns:
-    The path written, as a string.
-  """
+  """Lays `fig` out, writes it to `path` (making its folder), closes it and returns `path`."""
   from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
   path = os.fspath(path)
   fileio.makedirs(os.path.dirname(fileio.abspath(path)))

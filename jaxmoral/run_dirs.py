@@ -1,8 +1,7 @@
 """A run directory (MODEL_DIR): its layout, its lock and its run files, described here only.
 
-A run directory is self-describing: `eval`, `infer`, `export` and the Python API
-(`jaxmoral.api.Model.from_pretrained(MODEL_DIR)`) need nothing but its path. A local folder or
-gs://bucket/run (Orbax keeps checkpoints there: `checkpoints.require_checkpoint_storage`)::
+A run directory is self-describing: `eval`, `infer`, `export` and `api.Model.from_pretrained`
+need nothing but its path. A local folder or gs://bucket/run::
 
   train.lock              held while a run trains here (`RunDirLock`)
   config.gin              the operative gin config (`gin_utils.write_operative_config`)
@@ -12,8 +11,7 @@ gs://bucket/run (Orbax keeps checkpoints there: `checkpoints.require_checkpoint_
   _INTEGRITY.json         sizes and sha256 of the run files (`save_run_files`)
   software.jsonl          which code trained from which step (`software.record_start`)
   checkpoints/<step>/     Orbax checkpoints (`checkpoints.CheckpointManager`), each:
-      state/              the whole state pytree (OCDBT/Zarr), e.g. a TrainState's step,
-                          params, opt_state (static fields come from the restore target)
+      state/              the whole state pytree (OCDBT/Zarr), e.g. a TrainState
       extra/              a JSON dict (data position, reward normalisation, ...)
       _INTEGRITY.json     the step's checksums (`integrity`)
   checkpoints/_CHECKSUMMED.json   every later step carries checksums (`integrity`)
@@ -24,13 +22,13 @@ gs://bucket/run (Orbax keeps checkpoints there: `checkpoints.require_checkpoint_
   reward_curve.json       a PPO run's reward curve (`rl.ppo_trainer`)
   data/                   a method's training pairs written for the run (ClarifyDelphi, NPOV)
 
-An export (`params_export.export_params`) has params/ (the unboxed parameter tree) and
-config.json (the T5Config) instead of checkpoints/ and model_config.json, the same vocab/ and
-settings.json, and an _INTEGRITY.json of all of them.
+An export (`params_export.export_params`) has params/ (the parameter tree) and config.json
+instead of checkpoints/ and model_config.json, and an _INTEGRITY.json of all its files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -68,9 +66,8 @@ def make_run_dir(model_dir: str | os.PathLike) -> str:
   """Creates a run directory (MODEL_DIR: a local path or gs://bucket/run) and returns it.
 
   Raises:
-    OSError: Nothing can be written there, in one line naming MODEL_DIR and the cause (for a
-      bucket URL: no bucket, no permission, no credentials or an unreachable endpoint), told
-      before any work starts.
+    OSError: Nothing can be written there: one line naming MODEL_DIR and the cause
+      (`fileio.check_writable`), before any work starts.
   """
   model_dir = os.fspath(model_dir)
   checkpoints.require_checkpoint_storage(model_dir, "MODEL_DIR")
@@ -91,9 +88,8 @@ def data_position_dir(model_dir: str | os.PathLike) -> str:
 
 def vocabulary_build_dir(model_dir: str | os.PathLike) -> str:
   """Where a run's vocabulary is built: MODEL_DIR/vocab, or for a bucket run the process's
-  private local folder for that run (SentencePiece writes local files; `save_run_files` copies
-  the model into the bucket, and a resumed run reads it there). One folder shared by all
-  bucket runs would hand one run a vocabulary trained on another's data."""
+  local folder for that run (SentencePiece writes local files; `save_run_files` copies the
+  model into the bucket), never one shared by bucket runs trained on different data."""
   model_dir = os.fspath(model_dir)
   if fileio.is_url(model_dir):
     return fileio.local_folder_for(model_dir, "_vocab")
@@ -135,33 +131,27 @@ def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary
   save_vocabulary(model_dir, vocabulary)
   if settings:
     write_settings(model_dir, settings)
-  # Under the integrity manifest like an export's: every load checks them first; the run
-  # records that it has one, so a deleted manifest is refused, not loaded unverified.
+  # Recorded: a deleted manifest is refused, not loaded unverified.
   integrity.write_integrity_manifest(
       model_dir, [name for name in RUN_FILES if (model_dir / name).exists()])
   integrity.record_checksummed(checkpoints_dir(model_dir), run_files=True)
 
 
 def verify_run_files(model_dir: str | os.PathLike) -> bool:
-  """Checks a run's model config, settings and vocabulary against its manifest (sizes and
-  sha256) before any of them is read.
+  """Checks a run's files (`RUN_FILES`) against its manifest before any of them is read.
 
-  A run without the manifest loads with a warning only if it never wrote one (written before
-  manifests existed, or put together by hand): `integrity.run_files_checksummed`.
-
-  Returns:
-    True if verified; False for an older run (a warning is logged).
+  A run without the manifest loads with a warning only if it never wrote one
+  (`integrity.run_files_checksummed`): then False is returned, else True.
 
   Raises:
     integrity.CheckpointIntegrityError: A file differs, is missing or the manifest is.
   """
   model_dir = fileio.abspath(model_dir)
   checksummed = integrity.run_files_checksummed(checkpoints_dir(model_dir))
-  present = [name for name in RUN_FILES if fileio.exists(fileio.join(model_dir, name))]
-  return integrity.verify_integrity(
-      model_dir, what=f"{model_dir}: the run's files", full=True,
-      required=[name for name in present if name != VOCAB_DIR],
-      unverified_ok=not checksummed)
+  required = [name for name in RUN_FILES
+              if name != VOCAB_DIR and fileio.exists(fileio.join(model_dir, name))]
+  return integrity.verify_integrity(model_dir, what=f"{model_dir}: the run's files", full=True,
+                                    required=required, unverified_ok=not checksummed)
 
 
 def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) -> None:
@@ -171,12 +161,7 @@ def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) ->
 
 def read_settings(directory: str | os.PathLike) -> dict[str, Any]:
   path = fileio.path(directory) / SETTINGS_FILE
-  if not path.is_file():
-    return {}
-  try:
-    return json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+  return fileio.read_json(path) if path.is_file() else {}
 
 
 # -- the lock -----------------------------------------------------------------------------------
@@ -193,15 +178,15 @@ class RunDirLockedError(ValueError):
   """Another run holds MODEL_DIR's lock (a ValueError: the CLI prints it as one line)."""
 
 
-# A run in a bucket whose storage has not answered the lock's heartbeat for this long stops
-# (one line naming the bucket and the last committed step): its saves cannot complete, and
-# the storage clients would retry them for ever. Well above a store's brief outages.
+# A bucket run whose storage has not answered the lock's heartbeat for this long stops (one
+# line naming the last committed step): the clients would retry its saves for ever. Well
+# above a store's brief outages.
 STORAGE_DEADLINE_S = 240.0
 
 
 def _storage_lost(model_dir: str, silent_s: float, error: Optional[BaseException]) -> None:
-  """Ends the process: the run's storage is gone. Its threads are blocked in the storage
-  clients' retries, which nothing can interrupt, so the process exits from here."""
+  """Ends the process from here: the run's storage is gone, and its threads are blocked in
+  the storage clients' retries, which nothing can interrupt."""
   from jaxmoral import preemption  # pylint: disable=g-import-not-at-top
   step = checkpoints.committed_steps.get(fileio.abspath(checkpoints_dir(model_dir)))
   committed = (f"the last committed step is {step} (a rerun resumes from it)" if step is not None
@@ -210,10 +195,10 @@ def _storage_lost(model_dir: str, silent_s: float, error: Optional[BaseException
   signum = preemption.pending_signal()
   if signum is not None:
     import signal  # pylint: disable=g-import-not-at-top
-    name = signal.Signals(signum).name
     status = preemption.EXIT_STATUS.get(signum, 128 + signum)
-    line = (f"jaxmoral train: stopped by {name}: could not save to {model_dir}: its storage "
-            f"has not answered for {silent_s:.0f} s{cause}; {committed} (exit status {status})")
+    line = (f"jaxmoral train: stopped by {signal.Signals(signum).name}: could not save to "
+            f"{model_dir}: its storage has not answered for {silent_s:.0f} s{cause}; "
+            f"{committed} (exit status {status})")
   else:
     status = 1
     line = (f"jaxmoral train: error: {model_dir}: its storage has not answered for "
@@ -225,11 +210,10 @@ def _storage_lost(model_dir: str, silent_s: float, error: Optional[BaseException
 
 
 class _HeldLock:
-  """A lock file this process holds, or (`owner` False) one that process 0 holds for this
-  process's job: its token, nesting depth and heartbeat. On a bucket, the heartbeat is also
-  the run's liveness check of its storage (`STORAGE_DEADLINE_S`) on every process: each host
-  writes its own shards, and one whose storage is gone must end itself, since a host blocked
-  in the clients' retries never reaches the collective that would tell it process 0 ended."""
+  """A lock file this process holds, or (`owner` False) one process 0 holds for this job: its
+  token, nesting depth and heartbeat. On a bucket the heartbeat also checks on every process
+  that the storage answers (`STORAGE_DEADLINE_S`): a host blocked in the clients' retries
+  never reaches the collective that would tell it process 0 ended, so it ends itself."""
 
   def __init__(self, path: str, token: str, *, owner: bool = True):
     self.path, self.token, self.owner, self.depth = path, token, owner, 1
@@ -274,17 +258,16 @@ def _pid_alive(pid: int) -> bool:
 class RunDirLock:
   """`MODEL_DIR/train.lock`: one training run at a time in a run directory.
 
-  The file (JSON: host, pid, start time) is created with O_CREAT | O_EXCL (on gs://, an
-  upload with the precondition ifGenerationMatch=0), so of two runs starting together exactly
-  one gets it. A lock whose holder is gone is taken over with a warning: same host and a dead
-  pid (or this very pid, left by an earlier process, as in a restarted container), or another
-  host's lock not refreshed for `LOCK_STALE_AFTER_S`. Re-entrant within a process (a run's
-  setup and its loop both take it). Multi-host: process 0 takes it; all learn whether it did.
+  The file (JSON: host, pid, start time) is created exclusively (`fileio.create_exclusive`),
+  so of two runs starting together exactly one gets it. A lock whose holder is gone is taken
+  over with a warning: same host and a dead pid (or this very pid, left by an earlier process,
+  as in a restarted container), or another host's lock not refreshed for
+  `LOCK_STALE_AFTER_S`. Re-entrant within a process (a run's setup and its loop both take it).
+  Multi-host: process 0 takes it; all learn whether it did.
 
   On gs:// a holder's liveness is the object's update time (the heartbeat rewrites it); a
-  stale lock is deleted with the precondition ifGenerationMatch=<the generation judged
-  stale>, so of two takers one deletes it, and a lock refreshed or retaken meanwhile is kept;
-  the taker then creates its own. Use as a context manager, or `acquire()` / `release()`.
+  stale lock is deleted only in the generation judged stale, so of two takers one deletes it,
+  and a lock refreshed or retaken meanwhile is kept.
   """
 
   def __init__(self, model_dir: str | os.PathLike):
@@ -292,12 +275,10 @@ class RunDirLock:
     self._token = uuid.uuid4().hex
     self._depth = 0  # acquire() calls of this object not yet released.
 
-  def _content(self) -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "token": self._token,
-            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-
   def _create(self) -> bool:
-    return fileio.create_exclusive(self.path, json.dumps(self._content()).encode())
+    content = {"host": socket.gethostname(), "pid": os.getpid(), "token": self._token,
+               "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    return fileio.create_exclusive(self.path, json.dumps(content).encode())
 
   def _read(self) -> Optional[dict[str, Any]]:
     try:
@@ -322,16 +303,12 @@ class RunDirLock:
     if host == socket.gethostname() and isinstance(pid, int):
       if pid == os.getpid():
         return "this process's pid, left by an earlier process"  # Not held here (see acquire).
-      if not _pid_alive(pid):
-        return f"pid {pid} is not running"
-      return None
+      return None if _pid_alive(pid) else f"pid {pid} is not running"
     try:
       age = datetime.datetime.now().timestamp() - fileio.getmtime(self.path)
     except OSError:
       return None
-    if age > LOCK_STALE_AFTER_S:
-      return f"not refreshed for {age:.0f} s"
-    return None
+    return f"not refreshed for {age:.0f} s" if age > LOCK_STALE_AFTER_S else None
 
   def _take_over(self, holder: Mapping[str, Any]) -> bool:
     """Removes the stale lock `holder` read; False if someone else replaced it meanwhile."""
@@ -349,10 +326,8 @@ class RunDirLock:
       os.rename(self.path, aside)  # Atomic: of two takers, one gets the stale file.
     except FileNotFoundError:
       return self._create()
-    with open(aside) as f:
-      text = f.read()
     try:
-      now = json.loads(text)
+      now = json.loads(fileio.read_text(aside))
     except ValueError:
       now = {}
     if isinstance(now, dict) and now.get("token") != holder.get("token"):
@@ -431,10 +406,8 @@ class RunDirLock:
         return
       holder = self._read()
       if holder and holder.get("token") == held.token:  # Never remove someone else's lock.
-        try:
+        with contextlib.suppress(FileNotFoundError):
           fileio.remove(self.path)
-        except FileNotFoundError:
-          pass
 
   def __enter__(self) -> RunDirLock:
     return self.acquire()

@@ -1,13 +1,8 @@
 """Gin-bound entry points of the core commands: `jaxmoral train | eval | infer | export`.
 
 `train_run` is the one training entry point of every supervised method (T5X's `train`): gin
-injects what is trained (`model`: a `jaxmoral.models.trainable.TrainableModel` such as
-`Seq2SeqModel`, `diamante.DiamanteModel` or `prompt_tuning.PromptTuningModel`) and the
-data it reads (`data`: a `DataSpec` such as `Seq2SeqData` or `diamante.data.DialogueData`), so
-every method gets `init_checkpoint`, resume, run files and per-host data sharding from here.
-
-`compile_run` builds the step `train_run` trains, from abstract inputs (`jaxmoral compile`).
-What a run writes into MODEL_DIR, and `eval`, `infer` and `export` read: `jaxmoral.run_dirs`.
+injects the `TrainableModel` and the `DataSpec`, so every method gets `init_checkpoint`,
+resume, run files (`jaxmoral.run_dirs`) and per-host data sharding from here.
 """
 
 from __future__ import annotations
@@ -73,12 +68,6 @@ def _check_same_model(model_dir: str, config: Any) -> None:
                      "MODEL_DIR")
 
 
-def _check_vocab_fits(config: Any, vocabulary: Any) -> None:
-  if vocabulary.vocab_size > config.vocab_size:
-    raise ValueError(f"vocabulary has {vocabulary.vocab_size} ids (with extra ids) but "
-                     f"T5Config.vocab_size is {config.vocab_size}")
-
-
 def make_trainer(*, model: trainable.TrainableModel, optimizer: optax.GradientTransformation,
                  partitioner: partitioning.PjitPartitioner,
                  num_microbatches: int = 1) -> trainer_lib.Trainer:
@@ -114,11 +103,9 @@ def _is_int(value: object) -> bool:
 
 
 def _check_run_arguments(**values: Any) -> None:
-  """Raises a ValueError naming the parameter and its macro for a count out of type or range.
-
-  A mistyped flag (--gin.TRAIN_STEPS=abc reaches here as the string 'abc') would otherwise
-  fail deep inside the loop, or after the run files and vocabulary were written.
-  """
+  """Raises a ValueError naming the parameter and its macro for a count out of type or range:
+  a mistyped flag (--gin.TRAIN_STEPS=abc gives the string 'abc') would otherwise fail deep
+  inside the loop, or after the run files and vocabulary were written."""
   for name, macro, least in _RUN_COUNTS:
     if name not in values or (name == "eval_steps" and values[name] is None):
       continue
@@ -155,32 +142,29 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     optimizer: From a gin/optimizers fragment (OPTIMIZER).
     partitioner: Mesh and rules (PARTITIONER); default: data parallel over all devices.
     num_microbatches: Gradient accumulation steps per global batch.
-    eval_every: Evaluate every N steps (0: only at the end).
-    eval_steps: Evaluation batches (None: the whole eval split; 0: no evaluation at all,
-      for runs evaluated separately with `eval`).
-    checkpoint_every: Save every N steps (and at the end).
-    keep_checkpoints: Checkpoints kept.
+    eval_every, eval_steps: Evaluate every N steps (0: only at the end) on that many batches
+      (None: the whole eval split; 0: no evaluation at all).
+    checkpoint_every, keep_checkpoints: Save every N steps (and at the end), keeping that many.
     log_every: Progress line / TensorBoard every N steps.
     seed: Parameter init, shuffling and dropout seed.
     init_checkpoint: Fine-tune from this model directory or Hub id (any format of
-      `jaxmoral.model_dirs`: Hugging Face, T5X, export, run, one step of a run); its
-      parameters are created directly in the partitioner's shardings. Ignored on resume.
+      `jaxmoral.model_dirs`), read directly into the partitioner's shardings. Ignored on
+      resume.
     hooks: Extra `train.TrainHook`s (the model's own come first).
 
   Returns:
     Final metrics.
 
   Raises:
-    ValueError: A count is not an integer in range (naming its gin macro, e.g. TRAIN_STEPS),
-      or a resume that does not continue the run (another model shape, data, SEED,
-      BATCH_SIZE, or TRAIN_STEPS behind it), before anything is written.
+    ValueError: A count is not an integer in range (naming its gin macro), or a resume that
+      does not continue the run (another model shape, data, SEED, BATCH_SIZE, or TRAIN_STEPS
+      behind it), before anything is written.
     OSError: MODEL_DIR cannot be written (before anything is done).
   """
-  _check_run_arguments(train_steps=train_steps, batch_size=batch_size,
+  _check_run_arguments(train_steps=train_steps, batch_size=batch_size, eval_every=eval_every,
                        feature_lengths=feature_lengths, num_microbatches=num_microbatches,
-                       eval_every=eval_every, eval_steps=eval_steps,
-                       checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                       log_every=log_every)
+                       eval_steps=eval_steps, checkpoint_every=checkpoint_every,
+                       keep_checkpoints=keep_checkpoints, log_every=log_every)
   partitioner = partitioner or partitioning.PjitPartitioner()
   fileio.check_writable(model_dir, directory=True)
   if fileio.is_url(model_dir):
@@ -195,9 +179,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     # before it changes anything (`train.train` takes the same lock again, re-entrantly).
     with run_dirs.RunDirLock(model_dir):
       resuming = bool(run_dirs.saved_steps(model_dir))
-      init_info = None
-      if init_checkpoint and not resuming:  # A resumed run starts from its own checkpoint.
-        init_info = model_dirs.inspect(init_checkpoint)
+      # A resumed run starts from its own checkpoint.
+      init_info = model_dirs.inspect(init_checkpoint) if init_checkpoint and not resuming else None
       if resuming:  # Its files are checked and read only; written once the resume is accepted.
         run_dirs.verify_run_files(model_dir)
         _check_same_model(model_dir, model.config)
@@ -210,7 +193,9 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         multihost_utils.sync_global_devices("jaxmoral.runs.train_run: vocabulary ready")
         if jax.process_index() != 0:
           vocabulary = _run_vocabulary(model_dir, data, init_info)
-      _check_vocab_fits(model.config, vocabulary)
+      if vocabulary.vocab_size > model.config.vocab_size:
+        raise ValueError(f"vocabulary has {vocabulary.vocab_size} ids (with extra ids) but "
+                         f"T5Config.vocab_size is {model.config.vocab_size}")
 
       def write_run_files(resumed_step: Optional[int]) -> None:
         """After every check of `train.train` passed: a refused resume changes nothing."""
@@ -219,8 +204,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
           if gin.config_str():
             gin_utils.write_operative_config(model_dir)
           run_dirs.save_run_files(model_dir, config=model.config, vocabulary=vocabulary,
-                                  settings={"model": model.settings(),
-                                            "data": data.settings(),
+                                  settings={"model": model.settings(), "data": data.settings(),
                                             "feature_lengths": dict(feature_lengths)})
         if jax.process_count() > 1:
           multihost_utils.sync_global_devices("jaxmoral.runs.train_run: run files written")
@@ -255,13 +239,11 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
                   f", from {init_info.describe()}" if init_info else "")
       training = True
       return train_lib.train(model_dir=model_dir, trainer=trainer, train_source=train_source,
-                             train_steps=train_steps, eval_source=eval_source,
-                             eval_every=eval_every, eval_steps=eval_steps,
+                             train_steps=train_steps, eval_source=eval_source, seed=seed,
+                             eval_every=eval_every, eval_steps=eval_steps, log_every=log_every,
                              checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                             log_every=log_every, seed=seed,
                              init_params=init_params if init_info is not None else None,
-                             hooks=[*model.hooks(model_dir), *hooks],
-                             on_checked=write_run_files)
+                             hooks=[*model.hooks(model_dir), *hooks], on_checked=write_run_files)
   except BaseException:
     # A run that failed before its first step (bad data, a vocabulary that does not fit, an
     # unreadable init_checkpoint) leaves no folder it created behind.
@@ -277,9 +259,7 @@ def compile_run(*, model: trainable.TrainableModel, data: DataSpec,
                 partitioner: Optional[partitioning.PjitPartitioner] = None,
                 num_microbatches: int = 1) -> aot.CompileProgram:
   """The step `train_run` trains (arguments as its), as `jaxmoral compile` lowers it for a
-  topology: the run's own `make_trainer` and jitted step, from the data's batch shapes. Nothing
-  is read or allocated (neither MODEL_DIR nor the data files); a count out of range is a
-  ValueError naming its gin macro."""
+  topology, from the data's batch shapes: nothing is read or allocated."""
   _check_run_arguments(batch_size=batch_size, feature_lengths=feature_lengths,
                        num_microbatches=num_microbatches)
   partitioner = partitioner or partitioning.PjitPartitioner()
@@ -332,15 +312,9 @@ def cache_run(*, data: Seq2SeqData, feature_lengths: Mapping[str, int], seed: in
               init_checkpoint: Optional[str] = None) -> dict[str, Any]:
   """Writes a config's data into its DATA_CACHE folder, without training (`jaxmoral cache`).
 
-  Run it where seqio and TensorFlow are installed, with the flags the training run will
-  have (TASK_FEATURE_LENGTHS, SEED, the data): a run given the same DATA_CACHE then reads
-  its batches from there and imports neither (an accelerator host without TensorFlow).
-
-  Args:
-    data: The run's data; its `cache_dir` (DATA_CACHE) is where the rows go.
-    feature_lengths: TASK_FEATURE_LENGTHS.
-    seed: SEED (the one seeded pass of the training split depends on it).
-    init_checkpoint: INIT_CHECKPOINT: its vocabulary is the data's when the data names none.
+  Run it where seqio and TensorFlow are installed, with the training run's flags
+  (TASK_FEATURE_LENGTHS, SEED, the data, INIT_CHECKPOINT for its vocabulary): a run given the
+  same DATA_CACHE then reads its batches from there and imports neither.
 
   Returns:
     The cache's spec (what it holds, and its rows per part).
@@ -354,8 +328,7 @@ def cache_run(*, data: Seq2SeqData, feature_lengths: Mapping[str, int], seed: in
   fileio.check_writable(data.cache_dir, directory=True)
   fallback = model_dirs.inspect(init_checkpoint).vocabulary if init_checkpoint else None
   with tempfile.TemporaryDirectory(prefix="jaxmoral-vocab-") as build_dir:
-    vocabulary = dataclasses.replace(data, cache_dir=None).vocabulary(build_dir,
-                                                                      fallback=fallback)
+    vocabulary = dataclasses.replace(data, cache_dir=None).vocabulary(build_dir, fallback=fallback)
     spec = data.write_cache(vocabulary=vocabulary, feature_lengths=feature_lengths, seed=seed)
   print(f"cache: {spec['rows']} rows written to {data.cache_dir}; train from it with "
         f"--gin.DATA_CACHE=\"'{data.cache_dir}'\" (no TensorFlow needed)", flush=True)
@@ -367,16 +340,13 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
              batch_size: int = 16, step: Optional[int] = None,
              decode_examples: int = 8, max_decode_length: Optional[int] = None,
              partitioner: Optional[partitioning.PjitPartitioner] = None) -> dict[str, Any]:
-  """Evaluates a run's checkpoint: loss/accuracy on the eval split and greedy decodes.
+  """Evaluates a run's checkpoint (loss/accuracy on the eval split, greedy decodes): writes
+  MODEL_DIR/eval_<step>.json and prints the metrics and a few decoded examples.
 
-  The loss is the run's own (its label smoothing, z-loss and loss normalizing factor, from
-  settings.json), so it equals what training's evaluation reported for the same step and data.
-
-  A run trained on a pairs file is evaluated on the pairs it held out (`Seq2SeqData.resumed`).
-  The parameters are read into `partitioner`'s shardings and every batch is sharded over its
-  "data" axis, as in training (gin binds the run's PARTITIONER; None: one device).
-
-  Writes MODEL_DIR/eval_<step>.json and prints the metrics and a few decoded examples.
+  The loss is the run's own (from settings.json), so it equals what training's evaluation
+  reported for the same step and data; a run trained on a pairs file is evaluated on the pairs
+  it held out. The parameters are read into `partitioner`'s shardings and every batch is
+  sharded over its "data" axis, as in training (gin binds the run's PARTITIONER).
 
   Raises:
     OSError: The report cannot be written (checked before anything is loaded or computed).
@@ -393,9 +363,8 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
                             feature_lengths=feature_lengths)
   if source is None:
     raise ValueError(f"eval: the data has no evaluation split {data.eval_split!r}")
-  # The loss the run trained and evaluated (its settings.json): the same loss and z_loss as
-  # training's own evaluation of this step. A model directory that is not a seq2seq run
-  # (an export, a Hugging Face folder) has none: plain token NLL, no z-loss.
+  # A model directory that is not a seq2seq run (an export, a Hugging Face folder) has no
+  # settings: plain token NLL, no z-loss.
   saved = loaded.settings.get("model", {})
   loss_fn = losses.seq2seq_loss_fn(
       model, label_smoothing=saved.get("label_smoothing", 0.0), z_loss=saved.get("z_loss", 0.0),
@@ -405,6 +374,10 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
   results = [jax.device_get(eval_step(params, partitioner.shard_inputs(batch)))
              for batch in source.eval_batches()]
   metrics = trainer_lib.average_metrics(results)
+
+  def text(row: Any) -> str:
+    return vocabulary.decode(token_rows.text_ids(row, loaded.config.eos_token_id))
+
   first = next(source.eval_batches(), None)
   samples = []
   if first is not None and decode_examples:
@@ -414,13 +387,8 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
         eos_id=loaded.config.eos_token_id, partitioner=partitioner)
     out = sampler(params, partitioner.shard_inputs(inputs), rng=jax.random.PRNGKey(0),
                   decode_weights=model_dirs.decode_weights(model, params, partitioner))
-    eos = loaded.config.eos_token_id
-    for i in range(len(inputs)):
-      samples.append({
-          "input": vocabulary.decode(token_rows.text_ids(inputs[i], eos)),
-          "target": vocabulary.decode(token_rows.text_ids(first["decoder_target_tokens"][i],
-                                                          eos)),
-          "prediction": vocabulary.decode(token_rows.text_ids(out.tokens[i, 0], eos))})
+    samples = [{"input": text(inputs[i]), "target": text(first["decoder_target_tokens"][i]),
+                "prediction": text(out.tokens[i, 0])} for i in range(len(inputs))]
   report = {"metrics": metrics, "samples": samples}
   out_path.write_text(json.dumps(report, indent=2))
   print(json.dumps(metrics, indent=2))
@@ -436,9 +404,7 @@ def _read_infer_inputs(input_file: str, input_field: Optional[str]) -> list[str]
   if input_file.endswith(".jsonl"):
     field = input_field or "input"
     return [r[field] for r in readers.read_jsonl(input_file, required=[field], text=[field])]
-  rows = readers.read_lines(input_file)
-  # read_lines keeps the non-blank lines with their numbers; the blank ones are put back so
-  # that output line N answers input line N.
+  rows = readers.read_lines(input_file)  # Non-blank lines: the blank ones are put back.
   with fileio.open(input_file, "rb") as f:
     texts = [""] * sum(1 for _ in f)
   for row, line in zip(rows, rows.lines, strict=False):
@@ -458,22 +424,17 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
 
   Args:
     model_dir: Run directory.
-    input_file: Plain text (one input a line) or JSONL (`input_field` names the key); the
-      CLI's INFER_INPUT.
+    input_file: Plain text (one input a line) or JSONL (`input_field` names the key);
+      INFER_INPUT.
     output_file: JSONL of {"input", "predictions": [...], "scores": [...]}, one record per
-      input, in order; INFER_OUTPUT. A blank line of a text input gives a record with an
-      empty input and no predictions (nothing is decoded for it), so that output line N
-      answers input line N.
+      input, in order (a blank input line gets one without predictions); INFER_OUTPUT.
     input_field: JSONL key of the input text.
-    input_length: Encoder length: longer inputs are truncated to it (EOS kept); stderr says
-      how many were.
+    input_length: Encoder length: longer inputs are truncated to it (EOS kept; stderr says
+      how many were).
     batch_size: Rows per decoding call (the last batch is padded; one compile).
-    sample_config: Sampling settings (default greedy, 64 tokens).
-    beam_config: Use beam search instead of sampling.
-    step: Checkpoint step (default latest).
-    seed: Sampling seed.
-    partitioner: The mesh the parameters are read onto and decoded on, batches sharded over
-      its "data" axis (gin binds the run's PARTITIONER; None: one device).
+    sample_config, beam_config: Sampling settings (default greedy, 64 tokens), or beam search.
+    step, seed: Checkpoint step (default latest), sampling seed.
+    partitioner: The mesh the parameters are read onto and decoded on (as in `eval_run`).
 
   Returns:
     The output path.
@@ -494,8 +455,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
   fileio.check_writable(output_file)
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
   partitioner = loaded.partitioner
-  model, vocabulary = t5.T5(loaded.config), loaded.vocabulary
-  params = loaded.lm_params
+  model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
   weights = model_dirs.decode_weights(model, params, partitioner)
   sample_config = sample_config or decoding.SampleConfig(max_decode_length=64, greedy=True)
   if beam_config is not None:
@@ -516,8 +476,9 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
   rng = jax.random.PRNGKey(seed)
   start = time.time()
 
-  def blank_record(text: str) -> str:
-    return json.dumps({"input": text, "predictions": [], "scores": []}) + "\n"
+  def record(text: str, predictions: Sequence[str] = (), scores: Sequence[float] = ()) -> str:
+    return json.dumps({"input": text, "predictions": list(predictions),
+                       "scores": list(scores)}) + "\n"
 
   with fileio.open(output_file, "w", encoding="utf-8") as out:
     written = 0  # Records written: the next input line to answer.
@@ -537,18 +498,13 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
         seqs = np.asarray(result.tokens)
         scores = np.asarray((result.logprobs * result.mask).sum(-1))
       for i, (index, _) in enumerate(chunk):
-        for blank in range(written, index):
-          out.write(blank_record(texts[blank]))
-        out.write(json.dumps({
-            "input": texts[index],
-            "predictions": [vocabulary.decode(token_rows.text_ids(s, loaded.config.eos_token_id))
-                            for s in seqs[i]],
-            "scores": [float(x) for x in scores[i]]}) + "\n")
+        out.writelines(record(texts[blank]) for blank in range(written, index))
+        out.write(record(texts[index], [vocabulary.decode(token_rows.text_ids(
+            s, loaded.config.eos_token_id)) for s in seqs[i]], [float(x) for x in scores[i]]))
         written = index + 1
       logger.info("infer_run: %d/%d inputs (%.1f/s)", begin + len(chunk), len(todo),
                   (begin + len(chunk)) / max(time.time() - start, 1e-9))
-    for blank in range(written, len(texts)):
-      out.write(blank_record(texts[blank]))
+    out.writelines(record(texts[blank]) for blank in range(written, len(texts)))
   blanks = len(texts) - len(todo)
   print(f"wrote {len(texts)} predictions to {output_file}"
         + (f" ({blanks} blank input lines have none)" if blanks else ""))
@@ -564,6 +520,5 @@ def export_run(*, model_dir: str, output_dir: str, step: Optional[int] = None,
   fileio.require_reachable(model_dir, "--model_dir")
   fileio.require_reachable(output_dir, "--output")
   fileio.check_writable(output_dir, directory=True)
-  return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype,
-                                 output_format=output_format, overwrite=overwrite,
-                                 partitioner=partitioner)
+  return model_dirs.export_model(model_dir, output_dir, step=step, dtype=dtype, overwrite=overwrite,
+                                 output_format=output_format, partitioner=partitioner)

@@ -1,9 +1,8 @@
 """What software a process runs: jaxmoral's version and commit, and the libraries' versions.
 
-One place for three uses: `jaxmoral --version`; the record every start of training appends to
-`MODEL_DIR/software.jsonl` (so a checkpoint says which code trained it, across resumes); and
-the fingerprint the processes of a multi-host job compare before they work together
-(`partitioning.initialize_distributed`).
+For `jaxmoral --version`, the record each start of training appends to MODEL_DIR/software.jsonl
+(which code trained a checkpoint, across resumes), and the fingerprint the processes of a
+multi-host job compare (`partitioning.initialize_distributed`).
 """
 
 from __future__ import annotations
@@ -42,12 +41,8 @@ def _git(package_dir: pathlib.Path, *args: str) -> Optional[str]:
 
 
 def source_commit(package_dir: pathlib.Path = PACKAGE_DIR) -> tuple[Optional[str], bool]:
-  """`(commit, modified)` of the git checkout the package's sources are tracked in, or
-  `(None, False)` for an installed copy (a wheel: no checkout, or one that does not track
-  these files, such as a project whose virtual environment holds the package).
-
-  `modified`: tracked files of the checkout differ from the commit.
-  """
+  """`(commit, whether tracked files differ from it)` of the git checkout tracking the
+  package's sources, or `(None, False)` for an installed copy (no checkout tracks them)."""
   if _git(package_dir, "ls-files", "--error-unmatch", "__init__.py") is None:
     return None, False
   commit = _git(package_dir, "rev-parse", "HEAD")
@@ -89,9 +84,8 @@ def fingerprint() -> str:
 
 
 def record_start(model_dir: str | os.PathLike[str], *, step: int) -> dict[str, Any]:
-  """Appends one line to `model_dir/software.jsonl` for a start of training at `step`: the
-  time, jaxmoral's version, commit and whether the checkout was modified, and the libraries'
-  versions. Returns the record."""
+  """Appends (and returns) the record of a start of training at `step` to
+  `model_dir/software.jsonl`: the time, the commit and the versions (`describe`)."""
   record = {"step": step,
             "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             **_this_process()}
@@ -102,6 +96,5 @@ def record_start(model_dir: str | os.PathLike[str], *, step: int) -> dict[str, A
 def read_records(model_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
   """The records `record_start` wrote, oldest first ([] when there are none)."""
   path = fileio.join(model_dir, RECORD_FILE)
-  if not fileio.isfile(path):
-    return []
-  return [json.loads(line) for line in fileio.read_text(path).splitlines() if line]
+  lines = fileio.read_text(path).splitlines() if fileio.isfile(path) else []
+  return [json.loads(line) for line in lines if line]

@@ -13,12 +13,9 @@ import numpy as np
 
 
 def text_ids(row: Any, eos_id: int, pad_id: int = 0) -> list[int]:
-  """The ids a row's text is decoded from: those before its first EOS, the pad id dropped.
-
-  Dropped, not taken as the end: a model may emit the pad id before EOS (it is an ordinary
-  vocabulary entry) and SentencePiece decodes it to nothing. In data rows padding only
-  follows EOS, where both rules agree.
-  """
+  """The ids a row's text is decoded from: those before its first EOS, the pad id dropped
+  (not taken as the end: a model may emit it before EOS, an ordinary vocabulary entry that
+  SentencePiece decodes to nothing)."""
   out = []
   for token in np.asarray(row).reshape(-1).tolist():
     if token == eos_id:

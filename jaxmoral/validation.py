@@ -6,14 +6,13 @@ from typing import Any
 
 
 def positive_int(value: Any, name: str) -> None:
-  """Raises ValueError("{name} must be a positive int, got {value!r}") unless `value` is an
-  int > 0 (a bool is not one); `name` says whose field, e.g. "T5Config.d_model"."""
+  """Raises a ValueError naming `name` (e.g. "T5Config.d_model") unless `value` is an int > 0
+  (a bool is not one)."""
   if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def non_negative_int(value: Any, name: str) -> None:
-  """Raises ValueError("{name} must be an int >= 0, got {value!r}") unless `value` is an int
-  >= 0 (a bool is not one)."""
+  """`positive_int`, for an int >= 0."""
   if not isinstance(value, int) or isinstance(value, bool) or value < 0:
     raise ValueError(f"{name} must be an int >= 0, got {value!r}")
