@@ -3,29 +3,19 @@
 Proves from a CPU machine that a gin config compiles and fits on a TPU pod slice: the devices of
 the slice come from libtpu's compile-only topology (`jax.experimental.topologies`), the step is
 lowered from abstract inputs (`ShapeDtypeStruct`s with their `NamedSharding`s, nothing is
-allocated) and compiled by the real TPU compiler. The report gives per-chip memory from
-`compiled.memory_analysis()` and FLOPs from `compiled.cost_analysis()`, and raises
-`DoesNotFitError` when the step needs more memory than the chip's HBM.
+allocated) and compiled by the real TPU compiler. The report gives per-chip memory and FLOPs
+from XLA's analyses, and `DoesNotFitError` says when the step needs more than the chip's HBM.
 
-Topologies: `"<chip>:<shape>"` as libtpu names them, e.g. `v5e:8x8` (64 chips), `v4:2x2x4`
-(16 chips), `v5p:4x4x4` (64 chips); multi-slice with `num_slices`. `cpu:N` uses N local CPU
-devices (set `XLA_FLAGS=--xla_force_host_platform_device_count=N`) for tests.
-
-What is compiled is a *compile target*, called inside `partitioning.default_devices` so that
-the partitioner the config binds is made on the topology's devices. The default, "train_run",
-is `runs.compile_run` given what the config binds `runs.train_run`: it builds the run's step
-with the code a run uses, from abstract inputs, as a `CompileProgram`. ClarifyDelphi's
-"clarify_ppo" is `clarify.training.train_clarify_ppo` in the same mode, given stand-in model
-configs (`ppo_compile_target`) as a pod compile has no model directories. Targets register with
-`register_compile_target(name, builder)`; a config selects one with
-`aot.compile_for_topology.target = 'name'`.
+What is compiled is a *compile target* (`register_compile_target`; "train_run" by default,
+methods add theirs, e.g. "clarify_ppo"): the run's own step, built with the code a run uses
+inside `partitioning.default_devices`, so that the partitioner the config binds is made on the
+topology's devices (docs/core_api.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import math
 import os
 import re
@@ -43,8 +33,6 @@ from jaxmoral import partitioning
 from jaxmoral import runtime
 from jaxmoral import validation
 
-logger = logging.getLogger(__name__)
-
 GiB = 1024 ** 3
 
 
@@ -59,15 +47,9 @@ class DoesNotFitError(ValueError):
 # -- chips and topologies ---------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChipSpec:
-  """What the report needs to know about one accelerator chip.
-
-  Attributes:
-    name: Short name used in topology strings ("v5e").
-    hbm_bytes: High-bandwidth memory per chip.
-    peak_flops_per_s: Peak dense bf16 FLOP/s per chip.
-    chip_config_name: libtpu chip configuration; "megacore" makes one device per chip on
-      chips with two TensorCores (v4, v5p), as JAX uses them.
-  """
+  """What the report needs to know about one chip (`name` as in topology strings): its HBM, peak
+  dense bf16 FLOP/s, and libtpu's chip configuration ("megacore" makes one device per chip on
+  chips with two TensorCores, v4 and v5p, as JAX uses them)."""
   name: str
   hbm_bytes: int
   peak_flops_per_s: float
@@ -80,9 +62,8 @@ class ChipSpec:
       raise ValueError(f"ChipSpec.peak_flops_per_s must be positive, got {self.peak_flops_per_s}")
 
 
-# HBM capacity and peak bf16 dense FLOP/s per chip as published in Google Cloud's TPU system
-# architecture documentation (v4: 32 GiB, 275 TFLOP/s; v5e: 16 GiB, 197 TFLOP/s; v5p: 95 GiB,
-# 459 TFLOP/s; v6e: 32 GiB, 918 TFLOP/s). These are vendor figures, not measurements.
+# HBM and peak bf16 dense FLOP/s per chip as published in Google Cloud's TPU system architecture
+# documentation: vendor figures, not measurements.
 CHIPS: dict[str, ChipSpec] = {
     "v4": ChipSpec(name="v4", hbm_bytes=32 * GiB, peak_flops_per_s=275e12,
                    chip_config_name="megacore"),
@@ -97,15 +78,8 @@ _TOPOLOGY_RE = re.compile(r"^(?P<chip>[a-z0-9]+):(?P<shape>\d+(x\d+)*)$")
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
-  """Devices to compile for.
-
-  Attributes:
-    name: The topology string ("v5e:8x8", "cpu:8").
-    platform: "tpu" or "cpu".
-    devices: The (compile-only, for TPU) devices, all slices.
-    chip: The chip's spec (None for CPU).
-    num_slices: Number of slices.
-  """
+  """Devices to compile for: those of every slice of topology `name` ("v5e:8x8", "cpu:8"),
+  compile-only for TPU; `chip` is None for CPU."""
   name: str
   platform: str
   devices: tuple[Any, ...]
@@ -117,8 +91,9 @@ def get_topology(topology: str, *, num_slices: int = 1) -> Topology:
   """Devices of a topology string.
 
   Args:
-    topology: "<chip>:<shape>" with chip in `CHIPS` (e.g. "v5e:8x8", "v4:2x2x4",
-      "v5p:4x4x4"; needs libtpu) or "cpu:N" (N local CPU devices).
+    topology: "<chip>:<shape>" as libtpu names them, with chip in `CHIPS` (e.g. "v5e:8x8":
+      64 chips, "v4:2x2x4", "v5p:4x4x4"; needs libtpu), or "cpu:N": N local CPU devices (set
+      `XLA_FLAGS=--xla_force_host_platform_device_count=N`), for tests.
     num_slices: Multi-slice (DCN-connected) copies of the slice (TPU only).
 
   Raises:
@@ -151,9 +126,8 @@ def get_topology(topology: str, *, num_slices: int = 1) -> Topology:
   # other JAX process that probed for a TPU) must not block us.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   runtime.quiet_compile_only_tpu()
-  kwargs: dict[str, Any] = {}
-  if chip.chip_config_name is not None:
-    kwargs["chip_config_name"] = chip.chip_config_name
+  kwargs: dict[str, Any] = ({} if chip.chip_config_name is None
+                            else {"chip_config_name": chip.chip_config_name})
   if num_slices > 1:
     kwargs["num_slices"] = num_slices
   try:
@@ -180,15 +154,12 @@ def shard_bytes(tree: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-  """One compiled program of a step: the very jitted function the run calls, and abstract
-  arguments (`ShapeDtypeStruct`s carrying their shardings) to lower it with.
+  """One compiled program of a step, named in the report ("step", "rollout", "update", ...):
+  the very jitted `function` the run calls (anything with `.lower(*args)`), and abstract `args`
+  (`ShapeDtypeStruct`s carrying their shardings) to lower it with.
 
-  Attributes:
-    name: Its name in the report ("step", "rollout", "judge", "update", ...).
-    function: The jitted function (anything with `.lower(*args)`).
-    args: Its abstract arguments.
-    persistent: The arguments that stay on the chips between programs (parameters, state);
-      counted once for the whole step in `CompileProgram.resident`.
+  `persistent` are the arguments that stay on the chips between programs (parameters, state),
+  counted once for the whole step in `CompileProgram.resident`.
   """
   name: str
   function: Any
@@ -211,10 +182,10 @@ class CompileProgram:
     resident: Everything that stays on the chips for the whole run (every model's parameters
       and optimizer state); None: each stage's own persistent arguments.
     description: One line for the report ("T5 large seq2seq, batch 512 x (512, 128)").
-    num_params: Parameters of every model in the step.
-    num_trainable_params: Parameters that get updates.
-    tokens_per_step: Tokens the step trains on (for a 6*N*D model-FLOPs estimate), if known.
-    model_flops_per_step: Analytic model FLOPs of the step (all chips), if the target knows.
+    num_params, num_trainable_params: Parameters of every model in the step, and those that
+      get updates.
+    tokens_per_step, model_flops_per_step: Tokens the step trains on and its analytic model
+      FLOPs (all chips), where the target knows them.
     program: The method's own program the stages come from (e.g. ClarifyDelphi's
       `PPOProgram`), for notebooks and tests.
   """
@@ -241,10 +212,9 @@ def register_compile_target(name: str, builder: CompileTargetBuilder, *,
                             overwrite: bool = False) -> None:
   """Makes `builder() -> CompileProgram` available as `target=name`.
 
-  The builder calls a run's entry point with the config's bindings as they reach `train` (the
-  CLI has parsed the config), inside `partitioning.default_devices`: the entry point's
-  partitioner, made as the run makes it, lands on the topology's devices; its stages are the
-  run's own jitted functions.
+  The builder calls a run's entry point with the config's bindings (the CLI has parsed the
+  config), inside `partitioning.default_devices`: the partitioner the run makes lands on the
+  topology's devices; its stages are the run's own jitted functions.
   """
   if not name or not isinstance(name, str):
     raise ValueError(f"register_compile_target: name must be a non-empty str, got {name!r}")
@@ -378,6 +348,14 @@ def _cost(compiled: Any) -> dict[str, float]:
   return dict(cost or {})
 
 
+def _speed(flops: Optional[float], peak_flops: Optional[float],
+           step_time_s: Optional[float]) -> tuple[Optional[float], Optional[float]]:
+  """`(min_step_time_s, mfu)`: the step at 100 % of peak, and the share of peak reached."""
+  if not (flops and peak_flops):
+    return None, None
+  return flops / peak_flops, (flops / (step_time_s * peak_flops) if step_time_s else None)
+
+
 def analyze(compiled: Any, *, topology: Topology, target: str, program: CompileProgram,
             mesh: Mapping[str, int], hbm_bytes: Optional[int] = None,
             step_time_s: Optional[float] = None, lower_seconds: float = 0.0,
@@ -396,14 +374,10 @@ def analyze(compiled: Any, *, topology: Topology, target: str, program: CompileP
   flops = float(cost["flops"]) if cost.get("flops", -1) >= 0 else None
   accessed = cost.get("bytes accessed")
   peak_flops = topology.chip.peak_flops_per_s if topology.chip is not None else None
-  min_time = flops / peak_flops if flops and peak_flops else None
-  mfu = model_mfu = None
-  if step_time_s is not None and peak_flops:
-    if flops:
-      mfu = flops / (step_time_s * peak_flops)
-    if program.model_flops_per_step:
-      model_mfu = program.model_flops_per_step / (
-          step_time_s * peak_flops * len(topology.devices))
+  min_time, mfu = _speed(flops, peak_flops, step_time_s)
+  model_mfu = None
+  if step_time_s is not None and peak_flops and program.model_flops_per_step:
+    model_mfu = program.model_flops_per_step / (step_time_s * peak_flops * len(topology.devices))
   return CompileReport(
       topology=topology.name, target=target, description=program.description,
       platform=topology.platform, num_devices=len(topology.devices),
@@ -438,15 +412,12 @@ def combine_stages(reports: Sequence[tuple[str, CompileReport]], *,
                                 zip(reports, persistent_bytes, strict=True))
   known = [r.flops_per_chip for _, r in reports if r.flops_per_chip is not None]
   flops = sum(known) if len(known) == len(reports) else None
-  peak_flops = worst.peak_flops_per_s
-  mfu = None
-  if flops and worst.step_time_s and peak_flops:
-    mfu = flops / (worst.step_time_s * peak_flops)
+  min_time, mfu = _speed(flops, worst.peak_flops_per_s, worst.step_time_s)
   return dataclasses.replace(
       worst, peak_bytes=peak, resident_bytes=resident_bytes,
       fits=None if worst.hbm_bytes is None else peak <= worst.hbm_bytes, flops_per_chip=flops,
       bytes_accessed_per_chip=sum(r.bytes_accessed_per_chip or 0.0 for _, r in reports),
-      min_step_time_s=flops / peak_flops if flops and peak_flops else None, mfu=mfu,
+      min_step_time_s=min_time, mfu=mfu,
       lower_seconds=sum(r.lower_seconds for _, r in reports),
       compile_seconds=sum(r.compile_seconds for _, r in reports),
       stages=[dict(name=name, peak_bytes=r.peak_bytes, temp_bytes=r.temp_bytes,
@@ -473,11 +444,10 @@ def _default_target() -> str:
   try:
     # Unresolved: resolving would build the config's objects here (a pod config's partitioner
     # on this host's devices, which fails) only to learn whether anything is bound.
-    bound = gin.get_bindings("runs.train_run", resolve_references=False)
+    if gin.get_bindings("runs.train_run", resolve_references=False):
+      return "train_run"
   except (ValueError, KeyError):  # jaxmoral.runs not imported by the config.
-    bound = {}
-  if bound:
-    return "train_run"
+    pass
   raise ValueError(f"compile: the gin config binds no runs.train_run; select a target with "
                    f"--gin.aot.compile_for_topology.target=NAME (registered: "
                    f"{compile_targets()})")
@@ -561,6 +531,12 @@ def interruptible(fn: Callable[[], Any], *, what: str,
   if "error" in outcome:
     raise outcome["error"]
   return outcome["value"]
+
+
+def _timed(fn: Callable[[], Any], *, what: str) -> tuple[Any, float]:
+  """`interruptible(fn)` and the seconds it took."""
+  tick = time.perf_counter()
+  return interruptible(fn, what=what), time.perf_counter() - tick
 
 
 @dataclasses.dataclass(frozen=True)
@@ -652,10 +628,9 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
     DoesNotFitError: `check` and the peak memory per chip exceeds `hbm_bytes`.
     ValueError: Bad topology, target or config.
   """
-  if step_time_s is not None and step_time_s <= 0:
-    raise ValueError(f"compile_for_topology.step_time_s must be positive, got {step_time_s}")
-  if hbm_bytes is not None and hbm_bytes <= 0:
-    raise ValueError(f"compile_for_topology.hbm_bytes must be positive, got {hbm_bytes}")
+  for name, value in (("step_time_s", step_time_s), ("hbm_bytes", hbm_bytes)):
+    if value is not None and value <= 0:
+      raise ValueError(f"compile_for_topology.{name} must be positive, got {value}")
   plan = plan_compile(topology=topology, target=target, num_slices=num_slices, stages=stages)
   topo, target, program, selected = plan.topology, plan.target, plan.program, plan.stages
   warn_host_memory(topo, [stage.name for stage in selected])
@@ -663,25 +638,18 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
   for number, stage in enumerate(selected, 1):
     what = f"[{number}/{len(selected)}] {stage.name} ({target} for {topology})"
     progress(f"compile {what}: lowering")
-    tick = time.perf_counter()
-    lowered = interruptible(stage.lower, what=f"lowering {what}")
-    lower_seconds = time.perf_counter() - tick
+    lowered, lower_seconds = _timed(stage.lower, what=f"lowering {what}")
     progress(f"compile {what}: lowered in {lower_seconds:.1f} s; compiling")
-    tick = time.perf_counter()
-    compiled = interruptible(lowered.compile, what=f"compiling {what}")
-    compile_seconds = time.perf_counter() - tick
+    compiled, compile_seconds = _timed(lowered.compile, what=f"compiling {what}")
     progress(f"compile {what}: compiled in {compile_seconds:.1f} s")
     stage_reports.append((stage.name, analyze(
         compiled, topology=topo, target=target, program=program,
         mesh=dict(plan.partitioner.mesh.shape), hbm_bytes=hbm_bytes, step_time_s=step_time_s,
         lower_seconds=lower_seconds, compile_seconds=compile_seconds)))
     del lowered, compiled  # Free the compiler's memory before the next stage.
-  resident = None
-  if program.resident is not None:
-    resident = shard_bytes(program.resident)
-  report = combine_stages(stage_reports,
-                          persistent_bytes=[shard_bytes(stage.persistent) for stage in selected],
-                          resident_bytes=resident)
+  report = combine_stages(
+      stage_reports, persistent_bytes=[shard_bytes(stage.persistent) for stage in selected],
+      resident_bytes=None if program.resident is None else shard_bytes(program.resident))
   if print_table:
     print(f"jaxmoral compile {topology}:\n{report.table()}", flush=True)
   if report_path:

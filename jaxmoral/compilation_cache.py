@@ -1,38 +1,24 @@
 """A persistent XLA compilation cache: reruns and resumed `jaxmoral` commands skip compiling.
 
-JAX can keep compiled executables on disk, keyed by the program, the backend, the compile options
-and the XLA flags, and load them instead of compiling again. The command line turns that on by
-default (MaxText does the same with its `jax_cache_dir`), so a run resumed after a crash, an
-`eval` after `train`, or a second `make demo` starts from compiled steps, with the same
-metrics and outputs (measurements in bench/RESULTS.md).
-
+The command line turns JAX's on-disk cache of compiled executables on by default (as MaxText
+does), so a resumed run, an `eval` after `train` or a rerun loads its steps (docs/cli.md).
 Where the cache goes, first match wins:
 1. `--compilation_cache_dir=DIR` on the command line (`none` or an empty value: no cache);
 2. JAX's own `JAX_COMPILATION_CACHE_DIR` environment variable;
 3. `$JAXMORAL_COMPILATION_CACHE_DIR` (`none`: no cache);
 4. `$XDG_CACHE_HOME/jaxmoral/xla`, else `~/.cache/jaxmoral/xla`.
 
-jaxmoral's own directories (1, 3, 4) are capped (least recently used entries go first) at
-`DEFAULT_MAX_BYTES`. A directory JAX's variable names keeps JAX's own settings
-(`JAX_COMPILATION_CACHE_MAX_SIZE`, `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`): other JAX
-programs write there, and JAX's capped cache cannot share a directory with uncapped writers (it
-needs an access-time file beside every entry; one entry without it makes every later write
-fail). For the same reason a directory that already holds uncapped entries is not capped. Library
-users (notebooks) get no cache unless they call `enable` or set JAX's variable, as with JAX
-itself. `none` turns off even a cache that JAX's variable set (`disable`). `jaxmoral compile`
-runs without one: executables compiled for a compile-only TPU topology are written to the
-cache but cannot be loaded back ("PjRtCompiler must be constructed with a Client"), so a
-second compile would only warn.
+jaxmoral's own directories (1, 3, 4) are capped at `DEFAULT_MAX_BYTES`. A directory JAX's
+variable names keeps JAX's own settings, and one that holds uncapped entries is not capped:
+JAX's capped cache needs an access-time file beside every entry (one entry without it makes
+every later write fail), so it cannot share a directory with uncapped writers. Library users
+get no cache unless they call `enable` or set JAX's variable. `jaxmoral compile` runs without
+one: executables for a compile-only TPU topology are written but cannot be loaded back.
 
-What is trusted (JAX runs whatever executable the cache hands it): a local cache directory
-must be this user's own, not writable by group or others, under parents only root or this user
-can rename it in (the kernel cache's rule, `jaxmoral.backends.cpu_kernels`); another one is refused
-with one warning line and the command compiles without a cache. A directory jaxmoral creates
-is made 0700. Every entry jaxmoral writes gets an HMAC-SHA256 of its key and bytes, made with
-a secret kept in the directory (`KEY_FILE`, mode 0600) and stored beside the entry: an entry
-that was changed, truncated, copied over another key's entry, or written by anyone without the
-secret (another JAX program) fails the check and is compiled again, never run. A remote cache
-(`gs://...`) is trusted as far as the bucket's permissions go.
+JAX runs whatever executable the cache hands it, so a local cache directory is trusted only
+on the kernel cache's terms (`untrusted_reason`), and every entry jaxmoral writes is signed
+(`SignedCache`, with the secret in `KEY_FILE`): docs/reliability.md. A `gs://...` cache is
+trusted as far as the bucket's permissions go.
 """
 
 from __future__ import annotations
@@ -65,6 +51,7 @@ _LOG = logging.getLogger(__name__)
 KEY_FILE = "jaxmoral-cache-key"
 _SIGNATURE_SUFFIX = "-jaxmoral-hmac"
 _OTHERS_ACCESS = stat.S_IRWXG | stat.S_IRWXO
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def untrusted_reason(cache_dir: str) -> Optional[str]:
@@ -82,14 +69,13 @@ def _secret(cache_dir: str) -> bytes:
   regular file that no one else can read or write."""
   path = os.path.join(cache_dir, KEY_FILE)
   try:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
   except FileExistsError:
     pass
   else:
     with os.fdopen(fd, "wb") as f:
       f.write(secrets.token_bytes(32))
-  fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+  fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
   with os.fdopen(fd, "rb") as f:
     st = os.fstat(f.fileno())
     if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
@@ -124,7 +110,7 @@ class SignedCache:
     if value is None:
       return None
     try:
-      fd = os.open(self._signature_path(key), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+      fd = os.open(self._signature_path(key), os.O_RDONLY | _NOFOLLOW)
       with os.fdopen(fd, "rb") as f:
         signature = f.read()
     except OSError:
@@ -202,9 +188,8 @@ def resolve_cache_dir(flag_value: Optional[str] = None,
 
 def configure(flag_value: Optional[str] = None,
               environ: Mapping[str, str] = os.environ) -> Optional[str]:
-  """Turns the cache on or off for a command, by the precedence in the module docstring.
-
-  Call before the first compilation.
+  """Turns the cache on or off for a command (precedence: module docstring); call before
+  the first compilation.
 
   Args:
     flag_value: The value of `--compilation_cache_dir`, if given.
@@ -214,16 +199,15 @@ def configure(flag_value: Optional[str] = None,
     The directory in use, or None.
   """
   cache_dir = resolve_cache_dir(flag_value, environ)
+  if cache_dir is not None and flag_value is None and environ.get(JAX_ENV_DIR) is not None:
+    # JAX configured it from its own variables when it was imported; trusted on jaxmoral's
+    # terms all the same.
+    if "://" in cache_dir or not os.path.isdir(cache_dir) or _trusted(cache_dir):
+      return cache_dir
+    cache_dir = None
   if cache_dir is None:  # Also overrides a JAX_COMPILATION_CACHE_DIR that JAX read itself.
     disable()
     return None
-  if flag_value is None and environ.get(JAX_ENV_DIR) is not None:
-    # JAX configured it from its own variables when it was imported; trusted on jaxmoral's
-    # terms all the same.
-    if "://" not in cache_dir and os.path.isdir(cache_dir) and not _trusted(cache_dir):
-      disable()
-      return None
-    return cache_dir
   return enable(cache_dir)
 
 

@@ -38,10 +38,9 @@ def _import_tensorboardx() -> None:
 class MetricWriters:
   """TensorBoard event files in train/ and eval/, on process 0 only (shared by every loop).
 
-  A point is in its file when `scalars` or `text` returns: the event is written and flushed
-  in the caller's thread. (tensorboardX's `SummaryWriter` hands events to a background
-  thread, and its `flush` does not wait for them, so a run killed after a checkpoint lost the
-  points of that step for good: the resumed run starts after them.)
+  A point is in its file when `scalars` or `text` returns: written and flushed in the
+  caller's thread (tensorboardX's `SummaryWriter` hands events to a thread its `flush` does not
+  wait for, so a run killed after a checkpoint would lose that step's points for good).
   """
 
   def __init__(self, model_dir: str):
@@ -91,16 +90,16 @@ def _event_files(directory: str) -> list[str]:
   return [path for path in paths if fileio.isfile(path)]
 
 
-def _records(data: bytes) -> Iterator[tuple[int, int]]:
-  """`(start, end)` of each whole TFRecord in an event file's bytes (length, its CRC, the
-  event, its CRC); stops at a record a kill cut short."""
+def _records(data: bytes) -> Iterator[bytes]:
+  """Each whole TFRecord of an event file's bytes (length, its CRC, the event, its CRC);
+  stops at a record a kill cut short."""
   pos = 0
   while pos + 12 <= len(data):
     (length,) = struct.unpack("<Q", data[pos:pos + 8])
     end = pos + 12 + length + 4
     if end > len(data):
       return
-    yield pos, end
+    yield data[pos:end]
     pos = end
 
 
@@ -109,9 +108,8 @@ def _events(directory: str) -> Iterator[Any]:
   _import_tensorboardx()
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
   for path in _event_files(directory):
-    data = fileio.read_bytes(path)
-    for start, end in _records(data):
-      yield event_pb2.Event.FromString(data[start + 12:end - 4])
+    for record in _records(fileio.read_bytes(path)):
+      yield event_pb2.Event.FromString(record[12:-4])
 
 
 def read_scalars(directory: str) -> dict[str, dict[int, float]]:
@@ -141,16 +139,12 @@ def read_texts(directory: str) -> dict[str, dict[int, str]]:
 
 
 def purge_events_after(directory: str, step: int) -> int:
-  """Drops the TensorBoard events of steps after `step` from a directory's event files.
+  """Drops the events of steps after `step` from `directory`'s event files (absent is fine).
 
   A run killed after its last checkpoint had already written points past it; the resumed run
   writes those steps again, and TensorBoard would show both. Each file that loses events is
-  rewritten whole, under a temporary name renamed over the old one (the records are copied
-  byte for byte, CRCs included). A record cut short by the kill is dropped too.
-
-  Args:
-    directory: A folder of event files (train/ or eval/); absent is fine.
-    step: The last step to keep.
+  rewritten whole (the records copied byte for byte, CRCs included). A record cut short by the
+  kill is dropped too.
 
   Returns:
     The number of events dropped.
@@ -162,20 +156,16 @@ def purge_events_after(directory: str, step: int) -> int:
   dropped = 0
   for path in _event_files(directory):
     data = fileio.read_bytes(path)
-    kept, whole_end, changed = [], 0, False
-    for start, end in _records(data):
+    records, kept = list(_records(data)), []
+    for record in records:
       try:
-        event_step = event_pb2.Event.FromString(data[start + 12:end - 4]).step
+        if event_pb2.Event.FromString(record[12:-4]).step <= step:
+          kept.append(record)
       except Exception:  # pylint: disable=broad-except  (a garbled record: drop it)
-        event_step = step + 1
-      if event_step > step:
-        dropped += 1
-        changed = True
-      else:
-        kept.append(data[start:end])
-      whole_end = end
-    changed = changed or whole_end != len(data)  # a record (or header) torn by a kill
-    if changed:
+        pass
+    dropped += len(records) - len(kept)
+    # Also rewritten: a file whose last record (or header) a kill tore.
+    if len(kept) < len(records) or sum(map(len, records)) != len(data):
       fileio.write_bytes(path, b"".join(kept))  # Whole: a temporary renamed over, or one object.
   if dropped:
     logger.info("train: dropped %d TensorBoard events after step %d in %s", dropped, step,

@@ -18,9 +18,8 @@ import numpy as np
 
 from jaxmoral import validation
 
+
 # -- ROC ------------------------------------------------------------------------------------
-
-
 def _binary_inputs(name: str, labels: Any, scores: Any) -> tuple[np.ndarray, np.ndarray]:
   """Validated 1-D bool labels and float64 scores of equal length."""
   labels = np.asarray(labels)
@@ -55,6 +54,13 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
   return ranks
 
 
+def _mann_whitney_u(labels: np.ndarray, scores: np.ndarray) -> tuple[float, float]:
+  """`(U, n_pos * n_neg)`: the (positive, negative) pairs a positive outscores, ties 1/2."""
+  n_pos = float(labels.sum())
+  u = _average_ranks(scores)[labels].sum() - n_pos * (n_pos + 1) / 2.0
+  return float(u), n_pos * (labels.size - n_pos)
+
+
 def roc_auc(labels: Any, scores: Any) -> float:
   """Area under the ROC curve; higher scores should mean positive.
 
@@ -68,12 +74,8 @@ def roc_auc(labels: Any, scores: Any) -> float:
   Raises:
     ValueError: on shape mismatch, non-binary labels, non-finite scores or a single class.
   """
-  labels, scores = _binary_inputs("roc_auc", labels, scores)
-  ranks = _average_ranks(scores)
-  n_pos = float(labels.sum())
-  n_neg = float(labels.size) - n_pos
-  u = ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0
-  return float(u / (n_pos * n_neg))
+  u, pairs = _mann_whitney_u(*_binary_inputs("roc_auc", labels, scores))
+  return u / pairs
 
 
 def grouped_roc_auc(labels: Any, scores: Any, groups: Any) -> float:
@@ -82,12 +84,7 @@ def grouped_roc_auc(labels: Any, scores: Any, groups: Any) -> float:
   With groups = the input's length it is a length-matched AUC (a score that only follows the
   length gets exactly 0.5); with groups = the example of each word, a within-example word AUC
   (every word of one example shares its input). Equals the pair-weighted mean of each group's
-  `roc_auc`.
-
-  Args:
-    labels: (N,) 0/1 or bool.
-    scores: (N,) finite floats.
-    groups: (N,) the group of each row (any hashable values NumPy can sort).
+  `roc_auc`. `groups`: (N,) the group of each row (any values NumPy can sort).
 
   Raises:
     ValueError: on bad inputs (as `roc_auc`), or when no group holds both labels.
@@ -99,14 +96,10 @@ def grouped_roc_auc(labels: Any, scores: Any, groups: Any) -> float:
                      f"{labels.shape}")
   _, group_of_row = np.unique(groups, return_inverse=True)
   total, pairs = 0.0, 0.0
-  for g in range(int(group_of_row.max()) + 1 if group_of_row.size else 0):
+  for g in range(int(group_of_row.max()) + 1):  # Groups with one class add no pairs.
     at = group_of_row == g
-    n_pos = float(labels[at].sum())
-    n_neg = float(at.sum()) - n_pos
-    if n_pos and n_neg:
-      ranks = _average_ranks(scores[at])
-      total += ranks[labels[at]].sum() - n_pos * (n_pos + 1) / 2.0
-      pairs += n_pos * n_neg
+    u, n = _mann_whitney_u(labels[at], scores[at])
+    total, pairs = total + u, pairs + n
   if not pairs:
     raise ValueError("grouped_roc_auc: no group holds both labels")
   return float(total / pairs)
@@ -128,15 +121,10 @@ def roc_curve(labels: Any, scores: Any) -> tuple[np.ndarray, np.ndarray, np.ndar
   last = np.r_[np.flatnonzero(scores[1:] != scores[:-1]), scores.size - 1]
   tps = np.cumsum(labels)[last]
   fps = (last + 1) - tps
-  fpr = np.r_[0.0, fps / fps[-1]]
-  tpr = np.r_[0.0, tps / tps[-1]]
-  thresholds = np.r_[np.inf, scores[last]]
-  return fpr, tpr, thresholds
+  return np.r_[0.0, fps / fps[-1]], np.r_[0.0, tps / tps[-1]], np.r_[np.inf, scores[last]]
 
 
 # -- ranking --------------------------------------------------------------------------------
-
-
 def ranking_metrics(scores_per_query: Sequence[Any],
                     relevant_per_query: Sequence[Any]) -> dict[str, float]:
   """Mean average precision, mean reciprocal rank and precision at 1 over queries.
@@ -180,8 +168,6 @@ def ranking_metrics(scores_per_query: Sequence[Any],
 
 
 # -- text diversity -------------------------------------------------------------------------
-
-
 def distinct_n(texts: Iterable[str], n: int) -> float:
   """Distinct-n: unique n-grams / all n-grams over the corpus (whitespace tokens; 0 if none)."""
   validation.positive_int(n, "distinct_n: n")
@@ -206,9 +192,7 @@ def first_wh_word(question: str) -> str:
 
 
 def wh_word_distribution(questions: Iterable[str]) -> dict[str, float]:
-  """Fraction of questions by their first wh-word (case-insensitive, anywhere in the question).
-
-  A question without a wh-word (e.g. "Is it ...?", "Do you ...?") counts as "other".
+  """Fraction of questions by `first_wh_word` ("other" for e.g. "Is it ...?", "Do you ...?").
 
   Returns:
     {wh-word: fraction for each of WH_WORDS, "other": fraction}; fractions sum to 1.
@@ -224,8 +208,6 @@ def wh_word_distribution(questions: Iterable[str]) -> dict[str, float]:
 
 
 # -- Jensen–Shannon -------------------------------------------------------------------------
-
-
 def jensen_shannon(p: Any, q: Any, base: float = 2.0, axis: int = -1) -> np.ndarray | float:
   """Jensen–Shannon divergence (the squared JS distance) along `axis`, NumPy float64.
 
@@ -235,8 +217,7 @@ def jensen_shannon(p: Any, q: Any, base: float = 2.0, axis: int = -1) -> np.ndar
   Raises:
     ValueError: on shape mismatch, negative entries or an all-zero distribution.
   """
-  p = np.asarray(p, np.float64)
-  q = np.asarray(q, np.float64)
+  p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
   if p.shape != q.shape:
     raise ValueError(f"jensen_shannon: p and q shapes differ: {p.shape} vs {q.shape}")
   if (p < 0).any() or (q < 0).any() or not (np.isfinite(p).all() and np.isfinite(q).all()):
@@ -258,10 +239,8 @@ def jensen_shannon(p: Any, q: Any, base: float = 2.0, axis: int = -1) -> np.ndar
 def jensen_shannon_jnp(p: jax.Array, q: jax.Array, base: float = 2.0, axis: int = -1,
                        eps: float = 1e-12) -> jax.Array:
   """`jensen_shannon` in float32 `jnp`, jittable and differentiable (logs clamped at `eps`)."""
-  p = p.astype(jnp.float32)
-  q = q.astype(jnp.float32)
-  p = p / jnp.sum(p, axis=axis, keepdims=True)
-  q = q / jnp.sum(q, axis=axis, keepdims=True)
+  p, q = p.astype(jnp.float32), q.astype(jnp.float32)
+  p, q = p / jnp.sum(p, axis=axis, keepdims=True), q / jnp.sum(q, axis=axis, keepdims=True)
   log_m = jnp.log(jnp.maximum(0.5 * (p + q), eps))
 
   def kl(a: jax.Array) -> jax.Array:
@@ -272,15 +251,12 @@ def jensen_shannon_jnp(p: jax.Array, q: jax.Array, base: float = 2.0, axis: int 
 
 
 # -- bootstrap ------------------------------------------------------------------------------
-
-
 class BootstrapCI(tuple):
   """`(estimate, low, high)` of `bootstrap_ci`, with how the resampling went.
 
   Attributes:
     estimate: The metric on the data as given.
-    low: Lower end of the interval.
-    high: Upper end of the interval.
+    low, high: The interval's ends.
     confidence: The interval's nominal coverage.
     num_resamples: Resamples drawn (skipped ones included).
     num_skipped: Resamples on which the metric was undefined (raised ValueError or gave a
@@ -294,9 +270,7 @@ class BootstrapCI(tuple):
   def __new__(cls, estimate: float, low: float, high: float, *, confidence: float,
               num_resamples: int, num_skipped: int) -> BootstrapCI:
     self = super().__new__(cls, (estimate, low, high))
-    self.confidence = confidence
-    self.num_resamples = num_resamples
-    self.num_skipped = num_skipped
+    self.confidence, self.num_resamples, self.num_skipped = confidence, num_resamples, num_skipped
     return self
 
   @property
@@ -424,8 +398,6 @@ def bootstrap_ci(metric_fn: Callable[..., Any], *arrays: Any, num_resamples: int
 
 
 # -- accumulation ---------------------------------------------------------------------------
-
-
 class MetricsAccumulator:
   """Averages dicts of scalar metrics over evaluation batches.
 
@@ -457,27 +429,15 @@ class MetricsAccumulator:
         raise ValueError(f"MetricsAccumulator.update: metric {key!r} is not a scalar "
                          f"(shape {array.shape})")
       values[key] = float(array.reshape(()))
-    weight = 1.0
-    if self.weight_key is not None and self.weight_key in values:
-      weight = values[self.weight_key]
+    weight = values.get(self.weight_key, 1.0) if self.weight_key is not None else 1.0
     for key, value in values.items():
-      if key in self.sum_keys:
-        w, v = 1.0, value
-      elif key in self.unweighted_keys:
-        w, v = 1.0, value
-      else:
-        w, v = weight, value * weight
-      self._sums[key] = self._sums.get(key, 0.0) + v
+      w = 1.0 if key in self.sum_keys or key in self.unweighted_keys else weight
+      self._sums[key] = self._sums.get(key, 0.0) + value * w
       self._weights[key] = self._weights.get(key, 0.0) + w
     self.num_batches += 1
 
   def result(self) -> dict[str, float]:
     """The accumulated metrics (sums for `sum_keys`, weighted means otherwise)."""
-    out = {}
-    for key, total in self._sums.items():
-      if key in self.sum_keys:
-        out[key] = total
-      else:
-        weight = self._weights[key]
-        out[key] = total / weight if weight else 0.0
-    return out
+    return {key: total if key in self.sum_keys
+            else (total / self._weights[key] if self._weights[key] else 0.0)
+            for key, total in self._sums.items()}

@@ -1,11 +1,10 @@
 """Device mesh, logical-axis rules, shardings and multi-host setup (T5X conventions).
 
 Every array in jaxmoral is described by *logical* axis names (`vocab`, `embed`, `mlp`, `heads`,
-`kv`, `joined_kv`, `relpos_buckets` for parameters; `batch`, `length`, ... for activations).
-A list of rules maps each logical name to a *mesh* axis (`"data"` or `"model"`) or to `None`
-(replicated). `PjitPartitioner` owns the mesh and the rules and turns logical descriptions into
-`NamedSharding`s; the model applies its activation constraints itself when run inside
-`partitioner.context()` (or through `partitioner.partition`).
+... for parameters; `batch`, `length`, ... for activations). Rules map each logical name to a
+*mesh* axis (`"data"` or `"model"`) or to `None` (replicated). `PjitPartitioner` owns the mesh
+and the rules and turns logical descriptions into `NamedSharding`s; the model applies its
+activation constraints itself inside `partitioner.context()` (or `partitioner.partition`).
 
 Typical use::
 
@@ -61,9 +60,8 @@ def standard_logical_axis_rules(
   (flax's resolution). That is what keeps activations `('batch', 'length', 'embed')`
   sharded over `data` only when parameters' `embed` also maps to `data` (2-D / FSDP).
 
-  1-D (both dims 1; pure model parallelism along `model`, data parallelism along `data`):
-    batch -> data; vocab, mlp, heads, joined_kv -> model; embed, kv -> None;
-    relpos_buckets, abspos_buckets, length, layers, stack, mlp_activations -> None.
+  1-D (both dims 1): batch -> data; vocab, mlp, heads, joined_kv -> model; everything else
+    (embed, kv, relpos_buckets, length, layers, ...) -> None.
   parameter_partitioning_dims=2 (FSDP-style): additionally `embed -> data`, so parameters
     (and their optimizer state) are sharded over both axes, e.g. a query kernel
     (embed, joined_kv) -> P('data', 'model'). Activations stay batch-sharded only, because
@@ -76,25 +74,16 @@ def standard_logical_axis_rules(
   Args:
     activation_partitioning_dims: 1 or 2 (see above).
     parameter_partitioning_dims: 1 or 2 (see above).
-    additional_rules: Extra `(logical_name, mesh_axis_or_None)` pairs. They take precedence
-      over the standard rules (they are tried first), so `[("vocab", None)]` replicates the
-      embedding and `[("prompt", None)]` names a new axis.
-
-  Returns:
-    The rules as a list of pairs.
+    additional_rules: Extra `(logical_name, mesh_axis_or_None)` pairs, tried before the
+      standard rules: `[("vocab", None)]` replicates the embedding, `[("prompt", None)]` names
+      a new axis.
   """
   for name, value in (("activation_partitioning_dims", activation_partitioning_dims),
                       ("parameter_partitioning_dims", parameter_partitioning_dims)):
     if value not in (1, 2):
       raise ValueError(f"standard_logical_axis_rules: {name} must be 1 or 2, got {value!r}")
-  rules: list[tuple[str, Any]] = [
-      ("batch", DATA_AXIS),
-      ("vocab", MODEL_AXIS),
-      ("mlp", MODEL_AXIS),
-      ("heads", MODEL_AXIS),
-      ("joined_kv", MODEL_AXIS),
-      ("kv", None),
-  ]
+  rules: list[tuple[str, Any]] = [("batch", DATA_AXIS), ("vocab", MODEL_AXIS), ("mlp", MODEL_AXIS),
+                                  ("heads", MODEL_AXIS), ("joined_kv", MODEL_AXIS), ("kv", None)]
   if activation_partitioning_dims == 2:
     rules.append(("embed", MODEL_AXIS))
   if parameter_partitioning_dims == 2:
@@ -110,10 +99,6 @@ def standard_logical_axis_rules(
   return rules
 
 
-def _has_slice_index(devices: Sequence[Any]) -> bool:
-  return all(getattr(d, "slice_index", None) is not None for d in devices)
-
-
 _DEFAULT_DEVICES: list[Optional[list[Any]]] = [None]
 
 
@@ -121,10 +106,8 @@ _DEFAULT_DEVICES: list[Optional[list[Any]]] = [None]
 def default_devices(devices: Sequence[Any]) -> Iterator[None]:
   """Meshes made inside without explicit devices use `devices` instead of `jax.devices()`.
 
-  `jaxmoral compile` builds a run exactly as `train` does (the gin config's partitioner,
-  however it is bound) but on a topology's compile-only devices: this is how the run's own
-  partitioner lands on them. Also a way to run a config on some of the local devices. Not
-  thread-safe.
+  How `jaxmoral compile` puts the run's own partitioner, however gin binds it, on a topology's
+  compile-only devices; also a way to run a config on some local devices. Not thread-safe.
   """
   saved = _DEFAULT_DEVICES[0]
   _DEFAULT_DEVICES[0] = list(devices)
@@ -144,14 +127,10 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
       remaining devices.
     model_parallel_submesh: T5X-style physical submesh (e.g. `(2, 2, 1, 1)` on TPU) whose
       product is the `model` axis size; overrides `num_partitions` (they must agree when both
-      are given). Physical placement is left to `mesh_utils.create_device_mesh`, which
-      keeps the model axis on neighbouring chips.
+      are given). `mesh_utils.create_device_mesh` keeps the model axis on neighbouring chips.
     devices: Devices to use (default `jax.devices()`, or those of `default_devices`).
     num_slices: Number of multi-slice (DCN-connected) slices. The `data` axis spans slices
       and the `model` axis stays within a slice (model parallelism needs the fast links).
-
-  Returns:
-    The mesh.
   """
   if devices is None:
     devices = _DEFAULT_DEVICES[0] or jax.devices()
@@ -169,10 +148,9 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
   if len(devices) % (num_partitions * num_slices):
     raise ValueError(f"get_mesh: {len(devices)} devices cannot be split into num_slices="
                      f"{num_slices} x num_partitions={num_partitions}")
-  per_slice = len(devices) // num_slices
-  data_per_slice = per_slice // num_partitions
+  data_per_slice = len(devices) // num_slices // num_partitions
   mesh_devices = None
-  if num_slices > 1 and _has_slice_index(devices):
+  if num_slices > 1 and all(getattr(d, "slice_index", None) is not None for d in devices):
     mesh_devices = mesh_utils.create_hybrid_device_mesh(
         (data_per_slice, num_partitions), (num_slices, 1), devices)
   elif num_slices == 1 and devices[0].platform != "cpu":
@@ -200,15 +178,9 @@ def _is_spec_leaf(x: Any) -> bool:
   return isinstance(x, (PartitionSpec, nn.LogicallyPartitioned)) or x is None
 
 
-def _path_key(entry: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(entry, attr):
-      return str(getattr(entry, attr))
-  return str(entry)
-
-
 def _normalized_path(path: Sequence[Any]) -> tuple[str, ...]:
-  return tuple(_path_key(p) for p in path)
+  """A key path as strings: dict keys, attribute names and sequence indices alike."""
+  return tuple(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path)
 
 
 def logical_specs_like(tree: PyTree, boxed_params: PyTree) -> PyTree:
@@ -226,6 +198,7 @@ def logical_specs_like(tree: PyTree, boxed_params: PyTree) -> PyTree:
   Returns:
     A tree with `tree`'s structure and a logical `PartitionSpec` at every leaf.
   """
+  # The longest suffix of a leaf path that names a parameter wins (tried first below).
   by_path: dict[tuple[str, ...], tuple[PartitionSpec, tuple[int, ...]]] = {}
   leaves = jax.tree_util.tree_leaves_with_path(
       boxed_params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
@@ -234,7 +207,6 @@ def logical_specs_like(tree: PyTree, boxed_params: PyTree) -> PyTree:
       by_path[_normalized_path(path)] = (leaf.get_partition_spec(), tuple(leaf.value.shape))
     elif hasattr(leaf, "shape"):
       by_path[_normalized_path(path)] = (PartitionSpec(), tuple(leaf.shape))
-  # The longest suffix of a leaf path that names a parameter wins (tried first below).
 
   def spec_of(path: Sequence[Any], leaf: Any) -> PartitionSpec:
     key = _normalized_path(path)
@@ -252,35 +224,30 @@ def _fit_spec(spec: PartitionSpec, shape: Optional[Sequence[int]], mesh: Mesh) -
   """Drops mesh axes that do not divide the dimension they shard (replicates that dim)."""
   if shape is None:
     return spec
-  dims = list(spec) + [None] * (len(shape) - len(spec))
   fitted = []
-  for dim, axes in zip(shape, dims, strict=False):
+  for dim, axes in zip(shape, list(spec) + [None] * (len(shape) - len(spec)), strict=False):
     names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    size = math.prod(mesh.shape[n] for n in names) if names else 1
-    fitted.append(axes if dim % size == 0 else None)
+    fitted.append(axes if dim % math.prod(mesh.shape[n] for n in names) == 0 else None)
   return PartitionSpec(*fitted)
+
+
+def _batch_spec(ndim: int) -> PartitionSpec:
+  """The leading (batch) dim over `data`, the other `ndim - 1` dims replicated."""
+  return PartitionSpec(DATA_AXIS, *([None] * (ndim - 1)))
 
 
 def global_batch_from_process_local(batch: PyTree, *, mesh: Mesh) -> PyTree:
   """Global `jax.Array`s, batch dim sharded over `data`, from this process's rows.
 
-  Each process passes its own slice of the global batch (rows it read); on one process this
-  is a plain sharded `device_put`.
-
-  Args:
-    batch: Pytree of process-local numpy arrays whose leading dim is the local batch.
-    mesh: The device mesh.
-
-  Returns:
-    The same tree of global arrays (leading dim = local batch x process count).
+  Each process passes the rows it read; on one process this is a plain sharded `device_put`.
+  The global arrays' leading dim is the local batch x the process count.
   """
   def one(x: Any) -> jax.Array:
     x = np.asarray(x)
     if x.ndim == 0:
       raise ValueError("global_batch_from_process_local: got a scalar leaf; batch leaves need "
                        "a leading batch dimension")
-    spec = PartitionSpec(DATA_AXIS, *([None] * (x.ndim - 1)))
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, _batch_spec(x.ndim)), x)
   return jax.tree_util.tree_map(one, batch)
 
 
@@ -290,18 +257,11 @@ def global_batch_from_global(batch: PyTree, *, mesh: Mesh) -> PyTree:
   Rows are sharded over `data` where their count divides that axis (as a training batch is,
   `global_batch_from_process_local`); a batch that does not divide it (one chat context, a
   salience example, the last short batch of a file) is replicated, so any batch runs on any
-  mesh. Each device receives only its own slice.
-
-  Args:
-    batch: Pytree of host arrays, the same on every process; scalars are replicated.
-    mesh: The device mesh.
-
-  Returns:
-    The same tree of global arrays.
+  mesh. Scalars are replicated. Each device receives only its own slice.
   """
   def one(x: Any) -> jax.Array:
     x = np.asarray(x)
-    spec = PartitionSpec(DATA_AXIS, *([None] * (x.ndim - 1))) if x.ndim else PartitionSpec()
+    spec = _batch_spec(x.ndim) if x.ndim else PartitionSpec()
     sharding = NamedSharding(mesh, _fit_spec(spec, x.shape, mesh))
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
   return jax.tree_util.tree_map(one, batch)
@@ -346,46 +306,40 @@ class PjitPartitioner:
   def logical_to_mesh(self, tree: PyTree, *, shapes: Optional[PyTree] = None) -> PyTree:
     """Mesh `PartitionSpec`s for a tree of boxed params or logical `PartitionSpec`s.
 
+    Mesh axes that do not divide the dimension they would shard are dropped (that dimension
+    is replicated), e.g. 6 attention heads on a 4-way `model` axis.
+
     Args:
       tree: Boxed params (`nn.LogicallyPartitioned`), logical `PartitionSpec`s, or plain
         arrays / `ShapeDtypeStruct`s (replicated).
       shapes: Optional tree with `tree`'s structure whose leaves have `.shape`; gives
         `PartitionSpec` leaves the shape check that boxed leaves get from their value.
-
-    Mesh axes that do not divide the dimension they would shard are dropped (that dimension
-    is replicated), e.g. 6 attention heads on a 4-way `model` axis.
     """
     def one(leaf: Any, shape: Optional[Sequence[int]] = None) -> Any:
       if leaf is None:
         return None
       if isinstance(leaf, nn.LogicallyPartitioned):
-        spec = nn.logical_to_mesh_axes(leaf.names, self.rules)
-        assert spec is not None  # flax gives None only for names=None.
-        return _fit_spec(spec, getattr(leaf.value, "shape", shape), self.mesh)
-      if isinstance(leaf, PartitionSpec):
-        spec = nn.logical_to_mesh_axes(tuple(leaf), self.rules)
-        assert spec is not None
-        return _fit_spec(spec, shape, self.mesh)
-      if hasattr(leaf, "shape"):
+        names, shape = leaf.names, getattr(leaf.value, "shape", shape)
+      elif isinstance(leaf, PartitionSpec):
+        names = tuple(leaf)
+      elif hasattr(leaf, "shape"):
         return PartitionSpec()
-      raise TypeError(f"logical_to_mesh: unsupported leaf {type(leaf).__name__}; expected a "
-                      "boxed param, a PartitionSpec or an array")
+      else:
+        raise TypeError(f"logical_to_mesh: unsupported leaf {type(leaf).__name__}; expected a "
+                        "boxed param, a PartitionSpec or an array")
+      spec = nn.logical_to_mesh_axes(names, self.rules)
+      assert spec is not None  # flax gives None only for names=None.
+      return _fit_spec(spec, shape, self.mesh)
     if shapes is None:
       return jax.tree_util.tree_map(one, tree, is_leaf=_is_spec_leaf)
     shape_tree = jax.tree_util.tree_map(lambda x: tuple(x.shape), shapes)
     return jax.tree_util.tree_map(one, tree, shape_tree, is_leaf=_is_spec_leaf)
 
   def sharding_for(self, tree: PyTree, *, shapes: Optional[PyTree] = None) -> PyTree:
-    """`NamedSharding`s for boxed params, logical `PartitionSpec`s or plain arrays.
+    """`NamedSharding`s (one per array: the *unboxed* structure) for `logical_to_mesh`'s trees.
 
-    Args:
-      tree: A boxed (`nn.LogicallyPartitioned`) parameter tree (real or from
-        `jax.eval_shape`), a tree of logical `PartitionSpec`s (e.g. from
-        `logical_specs_like`), or a mix with plain arrays (replicated).
-      shapes: See `logical_to_mesh`.
-
-    Returns:
-      A tree of `NamedSharding` with the *unboxed* structure (one per array).
+    `tree` is, e.g., a boxed parameter tree from `jax.eval_shape` or the logical
+    `PartitionSpec`s of `logical_specs_like`.
     """
     specs = self.logical_to_mesh(tree, shapes=shapes)
     return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
@@ -403,7 +357,7 @@ class PjitPartitioner:
     """Batch sharding: leading dim over `data`, the other `ndim - 1` dims replicated."""
     if ndim < 1:
       raise ValueError(f"data_sharding: ndim must be >= 1, got {ndim}")
-    return NamedSharding(self.mesh, PartitionSpec(DATA_AXIS, *([None] * (ndim - 1))))
+    return NamedSharding(self.mesh, _batch_spec(ndim))
 
   @property
   def replicated(self) -> NamedSharding:
@@ -430,28 +384,23 @@ class PjitPartitioner:
     return PartitionedFunction(jitted, self)
 
 
-@functools.lru_cache(maxsize=1)
-def _one_device_partitioner() -> PjitPartitioner:
-  return PjitPartitioner(devices=jax.local_devices()[:1])
-
-
-@functools.lru_cache(maxsize=1)
-def _all_devices_partitioner() -> PjitPartitioner:
-  return PjitPartitioner()
+@functools.cache
+def _default_inference_partitioner(one_device: bool) -> PjitPartitioner:
+  return PjitPartitioner(devices=jax.local_devices()[:1] if one_device else None)
 
 
 def inference_partitioner(partitioner: Optional[PjitPartitioner] = None) -> PjitPartitioner:
   """The mesh a command that loads a model runs on (eval, infer, export, the methods' models).
 
   The given partitioner (the run's PARTITIONER, as gin binds it); else one device in a
-  one-process job (what a model that fits one device runs fastest on, with the decoding
+  one-process job (a model that fits one device runs fastest there, with the decoding
   backend's prepared kernels), or data parallelism over every device of a multi-process job
   (every process takes part in each call). The default is made once per process, so the
-  compiled functions cached per partitioner are reused by later calls.
+  compiled functions cached per partitioner are reused.
   """
   if partitioner is not None:
     return partitioner
-  return _one_device_partitioner() if jax.process_count() == 1 else _all_devices_partitioner()
+  return _default_inference_partitioner(jax.process_count() == 1)
 
 
 class PartitionedFunction:
@@ -463,12 +412,10 @@ class PartitionedFunction:
   """
 
   def __init__(self, jitted: Any, partitioner: Optional[PjitPartitioner] = None):
-    self._jitted = jitted
-    self._partitioner = partitioner
+    self._jitted, self._partitioner = jitted, partitioner
 
   def _context(self) -> Any:
-    return (self._partitioner.context() if self._partitioner is not None
-            else contextlib.nullcontext())
+    return self._partitioner.context() if self._partitioner else contextlib.nullcontext()
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     with self._context():
@@ -518,12 +465,12 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
   coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
   num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
   process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
-  explicit = (coordinator_address, num_processes, process_id)
-  if any(v is not None for v in explicit):
+  explicit: dict[str, Any] = {"coordinator_address": coordinator_address,
+                              "num_processes": num_processes, "process_id": process_id}
+  if any(v is not None for v in explicit.values()):
     if num_processes == 1:
       return False
-    missing = [n for n, v in zip(("coordinator_address", "num_processes", "process_id"),
-                                 explicit, strict=True) if v is None]
+    missing = [n for n, v in explicit.items() if v is None]
     if missing:
       raise ValueError(f"initialize_distributed: also need {missing} (arguments or "
                        "JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)")
@@ -531,29 +478,20 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
     if not 0 <= process_id < num_processes:
       raise ValueError(f"initialize_distributed: process_id={process_id} not in "
                        f"[0, num_processes={num_processes})")
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
-    _check_same_software()
-    return True
-  slurm_tasks = _env_int("SLURM_NTASKS") if "SLURM_JOB_ID" in os.environ else None
-  tpu_hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-  if (slurm_tasks or 1) > 1 or len(tpu_hosts) > 1:
-    jax.distributed.initialize()  # cluster auto-detection (SLURM / Cloud TPU)
-    _check_same_software()
-    return True
-  return False
-
-
-def _check_same_software() -> None:
-  """Refuses a job whose processes run other software than process 0: their programs would
-  differ, and collectives between different programs hang or compute nonsense silently."""
-  differing = processes_that_differ(software.fingerprint())
-  if differing:
-    raise ValueError(
-        f"initialize_distributed: process {', '.join(map(str, differing))} of "
-        f"{jax.process_count()} runs other software than process 0 (jaxmoral's sources or "
-        f"{', '.join(software.LIBRARIES)}): install the same commit and versions on "
-        "every host")
+  else:
+    slurm_tasks = _env_int("SLURM_NTASKS") if "SLURM_JOB_ID" in os.environ else None
+    tpu_hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if (slurm_tasks or 1) <= 1 and len(tpu_hosts) <= 1:
+      return False
+    explicit = {}  # JAX's cluster auto-detection (SLURM / Cloud TPU).
+  jax.distributed.initialize(**explicit)
+  # Processes running other software would run other programs; collectives between different
+  # programs hang or compute nonsense silently.
+  refuse_differing_processes(
+      software.fingerprint(), "initialize_distributed",
+      f"runs other software than process 0 (jaxmoral's sources or "
+      f"{', '.join(software.LIBRARIES)}): install the same commit and versions on every host")
+  return True
 
 
 def processes_that_differ(text: str) -> list[int]:
@@ -569,20 +507,23 @@ def processes_that_differ(text: str) -> list[int]:
   return [i for i in range(1, len(everywhere)) if not np.array_equal(everywhere[i], everywhere[0])]
 
 
+def refuse_differing_processes(text: str, where: str, what: str) -> None:
+  """Raises `ValueError("{where}: process 1, ... of N {what}")` naming the processes whose
+  `text` differs from process 0's (`processes_that_differ`; a collective)."""
+  differing = processes_that_differ(text)
+  if differing:
+    raise ValueError(f"{where}: process {', '.join(map(str, differing))} of "
+                     f"{jax.process_count()} {what}")
+
+
 def check_same_config_on_every_process() -> None:
   """Refuses a multi-process job whose processes parsed different gin configurations.
 
   Their programs would differ (a learning rate, a step count), and collectives between
   different programs hang or compute nonsense without an error. Compared before relative
   paths are resolved, which may legitimately differ from host to host. A no-op for one process.
-
-  Raises:
-    ValueError: Naming the processes that differ from process 0.
   """
-  if not jax.distributed.is_initialized():
-    return
-  differing = processes_that_differ(gin.config_str())
-  if differing:
-    raise ValueError(f"gin: process {', '.join(map(str, differing))} of {jax.process_count()} "
-                     "parsed another configuration than process 0 (gin files, bindings or "
-                     "flags): every process of a job must be started with the same ones")
+  if jax.distributed.is_initialized():
+    refuse_differing_processes(
+        gin.config_str(), "gin", "parsed another configuration than process 0 (gin files, "
+        "bindings or flags): every process of a job must be started with the same ones")

@@ -1,12 +1,10 @@
 """Stop requests by signal: a single-process `train` saves at the next step boundary and stops.
 
-SIGTERM (what a scheduler, Kubernetes or Cloud TPU sends before a maintenance event or a spot
+SIGTERM (what a scheduler, Kubernetes or Cloud TPU sends before maintenance or a spot
 preemption) and SIGINT (Ctrl-C) set a flag that the training loop reads after each step: it
 saves that step, releases MODEL_DIR's lock and raises `Stopped`, which the command line prints
-as one line before exiting with `EXIT_STATUS` (128 + the signal's number, as a shell and
-`launch/local.sh` report it: 143 for SIGTERM, 130 for SIGINT). Running the same command again
-resumes from the saved step. A second signal acts as it would without this module (SIGINT:
-KeyboardInterrupt, SIGTERM: the process ends at once).
+as one line before exiting with `EXIT_STATUS` (128 + the signal's number, as a shell reports
+it). Running the same command again resumes. A second signal acts as without this module.
 
 A multi-process job leaves SIGTERM to JAX's preemption service (`jax.distributed`), which all
 processes consult at the same step (Orbax's `reached_preemption`), so every host saves the
@@ -24,18 +22,12 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-EXIT_STATUS: dict[int, int] = {signal.SIGTERM: 128 + signal.SIGTERM,
-                               signal.SIGINT: 128 + signal.SIGINT}
+EXIT_STATUS: dict[int, int] = {signum: 128 + signum for signum in SIGNALS}
 
 
 class Stopped(Exception):
-  """Training stopped at a signal after saving its step (not an error: rerun to resume).
-
-  Attributes:
-    signum: The signal.
-    step: The step saved.
-    exit_status: What the command line exits with (`EXIT_STATUS`).
-  """
+  """Training stopped at signal `signum` after saving `step` (not an error: rerun to resume);
+  the command line exits with `exit_status`."""
 
   def __init__(self, signum: int, *, step: int, where: str):
     name = signal.Signals(signum).name
@@ -48,15 +40,14 @@ class Stopped(Exception):
 _active: list[StopRequests] = []  # The innermost `with StopRequests()` last.
 
 
-def requested() -> bool:
-  """Whether a stop was requested in the innermost active `StopRequests` (the training loop
-  asks this at each step boundary)."""
-  return bool(_active) and _active[-1].signum is not None
-
-
 def pending_signal() -> Optional[int]:
   """The stop signal received in the innermost active `StopRequests`, or None."""
   return _active[-1].signum if _active else None
+
+
+def requested() -> bool:
+  """Whether a stop was requested (the training loop asks at each step boundary)."""
+  return pending_signal() is not None
 
 
 class StopRequests:

@@ -1,8 +1,7 @@
 """Progress lines for long loops outside the training loop (detection, sampling, scoring).
 
-`salience: 120/834 (14 %) 2.05/s ETA 0:05:48`, logged at most once every `every_s` seconds and
-always at the end, so an hour of detection is not silent. The training loop writes its own
-richer line (`train._progress_line`) with the same time format.
+`salience: 120/834 (14 %) 2.05/s ETA 0:05:48`, so an hour of detection is not silent. The
+training loop writes its own richer line (`train._progress_line`) with the same time format.
 """
 
 from __future__ import annotations
@@ -26,13 +25,9 @@ def format_seconds(seconds: float) -> str:
 class ProgressLog:
   """Logs `label: done/total (pct) rate/s ETA` as work advances.
 
-  Attributes:
-    label: What is counted (the line's first word).
-    total: Units of work in all.
-    every_s: Least seconds between two lines (the last line is always written, unless the
-      whole work took less than `min_total_s`).
-    min_total_s: Work done sooner than this logs nothing at all: for a loop that is long
-      only sometimes (a reward over 4,000 questions, not over one PPO batch).
+  At most one line every `every_s` seconds, and always the last one, unless the whole work
+  took less than `min_total_s`: for a loop that is long only sometimes (a reward over 4,000
+  questions, not over one PPO batch).
   """
 
   def __init__(self, label: str, total: int, *, every_s: float = 30.0,
@@ -47,16 +42,13 @@ class ProgressLog:
   def update(self, done: int) -> Optional[str]:
     """Records that `done` units are finished; returns the line when one was logged."""
     now = time.monotonic()
-    if done < self.total and now - self._last < self.every_s:
-      return None
-    if now - self._start < self.min_total_s:
+    elapsed = now - self._start
+    if elapsed < self.min_total_s or (done < self.total and now - self._last < self.every_s):
       return None
     self._last = now
-    elapsed = now - self._start
     rate = done / elapsed if elapsed > 0 and done else float("nan")
     eta = (self.total - done) / rate if math.isfinite(rate) else float("nan")
     share = f" ({100 * done / self.total:.0f} %)" if self.total else ""
-    line = (f"{self.label}: {done}/{self.total}{share} "
-            f"{rate:.3g}/s ETA {format_seconds(eta)}")
+    line = f"{self.label}: {done}/{self.total}{share} {rate:.3g}/s ETA {format_seconds(eta)}"
     self._log.info(line)
     return line

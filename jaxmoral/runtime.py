@@ -1,17 +1,12 @@
 """Process-wide settings jaxmoral wants before JAX starts a backend: `configure()`.
 
 Importing jaxmoral changes nothing outside its own modules. A program that runs jaxmoral's
-models (the `jaxmoral` CLI does this itself; a notebook or script calls it once, first thing)
-calls `jaxmoral.runtime.configure()` before its first JAX computation, which
-
-- adds the XLA:CPU reduction workaround to `XLA_FLAGS` (`jaxmoral.backends.xla_flags`:
-  without it some XLA:CPU reductions compute wrong values), unless the user set that flag;
-- where `JAXMORAL_HOST_MALLOC=reuse` asks for it, sets glibc's malloc to keep and reuse the
-  memory XLA:CPU frees between steps (`jaxmoral.backends.host_memory`), before the backend
-  starts its threads.
-
-Both are read when JAX starts its backend, so calling `configure()` later has no effect on
-the running process (`xla_flags` warns).
+models (the CLI; a notebook or script, first thing) calls `configure()` before its first JAX
+computation: it adds the XLA:CPU reduction workaround to `XLA_FLAGS` (`backends.xla_flags`;
+without it some reductions compute wrong values) and, where `JAXMORAL_HOST_MALLOC=reuse` asks
+for it, makes glibc's malloc keep the memory XLA:CPU frees between steps
+(`backends.host_memory`). JAX reads both when it starts its backend, so a later call has no
+effect (`xla_flags` warns). Also here: the other environment jaxmoral's processes start with.
 """
 
 from __future__ import annotations
@@ -29,14 +24,8 @@ from jaxmoral.backends import xla_flags
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeSettings:
-  """What `configure()` set in this process.
-
-  Attributes:
-    xla_flags_added: The XLA:CPU workaround was added to `XLA_FLAGS` (False: already there,
-      or the user chose their own value).
-    malloc_keeps_freed_memory: glibc's malloc now keeps and reuses freed memory
-      (`JAXMORAL_HOST_MALLOC=reuse`).
-  """
+  """What `configure()` set in this process (`xla_flags_added` is False where the workaround
+  was already in `XLA_FLAGS` or the user chose their own value)."""
   xla_flags_added: bool
   malloc_keeps_freed_memory: bool
 
@@ -47,8 +36,7 @@ _SETTINGS: Optional[RuntimeSettings] = None
 def configure() -> RuntimeSettings:
   """Sets the XLA flags and malloc settings jaxmoral's programs run with; idempotent.
 
-  Call once, before the first JAX computation (the CLI's `main` does). Later calls return the
-  first call's settings and change nothing.
+  Call before the first JAX computation (the CLI's `main` does). Later calls change nothing.
 
   Returns:
     What the first call set.
@@ -70,10 +58,10 @@ def configure() -> RuntimeSettings:
 
 
 def namespace_import_folder() -> Optional[str]:
-  """The folder `import jaxmoral` took where it made a namespace package of it: a folder named
-  jaxmoral without `__init__.py` (the clone itself, from the folder that holds it) came first
-  on sys.path, the package's modules still load through an editable install, but
-  jaxmoral/__init__.py never ran. None where jaxmoral is the package."""
+  """The folder `import jaxmoral` took as an empty namespace package (a folder named jaxmoral
+  without `__init__.py`, such as the clone seen from its parent, came first on sys.path: the
+  modules still load through an editable install, but jaxmoral/__init__.py never ran), or
+  None where jaxmoral is the package."""
   package = sys.modules.get("jaxmoral")
   if package is None or getattr(package, "__file__", None):
     return None
@@ -103,22 +91,17 @@ def platforms_without_absent_tpu(environ: MutableMapping[str, str] = os.environ
                                  ) -> Optional[str]:
   """Sets JAX_PLATFORMS without "tpu" where libtpu is installed but no TPU is attached.
 
-  A venv built with the `tpu` extra has libtpu, and JAX then starts the TPU runtime on every
-  machine: on one without a TPU it prints TPU_WORKER_HOSTNAMES / accelerator-type errors to
-  stderr before falling back. JAX reads JAX_PLATFORMS when it is imported, so this runs
-  first. Left alone: a JAX_PLATFORMS the user set (even empty), JAX_FORCE_TPU_INIT, a
-  machine with a TPU device node, and one with an NVIDIA GPU but no CUDA plugin for JAX
-  (JAX's own choice then).
-
-  Args:
-    environ: The environment to read and update.
+  With libtpu installed (the `tpu` extra) JAX starts the TPU runtime on every machine: on one
+  without a TPU it prints TPU_WORKER_HOSTNAMES / accelerator-type errors before falling back.
+  JAX reads JAX_PLATFORMS when it is imported, so this runs first. Left alone: a JAX_PLATFORMS
+  the user set (even empty), JAX_FORCE_TPU_INIT, a machine with a TPU device node, and one
+  with an NVIDIA GPU but no CUDA plugin for JAX (JAX's own choice then).
 
   Returns:
-    The JAX_PLATFORMS value set, or None when nothing was set.
+    The JAX_PLATFORMS value set in `environ`, or None when nothing was set.
   """
-  if "JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ:
-    return None
-  if _tpu_attached() or not _installed("libtpu"):
+  if ("JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ or _tpu_attached()
+      or not _installed("libtpu")):
     return None
   platforms = ["cpu"]
   if any(os.path.exists(device) for device in _NVIDIA_DEVICES):
@@ -140,16 +123,12 @@ def quiet_compile_only_tpu(environ: MutableMapping[str, str] = os.environ) -> li
   """Gives libtpu the host settings it looks for, where no TPU is attached, before a
   compile-only topology starts it (`jaxmoral compile`).
 
-  The topology a program is compiled for comes from its name (`v5e:8x8`), not from these
-  settings (the same report with and without them); they only keep libtpu from printing
-  errors about the host. A machine with a TPU device node, and every value already set, is
-  left alone: there libtpu describes the real host.
-
-  Args:
-    environ: The environment to read and update.
+  The topology comes from its name (`v5e:8x8`), not from these settings (the report is the
+  same with and without them); they only keep libtpu from printing errors about the host. A
+  machine with a TPU device node, and every value already set, is left alone.
 
   Returns:
-    The names of the variables set (empty when none was).
+    The names of the variables set in `environ`.
   """
   if _tpu_attached():
     return []
@@ -179,12 +158,11 @@ def own_gpus_for_jax() -> None:
 def tensorflow_for_input_pipelines_only(*, hide_gpus: Optional[bool] = None) -> None:
   """Imports TensorFlow (seqio's input pipelines) with its start-up lines filtered out of
   stderr, and hides every GPU from it, as T5X does: TensorFlow would otherwise reserve GPU
-  memory that JAX needs. Anything else TensorFlow writes meanwhile is passed on. The modules
-  that define seqio Tasks call it before they import seqio; nothing else imports TensorFlow.
+  memory that JAX needs. The modules that define seqio Tasks call it before they import seqio;
+  nothing else imports TensorFlow.
 
   Args:
-    hide_gpus: False leaves TensorFlow's devices alone; None: as `own_gpus_for_jax` chose
-      (a library import leaves them alone: the process is the user's).
+    hide_gpus: False leaves TensorFlow's devices alone; None: as `own_gpus_for_jax` chose.
   """
   if hide_gpus is None:
     hide_gpus = _GPUS_FOR_JAX_ONLY
@@ -197,9 +175,7 @@ def tensorflow_for_input_pipelines_only(*, hide_gpus: Optional[bool] = None) -> 
       import tensorflow as tf  # pylint: disable=g-import-not-at-top
       if hide_gpus:
         tf.config.set_visible_devices([], "GPU")
-    except ImportError:  # seqio's own import will say what is missing, if it is needed.
-      pass
-    except RuntimeError:  # TensorFlow already ran in this process: leave its devices be.
+    except (ImportError, RuntimeError):  # Missing (seqio says so if needed), or already ran.
       pass
     finally:
       os.dup2(saved, 2)

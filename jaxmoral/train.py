@@ -3,9 +3,7 @@
 Data position is the step: `train_source.iterate(step)` is deterministic, so a run resumed
 from the checkpoint of step `s` reads batch `s` next and, with the trainer's per-step rng
 (`fold_in(base_rng, step)`), reproduces the uninterrupted run exactly. The devices never wait
-for the loop: step n + 1 is queued while step n runs, metrics stay on the devices until a log,
-evaluation or checkpoint step, and the next batches are read and placed on the devices by a
-thread while a step runs. Hooks (`TrainHook`) add what a method needs besides stepping (PPO's
+for the loop (`_run_steps`). Hooks (`TrainHook`) add what a method needs besides stepping (PPO's
 reward normalisation and curve, a soft prompt saved at the end) without a second loop.
 
 The run directory's layout: `jaxmoral.run_dirs`; its TensorBoard files: `jaxmoral.metric_writers`.
@@ -13,7 +11,9 @@ The run directory's layout: `jaxmoral.run_dirs`; its TensorBoard files: `jaxmora
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -59,17 +59,10 @@ NON_FINITE_CAUSES = ("a learning rate too high for the model (LEARNING_RATE; war
 
 def evaluate(*, trainer: trainer_lib.Trainer, state: trainer_lib.TrainState, eval_source: Any,
              eval_steps: Optional[int] = None) -> dict[str, float]:
-  """Metrics over `eval_steps` batches (`eval_source.batch(i)`), or one full pass.
+  """Token-weighted means (`trainer.average_metrics`) of `trainer.eval_step`'s metrics.
 
-  Args:
-    trainer: Provides `eval_step`.
-    state: The state to evaluate.
-    eval_source: A source with `eval_batches()` (one pass) and `iterate(start_step)`.
-    eval_steps: Number of batches (the first of `iterate(0)`); None: one pass over
-      `eval_source.eval_batches()`.
-
-  Returns:
-    Token-weighted means (see `trainer.average_metrics`).
+  Over the first `eval_steps` batches of `eval_source.iterate(0)`, or (None) one pass over
+  `eval_source.eval_batches()`.
   """
   if eval_steps is None:
     if not hasattr(eval_source, "eval_batches"):
@@ -105,15 +98,8 @@ class TrainHook:
 
 @dataclasses.dataclass
 class LoopInfo:
-  """What hooks may read of the running loop.
-
-  Attributes:
-    model_dir: The run directory.
-    start_step: The step the run (re)started at.
-    fresh: True when no checkpoint existed (the state was just initialised).
-    train_steps: The run's total steps.
-    writers: TensorBoard writers (train/, eval/).
-  """
+  """What hooks may read of the running loop (`fresh`: no checkpoint existed, the state was
+  just initialised; `start_step`: the step the run (re)started at)."""
   model_dir: str
   start_step: int
   fresh: bool
@@ -125,12 +111,10 @@ def _progress_line(trainer: Any, done: int, train_steps: int, means: Mapping[str
                    rates: Mapping[str, float]) -> str:
   """`step 10/100 loss 2.31 [trainer's own metrics] tokens/s ... ETA 0:01:02`."""
   parts = [f"step {done}/{train_steps}", f"loss {means.get('loss', float('nan')):.4f}"]
-  for name in getattr(trainer, "progress_metrics", ()):
-    if name in means:
-      parts.append(f"{name} {means[name]:.4g}")
-  for name in ("tokens_per_sec", "examples_per_sec", "steps_per_sec"):
-    if name in rates:
-      parts.append(f"{name.replace('_per_sec', '/s')} {rates[name]:.4g}")
+  parts += [f"{name} {means[name]:.4g}" for name in getattr(trainer, "progress_metrics", ())
+            if name in means]
+  parts += [f"{name.replace('_per_sec', '/s')} {rates[name]:.4g}"
+            for name in ("tokens_per_sec", "examples_per_sec", "steps_per_sec") if name in rates]
   eta = ((train_steps - done) / rates["steps_per_sec"] if rates.get("steps_per_sec")
          else float("nan"))
   parts.append(f"ETA {progress.format_seconds(eta)}")
@@ -139,11 +123,8 @@ def _progress_line(trainer: Any, done: int, train_steps: int, means: Mapping[str
 
 def _batch_rows(batch: Mapping[str, Any]) -> int:
   """Global rows of a batch (examples, or prompts for PPO)."""
-  for value in batch.values():
-    shape = np.shape(value)
-    if shape:
-      return int(shape[0]) * jax.process_count()
-  return 0
+  return next((int(np.shape(v)[0]) * jax.process_count() for v in batch.values() if np.shape(v)),
+              0)
 
 
 @gin.configurable
@@ -159,44 +140,39 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
   """Trains to `train_steps`, resuming from `model_dir/checkpoints` when it has a checkpoint.
 
   The run holds `model_dir/train.lock` while it runs. It resumes from the newest intact
-  checkpoint: damaged or incomplete steps (checked against their checksums before anything is
-  read) are skipped with a warning and moved aside. TensorBoard points past the resumed step
-  (written before a kill) are dropped, so every step appears once.
+  checkpoint (`_restore_newest_intact`). TensorBoard points past the resumed step (written
+  before a kill) are dropped, so every step appears once.
 
   The one loop of every method: supervised steps (`jaxmoral.trainer.Trainer`) and PPO
   iterations (`jaxmoral.rl.ppo_trainer.PPOTrainer`) alike. A trainer provides
   `abstract_state()`, `init_state(rng)`, `init_state_from_params(params)` and
-  `train_step(state, batch, rng) -> (state, metrics)` (batch: this process's rows, host
-  arrays); its state has a `step` field. Optional: `eval_step` (for `eval_source`) and
-  `progress_metrics` (names shown on the progress line besides the loss).
+  `train_step(state, batch, rng) -> (state, metrics)`; its state has a `step` field.
+  Optional: `eval_step` (for `eval_source`), `shard_batch` (places this process's rows of a
+  batch on the devices) and `progress_metrics` (names shown on the progress line).
 
   Args:
     model_dir: Run directory (checkpoints/, train/, eval/ inside).
     trainer: See above.
-    train_source: A `jaxmoral.data.source.DataSource` (`iterate(start_step)`: this process's
-      rows of batch `start_step`, ...; its `num_examples`, `batch_size`, `data_fingerprint`
-      are checkpointed).
+    train_source: A `DataSource` (`iterate(start_step)`: this process's rows of batch
+      `start_step`, ...); its `num_examples`, `batch_size`, `data_fingerprint` are checkpointed.
     train_steps: Total number of steps of the run (not of this call).
-    eval_source: Optional evaluation batches (see `evaluate`).
+    eval_source: Optional evaluation batches; `eval_steps` of them per evaluation (see
+      `evaluate`).
     eval_every: Evaluate every this many steps (0: only at the end).
-    eval_steps: Batches per evaluation (None: one pass over `eval_source.eval_batches()`).
     checkpoint_every: Save every this many steps (and always at the end).
     keep_checkpoints: Keep this many most recent checkpoints.
     log_every: Progress line and TensorBoard train scalars every this many steps (window
-      averages). The metrics stay on the devices until then (the loop does not wait for
-      each step), fetched in one transfer.
+      averages, fetched from the devices in one transfer).
     seed: Base rng seed (parameter init and the per-step dropout keys).
     stop_on_nan: Raise `NonFiniteLossError` on a NaN/inf loss or gradient norm, naming the
-      step it happened at, before anything of that step is saved. It is found when the
-      step's metrics are fetched: at the next log, evaluation or checkpoint step (at most
-      `log_every` steps late), or at once for a hook that reads its step's metrics.
+      step it happened at, before anything of that step is saved (found when the step's
+      metrics are fetched: at most `log_every` steps late, at once by a hook that reads them).
     async_checkpoint: Write checkpoints in the background.
     on_eval: `on_eval(step, metrics, state) -> extra metrics or None`, called after each
       evaluation (e.g. decoding-based metrics); extras are logged with the eval metrics.
     init_params: Parameters for a fresh run (fine-tuning), or a zero-argument function that
-      returns them (called only when there is no checkpoint to resume). None: random init
-      from `seed`.
-    hooks: `TrainHook`s (see there).
+      returns them (called only when there is no checkpoint). None: random init from `seed`.
+    hooks: `TrainHook`s.
     on_checked: Called with the resumed step (None: a fresh run) once every check of the
       resume has passed (the checkpoint restored into this model, the same data, seed and
       batch size, `train_steps` not behind it) and before this function writes anything;
@@ -232,20 +208,16 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
                                             async_save=async_checkpoint)
     init_rng, step_rng = jax.random.split(jax.random.PRNGKey(seed))
     # What the data position means: a checkpoint of the same run over other data (another
-    # corpus, another seed, changed data files: an index-cached source's fingerprint of its
-    # rows) would not continue that run; it is refused instead of shifting silently.
-    # The batch size too: the step is the position, so another batch size would continue at
-    # another example (refused: T5X's and MaxText's data iterators assume it fixed as well).
+    # corpus or seed, changed data files: an index-cached source's fingerprint of its rows) or
+    # another batch size (the step is the position: T5X's and MaxText's data iterators assume
+    # it fixed as well) would not continue that run; refused instead of shifting silently.
     position = {"num_examples": getattr(train_source, "num_examples", None), "seed": seed,
                 "batch_size": getattr(train_source, "batch_size", None),
                 "data": getattr(train_source, "data_fingerprint", None)}
     # Each host reads its own copy of the data: a stale copy would shift every shard silently.
-    differing = partitioning.processes_that_differ(repr(sorted(position.items())))
-    if differing:
-      raise ValueError(f"train: process {', '.join(map(str, differing))} of "
-                       f"{jax.process_count()} has another data position than process 0 "
-                       f"(here {position}): every host must read the same data with the same "
-                       "seed")
+    partitioning.refuse_differing_processes(
+        repr(sorted(position.items())), "train", f"has another data position than process 0 "
+        f"(here {position}): every host must read the same data with the same seed")
     latest, state, extra, damaged = _restore_newest_intact(manager, trainer)
     if latest is not None:
       saved = {k: extra[k] for k in position if k in extra}
@@ -277,10 +249,9 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
       logger.info("train: %s", software_line)
       # Points a killed run wrote after this step are written again from here on; a run
       # resumed at its last step evaluates that step again.
-      metric_writers.purge_events_after(run_dirs.events_dir(model_dir, "train"), start)
-      metric_writers.purge_events_after(run_dirs.events_dir(model_dir, "eval"),
-                         start - 1 if eval_source is not None and start >= train_steps
-                         else start)
+      eval_from = start - 1 if eval_source is not None and start >= train_steps else start
+      for name, after in (("train", start), ("eval", eval_from)):
+        metric_writers.purge_events_after(run_dirs.events_dir(model_dir, name), after)
     writers = metric_writers.MetricWriters(model_dir)
     if is_chief:  # As T5X: what this stretch of the run trains under, in TensorBoard's Text tab.
       writers.text("train", start, "software", software_line)
@@ -298,8 +269,7 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
           eval_source=eval_source, eval_every=eval_every, eval_steps=eval_steps,
           checkpoint_every=checkpoint_every, log_every=log_every, step_rng=step_rng,
           stop_on_nan=stop_on_nan, on_eval=on_eval, hooks=hooks, last_saved=latest,
-          extra=position, is_chief=is_chief,
-          prefetch_batches=prefetch_batches)
+          extra=position, is_chief=is_chief, prefetch_batches=prefetch_batches)
     if stop_requests.signum is not None:  # Raised once the finally below saved and unlocked.
       raise preemption.Stopped(stop_requests.signum, step=int(result["step"]), where=ckpt_dir)
     return result
@@ -318,34 +288,27 @@ def _restore_newest_intact(manager: checkpoints.CheckpointManager, trainer: Any
                            ) -> tuple[Optional[int], Any, dict[str, Any],
                                       list[tuple[int, integrity.CheckpointIntegrityError]]]:
   """`(step, state, extra, damaged)` of the newest intact checkpoint (`(None, None, {}, [])`
-  if none).
+  if none); raises CheckpointIntegrityError where all are damaged (the run would start over).
 
-  Damaged or incomplete steps (`CheckpointIntegrityError`, found before anything of them is
-  read) are skipped; `_move_aside_damaged` moves them aside (`<step>.damaged`) once the resume
-  is accepted, so the run saves those steps again.
-
-  Raises:
-    CheckpointIntegrityError: Every checkpoint is damaged (the run would start over).
+  Damaged or incomplete steps (found before anything of them is read) are skipped;
+  `_move_aside_damaged` moves them aside (`<step>.damaged`) once the resume is accepted, so
+  the run saves those steps again.
   """
   skipped: list[tuple[int, integrity.CheckpointIntegrityError]] = []
-  found: Optional[tuple[int, Any, dict[str, Any]]] = None
   for step in reversed(manager.all_steps()):
     try:
       state, extra = manager.restore(step, target=trainer.abstract_state())
     except integrity.CheckpointIntegrityError as e:
       skipped.append((step, e))
-      continue
-    found = (step, state, extra)
-    break
-  if skipped and found is None:
+    else:
+      return step, state, extra, skipped
+  if skipped:
     raise integrity.CheckpointIntegrityError(
         f"train: no intact checkpoint in {manager.directory} (damaged: "
         f"{', '.join(str(step) for step, _ in skipped)}): {skipped[0][1]}; move the damaged "
         "steps away to start over, or use a new MODEL_DIR", step=skipped[0][0],
         files=skipped[0][1].files)
-  if found is None:
-    return None, None, {}, skipped
-  return (*found, skipped)
+  return None, None, {}, skipped
 
 
 def _move_aside_damaged(manager: checkpoints.CheckpointManager,
@@ -365,12 +328,10 @@ def _move_aside_damaged(manager: checkpoints.CheckpointManager,
 class _Prefetcher:
   """`source.iterate(start)`'s batches, read and placed on the devices ahead by a thread.
 
-  While step s runs, batches s + 1 ... s + `depth` are prepared on the host (read, tokenised,
-  packed) and placed (`place`: the trainer's `shard_batch`, which puts each process's rows of
-  the global batch on its devices), as flax's `prefetch_to_device` and T5X's input pipeline
-  do. Items are `(placed batch, global rows, target tokens of the batch)` (the last two for
-  the throughput; tokens from the batch's shape). An error of the source is raised by the
-  `next` that reaches it.
+  While step s runs, batches s + 1 ... s + `depth` are read, tokenised, packed and placed
+  (`place`: the trainer's `shard_batch`), as flax's `prefetch_to_device` and T5X's input
+  pipeline do. Items are `(placed batch, global rows, target tokens from the batch's shape)`.
+  An error of the source is raised by the `next` that reaches it.
   """
 
   _END = object()
@@ -384,19 +345,16 @@ class _Prefetcher:
 
   def _put(self, item: Any) -> bool:
     while not self._stop.is_set():
-      try:
+      with contextlib.suppress(queue.Full):
         self._queue.put(item, timeout=0.1)
         return True
-      except queue.Full:
-        continue
     return False
 
   def _produce(self, batches: Iterator[Any], place: Callable[[Any], Any]) -> None:
     try:
       for batch in batches:
         targets = batch.get("decoder_target_tokens") if isinstance(batch, Mapping) else None
-        tokens = (float(np.size(targets)) * jax.process_count() if targets is not None
-                  else 0.0)
+        tokens = 0.0 if targets is None else float(np.size(targets)) * jax.process_count()
         if not self._put((place(batch), _batch_rows(batch), tokens)):
           return
       self._put(self._END)
@@ -435,14 +393,11 @@ class _Window:
   """
 
   def __init__(self, *, stop_on_nan: bool, describe_last_save: Callable[[], str]):
-    self.stop_on_nan = stop_on_nan
-    self.describe_last_save = describe_last_save
-    self.steps: list[int] = []
+    self.stop_on_nan, self.describe_last_save = stop_on_nan, describe_last_save
     self.pending: dict[int, Any] = {}
     self.host: dict[int, dict[str, float]] = {}
 
   def add(self, step: int, metrics: Any) -> None:
-    self.steps.append(step)
     self.pending[step] = metrics
 
   def wait_for(self, step: int) -> None:
@@ -477,8 +432,7 @@ class _Window:
     """`(step, host metrics)` of the window in step order (fetching what is pending);
     starts a new window."""
     self.fetch()
-    out = [(s, self.host[s]) for s in self.steps]
-    self.steps, self.host = [], {}
+    out, self.host = sorted(self.host.items()), {}
     return out
 
 
@@ -488,30 +442,27 @@ class _StepMetrics(Mapping[str, float]):
 
   def __init__(self, window: _Window, step: int):
     self._window, self._step = window, step
-    self._values: Optional[dict[str, float]] = None
 
-  def _get(self) -> dict[str, float]:
-    if self._values is None:
-      self._values = self._window.metrics_of(self._step)
-    return self._values
+  @functools.cached_property
+  def _values(self) -> dict[str, float]:
+    return self._window.metrics_of(self._step)
 
   def __getitem__(self, key: str) -> float:
-    return self._get()[key]
+    return self._values[key]
 
   def __iter__(self) -> Iterator[str]:
-    return iter(self._get())
+    return iter(self._values)
 
   def __len__(self) -> int:
-    return len(self._get())
+    return len(self._values)
 
 
 def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManager,
                loop: LoopInfo, train_source: Any, eval_source: Any, eval_every: int,
                eval_steps: Optional[int], checkpoint_every: int, log_every: int,
                step_rng: jax.Array, stop_on_nan: bool, on_eval: Optional[OnEval],
-               hooks: Sequence[TrainHook], last_saved: Optional[int],
-               extra: Mapping[str, Any], is_chief: bool,
-               prefetch_batches: int = 2) -> dict[str, float]:
+               hooks: Sequence[TrainHook], last_saved: Optional[int], extra: Mapping[str, Any],
+               is_chief: bool, prefetch_batches: int) -> dict[str, float]:
   """The steps of `train` from `loop.start_step`, saving, evaluating and logging.
 
   The devices never wait for the host: step n + 1 is dispatched while step n runs, its
@@ -529,12 +480,13 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
                                               f" in {ckpt_dir}")
   # Throughput of the steps since the last log: the time between fetches, less evaluation
   # and checkpoint time; the run's first step (compilation) is kept out.
-  window_rows, window_tokens, window_steps, window_start, paused = 0, {}, 0, 0.0, 0.0
+  window_rows, window_tokens, window_start, paused = 0, {}, 0.0, 0.0  # Tokens by step.
   last_eval_step = None
   preempted = False
 
   def run_eval(step: int) -> None:
     nonlocal last_eval_step
+    window.fetch()
     metrics = evaluate(trainer=trainer, state=state, eval_source=eval_source,
                        eval_steps=eval_steps)
     if on_eval is not None:
@@ -551,6 +503,12 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
     window.fetch()  # Raises before anything of a non-finite step is written.
     manager.save(step, state, extra=extra, force=True)
     last_saved = step
+
+  def off_the_clock(action: Callable[[int], None], step: int) -> None:
+    nonlocal paused
+    tick = time.perf_counter()
+    action(step)
+    paused += time.perf_counter() - tick
 
   place = getattr(trainer, "shard_batch", lambda batch: batch)
   batches = _Prefetcher(train_source.iterate(start) if start < train_steps else iter(()),
@@ -571,18 +529,16 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
       else:
         window_rows += rows
         window_tokens[done] = shape_tokens
-        window_steps += 1
       if done % log_every == 0 or done == train_steps:
         fetched = window.clear()
-        now = time.perf_counter()
+        elapsed = time.perf_counter() - window_start - paused
         means = {k: float(np.mean([m[k] for _, m in fetched if k in m])) for k in fetched[0][1]}
         rates = {}
-        elapsed = now - window_start - paused
-        if window_steps and elapsed > 0:
+        if window_tokens and elapsed > 0:
           # The loss fn's `num_tokens` where it reports them, else the target array's size.
           tokens = sum(m["num_tokens"] if "num_tokens" in m else window_tokens[s]
                        for s, m in fetched if s in window_tokens)
-          rates = {"steps_per_sec": window_steps / elapsed,
+          rates = {"steps_per_sec": len(window_tokens) / elapsed,
                    "examples_per_sec": window_rows / elapsed}
           if tokens:
             rates["tokens_per_sec"] = tokens / elapsed
@@ -590,19 +546,13 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
         if is_chief:
           logger.info("%s", _progress_line(trainer, done, train_steps, means, rates))
         result.update({f"train/{k}": v for k, v in means.items()})
-        window_rows, window_tokens, window_steps = 0, {}, 0
-        window_start, paused = time.perf_counter(), 0.0
+        window_rows, window_tokens, window_start, paused = 0, {}, time.perf_counter(), 0.0
       if eval_source is not None and eval_every and done % eval_every == 0:
-        tick = time.perf_counter()
-        window.fetch()
-        run_eval(done)
-        paused += time.perf_counter() - tick
+        off_the_clock(run_eval, done)
       # A signal (one process) or JAX's preemption notice (every process at the same step).
       stop = preemption.requested() and done < train_steps
       if done % checkpoint_every == 0 or done == train_steps:
-        tick = time.perf_counter()
-        save(done)
-        paused += time.perf_counter() - tick
+        off_the_clock(save, done)
       elif stop or manager.reached_preemption(done):
         save(done)
         stop = True
