@@ -3,7 +3,7 @@
 A method package registers the reader of its texts when it is imported (PERSPECTRUM in
 `jaxmoral.npov.knowledge_base`, chitchat in `jaxmoral.diamante.chitchat`), so the core corpus
 reads them without importing the methods; a gin config imports the modules whose sources it
-uses. This module imports nothing heavy: the method modules register at import time.
+uses.
 """
 
 from __future__ import annotations

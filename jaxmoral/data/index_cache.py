@@ -1,21 +1,14 @@
 """A Task's preprocessed rows on disk, read by index: resume at any step without replay.
 
-seqio (TensorFlow) preprocesses a Task's split once (tokenise, pack or pad) and the rows are
-written here as one NumPy `.npy` file per feature, with `meta.json` (row count, the key it was
-built for and a SHA-256 of the rows). Reading needs NumPy only: the files are memory-mapped,
-and a batch is a gather of rows (`pipeline.BatchSource`), so batch `k` costs the same for
-every `k` and an accelerator host reads the cache without importing TensorFlow.
+seqio (TensorFlow) preprocesses a Task's split once into one `.npy` file per feature, with
+`meta.json` (row count, identity, each file's size and sha256). Reading needs NumPy only (the
+files are memory-mapped; a batch is a gather of rows), so batch `k` costs the same for every
+`k` and an accelerator host reads the cache without TensorFlow.
 
-A cache is written under a temporary name and renamed into place whole, so a killed build
-leaves nothing that looks complete, and processes that build the same cache at once do not
-see each other's halves.
-
-A cache is verified before its rows are used, once per process (`read`): each `.npy` file's
-size and sha256 against `meta.json`, each feature's row count and dtype, and (by the caller,
-`check_feature_lengths`) its width against the run's feature lengths. `meta["sha256"]`, the
-data fingerprint a checkpoint records, is computed from the verified files' digests, never
-copied: a resume over rows that changed is refused. A cache written before per-file digests
-existed is verified by hashing its rows.
+A cache is written under a temporary name and renamed into place whole, so a killed or
+concurrent build leaves nothing that looks complete. `read` verifies it once per process
+against `meta.json`; `meta["sha256"]`, the data fingerprint a checkpoint records, is computed
+from the verified files' digests, never copied, so a resume over changed rows is refused.
 """
 
 from __future__ import annotations
@@ -38,14 +31,12 @@ CACHE_ENV = "JAXMORAL_DATA_CACHE"
 
 def default_root() -> str:
   """`$JAXMORAL_DATA_CACHE`, else `~/.cache/jaxmoral/data`."""
-  return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache",
-                                                   "jaxmoral", "data")
+  return os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/jaxmoral/data")
 
 
 def key_of(identity: Mapping[str, Any]) -> str:
   """A short stable name for what a cache holds (a JSON-able description)."""
-  text = json.dumps(identity, sort_keys=True, default=str)
-  return hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+  return _fingerprint(identity)[:24]
 
 
 def _digest(features: Mapping[str, np.ndarray]) -> str:
@@ -72,9 +63,9 @@ def _version(path: str) -> tuple[int, ...]:
   return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _fingerprint(file_digests: Mapping[str, str]) -> str:
-  """The data's fingerprint from its files' digests (what a checkpoint records)."""
-  text = json.dumps(dict(sorted(file_digests.items())), sort_keys=True)
+def _fingerprint(value: Any) -> str:
+  """The sha256 of `value` as sorted JSON; of the files' digests, what a checkpoint records."""
+  text = json.dumps(value, sort_keys=True, default=str)
   return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 

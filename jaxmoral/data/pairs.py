@@ -33,10 +33,9 @@ def read_pairs(path: str | os.PathLike, *, input_field: str, target_field: str,
   return [(r[input_field], r[target_field]) for r in rows]
 
 
-# How `split_pairs` picks the held-out pairs. "hash": by a hash of the pair's text, so the
-# file's order cannot skew the held-out set (a file that alternates labels would put one label
-# only at every 10th position) and a pair keeps its side when pairs are added. "position":
-# every n-th pair from the first (runs started before "hash" existed; the demo Tasks).
+# How `split_pairs` picks the held-out pairs. "hash": by the pair's text, so the file's order
+# cannot skew the held-out set (alternating labels would put one at every 10th position) and a
+# pair keeps its side when pairs are added. "position": every n-th pair (older runs, the demo).
 HELDOUT_RULES = ("hash", "position")
 
 
@@ -50,12 +49,10 @@ def split_pairs(pairs: Pairs, *, validation_every: int = 10, rule: str = "hash"
   """A deterministic train/validation split holding out one pair in `validation_every`.
 
   Args:
-    pairs: (input, target) pairs.
     validation_every: One pair in this many validates.
     rule: One of HELDOUT_RULES. "hash" holds out the pairs whose `pair_hash` is 0 modulo
-      `validation_every` (about one in that many; at least one of two or more pairs, the
-      one of smallest hash remainder); "position" every `validation_every`-th pair from the
-      first.
+      `validation_every` (at least one of two or more pairs: that of smallest remainder);
+      "position" every `validation_every`-th pair from the first.
 
   Returns:
     {"train": [...], "validation": [...]}, each in the pairs' order.

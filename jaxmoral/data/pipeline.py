@@ -9,9 +9,8 @@
   decoder_loss_weights   1 on real target tokens (EOS included), 0 on padding
   encoder/decoder_segment_ids, _positions   only with `pack=True`
 
-`BatchSource` serves batch `step` as a pure function of (seed, step) (a `source.DataSource`): a
-run resumed at step k sees the same batches as one that never stopped, and every process
-computes its own slice.
+`BatchSource` serves batch `step` as a pure function of (seed, step), so a resumed run sees
+the batches of one that never stopped.
 """
 
 from __future__ import annotations
@@ -27,6 +26,13 @@ from jaxmoral.data import source
 Features = dict[str, np.ndarray]
 
 
+def check_lengths(feature_lengths: Mapping[str, int], where: str = "feature_lengths") -> None:
+  """Raises a ValueError naming `where` unless the lengths have "inputs" and "targets"."""
+  for key in ("inputs", "targets"):
+    if key not in feature_lengths:
+      raise ValueError(f"{where} lacks {key!r}: {dict(feature_lengths)}")
+
+
 def _tokenize(texts: Sequence[str], vocabulary: Any, length: int, add_eos: bool,
               eos_id: int, name: str) -> list[list[int]]:
   if length <= (1 if add_eos else 0):
@@ -36,11 +42,7 @@ def _tokenize(texts: Sequence[str], vocabulary: Any, length: int, add_eos: bool,
     if not isinstance(text, str):
       raise TypeError(f"{name}: expected str, got {type(text).__name__}: {text!r}")
     ids = [int(i) for i in vocabulary.encode(text)]
-    if add_eos:
-      ids = ids[:length - 1] + [eos_id]  # Trim first so that EOS is always kept.
-    else:
-      ids = ids[:length]
-    out.append(ids)
+    out.append(ids[:length - 1] + [eos_id] if add_eos else ids[:length])  # EOS is always kept.
   return out
 
 
@@ -79,23 +81,14 @@ def _pack(inputs: list[list[int]], targets: list[list[int]],
       bins.append([i])
       used.append((len(x), len(y)))
   features: Features = {}
-  for key, seqs, length in (("encoder", inputs, lengths["inputs"]),
-                            ("decoder", targets, lengths["targets"])):
-    tokens = np.zeros((len(bins), length), np.int32)
-    segments = np.zeros_like(tokens)
-    positions = np.zeros_like(tokens)
-    for r, members in enumerate(bins):
-      start = 0
-      for segment, i in enumerate(members, start=1):
-        n = len(seqs[i])
-        tokens[r, start:start + n] = seqs[i]
-        segments[r, start:start + n] = segment
-        positions[r, start:start + n] = np.arange(n)
-        start += n
-    name = "encoder_input_tokens" if key == "encoder" else "decoder_target_tokens"
-    features[name] = tokens
-    features[f"{key}_segment_ids"] = segments
-    features[f"{key}_positions"] = positions
+  for key, tokens_name, seqs, length in (
+      ("encoder", "encoder_input_tokens", inputs, lengths["inputs"]),
+      ("decoder", "decoder_target_tokens", targets, lengths["targets"])):
+    features[tokens_name] = _pad_rows([[t for i in row for t in seqs[i]] for row in bins], length)
+    features[f"{key}_segment_ids"] = _pad_rows(
+        [[s for s, i in enumerate(row, start=1) for _ in seqs[i]] for row in bins], length)
+    features[f"{key}_positions"] = _pad_rows(
+        [[p for i in row for p in range(len(seqs[i]))] for row in bins], length)
   features["decoder_input_tokens"] = autoregressive_inputs(
       features["decoder_target_tokens"], features["decoder_segment_ids"])
   features["decoder_loss_weights"] = (features["decoder_segment_ids"] > 0).astype(np.int32)
@@ -117,28 +110,23 @@ def encode_pairs(inputs: Sequence[str], targets: Sequence[str], *, vocabulary: A
       0 = padding) and `*_positions`.
 
   Returns:
-    int32 arrays `encoder_input_tokens` (B, N), `decoder_target_tokens`,
-    `decoder_input_tokens`, `decoder_loss_weights` (B, M) [+ packing features]; B is the
-    number of pairs, or of packed rows.
+    The int32 features of the module docstring, (B, N) for the encoder's and (B, M) for the
+    decoder's; B is the number of pairs, or of packed rows.
   """
   if len(inputs) != len(targets):
     raise ValueError(f"encode_pairs: {len(inputs)} inputs but {len(targets)} targets")
-  for key in ("inputs", "targets"):
-    if key not in feature_lengths:
-      raise ValueError(f"feature_lengths lacks {key!r}: {dict(feature_lengths)}")
+  check_lengths(feature_lengths)
   eos_id = int(getattr(vocabulary, "eos_id", 1))
   x = _tokenize(inputs, vocabulary, feature_lengths["inputs"], add_eos, eos_id, "inputs")
   y = _tokenize(targets, vocabulary, feature_lengths["targets"], add_eos, eos_id, "targets")
   if pack:
     return _pack(x, y, feature_lengths)
   targets_arr = _pad_rows(y, feature_lengths["targets"])
-  lengths = np.array([len(t) for t in y], np.int32)
   return {
       "encoder_input_tokens": _pad_rows(x, feature_lengths["inputs"]),
       "decoder_target_tokens": targets_arr,
       "decoder_input_tokens": autoregressive_inputs(targets_arr),
-      "decoder_loss_weights": (np.arange(feature_lengths["targets"])[None, :]
-                               < lengths[:, None]).astype(np.int32),
+      "decoder_loss_weights": _pad_rows([[1] * len(t) for t in y], feature_lengths["targets"]),
   }
 
 
@@ -167,9 +155,8 @@ def stream_indices(positions: np.ndarray, n: int, *, seed: int, shuffle: bool = 
 class BatchSource(source.DataSource):
   """Deterministic batches over in-memory feature arrays, wrapping across epochs.
 
-  The example stream is epoch 0's permutation, then epoch 1's, ...; batch `step` is stream
-  positions `[step * batch_size, (step + 1) * batch_size)`, so epoch = position // n and the
-  permutation of an epoch is a function of (seed, epoch) only. A batch may span two epochs.
+  Batch `step` is the `stream_indices` of its `shard_positions`, so it depends on (seed, step)
+  only; a batch may span two epochs.
 
   Attributes (besides `source.DataSource`'s batch_size, shard_index, shard_count):
     features: Equal-length arrays `{name: (n, ...)}`.
@@ -213,11 +200,8 @@ class BatchSource(source.DataSource):
     return {k: v[idx] for k, v in self.features.items()}
 
   def eval_batches(self) -> Iterator[Features]:
-    """One in-order pass over this shard's examples, the last batch zero-padded.
-
-    Padding rows are all zeros, so their `decoder_loss_weights` are 0 and they add nothing
-    to weighted sums.
-    """
+    """One in-order pass over this shard's examples, the last batch zero-padded (its padding
+    rows have `decoder_loss_weights` 0 and add nothing to weighted sums)."""
     n = self.num_examples
     for step in range(self.steps_per_epoch):
       positions = self.shard_positions(step)

@@ -1,30 +1,15 @@
 """A plain-text pretraining corpus from the project's data, and its span-corruption Task.
 
-Texts (each once, whitespace normalised, one per line of the corpus file):
+Its texts (each once, whitespace normalised, one per line) come from the built-in SOURCES and
+from those the method packages register when imported (`corpus_sources`: `perspectrum`, and
+`chitchat`, which needs the `dialogue` extra and so is not a default source). Held-out data stay
+out by default: only δ-Clarify's train split and PERSPECTRUM's train claims are read, and
+chitchat's test conversations never are, so pretraining never sees what the ClarifyDelphi,
+NPOV and Diamante evaluations test on.
 
-* `clarify`: δ-Clarify situations and questions (`delta_clarify/{split}.tsv`);
-* `silver`: the silver defeasible updates: rules of thumb, updates, questions, situations
-  (`delta_clarify_silver/*.tsv`);
-* `fusion`: both sides of the fusion pairs (`fusion/*.csv`);
-* `demo`: every text of the bundled demo corpus (`jaxmoral.data.demo`);
-
-and those the method packages register (`corpus_sources`) when imported:
-
-* `perspectrum`: PERSPECTRUM claims and their perspectives (`perspectrum/`;
-  `jaxmoral.npov.knowledge_base`);
-* `chitchat`: the utterances of the chitchat dialogue corpus's train conversations
-  (`jaxmoral.diamante.chitchat`; needs the `dialogue` extra, so it is not a default source).
-
-Held-out data stay out by default: only δ-Clarify's train split and PERSPECTRUM's train claims
-are read (`clarify_splits`, `perspectrum_splits`), and chitchat's test conversations never
-are, so pretraining never sees what the ClarifyDelphi, NPOV and Diamante evaluations test on.
-
-`register_pretraining_mixture` writes `pretraining_corpus_{train,validation}.txt` (every
-`validation_every`-th text validates) and a manifest into `output_dir`, rebuilding only when the
-manifest's settings differ, then registers the streaming Task (`span_corruption`). For gin,
-`pretraining_task_name()` registers (once) and returns the name, so a config can set
-`MIXTURE_OR_TASK_NAME = @pretraining_corpus.pretraining_task_name()` (see
-configs/core/pretrain_span_corruption.gin).
+For gin, `MIXTURE_OR_TASK_NAME = @pretraining_corpus.pretraining_task_name()` builds the corpus
+files (again only when their settings change) and registers their Task once
+(configs/core/pretrain_span_corruption.gin).
 """
 
 from __future__ import annotations
@@ -69,9 +54,6 @@ def _clean(text: str) -> str:
   return " ".join(text.split())
 
 
-# -- texts of each source -------------------------------------------------------------------
-
-
 def clarify_texts(data_dir: str | os.PathLike, *,
                   splits: Sequence[str] = ("train",)) -> Iterator[str]:
   """δ-Clarify situations and clarification questions of `splits` ("train", "dev")."""
@@ -80,36 +62,32 @@ def clarify_texts(data_dir: str | os.PathLike, *,
     if not fileio.isfile(path):
       raise FileNotFoundError(f"{path} not found (expected the δ-Clarify layout)")
     for row in readers.read_tsv(path, columns=["situation", "question"]):
-      yield row["situation"]
-      yield row["question"]
+      yield from (row["situation"], row["question"])
 
 
 def silver_texts(data_dir: str | os.PathLike) -> Iterator[str]:
   """The silver defeasible updates: rule of thumb, update, question and situation of a row."""
-  paths = _files(fileio.join(data_dir, "delta_clarify_silver"), "*.tsv")
-  if not paths:
-    raise FileNotFoundError(f"no silver TSV in {fileio.join(data_dir, 'delta_clarify_silver')}")
-  fields = ["Hypothesis", "Update", "question_davinci", "situation"]
-  for path in paths:
-    for row in readers.read_tsv(path, columns=fields):
-      yield from (row[f] for f in fields)
+  return _folder_texts(fileio.join(data_dir, "delta_clarify_silver"), ".tsv",
+                       ["Hypothesis", "Update", "question_davinci", "situation"], "silver TSV")
 
 
 def fusion_texts(data_dir: str | os.PathLike) -> Iterator[str]:
   """Both sides of the fusion pairs: "SITUATION: s QUESTION: q ANSWER: a" and the fused
   situation (the first is the fusion model's input format, worth pretraining on too)."""
-  paths = _files(fileio.join(data_dir, "fusion"), "*.csv")
+  return _folder_texts(fileio.join(data_dir, "fusion"), ".csv", ["input", "output"],
+                       "fusion CSV")
+
+
+def _folder_texts(folder: str, suffix: str, fields: Sequence[str], what: str) -> Iterator[str]:
+  """The `fields` of each row of the `*{suffix}` files of `folder` (a path or URL), sorted;
+  a FileNotFoundError names `what` when it has none."""
+  paths = sorted(os.fspath(p) for p in fileio.path(folder).glob(f"*{suffix}") if p.is_file())
   if not paths:
-    raise FileNotFoundError(f"no fusion CSV in {fileio.join(data_dir, 'fusion')}")
+    raise FileNotFoundError(f"no {what} in {folder}")
+  read = readers.read_tsv if suffix == ".tsv" else readers.read_csv
   for path in paths:
-    for row in readers.read_csv(path, columns=["input", "output"]):
-      yield row["input"]
-      yield row["output"]
-
-
-def _files(folder: str, pattern: str) -> list[str]:
-  """The files of `folder` (a path or URL) matching `pattern`, sorted; [] if it is missing."""
-  return sorted(os.fspath(p) for p in fileio.path(folder).glob(pattern) if p.is_file())
+    for row in read(path, columns=fields):
+      yield from (row[f] for f in fields)
 
 
 def _absolute(location: str | os.PathLike) -> str:
@@ -127,7 +105,7 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
 
   Args:
     data_dir: A folder laid out like `../shared/data`; None allows only the "demo" source.
-    sources: Any of SOURCES.
+    sources: Any of SOURCES and of the registered sources.
     clarify_splits: δ-Clarify splits read.
     perspectrum_splits: PERSPECTRUM splits whose claims are read (None: all).
 
@@ -155,10 +133,9 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
         "silver": lambda: silver_texts(data_dir),
         "fusion": lambda: fusion_texts(data_dir),
     })
-  splits_of = {"perspectrum": perspectrum_splits}
-  for name in registered:
-    readers_by_source[name] = functools.partial(corpus_sources.read, name, data_dir,
-                                                splits=splits_of.get(name))
+  readers_by_source.update({name: functools.partial(
+      corpus_sources.read, name, data_dir,
+      splits=perspectrum_splits if name == "perspectrum" else None) for name in registered})
   texts: dict[str, None] = {}
   for source in sources:
     before = len(texts)
@@ -167,30 +144,25 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
   return list(texts)
 
 
-# -- the corpus files -----------------------------------------------------------------------
-
 CORPUS_ORDER_SEED = 0  # The order of the corpus files' texts (`build_corpus`).
 
 
 def write_lines(path: str | os.PathLike, texts: Iterable[str]) -> int:
-  """Writes one text per line, atomically (a reader never sees half a file: a local file is
-  renamed into place, an object is stored whole when closed); returns the number of lines."""
-  if fileio.is_url(path):
-    count = 0
-    with fileio.open(path, "w", encoding="utf-8") as f:
-      for text in texts:
-        f.write(_clean(text) + "\n")
-        count += 1
-    return count
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(f".tmp_{os.getpid()}_{path.name}")
+  """Writes one text per line, atomically (a local file is renamed into place, an object is
+  stored whole when closed); returns the number of lines."""
+  path = os.fspath(path)
+  written = path
+  if not fileio.is_url(path):
+    local = pathlib.Path(path)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    written = str(local.with_name(f".tmp_{os.getpid()}_{local.name}"))
   count = 0
-  with open(tmp, "w", encoding="utf-8") as f:
+  with fileio.open(written, "w", encoding="utf-8") as f:
     for text in texts:
       f.write(_clean(text) + "\n")
       count += 1
-  os.replace(tmp, path)
+  if written != path:
+    os.replace(written, path)
   return count
 
 
@@ -201,8 +173,7 @@ def corpus_paths(output_dir: str | os.PathLike) -> dict[str, str]:
 
 def installed_sources(sources: Sequence[str]) -> list[str]:
   """`sources` without "chitchat" when its package (the `dialogue` extra) is not installed,
-  saying so in one line: a corpus without it is still a corpus, and the manifest records the
-  sources actually read (installing the extra later rebuilds the corpus with it)."""
+  saying so: the manifest records the sources read, so installing it later rebuilds."""
   if "chitchat" in sources and importlib.util.find_spec("chitchat_dataset") is None:
     logging.warning("pretraining corpus: skipping the chitchat source, which needs the "
                     "dialogue extra (pip install -e '.[dialogue]')")
@@ -218,10 +189,8 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
   """Writes the train / validation corpus files unless a build with the same settings exists.
 
   The texts are written in a seeded random order (`CORPUS_ORDER_SEED`), of which every
-  `validation_every`-th (the first included) goes to validation. The train file is streamed
-  and seqio shuffles within a window of 1,000 texts, so a file in source order would serve
-  one source at a time (the 30,000 δ-Clarify texts, then silver, ..., the 116,000 chitchat
-  turns last): as T5's corpora, the file itself is shuffled.
+  `validation_every`-th (the first included) validates: seqio shuffles a streamed file within
+  a window of 1,000 texts, so a file in source order would serve one source at a time.
 
   Returns:
     {split: corpus file}.
@@ -256,9 +225,6 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
   return paths
 
 
-# -- registration ---------------------------------------------------------------------------
-
-
 @gin.configurable
 def register_pretraining_mixture(
     *, data_dir: Optional[str | os.PathLike], vocabulary_path: Optional[str | os.PathLike],
@@ -278,14 +244,10 @@ def register_pretraining_mixture(
       None builds the demo vocabulary in `output_dir`.
     output_dir: Folder of the corpus files and manifest.
     task_name: Name of the registered Task.
-    sources: Corpus sources (SOURCES).
-    clarify_splits: δ-Clarify splits in the corpus.
-    perspectrum_splits: PERSPECTRUM splits in the corpus (None: all).
-    validation_every: Every N-th text validates.
+    sources, clarify_splits, perspectrum_splits, validation_every: The corpus (`build_corpus`).
     extra_ids: Sentinel ids of the vocabulary (T5: 100).
-    noise_density: Fraction of tokens corrupted.
-    mean_noise_span_length: Mean corrupted span length.
-    concat_batch_size: Texts concatenated before chunking.
+    noise_density, mean_noise_span_length, concat_batch_size: The objective
+      (`span_corruption.register_span_corruption_task`).
 
   Returns:
     The registered `seqio.Task`.
@@ -313,6 +275,5 @@ def register_pretraining_mixture(
 @gin.configurable
 def pretraining_task_name() -> str:
   """Registers the pretraining Task (`register_pretraining_mixture`, its arguments bound by
-  gin) and returns its name: `MIXTURE_OR_TASK_NAME = @pretraining_corpus.pretraining_task_name()`
-  registers when gin builds `runs.Seq2SeqData`, before the run looks the Task up."""
+  gin) when gin builds `runs.Seq2SeqData`, before the run looks it up; returns its name."""
   return register_pretraining_mixture().name

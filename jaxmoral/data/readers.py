@@ -1,32 +1,12 @@
 """Readers for the project's tabular and JSON-lines data, with line-numbered errors.
 
-Every reader returns a list of dicts (one per row / line). A malformed row raises `DataError`
-naming the file, the 1-based physical line and the field, e.g.::
-
-  data/train.tsv:17: expected 4 columns, got 3 (field 'question')
-
-With `on_error="report"` the bad rows are logged and collected in `ReadResult.errors` instead
-(the good rows are still returned), so a caller can decide after seeing all problems at once.
-Nothing is ever dropped silently. `ReadResult.lines` gives each good row's line, so a caller's
-own checks of a row's values can name it too.
-
-Unknown fields are errors where a caller says which fields it knows (`optional=`, on top of
-the required / kept ones): a misspelt key (`"pros"` for `"pro"`) or header column would
-otherwise read as an absent one. The message names the key and the closest known name::
-
-  data/responses.jsonl:3: unknown field 'pros' (did you mean 'pro'?); known fields: con, pro,
-  query
-
-Without `optional=` a reader passes unknown fields through (JSONL) or drops them (header
-columns not asked for): the documented passthrough of the generic callers (`data.tasks`, the
-inference input). `allow_empty=False` makes a file with no rows an error naming the file and
-whether it is empty, has only a header or only blank lines.
-
-Files are UTF-8; a line that is not is a bad row (the message names its first bad byte).
-TSV and CSV fields may be quoted with `""` escapes, as the δ-Clarify TSVs and the fusion CSV
-are. A TSV row is one line, as seqio and T5X read TSVs: a quote left open at the end of a line
-is an error of that line, not the start of a field that swallows the lines after it. A CSV
-field may span lines (RFC 4180). In both, text after a closing quote is an error (`"ab"c`).
+Every reader returns a `ReadResult` (a list of dicts, each row's line in `.lines`). A malformed
+row raises `DataError` naming the file, the 1-based physical line and the field
+(`data/train.tsv:17: expected 4 columns, got 3 (field 'question')`), or with
+`on_error="report"` is logged and collected, so a caller sees all problems at once; nothing is
+dropped silently. Files are UTF-8; TSV and CSV fields may be quoted with `""` escapes. A TSV
+row is one line, as seqio and T5X read TSVs (a quote left open is an error of its line, not a
+field swallowing the lines after it); a CSV field may span lines (RFC 4180).
 """
 
 from __future__ import annotations
@@ -48,8 +28,7 @@ _BOM = "\ufeff"
 
 
 class DataError(ValueError):
-  """A malformed row: message `"{path}:{line}: {what} (field '{field}')"` (`"{path}: ..."` for
-  a whole-file problem).
+  """A malformed row: `"{path}:{line}: {what} (field '{field}')"` (`"{path}: ..."` for a file).
 
   Attributes:
     path: The file.
@@ -64,12 +43,8 @@ class DataError(ValueError):
     self.field = field
     self.what = what
     where = f" (field '{field}')" if field else ""
-    super().__init__(f"{_location(self.path, line)}: {what}{where}")
-
-
-def _location(path: str, line: int) -> str:
-  # Line 0 means the whole file; "file:0:" would read as a line number.
-  return f"{path}:{line}" if line else path
+    # Line 0 means the whole file; "file:0:" would read as a line number.
+    super().__init__(f"{f'{self.path}:{line}' if line else self.path}: {what}{where}")
 
 
 class UnknownFieldError(DataError):
@@ -93,36 +68,22 @@ class UnknownFieldError(DataError):
     self.field = field
 
 
-def check_fields(obj: Mapping[str, Any], known: Iterable[str], path: PathLike, line: int, *,
-                 prefix: str = "") -> None:
-  """Raises `UnknownFieldError` for the first key of `obj` not in `known`.
+def unknown_field(obj: Iterable[str], known: Iterable[str], path: PathLike, line: int, *,
+                  prefix: str = "", kind: str = "field") -> Optional[UnknownFieldError]:
+  """The error of the first key of `obj` (a mapping or names) not in `known`, or None.
 
-  For nested objects of a reader (e.g. the turns of a dialogue); `prefix` is prepended to the
-  key in the message (`"conversation[1]."`).
-  """
-  error = unknown_field(obj, known, path, line, prefix=prefix)
-  if error is not None:
-    raise error
-
-
-def unknown_field(obj: Mapping[str, Any], known: Iterable[str], path: PathLike, line: int, *,
-                  prefix: str = "") -> Optional[UnknownFieldError]:
-  """The error of the first key of `obj` not in `known` (None when all are known).
-
-  A caller that also checks required keys reports an unknown key with a `suggestion` first
-  (the likely typo of a required one), then a missing required key, then any other unknown
-  key, as `read_jsonl` does.
+  `prefix` goes before the key in the message (`"conversation[1]."`). A caller that also checks
+  required keys reports an unknown key with a `suggestion` first (the likely typo of a required
+  one), then a missing required key, then any other unknown key, as `read_jsonl` does.
   """
   known = set(known)
-  for key in obj:
-    if key not in known:
-      return UnknownFieldError(path, line, f"{prefix}{key}", known)
-  return None
+  return next((UnknownFieldError(path, line, f"{prefix}{key}", known, kind=kind)
+               for key in obj if key not in known), None)
 
 
 class ReadResult(list):
-  """The rows read (a plain list of dicts), plus `lines`: the 1-based line where each row
-  starts, and `errors`: the DataErrors of report mode."""
+  """The rows read (a list of dicts), with `lines` (where each row starts) and `errors` (the
+  DataErrors of report mode)."""
 
   def __init__(self, rows: Sequence[dict[str, Any]] = (), errors: Sequence[DataError] = (),
                lines: Optional[Sequence[int]] = None):
@@ -154,9 +115,18 @@ def _required_error(row: dict[str, Any], required: Sequence[str], path: PathLike
     if name not in row:
       return DataError(path, line, "missing required field", name)
     value = row[name]
-    if value is None or (isinstance(value, (str, list, dict)) and not value) or (
+    if value is None or (isinstance(value, (list, dict)) and not value) or (
         isinstance(value, str) and not value.strip()):
       return DataError(path, line, "empty value", name)
+  return None
+
+
+def _text_error(obj: dict[str, Any], text: Sequence[str], path: PathLike,
+                line: int) -> Optional[DataError]:
+  """The first of the `text` fields present whose value is not a JSON string."""
+  for name in text:
+    if name in obj and not isinstance(obj[name], str):
+      return DataError(path, line, f"expected a string, got {json.dumps(obj[name])[:40]}", name)
   return None
 
 
@@ -173,17 +143,11 @@ def _utf8_lines(f: IO[bytes], path: PathLike) -> Iterator[tuple[int, str, Option
           path, number, f"not UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line")
 
 
-def _text_lines(f: IO[bytes], path: PathLike, report: Report) -> Iterator[tuple[int, str]]:
-  """(line number, text) of the non-blank lines; a line that is not UTF-8 is reported."""
-  for number, text, bad in _utf8_lines(f, path):
-    if bad is not None:
-      report(bad)
-    elif text.strip():
-      yield number, text
-
-
-def _quote_error(error: csv.Error) -> str:
+def _quote_error(error: csv.Error, unclosed: str) -> str:
+  """The message of a row `csv` cannot parse; `unclosed`: that of a quote left open."""
   message = str(error)
+  if "unexpected end of data" in message:
+    return unclosed
   if "expected after" in message:
     return (f"text after a closing quote ({message}): quote the whole field and double the "
             f"quotes inside it")
@@ -200,11 +164,9 @@ def _tsv_rows(lines: Iterator[tuple[int, str, Optional[DataError]]], path: PathL
     try:
       values = next(csv.reader([text], delimiter="\t", strict=True))
     except csv.Error as e:
-      if "unexpected end of data" in str(e):
-        report(DataError(path, number, "a quoted field is not closed on its line (a TSV row "
-                                       "is one line; double a quote inside a quoted field)"))
-      else:
-        report(DataError(path, number, _quote_error(e)))
+      report(DataError(path, number, _quote_error(e, "a quoted field is not closed on its line "
+                                                     "(a TSV row is one line; double a quote "
+                                                     "inside a quoted field)")))
       continue
     yield number, values
 
@@ -230,11 +192,9 @@ def _csv_rows(lines: Iterator[tuple[int, str, Optional[DataError]]], path: PathL
     except StopIteration:
       return
     except csv.Error as e:
-      if "unexpected end of data" in str(e):
-        report(DataError(path, start, f"a quoted field opened on this line is never closed "
-                                      f"(it runs to the end of the file, line {reader.line_num})"))
-      else:
-        report(DataError(path, start, _quote_error(e)))
+      report(DataError(path, start, _quote_error(
+          e, f"a quoted field opened on this line is never closed (it runs to the end of the "
+             f"file, line {reader.line_num})")))
       start = reader.line_num + 1
       continue
     first, start = start, reader.line_num + 1
@@ -247,8 +207,7 @@ def _csv_rows(lines: Iterator[tuple[int, str, Optional[DataError]]], path: PathL
 
 def _no_rows_error(path: PathLike, what: str, bad: int) -> DataError:
   """The error of a file without good rows (`allow_empty=False`)."""
-  if bad:
-    return DataError(path, 0, f"no good rows: all {bad} rows are bad (each logged above)")
+  what = f"no good rows: all {bad} rows are bad (each logged above)" if bad else what
   return DataError(path, 0, what)
 
 
@@ -276,8 +235,7 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
     if optional is not None:
       # A misspelt column would otherwise be dropped (or read as a missing optional one).
       known = [*(columns or ()), *(required or ()), *optional]
-      unknown = next((UnknownFieldError(path, header_line, name, known, kind="column")
-                      for name in header if name not in known), None)
+      unknown = unknown_field(header, known, path, header_line, kind="column")
       if unknown is not None and unknown.suggestion:  # The typo before the column it misses.
         raise unknown
     if columns is not None:
@@ -319,13 +277,11 @@ def read_tsv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
   """Reads a tab-separated file with a header row.
 
   Args:
-    path: The file.
-    columns: Columns to keep (in this order); the header must contain them. They are also the
-      required (non-empty) fields unless `required` is given.
+    columns: Columns to keep (in this order); the header must contain them.
     required: Fields that must be non-empty (default: `columns`, or none).
     optional: Other columns the header may have (kept after `columns` when present). Given
-      (even `()`), any other header column is an `UnknownFieldError`; None (the default)
-      passes them through (dropped when `columns` is given).
+      (even `()`), any other header column is an `UnknownFieldError` (a misspelt column would
+      otherwise read as an absent one); None passes them through (dropped given `columns`).
     allow_empty: False: a file without data rows is a `DataError` naming the file.
     on_error: "raise" (first bad row raises `DataError`) or "report" (bad rows are logged and
       collected in the result's `errors`). Header problems always raise.
@@ -346,33 +302,34 @@ def read_csv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
                          optional=optional, allow_empty=allow_empty, on_error=on_error)
 
 
-def _empty_what(path: PathLike) -> str:
-  """Why a line-based file has no rows: it is empty, or has only blank lines."""
-  return "empty file (no rows)" if fileio.getsize(path) == 0 else "no rows (only blank lines)"
+def _read_lines(path: PathLike, parse: Callable[[int, str], dict[str, Any] | DataError], *,
+                allow_empty: bool, on_error: OnError) -> ReadResult:
+  """The rows `parse(line, text)` makes of a file's non-blank lines (a DataError: a bad row)."""
+  report = _Collector(on_error)
+  rows: list[dict[str, Any]] = []
+  lines: list[int] = []
+  with fileio.open(path, "rb") as f:
+    for number, text, bad in _utf8_lines(f, path):
+      row = bad or (parse(number, text) if text.strip() else None)
+      if isinstance(row, DataError):
+        report(row)
+      elif row is not None:
+        rows.append(row)
+        lines.append(number)
+  if not rows and not allow_empty:
+    what = "empty file (no rows)" if fileio.getsize(path) == 0 else "no rows (only blank lines)"
+    raise _no_rows_error(path, what, len(report.errors))
+  return ReadResult(rows, report.errors, lines)
 
 
 def read_lines(path: PathLike, *, allow_empty: bool = True,
                on_error: OnError = "raise") -> ReadResult:
   """Reads plain text: a row `{"text": line}` for each non-blank line, newline dropped.
 
-  Args:
-    path: The file.
-    allow_empty: False: a file without a non-blank line is a `DataError` naming the file.
-    on_error: See `read_tsv` (a line that is not UTF-8 is the only bad row there is).
-
-  Returns:
-    A `ReadResult` with `.lines` and `.errors`.
+  `allow_empty` and `on_error` as `read_tsv`'s (a line that is not UTF-8 is the only bad row).
   """
-  report = _Collector(on_error)
-  rows: list[dict[str, Any]] = []
-  lines: list[int] = []
-  with fileio.open(path, "rb") as f:
-    for number, text in _text_lines(f, path, report):
-      rows.append({"text": text.rstrip("\r\n")})
-      lines.append(number)
-  if not rows and not allow_empty:
-    raise _no_rows_error(path, _empty_what(path), len(report.errors))
-  return ReadResult(rows, report.errors, lines)
+  return _read_lines(path, lambda _, text: {"text": text.rstrip("\r\n")},
+                     allow_empty=allow_empty, on_error=on_error)
 
 
 def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
@@ -381,58 +338,34 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
   """Reads one JSON object per line (blank lines are skipped).
 
   Args:
-    path: The file.
-    required: Keys every object must have with a non-empty value (`""`, `[]`, `{}`, null count
-      as empty).
-    text: Keys whose values, where present, must be JSON strings (a list or a number where
-      text is expected is an error of its line, not text made by `str`).
-    optional: The other keys an object may have. Given (even `()`), a key outside `required`,
-      `text` and `optional` is an `UnknownFieldError` of its line (one close to a known key is
-      reported before a missing required key, as the typo it likely is); None (the default)
-      passes unknown keys through.
+    required: Keys every object must have with a non-empty value (not `""`, `[]`, `{}`, null).
+    text: Keys whose values, where present, must be JSON strings (not a list or a number).
+    optional: The other keys an object may have. Given (even `()`), any other key is an
+      `UnknownFieldError` of its line (one close to a known key before a missing required
+      key, as the typo it likely is); None passes unknown keys through.
     allow_empty: False: a file without objects is a `DataError` naming the file.
     on_error: See `read_tsv`.
 
   Returns:
     A `ReadResult` of the decoded objects with `.lines` and `.errors`.
   """
-  report = _Collector(on_error)
   known = None if optional is None else [*(required or ()), *text, *optional]
-  rows: list[dict[str, Any]] = []
-  lines: list[int] = []
-  with fileio.open(path, "rb") as f:
-    for number, line_text in _text_lines(f, path, report):
-      try:
-        obj = json.loads(line_text)
-      except json.JSONDecodeError as e:
-        report(DataError(path, number, f"invalid JSON: {e.msg} at column {e.colno}"))
-        continue
-      if not isinstance(obj, dict):
-        report(DataError(path, number, f"expected a JSON object, got {type(obj).__name__}"))
-        continue
-      unknown = unknown_field(obj, known, path, number) if known is not None else None
-      # A misspelt key is reported as the typo, before the missing key it stands for.
-      typo = unknown if unknown is not None and unknown.suggestion else None
-      error = typo or _required_error(obj, required or (), path, number) or unknown or (
-          _text_error(obj, text, path, number))
-      if error is not None:
-        report(error)
-        continue
-      rows.append(obj)
-      lines.append(number)
-  if not rows and not allow_empty:
-    raise _no_rows_error(path, _empty_what(path), len(report.errors))
-  return ReadResult(rows, report.errors, lines)
 
+  def parse(number: int, line: str) -> dict[str, Any] | DataError:
+    try:
+      obj = json.loads(line)
+    except json.JSONDecodeError as e:
+      return DataError(path, number, f"invalid JSON: {e.msg} at column {e.colno}")
+    if not isinstance(obj, dict):
+      return DataError(path, number, f"expected a JSON object, got {type(obj).__name__}")
+    unknown = unknown_field(obj, known, path, number) if known is not None else None
+    # A misspelt key is reported as the typo, before the missing key it stands for.
+    typo = unknown if unknown is not None and unknown.suggestion else None
+    error = typo or _required_error(obj, required or (), path, number) or unknown or (
+        _text_error(obj, text, path, number))
+    return obj if error is None else error
 
-
-def _text_error(obj: dict[str, Any], text: Sequence[str], path: PathLike,
-                line: int) -> Optional[DataError]:
-  """The first of the `text` fields present whose value is not a JSON string."""
-  for name in text:
-    if name in obj and not isinstance(obj[name], str):
-      return DataError(path, line, f"expected a string, got {json.dumps(obj[name])[:40]}", name)
-  return None
+  return _read_lines(path, parse, allow_empty=allow_empty, on_error=on_error)
 
 
 def write_jsonl(path: PathLike, rows: Iterable[Mapping[str, Any]]) -> str:

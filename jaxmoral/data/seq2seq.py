@@ -47,7 +47,7 @@ def _copy_folder(source: str, target: str) -> None:
   locally under a temporary name renamed into place."""
   if fileio.is_url(target):
     for name in sorted(os.listdir(source)):
-      fileio.write_bytes(fileio.join(target, name), open(os.path.join(source, name), "rb").read())
+      fileio.upload(os.path.join(source, name), fileio.join(target, name))
     return
   os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
   partial = f"{target}.tmp.{os.getpid()}"
@@ -64,29 +64,23 @@ class Seq2SeqData(source.DataSpec):
   """(input, target) text pairs: a seqio Task or Mixture, or a data file.
 
   Attributes:
-    mixture_or_task_name: A registered seqio Task or Mixture (T5X's MIXTURE_OR_TASK_NAME).
-      Names starting with "jaxmoral_demo" are the bundled demo tasks, registered on demand.
-      Your own tasks: `import my_tasks` at the top of the gin file, as in T5X.
+    mixture_or_task_name: A registered seqio Task or Mixture (T5X's MIXTURE_OR_TASK_NAME;
+      "jaxmoral_demo*" are registered on demand, others by an import in the gin file).
     train_file: Instead of a task: a TSV/CSV/JSONL file of pairs (a bad row fails with its line).
-    eval_file: Evaluation pairs for `train_file` (default: one pair in 10 is held out, see
-      `heldout`).
+    eval_file: Evaluation pairs for `train_file` (default: `heldout` pairs of it).
     input_field: Column / key of the inputs in the files.
     target_field: Column / key of the targets in the files.
     vocabulary_path: A SentencePiece model (e.g. T5's spiece.model); None: the init
-      checkpoint's, else the demo vocabulary built from the bundled corpus.
+      checkpoint's, else the demo vocabulary.
     extra_ids: Sentinel ids after the pieces (T5: 100).
     train_split: Split used for training.
     eval_split: Split used for evaluation.
     pack: Pack several examples per row (T5X's `EncDecFeatureConverter(pack=True)`).
-    heldout: Which pairs of `train_file` are held out when there is no `eval_file`
-      (`pairs.HELDOUT_RULES`): "hash" (by the pair's text, whatever the file's order) or
-      "position" (every 10th; runs started before "hash" existed). A resumed run keeps the
-      rule it started with (`resumed`), so it goes on training on the same pairs.
-    cache_dir: A folder (local or a bucket URL) holding this data's rows as index caches
-      (DATA_CACHE): read from there when it has them, with no seqio or TensorFlow import (an
-      accelerator host that has no TensorFlow trains and evaluates from it); written there
-      first when it has none (`jaxmoral cache` writes it without training). It is for one
-      TASK_FEATURE_LENGTHS and SEED: another is refused in one line.
+    heldout: How one pair in 10 of `train_file` is held out without `eval_file`
+      (`pairs.HELDOUT_RULES`); a resumed run keeps the rule it started with (`resumed`).
+    cache_dir: A folder (local or a bucket URL) of this data's rows as index caches
+      (DATA_CACHE) for one TASK_FEATURE_LENGTHS and SEED, read with no seqio or TensorFlow
+      import; written first when it has none (`jaxmoral cache` writes it without training).
   """
   mixture_or_task_name: Optional[str] = None
   train_file: Optional[str] = None
@@ -144,24 +138,23 @@ class Seq2SeqData(source.DataSpec):
     """Registers what is needed (demo tasks, file tasks) and returns the task/mixture name."""
     tasks = _seqio_tasks()
     self.check_files()
+    if self.train_file is not None and self.eval_file is not None:
+      tasks.register_text_pair_task(
+          "jaxmoral_files", vocabulary=vocabulary, input_field=self.input_field,
+          target_field=self.target_field,
+          file={self.train_split: self.train_file, self.eval_split: self.eval_file})
+      return "jaxmoral_files"
     if self.train_file is not None:
-      files = {self.train_split: self.train_file}
-      if self.eval_file is not None:
-        files[self.eval_split] = self.eval_file
-        tasks.register_text_pair_task("jaxmoral_files", vocabulary=vocabulary, file=files,
-                                      input_field=self.input_field,
-                                      target_field=self.target_field)
-      else:
-        pairs = pairs_lib.read_pairs(self.train_file, input_field=self.input_field,
-                                     target_field=self.target_field)
-        split = pairs_lib.split_pairs(pairs, rule=self.heldout)
-        for part, what in (("train", "training"), ("validation", "held-out evaluation")):
-          if not split[part]:  # Named here: the task only sees the pairs, not the file.
-            raise ValueError(f"Seq2SeqData.train_file: {self.train_file} has {len(pairs)} "
-                             f"pairs, none for {what} (add pairs, or give eval_file)")
-        tasks.register_text_pair_task(
-            "jaxmoral_files", vocabulary=vocabulary,
-            examples={self.train_split: split["train"], self.eval_split: split["validation"]})
+      pairs = pairs_lib.read_pairs(self.train_file, input_field=self.input_field,
+                                   target_field=self.target_field)
+      split = pairs_lib.split_pairs(pairs, rule=self.heldout)
+      for part, what in (("train", "training"), ("validation", "held-out evaluation")):
+        if not split[part]:  # Named here: the task only sees the pairs, not the file.
+          raise ValueError(f"Seq2SeqData.train_file: {self.train_file} has {len(pairs)} "
+                           f"pairs, none for {what} (add pairs, or give eval_file)")
+      tasks.register_text_pair_task(
+          "jaxmoral_files", vocabulary=vocabulary,
+          examples={self.train_split: split["train"], self.eval_split: split["validation"]})
       return "jaxmoral_files"
     name = self.mixture_or_task_name
     assert name is not None  # A task name or train_file (checked in __post_init__).
@@ -180,10 +173,8 @@ class Seq2SeqData(source.DataSpec):
     if self.cache_dir is not None:
       return self._cached_sources(vocabulary=vocabulary, batch_size=batch_size,
                                   feature_lengths=feature_lengths, seed=seed)
-    tasks = _seqio_tasks()
-    name = self.task_name(vocabulary)
-    train = tasks.TaskSource(name, self.train_split, feature_lengths, batch_size, seed=seed,
-                             pack=self.pack)
+    train = _seqio_tasks().TaskSource(self.task_name(vocabulary), self.train_split,
+                                      feature_lengths, batch_size, seed=seed, pack=self.pack)
     return train, self.eval_source(vocabulary=vocabulary, batch_size=batch_size,
                                    feature_lengths=feature_lengths)
 
@@ -193,7 +184,7 @@ class Seq2SeqData(source.DataSpec):
     if self.cache_dir is not None:
       return self._cached_sources(vocabulary=vocabulary, batch_size=batch_size,
                                   feature_lengths=feature_lengths, seed=None)[1]
-    tasks = _seqio_tasks()
+    tasks = _seqio_tasks()  # Not installed: an error, not "no evaluation data".
     try:
       return tasks.TaskSource(self.task_name(vocabulary), self.eval_split, feature_lengths,
                               batch_size, shuffle=False)
@@ -203,8 +194,7 @@ class Seq2SeqData(source.DataSpec):
 
   # -- the index cache in cache_dir ---------------------------------------------------------
   def _cache_spec(self, feature_lengths: Mapping[str, int], seed: int) -> dict[str, Any]:
-    """What the cached rows are of. Files by name only: the host that reads the cache need
-    not have them."""
+    """What the cached rows are of (files by name: the reading host need not have them)."""
     return {"task": self.mixture_or_task_name,
             "files": [None if f is None else os.path.basename(f)
                       for f in (self.train_file, self.eval_file)],
@@ -219,10 +209,9 @@ class Seq2SeqData(source.DataSpec):
 
   def write_cache(self, *, vocabulary: Any, feature_lengths: Mapping[str, int],
                   seed: int) -> dict[str, Any]:
-    """Writes this data's rows into `cache_dir` through seqio (TensorFlow): `train/` (one
-    seeded pass, as `tasks.TaskSource` caches it), `eval/` (the evaluation split in order,
-    when there is one), the vocabulary, and `spec.json` last (a cache without it is
-    incomplete and written again). Returns the spec."""
+    """Writes this data's rows into `cache_dir` through seqio: `train/` (one seeded pass, as
+    `tasks.TaskSource` caches it), `eval/` (the evaluation split in order, if any), the
+    vocabulary, and `spec.json` last (without it a cache is written again). Returns the spec."""
     tasks = _seqio_tasks()
     assert self.cache_dir is not None
     name = self.task_name(vocabulary)
@@ -302,9 +291,7 @@ class Seq2SeqData(source.DataSpec):
   def batch_shapes(self, *, batch_size: int, feature_lengths: Mapping[str, int]
                    ) -> dict[str, tuple[tuple[int, ...], Any]]:
     """Global batch shapes and dtypes of the T5X seq2seq features (for `jaxmoral compile`)."""
-    for key in ("inputs", "targets"):
-      if key not in feature_lengths:
-        raise ValueError(f"feature_lengths needs {key!r}, got {dict(feature_lengths)}")
+    pipeline.check_lengths(feature_lengths)
     enc = (batch_size, int(feature_lengths["inputs"]))
     dec = (batch_size, int(feature_lengths["targets"]))
     names = {"encoder_input_tokens": enc, "decoder_input_tokens": dec,

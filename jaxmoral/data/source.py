@@ -1,9 +1,8 @@
 """The data contracts of training: the step-indexed `DataSource`, and the `DataSpec` making it.
 
-Every training source subclasses `DataSource` (`pipeline.BatchSource`, `tasks.TaskSource`,
-`diamante.data.QuadrupleSource`, `rl.ppo_trainer.PromptSource`) for its one implementation of
-sharding: frozen dataclasses with `batch_size` (global), `shard_index` and `shard_count` fields
-that call `check_shard()` in `__post_init__`; process i of n reads part i of every batch.
+Every training source subclasses `DataSource` for its one implementation of sharding: frozen
+dataclasses with `batch_size` (global), `shard_index` and `shard_count` fields that call
+`check_shard()` in `__post_init__`; process i of n reads part i of every batch.
 """
 
 from __future__ import annotations

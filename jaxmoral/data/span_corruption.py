@@ -1,23 +1,17 @@
 """T5's span-corruption pretraining objective as seqio preprocessors, and a Task that streams text.
 
 The objective (Raffel et al. 2020, section 3.1.4): 15 % of a text's tokens, in spans of 3 on
-average, are dropped from the inputs, each span replaced by one sentinel id; the targets are the
-dropped spans, each after its sentinel (sentinels written <X>, <Y>)::
+average, are dropped from the inputs, each span replaced by one sentinel id (the vocabulary's
+extra ids from the top, `<extra_id_0>` first); the targets are the dropped spans, each after
+its sentinel (sentinels written <X>, <Y>)::
 
   original  Thank you for inviting me to your party last week .
   inputs    Thank you <X> me to your party <Y> week .
   targets   <X> for inviting <Y> last
 
-Sentinels are the vocabulary's extra ids from the top: the first span of a sequence gets
-`vocab_size - 1` (`<extra_id_0>`), the next `vocab_size - 2`, ..., in both features, so putting
-each target span back in place of its sentinel gives the original tokens.
-
-A Task of `register_span_corruption_task` runs T5X's C4 span-corruption pipeline:
-raw text -> tokenize -> concatenate `concat_batch_size` texts -> split into chunks of
-`pre_corruption_length(sequence_length["inputs"])` tokens -> corrupt -> append EOS. The chunk
-length makes a full chunk's inputs exactly `sequence_length["inputs"]` tokens with EOS (512 ->
-568-token chunks whose targets are 114 tokens, T5's pairing). Packing is left to
-`seqio.EncDecFeatureConverter(pack=True)`. File sources are streamed, never read whole.
+A Task of `register_span_corruption_task` runs T5X's C4 span-corruption pipeline (raw text ->
+tokenize -> concatenate -> chunk to fit `sequence_length["inputs"]` -> corrupt -> append EOS),
+its files streamed; packing is left to `seqio.EncDecFeatureConverter(pack=True)`.
 """
 
 from __future__ import annotations
@@ -48,8 +42,6 @@ TextFn = Callable[[Mapping[str, Any]], Optional[str | Sequence[str]]]
 TEXT_SUFFIXES = (".txt", ".jsonl", ".tsv", ".csv")
 DEFAULT_CONCAT_BATCH_SIZE = 128  # T5's reduce_concat_tokens default.
 
-# -- lengths --------------------------------------------------------------------------------
-
 
 def _check_objective(noise_density: float, mean_noise_span_length: float) -> None:
   if not 0.0 < noise_density < 1.0:
@@ -60,12 +52,10 @@ def _check_objective(noise_density: float, mean_noise_span_length: float) -> Non
 
 def noise_counts(length: int, noise_density: float = 0.15,
                  mean_noise_span_length: float = 3.0) -> tuple[int, int]:
-  """(noise tokens, noise spans) of a `length`-token sequence.
+  """(noise tokens, noise spans) of a `length`-token sequence ((0, 0) below 2 tokens).
 
-  noise = round(length * density) clamped to [1, length - 1]; spans = max(1, round(noise /
-  mean span length)), at most the noise and the non-noise token counts (every span, noise or
-  not, needs a token). Sequences shorter than 2 tokens get no noise: (0, 0). Rounding is half
-  to even in float64, exactly as `noise_span_mask` computes it in TensorFlow.
+  Spans are at most the noise and the non-noise token counts (every span needs a token).
+  Rounding is half to even in float64, exactly as `noise_span_mask` computes it in TensorFlow.
   """
   _check_objective(noise_density, mean_noise_span_length)
   if length < 2:
@@ -95,7 +85,6 @@ def pre_corruption_length(inputs_length: int, noise_density: float = 0.15,
   """
   if inputs_length < 2:
     raise ValueError(f"inputs_length must be >= 2, got {inputs_length}")
-  _check_objective(noise_density, mean_noise_span_length)
 
   def fits(n: int) -> bool:
     return corrupted_lengths(n, noise_density, mean_noise_span_length)[0] <= inputs_length
@@ -106,9 +95,6 @@ def pre_corruption_length(inputs_length: int, noise_density: float = 0.15,
   while fits(tokens_length + 1):
     tokens_length += 1
   return tokens_length
-
-
-# -- the noise mask and corruption (TensorFlow, graph-safe) ---------------------------------
 
 
 def _noise_counts_tf(length: tf.Tensor, noise_density: float,
@@ -125,11 +111,9 @@ def _noise_counts_tf(length: tf.Tensor, noise_density: float,
 
 def _random_segmentation(num_items: tf.Tensor, num_segments: tf.Tensor,
                          seed: tf.Tensor) -> tf.Tensor:
-  """Lengths of a uniformly random split of `num_items` into `num_segments` positive parts.
-
-  Every composition is equally likely: the cuts are a uniform random subset of size
-  `num_segments - 1` of the `num_items - 1` gaps between items (random keys, lowest first).
-  """
+  """Lengths of a uniformly random split of `num_items` into `num_segments` positive parts:
+  the cuts are a uniform random subset of the `num_items - 1` gaps (random keys, lowest first),
+  so every composition is equally likely."""
   keys = tf.random.stateless_uniform([tf.maximum(num_items - 1, 0)], seed=seed)
   cuts = tf.sort(tf.argsort(keys)[:tf.maximum(num_segments - 1, 0)]) + 1
   bounds = tf.concat([[0], tf.cast(cuts, tf.int32), [num_items]], axis=0)
@@ -142,14 +126,11 @@ def noise_span_mask(length: int | tf.Tensor, noise_density: float = 0.15,
                     seed: Sequence[int] | tf.Tensor) -> tf.Tensor:
   """T5's noise mask: True at the `length`-token sequence's noise positions.
 
-  `noise_counts` gives the noise tokens and spans; the noise tokens and the non-noise tokens
-  are each split into that many positive spans at random, and the spans interleave starting
-  with non-noise (so the sequence ends with noise and never starts with a sentinel).
+  The noise and the non-noise tokens (`noise_counts`) are each split into that many spans at
+  random, interleaved from non-noise (a sequence ends with noise, never starts with a sentinel).
 
   Args:
     length: Sequence length (a Python int or a scalar int tensor, e.g. inside `Dataset.map`).
-    noise_density: Fraction of noise tokens.
-    mean_noise_span_length: Mean length of a noise span.
     seed: A stateless seed, shape [2] int; the same seed gives the same mask.
 
   Returns:
@@ -200,9 +181,6 @@ def corrupt_spans(tokens: tf.Tensor, mask: tf.Tensor, vocab_size: int,
   slots = tf.stack([tf.where(span_start, sentinel, -1), tf.where(mask, tokens, -1)], axis=1)
   slots = tf.reshape(slots, [-1])
   return inputs, tf.boolean_mask(slots, slots >= 0)
-
-
-# -- seqio preprocessors --------------------------------------------------------------------
 
 
 def concatenate_texts(dataset: tf.data.Dataset, *, batch_size: int = DEFAULT_CONCAT_BATCH_SIZE,
@@ -258,11 +236,18 @@ def span_corruption(dataset: tf.data.Dataset, output_features: Mapping[str, seqi
   return seqio.map_over_dataset(corrupt, num_seeds=1)(dataset)
 
 
-# -- sources --------------------------------------------------------------------------------
-
-
 def _suffix(path: str | os.PathLike) -> str:
   return os.path.splitext(os.fspath(path))[1].lower()
+
+
+def _check_text_file(path: str, text_field: Optional[str], text_fn: Optional[TextFn]) -> str:
+  """The suffix of a text file, checked: a known type, and a way to its rows' texts."""
+  suffix = _suffix(path)
+  if suffix not in TEXT_SUFFIXES:
+    raise ValueError(f"{path}: unknown text file type {suffix!r} (want one of {TEXT_SUFFIXES})")
+  if suffix != ".txt" and text_field is None and text_fn is None:
+    raise ValueError(f"{path}: give text_field or text_fn to choose the text of a {suffix} row")
+  return suffix
 
 
 def _row_texts(row: Mapping[str, Any], path: str, line: int, text_field: Optional[str],
@@ -295,11 +280,7 @@ def iterate_texts(path: str | os.PathLike, *, text_field: Optional[str] = None,
     readers.DataError: naming the file and line of a malformed row.
   """
   path = os.fspath(path)
-  suffix = _suffix(path)
-  if suffix not in TEXT_SUFFIXES:
-    raise ValueError(f"{path}: unknown text file type {suffix!r} (want one of {TEXT_SUFFIXES})")
-  if suffix != ".txt" and text_field is None and text_fn is None:
-    raise ValueError(f"{path}: give text_field or text_fn to choose the text of a {suffix} row")
+  suffix = _check_text_file(path, text_field, text_fn)
   with fileio.open(path, "r", encoding="utf-8", newline="") as f:
     if suffix == ".txt":
       lines: Iterator[tuple[int, Any]] = ((n, {"text": t.rstrip("\r\n")})
@@ -332,9 +313,7 @@ def iterate_texts(path: str | os.PathLike, *, text_field: Optional[str] = None,
         row = dict(zip(header, item, strict=True))
       else:
         row = item
-      for text in _row_texts(row, path, number, text_field, text_fn):
-        if text.strip():
-          yield text
+      yield from (t for t in _row_texts(row, path, number, text_field, text_fn) if t.strip())
 
 
 def _nonblank(text: tf.Tensor) -> tf.Tensor:
@@ -343,12 +322,9 @@ def _nonblank(text: tf.Tensor) -> tf.Tensor:
 
 def text_file_dataset(files: Sequence[str | os.PathLike], *, text_field: Optional[str] = None,
                       text_fn: Optional[TextFn] = None) -> tf.data.Dataset:
-  """Scalar tf.string texts of `files` in order, streamed (`iterate_texts` rules).
-
-  Local .txt files go through `tf.data.TextLineDataset`; the others, and every object-store
-  URL, through a Python generator that reads a row at a time through `jaxmoral.fileio` (the
-  file layer, credentials and endpoint of every other file a run reads).
-  """
+  """Scalar tf.string texts of `files` in order, streamed (`iterate_texts` rules): a local
+  .txt by `tf.data.TextLineDataset`, any other a row at a time through `jaxmoral.fileio` (the
+  file layer, credentials and endpoint of every other file a run reads)."""
   parts = []
   for path in files:
     if _suffix(path) == ".txt" and not fileio.is_url(path):
@@ -365,8 +341,6 @@ def text_file_dataset(files: Sequence[str | os.PathLike], *, text_field: Optiona
 
 def _text_source(*, files: Mapping[str, Sequence[str]], texts: Mapping[str, Sequence[str]],
                  text_field: Optional[str], text_fn: Optional[TextFn]) -> seqio.DataSource:
-  splits = list(files) + list(texts)
-
   def dataset_fn(split: str, shuffle_files: bool, seed: Optional[int] = None) -> tf.data.Dataset:
     if split in texts:
       dataset = tf.data.Dataset.from_tensor_slices(tf.constant(list(texts[split]), tf.string))
@@ -381,7 +355,7 @@ def _text_source(*, files: Mapping[str, Sequence[str]], texts: Mapping[str, Sequ
     return dataset.map(lambda text: {"targets": text})
 
   return seqio.FunctionDataSource(
-      dataset_fn, splits=splits,
+      dataset_fn, splits=[*files, *texts],
       num_input_examples={s: len(t) for s, t in texts.items()} if texts else None)
 
 
@@ -396,23 +370,21 @@ def register_span_corruption_task(
   """Registers a span-corruption pretraining Task over raw text (module docstring).
 
   Args:
-    name: Task name.
     vocabulary: Vocabulary of both features; its extra ids are the sentinels.
     text_files: Files (one "train" split) or `{split: files}`, streamed (`iterate_texts`).
     texts: Instead of files: in-memory texts (one "train" split) or `{split: texts}`.
     text_field: Key / column of the text in .jsonl / .tsv / .csv files.
     text_fn: Instead of `text_field`: row -> text(s) or None (skip the row).
-    noise_density: Fraction of tokens corrupted.
-    mean_noise_span_length: Mean length of a corrupted span.
+    noise_density, mean_noise_span_length: The objective (`noise_span_mask`).
     concat_batch_size: Texts concatenated before chunking (T5: 128).
     overwrite: Replace a Task of the same name.
 
   Returns:
     The registered `seqio.Task`; its `get_dataset` needs `sequence_length["inputs"]`.
   """
+  where = f"register_span_corruption_task({name!r})"
   if (text_files is None) == (texts is None):
-    raise ValueError(f"register_span_corruption_task({name!r}): give exactly one of "
-                     "text_files, texts")
+    raise ValueError(f"{where}: give exactly one of text_files, texts")
   _check_objective(noise_density, mean_noise_span_length)
   files: dict[str, list[str]] = {}
   split_texts: dict[str, list[str]] = {}
@@ -422,28 +394,18 @@ def register_span_corruption_task(
       files[split] = [os.fspath(p) for p in ([paths] if isinstance(paths, (str, os.PathLike))
                                              else paths)]
       if not files[split]:
-        raise ValueError(f"register_span_corruption_task({name!r}): split {split!r} has no "
-                         "files")
+        raise ValueError(f"{where}: split {split!r} has no files")
       for path in files[split]:
-        # Fail at registration, not in the middle of training.
-        if not fileio.isfile(path):
-          raise FileNotFoundError(f"register_span_corruption_task({name!r}): no such file "
-                                  f"{path}")
-        suffix = _suffix(path)
-        if suffix not in TEXT_SUFFIXES:
-          raise ValueError(f"{path}: unknown text file type {suffix!r} (want one of "
-                           f"{TEXT_SUFFIXES})")
-        if suffix != ".txt" and text_field is None and text_fn is None:
-          raise ValueError(f"{path}: give text_field or text_fn to choose the text of a "
-                           f"{suffix} row")
+        if not fileio.isfile(path):  # Fail at registration, not in the middle of training.
+          raise FileNotFoundError(f"{where}: no such file {path}")
+        _check_text_file(path, text_field, text_fn)
   else:
     assert texts is not None  # Exactly one of text_files, texts (checked above).
     by_split = texts if isinstance(texts, Mapping) else {"train": texts}
     split_texts = {s: list(t) for s, t in by_split.items()}
     for split, values in split_texts.items():
       if not any(t.strip() for t in values):
-        raise ValueError(f"register_span_corruption_task({name!r}): split {split!r} has no "
-                         "texts")
+        raise ValueError(f"{where}: split {split!r} has no texts")
   if overwrite:
     seqio.TaskRegistry.remove(name)
   objective: dict[str, Any] = dict(noise_density=noise_density,

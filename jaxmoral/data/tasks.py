@@ -1,12 +1,10 @@
 """seqio Tasks for text-pair data, the demo Tasks and Mixture, and the indexed `TaskSource`.
 
-A text-pair Task reads (input, target) strings from memory or from a TSV/CSV/JSONL file (read
-and checked by `readers` at registration, so a bad row fails with its line number before any
-training), tokenises both with a SentencePiece vocabulary and appends EOS after trimming, as T5
-tasks do. Shuffled, it serves a new permutation of its whole split every epoch, whatever the
-file's order. Training reads any Task or Mixture through `TaskSource`: seqio's own pipeline
-runs once into an index cache, and batch `step` is read from it directly (resume at any step
-without replay) with per-process sharding.
+A text-pair Task reads (input, target) strings from memory or from a TSV/CSV/JSONL file
+(checked by `readers` at registration, so a bad row fails with its line number before any
+training), tokenises both and appends EOS after trimming, as T5 tasks do; shuffled, it serves a
+new permutation of its whole split every epoch, whatever the file's order. Training reads any
+Task or Mixture through `TaskSource`, by step from an index cache.
 """
 
 from __future__ import annotations
@@ -34,41 +32,35 @@ from jaxmoral import integrity
 from jaxmoral.data import demo
 from jaxmoral.data import index_cache
 from jaxmoral.data import pairs as pairs_lib
+from jaxmoral.data import pipeline
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.pairs import Pairs
-from jaxmoral.data.pipeline import BatchSource
 from jaxmoral.data.pipeline import Features
 from jaxmoral.data.source import DataSource
 
 logger = logging.getLogger(__name__)
-# The attribute of a seqio DataSource that fingerprints its data (set by this package's
-# sources): a Task whose source has one keeps its index cache across runs.
+# The attribute of a seqio DataSource fingerprinting its data: its Task's cache is kept.
 FINGERPRINT_ATTRIBUTE = "jaxmoral_fingerprint"
 # A Mixture's cache holds at least this many rows (its rates are then well sampled).
 MIN_MIXTURE_ROWS = 2048
-
-
-
-def _without_function_source_notice(record: logging.LogRecord) -> bool:
-  """seqio warns that an uncached FunctionDataSource shuffles poorly after a restart; the
-  text-pair source shuffles its whole split itself and a `TaskSource` reads a restarted run's
-  batches by index from the rows of one seeded pass, so that does not apply to it."""
-  return "uncached FunctionDataset" not in record.getMessage()
-
-
-logging.getLogger("absl").addFilter(_without_function_source_notice)
 DEMO_MIXTURE = "jaxmoral_demo_clarify"
 DEMO_TASKS = ("jaxmoral_demo_clarify_question", "jaxmoral_demo_clarify_fusion",
               "jaxmoral_demo_clarify_judgment")
 
 
-def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
-  """The pairs of each split; shuffled, a new permutation of the whole split every epoch.
+def _without_function_source_notice(record: logging.LogRecord) -> bool:
+  """seqio warns that an uncached FunctionDataSource shuffles poorly after a restart; not
+  ours: the text-pair source shuffles its whole split and a `TaskSource` reads by index."""
+  return "uncached FunctionDataset" not in record.getMessage()
 
-  seqio's own shuffle, after the source, is a window of 1,000 examples: pairs stored in
-  blocks (a multi-task file written task by task, a classifier file sorted by label) would
-  reach training in blocks, one task or label per batch for hundreds of steps.
-  """
+
+logging.getLogger("absl").addFilter(_without_function_source_notice)
+
+
+def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
+  """The pairs of each split; shuffled, a new permutation of the whole split every epoch:
+  seqio's own shuffle is a window of 1,000 examples, so pairs stored in blocks (task by task,
+  sorted by label) would reach training one task or label per batch for hundreds of steps."""
   data = {split: ([x for x, _ in pairs], [y for _, y in pairs]) for split, pairs in splits.items()}
 
   def dataset_fn(split: str, shuffle_files: bool, seed: Optional[int] = None) -> tf.data.Dataset:
@@ -96,7 +88,6 @@ def register_text_pair_task(name: str, *, vocabulary: Any,
   """Registers a seqio Task of (input, target) text pairs.
 
   Args:
-    name: Task name.
     vocabulary: Vocabulary of both features (e.g. `vocab.get_vocabulary(...)`).
     examples: Pairs (one "train" split) or `{split: pairs}`.
     file: Instead of `examples`: a file (one "train" split) or `{split: file}`.
@@ -133,12 +124,10 @@ def register_text_pair_task(name: str, *, vocabulary: Any,
 
 @gin.configurable
 def register_demo_tasks(*, vocabulary: Any) -> seqio.Mixture:
-  """Registers the ClarifyDelphi demo Tasks (train/validation) and their Mixture.
-
-  Tasks: `jaxmoral_demo_clarify_question` (situation -> clarification question),
-  `..._fusion` (situation + question + answer -> updated situation), `..._judgment`
-  (situation -> bad | ok | good). The Mixture mixes them by example count.
-  """
+  """Registers the ClarifyDelphi demo Tasks (train/validation) and their Mixture (by example
+  count): situation -> clarification question (`jaxmoral_demo_clarify_question`), situation +
+  question + answer -> updated situation (`..._fusion`), situation -> bad | ok | good
+  (`..._judgment`)."""
   sources = {
       # Task prefixes tell the one model which task a mixed example is (T5 convention).
       DEMO_TASKS[0]: [("question: " + r["situation"], r["question"])
@@ -156,17 +145,21 @@ def register_demo_tasks(*, vocabulary: Any) -> seqio.Mixture:
 
 
 def set_tfds_data_dir(data_dir: str) -> None:
-  """Where every TFDS-backed seqio Task reads its prepared data, as T5X's `--tfds_data_dir`:
-  a local folder or a bucket URL (read by TFDS and TensorFlow's own GCS client). It overrides
-  each Task's own `tfds_data_dir`, for the rest of the process."""
+  """Where every TFDS-backed seqio Task reads its prepared data for the rest of the process,
+  as T5X's `--tfds_data_dir` (a local folder or a bucket URL)."""
   seqio.set_tfds_data_dir_override(data_dir)
+
+
+def _tasks(task_name: str) -> list[seqio.Task]:
+  """The Tasks of a registered Task or Mixture."""
+  provider = seqio.get_mixture_or_task(task_name)
+  return provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
 
 
 def num_examples(task_name: str, split: str) -> Optional[int]:
   """Input examples of a Task split (summed over a Mixture's Tasks), when the source knows."""
-  provider = seqio.get_mixture_or_task(task_name)
-  tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
-  counts = [t.source.num_input_examples(split) if split in t.splits else 0 for t in tasks]
+  counts = [t.source.num_input_examples(split) if split in t.splits else 0
+            for t in _tasks(task_name)]
   return None if any(c is None for c in counts) else int(sum(counts))
 
 
@@ -187,40 +180,28 @@ def _advance_graph(iterator: Any, count: Any) -> None:
 class TaskSource(DataSource):
   """Batches of a seqio Task or Mixture split, read by index from a cache seqio writes once.
 
-  seqio's own pipeline (`get_dataset(shuffle, seed)`: a Mixture samples its Tasks at their
-  rates; T5X's `EncDecFeatureConverter`: packing) runs once over the split, and its rows are
-  written to an index cache (`index_cache`: one `.npy` per feature, memory-mapped). Batch
-  `step` is then a gather of rows (`pipeline.BatchSource`, a new seeded permutation of the
-  rows every epoch): the data position stays the step. Reading the cache needs NumPy only.
+  seqio's pipeline (`get_dataset(shuffle, seed)`, T5X's `EncDecFeatureConverter`) runs once
+  over the split into an `index_cache` whose rows batch `step` gathers (`pipeline.BatchSource`),
+  so the data position stays the step. One pass is a Task's split in seqio's seeded order
+  (packing and noise drawn once, kept in later epochs), or a Mixture's stream at its rates for
+  as many examples as its Tasks have (at least `MIN_MIXTURE_ROWS` rows). A Task fingerprinting
+  its data (this package's do) keeps its cache under `cache_dir` for every run of that data;
+  another Task's cache is built once per process in a temporary folder.
 
-  What one pass is: a Task's split once, in seqio's seeded order (so the packing, and
-  randomness such as span corruption's noise, is drawn once and kept in later epochs, which
-  serve the same rows in another order); a Mixture's stream at its rates for as many examples
-  as its Tasks have (at least `MIN_MIXTURE_ROWS` rows). A Task of this package (text pairs,
-  span corruption) fingerprints its data, so its cache is kept under `cache_dir` and reused
-  by every run of the same data; another Task's cache is built once per process in a
-  temporary folder. `data_fingerprint` (a hash of the cached rows) goes into every
-  checkpoint: a run resumed over other data stops with a one-line error.
-
-  A Task of more than `max_cached_examples` examples (or a Mixture of Tasks of unknown size)
-  is streamed instead. With `position_dir`, the stream's position (its tf.data iterator's
-  state, as T5X checkpoints it: shuffle buffers and mixing included) is written there every
-  `position_every` batches, each process its own shard's file, and a resume at step k
-  restores the newest position at or before k and reads only the batches between; without a
-  position it reads the k batches before its step (logged).
+  A split of more than `max_cached_examples` examples (or a Mixture of Tasks of unknown size)
+  is streamed: with `position_dir` its tf.data iterator state is saved every `position_every`
+  batches (one file per shard), and a resume at step k reads only the batches after the newest
+  position at or before k (else all k, logged).
 
   Attributes (besides `DataSource`'s batch_size, shard_index, shard_count):
     task_name: A registered seqio Task or Mixture.
-    split: The split.
     feature_lengths: `{"inputs": N, "targets": M}`.
     seed: Shuffling (and mixing) seed.
     shuffle: False serves the split in order (evaluation).
     pack: Pack several examples per row.
-    cache_dir: Where index caches are kept (None: `index_cache.default_root()`,
-      `$JAXMORAL_DATA_CACHE` or `~/.cache/jaxmoral/data`).
-    max_cached_examples: Larger splits are streamed (see above).
-    position_dir: Where a streamed split's positions are kept (the run sets
-      MODEL_DIR/data_position); None: a resume replays.
+    cache_dir: Where index caches are kept (None: `index_cache.default_root()`).
+    max_cached_examples: Larger splits are streamed.
+    position_dir: Where a streamed split's positions are kept (MODEL_DIR/data_position).
     position_every: A position every this many batches (the run's checkpoint interval).
   """
   task_name: str
@@ -242,12 +223,8 @@ class TaskSource(DataSource):
 
   def __post_init__(self):
     self.check_shard()
-    for key in ("inputs", "targets"):
-      if key not in self.feature_lengths:
-        raise ValueError(f"TaskSource.feature_lengths lacks {key!r}: "
-                         f"{dict(self.feature_lengths)}")
-    provider = seqio.get_mixture_or_task(self.task_name)
-    tasks = provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
+    pipeline.check_lengths(self.feature_lengths, "TaskSource.feature_lengths")
+    tasks = _tasks(self.task_name)
     if not any(self.split in t.splits for t in tasks):
       raise ValueError(f"{self.task_name!r} has no split {self.split!r} (has "
                        f"{sorted({s for t in tasks for s in t.splits})})")
@@ -263,16 +240,18 @@ class TaskSource(DataSource):
     """A streamed split's position kept under `directory` (MODEL_DIR/data_position)."""
     return dataclasses.replace(self, position_dir=directory, position_every=every)
 
+  @property
+  def _is_mixture(self) -> bool:
+    return isinstance(seqio.get_mixture_or_task(self.task_name), seqio.Mixture)
+
   # -- the index cache --------------------------------------------------------------------------
   def _data_identity(self) -> Optional[dict[str, Any]]:
     """What the rows depend on, or None when a Task's data has no fingerprint."""
     provider = seqio.get_mixture_or_task(self.task_name)
-    is_mixture = isinstance(provider, seqio.Mixture)
-    tasks = provider.tasks if is_mixture else [provider]
     parts = []
     # The Tasks and their features share a vocabulary: each one is read once.
     digests: dict[int, Optional[str]] = {}
-    for task in tasks:
+    for task in _tasks(self.task_name):
       if self.split not in task.splits:
         continue
       fingerprint = getattr(task.source, FINGERPRINT_ATTRIBUTE, None)
@@ -285,18 +264,18 @@ class TaskSource(DataSource):
                              f.vocabulary.vocab_size, f.add_eos]
                       for name, f in sorted(task.output_features.items())}
       parts.append({"task": task.name, "data": fingerprint, "features": vocabularies,
-                    "rate": provider.get_rate(task) if is_mixture else None})
+                    "rate": provider.get_rate(task) if self._is_mixture else None})
     return {"tasks": parts}
 
   def _cacheable(self) -> bool:
     count = self.num_examples
-    if isinstance(seqio.get_mixture_or_task(self.task_name), seqio.Mixture) and count is None:
-      return False
-    return count is None or count <= self.max_cached_examples
+    if count is None:
+      return not self._is_mixture
+    return count <= self.max_cached_examples
 
   def _pass_rows(self) -> Iterator[Features]:
     """One pass of seqio's stream (class docstring), in chunks of rows."""
-    is_mixture = isinstance(seqio.get_mixture_or_task(self.task_name), seqio.Mixture)
+    is_mixture = self._is_mixture
     ds = self._features(num_epochs=None if is_mixture else 1, shard_info=None, in_memory=False)
     want = max(self.num_examples or 0, 1)
     rows = examples = 0
@@ -316,8 +295,8 @@ class TaskSource(DataSource):
       yield chunk
 
   def cache_directory(self) -> str:
-    """The index cache of this split's rows, built first if there is none (the directory's
-    name is the Task and a key of everything the rows depend on)."""
+    """The index cache of this split's rows (named by the Task and a key of what they depend
+    on), built first if there is none."""
     data = self._data_identity()
     identity = {"version": 1, "task": self.task_name, "split": self.split,
                 "lengths": self.feature_lengths, "pack": self.pack, "shuffle": self.shuffle,
@@ -352,12 +331,6 @@ class TaskSource(DataSource):
       return None
     return self._cached_rows()[1]["sha256"][:16]
 
-  def _index_source(self) -> BatchSource:
-    features, _ = self._cached_rows()
-    return BatchSource(features=features, batch_size=self.batch_size, seed=self.seed,
-                       shuffle=self.shuffle, shard_index=self.shard_index,
-                       shard_count=self.shard_count)
-
   # -- batches ----------------------------------------------------------------------------------
   def _features(self, *, num_epochs: Optional[int], shard_info: Optional[seqio.ShardInfo],
                 in_memory: bool) -> tf.data.Dataset:
@@ -384,7 +357,10 @@ class TaskSource(DataSource):
     if start_step < 0:
       raise ValueError(f"start_step must be >= 0, got {start_step}")
     if self._cacheable():
-      yield from self._index_source().iterate(start_step)
+      yield from pipeline.BatchSource(
+          features=self._cached_rows()[0], batch_size=self.batch_size, seed=self.seed,
+          shuffle=self.shuffle, shard_index=self.shard_index,
+          shard_count=self.shard_count).iterate(start_step)
       return
     iterator = iter(self._dataset(repeat=True))
     at = self._restore_position(iterator, start_step) if start_step else 0
@@ -404,24 +380,21 @@ class TaskSource(DataSource):
   # -- a streamed split's position ---------------------------------------------------------------
   _POSITIONS_KEPT = 5
 
-  def _position_name(self) -> str:
-    return f"process_{self.shard_index}-of-{self.shard_count}"
+  def _position_folder(self, step: int) -> str:
+    assert self.position_dir is not None
+    return fileio.join(self.position_dir, str(step),
+                       f"process_{self.shard_index}-of-{self.shard_count}")
 
   def _saved_positions(self) -> list[int]:
     if not self.position_dir:
       return []
-    try:
-      names = fileio.listdir(self.position_dir)
-    except OSError:
-      return []
-    return sorted(int(n) for n in names if n.isdigit() and fileio.exists(
-        fileio.join(self.position_dir, n, self._position_name(), integrity.INTEGRITY_FILE)))
+    return [s for s in integrity.step_folders(self.position_dir) if fileio.exists(
+        fileio.join(self._position_folder(s), integrity.INTEGRITY_FILE))]
 
   def _save_position(self, iterator: Any, step: int) -> None:
-    """Writes the iterator's state at batch `step` (local temp, then copied: a bucket too),
-    with the sizes and checksums of its files (`integrity.write_integrity_manifest`)."""
-    assert self.position_dir is not None
-    folder = fileio.join(self.position_dir, str(step), self._position_name())
+    """Writes the iterator's state at batch `step` with its integrity manifest (locally, then
+    copied: to a bucket too)."""
+    folder = self._position_folder(step)
     with tempfile.TemporaryDirectory(prefix="jaxmoral-position-") as scratch:
       tf.train.Checkpoint(iterator=iterator).write(os.path.join(scratch, "iterator"))
       integrity.write_integrity_manifest(scratch)
@@ -430,20 +403,18 @@ class TaskSource(DataSource):
       for name in sorted(os.listdir(scratch), key=lambda n: n == integrity.INTEGRITY_FILE):
         fileio.upload(os.path.join(scratch, name), fileio.join(folder, name))
     for old in self._saved_positions()[:-self._POSITIONS_KEPT]:
-      fileio.rmtree(fileio.join(self.position_dir, str(old), self._position_name()))
+      fileio.rmtree(self._position_folder(old))
 
   def _restore_position(self, iterator: Any, step: int) -> int:
     """Restores the newest saved position at or before `step`; returns its step (0: none).
 
     Raises:
-      integrity.CheckpointIntegrityError: A file of that position is missing or damaged
-        (the one-line message names it).
+      integrity.CheckpointIntegrityError: A file of that position is missing or damaged.
     """
     saved = [p for p in self._saved_positions() if p <= step]
     if not saved:
       return 0
-    assert self.position_dir is not None
-    folder = fileio.join(self.position_dir, str(saved[-1]), self._position_name())
+    folder = self._position_folder(saved[-1])
     integrity.verify_integrity(folder, what=f"{folder} (the data position at step "
                                  f"{saved[-1]})", step=saved[-1], unverified_ok=False)
     tf.train.Checkpoint(iterator=iterator).read(

@@ -1,15 +1,13 @@
 """SentencePiece vocabularies, T5 style: train small ones, load any without TensorFlow.
 
 T5 conventions: pad = 0 (also the decoder start id), eos = 1, unk = 2, no bos; `extra_ids`
-sentinels (`<extra_id_0>` = the highest id) sit after the SentencePiece pieces. The model's
-`vocab_size` must be at least `pieces + extra_ids` (the released T5 models use 32,000 + 100,
-padded to 32,128; the tiny demo uses 400 + 100 <= 512).
+sentinels (`<extra_id_0>` = the highest id) sit after the pieces, so a model's `vocab_size`
+must be at least `pieces + extra_ids` (T5: 32,000 + 100, padded to 32,128).
 
-`SentencePieceVocabulary` is seqio's vocabulary of the same name on SentencePiece alone: the
-same ids and texts, with no TensorFlow import, so training from an index cache, evaluation,
-decoding and every method run on an accelerator host that has no TensorFlow (a CUDA jax
-often cannot share a host with it). seqio's own object is made from it only where a seqio
-Task is defined (`as_seqio`).
+`SentencePieceVocabulary` is seqio's vocabulary of that name with no TensorFlow import, so
+training from an index cache, evaluation and decoding run on an accelerator host without
+TensorFlow (a CUDA jax often cannot share a host with it); `as_seqio` makes seqio's own object
+where a seqio Task is defined.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import logging
 import os
 import pathlib
 import threading
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import gin
 import sentencepiece as spm
@@ -28,7 +26,7 @@ import sentencepiece as spm
 from jaxmoral import fileio
 from jaxmoral.data import demo
 
-DEMO_DIR = pathlib.Path(__file__).resolve().parent / "demo"
+DEMO_DIR = demo.DEMO_DIR
 DEMO_VOCAB_SIZE = 400  # + 100 extra ids = 500 <= the tiny model's 512 rows.
 T5_EXTRA_IDS = 100
 
@@ -44,12 +42,9 @@ def train_sentencepiece(texts: Iterable[str], *, output_prefix: str | os.PathLik
     output_prefix: Writes `{output_prefix}.model` and `{output_prefix}.vocab`.
     vocab_size: Number of pieces, the 3 special ones included.
     model_type: "unigram" (T5) or "bpe".
-    character_coverage: Fraction of characters covered; 1.0 keeps every character of a small
-      corpus out of `unk`.
-    seed: SentencePiece's random seed (training is also single-threaded and unshuffled, so a
-      rerun gives the same pieces and scores).
-    hard_vocab_limit: When False, a corpus too small for `vocab_size` gives fewer pieces
-      instead of an error.
+    character_coverage: Fraction of characters covered (1.0: none of a small corpus is `unk`).
+    seed: SentencePiece's random seed (training is also single-threaded and unshuffled).
+    hard_vocab_limit: False: a corpus too small for `vocab_size` gives fewer pieces.
 
   Returns:
     The path of the `.model` file.
@@ -65,13 +60,9 @@ def train_sentencepiece(texts: Iterable[str], *, output_prefix: str | os.PathLik
   prefix = pathlib.Path(output_prefix)
   prefix.parent.mkdir(parents=True, exist_ok=True)
   spm.set_random_generator_seed(seed)
-
-  def sentence_iterator() -> Iterator[str]:
-    yield from sentences
-
   try:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=sentence_iterator(),
+        sentence_iterator=iter(sentences),
         model_prefix=str(prefix),
         vocab_size=vocab_size,
         model_type=model_type,
@@ -91,13 +82,9 @@ def train_sentencepiece(texts: Iterable[str], *, output_prefix: str | os.PathLik
 class SentencePieceVocabulary:
   """A SentencePiece model with seqio's T5 conventions (`seqio.SentencePieceVocabulary`).
 
-  The sentinels are added to the model as user-defined pieces `▁<extra_id_N>`, the first one
-  last, exactly as seqio loads a model, so `encode` reads "<extra_id_0>" in a text as that
-  sentinel and `decode` writes it back. Equality is by (file, extra_ids), as seqio's.
-
-  Attributes:
-    sentencepiece_model_file: The local `.model` file.
-    extra_ids: Sentinels after the pieces.
+  The sentinels are user-defined pieces `▁<extra_id_N>`, the first one last, as seqio loads a
+  model, so `encode` reads "<extra_id_0>" in a text as that sentinel and `decode` writes it
+  back. Equality is by (`sentencepiece_model_file`, `extra_ids`), as seqio's.
   """
 
   # SentencePiece's proto loading is not thread-safe (seqio holds a lock for it too).
@@ -167,13 +154,19 @@ class SentencePieceVocabulary:
     return self.tokenizer.DecodeIds(clean)
 
 
+def _model_proto(path: str) -> Any:
+  """The `ModelProto` of a SentencePiece model file."""
+  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
+  return sentencepiece_model_pb2.ModelProto.FromString(  # type: ignore[attr-defined]
+      fileio.read_bytes(path))
+
+
 @functools.cache
 def _load_processor(path: str, extra_ids: int) -> spm.SentencePieceProcessor:
-  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
-  proto = sentencepiece_model_pb2.ModelProto  # type: ignore[attr-defined]
-  model = proto.FromString(fileio.read_bytes(path))
+  model = _model_proto(path)
+  user_defined = type(model).SentencePiece.USER_DEFINED
   for i in reversed(range(extra_ids)):  # <extra_id_0> gets the highest id (span corruption).
-    model.pieces.add(piece=f"▁<extra_id_{i}>", score=0.0, type=proto.SentencePiece.USER_DEFINED)
+    model.pieces.add(piece=f"▁<extra_id_{i}>", score=0.0, type=user_defined)
   processor = spm.SentencePieceProcessor()
   with SentencePieceVocabulary._load_lock:  # pylint: disable=protected-access
     processor.LoadFromSerializedProto(model.SerializeToString())
@@ -181,12 +174,9 @@ def _load_processor(path: str, extra_ids: int) -> spm.SentencePieceProcessor:
 
 
 def as_seqio(vocabulary: Any) -> Any:
-  """seqio's vocabulary for `vocabulary` (for a seqio Task's features; imports TensorFlow).
-
-  A `SentencePieceVocabulary` becomes the `seqio.SentencePieceVocabulary` of its file and
-  sentinels (one object per file, so seqio's caches see one vocabulary); anything else is
-  returned as it is (a seqio vocabulary already).
-  """
+  """seqio's vocabulary for `vocabulary`, for a seqio Task's features (imports TensorFlow):
+  one object per file and sentinels, so seqio's caches see one vocabulary; anything but a
+  `SentencePieceVocabulary` is returned as it is."""
   if isinstance(vocabulary, SentencePieceVocabulary):
     return _seqio_vocabulary(vocabulary.sentencepiece_model_file, vocabulary.extra_ids)
   return vocabulary
@@ -199,16 +189,13 @@ def _seqio_vocabulary(path: str, extra_ids: int) -> Any:
 
 
 def model_digest(vocabulary: Any) -> Optional[str]:
-  """A SentencePiece vocabulary by what tokenises (pieces, scores, normalisation), not by its
-  path or how it was trained (the model records its training paths): runs that each build or
-  copy the same vocabulary (the demo's, into every MODEL_DIR) share one data cache. None for
-  a vocabulary that is not a SentencePiece model."""
-  from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
+  """A digest of what a SentencePiece vocabulary tokenises, not of its path or training (the
+  model records its training paths): runs that each build or copy the same vocabulary share
+  one data cache. None for a vocabulary that is not a SentencePiece model."""
   path = getattr(vocabulary, "sentencepiece_model_file", None)
   if path is None:
     return None
-  proto = sentencepiece_model_pb2.ModelProto  # type: ignore[attr-defined]
-  model = proto.FromString(fileio.read_bytes(path))
+  model = _model_proto(path)
   model.ClearField("trainer_spec")
   return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
 
@@ -253,11 +240,8 @@ def build_demo_vocabulary(*, output_dir: str | os.PathLike,
   """Trains the demo vocabulary on the bundled corpus (reused when already built).
 
   Args:
-    output_dir: Folder for `demo_spm_{vocab_size}.model`.
+    output_dir: Folder for `demo_spm_{vocab_size}.model` (returned).
     vocab_size: Pieces; with 100 extra ids keep `vocab_size + 100 <= T5Config.vocab_size`.
-
-  Returns:
-    The `.model` path.
   """
   if fileio.is_url(output_dir):
     # SentencePiece writes local files: built in a local folder, then uploaded.

@@ -62,15 +62,11 @@ def npov_examples() -> list[dict[str, Any]]:
 
 def all_texts() -> list[str]:
   """Every text of the corpus, each once, in a fixed order (vocabulary training data)."""
-  texts: list[str] = []
-  for row in clarify_questions():
-    texts += [row["situation"], row["question"]]
-  for row in clarify_answers():
-    texts += [row["answer"], row["hypothesis"]]
-  for row in clarify_fusion():
-    texts += [row["input"], row["output"]]
-  for row in clarify_judgments():
-    texts += [row["situation"], row["judgment"]]
+  texts = [row[field] for rows, fields in ((clarify_questions(), ("situation", "question")),
+                                           (clarify_answers(), ("answer", "hypothesis")),
+                                           (clarify_fusion(), ("input", "output")),
+                                           (clarify_judgments(), ("situation", "judgment")))
+           for row in rows for field in fields]
   for d in dialogues():
     for turn in d["conversation"]:
       texts += [turn["utterance"], *turn["response_candidates"]]
