@@ -1,15 +1,7 @@
 """Question generators: the fine-tuned / PPO θQ and the paper's baselines.
 
 A generator maps situations to one question each: `fn(situations) -> list[str]`.
-
-* `sampled_generator`: θQ alone with nucleus sampling (top-p 0.6) -- the fine-tuned baseline,
-  and the PPO policy evaluated the same way.
-* `pipeline_generator`: 14 wh-word-conditioned questions per situation (θQ with `wh: <word>`),
-  ranked by the same defeasibility divergence (with or without the NLI filter);
-  `pipeline_generators` builds both variants from one scoring.
-* `why_generator`: "Why are you <situation>?".
-* `discriminator_generator`: sampled candidates ranked by a relevance classifier (a T5 scoring
-  `relevant` / `irrelevant` for `relevance situation: s question: q`; see `data.relevance_pairs`).
+`all_generators` gives every system the given models allow.
 """
 
 from __future__ import annotations
@@ -102,15 +94,6 @@ def why_generator() -> Generator:
   return lambda situations: [formats.why_question(s) for s in situations]
 
 
-def relevance_scores(relevance_model: models.ClarifyModel, situations: Sequence[str],
-                     questions: Sequence[str], *,
-                     labels: Sequence[str] = formats.RELEVANCE_LABELS) -> np.ndarray:
-  """(N,) P(relevant) of each (situation, question)."""
-  inputs = [formats.relevance_input(situation=s, question=q)
-            for s, q in zip(situations, questions, strict=True)]
-  return relevance_model.label_distribution(inputs, labels)[:, 0]
-
-
 def discriminator_generator(question_model: models.ClarifyModel,
                             relevance_model: models.ClarifyModel, *, num_candidates: int = 8,
                             top_p: float = 0.6, max_length: int = 32, seed: int = 0,
@@ -121,9 +104,9 @@ def discriminator_generator(question_model: models.ClarifyModel,
     candidates = question_model.predict(inputs, max_decode_length=max_length,
                                         num_samples=num_candidates, greedy=False, top_p=top_p,
                                         rng=jax.random.PRNGKey(seed)).decoded
-    flat_s = [s for s in situations for _ in range(num_candidates)]
-    flat_q = [q for c in candidates for q in c]
-    scores = relevance_scores(relevance_model, flat_s, flat_q, labels=labels)
+    pairs = [formats.relevance_input(situation=s, question=q)
+             for s, c in zip(situations, candidates, strict=True) for q in c]
+    scores = relevance_model.label_distribution(pairs, labels)[:, 0]  # P(relevant)
     return select_best(candidates, scores.reshape(len(situations), num_candidates))
   return generate
 

@@ -1,12 +1,8 @@
-"""`jaxmoral clarify chat`: judgment, clarification question, fused answer, new judgment.
+"""`jaxmoral clarify chat` (`chat`) and `chat-file` (`chat_from_file`).
 
 A turn: the judge judges the current situation, θQ asks a clarification question, the user
 answers, the fusion model folds the answer into the situation, and the judge judges the updated
-situation, which the next turn starts from. Up to `max_turns` turns; an empty answer ends the
-conversation. Every turn is one JSON line of the transcript.
-
-`jaxmoral clarify chat` calls `chat`, `jaxmoral clarify chat-file` calls `chat_from_file`;
-their flags are these functions' arguments (`--transcript_path=`, `--input_jsonl=`, ...).
+situation, which the next turn starts from. Every turn is one JSON line of the transcript.
 """
 
 from __future__ import annotations
@@ -51,24 +47,24 @@ class ClarifySession:
                                                self.judge_classes, require_single_token=True)[0]
     return formats.JUDGMENTS[int(dist.argmax())], [float(x) for x in dist]
 
+  def _generate(self, model: models.ClarifyModel, text: str, **kwargs: Any) -> str:
+    return model.predict([text], max_decode_length=self.max_length, **kwargs).decoded[0][0]
+
   def question(self, situation: str) -> str:
     self._count += 1
-    return self.question_model.predict(
-        [formats.question_input(situation)], max_decode_length=self.max_length, greedy=False,
-        top_p=self.top_p, rng=jax.random.fold_in(self._rng, self._count)).decoded[0][0]
+    return self._generate(self.question_model, formats.question_input(situation), greedy=False,
+                          top_p=self.top_p, rng=jax.random.fold_in(self._rng, self._count))
 
   def fuse(self, situation: str, question: str, answer: str) -> str:
-    inputs = [formats.fusion_input(situation=situation, question=question, answer=answer)]
-    return self.fusion_model.predict(inputs, max_decode_length=self.max_length,
-                                     greedy=True).decoded[0][0]
+    return self._generate(self.fusion_model, formats.fusion_input(
+        situation=situation, question=question, answer=answer), greedy=True)
 
   def answer(self, situation: str, question: str, judgment: str, update_type: str) -> str:
     if self.answer_model is None:
       raise ValueError("chat_from_file: a row has no answer and no answer_model_dir was given")
-    inputs = [formats.answer_input(judgment=judgment, situation=situation,
-                                   update_type=update_type, question=question)]
-    return self.answer_model.predict(inputs, max_decode_length=self.max_length,
-                                     greedy=True).decoded[0][0]
+    text = formats.answer_input(judgment=judgment, situation=situation,
+                                update_type=update_type, question=question)
+    return self._generate(self.answer_model, text, greedy=True)
 
   def turn(self, situation: str, answer_fn: Callable[[str, str, str], Optional[str]],
            turn: int) -> Optional[dict[str, Any]]:

@@ -1,37 +1,9 @@
 """`jaxmoral clarify <action> [--name=value ...]`: gin-bound library calls.
 
-Each action is one keyword-only `@gin.configurable` function; `--name=value` after the action
-binds that function's argument (same as `--gin.<module>.<function>.<name>=value`), and gin
-files / bindings work as for every command (a flag overrides a gin file)::
-
-  jaxmoral clarify train-model --which=question --model_dir=/tmp/q --source=demo
-  jaxmoral clarify train-model --gin_file=configs/clarify/tiny_cpu.gin --which=multitask \\
-      --model_dir=/tmp/clarify/multitask
-  jaxmoral clarify train-ppo --gin_file=configs/clarify/tiny_cpu.gin --model_dir=/tmp/ppo \\
-      --question_model_dir=/tmp/q --answer_model_dir=/tmp/a --fusion_model_dir=/tmp/f \\
-      --judge_model_dir=/tmp/j [--nli_model_dir=/tmp/n]
-  jaxmoral clarify evaluate --question_model_dir=/tmp/q --answer_model_dir=/tmp/a \\
-      --fusion_model_dir=/tmp/f --judge_model_dir=/tmp/j --ppo_model_dir=/tmp/ppo \\
-      --split=dev --output_path=evaluation.json
-  jaxmoral clarify chat --question_model_dir=/tmp/q --fusion_model_dir=/tmp/f \\
-      --judge_model_dir=/tmp/j --judge_classes=wrong,okay,good --transcript_path=chat.jsonl
-  jaxmoral clarify chat-file --input_jsonl=in.jsonl --output_jsonl=out.jsonl \\
-      --question_model_dir=/tmp/q --fusion_model_dir=/tmp/f --judge_model_dir=/tmp/j \\
-      [--answer_model_dir=/tmp/a]
-  jaxmoral clarify demo --workdir=demo_out/clarify
-
-Without a gin file, `train-model` trains a tiny T5 with AdamW (`--learning_rate`, default
-1e-3; `--model_size=small`...) and `train-ppo` uses `PPOConfig()`, the original ClarifyDelphi
-recipe, and its Adam (1e-5 decaying linearly over the run); with
-configs/clarify/*.gin, the rates are the gin macros (`--gin.LEARNING_RATE=...`,
-`--gin.PPO_LEARNING_RATE=...`). A comma list given to a sequence flag is a tuple of strings
-(`--judge_classes=bad,ok,good` is `--judge_classes="('bad','ok','good')"`); train-ppo's
-judge classes are the reward's: `--gin.reward.RewardConfig.judge_classes=bad,ok,good` is not
-split, so write the tuple there.
-
-`jaxmoral clarify <action> --help` lists the action's flags (read from its function's
-signature and docstring) without loading any model. What an action will write is checked to
-be writable before it starts (`OUTPUTS`). The dispatch is `jaxmoral.action_commands`.
+Each action is one keyword-only `@gin.configurable` function (`ACTIONS`); `--name=value` after
+the action binds that function's argument, and gin files / bindings work as for every command.
+docs/methods.md shows every action's command line; the dispatch (`--help`, checks of `OUTPUTS`
+before an action starts) is `jaxmoral.action_commands`.
 """
 
 from __future__ import annotations

@@ -186,9 +186,7 @@ def judge_examples(*, answers: Iterable[dict[str, str]] = (),
 def judge_pairs(examples: Iterable[tuple[str, str]], *,
                 classes: Sequence[str] = formats.T5_JUDGE_CLASSES) -> list[Pair]:
   """Judge pairs; targets are the configured class strings (in bad, ok, good order)."""
-  classes = formats.check_classes(classes, field="classes")
-  if len(classes) != len(formats.JUDGMENTS):
-    raise ValueError(f"classes must map {formats.JUDGMENTS} (3 strings), got {classes!r}")
+  classes = formats.check_classes(classes, field="classes", names=formats.JUDGMENTS)
   mapping = dict(zip(formats.JUDGMENTS, classes, strict=True))
   return [(formats.judge_input(s), mapping[j]) for s, j in examples]
 
@@ -237,7 +235,6 @@ def _words(text: str) -> set[str]:
 
 def similar_situations(situations: Sequence[str]) -> dict[str, str]:
   """Each situation's most similar other situation by word overlap (Jaccard), vectorised."""
-  import numpy as np
   from scipy import sparse
   words = [_words(s) for s in situations]
   index = {w: i for i, w in enumerate(sorted(set().union(*words)))} if words else {}
@@ -312,18 +309,10 @@ def _kind_files(root: Any, kind: str, split: str) -> tuple[list[Any], Optional[s
 
 def source_files(source: str, which: str, *, split: str = "train",
                  purpose: Optional[str] = None) -> dict[str, list[Any]]:
-  """The files a data folder gives the model(s) `which` (one of `WHICH` or "multitask").
+  """{row kind: files} of a data folder for the kinds `INPUTS` lists for `which` (one of
+  `WHICH` or "multitask"), all checked before any file is read.
 
-  Checks everything before any file is read (and before a caller writes anything).
-
-  Args:
-    source: The folder.
-    which: The model(s) whose inputs are wanted.
-    split: δ-Clarify split of the questions.
-    purpose: What the files are for, in messages (default "--which=<which>").
-
-  Returns:
-    {row kind: files} for the kinds `INPUTS` lists for `which`.
+  `purpose` says what the files are for in messages (default "--which=<which>").
 
   Raises:
     FileNotFoundError: `source` is not a folder, or inputs are missing; one line listing every
@@ -366,8 +355,7 @@ def load_source(source: str, *, split: str = "train", which: str = "multitask",
     split: δ-Clarify split for the questions (a folder's: any `delta_clarify/<split>.tsv`
       present; the demo's: "train" or "dev", which only `situations` tells apart); the silver
       answers and the fusion data exist as one (dev) file each and are used for every split.
-    which: The model (`WHICH`) or "multitask" whose inputs to load; all must be present.
-    purpose: What the rows are for, in messages (see `source_files`).
+    which, purpose: See `source_files`.
 
   Raises:
     FileNotFoundError: missing inputs (all listed), see `source_files`.
@@ -396,9 +384,7 @@ def build_pairs(which: str, source: str = "demo", *, split: str = "train",
     which: A model of WHICH, or "multitask".
     source: "demo" or a data folder.
     split: δ-Clarify split of the questions.
-    judge_classes: Judge targets.
-    nli_labels: NLI targets.
-    relevance_labels: Relevance targets.
+    judge_classes, nli_labels, relevance_labels: Targets of those models.
     mixing_cap: T5's examples-proportional mixing with an artificial limit: a model with
       more pairs than this contributes a seeded random `mixing_cap` of them, so small tasks
       (answers: about 1 % of the shared data's pairs) are not drowned by question
@@ -445,17 +431,14 @@ def _pairs_of(which: str, rows: dict[str, list[dict[str, str]]], *,
   return relevance_pairs(rows["questions"], labels=relevance_labels)
 
 
-# The bundled corpus has one file; every DEMO_DEV_EVERY-th of its distinct situations is "dev".
-DEMO_DEV_EVERY = 5
+DEMO_DEV_EVERY = 5  # The bundled corpus is one file; see `situations`.
 
 
 def situations(source: str = "demo", *, split: str = "train") -> list[str]:
   """The distinct situations of a split (PPO prompts, evaluation inputs), in file order.
 
-  A folder's splits are its `delta_clarify/<split>.tsv` files (any present; a missing one is
-  an error listing those present). The demo corpus's "dev" split is every 5th distinct
-  situation and its "train" split the others, so PPO on "train" and evaluation on "dev"
-  never share a situation.
+  The demo corpus's "dev" split is every `DEMO_DEV_EVERY`-th distinct situation and its
+  "train" split the others, so PPO on "train" and evaluation on "dev" never share one.
   """
   if source == "demo" and split not in DEMO_SPLITS:
     raise ValueError(f"clarify situations: split must be 'train' or 'dev', got {split!r}")

@@ -1,18 +1,11 @@
 """The ClarifyDelphi demo: everything tiny, trained from scratch on the bundled demo corpus.
 
-`run_demo(workdir=...)` (part of `jaxmoral demo`, about 2-3 minutes on 2 CPU cores):
-
-1. the demo SentencePiece vocabulary;
-2. the supervised models through `runs.train_run` -- by default ONE tiny multi-task T5 that
-   serves as θQ (plain and wh-conditioned), θA, fusion, judge, NLI filter and relevance
-   discriminator (T5's task prefixes tell the roles apart; `separate_models=True` trains one
-   run per role instead, slower);
-3. a few PPO iterations of θQ against the defeasibility reward (`train_clarify_ppo`);
-4. the evaluation table across systems (why, fine-tuned, pipeline ± NLI, discriminator, PPO) on
-   held-out demo situations;
-5. a non-interactive chat transcript (`chat_from_file`).
-The numbers are real but come from tiny models trained for seconds: they show the plumbing,
-not the paper's results.
+`run_demo(workdir=...)` (part of `jaxmoral demo`, about 2-3 minutes on 2 CPU cores) builds the
+demo vocabulary, trains ONE tiny multi-task T5 serving every role (T5's task prefixes tell them
+apart; `separate_models=True` trains one run per role, slower), runs a few PPO iterations of θQ
+against the defeasibility reward, evaluates every system on held-out situations and writes a
+non-interactive chat transcript. The numbers are real but come from tiny models trained for
+seconds: they show the plumbing, not the paper's results.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.rl import ppo_trainer
 
-ROLES = ("question", "answer", "fusion", "judge", "nli", "relevance")
+ROLES = data_lib.WHICH  # Every model of the demo's roles.
 
 
 def _optimizer(steps: int, learning_rate: float):
@@ -96,8 +89,7 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
       judge_classes=formats.DEMO_JUDGE_CLASSES, batch_size=32, input_length=64,
       max_answer_length=24, max_fusion_length=32)
   tick = time.time()
-  # The original recipe (PPOConfig's defaults: one minibatch, 4 epochs, fixed KL 0.15, ...)
-  # at demo scale.
+  # The original recipe (PPOConfig's defaults) at demo scale.
   ppo_config = ppo_trainer.PPOConfig(
       batch_size=ppo_batch_size, max_prompt_length=48, reward_norm_num_prompts=ppo_batch_size)
   ppo_dir = str(work / "ppo")
@@ -153,7 +145,7 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   print(f"table: {table_path}")
   print(f"transcript: {transcript}")
   print(f"done in {seconds:.0f}s ({', '.join(f'{k} {v:.0f}s' for k, v in timings.items())})")
-  return {"model_dirs": role_dir, "ppo": {k: v for k, v in ppo.items()},
+  return {"model_dirs": role_dir, "ppo": dict(ppo),
           "evaluation": evaluation, "evaluation_json": str(table_path),
           "transcript": str(transcript), "reward_curve": ppo["reward_curve"],
           "timings": timings, "seconds": seconds, "truth": truth}

@@ -1,12 +1,9 @@
 """Evaluation of question generators (Table 4 of Pyatkin et al. 2023 plus diversity).
 
-Per system on a split: average JSD of the defeasibility reward (0 for filtered questions, as the
-reward pays), the JSD without the filter, % judgment flips (argmax of the weakened and the
-strengthened judge distributions differ; filtered questions count as no flip), % filtered,
-% of outputs that are questions (end in "?"), distinct-1/2/3 and % of questions per starting
-word (first word, lower-cased) and per wh-word (`jaxmoral.metrics.wh_word_distribution`).
-`systems_from_dirs` builds the systems from model directories, `compare` the table across
-systems; `evaluate_model_dirs` (`jaxmoral clarify evaluate`) does both on a split.
+Per system on a split: the means of `per_situation_metrics` (JSD with and without the NLI
+filter, % judgment flips, % filtered, % questions), distinct-1/2/3 and the shares of first
+words and wh-words. `evaluate_model_dirs` (`jaxmoral clarify evaluate`) builds the systems from
+model directories (`systems_from_dirs`) and the table across them (`compare`).
 """
 
 from __future__ import annotations
@@ -68,17 +65,11 @@ def question_metrics(questions: Sequence[str], result: reward_lib.RewardResult
                      ) -> dict[str, Any]:
   """Metrics of one system's questions and their reward-pipeline result: the means of
   `per_situation_metrics`, distinct-1/2/3 and the first-word and wh-word shares."""
-  return _summary(questions, per_situation_metrics(questions, result))
-
-
-def _summary(questions: Sequence[str], per: Mapping[str, np.ndarray]) -> dict[str, Any]:
-  """`question_metrics` from the per-situation arrays."""
+  per = per_situation_metrics(questions, result)
   return {
       "num_questions": len(questions),
       **{key: float(np.mean(per[key])) if len(questions) else 0.0 for key in MEAN_KEYS},
-      "distinct_1": metrics.distinct_n(questions, 1),
-      "distinct_2": metrics.distinct_n(questions, 2),
-      "distinct_3": metrics.distinct_n(questions, 3),
+      **{f"distinct_{n}": metrics.distinct_n(questions, n) for n in (1, 2, 3)},
       "first_word_pct": {w: 100 * f for w, f in first_word_distribution(questions).items()},
       "wh_word_pct": {w: 100 * f for w, f in metrics.wh_word_distribution(questions).items()},
   }
@@ -86,12 +77,12 @@ def _summary(questions: Sequence[str], per: Mapping[str, np.ndarray]) -> dict[st
 
 def evaluate_generator(generator: baselines.Generator, situations: Sequence[str],
                        reward: reward_lib.DefeasibilityReward) -> dict[str, Any]:
-  """Generates one question per situation and scores it: `question_metrics`, plus every
-  question and `per_situation_metrics` as lists (JSON)."""
+  """`question_metrics` of one question per situation, with the questions, the intervals and
+  every situation's measures (JSON)."""
   questions = generator(list(situations))
   result = reward.score_questions(list(situations), questions)
   per = per_situation_metrics(questions, result)
-  out = _summary(questions, per)
+  out = question_metrics(questions, result)
   out["ci95"] = {key: _mean_ci(per[key]) for key in CI_KEYS}
   out["questions"] = list(questions)
   out["per_situation"] = {k: v.tolist() for k, v in per.items()}
@@ -165,14 +156,10 @@ def systems_from_dirs(*, question_model_dir: str, answer_model_dir: str,
                       reward_config: reward_lib.RewardConfig, input_length: int = 128,
                       batch_size: int = 32, partitioner: Any = None
                       ) -> tuple[dict[str, baselines.Generator], reward_lib.DefeasibilityReward]:
-  """The reward pipeline and every system the given model directories allow.
+  """The reward pipeline and every system the given model directories allow
+  (`baselines.all_generators`), each model on `partitioner`'s mesh (default one device).
 
-  The systems (`baselines.all_generators`): "why", "finetuned" and "pipeline" always;
-  "pipeline_no_nli" with an NLI model; "discriminator" with a relevance model; "ppo" with a
-  PPO run. Question models are read with `input_length` tokens in batches of `batch_size`
-  (`models.load_model`, cached per directory: the same call gives the same model objects).
-  Every model is read into the shardings of `partitioner` and runs on its mesh
-  (`partitioning.inference_partitioner`: default one device).
+  Question models are read with `input_length` tokens in batches of `batch_size`.
   """
   partitioner = partitioning.inference_partitioner(partitioner)
   reward = reward_lib.DefeasibilityReward.from_dirs(

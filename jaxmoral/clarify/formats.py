@@ -16,7 +16,7 @@ Every model is a T5 text-to-text model; these functions build its input and targ
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Optional, Sequence
 
 JUDGMENTS = ("bad", "ok", "good")
 UPDATE_TYPES = ("weakener", "strengthener")
@@ -87,9 +87,14 @@ def why_question(situation: str) -> str:
   return f"Why are you {s}?"
 
 
-def check_classes(classes: Sequence[str], *, field: str) -> tuple[str, ...]:
+def check_classes(classes: Sequence[str], *, field: str,
+                  names: Optional[Sequence[str]] = None) -> tuple[str, ...]:
+  """`classes` as a tuple of >= 2 distinct non-empty strings; with `names`, one per name."""
   classes = tuple(classes)
   if len(classes) < 2 or len(set(classes)) != len(classes) or not all(
       isinstance(c, str) and c.strip() for c in classes):
     raise ValueError(f"{field} must be >= 2 distinct non-empty strings, got {classes!r}")
+  if names is not None and len(classes) != len(names):
+    raise ValueError(f"{field} must be {len(names)} strings ({', '.join(names)}), got "
+                     f"{classes!r}")
   return classes

@@ -1,12 +1,9 @@
 """The ClarifyDelphi models: any model directory as an `inference.InferenceModel` on the mesh.
 
 A model is any model directory (`jaxmoral.model_dirs`: a run, an export, a PPO run's tuned
-policy, a Hugging Face folder or Hub id, ...). With a partitioner, its parameters are created
-in the partitioner's shardings (FSDP / model parallel by the same logical-axis rules as the
-PPO policy) and every call runs under that mesh. Each role reads and writes text with its own
-vocabulary at fixed (batch_size, input_length) shapes, so that every call reuses one compiled
-function and `jaxmoral compile` lowers the same one: `predict`, `label_distribution`,
-`sampler`, `class_scorer` and `label_scorer` of the core `InferenceModel`.
+policy, a Hugging Face folder or Hub id, ...), read into the partitioner's shardings when one
+is given. Each role runs at fixed (batch_size, input_length) shapes, so every call reuses one
+compiled function and `jaxmoral compile` lowers the same one.
 """
 
 from __future__ import annotations

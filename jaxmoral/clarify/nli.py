@@ -25,9 +25,7 @@ class NLIScorer:
   labels: tuple[str, ...] = formats.NLI_LABELS
 
   def __post_init__(self):
-    if len(formats.check_classes(self.labels, field="NLIScorer.labels")) != 3:
-      raise ValueError(f"NLIScorer.labels must be 3 strings (entailment, neutral, "
-                       f"contradiction), got {self.labels!r}")
+    formats.check_classes(self.labels, field="NLIScorer.labels", names=formats.NLI_LABELS)
 
   def probabilities(self, premises: Sequence[str], hypotheses: Sequence[str]) -> np.ndarray:
     """(N, 3) label probabilities."""

@@ -10,11 +10,10 @@ For a situation s and a question q:
 5. the judge scores both updated situations;
 6. r = JSD(P_judge(s ⊕ a_w) ‖ P_judge(s ⊕ a_s)) in base 2, in [0, 1].
 
-Every model runs jitted in fixed-shape batches (`models`), on the PPO run's mesh when given a
-partitioner (the same logical-axis rules as the policy); the models are loaded once.
-`DefeasibilityReward.__call__(prompt_texts, response_texts, key=...)` is the PPO `reward_fn`
-contract of `jaxmoral.rl.ppo_trainer` (which also owns the μ0/σ0 normalisation, stored in its
-checkpoints); sampled answers are keyed by the call's `RewardKey`.
+Every model is loaded once and runs jitted in fixed-shape batches (`models`), on the PPO run's
+mesh when given a partitioner. `DefeasibilityReward.__call__` is the PPO `reward_fn` of
+`jaxmoral.rl.ppo_trainer` (which owns the μ0/σ0 normalisation); sampled answers are keyed by
+the call's `RewardKey`.
 """
 
 from __future__ import annotations
@@ -58,8 +57,7 @@ class RewardConfig:
     seed: Seed of sampled answers.
     questions_only: PPO's reward (`__call__`) is 0 for an output that is not a question
       (`formats.is_question`): a guard against a policy that games small reward models with
-      fragments. Not in the paper; evaluation
-      (`score_questions`) scores every output either way.
+      fragments. Not in the paper; evaluation (`score_questions`) scores every output.
   """
   judge_classes: tuple[str, ...] = formats.T5_JUDGE_CLASSES
   nli_labels: tuple[str, ...] = formats.NLI_LABELS
@@ -77,12 +75,10 @@ class RewardConfig:
   def __post_init__(self):
     object.__setattr__(self, "judge_classes", tuple(self.judge_classes))
     object.__setattr__(self, "nli_labels", tuple(self.nli_labels))
-    if len(formats.check_classes(self.judge_classes, field="RewardConfig.judge_classes")) != 3:
-      raise ValueError(f"RewardConfig.judge_classes must be 3 strings (bad, ok, good), got "
-                       f"{self.judge_classes!r}")
+    formats.check_classes(self.judge_classes, field="RewardConfig.judge_classes",
+                          names=formats.JUDGMENTS)
     for name in ("max_answer_length", "max_fusion_length", "input_length", "batch_size"):
-      value = getattr(self, name)
-      validation.positive_int(value, f"RewardConfig.{name}")
+      validation.positive_int(getattr(self, name), f"RewardConfig.{name}")
     if not 0 < self.answer_top_p <= 1:
       raise ValueError(f"RewardConfig.answer_top_p must be in (0, 1], got {self.answer_top_p}")
     if not self.answer_temperature > 0:
@@ -110,12 +106,9 @@ class RewardResult:
 
   def row(self, i: int) -> dict[str, Any]:
     """One row as JSON-able values."""
-    out = {}
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)[i]
-      out[f.name] = v.tolist() if isinstance(v, np.ndarray) else (
-          v.item() if isinstance(v, np.generic) else v)
-    return out
+    row = {f.name: getattr(self, f.name)[i] for f in dataclasses.fields(self)}
+    return {k: v.tolist() if isinstance(v, (np.ndarray, np.generic)) else v
+            for k, v in row.items()}
 
 
 def situation_of(prompt: str) -> str:
@@ -156,8 +149,8 @@ class DefeasibilityReward:
   def from_dirs(cls, *, answer_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
                 nli_model_dir: Optional[str] = None, config: RewardConfig = RewardConfig(),
                 partitioner: Any = None) -> DefeasibilityReward:
-    """Loads each model from a model directory (the same directory may serve several roles: a
-    multi-task model is loaded once), in `partitioner`'s shardings when given."""
+    """Loads each model from a model directory (one serving several roles is loaded once), in
+    `partitioner`'s shardings when given."""
     load = lambda d: models.load_model(d, input_length=config.input_length,  # noqa: E731
                                        batch_size=config.batch_size, partitioner=partitioner)
     return cls(answer_model=load(answer_model_dir), fusion_model=load(fusion_model_dir),
@@ -198,8 +191,6 @@ class DefeasibilityReward:
     """The whole pipeline for N (situation, question) pairs.
 
     Args:
-      situations: Situations.
-      questions: One question per situation.
       use_nli: Override `config.use_nli` (the pipeline baseline with / without NLI).
       key: (purpose, index) naming the call; keys the sampled answers (default: ("call", one
         more than the last unnamed call)).
@@ -262,11 +253,9 @@ class DefeasibilityReward:
     if self.config.questions_only:
       asked = np.asarray([formats.is_question(r) for r in response_texts], bool)
       scores = np.where(asked, scores, 0.0).astype(np.float32)
-    extras = {"jsd": result.jsd, "filtered": result.filtered.astype(np.float32),
-              "flips": result.flips.astype(np.float32), "weakener": result.weakener,
-              "strengthener": result.strengthener,
-              "weakened_situation": result.weakened_situation,
-              "strengthened_situation": result.strengthened_situation,
-              "weakened_distribution": result.weakened_distribution,
-              "strengthened_distribution": result.strengthened_distribution}
+    extras = {name: getattr(result, name) for name in (
+        "jsd", "filtered", "flips", "weakener", "strengthener", "weakened_situation",
+        "strengthened_situation", "weakened_distribution", "strengthened_distribution")}
+    extras.update(filtered=result.filtered.astype(np.float32),
+                  flips=result.flips.astype(np.float32))
     return scores, extras

@@ -1,18 +1,15 @@
 """Gin entry points that train the ClarifyDelphi models.
 
-`train_clarify_model` trains one supervised model (or one multi-task model for every role)
-through the core's `jaxmoral.runs.train_run`, so each is an ordinary self-describing run
-directory. `train_clarify_ppo` tunes θQ with PPO (`jaxmoral.rl.ppo_trainer`, the core loop)
-against the defeasibility reward, with the policy, value, reference, answer, NLI, fusion and
-judge models all on the run's mesh; the PPO run directory then loads as the tuned question
-generator (`jaxmoral.model_dirs`) wherever one is asked for.
-
-`build_ppo_program` makes the trainer and the reward's jitted functions; `train-ppo` runs
-them and `jaxmoral compile` (target "clarify_ppo") lowers the very same function objects.
+`train_clarify_model` trains one supervised model (or one multi-task model for every role) as
+an ordinary `runs.train_run` directory. `train_clarify_ppo` tunes θQ with PPO
+(`jaxmoral.rl.ppo_trainer`) against the defeasibility reward, every model on the run's mesh;
+the PPO run directory then loads as the tuned question generator. `build_ppo_program` makes the
+functions that `train-ppo` runs and `jaxmoral compile` (target "clarify_ppo") lowers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -131,10 +128,8 @@ def train_clarify_model(*, which: str, model_dir: str,
     # A run refused before training leaves nothing behind (a rerun with other flags starts
     # clean); a folder that was there before is the user's and stays.
     if new_run:
-      try:
+      with contextlib.suppress(OSError):
         fileio.rmtree(model_dir)
-      except OSError:
-        pass
     raise
   logger.info("clarify: training %s on %d pairs from %s -> %s", which, len(pairs), source,
               model_dir)
@@ -150,11 +145,8 @@ def train_clarify_model(*, which: str, model_dir: str,
 def _optimizer_or_default(optimizer: Optional[optax.GradientTransformation],
                           learning_rate: Optional[float], *, default_rate: float,
                           function: str, macro: str) -> optax.GradientTransformation:
-  """`optimizer`, else AdamW at `learning_rate` (or `default_rate`).
-
-  A rate given with an optimizer would be ignored, so it is an error that says where the
-  optimizer's own rate is set.
-  """
+  """`optimizer`, else AdamW at `learning_rate` (or `default_rate`); a rate given with an
+  optimizer would be ignored, so it is an error saying where the optimizer's own rate is set."""
   if optimizer is None:
     return optimizers.make_optimizer(
         name="adamw", learning_rate=default_rate if learning_rate is None else learning_rate)
@@ -170,16 +162,13 @@ def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any
                              rng: jax.Array) -> Any:
   """Value-model params: the policy's T5 weights where shapes agree, and a fresh scalar head
   (created in the value model's shardings)."""
+  def layout(tree: Any) -> tuple[Any, list[Any]]:
+    return (jax.tree_util.tree_structure(tree),
+            [x.shape for x in jax.tree_util.tree_leaves(tree)])
+
   fresh = dict(trainer.value_init.init_params(rng))
-  policy_params = nn.meta.unbox(policy_params)
-  for key, subtree in policy_params.items():
-    if key not in fresh:
-      continue
-    same = (jax.tree_util.tree_structure(fresh[key])  # type: ignore[operator]  # jax's stubs.
-            == jax.tree_util.tree_structure(subtree))
-    if same and all(a.shape == b.shape for a, b in zip(jax.tree_util.tree_leaves(fresh[key]),
-                                                       jax.tree_util.tree_leaves(subtree),
-                                                       strict=True)):
+  for key, subtree in nn.meta.unbox(policy_params).items():
+    if key in fresh and layout(fresh[key]) == layout(subtree):
       fresh[key] = subtree
   return fresh
 
@@ -188,13 +177,8 @@ def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
   """What a model directory tells a compile, without the directory: its `T5Config` and
-  SentencePiece model. `jaxmoral compile` passes these for the directories a compile host
-  lacks; no weights are read either way.
-
-  Attributes:
-    config: The model's T5Config.
-    vocabulary_path: Its SentencePiece model file.
-  """
+  SentencePiece model file. `jaxmoral compile` passes these for the directories a compile host
+  lacks; no weights are read either way."""
   config: config_lib.T5Config
   vocabulary_path: str
 
@@ -221,12 +205,8 @@ def _config_and_vocabulary(source: ModelSource, role: str) -> tuple[config_lib.T
 
 @dataclasses.dataclass(frozen=True)
 class PPOProgram:
-  """What a ClarifyDelphi PPO run executes.
-
-  Attributes:
-    trainer: The `PPOTrainer` (rollout, scoring, update on the mesh).
-    reward: The `DefeasibilityReward` (its models on the same mesh).
-  """
+  """What a ClarifyDelphi PPO run executes: the `PPOTrainer` and the `DefeasibilityReward`
+  whose models run on the same mesh."""
   trainer: ppo_trainer.PPOTrainer
   reward: reward_lib.DefeasibilityReward
 
@@ -369,11 +349,9 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
       num_iterations=num_iterations, checkpoint_every=checkpoint_every, log_every=log_every,
       sample_every=sample_every, seed=seed, async_checkpoint=async_checkpoint, init=init)
   curve = ppo_trainer.read_reward_curve(ppo_trainer.reward_curve_path(model_dir))
-  result = dict(result)
   # The PPO run directory itself loads as the tuned question generator (its policy).
-  result.update({"policy_dir": os.fspath(model_dir),
-                 "reward_curve_values": [curve[i] for i in sorted(curve)]})
-  return result
+  return {**result, "policy_dir": os.fspath(model_dir),
+          "reward_curve_values": [curve[i] for i in sorted(curve)]}
 
 
 # -- jaxmoral compile ---------------------------------------------------------------------------

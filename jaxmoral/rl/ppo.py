@@ -212,17 +212,15 @@ def ppo_policy_terms(logprobs: Array, old_logprobs: Array, advantages: Array, ma
 
 def ppo_policy_loss(logprobs: Array, old_logprobs: Array, advantages: Array, mask: Array, *,
                     clip_ratio: float = 0.2) -> tuple[Array, dict[str, Array]]:
-  """PPO clipped surrogate: masked mean of max(-A r, -A clip(r, 1 - c, 1 + c)).
+  """(masked-mean `policy_loss`, gradient-stopped masked means of every term) of
+  `ppo_policy_terms` (see there)."""
+  return _loss_and_metrics(
+      ppo_policy_terms(logprobs, old_logprobs, advantages, mask, clip_ratio=clip_ratio),
+      "policy_loss")
 
-  The values of `ppo_policy_terms` (see there for the arguments).
 
-  Returns:
-    (loss, metrics) with `policy_loss`, `ratio_mean`, `clipfrac` (fraction of tokens where the
-    clipped term is active) and `approx_kl` (masked mean of 0.5 (log r)^2).
-  """
-  terms = ppo_policy_terms(logprobs, old_logprobs, advantages, mask, clip_ratio=clip_ratio)
-  loss = terms["policy_loss"].value
-  return loss, jax.lax.stop_gradient({k: t.value for k, t in terms.items()})
+def _loss_and_metrics(terms: dict[str, losses.Term], loss: str) -> tuple[Array, dict[str, Array]]:
+  return terms[loss].value, jax.lax.stop_gradient({k: t.value for k, t in terms.items()})
 
 
 def ppo_value_terms(values: Array, old_values: Array, returns: Array, mask: Array, *,
@@ -237,9 +235,7 @@ def ppo_value_terms(values: Array, old_values: Array, returns: Array, mask: Arra
     raise ValueError(f"ppo_value_loss: clip_value must be > 0, got {clip_value}")
   mask = mask.astype(jnp.float32)
   tokens = jnp.sum(mask)
-  values = values.astype(jnp.float32)
-  old_values = old_values.astype(jnp.float32)
-  returns = returns.astype(jnp.float32)
+  values, old_values, returns = (x.astype(jnp.float32) for x in (values, old_values, returns))
   clipped_values = old_values + jnp.clip(values - old_values, -clip_value, clip_value)
   error = jnp.square(values - returns)
   clipped_error = jnp.square(clipped_values - returns)
@@ -254,15 +250,7 @@ def ppo_value_terms(values: Array, old_values: Array, returns: Array, mask: Arra
 
 def ppo_value_loss(values: Array, old_values: Array, returns: Array, mask: Array, *,
                    clip_value: float = 0.2) -> tuple[Array, dict[str, Array]]:
-  """PPO2 clipped value loss: 0.5 * masked mean of max((v - R)^2, (v_clipped - R)^2).
-
-  `v_clipped = old_v + clip(v - old_v, -clip_value, clip_value)`; the values of
-  `ppo_value_terms`.
-
-  Returns:
-    (loss, metrics) with `value_loss` and `vf_clipfrac` (fraction of tokens where the clipped
-    error is the larger one).
-  """
-  terms = ppo_value_terms(values, old_values, returns, mask, clip_value=clip_value)
-  loss = terms["value_loss"].value
-  return loss, jax.lax.stop_gradient({k: t.value for k, t in terms.items()})
+  """(masked-mean `value_loss`, gradient-stopped masked means of every term) of
+  `ppo_value_terms` (see there)."""
+  return _loss_and_metrics(
+      ppo_value_terms(values, old_values, returns, mask, clip_value=clip_value), "value_loss")

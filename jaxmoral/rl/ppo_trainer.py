@@ -1,31 +1,19 @@
 """PPO for a T5 policy with any reward of (prompt, response): compiled, sharded, resumable.
 
-One PPO iteration (`PPOTrainer.iteration`):
+An iteration (`PPOTrainer.iteration`) is four stages: rollout (`decoding.sample`, jitted);
+reward (a host `reward_fn(prompt_texts, response_texts, key=RewardKey)`, which may run its own
+jitted models on the same mesh, or a jittable `reward_fn_tokens`); score (one jitted pass:
+old/reference log-probs, values, KL-penalised rewards, GAE); update (one jitted `ppo_update`: a
+`lax.scan` of `num_ppo_epochs` x `num_minibatches` clipped updates, each optionally accumulated
+over `num_microbatches`, then the KL controller step). The policy and value states are
+`jaxmoral.trainer.TrainState`s, so trainable masks and optimizer-state shardings work as in
+supervised training.
 
-1. rollout  -- the policy samples one response per prompt (`decoding.sample`, jitted, sharded);
-2. reward   -- `reward_fn(prompt_texts, response_texts, key=RewardKey)` on the host (it may run
-               its own jitted models on the same mesh, loaded once by its owner), or a jittable
-               `reward_fn_tokens`;
-3. score    -- one jitted pass: old/reference log-probs, values, KL-penalised rewards, GAE;
-4. update   -- one jitted `ppo_update`: `num_ppo_epochs` x `num_minibatches` clipped updates of
-               policy and value (a `lax.scan` over minibatch permutations; each minibatch's
-               gradient optionally accumulated exactly over `num_microbatches`), then the KL
-               controller step.
-
-State (`PPOState`): the policy and value `jaxmoral.trainer.TrainState`s (parameters, optimizer
-state of the trainable parameters only -- created by `jaxmoral.trainer.TrainStateInitializer`,
-so trainable masks and optimizer-state shardings work as for supervised training), the frozen
-reference parameters (no optimizer state), the KL coefficient, the reward normalisation (mu0,
-sigma0) and the iteration count. `PPOTrainer` speaks the trainer protocol of the core loop
-(`train_step(state, batch, rng)`), so `train_ppo` is a caller of `jaxmoral.train.train` (resume,
-TensorBoard, progress line, NaN stop, preemption) with three hooks: the reward normalisation
-measured on a fresh run (`RewardNormalizationHook`), sample texts in TensorBoard, and the
-learning curves (`RewardCurveHook`: every iteration's `CURVE_METRICS` in TensorBoard and JSON,
-reward and KL against episodes in a PNG).
-
-Determinism: iteration i reads the prompts of batch i of a `PromptSource` and draws from
-`fold_in(base_key, i)`; the reward is told which call it serves (`RewardKey`), so a resumed run
-continues exactly like an uninterrupted one.
+`PPOTrainer` speaks the core loop's trainer protocol, so `train_ppo` runs `jaxmoral.train.train`
+(resume, TensorBoard, NaN stop, preemption) with hooks for the reward normalisation, sample texts
+and the learning curves. Iteration i reads batch i of a `PromptSource`, draws from
+`fold_in(base_key, i)` and names its reward call (`RewardKey`), so a resumed run continues
+exactly like an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -49,6 +37,7 @@ import optax
 
 from jaxmoral import fileio
 from jaxmoral import losses
+from jaxmoral import metrics as metrics_lib
 from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import pictures
@@ -69,9 +58,8 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class RewardKey:
-  """Which reward call this is: one of the `normalization` batches measuring mu0/sigma0 on a
-  fresh run, or the `rollout` of an iteration. A reward that samples (e.g. imagined answers)
-  keys its randomness by it, so a resumed run draws what the uninterrupted one drew."""
+  """Which reward call this is, for a reward that samples to key its randomness by (so a
+  resumed run draws what the uninterrupted one drew)."""
   purpose: str  # "normalization" | "rollout"
   index: int
 
@@ -86,11 +74,9 @@ KL_CONTROLS = ("adaptive", "fixed")
 class Vocabulary(Protocol):
   """What PPO needs of a vocabulary (`vocab.SentencePieceVocabulary`, or seqio's, has it)."""
 
-  def encode(self, s: str) -> Sequence[int]:
-    ...
+  def encode(self, s: str) -> Sequence[int]: ...
 
-  def decode(self, ids: Sequence[int]) -> str:
-    ...
+  def decode(self, ids: Sequence[int]) -> str: ...
 
 
 # -- config -------------------------------------------------------------------------------------
@@ -100,21 +86,17 @@ class PPOConfig:
   """Settings of PPO (Ziegler et al. 2019 / PPO2 conventions).
 
   The defaults are the original ClarifyDelphi recipe (allenai/clarifydelphi `Code/arguments.py`
-  and `Code/main.py`; gin/ppo/clarifydelphi.gin binds them with its optimizer): 64 episodes in
-  one minibatch, 4 epochs, value coefficient 1.0, whitened rewards, a fixed KL coefficient 0.15
-  (the original's `--adaptive_kl` flag, on by default, selects its FixedKLController),
-  temperature 0.7 on the untruncated distribution, 16 response tokens.
+  and `Code/main.py`, as gin/ppo/clarifydelphi.gin binds it); the original's `--adaptive_kl`
+  flag, on by default, selects its FixedKLController.
 
   Attributes:
     batch_size: Prompts (episodes) per rollout; divisible by `num_minibatches` and by the
       mesh's data axis.
     num_ppo_epochs: Passes over each rollout.
     num_minibatches: Minibatches per pass (a fresh permutation per pass).
-    num_microbatches: Gradient accumulation steps per minibatch (less activation memory; the
-      same update as the whole minibatch: every loss term is a per-token mean combined exactly,
-      see `trainer.microbatch_gradients`). Divides the minibatch size.
-    clip_ratio: Policy-ratio clip c of the surrogate.
-    value_clip: Clip of the value change in the clipped value loss.
+    num_microbatches: Gradient accumulation steps per minibatch (less activation memory, the
+      same update: see `trainer.microbatch_gradients`). Divides the minibatch size.
+    clip_ratio, value_clip: Clip of the policy ratio and of the value change in the losses.
     value_coef: alpha in loss = policy_loss + alpha * value_loss.
     kl_control: "adaptive" (Ziegler's proportional controller) or "fixed".
     init_kl_coef: Initial (or fixed) KL penalty coefficient.
@@ -123,16 +105,12 @@ class PPOConfig:
       0.2 * batch_size / kl_horizon per iteration: with the default 10,000 and 32 episodes per
       iteration that is 0.064 %, i.e. fixed in practice; about 10 iterations' episodes lets
       it follow the target within tens of iterations.
-    gamma: GAE discount.
-    lam: GAE lambda.
+    gamma, lam: GAE discount and lambda.
     whiten_rewards: Scale per-token rewards to unit variance before GAE.
     whiten_advantages: Whiten advantages over the batch.
-    temperature: Sampling temperature; also applied to policy and reference logits in
-      teacher forcing (see `jaxmoral.rl.rollout`).
-    top_p: Must be 1.0: rollouts sample the policy's whole distribution (a truncated sampler
-      leaves probability moved into the tail unpenalised; see `jaxmoral.rl.rollout`).
-      Evaluation decoding has settings of its own.
-    top_k: Must be 0 (no top-k in rollouts, as for `top_p`).
+    temperature: Sampling temperature, also of the teacher-forced policy and reference logits.
+    top_p, top_k: Must be 1.0 and 0: rollouts sample the policy's whole distribution (see
+      `jaxmoral.rl.rollout`); evaluation decoding has settings of its own.
     max_prompt_length: Prompts are encoded (+EOS) and truncated/padded to this length.
     max_response_length: Tokens sampled at most (EOS included).
     compute_entropy: Compute (and log) the policy entropy in the update step.
@@ -170,8 +148,7 @@ class PPOConfig:
   def __post_init__(self):
     for name in ("batch_size", "num_ppo_epochs", "num_minibatches", "num_microbatches",
                  "max_prompt_length", "max_response_length", "reward_norm_num_prompts"):
-      value = getattr(self, name)
-      validation.positive_int(value, f"PPOConfig.{name}")
+      validation.positive_int(getattr(self, name), f"PPOConfig.{name}")
     if self.batch_size % self.num_minibatches:
       raise ValueError(f"PPOConfig.batch_size={self.batch_size} must be divisible by "
                        f"num_minibatches={self.num_minibatches}")
@@ -264,10 +241,9 @@ class PromptSource(source.DataSource):
   """PPO's data: batches of prompts (tokens and texts), deterministic in (seed, iteration).
 
   Batch i is stream positions [i*B, (i+1)*B) of per-epoch seeded permutations of the prompts
-  (`pipeline.stream_indices`, as `pipeline.BatchSource`), so a resumed run reads the same
-  prompts: a `jaxmoral.data.source.DataSource`.
+  (`pipeline.stream_indices`, as `pipeline.BatchSource`), so a resumed run reads the same ones.
 
-  Attributes (besides `DataSource`'s batch_size, the prompts of an iteration, and shard):
+  Attributes (besides `DataSource`'s batch_size and shard):
     tokens: (N, max_prompt_length) int32 encoded prompts.
     texts: The N prompts as text (for the reward).
     seed: Order seed.
@@ -300,12 +276,8 @@ class PromptSource(source.DataSource):
 
 @dataclasses.dataclass(frozen=True)
 class PPOInit:
-  """Initial parameters of a fresh PPO run (`PPOTrainer.init_state_from_params`).
-
-  Attributes:
-    policy: The policy's (and the frozen reference's) parameters.
-    value: The value model's (with its scalar head), or None for a random value model.
-  """
+  """Initial parameters of a fresh PPO run (`PPOTrainer.init_state_from_params`): the
+  policy's (and the frozen reference's), and the value model's (None: random)."""
   policy: PyTree
   value: PyTree = None
 
@@ -315,11 +287,8 @@ class PPOTrainer:
   """Compiled, sharded PPO steps for a T5 policy and a T5 value model.
 
   Attributes:
-    config: The `PPOConfig`.
-    partitioner: Mesh and rules.
     policy_init: `jaxmoral.trainer.TrainStateInitializer` of the policy (state creation,
-      trainable mask, shardings).
-    value_init: The same for the value model.
+      trainable mask, shardings); `value_init` that of the value model.
     state_shardings: `PPOState` of `NamedSharding`s.
     last_samples: (prompt, response, raw score) rows of the last iteration, for logs.
   """
@@ -339,16 +308,14 @@ class PPOTrainer:
     Args:
       policy_model: The policy T5 (the reference is a frozen copy of its initial params).
       value_model: A T5 built with `with_scalar_head=True`.
-      vocabulary: `encode(str) -> ids` / `decode(ids) -> str` (prompts and reward texts).
+      vocabulary: Encodes prompts and decodes the texts the reward reads.
       config: PPO settings.
       optimizer: Optax optimizer of the policy (and of the value model unless
         `value_optimizer` is given).
       partitioner: Mesh and logical-axis rules.
-      reward_fn: Host reward `reward_fn(prompt_texts, response_texts, *, key) -> (scores
-        (B,), extra)`; `key` is the call's `RewardKey`; `extra` maps names to (B,) arrays or
-        scalars (logged as means). Response texts exclude EOS.
-      reward_fn_tokens: Alternatively a jittable `fn(prompt_tokens, response_tokens,
-        response_mask) -> scores (B,)`, run compiled on the mesh.
+      reward_fn: Host reward (`RewardFn`); `key` is the call's `RewardKey`, `extra` maps names
+        to (B,) arrays or scalars (logged as means). Response texts exclude EOS.
+      reward_fn_tokens: Alternatively a jittable `TokenRewardFn`, run compiled on the mesh.
       value_optimizer: Optimizer of the value model (default: `optimizer`).
       policy_trainable_mask: Policy parameters to train (see `jaxmoral.trainer`).
       value_trainable_mask: Value-model parameters to train.
@@ -436,17 +403,17 @@ class PPOTrainer:
     key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
     prompts = jax.ShapeDtypeStruct((cfg.batch_size, cfg.max_prompt_length), jnp.int32,
                                    sharding=d2)
+
+    def abstract(x, sharding):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
     with self.partitioner.context():
       sampled = jax.eval_shape(self._generate_fn, state.policy.params, prompts, key)
-    tokens, logprobs, mask = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=d2)
-                              for x in sampled)
-    scores = jax.ShapeDtypeStruct((cfg.batch_size,), jnp.float32, sharding=d1)
-    score_args = (state, prompts, tokens, mask, logprobs, scores)
-    with self.partitioner.context():
+      tokens, logprobs, mask = (abstract(x, d2) for x in sampled)
+      score_args = (state, prompts, tokens, mask, logprobs,
+                    jax.ShapeDtypeStruct((cfg.batch_size,), jnp.float32, sharding=d1))
       rollout, _ = jax.eval_shape(self._score_fn, *score_args)
-    rollout = jax.tree_util.tree_map(
-        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), rollout,
-        self.rollout_shardings)
+    rollout = jax.tree_util.tree_map(abstract, rollout, self.rollout_shardings)
     return {"rollout": (state.policy.params, prompts, key), "score": score_args,
             "update": (state, rollout, key)}
 
@@ -455,18 +422,12 @@ class PPOTrainer:
                  value_params: PyTree = None) -> PPOState:
     """A fresh state: the reference is a copy of the initial policy.
 
-    Args:
-      rng: Key for random initialisation of whatever is not given.
-      policy_params: Initial policy parameters (e.g. a supervised question generator);
-        None: random.
-      value_params: Initial value-model parameters (with the scalar head; an `encoder`
-        subtree is dropped when the encoder is shared); None: random.
+    `rng` initialises whatever parameters are not given (None: random); `value_params` have
+    the scalar head, and their `encoder` subtree is dropped when the encoder is shared.
     """
     policy_rng, value_rng = jax.random.split(rng)
-    if policy_params is None:
-      policy = self.policy_init.init_state(policy_rng)
-    else:
-      policy = self.policy_init.init_state_from_params(policy_params)
+    policy = (self.policy_init.init_state(policy_rng) if policy_params is None
+              else self.policy_init.init_state_from_params(policy_params))
     if value_params is None:
       value = self.value_init.init_state(value_rng)
     else:
@@ -474,15 +435,14 @@ class PPOTrainer:
       if self.config.share_value_encoder:
         value_params.pop("encoder", None)
       value = self.value_init.init_state_from_params(value_params)
-    rep = self.partitioner.replicated
-
-    def scalar(x, dtype=jnp.float32):
-      return jax.device_put(jnp.asarray(x, dtype), rep)
-
+    scalar = self._replicated
     return PPOState(step=scalar(0, jnp.int32), policy=policy, value=value,
                     ref_params=self._copy_jit(policy.params),
                     kl_coef=scalar(self.config.init_kl_coef), reward_mean=scalar(0.0),
                     reward_std=scalar(1.0))
+
+  def _replicated(self, x: Any, dtype: Any = jnp.float32) -> Array:
+    return jax.device_put(jnp.asarray(x, dtype), self.partitioner.replicated)
 
   def init_state_from_params(self, params: PPOInit) -> PPOState:
     """A fresh state from given policy (and value) parameters (the core loop's fine-tuning
@@ -497,23 +457,19 @@ class PPOTrainer:
     """`PPOState` of `ShapeDtypeStruct`s with shardings (checkpoint restore target)."""
     rep = self.partitioner.replicated
     policy = self.policy_init.abstract_state()
-
-    def scalar(dtype):
-      return jax.ShapeDtypeStruct((), dtype, sharding=rep)
-
-    return PPOState(step=scalar(jnp.int32), policy=policy,
+    step: Any = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
+    scalar: Any = jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+    return PPOState(step=step, policy=policy,
                     value=self.value_init.abstract_state(), ref_params=policy.params,
-                    kl_coef=scalar(jnp.float32), reward_mean=scalar(jnp.float32),
-                    reward_std=scalar(jnp.float32))
+                    kl_coef=scalar, reward_mean=scalar, reward_std=scalar)
 
   def with_reward_stats(self, state: PPOState, mean: float, std: float) -> PPOState:
     """`state` with the reward normalisation set to (mean, std)."""
     if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
       raise ValueError(f"PPOTrainer: reward normalisation needs finite mean and std > 0, got "
                        f"mean={mean}, std={std}")
-    rep = self.partitioner.replicated
-    return dataclasses.replace(state, reward_mean=jax.device_put(jnp.float32(mean), rep),
-                               reward_std=jax.device_put(jnp.float32(std), rep))
+    return dataclasses.replace(state, reward_mean=self._replicated(mean),
+                               reward_std=self._replicated(std))
 
   # -- host-side text -----------------------------------------------------------------------------
   def encode_prompts(self, prompts: Sequence[str] | np.ndarray) -> tuple[np.ndarray, list[str]]:
@@ -546,16 +502,9 @@ class PPOTrainer:
 
   def response_texts(self, response_tokens: Any, response_mask: Any) -> list[str]:
     """Decoded responses (EOS and padding removed)."""
-    tokens = np.asarray(jax.device_get(response_tokens))
-    lengths = np.asarray(jax.device_get(response_mask)).sum(axis=1).astype(int)
-    eos = self.policy_model.config.eos_token_id
-    out = []
-    for row, n in zip(tokens, lengths, strict=True):
-      ids = [int(t) for t in row[:n]]
-      if ids and ids[-1] == eos:
-        ids = ids[:-1]
-      out.append(self.vocabulary.decode(ids))
-    return out
+    tokens, mask = jax.device_get((response_tokens, response_mask))
+    return [self.vocabulary.decode(ids)
+            for ids in _response_ids(tokens, mask, self.policy_model.config.eos_token_id)]
 
   # -- compiled pieces ----------------------------------------------------------------------------
   def _generate_fn(self, policy_params, prompt_tokens, rng):
@@ -573,9 +522,8 @@ class PPOTrainer:
                 sampler_logprobs, raw_scores):
     cfg = self.config
     raw_scores = raw_scores.astype(jnp.float32)
-    scores = raw_scores
-    if cfg.normalize_reward:
-      scores = (raw_scores - state.reward_mean) / state.reward_std
+    scores = ((raw_scores - state.reward_mean) / state.reward_std if cfg.normalize_reward
+              else raw_scores)
     rollout, metrics = rollout_lib.score_rollout(
         policy_model=self.policy_model, value_model=self.value_model,
         policy_params=state.policy.params, ref_params=state.ref_params,
@@ -585,9 +533,8 @@ class PPOTrainer:
         temperature=cfg.temperature, share_value_encoder=cfg.share_value_encoder,
         gamma=cfg.gamma, lam=cfg.lam, whiten_rewards=cfg.whiten_rewards,
         whiten_advantages=cfg.whiten_advantages)
-    metrics["raw_score_mean"] = jnp.mean(raw_scores)
-    metrics["raw_score_std"] = jnp.std(raw_scores)
-    metrics["kl_coef"] = state.kl_coef
+    metrics.update(raw_score_mean=jnp.mean(raw_scores), raw_score_std=jnp.std(raw_scores),
+                   kl_coef=state.kl_coef)
     return rollout, metrics
 
   def score(self, state: PPOState, prompt_tokens: Any, response_tokens: Array,
@@ -600,8 +547,7 @@ class PPOTrainer:
   def _update_fn(self, state: PPOState, rollout: rollout_lib.Rollout, rng: Array):
     cfg = self.config
     batch, num_mb, epochs = cfg.batch_size, cfg.num_minibatches, cfg.num_ppo_epochs
-    keys = jax.random.split(rng, epochs)
-    perms = jax.vmap(lambda k: jax.random.permutation(k, batch))(keys)
+    perms = jax.vmap(lambda k: jax.random.permutation(k, batch))(jax.random.split(rng, epochs))
     perms = perms.reshape(epochs * num_mb, cfg.minibatch_size)
     policy_mask = self.policy_init.trainable_mask
     value_mask = self.value_init.trainable_mask
@@ -632,11 +578,6 @@ class PPOTrainer:
                                                       "value_loss": cfg.value_coef},
                                    name="ppo_update")
 
-    def take(x, index):
-      x = jnp.take(x, index, axis=0)
-      spec = jax.sharding.PartitionSpec(partitioning.DATA_AXIS, *([None] * (x.ndim - 1)))
-      return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
-
     # The scan carry and the gradients keep the state's shardings: left to propagation
     # inside the loop, XLA may drop the parameters' data-axis (FSDP) sharding and hold whole
     # model-parallel shards of every parameter, gradient and optimizer slot per chip.
@@ -648,7 +589,8 @@ class PPOTrainer:
 
     def body(carry, index):
       p_t, v_t, p_opt, v_opt = constrain(carry, carry_sh)
-      mb = jax.tree_util.tree_map(lambda x: take(x, index), rollout)
+      mb = jax.tree_util.tree_map(lambda x: constrain(
+          jnp.take(x, index, axis=0), self.partitioner.data_sharding(x.ndim)), rollout)
       (p_grads, v_grads), terms = trainer_lib.microbatch_gradients(
           update_loss.terms, update_loss.weights, (p_t, v_t), mb, None,
           num_microbatches=cfg.num_microbatches, mesh=mesh, grad_shardings=(p_sh, v_sh))
@@ -663,13 +605,11 @@ class PPOTrainer:
 
     init = (p_train, v_train, state.policy.opt_state, state.value.opt_state)
     (p_train, v_train, p_opt, v_opt), stacked = jax.lax.scan(body, init, perms)
-    num_updates = epochs * num_mb
-    policy = dataclasses.replace(state.policy, step=state.policy.step + num_updates,
-                                 params=trainer_lib.merge_params(p_train, p_frozen),
-                                 opt_state=p_opt)
-    value = dataclasses.replace(state.value, step=state.value.step + num_updates,
-                                params=trainer_lib.merge_params(v_train, v_frozen),
-                                opt_state=v_opt)
+    policy, value = (
+        dataclasses.replace(old, step=old.step + epochs * num_mb,
+                            params=trainer_lib.merge_params(trained, frozen), opt_state=opt)
+        for old, trained, frozen, opt in ((state.policy, p_train, p_frozen, p_opt),
+                                          (state.value, v_train, v_frozen, v_opt)))
     # The controller sees the KL of the rollout policy (Ziegler et al.), per sequence.
     rollout_kl = jnp.mean(jnp.sum(rollout.kl, axis=1))
     kl_coef = self._kl_controller.update(state.kl_coef, rollout_kl, batch)
@@ -677,8 +617,8 @@ class PPOTrainer:
     if isinstance(self._optimizer, optimizers.Optimizer):
       # The policy's rate at this iteration's first update (a schedule counts updates).
       metrics["learning_rate"] = self._optimizer.learning_rate(state.policy.step)
-    for name in ("ratio_mean", "approx_kl", "clipfrac", "policy_loss"):
-      metrics[f"first_minibatch/{name}"] = stacked[name][0]
+    metrics.update({f"first_minibatch/{name}": stacked[name][0]
+                    for name in ("ratio_mean", "approx_kl", "clipfrac", "policy_loss")})
     new_state = dataclasses.replace(state, step=state.step + 1, policy=policy, value=value,
                                     kl_coef=kl_coef.astype(jnp.float32))
     return new_state, metrics
@@ -687,10 +627,8 @@ class PPOTrainer:
                  rng: Array) -> tuple[PPOState, dict[str, Array]]:
     """`num_ppo_epochs` x `num_minibatches` clipped updates in one compiled call.
 
-    `state` is donated (do not reuse it). Metrics: means over all minibatches of
-    `policy_loss`, `value_loss`, `clipfrac`, `vf_clipfrac`, `approx_kl`, `ratio_mean`,
-    `entropy`, `loss`, grad norms, plus `first_minibatch/{ratio_mean, approx_kl, clipfrac,
-    policy_loss}` (ratio 1 and approx_kl 0 there: nothing has been updated yet).
+    `state` is donated. Metrics: means over all minibatches of the loss terms and grad norms,
+    plus `first_minibatch/<term>` (ratio 1 and approx_kl 0 there: nothing has moved yet).
     """
     return self._update_jit(state, rollout, rng)
 
@@ -700,9 +638,8 @@ class PPOTrainer:
               key: RewardKey) -> tuple[Any, dict[str, float]]:
     """Raw scores (B,) of the responses (host array or device array) and reward metrics."""
     if self._token_reward_jit is not None:
-      scores = self._token_reward_jit(self._shard(prompt_tokens), response_tokens,
-                                      response_mask)
-      return scores, {}
+      return self._token_reward_jit(self._shard(prompt_tokens), response_tokens,
+                                    response_mask), {}
     if response_texts is None:
       response_texts = self.response_texts(response_tokens, response_mask)
     assert self.reward_fn is not None  # A reward function or a token reward model is given.
@@ -715,18 +652,14 @@ class PPOTrainer:
     if not np.all(np.isfinite(scores)):
       raise ValueError(f"reward_fn returned non-finite scores at rows "
                        f"{np.flatnonzero(~np.isfinite(scores))[:10].tolist()}")
-    metrics = {}
-    for name, value in (extra or {}).items():
-      value = np.asarray(value)
-      if value.dtype.kind in "biuf" and value.size:
-        metrics[f"reward/{name}"] = float(np.mean(value))
-    return scores, metrics
+    extra = {name: np.asarray(value) for name, value in (extra or {}).items()}
+    return scores, {f"reward/{name}": float(np.mean(value)) for name, value in extra.items()
+                    if value.dtype.kind in "biuf" and value.size}
 
   def measure_reward_stats(self, state: PPOState, prompts: PromptSource,
                            rng: Array) -> tuple[float, float]:
-    """(mu0, sigma0) of the raw scores of the current policy on up to
-    `reward_norm_num_prompts` prompts (one sample each, in rollout-sized batches); the reward
-    is called with `RewardKey("normalization", batch)`."""
+    """(mu0, sigma0) of the current policy's raw scores on up to `reward_norm_num_prompts`
+    prompts (one sample each, in rollout-sized batches)."""
     cfg = self.config
     count = min(cfg.reward_norm_num_prompts, prompts.num_examples)
     scores = []
@@ -755,14 +688,13 @@ class PPOTrainer:
     Args:
       state: Current state (donated).
       prompt_tokens: (batch_size, max_prompt_length) int32.
-      prompt_texts: The prompts as text (for the reward).
       rng: This iteration's key (split into sampling and minibatch-permutation keys).
       iteration: The iteration's index, for the reward's key (default: `state.step`).
       num_samples: Also return this many (prompt, response, score) samples.
 
     Returns:
-      (new state, metrics as floats incl. `time/{rollout,reward,score,update}`,
-      `episodes_per_sec`, `distinct_1` / `distinct_2` of the response tokens, samples).
+      (new state, metrics as floats incl. `time/<stage>`, `episodes_per_sec`, `distinct_1` /
+      `distinct_2` of the response tokens, samples).
     """
     if len(prompt_tokens) != self.config.batch_size:
       raise ValueError(f"PPOTrainer.iteration: got {len(prompt_tokens)} prompts, "
@@ -770,50 +702,47 @@ class PPOTrainer:
     if iteration is None:
       iteration = int(jax.device_get(state.step))
     gen_rng, update_rng = jax.random.split(rng)
-    times = {}
+    times: dict[str, float] = {}
     tick = time.perf_counter()
-    responses, sampler_logprobs, mask = self.generate(state, prompt_tokens, gen_rng)
-    jax.block_until_ready(responses)
-    times["rollout"] = time.perf_counter() - tick
 
-    tick = time.perf_counter()
+    def done(stage: str, output: Any) -> None:  # Times a stage, from the end of the last one.
+      nonlocal tick
+      jax.block_until_ready(output)
+      now = time.perf_counter()
+      times[stage], tick = now - tick, now
+
+    responses, sampler_logprobs, mask = self.generate(state, prompt_tokens, gen_rng)
+    done("rollout", responses)
     texts = None
     if self.reward_fn is not None or num_samples:
       texts = self.response_texts(responses, mask)
     raw_scores, reward_metrics = self.rewards(prompt_tokens, prompt_texts, responses, mask,
                                               texts, key=RewardKey("rollout", iteration))
-    jax.block_until_ready(raw_scores)
-    times["reward"] = time.perf_counter() - tick
-
-    tick = time.perf_counter()
+    done("reward", raw_scores)
     rollout, score_metrics = self.score(state, prompt_tokens, responses, mask, sampler_logprobs,
                                         raw_scores)
-    jax.block_until_ready(rollout)
-    times["score"] = time.perf_counter() - tick
-
-    tick = time.perf_counter()
+    done("score", rollout)
     state, update_metrics = self.ppo_update(state, rollout, update_rng)
-    jax.block_until_ready(state)
-    times["update"] = time.perf_counter() - tick
+    done("update", state)
 
-    metrics = {k: float(v) for k, v in jax.device_get(score_metrics).items()}
-    metrics["reward_mean"] = metrics.pop("score_mean")
-    metrics["reward_std"] = metrics.pop("score_std")
-    metrics["rollout_entropy"] = metrics.pop("entropy")
+    renamed = {"score_mean": "reward_mean", "score_std": "reward_std",
+               "entropy": "rollout_entropy"}
+    metrics = {renamed.get(k, k): float(v) for k, v in jax.device_get(score_metrics).items()}
     metrics.update({k: float(v) for k, v in jax.device_get(update_metrics).items()})
     metrics.update(reward_metrics)
+    # Distinct-n of the response tokens (EOS excluded).
     host_tokens, host_mask = jax.device_get((responses, mask))
-    for n in (1, 2):
-      metrics[f"distinct_{n}"] = distinct_n_tokens(host_tokens, host_mask, n,
-                                                   eos_id=self.policy_model.config.eos_token_id)
+    ids = [" ".join(map(str, row)) for row in _response_ids(
+        host_tokens, host_mask, self.policy_model.config.eos_token_id)]
+    metrics.update({f"distinct_{n}": metrics_lib.distinct_n(ids, n) for n in (1, 2)})
     total = sum(times.values())
     metrics.update({f"time/{k}": v for k, v in times.items()})
     metrics["episodes_per_sec"] = self.config.batch_size / total if total > 0 else float("nan")
     samples = []
     if num_samples and texts is not None:
-      raw = np.asarray(jax.device_get(raw_scores))
-      for i in range(min(num_samples, len(texts))):
-        samples.append({"prompt": prompt_texts[i], "response": texts[i], "score": float(raw[i])})
+      raw = np.asarray(jax.device_get(raw_scores))[:num_samples]
+      samples = [{"prompt": p, "response": r, "score": float(s)}
+                 for p, r, s in zip(prompt_texts, texts, raw, strict=False)]
     return state, metrics, samples
 
   def train_step(self, state: PPOState, batch: Mapping[str, Any],
@@ -833,30 +762,11 @@ class PPOTrainer:
     return jax.device_put(np.asarray(x), self.partitioner.data_sharding(ndim))
 
 
-def distinct_n_tokens(tokens: np.ndarray, mask: np.ndarray, n: int, *, eos_id: int) -> float:
-  """Distinct-n of a batch of responses: unique token n-grams / all n-grams (EOS excluded).
-
-  Args:
-    tokens: (B, T) response tokens.
-    mask: (B, T) 1 on generated tokens.
-    n: n-gram length.
-    eos_id: The end token (not part of a response's text).
-
-  Returns:
-    The ratio (0 when no response has n tokens).
-  """
-  validation.positive_int(n, "distinct_n_tokens: n")
-  grams: set[tuple[int, ...]] = set()
-  total = 0
-  for row, length in zip(np.asarray(tokens), np.asarray(mask).sum(axis=1).astype(int),
-                         strict=True):
-    ids = [int(t) for t in row[:length]]
-    if ids and ids[-1] == eos_id:
-      ids = ids[:-1]
-    row_grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
-    total += len(row_grams)
-    grams.update(row_grams)
-  return len(grams) / total if total else 0.0
+def _response_ids(tokens: np.ndarray, mask: np.ndarray, eos_id: int) -> list[list[int]]:
+  """Each row's generated ids, without the final EOS (the response's text)."""
+  lengths = np.asarray(mask).sum(axis=1).astype(int)
+  rows = [[int(t) for t in row[:n]] for row, n in zip(np.asarray(tokens), lengths, strict=True)]
+  return [ids[:-1] if ids and ids[-1] == eos_id else ids for ids in rows]
 
 
 # -- the loop's hooks ---------------------------------------------------------------------------
@@ -875,18 +785,15 @@ class RewardNormalizationHook(train_lib.TrainHook):
       mean, std = self.trainer.measure_reward_stats(state, self.prompts, self.rng)
       logger.info("train_ppo: reward normalisation mu0 %.4g sigma0 %.4g", mean, std)
       state = self.trainer.with_reward_stats(state, mean, std)
-    self.mean = float(jax.device_get(state.reward_mean))
-    self.std = float(jax.device_get(state.reward_std))
+    self.mean, self.std = map(float, jax.device_get((state.reward_mean, state.reward_std)))
     return state
 
 
 def _samples_markdown(samples: Sequence[Mapping[str, Any]]) -> str:
-  rows = ["| prompt | response | score |", "|---|---|---|"]
-  for s in samples:
-    prompt = str(s["prompt"]).replace("|", "\\|")
-    response = str(s["response"]).replace("|", "\\|")
-    rows.append(f"| {prompt} | {response} | {s['score']:.4g} |")
-  return "\n".join(rows)
+  def cell(text: Any) -> str:
+    return str(text).replace("|", "\\|")
+  rows = [f"| {cell(s['prompt'])} | {cell(s['response'])} | {s['score']:.4g} |" for s in samples]
+  return "\n".join(["| prompt | response | score |", "|---|---|---|", *rows])
 
 
 class SampleLogHook(train_lib.TrainHook):
@@ -961,10 +868,7 @@ def reward_curve_path(model_dir: str | os.PathLike[str]) -> str:
 
 def read_reward_curve(path: str | os.PathLike[str]) -> dict[int, float]:
   """{iteration: mean raw reward} of a curve file; {} when there is none."""
-  if not fileio.isfile(path):
-    return {}
-  data = json.loads(fileio.read_text(path))
-  return dict(zip(data["iterations"], data["raw_reward_mean"], strict=False))
+  return {i: row["raw_score_mean"] for i, row in read_learning_curves(path)["rows"].items()}
 
 
 def read_learning_curves(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -1018,16 +922,13 @@ def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
 
   Args:
     model_dir: Run directory (checkpoints/, train/ TensorBoard events, reward_curve.*).
-    trainer: The `PPOTrainer`.
     prompt_source: Training prompts: texts, or token rows (N, L).
     num_iterations: Total PPO iterations of the run (not of this call).
-    checkpoint_every: Save every this many iterations (and at the end).
-    keep_checkpoints: Newest checkpoints kept.
-    log_every: Progress line and TensorBoard scalars (window means) every this many.
+    checkpoint_every, keep_checkpoints, log_every, async_checkpoint: As for `train.train`
+      (in iterations).
     sample_every: Log sample responses to TensorBoard every this many iterations (0: never).
     num_logged_samples: Samples per log.
     seed: Base seed: initialisation, prompt order, sampling and minibatch keys.
-    async_checkpoint: Write checkpoints in the background.
     init: Initial policy (and reference) and value parameters of a fresh run, or a function
       returning them (called only when there is no checkpoint to resume); None: random.
     hooks: More `train.TrainHook`s.

@@ -2,35 +2,32 @@
 
 Pure, jittable functions; `jaxmoral.rl.ppo_trainer` compiles and shards them over the mesh.
 
-The policy is the distribution that was sampled:
-  Responses are drawn by `jaxmoral.decoding.sample` from the untruncated temperature-scaled
-  model distribution pi(a|s) = softmax(logits / tau) -- no top-k, no top-p -- and the very same
-  distribution, computed by teacher forcing, gives the ratio, the entropy and (with the frozen
-  reference's logits at the same tau) the KL penalty. `score_rollout` recomputes the old
-  log-probs with exactly the function the update step differentiates (same params,
-  deterministic forward), so on the first minibatch of the first PPO epoch the ratio is
-  exactly 1 and the approximate KL exactly 0. A truncated sampler (top-k / top-p) would break
-  this: the per-sample KL estimate log pi - log pi_ref is then taken only on tokens from the
-  nucleus and never sees probability the update moves into the unsampled tail, which can grow
-  unpenalised; `PPOConfig` refuses it. (Evaluation decodes with settings of its own.) The
-  sampler's own log-probs are kept as `sampler_logprobs`; their gap to `old_logprobs` is logged
-  as a check (float rounding only).
+The policy is the distribution that was sampled: `jaxmoral.decoding.sample` draws from the
+untruncated pi(a|s) = softmax(logits / tau) -- no top-k, no top-p -- and the same distribution,
+by teacher forcing, gives the ratio, the entropy and (with the frozen reference's logits at the
+same tau) the KL penalty. `score_rollout` computes the old log-probs with exactly the function
+the update step differentiates, so on the first minibatch of the first PPO epoch the ratio is
+exactly 1 and the approximate KL exactly 0; the sampler's own log-probs are kept as
+`sampler_logprobs`, their gap to `old_logprobs` logged as a check (float rounding only). A
+truncated sampler would break this: the KL estimate log pi - log pi_ref then sees only tokens
+of the nucleus, never the probability an update moves into the unsampled tail, which can grow
+unpenalised; `PPOConfig` refuses it (evaluation decodes with settings of its own).
 
-KL to the reference, two ways: `kl` is the per-token sample estimate log pi - log pi_ref at the
-sampled tokens (what the reward pays, Ziegler et al.); `kl_full_vocab` sums, at every position
-of the sampled responses, the exact KL(pi(.|s_t) || pi_ref(.|s_t)) over the whole vocabulary.
-Both estimate the sequence KL(pi || pi_ref) without bias; the second has less variance.
+KL to the reference, two ways: `kl` is the per-token sample estimate log pi - log pi_ref (what
+the reward pays, Ziegler et al.); `kl_full_vocab` sums the exact KL(pi(.|s_t) || pi_ref(.|s_t))
+over the vocabulary at every position. Both estimate the sequence KL(pi || pi_ref) without
+bias; the second has less variance.
 
-Time convention: position t of every (B, T) array is response token t. `old_values[:, t]` is
-V(prompt, response[:t]) -- the value-head output on the decoder state that has read the tokens
-before t (decoder inputs are the shifted-right response), i.e. the state in which token t is
-chosen, as GAE expects.
+Time convention: position t of every (B, T) array is response token t; `old_values[:, t]` is
+V(prompt, response[:t]) (the decoder inputs are the shifted-right response), the value of the
+state in which token t is chosen, as GAE expects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import typing
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import flax
 import jax
@@ -78,12 +75,9 @@ class Rollout:
   returns: Array
 
 
-# Rank of every `Rollout` field (for building its batch shardings).
-# (A Rollout of ints: the same tree, other leaves.)
-ROLLOUT_NDIMS = Rollout(
-    prompt_tokens=2, response_tokens=2, response_mask=2,  # type: ignore[arg-type]
-    sampler_logprobs=2, old_logprobs=2, ref_logprobs=2,  # type: ignore[arg-type]
-    old_values=2, scores=1, rewards=2, kl=2, advantages=2, returns=2)  # type: ignore[arg-type]
+# Rank of every `Rollout` field, for its batch shardings (a Rollout of ints).
+ROLLOUT_NDIMS = Rollout(**{f.name: 1 if f.name == "scores" else 2  # type: ignore[arg-type]
+                           for f in dataclasses.fields(Rollout)})
 
 
 def generate_rollout(model: T5, params: Params, prompt_tokens: Array, rng: Array, *,
@@ -92,12 +86,8 @@ def generate_rollout(model: T5, params: Params, prompt_tokens: Array, rng: Array
   """Samples one response per prompt from softmax(logits / temperature), untruncated (jittable).
 
   Args:
-    model: The policy T5.
-    params: Its parameters.
     prompt_tokens: (B, L) int32 prompts.
-    rng: PRNG key.
     max_response_length: T, tokens generated at most (EOS included).
-    temperature: Sampling temperature tau (the policy's distribution; see module docstring).
 
   Returns:
     (response_tokens (B, T) int32, sampler_logprobs (B, T) float32, response_mask (B, T)
@@ -123,26 +113,25 @@ def _encode(model: T5, params: Params, prompt_tokens: Array) -> tuple[Array, Arr
   return typing.cast(Array, encoded), mask
 
 
+def _teacher_forced(model: T5, params: Params, prompt_tokens: Array, response_tokens: Array,
+                    encoded: Optional[tuple[Array, Array]], method: Callable[..., Any]) -> Any:
+  """`method` of `model` on the decoder reading the shifted-right response."""
+  if encoded is None:
+    encoded = _encode(model, params, prompt_tokens)
+  decoder_inputs = shift_right(response_tokens, model.config.decoder_start_token_id)
+  return model.apply({"params": params}, *encoded, decoder_inputs, method=method)
+
+
 def policy_logits(model: T5, params: Params, prompt_tokens: Array, response_tokens: Array, *,
                   temperature: float, encoded: Optional[tuple[Array, Array]] = None) -> Array:
   """Teacher-forced logits / temperature of every response position, (B, T, V) float32.
 
   Position t holds the logits of pi(.|prompt, response[:t]): softmax of it is the
-  distribution token t was sampled from.
-
-  Args:
-    model: A T5.
-    params: Its parameters (policy or reference).
-    prompt_tokens: (B, L).
-    response_tokens: (B, T).
-    temperature: The sampling temperature (the policy's distribution; see module docstring).
-    encoded: Precomputed `(encoded, encoder_mask)` of `params`' encoder.
+  distribution token t was sampled from. `params` are the policy's or the reference's;
+  `encoded` is a precomputed `(encoded, encoder_mask)` of their encoder.
   """
-  if encoded is None:
-    encoded = _encode(model, params, prompt_tokens)
-  decoder_inputs = shift_right(response_tokens, model.config.decoder_start_token_id)
-  logits, _ = model.apply({"params": params}, encoded[0], encoded[1], decoder_inputs,
-                          method=T5.decode)
+  logits, _ = _teacher_forced(model, params, prompt_tokens, response_tokens, encoded,
+                              T5.decode)
   return logits.astype(jnp.float32) / temperature
 
 
@@ -169,32 +158,34 @@ def values_of(value_model: T5, value_params: Params, prompt_tokens: Array,
               response_tokens: Array, *, encoded: Optional[tuple[Array, Array]] = None) -> Array:
   """Per-token values V(prompt, response[:t]) from the value model's scalar head, (B, T).
 
-  Args:
-    value_model: A T5 with `with_scalar_head=True`.
-    value_params: Its parameters (may lack `encoder` when `encoded` is given).
-    prompt_tokens: (B, L).
-    response_tokens: (B, T).
-    encoded: `(encoded, encoder_mask)` from another encoder (the policy's, when shared).
+  `encoded` is `(encoded, encoder_mask)` of another encoder (the policy's, when shared;
+  `value_params` may then lack `encoder`).
   """
-  if encoded is None:
-    encoded = _encode(value_model, value_params, prompt_tokens)
-  decoder_inputs = shift_right(response_tokens, value_model.config.decoder_start_token_id)
-  return typing.cast(Array, value_model.apply({"params": value_params}, encoded[0], encoded[1],
-                                              decoder_inputs, method=_decode_and_score))
+  return typing.cast(Array, _teacher_forced(value_model, value_params, prompt_tokens,
+                                            response_tokens, encoded, _decode_and_score))
 
 
 def policy_and_values(policy_model: T5, value_model: T5, policy_params: Params,
                       value_params: Params, prompt_tokens: Array, response_tokens: Array, *,
                       temperature: float, share_value_encoder: bool,
                       with_entropy: bool) -> tuple[Array, Optional[Array], Array]:
-  """Policy log-probs (and entropy) and values; the encoder runs once when it is shared."""
+  """Policy log-probs (and entropy) and values, as the update differentiates them."""
+  logits, values = _logits_and_values(policy_model, value_model, policy_params, value_params,
+                                      prompt_tokens, response_tokens, temperature=temperature,
+                                      share_value_encoder=share_value_encoder)
+  entropy = losses.entropy_from_logits(logits) if with_entropy else None
+  return losses.token_logprobs(logits, response_tokens), entropy, values
+
+
+def _logits_and_values(policy_model: T5, value_model: T5, policy_params: Params,
+                       value_params: Params, prompt_tokens: Array, response_tokens: Array, *,
+                       temperature: float, share_value_encoder: bool) -> tuple[Array, Array]:
+  """`policy_logits` and `values_of`; the encoder runs once when it is shared."""
   encoded = _encode(policy_model, policy_params, prompt_tokens)
-  logprobs, entropy = policy_logprobs(policy_model, policy_params, prompt_tokens,
-                                      response_tokens, temperature=temperature,
-                                      with_entropy=with_entropy, encoded=encoded)
-  values = values_of(value_model, value_params, prompt_tokens, response_tokens,
-                     encoded=encoded if share_value_encoder else None)
-  return logprobs, entropy, values
+  logits = policy_logits(policy_model, policy_params, prompt_tokens, response_tokens,
+                         temperature=temperature, encoded=encoded)
+  return logits, values_of(value_model, value_params, prompt_tokens, response_tokens,
+                           encoded=encoded if share_value_encoder else None)
 
 
 def score_rollout(*, policy_model: T5, value_model: T5, policy_params: Params,
@@ -207,11 +198,9 @@ def score_rollout(*, policy_model: T5, value_model: T5, policy_params: Params,
   """Old log-probs, reference log-probs and values in one pass, then rewards and GAE (jittable).
 
   Args:
-    policy_model, value_model: The T5s (value model with a scalar head).
     policy_params, ref_params, value_params: Rollout-time parameters.
     prompt_tokens, response_tokens, response_mask, sampler_logprobs: From `generate_rollout`.
     scores: (B,) sequence scores to pay at the last token (already normalised).
-    kl_coef: Current KL penalty coefficient.
     temperature: Sampling temperature (applied to policy and reference logits alike).
     share_value_encoder: Values read the policy's encoder output.
     gamma, lam, whiten_rewards, whiten_advantages: See `jaxmoral.rl.ppo.compute_gae`.
@@ -225,13 +214,11 @@ def score_rollout(*, policy_model: T5, value_model: T5, policy_params: Params,
     `response_length`, `sampler_logprob_gap` (mean |old - sampler| log-prob).
   """
   mask = response_mask.astype(jnp.float32)
-  encoded = _encode(policy_model, policy_params, prompt_tokens)
-  logits = policy_logits(policy_model, policy_params, prompt_tokens, response_tokens,
-                         temperature=temperature, encoded=encoded)
+  logits, values = _logits_and_values(policy_model, value_model, policy_params, value_params,
+                                      prompt_tokens, response_tokens, temperature=temperature,
+                                      share_value_encoder=share_value_encoder)
   logprobs = losses.token_logprobs(logits, response_tokens)
   entropy = losses.entropy_from_logits(logits)
-  values = values_of(value_model, value_params, prompt_tokens, response_tokens,
-                     encoded=encoded if share_value_encoder else None)
   ref_logits = policy_logits(policy_model, ref_params, prompt_tokens, response_tokens,
                              temperature=temperature)
   ref_logprobs = losses.token_logprobs(ref_logits, response_tokens)
