@@ -4,17 +4,13 @@ Both kernel sets (`tpu_attention`: Mosaic, `gpu_attention`: Triton) compute T5 a
 `softmax(q k^T + bias) v` with no 1/sqrt(d) scale, on (batch, length, heads, d_kv) inputs with
 masks factored as per-position segment ids (a query sees the keys with its own id; ids <= 0
 are padding) and a causal flag; a query that sees no key gets a zero output and passes no
-gradient. This module holds that contract once:
-
-- `check_shapes`: the one shape check of every entry point (and of `reference_attention`);
-- `kernel_ids`: the ids the kernels read, padding mapped to ids no key or query shares;
-- `sharded`: the one `jax.shard_map` wrapper that runs a kernel on each device's shard;
-- `reference_attention`: the same semantics in plain jnp, which the tests compare against;
-- `INTERPRET`: run the kernels through the Pallas interpreter (any backend, slow; CPU tests).
+gradient. `reference_attention` is that contract in plain jnp, for the tests.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -27,9 +23,8 @@ from jaxmoral import backends
 Array = jax.Array
 MeshAxes = Union[None, str, Sequence[str]]
 
-# Run the kernels through the Pallas interpreter (any backend, slow): for CPU tests. Read when
-# a kernel is traced, so setting it (or JAXMORAL_PALLAS_INTERPRET=1 before import) applies to
-# both kernel sets.
+# Run both kernel sets through the Pallas interpreter (any backend, slow): for CPU tests. Read
+# when a kernel is traced.
 INTERPRET: bool = os.environ.get("JAXMORAL_PALLAS_INTERPRET", "") not in ("", "0")
 
 # Finite stand-in for -inf: exp(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
@@ -54,6 +49,41 @@ def kernel_ids(ids: Optional[Array], batch: int, length: int, padded: int, fill:
     ids = jnp.ones((batch, length), jnp.int32)
   ids = jnp.where(ids > 0, ids.astype(jnp.int32), fill)
   return jnp.pad(ids, ((0, 0), (0, padded - length)), constant_values=fill)
+
+
+def kernel_refs(refs: Sequence[Any], has_bias: bool, dbias_at: Optional[int] = None
+                ) -> list[Any]:
+  """A kernel's refs with None where the bias (after q, k, v) and, at `dbias_at` of the full
+  list, its gradient would be, when there is no bias: one unpacking for both cases."""
+  refs = list(refs)
+  if not has_bias:
+    refs.insert(3, None)
+    if dbias_at is not None:
+      refs.insert(dbias_at, None)
+  return refs
+
+
+def custom_vjp(forward: Callable[..., tuple[Array, Array]],
+               backward: Callable[..., tuple[Any, ...]]) -> Callable[..., Array]:
+  """`attend(q, k, v, bias, q_ids, k_ids, static)`: a kernel set's differentiable attention.
+
+  `forward(q, k, v, bias, q_ids, k_ids, *static)` returns (out, lse), the only residuals besides
+  the inputs; `backward(q, k, v, bias, q_ids, k_ids, out, lse, do, *static)` returns
+  (dq, dk, dv, dbias). `static` is a hashable tuple (a nondiff argument).
+  """
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+  def attend(q, k, v, bias, q_ids, k_ids, static):
+    return forward(q, k, v, bias, q_ids, k_ids, *static)[0]
+
+  def attend_fwd(q, k, v, bias, q_ids, k_ids, static):
+    out, lse = forward(q, k, v, bias, q_ids, k_ids, *static)
+    return out, (q, k, v, bias, q_ids, k_ids, out, lse)
+
+  def attend_bwd(static, residuals, do):
+    return (*backward(*residuals, do, *static), None, None)
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend
 
 
 def check_shapes(name: str, query: Array, key: Array, value: Array, bias: Optional[Array],
@@ -109,10 +139,7 @@ def _mesh_axes_for(axes: MeshAxes, size: int, mesh: Any) -> MeshAxes:
   if axes is None:
     return None
   names = (axes,) if isinstance(axes, str) else tuple(axes)
-  shards = 1
-  for name in names:
-    shards *= mesh.shape[name]
-  return axes if size % shards == 0 else None
+  return axes if size % math.prod(mesh.shape[name] for name in names) == 0 else None
 
 
 def sharded(attend: Callable[..., Array], query: Array, key: Array, value: Array,
@@ -123,10 +150,9 @@ def sharded(attend: Callable[..., Array], query: Array, key: Array, value: Array
   A Pallas call is opaque to the SPMD partitioner (it would gather its inputs to every device),
   so under a mesh of more than one device the kernel runs in a `jax.shard_map` with the batch
   split over `batch_axes` and heads over `head_axes` (each only where it divides the
-  dimension). An extra of two dimensions is per position, (batch, length): split like the
-  batch. Any other is per head, (rows, heads, ...) (a bias or its diagonals): split over heads,
-  and over the batch only when it has a row per batch row. A bias of one row is the same on
-  every batch shard: the shard_map's transpose sums its gradient over `batch_axes`.
+  dimension). A 2-D extra is per position, (batch, length); any other is per head,
+  (rows, heads, ...), split over the batch only when it has a row per batch row (the
+  transpose sums a shared bias's gradient over `batch_axes`).
 
   Args:
     attend: `(query, key, value, *extras) -> output`, extras None where absent.
@@ -167,11 +193,7 @@ def reference_attention(query: Array, key: Array, value: Array, bias: Optional[A
                         query_segment_ids: Optional[Array] = None,
                         key_segment_ids: Optional[Array] = None, *,
                         causal: bool = False) -> Array:
-  """The kernels' semantics in plain jnp (materialises the scores): for tests.
-
-  Same arguments and result as either kernel set's `flash_attention`, including zero rows for
-  queries that see no key; differentiable by JAX's autodiff.
-  """
+  """Either kernel set's `flash_attention` in plain jnp (materialises the scores): for tests."""
   check_shapes("reference_attention", query, key, value, bias, query_segment_ids,
                key_segment_ids)
   batch, q_len, _, _ = query.shape

@@ -26,13 +26,11 @@ def tracing_for_cpu() -> bool:
 def cpu_rows_matmul(rows: Array, kernel: Array, preferred_element_type: Any) -> Array:
   """(R, d) @ (d, *f) in float32, whose weight gradient XLA:CPU runs as a plain product.
 
-  Autodiff writes the weight gradient as rows^T @ g, a product contracting both operands'
-  first axis; XLA:CPU leaves such products to its own slower dot emitter instead of YNNPACK.
-  The backward pass here transposes `rows` into a buffer of its own (the barrier stops XLA
-  from folding the transpose back into the product), so YNNPACK gets (d, R) @ (R, f). The
-  copy is a small fraction of the product; the values are the same sums. Reverse mode only,
-  as any `custom_vjp`: forward-mode differentiation (`jax.jvp`) of a model traced for CPUs
-  needs `T5Config.cpu_weight_gradients="autodiff"`.
+  Autodiff's weight gradient rows^T @ g contracts both operands' first axis, which XLA:CPU
+  leaves to its slower dot emitter instead of YNNPACK. The backward pass here transposes `rows`
+  into a buffer of its own (the barrier stops XLA folding it back), so YNNPACK gets
+  (d, R) @ (R, f): the same sums, for a small copy. Reverse mode only (`jax.jvp` needs
+  `T5Config.cpu_weight_gradients="autodiff"`).
   """
   return jnp.tensordot(rows, kernel, axes=1, preferred_element_type=preferred_element_type)
 

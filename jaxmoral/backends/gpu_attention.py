@@ -1,47 +1,24 @@
 """T5 flash attention for GPUs in Pallas (Triton), with the batch-summed gradient of the bias.
 
-T5 attention is `softmax(q k^T + bias) v` with no 1/sqrt(d) scale, where `bias` is the learned
-relative-position bias (1, heads, q_len, k_len), float32, shared by the batch. cuDNN's fused
-attention (attention_impl="cudnn") takes the bias but, through JAX, always returns its gradient
-per batch row and leaves the batch sum to XLA, which costs about as much as the attention
-itself at T5 1.1-large shapes. These three Triton kernels
-stream over (block_q, block_k) tiles and keep only per-row statistics, like tpu_attention.py
-does for TPUs:
+cuDNN's fused attention (attention_impl="cudnn") takes T5's (1, heads, q_len, k_len) float32
+position bias but, through JAX, returns its gradient per batch row and leaves the batch sum to
+XLA, which costs about as much as the attention itself at T5 1.1-large shapes. These three
+Triton kernels stream over tiles and keep only per-row statistics:
 
-  forward  grid (batch, q blocks, heads): online softmax over the k blocks; out and the
-           base-2 row log-sum-exp.
-  dq       grid (batch, q blocks, heads): dq over the k blocks, and the softmax backward's row
-           term di = rowsum(dO * O), written for the dk/dv kernel (no separate pass over O).
-  dk/dv    grid (k blocks, heads, batch groups): each program walks the batch rows of its
-           group, `dkv_rows` at a time, and for each step the q blocks: dk and dv of those
-           rows accumulate in registers, and their summed dScores tile is added into the
-           group's (q_len, block_k) column of the bias gradient. The column belongs to that
-           program alone, so it is a plain read-add-write of a tile that sits in L2, never an
-           atomic; the first step of the group writes it. XLA then sums the few group
-           partials (groups, heads, q_len, k_len).
+  forward  grid (batch, q blocks, heads): online softmax; out and the base-2 log-sum-exp.
+  dq       grid (batch, q blocks, heads): dq, and the softmax backward's row term
+           di = rowsum(dO * O) for the dk/dv kernel (no separate pass over O).
+  dk/dv    grid (k blocks, heads, batch groups): each program walks its group's batch rows,
+           `dkv_rows` at a time, over the q blocks, and adds their summed dScores tile into
+           the group's (q_len, block_k) bias-gradient column, which it alone owns (a plain
+           read-add-write in L2, no atomics); XLA sums the few group partials.
 
-So no (batch, heads, q, k) tensor reaches HBM: the largest is the partial bias gradient, a few
-groups times the bias. Batch rows are split into groups only so that the grid has enough
-programs to fill the GPU (`BlockSizes.dkv_programs`); without a bias every row is its own
-group. The bias can also come as its diagonals (`bias_diagonals`, for a bias that depends on
-k - q alone, as T5's does): tiles are then gathered from a (q_len + k_len) vector per head.
-
-Speed: on an H100 at T5 1.1-large's encoder shape these kernels are slower than cuDNN's fused
-attention, because the bias costs them more: they read float32 bias tiles in all three kernels
-and read, add and write the bias-gradient column (8 bytes per score, through L2; dkv_rows=2 does
-that once per two rows). The diagonals form is slower still, so T5 hands the kernels the whole
-bias, and attention_impl="auto" keeps cuDNN.
-
-The inputs stay in the model's (batch, length, heads, d_kv) layout: tiles are read with the
-heads' stride, so no transposes run around the kernels. Masking is the TPU kernel's contract:
-per-position segment ids (a query sees the keys with its own id; ids <= 0 are padding) and a
-causal flag. A query that sees no key gets a zero output and passes no gradient. Lengths are
-padded to the tile sizes (padded queries and keys get ids -1 and -2, so they see nothing and
-nothing sees them); the head width is padded to a power of two (Triton tiles need one).
-
-On a CPU the kernels run in Pallas interpret mode (`attention.INTERPRET = True`, the
-environment variable JAXMORAL_PALLAS_INTERPRET=1, or `interpret=True`);
-tests/test_gpu_attention.py checks them that way against `attention.reference_attention`.
+Batch rows are split into groups only so that the grid fills the GPU. On an H100 at T5
+1.1-large's encoder shape these kernels are still slower than cuDNN's (the float32 bias tiles
+and the bias-gradient column cost them more; the `bias_diagonals` form is slower still), so
+attention_impl="auto" keeps cuDNN. Inputs stay in the model's (batch, length, heads, d_kv)
+layout (no transposes); lengths are padded to the tiles (padded queries and keys get ids -1 and
+-2) and the head width to a power of two, as Triton needs.
 """
 
 from __future__ import annotations
@@ -63,7 +40,6 @@ from jaxmoral.backends import attention
 Array = jax.Array
 MeshAxes = attention.MeshAxes
 
-# exp2(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
 MASK_VALUE = attention.MASK_VALUE
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # Triton's smallest tile side for a matrix product.
@@ -75,10 +51,7 @@ _CompilerParams = (getattr(plgpu, "CompilerParams", None)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes (powers of two) and Triton launch parameters of the three kernels.
-
-  Each block is capped at the (power-of-two rounded) length, so short sequences take smaller
-  tiles; lengths are padded to a multiple of every block that applies to them.
+  """Tile sizes (powers of two, capped at the rounded length) and Triton launch parameters.
 
   Attributes:
     block_q, block_k: Tile of the forward kernel (queries per program, keys per step).
@@ -89,10 +62,9 @@ class BlockSizes:
     num_warps_bwd, num_stages_bwd: Both backward kernels' launch parameters.
     dkv_programs: With a bias, the batch is split into the fewest groups (a divisor of the
       batch) that give the dk/dv kernel at least this many programs.
-    dkv_rows: With a bias, the dk/dv kernel steps through this many batch rows at a time and
-      adds their summed dScores tiles to the bias-gradient column: 1/dkv_rows of the
-      read-add-writes, for dkv_rows times the dk/dv accumulators in registers. Taken only
-      where it divides the rows of a group.
+    dkv_rows: With a bias, the dk/dv kernel steps through this many batch rows at a time
+      (where it divides a group's rows): 1/dkv_rows of the bias-gradient read-add-writes, for
+      dkv_rows times the dk/dv accumulators in registers.
   """
   block_q: int = 64
   block_k: int = 64
@@ -116,8 +88,7 @@ class BlockSizes:
                          f"got {value}")
 
 
-# What `flash_attention` (and so attention_impl="pallas_gpu") uses when given no block sizes.
-DEFAULT_BLOCK_SIZES = BlockSizes()
+DEFAULT_BLOCK_SIZES = BlockSizes()  # attention_impl="pallas_gpu"'s.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,10 +102,7 @@ class _Plan:
   bq_dkv: int
   bk_dkv: int
   groups: int
-  num_warps: int
-  num_stages: int
-  num_warps_bwd: int
-  num_stages_bwd: int
+  blocks: BlockSizes  # Its launch parameters (num_warps, num_stages, ...).
   interpret: bool
   diagonals: bool = False  # The bias comes as its diagonals (see `flash_attention`).
   q_pad: int = 0  # Padded query length (indexes the diagonals).
@@ -159,9 +127,10 @@ def _batch_groups(batch: int, programs_per_group: int, target: int) -> int:
 
 
 def _params(plan: _Plan, backward: bool) -> Any:
+  b = plan.blocks
   if backward:
-    return _CompilerParams(num_warps=plan.num_warps_bwd, num_stages=plan.num_stages_bwd)
-  return _CompilerParams(num_warps=plan.num_warps, num_stages=plan.num_stages)
+    return _CompilerParams(num_warps=b.num_warps_bwd, num_stages=b.num_stages_bwd)
+  return _CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages)
 
 
 def _tile_mask(q_ids: Array, k_ids: Array, q_start: Any, k_start: Any, causal: bool) -> Array:
@@ -188,12 +157,9 @@ def _slice(start: Any, size: int) -> Any:
 
 def _bias_tile(bias_ref: Any, rows: Any, cols: Any, q_start: Any, k_start: Any,
                shape: tuple[int, int], plan: _Plan) -> Array:
-  """The (block_q, block_k) float32 bias tile at (q_start, k_start).
-
-  A full bias ref (q_len, k_len) is sliced; a diagonals ref (q_len + k_len,) is gathered:
-  bias[q, k] = diagonals[k - q + q_len - 1]. That gather reads bq + bk - 1 distinct values
-  of a vector that stays in L1, instead of bq * bk values through L2.
-  """
+  """The (block_q, block_k) float32 bias tile at (q_start, k_start): a slice of a full bias
+  ref, or gathered from a diagonals ref, bias[q, k] = diagonals[k - q + q_len - 1] (bq + bk - 1
+  values that stay in L1 instead of bq * bk through L2)."""
   if not plan.diagonals:
     return bias_ref[rows, cols]
   offset = k_start - q_start + plan.q_pad - 1
@@ -202,14 +168,17 @@ def _bias_tile(bias_ref: Any, rows: Any, cols: Any, q_start: Any, k_start: Any,
   return bias_ref[index]
 
 
+def _num_k_blocks(k_len: int, i: Any, bq: int, bk: int, causal: bool) -> Any:
+  """The k blocks q block `i` sees: all, or (causal) those up to its last query."""
+  num_k = k_len // bk
+  return jnp.minimum(num_k, lax.div((i + 1) * bq + bk - 1, bk)) if causal else num_k
+
+
 # -- kernels --------------------------------------------------------------------------------------
 def _forward_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
   """One (batch row, q block, head): the online softmax over the k blocks."""
-  if has_bias:
-    q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, lse_ref = refs
-  else:
-    q_ref, k_ref, v_ref, qid_ref, kid_ref, o_ref, lse_ref = refs
-    bias_ref = None
+  q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, lse_ref = attention.kernel_refs(
+      refs, has_bias)
   bq, bk = plan.bq, plan.bk
   i = pl.program_id(1)
   q, q_ids = q_ref[...], qid_ref[...]
@@ -231,9 +200,7 @@ def _forward_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_next, l_next
 
-  num_k = k_ref.shape[0] // bk
-  if plan.causal:
-    num_k = jnp.minimum(num_k, lax.div((i + 1) * bq + bk - 1, bk))
+  num_k = _num_k_blocks(k_ref.shape[0], i, bq, bk, plan.causal)
   acc, m, l = lax.fori_loop(
       0, num_k, body,
       (jnp.zeros((bq, q.shape[1]), jnp.float32), jnp.full((bq,), MASK_VALUE, jnp.float32),
@@ -245,12 +212,8 @@ def _forward_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
 
 def _dq_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
   """One (batch row, q block, head): dq over the k blocks, and di = rowsum(dO * O)."""
-  if has_bias:
-    (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, do_ref, lse_ref,
-     dq_ref, di_ref) = refs
-  else:
-    q_ref, k_ref, v_ref, qid_ref, kid_ref, o_ref, do_ref, lse_ref, dq_ref, di_ref = refs
-    bias_ref = None
+  (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, do_ref, lse_ref, dq_ref,
+   di_ref) = attention.kernel_refs(refs, has_bias)
   bq, bk = plan.bq_dq, plan.bk_dq
   i = pl.program_id(1)
   q, q_ids, do = q_ref[...], qid_ref[...], do_ref[...]
@@ -270,9 +233,7 @@ def _dq_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
     k = k_ref[ks, :]
     return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-  num_k = k_ref.shape[0] // bk
-  if plan.causal:
-    num_k = jnp.minimum(num_k, lax.div((i + 1) * bq + bk - 1, bk))
+  num_k = _num_k_blocks(k_ref.shape[0], i, bq, bk, plan.causal)
   dq = lax.fori_loop(0, num_k, body, jnp.zeros((bq, q.shape[1]), jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
@@ -280,12 +241,8 @@ def _dq_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
 def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
   """One (k block, head, batch group): dk and dv of each row of the group, and the group's
   (q_len, block_k) column of the bias gradient."""
-  if has_bias:
-    (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, do_ref, lse_ref, di_ref,
-     dk_ref, dv_ref, dbias_ref) = refs
-  else:
-    (q_ref, k_ref, v_ref, qid_ref, kid_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref) = refs
-    bias_ref = dbias_ref = None
+  (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref,
+   dbias_ref) = attention.kernel_refs(refs, has_bias, dbias_at=11)
   bq, bk = plan.bq_dkv, plan.bk_dkv
   rows_per_group, q_len, width = q_ref.shape
   num_q = q_len // bq
@@ -360,8 +317,8 @@ def _bias_spec(bias: Array, plan: _Plan, block: tuple[Any, ...], index_map: Any,
 def _diagonal_sums(x: Array) -> Array:
   """(..., q, k) -> (..., q + k): out[..., k - i + q - 1] = sum of x[..., i, k] (last one 0).
 
-  The transpose of the diagonals-to-bias gather: rows reversed, then sheared (row r moved r
-  columns right by a reshape of the zero-padded rows), then summed.
+  The transpose of the diagonals-to-bias gather: rows reversed, sheared by a reshape of the
+  zero-padded rows, then summed.
   """
   *lead, q, k = x.shape
   x = jnp.pad(x[..., ::-1, :], [(0, 0)] * len(lead) + [(0, 0), (0, q)])
@@ -369,15 +326,13 @@ def _diagonal_sums(x: Array) -> Array:
   return jnp.pad(jnp.sum(x, axis=-2), [(0, 0)] * len(lead) + [(0, 1)])
 
 
-def _forward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
-             plan: _Plan) -> tuple[Array, Array]:
-  """out (batch, q_len, heads, d) and the base-2 log-sum-exp (batch, heads, q_len) float32."""
-  batch, q_len, heads, width = q.shape
-  k_len = k.shape[1]
-  bq = plan.bq
+def _row_block_inputs(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
+                      k_ids: Array, plan: _Plan, bq: int) -> tuple[list[Any], list[Array]]:
+  """In-specs and arguments of a (batch, q blocks, heads) grid: q, k, v, [bias], q_ids, k_ids."""
+  k_len, width = k.shape[1], q.shape[-1]
+  kv_spec = pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0))
   in_specs = [pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0)),
-              pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0)),
-              pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0))]
+              kv_spec, kv_spec]
   args = [q, k, v]
   if bias is not None:
     in_specs.append(_bias_spec(bias, plan, (None, None, bq, k_len), lambda b, i, h: (0, h, i, 0),
@@ -385,7 +340,15 @@ def _forward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, 
     args.append(bias)
   in_specs += [pl.BlockSpec((None, bq), lambda b, i, h: (b, i)),
                pl.BlockSpec((None, k_len), lambda b, i, h: (b, 0))]
-  args += [q_ids, k_ids]
+  return in_specs, args + [q_ids, k_ids]
+
+
+def _forward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
+             plan: _Plan) -> tuple[Array, Array]:
+  """out (batch, q_len, heads, d) and the base-2 log-sum-exp (batch, heads, q_len) float32."""
+  batch, q_len, heads, width = q.shape
+  bq = plan.bq
+  in_specs, args = _row_block_inputs(q, k, v, bias, q_ids, k_ids, plan, bq)
   # Batch is the fastest grid axis, so the programs running together share a bias tile in L2.
   return pl.pallas_call(
       functools.partial(_forward_kernel, has_bias=bias is not None, plan=plan),
@@ -412,17 +375,10 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   # dq and di: grid (batch, q blocks, heads).
   bq = plan.bq_dq
   row_spec = pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0))
-  kv_spec = pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0))
-  in_specs, args = [row_spec, kv_spec, kv_spec], [q, k, v]
-  if bias is not None:
-    in_specs.append(_bias_spec(bias, plan, (None, None, bq, k_len), lambda b, i, h: (0, h, i, 0),
-                               lambda b, i, h: (0, h, 0)))
-    args.append(bias)
   stat_spec = pl.BlockSpec((None, None, bq), lambda b, i, h: (b, h, i))
-  in_specs += [pl.BlockSpec((None, bq), lambda b, i, h: (b, i)),
-               pl.BlockSpec((None, k_len), lambda b, i, h: (b, 0)),
-               row_spec, row_spec, stat_spec]
-  args += [q_ids, k_ids, out, do, lse]
+  in_specs, args = _row_block_inputs(q, k, v, bias, q_ids, k_ids, plan, bq)
+  in_specs += [row_spec, row_spec, stat_spec]
+  args += [out, do, lse]
   dq, di = pl.pallas_call(
       functools.partial(_dq_kernel, has_bias=has_bias, plan=plan),
       grid=(batch, q_len // bq, heads),
@@ -474,25 +430,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   return dq, results[0], results[1], dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
-               plan: _Plan) -> Array:
-  return _forward(q, k, v, bias, q_ids, k_ids, plan)[0]
-
-
-def _attention_fwd(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
-                   k_ids: Array, plan: _Plan) -> tuple[Array, tuple[Any, ...]]:
-  out, lse = _forward(q, k, v, bias, q_ids, k_ids, plan)
-  return out, (q, k, v, bias, q_ids, k_ids, out, lse)
-
-
-def _attention_bwd(plan: _Plan, residuals: tuple[Any, ...], do: Array) -> tuple[Any, ...]:
-  q, k, v, bias, q_ids, k_ids, out, lse = residuals
-  dq, dk, dv, dbias = _backward(q, k, v, bias, q_ids, k_ids, out, lse, do, plan)
-  return dq, dk, dv, dbias, None, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = attention.custom_vjp(_forward, _backward)
 
 
 # -- public API -----------------------------------------------------------------------------------
@@ -500,10 +438,8 @@ def bias_diagonals(bias: Array) -> Array:
   """The diagonals (1, heads, q_len + k_len - 1) of a Toeplitz bias (1, heads, q_len, k_len):
   out[..., k - q + q_len - 1] = bias[..., q, k], read off the first column and row.
 
-  For `flash_attention(bias_diagonals=...)`. Only a bias that is constant along its diagonals
-  (one that depends on k - q alone, as T5's relative-position bias over positions 0, 1, ...)
-  is represented exactly, and only then is the gradient that flows back through this slicing
-  (the diagonal sums, on the first row and column) the right one for what computed the bias.
+  For `flash_attention(bias_diagonals=...)`; exact (values and gradient) only for a bias that
+  depends on k - q alone, as T5's relative-position bias over positions 0, 1, ... does.
   """
   return jnp.concatenate([bias[:, :, ::-1, 0], bias[:, :, 0, 1:]], axis=-1)
 
@@ -517,29 +453,16 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
   """T5 attention, `softmax(q k^T + bias) v` without scaling, through the Triton kernels.
 
   Differentiable in query, key, value and bias (`jax.custom_vjp`); the bias gradient is summed
-  over the batch inside the kernels.
+  over the batch inside the kernels. Arguments and result as `tpu_attention.flash_attention`,
+  except:
 
   Args:
-    query: (batch, q_len, heads, d_kv).
-    key: (batch, k_len, heads, d_kv).
-    value: (batch, k_len, heads, d_kv).
-    bias: (1, heads, q_len, k_len) additive bias shared by the batch (computed in float32),
-      or None.
-    query_segment_ids: (batch, q_len) int: a query attends to the keys with its id; ids <= 0
-      are padding. None: every query is valid, one segment.
-    key_segment_ids: (batch, k_len) int, likewise for keys.
+    bias: (1, heads, q_len, k_len), shared by the batch (computed in float32), or None.
     bias_diagonals: Instead of `bias`, a Toeplitz bias given by its diagonals,
-      (1, heads, q_len + k_len - 1) with bias[:, h, q, k] = bias_diagonals[:, h, k - q + q_len
-      - 1] (`bias_diagonals(bias)`; T5's relative-position bias is one). The kernels gather
-      its tiles from this vector, and its gradient is the bias gradient summed along each
-      diagonal. The fast form for T5.
-    causal: Queries attend only to keys at their own position or before.
+      (1, heads, q_len + k_len - 1) (`bias_diagonals(bias)`); its gradient is the bias
+      gradient summed along each diagonal.
     block_sizes: Tile sizes and launch parameters; None: `DEFAULT_BLOCK_SIZES` (read when
       traced).
-    interpret: Run in Pallas interpret mode; None: `attention.INTERPRET`.
-
-  Returns:
-    (batch, q_len, heads, d_kv) in query's dtype; zero for queries that attend to no key.
   """
   attention.check_shapes("gpu_attention.flash_attention", query, key, value, bias,
                          query_segment_ids, key_segment_ids, per_row_bias=False,
@@ -559,9 +482,7 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
   groups = (_batch_groups(batch, (k_pad // bk_dkv) * heads, blocks.dkv_programs)
             if has_bias else batch)
   plan = _Plan(causal=causal, bq=bq, bk=bk, bq_dq=bq_dq, bk_dq=bk_dq, bq_dkv=bq_dkv,
-               bk_dkv=bk_dkv, groups=groups, num_warps=blocks.num_warps,
-               num_stages=blocks.num_stages, num_warps_bwd=blocks.num_warps_bwd,
-               num_stages_bwd=blocks.num_stages_bwd, interpret=bool(interpret),
+               bk_dkv=bk_dkv, groups=groups, blocks=blocks, interpret=bool(interpret),
                diagonals=bias_diagonals is not None, q_pad=q_pad,
                dkv_rows=blocks.dkv_rows if has_bias and (batch // groups) % blocks.dkv_rows == 0
                else 1)
@@ -578,7 +499,7 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
   out = _attention(pad(query, q_pad), pad(key.astype(query.dtype), k_pad),
                    pad(value.astype(query.dtype), k_pad), bias,
                    attention.kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
-                   attention.kernel_ids(key_segment_ids, batch, k_len, k_pad, -2), plan)
+                   attention.kernel_ids(key_segment_ids, batch, k_len, k_pad, -2), (plan,))
   return out[:, :q_len, :, :width]
 
 

@@ -1,30 +1,18 @@
 """Host memory: glibc's malloc as it is by default, or kept for reuse on a CPU training host.
 
 XLA:CPU allocates each execution's temporaries as one block (843 MB for a T5 1.1-small train
-step at batch 8 x (128 + 64)). glibc maps a block that large fresh and unmaps it when the step
-ends, so every page of it faults in again, zeroed by the kernel, on every step: 223k page
-faults per step, 8-16 % of a CPU step on a 2-core VM. `JAXMORAL_HOST_MALLOC=reuse` tells
-malloc (through `mallopt`) to keep what it frees:
+step at batch 8 x (128 + 64)), which glibc maps fresh and unmaps when the step ends: every page
+faults in again, zeroed, on every step (8-16 % of a CPU step on a 2-core VM).
+`JAXMORAL_HOST_MALLOC=reuse` has `mallopt` keep what is freed (`SETTINGS`): one arena, so every
+thread reuses every freed block; no block mapped on its own; the arena's top never given back,
+grown in 64 MiB steps.
 
-- one arena (`M_ARENA_MAX`), so blocks freed by any thread are reused by every thread;
-- never map a block on its own (`M_MMAP_MAX` 0), so large blocks come from that arena;
-- never give the arena's top back (`M_TRIM_THRESHOLD`), and grow it in 64 MiB steps
-  (`M_TOP_PAD`).
-
-It is not the default because its memory is not bounded by the step. XLA's aligned requests
-are a little larger than the block the previous call freed, and small allocations of other
-threads land between freed blocks, so the heap grows over the first tens of steps until freed
-neighbours have merged, by an amount that depends on the threads' timing, and keeps its peak
-until the process exits. T5 1.1-small at batch 8 x (64 + 16): a bare train step peaked at
-2,218-2,248 MiB of RSS with the default malloc, and at 2,368 or 3,146 MiB (run to run) with
-`reuse`; the training loop at 2,210-2,332 MiB and 3,632-3,697 MiB (`bench/RESULTS.md`). On an
-accelerator host one arena would also serialise the allocations of the input pipeline's
-threads.
-
-`JAXMORAL_HOST_MALLOC` chooses: `system` (the default: leave malloc as it is) or `reuse`
-(the settings above; a CPU host that trains for hours and has the memory to spare). Arena
-limits only affect threads that have not allocated yet, so `jaxmoral.runtime.configure()`
-(which the CLI calls first thing) applies them before the backend starts its threads.
+`system` (leave malloc as it is) is the default because `reuse` does not bound memory by the
+step: the heap grows over the first tens of steps by a timing-dependent amount and keeps its
+peak (2.2 GiB vs 2.4-3.1 GiB RSS for a T5 1.1-small train step; `bench/RESULTS.md`), and on an
+accelerator host one arena would serialise the input pipeline's allocations. Arena limits only
+affect threads that have not allocated yet, so `jaxmoral.runtime.configure()` applies them
+before the backend starts its threads.
 """
 
 from __future__ import annotations
@@ -46,11 +34,9 @@ M_TOP_PAD = -2
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 
-TOP_PAD_BYTES = 64 << 20
 # mallopt takes an int; the largest one means "never trim".
-NEVER_TRIM = 2**31 - 1
-SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, NEVER_TRIM),
-            (M_TOP_PAD, TOP_PAD_BYTES))
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1),
+            (M_TOP_PAD, 64 << 20))
 
 
 def _glibc_mallopt() -> Optional[Callable[[int, int], int]]:

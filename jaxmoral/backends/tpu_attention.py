@@ -1,39 +1,22 @@
 """T5 flash attention for TPUs in Pallas (Mosaic), with the gradient of the position bias.
 
-T5 attention is `softmax(q k^T + bias) v` with no 1/sqrt(d) scale, where `bias` is the learned
-relative-position bias (1, heads, q_len, k_len), float32, shared by the batch. The einsum path
-materialises (batch, heads, q_len, k_len) scores, weights and their gradients; here three
-kernels stream over (block_q, block_k) tiles and keep only per-row statistics:
+The einsum path materialises (batch, heads, q_len, k_len) scores, weights and their gradients;
+here three kernels stream over tiles and keep only per-row statistics:
 
   forward   grid (batch, heads, q blocks, k blocks): online softmax; out and the row
-            log-sum-exp (the backward's only residual besides q, k, v, bias and out).
-  dk/dv     grid (heads, k blocks, batch, q blocks): recomputes the probabilities of a tile,
-            accumulates dk and dv over q blocks and the bias gradient over the batch.
-  dq        grid (batch, heads, q blocks, k blocks): accumulates dq over k blocks.
+            log-sum-exp (the backward's only residual besides the inputs and out).
+  dk/dv     grid (heads, k blocks, batch, q blocks): dk and dv over q blocks, and the bias
+            gradient over the batch.
+  dq        grid (batch, heads, q blocks, k blocks): dq over k blocks.
 
-The bias gradient is the batch sum of dScores. It is reduced inside the dk/dv kernel: with the
-batch as the second-innermost grid axis, the (q_len, block_k) float32 column of the bias
-gradient of one head and k block stays in VMEM while the kernel walks every batch row and q
-block, and is written to HBM once. So the only quadratic tensor in HBM is the
-(1, heads, q_len, k_len) bias gradient itself (what the bias parameter's gather needs anyway),
-never a (batch, heads, q_len, k_len) one; the price is VMEM proportional to q_len
-(4 * q_len * block_k bytes, double-buffered: 1 MiB each at 2,048 x 128). Reducing in the dq
-kernel instead would need the same column along the lane axis (dynamic lane offsets), and a
-separate reduction kernel would recompute two more products per tile. JAX's own
-`pallas.ops.tpu.flash_attention` returns `dab = ds` of shape (batch, heads, q, k) and needs
-the bias broadcast to the batch, which is the memory this module exists to avoid.
-
-Masking is factored, never dense: per-position segment ids (0 = padding) for queries and keys
-(a query sees the keys of its own segment, which also covers plain padding) and a causal flag.
-A query that sees no key at all (padding) gets a zero output and passes no gradient; the
-einsum path gives such rows the mean of the values instead, and neither reaches a valid
-position. Lengths are padded to multiples of 128 (padded keys get their own segment id, so
-nothing attends to them); the head width stays as it is (a block equal to the whole last
-dimension is a legal Mosaic block, so d_kv = 64 needs no padding to 128).
-
-On a CPU the kernels run in Pallas interpret mode (`attention.INTERPRET = True`, or the
-environment variable JAXMORAL_PALLAS_INTERPRET=1), which is how the tests check them against
-`attention.reference_attention`.
+With the batch as the dk/dv grid's second-innermost axis, the (q_len, block_k) float32 column of
+the bias gradient stays in VMEM across every batch row and q block and is written to HBM once
+(VMEM proportional to q_len: 1 MiB, double-buffered, at 2,048 x 128); reducing in the dq kernel
+would need dynamic lane offsets, a separate kernel two more products per tile. JAX's own
+`pallas.ops.tpu.flash_attention` returns a (batch, heads, q, k) bias gradient and needs the
+bias broadcast to the batch: the memory this module exists to avoid. Lengths are padded to
+multiples of 128; the head width stays as it is (a block equal to the whole last dimension is a
+legal Mosaic block).
 """
 
 from __future__ import annotations
@@ -64,7 +47,7 @@ _NN = (((1,), (0,)), ((), ()))  # a @ b
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Largest tile sizes (multiples of 128); each kernel takes the largest multiple of 128 up to
-  its maximum that divides the (128-padded) length.
+  its maximum that divides the padded length.
 
   Attributes:
     block_q: Query rows per tile of the forward and dq kernels.
@@ -79,10 +62,10 @@ class BlockSizes:
   block_k_dkv: int = 128
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
-      value = getattr(self, name)
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
       if not isinstance(value, int) or value <= 0 or value % NUM_LANES:
-        raise ValueError(f"BlockSizes.{name} must be a positive multiple of {NUM_LANES}, "
+        raise ValueError(f"BlockSizes.{field.name} must be a positive multiple of {NUM_LANES}, "
                          f"got {value!r}")
 
 
@@ -139,11 +122,8 @@ def _first_q_block(k_index: Any, block_q: int, block_k: int) -> Any:
 def _forward_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int,
                     block_k: int) -> None:
   """One (q block, k block) tile of the online softmax; k blocks are the innermost axis."""
-  if has_bias:
-    q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-  else:
-    q_ref, k_ref, v_ref, qid_ref, kid_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-    bias_ref = None
+  (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, lse_ref, m_ref, l_ref,
+   acc_ref) = attention.kernel_refs(refs, has_bias)
   i, j = pl.program_id(2), pl.program_id(3)
   width = acc_ref.shape[-1]
 
@@ -196,13 +176,8 @@ def _dkv_kernel(*refs: Any, has_bias: bool, per_row_bias: bool, causal: bool, bl
                 block_k: int) -> None:
   """dk, dv (accumulated over q blocks, the innermost axis) and the bias gradient (over the
   batch, the next axis: its (q_len, block_k) column stays in VMEM across both)."""
-  if has_bias:
-    (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref,
-     dk_ref, dv_ref, dbias_ref, dk_acc, dv_acc) = refs
-  else:
-    (q_ref, k_ref, v_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref,
-     dk_ref, dv_ref, dk_acc, dv_acc) = refs
-    bias_ref = dbias_ref = None
+  (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref, dk_ref, dv_ref,
+   dbias_ref, dk_acc, dv_acc) = attention.kernel_refs(refs, has_bias, dbias_at=11)
   j, b, i = pl.program_id(1), pl.program_id(2), pl.program_id(3)
 
   @pl.when(i == 0)
@@ -260,12 +235,8 @@ def _dkv_kernel(*refs: Any, has_bias: bool, per_row_bias: bool, causal: bool, bl
 
 def _dq_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int, block_k: int) -> None:
   """dq of one q block, accumulated over k blocks (the innermost axis)."""
-  if has_bias:
-    (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref,
-     dq_ref, dq_acc) = refs
-  else:
-    q_ref, k_ref, v_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref, dq_ref, dq_acc = refs
-    bias_ref = None
+  (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, lse_ref, do_ref, di_ref, dq_ref,
+   dq_acc) = attention.kernel_refs(refs, has_bias)
   i, j = pl.program_id(2), pl.program_id(3)
 
   @pl.when(j == 0)
@@ -318,6 +289,30 @@ def _bias_row(b: Any, per_row_bias: bool) -> Any:
   return b if per_row_bias else 0
 
 
+def _q_block_inputs(q: Array, k: Array, v: Array, bias: Optional[Array], lane_q_ids: Array,
+                    sublane_k_ids: Array, causal: bool, bq: int,
+                    bk: int) -> tuple[list[Any], list[Array]]:
+  """In-specs and arguments of a (batch, heads, q blocks, k blocks) grid: q, k, v, [bias] and
+  the ids. Causal tiles past the diagonal are skipped: they keep the last block, copy nothing."""
+  width = q.shape[-1]
+  per_row_bias = bias is not None and bias.shape[0] > 1
+
+  def k_index(i: Any, j: Any) -> Any:
+    return jnp.minimum(j, _last_k_block(i, bq, bk)) if causal else j
+
+  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, width), lambda b, h, i, j: (b, h, k_index(i, j), 0))
+  in_specs = [pl.BlockSpec((_SQ, _SQ, bq, width), lambda b, h, i, j: (b, h, i, 0)),
+              kv_spec, kv_spec]
+  args = [q, k, v]
+  if bias is not None:
+    in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda b, h, i, j: (
+        _bias_row(b, per_row_bias), h, i, k_index(i, j))))
+    args.append(bias)
+  in_specs += [pl.BlockSpec((_SQ, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
+               pl.BlockSpec((_SQ, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, k_index(i, j)))]
+  return in_specs, args + [lane_q_ids, sublane_k_ids]
+
+
 def _forward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
              causal: bool, blocks: BlockSizes, interpret: bool) -> tuple[Array, Array]:
   """Padded (batch, heads, len, d) inputs -> out (batch, heads, q_len, d) and the row
@@ -325,27 +320,8 @@ def _forward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, 
   batch, heads, q_len, width = q.shape
   k_len = k.shape[2]
   bq, bk = _fit_block(blocks.block_q, q_len), _fit_block(blocks.block_k, k_len)
-  per_row_bias = bias is not None and bias.shape[0] > 1
-
-  def kv_index(b, h, i, j):
-    if causal:  # Tiles past the diagonal are skipped: keep the last block, copy nothing.
-      j = jnp.minimum(j, _last_k_block(i, bq, bk))
-    return b, h, j, 0
-
-  def bias_index(b, h, i, j):
-    return _bias_row(b, per_row_bias), h, i, kv_index(b, h, i, j)[2]
-
-  in_specs = [pl.BlockSpec((_SQ, _SQ, bq, width), lambda b, h, i, j: (b, h, i, 0)),
-              pl.BlockSpec((_SQ, _SQ, bk, width), kv_index),
-              pl.BlockSpec((_SQ, _SQ, bk, width), kv_index)]
-  args = [q, k, v]
-  if bias is not None:
-    in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), bias_index))
-    args.append(bias)
-  in_specs += [pl.BlockSpec((_SQ, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
-               pl.BlockSpec((_SQ, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, kv_index(
-                   b, h, i, j)[2]))]
-  args += [_lane_ids(q_ids), _sublane_ids(k_ids)]
+  in_specs, args = _q_block_inputs(q, k, v, bias, _lane_ids(q_ids), _sublane_ids(k_ids),
+                                   causal, bq, bk)
   kernel = functools.partial(_forward_kernel, has_bias=bias is not None, causal=causal,
                              block_q=bq, block_k=bk)
   flops = 4 * batch * heads * q_len * k_len * width
@@ -430,25 +406,11 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
 
   # dq: grid (batch, heads, q blocks, k blocks).
   bq, bk = _fit_block(blocks.block_q, q_len), _fit_block(blocks.block_k, k_len)
-
-  def k_index(b, h, i, j):
-    if causal:
-      j = jnp.minimum(j, _last_k_block(i, bq, bk))
-    return j
-
   qd_spec = pl.BlockSpec((_SQ, _SQ, bq, width), lambda b, h, i, j: (b, h, i, 0))
-  kv_spec = pl.BlockSpec((_SQ, _SQ, bk, width), lambda b, h, i, j: (b, h, k_index(b, h, i, j), 0))
   row_spec = pl.BlockSpec((_SQ, _SQ, 1, bq), lambda b, h, i, j: (b, h, 0, i))
-  in_specs, args = [qd_spec, kv_spec, kv_spec], [q, k, v]
-  if bias is not None:
-    in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda b, h, i, j: (
-        _bias_row(b, per_row_bias), h, i, k_index(b, h, i, j))))
-    args.append(bias)
-  in_specs += [
-      pl.BlockSpec((_SQ, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
-      pl.BlockSpec((_SQ, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, k_index(b, h, i, j))),
-      row_spec, qd_spec, row_spec]
-  args += [lane_q_ids, sublane_k_ids, lse, do, di]
+  in_specs, args = _q_block_inputs(q, k, v, bias, lane_q_ids, sublane_k_ids, causal, bq, bk)
+  in_specs += [row_spec, qd_spec, row_spec]
+  args += [lse, do, di]
   kernel = functools.partial(_dq_kernel, has_bias=has_bias, causal=causal, block_q=bq,
                              block_k=bk)
   dq = pl.pallas_call(
@@ -466,28 +428,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   return dq, dk, dv, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _attention(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
-               causal: bool, blocks: BlockSizes, interpret: bool) -> Array:
-  return _forward(q, k, v, bias, q_ids, k_ids, causal, blocks, interpret)[0]
-
-
-def _attention_fwd(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
-                   k_ids: Array, causal: bool, blocks: BlockSizes,
-                   interpret: bool) -> tuple[Array, tuple[Any, ...]]:
-  out, lse = _forward(q, k, v, bias, q_ids, k_ids, causal, blocks, interpret)
-  return out, (q, k, v, bias, q_ids, k_ids, out, lse)
-
-
-def _attention_bwd(causal: bool, blocks: BlockSizes, interpret: bool, residuals: tuple[Any, ...],
-                   do: Array) -> tuple[Any, ...]:
-  q, k, v, bias, q_ids, k_ids, out, lse = residuals
-  dq, dk, dv, dbias = _backward(q, k, v, bias, q_ids, k_ids, out, lse, do, causal, blocks,
-                                interpret)
-  return dq, dk, dv, dbias, None, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = attention.custom_vjp(_forward, _backward)
 
 
 # -- public API -----------------------------------------------------------------------------------
@@ -533,7 +474,7 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
                    heads_first(value.astype(query.dtype), k_pad), bias,
                    attention.kernel_ids(query_segment_ids, batch, q_len, q_pad, -1),
                    attention.kernel_ids(key_segment_ids, batch, k_len, k_pad, -2),
-                   causal, block_sizes, interpret)
+                   (causal, block_sizes, interpret))
   return jnp.swapaxes(out[:, :, :q_len], 1, 2)
 
 
@@ -546,12 +487,6 @@ def sharded_flash_attention(query: Array, key: Array, value: Array,
                             interpret: Optional[bool] = None) -> Array:
   """`flash_attention` on every device of the current mesh (`jax.set_mesh`), each on its shard
   (`attention.sharded`: the batch split over `batch_axes`, heads over `head_axes`).
-
-  Args:
-    query, key, value, bias, query_segment_ids, key_segment_ids, causal, block_sizes,
-      interpret: As `flash_attention`.
-    batch_axes: Mesh axes of the batch dimension (T5X rules: "data"); None: replicated.
-    head_axes: Mesh axes of the heads dimension (T5X rules: "model"); None: replicated.
 
   Raises:
     ValueError: The mesh (or default backend) is not a TPU and interpret mode is off.

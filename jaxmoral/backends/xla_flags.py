@@ -1,15 +1,11 @@
 """XLA flags jaxmoral sets before JAX starts a backend: a workaround for an XLA:CPU bug.
 
-jaxlib 0.10.2's CPU compiler hands reductions to YNNPACK fusions by default, and some of them
-compute wrong values: a salience program (one encoder forward pass, its VJP vmapped over 16
-output positions, 256 input tokens) returned gradients uncorrelated with `jax.grad`'s
-(correlation -0.16) until `--xla_cpu_experimental_ynn_fusion_type=-reduce` took reductions
-back from YNNPACK; the same program then matches per-token `jax.grad` to 1e-7
-(tests/test_npov_salience.py holds that case). Dots and element-wise fusions keep YNNPACK.
-
-`XLA_FLAGS` is read once, when the first computation starts the backend, so the flag is added
-by `jaxmoral.runtime.configure()` (the CLI calls it first thing). A user who sets
-`xla_cpu_experimental_ynn_fusion_type` in `XLA_FLAGS` keeps their value.
+jaxlib 0.10.2's CPU compiler hands reductions to YNNPACK fusions, some of which compute wrong
+values: a salience program (an encoder VJP vmapped over 16 output positions) returned gradients
+uncorrelated with `jax.grad`'s until `--xla_cpu_experimental_ynn_fusion_type=-reduce` took
+reductions back from YNNPACK (tests/test_npov_salience.py holds that case). `XLA_FLAGS` is read
+when the backend starts, so `jaxmoral.runtime.configure()` adds the flag first thing; a value
+the user set for it is kept.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from typing import Any, Literal
 
 import gin
@@ -17,9 +18,16 @@ from jaxmoral import validation
 FeedForward = Literal["relu", "gated-gelu", "gated-relu", "gated-silu"]
 DType = Literal["float32", "bfloat16", "float16"]
 AttentionImpl = Literal["auto", "einsum", "cudnn", "pallas", "pallas_gpu"]
-ATTENTION_IMPLS = ("auto", "einsum", "cudnn", "pallas", "pallas_gpu")
-FUSED_ATTENTION_BACKENDS = ("cudnn", "xla")
-CPU_WEIGHT_GRADIENTS = ("plain", "autodiff")
+FusedAttentionBackend = Literal["cudnn", "xla"]
+CpuWeightGradients = Literal["plain", "autodiff"]
+ATTENTION_IMPLS = typing.get_args(AttentionImpl)
+FUSED_ATTENTION_BACKENDS = typing.get_args(FusedAttentionBackend)
+CPU_WEIGHT_GRADIENTS = typing.get_args(CpuWeightGradients)
+# The fields whose value must be one of their Literal type's.
+_CHOICES = {"feed_forward_proj": typing.get_args(FeedForward), "dtype": typing.get_args(DType),
+            "attention_impl": ATTENTION_IMPLS,
+            "fused_attention_backend": FUSED_ATTENTION_BACKENDS,
+            "cpu_weight_gradients": CPU_WEIGHT_GRADIENTS}
 
 
 def cudnn_supports_head_width(d_kv: int) -> bool:
@@ -50,35 +58,22 @@ class T5Config:
     remat: Rematerialise each block in the backward pass (saves activation memory).
     pad_token_id: Padding id (also the decoder start id, as in T5).
     eos_token_id: End-of-sequence id.
-    attention_impl: How teacher-forced attention (training, scoring, encoding) is computed:
-      "einsum" (two products around a float32 softmax, any device), "cudnn" (cuDNN's fused
-      flash attention through `jax.nn.dot_product_attention`: NVIDIA GPUs, bfloat16 or
-      float16, no attention dropout), "pallas" (`backends.tpu_attention`: Pallas flash-attention
-      kernels for TPUs that also return the position bias's gradient and never materialise
-      (batch, heads, q, k) scores; any dtype, no attention dropout; off TPUs only with
-      `backends.attention.INTERPRET`, checked when attention is traced, not here: a config
-      built on a CPU host may be compiled for a TPU), "pallas_gpu" (`backends.gpu_attention`:
-      the same contract as "pallas" in Pallas Triton kernels for GPUs, with the position
-      bias's gradient summed over the batch inside the kernels; off GPUs only with
-      `backends.attention.INTERPRET`), or "auto" (cuDNN where it applies, else einsum).
-      Decoding steps against the key/value cache never use cuDNN: einsum, or
-      `backends.cpu_kernels.decode_attention` when decoding float32 on a CPU (see
-      `jaxmoral.decoding`).
+    attention_impl: How teacher-forced attention is computed (docs/core_api.md): "einsum"
+      (any device), "cudnn" (NVIDIA GPUs, 16-bit), "pallas" (`backends.tpu_attention`),
+      "pallas_gpu" (`backends.gpu_attention`), or "auto" (cuDNN where it applies, else einsum);
+      none but einsum applies attention dropout. Off their platform the Pallas kernels run
+      only with `backends.attention.INTERPRET`, checked when traced (a config built on a CPU
+      host may be compiled for a TPU).
     right_padded_inputs: Promise that every unpacked encoder row is its valid tokens followed
-      by padding, as seqio's feature converters write them. cuDNN attention then masks keys
-      by per-row lengths instead of a dense (batch, heads, q, k) bias, which is much faster
-      at T5 1.1-large shapes; a row with padding before a valid token
-      would attend wrongly. Packed batches (segment ids) always use the dense mask.
-    fused_attention_backend: The `jax.nn.dot_product_attention` implementation behind fused
-      attention ("cudnn" and "auto" on a GPU): "cudnn", or "xla" (JAX's reference, on any
-      device: the same masks, lengths and biases checked on a CPU).
+      by padding: cuDNN attention then masks keys by per-row lengths instead of a dense bias
+      (much faster; a row with padding before a valid token would attend wrongly).
+    fused_attention_backend: The `jax.nn.dot_product_attention` implementation of fused
+      attention: "cudnn", or "xla" (JAX's reference, any device: checks the same masks on a CPU).
     gpu_bias_as_diagonals: attention_impl="pallas_gpu" hands the Triton kernels T5's position
-      bias as its diagonals (`backends.gpu_attention.bias_diagonals`; the bias depends on k - q
-      alone) rather than whole.
+      bias as its diagonals (`backends.gpu_attention.bias_diagonals`) rather than whole.
     cpu_weight_gradients: How float32 dense layers traced for CPUs compute weight gradients:
-      "plain" (`backends.cpu_products.cpu_rows_matmul`: as a plain product, which XLA:CPU
-      runs faster; reverse mode only) or "autodiff" (JAX's own transpose; `jax.jvp` needs
-      it).
+      "plain" (`backends.cpu_products.cpu_rows_matmul`, faster on XLA:CPU; reverse mode only)
+      or "autodiff" (JAX's own transpose; `jax.jvp` needs it).
   """
 
   vocab_size: int = 32128
@@ -100,27 +95,23 @@ class T5Config:
   eos_token_id: int = 1
   attention_impl: AttentionImpl = "auto"
   right_padded_inputs: bool = False
-  fused_attention_backend: Literal["cudnn", "xla"] = "cudnn"
+  fused_attention_backend: FusedAttentionBackend = "cudnn"
   gpu_bias_as_diagonals: bool = False
-  cpu_weight_gradients: Literal["plain", "autodiff"] = "plain"
+  cpu_weight_gradients: CpuWeightGradients = "plain"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads",
                  "num_encoder_layers", "num_decoder_layers",
                  "relative_attention_num_buckets", "relative_attention_max_distance"):
-      value = getattr(self, name)
-      validation.positive_int(value, f"T5Config.{name}")
+      validation.positive_int(getattr(self, name), f"T5Config.{name}")
     if (not isinstance(self.dropout_rate, (int, float)) or isinstance(self.dropout_rate, bool)
         or not 0.0 <= self.dropout_rate < 1.0):
       raise ValueError(f"T5Config.dropout_rate must be a number in [0, 1), got "
                        f"{self.dropout_rate!r}")
-    if self.feed_forward_proj not in ("relu", "gated-gelu", "gated-relu", "gated-silu"):
-      raise ValueError(f"T5Config.feed_forward_proj: unknown {self.feed_forward_proj!r}")
-    if self.dtype not in ("float32", "bfloat16", "float16"):
-      raise ValueError(f"T5Config.dtype: unknown {self.dtype!r}")
-    if self.attention_impl not in ATTENTION_IMPLS:
-      raise ValueError(f"T5Config.attention_impl must be one of {ATTENTION_IMPLS}, got "
-                       f"{self.attention_impl!r}")
+    for name, choices in _CHOICES.items():
+      if getattr(self, name) not in choices:
+        raise ValueError(f"T5Config.{name} must be one of {choices}, got "
+                         f"{getattr(self, name)!r}")
     if self.attention_impl == "cudnn" and self.dtype == "float32":
       raise ValueError("T5Config.attention_impl='cudnn' needs dtype bfloat16 or float16 "
                        "(cuDNN's fused attention has no float32 kernel); use 'auto' or 'einsum'")
@@ -134,12 +125,6 @@ class T5Config:
     if self.attention_impl == "cudnn" and not cudnn_supports_head_width(self.d_kv):
       raise ValueError(f"T5Config.attention_impl='cudnn' needs d_kv a multiple of 8 and at "
                        f"most 128, got {self.d_kv}")
-    if self.fused_attention_backend not in FUSED_ATTENTION_BACKENDS:
-      raise ValueError(f"T5Config.fused_attention_backend must be one of "
-                       f"{FUSED_ATTENTION_BACKENDS}, got {self.fused_attention_backend!r}")
-    if self.cpu_weight_gradients not in CPU_WEIGHT_GRADIENTS:
-      raise ValueError(f"T5Config.cpu_weight_gradients must be one of {CPU_WEIGHT_GRADIENTS}, "
-                       f"got {self.cpu_weight_gradients!r}")
     if self.pad_token_id >= self.vocab_size or self.eos_token_id >= self.vocab_size:
       raise ValueError("T5Config: pad/eos ids must be < vocab_size")
 
@@ -193,10 +178,8 @@ COMPUTE_FIELDS = ("dtype", "dropout_rate", "remat", "attention_impl", "right_pad
 # T5 1.1 dimensions (Raffel et al.; google/t5-v1_1-*), vocab padded to 32128 as released.
 _T5_1_1 = dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False, vocab_size=32128)
 SIZES: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_heads=4,
-                 num_encoder_layers=2, num_decoder_layers=2,
-                 relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                 feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+    "tiny": dict(_T5_1_1, vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_heads=4,
+                 num_encoder_layers=2, num_decoder_layers=2),
     # A CPU-scale T5 1.1 (t5-efficient-tiny's width and depth): pretrains on two cores.
     "mini": dict(_T5_1_1, d_model=256, d_kv=64, d_ff=1024, num_heads=4,
                  num_encoder_layers=4, num_decoder_layers=4),

@@ -1,23 +1,18 @@
 """Hugging Face T5 checkpoints <-> jaxmoral parameters: the format, read one slice at a time.
 
-Reads `model.safetensors` (single or sharded through `model.safetensors.index.json`) with
-`safetensors`, and PyTorch `pytorch_model.bin` (single or sharded through its index) with
-`torch.load(weights_only=True, mmap=True)` when torch is installed. Handles T5 1.0
-(`DenseReluDense.wi`, logits through the tied `shared.weight`, rescaled by d_model**-0.5) and
-T5 1.1 / Flan-T5 / mT5 (`DenseReluDense.wi_0`/`wi_1`, separate `lm_head.weight`). The
-relative attention bias lives in block 0 only.
+Reads `model.safetensors` and PyTorch `pytorch_model.bin` (each single or sharded through its
+index; `.bin` with `torch.load(weights_only=True, mmap=True)` when torch is installed), for
+T5 1.0 (`DenseReluDense.wi`, logits through the tied, rescaled `shared.weight`) and
+T5 1.1 / Flan-T5 / mT5 (`wi_0`/`wi_1`, separate `lm_head.weight`). Every parameter is a
+`TensorSource` that reads any slice of it in jaxmoral's layout, so a loader can hand each device
+only its own shard (`jaxmoral.model_dirs`).
 
-Every parameter is a `TensorSource`: its shape in jaxmoral's layout and a function that reads
-any slice of it in that layout, so a loader can hand each device only its own shard
-(`jaxmoral.model_dirs`); nothing reads a whole checkpoint into memory at once.
-
-Transformers 5 note: its `T5Config` always ties `lm_head` to `shared` unless the checkpoint holds
-a different `lm_head.weight`, and says whether the decoder output is rescaled in
-`scale_decoder_outputs` (older configs say it through `tie_word_embeddings`). jaxmoral's
-`tie_word_embeddings` means "tied and rescaled" (T5 1.0); every other combination is written
-as an untied `decoder/logits_dense/kernel` with the same numbers. jaxmoral's T5 has one token
-embedding for encoder and decoder: a checkpoint whose `encoder.embed_tokens` or
-`decoder.embed_tokens` differs from `shared` is refused.
+Transformers 5 ties `lm_head` to `shared` unless the checkpoint holds a different
+`lm_head.weight`, and says whether the decoder output is rescaled in `scale_decoder_outputs`
+(older configs in `tie_word_embeddings`). jaxmoral's `tie_word_embeddings` means "tied and
+rescaled" (T5 1.0); every other combination becomes an untied `decoder/logits_dense/kernel` with
+the same numbers. jaxmoral's T5 has one token embedding, so a checkpoint whose
+`encoder.embed_tokens` or `decoder.embed_tokens` differs from `shared` is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax
 import flax.linen as nn
@@ -52,6 +47,11 @@ _IGNORED = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.wei
 # Copies of `shared` that HF checkpoints may hold; a different table is refused.
 _EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 _SUPPORTED_MODEL_TYPES = ("t5", "mt5")
+# config.json fields that `config_to_hf` writes under T5Config's names.
+_SHARED_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_decoder_layers",
+                  "relative_attention_num_buckets", "relative_attention_max_distance",
+                  "dropout_rate", "layer_norm_epsilon", "feed_forward_proj",
+                  "tie_word_embeddings", "pad_token_id", "eos_token_id")
 
 
 def is_hf_checkpoint(directory: str | os.PathLike) -> bool:
@@ -98,8 +98,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> T5Config:
   num_decoder_layers = hf_config.get("num_decoder_layers")
   pad = hf_config.get("pad_token_id")
   values = dict(
-      vocab_size=hf_config["vocab_size"], d_model=hf_config["d_model"], d_kv=hf_config["d_kv"],
-      d_ff=hf_config["d_ff"], num_heads=hf_config["num_heads"], num_encoder_layers=num_layers,
+      {name: hf_config[name] for name in required[:-1]}, num_encoder_layers=num_layers,
       num_decoder_layers=num_layers if num_decoder_layers is None else num_decoder_layers,
       relative_attention_num_buckets=hf_config.get("relative_attention_num_buckets", 32),
       relative_attention_max_distance=hf_config.get("relative_attention_max_distance", 128),
@@ -114,20 +113,11 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> T5Config:
 
 def config_to_hf(config: T5Config) -> dict[str, Any]:
   """The config.json dict Hugging Face `T5ForConditionalGeneration` reads for `config`."""
-  return {
-      "architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
-      "vocab_size": config.vocab_size, "d_model": config.d_model, "d_kv": config.d_kv,
-      "d_ff": config.d_ff, "num_heads": config.num_heads,
-      "num_layers": config.num_encoder_layers, "num_decoder_layers": config.num_decoder_layers,
-      "relative_attention_num_buckets": config.relative_attention_num_buckets,
-      "relative_attention_max_distance": config.relative_attention_max_distance,
-      "dropout_rate": config.dropout_rate, "layer_norm_epsilon": config.layer_norm_epsilon,
-      "feed_forward_proj": config.feed_forward_proj,
-      "tie_word_embeddings": config.tie_word_embeddings,
-      "scale_decoder_outputs": config.tie_word_embeddings,
-      "is_encoder_decoder": True, "pad_token_id": config.pad_token_id,
-      "eos_token_id": config.eos_token_id, "decoder_start_token_id": config.pad_token_id,
-  }
+  return {"architectures": ["T5ForConditionalGeneration"], "model_type": "t5",
+          **{name: getattr(config, name) for name in _SHARED_FIELDS},
+          "num_layers": config.num_encoder_layers,
+          "scale_decoder_outputs": config.tie_word_embeddings, "is_encoder_decoder": True,
+          "decoder_start_token_id": config.pad_token_id}
 
 
 def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
@@ -150,41 +140,34 @@ def read_hf_config(directory: str | os.PathLike) -> dict[str, Any]:
 # (hf name, jaxmoral path, kind); kind "linear": HF (out, in) = kernel.T, "relpos": (buckets,
 # heads) = rel_embedding.T, "copy": same layout. One table serves import and export.
 _Entry = tuple[str, tuple[str, ...], str]
-
-
-def _attention(hf_prefix: str, path: tuple[str, ...]) -> Iterator[_Entry]:
-  for hf_name, ours in (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out")):
-    yield f"{hf_prefix}.{hf_name}.weight", path + (ours, "kernel"), "linear"
-
-
-def _mlp(hf_prefix: str, path: tuple[str, ...], config: T5Config) -> Iterator[_Entry]:
-  inputs = ("wi_0", "wi_1") if config.is_gated else ("wi",)
-  for name in inputs + ("wo",):
-    yield f"{hf_prefix}.{name}.weight", path + (name, "kernel"), "linear"
+# Each stack's sublayers, HF `layer.{j}` in order: (HF block, jaxmoral layer norm, block).
+_SUBLAYERS = {
+    "encoder": (("SelfAttention", "pre_attention_layer_norm", "attention"),
+                ("DenseReluDense", "pre_mlp_layer_norm", "mlp")),
+    "decoder": (("SelfAttention", "pre_self_attention_layer_norm", "self_attention"),
+                ("EncDecAttention", "pre_cross_attention_layer_norm",
+                 "encoder_decoder_attention"),
+                ("DenseReluDense", "pre_mlp_layer_norm", "mlp")),
+}
+_ATTENTION_KERNELS = (("q", "query"), ("k", "key"), ("v", "value"), ("o", "out"))
 
 
 def name_table(config: T5Config, *, lm_head: bool) -> list[_Entry]:
   """Every HF tensor name with its jaxmoral path, for `config` (`lm_head`: untied head)."""
+  mlp_kernels = [(name, name) for name in
+                 (("wi_0", "wi_1") if config.is_gated else ("wi",)) + ("wo",)]
   table: list[_Entry] = [("shared.weight", ("token_embedder", "embedding"), "copy")]
   for stack, num_layers in (("encoder", config.num_encoder_layers),
                             ("decoder", config.num_decoder_layers)):
     table.append((f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
                   (stack, "relpos_bias", "rel_embedding"), "relpos"))
     for i in range(num_layers):
-      hf, ours = f"{stack}.block.{i}.layer", (stack, f"layers_{i}")
-      if stack == "encoder":
-        table += [(f"{hf}.0.layer_norm.weight", ours + ("pre_attention_layer_norm", "scale"),
-                   "copy"), *_attention(f"{hf}.0.SelfAttention", ours + ("attention",)),
-                  (f"{hf}.1.layer_norm.weight", ours + ("pre_mlp_layer_norm", "scale"), "copy"),
-                  *_mlp(f"{hf}.1.DenseReluDense", ours + ("mlp",), config)]
-      else:
-        table += [(f"{hf}.0.layer_norm.weight", ours + ("pre_self_attention_layer_norm", "scale"),
-                   "copy"), *_attention(f"{hf}.0.SelfAttention", ours + ("self_attention",)),
-                  (f"{hf}.1.layer_norm.weight",
-                   ours + ("pre_cross_attention_layer_norm", "scale"), "copy"),
-                  *_attention(f"{hf}.1.EncDecAttention", ours + ("encoder_decoder_attention",)),
-                  (f"{hf}.2.layer_norm.weight", ours + ("pre_mlp_layer_norm", "scale"), "copy"),
-                  *_mlp(f"{hf}.2.DenseReluDense", ours + ("mlp",), config)]
+      for j, (hf_block, norm, block) in enumerate(_SUBLAYERS[stack]):
+        hf, ours = f"{stack}.block.{i}.layer.{j}", (stack, f"layers_{i}")
+        table.append((f"{hf}.layer_norm.weight", ours + (norm, "scale"), "copy"))
+        kernels = mlp_kernels if block == "mlp" else _ATTENTION_KERNELS
+        table += [(f"{hf}.{hf_block}.{hf_name}.weight", ours + (block, name, "kernel"), "linear")
+                  for hf_name, name in kernels]
     norm = "encoder_norm" if stack == "encoder" else "decoder_norm"
     table.append((f"{stack}.final_layer_norm.weight", (stack, norm, "scale"), "copy"))
   if lm_head:
@@ -211,23 +194,28 @@ class TensorSource:
 
 
 class CheckpointFiles(abc.ABC):
-  """Named tensors of a checkpoint (HF layout), readable a slice at a time."""
+  """Named tensors of a checkpoint (HF layout), readable a slice at a time.
 
-  @abc.abstractmethod
+  Subclasses fill `_shapes` (name -> shape) and `_where` (name -> the file holding it).
+  """
+  _shapes: dict[str, tuple[int, ...]]
+  _where: dict[str, str]
+
   def names(self) -> list[str]:
     """Every tensor name."""
+    return list(self._shapes)
 
-  @abc.abstractmethod
   def shape(self, name: str) -> tuple[int, ...]:
     """The tensor's shape (HF layout)."""
+    return self._shapes[name]
+
+  def where(self, name: str) -> str:
+    """The file holding the tensor."""
+    return self._where[name]
 
   @abc.abstractmethod
   def read(self, name: str, index: Index) -> np.ndarray:
     """`index` of the tensor, as float32 (HF layout)."""
-
-  @abc.abstractmethod
-  def where(self, name: str) -> str:
-    """The file holding the tensor."""
 
 
 def _weight_map(index: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -250,30 +238,20 @@ class SafetensorsFiles(CheckpointFiles):
     self._open = safe_open
     single, index = directory / SINGLE_FILE, directory / INDEX_FILE
     files = [single] if single.is_file() else sorted(set(_weight_map(index).values()))
-    self._files: dict[str, pathlib.Path] = {}
-    self._shapes: dict[str, tuple[int, ...]] = {}
+    self._where, self._shapes = {}, {}
     for file in files:
       try:
         with safe_open(str(file), framework="numpy") as f:
           for name in f.keys():
-            self._files[name] = file
+            self._where[name] = str(file)
             self._shapes[name] = tuple(f.get_slice(name).get_shape())
       except Exception as e:  # pylint: disable=broad-except  (safetensors' own error types)
         raise ValueError(f"{file}: not a readable safetensors file "
                          f"({str(e).splitlines()[0]})") from e
 
-  def names(self) -> list[str]:
-    return list(self._files)
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return self._shapes[name]
-
   def read(self, name: str, index: Index) -> np.ndarray:
-    with self._open(str(self._files[name]), framework="numpy") as f:
+    with self._open(self._where[name], framework="numpy") as f:
       return np.asarray(f.get_slice(name)[index], np.float32)
-
-  def where(self, name: str) -> str:
-    return str(self._files[name])
 
 
 class TorchFiles(CheckpointFiles):
@@ -290,7 +268,7 @@ class TorchFiles(CheckpointFiles):
     single, index = directory / BIN_FILE, directory / BIN_INDEX_FILE
     files = {None: single} if single.is_file() else _weight_map(index)
     self._tensors: dict[str, Any] = {}
-    self._files: dict[str, pathlib.Path] = {}
+    self._where, self._shapes = {}, {}
     for file in sorted(set(files.values())):
       try:
         state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
@@ -298,19 +276,11 @@ class TorchFiles(CheckpointFiles):
         raise ValueError(f"{file}: cannot read it as a weights-only PyTorch checkpoint: "
                          f"{str(e).splitlines()[0]}") from e
       for name, tensor in state.items():
-        self._tensors[name], self._files[name] = tensor, file
-
-  def names(self) -> list[str]:
-    return list(self._tensors)
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._tensors[name].shape)
+        self._tensors[name], self._where[name] = tensor, str(file)
+        self._shapes[name] = tuple(tensor.shape)
 
   def read(self, name: str, index: Index) -> np.ndarray:
     return self._tensors[name][index].to(self._torch.float32).numpy()
-
-  def where(self, name: str) -> str:
-    return str(self._files[name])
 
 
 class InMemoryTensors(CheckpointFiles):
@@ -318,19 +288,11 @@ class InMemoryTensors(CheckpointFiles):
 
   def __init__(self, tensors: Mapping[str, Any], source: str = "<HF tensors>"):
     self._tensors = dict(tensors)
-    self._source = source
-
-  def names(self) -> list[str]:
-    return list(self._tensors)
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(np.shape(self._tensors[name]))
+    self._shapes = {name: tuple(np.shape(t)) for name, t in self._tensors.items()}
+    self._where = dict.fromkeys(self._tensors, source)
 
   def read(self, name: str, index: Index) -> np.ndarray:
     return np.asarray(self._tensors[name], np.float32)[index]
-
-  def where(self, name: str) -> str:
-    return self._source
 
 
 def open_checkpoint(directory: str | os.PathLike) -> CheckpointFiles:
@@ -490,8 +452,7 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
     value = value.T if kind in ("linear", "relpos") else value
     tensors[name] = np.ascontiguousarray(value).astype(np_dtype)
   directory = os.fspath(directory)
-  hf_config = config_to_hf(config)
-  hf_config["torch_dtype"] = dtype or "float32"
+  hf_config = {**config_to_hf(config), "torch_dtype": dtype or "float32"}
   # safetensors writes local files only: the weights go to a local file first (in the
   # folder itself, or a scratch folder for an object store) and are streamed from there.
   remote = fileio.is_url(directory)

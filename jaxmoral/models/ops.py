@@ -1,20 +1,12 @@
 """The hardware-specific operations of the T5 network, behind one interface: `ModelOps`.
 
 `models/t5.py` is the network; every product by a weight and every fused-attention call goes
-through the `ModelOps` its `T5Config` selects (`ModelOps.for_config`):
-
-- dense products (`ModelOps.dense`): one 2-D product over the flattened leading axes; a single
-  row split in two half-length products (`vector_matmul`, XLA:CPU reads the kernel faster);
-  float32 rows traced for CPUs through `backends.cpu_products.cpu_rows_matmul`, whose weight
-  gradient runs as a plain product (`T5Config.cpu_weight_gradients`);
-- teacher-forced attention (`ModelOps.use_fused_attention`, `ModelOps.attention_masking`,
-  `ModelOps.fused_attention`): cuDNN's fused kernel through `jax.nn.dot_product_attention`
-  (`T5Config.fused_attention_backend` picks JAX's implementation), or the Pallas flash-attention
-  kernels for TPUs (`backends.tpu_attention`) and GPUs (`backends.gpu_attention`), chosen by
-  `T5Config.attention_impl`; the model's own einsum attention otherwise.
-
-A cached decoding step's products and attention are a decoding backend's: `DecodeStepOps`,
-which `jaxmoral.decoding` passes to `T5.decode(step_ops=...)`.
+through the `ModelOps` its `T5Config` selects: dense products (`dense`, with the one-row split
+of `vector_matmul` and `backends.cpu_products` for CPUs), and teacher-forced attention through
+cuDNN (`jax.nn.dot_product_attention`) or the Pallas kernels of `backends.tpu_attention` and
+`backends.gpu_attention`, chosen by `T5Config.attention_impl`. A cached decoding step's
+products and attention are a decoding backend's: `DecodeStepOps`, which `jaxmoral.decoding`
+passes to `T5.decode(step_ops=...)`.
 """
 
 from __future__ import annotations
@@ -44,13 +36,11 @@ def matmul_last_axis(x: Array, kernel: Array, *, split_one_row: bool = True,
                      cpu_plain_weight_gradients: bool = True, **dot_kwargs: Any) -> Array:
   """(..., d) @ (d, *f) -> (..., *f), as one product over the flattened leading axes.
 
-  Written as a 3-D einsum, the weight gradient contracts over two axes (batch and length);
-  XLA:CPU then transposes the activation gradient before every such product, and a T5 1.1
-  MLP's forward + backward ran at about half the speed of this 2-D form.
-  A single row goes through `vector_matmul` unless `split_one_row` is False (a transposed
-  `kernel`, whose split would be a copy); float32 rows traced for CPUs through
-  `backends.cpu_products.cpu_rows_matmul` when `cpu_plain_weight_gradients` (its weight
-  gradient runs as a plain product there).
+  As a 3-D einsum, the weight gradient contracts over batch and length, and XLA:CPU transposes
+  the activation gradient before every such product (a T5 1.1 MLP's forward + backward ran at
+  half this form's speed). A single row goes through `vector_matmul` unless `split_one_row` is
+  False (a transposed `kernel`, whose split would be a copy); float32 rows traced for CPUs
+  through `backends.cpu_products.cpu_rows_matmul` when `cpu_plain_weight_gradients`.
   """
   rows = x.reshape(-1, x.shape[-1])
   if rows.shape[0] == 1 and split_one_row:
@@ -64,12 +54,11 @@ def matmul_last_axis(x: Array, kernel: Array, *, split_one_row: bool = True,
 
 
 def vector_matmul(row: Array, kernel: Array, **dot_kwargs: Any) -> Array:
-  """(1, d) @ (d, ...) -> (1, ...) as two half-length products, summed.
+  """(1, d) @ (d, ...) -> (1, ...) as two half-length products, summed in float32.
 
-  A one-row product (a decoding step at batch 1) streams the kernel once and is bound by
-  memory latency on XLA:CPU. Splitting the contracted axis in two halves, one batched
-  product over them, keeps two streams in flight, which reads the kernel faster. The reshape
-  of a row-major kernel is free; the two halves are summed in float32.
+  A one-row product (a decoding step at batch 1) is bound by memory latency on XLA:CPU; one
+  batched product over the two halves of the contracted axis keeps two streams in flight,
+  which reads the kernel faster (the reshape of a row-major kernel is free).
   """
   d = row.shape[-1]
   if d % 2:
@@ -84,10 +73,9 @@ def vector_matmul(row: Array, kernel: Array, **dot_kwargs: Any) -> Array:
 def stacked_matmul(x: Array, stacked: Array) -> list[Array]:
   """[x @ stacked[:, i] for each i] as one product: (..., d) @ (d, n, f) -> n x (..., f).
 
-  One wide product reads the kernels in a single pass; in decoding, where each token is a
-  matrix-vector product bound by memory bandwidth, fusing query/key/value (and the two gated
-  MLP inputs) made those products markedly faster on CPU. The kernels are stacked on a new
-  middle axis, not concatenated, so a kernel sharded along `f` stays sharded the same way.
+  One wide product reads the kernels in a single pass, which made decoding's bandwidth-bound
+  query/key/value (and gated MLP input) products markedly faster on CPU. Stacked on a new
+  middle axis, not concatenated, a kernel sharded along `f` stays sharded the same way.
   """
   out = matmul_last_axis(x, stacked)
   return [out[..., i, :] for i in range(stacked.shape[1])]
@@ -148,12 +136,11 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, 
                     implementation: str = "cudnn", bias_as_diagonals: bool = False) -> Array:
   """T5 attention (no 1/sqrt(d) scale) of (batch, length, heads, d_kv) inputs in one kernel.
 
-  A boolean mask is folded into the bias in float32 before the cast to the activation dtype,
-  so padded positions get T5's -1e10 (rounded to that dtype), as in the einsum path. With
-  segment ids a Pallas kernel runs instead (float32 bias; padded queries output zeros): the
-  Triton one for attention_impl="pallas_gpu" (given the position bias as its diagonals when
-  `bias_as_diagonals`), else the TPU one. `implementation` is that of
-  `jax.nn.dot_product_attention` otherwise.
+  With segment ids a Pallas kernel runs (float32 bias; padded queries output zeros): the
+  Triton one for `masking.gpu_kernel` (given the position bias as its diagonals when
+  `bias_as_diagonals`), else the TPU one. Otherwise `jax.nn.dot_product_attention`'s
+  `implementation`, with a boolean mask folded into the bias in float32 before the cast to the
+  activation dtype, so padded positions get T5's -1e10 as in the einsum path.
   """
   if masking.query_ids is not None:
     batch_axes, head_axes = typing.cast(tuple[Any, Any],
@@ -188,13 +175,7 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, 
 # -- the interface the model calls ---------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ModelOps:
-  """The dense products and teacher-forced attention of one `T5Config` (see the module doc).
-
-  Attributes:
-    config: The config whose compute fields (`attention_impl`, `fused_attention_backend`,
-      `gpu_bias_as_diagonals`, `cpu_weight_gradients`, `right_padded_inputs`, `dtype`,
-      `dropout_rate`) choose the ops.
-  """
+  """The dense products and teacher-forced attention of one `T5Config` (its compute fields)."""
   config: T5Config
 
   @classmethod
@@ -211,13 +192,11 @@ class ModelOps:
 
   def use_fused_attention(self, *, deterministic: bool, query_length: int,
                           key_length: int) -> bool:
-    """Whether teacher-forced attention of this call goes through a fused (cuDNN or Pallas)
-    kernel.
+    """Whether teacher-forced attention of this call goes through a fused kernel.
 
-    "cudnn", "pallas" and "pallas_gpu" always do (the config has checked dropout and, for
-    cuDNN, dtype and head width); "auto" does when the backend is a CUDA GPU, activations are
-    16-bit, no attention dropout is applied, heads are a multiple of 8 wide (at most 128) and
-    both lengths are even (cuDNN's bias gradient needs that).
+    "cudnn", "pallas" and "pallas_gpu" always do (the config has checked the rest); "auto"
+    does on a CUDA GPU with 16-bit activations, no attention dropout, heads cuDNN takes and
+    even lengths (cuDNN's bias gradient needs them).
     """
     config = self.config
     if config.attention_impl in ("cudnn", "pallas", "pallas_gpu"):
@@ -233,13 +212,10 @@ class ModelOps:
                         query_segments: Optional[Array], key_segments: Optional[Array], *,
                         position_bias: Optional[Array] = None,
                         causal: bool = False) -> FusedMask:
-    """Padding (and packing) masks for fused attention: per-position segment ids for the
-    Pallas kernels; for cuDNN per-row key lengths when the config promises right padding and
-    the batch is unpacked, else the dense boolean mask.
-
-    With lengths, padded query rows attend to the valid keys instead of to nothing; no valid
-    position reads a padded one, so every valid output is the same either way.
-    """
+    """Padding (and packing) masks for fused attention: segment ids for the Pallas kernels;
+    for cuDNN per-row key lengths when the config promises right padding and the batch is
+    unpacked (padded queries then attend to the valid keys, which no valid output reads),
+    else the dense boolean mask."""
     config = self.config
     if config.attention_impl in ("pallas", "pallas_gpu"):
       def ids(valid: Array, segments: Optional[Array]) -> Array:
@@ -266,12 +242,10 @@ class ModelOps:
 class DecodeStepOps:
   """How a cached decoding step multiplies by its weights and attends (XLA by default).
 
-  `jaxmoral.decoding` passes the ops of its backend (stacked kernels prepared once, or a CPU
-  kernel library) to every decoder step it traces (`T5.decode(step_ops=...)`); the model
-  calls them in those steps only, so training and teacher forcing never see them, and the
-  model knows nothing of any backend. Keys are the calling module's path and the names of the
-  kernels it multiplies by, e.g. (("decoder", "layers_0", "self_attention"), ("query", "key",
-  "value")).
+  `jaxmoral.decoding` passes its backend's ops to every decoder step it traces
+  (`T5.decode(step_ops=...)`); training and teacher forcing never see them. Keys are the
+  calling module's path and the names of the kernels it multiplies by, e.g.
+  (("decoder", "layers_0", "self_attention"), ("query", "key", "value")).
   """
 
   def products(self, path: tuple[str, ...], names: tuple[str, ...], x: Array,

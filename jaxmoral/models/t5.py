@@ -18,13 +18,9 @@ Parameter tree (T5X names, so T5X checkpoints and rules apply unchanged)::
   decoder/logits_dense/kernel                    (embed, vocab)   untied variants only
   scalar_head/kernel, scalar_head/bias           only with `with_scalar_head=True`
 
-Every entry point the methods need is a method of `T5`, used through `model.apply(...,
-method=...)`: `embed` (token ids -> input embeddings), `encode` (from ids *or* embeddings),
-`decode` (teacher forced, or one step at a time against a key/value cache), `init_cache`,
-`__call__` (teacher-forced logits) and `score` (the scalar head on decoder states).
-
-The products by weights and the fused attention kernels are the config's `ops.ModelOps`; a
-cached decoding step's are the `ops.DecodeStepOps` given to `decode(step_ops=...)`.
+The methods use `T5`'s methods through `model.apply(..., method=...)`. Products by weights and
+fused attention are the config's `ops.ModelOps`; a cached decoding step's are the
+`ops.DecodeStepOps` given to `decode(step_ops=...)`.
 """
 
 from __future__ import annotations
@@ -53,12 +49,6 @@ def _dtype(config: T5Config) -> Any:
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[config.dtype]
 
 
-def _param(module: nn.Module, name: str, init: Any, shape: tuple[int, ...],
-           axes: tuple[Optional[str], ...]) -> Array:
-  """A float32 parameter boxed with its T5X logical axis names."""
-  return param_init.param(module, name, nn.with_logical_partitioning(init, axes), shape)
-
-
 _normal_param = param_init.normal_param
 
 
@@ -69,10 +59,10 @@ def _constrain(x: Array, axes: tuple[Optional[str], ...]) -> Array:
 @functools.lru_cache(maxsize=64)
 def relative_position_bucket_table(max_distance_span: int, bidirectional: bool,
                                    num_buckets: int, max_distance: int) -> np.ndarray:
-  """Bucket of every relative position in [-span, span], computed once in NumPy.
+  """Bucket of every relative position in [-span, span] (index `relative_position + span`).
 
-  Index `relative_position + span`. Same formula as Mesh TensorFlow / HF `T5Attention`:
-  exact buckets for small distances, logarithmic ones up to `max_distance`.
+  Mesh TensorFlow's / HF `T5Attention`'s formula, computed once in NumPy: exact buckets for
+  small distances, logarithmic ones up to `max_distance`.
   """
   relative_position = np.arange(-max_distance_span, max_distance_span + 1, dtype=np.int64)
   buckets = np.zeros_like(relative_position)
@@ -99,7 +89,9 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",))
+    scale = param_init.param(
+        self, "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        (x.shape[-1],))
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
     return (x32 * scale).astype(self.dtype)
@@ -189,14 +181,12 @@ class RelativePositionBias(nn.Module):
 class MultiHeadAttention(nn.Module):
   """T5 attention: no 1/sqrt(d) scaling (folded into the query init), optional KV cache.
 
-  Self-attention in decode mode keeps `cached_key`/`cached_value` of shape
-  (batch, heads, max_decode_length, d_kv) and writes one position per step.
-  Cross-attention in decode mode projects the encoder outputs once, in `init_cache`, into the
-  same (batch, heads, length, d_kv) layout and reads them back on every step. That cache has
-  one row per input: decoding G samples (or beams) of each input runs G * batch query rows,
-  in groups of G, against it (`T5.init_cache(rows_per_input=G)`). Heads come
-  before positions in the cache because that is the layout the per-step batched dots read:
-  a (batch, length, heads, d_kv) cache made XLA:CPU transpose every cache on every step.
+  In decode mode self-attention keeps `cached_key`/`cached_value` (batch, heads,
+  max_decode_length, d_kv), one position written per step; cross-attention projects the
+  encoder outputs once, in `init_cache`, one row per input, which G query rows per input
+  (samples or beams, `T5.init_cache(rows_per_input=G)`) read in groups. Heads come before
+  positions because the per-step batched dots read that layout (a heads-last cache made
+  XLA:CPU transpose every cache on every step).
   """
   config: T5Config
   deterministic: bool = True
@@ -207,8 +197,8 @@ class MultiHeadAttention(nn.Module):
                decode_position: Optional[Array] = None,
                max_decode_length: Optional[int] = None,
                step_ops: Optional[DecodeStepOps] = None) -> Array:
-    """Attention of `inputs_q` to `inputs_kv` (or to the cache); `step_ops`: the ops of a
-    cached decoding step (given exactly in those)."""
+    """Attention of `inputs_q` to `inputs_kv` (or to the cache); `step_ops`: given exactly in
+    cached decoding steps."""
     cfg = self.config
     ops = ModelOps.for_config(cfg)
     dtype = _dtype(cfg)
@@ -223,16 +213,15 @@ class MultiHeadAttention(nn.Module):
                            init_scale=joined ** -0.5, dtype=dtype, ops=ops, name="out")
     batch = inputs_q.shape[0]
 
-    def split(x: Array) -> Array:
+    def split(x: Array) -> Array:  # (b, l, h * d) -> (b, l, h, d)
       return _constrain(x.reshape(x.shape[:-1] + (heads, d_kv)),
                         ("batch", "length", "heads", "kv"))
 
-    def heads_first(x: Array) -> Array:  # (b, l, h, d) -> (b, h, l, d)
-      return _constrain(jnp.swapaxes(x, 1, 2), ("batch", "heads", "length", "kv"))
+    def heads_first(x: Array) -> Array:  # (b, l, h * d) -> (b, h, l, d)
+      return _constrain(jnp.swapaxes(split(x), 1, 2), ("batch", "heads", "length", "kv"))
 
-    # A decoding step projects query, key and value with one product (see
-    # ops.stacked_matmul); in training the split product's backward pass was slower, so it
-    # keeps three.
+    # A decoding step projects query, key and value with one product (ops.stacked_matmul);
+    # training keeps three (the split product's backward pass was slower).
     step = decode and not init_cache  # A cached decoding step: its products are the backend's.
     if step != (step_ops is not None):
       raise ValueError("MultiHeadAttention: step_ops are for cached decoding steps, and "
@@ -253,12 +242,12 @@ class MultiHeadAttention(nn.Module):
           [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)])]
     else:
       query = query_proj(inputs_q, step_ops=step_ops)
-    query = heads_first(split(query))
+    query = heads_first(query)
     if decode and is_cross:
       if init_cache:
         assert inputs_kv is not None  # T5.init_cache passes the encoder outputs.
-        projected_k = heads_first(split(key_proj(inputs_kv)))
-        projected_v = heads_first(split(value_proj(inputs_kv)))
+        projected_k = heads_first(key_proj(inputs_kv))
+        projected_v = heads_first(value_proj(inputs_kv))
         self.variable("cache", "cached_key", lambda: projected_k)
         self.variable("cache", "cached_value", lambda: projected_v)
       key: Array = self.get_variable("cache", "cached_key")
@@ -269,8 +258,8 @@ class MultiHeadAttention(nn.Module):
       cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, dtype)
       if init_cache:
         return jnp.zeros(inputs_q.shape[:-1] + (d_model,), dtype)
-      step_k = heads_first(split(own_key)).astype(dtype)  # fused_qkv holds here.
-      step_v = heads_first(split(own_value)).astype(dtype)
+      step_k = heads_first(own_key).astype(dtype)  # fused_qkv holds here.
+      step_v = heads_first(own_value).astype(dtype)
       assert decode_position is not None  # Decoder passes it in decode mode.
       start = (0, 0, decode_position, 0)
       cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, step_k, start)
@@ -278,14 +267,13 @@ class MultiHeadAttention(nn.Module):
       key, value = cached_key.value, cached_value.value
     else:
       assert inputs_kv is not None  # Teacher forcing: T5.decode's caller gives `encoded`.
-      key = heads_first(split(key_proj(inputs_kv)))
-      value = heads_first(split(value_proj(inputs_kv)))
+      key = heads_first(key_proj(inputs_kv))
+      value = heads_first(value_proj(inputs_kv))
 
     group = batch // key.shape[0]  # Query rows per key row: > 1 for samples of one input.
     if group * key.shape[0] != batch:
       raise ValueError(f"MultiHeadAttention: {batch} query rows do not come in groups over "
                        f"{key.shape[0]} key/value rows")
-    # step_ops are given exactly in cached decoding steps (checked above).
     step_out = (step_ops.attention(self.path, query[:, :, 0], key, value, bias[:, :, 0])
                 if step_ops is not None else None)
     if step_out is not None:  # The backend's attention of the step's one query per row/head.
@@ -312,11 +300,8 @@ class MultiHeadAttention(nn.Module):
 
 
 class MlpBlock(nn.Module):
-  """ReLU MLP (T5 1.0) or gated MLP (T5 1.1: gelu(x wi_0) * (x wi_1)).
-
-  A cached decoding step computes its products through its `step_ops`, the two gated inputs
-  as one product.
-  """
+  """ReLU MLP (T5 1.0) or gated MLP (T5 1.1: gelu(x wi_0) * (x wi_1)); a cached decoding
+  step multiplies by the two gated inputs in one `step_ops` product."""
   config: T5Config
   deterministic: bool = True
 
@@ -395,7 +380,6 @@ class DecoderLayer(nn.Module):
         h, encoded, cross_bias, is_cross=True, **cache_args)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
     h = norm(name="pre_mlp_layer_norm")(x)
-    # Only a cached decoding step's products are the decoding backend's (see DecodeStepOps).
     h = MlpBlock(cfg, self.deterministic, name="mlp")(h, step_ops=step_ops)
     x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
     return _constrain(x, ("batch", "length", "embed"))
@@ -505,15 +489,13 @@ class Decoder(nn.Module):
           query_valid, encoder_mask, segment_ids, encoder_segment_ids))
     x = _dropout(self, embeds, cfg.dropout_rate, deterministic)
     x = _constrain(x, ("batch", "length", "embed"))
-    # A cached decoding step's products and attention are `step_ops`' (XLA's by default);
-    # teacher forcing and building the cache take none.
+    # A cached decoding step's products and attention are `step_ops`' (XLA's by default).
     if decode and not init_cache:
       step_ops = step_ops if step_ops is not None else DecodeStepOps()
     elif step_ops is not None:
       raise ValueError("Decoder: step_ops are for cached decoding steps (decode=True)")
     step_kwargs = {} if step_ops is None else {"step_ops": step_ops}
-    use_remat = cfg.remat and not decode
-    layer_cls = nn.remat(DecoderLayer) if use_remat else DecoderLayer
+    layer_cls = nn.remat(DecoderLayer) if cfg.remat and not decode else DecoderLayer
     for i in range(cfg.num_decoder_layers):
       x = layer_cls(cfg, deterministic, decode, init_cache,
                     max_decode_length, name=f"layers_{i}")(
@@ -533,7 +515,7 @@ class T5(nn.Module):
 
   Attributes:
     config: Sizes and variant.
-    with_scalar_head: Adds `scalar_head` (a linear map of decoder states to one number).
+    with_scalar_head: Adds `scalar_head` (`heads.ScalarHead`).
   """
   config: T5Config
   with_scalar_head: bool = False
@@ -551,7 +533,6 @@ class T5(nn.Module):
     """Token ids (batch, length) -> input embeddings (batch, length, d_model), activation dtype."""
     return self.token_embedder(tokens)
 
-  # -- encoder ------------------------------------------------------------------------------
   def encode(self, encoder_input_tokens: Optional[Array] = None, *,
              encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
              encoder_segment_ids: Optional[Array] = None, deterministic: bool = True) -> Array:
@@ -568,7 +549,6 @@ class T5(nn.Module):
     return self.encoder(encoder_embeds.astype(_dtype(self.config)), encoder_mask,
                         encoder_segment_ids, deterministic=deterministic)
 
-  # -- decoder ------------------------------------------------------------------------------
   def decode(self, encoded: Optional[Array], encoder_mask: Array, decoder_input_tokens: Array, *,
              decoder_segment_ids: Optional[Array] = None,
              encoder_segment_ids: Optional[Array] = None, deterministic: bool = True,
@@ -577,13 +557,11 @@ class T5(nn.Module):
              step_ops: Optional[DecodeStepOps] = None) -> tuple[Array, Array]:
     """Decoder logits (float32) and final hidden states.
 
-    Teacher forcing when `decode=False`. With `decode=True` the call takes one token per
-    batch row and reads/writes the `cache` collection (make it with `init_cache`); its
-    products and attention are `step_ops`' (a decoding backend's; XLA's when None).
-
-    In teacher forcing, `encoded`/`encoder_mask` may have fewer rows than
-    `decoder_input_tokens`: G rows per input (rows `b * G + i`, deterministic and unpacked),
-    which attend to one projection of their input's keys and values instead of G copies.
+    Teacher forcing when `decode=False`; there `encoded`/`encoder_mask` may have fewer rows
+    than `decoder_input_tokens`: G rows per input (rows `b * G + i`, deterministic and
+    unpacked) attend to one projection of their input's keys and values. With `decode=True`
+    the call takes one token per row and reads/writes the `cache` collection (`init_cache`);
+    its products and attention are `step_ops`' (a decoding backend's; XLA's when None).
     """
     return self.decoder(self.embed(decoder_input_tokens), encoded, encoder_mask,
                         decoder_segment_ids, encoder_segment_ids, deterministic=deterministic,
@@ -595,9 +573,9 @@ class T5(nn.Module):
     """Creates the `cache` collection: empty self-attention caches, projected encoder K/V.
 
     Call with `mutable=["cache"]`; the returned logits are meaningless. With
-    `rows_per_input=G` the decoder runs G rows per input (rows `b * G + i`, samples or beams):
-    the self-attention caches get G * batch rows, the encoder keys/values stay one per input,
-    and every later step takes G * batch tokens with the same (batch, length) `encoder_mask`.
+    `rows_per_input=G` the decoder runs G rows per input (rows `b * G + i`, samples or beams)
+    against one encoder key/value row per input; every later step takes G * batch tokens with
+    the same (batch, length) `encoder_mask`.
     """
     validation.positive_int(rows_per_input, "init_cache: rows_per_input")
     dummy = jnp.zeros((encoded.shape[0] * rows_per_input, 1), jnp.int32)
@@ -635,9 +613,8 @@ class T5(nn.Module):
 def target_logit_rows(params: Any, config: T5Config, tokens: Array) -> Array:
   """Rows of the output projection for `tokens`, (len(tokens), d_model) float32.
 
-  `hidden[t] . rows[t]` is the logit of `tokens[t]` at decoder position t (the same number
-  as `logits[t, tokens[t]]`) without projecting onto the whole vocabulary, so gradients of
-  chosen logits (salience) skip the (length, vocab) projection and its transpose.
+  `hidden[t] . rows[t]` is `logits[t, tokens[t]]` without the whole vocabulary's projection, so
+  gradients of chosen logits (salience) skip the (length, vocab) product and its transpose.
   """
   if config.tie_word_embeddings:  # T5 1.0: the embedding, behind the d_model ** -0.5 rescale.
     rows = jnp.take(params["token_embedder"]["embedding"], tokens, axis=0)
@@ -657,10 +634,9 @@ def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: i
                 decoder_length: int = 8) -> Any:
   """Randomly initialised (boxed, logically partitioned) parameters.
 
-  The normal parameters are drawn a few at a time (`param_init`), which compiles many times
-  faster than one draw per parameter; the values are therefore this function's own, and
-  `model.init` alone draws others from the same key. Called outside a trace, it runs as one
-  compiled program: op by op, the model's forward pass would compile each operation alone.
+  The normal parameters are drawn a few at a time (`param_init`), so the values differ from
+  `model.init`'s for the same key. Called outside a trace, it runs as one compiled program
+  (op by op, the model's forward pass would compile each operation alone).
   """
   if not isinstance(rng, jax.core.Tracer) and _hashable(model):
     return _compiled_init_params(model, rng, batch_size=batch_size,
@@ -694,9 +670,8 @@ _compiled_init_params = jax.jit(init_params, static_argnums=0,
 
 
 def abstract_params(model: T5) -> Any:
-  """The boxed parameters `init_params(model, rng)` makes, as shapes: `jax.ShapeDtypeStruct`
-  leaves with their logical axes (for shardings, shape checks and compiles, which need no
-  values). Traced once per model and kept: tracing a large model's init takes seconds."""
+  """The boxed parameters `init_params(model, rng)` makes, as `jax.ShapeDtypeStruct` leaves with
+  their logical axes. Traced once per model and kept: a large model's init takes seconds."""
   # `init_params`'s default lengths and key, so a default init and this share one trace.
   return _abstract_params(model, (1, 8, 8), jax.ShapeDtypeStruct((2,), jnp.uint32))
 

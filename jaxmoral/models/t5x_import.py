@@ -1,15 +1,10 @@
 """T5X checkpoints: the format (where the parameters sit, their config), and the tree check.
 
 jaxmoral's parameter names are T5X's (`models/t5.py`), so a T5X tree maps one to one once the
-wrapper is removed: T5X keeps the model parameters under `target` (legacy `optimizer/target`,
-or `params` in some Orbax exports). T5 1.0 checkpoints have no `decoder/logits_dense/kernel`
-(logits via the shared `token_embedder/embedding`); T5 1.1 ones have it as (embed, vocab).
+wrapper is removed (`target`, legacy `optimizer/target`, or `params` in some Orbax exports).
 `locate` reads only the checkpoint's metadata; `jaxmoral.model_dirs` then restores the
-parameters straight into the shardings it wants (Orbax reads each device's slice).
-
-Not supported: T5X's *scanned* layer variant (`encoder/encoder/layers/...` with a stacked
-layer axis) and the pre-Orbax T5X format (msgpack `checkpoint` file + tensorstore folders).
-Both are detected and rejected with a message saying so.
+parameters straight into the shardings it wants. T5X's *scanned* layer variant and the
+pre-Orbax format (msgpack `checkpoint` + tensorstore folders) are detected and refused.
 """
 
 from __future__ import annotations
@@ -54,9 +49,9 @@ def validate_params(params: Mapping[str, Any], config: T5Config, *, source: str)
   """Raises ValueError naming every missing, unexpected or mis-shaped parameter.
 
   Args:
-    params: Nested parameter dict (boxed or not; arrays or anything with a `.shape`).
+    params: Nested parameter dict (boxed or not; anything with a `.shape` as leaves).
     config: The config the parameters must fit.
-    source: Where they came from (file or directory), quoted in the error.
+    source: Where they came from, quoted in the error.
   """
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(dict(params)))
   expected = expected_shapes(config)
@@ -101,9 +96,8 @@ def find_param_tree(tree: Mapping[str, Any], source: str
 def infer_config(params: Mapping[str, Any], **overrides: Any) -> T5Config:
   """A T5Config read off parameter shapes (T5X checkpoints carry no config).
 
-  Shapes give sizes, layer counts, buckets, gating and tying; what they cannot give takes the
-  T5 defaults unless overridden: relative_attention_max_distance=128, layer_norm_epsilon=1e-6,
-  dropout_rate=0, gelu for gated MLPs (relu otherwise).
+  What shapes cannot give takes T5's defaults unless overridden: relative_attention_max_distance
+  128, layer_norm_epsilon 1e-6, dropout_rate 0, gelu for gated MLPs (relu otherwise).
   """
   flat = {"/".join(k): v for k, v in flax.traverse_util.flatten_dict(dict(params)).items()}
   vocab, d_model = _shape(flat["token_embedder/embedding"])

@@ -54,10 +54,9 @@ class TrainableModel(abc.ABC):
     return None
 
   def params_from_checkpoint(self, loaded: Any, rng: jax.Array) -> PyTree:
-    """The starting parameters of a fine-tuning run from a loaded model directory.
+    """The starting parameters of a fine-tuning run from a loaded `model_dirs.LoadedModel`.
 
-    The default takes the checkpoint's T5 as is; subclasses add what the checkpoint lacks
-    (a fresh scalar head, a soft prompt). `loaded` is a `jaxmoral.model_dirs.LoadedModel`.
+    The checkpoint's T5 as is; subclasses add what it lacks (a scalar head, a soft prompt).
 
     Raises:
       ValueError: The checkpoint's architecture differs from `config`.
@@ -78,10 +77,9 @@ class TrainableModel(abc.ABC):
 
 def check_architecture(loaded: Any, config: T5Config) -> None:
   """Raises ValueError when a loaded checkpoint's weights do not fit `config`."""
-  if loaded.config.architecture() != config.architecture():
-    differing = {k: (v, config.architecture()[k])
-                 for k, v in loaded.config.architecture().items()
-                 if config.architecture()[k] != v}
+  ours, theirs = config.architecture(), loaded.config.architecture()
+  if theirs != ours:
+    differing = {k: (v, ours[k]) for k, v in theirs.items() if ours[k] != v}
     raise ValueError(f"init_checkpoint {loaded.info.source}: its architecture differs from the "
                      f"run's MODEL_CONFIG in {differing} (checkpoint, run)")
 

@@ -1,27 +1,22 @@
 """CPU kernels for decoding steps: a product over column-panel-packed weights, and attention.
 
-A decoding step multiplies a handful of rows (batch x samples) by every decoder weight matrix
-once, so it is bound by how fast the weights stream from memory. XLA:CPU's dot reads a
-row-major (K, N) kernel in strided pieces, well below the memory's bandwidth; stored as
-contiguous panels of 64 columns (`pack_columns`), the kernels stream close to it through
-`packed_matmul`, an XLA FFI custom call (`kernels.cc`) that splits the panels over XLA's
-intra-op threads. `decode_attention` is a step's attention (one query per row and head) as one
-custom call, where XLA:CPU runs batched one-row dots. `decoding.PackedKernelBackend` runs
-them as the "cpu_packed" decoding backend; measurements are in bench/RESULTS.md.
+A decoding step multiplies a handful of rows by every decoder weight once, so it is bound by how
+fast the weights stream from memory. XLA:CPU's dot reads a row-major (K, N) kernel in strided
+pieces; stored as contiguous panels of 64 columns (`pack_columns`), `packed_matmul` (an XLA FFI
+custom call, `kernels.cc`, split over XLA's intra-op threads) streams them close to the memory's
+bandwidth. `decode_attention` is a step's attention as one custom call, where XLA:CPU runs
+batched one-row dots. `decoding.PackedKernelBackend` ("cpu_packed") runs them
+(bench/RESULTS.md).
 
-The kernels are compiled from source on first use with the machine's C++ compiler
-(`$CXX`, else `c++`/`g++`/`clang++`) against the XLA FFI headers jaxlib ships, for this
-machine's instruction set (`-march=native`), and cached under `$JAXMORAL_KERNEL_CACHE`
-(default `~/.cache/jaxmoral/kernels`), keyed by the source, jaxlib's version, the compiler and
-the CPU. Where it cannot be built, `available()` warns once and returns False, and decoding
-keeps XLA's dot. `JAXMORAL_CPU_KERNELS=0` turns it off.
+The kernels are compiled on first use with `$CXX` (else c++/g++/clang++) against jaxlib's XLA
+FFI headers, `-march=native`, and cached under `$JAXMORAL_KERNEL_CACHE` (default
+`~/.cache/jaxmoral/kernels`), keyed by the source, jaxlib's version, the compiler and the CPU.
+Where they cannot be built, `available()` warns once and returns False, and decoding keeps
+XLA's dot. `JAXMORAL_CPU_KERNELS=0` turns them off.
 
-Loading a library runs its code, so the cache must be one only this user can write: a cache
-folder that another user could write to, or whose parents they could (a sticky parent such as
-/tmp is fine), is refused with a warning for a private temporary folder; a cached library (or
-its recorded SHA-256, `<name>.sha256`) that is a symlink, is owned by another user, or is
-writable by group/others, or whose bytes no longer match the SHA-256 recorded when it was
-built, is never loaded but rebuilt.
+Loading a library runs its code, so only a cache this user alone can write is used (else a
+private temporary one, with a warning), and a cached library is loaded only while it is this
+user's own file matching the SHA-256 recorded when it was built (else it is rebuilt).
 """
 
 from __future__ import annotations
@@ -67,10 +62,7 @@ def _compiler() -> Optional[str]:
   """`$CXX` when set (None if it is not a program), else the first of c++, g++, clang++."""
   if os.environ.get("CXX"):
     return shutil.which(os.environ["CXX"])
-  for name in ("c++", "g++", "clang++"):
-    if shutil.which(name):
-      return shutil.which(name)
-  return None
+  return next(filter(None, map(shutil.which, ("c++", "g++", "clang++"))), None)
 
 
 class _Untrusted(Exception):
@@ -93,9 +85,8 @@ def _owner_problem(st: os.stat_result) -> Optional[str]:
 def _folder_problem(folder: str) -> Optional[str]:
   """Why another user could replace what the real folder `folder` holds, or None.
 
-  The folder must be this user's and not writable by group/others. Each parent must be
-  root's or this user's, and group/others may write to it only when it is sticky (/tmp): a
-  parent they could write to otherwise would let them rename the folder and put theirs there.
+  Each parent must be root's or this user's, and writable by group/others only when sticky
+  (/tmp): otherwise they could rename the folder and put theirs there.
   """
   st = os.stat(folder)
   if not stat.S_ISDIR(st.st_mode):
@@ -218,10 +209,9 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
-def _flag_sets() -> list[list[str]]:
-  base = ["-O3", "-std=c++17", "-shared", "-fPIC"]
-  # -march=native first; compilers that reject it (some clang on arm64) get a portable build.
-  return [base + ["-march=native"], base]
+# -march=native first; compilers that reject it (some clang on arm64) get a portable build.
+_FLAG_SETS = (["-O3", "-std=c++17", "-shared", "-fPIC", "-march=native"],
+              ["-O3", "-std=c++17", "-shared", "-fPIC"])
 
 
 def _install(partial: str, path: str) -> None:
@@ -262,7 +252,7 @@ def build(*, force: bool = False) -> str:
     source = f.read()
   cache = _cache_dir()
   errors = []
-  for flags in _flag_sets():
+  for flags in _FLAG_SETS:
     key = hashlib.sha256(b"\0".join([
         source, jaxlib.__version__.encode(), compiler.encode(), " ".join(flags).encode(),
         platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:20]
@@ -362,12 +352,8 @@ def pack_columns(kernel: Array) -> Array:
 
 
 def packed_matmul(x: Array, packed: Array, features: int) -> Array:
-  """(..., K) @ kernel -> (..., features) float32, from `pack_columns(kernel)`.
-
-  Args:
-    x: Activations; cast to float32.
-    packed: `pack_columns` of a (K, features) kernel (features may be any flattened shape).
-    features: The kernel's column count before padding.
+  """(..., K) @ kernel -> (..., features) float32, from `packed = pack_columns(kernel)` and
+  the kernel's (flattened) column count; `x` is cast to float32.
 
   Raises:
     RuntimeError: When the kernel is not `available()`.
@@ -386,11 +372,8 @@ def packed_matmul(x: Array, packed: Array, features: int) -> Array:
 def decode_attention(query: Array, key: Array, value: Array, bias: Array) -> Array:
   """softmax(query . key + bias) . value for one query per (row, head), float32.
 
-  Query rows may come in groups of G that share one key/value row (G samples or beams of one
-  input against its cross-attention keys): query row r reads key row r // G.
-
   Args:
-    query: (G * R, H, D).
+    query: (G * R, H, D): G rows (samples or beams) per key/value row; row r reads r // G.
     key, value: (R, H, L, D).
     bias: Broadcastable to (R, H, L): relative-position bias and masks (-1e10 where masked).
 
