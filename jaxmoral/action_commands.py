@@ -1,21 +1,11 @@
 """`jaxmoral <method> <action> [--name=value ...]`: one gin-bound library call per action.
 
-The method command lines (`jaxmoral.diamante.commands`, `jaxmoral.npov.commands`,
-`jaxmoral.clarify.commands`) are tables: `ACTIONS` names each action's keyword-only
-`@gin.configurable` function, `OUTPUTS` the parameters naming what it writes. `run_action`
-does the rest, the same for all of them:
-
-* `--help` (or `-h`) prints the function's flags, read from its signature and docstring
-  without importing it (`cli_help.function_usage`), so no JAX start-up;
-* `--name=value` is the gin binding `<module>.<function>.name = value`, exactly as
-  `--gin.<module>.<function>.name=value`; a value that is no Python literal is a string
-  (`--model_dir=/tmp/run`); for a parameter typed as a sequence, a bare word or comma list
-  is a tuple of strings (`--judge_classes=bad,ok,good` is `('bad', 'ok', 'good')`); a bare
-  `--name` of a `bool` parameter is `--name=True`;
-* a flag that names no parameter, and a parameter without a default that neither a flag nor
-  gin gives, are one-line errors naming the flag;
-* what the action writes is checked to be writable before any work (`check_writable`);
-* the function is called, and its result printed as JSON (unless the action prints its own).
+Each method's `commands` module is a table: `ACTIONS` names each action's keyword-only
+`@gin.configurable` function, `OUTPUTS` the parameters naming what it writes. `run_action` does
+the rest for all of them: `--help` from the source (no JAX start-up), each `--name=value` as
+the binding `<module>.<function>.name = value` (as `--gin.` reads it, with sequence and bool
+parameters read as `_VALUES_NOTE` says), one-line errors for unknown and missing flags, inputs
+and outputs checked before any work, the result printed.
 """
 
 from __future__ import annotations
@@ -68,16 +58,13 @@ def _as_tuple_of_words(value: str) -> str | None:
 
 def flag_bindings(selector: str, flags: Sequence[str],
                   parameters: Mapping[str, inspect.Parameter] | None = None) -> list[str]:
-  """`--name=value` flags as gin bindings of `selector.name` (bare words become strings).
+  """`--name=value` flags as gin bindings of `selector.name`, one per flag, in order.
 
   Args:
     selector: The configurable the flags bind, e.g. "jaxmoral.diamante.evaluate.evaluate".
     flags: The action's flags, each `--name=value` (or `--name` for a bool parameter).
     parameters: The function's parameters: their annotations make a comma list a tuple and
       a bare `--name` True; None reads every value as `--gin.` does.
-
-  Returns:
-    One gin binding per flag, in order.
 
   Raises:
     ValueError: A flag is not of the form `--name=value`.
@@ -98,9 +85,8 @@ def flag_bindings(selector: str, flags: Sequence[str],
     words = _as_tuple_of_words(value) if _SEQUENCE_TYPE.match(annotation) else None
     if words is not None:
       bindings.append(f"{selector}.{name} = {words}")
-      continue
-    gin_args, _ = gin_utils.split_gin_args([f"--gin.{selector}.{name}={value}"])
-    bindings.extend(gin_args.bindings)
+    else:  # As --gin. reads it.
+      bindings += gin_utils.split_gin_args([f"--gin.{selector}.{name}={value}"])[0].bindings
   return bindings
 
 
@@ -148,7 +134,6 @@ def _check_given(action: str, selector: str,
 
 
 def _is_bound(selector: str, name: str) -> bool:
-  import gin  # pylint: disable=g-import-not-at-top
   try:
     gin.query_parameter(f"{selector}.{name}")
     return True
@@ -156,28 +141,32 @@ def _is_bound(selector: str, name: str) -> bool:
     return False
 
 
-def check_outputs(selector: str, outputs: Mapping[str, bool],
-                  parameters: Mapping[str, inspect.Parameter]) -> None:
-  """Raises the OSError writing an action's outputs would meet, before any work.
-
-  Args:
-    selector: The action's configurable.
-    outputs: `{parameter: is a directory}` of what the action writes.
-    parameters: The function's parameters (an unbound output is checked at its default).
-  """
+def _output_paths(selector: str, outputs: Mapping[str, bool],
+                  parameters: Mapping[str, inspect.Parameter]) -> list[tuple[str, bool]]:
+  """(path, is a directory) of what an action writes: as bound, else its default."""
+  paths = []
   for name, directory in outputs.items():
     path = gin_utils.bound_value(selector, name)
     if path is None and name in parameters:
       path = parameters[name].default
     if isinstance(path, (str, os.PathLike)):
-      fileio.check_writable(path, directory=directory)
+      paths.append((os.fspath(path), directory))
+  return paths
+
+
+def check_outputs(selector: str, outputs: Mapping[str, bool],
+                  parameters: Mapping[str, inspect.Parameter]) -> None:
+  """Raises the OSError writing an action's outputs (`{parameter: is a directory}`) would
+  meet, before any work."""
+  for path, directory in _output_paths(selector, outputs, parameters):
+    fileio.check_writable(path, directory=directory)
 
 
 def run_action(method: str, actions: Mapping[str, tuple[str, str]],
                outputs: Mapping[str, Mapping[str, bool]], action: str, rest: Sequence[str],
                gin_args: gin_utils.GinArgs, *, prints_own_result: Collection[str] = (),
                configurable_modules: Sequence[str] = ()) -> int:
-  """Runs one action of a method's command line: flags bound, outputs checked, call, result.
+  """Runs one action of a method's command line; returns the exit status, 0.
 
   Args:
     method: The command, e.g. "npov" (named in usage and errors).
@@ -187,12 +176,8 @@ def run_action(method: str, actions: Mapping[str, tuple[str, str]],
     rest: Its flags (`--name=value`, or `--help`).
     gin_args: Gin files and bindings of the command line.
     prints_own_result: Actions whose function reports for itself (a chat): no JSON printed.
-    configurable_modules: Modules to import before gin parses, besides the action's own:
-      those whose configurables a config of these actions may bind (e.g. detectors that the
-      action's module imports only when used).
-
-  Returns:
-    The exit status, 0.
+    configurable_modules: Modules whose configurables a config may bind, imported before gin
+      parses (detectors the action's module imports only when used).
 
   Raises:
     ValueError: Unknown action or flag, a flag not `--name=value`, a required flag missing,
@@ -208,13 +193,12 @@ def run_action(method: str, actions: Mapping[str, tuple[str, str]],
     return 0
   fn = bind_action(actions, outputs, action, rest, gin_args, prog=prog,
                    configurable_modules=configurable_modules)
-  module, function = actions[action]
-  check_inputs(f"{module}.{function}", rest, outputs.get(action, {}))
+  selector = ".".join(actions[action])
+  check_inputs(selector, rest, outputs.get(action, {}))
   result = fn()
   if action not in prints_own_result:
-    module, function = actions[action]
-    print(result_summary(result, written=_written(f"{module}.{function}",
-                                                  outputs.get(action, {}), _parameters(fn))))
+    written = _output_paths(selector, outputs.get(action, {}), _parameters(fn))
+    print(result_summary(result, written=[path for path, _ in written]))
   return 0
 
 
@@ -222,9 +206,8 @@ def bind_action(actions: Mapping[str, tuple[str, str]],
                 outputs: Mapping[str, Mapping[str, bool]], action: str, rest: Sequence[str],
                 gin_args: gin_utils.GinArgs, *, prog: str,
                 configurable_modules: Sequence[str] = ()) -> Callable[[], Any]:
-  """Everything `run_action` checks before any work, done: the action's flags and gin
-  configuration bound and checked, its outputs writable. Returns the action's function,
-  which gin now calls with them (a dry run stops here).
+  """The action's function with its flags and gin configuration bound and checked, its
+  outputs writable: everything `run_action` does before any work (a dry run stops here).
 
   Raises:
     ValueError, OSError: as `run_action`.
@@ -249,7 +232,7 @@ def bind_action(actions: Mapping[str, tuple[str, str]],
   return fn
 
 
-# Flags that name something an action reads (an output is in the action's OUTPUTS instead).
+# Flags that name something an action reads (unless in its OUTPUTS).
 _INPUT_FLAG = re.compile(r"(^|_)(path|dir|jsonl|file)$")
 # A Hugging Face Hub id ("google/t5-v1_1-base"): a model directory that is not a local path.
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -261,9 +244,8 @@ def _input_flags(rest: Sequence[str], outputs: Mapping[str, bool]) -> list[str]:
 
 
 def resolve_input_flags(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]) -> None:
-  """Input flags find relative paths as gin files do (`gin_files.resolve_relative_paths`): a
-  relative path that names nothing in the working directory but something in the project
-  root (`--test_path=jaxmoral/data/demo/dialogues.jsonl`) is bound as that absolute path."""
+  """Binds an input flag's relative path that names nothing in the working directory but
+  something in the project root as that absolute path, as gin files' paths resolve."""
   for name in _input_flags(rest, outputs):
     value = gin_utils.bound_value(selector, name)
     if (isinstance(value, str) and value and not os.path.isabs(value) and "://" not in value
@@ -274,14 +256,12 @@ def resolve_input_flags(selector: str, rest: Sequence[str], outputs: Mapping[str
 
 
 def check_inputs(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]) -> None:
-  """Raises FileNotFoundError naming the flag when an input flag names nothing, before any
-  work (a model that loads first would make a typo cost minutes). A model directory flag may
-  also be a Hub id."""
+  """Raises FileNotFoundError naming the flag when an input flag (a `*dir` flag: or Hub id)
+  names nothing, before any work: a model that loads first would make a typo cost minutes."""
   for name in _input_flags(rest, outputs):
     value = gin_utils.bound_value(selector, name)
-    if not isinstance(value, str) or not value or "://" in value or os.path.exists(value):
-      continue
-    if name.endswith("dir") and _HUB_ID.match(value):
+    if (not isinstance(value, str) or not value or "://" in value or os.path.exists(value)
+        or (name.endswith("dir") and _HUB_ID.match(value))):
       continue
     folders = " and ".join(dict.fromkeys((os.getcwd(), str(gin_files.PROJECT_ROOT))))
     raise FileNotFoundError(errno.ENOENT, f"--{name}: no such file or folder (looked in "
@@ -289,19 +269,6 @@ def check_inputs(selector: str, rest: Sequence[str], outputs: Mapping[str, bool]
 
 
 SUMMARY_LINES = 20  # At most this many result lines on stdout; the files hold everything.
-
-
-def _written(selector: str, outputs: Mapping[str, bool],
-             parameters: Mapping[str, inspect.Parameter]) -> list[str]:
-  """The output paths an action was given (or defaults to), as `check_outputs` reads them."""
-  paths = []
-  for name in outputs:
-    path = gin_utils.bound_value(selector, name)
-    if path is None and name in parameters:
-      path = parameters[name].default
-    if isinstance(path, (str, os.PathLike)) and path != inspect.Parameter.empty:
-      paths.append(os.fspath(path))
-  return paths
 
 
 def _scalar(value: Any) -> str:
@@ -312,10 +279,9 @@ def _scalar(value: Any) -> str:
 
 
 def result_summary(result: Any, *, written: Sequence[str] = ()) -> str:
-  """What an action prints: its result as JSON when that is short (`SUMMARY_LINES` lines at
-  most), else a summary for a person, `name: value` lines (nested mappings dotted, one level;
-  a list or deeper mapping as its size), at most `SUMMARY_LINES`, then where the full result
-  was written."""
+  """What an action prints: its result as JSON when under `SUMMARY_LINES` lines, else at most
+  that many `name: value` lines (nested mappings dotted, one level; a list or deeper mapping
+  as its size), then where the full result was written."""
   dump = json.dumps(result, indent=2, sort_keys=True, default=str)
   if dump.count("\n") < SUMMARY_LINES:
     return dump

@@ -1,8 +1,7 @@
 """`jaxmoral demo` / `make demo`: every method end to end on bundled sample data, on CPU.
 
-Each part trains tiny models from scratch (a demo SentencePiece vocabulary is built from the
-bundled corpus), prints its metrics and sample outputs, and says where its checkpoints,
-TensorBoard logs and pictures went. Nothing is downloaded.
+Each part trains tiny models from scratch, prints its metrics and sample outputs, and says
+where its checkpoints, TensorBoard logs and pictures went. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -32,29 +31,29 @@ from jaxmoral.models import trainable
 PARTS = ("core", "npov", "diamante", "clarify")
 
 # -- what the papers found, and whether a demo run agrees ------------------------------------
-# Each method's demo returns `truth_lines(...)`: the paper's claim, this run's numbers, "agrees"
-# or "disagrees" computed from them, and the experiment that tests the claim at a scale that
-# can show it (the demo's tiny models trained for seconds mostly cannot). What the experiments
-# found lives in their result files, never here: `run_all` prints one pointer to them.
+# Each method's demo returns truth lines: the paper's claim, this run's numbers, the verdict
+# computed from them, and the experiment that tests the claim at a scale that can show it (the
+# demo's tiny models mostly cannot). What the experiments found lives in their result files.
 
 FIDELITY_RESULTS = ("bench/RESULTS.md, \"Fidelity experiments\" (reports in "
                     "experiments/results/)")
 EXPERIMENTS = {"clarify": "python experiments/clarify_table4.py",
                "npov": "python experiments/npov_table1.py",
                "diamante": "python experiments/diamante_fig3.py"}
-
-
 VERDICTS = ("agrees", "disagrees", "cannot tell")
 
 
 def interval_verdict(low: float, high: float, *, null: float = 0.0) -> str:
-  """"agrees" when a 95 % interval lies above `null` (the paper's side), "disagrees" when it
-  lies below, "cannot tell" when it holds `null` (too few examples to say)."""
-  if low > null:
+  """"agrees" when a 95 % interval lies above `null` (the paper's side), "disagrees" below,
+  "cannot tell" when it holds `null`."""
+  return "agrees" if low > null else "disagrees" if high < null else "cannot tell"
+
+
+def _all_agree(verdicts: Sequence[str]) -> str:
+  """"agrees" if every verdict does, else "disagrees" if any does, else "cannot tell"."""
+  if all(v == "agrees" for v in verdicts):
     return "agrees"
-  if high < null:
-    return "disagrees"
-  return "cannot tell"
+  return "disagrees" if "disagrees" in verdicts else "cannot tell"
 
 
 def _interval(ci: Any, digits: int = 3) -> str:
@@ -88,12 +87,12 @@ def clarify_truth_lines(evaluation: Mapping[str, Mapping[str, Any]]) -> list[str
     return []
   ppo, sft = evaluation["ppo"]["per_situation"], evaluation["finetuned"]["per_situation"]
   lines = []
-  for key, paper, fmt, scale, digits in (
+  for key, paper, fmt, digits in (
       ("jsd", "PPO raises the average JSD of the judge's verdicts over the supervised question "
-              "generator (Table 4)", "avg JSD PPO {a:.3f} vs SFT {b:.3f}", 1.0, 3),
+              "generator (Table 4)", "avg JSD PPO {a:.3f} vs SFT {b:.3f}", 3),
       ("flips_pct", "PPO raises the % of judgment flips over the supervised generator (Table 4)",
-       "flips PPO {a:.1f} % vs SFT {b:.1f} %", 1.0, 1)):
-    a, b = (scale * np.asarray(x[key], np.float64) for x in (ppo, sft))
+       "flips PPO {a:.1f} % vs SFT {b:.1f} %", 1)):
+    a, b = (np.asarray(x[key], np.float64) for x in (ppo, sft))
     diff = metrics.bootstrap_ci(np.mean, a - b)
     lines.append(truth_line(
         method="clarify", paper=paper,
@@ -115,13 +114,11 @@ NPOV_PAPER = {  # Chang et al. 2024, Table 1, synthetic slices (unparaphrased / 
 def npov_truth_lines(results: Mapping[str, Any],
                      slices: Optional[Mapping[str, Sequence[Any]]] = None, *,
                      num_resamples: int = 1000) -> list[str]:
-  """NPOV (Chang et al. 2024, Table 1): each detector's example-level ROC AUC, the test slices
-  pooled, with its bootstrap interval against 0.5 and, given the slices' examples, the paired
-  interval of its AUC minus the input length's (the null a synthetic error's length gives),
-  per error type (`npov.evaluate.evaluate_detectors`' results: {slice: {detector: {error:
-  {"labels", "scores", ...}}}}). "agrees" needs both; the model-based detectors' other null,
-  the same detector on an untrained model, only the experiment measures, so they "cannot tell"
-  at best here."""
+  """NPOV (Chang et al. 2024, Table 1): each detector's example-level ROC AUC per error type,
+  the test slices of `npov.evaluate.evaluate_detectors`' results pooled, with its bootstrap
+  interval against 0.5 and, given the slices' examples, the paired interval of its AUC minus
+  the input length's (a synthetic error's length null). "agrees" needs both; the model-based
+  detectors' untrained-model null only the experiment measures ("cannot tell" at best)."""
   from jaxmoral.npov import evaluate  # pylint: disable=import-outside-toplevel
   lines = []
   by_slice = list(results.values())
@@ -159,33 +156,27 @@ def npov_truth_lines(results: Mapping[str, Any],
       continue
     if detector != "rouge":
       verdicts.append("cannot tell")  # The untrained-model null: the experiment's.
-    verdict = ("agrees" if all(v == "agrees" for v in verdicts) else
-               "disagrees" if "disagrees" in verdicts else "cannot tell")
     lines.append(truth_line(
         method="npov", paper=f"{paper} (Table 1)",
         this_run=f"ROC AUC {', '.join(found)} (example level, the {pooled} test slices "
                  "pooled; the table shows each"
                  + ("" if detector == "rouge" else "; the untrained-model null is the "
                     "experiment's") + ")",
-        verdict=verdict))
+        verdict=_all_agree(verdicts)))
   return lines
 
 
 def diamante_truth_lines(per_context: Mapping[str, Any]) -> list[str]:
   """Diamante (Lu, Bao et al. 2023, Fig. 3): the preference score ranks the human response
-  first more often than chance (a random ranker's P@1, 1 / each context's items) and than the
-  generation probability (the better of its two rankers, summed and per token), by paired
+  first more often than chance and than the better generation-probability ranker, by paired
   intervals over contexts (`diamante.evaluate.rank_contexts`' arrays). "agrees" needs both;
-  whether joint training is what makes the score work (against the NLL-only model's untrained
-  head) only the experiment tests."""
+  whether joint training is what makes the score work only the experiment tests."""
   p1 = {r: np.asarray(per_context[f"{r}/p@1"], np.float64)
         for r in ("preference", "generation", "generation_per_token", "random")}
   rival = max(("generation", "generation_per_token"), key=lambda r: p1[r].mean())
   over_chance = metrics.bootstrap_ci(np.mean, p1["preference"] - p1["random"])
   over_rival = metrics.bootstrap_ci(np.mean, p1["preference"] - p1[rival])
-  words = [interval_verdict(d.low, d.high) for d in (over_chance, over_rival)]
-  verdict = ("agrees" if all(w == "agrees" for w in words) else
-             "disagrees" if "disagrees" in words else "cannot tell")
+  verdict = _all_agree([interval_verdict(d.low, d.high) for d in (over_chance, over_rival)])
   return [truth_line(
       method="diamante",
       paper="ranked by the jointly trained preference score, the human response comes first "
@@ -205,7 +196,6 @@ def _banner(text: str) -> None:
 
 def run_core_demo(*, workdir: str | os.PathLike[str]) -> dict[str, Any]:
   """The T5X-style core: train a tiny T5 1.1 on the demo mixture, evaluate, infer, export."""
-
   workdir = pathlib.Path(workdir)
   model_dir = workdir / "run"
   steps = 200
@@ -246,14 +236,12 @@ def _method_demo(part: str) -> Callable[..., dict[str, Any]]:
 
 def run_all(*, workdir: str | os.PathLike[str] = "demo_out",
             only: Optional[Sequence[str]] = None) -> dict[str, Any]:
-  """Runs the demos in order and writes `workdir/summary.json`.
+  """Runs the demos in order, writes `workdir/summary.json` and returns it: each part's
+  metrics, output paths and wall time.
 
   Args:
     workdir: Output folder (one sub-folder per part).
-    only: Subset of ("core", "npov", "diamante", "clarify").
-
-  Returns:
-    Each part's summary (metrics and output paths) and its wall time.
+    only: Subset of `PARTS`.
   """
   parts = tuple(only) if only else PARTS
   unknown = sorted(set(parts) - set(PARTS))
@@ -299,9 +287,8 @@ WIDTH = 100
 
 
 def installed_command(name: str, module: str) -> str:
-  """How a user's shell runs console script `name` of the environment this process runs in:
-  the bare name where it is the one on PATH (an activated venv); else its path, relative to the
-  working folder when inside it (`.venv/bin/tensorboard` after `make demo`); else
+  """How a user's shell runs console script `name` of this process's environment: the bare
+  name where it is the one on PATH, else its path (`.venv/bin/tensorboard`), else
   `python -m module`."""
   script = pathlib.Path(sysconfig.get_path("scripts")) / name
   if not script.is_file():
@@ -315,7 +302,5 @@ def installed_command(name: str, module: str) -> str:
 
 def shown_path(workdir: str | os.PathLike[str]) -> str:
   """A demo path as the user would type it: relative to where they are, when inside."""
-  try:
-    return str(pathlib.Path(workdir).relative_to(pathlib.Path.cwd()))
-  except ValueError:
-    return str(workdir)
+  path, here = pathlib.Path(workdir), pathlib.Path.cwd()
+  return str(path.relative_to(here)) if path.is_relative_to(here) else str(workdir)

@@ -1,13 +1,9 @@
 """What a parsed gin config must satisfy, and gin's errors as one line.
 
 Everything bound must be readable: a misspelt `--gin.TRAIN_STEP=5` would otherwise be a new
-macro, silently ignored. So macros that no binding or macro refers to, scopes that nothing
-enters and `%gin.REQUIRED` values left unbound are errors, and so are gin's own parse errors
-(an unknown configurable or parameter, a syntax error), each as one line that names the flag,
-or the file and line, and close valid names.
-
-The whole config is listed from gin's public API: its printout (`gin.config_str`) read back
-with gin's own parser.
+macro, silently ignored. So unreferenced macros, unentered scopes and unbound `%gin.REQUIRED`
+values are errors, as are gin's parse errors, each one line naming the flag or the file and
+line, and close valid names.
 """
 
 from __future__ import annotations
@@ -47,10 +43,8 @@ def syntax_error(error: SyntaxError | tokenize.TokenError, files: Sequence[str],
   def shown(binding: str) -> str:
     return f"binding {binding!r}" + (f" ({flag_of[binding]})" if binding in flag_of else "")
   if isinstance(error, SyntaxError):
-    if error.filename:
-      where = f"{gin_files.display_path(error.filename)}, line {error.lineno}"
-    else:
-      where = shown((error.text or "").strip())
+    where = (f"{gin_files.display_path(error.filename)}, line {error.lineno}"
+             if error.filename else shown((error.text or "").strip()))
     return ValueError(f"gin: cannot parse {where}: {error.msg}")
   # An unclosed bracket or string: gin's tokenizer names no file, so find the culprit.
   paths = [gin_files.find_gin_file(name, search_paths) for name in files]
@@ -70,10 +64,10 @@ class BindingSources:
   """Says where a binding came from: a command-line flag, or a gin file and line."""
 
   def __init__(self, files: Sequence[str], bindings: Sequence[str],
-               binding_flags: Sequence[str]) -> None:
+               binding_flags: Sequence[str | None]) -> None:
     self.files = tuple(files)
     self.bindings = tuple(bindings)
-    # `extra_bindings` (a command's own flags) have no flag of their own here.
+    # Bindings without a flag (a command's own flags' bindings) are named as written.
     self.flags: tuple[str | None, ...] = (
         tuple(binding_flags) + (None,) * (len(bindings) - len(binding_flags)))
 
@@ -105,13 +99,10 @@ class BindingSources:
             if not statement.arg_name}
 
   def binding(self, scope: str, selector: str, param: str) -> str | None:
-    """Where `scope/selector.param` is last bound (either selector in full or in part)."""
-    found = None
-    for statement, where, _ in self.statements():
-      if (statement.arg_name == param and statement.scope == scope
-          and _same_configurable(statement.selector, selector)):
-        found = where
-    return found
+    """Where `scope/selector.param` is last bound (selectors in full or in part)."""
+    return next((where for statement, where, _ in reversed(list(self.statements()))
+                 if statement.arg_name == param and statement.scope == scope
+                 and _same_configurable(statement.selector, selector)), None)
 
 
 def _same_configurable(one: str, other: str) -> bool:
@@ -147,13 +138,8 @@ _Config = dict[tuple[str, str], dict[str, Any]]
 
 
 def _config() -> _Config:
-  """Every binding gin holds, selectors minimal, values as written (references as
-  `_Reference`).
-
-  Read from gin's own printout of its whole config (`gin.config_str`) with gin's own parser:
-  gin's public API answers for one named binding (`gin.query_parameter`) but lists its
-  bindings only as that text. The checks that everything bound is read need all of them.
-  """
+  """Every binding gin holds, selectors minimal, references as `_Reference`: gin's printout
+  (`gin.config_str`) read back by its parser, since gin's public API lists them only so."""
   config: _Config = {}
   for statement in config_parser.ConfigParser(gin.config_str(), _Listing()):
     if isinstance(statement, config_parser.BindingStatement):
@@ -165,32 +151,15 @@ def _config() -> _Config:
   return config
 
 
-def _in_value(value: Any) -> Iterator[_Reference]:
-  """The references anywhere in a value (tuples, lists, dict keys and values)."""
-  if isinstance(value, _Reference):
-    yield value
-  elif isinstance(value, (list, tuple, set)):
-    for item in value:
-      yield from _in_value(item)
-  elif isinstance(value, dict):
-    for item in value.items():
-      yield from _in_value(item)
-
-
 def _references(config: _Config) -> Iterator[tuple[tuple[str, str], _Reference]]:
   """Every reference (`@name`, `%MACRO`) in the config, with the key of its binding."""
-  for key, params in config.items():
-    for value in params.values():
-      for ref in _in_value(value):
-        yield key, ref
+  return ((key, ref) for key, params in config.items() for value in params.values()
+          for ref in gin_files.parsed_items(value, _Reference))
 
 
 def unreferenced_macros() -> list[str]:
-  """Macros of the parsed config that no binding and no other macro refers to (`%NAME`).
-
-  References count wherever they are: in tuples, lists and dicts, in the bindings of a
-  function that another binding calls (`@fn()`), in scoped bindings, in other macros.
-  """
+  """Macros of the parsed config that no binding and no other macro refers to (`%NAME`),
+  wherever the references are (containers, scoped bindings, called functions' bindings)."""
   return _unreferenced_macros(_config())
 
 
@@ -206,12 +175,9 @@ def _unreferenced_macros(config: _Config) -> list[str]:
 
 
 def _is_export(name: str) -> bool:
-  """Whether macro `name` just names an object built by a configurable (`@fn()`).
-
-  Fragments export MODEL_CONFIG, OPTIMIZER and PARTITIONER for includers; a command may
-  build the object from the configurable's own bindings instead (`jaxmoral compile` builds
-  `partitioning.PjitPartitioner` itself), and those bindings are checked on their own.
-  """
+  """Whether macro `name` just names an object built by a configurable (`@fn()`): fragments
+  export MODEL_CONFIG, OPTIMIZER, PARTITIONER for includers, which may build it from the
+  configurable's own bindings instead (`jaxmoral compile`), checked on their own."""
   value = gin_files.macro_value(name)
   return (isinstance(value, gin.config.ConfigurableReference)
           and value.configurable.selector not in (gin_files.MACRO, "gin.constant"))
@@ -223,10 +189,7 @@ def _entered_scopes(config: _Config) -> set[str]:
 
 def _unentered_scopes(config: _Config) -> list[tuple[str, str, str, str]]:
   """(scope part, scope, selector, parameter) of scoped bindings whose scope no reference
-  (`@scope/fn()`) enters.
-
-  jaxmoral enters no scope in code (no `gin.config_scope`), so such a binding is never read.
-  """
+  (`@scope/fn()`) enters: jaxmoral enters no scope in code, so they are never read."""
   entered = _entered_scopes(config)
   unread = []
   for (scope, selector), params in config.items():
@@ -248,15 +211,10 @@ def _parameters(selector: str) -> list[str]:
 
 
 def _registered_selectors() -> list[str]:
-  """The selectors, in full and in part, of the configurables defined in jaxmoral's imported
-  modules and in those under the project root or the working directory (experiments, tests, a
-  user's own), as gin resolves them.
-
-  gin lists no registered names publicly, so they are found from the other side: a module
-  attribute that gin knows as a configurable, named by each dotted suffix of its module path
-  (a configurable registered with `module="decoding"` is `decoding.NAME`) that gin resolves to
-  it. For the close-name suggestions of an unknown configurable, on the error path only.
-  """
+  """The selectors, in full and in part, of the configurables in jaxmoral's imported modules
+  and those under the project root or the working directory (for close-name suggestions):
+  gin lists none publicly, so each module attribute gin knows is named by each dotted suffix
+  of its module path that gin resolves to it."""
   selectors = []
   roots = tuple(f"{root}{os.sep}" for root in (gin_files.PROJECT_ROOT, os.getcwd()))
   for module in list(sys.modules.values()):
@@ -288,9 +246,8 @@ def _close(name: str, candidates: Iterable[str], *, last_part: bool = False) -> 
   """Candidates close to `name` (case ignored), compared whole or by their last dotted part."""
   by_key: dict[str, list[str]] = {}
   for candidate in dict.fromkeys(candidates):
-    keys = {candidate.lower(), candidate.rsplit(".", 1)[-1].lower()} if last_part else {
-        candidate.lower()}
-    for key in keys:
+    last = candidate.rsplit(".", 1)[-1] if last_part else candidate
+    for key in {candidate.lower(), last.lower()}:
       by_key.setdefault(key, []).append(candidate)
   matches = difflib.get_close_matches(name.lower(), list(by_key), n=3, cutoff=0.7)
   return list(dict.fromkeys(c for match in matches for c in by_key[match]))[:4]
@@ -310,21 +267,15 @@ def read_macros() -> set[str]:
 
 def check_everything_is_read(sources: BindingSources | None = None, *,
                              read_before_flags: Collection[str] = ()) -> None:
-  """Raises if the parsed config defines a macro or scope that nothing can read.
-
-  An unread macro is one that no binding and no other macro refers to, most often a
-  misspelling on the command line (`--gin.TRAIN_STEP=5` for TRAIN_STEPS). A gin file may
-  leave unread a macro that only names what a configurable builds (`OPTIMIZER =
-  @optimizers.make_optimizer()`), for includers; the command line may not.
+  """Raises a ValueError, one line naming each, where it is set and close names, if the
+  parsed config defines a macro or scope that nothing can read (most often a misspelling on
+  the command line). A gin file may leave unread a macro that only names what a configurable
+  builds (`OPTIMIZER = @optimizers.make_optimizer()`), for includers; the command line may not.
 
   Args:
-    sources: Where the parsed files and bindings came from (to name them); None names
-      nothing.
+    sources: Where the parsed files and bindings came from (to name them), or None.
     read_before_flags: Macros read before a command's own flags overrode bindings; one of
       them defined in a file is no error (the flag replaced what read it).
-
-  Raises:
-    ValueError: One line naming each unread macro or scope, where it is set, and close names.
   """
   config = _config()
   problems = []
@@ -355,12 +306,8 @@ def check_everything_is_read(sources: BindingSources | None = None, *,
 # gin's parse errors carry their place as extra lines: "\n  In file "F", line N\n    TEXT".
 _GIN_LOCATION = re.compile(r'\n  In (?:file "(?P<file>[^"]*)",|bindings string) line '
                            r'(?P<line>\d+)\n')
-
-
 _UNKNOWN_PARAMETER = re.compile(r"^Configurable '(?P<selector>[^']+)' doesn't have a "
                                 r"parameter named '(?P<param>[^']+)'\.")
-
-
 _UNKNOWN_CONFIGURABLE = re.compile(r"^No configurable matching (?:reference )?'@?"
                                    r"(?P<selector>[^'(]+)(?:\(\))?'\.")
 
@@ -381,10 +328,8 @@ def binding_error(error: ValueError | KeyError, sources: BindingSources) -> Valu
   unknown = _UNKNOWN_CONFIGURABLE.match(message)
   if unknown_param:
     selector, param = unknown_param.group("selector", "param")
-    names = _parameters(selector)
-    close = [f"{selector}.{name}" for name in _close(param, names)]
-    return ValueError(f"gin: {selector} has no parameter {param!r}{where}"
-                      f"{_suggest(close)}")
+    close = [f"{selector}.{name}" for name in _close(param, _parameters(selector))]
+    return ValueError(f"gin: {selector} has no parameter {param!r}{where}{_suggest(close)}")
   if unknown:
     selector = unknown.group("selector")
     depth = selector.count(".") + 1
@@ -396,22 +341,12 @@ def binding_error(error: ValueError | KeyError, sources: BindingSources) -> Valu
   return ValueError(f"gin: {' '.join(message.split())}{where}")
 
 
-def _is_required(value: object) -> bool:
-  # `%gin.REQUIRED` reads as a reference to the macro named "gin.REQUIRED".
-  return value is gin.REQUIRED or (isinstance(value, _Reference) and value.is_macro
-                                   and value.name == "gin.REQUIRED")
-
-
 def unbound_required() -> list[str]:
-  """Names of `%gin.REQUIRED` macros and parameters that nothing bound.
-
-  gin 0.5 passes an unresolved REQUIRED through as a sentinel object, so the CLI checks
-  before calling anything and names what is missing.
-  """
-  missing = []
-  for (scope, selector), params in _config().items():
-    for param, value in params.items():
-      if _is_required(value):
-        missing.append(scope if selector == gin_files.MACRO else
-                       f"{scope + '/' if scope else ''}{selector}.{param}")
-  return missing
+  """Names of `%gin.REQUIRED` macros and parameters that nothing bound (gin 0.5 passes an
+  unresolved REQUIRED on as a sentinel, so the CLI checks before calling anything)."""
+  return [scope if selector == gin_files.MACRO else
+          f"{scope + '/' if scope else ''}{selector}.{param}"
+          for (scope, selector), params in _config().items() for param, value in params.items()
+          # `%gin.REQUIRED` reads as a reference to the macro named "gin.REQUIRED".
+          if value is gin.REQUIRED or (isinstance(value, _Reference) and value.is_macro
+                                       and value.name == "gin.REQUIRED")]

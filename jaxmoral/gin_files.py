@@ -1,12 +1,8 @@
 """Gin files and what they say: where gin finds a file, the statements of a file and its
-includes as gin's own parser reads them, relative paths in them, and a config text compared
-with another.
+includes as gin's own parser reads them, relative paths in them, and config texts compared.
 
-A relative path written in a gin file that names nothing in the working directory is looked
-up next to the gin file, then in the project root, where shipped configs write them from.
-
-The project's gin files (gin/, configs/) are found in the project root of a checkout; an
-installed wheel carries them in SHIPPED_ROOT (setup.py copies them there), searched after it.
+The project's gin files (gin/, configs/) are in the project root of a checkout; an installed
+wheel carries them in SHIPPED_ROOT (setup.py copies them there), searched after it.
 """
 
 from __future__ import annotations
@@ -22,16 +18,15 @@ import gin
 from gin import config_parser
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Where a wheel ships the project's gin/ and configs/ (absent in a checkout and an editable
-# install, which read PROJECT_ROOT's).
+# Where a wheel ships the project's gin/ and configs/ (absent in a checkout).
 SHIPPED_ROOT = pathlib.Path(__file__).resolve().parent / "shipped_configs"
 
 logger = logging.getLogger(__name__)
 
 
-# Where gin looks for gin files, in its order: '' (the name as given) first, then each path
-# `parse_gin` gave `gin.add_config_file_search_path`, once. Recorded here because gin keeps its
-# own list private, and the statements of a file are read from where gin read it.
+# Where gin looks for gin files, in its order: '' (the name as given), then each path added
+# (`add_search_path`). Kept here because gin's own list is private, and a file's statements
+# are read from where gin read it.
 _SEARCH_PATHS: list[str] = [""]
 
 
@@ -43,40 +38,36 @@ def add_search_path(path: str) -> None:
 
 
 def project_roots() -> list[pathlib.Path]:
-  """The folders holding the project's gin/ and configs/, in the order they are searched: the
-  project root, then the wheel's SHIPPED_ROOT where it exists."""
+  """The folders holding the project's gin/ and configs/, in search order: the project root,
+  then the wheel's SHIPPED_ROOT where it exists."""
   return [PROJECT_ROOT, *([SHIPPED_ROOT] if SHIPPED_ROOT.is_dir() else [])]
 
 
 def find_gin_file(name: str, search_paths: Sequence[str]) -> pathlib.Path | None:
   """The first search path holding `name`, else `name` itself if it is a file, else None."""
-  for path in (*(pathlib.Path(p) / name for p in search_paths), pathlib.Path(name)):
-    if path.is_file():
-      return path
-  return None
+  return next((path for path in (*(pathlib.Path(p) / name for p in search_paths),
+                                 pathlib.Path(name)) if path.is_file()), None)
 
 
 _INCLUDE = re.compile(r"""^\s*include\s+['"]([^'"]+)['"]""", re.MULTILINE)
 
 
 def _shadowed_project_file(path: pathlib.Path) -> pathlib.Path | None:
-  """The project config that `path`, a file under the working directory of the same relative
-  name, hides from the search path (None if it hides none)."""
+  """The project config that `path`, under the working directory, hides by its relative name
+  (None for none)."""
   resolved = path.resolve()
   try:
     relative = resolved.relative_to(pathlib.Path.cwd().resolve())
   except ValueError:
     return None
-  for root in project_roots():
-    project = root / relative
-    if project.is_file():
-      return project if project.resolve() != resolved else None
-  return None
+  project = next((root / relative for root in project_roots() if (root / relative).is_file()),
+                 None)
+  return project if project is not None and project.resolve() != resolved else None
 
 
 def warn_shadowing(files: Sequence[str], search_paths: Sequence[str]) -> None:
   """Logs each gin file (or include) read from the working directory in place of the project
-  config of the same name, with its absolute path (errors in it name that path too)."""
+  config of the same name, with its absolute path."""
   todo, seen = list(files), set()
   while todo:
     name = todo.pop()
@@ -97,14 +88,12 @@ def warn_shadowing(files: Sequence[str], search_paths: Sequence[str]) -> None:
 def display_path(path: str) -> str:
   """`path` relative to the working directory or the project root where it is inside one;
   absolute where a file of the working directory shadows the project's of the same name."""
+  resolved = pathlib.Path(path).resolve()
   if _shadowed_project_file(pathlib.Path(path)) is not None:
-    return str(pathlib.Path(path).resolve())
-  for root in (pathlib.Path.cwd(), *reversed(project_roots())):
-    try:
-      return str(pathlib.Path(path).resolve().relative_to(root))
-    except ValueError:
-      continue
-  return path
+    return str(resolved)
+  root = next((root for root in (pathlib.Path.cwd(), *reversed(project_roots()))
+               if resolved.is_relative_to(root)), None)
+  return str(resolved.relative_to(root)) if root is not None else path
 
 
 MACRO = "gin.macro"
@@ -147,38 +136,23 @@ def _is_relative_path(value: object) -> bool:
           and not os.path.isabs(value) and not value.startswith("~"))
 
 
-def _binding_key(statement: config_parser.BindingStatement) -> tuple[str, str, str]:
-  """The `gin.bind_parameter` key of a statement (a macro binds `gin.macro.value`)."""
-  if not statement.arg_name:
-    return macro_name(statement), MACRO, "value"
-  return statement.scope, statement.selector, statement.arg_name
-
-
 def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
-  """Rebinds relative paths written in gin `files` that name nothing in the working directory.
+  """Rebinds relative paths written in gin `files` (and includes) that name nothing in the
+  working directory; returns `{binding: resolved path}`. Call after parsing (`parse_gin` does).
 
-  A shipped config (e.g. configs/diamante/tiny_cpu.gin's `TRAIN_PATH =
-  'jaxmoral/data/demo/dialogues_train.jsonl'`) is written relative to the project root, so it
-  worked only from there. A string value of a file's binding or macro that reads as a
-  relative path with a folder part and does not exist relative to the working directory is
-  looked up, in order, relative to the folder of the gin file that binds it and relative to
-  the project root; the first that exists is bound instead (absolute). What exists relative
-  to the working directory, a path that exists nowhere (an output not yet written), and a
-  value the command line overrode are left alone.
-
-  Call after the files are parsed (`parse_gin` does).
-
-  Args:
-    files: The gin files given (their includes are followed).
-
-  Returns:
-    `{binding: resolved path}` of what was rebound.
+  Shipped configs write paths relative to the project root (`TRAIN_PATH =
+  'jaxmoral/data/demo/dialogues_train.jsonl'`). A file's string value with a folder part that
+  does not exist from the working directory is looked up next to the gin file binding it,
+  then in the project root; the first that exists is bound instead (absolute). A path that
+  exists nowhere (an output) and a value the command line overrode are left alone.
   """
   last: dict[tuple[str, str, str], tuple[Any, str]] = {}
   for name in files:
     for statement, path in file_statements(name):
-      if isinstance(statement, config_parser.BindingStatement):
-        last[_binding_key(statement)] = (statement.value, path)
+      if isinstance(statement, config_parser.BindingStatement):  # `gin.bind_parameter` keys:
+        key = ((statement.scope, statement.selector, statement.arg_name) if statement.arg_name
+               else (macro_name(statement), MACRO, "value"))  # a macro binds gin.macro.value.
+        last[key] = (statement.value, path)
   resolved = {}
   for key, (value, path) in last.items():
     if not _is_relative_path(value) or os.path.exists(value):
@@ -187,9 +161,9 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
       parsed = gin.config.ParsedBindingKey.parse(key)
     except ValueError:  # Not a binding gin kept (it parsed every file already): leave it.
       continue
-    current = _bound(parsed)
-    if current != value:  # Another file or the command line bound something else since.
-      continue
+    scope, selector = parsed.config_key
+    if query(f"{scope + '/' if scope else ''}{selector}.{parsed.arg_name}") != value:
+      continue  # Another file or the command line bound something else since.
     for base in dict.fromkeys((pathlib.Path(path).resolve().parent, PROJECT_ROOT)):
       candidate = base / value
       if candidate.exists():
@@ -201,23 +175,18 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
   return resolved
 
 
-def _bound(key: gin.config.ParsedBindingKey) -> Any:
-  """The value bound to `key` (macros unresolved); None when nothing binds it."""
-  scope, selector = key.config_key
+def query(binding: str) -> Any:
+  """The value bound to `binding` ('scope/selector.param'), references unresolved; None when
+  nothing binds it."""
   try:
-    return gin.query_parameter(f"{scope}/{selector}.{key.arg_name}" if scope
-                               else f"{selector}.{key.arg_name}")
+    return gin.query_parameter(binding)
   except ValueError:
     return None
 
 
 def macro_value(name: str) -> Any:
-  """The value macro `name` (scoped: 'scope/NAME') is bound to, references unresolved; None
-  when it is not defined."""
-  try:
-    return gin.query_parameter(f"{name}/{MACRO}.value")
-  except ValueError:
-    return None
+  """The value macro `name` (scoped: 'scope/NAME') is bound to, as `query`."""
+  return query(f"{name}/{MACRO}.value")
 
 
 def find_configurable(selector: str) -> Any:
@@ -250,9 +219,8 @@ class _Symbolic(config_parser.ParserDelegate):
 
 
 def _complete(selector: str) -> str:
-  """`selector` named by the Python path of the configurable it resolves to ('runs.train_run'
-  -> 'jaxmoral.runs.train_run') when it names one; else as written (ambiguous, or a module
-  this process has not imported). A scope prefix ('ppo/...') is kept."""
+  """`selector` (its scope kept) by the Python path of the configurable it resolves to
+  ('runs.train_run' -> 'jaxmoral.runs.train_run'); else as written (ambiguous, not imported)."""
   scope, _, name = selector.rpartition("/")
   configurable = find_configurable(name)
   complete = (f"{configurable.__module__}.{configurable.__qualname__}" if configurable
@@ -263,9 +231,8 @@ def _complete(selector: str) -> str:
 def written_statements(name: str, search_paths: Sequence[str],
                        depth: int = 0) -> Iterator[config_parser.BindingStatement]:
   """The binding statements of gin file `name` and (in place) of its includes, found in
-  `search_paths` as `parse_gin` finds them, references and macros kept as written (`%NAME`,
-  `@name()`); nothing imported, nothing bound (for `--help`). A file found nowhere gives
-  nothing."""
+  `search_paths`, references and macros kept as written (`%NAME`, `@name()`); nothing
+  imported, nothing bound (for `--help`)."""
   path = find_gin_file(name, search_paths)
   if path is None or depth > 64:
     return
@@ -277,28 +244,28 @@ def written_statements(name: str, search_paths: Sequence[str],
         yield statement
 
 
-def written_references(value: Any) -> Iterator[str]:
-  """The references and macros (`%NAME`, `@name()`) inside a value `written_statements`
-  parsed, in containers too."""
-  if isinstance(value, _Written):
-    yield value.text
+def parsed_items(value: Any, kind: type) -> Iterator[Any]:
+  """Every `kind` object in a parsed gin value, containers' too (a dict's keys, then values)."""
+  if isinstance(value, kind):
+    yield value
   elif isinstance(value, dict):
     for item in (*value.keys(), *value.values()):
-      yield from written_references(item)
-  elif isinstance(value, (list, tuple)):
+      yield from parsed_items(item, kind)
+  elif isinstance(value, (list, tuple, set)):
     for item in value:
-      yield from written_references(item)
+      yield from parsed_items(item, kind)
+
+
+def written_references(value: Any) -> Iterator[str]:
+  """The references and macros (`%NAME`, `@name()`) in a value `written_statements` parsed."""
+  return (item.text for item in parsed_items(value, _Written))
 
 
 def config_bindings(text: str) -> dict[str, str]:
-  """`{binding: value}` of a gin config text (a config.gin, `gin.config_str()`), read by gin's
-  own parser: continued lines, comments and a value's layout do not matter, selectors are
-  completed through gin's registry (gin prints one minimally or in full depending on what is
-  imported), references and macros are compared as written.
-
-  Raises:
-    ValueError: `text` is not gin (the parser's message, with its line).
-  """
+  """`{binding: value}` of a gin config text (a config.gin, `gin.config_str()`) by gin's own
+  parser: layout and comments do not matter, selectors are completed (gin prints one
+  minimally or in full depending on what is imported), references kept as written. A text
+  that is not gin raises a ValueError with the parser's message."""
   bindings = {}
   try:
     for statement in config_parser.ConfigParser(text, _Symbolic()):
@@ -314,8 +281,8 @@ def config_bindings(text: str) -> dict[str, str]:
 
 
 def binding_changes(before: str, after: str) -> list[str]:
-  """The bindings that differ between two gin config texts (`config_bindings`): "- binding =
-  value" as `before` has it, "+ binding = value" as `after` has it, sorted by binding."""
+  """The bindings that differ between two gin config texts, sorted: "- binding = value" as
+  `before` has it, "+ binding = value" as `after` has it."""
   old, new = config_bindings(before), config_bindings(after)
   changes = []
   for name in sorted(old.keys() | new.keys()):

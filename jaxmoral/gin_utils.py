@@ -1,11 +1,7 @@
-"""Gin handling with T5X's command-line conventions.
-
-`--gin_file=PATH` (repeatable), `--gin.NAME=VALUE` (a binding, T5X's shorthand for
-`--gin_bindings='NAME = VALUE'`), `--gin_bindings=...` and `--gin_search_paths=...`.
-Library code never reads gin: only the CLI parses it, then calls gin-bound entry points.
-
-`parse_gin` also rejects what nothing could read (`gin_checks`) and resolves relative paths
-written in gin files (`gin_files`).
+"""Gin handling with T5X's command-line conventions: `--gin_file=PATH` (repeatable),
+`--gin.NAME=VALUE` (T5X's shorthand for `--gin_bindings='NAME = VALUE'`), `--gin_bindings`
+and `--gin_search_paths`. Library code never reads gin: only the CLI parses it, then calls
+gin-bound entry points.
 """
 
 from __future__ import annotations
@@ -15,7 +11,7 @@ import dataclasses
 import os
 import re
 import tokenize
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import gin
 
@@ -29,8 +25,8 @@ class GinArgs:
   files: tuple[str, ...] = ()
   bindings: tuple[str, ...] = ()
   search_paths: tuple[str, ...] = ()
-  # `--gin.NAME=VALUE` flags whose VALUE was no Python literal and so became a string; named
-  # when a configurable then fails on a type (e.g. --gin.TRAIN_STEPS=1O00).
+  # `--gin.NAME=VALUE` flags whose VALUE, no Python literal, became a string: named when a
+  # configurable then fails on a type (--gin.TRAIN_STEPS=1O00).
   read_as_strings: tuple[str, ...] = ()
   # The flag each of `bindings` came from (same order), to name it in errors; may be empty.
   binding_flags: tuple[str, ...] = ()
@@ -51,29 +47,17 @@ def _as_gin_value(value: str) -> str:
 
 
 def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
-  """Separates gin flags (T5X forms) from the other arguments.
-
-  Args:
-    argv: Command-line arguments (without the program name).
-
-  Returns:
-    The gin arguments and the remaining arguments in order.
-  """
+  """Separates gin flags (T5X forms) from the other arguments (kept in order) of `argv`."""
   files: list[str] = []
   paths: list[str] = []
   bindings, rest, quoted, flags = [], [], [], []
-  args = list(argv)
-  i = 0
-  while i < len(args):
-    arg = args[i]
-    def take_value(flag: str, arg: str = arg) -> str:
-      nonlocal i
-      if arg.startswith(flag + "="):
-        return arg[len(flag) + 1:]
-      if i + 1 >= len(args):
+  args = iter(argv)
+  for arg in args:
+    flag, sep, given = arg.partition("=")
+    if flag in ("--gin_file", "--gin_bindings", "--gin_search_paths") and not sep:
+      given = next(args, None)
+      if given is None:
         raise SystemExit(f"error: {flag} needs a value")
-      i += 1
-      return args[i]
     if arg.startswith("--gin."):
       name, sep, value = arg[len("--gin."):].partition("=")
       if not sep:
@@ -83,28 +67,45 @@ def split_gin_args(argv: Sequence[str]) -> tuple[GinArgs, list[str]]:
         quoted.append(arg)
       bindings.append(f"{name} = {gin_value}")
       flags.append(arg)
-    elif arg == "--gin_file" or arg.startswith("--gin_file="):
-      files.extend(v for v in take_value("--gin_file").split(",") if v)
-    elif arg == "--gin_bindings" or arg.startswith("--gin_bindings="):
-      binding = take_value("--gin_bindings")
-      bindings.append(binding)
-      flags.append(f"--gin_bindings={binding}")
-    elif arg == "--gin_search_paths" or arg.startswith("--gin_search_paths="):
-      paths.extend(v for v in take_value("--gin_search_paths").split(",") if v)
+    elif flag == "--gin_file":
+      files.extend(v for v in given.split(",") if v)
+    elif flag == "--gin_bindings":
+      bindings.append(given)
+      flags.append(f"--gin_bindings={given}")
+    elif flag == "--gin_search_paths":
+      paths.extend(v for v in given.split(",") if v)
     else:
       rest.append(arg)
-    i += 1
   return GinArgs(tuple(files), tuple(bindings), tuple(paths), tuple(quoted), tuple(flags)), rest
+
+
+def search_paths(gin_args: GinArgs) -> list[str]:
+  """Where gin files are found: the search paths given, the working directory, then the
+  project's gin files (`gin_files.project_roots`)."""
+  return list(dict.fromkeys([*gin_args.search_paths, os.getcwd(),
+                             *map(str, gin_files.project_roots())]))
+
+
+def _parse(parse: Callable[[], Any], sources: gin_checks.BindingSources,
+           paths: Sequence[str], flags: Sequence[str | None] = ()) -> None:
+  """Runs gin's `parse` of `sources`, its errors as one line (`gin_checks`)."""
+  try:
+    parse()
+  except ImportError as error:
+    raise gin_checks.import_error(error) from None
+  except (SyntaxError, tokenize.TokenError) as error:
+    raise gin_checks.syntax_error(error, sources.files, paths, sources.bindings,
+                                  flags) from error
+  except (ValueError, KeyError) as error:
+    raise gin_checks.binding_error(error, sources) from error
 
 
 def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
               extra_binding_flags: Sequence[str] = ()) -> None:
-  """Parses gin files and bindings; files are found in the search paths, the working directory,
-  the project root and the gin files a wheel ships (`gin_files.project_roots`).
-
-  Call it after importing the modules whose configurables the command uses. Everything bound
-  must be readable: see `gin_checks.check_everything_is_read`. Relative paths written in the
-  gin files are resolved as `gin_files.resolve_relative_paths` says.
+  """Parses gin files (found as `search_paths` says) and bindings, after the modules whose
+  configurables the command uses are imported. Everything bound must be readable
+  (`gin_checks.check_everything_is_read`); relative paths written in the files are resolved
+  (`gin_files.resolve_relative_paths`).
 
   Args:
     gin_args: Files, bindings and search paths from `split_gin_args`.
@@ -115,45 +116,28 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
 
   Raises:
     FileNotFoundError: A gin file (or an include) is in none of the search paths.
-    ValueError: A file or binding does not parse, binds an unknown configurable or parameter,
-      or defines a macro or scope that nothing reads (one line naming it, its flag or file and
-      line, and close valid names).
+    ValueError: A file or binding does not parse, binds an unknown name, or defines what
+      nothing reads (one line: the name, where, close valid names).
   """
-  search_paths = list(dict.fromkeys([*gin_args.search_paths, os.getcwd(),
-                                     *map(str, gin_files.project_roots())]))
-  for path in search_paths:
+  paths = search_paths(gin_args)
+  for path in paths:
     gin_files.add_search_path(path)
   for name in gin_args.files:
-    if gin_files.find_gin_file(name, search_paths) is None:
-      raise FileNotFoundError(f"gin file {name!r} not found in search paths {search_paths}")
-  gin_files.warn_shadowing(gin_args.files, search_paths)
+    if gin_files.find_gin_file(name, paths) is None:
+      raise FileNotFoundError(f"gin file {name!r} not found in search paths {paths}")
+  gin_files.warn_shadowing(gin_args.files, paths)
   bindings = list(gin_args.bindings)
   sources = gin_checks.BindingSources(gin_args.files, bindings, gin_args.binding_flags)
-  try:
-    gin.parse_config_files_and_bindings(list(gin_args.files), bindings, finalize_config=False)
-  except ImportError as error:
-    raise gin_checks.import_error(error) from None
-  except (SyntaxError, tokenize.TokenError) as error:
-    raise gin_checks.syntax_error(error, gin_args.files, search_paths, bindings) from error
-  except (ValueError, KeyError) as error:
-    raise gin_checks.binding_error(error, sources) from error
+  _parse(lambda: gin.parse_config_files_and_bindings(list(gin_args.files), bindings,
+                                                     finalize_config=False), sources, paths)
   read_before_flags: set[str] = set()
   if extra_bindings:
     read_before_flags = gin_checks.read_macros()
-    flag_sources = gin_checks.BindingSources((), extra_bindings, extra_binding_flags)
-    try:
-      gin.parse_config(list(extra_bindings))
-    except ImportError as error:
-      raise gin_checks.import_error(error) from None
-    except (SyntaxError, tokenize.TokenError) as error:
-      raise gin_checks.syntax_error(error, (), search_paths, extra_bindings,
-                          extra_binding_flags) from error
-    except (ValueError, KeyError) as error:
-      raise gin_checks.binding_error(error, flag_sources) from error
-    flags = [*sources.flags, *extra_binding_flags,
-             *[None] * (len(extra_bindings) - len(extra_binding_flags))]
+    _parse(lambda: gin.parse_config(list(extra_bindings)),
+           gin_checks.BindingSources((), extra_bindings, extra_binding_flags), paths,
+           extra_binding_flags)
     sources = gin_checks.BindingSources(gin_args.files, [*bindings, *extra_bindings],
-                              [flag or "" for flag in flags])
+                                        [*sources.flags, *extra_binding_flags])
   gin_checks.check_everything_is_read(sources, read_before_flags=read_before_flags)
   # Imports JAX: not at module level, which `--help` reads.
   from jaxmoral import partitioning  # pylint: disable=import-outside-toplevel
@@ -171,11 +155,8 @@ def check_required() -> None:
 
 
 def explain_gin_error(error: BaseException) -> str:
-  """A one-paragraph message for errors raised while calling gin-bound functions.
-
-  `%gin.REQUIRED` values that were never bound surface as a ValueError naming the
-  parameter; we add which flag fixes it.
-  """
+  """A one-paragraph message for an error raised calling a gin-bound function: an unbound
+  `%gin.REQUIRED` value's ValueError says which flag fixes it."""
   text = str(error)
   match = re.search(r"Required bindings for `?([\w.]+)`? not provided in config: \[([^\]]*)\]",
                     text)
@@ -187,23 +168,10 @@ def explain_gin_error(error: BaseException) -> str:
 
 
 def bound_value(selector: str, param: str) -> Any:
-  """The value gin binds to `param` of configurable `selector`, macros followed.
-
-  For checks made before a gin-bound function is called (e.g. that its output is writable).
-  Only macro references are followed: a reference to a configurable (`@fn()`) is returned
-  as it is, never called.
-
-  Args:
-    selector: The configurable, e.g. "jaxmoral.diamante.chat.chat" (its module imported).
-    param: One of its parameters.
-
-  Returns:
-    The bound value; None when nothing binds it (the function's default applies).
-  """
-  try:
-    value = gin.query_parameter(f"{selector}.{param}")
-  except ValueError:
-    return None
+  """The value gin binds to `param` of configurable `selector` (its module imported), macros
+  followed, a configurable reference (`@fn()`) returned uncalled; None when nothing binds it.
+  For checks before a gin-bound function is called (that its output is writable)."""
+  value = gin_files.query(f"{selector}.{param}")
   for _ in range(64):  # A macro of a macro...; gin refuses cycles, never loop anyway.
     if not (isinstance(value, gin.config.ConfigurableReference)
             and value.configurable.selector == gin_files.MACRO):

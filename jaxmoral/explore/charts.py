@@ -1,7 +1,5 @@
-"""Charts as inline SVG drawn on the server: no JavaScript library, no network.
-
-Each function returns one `<svg>` element (a string, escaped) sized in CSS pixels.
-"""
+"""Charts as inline SVG drawn on the server (no JavaScript library, no network): each function
+returns one escaped `<svg>` element sized in CSS pixels."""
 
 from __future__ import annotations
 
@@ -43,19 +41,17 @@ def line_chart(series: Mapping[str, Sequence[tuple[float, float]]], *, title: st
     x_label: Under the x axis.
     y_label: Beside the y axis.
     width: Pixels.
-    height: Pixels.
+    height: Pixels (the legend adds to it).
     square: Fixed (low, high) of both axes (ROC curves: (0, 1)); default: the data's range.
     diagonal: Draw the y = x line (a ROC curve's chance level).
     markers: A dot at every point (short series).
   """
-  clean = {name: [(float(x), float(y)) for x, y in points
-                  if math.isfinite(float(x)) and math.isfinite(float(y))]
-           for name, points in series.items()}
-  clean = {k: v for k, v in clean.items() if v}
+  clean = {name: finite for name, points in series.items()
+           if (finite := [(float(x), float(y)) for x, y in points
+                          if math.isfinite(float(x)) and math.isfinite(float(y))])}
   left, right, top, bottom = 52, 10, 24 if title else 8, 34
   plot_w, plot_h = width - left - right, height - top - bottom
-  legend_h = 14 * len(clean)
-  height += legend_h
+  height += 14 * len(clean)  # The legend.
   out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" '
          f'height="{height}" viewBox="0 0 {width} {height}" role="img" '
          f'aria-label="{html.escape(title or y_label)}">']

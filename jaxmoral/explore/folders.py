@@ -1,9 +1,8 @@
 """The folders the explorer shows: paths confined to them, and what each folder holds.
 
-Every path the browser sends is relative to one of the given folders (by index); an absolute
-path, a `..` component or a link leading outside the folder is refused (`Forbidden`, HTTP
-403). Discovery walks the folders once per page and classifies files by name and by their
-first bytes, never by loading a model.
+A browser's path is relative to one of the given folders (by index); an absolute path, a `..`
+component or a link leading outside is refused (`Forbidden`, HTTP 403). Discovery classifies
+files by name and first bytes, never by loading a model.
 """
 
 from __future__ import annotations
@@ -32,19 +31,14 @@ class Found:
 
   Attributes:
     kind: "npov" (a folder of score files or results), "npov_scores", "npov_results",
-      "clarify_evaluation", "clarify_chat",
-      "reward_curve", "diamante_dialogues", "diamante_metrics", "diamante_chat", "run",
-      "experiment", "model".
+      "clarify_evaluation", "clarify_chat", "reward_curve", "diamante_dialogues",
+      "diamante_metrics", "diamante_chat", "run", "experiment", "model".
     root: Index of the given folder it is in.
     path: Its path relative to that folder ("" for the folder itself), with "/".
   """
   kind: str
   root: int
   path: str
-
-  @property
-  def name(self) -> str:
-    return self.path or "."
 
 
 class Roots:
@@ -53,13 +47,11 @@ class Roots:
   def __init__(self, folders: Sequence[str | os.PathLike[str]]):
     if not folders:
       raise ValueError("give at least one folder")
-    resolved = []
     for folder in folders:
-      path = pathlib.Path(folder).expanduser()
-      if not path.is_dir():
+      if not pathlib.Path(folder).expanduser().is_dir():
         raise ValueError(f"{folder} is not a folder")
-      resolved.append(path.resolve())
-    self.folders: tuple[pathlib.Path, ...] = tuple(resolved)
+    self.folders: tuple[pathlib.Path, ...] = tuple(
+        pathlib.Path(folder).expanduser().resolve() for folder in folders)
 
   def label(self, root: int) -> str:
     """How pages name a given folder: its name, with its index where names repeat."""
@@ -81,12 +73,9 @@ class Roots:
     if not 0 <= index < len(self.folders):
       raise Forbidden(f"no folder {root!r}")
     relative = relative or ""
-    if "\x00" in relative or relative.startswith(("/", "\\")) or os.path.isabs(relative) or (
-        len(relative) > 1 and relative[1] == ":"):
-      raise Forbidden(f"absolute path {relative!r}")
-    parts = relative.replace("\\", "/").split("/")
-    if ".." in parts:
-      raise Forbidden(f"'..' in path {relative!r}")
+    problem = unsafe(relative)
+    if problem:
+      raise Forbidden(f"{problem} {relative!r}")
     base = self.folders[index]
     path = (base / relative).resolve()
     if path != base and base not in path.parents:
@@ -118,10 +107,18 @@ class Roots:
           break
 
 
+def unsafe(relative: str) -> Optional[str]:
+  """What makes a relative path from outside (a browser's, a manifest's) leave its folder
+  before links are followed: "absolute path" or "'..' in path"; None for neither."""
+  if "\x00" in relative or relative.startswith(("/", "\\")) or os.path.isabs(relative) or (
+      len(relative) > 1 and relative[1] == ":"):
+    return "absolute path"
+  return "'..' in path" if ".." in relative.replace("\\", "/").split("/") else None
+
+
 def is_regular_inside(path: pathlib.Path, base: pathlib.Path) -> bool:
-  """Whether `path` is a regular file (links followed) whose real location is inside `base`:
-  what discovery and a page's folder listing may open (a FIFO would block the reader, a
-  link to /dev/zero never end, a link out of the folder leak what it points at)."""
+  """Whether `path` is a regular file (links followed) really inside `base`: what a page may
+  open (a FIFO would block the reader, a link to /dev/zero never end, a link out leak)."""
   try:
     real = path.resolve(strict=True)
     if base not in real.parents:
@@ -148,8 +145,8 @@ def _first_json(path: pathlib.Path, limit: int = 1 << 16) -> Any:
 
 
 def _json_keys(path: pathlib.Path, limit: int = 1 << 22) -> Any:
-  """A JSON file's top object (None when too large or not JSON). At most `limit` + 1 bytes
-  are read, whatever size the file claims."""
+  """A JSON file's top object (None when over `limit` bytes, whatever size the file claims,
+  or not JSON)."""
   try:
     with open(path, "rb") as f:
       data = f.read(limit + 1)
@@ -166,10 +163,10 @@ def classify_file(path: pathlib.Path) -> Optional[str]:
   if name.endswith(".jsonl"):
     if name == "software.jsonl":
       return None
-    first = _first_json(path)
     if name.startswith("scores"):
       # A detector's output; one that is not JSON still gets a page (that says so).
       return "npov_scores"
+    first = _first_json(path)
     if not isinstance(first, dict):
       return None
     # A ClarifyDelphi transcript's turns carry their conversation's index ("conversation":
@@ -202,26 +199,18 @@ def classify_file(path: pathlib.Path) -> Optional[str]:
   return None
 
 
-def is_run(files: Sequence[str], dirs: Sequence[str], folder: pathlib.Path) -> bool:
-  """A training run: checkpoints, its operative config or TensorBoard events."""
-  if "checkpoints" in dirs or (folder / "checkpoints").is_dir() or "config.gin" in files:
-    return True
-  return any("tfevents" in f for f in files) and folder.name not in ("train", "eval")
-
-
-def is_model(files: Sequence[str], folder: pathlib.Path) -> bool:
-  """A folder `model_dirs.load` reads: an export or Hugging Face folder, or a run."""
-  return "config.json" in files or (folder / "checkpoints").is_dir()
-
-
 def discover(roots: Roots) -> list[Found]:
   """Everything the folders hold that a view shows, in folder order."""
   found: list[Found] = []
-  for index, folder, dirs, files in roots.walk():
+  for index, folder, _, files in roots.walk():
     rel = roots.relative(index, folder)
-    if is_run(files, dirs, folder):
+    checkpoints = (folder / "checkpoints").is_dir()  # Never walked into (`_SKIP_DIRS`).
+    # A run: checkpoints, its operative config or TensorBoard events (not its train/ eval/).
+    if checkpoints or "config.gin" in files or (
+        any("tfevents" in f for f in files) and folder.name not in ("train", "eval")):
       found.append(Found("run", index, rel))
-    if is_model(files, folder):
+    # What `model_dirs.load` reads: an export or Hugging Face folder, or a run.
+    if checkpoints or "config.json" in files:
       found.append(Found("model", index, rel))
     for name in files:
       kind = classify_file(folder / name)

@@ -16,11 +16,14 @@ from jaxmoral.explore import security
 _LOCK = threading.Lock()
 
 
-def _lines(text: str, what: str = "lines") -> list[str]:
-  lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+def _capped(lines: list[str], what: str) -> list[str]:
   if len(lines) > security.MAX_LINES:
     raise ValueError(f"at most {security.MAX_LINES} {what} (got {len(lines)})")
   return lines
+
+
+def _lines(text: str, what: str) -> list[str]:
+  return _capped([line.strip() for line in (text or "").splitlines() if line.strip()], what)
 
 
 def parse_classes(text: str) -> tuple[str, ...]:
@@ -69,9 +72,8 @@ def _traits(model_dir: str, stamp: float) -> Optional[dict[str, Any]]:
 
 
 def model_traits(model_dir: str) -> Optional[dict[str, Any]]:
-  """What a model folder is (`model_dirs.inspect`, no weights read): {"prompt": a prompt-
-  tuning run, "scalar_head": Diamante's preference head, "kind": its settings' model kind};
-  None for a folder no loader reads."""
+  """What a model folder is (no weights read): {"prompt": a prompt-tuning run, "scalar_head":
+  Diamante's preference head, "kind": its settings' model kind}; None if no loader reads it."""
   try:
     stamp = os.stat(model_dir).st_mtime
   except OSError:
@@ -80,8 +82,8 @@ def model_traits(model_dir: str) -> Optional[dict[str, Any]]:
 
 
 def choices_for_jobs(models: Sequence[tuple[str, str, str]]) -> dict[str, list[dict[str, str]]]:
-  """{job: [{"value", "label"}]} of `models` ((value, label, folder) each): only those that
-  can do the job (`JOBS`), those whose path names the job first (the default)."""
+  """{job: [{"value", "label"}]} of `models` ((value, label, folder) each) that can do the
+  job (`JOBS`), those whose path names the job first (the default)."""
   traits = [(value, label, model_traits(folder)) for value, label, folder in models]
   out = {}
   for job, can in JOBS.items():
@@ -92,8 +94,8 @@ def choices_for_jobs(models: Sequence[tuple[str, str, str]]) -> dict[str, list[d
 
 
 def model_judge_classes(model_dir: Optional[str]) -> Optional[tuple[str, ...]]:
-  """The judge classes (bad, ok, good) the model's vocabulary spells as one token each, as
-  its training chose them (`clarify.judge.fitting_classes`); None when it cannot be read."""
+  """The judge classes (bad, ok, good) the model's training chose
+  (`clarify.judge.fitting_classes`); None when it cannot be read."""
   if not model_dir:
     return None
   try:
@@ -111,7 +113,7 @@ def _salience_detector(base_dir: str, generator_dir: Optional[str]) -> Any:
 
 def npov_salience(*, base_dir: str, query: str, pro: str, con: str, response: str,
                   generator_dir: Optional[str] = None) -> dict[str, Any]:
-  """Salience of a typed response (`SalienceDetector.word_map` and `detect_from_map`).
+  """Salience of a typed response (`SalienceDetector`), as `Detection.to_json()`.
 
   Args:
     base_dir: The base model's folder (any format `model_dirs.load` reads).
@@ -120,9 +122,6 @@ def npov_salience(*, base_dir: str, query: str, pro: str, con: str, response: st
     con: Con arguments, one a line.
     response: The response to explain.
     generator_dir: The generator's prompt folder (None: the base model alone).
-
-  Returns:
-    `Detection.to_json()`: example scores and every content word's score.
   """
   from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
   example = task.NpovExample(id="live", topic="live", query=query.strip(),
@@ -148,11 +147,6 @@ def _reward(answer_dir: str, fusion_dir: str, judge_dir: str, nli_dir: Optional[
       nli_model_dir=nli_dir, config=config)
 
 
-def judge_classes_or_default(judge_dir: Optional[str]) -> tuple[str, ...]:
-  from jaxmoral.clarify import formats  # pylint: disable=import-outside-toplevel
-  return model_judge_classes(judge_dir) or formats.T5_JUDGE_CLASSES
-
-
 @functools.lru_cache(maxsize=2)
 def _question_model(question_dir: str) -> Any:
   from jaxmoral.clarify import models  # pylint: disable=import-outside-toplevel
@@ -163,21 +157,19 @@ def clarify_question(*, situation: str, question: str, question_dir: Optional[st
                      answer_dir: str, fusion_dir: str, judge_dir: str,
                      nli_dir: Optional[str] = None,
                      judge_classes: Sequence[str] = ()) -> dict[str, Any]:
-  """A clarification question (typed, or the question model's greedy one) and its reward
-  pipeline (`DefeasibilityReward.score_questions`: answers, NLI filter, fusion, judge, JSD).
+  """A clarification question (typed, or the question model's greedy one) through the reward
+  pipeline (`DefeasibilityReward.score_questions`), as `RewardResult.row(0)` with "situation"
+  and "question".
 
   Args:
-    judge_classes: The judge's strings for bad, ok, good (empty: the judge model's own,
-      `model_judge_classes`).
-
-  Returns:
-    `RewardResult.row(0)` with "situation" and "question".
+    judge_classes: The judge's strings for bad, ok, good (empty: the judge model's own).
   """
   from jaxmoral.clarify import formats  # pylint: disable=import-outside-toplevel
   situation = situation.strip()
   if not situation:
     raise ValueError("type a situation")
-  classes = tuple(judge_classes) or judge_classes_or_default(judge_dir)
+  classes = (tuple(judge_classes) or model_judge_classes(judge_dir)
+             or formats.T5_JUDGE_CLASSES)
   if len(classes) != 3:
     raise ValueError(f"type the judge's three classes, for bad, ok and good, separated by "
                      f"commas (got {len(classes)})")
@@ -208,31 +200,23 @@ def _bundle(model_dir: str) -> Any:
   return bundle_lib.load(model_dir)
 
 
-def diamante_rank(*, model_dir: str, context: Sequence[str], responses: Sequence[str],
-                  human_first: bool = True) -> dict[str, Any]:
-  """Responses to a context ranked by the preference score (`inference.rank_texts`), beside
-  their generation log-probabilities, total and per token (EOS included, as evaluation's
-  `generation_per_token` ranker divides).
+def diamante_rank(*, model_dir: str, context: Sequence[str],
+                  responses: Sequence[str]) -> dict[str, Any]:
+  """Responses to a context ranked by the preference score, as `sources.ranked`, beside their
+  generation log-probabilities, total and per token (EOS included, as evaluation divides).
 
   Args:
     model_dir: A Diamante run or export.
     context: The earlier utterances, oldest first.
-    responses: The responses to rank.
-    human_first: The first response is the human one (marked, and its ranking measured).
-
-  Returns:
-    `sources.ranked(...)`: rows best first, and the human response's ranking metrics.
+    responses: The responses to rank, the human one first (marked, its ranking measured).
   """
   import numpy as np  # pylint: disable=import-outside-toplevel
 
   from jaxmoral.diamante import data  # pylint: disable=import-outside-toplevel
   from jaxmoral.diamante import inference  # pylint: disable=import-outside-toplevel
   from jaxmoral.explore import sources  # pylint: disable=import-outside-toplevel
-  context = [c for c in context if c.strip()]
-  responses = [r for r in responses if r.strip()]
-  for lines, what in ((context, "context utterances"), (responses, "responses")):
-    if len(lines) > security.MAX_LINES:
-      raise ValueError(f"at most {security.MAX_LINES} {what} (got {len(lines)})")
+  context = _capped([c for c in context if c.strip()], "context utterances")
+  responses = _capped([r for r in responses if r.strip()], "responses")
   if not context or not responses:
     raise ValueError("type a context (one utterance a line) and at least one response")
   with _LOCK:
@@ -240,5 +224,4 @@ def diamante_rank(*, model_dir: str, context: Sequence[str], responses: Sequence
     scores, logprobs = inference.rank_texts(bundle, context, responses)
   lengths = [int(np.sum(data.encode_response(bundle.vocabulary, r, bundle.features) > 0))
              for r in responses]
-  return sources.ranked(list(responses), scores.tolist(), logprobs.tolist(), lengths,
-                        0 if human_first else None)
+  return sources.ranked(list(responses), scores.tolist(), logprobs.tolist(), lengths, 0)

@@ -1,21 +1,12 @@
 """What the explorer's server refuses and what every response carries.
 
 The explorer reads the user's folders and runs their models, so a request it answers must come
-from the user's own browser tab, never from another site the browser has open:
-
-- the Host a request names must be one this server answers to (the loopback names, the bound
-  address and any `--allowed_host`): a page of another site whose name was re-pointed at
-  this machine (DNS rebinding) carries its own name and is refused;
-- bound to anything but a loopback address, every request must carry the per-start token
-  (the URL the server prints; the browser keeps it in a same-site cookie), as Jupyter's
-  server requires;
-- a POST (every request that runs a model) must carry the token in its form, and its Origin
-  and Sec-Fetch-Site, when the browser sends them, must say it comes from this server's own
-  pages: a form another site posts here is refused (cross-site request forgery);
-- bodies, form fields, lines and classes are capped, and errors echo a short prefix only.
-
-Every response forbids framing by other pages, MIME sniffing and referrers; HTML pages run
-only the server's own script (`CONTENT_SECURITY_POLICY`).
+from the user's own browser tab, never from another site the browser has open: its Host must
+be one this server answers to (a DNS-rebound name is refused); bound beyond loopback, every
+request carries the per-start token (as Jupyter's server requires); a POST (what runs a model)
+carries the token in its form and, where the browser sends them, an Origin and Sec-Fetch-Site
+of this server's own pages (no cross-site request forgery). Bodies, fields, lines and classes
+are capped; errors echo a short prefix only; responses forbid framing, sniffing and referrers.
 """
 
 from __future__ import annotations
@@ -58,7 +49,7 @@ def is_loopback(host: str) -> bool:
 
 def allowed_hosts(host: str, extra: Iterable[str] = ()) -> frozenset[str]:
   """The Host names a server bound to `host` answers to: the loopback names, the bound
-  address, the machine's own names when bound to every address, and `extra`."""
+  address (the machine's names for a wildcard), and `extra`."""
   names = set(LOOPBACK_NAMES) | {h.lower() for h in extra if h}
   bound = host.lower()
   if bound in WILDCARD_ADDRESSES:
@@ -95,8 +86,7 @@ class Guard:
                token=secrets.token_urlsafe(24), token_required=not is_loopback(host))
 
   def matches(self, given: Optional[str]) -> bool:
-    return given is not None and bool(given) and hmac.compare_digest(given.encode(),
-                                                                     self.token.encode())
+    return bool(given) and hmac.compare_digest(str(given).encode(), self.token.encode())
 
   def refusal(self, *, method: str, host: str, url_root: str, origin: Optional[str],
               fetch_site: Optional[str], query_token: Optional[str],
@@ -150,13 +140,8 @@ _ABSOLUTE_PATH = re.compile(r"(?<![\w.~/-])/(?:[^\s'\"/:,;()]+/)+([^\s'\"/:,;()]
 
 
 def redact(text: str, folders: Sequence[tuple[str, str]]) -> str:
-  """`text` with each shown folder's absolute path as its label, and any other absolute
-  path as its last component (a page never shows where the folders are on the disk).
-
-  Args:
-    text: A message.
-    folders: (absolute path, label) of each shown folder.
-  """
+  """`text` with each shown folder's (absolute path, label) path as its label, and any other
+  absolute path as its last component: a page never shows where the folders are on disk."""
   for path, label in sorted(folders, key=lambda f: -len(f[0])):
     text = text.replace(path, label)
   return _ABSOLUTE_PATH.sub(lambda m: "…/" + m.group(1), text)

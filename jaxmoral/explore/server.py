@@ -1,10 +1,8 @@
 """The explorer's web app (Flask, served by waitress) and `serve`, what `jaxmoral explore` runs.
 
-Why this stack: Flask is small, synchronous and long maintained, and its handlers can call the
-library's blocking JAX functions directly; waitress is a pure-Python production WSGI server
-with a thread pool and no C extension, so `jaxmoral explore` runs wherever jaxmoral does.
-Pages are rendered on the server (Jinja2, already a dependency of Flask and of the library's
-stack); charts are inline SVG (`charts`); the one script (sorting, filtering) and the style
+Flask is small and synchronous: its handlers call the library's blocking JAX functions
+directly; waitress is a pure-Python WSGI server, so the explorer runs wherever jaxmoral does.
+Pages are rendered on the server (Jinja2) with inline SVG charts; the one script and the style
 sheet ship in the package. Nothing is fetched from the network.
 """
 
@@ -38,17 +36,15 @@ _SERVED_TYPES = {".png": "image/png", ".svg": "image/svg+xml", ".html": "text/ht
 VIEW_TITLES = {"npov": "NPOV", "clarify": "ClarifyDelphi", "diamante": "Diamante",
                "runs": "Runs", "experiments": "Experiments"}
 _KIND_VIEW = {"npov": "npov", "npov_scores": "npov", "npov_results": "npov",
-              "clarify_evaluation": "clarify",
-              "clarify_chat": "clarify", "reward_curve": "clarify",
-              "diamante_dialogues": "diamante", "diamante_metrics": "diamante",
-              "diamante_chat": "diamante", "run": "runs", "experiment": "experiments",
-              "model": "models"}
+              "clarify_evaluation": "clarify", "clarify_chat": "clarify",
+              "reward_curve": "clarify", "diamante_dialogues": "diamante",
+              "diamante_metrics": "diamante", "diamante_chat": "diamante", "run": "runs",
+              "experiment": "experiments", "model": "models"}
 
 
 def _message(error: BaseException) -> str:
-  """One line for the page: "No such file or directory: PATH" for a file error; at most a
-  short prefix of what the user typed (`security.short`); paths by their folder's label,
-  never their place on the disk (`security.redact`)."""
+  """One line for the page: "STRERROR: PATH" for a file error; a short prefix of what the user
+  typed; paths by their folder's label, never their place on disk."""
   if isinstance(error, OSError) and error.strerror and error.filename is not None:
     text = security.short(f"{error.strerror}: {error.filename}")
   else:
@@ -69,12 +65,8 @@ def attempt(fn: Callable[[], Any]) -> dict[str, Any]:
 
 
 def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) -> flask.Flask:
-  """The app over `roots` (read-only).
-
-  Args:
-    roots: The folders it shows.
-    guard: What requests it accepts (`security.Guard`; default: a loopback server's).
-  """
+  """The read-only app over `roots`, accepting what `guard` accepts (default: a loopback
+  server's)."""
   guard = guard or security.Guard.for_bind("127.0.0.1")
   here = pathlib.Path(__file__).parent
   app = flask.Flask("jaxmoral.explore", template_folder=str(here / "templates"),
@@ -107,27 +99,21 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
   def form_token():
     return {"form_token": guard.token}
 
-  def arg_path(name: str = "path", root_name: str = "root") -> tuple[int, pathlib.Path]:
-    root = flask.request.values.get(root_name, "0")
-    path = roots.resolve(root, flask.request.values.get(name, ""))
-    return int(root), path
+  def arg_path() -> tuple[int, pathlib.Path]:
+    root = flask.request.values.get("root", "0")
+    return int(root), roots.resolve(root, flask.request.values.get("path", ""))
 
   def found_by_view() -> dict[str, list[folders.Found]]:
     grouped: dict[str, list[folders.Found]] = collections.defaultdict(list)
-    seen = set()
-    for item in folders.discover(roots):
-      view = _KIND_VIEW[item.kind]
-      if view == "npov":  # one NPOV page per folder (its score files and ROC results)
-        item = folders.Found("npov", item.root, item.path.rpartition("/")[0])
-      key = (view, item.root, item.path)
-      if key not in seen:
-        seen.add(key)
-        grouped[view].append(item)
+    found = [(_KIND_VIEW[item.kind], item) for item in folders.discover(roots)]
+    for view, item in dict.fromkeys(  # One NPOV page per folder (score files, ROC results).
+        (view, folders.Found("npov", item.root, item.path.rpartition("/")[0])
+         if view == "npov" else item) for view, item in found):
+      grouped[view].append(item)
     return grouped
 
   def model_choices() -> dict[str, Any]:
-    """Each live box's models ({job: choices}, `live.choices_for_jobs`) and the judge
-    classes of the ClarifyDelphi box's default model."""
+    """Each live box's models and the judge classes of the ClarifyDelphi box's default."""
     found = [(f"{m.root}:{m.path}", f"{roots.label(m.root)}/{m.path}",
               str(roots.resolve(m.root, m.path)))
              for m in found_by_view().get("models", [])]
@@ -149,8 +135,13 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     root, _, path = value.partition(":")
     return str(roots.resolve(root, path))
 
-  def render(template: str, **context: Any) -> str:
-    return flask.render_template(template, **context)
+  render = flask.render_template
+
+  def page(template: str, root: int, path: pathlib.Path, **context: Any) -> str:
+    return render(template, root=root, path=roots.relative(root, path), **context)
+
+  def message(title: str, text: str, status: int) -> tuple[str, int]:
+    return render("message.html", title=title, message=text), status
 
   @app.before_request
   def check_request():
@@ -188,25 +179,24 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
 
   @app.errorhandler(folders.Forbidden)
   def forbidden(error):
-    return render("message.html", title="Forbidden", message=_message(error)), 403
+    return message("Forbidden", _message(error), 403)
 
   @app.errorhandler(413)
   def too_large(error):
     del error
-    return render("message.html", title="Too large", message=(
-        f"a request may carry at most {security.MAX_BODY_BYTES >> 20} MB and "
-        f"{security.MAX_FIELDS} fields")), 413
+    return message("Too large", f"a request may carry at most {security.MAX_BODY_BYTES >> 20} "
+                   f"MB and {security.MAX_FIELDS} fields", 413)
 
   @app.errorhandler(404)
   def not_found(error):
-    return render("message.html", title="Not found", message=str(error)), 404
+    return message("Not found", str(error), 404)
 
   @app.errorhandler(Exception)
   def failed(error):
     if isinstance(error, werkzeug.exceptions.HTTPException):
       return error
     logger.exception("explore: %s failed", flask.request.path)
-    return render("message.html", title="Error", message=_message(error)), 500
+    return message("Error", _message(error), 500)
 
   @app.route("/favicon.ico")
   def favicon():
@@ -225,10 +215,9 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     _, path = arg_path()
     kind = _SERVED_TYPES.get(path.suffix.lower())
     if kind is None:
-      return render("message.html", title="Not shown",
-                    message=f"{path.name}: only pictures and text are served"), 404
+      return message("Not shown", f"{path.name}: only pictures and text are served", 404)
     if not path.is_file():
-      return render("message.html", title="Not found", message=f"no file {path.name}"), 404
+      return message("Not found", f"no file {path.name}", 404)
     response = flask.send_file(path, mimetype=kind, conditional=True)
     response.headers["Content-Security-Policy"] = security.FILE_SECURITY_POLICY
     response.headers["X-Frame-Options"] = "SAMEORIGIN"  # The heatmap's frame.
@@ -239,13 +228,11 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     root, folder = arg_path()
     data = attempt(lambda: sources.npov_folder(folder)) if any(
         folders.regular_files(folder, "scores*.jsonl")) else None
-    rocs = []
-    for path in folders.regular_files(folder, "*.json") + folders.regular_files(
-        folder, "*/results.json"):
-      if folders.classify_file(path) == "npov_results":
-        rocs.append((roots.relative(root, path), attempt(lambda p=path: sources.npov_results(p))))
-    return render("npov.html", root=root, path=roots.relative(root, folder), data=data,
-                  rocs=rocs, models=model_choices())
+    rocs = [(roots.relative(root, p), attempt(lambda p=p: sources.npov_results(p)))
+            for p in folders.regular_files(folder, "*.json")
+            + folders.regular_files(folder, "*/results.json")
+            if folders.classify_file(p) == "npov_results"]
+    return page("npov.html", root, folder, data=data, rocs=rocs, models=model_choices())
 
   @app.route("/npov/example")
   def npov_example():
@@ -254,16 +241,13 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     wanted = flask.request.values.get("id", "")
     example = next((e for e in data["examples"] if e["id"] == wanted), None)
     if example is None:
-      return render("message.html", title="Not found",
-                    message=f"no example {wanted!r} in {folder.name}"), 404
-    heatmap = None
-    from jaxmoral.npov import actions  # Imported when used: keeps the server's start light.
-    candidate = folder / "heatmaps" / actions.heatmap_file_name(wanted)
-    if folders.is_regular_inside(candidate, folder):
-      heatmap = roots.relative(root, candidate)
-    return render("npov_example.html", root=root, path=roots.relative(root, folder),
-                  example=example, detectors=data["detectors"], heatmap=heatmap,
-                  shading=sources.word_shading(example))
+      return message("Not found", f"no example {wanted!r} in {folder.name}", 404)
+    from jaxmoral.npov import actions  # pylint: disable=import-outside-toplevel
+    heatmap = folder / "heatmaps" / actions.heatmap_file_name(wanted)
+    return page("npov_example.html", root, folder, example=example,
+                detectors=data["detectors"], shading=sources.word_shading(example),
+                heatmap=roots.relative(root, heatmap)
+                if folders.is_regular_inside(heatmap, folder) else None)
 
   @app.route("/live/npov", methods=["POST"])
   def live_npov():
@@ -281,27 +265,27 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     root, path = arg_path()
     kind = folders.classify_file(path) if path.is_file() else None
     if kind == "clarify_chat":
-      return render("clarify_chat.html", root=root, path=roots.relative(root, path),
-                    chat=attempt(lambda: sources.clarify_chat(path)))
+      return page("clarify_chat.html", root, path,
+                  chat=attempt(lambda: sources.clarify_chat(path)))
     if kind == "reward_curve":
-      return render("clarify_curve.html", root=root, path=roots.relative(root, path),
-                    curve=attempt(lambda: sources.reward_curve(path)),
-                    curves=attempt(lambda: sources.learning_curves(path)))
-    return render("clarify.html", root=root, path=roots.relative(root, path),
-                  data=attempt(lambda: sources.clarify_evaluation(path)),
-                  selected=flask.request.values.get("i"))
+      return page("clarify_curve.html", root, path,
+                  curve=attempt(lambda: sources.reward_curve(path)),
+                  curves=attempt(lambda: sources.learning_curves(path)))
+    return page("clarify.html", root, path, selected=flask.request.values.get("i"),
+                data=attempt(lambda: sources.clarify_evaluation(path)))
 
   @app.route("/live/clarify", methods=["POST"])
   def live_clarify():
     form = flask.request.form
-    result = attempt(lambda: live.clarify_question(
-        situation=form.get("situation", ""), question=form.get("question", ""),
-        question_dir=model_dir(form.get("question_model")),
-        answer_dir=required_model(form.get("model"), "the answer, fusion and judge model"),
-        fusion_dir=required_model(form.get("model"), "the answer, fusion and judge model"),
-        judge_dir=required_model(form.get("model"), "the answer, fusion and judge model"),
-        nli_dir=model_dir(form.get("nli_model")),
-        judge_classes=live.parse_classes(form.get("judge_classes", ""))))
+
+    def ask():
+      model = required_model(form.get("model"), "the answer, fusion and judge model")
+      return live.clarify_question(
+          situation=form.get("situation", ""), question=form.get("question", ""),
+          question_dir=model_dir(form.get("question_model")), answer_dir=model,
+          fusion_dir=model, judge_dir=model, nli_dir=model_dir(form.get("nli_model")),
+          judge_classes=live.parse_classes(form.get("judge_classes", "")))
+    result = attempt(ask)
     return render("live_clarify.html", form=form, result=result, models=model_choices())
 
   @app.route("/diamante", methods=["GET", "POST"])
@@ -309,71 +293,62 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     root, path = arg_path()
     kind = folders.classify_file(path) if path.is_file() else None
     if kind == "diamante_metrics":
-      return render("diamante_metrics.html", root=root, path=roots.relative(root, path),
-                    metrics=attempt(lambda: sources.diamante_metrics(path)),
-                    rankings=attempt(lambda: sources.diamante_rankings(path)),
-                    samples=attempt(lambda: sources.diamante_samples(path)))
+      return page("diamante_metrics.html", root, path,
+                  metrics=attempt(lambda: sources.diamante_metrics(path)),
+                  rankings=attempt(lambda: sources.diamante_rankings(path)),
+                  samples=attempt(lambda: sources.diamante_samples(path)))
     if kind == "diamante_chat":
-      return render("diamante_chat.html", root=root, path=roots.relative(root, path),
-                    chat=attempt(lambda: sources.read_jsonl(path)))
+      return page("diamante_chat.html", root, path, chat=attempt(lambda: sources.read_jsonl(path)))
     contexts = attempt(lambda: sources.diamante_dialogues(path))
-    chosen = flask.request.values.get("model")
-    rankings = {}
     # A model runs on a POST only (the form's, with its token): a GET, which any page can
     # send from an <img>, never starts a computation.
-    if flask.request.method != "POST":
-      chosen = None
-    if chosen and "value" in contexts:
-      def rank_all():
-        # The contexts as evaluation ranks them (`diamante.evaluate.ranking_items`: the human
-        # response first, candidates equal to it dropped), without random responses.
-        from jaxmoral.diamante import data  # pylint: disable=import-outside-toplevel
-        from jaxmoral.diamante import evaluate  # pylint: disable=import-outside-toplevel
-        turns = data.read_dialogues(path)[:len(contexts["value"])]
-        items = evaluate.ranking_items(turns, num_random=0, max_candidates=10, seed=0)
-        try:
-          limit = min(max(int(flask.request.values.get("max", 20)), 0), 200)
-        except ValueError:
-          limit = 20
-        return {index: live.diamante_rank(model_dir=model_dir(chosen),
-                                          context=turns[index].context,
-                                          responses=responses)
-                for index, responses, _ in items[:limit]}
-      rankings = attempt(rank_all)
+    chosen = flask.request.values.get("model") if flask.request.method == "POST" else None
     evaluation_files = [p for p in folders.regular_files(path.parent, "*.json")
                         if folders.classify_file(p) == "diamante_metrics"]
     evaluations = [(roots.relative(root, p), attempt(lambda p=p: sources.diamante_metrics(p)))
                    for p in evaluation_files]
-    if not chosen and "value" in contexts:
+
+    def rank_all():
+      # The contexts as evaluation ranks them (`diamante.evaluate.ranking_items`: the human
+      # response first, candidates equal to it dropped), without random responses.
+      from jaxmoral.diamante import data  # pylint: disable=import-outside-toplevel
+      from jaxmoral.diamante import evaluate  # pylint: disable=import-outside-toplevel
+      turns = data.read_dialogues(path)[:len(contexts["value"])]
+      items = evaluate.ranking_items(turns, num_random=0, max_candidates=10, seed=0)
+      try:
+        limit = min(max(int(flask.request.values.get("max", 20)), 0), 200)
+      except ValueError:
+        limit = 20
+      return {index: live.diamante_rank(model_dir=model_dir(chosen),
+                                        context=turns[index].context, responses=responses)
+              for index, responses, _ in items[:limit]}
+
+    def stored():
       # Without a model: the rankings an evaluation beside the file wrote, for the contexts
       # it ranked (matched by their utterances, so another test file's evaluation shows none).
-      def stored():
-        shown = {c["index"]: c["context"] for c in contexts["value"]}
-        return {entry["turn"]: entry["ranking"] for p in evaluation_files
-                for entry in sources.diamante_rankings(p)
-                if shown.get(entry["turn"]) == entry["context"]}
-      rankings = attempt(stored)
-    return render("diamante.html", root=root, path=roots.relative(root, path),
-                  contexts=contexts, rankings=rankings, chosen=chosen, models=model_choices(),
-                  evaluations=evaluations)
+      shown = {c["index"]: c["context"] for c in contexts["value"]}
+      return {entry["turn"]: entry["ranking"] for p in evaluation_files
+              for entry in sources.diamante_rankings(p)
+              if shown.get(entry["turn"]) == entry["context"]}
+    rankings = attempt(rank_all if chosen else stored) if "value" in contexts else {}
+    return page("diamante.html", root, path, contexts=contexts, rankings=rankings,
+                chosen=chosen, models=model_choices(), evaluations=evaluations)
 
   @app.route("/live/diamante", methods=["POST"])
   def live_diamante():
     form = flask.request.form
-    responses = [line for line in form.get("responses", "").splitlines() if line.strip()]
     result = attempt(lambda: live.diamante_rank(
         model_dir=required_model(form.get("model"), "a Diamante model"),
         context=form.get("context", "").splitlines(),
-        responses=responses))
+        responses=form.get("responses", "").splitlines()))
     return render("live_diamante.html", form=form, result=result, models=model_choices())
 
   @app.route("/runs")
   def runs():
     root, path = arg_path()
     config = path / "config.gin"
-    return render(
-        "runs.html", root=root, path=roots.relative(root, path),
-        scalars=attempt(lambda: sources.run_scalars(path)),
+    return page(
+        "runs.html", root, path, scalars=attempt(lambda: sources.run_scalars(path)),
         config=attempt(lambda: config.read_text(encoding="utf-8"))
         if folders.is_regular_inside(config, path) else None,
         software=attempt(lambda: sources.run_software(path)),
@@ -382,19 +357,18 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
   @app.route("/experiments")
   def experiments():
     root, path = arg_path()
-    return render("experiments.html", root=root, path=roots.relative(root, path),
-                  result=attempt(lambda: sources.experiment(path)),
-                  folder=roots.relative(root, path.parent))
+    return page("experiments.html", root, path, result=attempt(lambda: sources.experiment(path)),
+                folder=roots.relative(root, path.parent))
 
   return app
 
 
 def _fmt(value: Any, digits: int = 4) -> str:
-  if isinstance(value, bool) or value is None:
-    return "—" if value is None else str(value).lower()
-  if isinstance(value, (int, float)):
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
-  return str(value)
+  if value is None:
+    return "—"
+  if isinstance(value, bool):
+    return str(value).lower()
+  return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
 # Every module a page or a live form imports (NLTK, JAX, Orbax, TensorFlow, TensorBoard's
@@ -411,21 +385,10 @@ _SERVED_MODULES = ("jaxmoral.npov.detectors.rouge", "jaxmoral.npov.task", "jaxmo
                    "jaxmoral.diamante.inference")
 
 
-def _import_served_modules() -> None:
-  for module in _SERVED_MODULES:
-    try:
-      importlib.import_module(module)
-    except Exception:  # pylint: disable=broad-except  (the page that needs it will say why)
-      logger.debug("explore: importing %s failed", module, exc_info=True)
-
-
 def make_server(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1",
                 allowed_hosts: Sequence[str] = ()) -> tuple[Any, list[str]]:
-  """The waitress server over `dirs`, bound (not yet serving), and the lines to print.
-
-  Raises:
-    ValueError: A folder is missing, or the port is taken.
-  """
+  """The waitress server over `dirs`, bound (not yet serving), and the lines to print (`serve`
+  says more)."""
   import waitress  # pylint: disable=import-outside-toplevel
   roots = folders.Roots(dirs)
   guard = security.Guard.for_bind(host, allowed_hosts)
@@ -439,12 +402,11 @@ def make_server(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1
                      f"choose another --port") from None
   shown = ", ".join(str(f) for f in roots.folders)
   port = server.effective_port
-  if not guard.token_required:
-    name = f"[{host}]" if ":" in host else host
-    return server, [f"jaxmoral explore: http://{name}:{port}/ ({shown}; read-only; "
-                    "Ctrl-C stops)"]
   name = socket.gethostname() if host in security.WILDCARD_ADDRESSES else host
   name = f"[{name}]" if ":" in name else name
+  if not guard.token_required:
+    return server, [f"jaxmoral explore: http://{name}:{port}/ ({shown}; read-only; "
+                    "Ctrl-C stops)"]
   return server, [
       f"jaxmoral explore: WARNING: listening on {host or '*'}:{port}, not on this machine "
       "only: whoever can reach this port and has the token below can read these folders and "
@@ -472,7 +434,11 @@ def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1",
   """
   server, lines = make_server(dirs=dirs, port=port, host=host, allowed_hosts=allowed_hosts)
   # The port is bound: a browser that connects now waits in the listen queue.
-  _import_served_modules()
+  for module in _SERVED_MODULES:
+    try:
+      importlib.import_module(module)
+    except Exception:  # pylint: disable=broad-except  (the page that needs it will say why)
+      logger.debug("explore: importing %s failed", module, exc_info=True)
   for line in lines:
     print(line, flush=True)
   try:

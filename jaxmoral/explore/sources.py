@@ -1,10 +1,8 @@
-"""Reading each output the library writes into what a page shows (plain dicts and lists).
+"""Each output the library writes, read into what a page shows (plain dicts and lists).
 
-Every reader takes a confined path (`folders.Roots.resolve`) and reads with the library's own
-reader where there is one (`npov.task.read_examples`, `diamante.data.read_dialogues`,
-`metric_writers.read_scalars`, `software.read_records`, `checkpoints.verify_step`,
-`rl.ppo_trainer.read_reward_curve`). A bad file raises (ValueError, OSError); the page shows
-the message in place of that part.
+Readers take a confined path (`folders.Roots.resolve`) and use the library's own reader where
+there is one. A bad file raises (ValueError, OSError): the page shows the message in place of
+that part.
 """
 
 from __future__ import annotations
@@ -15,6 +13,8 @@ import pathlib
 import re
 import threading
 from typing import Any, Mapping, Optional
+
+import numpy as np
 
 from jaxmoral.explore import folders
 
@@ -46,25 +46,20 @@ def read_json(path: pathlib.Path) -> Any:
     raise ValueError(f"{path.name}: not JSON ({error})") from None
 
 
+def _verdict(line: Any) -> dict[str, str]:
+  paper, _, this_run = str(line).partition("\n")
+  return {"paper": paper.removeprefix("paper: ").strip(),
+          "this_run": this_run.strip().removeprefix("this run: ")}
+
+
 def demo_verdicts(path: pathlib.Path) -> dict[str, list[dict[str, str]]]:
-  """`jaxmoral demo`'s summary.json: {part: [{"paper", "this_run"}]}, each of its parts'
-  verdict lines (`demo.truth_line`: the paper's finding, this run's numbers with their 95 %
-  interval and the verdict), as the demo printed them at its end."""
+  """`jaxmoral demo`'s summary.json verdicts (`demo.truth_line`): {part: [{paper, this_run}]}."""
   data = read_json(path)
   if not isinstance(data, dict):
     raise ValueError(f"{path.name}: expected the demo's summary object")
-  out: dict[str, list[dict[str, str]]] = {}
-  for part, summary in data.items():
-    truth = summary.get("truth") if isinstance(summary, dict) else None
-    if not isinstance(truth, list):
-      continue
-    lines = []
-    for line in truth:
-      paper, _, this_run = str(line).partition("\n")
-      lines.append({"paper": paper.removeprefix("paper: ").strip(),
-                    "this_run": this_run.strip().removeprefix("this run: ")})
-    out[part] = lines
-  return out
+  return {part: [_verdict(line) for line in summary["truth"]]
+          for part, summary in data.items()
+          if isinstance(summary, dict) and isinstance(summary.get("truth"), list)}
 
 
 # -- NPOV ---------------------------------------------------------------------------------------
@@ -72,7 +67,7 @@ def demo_verdicts(path: pathlib.Path) -> dict[str, list[dict[str, str]]]:
 
 def detector_name(path: pathlib.Path, records: list[dict[str, Any]]) -> str:
   """A score file's detector: `scores_<detector>.jsonl` names it; else a file without word
-  scores is the classifiers' (they score examples only), one beside heatmaps/ salience's."""
+  scores is the classifiers', one beside heatmaps/ salience's."""
   match = re.fullmatch(r"scores[_-](\w+)\.jsonl", path.name)
   if match:
     return match.group(1)
@@ -94,15 +89,9 @@ def error_type(example: Any) -> str:
 
 
 def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
-  """The examples of a `npov detect` output folder and every detector's scores of them.
-
-  The examples are the folder's input JSONL (`responses.jsonl`, else the JSONL whose ids the
-  scores name); each `scores*.jsonl` is one detector. ROUGE-1 overlaps are computed here by
-  the library's `RougeDetector` (no model).
-
-  Returns:
-    {"examples": [...], "detectors": [names], "problems": [messages of unreadable files]}.
-  """
+  """{"examples", "detectors", "problems"} of a `npov detect` output folder: the examples of
+  `responses.jsonl` (else the JSONL whose ids the scores name) with each `scores*.jsonl`
+  detector's scores and ROUGE-1 overlaps (computed here), and unreadable files' messages."""
   from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
   from jaxmoral.npov.detectors import rouge  # pylint: disable=import-outside-toplevel
   problems: list[str] = []
@@ -118,11 +107,10 @@ def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
     except (OSError, ValueError) as error:
       problems.append(str(error))
   ids = {i for by_id in scores.values() for i in by_id}
-  candidates = [folder / "responses.jsonl"] + sorted(
-      p for p in folders.regular_files(folder, "*.jsonl") if not p.name.startswith("scores")
-      and p.name != "responses.jsonl")
   examples = None
-  for path in candidates:
+  for path in [folder / "responses.jsonl"] + [
+      p for p in folders.regular_files(folder, "*.jsonl")
+      if not p.name.startswith("scores") and p.name != "responses.jsonl"]:
     if not folders.is_regular_inside(path, folder.resolve()):
       continue
     try:
@@ -140,26 +128,22 @@ def npov_folder(folder: pathlib.Path) -> dict[str, Any]:
   rows = []
   for position, example in enumerate(examples):
     overlap = detector.detect(example)
-    row: dict[str, Any] = {"position": position, "id": example.id, "query": example.query,
-           "pro": list(example.pro), "con": list(example.con), "response": example.response,
-           "error_type": error_type(example), "paraphrased": bool(example.paraphrased),
-           "removed_argument": example.removed_argument,
-           "added_argument": example.added_argument,
-           "rouge": {"hallucination": overlap.hallucination, "coverage": overlap.coverage},
-           "rouge_response": [w.to_json() for w in overlap.response_words],
-           "rouge_arguments": [w.to_json() for w in overlap.argument_words],
-           "scores": {}}
-    for name, by_id in scores.items():
-      if example.id in by_id:
-        row["scores"][name] = by_id[example.id]
-    rows.append(row)
+    rows.append({
+        "position": position, "id": example.id, "query": example.query,
+        "pro": list(example.pro), "con": list(example.con), "response": example.response,
+        "error_type": error_type(example), "paraphrased": bool(example.paraphrased),
+        "removed_argument": example.removed_argument, "added_argument": example.added_argument,
+        "rouge": {"hallucination": overlap.hallucination, "coverage": overlap.coverage},
+        "rouge_response": [w.to_json() for w in overlap.response_words],
+        "rouge_arguments": [w.to_json() for w in overlap.argument_words],
+        "scores": {name: by_id[example.id] for name, by_id in scores.items()
+                   if example.id in by_id}})
   return {"examples": rows, "detectors": list(scores), "problems": problems}
 
 
 def detection_shading(detection: Mapping[str, Any]) -> Optional[Any]:
   """The `plots.WordShading` of one detector's scores of an example (a scores.jsonl record or
-  `Detection.to_json()`): the heatmap's scale and flagging rule, so the page and the heatmap
-  agree; None without word scores."""
+  `Detection.to_json()`), so the page and the heatmap agree; None without word scores."""
   from jaxmoral.npov import plots  # pylint: disable=import-outside-toplevel
   response = [w["score"] for w in detection.get("response_words") or ()]
   arguments = [w["score"] for w in detection.get("argument_words") or ()]
@@ -167,15 +151,13 @@ def detection_shading(detection: Mapping[str, Any]) -> Optional[Any]:
 
 
 def word_shading(row: Mapping[str, Any]) -> dict[str, Any]:
-  """{detector: `plots.WordShading`} of one `npov_folder` example, for each detector with
-  word scores."""
+  """{detector: `plots.WordShading`} of one `npov_folder` example's word-scoring detectors."""
   shading = {name: detection_shading(s) for name, s in row["scores"].items()}
   return {name: s for name, s in shading.items() if s is not None}
 
 
 def npov_results(path: pathlib.Path) -> dict[str, Any]:
-  """`npov evaluate`'s results.json: {slice: {detector: {error: {labels, scores, aucs}}}},
-  checked enough to draw from."""
+  """`npov evaluate`'s results.json, {slice: {detector: {error: {labels, scores, ...}}}}."""
   data = read_json(path)
   if not isinstance(data, dict):
     raise ValueError(f"{path.name}: expected {{slice: {{detector: ...}}}}")
@@ -194,8 +176,6 @@ def npov_results(path: pathlib.Path) -> dict[str, Any]:
 
 def roc_points(labels: list[int], scores: list[float]) -> Optional[list[tuple[float, float]]]:
   """The ROC curve's (FPR, TPR) points by the library's `metrics.roc_curve` (None: one class)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   if len(set(labels)) < 2:
     return None
@@ -206,14 +186,15 @@ def roc_points(labels: list[int], scores: list[float]) -> Optional[list[tuple[fl
 # -- ClarifyDelphi ------------------------------------------------------------------------------
 
 
-def clarify_evaluation(path: pathlib.Path) -> dict[str, Any]:
-  """`clarify evaluate`'s JSON, per situation: {"systems", "situations": [{"situation",
-  "by_system": {system: row}}], "summary": {system: means}}.
+# `per_situation` lists as the `RewardResult.row` fields they keep.
+_ROW_FIELDS = {"jsd": "scores", "jsd_unfiltered": "jsd", "flips_pct": "flips",
+               "filtered_pct": "filtered"}
 
-  A row has the question and its reward pipeline (`RewardResult.row`: answers, NLI filter,
-  fused situations, judge distributions, JSD) where the file has them (`per_question`),
-  else what `per_situation` keeps (JSD, flip, filtered).
-  """
+
+def clarify_evaluation(path: pathlib.Path) -> dict[str, Any]:
+  """`clarify evaluate`'s JSON by situation: {"systems", "situations": [{"situation",
+  "by_system": {system: row}}], "summary", "intervals"}; a row is `RewardResult.row` where the
+  file has it (`per_question`), else what `per_situation` keeps."""
   data = read_json(path)
   if not isinstance(data, dict) or not data:
     raise ValueError(f"{path.name}: expected {{system: metrics}}")
@@ -232,18 +213,9 @@ def clarify_evaluation(path: pathlib.Path) -> dict[str, Any]:
         questions = result.get("questions") or []
         if i >= len(questions):
           continue
-        row = {"question": questions[i]}
-        for key in ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct"):
-          if i < len(per.get(key, ())):
-            row[key] = per[key][i]
-        if "jsd" in row:
-          row["scores"] = row.pop("jsd")
-        if "jsd_unfiltered" in row:
-          row["jsd"] = row.pop("jsd_unfiltered")
-        if "flips_pct" in row:
-          row["flips"] = bool(row.pop("flips_pct"))
-        if "filtered_pct" in row:
-          row["filtered"] = bool(row.pop("filtered_pct"))
+        row = {"question": questions[i], **{
+            field: bool(per[key][i]) if key.endswith("_pct") else per[key][i]
+            for key, field in _ROW_FIELDS.items() if i < len(per.get(key, ()))}}
       samples = result.get("samples") or []
       situation = row.get("situation") or (samples[i]["situation"] if i < len(samples) and
                                            isinstance(samples[i], dict) else None)
@@ -259,10 +231,8 @@ def clarify_evaluation(path: pathlib.Path) -> dict[str, Any]:
 
 
 def _situation_intervals(per_situation: Any) -> dict[str, tuple[float, float, int]]:
-  """{metric: (low, high, n)}: the 95 % bootstrap interval of each per-situation mean
-  (`metrics.bootstrap_ci` over situations, as the demo's verdicts resample them)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
+  """{metric: (low, high, n)}: each per-situation mean's 95 % bootstrap interval over
+  situations, as the demo's verdicts resample them."""
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   out: dict[str, tuple[float, float, int]] = {}
   for key, values in (per_situation or {}).items():
@@ -302,9 +272,8 @@ CLARIFY_METRICS = {
 
 
 def clarify_chat(path: pathlib.Path) -> list[list[dict[str, Any]]]:
-  """A chat transcript's turns, one list per conversation (its "conversation" index where
-  the turns carry one, as `clarify.chat.chat_from_file` writes them; else a conversation
-  restarts at turn 1)."""
+  """A chat transcript's turns, one list per conversation (by its "conversation" index where
+  turns carry one, as `clarify.chat.chat_from_file` writes them; else restarting at turn 1)."""
   conversations: list[list[dict[str, Any]]] = []
   last = None
   for row in read_jsonl(path):
@@ -328,8 +297,7 @@ def reward_curve(path: pathlib.Path) -> list[tuple[float, float]]:
 
 
 def learning_curves(path: pathlib.Path) -> dict[str, list[tuple[float, float]]]:
-  """{metric: (episodes, value) points} of a PPO run's reward_curve.json beyond the reward
-  (KL, its coefficient, entropy...); {} for a file with the reward only."""
+  """{metric: (episodes, value) points} of a PPO run's reward_curve.json besides the reward."""
   from jaxmoral.rl import ppo_trainer  # pylint: disable=import-outside-toplevel
   curves = ppo_trainer.read_learning_curves(path)
   rows, episodes = curves["rows"], curves["episodes"]
@@ -372,9 +340,8 @@ def diamante_metrics(path: pathlib.Path) -> dict[str, dict[str, float]]:
 
 
 def diamante_samples(path: pathlib.Path) -> list[dict[str, Any]]:
-  """The generated replies an evaluation recorded (its JSON's "samples": `{"context",
-  "response", "score"}`, the demo's with their best-first `"candidates"` `{"text", "score"}`);
-  empty for an evaluation written without them."""
+  """The generated replies an evaluation recorded (its "samples": `{"context", "response",
+  "score"}`, the demo's with best-first `"candidates"` `{"text", "score"}`)."""
   data = read_json(path)
   samples = data.get("samples", []) if isinstance(data, dict) else []
   out = []
@@ -391,9 +358,8 @@ def diamante_samples(path: pathlib.Path) -> list[dict[str, Any]]:
 
 
 def diamante_rankings(path: pathlib.Path) -> list[dict[str, Any]]:
-  """The contexts `diamante evaluate` wrote as it ranked them (its JSON's "rankings", see
-  `diamante.evaluate.rank_contexts`): `{"turn", "context", "ranking"}` with `ranked`'s ranking
-  of the stored scores; empty for an evaluation written without them."""
+  """The contexts `diamante evaluate` ranked (its "rankings", `evaluate.rank_contexts`):
+  `{"turn", "context", "ranking"}`, the ranking `ranked`'s of the stored scores."""
   data = read_json(path)
   rankings = data.get("rankings", []) if isinstance(data, dict) else []
   out = []
@@ -414,11 +380,8 @@ def diamante_rankings(path: pathlib.Path) -> list[dict[str, Any]]:
 def ranked(responses: list[str], scores: list[float], logprobs: list[float],
            lengths: list[int], human: Optional[int],
            kinds: Optional[list[str]] = None) -> dict[str, Any]:
-  """Responses best first by preference score, with the human response (index `human`, None
-  for none) marked, each one's kind where given ("model", "random"), and the human
-  response's ranking metrics (the library's `metrics.ranking_metrics`)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-
+  """Responses best first by preference score, the human one (index `human`) marked, each
+  one's kind where given ("model", "random"), and the human response's ranking metrics."""
   from jaxmoral import metrics  # pylint: disable=import-outside-toplevel
   kinds = kinds if kinds is not None else [""] * len(responses)
   rows: list[dict[str, Any]] = [
@@ -441,9 +404,8 @@ def ranked(responses: list[str], scores: list[float], logprobs: list[float],
 
 
 def run_scalars(run: pathlib.Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
-  """{tag: {subfolder ("train", "eval"; "." for the run itself): [(step, value)]}} from the
-  TensorBoard events (`metric_writers.read_scalars`): one chart per tag, a line per subfolder, as
-  TensorBoard draws them."""
+  """{tag: {subfolder ("train", "eval"; "." for the run itself): [(step, value)]}} of the
+  TensorBoard events: one chart per tag, a line per subfolder, as TensorBoard draws them."""
   from jaxmoral import metric_writers  # pylint: disable=import-outside-toplevel
   out: dict[str, dict[str, list[tuple[int, float]]]] = {}
   for folder in [run] + sorted(p for p in run.iterdir() if p.is_dir()):
@@ -463,8 +425,8 @@ def _manifest_files(step_dir: pathlib.Path) -> Optional[list[str]]:
   """The files a step's manifest names (None: no manifest, or one the check will refuse).
 
   Raises:
-    ValueError: An entry is absolute, has a `..` component or leads out of the step folder
-      (its name is not repeated: the page must not say what lies outside).
+    ValueError: An entry leads out of the step folder (unnamed: the page must not say what
+      lies outside).
   """
   from jaxmoral import integrity  # pylint: disable=import-outside-toplevel
   manifest = step_dir / integrity.INTEGRITY_FILE
@@ -481,18 +443,14 @@ def _manifest_files(step_dir: pathlib.Path) -> Optional[list[str]]:
     return None
   base = step_dir.resolve()
   for rel in names:
-    parts = rel.replace("\\", "/").split("/")
-    real = (base / rel).resolve()
-    if rel.startswith(("/", "\\")) or ".." in parts or "\x00" in rel or (
-        len(rel) > 1 and rel[1] == ":") or base not in real.parents:
+    if base not in (base / rel).resolve().parents or folders.unsafe(rel):
       raise ValueError(f"damaged: its {integrity.INTEGRITY_FILE} names a file outside the "
                        "step folder; not checked")
   return names
 
 
 def _step_stamp(step_dir: pathlib.Path, names: Optional[list[str]]) -> tuple[Any, ...]:
-  """What a verification's result depends on: the size and time of the manifest and of each
-  file it names (a rewritten file changes its time)."""
+  """What a verification's result depends on: the manifest's and its files' size and time."""
   from jaxmoral import integrity  # pylint: disable=import-outside-toplevel
   stamps: list[tuple[Any, ...]] = []
   for rel in [integrity.INTEGRITY_FILE, *(names or ())]:
@@ -505,9 +463,8 @@ def _step_stamp(step_dir: pathlib.Path, names: Optional[list[str]]) -> tuple[Any
 
 
 def run_checkpoints(run: pathlib.Path) -> list[dict[str, Any]]:
-  """Each saved step with its integrity status (`checkpoints.verify_step`, digests compared;
-  reads only). A step is hashed once while its files are unchanged, not on every page view,
-  and a manifest naming anything outside its step folder is refused unread."""
+  """Each saved step with its integrity status (`checkpoints.verify_step`, digests compared),
+  hashed once while its files are unchanged; a manifest naming files outside is refused."""
   from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
   from jaxmoral import run_dirs  # pylint: disable=import-outside-toplevel
   out = []
@@ -557,25 +514,19 @@ def run_software(run: pathlib.Path) -> list[dict[str, Any]]:
 # -- experiments --------------------------------------------------------------------------------
 
 
-def _is_interval(value: Any) -> bool:
-  return isinstance(value, dict) and {"estimate", "low", "high"} <= set(value) and all(
-      isinstance(value[k], (int, float)) for k in ("estimate", "low", "high"))
-
-
 def intervals(data: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
   """Every (key path, {estimate, low, high}) in a results object, in file order."""
-  if _is_interval(data):
+  if not isinstance(data, dict):
+    return []
+  if all(isinstance(data.get(k), (int, float)) for k in ("estimate", "low", "high")):
     return [(prefix, data)]
-  out = []
-  if isinstance(data, dict):
-    for key, value in data.items():
-      out.extend(intervals(value, prefix + (str(key),)))
-  return out
+  return [found for key, value in data.items()
+          for found in intervals(value, prefix + (str(key),))]
 
 
 def experiment(path: pathlib.Path) -> dict[str, Any]:
-  """An experiment's results: its command, machine, verdicts, every interval (grouped by
-  the first key below "table"/"differences"...), its plot and its markdown report."""
+  """An experiment's results: command, machine, verdicts, every interval (grouped by its
+  first key), its plot and its markdown report."""
   data = read_json(path)
   if not isinstance(data, dict):
     raise ValueError(f"{path.name}: expected an object")
