@@ -1,20 +1,10 @@
 """Adafactor applied to groups of same-shaped parameters at once (same updates as optax's).
 
-`optax.adafactor` maps its update over the parameter tree leaf by leaf. For a T5 that is ~580
-leaves and, on a GPU, each leaf's reductions and element-wise steps become their own kernels,
-most of a compiled train step's thousands of top-level ops and a visible share of its time. A
-T5 has few distinct shapes (24 layers of each), so this version stacks the leaves of each
-(shape, dtype) group, computes every statistic with one reduction over the stack (per-leaf
-axes kept apart, so each leaf is still its own block) and unstacks the updates.
-
-The arithmetic is optax's `adafactor` chain: factored second moments
-(`scale_by_factored_rms`, decay `1 - (step + 1) ** -decay_rate`, epsilon 1e-30), update
-clipping by block RMS, learning rate, scaling by the parameter's block RMS (floor 1e-3),
-optional momentum (EMA without debiasing), optional decoupled weight decay, sign flip.
-`tests/test_adafactor.py` checks the updates against `optax.adafactor` step by step.
-
-The state holds one stacked array per group and statistic, so its leaves are not shaped like
-parameters (the trainer replicates them; the factored statistics are small).
+`optax.adafactor` maps its update over the leaves: on a GPU each of a T5's ~580 leaves becomes
+its own kernels, a visible share of a train step. A T5 has few distinct shapes, so this stacks
+each (shape, dtype) group and reduces over the stack with per-leaf axes kept apart. The state
+holds one stacked array per group and statistic, not shaped like parameters (the trainer
+replicates it; it is small).
 """
 
 from __future__ import annotations
@@ -78,14 +68,12 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
     learning_rate: A float or a schedule of the step count (from 0).
     min_dim_size_to_factor: Factor a leaf's second moments only if its two largest axes are
       both at least this long.
-    decay_rate: Second-moment decay exponent.
     clipping_threshold: Clip each leaf's update to this RMS (None: no clipping).
-    multiply_by_parameter_scale: Scale each leaf's update by max(RMS(param), 1e-3).
+    multiply_by_parameter_scale: Scale each leaf's update by max(RMS(param),
+      `min_parameter_scale`).
     momentum: EMA coefficient of the updates (None: no momentum, as in T5X).
-    factored: Factor the second moments of matrices.
     weight_decay_rate: Decoupled weight decay added before the sign flip (None: none).
-    epsilon: Added to squared gradients.
-    min_parameter_scale: Floor of the parameter RMS scale.
+    decay_rate, factored, epsilon: As `optax.adafactor` takes them.
 
   Returns:
     An `optax.GradientTransformation` whose `update` needs `params`.
@@ -98,8 +86,7 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
     leaves = jax.tree_util.tree_leaves(params)
     stats = []
     for group in group_by_shape(leaves):
-      shape, dtype = tuple(leaves[group[0]].shape), leaves[group[0]].dtype
-      size = len(group)
+      shape, dtype, size = tuple(leaves[group[0]].shape), leaves[group[0]].dtype, len(group)
       dims = group_dims(shape)
       if dims is None:
         entry = {"v": jnp.zeros((size, *shape), dtype)}
@@ -128,8 +115,7 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
     out: list[Any] = [None] * len(grad_leaves)
     new_stats = []
     for group, stats in zip(groups, state.stats, strict=True):
-      shape = tuple(grad_leaves[group[0]].shape)
-      dtype = grad_leaves[group[0]].dtype
+      shape, dtype = tuple(grad_leaves[group[0]].shape), grad_leaves[group[0]].dtype
       g = jnp.stack([grad_leaves[i] for i in group])
       p = jnp.stack([param_leaves[i] for i in group])
       grad_sqr = jnp.square(g) + epsilon

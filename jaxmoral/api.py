@@ -5,15 +5,8 @@
   model.generate(["a question"], greedy=True).texts      # [["an answer"]]
   model.score(["a question"], ["an answer"])             # log-likelihoods, (batch,)
 
-`from_pretrained` reads every format `jaxmoral.model_dirs` knows: a Hugging Face folder
-(safetensors or pytorch_model.bin) or Hub id, a T5X checkpoint, a jaxmoral export, a run (or
-one step of it), a PPO run (its policy) or a Diamante run.
-
-Inputs and targets are strings (needs a vocabulary; EOS appended, as T5 trains) or token ids
-(a 2-D array or a list of lists, used as given; trailing 0s are padding). Every call pads the
-batch to a bucket (lengths and row counts to powers of two, at least 8) so that a notebook
-session compiles a handful of shapes, not one per call; compiled functions are kept per model.
-Everything runs through `jaxmoral.inference.InferenceModel`, the one batch-inference path.
+Inputs and targets are strings (EOS appended, as T5 trains) or token ids (a 2-D array or a
+list of lists; trailing 0s are padding), run through `inference.InferenceModel`.
 """
 
 from __future__ import annotations
@@ -30,14 +23,7 @@ from jaxmoral.models.config import T5Config
 class Model(inference.InferenceModel):
   """A T5 with its params (and optionally its vocabulary), ready for notebook use.
 
-  Attributes:
-    config: The T5Config.
-    params: Unboxed parameter tree on device.
-    module: The `T5` linen module.
-    vocabulary: seqio vocabulary or None (then only token ids are accepted/returned).
-    source: Where it was loaded from.
-    partitioner: The mesh the parameters are sharded over and every call runs on (None: one
-      device).
+  Attributes: as `inference.InferenceModel`'s.
   """
 
   def __init__(self, config: T5Config, params: Any, *, vocabulary: Any = None,
@@ -54,7 +40,8 @@ class Model(inference.InferenceModel):
 
     Args:
       path: A Hugging Face folder (safetensors or pytorch_model.bin) or Hub id, a T5X
-        checkpoint, a jaxmoral export, a run (or one step of it), a PPO or Diamante run.
+        checkpoint, a jaxmoral export, a run (or one step of it), a PPO run (its policy) or a
+        Diamante run.
       vocabulary: seqio vocabulary or path to a SentencePiece `.model`; default: the one
         stored with the checkpoint, if any.
       dtype: Activation dtype ("float32", "bfloat16"); default: the stored config's.

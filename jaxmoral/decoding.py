@@ -1,35 +1,10 @@
-"""The one sampler and beam search every method uses (KV-cached T5 decoding).
+"""The one sampler, beam search and scorer every method uses (KV-cached T5 decoding).
 
-`sample` draws `num_samples` continuations per input with temperature / top-k / top-p /
-n-gram blocking and returns the log-probability of every emitted token under the distribution
-it was actually drawn from (what PPO needs), optionally also under the unmodified model.
-`beam_search` returns the `beam_size` best sequences under the T5X/GNMT brevity penalty.
-`score_sequences` is the teacher-forced log-likelihood of given targets (reranking).
-
-Both decoders encode once, build the key/value cache with `T5.init_cache`, then run a
-`jax.lax.while_loop` in which every step is one `T5.decode(decode=True)` call. All shapes are
-static, so the whole thing compiles once per input shape and nests inside other jitted code.
-`make_sampler` / `make_beam_search` return cached jitted functions (one per model and
-static config); `sample` / `beam_search` call them.
-
-Hardware-specific work of a decoding step is a backend's (`DecodeBackend`): it prepares
-kernels once per set of parameters (`prepare_decode_weights`, kept by whoever owns the
-parameters and passed to every call as `decode_weights`) and supplies the ops the traced steps
-call (`models.ops.DecodeStepOps`, an argument of every `T5.decode` step). Built in is "xla":
-the self-attention query/key/value kernels and a gated MLP's two input kernels stacked, so
-each is one product (a step is bound by streaming the weights). "cpu_packed"
-(`PackedKernelBackend`) decodes float32 on one CPU device through the C++ kernels of
-`jaxmoral.backends.cpu_kernels` over column-panel packed weights, automatic only where it beats
-XLA (CPUs with AVX-512), else chosen by name; `register_backend` adds others.
-`backend="auto"` takes the last registered automatic backend that applies, else "xla".
-Without `decode_weights` a call prepares XLA's stacks inside the trace.
-
-A `partitioner` given to `make_sampler` / `make_beam_search` / `make_scorer` runs the call
-under its mesh and logical-axis rules, so a model sharded by the partitioner (FSDP, model
-parallel) decodes sharded.
-
-Rows of the flattened (batch * num_samples) and (batch * beam_size) arrays are ordered
-batch-major: row `b * n + i` is sample / beam `i` of input `b`.
+Each encodes once, builds the cache with `T5.init_cache` and runs a `jax.lax.while_loop` of
+`T5.decode(decode=True)` steps: static shapes, so it compiles once per input shape and nests in
+other jitted code. A `DecodeBackend` does a step's hardware-specific work over kernels prepared
+once per set of parameters (`prepare_decode_weights`). Flattened (batch * n) rows are
+batch-major: row `b * n + i` is sample / beam `i` of input `b`. Reference: docs/core_api.md.
 """
 
 from __future__ import annotations
@@ -66,14 +41,11 @@ class DecodeOutput:
 
   Attributes:
     tokens: (batch, num_samples, max_decode_length) int32; EOS included, zeros after it.
-    logprobs: (batch, num_samples, max_decode_length) float32 log-prob of each emitted token
-      under the distribution sampled from (after n-gram blocking, min-length, temperature,
-      top-k, top-p renormalisation); 0 after EOS.
-    lengths: (batch, num_samples) int32 number of emitted tokens including EOS (or
-      max_decode_length when no EOS came). Use this, not `tokens != 0`, as the mask: the pad
-      id 0 is an ordinary vocabulary entry the model may emit.
-    raw_logprobs: Like `logprobs` but under the unmodified model distribution (temperature 1,
-      no filtering); None unless `return_raw_logprobs=True`.
+    logprobs: Each emitted token's float32 log-prob under the distribution sampled from
+      (after blocking, temperature, top-k, top-p); 0 after EOS.
+    lengths: (batch, num_samples) int32 emitted tokens including EOS (all without one). The
+      mask (not `tokens != 0`: the pad id 0 is an ordinary vocabulary entry a model may emit).
+    raw_logprobs: Like `logprobs` under the unmodified model distribution, if asked for.
   """
   tokens: Array
   logprobs: Array
@@ -97,13 +69,10 @@ class SampleConfig:
     num_samples: Continuations per input.
     temperature: Logits are divided by it (> 0).
     top_k: Keep the k most likely tokens (0 = off).
-    top_p: Keep the smallest most-likely set with mass >= top_p (1.0 = off); the most
-      likely token is always kept, equally likely tokens in index order (`nucleus_mask`).
+    top_p: Keep the smallest most-likely set with mass >= top_p (1.0 = off; `nucleus_mask`).
     greedy: Take the argmax of the processed distribution instead of sampling.
-    no_repeat_ngram_size: Ban tokens that would complete an n-gram already generated in that
-      row (0 = off).
-    min_length: EOS is banned before this many tokens (0 = off); benchmarks use it to force
-      equal work.
+    no_repeat_ngram_size: Ban tokens completing an n-gram already in that row (0 = off).
+    min_length: EOS is banned before this many tokens (0 = off; benchmarks force equal work).
     eos_id: End-of-sequence id.
     return_raw_logprobs: Also return log-probs under the unmodified model distribution.
   """
@@ -142,8 +111,7 @@ class BeamSearchConfig:
   Attributes:
     beam_size: Hypotheses kept per input (and returned).
     max_decode_length: Tokens generated at most (EOS included).
-    length_penalty: alpha of the brevity penalty ((5 + length) / 6) ** alpha; 0 = raw
-      log-likelihood.
+    length_penalty: alpha of `brevity_penalty` (0 = raw log-likelihood).
     eos_id: End-of-sequence id.
   """
   beam_size: int
@@ -234,8 +202,7 @@ class DecodeBackend:
   """How cached decoding steps multiply and attend: XLA's ops over stacked kernels.
 
   Subclasses override `name`, `applies`, `prepare` and `step_ops` and call `register_backend`.
-  `automatic` says whether "auto" may pick the backend; one that is faster than XLA only on
-  some machines says False on the others (a property) and is chosen there by name.
+  `automatic`: whether "auto" may pick it (a property where it beats XLA only on some machines).
   """
   name = "xla"
   automatic = True
@@ -285,12 +252,7 @@ class _StackedKernelOps(_PreparedKernelOps):
 
 @flax.struct.dataclass
 class DecodeWeights:
-  """A backend's prepared kernels for one set of parameters (an argument of every call).
-
-  Attributes:
-    backend: The `DecodeBackend` name.
-    kernels: {kernel_key: prepared kernel}.
-  """
+  """A backend's (`DecodeBackend` name) prepared {kernel_key: kernel} for one set of params."""
   backend: str = flax.struct.field(pytree_node=False)
   kernels: dict[str, Array]
 
@@ -303,13 +265,11 @@ def _is_concrete_on_one_cpu(x: Any) -> bool:
 class PackedKernelBackend(DecodeBackend):
   """"cpu_packed": float32 decoding on one CPU device through `backends.cpu_kernels`.
 
-  Every product of a step multiplies by a kernel packed into contiguous column panels
-  (`cpu_kernels.pack_columns`) through `cpu_kernels.packed_matmul`, and the step's attention
-  is one `cpu_kernels.decode_attention` call. "auto" picks it only on a CPU with AVX-512,
+  Every product multiplies by a kernel packed into column panels (`packed_matmul`), and a
+  step's attention is one `decode_attention` call. "auto" picks it only on a CPU with AVX-512,
   where it has beaten XLA's dots (bench/RESULTS.md); elsewhere it is chosen by name
-  (`decoding.prepare_decode_weights.backend = 'cpu_packed'` in gin, or
-  `backend="cpu_packed"`), and `bench/bench_generate.py --backend cpu_packed --also_xla_dot`
-  measures both.
+  (`decoding.prepare_decode_weights.backend = 'cpu_packed'`; `bench/bench_generate.py
+  --backend cpu_packed --also_xla_dot` measures both).
   """
   name = "cpu_packed"
 
@@ -320,11 +280,9 @@ class PackedKernelBackend(DecodeBackend):
   def applies(self, model: T5, params: Params) -> bool:
     """Float32 models whose parameters are concrete arrays on one CPU device, where the
     kernels build (`cpu_kernels.available()`; `JAXMORAL_CPU_KERNELS=0` turns them off)."""
-    if model.config.dtype != "float32" or not cpu_kernels.enabled():
-      return False
-    if not all(_is_concrete_on_one_cpu(x) for x in jax.tree.leaves(nn.unbox(params))):
-      return False
-    return cpu_kernels.available()
+    return (model.config.dtype == "float32" and cpu_kernels.enabled()
+            and all(_is_concrete_on_one_cpu(x) for x in jax.tree.leaves(nn.unbox(params)))
+            and cpu_kernels.available())
 
   def prepare(self, model: T5, params: Params) -> dict[str, Array]:
     del model
@@ -341,11 +299,8 @@ class _PackedKernelOps(_PreparedKernelOps):
 
   def prepared_products(self, x, prepared, widths):
     out = cpu_kernels.packed_matmul(x, prepared, sum(widths))
-    parts, start = [], 0
-    for width in widths:
-      parts.append(out[..., start:start + width])
-      start += width
-    return parts
+    ends = np.cumsum(widths).tolist()
+    return [out[..., end - width:end] for end, width in zip(ends, widths, strict=True)]
 
   def attention(self, path, query, key, value, bias):
     del path
@@ -376,11 +331,8 @@ def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
       raise ValueError(f"decoding: backend {backend!r} does not apply to this model and its "
                        "parameters (see its `applies`); use 'auto' or 'xla'")
     return backend
-  for name in reversed(list(_BACKENDS)):
-    if (name != "xla" and _BACKENDS[name].automatic
-        and _BACKENDS[name].applies(model, params)):
-      return name
-  return "xla"
+  return next((name for name, b in reversed(list(_BACKENDS.items()))
+               if name != "xla" and b.automatic and b.applies(model, params)), "xla")
 
 
 @functools.lru_cache(maxsize=32)
@@ -393,19 +345,16 @@ def _jitted_prepare(name: str, model: T5,
 @gin.configurable(module="decoding", allowlist=["backend"])
 def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
                            partitioner: Any = None) -> Optional[DecodeWeights]:
-  """Builds a backend's kernels for `params` once; pass them to every decoding call.
+  """Builds a backend's kernels for `params` (concrete, any sharding) once, for every call.
 
   Args:
-    model: The T5.
-    params: Its parameters (concrete arrays, any sharding).
-    backend: A registered backend name, or "auto" (see `choose_backend`); gin binds it
-      (`decoding.prepare_decode_weights.backend = 'cpu_packed'`).
+    model, params: The T5 and its parameters.
+    backend: A registered backend name, or "auto" (see `choose_backend`); gin binds it.
     partitioner: Build under its mesh and rules (sharded parameters).
 
   Returns:
     The kernels, or None for a model sharded over more than one device with "auto" or "xla":
-    each call then stacks XLA's kernels inside its trace rather than keep a second copy of
-    the decoder weights.
+    each call then stacks XLA's kernels in its trace rather than keep a second weight copy.
 
   Raises:
     ValueError: An unknown backend, or a named one-device backend on a larger mesh (a
@@ -423,8 +372,8 @@ def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
 
 def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]
               ) -> DecodeStepOps:
-  """Inside a trace: the ops of the decoding steps, the backend of `decode_weights`' (XLA's
-  stacks built in the trace, which XLA hoists out of the loop, when there are none)."""
+  """Inside a trace: `decode_weights`' step ops, else XLA's over stacks built in the trace
+  (hoisted out of the loop)."""
   if decode_weights is None:
     decode_weights = DecodeWeights(backend="xla", kernels=DecodeBackend().prepare(model, params))
   return get_backend(decode_weights.backend).step_ops(decode_weights.kernels)
@@ -446,22 +395,19 @@ def first_max_index(x: Array) -> Array:
 def nucleus_mask(probs: Array, top_p: float) -> Array:
   """Which tokens top-p keeps: the smallest most-likely set with mass >= `top_p`.
 
-  The same set as sorting each row and keeping a token while the mass of the ones sorted
-  before it is < `top_p` (ties in index order, the most likely token always kept), found
-  without a sort. `jax.lax.top_k` over a whole vocabulary is a full sort, an order of
-  magnitude slower on a CPU than this search (bench/bench_top_p.py).
-
-  The cut-off probability is found by bisection on its float32 bits (non-negative floats order
-  as their bit patterns): it is the largest t with mass(probs >= t) >= top_p, 31 masked
-  sums per row. Only where several tokens share that probability, a second bisection over
-  their indices keeps as many of them, lowest index first, as the mass needs.
+  The set a sort would give (keep a token while the mass sorted before it is < `top_p`, ties
+  in index order, the most likely always kept), found without one: `jax.lax.top_k` over a
+  vocabulary is a full sort, an order of magnitude slower on a CPU (bench/bench_top_p.py).
+  The cut-off is the largest t with mass(probs >= t) >= top_p, found by bisection on the
+  float32 bits (non-negative floats order as their bit patterns); only where several tokens
+  share it, a second bisection over their indices keeps the first ones the mass needs.
 
   Args:
     probs: (rows, vocab) non-negative float32 probabilities (each row sums to ~1).
     top_p: Nucleus mass in (0, 1) (`sample_logits` skips the mask at 1).
 
   Returns:
-    (rows, vocab) bool: True for kept tokens.
+    (rows, vocab) bool, True for kept tokens.
   """
   rows, vocab = probs.shape
   probs = probs.astype(jnp.float32)
@@ -509,17 +455,9 @@ def sample_logits(rng: Array, logits: Array, *, temperature: float = 1.0, top_k:
                   top_p: float = 1.0, greedy: bool = False) -> tuple[Array, Array]:
   """Draws one token per row from processed logits; the per-step core of `sample`.
 
-  Banned tokens should already be -inf in `logits`. Processing order: temperature, then top-k
-  (exactly k kept, via `jax.lax.top_k`), then top-p (on the sorted top-k survivors, or with
-  `nucleus_mask` over the whole vocabulary when top-k is off).
-
-  Args:
-    rng: PRNG key (unused when greedy).
-    logits: (rows, vocab) float32.
-    temperature: Divides the logits.
-    top_k: Keep the k largest (0 = off).
-    top_p: Nucleus mass (1.0 = off).
-    greedy: Argmax instead of a draw.
+  Banned tokens should already be -inf in the (rows, vocab) `logits`. Temperature comes first,
+  then top-k (exactly k kept), then top-p (on the sorted top-k survivors, or `nucleus_mask`
+  over the vocabulary); `rng` is unused when greedy; see `SampleConfig` for the settings.
 
   Returns:
     (tokens (rows,) int32, logprobs (rows,) float32 under the processed distribution).
@@ -556,11 +494,7 @@ def sample_logits(rng: Array, logits: Array, *, temperature: float = 1.0, top_k:
 def ngram_ban_mask(generated: Array, step: Array, *, ngram_size: int, vocab_size: int) -> Array:
   """(rows, vocab) bool: tokens that would complete an n-gram already in `generated[:, :step]`.
 
-  Args:
-    generated: (rows, T) ids; only positions < step are read.
-    step: Number of tokens generated so far (scalar, may be traced).
-    ngram_size: n (>= 1; n = 1 bans every token generated before).
-    vocab_size: Width of the mask.
+  `step` (tokens generated so far) may be traced; n = 1 bans every token generated before.
   """
   rows, length = generated.shape
   n = ngram_size
@@ -583,20 +517,18 @@ def ngram_ban_mask(generated: Array, step: Array, *, ngram_size: int, vocab_size
 
 
 # -- sampling --------------------------------------------------------------------------------
+# Incremented on every trace of the decoders (tests check that repeated calls do not retrace).
+_TRACE_COUNT = {"sample": 0, "beam_search": 0}
+
+
 def _sample_impl(model: T5, config: SampleConfig, params: Params,
-                 encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
-                 encoder_mask: Optional[Array], rng: Optional[Array],
+                 encoder_input_tokens: Optional[Array] = None,
+                 encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
+                 rng: Optional[Array] = None,
                  decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
   _TRACE_COUNT["sample"] += 1
   params = nn.unbox(params)
-  return _sample_loop(model, config, params, encoder_input_tokens, encoder_embeds,
-                      encoder_mask, rng, _step_ops(model, params, decode_weights))
-
-
-def _sample_loop(model: T5, config: SampleConfig, params: Params,
-                 encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
-                 encoder_mask: Optional[Array], rng: Optional[Array],
-                 step_ops: DecodeStepOps) -> DecodeOutput:
+  step_ops = _step_ops(model, params, decode_weights)
   if rng is None:
     if not config.greedy:
       raise ValueError("sample: rng is required unless greedy=True")
@@ -651,20 +583,11 @@ def _sample_loop(model: T5, config: SampleConfig, params: Params,
                       raw_logprobs=None if raw is None else raw.reshape(shape))
 
 
-# Incremented on every trace of the decoders (tests check that repeated calls do not retrace).
-_TRACE_COUNT = {"sample": 0, "beam_search": 0}
-
-
-@functools.lru_cache(maxsize=64)
-def _jitted_sampler(model: T5, config: SampleConfig,
-                    partitioner: Any) -> partitioning.PartitionedFunction:
-  def run(params: Params, encoder_input_tokens: Optional[Array] = None,
-          encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
-          rng: Optional[Array] = None,
-          decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
-    return _sample_impl(model, config, params, encoder_input_tokens, encoder_embeds,
-                        encoder_mask, rng, decode_weights)
-  return partitioning.jit_in_context(run, partitioner)
+@functools.lru_cache(maxsize=128)
+def _jitted(impl: Callable[..., Any], model: T5, config: Any,
+            partitioner: Any) -> partitioning.PartitionedFunction:
+  """`impl(model, config, ...)` jitted, one function per (model, config, partitioner)."""
+  return partitioning.jit_in_context(functools.partial(impl, model, config), partitioner)
 
 
 def make_sampler(model: T5, *, max_decode_length: int, num_samples: int = 1,
@@ -675,16 +598,15 @@ def make_sampler(model: T5, *, max_decode_length: int, num_samples: int = 1,
   """A jitted sampler `fn(params, encoder_input_tokens=None, encoder_embeds=None,
   encoder_mask=None, rng=None, decode_weights=None) -> DecodeOutput` for fixed settings.
 
-  The same function object is returned for the same (model, settings, partitioner), and
-  `jax.jit` keeps one executable per input shape, so repeated calls never recompile. See
-  `SampleConfig` for the arguments; `partitioner` runs it under that mesh and rules.
+  The same function object for the same (model, `SampleConfig` settings, partitioner), with
+  one executable per input shape, so repeated calls never recompile.
   """
   config = SampleConfig(max_decode_length=max_decode_length, num_samples=num_samples,
                         temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                         greedy=greedy, no_repeat_ngram_size=no_repeat_ngram_size,
                         min_length=min_length, eos_id=eos_id,
                         return_raw_logprobs=return_raw_logprobs)
-  return _jitted_sampler(model, config, partitioner)
+  return _jitted(_sample_impl, model, config, partitioner)
 
 
 @gin.configurable(denylist=["model", "params", "encoder_input_tokens", "encoder_embeds",
@@ -696,24 +618,21 @@ def sample(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] =
            no_repeat_ngram_size: int = 0, min_length: int = 0, eos_id: int = 1,
            return_raw_logprobs: bool = False,
            decode_weights: Optional[DecodeWeights] = None) -> DecodeOutput:
-  """Samples `num_samples` continuations per input with a KV cache.
-
-  Works eagerly and inside `jax.jit` / other traced code (the compiled sampler nests).
+  """Samples `num_samples` continuations per input with a KV cache (eagerly or traced).
 
   Args:
-    model: The T5 module.
-    params: Its 'params' tree (plain arrays; boxed ones are unboxed).
+    model, params: The T5 and its 'params' tree (boxed ones are unboxed).
     encoder_input_tokens: (batch, length) ids; or give `encoder_embeds` + `encoder_mask`.
     encoder_embeds: (batch, length, d_model) input embeddings (e.g. soft prompt prepended).
     encoder_mask: (batch, length) validity; default `encoder_input_tokens != pad`.
     rng: PRNG key (may be None when greedy).
     max_decode_length, num_samples, temperature, top_k, top_p, greedy, no_repeat_ngram_size,
-    min_length, eos_id, return_raw_logprobs: See `SampleConfig`.
-    decode_weights: The backend's kernels for `params` (`prepare_decode_weights`); None
-      stacks XLA's kernels inside the call.
+      min_length, eos_id, return_raw_logprobs: See `SampleConfig`.
+    decode_weights: `prepare_decode_weights`' kernels for `params`; None stacks XLA's
+      kernels inside the call.
 
   Returns:
-    `DecodeOutput` with (batch, num_samples, max_decode_length) tokens and logprobs.
+    A `DecodeOutput` of (batch, num_samples, max_decode_length) arrays.
   """
   fn = make_sampler(model, max_decode_length=max_decode_length, num_samples=num_samples,
                     temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
@@ -743,19 +662,13 @@ def _reorder_cache(cache: Any, rows: Array, num_rows: int) -> Any:
 
 
 def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
-                      encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
-                      encoder_mask: Optional[Array],
+                      encoder_input_tokens: Optional[Array] = None,
+                      encoder_embeds: Optional[Array] = None,
+                      encoder_mask: Optional[Array] = None,
                       decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
   _TRACE_COUNT["beam_search"] += 1
   params = nn.unbox(params)
-  return _beam_search_loop(model, config, params, encoder_input_tokens, encoder_embeds,
-                           encoder_mask, _step_ops(model, params, decode_weights))
-
-
-def _beam_search_loop(model: T5, config: BeamSearchConfig, params: Params,
-                      encoder_input_tokens: Optional[Array], encoder_embeds: Optional[Array],
-                      encoder_mask: Optional[Array],
-                      step_ops: DecodeStepOps) -> tuple[Array, Array]:
+  step_ops = _step_ops(model, params, decode_weights)
   encoded, mask = _encode(model, params, encoder_input_tokens, encoder_embeds, encoder_mask)
   batch, k, length = encoded.shape[0], config.beam_size, config.max_decode_length
   vocab, eos, alpha = model.config.vocab_size, config.eos_id, config.length_penalty
@@ -815,17 +728,6 @@ def _beam_search_loop(model: T5, config: BeamSearchConfig, params: Params,
   return final[5], final[6]
 
 
-@functools.lru_cache(maxsize=64)
-def _jitted_beam_search(model: T5, config: BeamSearchConfig,
-                        partitioner: Any) -> partitioning.PartitionedFunction:
-  def run(params: Params, encoder_input_tokens: Optional[Array] = None,
-          encoder_embeds: Optional[Array] = None, encoder_mask: Optional[Array] = None,
-          decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
-    return _beam_search_impl(model, config, params, encoder_input_tokens, encoder_embeds,
-                             encoder_mask, decode_weights)
-  return partitioning.jit_in_context(run, partitioner)
-
-
 def make_beam_search(model: T5, *, beam_size: int, max_decode_length: int,
                      length_penalty: float = 0.6, eos_id: int = 1,
                      partitioner: Any = None) -> Callable[..., Any]:
@@ -833,7 +735,7 @@ def make_beam_search(model: T5, *, beam_size: int, max_decode_length: int,
   encoder_mask=None, decode_weights=None) -> (tokens, scores)`; see `BeamSearchConfig`."""
   config = BeamSearchConfig(beam_size=beam_size, max_decode_length=max_decode_length,
                             length_penalty=float(length_penalty), eos_id=eos_id)
-  return _jitted_beam_search(model, config, partitioner)
+  return _jitted(_beam_search_impl, model, config, partitioner)
 
 
 @gin.configurable(denylist=["model", "params", "encoder_input_tokens", "encoder_embeds",
@@ -845,16 +747,15 @@ def beam_search(model: T5, params: Params, *, encoder_input_tokens: Optional[Arr
                 decode_weights: Optional[DecodeWeights] = None) -> tuple[Array, Array]:
   """Beam search with a KV cache and the T5X brevity penalty.
 
-  A hypothesis's score is sum of token log-probs (EOS included) / ((5 + len) / 6) ** alpha,
-  len counting EOS; hypotheses that reach `max_decode_length` without EOS end there. Each
-  step expands the live beams to their 2k best extensions; an EOS extension becomes a finished
-  hypothesis only if it ranks among the k best (so beam_size=1 is exactly greedy), the k best
-  non-EOS ones stay live. The loop stops early once no live beam can beat the k-th finished.
+  A hypothesis's score is its token log-probs' sum / `brevity_penalty(len)`, EOS counted;
+  at `max_decode_length` a hypothesis ends. Each step expands the live beams to their 2k best
+  extensions; an EOS one is finished only if among the k best (so beam_size=1 is greedy), the
+  k best others stay live. It stops once no live beam can beat the k-th finished.
 
   Args:
-    model, params, encoder_input_tokens, encoder_embeds, encoder_mask: As in `sample`.
+    model, params, encoder_input_tokens, encoder_embeds, encoder_mask, decode_weights: As in
+      `sample`.
     beam_size, max_decode_length, length_penalty, eos_id: See `BeamSearchConfig`.
-    decode_weights: As in `sample`.
 
   Returns:
     (tokens (batch, beam_size, max_decode_length) int32 with zeros after EOS,
@@ -900,13 +801,11 @@ def score_sequences(model: T5, params: Params, *, encoder_input_tokens: Optional
                     targets: Array, lengths: Optional[Array] = None) -> Array:
   """Teacher-forced log-likelihood of each target sequence (jitted).
 
-  Sums log p(target_t | target_<t, input) over the target tokens: the first `lengths[b]`
-  positions when given (e.g. `DecodeOutput.lengths`), else the non-pad ones (T5X convention).
-  EOS counts when it is inside that span.
+  Sums log p(target_t | target_<t, input) over the first `lengths[b]` positions when given
+  (e.g. `DecodeOutput.lengths`), else over the non-pad ones (T5X convention).
 
   Args:
-    model, params: The T5 and its parameters.
-    encoder_input_tokens, encoder_embeds, encoder_mask: The inputs, (batch, input length).
+    model, params, encoder_input_tokens, encoder_embeds, encoder_mask: As in `sample`.
     targets: (batch, length) int32, one target per input; or (batch, candidates, length),
       several per input (e.g. class label strings), scored against one encoding of the input.
     lengths: Target lengths, shaped as `targets` without its last axis (None: non-pad).

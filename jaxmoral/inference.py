@@ -1,15 +1,9 @@
 """One batch-inference path for every loaded T5: predict, score, label distribution, logits.
 
-T5X's `predict_batch` / `score_batch` on the host: an `InferenceModel` holds a network, its
-parameters (placed on its partitioner's mesh), its vocabulary and its decoding backend's
-kernels. Inputs are strings (encoded with EOS, as T5 trains) or token ids; every call pads
-them to fixed shapes (`token_rows.bucket`: lengths and row counts to powers of two, at least
-`MIN_BUCKET`; or the model's fixed `input_length` / `batch_size`, so that `jaxmoral compile`
-lowers the very function a run executes) and runs one jitted function per setting on the mesh
-(`decoding`'s sampler, beam search and scorer; `jit_with_params` for the rest), cached per
-model, so repeated calls never recompile. Decoded rows end at their first EOS
-(`token_rows.text_ids`). `api.Model`, ClarifyDelphi's roles, Diamante's reranker and the NPOV
-classifiers all run through it.
+T5X's `predict_batch` / `score_batch` on the host. Inputs (strings or token ids) are padded to
+few fixed shapes (`token_rows.bucket`, or a fixed `input_length` / `batch_size` that
+`jaxmoral compile` lowers) and run through cached jitted functions, so repeated calls never
+recompile. `api.Model`, ClarifyDelphi, Diamante and the NPOV classifiers all run through it.
 """
 
 from __future__ import annotations
@@ -45,9 +39,8 @@ class GenerateOutput:
 
   Attributes:
     tokens: (batch, n, max_decode_length) int32; EOS included, zeros after it. n is
-      `num_samples` (sampling) or `beam_size` (beam search, best first).
-    scores: (batch, n) float32: the sum of token log-probs under the sampled distribution
-      (sampling) or the length-penalised beam score (beam search).
+      `num_samples` or `beam_size` (best first).
+    scores: (batch, n) float32: the sampled tokens' summed log-probs or the beam score.
     lengths: (batch, n) int32 emitted tokens including EOS.
     texts: Decoded strings (batch lists of n), or None without a vocabulary.
   """
@@ -66,7 +59,7 @@ class GenerateOutput:
   def __repr__(self) -> str:
     # The texts and one score per output; the padded token arrays are in `.tokens`.
     batch, n = self.scores.shape
-    shown = ([[t for t in row] for row in self.texts] if self.texts is not None
+    shown = (self.texts if self.texts is not None
              else [[f"<{int(length)} tokens>" for length in row] for row in self.lengths])
     scores = np.array2string(self.scores, precision=3, separator=", ", threshold=20)
     return (f"GenerateOutput(texts={shown!r}, scores={scores}, "
@@ -75,17 +68,8 @@ class GenerateOutput:
 
 def class_distribution(model: t5.T5, params: Any, encoder_input_tokens: Array,
                        class_token_ids: Array) -> Array:
-  """(B, C) probabilities of one-token labels from the first decoder step (jittable).
-
-  Args:
-    model: The T5.
-    params: Its parameters.
-    encoder_input_tokens: (B, L) int32 inputs (0-padded).
-    class_token_ids: (C,) int32 vocabulary ids of the labels.
-
-  Returns:
-    (B, C) float32, rows sum to 1: softmax over the label-token logits.
-  """
+  """(B, C) float32 softmax over the logits of C one-token labels (`class_token_ids`) at the
+  first decoder step, for (B, L) 0-padded `encoder_input_tokens` (jittable)."""
   mask = encoder_input_tokens != model.config.pad_token_id
   encoded = model.apply({"params": params}, encoder_input_tokens, encoder_mask=mask,
                         method=t5.T5.encode)
@@ -118,11 +102,8 @@ def _class_fn(model: t5.T5, partitioner: Any) -> partitioning.PartitionedFunctio
   return partitioning.jit_in_context(functools.partial(class_distribution, model), partitioner)
 
 
-def _load_vocabulary(vocabulary: Any) -> Any:
-  """A seqio vocabulary from an object, a `.model` path (extra ids read beside it) or None."""
-  if vocabulary is None or not isinstance(vocabulary, (str, os.PathLike)):
-    return vocabulary
-  return model_dirs.vocabulary_from_file(vocabulary)
+def _is_empty(items: TextOrTokens) -> bool:  # Arrays and a lone str: `token_rows` judges.
+  return not isinstance(items, (str, np.ndarray, jax.Array)) and not list(items)
 
 
 _Model = TypeVar("_Model", bound="InferenceModel")
@@ -134,9 +115,8 @@ class InferenceModel:
   Attributes:
     module: The linen `T5` (with a scalar head when its parameters have one).
     params: Unboxed parameters (on device, or abstract for `jaxmoral compile`).
-    vocabulary: seqio vocabulary or None (then only token ids are accepted/returned).
-    partitioner: The mesh the parameters are sharded over and every call runs on (None: one
-      device without a mesh).
+    vocabulary: seqio vocabulary (given as one or a `.model` path) or None (token ids only).
+    partitioner: The mesh of the parameters and of every call (None: one device, no mesh).
     source: Where it was loaded from.
     decode_weights: The decoding backend's kernels for `params` (default: prepared on first
       use, once for the model and its `with_shapes` copies; a scorer never needs them).
@@ -150,7 +130,8 @@ class InferenceModel:
                input_length: Optional[int] = None, batch_size: Optional[int] = None):
     self.module = module
     self.params = params
-    self.vocabulary = _load_vocabulary(vocabulary)
+    self.vocabulary = (model_dirs.vocabulary_from_file(vocabulary)
+                       if isinstance(vocabulary, (str, os.PathLike)) else vocabulary)
     self.partitioner = partitioner
     self.source = source
     # Shared by `with_shapes` copies: {"weights": ...}, or {} while still to be prepared.
@@ -160,9 +141,13 @@ class InferenceModel:
     if self.vocabulary is not None and self.vocabulary.vocab_size > module.config.vocab_size:
       raise ValueError(f"{source}: vocabulary has {self.vocabulary.vocab_size} ids but the "
                        f"model's vocab_size is {module.config.vocab_size}")
-    if partitioner is not None and batch_size and batch_size % partitioner.data_parallel_size:
-      raise ValueError(f"{source}: batch_size {batch_size} is not divisible by the mesh's "
-                       f"data axis ({partitioner.data_parallel_size})")
+    self._check_batch_size()
+
+  def _check_batch_size(self) -> None:
+    data = self.partitioner.data_parallel_size if self.partitioner is not None else 1
+    if self.batch_size and self.batch_size % data:
+      raise ValueError(f"{self.source}: batch_size {self.batch_size} is not divisible by the "
+                       f"mesh's data axis ({data})")
 
   @classmethod
   def from_params(cls: type[_Model], config: T5Config, params: Any, *,
@@ -188,9 +173,8 @@ class InferenceModel:
     """Loads any model directory or Hub id (`model_dirs.load`) into `partitioner`'s shardings.
 
     Args:
-      path: Any `model_dirs` format; a PPO run gives its tuned policy.
-      partitioner: Read the parameters into its shardings; every call runs on its mesh.
-      step, dtype, config, vocabulary: As `model_dirs.load` takes them.
+      path, partitioner, step, dtype, config, vocabulary: As `model_dirs.load` takes them
+        (every call runs on the partitioner's mesh).
       with_scalar_head: Keep a stored scalar head (Diamante's preference score); else the
         plain language model.
       require_vocabulary: Refuse a directory without a vocabulary (models that read text).
@@ -215,10 +199,7 @@ class InferenceModel:
     out = copy.copy(self)
     out.input_length = input_length or self.input_length
     out.batch_size = batch_size or self.batch_size
-    if out.partitioner is not None and out.batch_size and (
-        out.batch_size % out.partitioner.data_parallel_size):
-      raise ValueError(f"{self.source}: batch_size {out.batch_size} is not divisible by the "
-                       f"mesh's data axis ({out.partitioner.data_parallel_size})")
+    out._check_batch_size()
     return out
 
   def __repr__(self) -> str:
@@ -310,16 +291,11 @@ class InferenceModel:
     return _pad(rows, len(rows), length)
 
   # -- bucketed batches -------------------------------------------------------------------------
-  def _row_count(self, n: int) -> int:
-    return self.batch_size or token_rows.bucket(n, MIN_BUCKET)
-
   def batches(self, inputs: TextOrTokens, targets: Optional[TextOrTokens] = None, *,
               batch_size: int = 32):
-    """Yields (n, encoder, targets, target_lengths) numpy batches of fixed bucketed shapes.
-
-    `n` rows are real; padding rows read one EOS (a valid, empty input: no NaN from a fully
-    masked row). Without `targets` the last two are None.
-    """
+    """Yields (n, encoder, targets, target_lengths) numpy batches of fixed bucketed shapes
+    (the last two None without `targets`): `n` rows are real, padding rows read one EOS (a
+    valid, empty input: no NaN from a fully masked row)."""
     encoder = self.encode(inputs)
     dec_rows = self.token_rows(targets, "targets") if targets is not None else None
     if dec_rows is not None and len(dec_rows) != len(encoder):
@@ -328,7 +304,7 @@ class InferenceModel:
     step = self.batch_size or batch_size
     for start in range(0, len(encoder), step):
       chunk = encoder[start:start + step]
-      n, rows = len(chunk), self._row_count(len(chunk))
+      n, rows = len(chunk), self.batch_size or token_rows.bucket(len(chunk), MIN_BUCKET)
       enc = np.zeros((rows, encoder.shape[1]), np.int32)
       enc[:, 0] = self.config.eos_token_id
       enc[:n] = chunk
@@ -368,8 +344,7 @@ class InferenceModel:
     return _class_fn(self.module, self.partitioner)
 
   def label_ids(self, labels: Sequence[str]) -> list[list[int]]:
-    vocabulary = self._require_vocabulary()
-    return [list(vocabulary.encode(label)) for label in labels]
+    return self.encode_text(labels, add_eos=False)
 
   def label_scorer(self, labels: Sequence[str]) -> Any:
     """The jitted function `label_distribution` runs for these labels: the one-step class
@@ -381,11 +356,8 @@ class InferenceModel:
   # -- model calls ------------------------------------------------------------------------------
   def logits(self, inputs: TextOrTokens, targets: TextOrTokens, *,
              batch_size: int = 32) -> np.ndarray:
-    """Teacher-forced logits: (batch, longest target, vocab) float32.
-
-    Position t holds the logits that predict `targets[:, t]` (decoder inputs are the targets
-    shifted right behind the start id); positions past a row's length are padding.
-    """
+    """Teacher-forced (batch, longest target, vocab) float32 logits: position t predicts
+    `targets[:, t]`; positions past a row's length are padding."""
     fn = self.jitted(_teacher_forced_logits, 2)
     outputs, longest = [], 0
     for n, enc, dec, lengths in self.batches(inputs, targets, batch_size=batch_size):
@@ -411,18 +383,15 @@ class InferenceModel:
               rng: Optional[Array] = None, batch_size: int = 32) -> GenerateOutput:
     """Greedy, sampled or beam-searched continuations with `jaxmoral.decoding`.
 
-    Greedy by default, as `jaxmoral infer`, T5X's predict and Hugging Face's `generate`:
-    it samples when asked to (`greedy=False`, or any of `temperature`, `top_k`, `top_p`,
-    `num_samples` set away from its default).
+    Greedy by default, as `jaxmoral infer`, T5X's predict and Hugging Face's `generate`.
 
     Args:
       inputs: Strings or token ids (an empty list gives empty outputs).
-      max_decode_length: Tokens generated at most (EOS included).
-      num_samples: Samples per input (sampling).
-      temperature, top_k, top_p, no_repeat_ngram_size: See `decoding.SampleConfig`.
-      greedy: Argmax decoding (None: unless a sampling option above is set).
-      beam_size: > 0 switches to beam search with this many beams (sampling options unused).
-      length_penalty: Beam search brevity penalty alpha.
+      max_decode_length, num_samples, temperature, top_k, top_p, no_repeat_ngram_size: See
+        `decoding.SampleConfig`.
+      greedy: Argmax decoding (None: unless `num_samples`, `temperature`, `top_k` or `top_p`
+        is away from its default).
+      beam_size: > 0 switches to beam search with this many beams and `length_penalty`.
       seed: Sampling seed when no `rng` is given.
       rng: Sampling key (batch i uses fold_in(rng, i)); default PRNGKey(seed).
       batch_size: Inputs per decoding call (unless the model's `batch_size` is fixed).
@@ -433,7 +402,7 @@ class InferenceModel:
     if greedy is None:
       greedy = (num_samples == 1 and temperature == 1.0 and top_k == 0 and top_p == 1.0)
     n_out = beam_size or num_samples
-    if not isinstance(inputs, (str, np.ndarray, jax.Array)) and not list(inputs):
+    if _is_empty(inputs):
       return GenerateOutput(tokens=np.zeros((0, n_out, max_decode_length), np.int32),
                             scores=np.zeros((0, n_out), np.float32),
                             lengths=np.zeros((0, n_out), np.int32),
@@ -448,27 +417,24 @@ class InferenceModel:
       sampler = self.sampler(max_decode_length=max_decode_length, num_samples=num_samples,
                              temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
                              no_repeat_ngram_size=no_repeat_ngram_size)
-    tokens, scores, lengths = [], [], []
+    parts = []  # (tokens, scores, lengths) of each batch's real rows.
     for index, (n, enc, _, _) in enumerate(self.batches(inputs, batch_size=batch_size)):
       enc = self.place(enc)
       if beam_size:
         seqs, beam_scores = beam_search(self.params, enc, decode_weights=self.decode_weights)
         seqs = np.asarray(seqs)[:n]
-        tokens.append(seqs)
-        scores.append(np.asarray(beam_scores)[:n])
-        lengths.append(token_rows.emitted_lengths(seqs, self.config.eos_token_id))
+        parts.append((seqs, np.asarray(beam_scores)[:n],
+                      token_rows.emitted_lengths(seqs, self.config.eos_token_id)))
       else:
         out = sampler(self.params, enc, None, None, jax.random.fold_in(base, index),
                       self.decode_weights)
-        tokens.append(np.asarray(out.tokens)[:n])
-        scores.append(np.asarray(jnp.sum(out.logprobs * out.mask, axis=-1))[:n])
-        lengths.append(np.asarray(out.lengths)[:n])
-    tokens_all = np.concatenate(tokens)
-    texts = None
-    if self.vocabulary is not None:
-      texts = [self.decode_text(row) for row in tokens_all]
-    return GenerateOutput(tokens=tokens_all, scores=np.concatenate(scores),
-                          lengths=np.concatenate(lengths), texts=texts)
+        parts.append((np.asarray(out.tokens)[:n],
+                      np.asarray(jnp.sum(out.logprobs * out.mask, axis=-1))[:n],
+                      np.asarray(out.lengths)[:n]))
+    tokens, scores, lengths = (np.concatenate(part) for part in zip(*parts, strict=True))
+    texts = ([self.decode_text(row) for row in tokens] if self.vocabulary is not None
+             else None)
+    return GenerateOutput(tokens=tokens, scores=scores, lengths=lengths, texts=texts)
 
   def label_distribution(self, inputs: TextOrTokens, labels: Sequence[str], *,
                          require_single_token: bool = False) -> np.ndarray:
@@ -484,7 +450,7 @@ class InferenceModel:
       bad = [f"{label!r} -> {i}" for label, i in zip(labels, ids, strict=True) if len(i) != 1]
       raise ValueError(f"class strings must each be ONE token of {self.source} vocabulary; "
                        f"got {', '.join(bad)}")
-    if not isinstance(inputs, (str, np.ndarray, jax.Array)) and not list(inputs):
+    if _is_empty(inputs):
       return np.zeros((0, len(labels)), np.float32)
     out = []
     if single:

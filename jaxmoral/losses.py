@@ -1,18 +1,9 @@
 """Losses shared by every method: token cross entropy (T5X, with z-loss), pairwise and RL pieces.
 
-All functions are pure `jnp` code (jittable, shardable) and compute in float32 even when the
-logits arrive in bfloat16. Cross entropy never builds a (batch, length, vocab) one-hot: the
-target log-probability is gathered, and the label-smoothing term uses the row sum of the
-log-softmax, which is `sum(logits) - vocab * logsumexp(logits)`.
-
-`seq2seq_loss_fn` is the supervised loss of a `jaxmoral.models.t5.T5` on T5X batch features, in
-the loss-fn contract every trainer uses: `loss_fn(params, batch, rng) -> (loss, metrics)`.
-
-Losses declared as terms (`Term`, `TermsLoss`): every quantity a loss reports is a ratio
-`total / count` whose `count` (tokens or examples in the batch) does not depend on the
-parameters, and the loss is a fixed weighted sum of some of them. The trainer then combines
-microbatches exactly: it adds totals and counts over the microbatches and divides once, so each
-term (and each metric) is its one-batch value, whatever the microbatches' token counts.
+Pure float32 `jnp` code (jittable, shardable). Cross entropy never builds a one-hot: the target
+log-probability is gathered, and label smoothing uses the log-softmax's row sum,
+`sum(logits) - vocab * logsumexp(logits)`. A loss declared as terms (`Term`, `TermsLoss`:
+ratios `total / count` of parameter-independent counts) combines exactly across microbatches.
 """
 
 from __future__ import annotations
@@ -78,8 +69,8 @@ def cross_entropy_with_logits(logits: Array, targets: Array, *, label_smoothing:
   Args:
     logits: (..., V) logits, any float dtype.
     targets: (...) int target ids.
-    label_smoothing: In [0, 1).
-    z_loss: Coefficient of the squared log normaliser.
+    label_smoothing: s, in [0, 1).
+    z_loss: Coefficient of the squared log normaliser (>= 0).
 
   Returns:
     (loss, z_loss_term), both (...) float32; `loss` already includes `z_loss_term`.
@@ -106,17 +97,10 @@ def cross_entropy_with_logits(logits: Array, targets: Array, *, label_smoothing:
 
 def token_nll(logits: Array, targets: Array, weights: Optional[Array], *,
               label_smoothing: float = 0.0, z_loss: float = 0.0) -> tuple[Array, Array, Array]:
-  """Weighted sums of the cross entropy over all tokens.
+  """(loss_sum, weight_sum, z_loss_sum): `cross_entropy_with_logits` summed over tokens.
 
-  Args:
-    logits: (B, T, V).
-    targets: (B, T) int ids.
-    weights: (B, T) loss weights (0 on padding); None weighs every token 1.
-    label_smoothing: See `cross_entropy_with_logits`.
-    z_loss: See `cross_entropy_with_logits`.
-
-  Returns:
-    (loss_sum, weight_sum, z_loss_sum) float32 scalars; `loss_sum` includes `z_loss_sum`.
+  `weights` are (B, T) loss weights (0 on padding; None weighs every token 1); `loss_sum`
+  includes `z_loss_sum`; all float32 scalars.
   """
   loss, z_term = cross_entropy_with_logits(logits, targets, label_smoothing=label_smoothing,
                                            z_loss=z_loss)
@@ -158,12 +142,12 @@ class Term:
 
   Attributes:
     total: float32 scalar, the sum over the batch's tokens or examples (e.g. the summed NLL).
-    count: float32 scalar, what `total` is divided by: the batch's weighted tokens
-      ("tokens") or examples ("examples"); 1 for "sum". It must not depend on the parameters
-      (it is a count of the batch), so the trainer can take it as a constant of the gradient.
-    weighting: "tokens" (a per-token mean), "examples" (a per-example mean) or "sum" (a sum,
-      e.g. divided by a fixed normaliser, or a count such as `num_tokens`). Microbatches
-      combine as sum(totals) / sum(counts); "sum" terms as sum(totals).
+    count: float32 scalar, what `total` is divided by: the batch's weighted tokens or
+      examples; 1 for "sum". A count of the batch, independent of the parameters, so the
+      trainer takes it as a constant of the gradient.
+    weighting: "tokens", "examples" (per-token / per-example means: microbatches combine as
+      sum(totals) / sum(counts)) or "sum" (e.g. a fixed-normaliser loss or `num_tokens`:
+      sum(totals)).
   """
   total: jax.Array
   count: jax.Array
@@ -171,12 +155,12 @@ class Term:
 
   @classmethod
   def tokens(cls, total: Array, count: Array) -> Term:
-    """A per-token mean: `total` summed over tokens, `count` the (weighted) token count."""
+    """A per-token mean."""
     return cls(_f32(total), _f32(count), "tokens")
 
   @classmethod
   def examples(cls, total: Array, count: Array | int) -> Term:
-    """A per-example mean: `total` summed over examples, `count` the example count."""
+    """A per-example mean."""
     return cls(_f32(total), _f32(count), "examples")
 
   @classmethod
@@ -201,24 +185,19 @@ def combine_terms(stacked: Mapping[str, Term]) -> dict[str, Term]:
 
   A "sum" term keeps count 1; the others' counts add, so `value` is the one-batch value.
   """
-  out = {}
-  for name, term in stacked.items():
-    count = (jnp.ones((), jnp.float32) if term.weighting == "sum"
-             else jnp.sum(term.count, axis=0))
-    out[name] = Term(jnp.sum(term.total, axis=0), count, term.weighting)
-  return out
+  return {name: Term(jnp.sum(term.total, axis=0),
+                     jnp.ones((), jnp.float32) if term.weighting == "sum"
+                     else jnp.sum(term.count, axis=0), term.weighting)
+          for name, term in stacked.items()}
 
 
 def weighted_loss(terms: Mapping[str, Term], weights: Mapping[str, float],
                   counts: Optional[Mapping[str, Array]] = None) -> Array:
   """sum_j weights[j] * terms[j].total / count_j, the loss of a `TermsLoss`.
 
-  Args:
-    terms: The terms of a batch or microbatch.
-    weights: Loss coefficient per term name.
-    counts: The whole batch's count per term; None uses each term's own. A microbatch's
-      loss over the whole batch's counts, summed over the microbatches, is the batch's loss,
-      and so is its gradient (the counts do not depend on the parameters).
+  `counts`: the whole batch's count per term (None: each term's own). A microbatch's loss
+  over the whole batch's counts, summed over the microbatches, is the batch's loss, and so is
+  its gradient (the counts do not depend on the parameters).
   """
   loss = jnp.zeros((), jnp.float32)
   for name, weight in weights.items():
@@ -235,14 +214,10 @@ def weighted_loss(terms: Mapping[str, Term], weights: Mapping[str, float],
 class TermsLoss:
   """A loss declared as terms: `terms(params, batch, rng) -> {name: Term}` and fixed weights.
 
-  The loss is `sum_j weights[j] * value_j`; every term is also a metric. Calling the object
-  gives the plain contract `(loss, metrics)` (metrics: each term's value and `loss`, the
-  weighted sum, which a loss of one term may also name its term), so it works wherever a loss
-  fn does; the `Trainer` uses `terms` to combine microbatches exactly.
-
-  Attributes:
-    weights: `{term name: loss coefficient}` (a 0 coefficient keeps the term as a metric and
-      gives it no gradient).
+  The loss is `sum_j weights[j] * value_j`; every term is also a metric. Called, it gives the
+  plain contract `(loss, metrics)` (each term's value and `loss`, the weighted sum, which a
+  loss of one term may also name its term), so it works wherever a loss fn does; the
+  `Trainer` uses `terms` to combine microbatches exactly.
   """
 
   def __init__(self, terms_fn: Callable[[Any, Any, Optional[Array]], Mapping[str, Term]],
@@ -251,7 +226,7 @@ class TermsLoss:
 
     Args:
       terms_fn: `(params, batch, rng) -> {name: Term}`; must return every name in `weights`.
-      weights: Loss coefficient per term name (non-empty).
+      weights: Loss coefficient per term name (non-empty; a 0 keeps a term as a metric only).
       name: Shown in errors.
     """
     if not weights:
@@ -296,13 +271,9 @@ def terms_of_plain_loss(loss: Array, metrics: Mapping[str, Array], rows: int) ->
   else:
     count, weighting = jnp.asarray(rows, jnp.float32), "examples"
   count = jax.lax.stop_gradient(count)
-  out = {}
-  for name, value in {**metrics, "loss": loss}.items():
-    if name.startswith("num_"):
-      out[name] = Term.sum(value)
-    else:
-      out[name] = Term(_f32(value) * count, count, weighting)
-  return out
+  return {name: Term.sum(value) if name.startswith("num_")
+          else Term(_f32(value) * count, count, weighting)
+          for name, value in {**metrics, "loss": loss}.items()}
 
 
 _REQUIRED_FEATURES = ("encoder_input_tokens", "decoder_input_tokens", "decoder_target_tokens")
@@ -322,14 +293,12 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
       instead (T5X's fixed factor, which keeps microbatches and hosts consistent).
 
   Returns:
-    A `TermsLoss`: called, `loss_fn(params, batch, rng) -> (loss, metrics)`. The batch has
-    `encoder_input_tokens`, `decoder_input_tokens`, `decoder_target_tokens`, optional
-    `decoder_loss_weights` (default: targets != 0) and optional `encoder_segment_ids` /
-    `decoder_segment_ids` (packed examples). `rng` None runs deterministically; otherwise
-    dropout uses it. Metrics (float32 scalars): `loss`, `nll` (mean unsmoothed NLL per weighted
-    token), `z_loss` (per token), `accuracy` (target logit is the largest, weighted) and
-    `num_tokens` (the weight sum). Terms: `loss` per token (a sum for a fixed normaliser), the
-    per-token metrics per token and `num_tokens` a sum, so microbatches combine exactly.
+    A `TermsLoss` over batches of `encoder_input_tokens`, `decoder_input_tokens`,
+    `decoder_target_tokens`, optional `decoder_loss_weights` (default: targets != 0) and
+    optional `encoder_segment_ids` / `decoder_segment_ids` (packed examples); `rng` None runs
+    without dropout. Its terms: `loss` (per token, or a sum for a fixed normaliser), the
+    per-token `nll` (unsmoothed), `z_loss` and `accuracy` (target logit is the largest), and
+    `num_tokens` (the weight sum).
   """
   if not 0.0 <= label_smoothing < 1.0:
     raise ValueError(f"seq2seq_loss_fn: label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -348,15 +317,11 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
     if weights is None:
       weights = targets > 0
     weights = weights.astype(jnp.float32)
-    kwargs = dict(encoder_segment_ids=batch.get("encoder_segment_ids"),
-                  decoder_segment_ids=batch.get("decoder_segment_ids"))
-    if rng is None:
-      logits = model.apply({"params": params}, batch["encoder_input_tokens"],
-                           batch["decoder_input_tokens"], deterministic=True, **kwargs)
-    else:
-      logits = model.apply({"params": params}, batch["encoder_input_tokens"],
-                           batch["decoder_input_tokens"], deterministic=False,
-                           rngs={"dropout": rng}, **kwargs)
+    logits = model.apply({"params": params}, batch["encoder_input_tokens"],
+                         batch["decoder_input_tokens"], deterministic=rng is None,
+                         rngs=None if rng is None else {"dropout": rng},
+                         encoder_segment_ids=batch.get("encoder_segment_ids"),
+                         decoder_segment_ids=batch.get("decoder_segment_ids"))
     loss_sum, weight_sum, z_sum = token_nll(logits, targets, weights,
                                             label_smoothing=label_smoothing, z_loss=z_loss)
     if loss_normalizing_factor is None:
@@ -414,14 +379,8 @@ def masked_whiten(values: Array, mask: Array, shift_mean: bool = True,
                   eps: float = 1e-8) -> Array:
   """(values - mean) / std over the masked entries; entries outside the mask become 0.
 
-  Args:
-    values: Any shape.
-    mask: Same shape, 0/1.
-    shift_mean: False adds the mean back (scale only), as PPO does for rewards.
-    eps: Added to the variance.
-
-  Returns:
-    float32 array of `values`' shape.
+  `mask` is 0/1 of `values`' shape; `shift_mean=False` adds the mean back (scale only), as
+  PPO does for rewards; `eps` is added to the variance. Returns float32.
   """
   values = values.astype(jnp.float32)
   mean = masked_mean(values, mask)

@@ -1,11 +1,7 @@
 """Optimizers and learning-rate schedules (optax), as gin-bindable factories.
 
-`make_optimizer` builds T5X's default Adafactor, AdamW or plain SGD, with optional global-norm
-gradient clipping. `make_schedule` builds the schedules the methods use: T5X's reciprocal
-square root, linear warm-up, linear decay and their combinations (prompt tuning: lr 0.1, 500
-warm-up steps, then linear decay).
-
-Steps count optimizer updates from 0 (optax's convention: the first update uses `schedule(0)`).
+`make_optimizer`: T5X's default Adafactor, AdamW or SGD with optional global-norm clipping;
+`make_schedule`: the schedules the methods use. Steps count updates from 0 (optax's convention).
 """
 
 from __future__ import annotations
@@ -51,32 +47,19 @@ def _is_number(value: object) -> TypeGuard[float]:
                                              and hasattr(value, "__float__"))
 
 
-def _check_number(fn: str, field: str, value: object, *, strict: bool = False) -> None:
-  """Raises unless `value` is a number >= 0 (> 0 when `strict`), naming the field and macro.
-
-  Raises:
-    TypeError: Not a number (e.g. a string from a mistyped --gin.NAME=VALUE).
-    ValueError: Negative, zero when `strict`, or NaN.
-  """
-  bound = "> 0" if strict else ">= 0"
-  if not _is_number(value):
-    raise TypeError(f"{fn}: {field} must be a number {bound}{_macro(field)}, got {value!r}")
-  if not (value > 0 if strict else value >= 0):  # NaN fails both.
-    raise ValueError(f"{fn}: {field} must be {bound}{_macro(field)}, got {value!r}")
-
-
-def _check_int(fn: str, field: str, value: object, *, positive: bool) -> None:
-  """Raises unless `value` is an int > 0 (`positive`) or >= 0, naming the field and macro.
-
-  Raises:
-    TypeError: Not an int (e.g. 'abc' or 1e4 from a --gin.NAME=VALUE flag).
-    ValueError: Out of range.
-  """
-  kind = "a positive int" if positive else "an int >= 0"
-  if not _is_int(value):
+def _check(fn: str, field: str, value: object, *, integer: bool = False,
+           strict: bool = False) -> None:
+  """TypeError unless `value` is a number (an int if `integer`: not 1e4), ValueError unless it
+  is >= 0 (> 0 when `strict`; NaN fails), naming the field and its macro."""
+  if integer:
+    bound = kind = "a positive int" if strict else "an int >= 0"
+  else:
+    bound = "> 0" if strict else ">= 0"
+    kind = f"a number {bound}"
+  if not (_is_int(value) if integer else _is_number(value)):
     raise TypeError(f"{fn}: {field} must be {kind}{_macro(field)}, got {value!r}")
-  if not (value > 0 if positive else value >= 0):
-    raise ValueError(f"{fn}: {field} must be {kind}{_macro(field)}, got {value!r}")
+  if not (value > 0 if strict else value >= 0):  # type: ignore[operator]  # A number by now.
+    raise ValueError(f"{fn}: {field} must be {bound}{_macro(field)}, got {value!r}")
 
 
 @gin.configurable
@@ -100,22 +83,19 @@ def make_schedule(*, name: str = "constant", base_learning_rate: float,
     total_steps: Step at which the linear decays reach `end_learning_rate`.
     end_learning_rate: Final learning rate of the linear decays.
 
-  Returns:
-    A function of the (integer) step.
-
   Raises:
-    TypeError: A step count or rate of the wrong type (naming the field and its gin macro,
-      e.g. total_steps and TRAIN_STEPS).
-    ValueError: Unknown name, or steps or rates out of range or inconsistent (likewise).
+    TypeError: A step count or rate of the wrong type; ValueError: an unknown name, or steps
+      or rates out of range or inconsistent (naming the field and its gin macro, e.g.
+      total_steps and TRAIN_STEPS).
   """
   if name not in SCHEDULES:
     raise ValueError(f"make_schedule: unknown name {name!r}; known: {list(SCHEDULES)}")
-  _check_number("make_schedule", "base_learning_rate", base_learning_rate)
-  _check_number("make_schedule", "end_learning_rate", end_learning_rate)
+  _check("make_schedule", "base_learning_rate", base_learning_rate)
+  _check("make_schedule", "end_learning_rate", end_learning_rate)
   # total_steps first: with TRAIN_STEPS=0 and WARMUP_STEPS=0 the run length is what is wrong.
   if total_steps is not None:
-    _check_int("make_schedule", "total_steps", total_steps, positive=True)
-  _check_int("make_schedule", "warmup_steps", warmup_steps, positive=False)
+    _check("make_schedule", "total_steps", total_steps, integer=True, strict=True)
+  _check("make_schedule", "warmup_steps", warmup_steps, integer=True)
   if name in ("linear_decay", "warmup_linear_decay") and total_steps is None:
     raise ValueError(f"make_schedule: {name!r} needs total_steps{_macro('total_steps')}, the "
                      f"step at which the decay ends")
@@ -176,73 +156,54 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
     weight_decay: Decoupled weight decay (AdamW; Adafactor's `weight_decay_rate`). Applied to
       every trainable leaf; SGD ignores it unless > 0, then adds `weight_decay * param`.
     grad_clip_norm: Clip gradients to this global norm first (None: no clipping).
-    b1: AdamW first-moment decay.
-    b2: AdamW second-moment decay.
-    eps: AdamW epsilon.
+    b1, b2, eps: AdamW's moment decays and epsilon.
     momentum: Adafactor / SGD momentum (None: none, as in T5X).
-    decay_rate: Adafactor second-moment decay exponent.
-    clipping_threshold: Adafactor update clipping (RMS) threshold; None disables it.
-    multiply_by_parameter_scale: Adafactor scales updates by the parameter RMS.
-    factored: Adafactor factors second moments of matrices.
-    min_dim_size_to_factor: Adafactor factors only when both of the two largest dims are at
-      least this large.
-    group_same_shapes: Adafactor through `jaxmoral.adafactor.grouped_adafactor`: optax's
-      updates, computed for all leaves of one shape at once (T5 1.1-large: 558 leaves, 7
-      shapes), so a GPU launches a few kernels per shape instead of several per leaf (a
-      faster train step on an H100; bench/RESULTS.md). Its state is one
-      stacked array per shape and statistic, replicated over the mesh, so checkpoints of the
-      two layouts do not mix. None (default): grouped unless `momentum` is set, whose
-      parameter-sized state would then be replicated; False: `optax.adafactor`.
+    decay_rate, clipping_threshold, multiply_by_parameter_scale, factored,
+      min_dim_size_to_factor: Adafactor's (see `adafactor.grouped_adafactor`).
+    group_same_shapes: Adafactor through `jaxmoral.adafactor.grouped_adafactor` (optax's
+      updates, all leaves of one shape at once: a faster GPU train step, bench/RESULTS.md).
+      Its state is one stacked array per shape and statistic, replicated over the mesh, so
+      checkpoints of the two layouts do not mix. None (default): grouped unless `momentum`
+      is set, whose parameter-sized state would then be replicated; False: `optax.adafactor`.
 
   Returns:
-    The gradient transformation (apply to the *trainable* params only; see trainer.py), an
-    `Optimizer` that also gives its learning rate at a step.
+    An `Optimizer` (apply it to the *trainable* params only; see trainer.py).
 
   Raises:
-    TypeError: A rate or other number of the wrong type (naming the field).
-    ValueError: Unknown name or bad value (naming the field).
+    TypeError: A number of the wrong type; ValueError: unknown name or bad value (naming
+      the field).
   """
   if name not in OPTIMIZERS:
     raise ValueError(f"make_optimizer: unknown name {name!r}; known: {list(OPTIMIZERS)}")
   if not callable(learning_rate):  # A schedule is checked by make_schedule.
-    _check_number("make_optimizer", "learning_rate", learning_rate)
-  _check_number("make_optimizer", "weight_decay", weight_decay)
+    _check("make_optimizer", "learning_rate", learning_rate)
+  _check("make_optimizer", "weight_decay", weight_decay)
   if grad_clip_norm is not None:
-    _check_number("make_optimizer", "grad_clip_norm", grad_clip_norm, strict=True)
+    _check("make_optimizer", "grad_clip_norm", grad_clip_norm, strict=True)
   if group_same_shapes and name != "adafactor":
     raise ValueError(f"make_optimizer: group_same_shapes applies to adafactor, not {name!r}")
   if group_same_shapes is None:
     group_same_shapes = momentum is None
-  if name == "adafactor" and group_same_shapes:
-    opt = adafactor.grouped_adafactor(
-        learning_rate, min_dim_size_to_factor=min_dim_size_to_factor, decay_rate=decay_rate,
-        multiply_by_parameter_scale=multiply_by_parameter_scale,
-        clipping_threshold=clipping_threshold, momentum=momentum, factored=factored,
-        weight_decay_rate=weight_decay or None)
-  elif name == "adafactor":
-    opt = optax.adafactor(
-        learning_rate=learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
-        decay_rate=decay_rate, multiply_by_parameter_scale=multiply_by_parameter_scale,
-        clipping_threshold=clipping_threshold, momentum=momentum, factored=factored,
-        weight_decay_rate=weight_decay or None)
+  if name == "adafactor":
+    make = adafactor.grouped_adafactor if group_same_shapes else optax.adafactor
+    opt = make(learning_rate=learning_rate, min_dim_size_to_factor=min_dim_size_to_factor,
+               decay_rate=decay_rate, multiply_by_parameter_scale=multiply_by_parameter_scale,
+               clipping_threshold=clipping_threshold, momentum=momentum, factored=factored,
+               weight_decay_rate=weight_decay or None)
   elif name == "adamw":
     opt = optax.adamw(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
                       weight_decay=weight_decay)
   else:
-    parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
-    parts.append(optax.sgd(learning_rate=learning_rate, momentum=momentum))
-    opt = optax.chain(*parts) if len(parts) > 1 else parts[0]
+    opt = optax.sgd(learning_rate=learning_rate, momentum=momentum)
+    if weight_decay:
+      opt = optax.chain(optax.add_decayed_weights(weight_decay), opt)
   if grad_clip_norm is not None:
     opt = optax.chain(optax.clip_by_global_norm(grad_clip_norm), opt)
   return Optimizer(opt.init, opt.update, learning_rate)
 
 
 class Optimizer(optax.GradientTransformation):
-  """An optax transformation that also tells its learning rate at a step (for TensorBoard).
-
-  It is a `GradientTransformation` (init, update) like any other; `learning_rate(step)` is
-  the schedule's value, or the constant.
-  """
+  """An optax transformation that also tells its learning rate at a step (for TensorBoard)."""
   # A subclass without __slots__, so an instance can hold its schedule beside (init, update).
 
   def __new__(cls, init, update, learning_rate: LearningRate):

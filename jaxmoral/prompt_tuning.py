@@ -1,23 +1,9 @@
 """Soft prompt tuning: P trainable vectors prefixed to the encoder input embeddings.
 
-The prompt rows take encoder positions 0..P-1 and are always visible: the encoder mask (used
-by encoder self-attention and decoder cross-attention alike) is extended with P ones. Only the
-prompt is trained; a base checkpoint is shared by any number of prompts (generator, classifiers)
-without copies, since a prompted parameter tree just references the base arrays::
-
-  params = {"base": base_params, "prompt": prompt}   # prompt: (P, d_model) float32
-
-Entry points:
-- `PromptedT5(config, prompt_length)`: linen wrapper whose `__call__` has T5's signature, so
-  the core `losses.seq2seq_loss_fn(PromptedT5(...))` trains a prompt unchanged.
-- `init_prompt(...)`: the initialisers (sample of the first N vocabulary embeddings, given
-  words' embeddings, uniform).
-- `prompted_encoder_inputs(...)`: (embeds, mask) with the prompt prefixed, for
-  `decoding.sample(base_model, base_params, encoder_embeds=..., encoder_mask=...)`.
-- `trainable_mask(params)`: True on the prompt only (the Trainer gives the base no optimizer
-  state and no updates).
-- `save_prompt` / `load_prompt`: the prompt alone (a small .npy plus JSON; optionally Orbax).
-- `PromptTuningModel`: what `jaxmoral.runs.train_run` trains (base from `init_checkpoint`).
+The prompt takes encoder positions 0..P-1 and is always visible (the encoder mask gains P
+ones). Only the prompt is trained, and a prompted tree `{"base": base_params, "prompt": (P,
+d_model) float32}` references the base arrays, so any number of prompts share one checkpoint.
+`PromptedT5` has T5's `__call__`, so `losses.seq2seq_loss_fn(PromptedT5(...))` trains a prompt.
 """
 
 from __future__ import annotations
@@ -94,16 +80,9 @@ class PromptConfig:
 
 def init_prompt(config: PromptConfig, *, rng: Array, embedding_table: Any,
                 word_ids: Optional[Sequence[Sequence[int]]] = None) -> np.ndarray:
-  """A (P, d_model) float32 prompt.
+  """A (P, d_model) float32 prompt from the base's (vocab, d_model) `embedding_table`.
 
-  Args:
-    config: Shape and initialiser.
-    rng: PRNG key.
-    embedding_table: The base model's `token_embedder/embedding` (vocab, d_model).
-    word_ids: For init="words": the token ids of each of `config.init_words`.
-
-  Returns:
-    The prompt as a NumPy array.
+  `word_ids` (init="words" only): the token ids of each of `config.init_words`.
   """
   table = np.asarray(embedding_table, np.float32)
   vocab, width = table.shape
@@ -137,10 +116,8 @@ def prepend_prompt(prompt: Array, embeds: Array, mask: Array) -> tuple[Array, Ar
 
 
 class PromptedT5(nn.Module):
-  """A T5 (submodule "base") with a soft prompt (param "prompt", (P, d_model)).
-
-  `__call__` matches `T5.__call__` for token inputs, so core losses apply unchanged.
-  """
+  """A T5 (submodule "base") with a soft prompt (param "prompt", (P, d_model)); `__call__`
+  matches `T5.__call__` for token inputs, so core losses apply unchanged."""
   config: T5Config
   prompt_length: int
 
@@ -151,12 +128,6 @@ class PromptedT5(nn.Module):
         nn.initializers.zeros, (None, "embed")), (self.prompt_length, self.config.d_model),
         jnp.float32)
 
-  def encoder_inputs(self, encoder_input_tokens: Array) -> tuple[Array, Array]:
-    """Prompted input embeddings and mask for token ids (pad = 0 masked)."""
-    mask = encoder_input_tokens != self.config.pad_token_id
-    embeds = self.base.embed(encoder_input_tokens)
-    return prepend_prompt(self.prompt, embeds, mask)
-
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array, *,
                encoder_segment_ids: Optional[Array] = None,
                decoder_segment_ids: Optional[Array] = None, deterministic: bool = True,
@@ -164,7 +135,8 @@ class PromptedT5(nn.Module):
     if encoder_segment_ids is not None or decoder_segment_ids is not None:
       raise ValueError("PromptedT5: packed examples (segment ids) are not supported; the "
                        "prompt would have to be repeated per segment")
-    embeds, mask = self.encoder_inputs(encoder_input_tokens)
+    embeds, mask = prepend_prompt(self.prompt, self.base.embed(encoder_input_tokens),
+                                  encoder_input_tokens != self.config.pad_token_id)
     return self.base(None, decoder_input_tokens, encoder_embeds=embeds, encoder_mask=mask,
                      deterministic=deterministic, return_hidden=return_hidden)
 
@@ -172,9 +144,10 @@ class PromptedT5(nn.Module):
 def prompted_params(base_params: Any, prompt: Any) -> dict[str, Any]:
   """The PromptedT5 tree; references `base_params` (no copy). Checks the prompt's width."""
   width = np.shape(nn.meta.unbox(base_params)["token_embedder"]["embedding"])[-1]
-  if np.ndim(nn.meta.unbox(prompt)) != 2 or np.shape(nn.meta.unbox(prompt))[1] != width:
-    raise ValueError(f"prompt shape {np.shape(nn.meta.unbox(prompt))} does not fit a base "
-                     f"model with d_model={width}: expected (P, {width})")
+  shape = np.shape(nn.meta.unbox(prompt))
+  if len(shape) != 2 or shape[1] != width:
+    raise ValueError(f"prompt shape {shape} does not fit a base model with d_model={width}: "
+                     f"expected (P, {width})")
   return {"base": base_params, "prompt": prompt}
 
 
@@ -198,13 +171,10 @@ def save_prompt(prompt: Any, directory: str | os.PathLike, *,
 
   Args:
     prompt: (P, d_model) array.
-    directory: Created if missing.
+    directory: Created if missing; returned.
     metadata: JSON-serialisable extras (e.g. task, base checkpoint, label words).
-    orbax: Also export it as an Orbax params checkpoint under `directory/orbax`
-      (`params_export.export_params`), for tools that read only Orbax.
-
-  Returns:
-    The directory.
+    orbax: Also export it under `directory/orbax` (`params_export.export_params`), for tools
+      that read only Orbax.
   """
   directory = os.fspath(directory)
   fileio.makedirs(directory)
@@ -225,24 +195,18 @@ def prompt_directory(directory: str | os.PathLike) -> Optional[str]:
   """The folder holding a saved prompt (`prompt.npy` or `orbax/`): `directory` itself, or a
   prompt-tuning run's `MODEL_DIR/prompt`; None when neither holds one."""
   directory = os.fspath(directory)
-  for candidate in (directory, fileio.join(directory, PROMPT_SUBDIR)):
-    if fileio.exists(fileio.join(candidate, PROMPT_FILE)) or fileio.isdir(
-        fileio.join(candidate, "orbax")):
-      return candidate
-  return None
+  return next((candidate for candidate in (directory, fileio.join(directory, PROMPT_SUBDIR))
+               if fileio.exists(fileio.join(candidate, PROMPT_FILE))
+               or fileio.isdir(fileio.join(candidate, "orbax"))), None)
 
 
 def load_prompt(directory: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any]]:
-  """Loads `save_prompt`'s output: (prompt (P, d_model) float32, metadata).
-
-  Reads `prompt.npy` when present, else the Orbax export under `directory/orbax`; a
-  prompt-tuning run directory gives the prompt it saved (`MODEL_DIR/prompt`).
-  """
+  """Loads `save_prompt`'s output, `prompt.npy` or else `orbax/`, from `prompt_directory`:
+  (prompt (P, d_model) float32, metadata)."""
   directory = prompt_directory(directory) or os.fspath(directory)
   meta_path = fileio.join(directory, META_FILE)
-  meta: dict[str, Any] = {}
-  if fileio.exists(meta_path):
-    meta = json.loads(fileio.read_text(meta_path))
+  meta: dict[str, Any] = (json.loads(fileio.read_text(meta_path))
+                          if fileio.exists(meta_path) else {})
   npy = fileio.join(directory, PROMPT_FILE)
   if fileio.exists(npy):
     prompt = np.load(io.BytesIO(fileio.read_bytes(npy)), allow_pickle=False)
@@ -276,11 +240,9 @@ class SavePromptHook(train_lib.TrainHook):
 class PromptTuningModel(trainable.TrainableModel):
   """A soft prompt trained on a frozen base T5 (the paper's defaults in `PromptConfig`).
 
-  Train it with `jaxmoral.runs.train_run` and the base as `init_checkpoint`: the base comes
-  from any model directory (placed in the run's shardings), the prompt is initialised by
-  `init_prompt` (words in the base's vocabulary), and only the prompt gets optimizer state and
-  updates. At the end the prompt is also saved on its own to `MODEL_DIR/prompt`
-  (`load_prompt`).
+  Train it with `jaxmoral.runs.train_run` and the base (any model directory) as
+  `init_checkpoint`; the prompt is initialised by `init_prompt` (words in the base's
+  vocabulary) and, at the end, also saved on its own to `MODEL_DIR/prompt` (`load_prompt`).
 
   Attributes:
     config: The base model's T5Config.

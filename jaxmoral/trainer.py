@@ -1,26 +1,10 @@
 """Compiled, sharded train and eval steps built from a loss function.
 
-A `Trainer` takes a parameter initialiser (boxed, logically partitioned params), a loss
-`loss_fn(params, batch, rng) -> (loss, metrics)`, an optax optimizer and a `PjitPartitioner`,
-and compiles:
-
-- `init_state(rng)`: parameters and optimizer state created directly with their shardings;
-- `train_step(state, batch, rng)`: gradients of the *trainable* parameters only (optionally
-  accumulated over microbatches with `lax.scan`), one optimizer update, state donated;
-- `eval_step(state, batch)`: metrics without dropout.
-
-Trainable mask (a "trainable filter"): parameters are split into two pruned nested dicts,
-`trainable` and `frozen`. The optimizer is built on `trainable` only, so frozen parameters have
-no optimizer state at all, no gradient is computed for them (they are closed over) and they
-pass through every step bit for bit.
-
-Microbatches (`num_microbatches`) give the one-batch update and metrics, exactly: the loss is
-declared as terms (`losses.TermsLoss`: per-token means, per-example means, sums), the batch's
-token and example counts are taken first (they do not depend on the parameters), each
-microbatch contributes the gradient of its terms' totals over the *whole batch's* counts, and
-the reported terms add their totals and counts over the microbatches and divide once. A plain
-`(loss, metrics)` loss fn is mapped onto terms by `losses.terms_of_plain_loss` (a per-token mean
-when it reports `num_tokens`, else a per-example mean).
+A `Trainer` builds parameters and optimizer state with their shardings and compiles
+`train_step` (one update, state donated) and `eval_step`. Only the parameters of the trainable
+mask get gradients and optimizer state (frozen ones are closed over and pass through bit for
+bit), and microbatches give the one-batch update exactly for a loss declared as terms
+(`losses.TermsLoss`; see `microbatch_gradients`).
 """
 
 from __future__ import annotations
@@ -55,17 +39,13 @@ TermsFn = Callable[[PyTree, Any, Optional[jax.Array]], Mapping[str, losses.Term]
 
 
 # -- trainable mask ---------------------------------------------------------------------------
-def _key_name(entry: Any) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(entry, attr):
-      return str(getattr(entry, attr))
-  return str(entry)
+def _path_str(path: Any) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 def param_paths(params: Params) -> list[str]:
   """'/'-joined paths of every leaf, e.g. 'encoder/layers_0/mlp/wo/kernel'."""
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  return ["/".join(_key_name(k) for k in path) for path, _ in leaves]
+  return [_path_str(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
 
 
 def _check_nested_dict(params: Any, where: str = "params") -> None:
@@ -77,11 +57,8 @@ def _check_nested_dict(params: Any, where: str = "params") -> None:
 
 
 def trainable_mask_from_patterns(params: Params, patterns: Sequence[str]) -> PyTree:
-  """A bool tree: True where the '/'-joined path matches any regex (`re.search`).
-
-  Args:
-    params: Parameter tree (arrays, `ShapeDtypeStruct`s or boxed params).
-    patterns: Regexes, e.g. `["^prompt/"]` or `["decoder/layers_1/", "logits_dense"]`.
+  """A bool tree: True where the '/'-joined path matches any of the regexes (`re.search`),
+  e.g. `["^prompt/"]` or `["decoder/layers_1/", "logits_dense"]`.
 
   Raises:
     ValueError: A pattern is not a valid regex or matches no parameter (likely a typo).
@@ -100,17 +77,14 @@ def trainable_mask_from_patterns(params: Params, patterns: Sequence[str]) -> PyT
     if not any(regex.search(p) for p in paths):
       raise ValueError(f"trainable_mask_from_patterns: pattern {pattern!r} matches no "
                        f"parameter; paths look like {paths[:3]}")
-  flags = iter([any(r.search(p) for r in compiled) for p in paths])
-  return jax.tree_util.tree_map(lambda _: next(flags), params)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: any(r.search(_path_str(path)) for r in compiled), params)
 
 
 def resolve_trainable_mask(params: Params, mask: MaskSpec) -> PyTree:
-  """Turns any accepted mask form into a bool tree with `params`' structure.
-
-  Args:
-    params: Parameter tree (unboxed or boxed, real or abstract).
-    mask: None (everything trainable), a regex or list of regexes (see
-      `trainable_mask_from_patterns`), a callable `(path, leaf) -> bool`, or a bool tree.
+  """A bool tree shaped as `params` (boxed or not, real or abstract) from a `mask`: None
+  (everything trainable), regexes (`trainable_mask_from_patterns`), a callable
+  `(path, leaf) -> bool`, or a bool tree.
 
   Raises:
     ValueError: The mask leaves nothing trainable or has the wrong structure.
@@ -123,7 +97,7 @@ def resolve_trainable_mask(params: Params, mask: MaskSpec) -> PyTree:
     out = trainable_mask_from_patterns(params, mask)
   elif callable(mask):
     out = jax.tree_util.tree_map_with_path(
-        lambda path, leaf: bool(mask("/".join(_key_name(k) for k in path), leaf)), params)
+        lambda path, leaf: bool(mask(_path_str(path), leaf)), params)
   else:
     want = jax.tree_util.tree_structure(params)
     got = jax.tree_util.tree_structure(mask)
@@ -135,19 +109,15 @@ def resolve_trainable_mask(params: Params, mask: MaskSpec) -> PyTree:
   return out
 
 
+_DROP = object()
+
+
 def _prune(tree: Any, keep: Any) -> Any:
   """The sub-dict of `tree` whose mask leaves are True; empty dicts dropped."""
-  if isinstance(tree, Mapping):
-    out = {}
-    for key, value in tree.items():
-      sub = _prune(value, keep[key])
-      if not (isinstance(sub, dict) and not sub) and sub is not _DROP:
-        out[key] = sub
-    return out
-  return tree if keep else _DROP
-
-
-_DROP = object()
+  if not isinstance(tree, Mapping):
+    return tree if keep else _DROP
+  pruned = ((key, _prune(value, keep[key])) for key, value in tree.items())
+  return {k: v for k, v in pruned if v is not _DROP and not (isinstance(v, dict) and not v)}
 
 
 def split_params(params: Params, mask: PyTree) -> tuple[dict, dict]:
@@ -170,27 +140,21 @@ def merge_params(trainable: Params, frozen: Params) -> dict:
   return out
 
 
-@contextlib.contextmanager
-def _threefry_as_one_gpu_kernel():
-  """Lowers threefry to JAX's single CUDA kernel (GPU only; CPU and TPU lowering unchanged).
+def _threefry_as_one_gpu_kernel() -> Any:
+  """A context lowering threefry to JAX's single CUDA kernel (GPU only; same random bits).
 
-  The random bits are the same. XLA:GPU compiles the default, unrolled threefry slowly (the
-  initialiser of T5 1.1-large took minutes on an H100, seconds with this). Uses JAX's config
-  state as a context manager; without it, a no-op.
+  XLA:GPU compiles the default, unrolled threefry slowly (the initialiser of T5 1.1-large took
+  minutes on an H100, seconds with this). A no-op where JAX lacks the config state.
   """
   from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
   state = getattr(jax_config, "threefry_gpu_kernel_lowering", None)
-  if state is None:
-    yield
-    return
-  with state(True):
-    yield
+  return contextlib.nullcontext() if state is None else state(True)
 
 
 # -- state -------------------------------------------------------------------------------------
 @flax.struct.dataclass
 class TrainState:
-  """Everything a training run checkpoints (besides the data position, which is `step`).
+  """Everything a training run checkpoints (the data position is `step`, updates applied).
 
   Attributes:
     step: Number of updates applied (int32 scalar).
@@ -205,14 +169,10 @@ class TrainState:
 def _combine_metrics(per_micro: dict[str, jax.Array], weights: jax.Array) -> dict[str, jax.Array]:
   """Microbatch metrics -> batch metrics: counts (`num_*`) summed, others weighted means."""
   total = jnp.sum(weights)
-  out = {}
-  for name, values in per_micro.items():
-    if name.startswith("num_"):
-      out[name] = jnp.sum(values, axis=0)
-    else:
-      out[name] = jnp.sum(values * weights.reshape((-1,) + (1,) * (values.ndim - 1)),
-                          axis=0) / jnp.where(total > 0, total, 1.0)
-  return out
+  return {name: jnp.sum(values, axis=0) if name.startswith("num_")
+          else jnp.sum(values * weights.reshape((-1,) + (1,) * (values.ndim - 1)),
+                       axis=0) / jnp.where(total > 0, total, 1.0)
+          for name, values in per_micro.items()}
 
 
 # `Trainer.eval_step` reports each term's count and each loss weight under these prefixes, so
@@ -242,11 +202,9 @@ def _average_terms(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
   """Combines per-batch (eval) metrics.
 
-  From `Trainer.eval_step` (no `eval_fn`): each term as `train_step` combines microbatches
-  (per-token and per-example terms weighted by their counts, sums added) and the loss
-  recombined from them. Other metric dicts: counts (`num_*`) are summed; other metrics are
-  averaged, weighted by `num_tokens` when every batch reports it (so padded eval batches count
-  by their real tokens), else equally.
+  From `Trainer.eval_step` (no `eval_fn`): each term as `train_step` combines microbatches,
+  the loss recombined from them. Other metric dicts: counts (`num_*`) summed, the rest
+  averaged, weighted by `num_tokens` when reported (padded batches count by their real tokens).
   """
   if not metrics:
     return {}
@@ -254,10 +212,7 @@ def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return _average_terms(metrics)
   stacked = {k: jnp.asarray(np.stack([np.asarray(m[k], np.float32) for m in metrics]))
              for k in metrics[0]}
-  if "num_tokens" in stacked:
-    weights = stacked["num_tokens"]
-  else:
-    weights = jnp.ones((len(metrics),), jnp.float32)
+  weights = stacked.get("num_tokens", jnp.ones((len(metrics),), jnp.float32))
   return {k: float(v) for k, v in _combine_metrics(stacked, weights).items()}
 
 
@@ -283,9 +238,9 @@ def microbatch_gradients(terms_fn: TermsFn, weights: Mapping[str, float], params
   """Exact gradients and terms of a terms-declared loss over a batch, in microbatches.
 
   The loss is `losses.weighted_loss(terms, weights)` of the whole batch. With m > 1
-  microbatches (rows i, i + m, i + 2m, ... form microbatch i, so each draws equally from every
-  data shard), the whole batch's counts are taken first (`terms_fn` on the whole batch, of which
-  only the counts are used: XLA removes the rest of that forward pass), then a `lax.scan`
+  `num_microbatches` (rows i, i + m, i + 2m, ... form microbatch i, so each draws equally from
+  every data shard), the whole batch's counts are taken first (`terms_fn` on the whole batch, of
+  which only the counts are used: XLA removes the rest of that forward pass), then a `lax.scan`
   accumulates the gradient of `weighted_loss(microbatch terms, weights, counts=whole batch's)`.
   Those microbatch losses sum to the batch's loss, so the summed gradient is its gradient.
 
@@ -293,19 +248,17 @@ def microbatch_gradients(terms_fn: TermsFn, weights: Mapping[str, float], params
     terms_fn: `(params, batch, rng) -> {name: losses.Term}`; counts must not depend on params.
     weights: `{term name: loss coefficient}`.
     params: The differentiated tree.
-    batch: A pytree whose leaves share a leading batch dim B, divisible by `num_microbatches`.
+    batch: A pytree whose leaves share a leading batch dim, divisible by `num_microbatches`.
     rng: The step's key (microbatch i uses `fold_in(rng, i)` when m > 1), or None.
-    num_microbatches: m.
-    mesh: If given, microbatches are constrained to shard their rows over its data axis.
-    grad_shardings: If given, gradients and their accumulator keep these shardings.
+    mesh, grad_shardings: If given, microbatch rows are sharded over its data axis, and
+      gradients and their accumulator keep these shardings.
 
   Returns:
-    (gradients like `params`, the whole batch's terms: totals and counts over all rows).
+    (gradients like `params`, the whole batch's terms).
   """
   def constrain(grads):
-    if grad_shardings is None:
-      return grads
-    return jax.lax.with_sharding_constraint(grads, grad_shardings)
+    return (grads if grad_shardings is None
+            else jax.lax.with_sharding_constraint(grads, grad_shardings))
 
   def grads_of(p, mb, key, counts):
     def loss_of(q):
@@ -345,8 +298,7 @@ def microbatch_gradients(terms_fn: TermsFn, weights: Mapping[str, float], params
 class TrainStateInitializer:
   """Parameters and optimizer state of one model on a mesh: shardings, creation, restore.
 
-  What every trainer of a model needs before any step exists (T5X's `TrainStateInitializer`):
-  the supervised `Trainer` owns one, PPO one for the policy and one for the value model.
+  T5X's `TrainStateInitializer`: the supervised `Trainer` owns one, PPO one per model.
 
   Attributes:
     partitioner: The `PjitPartitioner` (mesh + logical-axis rules).
@@ -375,7 +327,6 @@ class TrainStateInitializer:
     # mesh's devices, which cannot run anything when they are AOT compile-only TPU devices.
     with partitioner.context():
       boxed = jax.eval_shape(init_params_fn, jax.ShapeDtypeStruct((2,), jnp.uint32))
-    self.boxed_abstract_params = boxed
     abstract_params = nn.meta.unbox(boxed)
     _check_nested_dict(abstract_params)
     self.trainable_mask = resolve_trainable_mask(abstract_params, trainable_mask)
@@ -453,11 +404,8 @@ class TrainStateInitializer:
     return jax.device_put(params, self.params_shardings)
 
   def init_state_from_params(self, params: PyTree) -> TrainState:
-    """A step-0 state around given (e.g. imported or exported) parameters.
-
-    Args:
-      params: Boxed or unboxed tree with exactly the model's paths, shapes and dtypes;
-        host (numpy) or device arrays (already sharded ones are not moved).
+    """A step-0 state around given (e.g. imported) parameters: a boxed or unboxed tree with
+    exactly the model's paths and shapes, host or device arrays (sharded ones are not moved).
 
     Raises:
       ValueError: A path is missing/unexpected or a shape differs (naming it).
@@ -486,12 +434,9 @@ class Trainer:
   """Sharded, compiled train/eval steps for one loss function.
 
   Attributes:
-    partitioner: The `PjitPartitioner` (mesh + logical-axis rules).
     initializer: The `TrainStateInitializer` (shardings, state creation).
     num_microbatches: Gradient accumulation steps per `train_step`.
-    trainable_mask: Bool tree over the parameters (True: trained).
-    params_shardings: `NamedSharding` tree of the parameters.
-    state_shardings: `TrainState` of `NamedSharding`s.
+    partitioner, trainable_mask, params_shardings, state_shardings: The initializer's.
   """
 
   def __init__(self, *, init_params_fn: Callable[[jax.Array], PyTree], loss_fn: LossFn,
@@ -502,22 +447,14 @@ class Trainer:
     """Builds shardings and the compiled steps (compilation happens on first use).
 
     Args:
-      init_params_fn: `rng -> params`, boxed with logical axes (e.g.
-        `functools.partial(t5.init_params, model)`); plain arrays are replicated.
-      loss_fn: A `losses.TermsLoss` (terms that combine exactly across microbatches), or a
-        plain `loss_fn(params, batch, rng) -> (scalar loss, dict of scalar metrics)`, taken as
-        a per-token mean if it reports `num_tokens`, else a per-example mean (see
-        `losses.terms_of_plain_loss`); `rng` None means deterministic (used by `eval_step`).
-      optimizer: Optax transformation; it only ever sees the trainable parameters.
+      init_params_fn, optimizer, trainable_mask: As `TrainStateInitializer` takes them.
+      loss_fn: A `losses.TermsLoss`, or a plain `loss_fn(params, batch, rng) -> (scalar
+        loss, dict of scalar metrics)` (`as_terms_loss`); `rng` None means deterministic.
       partitioner: Mesh and rules; parameters use `partitioner.sharding_for`, batches are
         sharded over "data".
-      trainable_mask: None (all), regex(es) on '/'-joined parameter paths, a callable
-        `(path, leaf) -> bool`, or a bool tree.
-      num_microbatches: Split each global batch into this many microbatches along the batch
-        dim and accumulate gradients: the same update and metrics as one big batch (each
-        term combined as it declares, see `microbatch_gradients`), less activation memory.
-      eval_fn: `eval_fn(params, batch) -> metrics` for `eval_step`; default: `loss_fn` with
-        rng None.
+      num_microbatches: Microbatches per global batch, gradients accumulated: the one-batch
+        update and metrics (`microbatch_gradients`) with less activation memory.
+      eval_fn: `eval_fn(params, batch) -> metrics` for `eval_step`; default: `loss_fn`.
       learning_rate_fn: If given, `metrics["learning_rate"] = learning_rate_fn(step)`.
     """
     validation.positive_int(num_microbatches, "Trainer.num_microbatches")
@@ -526,7 +463,6 @@ class Trainer:
     self.initializer = TrainStateInitializer(init_params_fn=init_params_fn, optimizer=optimizer,
                                              partitioner=partitioner,
                                              trainable_mask=trainable_mask)
-    self._loss_fn = loss_fn
     self._terms_loss = as_terms_loss(loss_fn)
     self._eval_fn = eval_fn
     self._optimizer = optimizer
@@ -549,7 +485,7 @@ class Trainer:
     return self.initializer.init_state(rng)
 
   def init_state_from_params(self, params: PyTree) -> TrainState:
-    """A step-0 state around given parameters (see `TrainStateInitializer`)."""
+    """A step-0 state around given parameters (`TrainStateInitializer`'s)."""
     return self.initializer.init_state_from_params(params)
 
   def abstract_state(self) -> TrainState:
@@ -582,23 +518,26 @@ class Trainer:
     self._check_batch(local, processes=jax.process_count())
     return self.partitioner.host_local_to_global(local)
 
+  def _global_batch(self, batch: Mapping[str, Any], check: bool = True) -> dict[str, Any]:
+    """Device arrays as they are (checked when `check`), else `shard_batch` of host rows."""
+    if not all(isinstance(v, jax.Array) for v in batch.values()):
+      return self.shard_batch(batch)
+    if check:
+      self._check_batch(batch)
+    return dict(batch)
+
   # -- steps ------------------------------------------------------------------------------------
-  def _grads(self, trainable, frozen, batch, rng):
-    """Gradients and metrics of the whole batch, accumulated exactly over microbatches."""
+  def _train_fn(self, state: TrainState, batch, rng):
+    trainable, frozen = split_params(state.params, self.trainable_mask)
     # Gradients keep the parameters' shardings (FSDP included), also inside the microbatch
     # loop, where propagation alone may leave them sharded over the model axis only.
     grads, terms = microbatch_gradients(
         lambda t, b, r: self._terms_loss.terms(merge_params(t, frozen), b, r),
-        self._terms_loss.weights, trainable, batch, rng,
+        self._terms_loss.weights, trainable, batch, jax.random.fold_in(rng, state.step),
         num_microbatches=self.num_microbatches, mesh=self.partitioner.mesh,
         grad_shardings=self._trainable_shardings)
     _, metrics = self._terms_loss.loss_and_metrics(terms)
-    return grads, {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-
-  def _train_fn(self, state: TrainState, batch, rng):
-    step_rng = jax.random.fold_in(rng, state.step)
-    trainable, frozen = split_params(state.params, self.trainable_mask)
-    grads, metrics = self._grads(trainable, frozen, batch, step_rng)
+    metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
     updates, opt_state = self._optimizer.update(grads, state.opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
     metrics["grad_norm"] = optimizers.global_norm(grads)
@@ -616,17 +555,13 @@ class Trainer:
       state: Current state (sharded as `state_shardings`).
       batch: Global batch (numpy arrays are sharded over "data" here; multi-host callers
         pass `shard_batch(...)` output).
-      rng: The run's *base* key; the step's key is `fold_in(rng, state.step)` (and
-        `fold_in(., microbatch)`), so a resumed run reproduces dropout exactly.
+      rng: The run's *base* key; the step's key is `fold_in(rng, state.step)`, so a resumed
+        run reproduces dropout exactly.
 
     Returns:
-      (new state, metrics: loss fn metrics + `loss`, `grad_norm`, maybe `learning_rate`).
+      (new state, metrics: the loss's + `loss`, `grad_norm`, maybe `learning_rate`).
     """
-    if not all(isinstance(v, jax.Array) for v in batch.values()):
-      batch = self.shard_batch(batch)
-    else:
-      self._check_batch(batch)
-    return self._train_jit(state, dict(batch), rng)
+    return self._train_jit(state, self._global_batch(batch), rng)
 
   def _eval_step_fn(self, state: TrainState, batch):
     metrics: dict[str, Any]
@@ -641,14 +576,9 @@ class Trainer:
     return {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
   def eval_step(self, state: TrainState, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Metrics of one batch, deterministic (no dropout); the state is not donated.
-
-    Without an `eval_fn`, also each term's count (`count/<term>`) and loss weight
-    (`loss_weight/<term>`), which `average_metrics` uses to combine batches exactly and drops.
-    """
-    if not all(isinstance(v, jax.Array) for v in batch.values()):
-      batch = self.shard_batch(batch)
-    return self._eval_jit(state, dict(batch))
+    """Metrics of one batch without dropout (the state is not donated); without an `eval_fn`
+    also `count/<term>` and `loss_weight/<term>`, which `average_metrics` combines and drops."""
+    return self._eval_jit(state, self._global_batch(batch, check=False))
 
   # -- AOT ----------------------------------------------------------------------------------------
   @property
