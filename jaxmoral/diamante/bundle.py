@@ -26,13 +26,12 @@ class Bundle(inference.InferenceModel):
 
 def load(model_dir: str | os.PathLike, *, partitioner: Any = None,
          feature_lengths: Optional[Mapping[str, int]] = None) -> Bundle:
-  """Loads a model directory for Diamante inference.
+  """Loads any model directory or Hub id (usually a Diamante run) for Diamante inference.
 
   Args:
-    model_dir: Any model directory or Hub id (usually a Diamante run).
+    model_dir: The directory.
     partitioner: Read the parameters into its shardings; every call of the bundle then runs
-      on its mesh (`partitioning.inference_partitioner` gives the commands' default); None:
-      one device without a mesh.
+      on its mesh. None: one device without a mesh.
     feature_lengths: Override the trained `{"inputs": context, "targets": response}` lengths.
 
   Raises:

@@ -1,9 +1,8 @@
 """Model candidates for a dialogue corpus that has none, sampled once and stored.
 
-As the paper did for DuSinc: a generator (e.g. `train_lib.train_generator`) samples
-`num_candidates` responses with top-k for every response position, and the corpus is written
-back in the Diamante format with `response_candidates` filled in. Training then re-draws r_M
-from these stored candidates every epoch.
+As the paper did for DuSinc: a generator samples `num_candidates` top-k responses for every
+response position, written back in the Diamante format with `response_candidates` filled in;
+training then re-draws r_M from these stored candidates every epoch.
 """
 
 from __future__ import annotations
@@ -74,8 +73,7 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
     max_decode_length: Tokens per candidate at most.
     batch_size: Contexts per sampler call.
     seed: Sampling seed.
-    partitioner: The mesh the model is read onto and run on (the run's PARTITIONER, e.g.
-      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
+    partitioner: The mesh the model runs on (the run's PARTITIONER; None: `inference_partitioner`).
 
   Returns:
     The number of dialogues written.
@@ -84,9 +82,7 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
     raise ValueError("generate_candidates: give exactly one of input_path, turns")
   if num_candidates < 1:
     raise ValueError(f"generate_candidates: num_candidates must be >= 1, got {num_candidates}")
-  if turns is None:
-    assert input_path is not None  # Exactly one of input_path, turns (checked above).
-    turns = data.read_dialogues(input_path)
+  turns = data.read_dialogues(str(input_path)) if turns is None else turns
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   dialogues = dialogues_of(turns)
   contexts = [d[:i] for d in dialogues for i in range(1, len(d))]

@@ -1,9 +1,8 @@
 """Talking to a Diamante model: interactive chat and self-chat, both writing transcripts.
 
-Every bot turn samples N candidates, scores them with the preference head and answers with the
-best (`inference.respond`). Transcripts are JSON lines, one turn a line:
-`{"turn": i, "speaker": "user"|"bot"|"bot_a"|"bot_b", "text": ..., "score": ...,
-"candidates": [[text, score], ...]}` (bot turns list their candidates best first).
+Every bot turn answers with the best-scored of N candidates (`inference.respond`). Transcripts
+are JSON lines, one turn a line: `{"turn", "speaker" ("user"|"bot"|"bot_a"|"bot_b"), "text"}`,
+bot turns with their "score" and "candidates" ([[text, score], ...], best first).
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ NOT_UTF8 = "input is not valid UTF-8; skipped"
 
 
 def read_line(prompt: str) -> str:
-  """`input(prompt)` for chats: a line that is not UTF-8 raises UnicodeError for that line
-  alone, and the next line reads as usual (clarify's chat reads its answers with it too).
-
-  Piped input is read as bytes and decoded line by line: `input()` would give undecodable
+  """`input(prompt)` for chats (clarify's too): a line that is not UTF-8 raises UnicodeError
+  for that line alone. Piped input is decoded line by line: `input()` would give undecodable
   bytes as surrogates (SentencePiece then fails), or, with strict decoding, lose the whole
   buffered chunk. A terminal keeps `input()` (line editing); its surrogates are caught here.
 
@@ -53,20 +50,22 @@ def read_line(prompt: str) -> str:
   return line
 
 
-def _turn_record(turn: int, speaker: str, text: str,
-                 reply: Optional[inference.Reply] = None) -> dict:
-  record = {"turn": turn, "speaker": speaker, "text": text}
-  if reply is not None:
-    record["score"] = reply.score
-    record["candidates"] = [[c.text, c.score] for c in reply.candidates]
-  return record
+def _bot_turn(bundle: bundle_lib.Bundle, history: list[str], records: list[dict], speaker: str,
+              rng: jax.Array, rerank: Optional[inference.RerankConfig]) -> inference.Reply:
+  """The best-scored reply to `history`, added to it and (with its candidates) to `records`."""
+  reply = inference.respond(bundle, [history], rng=rng,
+                            config=rerank or inference.RerankConfig())[0]
+  history.append(reply.text)
+  records.append({"turn": len(records), "speaker": speaker, "text": reply.text,
+                  "score": reply.score,
+                  "candidates": [[c.text, c.score] for c in reply.candidates]})
+  return reply
 
 
 @gin.configurable
 def chat(*, model_dir: str, transcript_path: str,
          rerank: Optional[inference.RerankConfig] = None, seed: int = 0,
-         max_turns: int = 100, show_candidates: int = 0,
-         input_fn: Callable[[str], str] = read_line,
+         max_turns: int = 100, show_candidates: int = 0, input_fn: Callable[[str], str] = read_line,
          output: Optional[TextIO] = None, partitioner: Any = None) -> list[dict]:
   """Interactive conversation on the terminal; `/quit` (or end of input) ends it.
 
@@ -81,8 +80,7 @@ def chat(*, model_dir: str, transcript_path: str,
     input_fn: Reads a user line (tests pass a scripted one); a line that is not UTF-8
       (UnicodeError, or undecodable bytes as surrogates) is skipped with a note on stderr.
     output: Where replies are printed (None: standard output as it is at call time).
-    partitioner: The mesh the model is read onto and run on (the run's PARTITIONER, e.g.
-      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
+    partitioner: The mesh the model runs on (the run's PARTITIONER; None: `inference_partitioner`).
 
   Returns:
     The transcript records.
@@ -107,12 +105,9 @@ def chat(*, model_dir: str, transcript_path: str,
       if not line:
         continue
       history.append(line)
-      records.append(_turn_record(len(records), "user", line))
+      records.append({"turn": len(records), "speaker": "user", "text": line})
       key, sub = jax.random.split(key)
-      reply = inference.respond(bundle, [history], rng=sub,
-                                config=rerank or inference.RerankConfig())[0]
-      history.append(reply.text)
-      records.append(_turn_record(len(records), "bot", reply.text, reply))
+      reply = _bot_turn(bundle, history, records, "bot", sub, rerank)
       print(f"bot> {reply.text}  [score {reply.score:.3f}]", file=output)
       for c in reply.candidates[1:1 + show_candidates]:
         print(f"     ({c.score:.3f}) {c.text}", file=output)
@@ -133,11 +128,10 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
     opening: The first utterance (speaker "bot_b").
     num_rounds: Generated turns, alternating bot_a, bot_b.
     transcript_path: JSONL transcript to write.
-    rerank: Sampling/reranking settings (None: `RerankConfig()` at call time).
+    rerank: As `chat`'s.
     seed: Sampling seed.
     output: Where turns are printed (None: silent).
-    partitioner: The mesh the model is read onto and run on (the run's PARTITIONER, e.g.
-      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
+    partitioner: As `chat`'s.
 
   Returns:
     The transcript records.
@@ -149,16 +143,13 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
   key = jax.random.PRNGKey(seed)
   history = [opening.strip()]
-  records = [_turn_record(0, "bot_b", history[0])]
+  records = [{"turn": 0, "speaker": "bot_b", "text": history[0]}]
   if output is not None:
     print(f"bot_b> {history[0]}", file=output)
   for i in range(num_rounds):
     key, sub = jax.random.split(key)
-    reply = inference.respond(bundle, [history], rng=sub,
-                              config=rerank or inference.RerankConfig())[0]
     speaker = "bot_a" if i % 2 == 0 else "bot_b"
-    history.append(reply.text)
-    records.append(_turn_record(len(records), speaker, reply.text, reply))
+    reply = _bot_turn(bundle, history, records, speaker, sub, rerank)
     if output is not None:
       print(f"{speaker}> {reply.text}  [score {reply.score:.3f}]", file=output)
   with fileio.open_text_writer(transcript_path) as transcript:

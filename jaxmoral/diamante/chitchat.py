@@ -1,10 +1,8 @@
 """The chitchat dialogue corpus (BYU PCC, `pip install jaxmoral[dialogue]`), split by dialogue.
 
-chitchat-dataset holds 7,168 human–human conversations. A conversation is a list of turns,
-each a speaker's consecutive messages; a turn's messages are joined into one utterance.
-`dialogues(path=...)` reads a file in the package's `dataset.json` layout instead ({conversation
-id: {"messages": [[{"text": ...}, ...], ...]}}): a copy of that file, or any conversations
-written so, without the extra.
+chitchat-dataset holds 7,168 human–human conversations, each a list of turns (a speaker's
+consecutive messages, joined into one utterance). `dialogues(path=...)` reads a file in the
+package's `dataset.json` layout instead, without the extra.
 
 The split is a stable function of the conversation id (`is_test`), not of file order or a
 random seed, so span-corruption pretraining (`jaxmoral.data.pretraining_corpus`, source
@@ -51,13 +49,9 @@ def dialogues(*, split: str, min_turns: int = 2, max_turns: Optional[int] = None
               path: Optional[str | os.PathLike] = None) -> list[list[str]]:
   """Utterance lists of the conversations of `split` ("train" | "test"), in id order.
 
-  Args:
-    split: Which side of the split.
-    min_turns: Conversations with fewer non-empty turns are dropped.
-    max_turns: Keep the first `max_turns` turns of a conversation (None: all).
-    test_every: One conversation in `test_every` is a test conversation.
-    path: A file (local or a bucket URL) in the layout of the package's `dataset.json`, read
-      instead of the installed package (None: the package, the `dialogue` extra).
+  Conversations with fewer than `min_turns` non-empty turns are dropped, the others cut to
+  `max_turns`; one in `test_every` is a test conversation. `path`: a file (local or a bucket
+  URL) in the package's `dataset.json` layout, read instead of the installed package.
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")

@@ -1,20 +1,9 @@
-"""`jaxmoral diamante <action> [--name=value ...]`: gin-bound library calls.
+"""`jaxmoral diamante <action> [--name=value ...]`: gin-bound library calls (examples:
+docs/methods.md).
 
 Each action is one keyword-only `@gin.configurable` function; `--name=value` after the action
-binds that function's argument (same as `--gin.<function>.<name>=value`), and gin files /
-bindings work as for every command::
-
-  jaxmoral diamante train --gin_file=configs/diamante/tiny_cpu.gin --gin.MODEL_DIR=/tmp/dm
-  jaxmoral diamante train --gin_file=configs/diamante/generator_tiny_cpu.gin --gin.MODEL_DIR=/tmp/g
-  jaxmoral diamante eval --model_dir=/tmp/dm --test_path=jaxmoral/data/demo/dialogues_test.jsonl
-  jaxmoral diamante chat --model_dir=/tmp/dm --transcript_path=/tmp/chat.jsonl
-  jaxmoral diamante self_chat --model_dir=/tmp/dm --opening="Hi!" --num_rounds=6 \\
-      --transcript_path=/tmp/self.jsonl
-  jaxmoral diamante demo --workdir=demo_out/diamante
-
-`jaxmoral diamante <action> --help` lists the action's flags (read from its function's
-signature and docstring). What an action will write is checked to be writable before it
-starts (`OUTPUTS`). The dispatch is `jaxmoral.action_commands`, shared by every method.
+binds that function's argument, and `--help` lists them. What an action will write is checked
+to be writable before it starts (`OUTPUTS`). The dispatch is `jaxmoral.action_commands`.
 """
 
 from __future__ import annotations

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
+import functools
 import os
 from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence
 
 import gin
 import numpy as np
 
-from jaxmoral import fileio
 from jaxmoral import validation
 from jaxmoral.data import pipeline
 from jaxmoral.data import source
@@ -33,6 +32,7 @@ from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.readers import DataError
 from jaxmoral.data.readers import read_jsonl
 from jaxmoral.data.readers import unknown_field
+from jaxmoral.data.readers import write_jsonl
 
 DEFAULT_SEPARATOR = " [SEP] "
 # Index of the three responses along a quadruple batch's response axis.
@@ -53,14 +53,9 @@ class Vocabulary(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-  """One response position of a dialogue.
-
-  Attributes:
-    context: The earlier utterances, oldest first.
-    response: The human response r_H.
-    candidates: Model responses to the same context (may be empty).
-    dialogue: Index of the dialogue in its file (random responses come from other dialogues).
-  """
+  """One response position of a dialogue: the earlier utterances (oldest first), the human
+  response r_H, model responses to the same context (may be none), and the dialogue's index
+  in its file (random responses come from other dialogues)."""
   context: tuple[str, ...]
   response: str
   candidates: tuple[str, ...] = ()
@@ -93,17 +88,8 @@ def _check_str(value: Any, path: str, line: int, field: str) -> str:
 
 def parse_dialogue(obj: dict[str, Any], *, path: str = "<memory>", line: int = 0,
                    dialogue: int = 0) -> list[Turn]:
-  """Turns of one Diamante-format dialogue object.
-
-  Args:
-    obj: `{"conversation": [{"utterance": str, "response_candidates": [str, ...]}, ...]}`;
-      `response_candidates` may be absent (a plain corpus).
-    path: File name for error messages.
-    line: 1-based line number for error messages.
-    dialogue: Dialogue index stored in each turn.
-
-  Returns:
-    One `Turn` per utterance after the first.
+  """One `Turn` (of dialogue index `dialogue`) per utterance after the first of a
+  Diamante-format dialogue object (`response_candidates` may be absent: a plain corpus).
 
   Raises:
     DataError: naming `path:line` and the bad field; `readers.UnknownFieldError` for a key
@@ -133,9 +119,8 @@ def parse_dialogue(obj: dict[str, Any], *, path: str = "<memory>", line: int = 0
     text = _check_str(entry["utterance"], path, line, f"{field}.utterance")
     if not text.strip():
       raise DataError(path, line, "empty value", f"{field}.utterance")
-    cands = entry.get("response_candidates", [])
-    if cands is None:
-      cands = []
+    cands = entry.get("response_candidates")
+    cands = [] if cands is None else cands
     if not isinstance(cands, list):
       raise DataError(path, line, f"expected a list, got {type(cands).__name__}",
                       f"{field}.response_candidates")
@@ -151,35 +136,23 @@ def read_dialogues(path: str | os.PathLike[str]) -> list[Turn]:
   """All turns of a Diamante-format JSONL file (errors name `path:line` and the field; an
   unknown key, and an empty file, are errors too)."""
   path = str(path)
-  turns: list[Turn] = []
   rows = read_jsonl(path, required=DIALOGUE_FIELDS, optional=(), allow_empty=False)
-  for index, (obj, line) in enumerate(zip(rows, rows.lines, strict=False)):
-    turns.extend(parse_dialogue(obj, path=path, line=line, dialogue=index))
+  turns = [turn for index, (obj, line) in enumerate(zip(rows, rows.lines, strict=False))
+           for turn in parse_dialogue(obj, path=path, line=line, dialogue=index)]
   if not turns:
     raise DataError(path, 0, "no dialogue with at least two utterances")
   return turns
 
 
-def dialogue_to_json(utterances: Sequence[str],
-                     candidates: Optional[Sequence[Sequence[str]]] = None) -> str:
-  """One Diamante JSONL line (the inverse of `parse_dialogue`)."""
-  candidates = candidates or [[] for _ in utterances]
-  return json.dumps({"conversation": [
-      {"utterance": u, "response_candidates": list(c)}
-      for u, c in zip(utterances, candidates, strict=True)]},
-      ensure_ascii=False)
-
-
 def write_dialogues(path: str | os.PathLike[str],
                     dialogues: Iterable[tuple[Sequence[str], Sequence[Sequence[str]]]]) -> int:
-  """Writes (utterances, candidates per utterance) pairs as Diamante JSONL; returns the count."""
-  count = 0
-  fileio.makedirs(os.path.dirname(fileio.abspath(path)))
-  with fileio.open(path, "w", encoding="utf-8") as f:
-    for utterances, candidates in dialogues:
-      f.write(dialogue_to_json(utterances, candidates) + "\n")
-      count += 1
-  return count
+  """Writes (utterances, candidates per utterance) pairs as Diamante JSONL (what
+  `read_dialogues` reads); returns the count."""
+  rows = [{"conversation": [{"utterance": u, "response_candidates": list(c)}
+                            for u, c in zip(utterances, candidates, strict=True)]}
+          for utterances, candidates in dialogues]
+  write_jsonl(path, rows)
+  return len(rows)
 
 
 def write_turns(path: str | os.PathLike[str], turns: Sequence[Turn]) -> int:
@@ -199,19 +172,11 @@ def write_turns(path: str | os.PathLike[str], turns: Sequence[Turn]) -> int:
 
 
 # -- tokenisation ---------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FeatureConfig:
-  """How turns become token arrays.
-
-  Attributes:
-    context_length: Encoder length; contexts are truncated from the left (oldest tokens go).
-    response_length: Decoder length. A response keeps at most `response_length - 2` tokens
-      plus EOS, so the position after EOS (where the score is read) still fits.
-    separator: Joins context utterances.
-    eos_id: End-of-sequence id appended to contexts and responses.
-  """
+  """How turns become token arrays: contexts (utterances joined by `separator`, EOS) are
+  truncated from the left to `context_length`; a response keeps at most `response_length - 2`
+  tokens plus EOS, so the position after EOS (where the score is read) still fits."""
   context_length: int = 128
   response_length: int = 32
   separator: str = DEFAULT_SEPARATOR
@@ -226,19 +191,18 @@ class FeatureConfig:
 
 def encode_context(vocab: Vocabulary, context: Sequence[str], config: FeatureConfig) -> np.ndarray:
   """(context_length,) int32: the joined context, left-truncated, EOS, zero padded."""
-  ids = list(vocab.encode(config.separator.join(context)))
-  ids = ids[len(ids) - (config.context_length - 1):] if len(ids) > config.context_length - 1 \
-      else ids
-  ids = ids + [config.eos_id]
-  out = np.zeros((config.context_length,), np.int32)
-  out[:len(ids)] = ids
-  return out
+  ids = list(vocab.encode(config.separator.join(context)))[-(config.context_length - 1):]
+  return _zero_padded(ids + [config.eos_id], config.context_length)
 
 
 def encode_response(vocab: Vocabulary, text: str, config: FeatureConfig) -> np.ndarray:
   """(response_length,) int32 targets: tokens (right-truncated), EOS, zero padded."""
-  ids = list(vocab.encode(text))[:config.response_length - 2] + [config.eos_id]
-  out = np.zeros((config.response_length,), np.int32)
+  ids = list(vocab.encode(text))[:config.response_length - 2]
+  return _zero_padded(ids + [config.eos_id], config.response_length)
+
+
+def _zero_padded(ids: Sequence[int], length: int) -> np.ndarray:
+  out = np.zeros((length,), np.int32)
   out[:len(ids)] = ids
   return out
 
@@ -252,8 +216,6 @@ def response_features(targets: np.ndarray) -> dict[str, np.ndarray]:
 
 
 # -- quadruples -----------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class Quadruple:
   """(c, r_H, r_M, r_R) for one turn."""
@@ -283,8 +245,8 @@ def draw_quadruples(turns: Sequence[Turn], indices: Sequence[int], rng: np.rando
   Raises:
     ValueError: a turn has no usable candidate, or no other dialogue offers a random response.
   """
-  if pool_size < 1:
-    raise ValueError(f"draw_quadruples: pool_size must be >= 1, got {pool_size}")
+  validation.positive_int(pool_size, "draw_quadruples: pool_size")
+  draws = pool_size if prefer_dissimilar else 1
   out = []
   for i in indices:
     turn = turns[i]
@@ -293,23 +255,20 @@ def draw_quadruples(turns: Sequence[Turn], indices: Sequence[int], rng: np.rando
     if not usable:
       raise ValueError(f"draw_quadruples: turn {i} has no candidate different from its human "
                        "response (filter with trainable_turns)")
-    pool = [usable[k] for k in rng.choice(len(usable), size=min(pool_size, len(usable))
-                                          if prefer_dissimilar else 1, replace=False)]
-    model = min(pool, key=lambda c: char_f1(c, turn.response)) if prefer_dissimilar else pool[0]
+    least_similar = functools.partial(min, key=lambda c: char_f1(c, turn.response))
+    drawn = rng.choice(len(usable), size=min(draws, len(usable)), replace=False)
+    model = least_similar([usable[k] for k in drawn])
     randoms: list[str] = []
-    for _ in range(100 * (pool_size if prefer_dissimilar else 1)):
+    for _ in range(100 * draws):
       other = turns[int(rng.integers(len(turns)))]
-      text = other.response
-      if other.dialogue == turn.dialogue or normalize(text) in (human, normalize(model)):
-        continue
-      randoms.append(text)
-      if len(randoms) == (pool_size if prefer_dissimilar else 1):
-        break
+      if other.dialogue != turn.dialogue and normalize(other.response) not in (
+          human, normalize(model)):
+        randoms.append(other.response)
+        if len(randoms) == draws:
+          break
     if not randoms:
       raise ValueError(f"draw_quadruples: no random response for turn {i} (only one dialogue?)")
-    random = min(randoms, key=lambda c: char_f1(c, turn.response)) if prefer_dissimilar \
-        else randoms[0]
-    out.append(Quadruple(i, turn.context, turn.response, model, random))
+    out.append(Quadruple(i, turn.context, turn.response, model, least_similar(randoms)))
   return out
 
 
@@ -326,18 +285,9 @@ def quadruple_features(vocab: Vocabulary, quadruples: Sequence[Quadruple],
 class QuadrupleSource(source.DataSource):
   """Deterministic quadruple batches: `batch(step)` depends only on (seed, step).
 
-  A `jaxmoral.data.source.DataSource`: an epoch is one pass over the trainable turns in a
-  seeded order; r_M and r_R are drawn afresh for each epoch. Batches run over epoch boundaries
-  (a batch may hold the end of one epoch and the start of the next), `eval_batches`' last too:
-  padding would change the preference loss, a mean over every row.
-
-  Attributes (besides `DataSource`'s batch_size, shard_index, shard_count):
-    turns: All turns (random responses are drawn from all of them).
-    vocab: Tokeniser (`encode`).
-    features: Lengths and separator.
-    seed: Order and draws.
-    prefer_dissimilar: See `draw_quadruples`.
-    pool_size: See `draw_quadruples`.
+  An epoch is one pass over the trainable turns in a seeded order, r_M and r_R drawn afresh
+  (`draw_quadruples`, random responses from all `turns`). Batches run over epoch boundaries,
+  `eval_batches`' last too: padding would change the preference loss, a mean over every row.
   """
   turns: Sequence[Turn]
   vocab: Any
@@ -402,11 +352,8 @@ def split_dialogues(turns: Sequence[Turn], *, test_fraction: float,
 # -- the run's data -------------------------------------------------------------------------
 def corpus_texts(turns: Sequence[Turn]) -> list[str]:
   """Every distinct utterance and candidate (a vocabulary's training text)."""
-  seen: dict[str, None] = {}
-  for t in turns:
-    for text in (*t.context, t.response, *t.candidates):
-      seen.setdefault(text, None)
-  return list(seen)
+  return list(dict.fromkeys(text for t in turns for text in (*t.context, t.response,
+                                                             *t.candidates)))
 
 
 def pair_features(turns: Sequence[Turn], vocab: Vocabulary,
@@ -429,12 +376,10 @@ class DialogueData(source.DataSpec):
   Attributes:
     train_path: Diamante-format JSONL (with response candidates unless `pairs`).
     eval_path: Held-out JSONL (optional).
-    vocab_path: SentencePiece model; None: the init checkpoint's, else one trained on the
-      training dialogues (`vocab_size` pieces + 100 extra ids) in MODEL_DIR/vocab.
-    vocab_size: Pieces of that trained vocabulary.
+    vocab_path: SentencePiece model; None: the init checkpoint's, else one of `vocab_size`
+      pieces (+ 100 extra ids) trained on the training dialogues in MODEL_DIR/vocab.
     separator: Joins context utterances.
-    prefer_dissimilar: Draw r_M and r_R least character-F1-similar to r_H (per epoch pool).
-    pool_size: Pool for `prefer_dissimilar`.
+    prefer_dissimilar, pool_size: As `draw_quadruples`'.
     pairs: Serve (context, human response) pairs instead of quadruples.
   """
   train_path: str
@@ -465,8 +410,7 @@ class DialogueData(source.DataSpec):
 
   def features(self, feature_lengths: Mapping[str, int]) -> FeatureConfig:
     return FeatureConfig(context_length=int(feature_lengths["inputs"]),
-                         response_length=int(feature_lengths["targets"]),
-                         separator=self.separator)
+                         response_length=int(feature_lengths["targets"]), separator=self.separator)
 
   def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
               seed: int) -> tuple[source.DataSource, Optional[source.DataSource]]:
@@ -501,14 +445,11 @@ def feature_config_from_settings(settings: Mapping[str, Any], *, model_config: A
                                  feature_lengths: Optional[Mapping[str, int]] = None
                                  ) -> FeatureConfig:
   """The `FeatureConfig` a run trained with (settings.json), for inference."""
-  data = dict(settings.get("data", {}))
-  lengths = dict(settings.get("feature_lengths", {}))
-  lengths.update(feature_lengths or {})
+  data = settings.get("data", {})
+  lengths = {**settings.get("feature_lengths", {}), **(feature_lengths or {})}
   kwargs: dict[str, Any] = {"eos_id": model_config.eos_token_id}
   if "separator" in data:
     kwargs["separator"] = data["separator"]
-  if "inputs" in lengths:
-    kwargs["context_length"] = int(lengths["inputs"])
-  if "targets" in lengths:
-    kwargs["response_length"] = int(lengths["targets"])
+  kwargs.update({name: int(lengths[key]) for key, name in (
+      ("inputs", "context_length"), ("targets", "response_length")) if key in lengths})
   return FeatureConfig(**kwargs)

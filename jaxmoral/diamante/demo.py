@@ -1,10 +1,8 @@
 """`jaxmoral diamante demo`: a tiny joint model from scratch on the bundled dialogues (CPU).
 
-Trains a tiny T5 with NLL + PE for a few hundred steps on the bundled sample's training
-dialogues (`jaxmoral/data/demo/dialogues_train.jsonl`, as configs/diamante/tiny_cpu.gin does),
-evaluates the ranking of human responses by preference score and by generation probability on
-the held-out dialogues (`dialogues_test.jsonl`, none trained on), and prints a few
-reranked replies and a short self-chat. Under two minutes on a laptop CPU.
+Trains a tiny T5 with NLL + PE on the bundled training dialogues (as
+configs/diamante/tiny_cpu.gin does), evaluates the ranking of human responses on the held-out
+ones, and prints a few reranked replies and a short self-chat. Under two minutes on a CPU.
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   train = runs.train_run(
       model_dir=model_dir, model=diamante_model.DiamanteModel(config=t5_config(size="tiny")),
       data=data.DialogueData(train_path=train_path, eval_path=test_path, vocab_path=vocab_path),
-      train_steps=train_steps, batch_size=batch_size,
-      feature_lengths={"inputs": 64, "targets": 24},
+      train_steps=train_steps, batch_size=batch_size, feature_lengths={"inputs": 64, "targets": 24},
       optimizer=optimizers.make_optimizer(name="adamw", learning_rate=2e-3),
       partitioner=partitioning.PjitPartitioner(), seed=seed,
       log_every=max(1, train_steps // 5), checkpoint_every=train_steps)
@@ -104,7 +101,7 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   replies = inference.respond(bundle, contexts, rng=jax.random.PRNGKey(seed), config=rerank)
   samples = [{"context": list(context), "response": reply.text, "score": float(reply.score),
               "candidates": [{"text": c.text, "score": float(c.score)}
-                             for c in sorted(reply.candidates, key=lambda c: -c.score)]}
+                             for c in reply.candidates]}  # Best first.
              for context, reply in zip(contexts, replies, strict=True)]
   # As `diamante eval --output_path` writes them, beside the test file: `jaxmoral explore`
   # shows these metrics, replies and rankings on the test file's page without a model.
@@ -118,7 +115,6 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
   print("\n== self-chat ==", file=output)
   transcript = os.path.join(workdir, "self_chat.jsonl")
   chat.self_chat(model_dir=model_dir, opening="Hi! How was your weekend?",
-                 num_rounds=4, transcript_path=transcript, rerank=rerank, seed=seed,
-                 output=output)
+                 num_rounds=4, transcript_path=transcript, rerank=rerank, seed=seed, output=output)
   return {"train": train, "eval": metrics, "model_dir": model_dir, "tensorboard": model_dir,
           "transcript": transcript, "truth": truth}

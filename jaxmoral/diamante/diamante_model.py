@@ -1,4 +1,4 @@
-"""`DiamanteModel`: the joint generator–evaluator as the trainable model `runs.train_run` trains."""
+"""`DiamanteModel`: the joint generator–evaluator as the model `runs.train_run` trains."""
 
 from __future__ import annotations
 

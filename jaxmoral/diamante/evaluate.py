@@ -1,19 +1,15 @@
 """Test-split evaluation: does the preference score find the human response? (paper, Fig. 3)
 
 For every test context the human response r_H is ranked among that context's model
-candidates and `num_random` human responses from other dialogues, once by the preference score
-s(c, r) and once by the generation log-probability log p(r | c) (summed, and per token). MAP,
-MRR and P@1 come from the core `metrics.ranking_metrics` (ties counted against r_H); a random
-ranker's expected P@1 is reported alongside. Also: the PE ranking accuracy (fraction of
-(human > model), (human > random), (model > random) pairs the scores order correctly) and
-distinct-1/2 of the reranked responses generated for the first `num_generate` contexts.
+candidates and `num_random` human responses from other dialogues, by the preference score
+s(c, r) and by the generation log-probability log p(r | c) (summed, and per token): MAP, MRR
+and P@1 (`metrics.ranking_metrics`, ties counted against r_H), beside a random ranker's P@1.
+Also the PE ranking accuracy and distinct-1/2 of reranked responses to the first contexts.
 """
 
 from __future__ import annotations
 
 import json
-import logging
-import os
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import gin
@@ -27,29 +23,20 @@ from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data
 from jaxmoral.diamante import inference
 
-logger = logging.getLogger(__name__)
-
 
 def ranking_items(turns: Sequence[data.Turn], *, num_random: int, max_candidates: int,
                   seed: int, encode: Optional[Callable[[str], Sequence[int]]] = None
                   ) -> list[tuple[int, list[str], list[int]]]:
-  """Per usable turn: (turn index, responses, kinds) with r_H first.
+  """Per usable turn: (turn index, responses, kinds: `data.HUMAN` / `MODEL` / `RANDOM`), r_H
+  first, up to `max_candidates` model candidates and `num_random` human responses of other
+  dialogues (drawn with `seed`).
 
-  kinds: 0 human, 1 model candidate, 2 random. Candidates equal to r_H are dropped (they
-  would be a second correct answer); turns without a remaining candidate are skipped.
-
-  Args:
-    turns: The test turns.
-    num_random: Human responses of other dialogues per turn.
-    max_candidates: Model candidates per turn at most.
-    seed: Picks the random responses.
-    encode: What the scorer reads of a response (`model_view`). With it, "equal" also means
-      the same tokens: two texts truncated to the same tokens are one response to the
-      scorer, and their tie would be broken by float summation order, which changes with
-      the batch shape and the CPU.
+  Candidates equal to r_H or to an earlier one, and random responses equal to r_H, are dropped
+  (a second correct answer); turns without a remaining candidate are skipped. With `encode`
+  (what the scorer reads of a response: `model_view`), "equal" also means the same tokens:
+  their tie would be broken by float summation order, which changes with the batch shape.
   """
   def identities(text: str) -> set[tuple[str, object]]:
-    """What makes two responses the same: the normalised text and, with `encode`, the tokens."""
     ids: set[tuple[str, object]] = {("text", data.normalize(text))}
     if encode is not None:
       ids.add(("tokens", tuple(encode(text))))
@@ -88,7 +75,7 @@ def model_view(bundle: bundle_lib.Bundle) -> Callable[[str], Sequence[int]]:
 
 
 def pe_accuracy(scores: np.ndarray, kinds: np.ndarray) -> float:
-  """Fraction of ordered pairs (human > model, human > random, model > random) scored right."""
+  """Fraction of the (human > model), (human > random), (model > random) pairs scored right."""
   good, total = 0, 0
   for better, worse in ((data.HUMAN, data.MODEL), (data.HUMAN, data.RANDOM),
                         (data.MODEL, data.RANDOM)):
@@ -135,8 +122,6 @@ RANKERS = ("preference", "generation", "generation_per_token")
 NUM_SAMPLES = 5  # Generated responses kept in the evaluation JSON, for a person to read.
 NUM_RANKINGS = 20  # Ranked contexts kept there (`rank_contexts`).
 RANKING_METRICS = ("map", "mrr", "p@1")
-
-
 KIND_NAMES = {data.HUMAN: "human", data.MODEL: "model", data.RANDOM: "random"}
 
 
@@ -146,16 +131,14 @@ def rank_contexts(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_
                   rankings: Optional[list] = None) -> dict[str, np.ndarray]:
   """Ranking metrics of the human response, per context (for means and bootstrap intervals).
 
-  A `rankings` list receives the first `NUM_RANKINGS` contexts as they were ranked, for a
-  person (and `jaxmoral explore`) to read without the model: `{"turn", "context",
-  "responses", "kinds" ("human", "model", "random"), "scores", "logprobs", "lengths"}`, the
-  responses in ranking order (r_H first), not sorted.
+  A `rankings` list receives the first `NUM_RANKINGS` contexts as ranked, for a person (and
+  `jaxmoral explore`) to read without the model: `{"turn", "context", "responses", "kinds",
+  "scores", "logprobs", "lengths"}`, the responses in `ranking_items`' order.
 
   Returns:
-    `{"<ranker>/<metric>": (C,), "pe_accuracy": (C,) (NaN where undefined), "random/p@1":
-    (C,) (a random ranker's expected P@1), "turn": (C,) (index into `turns`)}` over the C
-    usable contexts, rankers `RANKERS` (preference score, summed and per-token generation
-    log-prob), metrics `RANKING_METRICS`.
+    `{"<ranker>/<metric>"` (`RANKERS` x `RANKING_METRICS`), `"pe_accuracy"` (NaN where
+    undefined), `"random/p@1"` (expected), `"turn"` (index into `turns`)`}`, each (C,) over
+    the C usable contexts.
 
   Raises:
     ValueError: on bad counts, or when no turn has a model candidate different from r_H.
@@ -175,8 +158,7 @@ def rank_contexts(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_
     if rankings is not None and len(rankings) < NUM_RANKINGS:
       rankings.append({
           "turn": scored.turn, "context": list(turns[scored.turn].context),
-          "responses": list(responses),
-          "kinds": [KIND_NAMES[int(k)] for k in scored.kinds],
+          "responses": list(responses), "kinds": [KIND_NAMES[int(k)] for k in scored.kinds],
           "scores": scored.scores.tolist(), "logprobs": scored.logprobs.tolist(),
           "lengths": scored.lengths.tolist()})
     labels = scored.kinds == data.HUMAN
@@ -194,13 +176,11 @@ def rank_contexts(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_
 
 def ranking_summary(per_context: dict[str, np.ndarray]) -> dict[str, float]:
   """Means over contexts of `rank_contexts`' arrays (MAP, MRR and P@1 are such means)."""
-  result = {"num_contexts": float(len(per_context["turn"]))}
-  for ranker in RANKERS:
-    for key in RANKING_METRICS:
-      result[f"{ranker}/{key}"] = float(np.mean(per_context[f"{ranker}/{key}"]))
-  result["random/p@1"] = float(np.mean(per_context["random/p@1"]))
-  result["pe_accuracy"] = float(np.nanmean(per_context["pe_accuracy"]))
-  return result
+  return {"num_contexts": float(len(per_context["turn"])),
+          **{f"{ranker}/{key}": float(np.mean(per_context[f"{ranker}/{key}"]))
+             for ranker in RANKERS for key in RANKING_METRICS},
+          "random/p@1": float(np.mean(per_context["random/p@1"])),
+          "pe_accuracy": float(np.nanmean(per_context["pe_accuracy"]))}
 
 
 def generation_metrics(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str]], *,
@@ -226,21 +206,12 @@ def generation_metrics(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[st
 
 def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_random: int = 5,
                    max_candidates: int = 10, max_contexts: Optional[int] = None,
-                   num_generate: int = 0,
-                   rerank: inference.RerankConfig = inference.RerankConfig(),
-                   batch_size: int = 8, seed: int = 0,
-                   samples: Optional[list] = None,
+                   num_generate: int = 0, rerank: inference.RerankConfig = inference.RerankConfig(),
+                   batch_size: int = 8, seed: int = 0, samples: Optional[list] = None,
                    rankings: Optional[list] = None) -> dict[str, float]:
-  """The evaluation of a loaded bundle on in-memory turns (see module docstring); a
-  `samples` list receives a few generated responses (`generation_metrics`), a `rankings` list
-  the first ranked contexts (`rank_contexts`).
-
-  Returns:
-    Flat dict: `preference/{map,mrr,p@1}`, `generation/{...}` (summed log-prob),
-    `generation_per_token/{...}`, `random/p@1` (expected for a random ranker),
-    `pe_accuracy`, `num_contexts`, and with `num_generate > 0` `distinct-1`, `distinct-2`,
-    `generated/mean_score`.
-  """
+  """The evaluation of a loaded bundle on in-memory turns (see module docstring):
+  `ranking_summary`'s means, and with `num_generate > 0` `generation_metrics`'. A `samples`
+  list receives a few generated responses, a `rankings` list the first ranked contexts."""
   per_context = rank_contexts(bundle, turns, num_random=num_random,
                               max_candidates=max_candidates, max_contexts=max_contexts,
                               batch_size=batch_size, seed=seed, rankings=rankings)
@@ -256,8 +227,7 @@ def evaluate_turns(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num
 def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = None,
              num_random: int = 5, max_candidates: int = 10, max_contexts: Optional[int] = None,
              num_generate: int = 50, rerank: Optional[inference.RerankConfig] = None,
-             batch_size: int = 8, seed: int = 0,
-             partitioner: Any = None) -> dict[str, float]:
+             batch_size: int = 8, seed: int = 0, partitioner: Any = None) -> dict[str, float]:
   """Evaluates a trained Diamante model on a Diamante-format test file.
 
   Args:
@@ -273,8 +243,7 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
       made at call time so that `--gin.RerankConfig.*` bindings apply).
     batch_size: Contexts per scoring batch.
     seed: Random responses and sampling.
-    partitioner: The mesh the model is read onto and run on (the run's PARTITIONER, e.g.
-      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
+    partitioner: The mesh the model runs on (the run's PARTITIONER; None: `inference_partitioner`).
 
   Returns:
     See `evaluate_turns`.
@@ -284,16 +253,13 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
   samples: list = []
   rankings: list = []
   result = evaluate_turns(bundle, turns, samples=samples, rankings=rankings,
-                          num_random=num_random,
-                          max_candidates=max_candidates, max_contexts=max_contexts,
-                          num_generate=num_generate,
+                          num_random=num_random, max_candidates=max_candidates,
+                          max_contexts=max_contexts, num_generate=num_generate,
                           rerank=rerank or inference.RerankConfig(), batch_size=batch_size,
                           seed=seed)
   if output_path is not None:
-    fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
-    with fileio.open(output_path, "w") as f:
-      json.dump({**result, "samples": samples, "rankings": rankings}, f, indent=2,
-                sort_keys=True)
+    with fileio.open_text_writer(output_path) as f:
+      json.dump({**result, "samples": samples, "rankings": rankings}, f, indent=2, sort_keys=True)
   print(format_summary(result))
   if output_path is not None:
     print(f"wrote {output_path}")

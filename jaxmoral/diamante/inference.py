@@ -1,11 +1,9 @@
 """Generation–evaluation inference: sample N candidates, score each, answer with the best.
 
-Candidates come from the core sampler (`jaxmoral.decoding.sample`: top-k, n-gram blocking) and
-are scored by `model.score_responses`: the context is encoded once and one batched decoder pass
-over the N candidates gives every candidate's preference score (read at the state after its
-EOS) and its generation log-probability. The sampler's own cache cannot be reused for the
-scores because its rows end at different positions while the cache position is shared; the
-extra decoder pass costs about one teacher-forced step of N rows.
+Candidates come from the core sampler (`jaxmoral.decoding.sample`) and are scored by one batched
+decoder pass over them (`model.score_responses`). The sampler's own cache cannot be reused for
+the scores because its rows end at different positions while the cache position is shared; the
+extra pass costs about one teacher-forced step of N rows.
 """
 
 from __future__ import annotations
@@ -32,15 +30,9 @@ Array = jax.Array
 @gin.configurable
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RerankConfig:
-  """Sampling and reranking settings (the paper: top-k 10, 20 candidates).
-
-  Attributes:
-    num_candidates: Candidates sampled per context (N).
-    top_k: Top-k sampling.
-    temperature: Sampling temperature.
-    no_repeat_ngram_size: Blocks repeated n-grams inside a candidate (0 = off).
-    max_decode_length: Most tokens per candidate, EOS included.
-  """
+  """Sampling and reranking settings (the paper: top-k 10, 20 candidates): N candidates per
+  context, top-k sampling, temperature, n-gram blocking inside a candidate (0 = off) and the
+  most tokens per candidate, EOS included."""
   num_candidates: int = 20
   top_k: int = 10
   temperature: float = 1.0
@@ -48,9 +40,8 @@ class RerankConfig:
   max_decode_length: int = 32
 
   def __post_init__(self):
-    for name in ("num_candidates", "max_decode_length"):
-      value = getattr(self, name)
-      validation.positive_int(value, f"RerankConfig.{name}")
+    validation.positive_int(self.num_candidates, "RerankConfig.num_candidates")
+    validation.positive_int(self.max_decode_length, "RerankConfig.max_decode_length")
     validation.non_negative_int(self.top_k, "RerankConfig.top_k")
     if not self.temperature > 0:
       raise ValueError(f"RerankConfig.temperature must be > 0, got {self.temperature!r}")
@@ -59,15 +50,9 @@ class RerankConfig:
 
 @flax.struct.dataclass
 class RerankOutput:
-  """Candidates of a batch of contexts with their scores.
-
-  Attributes:
-    tokens: (B, N, T) candidate tokens (EOS included, zeros after).
-    lengths: (B, N) tokens per candidate including EOS.
-    scores: (B, N) preference scores s(c, r).
-    logprobs: (B, N) generation log-probabilities under the model.
-    best: (B,) index of the highest-scoring candidate.
-  """
+  """Candidates of a batch of contexts: tokens (B, N, T) (EOS included, zeros after), lengths
+  (B, N) (with EOS), preference `scores` and generation `logprobs` (B, N), and (B,) the index
+  of the `best`-scored one."""
   tokens: Array
   lengths: Array
   scores: Array
@@ -82,8 +67,7 @@ def generate_and_rank(model: T5, params: Any, encoder_input_tokens: Array, rng: 
   out = decoding.sample(model, params, encoder_input_tokens=encoder_input_tokens, rng=rng,
                         max_decode_length=config.max_decode_length,
                         num_samples=config.num_candidates, temperature=config.temperature,
-                        top_k=config.top_k,
-                        no_repeat_ngram_size=config.no_repeat_ngram_size,
+                        top_k=config.top_k, no_repeat_ngram_size=config.no_repeat_ngram_size,
                         eos_id=model.config.eos_token_id)
   scores, logprobs, lengths = score_responses(model, params, encoder_input_tokens, out.tokens,
                                               out.lengths)
@@ -117,9 +101,8 @@ def respond(bundle: Bundle, contexts: Sequence[Sequence[str]], *, rng: Array,
   replies = []
   for b in range(len(contexts)):
     texts = bundle.decode_text(out.tokens[b])
-    cands = [Candidate(texts[i], float(out.scores[b, i]), float(out.logprobs[b, i]))
-             for i in range(config.num_candidates)]
-    cands.sort(key=lambda c: -c.score)
+    cands = sorted((Candidate(texts[i], float(out.scores[b, i]), float(out.logprobs[b, i]))
+                    for i in range(config.num_candidates)), key=lambda c: -c.score)
     replies.append(Reply(cands[0].text, cands[0].score, tuple(cands)))
   return replies
 

@@ -30,12 +30,8 @@ def pe_loss(human: Array, model: Array, random: Array) -> Array:
 
 
 def preference_terms(scores: Array) -> dict[str, losses.Term]:
-  """Ranking accuracies and score gaps of (B, 3) scores ordered human, model, random, as
-  per-example terms.
-
-  `rank_accuracy` is the fraction of the three pairs in the right order; `order_accuracy`
-  the fraction of examples with all three in the right order; `gap_*` mean score gaps.
-  """
+  """Per-example terms of (B, 3) scores ordered human, model, random: `rank_accuracy` (the
+  fraction of the three pairs in the right order), `order_accuracy` (all three), `gap_*`."""
   scores = jax.lax.stop_gradient(scores.astype(jnp.float32))
   h, m, r = scores[:, data.HUMAN], scores[:, data.MODEL], scores[:, data.RANDOM]
   pairs = jnp.stack([h > m, h > r, m > r], axis=-1).astype(jnp.float32)
@@ -50,11 +46,6 @@ def preference_terms(scores: Array) -> dict[str, losses.Term]:
   return {k: losses.Term.examples(jnp.sum(v), examples) for k, v in per_example.items()}
 
 
-def preference_metrics(scores: Array) -> dict[str, Array]:
-  """`preference_terms`' values: the batch means."""
-  return {k: term.value for k, term in preference_terms(scores).items()}
-
-
 @gin.configurable
 def diamante_loss_fn(model: Any, *, pe_weight: float = 1.0,
                      z_loss: float = 0.0) -> losses.TermsLoss:
@@ -66,15 +57,11 @@ def diamante_loss_fn(model: Any, *, pe_weight: float = 1.0,
     z_loss: T5X z-loss coefficient on the NLL.
 
   Returns:
-    A `losses.TermsLoss`; called, `loss_fn(params, batch, rng) -> (loss, metrics)`. Its batch
-    (see `data.quadruple_features`) has `encoder_input_tokens` (B, Lc) and
-    `decoder_input_tokens`, `decoder_target_tokens`, `decoder_loss_weights` (B, 3, T) with
-    responses ordered human, model, random. The three responses go through one batched
-    forward pass; NLL is over the human rows only. Terms (and metrics): `nll` (per human
-    token), `pe_loss`, `rank_accuracy`, `order_accuracy`, `gap_human_model`,
-    `gap_human_random`, `gap_model_random` (per example), `num_tokens` (a sum); metric
-    `loss` = nll + pe_weight * pe_loss. Microbatches thus combine exactly: the PE term is
-    weighted by examples, not by the microbatches' human-response tokens.
+    A `losses.TermsLoss`, `loss_fn(params, batch, rng) -> (loss, metrics)`, of
+    `data.quadruple_features` batches (responses ordered human, model, random, through one
+    batched forward pass). Terms: `nll` (per human token), `pe_loss` and `preference_terms`
+    (per example), `num_tokens` (a sum); metric `loss` = nll + pe_weight * pe_loss.
+    Microbatches combine exactly: the PE term is weighted by examples, not by tokens.
   """
   if pe_weight < 0:
     raise ValueError(f"diamante_loss_fn: pe_weight must be >= 0, got {pe_weight}")

@@ -1,13 +1,10 @@
 """The Diamante network pass: one context, K responses, logits and preference scores together.
 
-The generator and the evaluator are one `T5(config, with_scalar_head=True)`. For a batch of
-contexts with K responses each (K = 3 in training: human, model, random), the context is
-encoded once and a single decoder pass runs over the B*K responses (in training against the
-encoder states repeated K times; in deterministic calls the K rows of a context share one
-projection of its keys/values). The preference score s(c, r) is the scalar head on the
-decoder state whose *input* is the response's EOS token, i.e. the state that has read the whole
-response including its end: position `last_token_index(weights) + 1` of the teacher-forced
-decoder (targets keep that position free, see `data.FeatureConfig.response_length`).
+The generator and the evaluator are one `T5(config, with_scalar_head=True)`: each context is
+encoded once and a single decoder pass runs over its K responses (K = 3 in training: human,
+model, random). The preference score s(c, r) is the scalar head on the decoder state whose
+*input* is the response's EOS token, the state that has read the whole response: position
+`last_token_index(weights) + 1` (targets keep it free, see `data.FeatureConfig`).
 """
 
 from __future__ import annotations
@@ -46,7 +43,8 @@ def _forward(module: T5, encoder_input_tokens: Array, decoder_input_tokens: Arra
 def forward_responses(model: T5, params: Any, encoder_input_tokens: Array,
                       decoder_input_tokens: Array, decoder_loss_weights: Array, *,
                       rng: Optional[Array] = None) -> tuple[Array, Array]:
-  """Teacher-forced logits of K responses per context and their preference scores.
+  """Teacher-forced logits (B, K, T, V) of K responses per context and their preference
+  scores (B, K), both float32.
 
   Args:
     model: A `T5` built with `with_scalar_head=True`.
@@ -56,9 +54,6 @@ def forward_responses(model: T5, params: Any, encoder_input_tokens: Array,
     decoder_loss_weights: (B, K, T) 1 on response tokens and EOS; the score is read one
       position after the last weighted one.
     rng: Dropout key; None runs deterministically.
-
-  Returns:
-    (logits (B, K, T, V) float32, scores (B, K) float32).
   """
   batch, num_responses, length = decoder_input_tokens.shape
   flat_inputs = decoder_input_tokens.reshape(batch * num_responses, length)
@@ -69,25 +64,19 @@ def forward_responses(model: T5, params: Any, encoder_input_tokens: Array,
   flat_weights = decoder_loss_weights.reshape(batch * num_responses, length)
   index = jnp.minimum(heads.last_token_index(flat_weights) + 1, length - 1)
   scores = heads.gather_at(position_scores, index)
-  return (logits.reshape(batch, num_responses, length, -1),
-          scores.reshape(batch, num_responses))
+  return (logits.reshape(batch, num_responses, length, -1), scores.reshape(batch, num_responses))
 
 
 def score_responses(model: T5, params: Any, encoder_input_tokens: Array, response_tokens: Array,
                     lengths: Optional[Array] = None) -> tuple[Array, Array, Array]:
-  """Preference scores and generation log-probabilities of given responses (no sampling).
+  """(scores, sequence log-probabilities, lengths), each (B, N), of given responses.
 
   Args:
-    model: A `T5` with the scalar head.
-    params: Its parameters.
-    encoder_input_tokens: (B, Lc) contexts.
+    model, params, encoder_input_tokens: As `forward_responses`'.
     response_tokens: (B, N, T) response targets: tokens, EOS, zero padding (e.g. a sampler's
       `DecodeOutput.tokens`).
     lengths: (B, N) tokens per response including EOS (e.g. `DecodeOutput.lengths`); default:
       up to and including the first EOS.
-
-  Returns:
-    (scores (B, N), sequence log-probabilities (B, N), lengths (B, N)).
   """
   response_tokens = jnp.asarray(response_tokens, jnp.int32)
   positions = jnp.arange(response_tokens.shape[-1])
@@ -97,8 +86,7 @@ def score_responses(model: T5, params: Any, encoder_input_tokens: Array, respons
     lengths = jnp.where(jnp.any(is_eos, axis=-1), first_eos + 1, response_tokens.shape[-1])
   weights = (positions < lengths[..., None]).astype(jnp.int32)
   targets = response_tokens * weights
-  # One spare position so that the input after the last token (where the score is read)
-  # always fits.
+  # One spare position: the input after the last token (where the score is read) always fits.
   targets = jnp.pad(targets, ((0, 0), (0, 0), (0, 1)))
   weights = jnp.pad(weights, ((0, 0), (0, 0), (0, 1)))
   inputs = jnp.pad(targets[..., :-1], ((0, 0), (0, 0), (1, 0)))

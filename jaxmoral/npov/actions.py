@@ -1,15 +1,9 @@
-"""The `jaxmoral npov` actions as library calls: `detect_file`, `run` (evaluate) and
-`train_error_classifier` (train-classifier).
-
-`jaxmoral npov detect --input_path=... --output_path=... [--detector=...]` calls
-`detect_file`, `jaxmoral npov evaluate ...` calls `run`; their flags are these functions'
-arguments. The detectors are built by `detect`, the metrics computed by `evaluate`.
-"""
+"""The `jaxmoral npov` actions as library calls: `detect_file` (detect), `run` (evaluate) and
+`train_error_classifier` (train-classifier); their flags are these functions' arguments."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -19,6 +13,7 @@ import gin
 
 from jaxmoral import fileio
 from jaxmoral import prompt_tuning
+from jaxmoral.data import readers
 from jaxmoral.npov import detect
 from jaxmoral.npov import evaluate
 from jaxmoral.npov import knowledge_base as kb_lib
@@ -59,8 +54,8 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     coverage_dir: The coverage classifier, likewise.
     heatmap_dir: Salience only: writes `<id>.html` heatmaps (input x response words).
     roc_dir: With labelled input: writes results.json, table.txt and roc_input.png here.
-    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER, e.g.
-      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
+    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER; None: one
+      device).
 
   Returns:
     The written records.
@@ -68,32 +63,25 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
   if heatmap_dir and detector != "salience":
     raise ValueError(f"heatmap_dir is for detector='salience' (heatmaps of its word map), "
                      f"not {detector!r}")
-  examples = task.read_examples(input_path, require_response=True)
-  if not examples:
-    raise ValueError(f"{input_path}: no examples")
+  examples = task.read_examples(input_path, require_response=True)  # Not empty.
   classifier_dirs = {error: directory for error, directory in (
       ("hallucination", hallucination_dir), ("coverage", coverage_dir)) if directory}
   det = detect.build_detector(detector, base_dir=base_dir, vocabulary_path=vocabulary_path,
-                       generator_dir=generator_dir, classifier_dirs=classifier_dirs,
-                       partitioner=partitioner)
-  records = []
-  detections = []
-  if heatmap_dir and detector == "salience":
+                              generator_dir=generator_dir, classifier_dirs=classifier_dirs,
+                              partitioner=partitioner)
+  if heatmap_dir:
     fileio.makedirs(heatmap_dir)
+    detections = []
     for e in examples:
       word_map = det.word_map(e)
-      d = det.detect_from_map(word_map)
-      plots.salience_heatmap_html(word_map, d, fileio.join(heatmap_dir, heatmap_file_name(e.id)),
+      detections.append(det.detect_from_map(word_map))
+      plots.salience_heatmap_html(word_map, detections[-1],
+                                  fileio.join(heatmap_dir, heatmap_file_name(e.id)),
                                   title=e.query, example=e)
-      detections.append(d)
   else:
     detections = det.detect_batch(examples)
-  fileio.makedirs(os.path.dirname(fileio.abspath(output_path)))
-  with fileio.open(output_path, "w", encoding="utf-8") as f:
-    for e, d in zip(examples, detections, strict=True):
-      record = {"id": e.id, **d.to_json()}
-      records.append(record)
-      f.write(json.dumps(record, ensure_ascii=False) + "\n")
+  records = [{"id": e.id, **d.to_json()} for e, d in zip(examples, detections, strict=True)]
+  readers.write_jsonl(output_path, records)
   if roc_dir and any(e.hallucination is not None or e.coverage is not None for e in examples):
     results = {"input": {detector: evaluate.evaluate_slice(examples, detections)}}
     evaluate.write_results(results, roc_dir)
@@ -124,15 +112,14 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     detectors: Any of "rouge", "salience", "classifier".
     generator_dir: Prompt directory of the generator (salience); None: the base model alone.
     classifier_dirs: {"hallucination": dir, "coverage": dir} prompt directories.
-    prompts_dir: Shortcut for a run folder laid out like `demo.run_demo`'s: generator/prompt,
-      classifier_hallucination/prompt, classifier_coverage/prompt (explicit dirs win).
-    base_dir: Exported base parameters (`params_export.export_params` with config.json).
-    vocabulary_path: SentencePiece model of the base model.
+    prompts_dir: A run folder laid out like `demo.run_demo`'s (generator/prompt,
+      classifier_<error>/prompt) for the dirs not given.
+    base_dir: As `detect_file`'s.
+    vocabulary_path: As `detect_file`'s.
     split: Topics to evaluate on ("test").
     seed: Sampling / synthetic-error seed.
     max_examples: Cap on source examples (quick runs).
-    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER, e.g.
-      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
+    partitioner: As `detect_file`'s.
 
   Returns:
     The results dict (also written to `output_dir`).
@@ -165,12 +152,8 @@ def _topics_and_examples(*, action: str, kb_path: Optional[str],
   `examples_path`'s, or sampled from the topics."""
   if (kb_path is None) == (perspectrum_dir is None):
     raise ValueError(f"npov {action}: give exactly one of kb_path, perspectrum_dir")
-  if kb_path is not None:
-    topics = kb_lib.read_kb_jsonl(kb_path)
-  else:
-    assert perspectrum_dir is not None  # Exactly one of the two (checked above).
-    topics = kb_lib.read_perspectrum(perspectrum_dir)
-  topics = kb_lib.split_topics(topics)
+  topics = kb_lib.split_topics(kb_lib.read_kb_jsonl(kb_path) if kb_path is not None
+                              else kb_lib.read_perspectrum(str(perspectrum_dir)))
   if examples_path:
     source = kb_lib.attach_clusters(task.read_examples(examples_path), topics)
     split_of = {t.id: t.split for t in topics}
@@ -197,32 +180,26 @@ def _topics_and_examples(*, action: str, kb_path: Optional[str],
 
 @gin.configurable
 def train_error_classifier(*, model_dir: str, base_dir: str, error: str,
-                           kb_path: Optional[str] = None,
-                           perspectrum_dir: Optional[str] = None,
+                           kb_path: Optional[str] = None, perspectrum_dir: Optional[str] = None,
                            examples_path: Optional[str] = None, split: str = "train",
                            train_steps: int = 300, batch_size: int = 16,
                            learning_rate: float = 0.1, warmup_steps: int = 30,
                            max_input_length: int = 512, tuning: str = "prompt", seed: int = 0,
                            max_examples: Optional[int] = None,
                            partitioner: Any = None) -> dict[str, Any]:
-  """Trains the YES/NO classifier of one error type over a base (`detect`'s PROMPT_H/PROMPT_C).
+  """Trains the YES/NO classifier of one error type over a base.
 
-  Its examples are synthetic errors of the knowledge base's `split` topics, as the NPOV
-  experiment and demo train theirs (`synthetic.training_examples`: an argument the response
-  states removed from the input for a hallucination, one it leaves out added for a coverage
-  error; unparaphrased and paraphrased), each with its error-free original. The prompt starts
-  from the label words' embeddings and trains with the papers' optimizer (Adafactor, linear
-  warm-up and decay: `prompt_tuning.paper_optimizer`) on the frozen base.
+  Its examples are the synthetic errors of the knowledge base's `split` topics with their
+  error-free originals (`synthetic.training_examples`), as the NPOV experiment and demo train
+  theirs; the optimizer is the paper's (`prompt_tuning.paper_optimizer`).
 
   Args:
-    model_dir: The classifier's run directory (`detect --hallucination_dir` or
-      `--coverage_dir` takes it, or its `prompt/`).
+    model_dir: The classifier's run directory (`detect --hallucination_dir` takes it).
     base_dir: The base model (any model directory or Hub id), as `detect --base_dir`.
     error: "hallucination" or "coverage".
-    kb_path: A JSONL knowledge base (`knowledge_base.read_kb_jsonl`); or
-    perspectrum_dir: PERSPECTRUM's folder (`knowledge_base.read_perspectrum`).
-    examples_path: Error-free examples (JSONL) to derive the errors from; default: sampled
-      from the knowledge base's `split` topics.
+    kb_path: As `run`'s; or
+    perspectrum_dir: As `run`'s.
+    examples_path: As `run`'s.
     split: Topics to train on ("train"; `evaluate` tests on "test").
     train_steps: Training steps.
     batch_size: Global batch size.
@@ -232,7 +209,7 @@ def train_error_classifier(*, model_dir: str, base_dir: str, error: str,
     tuning: "prompt" (the paper: a soft prompt on the frozen base) or "full" (every weight).
     seed: Sampling, synthetic-error and training seed.
     max_examples: Cap on source examples (quick runs).
-    partitioner: The run's mesh (the run's PARTITIONER; None: data parallel).
+    partitioner: The run's PARTITIONER (None: data parallel).
 
   Returns:
     `{"model_dir", "error", "examples"}` (examples: the training pairs' source examples).

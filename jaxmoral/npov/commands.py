@@ -1,25 +1,9 @@
-"""`jaxmoral npov <action> [--name=value ...]`: gin-bound library calls.
+"""`jaxmoral npov <action> [--name=value ...]`: gin-bound library calls (examples: docs/methods.md).
 
 Each action is one keyword-only `@gin.configurable` function; `--name=value` after the action
-binds that function's argument (same as `--gin.<module>.<function>.<name>=value`), and gin
-files / bindings work as for every command::
-
-  jaxmoral npov detect --input_path=responses.jsonl --output_path=scores.jsonl --detector=rouge
-  jaxmoral npov detect --input_path=responses.jsonl --output_path=scores.jsonl \\
-      --detector=salience --base_dir=BASE --generator_dir=PROMPT --heatmap_dir=heatmaps \\
-      --roc_dir=roc
-  jaxmoral npov detect --input_path=responses.jsonl --output_path=scores.jsonl \\
-      --detector=classifier --base_dir=BASE --hallucination_dir=P1 --coverage_dir=P2
-  jaxmoral npov evaluate --gin_file=configs/npov/eval_rouge_perspectrum.gin \\
-      --output_dir=/tmp/npov_eval
-  jaxmoral npov evaluate --kb_path=kb.jsonl --output_dir=/tmp/npov_eval --detectors=rouge
-  jaxmoral npov train-classifier --base_dir=BASE --kb_path=kb.jsonl --error=hallucination \\
-      --model_dir=P1
-  jaxmoral npov demo --workdir=demo_out/npov
-
-`jaxmoral npov <action> --help` lists the action's flags (read from its function's signature
-and docstring) without loading any model code. What an action will write is checked to be
-writable before it starts (`OUTPUTS`). The dispatch is `jaxmoral.action_commands`.
+binds that function's argument, and `--help` lists them without loading model code. What an
+action will write is checked to be writable before it starts (`OUTPUTS`). The dispatch is
+`jaxmoral.action_commands`.
 """
 
 from __future__ import annotations

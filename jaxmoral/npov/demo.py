@@ -38,30 +38,19 @@ DEMO_KB = vocab_lib.DEMO_DIR / "npov_kb.jsonl"
 DEMO_EXAMPLES = vocab_lib.DEMO_DIR / "npov_examples.jsonl"
 
 
-def _write_generator_pairs(examples: Sequence[task.NpovExample], path: str) -> str:
-  """The generator's (formatted input, response) pairs as JSONL for `runs.Seq2SeqData`."""
-  return readers.write_jsonl(path, ({"inputs": task.format_input(e), "targets": e.response}
-                                    for e in examples))
-
-
 def summary_table(results: Mapping[str, Any]) -> str:
-  """The demo's table of `evaluate.evaluate_detectors`' results within 100 columns: a row per
-  slice and detector, per error type the example-level ROC AUC x 100 with its 95 % interval and
-  the word-level one; then what each slice's numbers are measured on. `evaluate.format_table`
-  (eval/table.txt) has the same numbers as one wide row per detector."""
+  """`evaluate.format_table`'s numbers within 100 columns: a row per slice and detector with,
+  per error type, the example-level ROC AUC x 100 (95 % interval) and the word-level one; then
+  what each slice's numbers are measured on."""
   rows = [["slice", "detector", "hallucination", "word", "coverage", "word"]]
   counts = []
   for slice_name, by_detector in results.items():
     for detector, by_error in by_detector.items():
-      row = [slice_name, detector]
-      for error in evaluate.ERRORS:
-        r = by_error[error]
-        auc, ci, word = r["example_auc"], r.get("example_auc_ci"), r["word_auc"]
-        cell = "-" if auc is None else f"{100 * auc:.1f}"
-        if auc is not None and ci:
-          cell += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-        row += [cell, "-" if word is None else f"{100 * word:.1f}"]
-      rows.append(row)
+      rows.append([slice_name, detector] + [
+          cell for error in evaluate.ERRORS
+          for cell in (evaluate.auc_cell(by_error[error]["example_auc"],
+                                         by_error[error].get("example_auc_ci")),
+                       evaluate.auc_cell(by_error[error]["word_auc"]))])
     first = next(iter(by_detector.values()), None)
     if first is not None:
       for error in evaluate.ERRORS:
@@ -69,12 +58,9 @@ def summary_table(results: Mapping[str, Any]) -> str:
         counts.append(f"n, {slice_name} {error}: {n} example{'' if n == 1 else 's'} "
                       f"({first[error]['num_positive']} with the error), "
                       f"{first[error].get('num_words', '?')} words")
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-  lines.insert(1, "-" * len(lines[0]))
   return "\n".join([
       "ROC AUC x 100 [95 % bootstrap interval over the examples], example level; word: word "
-      "level", *lines, *counts])
+      "level", *evaluate.aligned_lines(rows), *counts])
 
 
 @gin.configurable
@@ -127,12 +113,12 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
   if not train_examples or not test_examples:
     raise ValueError(f"run_demo: split gave {len(train_examples)} train and "
                      f"{len(test_examples)} test examples; change test_fraction")
-  logging.info("npov demo: %d train / %d test examples", len(train_examples),
-               len(test_examples))
+  logging.info("npov demo: %d train / %d test examples", len(train_examples), len(test_examples))
   config = t5_config(size="tiny")
   lengths = {"inputs": max_input_length, "targets": max_target_length}
   partitioner = partitioning.PjitPartitioner(num_partitions=1)
-  pairs = _write_generator_pairs(train_examples, os.path.join(workdir, "data", "generator.jsonl"))
+  pairs = readers.write_jsonl(os.path.join(workdir, "data", "generator.jsonl"), (
+      {"inputs": task.format_input(e), "targets": e.response} for e in train_examples))
   run = functools.partial(runs.train_run, batch_size=batch_size, partitioner=partitioner,
                           seed=seed, log_every=50)
 
@@ -158,19 +144,17 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
       init_checkpoint=base_dir)
   # 3b. Classifier prompts, trained on synthetic errors of the training topics.
   train_synthetic = synthetic.training_examples(train_examples, topics, seed=seed + 1)
-  classifier_dirs = {}
-  for error in classifier.ERROR_TYPES:
-    classifier_dirs[error] = classifier.train_classifier(
-        model_dir=os.path.join(workdir, f"classifier_{error}"), base_dir=base_dir,
-        examples=train_synthetic, error=error, train_steps=classifier_steps,
-        optimizer=prompt_optimizer(classifier_steps), batch_size=batch_size,
-        max_input_length=max_input_length + max_target_length, partitioner=partitioner,
-        seed=seed, checkpoint_every=classifier_steps, log_every=50)
+  classifier_dirs = {error: classifier.train_classifier(
+      model_dir=os.path.join(workdir, f"classifier_{error}"), base_dir=base_dir,
+      examples=train_synthetic, error=error, train_steps=classifier_steps,
+      optimizer=prompt_optimizer(classifier_steps), batch_size=batch_size,
+      max_input_length=max_input_length + max_target_length, partitioner=partitioner,
+      seed=seed, checkpoint_every=classifier_steps, log_every=50)
+      for error in classifier.ERROR_TYPES}
 
   # 4. Detectors on the synthetic test slices (the first `max_test_examples` held-out
   # examples: salience is a backward pass per output chunk, the demo keeps it to minutes).
-  test_slices = synthetic.make_test_slices(test_examples[:max_test_examples], topics,
-                                           seed=seed + 2)
+  test_slices = synthetic.make_test_slices(test_examples[:max_test_examples], topics, seed=seed + 2)
   built = {name: detect.build_detector(
       name, base_dir=base_dir, generator_dir=generator_dir, classifier_dirs=classifier_dirs)
            for name in detectors}
@@ -186,16 +170,13 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
           for error in evaluate.ERRORS for level in ("example", "word")}
   truth = demo_lib.npov_truth_lines(results, test_slices)  # printed once, by demo.run_all
   # The user-facing path: a responses file in, scores and heatmaps out.
-  responses = os.path.join(workdir, "detect", "responses.jsonl")
-  os.makedirs(os.path.dirname(responses), exist_ok=True)
+  detect_dir = os.path.join(workdir, "detect")
+  responses = os.path.join(detect_dir, "responses.jsonl")
   task.write_examples(test_slices["unparaphrased"][:6], responses)
   if "salience" in detectors:
-    actions.detect_file(input_path=responses,
-                        output_path=os.path.join(workdir, "detect", "scores.jsonl"),
-                        detector="salience", base_dir=base_dir, generator_dir=generator_dir,
-                        heatmap_dir=os.path.join(workdir, "detect", "heatmaps"),
-                        roc_dir=os.path.join(workdir, "detect"))
-    paths["scores"] = os.path.join(workdir, "detect", "scores.jsonl")
-    paths["heatmaps"] = os.path.join(workdir, "detect", "heatmaps")
-  summary: dict[str, Any] = {**paths, **aucs, "truth": truth}
-  return summary
+    paths.update(scores=os.path.join(detect_dir, "scores.jsonl"),
+                 heatmaps=os.path.join(detect_dir, "heatmaps"))
+    actions.detect_file(input_path=responses, output_path=paths["scores"], detector="salience",
+                        base_dir=base_dir, generator_dir=generator_dir,
+                        heatmap_dir=paths["heatmaps"], roc_dir=detect_dir)
+  return {**paths, **aucs, "truth": truth}

@@ -1,13 +1,10 @@
-"""The detectors by name (`build_detector`), on the base model `load_base` reads, and the
-same detectors on a randomly initialised model of the base's config (`build_untrained_detector`:
-the null every model-based verdict is measured against).
-
-`jaxmoral npov detect` and `evaluate` (`actions`) build theirs here.
+"""The detectors by name (`build_detector`), and the same detectors on a randomly initialised
+model of the base's config (`build_untrained_detector`: the null every model-based verdict is
+measured against). `jaxmoral npov detect` and `evaluate` (`actions`) build theirs here.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping, Optional
 
 import flax.linen as nn
@@ -25,16 +22,6 @@ from jaxmoral.npov.detectors import salience
 
 DETECTORS = ("rouge", "salience", "classifier")
 
-logger = logging.getLogger(__name__)
-
-
-def load_base(base_dir: str, *, vocabulary_path: Optional[str] = None,
-              partitioner: Any = None) -> Any:
-  """The base model: a `model_dirs.LoadedModel` of any model directory (or Hub id), with its
-  vocabulary (or `vocabulary_path`'s), in the shardings of `partitioner`
-  (`partitioning.inference_partitioner`: default one device)."""
-  return model_dirs.load_on_mesh(base_dir, vocabulary=vocabulary_path, partitioner=partitioner)
-
 
 def build_detector(name: str, *, base_dir: Optional[str] = None,
                    vocabulary_path: Optional[str] = None, generator_dir: Optional[str] = None,
@@ -42,14 +29,17 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
                    salience_config: Any = None, partitioner: Any = None) -> Any:
   """A detector by name; model-based ones need `base_dir` (and the generator's prompt, the
   classifiers' prompts or fine-tuned model directories: `classifier.load_classifier`).
-  Their models are read into `partitioner`'s shardings and run on its mesh (`load_base`)."""
+
+  Their base (any model directory or Hub id, with its vocabulary or `vocabulary_path`'s) is
+  read into `partitioner`'s shardings and runs on its mesh (`model_dirs.load_on_mesh`).
+  """
   if name not in DETECTORS:
     raise ValueError(f"unknown detector {name!r}; known: {DETECTORS}")
   if name == "rouge":
     return rouge.RougeDetector()
   if base_dir is None:
     raise ValueError(f"detector {name!r} needs base_dir (the base model's directory)")
-  base = load_base(base_dir, vocabulary_path=vocabulary_path, partitioner=partitioner)
+  base = model_dirs.load_on_mesh(base_dir, vocabulary=vocabulary_path, partitioner=partitioner)
   if base.vocabulary is None:
     raise ValueError(f"detector {name!r}: {base_dir} has no vocabulary (vocab/spiece.model); "
                      f"give the base model's SentencePiece model (--vocabulary_path)")
@@ -85,18 +75,14 @@ def build_untrained_detector(name: str, *, config: T5Config, vocabulary: Any, se
   """A model-based detector on a randomly initialised T5 of `config`, never trained: what the
   detector's pipeline gives from a model that has learned nothing (its null).
 
-  With `prompt_length`, the detector carries a soft prompt of that length initialised as
-  prompt tuning starts one (`prompt_tuning.init_prompt`, a sample of the untrained model's
-  token embeddings) and never trained: the trained pipeline's shapes, so its compiled
-  programs are shared. Both classifiers are then the same untrained model and prompt.
+  With `prompt_length`, it carries an untrained soft prompt of that length
+  (`prompt_tuning.init_prompt`): the trained pipeline's shapes, so compiled programs are
+  shared. Both classifiers are then the same untrained model and prompt.
 
   Args:
     name: "salience" or "classifier".
-    config: The trained detector's T5Config (the same architecture).
-    vocabulary: The trained detector's vocabulary (its tokens and label words).
+    config, vocabulary, prompt_length, salience_config: The trained detector's.
     seed: The initialisation's seed.
-    prompt_length: The trained detector's soft prompt length (None: it has none).
-    salience_config: Salience options (the trained detector's).
 
   Raises:
     ValueError: `name` is not a model-based detector.

@@ -1,17 +1,14 @@
 """ROC AUC of the detectors at example and word level, on the paper's test slices.
 
-Slices that can be built here: synthetic errors on unparaphrased inputs, the same on
-paraphrased inputs, and "organic" (a user's labelled responses, when given). Hallucination is
-evaluated on the clean + hallucination examples of a slice, coverage on clean + coverage.
+Slices: synthetic errors on unparaphrased inputs, the same on paraphrased inputs, and
+"organic" (a user's labelled responses, when given). Hallucination is evaluated on the clean +
+hallucination examples of a slice, coverage on clean + coverage.
 
-Word labels (synthetic errors), the same for every detector that scores words:
-- hallucination: a response content word is positive when its stem occurs in the removed
-  argument and nowhere in the remaining input (query and the arguments kept): the response
-  states it and the input no longer supports it. Every other response word is negative, except
-  the template's own words (`TEMPLATE_WORDS`), which are in neither class;
-- coverage: an input-argument content word is positive when it belongs to the added argument
-  and its stem occurs nowhere in the response (which never verbalises that argument); every
-  other argument word is negative.
+Word labels (synthetic errors), the same for every detector that scores words: a response word
+is positive when its stem occurs in the removed argument and nowhere in the remaining input
+(the response states it, the input no longer supports it); an argument word is positive when
+it belongs to the added argument and its stem occurs nowhere in the response; the template's
+own words (`TEMPLATE_WORDS`) are in neither class; every other word is negative.
 """
 
 from __future__ import annotations
@@ -33,10 +30,8 @@ from jaxmoral.npov.detectors import base
 
 ERRORS = ("hallucination", "coverage")
 
-# The content words `task.template_response` writes into every response whatever its input
-# (its introduction "People disagree about the claim that ..." and the lead phrases of
-# `task.TEMPLATE_LEADS`): never in the input, they are neither hallucinated nor supported, so
-# they are left out of both classes of the hallucination word labels.
+# The content words `task.template_response` writes into every response whatever its input:
+# never in the input, they are neither hallucinated nor supported.
 TEMPLATE_WORDS: tuple[str, ...] = tuple(dict.fromkeys(
     w.text.lower() for phrase in ("People disagree about the claim that",
                                   *(lead for leads in task.TEMPLATE_LEADS.values()
@@ -55,12 +50,9 @@ def hallucination_word_labels(example: task.NpovExample, words: Sequence[base.Wo
     return None  # organic error: no word-level annotation
   removed = set(text_lib.content_stems(example.removed_argument or ""))
   kept = {t for s in (example.query, *example.arguments) for t in text_lib.content_stems(s)}
-  labels: list[Optional[int]] = []
-  for w in words:
-    stem = text_lib.stem(w.text)
-    labels.append(None if stem in TEMPLATE_STEMS else
-                  int(bool(example.hallucination) and stem in removed and stem not in kept))
-  return labels
+  stems = [text_lib.stem(w.text) for w in words]
+  return [None if s in TEMPLATE_STEMS else
+          int(bool(example.hallucination) and s in removed and s not in kept) for s in stems]
 
 
 def coverage_word_labels(example: task.NpovExample, words: Sequence[base.WordScore]
@@ -77,16 +69,20 @@ def coverage_word_labels(example: task.NpovExample, words: Sequence[base.WordSco
               and text_lib.stem(w.text) not in said) for w in words]
 
 
+def _counts_for(example: task.NpovExample, error: str) -> bool:
+  """Whether `error`'s AUCs use the example: clean ones and those with that error only."""
+  other = ERRORS[1 - ERRORS.index(error)]
+  return getattr(example, error) is not None and not getattr(example, other)
+
+
 def word_arrays(examples: Sequence[task.NpovExample], detections: Sequence[base.Detection],
                 error: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(labels, scores, example index) of every labelled word of `error`'s examples (the
-  examples its example-level AUC uses: clean ones and those with that error only); words in
-  neither class are left out."""
-  other = ERRORS[1 - ERRORS.index(error)]
+  """(labels, scores, example index) of every labelled word of the examples `error`'s
+  example-level AUC uses; words in neither class are left out."""
   labels_fn = hallucination_word_labels if error == "hallucination" else coverage_word_labels
   labels, scores, units = [], [], []
   for i, (e, d) in enumerate(zip(examples, detections, strict=True)):
-    if getattr(e, error) is None or getattr(e, other):
+    if not _counts_for(e, error):
       continue
     words = d.response_words if error == "hallucination" else d.argument_words
     word_labels = labels_fn(e, words) if words else None
@@ -128,16 +124,6 @@ def _auc(labels: Sequence[int], scores: Sequence[float]) -> Optional[float]:
   return float(metrics.roc_auc(np.asarray(labels), np.asarray(scores, np.float64)))
 
 
-def _auc_ci(labels: Sequence[int], scores: Sequence[float]) -> Optional[list[float]]:
-  """95 % percentile-bootstrap interval of the example-level ROC AUC over the examples
-  (`metrics.bootstrap_ci`, as the experiments report), or None where the AUC is undefined."""
-  if len(set(labels)) < 2:
-    return None
-  ci = metrics.bootstrap_ci(metrics.roc_auc, np.asarray(labels),
-                            np.asarray(scores, np.float64))
-  return [float(ci.low), float(ci.high)]
-
-
 def evaluate_slice(examples: Sequence[task.NpovExample],
                    detections: Sequence[base.Detection]) -> dict[str, Any]:
   """ROC AUCs and the label/score arrays (for curves) of one detector on one slice."""
@@ -145,23 +131,21 @@ def evaluate_slice(examples: Sequence[task.NpovExample],
     raise ValueError(f"evaluate_slice: {len(examples)} examples, {len(detections)} detections")
   out: dict[str, Any] = {}
   for error in ERRORS:
-    other = ERRORS[1 - ERRORS.index(error)]
-    ex_labels, ex_scores = [], []
-    for e, d in zip(examples, detections, strict=True):
-      label = getattr(e, error)
-      if label is None or getattr(e, other):
-        continue
-      ex_labels.append(int(label))
-      ex_scores.append(getattr(d, error))
+    pairs = [(int(getattr(e, error)), getattr(d, error))
+             for e, d in zip(examples, detections, strict=True) if _counts_for(e, error)]
+    ex_labels, ex_scores = [label for label, _ in pairs], [score for _, score in pairs]
+    # The example-level AUC's 95 % percentile-bootstrap interval, as the experiments report.
+    ci = (metrics.bootstrap_ci(metrics.roc_auc, np.asarray(ex_labels),
+                               np.asarray(ex_scores, np.float64))
+          if len(set(ex_labels)) > 1 else None)
     w_labels, w_scores, w_units = word_arrays(examples, detections, error)
     try:
       within = within_example_word_auc(w_labels, w_scores, w_units) if w_labels.size else None
     except ValueError:
       within = None
     out[error] = {"example_auc": _auc(ex_labels, ex_scores),
-                  "example_auc_ci": _auc_ci(ex_labels, ex_scores),
-                  "word_auc": _auc(w_labels.tolist(), w_scores.tolist()) if w_labels.size
-                  else None,
+                  "example_auc_ci": None if ci is None else [float(ci.low), float(ci.high)],
+                  "word_auc": _auc(w_labels.tolist(), w_scores.tolist()),
                   "within_example_word_auc": within,
                   "num_examples": len(ex_labels), "num_positive": int(sum(ex_labels)),
                   "num_words": int(w_labels.size),
@@ -183,39 +167,39 @@ def evaluate_detectors(detectors: Mapping[str, Any],
   return results
 
 
+def auc_cell(auc: Optional[float], ci: Optional[Sequence[float]] = None) -> str:
+  """A table cell: the ROC AUC x 100, with its 95 % interval when given; "-" where undefined."""
+  if auc is None:
+    return "-"
+  return f"{100 * auc:.1f}" + (f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]" if ci else "")
+
+
+def aligned_lines(rows: Sequence[Sequence[str]]) -> list[str]:
+  """Rows of cells as left-aligned columns, with a rule under the first row (the header)."""
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows]
+  return [lines[0], "-" * len(lines[0]), *lines[1:]]
+
+
 def format_table(results: Mapping[str, Any]) -> str:
   """A Table-1-like text table: rows = detectors, columns = slice / error / level, each cell
   the ROC AUC x 100 with its 95 % bootstrap interval (example level), and the row "n": the
   examples (positives) and words each column is measured on."""
-  slices = list(results)
   detectors = list(next(iter(results.values()))) if results else []
-  columns = [(s, e, lvl) for s in slices for e in ERRORS for lvl in ("example", "word")]
-  header = ["detector"] + [f"{s}/{e}/{lvl}" for s, e, lvl in columns]
-  rows = [header]
+  columns = [(s, e, lvl) for s in results for e in ERRORS for lvl in ("example", "word")]
+  rows = [["detector"] + [f"{s}/{e}/{lvl}" for s, e, lvl in columns]]
   for det in detectors:
-    row = [det]
-    for s, e, lvl in columns:
-      r = results[s][det][e]
-      auc = r[f"{lvl}_auc"]
-      cell = "-" if auc is None else f"{100 * auc:.1f}"
-      ci = r.get("example_auc_ci") if lvl == "example" else None
-      if auc is not None and ci:
-        cell += f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-      row.append(cell)
-    rows.append(row)
+    rows.append([det] + [auc_cell(results[s][det][e][f"{lvl}_auc"],
+                                  results[s][det][e].get("example_auc_ci")
+                                  if lvl == "example" else None) for s, e, lvl in columns])
   if detectors:
-    first = detectors[0]
-    counts = ["n"]
-    for s, e, lvl in columns:
-      r = results[s][first][e]
-      counts.append(f"{r['num_examples']} ({r['num_positive']} pos)" if lvl == "example"
-                    else f"{r.get('num_words', '?')} words")
-    rows.append(counts)
-  widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-  lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows]
-  lines.insert(1, "-" * len(lines[0]))
-  return "\n".join(lines) + ("\n(ROC AUC x 100 [95 % bootstrap interval over the examples]; "
-                             "example = example level, word = word level)")
+    counts = [results[s][detectors[0]][e] for s, e, _ in columns]
+    rows.append(["n"] + [f"{r['num_examples']} ({r['num_positive']} pos)" if lvl == "example"
+                         else f"{r.get('num_words', '?')} words"
+                         for r, (_, _, lvl) in zip(counts, columns, strict=True)])
+  return "\n".join(aligned_lines(rows)) + (
+      "\n(ROC AUC x 100 [95 % bootstrap interval over the examples]; "
+      "example = example level, word = word level)")
 
 
 def write_results(results: Mapping[str, Any], output_dir: str | os.PathLike, *,

@@ -2,17 +2,14 @@
 
 A knowledge base is a list of `Topic`s. Each topic has a query and argument *clusters*; the
 texts in one cluster are paraphrases of each other (the first is the canonical wording).
+`read_perspectrum` reads a claim as the query, its SUPPORT / UNDERMINE clusters as pro / con;
+`read_kb_jsonl` reads one topic per line, written by hand::
 
-Readers:
-- `read_perspectrum(directory)`: claim = query, SUPPORT clusters = pro, UNDERMINE = con, the
-  perspectives of one cluster = paraphrases; splits from `dataset_split_v1.0.json`.
-- `read_kb_jsonl(path)`: one topic per line, written by hand::
+  {"id": "uniforms", "query": "School uniforms should be mandatory",
+   "pro": [["Uniforms reduce bullying", "Uniforms make bullying rarer"], "..."],
+   "con": ["Uniforms limit self-expression"], "split": "train"}
 
-    {"id": "uniforms", "query": "School uniforms should be mandatory",
-     "pro": [["Uniforms reduce bullying", "Uniforms make bullying rarer"], "..."],
-     "con": ["Uniforms limit self-expression"], "split": "train"}
-
-  Each argument is a string or a list of paraphrases. `id` and `split` are optional.
+Each argument is a string or a list of paraphrases. `id` and `split` are optional.
 """
 
 from __future__ import annotations
@@ -48,14 +45,8 @@ class Cluster:
 
 @dataclasses.dataclass(frozen=True)
 class Topic:
-  """One query with its argument clusters.
-
-  Attributes:
-    id: Topic id.
-    query: The user query.
-    clusters: All argument clusters of the topic (ids are indices into this tuple).
-    split: "train", "dev", "test" or "" (unassigned; see `split_topics`).
-  """
+  """One query with all its argument clusters (cluster ids index `clusters`); `split` is
+  "train", "dev", "test" or "" (unassigned; see `split_topics`)."""
   id: str
   query: str
   clusters: tuple[Cluster, ...]
@@ -114,7 +105,8 @@ def read_kb_jsonl(path: str | os.PathLike) -> list[Topic]:
       (`readers.UnknownFieldError`, naming the closest of `KB_FIELDS`), or an empty file.
   """
   path = str(path)
-  rows = readers.read_jsonl(path, required=("query",), optional=KB_FIELDS, allow_empty=False)
+  rows = readers.read_jsonl(path, required=("query",), text=("query",), optional=KB_FIELDS,
+                            allow_empty=False)
   topics = []
   for row, line in zip(rows, rows.lines, strict=False):
     clusters = []
@@ -132,8 +124,6 @@ def read_kb_jsonl(path: str | os.PathLike) -> list[Topic]:
     split = row.get("split", "")
     if split not in ("",) + SPLITS:
       raise readers.DataError(path, line, f"unknown split {split!r}; use {SPLITS}", "split")
-    if not isinstance(row["query"], str):
-      raise readers.DataError(path, line, "expected a string", "query")
     topics.append(Topic(str(row.get("id", _clean(row["query"]))), _clean(row["query"]),
                         tuple(clusters), split))
   ids = [t.id for t in topics]
@@ -151,35 +141,23 @@ def split_topics(topics: Sequence[Topic], *, dev_fraction: float = 0.1,
   """
   if not (0 <= dev_fraction and 0 <= test_fraction and dev_fraction + test_fraction < 1):
     raise ValueError(f"split_topics: bad fractions dev={dev_fraction} test={test_fraction}")
-  out = []
-  for t in topics:
-    if t.split:
-      out.append(t)
-      continue
-    u = int(hashlib.sha256(t.id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-    split = "test" if u < test_fraction else "dev" if u < test_fraction + dev_fraction else "train"
-    out.append(dataclasses.replace(t, split=split))
-  return out
+
+  def split_of(topic_id: str) -> str:
+    u = int(hashlib.sha256(topic_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "test" if u < test_fraction else "dev" if u < test_fraction + dev_fraction else "train"
+
+  return [t if t.split else dataclasses.replace(t, split=split_of(t.id)) for t in topics]
 
 
 def sample_examples(topics: Sequence[Topic], *, seed: int, split: Optional[str] = None,
                     examples_per_topic: int = 1, max_per_side: int = 3,
                     same_count_per_side: bool = True) -> list[task.NpovExample]:
-  """Error-free examples: 1..`max_per_side` arguments per side.
+  """Error-free examples of the topics of `split` (None: all) with a pro and a con cluster:
+  1..`max_per_side` canonical arguments per side, the response their `task.template_response`.
 
-  The response is `task.template_response` of the chosen (canonical) argument texts. Topics
-  with no pro or no con cluster are skipped.
-
-  Args:
-    topics: The knowledge base.
-    seed: Sampling seed.
-    split: Only topics of this split (None: all).
-    examples_per_topic: Examples drawn per topic.
-    max_per_side: Arguments per side at most.
-    same_count_per_side: As many arguments on each side (a balanced answer). Note that a
-      synthetic error then always unbalances the sides, so a detector can tell every error
-      from every error-free example by the counts alone; False draws each side's count on its
-      own (1..`max_per_side`), which leaves no such cue.
+  `same_count_per_side` gives as many arguments on each side (a balanced answer); a synthetic
+  error then always unbalances the sides, so a detector can tell every error from every
+  error-free example by the counts alone. False draws each side's count on its own.
   """
   if max_per_side < 1:
     raise ValueError(f"sample_examples: max_per_side must be >= 1, got {max_per_side}")
@@ -188,25 +166,23 @@ def sample_examples(topics: Sequence[Topic], *, seed: int, split: Optional[str] 
   for topic in topics:
     if split is not None and topic.split != split:
       continue
-    pro_ids, con_ids = topic.cluster_ids("pro"), topic.cluster_ids("con")
-    limit = min(len(pro_ids), len(con_ids), max_per_side)
+    ids = {side: topic.cluster_ids(side) for side in task.SIDES}
+    limit = min(len(ids["pro"]), len(ids["con"]), max_per_side)
     if limit == 0:
       continue
     for k in range(examples_per_topic):
       if same_count_per_side:
-        n = int(rng.integers(1, limit + 1))
-        counts = {"pro": n, "con": n}
+        counts = dict.fromkeys(task.SIDES, int(rng.integers(1, limit + 1)))
       else:
-        counts = {side: int(rng.integers(1, min(len(ids), max_per_side) + 1))
-                  for side, ids in (("pro", pro_ids), ("con", con_ids))}
-      chosen = {side: sorted(rng.choice(ids, size=counts[side], replace=False).tolist())
-                for side, ids in (("pro", pro_ids), ("con", con_ids))}
+        counts = {side: int(rng.integers(1, min(len(ids[side]), max_per_side) + 1))
+                  for side in task.SIDES}
+      chosen = {side: tuple(sorted(rng.choice(ids[side], size=counts[side], replace=False)
+                                   .tolist())) for side in task.SIDES}
       texts = {side: tuple(topic.clusters[i].texts[0] for i in chosen[side])
                for side in task.SIDES}
       out.append(task.NpovExample(
-          id=f"{topic.id}/{k}", topic=topic.id, query=topic.query,
-          pro=texts["pro"], con=texts["con"], pro_clusters=tuple(chosen["pro"]),
-          con_clusters=tuple(chosen["con"]),
+          id=f"{topic.id}/{k}", topic=topic.id, query=topic.query, pro=texts["pro"],
+          con=texts["con"], pro_clusters=chosen["pro"], con_clusters=chosen["con"],
           response=task.template_response(topic.query, texts["pro"], texts["con"]),
           hallucination=False, coverage=False))
   return out
@@ -214,10 +190,8 @@ def sample_examples(topics: Sequence[Topic], *, seed: int, split: Optional[str] 
 
 def attach_clusters(examples: Sequence[task.NpovExample], topics: Sequence[Topic]
                     ) -> list[task.NpovExample]:
-  """Links examples (e.g. read with `task.read_examples`) to the knowledge base.
-
-  An example's topic is the topic whose id or query equals its `topic`/`query`; each argument
-  gets the id of the cluster that contains its text (needed for synthetic errors).
+  """Links examples to the knowledge base (as synthetic errors need): an example's topic is the
+  one whose id or query equals its `topic`/`query`, an argument's cluster the one with its text.
 
   Raises:
     KeyError: naming the example whose topic or argument is not in the knowledge base.

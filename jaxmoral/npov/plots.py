@@ -15,9 +15,8 @@ from jaxmoral import pictures
 from jaxmoral.npov.detectors import base
 
 # A word is flagged (bold, underlined) when its score is this many standard deviations above
-# the mean score of the words of its kind in the same example: the words that stand out, not
-# every word over a fixed value (salience scores are relative: most response words of a short
-# model score above 0.5).
+# the mean of its kind in the example: salience scores are relative (most response words of a
+# short model score above 0.5), so no fixed value picks the words that stand out.
 SUSPECT_Z = 1.0
 
 
@@ -39,14 +38,9 @@ def suspect_cutoff(scores: Any, z: float = SUSPECT_Z) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class WordShading:
-  """How one example's word scores are drawn, in the heatmap and in `jaxmoral explore`.
-
-  Attributes:
-    vmax: The score drawn darkest: the example's highest word score (response and arguments
-      share one scale).
-    response_cutoff: Response words scoring above it are flagged (`suspect_cutoff`).
-    argument_cutoff: Argument words scoring above it are flagged.
-  """
+  """How one example's word scores are drawn, in the heatmap and in `jaxmoral explore`: `vmax`
+  (the highest word score, drawn darkest; response and arguments share one scale) and the
+  cutoffs above which response and argument words are flagged (`suspect_cutoff`)."""
   vmax: float
   response_cutoff: float
   argument_cutoff: float
@@ -83,41 +77,27 @@ def salience_heatmap_html(word_map: Any, detection: base.Detection, path: str | 
                           title: str = "", example: Any = None, z: float = SUSPECT_Z) -> str:
   """Writes an HTML page that reads at a glance.
 
-  On top, the response and the input arguments as text, each scored word coloured in place
-  on one white-to-red scale (the legend gives its values; hover for a word's value): the
-  response by hallucination score, the arguments by coverage score. Flagged words (bold,
-  underlined) are those more than `z` standard deviations above the mean of their kind in
-  this example (`suspect_cutoff`). Below, folded, the input x response word salience matrix.
+  On top, the response (by hallucination score) and the input arguments (by coverage score),
+  each scored word coloured in place on one white-to-red scale, flagged words in bold
+  (`suspect_cutoff`); below, folded, the input x response word salience matrix.
 
-  Args:
-    word_map: The salience detector's `WordMap` of the example.
-    detection: Its `Detection` (word scores).
-    path: The .html file.
-    title: Heading (the query).
-    example: The `NpovExample`, for the full texts (without it, the scored words alone).
-    z: Flagging threshold in standard deviations.
+  `word_map` and `detection` are the salience detector's of the example; `example` gives the
+  full texts (without it, the scored words alone); `z` is `suspect_cutoff`'s.
   """
-  response_words = list(detection.response_words)
-  argument_words = list(detection.argument_words)
-  shading = word_shading([w.score for w in response_words],
-                         [w.score for w in argument_words], z=z)
-  vmax, response_cutoff, argument_cutoff = (shading.vmax, shading.response_cutoff,
-                                            shading.argument_cutoff)
+  response_words, argument_words = detection.response_words, detection.argument_words
+  shading = word_shading([w.score for w in response_words], [w.score for w in argument_words], z=z)
+  vmax, response_cutoff = shading.vmax, shading.response_cutoff
 
-  def text_of(field: str, index: int, words: list) -> str:
+  def block(field: str, index: int, words: Sequence[Any], cutoff: float) -> str:
     if example is not None:
-      return example.response if field == "response" else getattr(example, field)[index]
-    return " ".join(w.text for w in words)  # Offsets then index this joined text.
-
-  def block(field: str, index: int, words: list, cutoff: float) -> str:
-    if example is None:
-      shifted, position = [], 0
+      text = example.response if field == "response" else getattr(example, field)[index]
+    else:  # The scored words alone, joined: their offsets then index the joined text.
+      text, shifted, position = " ".join(w.text for w in words), [], 0
       for w in words:
-        shifted.append(base.WordScore(w.field, w.index, w.text, position,
-                                      position + len(w.text), w.score))
+        shifted.append(dataclasses.replace(w, start=position, end=position + len(w.text)))
         position += len(w.text) + 1
       words = shifted
-    return _marked_text(text_of(field, index, words), words, vmax, cutoff)
+    return _marked_text(text, words, vmax, cutoff)
 
   flagged = sum(w.score > response_cutoff for w in response_words)
   parts = [f"<h4>Response: hallucination score {detection.hallucination:.3f} "
@@ -129,11 +109,10 @@ def salience_heatmap_html(word_map: Any, detection: base.Detection, path: str | 
     arguments.setdefault((w.field, w.index), []).append(w)
   for (field, index), words in sorted(arguments.items()):
     parts.append(f"<li><b>{html.escape(field)} {index + 1}</b>: "
-                 f"{block(field, index, words, argument_cutoff)}</li>")
+                 f"{block(field, index, words, shading.argument_cutoff)}</li>")
   parts.append("</ul>")
-  stops = np.linspace(0.0, vmax, 5)
   legend = "".join(f'<span style="background:{_colour(v, vmax)};padding:2px 8px">{v:.2f}'
-                   f"</span>" for v in stops)
+                   f"</span>" for v in np.linspace(0.0, vmax, 5))
   matrix = np.asarray(word_map.matrix)
   mmax = float(matrix.max()) if matrix.size else 1.0
   head = "".join(f'<th style="writing-mode:vertical-rl">{html.escape(w.text)}</th>'
@@ -148,10 +127,8 @@ def salience_heatmap_html(word_map: Any, detection: base.Detection, path: str | 
          f"{''.join(parts)}<details><summary>Input x response word salience (0 to "
          f"{mmax:.2f})</summary><table style='border-collapse:collapse;font:10px sans-serif'>"
          f"<tr><th></th><th></th>{head}</tr>{''.join(rows)}</table></details></body></html>")
-  path = os.fspath(path)
-  with fileio.open(path, "w", encoding="utf-8") as f:
-    f.write(doc)
-  return path
+  fileio.write_text(path, doc)
+  return os.fspath(path)
 
 
 def roc_curves_png(by_detector: Mapping[str, Any], path: str | os.PathLike, *,

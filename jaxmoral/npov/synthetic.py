@@ -46,10 +46,8 @@ def make_hallucination(example: task.NpovExample, rng: np.random.Generator
 
 def make_coverage(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random.Generator
                   ) -> Optional[task.NpovExample]:
-  """Adds one unused argument of the same topic on its own side, at a random position.
-
-  Returns None when the topic has no unused argument.
-  """
+  """Adds one unused argument of the same topic on its own side, at a random position; None
+  when the topic has no unused argument."""
   unused = _unused_clusters(example, topic)
   if not unused:
     return None
@@ -62,19 +60,16 @@ def make_coverage(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random
   clusters.insert(position, cluster_id)
   return example.replace(
       id=f"{example.id}/coverage", hallucination=False, coverage=True,
-      added_argument=cluster.texts[0],
-      **{side: tuple(texts), f"{side}_clusters": tuple(clusters)})
+      added_argument=cluster.texts[0], **{side: tuple(texts), f"{side}_clusters": tuple(clusters)})
 
 
 def make_substitution(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random.Generator
                       ) -> Optional[task.NpovExample]:
   """Replaces one given argument (uniformly chosen) by an unused one of the same side.
 
-  Both errors at once: the unchanged response states the removed argument (hallucination)
-  and misses the added one (coverage). Unlike `make_hallucination` and `make_coverage`, the
-  number of arguments per side stays that of the response's points, so a detector that only
-  counts them cannot tell this from the error-free example. None when the example has no
-  argument, or its side no unused argument.
+  Both errors at once, with as many arguments per side as the response has points: a
+  detector that only counts them cannot tell this from the error-free example. None when the
+  example has no argument, or its side no unused argument.
   """
   slots = _given_slots(example)
   if not slots:
@@ -119,12 +114,9 @@ SLICES = ("unparaphrased", "paraphrased")
 def make_test_slices(examples: Sequence[task.NpovExample],
                      topics: Sequence[kb_lib.Topic] | Mapping[str, kb_lib.Topic], *,
                      seed: int) -> dict[str, list[task.NpovExample]]:
-  """The paper's synthetic test slices from error-free examples.
-
-  Returns:
-    {"unparaphrased": [...], "paraphrased": [...]}; each holds, per source example, the
-    error-free example and its hallucination and coverage variants (when they can be made).
-  """
+  """The paper's synthetic test slices from error-free examples: {"unparaphrased": [...],
+  "paraphrased": [...]}, each with, per source example, the error-free example and its
+  hallucination and coverage variants (when they can be made)."""
   by_id = topics if isinstance(topics, Mapping) else {t.id: t for t in topics}
   rng = np.random.default_rng(seed)
   slices: dict[str, list[task.NpovExample]] = {name: [] for name in SLICES}

@@ -1,23 +1,18 @@
 """The NPOV response task: examples, the curly-braces text format and response templates.
 
-An example gives a user query and lists of pro and con arguments; the target is a response
-with a short introduction and a verbalisation of every given argument. Model inputs are
-written in a key-value "curly braces" format, one brace group per field::
-
-  {query: Should vaccination be compulsory?} {pro 1: ...} {pro 2: ...} {con 1: ...}
-
-The classifiers read the same text with the response appended as `{response: ...}`.
+An example gives a user query and lists of pro and con arguments; the target response has a
+short introduction and verbalises every given argument. Model inputs are key-value "curly
+braces" fields, `{query: Should vaccination be compulsory?} {pro 1: ...} {con 1: ...}`; the
+classifiers read the same text with `{response: ...}` appended.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from jaxmoral import fileio
 from jaxmoral.data import readers
 
 SIDES = ("pro", "con")
@@ -32,15 +27,12 @@ class NpovExample:
     id: Unique id.
     topic: Topic id (splits are topic-disjoint; synthetic errors draw from the same topic).
     query: The user query (a PERSPECTRUM claim).
-    pro: Pro argument texts given to the model.
-    con: Con argument texts given to the model.
-    pro_clusters: Knowledge-base cluster id of each pro argument (-1 when unknown).
-    con_clusters: Likewise for `con`.
+    pro, con: The argument texts of each side given to the model.
+    pro_clusters, con_clusters: Knowledge-base cluster id of each argument (-1: unknown).
     response: The response (target for the generator, input for the detectors); "" if none.
     hallucination: Label: the response states an argument that is not in the input.
     coverage: Label: the response misses an argument of the input.
-    removed_argument: The argument removed from the input (synthetic hallucination).
-    added_argument: The argument added to the input (synthetic coverage error).
+    removed_argument, added_argument: What a synthetic error removed from / added to the input.
     paraphrased: Whether the input arguments were replaced by paraphrases.
   """
   id: str
@@ -88,10 +80,7 @@ class NpovExample:
     return dataclasses.replace(self, **changes)
 
   def to_json(self) -> dict[str, Any]:
-    out = dataclasses.asdict(self)
-    for key in ("pro", "con", "pro_clusters", "con_clusters"):
-      out[key] = list(out[key])
-    return out
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
 def _check_text(text: Any, field: str) -> None:
@@ -160,15 +149,12 @@ def parse_input(text: str) -> dict[str, Any]:
 
 
 def template_response(query: str, pro: Sequence[str], con: Sequence[str]) -> str:
-  """An error-free reference response: an introduction plus every argument, verbatim.
-
-  PERSPECTRUM has no responses; this deterministic template gives the generator a target
-  that verbalises each given argument (and nothing else), as the task requires.
-  """
+  """An error-free reference response: an introduction plus every argument, verbatim (for
+  PERSPECTRUM, which has no responses: a target that verbalises each argument and no other)."""
   topic = query.strip().rstrip(".?!")
   sentences = [f"People disagree about the claim that {topic[:1].lower() + topic[1:]}."]
-  for side in SIDES:
-    for i, text in enumerate({"pro": pro, "con": con}[side]):
+  for side, texts in zip(SIDES, (pro, con), strict=True):
+    for i, text in enumerate(texts):
       arg = text.strip().rstrip(".")
       sentences.append(f"{TEMPLATE_LEADS[side][min(i, 1)]} {arg[:1].lower() + arg[1:]}.")
   return " ".join(sentences)
@@ -184,15 +170,15 @@ def template_points(response: str) -> dict[str, int]:
   (0 and 0 for a response not in the template's form)."""
   first = {side: response.find(TEMPLATE_LEADS[side][0]) for side in SIDES}
   if min(first.values()) < 0:
-    return {side: 0 for side in SIDES}
-  pro_text, con_text = response[first["pro"]:first["con"]], response[first["con"]:]
-  return {side: 1 + text.count(TEMPLATE_LEADS[side][1])
-          for side, text in (("pro", pro_text), ("con", con_text))}
+    return dict.fromkeys(SIDES, 0)
+  texts = {"pro": response[first["pro"]:first["con"]], "con": response[first["con"]:]}
+  return {side: 1 + texts[side].count(TEMPLATE_LEADS[side][1]) for side in SIDES}
 
 
-def _as_texts(value: Any, path: str, line: int, field: str) -> tuple[str, ...]:
-  if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-    raise readers.DataError(path, line, "expected a list of strings", field)
+def _as_tuple(value: Any, path: str, line: int, field: str, what: str,
+              is_item: Callable[[Any], bool]) -> tuple[Any, ...]:
+  if not isinstance(value, list) or not all(map(is_item, value)):
+    raise readers.DataError(path, line, f"expected a list of {what}", field)
   return tuple(value)
 
 
@@ -204,27 +190,15 @@ def _labels(value: Any, path: str, line: int, field: str) -> Optional[bool]:
   raise readers.DataError(path, line, f"expected 0/1/true/false/null, got {value!r}", field)
 
 
-def _as_cluster_ids(value: Any, path: str, line: int, field: str) -> tuple[int, ...]:
-  if not isinstance(value, list) or not all(
-      isinstance(v, int) and not isinstance(v, bool) for v in value):
-    raise readers.DataError(path, line, "expected a list of integers", field)
-  return tuple(value)
-
-
 # Every key `read_examples` reads (what `write_examples` writes): any other is an error, so a
 # misspelt "pros" cannot read as an example without pro arguments.
 EXAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(NpovExample))
 
 
-def read_examples(path: str | os.PathLike, *,
-                  require_response: bool = False) -> list[NpovExample]:
-  """Reads NPOV examples from JSONL.
-
-  One object per line with `query` (str), `pro` and `con` (lists of str), `response` (str;
-  may be empty for generation) and optionally `id` (unique), `topic`, `pro_clusters` /
-  `con_clusters` (knowledge-base cluster ids, one per argument), `hallucination` /
-  `coverage` (0/1 labels), `removed_argument`, `added_argument`, `paraphrased` (bool). Any
-  other key is an error naming the closest of these (`EXAMPLE_FIELDS`).
+def read_examples(path: str | os.PathLike, *, require_response: bool = False) -> list[NpovExample]:
+  """Reads NPOV examples from JSONL: one `NpovExample` object a line (`query` required;
+  `hallucination` / `coverage` as 0/1). Any other key is an error naming the closest of
+  `EXAMPLE_FIELDS`.
 
   Args:
     path: The file.
@@ -238,16 +212,17 @@ def read_examples(path: str | os.PathLike, *,
   """
   path = str(path)
   required = ("query", "response") if require_response else ("query",)
-  rows = readers.read_jsonl(path, required=required, optional=EXAMPLE_FIELDS,
-                            allow_empty=False)
+  rows = readers.read_jsonl(path, required=required, optional=EXAMPLE_FIELDS, allow_empty=False)
   out = []
   first_line_of_id: dict[str, int] = {}
   for row, line in zip(rows, rows.lines, strict=False):
     kwargs: dict[str, Any] = {}
     for side in SIDES:
-      kwargs[side] = _as_texts(row.get(side, []), path, line, side)
+      kwargs[side] = _as_tuple(row.get(side, []), path, line, side, "strings",
+                               lambda v: isinstance(v, str))
       key = f"{side}_clusters"
-      kwargs[key] = _as_cluster_ids(row.get(key, []), path, line, key)
+      kwargs[key] = _as_tuple(row.get(key, []), path, line, key, "integers",
+                              lambda v: isinstance(v, int) and not isinstance(v, bool))
     for key in ("hallucination", "coverage"):
       kwargs[key] = _labels(row.get(key), path, line, key)
     for key in ("query", "response", "removed_argument", "added_argument"):
@@ -256,8 +231,6 @@ def read_examples(path: str | os.PathLike, *,
         raise readers.DataError(path, line, f"expected a string, got {type(value).__name__}", key)
       kwargs[key] = value
     if require_response and not kwargs["pro"] and not kwargs["con"]:
-      # Every response word would count as unsupported: a hallucination score of 1.0 that
-      # says nothing about the response.
       raise readers.DataError(path, line, "no arguments (pro and con are both empty): there "
                               "is nothing to check the response against", "pro")
     paraphrased = row.get("paraphrased", False)
@@ -280,6 +253,4 @@ def read_examples(path: str | os.PathLike, *,
 
 def write_examples(examples: Sequence[NpovExample], path: str | os.PathLike) -> None:
   """Writes examples as JSONL (the format `read_examples` reads)."""
-  with fileio.open(path, "w", encoding="utf-8") as f:
-    for example in examples:
-      f.write(json.dumps(example.to_json(), ensure_ascii=False) + "\n")
+  readers.write_jsonl(path, (example.to_json() for example in examples))

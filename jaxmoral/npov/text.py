@@ -35,15 +35,8 @@ _STEMMER = PorterStemmer()
 
 @dataclasses.dataclass(frozen=True)
 class Word:
-  """One word of a text.
-
-  Attributes:
-    text: The word as written.
-    start: Character offset of its first character.
-    end: Character offset one past its last character.
-    stem: Lower-cased Porter stem (the unit ROUGE matches on).
-    is_stopword: Whether the lower-cased word is in `STOPWORDS`.
-  """
+  """One word of a text: as written, its characters [start, end), its lower-cased Porter stem
+  (the unit ROUGE matches on) and whether the lower-cased word is in `STOPWORDS`."""
   text: str
   start: int
   end: int
@@ -59,12 +52,8 @@ def stem(word: str) -> str:
 
 def words(text: str) -> list[Word]:
   """All words of `text` (split on whitespace and punctuation), with offsets and stems."""
-  out = []
-  for match in _WORD_RE.finditer(text):
-    token = match.group(0)
-    out.append(Word(token, match.start(), match.end(), stem(token),
-                    token.lower() in STOPWORDS))
-  return out
+  return [Word(m.group(0), m.start(), m.end(), stem(m.group(0)), m.group(0).lower() in STOPWORDS)
+          for m in _WORD_RE.finditer(text)]
 
 
 def content_stems(text: str) -> list[str]:

@@ -11,17 +11,10 @@ import scipy.stats
 
 @dataclasses.dataclass(frozen=True)
 class WordScore:
-  """A score for one content word (stopwords are never scored).
-
-  Attributes:
-    field: "response" (hallucination scores) or "pro" / "con" (coverage scores of words in
-      the input arguments).
-    index: Argument index within its side (0 for the response).
-    text: The word.
-    start: Character offset in its field's text (the response or that argument).
-    end: One past the last character.
-    score: Error score; higher = more suspect.
-  """
+  """A score for one content word (stopwords are never scored): `field` is "response"
+  (hallucination scores) or "pro" / "con" (coverage scores of argument words), `index` the
+  argument's within its side (0 for the response), [start, end) the characters in that
+  field's text; a higher `score` is more suspect."""
   field: str
   index: int
   text: str
@@ -35,14 +28,8 @@ class WordScore:
 
 @dataclasses.dataclass(frozen=True)
 class Detection:
-  """Detector output for one example; higher scores mean "more likely an error".
-
-  Attributes:
-    hallucination: Example-level hallucination score.
-    coverage: Example-level coverage-error score.
-    response_words: Hallucination score of every response content word.
-    argument_words: Coverage score of every input-argument content word.
-  """
+  """Detector output for one example, higher scores meaning "more likely an error": the
+  example-level scores, and those of every response / input-argument content word."""
   hallucination: float
   coverage: float
   response_words: tuple[WordScore, ...] = ()

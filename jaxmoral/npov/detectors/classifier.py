@@ -1,11 +1,9 @@
-"""YES/NO classifiers: answer "yes" (no error) or "no" (error) for (query, arguments, response),
-one per error type (hallucination, coverage).
+"""YES/NO classifiers, one per error type: "yes" (no error) or "no" for (query, arguments,
+response). Score = P("no") of a softmax over the two label tokens' first-step logits.
 
 The paper's classifiers are soft prompts over one frozen base model (`tuning="prompt"`); the
 ablation `tuning="full"` fine-tunes every weight of a copy of the base instead (for bases too
-small to be steered by a prompt). Score = softmax over the two label tokens' logits at the first
-decoder step, taking "no". Training pairs come from error-free examples and their synthetic
-errors (`synthetic.py`).
+small to be steered by a prompt).
 """
 
 from __future__ import annotations
@@ -47,23 +45,16 @@ def label_token_ids(vocabulary: Any) -> tuple[int, int]:
 
 def training_pairs(examples: Sequence[task.NpovExample], *, error: ErrorType
                    ) -> tuple[list[str], list[str]]:
-  """(inputs, targets) for one classifier: labelled examples of that error type.
-
-  Kept: error-free examples ("yes") and every example with the error ("no"), also when it
-  has the other error too (a substitution has both). Skipped: examples with only the other
-  error, which are neither error-free nor examples of this one.
-  """
+  """(inputs, targets) for one classifier: error-free examples ("yes") and every example with
+  the error ("no"), also with the other error too (a substitution); examples with only the
+  other error are neither, and skipped."""
   if error not in ERROR_TYPES:
     raise ValueError(f"training_pairs: error must be one of {ERROR_TYPES}, got {error!r}")
   other = "coverage" if error == "hallucination" else "hallucination"
-  inputs, targets = [], []
-  for e in examples:
-    label = getattr(e, error)
-    if label is None or (not label and getattr(e, other)):
-      continue
-    inputs.append(task.format_classifier_input(e))
-    targets.append(LABELS[int(label)])
-  return inputs, targets
+  kept = [e for e in examples
+          if getattr(e, error) is not None and (getattr(e, error) or not getattr(e, other))]
+  return ([task.format_classifier_input(e) for e in kept],
+          [LABELS[int(getattr(e, error))] for e in kept])
 
 
 @gin.configurable
@@ -76,10 +67,9 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
   """Trains one classifier from the base through the core run; returns the run dir.
 
   `tuning="prompt"` (the paper) trains a soft prompt on the frozen base, starting from the
-  embeddings of the label words padded with vocabulary samples; the prompt is also saved on its
-  own in `model_dir/prompt`. `tuning="full"` fine-tunes all of the base's weights (the run dir
-  is then a model of its own). The training pairs are written to `model_dir/data/train.jsonl`;
-  `run_kwargs` go to `runs.train_run` (log_every, checkpoint_every, ...).
+  embeddings of the label words padded with vocabulary samples (also saved alone in
+  `model_dir/prompt`); `tuning="full"` fine-tunes all of the base's weights. The training
+  pairs are written to `model_dir/data/train.jsonl`; `run_kwargs` go to `runs.train_run`.
   """
   if tuning not in TUNINGS:
     raise ValueError(f"train_classifier: tuning must be one of {TUNINGS}, got {tuning!r}")
@@ -96,32 +86,26 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
   if tuning == "full":
     model: Any = trainable.Seq2SeqModel(config=base.config)
   else:
-    if prompt_config is None:
-      prompt_config = prompt_tuning.PromptConfig(
-          init="words", init_words=LABELS, vocab_sample_size=min(5000, base.config.vocab_size))
     model = prompt_tuning.PromptTuningModel(
-        config=base.config, prompt=prompt_config,
+        config=base.config, prompt=prompt_config or prompt_tuning.PromptConfig(
+            init="words", init_words=LABELS, vocab_sample_size=min(5000, base.config.vocab_size)),
         metadata={"task": f"npov_{error}_classifier", "labels": list(LABELS)})
   runs.train_run(model_dir=os.fspath(model_dir), model=model,
                  data=runs.Seq2SeqData(train_file=pairs), train_steps=train_steps,
-                 batch_size=batch_size,
-                 feature_lengths={"inputs": max_input_length, "targets": 4},
+                 batch_size=batch_size, feature_lengths={"inputs": max_input_length, "targets": 4},
                  optimizer=optimizer, partitioner=partitioner, seed=seed,
                  init_checkpoint=base_dir, **run_kwargs)
   return os.fspath(model_dir)
 
 
 def load_classifier(directory: str | os.PathLike, base: Any) -> tuple[Any, Optional[np.ndarray]]:
-  """(params, prompt) of one trained classifier.
+  """(params, prompt): the base's parameters and the prompt, or a fine-tuned classifier's
+  parameters (read into the shardings of the base's partitioner) and None.
 
   Args:
     directory: A prompt (folder or the prompt-tuning run that saved it), or a fine-tuned
       model directory of any `model_dirs` format (`tuning="full"`).
-    base: The base model (`model_dirs.LoadedModel`): a prompt runs on its parameters; a
-      fine-tuned classifier is read into the shardings of the base's partitioner.
-
-  Returns:
-    The base's parameters and the prompt, or the fine-tuned parameters and None.
+    base: The base model (`model_dirs.LoadedModel`).
 
   Raises:
     ValueError: A fine-tuned classifier's architecture differs from the base's (both are read
@@ -156,10 +140,8 @@ def _first_step_logits(model: T5, params: Any, prompt: Optional[jax.Array],
 class ClassifierDetector:
   """Both classifiers (prompted or fine-tuned, see `load_classifier`); no word-level scores.
 
-  Attributes:
-    model: The T5 every classifier shares the architecture of.
-    classifiers: `{error: (InferenceModel, prompt or None)}` for both error types: each runs
-      the core batch-inference path (bucketed shapes, on the partitioner's mesh).
+  `classifiers` holds `{error: (InferenceModel, prompt or None)}`: each runs the core
+  batch-inference path (bucketed shapes, on the partitioner's mesh).
   """
 
   def __init__(self, *, model: T5, vocabulary: Any,
@@ -172,8 +154,7 @@ class ClassifierDetector:
       classifiers: `{error: (params, prompt or None)}` (`load_classifier`).
       batch_size: Rows per compiled call (the last batch is padded).
       max_input_length: Longer inputs are truncated (EOS kept).
-      partitioner: The mesh the classifiers run on: parameters in its shardings (no copy
-        when `model_dirs.load` read them there), rows over its "data" axis.
+      partitioner: The mesh the classifiers run on (rows over its "data" axis).
     """
     missing = [e for e in ERROR_TYPES if e not in classifiers]
     if missing:
@@ -182,8 +163,7 @@ class ClassifierDetector:
 
     def place(params: Any, prompt: Optional[Any]) -> tuple[Any, Optional[jax.Array]]:
       # Token rows in, the detector's own encoding: the models need no vocabulary.
-      loaded = inference.InferenceModel.from_params(model.config, params,
-                                                    partitioner=partitioner,
+      loaded = inference.InferenceModel.from_params(model.config, params, partitioner=partitioner,
                                                     batch_size=batch_size)
       if prompt is not None:
         prompt = (jnp.asarray(prompt) if partitioner is None

@@ -1,7 +1,6 @@
 """ROUGE-1 detector: unigram overlap of response and arguments (no model needed).
 
-Tokens are words (split on whitespace and punctuation), lower-cased, stopwords removed
-(NLTK's 179-word list) and Porter-stemmed; counts are clipped as in ROUGE-1.
+Tokens are `text.content_stems` (stopwords removed, stemmed); counts are clipped as in ROUGE-1.
 - hallucination = 1 - precision of the response against all given arguments;
 - coverage = 1 - min over the two perspectives of the recall of that side's arguments;
 - word level: a response word scores 1 if its stem occurs in no argument (else 0); an argument
@@ -21,18 +20,12 @@ from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
 
 
-def _overlap(prediction: Sequence[str], reference: Sequence[str]) -> int:
-  p, r = collections.Counter(prediction), collections.Counter(reference)
-  return sum(min(count, r[token]) for token, count in p.items())
-
-
 def rouge1_precision_recall(prediction: Sequence[str], reference: Sequence[str]
                             ) -> tuple[float, float]:
   """Clipped unigram precision and recall of token sequences (0 for an empty side)."""
-  overlap = _overlap(prediction, reference)
-  precision = overlap / len(prediction) if prediction else 0.0
-  recall = overlap / len(reference) if reference else 0.0
-  return precision, recall
+  overlap = sum((collections.Counter(prediction) & collections.Counter(reference)).values())
+  return (overlap / len(prediction) if prediction else 0.0,
+          overlap / len(reference) if reference else 0.0)
 
 
 @gin.configurable
@@ -53,11 +46,10 @@ class RougeDetector:
     reference_tokens = [t for s in reference + list(example.arguments)
                         for t in text_lib.content_stems(s)]
     precision, _ = rouge1_precision_recall(response_tokens, reference_tokens)
-    recalls = []
-    for side in task.SIDES:
-      side_tokens = [t for s in getattr(example, side) for t in text_lib.content_stems(s)]
-      if side_tokens:
-        recalls.append(rouge1_precision_recall(response_tokens, side_tokens)[1])
+    by_side = ([t for s in getattr(example, side) for t in text_lib.content_stems(s)]
+               for side in task.SIDES)
+    recalls = [rouge1_precision_recall(response_tokens, side_tokens)[1]
+               for side_tokens in by_side if side_tokens]
     coverage = 1.0 - min(recalls) if recalls else 0.0
     reference_set, response_set = set(reference_tokens), set(response_tokens)
     response_words = tuple(

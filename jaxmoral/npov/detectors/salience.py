@@ -1,14 +1,12 @@
 """Salience detector: input x gradient attributions of the generator, mapped to words.
 
 For every response token t (teacher forced) and input token i, the raw salience is
-`<d logit_t(y_t) / d e_i, e_i>`: the gradient of the chosen token's logit with respect to the
-input token embedding, dotted with that embedding (method "grad_x_input"), or the gradient's
-L2 norm (method "grad_norm", the paper's alternative). Then:
+`<d logit_t(y_t) / d e_i, e_i>` (method "grad_x_input"), or the gradient's L2 norm (method
+"grad_norm", the paper's alternative). Then:
 
 1. square (grad_x_input only) and normalise each output column to sum to one over the input;
-2. merge subword tokens into words by max (a word is a maximal run of letters and digits:
-   tokens not separated by whitespace or punctuation); drop stopwords and the format's markup,
-   keeping the words of the query and arguments (rows) and of the response (columns);
+2. merge subword tokens into words (`text.words`) by max; drop stopwords and the format's
+   markup, keeping the words of the query and arguments (rows) and of the response (columns);
 3. contribution of an input word = aggregate of its row, attribution of a response word =
    aggregate of its column; aggregates: "max" (paper), "sum", "neg_entropy" (exp(-entropy) of
    the renormalised row / column: 1 when concentrated, 1/n when flat; positive so the
@@ -16,15 +14,12 @@ L2 norm (method "grad_norm", the paper's alternative). Then:
 4. hallucination = 1 - gmean(attributions); coverage = 1 - min over perspectives of
    gmean(contributions of that side's argument words). Word scores are 1 - value.
 
-Speed: one forward pass per example. The encoder runs once under `jax.vjp`; the decoder's
-chosen logits (each position's hidden state dotted with that token's output row, no vocabulary
-projection) run once under a second `jax.vjp`. Output positions are then processed
-`chunk_size` at a time: the two VJPs are vmapped over the chunk's one-hot cotangents, which
-turns the backward passes into batched matmuls; the chunk bounds memory, and a device loop
-over chunks keeps one compiled program per (padded input, padded output) shape (lengths are
-padded to power-of-two buckets; chunks holding only padding are not run). This relies on the
-XLA:CPU workaround in `jaxmoral.backends.xla_flags`: without it this program returned wrong
-gradients.
+Speed: one forward pass per example. The encoder and the decoder's chosen logits (no
+vocabulary projection) each run once under `jax.vjp`; the two VJPs are then vmapped over
+`chunk_size` one-hot cotangents at a time (batched matmuls; the chunk bounds memory), in a
+device loop over chunks: one compiled program per power-of-two-bucketed (input, output) shape,
+chunks holding only padding not run. This relies on the XLA:CPU workaround in
+`jaxmoral.backends.xla_flags`: without it this program returned wrong gradients.
 """
 
 from __future__ import annotations
@@ -45,6 +40,7 @@ from jaxmoral import model_dirs
 from jaxmoral import progress
 from jaxmoral import prompt_tuning
 from jaxmoral import token_rows
+from jaxmoral import validation
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
 from jaxmoral.models.t5 import shift_right
@@ -70,18 +66,13 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
   model = T5(config)
 
   def run(params: Any, encoder_tokens: Array, targets: Array, num_chunks: Array,
-          prompt: Optional[Array]) -> Array:
+          prompt: Any) -> Array:  # `prompt`: given whenever the detector is prompt-tuned.
     mask = encoder_tokens != config.pad_token_id
     embeds = typing.cast(Array, model.apply({"params": params}, encoder_tokens, method=T5.embed))
-    if with_prompt:
-      assert prompt is not None  # Given whenever the detector is prompt-tuned.
-      full_mask = prompt_tuning.prepend_prompt(prompt, embeds, mask)[1]
-    else:
-      full_mask = mask
+    full_mask = prompt_tuning.prepend_prompt(prompt, embeds, mask)[1] if with_prompt else mask
 
     def encode(e: Array) -> Array:
       if with_prompt:
-        assert prompt is not None
         e = prompt_tuning.prepend_prompt(prompt, e, mask)[0]
       return typing.cast(Array, model.apply({"params": params}, None, encoder_embeds=e,
                                             encoder_mask=full_mask, method=T5.encode))
@@ -104,10 +95,8 @@ def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bo
       cotangents = jax.nn.one_hot(start + jnp.arange(chunk_size), length, dtype=jnp.float32)
       to_encoded = jax.vmap(lambda c: decoder_vjp(c)[0])(cotangents)
       grads = jax.vmap(lambda c: encoder_vjp(c)[0][0])(to_encoded).astype(jnp.float32)
-      if method == "grad_x_input":
-        values = jnp.sum(grads * inputs[None], axis=-1)
-      else:
-        values = jnp.sqrt(jnp.sum(jnp.square(grads), axis=-1))
+      values = (jnp.sum(grads * inputs[None], axis=-1) if method == "grad_x_input"
+                else jnp.sqrt(jnp.sum(jnp.square(grads), axis=-1)))
       return jax.lax.dynamic_update_slice(out, values, (start, 0))
 
     out = jnp.zeros((length, encoder_tokens.shape[1]), jnp.float32)
@@ -121,7 +110,7 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
                    target_ids: Sequence[int], prompt: Optional[Any] = None,
                    method: Method = "grad_x_input", chunk_size: int = 16,
                    input_bucket: int = 64, partitioner: Any = None) -> np.ndarray:
-  """Raw token salience (input tokens x output tokens) of one example.
+  """Raw token salience, float32 (len(input_ids), len(target_ids)), of one example.
 
   Args:
     model: The generator (`T5`; only its config is used).
@@ -130,20 +119,16 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
     target_ids: The response token ids the decoder is teacher forced with (EOS included if
       wanted); entry [i, t] attributes the logit of `target_ids[t]`.
     prompt: Optional soft prompt (P, d_model) of a prompt-tuned generator.
-    method: "grad_x_input" (gradient . embedding) or "grad_norm" (||gradient||_2).
+    method: "grad_x_input" or "grad_norm".
     chunk_size: Output positions per batched backward pass (bounds memory: the encoder's
       backward pass holds about chunk_size x heads x input_length^2 attention values).
     input_bucket: Inputs are padded to this times a power of two (fewer compilations);
       outputs likewise to `chunk_size` times a power of two.
     partitioner: Run on its mesh, `params` in its shardings (`model_dirs.load` with it).
-
-  Returns:
-    float32 array (len(input_ids), len(target_ids)).
   """
   if method not in ("grad_x_input", "grad_norm"):
     raise ValueError(f"token_salience: unknown method {method!r}")
-  if chunk_size <= 0:
-    raise ValueError(f"token_salience: chunk_size must be > 0, got {chunk_size}")
+  validation.positive_int(chunk_size, "token_salience: chunk_size")
   n_in, n_out = len(input_ids), len(target_ids)
   if n_in == 0 or n_out == 0:
     return np.zeros((n_in, n_out), np.float32)
@@ -198,24 +183,24 @@ class SentencePieceTokenizer:
 def _token_groups(spans: Sequence[tuple[int, int]], word_spans: Sequence[tuple[int, int]]
                   ) -> list[list[int]]:
   """For each word, the tokens overlapping it (a word spans one or more subword tokens)."""
-  groups = []
-  for start, end in word_spans:
-    groups.append([t for t, (b, e) in enumerate(spans) if b < end and start < e])
-  return groups
+  return [[t for t, (b, e) in enumerate(spans) if b < end and start < e]
+          for start, end in word_spans]
+
+
+def _truncated(tokens: Tokenized, limit: int, what: str, example_id: str
+               ) -> tuple[list[int], list[tuple[int, int]]]:
+  """The ids and spans of `tokens`, cut (with a warning) to leave room for EOS in `limit`."""
+  if len(tokens.ids) + 1 > limit:
+    logging.warning("salience: example %s %s truncated to %d tokens", example_id, what, limit)
+  return list(tokens.ids[:limit - 1]), list(tokens.spans[:limit - 1])
 
 
 # ---------------------------------------------------------------------------- word level ---
 @dataclasses.dataclass(frozen=True)
 class WordMap:
-  """Salience between content words of the input and of the response.
-
-  Attributes:
-    input_words: (field, argument index, word) of each row; field "query", "pro" or "con";
-      the word's offsets are within that field's text.
-    response_words: The response word of each column.
-    matrix: (rows, columns) word salience after normalisation and max merging.
-    token_matrix: The raw (input tokens, output tokens) salience.
-  """
+  """Salience between content words of the input (rows: (field, argument index, word), the
+  offsets within that field's text) and of the response (columns): `matrix` after
+  normalisation and max merging, `token_matrix` the raw (input tokens, output tokens) one."""
   input_words: tuple[tuple[str, int, text_lib.Word], ...]
   response_words: tuple[text_lib.Word, ...]
   matrix: np.ndarray
@@ -238,16 +223,9 @@ def _aggregate(matrix: np.ndarray, axis: int, how: str) -> np.ndarray:
 @gin.configurable
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SalienceConfig:
-  """Salience detector options.
-
-  Attributes:
-    method: "grad_x_input" (paper) or "grad_norm".
-    aggregation: "max" (paper), "sum" or "neg_entropy".
-    chunk_size: Output tokens per batched backward pass.
-    input_bucket: Pad inputs to this times a power of two.
-    max_input_tokens: Longer inputs are truncated (with a warning).
-    max_target_tokens: Longer responses are truncated (with a warning).
-  """
+  """Salience detector options: `method`, `aggregation` (module docstring), `chunk_size` and
+  `input_bucket` (`token_salience`); longer inputs and responses than `max_input_tokens` /
+  `max_target_tokens` are truncated (with a warning)."""
   method: Method = "grad_x_input"
   aggregation: Aggregation = "max"
   chunk_size: int = 16
@@ -261,8 +239,7 @@ class SalienceConfig:
     if self.aggregation not in ("max", "sum", "neg_entropy"):
       raise ValueError(f"SalienceConfig.aggregation: unknown {self.aggregation!r}")
     for name in ("chunk_size", "input_bucket", "max_input_tokens", "max_target_tokens"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"SalienceConfig.{name} must be > 0, got {getattr(self, name)}")
+      validation.positive_int(getattr(self, name), f"SalienceConfig.{name}")
 
 
 class SalienceDetector:
@@ -274,40 +251,27 @@ class SalienceDetector:
     """
     Args:
       model: The generator network.
-      params: Its base parameters (unboxed).
+      params: Its base parameters.
       tokenizer: Callable text -> `Tokenized` (e.g. `SentencePieceTokenizer(vocab)`).
       prompt: The generator's soft prompt, if prompt-tuned.
       config: Options.
-      partitioner: The mesh the VJPs run on; `params` are placed in its shardings (no copy
-        when `model_dirs.load` read them there).
+      partitioner: The mesh the VJPs run on; `params` are placed in its shardings.
     """
     self.model, self.tokenizer = model, tokenizer
     self.params = nn.meta.unbox(params)
     if partitioner is not None:
       self.params = jax.device_put(self.params,
                                    model_dirs.param_shardings(model.config, partitioner))
-    self.prompt = prompt
-    self.config = config
-    self.partitioner = partitioner
+    self.prompt, self.config, self.partitioner = prompt, config, partitioner
 
   def word_map(self, example: task.NpovExample) -> WordMap:
     """Token salience of `example.response` given its input, merged into content words."""
     cfg = self.config
     text, spans = task.format_input_with_spans(example)
-    source = self.tokenizer(text)
-    target = self.tokenizer(example.response)
-    input_ids, input_spans = list(source.ids), list(source.spans)
-    target_ids, target_spans = list(target.ids), list(target.spans)
-    if len(input_ids) + 1 > cfg.max_input_tokens:
-      logging.warning("salience: example %s input truncated to %d tokens", example.id,
-                      cfg.max_input_tokens)
-      input_ids, input_spans = input_ids[:cfg.max_input_tokens - 1], input_spans[
-          :cfg.max_input_tokens - 1]
-    if len(target_ids) + 1 > cfg.max_target_tokens:
-      logging.warning("salience: example %s response truncated to %d tokens", example.id,
-                      cfg.max_target_tokens)
-      target_ids, target_spans = target_ids[:cfg.max_target_tokens - 1], target_spans[
-          :cfg.max_target_tokens - 1]
+    input_ids, input_spans = _truncated(self.tokenizer(text), cfg.max_input_tokens, "input",
+                                        example.id)
+    target_ids, target_spans = _truncated(self.tokenizer(example.response),
+                                          cfg.max_target_tokens, "response", example.id)
     eos = self.model.config.eos_token_id
     raw = token_salience(self.model, self.params, input_ids=input_ids + [eos],
                          target_ids=target_ids + [eos], prompt=self.prompt,
@@ -318,12 +282,10 @@ class SalienceDetector:
     values = values / np.where(column_sums > 0, column_sums, 1.0)
 
     # Rows: content words inside the query / argument values (markup words are not input).
-    rows, row_spans = [], []
-    for span in spans:
-      for w in text_lib.words(text[span.start:span.end]):
-        if not w.is_stopword:
-          rows.append((span.field, span.index, w))
-          row_spans.append((span.start + w.start, span.start + w.end))
+    words = [(span, w) for span in spans
+             for w in text_lib.words(text[span.start:span.end]) if not w.is_stopword]
+    rows = [(span.field, span.index, w) for span, w in words]
+    row_spans = [(span.start + w.start, span.start + w.end) for span, w in words]
     columns = [w for w in text_lib.words(example.response) if not w.is_stopword]
     row_groups = _token_groups(input_spans, row_spans)
     column_groups = _token_groups(target_spans, [(w.start, w.end) for w in columns])
@@ -342,12 +304,9 @@ class SalienceDetector:
     attribution = _aggregate(word_map.matrix, 0, how)   # per response word
     contribution = _aggregate(word_map.matrix, 1, how)  # per input word
     hallucination = 1.0 - base.gmean(attribution)
-    side_means = []
-    for side in task.SIDES:
-      values = [c for (field, _, _), c in zip(word_map.input_words, contribution, strict=False)
-                if field == side]
-      if values:
-        side_means.append(base.gmean(values))
+    by_side = ([c for (field, _, _), c in zip(word_map.input_words, contribution, strict=False)
+                if field == side] for side in task.SIDES)
+    side_means = [base.gmean(values) for values in by_side if values]
     coverage = 1.0 - min(side_means) if side_means else 0.0
     response_words = tuple(base.WordScore("response", 0, w.text, w.start, w.end, 1.0 - float(a))
                            for w, a in zip(word_map.response_words, attribution, strict=False))
