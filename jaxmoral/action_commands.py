@@ -2,10 +2,9 @@
 
 Each method's `commands` module is a table: `ACTIONS` names each action's keyword-only
 `@gin.configurable` function, `OUTPUTS` the parameters naming what it writes. `run_action` does
-the rest for all of them: `--help` from the source (no JAX start-up), each `--name=value` as
-the binding `<module>.<function>.name = value` (as `--gin.` reads it, with sequence and bool
-parameters read as `_VALUES_NOTE` says), one-line errors for unknown and missing flags, inputs
-and outputs checked before any work, the result printed.
+the rest for all of them: `--help` from the source (no JAX start-up), flags as gin bindings,
+one-line errors for unknown and missing flags, inputs and outputs checked before any work, the
+result printed.
 """
 
 from __future__ import annotations
@@ -50,10 +49,9 @@ def _as_tuple_of_words(value: str) -> str | None:
     ast.literal_eval(value)
     return None
   except (ValueError, SyntaxError):
-    pass
-  if value.lstrip()[:1] in ("@", "%", "(", "[", "{", "'", '"'):  # Gin syntax: left alone.
-    return None
-  return repr(tuple(word.strip() for word in value.split(",") if word.strip()))
+    if value.lstrip()[:1] in ("@", "%", "(", "[", "{", "'", '"'):  # Gin syntax: left alone.
+      return None
+    return repr(tuple(word.strip() for word in value.split(",") if word.strip()))
 
 
 def flag_bindings(selector: str, flags: Sequence[str],
@@ -73,13 +71,11 @@ def flag_bindings(selector: str, flags: Sequence[str],
   bindings = []
   for flag in flags:
     match = _FLAG.match(flag)
-    parameter = parameters.get(match.group("name")) if match else None
-    annotation = _annotation_text(parameter)
-    if match and match.group("value") is None and annotation == "bool":
-      flag = f"{flag}=True"
-    elif not match or match.group("value") is None:
+    name, value = match.group("name", "value") if match else ("", None)
+    annotation = _annotation_text(parameters.get(name))
+    if value is None and annotation != "bool":
       raise ValueError(f"expected --name=value flags, got {flag!r}")
-    name, value = flag[2:].split("=", 1)
+    value = "True" if value is None else value
     if annotation in ("bool", "Optional[bool]") and value.lower() in ("true", "false"):
       value = value.capitalize()  # A string 'false' would be a true value.
     words = _as_tuple_of_words(value) if _SEQUENCE_TYPE.match(annotation) else None
@@ -111,8 +107,8 @@ def _parameters(fn: Callable[..., Any]) -> dict[str, inspect.Parameter]:
 def _check_flag_names(action: str, prog: str, flags: Sequence[str],
                       parameters: Mapping[str, inspect.Parameter]) -> None:
   """Raises a one-line error naming each flag that binds no parameter of the action."""
-  names = [match.group("name") for match in map(_FLAG.match, flags) if match]
-  unknown = [f"--{name}" for name in names if name not in parameters]
+  unknown = [f"--{match.group('name')}" for match in map(_FLAG.match, flags)
+             if match and match.group("name") not in parameters]
   if not unknown:
     return
   close = {f"--{name}" for flag in unknown

@@ -69,14 +69,6 @@ LINE_FLAGS = (compilation_cache.FLAG, TFDS_DATA_DIR_FLAG, *DISTRIBUTED_FLAGS)
 SINGLE_PROCESS_COMMANDS = ("compile", "vocab", "export", "explore")
 # Commands configured by their own flags only: gin flags given to them (ignored) are an error.
 NO_GIN_COMMANDS = ("export", "vocab", "demo", "explore")
-_GIN_FLAGS_HELP = ("Gin flags (T5X's): --gin_file=F (repeatable), --gin.NAME=VALUE (e.g. "
-                   "--gin.MODEL_DIR=/tmp/run, --gin.TRAIN_STEPS=100, --gin.BATCH_SIZE=8, "
-                   "--gin.TASK_FEATURE_LENGTHS=\"{'inputs': 64, 'targets': 32}\"), "
-                   "--gin_bindings='NAME = VALUE', --gin_search_paths=DIRS.")
-
-
-def _description(command: str) -> str:
-  return " ".join(filter(None, (GIN_COMMANDS[command][2], _GIN_COMMAND_NOTES.get(command))))
 
 
 def common_flags() -> list[tuple[str, str]]:
@@ -95,8 +87,9 @@ def common_flags() -> list[tuple[str, str]]:
       (f"{TFDS_DATA_DIR_FLAG}=DIR", "where TFDS-backed seqio Tasks read their prepared data, "
                                     "a folder or gs:// URL (T5X's flag)"),
       ("--coordinator_address=HOST:PORT", "multi-host: with --num_processes=N --process_id=I "
-                                          "(or JAX_COORDINATOR_ADDRESS, ...; SLURM and TPU "
-                                          "pods are detected)"),
+                                          "(T5X's --process_count, --process_index too; or "
+                                          "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                                          "JAX_PROCESS_ID; SLURM and TPU pods are detected)"),
   ]
 
 
@@ -106,7 +99,9 @@ def gin_command_help(command: str, gin_args: gin_utils.GinArgs) -> str:
   module, function, _ = GIN_COMMANDS[command]
   from jaxmoral import cli_help  # pylint: disable=import-outside-toplevel
   return cli_help.gin_command_usage(
-      prog=f"jaxmoral {command}", description=_description(command),
+      prog=f"jaxmoral {command}",
+      description=" ".join(filter(None, (GIN_COMMANDS[command][2],
+                                         _GIN_COMMAND_NOTES.get(command)))),
       function=f"{module.rsplit('.', 1)[-1]}.{function}", files=gin_args.files,
       default_files=(RUN_FRAGMENT,), search_paths=gin_utils.search_paths(gin_args),
       flags=common_flags(), example=_GIN_COMMAND_EXAMPLES[command])
@@ -312,13 +307,11 @@ def _distributed_arguments(flags: dict[str, str]) -> dict[str, Any]:
   """`initialize_distributed`'s keyword arguments from the distributed flags."""
   kwargs: dict[str, Any] = {}
   for flag, name in DISTRIBUTED_FLAGS.items():
-    if flag in flags and name == "coordinator_address":
-      kwargs[name] = flags[flag]
-    elif flag in flags:
-      try:
-        kwargs[name] = int(flags[flag])
-      except ValueError:
-        raise ValueError(f"{flag} needs an integer, got {flags[flag]!r}") from None
+    try:
+      if flag in flags:
+        kwargs[name] = flags[flag] if name == "coordinator_address" else int(flags[flag])
+    except ValueError:
+      raise ValueError(f"{flag} needs an integer, got {flags[flag]!r}") from None
   return kwargs
 
 
@@ -337,21 +330,15 @@ class _VersionAction(argparse.Action):
 def _parser() -> _Parser:
   parser = _Parser(
       prog="jaxmoral", description=__doc__.split("\n\n")[0],
-      epilog=f"{_GIN_FLAGS_HELP} They are for every command but {', '.join(NO_GIN_COMMANDS)}. "
-             f"{compilation_cache.FLAG}=DIR|none (anywhere on the line): where compiled "
-             "programs are kept between runs (default ~/.cache/jaxmoral/xla). "
-             f"{TFDS_DATA_DIR_FLAG}=DIR (anywhere on the line, as in T5X): where TFDS-backed "
-             "seqio Tasks read their prepared data, a folder or gs:// URL. Multi-host "
-             "(anywhere on the line, or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
-             "JAX_PROCESS_ID): --coordinator_address=HOST:PORT --num_processes=N "
-             "--process_id=I (T5X's --process_count, --process_index work too); SLURM and "
-             "Cloud TPU pods are detected without them.")
+      epilog=" ".join(f"{flag}: {text}." for flag, text in common_flags())
+      + f" The gin flags are for every command but {', '.join(NO_GIN_COMMANDS)}; the others "
+      "are taken from anywhere on the line.")
   parser.add_argument("--version", action=_VersionAction,
                       help="print jaxmoral's version and commit and the libraries' versions")
   sub = parser.add_subparsers(dest="command", required=True)
   parser.command_parsers = sub.choices
   for name, (_, _, help_text) in GIN_COMMANDS.items():
-    sub.add_parser(name, help=help_text, description=_description(name), epilog=_GIN_FLAGS_HELP)
+    sub.add_parser(name, help=help_text)  # Its --help is `gin_command_help`.
 
   export = sub.add_parser("export", help="Export a run (or any model directory) on its own.")
   export.add_argument("--model_dir", required=True,
@@ -492,7 +479,6 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
   if TFDS_DATA_DIR_FLAG in flags:
     from jaxmoral.data import tasks  # seqio and TensorFlow: only for a TFDS-backed Task.
     tasks.set_tfds_data_dir(flags[TFDS_DATA_DIR_FLAG])
-  # Each command's modules are imported when it runs: keeps --help fast.
   if args.command in GIN_COMMANDS:
     module, function, _ = GIN_COMMANDS[args.command]
     fn = getattr(importlib.import_module(module), function)

@@ -164,12 +164,8 @@ def gin_command_usage(*, prog: str, description: str, function: str, files: Sequ
   text += _columns([(name, "required" if value == "%gin.REQUIRED" else
                      "set by an included model, optimizer or partitioning fragment"
                      if value is None else value) for name, value in macros], width)
-  text += ["", "flags (anywhere on the line):", *_columns(flags, width), "", "example:"]
-  line = " "
-  for word in example.split(" "):
-    if len(line) + len(word) + 3 > width:
-      text.append(line + " \\")
-      line = "   "
-    line += " " + word
-  text.append(line)
+  text += ["", "flags (anywhere on the line):", *_columns(flags, width), "", "example:",
+           " \\\n".join(textwrap.wrap(example, width - 2, initial_indent="  ",  # Room for " \\".
+                                    subsequent_indent="    ", break_long_words=False,
+                                    break_on_hyphens=False))]
   return "\n".join(text)

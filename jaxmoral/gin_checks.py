@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import tokenize
-from typing import Any, Collection, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Collection, Iterable, Iterator, Sequence
 
 import gin
 from gin import config_parser
@@ -84,9 +84,8 @@ class BindingSources:
     bindings), with where it is and whether that is on the command line."""
     for name in self.files:
       for statement, path in gin_files.file_statements(name):
-        if isinstance(statement, config_parser.BindingStatement):
-          yield (statement, f"{gin_files.display_path(path)}, line {statement.location.line_num}",
-                 False)
+        yield (statement, f"{gin_files.display_path(path)}, line {statement.location.line_num}",
+               False)
     for binding, flag in zip(self.bindings, self.flags, strict=False):
       for statement in config_parser.ConfigParser(binding, gin_files.Unresolved()):
         if isinstance(statement, config_parser.BindingStatement):
@@ -113,35 +112,16 @@ def _same_configurable(one: str, other: str) -> bool:
   return configurable is not None and configurable is gin_files.find_configurable(other)
 
 
-class _Reference(NamedTuple):
-  """A reference in a binding's value as gin prints it: `@scope/name()` or `%NAME`."""
-  name: str  # The configurable's selector as written, or the macro's name (with its scope).
-  scopes: tuple[str, ...]  # The scope parts a configurable reference enters.
-  is_macro: bool
-
-
-class _Listing(config_parser.ParserDelegate):
-  """Reads gin statements with their references as `_Reference` (nothing imported)."""
-
-  def configurable_reference(self, scoped_configurable_name: str,
-                             evaluate: bool) -> _Reference:
-    *scopes, name = scoped_configurable_name.split("/")
-    return _Reference(name, tuple(scopes), False)
-
-  def macro(self, macro_name: str) -> _Reference:
-    return _Reference(macro_name, (), True)
-
-
 # Every binding gin holds: {(scope, selector): {parameter: value}}; a macro NAME (or
 # scope/NAME) is (NAME, "gin.macro") with parameter "value".
 _Config = dict[tuple[str, str], dict[str, Any]]
 
 
 def _config() -> _Config:
-  """Every binding gin holds, selectors minimal, references as `_Reference`: gin's printout
+  """Every binding gin holds, selectors minimal, references as written: gin's printout
   (`gin.config_str`) read back by its parser, since gin's public API lists them only so."""
   config: _Config = {}
-  for statement in config_parser.ConfigParser(gin.config_str(), _Listing()):
+  for statement in config_parser.ConfigParser(gin.config_str(), gin_files.Unresolved()):
     if isinstance(statement, config_parser.BindingStatement):
       if statement.arg_name:
         key, param = (statement.scope, statement.selector), statement.arg_name
@@ -151,10 +131,10 @@ def _config() -> _Config:
   return config
 
 
-def _references(config: _Config) -> Iterator[tuple[tuple[str, str], _Reference]]:
-  """Every reference (`@name`, `%MACRO`) in the config, with the key of its binding."""
-  return ((key, ref) for key, params in config.items() for value in params.values()
-          for ref in gin_files.parsed_items(value, _Reference))
+def _references(config: _Config) -> Iterator[tuple[tuple[str, str], str]]:
+  """Every reference in the config as written (`@scope/name()`, `%MACRO`), with its key."""
+  return ((key, text) for key, params in config.items() for value in params.values()
+          for text in gin_files.written_references(value))
 
 
 def unreferenced_macros() -> list[str]:
@@ -165,10 +145,10 @@ def unreferenced_macros() -> list[str]:
 
 def _unreferenced_macros(config: _Config) -> list[str]:
   referenced: set[str] = set()
-  for (scope, selector), ref in _references(config):
-    if ref.is_macro and not (selector == gin_files.MACRO and scope == ref.name):
+  for (scope, selector), text in _references(config):
+    if text.startswith("%") and not (selector == gin_files.MACRO and scope == text[1:]):
       # `%X` evaluated in scope s also reads a macro bound as `s/X`: count the bare name too.
-      referenced.update((ref.name, ref.name.rsplit("/", 1)[-1]))
+      referenced.update((text[1:], text[1:].rsplit("/", 1)[-1]))
   return sorted(scope for scope, selector in config
                 if selector == gin_files.MACRO and scope not in referenced
                 and scope.rsplit("/", 1)[-1] not in referenced)
@@ -184,7 +164,8 @@ def _is_export(name: str) -> bool:
 
 
 def _entered_scopes(config: _Config) -> set[str]:
-  return {part for _, ref in _references(config) for part in ref.scopes}
+  return {part for _, text in _references(config) if text.startswith("@")
+          for part in text[1:].split("/")[:-1]}
 
 
 def _unentered_scopes(config: _Config) -> list[tuple[str, str, str, str]]:
@@ -282,7 +263,7 @@ def check_everything_is_read(sources: BindingSources | None = None, *,
   unread = _unreferenced_macros(config)
   if unread:
     where = sources.macro_definitions() if sources else {}
-    macros = sorted({ref.name for _, ref in _references(config) if ref.is_macro} | {
+    macros = sorted({text[1:] for _, text in _references(config) if text.startswith("%")} | {
         scope for scope, selector in config if selector == gin_files.MACRO})
     params = [f"{selector}.{param}" for scope, selector in config
               if selector != gin_files.MACRO for param in _parameters(selector)]
@@ -348,5 +329,4 @@ def unbound_required() -> list[str]:
           f"{scope + '/' if scope else ''}{selector}.{param}"
           for (scope, selector), params in _config().items() for param, value in params.items()
           # `%gin.REQUIRED` reads as a reference to the macro named "gin.REQUIRED".
-          if value is gin.REQUIRED or (isinstance(value, _Reference) and value.is_macro
-                                       and value.name == "gin.REQUIRED")]
+          if value is gin.REQUIRED or repr(value) == "%gin.REQUIRED"]

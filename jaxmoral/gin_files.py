@@ -99,22 +99,12 @@ def display_path(path: str) -> str:
 MACRO = "gin.macro"
 
 
-class Unresolved(config_parser.ParserDelegate):
-  """Reads gin statements without importing modules or resolving references."""
-
-  def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> None:
-    return None
-
-  def macro(self, macro_name: str) -> None:
-    return None
-
-
 def macro_name(statement: config_parser.BindingStatement) -> str:
   return f"{statement.scope}/{statement.selector}" if statement.scope else statement.selector
 
 
 def file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
-  """The statements of gin file `name` and (in place) of its includes, with their file."""
+  """The binding statements of gin file `name` and (in place) of its includes, with their file."""
   # Found as gin finds them: in the search paths it was given, in order.
   prefixes = [""] if os.path.isabs(name) else _SEARCH_PATHS
   path = next((p for p in (os.path.join(prefix, name) for prefix in prefixes)
@@ -125,7 +115,7 @@ def file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
     for statement in config_parser.ConfigParser(f, Unresolved()):
       if isinstance(statement, config_parser.IncludeStatement):
         yield from file_statements(statement.filename, depth + 1)
-      else:
+      elif isinstance(statement, config_parser.BindingStatement):
         yield statement, path
 
 
@@ -148,11 +138,10 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
   """
   last: dict[tuple[str, str, str], tuple[Any, str]] = {}
   for name in files:
-    for statement, path in file_statements(name):
-      if isinstance(statement, config_parser.BindingStatement):  # `gin.bind_parameter` keys:
-        key = ((statement.scope, statement.selector, statement.arg_name) if statement.arg_name
-               else (macro_name(statement), MACRO, "value"))  # a macro binds gin.macro.value.
-        last[key] = (statement.value, path)
+    for statement, path in file_statements(name):  # As `gin.bind_parameter` keys them:
+      key = ((statement.scope, statement.selector, statement.arg_name) if statement.arg_name
+             else (macro_name(statement), MACRO, "value"))  # a macro binds gin.macro.value.
+      last[key] = (statement.value, path)
   resolved = {}
   for key, (value, path) in last.items():
     if not _is_relative_path(value) or os.path.exists(value):
@@ -208,8 +197,8 @@ class _Written:
     return self.text
 
 
-class _Symbolic(config_parser.ParserDelegate):
-  """Reads gin statements with references and macros kept symbolic (nothing imported)."""
+class Unresolved(config_parser.ParserDelegate):
+  """Reads gin statements with references and macros kept as written (nothing imported)."""
 
   def configurable_reference(self, scoped_configurable_name: str, evaluate: bool) -> _Written:
     return _Written(f"@{_complete(scoped_configurable_name)}{'()' if evaluate else ''}")
@@ -237,28 +226,21 @@ def written_statements(name: str, search_paths: Sequence[str],
   if path is None or depth > 64:
     return
   with open(path, encoding="utf-8") as f:
-    for statement in config_parser.ConfigParser(f, _Symbolic()):
+    for statement in config_parser.ConfigParser(f, Unresolved()):
       if isinstance(statement, config_parser.IncludeStatement):
         yield from written_statements(statement.filename, search_paths, depth + 1)
       elif isinstance(statement, config_parser.BindingStatement):
         yield statement
 
 
-def parsed_items(value: Any, kind: type) -> Iterator[Any]:
-  """Every `kind` object in a parsed gin value, containers' too (a dict's keys, then values)."""
-  if isinstance(value, kind):
-    yield value
-  elif isinstance(value, dict):
-    for item in (*value.keys(), *value.values()):
-      yield from parsed_items(item, kind)
-  elif isinstance(value, (list, tuple, set)):
-    for item in value:
-      yield from parsed_items(item, kind)
-
-
 def written_references(value: Any) -> Iterator[str]:
-  """The references and macros (`%NAME`, `@name()`) in a value `written_statements` parsed."""
-  return (item.text for item in parsed_items(value, _Written))
+  """The references and macros (`%NAME`, `@name()`) in a value parsed with `Unresolved`,
+  containers' too (a dict's keys, then values)."""
+  if isinstance(value, _Written):
+    yield value.text
+  elif isinstance(value, (dict, list, tuple, set)):
+    for item in (*value.keys(), *value.values()) if isinstance(value, dict) else value:
+      yield from written_references(item)
 
 
 def config_bindings(text: str) -> dict[str, str]:
@@ -268,7 +250,7 @@ def config_bindings(text: str) -> dict[str, str]:
   that is not gin raises a ValueError with the parser's message."""
   bindings = {}
   try:
-    for statement in config_parser.ConfigParser(text, _Symbolic()):
+    for statement in config_parser.ConfigParser(text, Unresolved()):
       if not isinstance(statement, config_parser.BindingStatement):
         continue  # import / include statements bind nothing.
       name = macro_name(statement)  # scope/selector; a macro's name when no arg_name.

@@ -34,17 +34,6 @@ def parse_classes(text: str) -> tuple[str, ...]:
   return classes
 
 
-@functools.lru_cache(maxsize=8)
-def _run_classes(model_dir: str, stamp: float) -> Optional[tuple[str, ...]]:
-  del stamp  # The cache key: a retrained model's folder is read again.
-  from jaxmoral import model_dirs  # pylint: disable=import-outside-toplevel
-  from jaxmoral.clarify import judge  # pylint: disable=import-outside-toplevel
-  try:
-    return judge.fitting_classes(model_dirs.inspect(model_dir).vocabulary)
-  except Exception:  # pylint: disable=broad-except  (not a model: the form says so on use)
-    return None
-
-
 # What each live box's model selector offers: the models that can do its job, those whose
 # path names the job first.
 JOBS = {"npov": lambda t: not t["prompt"], "generator": lambda t: t["prompt"],
@@ -58,27 +47,32 @@ _JOB_WORDS = {"npov": ("npov", "base"), "generator": ("generator",),
 
 @functools.lru_cache(maxsize=256)
 def _traits(model_dir: str, stamp: float) -> Optional[dict[str, Any]]:
-  del stamp  # The cache key.
+  del stamp  # The cache key: a retrained model's folder is read again.
   from jaxmoral import model_dirs  # pylint: disable=import-outside-toplevel
+  from jaxmoral.clarify import judge  # pylint: disable=import-outside-toplevel
   try:
     info = model_dirs.inspect(model_dir)
   except Exception:  # pylint: disable=broad-except  (not loadable: offered for no job)
     return None
+  try:
+    classes: Optional[tuple[str, ...]] = judge.fitting_classes(info.vocabulary)
+  except Exception:  # pylint: disable=broad-except  (not a judge: the form says so on use)
+    classes = None
   names = list(info.param_shapes or ())
   model = (info.settings or {}).get("model") if isinstance(info.settings, dict) else None
   return {"prompt": any(n.split("/")[0] == "prompt" for n in names),
           "scalar_head": any(n.split("/")[0] == "scalar_head" for n in names),
-          "kind": model.get("kind") if isinstance(model, dict) else None}
+          "kind": model.get("kind") if isinstance(model, dict) else None, "classes": classes}
 
 
 def model_traits(model_dir: str) -> Optional[dict[str, Any]]:
   """What a model folder is (no weights read): {"prompt": a prompt-tuning run, "scalar_head":
-  Diamante's preference head, "kind": its settings' model kind}; None if no loader reads it."""
+  Diamante's preference head, "kind": its settings' model kind, "classes": its judge classes};
+  None if no loader reads it."""
   try:
-    stamp = os.stat(model_dir).st_mtime
+    return _traits(model_dir, os.stat(model_dir).st_mtime)
   except OSError:
     return None
-  return _traits(model_dir, stamp)
 
 
 def choices_for_jobs(models: Sequence[tuple[str, str, str]]) -> dict[str, list[dict[str, str]]]:
@@ -99,10 +93,10 @@ def model_judge_classes(model_dir: Optional[str]) -> Optional[tuple[str, ...]]:
   if not model_dir:
     return None
   try:
-    stamp = os.stat(model_dir).st_mtime
+    traits = _traits(model_dir, os.stat(model_dir).st_mtime)
   except OSError:
     return None
-  return _run_classes(model_dir, stamp)
+  return traits["classes"] if traits else None
 
 
 @functools.lru_cache(maxsize=4)

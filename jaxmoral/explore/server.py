@@ -72,11 +72,10 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
   app = flask.Flask("jaxmoral.explore", template_folder=str(here / "templates"),
                     static_folder=str(here / "static"))
   # Flask limits multipart forms only; the body limit covers every encoding.
+  shown_folders = [(str(f), roots.label(i)) for i, f in enumerate(roots.folders)]
   app.config.update(MAX_CONTENT_LENGTH=security.MAX_BODY_BYTES,
                     MAX_FORM_MEMORY_SIZE=security.MAX_BODY_BYTES,
-                    MAX_FORM_PARTS=security.MAX_FIELDS)
-  shown_folders = [(str(f), roots.label(i)) for i, f in enumerate(roots.folders)]
-  app.config["EXPLORE_FOLDERS"] = shown_folders
+                    MAX_FORM_PARTS=security.MAX_FIELDS, EXPLORE_FOLDERS=shown_folders)
 
   def finalize(value: Any) -> Any:
     # Every value a page shows: the folders by their labels, controls and bidi overrides
@@ -124,10 +123,9 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     return choices
 
   def required_model(value: Optional[str], what: str) -> str:
-    path = model_dir(value)
-    if path is None:
+    if not value:
       raise ValueError(f"choose {what}")
-    return path
+    return str(model_dir(value))
 
   def model_dir(value: Optional[str]) -> Optional[str]:
     if not value:
@@ -150,8 +148,7 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
     form_token = None
     if request.method == "POST":
       form = request.form  # Parsed within MAX_CONTENT_LENGTH (413 beyond).
-      if len(form) > security.MAX_FIELDS or sum(len(v) for _, v in form.lists()) > \
-          security.MAX_FIELDS:
+      if sum(len(values) for _, values in form.lists()) > security.MAX_FIELDS:
         raise werkzeug.exceptions.RequestEntityTooLarge()
       form_token = form.get(security.TOKEN_FIELD)
     refusal = guard.refusal(
@@ -315,10 +312,7 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
       from jaxmoral.diamante import evaluate  # pylint: disable=import-outside-toplevel
       turns = data.read_dialogues(path)[:len(contexts["value"])]
       items = evaluate.ranking_items(turns, num_random=0, max_candidates=10, seed=0)
-      try:
-        limit = min(max(int(flask.request.values.get("max", 20)), 0), 200)
-      except ValueError:
-        limit = 20
+      limit = min(max(flask.request.values.get("max", 20, type=int), 0), 200)
       return {index: live.diamante_rank(model_dir=model_dir(chosen),
                                         context=turns[index].context, responses=responses)
               for index, responses, _ in items[:limit]}

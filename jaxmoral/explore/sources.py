@@ -7,11 +7,11 @@ that part.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
 import re
-import threading
 from typing import Any, Mapping, Optional
 
 import numpy as np
@@ -60,9 +60,6 @@ def demo_verdicts(path: pathlib.Path) -> dict[str, list[dict[str, str]]]:
   return {part: [_verdict(line) for line in summary["truth"]]
           for part, summary in data.items()
           if isinstance(summary, dict) and isinstance(summary.get("truth"), list)}
-
-
-# -- NPOV ---------------------------------------------------------------------------------------
 
 
 def detector_name(path: pathlib.Path, records: list[dict[str, Any]]) -> str:
@@ -152,8 +149,8 @@ def detection_shading(detection: Mapping[str, Any]) -> Optional[Any]:
 
 def word_shading(row: Mapping[str, Any]) -> dict[str, Any]:
   """{detector: `plots.WordShading`} of one `npov_folder` example's word-scoring detectors."""
-  shading = {name: detection_shading(s) for name, s in row["scores"].items()}
-  return {name: s for name, s in shading.items() if s is not None}
+  return {name: shading for name, scores in row["scores"].items()
+          if (shading := detection_shading(scores)) is not None}
 
 
 def npov_results(path: pathlib.Path) -> dict[str, Any]:
@@ -181,9 +178,6 @@ def roc_points(labels: list[int], scores: list[float]) -> Optional[list[tuple[fl
     return None
   fpr, tpr, _ = metrics.roc_curve(np.asarray(labels), np.asarray(scores, np.float64))
   return list(zip(fpr.tolist(), tpr.tolist(), strict=True))
-
-
-# -- ClarifyDelphi ------------------------------------------------------------------------------
 
 
 # `per_situation` lists as the `RewardResult.row` fields they keep.
@@ -314,9 +308,6 @@ def distribution(value: Any) -> list[float]:
   return [float(v) for v in value]
 
 
-# -- Diamante -----------------------------------------------------------------------------------
-
-
 def diamante_dialogues(path: pathlib.Path, *, limit: int = 200) -> list[dict[str, Any]]:
   """The response positions of a Diamante JSONL (context, human response, candidates)."""
   from jaxmoral.diamante import data  # pylint: disable=import-outside-toplevel
@@ -400,9 +391,6 @@ def ranked(responses: list[str], scores: list[float], logprobs: list[float],
   return result
 
 
-# -- runs ---------------------------------------------------------------------------------------
-
-
 def run_scalars(run: pathlib.Path) -> dict[str, dict[str, list[tuple[int, float]]]]:
   """{tag: {subfolder ("train", "eval"; "." for the run itself): [(step, value)]}} of the
   TensorBoard events: one chart per tag, a line per subfolder, as TensorBoard draws them."""
@@ -417,8 +405,6 @@ def run_scalars(run: pathlib.Path) -> dict[str, dict[str, list[tuple[int, float]
 
 
 _MAX_MANIFEST_BYTES = 1 << 24
-_verified: dict[tuple[Any, ...], tuple[str, bool]] = {}
-_verified_lock = threading.Lock()
 
 
 def _manifest_files(step_dir: pathlib.Path) -> Optional[list[str]]:
@@ -465,7 +451,6 @@ def _step_stamp(step_dir: pathlib.Path, names: Optional[list[str]]) -> tuple[Any
 def run_checkpoints(run: pathlib.Path) -> list[dict[str, Any]]:
   """Each saved step with its integrity status (`checkpoints.verify_step`, digests compared),
   hashed once while its files are unchanged; a manifest naming files outside is refused."""
-  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
   from jaxmoral import run_dirs  # pylint: disable=import-outside-toplevel
   out = []
   directory = run_dirs.checkpoints_dir(run)
@@ -476,21 +461,21 @@ def run_checkpoints(run: pathlib.Path) -> list[dict[str, Any]]:
     except (OSError, ValueError) as error:
       out.append({"step": step, "status": str(error), "ok": False})
       continue
-    key = _step_stamp(step_dir, names)
-    with _verified_lock:
-      cached = _verified.get(key)
-    if cached is None:
-      try:
-        verified = checkpoints.verify_step(directory, step, full=True)
-        cached = ("verified" if verified else "no manifest (written before manifests)", True)
-      except (OSError, ValueError) as error:
-        cached = (str(error), False)
-      with _verified_lock:
-        if len(_verified) > 1024:
-          _verified.clear()
-        _verified[key] = cached
-    out.append({"step": step, "status": cached[0], "ok": cached[1]})
+    status, ok = _verified(_step_stamp(step_dir, names), directory, step)
+    out.append({"step": step, "status": status, "ok": ok})
   return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _verified(stamp: tuple[Any, ...], directory: str, step: int) -> tuple[str, bool]:
+  """(status, ok) of a step by `checkpoints.verify_step`, cached by `stamp` (`_step_stamp`)."""
+  del stamp  # The cache key: a step whose files changed is hashed again.
+  from jaxmoral import checkpoints  # pylint: disable=import-outside-toplevel
+  try:
+    verified = checkpoints.verify_step(directory, step, full=True)
+    return ("verified" if verified else "no manifest (written before manifests)", True)
+  except (OSError, ValueError) as error:
+    return (str(error), False)
 
 
 def run_software(run: pathlib.Path) -> list[dict[str, Any]]:
@@ -509,9 +494,6 @@ def run_software(run: pathlib.Path) -> list[dict[str, Any]]:
     out.append({"step": record.get("step"), "time": record.get("time"),
                 "description": description})
   return out
-
-
-# -- experiments --------------------------------------------------------------------------------
 
 
 def intervals(data: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
