@@ -98,7 +98,6 @@ def shifted_judgment(judgment: str, update_type: str) -> str:
   raise ValueError(f"update_type must be one of {formats.UPDATE_TYPES}, got {update_type!r}")
 
 
-# -- readers ------------------------------------------------------------------------------------
 # Every reader rejects unknown header columns (a misspelt one would read as missing) and a
 # file without rows (it would train on nothing without saying which file was empty).
 def read_questions(path: str | os.PathLike) -> list[dict[str, str]]:
@@ -138,7 +137,6 @@ def read_judgments(path: str | os.PathLike) -> list[dict[str, str]]:
   return rows
 
 
-# -- pair builders ------------------------------------------------------------------------------
 def question_pairs(rows: Iterable[dict[str, str]], *, wh_conditioned: str = "both") -> list[Pair]:
   """θQ pairs. `wh_conditioned`: "no" (plain), "yes" (with the question's first word), "both"."""
   if wh_conditioned not in ("no", "yes", "both"):
@@ -275,7 +273,6 @@ def relevance_pairs(rows: Iterable[dict[str, str]], *,
   return pairs
 
 
-# -- sources ------------------------------------------------------------------------------------
 def _check_split(split: str) -> None:
   # A split names a file in delta_clarify/; a path would read outside the folder.
   if not isinstance(split, str) or not split or split.startswith(".") or any(
@@ -440,8 +437,6 @@ def situations(source: str = "demo", *, split: str = "train") -> list[str]:
   The demo corpus's "dev" split is every `DEMO_DEV_EVERY`-th distinct situation and its
   "train" split the others, so PPO on "train" and evaluation on "dev" never share one.
   """
-  if source == "demo" and split not in DEMO_SPLITS:
-    raise ValueError(f"clarify situations: split must be 'train' or 'dev', got {split!r}")
   rows = load_source(source, split=split, which="question",
                      purpose="situations")["questions"]
   distinct = list(dict.fromkeys(formats.clean(r["situation"]) for r in rows))

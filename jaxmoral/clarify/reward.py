@@ -73,10 +73,9 @@ class RewardConfig:
   questions_only: bool = False
 
   def __post_init__(self):
-    object.__setattr__(self, "judge_classes", tuple(self.judge_classes))
+    object.__setattr__(self, "judge_classes", formats.check_classes(
+        self.judge_classes, field="RewardConfig.judge_classes", names=formats.JUDGMENTS))
     object.__setattr__(self, "nli_labels", tuple(self.nli_labels))
-    formats.check_classes(self.judge_classes, field="RewardConfig.judge_classes",
-                          names=formats.JUDGMENTS)
     for name in ("max_answer_length", "max_fusion_length", "input_length", "batch_size"):
       validation.positive_int(getattr(self, name), f"RewardConfig.{name}")
     if not 0 < self.answer_top_p <= 1:
@@ -157,7 +156,6 @@ class DefeasibilityReward:
                judge_model=load(judge_model_dir),
                nli_model=load(nli_model_dir) if nli_model_dir else None, config=config)
 
-  # -- pieces -----------------------------------------------------------------------------------
   def judge(self, situations: Sequence[str]) -> np.ndarray:
     """(N, 3) judge distributions over (bad, ok, good)."""
     inputs = [formats.judge_input(s) for s in situations]
@@ -184,7 +182,6 @@ class DefeasibilityReward:
                                     greedy=True).decoded
     return [o[0] for o in out]
 
-  # -- the pipeline -----------------------------------------------------------------------------
   def score_questions(self, situations: Sequence[str], questions: Sequence[str], *,
                       use_nli: Optional[bool] = None,
                       key: Optional[tuple[str, int]] = None) -> RewardResult:
@@ -215,7 +212,6 @@ class DefeasibilityReward:
     judgment = [formats.JUDGMENTS[i] for i in np.argmax(base, axis=-1)] if n else []
     shown.update(1)
     both_s = situations + situations
-    both_q = questions + questions
     answers = self.answers(situations, questions, judgment, "weakener")
     shown.update(2)
     answers += self.answers(situations, questions, judgment, "strengthener")
@@ -223,7 +219,7 @@ class DefeasibilityReward:
     enabled = self.config.use_nli if use_nli is None else use_nli
     filtered = nli_lib.filter_answers(self.nli, both_s, answers, enabled=enabled)
     shown.update(4)
-    fused = self.fuse(both_s, both_q, answers)
+    fused = self.fuse(both_s, questions + questions, answers)
     shown.update(5)
     dists = self.judge(fused)
     shown.update(6)

@@ -71,8 +71,7 @@ def train_clarify_model(*, which: str, model_dir: str,
     optimizer: Optax optimizer (None: AdamW at `learning_rate`).
     learning_rate: Rate of the default AdamW (default 1e-3); an error with `optimizer`, which
       has its own (the configs' gin macro LEARNING_RATE).
-    train_steps: Steps.
-    batch_size: Global batch size.
+    train_steps, batch_size: Steps, and the global batch size.
     feature_lengths: {"inputs": N, "targets": M} (None: inputs 128, targets 32).
     source: "demo" or a folder laid out like ../shared/data (every input of `which` must be
       there: `data.INPUTS`).
@@ -84,9 +83,8 @@ def train_clarify_model(*, which: str, model_dir: str,
     nli_labels: NLI targets for entailment, neutral, contradiction.
     relevance_labels: Discriminator targets for relevant, irrelevant.
     partitioner: Mesh and rules (default data parallel).
-    eval_every: Evaluate every N steps (0: at the end; one pair in 10 is held out).
-    checkpoint_every: Save every N steps.
-    log_every: Log every N steps.
+    eval_every, checkpoint_every, log_every: Evaluate (0: at the end; one pair in 10 is held
+      out), save and log every N steps.
     seed: Seed.
     init_checkpoint: Fine-tune from this model directory or Hub id (`jaxmoral.model_dirs`).
     mixing_cap: At most this many pairs of each model ("multitask": T5's examples-proportional
@@ -102,8 +100,9 @@ def train_clarify_model(*, which: str, model_dir: str,
     raise ValueError(f"train_clarify_model: model_size={model_size!r} is for the default "
                      f"model_config; one is given (gin binds it): drop model_size")
   model_config = model_config or config_lib.t5_config(size=model_size or "tiny")
-  optimizer = _optimizer_or_default(optimizer, learning_rate, default_rate=1e-3,
-                                    function="train_clarify_model", macro="LEARNING_RATE")
+  rate = _default_rate(optimizer, learning_rate, 1e-3, function="train_clarify_model",
+                       macro="LEARNING_RATE")
+  optimizer = optimizer or optimizers.make_optimizer(name="adamw", learning_rate=rate)
   feature_lengths = feature_lengths or {"inputs": 128, "targets": 32}
   if judge_classes is None:
     judge_classes = (formats.T5_JUDGE_CLASSES if vocabulary_path or init_checkpoint
@@ -134,28 +133,24 @@ def train_clarify_model(*, which: str, model_dir: str,
   logger.info("clarify: training %s on %d pairs from %s -> %s", which, len(pairs), source,
               model_dir)
   return runs.train_run(model_dir=model_dir, model=trainable.Seq2SeqModel(config=model_config),
-                        data=seq_data,
-                        train_steps=train_steps, batch_size=batch_size,
+                        data=seq_data, train_steps=train_steps, batch_size=batch_size,
                         feature_lengths=feature_lengths, optimizer=optimizer,
                         partitioner=partitioner, eval_every=eval_every,
                         checkpoint_every=checkpoint_every, log_every=log_every, seed=seed,
                         init_checkpoint=init_checkpoint)
 
 
-def _optimizer_or_default(optimizer: Optional[optax.GradientTransformation],
-                          learning_rate: Optional[float], *, default_rate: float,
-                          function: str, macro: str) -> optax.GradientTransformation:
-  """`optimizer`, else AdamW at `learning_rate` (or `default_rate`); a rate given with an
+def _default_rate(optimizer: Optional[optax.GradientTransformation],
+                  learning_rate: Optional[float], default: float, *, function: str,
+                  macro: str) -> float:
+  """The default optimizer's rate: `learning_rate`, else `default`. A rate given with an
   optimizer would be ignored, so it is an error saying where the optimizer's own rate is set."""
-  if optimizer is None:
-    return optimizers.make_optimizer(
-        name="adamw", learning_rate=default_rate if learning_rate is None else learning_rate)
-  if learning_rate is not None:
+  if optimizer is not None and learning_rate is not None:
     raise ValueError(f"{function}: learning_rate={learning_rate!r} is the rate of the default "
                      f"AdamW, but an optimizer is given (gin binds {function}.optimizer): set "
                      f"its rate instead, e.g. --gin.{macro}={learning_rate!r} with "
                      f"configs/clarify/*.gin")
-  return optimizer
+  return default if learning_rate is None else learning_rate
 
 
 def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any,
@@ -262,8 +257,7 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
     model_dir: PPO run directory.
     question_model_dir: The supervised θQ (initial policy and reference).
     answer_model_dir: The answer generator θA of the reward (a run or export directory).
-    fusion_model_dir: The fusion model of the reward.
-    judge_model_dir: The judge of the reward.
+    fusion_model_dir, judge_model_dir: The fusion model and the judge of the reward.
     nli_model_dir: The NLI filter of the reward's answers (None: no filter).
     ppo_config: PPO settings (batch, epochs, KL, sampling; the original ClarifyDelphi recipe
       by default); None: `PPOConfig()`, made at call time so that gin bindings of PPOConfig
@@ -280,11 +274,8 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
     max_prompts: Use at most this many situations.
     partitioner: Mesh and rules (default data parallel).
     value_model_config: Value-model T5Config (default θQ's; then it starts from θQ's weights).
-    checkpoint_every: Save every N iterations (and at the end).
-    log_every: Log every N iterations.
+    checkpoint_every, log_every, async_checkpoint, seed: As for `ppo_trainer.train_ppo`.
     sample_every: Log sample questions to TensorBoard every N iterations (0: never).
-    seed: Seed.
-    async_checkpoint: Save checkpoints in the background.
     compile_only: Set by `jaxmoral compile` (not a flag): build the iteration's programs from
       the models' configs (a directory or a `ModelShape` each) and return them as an
       `aot.CompileProgram`, reading no data or weights and writing nothing.
@@ -293,18 +284,15 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
     `train_ppo`'s metrics plus "policy_dir" (the exported final policy) and "reward_curve".
   """
   ppo_config = ppo_config or ppo_trainer.PPOConfig()
-  if optimizer is not None:  # A rate given beside it would be ignored: an error.
-    optimizer = _optimizer_or_default(optimizer, learning_rate, default_rate=1e-5,
-                                      function="train_clarify_ppo", macro="PPO_LEARNING_RATE")
-  else:
-    # The original recipe's (gin/ppo/clarifydelphi.gin): Adam, eps 1e-5, the rate decaying
-    # linearly to 0 over the run's updates.
-    rate = 1e-5 if learning_rate is None else learning_rate
-    optimizer = optimizers.make_optimizer(
-        name="adamw", eps=1e-5, weight_decay=0.0, learning_rate=optimizers.make_schedule(
-            name="linear_decay", base_learning_rate=rate,
-            total_steps=ppo_trainer.ppo_update_count(num_iterations=num_iterations,
-                                                     config=ppo_config)))
+  rate = _default_rate(optimizer, learning_rate, 1e-5, function="train_clarify_ppo",
+                       macro="PPO_LEARNING_RATE")
+  # The original recipe's (gin/ppo/clarifydelphi.gin): Adam, eps 1e-5, the rate decaying
+  # linearly to 0 over the run's updates.
+  optimizer = optimizer or optimizers.make_optimizer(
+      name="adamw", eps=1e-5, weight_decay=0.0, learning_rate=optimizers.make_schedule(
+          name="linear_decay", base_learning_rate=rate,
+          total_steps=ppo_trainer.ppo_update_count(num_iterations=num_iterations,
+                                                   config=ppo_config)))
   reward_config = reward_config or reward_lib.RewardConfig()
   if not compile_only:
     # The data first: a missing split or a bad file fails before any model loads.
@@ -414,23 +402,23 @@ def _compile_program(program: PPOProgram) -> aot.CompileProgram:
   """
   trainer, reward = program.trainer, program.reward
   args, functions = trainer.stage_args(), program.reward_functions()
-  stages = [aot.Stage("rollout", trainer.functions["rollout"], args["rollout"],
-                      persistent=args["rollout"][0])]
+
+  def own(name: str) -> aot.Stage:  # The first argument: the state (or the policy's params).
+    return aot.Stage(name, trainer.functions[name], args[name], persistent=args[name][0])
+
+  stages = [own("rollout")]
   for name in ("answer", "nli", "fusion", "judge"):
     if name in functions:
       fn, cm = functions[name]
       stages.append(aot.Stage(name, fn, _reward_stage_args(name, cm, reward),
                               persistent=cm.params))
-  stages += [aot.Stage("score", trainer.functions["score"], args["score"],
-                       persistent=args["score"][0]),
-             aot.Stage("update", trainer.functions["update"], args["update"],
-                       persistent=args["update"][0])]
+  stages += [own("score"), own("update")]
   state = args["update"][0]
   resident = (state, [cm.params for _, cm in functions.values()])
   cfg, reward_config = trainer.config, reward.config
-  policy_n = aot._num_params(state.policy.params)  # pylint: disable=protected-access
-  value_n = aot._num_params(state.value.params)  # pylint: disable=protected-access
-  reward_n = sum(aot._num_params(cm.params) for _, cm in functions.values())  # pylint: disable=protected-access
+  num_params = aot._num_params  # pylint: disable=protected-access
+  policy_n, value_n = num_params(state.policy.params), num_params(state.value.params)
+  reward_n = sum(num_params(cm.params) for _, cm in functions.values())
   trainable = trainer.policy_init.num_params()[1] + trainer.value_init.num_params()[1]
   return aot.CompileProgram(
       stages=tuple(stages), partitioner=trainer.partitioner, resident=resident,

@@ -227,15 +227,6 @@ class PPOState:
   reward_std: Array
 
 
-def _without_encoder(init_params_fn: Callable[[Array], PyTree]) -> Callable[[Array], PyTree]:
-  """Value-model init without the `encoder` subtree (it reads the policy's encoder)."""
-  def init(rng: Array) -> PyTree:
-    params = dict(init_params_fn(rng))
-    params.pop("encoder", None)
-    return params
-  return init
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class PromptSource(source.DataSource):
   """PPO's data: batches of prompts (tokens and texts), deterministic in (seed, iteration).
@@ -310,15 +301,14 @@ class PPOTrainer:
       value_model: A T5 built with `with_scalar_head=True`.
       vocabulary: Encodes prompts and decodes the texts the reward reads.
       config: PPO settings.
-      optimizer: Optax optimizer of the policy (and of the value model unless
-        `value_optimizer` is given).
+      optimizer, value_optimizer: Optax optimizers of the policy and of the value model
+        (default: `optimizer`).
       partitioner: Mesh and logical-axis rules.
       reward_fn: Host reward (`RewardFn`); `key` is the call's `RewardKey`, `extra` maps names
         to (B,) arrays or scalars (logged as means). Response texts exclude EOS.
       reward_fn_tokens: Alternatively a jittable `TokenRewardFn`, run compiled on the mesh.
-      value_optimizer: Optimizer of the value model (default: `optimizer`).
-      policy_trainable_mask: Policy parameters to train (see `jaxmoral.trainer`).
-      value_trainable_mask: Value-model parameters to train.
+      policy_trainable_mask, value_trainable_mask: Parameters to train (see
+        `jaxmoral.trainer`).
     """
     if (reward_fn is None) == (reward_fn_tokens is None):
       raise ValueError("PPOTrainer: give exactly one of reward_fn, reward_fn_tokens")
@@ -340,7 +330,7 @@ class PPOTrainer:
     self.vocabulary = vocabulary
     self.reward_fn = reward_fn
     self.reward_fn_tokens = reward_fn_tokens
-    self._optimizer = optimizer
+    self.optimizer = optimizer  # The policy's.
     self._value_optimizer = value_optimizer if value_optimizer is not None else optimizer
     self._kl_controller = config.kl_controller()
 
@@ -348,11 +338,9 @@ class PPOTrainer:
     self.policy_init = trainer_lib.TrainStateInitializer(
         init_params_fn=functools.partial(t5_lib.init_params, policy_model),
         optimizer=optimizer, partitioner=partitioner, trainable_mask=policy_trainable_mask)
-    value_init = functools.partial(t5_lib.init_params, value_model)
-    if config.share_value_encoder:
-      value_init = _without_encoder(value_init)
     self.value_init = trainer_lib.TrainStateInitializer(
-        init_params_fn=value_init, optimizer=self._value_optimizer, partitioner=partitioner,
+        init_params_fn=lambda rng: self._value_params(t5_lib.init_params(value_model, rng)),
+        optimizer=self._value_optimizer, partitioner=partitioner,
         trainable_mask=value_trainable_mask)
 
     rep = partitioner.replicated
@@ -381,11 +369,6 @@ class PPOTrainer:
       self._token_reward_jit = partitioner.partition(
           lambda p, r, m: jnp.asarray(reward_fn_tokens(p, r, m), jnp.float32),
           in_shardings=(d2, d2, d2), out_shardings=d1)
-
-  @property
-  def optimizer(self) -> optax.GradientTransformation:
-    """The policy's optimizer."""
-    return self._optimizer
 
   @property
   def functions(self) -> dict[str, Any]:
@@ -428,13 +411,9 @@ class PPOTrainer:
     policy_rng, value_rng = jax.random.split(rng)
     policy = (self.policy_init.init_state(policy_rng) if policy_params is None
               else self.policy_init.init_state_from_params(policy_params))
-    if value_params is None:
-      value = self.value_init.init_state(value_rng)
-    else:
-      value_params = dict(nn.meta.unbox(value_params))
-      if self.config.share_value_encoder:
-        value_params.pop("encoder", None)
-      value = self.value_init.init_state_from_params(value_params)
+    value = (self.value_init.init_state(value_rng) if value_params is None else
+             self.value_init.init_state_from_params(
+                 self._value_params(nn.meta.unbox(value_params))))
     scalar = self._replicated
     return PPOState(step=scalar(0, jnp.int32), policy=policy, value=value,
                     ref_params=self._copy_jit(policy.params),
@@ -443,6 +422,13 @@ class PPOTrainer:
 
   def _replicated(self, x: Any, dtype: Any = jnp.float32) -> Array:
     return jax.device_put(jnp.asarray(x, dtype), self.partitioner.replicated)
+
+  def _value_params(self, params: PyTree) -> PyTree:
+    """Value-model params without `encoder` when it reads the policy's encoder."""
+    params = dict(params)
+    if self.config.share_value_encoder:
+      params.pop("encoder", None)
+    return params
 
   def init_state_from_params(self, params: PPOInit) -> PPOState:
     """A fresh state from given policy (and value) parameters (the core loop's fine-tuning
@@ -595,7 +581,7 @@ class PPOTrainer:
           update_loss.terms, update_loss.weights, (p_t, v_t), mb, None,
           num_microbatches=cfg.num_microbatches, mesh=mesh, grad_shardings=(p_sh, v_sh))
       _, metrics = update_loss.loss_and_metrics(terms)
-      updates, p_opt = self._optimizer.update(p_grads, p_opt, p_t)
+      updates, p_opt = self.optimizer.update(p_grads, p_opt, p_t)
       p_t = optax.apply_updates(p_t, updates)
       updates, v_opt = self._value_optimizer.update(v_grads, v_opt, v_t)
       v_t = optax.apply_updates(v_t, updates)
@@ -614,9 +600,9 @@ class PPOTrainer:
     rollout_kl = jnp.mean(jnp.sum(rollout.kl, axis=1))
     kl_coef = self._kl_controller.update(state.kl_coef, rollout_kl, batch)
     metrics = {k: jnp.mean(v) for k, v in stacked.items()}
-    if isinstance(self._optimizer, optimizers.Optimizer):
+    if isinstance(self.optimizer, optimizers.Optimizer):
       # The policy's rate at this iteration's first update (a schedule counts updates).
-      metrics["learning_rate"] = self._optimizer.learning_rate(state.policy.step)
+      metrics["learning_rate"] = self.optimizer.learning_rate(state.policy.step)
     metrics.update({f"first_minibatch/{name}": stacked[name][0]
                     for name in ("ratio_mean", "approx_kl", "clipfrac", "policy_loss")})
     new_state = dataclasses.replace(state, step=state.step + 1, policy=policy, value=value,
@@ -713,9 +699,8 @@ class PPOTrainer:
 
     responses, sampler_logprobs, mask = self.generate(state, prompt_tokens, gen_rng)
     done("rollout", responses)
-    texts = None
-    if self.reward_fn is not None or num_samples:
-      texts = self.response_texts(responses, mask)
+    texts = (self.response_texts(responses, mask) if self.reward_fn is not None or num_samples
+             else None)
     raw_scores, reward_metrics = self.rewards(prompt_tokens, prompt_texts, responses, mask,
                                               texts, key=RewardKey("rollout", iteration))
     done("reward", raw_scores)
@@ -776,9 +761,7 @@ class RewardNormalizationHook(train_lib.TrainHook):
 
   def __init__(self, trainer: PPOTrainer, prompts: PromptSource, rng: Array):
     self.trainer, self.prompts, self.rng = trainer, prompts, rng
-
-  mean: float = 0.0
-  std: float = 1.0
+    self.mean, self.std = 0.0, 1.0
 
   def on_start(self, loop: train_lib.LoopInfo, state: PPOState) -> PPOState:
     if loop.fresh and self.trainer.config.normalize_reward:
@@ -830,6 +813,7 @@ class RewardCurveHook(train_lib.TrainHook):
     self.path = reward_curve_path(model_dir)
     self.batch_size = batch_size
     self.rows: dict[int, dict[str, float]] = {}
+    self.picture: Optional[str] = None
 
   @property
   def curve(self) -> dict[int, float]:
@@ -857,8 +841,6 @@ class RewardCurveHook(train_lib.TrainHook):
   def on_end(self, loop: train_lib.LoopInfo, state: Any) -> None:
     if jax.process_index() == 0 and self.rows:
       self.picture = plot_reward_curve(self.path)
-
-  picture: Optional[str] = None
 
 
 def reward_curve_path(model_dir: str | os.PathLike[str]) -> str:
