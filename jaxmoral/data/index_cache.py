@@ -36,7 +36,7 @@ def default_root() -> str:
 
 def key_of(identity: Mapping[str, Any]) -> str:
   """A short stable name for what a cache holds (a JSON-able description)."""
-  return _fingerprint(identity)[:24]
+  return fingerprint(identity)[:24]
 
 
 def _digest(features: Mapping[str, np.ndarray]) -> str:
@@ -63,7 +63,7 @@ def _version(path: str) -> tuple[int, ...]:
   return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _fingerprint(value: Any) -> str:
+def fingerprint(value: Any) -> str:
   """The sha256 of `value` as sorted JSON; of the files' digests, what a checkpoint records."""
   text = json.dumps(value, sort_keys=True, default=str)
   return hashlib.sha256(text.encode("utf-8")).hexdigest()
@@ -107,7 +107,7 @@ def _verify(directory: str, meta: Mapping[str, Any], meta_text: str) -> None:
       if digests[name] != recorded[name]["sha256"]:
         raise _damaged(paths[name], "its bytes differ from the sha256 recorded when the cache "
                        "was written")
-    if _fingerprint(digests) != meta.get("sha256"):
+    if fingerprint(digests) != meta.get("sha256"):
       raise _damaged(os.path.join(directory, META), "its fingerprint does not match its files")
   with _verified_guard:
     _verified[key] = (meta_text, versions)
@@ -197,7 +197,7 @@ def write(directory: str, chunks: Iterable[Mapping[str, np.ndarray]],
         files[f"{name}.npy"] = {"size": os.path.getsize(path),
                                 "sha256": integrity.file_sha256(path)}
       meta["files"] = files
-      meta["sha256"] = _fingerprint({n: f["sha256"] for n, f in files.items()})
+      meta["sha256"] = fingerprint({n: f["sha256"] for n, f in files.items()})
       meta_text = json.dumps(meta, default=str)
       with open(os.path.join(temporary, META), "w", encoding="utf-8") as f:
         f.write(meta_text)

@@ -101,8 +101,7 @@ def encode_pairs(inputs: Sequence[str], targets: Sequence[str], *, vocabulary: A
   """Tokenises (input, target) text pairs into T5X encoder-decoder features.
 
   Args:
-    inputs: Encoder texts.
-    targets: Decoder texts, one per input.
+    inputs, targets: Encoder and decoder texts, one target per input.
     vocabulary: Anything with `encode(str) -> ids` and `eos_id` (a seqio vocabulary).
     feature_lengths: `{"inputs": N, "targets": M}`.
     add_eos: Append EOS (kept under truncation) to both sides, as T5 does.
@@ -128,6 +127,12 @@ def encode_pairs(inputs: Sequence[str], targets: Sequence[str], *, vocabulary: A
       "decoder_input_tokens": autoregressive_inputs(targets_arr),
       "decoder_loss_weights": _pad_rows([[1] * len(t) for t in y], feature_lengths["targets"]),
   }
+
+
+def pad_batch(batch: Mapping[str, np.ndarray], rows: int) -> Features:
+  """`batch` zero-padded to `rows` rows (an evaluation's last batch): the padding rows have
+  `decoder_loss_weights` 0 and add nothing to weighted sums."""
+  return {k: np.pad(v, [(0, rows - len(v))] + [(0, 0)] * (v.ndim - 1)) for k, v in batch.items()}
 
 
 @functools.lru_cache(maxsize=16)
@@ -200,12 +205,8 @@ class BatchSource(source.DataSource):
     return {k: v[idx] for k, v in self.features.items()}
 
   def eval_batches(self) -> Iterator[Features]:
-    """One in-order pass over this shard's examples, the last batch zero-padded (its padding
-    rows have `decoder_loss_weights` 0 and add nothing to weighted sums)."""
-    n = self.num_examples
+    """One in-order pass over this shard's examples, the last batch zero-padded (`pad_batch`)."""
     for step in range(self.steps_per_epoch):
       positions = self.shard_positions(step)
-      valid = positions < n
-      idx = np.where(valid, positions, 0)
-      yield {k: np.where(valid.reshape((-1,) + (1,) * (v.ndim - 1)), v[idx], 0).astype(v.dtype)
-             for k, v in self.features.items()}
+      idx = positions[positions < self.num_examples]
+      yield pad_batch({k: v[idx] for k, v in self.features.items()}, self.per_shard_batch_size)

@@ -207,7 +207,7 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
   manifest = fileio.join(output_dir, MANIFEST)
   if fileio.isfile(manifest) and all(fileio.isfile(p) for p in paths.values()):
     try:
-      if json.loads(fileio.read_text(manifest))["settings"] == settings:
+      if fileio.read_json(manifest)["settings"] == settings:
         return paths
     except (ValueError, KeyError):
       pass  # An unreadable manifest: rebuild.

@@ -205,6 +205,26 @@ def _csv_rows(lines: Iterator[tuple[int, str, Optional[DataError]]], path: PathL
     yield first, values
 
 
+def json_object(path: PathLike, line: int, text: str) -> dict[str, Any] | DataError:
+  """The JSON object of one line of `path`, or the DataError saying why it is none."""
+  try:
+    obj = json.loads(text)
+  except json.JSONDecodeError as e:
+    return DataError(path, line, f"invalid JSON: {e.msg} at column {e.colno}")
+  if not isinstance(obj, dict):
+    return DataError(path, line, f"expected a JSON object, got {type(obj).__name__}")
+  return obj
+
+
+def columns_row(header: Sequence[str], values: Sequence[str], path: PathLike,
+                line: int) -> dict[str, str] | DataError:
+  """`{column: value}` of a TSV or CSV row, or the DataError of a row of another width."""
+  if len(values) == len(header):
+    return dict(zip(header, values, strict=True))
+  field = header[len(values)] if len(values) < len(header) else f"#{len(values)}"
+  return DataError(path, line, f"expected {len(header)} columns, got {len(values)}", field)
+
+
 def _no_rows_error(path: PathLike, what: str, bad: int) -> DataError:
   """The error of a file without good rows (`allow_empty=False`)."""
   what = f"no good rows: all {bad} rows are bad (each logged above)" if bad else what
@@ -231,13 +251,11 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
     except StopIteration:
       raise DataError(path, 0, "empty file (no header, no rows)") from None
     header = [h.strip() for h in header]
-    unknown = None
-    if optional is not None:
-      # A misspelt column would otherwise be dropped (or read as a missing optional one).
-      known = [*(columns or ()), *(required or ()), *optional]
-      unknown = unknown_field(header, known, path, header_line, kind="column")
-      if unknown is not None and unknown.suggestion:  # The typo before the column it misses.
-        raise unknown
+    # A misspelt column would otherwise be dropped (or read as a missing optional one).
+    unknown = None if optional is None else unknown_field(
+        header, [*(columns or ()), *(required or ()), *optional], path, header_line, kind="column")
+    if unknown is not None and unknown.suggestion:  # The typo before the column it misses.
+      raise unknown
     if columns is not None:
       missing = [c for c in columns if c not in header]
       if missing:
@@ -251,19 +269,13 @@ def _read_delimited(path: PathLike, *, delimiter: str, columns: Optional[Sequenc
     for line, values in numbered_rows:
       if not values:  # A blank line.
         continue
-      if len(values) != len(header):
-        field = header[len(values)] if len(values) < len(header) else f"#{len(values)}"
-        report(DataError(path, line, f"expected {len(header)} columns, got {len(values)}", field))
-        continue
-      row = dict(zip(header, values, strict=True))
-      error = _required_error(row, required, path, line)
+      row = columns_row(header, values, path, line)
+      error = row if isinstance(row, DataError) else _required_error(row, required, path, line)
       if error is not None:
         report(error)
-        continue
-      if keep is not None:
-        row = {c: row[c] for c in keep}
-      rows.append(row)
-      lines.append(line)
+      elif isinstance(row, dict):
+        rows.append(row if keep is None else {c: row[c] for c in keep})
+        lines.append(line)
   if not rows and not allow_empty:
     raise _no_rows_error(path, f"has a header (line {header_line}) but no data rows",
                          len(report.errors))
@@ -352,12 +364,9 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
   known = None if optional is None else [*(required or ()), *text, *optional]
 
   def parse(number: int, line: str) -> dict[str, Any] | DataError:
-    try:
-      obj = json.loads(line)
-    except json.JSONDecodeError as e:
-      return DataError(path, number, f"invalid JSON: {e.msg} at column {e.colno}")
-    if not isinstance(obj, dict):
-      return DataError(path, number, f"expected a JSON object, got {type(obj).__name__}")
+    obj = json_object(path, number, line)
+    if isinstance(obj, DataError):
+      return obj
     unknown = unknown_field(obj, known, path, number) if known is not None else None
     # A misspelt key is reported as the typo, before the missing key it stands for.
     typo = unknown if unknown is not None and unknown.suggestion else None

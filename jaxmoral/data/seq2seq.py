@@ -68,13 +68,11 @@ class Seq2SeqData(source.DataSpec):
       "jaxmoral_demo*" are registered on demand, others by an import in the gin file).
     train_file: Instead of a task: a TSV/CSV/JSONL file of pairs (a bad row fails with its line).
     eval_file: Evaluation pairs for `train_file` (default: `heldout` pairs of it).
-    input_field: Column / key of the inputs in the files.
-    target_field: Column / key of the targets in the files.
+    input_field, target_field: Columns / keys of the inputs and targets in the files.
     vocabulary_path: A SentencePiece model (e.g. T5's spiece.model); None: the init
       checkpoint's, else the demo vocabulary.
     extra_ids: Sentinel ids after the pieces (T5: 100).
-    train_split: Split used for training.
-    eval_split: Split used for evaluation.
+    train_split, eval_split: The splits trained and evaluated on.
     pack: Pack several examples per row (T5X's `EncDecFeatureConverter(pack=True)`).
     heldout: How one pair in 10 of `train_file` is held out without `eval_file`
       (`pairs.HELDOUT_RULES`); a resumed run keeps the rule it started with (`resumed`).
@@ -252,7 +250,7 @@ class Seq2SeqData(source.DataSpec):
         self.write_cache(vocabulary=vocabulary, feature_lengths=feature_lengths, seed=seed)
       if jax.process_count() > 1:
         multihost_utils.sync_global_devices("jaxmoral.runs: data cache written")
-    spec = json.loads(fileio.read_text(fileio.join(self.cache_dir, CACHE_SPEC)))
+    spec = fileio.read_json(fileio.join(self.cache_dir, CACHE_SPEC))
     want = self._cache_spec(feature_lengths, spec["seed"] if seed is None else seed)
     for key, value in want.items():
       if spec.get(key) != value:

@@ -169,11 +169,9 @@ def corrupt_spans(tokens: tf.Tensor, mask: tf.Tensor, vocab_size: int,
   span_start = mask & ~previous_is_noise
   span_id = tf.cumsum(tf.cast(span_start, tokens.dtype)) - 1
   sentinel = tf.cast(vocab_size - 1, tokens.dtype) - span_id
-  checks = []
-  if num_sentinels is not None:
-    checks.append(tf.debugging.assert_less_equal(
-        tf.reduce_sum(tf.cast(span_start, tf.int32)), num_sentinels,
-        message="more noise spans than sentinel (extra) ids"))
+  checks = [] if num_sentinels is None else [tf.debugging.assert_less_equal(
+      tf.reduce_sum(tf.cast(span_start, tf.int32)), num_sentinels,
+      message="more noise spans than sentinel (extra) ids")]
   with tf.control_dependencies(checks):
     # Inputs: a span's first token becomes its sentinel, its other tokens go.
     inputs = tf.boolean_mask(tf.where(span_start, sentinel, tokens), ~(mask & previous_is_noise))
@@ -282,37 +280,24 @@ def iterate_texts(path: str | os.PathLike, *, text_field: Optional[str] = None,
   path = os.fspath(path)
   suffix = _check_text_file(path, text_field, text_fn)
   with fileio.open(path, "r", encoding="utf-8", newline="") as f:
+    rows: Iterator[tuple[int, Mapping[str, Any] | readers.DataError]]
     if suffix == ".txt":
-      lines: Iterator[tuple[int, Any]] = ((n, {"text": t.rstrip("\r\n")})
-                                          for n, t in enumerate(f, 1))
+      rows = ((n, {"text": t.rstrip("\r\n")}) for n, t in enumerate(f, 1))
       text_field, text_fn = "text", None
     elif suffix == ".jsonl":
-      lines = ((n, t) for n, t in enumerate(f, 1) if t.strip())
-    elif suffix == ".tsv":
-      lines = ((n, next(csv.reader([t.rstrip("\r\n")], delimiter="\t")))
-               for n, t in enumerate(f, 1) if t.strip())
+      rows = ((n, readers.json_object(path, n, t)) for n, t in enumerate(f, 1) if t.strip())
     else:
-      reader = csv.reader(f)
-      lines = ((reader.line_num, values) for values in reader if values)
-    header: Optional[list[str]] = None
-    for number, item in lines:
-      if suffix == ".jsonl":
-        try:
-          row = json.loads(item)
-        except json.JSONDecodeError as e:
-          raise readers.DataError(path, number, f"invalid JSON: {e.msg}") from None
-        if not isinstance(row, dict):
-          raise readers.DataError(path, number, "expected a JSON object")
-      elif suffix in (".tsv", ".csv"):
-        if header is None:
-          header = [h.strip() for h in item]
-          continue
-        if len(item) != len(header):
-          raise readers.DataError(path, number,
-                                  f"expected {len(header)} columns, got {len(item)}")
-        row = dict(zip(header, item, strict=True))
+      if suffix == ".tsv":
+        values = ((n, next(csv.reader([t.rstrip("\r\n")], delimiter="\t")))
+                  for n, t in enumerate(f, 1) if t.strip())
       else:
-        row = item
+        reader = csv.reader(f)
+        values = ((reader.line_num, v) for v in reader if v)
+      header = [h.strip() for h in next(values, (0, []))[1]]
+      rows = ((n, readers.columns_row(header, v, path, n)) for n, v in values)
+    for number, row in rows:
+      if isinstance(row, readers.DataError):
+        raise row
       yield from (t for t in _row_texts(row, path, number, text_field, text_fn) if t.strip())
 
 

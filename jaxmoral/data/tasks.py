@@ -10,8 +10,6 @@ Task or Mixture through `TaskSource`, by step from an index cache.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import tempfile
@@ -73,9 +71,8 @@ def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
 
   source = seqio.FunctionDataSource(dataset_fn, splits=list(data),
                                     num_input_examples={s: len(p) for s, p in splits.items()})
-  setattr(source, FINGERPRINT_ATTRIBUTE, hashlib.sha256(
-      json.dumps({s: list(map(list, p)) for s, p in sorted(splits.items())}).encode("utf-8")
-  ).hexdigest())
+  setattr(source, FINGERPRINT_ATTRIBUTE,
+          index_cache.fingerprint({s: list(map(list, p)) for s, p in splits.items()}))
   return source
 
 
@@ -91,8 +88,7 @@ def register_text_pair_task(name: str, *, vocabulary: Any,
     vocabulary: Vocabulary of both features (e.g. `vocab.get_vocabulary(...)`).
     examples: Pairs (one "train" split) or `{split: pairs}`.
     file: Instead of `examples`: a file (one "train" split) or `{split: file}`.
-    input_field: Column / key of the input text in `file`.
-    target_field: Column / key of the target text in `file`.
+    input_field, target_field: Columns / keys of the input and target texts in `file`.
     add_eos: Append EOS (after trimming) to both features.
     overwrite: Replace a Task of the same name (re-registration in tests and notebooks).
 
@@ -269,9 +265,7 @@ class TaskSource(DataSource):
 
   def _cacheable(self) -> bool:
     count = self.num_examples
-    if count is None:
-      return not self._is_mixture
-    return count <= self.max_cached_examples
+    return not self._is_mixture if count is None else count <= self.max_cached_examples
 
   def _pass_rows(self) -> Iterator[Features]:
     """One pass of seqio's stream (class docstring), in chunks of rows."""
@@ -422,10 +416,8 @@ class TaskSource(DataSource):
     return saved[-1]
 
   def eval_batches(self) -> Iterator[Features]:
-    """One in-order pass over this shard's examples, the last batch zero-padded (its rows
-    then have `decoder_loss_weights` 0 and add nothing to weighted sums)."""
-    per = self.per_shard_batch_size
+    """One in-order pass over this shard's examples, the last batch zero-padded
+    (`pipeline.pad_batch`)."""
     for batch in self._dataset(repeat=False).as_numpy_iterator():
-      rows = next(iter(batch.values())).shape[0]
-      yield {k: np.pad(np.asarray(v, np.int32), [(0, per - rows)] + [(0, 0)] * (v.ndim - 1))
-             for k, v in batch.items()}
+      yield pipeline.pad_batch({k: np.asarray(v, np.int32) for k, v in batch.items()},
+                               self.per_shard_batch_size)
