@@ -1,7 +1,5 @@
 """Diamante: generation–evaluation joint training of a dialogue model (Lu, Bao et al., ACL 2023).
 
-One T5 with a scalar head generates responses and scores them: `data` (the Diamante format,
-per-epoch quadruples), `model` and `loss` (the joint pass and NLL + PE loss), `diamante_model`
-(what `runs.train_run` trains), `candidates`, `inference` (sample, score, answer with the
-best), `evaluate`, `chat`; `commands` is `jaxmoral diamante <action>`.
+One T5 with a scalar head generates responses and scores them (`model`, `loss`); at inference
+it answers with the best-scored of its samples (`inference`). CLI: `jaxmoral diamante <action>`.
 """

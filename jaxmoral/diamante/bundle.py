@@ -1,8 +1,5 @@
-"""A Diamante model ready for inference: the core `InferenceModel` plus the trained features.
-
-Any model directory loads (`jaxmoral.model_dirs`: a Diamante run, an export of one, a plain
-T5 to sample candidates with, ...). The feature lengths and context separator come from the
-run's settings.json (what `diamante.data.DialogueData` trained with), else the defaults.
+"""A Diamante model ready for inference: the core `InferenceModel` plus the features (lengths,
+separator) from its run's settings.json (`diamante.data.DialogueData`'s), else the defaults.
 """
 
 from __future__ import annotations
@@ -26,7 +23,8 @@ class Bundle(inference.InferenceModel):
 
 def load(model_dir: str | os.PathLike, *, partitioner: Any = None,
          feature_lengths: Optional[Mapping[str, int]] = None) -> Bundle:
-  """Loads any model directory or Hub id (usually a Diamante run) for Diamante inference.
+  """Loads any model directory or Hub id (`jaxmoral.model_dirs`: usually a Diamante run or its
+  export; a plain T5 samples candidates) for Diamante inference.
 
   Args:
     model_dir: The directory.

@@ -20,13 +20,9 @@ from jaxmoral.diamante import data
 
 
 def dialogues_of(turns: Sequence[data.Turn]) -> list[list[str]]:
-  """The utterance lists back from turns (turns of a dialogue are consecutive)."""
-  out: dict[int, list[str]] = {}
-  for t in turns:
-    utterances = [*t.context, t.response]
-    if len(utterances) > len(out.get(t.dialogue, [])):
-      out[t.dialogue] = utterances
-  return [out[d] for d in sorted(out)]
+  """The utterance lists back from turns: each dialogue's longest context and its response."""
+  longest = (max(ts, key=lambda t: len(t.context)) for ts in data.by_dialogue(turns).values())
+  return [[*t.context, t.response] for t in longest]
 
 
 def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str]], *,
@@ -67,10 +63,8 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
     turns: ... or already-read turns.
     output_path: Where the Diamante JSONL with candidates goes.
     num_candidates: Candidates per response position.
-    top_k: Top-k sampling (the paper: 10).
-    temperature: Sampling temperature.
-    no_repeat_ngram_size: n-gram blocking inside a candidate.
-    max_decode_length: Tokens per candidate at most.
+    top_k, temperature, no_repeat_ngram_size, max_decode_length: Sampling, as
+      `inference.RerankConfig`'s (the paper: top-k 10).
     batch_size: Contexts per sampler call.
     seed: Sampling seed.
     partitioner: The mesh the model runs on (the run's PARTITIONER; None: `inference_partitioner`).

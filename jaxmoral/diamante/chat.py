@@ -16,6 +16,7 @@ import jax
 
 from jaxmoral import fileio
 from jaxmoral import partitioning
+from jaxmoral.data import readers
 from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import inference
 
@@ -51,14 +52,18 @@ def read_line(prompt: str) -> str:
 
 
 def _bot_turn(bundle: bundle_lib.Bundle, history: list[str], records: list[dict], speaker: str,
-              rng: jax.Array, rerank: Optional[inference.RerankConfig]) -> inference.Reply:
-  """The best-scored reply to `history`, added to it and (with its candidates) to `records`."""
+              rng: jax.Array, rerank: Optional[inference.RerankConfig],
+              output: Optional[TextIO]) -> inference.Reply:
+  """The best-scored reply to `history`, added to it and (with its candidates) to `records`,
+  and printed to `output` (None: silent)."""
   reply = inference.respond(bundle, [history], rng=rng,
                             config=rerank or inference.RerankConfig())[0]
   history.append(reply.text)
   records.append({"turn": len(records), "speaker": speaker, "text": reply.text,
                   "score": reply.score,
                   "candidates": [[c.text, c.score] for c in reply.candidates]})
+  if output is not None:
+    print(f"{speaker}> {reply.text}  [score {reply.score:.3f}]", file=output)
   return reply
 
 
@@ -107,8 +112,7 @@ def chat(*, model_dir: str, transcript_path: str,
       history.append(line)
       records.append({"turn": len(records), "speaker": "user", "text": line})
       key, sub = jax.random.split(key)
-      reply = _bot_turn(bundle, history, records, "bot", sub, rerank)
-      print(f"bot> {reply.text}  [score {reply.score:.3f}]", file=output)
+      reply = _bot_turn(bundle, history, records, "bot", sub, rerank, output)
       for c in reply.candidates[1:1 + show_candidates]:
         print(f"     ({c.score:.3f}) {c.text}", file=output)
       for record in records[-2:]:
@@ -148,11 +152,6 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
     print(f"bot_b> {history[0]}", file=output)
   for i in range(num_rounds):
     key, sub = jax.random.split(key)
-    speaker = "bot_a" if i % 2 == 0 else "bot_b"
-    reply = _bot_turn(bundle, history, records, speaker, sub, rerank)
-    if output is not None:
-      print(f"{speaker}> {reply.text}  [score {reply.score:.3f}]", file=output)
-  with fileio.open_text_writer(transcript_path) as transcript:
-    for record in records:
-      transcript.write(json.dumps(record, ensure_ascii=False) + "\n")
+    _bot_turn(bundle, history, records, "bot_a" if i % 2 == 0 else "bot_b", sub, rerank, output)
+  readers.write_jsonl(transcript_path, records)
   return records

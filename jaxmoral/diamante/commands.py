@@ -1,9 +1,5 @@
 """`jaxmoral diamante <action> [--name=value ...]`: gin-bound library calls (examples:
-docs/methods.md).
-
-Each action is one keyword-only `@gin.configurable` function; `--name=value` after the action
-binds that function's argument, and `--help` lists them. What an action will write is checked
-to be writable before it starts (`OUTPUTS`). The dispatch is `jaxmoral.action_commands`.
+docs/methods.md); the tables that `jaxmoral.action_commands` dispatches on.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import functools
 import os
-from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
 
 import gin
 import numpy as np
@@ -120,14 +120,13 @@ def parse_dialogue(obj: dict[str, Any], *, path: str = "<memory>", line: int = 0
     if not text.strip():
       raise DataError(path, line, "empty value", f"{field}.utterance")
     cands = entry.get("response_candidates")
-    cands = [] if cands is None else cands
-    if not isinstance(cands, list):
+    if not isinstance(cands, (list, type(None))):
       raise DataError(path, line, f"expected a list, got {type(cands).__name__}",
                       f"{field}.response_candidates")
-    cands = [_check_str(c, path, line, f"{field}.response_candidates[{j}]")
-             for j, c in enumerate(cands)]
+    cands = [_check_str(c, path, line, f"{field}.response_candidates[{j}]").strip()
+             for j, c in enumerate(cands or [])]
     utterances.append(text.strip())
-    candidates.append(tuple(c.strip() for c in cands if c.strip()))
+    candidates.append(tuple(c for c in cands if c))
   return [Turn(tuple(utterances[:i]), utterances[i], candidates[i], dialogue)
           for i in range(1, len(utterances))]
 
@@ -155,19 +154,23 @@ def write_dialogues(path: str | os.PathLike[str],
   return len(rows)
 
 
+def by_dialogue(turns: Sequence[Turn]) -> dict[int, list[Turn]]:
+  """The turns of each dialogue, in dialogue index order, each list by context length."""
+  out: dict[int, list[Turn]] = {}
+  for t in sorted(turns, key=lambda t: (t.dialogue, len(t.context))):
+    out.setdefault(t.dialogue, []).append(t)
+  return out
+
+
 def write_turns(path: str | os.PathLike[str], turns: Sequence[Turn]) -> int:
   """Writes turns back as Diamante JSONL, one dialogue a line (e.g. a split of a corpus);
   returns the number of dialogues."""
-  by_dialogue: dict[int, list[Turn]] = collections.defaultdict(list)
-  for t in turns:
-    by_dialogue[t.dialogue].append(t)
   records = []
-  for dialogue in sorted(by_dialogue):
-    ordered = sorted(by_dialogue[dialogue], key=lambda t: len(t.context))
-    last = ordered[-1]
+  for dialogue, ordered in by_dialogue(turns).items():
     if [len(t.context) for t in ordered] != list(range(1, len(ordered) + 1)):
       raise ValueError(f"write_turns: dialogue {dialogue} lacks some of its turns")
-    records.append(([*last.context, last.response], [()] + [t.candidates for t in ordered]))
+    records.append(([*ordered[-1].context, ordered[-1].response],
+                    [()] + [t.candidates for t in ordered]))
   return write_dialogues(path, records)
 
 
@@ -232,6 +235,21 @@ def trainable_turns(turns: Sequence[Turn]) -> list[int]:
           if any(normalize(c) != normalize(t.response) for c in t.candidates)]
 
 
+def random_responses(turns: Sequence[Turn], turn: Turn, count: int, rng: np.random.Generator,
+                     *, tries: int, excluded: AbstractSet[Any],
+                     key: Callable[[str], Iterable[Any]]) -> list[str]:
+  """Up to `count` human responses, none with a `key` in `excluded`, of turns drawn from
+  dialogues other than `turn`'s (`tries` draws at most)."""
+  out: list[str] = []
+  for _ in range(tries):
+    if len(out) == count:
+      break
+    other = turns[int(rng.integers(len(turns)))]
+    if other.dialogue != turn.dialogue and excluded.isdisjoint(key(other.response)):
+      out.append(other.response)
+  return out
+
+
 def draw_quadruples(turns: Sequence[Turn], indices: Sequence[int], rng: np.random.Generator, *,
                     prefer_dissimilar: bool = False, pool_size: int = 5) -> list[Quadruple]:
   """One quadruple per turn index, with fresh r_M and r_R.
@@ -258,14 +276,8 @@ def draw_quadruples(turns: Sequence[Turn], indices: Sequence[int], rng: np.rando
     least_similar = functools.partial(min, key=lambda c: char_f1(c, turn.response))
     drawn = rng.choice(len(usable), size=min(draws, len(usable)), replace=False)
     model = least_similar([usable[k] for k in drawn])
-    randoms: list[str] = []
-    for _ in range(100 * draws):
-      other = turns[int(rng.integers(len(turns)))]
-      if other.dialogue != turn.dialogue and normalize(other.response) not in (
-          human, normalize(model)):
-        randoms.append(other.response)
-        if len(randoms) == draws:
-          break
+    randoms = random_responses(turns, turn, draws, rng, tries=100 * draws,
+                               excluded={human, normalize(model)}, key=lambda r: {normalize(r)})
     if not randoms:
       raise ValueError(f"draw_quadruples: no random response for turn {i} (only one dialogue?)")
     out.append(Quadruple(i, turn.context, turn.response, model, least_similar(randoms)))
@@ -445,11 +457,8 @@ def feature_config_from_settings(settings: Mapping[str, Any], *, model_config: A
                                  feature_lengths: Optional[Mapping[str, int]] = None
                                  ) -> FeatureConfig:
   """The `FeatureConfig` a run trained with (settings.json), for inference."""
-  data = settings.get("data", {})
   lengths = {**settings.get("feature_lengths", {}), **(feature_lengths or {})}
-  kwargs: dict[str, Any] = {"eos_id": model_config.eos_token_id}
-  if "separator" in data:
-    kwargs["separator"] = data["separator"]
-  kwargs.update({name: int(lengths[key]) for key, name in (
-      ("inputs", "context_length"), ("targets", "response_length")) if key in lengths})
-  return FeatureConfig(**kwargs)
+  kwargs = {name: int(lengths[key]) for key, name in (
+      ("inputs", "context_length"), ("targets", "response_length")) if key in lengths}
+  return FeatureConfig(eos_id=model_config.eos_token_id, **kwargs,
+                       separator=settings.get("data", {}).get("separator", DEFAULT_SEPARATOR))

@@ -57,13 +57,8 @@ def ranking_items(turns: Sequence[data.Turn], *, num_random: int, max_candidates
         seen |= ids
     if not cands:
       continue
-    randoms: list[str] = []
-    for _ in range(50 * num_random):
-      if len(randoms) == num_random:
-        break
-      other = turns[int(rng.integers(len(turns)))]
-      if other.dialogue != turn.dialogue and human.isdisjoint(identities(other.response)):
-        randoms.append(other.response)
+    randoms = data.random_responses(turns, turn, num_random, rng, tries=50 * num_random,
+                                    excluded=human, key=identities)
     out.append((i, [turn.response, *cands, *randoms],
                 [data.HUMAN] + [data.MODEL] * len(cands) + [data.RANDOM] * len(randoms)))
   return out
@@ -80,9 +75,8 @@ def pe_accuracy(scores: np.ndarray, kinds: np.ndarray) -> float:
   for better, worse in ((data.HUMAN, data.MODEL), (data.HUMAN, data.RANDOM),
                         (data.MODEL, data.RANDOM)):
     a, b = scores[kinds == better], scores[kinds == worse]
-    if a.size and b.size:
-      good += int(np.sum(a[:, None] > b[None, :]))
-      total += a.size * b.size
+    good += int(np.sum(a[:, None] > b[None, :]))  # 0 pairs where a kind is absent.
+    total += a.size * b.size
   return good / total if total else float("nan")
 
 
@@ -257,11 +251,10 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
                           max_contexts=max_contexts, num_generate=num_generate,
                           rerank=rerank or inference.RerankConfig(), batch_size=batch_size,
                           seed=seed)
+  print(format_summary(result))
   if output_path is not None:
     with fileio.open_text_writer(output_path) as f:
       json.dump({**result, "samples": samples, "rankings": rankings}, f, indent=2, sort_keys=True)
-  print(format_summary(result))
-  if output_path is not None:
     print(f"wrote {output_path}")
   return result
 

@@ -47,8 +47,7 @@ def forward_responses(model: T5, params: Any, encoder_input_tokens: Array,
   scores (B, K), both float32.
 
   Args:
-    model: A `T5` built with `with_scalar_head=True`.
-    params: Its parameters.
+    model, params: A `T5` built with `with_scalar_head=True`, and its parameters.
     encoder_input_tokens: (B, Lc) contexts.
     decoder_input_tokens: (B, K, T) responses shifted right (start id 0).
     decoder_loss_weights: (B, K, T) 1 on response tokens and EOS; the score is read one

@@ -114,8 +114,7 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     classifier_dirs: {"hallucination": dir, "coverage": dir} prompt directories.
     prompts_dir: A run folder laid out like `demo.run_demo`'s (generator/prompt,
       classifier_<error>/prompt) for the dirs not given.
-    base_dir: As `detect_file`'s.
-    vocabulary_path: As `detect_file`'s.
+    base_dir, vocabulary_path: As `detect_file`'s.
     split: Topics to evaluate on ("test").
     seed: Sampling / synthetic-error seed.
     max_examples: Cap on source examples (quick runs).
@@ -197,9 +196,7 @@ def train_error_classifier(*, model_dir: str, base_dir: str, error: str,
     model_dir: The classifier's run directory (`detect --hallucination_dir` takes it).
     base_dir: The base model (any model directory or Hub id), as `detect --base_dir`.
     error: "hallucination" or "coverage".
-    kb_path: As `run`'s; or
-    perspectrum_dir: As `run`'s.
-    examples_path: As `run`'s.
+    kb_path, perspectrum_dir, examples_path: As `run`'s.
     split: Topics to train on ("train"; `evaluate` tests on "test").
     train_steps: Training steps.
     batch_size: Global batch size.

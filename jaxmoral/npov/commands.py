@@ -1,9 +1,6 @@
 """`jaxmoral npov <action> [--name=value ...]`: gin-bound library calls (examples: docs/methods.md).
 
-Each action is one keyword-only `@gin.configurable` function; `--name=value` after the action
-binds that function's argument, and `--help` lists them without loading model code. What an
-action will write is checked to be writable before it starts (`OUTPUTS`). The dispatch is
-`jaxmoral.action_commands`.
+The tables that `jaxmoral.action_commands` dispatches on (`--help`, flags, output checks).
 """
 
 from __future__ import annotations

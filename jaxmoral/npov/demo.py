@@ -84,16 +84,13 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
     workdir: Output folder of every run, table and score file.
     kb_path: JSONL knowledge base (default: the bundled demo one).
     examples_path: Error-free examples (JSONL) of its topics (default: the bundled ones).
-    base_steps: Training steps of the tiny base T5.
-    prompt_steps: Training steps of the generator prompt.
-    classifier_steps: Training steps of each classifier prompt.
+    base_steps, prompt_steps, classifier_steps: Training steps of the tiny base T5, of the
+      generator prompt and of each classifier prompt.
     batch_size: Batch size of every run.
-    base_learning_rate: Peak learning rate of the base model.
-    prompt_learning_rate: Peak learning rate of the prompts.
+    base_learning_rate, prompt_learning_rate: Peak learning rates of the base and the prompts.
     warmup_steps: Warm-up steps of every schedule.
     test_fraction: Fraction of the topics held out for the test slices.
-    max_input_length: Encoder length (tokens).
-    max_target_length: Decoder length (tokens).
+    max_input_length, max_target_length: Encoder and decoder lengths (tokens).
     max_test_examples: Held-out source examples the detectors are evaluated on (None: all).
     detectors: Any of "rouge", "salience", "classifier".
     seed: Seed of sampling, synthetic errors and training.

@@ -28,7 +28,7 @@ from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
 
-ERRORS = ("hallucination", "coverage")
+ERRORS = base.ERRORS
 
 # The content words `task.template_response` writes into every response whatever its input:
 # never in the input, they are neither hallucinated nor supported.

@@ -138,7 +138,7 @@ def roc_curves_png(by_detector: Mapping[str, Any], path: str | os.PathLike, *,
   plt = pictures.pyplot()
   fig, axes = plt.subplots(1, 2, figsize=(9, 4))
   drawn = False
-  for ax, error in zip(axes, ("hallucination", "coverage"), strict=True):
+  for ax, error in zip(axes, base.ERRORS, strict=True):
     curves = 0
     for name, result in by_detector.items():
       labels, scores = result[error]["labels"], result[error]["scores"]

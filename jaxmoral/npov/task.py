@@ -50,18 +50,14 @@ class NpovExample:
   paraphrased: bool = False
 
   def __post_init__(self):
-    for name in ("query", "response"):
-      _check_text(getattr(self, name), f"NpovExample.{name}")
-    if not self.query.strip():
-      raise ValueError(f"NpovExample.query is empty (id {self.id!r})")
+    _check_text(self.query, "NpovExample.query", self.id)
+    _check_text(self.response, "NpovExample.response")
     for side in SIDES:
       texts = getattr(self, side)
       if not isinstance(texts, tuple):
         raise ValueError(f"NpovExample.{side} must be a tuple of str, got {type(texts).__name__}")
       for i, text in enumerate(texts):
-        _check_text(text, f"NpovExample.{side}[{i}]")
-        if not text.strip():
-          raise ValueError(f"NpovExample.{side}[{i}] is empty (id {self.id!r})")
+        _check_text(text, f"NpovExample.{side}[{i}]", self.id)
       clusters = getattr(self, f"{side}_clusters")
       if clusters and len(clusters) != len(texts):
         raise ValueError(f"NpovExample.{side}_clusters has {len(clusters)} ids for "
@@ -83,12 +79,15 @@ class NpovExample:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
 
-def _check_text(text: Any, field: str) -> None:
+def _check_text(text: Any, field: str, example_id: Optional[str] = None) -> None:
+  """A str without braces, and with `example_id` (named in the error) not blank."""
   if not isinstance(text, str):
     raise ValueError(f"{field} must be a str, got {type(text).__name__}")
   if "{" in text or "}" in text:
     # Braces delimit fields in the model input; a stray one would make it ambiguous.
     raise ValueError(f"{field} contains a curly brace: {text!r}")
+  if example_id is not None and not text.strip():
+    raise ValueError(f"{field} is empty (id {example_id!r})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,9 @@ from typing import Any
 import numpy as np
 import scipy.stats
 
+# The two error types, in the order every table and plot reports them.
+ERRORS = ("hallucination", "coverage")
+
 
 @dataclasses.dataclass(frozen=True)
 class WordScore:

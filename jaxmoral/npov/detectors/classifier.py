@@ -29,7 +29,7 @@ from jaxmoral.npov import task
 from jaxmoral.npov.detectors import base
 
 ErrorType = Literal["hallucination", "coverage"]
-ERROR_TYPES = ("hallucination", "coverage")
+ERROR_TYPES = base.ERRORS
 Tuning = Literal["prompt", "full"]
 TUNINGS = ("prompt", "full")
 LABELS = ("yes", "no")  # "yes" = the response is fine, "no" = it has the error

@@ -52,9 +52,9 @@ from jaxmoral.npov.detectors import base
 Array = jax.Array
 Method = Literal["grad_x_input", "grad_norm"]
 Aggregation = Literal["max", "sum", "neg_entropy"]
+METHODS, AGGREGATIONS = typing.get_args(Method), typing.get_args(Aggregation)
 
 
-# --------------------------------------------------------------------------- token level ---
 @functools.lru_cache(maxsize=32)
 def _salience_fn(config: T5Config, method: str, chunk_size: int, with_prompt: bool,
                  partitioner: Any = None) -> Any:
@@ -126,7 +126,7 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
       outputs likewise to `chunk_size` times a power of two.
     partitioner: Run on its mesh, `params` in its shardings (`model_dirs.load` with it).
   """
-  if method not in ("grad_x_input", "grad_norm"):
+  if method not in METHODS:
     raise ValueError(f"token_salience: unknown method {method!r}")
   validation.positive_int(chunk_size, "token_salience: chunk_size")
   n_in, n_out = len(input_ids), len(target_ids)
@@ -148,7 +148,6 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
   return out[:n_out, :n_in].T
 
 
-# ---------------------------------------------------------------------------- tokenising ---
 @dataclasses.dataclass(frozen=True)
 class Tokenized:
   """Token ids of a text and each token's [start, end) character span in it."""
@@ -195,7 +194,6 @@ def _truncated(tokens: Tokenized, limit: int, what: str, example_id: str
   return list(tokens.ids[:limit - 1]), list(tokens.spans[:limit - 1])
 
 
-# ---------------------------------------------------------------------------- word level ---
 @dataclasses.dataclass(frozen=True)
 class WordMap:
   """Salience between content words of the input (rows: (field, argument index, word), the
@@ -234,10 +232,9 @@ class SalienceConfig:
   max_target_tokens: int = 512
 
   def __post_init__(self):
-    if self.method not in ("grad_x_input", "grad_norm"):
-      raise ValueError(f"SalienceConfig.method: unknown {self.method!r}")
-    if self.aggregation not in ("max", "sum", "neg_entropy"):
-      raise ValueError(f"SalienceConfig.aggregation: unknown {self.aggregation!r}")
+    for name, choices in (("method", METHODS), ("aggregation", AGGREGATIONS)):
+      if getattr(self, name) not in choices:
+        raise ValueError(f"SalienceConfig.{name}: unknown {getattr(self, name)!r}")
     for name in ("chunk_size", "input_bucket", "max_input_tokens", "max_target_tokens"):
       validation.positive_int(getattr(self, name), f"SalienceConfig.{name}")
 
