@@ -18,7 +18,7 @@ import logging
 import os
 import pathlib
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import gin
 import sentencepiece as spm
@@ -77,6 +77,14 @@ def train_sentencepiece(texts: Iterable[str], *, output_prefix: str | os.PathLik
   except RuntimeError as e:  # SentencePiece reports bad sizes as RuntimeError.
     raise ValueError(f"train_sentencepiece(vocab_size={vocab_size}): {e}") from e
   return f"{prefix}.model"
+
+
+class Vocabulary(Protocol):
+  """Text <-> ids: what the methods need of a vocabulary (`SentencePieceVocabulary` or seqio's)."""
+
+  def encode(self, s: str) -> Sequence[int]: ...
+
+  def decode(self, ids: Sequence[int]) -> str: ...
 
 
 class SentencePieceVocabulary:

@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import functools
 import os
-from typing import AbstractSet, Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import gin
 import numpy as np
@@ -41,14 +41,6 @@ HUMAN, MODEL, RANDOM = 0, 1, 2
 # misspelt "response_candidates" would otherwise train without candidates).
 DIALOGUE_FIELDS = ("conversation",)
 UTTERANCE_FIELDS = ("utterance", "response_candidates")
-
-
-class Vocabulary(Protocol):
-  """What Diamante needs of a vocabulary (`vocab.SentencePieceVocabulary` or a seqio one)."""
-
-  def encode(self, s: str) -> Sequence[int]: ...
-
-  def decode(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,13 +184,14 @@ class FeatureConfig:
       raise ValueError(f"FeatureConfig.response_length must be >= 3, got {self.response_length}")
 
 
-def encode_context(vocab: Vocabulary, context: Sequence[str], config: FeatureConfig) -> np.ndarray:
+def encode_context(vocab: vocab_lib.Vocabulary, context: Sequence[str],
+                   config: FeatureConfig) -> np.ndarray:
   """(context_length,) int32: the joined context, left-truncated, EOS, zero padded."""
   ids = list(vocab.encode(config.separator.join(context)))[-(config.context_length - 1):]
   return _zero_padded(ids + [config.eos_id], config.context_length)
 
 
-def encode_response(vocab: Vocabulary, text: str, config: FeatureConfig) -> np.ndarray:
+def encode_response(vocab: vocab_lib.Vocabulary, text: str, config: FeatureConfig) -> np.ndarray:
   """(response_length,) int32 targets: tokens (right-truncated), EOS, zero padded."""
   ids = list(vocab.encode(text))[:config.response_length - 2]
   return _zero_padded(ids + [config.eos_id], config.response_length)
@@ -284,7 +277,7 @@ def draw_quadruples(turns: Sequence[Turn], indices: Sequence[int], rng: np.rando
   return out
 
 
-def quadruple_features(vocab: Vocabulary, quadruples: Sequence[Quadruple],
+def quadruple_features(vocab: vocab_lib.Vocabulary, quadruples: Sequence[Quadruple],
                        config: FeatureConfig) -> dict[str, np.ndarray]:
   """Batch features: encoder (B, Lc); decoder inputs/targets/weights (B, 3, T) in order H, M, R."""
   encoder = np.stack([encode_context(vocab, q.context, config) for q in quadruples])
@@ -368,7 +361,7 @@ def corpus_texts(turns: Sequence[Turn]) -> list[str]:
                                                              *t.candidates)))
 
 
-def pair_features(turns: Sequence[Turn], vocab: Vocabulary,
+def pair_features(turns: Sequence[Turn], vocab: vocab_lib.Vocabulary,
                   features: FeatureConfig) -> dict[str, np.ndarray]:
   """Seq2seq features (context -> human response) with Diamante's left-truncated contexts."""
   encoder = np.stack([encode_context(vocab, t.context, features) for t in turns])

@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax
 import flax.linen as nn
@@ -46,6 +46,7 @@ from jaxmoral import trainer as trainer_lib
 from jaxmoral import validation
 from jaxmoral.data import pipeline
 from jaxmoral.data import source
+from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import t5 as t5_lib
 from jaxmoral.rl import ppo
 from jaxmoral.rl import rollout as rollout_lib
@@ -69,14 +70,6 @@ RewardFn = Callable[..., tuple[np.ndarray, Mapping[str, Any]]]
 # reward_fn_tokens(prompt_tokens (B, L), response_tokens (B, T), response_mask (B, T)) -> (B,).
 TokenRewardFn = Callable[[Array, Array, Array], Array]
 KL_CONTROLS = ("adaptive", "fixed")
-
-
-class Vocabulary(Protocol):
-  """What PPO needs of a vocabulary (`vocab.SentencePieceVocabulary`, or seqio's, has it)."""
-
-  def encode(self, s: str) -> Sequence[int]: ...
-
-  def decode(self, ids: Sequence[int]) -> str: ...
 
 
 # -- config -------------------------------------------------------------------------------------
@@ -287,7 +280,7 @@ class PPOTrainer:
   progress_metrics = ("reward_mean", "raw_score_mean", "kl", "entropy")
 
   def __init__(self, *, policy_model: t5_lib.T5, value_model: t5_lib.T5,
-               vocabulary: Vocabulary, config: PPOConfig,
+               vocabulary: vocab_lib.Vocabulary, config: PPOConfig,
                optimizer: optax.GradientTransformation,
                partitioner: partitioning.PjitPartitioner, reward_fn: Optional[RewardFn] = None,
                reward_fn_tokens: Optional[TokenRewardFn] = None,
