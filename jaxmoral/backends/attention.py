@@ -23,8 +23,7 @@ from jaxmoral import backends
 Array = jax.Array
 MeshAxes = Union[None, str, Sequence[str]]
 
-# Run both kernel sets through the Pallas interpreter (any backend, slow): for CPU tests. Read
-# when a kernel is traced.
+# Run both kernel sets through the Pallas interpreter (any backend, slow; read when traced).
 INTERPRET: bool = os.environ.get("JAXMORAL_PALLAS_INTERPRET", "") not in ("", "0")
 
 # Finite stand-in for -inf: exp(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
@@ -89,15 +88,10 @@ def custom_vjp(forward: Callable[..., tuple[Array, Array]],
 def check_shapes(name: str, query: Array, key: Array, value: Array, bias: Optional[Array],
                  query_segment_ids: Optional[Array], key_segment_ids: Optional[Array], *,
                  per_row_bias: bool = True, bias_diagonals: Optional[Array] = None) -> None:
-  """Raises a ValueError naming `name` unless the inputs have the shapes of the contract.
+  """Raises a ValueError naming the entry point `name` unless the inputs fit the contract.
 
-  Args:
-    name: The entry point, for the message.
-    query, key, value: (batch, length, heads, d_kv), key and value alike.
-    bias: (1, heads, q_len, k_len), or with `per_row_bias` also (batch, heads, q_len, k_len).
-    query_segment_ids, key_segment_ids: (batch, q_len) and (batch, k_len), or None.
-    per_row_bias: Whether a bias of one row per batch row is accepted.
-    bias_diagonals: (1, heads, q_len + k_len - 1), given instead of `bias`, or None.
+  `bias` is (1, heads, q_len, k_len), or with `per_row_bias` also (batch, heads, q_len, k_len);
+  `bias_diagonals`, given instead of it, (1, heads, q_len + k_len - 1).
   """
   batch, q_len, heads, width = query.shape
   k_len = key.shape[1]
@@ -149,17 +143,11 @@ def sharded(attend: Callable[..., Array], query: Array, key: Array, value: Array
 
   A Pallas call is opaque to the SPMD partitioner (it would gather its inputs to every device),
   so under a mesh of more than one device the kernel runs in a `jax.shard_map` with the batch
-  split over `batch_axes` and heads over `head_axes` (each only where it divides the
-  dimension). A 2-D extra is per position, (batch, length); any other is per head,
-  (rows, heads, ...), split over the batch only when it has a row per batch row (the
-  transpose sums a shared bias's gradient over `batch_axes`).
-
-  Args:
-    attend: `(query, key, value, *extras) -> output`, extras None where absent.
-    query, key, value: (batch, length, heads, d_kv).
-    extras: The optional inputs (None where absent), passed to `attend` in this order.
-    batch_axes: Mesh axes of the batch dimension (T5X rules: "data"); None: replicated.
-    head_axes: Mesh axes of the heads dimension (T5X rules: "model"); None: replicated.
+  split over `batch_axes` (T5X rules: "data") and heads over `head_axes` ("model"), each only
+  where it divides the dimension; None: replicated. `extras` are the optional inputs, None
+  where absent: a 2-D one is per position, (batch, length); any other is per head, (rows,
+  heads, ...), split over the batch only when it has a row per batch row (the transpose sums a
+  shared bias's gradient over `batch_axes`).
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:

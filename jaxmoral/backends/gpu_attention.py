@@ -13,12 +13,11 @@ Triton kernels stream over tiles and keep only per-row statistics:
            the group's (q_len, block_k) bias-gradient column, which it alone owns (a plain
            read-add-write in L2, no atomics); XLA sums the few group partials.
 
-Batch rows are split into groups only so that the grid fills the GPU. On an H100 at T5
-1.1-large's encoder shape these kernels are still slower than cuDNN's (the float32 bias tiles
-and the bias-gradient column cost them more; the `bias_diagonals` form is slower still), so
-attention_impl="auto" keeps cuDNN. Inputs stay in the model's (batch, length, heads, d_kv)
-layout (no transposes); lengths are padded to the tiles (padded queries and keys get ids -1 and
--2) and the head width to a power of two, as Triton needs.
+On an H100 at T5 1.1-large's encoder shape these kernels are still slower than cuDNN's (the
+float32 bias tiles and the bias-gradient column cost them more; the `bias_diagonals` form is
+slower still), so attention_impl="auto" keeps cuDNN. Inputs stay in the model's (batch, length,
+heads, d_kv) layout (no transposes); lengths are padded to the tiles and the head width to a
+power of two, as Triton needs.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ class BlockSizes:
     num_warps, num_stages: Forward kernel launch parameters.
     num_warps_bwd, num_stages_bwd: Both backward kernels' launch parameters.
     dkv_programs: With a bias, the batch is split into the fewest groups (a divisor of the
-      batch) that give the dk/dv kernel at least this many programs.
+      batch) that give the dk/dv kernel at least this many programs, to fill the GPU.
     dkv_rows: With a bias, the dk/dv kernel steps through this many batch rows at a time
       (where it divides a group's rows): 1/dkv_rows of the bias-gradient read-add-writes, for
       dkv_rows times the dk/dv accumulators in registers.
@@ -95,18 +94,11 @@ DEFAULT_BLOCK_SIZES = BlockSizes()  # attention_impl="pallas_gpu"'s.
 class _Plan:
   """Static parameters of one attention call (hashable: the custom_vjp's nondiff argument)."""
   causal: bool
-  bq: int
-  bk: int
-  bq_dq: int
-  bk_dq: int
-  bq_dkv: int
-  bk_dkv: int
+  blocks: BlockSizes  # Fitted to this call: tiles within its lengths, dkv_rows dividing a group.
   groups: int
-  blocks: BlockSizes  # Its launch parameters (num_warps, num_stages, ...).
   interpret: bool
   diagonals: bool = False  # The bias comes as its diagonals (see `flash_attention`).
   q_pad: int = 0  # Padded query length (indexes the diagonals).
-  dkv_rows: int = 1  # Batch rows per step of the dk/dv kernel.
 
 
 def _next_power_of_2(x: int) -> int:
@@ -120,10 +112,8 @@ def _fit(block: int, length: int) -> int:
 
 def _batch_groups(batch: int, programs_per_group: int, target: int) -> int:
   """The fewest groups (a divisor of `batch`) giving at least `target` programs, else `batch`."""
-  for groups in range(1, batch + 1):
-    if batch % groups == 0 and groups * programs_per_group >= target:
-      return groups
-  return batch
+  return next((groups for groups in range(1, batch + 1)
+               if batch % groups == 0 and groups * programs_per_group >= target), batch)
 
 
 def _params(plan: _Plan, backward: bool) -> Any:
@@ -179,7 +169,7 @@ def _forward_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
   """One (batch row, q block, head): the online softmax over the k blocks."""
   q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, lse_ref = attention.kernel_refs(
       refs, has_bias)
-  bq, bk = plan.bq, plan.bk
+  bq, bk = plan.blocks.block_q, plan.blocks.block_k
   i = pl.program_id(1)
   q, q_ids = q_ref[...], qid_ref[...]
 
@@ -214,7 +204,7 @@ def _dq_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
   """One (batch row, q block, head): dq over the k blocks, and di = rowsum(dO * O)."""
   (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, o_ref, do_ref, lse_ref, dq_ref,
    di_ref) = attention.kernel_refs(refs, has_bias)
-  bq, bk = plan.bq_dq, plan.bk_dq
+  bq, bk = plan.blocks.block_q_dq, plan.blocks.block_k_dq
   i = pl.program_id(1)
   q, q_ids, do = q_ref[...], qid_ref[...], do_ref[...]
   di = jnp.sum(o_ref[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
@@ -243,13 +233,13 @@ def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
   (q_len, block_k) column of the bias gradient."""
   (q_ref, k_ref, v_ref, bias_ref, qid_ref, kid_ref, do_ref, lse_ref, di_ref, dk_ref, dv_ref,
    dbias_ref) = attention.kernel_refs(refs, has_bias, dbias_at=11)
-  bq, bk = plan.bq_dkv, plan.bk_dkv
+  bq, bk = plan.blocks.block_q_dkv, plan.blocks.block_k_dkv
   rows_per_group, q_len, width = q_ref.shape
   num_q = q_len // bq
   j = pl.program_id(0)
   first_q = lax.div(j * bk, bq) if plan.causal else 0  # Causal: q blocks before see nothing.
 
-  step_rows = plan.dkv_rows
+  step_rows = plan.blocks.dkv_rows
 
   def batch_rows(step, first: bool):
     """Rows step * step_rows, ...: their dScores tiles are summed before the bias-gradient
@@ -326,42 +316,43 @@ def _diagonal_sums(x: Array) -> Array:
   return jnp.pad(jnp.sum(x, axis=-2), [(0, 0)] * len(lead) + [(0, 1)])
 
 
-def _row_block_inputs(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
-                      k_ids: Array, plan: _Plan, bq: int) -> tuple[list[Any], list[Array]]:
-  """In-specs and arguments of a (batch, q blocks, heads) grid: q, k, v, [bias], q_ids, k_ids."""
-  k_len, width = k.shape[1], q.shape[-1]
+def _row_block_call(kernel: Any, name: str, plan: _Plan, bq: int, backward: bool, q: Array,
+                    k: Array, v: Array, bias: Optional[Array], *rest: Array) -> Any:
+  """A pallas_call on a (batch, q blocks, heads) grid of q, k, v, [bias] and `rest` (q_ids,
+  k_ids, then (batch, length, heads, d) rows or (batch, heads, length) statistics), giving a
+  q-like array and a (batch, heads, q_len) float32 statistic."""
+  batch, q_len, heads, width = q.shape
+  k_len = k.shape[1]
+  row_spec = pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0))
+  stat_spec = pl.BlockSpec((None, None, bq), lambda b, i, h: (b, h, i))
   kv_spec = pl.BlockSpec((None, k_len, None, width), lambda b, i, h: (b, 0, h, 0))
-  in_specs = [pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0)),
-              kv_spec, kv_spec]
-  args = [q, k, v]
+  in_specs, args = [row_spec, kv_spec, kv_spec], [q, k, v]
   if bias is not None:
     in_specs.append(_bias_spec(bias, plan, (None, None, bq, k_len), lambda b, i, h: (0, h, i, 0),
                                lambda b, i, h: (0, h, 0)))
     args.append(bias)
   in_specs += [pl.BlockSpec((None, bq), lambda b, i, h: (b, i)),
                pl.BlockSpec((None, k_len), lambda b, i, h: (b, 0))]
-  return in_specs, args + [q_ids, k_ids]
+  in_specs += [row_spec if x.ndim == 4 else stat_spec for x in rest[2:]]
+  return pl.pallas_call(
+      functools.partial(kernel, has_bias=bias is not None, plan=plan),
+      grid=(batch, q_len // bq, heads),
+      in_specs=in_specs,
+      out_specs=[row_spec, stat_spec],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
+      compiler_params=_params(plan, backward),
+      interpret=plan.interpret,
+      name=name,
+  )(*args, *rest)
 
 
 def _forward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
              plan: _Plan) -> tuple[Array, Array]:
   """out (batch, q_len, heads, d) and the base-2 log-sum-exp (batch, heads, q_len) float32."""
-  batch, q_len, heads, width = q.shape
-  bq = plan.bq
-  in_specs, args = _row_block_inputs(q, k, v, bias, q_ids, k_ids, plan, bq)
   # Batch is the fastest grid axis, so the programs running together share a bias tile in L2.
-  return pl.pallas_call(
-      functools.partial(_forward_kernel, has_bias=bias is not None, plan=plan),
-      grid=(batch, q_len // bq, heads),
-      in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0)),
-                 pl.BlockSpec((None, None, bq), lambda b, i, h: (b, h, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
-      compiler_params=_params(plan, backward=False),
-      interpret=plan.interpret,
-      name="t5_flash_attention_gpu_fwd",
-  )(*args)
+  return _row_block_call(_forward_kernel, "t5_flash_attention_gpu_fwd", plan,
+                         plan.blocks.block_q, False, q, k, v, bias, q_ids, k_ids)
 
 
 def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array, k_ids: Array,
@@ -373,26 +364,12 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   has_bias = bias is not None
 
   # dq and di: grid (batch, q blocks, heads).
-  bq = plan.bq_dq
-  row_spec = pl.BlockSpec((None, bq, None, width), lambda b, i, h: (b, i, h, 0))
-  stat_spec = pl.BlockSpec((None, None, bq), lambda b, i, h: (b, h, i))
-  in_specs, args = _row_block_inputs(q, k, v, bias, q_ids, k_ids, plan, bq)
-  in_specs += [row_spec, row_spec, stat_spec]
-  args += [out, do, lse]
-  dq, di = pl.pallas_call(
-      functools.partial(_dq_kernel, has_bias=has_bias, plan=plan),
-      grid=(batch, q_len // bq, heads),
-      in_specs=in_specs,
-      out_specs=[row_spec, stat_spec],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)],
-      compiler_params=_params(plan, backward=True),
-      interpret=plan.interpret,
-      name="t5_flash_attention_gpu_dq",
-  )(*args)
+  dq, di = _row_block_call(_dq_kernel, "t5_flash_attention_gpu_dq", plan,
+                           plan.blocks.block_q_dq, True, q, k, v, bias, q_ids, k_ids, out, do,
+                           lse)
 
   # dk, dv and the bias gradient: grid (k blocks, heads, batch groups).
-  bk, groups = plan.bk_dkv, plan.groups
+  bk, groups = plan.blocks.block_k_dkv, plan.groups
   rows = batch // groups
   q_spec = pl.BlockSpec((rows, q_len, None, width), lambda j, h, g: (g, 0, h, 0))
   kv_spec = pl.BlockSpec((rows, bk, None, width), lambda j, h, g: (g, j, h, 0))
@@ -436,11 +413,8 @@ _attention = attention.custom_vjp(_forward, _backward)
 # -- public API -----------------------------------------------------------------------------------
 def bias_diagonals(bias: Array) -> Array:
   """The diagonals (1, heads, q_len + k_len - 1) of a Toeplitz bias (1, heads, q_len, k_len):
-  out[..., k - q + q_len - 1] = bias[..., q, k], read off the first column and row.
-
-  For `flash_attention(bias_diagonals=...)`; exact (values and gradient) only for a bias that
-  depends on k - q alone, as T5's relative-position bias over positions 0, 1, ... does.
-  """
+  out[..., k - q + q_len - 1] = bias[..., q, k], read off the first column and row; exact
+  (values and gradient) only for a bias that depends on k - q alone, as T5's does."""
   return jnp.concatenate([bias[:, :, ::-1, 0], bias[:, :, 0, 1:]], axis=-1)
 
 
@@ -452,9 +426,8 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
                     interpret: Optional[bool] = None) -> Array:
   """T5 attention, `softmax(q k^T + bias) v` without scaling, through the Triton kernels.
 
-  Differentiable in query, key, value and bias (`jax.custom_vjp`); the bias gradient is summed
-  over the batch inside the kernels. Arguments and result as `tpu_attention.flash_attention`,
-  except:
+  Differentiable in query, key, value and bias, whose gradient the kernels sum over the batch.
+  Arguments and result as `tpu_attention.flash_attention`, except:
 
   Args:
     bias: (1, heads, q_len, k_len), shared by the batch (computed in float32), or None.
@@ -470,22 +443,20 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
   interpret = attention.interpret_mode(interpret)
   batch, q_len, heads, width = query.shape
   k_len = key.shape[1]
-  blocks = DEFAULT_BLOCK_SIZES if block_sizes is None else block_sizes
-  bq, bq_dq, bq_dkv = (_fit(b, q_len) for b in (blocks.block_q, blocks.block_q_dq,
-                                                 blocks.block_q_dkv))
-  bk, bk_dq, bk_dkv = (_fit(b, k_len) for b in (blocks.block_k, blocks.block_k_dq,
-                                                 blocks.block_k_dkv))
-  q_pad = attention.round_up(q_len, max(bq, bq_dq, bq_dkv))
-  k_pad = attention.round_up(k_len, max(bk, bk_dq, bk_dkv))
+  b = DEFAULT_BLOCK_SIZES if block_sizes is None else block_sizes
+  b = dataclasses.replace(
+      b, block_q=_fit(b.block_q, q_len), block_q_dq=_fit(b.block_q_dq, q_len),
+      block_q_dkv=_fit(b.block_q_dkv, q_len), block_k=_fit(b.block_k, k_len),
+      block_k_dq=_fit(b.block_k_dq, k_len), block_k_dkv=_fit(b.block_k_dkv, k_len))
+  q_pad = attention.round_up(q_len, max(b.block_q, b.block_q_dq, b.block_q_dkv))
+  k_pad = attention.round_up(k_len, max(b.block_k, b.block_k_dq, b.block_k_dkv))
   width_pad = max(MIN_BLOCK, _next_power_of_2(width))
   has_bias = bias is not None or bias_diagonals is not None
-  groups = (_batch_groups(batch, (k_pad // bk_dkv) * heads, blocks.dkv_programs)
+  groups = (_batch_groups(batch, (k_pad // b.block_k_dkv) * heads, b.dkv_programs)
             if has_bias else batch)
-  plan = _Plan(causal=causal, bq=bq, bk=bk, bq_dq=bq_dq, bk_dq=bk_dq, bq_dkv=bq_dkv,
-               bk_dkv=bk_dkv, groups=groups, blocks=blocks, interpret=bool(interpret),
-               diagonals=bias_diagonals is not None, q_pad=q_pad,
-               dkv_rows=blocks.dkv_rows if has_bias and (batch // groups) % blocks.dkv_rows == 0
-               else 1)
+  dkv_rows = b.dkv_rows if has_bias and (batch // groups) % b.dkv_rows == 0 else 1
+  plan = _Plan(causal=causal, blocks=dataclasses.replace(b, dkv_rows=dkv_rows), groups=groups,
+               interpret=bool(interpret), diagonals=bias_diagonals is not None, q_pad=q_pad)
 
   def pad(x: Array, length: int) -> Array:
     return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, width_pad - width)))

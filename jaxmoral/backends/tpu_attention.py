@@ -50,11 +50,10 @@ class BlockSizes:
   its maximum that divides the padded length.
 
   Attributes:
-    block_q: Query rows per tile of the forward and dq kernels.
-    block_k: Key rows per tile of the forward and dq kernels.
-    block_q_dkv: Query rows per tile of the dk/dv kernel.
-    block_k_dkv: Key rows per tile of the dk/dv kernel; also the width of the bias-gradient
-      column the kernel keeps in VMEM (4 * q_len * block_k_dkv bytes).
+    block_q, block_k: Query and key rows per tile of the forward and dq kernels.
+    block_q_dkv, block_k_dkv: Query and key rows per tile of the dk/dv kernel; block_k_dkv is
+      also the width of the bias-gradient column it keeps in VMEM (4 * q_len * block_k_dkv
+      bytes).
   """
   block_q: int = 512
   block_k: int = 512
@@ -82,18 +81,16 @@ def _lanes(x: Array, width: int) -> Array:
   return jnp.tile(x, (1, pl.cdiv(width, NUM_LANES)))[:, :width]
 
 
-def _tile_mask(q_ids: Array, k_ids: Array, q_start: Any, k_start: Any, causal: bool,
-               shape: tuple[int, int]) -> Array:
-  """(block_q, block_k) bool: same segment id and, if causal, key position <= query position.
-
-  Args:
-    q_ids: (block_q, 128) int32, each row one query's id replicated over the lanes.
-    k_ids: (1, block_k) int32.
-  """
-  mask = jnp.tile(q_ids, (1, shape[1] // NUM_LANES)) == k_ids
+def _tile_mask(qid_ref: Any, kid_ref: Any, i: Any, j: Any, causal: bool, block_q: int,
+               block_k: int) -> Array:
+  """(block_q, block_k) bool for tile (i, j): same segment id (the query ids' block is
+  (block_q, 128), lane-replicated; the key ids' (8, block_k)) and, if causal, key position <=
+  query position."""
+  shape = (block_q, block_k)
+  mask = jnp.tile(qid_ref[...], (1, block_k // NUM_LANES)) == kid_ref[:1, :]
   if causal:
-    rows = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
-    cols = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    rows = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
     mask = jnp.logical_and(mask, cols <= rows)
   return mask
 
@@ -137,7 +134,7 @@ def _forward_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int,
     s = lax.dot_general(q_ref[...], k_ref[...], _NT, preferred_element_type=jnp.float32)
     if bias_ref is not None:
       s = s + bias_ref[...]
-    mask = _tile_mask(qid_ref[...], kid_ref[:1, :], i * block_q, j * block_k, causal, s.shape)
+    mask = _tile_mask(qid_ref, kid_ref, i, j, causal, block_q, block_k)
     s = jnp.where(mask, s, MASK_VALUE)
     m_prev, l_prev = m_ref[...], l_ref[...]  # (block_q, 128), lanes equal
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1)[:, None])
@@ -205,8 +202,7 @@ def _dkv_kernel(*refs: Any, has_bias: bool, per_row_bias: bool, causal: bool, bl
 
   def _tile():
     q, do = q_ref[...], do_ref[...]
-    mask = _tile_mask(qid_ref[...], kid_ref[:1, :], i * block_q, j * block_k, causal,
-                      (block_q, block_k))
+    mask = _tile_mask(qid_ref, kid_ref, i, j, causal, block_q, block_k)
     p, ds = _probabilities_and_ds(
         q, k_ref[...], v_ref[...], None if bias_ref is None else bias_ref[...], mask,
         lse_ref[0][:, None], do, di_ref[0][:, None])
@@ -245,8 +241,7 @@ def _dq_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int, block_k: 
 
   def _tile():
     k = k_ref[...]
-    mask = _tile_mask(qid_ref[...], kid_ref[:1, :], i * block_q, j * block_k, causal,
-                      (block_q, block_k))
+    mask = _tile_mask(qid_ref, kid_ref, i, j, causal, block_q, block_k)
     _, ds = _probabilities_and_ds(
         q_ref[...], k, v_ref[...], None if bias_ref is None else bias_ref[...], mask,
         lse_ref[0][:, None], do_ref[...], di_ref[0][:, None])
@@ -285,10 +280,6 @@ def _sublane_ids(ids: Array) -> Array:
   return lax.broadcast_in_dim(ids, (ids.shape[0], NUM_SUBLANES, ids.shape[1]), (0, 2))
 
 
-def _bias_row(b: Any, per_row_bias: bool) -> Any:
-  return b if per_row_bias else 0
-
-
 def _q_block_inputs(q: Array, k: Array, v: Array, bias: Optional[Array], lane_q_ids: Array,
                     sublane_k_ids: Array, causal: bool, bq: int,
                     bk: int) -> tuple[list[Any], list[Array]]:
@@ -306,7 +297,7 @@ def _q_block_inputs(q: Array, k: Array, v: Array, bias: Optional[Array], lane_q_
   args = [q, k, v]
   if bias is not None:
     in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda b, h, i, j: (
-        _bias_row(b, per_row_bias), h, i, k_index(i, j))))
+        b if per_row_bias else 0, h, i, k_index(i, j))))
     args.append(bias)
   in_specs += [pl.BlockSpec((_SQ, bq, NUM_LANES), lambda b, h, i, j: (b, i, 0)),
                pl.BlockSpec((_SQ, NUM_SUBLANES, bk), lambda b, h, i, j: (b, 0, k_index(i, j)))]
@@ -374,7 +365,7 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   in_specs, args = [qd_spec, kv_spec, kv_spec], [q, k, v]
   if bias is not None:
     in_specs.append(pl.BlockSpec((_SQ, _SQ, bq, bk), lambda h, j, b, i: (
-        _bias_row(b, per_row_bias), h, q_index(h, j, b, i), j)))
+        b if per_row_bias else 0, h, q_index(h, j, b, i), j)))
     args.append(bias)
   in_specs += [
       pl.BlockSpec((_SQ, bq, NUM_LANES), lambda h, j, b, i: (b, q_index(h, j, b, i), 0)),
@@ -384,8 +375,8 @@ def _backward(q: Array, k: Array, v: Array, bias: Optional[Array], q_ids: Array,
   out_specs = [kv_spec, kv_spec]
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   if bias is not None:
-    out_specs.append(pl.BlockSpec((_SQ, _SQ, q_len, bk), lambda h, j, b, i: (
-        _bias_row(b, per_row_bias), h, 0, j)))
+    out_specs.append(pl.BlockSpec((_SQ, _SQ, q_len, bk),
+                                  lambda h, j, b, i: (b if per_row_bias else 0, h, 0, j)))
     out_shape.append(jax.ShapeDtypeStruct(bias.shape, jnp.float32))
   kernel = functools.partial(_dkv_kernel, has_bias=has_bias, per_row_bias=per_row_bias,
                              causal=causal, block_q=bq, block_k=bk)
@@ -442,9 +433,7 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
   Differentiable in query, key, value and bias (`jax.custom_vjp`).
 
   Args:
-    query: (batch, q_len, heads, d_kv).
-    key: (batch, k_len, heads, d_kv).
-    value: (batch, k_len, heads, d_kv).
+    query, key, value: (batch, q_len or k_len, heads, d_kv).
     bias: (1 or batch, heads, q_len, k_len) additive bias (computed in float32), or None.
     query_segment_ids: (batch, q_len) int: a query attends to the keys with its id; ids <= 0
       are padding. None: every query is valid, one segment.

@@ -1,11 +1,10 @@
 """Hugging Face T5 checkpoints <-> jaxmoral parameters: the format, read one slice at a time.
 
 Reads `model.safetensors` and PyTorch `pytorch_model.bin` (each single or sharded through its
-index; `.bin` with `torch.load(weights_only=True, mmap=True)` when torch is installed), for
-T5 1.0 (`DenseReluDense.wi`, logits through the tied, rescaled `shared.weight`) and
-T5 1.1 / Flan-T5 / mT5 (`wi_0`/`wi_1`, separate `lm_head.weight`). Every parameter is a
-`TensorSource` that reads any slice of it in jaxmoral's layout, so a loader can hand each device
-only its own shard (`jaxmoral.model_dirs`).
+index; `.bin` memory-mapped, weights only, when torch is installed), for T5 1.0
+(`DenseReluDense.wi`, logits through the tied, rescaled `shared.weight`) and T5 1.1 / Flan-T5 /
+mT5 (`wi_0`/`wi_1`, separate `lm_head.weight`). Every parameter is a `TensorSource` that reads
+any slice of it in jaxmoral's layout, so a loader can hand each device only its own shard.
 
 Transformers 5 ties `lm_head` to `shared` unless the checkpoint holds a different
 `lm_head.weight`, and says whether the decoder output is rescaled in `scale_decoder_outputs`
@@ -77,11 +76,8 @@ def _scales_decoder_output(hf: Mapping[str, Any]) -> bool:
 
 
 def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> T5Config:
-  """Maps a Hugging Face T5 `config.json` dict to a `T5Config`.
-
-  Args:
-    hf_config: The parsed config.json.
-    **overrides: T5Config fields to set on top (e.g. `dtype="bfloat16"`).
+  """Maps a parsed Hugging Face T5 `config.json` to a `T5Config`, with `overrides` (T5Config
+  fields, e.g. `dtype="bfloat16"`) on top.
 
   Raises:
     ValueError: unsupported `model_type` or a bad field (the message names it).
@@ -329,10 +325,8 @@ def _copy(files: CheckpointFiles, name: str) -> TensorSource:
 
 
 def _same_table(files: CheckpointFiles, a: str, b: str) -> bool:
-  if files.shape(a) != files.shape(b):
-    return False
-  full = tuple(slice(None) for _ in files.shape(a))
-  return bool(np.array_equal(files.read(a, full), files.read(b, full)))
+  return files.shape(a) == files.shape(b) and bool(
+      np.array_equal(_copy(files, a).full(), _copy(files, b).full()))
 
 
 def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
@@ -344,7 +338,7 @@ def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
     files: The checkpoint's tensors (`open_checkpoint`).
     hf_config: Its config.json dict.
     source: Where the tensors come from, quoted in errors.
-    **overrides: Further T5Config fields (e.g. `dtype="bfloat16"`, `dropout_rate=0.0`).
+    **overrides: Further T5Config fields (`config_from_hf`).
 
   Returns:
     (config, {jaxmoral path: TensorSource}); parameters are float32 whatever the files hold.
@@ -376,19 +370,17 @@ def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
     head = _linear(files, "shared.weight")  # Tied without rescale (transformers 5 for 1.1).
 
   table = name_table(config, lm_head=False)
+  model = (f"a {config.feed_forward_proj} T5 with {config.num_encoder_layers}+"
+           f"{config.num_decoder_layers} layers")
   missing = [name for name, _, _ in table if name not in names]
   if missing:
     searched = sorted({files.where(n) for n in names}) or [source]
-    raise ValueError(f"{source}: missing tensors {missing} for a {config.feed_forward_proj} T5 "
-                     f"with {config.num_encoder_layers}+{config.num_decoder_layers} layers "
-                     f"(searched {searched})")
+    raise ValueError(f"{source}: missing tensors {missing} for {model} (searched {searched})")
   known = {name for name, _, _ in table} | {"lm_head.weight", *_IGNORED, *_EMBEDDING_COPIES}
   unexpected = sorted(names - known)
   if unexpected:
-    raise ValueError(f"{source}: unexpected tensors " +
-                     ", ".join(f"{n} (in {files.where(n)})" for n in unexpected) +
-                     f" for a {config.feed_forward_proj} T5 with {config.num_encoder_layers}+"
-                     f"{config.num_decoder_layers} layers")
+    raise ValueError(f"{source}: unexpected tensors " + ", ".join(
+        f"{n} (in {files.where(n)})" for n in unexpected) + f" for {model}")
   sources = {path: (_copy(files, name) if kind == "copy" else _linear(files, name))
              for name, path, kind in table}
   if not config.tie_word_embeddings:
@@ -397,13 +389,13 @@ def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
   shapes = expected_shapes(config)
   hf_names = {path: name for name, path, _ in table}
   hf_names[("decoder", "logits_dense", "kernel")] = "lm_head.weight"
-  bad = []
-  for path, tensor in sources.items():
-    if tensor.shape != shapes[path]:
-      flip = path[-1] in ("kernel", "rel_embedding")  # HF stores these transposed.
-      shown = (lambda s: tuple(reversed(s))) if flip else tuple
-      bad.append(f"{hf_names[path]} (in {tensor.where}): shape {shown(tensor.shape)}, "
-                 f"expected {shown(shapes[path])}")
+
+  def hf_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[::-1] if path[-1] in ("kernel", "rel_embedding") else shape  # HF: transposed.
+
+  bad = [f"{hf_names[path]} (in {tensor.where}): shape {hf_shape(path, tensor.shape)}, "
+         f"expected {hf_shape(path, shapes[path])}"
+         for path, tensor in sources.items() if tensor.shape != shapes[path]]
   if bad:
     raise ValueError(f"{source}: tensors do not fit config.json: " + "; ".join(bad))
   return config, sources
@@ -431,13 +423,10 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
   Args:
     params: jaxmoral parameters (boxed or not, any sharding; a `scalar_head` is not exported).
     config: Their config.
-    directory: A local folder (created if needed) or an object-store URL (gs://...).
+    directory: A local folder (created if needed) or an object-store URL (gs://...); returned.
     dtype: Storage dtype ("float32" default, "bfloat16", "float16").
     extra_files: Files copied beside them (e.g. the vocabulary's `spiece.model`; local paths
       or URLs).
-
-  Returns:
-    The directory.
   """
   import tempfile  # pylint: disable=g-import-not-at-top
 

@@ -1,12 +1,9 @@
-"""The hardware-specific operations of the T5 network, behind one interface: `ModelOps`.
+"""The hardware-specific operations of the T5 network (`models/t5.py`), behind one interface.
 
-`models/t5.py` is the network; every product by a weight and every fused-attention call goes
-through the `ModelOps` its `T5Config` selects: dense products (`dense`, with the one-row split
-of `vector_matmul` and `backends.cpu_products` for CPUs), and teacher-forced attention through
-cuDNN (`jax.nn.dot_product_attention`) or the Pallas kernels of `backends.tpu_attention` and
-`backends.gpu_attention`, chosen by `T5Config.attention_impl`. A cached decoding step's
-products and attention are a decoding backend's: `DecodeStepOps`, which `jaxmoral.decoding`
-passes to `T5.decode(step_ops=...)`.
+Every product by a weight and every fused-attention call goes through the `ModelOps` the
+`T5Config` selects: dense products, and teacher-forced attention through cuDNN or the Pallas
+kernels of `backends.tpu_attention` and `backends.gpu_attention` (`T5Config.attention_impl`).
+A cached decoding step's are a decoding backend's `DecodeStepOps` (`T5.decode(step_ops=...)`).
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ Array = jax.Array
 NEG_INF = -1e10  # Large negative bias for masked attention (T5X uses the same order).
 
 
-# -- dense products ----------------------------------------------------------------------------
 def matmul_last_axis(x: Array, kernel: Array, *, split_one_row: bool = True,
                      cpu_plain_weight_gradients: bool = True, **dot_kwargs: Any) -> Array:
   """(..., d) @ (d, *f) -> (..., *f), as one product over the flattened leading axes.
@@ -81,7 +77,6 @@ def stacked_matmul(x: Array, stacked: Array) -> list[Array]:
   return [out[..., i, :] for i in range(stacked.shape[1])]
 
 
-# -- attention -----------------------------------------------------------------------------------
 def mask_to_bias(mask: Array) -> Array:
   """An additive float32 bias: 0 where `mask` holds, T5's large negative number elsewhere."""
   return jnp.where(mask, 0.0, NEG_INF).astype(jnp.float32)
@@ -115,13 +110,12 @@ class FusedMask:
     position_bias: (1, heads, q, k) float32 relative-position bias, or None.
     mask: (batch, 1, q, k) bool, True where a query may attend to a key; None: all may.
     key_lengths: (batch,) int32: keys at positions >= length are masked (right padding).
-    query_ids: (batch, q) int32 segment id of each query, 0 for padding; set (with
-      `key_ids`, instead of `mask` and `key_lengths`) only for the Pallas kernels, which take
-      masks factored: a query attends to the keys with its id.
+    query_ids: (batch, q) int32 segment id of each query, 0 for padding; set (with `key_ids`,
+      instead of `mask` and `key_lengths`) only for the Pallas kernels, which take masks
+      factored: a query attends to the keys with its id.
     key_ids: (batch, k) int32 segment id of each key, 0 for padding.
     causal: Queries attend to keys at their own position or before.
-    gpu_kernel: With segment ids, run `backends.gpu_attention` (Triton) instead of
-      `backends.tpu_attention` (Mosaic, TPUs): attention_impl="pallas_gpu".
+    gpu_kernel: With segment ids, run the Triton kernels, not the TPU ones ("pallas_gpu").
   """
   position_bias: Optional[Array] = None
   mask: Optional[Array] = None
@@ -136,11 +130,10 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, 
                     implementation: str = "cudnn", bias_as_diagonals: bool = False) -> Array:
   """T5 attention (no 1/sqrt(d) scale) of (batch, length, heads, d_kv) inputs in one kernel.
 
-  With segment ids a Pallas kernel runs (float32 bias; padded queries output zeros): the
-  Triton one for `masking.gpu_kernel` (given the position bias as its diagonals when
-  `bias_as_diagonals`), else the TPU one. Otherwise `jax.nn.dot_product_attention`'s
-  `implementation`, with a boolean mask folded into the bias in float32 before the cast to the
-  activation dtype, so padded positions get T5's -1e10 as in the einsum path.
+  With segment ids a Pallas kernel runs (float32 bias; padded queries output zeros), given the
+  position bias as its diagonals when `bias_as_diagonals` (Triton only). Otherwise
+  `jax.nn.dot_product_attention`'s `implementation`, with a boolean mask folded into the bias
+  in float32 before the cast, so padded positions get T5's -1e10 as in the einsum path.
   """
   if masking.query_ids is not None:
     batch_axes, head_axes = typing.cast(tuple[Any, Any],
@@ -172,7 +165,6 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, 
       implementation=typing.cast(Literal["xla", "cudnn"], implementation))
 
 
-# -- the interface the model calls ---------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ModelOps:
   """The dense products and teacher-forced attention of one `T5Config` (its compute fields)."""
@@ -192,12 +184,9 @@ class ModelOps:
 
   def use_fused_attention(self, *, deterministic: bool, query_length: int,
                           key_length: int) -> bool:
-    """Whether teacher-forced attention of this call goes through a fused kernel.
-
-    "cudnn", "pallas" and "pallas_gpu" always do (the config has checked the rest); "auto"
-    does on a CUDA GPU with 16-bit activations, no attention dropout, heads cuDNN takes and
-    even lengths (cuDNN's bias gradient needs them).
-    """
+    """Whether teacher-forced attention of this call goes through a fused kernel: always but
+    for "einsum" and "auto"; "auto" on a CUDA GPU with 16-bit activations, no attention dropout,
+    heads cuDNN takes and even lengths (cuDNN's bias gradient needs them)."""
     config = self.config
     if config.attention_impl in ("cudnn", "pallas", "pallas_gpu"):
       return True
@@ -242,10 +231,10 @@ class ModelOps:
 class DecodeStepOps:
   """How a cached decoding step multiplies by its weights and attends (XLA by default).
 
-  `jaxmoral.decoding` passes its backend's ops to every decoder step it traces
-  (`T5.decode(step_ops=...)`); training and teacher forcing never see them. Keys are the
-  calling module's path and the names of the kernels it multiplies by, e.g.
-  (("decoder", "layers_0", "self_attention"), ("query", "key", "value")).
+  `jaxmoral.decoding` passes its backend's ops to every decoder step it traces; training and
+  teacher forcing never see them. Keys are the calling module's path and the names of the
+  kernels it multiplies by, e.g. (("decoder", "layers_0", "self_attention"), ("query", "key",
+  "value")).
   """
 
   def products(self, path: tuple[str, ...], names: tuple[str, ...], x: Array,
@@ -254,10 +243,8 @@ class DecodeStepOps:
     """[x @ k for k in kernels] (..., d) -> (..., f_i), as one product when there are several
     (one pass over the weights, which bounds a decoding step)."""
     del path, names
-    kwargs = {} if preferred_element_type is None else {
-        "preferred_element_type": preferred_element_type}
     if len(kernels) == 1:
-      return [matmul_last_axis(x, kernels[0], **kwargs)]
+      return [matmul_last_axis(x, kernels[0], preferred_element_type=preferred_element_type)]
     return self.stacked_products(x, jnp.stack(list(kernels), axis=1))
 
   @staticmethod

@@ -18,7 +18,7 @@ Parameter tree (T5X names, so T5X checkpoints and rules apply unchanged)::
   decoder/logits_dense/kernel                    (embed, vocab)   untied variants only
   scalar_head/kernel, scalar_head/bias           only with `with_scalar_head=True`
 
-The methods use `T5`'s methods through `model.apply(..., method=...)`. Products by weights and
+Callers reach `T5`'s methods through `model.apply(..., method=...)`. Products by weights and
 fused attention are the config's `ops.ModelOps`; a cached decoding step's are the
 `ops.DecodeStepOps` given to `decode(step_ops=...)`.
 """
@@ -47,9 +47,6 @@ Array = jax.Array
 
 def _dtype(config: T5Config) -> Any:
   return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[config.dtype]
-
-
-_normal_param = param_init.normal_param
 
 
 def _constrain(x: Array, axes: tuple[Optional[str], ...]) -> Array:
@@ -108,8 +105,8 @@ class DenseKernel(nn.Module):
   @nn.compact
   def kernel(self, in_features: int) -> Array:
     """The (in_features, features) kernel in the compute dtype (created on first use)."""
-    return _normal_param(self, "kernel", self.init_scale, (in_features, self.features),
-                         self.axes).astype(self.dtype)
+    return param_init.normal_param(self, "kernel", self.init_scale,
+                                   (in_features, self.features), self.axes).astype(self.dtype)
 
   def __call__(self, x: Array, *, step_ops: Optional[DecodeStepOps] = None) -> Array:
     """`x @ kernel`; in a cached decoding step (`step_ops`), the step's product."""
@@ -127,8 +124,8 @@ class Embed(nn.Module):
   ops: ModelOps
 
   def setup(self):
-    self.embedding = _normal_param(self, "embedding", 1.0, (self.num_embeddings, self.features),
-                                   ("vocab", "embed"))
+    self.embedding = param_init.normal_param(
+        self, "embedding", 1.0, (self.num_embeddings, self.features), ("vocab", "embed"))
 
   def __call__(self, tokens: Array) -> Array:
     out = jnp.take(self.embedding.astype(self.dtype), tokens, axis=0)
@@ -150,8 +147,8 @@ class LogitsDense(nn.Module):
   @nn.compact
   def __call__(self, hidden: Array, *, step_ops: Optional[DecodeStepOps] = None) -> Array:
     d_model = hidden.shape[-1]
-    kernel = _normal_param(self, "kernel", d_model ** -0.5, (d_model, self.vocab_size),
-                           ("embed", "vocab")).astype(hidden.dtype)
+    kernel = param_init.normal_param(self, "kernel", d_model ** -0.5, (d_model, self.vocab_size),
+                                     ("embed", "vocab")).astype(hidden.dtype)
     if step_ops is not None:
       return step_ops.products(self.path, ("kernel",), hidden, [kernel],
                                preferred_element_type=jnp.float32)[0]
@@ -172,10 +169,10 @@ class RelativePositionBias(nn.Module):
         span, self.bidirectional, self.num_buckets, self.max_distance))
     rel = key_positions[None, :] - query_positions[:, None]
     buckets = table[rel + span]
-    embedding = _normal_param(self, "rel_embedding", 1.0, (self.num_heads, self.num_buckets),
-                              ("heads", "relpos_buckets"))
-    bias = jnp.take(embedding, buckets, axis=1)  # (heads, q, k)
-    return bias[None]
+    embedding = param_init.normal_param(self, "rel_embedding", 1.0,
+                                        (self.num_heads, self.num_buckets),
+                                        ("heads", "relpos_buckets"))
+    return jnp.take(embedding, buckets, axis=1)[None]
 
 
 class MultiHeadAttention(nn.Module):
@@ -198,7 +195,7 @@ class MultiHeadAttention(nn.Module):
                max_decode_length: Optional[int] = None,
                step_ops: Optional[DecodeStepOps] = None) -> Array:
     """Attention of `inputs_q` to `inputs_kv` (or to the cache); `step_ops`: given exactly in
-    cached decoding steps."""
+    cached decoding steps (`Decoder` sees to it)."""
     cfg = self.config
     ops = ModelOps.for_config(cfg)
     dtype = _dtype(cfg)
@@ -220,13 +217,6 @@ class MultiHeadAttention(nn.Module):
     def heads_first(x: Array) -> Array:  # (b, l, h * d) -> (b, h, l, d)
       return _constrain(jnp.swapaxes(split(x), 1, 2), ("batch", "heads", "length", "kv"))
 
-    # A decoding step projects query, key and value with one product (ops.stacked_matmul);
-    # training keeps three (the split product's backward pass was slower).
-    step = decode and not init_cache  # A cached decoding step: its products are the backend's.
-    if step != (step_ops is not None):
-      raise ValueError("MultiHeadAttention: step_ops are for cached decoding steps, and "
-                       "given in every one")
-    fused_qkv = step and not is_cross
     if isinstance(bias, FusedMask):
       if decode:
         raise ValueError("MultiHeadAttention: fused attention is for teacher forcing only")
@@ -235,8 +225,9 @@ class MultiHeadAttention(nn.Module):
                                 split(value_proj(inputs_kv)), bias)
       out = out.reshape(out.shape[0], out.shape[1], joined)
       return _constrain(out_proj(out), ("batch", "length", "embed"))
-    if fused_qkv:
-      assert step_ops is not None  # `step` holds (checked above).
+    # A decoding step projects query, key and value with one product (ops.stacked_matmul);
+    # training keeps three (the split product's backward pass was slower).
+    if step_ops is not None and not is_cross:
       query, own_key, own_value = [p.astype(dtype) for p in step_ops.products(
           self.path, ("query", "key", "value"), inputs_q,
           [proj.kernel(d_model) for proj in (query_proj, key_proj, value_proj)])]
@@ -258,7 +249,7 @@ class MultiHeadAttention(nn.Module):
       cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, dtype)
       if init_cache:
         return jnp.zeros(inputs_q.shape[:-1] + (d_model,), dtype)
-      step_k = heads_first(own_key).astype(dtype)  # fused_qkv holds here.
+      step_k = heads_first(own_key).astype(dtype)  # A self-attention step: projected above.
       step_v = heads_first(own_value).astype(dtype)
       assert decode_position is not None  # Decoder passes it in decode mode.
       start = (0, 0, decode_position, 0)
@@ -326,13 +317,14 @@ class MlpBlock(nn.Module):
     else:
       hidden = act(dense(name="wi")(x, step_ops=step_ops))
     hidden = _constrain(hidden, ("batch", "length", "mlp"))
-    hidden = _dropout(self, hidden, cfg.dropout_rate, self.deterministic)
+    hidden = _dropout(hidden, cfg.dropout_rate, self.deterministic)
     out = DenseKernel(features=cfg.d_model, axes=("mlp", "embed"), init_scale=cfg.d_ff ** -0.5,
                       dtype=dtype, ops=ops, name="wo")(hidden, step_ops=step_ops)
     return _constrain(out, ("batch", "length", "embed"))
 
 
-def _dropout(module: nn.Module, x: Array, rate: float, deterministic: bool) -> Array:
+def _dropout(x: Array, rate: float, deterministic: bool) -> Array:
+  """Dropout in the calling module's compact method; none when inactive."""
   if rate == 0.0 or deterministic:
     return x
   return nn.Dropout(rate=rate, deterministic=False)(x)
@@ -348,10 +340,10 @@ class EncoderLayer(nn.Module):
     norm = functools.partial(RMSNorm, epsilon=cfg.layer_norm_epsilon, dtype=_dtype(cfg))
     h = norm(name="pre_attention_layer_norm")(x)
     h = MultiHeadAttention(cfg, self.deterministic, name="attention")(h, h, bias)
-    x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
+    x = x + _dropout(h, cfg.dropout_rate, self.deterministic)
     h = norm(name="pre_mlp_layer_norm")(x)
     h = MlpBlock(cfg, self.deterministic, name="mlp")(h)
-    x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
+    x = x + _dropout(h, cfg.dropout_rate, self.deterministic)
     return _constrain(x, ("batch", "length", "embed"))
 
 
@@ -374,14 +366,14 @@ class DecoderLayer(nn.Module):
     h = norm(name="pre_self_attention_layer_norm")(x)
     h = MultiHeadAttention(cfg, self.deterministic, name="self_attention")(
         h, h, self_bias, **cache_args)
-    x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
+    x = x + _dropout(h, cfg.dropout_rate, self.deterministic)
     h = norm(name="pre_cross_attention_layer_norm")(x)
     h = MultiHeadAttention(cfg, self.deterministic, name="encoder_decoder_attention")(
         h, encoded, cross_bias, is_cross=True, **cache_args)
-    x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
+    x = x + _dropout(h, cfg.dropout_rate, self.deterministic)
     h = norm(name="pre_mlp_layer_norm")(x)
     h = MlpBlock(cfg, self.deterministic, name="mlp")(h, step_ops=step_ops)
-    x = x + _dropout(self, h, cfg.dropout_rate, self.deterministic)
+    x = x + _dropout(h, cfg.dropout_rate, self.deterministic)
     return _constrain(x, ("batch", "length", "embed"))
 
 
@@ -406,13 +398,13 @@ class Encoder(nn.Module):
     else:
       bias = position_bias + ops_lib.mask_to_bias(
           ops_lib.attention_mask(mask, mask, segment_ids, segment_ids))
-    x = _dropout(self, embeds, cfg.dropout_rate, deterministic)
+    x = _dropout(embeds, cfg.dropout_rate, deterministic)
     x = _constrain(x, ("batch", "length", "embed"))
     layer_cls = nn.remat(EncoderLayer) if cfg.remat else EncoderLayer
     for i in range(cfg.num_encoder_layers):
       x = layer_cls(cfg, deterministic, name=f"layers_{i}")(x, bias)
     x = RMSNorm(cfg.layer_norm_epsilon, _dtype(cfg), name="encoder_norm")(x)
-    return _dropout(self, x, cfg.dropout_rate, deterministic)
+    return _dropout(x, cfg.dropout_rate, deterministic)
 
 
 class Decoder(nn.Module):
@@ -441,17 +433,15 @@ class Decoder(nn.Module):
       decode_position = position_var.value
       assert max_decode_length is not None  # T5.decode's callers give it with decode=True.
       key_positions = jnp.arange(max_decode_length)
-      query_positions = decode_position[None]
       causal = key_positions[None, None, None, :] <= decode_position
-      self_bias = relpos(query_positions, key_positions, span=max_decode_length)
+      self_bias = relpos(decode_position[None], key_positions, span=max_decode_length)
       self_bias = self_bias + ops_lib.mask_to_bias(causal)
       if not init_cache:
         position_var.value = decode_position + 1
     else:
       positions = jnp.arange(length)
       position_bias = relpos(positions, positions, span=length)
-      query_valid = (segment_ids > 0) if segment_ids is not None else jnp.ones((batch, length),
-                                                                              bool)
+      query_valid = jnp.ones((batch, length), bool) if segment_ids is None else segment_ids > 0
       if cfg.attention_impl in ("pallas", "pallas_gpu"):
         self_bias = ops.attention_masking(query_valid, query_valid, segment_ids, segment_ids,
                                           position_bias=position_bias, causal=True)
@@ -487,21 +477,20 @@ class Decoder(nn.Module):
     else:
       cross_bias = ops_lib.mask_to_bias(ops_lib.attention_mask(
           query_valid, encoder_mask, segment_ids, encoder_segment_ids))
-    x = _dropout(self, embeds, cfg.dropout_rate, deterministic)
+    x = _dropout(embeds, cfg.dropout_rate, deterministic)
     x = _constrain(x, ("batch", "length", "embed"))
     # A cached decoding step's products and attention are `step_ops`' (XLA's by default).
     if decode and not init_cache:
       step_ops = step_ops if step_ops is not None else DecodeStepOps()
     elif step_ops is not None:
       raise ValueError("Decoder: step_ops are for cached decoding steps (decode=True)")
-    step_kwargs = {} if step_ops is None else {"step_ops": step_ops}
     layer_cls = nn.remat(DecoderLayer) if cfg.remat and not decode else DecoderLayer
     for i in range(cfg.num_decoder_layers):
-      x = layer_cls(cfg, deterministic, decode, init_cache,
-                    max_decode_length, name=f"layers_{i}")(
-                        x, encoded, self_bias, cross_bias, decode_position, **step_kwargs)
+      x = layer_cls(cfg, deterministic, decode, init_cache, max_decode_length,
+                    name=f"layers_{i}")(x, encoded, self_bias, cross_bias, decode_position,
+                                        step_ops=step_ops)
     x = RMSNorm(cfg.layer_norm_epsilon, _dtype(cfg), name="decoder_norm")(x)
-    hidden = _dropout(self, x, cfg.dropout_rate, deterministic)
+    hidden = _dropout(x, cfg.dropout_rate, deterministic)
     if cfg.tie_word_embeddings:
       # T5 1.0 rescales before the tied projection (Mesh TensorFlow convention).
       logits = self.shared_embedder.attend(hidden * (cfg.d_model ** -0.5), step_ops=step_ops)
@@ -557,11 +546,10 @@ class T5(nn.Module):
              step_ops: Optional[DecodeStepOps] = None) -> tuple[Array, Array]:
     """Decoder logits (float32) and final hidden states.
 
-    Teacher forcing when `decode=False`; there `encoded`/`encoder_mask` may have fewer rows
-    than `decoder_input_tokens`: G rows per input (rows `b * G + i`, deterministic and
-    unpacked) attend to one projection of their input's keys and values. With `decode=True`
-    the call takes one token per row and reads/writes the `cache` collection (`init_cache`);
-    its products and attention are `step_ops`' (a decoding backend's; XLA's when None).
+    Teacher forcing when `decode=False`, where G rows per input (rows `b * G + i`,
+    deterministic and unpacked) may share one row of `encoded`. With `decode=True` the call
+    takes one token per row and reads/writes the `cache` collection (`init_cache`); its
+    products and attention are `step_ops`' (a decoding backend's; XLA's when None).
     """
     return self.decoder(self.embed(decoder_input_tokens), encoded, encoder_mask,
                         decoder_segment_ids, encoder_segment_ids, deterministic=deterministic,
@@ -573,9 +561,8 @@ class T5(nn.Module):
     """Creates the `cache` collection: empty self-attention caches, projected encoder K/V.
 
     Call with `mutable=["cache"]`; the returned logits are meaningless. With
-    `rows_per_input=G` the decoder runs G rows per input (rows `b * G + i`, samples or beams)
-    against one encoder key/value row per input; every later step takes G * batch tokens with
-    the same (batch, length) `encoder_mask`.
+    `rows_per_input=G` every later step takes G * batch tokens (rows `b * G + i`, samples or
+    beams) with the same (batch, length) `encoder_mask`.
     """
     validation.positive_int(rows_per_input, "init_cache: rows_per_input")
     dummy = jnp.zeros((encoded.shape[0] * rows_per_input, 1), jnp.int32)
@@ -676,7 +663,6 @@ def abstract_params(model: T5) -> Any:
   return _abstract_params(model, (1, 8, 8), jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
-# Each initialisation would otherwise trace the whole model once more just for its shapes.
 @functools.lru_cache(maxsize=64)
 def _abstract_params(model: T5, lengths: tuple[int, int, int], key: Any) -> Any:
   """`model.init`'s boxed params as `jax.eval_shape` gives them (shapes, axes, distributions)."""

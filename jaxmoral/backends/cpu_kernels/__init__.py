@@ -5,14 +5,13 @@ fast the weights stream from memory. XLA:CPU's dot reads a row-major (K, N) kern
 pieces; stored as contiguous panels of 64 columns (`pack_columns`), `packed_matmul` (an XLA FFI
 custom call, `kernels.cc`, split over XLA's intra-op threads) streams them close to the memory's
 bandwidth. `decode_attention` is a step's attention as one custom call, where XLA:CPU runs
-batched one-row dots. `decoding.PackedKernelBackend` ("cpu_packed") runs them
-(bench/RESULTS.md).
+batched one-row dots. `decoding.PackedKernelBackend` ("cpu_packed") runs them.
 
-The kernels are compiled on first use with `$CXX` (else c++/g++/clang++) against jaxlib's XLA
-FFI headers, `-march=native`, and cached under `$JAXMORAL_KERNEL_CACHE` (default
-`~/.cache/jaxmoral/kernels`), keyed by the source, jaxlib's version, the compiler and the CPU.
-Where they cannot be built, `available()` warns once and returns False, and decoding keeps
-XLA's dot. `JAXMORAL_CPU_KERNELS=0` turns them off.
+The kernels are compiled on first use against jaxlib's XLA FFI headers, `-march=native`, and
+cached under `$JAXMORAL_KERNEL_CACHE` (default `~/.cache/jaxmoral/kernels`), keyed by the
+source, jaxlib's version, the compiler and the CPU. Where they cannot be built, `available()`
+warns once and returns False, and decoding keeps XLA's dot. `JAXMORAL_CPU_KERNELS=0` turns them
+off.
 
 Loading a library runs its code, so only a cache this user alone can write is used (else a
 private temporary one, with a warning), and a cached library is loaded only while it is this
@@ -139,12 +138,8 @@ def _digest_path(path: str) -> str:
 
 
 def _read_own_file(path: str, what: str) -> bytes:
-  """`path`'s bytes, where it is a regular file only this user can write (not a symlink).
-
-  Raises:
-    FileNotFoundError: It is missing.
-    _Untrusted: It is a symlink, not a regular file, another user's, or group/other-writable.
-  """
+  """`path`'s bytes, where it is a regular file only this user can write (not a symlink); else
+  `_Untrusted` (FileNotFoundError where it is missing)."""
   if os.path.islink(path):
     raise _Untrusted(f"{what} {path} is a symlink")
   # O_NOFOLLOW and fstat: what is checked is what is read, even if the name was swapped.
@@ -215,11 +210,8 @@ _FLAG_SETS = (["-O3", "-std=c++17", "-shared", "-fPIC", "-march=native"],
 
 
 def _install(partial: str, path: str) -> None:
-  """Records the SHA-256 of the freshly built `partial`, then renames it to `path`.
-
-  Raises:
-    BuildError: Either could not be written.
-  """
+  """Records the SHA-256 of the freshly built `partial`, then renames it to `path` (else a
+  BuildError)."""
   try:
     # A fixed mode: mkstemp's is 0o600, and a linker's own follows the umask (group-writable
     # under umask 002, which loading would then refuse).
@@ -312,11 +304,9 @@ def _load() -> Optional[str]:
 
 @functools.lru_cache(maxsize=1)
 def has_avx512() -> bool:
-  """Whether this CPU has AVX-512 (Linux's /proc/cpuinfo flags; False where unreadable).
-
-  Where the packed kernels beat XLA's dots has followed this flag (bench/RESULTS.md): with
-  AVX-512 they decoded a batch of 8 faster, without it they lost at every batch.
-  """
+  """Whether this CPU has AVX-512 (Linux's /proc/cpuinfo flags; False where unreadable): with
+  it the packed kernels decoded a batch of 8 faster than XLA's dots, without it they lost at
+  every batch (bench/RESULTS.md)."""
   try:
     with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
       for line in f:
@@ -370,15 +360,12 @@ def packed_matmul(x: Array, packed: Array, features: int) -> Array:
 
 
 def decode_attention(query: Array, key: Array, value: Array, bias: Array) -> Array:
-  """softmax(query . key + bias) . value for one query per (row, head), float32.
+  """softmax(query . key + bias) . value for one query per (row, head), (G * R, H, D) float32.
 
   Args:
     query: (G * R, H, D): G rows (samples or beams) per key/value row; row r reads r // G.
     key, value: (R, H, L, D).
     bias: Broadcastable to (R, H, L): relative-position bias and masks (-1e10 where masked).
-
-  Returns:
-    (G * R, H, D) float32.
 
   Raises:
     RuntimeError: When the kernels are not `available()`.
