@@ -1,19 +1,18 @@
 """Ahead-of-time compilation of a config's train step for a device topology (`jaxmoral compile`).
 
-Proves from a CPU machine that a gin config compiles and fits on a TPU pod slice: the devices of
-the slice come from libtpu's compile-only topology (`jax.experimental.topologies`), the step is
+Proves from a CPU machine that a gin config compiles and fits on a TPU pod slice: the step is
 lowered from abstract inputs (`ShapeDtypeStruct`s with their `NamedSharding`s, nothing is
-allocated) and compiled by the real TPU compiler. The report gives per-chip memory and FLOPs
-from XLA's analyses, and `DoesNotFitError` says when the step needs more than the chip's HBM.
+allocated) for libtpu's compile-only devices (`jax.experimental.topologies`) and compiled by the
+real TPU compiler; XLA's analyses give the per-chip memory and FLOPs.
 
 What is compiled is a *compile target* (`register_compile_target`; "train_run" by default,
-methods add theirs, e.g. "clarify_ppo"): the run's own step, built with the code a run uses
-inside `partitioning.default_devices`, so that the partitioner the config binds is made on the
-topology's devices (docs/core_api.md).
+methods add theirs): the run's own step, built inside `partitioning.default_devices` so that the
+partitioner the config binds is made on the topology's devices (docs/core_api.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -44,7 +43,6 @@ class DoesNotFitError(ValueError):
     self.report = report
 
 
-# -- chips and topologies ---------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ChipSpec:
   """What the report needs to know about one chip (`name` as in topology strings): its HBM, peak
@@ -142,7 +140,6 @@ def get_topology(topology: str, *, num_slices: int = 1) -> Topology:
                   num_slices=num_slices)
 
 
-# -- compile targets --------------------------------------------------------------------------
 def shard_bytes(tree: Any) -> int:
   """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s (or arrays)."""
   total = 0
@@ -154,13 +151,10 @@ def shard_bytes(tree: Any) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-  """One compiled program of a step, named in the report ("step", "rollout", "update", ...):
-  the very jitted `function` the run calls (anything with `.lower(*args)`), and abstract `args`
-  (`ShapeDtypeStruct`s carrying their shardings) to lower it with.
-
-  `persistent` are the arguments that stay on the chips between programs (parameters, state),
-  counted once for the whole step in `CompileProgram.resident`.
-  """
+  """One compiled program of a step ("step", "rollout", "update", ...): the very jitted
+  `function` the run calls (anything with `.lower(*args)`), the abstract `args` (sharded
+  `ShapeDtypeStruct`s) to lower it with, and the `persistent` ones that stay on the chips
+  between programs (parameters, state: counted once, in `CompileProgram.resident`)."""
   name: str
   function: Any
   args: tuple[Any, ...]
@@ -213,8 +207,7 @@ def register_compile_target(name: str, builder: CompileTargetBuilder, *,
   """Makes `builder() -> CompileProgram` available as `target=name`.
 
   The builder calls a run's entry point with the config's bindings (the CLI has parsed the
-  config), inside `partitioning.default_devices`: the partitioner the run makes lands on the
-  topology's devices; its stages are the run's own jitted functions.
+  config); `plan_compile` calls it inside `partitioning.default_devices`.
   """
   if not name or not isinstance(name, str):
     raise ValueError(f"register_compile_target: name must be a non-empty str, got {name!r}")
@@ -248,7 +241,6 @@ def t5_forward_flops(config: Any, *, encoder_tokens: int, decoder_tokens: int) -
   return 2.0 * (enc_w * encoder_tokens + dec_w * decoder_tokens)
 
 
-# -- report -----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CompileReport:
   """Per-chip memory and FLOPs of a compiled step (all byte counts are per device).
@@ -332,11 +324,10 @@ class CompileReport:
          else f"{self.mfu:.1%} / {num(self.model_mfu, '.1%')}"),
         ("lower / compile", f"{self.lower_seconds:.1f} s / {self.compile_seconds:.1f} s"),
     ]
-    for stage in self.stages:
-      rows.append((f"stage {stage['name']}",
-                   f"peak {stage['peak_bytes'] / GiB:.3f} GiB / chip (temporaries "
-                   f"{stage['temp_bytes'] / GiB:.3f} GiB), {num(stage['flops_per_chip'])} "
-                   f"FLOPs / chip, compiled in {stage['compile_seconds']:.1f} s"))
+    rows += [(f"stage {stage['name']}", f"peak {stage['peak_bytes'] / GiB:.3f} GiB / chip "
+              f"(temporaries {stage['temp_bytes'] / GiB:.3f} GiB), "
+              f"{num(stage['flops_per_chip'])} FLOPs / chip, compiled in "
+              f"{stage['compile_seconds']:.1f} s") for stage in self.stages]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
@@ -368,16 +359,16 @@ def analyze(compiled: Any, *, topology: Topology, target: str, program: CompileP
   alias, temp = int(mem.alias_size_in_bytes), int(mem.temp_size_in_bytes)
   code = int(getattr(mem, "generated_code_size_in_bytes", 0) or 0)
   peak = arg + out - alias + temp + code
-  if hbm_bytes is None and topology.chip is not None:
-    hbm_bytes = topology.chip.hbm_bytes
+  chip = topology.chip
+  if hbm_bytes is None and chip is not None:
+    hbm_bytes = chip.hbm_bytes
   cost = _cost(compiled)
   flops = float(cost["flops"]) if cost.get("flops", -1) >= 0 else None
   accessed = cost.get("bytes accessed")
-  peak_flops = topology.chip.peak_flops_per_s if topology.chip is not None else None
+  peak_flops = chip.peak_flops_per_s if chip is not None else None
   min_time, mfu = _speed(flops, peak_flops, step_time_s)
-  model_mfu = None
-  if step_time_s is not None and peak_flops and program.model_flops_per_step:
-    model_mfu = program.model_flops_per_step / (step_time_s * peak_flops * len(topology.devices))
+  all_chips_peak = peak_flops and peak_flops * len(topology.devices)  # Model FLOPs: all chips.
+  _, model_mfu = _speed(program.model_flops_per_step, all_chips_peak, step_time_s)
   return CompileReport(
       topology=topology.name, target=target, description=program.description,
       platform=topology.platform, num_devices=len(topology.devices),
@@ -453,13 +444,6 @@ def _default_target() -> str:
                    f"{compile_targets()})")
 
 
-def _partitioner_num_slices() -> Optional[int]:
-  try:
-    return int(gin.query_parameter("partitioning.PjitPartitioner.num_slices"))
-  except ValueError:
-    return None
-
-
 # Chips from which the TPU compiler's host memory and time are worth a warning (v5e:8x8 took
 # more than 5 minutes and 10 GB of host memory for configs/core/large_tpu_pod.gin).
 LARGE_TOPOLOGY_CHIPS = 32
@@ -473,13 +457,10 @@ def progress(line: str) -> None:
 
 def available_host_bytes() -> Optional[int]:
   """Host memory available now (Linux: MemAvailable), or None where unknown."""
-  try:
+  with contextlib.suppress(OSError, ValueError, IndexError):
     with open("/proc/meminfo", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
+      return next((int(line.split()[1]) * 1024 for line in f
+                   if line.startswith("MemAvailable:")), None)
   return None
 
 
@@ -489,7 +470,7 @@ def warn_host_memory(topology: Topology, stages: Sequence[str]) -> None:
   if chips < LARGE_TOPOLOGY_CHIPS:
     return
   available = available_host_bytes()
-  have = f"; {available / 2**30:.1f} GiB available here" if available else ""
+  have = f"; {available / GiB:.1f} GiB available here" if available else ""
   split = (f"; compile one program per process to bound it: "
            f"--gin.aot.compile_for_topology.stages=\"('{stages[0]}',)\"" if len(stages) > 1
            else "")
@@ -522,7 +503,7 @@ def interruptible(fn: Callable[[], Any], *, what: str,
       thread.join(timeout=heartbeat_seconds)
       if thread.is_alive():
         available = available_host_bytes()
-        memory = f", {available / 2**30:.1f} GiB host memory available" if available else ""
+        memory = f", {available / GiB:.1f} GiB host memory available" if available else ""
         progress(f"compile: still {what}: {time.perf_counter() - start:.0f} s{memory}")
   except KeyboardInterrupt:
     progress(f"compile: interrupted while {what}; stopped")
@@ -559,7 +540,11 @@ def plan_compile(*, topology: str, target: Optional[str] = None,
   Raises:
     ValueError: Bad topology, target, slices or stages.
   """
-  bound_slices = _partitioner_num_slices()
+  try:
+    bound_slices: Optional[int] = int(
+        gin.query_parameter("partitioning.PjitPartitioner.num_slices"))
+  except ValueError:
+    bound_slices = None
   if num_slices is None:
     num_slices = bound_slices or 1
   elif bound_slices is not None and bound_slices != num_slices:
@@ -604,15 +589,12 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
                          print_table: bool = True) -> CompileReport:
   """Compiles the gin config's train step for `topology` and reports per-chip memory/FLOPs.
 
-  Call after the gin config is parsed (the CLI does). The partitioner is the config's
-  `partitioning.PjitPartitioner` bindings (MODEL_PARALLEL, logical-axis rules) on the
-  topology's devices.
+  Call after the gin config is parsed (the CLI does).
 
   Args:
     topology: "v5e:8x8", "v4:2x2x4", "v5p:4x4x4", ... (libtpu) or "cpu:N".
     report_path: Also write the report as JSON here.
-    target: Registered compile target (default: "train_run" when `runs.train_run` is bound;
-      methods register theirs, e.g. "clarify_ppo").
+    target: A registered compile target (default: "train_run" when `runs.train_run` is bound).
     num_slices: Multi-slice count (default: `partitioning.PjitPartitioner.num_slices` or 1).
     hbm_bytes: Memory limit per chip (default: the chip's HBM; CPU has none unless given).
     step_time_s: A measured or assumed step time; only then MFU is reported.
@@ -654,8 +636,7 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
     print(f"jaxmoral compile {topology}:\n{report.table()}", flush=True)
   if report_path:
     fileio.makedirs(os.path.dirname(fileio.abspath(report_path)))
-    with fileio.open(report_path, "w", encoding="utf-8") as f:
-      f.write(report.to_json() + "\n")
+    fileio.write_text(report_path, report.to_json() + "\n")
   if check:
     check_fits(report)
   return report

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import importlib.util
 import logging
 import os
 import secrets
@@ -256,13 +257,11 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
     _LOG.info("compilation cache %s holds entries written without a cap; leaving it uncapped",
               cache_dir)
     max_bytes = -1
-  if max_bytes != -1:
-    try:
-      import filelock  # noqa: F401  (only whether it is installed)
-    except ImportError:  # JAX needs it to cap the cache; an uncapped cache beats none.
-      _LOG.warning("filelock is not installed: the compilation cache in %s is not capped",
-                   cache_dir)
-      max_bytes = -1
+  if max_bytes != -1 and importlib.util.find_spec("filelock") is None:
+    # JAX needs filelock to cap the cache; an uncapped cache beats none.
+    _LOG.warning("filelock is not installed: the compilation cache in %s is not capped",
+                 cache_dir)
+    max_bytes = -1
   jax.config.update("jax_compilation_cache_dir", cache_dir)
   jax.config.update("jax_compilation_cache_max_size", max_bytes)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)

@@ -9,6 +9,7 @@ code (the ClarifyDelphi PPO reward).
 from __future__ import annotations
 
 import collections
+import operator
 import re
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -19,7 +20,6 @@ import numpy as np
 from jaxmoral import validation
 
 
-# -- ROC ------------------------------------------------------------------------------------
 def _binary_inputs(name: str, labels: Any, scores: Any) -> tuple[np.ndarray, np.ndarray]:
   """Validated 1-D bool labels and float64 scores of equal length."""
   labels = np.asarray(labels)
@@ -41,23 +41,11 @@ def _binary_inputs(name: str, labels: Any, scores: Any) -> tuple[np.ndarray, np.
   return labels, scores
 
 
-def _average_ranks(values: np.ndarray) -> np.ndarray:
-  """1-based ranks, tied values sharing the mean of their ranks."""
-  order = np.argsort(values, kind="mergesort")
-  sorted_values = values[order]
-  # Start index of every run of equal values in sorted order.
-  starts = np.flatnonzero(np.r_[True, sorted_values[1:] != sorted_values[:-1]])
-  ends = np.r_[starts[1:], values.size]
-  mean_rank = (starts + ends + 1) / 2.0  # mean of the 1-based ranks starts+1 .. ends
-  ranks = np.empty(values.size, np.float64)
-  ranks[order] = np.repeat(mean_rank, ends - starts)
-  return ranks
-
-
 def _mann_whitney_u(labels: np.ndarray, scores: np.ndarray) -> tuple[float, float]:
   """`(U, n_pos * n_neg)`: the (positive, negative) pairs a positive outscores, ties 1/2."""
   n_pos = float(labels.sum())
-  u = _average_ranks(scores)[labels].sum() - n_pos * (n_pos + 1) / 2.0
+  import scipy.stats  # Here, not at the top: it adds to the command line's start-up.
+  u = scipy.stats.rankdata(scores)[labels].sum() - n_pos * (n_pos + 1) / 2.0  # Ties: mean rank.
   return float(u), n_pos * (labels.size - n_pos)
 
 
@@ -124,7 +112,6 @@ def roc_curve(labels: Any, scores: Any) -> tuple[np.ndarray, np.ndarray, np.ndar
   return np.r_[0.0, fps / fps[-1]], np.r_[0.0, tps / tps[-1]], np.r_[np.inf, scores[last]]
 
 
-# -- ranking --------------------------------------------------------------------------------
 def ranking_metrics(scores_per_query: Sequence[Any],
                     relevant_per_query: Sequence[Any]) -> dict[str, float]:
   """Mean average precision, mean reciprocal rank and precision at 1 over queries.
@@ -167,18 +154,12 @@ def ranking_metrics(scores_per_query: Sequence[Any],
           "num_queries": len(aps)}
 
 
-# -- text diversity -------------------------------------------------------------------------
 def distinct_n(texts: Iterable[str], n: int) -> float:
   """Distinct-n: unique n-grams / all n-grams over the corpus (whitespace tokens; 0 if none)."""
   validation.positive_int(n, "distinct_n: n")
-  total = 0
-  unique: set[tuple[str, ...]] = set()
-  for text in texts:
-    tokens = text.split()
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    total += len(grams)
-    unique.update(grams)
-  return len(unique) / total if total else 0.0
+  grams = [tuple(tokens[i:i + n]) for tokens in (text.split() for text in texts)
+           for i in range(len(tokens) - n + 1)]
+  return len(set(grams)) / len(grams) if grams else 0.0
 
 
 WH_WORDS = ("what", "why", "how", "who", "whom", "whose", "which", "when", "where")
@@ -207,7 +188,6 @@ def wh_word_distribution(questions: Iterable[str]) -> dict[str, float]:
   return {word: counts[word] / total for word in WH_WORDS + ("other",)}
 
 
-# -- Jensen–Shannon -------------------------------------------------------------------------
 def jensen_shannon(p: Any, q: Any, base: float = 2.0, axis: int = -1) -> np.ndarray | float:
   """Jensen–Shannon divergence (the squared JS distance) along `axis`, NumPy float64.
 
@@ -250,7 +230,6 @@ def jensen_shannon_jnp(p: jax.Array, q: jax.Array, base: float = 2.0, axis: int 
   return jnp.maximum(0.5 * (kl(p) + kl(q)) / jnp.log(base), 0.0)
 
 
-# -- bootstrap ------------------------------------------------------------------------------
 class BootstrapCI(tuple):
   """`(estimate, low, high)` of `bootstrap_ci`, with how the resampling went.
 
@@ -273,17 +252,9 @@ class BootstrapCI(tuple):
     self.confidence, self.num_resamples, self.num_skipped = confidence, num_resamples, num_skipped
     return self
 
-  @property
-  def estimate(self) -> float:
-    return self[0]
-
-  @property
-  def low(self) -> float:
-    return self[1]
-
-  @property
-  def high(self) -> float:
-    return self[2]
+  estimate = property(operator.itemgetter(0))
+  low = property(operator.itemgetter(1))
+  high = property(operator.itemgetter(2))
 
   def __repr__(self) -> str:
     return (f"BootstrapCI(estimate={self[0]:.6g}, low={self[1]:.6g}, high={self[2]:.6g}, "
@@ -397,7 +368,6 @@ def bootstrap_ci(metric_fn: Callable[..., Any], *arrays: Any, num_resamples: int
                      num_resamples=num_resamples, num_skipped=num_resamples - valid.size)
 
 
-# -- accumulation ---------------------------------------------------------------------------
 class MetricsAccumulator:
   """Averages dicts of scalar metrics over evaluation batches.
 

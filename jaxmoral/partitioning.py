@@ -60,8 +60,6 @@ def standard_logical_axis_rules(
   (flax's resolution). That is what keeps activations `('batch', 'length', 'embed')`
   sharded over `data` only when parameters' `embed` also maps to `data` (2-D / FSDP).
 
-  1-D (both dims 1): batch -> data; vocab, mlp, heads, joined_kv -> model; everything else
-    (embed, kv, relpos_buckets, length, layers, ...) -> None.
   parameter_partitioning_dims=2 (FSDP-style): additionally `embed -> data`, so parameters
     (and their optimizer state) are sharded over both axes, e.g. a query kernel
     (embed, joined_kv) -> P('data', 'model'). Activations stay batch-sharded only, because
@@ -200,9 +198,8 @@ def logical_specs_like(tree: PyTree, boxed_params: PyTree) -> PyTree:
   """
   # The longest suffix of a leaf path that names a parameter wins (tried first below).
   by_path: dict[tuple[str, ...], tuple[PartitionSpec, tuple[int, ...]]] = {}
-  leaves = jax.tree_util.tree_leaves_with_path(
-      boxed_params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
-  for path, leaf in leaves:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(
+      boxed_params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)):
     if isinstance(leaf, nn.LogicallyPartitioned):
       by_path[_normalized_path(path)] = (leaf.get_partition_spec(), tuple(leaf.value.shape))
     elif hasattr(leaf, "shape"):
@@ -211,11 +208,8 @@ def logical_specs_like(tree: PyTree, boxed_params: PyTree) -> PyTree:
   def spec_of(path: Sequence[Any], leaf: Any) -> PartitionSpec:
     key = _normalized_path(path)
     shape = tuple(getattr(leaf, "shape", ()))
-    for start in range(len(key)):
-      hit = by_path.get(key[start:])
-      if hit is not None:
-        return hit[0] if hit[1] == shape else PartitionSpec()
-    return PartitionSpec()
+    hit = next((by_path[key[i:]] for i in range(len(key)) if key[i:] in by_path), None)
+    return hit[0] if hit is not None and hit[1] == shape else PartitionSpec()
 
   return jax.tree_util.tree_map_with_path(spec_of, tree)
 
@@ -404,12 +398,8 @@ def inference_partitioner(partitioner: Optional[PjitPartitioner] = None) -> Pjit
 
 
 class PartitionedFunction:
-  """A jitted function that traces, runs and lowers inside its partitioner's `context()`.
-
-  The one type for "a jitted function on the partitioner's mesh": model sharding constraints
-  and logical-axis rules apply while it traces. Without a partitioner it is the plain jitted
-  function (no mesh, no rules).
-  """
+  """A jitted function that traces, runs and lowers inside its partitioner's `context()`, so
+  that the model's sharding constraints apply (without a partitioner: the plain jitted one)."""
 
   def __init__(self, jitted: Any, partitioner: Optional[PjitPartitioner] = None):
     self._jitted, self._partitioner = jitted, partitioner

@@ -52,11 +52,6 @@ class NonFiniteLossError(FloatingPointError):
   A user's setting more often than a bug (the command line prints it as one line)."""
 
 
-NON_FINITE_CAUSES = ("a learning rate too high for the model (LEARNING_RATE; warmup too short), "
-                     "float16/bfloat16 overflow (try float32), or broken data (empty targets, "
-                     "ids beyond the vocabulary)")
-
-
 def evaluate(*, trainer: trainer_lib.Trainer, state: trainer_lib.TrainState, eval_source: Any,
              eval_steps: Optional[int] = None) -> dict[str, float]:
   """Token-weighted means (`trainer.average_metrics`) of `trainer.eval_step`'s metrics.
@@ -121,12 +116,6 @@ def _progress_line(trainer: Any, done: int, train_steps: int, means: Mapping[str
   return " ".join(parts)
 
 
-def _batch_rows(batch: Mapping[str, Any]) -> int:
-  """Global rows of a batch (examples, or prompts for PPO)."""
-  return next((int(np.shape(v)[0]) * jax.process_count() for v in batch.values() if np.shape(v)),
-              0)
-
-
 @gin.configurable
 def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: DataSource,
           train_steps: int, eval_source: Any = None, eval_every: int = 0,
@@ -137,18 +126,15 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
           hooks: Sequence[TrainHook] = (),
           on_checked: Optional[Callable[[Optional[int]], None]] = None,
           prefetch_batches: int = 2) -> dict[str, float]:
-  """Trains to `train_steps`, resuming from `model_dir/checkpoints` when it has a checkpoint.
+  """Trains to `train_steps`, resuming from the newest intact checkpoint in `model_dir`.
 
-  The run holds `model_dir/train.lock` while it runs. It resumes from the newest intact
-  checkpoint (`_restore_newest_intact`). TensorBoard points past the resumed step (written
-  before a kill) are dropped, so every step appears once.
-
-  The one loop of every method: supervised steps (`jaxmoral.trainer.Trainer`) and PPO
-  iterations (`jaxmoral.rl.ppo_trainer.PPOTrainer`) alike. A trainer provides
-  `abstract_state()`, `init_state(rng)`, `init_state_from_params(params)` and
-  `train_step(state, batch, rng) -> (state, metrics)`; its state has a `step` field.
-  Optional: `eval_step` (for `eval_source`), `shard_batch` (places this process's rows of a
-  batch on the devices) and `progress_metrics` (names shown on the progress line).
+  The one loop of every method (`trainer.Trainer`'s steps, `rl.ppo_trainer.PPOTrainer`'s
+  iterations). A trainer provides `abstract_state()`, `init_state(rng)`,
+  `init_state_from_params(params)` and `train_step(state, batch, rng) -> (state, metrics)` (the
+  state has a `step` field); optionally `eval_step` (for `eval_source`), `shard_batch` (places
+  this process's rows of a batch on the devices) and `progress_metrics` (names shown on the
+  progress line). The run holds `model_dir/train.lock`; TensorBoard points a killed run wrote
+  past the resumed step are dropped, so every step appears once.
 
   Args:
     model_dir: Run directory (checkpoints/, train/, eval/ inside).
@@ -156,8 +142,7 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
     train_source: A `DataSource` (`iterate(start_step)`: this process's rows of batch
       `start_step`, ...); its `num_examples`, `batch_size`, `data_fingerprint` are checkpointed.
     train_steps: Total number of steps of the run (not of this call).
-    eval_source: Optional evaluation batches; `eval_steps` of them per evaluation (see
-      `evaluate`).
+    eval_source: Optional evaluation batches, `eval_steps` per evaluation (see `evaluate`).
     eval_every: Evaluate every this many steps (0: only at the end).
     checkpoint_every: Save every this many steps (and always at the end).
     keep_checkpoints: Keep this many most recent checkpoints.
@@ -198,14 +183,12 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
   model_dir = run_dirs.make_run_dir(model_dir)
   is_chief = jax.process_index() == 0
   ckpt_dir = run_dirs.checkpoints_dir(model_dir)
-  # Two runs writing one MODEL_DIR would interleave checkpoints and curves: refused here.
-  lock = run_dirs.RunDirLock(model_dir).acquire()
-  manager = None
-  writers = None
-  try:
-    manager = checkpoints.CheckpointManager(ckpt_dir, save_interval_steps=checkpoint_every,
-                                            max_to_keep=keep_checkpoints,
-                                            async_save=async_checkpoint)
+  with contextlib.ExitStack() as cleanup:  # Closed in reverse: the lock is released last.
+    # Two runs writing one MODEL_DIR would interleave checkpoints and curves: refused here.
+    cleanup.enter_context(run_dirs.RunDirLock(model_dir))
+    manager = cleanup.enter_context(checkpoints.CheckpointManager(
+        ckpt_dir, save_interval_steps=checkpoint_every, max_to_keep=keep_checkpoints,
+        async_save=async_checkpoint))
     init_rng, step_rng = jax.random.split(jax.random.PRNGKey(seed))
     # What the data position means: a checkpoint of the same run over other data (another
     # corpus or seed, changed data files: an index-cached source's fingerprint of its rows) or
@@ -220,13 +203,12 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
         f"(here {position}): every host must read the same data with the same seed")
     latest, state, extra, damaged = _restore_newest_intact(manager, trainer)
     if latest is not None:
-      saved = {k: extra[k] for k in position if k in extra}
-      differ = [k for k in saved
-                if position[k] is not None and saved[k] is not None and saved[k] != position[k]]
+      differ = [k for k, v in position.items()
+                if v is not None and extra.get(k) is not None and extra[k] != v]
       if differ:
         raise ValueError(
             f"train: {ckpt_dir}/{latest} was written with "
-            f"{', '.join(f'{k}={saved[k]!r} (this run: {position[k]!r})' for k in differ)}; "
+            f"{', '.join(f'{k}={extra[k]!r} (this run: {position[k]!r})' for k in differ)}; "
             "the data would not continue the same run (use the run's settings, or a new "
             "MODEL_DIR); nothing was changed")
       logger.info("train: resuming from %s at step %d", ckpt_dir, latest)
@@ -253,6 +235,7 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
       for name, after in (("train", start), ("eval", eval_from)):
         metric_writers.purge_events_after(run_dirs.events_dir(model_dir, name), after)
     writers = metric_writers.MetricWriters(model_dir)
+    cleanup.callback(writers.close)
     if is_chief:  # As T5X: what this stretch of the run trains under, in TensorBoard's Text tab.
       writers.text("train", start, "software", software_line)
       config_path = fileio.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
@@ -270,18 +253,9 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
           checkpoint_every=checkpoint_every, log_every=log_every, step_rng=step_rng,
           stop_on_nan=stop_on_nan, on_eval=on_eval, hooks=hooks, last_saved=latest,
           extra=position, is_chief=is_chief, prefetch_batches=prefetch_batches)
-    if stop_requests.signum is not None:  # Raised once the finally below saved and unlocked.
+    if stop_requests.signum is not None:  # Raised to the caller once saved and unlocked.
       raise preemption.Stopped(stop_requests.signum, step=int(result["step"]), where=ckpt_dir)
     return result
-  finally:
-    try:
-      if manager is not None:
-        manager.wait()
-        manager.close()
-      if writers is not None:
-        writers.close()
-    finally:
-      lock.release()
 
 
 def _restore_newest_intact(manager: checkpoints.CheckpointManager, trainer: Any
@@ -355,14 +329,12 @@ class _Prefetcher:
       for batch in batches:
         targets = batch.get("decoder_target_tokens") if isinstance(batch, Mapping) else None
         tokens = 0.0 if targets is None else float(np.size(targets)) * jax.process_count()
-        if not self._put((place(batch), _batch_rows(batch), tokens)):
+        rows = next((int(np.shape(v)[0]) for v in batch.values() if np.shape(v)), 0)
+        if not self._put((place(batch), rows * jax.process_count(), tokens)):
           return
       self._put(self._END)
     except BaseException as error:  # pylint: disable=broad-except  (raised in the loop)
       self._put(error)
-
-  def __iter__(self) -> _Prefetcher:
-    return self
 
   def __next__(self) -> tuple[Any, int, float]:
     item = self._queue.get()
@@ -397,9 +369,6 @@ class _Window:
     self.pending: dict[int, Any] = {}
     self.host: dict[int, dict[str, float]] = {}
 
-  def add(self, step: int, metrics: Any) -> None:
-    self.pending[step] = metrics
-
   def wait_for(self, step: int) -> None:
     """Blocks until step `step` has run (if it is pending), without fetching anything."""
     if step in self.pending:
@@ -412,8 +381,7 @@ class _Window:
     fetched = jax.device_get([self.pending[s] for s in order])
     self.pending.clear()
     for step, metrics in zip(order, fetched, strict=True):
-      metrics = {k: float(v) for k, v in metrics.items()}
-      self.host[step] = metrics
+      self.host[step] = metrics = {k: float(v) for k, v in metrics.items()}
       if self.stop_on_nan:
         bad = [k for k in ("loss", "grad_norm")
                if k in metrics and not math.isfinite(metrics[k])]
@@ -421,7 +389,9 @@ class _Window:
           raise NonFiniteLossError(
               f"train: non-finite {', '.join(f'{k}={metrics[k]}' for k in bad)} at step "
               f"{step} (batch {step - 1}); nothing of this step was saved; last checkpoint: "
-              f"{self.describe_last_save()}. Likely causes: {NON_FINITE_CAUSES}")
+              f"{self.describe_last_save()}. Likely causes: a learning rate too high for the "
+              "model (LEARNING_RATE; warmup too short), float16/bfloat16 overflow (try "
+              "float32), or broken data (empty targets, ids beyond the vocabulary)")
 
   def metrics_of(self, step: int) -> dict[str, float]:
     if step in self.pending:
@@ -519,7 +489,7 @@ def _run_steps(*, trainer: Any, state: Any, manager: checkpoints.CheckpointManag
       state, metrics = trainer.train_step(state, batch, step_rng)
       del batch
       done = step + 1
-      window.add(done, metrics)
+      window.pending[done] = metrics
       window.wait_for(done - MAX_STEPS_IN_FLIGHT + 1)
       for hook in hooks:
         hook.after_step(loop, done, state, _StepMetrics(window, done))
