@@ -11,12 +11,13 @@ import logging
 import os
 import shutil
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import gin
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxmoral import fileio
 from jaxmoral import integrity
@@ -43,15 +44,24 @@ def verify_step(directory: str | os.PathLike, step: int, *, full: bool = True,
       unverified_ok=allowed is None or step in allowed)
 
 
+def resolve_step(directory: str, steps: Sequence[int], step: Optional[int]) -> int:
+  """`step` (None: the newest) of a directory's saved `steps`; else a FileNotFoundError."""
+  if step is None:
+    if not steps:
+      raise FileNotFoundError(f"{directory}: no checkpoints")
+    return steps[-1]
+  if int(step) not in steps:
+    raise FileNotFoundError(f"{directory}: no checkpoint for step {step}; have {steps}")
+  return int(step)
+
+
 def to_json(value: Any, where: str) -> Any:
   """JSON-ready copy of `value` (numpy/jax scalars and arrays become numbers and lists)."""
   if isinstance(value, Mapping):
-    out = {}
-    for key, item in value.items():
+    for key in value:
       if not isinstance(key, str):
         raise TypeError(f"extra{where}: JSON keys must be str, got {key!r}")
-      out[key] = to_json(item, f"{where}[{key!r}]")
-    return out
+    return {key: to_json(item, f"{where}[{key!r}]") for key, item in value.items()}
   if isinstance(value, (list, tuple)):
     return [to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
   if value is None or isinstance(value, (bool, int, float, str)):
@@ -82,7 +92,7 @@ def require_checkpoint_storage(location: str | os.PathLike, what: str) -> None:
 
 
 def path_str(path: tuple[Any, ...]) -> str:
-  return "/".join(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path)
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
 @gin.configurable(module="checkpoints")
@@ -219,7 +229,7 @@ class CheckpointManager:
     Raises:
       integrity.CheckpointIntegrityError: The step is damaged or incomplete (checked first).
     """
-    step = self._resolve_step(step)
+    step = resolve_step(self.directory, self.all_steps(), step)
     self.verify(step, shared=True)  # Every process restores: each hashes its share.
     args = ocp.args.Composite(**{
         STATE_ITEM: ocp.args.PyTreeRestore(target, restore_args=restore_args(target)),
@@ -244,8 +254,7 @@ class CheckpointManager:
               for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
     try:
-      saved = self._manager.item_metadata(step)[STATE_ITEM]
-      flat_saved, flat_target = shapes(getattr(saved, "tree", saved)), shapes(target)
+      flat_saved, flat_target = shapes(self.state_metadata(step)), shapes(target)
     except Exception:  # pylint: disable=broad-except
       return None
     for key in sorted(set(flat_saved) | set(flat_target)):
@@ -259,7 +268,7 @@ class CheckpointManager:
 
   def state_metadata(self, step: Optional[int] = None) -> PyTree:
     """Saved state tree with `ArrayMetadata` leaves (shape, dtype) at `step` (default latest)."""
-    step = self._resolve_step(step)
+    step = resolve_step(self.directory, self.all_steps(), step)
     self.verify(step, full=False)  # Sizes only: no array is read here.
     metadata = self._manager.item_metadata(step)[STATE_ITEM]
     return getattr(metadata, "tree", metadata)
@@ -281,7 +290,6 @@ class CheckpointManager:
       index += 1
       target = f"{source}.damaged.{index}"
     if jax.process_count() > 1:  # No process may still be checking the step's files.
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       multihost_utils.sync_global_devices(f"jaxmoral_move_aside_{step}_start")
     if jax.process_index() == 0:
       fileio.rename(source, target)
@@ -289,16 +297,6 @@ class CheckpointManager:
       multihost_utils.sync_global_devices(f"jaxmoral_move_aside_{step}_done")
     self._manager.reload()
     return target
-
-  def _resolve_step(self, step: Optional[int]) -> int:
-    steps = self.all_steps()
-    if step is None:
-      if not steps:
-        raise FileNotFoundError(f"{self.directory}: no checkpoints")
-      return steps[-1]
-    if int(step) not in steps:
-      raise FileNotFoundError(f"{self.directory}: no checkpoint for step {step}; have {steps}")
-    return int(step)
 
   def wait(self) -> None:
     """Blocks until pending async saves (and their integrity manifests) are on disk; a full

@@ -16,7 +16,9 @@ import functools
 import json
 import os
 import re
+import shutil
 import stat
+import tempfile
 import threading
 import uuid
 from typing import IO, Any, Iterable, Optional
@@ -208,7 +210,6 @@ def upload(local_file: str | os.PathLike, location: str | os.PathLike) -> None:
   """Copies local file `local_file` to `location`, streamed (model weights)."""
   location = os.fspath(location)
   if not is_url(location):
-    import shutil  # pylint: disable=g-import-not-at-top
     shutil.copyfile(local_file, location)
     return
   fs, stripped = filesystem(location)
@@ -230,7 +231,6 @@ def getmtime(location: str | os.PathLike) -> float:
   if not is_url(location):
     return os.path.getmtime(location)
   fs, stripped = filesystem(location)
-  fs.invalidate_cache(stripped)
   modified = fs.modified(stripped)
   if modified.tzinfo is None:
     modified = modified.replace(tzinfo=datetime.UTC)
@@ -345,7 +345,6 @@ def generation(location: str | os.PathLike) -> Optional[str]:
   if scheme(location) != "gs":
     return None
   fs, stripped = filesystem(location)
-  fs.invalidate_cache(stripped)
   try:
     return str(fs.info(stripped).get("generation") or "") or None
   except FileNotFoundError:
@@ -382,7 +381,6 @@ def remove(location: str | os.PathLike, *, if_generation: Optional[str] = None) 
 
 
 def rmtree(location: str | os.PathLike) -> None:
-  import shutil  # pylint: disable=g-import-not-at-top
   _either(location, shutil.rmtree, "rm", recursive=True)
 
 
@@ -458,7 +456,6 @@ def _raise_as(error: OSError, path: str, what: Optional[str]) -> None:
 
 
 def _probe_directory(directory: Any, shown: str, what: Optional[str]) -> None:
-  import tempfile  # pylint: disable=g-import-not-at-top
   try:
     with tempfile.TemporaryFile(dir=directory):
       pass
@@ -494,7 +491,7 @@ def require_reachable(location: str | os.PathLike, what: str) -> None:
     return
   endpoint = _http_url(os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com")
   error: Optional[BaseException] = None
-  for attempt in range(_REACHABLE_TRIES):
+  for attempt in range(3):
     if attempt:
       time.sleep(1.0)
     try:
@@ -508,7 +505,6 @@ def require_reachable(location: str | os.PathLike, what: str) -> None:
   raise OSError(f"{what} {location}: {describe_storage_error(error, location)}") from None
 
 
-_REACHABLE_TRIES = 3
 _URL_IN_TEXT = re.compile(r"[a-z][a-z0-9+.-]*://\S+")
 
 
@@ -581,8 +577,6 @@ def append_text(location: str | os.PathLike, text: str) -> None:
 def _process_folder() -> str:
   """This process's private local folder (`mkdtemp`: mode 0700), removed at exit."""
   import atexit  # pylint: disable=g-import-not-at-top
-  import shutil  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
   folder = tempfile.mkdtemp(prefix="jaxmoral-objects-")
   atexit.register(shutil.rmtree, folder, ignore_errors=True)
   return folder

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxmoral import fileio
 
@@ -160,7 +161,6 @@ def verify_integrity(root: str | os.PathLike, *, what: str, full: bool | Sequenc
     # Every process must take the same path into the gathering below: none may look before
     # process 0 has finished writing a manifest it saved a moment ago (it joins its writer
     # before verifying), or one would find no manifest and skip the collective.
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     multihost_utils.sync_global_devices("jaxmoral_verify_integrity")
   missing_required = [rel for rel in required if not fileio.isfile(fileio.join(root, rel))]
   if missing_required:
@@ -243,7 +243,6 @@ def _compare_digests(root: str, hashed: Sequence[str], saved: Mapping[str, str],
                   e.strerror or type(e).__name__)
   if count == 1:
     return changed, unreadable
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   index = {rel: k for k, rel in enumerate(hashed)}
   verdict = np.zeros(len(hashed) + 1, np.int32)  # 1: differs, 2: unreadable; last: unknown
   for rel in changed:

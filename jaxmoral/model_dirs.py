@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import pathlib
@@ -52,11 +51,8 @@ def vocabulary_path(directory: str | os.PathLike) -> Optional[pathlib.Path]:
   """The SentencePiece model a model directory carries (vocab/spiece.model or HF's
   spiece.model), or None."""
   directory = fileio.path(directory)
-  for path in (directory / run_dirs.VOCAB_DIR / run_dirs.SPIECE_FILE,
-               directory / run_dirs.SPIECE_FILE):
-    if path.is_file():
-      return path
-  return None
+  return next((path for path in (directory / run_dirs.VOCAB_DIR / run_dirs.SPIECE_FILE,
+                                 directory / run_dirs.SPIECE_FILE) if path.is_file()), None)
 
 
 def _vocabulary(directory: pathlib.Path, spm: pathlib.Path) -> Any:
@@ -69,8 +65,8 @@ def _vocabulary(directory: pathlib.Path, spm: pathlib.Path) -> Any:
     extra_ids = int(extra.read_text())
   elif tokenizer_config.is_file():
     try:
-      extra_ids = int(json.loads(tokenizer_config.read_text()).get("extra_ids", extra_ids))
-    except (json.JSONDecodeError, TypeError, ValueError):
+      extra_ids = int(fileio.read_json(tokenizer_config).get("extra_ids", extra_ids))
+    except (TypeError, ValueError):
       pass
   return vocab_lib.get_vocabulary(fileio.local_copy(spm), extra_ids=extra_ids)
 
@@ -89,10 +85,9 @@ def load_vocabulary(directory: str | os.PathLike) -> Any:
 
 
 def _read_config_json(path: pathlib.Path) -> T5Config:
+  values = fileio.read_json(path)
   try:
-    return T5Config.from_dict(json.loads(path.read_text()))
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+    return T5Config.from_dict(values)
   except (TypeError, ValueError) as e:
     raise ValueError(f"{path}: {e}") from e
 
@@ -325,14 +320,10 @@ class LoadedModel:
     return t5.T5(self.config, with_scalar_head=self.has_scalar_head)
 
 
+@functools.lru_cache(maxsize=32)
 def param_shardings(config: T5Config, partitioner: Any, *,
                     with_scalar_head: bool = False) -> PyTree:
   """The partitioner's `NamedSharding` tree for a T5's parameters (logical-axis rules)."""
-  return _param_shardings(config, partitioner, with_scalar_head)
-
-
-@functools.lru_cache(maxsize=32)
-def _param_shardings(config: T5Config, partitioner: Any, with_scalar_head: bool) -> PyTree:
   # Cached: the jitted functions of a loaded model take it as their parameters' in_shardings.
   return partitioner.sharding_for(t5.abstract_params(t5.T5(config,
                                                           with_scalar_head=with_scalar_head)))
@@ -404,16 +395,14 @@ def load(source: str | os.PathLike, *, step: Optional[int] = None, **kwargs: Any
   keeps its newest steps only): then the newest step is read instead, with a warning.
 
   Args:
-    source: A folder of any format in `FORMATS`, or a Hub id.
+    source, step, config, vocabulary: As in `inspect`.
     partitioner: Places every parameter by the partitioner's logical-axis rules; None and no
       `shardings`: `params_export.default_sharding`.
     shardings: Explicit `Sharding`s instead: one for all, or a tree with the parameters'
       structure.
-    step: A run's checkpoint step (default: the latest).
     dtype: Activation dtype of the returned config ("float32", "bfloat16"); default: stored.
     param_dtype: Floating-point parameters are cast to this while read; None keeps what is
       stored (e.g. a bfloat16 export).
-    config, vocabulary: As in `inspect`.
 
   Raises:
     FileNotFoundError / ValueError: See `inspect`; also parameters that do not fit the model.

@@ -63,16 +63,12 @@ def _target_from_metadata(metadata_tree: PyTree, shardings: Any, dtype: Optional
     by_path = {checkpoints.path_str(p): s for p, s in flat}
 
   def one(path: tuple[Any, ...], meta: Any) -> jax.ShapeDtypeStruct:
+    key = checkpoints.path_str(path)
     if not hasattr(meta, "shape"):
-      raise ValueError(f"{where}: saved leaf {checkpoints.path_str(path)} is not an array "
-                       f"({meta!r})")
-    if by_path is None:
-      sharding = shardings or default_sharding()
-    else:
-      key = checkpoints.path_str(path)
-      if key not in by_path:
-        raise ValueError(f"{where}: no sharding given for saved parameter {key}")
-      sharding = by_path[key]
+      raise ValueError(f"{where}: saved leaf {key} is not an array ({meta!r})")
+    if by_path is not None and key not in by_path:
+      raise ValueError(f"{where}: no sharding given for saved parameter {key}")
+    sharding = by_path[key] if by_path is not None else shardings or default_sharding()
     return jax.ShapeDtypeStruct(tuple(meta.shape), _cast_dtype(meta.dtype, dtype),
                                 sharding=sharding)
 
@@ -112,9 +108,7 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
                           "replace it")
   params = nn.meta.unbox(params)
   if dtype is not None:
-    target = jnp.dtype(dtype)
-    params = jax.tree_util.tree_map(
-        lambda x: x.astype(target) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    params = jax.tree_util.tree_map(lambda x: x.astype(_cast_dtype(x.dtype, dtype)), params)
   manifest = fileio.join(directory, integrity.INTEGRITY_FILE)
   if jax.process_index() == 0 and fileio.exists(manifest):
     fileio.remove(manifest)  # The old export's: it would describe files about to be replaced.
@@ -195,8 +189,7 @@ def _warn_skipped_unfinalised(model_dir: str, skipped: Sequence[int], used: int)
   holds the lock (it is still writing them)."""
   if not skipped or (model_dir, skipped[-1]) in _warned_skipped:
     return
-  run_folder = model_dir.rstrip("/").rsplit("/", 1)[0] if fileio.is_url(model_dir) else (
-      os.path.dirname(model_dir.rstrip(os.sep)))
+  run_folder = model_dir.rstrip("/").rsplit("/", 1)[0]  # An absolute path, or a URL.
   if fileio.basename(model_dir) == run_dirs.CHECKPOINTS_DIR and fileio.exists(
       fileio.join(run_folder, run_dirs.LOCK_FILE)):
     return
@@ -221,10 +214,7 @@ def _resolve_run_step(model_dir: str, step: Optional[int]) -> int:
       return steps[-1]  # verify says why.
     _warn_skipped_unfinalised(model_dir, [s for s in steps if s > finalised[-1]], finalised[-1])
     return finalised[-1]
-  step = int(step)
-  if step not in steps:
-    raise FileNotFoundError(f"{model_dir}: no checkpoint for step {step}; have {steps}")
-  return step
+  return checkpoints.resolve_step(model_dir, steps, step)
 
 
 def run_params_metadata(model_dir: str | os.PathLike, *, step: Optional[int] = None,

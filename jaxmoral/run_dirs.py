@@ -42,6 +42,7 @@ from typing import Any, Mapping, Optional
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxmoral import checkpoints
 from jaxmoral import fileio
@@ -106,7 +107,6 @@ def saved_steps(model_dir: str | os.PathLike) -> list[int]:
   return integrity.step_folders(checkpoints_dir(model_dir))
 
 
-# -- run files ----------------------------------------------------------------------------------
 def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Path:
   """Copies a SentencePiece vocabulary into `directory/vocab/` (model + extra ids)."""
   vocab_dir = fileio.path(directory) / VOCAB_DIR
@@ -124,9 +124,8 @@ def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary
   """Writes the run files (see the module docstring) under the run's integrity manifest."""
   model_dir = fileio.path(model_dir)
   model_dir.mkdir(parents=True, exist_ok=True)
-  manifest = model_dir / integrity.INTEGRITY_FILE
-  if manifest.exists():
-    manifest.unlink()  # It would describe the files about to be replaced.
+  # The old manifest would describe the files about to be replaced.
+  (model_dir / integrity.INTEGRITY_FILE).unlink(missing_ok=True)
   (model_dir / MODEL_CONFIG_FILE).write_text(config.to_json())
   save_vocabulary(model_dir, vocabulary)
   if settings:
@@ -164,7 +163,6 @@ def read_settings(directory: str | os.PathLike) -> dict[str, Any]:
   return fileio.read_json(path) if path.is_file() else {}
 
 
-# -- the lock -----------------------------------------------------------------------------------
 # A holder refreshes its lock's time this often; a lock of another host left unrefreshed for
 # LOCK_STALE_AFTER_S is stale (its pid cannot be checked from here: a preempted VM's job
 # restarted elsewhere would otherwise be locked out for good).
@@ -282,8 +280,7 @@ class RunDirLock:
 
   def _read(self) -> Optional[dict[str, Any]]:
     try:
-      with fileio.open(self.path) as f:
-        holder = json.load(f)
+      holder = json.loads(fileio.read_text(self.path))
       return holder if isinstance(holder, dict) else {}
     except FileNotFoundError:
       return None
@@ -372,7 +369,6 @@ class RunDirLock:
         if error is None:
           held = _held_locks[self.path] = _HeldLock(self.path, self._token)
     if jax.process_count() > 1:  # Every process refuses together; none waits in a collective.
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
       if refused and error is None:
         error = f"{os.path.dirname(self.path)} is in use by another training run (see process 0)"

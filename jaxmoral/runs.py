@@ -58,7 +58,7 @@ def _check_same_model(model_dir: str, config: Any) -> None:
   path = fileio.join(model_dir, run_dirs.MODEL_CONFIG_FILE)
   if config is None or not fileio.isfile(path):
     return
-  saved = json.loads(fileio.read_text(path))
+  saved = fileio.read_json(path)
   now = config.to_dict()
   differ = [f"{name}={saved[name]!r} there, {now[name]!r} here" for name in _SHAPE_FIELDS
             if name in saved and name in now and saved[name] != now[name]]
