@@ -17,6 +17,7 @@ import gin
 
 from jaxmoral import gin_checks
 from jaxmoral import gin_files
+from jaxmoral import run_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,7 @@ def bound_value(selector: str, param: str) -> Any:
 
 
 # Where a run keeps its final gin config (T5X's name).
-OPERATIVE_CONFIG_FILE = "config.gin"
+OPERATIVE_CONFIG_FILE = run_layout.CONFIG_FILE
 
 
 def write_operative_config(model_dir: str | os.PathLike[str], *,

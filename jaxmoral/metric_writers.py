@@ -15,6 +15,7 @@ import jax
 
 from jaxmoral import fileio
 from jaxmoral import run_dirs
+from jaxmoral import run_layout
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class MetricWriters:
       # pylint: disable=g-import-not-at-top  (optional, heavy)
       from tensorboardX.event_file_writer import EventsWriter
       from tensorboardX.record_writer import directory_check
-      for name in ("train", "eval"):
+      for name in run_layout.TENSORBOARD_DIRS:
         directory = run_dirs.events_dir(model_dir, name)
         directory_check(directory)  # Local folders and gs:// / s3:// alike.
         # pid and object id in the name: two writers started in the same second (a run and

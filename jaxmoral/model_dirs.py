@@ -3,7 +3,7 @@
 `FORMATS`: hf (a Hugging Face folder: config.json + safetensors or pytorch_model.bin, read
 with torch weights only; spiece.model), hub (a Hub id, through huggingface_hub's cache; with
 HF_HUB_OFFLINE=1 only the cache), t5x (an Orbax T5X `checkpoint_<step>`), export (params/ +
-config.json + vocab/), run (MODEL_DIR, `jaxmoral.run_dirs`: its latest step, or `step`; a PPO
+config.json + vocab/), run (MODEL_DIR, `jaxmoral.run_layout`: its latest step, or `step`; a PPO
 run gives its policy) and run_step (RUN/checkpoints/STEP). `load` creates every parameter in
 the sharding a partitioner asks for, each device reading only its own slice.
 """
@@ -30,6 +30,7 @@ from jaxmoral import fileio
 from jaxmoral import params_export
 from jaxmoral import partitioning
 from jaxmoral import run_dirs
+from jaxmoral import run_layout
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import hf_import
 from jaxmoral.models import t5
@@ -51,14 +52,14 @@ def vocabulary_path(directory: str | os.PathLike) -> Optional[pathlib.Path]:
   """The SentencePiece model a model directory carries (vocab/spiece.model or HF's
   spiece.model), or None."""
   directory = fileio.path(directory)
-  return next((path for path in (directory / run_dirs.VOCAB_DIR / run_dirs.SPIECE_FILE,
-                                 directory / run_dirs.SPIECE_FILE) if path.is_file()), None)
+  return next((path for path in (directory / run_layout.VOCAB_DIR / run_layout.SPIECE_FILE,
+                                 directory / run_layout.SPIECE_FILE) if path.is_file()), None)
 
 
 def _vocabulary(directory: pathlib.Path, spm: pathlib.Path) -> Any:
   """The seqio vocabulary of `spm`: extra ids from extra_ids.txt beside it, else from
   `directory`'s tokenizer_config.json (Hugging Face's T5 tokenizers), else T5's."""
-  extra = spm.parent / run_dirs.EXTRA_IDS_FILE
+  extra = spm.parent / run_layout.EXTRA_IDS_FILE
   tokenizer_config = directory / "tokenizer_config.json"
   extra_ids = vocab_lib.T5_EXTRA_IDS
   if extra.is_file():
@@ -130,10 +131,11 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
 
 def _run_checkpoint(path: pathlib.Path) -> Optional[tuple[pathlib.Path, Optional[int]]]:
   """(run directory, step) when `path` is a run or one of its steps; else None."""
-  if (path / run_dirs.MODEL_CONFIG_FILE).is_file() and (path / run_dirs.CHECKPOINTS_DIR).is_dir():
+  if ((path / run_layout.MODEL_CONFIG_FILE).is_file()
+      and (path / run_layout.CHECKPOINTS_DIR).is_dir()):
     return path, None
-  if (path.parent.name == run_dirs.CHECKPOINTS_DIR and path.name.isdigit()
-      and (path.parent.parent / run_dirs.MODEL_CONFIG_FILE).is_file()):
+  if (path.parent.name == run_layout.CHECKPOINTS_DIR and path.name.isdigit()
+      and (path.parent.parent / run_layout.MODEL_CONFIG_FILE).is_file()):
     return path.parent.parent, int(path.name)
   return None
 
@@ -204,8 +206,8 @@ def _local(source: str | os.PathLike) -> tuple[pathlib.Path, bool]:
     if not path.is_dir():
       raise FileNotFoundError(f"{text}: a model is a directory, not a file")
     return path, False
-  if (path.name.isdigit() and path.parent.name == run_dirs.CHECKPOINTS_DIR
-      and (path.parent.parent / run_dirs.MODEL_CONFIG_FILE).is_file()):
+  if (path.name.isdigit() and path.parent.name == run_layout.CHECKPOINTS_DIR
+      and (path.parent.parent / run_layout.MODEL_CONFIG_FILE).is_file()):
     steps = sorted(int(p.name) for p in path.parent.iterdir() if p.name.isdigit())
     raise FileNotFoundError(f"{text}: no checkpoint for step {path.name}; have {steps}")
   if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
@@ -246,7 +248,7 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
       raise ValueError(f"{source}: is step {run_step}, but step={step} was asked for")
     step = run_step if run_step is not None else step
     run_dirs.verify_run_files(run_path)
-    run_config = _read_config_json(run_path / run_dirs.MODEL_CONFIG_FILE)
+    run_config = _read_config_json(run_path / run_layout.MODEL_CONFIG_FILE)
     step, (_, tree) = params_export.run_params_metadata(
         run_dirs.checkpoints_dir(run_path), step=step)
     return found(run_path, "run" if run_step is None else "run_step", config or run_config,
@@ -276,8 +278,8 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
   raise FileNotFoundError(
       f"{source}: no model found (looked for {', '.join(hf_import.CHECKPOINT_FILES)} "
       f"(Hugging Face), {params_export.PARAMS_DIR}/ (jaxmoral export), "
-      f"{run_dirs.MODEL_CONFIG_FILE} + {run_dirs.CHECKPOINTS_DIR}/ (run), "
-      f"RUN/{run_dirs.CHECKPOINTS_DIR}/STEP (one step of a run), _METADATA (T5X / Orbax))")
+      f"{run_layout.MODEL_CONFIG_FILE} + {run_layout.CHECKPOINTS_DIR}/ (run), "
+      f"RUN/{run_layout.CHECKPOINTS_DIR}/STEP (one step of a run), _METADATA (T5X / Orbax))")
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -497,10 +499,10 @@ def export(directory: str | os.PathLike, *, params: PyTree, config: T5Config,
     written = []
     if vocabulary is not None:
       run_dirs.save_vocabulary(directory, vocabulary)
-      written.append(run_dirs.VOCAB_DIR)
+      written.append(run_layout.VOCAB_DIR)
     if settings:
       run_dirs.write_settings(directory, settings)
-      written.append(run_dirs.SETTINGS_FILE)
+      written.append(run_layout.SETTINGS_FILE)
     return written
 
   return params_export.export_params(params, directory, dtype=dtype, config=config.to_dict(),

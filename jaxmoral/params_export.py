@@ -1,4 +1,4 @@
-"""Params-only exports (layout: `jaxmoral.run_dirs`), and a run checkpoint's parameters.
+"""Params-only exports (layout: `jaxmoral.run_layout`), and a run checkpoint's parameters.
 
 A run's parameters are read as a partial restore of its state: nothing of its optimizer.
 Every load reads into the caller's shardings, its manifest checked before any array is read.
@@ -25,11 +25,11 @@ from jax.sharding import Sharding
 from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import integrity
-from jaxmoral import run_dirs
+from jaxmoral import run_layout
 
 PyTree = Any
-PARAMS_DIR = "params"
-CONFIG_FILE = "config.json"
+PARAMS_DIR = run_layout.EXPORT_PARAMS_DIR
+CONFIG_FILE = run_layout.EXPORT_CONFIG_FILE
 logger = logging.getLogger(__name__)
 
 
@@ -190,8 +190,8 @@ def _warn_skipped_unfinalised(model_dir: str, skipped: Sequence[int], used: int)
   if not skipped or (model_dir, skipped[-1]) in _warned_skipped:
     return
   run_folder = model_dir.rstrip("/").rsplit("/", 1)[0]  # An absolute path, or a URL.
-  if fileio.basename(model_dir) == run_dirs.CHECKPOINTS_DIR and fileio.exists(
-      fileio.join(run_folder, run_dirs.LOCK_FILE)):
+  if fileio.basename(model_dir) == run_layout.CHECKPOINTS_DIR and fileio.exists(
+      fileio.join(run_folder, run_layout.LOCK_FILE)):
     return
   _warned_skipped.add((model_dir, skipped[-1]))
   listed = ", ".join(str(s) for s in skipped)

@@ -25,6 +25,7 @@ from jaxmoral import fileio
 from jaxmoral import losses
 from jaxmoral import optimizers
 from jaxmoral import params_export
+from jaxmoral import run_layout
 from jaxmoral import train as train_lib
 from jaxmoral import validation
 from jaxmoral.models import trainable
@@ -36,7 +37,7 @@ InitMethod = Literal["vocab_sample", "words", "uniform"]
 # Trainer mask: the one top-level "prompt" leaf is trained, everything under "base" is frozen.
 PROMPT_PATTERN = r"^prompt$"
 PROMPT_FILE = "prompt.npy"
-PROMPT_SUBDIR = "prompt"  # Where a prompt-tuning run saves its prompt on its own.
+PROMPT_SUBDIR = run_layout.PROMPT_DIR  # Where a prompt-tuning run saves its prompt on its own.
 META_FILE = "prompt.json"
 
 

@@ -1,30 +1,4 @@
-"""A run directory (MODEL_DIR): its layout, its lock and its run files, described here only.
-
-A run directory is self-describing: `eval`, `infer`, `export` and `api.Model.from_pretrained`
-need nothing but its path. A local folder or gs://bucket/run::
-
-  train.lock              held while a run trains here (`RunDirLock`)
-  config.gin              the operative gin config (`gin_utils.write_operative_config`)
-  model_config.json       run file: the T5Config
-  settings.json           run file: what the model and data add (e.g. Diamante's lengths)
-  vocab/spiece.model      run file: the SentencePiece model (+ vocab/extra_ids.txt)
-  _INTEGRITY.json         sizes and sha256 of the run files (`save_run_files`)
-  software.jsonl          which code trained from which step (`software.record_start`)
-  checkpoints/<step>/     Orbax checkpoints (`checkpoints.CheckpointManager`), each:
-      state/              the whole state pytree (OCDBT/Zarr), e.g. a TrainState
-      extra/              a JSON dict (data position, reward normalisation, ...)
-      _INTEGRITY.json     the step's checksums (`integrity`)
-  checkpoints/_CHECKSUMMED.json   every later step carries checksums (`integrity`)
-  data_position/<step>/process_<i>-of-<n>/   a streamed seqio split's tf.data position
-  train/, eval/           TensorBoard event files (`metric_writers.MetricWriters`)
-  eval_<step>.json        `jaxmoral eval`'s report
-  prompt/                 a prompt-tuning run's soft prompt (`prompt_tuning`)
-  reward_curve.json       a PPO run's reward curve (`rl.ppo_trainer`)
-  data/                   a method's training pairs written for the run (ClarifyDelphi, NPOV)
-
-An export (`params_export.export_params`) has params/ (the parameter tree) and config.json
-instead of checkpoints/ and model_config.json, and an _INTEGRITY.json of all its files.
-"""
+"""A run directory (MODEL_DIR): its lock and its run files. Its layout is `run_layout`'s."""
 
 from __future__ import annotations
 
@@ -47,20 +21,13 @@ from jax.experimental import multihost_utils
 from jaxmoral import checkpoints
 from jaxmoral import fileio
 from jaxmoral import integrity
+from jaxmoral import run_layout
 from jaxmoral.models.config import T5Config
+from jaxmoral.run_layout import LOCK_FILE as LOCK_FILE  # The lock's callers name it here.
+from jaxmoral.run_layout import MODEL_CONFIG_FILE as MODEL_CONFIG_FILE
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINTS_DIR = "checkpoints"
-DATA_POSITION_DIR = "data_position"
-LOCK_FILE = "train.lock"
-MODEL_CONFIG_FILE = "model_config.json"
-SETTINGS_FILE = "settings.json"
-VOCAB_DIR = "vocab"
-SPIECE_FILE = "spiece.model"
-EXTRA_IDS_FILE = "extra_ids.txt"
-# What a run's manifest (MODEL_DIR/_INTEGRITY.json) covers: what loading the run reads.
-RUN_FILES = (MODEL_CONFIG_FILE, SETTINGS_FILE, VOCAB_DIR)
 
 
 def make_run_dir(model_dir: str | os.PathLike) -> str:
@@ -79,12 +46,12 @@ def make_run_dir(model_dir: str | os.PathLike) -> str:
 
 def checkpoints_dir(model_dir: str | os.PathLike) -> str:
   """The CheckpointManager directory of a run directory (MODEL_DIR/checkpoints)."""
-  return fileio.join(os.fspath(model_dir), CHECKPOINTS_DIR)
+  return fileio.join(os.fspath(model_dir), run_layout.CHECKPOINTS_DIR)
 
 
 def data_position_dir(model_dir: str | os.PathLike) -> str:
   """Where a streamed split saves its tf.data positions (`data.tasks.TaskSource`)."""
-  return fileio.join(os.fspath(model_dir), DATA_POSITION_DIR)
+  return fileio.join(os.fspath(model_dir), run_layout.DATA_POSITION_DIR)
 
 
 def vocabulary_build_dir(model_dir: str | os.PathLike) -> str:
@@ -94,7 +61,7 @@ def vocabulary_build_dir(model_dir: str | os.PathLike) -> str:
   model_dir = os.fspath(model_dir)
   if fileio.is_url(model_dir):
     return fileio.local_folder_for(model_dir, "_vocab")
-  return os.path.join(model_dir, VOCAB_DIR)
+  return os.path.join(model_dir, run_layout.VOCAB_DIR)
 
 
 def events_dir(model_dir: str | os.PathLike, name: str) -> str:
@@ -109,13 +76,13 @@ def saved_steps(model_dir: str | os.PathLike) -> list[int]:
 
 def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Path:
   """Copies a SentencePiece vocabulary into `directory/vocab/` (model + extra ids)."""
-  vocab_dir = fileio.path(directory) / VOCAB_DIR
+  vocab_dir = fileio.path(directory) / run_layout.VOCAB_DIR
   vocab_dir.mkdir(parents=True, exist_ok=True)
-  target = vocab_dir / SPIECE_FILE
+  target = vocab_dir / run_layout.SPIECE_FILE
   source = vocabulary.sentencepiece_model_file
   if fileio.is_url(target) or pathlib.Path(source).resolve() != pathlib.Path(target).resolve():
     fileio.write_bytes(target, fileio.read_bytes(source))
-  (vocab_dir / EXTRA_IDS_FILE).write_text(str(vocabulary.extra_ids))
+  (vocab_dir / run_layout.EXTRA_IDS_FILE).write_text(str(vocabulary.extra_ids))
   return target
 
 
@@ -126,18 +93,18 @@ def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary
   model_dir.mkdir(parents=True, exist_ok=True)
   # The old manifest would describe the files about to be replaced.
   (model_dir / integrity.INTEGRITY_FILE).unlink(missing_ok=True)
-  (model_dir / MODEL_CONFIG_FILE).write_text(config.to_json())
+  (model_dir / run_layout.MODEL_CONFIG_FILE).write_text(config.to_json())
   save_vocabulary(model_dir, vocabulary)
   if settings:
     write_settings(model_dir, settings)
   # Recorded: a deleted manifest is refused, not loaded unverified.
   integrity.write_integrity_manifest(
-      model_dir, [name for name in RUN_FILES if (model_dir / name).exists()])
+      model_dir, [name for name in run_layout.RUN_FILES if (model_dir / name).exists()])
   integrity.record_checksummed(checkpoints_dir(model_dir), run_files=True)
 
 
 def verify_run_files(model_dir: str | os.PathLike) -> bool:
-  """Checks a run's files (`RUN_FILES`) against its manifest before any of them is read.
+  """Checks a run's files (`run_layout.RUN_FILES`) against its manifest before any of them is read.
 
   A run without the manifest loads with a warning only if it never wrote one
   (`integrity.run_files_checksummed`): then False is returned, else True.
@@ -147,19 +114,19 @@ def verify_run_files(model_dir: str | os.PathLike) -> bool:
   """
   model_dir = fileio.abspath(model_dir)
   checksummed = integrity.run_files_checksummed(checkpoints_dir(model_dir))
-  required = [name for name in RUN_FILES
-              if name != VOCAB_DIR and fileio.exists(fileio.join(model_dir, name))]
+  required = [name for name in run_layout.RUN_FILES
+              if name != run_layout.VOCAB_DIR and fileio.exists(fileio.join(model_dir, name))]
   return integrity.verify_integrity(model_dir, what=f"{model_dir}: the run's files", full=True,
                                     required=required, unverified_ok=not checksummed)
 
 
 def write_settings(directory: str | os.PathLike, settings: Mapping[str, Any]) -> None:
-  (fileio.path(directory) / SETTINGS_FILE).write_text(
+  (fileio.path(directory) / run_layout.SETTINGS_FILE).write_text(
       json.dumps(dict(settings), indent=2, sort_keys=True) + "\n")
 
 
 def read_settings(directory: str | os.PathLike) -> dict[str, Any]:
-  path = fileio.path(directory) / SETTINGS_FILE
+  path = fileio.path(directory) / run_layout.SETTINGS_FILE
   return fileio.read_json(path) if path.is_file() else {}
 
 
@@ -269,7 +236,7 @@ class RunDirLock:
   """
 
   def __init__(self, model_dir: str | os.PathLike):
-    self.path = fileio.join(fileio.abspath(model_dir), LOCK_FILE)
+    self.path = fileio.join(fileio.abspath(model_dir), run_layout.LOCK_FILE)
     self._token = uuid.uuid4().hex
     self._depth = 0  # acquire() calls of this object not yet released.
 

@@ -34,6 +34,7 @@ from jaxmoral import losses
 from jaxmoral import model_dirs
 from jaxmoral import partitioning
 from jaxmoral import run_dirs
+from jaxmoral import run_layout
 from jaxmoral import token_rows
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
@@ -55,7 +56,7 @@ _SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_enco
 def _check_same_model(model_dir: str, config: Any) -> None:
   """Refuses a resume whose model differs from the run's (`model_config.json`) in a field
   that shapes the parameters, naming it, before Orbax meets the mismatch."""
-  path = fileio.join(model_dir, run_dirs.MODEL_CONFIG_FILE)
+  path = fileio.join(model_dir, run_layout.MODEL_CONFIG_FILE)
   if config is None or not fileio.isfile(path):
     return
   saved = fileio.read_json(path)

@@ -17,11 +17,12 @@ import subprocess
 from typing import Any, Optional
 
 from jaxmoral import fileio
+from jaxmoral import run_layout
 
 # The libraries whose versions decide what programs jaxmoral builds and how it saves them.
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
-RECORD_FILE = "software.jsonl"
+RECORD_FILE = run_layout.SOFTWARE_FILE
 
 
 def _version(distribution: str) -> Optional[str]:

@@ -14,9 +14,12 @@ import pathlib
 import stat
 from typing import Any, Iterator, Optional, Sequence
 
+from jaxmoral import run_layout
+
 # Folders never worth walking into: an Orbax step's array shards, vocabularies, caches.
-_SKIP_DIRS = frozenset({"checkpoints", "params", "vocab", "state", "__pycache__", ".git",
-                        "heatmaps", "prompt"})
+_SKIP_DIRS = frozenset({
+    run_layout.CHECKPOINTS_DIR, run_layout.EXPORT_PARAMS_DIR, run_layout.VOCAB_DIR,
+    run_layout.PROMPT_DIR, "state", "__pycache__", ".git", "heatmaps"})
 _MAX_DEPTH = 6
 _MAX_FILES = 20000
 
@@ -161,7 +164,7 @@ def classify_file(path: pathlib.Path) -> Optional[str]:
   """The kind of one file, from its name and first bytes (None: nothing to show)."""
   name = path.name
   if name.endswith(".jsonl"):
-    if name == "software.jsonl":
+    if name == run_layout.SOFTWARE_FILE:
       return None
     if name.startswith("scores"):
       # A detector's output; one that is not JSON still gets a page (that says so).
@@ -180,7 +183,7 @@ def classify_file(path: pathlib.Path) -> Optional[str]:
     return None
   if not name.endswith(".json"):
     return None
-  if name == "reward_curve.json":
+  if name == run_layout.REWARD_CURVE_FILE:
     return "reward_curve"
   data = _json_keys(path)
   if not isinstance(data, dict) or not data:
@@ -204,13 +207,14 @@ def discover(roots: Roots) -> list[Found]:
   found: list[Found] = []
   for index, folder, _, files in roots.walk():
     rel = roots.relative(index, folder)
-    checkpoints = (folder / "checkpoints").is_dir()  # Never walked into (`_SKIP_DIRS`).
+    # Never walked into (`_SKIP_DIRS`).
+    checkpoints = (folder / run_layout.CHECKPOINTS_DIR).is_dir()
     # A run: checkpoints, its operative config or TensorBoard events (not its train/ eval/).
-    if checkpoints or "config.gin" in files or (
-        any("tfevents" in f for f in files) and folder.name not in ("train", "eval")):
+    if checkpoints or run_layout.CONFIG_FILE in files or (
+        any("tfevents" in f for f in files) and folder.name not in run_layout.TENSORBOARD_DIRS):
       found.append(Found("run", index, rel))
     # What `model_dirs.load` reads: an export or Hugging Face folder, or a run.
-    if checkpoints or "config.json" in files:
+    if checkpoints or run_layout.EXPORT_CONFIG_FILE in files:
       found.append(Found("model", index, rel))
     for name in files:
       kind = classify_file(folder / name)

@@ -21,6 +21,7 @@ import flask
 import markupsafe
 import werkzeug.exceptions
 
+from jaxmoral import run_layout
 from jaxmoral.explore import charts
 from jaxmoral.explore import folders
 from jaxmoral.explore import live
@@ -340,7 +341,7 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
   @app.route("/runs")
   def runs():
     root, path = arg_path()
-    config = path / "config.gin"
+    config = path / run_layout.CONFIG_FILE
     return page(
         "runs.html", root, path, scalars=attempt(lambda: sources.run_scalars(path)),
         config=attempt(lambda: config.read_text(encoding="utf-8"))

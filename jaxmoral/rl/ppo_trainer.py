@@ -41,6 +41,7 @@ from jaxmoral import metrics as metrics_lib
 from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import pictures
+from jaxmoral import run_layout
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
 from jaxmoral import validation
@@ -838,7 +839,7 @@ class RewardCurveHook(train_lib.TrainHook):
 
 def reward_curve_path(model_dir: str | os.PathLike[str]) -> str:
   """`MODEL_DIR/reward_curve.json` (a local path or a bucket URL)."""
-  return fileio.join(model_dir, f"{RewardCurveHook.NAME}.json")
+  return fileio.join(model_dir, run_layout.REWARD_CURVE_FILE)
 
 
 def read_reward_curve(path: str | os.PathLike[str]) -> dict[int, float]:
