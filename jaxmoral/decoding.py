@@ -177,22 +177,15 @@ def decoder_step_kernels(params: Mapping[str, Any]) -> dict[str, list[Array]]:
   for name, layer in decoder.items():
     if not name.startswith("layers_"):
       continue
-    where = ("decoder", name)
-    attention = layer["self_attention"]
-    out[kernel_key(where + ("self_attention",), ("query", "key", "value"))] = [
-        attention[p]["kernel"] for p in ("query", "key", "value")]
-    for module, proj in (("self_attention", "out"), ("encoder_decoder_attention", "query"),
-                         ("encoder_decoder_attention", "out"), ("mlp", "wo")):
-      out[kernel_key(where + (module, proj), ("kernel",))] = [layer[module][proj]["kernel"]]
-    mlp = layer["mlp"]
-    if "wi_0" in mlp:
-      out[kernel_key(where + ("mlp",), ("wi_0", "wi_1"))] = [mlp["wi_0"]["kernel"],
-                                                             mlp["wi_1"]["kernel"]]
-    else:
-      out[kernel_key(where + ("mlp", "wi"), ("kernel",))] = [mlp["wi"]["kernel"]]
+    wi = ("wi_0", "wi_1") if "wi_0" in layer["mlp"] else ("wi",)
+    for module, projs in (("self_attention", ("query", "key", "value")),
+                          ("self_attention", ("out",)), ("encoder_decoder_attention", ("query",)),
+                          ("encoder_decoder_attention", ("out",)), ("mlp", wi), ("mlp", ("wo",))):
+      # Several kernels: one stacked product of the module; one kernel: its own product.
+      path, names = ((module,), projs) if len(projs) > 1 else ((module, projs[0]), ("kernel",))
+      out[kernel_key(("decoder", name) + path, names)] = [layer[module][p]["kernel"] for p in projs]
   if "logits_dense" in decoder:
-    out[kernel_key(("decoder", "logits_dense"), ("kernel",))] = [
-        decoder["logits_dense"]["kernel"]]
+    out[kernel_key(("decoder", "logits_dense"), ("kernel",))] = [decoder["logits_dense"]["kernel"]]
   else:
     out[kernel_key(("token_embedder",), ("attend",))] = [params["token_embedder"]["embedding"].T]
   return out
@@ -220,12 +213,12 @@ class DecodeBackend:
 
   def step_ops(self, kernels: Mapping[str, Array]) -> DecodeStepOps:
     """The ops the traced steps call, reading `prepare`'s kernels."""
-    return _StackedKernelOps(kernels)
+    return _PreparedKernelOps(kernels)
 
 
 class _PreparedKernelOps(DecodeStepOps):
-  """A step's products by the kernels a backend prepared (keyed by `kernel_key`); a product
-  whose kernels were not prepared runs as `DecodeStepOps` runs it."""
+  """A step's products by a backend's prepared kernels (keyed by `kernel_key`): XLA's over the
+  stacks unless a subclass overrides `prepared_products`; other products as `DecodeStepOps`."""
 
   def __init__(self, kernels: Mapping[str, Array]):
     self._kernels = kernels
@@ -239,13 +232,6 @@ class _PreparedKernelOps(DecodeStepOps):
 
   def prepared_products(self, x: Array, prepared: Array, widths: Sequence[int]) -> list[Array]:
     """[x @ k for each kernel k (of output width `widths[i]`)] through `prepared`."""
-    raise NotImplementedError
-
-
-class _StackedKernelOps(_PreparedKernelOps):
-  """XLA's products, several kernels read as one prepared stack."""
-
-  def prepared_products(self, x, prepared, widths):
     del widths
     return DecodeStepOps.stacked_products(x, prepared.astype(x.dtype))
 
@@ -255,11 +241,6 @@ class DecodeWeights:
   """A backend's (`DecodeBackend` name) prepared {kernel_key: kernel} for one set of params."""
   backend: str = flax.struct.field(pytree_node=False)
   kernels: dict[str, Array]
-
-
-def _is_concrete_on_one_cpu(x: Any) -> bool:
-  return (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-          and len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu")
 
 
 class PackedKernelBackend(DecodeBackend):
@@ -281,7 +262,9 @@ class PackedKernelBackend(DecodeBackend):
     """Float32 models whose parameters are concrete arrays on one CPU device, where the
     kernels build (`cpu_kernels.available()`; `JAXMORAL_CPU_KERNELS=0` turns them off)."""
     return (model.config.dtype == "float32" and cpu_kernels.enabled()
-            and all(_is_concrete_on_one_cpu(x) for x in jax.tree.leaves(nn.unbox(params)))
+            and all(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                    and [d.platform for d in x.devices()] == ["cpu"]
+                    for x in jax.tree.leaves(nn.unbox(params)))
             and cpu_kernels.available())
 
   def prepare(self, model: T5, params: Params) -> dict[str, Array]:
@@ -596,11 +579,8 @@ def make_sampler(model: T5, *, max_decode_length: int, num_samples: int = 1,
                  eos_id: int = 1, return_raw_logprobs: bool = False, partitioner: Any = None
                  ) -> Callable[..., DecodeOutput]:
   """A jitted sampler `fn(params, encoder_input_tokens=None, encoder_embeds=None,
-  encoder_mask=None, rng=None, decode_weights=None) -> DecodeOutput` for fixed settings.
-
-  The same function object for the same (model, `SampleConfig` settings, partitioner), with
-  one executable per input shape, so repeated calls never recompile.
-  """
+  encoder_mask=None, rng=None, decode_weights=None) -> DecodeOutput` for fixed settings: the
+  same function for the same (model, settings, partitioner), one executable per input shape."""
   config = SampleConfig(max_decode_length=max_decode_length, num_samples=num_samples,
                         temperature=float(temperature), top_k=top_k, top_p=float(top_p),
                         greedy=greedy, no_repeat_ngram_size=no_repeat_ngram_size,

@@ -89,7 +89,6 @@ def _teacher_forced_logits(model: t5.T5, params: Any, encoder_input_tokens: Arra
 @functools.lru_cache(maxsize=64)
 def _jitted(fn: Callable[..., Any], model: t5.T5, partitioner: Any, num_inputs: int,
             static: tuple[Any, ...]) -> partitioning.PartitionedFunction:
-  """`fn(model, params, *inputs, *static)` jitted on the mesh, the params in their shardings."""
   def run(params: Any, *inputs: Any) -> Any:
     return fn(model, params, *inputs, *static)
   return model_dirs.jit_with_params(run, model.config, partitioner,
@@ -231,7 +230,6 @@ class InferenceModel:
       arrays = self.partitioner.shard_inputs(arrays)
     return arrays[0] if len(arrays) == 1 else arrays
 
-  # -- text <-> ids -----------------------------------------------------------------------------
   def _require_vocabulary(self) -> Any:
     if self.vocabulary is None:
       raise ValueError(f"{self.source}: no vocabulary; pass vocabulary= (a seqio vocabulary or "
@@ -290,7 +288,6 @@ class InferenceModel:
     length = self.input_length or token_rows.bucket(max(map(len, rows)), MIN_BUCKET)
     return _pad(rows, len(rows), length)
 
-  # -- bucketed batches -------------------------------------------------------------------------
   def batches(self, inputs: TextOrTokens, targets: Optional[TextOrTokens] = None, *,
               batch_size: int = 32):
     """Yields (n, encoder, targets, target_lengths) numpy batches of fixed bucketed shapes
@@ -316,7 +313,7 @@ class InferenceModel:
       lengths[:n] = [len(r) for r in dec_chunk]
       yield n, enc, _pad(dec_chunk, rows, dec_len), lengths
 
-  # -- jitted functions (what `jaxmoral compile` lowers) ----------------------------------------
+  # The jitted functions the calls below run (what `jaxmoral compile` lowers).
   def jitted(self, fn: Callable[..., Any], num_inputs: int,
              static: tuple[Any, ...] = ()) -> partitioning.PartitionedFunction:
     """`fn(module, params, *inputs, *static)` as `g(params, *inputs)` on the model's mesh
@@ -353,7 +350,6 @@ class InferenceModel:
       return self.class_scorer()
     return decoding.make_scorer(self.module, self.partitioner)
 
-  # -- model calls ------------------------------------------------------------------------------
   def logits(self, inputs: TextOrTokens, targets: TextOrTokens, *,
              batch_size: int = 32) -> np.ndarray:
     """Teacher-forced (batch, longest target, vocab) float32 logits: position t predicts
@@ -452,16 +448,14 @@ class InferenceModel:
                        f"got {', '.join(bad)}")
     if _is_empty(inputs):
       return np.zeros((0, len(labels)), np.float32)
-    out = []
+    out, scorer = [], self.label_scorer(labels)
     if single:
       class_ids = jnp.asarray([i[0] for i in ids], jnp.int32)
-      fn = self.class_scorer()
       for n, enc, _, _ in self.batches(inputs):
-        out.append(np.asarray(fn(self.params, self.place(enc), class_ids))[:n])
+        out.append(np.asarray(scorer(self.params, self.place(enc), class_ids))[:n])
       return np.concatenate(out).astype(np.float32)
     eos = self.config.eos_token_id
     label_targets = _pad([label + [eos] for label in ids], len(ids), max(map(len, ids)) + 1)
-    scorer = decoding.make_scorer(self.module, self.partitioner)
     for n, enc, _, _ in self.batches(inputs):
       targets = np.ascontiguousarray(np.broadcast_to(label_targets,
                                                      (len(enc),) + label_targets.shape))

@@ -75,10 +75,7 @@ def cross_entropy_with_logits(logits: Array, targets: Array, *, label_smoothing:
   Returns:
     (loss, z_loss_term), both (...) float32; `loss` already includes `z_loss_term`.
   """
-  if not 0.0 <= label_smoothing < 1.0:
-    raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-  if z_loss < 0.0:
-    raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+  _check_smoothing(label_smoothing, z_loss)
   logits, log_z, target_logit = _log_softmax_parts(logits, targets)
   target_logp = target_logit - log_z
   if label_smoothing > 0.0:
@@ -95,6 +92,13 @@ def cross_entropy_with_logits(logits: Array, targets: Array, *, label_smoothing:
   return loss + z_term, z_term
 
 
+def _check_smoothing(label_smoothing: float, z_loss: float, where: str = "") -> None:
+  if not 0.0 <= label_smoothing < 1.0:
+    raise ValueError(f"{where}label_smoothing must be in [0, 1), got {label_smoothing}")
+  if z_loss < 0.0:
+    raise ValueError(f"{where}z_loss must be >= 0, got {z_loss}")
+
+
 def token_nll(logits: Array, targets: Array, weights: Optional[Array], *,
               label_smoothing: float = 0.0, z_loss: float = 0.0) -> tuple[Array, Array, Array]:
   """(loss_sum, weight_sum, z_loss_sum): `cross_entropy_with_logits` summed over tokens.
@@ -104,8 +108,7 @@ def token_nll(logits: Array, targets: Array, weights: Optional[Array], *,
   """
   loss, z_term = cross_entropy_with_logits(logits, targets, label_smoothing=label_smoothing,
                                            z_loss=z_loss)
-  if weights is None:
-    weights = jnp.ones(targets.shape, jnp.float32)
+  weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
   weights = weights.astype(jnp.float32)
   return jnp.sum(loss * weights), jnp.sum(weights), jnp.sum(z_term * weights)
 
@@ -171,20 +174,19 @@ class Term:
   @property
   def value(self) -> Array:
     """The term's value on its batch: total / count (0 for a zero count), or total."""
-    if self.weighting == "sum":
-      return self.total
-    return _safe_divide(self.total, self.count)
+    return self.total if self.weighting == "sum" else _safe_divide(self.total, self.count)
 
 
 def _f32(x: Any) -> Array:
   return jnp.asarray(x, jnp.float32)
 
 
-def combine_terms(stacked: Mapping[str, Term]) -> dict[str, Term]:
-  """Terms with a leading microbatch dim -> the whole batch's terms (totals and counts added).
+TermsFn = Callable[[Any, Any, Optional[Array]], Mapping[str, Term]]
 
-  A "sum" term keeps count 1; the others' counts add, so `value` is the one-batch value.
-  """
+
+def combine_terms(stacked: Mapping[str, Term]) -> dict[str, Term]:
+  """Terms with a leading microbatch dim -> the whole batch's terms (totals and counts added;
+  a "sum" term keeps count 1)."""
   return {name: Term(jnp.sum(term.total, axis=0),
                      jnp.ones((), jnp.float32) if term.weighting == "sum"
                      else jnp.sum(term.count, axis=0), term.weighting)
@@ -202,12 +204,8 @@ def weighted_loss(terms: Mapping[str, Term], weights: Mapping[str, float],
   loss = jnp.zeros((), jnp.float32)
   for name, weight in weights.items():
     term = terms[name]
-    if term.weighting == "sum":
-      value = term.total
-    else:
-      count = jax.lax.stop_gradient(term.count if counts is None else counts[name])
-      value = _safe_divide(term.total, count)
-    loss = loss + weight * value
+    count = jax.lax.stop_gradient(term.count if counts is None else counts[name])
+    loss = loss + weight * Term(term.total, count, term.weighting).value
   return loss
 
 
@@ -220,8 +218,7 @@ class TermsLoss:
   `Trainer` uses `terms` to combine microbatches exactly.
   """
 
-  def __init__(self, terms_fn: Callable[[Any, Any, Optional[Array]], Mapping[str, Term]],
-               *, weights: Mapping[str, float], name: str = "loss"):
+  def __init__(self, terms_fn: TermsFn, *, weights: Mapping[str, float], name: str = "loss"):
     """Wraps a terms function.
 
     Args:
@@ -300,10 +297,7 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
     per-token `nll` (unsmoothed), `z_loss` and `accuracy` (target logit is the largest), and
     `num_tokens` (the weight sum).
   """
-  if not 0.0 <= label_smoothing < 1.0:
-    raise ValueError(f"seq2seq_loss_fn: label_smoothing must be in [0, 1), got {label_smoothing}")
-  if z_loss < 0.0:
-    raise ValueError(f"seq2seq_loss_fn: z_loss must be >= 0, got {z_loss}")
+  _check_smoothing(label_smoothing, z_loss, "seq2seq_loss_fn: ")
   if loss_normalizing_factor is not None and not loss_normalizing_factor > 0:
     raise ValueError("seq2seq_loss_fn: loss_normalizing_factor must be None or > 0, got "
                      f"{loss_normalizing_factor}")
@@ -314,9 +308,7 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
       raise KeyError(f"seq2seq_loss_fn: batch lacks feature(s) {missing}; has {sorted(batch)}")
     targets = batch["decoder_target_tokens"]
     weights = batch.get("decoder_loss_weights")
-    if weights is None:
-      weights = targets > 0
-    weights = weights.astype(jnp.float32)
+    weights = (targets > 0 if weights is None else weights).astype(jnp.float32)
     logits = model.apply({"params": params}, batch["encoder_input_tokens"],
                          batch["decoder_input_tokens"], deterministic=rng is None,
                          rngs=None if rng is None else {"dropout": rng},
@@ -346,8 +338,7 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
 
 def pairwise_logistic(better: Array, worse: Array) -> Array:
   """-log sigmoid(better - worse), elementwise, computed stably as softplus(worse - better)."""
-  diff = worse.astype(jnp.float32) - better.astype(jnp.float32)
-  return jax.nn.softplus(diff)
+  return jax.nn.softplus(worse.astype(jnp.float32) - better.astype(jnp.float32))
 
 
 def entropy_from_logits(logits: Array) -> Array:

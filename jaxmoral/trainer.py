@@ -30,15 +30,12 @@ from jaxmoral import validation
 
 PyTree = Any
 Params = Mapping[str, Any]
-LossFn = Callable[[Params, Mapping[str, jax.Array], Optional[jax.Array]],
-                  tuple[jax.Array, dict[str, jax.Array]]]
+LossFn = losses.LossFn
+TermsFn = losses.TermsFn
 EvalFn = Callable[[Params, Mapping[str, jax.Array]], dict[str, jax.Array]]
 MaskSpec = Union[None, str, Sequence[str], Callable[[str, Any], bool], PyTree]
 
-TermsFn = Callable[[PyTree, Any, Optional[jax.Array]], Mapping[str, losses.Term]]
 
-
-# -- trainable mask ---------------------------------------------------------------------------
 def _path_str(path: Any) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/")
 
@@ -131,12 +128,9 @@ def merge_params(trainable: Params, frozen: Params) -> dict:
   """Inverse of `split_params`."""
   out = dict(frozen)
   for key, value in trainable.items():
-    if key in out:
-      if not (isinstance(value, Mapping) and isinstance(out[key], Mapping)):
-        raise ValueError(f"merge_params: leaf {key!r} is both trainable and frozen")
-      out[key] = merge_params(value, out[key])
-    else:
-      out[key] = value
+    if key in out and not (isinstance(value, Mapping) and isinstance(out[key], Mapping)):
+      raise ValueError(f"merge_params: leaf {key!r} is both trainable and frozen")
+    out[key] = merge_params(value, out[key]) if key in out else value
   return out
 
 
@@ -151,7 +145,6 @@ def _threefry_as_one_gpu_kernel() -> Any:
   return contextlib.nullcontext() if state is None else state(True)
 
 
-# -- state -------------------------------------------------------------------------------------
 @flax.struct.dataclass
 class TrainState:
   """Everything a training run checkpoints (the data position is `step`, updates applied).
@@ -164,15 +157,6 @@ class TrainState:
   step: jax.Array
   params: PyTree
   opt_state: PyTree
-
-
-def _combine_metrics(per_micro: dict[str, jax.Array], weights: jax.Array) -> dict[str, jax.Array]:
-  """Microbatch metrics -> batch metrics: counts (`num_*`) summed, others weighted means."""
-  total = jnp.sum(weights)
-  return {name: jnp.sum(values, axis=0) if name.startswith("num_")
-          else jnp.sum(values * weights.reshape((-1,) + (1,) * (values.ndim - 1)),
-                       axis=0) / jnp.where(total > 0, total, 1.0)
-          for name, values in per_micro.items()}
 
 
 # `Trainer.eval_step` reports each term's count and each loss weight under these prefixes, so
@@ -213,7 +197,11 @@ def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
   stacked = {k: jnp.asarray(np.stack([np.asarray(m[k], np.float32) for m in metrics]))
              for k in metrics[0]}
   weights = stacked.get("num_tokens", jnp.ones((len(metrics),), jnp.float32))
-  return {k: float(v) for k, v in _combine_metrics(stacked, weights).items()}
+  total = jnp.sum(weights)
+  return {name: float(jnp.sum(values, axis=0) if name.startswith("num_")
+                      else jnp.sum(values * weights.reshape((-1,) + (1,) * (values.ndim - 1)),
+                                   axis=0) / jnp.where(total > 0, total, 1.0))
+          for name, values in stacked.items()}
 
 
 def as_terms_loss(loss_fn: Union[LossFn, losses.TermsLoss]) -> losses.TermsLoss:
@@ -237,12 +225,11 @@ def microbatch_gradients(terms_fn: TermsFn, weights: Mapping[str, float], params
                          ) -> tuple[PyTree, dict[str, losses.Term]]:
   """Exact gradients and terms of a terms-declared loss over a batch, in microbatches.
 
-  The loss is `losses.weighted_loss(terms, weights)` of the whole batch. With m > 1
-  `num_microbatches` (rows i, i + m, i + 2m, ... form microbatch i, so each draws equally from
-  every data shard), the whole batch's counts are taken first (`terms_fn` on the whole batch, of
-  which only the counts are used: XLA removes the rest of that forward pass), then a `lax.scan`
-  accumulates the gradient of `weighted_loss(microbatch terms, weights, counts=whole batch's)`.
-  Those microbatch losses sum to the batch's loss, so the summed gradient is its gradient.
+  With m > 1 `num_microbatches` (rows i, i + m, i + 2m, ... form microbatch i, so each draws
+  equally from every data shard), the whole batch's counts are taken first (`terms_fn` on the
+  whole batch, of which XLA keeps only the counts), then a `lax.scan` sums the gradients of
+  `losses.weighted_loss(microbatch terms, weights, counts=whole batch's)`: the gradient of the
+  whole batch's `weighted_loss(terms, weights)`.
 
   Args:
     terms_fn: `(params, batch, rng) -> {name: losses.Term}`; counts must not depend on params.
@@ -354,17 +341,15 @@ class TrainStateInitializer:
     self._from_params_jit = partitioner.partition(
         self.state_from_params, in_shardings=(self.params_shardings,),
         out_shardings=self.state_shardings)
-    self._init_params_jit: Optional[Callable[[jax.Array], PyTree]] = None
+    self._init_params_jit = partitioner.partition(
+        lambda r: nn.meta.unbox(init_params_fn(r)), in_shardings=(self.replicated,),
+        out_shardings=self.params_shardings)
 
   def _init_fn(self, rng: jax.Array) -> TrainState:
     return self.state_from_params(nn.meta.unbox(self._init_params_fn(rng)))
 
   def init_params(self, rng: jax.Array) -> PyTree:
     """Fresh parameters only (no optimizer state), created on device with their shardings."""
-    if self._init_params_jit is None:
-      self._init_params_jit = self.partitioner.partition(
-          lambda r: nn.meta.unbox(self._init_params_fn(r)), in_shardings=(self.replicated,),
-          out_shardings=self.params_shardings)
     with _threefry_as_one_gpu_kernel():
       return self._init_params_jit(rng)
 
@@ -382,9 +367,8 @@ class TrainStateInitializer:
   def check_params(self, params: PyTree, *, where: str = "init_state_from_params") -> None:
     """Raises ValueError naming a missing, unexpected or mis-shaped parameter."""
     params = nn.meta.unbox(params)
-    want = dict(zip(param_paths(self._abstract.params),
-                    jax.tree_util.tree_leaves(self._abstract.params), strict=True))
-    got = dict(zip(param_paths(params), jax.tree_util.tree_leaves(params), strict=True))
+    want, got = ({_path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+                 for tree in (self._abstract.params, params))
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
       raise ValueError(f"{where}: missing params {missing[:5]}, unexpected params {extra[:5]}")
@@ -411,10 +395,6 @@ class TrainStateInitializer:
       ValueError: A path is missing/unexpected or a shape differs (naming it).
     """
     return self._from_params_jit(self.place_params(params))
-
-  def abstract_params(self) -> PyTree:
-    """Parameters as `ShapeDtypeStruct`s carrying their shardings."""
-    return self.abstract_state().params
 
   def abstract_state(self) -> TrainState:
     """`TrainState` of `ShapeDtypeStruct`s carrying their shardings (restore / AOT compile)."""
@@ -479,7 +459,6 @@ class Trainer:
         self._eval_step_fn, in_shardings=(self.state_shardings, None),
         out_shardings=self._replicated)
 
-  # -- state creation ---------------------------------------------------------------------------
   def init_state(self, rng: jax.Array) -> TrainState:
     """Fresh parameters and optimizer state, created on device with their shardings."""
     return self.initializer.init_state(rng)
@@ -492,17 +471,15 @@ class Trainer:
     """`TrainState` of `ShapeDtypeStruct`s carrying their shardings (restore / AOT compile)."""
     return self.initializer.abstract_state()
 
-  # -- batches ----------------------------------------------------------------------------------
   def _check_batch(self, batch: Mapping[str, Any], *, processes: int = 1) -> None:
     """Clear errors for batches the step cannot take (`processes`: local -> global rows)."""
     if not isinstance(batch, Mapping) or not batch:
       raise ValueError(f"Trainer: a batch must be a non-empty dict of arrays, got "
                        f"{type(batch).__name__}")
     sizes = {k: (v.shape[0] if len(v.shape) else None) for k, v in batch.items()}
-    if len(set(sizes.values())) != 1 or None in sizes.values():
-      raise ValueError(f"Trainer: batch features need one common leading batch dim, got {sizes}")
     local_size = next(iter(sizes.values()))
-    assert local_size is not None  # No None in sizes (checked above).
+    if len(set(sizes.values())) != 1 or local_size is None:
+      raise ValueError(f"Trainer: batch features need one common leading batch dim, got {sizes}")
     size = local_size * processes
     data = self.partitioner.mesh.shape[partitioning.DATA_AXIS]
     if size % self.num_microbatches:
@@ -526,7 +503,6 @@ class Trainer:
       self._check_batch(batch)
     return dict(batch)
 
-  # -- steps ------------------------------------------------------------------------------------
   def _train_fn(self, state: TrainState, batch, rng):
     trainable, frozen = split_params(state.params, self.trainable_mask)
     # Gradients keep the parameters' shardings (FSDP included), also inside the microbatch
@@ -580,7 +556,6 @@ class Trainer:
     also `count/<term>` and `loss_weight/<term>`, which `average_metrics` combines and drops."""
     return self._eval_jit(state, self._global_batch(batch, check=False))
 
-  # -- AOT ----------------------------------------------------------------------------------------
   @property
   def train_step_function(self) -> Any:
     """The jitted, sharded function `train_step` runs (`jaxmoral compile` lowers it)."""
