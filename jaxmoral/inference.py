@@ -286,7 +286,7 @@ class InferenceModel:
       rows = [r if len(r) <= self.input_length else r[:self.input_length - 1] + r[-1:]
               for r in rows]
     length = self.input_length or token_rows.bucket(max(map(len, rows)), MIN_BUCKET)
-    return _pad(rows, len(rows), length)
+    return token_rows.padded(rows, length)
 
   def batches(self, inputs: TextOrTokens, targets: Optional[TextOrTokens] = None, *,
               batch_size: int = 32):
@@ -311,7 +311,7 @@ class InferenceModel:
       dec_chunk = dec_rows[start:start + step]
       lengths = np.zeros(rows, np.int32)
       lengths[:n] = [len(r) for r in dec_chunk]
-      yield n, enc, _pad(dec_chunk, rows, dec_len), lengths
+      yield n, enc, token_rows.padded(dec_chunk, dec_len, rows), lengths
 
   # The jitted functions the calls below run (what `jaxmoral compile` lowers).
   def jitted(self, fn: Callable[..., Any], num_inputs: int,
@@ -455,7 +455,7 @@ class InferenceModel:
         out.append(np.asarray(scorer(self.params, self.place(enc), class_ids))[:n])
       return np.concatenate(out).astype(np.float32)
     eos = self.config.eos_token_id
-    label_targets = _pad([label + [eos] for label in ids], len(ids), max(map(len, ids)) + 1)
+    label_targets = token_rows.padded([label + [eos] for label in ids], max(map(len, ids)) + 1)
     for n, enc, _, _ in self.batches(inputs):
       targets = np.ascontiguousarray(np.broadcast_to(label_targets,
                                                      (len(enc),) + label_targets.shape))
@@ -465,8 +465,3 @@ class InferenceModel:
     return np.concatenate(out).astype(np.float32)
 
 
-def _pad(rows: Sequence[Sequence[int]], batch: int, length: int) -> np.ndarray:
-  out = np.zeros((batch, length), np.int32)
-  for i, row in enumerate(rows):
-    out[i, :len(row)] = row
-  return out

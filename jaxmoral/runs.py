@@ -485,10 +485,8 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
     written = 0  # Records written: the next input line to answer.
     for begin in range(0, len(todo), batch_size):
       chunk = todo[begin:begin + batch_size]
-      tokens = np.zeros((batch_size, input_length), np.int32)
-      for i, (_, ids) in enumerate(chunk):
-        ids = ids[:input_length - 1] + [1]
-        tokens[i, :len(ids)] = ids
+      tokens = token_rows.padded([ids[:input_length - 1] + [1] for _, ids in chunk],
+                                 input_length, batch_size)
       tokens = partitioner.shard_inputs(tokens)
       if beam_config is not None:
         seqs, scores = beam_search(params, tokens, decode_weights=weights)

@@ -7,7 +7,7 @@ are padded to `bucket` sizes: few distinct shapes, so `jax.jit` keeps few execut
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -22,6 +22,15 @@ def text_ids(row: Any, eos_id: int, pad_id: int = 0) -> list[int]:
       break
     if token != pad_id:
       out.append(int(token))
+  return out
+
+
+def padded(rows: Sequence[Sequence[int]], length: int, batch: Optional[int] = None) -> np.ndarray:
+  """(batch or len(rows), length) int32: each row's ids from the left, zeros after (and in the
+  rows beyond `rows`)."""
+  out = np.zeros((len(rows) if batch is None else batch, length), np.int32)
+  for i, row in enumerate(rows):
+    out[i, :len(row)] = row
   return out
 
 

@@ -11,6 +11,7 @@ from jaxmoral import api
 from jaxmoral import decoding
 from jaxmoral import inference
 from jaxmoral import partitioning
+from jaxmoral import token_rows
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.models import t5
@@ -56,8 +57,8 @@ def test_score_is_the_log_softmax_of_the_logits(one):
   expected = [sum(logp[i, t, tok] for t, tok in enumerate(row)) for i, row in enumerate(targets)]
   np.testing.assert_allclose(one.score(inputs, targets), expected, rtol=1e-4, atol=1e-4)
   # The logits are the network's own teacher-forced forward on the padded rows.
-  enc = inference._pad(inputs, 5, 16)
-  dec = inference._pad(targets, 5, 16)
+  enc = token_rows.padded(inputs, 16, 5)
+  dec = token_rows.padded(targets, 16, 5)
   ref = t5.T5(CONFIG).apply({"params": one.params}, enc, np.asarray(t5.shift_right(dec, 0)))
   np.testing.assert_allclose(logits, np.asarray(ref)[:, :logits.shape[1]], atol=1e-5)
 

@@ -36,3 +36,15 @@ def test_bucket_is_the_smallest_power_of_two_multiple(minimum):
 def test_bucket_refuses_a_minimum_below_one():
   with pytest.raises(ValueError, match="minimum must be >= 1"):
     token_rows.bucket(3, 0)
+
+
+@pytest.mark.parametrize("batch", [None, 5])
+def test_padded_rows_are_the_ids_from_the_left_then_zeros(batch):
+  rows = [[3, 4, 5], [], [7], [9, 9, 9, 9]]
+  got = token_rows.padded(rows, 6, batch)
+  want = np.zeros((batch or len(rows), 6), np.int32)
+  for i, row in enumerate(rows):
+    for j, token in enumerate(row):
+      want[i, j] = token
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, want)

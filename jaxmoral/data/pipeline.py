@@ -21,6 +21,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxmoral import token_rows
 from jaxmoral.data import source
 
 Features = dict[str, np.ndarray]
@@ -59,13 +60,6 @@ def autoregressive_inputs(targets: np.ndarray, segment_ids: Optional[np.ndarray]
   return inputs
 
 
-def _pad_rows(rows: Sequence[Sequence[int]], length: int) -> np.ndarray:
-  out = np.zeros((len(rows), length), np.int32)
-  for i, row in enumerate(rows):
-    out[i, :len(row)] = row
-  return out
-
-
 def _pack(inputs: list[list[int]], targets: list[list[int]],
           lengths: Mapping[str, int]) -> Features:
   """Greedy first-fit packing: each example goes into the first row where both parts fit."""
@@ -84,10 +78,11 @@ def _pack(inputs: list[list[int]], targets: list[list[int]],
   for key, tokens_name, seqs, length in (
       ("encoder", "encoder_input_tokens", inputs, lengths["inputs"]),
       ("decoder", "decoder_target_tokens", targets, lengths["targets"])):
-    features[tokens_name] = _pad_rows([[t for i in row for t in seqs[i]] for row in bins], length)
-    features[f"{key}_segment_ids"] = _pad_rows(
+    features[tokens_name] = token_rows.padded(
+        [[t for i in row for t in seqs[i]] for row in bins], length)
+    features[f"{key}_segment_ids"] = token_rows.padded(
         [[s for s, i in enumerate(row, start=1) for _ in seqs[i]] for row in bins], length)
-    features[f"{key}_positions"] = _pad_rows(
+    features[f"{key}_positions"] = token_rows.padded(
         [[p for i in row for p in range(len(seqs[i]))] for row in bins], length)
   features["decoder_input_tokens"] = autoregressive_inputs(
       features["decoder_target_tokens"], features["decoder_segment_ids"])
@@ -120,12 +115,13 @@ def encode_pairs(inputs: Sequence[str], targets: Sequence[str], *, vocabulary: A
   y = _tokenize(targets, vocabulary, feature_lengths["targets"], add_eos, eos_id, "targets")
   if pack:
     return _pack(x, y, feature_lengths)
-  targets_arr = _pad_rows(y, feature_lengths["targets"])
+  targets_arr = token_rows.padded(y, feature_lengths["targets"])
   return {
-      "encoder_input_tokens": _pad_rows(x, feature_lengths["inputs"]),
+      "encoder_input_tokens": token_rows.padded(x, feature_lengths["inputs"]),
       "decoder_target_tokens": targets_arr,
       "decoder_input_tokens": autoregressive_inputs(targets_arr),
-      "decoder_loss_weights": _pad_rows([[1] * len(t) for t in y], feature_lengths["targets"]),
+      "decoder_loss_weights": token_rows.padded([[1] * len(t) for t in y],
+                                                feature_lengths["targets"]),
   }
 
 

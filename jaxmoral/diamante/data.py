@@ -25,6 +25,7 @@ from typing import AbstractSet, Any, Callable, Iterable, Mapping, Optional, Sequ
 import gin
 import numpy as np
 
+from jaxmoral import token_rows
 from jaxmoral import validation
 from jaxmoral.data import pipeline
 from jaxmoral.data import source
@@ -188,19 +189,13 @@ def encode_context(vocab: vocab_lib.Vocabulary, context: Sequence[str],
                    config: FeatureConfig) -> np.ndarray:
   """(context_length,) int32: the joined context, left-truncated, EOS, zero padded."""
   ids = list(vocab.encode(config.separator.join(context)))[-(config.context_length - 1):]
-  return _zero_padded(ids + [config.eos_id], config.context_length)
+  return token_rows.padded([ids + [config.eos_id]], config.context_length)[0]
 
 
 def encode_response(vocab: vocab_lib.Vocabulary, text: str, config: FeatureConfig) -> np.ndarray:
   """(response_length,) int32 targets: tokens (right-truncated), EOS, zero padded."""
   ids = list(vocab.encode(text))[:config.response_length - 2]
-  return _zero_padded(ids + [config.eos_id], config.response_length)
-
-
-def _zero_padded(ids: Sequence[int], length: int) -> np.ndarray:
-  out = np.zeros((length,), np.int32)
-  out[:len(ids)] = ids
-  return out
+  return token_rows.padded([ids + [config.eos_id]], config.response_length)[0]
 
 
 def response_features(targets: np.ndarray) -> dict[str, np.ndarray]:

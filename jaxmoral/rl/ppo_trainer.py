@@ -42,6 +42,7 @@ from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import pictures
 from jaxmoral import run_layout
+from jaxmoral import token_rows
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as trainer_lib
 from jaxmoral import validation
@@ -472,13 +473,11 @@ class PPOTrainer:
                            f"{text!r}")
         ids = list(self.vocabulary.encode(text))[:length - 1]
         rows.append(ids + [eos])
-    tokens = np.zeros((len(rows), length), np.int32)
+    rows = [row[:length] for row in rows]
     for i, row in enumerate(rows):
-      row = row[:length]
       if not any(int(t) != 0 for t in row):
         raise ValueError(f"PPOTrainer.encode_prompts: prompt {i} has no tokens")
-      tokens[i, :len(row)] = row
-    return tokens, texts
+    return token_rows.padded(rows, length), texts
 
   def response_texts(self, response_tokens: Any, response_mask: Any) -> list[str]:
     """Decoded responses (EOS and padding removed)."""
