@@ -370,7 +370,12 @@ def browser(site, chromium_paths):
   def open_page(path: str, shot: str | None = None):
     driver.get(site["url"] + path)
     if shot:
-      driver.save_screenshot(str(shots / f"{shot}.png"))
+      from selenium.common import exceptions  # pylint: disable=import-outside-toplevel
+      try:
+        driver.save_screenshot(str(shots / f"{shot}.png"))
+      except exceptions.TimeoutException:  # It can time out on a loaded machine: load again.
+        driver.get(site["url"] + path)
+        driver.save_screenshot(str(shots / f"{shot}.png"))
     errors = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
     # A server error's traceback is in the server's log, not the browser's.
     assert not errors, f"{path}: console errors {errors}; server log ends: " \
