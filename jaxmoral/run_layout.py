@@ -1,7 +1,8 @@
 """The layout of a run directory (MODEL_DIR): the names of its files, described here only.
 
 A run directory is self-describing: `eval`, `infer`, `export` and `api.Model.from_pretrained`
-need nothing but its path. A local folder or gs://bucket/run::
+need nothing but its path. A local folder or gs://bucket/run (Orbax keeps checkpoints there:
+`checkpoints.require_checkpoint_storage`)::
 
   train.lock              held while a run trains here (`run_dirs.RunDirLock`)
   config.gin              the operative gin config (`gin_utils.write_operative_config`)
@@ -11,7 +12,8 @@ need nothing but its path. A local folder or gs://bucket/run::
   _INTEGRITY.json         sizes and sha256 of the run files (`run_dirs.save_run_files`)
   software.jsonl          which code trained from which step (`software.record_start`)
   checkpoints/<step>/     Orbax checkpoints (`checkpoints.CheckpointManager`), each:
-      state/              the whole state pytree (OCDBT/Zarr), e.g. a TrainState
+      state/              the whole state pytree (OCDBT/Zarr), e.g. a TrainState's step,
+                          params, opt_state (static fields come from the restore target)
       extra/              a JSON dict (data position, reward normalisation, ...)
       _INTEGRITY.json     the step's checksums (`integrity`)
   checkpoints/_CHECKSUMMED.json   every later step carries checksums (`integrity`)
@@ -22,8 +24,9 @@ need nothing but its path. A local folder or gs://bucket/run::
   reward_curve.json       a PPO run's learning curves (`rl.ppo_trainer`), drawn in .png
   data/                   a method's training pairs written for the run (ClarifyDelphi, NPOV)
 
-An export (`params_export.export_params`) has params/ (the parameter tree) and config.json
-instead of checkpoints/ and model_config.json, and an _INTEGRITY.json of all its files.
+An export (`params_export.export_params`) has params/ (the unboxed parameter tree) and
+config.json (the T5Config) instead of checkpoints/ and model_config.json, the same vocab/ and
+settings.json, and an _INTEGRITY.json of all of them.
 
 This module imports nothing, so what reads runs without training them (the explorer) names
 their files without starting JAX.
