@@ -36,13 +36,6 @@ _VALUES_NOTE = ("A flag's value that is no Python literal is a string; for a seq
                 "parameter means True.")
 
 
-def usage(method: str, actions: Mapping[str, tuple[str, str]], action: str) -> str:
-  """The `--help` text of an action: its function's flags and how values are read."""
-  module, function = actions[action]
-  text = cli_help.function_usage(module, function, prog=f"jaxmoral {method} {action}")
-  return f"{text}\n\n{textwrap.fill(_VALUES_NOTE, 78)}"
-
-
 def _as_tuple_of_words(value: str) -> str | None:
   """`a,b,c` (bare words) as the gin tuple `('a', 'b', 'c')`; None if `value` is a literal."""
   try:
@@ -56,17 +49,10 @@ def _as_tuple_of_words(value: str) -> str | None:
 
 def flag_bindings(selector: str, flags: Sequence[str],
                   parameters: Mapping[str, inspect.Parameter] | None = None) -> list[str]:
-  """`--name=value` flags as gin bindings of `selector.name`, one per flag, in order.
-
-  Args:
-    selector: The configurable the flags bind, e.g. "jaxmoral.diamante.evaluate.evaluate".
-    flags: The action's flags, each `--name=value` (or `--name` for a bool parameter).
-    parameters: The function's parameters: their annotations make a comma list a tuple and
-      a bare `--name` True; None reads every value as `--gin.` does.
-
-  Raises:
-    ValueError: A flag is not of the form `--name=value`.
-  """
+  """`--name=value` flags (`--name` for a bool parameter; a ValueError for any other form) as
+  gin bindings of configurable `selector`'s `name`, one per flag, in order. The annotations of
+  the function's `parameters` make a comma list a tuple and a bare `--name` True; None reads
+  every value as `--gin.` does."""
   parameters = parameters or {}
   bindings = []
   for flag in flags:
@@ -150,42 +136,30 @@ def _output_paths(selector: str, outputs: Mapping[str, bool],
   return paths
 
 
-def check_outputs(selector: str, outputs: Mapping[str, bool],
-                  parameters: Mapping[str, inspect.Parameter]) -> None:
-  """Raises the OSError writing an action's outputs (`{parameter: is a directory}`) would
-  meet, before any work."""
-  for path, directory in _output_paths(selector, outputs, parameters):
-    fileio.check_writable(path, directory=directory)
-
-
 def run_action(method: str, actions: Mapping[str, tuple[str, str]],
                outputs: Mapping[str, Mapping[str, bool]], action: str, rest: Sequence[str],
                gin_args: gin_utils.GinArgs, *, prints_own_result: Collection[str] = (),
                configurable_modules: Sequence[str] = ()) -> int:
-  """Runs one action of a method's command line; returns the exit status, 0.
+  """Runs one action of a method's command line; returns the exit status, 0. Raises a one-line
+  ValueError for an unknown action or flag, a flag not `--name=value`, a required flag missing
+  or a gin error, an OSError where an output cannot be written.
 
   Args:
     method: The command, e.g. "npov" (named in usage and errors).
     actions: `{action: (module, function)}`: each a keyword-only gin configurable.
     outputs: `{action: {parameter: is a directory}}` of what each action writes.
-    action: The action asked for.
-    rest: Its flags (`--name=value`, or `--help`).
-    gin_args: Gin files and bindings of the command line.
+    rest: The action's flags (`--name=value`, or `--help`).
     prints_own_result: Actions whose function reports for itself (a chat): no JSON printed.
     configurable_modules: Modules whose configurables a config may bind, imported before gin
       parses (detectors the action's module imports only when used).
-
-  Raises:
-    ValueError: Unknown action or flag, a flag not `--name=value`, a required flag missing,
-      or a gin error (one line each).
-    OSError: An output cannot be written.
   """
   if action not in actions:
     raise ValueError(f"unknown action {action!r} of `jaxmoral {method}`; known: "
                      f"{', '.join(actions)}")
   prog = f"jaxmoral {method} {action}"
-  if any(arg in HELP_FLAGS for arg in rest):
-    print(usage(method, actions, action))
+  if any(arg in HELP_FLAGS for arg in rest):  # The function's flags, how values are read.
+    print(cli_help.function_usage(*actions[action], prog=prog))
+    print(f"\n{textwrap.fill(_VALUES_NOTE, 78)}")
     return 0
   fn = bind_action(actions, outputs, action, rest, gin_args, prog=prog,
                    configurable_modules=configurable_modules)
@@ -204,10 +178,7 @@ def bind_action(actions: Mapping[str, tuple[str, str]],
                 configurable_modules: Sequence[str] = ()) -> Callable[[], Any]:
   """The action's function with its flags and gin configuration bound and checked, its
   outputs writable: everything `run_action` does before any work (a dry run stops here).
-
-  Raises:
-    ValueError, OSError: as `run_action`.
-  """
+  Raises as `run_action`."""
   module, function = actions[action]
   selector = f"{module}.{function}"
   for name in configurable_modules:
@@ -219,12 +190,12 @@ def bind_action(actions: Mapping[str, tuple[str, str]],
     bindings = flag_bindings(selector, rest, parameters)
   except ValueError as error:
     raise ValueError(f"{action}: {error} (see `{prog} --help`)") from None
-  # After the gin files and --gin. bindings, which the flags override.
   gin_utils.parse_gin(gin_args, extra_bindings=bindings, extra_binding_flags=rest)
   gin_utils.check_required()
   _check_given(action, selector, parameters)
   resolve_input_flags(selector, rest, outputs.get(action, {}))
-  check_outputs(selector, outputs.get(action, {}), parameters)
+  for path, directory in _output_paths(selector, outputs.get(action, {}), parameters):
+    fileio.check_writable(path, directory=directory)
   return fn
 
 

@@ -16,15 +16,12 @@ from typing import Any, Optional
 
 from jaxmoral import inference
 from jaxmoral import model_dirs
-from jaxmoral.inference import GenerateOutput  # noqa: F401  (what `generate` returns)
 from jaxmoral.models.config import T5Config
 
 
 class Model(inference.InferenceModel):
-  """A T5 with its params (and optionally its vocabulary), ready for notebook use.
-
-  Attributes: as `inference.InferenceModel`'s.
-  """
+  """A T5 with its params (and optionally its vocabulary), ready for notebook use; its
+  attributes are `inference.InferenceModel`'s."""
 
   def __init__(self, config: T5Config, params: Any, *, vocabulary: Any = None,
                source: str = "<in memory>", partitioner: Any = None):
@@ -60,8 +57,3 @@ class Model(inference.InferenceModel):
 
   # Greedy unless a sampling option is set, beam search with `beam_size` (-> GenerateOutput).
   generate = inference.InferenceModel.predict
-
-
-def from_pretrained(path: str | os.PathLike, **kwargs: Any) -> Model:
-  """`Model.from_pretrained` as a function."""
-  return Model.from_pretrained(path, **kwargs)

@@ -40,8 +40,7 @@ _GIN_COMMAND_NOTES = {
 }
 # The run fragment every config of the gin commands includes: what their --help lists.
 RUN_FRAGMENT = "gin/runs/seq2seq.gin"
-# Each gin command's --help example: one of README.md or docs/cli.md (tests/test_docs.py
-# runs them).
+# Each gin command's --help example, one of README.md's or docs/cli.md's (tests/test_docs.py).
 _GIN_COMMAND_EXAMPLES = {
     "train": "jaxmoral train --gin_file=configs/core/tiny_cpu.gin --gin.MODEL_DIR=/tmp/tiny",
     "eval": "jaxmoral eval --gin_file=configs/core/tiny_cpu.gin --gin.MODEL_DIR=/tmp/tiny",
@@ -56,10 +55,7 @@ METHOD_COMMANDS = ("npov", "diamante", "clarify")
 HELP_FLAGS = ("-h", "--help")
 
 
-# T5X's flag: the folder (or gs:// URL) of every TFDS-backed Task's prepared data.
 TFDS_DATA_DIR_FLAG = "--tfds_data_dir"
-# Flags of `jax.distributed.initialize`, under JAX's names and T5X's (`--process_count`,
-# `--process_index`), taken from anywhere on the line; the environment gives them too.
 DISTRIBUTED_FLAGS = {"--coordinator_address": "coordinator_address",
                      "--num_processes": "num_processes", "--process_count": "num_processes",
                      "--process_id": "process_id", "--process_index": "process_id"}
@@ -94,14 +90,12 @@ def common_flags() -> list[tuple[str, str]]:
 
 
 def gin_command_help(command: str, gin_args: gin_utils.GinArgs) -> str:
-  """`jaxmoral <gin command> --help`: what it does, the macros its config reads (the
-  --gin_file given, else the run fragment), the common flags, an example."""
-  module, function, _ = GIN_COMMANDS[command]
+  """`jaxmoral <gin command> --help` (`cli_help.gin_command_usage`)."""
+  module, function, help_text = GIN_COMMANDS[command]
   from jaxmoral import cli_help  # pylint: disable=import-outside-toplevel
   return cli_help.gin_command_usage(
       prog=f"jaxmoral {command}",
-      description=" ".join(filter(None, (GIN_COMMANDS[command][2],
-                                         _GIN_COMMAND_NOTES.get(command)))),
+      description=" ".join(filter(None, (help_text, _GIN_COMMAND_NOTES.get(command)))),
       function=f"{module.rsplit('.', 1)[-1]}.{function}", files=gin_args.files,
       default_files=(RUN_FRAGMENT,), search_paths=gin_utils.search_paths(gin_args),
       flags=common_flags(), example=_GIN_COMMAND_EXAMPLES[command])
@@ -182,9 +176,8 @@ def _is_an_operation_in_jaxmoral(error: BaseException) -> bool:
     tb = tb.tb_next
   filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
   package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-  if not filename.startswith(package):
-    return False
-  return not linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise")
+  return (filename.startswith(package)
+          and not linecache.getline(filename, tb.tb_lineno).lstrip().startswith("raise"))
 
 
 def peer_failure_message(error: BaseException) -> Optional[str]:
@@ -271,21 +264,13 @@ def report_disk_full_once() -> None:
 
     hook.drops_closed_loop_callbacks = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
-  asyncio_logger = logging.getLogger("asyncio")
-  if _not_disk_full_report not in asyncio_logger.filters:
-    asyncio_logger.addFilter(_not_disk_full_report)
+  logging.getLogger("asyncio").addFilter(_not_disk_full_report)  # Added once, however called.
 
 
 def split_flags(argv: Sequence[str], flags: Sequence[str]) -> tuple[dict[str, str], list[str]]:
   """Takes `--flag=VALUE` or `--flag VALUE` of the named flags out of argv, from anywhere
-  (before argparse, so before or after any sub-command). The last one wins.
-
-  Returns:
-    `{flag: value}` of the flags given, and argv without them.
-
-  Raises:
-    ValueError: A flag is the last argument and has no value.
-  """
+  (before argparse, so before or after any sub-command): `{flag: value}` of those given (the
+  last one wins) and the rest of argv. A ValueError if a flag ends argv without a value."""
   values: dict[str, str] = {}
   rest: list[str] = []
   args = iter(argv)
@@ -473,12 +458,12 @@ def _run(args: argparse.Namespace, gin_args: gin_utils.GinArgs, flags: dict[str,
     compilation_cache.configure(flags.get(compilation_cache.FLAG))
   if args.command not in SINGLE_PROCESS_COMMANDS:
     from jaxmoral import partitioning  # Imported when run: keeps --help fast.
-    # A no-op for one process; joins the job given by the flags, JAX_COORDINATOR_ADDRESS...,
-    # SLURM or a TPU pod. Before gin, whose configurables may touch devices.
+    # Before gin, whose configurables may touch devices (a no-op for one process).
     partitioning.initialize_distributed(**distributed)
   if TFDS_DATA_DIR_FLAG in flags:
-    from jaxmoral.data import tasks  # seqio and TensorFlow: only for a TFDS-backed Task.
-    tasks.set_tfds_data_dir(flags[TFDS_DATA_DIR_FLAG])
+    # Where every TFDS-backed seqio Task reads its prepared data, as T5X's --tfds_data_dir.
+    import seqio  # pylint: disable=g-import-not-at-top  # TensorFlow: only when asked for.
+    seqio.set_tfds_data_dir_override(flags[TFDS_DATA_DIR_FLAG])
   if args.command in GIN_COMMANDS:
     module, function, _ = GIN_COMMANDS[args.command]
     fn = getattr(importlib.import_module(module), function)

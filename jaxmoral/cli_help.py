@@ -48,16 +48,9 @@ NOT_FLAGS = ("compile_only",)
 
 def function_usage(module: str, function: str, *, prog: str) -> str:
   """The usage of a gin-bound function whose `--NAME=VALUE` flags bind its parameters, read
-  from the module's source (signature and Google-style docstring), not imported.
-
-  Args:
-    module: The function's module, e.g. "jaxmoral.diamante.chat".
-    function: The function's name in it.
-    prog: The command line shown, e.g. "jaxmoral diamante chat".
-
-  Returns:
-    Usage line, summary, and each flag with its type, default and description.
-  """
+  from `module`'s source (signature and Google-style docstring), not imported: the usage line
+  of command `prog` ("jaxmoral diamante chat"), the summary, and each flag with its type,
+  default and description."""
   spec = importlib.util.find_spec(module)
   if spec is None or not spec.origin:
     raise ValueError(f"no module {module!r}")
@@ -106,8 +99,8 @@ def macros_read(function: str, files: Sequence[str],
   they refer to, in the order first read; nothing imported."""
   bindings: dict[str, list[Any]] = {}
   macros: dict[str, Any] = {}
-  for statement in (s for name in files
-                    for s in gin_files.written_statements(name, search_paths)):
+  for statement, _ in (s for name in files
+                       for s in gin_files.file_statements(name, search_paths)):
     if statement.arg_name:
       bindings.setdefault(_last_name(statement.selector), []).append(statement.value)
     else:
@@ -150,7 +143,6 @@ def gin_command_usage(*, prog: str, description: str, function: str, files: Sequ
     files: The gin files given on the command line, whose macros are listed; when none, those
       of `default_files` (the run fragment the configs include).
     search_paths: Where gin files are found, as `parse_gin` looks.
-    flags: `(flag, what it does)` of the flags every such command takes.
   """
   width = 100
   listed = list(files) or list(default_files)

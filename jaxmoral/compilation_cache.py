@@ -12,8 +12,7 @@ jaxmoral's own directories (1, 3, 4) are capped at `DEFAULT_MAX_BYTES`. A direct
 variable names keeps JAX's own settings, and one that holds uncapped entries is not capped:
 JAX's capped cache needs an access-time file beside every entry (one entry without it makes
 every later write fail), so it cannot share a directory with uncapped writers. Library users
-get no cache unless they call `enable` or set JAX's variable. `jaxmoral compile` runs without
-one: executables for a compile-only TPU topology are written but cannot be loaded back.
+get no cache unless they call `enable` or set JAX's variable; `jaxmoral compile` runs without.
 
 JAX runs whatever executable the cache hands it, so a local cache directory is trusted only
 on the kernel cache's terms (`untrusted_reason`), and every entry jaxmoral writes is signed
@@ -76,8 +75,7 @@ def _secret(cache_dir: str) -> bytes:
   else:
     with os.fdopen(fd, "wb") as f:
       f.write(secrets.token_bytes(32))
-  fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
-  with os.fdopen(fd, "rb") as f:
+  with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
     st = os.fstat(f.fileno())
     if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid()
         or st.st_mode & _OTHERS_ACCESS):
@@ -111,8 +109,7 @@ class SignedCache:
     if value is None:
       return None
     try:
-      fd = os.open(self._signature_path(key), os.O_RDONLY | _NOFOLLOW)
-      with os.fdopen(fd, "rb") as f:
+      with os.fdopen(os.open(self._signature_path(key), os.O_RDONLY | _NOFOLLOW), "rb") as f:
         signature = f.read()
     except OSError:
       signature = b""
@@ -189,16 +186,9 @@ def resolve_cache_dir(flag_value: Optional[str] = None,
 
 def configure(flag_value: Optional[str] = None,
               environ: Mapping[str, str] = os.environ) -> Optional[str]:
-  """Turns the cache on or off for a command (precedence: module docstring); call before
-  the first compilation.
-
-  Args:
-    flag_value: The value of `--compilation_cache_dir`, if given.
-    environ: Where the variables are read.
-
-  Returns:
-    The directory in use, or None.
-  """
+  """Turns the cache on or off for a command, by `--compilation_cache_dir`'s `flag_value` and
+  `environ` (precedence: module docstring); call before the first compilation. Returns the
+  directory in use, or None."""
   cache_dir = resolve_cache_dir(flag_value, environ)
   if cache_dir is not None and flag_value is None and environ.get(JAX_ENV_DIR) is not None:
     # JAX configured it from its own variables when it was imported; trusted on jaxmoral's
@@ -224,9 +214,8 @@ def uncapped_entries(cache_dir: str) -> list[str]:
 
 def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
            min_compile_seconds: float = DEFAULT_MIN_COMPILE_SECONDS) -> Optional[str]:
-  """Points JAX's persistent compilation cache at `cache_dir` (None: leaves it off).
-
-  Call before the first compilation: JAX opens the cache once, at its first compile.
+  """Points JAX's persistent compilation cache at `cache_dir` and returns the directory in
+  use, or None. Call before the first compilation: JAX opens the cache once, at its first compile.
 
   Args:
     cache_dir: A local directory (created if missing) or any path JAX's cache accepts
@@ -234,9 +223,6 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
     max_bytes: Size cap; least recently used entries are deleted beyond it (-1: no cap; also
       what a local directory that holds uncapped entries gets).
     min_compile_seconds: Programs that compiled faster than this are not written.
-
-  Returns:
-    The directory in use, or None.
   """
   if cache_dir is None:
     return None
@@ -244,8 +230,7 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
     raise ValueError(f"compilation_cache.enable: max_bytes must be positive or -1 (no cap), "
                      f"got {max_bytes}")
   import jax  # pylint: disable=g-import-not-at-top  (the CLI resolves flags before JAX loads)
-  local = "://" not in cache_dir
-  if local:
+  if "://" not in cache_dir:
     try:
       os.makedirs(cache_dir, mode=0o700, exist_ok=True)
     except OSError as error:  # A read-only home: run without a cache rather than fail.
@@ -253,10 +238,10 @@ def enable(cache_dir: Optional[str], *, max_bytes: int = DEFAULT_MAX_BYTES,
       return None
     if not _trusted(cache_dir):
       return None
-  if max_bytes != -1 and local and uncapped_entries(cache_dir):
-    _LOG.info("compilation cache %s holds entries written without a cap; leaving it uncapped",
-              cache_dir)
-    max_bytes = -1
+    if max_bytes != -1 and uncapped_entries(cache_dir):
+      _LOG.info("compilation cache %s holds entries written without a cap; leaving it uncapped",
+                cache_dir)
+      max_bytes = -1
   if max_bytes != -1 and importlib.util.find_spec("filelock") is None:
     # JAX needs filelock to cap the cache; an uncapped cache beats none.
     _LOG.warning("filelock is not installed: the compilation cache in %s is not capped",

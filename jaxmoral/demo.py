@@ -31,9 +31,8 @@ from jaxmoral.models import trainable
 PARTS = ("core", "npov", "diamante", "clarify")
 
 # -- what the papers found, and whether a demo run agrees ------------------------------------
-# Each method's demo returns truth lines: the paper's claim, this run's numbers, the verdict
-# computed from them, and the experiment that tests the claim at a scale that can show it (the
-# demo's tiny models mostly cannot). What the experiments found lives in their result files.
+# Each method's demo returns `truth_line`s; its experiment tests the claim at a scale that can
+# show it (the demo's tiny models mostly cannot), and what it found lives in its result files.
 
 FIDELITY_RESULTS = ("bench/RESULTS.md, \"Fidelity experiments\" (reports in "
                     "experiments/results/)")
@@ -61,14 +60,8 @@ def _interval(ci: Any, digits: int = 3) -> str:
 
 
 def truth_line(*, method: str, paper: str, this_run: str, verdict: str) -> str:
-  """Two lines: the paper's finding; this run's numbers, the verdict, where to look.
-
-  Args:
-    method: "clarify" | "npov" | "diamante" (names the experiment to point to).
-    paper: The claim and where the paper makes it.
-    this_run: This run's numbers for it, with their 95 % interval.
-    verdict: One of `VERDICTS`, from the interval (`interval_verdict`).
-  """
+  """Two lines: the `paper`'s claim (and where it makes it); `this_run`'s numbers with their
+  95 % interval, the `verdict` from it (`interval_verdict`), and `method`'s experiment."""
   if verdict not in VERDICTS:
     raise ValueError(f"truth_line: verdict must be one of {VERDICTS}, got {verdict!r}")
   where = f"tested at scale by `{EXPERIMENTS[method]}`"
@@ -176,7 +169,6 @@ def diamante_truth_lines(per_context: Mapping[str, Any]) -> list[str]:
   rival = max(("generation", "generation_per_token"), key=lambda r: p1[r].mean())
   over_chance = metrics.bootstrap_ci(np.mean, p1["preference"] - p1["random"])
   over_rival = metrics.bootstrap_ci(np.mean, p1["preference"] - p1[rival])
-  verdict = _all_agree([interval_verdict(d.low, d.high) for d in (over_chance, over_rival)])
   return [truth_line(
       method="diamante",
       paper="ranked by the jointly trained preference score, the human response comes first "
@@ -187,7 +179,7 @@ def diamante_truth_lines(per_context: Mapping[str, Any]) -> list[str]:
                 f"minus chance {_interval(over_chance)}, minus "
                 f"{rival.replace('_', ' ')} {_interval(over_rival)} over "
                 f"{len(p1['preference'])} contexts"),
-      verdict=verdict)]
+      verdict=_all_agree([interval_verdict(d.low, d.high) for d in (over_chance, over_rival)]))]
 
 
 def _banner(text: str) -> None:
@@ -236,13 +228,8 @@ def _method_demo(part: str) -> Callable[..., dict[str, Any]]:
 
 def run_all(*, workdir: str | os.PathLike[str] = "demo_out",
             only: Optional[Sequence[str]] = None) -> dict[str, Any]:
-  """Runs the demos in order, writes `workdir/summary.json` and returns it: each part's
-  metrics, output paths and wall time.
-
-  Args:
-    workdir: Output folder (one sub-folder per part).
-    only: Subset of `PARTS`.
-  """
+  """Runs the demos of `PARTS` (or `only` those) in order, one sub-folder of `workdir` each,
+  writes `workdir/summary.json` and returns it: each part's metrics, output paths and wall time."""
   parts = tuple(only) if only else PARTS
   unknown = sorted(set(parts) - set(PARTS))
   if unknown:
@@ -282,8 +269,7 @@ def run_all(*, workdir: str | os.PathLike[str] = "demo_out",
   return summary
 
 
-# The demo's printed lines stay within this many columns.
-WIDTH = 100
+WIDTH = 100  # Columns of the demo's printed lines.
 
 
 def installed_command(name: str, module: str) -> str:

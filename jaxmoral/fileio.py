@@ -166,7 +166,6 @@ def file_versions(root: str | os.PathLike, names: Iterable[str]
   """{name: (size, version)} of those of `names` ('/'-joined, relative to `root`) that are
   files: `version` changes whenever the file is rewritten (local: inode, size and mtime in ns;
   object store: the object's generation), from one listing of the prefix on a store."""
-  root = os.fspath(root)
   if not is_url(root):
     out = {}
     for name in names:
@@ -189,7 +188,6 @@ def file_versions(root: str | os.PathLike, names: Iterable[str]
 def is_within(location: str | os.PathLike, folder: str | os.PathLike) -> bool:
   """Whether `location` is `folder` or lies inside it (local paths with links resolved; URLs
   compared as normalised strings)."""
-  location, folder = os.fspath(location), os.fspath(folder)
   if is_url(location) or is_url(folder):
     a, b = abspath(location).rstrip("/"), abspath(folder).rstrip("/")
     return a == b or a.startswith(b + "/")
@@ -208,7 +206,6 @@ def makedirs(location: str | os.PathLike) -> None:
 
 def upload(local_file: str | os.PathLike, location: str | os.PathLike) -> None:
   """Copies local file `local_file` to `location`, streamed (model weights)."""
-  location = os.fspath(location)
   if not is_url(location):
     shutil.copyfile(local_file, location)
     return
@@ -308,15 +305,10 @@ def write_text(location: str | os.PathLike, text: str, *, durable: bool = False)
   write_bytes(location, text.encode("utf-8"), durable=durable)
 
 
-# Stores whose fsspec client makes a conditional create (`pipe_file(mode="create")`).
-CONDITIONAL_CREATE_SCHEMES = ("gs", "s3")
-
-
 def create_exclusive(location: str | os.PathLike, data: bytes) -> bool:
   """Creates a file only if none exists; False if one does. Of two callers exactly one wins:
   O_CREAT | O_EXCL locally, a conditional upload on gs:// and s3:// (refused with HTTP 412 when
   the object exists); other stores check, then write (not race-free: docs/reliability.md)."""
-  location = os.fspath(location)
   if not is_url(location):
     try:
       fd = os.open(location, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -328,7 +320,7 @@ def create_exclusive(location: str | os.PathLike, data: bytes) -> bool:
       os.fsync(f.fileno())
     return True
   fs, stripped = filesystem(location)
-  if scheme(location) in CONDITIONAL_CREATE_SCHEMES:
+  if scheme(location) in ("gs", "s3"):  # Their fsspec clients make a conditional create.
     try:
       fs.pipe_file(stripped, data, mode="create")
     except FileExistsError:
@@ -354,7 +346,6 @@ def generation(location: str | os.PathLike) -> Optional[str]:
 def version(location: str | os.PathLike) -> list[Any]:
   """What changes whenever a file is rewritten, for the fingerprints of cached data: its size
   and its modification time (ns locally) or a gs:// object's generation."""
-  location = os.fspath(location)
   if not is_url(location):
     stat = os.stat(location)
     return [stat.st_size, stat.st_mtime_ns]
@@ -365,11 +356,8 @@ def remove(location: str | os.PathLike, *, if_generation: Optional[str] = None) 
   """Deletes a file (FileNotFoundError if absent). `if_generation` (gs://): only that
   generation of the object; FileNotFoundError if it has been replaced since."""
   location = os.fspath(location)
-  if not is_url(location):
-    os.remove(location)
-    return
-  fs, stripped = filesystem(location)
   if if_generation is not None and scheme(location) == "gs":
+    fs, stripped = filesystem(location)
     bucket, key, _ = fs.split_path(stripped)
     try:
       fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=if_generation)
@@ -377,7 +365,7 @@ def remove(location: str | os.PathLike, *, if_generation: Optional[str] = None) 
       raise FileNotFoundError(2, "replaced since it was read", location) from None
     fs.invalidate_cache(stripped)
     return
-  fs.rm_file(stripped)
+  _either(location, os.remove, "rm_file")
 
 
 def rmtree(location: str | os.PathLike) -> None:
@@ -387,7 +375,6 @@ def rmtree(location: str | os.PathLike) -> None:
 def rename(source: str | os.PathLike, target: str | os.PathLike) -> None:
   """Renames a file or folder: atomic locally; on an object store a copy then a delete, so
   callers must not rely on atomicity there."""
-  source, target = os.fspath(source), os.fspath(target)
   if not is_url(source) and not is_url(target):
     os.replace(source, target)
     return
@@ -407,8 +394,7 @@ def check_writable(path: str | os.PathLike, *, directory: bool = False,
   read-only file system, permissions and quotas all count, for root too).
 
   Args:
-    path: The file (or, with `directory`, the folder) a command will write.
-    directory: `path` is a folder the command writes files into.
+    path: The file (or, with `directory`, the folder it writes files into) a command writes.
     what: What `path` is (e.g. "MODEL_DIR"), for a one-line message naming it. Only then is a
       URL probed (a small object written and deleted: a missing bucket, credentials or
       permission, or an unreachable endpoint is told); otherwise it is left to its client.
@@ -564,7 +550,6 @@ def disk_full_errno(error: BaseException) -> Optional[int]:
 
 def append_text(location: str | os.PathLike, text: str) -> None:
   """Appends to a text file; an object is rewritten whole (fine for small record files)."""
-  location = os.fspath(location)
   if not is_url(location):
     with builtins.open(location, "a", encoding="utf-8") as f:
       f.write(text)

@@ -137,13 +137,10 @@ def _references(config: _Config) -> Iterator[tuple[tuple[str, str], str]]:
           for text in gin_files.written_references(value))
 
 
-def unreferenced_macros() -> list[str]:
-  """Macros of the parsed config that no binding and no other macro refers to (`%NAME`),
-  wherever the references are (containers, scoped bindings, called functions' bindings)."""
-  return _unreferenced_macros(_config())
-
-
-def _unreferenced_macros(config: _Config) -> list[str]:
+def unreferenced_macros(config: _Config | None = None) -> list[str]:
+  """Macros of the parsed config (or `config`) that no binding and no other macro refers to
+  (`%NAME`), wherever the references are (containers, scoped bindings, called functions')."""
+  config = _config() if config is None else config
   referenced: set[str] = set()
   for (scope, selector), text in _references(config):
     if text.startswith("%") and not (selector == gin_files.MACRO and scope == text[1:]):
@@ -241,28 +238,27 @@ def _suggest(names: Sequence[str]) -> str:
 def read_macros() -> set[str]:
   """The macros of the parsed config that a binding or another macro refers to."""
   config = _config()
-  unread = set(_unreferenced_macros(config))
+  unread = set(unreferenced_macros(config))
   return {scope for scope, selector in config
           if selector == gin_files.MACRO and scope not in unread}
 
 
-def check_everything_is_read(sources: BindingSources | None = None, *,
+def check_everything_is_read(sources: BindingSources, *,
                              read_before_flags: Collection[str] = ()) -> None:
   """Raises a ValueError, one line naming each, where it is set and close names, if the
   parsed config defines a macro or scope that nothing can read (most often a misspelling on
-  the command line). A gin file may leave unread a macro that only names what a configurable
-  builds (`OPTIMIZER = @optimizers.make_optimizer()`), for includers; the command line may not.
+  the command line); a gin file, not the command line, may leave an export unread (`_is_export`).
 
   Args:
-    sources: Where the parsed files and bindings came from (to name them), or None.
-    read_before_flags: Macros read before a command's own flags overrode bindings; one of
-      them defined in a file is no error (the flag replaced what read it).
+    sources: Where the parsed files and bindings came from (to name them).
+    read_before_flags: Macros read before a command's own flags overrode bindings
+      (`parse_gin`'s `extra_bindings`): one of them defined in a file is no error.
   """
   config = _config()
   problems = []
-  unread = _unreferenced_macros(config)
+  unread = unreferenced_macros(config)
   if unread:
-    where = sources.macro_definitions() if sources else {}
+    where = sources.macro_definitions()
     macros = sorted({text[1:] for _, text in _references(config) if text.startswith("%")} | {
         scope for scope, selector in config if selector == gin_files.MACRO})
     params = [f"{selector}.{param}" for scope, selector in config
@@ -276,7 +272,7 @@ def check_everything_is_read(sources: BindingSources | None = None, *,
                       f"binding or macro refers to %{name}{_suggest(close)}")
   scopes = sorted(_entered_scopes(config))
   for part, scope, selector, param in _unentered_scopes(config):
-    place = sources.binding(scope, selector, param) if sources else None
+    place = sources.binding(scope, selector, param)
     problems.append(f"scope {part!r} of {scope}/{selector}.{param}"
                     f"{f' ({place})' if place else ''} is never entered: no reference "
                     f"@{part}/... exists{_suggest(_close(part, scopes))}")

@@ -7,6 +7,7 @@ wheel carries them in SHIPPED_ROOT (setup.py copies them there), searched after 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
@@ -18,7 +19,6 @@ import gin
 from gin import config_parser
 
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Where a wheel ships the project's gin/ and configs/ (absent in a checkout).
 SHIPPED_ROOT = pathlib.Path(__file__).resolve().parent / "shipped_configs"
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,8 @@ def warn_shadowing(files: Sequence[str], search_paths: Sequence[str]) -> None:
     if hidden is not None:
       logger.warning("gin file %r is read from %s, which shadows the project's %s", name,
                      path.resolve(), hidden)
-    try:
+    with contextlib.suppress(OSError):
       todo.extend(_INCLUDE.findall(path.read_text(encoding="utf-8", errors="replace")))
-    except OSError:
-      continue
 
 
 def display_path(path: str) -> str:
@@ -103,18 +101,19 @@ def macro_name(statement: config_parser.BindingStatement) -> str:
   return f"{statement.scope}/{statement.selector}" if statement.scope else statement.selector
 
 
-def file_statements(name: str, depth: int = 0) -> Iterator[tuple[Any, str]]:
-  """The binding statements of gin file `name` and (in place) of its includes, with their file."""
-  # Found as gin finds them: in the search paths it was given, in order.
-  prefixes = [""] if os.path.isabs(name) else _SEARCH_PATHS
-  path = next((p for p in (os.path.join(prefix, name) for prefix in prefixes)
-               if os.path.isfile(p)), None)
-  if path is None or depth > 64:  # gin parsed it, so neither happens; never loop.
+def file_statements(name: str, search_paths: Sequence[str] | None = None, depth: int = 0
+                    ) -> Iterator[tuple[config_parser.BindingStatement, str]]:
+  """The binding statements of gin file `name` and (in place) of its includes, with their file,
+  references and macros kept as written (`%NAME`, `@name()`; nothing imported or bound). Files
+  are found in `search_paths`, by default in gin's (`_SEARCH_PATHS`: where gin found them)."""
+  found = find_gin_file(name, _SEARCH_PATHS if search_paths is None else search_paths)
+  if found is None or depth > 64:  # Never loop (gin refuses a cycle of includes).
     return
-  with open(path) as f:
+  path = str(found)
+  with open(path, encoding="utf-8") as f:
     for statement in config_parser.ConfigParser(f, Unresolved()):
       if isinstance(statement, config_parser.IncludeStatement):
-        yield from file_statements(statement.filename, depth + 1)
+        yield from file_statements(statement.filename, search_paths, depth + 1)
       elif isinstance(statement, config_parser.BindingStatement):
         yield statement, path
 
@@ -126,9 +125,9 @@ def _is_relative_path(value: object) -> bool:
           and not os.path.isabs(value) and not value.startswith("~"))
 
 
-def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
+def resolve_relative_paths(files: Sequence[str]) -> None:
   """Rebinds relative paths written in gin `files` (and includes) that name nothing in the
-  working directory; returns `{binding: resolved path}`. Call after parsing (`parse_gin` does).
+  working directory (each logged). Call after parsing (`parse_gin` does).
 
   Shipped configs write paths relative to the project root (`TRAIN_PATH =
   'jaxmoral/data/demo/dialogues_train.jsonl'`). A file's string value with a folder part that
@@ -142,7 +141,6 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
       key = ((statement.scope, statement.selector, statement.arg_name) if statement.arg_name
              else (macro_name(statement), MACRO, "value"))  # a macro binds gin.macro.value.
       last[key] = (statement.value, path)
-  resolved = {}
   for key, (value, path) in last.items():
     if not _is_relative_path(value) or os.path.exists(value):
       continue
@@ -158,10 +156,8 @@ def resolve_relative_paths(files: Sequence[str]) -> dict[str, str]:
       if candidate.exists():
         gin.bind_parameter(key, str(candidate))
         shown = key[0] if key[1] == MACRO else f"{key[1]}.{key[2]}"
-        resolved[shown] = str(candidate)
         logger.info("gin: %s = %r (%s) is %s", shown, value, display_path(path), candidate)
         break
-  return resolved
 
 
 def query(binding: str) -> Any:
@@ -215,22 +211,6 @@ def _complete(selector: str) -> str:
   complete = (f"{configurable.__module__}.{configurable.__qualname__}" if configurable
               is not None else name)
   return f"{scope}/{complete}" if scope else complete
-
-
-def written_statements(name: str, search_paths: Sequence[str],
-                       depth: int = 0) -> Iterator[config_parser.BindingStatement]:
-  """The binding statements of gin file `name` and (in place) of its includes, found in
-  `search_paths`, references and macros kept as written (`%NAME`, `@name()`); nothing
-  imported, nothing bound (for `--help`)."""
-  path = find_gin_file(name, search_paths)
-  if path is None or depth > 64:
-    return
-  with open(path, encoding="utf-8") as f:
-    for statement in config_parser.ConfigParser(f, Unresolved()):
-      if isinstance(statement, config_parser.IncludeStatement):
-        yield from written_statements(statement.filename, search_paths, depth + 1)
-      elif isinstance(statement, config_parser.BindingStatement):
-        yield statement
 
 
 def written_references(value: Any) -> Iterator[str]:

@@ -109,7 +109,6 @@ def parse_gin(gin_args: GinArgs, *, extra_bindings: Sequence[str] = (),
   (`gin_files.resolve_relative_paths`).
 
   Args:
-    gin_args: Files, bindings and search paths from `split_gin_args`.
     extra_bindings: Bindings made by a command's own flags, parsed after `gin_args.bindings`.
       A macro of a gin file that only the bindings they override read (`--init_checkpoint=X`
       over `train.init_checkpoint = %INIT_CHECKPOINT`) is left unread by choice: no error.
@@ -181,15 +180,10 @@ def bound_value(selector: str, param: str) -> Any:
   return value
 
 
-# Where a run keeps its final gin config (T5X's name).
-OPERATIVE_CONFIG_FILE = run_layout.CONFIG_FILE
-
-
-def write_operative_config(model_dir: str | os.PathLike[str], *,
-                           name: str = OPERATIVE_CONFIG_FILE) -> str:
+def write_operative_config(model_dir: str | os.PathLike[str]) -> str:
   """Writes the final gin config (every bound value) to MODEL_DIR/config.gin."""
   from jaxmoral import fileio  # pylint: disable=g-import-not-at-top
-  path = fileio.join(model_dir, name)
+  path = fileio.join(model_dir, run_layout.CONFIG_FILE)
   fileio.makedirs(model_dir)
   fileio.write_text(path, gin.config_str())
   return path

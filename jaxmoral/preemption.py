@@ -30,11 +30,10 @@ class Stopped(Exception):
   the command line exits with `exit_status`."""
 
   def __init__(self, signum: int, *, step: int, where: str):
-    name = signal.Signals(signum).name
     self.signum, self.step = signum, step
     self.exit_status = EXIT_STATUS.get(signum, 128 + signum)
-    super().__init__(f"stopped by {name}: saved step {step} to {where}; run the same command "
-                     f"again to resume (exit status {self.exit_status})")
+    super().__init__(f"stopped by {signal.Signals(signum).name}: saved step {step} to {where}; "
+                     f"run the same command again to resume (exit status {self.exit_status})")
 
 
 _active: list[StopRequests] = []  # The innermost `with StopRequests()` last.

@@ -34,13 +34,8 @@ _SETTINGS: Optional[RuntimeSettings] = None
 
 
 def configure() -> RuntimeSettings:
-  """Sets the XLA flags and malloc settings jaxmoral's programs run with; idempotent.
-
-  Call before the first JAX computation (the CLI's `main` does). Later calls change nothing.
-
-  Returns:
-    What the first call set.
-  """
+  """Sets the XLA flags and malloc settings jaxmoral's programs run with, before the first JAX
+  computation (the CLI's `main` calls it); returns what the first call set (later calls: no-ops)."""
   global _SETTINGS
   folder = namespace_import_folder()
   if folder is not None:
@@ -58,9 +53,8 @@ def configure() -> RuntimeSettings:
 
 
 def namespace_import_folder() -> Optional[str]:
-  """The folder `import jaxmoral` took as an empty namespace package (a folder named jaxmoral
-  without `__init__.py`, such as the clone seen from its parent, came first on sys.path: the
-  modules still load through an editable install, but jaxmoral/__init__.py never ran), or
+  """The folder `import jaxmoral` took as an empty namespace package (`configure` says why;
+  the modules still load through an editable install, but jaxmoral/__init__.py never ran), or
   None where jaxmoral is the package."""
   package = sys.modules.get("jaxmoral")
   if package is None or getattr(package, "__file__", None):
@@ -76,7 +70,6 @@ _CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
 
 
 def _tpu_attached() -> bool:
-  """Whether this machine has a TPU device node."""
   return any(glob.glob(pattern) for pattern in _TPU_DEVICES)
 
 
@@ -89,16 +82,14 @@ def _installed(module: str) -> bool:
 
 def platforms_without_absent_tpu(environ: MutableMapping[str, str] = os.environ
                                  ) -> Optional[str]:
-  """Sets JAX_PLATFORMS without "tpu" where libtpu is installed but no TPU is attached.
+  """Sets JAX_PLATFORMS without "tpu" where libtpu is installed but no TPU is attached; returns
+  the value set in `environ`, or None when nothing was set.
 
   With libtpu installed (the `tpu` extra) JAX starts the TPU runtime on every machine: on one
   without a TPU it prints TPU_WORKER_HOSTNAMES / accelerator-type errors before falling back.
   JAX reads JAX_PLATFORMS when it is imported, so this runs first. Left alone: a JAX_PLATFORMS
   the user set (even empty), JAX_FORCE_TPU_INIT, a machine with a TPU device node, and one
   with an NVIDIA GPU but no CUDA plugin for JAX (JAX's own choice then).
-
-  Returns:
-    The JAX_PLATFORMS value set in `environ`, or None when nothing was set.
   """
   if ("JAX_PLATFORMS" in environ or "JAX_FORCE_TPU_INIT" in environ or _tpu_attached()
       or not _installed("libtpu")):
@@ -120,16 +111,9 @@ _COMPILE_ONLY_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5l
 
 
 def quiet_compile_only_tpu(environ: MutableMapping[str, str] = os.environ) -> list[str]:
-  """Gives libtpu the host settings it looks for, where no TPU is attached, before a
-  compile-only topology starts it (`jaxmoral compile`).
-
-  The topology comes from its name (`v5e:8x8`), not from these settings (the report is the
-  same with and without them); they only keep libtpu from printing errors about the host. A
-  machine with a TPU device node, and every value already set, is left alone.
-
-  Returns:
-    The names of the variables set in `environ`.
-  """
+  """Gives libtpu the host settings it looks for, unless a TPU is attached or each is set
+  already, before a compile-only topology starts it (`jaxmoral compile`); returns the names of
+  those it set. The topology comes from its name (`v5e:8x8`): the report is the same without."""
   if _tpu_attached():
     return []
   added = [name for name in _COMPILE_ONLY_TPU_ENV if name not in environ]
@@ -144,8 +128,7 @@ _TF_START_UP_NOISE = ("oneDNN custom operations are on", "Could not find cuda dr
                       "All log messages before absl::InitializeLog()", "failed call to cuInit")
 
 
-# Whether TensorFlow, once imported for seqio, is kept off the GPUs: yes in the command line's
-# processes (`own_gpus_for_jax`), where JAX owns them; a library user's process is the user's.
+# Set by `own_gpus_for_jax`: a library user's process leaves TensorFlow's GPUs to the user.
 _GPUS_FOR_JAX_ONLY = False
 
 
@@ -155,17 +138,11 @@ def own_gpus_for_jax() -> None:
   _GPUS_FOR_JAX_ONLY = True
 
 
-def tensorflow_for_input_pipelines_only(*, hide_gpus: Optional[bool] = None) -> None:
+def tensorflow_for_input_pipelines_only() -> None:
   """Imports TensorFlow (seqio's input pipelines) with its start-up lines filtered out of
-  stderr, and hides every GPU from it, as T5X does: TensorFlow would otherwise reserve GPU
-  memory that JAX needs. The modules that define seqio Tasks call it before they import seqio;
-  nothing else imports TensorFlow.
-
-  Args:
-    hide_gpus: False leaves TensorFlow's devices alone; None: as `own_gpus_for_jax` chose.
-  """
-  if hide_gpus is None:
-    hide_gpus = _GPUS_FOR_JAX_ONLY
+  stderr, and, after `own_gpus_for_jax`, hides every GPU from it, as T5X does: TensorFlow would
+  otherwise reserve GPU memory that JAX needs. The modules that define seqio Tasks call it
+  before they import seqio; nothing else imports TensorFlow."""
   import tempfile  # pylint: disable=g-import-not-at-top
   sys.stderr.flush()
   saved = os.dup(2)
@@ -173,7 +150,7 @@ def tensorflow_for_input_pipelines_only(*, hide_gpus: Optional[bool] = None) -> 
     os.dup2(captured.fileno(), 2)
     try:
       import tensorflow as tf  # pylint: disable=g-import-not-at-top
-      if hide_gpus:
+      if _GPUS_FOR_JAX_ONLY:
         tf.config.set_visible_devices([], "GPU")
     except (ImportError, RuntimeError):  # Missing (seqio says so if needed), or already ran.
       pass

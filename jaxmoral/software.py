@@ -22,7 +22,6 @@ from jaxmoral import run_layout
 # The libraries whose versions decide what programs jaxmoral builds and how it saves them.
 LIBRARIES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
-RECORD_FILE = run_layout.SOFTWARE_FILE
 
 
 def _version(distribution: str) -> Optional[str]:
@@ -57,7 +56,6 @@ def versions() -> dict[str, Optional[str]]:
 
 
 def _this_process() -> dict[str, Any]:
-  """The commit, whether its checkout is modified, and the versions this process runs."""
   commit, modified = source_commit()
   return {"commit": commit, "modified": modified, "versions": versions()}
 
@@ -90,12 +88,13 @@ def record_start(model_dir: str | os.PathLike[str], *, step: int) -> dict[str, A
   record = {"step": step,
             "time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             **_this_process()}
-  fileio.append_text(fileio.join(model_dir, RECORD_FILE), json.dumps(record, sort_keys=True) + "\n")
+  fileio.append_text(fileio.join(model_dir, run_layout.SOFTWARE_FILE),
+                     json.dumps(record, sort_keys=True) + "\n")
   return record
 
 
 def read_records(model_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
   """The records `record_start` wrote, oldest first ([] when there are none)."""
-  path = fileio.join(model_dir, RECORD_FILE)
+  path = fileio.join(model_dir, run_layout.SOFTWARE_FILE)
   lines = fileio.read_text(path).splitlines() if fileio.isfile(path) else []
   return [json.loads(line) for line in lines if line]
