@@ -54,10 +54,9 @@ class ChipSpec:
   chip_config_name: Optional[str] = None
 
   def __post_init__(self):
-    if self.hbm_bytes <= 0:
-      raise ValueError(f"ChipSpec.hbm_bytes must be positive, got {self.hbm_bytes}")
-    if self.peak_flops_per_s <= 0:
-      raise ValueError(f"ChipSpec.peak_flops_per_s must be positive, got {self.peak_flops_per_s}")
+    for name in ("hbm_bytes", "peak_flops_per_s"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"ChipSpec.{name} must be positive, got {getattr(self, name)}")
 
 
 # HBM and peak bf16 dense FLOP/s per chip as published in Google Cloud's TPU system architecture
@@ -202,8 +201,7 @@ CompileTargetBuilder = Callable[[], CompileProgram]
 _TARGETS: dict[str, CompileTargetBuilder] = {}
 
 
-def register_compile_target(name: str, builder: CompileTargetBuilder, *,
-                            overwrite: bool = False) -> None:
+def register_compile_target(name: str, builder: CompileTargetBuilder) -> None:
   """Makes `builder() -> CompileProgram` available as `target=name`.
 
   The builder calls a run's entry point with the config's bindings (the CLI has parsed the
@@ -211,7 +209,7 @@ def register_compile_target(name: str, builder: CompileTargetBuilder, *,
   """
   if not name or not isinstance(name, str):
     raise ValueError(f"register_compile_target: name must be a non-empty str, got {name!r}")
-  if name in _TARGETS and not overwrite and _TARGETS[name] is not builder:
+  if name in _TARGETS and _TARGETS[name] is not builder:
     raise ValueError(f"register_compile_target: {name!r} is already registered")
   _TARGETS[name] = builder
 
@@ -332,13 +330,6 @@ class CompileReport:
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
-def _cost(compiled: Any) -> dict[str, float]:
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
-    cost = cost[0] if cost else {}
-  return dict(cost or {})
-
-
 def _speed(flops: Optional[float], peak_flops: Optional[float],
            step_time_s: Optional[float]) -> tuple[Optional[float], Optional[float]]:
   """`(min_step_time_s, mfu)`: the step at 100 % of peak, and the share of peak reached."""
@@ -362,7 +353,10 @@ def analyze(compiled: Any, *, topology: Topology, target: str, program: CompileP
   chip = topology.chip
   if hbm_bytes is None and chip is not None:
     hbm_bytes = chip.hbm_bytes
-  cost = _cost(compiled)
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
+    cost = cost[0] if cost else {}
+  cost = dict(cost or {})
   flops = float(cost["flops"]) if cost.get("flops", -1) >= 0 else None
   accessed = cost.get("bytes accessed")
   peak_flops = chip.peak_flops_per_s if chip is not None else None
@@ -432,13 +426,11 @@ def check_fits(report: CompileReport) -> None:
 
 
 def _default_target() -> str:
-  try:
+  with contextlib.suppress(ValueError, KeyError):  # jaxmoral.runs not imported by the config.
     # Unresolved: resolving would build the config's objects here (a pod config's partitioner
     # on this host's devices, which fails) only to learn whether anything is bound.
     if gin.get_bindings("runs.train_run", resolve_references=False):
       return "train_run"
-  except (ValueError, KeyError):  # jaxmoral.runs not imported by the config.
-    pass
   raise ValueError(f"compile: the gin config binds no runs.train_run; select a target with "
                    f"--gin.aot.compile_for_topology.target=NAME (registered: "
                    f"{compile_targets()})")
@@ -600,11 +592,6 @@ def compile_for_topology(*, topology: str, report_path: Optional[str] = None,
     step_time_s: A measured or assumed step time; only then MFU is reported.
     stages: Compile only these stages of a multi-stage target (e.g. `("update",)` for PPO);
       one process per stage bounds the host memory the TPU compiler needs.
-    check: Raise `DoesNotFitError` when the step does not fit.
-    print_table: Print the readable report.
-
-  Returns:
-    The `CompileReport`.
 
   Raises:
     DoesNotFitError: `check` and the peak memory per chip exceeds `hbm_bytes`.

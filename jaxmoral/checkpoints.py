@@ -1,6 +1,6 @@
 """Orbax checkpoints of a training run: `CheckpointManager` saves and restores onto any mesh.
 
-A step's folders: `jaxmoral.run_dirs`. The state is one item, so a save is one atomic step. A
+A step's folders: `jaxmoral.run_layout`. The state is one item, so a save is one atomic step. A
 restore reads each shard's slice into the caller's shardings, its manifest checked first.
 """
 
@@ -69,10 +69,6 @@ def to_json(value: Any, where: str) -> Any:
   if isinstance(value, (np.ndarray, np.generic, jax.Array)):
     return np.asarray(value).tolist()
   raise TypeError(f"extra{where}: {type(value).__name__} is not JSON-serialisable")
-
-
-def restore_args(target: PyTree) -> PyTree:
-  return ocp.checkpoint_utils.construct_restore_args(target)
 
 
 # Where Orbax (TensorStore's OCDBT layout) keeps checkpoints: local or mounted folders and
@@ -220,7 +216,6 @@ class CheckpointManager:
     """Restores `(state, extra)` of `step` (default: the latest).
 
     Args:
-      step: Step to restore.
       target: Pytree with the saved state's structure (static fields come from it) whose
         leaves are `jax.ShapeDtypeStruct`s with `.sharding` (or real arrays): values are read
         straight into those shardings and dtypes, so another mesh than the saving one works;
@@ -232,7 +227,8 @@ class CheckpointManager:
     step = resolve_step(self.directory, self.all_steps(), step)
     self.verify(step, shared=True)  # Every process restores: each hashes its share.
     args = ocp.args.Composite(**{
-        STATE_ITEM: ocp.args.PyTreeRestore(target, restore_args=restore_args(target)),
+        STATE_ITEM: ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)),
         EXTRA_ITEM: ocp.args.JsonRestore()})
     try:
       restored = self._manager.restore(step, args=args)

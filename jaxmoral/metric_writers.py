@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -14,7 +15,6 @@ from typing import Any, Iterator, Mapping
 import jax
 
 from jaxmoral import fileio
-from jaxmoral import run_dirs
 from jaxmoral import run_layout
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class MetricWriters:
       from tensorboardX.event_file_writer import EventsWriter
       from tensorboardX.record_writer import directory_check
       for name in run_layout.TENSORBOARD_DIRS:
-        directory = run_dirs.events_dir(model_dir, name)
+        directory = fileio.join(model_dir, name)
         directory_check(directory)  # Local folders and gs:// / s3:// alike.
         # pid and object id in the name: two writers started in the same second (a run and
         # its quick resume, or two loops of one process) must not share a file.
@@ -116,8 +116,8 @@ def _events(directory: str) -> Iterator[Any]:
 def read_scalars(directory: str) -> dict[str, dict[int, float]]:
   """`{tag: {step: value}}` of the scalars in a directory's TensorBoard event files.
 
-  For a notebook or a test, without TensorBoard. A later point of a step wins (a resumed run
-  drops the points after its checkpoint first: `purge_events_after`).
+  A later point of a step wins (a resumed run drops the points after its checkpoint first:
+  `purge_events_after`).
   """
   out: dict[str, dict[int, float]] = {}
   for event in _events(directory):
@@ -140,15 +140,13 @@ def read_texts(directory: str) -> dict[str, dict[int, str]]:
 
 
 def purge_events_after(directory: str, step: int) -> int:
-  """Drops the events of steps after `step` from `directory`'s event files (absent is fine).
+  """Drops the events of steps after `step` from `directory`'s event files (absent is fine);
+  returns how many.
 
   A run killed after its last checkpoint had already written points past it; the resumed run
   writes those steps again, and TensorBoard would show both. Each file that loses events is
   rewritten whole (the records copied byte for byte, CRCs included). A record cut short by the
   kill is dropped too.
-
-  Returns:
-    The number of events dropped.
   """
   _import_tensorboardx()
   from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
@@ -159,11 +157,9 @@ def purge_events_after(directory: str, step: int) -> int:
     data = fileio.read_bytes(path)
     records, kept = list(_records(data)), []
     for record in records:
-      try:
+      with contextlib.suppress(Exception):  # A garbled record: dropped.
         if event_pb2.Event.FromString(record[12:-4]).step <= step:
           kept.append(record)
-      except Exception:  # pylint: disable=broad-except  (a garbled record: drop it)
-        pass
     dropped += len(records) - len(kept)
     # Also rewritten: a file whose last record (or header) a kill tore.
     if len(kept) < len(records) or sum(map(len, records)) != len(data):

@@ -25,7 +25,6 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jaxmoral import checkpoints
-from jaxmoral import decoding
 from jaxmoral import fileio
 from jaxmoral import params_export
 from jaxmoral import partitioning
@@ -94,7 +93,7 @@ def _read_config_json(path: pathlib.Path) -> T5Config:
 
 
 # -- finding ------------------------------------------------------------------------------------
-def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.Path:
+def resolve_hub_id(repo_id: str) -> pathlib.Path:
   """The local snapshot folder of a Hub model (downloaded unless HF_HUB_OFFLINE is set).
 
   Raises:
@@ -111,8 +110,7 @@ def resolve_hub_id(repo_id: str, *, revision: Optional[str] = None) -> pathlib.P
   offline = bool(constants.HF_HUB_OFFLINE) or os.environ.get(
       "HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
   try:
-    folder = snapshot_download(repo_id, revision=revision, allow_patterns=list(_HUB_FILES),
-                               local_files_only=offline)
+    folder = snapshot_download(repo_id, allow_patterns=list(_HUB_FILES), local_files_only=offline)
   except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled):
     why = ("HF_HUB_OFFLINE is set" if offline else
            "the Hub is unreachable from here (HF_HUB_OFFLINE=1 skips trying)")
@@ -263,13 +261,13 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
                        f"{config}")
     return found(path, "hub" if from_hub else "hf", config or hf_config_used, settings=False,
                  shapes={"/".join(k): v.shape for k, v in sources.items()}, hf_sources=sources)
-  if (path / params_export.PARAMS_DIR).is_dir():
+  if (path / run_layout.EXPORT_PARAMS_DIR).is_dir():
     tree = params_export.exported_metadata(path)
     if config is None:
-      if not (path / params_export.CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{path}/{params_export.CONFIG_FILE} not found: give the "
+      if not (path / run_layout.EXPORT_CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path}/{run_layout.EXPORT_CONFIG_FILE} not found: give the "
                                 "model's config")
-      config = _read_config_json(path / params_export.CONFIG_FILE)
+      config = _read_config_json(path / run_layout.EXPORT_CONFIG_FILE)
     return found(path, "export", config, _flat_shapes(tree), settings=True)
   if t5x_import.is_t5x_checkpoint(path):
     checkpoints.require_checkpoint_storage(source, "T5X checkpoint")
@@ -277,7 +275,7 @@ def inspect(source: str | os.PathLike, *, step: Optional[int] = None,
     return found(path, "t5x", located.config, _flat_shapes(located.metadata), settings=False)
   raise FileNotFoundError(
       f"{source}: no model found (looked for {', '.join(hf_import.CHECKPOINT_FILES)} "
-      f"(Hugging Face), {params_export.PARAMS_DIR}/ (jaxmoral export), "
+      f"(Hugging Face), {run_layout.EXPORT_PARAMS_DIR}/ (jaxmoral export), "
       f"{run_layout.MODEL_CONFIG_FILE} + {run_layout.CHECKPOINTS_DIR}/ (run), "
       f"RUN/{run_layout.CHECKPOINTS_DIR}/STEP (one step of a run), _METADATA (T5X / Orbax))")
 
@@ -288,7 +286,6 @@ class LoadedModel:
   """A model directory's parameters, placed, with everything needed to use them.
 
   Attributes:
-    info: What the directory holds.
     config: The T5Config in use (the stored one, maybe with another activation dtype).
     params: The T5 parameter tree (plus `scalar_head` when stored), unboxed, on device.
     prompt: The soft prompt (P, d_model) of a prompt-tuning run, else None.
@@ -317,10 +314,6 @@ class LoadedModel:
   def settings(self) -> Mapping[str, Any]:
     return self.info.settings
 
-  def module(self) -> Any:
-    """The linen T5 these parameters belong to."""
-    return t5.T5(self.config, with_scalar_head=self.has_scalar_head)
-
 
 @functools.lru_cache(maxsize=32)
 def param_shardings(config: T5Config, partitioner: Any, *,
@@ -345,11 +338,6 @@ def jit_with_params(fn: Callable[..., Any], config: T5Config, partitioner: Any, 
   inputs = tuple(partitioner.replicated if r else None for r in replicated)
   return partitioner.partition(fn, in_shardings=(shardings, *inputs),
                                out_shardings=partitioner.replicated)
-
-
-def decode_weights(model: Any, params: PyTree, partitioner: Any = None) -> Any:
-  """`decoding.prepare_decode_weights` of loaded parameters, its backend as gin binds it."""
-  return decoding.prepare_decode_weights(model, params, partitioner=partitioner)
 
 
 def _target(shapes: Mapping[str, tuple[int, ...]], shardings: PyTree, dtype: Any,
@@ -525,11 +513,9 @@ def export_model(source: str | os.PathLike, output_dir: str | os.PathLike, *,
 
   Args:
     source: The model directory (usually a run); `step`: a run's step (default: the latest).
-    output_dir: Where to write.
     dtype: Storage dtype of floating-point parameters.
     output_format: "jaxmoral" (see `export`) or "hf" (config.json + model.safetensors +
       spiece.model: loads in transformers).
-    overwrite: Replace an existing export.
     partitioner: The mesh the parameters are read onto and written from (see `load_on_mesh`).
 
   Raises:

@@ -28,8 +28,6 @@ from jaxmoral import integrity
 from jaxmoral import run_layout
 
 PyTree = Any
-PARAMS_DIR = run_layout.EXPORT_PARAMS_DIR
-CONFIG_FILE = run_layout.EXPORT_CONFIG_FILE
 logger = logging.getLogger(__name__)
 
 
@@ -86,23 +84,20 @@ def _target_from_metadata(metadata_tree: PyTree, shardings: Any, dtype: Optional
 def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Optional[Any] = None,
                   config: Optional[Mapping[str, Any]] = None, overwrite: bool = False,
                   write_extra: Optional[Callable[[str], Sequence[str]]] = None) -> str:
-  """Writes a params-only checkpoint (`<directory>/params`) and `<directory>/config.json`.
+  """Writes a params-only checkpoint (`<directory>/params`) and `<directory>/config.json`;
+  returns the absolute export directory.
 
   Args:
     params: Parameter tree (boxed or not), its floating-point leaves cast to `dtype` first.
-    directory: Export directory.
     dtype: e.g. "bfloat16"; None keeps the params' dtypes.
     config: Model config dict (e.g. `T5Config.to_dict()`), written as config.json.
     overwrite: Replace an existing export; otherwise an existing one is an error.
     write_extra: Called (process 0) with the directory once the parameters are saved; writes
       further files and returns their names, which the integrity manifest covers too.
-
-  Returns:
-    The absolute export directory.
   """
   checkpoints.require_checkpoint_storage(directory, "export directory")
   directory = fileio.abspath(directory)
-  params_dir = fileio.join(directory, PARAMS_DIR)
+  params_dir = fileio.join(directory, run_layout.EXPORT_PARAMS_DIR)
   if fileio.exists(params_dir) and not overwrite:
     raise FileExistsError(f"{params_dir} exists; export with --overwrite (overwrite=True) to "
                           "replace it")
@@ -114,11 +109,12 @@ def export_params(params: PyTree, directory: str | os.PathLike, *, dtype: Option
     fileio.remove(manifest)  # The old export's: it would describe files about to be replaced.
   ocp.PyTreeCheckpointer().save(params_dir, params, force=overwrite)
   if jax.process_index() == 0:
-    config_path = fileio.join(directory, CONFIG_FILE)
+    config_path = fileio.join(directory, run_layout.EXPORT_CONFIG_FILE)
     if config is not None:
       with fileio.open(config_path, "w") as f:
         json.dump(checkpoints.to_json(dict(config), "(config)"), f, indent=2, sort_keys=True)
-    covered = [PARAMS_DIR] + ([CONFIG_FILE] if fileio.isfile(config_path) else [])
+    covered = [run_layout.EXPORT_PARAMS_DIR]
+    covered += [run_layout.EXPORT_CONFIG_FILE] if fileio.isfile(config_path) else []
     if write_extra is not None:
       covered += list(write_extra(directory))
     integrity.write_integrity_manifest(directory, covered)
@@ -129,14 +125,15 @@ def verify_export(directory: str | os.PathLike, *, full: bool | Sequence[str] = 
                   shared: bool = False) -> bool:
   """`integrity.verify_integrity` of an `export_params` directory."""
   directory = fileio.abspath(directory)
-  return integrity.verify_integrity(directory, what=f"{directory}: the export", full=full,
-                                    required=(f"{PARAMS_DIR}/_METADATA",), shared=shared)
+  return integrity.verify_integrity(
+      directory, what=f"{directory}: the export", full=full, shared=shared,
+      required=(f"{run_layout.EXPORT_PARAMS_DIR}/_METADATA",))
 
 
 def _exported_params_dir(directory: str | os.PathLike) -> str:
   """`<directory>/params` of an export, refused in one line where there is none."""
   checkpoints.require_checkpoint_storage(directory, "export directory")
-  params_dir = fileio.join(fileio.abspath(directory), PARAMS_DIR)
+  params_dir = fileio.join(fileio.abspath(directory), run_layout.EXPORT_PARAMS_DIR)
   if not fileio.isdir(params_dir):
     raise FileNotFoundError(f"{params_dir}: no exported params (expected export_params output)")
   return params_dir
@@ -147,7 +144,6 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
   """Loads `export_params` output: `(params, config dict or None)`.
 
   Args:
-    directory: Export directory.
     shardings: Tree of `Sharding`s with the params' structure (e.g. `partitioner.sharding_for`
       of them), one `Sharding` for all, or None (`default_sharding`).
     dtype: Cast floating-point params to this dtype while reading; None keeps the saved one.
@@ -160,7 +156,7 @@ def load_exported(directory: str | os.PathLike, *, shardings: Any = None,
   verify_export(directory, shared=True)  # Every process loads: each hashes its share.
   params = restore_subtree(params_dir, (), _target_from_metadata(
       _saved_tree(params_dir), shardings, dtype, params_dir))
-  config_path = fileio.join(directory, CONFIG_FILE)
+  config_path = fileio.join(directory, run_layout.EXPORT_CONFIG_FILE)
   return params, fileio.read_json(config_path) if fileio.exists(config_path) else None
 
 
@@ -172,11 +168,11 @@ def load_params(directory: str | os.PathLike, *, shardings: Any = None,
 
 def _params_subtree(tree: Any, where: str) -> tuple[str, ...]:
   """Where a saved state keeps the model parameters (see `restore_params_from_run`)."""
-  if isinstance(tree, Mapping) and PARAMS_DIR in tree:
-    return (PARAMS_DIR,)
+  if isinstance(tree, Mapping) and "params" in tree:
+    return ("params",)
   if (isinstance(tree, Mapping) and isinstance(tree.get("policy"), Mapping)
-      and PARAMS_DIR in tree["policy"]):
-    return ("policy", PARAMS_DIR)
+      and "params" in tree["policy"]):
+    return ("policy", "params")
   keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
   raise ValueError(f"{where}: saved state has no 'params' entry (has {keys})")
 
@@ -255,7 +251,8 @@ def exported_metadata(directory: str | os.PathLike) -> PyTree:
   """The saved parameter tree of an `export_params` directory, `ArrayMetadata` leaves."""
   params_dir = _exported_params_dir(directory)
   # Sizes of everything; digests of the small files read next (config, vocabulary, settings).
-  verify_export(directory, full=[name for name in fileio.listdir(directory) if name != PARAMS_DIR])
+  verify_export(directory, full=[name for name in fileio.listdir(directory)
+                                 if name != run_layout.EXPORT_PARAMS_DIR])
   return _saved_tree(params_dir)
 
 
@@ -268,7 +265,8 @@ def restore_subtree(item_dir: str | os.PathLike, prefix: tuple[str, ...], target
     wrapped = {key: wrapped}
   restored = ocp.PyTreeCheckpointer().restore(
       os.fspath(item_dir), args=ocp.args.PyTreeRestore(
-          wrapped, restore_args=checkpoints.restore_args(wrapped), partial_restore=True))
+          wrapped, restore_args=ocp.checkpoint_utils.construct_restore_args(wrapped),
+          partial_restore=True))
   for key in prefix:
     restored = restored[key]
   return restored

@@ -23,11 +23,8 @@ from jaxmoral import fileio
 from jaxmoral import integrity
 from jaxmoral import run_layout
 from jaxmoral.models.config import T5Config
-from jaxmoral.run_layout import LOCK_FILE as LOCK_FILE  # The lock's callers name it here.
-from jaxmoral.run_layout import MODEL_CONFIG_FILE as MODEL_CONFIG_FILE
 
 logger = logging.getLogger(__name__)
-
 
 
 def make_run_dir(model_dir: str | os.PathLike) -> str:
@@ -49,11 +46,6 @@ def checkpoints_dir(model_dir: str | os.PathLike) -> str:
   return fileio.join(os.fspath(model_dir), run_layout.CHECKPOINTS_DIR)
 
 
-def data_position_dir(model_dir: str | os.PathLike) -> str:
-  """Where a streamed split saves its tf.data positions (`data.tasks.TaskSource`)."""
-  return fileio.join(os.fspath(model_dir), run_layout.DATA_POSITION_DIR)
-
-
 def vocabulary_build_dir(model_dir: str | os.PathLike) -> str:
   """Where a run's vocabulary is built: MODEL_DIR/vocab, or for a bucket run the process's
   local folder for that run (SentencePiece writes local files; `save_run_files` copies the
@@ -62,11 +54,6 @@ def vocabulary_build_dir(model_dir: str | os.PathLike) -> str:
   if fileio.is_url(model_dir):
     return fileio.local_folder_for(model_dir, "_vocab")
   return os.path.join(model_dir, run_layout.VOCAB_DIR)
-
-
-def events_dir(model_dir: str | os.PathLike, name: str) -> str:
-  """A run's TensorBoard folder `name` ("train" or "eval")."""
-  return fileio.join(os.fspath(model_dir), name)
 
 
 def saved_steps(model_dir: str | os.PathLike) -> list[int]:
@@ -88,7 +75,7 @@ def save_vocabulary(directory: str | os.PathLike, vocabulary: Any) -> pathlib.Pa
 
 def save_run_files(model_dir: str | os.PathLike, *, config: T5Config, vocabulary: Any,
                    settings: Optional[Mapping[str, Any]] = None) -> None:
-  """Writes the run files (see the module docstring) under the run's integrity manifest."""
+  """Writes the run files (`run_layout.RUN_FILES`) under the run's integrity manifest."""
   model_dir = fileio.path(model_dir)
   model_dir.mkdir(parents=True, exist_ok=True)
   # The old manifest would describe the files about to be replaced.
@@ -135,18 +122,15 @@ def read_settings(directory: str | os.PathLike) -> dict[str, Any]:
 # restarted elsewhere would otherwise be locked out for good).
 LOCK_HEARTBEAT_S = 60.0
 LOCK_STALE_AFTER_S = 900.0
+# A bucket run whose storage has not answered the lock's heartbeat for this long stops
+# (`_storage_lost`): its clients would retry its saves for ever. Well above brief outages.
+STORAGE_DEADLINE_S = 240.0
 _held_locks: dict[str, _HeldLock] = {}
 _held_locks_guard = threading.Lock()
 
 
 class RunDirLockedError(ValueError):
   """Another run holds MODEL_DIR's lock (a ValueError: the CLI prints it as one line)."""
-
-
-# A bucket run whose storage has not answered the lock's heartbeat for this long stops (one
-# line naming the last committed step): the clients would retry its saves for ever. Well
-# above a store's brief outages.
-STORAGE_DEADLINE_S = 240.0
 
 
 def _storage_lost(model_dir: str, silent_s: float, error: Optional[BaseException]) -> None:
@@ -168,8 +152,7 @@ def _storage_lost(model_dir: str, silent_s: float, error: Optional[BaseException
     status = 1
     line = (f"jaxmoral train: error: {model_dir}: its storage has not answered for "
             f"{silent_s:.0f} s{cause}; {committed}; stopping")
-  sys.stderr.write(line + "\n")
-  sys.stderr.flush()
+  print(line, file=sys.stderr, flush=True)
   sys.stdout.flush()
   os._exit(status)  # pylint: disable=protected-access
 

@@ -153,9 +153,6 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
       resume.
     hooks: Extra `train.TrainHook`s (the model's own come first).
 
-  Returns:
-    Final metrics.
-
   Raises:
     ValueError: A count is not an integer in range (naming its gin macro), or a resume that
       does not continue the run (another model shape, data, SEED, BATCH_SIZE, or TRAIN_STEPS
@@ -180,7 +177,6 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     # before it changes anything (`train.train` takes the same lock again, re-entrantly).
     with run_dirs.RunDirLock(model_dir):
       resuming = bool(run_dirs.saved_steps(model_dir))
-      # A resumed run starts from its own checkpoint.
       init_info = model_dirs.inspect(init_checkpoint) if init_checkpoint and not resuming else None
       if resuming:  # Its files are checked and read only; written once the resume is accepted.
         run_dirs.verify_run_files(model_dir)
@@ -219,8 +215,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         if eval_source is not None:
           eval_source = eval_source.shard(jax.process_index(), jax.process_count())
       # A streamed split's position is kept at each checkpoint step: a resume replays nothing.
-      train_source = train_source.keeping_position(run_dirs.data_position_dir(model_dir),
-                                                   checkpoint_every)
+      train_source = train_source.keeping_position(
+          fileio.join(model_dir, run_layout.DATA_POSITION_DIR), checkpoint_every)
       trainer = make_trainer(model=model, optimizer=optimizer, partitioner=partitioner,
                              num_microbatches=num_microbatches)
 
@@ -276,8 +272,6 @@ def compile_run(*, model: trainable.TrainableModel, data: DataSpec,
   shown = ", ".join(f"{k.split('_')[0]} {'x'.join(map(str, v[0][1:]))}"
                     for k, v in shapes.items() if k in ("encoder_input_tokens",
                                                         "decoder_target_tokens"))
-  # A step that trains every weight is about 3 forward passes; frozen weights skip their
-  # weight gradients (about 2).
   passes = 3.0 if trainable_count == total else 2.0
   return aot.CompileProgram(
       stages=(aot.Stage("step", trainer.train_step_function, args, persistent=args[0]),),
@@ -386,8 +380,9 @@ def eval_run(*, model_dir: str, data: Seq2SeqData, feature_lengths: Mapping[str,
     sampler = decoding.make_sampler(
         model, max_decode_length=max_decode_length or feature_lengths["targets"], greedy=True,
         eos_id=loaded.config.eos_token_id, partitioner=partitioner)
+    weights = decoding.prepare_decode_weights(model, params, partitioner=partitioner)
     out = sampler(params, partitioner.shard_inputs(inputs), rng=jax.random.PRNGKey(0),
-                  decode_weights=model_dirs.decode_weights(model, params, partitioner))
+                  decode_weights=weights)
     samples = [{"input": text(inputs[i]), "target": text(first["decoder_target_tokens"][i]),
                 "prediction": text(out.tokens[i, 0])} for i in range(len(inputs))]
   report = {"metrics": metrics, "samples": samples}
@@ -421,10 +416,10 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
               beam_config: Optional[decoding.BeamSearchConfig] = None,
               step: Optional[int] = None, seed: int = 0,
               partitioner: Optional[partitioning.PjitPartitioner] = None) -> str:
-  """Decodes every input of a file with a run's checkpoint; writes JSONL predictions.
+  """Decodes every input of a file with a run's checkpoint; writes JSONL predictions and
+  returns their path.
 
   Args:
-    model_dir: Run directory.
     input_file: Plain text (one input a line) or JSONL (`input_field` names the key);
       INFER_INPUT.
     output_file: JSONL of {"input", "predictions": [...], "scores": [...]}, one record per
@@ -436,9 +431,6 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
     sample_config, beam_config: Sampling settings (default greedy, 64 tokens), or beam search.
     step, seed: Checkpoint step (default latest), sampling seed.
     partitioner: The mesh the parameters are read onto and decoded on (as in `eval_run`).
-
-  Returns:
-    The output path.
 
   Raises:
     OSError: `output_file` cannot be written (checked before the model is loaded).
@@ -457,7 +449,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
   loaded = model_dirs.load_on_mesh(model_dir, partitioner=partitioner, step=step)
   partitioner = loaded.partitioner
   model, params, vocabulary = t5.T5(loaded.config), loaded.lm_params, loaded.vocabulary
-  weights = model_dirs.decode_weights(model, params, partitioner)
+  weights = decoding.prepare_decode_weights(model, params, partitioner=partitioner)
   sample_config = sample_config or decoding.SampleConfig(max_decode_length=64, greedy=True)
   if beam_config is not None:
     beam_search = decoding.make_beam_search(model, **dataclasses.asdict(beam_config),
@@ -489,8 +481,7 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
                                  input_length, batch_size)
       tokens = partitioner.shard_inputs(tokens)
       if beam_config is not None:
-        seqs, scores = beam_search(params, tokens, decode_weights=weights)
-        seqs, scores = np.asarray(seqs), np.asarray(scores)
+        seqs, scores = map(np.asarray, beam_search(params, tokens, decode_weights=weights))
       else:
         rng, key = jax.random.split(rng)
         result = sampler(params, tokens, rng=key, decode_weights=weights)

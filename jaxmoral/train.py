@@ -6,7 +6,7 @@ from the checkpoint of step `s` reads batch `s` next and, with the trainer's per
 for the loop (`_run_steps`). Hooks (`TrainHook`) add what a method needs besides stepping (PPO's
 reward normalisation and curve, a soft prompt saved at the end) without a second loop.
 
-The run directory's layout: `jaxmoral.run_dirs`; its TensorBoard files: `jaxmoral.metric_writers`.
+The run directory's layout: `jaxmoral.run_layout`; its TensorBoard files: `jaxmoral.metric_writers`.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ import numpy as np
 
 from jaxmoral import checkpoints
 from jaxmoral import fileio
-from jaxmoral import gin_utils
 from jaxmoral import integrity
 from jaxmoral import metric_writers
 from jaxmoral import partitioning
 from jaxmoral import preemption
 from jaxmoral import progress
 from jaxmoral import run_dirs
+from jaxmoral import run_layout
 from jaxmoral import software
 from jaxmoral import trainer as trainer_lib
 from jaxmoral import validation
@@ -137,27 +137,22 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
   past the resumed step are dropped, so every step appears once.
 
   Args:
-    model_dir: Run directory (checkpoints/, train/, eval/ inside).
-    trainer: See above.
     train_source: A `DataSource` (`iterate(start_step)`: this process's rows of batch
       `start_step`, ...); its `num_examples`, `batch_size`, `data_fingerprint` are checkpointed.
     train_steps: Total number of steps of the run (not of this call).
     eval_source: Optional evaluation batches, `eval_steps` per evaluation (see `evaluate`).
     eval_every: Evaluate every this many steps (0: only at the end).
     checkpoint_every: Save every this many steps (and always at the end).
-    keep_checkpoints: Keep this many most recent checkpoints.
     log_every: Progress line and TensorBoard train scalars every this many steps (window
       averages, fetched from the devices in one transfer).
     seed: Base rng seed (parameter init and the per-step dropout keys).
     stop_on_nan: Raise `NonFiniteLossError` on a NaN/inf loss or gradient norm, naming the
       step it happened at, before anything of that step is saved (found when the step's
       metrics are fetched: at most `log_every` steps late, at once by a hook that reads them).
-    async_checkpoint: Write checkpoints in the background.
     on_eval: `on_eval(step, metrics, state) -> extra metrics or None`, called after each
       evaluation (e.g. decoding-based metrics); extras are logged with the eval metrics.
     init_params: Parameters for a fresh run (fine-tuning), or a zero-argument function that
       returns them (called only when there is no checkpoint). None: random init from `seed`.
-    hooks: `TrainHook`s.
     on_checked: Called with the resumed step (None: a fresh run) once every check of the
       resume has passed (the checkpoint restored into this model, the same data, seed and
       batch size, `train_steps` not behind it) and before this function writes anything;
@@ -233,12 +228,12 @@ def train(*, model_dir: str | os.PathLike[str], trainer: Any, train_source: Data
       # resumed at its last step evaluates that step again.
       eval_from = start - 1 if eval_source is not None and start >= train_steps else start
       for name, after in (("train", start), ("eval", eval_from)):
-        metric_writers.purge_events_after(run_dirs.events_dir(model_dir, name), after)
+        metric_writers.purge_events_after(fileio.join(model_dir, name), after)
     writers = metric_writers.MetricWriters(model_dir)
     cleanup.callback(writers.close)
     if is_chief:  # As T5X: what this stretch of the run trains under, in TensorBoard's Text tab.
       writers.text("train", start, "software", software_line)
-      config_path = fileio.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
+      config_path = fileio.join(model_dir, run_layout.CONFIG_FILE)
       if fileio.isfile(config_path):  # As an indented markdown code block: shown as written.
         writers.text("train", start, "config", "\n".join(
             "    " + line for line in fileio.read_text(config_path).splitlines()))
@@ -407,8 +402,7 @@ class _Window:
 
 
 class _StepMetrics(Mapping[str, float]):
-  """A step's metrics for `TrainHook.after_step`, fetched from the devices when first read
-  (a hook that never reads them costs the loop no wait)."""
+  """A step's metrics for `TrainHook.after_step`, fetched from the devices when first read."""
 
   def __init__(self, window: _Window, step: int):
     self._window, self._step = window, step
