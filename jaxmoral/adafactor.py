@@ -20,26 +20,14 @@ Schedule = Callable[[jax.Array], jax.Array]
 
 
 class GroupedAdafactorState(NamedTuple):
-  """Step count and, per (shape, dtype) group in tree order, stacked statistics.
+  """The updates applied so far (`count`, int32) and each group's stacked statistics.
 
   Attributes:
-    count: Updates applied so far (int32).
-    stats: One dict per group: `v_row` / `v_col` (factored) or `v` (unfactored), each with the
-      group size as leading axis; plus `momentum` when momentum is on.
+    stats: One dict per (shape, dtype) group in tree order: `v_row` / `v_col` (factored) or `v`
+      (unfactored), each with the group size as leading axis; plus `momentum` when it is on.
   """
   count: jax.Array  # type: ignore[assignment]  # Shadows tuple.count, as optax's states do.
   stats: tuple[dict[str, jax.Array], ...]
-
-
-def factored_dims(shape: tuple[int, ...], factored: bool,
-                  min_dim_size_to_factor: int) -> Optional[tuple[int, int]]:
-  """(second-largest, largest) axis of a leaf whose statistics are factored, else None."""
-  if not factored or len(shape) < 2:
-    return None
-  order = np.argsort(shape)
-  if shape[order[-2]] < min_dim_size_to_factor:
-    return None
-  return int(order[-2]), int(order[-1])
 
 
 def group_by_shape(leaves: list[Any]) -> list[list[int]]:
@@ -62,10 +50,10 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
                       momentum: Optional[float] = None, factored: bool = True,
                       weight_decay_rate: Optional[float] = None, epsilon: float = 1e-30,
                       min_parameter_scale: float = 1e-3) -> optax.GradientTransformation:
-  """Adafactor as `optax.adafactor` computes it, one group of same-shaped leaves at a time.
+  """Adafactor as `optax.adafactor` computes it, one group of same-shaped leaves at a time (its
+  `update` needs `params`).
 
   Args:
-    learning_rate: A float or a schedule of the step count (from 0).
     min_dim_size_to_factor: Factor a leaf's second moments only if its two largest axes are
       both at least this long.
     clipping_threshold: Clip each leaf's update to this RMS (None: no clipping).
@@ -74,13 +62,14 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
     momentum: EMA coefficient of the updates (None: no momentum, as in T5X).
     weight_decay_rate: Decoupled weight decay added before the sign flip (None: none).
     decay_rate, factored, epsilon: As `optax.adafactor` takes them.
-
-  Returns:
-    An `optax.GradientTransformation` whose `update` needs `params`.
   """
 
   def group_dims(shape: tuple[int, ...]) -> Optional[tuple[int, int]]:
-    return factored_dims(shape, factored, min_dim_size_to_factor)
+    """(second-largest, largest) axis of a leaf whose statistics are factored, else None."""
+    order = np.argsort(shape)
+    if not factored or len(shape) < 2 or shape[order[-2]] < min_dim_size_to_factor:
+      return None
+    return int(order[-2]), int(order[-1])
 
   def init_fn(params: Any) -> GroupedAdafactorState:
     leaves = jax.tree_util.tree_leaves(params)
@@ -120,18 +109,16 @@ def grouped_adafactor(learning_rate: Union[float, Schedule], *,
       p = jnp.stack([param_leaves[i] for i in group])
       grad_sqr = jnp.square(g) + epsilon
       dims = group_dims(shape)
-      entry = {}
       if dims is None:
-        v = (decay * stats["v"] + (1.0 - decay) * grad_sqr).astype(dtype)
-        entry["v"] = v
-        update = g * v ** -0.5
+        entry = {"v": (decay * stats["v"] + (1.0 - decay) * grad_sqr).astype(dtype)}
+        update = g * entry["v"] ** -0.5
       else:
         d1, d0 = dims[0] + 1, dims[1] + 1  # +1: axis 0 is the group.
         v_row = (decay * stats["v_row"] + (1.0 - decay) * jnp.mean(grad_sqr, axis=d0)
                  ).astype(dtype)
         v_col = (decay * stats["v_col"] + (1.0 - decay) * jnp.mean(grad_sqr, axis=d1)
                  ).astype(dtype)
-        entry["v_row"], entry["v_col"] = v_row, v_col
+        entry = {"v_row": v_row, "v_col": v_col}
         reduced_d1 = d1 - 1 if d1 > d0 else d1
         row_factor = (v_row / jnp.mean(v_row, axis=reduced_d1, keepdims=True)) ** -0.5
         col_factor = v_col ** -0.5

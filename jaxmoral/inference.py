@@ -8,7 +8,6 @@ recompile. `api.Model`, ClarifyDelphi, Diamante and the NPOV classifiers all run
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
@@ -178,9 +177,6 @@ class InferenceModel:
         plain language model.
       require_vocabulary: Refuse a directory without a vocabulary (models that read text).
       **kwargs: `input_length`, `batch_size` (fixed shapes).
-
-    Raises:
-      ValueError: `require_vocabulary` and the directory carries none.
     """
     loaded = model_dirs.load(path, partitioner=partitioner, step=step, dtype=dtype,
                              config=config, vocabulary=vocabulary)
@@ -205,23 +201,18 @@ class InferenceModel:
     c = self.config
     return (f"{type(self).__name__}({self.source}: d_model={c.d_model}, "
             f"layers={c.num_encoder_layers}+{c.num_decoder_layers}, vocab={c.vocab_size}, "
-            f"{c.feed_forward_proj}, "
-            f"vocabulary={'yes' if self.vocabulary is not None else 'no'})")
+            f"{c.feed_forward_proj}, vocabulary={'yes' if self.vocabulary is not None else 'no'})")
 
   @property
   def decode_weights(self) -> Optional[decoding.DecodeWeights]:
     if "weights" not in self._decode:
-      self._decode["weights"] = model_dirs.decode_weights(self.module, self.params,
-                                                          self.partitioner)
+      self._decode["weights"] = decoding.prepare_decode_weights(
+          self.module, self.params, partitioner=self.partitioner)
     return self._decode["weights"]
 
   @property
   def config(self) -> T5Config:
     return self.module.config
-
-  def context(self) -> Any:
-    """The partitioner's mesh and rules (a no-op context without one)."""
-    return self.partitioner.context() if self.partitioner is not None else contextlib.nullcontext()
 
   def place(self, *arrays: Any) -> Any:
     """Host arrays on the model's mesh (rows over "data" where they divide it): one array for
@@ -322,8 +313,7 @@ class InferenceModel:
 
   def run(self, fn: Callable[..., Any], *inputs: Any, static: tuple[Any, ...] = ()) -> Any:
     """`jitted(fn)` on host arrays placed on the mesh, fetched back to the host."""
-    placed = self.place(*inputs) if inputs else ()
-    placed = placed if len(inputs) != 1 else (placed,)
+    placed = inputs if self.partitioner is None else self.partitioner.shard_inputs(inputs)
     return jax.device_get(self.jitted(fn, len(inputs), static)(self.params, *placed))
 
   def sampler(self, *, max_decode_length: int, num_samples: int = 1, greedy: bool = True,
@@ -388,12 +378,8 @@ class InferenceModel:
       greedy: Argmax decoding (None: unless `num_samples`, `temperature`, `top_k` or `top_p`
         is away from its default).
       beam_size: > 0 switches to beam search with this many beams and `length_penalty`.
-      seed: Sampling seed when no `rng` is given.
       rng: Sampling key (batch i uses fold_in(rng, i)); default PRNGKey(seed).
       batch_size: Inputs per decoding call (unless the model's `batch_size` is fixed).
-
-    Returns:
-      `GenerateOutput` (texts when a vocabulary is present).
     """
     if greedy is None:
       greedy = (num_samples == 1 and temperature == 1.0 and top_k == 0 and top_p == 1.0)

@@ -60,7 +60,8 @@ def token_logprobs(logits: Array, targets: Array) -> Array:
 
 def cross_entropy_with_logits(logits: Array, targets: Array, *, label_smoothing: float = 0.0,
                               z_loss: float = 0.0) -> tuple[Array, Array]:
-  """Per-token T5X cross entropy (smoothed targets) plus z-loss, without a one-hot.
+  """Per-token T5X cross entropy (smoothed targets) plus z-loss, without a one-hot: `(loss,
+  z_loss_term)`, both (...) float32, where `loss` already includes `z_loss_term`.
 
   With smoothing `s`, the soft target puts `1 - s` on the target and `s / (V - 1)` on every
   other id; the loss is shifted by that distribution's entropy so a perfect model scores 0
@@ -69,11 +70,7 @@ def cross_entropy_with_logits(logits: Array, targets: Array, *, label_smoothing:
   Args:
     logits: (..., V) logits, any float dtype.
     targets: (...) int target ids.
-    label_smoothing: s, in [0, 1).
-    z_loss: Coefficient of the squared log normaliser (>= 0).
-
-  Returns:
-    (loss, z_loss_term), both (...) float32; `loss` already includes `z_loss_term`.
+    label_smoothing, z_loss: s, in [0, 1), and the z-loss coefficient (>= 0).
   """
   _check_smoothing(label_smoothing, z_loss)
   logits, log_z, target_logit = _log_softmax_parts(logits, targets)
@@ -108,17 +105,8 @@ def token_nll(logits: Array, targets: Array, weights: Optional[Array], *,
   """
   loss, z_term = cross_entropy_with_logits(logits, targets, label_smoothing=label_smoothing,
                                            z_loss=z_loss)
-  weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights
-  weights = weights.astype(jnp.float32)
+  weights = jnp.ones(targets.shape, jnp.float32) if weights is None else weights.astype(jnp.float32)
   return jnp.sum(loss * weights), jnp.sum(weights), jnp.sum(z_term * weights)
-
-
-def mean_token_nll(logits: Array, targets: Array, weights: Optional[Array], *,
-                   label_smoothing: float = 0.0, z_loss: float = 0.0) -> Array:
-  """`token_nll`'s loss_sum / weight_sum (0 when no token has weight)."""
-  loss_sum, weight_sum, _ = token_nll(logits, targets, weights, label_smoothing=label_smoothing,
-                                      z_loss=z_loss)
-  return _safe_divide(loss_sum, weight_sum)
 
 
 def sequence_logprob(logits: Array, targets: Array, weights: Optional[Array]) -> Array:
@@ -197,9 +185,8 @@ def weighted_loss(terms: Mapping[str, Term], weights: Mapping[str, float],
                   counts: Optional[Mapping[str, Array]] = None) -> Array:
   """sum_j weights[j] * terms[j].total / count_j, the loss of a `TermsLoss`.
 
-  `counts`: the whole batch's count per term (None: each term's own). A microbatch's loss
-  over the whole batch's counts, summed over the microbatches, is the batch's loss, and so is
-  its gradient (the counts do not depend on the parameters).
+  `counts`: the whole batch's count per term (None: each term's own), for a microbatch's share
+  of the batch's loss (`trainer.microbatch_gradients`).
   """
   loss = jnp.zeros((), jnp.float32)
   for name, weight in weights.items():
@@ -214,18 +201,12 @@ class TermsLoss:
 
   The loss is `sum_j weights[j] * value_j`; every term is also a metric. Called, it gives the
   plain contract `(loss, metrics)` (each term's value and `loss`, the weighted sum, which a
-  loss of one term may also name its term), so it works wherever a loss fn does; the
-  `Trainer` uses `terms` to combine microbatches exactly.
+  loss of one term may also name its term), so it works wherever a loss fn does.
   """
 
   def __init__(self, terms_fn: TermsFn, *, weights: Mapping[str, float], name: str = "loss"):
-    """Wraps a terms function.
-
-    Args:
-      terms_fn: `(params, batch, rng) -> {name: Term}`; must return every name in `weights`.
-      weights: Loss coefficient per term name (non-empty; a 0 keeps a term as a metric only).
-      name: Shown in errors.
-    """
+    """`terms_fn` must return every name in `weights` (non-empty; a weight 0 keeps a term as a
+    metric only); `name` is shown in errors."""
     if not weights:
       raise ValueError(f"{name}: a TermsLoss needs at least one weighted term")
     self._terms_fn = terms_fn
@@ -283,8 +264,7 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
 
   Args:
     model: A `jaxmoral.models.t5.T5`.
-    label_smoothing: Target smoothing, in [0, 1).
-    z_loss: Coefficient of the z-loss (T5X default 1e-4).
+    label_smoothing, z_loss: As `cross_entropy_with_logits` takes them (T5X's z-loss 1e-4).
     loss_normalizing_factor: None divides the summed loss by the number of weighted target
       tokens in the batch (per-token mean); a positive number divides it by that constant
       instead (T5X's fixed factor, which keeps microbatches and hosts consistent).
@@ -316,10 +296,8 @@ def seq2seq_loss_fn(model: Any, *, label_smoothing: float = 0.0, z_loss: float =
                          decoder_segment_ids=batch.get("decoder_segment_ids"))
     loss_sum, weight_sum, z_sum = token_nll(logits, targets, weights,
                                             label_smoothing=label_smoothing, z_loss=z_loss)
-    if loss_normalizing_factor is None:
-      loss = Term.tokens(loss_sum, weight_sum)
-    else:
-      loss = Term.sum(loss_sum / loss_normalizing_factor)
+    loss = (Term.tokens(loss_sum, weight_sum) if loss_normalizing_factor is None
+            else Term.sum(loss_sum / loss_normalizing_factor))
     nll_sum = -jnp.sum(token_logprobs(logits, targets) * weights)
     # "The target logit is the largest" rather than argmax == target: a max is a vectorised
     # reduction, an argmax over the vocabulary is not (they differ only on exact ties).

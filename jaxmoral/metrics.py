@@ -2,8 +2,7 @@
 percentile bootstrap confidence intervals of any of them.
 
 Host-side functions take NumPy (or anything `np.asarray` accepts) and return float64 / Python
-floats; no scikit-learn. `jensen_shannon_jnp` is the one `jnp` function, for use inside jitted
-code (the ClarifyDelphi PPO reward).
+floats; no scikit-learn.
 """
 
 from __future__ import annotations
@@ -11,10 +10,8 @@ from __future__ import annotations
 import collections
 import operator
 import re
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxmoral import validation
@@ -50,14 +47,10 @@ def _mann_whitney_u(labels: np.ndarray, scores: np.ndarray) -> tuple[float, floa
 
 
 def roc_auc(labels: Any, scores: Any) -> float:
-  """Area under the ROC curve; higher scores should mean positive.
+  """Area under the ROC curve of (N,) 0/1 or bool `labels` and finite `scores` (high: positive).
 
   Equals the Mann–Whitney U statistic / (n_pos * n_neg): the probability that a random positive
   outscores a random negative, ties counting 1/2 (average ranks).
-
-  Args:
-    labels: (N,) 0/1 or bool.
-    scores: (N,) finite floats.
 
   Raises:
     ValueError: on shape mismatch, non-binary labels, non-finite scores or a single class.
@@ -114,7 +107,8 @@ def roc_curve(labels: Any, scores: Any) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 def ranking_metrics(scores_per_query: Sequence[Any],
                     relevant_per_query: Sequence[Any]) -> dict[str, float]:
-  """Mean average precision, mean reciprocal rank and precision at 1 over queries.
+  """Mean average precision, mean reciprocal rank and precision at 1 over queries, as
+  `{"map", "mrr", "p@1", "num_queries"}` (num_queries: the queries averaged).
 
   Candidates of each query are ranked by decreasing score. Ties are broken pessimistically:
   among equal scores the non-relevant candidates rank first, so a constant scorer gets no
@@ -123,9 +117,6 @@ def ranking_metrics(scores_per_query: Sequence[Any],
   Args:
     scores_per_query: One (n_q,) array of candidate scores per query.
     relevant_per_query: One (n_q,) bool / 0-1 array per query.
-
-  Returns:
-    {"map", "mrr", "p@1", "num_queries"} (num_queries: queries actually averaged).
 
   Raises:
     ValueError: on mismatched lengths or when no query has a relevant candidate.
@@ -168,19 +159,12 @@ _WORD = re.compile(r"[a-z']+")
 
 def first_wh_word(question: str) -> str:
   """The question's first wh-word (case-insensitive, anywhere in it), or "other"."""
-  wh = set(WH_WORDS)
-  return next((w for w in _WORD.findall(question.lower()) if w in wh), "other")
+  return next((w for w in _WORD.findall(question.lower()) if w in WH_WORDS), "other")
 
 
 def wh_word_distribution(questions: Iterable[str]) -> dict[str, float]:
-  """Fraction of questions by `first_wh_word` ("other" for e.g. "Is it ...?", "Do you ...?").
-
-  Returns:
-    {wh-word: fraction for each of WH_WORDS, "other": fraction}; fractions sum to 1.
-
-  Raises:
-    ValueError: for an empty list.
-  """
+  """Fraction of questions by `first_wh_word`, for each of WH_WORDS and "other" (e.g. "Is it
+  ...?", "Do you ...?"); ValueError for an empty list."""
   counts = collections.Counter(first_wh_word(q) for q in questions)
   total = sum(counts.values())
   if not total:
@@ -214,20 +198,6 @@ def jensen_shannon(p: Any, q: Any, base: float = 2.0, axis: int = -1) -> np.ndar
 
   js = np.maximum(0.5 * (kl(p) + kl(q)) / np.log(base), 0.0)
   return float(js) if js.ndim == 0 else js
-
-
-def jensen_shannon_jnp(p: jax.Array, q: jax.Array, base: float = 2.0, axis: int = -1,
-                       eps: float = 1e-12) -> jax.Array:
-  """`jensen_shannon` in float32 `jnp`, jittable and differentiable (logs clamped at `eps`)."""
-  p, q = p.astype(jnp.float32), q.astype(jnp.float32)
-  p, q = p / jnp.sum(p, axis=axis, keepdims=True), q / jnp.sum(q, axis=axis, keepdims=True)
-  log_m = jnp.log(jnp.maximum(0.5 * (p + q), eps))
-
-  def kl(a: jax.Array) -> jax.Array:
-    # a == 0 gives 0 * finite = 0, so zeros need no branch.
-    return jnp.sum(a * (jnp.log(jnp.maximum(a, eps)) - log_m), axis=axis)
-
-  return jnp.maximum(0.5 * (kl(p) + kl(q)) / jnp.log(base), 0.0)
 
 
 class BootstrapCI(tuple):
@@ -265,8 +235,7 @@ class BootstrapCI(tuple):
 def _unit_resamples(unit_of_row: np.ndarray, draws: np.ndarray) -> list[np.ndarray]:
   """Row indices of each resample: the rows of every drawn unit, unit after unit, each
   unit's rows in data order."""
-  num_units = draws.shape[1]
-  sizes = np.bincount(unit_of_row, minlength=num_units)
+  sizes = np.bincount(unit_of_row, minlength=draws.shape[1])
   rows_by_unit = np.argsort(unit_of_row, kind="stable")
   starts = np.r_[0, np.cumsum(sizes)[:-1]]
   # All resamples at once: expand every drawn unit into the range of its rows.
@@ -290,20 +259,14 @@ def bootstrap_ci(metric_fn: Callable[..., Any], *arrays: Any, num_resamples: int
   Args:
     metric_fn: The metric, e.g. `roc_auc` (labels, scores) or `np.mean`. It may raise
       ValueError (or return NaN) where undefined; such resamples are skipped and counted.
-    *arrays: Arrays with the same number of rows.
-    num_resamples: Bootstrap resamples.
     confidence: Nominal coverage; the interval is the (1 - c) / 2 and (1 + c) / 2 percentiles
       (NumPy's linear interpolation) of the resampled metric.
-    seed: Seed of `np.random.default_rng`.
-    units: Optional (n,) group of each row; rows of a group are resampled together.
+    units: Optional (n,) group of each row.
     vectorized: `metric_fn` takes arrays with a leading resample axis, (B, n, ...) and returns
       (B,) values (e.g. `lambda x: x.mean(axis=1)`): one call per batch instead of one per
       resample (the estimate: a batch of one). Needs resamples of equal size (no `units`, or
       units of equal size).
     max_batch_elements: Rows times resamples per vectorised call (memory bound).
-
-  Returns:
-    A `BootstrapCI`: `(estimate, low, high)` with `num_skipped` and `num_resamples`.
 
   Raises:
     ValueError: on bad arguments, arrays of different lengths, unequal units with
@@ -366,48 +329,3 @@ def bootstrap_ci(metric_fn: Callable[..., Any], *arrays: Any, num_resamples: int
   low, high = np.percentile(valid, [tail, 100.0 - tail])
   return BootstrapCI(estimate, float(low), float(high), confidence=confidence,
                      num_resamples=num_resamples, num_skipped=num_resamples - valid.size)
-
-
-class MetricsAccumulator:
-  """Averages dicts of scalar metrics over evaluation batches.
-
-  Each metric is averaged with the batch's `weight_key` value as weight (default
-  `num_tokens`, so per-token metrics average per token over the whole eval set); batches
-  without that key weigh 1. Keys in `sum_keys` are summed instead; keys in `unweighted_keys`
-  are plain means over batches.
-  """
-
-  def __init__(self, *, weight_key: Optional[str] = "num_tokens",
-               sum_keys: Sequence[str] = ("num_tokens",),
-               unweighted_keys: Sequence[str] = ()):
-    self.weight_key = weight_key
-    self.sum_keys = frozenset(sum_keys)
-    self.unweighted_keys = frozenset(unweighted_keys)
-    self.reset()
-
-  def reset(self) -> None:
-    self._sums: dict[str, float] = {}
-    self._weights: dict[str, float] = {}
-    self.num_batches = 0
-
-  def update(self, metrics: Mapping[str, Any]) -> None:
-    """Adds one batch's metrics (scalars: Python, NumPy or jax)."""
-    values = {}
-    for key, value in metrics.items():
-      array = np.asarray(value, np.float64)
-      if array.size != 1:
-        raise ValueError(f"MetricsAccumulator.update: metric {key!r} is not a scalar "
-                         f"(shape {array.shape})")
-      values[key] = float(array.reshape(()))
-    weight = values.get(self.weight_key, 1.0) if self.weight_key is not None else 1.0
-    for key, value in values.items():
-      w = 1.0 if key in self.sum_keys or key in self.unweighted_keys else weight
-      self._sums[key] = self._sums.get(key, 0.0) + value * w
-      self._weights[key] = self._weights.get(key, 0.0) + w
-    self.num_batches += 1
-
-  def result(self) -> dict[str, float]:
-    """The accumulated metrics (sums for `sum_keys`, weighted means otherwise)."""
-    return {key: total if key in self.sum_keys
-            else (total / self._weights[key] if self._weights[key] else 0.0)
-            for key, total in self._sums.items()}

@@ -79,9 +79,6 @@ def make_schedule(*, name: str = "constant", base_learning_rate: float,
         `end_learning_rate` at `total_steps`.
       - "warmup_rsqrt": 0 -> `base` over `warmup_steps`, then `base * sqrt(warmup / step)`.
     base_learning_rate: The peak (or constant) learning rate; for "rsqrt" T5X's factor.
-    warmup_steps: Warm-up length (steps).
-    total_steps: Step at which the linear decays reach `end_learning_rate`.
-    end_learning_rate: Final learning rate of the linear decays.
 
   Raises:
     TypeError: A step count or rate of the wrong type; ValueError: an unknown name, or steps
@@ -147,12 +144,11 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
                    multiply_by_parameter_scale: bool = True, factored: bool = True,
                    min_dim_size_to_factor: int = 128,
                    group_same_shapes: Optional[bool] = None) -> Optimizer:
-  """An optax optimizer.
+  """An optax optimizer (the trainers apply it to the *trainable* parameters only).
 
   Args:
     name: "adafactor" (T5X's default: factored second moments, update clipping at 1.0,
       decay rate 0.8, updates scaled by the parameter RMS, no momentum), "adamw" or "sgd".
-    learning_rate: A float or a schedule (e.g. `make_schedule(...)`).
     weight_decay: Decoupled weight decay (AdamW; Adafactor's `weight_decay_rate`). Applied to
       every trainable leaf; SGD ignores it unless > 0, then adds `weight_decay * param`.
     grad_clip_norm: Clip gradients to this global norm first (None: no clipping).
@@ -165,9 +161,6 @@ def make_optimizer(*, name: str = "adafactor", learning_rate: LearningRate,
       Its state is one stacked array per shape and statistic, replicated over the mesh, so
       checkpoints of the two layouts do not mix. None (default): grouped unless `momentum`
       is set, whose parameter-sized state would then be replicated; False: `optax.adafactor`.
-
-  Returns:
-    An `Optimizer` (apply it to the *trainable* params only; see trainer.py).
 
   Raises:
     TypeError: A number of the wrong type; ValueError: unknown name or bad value (naming

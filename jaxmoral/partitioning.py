@@ -42,7 +42,6 @@ LogicalRules = Sequence[tuple[str, Optional[str | tuple[str, ...]]]]
 
 DATA_AXIS = "data"
 MODEL_AXIS = "model"
-MESH_AXES = (DATA_AXIS, MODEL_AXIS)
 
 # Logical names that are never sharded (small, or sharded via another axis of the same array).
 _REPLICATED_AXES = ("relpos_buckets", "abspos_buckets", "length", "layers", "stack",
@@ -62,16 +61,13 @@ def standard_logical_axis_rules(
 
   parameter_partitioning_dims=2 (FSDP-style): additionally `embed -> data`, so parameters
     (and their optimizer state) are sharded over both axes, e.g. a query kernel
-    (embed, joined_kv) -> P('data', 'model'). Activations stay batch-sharded only, because
-    `batch` claims `data` first.
+    (embed, joined_kv) -> P('data', 'model').
   activation_partitioning_dims=2: additionally `embed -> model` (before `embed -> data`),
     so activations (batch, length, embed) -> P('data', None, 'model'). For parameters
     `vocab`/`mlp`/`joined_kv` claim `model` first, so `embed` then falls through to `data`
     (when parameter_partitioning_dims=2) or stays replicated.
 
   Args:
-    activation_partitioning_dims: 1 or 2 (see above).
-    parameter_partitioning_dims: 1 or 2 (see above).
     additional_rules: Extra `(logical_name, mesh_axis_or_None)` pairs, tried before the
       standard rules: `[("vocab", None)]` replicates the embedding, `[("prompt", None)]` names
       a new axis.
@@ -88,13 +84,11 @@ def standard_logical_axis_rules(
     rules.append(("embed", DATA_AXIS))
   rules.append(("embed", None))
   rules.extend((name, None) for name in _REPLICATED_AXES)
-  if additional_rules:
-    for i, rule in enumerate(additional_rules):
-      if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-        raise ValueError(f"standard_logical_axis_rules: additional_rules[{i}] must be a "
-                         f"(logical_name, mesh_axis) pair, got {rule!r}")
-    rules = [(r[0], r[1]) for r in additional_rules] + rules
-  return rules
+  for i, rule in enumerate(additional_rules or ()):
+    if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+      raise ValueError(f"standard_logical_axis_rules: additional_rules[{i}] must be a "
+                       f"(logical_name, mesh_axis) pair, got {rule!r}")
+  return [(r[0], r[1]) for r in additional_rules or ()] + rules
 
 
 _DEFAULT_DEVICES: list[Optional[list[Any]]] = [None]
@@ -130,9 +124,7 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
     num_slices: Number of multi-slice (DCN-connected) slices. The `data` axis spans slices
       and the `model` axis stays within a slice (model parallelism needs the fast links).
   """
-  if devices is None:
-    devices = _DEFAULT_DEVICES[0] or jax.devices()
-  devices = list(devices)
+  devices = list(_DEFAULT_DEVICES[0] or jax.devices() if devices is None else devices)
   if model_parallel_submesh is not None:
     submesh = tuple(int(x) for x in model_parallel_submesh)
     if not submesh or any(x <= 0 for x in submesh):
@@ -169,7 +161,7 @@ def get_mesh(*, num_partitions: int = 1, model_parallel_submesh: Optional[Sequen
                                            d.process_index, d.id))
     mesh_devices = np.asarray(order, dtype=object).reshape(
         num_slices * data_per_slice, num_partitions)
-  return Mesh(mesh_devices, MESH_AXES)
+  return Mesh(mesh_devices, (DATA_AXIS, MODEL_AXIS))
 
 
 def _is_spec_leaf(x: Any) -> bool:
@@ -192,9 +184,6 @@ def logical_specs_like(tree: PyTree, boxed_params: PyTree) -> PyTree:
   Args:
     tree: Any pytree of arrays or `jax.ShapeDtypeStruct` (e.g. `jax.eval_shape(tx.init, p)`).
     boxed_params: The boxed (`nn.LogicallyPartitioned`) parameter tree, real or abstract.
-
-  Returns:
-    A tree with `tree`'s structure and a logical `PartitionSpec` at every leaf.
   """
   # The longest suffix of a leaf path that names a parameter wins (tried first below).
   by_path: dict[tuple[str, ...], tuple[PartitionSpec, tuple[int, ...]]] = {}
@@ -226,7 +215,6 @@ def _fit_spec(spec: PartitionSpec, shape: Optional[Sequence[int]], mesh: Mesh) -
 
 
 def _batch_spec(ndim: int) -> PartitionSpec:
-  """The leading (batch) dim over `data`, the other `ndim - 1` dims replicated."""
   return PartitionSpec(DATA_AXIS, *([None] * (ndim - 1)))
 
 
@@ -242,22 +230,6 @@ def global_batch_from_process_local(batch: PyTree, *, mesh: Mesh) -> PyTree:
       raise ValueError("global_batch_from_process_local: got a scalar leaf; batch leaves need "
                        "a leading batch dimension")
     return jax.make_array_from_process_local_data(NamedSharding(mesh, _batch_spec(x.ndim)), x)
-  return jax.tree_util.tree_map(one, batch)
-
-
-def global_batch_from_global(batch: PyTree, *, mesh: Mesh) -> PyTree:
-  """Global `jax.Array`s from a batch every process holds whole (inference inputs).
-
-  Rows are sharded over `data` where their count divides that axis (as a training batch is,
-  `global_batch_from_process_local`); a batch that does not divide it (one chat context, a
-  salience example, the last short batch of a file) is replicated, so any batch runs on any
-  mesh. Scalars are replicated. Each device receives only its own slice.
-  """
-  def one(x: Any) -> jax.Array:
-    x = np.asarray(x)
-    spec = _batch_spec(x.ndim) if x.ndim else PartitionSpec()
-    sharding = NamedSharding(mesh, _fit_spec(spec, x.shape, mesh))
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
   return jax.tree_util.tree_map(one, batch)
 
 
@@ -330,21 +302,14 @@ class PjitPartitioner:
     return jax.tree_util.tree_map(one, tree, shape_tree, is_leaf=_is_spec_leaf)
 
   def sharding_for(self, tree: PyTree, *, shapes: Optional[PyTree] = None) -> PyTree:
-    """`NamedSharding`s (one per array: the *unboxed* structure) for `logical_to_mesh`'s trees.
-
-    `tree` is, e.g., a boxed parameter tree from `jax.eval_shape` or the logical
-    `PartitionSpec`s of `logical_specs_like`.
-    """
+    """`NamedSharding`s (one per array: the *unboxed* structure) for `logical_to_mesh`'s trees."""
     specs = self.logical_to_mesh(tree, shapes=shapes)
     return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
                                   is_leaf=lambda x: isinstance(x, PartitionSpec))
 
   def sharding_like(self, tree: PyTree, boxed_params: PyTree) -> PyTree:
-    """Shardings for a tree mirroring the params, e.g. `jax.eval_shape(tx.init, params)`.
-
-    Leaves get their parameter's sharding when shapes agree, else replicated (see
-    `logical_specs_like`).
-    """
+    """Shardings for a tree mirroring the params, e.g. `jax.eval_shape(tx.init, params)`: a
+    leaf gets its parameter's sharding when the shapes agree, else replicated."""
     return self.sharding_for(logical_specs_like(tree, boxed_params), shapes=tree)
 
   def data_sharding(self, ndim: int = 2) -> NamedSharding:
@@ -362,17 +327,24 @@ class PjitPartitioner:
     return global_batch_from_process_local(batch, mesh=self.mesh)
 
   def shard_inputs(self, batch: PyTree) -> PyTree:
-    """See `global_batch_from_global` (this partitioner's mesh): inference batches."""
-    return global_batch_from_global(batch, mesh=self.mesh)
+    """Global `jax.Array`s from a batch every process holds whole (inference inputs).
+
+    Rows are sharded over `data` where their count divides that axis (as a training batch is,
+    `host_local_to_global`); a batch that does not divide it (one chat context, a salience
+    example, the last short batch of a file) is replicated, so any batch runs on any mesh.
+    Scalars are replicated. Each device receives only its own slice.
+    """
+    def one(x: Any) -> jax.Array:
+      x = np.asarray(x)
+      spec = _batch_spec(x.ndim) if x.ndim else PartitionSpec()
+      sharding = NamedSharding(self.mesh, _fit_spec(spec, x.shape, self.mesh))
+      return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+    return jax.tree_util.tree_map(one, batch)
 
   def partition(self, fn: Callable[..., Any], *, in_shardings: Any, out_shardings: Any,
                 donate_argnums: int | Sequence[int] = (),
                 static_argnums: int | Sequence[int] = ()) -> PartitionedFunction:
-    """`jax.jit` with shardings; traced and run inside `context()` (model constraints apply).
-
-    Returns:
-      A callable with the same signature, plus `.lower(*args)` for AOT compilation.
-    """
+    """`jax.jit` with shardings, as a `PartitionedFunction` (model constraints apply)."""
     jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                      donate_argnums=donate_argnums, static_argnums=static_argnums)
     return PartitionedFunction(jitted, self)
@@ -392,9 +364,7 @@ def inference_partitioner(partitioner: Optional[PjitPartitioner] = None) -> Pjit
   (every process takes part in each call). The default is made once per process, so the
   compiled functions cached per partitioner are reused.
   """
-  if partitioner is not None:
-    return partitioner
-  return _default_inference_partitioner(jax.process_count() == 1)
+  return partitioner or _default_inference_partitioner(jax.process_count() == 1)
 
 
 class PartitionedFunction:
@@ -447,10 +417,7 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
   --process_id), else from JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID. With
   none of them set, a SLURM job with more than one task (SLURM_NTASKS) or a multi-worker Cloud
   TPU (TPU_WORKER_HOSTNAMES) uses JAX's cluster auto-detection.
-  One process (or nothing configured) is a no-op. Call before any other JAX call.
-
-  Returns:
-    True when `jax.distributed.initialize` was called.
+  One process (or nothing configured) is a no-op returning False. Call before other JAX calls.
   """
   coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
   num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
@@ -475,8 +442,7 @@ def initialize_distributed(*, coordinator_address: Optional[str] = None,
       return False
     explicit = {}  # JAX's cluster auto-detection (SLURM / Cloud TPU).
   jax.distributed.initialize(**explicit)
-  # Processes running other software would run other programs; collectives between different
-  # programs hang or compute nonsense silently.
+  # Other software would run other programs (see `check_same_config_on_every_process`).
   refuse_differing_processes(
       software.fingerprint(), "initialize_distributed",
       f"runs other software than process 0 (jaxmoral's sources or "
@@ -492,8 +458,7 @@ def processes_that_differ(text: str) -> list[int]:
     return []
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int32)
-  everywhere = np.asarray(multihost_utils.process_allgather(digest))
-  everywhere = everywhere.reshape(jax.process_count(), -1)
+  everywhere = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, digest.size)
   return [i for i in range(1, len(everywhere)) if not np.array_equal(everywhere[i], everywhere[0])]
 
 

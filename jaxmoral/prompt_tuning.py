@@ -37,7 +37,6 @@ InitMethod = Literal["vocab_sample", "words", "uniform"]
 # Trainer mask: the one top-level "prompt" leaf is trained, everything under "base" is frozen.
 PROMPT_PATTERN = r"^prompt$"
 PROMPT_FILE = "prompt.npy"
-PROMPT_SUBDIR = run_layout.PROMPT_DIR  # Where a prompt-tuning run saves its prompt on its own.
 META_FILE = "prompt.json"
 
 
@@ -52,9 +51,8 @@ class PromptConfig:
       SentencePiece ids are roughly frequency ordered, so these are common tokens), "words"
       (the embeddings of `init_words`, e.g. the class labels; each word's pieces averaged;
       the remaining rows are vocab samples) or "uniform" (U(-uniform_scale, uniform_scale)).
-    vocab_sample_size: N for "vocab_sample".
-    init_words: Words for "words" (at most `length`).
-    uniform_scale: Half-width for "uniform".
+    vocab_sample_size, init_words, uniform_scale: N, the words (at most `length`) and the
+      half-width of `init`.
   """
   length: int = 5
   init: InitMethod = "vocab_sample"
@@ -117,8 +115,7 @@ def prepend_prompt(prompt: Array, embeds: Array, mask: Array) -> tuple[Array, Ar
 
 
 class PromptedT5(nn.Module):
-  """A T5 (submodule "base") with a soft prompt (param "prompt", (P, d_model)); `__call__`
-  matches `T5.__call__` for token inputs, so core losses apply unchanged."""
+  """A T5 (submodule "base") with a soft prompt (param "prompt", (P, d_model))."""
   config: T5Config
   prompt_length: int
 
@@ -152,12 +149,6 @@ def prompted_params(base_params: Any, prompt: Any) -> dict[str, Any]:
   return {"base": base_params, "prompt": prompt}
 
 
-def trainable_mask(params: Any) -> Any:
-  """Pytree of bools (same structure as `params`): True on the prompt only."""
-  return {"base": jax.tree_util.tree_map(lambda _: False, params["base"]),
-          "prompt": jax.tree_util.tree_map(lambda _: True, params["prompt"])}
-
-
 def prompted_encoder_inputs(model: T5, base_params: Any, prompt: Array,
                             encoder_input_tokens: Array) -> tuple[Array, Array]:
   """(embeds, mask) with the prompt prefixed, for the base model's encode / decoding.sample."""
@@ -168,10 +159,9 @@ def prompted_encoder_inputs(model: T5, base_params: Any, prompt: Array,
 
 def save_prompt(prompt: Any, directory: str | os.PathLike, *,
                 metadata: Optional[dict[str, Any]] = None, orbax: bool = False) -> str:
-  """Saves a prompt on its own: `prompt.npy` (float32) and `prompt.json` (shape + metadata).
+  """Saves a (P, d_model) prompt alone: `prompt.npy` (float32), `prompt.json` (shape, metadata).
 
   Args:
-    prompt: (P, d_model) array.
     directory: Created if missing; returned.
     metadata: JSON-serialisable extras (e.g. task, base checkpoint, label words).
     orbax: Also export it under `directory/orbax` (`params_export.export_params`), for tools
@@ -196,9 +186,9 @@ def prompt_directory(directory: str | os.PathLike) -> Optional[str]:
   """The folder holding a saved prompt (`prompt.npy` or `orbax/`): `directory` itself, or a
   prompt-tuning run's `MODEL_DIR/prompt`; None when neither holds one."""
   directory = os.fspath(directory)
-  return next((candidate for candidate in (directory, fileio.join(directory, PROMPT_SUBDIR))
-               if fileio.exists(fileio.join(candidate, PROMPT_FILE))
-               or fileio.isdir(fileio.join(candidate, "orbax"))), None)
+  candidates = (directory, fileio.join(directory, run_layout.PROMPT_DIR))
+  return next((c for c in candidates if fileio.exists(fileio.join(c, PROMPT_FILE))
+               or fileio.isdir(fileio.join(c, "orbax"))), None)
 
 
 def load_prompt(directory: str | os.PathLike) -> tuple[np.ndarray, dict[str, Any]]:
@@ -226,7 +216,7 @@ class SavePromptHook(train_lib.TrainHook):
   """At the end of a run, saves the trained prompt on its own to `model_dir/prompt`."""
 
   def __init__(self, model_dir: str | os.PathLike, metadata: dict[str, Any]):
-    self.directory = fileio.join(model_dir, PROMPT_SUBDIR)
+    self.directory = fileio.join(model_dir, run_layout.PROMPT_DIR)
     self.metadata = metadata
 
   def on_end(self, loop: Any, state: Any) -> None:
@@ -246,8 +236,7 @@ class PromptTuningModel(trainable.TrainableModel):
   vocabulary) and, at the end, also saved on its own to `MODEL_DIR/prompt` (`load_prompt`).
 
   Attributes:
-    config: The base model's T5Config.
-    prompt: Prompt length and initialiser.
+    config, prompt: The base model's T5Config, the prompt's length and initialiser.
     z_loss: T5X's z-loss coefficient.
     metadata: Extra JSON saved with the prompt (e.g. the task, label words).
   """

@@ -7,6 +7,7 @@ are padded to `bucket` sizes: few distinct shapes, so `jax.jit` keeps few execut
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -16,13 +17,8 @@ def text_ids(row: Any, eos_id: int, pad_id: int = 0) -> list[int]:
   """The ids a row's text is decoded from: those before its first EOS, the pad id dropped
   (not taken as the end: a model may emit it before EOS, an ordinary vocabulary entry that
   SentencePiece decodes to nothing)."""
-  out = []
-  for token in np.asarray(row).reshape(-1).tolist():
-    if token == eos_id:
-      break
-    if token != pad_id:
-      out.append(int(token))
-  return out
+  tokens = itertools.takewhile(lambda t: t != eos_id, np.asarray(row).reshape(-1).tolist())
+  return [int(t) for t in tokens if t != pad_id]
 
 
 def padded(rows: Sequence[Sequence[int]], length: int, batch: Optional[int] = None) -> np.ndarray:

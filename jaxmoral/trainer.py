@@ -30,8 +30,6 @@ from jaxmoral import validation
 
 PyTree = Any
 Params = Mapping[str, Any]
-LossFn = losses.LossFn
-TermsFn = losses.TermsFn
 EvalFn = Callable[[Params, Mapping[str, jax.Array]], dict[str, jax.Array]]
 MaskSpec = Union[None, str, Sequence[str], Callable[[str, Any], bool], PyTree]
 
@@ -159,8 +157,6 @@ class TrainState:
   opt_state: PyTree
 
 
-# `Trainer.eval_step` reports each term's count and each loss weight under these prefixes, so
-# that `average_metrics` combines eval batches as `train_step` combines microbatches.
 _COUNT, _LOSS_WEIGHT = "count/", "loss_weight/"
 
 
@@ -204,7 +200,7 @@ def average_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
           for name, values in stacked.items()}
 
 
-def as_terms_loss(loss_fn: Union[LossFn, losses.TermsLoss]) -> losses.TermsLoss:
+def as_terms_loss(loss_fn: Union[losses.LossFn, losses.TermsLoss]) -> losses.TermsLoss:
   """`loss_fn` as a `losses.TermsLoss` (a plain loss fn through `losses.terms_of_plain_loss`)."""
   if isinstance(loss_fn, losses.TermsLoss):
     return loss_fn
@@ -218,12 +214,13 @@ def as_terms_loss(loss_fn: Union[LossFn, losses.TermsLoss]) -> losses.TermsLoss:
                           name=getattr(loss_fn, "__name__", "loss_fn"))
 
 
-def microbatch_gradients(terms_fn: TermsFn, weights: Mapping[str, float], params: PyTree,
+def microbatch_gradients(terms_fn: losses.TermsFn, weights: Mapping[str, float], params: PyTree,
                          batch: PyTree, rng: Optional[jax.Array], *, num_microbatches: int,
                          mesh: Optional[jax.sharding.Mesh] = None,
                          grad_shardings: Optional[PyTree] = None
                          ) -> tuple[PyTree, dict[str, losses.Term]]:
-  """Exact gradients and terms of a terms-declared loss over a batch, in microbatches.
+  """Exact (gradients like `params`, the whole batch's terms) of a terms-declared loss, in
+  microbatches.
 
   With m > 1 `num_microbatches` (rows i, i + m, i + 2m, ... form microbatch i, so each draws
   equally from every data shard), the whole batch's counts are taken first (`terms_fn` on the
@@ -234,14 +231,10 @@ def microbatch_gradients(terms_fn: TermsFn, weights: Mapping[str, float], params
   Args:
     terms_fn: `(params, batch, rng) -> {name: losses.Term}`; counts must not depend on params.
     weights: `{term name: loss coefficient}`.
-    params: The differentiated tree.
     batch: A pytree whose leaves share a leading batch dim, divisible by `num_microbatches`.
     rng: The step's key (microbatch i uses `fold_in(rng, i)` when m > 1), or None.
     mesh, grad_shardings: If given, microbatch rows are sharded over its data axis, and
       gradients and their accumulator keep these shardings.
-
-  Returns:
-    (gradients like `params`, the whole batch's terms).
   """
   def constrain(grads):
     return (grads if grad_shardings is None
@@ -266,7 +259,6 @@ def microbatch_gradients(terms_fn: TermsFn, weights: Mapping[str, float], params
     spec = PartitionSpec(None, partitioning.DATA_AXIS, *([None] * (x.ndim - 2)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-  # Counts of the whole batch: tokens and examples, independent of the parameters.
   counts = {name: jax.lax.stop_gradient(term.count)
             for name, term in terms_fn(params, batch, rng).items()}
   micro = jax.tree_util.tree_map(split, batch)
@@ -288,7 +280,6 @@ class TrainStateInitializer:
   T5X's `TrainStateInitializer`: the supervised `Trainer` owns one, PPO one per model.
 
   Attributes:
-    partitioner: The `PjitPartitioner` (mesh + logical-axis rules).
     trainable_mask: Bool tree over the parameters (True: trained).
     params_shardings: `NamedSharding` tree of the parameters.
     state_shardings: `TrainState` of `NamedSharding`s.
@@ -303,13 +294,10 @@ class TrainStateInitializer:
       init_params_fn: `rng -> params`, boxed with logical axes (e.g.
         `functools.partial(t5.init_params, model)`); plain arrays are replicated.
       optimizer: Optax transformation; it only ever sees the trainable parameters.
-      partitioner: Mesh and rules; parameters use `partitioner.sharding_for`.
-      trainable_mask: None (all), regex(es) on '/'-joined parameter paths, a callable
-        `(path, leaf) -> bool`, or a bool tree.
+      trainable_mask: Any mask `resolve_trainable_mask` takes (None: all).
     """
     self.partitioner = partitioner
     self.optimizer = optimizer
-    self._init_params_fn = init_params_fn
     # An abstract key: a concrete one made inside the mesh context would be placed on the
     # mesh's devices, which cannot run anything when they are AOT compile-only TPU devices.
     with partitioner.context():
@@ -320,33 +308,22 @@ class TrainStateInitializer:
     self.params_shardings = partitioner.sharding_for(boxed)
     abstract_trainable, _ = split_params(abstract_params, self.trainable_mask)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_trainable)
-    # Optimizer-state leaves shaped like a parameter get its logical axes (boxed, so the
-    # partitioner also fits them to the mesh exactly as it fits the parameter); others
-    # (factored statistics, counters) are replicated.
-    specs = partitioning.logical_specs_like(abstract_opt, boxed)
-    boxed_opt = jax.tree_util.tree_map(
-        lambda leaf, spec: nn.LogicallyPartitioned(
-            leaf, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))),
-        abstract_opt, specs)
-    opt_shardings = partitioner.sharding_for(boxed_opt)
-    self.replicated = NamedSharding(partitioner.mesh, PartitionSpec())
+    self.replicated = partitioner.replicated
     # TrainStates of shardings and of abstract values: the same tree, other leaves.
     self.state_shardings = TrainState(step=self.replicated,  # type: ignore[arg-type]
                                       params=self.params_shardings,
-                                      opt_state=opt_shardings)
+                                      opt_state=partitioner.sharding_like(abstract_opt, boxed))
     self._abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32),  # type: ignore[arg-type]
                                 params=abstract_params, opt_state=abstract_opt)
     self._init_jit = partitioner.partition(
-        self._init_fn, in_shardings=(self.replicated,), out_shardings=self.state_shardings)
+        lambda r: self.state_from_params(nn.meta.unbox(init_params_fn(r))),
+        in_shardings=(self.replicated,), out_shardings=self.state_shardings)
     self._from_params_jit = partitioner.partition(
         self.state_from_params, in_shardings=(self.params_shardings,),
         out_shardings=self.state_shardings)
     self._init_params_jit = partitioner.partition(
         lambda r: nn.meta.unbox(init_params_fn(r)), in_shardings=(self.replicated,),
         out_shardings=self.params_shardings)
-
-  def _init_fn(self, rng: jax.Array) -> TrainState:
-    return self.state_from_params(nn.meta.unbox(self._init_params_fn(rng)))
 
   def init_params(self, rng: jax.Array) -> PyTree:
     """Fresh parameters only (no optimizer state), created on device with their shardings."""
@@ -364,29 +341,6 @@ class TrainStateInitializer:
     with _threefry_as_one_gpu_kernel():
       return self._init_jit(rng)
 
-  def check_params(self, params: PyTree, *, where: str = "init_state_from_params") -> None:
-    """Raises ValueError naming a missing, unexpected or mis-shaped parameter."""
-    params = nn.meta.unbox(params)
-    want, got = ({_path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
-                 for tree in (self._abstract.params, params))
-    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing or extra:
-      raise ValueError(f"{where}: missing params {missing[:5]}, unexpected params {extra[:5]}")
-    for path, spec in want.items():
-      if tuple(np.shape(got[path])) != tuple(spec.shape):
-        raise ValueError(f"{where}: {path} has shape {np.shape(got[path])}, model expects "
-                         f"{spec.shape}")
-
-  def place_params(self, params: PyTree) -> PyTree:
-    """`params` (host or device, boxed or not) checked, cast and in `params_shardings`."""
-    self.check_params(params)
-    def cast(x: Any, spec: jax.ShapeDtypeStruct) -> Any:
-      if isinstance(x, jax.Array):
-        return x if x.dtype == spec.dtype else x.astype(spec.dtype)
-      return np.asarray(x, spec.dtype)  # On the host: device_put sends each device its slice.
-    params = jax.tree_util.tree_map(cast, nn.meta.unbox(params), self._abstract.params)
-    return jax.device_put(params, self.params_shardings)
-
   def init_state_from_params(self, params: PyTree) -> TrainState:
     """A step-0 state around given (e.g. imported) parameters: a boxed or unboxed tree with
     exactly the model's paths and shapes, host or device arrays (sharded ones are not moved).
@@ -394,7 +348,24 @@ class TrainStateInitializer:
     Raises:
       ValueError: A path is missing/unexpected or a shape differs (naming it).
     """
-    return self._from_params_jit(self.place_params(params))
+    params = nn.meta.unbox(params)
+    want, got = ({_path_str(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+                 for tree in (self._abstract.params, params))
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+      raise ValueError(f"init_state_from_params: missing params {missing[:5]}, unexpected "
+                       f"params {extra[:5]}")
+    for path, spec in want.items():
+      if tuple(np.shape(got[path])) != tuple(spec.shape):
+        raise ValueError(f"init_state_from_params: {path} has shape {np.shape(got[path])}, "
+                         f"model expects {spec.shape}")
+
+    def cast(x: Any, spec: jax.ShapeDtypeStruct) -> Any:
+      if isinstance(x, jax.Array):
+        return x if x.dtype == spec.dtype else x.astype(spec.dtype)
+      return np.asarray(x, spec.dtype)  # On the host: device_put sends each device its slice.
+    params = jax.tree_util.tree_map(cast, params, self._abstract.params)
+    return self._from_params_jit(jax.device_put(params, self.params_shardings))
 
   def abstract_state(self) -> TrainState:
     """`TrainState` of `ShapeDtypeStruct`s carrying their shardings (restore / AOT compile)."""
@@ -404,10 +375,9 @@ class TrainStateInitializer:
 
   def num_params(self) -> tuple[int, int]:
     """(all parameters, trainable ones)."""
-    leaves = jax.tree_util.tree_leaves(self._abstract.params)
+    sizes = [int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self._abstract.params)]
     mask = jax.tree_util.tree_leaves(self.trainable_mask)
-    total = sum(int(np.prod(x.shape)) for x in leaves)
-    return total, sum(int(np.prod(x.shape)) for x, m in zip(leaves, mask, strict=True) if m)
+    return sum(sizes), sum(size for size, m in zip(sizes, mask, strict=True) if m)
 
 
 class Trainer:
@@ -419,7 +389,7 @@ class Trainer:
     partitioner, trainable_mask, params_shardings, state_shardings: The initializer's.
   """
 
-  def __init__(self, *, init_params_fn: Callable[[jax.Array], PyTree], loss_fn: LossFn,
+  def __init__(self, *, init_params_fn: Callable[[jax.Array], PyTree], loss_fn: losses.LossFn,
                optimizer: optax.GradientTransformation,
                partitioner: partitioning.PjitPartitioner, trainable_mask: MaskSpec = None,
                num_microbatches: int = 1, eval_fn: Optional[EvalFn] = None,
@@ -427,11 +397,10 @@ class Trainer:
     """Builds shardings and the compiled steps (compilation happens on first use).
 
     Args:
-      init_params_fn, optimizer, trainable_mask: As `TrainStateInitializer` takes them.
+      init_params_fn, optimizer, partitioner, trainable_mask: As `TrainStateInitializer` takes
+        them; batches are sharded over "data".
       loss_fn: A `losses.TermsLoss`, or a plain `loss_fn(params, batch, rng) -> (scalar
         loss, dict of scalar metrics)` (`as_terms_loss`); `rng` None means deterministic.
-      partitioner: Mesh and rules; parameters use `partitioner.sharding_for`, batches are
-        sharded over "data".
       num_microbatches: Microbatches per global batch, gradients accumulated: the one-batch
         update and metrics (`microbatch_gradients`) with less activation memory.
       eval_fn: `eval_fn(params, batch) -> metrics` for `eval_step`; default: `loss_fn`.
@@ -445,7 +414,6 @@ class Trainer:
                                              trainable_mask=trainable_mask)
     self._terms_loss = as_terms_loss(loss_fn)
     self._eval_fn = eval_fn
-    self._optimizer = optimizer
     self._learning_rate_fn = learning_rate_fn
     self.trainable_mask = self.initializer.trainable_mask
     self.params_shardings = self.initializer.params_shardings
@@ -514,7 +482,7 @@ class Trainer:
         grad_shardings=self._trainable_shardings)
     _, metrics = self._terms_loss.loss_and_metrics(terms)
     metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
-    updates, opt_state = self._optimizer.update(grads, state.opt_state, trainable)
+    updates, opt_state = self.initializer.optimizer.update(grads, state.opt_state, trainable)
     trainable = optax.apply_updates(trainable, updates)
     metrics["grad_norm"] = optimizers.global_norm(grads)
     if self._learning_rate_fn is not None:
@@ -528,7 +496,6 @@ class Trainer:
     """One optimizer update; `state` is donated (do not reuse it).
 
     Args:
-      state: Current state (sharded as `state_shardings`).
       batch: Global batch (numpy arrays are sharded over "data" here; multi-host callers
         pass `shard_batch(...)` output).
       rng: The run's *base* key; the step's key is `fold_in(rng, state.step)`, so a resumed
