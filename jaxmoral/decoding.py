@@ -26,6 +26,7 @@ from jaxmoral import partitioning
 from jaxmoral import validation
 from jaxmoral.backends import cpu_kernels
 from jaxmoral.models.ops import DecodeStepOps
+from jaxmoral.models.ops import stacked_matmul
 from jaxmoral.models.t5 import T5
 from jaxmoral.models.t5 import shift_right
 
@@ -73,7 +74,6 @@ class SampleConfig:
     greedy: Take the argmax of the processed distribution instead of sampling.
     no_repeat_ngram_size: Ban tokens completing an n-gram already in that row (0 = off).
     min_length: EOS is banned before this many tokens (0 = off; benchmarks force equal work).
-    eos_id: End-of-sequence id.
     return_raw_logprobs: Also return log-probs under the unmodified model distribution.
   """
   max_decode_length: int
@@ -112,7 +112,6 @@ class BeamSearchConfig:
     beam_size: Hypotheses kept per input (and returned).
     max_decode_length: Tokens generated at most (EOS included).
     length_penalty: alpha of `brevity_penalty` (0 = raw log-likelihood).
-    eos_id: End-of-sequence id.
   """
   beam_size: int
   max_decode_length: int
@@ -132,17 +131,15 @@ class BeamSearchConfig:
 def _encode(model: T5, params: Params, encoder_input_tokens: Optional[Array],
             encoder_embeds: Optional[Array], encoder_mask: Optional[Array]
             ) -> tuple[Array, Array]:
-  """Encoded states and the (bool) encoder mask, from ids or from embeddings."""
-  if (encoder_input_tokens is None) == (encoder_embeds is None):
-    raise ValueError("decoding: give exactly one of encoder_input_tokens, encoder_embeds")
-  if encoder_mask is None:
-    if encoder_input_tokens is None:
-      raise ValueError("decoding: encoder_mask is required with encoder_embeds")
+  """Encoded states and the (bool) encoder mask, from ids or from embeddings (`T5.encode`
+  checks that exactly one is given, and a mask with embeddings)."""
+  if encoder_mask is None and encoder_input_tokens is not None:
     encoder_mask = encoder_input_tokens != model.config.pad_token_id
-  encoder_mask = encoder_mask.astype(bool)
+  mask = None if encoder_mask is None else encoder_mask.astype(bool)
   encoded = model.apply({"params": params}, encoder_input_tokens, encoder_embeds=encoder_embeds,
-                        encoder_mask=encoder_mask, method=T5.encode)
-  return typing.cast(jax.Array, encoded), encoder_mask
+                        encoder_mask=mask, method=T5.encode)
+  assert mask is not None  # `T5.encode` raised otherwise.
+  return typing.cast(jax.Array, encoded), mask
 
 
 def _init_cache(model: T5, params: Params, encoded: Array, encoder_mask: Array,
@@ -233,7 +230,7 @@ class _PreparedKernelOps(DecodeStepOps):
   def prepared_products(self, x: Array, prepared: Array, widths: Sequence[int]) -> list[Array]:
     """[x @ k for each kernel k (of output width `widths[i]`)] through `prepared`."""
     del widths
-    return DecodeStepOps.stacked_products(x, prepared.astype(x.dtype))
+    return stacked_matmul(x, prepared.astype(x.dtype))
 
 
 @flax.struct.dataclass
@@ -244,14 +241,11 @@ class DecodeWeights:
 
 
 class PackedKernelBackend(DecodeBackend):
-  """"cpu_packed": float32 decoding on one CPU device through `backends.cpu_kernels`.
-
-  Every product multiplies by a kernel packed into column panels (`packed_matmul`), and a
-  step's attention is one `decode_attention` call. "auto" picks it only on a CPU with AVX-512,
-  where it has beaten XLA's dots (bench/RESULTS.md); elsewhere it is chosen by name
-  (`decoding.prepare_decode_weights.backend = 'cpu_packed'`; `bench/bench_generate.py
-  --backend cpu_packed --also_xla_dot` measures both).
-  """
+  """"cpu_packed": float32 decoding on one CPU device through `backends.cpu_kernels`: every
+  product by a kernel packed into column panels (`packed_matmul`), a step's attention in one
+  `decode_attention` call. "auto" picks it only where `cpu_kernels.has_avx512()`; elsewhere it
+  is chosen by name (`decoding.prepare_decode_weights.backend = 'cpu_packed'`;
+  `bench/bench_generate.py --backend cpu_packed --also_xla_dot` measures both)."""
   name = "cpu_packed"
 
   @property
@@ -282,8 +276,7 @@ class _PackedKernelOps(_PreparedKernelOps):
 
   def prepared_products(self, x, prepared, widths):
     out = cpu_kernels.packed_matmul(x, prepared, sum(widths))
-    ends = np.cumsum(widths).tolist()
-    return [out[..., end - width:end] for end, width in zip(ends, widths, strict=True)]
+    return jnp.split(out, np.cumsum(widths)[:-1].tolist(), axis=-1)
 
   def attention(self, path, query, key, value, bias):
     del path
@@ -331,7 +324,6 @@ def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
   """Builds a backend's kernels for `params` (concrete, any sharding) once, for every call.
 
   Args:
-    model, params: The T5 and its parameters.
     backend: A registered backend name, or "auto" (see `choose_backend`); gin binds it.
     partitioner: Build under its mesh and rules (sharded parameters).
 
@@ -376,7 +368,9 @@ def first_max_index(x: Array) -> Array:
 
 
 def nucleus_mask(probs: Array, top_p: float) -> Array:
-  """Which tokens top-p keeps: the smallest most-likely set with mass >= `top_p`.
+  """Which tokens top-p keeps, (rows, vocab) bool: the smallest most-likely set with mass >=
+  `top_p` (in (0, 1); `sample_logits` skips the mask at 1) of the (rows, vocab) non-negative
+  float32 `probs` (each row sums to ~1).
 
   The set a sort would give (keep a token while the mass sorted before it is < `top_p`, ties
   in index order, the most likely always kept), found without one: `jax.lax.top_k` over a
@@ -384,13 +378,6 @@ def nucleus_mask(probs: Array, top_p: float) -> Array:
   The cut-off is the largest t with mass(probs >= t) >= top_p, found by bisection on the
   float32 bits (non-negative floats order as their bit patterns); only where several tokens
   share it, a second bisection over their indices keeps the first ones the mass needs.
-
-  Args:
-    probs: (rows, vocab) non-negative float32 probabilities (each row sums to ~1).
-    top_p: Nucleus mass in (0, 1) (`sample_logits` skips the mask at 1).
-
-  Returns:
-    (rows, vocab) bool, True for kept tokens.
   """
   rows, vocab = probs.shape
   probs = probs.astype(jnp.float32)
@@ -436,14 +423,12 @@ def nucleus_mask(probs: Array, top_p: float) -> Array:
 
 def sample_logits(rng: Array, logits: Array, *, temperature: float = 1.0, top_k: int = 0,
                   top_p: float = 1.0, greedy: bool = False) -> tuple[Array, Array]:
-  """Draws one token per row from processed logits; the per-step core of `sample`.
+  """Draws one token per row from processed logits; the per-step core of `sample`: (tokens
+  (rows,) int32, their float32 log-probs under the processed distribution).
 
   Banned tokens should already be -inf in the (rows, vocab) `logits`. Temperature comes first,
   then top-k (exactly k kept), then top-p (on the sorted top-k survivors, or `nucleus_mask`
   over the vocabulary); `rng` is unused when greedy; see `SampleConfig` for the settings.
-
-  Returns:
-    (tokens (rows,) int32, logprobs (rows,) float32 under the processed distribution).
   """
   vocab = logits.shape[-1]
   scaled = logits.astype(jnp.float32)
@@ -463,11 +448,9 @@ def sample_logits(rng: Array, logits: Array, *, temperature: float = 1.0, top_k:
     keep = nucleus_mask(jax.nn.softmax(scaled, axis=-1), top_p)
     candidates = jnp.where(keep, scaled, -jnp.inf)
   logprobs = jax.nn.log_softmax(candidates, axis=-1)
-  if greedy:
-    choice = first_max_index(candidates)
-  else:
-    # Gumbel-max, exactly as `jax.random.categorical` draws, with the vectorised argmax.
-    choice = first_max_index(candidates + jax.random.gumbel(rng, candidates.shape))
+  # Unless greedy, Gumbel-max: exactly as `jax.random.categorical` draws, vectorised argmax.
+  choice = first_max_index(candidates if greedy
+                           else candidates + jax.random.gumbel(rng, candidates.shape))
   chosen_logprob = jnp.take_along_axis(logprobs, choice[:, None], axis=-1)[:, 0]
   if candidate_ids is not None:
     choice = jnp.take_along_axis(candidate_ids, choice[:, None], axis=-1)[:, 0]
@@ -653,7 +636,6 @@ def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
   batch, k, length = encoded.shape[0], config.beam_size, config.max_decode_length
   vocab, eos, alpha = model.config.vocab_size, config.eos_id, config.length_penalty
   num_rows = batch * k
-  # The k beams of an input share its cross-attention keys/values (one cache row each).
   cache = _init_cache(model, params, encoded, mask, length, rows_per_input=k)
   del encoded
   num_candidates = min(2 * k, k * vocab)  # 2k: enough that k survive even if k end in EOS.

@@ -6,7 +6,7 @@ XLA:CPU workaround) that it computes right there:
 - `cpu_products`: CPU float32 products with a plain-product weight gradient
   (`T5Config.cpu_weight_gradients`);
 - `tpu_attention`, `gpu_attention`: Pallas flash attention for TPUs (Mosaic) and GPUs (Triton)
-  (`T5Config.attention_impl`), sharing `attention` (checks, mesh wrapper, reference);
+  (`T5Config.attention_impl`), sharing `attention` (checks, mesh wrapper);
 - `cpu_kernels`: C++ XLA FFI kernels of a float32 decoding step ("cpu_packed" decoding);
 - `xla_flags`, `host_memory`: XLA:CPU's flag workaround and glibc malloc settings, applied by
   `jaxmoral.runtime.configure()`.

@@ -1,10 +1,10 @@
-"""What the Pallas flash-attention kernels share: their contract, checks, mesh wrapper, reference.
+"""What the Pallas flash-attention kernels share: their contract, checks and mesh wrapper.
 
 Both kernel sets (`tpu_attention`: Mosaic, `gpu_attention`: Triton) compute T5 attention,
 `softmax(q k^T + bias) v` with no 1/sqrt(d) scale, on (batch, length, heads, d_kv) inputs with
 masks factored as per-position segment ids (a query sees the keys with its own id; ids <= 0
 are padding) and a causal flag; a query that sees no key gets a zero output and passes no
-gradient. `reference_attention` is that contract in plain jnp, for the tests.
+gradient (tests/attention_reference.py: that contract in plain jnp).
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ MeshAxes = Union[None, str, Sequence[str]]
 INTERPRET: bool = os.environ.get("JAXMORAL_PALLAS_INTERPRET", "") not in ("", "0")
 
 # Finite stand-in for -inf: exp(MASK_VALUE - m) is exactly 0 and no inf - inf NaN can arise.
+# But in a row that has seen no key yet m is MASK_VALUE itself (exp gives 1): the kernels zero
+# masked entries explicitly.
 MASK_VALUE = -1e30
 
 
@@ -175,27 +177,3 @@ def sharded(attend: Callable[..., Array], query: Array, key: Array, value: Array
   return jax.shard_map(
       local, mesh=mesh, in_specs=(qkv_spec, qkv_spec, qkv_spec, [spec(x) for x in present]),
       out_specs=qkv_spec, check_vma=False)(query, key, value, present)
-
-
-def reference_attention(query: Array, key: Array, value: Array, bias: Optional[Array] = None,
-                        query_segment_ids: Optional[Array] = None,
-                        key_segment_ids: Optional[Array] = None, *,
-                        causal: bool = False) -> Array:
-  """Either kernel set's `flash_attention` in plain jnp (materialises the scores): for tests."""
-  check_shapes("reference_attention", query, key, value, bias, query_segment_ids,
-               key_segment_ids)
-  batch, q_len, _, _ = query.shape
-  k_len = key.shape[1]
-  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key, preferred_element_type=jnp.float32)
-  if bias is not None:
-    scores = scores + bias.astype(jnp.float32)
-  q_ids = kernel_ids(query_segment_ids, batch, q_len, q_len, -1)
-  k_ids = kernel_ids(key_segment_ids, batch, k_len, k_len, -2)
-  mask = (q_ids[:, None, :, None] == k_ids[:, None, None, :])
-  if causal:
-    mask = mask & (jnp.arange(k_len)[None, :] <= jnp.arange(q_len)[:, None])
-  scores = jnp.where(mask, scores, MASK_VALUE)
-  p = jnp.where(mask, jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True)), 0.0)
-  total = jnp.sum(p, axis=-1, keepdims=True)
-  weights = p / jnp.where(total > 0.0, total, 1.0)
-  return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value).astype(query.dtype)

@@ -1,8 +1,5 @@
-"""Float32 dense products traced for CPUs, whose weight gradient XLA:CPU runs as a plain product.
-
-`models/ops.matmul_last_axis` takes this form for float32 rows of a program traced for CPUs
-when `T5Config.cpu_weight_gradients` is "plain" (the default).
-"""
+"""Float32 dense products traced for CPUs, whose weight gradient XLA:CPU runs as a plain product
+(`models/ops.matmul_last_axis`, with `T5Config.cpu_weight_gradients="plain"`)."""
 
 from __future__ import annotations
 

@@ -43,10 +43,6 @@ MASK_VALUE = attention.MASK_VALUE
 LOG2E = math.log2(math.e)
 MIN_BLOCK = 16  # Triton's smallest tile side for a matrix product.
 
-# Older JAX names it TritonCompilerParams.
-_CompilerParams = (getattr(plgpu, "CompilerParams", None)
-                   or plgpu.TritonCompilerParams)  # type: ignore[attr-defined]
-
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -119,8 +115,8 @@ def _batch_groups(batch: int, programs_per_group: int, target: int) -> int:
 def _params(plan: _Plan, backward: bool) -> Any:
   b = plan.blocks
   if backward:
-    return _CompilerParams(num_warps=b.num_warps_bwd, num_stages=b.num_stages_bwd)
-  return _CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages)
+    return plgpu.CompilerParams(num_warps=b.num_warps_bwd, num_stages=b.num_stages_bwd)
+  return plgpu.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages)
 
 
 def _tile_mask(q_ids: Array, k_ids: Array, q_start: Any, k_start: Any, causal: bool) -> Array:
@@ -146,10 +142,12 @@ def _slice(start: Any, size: int) -> Any:
 
 
 def _bias_tile(bias_ref: Any, rows: Any, cols: Any, q_start: Any, k_start: Any,
-               shape: tuple[int, int], plan: _Plan) -> Array:
-  """The (block_q, block_k) float32 bias tile at (q_start, k_start): a slice of a full bias
-  ref, or gathered from a diagonals ref, bias[q, k] = diagonals[k - q + q_len - 1] (bq + bk - 1
-  values that stay in L1 instead of bq * bk through L2)."""
+               shape: tuple[int, int], plan: _Plan) -> Optional[Array]:
+  """The (block_q, block_k) float32 bias tile at (q_start, k_start) (None without a bias): a
+  slice of a full bias ref, or gathered from a diagonals ref, bias[q, k] = diagonals[k - q +
+  q_len - 1] (bq + bk - 1 values that stay in L1 instead of bq * bk through L2)."""
+  if bias_ref is None:
+    return None
   if not plan.diagonals:
     return bias_ref[rows, cols]
   offset = k_start - q_start + plan.q_pad - 1
@@ -177,13 +175,10 @@ def _forward_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
     acc, m_prev, l_prev = carry
     ks = _slice(j, bk)
     mask = _tile_mask(q_ids, kid_ref[ks], i * bq, j * bk, plan.causal)
-    bias = None if bias_ref is None else _bias_tile(bias_ref, slice(None), ks, i * bq, j * bk,
-                                                    (bq, bk), plan)
+    bias = _bias_tile(bias_ref, slice(None), ks, i * bq, j * bk, (bq, bk), plan)
     s = _scores(q, k_ref[ks, :], bias, mask)
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    # Masked entries are zeroed explicitly: in a row that has seen no key yet m_next is
-    # MASK_VALUE itself and exp2(s - m_next) would be 1.
-    p = jnp.where(mask, jnp.exp2(s - m_next[:, None]), 0.0)
+    p = jnp.where(mask, jnp.exp2(s - m_next[:, None]), 0.0)  # See attention.MASK_VALUE.
     alpha = jnp.exp2(m_prev - m_next)
     l_next = alpha * l_prev + jnp.sum(p, axis=1)
     v = v_ref[ks, :]
@@ -214,8 +209,7 @@ def _dq_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
   def body(j, dq):
     ks = _slice(j, bk)
     mask = _tile_mask(q_ids, kid_ref[ks], i * bq, j * bk, plan.causal)
-    bias = None if bias_ref is None else _bias_tile(bias_ref, slice(None), ks, i * bq, j * bk,
-                                                    (bq, bk), plan)
+    bias = _bias_tile(bias_ref, slice(None), ks, i * bq, j * bk, (bq, bk), plan)
     s = _scores(q, k_ref[ks, :], bias, mask)
     p = jnp.where(mask, jnp.exp2(s - lse[:, None]), 0.0)
     dp = plgpu.dot(do, v_ref[ks, :], trans_b=True)
@@ -249,8 +243,7 @@ def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
 
     def body(i, carry):
       qs = _slice(i, bq)
-      bias = None if bias_ref is None else _bias_tile(bias_ref, qs, slice(None), i * bq,
-                                                      j * bk, (bq, bk), plan)
+      bias = _bias_tile(bias_ref, qs, slice(None), i * bq, j * bk, (bq, bk), plan)
       out, ds_sum = [], None
       for b, (k, v, k_ids), (dk, dv) in zip(rows, kvs, carry, strict=True):
         q, do = q_ref[b, qs, :], do_ref[b, qs, :]
@@ -264,10 +257,7 @@ def _dkv_kernel(*refs: Any, has_bias: bool, plan: _Plan) -> None:
         out.append((dk, dv))
         ds_sum = ds if ds_sum is None else ds_sum + ds
       if dbias_ref is not None:
-        if first:
-          dbias_ref[qs, :] = ds_sum
-        else:
-          dbias_ref[qs, :] = dbias_ref[qs, :] + ds_sum
+        dbias_ref[qs, :] = ds_sum if first else dbias_ref[qs, :] + ds_sum
       return tuple(out)
 
     zeros = jnp.zeros((bk, width), jnp.float32)

@@ -66,15 +66,9 @@ def choice(environ: Mapping[str, str] = os.environ) -> str:
 
 def keep_freed_memory(*, environ: Mapping[str, str] = os.environ,
                       mallopt: Optional[Callable[[int, int], int]] = None) -> bool:
-  """Sets glibc's malloc to keep and reuse freed memory when `JAXMORAL_HOST_MALLOC=reuse`.
-
-  Args:
-    environ: where `JAXMORAL_HOST_MALLOC` is read.
-    mallopt: the C function to call (tests pass a recorder); glibc's by default.
-
-  Returns:
-    True when every setting was applied.
-  """
+  """Sets glibc's malloc to keep and reuse freed memory when `environ` says
+  `JAXMORAL_HOST_MALLOC=reuse`, through `mallopt` (glibc's by default; tests pass a recorder).
+  True when every setting was applied."""
   if choice(environ) != "reuse":
     return False
   mallopt = mallopt or _glibc_mallopt()

@@ -138,8 +138,7 @@ def _forward_kernel(*refs: Any, has_bias: bool, causal: bool, block_q: int,
     s = jnp.where(mask, s, MASK_VALUE)
     m_prev, l_prev = m_ref[...], l_ref[...]  # (block_q, 128), lanes equal
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=-1)[:, None])
-    # Masked entries are zeroed explicitly: in a row that has seen no key yet m_next is
-    # MASK_VALUE itself and exp(s - m_next) would be 1.
+    # Masked entries zeroed explicitly (see attention.MASK_VALUE).
     p = jnp.where(mask, jnp.exp(s - jnp.tile(m_next, (1, block_k // NUM_LANES))), 0.0)
     alpha = jnp.exp(m_prev - m_next)
     l_ref[...] = alpha * l_prev + lax.broadcast_in_dim(jnp.sum(p, axis=-1), l_prev.shape, (0,))
@@ -435,11 +434,9 @@ def flash_attention(query: Array, key: Array, value: Array, bias: Optional[Array
   Args:
     query, key, value: (batch, q_len or k_len, heads, d_kv).
     bias: (1 or batch, heads, q_len, k_len) additive bias (computed in float32), or None.
-    query_segment_ids: (batch, q_len) int: a query attends to the keys with its id; ids <= 0
-      are padding. None: every query is valid, one segment.
-    key_segment_ids: (batch, k_len) int, likewise for keys.
+    query_segment_ids, key_segment_ids: (batch, q_len), (batch, k_len) int (see `attention`),
+      or None: every position valid, one segment.
     causal: Queries attend only to keys at their own position or before.
-    block_sizes: Tile sizes.
     interpret: Run in Pallas interpret mode; None: `attention.INTERPRET`.
 
   Returns:

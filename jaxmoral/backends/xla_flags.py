@@ -30,11 +30,8 @@ def _backend_started() -> bool:
 
 
 def apply_workarounds(environ: MutableMapping[str, str] = os.environ) -> bool:
-  """Adds the YNNPACK-reduce workaround to `XLA_FLAGS` unless the user set that flag.
-
-  Returns:
-    True when the flag was added.
-  """
+  """Adds the YNNPACK-reduce workaround to `XLA_FLAGS` unless the user set that flag; True
+  when it was added."""
   flags = environ.get("XLA_FLAGS", "")
   if "xla_cpu_experimental_ynn_fusion_type" in flags:
     return False

@@ -32,6 +32,4 @@ def gather_at(values: jax.Array, index: jax.Array) -> jax.Array:
 
 def last_token_index(mask: jax.Array) -> jax.Array:
   """Index of the last nonzero position of a (batch, length) mask (0 for an empty row)."""
-  length = mask.shape[1]
-  positions = jnp.arange(length)[None, :]
-  return jnp.max(jnp.where(mask > 0, positions, 0), axis=1)
+  return jnp.max(jnp.where(mask > 0, jnp.arange(mask.shape[1])[None, :], 0), axis=1)

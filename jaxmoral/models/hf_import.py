@@ -55,8 +55,7 @@ _SHARED_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_dec
 
 def is_hf_checkpoint(directory: str | os.PathLike) -> bool:
   """Whether `directory` holds a Hugging Face checkpoint file (safetensors or PyTorch)."""
-  directory = pathlib.Path(directory)
-  return any((directory / name).is_file() for name in CHECKPOINT_FILES)
+  return any((pathlib.Path(directory) / name).is_file() for name in CHECKPOINT_FILES)
 
 
 # -- config -------------------------------------------------------------------------------------
@@ -66,13 +65,6 @@ def _as_int(value: Any, field: str) -> int:
   if not isinstance(value, int):
     raise ValueError(f"config.json: {field} must be an int, got {value!r}")
   return value
-
-
-def _scales_decoder_output(hf: Mapping[str, Any]) -> bool:
-  """Whether HF rescales the decoder output by d_model**-0.5 (T5 1.0 behaviour)."""
-  if "scale_decoder_outputs" in hf:
-    return bool(hf["scale_decoder_outputs"])
-  return bool(hf.get("tie_word_embeddings", True))  # HF's default before transformers 5.
 
 
 def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> T5Config:
@@ -93,6 +85,9 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> T5Config:
   num_layers = hf_config["num_layers"]
   num_decoder_layers = hf_config.get("num_decoder_layers")
   pad = hf_config.get("pad_token_id")
+  # Whether HF rescales the decoder output by d_model**-0.5 (T5 1.0); before transformers 5,
+  # tie_word_embeddings said so (True by default).
+  scaled = hf_config.get("scale_decoder_outputs", hf_config.get("tie_word_embeddings", True))
   values = dict(
       {name: hf_config[name] for name in required[:-1]}, num_encoder_layers=num_layers,
       num_decoder_layers=num_layers if num_decoder_layers is None else num_decoder_layers,
@@ -101,7 +96,7 @@ def config_from_hf(hf_config: Mapping[str, Any], **overrides: Any) -> T5Config:
       dropout_rate=float(hf_config.get("dropout_rate", 0.1)),
       layer_norm_epsilon=float(hf_config.get("layer_norm_epsilon", 1e-6)),
       feed_forward_proj=hf_config.get("feed_forward_proj", "relu"),
-      tie_word_embeddings=_scales_decoder_output(hf_config),
+      tie_word_embeddings=bool(scaled),
       pad_token_id=0 if pad is None else _as_int(pad, "pad_token_id"),
       eos_token_id=_as_int(hf_config.get("eos_token_id", 1), "eos_token_id"))
   return T5Config(**{**values, **overrides})
@@ -177,7 +172,6 @@ class TensorSource:
   """One parameter in jaxmoral's layout, read slice by slice from a checkpoint.
 
   Attributes:
-    shape: The parameter's shape (jaxmoral layout).
     read: `read(index) -> float32 array` of `index` (one slice per dimension, jaxmoral layout).
     where: The file holding it, quoted in errors.
   """
@@ -198,15 +192,12 @@ class CheckpointFiles(abc.ABC):
   _where: dict[str, str]
 
   def names(self) -> list[str]:
-    """Every tensor name."""
     return list(self._shapes)
 
   def shape(self, name: str) -> tuple[int, ...]:
-    """The tensor's shape (HF layout)."""
     return self._shapes[name]
 
   def where(self, name: str) -> str:
-    """The file holding the tensor."""
     return self._where[name]
 
   @abc.abstractmethod
@@ -310,13 +301,11 @@ def open_checkpoint(directory: str | os.PathLike) -> CheckpointFiles:
 # -- tensors -> parameters ----------------------------------------------------------------------
 def _linear(files: CheckpointFiles, name: str, scale: float = 1.0) -> TensorSource:
   """A (out, in) HF matrix as its transpose; `scale` multiplies every value."""
-  hf_shape = files.shape(name)
-
   def read(index: Index) -> np.ndarray:
     block = files.read(name, tuple(reversed(index))).T
     return block * np.float32(scale) if scale != 1.0 else block
 
-  return TensorSource(tuple(reversed(hf_shape)), read, files.where(name))
+  return TensorSource(tuple(reversed(files.shape(name))), read, files.where(name))
 
 
 def _copy(files: CheckpointFiles, name: str) -> TensorSource:
@@ -332,16 +321,9 @@ def _same_table(files: CheckpointFiles, a: str, b: str) -> bool:
 def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
                    source: str = "<HF tensors>", **overrides: Any
                    ) -> tuple[T5Config, dict[tuple[str, ...], TensorSource]]:
-  """The `T5Config` and every parameter of an HF checkpoint, as lazily read sources.
-
-  Args:
-    files: The checkpoint's tensors (`open_checkpoint`).
-    hf_config: Its config.json dict.
-    source: Where the tensors come from, quoted in errors.
-    **overrides: Further T5Config fields (`config_from_hf`).
-
-  Returns:
-    (config, {jaxmoral path: TensorSource}); parameters are float32 whatever the files hold.
+  """The `T5Config` (with `overrides`, as `config_from_hf`) and every parameter of an HF
+  checkpoint (`open_checkpoint`), as {jaxmoral path: TensorSource}: lazily read, float32
+  whatever the files hold. `source` is quoted in errors.
 
   Raises:
     ValueError: A missing, unexpected or mis-shaped tensor (named, with its file), or
@@ -401,17 +383,13 @@ def tensor_sources(files: CheckpointFiles, hf_config: Mapping[str, Any], *,
   return config, sources
 
 
-def materialize(sources: Mapping[tuple[str, ...], TensorSource]) -> Params:
-  """Every source read whole into a nested dict of float32 NumPy arrays."""
-  return flax.traverse_util.unflatten_dict({path: s.full() for path, s in sources.items()})
-
-
 def params_from_hf(tensors: Mapping[str, Any], hf_config: Mapping[str, Any], *,
                    source: str = "<HF tensors>", **overrides: Any) -> tuple[T5Config, Params]:
   """Converts an in-memory HF T5 state dict (name -> array) to jaxmoral params (NumPy)."""
   config, sources = tensor_sources(InMemoryTensors(tensors, source), hf_config, source=source,
                                    **overrides)
-  return config, materialize(sources)
+  return config, flax.traverse_util.unflatten_dict(
+      {path: tensor.full() for path, tensor in sources.items()})
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -422,7 +400,6 @@ def export_hf_t5(params: Mapping[str, Any], config: T5Config, directory: str | o
 
   Args:
     params: jaxmoral parameters (boxed or not, any sharding; a `scalar_head` is not exported).
-    config: Their config.
     directory: A local folder (created if needed) or an object-store URL (gs://...); returned.
     dtype: Storage dtype ("float32" default, "bfloat16", "float16").
     extra_files: Files copied beside them (e.g. the vocabulary's `spiece.model`; local paths

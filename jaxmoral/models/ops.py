@@ -141,9 +141,7 @@ def fused_attention(query: Array, key: Array, value: Array, masking: FusedMask, 
     if masking.gpu_kernel:
       bias: Optional[Array] = masking.position_bias
       diagonals: Optional[Array] = None
-      if bias_as_diagonals and bias is not None:
-        # T5's position bias (relative positions of 0, 1, ..., see RelativePositionBias)
-        # depends on k - q alone, so its diagonals carry all of it.
+      if bias_as_diagonals and bias is not None:  # T5's bias depends on k - q alone.
         diagonals = gpu_attention.bias_diagonals(bias)
         bias = None
       return gpu_attention.sharded_flash_attention(
@@ -172,7 +170,6 @@ class ModelOps:
 
   @classmethod
   def for_config(cls, config: T5Config) -> ModelOps:
-    """The ops `config` selects."""
     return cls(config)
 
   def dense(self, x: Array, kernel: Array, *, split_one_row: bool = True,
@@ -245,12 +242,7 @@ class DecodeStepOps:
     del path, names
     if len(kernels) == 1:
       return [matmul_last_axis(x, kernels[0], preferred_element_type=preferred_element_type)]
-    return self.stacked_products(x, jnp.stack(list(kernels), axis=1))
-
-  @staticmethod
-  def stacked_products(x: Array, stacked: Array) -> list[Array]:
-    """[x @ stacked[:, i] for each i] as one product (see `stacked_matmul`)."""
-    return stacked_matmul(x, stacked)
+    return stacked_matmul(x, jnp.stack(list(kernels), axis=1))
 
   def attention(self, path: tuple[str, ...], query: Array, key: Array, value: Array,
                 bias: Array) -> Optional[Array]:

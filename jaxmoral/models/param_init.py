@@ -3,7 +3,7 @@
 Flax's `init` draws each parameter with its own `jax.random` call, which XLA compiles
 separately: a T5's initialiser took longer to compile than its training step. A parameter
 declared with `normal_param` carries its distribution in its box (`NormalParam`), and
-`init_params` draws all of a model's normal parameters in one call per distinct (shape, logical
+`draw_normals` draws all of a model's normal parameters in one call per distinct (shape, logical
 axes) - a handful, whatever the depth - each block constrained to its axes so a sharded
 initialisation stays sharded.
 
@@ -80,11 +80,3 @@ def draw_normals(abstract_params: PyTree, rng: Array) -> dict[str, Any]:
     for row, path in enumerate(paths):
       drawn[path] = flat[path].replace_boxed(block[row] * jnp.asarray(flat[path].stddev, dtype))
   return traverse_util.unflatten_dict(drawn)
-
-
-def init_params(abstract_params: PyTree, init_missing: Callable[[PyTree, Array], PyTree],
-                rng: Array) -> PyTree:
-  """Boxed parameters: the `NormalParam`s drawn together (`draw_normals`), the rest made by
-  `init_missing(drawn params, rng)`, the module applied with a mutable "params" collection
-  (it creates only those it is not given)."""
-  return init_missing(draw_normals(abstract_params, rng), rng)

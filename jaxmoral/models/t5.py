@@ -18,9 +18,8 @@ Parameter tree (T5X names, so T5X checkpoints and rules apply unchanged)::
   decoder/logits_dense/kernel                    (embed, vocab)   untied variants only
   scalar_head/kernel, scalar_head/bias           only with `with_scalar_head=True`
 
-Callers reach `T5`'s methods through `model.apply(..., method=...)`. Products by weights and
-fused attention are the config's `ops.ModelOps`; a cached decoding step's are the
-`ops.DecodeStepOps` given to `decode(step_ops=...)`.
+Callers reach `T5`'s methods through `model.apply(..., method=...)`; products by weights and
+fused attention are `ops.py`'s.
 """
 
 from __future__ import annotations
@@ -108,12 +107,16 @@ class DenseKernel(nn.Module):
     return param_init.normal_param(self, "kernel", self.init_scale,
                                    (in_features, self.features), self.axes).astype(self.dtype)
 
-  def __call__(self, x: Array, *, step_ops: Optional[DecodeStepOps] = None) -> Array:
-    """`x @ kernel`; in a cached decoding step (`step_ops`), the step's product."""
+  def __call__(self, x: Array, *, step_ops: Optional[DecodeStepOps] = None,
+               preferred_element_type: Any = None) -> Array:
+    """`x @ kernel` in the compute dtype (or `preferred_element_type`); in a cached decoding
+    step (`step_ops`), the step's product."""
     kernel = self.kernel(x.shape[-1])
     if step_ops is not None:
-      return step_ops.products(self.path, ("kernel",), x, [kernel])[0].astype(self.dtype)
-    return self.ops.dense(x, kernel)
+      out = step_ops.products(self.path, ("kernel",), x, [kernel],
+                              preferred_element_type=preferred_element_type)[0]
+      return out.astype(preferred_element_type or self.dtype)
+    return self.ops.dense(x, kernel, preferred_element_type=preferred_element_type)
 
 
 class Embed(nn.Module):
@@ -139,38 +142,20 @@ class Embed(nn.Module):
                           preferred_element_type=jnp.float32)
 
 
-class LogitsDense(nn.Module):
-  """Untied output projection `decoder/logits_dense/kernel` (embed, vocab); float32 logits."""
-  vocab_size: int
-  ops: ModelOps
-
-  @nn.compact
-  def __call__(self, hidden: Array, *, step_ops: Optional[DecodeStepOps] = None) -> Array:
-    d_model = hidden.shape[-1]
-    kernel = param_init.normal_param(self, "kernel", d_model ** -0.5, (d_model, self.vocab_size),
-                                     ("embed", "vocab")).astype(hidden.dtype)
-    if step_ops is not None:
-      return step_ops.products(self.path, ("kernel",), hidden, [kernel],
-                               preferred_element_type=jnp.float32)[0]
-    return self.ops.dense(hidden, kernel, preferred_element_type=jnp.float32)
-
-
 class RelativePositionBias(nn.Module):
   """Learned per-head bias of the bucketed distance between query and key positions."""
-  num_buckets: int
-  max_distance: int
-  num_heads: int
+  config: T5Config
   bidirectional: bool
 
   @nn.compact
   def __call__(self, query_positions: Array, key_positions: Array, span: int) -> Array:
     """Returns a (1, heads, q, k) float32 bias; `span` bounds |q - k| (static)."""
+    num_buckets = self.config.relative_attention_num_buckets
     table = jnp.asarray(relative_position_bucket_table(
-        span, self.bidirectional, self.num_buckets, self.max_distance))
-    rel = key_positions[None, :] - query_positions[:, None]
-    buckets = table[rel + span]
+        span, self.bidirectional, num_buckets, self.config.relative_attention_max_distance))
+    buckets = table[key_positions[None, :] - query_positions[:, None] + span]
     embedding = param_init.normal_param(self, "rel_embedding", 1.0,
-                                        (self.num_heads, self.num_buckets),
+                                        (self.config.num_heads, num_buckets),
                                         ("heads", "relpos_buckets"))
     return jnp.take(embedding, buckets, axis=1)[None]
 
@@ -218,9 +203,8 @@ class MultiHeadAttention(nn.Module):
       return _constrain(jnp.swapaxes(split(x), 1, 2), ("batch", "heads", "length", "kv"))
 
     if isinstance(bias, FusedMask):
-      if decode:
-        raise ValueError("MultiHeadAttention: fused attention is for teacher forcing only")
-      assert inputs_kv is not None  # Teacher forcing: T5.decode's caller gives `encoded`.
+      # Teacher forcing only (Decoder builds no FusedMask to decode); the caller gives `encoded`.
+      assert not decode and inputs_kv is not None
       out = ops.fused_attention(split(query_proj(inputs_q)), split(key_proj(inputs_kv)),
                                 split(value_proj(inputs_kv)), bias)
       out = out.reshape(out.shape[0], out.shape[1], joined)
@@ -237,10 +221,8 @@ class MultiHeadAttention(nn.Module):
     if decode and is_cross:
       if init_cache:
         assert inputs_kv is not None  # T5.init_cache passes the encoder outputs.
-        projected_k = heads_first(key_proj(inputs_kv))
-        projected_v = heads_first(value_proj(inputs_kv))
-        self.variable("cache", "cached_key", lambda: projected_k)
-        self.variable("cache", "cached_value", lambda: projected_v)
+        self.put_variable("cache", "cached_key", heads_first(key_proj(inputs_kv)))
+        self.put_variable("cache", "cached_value", heads_first(value_proj(inputs_kv)))
       key: Array = self.get_variable("cache", "cached_key")
       value: Array = self.get_variable("cache", "cached_value")
     elif decode:
@@ -249,15 +231,14 @@ class MultiHeadAttention(nn.Module):
       cached_value = self.variable("cache", "cached_value", jnp.zeros, shape, dtype)
       if init_cache:
         return jnp.zeros(inputs_q.shape[:-1] + (d_model,), dtype)
-      step_k = heads_first(own_key).astype(dtype)  # A self-attention step: projected above.
-      step_v = heads_first(own_value).astype(dtype)
       assert decode_position is not None  # Decoder passes it in decode mode.
-      start = (0, 0, decode_position, 0)
-      cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, step_k, start)
-      cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, step_v, start)
+      # A self-attention step: own_key and own_value were projected above.
+      for cached, step in ((cached_key, own_key), (cached_value, own_value)):
+        cached.value = jax.lax.dynamic_update_slice(cached.value, heads_first(step),
+                                                    (0, 0, decode_position, 0))
       key, value = cached_key.value, cached_value.value
     else:
-      assert inputs_kv is not None  # Teacher forcing: T5.decode's caller gives `encoded`.
+      assert inputs_kv is not None
       key = heads_first(key_proj(inputs_kv))
       value = heads_first(value_proj(inputs_kv))
 
@@ -387,9 +368,7 @@ class Encoder(nn.Module):
     ops = ModelOps.for_config(cfg)
     length = embeds.shape[1]
     positions = jnp.arange(length)
-    relpos = RelativePositionBias(cfg.relative_attention_num_buckets,
-                                  cfg.relative_attention_max_distance, cfg.num_heads,
-                                  bidirectional=True, name="relpos_bias")
+    relpos = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")
     position_bias = relpos(positions, positions, span=length)
     if ops.use_fused_attention(deterministic=deterministic, query_length=length,
                                key_length=length):
@@ -422,9 +401,7 @@ class Decoder(nn.Module):
     cfg = self.config
     ops = ModelOps.for_config(cfg)
     batch, length = embeds.shape[:2]
-    relpos = RelativePositionBias(cfg.relative_attention_num_buckets,
-                                  cfg.relative_attention_max_distance, cfg.num_heads,
-                                  bidirectional=False, name="relpos_bias")
+    relpos = RelativePositionBias(cfg, bidirectional=False, name="relpos_bias")
     decode_position = None
     if decode:
       if length != 1:
@@ -442,21 +419,18 @@ class Decoder(nn.Module):
       positions = jnp.arange(length)
       position_bias = relpos(positions, positions, span=length)
       query_valid = jnp.ones((batch, length), bool) if segment_ids is None else segment_ids > 0
+      packing = None if segment_ids is None else ops_lib.attention_mask(
+          query_valid, query_valid, segment_ids, segment_ids)
       if cfg.attention_impl in ("pallas", "pallas_gpu"):
         self_bias = ops.attention_masking(query_valid, query_valid, segment_ids, segment_ids,
                                           position_bias=position_bias, causal=True)
       elif ops.use_fused_attention(deterministic=deterministic, query_length=length,
                                    key_length=length):
-        self_bias = FusedMask(
-            position_bias=position_bias, causal=True,
-            mask=None if segment_ids is None else ops_lib.attention_mask(
-                query_valid, query_valid, segment_ids, segment_ids))
+        self_bias = FusedMask(position_bias=position_bias, causal=True, mask=packing)
       else:
         mask = positions[None, None, :, None] >= positions[None, None, None, :]
-        if segment_ids is not None:
-          mask = mask & ops_lib.attention_mask(query_valid, query_valid, segment_ids,
-                                               segment_ids)
-        self_bias = position_bias + ops_lib.mask_to_bias(mask)
+        self_bias = position_bias + ops_lib.mask_to_bias(
+            mask if packing is None else mask & packing)
     inputs = encoder_mask.shape[0]
     if not decode and inputs != batch:
       # G = batch / inputs teacher-forced rows per input (rows b * G + i), e.g. candidates
@@ -479,7 +453,6 @@ class Decoder(nn.Module):
           query_valid, encoder_mask, segment_ids, encoder_segment_ids))
     x = _dropout(embeds, cfg.dropout_rate, deterministic)
     x = _constrain(x, ("batch", "length", "embed"))
-    # A cached decoding step's products and attention are `step_ops`' (XLA's by default).
     if decode and not init_cache:
       step_ops = step_ops if step_ops is not None else DecodeStepOps()
     elif step_ops is not None:
@@ -495,17 +468,17 @@ class Decoder(nn.Module):
       # T5 1.0 rescales before the tied projection (Mesh TensorFlow convention).
       logits = self.shared_embedder.attend(hidden * (cfg.d_model ** -0.5), step_ops=step_ops)
     else:
-      logits = LogitsDense(cfg.vocab_size, ops, name="logits_dense")(hidden, step_ops=step_ops)
+      # Untied: `decoder/logits_dense/kernel` (embed, vocab), float32 logits.
+      logits = DenseKernel(features=cfg.vocab_size, axes=("embed", "vocab"),
+                           init_scale=cfg.d_model ** -0.5, dtype=_dtype(cfg), ops=ops,
+                           name="logits_dense")(hidden, step_ops=step_ops,
+                                                preferred_element_type=jnp.float32)
     return _constrain(logits, ("batch", "length", "vocab")), hidden
 
 
 class T5(nn.Module):
-  """The T5 encoder-decoder every jaxmoral model is built from.
-
-  Attributes:
-    config: Sizes and variant.
-    with_scalar_head: Adds `scalar_head` (`heads.ScalarHead`).
-  """
+  """The T5 encoder-decoder every jaxmoral model is built from; `with_scalar_head` adds
+  `scalar_head` (`heads.ScalarHead`)."""
   config: T5Config
   with_scalar_head: bool = False
 
@@ -617,8 +590,7 @@ def shift_right(targets: Array, start_id: int = 0) -> Array:
   return jnp.where(shifted == -100, 0, shifted)
 
 
-def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: int = 8,
-                decoder_length: int = 8) -> Any:
+def init_params(model: T5, rng: Array) -> Any:
   """Randomly initialised (boxed, logically partitioned) parameters.
 
   The normal parameters are drawn a few at a time (`param_init`), so the values differ from
@@ -626,21 +598,15 @@ def init_params(model: T5, rng: Array, *, batch_size: int = 1, encoder_length: i
   (op by op, the model's forward pass would compile each operation alone).
   """
   if not isinstance(rng, jax.core.Tracer) and _hashable(model):
-    return _compiled_init_params(model, rng, batch_size=batch_size,
-                                 encoder_length=encoder_length, decoder_length=decoder_length)
-  enc = jnp.ones((batch_size, encoder_length), jnp.int32)
-  dec = jnp.ones((batch_size, decoder_length), jnp.int32)
-
-  def init_missing(params: Any, key: Array) -> Any:
-    _, variables = model.apply({"params": params}, enc, dec, mutable=["params"],
-                               rngs={"params": key, "dropout": key})
-    return variables["params"]
-
+    return _compiled_init_params(model, rng)
+  tokens = jnp.ones((1, 8), jnp.int32)  # Encoder and decoder inputs: any lengths fit.
   key = jax.ShapeDtypeStruct(jnp.shape(rng), rng.dtype)
   # A module with unhashable fields cannot be a cache key: traced for its shapes each time.
-  abstract_params = _abstract_params if _hashable(model) else _abstract_params.__wrapped__
-  abstract = abstract_params(model, (batch_size, encoder_length, decoder_length), key)
-  return param_init.init_params(abstract, init_missing, rng)
+  abstract = (_abstract_params if _hashable(model) else _abstract_params.__wrapped__)(model, key)
+  # Applied with a mutable "params" collection, the module creates only those it is not given.
+  _, variables = model.apply({"params": param_init.draw_normals(abstract, rng)}, tokens, tokens,
+                             mutable=["params"], rngs={"params": rng, "dropout": rng})
+  return variables["params"]
 
 
 def _hashable(model: T5) -> bool:
@@ -651,23 +617,19 @@ def _hashable(model: T5) -> bool:
   return True
 
 
-_compiled_init_params = jax.jit(init_params, static_argnums=0,
-                                static_argnames=("batch_size", "encoder_length",
-                                                 "decoder_length"))
+_compiled_init_params = jax.jit(init_params, static_argnums=0)
 
 
 def abstract_params(model: T5) -> Any:
   """The boxed parameters `init_params(model, rng)` makes, as `jax.ShapeDtypeStruct` leaves with
   their logical axes. Traced once per model and kept: a large model's init takes seconds."""
-  # `init_params`'s default lengths and key, so a default init and this share one trace.
-  return _abstract_params(model, (1, 8, 8), jax.ShapeDtypeStruct((2,), jnp.uint32))
+  # `init_params`'s key, so a default init and this share one trace.
+  return _abstract_params(model, jax.ShapeDtypeStruct((2,), jnp.uint32))
 
 
 @functools.lru_cache(maxsize=64)
-def _abstract_params(model: T5, lengths: tuple[int, int, int], key: Any) -> Any:
+def _abstract_params(model: T5, key: Any) -> Any:
   """`model.init`'s boxed params as `jax.eval_shape` gives them (shapes, axes, distributions)."""
-  batch_size, encoder_length, decoder_length = lengths
-  enc = jnp.ones((batch_size, encoder_length), jnp.int32)
-  dec = jnp.ones((batch_size, decoder_length), jnp.int32)
-  return jax.eval_shape(lambda r: model.init({"params": r, "dropout": r}, enc, dec)["params"],
+  tokens = jnp.ones((1, 8), jnp.int32)  # As `init_params`'s.
+  return jax.eval_shape(lambda r: model.init({"params": r, "dropout": r}, tokens, tokens)["params"],
                         key)

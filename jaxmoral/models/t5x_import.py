@@ -22,7 +22,6 @@ from jaxmoral import fileio
 from jaxmoral.models import t5
 from jaxmoral.models.config import T5Config
 
-Params = dict[str, Any]
 # Heads that a jaxmoral model may carry on top of the T5 tree.
 OPTIONAL_PREFIXES = ("scalar_head",)
 _WRAPPERS = ("target", "optimizer", "params")
@@ -46,13 +45,8 @@ def _expected_shapes(config: T5Config) -> tuple[tuple[tuple[str, ...], tuple[int
 
 
 def validate_params(params: Mapping[str, Any], config: T5Config, *, source: str) -> None:
-  """Raises ValueError naming every missing, unexpected or mis-shaped parameter.
-
-  Args:
-    params: Nested parameter dict (boxed or not; anything with a `.shape` as leaves).
-    config: The config the parameters must fit.
-    source: Where they came from, quoted in the error.
-  """
+  """Raises ValueError (quoting `source`) naming every missing, unexpected or mis-shaped
+  parameter of the nested `params` (boxed or not; any leaves with a `.shape`)."""
   flat = flax.traverse_util.flatten_dict(nn.meta.unbox(dict(params)))
   expected = expected_shapes(config)
   problems = []

@@ -91,7 +91,6 @@ class Seq2SeqModel(TrainableModel):
 
   Attributes:
     config: The T5Config (MODEL_CONFIG).
-    label_smoothing: Label smoothing of the token loss.
     z_loss: T5X's auxiliary z-loss coefficient.
     loss_normalizing_factor: None: the loss is the mean over target tokens; a number: the
       summed loss divided by it (T5X's LOSS_NORMALIZING_FACTOR); microbatches follow either.

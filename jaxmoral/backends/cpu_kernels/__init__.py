@@ -133,10 +133,6 @@ def _cache_dir() -> str:
   return _FALLBACK_DIRS[root]
 
 
-def _digest_path(path: str) -> str:
-  return path + ".sha256"
-
-
 def _read_own_file(path: str, what: str) -> bytes:
   """`path`'s bytes, where it is a regular file only this user can write (not a symlink); else
   `_Untrusted` (FileNotFoundError where it is missing)."""
@@ -165,7 +161,7 @@ def _untrusted(path: str) -> Optional[str]:
   SHA-256 are this user's own regular files and its bytes match."""
   try:
     data = _read_own_file(path, "library")
-    recorded = _read_own_file(_digest_path(path), "hash file").split()
+    recorded = _read_own_file(path + ".sha256", "hash file").split()
   except _Untrusted as e:
     return str(e)
   except OSError as e:
@@ -219,8 +215,7 @@ def _install(partial: str, path: str) -> None:
     with open(partial, "rb") as f:
       digest = hashlib.sha256(f.read()).hexdigest()
     # The hash first: a reader that finds the new library finds its hash too.
-    _write_atomically(_digest_path(path), f"{digest}  {os.path.basename(path)}\n".encode(),
-                      0o644)
+    _write_atomically(path + ".sha256", f"{digest}  {os.path.basename(path)}\n".encode(), 0o644)
     os.replace(partial, path)  # Atomic: concurrent builders (test workers) never see half.
   except OSError as e:
     raise BuildError(f"could not cache {path}: {e}") from e
@@ -250,14 +245,11 @@ def build(*, force: bool = False) -> str:
         platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:20]
     path = os.path.join(cache, f"cpu_kernels_{key}.so")
     if not force and os.path.lexists(path):
-      if not os.path.lexists(_digest_path(path)):
-        _LOG.info("rebuilding %s: no SHA-256 recorded for it (an older jaxmoral built it)", path)
-      else:
-        problem = _untrusted(path)
-        if problem is None:
-          return path
-        warnings.warn(f"jaxmoral.backends.cpu_kernels: not loading cached {path}: {problem}; "
-                      f"rebuilding it", RuntimeWarning, stacklevel=2)
+      problem = _untrusted(path)
+      if problem is None:
+        return path
+      warnings.warn(f"jaxmoral.backends.cpu_kernels: not loading cached {path}: {problem}; "
+                    f"rebuilding it", RuntimeWarning, stacklevel=2)
     # An unpredictable name that mkstemp creates as ours: nobody can plant it (a symlink the
     # compiler would write through) or load it before it is renamed into place.
     fd, partial = tempfile.mkstemp(prefix=f"cpu_kernels_{key}.", suffix=".so.tmp", dir=cache)
@@ -307,14 +299,7 @@ def has_avx512() -> bool:
   """Whether this CPU has AVX-512 (Linux's /proc/cpuinfo flags; False where unreadable): with
   it the packed kernels decoded a batch of 8 faster than XLA's dots, without it they lost at
   every batch (bench/RESULTS.md)."""
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-      for line in f:
-        if line.startswith("flags"):
-          return "avx512f" in line.split()
-  except OSError:
-    pass
-  return False
+  return "avx512f" in _cpu_signature().split()
 
 
 def available() -> bool:
@@ -334,11 +319,8 @@ def pack_columns(kernel: Array) -> Array:
   """
   k = kernel.shape[0]
   flat = kernel.reshape(k, -1).astype(jnp.float32)
-  n = flat.shape[1]
-  panels = -(-n // PANEL)
-  if panels * PANEL != n:
-    flat = jnp.pad(flat, ((0, 0), (0, panels * PANEL - n)))
-  return flat.reshape(k, panels, PANEL).transpose(1, 0, 2)
+  flat = jnp.pad(flat, ((0, 0), (0, -flat.shape[1] % PANEL)))
+  return flat.reshape(k, flat.shape[1] // PANEL, PANEL).transpose(1, 0, 2)
 
 
 def packed_matmul(x: Array, packed: Array, features: int) -> Array:
@@ -354,9 +336,7 @@ def packed_matmul(x: Array, packed: Array, features: int) -> Array:
   rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
   out_type = jax.ShapeDtypeStruct((rows.shape[0], packed.shape[0] * PANEL), jnp.float32)
   out = jax.ffi.ffi_call(MATMUL_TARGET, out_type, vmap_method="sequential")(rows, packed)
-  if out.shape[1] != features:
-    out = out[:, :features]
-  return out.reshape(*x.shape[:-1], features)
+  return out[:, :features].reshape(*x.shape[:-1], features)
 
 
 def decode_attention(query: Array, key: Array, value: Array, bias: Array) -> Array:
