@@ -8,8 +8,7 @@ uses.
 
 from __future__ import annotations
 
-import os
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator
 
 # reader(data_dir, *, splits) -> texts; `splits` is None where the corpus gives no splits.
 TextReader = Callable[..., Iterator[str]]
@@ -26,10 +25,3 @@ def register(name: str, reader: TextReader, *, needs_data_dir: bool = True) -> N
 def registered() -> dict[str, tuple[TextReader, bool]]:
   """{name: (reader, needs_data_dir)} of every source registered so far."""
   return dict(_READERS)
-
-
-def read(name: str, data_dir: Optional[str | os.PathLike], *,
-         splits: Optional[Sequence[str]] = None) -> Iterator[str]:
-  """The texts of registered source `name`."""
-  reader, _ = _READERS[name]
-  return reader(data_dir, splits=splits)

@@ -26,12 +26,11 @@ import numpy as np
 from jaxmoral import integrity
 
 META = "meta.json"
-CACHE_ENV = "JAXMORAL_DATA_CACHE"
 
 
 def default_root() -> str:
   """`$JAXMORAL_DATA_CACHE`, else `~/.cache/jaxmoral/data`."""
-  return os.environ.get(CACHE_ENV) or os.path.expanduser("~/.cache/jaxmoral/data")
+  return os.environ.get("JAXMORAL_DATA_CACHE") or os.path.expanduser("~/.cache/jaxmoral/data")
 
 
 def key_of(identity: Mapping[str, Any]) -> str:
@@ -86,9 +85,8 @@ def _verify(directory: str, meta: Mapping[str, Any], meta_text: str) -> None:
       raise _damaged(path, f"cannot be read ({e.strerror or type(e).__name__})") from None
   key = os.path.realpath(directory)
   with _verified_guard:
-    known = _verified.get(key)
-  if known is not None and known == (meta_text, versions):
-    return
+    if _verified.get(key) == (meta_text, versions):
+      return
   recorded = meta.get("files")
   if recorded is None:  # Written before per-file digests: hash the rows themselves.
     features = _load(directory, meta)

@@ -10,8 +10,6 @@ import os
 import zlib
 from typing import Sequence
 
-import numpy as np
-
 from jaxmoral.data import readers
 
 Pairs = Sequence[tuple[str, str]]
@@ -49,7 +47,6 @@ def split_pairs(pairs: Pairs, *, validation_every: int = 10, rule: str = "hash"
   """A deterministic train/validation split holding out one pair in `validation_every`.
 
   Args:
-    validation_every: One pair in this many validates.
     rule: One of HELDOUT_RULES. "hash" holds out the pairs whose `pair_hash` is 0 modulo
       `validation_every` (at least one of two or more pairs: that of smallest remainder);
       "position" every `validation_every`-th pair from the first.
@@ -67,6 +64,6 @@ def split_pairs(pairs: Pairs, *, validation_every: int = 10, rule: str = "hash"
     remainders = [pair_hash(p) % validation_every for p in pairs]
     held = [r == 0 for r in remainders]
     if len(pairs) >= 2 and not any(held):
-      held[int(np.argmin(remainders))] = True
+      held[remainders.index(min(remainders))] = True
   return {"train": [p for p, h in zip(pairs, held, strict=True) if not h],
           "validation": [p for p, h in zip(pairs, held, strict=True) if h]}

@@ -8,9 +8,6 @@
   decoder_input_tokens   targets shifted right behind the start id 0 (per segment when packed)
   decoder_loss_weights   1 on real target tokens (EOS included), 0 on padding
   encoder/decoder_segment_ids, _positions   only with `pack=True`
-
-`BatchSource` serves batch `step` as a pure function of (seed, step), so a resumed run sees
-the batches of one that never stopped.
 """
 
 from __future__ import annotations
@@ -161,7 +158,6 @@ class BatchSource(source.DataSource):
 
   Attributes (besides `source.DataSource`'s batch_size, shard_index, shard_count):
     features: Equal-length arrays `{name: (n, ...)}`.
-    seed: Shuffling seed.
     shuffle: False serves examples in order (epoch after epoch).
     data_fingerprint: A hash of the rows when they come from an index cache (checkpoints
       record it, so a resume over other rows is refused); None otherwise.
@@ -190,14 +186,10 @@ class BatchSource(source.DataSource):
   def num_examples(self) -> int:
     return len(next(iter(self.features.values())))
 
-  def indices(self, step: int) -> np.ndarray:
-    """Example indices of this shard's part of global batch `step`."""
-    return stream_indices(self.shard_positions(step), self.num_examples, seed=self.seed,
-                          shuffle=self.shuffle)
-
   def batch(self, step: int) -> Features:
     """This shard's rows of global batch `step`: `{name: (per_shard_batch_size, ...)}`."""
-    idx = self.indices(step)
+    idx = stream_indices(self.shard_positions(step), self.num_examples, seed=self.seed,
+                         shuffle=self.shuffle)
     return {k: v[idx] for k, v in self.features.items()}
 
   def eval_batches(self) -> Iterator[Features]:

@@ -33,6 +33,7 @@ import gin
 
 from jaxmoral import fileio
 from jaxmoral.data import corpus_sources
+from jaxmoral.data import demo
 from jaxmoral.data import readers
 from jaxmoral.data import span_corruption
 from jaxmoral.data import vocab as vocab_lib
@@ -106,7 +107,6 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
   Args:
     data_dir: A folder laid out like `../shared/data`; None allows only the "demo" source.
     sources: Any of SOURCES and of the registered sources.
-    clarify_splits: δ-Clarify splits read.
     perspectrum_splits: PERSPECTRUM splits whose claims are read (None: all).
 
   Raises:
@@ -120,13 +120,12 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
     raise ValueError(f"unknown corpus source(s) {unknown}; known: {known} (perspectrum and "
                      f"chitchat register when jaxmoral.npov.knowledge_base and "
                      f"jaxmoral.diamante.chitchat are imported)")
-  needs_dir = [s for s in sources
-               if s != "demo" and (s not in registered or registered[s][1])]
+  needs_dir = [s for s in sources if s != "demo" and registered.get(s, (None, True))[1]]
   if needs_dir and data_dir is None:
     raise ValueError(f"corpus sources {needs_dir} need data_dir (e.g. ../shared/data)")
   if data_dir is not None and needs_dir and not fileio.isdir(data_dir):
     raise FileNotFoundError(f"data_dir {data_dir} is not a folder")
-  readers_by_source: dict[str, Callable[[], Iterable[str]]] = {"demo": vocab_lib.demo_texts}
+  readers_by_source: dict[str, Callable[[], Iterable[str]]] = {"demo": demo.all_texts}
   if data_dir is not None:  # Without it, no source asked for reads these (checked above).
     readers_by_source.update({
         "clarify": lambda: clarify_texts(data_dir, splits=clarify_splits),
@@ -134,8 +133,8 @@ def corpus_texts(data_dir: Optional[str | os.PathLike], *,
         "fusion": lambda: fusion_texts(data_dir),
     })
   readers_by_source.update({name: functools.partial(
-      corpus_sources.read, name, data_dir,
-      splits=perspectrum_splits if name == "perspectrum" else None) for name in registered})
+      reader, data_dir, splits=perspectrum_splits if name == "perspectrum" else None)
+      for name, (reader, _) in registered.items()})
   texts: dict[str, None] = {}
   for source in sources:
     before = len(texts)
@@ -148,22 +147,11 @@ CORPUS_ORDER_SEED = 0  # The order of the corpus files' texts (`build_corpus`).
 
 
 def write_lines(path: str | os.PathLike, texts: Iterable[str]) -> int:
-  """Writes one text per line, atomically (a local file is renamed into place, an object is
-  stored whole when closed); returns the number of lines."""
-  path = os.fspath(path)
-  written = path
-  if not fileio.is_url(path):
-    local = pathlib.Path(path)
-    local.parent.mkdir(parents=True, exist_ok=True)
-    written = str(local.with_name(f".tmp_{os.getpid()}_{local.name}"))
-  count = 0
-  with fileio.open(written, "w", encoding="utf-8") as f:
-    for text in texts:
-      f.write(_clean(text) + "\n")
-      count += 1
-  if written != path:
-    os.replace(written, path)
-  return count
+  """Writes one text per line, atomically (`fileio.write_text`); returns the number of lines."""
+  lines = [_clean(text) + "\n" for text in texts]
+  fileio.makedirs(os.path.dirname(os.fspath(path)) or ".")
+  fileio.write_text(path, "".join(lines))
+  return len(lines)
 
 
 def corpus_paths(output_dir: str | os.PathLike) -> dict[str, str]:
@@ -191,9 +179,7 @@ def build_corpus(*, data_dir: Optional[str | os.PathLike], output_dir: str | os.
   The texts are written in a seeded random order (`CORPUS_ORDER_SEED`), of which every
   `validation_every`-th (the first included) validates: seqio shuffles a streamed file within
   a window of 1,000 texts, so a file in source order would serve one source at a time.
-
-  Returns:
-    {split: corpus file}.
+  Returns {split: corpus file}.
   """
   if validation_every < 2:
     raise ValueError(f"validation_every must be >= 2, got {validation_every}")
@@ -243,14 +229,10 @@ def register_pretraining_mixture(
     vocabulary_path: SentencePiece model, e.g. `../shared/vocab/t5_tokenizer/spiece.model`;
       None builds the demo vocabulary in `output_dir`.
     output_dir: Folder of the corpus files and manifest.
-    task_name: Name of the registered Task.
     sources, clarify_splits, perspectrum_splits, validation_every: The corpus (`build_corpus`).
     extra_ids: Sentinel ids of the vocabulary (T5: 100).
     noise_density, mean_noise_span_length, concat_batch_size: The objective
       (`span_corruption.register_span_corruption_task`).
-
-  Returns:
-    The registered `seqio.Task`.
   """
   key = json.dumps([str(data_dir), str(vocabulary_path), str(output_dir), list(sources),
                     list(clarify_splits), perspectrum_splits and list(perspectrum_splits),

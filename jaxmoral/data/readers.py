@@ -24,14 +24,11 @@ OnError = Literal["raise", "report"]
 PathLike = str | os.PathLike
 Report = Callable[["DataError"], None]
 
-_BOM = "\ufeff"
-
 
 class DataError(ValueError):
   """A malformed row: `"{path}:{line}: {what} (field '{field}')"` (`"{path}: ..."` for a file).
 
   Attributes:
-    path: The file.
     line: 1-based physical line where the bad row starts (0 for whole-file problems).
     field: The column / key at fault ("" when no single field is).
     what: The problem, without location.
@@ -137,7 +134,7 @@ def _utf8_lines(f: IO[bytes], path: PathLike) -> Iterator[tuple[int, str, Option
   for number, raw in enumerate(f, start=1):
     try:
       text = raw.decode("utf-8")
-      yield number, text.removeprefix(_BOM) if number == 1 else text, None
+      yield number, text.removeprefix("\ufeff") if number == 1 else text, None
     except UnicodeDecodeError as e:
       yield number, raw.decode("utf-8", errors="replace"), DataError(
           path, number, f"not UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line")
@@ -286,7 +283,7 @@ def read_tsv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
              required: Optional[Sequence[str]] = None,
              optional: Optional[Sequence[str]] = None, allow_empty: bool = True,
              on_error: OnError = "raise") -> ReadResult:
-  """Reads a tab-separated file with a header row.
+  """Reads a tab-separated file with a header row into a `ReadResult` of `{column: str}` dicts.
 
   Args:
     columns: Columns to keep (in this order); the header must contain them.
@@ -297,9 +294,6 @@ def read_tsv(path: PathLike, *, columns: Optional[Sequence[str]] = None,
     allow_empty: False: a file without data rows is a `DataError` naming the file.
     on_error: "raise" (first bad row raises `DataError`) or "report" (bad rows are logged and
       collected in the result's `errors`). Header problems always raise.
-
-  Returns:
-    A `ReadResult` (a list of `{column: str}` dicts) with `.errors`.
   """
   return _read_delimited(path, delimiter="\t", columns=columns, required=required,
                          optional=optional, allow_empty=allow_empty, on_error=on_error)
@@ -357,9 +351,6 @@ def read_jsonl(path: PathLike, *, required: Optional[Sequence[str]] = None,
       key, as the typo it likely is); None passes unknown keys through.
     allow_empty: False: a file without objects is a `DataError` naming the file.
     on_error: See `read_tsv`.
-
-  Returns:
-    A `ReadResult` of the decoded objects with `.lines` and `.errors`.
   """
   known = None if optional is None else [*(required or ()), *text, *optional]
 

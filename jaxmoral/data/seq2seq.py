@@ -68,11 +68,9 @@ class Seq2SeqData(source.DataSpec):
       "jaxmoral_demo*" are registered on demand, others by an import in the gin file).
     train_file: Instead of a task: a TSV/CSV/JSONL file of pairs (a bad row fails with its line).
     eval_file: Evaluation pairs for `train_file` (default: `heldout` pairs of it).
-    input_field, target_field: Columns / keys of the inputs and targets in the files.
     vocabulary_path: A SentencePiece model (e.g. T5's spiece.model); None: the init
       checkpoint's, else the demo vocabulary.
     extra_ids: Sentinel ids after the pieces (T5: 100).
-    train_split, eval_split: The splits trained and evaluated on.
     pack: Pack several examples per row (T5X's `EncDecFeatureConverter(pack=True)`).
     heldout: How one pair in 10 of `train_file` is held out without `eval_file`
       (`pairs.HELDOUT_RULES`); a resumed run keeps the rule it started with (`resumed`).

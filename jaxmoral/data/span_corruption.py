@@ -79,11 +79,8 @@ def pre_corruption_length(inputs_length: int, noise_density: float = 0.15,
 
   T5's chunk length: 512 -> 568 (85 noise tokens in 28 spans: inputs 483 + 28 + EOS = 512,
   targets 85 + 28 + EOS = 114).
-
-  Raises:
-    ValueError: for `inputs_length` < 2 (no room for a token and EOS).
   """
-  if inputs_length < 2:
+  if inputs_length < 2:  # No room for a token and EOS.
     raise ValueError(f"inputs_length must be >= 2, got {inputs_length}")
 
   def fits(n: int) -> bool:
@@ -124,7 +121,7 @@ def _random_segmentation(num_items: tf.Tensor, num_segments: tf.Tensor,
 def noise_span_mask(length: int | tf.Tensor, noise_density: float = 0.15,
                     mean_noise_span_length: float = 3.0, *,
                     seed: Sequence[int] | tf.Tensor) -> tf.Tensor:
-  """T5's noise mask: True at the `length`-token sequence's noise positions.
+  """T5's noise mask: a [length] bool tensor, True at noise positions (none below 2 tokens).
 
   The noise and the non-noise tokens (`noise_counts`) are each split into that many spans at
   random, interleaved from non-noise (a sequence ends with noise, never starts with a sentinel).
@@ -132,9 +129,6 @@ def noise_span_mask(length: int | tf.Tensor, noise_density: float = 0.15,
   Args:
     length: Sequence length (a Python int or a scalar int tensor, e.g. inside `Dataset.map`).
     seed: A stateless seed, shape [2] int; the same seed gives the same mask.
-
-  Returns:
-    A bool tensor of shape [length]. All False for length < 2.
   """
   _check_objective(noise_density, mean_noise_span_length)
   length = tf.cast(length, tf.int32)
@@ -320,8 +314,7 @@ def text_file_dataset(files: Sequence[str | os.PathLike], *, text_field: Optiona
           generator, output_signature=tf.TensorSpec([], tf.string)))
   if not parts:
     raise ValueError("text_file_dataset: no files")
-  dataset = functools.reduce(lambda a, b: a.concatenate(b), parts)
-  return dataset.filter(_nonblank)
+  return functools.reduce(tf.data.Dataset.concatenate, parts).filter(_nonblank)
 
 
 def _text_source(*, files: Mapping[str, Sequence[str]], texts: Mapping[str, Sequence[str]],
@@ -362,7 +355,6 @@ def register_span_corruption_task(
     text_fn: Instead of `text_field`: row -> text(s) or None (skip the row).
     noise_density, mean_noise_span_length: The objective (`noise_span_mask`).
     concat_batch_size: Texts concatenated before chunking (T5: 128).
-    overwrite: Replace a Task of the same name.
 
   Returns:
     The registered `seqio.Task`; its `get_dataset` needs `sequence_length["inputs"]`.

@@ -2,8 +2,7 @@
 
 A text-pair Task reads (input, target) strings from memory or from a TSV/CSV/JSONL file
 (checked by `readers` at registration, so a bad row fails with its line number before any
-training), tokenises both and appends EOS after trimming, as T5 tasks do; shuffled, it serves a
-new permutation of its whole split every epoch, whatever the file's order. Training reads any
+training), tokenises both and appends EOS after trimming, as T5 tasks do. Training reads any
 Task or Mixture through `TaskSource`, by step from an index cache.
 """
 
@@ -33,7 +32,6 @@ from jaxmoral.data import pairs as pairs_lib
 from jaxmoral.data import pipeline
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.data.pairs import Pairs
-from jaxmoral.data.pipeline import Features
 from jaxmoral.data.source import DataSource
 
 logger = logging.getLogger(__name__)
@@ -46,13 +44,9 @@ DEMO_TASKS = ("jaxmoral_demo_clarify_question", "jaxmoral_demo_clarify_fusion",
               "jaxmoral_demo_clarify_judgment")
 
 
-def _without_function_source_notice(record: logging.LogRecord) -> bool:
-  """seqio warns that an uncached FunctionDataSource shuffles poorly after a restart; not
-  ours: the text-pair source shuffles its whole split and a `TaskSource` reads by index."""
-  return "uncached FunctionDataset" not in record.getMessage()
-
-
-logging.getLogger("absl").addFilter(_without_function_source_notice)
+# seqio warns that an uncached FunctionDataSource shuffles poorly after a restart; not ours:
+# the text-pair source shuffles its whole split and a `TaskSource` reads by index.
+logging.getLogger("absl").addFilter(lambda r: "uncached FunctionDataset" not in r.getMessage())
 
 
 def _function_source(splits: Mapping[str, Pairs]) -> seqio.FunctionDataSource:
@@ -88,12 +82,8 @@ def register_text_pair_task(name: str, *, vocabulary: Any,
     vocabulary: Vocabulary of both features (e.g. `vocab.get_vocabulary(...)`).
     examples: Pairs (one "train" split) or `{split: pairs}`.
     file: Instead of `examples`: a file (one "train" split) or `{split: file}`.
-    input_field, target_field: Columns / keys of the input and target texts in `file`.
     add_eos: Append EOS (after trimming) to both features.
     overwrite: Replace a Task of the same name (re-registration in tests and notebooks).
-
-  Returns:
-    The registered `seqio.Task`.
   """
   if (examples is None) == (file is None):
     raise ValueError(f"register_text_pair_task({name!r}): give exactly one of examples, file")
@@ -140,12 +130,6 @@ def register_demo_tasks(*, vocabulary: Any) -> seqio.Mixture:
   return seqio.MixtureRegistry.add(DEMO_MIXTURE, [(t, len(sources[t])) for t in DEMO_TASKS])
 
 
-def set_tfds_data_dir(data_dir: str) -> None:
-  """Where every TFDS-backed seqio Task reads its prepared data for the rest of the process,
-  as T5X's `--tfds_data_dir` (a local folder or a bucket URL)."""
-  seqio.set_tfds_data_dir_override(data_dir)
-
-
 def _tasks(task_name: str) -> list[seqio.Task]:
   """The Tasks of a registered Task or Mixture."""
   provider = seqio.get_mixture_or_task(task_name)
@@ -180,9 +164,7 @@ class TaskSource(DataSource):
   over the split into an `index_cache` whose rows batch `step` gathers (`pipeline.BatchSource`),
   so the data position stays the step. One pass is a Task's split in seqio's seeded order
   (packing and noise drawn once, kept in later epochs), or a Mixture's stream at its rates for
-  as many examples as its Tasks have (at least `MIN_MIXTURE_ROWS` rows). A Task fingerprinting
-  its data (this package's do) keeps its cache under `cache_dir` for every run of that data;
-  another Task's cache is built once per process in a temporary folder.
+  as many examples as its Tasks have (at least `MIN_MIXTURE_ROWS` rows).
 
   A split of more than `max_cached_examples` examples (or a Mixture of Tasks of unknown size)
   is streamed: with `position_dir` its tf.data iterator state is saved every `position_every`
@@ -190,12 +172,11 @@ class TaskSource(DataSource):
   position at or before k (else all k, logged).
 
   Attributes (besides `DataSource`'s batch_size, shard_index, shard_count):
-    task_name: A registered seqio Task or Mixture.
     feature_lengths: `{"inputs": N, "targets": M}`.
     seed: Shuffling (and mixing) seed.
     shuffle: False serves the split in order (evaluation).
-    pack: Pack several examples per row.
-    cache_dir: Where index caches are kept (None: `index_cache.default_root()`).
+    cache_dir: Where index caches are kept (None: `index_cache.default_root()`); a Task that
+      does not fingerprint its data (this package's do) gets a cache of this process only.
     max_cached_examples: Larger splits are streamed.
     position_dir: Where a streamed split's positions are kept (MODEL_DIR/data_position).
     position_every: A position every this many batches (the run's checkpoint interval).
@@ -225,7 +206,6 @@ class TaskSource(DataSource):
       raise ValueError(f"{self.task_name!r} has no split {self.split!r} (has "
                        f"{sorted({s for t in tasks for s in t.splits})})")
     object.__setattr__(self, "feature_lengths", dict(self.feature_lengths))
-    object.__setattr__(self, "_rows", None)
 
   @property
   def num_examples(self) -> Optional[int]:
@@ -267,7 +247,7 @@ class TaskSource(DataSource):
     count = self.num_examples
     return not self._is_mixture if count is None else count <= self.max_cached_examples
 
-  def _pass_rows(self) -> Iterator[Features]:
+  def _pass_rows(self) -> Iterator[pipeline.Features]:
     """One pass of seqio's stream (class docstring), in chunks of rows."""
     is_mixture = self._is_mixture
     ds = self._features(num_epochs=None if is_mixture else 1, shard_info=None, in_memory=False)
@@ -321,9 +301,7 @@ class TaskSource(DataSource):
   def data_fingerprint(self) -> Optional[str]:
     """A hash of the rows the batches are drawn from (None for a streamed split); a
     checkpoint records it, so a run resumed over other data is refused."""
-    if not self._cacheable():
-      return None
-    return self._cached_rows()[1]["sha256"][:16]
+    return self._cached_rows()[1]["sha256"][:16] if self._cacheable() else None
 
   # -- batches ----------------------------------------------------------------------------------
   def _features(self, *, num_epochs: Optional[int], shard_info: Optional[seqio.ShardInfo],
@@ -345,7 +323,7 @@ class TaskSource(DataSource):
                           in_memory=not self.shuffle).batch(self.per_shard_batch_size,
                                                             drop_remainder=repeat)
 
-  def iterate(self, start_step: int = 0) -> Iterator[Features]:
+  def iterate(self, start_step: int = 0) -> Iterator[pipeline.Features]:
     """This process's rows of batch `start_step`, `start_step + 1`, ... forever (a
     `DataSource`)."""
     if start_step < 0:
@@ -415,7 +393,7 @@ class TaskSource(DataSource):
         os.path.join(fileio.local_folder(folder), "iterator")).assert_consumed()
     return saved[-1]
 
-  def eval_batches(self) -> Iterator[Features]:
+  def eval_batches(self) -> Iterator[pipeline.Features]:
     """One in-order pass over this shard's examples, the last batch zero-padded
     (`pipeline.pad_batch`)."""
     for batch in self._dataset(repeat=False).as_numpy_iterator():

@@ -26,7 +26,6 @@ import sentencepiece as spm
 from jaxmoral import fileio
 from jaxmoral.data import demo
 
-DEMO_DIR = demo.DEMO_DIR
 DEMO_VOCAB_SIZE = 400  # + 100 extra ids = 500 <= the tiny model's 512 rows.
 T5_EXTRA_IDS = 100
 
@@ -39,15 +38,12 @@ def train_sentencepiece(texts: Iterable[str], *, output_prefix: str | os.PathLik
 
   Args:
     texts: Training sentences (one example each; newlines inside are fine).
-    output_prefix: Writes `{output_prefix}.model` and `{output_prefix}.vocab`.
+    output_prefix: Writes `{output_prefix}.model` (its path is returned) and `.vocab`.
     vocab_size: Number of pieces, the 3 special ones included.
     model_type: "unigram" (T5) or "bpe".
     character_coverage: Fraction of characters covered (1.0: none of a small corpus is `unk`).
     seed: SentencePiece's random seed (training is also single-threaded and unshuffled).
     hard_vocab_limit: False: a corpus too small for `vocab_size` gives fewer pieces.
-
-  Returns:
-    The path of the `.model` file.
 
   Raises:
     ValueError: `texts` is empty, or `vocab_size` is too small or too large for the corpus.
@@ -139,11 +135,6 @@ class SentencePieceVocabulary:
     return self.tokenizer.unk_id()
 
   @property
-  def bos_id(self) -> int:
-    """-1: T5 vocabularies have none."""
-    return self.tokenizer.bos_id()
-
-  @property
   def vocab_size(self) -> int:
     """Ids: the pieces (pad, eos, unk included) and the sentinels."""
     return self.tokenizer.GetPieceSize()
@@ -163,7 +154,6 @@ class SentencePieceVocabulary:
 
 
 def _model_proto(path: str) -> Any:
-  """The `ModelProto` of a SentencePiece model file."""
   from sentencepiece import sentencepiece_model_pb2  # pylint: disable=import-outside-toplevel
   return sentencepiece_model_pb2.ModelProto.FromString(  # type: ignore[attr-defined]
       fileio.read_bytes(path))
@@ -217,9 +207,6 @@ def get_vocabulary(path: Optional[str | os.PathLike], *,
     path: The `.model` file; None builds the demo vocabulary (0.1 s) in this process's private
       folder (not a shared temp folder, which another user could have filled first).
     extra_ids: Sentinel ids appended after the pieces (T5: 100).
-
-  Raises:
-    FileNotFoundError: `path` does not exist.
   """
   if path is None:
     path = build_demo_vocabulary(output_dir=fileio.local_folder_for("demo vocabulary"))
@@ -235,11 +222,6 @@ def get_vocabulary(path: Optional[str | os.PathLike], *,
     raise ValueError(f"{path}: not a T5-style model (pad={vocab.tokenizer.pad_id()}, "
                      f"eos={vocab.eos_id}; expected 0 and 1)")
   return vocab
-
-
-def demo_texts() -> list[str]:
-  """Every text field of the bundled demo corpus (the vocabulary's training data)."""
-  return demo.all_texts()
 
 
 @gin.configurable
@@ -266,7 +248,7 @@ def build_demo_vocabulary(*, output_dir: str | os.PathLike,
     return model
   # Train under a private name, then rename: concurrent builders never see a partial file.
   tmp_prefix = pathlib.Path(output_dir) / f".tmp_{os.getpid()}_demo_spm_{vocab_size}"
-  trained = train_sentencepiece(demo_texts(), output_prefix=tmp_prefix, vocab_size=vocab_size)
+  trained = train_sentencepiece(demo.all_texts(), output_prefix=tmp_prefix, vocab_size=vocab_size)
   os.replace(f"{tmp_prefix}.vocab", f"{prefix}.vocab")
   os.replace(trained, model)
   logging.info("built demo vocabulary %s", model)

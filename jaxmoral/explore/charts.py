@@ -37,11 +37,8 @@ def line_chart(series: Mapping[str, Sequence[tuple[float, float]]], *, title: st
 
   Args:
     series: {name: points}; points with a non-finite value are left out.
-    title: Drawn above the plot.
-    x_label: Under the x axis.
-    y_label: Beside the y axis.
-    width: Pixels.
-    height: Pixels (the legend adds to it).
+    title, x_label, y_label: Drawn above the plot, under the x axis, beside the y axis.
+    width, height: Pixels (the legend adds to the height).
     square: Fixed (low, high) of both axes (ROC curves: (0, 1)); default: the data's range.
     diagonal: Draw the y = x line (a ROC curve's chance level).
     markers: A dot at every point (short series).

@@ -76,8 +76,7 @@ class Roots:
     if not 0 <= index < len(self.folders):
       raise Forbidden(f"no folder {root!r}")
     relative = relative or ""
-    problem = unsafe(relative)
-    if problem:
+    if problem := unsafe(relative):
       raise Forbidden(f"{problem} {relative!r}")
     base = self.folders[index]
     path = (base / relative).resolve()

@@ -34,8 +34,7 @@ def parse_classes(text: str) -> tuple[str, ...]:
   return classes
 
 
-# What each live box's model selector offers: the models that can do its job, those whose
-# path names the job first.
+# Which models (by `model_traits`) can do each live box's job.
 JOBS = {"npov": lambda t: not t["prompt"], "generator": lambda t: t["prompt"],
         "clarify": lambda t: not t["prompt"] and t["kind"] != "clarify_ppo_policy",
         "question": lambda t: not t["prompt"], "nli": lambda t: not t["prompt"],
@@ -90,12 +89,7 @@ def choices_for_jobs(models: Sequence[tuple[str, str, str]]) -> dict[str, list[d
 def model_judge_classes(model_dir: Optional[str]) -> Optional[tuple[str, ...]]:
   """The judge classes (bad, ok, good) the model's training chose
   (`clarify.judge.fitting_classes`); None when it cannot be read."""
-  if not model_dir:
-    return None
-  try:
-    traits = _traits(model_dir, os.stat(model_dir).st_mtime)
-  except OSError:
-    return None
+  traits = model_traits(model_dir) if model_dir else None
   return traits["classes"] if traits else None
 
 
@@ -111,10 +105,8 @@ def npov_salience(*, base_dir: str, query: str, pro: str, con: str, response: st
 
   Args:
     base_dir: The base model's folder (any format `model_dirs.load` reads).
-    query: The user query.
-    pro: Pro arguments, one a line.
-    con: Con arguments, one a line.
-    response: The response to explain.
+    query, response: The user query and the response to explain.
+    pro, con: The pro and the con arguments, one a line.
     generator_dir: The generator's prompt folder (None: the base model alone).
   """
   from jaxmoral.npov import task  # pylint: disable=import-outside-toplevel
@@ -162,8 +154,7 @@ def clarify_question(*, situation: str, question: str, question_dir: Optional[st
   situation = situation.strip()
   if not situation:
     raise ValueError("type a situation")
-  classes = (tuple(judge_classes) or model_judge_classes(judge_dir)
-             or formats.T5_JUDGE_CLASSES)
+  classes = tuple(judge_classes) or model_judge_classes(judge_dir) or formats.T5_JUDGE_CLASSES
   if len(classes) != 3:
     raise ValueError(f"type the judge's three classes, for bad, ok and good, separated by "
                      f"commas (got {len(classes)})")

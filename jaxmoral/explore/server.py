@@ -92,12 +92,8 @@ def create_app(roots: folders.Roots, *, guard: Optional[security.Guard] = None) 
   app.jinja_env.finalize = finalize
   app.jinja_env.globals.update(charts=charts, sources=sources, roots=roots,
                                VIEW_TITLES=VIEW_TITLES, markup=markupsafe.Markup,
-                               token_field=security.TOKEN_FIELD)
+                               token_field=security.TOKEN_FIELD, form_token=guard.token)
   app.jinja_env.filters["fmt"] = _fmt
-
-  @app.context_processor
-  def form_token():
-    return {"form_token": guard.token}
 
   def arg_path() -> tuple[int, pathlib.Path]:
     root = flask.request.values.get("root", "0")
@@ -418,7 +414,6 @@ def serve(*, dirs: Sequence[str], port: int = 8765, host: str = "127.0.0.1",
   """Serves the explorer until interrupted (Ctrl-C); returns 0.
 
   Args:
-    dirs: The folders it shows.
     port: The port (0: any free one).
     host: The address it listens on. Anything but a loopback address requires the token
       it prints in its URL.

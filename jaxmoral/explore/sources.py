@@ -197,8 +197,7 @@ def clarify_evaluation(path: pathlib.Path) -> dict[str, Any]:
   situations: list[dict[str, Any]] = []
   for i in range(count):
     entry: dict[str, Any] = {"index": i, "situation": None, "by_system": {}}
-    for name in systems:
-      result = data[name]
+    for name, result in data.items():
       rows = result.get("per_question") or []
       per = result.get("per_situation") or {}
       if i < len(rows):
@@ -457,11 +456,9 @@ def run_checkpoints(run: pathlib.Path) -> list[dict[str, Any]]:
   for step in run_dirs.saved_steps(run):
     step_dir = pathlib.Path(directory) / str(step)
     try:
-      names = _manifest_files(step_dir)
+      status, ok = _verified(_step_stamp(step_dir, _manifest_files(step_dir)), directory, step)
     except (OSError, ValueError) as error:
-      out.append({"step": step, "status": str(error), "ok": False})
-      continue
-    status, ok = _verified(_step_stamp(step_dir, names), directory, step)
+      status, ok = str(error), False
     out.append({"step": step, "status": status, "ok": ok})
   return out
 

@@ -72,6 +72,5 @@ def all_texts() -> list[str]:
       texts += [turn["utterance"], *turn["response_candidates"]]
   for topic in npov_kb():
     texts += [topic["query"]] + [a for side in ("pro", "con") for c in topic[side] for a in c]
-  for ex in npov_examples():
-    texts.append(ex["response"])
+  texts += [ex["response"] for ex in npov_examples()]
   return list(dict.fromkeys(texts))
