@@ -20,8 +20,7 @@ Generator = Callable[[Sequence[str]], list[str]]
 
 def select_best(candidates: Sequence[Sequence[str]], scores: np.ndarray) -> list[str]:
   """Per situation the candidate with the highest score (first one on ties)."""
-  scores = np.asarray(scores)
-  return [list(c)[int(np.argmax(s))] for c, s in zip(candidates, scores, strict=True)]
+  return [list(c)[int(np.argmax(s))] for c, s in zip(candidates, np.asarray(scores), strict=True)]
 
 
 def sampled_generator(question_model: models.ClarifyModel, *, top_p: float = 0.6,
@@ -51,7 +50,8 @@ def pipeline_generators(question_model: models.ClarifyModel,
                         reward: reward_lib.DefeasibilityReward, *,
                         wh_words: Sequence[str] = formats.PIPELINE_WH_WORDS,
                         max_length: int = 32) -> dict[str, Generator]:
-  """"pipeline" and "pipeline_no_nli" from one candidate set and one scoring.
+  """The wh-conditioned questions ranked by the defeasibility reward with the NLI filter
+  ("pipeline") and without it ("pipeline_no_nli"), from one candidate set and one scoring.
 
   The filter zeroes a filtered question's reward but changes neither its answers nor its
   fusions, so the unfiltered JSD (`RewardResult.jsd`) of the NLI pipeline's scoring is the
@@ -79,15 +79,6 @@ def pipeline_generators(question_model: models.ClarifyModel,
     return generate
 
   return {"pipeline": ranked_by("scores"), "pipeline_no_nli": ranked_by("jsd")}
-
-
-def pipeline_generator(question_model: models.ClarifyModel,
-                       reward: reward_lib.DefeasibilityReward, *, use_nli: bool = True,
-                       wh_words: Sequence[str] = formats.PIPELINE_WH_WORDS,
-                       max_length: int = 32) -> Generator:
-  """14 wh-conditioned questions ranked by the defeasibility reward (JSD, NLI on/off)."""
-  return pipeline_generators(question_model, reward, wh_words=wh_words, max_length=max_length
-                             )["pipeline" if use_nli else "pipeline_no_nli"]
 
 
 def why_generator() -> Generator:

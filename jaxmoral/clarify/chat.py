@@ -72,15 +72,14 @@ class ClarifySession:
     judgment, dist = self.judge(situation)
     question = self.question(situation)
     answer = answer_fn(situation, question, judgment)
-    record = {"turn": turn, "situation": situation, "judgment": judgment,
-              "distribution": dict(zip(formats.JUDGMENTS, dist, strict=True)), "question": question}
     if not answer:
       return None
     fused = self.fuse(situation, question, answer)
     new_judgment, new_dist = self.judge(fused)
-    record.update({"answer": answer, "fused_situation": fused, "new_judgment": new_judgment,
-                   "new_distribution": dict(zip(formats.JUDGMENTS, new_dist, strict=True))})
-    return record
+    return {"turn": turn, "situation": situation, "judgment": judgment,
+            "distribution": dict(zip(formats.JUDGMENTS, dist, strict=True)), "question": question,
+            "answer": answer, "fused_situation": fused, "new_judgment": new_judgment,
+            "new_distribution": dict(zip(formats.JUDGMENTS, new_dist, strict=True))}
 
 
 def _session(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str,
@@ -105,16 +104,14 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
          seed: int = 0, partitioner: Any = None) -> list[dict[str, Any]]:
   """Interactive loop; returns the transcript records (also written as JSONL).
 
-  `input_fn` reads a line (None: standard input, as Diamante's chat reads it); a line that
-  is not UTF-8 is skipped with a note on stderr and asked for again.
+  `input_fn` reads the user's line given a prompt (None: standard input, as Diamante's chat
+  reads it); a line that is not UTF-8 is skipped with a note on stderr and asked for again.
 
   Args:
     question_model_dir: The question generator θQ (a run, export or PPO run directory).
-    fusion_model_dir: The fusion model.
-    judge_model_dir: The judge.
+    fusion_model_dir, judge_model_dir: The fusion model and the judge.
     max_turns: Turns at most (an empty answer ends the conversation sooner).
     transcript_path: JSONL transcript to write, one line per turn.
-    input_fn: Reads the user's line given a prompt (None: standard input).
     output_fn: Shows a line to the user.
     judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token;
       None: `judge.fitting_classes` of the judge's vocabulary).
@@ -122,9 +119,6 @@ def chat(*, question_model_dir: str, fusion_model_dir: str, judge_model_dir: str
     seed: Seed of the sampled questions.
     partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.
       `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
-
-  Returns:
-    The transcript records.
   """
   # Imported here, not at the top: loaded while gin parses, Diamante's `chat` would make
   # `chat.chat` bindings of user configs ambiguous.
@@ -179,29 +173,19 @@ def chat_from_file(*, input_jsonl: str, output_jsonl: str, question_model_dir: s
   """Non-interactive chat: rows `{"situation", "answers": [...]?, "update_type"?}`.
 
   Answers come from the row (one per turn); when absent (or used up) θA answers
-  (`update_type`, default "weakener", of the current judgment). Writes one JSON line per turn
-  with the row index as `conversation`. A malformed row (answers not a list of strings, an
-  unknown update type, fewer answers than turns without θA) fails with its line before
-  anything runs.
+  (`update_type`, default "weakener", of the current judgment). Writes (and returns) one
+  record per turn, with the row index as `conversation`. A malformed row (answers not a list
+  of strings, an unknown update type, fewer answers than turns without θA) fails with its
+  line before anything runs.
 
   Args:
     input_jsonl: The rows (JSONL).
     output_jsonl: JSONL transcript to write, one line per turn.
-    question_model_dir: The question generator θQ (a run, export or PPO run directory).
-    fusion_model_dir: The fusion model.
-    judge_model_dir: The judge.
     answer_model_dir: The answer generator θA, answering where a row has no answer left
       (None: every row must give one answer per turn).
     max_turns: Turns per row at most.
-    judge_classes: The judge's class strings for bad, ok, good (each one vocabulary token;
-      None: `judge.fitting_classes` of the judge's vocabulary).
-    top_p: Nucleus mass of the sampled questions.
-    seed: Seed of the sampled questions.
-    partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.
-      `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
-
-  Returns:
-    The transcript records.
+    question_model_dir, fusion_model_dir, judge_model_dir, judge_classes, top_p, seed,
+      partitioner: As for `chat`.
   """
   rows = readers.read_jsonl(input_jsonl, required=["situation"],
                             optional=["answers", "update_type"],

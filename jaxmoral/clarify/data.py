@@ -126,17 +126,6 @@ def read_fusion(path: str | os.PathLike) -> list[dict[str, str]]:
   return readers.read_csv(path, columns=["input", "output"], optional=(), allow_empty=False)
 
 
-def read_judgments(path: str | os.PathLike) -> list[dict[str, str]]:
-  """TSV rows (situation, judgment in bad | ok | good)."""
-  rows = readers.read_tsv(path, columns=["situation", "judgment"], optional=(),
-                          allow_empty=False)
-  for r, line in zip(rows, rows.lines, strict=False):
-    if r["judgment"] not in formats.JUDGMENTS:
-      raise readers.DataError(path, line, f"judgment must be one of {formats.JUDGMENTS}, "
-                              f"got {r['judgment']!r}", "judgment")
-  return rows
-
-
 def question_pairs(rows: Iterable[dict[str, str]], *, wh_conditioned: str = "both") -> list[Pair]:
   """θQ pairs. `wh_conditioned`: "no" (plain), "yes" (with the question's first word), "both"."""
   if wh_conditioned not in ("no", "yes", "both"):
@@ -213,11 +202,8 @@ def nli_examples(*, answers: Iterable[dict[str, str]],
       out += [(s, s, "entailment"), (s, f"I was {s}.", "entailment"),
               (s, f"I was not {s}.", "contradiction"),
               (s, f"I have never been {s}.", "contradiction")]
-  for row in fusion:
-    restated = _fused_equals_situation(row)
-    if restated:
-      out.append((restated[0], restated[1], "entailment"))
-  return out
+  return out + [(*restated, "entailment") for restated in map(_fused_equals_situation, fusion)
+                if restated]
 
 
 def nli_pairs(examples: Iterable[tuple[str, str, str]], *,
@@ -227,14 +213,10 @@ def nli_pairs(examples: Iterable[tuple[str, str, str]], *,
   return [(formats.nli_input(premise=p, hypothesis=h), mapping[y]) for p, h, y in examples]
 
 
-def _words(text: str) -> set[str]:
-  return set(re.findall(r"[a-z']+", text.lower()))
-
-
 def similar_situations(situations: Sequence[str]) -> dict[str, str]:
   """Each situation's most similar other situation by word overlap (Jaccard), vectorised."""
   from scipy import sparse
-  words = [_words(s) for s in situations]
+  words = [set(re.findall(r"[a-z']+", s.lower())) for s in situations]
   index = {w: i for i, w in enumerate(sorted(set().union(*words)))} if words else {}
   rows = [i for i, ws in enumerate(words) for _ in ws]
   cols = [index[w] for ws in words for w in ws]
@@ -273,14 +255,6 @@ def relevance_pairs(rows: Iterable[dict[str, str]], *,
   return pairs
 
 
-def _check_split(split: str) -> None:
-  # A split names a file in delta_clarify/; a path would read outside the folder.
-  if not isinstance(split, str) or not split or split.startswith(".") or any(
-      c in split for c in "/\\*?["):
-    raise ValueError(f"clarify data: split must be a file name without extension like 'train' "
-                     f"or 'dev', got {split!r}")
-
-
 def folder_splits(source: str | os.PathLike) -> list[str]:
   """The splits of a data folder: the names of its `delta_clarify/*.tsv` files, sorted."""
   return sorted(p.stem for p in (fileio.path(source) / "delta_clarify").glob("*.tsv")
@@ -297,9 +271,8 @@ def _kind_files(root: Any, kind: str, split: str) -> tuple[list[Any], Optional[s
     path = directory / pattern.format(split=split)
     if path.is_file():
       return [path], None
-    present = folder_splits(root)
     return [], (f"{folder}/{path.name} is missing (splits present: "
-                f"{', '.join(present) or 'none'})")
+                f"{', '.join(folder_splits(root)) or 'none'})")
   files = sorted(p for p in directory.glob(pattern) if p.is_file())
   return (files, None) if files else ([], f"{name} {folder}/ has no {pattern} file")
 
@@ -317,13 +290,16 @@ def source_files(source: str, which: str, *, split: str = "train",
     ValueError: an unknown `which`, or a split that is not a file name.
   """
   names = _which_models(which)
-  _check_split(split)
+  # A split names a file in delta_clarify/; a path would read outside the folder.
+  if not isinstance(split, str) or not split or split.startswith(".") or any(
+      c in split for c in "/\\*?["):
+    raise ValueError(f"clarify data: split must be a file name without extension like 'train' "
+                     f"or 'dev', got {split!r}")
   root = fileio.path(source)  # A local folder or a bucket URL (`etils.epath.Path`).
   if not root.is_dir():
     raise FileNotFoundError(f"clarify data source {source!r}: not 'demo' and not a folder")
-  kinds = list(dict.fromkeys(k for w in names for k in INPUTS[w]))
   files, missing = {}, []
-  for kind in kinds:
+  for kind in dict.fromkeys(k for w in names for k in INPUTS[w]):
     files[kind], problem = _kind_files(root, kind, split)
     if problem:
       needed_by = ", ".join(w for w in names if kind in INPUTS[w])
@@ -378,7 +354,6 @@ def build_pairs(which: str, source: str = "demo", *, split: str = "train",
   """Training pairs of one model (`which` in WHICH) or of all ("multitask").
 
   Args:
-    which: A model of WHICH, or "multitask".
     source: "demo" or a data folder.
     split: δ-Clarify split of the questions.
     judge_classes, nli_labels, relevance_labels: Targets of those models.
@@ -441,8 +416,7 @@ def situations(source: str = "demo", *, split: str = "train") -> list[str]:
                      purpose="situations")["questions"]
   distinct = list(dict.fromkeys(formats.clean(r["situation"]) for r in rows))
   if source == "demo":
-    dev = split == "dev"
-    distinct = [s for i, s in enumerate(distinct) if (i % DEMO_DEV_EVERY == 0) == dev]
+    distinct = [s for i, s in enumerate(distinct) if (i % DEMO_DEV_EVERY == 0) == (split == "dev")]
   return distinct
 
 

@@ -10,7 +10,6 @@ seconds: they show the plumbing, not the paper's results.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import time
@@ -26,20 +25,10 @@ from jaxmoral.clarify import evaluate as evaluate_lib
 from jaxmoral.clarify import formats
 from jaxmoral.clarify import reward as reward_lib
 from jaxmoral.clarify import training
+from jaxmoral.data import readers
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import config as config_lib
 from jaxmoral.rl import ppo_trainer
-
-ROLES = data_lib.WHICH  # Every model of the demo's roles.
-
-
-def _optimizer(steps: int, learning_rate: float):
-  return optimizers.make_optimizer(
-      name="adamw", weight_decay=0.01, grad_clip_norm=1.0,
-      learning_rate=optimizers.make_schedule(name="warmup_linear_decay",
-                                             base_learning_rate=learning_rate,
-                                             warmup_steps=max(steps // 10, 1),
-                                             total_steps=steps))
 
 
 @gin.configurable
@@ -53,12 +42,10 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
     workdir: Output folder (run directories, TensorBoard, table JSON, transcript, PNG).
     train_steps: Supervised steps (per model with `separate_models`).
     batch_size: Supervised batch size.
-    ppo_iterations: PPO iterations.
     ppo_batch_size: Situations per PPO iteration.
     separate_models: One run per role instead of one multi-task run.
     eval_situations: Held-out situations in the evaluation table.
     learning_rate: Peak supervised learning rate.
-    seed: Seed.
 
   Returns:
     {"model_dirs", "ppo", "evaluation", "transcript", "reward_curve", "seconds", ...}.
@@ -67,21 +54,24 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   work = pathlib.Path(workdir)
   work.mkdir(parents=True, exist_ok=True)
   vocab_path = vocab_lib.build_demo_vocabulary(output_dir=work / "vocab")
-  config = config_lib.t5_config(size="tiny")
-  common = dict(model_config=config, batch_size=batch_size, source="demo",
-                vocabulary_path=vocab_path, judge_classes=formats.DEMO_JUDGE_CLASSES,
+  common = dict(model_config=config_lib.t5_config(size="tiny"), batch_size=batch_size,
+                source="demo", vocabulary_path=vocab_path, judge_classes=formats.DEMO_JUDGE_CLASSES,
                 feature_lengths={"inputs": 64, "targets": 32}, log_every=100, seed=seed,
-                checkpoint_every=train_steps)
+                checkpoint_every=train_steps, optimizer=optimizers.make_optimizer(
+                    name="adamw", weight_decay=0.01, grad_clip_norm=1.0,
+                    learning_rate=optimizers.make_schedule(
+                        name="warmup_linear_decay", base_learning_rate=learning_rate,
+                        warmup_steps=max(train_steps // 10, 1), total_steps=train_steps)))
   dirs: dict[str, str] = {}
   timings: dict[str, float] = {}
-  for which in (ROLES if separate_models else ("multitask",)):
+  for which in (data_lib.WHICH if separate_models else ("multitask",)):
     tick = time.time()
     model_dir = str(work / f"{which}_model")
     training.train_clarify_model(which=which, model_dir=model_dir, train_steps=train_steps,
-                                 optimizer=_optimizer(train_steps, learning_rate), **common)
+                                 **common)
     timings[f"train_{which}"] = time.time() - tick
     dirs[which] = model_dir
-  role_dir = {r: dirs[r] if r in dirs else dirs["multitask"] for r in ROLES}
+  role_dir = {r: dirs[r] if r in dirs else dirs["multitask"] for r in data_lib.WHICH}
 
   # Held-out situations for the evaluation; PPO trains on the others (its split "train").
   held_out = data_lib.situations("demo", split="dev")[:eval_situations]
@@ -115,13 +105,11 @@ def run_demo(*, workdir: str, train_steps: int = 300, batch_size: int = 32,
   timings["evaluate"] = time.time() - tick
 
   tick = time.time()
-  chat_in = work / "chat_input.jsonl"
-  with open(chat_in, "w", encoding="utf-8") as f:
-    f.write(json.dumps({"situation": held_out[0],
-                        "answers": ["I had a good reason.", "Nobody was hurt."]}) + "\n")
-    f.write(json.dumps({"situation": held_out[1], "update_type": "strengthener"}) + "\n")
+  chat_in = readers.write_jsonl(work / "chat_input.jsonl", [
+      {"situation": held_out[0], "answers": ["I had a good reason.", "Nobody was hurt."]},
+      {"situation": held_out[1], "update_type": "strengthener"}])
   transcript = work / "chat_transcript.jsonl"
-  chat_lib.chat_from_file(input_jsonl=str(chat_in), output_jsonl=str(transcript),
+  chat_lib.chat_from_file(input_jsonl=chat_in, output_jsonl=str(transcript),
                           question_model_dir=ppo["policy_dir"],
                           fusion_model_dir=role_dir["fusion"], judge_model_dir=role_dir["judge"],
                           answer_model_dir=role_dir["answer"],

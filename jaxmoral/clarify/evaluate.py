@@ -29,14 +29,6 @@ from jaxmoral.clarify import models
 from jaxmoral.clarify import reward as reward_lib
 
 
-def first_word_distribution(questions: Sequence[str]) -> dict[str, float]:
-  """Fraction of questions per first word (lower-cased), most frequent first."""
-  if not questions:
-    raise ValueError("first_word_distribution: no questions given")
-  counts = collections.Counter(formats.first_word(q) or "<empty>" for q in questions)
-  return {w: c / len(questions) for w, c in counts.most_common()}
-
-
 def per_situation_metrics(questions: Sequence[str], result: reward_lib.RewardResult
                           ) -> dict[str, np.ndarray]:
   """One system's measures per situation, in order: what means, bootstrap intervals and paired
@@ -64,13 +56,15 @@ MEAN_KEYS = ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct", "question_pct
 def question_metrics(questions: Sequence[str], result: reward_lib.RewardResult
                      ) -> dict[str, Any]:
   """Metrics of one system's questions and their reward-pipeline result: the means of
-  `per_situation_metrics`, distinct-1/2/3 and the first-word and wh-word shares."""
+  `per_situation_metrics`, distinct-1/2/3 and the first-word (most frequent first) and
+  wh-word shares."""
   per = per_situation_metrics(questions, result)
+  first_words = collections.Counter(formats.first_word(q) or "<empty>" for q in questions)
   return {
       "num_questions": len(questions),
       **{key: float(np.mean(per[key])) if len(questions) else 0.0 for key in MEAN_KEYS},
       **{f"distinct_{n}": metrics.distinct_n(questions, n) for n in (1, 2, 3)},
-      "first_word_pct": {w: 100 * f for w, f in first_word_distribution(questions).items()},
+      "first_word_pct": {w: 100 * (c / len(questions)) for w, c in first_words.most_common()},
       "wh_word_pct": {w: 100 * f for w, f in metrics.wh_word_distribution(questions).items()},
   }
 
@@ -95,8 +89,7 @@ def evaluate_generator(generator: baselines.Generator, situations: Sequence[str]
   return out
 
 
-TABLE_COLUMNS = ("jsd", "jsd_unfiltered", "flips_pct", "filtered_pct", "question_pct",
-                 "distinct_1", "distinct_2", "distinct_3")
+TABLE_COLUMNS = (*MEAN_KEYS, "distinct_1", "distinct_2", "distinct_3")
 # Columns shown with a 95 % bootstrap interval of the mean over situations (the experiments'
 # intervals, `metrics.bootstrap_ci`).
 CI_KEYS = ("jsd", "flips_pct")
@@ -171,10 +164,9 @@ def systems_from_dirs(*, question_model_dir: str, answer_model_dir: str,
                     if d else None)
   question_model = load(question_model_dir)
   assert question_model is not None  # question_model_dir is required.
-  systems = baselines.all_generators(
+  return baselines.all_generators(
       question_model=question_model, reward=reward,
-      relevance_model=load(relevance_model_dir), ppo_model=load(ppo_model_dir))
-  return systems, reward
+      relevance_model=load(relevance_model_dir), ppo_model=load(ppo_model_dir)), reward
 
 
 @gin.configurable
@@ -188,14 +180,13 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
                         use_nli: bool = True,
                         judge_classes: Optional[Sequence[str]] = None,
                         partitioner: Any = None) -> dict[str, dict[str, Any]]:
-  """Compares every question generator the given models allow (`systems_from_dirs`,
-  `compare`), from directories.
+  """Compares every question generator the given model directories allow
+  (`systems_from_dirs`); returns `compare`'s `{system: metrics}`.
 
   Args:
     question_model_dir: The supervised question generator θQ.
-    answer_model_dir: The answer generator θA (reward).
-    fusion_model_dir: The fusion model (reward).
-    judge_model_dir: The judge (reward).
+    answer_model_dir, fusion_model_dir, judge_model_dir: θA, the fusion model and the judge
+      of the reward.
     nli_model_dir: The NLI filter of answers (None: no filter).
     relevance_model_dir: The relevance discriminator (None: no "discriminator" system).
     ppo_model_dir: A PPO run, the tuned θQ (None: no "ppo" system).
@@ -209,9 +200,6 @@ def evaluate_model_dirs(*, question_model_dir: str, answer_model_dir: str,
       `judge.fitting_classes`).
     partitioner: The mesh the models are read onto and run on (the run's PARTITIONER, e.g.
       `--partitioner=%PARTITIONER` with a gin/partitioning fragment; None: one device).
-
-  Returns:
-    `{system: metrics}`, as `compare` returns.
   """
   # The data first: any split whose file the folder has; a missing one fails (listing those
   # present) before any model loads.

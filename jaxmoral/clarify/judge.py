@@ -40,8 +40,3 @@ def fitting_classes(vocabulary: Any,
     if all(len(list(vocabulary.encode(c))) == 1 for c in classes):
       return classes
   return tuple(preferred)
-
-
-def judgments(distributions: Any, classes: Sequence[str] = formats.JUDGMENTS) -> list[str]:
-  """Argmax class names of (N, C) distributions."""
-  return [classes[int(i)] for i in np.argmax(np.asarray(distributions), axis=-1)]

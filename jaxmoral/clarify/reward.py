@@ -48,10 +48,8 @@ class RewardConfig:
     nli_labels: NLI label strings for entailment, neutral, contradiction.
     use_nli: Apply the NLI filter (needs an NLI model).
     answer_greedy: Greedy answers (else sampled with `answer_top_p` / `answer_temperature`).
-    answer_top_p: Nucleus mass of sampled answers.
-    answer_temperature: Temperature of sampled answers.
-    max_answer_length: Answer tokens at most.
-    max_fusion_length: Fused-situation tokens at most.
+    answer_top_p, answer_temperature: Nucleus mass and temperature of sampled answers.
+    max_answer_length, max_fusion_length: Tokens at most of an answer, of a fused situation.
     input_length: Encoder length of every auxiliary model.
     batch_size: Rows per compiled call.
     seed: Seed of sampled answers.
@@ -114,8 +112,7 @@ def situation_of(prompt: str) -> str:
   """The situation inside a θQ prompt ("question: s" or "question: s wh: w"), else the text."""
   text = prompt.strip()
   if text.startswith("question:"):
-    text = text[len("question:"):].strip()
-    text = re.sub(r"\s+wh:\s*\S+$", "", text)
+    text = re.sub(r"\s+wh:\s*\S+$", "", text[len("question:"):].strip())
   return text
 
 
@@ -133,13 +130,11 @@ class DefeasibilityReward:
     self.judge_model = judge_model.with_shapes(**shape)
     # Fails early, naming the class, when a class string is not one token.
     judge_lib.class_token_ids(self.judge_model.vocabulary, config.judge_classes)
-    self.nli = None
-    if nli_model is not None:
-      self.nli = nli_lib.NLIScorer(nli_model.with_shapes(**shape), config.nli_labels)
-    elif config.use_nli:
+    self.nli = (None if nli_model is None
+                else nli_lib.NLIScorer(nli_model.with_shapes(**shape), config.nli_labels))
+    if nli_model is None and config.use_nli:
       logger.warning("DefeasibilityReward: use_nli=True but no NLI model; answers unfiltered")
-    # Sampled answers draw from a key of (seed, the call's RewardKey, weakener | strengthener):
-    # PPO names each call, so a resumed run samples what the uninterrupted one did.
+    # Sampled answers draw from a key of (seed, the call's RewardKey, weakener | strengthener).
     self._calls = 0
     self._call_key = jax.random.PRNGKey(config.seed)
     self._within_call = 0

@@ -61,11 +61,10 @@ def train_clarify_model(*, which: str, model_dir: str,
                         init_checkpoint: Optional[str] = None,
                         mixing_cap: Optional[int] = None,
                         pack: bool = False) -> dict[str, float]:
-  """Trains θQ, θA, fusion, judge, NLI or relevance (or "multitask": all in one model).
+  """Trains θQ, θA, fusion, judge, NLI or relevance (`which`: one of `data.WHICH`, or
+  "multitask": all in one model) as a `runs.train_run`, whose final metrics it returns.
 
   Args:
-    which: One of `data.WHICH` or "multitask".
-    model_dir: Run directory.
     model_config: T5Config (None: `config.t5_config(size=model_size)`).
     model_size: T5 size of the model when no `model_config` is given (default "tiny").
     optimizer: Optax optimizer (None: AdamW at `learning_rate`).
@@ -85,15 +84,11 @@ def train_clarify_model(*, which: str, model_dir: str,
     partitioner: Mesh and rules (default data parallel).
     eval_every, checkpoint_every, log_every: Evaluate (0: at the end; one pair in 10 is held
       out), save and log every N steps.
-    seed: Seed.
     init_checkpoint: Fine-tune from this model directory or Hub id (`jaxmoral.model_dirs`).
     mixing_cap: At most this many pairs of each model ("multitask": T5's examples-proportional
       mixing with a limit; `data.build_pairs`); None: all.
     pack: Pack several pairs per row (`runs.Seq2SeqData.pack`, T5X's fine-tuning default):
       short pairs fill the rows padding would, so a step reads more pairs at the same cost.
-
-  Returns:
-    Final training metrics of `runs.train_run`.
   """
   # Defaults settled (and contradictions refused) before any data is read.
   if model_config is not None and model_size is not None:
@@ -227,12 +222,11 @@ def build_ppo_program(*, policy_config: config_lib.T5Config, vocabulary: Any,
                       reward: reward_lib.DefeasibilityReward,
                       value_model_config: Optional[config_lib.T5Config] = None) -> PPOProgram:
   """The trainer of θQ against `reward` on `partitioner`'s mesh (the run's and compile's)."""
-  trainer = ppo_trainer.PPOTrainer(
+  return PPOProgram(reward=reward, trainer=ppo_trainer.PPOTrainer(
       policy_model=t5.T5(policy_config),
       value_model=t5.T5(value_model_config or policy_config, with_scalar_head=True),
       vocabulary=vocabulary, config=ppo_config, optimizer=optimizer, partitioner=partitioner,
-      reward_fn=reward)
-  return PPOProgram(trainer=trainer, reward=reward)
+      reward_fn=reward))
 
 
 @gin.configurable(denylist=["compile_only"])  # Set by `jaxmoral compile` only.
@@ -259,16 +253,14 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
     answer_model_dir: The answer generator θA of the reward (a run or export directory).
     fusion_model_dir, judge_model_dir: The fusion model and the judge of the reward.
     nli_model_dir: The NLI filter of the reward's answers (None: no filter).
-    ppo_config: PPO settings (batch, epochs, KL, sampling; the original ClarifyDelphi recipe
-      by default); None: `PPOConfig()`, made at call time so that gin bindings of PPOConfig
-      apply.
-    optimizer: Policy (and value) optimizer (None: the recipe's Adam at `learning_rate`,
-      eps 1e-5, decaying linearly to 0 over the run's `num_iterations`).
+    ppo_config, reward_config: PPO settings (the original ClarifyDelphi recipe by default)
+      and reward-pipeline settings; None: `PPOConfig()` / `RewardConfig()`, made at call time
+      so that their gin bindings apply.
+    optimizer: Policy (and value) optimizer (None: the recipe's Adam, as
+      gin/ppo/clarifydelphi.gin binds it: eps 1e-5, `learning_rate` decaying linearly to 0
+      over the run's updates).
     learning_rate: Initial rate of the default Adam (default 1e-5); an error with
       `optimizer`, which has its own (the configs' gin macro PPO_LEARNING_RATE).
-    num_iterations: Total PPO iterations.
-    reward_config: Reward-pipeline settings (None: `RewardConfig()`, made at call time so
-      that gin bindings of RewardConfig apply).
     source: Situations: "demo" or a δ-Clarify folder.
     split: δ-Clarify split of the training situations.
     max_prompts: Use at most this many situations.
@@ -281,13 +273,12 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
       `aot.CompileProgram`, reading no data or weights and writing nothing.
 
   Returns:
-    `train_ppo`'s metrics plus "policy_dir" (the exported final policy) and "reward_curve".
+    `train_ppo`'s metrics plus "policy_dir" (the run itself: it loads as the tuned policy) and
+    "reward_curve_values" (the mean raw reward of every iteration).
   """
   ppo_config = ppo_config or ppo_trainer.PPOConfig()
   rate = _default_rate(optimizer, learning_rate, 1e-5, function="train_clarify_ppo",
                        macro="PPO_LEARNING_RATE")
-  # The original recipe's (gin/ppo/clarifydelphi.gin): Adam, eps 1e-5, the rate decaying
-  # linearly to 0 over the run's updates.
   optimizer = optimizer or optimizers.make_optimizer(
       name="adamw", eps=1e-5, weight_decay=0.0, learning_rate=optimizers.make_schedule(
           name="linear_decay", base_learning_rate=rate,
@@ -337,7 +328,6 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
       num_iterations=num_iterations, checkpoint_every=checkpoint_every, log_every=log_every,
       sample_every=sample_every, seed=seed, async_checkpoint=async_checkpoint, init=init)
   curve = ppo_trainer.read_reward_curve(ppo_trainer.reward_curve_path(model_dir))
-  # The PPO run directory itself loads as the tuned question generator (its policy).
   return {**result, "policy_dir": os.fspath(model_dir),
           "reward_curve_values": [curve[i] for i in sorted(curve)]}
 

@@ -30,8 +30,6 @@ def kl_penalized_rewards(score: Array, logprobs: Array, ref_logprobs: Array, mas
     score: (B,) sequence-level reward.
     logprobs: (B, T) log pi(token) of the sampled tokens under the rollout policy.
     ref_logprobs: (B, T) the same tokens under the frozen reference policy.
-    mask: (B, T) 1 on generated tokens, 0 on padding.
-    kl_coef: Penalty coefficient (a float or a traced scalar).
 
   Returns:
     (rewards, kl), both (B, T) float32 and 0 outside the mask.
@@ -44,18 +42,12 @@ def kl_penalized_rewards(score: Array, logprobs: Array, ref_logprobs: Array, mas
 
 
 def full_vocab_kl(logits: Array, ref_logits: Array) -> Array:
-  """Exact per-position KL(pi(.|s_t) || pi_ref(.|s_t)) over the vocabulary.
+  """Exact per-position KL(pi(.|s_t) || pi_ref(.|s_t)) over the vocabulary, (B, T) float32,
+  from the (B, T, V) logits of the policy and of the reference (at the same temperature).
 
   Summed over a sampled response, it estimates the sequence KL(pi || pi_ref) with less
   variance than the sampled-token `log pi - log pi_ref` (it is that estimate's expectation
   over the token at each position, given the sampled prefix).
-
-  Args:
-    logits: (B, T, V) the policy's (temperature-scaled) logits.
-    ref_logits: (B, T, V) the reference's, at the same temperature.
-
-  Returns:
-    (B, T) float32, >= 0.
   """
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   logq = jax.nn.log_softmax(ref_logits.astype(jnp.float32), axis=-1)
@@ -63,16 +55,8 @@ def full_vocab_kl(logits: Array, ref_logits: Array) -> Array:
 
 
 def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
-  """1 - Var[returns - values] / Var[returns] over the mask (1: perfect values, <= 0: none).
-
-  Args:
-    values: (B, T) value predictions.
-    returns: (B, T) their targets.
-    mask: (B, T) 1 on valid tokens.
-
-  Returns:
-    float32 scalar; 0 when the returns do not vary.
-  """
+  """1 - Var[returns - values] / Var[returns] over the mask of (B, T) arrays, a float32 scalar
+  (1: perfect values, <= 0: none; 0 when the returns do not vary)."""
   mask = mask.astype(jnp.float32)
   returns = returns.astype(jnp.float32)
   var = losses.masked_var(returns, mask)
@@ -90,11 +74,7 @@ def compute_gae(rewards: Array, values: Array, mask: Array, *, gamma: float = 1.
   and masked steps get advantage and return 0.
 
   Args:
-    rewards: (B, T) per-token rewards.
-    values: (B, T) value estimates V(s_t).
-    mask: (B, T) 1 for valid steps.
-    gamma: Discount.
-    lam: GAE lambda.
+    rewards, values: (B, T) per-token rewards and value estimates V(s_t).
     whiten_rewards: Scale rewards to unit variance over the mask first (mean kept).
     whiten_advantages: Whiten advantages over the mask after computing the returns (the
       returns stay advantages + values of the unwhitened advantages).
@@ -117,8 +97,7 @@ def compute_gae(rewards: Array, values: Array, mask: Array, *, gamma: float = 1.
     carry = (jnp.where(valid_b, value, next_value), jnp.where(valid_b, adv, next_adv))
     return carry, jnp.where(valid_b, adv, 0.0)
 
-  batch = rewards.shape[0]
-  init = (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch,), jnp.float32))
+  init = (jnp.zeros(rewards.shape[:1], jnp.float32),) * 2  # (next value, next advantage)
   _, adv_t = jax.lax.scan(step, init, (rewards.T, values.T, mask.T), reverse=True)
   advantages = adv_t.T
   returns = (advantages + values) * mask
@@ -147,10 +126,9 @@ class AdaptiveKLController:
   def __post_init__(self):
     if self.init_kl_coef < 0:
       raise ValueError(f"AdaptiveKLController.init_kl_coef must be >= 0, got {self.init_kl_coef}")
-    if not self.target > 0:
-      raise ValueError(f"AdaptiveKLController.target must be > 0, got {self.target}")
-    if not self.horizon > 0:
-      raise ValueError(f"AdaptiveKLController.horizon must be > 0, got {self.horizon}")
+    for name in ("target", "horizon"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"AdaptiveKLController.{name} must be > 0, got {getattr(self, name)}")
 
   def update(self, kl_coef: float | Array, current_kl: float | Array,
              n_steps: int | Array) -> Array:
@@ -181,9 +159,7 @@ def ppo_policy_terms(logprobs: Array, old_logprobs: Array, advantages: Array, ma
 
   Args:
     logprobs: (B, T) log-probs of the taken tokens under the current policy (differentiated).
-    old_logprobs: (B, T) the same under the rollout policy.
-    advantages: (B, T).
-    mask: (B, T) 1 on valid tokens.
+    old_logprobs, advantages: (B, T) the same under the rollout policy, and the advantages.
     clip_ratio: c.
 
   Returns:

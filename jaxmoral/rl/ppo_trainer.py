@@ -295,15 +295,12 @@ class PPOTrainer:
       policy_model: The policy T5 (the reference is a frozen copy of its initial params).
       value_model: A T5 built with `with_scalar_head=True`.
       vocabulary: Encodes prompts and decodes the texts the reward reads.
-      config: PPO settings.
       optimizer, value_optimizer: Optax optimizers of the policy and of the value model
         (default: `optimizer`).
-      partitioner: Mesh and logical-axis rules.
       reward_fn: Host reward (`RewardFn`); `key` is the call's `RewardKey`, `extra` maps names
         to (B,) arrays or scalars (logged as means). Response texts exclude EOS.
       reward_fn_tokens: Alternatively a jittable `TokenRewardFn`, run compiled on the mesh.
-      policy_trainable_mask, value_trainable_mask: Parameters to train (see
-        `jaxmoral.trainer`).
+      policy_trainable_mask, value_trainable_mask: Parameters to train (`jaxmoral.trainer`).
     """
     if (reward_fn is None) == (reward_fn_tokens is None):
       raise ValueError("PPOTrainer: give exactly one of reward_fn, reward_fn_tokens")
@@ -324,7 +321,6 @@ class PPOTrainer:
     self.value_model = value_model
     self.vocabulary = vocabulary
     self.reward_fn = reward_fn
-    self.reward_fn_tokens = reward_fn_tokens
     self.optimizer = optimizer  # The policy's.
     self._value_optimizer = value_optimizer if value_optimizer is not None else optimizer
     self._kl_controller = config.kl_controller()
@@ -340,7 +336,6 @@ class PPOTrainer:
 
     rep = partitioner.replicated
     d1, d2 = partitioner.data_sharding(1), partitioner.data_sharding(2)
-    # A PPOState of shardings: the same tree, other leaves.
     self.state_shardings = PPOState(
         step=rep, kl_coef=rep, reward_mean=rep, reward_std=rep,  # type: ignore[arg-type]
         policy=self.policy_init.state_shardings, value=self.value_init.state_shardings,
@@ -359,18 +354,15 @@ class PPOTrainer:
     self._update_jit = partitioner.partition(
         self._update_fn, in_shardings=(self.state_shardings, self.rollout_shardings, rep),
         out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
-    self._token_reward_jit = None
-    if reward_fn_tokens is not None:
-      self._token_reward_jit = partitioner.partition(
-          lambda p, r, m: jnp.asarray(reward_fn_tokens(p, r, m), jnp.float32),
-          in_shardings=(d2, d2, d2), out_shardings=d1)
+    self._token_reward_jit = None if reward_fn_tokens is None else partitioner.partition(
+        lambda p, r, m: jnp.asarray(reward_fn_tokens(p, r, m), jnp.float32),
+        in_shardings=(d2, d2, d2), out_shardings=d1)
 
   @property
   def functions(self) -> dict[str, Any]:
     """The jitted, sharded functions of an iteration besides the reward, by stage name:
     rollout (sampling), score (old/reference log-probs, values, GAE), update."""
-    return {"rollout": self._generate_jit, "score": self._score_jit,
-            "update": self._update_jit}
+    return {"rollout": self._generate_jit, "score": self._score_jit, "update": self._update_jit}
 
   def stage_args(self) -> dict[str, tuple[Any, ...]]:
     """Abstract arguments (shapes, dtypes, shardings) of each of `functions` (AOT compile)."""
@@ -471,8 +463,7 @@ class PPOTrainer:
         if not isinstance(text, str) or not text.strip():
           raise ValueError(f"PPOTrainer.encode_prompts: prompt {i} is empty or not a str: "
                            f"{text!r}")
-        ids = list(self.vocabulary.encode(text))[:length - 1]
-        rows.append(ids + [eos])
+        rows.append(list(self.vocabulary.encode(text))[:length - 1] + [eos])
     rows = [row[:length] for row in rows]
     for i, row in enumerate(rows):
       if not any(int(t) != 0 for t in row):
@@ -481,9 +472,8 @@ class PPOTrainer:
 
   def response_texts(self, response_tokens: Any, response_mask: Any) -> list[str]:
     """Decoded responses (EOS and padding removed)."""
-    tokens, mask = jax.device_get((response_tokens, response_mask))
-    return [self.vocabulary.decode(ids)
-            for ids in _response_ids(tokens, mask, self.policy_model.config.eos_token_id)]
+    return [self.vocabulary.decode(ids) for ids in _response_ids(
+        response_tokens, response_mask, self.policy_model.config.eos_token_id)]
 
   # -- compiled pieces ----------------------------------------------------------------------------
   def _generate_fn(self, policy_params, prompt_tokens, rng):
@@ -552,7 +542,6 @@ class PPOTrainer:
             jax.lax.stop_gradient(jnp.sum(entropy * mask)), jnp.sum(mask))
       return terms
 
-    # loss = policy_loss + value_coef * value_loss, both per-token means over the minibatch.
     update_loss = losses.TermsLoss(terms_fn, weights={"policy_loss": 1.0,
                                                       "value_loss": cfg.value_coef},
                                    name="ppo_update")
@@ -709,9 +698,8 @@ class PPOTrainer:
     metrics.update({k: float(v) for k, v in jax.device_get(update_metrics).items()})
     metrics.update(reward_metrics)
     # Distinct-n of the response tokens (EOS excluded).
-    host_tokens, host_mask = jax.device_get((responses, mask))
     ids = [" ".join(map(str, row)) for row in _response_ids(
-        host_tokens, host_mask, self.policy_model.config.eos_token_id)]
+        responses, mask, self.policy_model.config.eos_token_id)]
     metrics.update({f"distinct_{n}": metrics_lib.distinct_n(ids, n) for n in (1, 2)})
     total = sum(times.values())
     metrics.update({f"time/{k}": v for k, v in times.items()})
@@ -740,8 +728,8 @@ class PPOTrainer:
     return jax.device_put(np.asarray(x), self.partitioner.data_sharding(ndim))
 
 
-def _response_ids(tokens: np.ndarray, mask: np.ndarray, eos_id: int) -> list[list[int]]:
-  """Each row's generated ids, without the final EOS (the response's text)."""
+def _response_ids(tokens: Any, mask: Any, eos_id: int) -> list[list[int]]:
+  """Each row's generated ids without the final EOS (the response's text; any arrays)."""
   lengths = np.asarray(mask).sum(axis=1).astype(int)
   rows = [[int(t) for t in row[:n]] for row, n in zip(np.asarray(tokens), lengths, strict=True)]
   return [ids[:-1] if ids and ids[-1] == eos_id else ids for ids in rows]
@@ -800,18 +788,12 @@ class RewardCurveHook(train_lib.TrainHook):
   `MODEL_DIR/reward_curve.json` (written as the run goes, kept across resumes up to the
   restored iteration) and in TensorBoard (train/, tags `iteration/<name>`, whatever the
   loop's `log_every`), drawn against episodes in `reward_curve.png` at the end."""
-  NAME = "reward_curve"
 
   def __init__(self, model_dir: str, *, batch_size: int):
     self.path = reward_curve_path(model_dir)
     self.batch_size = batch_size
     self.rows: dict[int, dict[str, float]] = {}
     self.picture: Optional[str] = None
-
-  @property
-  def curve(self) -> dict[int, float]:
-    """{iteration: mean raw reward}."""
-    return {i: row["raw_score_mean"] for i, row in self.rows.items()}
 
   def on_start(self, loop: train_lib.LoopInfo, state: Any) -> Any:
     self.rows = {i: row for i, row in read_learning_curves(self.path)["rows"].items()
@@ -902,11 +884,9 @@ def train_ppo(*, model_dir: str | os.PathLike[str], trainer: PPOTrainer,
     checkpoint_every, keep_checkpoints, log_every, async_checkpoint: As for `train.train`
       (in iterations).
     sample_every: Log sample responses to TensorBoard every this many iterations (0: never).
-    num_logged_samples: Samples per log.
     seed: Base seed: initialisation, prompt order, sampling and minibatch keys.
     init: Initial policy (and reference) and value parameters of a fresh run, or a function
       returning them (called only when there is no checkpoint to resume); None: random.
-    hooks: More `train.TrainHook`s.
 
   Returns:
     `{"iteration": final iteration, <metric>: last window mean, ..., "reward_norm_mean",

@@ -14,9 +14,8 @@ of the nucleus, never the probability an update moves into the unsampled tail, w
 unpenalised; `PPOConfig` refuses it (evaluation decodes with settings of its own).
 
 KL to the reference, two ways: `kl` is the per-token sample estimate log pi - log pi_ref (what
-the reward pays, Ziegler et al.); `kl_full_vocab` sums the exact KL(pi(.|s_t) || pi_ref(.|s_t))
-over the vocabulary at every position. Both estimate the sequence KL(pi || pi_ref) without
-bias; the second has less variance.
+the reward pays, Ziegler et al.); `kl_full_vocab` sums the exact per-position KL over the
+vocabulary (`ppo.full_vocab_kl`: also unbiased, with less variance).
 
 Time convention: position t of every (B, T) array is response token t; `old_values[:, t]` is
 V(prompt, response[:t]) (the decoder inputs are the shifted-right response), the value of the
@@ -83,16 +82,9 @@ ROLLOUT_NDIMS = Rollout(**{f.name: 1 if f.name == "scores" else 2  # type: ignor
 def generate_rollout(model: T5, params: Params, prompt_tokens: Array, rng: Array, *,
                      max_response_length: int,
                      temperature: float = 0.7) -> tuple[Array, Array, Array]:
-  """Samples one response per prompt from softmax(logits / temperature), untruncated (jittable).
-
-  Args:
-    prompt_tokens: (B, L) int32 prompts.
-    max_response_length: T, tokens generated at most (EOS included).
-
-  Returns:
-    (response_tokens (B, T) int32, sampler_logprobs (B, T) float32, response_mask (B, T)
-    float32).
-  """
+  """Samples one response per (B, L) prompt from softmax(logits / temperature), untruncated
+  (jittable): (response_tokens int32, sampler_logprobs, response_mask), each (B, T) with T =
+  `max_response_length` (EOS included)."""
   out = decoding.sample(model, params, encoder_input_tokens=prompt_tokens, rng=rng,
                         max_decode_length=max_response_length, num_samples=1,
                         temperature=temperature, top_k=0, top_p=1.0,
@@ -133,25 +125,6 @@ def policy_logits(model: T5, params: Params, prompt_tokens: Array, response_toke
   logits, _ = _teacher_forced(model, params, prompt_tokens, response_tokens, encoded,
                               T5.decode)
   return logits.astype(jnp.float32) / temperature
-
-
-def policy_logprobs(model: T5, params: Params, prompt_tokens: Array, response_tokens: Array, *,
-                    temperature: float, with_entropy: bool = False,
-                    encoded: Optional[tuple[Array, Array]] = None
-                    ) -> tuple[Array, Optional[Array]]:
-  """Teacher-forced log-probs of the response under softmax(logits / temperature).
-
-  Args:
-    model, params, prompt_tokens, response_tokens, temperature, encoded: See `policy_logits`.
-    with_entropy: Also return the per-token entropy of that distribution.
-
-  Returns:
-    (logprobs (B, T) float32, entropy (B, T) float32 or None).
-  """
-  logits = policy_logits(model, params, prompt_tokens, response_tokens,
-                         temperature=temperature, encoded=encoded)
-  entropy = losses.entropy_from_logits(logits) if with_entropy else None
-  return losses.token_logprobs(logits, response_tokens), entropy
 
 
 def values_of(value_model: T5, value_params: Params, prompt_tokens: Array,
@@ -207,9 +180,8 @@ def score_rollout(*, policy_model: T5, value_model: T5, policy_params: Params,
 
   Returns:
     (rollout, metrics): metrics are scalars `kl` (mean per-sequence KL, the sampled-token
-    estimate the reward pays), `kl_per_token`, `kl_full_vocab` (mean per-sequence sum of the
-    exact per-position KL over the vocabulary; see module docstring), `entropy`,
-    `non_score_reward` (mean per-sequence KL penalty), `score_mean`/`score_std`,
+    estimate the reward pays), `kl_per_token`, `kl_full_vocab` (the same of `ppo.full_vocab_kl`),
+    `entropy`, `non_score_reward` (mean per-sequence KL penalty), `score_mean`/`score_std`,
     `value_mean`, `value_explained_variance` (of the returns by the rollout-time values),
     `response_length`, `sampler_logprob_gap` (mean |old - sampler| log-prob).
   """
