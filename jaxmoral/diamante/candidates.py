@@ -19,12 +19,6 @@ from jaxmoral.diamante import bundle as bundle_lib
 from jaxmoral.diamante import data
 
 
-def dialogues_of(turns: Sequence[data.Turn]) -> list[list[str]]:
-  """The utterance lists back from turns: each dialogue's longest context and its response."""
-  longest = (max(ts, key=lambda t: len(t.context)) for ts in data.by_dialogue(turns).values())
-  return [[*t.context, t.response] for t in longest]
-
-
 def sample_candidates(bundle: bundle_lib.Bundle, contexts: Sequence[Sequence[str]], *,
                       num_candidates: int, top_k: int = 10, temperature: float = 1.0,
                       no_repeat_ngram_size: int = 3, max_decode_length: int = 32,
@@ -55,22 +49,16 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
                         num_candidates: int = 5, top_k: int = 10, temperature: float = 1.0,
                         no_repeat_ngram_size: int = 3, max_decode_length: int = 32,
                         batch_size: int = 32, seed: int = 0, partitioner: Any = None) -> int:
-  """Samples candidates for every response position and writes a Diamante JSONL.
+  """Samples candidates for every response position, writes a Diamante JSONL; returns the
+  number of dialogues written.
 
   Args:
     model_dir: The generator's run directory or export.
-    input_path: Dialogues in the Diamante format (candidates ignored) ...
-    turns: ... or already-read turns.
-    output_path: Where the Diamante JSONL with candidates goes.
-    num_candidates: Candidates per response position.
+    input_path: Dialogues in the Diamante format (candidates ignored), or `turns` read already.
     top_k, temperature, no_repeat_ngram_size, max_decode_length: Sampling, as
       `inference.RerankConfig`'s (the paper: top-k 10).
     batch_size: Contexts per sampler call.
-    seed: Sampling seed.
     partitioner: The mesh the model runs on (the run's PARTITIONER; None: `inference_partitioner`).
-
-  Returns:
-    The number of dialogues written.
   """
   if (input_path is None) == (turns is None):
     raise ValueError("generate_candidates: give exactly one of input_path, turns")
@@ -78,7 +66,8 @@ def generate_candidates(*, model_dir: str, input_path: Optional[str] = None,
     raise ValueError(f"generate_candidates: num_candidates must be >= 1, got {num_candidates}")
   turns = data.read_dialogues(str(input_path)) if turns is None else turns
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
-  dialogues = dialogues_of(turns)
+  # Each dialogue's utterances: its last turn's (longest) context and response.
+  dialogues = [[*ts[-1].context, ts[-1].response] for ts in data.by_dialogue(turns).values()]
   contexts = [d[:i] for d in dialogues for i in range(1, len(d))]
   sampled = iter(sample_candidates(bundle, contexts, num_candidates=num_candidates, top_k=top_k,
                                    temperature=temperature,

@@ -26,13 +26,10 @@ NOT_UTF8 = "input is not valid UTF-8; skipped"
 
 def read_line(prompt: str) -> str:
   """`input(prompt)` for chats (clarify's too): a line that is not UTF-8 raises UnicodeError
-  for that line alone. Piped input is decoded line by line: `input()` would give undecodable
-  bytes as surrogates (SentencePiece then fails), or, with strict decoding, lose the whole
-  buffered chunk. A terminal keeps `input()` (line editing); its surrogates are caught here.
-
-  Raises:
-    EOFError: End of input.
-    UnicodeError: The line is not UTF-8.
+  for that line alone (end of input: EOFError). Piped input is decoded line by line: `input()`
+  would give undecodable bytes as surrogates (SentencePiece then fails), or, with strict
+  decoding, lose the whole buffered chunk. A terminal keeps `input()` (line editing); its
+  surrogates are caught here.
   """
   stdin = sys.stdin
   if stdin is None:
@@ -41,8 +38,7 @@ def read_line(prompt: str) -> str:
   if raw_stdin is None or stdin.isatty():
     line = input(prompt)
   else:
-    sys.stdout.write(prompt)
-    sys.stdout.flush()
+    print(prompt, end="", flush=True)
     raw = raw_stdin.readline()
     if not raw:
       raise EOFError
@@ -79,16 +75,12 @@ def chat(*, model_dir: str, transcript_path: str,
     transcript_path: JSONL transcript to write.
     rerank: Candidates, top-k, n-gram blocking, length (None: `RerankConfig()`, made at
       call time so that `--gin.RerankConfig.*` bindings apply).
-    seed: Sampling seed.
     max_turns: User turns at most.
     show_candidates: Also print this many top candidates with their scores.
     input_fn: Reads a user line (tests pass a scripted one); a line that is not UTF-8
       (UnicodeError, or undecodable bytes as surrogates) is skipped with a note on stderr.
     output: Where replies are printed (None: standard output as it is at call time).
     partitioner: The mesh the model runs on (the run's PARTITIONER; None: `inference_partitioner`).
-
-  Returns:
-    The transcript records.
   """
   output = sys.stdout if output is None else output
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))
@@ -128,17 +120,10 @@ def self_chat(*, model_dir: str, opening: str, num_rounds: int, transcript_path:
   """The model talks to itself for `num_rounds` turns after an opening line.
 
   Args:
-    model_dir: A run directory (its `export/`) or an export directory.
     opening: The first utterance (speaker "bot_b").
     num_rounds: Generated turns, alternating bot_a, bot_b.
-    transcript_path: JSONL transcript to write.
-    rerank: As `chat`'s.
-    seed: Sampling seed.
+    model_dir, transcript_path, rerank, partitioner: As `chat`'s.
     output: Where turns are printed (None: silent).
-    partitioner: As `chat`'s.
-
-  Returns:
-    The transcript records.
   """
   if not opening.strip():
     raise ValueError("self_chat: opening must be a non-empty line")

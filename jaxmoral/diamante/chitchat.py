@@ -1,8 +1,7 @@
 """The chitchat dialogue corpus (BYU PCC, `pip install jaxmoral[dialogue]`), split by dialogue.
 
 chitchat-dataset holds 7,168 human–human conversations, each a list of turns (a speaker's
-consecutive messages, joined into one utterance). `dialogues(path=...)` reads a file in the
-package's `dataset.json` layout instead, without the extra.
+consecutive messages, joined into one utterance).
 
 The split is a stable function of the conversation id (`is_test`), not of file order or a
 random seed, so span-corruption pretraining (`jaxmoral.data.pretraining_corpus`, source
@@ -38,26 +37,25 @@ def _dataset(path: Optional[str | os.PathLike] = None) -> dict:
   return chitchat_dataset.Dataset()
 
 
-def is_test(conversation_id: str, *, test_every: int = TEST_EVERY) -> bool:
-  """Whether a conversation is held out: 1 in `test_every`, by a hash of its id."""
+def is_test(conversation_id: str) -> bool:
+  """Whether a conversation is held out: 1 in `TEST_EVERY`, by a hash of its id."""
   digest = hashlib.sha256(conversation_id.encode("utf-8")).digest()
-  return int.from_bytes(digest[:8], "big") % test_every == 0
+  return int.from_bytes(digest[:8], "big") % TEST_EVERY == 0
 
 
 def dialogues(*, split: str, min_turns: int = 2, max_turns: Optional[int] = None,
-              test_every: int = TEST_EVERY,
               path: Optional[str | os.PathLike] = None) -> list[list[str]]:
   """Utterance lists of the conversations of `split` ("train" | "test"), in id order.
 
   Conversations with fewer than `min_turns` non-empty turns are dropped, the others cut to
-  `max_turns`; one in `test_every` is a test conversation. `path`: a file (local or a bucket
-  URL) in the package's `dataset.json` layout, read instead of the installed package.
+  `max_turns`. `path`: a file (local or a bucket URL) in the package's `dataset.json` layout,
+  read instead of the installed package (which needs the extra).
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
   out = []
   for conversation_id, conversation in sorted(_dataset(path).items()):
-    if is_test(conversation_id, test_every=test_every) != (split == "test"):
+    if is_test(conversation_id) != (split == "test"):
       continue
     utterances = [" ".join(m["text"].strip() for m in turn if m["text"].strip())
                   for turn in conversation["messages"]]

@@ -9,9 +9,9 @@ Utterance `i` (i >= 1) is the human response r_H to the context made of utteranc
 its `response_candidates` are model responses r_M to the same context. A plain dialogue corpus
 is the same file without candidates (see `candidates.py`, which fills them in).
 
-A training example is a quadruple (c, r_H, r_M, r_R). `QuadrupleSource` re-draws r_M (never
-equal to r_H) and the random response r_R (a human response of another turn) every epoch,
-deterministically in (seed, epoch), so a resumed run sees the same batches.
+A training example is a quadruple (c, r_H, r_M, r_R), r_R a random response (a human response
+of another turn): `QuadrupleSource` re-draws r_M and r_R every epoch, deterministically in
+(seed, epoch), so a resumed run sees the same batches.
 """
 
 from __future__ import annotations
@@ -28,12 +28,9 @@ import numpy as np
 from jaxmoral import token_rows
 from jaxmoral import validation
 from jaxmoral.data import pipeline
+from jaxmoral.data import readers
 from jaxmoral.data import source
 from jaxmoral.data import vocab as vocab_lib
-from jaxmoral.data.readers import DataError
-from jaxmoral.data.readers import read_jsonl
-from jaxmoral.data.readers import unknown_field
-from jaxmoral.data.readers import write_jsonl
 
 DEFAULT_SEPARATOR = " [SEP] "
 # Index of the three responses along a quadruple batch's response axis.
@@ -75,7 +72,7 @@ def char_f1(a: str, b: str) -> float:
 
 def _check_str(value: Any, path: str, line: int, field: str) -> str:
   if not isinstance(value, str):
-    raise DataError(path, line, f"expected a string, got {type(value).__name__}", field)
+    raise readers.DataError(path, line, f"expected a string, got {type(value).__name__}", field)
   return value
 
 
@@ -85,37 +82,37 @@ def parse_dialogue(obj: dict[str, Any], *, path: str = "<memory>", line: int = 0
   Diamante-format dialogue object (`response_candidates` may be absent: a plain corpus).
 
   Raises:
-    DataError: naming `path:line` and the bad field; `readers.UnknownFieldError` for a key
+    readers.DataError: naming `path:line` and the bad field; `readers.UnknownFieldError` for a key
       outside `DIALOGUE_FIELDS` / `UTTERANCE_FIELDS` (naming the closest known one).
   """
   # As `readers.read_jsonl` orders them: a likely typo, a missing key, another unknown key.
-  unknown = unknown_field(obj, DIALOGUE_FIELDS, path, line)
+  unknown = readers.unknown_field(obj, DIALOGUE_FIELDS, path, line)
   if unknown is not None and unknown.suggestion:
     raise unknown
   conversation = obj.get("conversation")
   if not isinstance(conversation, list) or not conversation:
-    raise DataError(path, line, "expected a non-empty list", "conversation")
+    raise readers.DataError(path, line, "expected a non-empty list", "conversation")
   if unknown is not None:
     raise unknown
   utterances, candidates = [], []
   for i, entry in enumerate(conversation):
     field = f"conversation[{i}]"
     if not isinstance(entry, dict):
-      raise DataError(path, line, f"expected an object, got {type(entry).__name__}", field)
-    unknown = unknown_field(entry, UTTERANCE_FIELDS, path, line, prefix=f"{field}.")
+      raise readers.DataError(path, line, f"expected an object, got {type(entry).__name__}", field)
+    unknown = readers.unknown_field(entry, UTTERANCE_FIELDS, path, line, prefix=f"{field}.")
     if unknown is not None and unknown.suggestion:  # A typo ("response_candidate").
       raise unknown
     if "utterance" not in entry:
-      raise DataError(path, line, "missing required field", f"{field}.utterance")
+      raise readers.DataError(path, line, "missing required field", f"{field}.utterance")
     if unknown is not None:
       raise unknown
     text = _check_str(entry["utterance"], path, line, f"{field}.utterance")
     if not text.strip():
-      raise DataError(path, line, "empty value", f"{field}.utterance")
+      raise readers.DataError(path, line, "empty value", f"{field}.utterance")
     cands = entry.get("response_candidates")
     if not isinstance(cands, (list, type(None))):
-      raise DataError(path, line, f"expected a list, got {type(cands).__name__}",
-                      f"{field}.response_candidates")
+      raise readers.DataError(path, line, f"expected a list, got {type(cands).__name__}",
+                              f"{field}.response_candidates")
     cands = [_check_str(c, path, line, f"{field}.response_candidates[{j}]").strip()
              for j, c in enumerate(cands or [])]
     utterances.append(text.strip())
@@ -128,11 +125,11 @@ def read_dialogues(path: str | os.PathLike[str]) -> list[Turn]:
   """All turns of a Diamante-format JSONL file (errors name `path:line` and the field; an
   unknown key, and an empty file, are errors too)."""
   path = str(path)
-  rows = read_jsonl(path, required=DIALOGUE_FIELDS, optional=(), allow_empty=False)
+  rows = readers.read_jsonl(path, required=DIALOGUE_FIELDS, optional=(), allow_empty=False)
   turns = [turn for index, (obj, line) in enumerate(zip(rows, rows.lines, strict=False))
            for turn in parse_dialogue(obj, path=path, line=line, dialogue=index)]
   if not turns:
-    raise DataError(path, 0, "no dialogue with at least two utterances")
+    raise readers.DataError(path, 0, "no dialogue with at least two utterances")
   return turns
 
 
@@ -143,7 +140,7 @@ def write_dialogues(path: str | os.PathLike[str],
   rows = [{"conversation": [{"utterance": u, "response_candidates": list(c)}
                             for u, c in zip(utterances, candidates, strict=True)]}
           for utterances, candidates in dialogues]
-  write_jsonl(path, rows)
+  readers.write_jsonl(path, rows)
   return len(rows)
 
 
@@ -328,34 +325,14 @@ class QuadrupleSource(source.DataSource):
         del cache[old]
     return cache[epoch]
 
-  def quadruples(self, step: int) -> list[Quadruple]:
-    """This shard's quadruples of global batch `step`."""
-    n = self.num_examples
-    return [self.epoch(int(p) // n)[int(p) % n] for p in self.shard_positions(step)]
-
   def batch(self, step: int) -> dict[str, np.ndarray]:
-    return quadruple_features(self.vocab, self.quadruples(step), self.features)
-
-
-def split_dialogues(turns: Sequence[Turn], *, test_fraction: float,
-                    seed: int = 0) -> tuple[list[Turn], list[Turn]]:
-  """Splits turns by dialogue (no dialogue on both sides) into (train, test)."""
-  if not 0.0 < test_fraction < 1.0:
-    raise ValueError(f"split_dialogues: test_fraction must be in (0, 1), got {test_fraction}")
-  dialogues = sorted({t.dialogue for t in turns})
-  rng = np.random.default_rng(seed)
-  num_test = max(1, int(round(len(dialogues) * test_fraction)))
-  test = set(rng.permutation(dialogues)[:num_test].tolist())
-  return [t for t in turns if t.dialogue not in test], [t for t in turns if t.dialogue in test]
+    """This shard's quadruples of global batch `step`, as features."""
+    n = self.num_examples
+    quadruples = [self.epoch(int(p) // n)[int(p) % n] for p in self.shard_positions(step)]
+    return quadruple_features(self.vocab, quadruples, self.features)
 
 
 # -- the run's data -------------------------------------------------------------------------
-def corpus_texts(turns: Sequence[Turn]) -> list[str]:
-  """Every distinct utterance and candidate (a vocabulary's training text)."""
-  return list(dict.fromkeys(text for t in turns for text in (*t.context, t.response,
-                                                             *t.candidates)))
-
-
 def pair_features(turns: Sequence[Turn], vocab: vocab_lib.Vocabulary,
                   features: FeatureConfig) -> dict[str, np.ndarray]:
   """Seq2seq features (context -> human response) with Diamante's left-truncated contexts."""
@@ -380,7 +357,6 @@ class DialogueData(source.DataSpec):
       pieces (+ 100 extra ids) trained on the training dialogues in MODEL_DIR/vocab.
     separator: Joins context utterances.
     prefer_dissimilar, pool_size: As `draw_quadruples`'.
-    pairs: Serve (context, human response) pairs instead of quadruples.
   """
   train_path: str
   eval_path: Optional[str] = None
@@ -402,20 +378,19 @@ class DialogueData(source.DataSpec):
     if fallback is not None:
       return fallback
     prefix = os.path.join(vocab_dir, "spm")
-    if not os.path.isfile(prefix + ".model"):
-      vocab_lib.train_sentencepiece(corpus_texts(read_dialogues(self.train_path)),
-                                    output_prefix=prefix, vocab_size=self.vocab_size,
+    if not os.path.isfile(prefix + ".model"):  # Trained on every distinct utterance and candidate.
+      texts = dict.fromkeys(x for t in read_dialogues(self.train_path)
+                            for x in (*t.context, t.response, *t.candidates))
+      vocab_lib.train_sentencepiece(list(texts), output_prefix=prefix, vocab_size=self.vocab_size,
                                     hard_vocab_limit=False)
     return vocab_lib.get_vocabulary(prefix + ".model")
-
-  def features(self, feature_lengths: Mapping[str, int]) -> FeatureConfig:
-    return FeatureConfig(context_length=int(feature_lengths["inputs"]),
-                         response_length=int(feature_lengths["targets"]), separator=self.separator)
 
   def sources(self, *, vocabulary: Any, batch_size: int, feature_lengths: Mapping[str, int],
               seed: int) -> tuple[source.DataSource, Optional[source.DataSource]]:
     self.check_files()
-    features = self.features(feature_lengths)
+    features = FeatureConfig(context_length=int(feature_lengths["inputs"]),
+                             response_length=int(feature_lengths["targets"]),
+                             separator=self.separator)
     train = read_dialogues(self.train_path)
     held_out = read_dialogues(self.eval_path) if self.eval_path else None
     if self.pairs:
@@ -441,11 +416,10 @@ class DialogueData(source.DataSpec):
             "separator": self.separator}
 
 
-def feature_config_from_settings(settings: Mapping[str, Any], *, model_config: Any,
-                                 feature_lengths: Optional[Mapping[str, int]] = None
+def feature_config_from_settings(settings: Mapping[str, Any], *, model_config: Any
                                  ) -> FeatureConfig:
   """The `FeatureConfig` a run trained with (settings.json), for inference."""
-  lengths = {**settings.get("feature_lengths", {}), **(feature_lengths or {})}
+  lengths = settings.get("feature_lengths", {})
   kwargs = {name: int(lengths[key]) for key, name in (
       ("inputs", "context_length"), ("targets", "response_length")) if key in lengths}
   return FeatureConfig(eos_id=model_config.eos_token_id, **kwargs,

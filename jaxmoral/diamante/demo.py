@@ -51,10 +51,8 @@ def run_demo(*, workdir: str, train_steps: int = 200, batch_size: int = 16, seed
 
   Args:
     workdir: Output folder (run, export, transcripts, metrics).
-    train_steps: Training steps.
     batch_size: Quadruples per step.
     seed: Everything random.
-    output: Where the report is printed.
 
   Returns:
     `{"train": ..., "eval": ..., "model_dir": ..., "tensorboard": ..., "transcript": ...}`.

@@ -26,8 +26,7 @@ class DiamanteModel(trainable.TrainableModel):
 
   Attributes:
     config: The T5Config (MODEL_CONFIG); the model gets a scalar head on top.
-    pe_weight: Weight of the preference-estimation loss; 0 is the NLL-only ablation.
-    z_loss: T5X z-loss coefficient on the NLL.
+    pe_weight, z_loss: As `diamante_loss_fn`'s (pe_weight 0: the NLL-only ablation).
   """
   config: T5Config
   pe_weight: float = 1.0

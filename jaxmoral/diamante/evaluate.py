@@ -10,7 +10,7 @@ Also the PE ranking accuracy and distinct-1/2 of reranked responses to the first
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import gin
 import jax
@@ -80,20 +80,13 @@ def pe_accuracy(scores: np.ndarray, kinds: np.ndarray) -> float:
   return good / total if total else float("nan")
 
 
-class ScoredItem(NamedTuple):
-  """One ranking item's responses as the model scores them (each array (n,), n responses)."""
-  turn: int  # Index of the turn in `turns`.
-  kinds: np.ndarray  # data.HUMAN / MODEL / RANDOM of each response.
-  scores: np.ndarray  # Preference scores s(c, r).
-  logprobs: np.ndarray  # Summed generation log-probabilities.
-  lengths: np.ndarray  # Response tokens (EOS included).
-
-
 def score_ranking_items(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn],
                         items: Sequence[tuple[int, Sequence[str], Sequence[int]]], *,
-                        width: int, batch_size: int) -> Iterator[ScoredItem]:
+                        width: int, batch_size: int
+                        ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
   """Scores `ranking_items` in batches of fixed shape (batch_size, width): one compilation for
-  the whole test set; yields the items in order."""
+  the whole test set. Yields per item, in order, its n responses' (n,) preference scores
+  s(c, r), summed generation log-probabilities and tokens (EOS included)."""
   feats = bundle.features
   for start in range(0, len(items), batch_size):
     chunk = items[start:start + batch_size]
@@ -106,10 +99,9 @@ def score_ranking_items(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn],
         targets[row, k] = data.encode_response(bundle.vocabulary, text, feats)
     scores, logprobs = inference.score_batch(bundle, encoder, targets)
     lengths = np.sum(targets > 0, axis=-1)
-    for row, (i, responses, kinds) in enumerate(chunk):
+    for row, (_, responses, _) in enumerate(chunk):
       n = len(responses)
-      yield ScoredItem(turn=i, kinds=np.asarray(kinds), scores=scores[row, :n],
-                       logprobs=logprobs[row, :n], lengths=lengths[row, :n])
+      yield scores[row, :n], logprobs[row, :n], lengths[row, :n]
 
 
 RANKERS = ("preference", "generation", "generation_per_token")
@@ -140,31 +132,29 @@ def rank_contexts(bundle: bundle_lib.Bundle, turns: Sequence[data.Turn], *, num_
   if num_random < 0 or max_candidates < 1 or batch_size < 1:
     raise ValueError("rank_contexts: need num_random >= 0, max_candidates >= 1, batch_size >= 1")
   items = ranking_items(turns, num_random=num_random, max_candidates=max_candidates, seed=seed,
-                        encode=model_view(bundle))
-  if max_contexts is not None:
-    items = items[:max_contexts]
+                        encode=model_view(bundle))[:max_contexts]
   if not items:
     raise ValueError("rank_contexts: no test turn has a model candidate different from r_H")
   out: dict[str, list[float]] = {"pe_accuracy": [], "random/p@1": [], "turn": []}
-  scored_items = score_ranking_items(bundle, turns, items, batch_size=batch_size,
-                                     width=1 + max_candidates + num_random)
-  for (_, responses, _), scored in zip(items, scored_items, strict=True):
+  scored = score_ranking_items(bundle, turns, items, batch_size=batch_size,
+                               width=1 + max_candidates + num_random)
+  for (turn, responses, kind_list), (scores, logprobs, lengths) in zip(items, scored, strict=True):
+    kinds = np.asarray(kind_list)
     if rankings is not None and len(rankings) < NUM_RANKINGS:
       rankings.append({
-          "turn": scored.turn, "context": list(turns[scored.turn].context),
-          "responses": list(responses), "kinds": [KIND_NAMES[int(k)] for k in scored.kinds],
-          "scores": scored.scores.tolist(), "logprobs": scored.logprobs.tolist(),
-          "lengths": scored.lengths.tolist()})
-    labels = scored.kinds == data.HUMAN
-    by_ranker = {"preference": scored.scores, "generation": scored.logprobs,
-                 "generation_per_token": scored.logprobs / scored.lengths}
+          "turn": turn, "context": list(turns[turn].context), "responses": list(responses),
+          "kinds": [KIND_NAMES[int(k)] for k in kinds], "scores": scores.tolist(),
+          "logprobs": logprobs.tolist(), "lengths": lengths.tolist()})
+    labels = kinds == data.HUMAN
+    by_ranker = {"preference": scores, "generation": logprobs,
+                 "generation_per_token": logprobs / lengths}
     for ranker, values in by_ranker.items():
       ranked = metrics_lib.ranking_metrics([values], [labels])
       for key in RANKING_METRICS:
         out.setdefault(f"{ranker}/{key}", []).append(ranked[key])
-    out["pe_accuracy"].append(pe_accuracy(scored.scores, scored.kinds))
-    out["random/p@1"].append(1.0 / len(scored.kinds))
-    out["turn"].append(scored.turn)
+    out["pe_accuracy"].append(pe_accuracy(scores, kinds))
+    out["random/p@1"].append(1.0 / len(kinds))
+    out["turn"].append(turn)
   return {k: np.asarray(v, np.float64) for k, v in out.items()}
 
 
@@ -222,7 +212,7 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
              num_random: int = 5, max_candidates: int = 10, max_contexts: Optional[int] = None,
              num_generate: int = 50, rerank: Optional[inference.RerankConfig] = None,
              batch_size: int = 8, seed: int = 0, partitioner: Any = None) -> dict[str, float]:
-  """Evaluates a trained Diamante model on a Diamante-format test file.
+  """Evaluates a trained Diamante model on a Diamante-format test file (`evaluate_turns`).
 
   Args:
     model_dir: A run directory (its `export/`) or an export directory.
@@ -233,14 +223,10 @@ def evaluate(*, model_dir: str, test_path: str, output_path: Optional[str] = Non
     max_candidates: Model candidates per context at most.
     max_contexts: Evaluate only the first this many usable contexts.
     num_generate: Contexts to generate reranked responses for (distinct-n); 0 skips.
-    rerank: Sampling/reranking settings for those generations (None: `RerankConfig()`,
-      made at call time so that `--gin.RerankConfig.*` bindings apply).
+    rerank: Sampling/reranking settings for those generations (None: as `chat.chat`'s).
     batch_size: Contexts per scoring batch.
     seed: Random responses and sampling.
     partitioner: The mesh the model runs on (the run's PARTITIONER; None: `inference_partitioner`).
-
-  Returns:
-    See `evaluate_turns`.
   """
   turns = data.read_dialogues(test_path)  # A bad test file fails before the model loads.
   bundle = bundle_lib.load(model_dir, partitioner=partitioning.inference_partitioner(partitioner))

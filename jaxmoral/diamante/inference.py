@@ -9,7 +9,7 @@ extra pass costs about one teacher-forced step of N rows.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import flax
 import gin
@@ -30,9 +30,8 @@ Array = jax.Array
 @gin.configurable
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RerankConfig:
-  """Sampling and reranking settings (the paper: top-k 10, 20 candidates): N candidates per
-  context, top-k sampling, temperature, n-gram blocking inside a candidate (0 = off) and the
-  most tokens per candidate, EOS included."""
+  """Sampling and reranking settings (the paper: top-k 10, 20 candidates per context);
+  `no_repeat_ngram_size` blocks within a candidate (0 = off), `max_decode_length` counts EOS."""
   num_candidates: int = 20
   top_k: int = 10
   temperature: float = 1.0
@@ -117,8 +116,8 @@ def rank_texts(bundle: Bundle, context: Sequence[str], responses: Sequence[str],
   return scores[0], logprobs[0]
 
 
-def score_batch(bundle: Bundle, encoder: np.ndarray, targets: np.ndarray,
-                lengths: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+def score_batch(bundle: Bundle, encoder: np.ndarray, targets: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
   """`score_responses` on host arrays, on the bundle's mesh: (scores (B, N), logprobs (B, N))."""
-  scores, logprobs, _ = bundle.run(score_responses, encoder, targets, lengths)
+  scores, logprobs, _ = bundle.run(score_responses, encoder, targets)
   return np.asarray(scores), np.asarray(logprobs)

@@ -35,7 +35,6 @@ def preference_terms(scores: Array) -> dict[str, losses.Term]:
   scores = jax.lax.stop_gradient(scores.astype(jnp.float32))
   h, m, r = scores[:, data.HUMAN], scores[:, data.MODEL], scores[:, data.RANDOM]
   pairs = jnp.stack([h > m, h > r, m > r], axis=-1).astype(jnp.float32)
-  examples = scores.shape[0]
   per_example = {
       "rank_accuracy": jnp.mean(pairs, axis=-1),
       "order_accuracy": jnp.all(pairs > 0, axis=-1).astype(jnp.float32),
@@ -43,7 +42,7 @@ def preference_terms(scores: Array) -> dict[str, losses.Term]:
       "gap_human_random": h - r,
       "gap_model_random": m - r,
   }
-  return {k: losses.Term.examples(jnp.sum(v), examples) for k, v in per_example.items()}
+  return {k: losses.Term.examples(jnp.sum(v), scores.shape[0]) for k, v in per_example.items()}
 
 
 @gin.configurable

@@ -49,16 +49,11 @@ def detect_file(*, input_path: str, output_path: str, detector: str = "rouge",
     base_dir: The base model's directory, any format (salience, classifier).
     vocabulary_path: Its SentencePiece model (default: the one the directory carries).
     generator_dir: Generator prompt directory (salience of a prompt-tuned generator).
-    hallucination_dir: The hallucination classifier: its prompt directory, or its fine-tuned
-      model directory (`classifier.load_classifier`).
-    coverage_dir: The coverage classifier, likewise.
+    hallucination_dir, coverage_dir: The two classifiers, each a prompt directory or a
+      fine-tuned model directory (`classifier.load_classifier`).
     heatmap_dir: Salience only: writes `<id>.html` heatmaps (input x response words).
     roc_dir: With labelled input: writes results.json, table.txt and roc_input.png here.
-    partitioner: The mesh the model-based detectors run on (the run's PARTITIONER; None: one
-      device).
-
-  Returns:
-    The written records.
+    partitioner: The model-based detectors' mesh (the run's PARTITIONER; None: one device).
   """
   if heatmap_dir and detector != "salience":
     raise ValueError(f"heatmap_dir is for detector='salience' (heatmaps of its word map), "
@@ -100,7 +95,8 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
         base_dir: Optional[str] = None,
         vocabulary_path: Optional[str] = None, split: str = "test", seed: int = 0,
         max_examples: Optional[int] = None, partitioner: Any = None) -> dict[str, Any]:
-  """Builds the test slices, runs the detectors and writes the table, JSON and ROC curves.
+  """Builds the test slices, runs the detectors, writes the table, JSON and ROC curves to
+  `output_dir` and returns the results.
 
   Args:
     output_dir: Where results.json, table.txt, roc_*.png go.
@@ -119,14 +115,11 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     seed: Sampling / synthetic-error seed.
     max_examples: Cap on source examples (quick runs).
     partitioner: As `detect_file`'s.
-
-  Returns:
-    The results dict (also written to `output_dir`).
   """
   if prompts_dir:
     generator_dir = generator_dir or os.path.join(prompts_dir, "generator", "prompt")
     classifier_dirs = classifier_dirs or {
-        e: os.path.join(prompts_dir, f"classifier_{e}", "prompt") for e in evaluate.ERRORS}
+        e: os.path.join(prompts_dir, f"classifier_{e}", "prompt") for e in classifier.ERROR_TYPES}
   topics, source = _topics_and_examples(
       action="evaluate", kb_path=kb_path, perspectrum_dir=perspectrum_dir,
       examples_path=examples_path, split=split, seed=seed, max_examples=max_examples)
@@ -196,16 +189,14 @@ def train_error_classifier(*, model_dir: str, base_dir: str, error: str,
     model_dir: The classifier's run directory (`detect --hallucination_dir` takes it).
     base_dir: The base model (any model directory or Hub id), as `detect --base_dir`.
     error: "hallucination" or "coverage".
-    kb_path, perspectrum_dir, examples_path: As `run`'s.
+    kb_path, perspectrum_dir, examples_path, max_examples: As `run`'s.
     split: Topics to train on ("train"; `evaluate` tests on "test").
-    train_steps: Training steps.
     batch_size: Global batch size.
     learning_rate: Peak learning rate of the prompt.
     warmup_steps: Linear warm-up steps (capped below `train_steps`).
     max_input_length: Encoder length (tokens) of query, arguments and response.
     tuning: "prompt" (the paper: a soft prompt on the frozen base) or "full" (every weight).
     seed: Sampling, synthetic-error and training seed.
-    max_examples: Cap on source examples (quick runs).
     partitioner: The run's PARTITIONER (None: data parallel).
 
   Returns:

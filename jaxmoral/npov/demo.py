@@ -22,6 +22,7 @@ from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import prompt_tuning
 from jaxmoral import runs
+from jaxmoral.data import demo as demo_data
 from jaxmoral.data import readers
 from jaxmoral.data import vocab as vocab_lib
 from jaxmoral.models import trainable
@@ -34,8 +35,8 @@ from jaxmoral.npov import synthetic
 from jaxmoral.npov import task
 from jaxmoral.npov.detectors import classifier
 
-DEMO_KB = vocab_lib.DEMO_DIR / "npov_kb.jsonl"
-DEMO_EXAMPLES = vocab_lib.DEMO_DIR / "npov_examples.jsonl"
+DEMO_KB = demo_data.DEMO_DIR / "npov_kb.jsonl"
+DEMO_EXAMPLES = demo_data.DEMO_DIR / "npov_examples.jsonl"
 
 
 def summary_table(results: Mapping[str, Any]) -> str:
@@ -47,13 +48,13 @@ def summary_table(results: Mapping[str, Any]) -> str:
   for slice_name, by_detector in results.items():
     for detector, by_error in by_detector.items():
       rows.append([slice_name, detector] + [
-          cell for error in evaluate.ERRORS
+          cell for error in classifier.ERROR_TYPES
           for cell in (evaluate.auc_cell(by_error[error]["example_auc"],
                                          by_error[error].get("example_auc_ci")),
                        evaluate.auc_cell(by_error[error]["word_auc"]))])
     first = next(iter(by_detector.values()), None)
     if first is not None:
-      for error in evaluate.ERRORS:
+      for error in classifier.ERROR_TYPES:
         n = first[error]["num_examples"]
         counts.append(f"n, {slice_name} {error}: {n} example{'' if n == 1 else 's'} "
                       f"({first[error]['num_positive']} with the error), "
@@ -81,12 +82,10 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
   (`runs.train_run`); a rerun resumes or finds its runs finished.
 
   Args:
-    workdir: Output folder of every run, table and score file.
     kb_path: JSONL knowledge base (default: the bundled demo one).
     examples_path: Error-free examples (JSONL) of its topics (default: the bundled ones).
     base_steps, prompt_steps, classifier_steps: Training steps of the tiny base T5, of the
       generator prompt and of each classifier prompt.
-    batch_size: Batch size of every run.
     base_learning_rate, prompt_learning_rate: Peak learning rates of the base and the prompts.
     warmup_steps: Warm-up steps of every schedule.
     test_fraction: Fraction of the topics held out for the test slices.
@@ -164,7 +163,7 @@ def run_demo(*, workdir: str, kb_path: str = str(DEMO_KB),
   aucs = {f"auc/{slice_name}/{det}/{error}/{level}": by_error[error][f"{level}_auc"]
           for slice_name, by_detector in results.items()
           for det, by_error in by_detector.items()
-          for error in evaluate.ERRORS for level in ("example", "word")}
+          for error in classifier.ERROR_TYPES for level in ("example", "word")}
   truth = demo_lib.npov_truth_lines(results, test_slices)  # printed once, by demo.run_all
   # The user-facing path: a responses file in, scores and heatmaps out.
   detect_dir = os.path.join(workdir, "detect")

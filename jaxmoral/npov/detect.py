@@ -15,7 +15,6 @@ from jaxmoral import model_dirs
 from jaxmoral import prompt_tuning
 from jaxmoral.models import t5 as t5_lib
 from jaxmoral.models.config import T5Config
-from jaxmoral.models.t5 import T5
 from jaxmoral.npov.detectors import classifier
 from jaxmoral.npov.detectors import rouge
 from jaxmoral.npov.detectors import salience
@@ -26,7 +25,7 @@ DETECTORS = ("rouge", "salience", "classifier")
 def build_detector(name: str, *, base_dir: Optional[str] = None,
                    vocabulary_path: Optional[str] = None, generator_dir: Optional[str] = None,
                    classifier_dirs: Optional[Mapping[str, str]] = None,
-                   salience_config: Any = None, partitioner: Any = None) -> Any:
+                   partitioner: Any = None) -> Any:
   """A detector by name; model-based ones need `base_dir` (and the generator's prompt, the
   classifiers' prompts or fine-tuned model directories: `classifier.load_classifier`).
 
@@ -43,14 +42,13 @@ def build_detector(name: str, *, base_dir: Optional[str] = None,
   if base.vocabulary is None:
     raise ValueError(f"detector {name!r}: {base_dir} has no vocabulary (vocab/spiece.model); "
                      f"give the base model's SentencePiece model (--vocabulary_path)")
-  model = T5(base.config)
-  params = base.lm_params
+  model = t5_lib.T5(base.config)
   if name == "salience":
     prompt = prompt_tuning.load_prompt(generator_dir)[0] if generator_dir else None
     return salience.SalienceDetector(
-        model=model, params=params, tokenizer=salience.SentencePieceTokenizer(base.vocabulary),
-        prompt=prompt, config=salience_config or salience.SalienceConfig(),
-        partitioner=base.partitioner)
+        model=model, params=base.lm_params,
+        tokenizer=salience.SentencePieceTokenizer(base.vocabulary), prompt=prompt,
+        config=salience.SalienceConfig(), partitioner=base.partitioner)
   dirs = dict(classifier_dirs or {})
   missing = [e for e in classifier.ERROR_TYPES if e not in dirs]
   if missing:
@@ -70,27 +68,21 @@ def prompt_length(detector: Any) -> Optional[int]:
 
 
 def build_untrained_detector(name: str, *, config: T5Config, vocabulary: Any, seed: int = 0,
-                             prompt_length: Optional[int] = None,
-                             salience_config: Any = None) -> Any:
-  """A model-based detector on a randomly initialised T5 of `config`, never trained: what the
-  detector's pipeline gives from a model that has learned nothing (its null).
+                             prompt_length: Optional[int] = None) -> Any:
+  """A model-based detector on a randomly initialised, never trained T5 of `config` (its null).
 
   With `prompt_length`, it carries an untrained soft prompt of that length
   (`prompt_tuning.init_prompt`): the trained pipeline's shapes, so compiled programs are
   shared. Both classifiers are then the same untrained model and prompt.
 
   Args:
-    name: "salience" or "classifier".
-    config, vocabulary, prompt_length, salience_config: The trained detector's.
-    seed: The initialisation's seed.
-
-  Raises:
-    ValueError: `name` is not a model-based detector.
+    name: "salience" or "classifier" (a ValueError for any other).
+    config, vocabulary, prompt_length: The trained detector's.
   """
   if name not in ("salience", "classifier"):
     raise ValueError(f"build_untrained_detector: {name!r} has no model; known: salience, "
                      "classifier")
-  model = T5(config)
+  model = t5_lib.T5(config)
   params_key, prompt_key = jax.random.split(jax.random.PRNGKey(seed))
   params = nn.meta.unbox(t5_lib.init_params(model, params_key))
   prompt = None if prompt_length is None else prompt_tuning.init_prompt(
@@ -100,7 +92,7 @@ def build_untrained_detector(name: str, *, config: T5Config, vocabulary: Any, se
   if name == "salience":
     return salience.SalienceDetector(
         model=model, params=params, tokenizer=salience.SentencePieceTokenizer(vocabulary),
-        prompt=prompt, config=salience_config or salience.SalienceConfig())
+        prompt=prompt, config=salience.SalienceConfig())
   return classifier.ClassifierDetector(
       model=model, vocabulary=vocabulary,
       classifiers={e: (params, prompt) for e in classifier.ERROR_TYPES})

@@ -28,8 +28,6 @@ from jaxmoral.npov import task
 from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import base
 
-ERRORS = base.ERRORS
-
 # The content words `task.template_response` writes into every response whatever its input:
 # never in the input, they are neither hallucinated nor supported.
 TEMPLATE_WORDS: tuple[str, ...] = tuple(dict.fromkeys(
@@ -71,7 +69,7 @@ def coverage_word_labels(example: task.NpovExample, words: Sequence[base.WordSco
 
 def _counts_for(example: task.NpovExample, error: str) -> bool:
   """Whether `error`'s AUCs use the example: clean ones and those with that error only."""
-  other = ERRORS[1 - ERRORS.index(error)]
+  other = base.ERRORS[1 - base.ERRORS.index(error)]
   return getattr(example, error) is not None and not getattr(example, other)
 
 
@@ -94,17 +92,6 @@ def word_arrays(examples: Sequence[task.NpovExample], detections: Sequence[base.
         scores.append(w.score)
         units.append(i)
   return np.asarray(labels, int), np.asarray(scores, np.float64), np.asarray(units, int)
-
-
-def within_example_word_auc(labels: Any, scores: Any, units: Any) -> float:
-  """Word-level ROC AUC over the (positive, negative) word pairs of the same example only
-  (`metrics.grouped_roc_auc`): every word of one example shares its input, so the input's
-  length, which moves every score of an example together, drops out.
-
-  Raises:
-    ValueError: No example holds both labels.
-  """
-  return metrics.grouped_roc_auc(labels, scores, units)
 
 
 def input_words(example: task.NpovExample) -> int:
@@ -130,7 +117,7 @@ def evaluate_slice(examples: Sequence[task.NpovExample],
   if len(examples) != len(detections):
     raise ValueError(f"evaluate_slice: {len(examples)} examples, {len(detections)} detections")
   out: dict[str, Any] = {}
-  for error in ERRORS:
+  for error in base.ERRORS:
     pairs = [(int(getattr(e, error)), getattr(d, error))
              for e, d in zip(examples, detections, strict=True) if _counts_for(e, error)]
     ex_labels, ex_scores = [label for label, _ in pairs], [score for _, score in pairs]
@@ -139,9 +126,9 @@ def evaluate_slice(examples: Sequence[task.NpovExample],
                                np.asarray(ex_scores, np.float64))
           if len(set(ex_labels)) > 1 else None)
     w_labels, w_scores, w_units = word_arrays(examples, detections, error)
-    try:
-      within = within_example_word_auc(w_labels, w_scores, w_units) if w_labels.size else None
-    except ValueError:
+    try:  # Pairs of words of one example only: they share its input, and so its length.
+      within = metrics.grouped_roc_auc(w_labels, w_scores, w_units) if w_labels.size else None
+    except ValueError:  # No example holds both labels.
       within = None
     out[error] = {"example_auc": _auc(ex_labels, ex_scores),
                   "example_auc_ci": None if ci is None else [float(ci.low), float(ci.high)],
@@ -186,7 +173,7 @@ def format_table(results: Mapping[str, Any]) -> str:
   the ROC AUC x 100 with its 95 % bootstrap interval (example level), and the row "n": the
   examples (positives) and words each column is measured on."""
   detectors = list(next(iter(results.values()))) if results else []
-  columns = [(s, e, lvl) for s in results for e in ERRORS for lvl in ("example", "word")]
+  columns = [(s, e, lvl) for s in results for e in base.ERRORS for lvl in ("example", "word")]
   rows = [["detector"] + [f"{s}/{e}/{lvl}" for s, e, lvl in columns]]
   for det in detectors:
     rows.append([det] + [auc_cell(results[s][det][e][f"{lvl}_auc"],
@@ -202,18 +189,15 @@ def format_table(results: Mapping[str, Any]) -> str:
       "example = example level, word = word level)")
 
 
-def write_results(results: Mapping[str, Any], output_dir: str | os.PathLike, *,
-                  plot: bool = True) -> dict[str, str]:
-  """Writes results.json, table.txt and (plot=True) one ROC-curve PNG per slice."""
-  output_dir = os.fspath(output_dir)
+def write_results(results: Mapping[str, Any], output_dir: str | os.PathLike) -> dict[str, str]:
+  """Writes results.json, table.txt and one ROC-curve PNG per slice (that has a curve)."""
   fileio.makedirs(output_dir)
   paths = {"json": fileio.join(output_dir, "results.json"),
            "table": fileio.join(output_dir, "table.txt")}
   fileio.write_text(paths["json"], json.dumps(results, indent=1))
   fileio.write_text(paths["table"], format_table(results) + "\n")
-  if plot:
-    for name, by_detector in results.items():
-      path = fileio.join(output_dir, f"roc_{name}.png")
-      if plots.roc_curves_png(by_detector, path, title=name):
-        paths[f"roc_{name}"] = path
+  for name, by_detector in results.items():
+    path = fileio.join(output_dir, f"roc_{name}.png")
+    if plots.roc_curves_png(by_detector, path, title=name):
+      paths[f"roc_{name}"] = path
   return paths

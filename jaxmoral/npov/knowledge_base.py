@@ -65,7 +65,6 @@ def read_perspectrum(directory: str | os.PathLike) -> list[Topic]:
   """Reads PERSPECTRUM (`perspectrum_with_answers_v1.0.json`, `perspective_pool_v1.0.json`,
   `dataset_split_v1.0.json`) into topics; claims without a pro and a con cluster are kept
   (sampling skips them). A released dataset: keys other than those read pass through."""
-  directory = str(directory)
   def load(name: str) -> Any:
     path = fileio.join(directory, name)
     if not fileio.isfile(path):

@@ -27,13 +27,13 @@ def _colour(score: float, vmax: float) -> str:
   return f"rgb(255,{other},{other})"
 
 
-def suspect_cutoff(scores: Any, z: float = SUSPECT_Z) -> float:
-  """The score above which a word is flagged: mean + z standard deviations (inf for fewer than
-  two words: nothing stands out of one)."""
+def suspect_cutoff(scores: Any) -> float:
+  """The score above which a word is flagged: mean + `SUSPECT_Z` standard deviations (inf for
+  fewer than two words: nothing stands out of one)."""
   scores = np.asarray(scores, np.float64)
   if scores.size < 2:
     return float("inf")
-  return float(scores.mean() + z * scores.std())
+  return float(scores.mean() + SUSPECT_Z * scores.std())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,26 +46,12 @@ class WordShading:
   argument_cutoff: float
 
 
-def word_shading(response_scores: Sequence[float], argument_scores: Sequence[float], *,
-                 z: float = SUSPECT_Z) -> WordShading:
+def word_shading(response_scores: Sequence[float], argument_scores: Sequence[float]) -> WordShading:
   """One example's scale and flagging thresholds (see `WordShading`)."""
   scores = [*response_scores, *argument_scores]
   return WordShading(vmax=max(scores) if scores else 1.0,
-                     response_cutoff=suspect_cutoff(response_scores, z),
-                     argument_cutoff=suspect_cutoff(argument_scores, z))
-
-
-def _marked_text(text: str, words: Any, vmax: float, cutoff: float) -> str:
-  """`text` with each scored word coloured in place by its score (title: the value)."""
-  out, position = [], 0
-  for w in sorted(words, key=lambda w: w.start):
-    out.append(html.escape(text[position:w.start]))
-    flag = ";font-weight:bold;text-decoration:underline" if w.score > cutoff else ""
-    out.append(f'<span style="background:{_colour(w.score, vmax)}{flag}" '
-               f'title="{w.score:.3f}">{html.escape(text[w.start:w.end])}</span>')
-    position = w.end
-  out.append(html.escape(text[position:]))
-  return "".join(out)
+                     response_cutoff=suspect_cutoff(response_scores),
+                     argument_cutoff=suspect_cutoff(argument_scores))
 
 
 def _cell(value: float, vmax: float) -> str:
@@ -74,30 +60,31 @@ def _cell(value: float, vmax: float) -> str:
 
 
 def salience_heatmap_html(word_map: Any, detection: base.Detection, path: str | os.PathLike, *,
-                          title: str = "", example: Any = None, z: float = SUSPECT_Z) -> str:
+                          example: Any, title: str = "") -> str:
   """Writes an HTML page that reads at a glance.
 
   On top, the response (by hallucination score) and the input arguments (by coverage score),
   each scored word coloured in place on one white-to-red scale, flagged words in bold
   (`suspect_cutoff`); below, folded, the input x response word salience matrix.
 
-  `word_map` and `detection` are the salience detector's of the example; `example` gives the
-  full texts (without it, the scored words alone); `z` is `suspect_cutoff`'s.
+  `word_map` and `detection` are the salience detector's of `example`.
   """
   response_words, argument_words = detection.response_words, detection.argument_words
-  shading = word_shading([w.score for w in response_words], [w.score for w in argument_words], z=z)
+  shading = word_shading([w.score for w in response_words], [w.score for w in argument_words])
   vmax, response_cutoff = shading.vmax, shading.response_cutoff
 
   def block(field: str, index: int, words: Sequence[Any], cutoff: float) -> str:
-    if example is not None:
-      text = example.response if field == "response" else getattr(example, field)[index]
-    else:  # The scored words alone, joined: their offsets then index the joined text.
-      text, shifted, position = " ".join(w.text for w in words), [], 0
-      for w in words:
-        shifted.append(dataclasses.replace(w, start=position, end=position + len(w.text)))
-        position += len(w.text) + 1
-      words = shifted
-    return _marked_text(text, words, vmax, cutoff)
+    """The field's text, each scored word coloured in place by its score (title: the value)."""
+    text = example.response if field == "response" else getattr(example, field)[index]
+    out, position = [], 0
+    for w in sorted(words, key=lambda w: w.start):
+      out.append(html.escape(text[position:w.start]))
+      flag = ";font-weight:bold;text-decoration:underline" if w.score > cutoff else ""
+      out.append(f'<span style="background:{_colour(w.score, vmax)}{flag}" '
+                 f'title="{w.score:.3f}">{html.escape(text[w.start:w.end])}</span>')
+      position = w.end
+    out.append(html.escape(text[position:]))
+    return "".join(out)
 
   flagged = sum(w.score > response_cutoff for w in response_words)
   parts = [f"<h4>Response: hallucination score {detection.hallucination:.3f} "
@@ -122,7 +109,7 @@ def salience_heatmap_html(word_map: Any, detection: base.Detection, path: str | 
           f"</tr>" for r, (field, index, w) in enumerate(word_map.input_words)]
   doc = (f"<html><head><meta charset='utf-8'><title>{html.escape(title)}</title></head>"
          f"<body style='font:14px sans-serif;max-width:60em'><h3>{html.escape(title)}</h3>"
-         f"<p>Scale (word error score): {legend}. <b><u>Flagged</u></b>: more than {z:g} "
+         f"<p>Scale (word error score): {legend}. <b><u>Flagged</u></b>: more than {SUSPECT_Z:g} "
          f"standard deviation(s) above the mean of its kind in this example.</p>"
          f"{''.join(parts)}<details><summary>Input x response word salience (0 to "
          f"{mmax:.2f})</summary><table style='border-collapse:collapse;font:10px sans-serif'>"
@@ -148,9 +135,7 @@ def roc_curves_png(by_detector: Mapping[str, Any], path: str | os.PathLike, *,
       ax.plot(fpr, tpr, label=f"{name} ({100 * result[error]['example_auc']:.1f})")
       curves += 1
     ax.plot([0, 1], [0, 1], "k:", lw=0.8)
-    ax.set_title(f"{title} {error}")
-    ax.set_xlabel("false positive rate")
-    ax.set_ylabel("true positive rate")
+    ax.set(title=f"{title} {error}", xlabel="false positive rate", ylabel="true positive rate")
     if curves:
       ax.legend(loc="lower right", fontsize=8)
     else:  # Say why the panel is empty rather than leave a bare diagonal.

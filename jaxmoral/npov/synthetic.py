@@ -10,7 +10,7 @@ The response is never changed; only the input is:
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -96,8 +96,7 @@ def paraphrase(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random.Ge
   for side in task.SIDES:
     texts = []
     for text, cluster_id in zip(getattr(example, side), example.clusters(side), strict=True):
-      others = [] if cluster_id < 0 else [
-          t for t in topic.clusters[cluster_id].texts if t != text]
+      others = [] if cluster_id < 0 else [t for t in topic.clusters[cluster_id].texts if t != text]
       new = others[int(rng.integers(len(others)))] if others else text
       if text == example.added_argument:
         added = new
@@ -111,13 +110,12 @@ def paraphrase(example: task.NpovExample, topic: kb_lib.Topic, rng: np.random.Ge
 SLICES = ("unparaphrased", "paraphrased")
 
 
-def make_test_slices(examples: Sequence[task.NpovExample],
-                     topics: Sequence[kb_lib.Topic] | Mapping[str, kb_lib.Topic], *,
+def make_test_slices(examples: Sequence[task.NpovExample], topics: Sequence[kb_lib.Topic], *,
                      seed: int) -> dict[str, list[task.NpovExample]]:
   """The paper's synthetic test slices from error-free examples: {"unparaphrased": [...],
   "paraphrased": [...]}, each with, per source example, the error-free example and its
   hallucination and coverage variants (when they can be made)."""
-  by_id = topics if isinstance(topics, Mapping) else {t.id: t for t in topics}
+  by_id = {t.id: t for t in topics}
   rng = np.random.default_rng(seed)
   slices: dict[str, list[task.NpovExample]] = {name: [] for name in SLICES}
   for example in examples:
@@ -133,8 +131,7 @@ def make_test_slices(examples: Sequence[task.NpovExample],
   return slices
 
 
-def training_examples(examples: Sequence[task.NpovExample],
-                      topics: Sequence[kb_lib.Topic] | Mapping[str, kb_lib.Topic], *,
+def training_examples(examples: Sequence[task.NpovExample], topics: Sequence[kb_lib.Topic], *,
                       seed: int) -> list[task.NpovExample]:
   """What a classifier learns from: both slices of `make_test_slices`, unparaphrased first."""
   slices = make_test_slices(examples, topics, seed=seed)

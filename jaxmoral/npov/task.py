@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from typing import Any, Callable, Optional, Sequence
 
 from jaxmoral.data import readers
 
 SIDES = ("pro", "con")
-_FIELD_RE = re.compile(r"\{(query|response|(?:pro|con) \d+): ([^{}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,7 +22,6 @@ class NpovExample:
   """One NPOV example, possibly with a synthetic or annotated error.
 
   Attributes:
-    id: Unique id.
     topic: Topic id (splits are topic-disjoint; synthetic errors draw from the same topic).
     query: The user query (a PERSPECTRUM claim).
     pro, con: The argument texts of each side given to the model.
@@ -130,23 +127,6 @@ def format_classifier_input(example: NpovExample) -> str:
   return format_input_with_spans(example, with_response=True)[0]
 
 
-def parse_input(text: str) -> dict[str, Any]:
-  """Inverse of `format_input` / `format_classifier_input`: {query, pro, con[, response]}."""
-  fields = _FIELD_RE.findall(text)
-  leftover = _FIELD_RE.sub("", text).strip()
-  if leftover:
-    raise ValueError(f"parse_input: text outside {{key: value}} fields: {leftover[:60]!r}")
-  out: dict[str, Any] = {"pro": [], "con": []}
-  for key, value in fields:
-    if key in ("query", "response"):
-      out[key] = value
-    else:
-      out[key.split()[0]].append(value)
-  if "query" not in out:
-    raise ValueError("parse_input: no {query: ...} field")
-  return out
-
-
 def template_response(query: str, pro: Sequence[str], con: Sequence[str]) -> str:
   """An error-free reference response: an introduction plus every argument, verbatim (for
   PERSPECTRUM, which has no responses: a target that verbalises each argument and no other)."""
@@ -181,14 +161,6 @@ def _as_tuple(value: Any, path: str, line: int, field: str, what: str,
   return tuple(value)
 
 
-def _labels(value: Any, path: str, line: int, field: str) -> Optional[bool]:
-  if value is None:
-    return None
-  if value in (0, 1, True, False):
-    return bool(value)
-  raise readers.DataError(path, line, f"expected 0/1/true/false/null, got {value!r}", field)
-
-
 # Every key `read_examples` reads (what `write_examples` writes): any other is an error, so a
 # misspelt "pros" cannot read as an example without pro arguments.
 EXAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(NpovExample))
@@ -196,18 +168,16 @@ EXAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(NpovExample))
 
 def read_examples(path: str | os.PathLike, *, require_response: bool = False) -> list[NpovExample]:
   """Reads NPOV examples from JSONL: one `NpovExample` object a line (`query` required;
-  `hallucination` / `coverage` as 0/1). Any other key is an error naming the closest of
-  `EXAMPLE_FIELDS`.
+  `hallucination` / `coverage` as 0/1).
 
   Args:
-    path: The file.
     require_response: Every example must have a non-empty `response` (detection scores it;
       a missing or misspelt key would otherwise read as an empty response) and at least one
       argument (without any, every response word would read as a hallucination).
 
   Raises:
     readers.DataError: naming the file, line and field of a malformed example, an unknown key
-      (`readers.UnknownFieldError`), or a file without examples.
+      (`readers.UnknownFieldError`, naming the closest of `EXAMPLE_FIELDS`), or no examples.
   """
   path = str(path)
   required = ("query", "response") if require_response else ("query",)
@@ -223,7 +193,10 @@ def read_examples(path: str | os.PathLike, *, require_response: bool = False) ->
       kwargs[key] = _as_tuple(row.get(key, []), path, line, key, "integers",
                               lambda v: isinstance(v, int) and not isinstance(v, bool))
     for key in ("hallucination", "coverage"):
-      kwargs[key] = _labels(row.get(key), path, line, key)
+      value = row.get(key)
+      if value not in (None, 0, 1, True, False):
+        raise readers.DataError(path, line, f"expected 0/1/true/false/null, got {value!r}", key)
+      kwargs[key] = None if value is None else bool(value)
     for key in ("query", "response", "removed_argument", "added_argument"):
       value = row.get(key, "" if key == "response" else None)
       if value is not None and not isinstance(value, str):

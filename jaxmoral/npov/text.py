@@ -60,9 +60,3 @@ def content_stems(text: str) -> list[str]:
   """Stems of the non-stopwords of `text`, in order (ROUGE's token sequence)."""
   return [w.stem for w in words(text) if not w.is_stopword]
 
-
-class ContentTokenizer:
-  """`rouge_score`-compatible tokenizer object producing `content_stems`."""
-
-  def tokenize(self, text: str) -> list[str]:
-    return content_stems(text)

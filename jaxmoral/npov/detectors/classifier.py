@@ -66,9 +66,8 @@ def train_classifier(*, model_dir: str | os.PathLike, base_dir: str,
                      partitioner: Any = None, seed: int = 0, **run_kwargs: Any) -> str:
   """Trains one classifier from the base through the core run; returns the run dir.
 
-  `tuning="prompt"` (the paper) trains a soft prompt on the frozen base, starting from the
-  embeddings of the label words padded with vocabulary samples (also saved alone in
-  `model_dir/prompt`); `tuning="full"` fine-tunes all of the base's weights. The training
+  `tuning`: see the module docstring; a prompt starts from the embeddings of the label words
+  padded with vocabulary samples (and is also saved alone in `model_dir/prompt`). The training
   pairs are written to `model_dir/data/train.jsonl`; `run_kwargs` go to `runs.train_run`.
   """
   if tuning not in TUNINGS:
@@ -132,9 +131,8 @@ def _first_step_logits(model: T5, params: Any, prompt: Optional[jax.Array],
   if prompt is None:  # A fine-tuned classifier (None is an empty pytree: its own trace).
     return typing.cast(jax.Array, model.apply({"params": params}, tokens, decoder))[:, 0]
   embeds, mask = prompt_tuning.prompted_encoder_inputs(model, params, prompt, tokens)
-  logits = typing.cast(jax.Array, model.apply({"params": params}, None, decoder,
-                                              encoder_embeds=embeds, encoder_mask=mask))
-  return logits[:, 0]
+  return typing.cast(jax.Array, model.apply({"params": params}, None, decoder,
+                                            encoder_embeds=embeds, encoder_mask=mask))[:, 0]
 
 
 class ClassifierDetector:
@@ -196,6 +194,3 @@ class ClassifierDetector:
     h = self.error_probabilities(examples, "hallucination")
     c = self.error_probabilities(examples, "coverage")
     return [base.Detection(float(a), float(b)) for a, b in zip(h, c, strict=True)]
-
-  def detect(self, example: task.NpovExample) -> base.Detection:
-    return self.detect_batch([example])[0]

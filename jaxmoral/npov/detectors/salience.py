@@ -113,13 +113,11 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
   """Raw token salience, float32 (len(input_ids), len(target_ids)), of one example.
 
   Args:
-    model: The generator (`T5`; only its config is used).
-    params: Base parameters.
+    model, params: The generator (`T5`; only its config is used) and its base parameters.
     input_ids: Encoder token ids (no padding).
     target_ids: The response token ids the decoder is teacher forced with (EOS included if
       wanted); entry [i, t] attributes the logit of `target_ids[t]`.
     prompt: Optional soft prompt (P, d_model) of a prompt-tuned generator.
-    method: "grad_x_input" or "grad_norm".
     chunk_size: Output positions per batched backward pass (bounds memory: the encoder's
       backward pass holds about chunk_size x heads x input_length^2 attention values).
     input_bucket: Inputs are padded to this times a power of two (fewer compilations);
@@ -144,8 +142,7 @@ def token_salience(model: T5, params: Any, *, input_ids: Sequence[int],
   inputs = (encoder, targets, num_chunks, prompt)
   if partitioner is not None:
     inputs = partitioner.shard_inputs(inputs)  # Batch 1: replicated.
-  out = np.asarray(fn(params, *inputs))
-  return out[:n_out, :n_in].T
+  return np.asarray(fn(params, *inputs))[:n_out, :n_in].T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,13 +156,10 @@ class SentencePieceTokenizer:
   """Token ids with character offsets, from a SentencePiece model (T5 vocabularies)."""
 
   def __init__(self, vocabulary: Any):
-    """`vocabulary`: a `vocab.SentencePieceVocabulary` (or seqio's), a processor or a path."""
+    """`vocabulary`: a `vocab.SentencePieceVocabulary` (or seqio's), or a model file's path."""
     import sentencepiece as spm  # pylint: disable=g-import-not-at-top
-    if isinstance(vocabulary, spm.SentencePieceProcessor):
-      self._sp = vocabulary
-    else:
-      path = getattr(vocabulary, "sentencepiece_model_file", vocabulary)
-      self._sp = spm.SentencePieceProcessor(model_file=str(path))
+    path = getattr(vocabulary, "sentencepiece_model_file", vocabulary)
+    self._sp = spm.SentencePieceProcessor(model_file=str(path))
 
   def __call__(self, text: str) -> Tokenized:
     proto = self._sp.encode(text, return_type="proto")
@@ -247,11 +241,9 @@ class SalienceDetector:
                partitioner: Any = None):
     """
     Args:
-      model: The generator network.
-      params: Its base parameters.
+      model, params: The generator network and its base parameters.
       tokenizer: Callable text -> `Tokenized` (e.g. `SentencePieceTokenizer(vocab)`).
       prompt: The generator's soft prompt, if prompt-tuned.
-      config: Options.
       partitioner: The mesh the VJPs run on; `params` are placed in its shardings.
     """
     self.model, self.tokenizer = model, tokenizer
@@ -313,13 +305,10 @@ class SalienceDetector:
                            if field in task.SIDES)
     return base.Detection(hallucination, coverage, response_words, argument_words)
 
-  def detect(self, example: task.NpovExample) -> base.Detection:
-    return self.detect_from_map(self.word_map(example))
-
   def detect_batch(self, examples: Sequence[task.NpovExample]) -> list[base.Detection]:
     shown = progress.ProgressLog("salience examples", len(examples))
     out = []
     for e in examples:
-      out.append(self.detect(e))
+      out.append(self.detect_from_map(self.word_map(e)))
       shown.update(len(out))
     return out
