@@ -40,6 +40,7 @@ from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-posit
 from jaxmoral import integrity  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import run_dirs  # noqa: E402  pylint: disable=wrong-import-position
+from jaxmoral import run_layout  # noqa: E402  pylint: disable=wrong-import-position
 
 
 
@@ -136,7 +137,7 @@ def changed_bindings(model_dir: str) -> list[str]:
   """The gin bindings that differ between the run `model_dir` was trained under (its
   config.gin) and this process's: "- saved" and "+ now" lines ([] without a config.gin)."""
   import gin  # pylint: disable=import-outside-toplevel
-  path = fileio.join(model_dir, gin_utils.OPERATIVE_CONFIG_FILE)
+  path = fileio.join(model_dir, run_layout.CONFIG_FILE)
   if not fileio.isfile(path):
     return []
   saved = fileio.read_text(path)

@@ -134,7 +134,7 @@ def auc_intervals(examples: Sequence[Any], detections: Sequence[Any], *, num_res
     for level, metric, arrays, units in (
         ("example", metrics.roc_auc, (labels, scores), None),
         ("word", metrics.roc_auc, (w_labels, w_scores), w_units),
-        ("word_within", evaluate.within_example_word_auc, (w_labels, w_scores, w_units),
+        ("word_within", metrics.grouped_roc_auc, (w_labels, w_scores, w_units),
          w_units)):
       if arrays[0].size == 0 or len(set(arrays[0].tolist())) < 2:
         out[error][level] = None

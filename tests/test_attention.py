@@ -8,6 +8,8 @@ import pytest
 
 from jaxmoral.backends import attention
 
+from attention_reference import reference_attention
+
 
 def _inputs(seed, *, batch=4, q_len=12, k_len=10, heads=2, d_kv=8, bias_rows=1):
   rng = np.random.default_rng(seed)
@@ -43,7 +45,7 @@ def test_sharded_equals_unsharded_and_sums_a_shared_bias_gradient(bias_rows):
 
   def attend(q, k, v, b, qi, ki):
     seen.append((q.shape, None if b is None else b.shape, qi.shape))
-    return attention.reference_attention(q, k, v, b, qi, ki)
+    return reference_attention(q, k, v, b, qi, ki)
 
   mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -68,7 +70,7 @@ def test_sharded_replicates_an_axis_that_does_not_divide_and_passes_absent_input
 
   def attend(q, k, v, b, qi, ki):
     seen.append((q.shape, b, qi, ki))
-    return attention.reference_attention(q, k, v, b, qi, ki)
+    return reference_attention(q, k, v, b, qi, ki)
 
   mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4],
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -78,14 +80,14 @@ def test_sharded_replicates_an_axis_that_does_not_divide_and_passes_absent_input
             query, key, value)
   assert seen == [((3, 12, 1, 8), None, None, None)]  # batch 3: replicated; heads split
   np.testing.assert_allclose(np.asarray(got),
-                             np.asarray(jax.jit(attention.reference_attention)(query, key, value)),
+                             np.asarray(jax.jit(reference_attention)(query, key, value)),
                              rtol=1e-5, atol=1e-6)
 
 
 def test_reference_gives_zero_rows_to_queries_that_see_no_key():
   query, key, value, bias, q_ids, k_ids = _inputs(2)
   q_ids = q_ids.at[3, :].set(5)  # a segment no key has
-  out = np.asarray(jax.jit(attention.reference_attention)(query, key, value, bias, q_ids, k_ids))
+  out = np.asarray(jax.jit(reference_attention)(query, key, value, bias, q_ids, k_ids))
   assert not out[3].any() and not out[1, 7:].any() and out[0].all()
   # Row 0, one segment, no padding: softmax(q k^T + bias) v recomputed in NumPy.
   q, k, v, b = (np.asarray(x, np.float64) for x in (query[0], key[0], value[0], bias[0]))

@@ -111,12 +111,6 @@ def clarify_silver_column(tmp: pathlib.Path):
           [f"{p}:1:", "unknown column 'DataSorce'", "did you mean 'DataSource'?"])
 
 
-def clarify_judgment_column(tmp: pathlib.Path):
-  p = _write(tmp / "judgments.tsv", "situation\tjudgement\nlying\tbad\n")
-  return (lambda: clarify_data.read_judgments(p), readers.DataError,
-          [f"{p}:1:", "unknown column 'judgement'", "did you mean 'judgment'?"])
-
-
 # -- item 9: every input of a requested model -------------------------------------------------
 def clarify_multitask_missing(tmp: pathlib.Path):
   root = _clarify_folder(tmp / "data", silver=None, fusion=None)
@@ -188,7 +182,7 @@ def clarify_evaluate_missing_split(tmp: pathlib.Path):
 
 CASES: list[Case] = [
     npov_pros, npov_kb_cons, diamante_response_candidate, diamante_top_level_key,
-    clarify_question_column, clarify_silver_column, clarify_judgment_column,
+    clarify_question_column, clarify_silver_column,
     clarify_multitask_missing, clarify_answer_missing, clarify_silver_folder_empty,
     clarify_header_only, clarify_fusion_header_only, clarify_empty_file, diamante_empty_file,
     npov_blank_lines_only, clarify_evaluate_missing_split,
@@ -244,5 +238,4 @@ def test_known_fields_and_bundled_demo_still_load(tmp_path):
   assert knowledge_base.read_kb_jsonl(demo.path("npov_kb.jsonl"))
   assert clarify_data.read_questions(demo.path("clarify_questions.tsv"))
   assert clarify_data.read_fusion(demo.path("clarify_fusion.csv"))
-  assert clarify_data.read_judgments(demo.path("clarify_judgments.tsv"))
   assert len(clarify_data.build_pairs("multitask", "demo")) > 1000

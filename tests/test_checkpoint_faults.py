@@ -29,6 +29,7 @@ from jaxmoral import model_dirs
 from jaxmoral import params_export
 from jaxmoral import partitioning
 from jaxmoral import run_dirs
+from jaxmoral import run_layout
 from jaxmoral import train as train_lib
 from jaxmoral import trainer as tr
 from jaxmoral.data import vocab as vocab_lib
@@ -84,7 +85,7 @@ def t5_run(tmp_path_factory):
   params = jax.tree_util.tree_map(
       lambda s: (rs.randn(*s.shape) * 0.1).astype(s.dtype), shapes)
   tx = optax.adam(1e-3)
-  with open(os.path.join(run, run_dirs.MODEL_CONFIG_FILE), "w") as f:
+  with open(os.path.join(run, run_layout.MODEL_CONFIG_FILE), "w") as f:
     f.write(CFG.to_json())
   with ck.CheckpointManager(run_dirs.checkpoints_dir(run), save_interval_steps=1,
                             async_save=True) as manager:
@@ -302,7 +303,7 @@ def test_train_resumes_from_the_newest_intact_step(resumed):
   for step in (2, 4):
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                            _params(reference, step), _params(damaged, step))
-  assert not os.path.exists(os.path.join(damaged, run_dirs.LOCK_FILE))  # Released.
+  assert not os.path.exists(os.path.join(damaged, run_layout.LOCK_FILE))  # Released.
 
 
 def test_tensorboard_has_each_step_once_after_a_resume(resumed):
@@ -336,12 +337,12 @@ def test_train_refuses_when_every_step_is_damaged(resumed, tmp_path):
   with pytest.raises(Error, match=r"no intact checkpoint .*\(damaged: 4, 2\).*step 4 is "
                                   r"incomplete \(missing state/_METADATA\)"):
     _run(run, trainer)
-  assert not os.path.exists(os.path.join(run, run_dirs.LOCK_FILE))  # Released on errors too.
+  assert not os.path.exists(os.path.join(run, run_layout.LOCK_FILE))  # Released on errors too.
   assert ck.CheckpointManager(run_dirs.checkpoints_dir(run)).all_steps() == [2, 4]  # Untouched.
 
 
 def _write_lock(model_dir: str, host: str, pid: int) -> str:
-  path = os.path.join(model_dir, run_dirs.LOCK_FILE)
+  path = os.path.join(model_dir, run_layout.LOCK_FILE)
   with open(path, "w") as f:
     json.dump({"host": host, "pid": pid, "started": "2025-01-01T00:00:00+00:00",
                "token": "other"}, f)
@@ -490,7 +491,7 @@ def test_manifest_naming_a_file_outside_its_step_is_refused_by_every_reader(
   assert not rows[2]["ok"] and "outside" in rows[2]["status"]
   assert "bytes" not in rows[2]["status"] and rows[1]["ok"]
   # The run's own manifest and an export's are read by the same check.
-  integrity.write_integrity_manifest(run, [run_dirs.MODEL_CONFIG_FILE])
+  integrity.write_integrity_manifest(run, [run_layout.MODEL_CONFIG_FILE])
   _plant_entry(os.path.join(run, integrity.INTEGRITY_FILE), "/etc/hostname")
   with pytest.raises(Error, match="the run's files is damaged: .* names '/etc/hostname'"):
     run_dirs.verify_run_files(run)
@@ -525,11 +526,11 @@ def test_a_reader_names_the_newest_step_it_skips_and_retries_a_vanished_one(
   run = _copy(t5_run[0], tmp_path)
   os.remove(os.path.join(_step_dir(run, 2), integrity.INTEGRITY_FILE))
   with caplog.at_level(logging.WARNING):
-    with open(os.path.join(run, run_dirs.LOCK_FILE), "w") as f:
+    with open(os.path.join(run, run_layout.LOCK_FILE), "w") as f:
       f.write("{}")
     assert model_dirs.load(run).info.step == 1
     assert not [r for r in caplog.records if "step 2 has no" in r.getMessage()]
-    os.remove(os.path.join(run, run_dirs.LOCK_FILE))
+    os.remove(os.path.join(run, run_layout.LOCK_FILE))
     assert model_dirs.load(run).info.step == 1
   assert any("checkpoint step 2 has no _INTEGRITY.json and no run holds the lock" in
              r.getMessage() and "reading step 1" in r.getMessage() for r in caplog.records)

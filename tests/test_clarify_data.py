@@ -123,9 +123,6 @@ def test_malformed_rows_name_file_and_line(tmp_path):
   short = _write(tmp_path / "q.tsv", "id\tsource\tsituation\tquestion\n0\tM\tonly three\n")
   with pytest.raises(readers.DataError, match=r"q.tsv:2:"):
     data.read_questions(short)
-  judgments = _write(tmp_path / "j.tsv", "situation\tjudgment\nlying\tterrible\n")
-  with pytest.raises(readers.DataError, match=r"j.tsv:2: .*judgment"):
-    data.read_judgments(judgments)
   with pytest.raises(ValueError, match="which"):
     data.build_pairs("oracle", "demo")
   with pytest.raises(FileNotFoundError):

@@ -63,8 +63,8 @@ def test_pipeline_ranks_wh_candidates(monkeypatch):
   candidates = [["Why x?", "Is it very very long?", "Who?"], ["What is it?", "How?", "Is it?"]]
   monkeypatch.setattr(baselines, "wh_candidates", lambda model, situations, **kw: candidates)
   fake = _FakeReward()
-  with_nli = baselines.pipeline_generator(None, fake, use_nli=True, wh_words=("a", "b", "c"))
-  without = baselines.pipeline_generator(None, fake, use_nli=False, wh_words=("a", "b", "c"))
+  with_nli = baselines.pipeline_generators(None, fake, wh_words=("a", "b", "c"))["pipeline"]
+  without = baselines.pipeline_generators(None, fake, wh_words=("a", "b", "c"))["pipeline_no_nli"]
   assert with_nli(["s1", "s2"]) == ["Why x?", "What is it?"]
   assert without(["s1", "s2"]) == ["Is it very very long?", "What is it?"]
   # Built together, the two pipelines rank one scoring (the NLI one: its unfiltered JSD is the

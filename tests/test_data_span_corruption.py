@@ -11,6 +11,7 @@ import pytest
 import seqio
 import tensorflow as tf
 
+from jaxmoral.data import demo
 from jaxmoral.data import pretraining_corpus
 from jaxmoral.data import span_corruption as sc
 from jaxmoral.data import vocab as vocab_lib
@@ -31,7 +32,7 @@ def vocabulary(vocab_path):
 
 @pytest.fixture(scope="module")
 def texts():
-  return vocab_lib.demo_texts()
+  return demo.all_texts()
 
 
 def _ref_counts(length, density=0.15, mean=3.0):
@@ -265,7 +266,7 @@ def test_pretraining_mixture_demo_corpus(vocab_path, tmp_path):
   paths = pretraining_corpus.corpus_paths(out)
   train = pathlib.Path(paths["train"]).read_text().splitlines()
   valid = pathlib.Path(paths["validation"]).read_text().splitlines()
-  texts = list(dict.fromkeys(" ".join(t.split()) for t in vocab_lib.demo_texts()))
+  texts = list(dict.fromkeys(" ".join(t.split()) for t in demo.all_texts()))
   # The files hold every text once, in a seeded random order (not the sources' order).
   expected = [texts[i] for i in np.random.default_rng(
       pretraining_corpus.CORPUS_ORDER_SEED).permutation(len(texts))]

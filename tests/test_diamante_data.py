@@ -151,11 +151,3 @@ def test_no_trainable_turn_is_a_clear_error():
   turns = [data.Turn(("a",), "b", (), 0), data.Turn(("c",), "d", ("D",), 1)]
   with pytest.raises(ValueError, match="QuadrupleSource.turns"):
     data.QuadrupleSource(turns=turns, vocab=CharVocab(), batch_size=2)
-
-
-def test_split_dialogues_keeps_dialogues_whole():
-  turns = toy_dialogues.toy_turns(20)
-  train, test = data.split_dialogues(turns, test_fraction=0.25, seed=0)
-  assert len(train) + len(test) == len(turns)
-  assert not {t.dialogue for t in train} & {t.dialogue for t in test}
-  assert len({t.dialogue for t in test}) == 5

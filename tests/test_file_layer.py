@@ -35,7 +35,6 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.aot": ("reads /proc/meminfo", frozenset({"available_host_bytes"})),
     "jaxmoral.checkpoints": ("the local disk-full cleanup",
                              frozenset({"CheckpointManager._disk_full_is_one_line"})),
-    "jaxmoral.clarify.demo": ("the demo's local workdir", frozenset({"run_demo"})),
     "jaxmoral.clarify.models": ("a cache key: the absolute form of a local folder, else the URL",
                                 frozenset({"load_model"})),
     "jaxmoral.cli": ("source files of a traceback", frozenset({"_is_an_operation_in_jaxmoral"})),
@@ -47,12 +46,10 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.backends.cpu_kernels.__init__": (
         "the compiled-kernel cache in the user's private folder, /proc/cpuinfo", frozenset({
             "_cache_dir", "_compiler", "_cpu_signature", "_folder_problem", "_install",
-            "_read_own_file", "_write_atomically", "build", "has_avx512"})),
+            "_read_own_file", "_write_atomically", "build"})),
     "jaxmoral.data.index_cache": (
         "a local folder: a bucket cache is copied through `fileio.local_folder` first",
         frozenset({"read", "write", "_verify", "_version"})),
-    "jaxmoral.data.pretraining_corpus": ("the local branch of `write_lines` (a URL is written "
-                                         "through fileio)", frozenset({"write_lines"})),
     "jaxmoral.data.tasks": ("a stream position's local scratch copy (uploaded through fileio)",
                             frozenset({"TaskSource._save_position"})),
     "jaxmoral.data.vocab": ("SentencePiece writes local files; they are uploaded after",
@@ -63,14 +60,13 @@ LOCAL_BY_DESIGN: dict[str, tuple[str, frozenset[str]]] = {
     "jaxmoral.explore.folders": ("the explorer serves local folders only",
                                  frozenset({"Roots.walk", "_first_json", "_json_keys"})),
     "jaxmoral.explore.live": ("the explorer serves local folders only",
-                              frozenset({"model_judge_classes", "model_traits"})),
+                              frozenset({"model_traits"})),
     "jaxmoral.explore.sources": ("the explorer serves local folders only",
                                  frozenset({"read_jsonl", "_manifest_files"})),
     "jaxmoral.demo": ("finds the environment's console scripts on this machine's PATH",
                       frozenset({"installed_command"})),
     "jaxmoral.gin_files": ("gin files are local (gin reads them itself)",
-                           frozenset({"file_statements", "resolve_relative_paths",
-                                      "written_statements"})),
+                           frozenset({"file_statements", "resolve_relative_paths"})),
     "jaxmoral.integrity": ("resolves local links only (a URL has none)",
                            frozenset({"_refuse_entries_outside"})),
     "jaxmoral.models.hf_import": ("the file mode of a local export (a bucket has none)",

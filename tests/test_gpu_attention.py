@@ -15,6 +15,8 @@ from jaxmoral.backends import gpu_attention as fg
 from jaxmoral.models import ops
 from jaxmoral.models.config import T5Config, t5_config
 
+from attention_reference import reference_attention
+
 # 16-row tiles and a 32-wide dk/dv column, so the lengths below span several tiles and a
 # padded one; dkv_programs=1 puts the whole batch in one group, so the dk/dv kernel adds later
 # batch rows (one at a time, or summed in pairs) into the bias-gradient column the first wrote.
@@ -75,10 +77,10 @@ def test_kernels_match_reference_forward_and_gradients():
         attend = lambda q, k, v, b, qi=q_ids, ki=k_ids: fg.flash_attention(
             q, k, v, b, qi, ki, causal=True, block_sizes=BLOCKS, interpret=True)
       elif not causal:
-        attend = lambda q, k, v, d, qi=q_ids, ki=k_ids: attention.reference_attention(
+        attend = lambda q, k, v, d, qi=q_ids, ki=k_ids: reference_attention(
             q, k, v, _toeplitz(d, 40, 72), qi, ki)
       else:
-        attend = lambda q, k, v, b, qi=q_ids, ki=k_ids: attention.reference_attention(
+        attend = lambda q, k, v, b, qi=q_ids, ki=k_ids: reference_attention(
             q, k, v, b, qi, ki, causal=True)
       results.append(_output_and_grads(attend, args, cotangent))
     return results

@@ -8,6 +8,13 @@ from jaxmoral.npov import text as text_lib
 from jaxmoral.npov.detectors import rouge
 
 
+class _ContentTokenizer:
+  """`rouge_score`-compatible tokenizer object producing `text.content_stems`."""
+
+  def tokenize(self, text):
+    return text_lib.content_stems(text)
+
+
 def _example(response, pro, con, query="Should homework be banned?"):
   return task.NpovExample(id="x", topic="t", query=query, pro=tuple(pro), con=tuple(con),
                           response=response)
@@ -39,7 +46,7 @@ def test_words_split_on_whitespace_and_punctuation():
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_scores_equal_rouge_score_package(example):
-  scorer = rouge_scorer.RougeScorer(["rouge1"], tokenizer=text_lib.ContentTokenizer())
+  scorer = rouge_scorer.RougeScorer(["rouge1"], tokenizer=_ContentTokenizer())
   detection = rouge.RougeDetector().detect(example)
   ref_all = scorer.score(" ".join(example.arguments), example.response)["rouge1"]
   assert detection.hallucination == pytest.approx(1.0 - ref_all.precision, abs=1e-12)

@@ -1,6 +1,7 @@
 """NPOV task format, knowledge bases, sampling and synthetic errors."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -24,6 +25,19 @@ KB_LINES = [
 ]
 
 
+def _parse_input(text):
+  """Inverse of `task.format_input` / `format_classifier_input`: {query, pro, con[, response]}."""
+  field_re = r"\{(query|response|(?:pro|con) \d+): ([^{}]*)\}"
+  assert not re.sub(field_re, "", text).strip(), f"text outside {{key: value}} fields: {text!r}"
+  out = {"pro": [], "con": []}
+  for key, value in re.findall(field_re, text):
+    if key in ("query", "response"):
+      out[key] = value
+    else:
+      out[key.split()[0]].append(value)
+  return out
+
+
 @pytest.fixture
 def kb_path(tmp_path):
   path = tmp_path / "kb.jsonl"
@@ -37,8 +51,8 @@ def test_format_round_trip_and_spans():
   text, spans = task.format_input_with_spans(example, with_response=True)
   assert text == "{query: Q?} {pro 1: p one} {pro 2: p two} {con 1: c one} {response: R.}"
   assert [text[s.start:s.end] for s in spans] == ["Q?", "p one", "p two", "c one", "R."]
-  assert task.parse_input(text) == {"query": "Q?", "pro": ["p one", "p two"],
-                                    "con": ["c one"], "response": "R."}
+  assert _parse_input(text) == {"query": "Q?", "pro": ["p one", "p two"],
+                                "con": ["c one"], "response": "R."}
   with pytest.raises(ValueError, match=r"NpovExample.pro\[0\] contains a curly brace"):
     example.replace(pro=("a {b}",))
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from conftest import free_port, set_environment, start_storage_server
-from jaxmoral import cli, fileio, integrity, model_dirs, run_dirs
+from jaxmoral import cli, fileio, integrity, model_dirs, run_dirs, run_layout
 from jaxmoral import metric_writers
 from jaxmoral.data import vocab as vocab_lib
 
@@ -234,7 +234,7 @@ def test_a_damaged_or_missing_object_is_refused_naming_it(run):
 
 def test_a_second_train_into_the_same_bucket_folder_is_refused_naming_the_holder(run, capsys):
   model_dir, _, _ = run
-  lock = f"{model_dir}/{run_dirs.LOCK_FILE}"
+  lock = f"{model_dir}/{run_layout.LOCK_FILE}"
   holder = {"host": "tpu-vm-7", "pid": 4242, "token": "other", "started": "2026-11-27T10:00"}
   assert fileio.create_exclusive(lock, json.dumps(holder).encode())
   try:
@@ -248,7 +248,7 @@ def test_a_second_train_into_the_same_bucket_folder_is_refused_naming_the_holder
 def test_the_lock_is_a_conditional_create_and_a_stale_one_is_taken_over(gcs, monkeypatch,
                                                                          caplog):
   folder = f"{BUCKET}/locked"
-  path = f"{folder}/{run_dirs.LOCK_FILE}"
+  path = f"{folder}/{run_layout.LOCK_FILE}"
   # The store refuses the second create (ifGenerationMatch=0): no check-then-write race.
   assert fileio.create_exclusive(path, b'{"host": "a", "pid": 1, "token": "a"}')
   assert not fileio.create_exclusive(path, b'{"host": "b", "pid": 2, "token": "b"}')
@@ -275,7 +275,7 @@ def test_every_process_of_a_bucket_run_watches_its_storage_and_only_process_0_wr
   answered for STORAGE_DEADLINE_S: it cannot count on hearing that process 0 ended."""
   import threading  # pylint: disable=g-import-not-at-top
   folder = f"{BUCKET}/hosts"
-  path = f"{folder}/{run_dirs.LOCK_FILE}"
+  path = f"{folder}/{run_layout.LOCK_FILE}"
   assert fileio.create_exclusive(path, b'{"host": "h0", "pid": 1, "token": "process-0"}')
   generation = fileio.generation(path)
   # Margins a loaded machine keeps: a read of the local store takes milliseconds.

@@ -11,6 +11,7 @@ import pytest
 from jaxmoral import optimizers
 from jaxmoral import partitioning
 from jaxmoral import prompt_tuning as pt
+from jaxmoral import run_layout
 from jaxmoral import runs
 from jaxmoral.models.config import t5_config
 from jaxmoral.models.t5 import T5, init_params
@@ -144,12 +145,12 @@ def test_a_prompt_saves_to_and_loads_from_a_bucket(gcs):
   del gcs
   prompt = np.random.default_rng(1).normal(size=(3, 8)).astype(np.float32)
   run = "gs://bucket/prompt_run"
-  assert pt.SavePromptHook(run, {}).directory == f"{run}/{pt.PROMPT_SUBDIR}"  # A run's own.
-  pt.save_prompt(prompt, f"{run}/{pt.PROMPT_SUBDIR}", metadata={"task": "judge"}, orbax=True)
-  assert pt.prompt_directory(run) == f"{run}/{pt.PROMPT_SUBDIR}"
+  assert pt.SavePromptHook(run, {}).directory == f"{run}/{run_layout.PROMPT_DIR}"  # A run's own.
+  pt.save_prompt(prompt, f"{run}/{run_layout.PROMPT_DIR}", metadata={"task": "judge"}, orbax=True)
+  assert pt.prompt_directory(run) == f"{run}/{run_layout.PROMPT_DIR}"
   loaded, meta = pt.load_prompt(run)
   np.testing.assert_array_equal(loaded, prompt)
   assert meta == {"task": "judge", "length": 3, "d_model": 8}
-  fileio.remove(f"{run}/{pt.PROMPT_SUBDIR}/{pt.PROMPT_FILE}")  # Then only the Orbax copy:
+  fileio.remove(f"{run}/{run_layout.PROMPT_DIR}/{pt.PROMPT_FILE}")  # Then only the Orbax copy:
   np.testing.assert_array_equal(pt.load_prompt(run)[0], prompt)
   assert not os.path.exists("gs:")  # Nothing went to a local "gs:" folder.

@@ -25,6 +25,7 @@ import pytest
 
 from conftest import child_xla_flags
 from jaxmoral import cli, compilation_cache, integrity, model_dirs, partitioning, run_dirs
+from jaxmoral import run_layout
 from jaxmoral import train as train_lib
 from jaxmoral.npov import task as npov_task
 
@@ -226,7 +227,7 @@ def test_a_signal_saves_the_next_step_and_releases_the_lock(run, signum, status,
   line = error_line(capsys)
   assert f"stopped by {signal.Signals(signum).name}: saved step 4" in line
   assert run_dirs.saved_steps(run)[-1] == 4
-  assert not (run / run_dirs.LOCK_FILE).exists()
+  assert not (run / run_layout.LOCK_FILE).exists()
   assert signal.getsignal(signum) == before
 
 
@@ -314,10 +315,10 @@ def test_a_gin_file_shadowing_a_project_config_is_named(tmp_path, monkeypatch, c
 
 # -- 10: the run lock and MODEL_DIR -------------------------------------------------------------
 def test_a_lock_path_that_is_a_folder_is_one_line(run, capsys):
-  (run / run_dirs.LOCK_FILE).mkdir()
+  (run / run_layout.LOCK_FILE).mkdir()
   assert train(run, "--gin.TRAIN_STEPS=4") == 2
   assert "lock path is a folder" in error_line(capsys)
-  assert (run / run_dirs.LOCK_FILE).is_dir()
+  assert (run / run_layout.LOCK_FILE).is_dir()
 
 
 def test_a_dangling_model_dir_link_names_its_target(tmp_path, capsys):

@@ -15,6 +15,8 @@ from jaxmoral.models import ops
 from jaxmoral.models import t5
 from jaxmoral.models.config import T5Config, t5_config
 
+from attention_reference import reference_attention
+
 # 128-wide tiles, so the lengths below (100 to 300) span several tiles and a padded one.
 BLOCKS = fa.BlockSizes(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128)
 
@@ -85,7 +87,7 @@ def test_kernel_matches_einsum_forward_and_backward(case):
       q, k, v, b, query_ids if spec["query_ids"] else None, key_ids, causal=causal,
       block_sizes=BLOCKS, interpret=True)
   einsum = lambda q, k, v, b: _einsum_attention(q, k, v, b, query_ids, key_ids, causal)
-  reference = lambda q, k, v, b: attention.reference_attention(
+  reference = lambda q, k, v, b: reference_attention(
       q, k, v, b, query_ids, key_ids, causal=causal)
   args = (query, key, value, bias)
 
@@ -121,7 +123,7 @@ def test_sharded_kernel_sums_bias_gradient_over_batch_shards():
   flash = lambda q, k, v, b: fa.sharded_flash_attention(
       q, k, v, b, ids, ids, causal=True, batch_axes="data", head_axes="model",
       block_sizes=blocks, interpret=True)
-  reference = lambda q, k, v, b: attention.reference_attention(q, k, v, b, ids, ids, causal=True)
+  reference = lambda q, k, v, b: reference_attention(q, k, v, b, ids, ids, causal=True)
   args = (query, key, value, bias)
   cotangent = jnp.asarray(np.random.default_rng(4).normal(size=query.shape), jnp.float32)
   with jax.sharding.set_mesh(mesh):

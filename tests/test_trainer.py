@@ -285,3 +285,15 @@ def test_sharded_4x2_matches_single_device_with_dropout():
   s1b = single.init_state(jax.random.PRNGKey(0))
   s1b, m1b = single.train_step(s1b, batch, jax.random.PRNGKey(8))
   assert float(m1b["loss"]) != pytest.approx(first_losses[0], rel=1e-6)
+
+
+def test_average_metrics_weights_by_tokens_and_sums_counts():
+  """Plain per-batch metric dicts (no loss terms): token-weighted means, `num_*` summed."""
+  out = tr.average_metrics([
+      {"nll": np.float32(2.0), "accuracy": 0.5, "num_tokens": 10, "num_examples": 2},
+      {"nll": jnp.float32(1.0), "accuracy": 1.0, "num_tokens": 30, "num_examples": 3}])
+  assert out["nll"] == pytest.approx((2 * 10 + 1 * 30) / 40)
+  assert out["accuracy"] == pytest.approx((0.5 * 10 + 30) / 40)
+  assert out["num_tokens"] == 40 and out["num_examples"] == 5
+  assert tr.average_metrics([{"x": 1.0}, {"x": 3.0}]) == {"x": 2.0}
+  assert tr.average_metrics([]) == {}
