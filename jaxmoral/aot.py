@@ -53,11 +53,6 @@ class ChipSpec:
   peak_flops_per_s: float
   chip_config_name: Optional[str] = None
 
-  def __post_init__(self):
-    for name in ("hbm_bytes", "peak_flops_per_s"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"ChipSpec.{name} must be positive, got {getattr(self, name)}")
-
 
 # HBM and peak bf16 dense FLOP/s per chip as published in Google Cloud's TPU system architecture
 # documentation: vendor figures, not measurements.
@@ -353,10 +348,7 @@ def analyze(compiled: Any, *, topology: Topology, target: str, program: CompileP
   chip = topology.chip
   if hbm_bytes is None and chip is not None:
     hbm_bytes = chip.hbm_bytes
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # older JAX: one dict per program
-    cost = cost[0] if cost else {}
-  cost = dict(cost or {})
+  cost = dict(compiled.cost_analysis() or {})
   flops = float(cost["flops"]) if cost.get("flops", -1) >= 0 else None
   accessed = cost.get("bytes accessed")
   peak_flops = chip.peak_flops_per_s if chip is not None else None
@@ -380,14 +372,10 @@ def analyze(compiled: Any, *, topology: Topology, target: str, program: CompileP
 def combine_stages(reports: Sequence[tuple[str, CompileReport]], *,
                    persistent_bytes: Optional[Sequence[int]] = None,
                    resident_bytes: Optional[int] = None) -> CompileReport:
-  """One report for a step run as several programs in sequence (`CompileProgram.stages`).
-
-  The programs do not run at once, but every model's parameters and state stay on the chips
-  the whole time: the peak is `resident_bytes` (all of them) plus the largest of what a stage
-  needs beyond its own persistent arguments (`persistent_bytes[i]`: activations, caches,
-  outputs). Without those, the stage with the highest peak. FLOPs, minimum step time and
-  compile times add up.
-  """
+  """One report for a step run as several programs in sequence (`CompileProgram.stages`): the
+  peak is `resident_bytes` plus the largest of what a stage needs beyond its own persistent
+  arguments (`persistent_bytes[i]`: activations, caches, outputs), else the highest stage
+  peak; FLOPs, minimum step time and compile times add up."""
   if len(reports) == 1 and resident_bytes is None:
     return reports[0][1]
   worst = max((r for _, r in reports), key=lambda r: r.peak_bytes)
@@ -539,20 +527,15 @@ def plan_compile(*, topology: str, target: Optional[str] = None,
     bound_slices = None
   if num_slices is None:
     num_slices = bound_slices or 1
-  elif bound_slices is not None and bound_slices != num_slices:
-    raise ValueError(f"compile_for_topology: num_slices={num_slices} disagrees with "
-                     f"partitioning.PjitPartitioner.num_slices={bound_slices}")
+  elif num_slices != (bound_slices or 1):  # The run's partitioner must have as many.
+    raise ValueError(f"compile_for_topology: num_slices={num_slices} disagrees with the run's "
+                     f"partitioning.PjitPartitioner.num_slices ({bound_slices or 'unbound: 1'}); "
+                     f"bind partitioning.PjitPartitioner.num_slices = {num_slices}")
   topo = get_topology(topology, num_slices=num_slices)
   target = target or _default_target()
   if target not in _TARGETS:
     raise ValueError(f"compile_for_topology: unknown target {target!r}; registered: "
                      f"{compile_targets()}")
-  if num_slices != (bound_slices or 1):
-    raise ValueError(f"compile_for_topology: num_slices={num_slices} needs the run's "
-                     f"partitioner to have as many: bind partitioning.PjitPartitioner."
-                     f"num_slices = {num_slices}")
-  # The run's entry point makes its partitioner as `train` does (the config's num_partitions,
-  # rules and slices); its devices are the topology's.
   with partitioning.default_devices(topo.devices):
     program = _TARGETS[target]()
   partitioner = program.partitioner

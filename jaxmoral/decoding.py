@@ -311,11 +311,8 @@ def choose_backend(model: T5, params: Params, backend: str = "auto") -> str:
                if name != "xla" and b.automatic and b.applies(model, params)), "xla")
 
 
-@functools.lru_cache(maxsize=32)
-def _jitted_prepare(name: str, model: T5,
-                    partitioner: Any) -> Callable[[Params], dict[str, Array]]:
-  return partitioning.jit_in_context(
-      lambda params: get_backend(name).prepare(model, nn.unbox(params)), partitioner)
+def _prepare_impl(model: T5, name: str, params: Params) -> dict[str, Array]:
+  return get_backend(name).prepare(model, nn.unbox(params))
 
 
 @gin.configurable(module="decoding", allowlist=["backend"])
@@ -342,7 +339,8 @@ def prepare_decode_weights(model: T5, params: Params, *, backend: str = "auto",
     raise ValueError(f"decoding backend {backend!r} prepares weights on one device; this model "
                      f"is sharded over {partitioner.mesh.size} devices (use 'auto' or 'xla')")
   name = choose_backend(model, params, backend)
-  return DecodeWeights(backend=name, kernels=_jitted_prepare(name, model, partitioner)(params))
+  kernels = _jitted(_prepare_impl, model, name, partitioner)(params)
+  return DecodeWeights(backend=name, kernels=kernels)
 
 
 def _step_ops(model: T5, params: Params, decode_weights: Optional[DecodeWeights]
@@ -552,7 +550,8 @@ def _sample_impl(model: T5, config: SampleConfig, params: Params,
 @functools.lru_cache(maxsize=128)
 def _jitted(impl: Callable[..., Any], model: T5, config: Any,
             partitioner: Any) -> partitioning.PartitionedFunction:
-  """`impl(model, config, ...)` jitted, one function per (model, config, partitioner)."""
+  """`impl(model, config, ...)` jitted, one function per (model, config, partitioner); `config`
+  is a decoder's settings or a backend's name (`prepare_decode_weights`)."""
   return partitioning.jit_in_context(functools.partial(impl, model, config), partitioner)
 
 
@@ -593,9 +592,6 @@ def sample(model: T5, params: Params, *, encoder_input_tokens: Optional[Array] =
       min_length, eos_id, return_raw_logprobs: See `SampleConfig`.
     decode_weights: `prepare_decode_weights`' kernels for `params`; None stacks XLA's
       kernels inside the call.
-
-  Returns:
-    A `DecodeOutput` of (batch, num_samples, max_decode_length) arrays.
   """
   fn = make_sampler(model, max_decode_length=max_decode_length, num_samples=num_samples,
                     temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
@@ -650,8 +646,7 @@ def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
     cand_seqs = jnp.take_along_axis(live_seqs, cand_beam[:, :, None], axis=1)
     cand_seqs = cand_seqs.at[:, :, step].set(cand_token)
     is_eos = cand_token == eos
-    # A hypothesis ends at EOS if it ranks among the k best candidates (as in HF; so that
-    # beam 1 is greedy), or at the length limit (then it is scored at full length).
+    # Ends at EOS among the k best (as in HF), or at the length limit (scored at full length).
     in_beam = jnp.arange(num_candidates)[None, :] < k
     ends = (is_eos & in_beam) | (step == length - 1)
     ends &= cand_lp > _NEG / 2  # Not an extension of a placeholder beam.
@@ -662,7 +657,6 @@ def _beam_search_impl(model: T5, config: BeamSearchConfig, params: Params,
     done_scores, top = jax.lax.top_k(all_scores, k)
     done_seqs = jnp.take_along_axis(all_seqs, top[:, :, None], axis=1)
     done_flags = jnp.take_along_axis(all_flags, top, axis=1)
-    # The k best candidates that did not end stay alive.
     live_lp, top = jax.lax.top_k(jnp.where(is_eos, _NEG, cand_lp), k)
     live_seqs = jnp.take_along_axis(cand_seqs, top[:, :, None], axis=1)
     parent = jnp.take_along_axis(cand_beam, top, axis=1)

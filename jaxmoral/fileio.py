@@ -191,8 +191,7 @@ def is_within(location: str | os.PathLike, folder: str | os.PathLike) -> bool:
   if is_url(location) or is_url(folder):
     a, b = abspath(location).rstrip("/"), abspath(folder).rstrip("/")
     return a == b or a.startswith(b + "/")
-  a = os.path.realpath(os.path.expanduser(location))
-  b = os.path.realpath(os.path.expanduser(folder))
+  a, b = (os.path.realpath(os.path.expanduser(p)) for p in (location, folder))
   if os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b):
     return True  # A hard link to the same file.
   return os.path.commonpath([a, b]) == b
@@ -588,8 +587,7 @@ def local_copy(location: str | os.PathLike) -> str:
 
 
 def local_folder(location: str | os.PathLike) -> str:
-  """A local folder with the files directly in `location` (for a URL copies in
-  `local_folder_for`: safetensors and PyTorch checkpoints are read from local files only)."""
+  """A local folder with the files directly in `location` (a URL's copied to `local_folder_for`)."""
   location = os.fspath(location)
   if not is_url(location):
     return location

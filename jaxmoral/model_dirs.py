@@ -435,14 +435,13 @@ def _load(source: str | os.PathLike, *, partitioner: Any = None, shardings: PyTr
                  if partitioner is not None else params_export.default_sharding())
   read_dtype = jnp.dtype(param_dtype) if param_dtype else None
   prompt = None
-  if info.format in ("hf", "hub"):
-    assert info.hf_sources is not None  # Set for every HF model directory.
-    params = _place(info.hf_sources, _target(t5_shapes, shardings, read_dtype or jnp.float32,
-                                             where))
-  elif info.format == "t5x":
-    located = t5x_import.locate(info.path, config=info.config)
-    target = _target(_flat_shapes(located.metadata), shardings, read_dtype or jnp.float32, where)
-    params = params_export.restore_subtree(located.item_dir, located.prefix, target)
+  if info.format in ("hf", "hub", "t5x"):
+    target = _target(t5_shapes, shardings, read_dtype or jnp.float32, where)
+    if info.hf_sources is not None:  # Set for every HF model directory.
+      params = _place(info.hf_sources, target)
+    else:
+      located = t5x_import.locate(info.path, config=info.config)
+      params = params_export.restore_subtree(located.item_dir, located.prefix, target)
   else:
     tree_shardings = shardings
     if prompted and not isinstance(shardings, Sharding):

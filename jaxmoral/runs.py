@@ -143,10 +143,8 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
     optimizer: From a gin/optimizers fragment (OPTIMIZER).
     partitioner: Mesh and rules (PARTITIONER); default: data parallel over all devices.
     num_microbatches: Gradient accumulation steps per global batch.
-    eval_every, eval_steps: Evaluate every N steps (0: only at the end) on that many batches
-      (None: the whole eval split; 0: no evaluation at all).
-    checkpoint_every, keep_checkpoints: Save every N steps (and at the end), keeping that many.
-    log_every: Progress line / TensorBoard every N steps.
+    eval_every, eval_steps, checkpoint_every, keep_checkpoints, log_every: As `train.train`'s
+      (but eval_steps 0: no evaluation at all).
     seed: Parameter init, shuffling and dropout seed.
     init_checkpoint: Fine-tune from this model directory or Hub id (any format of
       `jaxmoral.model_dirs`), read directly into the partitioner's shardings. Ignored on
@@ -194,8 +192,7 @@ def train_run(*, model_dir: str, model: trainable.TrainableModel, data: DataSpec
         raise ValueError(f"vocabulary has {vocabulary.vocab_size} ids (with extra ids) but "
                          f"T5Config.vocab_size is {model.config.vocab_size}")
 
-      def write_run_files(resumed_step: Optional[int]) -> None:
-        """After every check of `train.train` passed: a refused resume changes nothing."""
+      def write_run_files(resumed_step: Optional[int]) -> None:  # `train.train`'s on_checked.
         del resumed_step
         if jax.process_index() == 0:
           if gin.config_str():
@@ -420,11 +417,10 @@ def infer_run(*, model_dir: str, input_file: Optional[str], output_file: Optiona
   returns their path.
 
   Args:
-    input_file: Plain text (one input a line) or JSONL (`input_field` names the key);
-      INFER_INPUT.
+    input_file: Plain text (one input a line) or JSONL (`input_field` names the key, default
+      "input"); INFER_INPUT.
     output_file: JSONL of {"input", "predictions": [...], "scores": [...]}, one record per
       input, in order (a blank input line gets one without predictions); INFER_OUTPUT.
-    input_field: JSONL key of the input text.
     input_length: Encoder length: longer inputs are truncated to it (EOS kept; stderr says
       how many were).
     batch_size: Rows per decoding call (the last batch is padded; one compile).

@@ -9,7 +9,6 @@ bit), and microbatches give the one-batch update exactly for a loss declared as 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax._src import config as jax_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
@@ -133,14 +133,10 @@ def merge_params(trainable: Params, frozen: Params) -> dict:
 
 
 def _threefry_as_one_gpu_kernel() -> Any:
-  """A context lowering threefry to JAX's single CUDA kernel (GPU only; same random bits).
-
+  """A context lowering threefry to JAX's single CUDA kernel (GPU only; same random bits):
   XLA:GPU compiles the default, unrolled threefry slowly (the initialiser of T5 1.1-large took
-  minutes on an H100, seconds with this). A no-op where JAX lacks the config state.
-  """
-  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
-  state = getattr(jax_config, "threefry_gpu_kernel_lowering", None)
-  return contextlib.nullcontext() if state is None else state(True)
+  minutes on an H100, seconds with this)."""
+  return jax_config.threefry_gpu_kernel_lowering(True)
 
 
 @flax.struct.dataclass
@@ -309,7 +305,6 @@ class TrainStateInitializer:
     abstract_trainable, _ = split_params(abstract_params, self.trainable_mask)
     abstract_opt = jax.eval_shape(optimizer.init, abstract_trainable)
     self.replicated = partitioner.replicated
-    # TrainStates of shardings and of abstract values: the same tree, other leaves.
     self.state_shardings = TrainState(step=self.replicated,  # type: ignore[arg-type]
                                       params=self.params_shardings,
                                       opt_state=partitioner.sharding_like(abstract_opt, boxed))

@@ -65,12 +65,10 @@ def train_clarify_model(*, which: str, model_dir: str,
   "multitask": all in one model) as a `runs.train_run`, whose final metrics it returns.
 
   Args:
-    model_config: T5Config (None: `config.t5_config(size=model_size)`).
-    model_size: T5 size of the model when no `model_config` is given (default "tiny").
+    model_config, model_size: T5Config (None: `config.t5_config(size=model_size or "tiny")`).
     optimizer: Optax optimizer (None: AdamW at `learning_rate`).
     learning_rate: Rate of the default AdamW (default 1e-3); an error with `optimizer`, which
       has its own (the configs' gin macro LEARNING_RATE).
-    train_steps, batch_size: Steps, and the global batch size.
     feature_lengths: {"inputs": N, "targets": M} (None: inputs 128, targets 32).
     source: "demo" or a folder laid out like ../shared/data (every input of `which` must be
       there: `data.INPUTS`).
@@ -81,10 +79,8 @@ def train_clarify_model(*, which: str, model_dir: str,
       and `init_checkpoint`, else `formats.T5_JUDGE_CLASSES`).
     nli_labels: NLI targets for entailment, neutral, contradiction.
     relevance_labels: Discriminator targets for relevant, irrelevant.
-    partitioner: Mesh and rules (default data parallel).
-    eval_every, checkpoint_every, log_every: Evaluate (0: at the end; one pair in 10 is held
-      out), save and log every N steps.
-    init_checkpoint: Fine-tune from this model directory or Hub id (`jaxmoral.model_dirs`).
+    train_steps, batch_size, partitioner, eval_every, checkpoint_every, log_every,
+      init_checkpoint: As `runs.train_run`'s (its evaluation is of one pair in 10, held out).
     mixing_cap: At most this many pairs of each model ("multitask": T5's examples-proportional
       mixing with a limit; `data.build_pairs`); None: all.
     pack: Pack several pairs per row (`runs.Seq2SeqData.pack`, T5X's fine-tuning default):
@@ -152,13 +148,10 @@ def value_params_from_policy(trainer: ppo_trainer.PPOTrainer, policy_params: Any
                              rng: jax.Array) -> Any:
   """Value-model params: the policy's T5 weights where shapes agree, and a fresh scalar head
   (created in the value model's shardings)."""
-  def layout(tree: Any) -> tuple[Any, list[Any]]:
-    return (jax.tree_util.tree_structure(tree),
-            [x.shape for x in jax.tree_util.tree_leaves(tree)])
-
   fresh = dict(trainer.value_init.init_params(rng))
   for key, subtree in nn.meta.unbox(policy_params).items():
-    if key in fresh and layout(fresh[key]) == layout(subtree):
+    if key in fresh and (jax.tree_util.tree_map(jnp.shape, fresh[key])
+                         == jax.tree_util.tree_map(jnp.shape, subtree)):
       fresh[key] = subtree
   return fresh
 
@@ -248,7 +241,6 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
   """PPO of θQ against the defeasibility reward (resumes MODEL_DIR/checkpoints).
 
   Args:
-    model_dir: PPO run directory.
     question_model_dir: The supervised θQ (initial policy and reference).
     answer_model_dir: The answer generator θA of the reward (a run or export directory).
     fusion_model_dir, judge_model_dir: The fusion model and the judge of the reward.
@@ -261,9 +253,8 @@ def train_clarify_ppo(*, model_dir: str, question_model_dir: ModelSource,
       over the run's updates).
     learning_rate: Initial rate of the default Adam (default 1e-5); an error with
       `optimizer`, which has its own (the configs' gin macro PPO_LEARNING_RATE).
-    source: Situations: "demo" or a δ-Clarify folder.
-    split: δ-Clarify split of the training situations.
-    max_prompts: Use at most this many situations.
+    source, split, max_prompts: The situations: "demo" or a δ-Clarify folder, its split, and
+      at most this many of them.
     partitioner: Mesh and rules (default data parallel).
     value_model_config: Value-model T5Config (default θQ's; then it starts from θQ's weights).
     checkpoint_every, log_every, async_checkpoint, seed: As for `ppo_trainer.train_ppo`.

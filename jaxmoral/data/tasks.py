@@ -80,9 +80,7 @@ def register_text_pair_task(name: str, *, vocabulary: Any,
 
   Args:
     vocabulary: Vocabulary of both features (e.g. `vocab.get_vocabulary(...)`).
-    examples: Pairs (one "train" split) or `{split: pairs}`.
-    file: Instead of `examples`: a file (one "train" split) or `{split: file}`.
-    add_eos: Append EOS (after trimming) to both features.
+    examples, file: The pairs, or instead a file: one "train" split, or `{split: pairs | file}`.
     overwrite: Replace a Task of the same name (re-registration in tests and notebooks).
   """
   if (examples is None) == (file is None):
@@ -136,13 +134,6 @@ def _tasks(task_name: str) -> list[seqio.Task]:
   return provider.tasks if isinstance(provider, seqio.Mixture) else [provider]
 
 
-def num_examples(task_name: str, split: str) -> Optional[int]:
-  """Input examples of a Task split (summed over a Mixture's Tasks), when the source knows."""
-  counts = [t.source.num_input_examples(split) if split in t.splits else 0
-            for t in _tasks(task_name)]
-  return None if any(c is None for c in counts) else int(sum(counts))
-
-
 def _advance(iterator: Any, count: int) -> None:
   """Reads `count` elements of a tf.data iterator inside TensorFlow (no Python per element)."""
   if count > 0:
@@ -177,7 +168,6 @@ class TaskSource(DataSource):
     shuffle: False serves the split in order (evaluation).
     cache_dir: Where index caches are kept (None: `index_cache.default_root()`); a Task that
       does not fingerprint its data (this package's do) gets a cache of this process only.
-    max_cached_examples: Larger splits are streamed.
     position_dir: Where a streamed split's positions are kept (MODEL_DIR/data_position).
     position_every: A position every this many batches (the run's checkpoint interval).
   """
@@ -209,11 +199,12 @@ class TaskSource(DataSource):
 
   @property
   def num_examples(self) -> Optional[int]:
-    """Input examples of the split (all shards), when the source knows."""
-    return num_examples(self.task_name, self.split)
+    """Input examples of the split (all shards, all of a Mixture's Tasks), when they know."""
+    counts = [t.source.num_input_examples(self.split) if self.split in t.splits else 0
+              for t in _tasks(self.task_name)]
+    return None if any(c is None for c in counts) else int(sum(counts))
 
   def keeping_position(self, directory: str, every: int) -> TaskSource:
-    """A streamed split's position kept under `directory` (MODEL_DIR/data_position)."""
     return dataclasses.replace(self, position_dir=directory, position_every=every)
 
   @property

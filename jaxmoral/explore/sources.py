@@ -8,6 +8,7 @@ that part.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import pathlib
@@ -39,11 +40,15 @@ def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
   return rows
 
 
-def read_json(path: pathlib.Path) -> Any:
+def read_json(path: pathlib.Path, expected: Optional[str] = None) -> Any:
+  """A JSON file's value; with `expected` (what the message says it should be), an object."""
   try:
-    return json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads(path.read_text(encoding="utf-8"))
   except ValueError as error:
     raise ValueError(f"{path.name}: not JSON ({error})") from None
+  if expected is not None and not isinstance(data, dict):
+    raise ValueError(f"{path.name}: expected {expected}")
+  return data
 
 
 def _verdict(line: Any) -> dict[str, str]:
@@ -54,9 +59,7 @@ def _verdict(line: Any) -> dict[str, str]:
 
 def demo_verdicts(path: pathlib.Path) -> dict[str, list[dict[str, str]]]:
   """`jaxmoral demo`'s summary.json verdicts (`demo.truth_line`): {part: [{paper, this_run}]}."""
-  data = read_json(path)
-  if not isinstance(data, dict):
-    raise ValueError(f"{path.name}: expected the demo's summary object")
+  data = read_json(path, "the demo's summary object")
   return {part: [_verdict(line) for line in summary["truth"]]
           for part, summary in data.items()
           if isinstance(summary, dict) and isinstance(summary.get("truth"), list)}
@@ -155,9 +158,7 @@ def word_shading(row: Mapping[str, Any]) -> dict[str, Any]:
 
 def npov_results(path: pathlib.Path) -> dict[str, Any]:
   """`npov evaluate`'s results.json, {slice: {detector: {error: {labels, scores, ...}}}}."""
-  data = read_json(path)
-  if not isinstance(data, dict):
-    raise ValueError(f"{path.name}: expected {{slice: {{detector: ...}}}}")
+  data = read_json(path, "{slice: {detector: ...}}")
   for slice_name, by_detector in data.items():
     if not isinstance(by_detector, dict):
       raise ValueError(f"{path.name}: slice {slice_name!r} is not an object")
@@ -318,9 +319,7 @@ def diamante_dialogues(path: pathlib.Path, *, limit: int = 200) -> list[dict[str
 
 def diamante_metrics(path: pathlib.Path) -> dict[str, dict[str, float]]:
   """`diamante evaluate`'s metrics: {ranker: {map, mrr, p@1}} plus "other" values."""
-  data = read_json(path)
-  if not isinstance(data, dict):
-    raise ValueError(f"{path.name}: expected an object of metrics")
+  data = read_json(path, "an object of metrics")
   out: dict[str, dict[str, float]] = {}
   for key, value in data.items():
     if isinstance(value, (int, float)):  # Not the "samples" and "rankings" lists.
@@ -506,9 +505,7 @@ def intervals(data: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, 
 def experiment(path: pathlib.Path) -> dict[str, Any]:
   """An experiment's results: command, machine, verdicts, every interval (grouped by its
   first key), its plot and its markdown report."""
-  data = read_json(path)
-  if not isinstance(data, dict):
-    raise ValueError(f"{path.name}: expected an object")
+  data = read_json(path, "an object")
   groups: dict[str, list[dict[str, Any]]] = {}
   for keys, ci in intervals(data):
     if keys[0] in ("setup", "machine", "timings"):
@@ -532,21 +529,18 @@ def experiment(path: pathlib.Path) -> dict[str, Any]:
 
 def markdown_tables(text: str) -> list[dict[str, Any]]:
   """The pipe tables of a markdown report, each {"header", "rows"}, with the heading above."""
-  tables, heading, lines = [], None, text.splitlines()
-  i = 0
-  while i < len(lines):
-    line = lines[i].strip()
-    if line.startswith("#"):
-      heading = line.lstrip("#").strip()
-    if line.startswith("|") and i + 1 < len(lines) and re.match(r"^\|[\s:|-]+\|$",
-                                                                   lines[i + 1].strip()):
-      cells = lambda row: [c.strip() for c in row.strip().strip("|").split("|")]  # noqa: E731
-      table: dict[str, Any] = {"heading": heading, "header": cells(line), "rows": []}
-      i += 2
-      while i < len(lines) and lines[i].strip().startswith("|"):
-        table["rows"].append(cells(lines[i]))
-        i += 1
-      tables.append(table)
+  tables: list[dict[str, Any]] = []
+  heading = None
+  lines = (line.strip() for line in text.splitlines())
+  for piped, group in itertools.groupby(lines, key=lambda line: line.startswith("|")):
+    block = list(group)
+    if not piped:
+      heading = next((h.lstrip("#").strip() for h in reversed(block) if h.startswith("#")), heading)
       continue
-    i += 1
+    # A table: a header row, its |---| separator row, then rows up to the next unpiped line.
+    start = next((j for j in range(len(block) - 1)
+                  if re.match(r"^\|[\s:|-]+\|$", block[j + 1])), None)
+    if start is not None:
+      cells = [[c.strip() for c in row.strip("|").split("|")] for row in block[start:]]
+      tables.append({"heading": heading, "header": cells[0], "rows": cells[2:]})
   return tables

@@ -433,8 +433,7 @@ class Decoder(nn.Module):
             mask if packing is None else mask & packing)
     inputs = encoder_mask.shape[0]
     if not decode and inputs != batch:
-      # G = batch / inputs teacher-forced rows per input (rows b * G + i), e.g. candidates
-      # scored against one encoding: each group attends to its input's keys/values once.
+      # G = batch / inputs rows per input share its encoding (`T5.decode`), e.g. candidates.
       if batch % inputs or segment_ids is not None or encoder_segment_ids is not None:
         raise ValueError(f"Decoder: {batch} unpacked rows cannot share {inputs} inputs' "
                          "encodings (rows must come in equal groups per input, unpacked)")
@@ -468,7 +467,6 @@ class Decoder(nn.Module):
       # T5 1.0 rescales before the tied projection (Mesh TensorFlow convention).
       logits = self.shared_embedder.attend(hidden * (cfg.d_model ** -0.5), step_ops=step_ops)
     else:
-      # Untied: `decoder/logits_dense/kernel` (embed, vocab), float32 logits.
       logits = DenseKernel(features=cfg.vocab_size, axes=("embed", "vocab"),
                            init_scale=cfg.d_model ** -0.5, dtype=_dtype(cfg), ops=ops,
                            name="logits_dense")(hidden, step_ops=step_ops,

@@ -110,11 +110,9 @@ def run(*, output_dir: str, kb_path: Optional[str] = None, perspectrum_dir: Opti
     classifier_dirs: {"hallucination": dir, "coverage": dir} prompt directories.
     prompts_dir: A run folder laid out like `demo.run_demo`'s (generator/prompt,
       classifier_<error>/prompt) for the dirs not given.
-    base_dir, vocabulary_path: As `detect_file`'s.
-    split: Topics to evaluate on ("test").
-    seed: Sampling / synthetic-error seed.
+    base_dir, vocabulary_path, partitioner: As `detect_file`'s.
+    split, seed: The topics to evaluate on; the sampling and synthetic-error seed.
     max_examples: Cap on source examples (quick runs).
-    partitioner: As `detect_file`'s.
   """
   if prompts_dir:
     generator_dir = generator_dir or os.path.join(prompts_dir, "generator", "prompt")
@@ -191,7 +189,6 @@ def train_error_classifier(*, model_dir: str, base_dir: str, error: str,
     error: "hallucination" or "coverage".
     kb_path, perspectrum_dir, examples_path, max_examples: As `run`'s.
     split: Topics to train on ("train"; `evaluate` tests on "test").
-    batch_size: Global batch size.
     learning_rate: Peak learning rate of the prompt.
     warmup_steps: Linear warm-up steps (capped below `train_steps`).
     max_input_length: Encoder length (tokens) of query, arguments and response.

@@ -151,15 +151,14 @@ class PPOConfig:
       raise ValueError(f"PPOConfig: the minibatch size {self.minibatch_size} (batch_size / "
                        f"num_minibatches) must be divisible by "
                        f"num_microbatches={self.num_microbatches}")
-    for name in ("clip_ratio", "value_clip", "temperature", "kl_target", "kl_horizon"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"PPOConfig.{name} must be > 0, got {getattr(self, name)!r}")
-    for name in ("value_coef", "init_kl_coef"):
-      if not getattr(self, name) >= 0:
-        raise ValueError(f"PPOConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-    for name in ("gamma", "lam"):
-      if not 0.0 <= getattr(self, name) <= 1.0:
-        raise ValueError(f"PPOConfig.{name} must be in [0, 1], got {getattr(self, name)!r}")
+    for names, rule, holds in (
+        (("clip_ratio", "value_clip", "temperature", "kl_target", "kl_horizon"), "> 0",
+         lambda v: v > 0),
+        (("value_coef", "init_kl_coef"), ">= 0", lambda v: v >= 0),
+        (("gamma", "lam"), "in [0, 1]", lambda v: 0.0 <= v <= 1.0)):
+      for name in names:
+        if not holds(getattr(self, name)):
+          raise ValueError(f"PPOConfig.{name} must be {rule}, got {getattr(self, name)!r}")
     validation.non_negative_int(self.top_k, "PPOConfig.top_k")
     if self.top_p != 1.0 or self.top_k != 0:
       raise ValueError(f"PPOConfig: top_p={self.top_p!r}, top_k={self.top_k!r}: PPO rollouts "
@@ -697,7 +696,6 @@ class PPOTrainer:
     metrics = {renamed.get(k, k): float(v) for k, v in jax.device_get(score_metrics).items()}
     metrics.update({k: float(v) for k, v in jax.device_get(update_metrics).items()})
     metrics.update(reward_metrics)
-    # Distinct-n of the response tokens (EOS excluded).
     ids = [" ".join(map(str, row)) for row in _response_ids(
         responses, mask, self.policy_model.config.eos_token_id)]
     metrics.update({f"distinct_{n}": metrics_lib.distinct_n(ids, n) for n in (1, 2)})
@@ -851,13 +849,11 @@ def plot_reward_curve(path: str | os.PathLike[str]) -> str:
   x = [episodes.get(i, i) for i in steps] if episodes else steps
   fig, (ax_r, ax_kl) = pictures.pyplot().subplots(1, 2, figsize=(10, 3.2))
   ax_r.plot(x, [rows[i]["raw_score_mean"] for i in steps], marker=".")
-  ax_r.set_ylabel("mean raw reward")
-  ax_r.set_title("PPO reward")
+  ax_r.set(ylabel="mean raw reward", title="PPO reward")
   for name, label in (("kl", "sampled-token estimate"), ("kl_full_vocab", "full vocabulary")):
     if all(name in rows[i] for i in steps):
       ax_kl.plot(x, [rows[i][name] for i in steps], marker=".", label=label)
-  ax_kl.set_ylabel("KL(policy || reference), nats / response")
-  ax_kl.set_title("KL to the reference")
+  ax_kl.set(ylabel="KL(policy || reference), nats / response", title="KL to the reference")
   if ax_kl.lines:
     ax_kl.legend(fontsize=8)
   for ax in (ax_r, ax_kl):
