@@ -2,6 +2,7 @@
 compilation cache per test run."""
 
 import contextlib
+import logging
 import os
 import shutil
 import tempfile
@@ -213,6 +214,24 @@ def set_environment(env: dict[str, str]) -> Iterator[None]:
     for key, value in env.items():
       patch.setenv(key, value)
     yield
+
+
+@pytest.fixture(autouse=True)
+def no_log_handler_outlives_its_test():
+  """Removes the root-logger handlers a test installed (pytest's own stay).
+
+  A process's start-up (`cli.quiet_logs(force=True)`, which every experiment's `main` calls)
+  puts a handler on the root logger bound to the test's captured stderr. pytest closes that
+  stream after the test, so every later test in the worker would log into a closed file
+  ("--- Logging error ---" in the one-line errors that tests read).
+  """
+  before, level = set(logging.root.handlers), logging.root.level
+  yield
+  for handler in list(logging.root.handlers):
+    if handler not in before and not type(handler).__module__.startswith("_pytest"):
+      logging.root.removeHandler(handler)
+      handler.close()
+  logging.root.setLevel(level)
 
 
 BUCKET_FIXTURES = frozenset({"gcs", "tensorflow_gcs", "s3"})

@@ -31,7 +31,6 @@ from __future__ import annotations
 import csv
 import importlib
 import json
-import logging
 import os
 import pathlib
 import sys
@@ -239,10 +238,6 @@ def run_script(words: list[str]) -> int:
   try:
     with pytest.MonkeyPatch.context() as patch:
       patch.setattr(sys, "argv", [str(ROOT / words[1]), *words[2:]])  # As python sets it.
-      # A script's start-up replaces the root logger's handlers (`cli.quiet_logs(force=True)`)
-      # with one on this test's captured stderr, which pytest closes after it: the modules
-      # that run next in this process would log into a closed stream.
-      patch.setattr(logging.root, "handlers", list(logging.root.handlers))
       environment = dict(os.environ)  # Its start-up's defaults (TF_CPP_MIN_LOG_LEVEL, ...).
       try:
         return common.main(run, words[2:])
