@@ -10,8 +10,11 @@ experiments/clarify_table4.py lays them out), with no PPO:
    a copy of SFT is fine-tuned on the best question of each situation. SFT and the copy then
    ask `eval_samples` questions each about the same held-out situations, scored by the same
    reward: per situation the mean reward of each, and the paired 95 % interval of copy minus
-   SFT. If the gain holds on held-out situations, the reward has a direction a policy can
-   learn (PPO should find it); if not, the limit is the judge and the generator at this scale.
+   SFT. The null is a second copy fine-tuned the same way on a random one of the same n
+   samples: fine-tuning on its own samples alone sharpens a generator, whatever the reward
+   says, so the reward's direction is what the best-of-n copy gains over the random-pick copy.
+   If that gain holds on held-out situations, the reward has a direction a policy can learn
+   (PPO should find it); if not, the limit is the judge and the generator at this scale.
 2. The judge's quality: its accuracy on the silver judge labels that its training held out
    (the pairs `jaxmoral.data.pairs.split_pairs` holds out by hash, one in 10), its mean
    entropy and top probability there, and the spread of the reward over step 1's samples
@@ -43,7 +46,8 @@ import clarify_table4  # registers that configurable (the config binds it)
 logger = logging.getLogger("clarify_best_of_n")
 
 PAPER = ("the reward has a direction that generalises: a copy of the supervised generator "
-         "fine-tuned on its best-of-n questions scores above it on held-out situations")
+         "fine-tuned on its best-of-n questions scores above it, and above a copy fine-tuned "
+         "on a random one of the same samples, on held-out situations")
 
 
 def reward_spread(scores: np.ndarray) -> dict[str, float]:
@@ -162,31 +166,45 @@ def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 2
   train = data_lib.situations(data_dir, split="train")[:num_train_situations]
   candidates, train_scores = sample_and_score(sft, train, samples_per_situation, seed)
   best = [qs[int(np.argmax(s))] for qs, s in zip(candidates, train_scores, strict=True)]
+  # The null's picks: one of the same n samples each, blind to the reward.
+  random_picks = np.random.default_rng(seed).integers(samples_per_situation, size=len(train))
+  randomly_picked = [qs[int(i)] for qs, i in zip(candidates, random_picks, strict=True)]
   timings["best_of_n_s"] = time.time() - tick
-  tick = time.time()
-  copy_dir = os.path.join(workdir, f"best_of_{samples_per_situation}_question")
-  pairs = [(formats.question_input(s), q) for s, q in zip(train, best, strict=True)]
   sft_info = model_dirs.inspect(role_dir["question"])
-  common.train_stage(copy_dir, finetune_steps, lambda: runs.train_run(
-      model_dir=copy_dir, model=trainable.Seq2SeqModel(config=sft_info.config),
-      data=runs.Seq2SeqData(train_file=data_lib.write_pairs(
-          pairs, os.path.join(copy_dir, "data", "best_questions.jsonl"))),
-      train_steps=finetune_steps, batch_size=finetune_batch_size, feature_lengths=lengths,
-      optimizer=bound("optimizer"), seed=seed, init_checkpoint=role_dir["question"],
-      checkpoint_every=finetune_steps, log_every=max(1, finetune_steps // 10)))
+
+  def finetuned_copy(questions: Sequence[str], kind: str) -> str:
+    """A copy of SFT fine-tuned on one question per train situation; its run folder."""
+    run_dir = os.path.join(workdir, f"{kind}_of_{samples_per_situation}_question")
+    pairs = [(formats.question_input(s), q) for s, q in zip(train, questions, strict=True)]
+    common.train_stage(run_dir, finetune_steps, lambda: runs.train_run(
+        model_dir=run_dir, model=trainable.Seq2SeqModel(config=sft_info.config),
+        data=runs.Seq2SeqData(train_file=data_lib.write_pairs(
+            pairs, os.path.join(run_dir, "data", f"{kind}_questions.jsonl"))),
+        train_steps=finetune_steps, batch_size=finetune_batch_size, feature_lengths=lengths,
+        optimizer=bound("optimizer"), seed=seed, init_checkpoint=role_dir["question"],
+        checkpoint_every=finetune_steps, log_every=max(1, finetune_steps // 10)))
+    return run_dir
+
+  tick = time.time()
+  copy_dir = finetuned_copy(best, "best")
+  random_copy_dir = finetuned_copy(randomly_picked, "random")
   timings["finetune_s"] = time.time() - tick
 
   # 2. SFT and the copy on the same held-out situations, the same keys.
   tick = time.time()
   held_out = data_lib.situations(data_dir, split=eval_split)[:max_eval_situations]
-  copy = models.load_model(copy_dir, **shapes)
   _, sft_scores = sample_and_score(sft, held_out, eval_samples, seed + 1)
-  copy_questions, copy_scores = sample_and_score(copy, held_out, eval_samples, seed + 1)
+  copy_questions, copy_scores = sample_and_score(models.load_model(copy_dir, **shapes),
+                                                 held_out, eval_samples, seed + 1)
+  _, random_scores = sample_and_score(models.load_model(random_copy_dir, **shapes),
+                                      held_out, eval_samples, seed + 1)
   sft_mean, copy_mean = sft_scores.mean(axis=1), copy_scores.mean(axis=1)
+  random_mean = random_scores.mean(axis=1)
   ci = lambda v: common.ci_dict(common.mean_ci(v, num_resamples=num_resamples,  # noqa: E731
                                                seed=seed))
-  diff = common.ci_dict(common.paired_diff_ci(copy_mean, sft_mean, num_resamples=num_resamples,
-                                              seed=seed))
+  paired = lambda a, b: common.ci_dict(common.paired_diff_ci(  # noqa: E731
+      a, b, num_resamples=num_resamples, seed=seed))
+  diff, diff_random = paired(copy_mean, sft_mean), paired(copy_mean, random_mean)
   timings["evaluate_s"] = time.time() - tick
 
   # 3. The judge on its held-out silver labels.
@@ -198,13 +216,16 @@ def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 2
   judge = judge_quality(distributions, [label for _, label in examples])
   timings["judge_s"] = time.time() - tick
   timings["total_s"] = time.time() - started
-  part = common.ClaimPart("best-of-n copy minus SFT, avg JSD on held-out situations", diff,
-                          digits=4, null="SFT")
-  word, why = common.claim_verdict([part])
+  parts = [common.ClaimPart("best-of-n copy minus SFT, avg JSD on held-out situations", diff,
+                            digits=4, null="SFT"),
+           common.ClaimPart("best-of-n copy minus the random-pick copy, avg JSD on held-out "
+                            "situations", diff_random, digits=4, null="random-pick copy")]
+  word, why = common.claim_verdict(parts)
   results = {
       "command": command, "machine": common.machine(), "timings": timings,
       "setup": {"workdir": workdir, "data_dir": data_dir, "model_dirs": role_dir,
-                "copy_dir": copy_dir, "num_train_situations": len(train),
+                "copy_dir": copy_dir, "random_copy_dir": random_copy_dir,
+                "num_train_situations": len(train),
                 "samples_per_situation": samples_per_situation,
                 "finetune_steps": finetune_steps, "finetune_batch_size": finetune_batch_size,
                 "eval_split": eval_split, "eval_situations": len(held_out),
@@ -216,8 +237,11 @@ def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 2
                                   "scores": list(map(float, sc))}
                                  for s, b, c, sc in list(zip(train, best, candidates,
                                                              train_scores, strict=True))[:5]]},
-      "evaluation": {"sft": ci(sft_mean), "copy": ci(copy_mean), "copy - sft": diff,
-                     "per_situation": {"sft": sft_mean.tolist(), "copy": copy_mean.tolist()},
+      "evaluation": {"sft": ci(sft_mean), "copy": ci(copy_mean), "random_copy": ci(random_mean),
+                     "copy - sft": diff, "copy - random_copy": diff_random,
+                     "random_copy - sft": paired(random_mean, sft_mean),
+                     "per_situation": {"sft": sft_mean.tolist(), "copy": copy_mean.tolist(),
+                                       "random_copy": random_mean.tolist()},
                      "copy_questions": [list(q) for q in copy_questions[:5]],
                      "eval_reward_spread_sft": reward_spread(sft_scores)},
       "judge": judge, "verdict": word, "verdict_why": why}
@@ -237,13 +261,19 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
       f"Setup: the supervised question generator of `{s['workdir']}` samples "
       f"{s['samples_per_situation']} questions (temperature {s['temperature']}, untruncated) "
       f"for each of {s['num_train_situations']} train situations; a copy fine-tuned "
-      f"{s['finetune_steps']} steps (batch {s['finetune_batch_size']}) on the best of each; "
-      f"both ask {s['eval_samples']} questions about each of {s['eval_situations']} "
+      f"{s['finetune_steps']} steps (batch {s['finetune_batch_size']}) on the best of each, "
+      f"and the null, a copy fine-tuned the same way on a random one of each situation's "
+      f"samples; the three ask {s['eval_samples']} questions about each of "
+      f"{s['eval_situations']} "
       f"`{s['eval_split']}` situations (the same keys), per situation the mean reward. 95 % "
       f"bootstrap intervals over situations ({s['num_resamples']} resamples).", "",
       "| | avg JSD |", "|---|---|",
       f"| SFT | {common.fmt(ev['sft'], 4)} |", f"| best-of-n copy | {common.fmt(ev['copy'], 4)} |",
-      f"| copy − SFT (paired) | {common.fmt(ev['copy - sft'], 4)} |", "",
+      f"| random-pick copy (the null) | {common.fmt(ev['random_copy'], 4)} |",
+      f"| best-of-n copy − SFT (paired) | {common.fmt(ev['copy - sft'], 4)} |",
+      f"| best-of-n copy − random-pick copy (paired) | "
+      f"{common.fmt(ev['copy - random_copy'], 4)} |",
+      f"| random-pick copy − SFT (paired) | {common.fmt(ev['random_copy - sft'], 4)} |", "",
       f"Reward over the {s['num_train_situations']} x {s['samples_per_situation']} train "
       f"samples: mean {spread['mean']:.4f}, std {spread['std']:.4f}, exactly 0 for "
       f"{spread['zero_pct']:.1f} %, median {spread['p50']:.4f}, 90th percentile "
@@ -263,17 +293,19 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
 
 
 def plot(results: Mapping[str, Any], path: str, *, title: str) -> str:
-  """SFT vs the best-of-n copy with intervals; the per-situation differences."""
+  """SFT, the best-of-n copy and the random-pick copy with intervals; the per-situation
+  differences of the best-of-n copy."""
   from jaxmoral import pictures  # pylint: disable=import-outside-toplevel
   plt = pictures.pyplot()
   ev = results["evaluation"]
   fig, (ax_bar, ax_hist) = plt.subplots(1, 2, figsize=(10, 3.5))
-  rows = [("SFT", ev["sft"]), ("best-of-n copy", ev["copy"])]
+  rows = [("SFT", ev["sft"]), ("best-of-n copy", ev["copy"]),
+          ("random-pick copy", ev["random_copy"])]
   est = np.array([r["estimate"] for _, r in rows])
   err = np.array([[r["estimate"] - r["low"] for _, r in rows],
                   [r["high"] - r["estimate"] for _, r in rows]])
-  ax_bar.bar(np.arange(2), est, yerr=err, capsize=4, color=["tab:blue", "tab:red"])
-  ax_bar.set_xticks(np.arange(2))
+  ax_bar.bar(np.arange(3), est, yerr=err, capsize=4, color=["tab:blue", "tab:red", "tab:gray"])
+  ax_bar.set_xticks(np.arange(3))
   ax_bar.set_xticklabels([n for n, _ in rows])
   ax_bar.set_title("avg JSD on held-out situations (95 % CI)")
   per = ev["per_situation"]

@@ -358,4 +358,7 @@ def test_the_documented_clarify_smokes_run_in_full(base, shared_like_data, tmp_p
   assert len(best["evaluation"]["per_situation"]["copy"]) == setup["eval_situations"]
   assert {"low", "high", "estimate"} <= set(best["evaluation"]["copy - sft"])
   assert best["judge"]["examples"] > 0 and 0 <= best["judge"]["accuracy"] <= 1
-  assert test_docs.checkpoint_steps(workdir / "best_of_2_question")[-1] == 2
+  assert {"low", "high", "estimate"} <= set(best["evaluation"]["copy - random_copy"])
+  assert len(best["evaluation"]["per_situation"]["random_copy"]) == setup["eval_situations"]
+  for kind in ("best", "random"):
+    assert test_docs.checkpoint_steps(workdir / f"{kind}_of_2_question")[-1] == 2, kind
