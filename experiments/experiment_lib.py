@@ -38,6 +38,7 @@ from jaxmoral import fileio  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_files  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import integrity  # noqa: E402  pylint: disable=wrong-import-position
+from jaxmoral import preemption  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import run_dirs  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import run_layout  # noqa: E402  pylint: disable=wrong-import-position
@@ -111,6 +112,9 @@ def main(run: Callable[..., dict[str, Any]], argv: Optional[Sequence[str]] = Non
       raise
     print(f"error: {message}", file=sys.stderr)
     return 2
+  except preemption.Stopped as stopped:  # SIGTERM / SIGINT in a stage: saved, rerun resumes.
+    print(cli.error_message(stopped), file=sys.stderr)
+    return stopped.exit_status
   print(f"command: {command}", flush=True)
   return 0
 

@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import sys
 
 import gin
@@ -14,6 +15,7 @@ import pytest
 from jaxmoral import demo
 from jaxmoral import gin_utils
 from jaxmoral import metrics
+from jaxmoral import preemption
 from jaxmoral.clarify import evaluate as clarify_evaluate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -145,6 +147,23 @@ def test_an_experiments_missing_data_is_one_line_and_a_bug_keeps_its_traceback(
   with pytest.raises(KeyError):
     experiment_lib.main(_experiment_needing_data,
                         [f"--gin_file={config}", "--gin._experiment_needing_data.bug=True"])
+
+
+@gin.configurable
+def _experiment_stopped_by_sigterm(*, command: str) -> dict:
+  del command
+  raise preemption.Stopped(signal.SIGTERM, step=7, where="/runs/stage/checkpoints")
+
+
+def test_an_experiment_stopped_by_a_signal_is_one_line_and_its_exit_status(tmp_path, capsys):
+  config = tmp_path / "exp.gin"
+  config.write_text("")
+  assert experiment_lib.main(_experiment_stopped_by_sigterm, [f"--gin_file={config}"]) == 143
+  err = capsys.readouterr().err
+  assert "Traceback" not in err
+  assert err.strip().splitlines() == [
+      "stopped by SIGTERM: saved step 7 to /runs/stage/checkpoints; run the same command "
+      "again to resume (exit status 143)"]
 
 
 def test_the_diamante_experiment_without_the_dialogue_extra_is_one_line(tmp_path, capsys,
