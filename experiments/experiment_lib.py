@@ -38,8 +38,8 @@ from jaxmoral import fileio  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_files  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import gin_utils  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import integrity  # noqa: E402  pylint: disable=wrong-import-position
-from jaxmoral import preemption  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import metrics as metrics_lib  # noqa: E402  pylint: disable=wrong-import-position
+from jaxmoral import preemption  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import run_dirs  # noqa: E402  pylint: disable=wrong-import-position
 from jaxmoral import run_layout  # noqa: E402  pylint: disable=wrong-import-position
 
