@@ -10,10 +10,12 @@ server (`STORAGE_EMULATOR_HOST`) is also given to TensorStore (`TENSORSTORE_GCS_
 from __future__ import annotations
 
 import builtins
+import contextlib
 import datetime
 import errno
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -21,11 +23,29 @@ import stat
 import tempfile
 import threading
 import uuid
-from typing import IO, Any, Iterable, Optional
+from typing import IO, Any, Iterable, Iterator, Optional
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _configured = False
 _configure_guard = threading.Lock()
+
+
+def _is_not_missing_root_metadata(record: logging.LogRecord) -> bool:
+  return not record.getMessage().startswith("Metadata file does not exist")
+
+
+@contextlib.contextmanager
+def reading_orbax_item() -> Iterator[None]:
+  """Orbax's checkpointer, given an item folder (a run's step item, an export's params, a T5X
+  checkpoint), reads it as a checkpoint's root and warns that the root's `_CHECKPOINT_METADATA`
+  is missing; a manager writes that file one level up (`run_layout`) and T5X never wrote it, so
+  for an item the warning is always false. Every item read goes through here."""
+  absl_logger = logging.getLogger("absl")  # Orbax logs through absl.
+  absl_logger.addFilter(_is_not_missing_root_metadata)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(_is_not_missing_root_metadata)
 
 
 def is_url(path: str | os.PathLike) -> bool:

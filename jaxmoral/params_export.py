@@ -6,11 +6,10 @@ Every load reads into the caller's shardings, its manifest checked before any ar
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import gin
@@ -39,26 +38,9 @@ def default_sharding() -> Sharding:
   return NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), PartitionSpec())
 
 
-def _is_not_missing_step_metadata(record: logging.LogRecord) -> bool:
-  return not record.getMessage().startswith("Metadata file does not exist")
-
-
-@contextlib.contextmanager
-def _reading_an_item() -> Iterator[None]:
-  """Orbax's checkpointer reads the item folder it is given as a checkpoint's root and warns
-  that the root's `_CHECKPOINT_METADATA` is missing there; a manager writes it one level up
-  (`run_layout`), so for a run's or an export's item the warning is always false."""
-  absl_logger = logging.getLogger("absl")  # Orbax logs through absl.
-  absl_logger.addFilter(_is_not_missing_step_metadata)
-  try:
-    yield
-  finally:
-    absl_logger.removeFilter(_is_not_missing_step_metadata)
-
-
 def _saved_tree(item_dir: str) -> PyTree:
   """The saved tree of an Orbax PyTree checkpoint, `ArrayMetadata` leaves."""
-  with _reading_an_item():
+  with fileio.reading_orbax_item():
     metadata = ocp.PyTreeCheckpointer().metadata(item_dir).item_metadata
   return getattr(metadata, "tree", metadata)
 
@@ -282,7 +264,7 @@ def restore_subtree(item_dir: str | os.PathLike, prefix: tuple[str, ...], target
   wrapped: Any = target
   for key in reversed(prefix):
     wrapped = {key: wrapped}
-  with _reading_an_item():
+  with fileio.reading_orbax_item():
     restored = ocp.PyTreeCheckpointer().restore(
         os.fspath(item_dir), args=ocp.args.PyTreeRestore(
             wrapped, restore_args=ocp.checkpoint_utils.construct_restore_args(wrapped),

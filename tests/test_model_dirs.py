@@ -271,7 +271,7 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(tmp_path, monkeypatch, d
 
 # -- T5X ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_t5x_orbax_checkpoint_loads_into_shardings(variant, tmp_path, mesh):
+def test_t5x_orbax_checkpoint_loads_into_shardings(variant, tmp_path, mesh, caplog):
   """A T5X-layout Orbax checkpoint (params under target/, optimizer state beside) loads."""
   model = _tiny_hf(tmp_path / "hf", variant, seed=4)
   tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
@@ -280,8 +280,11 @@ def test_t5x_orbax_checkpoint_loads_into_shardings(variant, tmp_path, mesh):
           "state": {"step": np.int32(100), "param_states": {"token_embedder": {"embedding": {
               "v_row": np.ones(VOCAB, np.float32)}}}}}
   ocp.PyTreeCheckpointer().save(tmp_path / "checkpoint_100", tree)
-  loaded = model_dirs.load(tmp_path / "checkpoint_100", partitioner=mesh)
+  (tmp_path / "checkpoint_100" / "_CHECKPOINT_METADATA").unlink(missing_ok=True)  # As T5X's.
+  with caplog.at_level(logging.WARNING):
+    loaded = model_dirs.load(tmp_path / "checkpoint_100", partitioner=mesh)
   assert loaded.info.format == "t5x"
+  assert "Metadata file does not exist" not in caplog.text  # An item folder has none.
   # Shapes give everything but the defaults (128, 1e-6) that the torch model also uses.
   assert loaded.config == config.replace(dropout_rate=0.0)
   flat = flax.traverse_util.flatten_dict(loaded.params)

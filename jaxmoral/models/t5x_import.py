@@ -164,7 +164,8 @@ def locate(directory: str | os.PathLike, *, config: Optional[T5Config] = None) -
   if not directory.is_dir():
     raise FileNotFoundError(f"T5X checkpoint directory not found: {directory}")
   item = _item_dir(directory)
-  metadata = ocp.PyTreeCheckpointer().metadata(item).item_metadata
+  with fileio.reading_orbax_item():
+    metadata = ocp.PyTreeCheckpointer().metadata(item).item_metadata
   tree = getattr(metadata, "tree", metadata)
   prefix, node = find_param_tree(tree, str(item))
   config = config or infer_config(node)
