@@ -55,6 +55,18 @@ SYSTEMS = ("why", "finetuned", "pipeline", "pipeline_no_nli", "discriminator", "
            "finetuned@rollout", "ppo@rollout", "finetuned@greedy", "ppo@greedy")
 PAPER = ("paper (Pyatkin et al. 2023, Table 4): PPO raises the average JSD and the % of "
          "judgment flips over the supervised question generator")
+# The avg JSD of the paper's Table 4 systems: the reward's scale with its judge (Delphi).
+PAPER_JSD_RANGE = (0.14, 0.19)
+# The diagnosis's thresholds (`diagnosis`), at the conventions of trl's PPO logs: clipping
+# above a fifth of the tokens or an approx-KL above 0.02 per epoch means steps too large for
+# the trust region; a value head that explains under a tenth of the returns' variance gives
+# advantages that are mostly noise; entropy halved or up by half is collapse or drift.
+CLIPFRAC_HIGH = 0.2
+APPROX_KL_HIGH = 0.02
+EXPLAINED_VARIANCE_LOW = 0.1
+ENTROPY_RATIO_BAND = (0.5, 1.5)
+SETTINGS = "settings"
+CAPACITY = "capacity"
 
 
 def supervised_models(*, separate_models: bool,
@@ -342,6 +354,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
                 "eval_split": eval_split, "eval_situations": len(eval_situations),
                 "num_resamples": num_resamples, "seed": seed}}
   results["verdict"], results["verdict_why"] = verdict(differences)
+  results["diagnosis"] = diagnosis(results)
   return common.write_results(results, results_dir=results_dir, name=name,
                               title=f"ClarifyDelphi Table 4 shape ({name})", plot=plot,
                               report=report)
@@ -432,12 +445,117 @@ def kl_line(setup: Mapping[str, Any]) -> str:
           f"nats, horizon {setup['kl_horizon']:g} episodes")
 
 
+def _quarters(values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+  """The first and the last quarter of a learning curve (at least one iteration each)."""
+  values = np.asarray(values, np.float64)
+  k = max(1, len(values) // 4)
+  return values[:k], values[-k:]
+
+
+def _gain_ci(values: Sequence[float], *, num_resamples: int = 1000, seed: int = 0
+             ) -> dict[str, float]:
+  """The last quarter's mean minus the first quarter's, with a 95 % bootstrap interval that
+  resamples the iterations of each quarter (an iteration's mean is one draw of the policy)."""
+  first, last = _quarters(values)
+  rng = np.random.default_rng(seed)
+  draws = (rng.choice(last, (num_resamples, len(last))).mean(1)
+           - rng.choice(first, (num_resamples, len(first))).mean(1))
+  low, high = np.percentile(draws, [2.5, 97.5])
+  return {"estimate": float(last.mean() - first.mean()), "low": float(low), "high": float(high)}
+
+
+def diagnosis(results: Mapping[str, Any]) -> list[dict[str, str]]:
+  """Why PPO did what it did, from this run's learning curves and table: findings, each
+  {"finding": words with its numbers, "points_to": SETTINGS or CAPACITY}.
+
+  Settings are what another PPO configuration could change (KL price, step size, value fit,
+  entropy); capacity is what it could not (a reward too flat to rank questions, or a gain on
+  the training situations that does not carry to held-out ones through this judge and
+  generator). Results without learning curves (older runs) get the table's findings only.
+  """
+  found: list[dict[str, str]] = []
+
+  def add(points_to: str, finding: str) -> None:
+    found.append({"finding": finding, "points_to": points_to})
+
+  m = (results.get("ppo_curves") or {}).get("metrics") or {}
+  table, differences = results.get("table") or {}, results.get("differences") or {}
+  dev = (differences.get("ppo@rollout - finetuned@rollout") or {}).get("jsd")
+  if len(m.get("raw_score_mean", ())) >= 2:
+    train = _gain_ci(m["raw_score_mean"])
+    text = (f"training reward, last quarter minus first: "
+            f"{common.fmt(train, 4)}")
+    if train["low"] <= 0:
+      add(SETTINGS, f"PPO did not raise the reward it was trained on ({text}): the update, "
+          "not the model, is what failed first")
+    elif dev is not None and dev["low"] <= 0:
+      add(CAPACITY, f"PPO raised its training reward ({text}) but not the held-out reward at "
+          f"the same decoding (dev, PPO minus SFT at rollout decoding: {common.fmt(dev, 4)}): "
+          "what this judge pays for does not generalise")
+    elif dev is not None:
+      add(SETTINGS, f"PPO raised the held-out reward at rollout decoding "
+          f"({common.fmt(dev, 4)}) but not at the table's decoding: the evaluation's "
+          "decoding hides it")
+  if len(m.get("reward_mean", ())) >= 2 and m.get("non_score_reward"):
+    gain = _gain_ci(m["reward_mean"])["estimate"]
+    price = -float(np.mean(_quarters(m["non_score_reward"])[1]))
+    if price > max(gain, 0.0):
+      add(SETTINGS, f"by the end the KL penalty ({price:.3f} per episode, normalised units) "
+          f"outweighed the reward gain ({gain:+.3f}): the KL coefficient holds the policy")
+  target = (results.get("setup") or {}).get("kl_target")
+  if (results.get("setup") or {}).get("kl_control") == "adaptive" and m.get("kl") and target:
+    kl = float(np.mean(_quarters(m["kl"])[1]))
+    if kl > 1.5 * target:
+      add(SETTINGS, f"KL to the reference ended at {kl:.2f} nats, above 1.5x its target "
+          f"{target:g}: the adaptive coefficient did not hold it")
+  if m.get("clipfrac") and float(np.mean(_quarters(m["clipfrac"])[1])) > CLIPFRAC_HIGH:
+    add(SETTINGS, f"{100 * float(np.mean(_quarters(m['clipfrac'])[1])):.0f} % of tokens "
+        "clipped in the last quarter: steps too large for the trust region (learning rate, "
+        "epochs)")
+  if m.get("approx_kl") and float(np.mean(_quarters(m["approx_kl"])[1])) > APPROX_KL_HIGH:
+    add(SETTINGS, f"approx-KL per update {float(np.mean(_quarters(m['approx_kl'])[1])):.3f} "
+        f"in the last quarter, above {APPROX_KL_HIGH}: steps too large")
+  if m.get("value_explained_variance"):
+    ev = float(np.mean(_quarters(m["value_explained_variance"])[1]))
+    if ev < EXPLAINED_VARIANCE_LOW:
+      add(SETTINGS, f"the value head explains {ev:.2f} of the returns' variance in the last "
+          "quarter: the advantages are mostly noise (value coefficient, warm-up)")
+  if len(m.get("rollout_entropy", ())) >= 2 and m["rollout_entropy"][0] > 0:
+    first, last = (float(np.mean(q)) for q in _quarters(m["rollout_entropy"]))
+    low, high = ENTROPY_RATIO_BAND
+    if not low <= last / first <= high:
+      add(SETTINGS, f"rollout entropy per token went from {first:.2f} to {last:.2f} "
+          f"({'collapse' if last < low * first else 'drift'}): the KL price or the "
+          "learning rate")
+  sft = (table.get("finetuned") or {}).get("jsd")
+  if sft is not None and sft["estimate"] < 0.1 * PAPER_JSD_RANGE[0]:
+    add(CAPACITY, f"the reward is nearly flat: SFT's avg JSD {common.fmt(sft, 4)} against "
+        f"the paper's {PAPER_JSD_RANGE[0]:g}-{PAPER_JSD_RANGE[1]:g} (its judge is Delphi): "
+        "the judge barely tells the weakened situation from the strengthened one")
+  return found
+
+
 def verdict_lines(results: Mapping[str, Any]) -> list[str]:
   """The claim, the rule and this run's verdict (Markdown lines)."""
   return [f"Claim: {PAPER}.", "", common.VERDICT_RULE + " A policy whose share of questions "
           f"fell by more than {QUESTION_DROP_POINTS:g} points (the whole interval) is not shown "
           "whatever its intervals.", "",
-          f"This run: **{results['verdict']}** ({results['verdict_why']})."]
+          f"This run: **{results['verdict']}** ({results['verdict_why']})."
+          ] + diagnosis_lines(results)
+
+
+def diagnosis_lines(results: Mapping[str, Any]) -> list[str]:
+  """The diagnosis in Markdown, when the claim is not shown: which findings point to the
+  settings and which to capacity (none when the verdict agrees)."""
+  if results.get("verdict") == common.AGREES:
+    return []
+  found = diagnosis(results)
+  if not found:
+    return ["", "Diagnosis: nothing this run measures points either way."]
+  lines = ["", "Diagnosis (why the claim is not shown, from this run's curves and table):", ""]
+  for points_to in (SETTINGS, CAPACITY):
+    lines += [f"- {points_to}: {f['finding']}." for f in found if f["points_to"] == points_to]
+  return lines
 
 
 def report(results: Mapping[str, Any], *, name: str) -> str:

@@ -43,6 +43,7 @@ def reverdict(results: dict[str, Any], *, name: str) -> tuple[dict[str, Any], An
     return results, npov_table1
   if name.startswith("clarify_table4") and "differences" in results:
     results["verdict"], results["verdict_why"] = clarify_table4.verdict(results["differences"])
+    results["diagnosis"] = clarify_table4.diagnosis(results)
     return results, clarify_table4
   return results, None
 

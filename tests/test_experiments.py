@@ -592,6 +592,55 @@ def test_clarify_verdict_follows_the_paired_intervals(jsd, flips, expected):
   assert word == expected and "PPO minus SFT" in why
 
 
+def _curves(n, **metrics):
+  return {"iterations": list(range(1, n + 1)), "episodes": [64 * i for i in range(1, n + 1)],
+          "metrics": {k: list(v) for k, v in metrics.items()}}
+
+
+def test_clarify_diagnosis_names_settings_and_capacity():
+  """Each finding is read off the curves and table as stated; its interval is a bootstrap of
+  the quarters' means, centred on the plain difference."""
+  n = 40
+  rising = np.linspace(0.005, 0.015, n)
+  flat_dev = {"ppo@rollout - finetuned@rollout": {"jsd": _ci(0.0, -0.002, 0.002)}}
+  base = {"verdict": "not shown", "setup": {"kl_control": "adaptive", "kl_target": 2.0},
+          "table": {"finetuned": {"jsd": _ci(0.0077, 0.006, 0.009)}}}
+  capacity = {**base, "differences": flat_dev, "ppo_curves": _curves(
+      n, raw_score_mean=rising, reward_mean=np.linspace(0, 1, n),
+      non_score_reward=np.full(n, -0.1), kl=np.full(n, 2.0), clipfrac=np.full(n, 0.05),
+      approx_kl=np.full(n, 0.005), value_explained_variance=np.full(n, 0.5),
+      rollout_entropy=np.full(n, 1.2))}
+  found = clarify_table4.diagnosis(capacity)
+  assert [f["points_to"] for f in found] == ["capacity", "capacity"]
+  assert "raised its training reward (training reward, last quarter minus first: 0.0077" in (
+      found[0]["finding"])  # The last 10 minus the first 10 of the line: 30 steps of 0.01 / 39.
+  gain = clarify_table4._gain_ci(rising)  # pylint: disable=protected-access
+  assert gain["estimate"] == pytest.approx(rising[-10:].mean() - rising[:10].mean())
+  assert gain["low"] <= gain["estimate"] <= gain["high"]
+  # A run that failed in its update: every settings finding, each with its number.
+  drifting = {**base, "differences": flat_dev, "ppo_curves": _curves(
+      n, raw_score_mean=np.full(n, 0.008) + np.tile([0.001, -0.001], n // 2),
+      reward_mean=np.linspace(0, 0.1, n), non_score_reward=np.full(n, -0.2),
+      kl=np.full(n, 4.0), clipfrac=np.full(n, 0.3), approx_kl=np.full(n, 0.05),
+      value_explained_variance=np.full(n, -0.2), rollout_entropy=np.linspace(1.0, 2.5, n))}
+  settings = [f["finding"] for f in clarify_table4.diagnosis(drifting)
+              if f["points_to"] == "settings"]
+  assert len(settings) == 7 and settings[0].startswith("PPO did not raise the reward")
+  assert any("KL penalty (0.200" in f for f in settings)
+  assert any("ended at 4.00 nats" in f for f in settings)
+  assert any(f.startswith("30 % of tokens clipped") for f in settings)
+  assert any("approx-KL per update 0.050" in f for f in settings)
+  assert any("explains -0.20" in f for f in settings)
+  assert any("(drift)" in f for f in settings)
+  lines = clarify_table4.diagnosis_lines(drifting)
+  assert lines[1].startswith("Diagnosis") and lines[3].startswith("- settings: PPO did not")
+  assert lines[-1].startswith("- capacity: the reward is nearly flat")
+  # A shown claim needs no diagnosis; a run without curves gets the table's finding only.
+  assert clarify_table4.diagnosis_lines({**drifting, "verdict": "agrees"}) == []
+  assert [f["points_to"] for f in clarify_table4.diagnosis({**base, "differences": {}})] == [
+      "capacity"]
+
+
 def test_clarify_supervised_models_per_role():
   one = clarify_table4.supervised_models(separate_models=False, dedicated_roles=None,
                                          train_steps=100)
