@@ -66,40 +66,6 @@ def reward_spread(scores: np.ndarray) -> dict[str, float]:
   }
 
 
-def judge_quality(distributions: np.ndarray, labels: Sequence[int]) -> dict[str, float]:
-  """Accuracy, mean entropy (nats; log 3 = 1.099 is uniform) and mean top probability of
-  (N, 3) judge distributions against the label indices (bad, ok, good)."""
-  p = np.asarray(distributions, np.float64)
-  labels = np.asarray(labels)
-  entropy = -np.sum(p * np.log(np.maximum(p, 1e-12)), axis=-1)
-  majority = np.bincount(labels, minlength=p.shape[1]).max() / max(len(labels), 1)
-  return {"examples": int(len(labels)),
-          "accuracy": float(np.mean(p.argmax(-1) == labels)) if len(labels) else float("nan"),
-          "majority_class_accuracy": float(majority),
-          "mean_entropy_nats": float(entropy.mean()) if len(labels) else float("nan"),
-          "uniform_entropy_nats": float(np.log(p.shape[1])),
-          "mean_top_probability": float(p.max(-1).mean()) if len(labels) else float("nan")}
-
-
-def heldout_judge_examples(data_dir: str, *, judge_classes: Sequence[str],
-                           split: str = "train") -> list[tuple[str, int]]:
-  """(situation, label index in bad, ok, good) of the silver judge examples a judge run held
-  out: the pairs (with the run's class strings as targets) that `split_pairs`' "hash" rule
-  puts in validation, one in 10, whatever mixture trained the judge (the rule reads only a
-  pair's text)."""
-  # pylint: disable=import-outside-toplevel
-  from jaxmoral.clarify import data as data_lib
-  from jaxmoral.clarify import formats
-  from jaxmoral.data import pairs as pairs_lib
-  # pylint: enable=import-outside-toplevel
-  rows = data_lib.load_source(data_dir, split=split, which="judge", purpose="judge quality")
-  examples = data_lib.judge_examples(answers=rows["answers"], judgments=rows["judgments"])
-  pairs = data_lib.judge_pairs(examples, classes=judge_classes)
-  held = set(pairs_lib.split_pairs(pairs, rule="hash")["validation"])
-  return [(s, formats.JUDGMENTS.index(j)) for (s, j), pair in zip(examples, pairs, strict=True)
-          if pair in held]
-
-
 @gin.configurable(module="clarify_best_of_n")
 def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 256,
                    samples_per_situation: int = 8, finetune_steps: int = 200,
@@ -209,11 +175,9 @@ def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 2
 
   # 3. The judge on its held-out silver labels.
   tick = time.time()
-  examples = heldout_judge_examples(data_dir, judge_classes=reward_config.judge_classes)
-  if not examples:
-    logger.warning("no held-out silver judge examples in %s", data_dir)
-  distributions = reward.judge([s for s, _ in examples]) if examples else np.zeros((0, 3))
-  judge = judge_quality(distributions, [label for _, label in examples])
+  judge = clarify_table4.measure_judge(reward, data_dir=data_dir,
+                                       judge_classes=reward_config.judge_classes,
+                                       num_resamples=num_resamples, seed=seed)
   timings["judge_s"] = time.time() - tick
   timings["total_s"] = time.time() - started
   parts = [common.ClaimPart("best-of-n copy minus SFT, avg JSD on held-out situations", diff,
@@ -281,11 +245,7 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
       f"{spread['within_situation_std']:.4f}, best minus mean {spread['best_minus_mean']:.4f}; "
       f"all {s['samples_per_situation']} zero for {spread['situations_all_zero_pct']:.1f} % of "
       f"situations.", "",
-      f"Judge on {judge['examples']} held-out silver labels: accuracy "
-      f"{judge['accuracy']:.3f} (majority class {judge['majority_class_accuracy']:.3f}), mean "
-      f"entropy {judge['mean_entropy_nats']:.3f} nats of a uniform "
-      f"{judge['uniform_entropy_nats']:.3f}, mean top probability "
-      f"{judge['mean_top_probability']:.3f}.", "",
+      clarify_table4.judge_line(judge), "",
       f"Claim: {PAPER}.", "", common.VERDICT_RULE, "",
       f"This run: **{results['verdict']}** ({results['verdict_why']}).", "",
       "Seconds: " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in t.items()) + ".", "",

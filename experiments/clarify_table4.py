@@ -150,6 +150,72 @@ def trained_role_dirs(workdir: str, models_steps: Mapping[str, int], *,
   return role_dir
 
 
+def judge_quality(distributions: np.ndarray, labels: Sequence[int], *,
+                  num_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+  """Accuracy, mean entropy (nats; log 3 = 1.099 is uniform) and mean top probability of
+  (N, 3) judge distributions against the label indices (bad, ok, good), and the accuracy
+  minus its null's, the majority class of these labels, a paired interval over examples."""
+  p = np.asarray(distributions, np.float64)
+  labels = np.asarray(labels, np.int64)
+  entropy = -np.sum(p * np.log(np.maximum(p, 1e-12)), axis=-1)
+  counts = np.bincount(labels, minlength=p.shape[1])
+  right = (p.argmax(-1) == labels).astype(np.float64)
+  majority = (labels == counts.argmax()).astype(np.float64)
+  nan = float("nan")
+  return {"examples": int(len(labels)),
+          "accuracy": float(right.mean()) if len(labels) else nan,
+          "majority_class_accuracy": float(majority.mean()) if len(labels) else nan,
+          "accuracy_minus_majority": common.ci_dict(common.paired_diff_ci(
+              right, majority, num_resamples=num_resamples, seed=seed))
+          if len(labels) > 1 else None,
+          "mean_entropy_nats": float(entropy.mean()) if len(labels) else nan,
+          "uniform_entropy_nats": float(np.log(p.shape[1])),
+          "mean_top_probability": float(p.max(-1).mean()) if len(labels) else nan}
+
+
+def heldout_judge_examples(data_dir: str, *, judge_classes: Sequence[str],
+                           split: str = "train") -> list[tuple[str, int]]:
+  """(situation, label index in bad, ok, good) of the silver judge examples a judge run held
+  out: the pairs (with the run's class strings as targets) that `split_pairs`' "hash" rule
+  puts in validation, one in 10, whatever mixture trained the judge (the rule reads only a
+  pair's text)."""
+  # pylint: disable=import-outside-toplevel
+  from jaxmoral.clarify import data as data_lib
+  from jaxmoral.clarify import formats
+  from jaxmoral.data import pairs as pairs_lib
+  # pylint: enable=import-outside-toplevel
+  rows = data_lib.load_source(data_dir, split=split, which="judge", purpose="judge quality")
+  examples = data_lib.judge_examples(answers=rows["answers"], judgments=rows["judgments"])
+  pairs = data_lib.judge_pairs(examples, classes=judge_classes)
+  held = set(pairs_lib.split_pairs(pairs, rule="hash")["validation"])
+  return [(s, formats.JUDGMENTS.index(j)) for (s, j), pair in zip(examples, pairs, strict=True)
+          if pair in held]
+
+
+def measure_judge(reward: Any, *, data_dir: str, judge_classes: Sequence[str],
+                  num_resamples: int = 1000, seed: int = 0) -> dict[str, Any]:
+  """`judge_quality` of the reward's judge on the silver labels its training held out."""
+  examples = heldout_judge_examples(data_dir, judge_classes=judge_classes)
+  if not examples:
+    logger.warning("no held-out silver judge examples in %s", data_dir)
+  distributions = reward.judge([s for s, _ in examples]) if examples else np.zeros((0, 3))
+  return judge_quality(distributions, [label for _, label in examples],
+                       num_resamples=num_resamples, seed=seed)
+
+
+def judge_line(judge: Optional[Mapping[str, Any]]) -> str:
+  """The judge's quality in words ("" when not measured)."""
+  if not judge or not judge.get("examples"):
+    return ""
+  versus = judge.get("accuracy_minus_majority")
+  return (f"Judge on {judge['examples']} held-out silver labels: accuracy "
+          f"{judge['accuracy']:.3f} (majority class {judge['majority_class_accuracy']:.3f}"
+          + (f"; difference {common.fmt(versus)}" if versus else "") + "), mean entropy "
+          f"{judge['mean_entropy_nats']:.3f} nats of a uniform "
+          f"{judge['uniform_entropy_nats']:.3f}, mean top probability "
+          f"{judge['mean_top_probability']:.3f}.")
+
+
 def system_metrics(evaluated: Mapping[str, Any], *, num_resamples: int,
                    seed: int) -> dict[str, Any]:
   """One system's `clarify.evaluate.evaluate_generator` result with 95 % bootstrap intervals
@@ -318,6 +384,10 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
     logger.info("%s: avg JSD %.4f, flips %.1f %%", system, table[system]["jsd"]["estimate"],
                 table[system]["flips_pct"]["estimate"])
   timings["evaluate_s"] = time.time() - tick
+  tick = time.time()
+  judge = measure_judge(reward, data_dir=data_dir, judge_classes=reward_config.judge_classes,
+                        num_resamples=num_resamples, seed=seed)
+  timings["judge_s"] = time.time() - tick
   differences = {}
   for a, b in (("ppo", "finetuned"), ("ppo@rollout", "finetuned@rollout"),
                ("ppo@greedy", "finetuned@greedy"), ("ppo@rollout", "ppo")):
@@ -328,7 +398,7 @@ def run_experiment(*, workdir: str, results_dir: str, name: str, init_checkpoint
           for key in ("jsd", "flips_pct", "question_pct")}
   timings["total_s"] = time.time() - started
   results: dict[str, Any] = {
-      "table": table, "differences": differences, "command": command,
+      "table": table, "differences": differences, "command": command, "judge": judge,
       "machine": common.machine(), "timings": timings,
       "ppo_reward_curve": ppo.get("reward_curve_values", []),
       # Every iteration's learning-curve metrics (ppo_trainer.CURVE_METRICS) against episodes.
@@ -527,6 +597,13 @@ def diagnosis(results: Mapping[str, Any]) -> list[dict[str, str]]:
       add(SETTINGS, f"rollout entropy per token went from {first:.2f} to {last:.2f} "
           f"({'collapse' if last < low * first else 'drift'}): the KL price or the "
           "learning rate")
+  judge = results.get("judge") or {}
+  versus = judge.get("accuracy_minus_majority")
+  if versus is not None and versus["low"] <= 0:
+    add(CAPACITY, f"the judge is right on {100 * judge['accuracy']:.1f} % of its "
+        f"{judge['examples']} held-out silver labels, not above its majority class's "
+        f"{100 * judge['majority_class_accuracy']:.1f} % (difference {common.fmt(versus)}): "
+        "the reward is the divergence of a judge that does not know the labels")
   sft = (table.get("finetuned") or {}).get("jsd")
   if sft is not None and sft["estimate"] < 0.1 * PAPER_JSD_RANGE[0]:
     add(CAPACITY, f"the reward is nearly flat: SFT's avg JSD {common.fmt(sft, 4)} against "
@@ -594,6 +671,8 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
   elif curve:
     lines += ["", f"PPO training reward (raw JSD of rollouts) per iteration: first "
               f"{curve[0]:.4f}, last {curve[-1]:.4f}, max {max(curve):.4f}."]
+  if judge_line(results.get("judge")):
+    lines += ["", judge_line(results.get("judge"))]
   lines += ["", *verdict_lines(results),
             "", "Seconds: " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in t.items()) + ".", "",
             f"Plot: `{results['plot']}`."]

@@ -336,6 +336,10 @@ def test_the_documented_clarify_smokes_run_in_full(base, shared_like_data, tmp_p
   for system, row in results["table"].items():
     assert len(row["per_situation"]["jsd"]) == setup["eval_situations"], system
   assert "ppo - finetuned" in results["differences"] and results["ppo_reward_curve"]
+  # The same run's judge on its held-out silver labels, and the diagnosis that reads it.
+  assert results["judge"]["examples"] > 0 and 0 <= results["judge"]["accuracy"] <= 1
+  assert isinstance(results["diagnosis"], list)
+  assert "Judge on" in (workdir / "clarify_table4_smoke.md").read_text(encoding="utf-8")
   capsys.readouterr()
   assert run_script(_smoke("clarify_reward_probe", base, shared_like_data, workdir)) == 0
   out = capsys.readouterr().out

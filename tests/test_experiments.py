@@ -639,6 +639,14 @@ def test_clarify_diagnosis_names_settings_and_capacity():
   assert clarify_table4.diagnosis_lines({**drifting, "verdict": "agrees"}) == []
   assert [f["points_to"] for f in clarify_table4.diagnosis({**base, "differences": {}})] == [
       "capacity"]
+  # A judge no better than its majority class is a capacity finding; a better one is none.
+  judge = {"examples": 178, "accuracy": 0.433, "majority_class_accuracy": 0.506,
+           "accuracy_minus_majority": _ci(-0.073, -0.16, 0.01)}
+  found = clarify_table4.diagnosis({**base, "differences": {}, "judge": judge})
+  assert found[0]["points_to"] == "capacity" and "right on 43.3 % of its 178" in (
+      found[0]["finding"])
+  sharp = {**judge, "accuracy_minus_majority": _ci(0.2, 0.1, 0.3)}
+  assert len(clarify_table4.diagnosis({**base, "differences": {}, "judge": sharp})) == 1
 
 
 def test_clarify_supervised_models_per_role():
@@ -1037,7 +1045,7 @@ def test_the_diamante_demo_names_a_different_candidate_or_says_there_is_none():
   assert diamante_demo._candidates_note(reply).endswith("(2 different); lowest 5.10: fine")
 
 
-def test_clarify_best_of_n_reward_spread_and_judge_quality():
+def test_clarify_reward_spread_and_judge_quality():
   scores = np.array([[0.0, 0.2, 0.1], [0.0, 0.0, 0.0]])
   spread = clarify_best_of_n.reward_spread(scores)
   assert spread["zero_pct"] == pytest.approx(100 * 4 / 6)
@@ -1045,20 +1053,22 @@ def test_clarify_best_of_n_reward_spread_and_judge_quality():
   assert spread["best_minus_mean"] == pytest.approx(((0.2 - 0.1) + 0.0) / 2)
   assert spread["within_situation_std"] == pytest.approx(np.std([0.0, 0.2, 0.1]) / 2)
   p = np.array([[0.8, 0.1, 0.1], [1 / 3, 1 / 3, 1 / 3], [0.1, 0.2, 0.7]])
-  judge = clarify_best_of_n.judge_quality(p, [0, 1, 2])
+  judge = clarify_table4.judge_quality(p, [0, 1, 2])
   assert judge["accuracy"] == pytest.approx(2 / 3)  # The uniform row's argmax is class 0.
   assert judge["majority_class_accuracy"] == pytest.approx(1 / 3)
+  # Against its null, per example: right (1, 0, 1) minus the majority class's (1, 0, 0).
+  assert judge["accuracy_minus_majority"]["estimate"] == pytest.approx(1 / 3)
   want = -np.sum(p * np.log(p), axis=1).mean()
   assert judge["mean_entropy_nats"] == pytest.approx(want)
   assert judge["uniform_entropy_nats"] == pytest.approx(np.log(3))
 
 
-def test_clarify_best_of_n_reads_the_judge_pairs_its_training_held_out():
+def test_clarify_reads_the_judge_pairs_its_training_held_out():
   from jaxmoral.clarify import data as data_lib  # pylint: disable=g-import-not-at-top
   from jaxmoral.clarify import formats  # pylint: disable=g-import-not-at-top
   from jaxmoral.data import pairs as pairs_lib  # pylint: disable=g-import-not-at-top
   classes = formats.DEMO_JUDGE_CLASSES
-  held = clarify_best_of_n.heldout_judge_examples("demo", judge_classes=classes)
+  held = clarify_table4.heldout_judge_examples("demo", judge_classes=classes)
   trained = data_lib.build_pairs("judge", "demo", judge_classes=classes)
   validation = set(pairs_lib.split_pairs(trained, rule="hash")["validation"])
   mapping = dict(zip(formats.JUDGMENTS, classes, strict=True))
