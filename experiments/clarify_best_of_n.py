@@ -22,7 +22,7 @@ experiments/clarify_table4.py lays them out), with no PPO:
 
   python experiments/clarify_best_of_n.py \\
       --gin_file=configs/experiments/clarify_best_of_n_cpu.gin \\
-      --gin.INIT_CHECKPOINT="'/work/runs/pretrain_mini_1200'"
+      --gin.INIT_CHECKPOINT="'/work/runs/pretrain_mini_200'"
 
 It needs the supervised models of the clarify_table4 config it includes (run that first).
 Writes `<RESULTS_DIR>/<NAME>.md`, `.json` and `.png`; the fine-tuned copy goes under WORKDIR.
