@@ -654,7 +654,11 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
            + " | distinct-1 | distinct-2 | distinct-3 | "
            + " | ".join(f"% {w}" for w in WH_SHOWN) + " |",
            "|---|" + "---|" * (len(MEAN_METRICS) + 3 + len(WH_SHOWN))]
-  for system, row in results["table"].items():
+  # The table's order (a stored JSON's keys come back sorted).
+  order = [s for s in SYSTEMS if s in results["table"]]
+  order += [s for s in results["table"] if s not in order]
+  for system in order:
+    row = results["table"][system]
     cells = [common.fmt(row[k], 4 if k.startswith("jsd") else 1) for k, _ in MEAN_METRICS]
     cells += [f"{row[f'distinct_{n}']:.3f}" for n in (1, 2, 3)]
     cells += [common.fmt(row["wh_pct"][w], 1) for w in WH_SHOWN]
