@@ -549,6 +549,10 @@ def diagnosis(results: Mapping[str, Any]) -> list[dict[str, str]]:
     found.append({"finding": finding, "points_to": points_to})
 
   m = (results.get("ppo_curves") or {}).get("metrics") or {}
+
+  def late(name: str) -> float:  # A curve's mean over its last quarter of iterations.
+    return float(np.mean(_quarters(m[name])[1]))
+
   table, differences = results.get("table") or {}, results.get("differences") or {}
   dev = (differences.get("ppo@rollout - finetuned@rollout") or {}).get("jsd")
   if len(m.get("raw_score_mean", ())) >= 2:
@@ -568,25 +572,25 @@ def diagnosis(results: Mapping[str, Any]) -> list[dict[str, str]]:
           "decoding hides it")
   if len(m.get("reward_mean", ())) >= 2 and m.get("non_score_reward"):
     gain = _gain_ci(m["reward_mean"])["estimate"]
-    price = -float(np.mean(_quarters(m["non_score_reward"])[1]))
+    price = -late("non_score_reward")
     if price > max(gain, 0.0):
       add(SETTINGS, f"by the end the KL penalty ({price:.3f} per episode, normalised units) "
           f"outweighed the reward gain ({gain:+.3f}): the KL coefficient holds the policy")
   target = (results.get("setup") or {}).get("kl_target")
   if (results.get("setup") or {}).get("kl_control") == "adaptive" and m.get("kl") and target:
-    kl = float(np.mean(_quarters(m["kl"])[1]))
+    kl = late("kl")
     if kl > 1.5 * target:
       add(SETTINGS, f"KL to the reference ended at {kl:.2f} nats, above 1.5x its target "
           f"{target:g}: the adaptive coefficient did not hold it")
-  if m.get("clipfrac") and float(np.mean(_quarters(m["clipfrac"])[1])) > CLIPFRAC_HIGH:
-    add(SETTINGS, f"{100 * float(np.mean(_quarters(m['clipfrac'])[1])):.0f} % of tokens "
+  if m.get("clipfrac") and late("clipfrac") > CLIPFRAC_HIGH:
+    add(SETTINGS, f"{100 * late('clipfrac'):.0f} % of tokens "
         "clipped in the last quarter: steps too large for the trust region (learning rate, "
         "epochs)")
-  if m.get("approx_kl") and float(np.mean(_quarters(m["approx_kl"])[1])) > APPROX_KL_HIGH:
-    add(SETTINGS, f"approx-KL per update {float(np.mean(_quarters(m['approx_kl'])[1])):.3f} "
+  if m.get("approx_kl") and late("approx_kl") > APPROX_KL_HIGH:
+    add(SETTINGS, f"approx-KL per update {late('approx_kl'):.3f} "
         f"in the last quarter, above {APPROX_KL_HIGH}: steps too large")
   if m.get("value_explained_variance"):
-    ev = float(np.mean(_quarters(m["value_explained_variance"])[1]))
+    ev = late("value_explained_variance")
     if ev < EXPLAINED_VARIANCE_LOW:
       add(SETTINGS, f"the value head explains {ev:.2f} of the returns' variance in the last "
           "quarter: the advantages are mostly noise (value coefficient, warm-up)")
@@ -675,8 +679,9 @@ def report(results: Mapping[str, Any], *, name: str) -> str:
   elif curve:
     lines += ["", f"PPO training reward (raw JSD of rollouts) per iteration: first "
               f"{curve[0]:.4f}, last {curve[-1]:.4f}, max {max(curve):.4f}."]
-  if judge_line(results.get("judge")):
-    lines += ["", judge_line(results.get("judge"))]
+  judge_text = judge_line(results.get("judge"))
+  if judge_text:
+    lines += ["", judge_text]
   lines += ["", *verdict_lines(results),
             "", "Seconds: " + ", ".join(f"{k[:-2]} {v:.0f}" for k, v in t.items()) + ".", "",
             f"Plot: `{results['plot']}`."]
