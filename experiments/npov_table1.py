@@ -131,17 +131,19 @@ def auc_intervals(examples: Sequence[Any], detections: Sequence[Any], *, num_res
     labels = np.asarray(evaluated[error]["labels"], int)
     scores = np.asarray(evaluated[error]["scores"], np.float64)
     w_labels, w_scores, w_units = evaluate.word_arrays(examples, detections, error)
-    for level, metric, arrays, units in (
-        ("example", metrics.roc_auc, (labels, scores), None),
-        ("word", metrics.roc_auc, (w_labels, w_scores), w_units),
+    # Examples are resampled one by one, all resamples in one call (`vectorized`); words by
+    # whole examples, whose word counts differ: a call per resample.
+    for level, metric, arrays, units, vectorized in (
+        ("example", metrics.roc_auc_rows, (labels, scores), None, True),
+        ("word", metrics.roc_auc, (w_labels, w_scores), w_units, False),
         ("word_within", metrics.grouped_roc_auc, (w_labels, w_scores, w_units),
-         w_units)):
+         w_units, False)):
       if arrays[0].size == 0 or len(set(arrays[0].tolist())) < 2:
         out[error][level] = None
         continue
       try:
         ci = metrics.bootstrap_ci(metric, *arrays, units=units, num_resamples=num_resamples,
-                                  seed=seed)
+                                  seed=seed, vectorized=vectorized)
       except ValueError:  # No example holds both labels (within-example AUC undefined).
         out[error][level] = None
         continue
@@ -166,9 +168,9 @@ def ordering_intervals(examples: Sequence[Any], better: Sequence[Any], worse: Se
       out[error] = None
       continue
     ci = metrics.bootstrap_ci(
-        lambda y, s, t: metrics.roc_auc(y, s) - metrics.roc_auc(y, t), labels,
+        lambda y, s, t: metrics.roc_auc_rows(y, s) - metrics.roc_auc_rows(y, t), labels,
         np.asarray(a[error]["scores"], np.float64), np.asarray(b[error]["scores"], np.float64),
-        num_resamples=num_resamples, seed=seed)
+        num_resamples=num_resamples, seed=seed, vectorized=True)
     out[error] = {**common.ci_dict(ci), "n": int(labels.size)}
   return out
 
@@ -336,8 +338,8 @@ def substitution_auc(examples: Sequence[Any], detections: Sequence[Any], *,
   out = {}
   for error in ERRORS:
     scores = np.array([getattr(d, error) for d in detections], np.float64)
-    ci = metrics.bootstrap_ci(metrics.roc_auc, labels, scores, units=units,
-                              num_resamples=num_resamples, seed=seed)
+    ci = metrics.bootstrap_ci(metrics.roc_auc_rows, labels, scores, units=units,
+                              num_resamples=num_resamples, seed=seed, vectorized=True)
     out[error] = {**common.ci_dict(ci), "n": int(labels.size), "positives": int(labels.sum())}
   return out
 

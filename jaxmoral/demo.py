@@ -130,7 +130,8 @@ def npov_truth_lines(results: Mapping[str, Any],
                                for s in by_slice])
       if len(set(labels.tolist())) < 2:
         continue
-      auc = metrics.bootstrap_ci(metrics.roc_auc, labels, scores, num_resamples=num_resamples)
+      auc = metrics.bootstrap_ci(metrics.roc_auc_rows, labels, scores,
+                                 num_resamples=num_resamples, vectorized=True)
       text = (f"{error} {auc.estimate:.3f} [{auc.low:.3f}, {auc.high:.3f}] "
               f"({len(labels)} examples")
       verdicts.append(interval_verdict(auc.low, auc.high, null=0.5))
@@ -140,8 +141,8 @@ def npov_truth_lines(results: Mapping[str, Any],
       else:
         length = np.concatenate([np.asarray(s[error]["scores"], np.float64) for s in lengths])
         diff = metrics.bootstrap_ci(
-            lambda y, a, b: metrics.roc_auc(y, a) - metrics.roc_auc(y, b), labels, scores, length,
-            num_resamples=num_resamples)
+            lambda y, a, b: metrics.roc_auc_rows(y, a) - metrics.roc_auc_rows(y, b), labels,
+            scores, length, num_resamples=num_resamples, vectorized=True)
         verdicts.append(interval_verdict(diff.low, diff.high))
         text += f"; minus the input length's {_interval(diff)})"
       found.append(text)

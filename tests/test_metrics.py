@@ -29,6 +29,24 @@ def test_roc_auc_matches_pair_count_with_ties(seed):
   assert np.trapezoid(tpr, fpr) == pytest.approx(metrics.roc_auc(labels, scores), abs=1e-12)
 
 
+def test_roc_auc_rows_is_roc_auc_of_each_row_and_nan_for_one_class():
+  rng = np.random.default_rng(5)
+  labels = rng.integers(0, 2, size=(40, 9))
+  labels[0], labels[1] = 0, 1  # Rows of one class.
+  scores = np.round(rng.normal(size=(40, 9)), 1)  # Ties.
+  rows = metrics.roc_auc_rows(labels, scores)
+  assert rows.shape == (40,) and np.isnan(rows[:2]).all()
+  for label_row, score_row, auc in zip(labels[2:], scores[2:], rows[2:]):
+    if label_row.min() == label_row.max():
+      assert np.isnan(auc)
+    else:
+      assert auc == pytest.approx(_pairwise_auc(label_row, score_row), abs=1e-12)
+  with pytest.raises(ValueError, match="roc_auc_rows: labels and scores must be 2-D"):
+    metrics.roc_auc_rows([0, 1], [0.1, 0.2])
+  with pytest.raises(ValueError, match="NaN or inf"):
+    metrics.roc_auc_rows([[0, 1]], [[0.1, np.inf]])
+
+
 def test_roc_auc_extremes_and_errors():
   assert metrics.roc_auc([0, 0, 1, 1], [0.1, 0.2, 0.3, 0.4]) == 1.0
   assert metrics.roc_auc([1, 1, 0, 0], [0.1, 0.2, 0.3, 0.4]) == 0.0
@@ -126,11 +144,14 @@ def _pairwise_auc(labels, scores):
   return float(np.mean((diff > 0) + 0.5 * (diff == 0)))
 
 
-def test_bootstrap_roc_auc_matches_reference_loop_and_counts_skips():
+@pytest.mark.parametrize("vectorized", [False, True], ids=["roc_auc", "roc_auc_rows"])
+def test_bootstrap_roc_auc_matches_reference_loop_and_counts_skips(vectorized):
   rng = np.random.default_rng(3)
   labels = (np.arange(14) < 3).astype(int)  # 3 positives: ~10 % of resamples have none.
   scores = np.round(rng.normal(size=14) + labels, 1)  # Rounded: ties.
-  ci = metrics.bootstrap_ci(metrics.roc_auc, labels, scores, num_resamples=500, seed=11)
+  metric = metrics.roc_auc_rows if vectorized else metrics.roc_auc
+  ci = metrics.bootstrap_ci(metric, labels, scores, num_resamples=500, seed=11,
+                            vectorized=vectorized)
   ref_rng = np.random.default_rng(11)
   stats, skipped = [], 0
   for rows in ref_rng.integers(0, 14, size=(500, 14)):
@@ -236,6 +257,8 @@ def test_grouped_roc_auc_counts_only_pairs_within_a_group():
            for a in range(n) for b in range(n)
            if labels[a] == 1 and labels[b] == 0 and groups[a] == groups[b]]
   assert metrics.grouped_roc_auc(labels, scores, groups) == pytest.approx(np.mean(pairs))
+  assert metrics.grouped_roc_auc(labels, scores, np.array(["g%d" % g for g in groups])) == (
+      pytest.approx(np.mean(pairs)))  # Groups of any sortable values.
   # The pair-weighted mean of each group's Mann-Whitney AUC (SciPy).
   total = weight = 0.0
   for g in np.unique(groups):

@@ -122,8 +122,8 @@ def evaluate_slice(examples: Sequence[task.NpovExample],
              for e, d in zip(examples, detections, strict=True) if _counts_for(e, error)]
     ex_labels, ex_scores = [label for label, _ in pairs], [score for _, score in pairs]
     # The example-level AUC's 95 % percentile-bootstrap interval, as the experiments report.
-    ci = (metrics.bootstrap_ci(metrics.roc_auc, np.asarray(ex_labels),
-                               np.asarray(ex_scores, np.float64))
+    ci = (metrics.bootstrap_ci(metrics.roc_auc_rows, np.asarray(ex_labels),
+                               np.asarray(ex_scores, np.float64), vectorized=True)
           if len(set(ex_labels)) > 1 else None)
     w_labels, w_scores, w_units = word_arrays(examples, detections, error)
     try:  # Pairs of words of one example only: they share its input, and so its length.
