@@ -168,7 +168,7 @@ def ordering_intervals(examples: Sequence[Any], better: Sequence[Any], worse: Se
       out[error] = None
       continue
     ci = metrics.bootstrap_ci(
-        lambda y, s, t: metrics.roc_auc_rows(y, s) - metrics.roc_auc_rows(y, t), labels,
+        metrics.roc_auc_difference_rows, labels,
         np.asarray(a[error]["scores"], np.float64), np.asarray(b[error]["scores"], np.float64),
         num_resamples=num_resamples, seed=seed, vectorized=True)
     out[error] = {**common.ci_dict(ci), "n": int(labels.size)}

@@ -141,7 +141,7 @@ def npov_truth_lines(results: Mapping[str, Any],
       else:
         length = np.concatenate([np.asarray(s[error]["scores"], np.float64) for s in lengths])
         diff = metrics.bootstrap_ci(
-            lambda y, a, b: metrics.roc_auc_rows(y, a) - metrics.roc_auc_rows(y, b), labels,
+            metrics.roc_auc_difference_rows, labels,
             scores, length, num_resamples=num_resamples, vectorized=True)
         verdicts.append(interval_verdict(diff.low, diff.high))
         text += f"; minus the input length's {_interval(diff)})"

@@ -47,6 +47,18 @@ def test_roc_auc_rows_is_roc_auc_of_each_row_and_nan_for_one_class():
     metrics.roc_auc_rows([[0, 1]], [[0.1, np.inf]])
 
 
+def test_roc_auc_difference_rows_is_the_paired_difference_of_each_row():
+  rng = np.random.default_rng(8)
+  labels = rng.integers(0, 2, size=(30, 11))
+  labels[:, :2] = [0, 1]  # Both classes in every row.
+  better = labels + rng.normal(size=labels.shape)
+  worse = rng.normal(size=labels.shape)
+  diff = metrics.roc_auc_difference_rows(labels, better, worse)
+  np.testing.assert_allclose(diff, [_pairwise_auc(y, a) - _pairwise_auc(y, b)
+                                    for y, a, b in zip(labels, better, worse)], atol=1e-12)
+  assert diff.mean() > 0
+
+
 def test_roc_auc_extremes_and_errors():
   assert metrics.roc_auc([0, 0, 1, 1], [0.1, 0.2, 0.3, 0.4]) == 1.0
   assert metrics.roc_auc([1, 1, 0, 0], [0.1, 0.2, 0.3, 0.4]) == 0.0
