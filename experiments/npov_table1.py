@@ -168,8 +168,8 @@ def ordering_intervals(examples: Sequence[Any], better: Sequence[Any], worse: Se
       out[error] = None
       continue
     ci = metrics.bootstrap_ci(
-        metrics.roc_auc_difference_rows, labels,
-        np.asarray(a[error]["scores"], np.float64), np.asarray(b[error]["scores"], np.float64),
+        metrics.roc_auc_difference_rows, labels, np.asarray(a[error]["scores"], np.float64),
+        np.asarray(b[error]["scores"], np.float64),
         num_resamples=num_resamples, seed=seed, vectorized=True)
     out[error] = {**common.ci_dict(ci), "n": int(labels.size)}
   return out

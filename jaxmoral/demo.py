@@ -140,9 +140,8 @@ def npov_truth_lines(results: Mapping[str, Any],
         text += "; input-length null not measured)"
       else:
         length = np.concatenate([np.asarray(s[error]["scores"], np.float64) for s in lengths])
-        diff = metrics.bootstrap_ci(
-            metrics.roc_auc_difference_rows, labels,
-            scores, length, num_resamples=num_resamples, vectorized=True)
+        diff = metrics.bootstrap_ci(metrics.roc_auc_difference_rows, labels, scores, length,
+                                    num_resamples=num_resamples, vectorized=True)
         verdicts.append(interval_verdict(diff.low, diff.high))
         text += f"; minus the input length's {_interval(diff)})"
       found.append(text)

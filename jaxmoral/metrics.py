@@ -52,6 +52,8 @@ def _mann_whitney_u(labels: np.ndarray, scores: np.ndarray, group_of_row: np.nda
   score) gets its mean position, less its group's first position: the within-group average
   rank, from which U = sum of the positives' ranks - n_pos (n_pos + 1) / 2.
   """
+  if not labels.size:  # Rows of no items: no pairs (their AUC is NaN).
+    return np.zeros(num_groups), np.zeros(num_groups)
   order = np.lexsort((scores, group_of_row))
   group, score, positive = group_of_row[order], scores[order], labels[order]
   new_run = np.r_[True, (group[1:] != group[:-1]) | (score[1:] != score[:-1])]

@@ -41,6 +41,7 @@ def test_roc_auc_rows_is_roc_auc_of_each_row_and_nan_for_one_class():
       assert np.isnan(auc)
     else:
       assert auc == pytest.approx(_pairwise_auc(label_row, score_row), abs=1e-12)
+  assert np.isnan(metrics.roc_auc_rows(np.zeros((3, 0)), np.zeros((3, 0)))).all()
   with pytest.raises(ValueError, match="roc_auc_rows: labels and scores must be 2-D"):
     metrics.roc_auc_rows([0, 1], [0.1, 0.2])
   with pytest.raises(ValueError, match="NaN or inf"):
