@@ -62,18 +62,19 @@ TINY_PRETRAINING = [*TINY_MODEL, "--gin.TRAIN_STEPS=4", "--gin.BATCH_SIZE=8",
                     "--gin.DATA_DIR=None", "--gin.VOCABULARY_PATH=None",
                     "--gin.pretraining_corpus.register_pretraining_mixture.sources=['demo']"]
 SCRIPTS = ("diamante_fig3", "npov_table1", "clarify_table4", "clarify_reward_probe",
-           "clarify_best_of_n")
+           "clarify_best_of_n", "clarify_judge")
 # Each script's data flag and its place in the folder `write_shared_like_data` writes.
 DATA_FLAGS = {"diamante_fig3": ("CHITCHAT_PATH", "chitchat/dataset.json"),
               "npov_table1": ("PERSPECTRUM_DIR", "perspectrum"),
               "clarify_table4": ("DATA_DIR", ""), "clarify_reward_probe": ("DATA_DIR", ""),
-              "clarify_best_of_n": ("DATA_DIR", "")}
+              "clarify_best_of_n": ("DATA_DIR", ""), "clarify_judge": ("DATA_DIR", "")}
 # The rest of each script's tiny variant. ClarifyDelphi's judge classes are one token each in
 # the base's vocabulary, the demo one (`formats.DEMO_JUDGE_CLASSES`); NPOV's salience, a
 # backward pass per 16 response tokens, is its slowest part.
 _DEMO_JUDGE = [f"--gin.reward.RewardConfig.judge_classes={formats.DEMO_JUDGE_CLASSES!r}"]
 TINY_EXTRA = {"diamante_fig3": [], "clarify_table4": _DEMO_JUDGE,
               "clarify_reward_probe": _DEMO_JUDGE, "clarify_best_of_n": _DEMO_JUDGE,
+              "clarify_judge": _DEMO_JUDGE,
               "npov_table1": ["--gin.TASK_FEATURE_LENGTHS={'inputs': 64, 'targets': 64}",
                               "--gin.npov_table1.run_experiment.max_salience_examples=2"]}
 # Every DEV_EVERY-th demo situation, and PERSPECTRUM claim, is held out.
@@ -366,3 +367,12 @@ def test_the_documented_clarify_smokes_run_in_full(base, shared_like_data, tmp_p
   assert len(best["evaluation"]["per_situation"]["random_copy"]) == setup["eval_situations"]
   for kind in ("best", "random"):
     assert test_docs.checkpoint_steps(workdir / f"{kind}_of_2_question")[-1] == 2, kind
+  # A judge of its own in the same WORKDIR, every checkpoint against the majority class, the
+  # multi-task judge beside it on the same held-out examples.
+  assert run_script(_smoke("clarify_judge", base, shared_like_data, workdir)) == 0
+  judge = _results(workdir, "clarify_judge_smoke")
+  assert sorted(map(int, judge["curve"])) == [1, 2]
+  assert test_docs.checkpoint_steps(workdir / "judge_model") == [1, 2]
+  for quality in (*judge["curve"].values(), judge["multitask"]):
+    assert quality["examples"] == best["judge"]["examples"] > 0
+  assert judge["verdict"] in ("agrees", "not shown", "disagrees")

@@ -22,6 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import clarify_best_of_n  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import clarify_judge  # noqa: E402,F401  pylint: disable=g-import-not-at-top,wrong-import-position
 import clarify_table4  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import diamante_fig3  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import experiment_lib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -101,6 +102,9 @@ def test_diamante_configs_parse(files, steps, size):
      256),
     (("clarify_best_of_n_cpu.gin", "clarify_best_of_n_smoke.gin"), "%NAME",
      "clarify_best_of_n_smoke"),
+    (("clarify_judge_cpu.gin",), "clarify_table4.run_experiment.dedicated_roles",
+     {"answer": 1000, "fusion": 600, "judge": 600}),
+    (("clarify_judge_cpu.gin", "clarify_judge_smoke.gin"), "%NAME", "clarify_judge_smoke"),
 ])
 def test_npov_and_clarify_configs_parse(files, macro, value):
   _parse(*(f"--gin_file=configs/experiments/{f}" for f in files),

@@ -57,7 +57,7 @@ def train_clarify_model(*, which: str, model_dir: str,
                         relevance_labels: Sequence[str] = formats.RELEVANCE_LABELS,
                         partitioner: Optional[partitioning.PjitPartitioner] = None,
                         eval_every: int = 0, checkpoint_every: int = 1000,
-                        log_every: int = 50, seed: int = 0,
+                        keep_checkpoints: int = 3, log_every: int = 50, seed: int = 0,
                         init_checkpoint: Optional[str] = None,
                         mixing_cap: Optional[int] = None,
                         pack: bool = False) -> dict[str, float]:
@@ -79,8 +79,9 @@ def train_clarify_model(*, which: str, model_dir: str,
       and `init_checkpoint`, else `formats.T5_JUDGE_CLASSES`).
     nli_labels: NLI targets for entailment, neutral, contradiction.
     relevance_labels: Discriminator targets for relevant, irrelevant.
-    train_steps, batch_size, partitioner, eval_every, checkpoint_every, log_every,
-      init_checkpoint: As `runs.train_run`'s (its evaluation is of one pair in 10, held out).
+    train_steps, batch_size, partitioner, eval_every, checkpoint_every, keep_checkpoints,
+      log_every, init_checkpoint: As `runs.train_run`'s (its evaluation is of one pair in 10,
+      held out).
     mixing_cap: At most this many pairs of each model ("multitask": T5's examples-proportional
       mixing with a limit; `data.build_pairs`); None: all.
     pack: Pack several pairs per row (`runs.Seq2SeqData.pack`, T5X's fine-tuning default):
@@ -127,7 +128,8 @@ def train_clarify_model(*, which: str, model_dir: str,
                         data=seq_data, train_steps=train_steps, batch_size=batch_size,
                         feature_lengths=feature_lengths, optimizer=optimizer,
                         partitioner=partitioner, eval_every=eval_every,
-                        checkpoint_every=checkpoint_every, log_every=log_every, seed=seed,
+                        checkpoint_every=checkpoint_every,
+                        keep_checkpoints=keep_checkpoints, log_every=log_every, seed=seed,
                         init_checkpoint=init_checkpoint)
 
 
