@@ -216,12 +216,11 @@ def run_experiment(*, name: str, results_dir: str, num_train_situations: int = 2
 
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
-  s, m, t = results["setup"], results["machine"], results["timings"]
+  s, t = results["setup"], results["timings"]
   spread, ev, judge = (results["best_of_n"]["train_reward_spread"], results["evaluation"],
                        results["judge"])
   return "\n".join([
-      f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "", "Command:", "",
-      f"    {results['command']}", "",
+      *common.report_head(results, name=name),
       f"Setup: the supervised question generator of `{s['workdir']}` samples "
       f"{s['samples_per_situation']} questions (temperature {s['temperature']}, untruncated) "
       f"for each of {s['num_train_situations']} train situations; a copy fine-tuned "

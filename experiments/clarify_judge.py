@@ -19,7 +19,6 @@ Writes `<RESULTS_DIR>/<NAME>.md`, `.json` and `.png`; the judge run goes under W
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from typing import Any, Mapping
@@ -112,15 +111,14 @@ def run_experiment(*, name: str, results_dir: str, evaluations: int = 6,
 
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
-  s, m = results["setup"], results["machine"]
+  s = results["setup"]
   rows = [f"| {step} | {q['accuracy']:.3f} | {q['majority_class_accuracy']:.3f} | "
           f"{common.fmt(q['accuracy_minus_majority'])} | {q['mean_entropy_nats']:.3f} | "
           f"{q['mean_top_probability']:.3f} |" for step, q in sorted(
               ((int(k), v) for k, v in results["curve"].items()))]
   multitask = results["multitask"]
   return "\n".join([
-      f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "", "Command:", "",
-      f"    {results['command']}", "",
+      *common.report_head(results, name=name),
       f"Setup: a judge of its own trained {s['steps']} steps (batch {s['batch_size']}) from "
       f"`{s['init_checkpoint']}` on the silver judge pairs; each saved checkpoint scored on "
       f"the pairs its training held out (entropy in nats, uniform "

@@ -641,10 +641,9 @@ def diagnosis_lines(results: Mapping[str, Any]) -> list[str]:
 
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
-  s, m, t = results["setup"], results["machine"], results["timings"]
+  s, t = results["setup"], results["timings"]
   curve = results["ppo_reward_curve"]
-  lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
-           "Command:", "", f"    {results['command']}", "",
+  lines = [*common.report_head(results, name=name),
            f"Setup: base `{s['init_checkpoint']}`; "
            f"{models_line(s)}, batch {s['batch_size']}, on `{s['data_dir']}` train; "
            f"PPO {s['ppo_iterations']} iterations of {s['ppo_batch_size']} train situations "

@@ -339,19 +339,12 @@ def verdict_lines(results: Mapping[str, Any]) -> list[str]:
 
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
-  s, m = results["setup"], results["machine"]
+  s = results["setup"]
   t = results["timings"]
   weight = ("" if s.get("pe_weight", 1.0) == 1.0 else
             f" (the joint model's preference-loss weight {s['pe_weight']:g})")
   lines = [
-      f"#### {name}: {m['date']}",
-      "",
-      f"Machine: {common.machine_line(m)}.",
-      "",
-      "Command:",
-      "",
-      f"    {results['command']}",
-      "",
+      *common.report_head(results, name=name),
       f"Setup: base `{s['init_checkpoint']}` ({s['model']['params_m']}M parameters, "
       f"d_model {s['model']['d_model']}, {s['model']['layers']} layers); chitchat train split: "
       f"{s['train_conversations']} conversations (first {s['max_turns']} turns, >= "

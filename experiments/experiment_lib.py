@@ -369,6 +369,14 @@ def machine_line(info: dict[str, Any]) -> str:
           f"{info['load_average']}); JAX {info['jax']} on {info['devices']}")
 
 
+def report_head(results: Mapping[str, Any], *, name: str) -> list[str]:
+  """The first lines of every experiment's Markdown report: its name and date, the machine
+  (`machine_line`) and the command that produced it."""
+  m = results["machine"]
+  return [f"#### {name}: {m['date']}", "", f"Machine: {machine_line(m)}.", "", "Command:", "",
+          f"    {results['command']}", ""]
+
+
 def write_results(results: dict[str, Any], *, results_dir: str, name: str, title: str,
                   plot: Callable[..., str], report: Callable[..., str]) -> dict[str, Any]:
   """An experiment's outputs: `plot(results, path, title=title)` drawn into `<name>.png` (its

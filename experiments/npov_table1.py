@@ -501,10 +501,9 @@ def run_null_check(*, results_dir: str, name: str, model_config: Any, vocabulary
 def null_report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown of `run_null_check`: every score's example-level ROC AUC, its length-matched
   and within-example word AUC, and its difference from each length null."""
-  m, t, setup = results["machine"], results["timings"], results["setup"]
+  t, setup = results["timings"], results["setup"]
   slices = list(results["slices"])
-  lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
-           "Command:", "", f"    {results['command']}", "",
+  lines = [*common.report_head(results, name=name),
            f"No model is trained: {setup['test_sources']} error-free test sources -> "
            + ", ".join(f"{k} {v}" for k, v in results["slices"].items()) + " examples"
            + (f" (the untrained salience on a seeded {setup['salience_examples_per_slice']} "
@@ -883,10 +882,9 @@ def verdict_lines(results: Mapping[str, Any]) -> list[str]:
 
 def report(results: Mapping[str, Any], *, name: str) -> str:
   """The Markdown section for bench/RESULTS.md."""
-  s, m, t = results["setup"], results["machine"], results["timings"]
+  s, t = results["setup"], results["timings"]
   slices = list(results["slices"])
-  lines = [f"#### {name}: {m['date']}", "", f"Machine: {common.machine_line(m)}.", "",
-           "Command:", "", f"    {results['command']}", "",
+  lines = [*common.report_head(results, name=name),
            f"Setup: base `{s['init_checkpoint']}`; PERSPECTRUM claims by split "
            f"{s['claims_by_split']}; {s['train_examples']} verbalisation examples of the train "
            f"claims (base fine-tuned {s['base_steps']} steps"
