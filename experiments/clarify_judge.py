@@ -76,7 +76,7 @@ def run_experiment(*, name: str, results_dir: str, evaluations: int = 6,
       which="judge", model_dir=judge_dir, model_config=bound("model_config"),
       optimizer=bound("optimizer"), train_steps=steps, batch_size=bound("batch_size", 32),
       feature_lengths=lengths, source=data_dir, split="train", judge_classes=classes,
-      checkpoint_every=every, keep_checkpoints=evaluations + 1,
+      checkpoint_every=every, keep_checkpoints=evaluations,
       log_every=bound("log_every", 50), seed=seed, init_checkpoint=bound("init_checkpoint")))
   examples = clarify_table4.heldout_judge_examples(data_dir, judge_classes=classes)
   inputs = [formats.judge_input(s) for s, _ in examples]
