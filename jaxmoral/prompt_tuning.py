@@ -28,6 +28,7 @@ from jaxmoral import params_export
 from jaxmoral import run_layout
 from jaxmoral import train as train_lib
 from jaxmoral import validation
+from jaxmoral.models import param_init
 from jaxmoral.models import trainable
 from jaxmoral.models.config import T5Config
 from jaxmoral.models.t5 import T5
@@ -122,9 +123,9 @@ class PromptedT5(nn.Module):
   def setup(self):
     self.base = T5(self.config)
     # Initialised by `init_prompt` in practice; zeros keep `init` cheap and deterministic.
-    self.prompt = self.param("prompt", nn.with_logical_partitioning(
-        nn.initializers.zeros, (None, "embed")), (self.prompt_length, self.config.d_model),
-        jnp.float32)
+    self.prompt = param_init.constant_param(self, "prompt", 0.0,
+                                            (self.prompt_length, self.config.d_model),
+                                            (None, "embed"))
 
   def __call__(self, encoder_input_tokens: Array, decoder_input_tokens: Array, *,
                encoder_segment_ids: Optional[Array] = None,

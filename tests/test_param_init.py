@@ -88,3 +88,34 @@ def test_apply_reads_parameters_without_calling_their_initializer_and_checks_sha
   with pytest.raises(flax.errors.ScopeParamShapeError,
                      match=r"kernel.*shape \(3, 5\).*shape \(3, 4\)"):
     _Declares(width=5).apply(params, x)
+
+
+@pytest.mark.parametrize("prompted", [False, True])
+def test_init_builds_every_parameter_from_its_box_without_the_forward_pass(prompted):
+  """The initialiser holds no matrix product (the model is not applied again to make the
+  layer norms' ones, the head's bias, the prompt's zeros), and its values are those the
+  forward pass would have filled in around the same normal draws."""
+  from jaxmoral import prompt_tuning  # pylint: disable=import-outside-toplevel
+  config = config_lib.t5_config(size="tiny")
+  model = (prompt_tuning.PromptedT5(config, prompt_length=3) if prompted
+           else t5.T5(config, with_scalar_head=True))
+  rng = jax.random.PRNGKey(1)
+  assert "dot_general" not in str(jax.make_jaxpr(lambda r: t5.init_params(model, r))(rng))
+  params = jax.jit(lambda r: t5.init_params(model, r))(rng)
+  abstract = jax.eval_shape(
+      lambda r: model.init({"params": r, "dropout": r}, np.ones((1, 8), np.int32),
+                           np.ones((1, 8), np.int32))["params"], rng)
+  tokens = jnp.ones((1, 8), jnp.int32)
+  _, applied = model.apply({"params": param_init.draw_normals(abstract, rng)}, tokens, tokens,
+                           mutable=["params"], rngs={"params": rng, "dropout": rng})
+  unboxed = nn.meta.unbox(params)
+  assert jax.tree.structure(unboxed) == jax.tree.structure(nn.meta.unbox(applied["params"]))
+  jax.tree.map(np.testing.assert_array_equal, unboxed, nn.meta.unbox(applied["params"]))
+
+
+def test_a_parameter_declared_another_way_is_made_by_its_own_initializer():
+  """`draw` cannot make what only flax's `init` knows; `init_params` then applies the module."""
+  x = jnp.ones((2, 3))
+  abstract = jax.eval_shape(lambda r: _Declares(width=4).init(r, x)["params"],
+                            jax.random.PRNGKey(0))
+  assert param_init.draw(abstract, jax.random.PRNGKey(0)) is None

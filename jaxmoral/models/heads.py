@@ -20,8 +20,7 @@ class ScalarHead(nn.Module):
   def __call__(self, hidden: jax.Array) -> jax.Array:
     kernel = param_init.normal_param(self, "kernel", hidden.shape[-1] ** -0.5,
                                      (hidden.shape[-1], 1), ("embed", None))
-    bias = param_init.param(
-        self, "bias", nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (1,))
+    bias = param_init.constant_param(self, "bias", 0.0, (1,), (None,))
     return jnp.einsum("bld,dk->blk", hidden.astype(jnp.float32), kernel)[..., 0] + bias[0]
 
 

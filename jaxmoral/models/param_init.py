@@ -2,10 +2,11 @@
 
 Flax's `init` draws each parameter with its own `jax.random` call, which XLA compiles
 separately: a T5's initialiser took longer to compile than its training step. A parameter
-declared with `normal_param` carries its distribution in its box (`NormalParam`), and
-`draw_normals` draws all of a model's normal parameters in one call per distinct (shape, logical
-axes) - a handful, whatever the depth - each block constrained to its axes so a sharded
-initialisation stays sharded.
+declared with `normal_param` carries its distribution in its box (`NormalParam`), one declared
+with `constant_param` its value (`ConstantParam`), and `draw` makes all of a model's parameters
+from those boxes alone: one normal draw per distinct (shape, logical axes) - a handful, whatever
+the depth - each block constrained to its axes so a sharded initialisation stays sharded. The
+model's forward pass is not traced again to initialise it.
 
 `param` declares every parameter; in `apply` it returns the existing value after a shape
 check, where flax's `Module.param` re-traces the initializer under `jax.eval_shape` on every
@@ -31,6 +32,12 @@ PyTree = Any
 class NormalParam(nn.LogicallyPartitioned):
   """A parameter drawn from N(0, stddev^2), boxed with its T5X logical axis names."""
   stddev: float = flax.struct.field(pytree_node=False, default=1.0)
+
+
+class ConstantParam(nn.LogicallyPartitioned):
+  """A parameter that starts at `fill` everywhere (a layer norm's scale, a bias), boxed with its
+  T5X logical axis names."""
+  fill: float = flax.struct.field(pytree_node=False, default=0.0)
 
 
 def param(module: nn.Module, name: str, init: Callable[..., Any], shape: tuple[int, ...],
@@ -62,6 +69,34 @@ def normal_param(module: nn.Module, name: str, stddev: float, shape: tuple[int, 
                        stddev=stddev)
 
   return param(module, name, init, shape)
+
+
+def constant_param(module: nn.Module, name: str, fill: float, shape: tuple[int, ...],
+                   axes: tuple[Optional[str], ...]) -> Array:
+  """A float32 parameter of `module` that starts at `fill`, with logical `axes`."""
+  def init(key: Array, shape: tuple[int, ...], dtype: Any) -> ConstantParam:
+    del key
+    return ConstantParam(jnp.full(shape, fill, dtype), axes, fill=fill)
+
+  return param(module, name, init, shape)
+
+
+def draw(abstract_params: PyTree, rng: Array) -> Optional[dict[str, Any]]:
+  """Every parameter of `abstract_params` (as `jax.eval_shape` of an init gives them), made
+  from its box: the nested dict of boxed values `init` would give for the same draws, or None
+  when a parameter was declared another way (its initializer is only known to `init`)."""
+  flat = traverse_util.flatten_dict(
+      abstract_params, is_leaf=lambda _, value: isinstance(value, nn.meta.AxisMetadata))
+  constants = {path: box for path, box in flat.items() if isinstance(box, ConstantParam)}
+  if any(not isinstance(box, NormalParam) for path, box in flat.items() if path not in constants):
+    return None
+  made = traverse_util.flatten_dict(
+      draw_normals(abstract_params, rng),
+      is_leaf=lambda _, value: isinstance(value, nn.meta.AxisMetadata))
+  for path, box in constants.items():
+    value = jnp.full(box.value.shape, box.fill, box.value.dtype)
+    made[path] = box.replace_boxed(nn.with_logical_constraint(value, tuple(box.names)))
+  return traverse_util.unflatten_dict({path: made[path] for path in flat})
 
 
 def draw_normals(abstract_params: PyTree, rng: Array) -> dict[str, Any]:

@@ -85,9 +85,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    scale = param_init.param(
-        self, "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-        (x.shape[-1],))
+    scale = param_init.constant_param(self, "scale", 1.0, (x.shape[-1],), ("embed",))
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
     return (x32 * scale).astype(self.dtype)
@@ -597,11 +595,15 @@ def init_params(model: T5, rng: Array) -> Any:
   """
   if not isinstance(rng, jax.core.Tracer) and _hashable(model):
     return _compiled_init_params(model, rng)
-  tokens = jnp.ones((1, 8), jnp.int32)  # Encoder and decoder inputs: any lengths fit.
   key = jax.ShapeDtypeStruct(jnp.shape(rng), rng.dtype)
   # A module with unhashable fields cannot be a cache key: traced for its shapes each time.
   abstract = (_abstract_params if _hashable(model) else _abstract_params.__wrapped__)(model, key)
-  # Applied with a mutable "params" collection, the module creates only those it is not given.
+  drawn = param_init.draw(abstract, rng)
+  if drawn is not None:
+    return drawn
+  # A parameter declared without `param_init`: applied with a mutable "params" collection, the
+  # module creates only those it is not given.
+  tokens = jnp.ones((1, 8), jnp.int32)  # Encoder and decoder inputs: any lengths fit.
   _, variables = model.apply({"params": param_init.draw_normals(abstract, rng)}, tokens, tokens,
                              mutable=["params"], rngs={"params": rng, "dropout": rng})
   return variables["params"]
