@@ -264,7 +264,7 @@ def test_the_extractor_finds_the_documented_commands():
   # A continued line is one command; a comment after a command is not part of it.
   assert ("jaxmoral clarify train-ppo --gin_file=configs/clarify/tiny_cpu.gin --model_dir=/tmp/ppo "
           "--question_model_dir=/tmp/m --answer_model_dir=/tmp/m --fusion_model_dir=/tmp/m "
-          "--judge_model_dir=/tmp/m") in texts
+          "--judge_model_dir=/tmp/m --nli_model_dir=/tmp/m") in texts
   assert all("#" not in c.split("'")[0] for c in texts)
 
 
@@ -417,9 +417,9 @@ def test_the_documented_diamante_commands_run_in_full(tmp_path, monkeypatch):
 
 
 def test_the_documented_clarify_commands_run_in_full(tmp_path, monkeypatch):
-  """docs/methods.md's chain and the tiny config's (a multitask model, PPO over it), with a
-  user who gives the chat a situation, answers its first question and ends it with an empty
-  answer; the demo, which runs the same actions, is dry-run (`make demo` runs it)."""
+  """docs/methods.md's chain, which the tiny config's header repeats (a multitask model, PPO
+  over it, NLI-filtered), with a user who gives the chat a situation, answers its first
+  question and ends it with an empty answer; the demo runs in tests/test_docs_services.py."""
   commands = [c for c in _chain(("jaxmoral clarify",)) if " demo " not in f"{c} "]
   assert {_words(c)[2] for c in commands} == {"train-model", "train-ppo", "evaluate", "chat",
                                               "chat-file"}, commands
