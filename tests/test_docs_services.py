@@ -217,13 +217,35 @@ def test_the_clarify_demo_runs_in_full(clarify_demo: dict[str, Any]) -> None:
 # -- NPOV's demo --------------------------------------------------------------------------------
 
 
+def _bound_demo(words: list[str]) -> dict[str, Any]:
+  """The arguments `jaxmoral npov demo WORDS...` runs the demo with (as the command line binds
+  its flags over its gin files), less the workdir."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from jaxmoral import action_commands, gin_utils  # pylint: disable=g-import-not-at-top
+  from jaxmoral.npov import commands  # pylint: disable=g-import-not-at-top
+  gin.clear_config()
+  try:
+    gin_args, rest = gin_utils.split_gin_args(words[3:])
+    run_demo = action_commands.bind_action(commands.ACTIONS, commands.OUTPUTS, "demo", rest,
+                                           gin_args, prog="jaxmoral npov demo")
+    arguments = {name: p.default for name, p in inspect.signature(run_demo).parameters.items()}
+    arguments.update(gin.get_bindings("npov.demo.run_demo"))
+    del arguments["workdir"]
+    return arguments
+  finally:
+    gin.clear_config()
+
+
 def test_the_npov_demos_run_in_full(tmp_path: pathlib.Path) -> None:
-  """docs/methods.md's `npov demo` and the tiny config's (whose step counts the flags
-  override: a flag overrides a gin file); each writes every run, table and picture its
-  docstring lists."""
+  """docs/methods.md's `npov demo` and the tiny config's, which writes every run, table and
+  picture its docstring lists. With the flags that make them tiny the two bind the same run
+  (the flags override the config's step counts; its other values are the defaults), so the
+  config's stands for both."""
   commands = _documented("jaxmoral npov demo")
   assert len(commands) == 2 and any("tiny_cpu_demo.gin" in c for c in commands), commands
-  for command in commands:
+  bound = [_bound_demo(_in_full(c, tmp_path) + DEMO_SHORTER["npov demo"]) for c in commands]
+  assert bound[0] == bound[1] and bound[0]["base_steps"] == 2, bound
+  for command in [c for c in commands if "tiny_cpu_demo.gin" in c]:
     words = _in_full(command, tmp_path) + DEMO_SHORTER["npov demo"]
     assert _cli(words) == 0, command
     workdir = pathlib.Path(next(w.split("=", 1)[1] for w in words if w.startswith("--workdir=")))
