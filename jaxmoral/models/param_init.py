@@ -85,25 +85,30 @@ def draw(abstract_params: PyTree, rng: Array) -> Optional[dict[str, Any]]:
   """Every parameter of `abstract_params` (as `jax.eval_shape` of an init gives them), made
   from its box: the nested dict of boxed values `init` would give for the same draws, or None
   when a parameter was declared another way (its initializer is only known to `init`)."""
-  flat = traverse_util.flatten_dict(
-      abstract_params, is_leaf=lambda _, value: isinstance(value, nn.meta.AxisMetadata))
-  constants = {path: box for path, box in flat.items() if isinstance(box, ConstantParam)}
-  if any(not isinstance(box, NormalParam) for path, box in flat.items() if path not in constants):
+  flat = _boxes(abstract_params)
+  if not all(isinstance(box, (NormalParam, ConstantParam)) for box in flat.values()):
     return None
-  made = traverse_util.flatten_dict(
-      draw_normals(abstract_params, rng),
-      is_leaf=lambda _, value: isinstance(value, nn.meta.AxisMetadata))
-  for path, box in constants.items():
-    value = jnp.full(box.value.shape, box.fill, box.value.dtype)
-    made[path] = box.replace_boxed(nn.with_logical_constraint(value, tuple(box.names)))
-  return traverse_util.unflatten_dict({path: made[path] for path in flat})
+  made = _drawn_normals(flat, rng)
+  for path, box in flat.items():
+    if isinstance(box, ConstantParam):
+      value = jnp.full(box.value.shape, box.fill, box.value.dtype)
+      made[path] = box.replace_boxed(nn.with_logical_constraint(value, tuple(box.names)))
+  return traverse_util.unflatten_dict(made)
 
 
 def draw_normals(abstract_params: PyTree, rng: Array) -> dict[str, Any]:
   """The `NormalParam`s of `abstract_params` (as `jax.eval_shape` of an init gives them),
   drawn: a nested dict holding those parameters only, boxed."""
-  flat = traverse_util.flatten_dict(
+  return traverse_util.unflatten_dict(_drawn_normals(_boxes(abstract_params), rng))
+
+
+def _boxes(abstract_params: PyTree) -> dict[tuple[str, ...], Any]:
+  return traverse_util.flatten_dict(
       abstract_params, is_leaf=lambda _, value: isinstance(value, nn.meta.AxisMetadata))
+
+
+def _drawn_normals(flat: dict[tuple[str, ...], Any], rng: Array) -> dict[tuple[str, ...], Any]:
+  """{path: drawn box} of the `NormalParam`s of `flat`, one draw per (shape, dtype, axes)."""
   groups: dict[tuple[Any, ...], list[tuple[str, ...]]] = {}
   for path, box in flat.items():
     if isinstance(box, NormalParam):
@@ -114,4 +119,4 @@ def draw_normals(abstract_params: PyTree, rng: Array) -> dict[str, Any]:
     block = nn.with_logical_constraint(block, (None,) + names)
     for row, path in enumerate(paths):
       drawn[path] = flat[path].replace_boxed(block[row] * jnp.asarray(flat[path].stddev, dtype))
-  return traverse_util.unflatten_dict(drawn)
+  return drawn
