@@ -245,27 +245,27 @@ def test_the_npov_demos_run_in_full(tmp_path: pathlib.Path) -> None:
   assert len(commands) == 2 and any("tiny_cpu_demo.gin" in c for c in commands), commands
   bound = [_bound_demo(_in_full(c, tmp_path) + DEMO_SHORTER["npov demo"]) for c in commands]
   assert bound[0] == bound[1] and bound[0]["base_steps"] == 2, bound
-  for command in [c for c in commands if "tiny_cpu_demo.gin" in c]:
-    words = _in_full(command, tmp_path) + DEMO_SHORTER["npov demo"]
-    assert _cli(words) == 0, command
-    workdir = pathlib.Path(next(w.split("=", 1)[1] for w in words if w.startswith("--workdir=")))
-    assert workdir.is_relative_to(tmp_path), workdir
-    assert (workdir / "vocab" / "demo_spm_400.model").is_file()
-    for run in ("base_run", "generator", "classifier_hallucination", "classifier_coverage"):
-      assert test_docs.checkpoint_steps(workdir / run) == [2], (command, run)
-    for prompt_run in ("generator", "classifier_hallucination", "classifier_coverage"):
-      assert any((workdir / prompt_run / "prompt").iterdir()), prompt_run
-    results = json.loads((workdir / "eval" / "results.json").read_text())
-    assert set(results) == {"unparaphrased", "paraphrased"}, sorted(results)
-    assert all(set(r) == {"rouge", "salience", "classifier"} for r in results.values()), results
-    assert (workdir / "eval" / "table.txt").read_text().strip()
-    assert all(_is_png(workdir / "eval" / f"roc_{s}.png") for s in results)
-    responses = (workdir / "detect" / "responses.jsonl").read_text().splitlines()
-    scores = [json.loads(line) for line in
-              (workdir / "detect" / "scores.jsonl").read_text().splitlines()]
-    assert len(scores) == len(responses) > 0
-    assert all(0 <= s["hallucination"] <= 1 for s in scores), scores
-    assert len(list((workdir / "detect" / "heatmaps").glob("*.html"))) == len(responses)
+  (command,) = [c for c in commands if "tiny_cpu_demo.gin" in c]
+  words = _in_full(command, tmp_path) + DEMO_SHORTER["npov demo"]
+  assert _cli(words) == 0, command
+  workdir = pathlib.Path(next(w.split("=", 1)[1] for w in words if w.startswith("--workdir=")))
+  assert workdir.is_relative_to(tmp_path), workdir
+  assert (workdir / "vocab" / "demo_spm_400.model").is_file()
+  for run in ("base_run", "generator", "classifier_hallucination", "classifier_coverage"):
+    assert test_docs.checkpoint_steps(workdir / run) == [2], run
+  for prompt_run in ("generator", "classifier_hallucination", "classifier_coverage"):
+    assert any((workdir / prompt_run / "prompt").iterdir()), prompt_run
+  results = json.loads((workdir / "eval" / "results.json").read_text())
+  assert set(results) == {"unparaphrased", "paraphrased"}, sorted(results)
+  assert all(set(r) == {"rouge", "salience", "classifier"} for r in results.values()), results
+  assert (workdir / "eval" / "table.txt").read_text().strip()
+  assert all(_is_png(workdir / "eval" / f"roc_{s}.png") for s in results)
+  responses = (workdir / "detect" / "responses.jsonl").read_text().splitlines()
+  scores = [json.loads(line) for line in
+            (workdir / "detect" / "scores.jsonl").read_text().splitlines()]
+  assert len(scores) == len(responses) > 0
+  assert all(0 <= s["hallucination"] <= 1 for s in scores), scores
+  assert len(list((workdir / "detect" / "heatmaps").glob("*.html"))) == len(responses)
 
 
 # -- a fine-tune from a Hub id ------------------------------------------------------------------
